@@ -1,0 +1,58 @@
+#!/usr/bin/env python3
+"""Run kvfast from a fresh clone with nothing but Python 3.11+ and pip.
+
+    python3 dev.py reproduce [ARGS]   # create .venv, install kvfast, run `kvfast reproduce ARGS`
+    python3 dev.py test [ARGS]        # create .venv, install kvfast[test], run pytest ARGS
+    python3 dev.py kvfast ARGS        # any kvfast command inside the environment
+
+The environment is (re)installed when pyproject.toml changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
+STAMP = VENV / ".kvfast-installed"
+
+
+def ensure_env() -> None:
+    if sys.version_info < (3, 11):
+        sys.exit(f"kvfast needs Python 3.11 or newer; this is {sys.version.split()[0]}")
+    if not (BIN / "python").exists():
+        print("creating .venv ...", flush=True)
+        venv.EnvBuilder(with_pip=True).create(VENV)
+    want = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    if not STAMP.exists() or STAMP.read_text() != want:
+        print("installing kvfast[test] into .venv ...", flush=True)
+        subprocess.run(
+            [str(BIN / "python"), "-m", "pip", "install", "--quiet", "-e", f"{ROOT}[test]"],
+            check=True,
+        )
+        STAMP.write_text(want)
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in ("reproduce", "test", "kvfast"):
+        print(__doc__)
+        return 2
+    ensure_env()
+    command, rest = argv[0], argv[1:]
+    if command == "test":
+        cmd = [str(BIN / "python"), "-m", "pytest", *rest]
+    elif command == "reproduce":
+        cmd = [str(BIN / "kvfast"), "reproduce", *rest]
+    else:
+        cmd = [str(BIN / "kvfast"), *rest]
+    return subprocess.call(cmd, cwd=ROOT)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,27 @@
+"""kvfast: a KV cache is not an approximation. Bit-exact cache checks, bugs, detectors and sweeps."""
+
+from kvfast._version import __version__
+from kvfast.kernels.precision import to_bfloat16
+from kvfast.model.bugs import BUGS
+from kvfast.model.cache import KVCache
+from kvfast.model.config import ModelConfig, init_params, load_params, save_params
+from kvfast.model.decode import decode_step, generate
+from kvfast.model.transformer import forward, forward_trace, loss_and_grads
+from kvfast.numerics import Numerics
+
+__all__ = [
+    "BUGS",
+    "KVCache",
+    "ModelConfig",
+    "Numerics",
+    "__version__",
+    "decode_step",
+    "forward",
+    "forward_trace",
+    "generate",
+    "init_params",
+    "load_params",
+    "loss_and_grads",
+    "save_params",
+    "to_bfloat16",
+]

@@ -1,0 +1,50 @@
+"""The ``kvfast`` command line.
+
+Each subcommand lives in a module of :mod:`kvfast.commands` that defines
+``add_parser(subparsers)`` (which sets ``func`` on its parser) and a handler
+``func(args) -> int``. Bad input is a one-line message and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from kvfast._version import __version__
+
+# Subcommand modules, in the order --help lists them.
+COMMAND_MODULES = ("kvfast.commands.bench",)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with a one-line error and exit code 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="kvfast", description="A KV cache is not an approximation: check it bit for bit.")
+    parser.add_argument("--version", action="version", version=f"kvfast {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as exc:
+        print(f"kvfast: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

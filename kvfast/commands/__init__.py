@@ -1,0 +1,1 @@
+"""Subcommands of the ``kvfast`` command line (see :mod:`kvfast.cli`)."""

@@ -1,0 +1,16 @@
+"""``kvfast bench kernels``: kernel speed against BLAS, decode vs forward, compile cost."""
+
+from __future__ import annotations
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks (kernels)")
+    p.add_argument("what", choices=["kernels"], help="what to benchmark")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats per figure (the median is quoted)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from kvfast.bench.kernels import main
+
+    return main(repeats=args.repeats)

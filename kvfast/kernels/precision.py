@@ -1,0 +1,164 @@
+"""Number formats by software rounding.
+
+Every value kvfast computes is held in a float64 array; a *format* says which
+grid that value has been rounded onto. ``F64`` is the identity, ``F32`` rounds to
+the nearest float32, ``BF16`` to the nearest bfloat16. All roundings are round
+to nearest, ties to even, with overflow to +-inf and gradual underflow
+(subnormals are rounded, never flushed).
+
+The kernels pass the format as a small integer so that one compiled signature
+serves every combination; LLVM hoists the branch out of inner loops.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+from numba import types
+from numba.extending import intrinsic
+
+F64 = 0
+F32 = 1
+BF16 = 2
+
+FORMAT_CODES = {"f64": F64, "f32": F32, "bf16": BF16}
+FORMAT_NAMES = {code: name for name, code in FORMAT_CODES.items()}
+
+_JIT = {"cache": True, "nogil": True, "fastmath": False, "error_model": "numpy"}
+
+
+@intrinsic
+def f32_as_u32(typingctx, x):
+    """Reinterpret a float32's bits as uint32 (no allocation, no conversion)."""
+    if not isinstance(x, types.Float) or x.bitwidth != 32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], context.get_value_type(types.uint32))
+
+    return types.uint32(x), codegen
+
+
+@intrinsic
+def u32_as_f32(typingctx, x):
+    """The float32 whose bits are the low 32 bits of integer ``x``.
+
+    Numba widens uint32 arithmetic to 64 bits, so wider integers are accepted
+    and truncated."""
+    if not isinstance(x, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        value = args[0]
+        if signature.args[0].bitwidth > 32:
+            value = builder.trunc(value, context.get_value_type(types.uint32))
+        return builder.bitcast(value, context.get_value_type(types.float32))
+
+    return types.float32(x), codegen
+
+
+@nb.njit(**_JIT)
+def bf16_bits_from_f32_bits(bits: np.uint32) -> np.uint32:
+    """The float32 bit pattern of the bfloat16 nearest to the float32 ``bits``.
+
+    Round to nearest even on the low 16 bits; a carry out of the mantissa bumps
+    the exponent, which turns the largest finite values into inf exactly when a
+    correct rounding would. NaN keeps its sign and becomes the quiet NaN.
+    """
+    if (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        return (bits & np.uint32(0x80000000)) | np.uint32(0x7FC00000)
+    lsb = (bits >> np.uint32(16)) & np.uint32(1)
+    rounded = np.uint32(bits + np.uint32(0x7FFF) + lsb)
+    return rounded & np.uint32(0xFFFF0000)
+
+
+@nb.njit(**_JIT)
+def round_bf16_f32_array(x: np.ndarray) -> np.ndarray:
+    """Round a float32 array to bfloat16, returned as float32 (same shape)."""
+    bits = x.ravel().view(np.uint32)
+    out = np.empty(bits.size, dtype=np.uint32)
+    for i in range(bits.size):
+        out[i] = bf16_bits_from_f32_bits(bits[i])
+    return out.view(np.float32).reshape(x.shape)
+
+
+@nb.njit(**_JIT)
+def f32_round_to_odd(x: float) -> np.float32:
+    """float64 -> float32 rounded toward zero, with the last bit forced to 1
+    when inexact ("round to odd"). Rounding that to any format with at least
+    two fewer significand bits gives the correctly rounded result."""
+    f = np.float32(x)
+    back = np.float64(f)
+    if back == x or x != x:
+        return f
+    bits = f32_as_u32(f)
+    if abs(back) > abs(x):
+        # np.float32() rounded away from zero (possibly to inf): step back one ulp.
+        bits = np.uint32(bits - np.uint32(1))
+    bits = bits | np.uint32(1)
+    return u32_as_f32(bits)
+
+
+@nb.njit(**_JIT)
+def round_bf16_f64(x: float) -> float:
+    """float64 -> nearest bfloat16 in ONE rounding (returned as float64)."""
+    f = f32_round_to_odd(x)
+    bits = f32_as_u32(f)
+    out = bf16_bits_from_f32_bits(bits)
+    return np.float64(u32_as_f32(out))
+
+
+@nb.njit(**_JIT)
+def round_bf16_f64_via_f32(x: float) -> float:
+    """float64 -> float32 -> bfloat16: two roundings, as ml_dtypes does."""
+    bits = f32_as_u32(np.float32(x))
+    out = bf16_bits_from_f32_bits(bits)
+    return np.float64(u32_as_f32(out))
+
+
+@nb.njit(**_JIT)
+def rnd(x: float, fmt: int) -> float:
+    """Round a float64 value onto the grid of format ``fmt``."""
+    if fmt == F64:
+        return x
+    if fmt == F32:
+        return np.float64(np.float32(x))
+    return round_bf16_f64(x)
+
+
+@nb.njit(**_JIT)
+def round_array(x: np.ndarray, fmt: int) -> np.ndarray:
+    """A float64 copy of ``x`` rounded onto format ``fmt``."""
+    flat = x.ravel()
+    out = np.empty(flat.size, dtype=np.float64)
+    for i in range(flat.size):
+        out[i] = rnd(flat[i], fmt)
+    return out.reshape(x.shape)
+
+
+@nb.njit(**_JIT)
+def round_bf16_f64_array(x: np.ndarray, through_f32: bool) -> np.ndarray:
+    """Round a float64 array to bfloat16 (float64 out), directly or via float32."""
+    flat = x.ravel()
+    out = np.empty(flat.size, dtype=np.float64)
+    for i in range(flat.size):
+        if through_f32:
+            out[i] = round_bf16_f64_via_f32(flat[i])
+        else:
+            out[i] = round_bf16_f64(flat[i])
+    return out.reshape(x.shape)
+
+
+def to_bfloat16(x: np.ndarray, *, through_f32: bool = False) -> np.ndarray:
+    """Round float32 or float64 values to bfloat16.
+
+    float32 input gives float32 output; float64 input gives float64 output,
+    rounded directly (one correct rounding) unless ``through_f32=True``, which
+    rounds to float32 first exactly like ``x.astype(ml_dtypes.bfloat16)``.
+    """
+    arr = np.asarray(x)
+    if arr.dtype == np.float32:
+        return round_bf16_f32_array(np.ascontiguousarray(arr))
+    if arr.dtype == np.float64:
+        return round_bf16_f64_array(np.ascontiguousarray(arr), bool(through_f32))
+    raise ValueError(f"x: dtype {arr.dtype} is not supported; allowed: float32, float64")

@@ -1,0 +1,158 @@
+"""Reductions in an explicit summation order, with the accumulator in a chosen format.
+
+Every sum in the model goes through this module, so the order and the
+accumulator format of each one are the experiment, not LLVM's choice.
+
+Accumulator semantics (format ``acc``): each product ``a*b`` is computed in
+float64 and rounded to ``acc``; each addition of two partial sums is computed
+in float64 and rounded to ``acc``. For f64 this is plain float64 arithmetic; for
+f32 it equals native float32 arithmetic (float64 is wide enough that the double
+rounding is harmless for + and *); for bf16 every product and every add is
+rounded to bfloat16.
+
+Orders:
+
+``SEQUENTIAL``
+    left to right with one accumulator: ``((t0 + t1) + t2) + ...``.
+``PAIRWISE``
+    a fixed binary tree, as a blocked kernel sums a batch: each aligned block
+    of ``2^k`` terms is the sum of its two halves, and the whole sum adds the
+    maximal aligned blocks of the binary decomposition of ``n`` left to right
+    (n = 6: ``((t0+t1)+(t2+t3)) + (t4+t5)``). It is computed with a stack, like
+    a binary counter, so it streams.
+
+An empty sum is ``0.0``.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+from kvfast.kernels.precision import rnd
+
+SEQUENTIAL = 0
+PAIRWISE = 1
+
+ORDER_CODES = {"sequential": SEQUENTIAL, "pairwise": PAIRWISE}
+ORDER_NAMES = {code: name for name, code in ORDER_CODES.items()}
+
+# Depth of the pairwise stack: enough for 2**62 terms.
+STACK_DEPTH = 64
+
+_JIT = {"cache": True, "nogil": True, "fastmath": False, "error_model": "numpy"}
+
+
+@nb.njit(**_JIT)
+def new_stack(width: int) -> np.ndarray:
+    """Scratch for pairwise vector sums: ``STACK_DEPTH`` partial rows of ``width``."""
+    return np.empty((STACK_DEPTH, max(width, 1)), dtype=np.float64)
+
+
+@nb.njit(**_JIT)
+def ordered_sum(t: np.ndarray, lo: int, n: int, acc: int, order: int, stack: np.ndarray) -> float:
+    """Sum ``t[lo:lo+n]`` (values already in format ``acc``) in ``order``.
+
+    ``stack`` is scratch of at least ``STACK_DEPTH`` floats (1-D).
+    """
+    if n == 0:
+        return 0.0
+    if order == SEQUENTIAL:
+        s = t[lo]
+        for i in range(1, n):
+            s = rnd(s + t[lo + i], acc)
+        return s
+    sp = 0
+    for i in range(n):
+        v = t[lo + i]
+        count = i + 1
+        while (count & 1) == 0:
+            sp -= 1
+            v = rnd(stack[sp] + v, acc)
+            count >>= 1
+        stack[sp] = v
+        sp += 1
+    s = stack[0]
+    for i in range(1, sp):
+        s = rnd(s + stack[i], acc)
+    return s
+
+
+@nb.njit(**_JIT)
+def ordered_dot(
+    a: np.ndarray, a0: int, b: np.ndarray, b0: int, n: int, acc: int, order: int, stack: np.ndarray
+) -> float:
+    """``sum_i a[a0+i] * b[b0+i]`` for i < n: products and adds in format ``acc``."""
+    if n == 0:
+        return 0.0
+    if order == SEQUENTIAL:
+        s = rnd(a[a0] * b[b0], acc)
+        for i in range(1, n):
+            s = rnd(s + rnd(a[a0 + i] * b[b0 + i], acc), acc)
+        return s
+    sp = 0
+    for i in range(n):
+        v = rnd(a[a0 + i] * b[b0 + i], acc)
+        count = i + 1
+        while (count & 1) == 0:
+            sp -= 1
+            v = rnd(stack[sp] + v, acc)
+            count >>= 1
+        stack[sp] = v
+        sp += 1
+    s = stack[0]
+    for i in range(1, sp):
+        s = rnd(s + stack[i], acc)
+    return s
+
+
+@nb.njit(**_JIT)
+def weighted_rows_sum(
+    coef: np.ndarray,
+    c0: int,
+    rows: np.ndarray,
+    r0: int,
+    n: int,
+    col0: int,
+    m: int,
+    acc: int,
+    order: int,
+    out: np.ndarray,
+    stack: np.ndarray,
+) -> None:
+    """``out[j] = sum_i coef[c0+i] * rows[r0+i, col0+j]`` for j < m, i < n.
+
+    Each output element is its own sum over i in ``order`` with products and
+    adds in format ``acc``; the loop runs across j so that it vectorises
+    without changing any element's order. ``stack`` is ``(STACK_DEPTH, >= m)``.
+    """
+    if n == 0:
+        for j in range(m):
+            out[j] = 0.0
+        return
+    if order == SEQUENTIAL:
+        c = coef[c0]
+        for j in range(m):
+            out[j] = rnd(c * rows[r0, col0 + j], acc)
+        for i in range(1, n):
+            c = coef[c0 + i]
+            for j in range(m):
+                out[j] = rnd(out[j] + rnd(c * rows[r0 + i, col0 + j], acc), acc)
+        return
+    sp = 0
+    for i in range(n):
+        c = coef[c0 + i]
+        for j in range(m):
+            stack[sp, j] = rnd(c * rows[r0 + i, col0 + j], acc)
+        count = i + 1
+        while (count & 1) == 0:
+            for j in range(m):
+                stack[sp - 1, j] = rnd(stack[sp - 1, j] + stack[sp, j], acc)
+            sp -= 1
+            count >>= 1
+        sp += 1
+    for j in range(m):
+        out[j] = stack[0, j]
+    for s in range(1, sp):
+        for j in range(m):
+            out[j] = rnd(out[j] + stack[s, j], acc)

@@ -1,0 +1,82 @@
+"""Row-wise kernels: RMSNorm, SiLU, residual add, embedding lookup.
+
+Each materialised value is rounded to the storage format; the RMSNorm mean is
+an ordered sum in the accumulator format.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba as nb
+import numpy as np
+
+from kvfast.kernels.precision import rnd
+from kvfast.kernels.reduce import ordered_dot
+
+_JIT = {"cache": True, "nogil": True, "fastmath": False, "error_model": "numpy"}
+
+
+@nb.njit(**_JIT)
+def rmsnorm_row(x, xr, g, eps, storage, acc, order, out, outr, stack):
+    """``out[outr] = round_s(x[xr] * inv * g)`` with ``inv = round_s(1/sqrt(mean(x^2) + eps))``.
+
+    Returns ``inv``. ``mean(x^2)`` is an ordered sum of squares in the
+    accumulator format, divided by d and rounded to the accumulator format.
+    """
+    d = x.shape[1]
+    row = x[xr]
+    mean_sq = rnd(ordered_dot(row, 0, row, 0, d, acc, order, stack) / d, acc)
+    inv = rnd(1.0 / math.sqrt(mean_sq + eps), storage)
+    orow = out[outr]
+    for i in range(d):
+        orow[i] = rnd(row[i] * inv * g[i], storage)
+    return inv
+
+
+@nb.njit(**_JIT)
+def rmsnorm_into(x, g, eps, storage, acc, order, out, inv):
+    """RMSNorm of every row of ``x`` (T, d) into ``out``; ``inv`` (T,) gets each row's scale."""
+    stack = np.empty(64, dtype=np.float64)
+    for t in range(x.shape[0]):
+        inv[t] = rmsnorm_row(x, t, g, eps, storage, acc, order, out, t, stack)
+
+
+@nb.njit(**_JIT)
+def silu(u: float) -> float:
+    """``u * sigmoid(u)``, computed in float64 as ``u / (1 + exp(-u))``."""
+    return u / (1.0 + math.exp(-u))
+
+
+@nb.njit(**_JIT)
+def silu_into(u, storage, out):
+    """``out = round_s(silu(u))`` elementwise (2-D arrays)."""
+    for t in range(u.shape[0]):
+        for j in range(u.shape[1]):
+            out[t, j] = rnd(silu(u[t, j]), storage)
+
+
+@nb.njit(**_JIT)
+def add_into(x, y, storage, out):
+    """``out = round_s(x + y)`` elementwise (2-D arrays); the residual add."""
+    for t in range(x.shape[0]):
+        for j in range(x.shape[1]):
+            out[t, j] = rnd(x[t, j] + y[t, j], storage)
+
+
+@nb.njit(**_JIT)
+def embed_into(wte, wpe, tokens, positions, storage, out):
+    """``out[t] = round_s(wte[tokens[t]] + wpe[positions[t]])``."""
+    for t in range(tokens.shape[0]):
+        for j in range(wte.shape[1]):
+            out[t, j] = rnd(wte[tokens[t], j] + wpe[positions[t], j], storage)
+
+
+@nb.njit(**_JIT)
+def exp_array(x: np.ndarray) -> np.ndarray:
+    """The kernels' own ``exp`` (the C library's) elementwise, for references."""
+    flat = x.ravel()
+    out = np.empty(flat.size, dtype=np.float64)
+    for i in range(flat.size):
+        out[i] = math.exp(flat[i])
+    return out.reshape(x.shape)

@@ -1,0 +1,1 @@
+"""The tiny transformer, its KV cache, cached decoding and the bug catalogue."""

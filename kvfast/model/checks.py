@@ -1,0 +1,54 @@
+"""Argument checks shared by the model's public functions."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvfast.model.config import ModelConfig
+from kvfast.numerics import Numerics
+
+
+def check_config(config: object) -> ModelConfig:
+    if not isinstance(config, ModelConfig):
+        raise ValueError(f"config: {type(config).__name__} is not allowed; allowed: a ModelConfig")
+    return config
+
+
+def check_numerics(numerics: object, field: str = "numerics") -> Numerics:
+    if isinstance(numerics, str):
+        return Numerics.preset(numerics)
+    if not isinstance(numerics, Numerics):
+        raise ValueError(f"{field}: {numerics!r} is not allowed; allowed: a Numerics or a preset name")
+    return numerics
+
+
+def check_tokens(config: ModelConfig, tokens: object, field: str = "tokens", start: int = 0) -> np.ndarray:
+    """A non-empty 1-D int64 array of ids in ``[0, vocab)`` that fits in ``max_pos`` after ``start``."""
+    arr = np.asarray(tokens)
+    if arr.ndim != 1 or arr.size == 0:
+        raise ValueError(f"{field}: shape {arr.shape} is not allowed; allowed: a non-empty 1-D sequence")
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"{field}: dtype {arr.dtype} is not allowed; allowed: integer token ids")
+    bad = (arr < 0) | (arr >= config.vocab)
+    if bad.any():
+        raise ValueError(f"{field}: token {int(arr[bad][0])} is out of range; allowed: integers in [0, {config.vocab})")
+    if start + arr.size > config.max_pos:
+        raise ValueError(
+            f"{field}: {arr.size} tokens from position {start} pass max_pos={config.max_pos}; "
+            f"allowed: at most {config.max_pos - start}"
+        )
+    return arr.astype(np.int64)
+
+
+def check_token(config: ModelConfig, token: object) -> int:
+    if isinstance(token, bool) or not isinstance(token, int | np.integer):
+        raise ValueError(f"token: {token!r} is not allowed; allowed: an integer in [0, {config.vocab})")
+    if not 0 <= int(token) < config.vocab:
+        raise ValueError(f"token: {token} is out of range; allowed: integers in [0, {config.vocab})")
+    return int(token)
+
+
+def check_count(value: object, field: str, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
+        raise ValueError(f"{field}: {value!r} is not allowed; allowed: an integer >= {minimum}")
+    return int(value)

@@ -1,0 +1,118 @@
+"""Model configuration, parameter initialisation, validation and ``.npz`` storage."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Sizes of the tiny pre-norm transformer.
+
+    ``d_model`` must be divisible by ``n_head``; every size is a positive integer;
+    ``eps`` (RMSNorm) is a positive float.
+    """
+
+    vocab: int
+    d_model: int
+    n_head: int
+    n_layer: int
+    d_ff: int
+    max_pos: int
+    eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        for field in ("vocab", "d_model", "n_head", "n_layer", "d_ff", "max_pos"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value <= 0:
+                raise ValueError(f"{field}: {value!r} is not allowed; allowed: a positive integer")
+            object.__setattr__(self, field, int(value))
+        if self.d_model % self.n_head != 0:
+            raise ValueError(
+                f"d_model: {self.d_model} is not divisible by n_head={self.n_head}; allowed: a multiple of n_head"
+            )
+        eps = self.eps
+        if isinstance(eps, bool) or not isinstance(eps, float | int | np.floating) or not eps > 0:
+            raise ValueError(f"eps: {eps!r} is not allowed; allowed: a positive float")
+        object.__setattr__(self, "eps", float(eps))
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+
+def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter's name and shape, in a fixed order."""
+    d, f = config.d_model, config.d_ff
+    shapes: dict[str, tuple[int, ...]] = {"wte": (config.vocab, d), "wpe": (config.max_pos, d)}
+    for layer in range(config.n_layer):
+        shapes[f"h{layer}.g1"] = (d,)
+        for name in ("wq", "wk", "wv", "wo"):
+            shapes[f"h{layer}.{name}"] = (d, d)
+        shapes[f"h{layer}.g2"] = (d,)
+        shapes[f"h{layer}.w1"] = (d, f)
+        shapes[f"h{layer}.w2"] = (f, d)
+    shapes["gf"] = (d,)
+    shapes["w_out"] = (d, config.vocab)
+    return shapes
+
+
+def init_params(config: ModelConfig, seed: int) -> dict[str, np.ndarray]:
+    """Random float64 parameters: embeddings N(0, 1), matrices N(0, 1/fan_in), gains 1."""
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
+        raise ValueError(f"seed: {seed!r} is not allowed; allowed: a non-negative integer")
+    rng = np.random.default_rng(int(seed))
+    params = {}
+    for name, shape in param_shapes(config).items():
+        short = name.split(".")[-1]
+        if short in ("g1", "g2", "gf"):
+            params[name] = np.ones(shape)
+        elif short in ("wte", "wpe"):
+            params[name] = rng.standard_normal(shape)
+        else:
+            params[name] = rng.standard_normal(shape) / np.sqrt(shape[0])
+    return params
+
+
+def check_params(config: ModelConfig, params: dict) -> dict[str, np.ndarray]:
+    """Validate names, shapes and dtypes; return float64 C-contiguous copies."""
+    if not isinstance(params, dict):
+        raise ValueError(f"params: {type(params).__name__} is not allowed; allowed: a dict of arrays")
+    shapes = param_shapes(config)
+    missing = [n for n in shapes if n not in params]
+    extra = [n for n in params if n not in shapes]
+    if missing or extra:
+        raise ValueError(
+            f"params: names do not match the config (missing: {missing[:5]}, unexpected: {extra[:5]}); "
+            f"allowed: exactly {len(shapes)} arrays named like 'wte', 'h0.wq', 'w_out'"
+        )
+    out = {}
+    for name, shape in shapes.items():
+        arr = params[name]
+        dtype = getattr(arr, "dtype", None)
+        if dtype not in (np.float64, np.float32):
+            raise ValueError(f"params[{name!r}]: dtype {dtype} is not allowed; allowed: float32, float64")
+        if arr.shape != shape:
+            raise ValueError(f"params[{name!r}]: shape {arr.shape} is not allowed; allowed: {shape}")
+        out[name] = np.ascontiguousarray(arr, dtype=np.float64)
+    return out
+
+
+def save_params(path: str | Path, config: ModelConfig, params: dict) -> None:
+    """Write a ``.npz`` with one array per parameter (its name) and ``config`` (JSON)."""
+    checked = check_params(config, params)
+    np.savez(Path(path), config=np.array(json.dumps(asdict(config))), **checked)
+
+
+def load_params(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Read a ``.npz`` written by :func:`save_params`."""
+    with np.load(Path(path), allow_pickle=False) as data:
+        if "config" not in data.files:
+            raise ValueError(f"path: {path} has no 'config' entry; allowed: a file written by save_params")
+        config = ModelConfig(**json.loads(str(data["config"])))
+        params = {name: data[name] for name in data.files if name != "config"}
+    return config, check_params(config, params)

@@ -1,0 +1,223 @@
+"""Cached decoding: one position over the stored K/V buffer, in one compiled call; greedy generation.
+
+The decode kernel uses the same row kernels as the batched forward, so with the
+same numerics a decode step equals the matching row of a full recompute bit for
+bit. The catalogue's bugs (:mod:`kvfast.model.bugs`) each change one line here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba as nb
+import numpy as np
+
+from kvfast.kernels.attention import attend_row
+from kvfast.kernels.matmul import matmul_into
+from kvfast.kernels.precision import rnd
+from kvfast.kernels.reduce import STACK_DEPTH, new_stack
+from kvfast.kernels.rowops import rmsnorm_row, silu
+from kvfast.model import bugs as B
+from kvfast.model.cache import KVCache
+from kvfast.model.checks import check_config, check_count, check_numerics, check_token, check_tokens
+from kvfast.model.config import ModelConfig
+from kvfast.model.transformer import Weights, run_forward
+from kvfast.numerics import Numerics
+
+
+@nb.njit(cache=True, nogil=True, fastmath=False, error_model="numpy")
+def decode_kernel(
+    wte, wpe, g1, wq, wk, wv, wo, g2, w1, w2, gf, w_out,
+    n_head, eps, kc, vc, length, prefill_len, token, pos,
+    storage, acc, order, bug, window, logits,
+):  # fmt: skip
+    """One decode step: writes ``logits`` (1, vocab), stores K/V, returns the new cache length.
+
+    kc, vc: (n_layer, capacity, d). Every line a catalogue bug changes is marked.
+    """
+    d = wte.shape[1]
+    n_layer = g1.shape[0]
+    f = w1.shape[2]
+    hd = d // n_head
+    scale = 1.0 / math.sqrt(hd)
+    p = pos
+    slot = length
+    new_length = length + 1
+    if bug == B.POSOFF:
+        p = pos - 1  # posoff
+    elif bug == B.POSFROZEN:
+        p = prefill_len  # posfrozen
+    if bug == B.FREEZE and length > prefill_len:
+        slot = length - 1  # freeze
+        new_length = length
+    lo = 0
+    hi = slot + 1
+    if bug == B.STALE:
+        hi = slot  # stale
+    elif bug == B.EVICT:
+        lo = max(0, hi - window)  # evict
+    elif bug == B.MASKFROZEN:
+        hi = prefill_len + 1  # maskfrozen
+    if bug == B.NOSCALE:
+        scale = 1.0  # noscale
+    x = np.empty((1, d))
+    h = np.empty((1, d))
+    q = np.empty((1, d))
+    k = np.empty((1, d))
+    v = np.empty((1, d))
+    y = np.empty((1, d))
+    o = np.empty((1, d))
+    u = np.empty((1, f))
+    a = np.empty((1, f))
+    scratch = np.empty(2 * max(hi - lo, 1))
+    sstack = np.empty(STACK_DEPTH)
+    vstack = new_stack(hd)
+    no_probs = np.empty((0, 0, 0))
+    for j in range(d):
+        x[0, j] = rnd(wte[token, j] + wpe[p, j], storage)
+    for layer in range(n_layer):
+        rmsnorm_row(x, 0, g1[layer], eps, storage, acc, order, h, 0, sstack)
+        matmul_into(h, wq[layer], storage, acc, order, q)
+        matmul_into(h, wk[layer], storage, acc, order, k)
+        matmul_into(h, wv[layer], storage, acc, order, v)
+        if bug == B.KVSWAP:
+            kc[layer, slot] = v[0]  # kvswap
+            vc[layer, slot] = k[0]
+        else:
+            kc[layer, slot] = k[0]
+            vc[layer, slot] = v[0]
+        attend_row(
+            q, 0, kc[layer], vc[layer], lo, hi, n_head, scale, storage, acc, order,
+            y, 0, no_probs, 0, scratch, sstack, vstack,
+        )  # fmt: skip
+        matmul_into(y, wo[layer], storage, acc, order, o)
+        for j in range(d):
+            x[0, j] = rnd(x[0, j] + o[0, j], storage)
+        rmsnorm_row(x, 0, g2[layer], eps, storage, acc, order, h, 0, sstack)
+        matmul_into(h, w1[layer], storage, acc, order, u)
+        for j in range(f):
+            a[0, j] = rnd(silu(u[0, j]), storage)
+        matmul_into(a, w2[layer], storage, acc, order, o)
+        for j in range(d):
+            x[0, j] = rnd(x[0, j] + o[0, j], storage)
+    rmsnorm_row(x, 0, gf, eps, storage, acc, order, h, 0, sstack)
+    matmul_into(h, w_out, storage, acc, order, logits)
+    return new_length
+
+
+def run_decode(
+    config: ModelConfig, w: Weights, cache: KVCache, token: int, numerics: Numerics, bug: int = B.NONE
+) -> np.ndarray:
+    """One decode step on prepared weights (no validation here); returns logits (vocab,)."""
+    storage, acc, order = numerics.codes
+    logits = np.empty((1, config.vocab))
+    cache.length = decode_kernel(
+        *w.stacked, config.n_head, config.eps, cache.k, cache.v, cache.length, cache.prefill_len,
+        token, cache.length, storage, acc, order, bug, B.EVICT_WINDOW, logits,
+    )  # fmt: skip
+    return logits[0]
+
+
+def decode_step(
+    config: ModelConfig,
+    params: dict,
+    cache: KVCache,
+    token: int,
+    pos: int,
+    numerics: Numerics,
+    bug: str | None = None,
+) -> np.ndarray:
+    """Logits ``(vocab,)`` of ONE new token at position ``pos`` over the cache, appending its K and V.
+
+    ``pos`` must be the cache's next free position (``cache.length``). ``bug``
+    selects a catalogue bug (:data:`kvfast.BUGS`) on this path.
+    """
+    config = check_config(config)
+    numerics = check_numerics(numerics)
+    code = B.bug_code(bug)
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"cache: {type(cache).__name__} is not allowed; allowed: a KVCache")
+    token = check_token(config, token)
+    pos = check_count(pos, "pos")
+    if pos >= config.max_pos:
+        raise ValueError(f"pos: {pos} is out of range; allowed: integers in [0, {config.max_pos})")
+    if cache.length == 0:
+        raise ValueError("cache: empty; allowed: a cache filled by forward() (a prefill) first")
+    if pos != cache.length:
+        raise ValueError(f"pos: {pos} is not the cache's next position; allowed: {cache.length}")
+    cache.check_for(config, numerics, 1)
+    w = Weights.prepare(config, params, numerics)
+    return run_decode(config, w, cache, token, numerics, code)
+
+
+def generate(
+    config: ModelConfig,
+    params: dict,
+    prompt,
+    steps: int,
+    numerics: Numerics,
+    use_cache: bool = True,
+    bug: str | None = None,
+    decode_numerics: Numerics | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Greedy generation of ``steps`` new tokens after ``prompt``.
+
+    Returns ``(tokens, logits)``: the new tokens ``(steps,)`` and the logits that
+    chose each of them ``(steps, vocab)``. Row 0 comes from the prompt's forward;
+    row i >= 1 from decode step i (with the cache) or from a full recompute of
+    the whole sequence (without). ``decode_numerics`` lets the decode steps
+    run in another order or accumulator than the prefill (same storage).
+    """
+    config = check_config(config)
+    numerics = check_numerics(numerics)
+    decode_nx = numerics if decode_numerics is None else check_numerics(decode_numerics, "decode_numerics")
+    prompt = check_tokens(config, prompt, field="prompt")
+    steps = check_count(steps, "steps", minimum=1)
+    if prompt.shape[0] + steps - 1 > config.max_pos:
+        raise ValueError(
+            f"steps: {steps} after a prompt of {prompt.shape[0]} pass max_pos={config.max_pos}; "
+            f"allowed: at most {config.max_pos - prompt.shape[0] + 1}"
+        )
+    code = B.bug_code(bug)
+    if not use_cache and (code != B.NONE or decode_numerics is not None):
+        raise ValueError("bug/decode_numerics: only allowed with use_cache=True")
+    if decode_nx.storage != numerics.storage:
+        raise ValueError(
+            f"decode_numerics.storage: {decode_nx.storage!r} differs from numerics.storage "
+            f"{numerics.storage!r}; allowed: the same storage (the cache is shared)"
+        )
+    w = Weights.prepare(config, params, numerics)
+    return run_generate(config, w, prompt, steps, numerics, use_cache, code, decode_nx)
+
+
+def run_generate(
+    config: ModelConfig,
+    w: Weights,
+    prompt: np.ndarray,
+    steps: int,
+    numerics: Numerics,
+    use_cache: bool = True,
+    bug: int = B.NONE,
+    decode_numerics: Numerics | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`generate` on prepared weights and checked arguments."""
+    decode_nx = numerics if decode_numerics is None else decode_numerics
+    tokens = np.empty(steps, dtype=np.int64)
+    logits = np.empty((steps, config.vocab))
+    if use_cache:
+        cache = KVCache.empty(config, numerics, prompt.shape[0] + steps)
+        row = run_forward(config, w, prompt, numerics, cache)[-1]
+    else:
+        row = run_forward(config, w, prompt, numerics)[-1]
+    seq = list(prompt)
+    for i in range(steps):
+        logits[i] = row
+        tokens[i] = int(np.argmax(row))
+        seq.append(tokens[i])
+        if i + 1 == steps:
+            break
+        if use_cache:
+            row = run_decode(config, w, cache, int(tokens[i]), decode_nx, bug)
+        else:
+            row = run_forward(config, w, np.asarray(seq, dtype=np.int64), numerics)[-1]
+    return tokens, logits

@@ -1,0 +1,143 @@
+"""One function per layer and direction.
+
+Forward functions take the kernel codes of a :class:`~kvfast.numerics.Numerics`
+(``nx = (storage, accum, order)``) and run on the explicit-order kernels.
+Backward functions are float64 NumPy: gradients are for training and the
+gradient check, where the summation order is not the experiment.
+
+Shapes: T positions, d = d_model, f = d_ff, H heads of width hd = d / H,
+S key positions (S = T without a cache).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from kvfast.kernels.attention import attention_into
+from kvfast.kernels.matmul import matmul
+from kvfast.kernels.rowops import add_into, embed_into, exp_array, rmsnorm_into, silu_into
+
+Codes = tuple[int, int, int]
+
+
+# --- embedding: x (T, d) = wte[tokens] + wpe[positions] -----------------------------------
+
+
+def embedding_forward(wte, wpe, tokens, positions, nx: Codes) -> np.ndarray:
+    x = np.empty((tokens.shape[0], wte.shape[1]))
+    embed_into(wte, wpe, tokens, positions, nx[0], x)
+    return x
+
+
+def embedding_backward(dx, tokens, positions, vocab: int, max_pos: int):
+    dwte = np.zeros((vocab, dx.shape[1]))
+    dwpe = np.zeros((max_pos, dx.shape[1]))
+    np.add.at(dwte, tokens, dx)
+    np.add.at(dwpe, positions, dx)
+    return dwte, dwpe
+
+
+# --- rmsnorm: h (T, d) = x / sqrt(mean(x^2) + eps) * g ----------------------------------------
+
+
+def rmsnorm_forward(x, g, eps: float, nx: Codes):
+    h = np.empty_like(x)
+    inv = np.empty(x.shape[0])
+    rmsnorm_into(x, g, eps, nx[0], nx[1], nx[2], h, inv)
+    return h, inv
+
+
+def rmsnorm_backward(dh, x, g, inv):
+    d = x.shape[1]
+    gdh = dh * g
+    dx = inv[:, None] * gdh - x * (inv**3)[:, None] * (gdh * x).sum(axis=1, keepdims=True) / d
+    dg = (dh * x * inv[:, None]).sum(axis=0)
+    return dx, dg
+
+
+# --- linear: y (T, m) = x (T, n) @ w (n, m) ------------------------------------------------
+
+
+def linear_forward(x, w, nx: Codes) -> np.ndarray:
+    return matmul(x, w, nx[0], nx[1], nx[2])
+
+
+def linear_backward(dy, x, w):
+    return dy @ w.T, x.T @ dy
+
+
+# --- attention: y (T, d) from q (T, d) over k, v (S, d), H heads ---------------------------
+
+
+def attention_forward(q, k, v, n_head: int, causal: bool, nx: Codes, pos0: int = 0, keep_att: bool = False):
+    """Row t sits at position ``pos0 + t`` and, under the mask, sees keys ``0..pos0+t``.
+
+    Returns ``(y, att)``; ``att`` (H, T, S) is filled only with ``keep_att``.
+    """
+    T, d = q.shape
+    n_keys = pos0 + T if causal else k.shape[0]
+    y = np.empty((T, d))
+    att = np.zeros((n_head, T, n_keys)) if keep_att else np.empty((0, 0, 0))
+    scale = 1.0 / math.sqrt(d // n_head)
+    attention_into(q, k, v, pos0, n_keys, causal, n_head, scale, nx[0], nx[1], nx[2], y, att)
+    return y, att
+
+
+def attention_backward(dy, q, k, v, att, n_head: int):
+    """Gradients of ``y = softmax(q k^T * scale) v`` per head (att from the forward)."""
+    T, d = q.shape
+    hd = d // n_head
+    scale = 1.0 / math.sqrt(hd)
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    for h in range(n_head):
+        cols = slice(h * hd, (h + 1) * hd)
+        p = att[h]
+        dv[:, cols] = p.T @ dy[:, cols]
+        dp = dy[:, cols] @ v[:, cols].T
+        ds = p * (dp - (dp * p).sum(axis=1, keepdims=True))
+        dq[:, cols] = ds @ k[:, cols] * scale
+        dk[:, cols] = ds.T @ q[:, cols] * scale
+    return dq, dk, dv
+
+
+# --- silu: a = u * sigmoid(u) -------------------------------------------------------------
+
+
+def silu_forward(u, nx: Codes) -> np.ndarray:
+    a = np.empty_like(u)
+    silu_into(u, nx[0], a)
+    return a
+
+
+def silu_backward(da, u):
+    sig = 1.0 / (1.0 + exp_array(-u))
+    return da * sig * (1.0 + u * (1.0 - sig))
+
+
+# --- residual: x + y ----------------------------------------------------------------------
+
+
+def residual_forward(x, y, nx: Codes) -> np.ndarray:
+    out = np.empty_like(x)
+    add_into(x, y, nx[0], out)
+    return out
+
+
+# --- cross entropy: mean over positions of -log softmax(logits)[target] --------------------
+
+
+def cross_entropy_forward(logits, targets):
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    probs = exp_array(shifted)
+    probs /= probs.sum(axis=1, keepdims=True)
+    rows = np.arange(targets.shape[0])
+    loss = float(-np.mean(np.log(probs[rows, targets])))
+    return loss, probs
+
+
+def cross_entropy_backward(probs, targets):
+    dlogits = probs.copy()
+    dlogits[np.arange(targets.shape[0]), targets] -= 1.0
+    return dlogits / targets.shape[0]

@@ -1,0 +1,236 @@
+"""The tiny pre-norm transformer: full forward (layer-major) and hand-written backward.
+
+    x = wte[token] + wpe[pos]
+    per layer:  h = rmsnorm(x) * g1;  q, k, v = h @ wq, h @ wk, h @ wv
+                x = x + attention(q, k, v) @ wo
+                h2 = rmsnorm(x) * g2;  x = x + silu(h2 @ w1) @ w2
+    logits = (rmsnorm(x) * gf) @ w_out
+
+Shapes: tokens (T,), x/h/q/k/v (T, d), u/a (T, f), logits (T, vocab).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvfast.kernels.precision import round_array
+from kvfast.model import layers as L
+from kvfast.model.cache import KVCache
+from kvfast.model.checks import check_config, check_numerics, check_tokens
+from kvfast.model.config import ModelConfig, check_params
+from kvfast.numerics import Numerics
+
+
+@dataclass(frozen=True)
+class Weights:
+    """Parameters rounded to a storage format: by name, and stacked per layer for the decode kernel."""
+
+    named: dict[str, np.ndarray]
+    stacked: tuple
+
+    @classmethod
+    def prepare(cls, config: ModelConfig, params: dict, numerics: Numerics) -> Weights:
+        checked = check_params(config, params)
+        storage = numerics.codes[0]
+        named = {name: round_array(arr, storage) for name, arr in checked.items()}
+
+        def stack(short: str) -> np.ndarray:
+            return np.ascontiguousarray(np.stack([named[f"h{i}.{short}"] for i in range(config.n_layer)]))
+
+        stacked = (
+            named["wte"],
+            named["wpe"],
+            stack("g1"),
+            stack("wq"),
+            stack("wk"),
+            stack("wv"),
+            stack("wo"),
+            stack("g2"),
+            stack("w1"),
+            stack("w2"),
+            named["gf"],
+            named["w_out"],
+        )
+        return cls(named, stacked)
+
+
+def run_forward(
+    config: ModelConfig,
+    w: Weights,
+    tokens: np.ndarray,
+    numerics: Numerics,
+    cache: KVCache | None = None,
+    causal: bool = True,
+    tape: list | None = None,
+    trace: dict | None = None,
+) -> np.ndarray:
+    """The forward pass on prepared weights and checked tokens (no validation here).
+
+    With a cache, rows sit at positions ``cache.length ..``, their K/V are
+    appended to it and attention reads the cache. ``tape`` collects what the
+    backward pass needs; ``trace`` collects the residual stream and K, V per layer.
+    """
+    nx = numerics.codes
+    eps = config.eps
+    p = w.named
+    T = tokens.shape[0]
+    pos0 = cache.length if cache is not None else 0
+    positions = np.arange(pos0, pos0 + T, dtype=np.int64)
+    x = L.embedding_forward(p["wte"], p["wpe"], tokens, positions, nx)
+    if trace is not None:
+        trace["resid"] = [x]
+        trace["k"] = []
+        trace["v"] = []
+    for layer in range(config.n_layer):
+        pre = f"h{layer}."
+        h, inv1 = L.rmsnorm_forward(x, p[pre + "g1"], eps, nx)
+        q = L.linear_forward(h, p[pre + "wq"], nx)
+        k = L.linear_forward(h, p[pre + "wk"], nx)
+        v = L.linear_forward(h, p[pre + "wv"], nx)
+        if cache is not None:
+            cache.k[layer, pos0 : pos0 + T] = k
+            cache.v[layer, pos0 : pos0 + T] = v
+            kbuf, vbuf = cache.k[layer], cache.v[layer]
+        else:
+            kbuf, vbuf = k, v
+        y, att = L.attention_forward(q, kbuf, vbuf, config.n_head, causal, nx, pos0, keep_att=tape is not None)
+        o = L.linear_forward(y, p[pre + "wo"], nx)
+        x_mid = L.residual_forward(x, o, nx)
+        h2, inv2 = L.rmsnorm_forward(x_mid, p[pre + "g2"], eps, nx)
+        u = L.linear_forward(h2, p[pre + "w1"], nx)
+        a = L.silu_forward(u, nx)
+        m = L.linear_forward(a, p[pre + "w2"], nx)
+        x_out = L.residual_forward(x_mid, m, nx)
+        if tape is not None:
+            tape.append((x, h, inv1, q, k, v, att, y, x_mid, h2, inv2, u, a))
+        if trace is not None:
+            trace["resid"].append(x_out)
+            trace["k"].append(k)
+            trace["v"].append(v)
+        x = x_out
+    hf, invf = L.rmsnorm_forward(x, p["gf"], eps, nx)
+    logits = L.linear_forward(hf, p["w_out"], nx)
+    if tape is not None:
+        tape.append((x, hf, invf, positions))
+    if cache is not None:
+        cache.length = pos0 + T
+        cache.prefill_len = cache.length
+    return logits
+
+
+def forward(
+    config: ModelConfig,
+    params: dict,
+    tokens,
+    numerics: Numerics,
+    cache: KVCache | None = None,
+    causal: bool = True,
+) -> np.ndarray:
+    """Logits ``(T, vocab)`` for every position of ``tokens``, computed layer-major.
+
+    Given a cache, the tokens continue it (positions ``cache.length ..``) and
+    their keys and values are appended; an empty cache is filled with every
+    position's K and V (a prefill).
+    """
+    config = check_config(config)
+    numerics = check_numerics(numerics)
+    if cache is not None:
+        if not isinstance(cache, KVCache):
+            raise ValueError(f"cache: {type(cache).__name__} is not allowed; allowed: a KVCache or None")
+        if not causal:
+            raise ValueError("causal: False is not allowed with a cache; allowed: True")
+    start = cache.length if cache is not None else 0
+    tokens = check_tokens(config, tokens, start=start)
+    if cache is not None:
+        cache.check_for(config, numerics, tokens.shape[0])
+    w = Weights.prepare(config, params, numerics)
+    return run_forward(config, w, tokens, numerics, cache, bool(causal))
+
+
+def forward_trace(config: ModelConfig, params: dict, tokens, numerics: Numerics, causal: bool = True) -> dict:
+    """A forward that also returns, per layer, the residual stream and K, V of every position.
+
+    Keys: ``logits`` (T, vocab), ``resid`` (n_layer+1, T, d) (index 0 is the
+    embedding), ``k`` and ``v`` (n_layer, T, d).
+    """
+    config = check_config(config)
+    numerics = check_numerics(numerics)
+    tokens = check_tokens(config, tokens)
+    w = Weights.prepare(config, params, numerics)
+    trace: dict = {}
+    logits = run_forward(config, w, tokens, numerics, None, bool(causal), trace=trace)
+    return {
+        "logits": logits,
+        "resid": np.stack(trace["resid"]),
+        "k": np.stack(trace["k"]),
+        "v": np.stack(trace["v"]),
+    }
+
+
+def run_loss_and_grads(
+    config: ModelConfig,
+    w: Weights,
+    tokens: np.ndarray,
+    targets: np.ndarray,
+    numerics: Numerics,
+    loss_from: int = 0,
+    detach_kv_before: int = 0,
+) -> tuple[float, dict[str, np.ndarray]]:
+    """Mean cross-entropy over positions ``loss_from ..`` and its gradients.
+
+    ``detach_kv_before = P`` treats the keys and values of positions ``< P`` as
+    constants (a cached prefix reused in training): no gradient flows back
+    through them.
+    """
+    tape: list = []
+    logits = run_forward(config, w, tokens, numerics, tape=tape)
+    sel = slice(loss_from, None)
+    loss, probs = L.cross_entropy_forward(logits[sel], targets[sel])
+    dlogits = np.zeros_like(logits)
+    dlogits[sel] = L.cross_entropy_backward(probs, targets[sel])
+    p = w.named
+    grads: dict[str, np.ndarray] = {}
+    x, hf, invf, positions = tape.pop()
+    dhf, grads["w_out"] = L.linear_backward(dlogits, hf, p["w_out"])
+    dx, grads["gf"] = L.rmsnorm_backward(dhf, x, p["gf"], invf)
+    for layer in reversed(range(config.n_layer)):
+        pre = f"h{layer}."
+        x_in, h, inv1, q, k, v, att, y, x_mid, h2, inv2, u, a = tape.pop()
+        # x_out = x_mid + silu(h2 @ w1) @ w2
+        da, grads[pre + "w2"] = L.linear_backward(dx, a, p[pre + "w2"])
+        du = L.silu_backward(da, u)
+        dh2, grads[pre + "w1"] = L.linear_backward(du, h2, p[pre + "w1"])
+        dx_mid, grads[pre + "g2"] = L.rmsnorm_backward(dh2, x_mid, p[pre + "g2"], inv2)
+        dx_mid = dx_mid + dx
+        # x_mid = x_in + attention(q, k, v) @ wo
+        dy, grads[pre + "wo"] = L.linear_backward(dx_mid, y, p[pre + "wo"])
+        dq, dk, dv = L.attention_backward(dy, q, k, v, att, config.n_head)
+        dk[:detach_kv_before] = 0.0
+        dv[:detach_kv_before] = 0.0
+        dh_q, grads[pre + "wq"] = L.linear_backward(dq, h, p[pre + "wq"])
+        dh_k, grads[pre + "wk"] = L.linear_backward(dk, h, p[pre + "wk"])
+        dh_v, grads[pre + "wv"] = L.linear_backward(dv, h, p[pre + "wv"])
+        dx_in, grads[pre + "g1"] = L.rmsnorm_backward(dh_q + dh_k + dh_v, x_in, p[pre + "g1"], inv1)
+        dx = dx_in + dx_mid
+    grads["wte"], grads["wpe"] = L.embedding_backward(dx, tokens, positions, config.vocab, config.max_pos)
+    return loss, {name: grads[name] for name in p}
+
+
+def loss_and_grads(
+    config: ModelConfig, params: dict, tokens, targets, numerics: Numerics
+) -> tuple[float, dict[str, np.ndarray]]:
+    """Mean cross-entropy of ``targets`` given ``tokens`` (both (T,)), and hand-written gradients.
+
+    The forward honours ``numerics``; the backward is float64 NumPy. Gradients
+    have the parameters' names and shapes.
+    """
+    config = check_config(config)
+    numerics = check_numerics(numerics)
+    tokens = check_tokens(config, tokens)
+    targets = check_tokens(config, targets, field="targets")
+    if targets.shape != tokens.shape:
+        raise ValueError(f"targets: shape {targets.shape} is not allowed; allowed: {tokens.shape} (as tokens)")
+    w = Weights.prepare(config, params, numerics)
+    return run_loss_and_grads(config, w, tokens, targets, numerics)
