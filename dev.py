@@ -24,7 +24,7 @@ STAMP = VENV / ".kvfast-installed"
 
 
 def ensure_env() -> None:
-    if sys.version_info < (3, 11):
+    if sys.version_info < (3, 11):  # noqa: UP036 (dev.py may be run by an older python3)
         sys.exit(f"kvfast needs Python 3.11 or newer; this is {sys.version.split()[0]}")
     if not (BIN / "python").exists():
         print("creating .venv ...", flush=True)

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import pkgutil
 import sys
 
+import kvfast.commands
 from kvfast._version import __version__
 
-# Subcommand modules, in the order --help lists them.
-COMMAND_MODULES = ("kvfast.commands.bench",)
+
+def command_modules() -> list[str]:
+    """Every module of :mod:`kvfast.commands`, in name order."""
+    return sorted(f"kvfast.commands.{m.name}" for m in pkgutil.iter_modules(kvfast.commands.__path__))
 
 
 class Parser(argparse.ArgumentParser):
@@ -28,7 +32,7 @@ def build_parser() -> Parser:
     parser = Parser(prog="kvfast", description="A KV cache is not an approximation: check it bit for bit.")
     parser.add_argument("--version", action="version", version=f"kvfast {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
-    for name in COMMAND_MODULES:
+    for name in command_modules():
         importlib.import_module(name).add_parser(sub)
     return parser
 

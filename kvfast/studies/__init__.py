@@ -1,10 +1,26 @@
-"""Studies: run functions over configs, each with its schema and summary (see :mod:`kvfast.studies.base`)."""
+"""Studies: run functions over configs, each with its schema and summary (see :mod:`kvfast.studies.base`).
+
+Every module of this package that defines ``STUDY`` is registered in :data:`STUDIES`.
+"""
 
 from __future__ import annotations
 
-from kvfast.studies import exactness
+import importlib
+import pkgutil
+
 from kvfast.studies.base import Claim, Study
 
-STUDIES: dict[str, Study] = {s.name: s for s in (exactness.STUDY,)}
+
+def _discover() -> dict[str, Study]:
+    found: dict[str, Study] = {}
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        study = getattr(module, "STUDY", None)
+        if isinstance(study, Study):
+            found[study.name] = study
+    return found
+
+
+STUDIES: dict[str, Study] = _discover()
 
 __all__ = ["STUDIES", "Claim", "Study"]
