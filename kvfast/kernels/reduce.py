@@ -4,7 +4,8 @@ Every sum in the model goes through this module, so the order and the
 accumulator format of each one are the experiment, not LLVM's choice.
 
 Accumulator semantics (format ``acc``): each product ``a*b`` is computed in
-float64 and rounded to ``acc``; each addition of two partial sums is computed
+float64 and rounded to ``acc`` (each term of a plain sum is rounded to ``acc``
+as it enters); each addition of two partial sums is computed
 in float64 and rounded to ``acc``. For f64 this is plain float64 arithmetic; for
 f32 it equals native float32 arithmetic (float64 is wide enough that the double
 rounding is harmless for + and *); for bf16 every product and every add is
@@ -51,20 +52,22 @@ def new_stack(width: int) -> np.ndarray:
 
 @nb.njit(**_JIT)
 def ordered_sum(t: np.ndarray, lo: int, n: int, acc: int, order: int, stack: np.ndarray) -> float:
-    """Sum ``t[lo:lo+n]`` (values already in format ``acc``) in ``order``.
+    """Sum ``t[lo:lo+n]`` in ``order``, in format ``acc``.
 
+    Each term is rounded to ``acc`` as it enters the sum (a no-op for values
+    already in that format), as each product is in :func:`ordered_dot`.
     ``stack`` is scratch of at least ``STACK_DEPTH`` floats (1-D).
     """
     if n == 0:
         return 0.0
     if order == SEQUENTIAL:
-        s = t[lo]
+        s = rnd(t[lo], acc)
         for i in range(1, n):
-            s = rnd(s + t[lo + i], acc)
+            s = rnd(s + rnd(t[lo + i], acc), acc)
         return s
     sp = 0
     for i in range(n):
-        v = t[lo + i]
+        v = rnd(t[lo + i], acc)
         count = i + 1
         while (count & 1) == 0:
             sp -= 1
