@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvfast.kernels.attention import ATTENTION_CODES
 from kvfast.kernels.precision import FORMAT_CODES
 from kvfast.kernels.reduce import ORDER_CODES
 
@@ -16,6 +17,10 @@ PRESETS: dict[str, tuple[str, str]] = {
     "f32": ("f32", "f32"),
     "bf16": ("bf16", "f32"),
 }
+
+# The block size (online, splitkv) or number of splits (splitcount) used when
+# ``attn_block`` is left at 0.
+DEFAULT_ATTN_BLOCK: dict[str, int] = {"standard": 0, "online": 4, "splitkv": 4, "splitcount": 2}
 
 
 def _check_choice(field: str, value: object, allowed: dict) -> None:
@@ -33,23 +38,46 @@ class Numerics:
       rounded to it after every operation).
     - ``order``: the summation order of every reduction (matmul dots, attention
       scores, softmax sum, weighted sum of values, RMSNorm mean).
+    - ``attention``: how attention combines its keys (:mod:`kvfast.kernels.attention`):
+      ``standard`` (one softmax over the row, the default), ``online`` (flash
+      attention: blocks of ``attn_block`` keys aligned to absolute positions,
+      running max and sum), ``splitkv`` (flash-decoding: chunks of ``attn_block``
+      keys aligned to absolute positions, combined by log-sum-exp weights) or
+      ``splitcount`` (split-KV into ``attn_block`` chunks of the call's current
+      key range, so the boundaries move as the cache grows). Inside a block the
+      sums follow ``order``.
+    - ``attn_block``: the block size (``online``, ``splitkv``) or number of
+      splits (``splitcount``); 0 picks :data:`DEFAULT_ATTN_BLOCK`; must be 0 for
+      ``standard``.
+
+    Invalid values raise ``ValueError`` naming the field, the value and what is allowed.
     """
 
     storage: str = "f64"
     accum: str = "f64"
     order: str = "sequential"
+    attention: str = "standard"
+    attn_block: int = 0
 
     def __post_init__(self) -> None:
         _check_choice("storage", self.storage, FORMAT_CODES)
         _check_choice("accum", self.accum, FORMAT_CODES)
         _check_choice("order", self.order, ORDER_CODES)
+        _check_choice("attention", self.attention, ATTENTION_CODES)
+        block = self.attn_block
+        if isinstance(block, bool) or not isinstance(block, int) or block < 0:
+            raise ValueError(f"attn_block: {block!r} is not allowed; allowed: an integer >= 0")
+        if self.attention == "standard" and block != 0:
+            raise ValueError(f"attn_block: {block!r} is not allowed with attention='standard'; allowed: 0")
+        if block == 0:
+            object.__setattr__(self, "attn_block", DEFAULT_ATTN_BLOCK[self.attention])
 
     @classmethod
-    def preset(cls, name: str, order: str = "sequential") -> Numerics:
+    def preset(cls, name: str, order: str = "sequential", attention: str = "standard", attn_block: int = 0) -> Numerics:
         """``f64`` = f64/f64, ``f32`` = f32/f32, ``bf16`` = bf16 storage with an f32 accumulator."""
         _check_choice("preset", name, PRESETS)
         storage, accum = PRESETS[name]
-        return cls(storage=storage, accum=accum, order=order)
+        return cls(storage=storage, accum=accum, order=order, attention=attention, attn_block=attn_block)
 
     @property
     def codes(self) -> tuple[int, int, int]:
@@ -57,6 +85,14 @@ class Numerics:
         return FORMAT_CODES[self.storage], FORMAT_CODES[self.accum], ORDER_CODES[self.order]
 
     @property
+    def attention_codes(self) -> tuple[int, int]:
+        """``(attention mode, attn_block)`` as kernel codes."""
+        return ATTENTION_CODES[self.attention], self.attn_block
+
+    @property
     def name(self) -> str:
-        """A short label such as ``bf16/f32/pairwise``."""
-        return f"{self.storage}/{self.accum}/{self.order}"
+        """A short label such as ``bf16/f32/pairwise`` (``.../online4`` with a real kernel's attention)."""
+        base = f"{self.storage}/{self.accum}/{self.order}"
+        if self.attention == "standard":
+            return base
+        return f"{base}/{self.attention}{self.attn_block}"

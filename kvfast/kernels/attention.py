@@ -13,6 +13,38 @@ The same row function serves a batched prefill (every row of a prompt) and a
 one-token decode (one row over the cache), so with the same order the two are
 the same computation, and the cache is exact by construction of the arithmetic,
 not by luck.
+
+Real kernels' orders (``mode``, with an integer ``param``), per head, over the
+scores ``s_j`` above (computed exactly as in the standard mode):
+
+``ONLINE`` (flash attention), blocks of ``param`` keys aligned to absolute
+positions (block b holds keys ``b*param .. (b+1)*param - 1``, clipped to the
+row's range), in block order, with a running max ``m``, sum ``l`` and output ``O``::
+
+    m' = max(m, max_block s);  alpha = round_a(exp(m - m'))   (0 for the first block)
+    e_j = round_s(exp(s_j - m'))
+    l = round_a(round_a(alpha * l) + sum_block e_j)           # block sum in order
+    O = round_a(round_a(alpha * O) + sum_block e_j * v_j)     # per column, in order
+    out = round_s(O / l)
+
+``SPLITKV`` (flash-decoding), chunks of ``param`` keys aligned to absolute
+positions; each chunk c is reduced on its own and the chunks are combined in
+chunk order with log-sum-exp weights::
+
+    m_c = max_chunk s;  e_j = round_s(exp(s_j - m_c));  l_c = sum_chunk e_j (in order)
+    O_c = round_a(sum_chunk e_j * v_j / l_c);  lse_c = round_a(m_c + round_a(log(l_c)))
+    M = max_c lse_c;  w_c = round_a(exp(lse_c - M));  W = round_a(w_0 + w_1 + ...)
+    out = round_s(sum_c round_a(round_a(w_c / W) * O_c))    # sequential over c, in the accumulator
+
+``SPLITCOUNT``: SPLITKV with ``param`` chunks cut by COUNT from the call's key
+range ``[span_lo, span_hi)`` (chunk i starts at ``span_lo + i*(span_hi -
+span_lo)//param``), as a kernel that picks its number of splits from the launch
+does. The boundaries move when the cache grows, so the same key row can be cut
+differently in a prefill (span = the whole batch) and in a decode (span = the
+cache so far).
+
+``round_s``/``round_a`` round to the storage/accumulator format. Keys ``lo..hi-1``
+of a row intersected with each block; empty intersections are skipped.
 """
 
 from __future__ import annotations
@@ -26,6 +58,14 @@ from kvfast.kernels.precision import rnd
 from kvfast.kernels.reduce import STACK_DEPTH, new_stack, ordered_dot, ordered_sum, weighted_rows_sum
 
 _JIT = {"cache": True, "nogil": True, "fastmath": False, "error_model": "numpy"}
+
+STANDARD = 0
+ONLINE = 1
+SPLITKV = 2
+SPLITCOUNT = 3
+
+ATTENTION_CODES = {"standard": STANDARD, "online": ONLINE, "splitkv": SPLITKV, "splitcount": SPLITCOUNT}
+ATTENTION_NAMES = {code: name for name, code in ATTENTION_CODES.items()}
 
 
 @nb.njit(**_JIT)
@@ -68,11 +108,132 @@ def attend_row(
 
 
 @nb.njit(**_JIT)
-def attention_into(q, kbuf, vbuf, pos0, n_keys, causal, n_head, scale, storage, acc, order, out, probs):
+def block_edges(lo, hi, span_lo, span_hi, mode, param):
+    """Start positions of the blocks that cut keys ``lo..hi-1``, then ``hi`` (an int64 array).
+
+    ONLINE/SPLITKV: multiples of ``param`` (absolute positions); SPLITCOUNT:
+    ``span_lo + i*(span_hi - span_lo)//param`` for ``i = 0..param``. Empty
+    blocks are dropped; the first edge is ``lo``.
+    """
+    cap = hi - lo + 2
+    edges = np.empty(cap, dtype=np.int64)
+    n = 0
+    edges[n] = lo
+    n += 1
+    if mode == SPLITCOUNT:
+        length = span_hi - span_lo
+        for i in range(1, param):
+            b = span_lo + (i * length) // param
+            if b > edges[n - 1] and b < hi:
+                edges[n] = b
+                n += 1
+    else:
+        b = (lo // param + 1) * param
+        while b < hi:
+            edges[n] = b
+            n += 1
+            b += param
+    edges[n] = hi
+    n += 1
+    return edges[:n]
+
+
+@nb.njit(**_JIT)
+def attend_row_blocked(
+    q, qr, kbuf, vbuf, lo, hi, span_lo, span_hi, n_head, scale, storage, acc, order, mode, param,
+    out, outr, scratch, sstack, vstack,
+):  # fmt: skip
+    """:func:`attend_row` in a real kernel's order (ONLINE, SPLITKV or SPLITCOUNT; see the module doc).
+
+    ``span_lo, span_hi``: the key range of the whole call (used by SPLITCOUNT
+    only). Scores are computed as in :func:`attend_row`; ``scratch`` holds
+    >= 2*(hi-lo) floats. No probabilities are kept (no backward in these modes).
+    """
+    d = q.shape[1]
+    hd = d // n_head
+    nk = hi - lo
+    scores = scratch[:nk]
+    expd = scratch[nk : 2 * nk]
+    qrow = q[qr]
+    orow = out[outr]
+    edges = block_edges(lo, hi, span_lo, span_hi, mode, param)
+    nb_ = edges.shape[0] - 1
+    tmp = np.empty(hd)
+    acc_o = np.empty(hd)
+    part_o = np.empty((max(nb_, 1), hd))
+    part_lse = np.empty(max(nb_, 1))
+    for h in range(n_head):
+        c0 = h * hd
+        for j in range(nk):
+            scores[j] = rnd(ordered_dot(qrow, c0, kbuf[lo + j], c0, hd, acc, order, sstack) * scale, storage)
+        if mode == ONLINE:
+            m = -np.inf
+            lsum = 0.0
+            for c in range(hd):
+                acc_o[c] = 0.0
+            for b in range(nb_):
+                a0 = edges[b] - lo
+                n = edges[b + 1] - edges[b]
+                mb = -np.inf
+                for j in range(a0, a0 + n):
+                    if scores[j] > mb:
+                        mb = scores[j]
+                mnew = m if m > mb else mb
+                alpha = rnd(math.exp(m - mnew), acc)
+                for j in range(a0, a0 + n):
+                    expd[j] = rnd(math.exp(scores[j] - mnew), storage)
+                bsum = ordered_sum(expd, a0, n, acc, order, sstack)
+                lsum = rnd(rnd(alpha * lsum, acc) + bsum, acc)
+                weighted_rows_sum(expd, a0, vbuf, lo + a0, n, c0, hd, acc, order, tmp, vstack)
+                for c in range(hd):
+                    acc_o[c] = rnd(rnd(alpha * acc_o[c], acc) + tmp[c], acc)
+                m = mnew
+            for c in range(hd):
+                orow[c0 + c] = rnd(acc_o[c] / lsum, storage)
+        else:
+            big = -np.inf
+            for b in range(nb_):
+                a0 = edges[b] - lo
+                n = edges[b + 1] - edges[b]
+                mb = -np.inf
+                for j in range(a0, a0 + n):
+                    if scores[j] > mb:
+                        mb = scores[j]
+                for j in range(a0, a0 + n):
+                    expd[j] = rnd(math.exp(scores[j] - mb), storage)
+                lb = ordered_sum(expd, a0, n, acc, order, sstack)
+                weighted_rows_sum(expd, a0, vbuf, lo + a0, n, c0, hd, acc, order, tmp, vstack)
+                for c in range(hd):
+                    part_o[b, c] = rnd(tmp[c] / lb, acc)
+                lse = rnd(mb + rnd(math.log(lb), acc), acc)
+                part_lse[b] = lse
+                if lse > big:
+                    big = lse
+            wsum = 0.0
+            for b in range(nb_):
+                wb = rnd(math.exp(part_lse[b] - big), acc)
+                part_lse[b] = wb
+                wsum = wb if b == 0 else rnd(wsum + wb, acc)
+            for b in range(nb_):
+                wb = rnd(part_lse[b] / wsum, acc)
+                for c in range(hd):
+                    t = rnd(wb * part_o[b, c], acc)
+                    acc_o[c] = t if b == 0 else rnd(acc_o[c] + t, acc)
+            for c in range(hd):
+                orow[c0 + c] = rnd(acc_o[c], storage)
+
+
+@nb.njit(**_JIT)
+def attention_into(
+    q, kbuf, vbuf, pos0, n_keys, causal, n_head, scale, storage, acc, order, out, probs, mode=0, param=0
+):
     """Attention of every row of ``q`` (T, d) over the first ``n_keys`` buffer rows.
 
     Row t sits at absolute position ``pos0 + t``; under the causal mask it sees
-    keys ``0 .. pos0+t``, otherwise all ``n_keys``.
+    keys ``0 .. pos0+t``, otherwise all ``n_keys``. ``mode``/``param`` select a
+    real kernel's order (module doc; default: the standard order); for
+    SPLITCOUNT the call's key range is ``0 .. n_keys-1``. ``probs`` is filled in
+    the standard mode only.
     """
     T = q.shape[0]
     d = q.shape[1]
@@ -81,6 +242,12 @@ def attention_into(q, kbuf, vbuf, pos0, n_keys, causal, n_head, scale, storage, 
     vstack = new_stack(d // n_head)
     for t in range(T):
         hi = pos0 + t + 1 if causal else n_keys
-        attend_row(
-            q, t, kbuf, vbuf, 0, hi, n_head, scale, storage, acc, order, out, t, probs, t, scratch, sstack, vstack
-        )
+        if mode == STANDARD:
+            attend_row(
+                q, t, kbuf, vbuf, 0, hi, n_head, scale, storage, acc, order, out, t, probs, t, scratch, sstack, vstack
+            )
+        else:
+            attend_row_blocked(
+                q, t, kbuf, vbuf, 0, hi, 0, n_keys, n_head, scale, storage, acc, order, mode, param,
+                out, t, scratch, sstack, vstack,
+            )  # fmt: skip

@@ -12,7 +12,7 @@ import math
 import numba as nb
 import numpy as np
 
-from kvfast.kernels.attention import attend_row
+from kvfast.kernels.attention import STANDARD, attend_row, attend_row_blocked
 from kvfast.kernels.matmul import matmul_into
 from kvfast.kernels.precision import rnd
 from kvfast.kernels.reduce import STACK_DEPTH, new_stack
@@ -29,11 +29,13 @@ from kvfast.numerics import Numerics
 def decode_kernel(
     wte, wpe, g1, wq, wk, wv, wo, g2, w1, w2, gf, w_out,
     n_head, eps, kc, vc, length, prefill_len, token, pos,
-    storage, acc, order, bug, window, logits,
+    storage, acc, order, bug, window, logits, attn=0, attn_block=0,
 ):  # fmt: skip
     """One decode step: writes ``logits`` (1, vocab), stores K/V, returns the new cache length.
 
     kc, vc: (n_layer, capacity, d). Every line a catalogue bug changes is marked.
+    ``attn``/``attn_block``: ``Numerics.attention_codes`` (a real kernel's attention
+    order; for splitcount the call's key range is the row's own ``lo..hi-1``).
     """
     d = wte.shape[1]
     n_layer = g1.shape[0]
@@ -86,10 +88,16 @@ def decode_kernel(
         else:
             kc[layer, slot] = k[0]
             vc[layer, slot] = v[0]
-        attend_row(
-            q, 0, kc[layer], vc[layer], lo, hi, n_head, scale, storage, acc, order,
-            y, 0, no_probs, 0, scratch, sstack, vstack,
-        )  # fmt: skip
+        if attn == STANDARD:
+            attend_row(
+                q, 0, kc[layer], vc[layer], lo, hi, n_head, scale, storage, acc, order,
+                y, 0, no_probs, 0, scratch, sstack, vstack,
+            )  # fmt: skip
+        else:
+            attend_row_blocked(
+                q, 0, kc[layer], vc[layer], lo, hi, lo, hi, n_head, scale, storage, acc, order, attn, attn_block,
+                y, 0, scratch, sstack, vstack,
+            )  # fmt: skip
         matmul_into(y, wo[layer], storage, acc, order, o)
         for j in range(d):
             x[0, j] = rnd(x[0, j] + o[0, j], storage)
@@ -110,10 +118,11 @@ def run_decode(
 ) -> np.ndarray:
     """One decode step on prepared weights (no validation here); returns logits (vocab,)."""
     storage, acc, order = numerics.codes
+    attn, attn_block = numerics.attention_codes
     logits = np.empty((1, config.vocab))
     cache.length = decode_kernel(
         *w.stacked, config.n_head, config.eps, cache.k, cache.v, cache.length, cache.prefill_len,
-        token, cache.length, storage, acc, order, bug, B.EVICT_WINDOW, logits,
+        token, cache.length, storage, acc, order, bug, B.EVICT_WINDOW, logits, attn, attn_block,
     )  # fmt: skip
     return logits[0]
 

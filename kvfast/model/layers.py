@@ -71,17 +71,29 @@ def linear_backward(dy, x, w):
 # --- attention: y (T, d) from q (T, d) over k, v (S, d), H heads ---------------------------
 
 
-def attention_forward(q, k, v, n_head: int, causal: bool, nx: Codes, pos0: int = 0, keep_att: bool = False):
+def attention_forward(
+    q,
+    k,
+    v,
+    n_head: int,
+    causal: bool,
+    nx: Codes,
+    pos0: int = 0,
+    keep_att: bool = False,
+    attn: tuple[int, int] = (0, 0),
+):
     """Row t sits at position ``pos0 + t`` and, under the mask, sees keys ``0..pos0+t``.
 
     Returns ``(y, att)``; ``att`` (H, T, S) is filled only with ``keep_att``.
+    ``attn`` = ``Numerics.attention_codes`` (mode, block); ``keep_att`` needs the
+    standard mode (0).
     """
     T, d = q.shape
     n_keys = pos0 + T if causal else k.shape[0]
     y = np.empty((T, d))
     att = np.zeros((n_head, T, n_keys)) if keep_att else np.empty((0, 0, 0))
     scale = 1.0 / math.sqrt(d // n_head)
-    attention_into(q, k, v, pos0, n_keys, causal, n_head, scale, nx[0], nx[1], nx[2], y, att)
+    attention_into(q, k, v, pos0, n_keys, causal, n_head, scale, nx[0], nx[1], nx[2], y, att, attn[0], attn[1])
     return y, att
 
 

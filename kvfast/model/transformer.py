@@ -73,6 +73,10 @@ def run_forward(
     backward pass needs; ``trace`` collects the residual stream and K, V per layer.
     """
     nx = numerics.codes
+    if tape is not None and numerics.attention != "standard":
+        raise ValueError(
+            f"numerics.attention: {numerics.attention!r} has no backward; allowed: 'standard' for gradients"
+        )
     eps = config.eps
     p = w.named
     T = tokens.shape[0]
@@ -95,7 +99,9 @@ def run_forward(
             kbuf, vbuf = cache.k[layer], cache.v[layer]
         else:
             kbuf, vbuf = k, v
-        y, att = L.attention_forward(q, kbuf, vbuf, config.n_head, causal, nx, pos0, keep_att=tape is not None)
+        y, att = L.attention_forward(
+            q, kbuf, vbuf, config.n_head, causal, nx, pos0, keep_att=tape is not None, attn=numerics.attention_codes
+        )
         o = L.linear_forward(y, p[pre + "wo"], nx)
         x_mid = L.residual_forward(x, o, nx)
         h2, inv2 = L.rmsnorm_forward(x_mid, p[pre + "g2"], eps, nx)
