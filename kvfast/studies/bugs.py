@@ -1,0 +1,341 @@
+"""The bug study: every catalogue bug on the real cached path against a full recompute, at every step.
+
+One run = one bug (or ``"none"``, the clean control) x one case (model kind,
+seed, depth, head count, prompt length). The run generates ``steps`` tokens
+greedily with the bugged cache and compares each step's logits with a full
+recompute of *the same* sequence (the prompt plus the tokens the bugged run
+chose so far), so that a deviation is the cache's alone. Because appending a
+token cannot change earlier positions under a causal mask, the recompute is
+one forward over the final sequence: its row ``prompt_len - 1 + i`` is the
+reference for step ``i`` (row 0 comes from the prefill, row ``i >= 1`` from
+decode step ``i``). The clean cached run is compared the same way in every run
+(``clean_dev``, expected exactly 0.0) and its tokens are the reference for
+"the output changed".
+
+Models (``model``):
+
+- ``random``: :func:`kvfast.init_params` with the case's ``seed``;
+- ``trained``: the same architecture trained by :func:`kvfast.studies.toytask.train`
+  on the ``cycle`` task (the first :data:`TASK_PREFIX` tokens repeated; vocab
+  from the config, sequences of ``MAX_POS + 1`` tokens) for :data:`TRAIN_STEPS`
+  Adam steps of :data:`TRAIN_BATCH` sequences at learning rate :data:`TRAIN_LR`,
+  from seed :data:`TRAIN_SEED` (one trained model per architecture; the case
+  seed only picks the prompt).
+
+Prompts (both models): :data:`TASK_PREFIX` uniformly random tokens drawn from
+``seed`` and ``prompt_len``, continued by the cycle task to ``prompt_len``
+tokens, so the trained model sees in-distribution prompts and both model
+kinds see the same ones. Every model has ``max_pos = MAX_POS``.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from itertools import product
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from kvfast.model.bugs import BUG_CODES, BUGS, EVICT_WINDOW, VISIBLE_AT_STEP_1
+from kvfast.model.config import ModelConfig, init_params
+from kvfast.model.decode import run_generate
+from kvfast.model.transformer import Weights, run_forward
+from kvfast.numerics import PRESETS, Numerics
+from kvfast.studies.base import Claim, Study, require_choice, require_int
+from kvfast.studies.toytask import Task, train
+
+VERSION = "1"
+
+CONTROL = "none"
+BUG_CHOICES = (*BUGS, CONTROL)
+MODEL_KINDS = ("random", "trained")
+MAX_POS = 32
+TASK_PREFIX = 4
+TRAIN_SEED = 0
+TRAIN_STEPS = 200
+TRAIN_LR = 0.01
+TRAIN_BATCH = 8
+
+GRIDS = Path(__file__).resolve().parent.parent / "data" / "grids"
+
+# The seed's table (its five named bugs): step-1 deviation, all-steps deviation, output changed (%).
+SEED_BUG_TABLE: dict[str, tuple[float, float, float]] = {
+    "stale": (0.146, 0.448, 0.0),
+    "posoff": (24.9, 24.9, 100.0),
+    "freeze": (0.0, 24.6, 96.0),
+    "evict": (0.0, 0.254, 0.0),
+    "posfrozen": (0.0, 25.5, 100.0),
+}
+
+CONFIG_FIELDS = {
+    "bug": pa.string(),
+    "model": pa.string(),
+    "seed": pa.int64(),
+    "n_layer": pa.int64(),
+    "n_head": pa.int64(),
+    "d_model": pa.int64(),
+    "d_ff": pa.int64(),
+    "vocab": pa.int64(),
+    "prompt_len": pa.int64(),
+    "steps": pa.int64(),
+    "preset": pa.string(),
+}
+RESULT_FIELDS = {
+    "dev_step1": pa.float64(),
+    "dev_all": pa.float64(),
+    "dev_per_step": pa.list_(pa.float64()),
+    "first_bad_step": pa.int64(),
+    "tokens_changed": pa.bool_(),
+    "first_changed_token": pa.int64(),
+    "clean_dev": pa.float64(),
+    "clean_margin_min": pa.float64(),
+    "tokens": pa.string(),
+    "clean_tokens": pa.string(),
+}
+
+
+def grid_cases(name: str) -> list[dict]:
+    """The configs of a built-in grid ``data/grids/NAME.toml``: ``[fixed]`` plus ``[axes]`` (cartesian)
+    times every ``[[tied]]`` table (its lists zipped), in the file's axis order."""
+    path = GRIDS / f"{name}.toml"
+    if not path.is_file():
+        raise ValueError(f"name: {name!r} is not allowed; allowed: a grid under {GRIDS}")
+    spec = tomllib.loads(path.read_text())
+    fixed = dict(spec.get("fixed", {}))
+    blocks: list[list[dict]] = [[{k: v} for v in vals] for k, vals in spec.get("axes", {}).items()]
+    for tied in spec.get("tied", []):
+        lengths = {len(v) for v in tied.values()}
+        if len(lengths) != 1:
+            raise ValueError(f"tied: lists of lengths {sorted(lengths)} in {path.name}; allowed: equal lengths")
+        blocks.append([dict(zip(tied, vals, strict=True)) for vals in zip(*tied.values(), strict=True)])
+    cases = []
+    for combo in product(*blocks):
+        case = dict(fixed)
+        for part in combo:
+            case.update(part)
+        cases.append(case)
+    return cases
+
+
+def check_config(config: dict) -> None:
+    """Raise ``ValueError`` naming the field, its value and what is allowed."""
+    require_choice(config, "bug", BUG_CHOICES)
+    require_choice(config, "model", MODEL_KINDS)
+    require_choice(config, "preset", tuple(PRESETS))
+    require_int(config, "seed", 0)
+    require_int(config, "n_layer", 1, 16)
+    require_int(config, "d_model", 1, 1024)
+    require_int(config, "n_head", 1, config["d_model"])
+    require_int(config, "d_ff", 1, 4096)
+    require_int(config, "vocab", 2, 4096)
+    require_int(config, "prompt_len", 1, EVICT_WINDOW - 1)
+    require_int(config, "steps", 2, MAX_POS + 1 - config["prompt_len"])
+    if config["d_model"] % config["n_head"]:
+        raise ValueError(
+            f"d_model: {config['d_model']} is not allowed with n_head={config['n_head']}; allowed: a multiple of n_head"
+        )
+
+
+def task_for(vocab: int) -> Task:
+    """The toy task of the trained models: ``cycle`` with period :data:`TASK_PREFIX`."""
+    return Task("cycle", vocab=vocab, length=MAX_POS + 1, prefix=TASK_PREFIX)
+
+
+def model_for(config: dict) -> tuple[ModelConfig, dict]:
+    """The model a config names (random from ``seed``, or trained once per architecture)."""
+    cfg = ModelConfig(
+        vocab=config["vocab"],
+        d_model=config["d_model"],
+        n_head=config["n_head"],
+        n_layer=config["n_layer"],
+        d_ff=config["d_ff"],
+        max_pos=MAX_POS,
+    )
+    if config["model"] == "random":
+        return cfg, init_params(cfg, config["seed"])
+    return cfg, train(cfg, task_for(cfg.vocab), TRAIN_SEED, TRAIN_STEPS, TRAIN_LR, TRAIN_BATCH)
+
+
+def prompt_for(config: dict) -> np.ndarray:
+    """``prompt_len`` tokens of the cycle task, its free prefix drawn from ``seed`` and ``prompt_len``."""
+    rng = np.random.default_rng([config["seed"], config["prompt_len"], 0xB065])
+    head = rng.integers(0, config["vocab"], size=TASK_PREFIX)
+    return task_for(config["vocab"]).complete(head, config["prompt_len"])
+
+
+def _first(mask: np.ndarray) -> int:
+    idx = np.nonzero(mask)[0]
+    return int(idx[0]) if idx.size else -1
+
+
+def compare_to_recompute(
+    cfg: ModelConfig, w: Weights, prompt: np.ndarray, tokens: np.ndarray, logits: np.ndarray, numerics: Numerics
+) -> tuple[np.ndarray, int]:
+    """Per-step max abs deviation of ``logits`` from a full recompute of the same sequence, and the
+    first step whose logits differ at all (``-1`` if none)."""
+    seq = np.concatenate([prompt, tokens[:-1]])
+    ref = run_forward(cfg, w, seq, numerics)[prompt.shape[0] - 1 :]
+    differ = (logits != ref).any(axis=1)
+    dev = np.abs(logits - ref).max(axis=1)
+    dev[differ & np.isnan(dev)] = np.inf
+    return dev, _first(differ)
+
+
+def run(config: dict) -> dict:
+    """One bug x case; see the module docstring. Columns: :data:`RESULT_FIELDS`."""
+    cfg, params = model_for(config)
+    numerics = Numerics.preset(config["preset"])
+    w = Weights.prepare(cfg, params, numerics)
+    prompt = prompt_for(config)
+    steps = config["steps"]
+    code = BUG_CODES.get(config["bug"], 0)
+    clean_t, clean_l = run_generate(cfg, w, prompt, steps, numerics, True, 0)
+    clean_dev, _ = compare_to_recompute(cfg, w, prompt, clean_t, clean_l, numerics)
+    if code:
+        bug_t, bug_l = run_generate(cfg, w, prompt, steps, numerics, True, code)
+        dev, first_bad = compare_to_recompute(cfg, w, prompt, bug_t, bug_l, numerics)
+    else:
+        bug_t, dev, first_bad = clean_t, clean_dev, _first(clean_dev != 0)
+    top2 = np.sort(clean_l, axis=1)[:, -2:]
+    return {
+        "dev_step1": float(dev[1]),
+        "dev_all": float(dev.max()),
+        "dev_per_step": [float(x) for x in dev],
+        "first_bad_step": first_bad,
+        "tokens_changed": bool((bug_t != clean_t).any()),
+        "first_changed_token": _first(bug_t != clean_t),
+        "clean_dev": float(clean_dev.max()),
+        "clean_margin_min": float((top2[:, 1] - top2[:, 0]).min()),
+        "tokens": ",".join(map(str, bug_t)),
+        "clean_tokens": ",".join(map(str, clean_t)),
+    }
+
+
+def run_cases(cases: list[dict]) -> pd.DataFrame:
+    """Run ``cases`` in this process (checking each first); one row per case, config then result columns."""
+    for case in cases:
+        check_config(case)
+    rows = [{**case, **run(case)} for case in cases]
+    return pd.DataFrame(rows, columns=[*CONFIG_FIELDS, *RESULT_FIELDS])
+
+
+def bug_runs(cases: list[dict] | None = None) -> pd.DataFrame:
+    """The bug study's runs (default: the built-in grid ``bugs.toml``) as a DataFrame."""
+    return run_cases(grid_cases("bugs") if cases is None else cases)
+
+
+def _ok(df: pd.DataFrame) -> pd.DataFrame:
+    return df[df["status"] == "ok"] if "status" in df.columns else df
+
+
+def _step_range(steps: pd.Series) -> str:
+    s = steps[steps >= 0]
+    if s.empty:
+        return "never"
+    lo, hi = int(s.min()), int(s.max())
+    return str(lo) if lo == hi else f"{lo}-{hi}"
+
+
+def summarize(df: pd.DataFrame) -> pd.DataFrame:
+    """The seed's table per model kind and bug: max deviation at step 1 and over all steps, % of runs
+    whose tokens changed, the first deviating step's range; the seed's figures beside them."""
+    ok = _ok(df)
+    order = {b: i for i, b in enumerate(BUG_CHOICES)}
+    rows = []
+    for (model, bug), g in ok.groupby(["model", "bug"], sort=False):
+        seed = SEED_BUG_TABLE.get(bug, (np.nan, np.nan, np.nan))
+        rows.append(
+            {
+                "model": model,
+                "bug": bug,
+                "visible_at_step_1": VISIBLE_AT_STEP_1.get(bug, False),
+                "cases": len(g),
+                "step_1": float(g["dev_step1"].max()),
+                "all_steps": float(g["dev_all"].max()),
+                "output_changed_pct": 100.0 * float(g["tokens_changed"].mean()),
+                "first_bad_step": _step_range(g["first_bad_step"]),
+                "seed_step_1": seed[0],
+                "seed_all_steps": seed[1],
+                "seed_output_changed_pct": seed[2],
+            }
+        )
+    out = pd.DataFrame(rows)
+    if out.empty:
+        return out
+    out["_o"] = out["bug"].map(order)
+    return out.sort_values(["model", "_o"]).drop(columns="_o").reset_index(drop=True)
+
+
+def bug_table(runs: pd.DataFrame | None = None) -> pd.DataFrame:
+    """The summary table (:func:`summarize`) of ``runs`` (default: run the built-in grid)."""
+    return summarize(bug_runs() if runs is None else runs)
+
+
+def _pct(x: float) -> str:
+    return f"{x:.0f}%"
+
+
+def claims(df: pd.DataFrame) -> list[Claim]:
+    """The seed's bug-table claims, as measured on every model kind in ``df``."""
+    ok = _ok(df)
+    out: list[Claim] = []
+    if ok.empty:
+        return out
+    growth = [b for b in BUGS if not VISIBLE_AT_STEP_1[b]]
+    g = ok[ok["bug"].isin(growth)]
+    if len(g):
+        worst1 = float(g["dev_step1"].max())
+        bitten = g.groupby("bug")["dev_all"].max()
+        out.append(
+            Claim(
+                "growth bugs are exactly 0.0 at step 1 (" + ", ".join(growth) + ")",
+                "0.0 (freeze, evict, posfrozen)",
+                f"max {worst1!r} over {len(g)} runs; later max "
+                + ", ".join(f"{b} {bitten[b]:.3g}" for b in bitten.index),
+                worst1 == 0.0 and bool((bitten > 0).all()),
+            )
+        )
+    v = ok[ok["bug"].isin([b for b in BUGS if VISIBLE_AT_STEP_1[b]])]
+    if len(v):
+        out.append(
+            Claim(
+                "step-1-visible bugs deviate at step 1 in every run",
+                "stale 0.146, posoff 24.9",
+                f"{int((v['dev_step1'] > 0).sum())} of {len(v)} runs, min {float(v['dev_step1'].min()):.3g}",
+                bool((v["dev_step1"] > 0).all()),
+            )
+        )
+    c = ok[ok["bug"] == CONTROL]
+    clean = ok["clean_dev"]
+    out.append(
+        Claim(
+            "clean cached path equals a full recompute (every run's control)",
+            "0.0",
+            f"max {float(clean.max())!r} over {len(ok)} runs" + (f" ({len(c)} clean-control rows)" if len(c) else ""),
+            bool((clean == 0.0).all()),
+        )
+    )
+    for bug, (_, _, seed_pct) in SEED_BUG_TABLE.items():
+        b = ok[ok["bug"] == bug]
+        if b.empty:
+            continue
+        per_model = b.groupby("model")["tokens_changed"].mean() * 100.0
+        figure = ", ".join(f"{m} {_pct(p)}" for m, p in per_model.items())
+        holds = bool((per_model.round() == seed_pct).all())
+        out.append(Claim(f"{bug} changes the generated tokens", f"{_pct(seed_pct)} of runs", figure, holds))
+    return out
+
+
+STUDY = Study(
+    name="bugs",
+    version=VERSION,
+    description="each catalogue bug's logit deviation from a full recompute at step 1 and at every step",
+    run=run,
+    config_fields=CONFIG_FIELDS,
+    result_fields=RESULT_FIELDS,
+    check_config=check_config,
+    summarize=summarize,
+    claims=claims,
+)
