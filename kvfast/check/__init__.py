@@ -1,0 +1,46 @@
+"""``kvfast.check``: every-step KV-cache checks for any model, with a rounding-or-bug verdict.
+
+- :func:`check_cache` / :func:`assert_cache_exact`: the checker (:mod:`kvfast.check.checker`).
+- :mod:`kvfast.check.protocol`: what a model under test provides.
+- :mod:`kvfast.check.control`: control mode's method and limits.
+- :class:`KvfastModel`: kvfast's own model (with any catalogue bug) as a model under test.
+- :class:`NumpyModel`: a NumPy reference model of the same architecture, loading kvfast's ``.npz``.
+- :func:`score_detector`: score any cache test against the bug catalogue.
+"""
+
+from __future__ import annotations
+
+from kvfast.check.adapters import KvfastModel
+from kvfast.check.checker import MODES, SCENARIOS, CheckReport, ScenarioReport, assert_cache_exact, check_cache
+from kvfast.check.numpy_model import NumpyModel
+from kvfast.check.score import (
+    DETECTORS,
+    Detection,
+    DetectorCase,
+    compare_detectors,
+    default_cases,
+    every_step_exact,
+    one_step_allclose,
+    score_detector,
+    token_strings,
+)
+
+__all__ = [
+    "DETECTORS",
+    "MODES",
+    "SCENARIOS",
+    "CheckReport",
+    "Detection",
+    "DetectorCase",
+    "KvfastModel",
+    "NumpyModel",
+    "ScenarioReport",
+    "assert_cache_exact",
+    "check_cache",
+    "compare_detectors",
+    "default_cases",
+    "every_step_exact",
+    "one_step_allclose",
+    "score_detector",
+    "token_strings",
+]

@@ -1,0 +1,97 @@
+"""kvfast's own model as a model under test, on its real decode path (catalogue bugs included)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvfast.model import bugs as B
+from kvfast.model.cache import KVCache
+from kvfast.model.checks import check_config, check_numerics, check_token, check_tokens
+from kvfast.model.decode import run_decode
+from kvfast.model.transformer import Weights, run_forward
+from kvfast.numerics import Numerics
+
+
+class KvfastModel:
+    """kvfast's tiny transformer behind the check protocol (:mod:`kvfast.check.protocol`).
+
+    - ``recompute``: :func:`kvfast.forward` without a cache, in ``numerics``.
+    - ``prefill``: a fresh :class:`~kvfast.KVCache`, filled by the batched forward.
+    - ``extend``: the batched forward continuing the cache (positions from its length).
+    - ``decode``: the compiled decode kernel, in ``decode_numerics`` (default:
+      ``numerics``; same storage), with catalogue bug ``bug`` (:data:`kvfast.BUGS`).
+    - ``recompute_variants``: when ``decode_numerics`` differs from
+      ``numerics``, ``{"decode order": the recompute in decode_numerics}`` (a
+      computation that differs from ``recompute`` only in how it adds up); else
+      nothing.
+
+    Weights are rounded once, here. Bad arguments raise ``ValueError``.
+    """
+
+    def __init__(
+        self,
+        config,
+        params: dict,
+        numerics: Numerics | str = "f64",
+        bug: str | None = None,
+        decode_numerics: Numerics | str | None = None,
+    ) -> None:
+        self.config = check_config(config)
+        self.numerics = check_numerics(numerics)
+        self.decode_numerics = (
+            self.numerics if decode_numerics is None else check_numerics(decode_numerics, "decode_numerics")
+        )
+        if self.decode_numerics.storage != self.numerics.storage:
+            raise ValueError(
+                f"decode_numerics.storage: {self.decode_numerics.storage!r} differs from numerics.storage "
+                f"{self.numerics.storage!r}; allowed: the same storage (the cache is shared)"
+            )
+        self.bug = bug
+        self.bug_code = B.bug_code(bug)
+        self.weights = Weights.prepare(self.config, params, self.numerics)
+        self.cache: KVCache | None = None
+        self.vocab_size = self.config.vocab
+
+    def __repr__(self) -> str:
+        dec = "" if self.decode_numerics == self.numerics else f", decode={self.decode_numerics.name}"
+        return f"KvfastModel({self.numerics.name}{dec}, bug={self.bug!r})"
+
+    def recompute(self, tokens) -> np.ndarray:
+        """Logits (T, V) of a full forward of ``tokens`` from position 0, no cache."""
+        tokens = check_tokens(self.config, tokens)
+        return run_forward(self.config, self.weights, tokens, self.numerics)
+
+    def recompute_variants(self, tokens) -> dict[str, np.ndarray]:
+        """The recompute in the decode numerics, when they differ from the prefill's (see the class)."""
+        if self.decode_numerics == self.numerics:
+            return {}
+        tokens = check_tokens(self.config, tokens)
+        return {"decode order": run_forward(self.config, self.weights, tokens, self.decode_numerics)}
+
+    def prefill(self, tokens) -> np.ndarray:
+        """A fresh cache filled with ``tokens`` (positions 0..T-1); their logits (T, V)."""
+        tokens = check_tokens(self.config, tokens)
+        self.cache = KVCache.empty(self.config, self.numerics)
+        return run_forward(self.config, self.weights, tokens, self.numerics, self.cache)
+
+    def extend(self, tokens) -> np.ndarray:
+        """``tokens`` continuing the cache (a further prefill chunk); their logits (n, V)."""
+        cache = self._cache()
+        tokens = check_tokens(self.config, tokens, start=cache.length)
+        return run_forward(self.config, self.weights, tokens, self.numerics, cache)
+
+    def decode(self, token) -> np.ndarray:
+        """One token at the cache's next position through the decode kernel; logits (V,)."""
+        cache = self._cache()
+        token = check_token(self.config, token)
+        if cache.length >= cache.capacity:
+            raise ValueError(
+                f"decode: the cache is full ({cache.length} positions, max_pos={self.config.max_pos}); "
+                f"allowed: at most {self.config.max_pos} positions in all"
+            )
+        return run_decode(self.config, self.weights, cache, token, self.decode_numerics, self.bug_code)
+
+    def _cache(self) -> KVCache:
+        if self.cache is None:
+            raise ValueError("cache: empty; allowed: call prefill(tokens) first")
+        return self.cache

@@ -1,0 +1,499 @@
+"""Every-step cache checks of a model under test: ``check_cache`` and ``assert_cache_exact``.
+
+Steps. Step 0 is the prompt: every row of the logits the cache path returns
+for the prompt (``prefill``, or ``prefill`` + ``extend`` in the resume
+scenario) against the rows of ``recompute(prompt)``. Step ``t >= 1`` is the
+``t``-th ``decode``: its logits (position ``len(prompt) + t - 1``) against that
+position's row of a full recompute. The tokens fed to ``decode`` are greedy
+choices from the RECOMPUTE path, so both paths always see the same sequence,
+and a bug cannot steer the check onto another text.
+
+The reference (per-step path). Step ``t``'s reference is the last row of
+``recompute(prompt + tokens[:t])``: one recompute per step.
+
+The reference (fast path, the default). Under a causal mask appending a token
+cannot change earlier positions, so row ``p`` of ONE recompute of the final
+sequence is the reference for every step. The checker does not assume this of
+the model; it verifies it: the model's rows of ``recompute(prompt)`` and of
+``recompute(final[:q])`` (``q`` = prompt length + a quarter of the steps)
+must equal (``==``) the same rows of ``recompute(final)``. The final sequence
+is found by decoding with the cache's own greedy choices, then the tokens are
+checked against the recompute's greedy choices; from the first step where they
+differ (only possible after a divergence) the reference continues per step,
+and every scenario then runs again against the recompute's tokens. When the
+recompute is not append-invariant, the per-step path runs instead (noted in
+the report).
+
+Modes. ``exact``: a step passes when its logits are equal (``==``) to the
+reference; no tolerance anywhere. ``control``: see :mod:`kvfast.check.control`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvfast.check import control as C
+from kvfast.check.protocol import (
+    check_int,
+    check_logits,
+    check_prompt,
+    check_range,
+    has,
+    require_model,
+    vocab_of,
+)
+
+MODES = ("exact", "control")
+SCENARIOS = ("decode", "resume")
+
+
+@dataclass(frozen=True)
+class ScenarioReport:
+    """One scenario's comparison of the cache path against the recompute, step by step.
+
+    - ``deviation[t]``: ``max |cache - recompute|`` over the logits of step ``t``
+      (step 0: every prompt row); ``0.0`` exactly when they are equal.
+    - ``first_divergent_step``: the first step whose logits are not equal
+      (``None``: none); ``first_divergent_position`` the position of its first
+      differing row.
+    - control mode only: ``floor[t]`` (order noise measured at step ``t``),
+      ``bound[t]`` (the floor the step is judged against), ``ratio[t]`` =
+      ``deviation / bound`` and ``first_bug_step``.
+    - ``step_verdicts[t]``: ``exact``/``divergent`` or ``rounding``/``bug``;
+      ``verdict``: the scenario's (``exact``, ``divergent``, ``rounding``,
+      ``bug``, or ``skipped`` with the reason in ``notes``).
+    """
+
+    name: str
+    mode: str
+    prompt: np.ndarray
+    tokens: np.ndarray
+    deviation: np.ndarray
+    step_verdicts: tuple[str, ...]
+    verdict: str
+    first_divergent_step: int | None
+    first_divergent_position: int | None
+    floor: np.ndarray | None = None
+    bound: np.ndarray | None = None
+    ratio: np.ndarray | None = None
+    first_bug_step: int | None = None
+    margin: float | None = None
+    split: int | None = None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def passed(self) -> bool:
+        """``True`` for ``exact``, ``rounding`` and ``skipped``."""
+        return self.verdict in ("exact", "rounding", "skipped")
+
+    @property
+    def steps(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def position(self, step: int) -> str:
+        """The position(s) a step covers, as text (step 0: ``0-(T-1)``)."""
+        T = self.prompt.shape[0]
+        return f"0-{T - 1}" if step == 0 else str(T + step - 1)
+
+    def focus_step(self) -> int | None:
+        """The step a failure message is about: the first bug (control) or the first divergence (exact)."""
+        return self.first_bug_step if self.mode == "control" else self.first_divergent_step
+
+    def table(self, max_rows: int = 12) -> str:
+        """A short per-step table: the first steps, and the steps around the first failure."""
+        n = self.deviation.shape[0]
+        focus = self.focus_step()
+        show = set(range(min(n, 4)))
+        if focus is not None:
+            show |= set(range(max(0, focus - 2), min(n, focus + 4)))
+        show |= {n - 1}
+        rows = sorted(show)[:max_rows]
+        head = f"{'step':>5} {'position':>9} {'fed token':>9} {'deviation':>11}"
+        if self.mode == "control":
+            head += f" {'floor':>10} {'bound':>10} {'ratio':>9}"
+        lines = [head + "  verdict"]
+        prev = -1
+        for t in rows:
+            if t != prev + 1:
+                lines.append(f"{'...':>5}")
+            prev = t
+            tok = "-" if t == 0 else str(int(self.tokens[t - 1]))
+            line = f"{t:>5} {self.position(t):>9} {tok:>9} {self.deviation[t]:>11.4g}"
+            if self.mode == "control":
+                line += f" {self.floor[t]:>10.4g} {self.bound[t]:>10.4g} {self.ratio[t]:>9.4g}"
+            mark = "  <- first" if t == focus else ""
+            lines.append(f"{line}  {self.step_verdicts[t]}{mark}")
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        """One paragraph: the verdict, the first divergent step, its deviation and the context tokens."""
+        if self.verdict == "skipped":
+            return f"scenario {self.name!r}: skipped ({'; '.join(self.notes)})"
+        T = self.prompt.shape[0]
+        head = f"scenario {self.name!r} ({self.mode}): {self.verdict}"
+        if self.split is not None:
+            head += f" (prompt split {self.split} + {T - self.split})"
+        focus = self.focus_step()
+        if focus is None:
+            worst = float(self.deviation.max())
+            if self.mode == "control":
+                return f"{head}; every step within {self.margin:g}x its order-noise floor (worst deviation {worst:.4g})"
+            return f"{head}; all {self.deviation.shape[0]} steps bit-identical to the recompute"
+        what = "first bug step" if self.mode == "control" else "first divergent step"
+        msg = f"{head}; {what} {focus} (position {self._focus_position(focus)}): max |cached - recompute| = "
+        msg += f"{self.deviation[focus]:.6g}"
+        if self.mode == "control":
+            msg += f", {self.ratio[focus]:.4g}x the order-noise bound {self.bound[focus]:.4g} (margin {self.margin:g})"
+        ctx = self.context(focus)
+        shown = ", ".join(map(str, ctx[-24:]))
+        more = f"... ({ctx.shape[0] - 24} earlier) " if ctx.shape[0] > 24 else ""
+        msg += f"\ncontext tokens up to position {ctx.shape[0] - 1}: [{more}{shown}]"
+        return msg
+
+    def _focus_position(self, step: int) -> str:
+        if step == 0 and self.first_divergent_position is not None and self.mode == "exact":
+            return str(self.first_divergent_position)
+        return self.position(step)
+
+    def context(self, step: int) -> np.ndarray:
+        """The tokens the model had seen when step ``step``'s logits were computed."""
+        if step == 0:
+            return (
+                self.prompt
+                if self.first_divergent_position is None
+                else self.prompt[: self.first_divergent_position + 1]
+            )
+        return np.concatenate([self.prompt, self.tokens[:step]])
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    """The result of :func:`check_cache`: one :class:`ScenarioReport` per scenario, and the overall verdict.
+
+    ``verdict`` is ``exact`` or ``divergent`` (exact mode), ``rounding`` or
+    ``bug`` (control mode); ``passed`` is ``True`` for ``exact`` and
+    ``rounding``. ``tokens`` are the greedy tokens of the recompute path fed to
+    ``decode`` (``steps`` of them). ``path`` is ``fast`` or ``per-step``.
+    """
+
+    mode: str
+    prompt: np.ndarray
+    tokens: np.ndarray
+    scenarios: dict[str, ScenarioReport]
+    verdict: str
+    path: str
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict in ("exact", "rounding")
+
+    @property
+    def steps(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def first_divergent_step(self) -> int | None:
+        """The earliest first divergent step over the scenarios (``None``: every step equal)."""
+        found = [s.first_divergent_step for s in self.scenarios.values() if s.first_divergent_step is not None]
+        return min(found) if found else None
+
+    @property
+    def first_bug_step(self) -> int | None:
+        """Control mode: the earliest step judged a bug over the scenarios."""
+        found = [s.first_bug_step for s in self.scenarios.values() if s.first_bug_step is not None]
+        return min(found) if found else None
+
+    @property
+    def worst(self) -> ScenarioReport:
+        """The scenario a failure message is about (the earliest failure; else the first scenario run)."""
+        ran = [s for s in self.scenarios.values() if s.verdict != "skipped"]
+        failing = [s for s in ran if not s.passed]
+        if failing:
+            return min(failing, key=lambda s: s.focus_step())
+        return ran[0]
+
+    @property
+    def deviation(self) -> np.ndarray:
+        """Per-step deviation of :attr:`worst`."""
+        return self.worst.deviation
+
+    @property
+    def max_deviation(self) -> float:
+        """The largest deviation over every step of every scenario that ran."""
+        return max(float(s.deviation.max()) for s in self.scenarios.values() if s.verdict != "skipped")
+
+    def format(self) -> str:
+        """The full readable report: a verdict line, each scenario's summary, the worst scenario's table."""
+        names = ", ".join(self.scenarios)
+        lines = [
+            f"kvfast check ({self.mode} mode, {self.path} reference, {self.steps} decode steps, "
+            f"prompt of {self.prompt.shape[0]} tokens, scenarios: {names}): {self.verdict.upper()}"
+        ]
+        lines += [s.summary() for s in self.scenarios.values()]
+        lines += [f"note: {n}" for n in self.notes]
+        worst = self.worst
+        lines.append(f"per-step table ({worst.name!r}):")
+        lines.append(worst.table())
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.format()
+
+
+# --- running the cache path --------------------------------------------------------------
+
+
+def _run_cache_path(
+    model,
+    scenario: str,
+    prompt: np.ndarray,
+    split: int,
+    steps: int,
+    vocab: int,
+    choose: Callable[[int, np.ndarray], int],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Fill the cache for the prompt, then decode ``steps`` tokens.
+
+    ``choose(t, logits)`` gives the token fed at decode step ``t + 1`` from the
+    cache's logits of step ``t``. Returns the prompt rows ``(T, V)``, the decode
+    logits ``(steps, V)`` and the fed tokens ``(steps,)``.
+    """
+    T = prompt.shape[0]
+    if scenario == "decode":
+        first = check_logits(model.prefill(prompt), "prefill", T, vocab, "of the prompt")
+    else:
+        a = check_logits(model.prefill(prompt[:split]), "prefill", split, vocab, "of the first chunk (resume)")
+        if has(model, "extend"):
+            b = check_logits(model.extend(prompt[split:]), "extend", T - split, vocab, "of the second chunk (resume)")
+        else:
+            b = np.stack(
+                [
+                    check_logits(
+                        model.decode(int(tok)), "decode", None, vocab, f"of prompt position {split + i} (resume)"
+                    )
+                    for i, tok in enumerate(prompt[split:])
+                ]
+            )
+        first = np.concatenate([a, b])
+    outs = np.empty((steps, vocab))
+    fed = np.empty(steps, dtype=np.int64)
+    last = first[-1]
+    for t in range(1, steps + 1):
+        tok = int(choose(t - 1, last))
+        fed[t - 1] = tok
+        last = check_logits(model.decode(tok), "decode", None, vocab, f"at step {t} (position {T + t - 1})")
+        outs[t - 1] = last
+    return first, outs, fed
+
+
+def _deviations(first: np.ndarray, outs: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, int | None]:
+    """Per-step max |cache - reference| and the first differing prompt row (or ``None``)."""
+    T = first.shape[0]
+    dev = np.empty(outs.shape[0] + 1)
+    diff0 = np.abs(first - rows[:T]).max(axis=1)
+    dev[0] = diff0.max()
+    dev[1:] = np.abs(outs - rows[T:]).max(axis=1)
+    bad_rows = np.nonzero(diff0 > 0)[0]
+    return dev, (int(bad_rows[0]) if bad_rows.size else None)
+
+
+def _per_step_rows(model, prompt: np.ndarray, rows: np.ndarray, tokens: np.ndarray, start: int, vocab: int) -> None:
+    """Fill ``rows[start:]`` and the tokens they choose by one recompute per position."""
+    T = prompt.shape[0]
+    steps = tokens.shape[0]
+    for p in range(start, T + steps):
+        seq = np.concatenate([prompt, tokens[: p - T + 1]])
+        rows[p] = check_logits(model.recompute(seq), "recompute", p + 1, vocab, f"of the first {p + 1} tokens")[-1]
+        if p - T + 1 < steps:
+            tokens[p - T + 1] = int(np.argmax(rows[p]))
+
+
+def _invariance(model, final: np.ndarray, full: np.ndarray, ref0: np.ndarray, steps: int, vocab: int) -> str | None:
+    """``None`` if the recompute is append-invariant at the checked prefixes, else why not."""
+    T = ref0.shape[0]
+    if not np.array_equal(ref0, full[:T]):
+        dev = float(np.abs(ref0 - full[:T]).max())
+        return f"recompute(prompt) differs from the first {T} rows of recompute(whole sequence) by {dev:.4g}"
+    q = T + max(1, steps // 4)
+    if q < final.shape[0]:
+        part = check_logits(model.recompute(final[:q]), "recompute", q, vocab, f"of the first {q} tokens")
+        if not np.array_equal(part, full[:q]):
+            dev = float(np.abs(part - full[:q]).max())
+            return f"recompute(first {q} tokens) differs from the same rows of recompute(whole sequence) by {dev:.4g}"
+    return None
+
+
+# --- the public checks ---------------------------------------------------------------------
+
+
+def _check_scenarios(scenarios: object) -> tuple[str, ...]:
+    if isinstance(scenarios, str):
+        scenarios = (scenarios,)
+    if not isinstance(scenarios, Sequence) or not scenarios:
+        raise ValueError(f"scenarios: {scenarios!r} is not allowed; allowed: a non-empty subset of {SCENARIOS}")
+    out = []
+    for s in scenarios:
+        if s not in SCENARIOS:
+            raise ValueError(f"scenarios: {s!r} is not allowed; allowed: {', '.join(SCENARIOS)}")
+        if s in out:
+            raise ValueError(f"scenarios: {s!r} appears twice; allowed: each scenario once")
+        out.append(s)
+    return tuple(out)
+
+
+def check_cache(
+    model,
+    prompt,
+    steps: int,
+    mode: str = "exact",
+    scenarios: Sequence[str] | str = SCENARIOS,
+    *,
+    fast: bool = True,
+    split: int | None = None,
+    margin: float = C.DEFAULT_MARGIN,
+    window: int = C.DEFAULT_WINDOW,
+) -> CheckReport:
+    """Compare a model's cache path with its full recompute at every step; return a :class:`CheckReport`.
+
+    - ``model``: see :mod:`kvfast.check.protocol`.
+    - ``prompt``: a non-empty 1-D sequence of token ids in ``[0, V)``.
+    - ``steps``: decode steps to check (>= 1); the model sees
+      ``len(prompt) + steps`` positions.
+    - ``mode``: ``"exact"`` (``==`` at every step) or ``"control"`` (rounding or
+      bug against the model's own order-noise floor; ``margin`` and ``window``
+      as documented in :mod:`kvfast.check.control`).
+    - ``scenarios``: ``"decode"`` (prefill the prompt, then decode) and/or
+      ``"resume"`` (prefill ``prompt[:split]``, then ``extend`` with the rest,
+      or feed the rest through ``decode`` if the model has no ``extend``; then
+      decode). ``split`` defaults to ``len(prompt) // 2``; a one-token prompt
+      cannot be split and the resume scenario is reported as skipped.
+    - ``fast``: use one recompute of the final sequence as the reference after
+      verifying append-invariance (``False``: one recompute per step).
+
+    Bad input (a missing method, logits of the wrong shape or not finite, a
+    token out of range, an empty prompt, an unknown mode) raises ``ValueError``.
+    """
+    require_model(model)
+    prompt = check_prompt(prompt)
+    steps = check_int(steps, "steps", 1)
+    if mode not in MODES:
+        raise ValueError(f"mode: {mode!r} is not allowed; allowed: {', '.join(MODES)}")
+    scenarios = _check_scenarios(scenarios)
+    if not isinstance(fast, bool):
+        raise ValueError(f"fast: {fast!r} is not allowed; allowed: True or False")
+    margin, window = C.check_margin(margin), C.check_window(window)
+    T = prompt.shape[0]
+    if split is None:
+        split = T // 2
+    elif T > 1:
+        split = check_int(split, "split", 1, T - 1)
+    else:
+        split = check_int(split, "split", 0, 0)
+    vocab = vocab_of(model)
+    check_range(prompt, vocab)
+
+    notes: list[str] = []
+    rows = np.empty((T + steps, vocab))
+    tokens = np.empty(steps, dtype=np.int64)
+    rows[:T] = check_logits(model.recompute(prompt), "recompute", T, vocab, "of the prompt")
+    tokens[0] = int(np.argmax(rows[T - 1]))
+    path = "per-step"
+    reuse = None  # the fast path's decode-scenario run, when its tokens were the recompute's
+    known = T
+    if fast:
+        first_tok = int(tokens[0])
+        spec = _run_cache_path(
+            model, "decode", prompt, split, steps, vocab, lambda t, out: first_tok if t == 0 else int(np.argmax(out))
+        )
+        final = np.concatenate([prompt, spec[2]])
+        full = check_logits(model.recompute(final), "recompute", T + steps, vocab, "of the whole sequence")
+        why = _invariance(model, final, full, rows[:T], steps, vocab)
+        if why is None:
+            path = "fast"
+            greedy = np.argmax(full[T - 1 : T + steps - 1], axis=1)
+            wrong = np.nonzero(greedy != spec[2])[0]
+            j = steps if wrong.size == 0 else int(wrong[0])
+            rows[T : T + j] = full[T : T + j]
+            tokens[: j + 1 if j < steps else steps] = greedy[: j + 1 if j < steps else steps]
+            known = T + j
+            if j == steps:
+                reuse = spec
+            else:
+                notes.append(
+                    f"the cache's greedy token differs from the recompute's at step {j}; the reference continues "
+                    "per step from there and the scenarios ran again on the recompute's tokens"
+                )
+        else:
+            notes.append(f"recompute is not append-invariant ({why}); used one recompute per step")
+    _per_step_rows(model, prompt, rows, tokens, known, vocab)
+    final = np.concatenate([prompt, tokens])
+
+    floors = None
+    if mode == "control":
+        floors, floor_notes = C.order_noise(model, prompt, final, rows, vocab, path == "fast")
+        notes += floor_notes
+
+    reports: dict[str, ScenarioReport] = {}
+    for name in scenarios:
+        if name == "resume" and T < 2:
+            reports[name] = ScenarioReport(
+                name, mode, prompt, tokens, np.zeros(0), (), "skipped", None, None,
+                notes=("the prompt has one token and cannot be split in two chunks",),
+            )  # fmt: skip
+            continue
+        if name == "decode" and reuse is not None:
+            first, outs, _ = reuse
+        else:
+            first, outs, _ = _run_cache_path(model, name, prompt, split, steps, vocab, lambda t, out: int(tokens[t]))
+        dev, bad_row = _deviations(first, outs, rows)
+        reports[name] = _judge(name, mode, prompt, tokens, dev, bad_row, floors, margin, window, split, model)
+    ran = [r for r in reports.values() if r.verdict != "skipped"]
+    if mode == "exact":
+        verdict = "exact" if all(r.verdict == "exact" for r in ran) else "divergent"
+    else:
+        verdict = "rounding" if all(r.verdict == "rounding" for r in ran) else "bug"
+    return CheckReport(mode, prompt, tokens, reports, verdict, path, tuple(notes))
+
+
+def _judge(name, mode, prompt, tokens, dev, bad_row, floors, margin, window, split, model) -> ScenarioReport:
+    differs = np.nonzero(dev > 0)[0]
+    first = int(differs[0]) if differs.size else None
+    notes: tuple[str, ...] = ()
+    resume_split = None
+    if name == "resume":
+        resume_split = split
+        if not has(model, "extend"):
+            notes = ("the model has no extend(); the second chunk of the prompt went through decode()",)
+    if mode == "exact":
+        verdicts = tuple("divergent" if d > 0 else "exact" for d in dev)
+        return ScenarioReport(
+            name, mode, prompt, tokens, dev, verdicts, "divergent" if first is not None else "exact", first, bad_row,
+            split=resume_split, notes=notes,
+        )  # fmt: skip
+    floor = C.step_floor(floors, prompt.shape[0])
+    bound, ratio, verdicts = C.judge(dev, floor, margin, window)
+    bugs = [t for t, v in enumerate(verdicts) if v == "bug"]
+    return ScenarioReport(
+        name, mode, prompt, tokens, dev, verdicts, "bug" if bugs else "rounding", first, bad_row,
+        floor=floor, bound=bound, ratio=ratio, first_bug_step=bugs[0] if bugs else None, margin=margin,
+        split=resume_split, notes=notes,
+    )  # fmt: skip
+
+
+def assert_cache_exact(model, prompt, steps: int, **kwargs) -> CheckReport:
+    """:func:`check_cache` in exact mode; raise ``AssertionError`` with the report unless every step is equal.
+
+    The message names the first divergent step, its deviation and the context
+    tokens, followed by a short per-step table. Returns the report on success.
+    """
+    if kwargs.get("mode", "exact") != "exact":
+        raise ValueError(f"mode: {kwargs['mode']!r} is not allowed here; allowed: 'exact' (use check_cache)")
+    kwargs.pop("mode", None)
+    report = check_cache(model, prompt, steps, mode="exact", **kwargs)
+    if not report.passed:
+        raise AssertionError(report.format())
+    return report

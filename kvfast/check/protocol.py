@@ -1,0 +1,157 @@
+"""The model-under-test protocol and the validation of everything a model hands back.
+
+A model under test is any object with these methods (tokens are passed as a
+1-D ``numpy.int64`` array, a single token as a Python ``int``):
+
+``recompute(tokens) -> logits (T, V)``
+    A full forward of ``tokens`` from position 0, with no cache. It must not
+    touch the cache that ``prefill``/``decode`` use.
+``prefill(tokens) -> logits (T, V)``
+    Reset the cache, then run ``tokens`` from position 0 and store their keys
+    and values.
+``decode(token) -> logits (V,)``
+    One new token at the cache's next position, over the cache; appends its K/V.
+``extend(tokens) -> logits (n, V)`` (optional)
+    A further chunk on top of the cache (chunked prefill, a resumed session).
+``recompute_variants(tokens) -> {name: logits (T, V)}`` (optional, control mode)
+    Full recomputes of ``tokens`` that differ from ``recompute`` ONLY in how they
+    add up (another batching, another kernel's summation order); never through
+    the cache. A list is accepted too (named ``variant0``, ``variant1``, ...).
+``vocab_size`` (optional attribute, int)
+    The vocabulary size. Without it the checker learns it from the logits of
+    ``recompute([0])``.
+
+Logits may be anything :func:`numpy.asarray` accepts, a CPU torch tensor
+included (a tensor is detached and a bfloat16 one widened to float32 first,
+both exact). A leading batch axis of size 1 is dropped. Logits must be finite.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+REQUIRED = ("recompute", "prefill", "decode")
+OPTIONAL = ("extend", "recompute_variants")
+PROTOCOL = "an object with recompute(tokens), prefill(tokens), decode(token) and optionally extend(tokens)"
+
+
+def require_model(model: object) -> None:
+    """Raise ``ValueError`` naming the first required method ``model`` lacks."""
+    for name in REQUIRED:
+        if not callable(getattr(model, name, None)):
+            raise ValueError(f"model: {type(model).__name__} has no method {name!r}; allowed: {PROTOCOL}")
+    for name in OPTIONAL:
+        value = getattr(model, name, None)
+        if value is not None and not callable(value):
+            raise ValueError(f"model.{name}: {value!r} is not callable; allowed: a method or absent")
+
+
+def has(model: object, name: str) -> bool:
+    """Whether ``model`` has the optional method ``name``."""
+    return callable(getattr(model, name, None))
+
+
+def to_numpy(value: object) -> np.ndarray:
+    """``value`` as a NumPy array without changing any number (torch tensors included)."""
+    if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch tensor, without importing torch
+        value = value.detach().cpu()
+        if str(getattr(value, "dtype", "")) == "torch.bfloat16":
+            value = value.float()  # exact: every bfloat16 is a float32
+    try:
+        return np.asarray(value)
+    except Exception as exc:  # noqa: BLE001 - any conversion failure is the model's bad output
+        raise ValueError(
+            f"logits: {type(value).__name__} cannot be read by numpy.asarray ({exc}); allowed: an array-like"
+        ) from exc
+
+
+def check_logits(value: object, method: str, rows: int | None, vocab: int | None, where: str = "") -> np.ndarray:
+    """Validate logits returned by ``model.<method>``; return them as float64.
+
+    ``rows`` is the expected number of rows (``None``: one row, shape ``(V,)``).
+    ``vocab`` is the expected ``V`` (``None``: any positive size). A leading
+    axis of size 1 is dropped. Raises ``ValueError`` for a non-numeric dtype, a
+    wrong shape or a non-finite value.
+    """
+    arr = to_numpy(value)
+    want_ndim = 1 if rows is None else 2
+    if arr.ndim == want_ndim + 1 and arr.shape[0] == 1:
+        arr = arr[0]
+    v = "V" if vocab is None else str(vocab)
+    expected = f"({v},)" if rows is None else f"({rows}, {v})"
+    at = f" {where}" if where else ""
+    if arr.dtype.kind not in "fiu":
+        raise ValueError(f"model.{method}{at}: logits of dtype {arr.dtype} are not allowed; allowed: real numbers")
+    ok = arr.ndim == want_ndim and arr.shape[-1] >= 1
+    if ok and rows is not None:
+        ok = arr.shape[0] == rows
+    if ok and vocab is not None:
+        ok = arr.shape[-1] == vocab
+    if not ok:
+        raise ValueError(f"model.{method}{at}: logits of shape {arr.shape} are not allowed; allowed: {expected}")
+    arr = arr.astype(np.float64, copy=False)
+    finite = np.isfinite(arr)
+    if not finite.all():
+        idx = np.argwhere(~finite)[0]
+        bad = arr[tuple(idx)]
+        raise ValueError(
+            f"model.{method}{at}: logits hold {bad} at index {tuple(int(i) for i in idx)}; allowed: finite numbers"
+        )
+    return arr
+
+
+def check_prompt(prompt: object) -> np.ndarray:
+    """A non-empty 1-D sequence of non-negative integer token ids, as int64."""
+    arr = to_numpy(prompt)
+    if arr.ndim != 1 or arr.size == 0:
+        raise ValueError(f"prompt: shape {arr.shape} is not allowed; allowed: a non-empty 1-D sequence of token ids")
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"prompt: dtype {arr.dtype} is not allowed; allowed: integer token ids")
+    if (arr < 0).any():
+        raise ValueError(f"prompt: token {int(arr[arr < 0][0])} is out of range; allowed: integers >= 0")
+    return arr.astype(np.int64)
+
+
+def check_range(prompt: np.ndarray, vocab: int) -> None:
+    """Raise ``ValueError`` if a prompt token is not in ``[0, vocab)``."""
+    bad = prompt >= vocab
+    if bad.any():
+        raise ValueError(f"prompt: token {int(prompt[bad][0])} is out of range; allowed: integers in [0, {vocab})")
+
+
+def check_int(value: object, field: str, minimum: int, maximum: int | None = None) -> int:
+    """An ``int`` (not a bool) in ``[minimum, maximum]``."""
+    ok = not isinstance(value, bool) and isinstance(value, int | np.integer)
+    if ok:
+        ok = value >= minimum and (maximum is None or value <= maximum)
+    if not ok:
+        upper = "" if maximum is None else f" and <= {maximum}"
+        raise ValueError(f"{field}: {value!r} is not allowed; allowed: an integer >= {minimum}{upper}")
+    return int(value)
+
+
+def vocab_of(model: object) -> int:
+    """The model's vocabulary size: ``model.vocab_size`` if it is an int, else from ``recompute([0])``."""
+    declared = getattr(model, "vocab_size", None)
+    if declared is not None:
+        return check_int(declared, "model.vocab_size", 1)
+    probe = check_logits(model.recompute(np.zeros(1, dtype=np.int64)), "recompute", 1, None, "of [0]")
+    return int(probe.shape[1])
+
+
+def variants_of(model: object, tokens: np.ndarray, vocab: int) -> dict[str, np.ndarray]:
+    """``model.recompute_variants(tokens)`` validated, as ``{name: (T, V) float64}`` (empty without the hook)."""
+    if not has(model, "recompute_variants"):
+        return {}
+    raw = model.recompute_variants(tokens)
+    if isinstance(raw, dict):
+        items = list(raw.items())
+    elif isinstance(raw, list | tuple):
+        items = [(f"variant{i}", v) for i, v in enumerate(raw)]
+    else:
+        raise ValueError(
+            f"model.recompute_variants: returned {type(raw).__name__}; allowed: a dict or list of logits arrays"
+        )
+    return {
+        str(name): check_logits(v, "recompute_variants", tokens.shape[0], vocab, f"[{name!r}]") for name, v in items
+    }

@@ -1,0 +1,289 @@
+"""Scoring a cache test against the bug catalogue: ``score_detector`` and three built-in detectors.
+
+A *detector* is any function ``detector(model, case)`` that tests a model
+under test (:mod:`kvfast.check.protocol`; here kvfast's own model with the
+case's bug, :class:`~kvfast.check.KvfastModel`) on a case's prompt and step
+count, and returns one of:
+
+- a ``bool``: the flag (the score for ranking is 1.0 or 0.0);
+- a number: the score; the flag is ``score > 0``;
+- a :class:`Detection`: flag, score and the step at which it fired.
+
+Each case is a catalogue bug (or ``None``, a clean control) on one small
+model; the label is "a bug is present". :func:`score_detector` reports per bug:
+recall (flagged bugged cases / bugged cases), steps-to-detection (median step
+at which flagged cases fired) and ROC AUC of the scores against the clean
+controls (Mann-Whitney, ties half: :func:`kvfast.studies.scoring.roc_auc`), and
+over all bugs also the false-positive rate on the clean controls.
+
+Built-in detectors (:data:`DETECTORS`):
+
+- ``one_step_allclose``: what popular generation test suites do. Generate
+  three tokens greedily with the cache and compare the logits of the ONE
+  cached step (decode step 1) with the recompute, ``np.allclose`` with
+  ``atol = rtol = 1e-5``.
+- ``token_strings``: generate ``case.steps + 1`` tokens greedily with the
+  cache and without, and compare the token strings.
+- ``every_step_exact``: kvfast's check (:func:`kvfast.check_cache`, exact mode,
+  the ``decode`` scenario) over ``case.steps`` decode steps: logits equal
+  (``==``) at every step.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from kvfast.check.adapters import KvfastModel
+from kvfast.check.checker import check_cache
+from kvfast.check.protocol import check_logits, vocab_of
+from kvfast.model.bugs import BUGS
+from kvfast.model.config import ModelConfig, init_params
+
+ONE_STEP_ATOL = 1e-5
+ONE_STEP_RTOL = 1e-5
+
+
+@dataclass(frozen=True)
+class Detection:
+    """A detector's answer: ``flag``, a ``score`` for ranking, and the ``step`` at which it fired (or ``None``)."""
+
+    flag: bool
+    score: float
+    step: int | None = None
+
+
+@dataclass(frozen=True)
+class DetectorCase:
+    """One case: catalogue ``bug`` (``None``: clean control) on a random model, a prompt and a step count.
+
+    The model is :class:`ModelConfig` ``(vocab, d_model, n_head, n_layer,
+    d_ff, max_pos)`` with :func:`kvfast.init_params` from ``seed``, in
+    ``numerics``; the prompt is ``prompt_len`` uniform tokens from
+    ``numpy.random.default_rng([seed, prompt_len, 11])``.
+    """
+
+    bug: str | None
+    seed: int
+    n_layer: int
+    n_head: int
+    prompt_len: int
+    steps: int = 16
+    vocab: int = 32
+    d_model: int = 16
+    d_ff: int = 32
+    max_pos: int = 32
+    numerics: str = "f64"
+
+    @property
+    def config(self) -> ModelConfig:
+        return ModelConfig(
+            vocab=self.vocab,
+            d_model=self.d_model,
+            n_head=self.n_head,
+            n_layer=self.n_layer,
+            d_ff=self.d_ff,
+            max_pos=self.max_pos,
+        )
+
+    @property
+    def prompt(self) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, self.prompt_len, 11])
+        return rng.integers(0, self.vocab, size=self.prompt_len).astype(np.int64)
+
+    def model(self) -> KvfastModel:
+        """A fresh kvfast model under test with this case's bug."""
+        return KvfastModel(self.config, _params(self.config, self.seed), self.numerics, bug=self.bug)
+
+
+@functools.lru_cache(maxsize=64)
+def _params(config: ModelConfig, seed: int) -> dict:
+    return init_params(config, seed)
+
+
+def default_cases(steps: int = 16) -> list[DetectorCase]:
+    """The built-in cases: each of the 8 bugs and the clean control on the same 30 models (270 cases).
+
+    Models: seeds 0-4 x depth 1, 2 x (heads, prompt length) in (1, 4), (2, 6),
+    (4, 8); d_model 16, d_ff 32, vocab 32, max_pos 32, float64; ``steps``
+    decode steps (16 by default, so that ``evict``'s window of 16 bites).
+    """
+    shapes = [(1, 4), (2, 6), (4, 8)]
+    models = [(seed, depth, h, p) for seed in range(5) for depth in (1, 2) for h, p in shapes]
+    return [DetectorCase(bug, seed, depth, h, p, steps) for bug in (*BUGS, None) for seed, depth, h, p in models]
+
+
+# --- the built-in detectors ------------------------------------------------------------------
+
+
+def _greedy_cached(model, prompt: np.ndarray, n: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` greedy tokens with the cache; returns (tokens, logits (n, V)); logits[i] chose token i."""
+    rows = np.empty((n, vocab))
+    toks = np.empty(n, dtype=np.int64)
+    rows[0] = check_logits(model.prefill(prompt), "prefill", prompt.shape[0], vocab)[-1]
+    for i in range(n):
+        toks[i] = int(np.argmax(rows[i]))
+        if i + 1 < n:
+            rows[i + 1] = check_logits(model.decode(int(toks[i])), "decode", None, vocab)
+    return toks, rows
+
+
+def _greedy_recompute(model, prompt: np.ndarray, n: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    rows = np.empty((n, vocab))
+    toks = np.empty(n, dtype=np.int64)
+    seq = prompt
+    for i in range(n):
+        rows[i] = check_logits(model.recompute(seq), "recompute", seq.shape[0], vocab)[-1]
+        toks[i] = int(np.argmax(rows[i]))
+        seq = np.append(seq, toks[i])
+    return toks, rows
+
+
+def one_step_allclose(model, case) -> Detection:
+    """Three greedy tokens with the cache; decode step 1's logits vs the recompute, allclose(atol=rtol=1e-5).
+
+    The recompute is of the same sequence the cached run fed (its own tokens).
+    """
+    vocab = vocab_of(model)
+    toks, rows = _greedy_cached(model, case.prompt, 3, vocab)
+    seq = np.append(case.prompt, toks[0])
+    ref = check_logits(model.recompute(seq), "recompute", seq.shape[0], vocab)[-1]
+    dev = float(np.abs(rows[1] - ref).max())
+    flag = not np.allclose(rows[1], ref, atol=ONE_STEP_ATOL, rtol=ONE_STEP_RTOL)
+    return Detection(flag, dev, 1 if flag else None)
+
+
+def token_strings(model, case) -> Detection:
+    """``case.steps + 1`` greedy tokens with the cache and without; flag when the strings differ.
+
+    Score: the number of positions whose tokens differ; step: the first such position.
+    """
+    vocab = vocab_of(model)
+    n = case.steps + 1
+    cached, _ = _greedy_cached(model, case.prompt, n, vocab)
+    plain, _ = _greedy_recompute(model, case.prompt, n, vocab)
+    differ = np.nonzero(cached != plain)[0]
+    return Detection(bool(differ.size), float(differ.size), int(differ[0]) if differ.size else None)
+
+
+def every_step_exact(model, case) -> Detection:
+    """kvfast's every-step exact check over ``case.steps`` decode steps (``decode`` scenario)."""
+    report = check_cache(model, case.prompt, case.steps, mode="exact", scenarios=("decode",))
+    return Detection(not report.passed, report.max_deviation, report.first_divergent_step)
+
+
+DETECTORS: dict[str, Callable] = {
+    "one_step_allclose": one_step_allclose,
+    "token_strings": token_strings,
+    "every_step_exact": every_step_exact,
+}
+
+
+# --- scoring ----------------------------------------------------------------------------------
+
+
+def _as_detection(value: object, name: str) -> Detection:
+    if isinstance(value, Detection):
+        return value
+    if isinstance(value, bool | np.bool_):
+        return Detection(bool(value), 1.0 if value else 0.0)
+    if isinstance(value, int | float | np.integer | np.floating) and not np.isnan(value):
+        return Detection(bool(value > 0), float(value))
+    raise ValueError(f"detector {name}: returned {value!r}; allowed: a bool, a number (not NaN) or a Detection")
+
+
+def _as_case(case: object) -> DetectorCase:
+    if isinstance(case, DetectorCase):
+        return case
+    if isinstance(case, dict):
+        known = set(DetectorCase.__dataclass_fields__)
+        extra = set(case) - known
+        if extra:
+            raise ValueError(f"cases: unknown keys {sorted(extra)}; allowed: {sorted(known)}")
+        bug = case.get("bug")
+        return DetectorCase(**{**case, "bug": None if bug in (None, "none") else bug})
+    raise ValueError(f"cases: {type(case).__name__} is not allowed; allowed: DetectorCase objects or dicts")
+
+
+def run_detector(detector: Callable, cases: Iterable) -> pd.DataFrame:
+    """One row per case: the case's fields plus ``flag``, ``score`` and ``step``."""
+    if not callable(detector):
+        raise ValueError(f"detector: {detector!r} is not allowed; allowed: a function (model, case) -> result")
+    name = getattr(detector, "__name__", repr(detector))
+    rows = []
+    for raw in cases:
+        case = _as_case(raw)
+        if case.bug is not None and case.bug not in BUGS:
+            raise ValueError(f"cases: bug {case.bug!r} is not allowed; allowed: None, {', '.join(BUGS)}")
+        det = _as_detection(detector(case.model(), case), name)
+        rows.append({**case.__dict__, "bug": case.bug or "none", "flag": det.flag, "score": det.score,
+                     "step": det.step})  # fmt: skip
+    if not rows:
+        raise ValueError("cases: empty; allowed: at least one bugged case and one clean case")
+    return pd.DataFrame(rows)
+
+
+def score_detector(detector: Callable, cases: Sequence | None = None) -> pd.DataFrame:
+    """Score ``detector`` over ``cases`` (default :func:`default_cases`): one row per bug, then ``all``.
+
+    Columns: ``bug``, ``cases``, ``recall``, ``steps_to_detection`` (median
+    step at which flagged cases fired; NaN if none fired or the detector gives
+    no steps), ``auc`` (the bug's scores against the clean controls'), and
+    ``fpr`` (on the clean controls; on the ``all`` row). Needs clean controls
+    (``bug=None``) and at least one bugged case.
+    """
+    from kvfast.studies.scoring import confusion, roc_auc  # here: kvfast.studies may import kvfast.check
+
+    df = run_detector(detector, default_cases() if cases is None else cases)
+    clean = df[df["bug"] == "none"]
+    if clean.empty or len(clean) == len(df):
+        raise ValueError("cases: need both clean controls (bug=None) and bugged cases; allowed: a mix of both")
+    out = []
+    groups = [(b, df[df["bug"] == b]) for b in BUGS if (df["bug"] == b).any()]
+    groups.append(("all", df[df["bug"] != "none"]))
+    fpr = confusion(clean["flag"].to_numpy(bool), np.zeros(len(clean), bool)).fpr
+    for bug, part in groups:
+        both = pd.concat([part, clean])
+        labels = np.r_[np.ones(len(part), bool), np.zeros(len(clean), bool)]
+        steps = part.loc[part["flag"], "step"].dropna()
+        out.append(
+            {
+                "bug": bug,
+                "cases": len(part),
+                "recall": confusion(part["flag"].to_numpy(bool), np.ones(len(part), bool)).recall,
+                "steps_to_detection": float(steps.median()) if len(steps) else float("nan"),
+                "auc": roc_auc(both["score"].to_numpy(float), labels),
+                "fpr": fpr if bug == "all" else float("nan"),
+            }
+        )
+    return pd.DataFrame(out)
+
+
+def compare_detectors(detectors: dict[str, Callable] | None = None, cases: Sequence | None = None) -> pd.DataFrame:
+    """:func:`score_detector` for each detector (default :data:`DETECTORS`), side by side.
+
+    One row per bug and ``all``; for each detector the columns
+    ``<name>.recall``, ``<name>.steps`` (steps to detection) and ``<name>.auc``,
+    and ``<name>.fpr`` (meaningful on the ``all`` row).
+    """
+    detectors = DETECTORS if detectors is None else detectors
+    cases = default_cases() if cases is None else list(cases)
+    table = None
+    for name, det in detectors.items():
+        s = score_detector(det, cases).set_index("bug")
+        part = s[["recall", "steps_to_detection", "auc", "fpr"]].rename(
+            columns={
+                "recall": f"{name}.recall",
+                "steps_to_detection": f"{name}.steps",
+                "auc": f"{name}.auc",
+                "fpr": f"{name}.fpr",
+            }  # fmt: skip
+        )
+        table = part if table is None else table.join(part)
+        if "cases" not in table.columns:
+            table.insert(0, "cases", s["cases"])
+    return table.reset_index()
