@@ -1,0 +1,262 @@
+"""The detector study: the one-step and the every-step exact cache check, scored against the catalogue.
+
+Cases (:func:`detector_cases`, grid ``detector.toml``): 8 bugs x 30 cases =
+240 bugged runs, plus the same 30 cases with ``bug = "none"`` as clean
+controls = 270 runs. The 30 cases are 3 depths x 2 head counts x 5 (seed,
+prompt length) pairs on random models, 16 greedy tokens each (15 decode
+steps), float64. Each run is a :mod:`kvfast.studies.bugs` run (same columns).
+
+Two detectors, no tolerance anywhere:
+
+- **one-step**: flags a run if the cached logits differ (``!=``) from the
+  recompute at the prefill row or decode step 1 (what a test with a
+  one-token decode checks); its score is the max abs deviation there;
+- **every-step**: flags a run if they differ at any step; its score is the
+  max abs deviation over all steps.
+
+Two labels: **output changed** (the generated tokens differ from the clean
+run's; scored over the 240 bugged runs, the seed's population) and **bug
+present** (scored over all 270 runs: 240 positives, 30 negatives). Metrics:
+recall, precision, FPR (:func:`kvfast.studies.scoring.confusion`) and ROC AUC
+(Mann-Whitney, ties counted half: :func:`kvfast.studies.scoring.roc_auc`).
+Steps-to-detection of a run: its first deviating step (what a test's
+generation length must reach to see the bug).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from kvfast.model.bugs import BUGS, VISIBLE_AT_STEP_1
+from kvfast.studies import bugs as bugstudy
+from kvfast.studies.base import Claim, Study
+from kvfast.studies.scoring import confusion, detector_metrics
+
+VERSION = f"1.{bugstudy.VERSION}"  # its runs are bug-study runs
+
+DETECTORS = ("one-step", "every-step")
+LABELS = ("output changed", "bug present")
+
+# The seed's figures (label "output changed", 240 cases of which 180 changed the output).
+SEED_FIGURES: dict[str, dict[str, float]] = {
+    "one-step": {"recall": 0.500, "auc": 0.605},
+    "every-step": {"recall": 1.000, "auc": 1.000},
+}
+SEED_CASES = 240
+SEED_CHANGED = 180
+
+
+def detector_cases(controls: bool = True) -> list[dict]:
+    """The study's run configs: 240 bugged runs, then (with ``controls``) 30 clean controls."""
+    cases = bugstudy.grid_cases("detector")
+    bugged = [c for c in cases if c["bug"] != bugstudy.CONTROL]
+    clean = [c for c in cases if c["bug"] == bugstudy.CONTROL]
+    return bugged + clean if controls else bugged
+
+
+def detector_runs(cases: list[dict] | None = None) -> pd.DataFrame:
+    """Run ``cases`` (default :func:`detector_cases`) in this process; one row per run."""
+    return bugstudy.run_cases(detector_cases() if cases is None else cases)
+
+
+def scored(df: pd.DataFrame) -> pd.DataFrame:
+    """The ok runs of ``df`` with each detector's flag and score and each label, as columns:
+    ``one_step_flag``, ``one_step_score``, ``every_step_flag``, ``every_step_score``,
+    ``output_changed``, ``bug_present``, ``steps_to_detection`` (first deviating step, -1 if none)."""
+    ok = df[df["status"] == "ok"] if "status" in df.columns else df
+    out = ok.copy()
+    first = out["first_bad_step"].astype(np.int64)
+    dev = out["dev_per_step"].map(lambda d: np.asarray(d, dtype=np.float64))
+    out["one_step_flag"] = (first >= 0) & (first <= 1)
+    out["one_step_score"] = dev.map(lambda d: float(d[:2].max()))
+    out["every_step_flag"] = first >= 0
+    out["every_step_score"] = out["dev_all"].astype(np.float64)
+    out["output_changed"] = out["tokens_changed"].astype(bool)
+    out["bug_present"] = out["bug"] != bugstudy.CONTROL
+    out["steps_to_detection"] = first
+    return out
+
+
+def _population(s: pd.DataFrame, label: str) -> pd.DataFrame:
+    return s[s["bug_present"]] if label == "output changed" else s
+
+
+def _steps(first: pd.Series) -> str:
+    f = first[first >= 0]
+    if f.empty:
+        return "never"
+    lo, hi, med = int(f.min()), int(f.max()), float(f.median())
+    return str(lo) if lo == hi else f"{lo}-{hi} (median {med:g})"
+
+
+def summarize(df: pd.DataFrame) -> pd.DataFrame:
+    """Headline rows (``scope = "all"``: each detector under each label) then per-bug rows (``scope`` =
+    the bug, label "bug present": the share of its runs each detector flags and the steps it needs)."""
+    s = scored(df)
+    rows = []
+    for det in DETECTORS:
+        key = det.replace("-", "_")
+        for label in LABELS:
+            pop = _population(s, label)
+            if pop.empty:
+                continue
+            y = pop[label.replace(" ", "_")].to_numpy(bool)
+            m = detector_metrics(pop[f"{key}_flag"].to_numpy(bool), pop[f"{key}_score"].to_numpy(), y)
+            flagged = pop[pop[f"{key}_flag"]]
+            seed = SEED_FIGURES[det] if label == "output changed" else {}
+            rows.append(
+                {
+                    "detector": det,
+                    "scope": "all",
+                    "label": label,
+                    "cases": m["n"],
+                    "positives": m["positives"],
+                    "flagged": m["flagged"],
+                    "recall": m["recall"],
+                    "precision": m["precision"],
+                    "fpr": m["fpr"],
+                    "auc": m["auc"],
+                    "steps_to_detection": _steps(flagged["steps_to_detection"]) if det == "every-step" else "1",
+                    "seed_recall": seed.get("recall", np.nan),
+                    "seed_auc": seed.get("auc", np.nan),
+                }
+            )
+    for bug in [*BUGS, bugstudy.CONTROL]:
+        g = s[s["bug"] == bug]
+        if g.empty:
+            continue
+        for det in DETECTORS:
+            key = det.replace("-", "_")
+            c = confusion(g[f"{key}_flag"].to_numpy(bool), g["bug_present"].to_numpy(bool))
+            flagged = g[g[f"{key}_flag"]]
+            rows.append(
+                {
+                    "detector": det,
+                    "scope": bug,
+                    "label": "bug present",
+                    "cases": c.n,
+                    "positives": c.positives,
+                    "flagged": c.flagged,
+                    "recall": c.recall,
+                    "precision": c.precision,
+                    "fpr": c.fpr,
+                    "auc": np.nan,
+                    "steps_to_detection": _steps(flagged["steps_to_detection"]),
+                    "seed_recall": np.nan,
+                    "seed_auc": np.nan,
+                }
+            )
+    return pd.DataFrame(rows)
+
+
+def steps_to_detection(df: pd.DataFrame) -> pd.DataFrame:
+    """Per bug: runs, how many changed the output, the every-step check's first firing step (min,
+    median, max over the runs where it fires) and the share of runs the one-step check flags."""
+    s = scored(df)
+    rows = []
+    for bug in [*BUGS, bugstudy.CONTROL]:
+        g = s[s["bug"] == bug]
+        if g.empty:
+            continue
+        f = g.loc[g["every_step_flag"], "steps_to_detection"]
+        rows.append(
+            {
+                "bug": bug,
+                "visible_at_step_1": VISIBLE_AT_STEP_1.get(bug, False),
+                "runs": len(g),
+                "output_changed": int(g["output_changed"].sum()),
+                "one_step_flagged": int(g["one_step_flag"].sum()),
+                "every_step_flagged": int(g["every_step_flag"].sum()),
+                "steps_min": int(f.min()) if len(f) else -1,
+                "steps_median": float(f.median()) if len(f) else np.nan,
+                "steps_max": int(f.max()) if len(f) else -1,
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def detector_table(runs: pd.DataFrame | None = None) -> pd.DataFrame:
+    """The summary (:func:`summarize`) of ``runs`` (default: run :func:`detector_cases`)."""
+    return summarize(detector_runs() if runs is None else runs)
+
+
+def _row(summary: pd.DataFrame, det: str, label: str) -> pd.Series | None:
+    r = summary[(summary["detector"] == det) & (summary["scope"] == "all") & (summary["label"] == label)]
+    return None if r.empty else r.iloc[0]
+
+
+def claims(df: pd.DataFrame) -> list[Claim]:
+    """The seed's detector claims as measured (label "output changed" unless said otherwise)."""
+    s = scored(df)
+    if s.empty:
+        return []
+    summary = summarize(df)
+    out: list[Claim] = []
+    bugged = s[s["bug_present"]]
+    changed = int(bugged["output_changed"].sum())
+    out.append(
+        Claim(
+            "bugged runs whose generated output changed",
+            f"{SEED_CHANGED} of {SEED_CASES}",
+            f"{changed} of {len(bugged)}",
+            changed == SEED_CHANGED and len(bugged) == SEED_CASES,
+        )
+    )
+    one = _row(summary, "one-step", "output changed")
+    if one is not None:
+        out.append(
+            Claim(
+                "one-step exact check misses output-changing runs (recall < 1.000)",
+                "recall 0.500, AUC 0.605",
+                f"recall {one['recall']:.3f}, AUC {one['auc']:.3f}",
+                bool(one["recall"] < 1.0),
+            )
+        )
+    every = _row(summary, "every-step", "output changed")
+    if every is not None:
+        out.append(
+            Claim(
+                "every-step exact check: recall 1.000 and AUC 1.000",
+                "recall 1.000, AUC 1.000",
+                f"recall {every['recall']:.3f}, AUC {every['auc']:.3f}",
+                bool(every["recall"] == 1.0 and every["auc"] == 1.0),
+            )
+        )
+    present = _row(summary, "every-step", "bug present")
+    if present is not None:
+        deviating = s[s["bug_present"] & (s["every_step_score"] > 0)]
+        out.append(
+            Claim(
+                "every-step check flags every bugged run that ever deviates, and no clean control",
+                "recall 1.000 (no tolerance anywhere)",
+                f"recall {present['recall']:.3f} ({len(deviating)} of {int(present['positives'])} runs deviate), "
+                f"FPR {present['fpr']:.3f}",
+                bool(deviating["every_step_flag"].all() and (present["fpr"] == 0.0 or np.isnan(present["fpr"]))),
+            )
+        )
+    growth = s[s["bug"].isin([b for b in BUGS if not VISIBLE_AT_STEP_1[b]])]
+    if len(growth):
+        caught = int(growth["one_step_flag"].sum())
+        out.append(
+            Claim(
+                "the one-step check catches none of the growth bugs",
+                "0.0 at step 1 for freeze, evict, posfrozen",
+                f"{caught} of {len(growth)} growth-bug runs flagged",
+                caught == 0,
+            )
+        )
+    return out
+
+
+STUDY = Study(
+    name="detector",
+    version=VERSION,
+    description="one-step vs every-step exact cache checks as detectors: recall, precision, FPR, ROC AUC",
+    run=bugstudy.run,
+    config_fields=bugstudy.CONFIG_FIELDS,
+    result_fields=bugstudy.RESULT_FIELDS,
+    check_config=bugstudy.check_config,
+    summarize=summarize,
+    claims=claims,
+)

@@ -1,0 +1,224 @@
+"""The per-layer invariance study: does appending a token move any earlier position's state?
+
+One run: a random model (``init_params(seed)``, ``max_pos = prompt_len + 1``)
+and ``prompt_len + 1`` random tokens (drawn from ``seed`` and ``prompt_len``).
+Two forwards with the same numerics and the same mask setting: over the first
+``prompt_len`` tokens, and over all of them. For every layer ``l`` (1-based)
+the run reports the max abs change, over the earlier positions ``0 ..
+prompt_len - 1``, of
+
+- ``resid_dev[l - 1]``: the residual stream entering layer ``l``
+  (``resid_dev[0]`` is the embedding, ``resid_dev[n_layer]`` the final stream),
+- ``k_dev[l - 1]``, ``v_dev[l - 1]``: layer ``l``'s keys and values (what a cache stores),
+
+and ``logits_dev``. With the causal mask (``causal = true``) every entry is
+expected to be exactly 0.0: appending cannot move the past, so a cache is
+exact. Without it, layer 1's keys and values are still exact (they are
+computed from the embedding alone), and every layer from 2 on moves: layer
+1's attention lets the new token reach earlier positions' residual streams,
+which feed layer 2's keys and values.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from kvfast.model.config import ModelConfig, init_params
+from kvfast.model.transformer import Weights, run_forward
+from kvfast.numerics import PRESETS, Numerics
+from kvfast.studies.base import Claim, Study, require_choice, require_int
+from kvfast.studies.bugs import grid_cases
+
+VERSION = "1"
+
+CONFIG_FIELDS = {
+    "preset": pa.string(),
+    "causal": pa.bool_(),
+    "seed": pa.int64(),
+    "n_layer": pa.int64(),
+    "n_head": pa.int64(),
+    "d_model": pa.int64(),
+    "d_ff": pa.int64(),
+    "vocab": pa.int64(),
+    "prompt_len": pa.int64(),
+}
+RESULT_FIELDS = {
+    "resid_dev": pa.list_(pa.float64()),
+    "k_dev": pa.list_(pa.float64()),
+    "v_dev": pa.list_(pa.float64()),
+    "logits_dev": pa.float64(),
+    "max_dev": pa.float64(),
+}
+
+
+def check_config(config: dict) -> None:
+    """Raise ``ValueError`` naming the field, its value and what is allowed."""
+    require_choice(config, "preset", tuple(PRESETS))
+    require_choice(config, "causal", (True, False))
+    require_int(config, "seed", 0)
+    require_int(config, "n_layer", 1, 16)
+    require_int(config, "d_model", 1, 1024)
+    require_int(config, "n_head", 1, config["d_model"])
+    require_int(config, "d_ff", 1, 4096)
+    require_int(config, "vocab", 1, 4096)
+    require_int(config, "prompt_len", 1, 1024)
+    if config["d_model"] % config["n_head"]:
+        raise ValueError(
+            f"d_model: {config['d_model']} is not allowed with n_head={config['n_head']}; allowed: a multiple of n_head"
+        )
+
+
+def _trace(cfg: ModelConfig, w: Weights, tokens: np.ndarray, nx: Numerics, causal: bool) -> dict:
+    trace: dict = {}
+    trace["logits"] = run_forward(cfg, w, tokens, nx, None, causal, trace=trace)
+    return trace
+
+
+def run(config: dict) -> dict:
+    """One prompt length x model x mask setting; see the module docstring."""
+    p = config["prompt_len"]
+    cfg = ModelConfig(
+        vocab=config["vocab"],
+        d_model=config["d_model"],
+        n_head=config["n_head"],
+        n_layer=config["n_layer"],
+        d_ff=config["d_ff"],
+        max_pos=p + 1,
+    )
+    nx = Numerics.preset(config["preset"])
+    w = Weights.prepare(cfg, init_params(cfg, config["seed"]), nx)
+    rng = np.random.default_rng([config["seed"], p, 0x1A7A])
+    tokens = rng.integers(0, cfg.vocab, size=p + 1).astype(np.int64)
+    short = _trace(cfg, w, tokens[:p], nx, config["causal"])
+    full = _trace(cfg, w, tokens, nx, config["causal"])
+
+    def dev(name: str) -> list[float]:
+        return [float(np.abs(b[:p] - a).max()) for a, b in zip(short[name], full[name], strict=True)]
+
+    resid, k, v = dev("resid"), dev("k"), dev("v")
+    logits = float(np.abs(full["logits"][:p] - short["logits"]).max())
+    return {
+        "resid_dev": resid,
+        "k_dev": k,
+        "v_dev": v,
+        "logits_dev": logits,
+        "max_dev": max(*resid, *k, *v, logits),
+    }
+
+
+def invariance_runs(cases: list[dict] | None = None) -> pd.DataFrame:
+    """Run ``cases`` (default: the built-in grid ``invariance.toml``) in this process; one row per run."""
+    cases = grid_cases("invariance") if cases is None else cases
+    for case in cases:
+        check_config(case)
+    rows = [{**case, **run(case)} for case in cases]
+    return pd.DataFrame(rows, columns=[*CONFIG_FIELDS, *RESULT_FIELDS])
+
+
+def per_layer(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per run and layer ``l``: ``resid_in`` (entering ``l``), ``k``, ``v``, ``resid_out`` (leaving ``l``)."""
+    ok = df[df["status"] == "ok"] if "status" in df.columns else df
+    rows = []
+    for _, r in ok.iterrows():
+        resid = list(r["resid_dev"])
+        for i, (k, v) in enumerate(zip(r["k_dev"], r["v_dev"], strict=True)):
+            rows.append(
+                {
+                    "preset": r["preset"],
+                    "causal": bool(r["causal"]),
+                    "n_layer": int(r["n_layer"]),
+                    "prompt_len": int(r["prompt_len"]),
+                    "layer": i + 1,
+                    "resid_in": resid[i],
+                    "k": float(k),
+                    "v": float(v),
+                    "resid_out": resid[i + 1],
+                }
+            )
+    return pd.DataFrame(
+        rows, columns=["preset", "causal", "n_layer", "prompt_len", "layer", "resid_in", "k", "v", "resid_out"]
+    )
+
+
+def summarize(df: pd.DataFrame) -> pd.DataFrame:
+    """Per preset, mask setting and layer: runs, and the max (and, for ``k``, the min) change over runs."""
+    pl = per_layer(df)
+    if pl.empty:
+        return pl
+    out = (
+        pl.groupby(["preset", "causal", "layer"])
+        .agg(
+            runs=("k", "size"),
+            resid_in=("resid_in", "max"),
+            k=("k", "max"),
+            v=("v", "max"),
+            k_min=("k", "min"),
+            resid_out=("resid_out", "max"),
+        )
+        .reset_index()
+    )
+    out["seed"] = np.where(out["causal"], "0 (exact)", np.where(out["layer"] == 1, "exact", "wrong"))
+    return out.sort_values(["preset", "causal", "layer"], ascending=[True, False, True]).reset_index(drop=True)
+
+
+def invariance_table(runs: pd.DataFrame | None = None) -> pd.DataFrame:
+    """The summary (:func:`summarize`) of ``runs`` (default: run the built-in grid)."""
+    return summarize(invariance_runs() if runs is None else runs)
+
+
+def claims(df: pd.DataFrame) -> list[Claim]:
+    """Mask on: 0.0 everywhere. Mask off: layer 1 exact, every layer from 2 moved in every run."""
+    pl = per_layer(df)
+    if pl.empty:
+        return []
+    out = []
+    on = pl[pl["causal"]]
+    if len(on):
+        worst = float(on[["resid_in", "k", "v", "resid_out"]].to_numpy().max())
+        presets = ", ".join(sorted(on["preset"].unique()))
+        out.append(
+            Claim(
+                "with the causal mask, appending a token moves no earlier residual stream, K or V at any layer",
+                "exactly 0 at every layer",
+                f"max {worst!r} over {on['layer'].size} run-layers ({presets})",
+                worst == 0.0,
+            )
+        )
+    off = pl[~pl["causal"]]
+    if len(off):
+        first = off[off["layer"] == 1]
+        worst1 = float(first[["resid_in", "k", "v"]].to_numpy().max())
+        later = off[off["layer"] >= 2]
+        least = float(later[["resid_in", "k", "v"]].to_numpy().min()) if len(later) else float("nan")
+        out.append(
+            Claim(
+                "without the mask, layer 1's K and V are still exact",
+                "exact at layer 1",
+                f"max {worst1!r} over {len(first)} runs",
+                worst1 == 0.0,
+            )
+        )
+        out.append(
+            Claim(
+                "without the mask, every layer from 2 moves (residual stream in, K and V)",
+                "wrong from layer 2",
+                f"min {least:.3g} over {len(later)} run-layers",
+                bool(len(later) and least > 0.0),
+            )
+        )
+    return out
+
+
+STUDY = Study(
+    name="invariance",
+    version=VERSION,
+    description="per layer, how much appending a token moves earlier positions' residual stream, K and V",
+    run=run,
+    config_fields=CONFIG_FIELDS,
+    result_fields=RESULT_FIELDS,
+    check_config=check_config,
+    summarize=summarize,
+    claims=claims,
+)
