@@ -1,0 +1,434 @@
+"""Running a grid: chunks fanned out by joblib (loky, threading) or Dask, rows into Parquet parts.
+
+Contract of :func:`run_sweep`:
+
+- Everything is validated (backend, jobs, output directory, Dask scheduler)
+  before the first run; a problem is a ``ValueError`` and nothing stored is touched.
+- Only runs not stored with ``status="ok"`` run (``retry_errors``: also those
+  stored as ``error``/``crashed``; ``fresh``: stored results are deleted first).
+- The first pending runs execute in this process (Numba compiles or loads its
+  cache once, here, before workers start) and time the chunk size: about
+  ``chunk_s`` of work per chunk, at least four chunks per worker.
+- A run that raises is an ``error`` row (its message in ``error``); the sweep
+  goes on. A chunk whose worker dies is re-run one run at a time, each alone
+  in a worker; a run that kills its worker again is a ``crashed`` row.
+- Each finished chunk is written as a part at once, so an interrupted sweep
+  loses only chunks in flight; at the end the parts are compacted into one.
+- Dask futures are driven directly (no joblib Dask backend), with a stall
+  timeout: if nothing finishes for ``stall_s`` seconds the sweep stops and the
+  report lists the lost runs (not stored; the next sweep runs them).
+- A run's numbers depend only on its config, never on backend, worker count,
+  chunking or completion order.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+
+from kvfast.studies.base import Study
+from kvfast.sweep.grid import Grid, Run
+from kvfast.sweep.store import STATUSES, ResultsDir, new_manifest, schema_for
+
+BACKENDS = ("loky", "threading", "dask")
+CRASH_MESSAGE = "the worker process died during this run, and again when the run was retried alone"
+
+
+@dataclass
+class SweepReport:
+    """What a sweep did. ``counts``: status -> runs of this grid now stored (after the sweep)."""
+
+    study: str
+    out: Path
+    total: int
+    skipped: int
+    ran: int = 0
+    counts: dict[str, int] = field(default_factory=dict)
+    lost: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+    compute_s: float = 0.0
+    workers: int = 1
+    chunk_size: int = 0
+    interrupted: bool = False
+
+    @property
+    def ok(self) -> bool:
+        """True when every run of the grid is stored with status ``ok``."""
+        return not self.lost and not self.interrupted and self.counts.get("ok", 0) == self.total
+
+    def line(self) -> str:
+        """A one-line summary."""
+        rate = self.ran / self.wall_s if self.wall_s > 0 else 0.0
+        counts = ", ".join(f"{s} {self.counts.get(s, 0):,}" for s in STATUSES)
+        text = (
+            f"{self.study}: {self.total:,} runs in the grid, {self.skipped:,} already stored, "
+            f"{self.ran:,} run now in {self.wall_s:.1f} s ({rate:,.0f} runs/s, {self.workers} workers); "
+            f"{counts}; results in {self.out}"
+        )
+        if self.lost:
+            text += f"; LOST {len(self.lost):,} runs (not stored; run again to retry): {', '.join(self.lost[:5])}"
+            text += " ..." if len(self.lost) > 5 else ""
+        if self.interrupted:
+            text += "; INTERRUPTED (run again to resume)"
+        return text
+
+
+def _run_one(study: Study, run: Run) -> dict:
+    """One run as a row of result + bookkeeping columns (never raises for the run's own errors)."""
+    t0 = time.perf_counter()
+    try:
+        result = study.run(dict(run.config))
+        if not isinstance(result, dict):
+            raise TypeError(f"run returned {type(result).__name__}, not a dict")
+        if set(result) != set(study.result_fields):
+            extra = sorted(set(result) - set(study.result_fields))
+            missing = sorted(set(study.result_fields) - set(result))
+            raise TypeError(f"run returned wrong columns (missing {missing}, unexpected {extra})")
+        row = dict(result)
+        row.update(run_id=run.run_id, status="ok", error=None)
+    except Exception as exc:  # noqa: BLE001 - every run's failure becomes a row
+        row = {f: None for f in study.result_fields}
+        last = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+        where = f" (at {Path(last[0].filename).name}:{last[0].lineno})" if last else ""
+        row.update(run_id=run.run_id, status="error", error=f"{type(exc).__name__}: {exc}{where}")
+    row["wall_s"] = time.perf_counter() - t0
+    return row
+
+
+def run_chunk(study: Study, chunk: tuple[int, list[Run]]) -> tuple[int, list[dict]]:
+    """A worker's task: run every run of one chunk, in order; returns ``(chunk index, rows)``."""
+    index, runs = chunk
+    return index, [_run_one(study, r) for r in runs]
+
+
+class _Writer:
+    """Turns result rows into Arrow tables of the study's schema and writes parts."""
+
+    def __init__(self, store: ResultsDir, study: Study, configs: dict[str, dict], progress) -> None:
+        self.store = store
+        self.study = study
+        self.schema = schema_for(study)
+        self.configs = configs
+        self.progress = progress
+        self.done: set[str] = set()
+        self.ran = 0
+        self.errors = 0
+        self.compute_s = 0.0
+        self.walls: dict[str, float] = {}
+
+    def _full(self, row: dict) -> dict:
+        out = dict(self.configs[row["run_id"]])
+        out.update(row)
+        return out
+
+    def __call__(self, rows: list[dict]) -> None:
+        if not rows:
+            return
+        full = [self._full(r) for r in rows]
+        try:
+            table = pa.Table.from_pylist(full, schema=self.schema)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError, ValueError):
+            table = pa.concat_tables([self._one_row(r) for r in full])
+        self.store.write_part(table)
+        for r in rows:
+            self.done.add(r["run_id"])
+            self.compute_s += r["wall_s"] or 0.0
+            self.walls[r["run_id"]] = r["wall_s"] or 0.0
+            self.errors += r["status"] != "ok"
+        self.ran += len(rows)
+        if self.progress is not None:
+            self.progress.update(len(rows))
+            self.progress.set_postfix(errors=self.errors, refresh=False)
+
+    def _one_row(self, row: dict) -> pa.Table:
+        try:
+            return pa.Table.from_pylist([row], schema=self.schema)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError, ValueError):
+            pass
+        bad = "?"
+        for name, typ in self.study.result_fields.items():
+            try:
+                pa.array([row[name]], type=typ)
+            except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError, ValueError):
+                bad = f"{name}: {row[name]!r} does not fit type {typ}"
+                break
+        fixed = dict(row, status="error", error=f"ResultTypeError: {bad}")
+        fixed.update({f: None for f in self.study.result_fields})
+        return pa.Table.from_pylist([fixed], schema=self.schema)
+
+
+def _chunks(runs: Sequence[Run], size: int) -> list[tuple[int, list[Run]]]:
+    return [(i, list(runs[s : s + size])) for i, s in enumerate(range(0, len(runs), size))]
+
+
+def _is_crash(exc: BaseException) -> bool:
+    from joblib.externals.loky.process_executor import BrokenProcessPool
+
+    return isinstance(exc, BrokenProcessPool)
+
+
+def _execute_joblib(
+    study: Study, chunks: list[tuple[int, list[Run]]], backend: str, n_jobs: int, write: Callable
+) -> None:
+    """Fan chunks out with joblib; chunks lost to a dead worker are re-run one run at a time, alone."""
+    from joblib import Parallel, delayed
+
+    suspects: list[Run] = []
+    remaining = chunks
+    while remaining:
+        dispatched: set[int] = set()
+        returned: set[int] = set()
+
+        def tasks(todo=remaining, dispatched=dispatched) -> Iterator:
+            for chunk in todo:
+                dispatched.add(chunk[0])
+                yield delayed(run_chunk)(study, chunk)
+
+        parallel = Parallel(n_jobs=n_jobs, backend=backend, batch_size=1, return_as="generator_unordered")
+        try:
+            for index, rows in parallel(tasks()):
+                returned.add(index)
+                write(rows)
+            remaining = []
+        except Exception as exc:
+            if not _is_crash(exc):
+                raise
+            lost = dispatched - returned
+            suspects += [r for i, runs in remaining if i in lost for r in runs]
+            remaining = [c for c in remaining if c[0] not in dispatched]
+    for run in suspects:  # each alone, in a worker process
+        try:
+            rows = Parallel(n_jobs=2, backend="loky")([delayed(run_chunk)(study, (0, [run]))])[0][1]
+        except Exception as exc:
+            if not _is_crash(exc):
+                raise
+            rows = [_crash_row(study, run)]
+        write(rows)
+
+
+def _crash_row(study: Study, run: Run) -> dict:
+    row = {f: None for f in study.result_fields}
+    row.update(run_id=run.run_id, status="crashed", error=CRASH_MESSAGE, wall_s=None)
+    return row
+
+
+def _dask_client(n_jobs: int, scheduler: str | None):
+    """A connected ``distributed.Client`` (and the LocalCluster it owns, or ``None``)."""
+    try:
+        import dask
+        from distributed import Client, LocalCluster
+    except ImportError:
+        raise ValueError("--backend: 'dask' needs the dask extra; install kvfast[dask]") from None
+    import logging
+
+    if scheduler:
+        try:
+            return Client(scheduler, timeout="10s"), None
+        except (OSError, TimeoutError, ValueError) as exc:
+            raise ValueError(f"--scheduler: cannot connect to {scheduler!r} ({exc})") from None
+    with dask.config.set({"distributed.scheduler.allowed-failures": 0}):
+        cluster = LocalCluster(
+            n_workers=n_jobs,
+            threads_per_worker=1,
+            processes=True,
+            dashboard_address=None,
+            silence_logs=logging.ERROR,
+        )
+    return Client(cluster), cluster
+
+
+def _execute_dask(
+    study: Study, chunks: list[tuple[int, list[Run]]], client, stall_s: float, write: Callable
+) -> list[str]:
+    """Drive Dask futures directly; returns the ids of runs lost to a stall (nothing finished for ``stall_s``)."""
+    from distributed import wait
+
+    token = os.urandom(4).hex()
+    by_future = {
+        client.submit(run_chunk, study, chunk, key=f"kvfast-{token}-{chunk[0]}", pure=False): chunk for chunk in chunks
+    }
+    pending = set(by_future)
+    suspects: list[Run] = []
+    lost: list[str] = []
+    while pending:
+        try:
+            done, pending = wait(pending, timeout=stall_s, return_when="FIRST_COMPLETED")
+        except TimeoutError:
+            break
+        for fut in done:
+            if fut.status == "finished":
+                write(fut.result()[1])
+            else:
+                suspects += by_future[fut][1]
+    if pending:
+        for fut in pending:
+            lost += [r.run_id for r in by_future[fut][1]]
+        client.cancel(list(pending))
+        return lost
+    for run in suspects:  # each alone
+        fut = client.submit(run_chunk, study, (0, [run]), key=f"kvfast-{token}-solo-{run.run_id}", pure=False)
+        try:
+            wait([fut], timeout=stall_s)
+        except TimeoutError:
+            pass
+        if fut.status == "finished":
+            write(fut.result()[1])
+        elif fut.status == "error":
+            write([_crash_row(study, run)])
+        else:
+            client.cancel([fut])
+            lost.append(run.run_id)
+    return lost
+
+
+def _progress(total: int, desc: str, quiet: bool):
+    from tqdm import tqdm
+
+    disable = quiet or not sys.stderr.isatty()
+    return tqdm(total=total, desc=desc, unit="run", disable=disable, dynamic_ncols=True, smoothing=0.1)
+
+
+def run_sweep(
+    grid: Grid,
+    out: str | os.PathLike,
+    *,
+    jobs: int | None = None,
+    backend: str = "loky",
+    scheduler: str | None = None,
+    retry_errors: bool = False,
+    fresh: bool = False,
+    quiet: bool = False,
+    chunk_s: float = 0.5,
+    chunk_size: int | None = None,
+    stall_s: float = 300.0,
+) -> SweepReport:
+    """Run ``grid`` into the results directory ``out`` (see the module docstring for the contract)."""
+    import joblib
+
+    if backend not in BACKENDS:
+        raise ValueError(f"--backend: {backend!r} is not allowed; allowed: {', '.join(BACKENDS)}")
+    if jobs is None:
+        jobs = joblib.cpu_count()
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"--jobs: {jobs!r} is not allowed; allowed: an integer >= 1")
+    if scheduler and backend != "dask":
+        raise ValueError(f"--scheduler: {scheduler!r} needs --backend dask (backend is {backend!r})")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size: {chunk_size!r} is not allowed; allowed: an integer >= 1")
+    study = grid.study
+    store = ResultsDir(out)
+    store.check(study, fresh=fresh)
+    t_start = time.perf_counter()
+    client = cluster = None
+    if backend == "dask" and (jobs > 1 or scheduler):
+        client, cluster = _dask_client(jobs, scheduler)
+    try:
+        with store.locked():
+            return _sweep_locked(
+                grid, store, jobs, backend, client, retry_errors, fresh, quiet, chunk_s, chunk_size, stall_s, t_start
+            )
+    finally:
+        if client is not None:
+            client.close()
+        if cluster is not None:
+            cluster.close()
+
+
+def _sweep_locked(
+    grid, store, jobs, backend, client, retry_errors, fresh, quiet, chunk_s, chunk_size, stall_s, t_start
+) -> SweepReport:
+    study = grid.study
+    if fresh:
+        store.clear()
+    old = store.manifest()
+    stored = store.stored_status()
+    redo = ("error", "crashed") if retry_errors else ()
+    pending = [r for r in grid.runs if r.run_id not in stored or stored[r.run_id] in redo]
+    manifest = new_manifest(study, old)
+    manifest.update(grid=grid.spec, grid_name=grid.name, grid_hash=grid.spec_hash, grid_runs=len(grid))
+    store.write_manifest(manifest)
+
+    report = SweepReport(study.name, store.path, len(grid), len(grid) - len(pending), workers=jobs)
+    configs = {r.run_id: r.config for r in pending}
+    progress = _progress(len(pending), study.name, quiet)
+    writer = _Writer(store, study, configs, progress)
+    try:
+        if pending:
+            _execute(grid, pending, writer, report, jobs, backend, client, chunk_s, chunk_size, stall_s)
+    except KeyboardInterrupt:
+        report.interrupted = True
+    finally:
+        progress.close()
+    if not report.interrupted:
+        store.compact(schema_for(study))
+    final = store.stored_status()
+    report.counts = {s: 0 for s in STATUSES}
+    for r in grid.runs:
+        if r.run_id in final:
+            report.counts[final[r.run_id]] = report.counts.get(final[r.run_id], 0) + 1
+    report.ran = writer.ran
+    report.compute_s = writer.compute_s
+    report.wall_s = time.perf_counter() - t_start
+    manifest["history"].append(
+        {
+            "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "grid_name": grid.name,
+            "grid_hash": grid.spec_hash,
+            "grid_runs": len(grid),
+            "ran": report.ran,
+            "backend": backend,
+            "workers": jobs,
+            "wall_s": round(report.wall_s, 3),
+            "counts": report.counts,
+            "lost": len(report.lost),
+            "interrupted": report.interrupted,
+        }
+    )
+    store.write_manifest(manifest)
+    return report
+
+
+def _execute(grid, pending, writer, report, jobs, backend, client, chunk_s, chunk_size, stall_s) -> None:
+    study = grid.study
+    # Warm-up and timing in this process: compile (or load Numba's cache) once, here.
+    n_local = 1 if jobs == 1 else min(3, len(pending))
+    local = pending[:n_local] if jobs > 1 else []
+    for run in local:
+        writer([_run_one(study, run)])
+    rest = pending[len(local) :]
+    if not rest:
+        return
+    if jobs == 1 and client is None:
+        size = chunk_size or 64
+        for chunk in _chunks(rest, size):
+            writer(run_chunk(study, chunk)[1])
+        report.chunk_size = size
+        return
+    per_run = max(1e-5, _median_wall(local[1:], writer) if len(local) > 1 else 0.01)
+    workers = jobs
+    if client is not None:
+        workers = max(1, len(client.scheduler_info().get("workers", {})) or jobs)
+    target = max(1, round(chunk_s / per_run))
+    cap = max(1, math.ceil(len(rest) / (4 * workers)))
+    size = chunk_size or min(target, cap)
+    report.chunk_size = size
+    report.workers = workers
+    chunks = _chunks(rest, size)
+    if client is not None:
+        report.lost = _execute_dask(study, chunks, client, stall_s, writer)
+    else:
+        _execute_joblib(study, chunks, backend, jobs, writer)
+
+
+def _median_wall(runs: list[Run], writer: _Writer) -> float:
+    """Median stored wall time of runs this sweep already ran locally."""
+    times = sorted(writer.walls[r.run_id] for r in runs if r.run_id in writer.walls)
+    return times[len(times) // 2] if times else 0.01

@@ -1,0 +1,337 @@
+"""A results directory: a manifest, append-only Parquet parts, a lock.
+
+Layout of ``DIR``:
+
+- ``_sweep.json`` -- the manifest (grid spec and hash, study name/version/schema,
+  library versions, machine, history of sweeps). Its name starts with ``_`` so
+  that Parquet readers (``pd.read_parquet(DIR)``) skip it.
+- ``part-NNNNNNNN-XXXXXXXX.parquet`` -- parts, several runs each, numbered in
+  write order. Each is written to a hidden ``.part-*.tmp`` name and renamed
+  into place when complete, so a reader never sees a half-written part.
+- ``.lock`` -- held (``flock``) by the sweep writing here; released by the OS
+  when that process ends, however it ends.
+
+A run stored twice (a retried error, say) is resolved by :func:`load`: the row
+in the highest-numbered part wins. At the end of a sweep the parts are
+compacted into one (latest row per run, sorted by run id).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import re
+import secrets
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from kvfast.studies.base import Study
+
+MANIFEST = "_sweep.json"
+LOCK = ".lock"
+FORMAT = "kvfast-results-1"
+PART_RE = re.compile(r"^part-(\d{8})-([0-9a-f]{8})\.parquet$")
+STATUSES = ("ok", "error", "crashed")
+BOOKKEEPING: dict[str, pa.DataType] = {
+    "status": pa.string(),
+    "error": pa.string(),
+    "wall_s": pa.float64(),
+}
+
+
+def schema_for(study: Study) -> pa.Schema:
+    """The explicit Arrow schema of a study's results.
+
+    ``run_id``, then the config columns, then the result columns, then
+    ``status``, ``error``, ``wall_s``. Result columns are null in error and
+    crash rows.
+    """
+    names = ["run_id", *study.config_fields, *study.result_fields, *BOOKKEEPING]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ValueError(f"study {study.name!r}: column {dupes[0]!r} appears twice in its schema")
+    fields = [pa.field("run_id", pa.string(), nullable=False)]
+    fields += [pa.field(n, t) for n, t in study.config_fields.items()]
+    fields += [pa.field(n, t) for n, t in study.result_fields.items()]
+    fields += [pa.field(n, t) for n, t in BOOKKEEPING.items()]
+    meta = {"kvfast.study": study.name, "kvfast.study_version": study.version}
+    return pa.schema(fields, metadata=meta)
+
+
+def schema_text(schema: pa.Schema) -> list[list[str]]:
+    """``[[name, type], ...]``: how the manifest records a schema."""
+    return [[f.name, str(f.type)] for f in schema]
+
+
+def versions() -> dict[str, str]:
+    """Versions of kvfast and the libraries that make its numbers."""
+    import joblib
+    import numba
+    import numpy
+
+    from kvfast._version import __version__
+
+    out = {
+        "kvfast": __version__,
+        "python": platform.python_version(),
+        "numpy": numpy.__version__,
+        "numba": numba.__version__,
+        "pyarrow": pa.__version__,
+        "pandas": pd.__version__,
+        "joblib": joblib.__version__,
+    }
+    for mod in ("dask", "distributed"):
+        if mod in sys.modules:
+            out[mod] = sys.modules[mod].__version__
+    return out
+
+
+def machine() -> dict:
+    """The machine, in a few words (no host name)."""
+    return {
+        "system": platform.system(),
+        "release": platform.release(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def list_parts(path: str | os.PathLike) -> list[Path]:
+    """The complete parts of a results directory, in write order (oldest first)."""
+    folder = Path(path)
+    found = []
+    for p in folder.iterdir():
+        m = PART_RE.match(p.name)
+        if m:
+            found.append((int(m.group(1)), p.name, p))
+    return [p for _, _, p in sorted(found)]
+
+
+class ResultsDir:
+    """One results directory (see the module docstring for its layout)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self.manifest_path = self.path / MANIFEST
+
+    # -- reading -------------------------------------------------------------------------
+
+    def manifest(self) -> dict | None:
+        """The manifest, or ``None`` if there is none. ``ValueError`` if it is not kvfast's."""
+        if not self.manifest_path.exists():
+            return None
+        try:
+            data = json.loads(self.manifest_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{self.path}: {MANIFEST} is not a kvfast manifest ({exc})") from None
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ValueError(f"{self.path}: {MANIFEST} is not a kvfast manifest (format {data.get('format')!r})")
+        return data
+
+    def check(self, study: Study, fresh: bool = False) -> None:
+        """Refuse (``ValueError``) a directory that a sweep of ``study`` may not write into.
+
+        Refused: a file; an unwritable directory; a non-empty directory without a
+        kvfast manifest (foreign); results of another study, study version or
+        schema (unless ``fresh``). Reads only; writes nothing.
+        """
+        p = self.path
+        if p.exists() and not p.is_dir():
+            raise ValueError(f"--out: {str(p)!r} is not a directory")
+        existing = p if p.exists() else next((a for a in p.parents if a.exists()), Path("."))
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ValueError(f"--out: {str(p)!r} is not writable (no write permission on {str(existing)!r})")
+        if not p.exists():
+            return
+        manifest = self.manifest()
+        if manifest is None:
+            foreign = [c.name for c in p.iterdir() if c.name != LOCK]
+            if foreign:
+                raise ValueError(
+                    f"--out: {str(p)!r} is not a kvfast results directory (it holds {foreign[0]!r} and no "
+                    f"{MANIFEST}); allowed: a new or empty directory, or one a sweep wrote"
+                )
+            return
+        if fresh:
+            return
+        reason = self.mismatch(study, manifest)
+        if reason:
+            raise ValueError(f"--out: {str(p)!r} {reason}; use another --out, or --fresh to replace them")
+
+    def mismatch(self, study: Study, manifest: dict | None = None) -> str | None:
+        """Why stored results cannot be extended by ``study`` (another study, version, schema), or ``None``."""
+        manifest = manifest if manifest is not None else self.manifest()
+        if manifest is None:
+            return None
+        if manifest.get("study") != study.name:
+            return f"holds results of study {manifest.get('study')!r}, not {study.name!r}"
+        if manifest.get("study_version") != study.version:
+            return (
+                f"holds results of {study.name} version {manifest.get('study_version')!r}; "
+                f"this kvfast has version {study.version!r}"
+            )
+        if manifest.get("schema") != schema_text(schema_for(study)):
+            return f"holds results with another schema than study {study.name!r} has now"
+        return None
+
+    def parts(self) -> list[Path]:
+        """Complete parts, oldest first."""
+        return list_parts(self.path) if self.path.is_dir() else []
+
+    def stored_status(self) -> dict[str, str]:
+        """run_id -> status of its latest stored row."""
+        status: dict[str, str] = {}
+        for part in self.parts():
+            t = pq.read_table(part, columns=["run_id", "status"])
+            status.update(zip(t.column("run_id").to_pylist(), t.column("status").to_pylist(), strict=True))
+        return status
+
+    # -- writing (call these only while holding the lock) --------------------------------
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the directory's lock (creating the directory); ``ValueError`` if another sweep holds it."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        lock_path = self.path / LOCK
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            _lock(fd)
+        except OSError:
+            try:
+                other = os.read(fd, 32).decode().strip() or "?"
+            finally:
+                os.close(fd)
+            raise ValueError(
+                f"--out: {str(self.path)!r} is in use by another sweep (pid {other}); "
+                "wait for it to finish or use another --out"
+            ) from None
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, str(os.getpid()).encode())
+            yield
+        finally:
+            _unlock(fd)
+            os.close(fd)
+
+    def clear(self) -> None:
+        """Delete stored parts, temporaries and the manifest (``--fresh``); other files are kept."""
+        for p in self.path.iterdir():
+            if PART_RE.match(p.name) or (p.name.startswith(".part-") and p.name.endswith(".tmp")):
+                p.unlink()
+        self.manifest_path.unlink(missing_ok=True)
+
+    def _next_seq(self) -> int:
+        seqs = [int(m.group(1)) for p in self.path.iterdir() if (m := PART_RE.match(p.name))]
+        return max(seqs, default=0) + 1
+
+    def write_part(self, table: pa.Table) -> Path:
+        """Write one part: a hidden temporary name, then an atomic rename."""
+        seq = self._next_seq()
+        name = f"part-{seq:08d}-{secrets.token_hex(4)}.parquet"
+        tmp = self.path / f".{name}.tmp"
+        pq.write_table(table, tmp)
+        final = self.path / name
+        os.replace(tmp, final)
+        return final
+
+    def compact(self, schema: pa.Schema) -> None:
+        """Replace all parts by one (latest row per run, sorted by run id). Safe to interrupt."""
+        parts = self.parts()
+        if len(parts) <= 1:
+            return
+        table = read_parts(parts, schema)
+        self.write_part(table)
+        for p in parts:
+            p.unlink()
+
+    def write_manifest(self, manifest: dict) -> None:
+        _atomic_write_text(self.manifest_path, json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+
+
+def new_manifest(study: Study, old: dict | None) -> dict:
+    """A manifest for ``study`` keeping ``old``'s history."""
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return {
+        "format": FORMAT,
+        "study": study.name,
+        "study_version": study.version,
+        "schema": schema_text(schema_for(study)),
+        "created": (old or {}).get("created", now),
+        "updated": now,
+        "versions": versions(),
+        "machine": machine(),
+        "grid": None,
+        "grid_name": None,
+        "grid_hash": None,
+        "grid_runs": None,
+        "history": list((old or {}).get("history", [])),
+    }
+
+
+def read_parts(parts: list[Path], schema: pa.Schema | None = None) -> pa.Table:
+    """The latest row per run over ``parts`` (oldest first), sorted by run id."""
+    tables = [pq.read_table(p, schema=schema) if schema is not None else pq.read_table(p) for p in parts]
+    table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+    n = table.num_rows
+    order = pa.table({"run_id": table.column("run_id"), "_i": pa.array(range(n), pa.int64())})
+    last = order.group_by("run_id").aggregate([("_i", "max")]).sort_by("run_id")
+    return table.take(last.column("_i_max"))
+
+
+def load(path: str | os.PathLike) -> pd.DataFrame:
+    """A results directory (or one Parquet file) as a DataFrame: one row per run, sorted by ``run_id``.
+
+    A run stored twice gives its latest row. Columns: see ``docs/sweep.md``.
+    Integer columns with nulls (error rows) come back as float64, exactly as
+    ``pd.read_parquet`` gives them. ``ValueError`` if ``path`` holds no results.
+    """
+    p = Path(path)
+    if p.is_file():
+        return read_parts([p]).to_pandas()
+    if not p.is_dir():
+        raise ValueError(f"{str(p)!r}: no such results directory")
+    parts = list_parts(p)
+    if not parts:
+        from kvfast.studies import STUDIES
+
+        manifest = ResultsDir(p).manifest()
+        study = STUDIES.get((manifest or {}).get("study", ""))
+        if study is None:
+            raise ValueError(f"{str(p)!r}: no results (no part-*.parquet files)")
+        return schema_for(study).empty_table().to_pandas()
+    return read_parts(parts).to_pandas()
+
+
+if sys.platform == "win32":  # pragma: no cover - not tested here
+    import msvcrt
+
+    def _lock(fd: int) -> None:
+        msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+
+    def _unlock(fd: int) -> None:
+        os.lseek(fd, 0, os.SEEK_SET)
+        msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)
+
+else:
+    import fcntl
+
+    def _lock(fd: int) -> None:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    def _unlock(fd: int) -> None:
+        fcntl.flock(fd, fcntl.LOCK_UN)
