@@ -9,6 +9,14 @@ from kvfast.model.decode import decode_step, generate
 from kvfast.model.transformer import forward, forward_trace, loss_and_grads
 from kvfast.numerics import Numerics
 
+
+def load(path):
+    """A results directory as a pandas DataFrame, one row per run, sorted by run_id (see kvfast.sweep.load)."""
+    from kvfast.sweep.store import load as _load
+
+    return _load(path)
+
+
 __all__ = [
     "BUGS",
     "KVCache",
@@ -20,6 +28,7 @@ __all__ = [
     "forward_trace",
     "generate",
     "init_params",
+    "load",
     "load_params",
     "loss_and_grads",
     "save_params",
