@@ -34,3 +34,23 @@ __all__ = [
     "save_params",
     "to_bfloat16",
 ]
+
+# kvfast.check, imported on first use (keeps `import kvfast` light and the pytest plugin cheap).
+_CHECK_EXPORTS = (
+    "CheckReport",
+    "KvfastModel",
+    "NumpyModel",
+    "assert_cache_exact",
+    "check_cache",
+    "compare_detectors",
+    "score_detector",
+)
+__all__ += list(_CHECK_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _CHECK_EXPORTS:
+        import kvfast.check
+
+        return getattr(kvfast.check, name)
+    raise AttributeError(f"module 'kvfast' has no attribute {name!r}")

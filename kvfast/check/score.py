@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -42,7 +42,7 @@ from kvfast.check.adapters import KvfastModel
 from kvfast.check.checker import check_cache
 from kvfast.check.protocol import check_logits, vocab_of
 from kvfast.model.bugs import BUGS
-from kvfast.model.config import ModelConfig, init_params
+from kvfast.numerics import Numerics
 
 ONE_STEP_ATOL = 1e-5
 ONE_STEP_RTOL = 1e-5
@@ -59,62 +59,68 @@ class Detection:
 
 @dataclass(frozen=True)
 class DetectorCase:
-    """One case: catalogue ``bug`` (``None``: clean control) on a random model, a prompt and a step count.
+    """One case: a run config of the detector study (:mod:`kvfast.studies.bugs` keys).
 
-    The model is :class:`ModelConfig` ``(vocab, d_model, n_head, n_layer,
-    d_ff, max_pos)`` with :func:`kvfast.init_params` from ``seed``, in
-    ``numerics``; the prompt is ``prompt_len`` uniform tokens from
-    ``numpy.random.default_rng([seed, prompt_len, 11])``.
+    The config names the bug (``"none"``: a clean control), the model
+    (``model``, ``seed``, ``n_layer``, ``n_head``, ``d_model``, ``d_ff``,
+    ``vocab``, ``preset``), the prompt (``seed``, ``prompt_len``) and ``steps``,
+    the number of greedy tokens generated (``steps - 1`` decode steps).
+    Models and prompts come from :func:`kvfast.studies.bugs.model_for` and
+    :func:`kvfast.studies.bugs.prompt_for`, as in the study.
     """
 
-    bug: str | None
-    seed: int
-    n_layer: int
-    n_head: int
-    prompt_len: int
-    steps: int = 16
-    vocab: int = 32
-    d_model: int = 16
-    d_ff: int = 32
-    max_pos: int = 32
-    numerics: str = "f64"
+    config: dict = field(hash=False)
 
     @property
-    def config(self) -> ModelConfig:
-        return ModelConfig(
-            vocab=self.vocab,
-            d_model=self.d_model,
-            n_head=self.n_head,
-            n_layer=self.n_layer,
-            d_ff=self.d_ff,
-            max_pos=self.max_pos,
-        )
+    def bug(self) -> str | None:
+        bug = self.config.get("bug", "none")
+        return None if bug in (None, "none") else bug
+
+    @property
+    def steps(self) -> int:
+        """Decode steps (the study's ``steps`` counts generated tokens, the first from the prefill)."""
+        return int(self.config["steps"]) - 1
 
     @property
     def prompt(self) -> np.ndarray:
-        rng = np.random.default_rng([self.seed, self.prompt_len, 11])
-        return rng.integers(0, self.vocab, size=self.prompt_len).astype(np.int64)
+        from kvfast.studies.bugs import prompt_for
+
+        return prompt_for(self.config)
 
     def model(self) -> KvfastModel:
         """A fresh kvfast model under test with this case's bug."""
-        return KvfastModel(self.config, _params(self.config, self.seed), self.numerics, bug=self.bug)
+        cfg, params = _model(tuple(sorted((k, v) for k, v in self.config.items() if k != "bug")))
+        return KvfastModel(cfg, params, Numerics.preset(self.config["preset"]), bug=self.bug)
 
 
 @functools.lru_cache(maxsize=64)
-def _params(config: ModelConfig, seed: int) -> dict:
-    return init_params(config, seed)
+def _model(key: tuple) -> tuple:
+    from kvfast.studies.bugs import model_for
+
+    return model_for(dict(key))
 
 
-def default_cases(steps: int = 16) -> list[DetectorCase]:
-    """The built-in cases: each of the 8 bugs and the clean control on the same 30 models (270 cases).
+def default_cases() -> list[DetectorCase]:
+    """The detector study's cases (:func:`kvfast.studies.detector.detector_cases`): 240 bugged, 30 clean.
 
-    Models: seeds 0-4 x depth 1, 2 x (heads, prompt length) in (1, 4), (2, 6),
-    (4, 8); d_model 16, d_ff 32, vocab 32, max_pos 32, float64; ``steps``
-    decode steps (16 by default, so that ``evict``'s window of 16 bites).
+    8 bugs and a clean control x 3 depths x 2 head counts x 5 (seed, prompt
+    length) pairs on random float64 models (d_model 16, d_ff 32, vocab 32),
+    16 generated tokens (15 decode steps).
     """
-    shapes = [(1, 4), (2, 6), (4, 8)]
-    models = [(seed, depth, h, p) for seed in range(5) for depth in (1, 2) for h, p in shapes]
-    return [DetectorCase(bug, seed, depth, h, p, steps) for bug in (*BUGS, None) for seed, depth, h, p in models]
+    try:
+        from kvfast.studies.detector import detector_cases
+    except ImportError:  # the study not installed: the same grid, written out here
+        fixed = {"model": "random", "vocab": 32, "d_model": 16, "d_ff": 32, "steps": 16, "preset": "f64"}
+        pairs = [(10, 3), (11, 5), (12, 8), (13, 11), (14, 14)]
+        configs = [
+            {**fixed, "bug": bug, "n_layer": depth, "n_head": heads, "seed": seed, "prompt_len": plen}
+            for bug in (*BUGS, "none")
+            for depth in (1, 2, 3)
+            for heads in (1, 2)
+            for seed, plen in pairs
+        ]
+        return [DetectorCase(c) for c in configs]
+    return [DetectorCase(c) for c in detector_cases()]
 
 
 # --- the built-in detectors ------------------------------------------------------------------
@@ -200,13 +206,8 @@ def _as_case(case: object) -> DetectorCase:
     if isinstance(case, DetectorCase):
         return case
     if isinstance(case, dict):
-        known = set(DetectorCase.__dataclass_fields__)
-        extra = set(case) - known
-        if extra:
-            raise ValueError(f"cases: unknown keys {sorted(extra)}; allowed: {sorted(known)}")
-        bug = case.get("bug")
-        return DetectorCase(**{**case, "bug": None if bug in (None, "none") else bug})
-    raise ValueError(f"cases: {type(case).__name__} is not allowed; allowed: DetectorCase objects or dicts")
+        return DetectorCase(case)
+    raise ValueError(f"cases: {type(case).__name__} is not allowed; allowed: DetectorCase objects or config dicts")
 
 
 def run_detector(detector: Callable, cases: Iterable) -> pd.DataFrame:
@@ -220,7 +221,7 @@ def run_detector(detector: Callable, cases: Iterable) -> pd.DataFrame:
         if case.bug is not None and case.bug not in BUGS:
             raise ValueError(f"cases: bug {case.bug!r} is not allowed; allowed: None, {', '.join(BUGS)}")
         det = _as_detection(detector(case.model(), case), name)
-        rows.append({**case.__dict__, "bug": case.bug or "none", "flag": det.flag, "score": det.score,
+        rows.append({**case.config, "bug": case.bug or "none", "flag": det.flag, "score": det.score,
                      "step": det.step})  # fmt: skip
     if not rows:
         raise ValueError("cases: empty; allowed: at least one bugged case and one clean case")
