@@ -1,0 +1,276 @@
+"""The near-tied study: do tokens flip when prefill and decode sum in different orders, and is that the cache?
+
+The near-tied model ("twin head"). Take a random model (:func:`kvfast.init_params`
+of ``seed``) and rebuild its output head in twins: for every even token ``2i``,
+column ``2i + 1`` is a copy of column ``2i`` plus ``2**-twin_exp`` times an
+independent N(0, 1/d_model) column::
+
+    w_out[:, 2i+1] = w_out[:, 2i] + 2**-twin_exp * g_i
+
+So whichever token leads, its twin is right behind it: the top-two margin is
+about ``2**-twin_exp * |h . g_i|`` while the logits are O(1), at every step of
+every generation. (A scaled-down head, the other obvious construction, scales
+the margin and every rounding error by the same factor in floating point, so it
+does not make the top two any closer in units of the rounding error.) The
+margins are measured and reported (``margin_*``), from the reference path.
+
+One run = one model and prompt (``seed``), one storage and accumulator format,
+one twin gap. Order A = ``prefill_order`` (the batched paths), order B = the
+other one. Greedy generation of ``steps`` tokens after a ``prompt_len``-token prompt:
+
+- reference: full recompute at every step in order A (no cache);
+- ``flip_cached``: the cached run (prefill in A, every decode step in B) generates
+  different tokens than the reference;
+- ``flip_control``: a full recompute in order B (no cache) generates different
+  tokens than the reference: two recomputes that differ only in how they add up;
+- ``same_exact``: the cached run with the same order A in prefill and decode
+  equals the reference bit for bit (every logit of every step) and in its tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from kvfast.model.config import ModelConfig, init_params
+from kvfast.model.decode import run_generate
+from kvfast.model.transformer import Weights
+from kvfast.numerics import Numerics
+from kvfast.studies.base import Claim, Study, require_choice, require_int
+
+VERSION = "1"
+
+FORMATS = ("f64", "f32", "bf16")
+ORDERS = ("sequential", "pairwise")
+PRESET_PAIRS = (("f64", "f64"), ("f32", "f32"), ("bf16", "f32"))
+
+CONFIG_FIELDS = {
+    "seed": pa.int64(),
+    "n_layer": pa.int64(),
+    "n_head": pa.int64(),
+    "d_model": pa.int64(),
+    "d_ff": pa.int64(),
+    "vocab": pa.int64(),
+    "prompt_len": pa.int64(),
+    "steps": pa.int64(),
+    "twin_exp": pa.int64(),
+    "storage": pa.string(),
+    "accum": pa.string(),
+    "prefill_order": pa.string(),
+}
+RESULT_FIELDS = {
+    "margin_min": pa.float64(),
+    "margin_median": pa.float64(),
+    "rel_margin_median": pa.float64(),
+    "twin_top2_frac": pa.float64(),
+    "flip_cached": pa.bool_(),
+    "first_flip_cached": pa.int64(),
+    "flip_control": pa.bool_(),
+    "first_flip_control": pa.int64(),
+    "cached_max_diff": pa.float64(),
+    "control_max_diff": pa.float64(),
+    "same_exact": pa.bool_(),
+    "same_max_diff": pa.float64(),
+    "tokens": pa.string(),
+}
+
+
+def check_config(config: dict) -> None:
+    require_int(config, "seed", 0)
+    for name in ("n_layer", "n_head", "d_model", "d_ff", "prompt_len", "steps"):
+        require_int(config, name, 1, 4096)
+    require_int(config, "vocab", 2, 4096)
+    require_int(config, "twin_exp", 0, 60)
+    require_choice(config, "storage", FORMATS)
+    require_choice(config, "accum", FORMATS)
+    require_choice(config, "prefill_order", ORDERS)
+    if config["vocab"] % 2:
+        raise ValueError(f"vocab: {config['vocab']} is not allowed; allowed: an even number (tokens come in twins)")
+    if config["d_model"] % config["n_head"]:
+        raise ValueError(
+            f"d_model: {config['d_model']} is not divisible by n_head={config['n_head']}; allowed: a multiple"
+        )
+
+
+def twin_head_model(config: dict) -> tuple[ModelConfig, dict, np.ndarray]:
+    """The near-tied model of a run (module docstring) and its prompt, all from ``seed``."""
+    cfg = ModelConfig(
+        vocab=config["vocab"],
+        d_model=config["d_model"],
+        n_head=config["n_head"],
+        n_layer=config["n_layer"],
+        d_ff=config["d_ff"],
+        max_pos=config["prompt_len"] + config["steps"],
+    )
+    params = init_params(cfg, config["seed"])
+    rng = np.random.default_rng([config["seed"], 23])
+    d, v = cfg.d_model, cfg.vocab
+    g = rng.standard_normal((d, v // 2)) / np.sqrt(d)
+    w_out = params["w_out"].copy()
+    w_out[:, 1::2] = w_out[:, 0::2] + 2.0 ** -config["twin_exp"] * g
+    params["w_out"] = w_out
+    prompt = rng.integers(0, v, size=config["prompt_len"]).astype(np.int64)
+    return cfg, params, prompt
+
+
+def _first_diff(a: np.ndarray, b: np.ndarray) -> int:
+    bad = np.nonzero(a != b)[0]
+    return int(bad[0]) if bad.size else -1
+
+
+def _bits_equal(a: np.ndarray, b: np.ndarray) -> bool:
+    return bool((np.ascontiguousarray(a).view(np.uint64) == np.ascontiguousarray(b).view(np.uint64)).all())
+
+
+def run(config: dict) -> dict:
+    """One run (see the module docstring); returns :data:`RESULT_FIELDS`."""
+    check_config(config)
+    cfg, params, prompt = twin_head_model(config)
+    order_a = config["prefill_order"]
+    order_b = ORDERS[1 - ORDERS.index(order_a)]
+    nx_a = Numerics(config["storage"], config["accum"], order_a)
+    nx_b = Numerics(config["storage"], config["accum"], order_b)
+    w = Weights.prepare(cfg, params, nx_a)
+    steps = config["steps"]
+    t_ref, l_ref = run_generate(cfg, w, prompt, steps, nx_a, use_cache=False)
+    t_mix, l_mix = run_generate(cfg, w, prompt, steps, nx_a, use_cache=True, decode_numerics=nx_b)
+    t_ctl, l_ctl = run_generate(cfg, w, prompt, steps, nx_b, use_cache=False)
+    t_same, l_same = run_generate(cfg, w, prompt, steps, nx_a, use_cache=True)
+
+    top2 = np.sort(l_ref, axis=1)[:, -2:]
+    margins = top2[:, 1] - top2[:, 0]
+    order = np.argsort(-l_ref, axis=1, kind="stable")[:, :2]
+    twins = (order[:, 0] // 2) == (order[:, 1] // 2)
+    first_mix = _first_diff(t_mix, t_ref)
+    first_ctl = _first_diff(t_ctl, t_ref)
+    # logits are compared only up to the first flip (after it the two runs read different tokens)
+    upto_mix = steps if first_mix < 0 else first_mix + 1
+    upto_ctl = steps if first_ctl < 0 else first_ctl + 1
+    return {
+        "margin_min": float(margins.min()),
+        "margin_median": float(np.median(margins)),
+        "rel_margin_median": float(np.median(margins / np.abs(top2[:, 1]))),
+        "twin_top2_frac": float(twins.mean()),
+        "flip_cached": bool(first_mix >= 0),
+        "first_flip_cached": first_mix,
+        "flip_control": bool(first_ctl >= 0),
+        "first_flip_control": first_ctl,
+        "cached_max_diff": float(np.abs(l_mix[:upto_mix] - l_ref[:upto_mix]).max()),
+        "control_max_diff": float(np.abs(l_ctl[:upto_ctl] - l_ref[:upto_ctl]).max()),
+        "same_exact": bool(_bits_equal(l_same, l_ref) and (t_same == t_ref).all()),
+        "same_max_diff": float(np.abs(l_same - l_ref).max()),
+        "tokens": ",".join(map(str, t_ref)),
+    }
+
+
+def summarize(df: pd.DataFrame) -> pd.DataFrame:
+    """Per (twin_exp, storage, accum): flips of the cached run and of the control (of N runs), margins, exact cache."""
+    ok = df[df["status"] == "ok"].copy()
+    if not len(ok):
+        return pd.DataFrame()
+    for col in ("storage", "accum"):
+        ok[col] = pd.Categorical(ok[col], categories=list(FORMATS), ordered=True)
+    return (
+        ok.groupby(["twin_exp", "storage", "accum"], observed=True)
+        .agg(
+            runs=("run_id", "size"),
+            flips_cached=("flip_cached", "sum"),
+            flips_control=("flip_control", "sum"),
+            margin_median=("margin_median", "median"),
+            rel_margin_median=("rel_margin_median", "median"),
+            margin_min=("margin_min", "min"),
+            twin_top2=("twin_top2_frac", "mean"),
+            same_exact=("same_exact", "sum"),
+        )
+        .reset_index()
+    )
+
+
+def claims(df: pd.DataFrame) -> list[Claim]:
+    """The seed's near-tied claims (bf16 storage, every twin gap) and the same-order cache in the presets."""
+    ok = df[df["status"] == "ok"]
+    out = []
+    b16 = ok[ok["storage"] == "bf16"]
+    per_gap, same_size = [], True
+    for exp in sorted(set(b16["twin_exp"])):
+        s = b16[(b16["twin_exp"] == exp) & (b16["accum"] == "bf16")]
+        if not len(s):
+            continue
+        fc, fn = int(s["flip_cached"].sum()), int(s["flip_control"].sum())
+        per_gap.append(f"2^-{exp}: {fc}/{len(s)} vs {fn}/{len(s)}")
+        # "the same size": within two binomial standard deviations of each other
+        same_size &= bool(abs(fc - fn) <= 2.0 * np.sqrt(max(fc + fn, 1)))
+    if per_gap:
+        out.append(
+            Claim(
+                "near-tied model, bf16 storage + bf16 accumulator: tokens flip as often in cached runs "
+                "(prefill/decode in different orders) as in the no-cache control (two recomputes)",
+                "3 of 24 cached vs 2 of 24 control",
+                "twin gap: cached vs control flips: " + "; ".join(per_gap),
+                same_size,
+            )
+        )
+    wide = b16[b16["accum"] != "bf16"]
+    if len(wide):
+        flips = int(wide["flip_cached"].sum() + wide["flip_control"].sum())
+        out.append(
+            Claim(
+                "near-tied model, bf16 storage with an f32 or f64 accumulator: no token flips from order",
+                "order matters only with a bf16 accumulator",
+                f"{flips} flips in {2 * len(wide)} cached and control runs",
+                flips == 0,
+            )
+        )
+    presets = ok[[(s, a) in PRESET_PAIRS for s, a in zip(ok["storage"], ok["accum"], strict=True)]]
+    if len(presets):
+        out.append(
+            Claim(
+                "near-tied model, same order in prefill and decode: the cache is bit-exact in all three presets",
+                "bit-exact in all three formats",
+                f"{int(presets['same_exact'].sum())} of {len(presets)} preset runs bit-exact "
+                f"({int(ok['same_exact'].sum())} of {len(ok)} over all format pairs)",
+                bool(presets["same_exact"].all() and ok["same_exact"].all()),
+            )
+        )
+    return out
+
+
+STUDY = Study(
+    name="neartied",
+    version=VERSION,
+    description="near-tied (twin-head) model: token flips of mixed-order cached runs vs a no-cache control",
+    run=run,
+    config_fields=CONFIG_FIELDS,
+    result_fields=RESULT_FIELDS,
+    check_config=check_config,
+    summarize=summarize,
+    claims=claims,
+)
+
+
+def neartied_table(
+    seeds: tuple[int, ...] = tuple(range(24)),
+    formats: tuple[tuple[str, str], ...] = (("bf16", "f64"), ("bf16", "f32"), ("bf16", "bf16")),
+    twin_exps: tuple[int, ...] = (8,),
+    **fixed: int | str,
+) -> pd.DataFrame:
+    """Run the study in-process and return one row per run (config + results), for library users."""
+    base: dict = {
+        "n_layer": 2,
+        "n_head": 2,
+        "d_model": 16,
+        "d_ff": 32,
+        "vocab": 32,
+        "prompt_len": 8,
+        "steps": 16,
+        "prefill_order": "sequential",
+    }
+    base.update(fixed)
+    rows = []
+    for exp in twin_exps:
+        for storage, accum in formats:
+            for seed in seeds:
+                config = dict(base, seed=seed, storage=storage, accum=accum, twin_exp=exp)
+                rows.append({**config, **run(config), "status": "ok", "run_id": str(len(rows))})
+    return pd.DataFrame(rows)
