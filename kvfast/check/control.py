@@ -22,14 +22,23 @@ they add up land from the reference recompute:
 
 ``floor[t]`` is the largest of these deviations at step ``t`` (step 0: over
 every prompt row). Order noise is a random draw at each position, and one draw
-can be a lucky zero, so a step is judged against ``bound[t]``, the largest
-floor within ``window`` steps of it (default 2: five steps), and it is
-``rounding`` when ``deviation[t] <= margin * bound[t]`` and ``bug`` otherwise,
-with ``ratio[t] = deviation[t] / bound[t]`` (``inf`` when the bound is 0 and the
-deviation is not). The default margin is 4: order noise from one more
-computation of the same kind stays within a small factor of the measured
-floor, while the catalogue's bugs sit orders of magnitude above it (see the
-tests in ``tests/test_check_control.py``).
+can be a lucky zero (the batch-shape source is even zero by construction at the
+last step, where the prefix is the whole sequence), so a step is judged against
+
+    bound[t] = max(largest floor within ``window`` steps of t, median floor over all steps)
+
+(default window 2: five steps). A step is ``rounding`` when
+``deviation[t] <= margin * bound[t]`` and ``bug`` otherwise, with
+``ratio[t] = deviation[t] / bound[t]`` (``0`` for a zero deviation, ``inf`` when
+the bound is 0 and the deviation is not). The default margin is 4. Measured
+on 6 random models (d_model 32, 2 layers, prompt of 7, 30 decode steps; the
+script is the control tests' setup): correct models whose cache path adds up
+differently from their recompute reached ratios of at most 2 (kvfast's model
+with a pairwise prefill and a sequential decode, f32 and bf16 storage with a
+bf16 accumulator; an independent float32 NumPy model, whole-matrix recompute
+against one-row decode, with or without its one-row variant), while every
+catalogue bug reached a ratio of at least 7.1 (bf16 accumulator) and 4e5
+(float32). The margin sits between; the gap is narrowest in bfloat16.
 
 Limits
 ------
@@ -130,7 +139,8 @@ def judge(
 ) -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
     """``(bound, ratio, verdicts)`` per step: ``rounding`` iff ``deviation <= margin * bound``."""
     n = deviation.shape[0]
-    bound = np.array([floor[max(0, t - window) : t + window + 1].max() for t in range(n)])
+    typical = float(np.median(floor))
+    bound = np.array([max(floor[max(0, t - window) : t + window + 1].max(), typical) for t in range(n)])
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = np.where(deviation == 0, 0.0, deviation / bound)
     verdicts = tuple("rounding" if deviation[t] <= margin * bound[t] else "bug" for t in range(n))
