@@ -1,0 +1,481 @@
+"""The kernels against naive reference twins, bit for bit; the order knob is real; no FMA.
+
+References live in ``tests/kvref.py`` and are written from the documented
+definitions (module docstrings of ``kvfast.kernels.reduce`` and
+``kvfast.kernels.attention``), never from the kernels. All comparisons are of
+bit patterns (``==`` on ``uint64`` views).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import kvref
+import llvmlite.binding as llvm
+import numba as nb
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvfast.kernels import attention, matmul, precision, reduce, rowops
+from kvfast.kernels.attention import attend_row, attention_into
+from kvfast.kernels.matmul import matmul as kmatmul
+from kvfast.kernels.precision import BF16, F32, F64, round_array
+from kvfast.kernels.reduce import (
+    PAIRWISE,
+    SEQUENTIAL,
+    STACK_DEPTH,
+    new_stack,
+    ordered_dot,
+    ordered_sum,
+    weighted_rows_sum,
+)
+from kvfast.kernels.rowops import add_into, embed_into, exp_array, rmsnorm_into, rmsnorm_row, silu_into
+
+FORMATS = (F64, F32, BF16)
+ORDERS = (SEQUENTIAL, PAIRWISE)
+
+
+def bits(x) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(x, dtype=np.float64)).view(np.uint64)
+
+
+def same_bits(a, b) -> bool:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return a.shape == b.shape and bool(np.array_equal(bits(a), bits(b)))
+
+
+def spread(rng: np.random.Generator, shape, lo: int = -6, hi: int = 6) -> np.ndarray:
+    """Normal values scaled by random powers of two: sums that round often."""
+    return rng.standard_normal(shape) * np.exp2(rng.integers(lo, hi, size=shape))
+
+
+def stack1() -> np.ndarray:
+    return np.empty(STACK_DEPTH)
+
+
+finite = st.floats(min_value=-1e4, max_value=1e4, allow_nan=False, allow_infinity=False)
+
+
+# --- reductions ------------------------------------------------------------------------------
+
+
+def test_sequential_f64_dot_equals_cumsum():
+    rng = np.random.default_rng(0)
+    for n in list(range(1, 40)) + [64, 127, 128, 129, 1000]:
+        a, b = spread(rng, n), spread(rng, n)
+        got = ordered_dot(a, 0, b, 0, n, F64, SEQUENTIAL, stack1())
+        assert bits(got) == bits(np.cumsum(a * b)[-1])
+
+
+def test_sequential_f32_dot_equals_float32_cumsum():
+    rng = np.random.default_rng(1)
+    for n in list(range(1, 40)) + [64, 129, 1000]:
+        a32, b32 = spread(rng, n).astype(np.float32), spread(rng, n).astype(np.float32)
+        want = np.cumsum(a32 * b32, dtype=np.float32)[-1]
+        got = ordered_dot(a32.astype(np.float64), 0, b32.astype(np.float64), 0, n, F32, SEQUENTIAL, stack1())
+        assert bits(got) == bits(float(want))
+
+
+def test_np_sum_is_not_a_sequential_reference():
+    """Why the references are cumsum and loops: np.dot / np.sum do not sum left to right."""
+    rng = np.random.default_rng(2)
+    a, b = spread(rng, (200, 256)), spread(rng, (200, 256))
+    seq = np.array([ordered_dot(a[i], 0, b[i], 0, 256, F64, SEQUENTIAL, stack1()) for i in range(200)])
+    assert np.array_equal(bits(seq), bits(np.cumsum(a * b, axis=1)[:, -1]))
+    assert not np.array_equal(bits(seq), bits(np.sum(a * b, axis=1)))
+
+
+@pytest.mark.parametrize("acc", FORMATS)
+@pytest.mark.parametrize("order", ORDERS)
+@given(terms=st.lists(finite, max_size=70), lo=st.integers(0, 3))
+def test_ordered_sum_equals_reference(acc, order, terms, lo):
+    t = np.array([0.0] * lo + terms)
+    got = ordered_sum(t, lo, len(terms), acc, order, stack1())
+    assert bits(got) == bits(kvref.ref_sum(terms, acc, order))
+
+
+@pytest.mark.parametrize("acc", FORMATS)
+@pytest.mark.parametrize("order", ORDERS)
+@given(pairs=st.lists(st.tuples(finite, finite), max_size=70), a0=st.integers(0, 2), b0=st.integers(0, 2))
+def test_ordered_dot_equals_reference(acc, order, pairs, a0, b0):
+    a = np.array([1.5] * a0 + [p[0] for p in pairs])
+    b = np.array([-2.5] * b0 + [p[1] for p in pairs])
+    got = ordered_dot(a, a0, b, b0, len(pairs), acc, order, stack1())
+    assert bits(got) == bits(kvref.ref_dot(a[a0:], b[b0:], acc, order))
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_float32_accumulator_equals_native_float32(order):
+    """The f32 accumulator (op in float64, one rounding) is native float32 arithmetic."""
+    rng = np.random.default_rng(3)
+    sum_order = kvref.ORDER_SUM[order]
+    for n in (1, 2, 3, 5, 8, 13, 31, 64, 100):
+        for _ in range(20):
+            a = spread(rng, n, -20, 20).astype(np.float32).astype(np.float64)
+            b = spread(rng, n, -20, 20).astype(np.float32).astype(np.float64)
+            native = sum_order([kvref.mul_f32_native(x, y) for x, y in zip(a, b, strict=True)], kvref.add_f32_native)
+            assert bits(ordered_dot(a, 0, b, 0, n, F32, order, stack1())) == bits(native)
+            native_sum = sum_order(list(a), kvref.add_f32_native)
+            assert bits(ordered_sum(a, 0, n, F32, order, stack1())) == bits(native_sum)
+
+
+def test_pairwise_tree_shape_for_six_terms():
+    """The docstring's example, n = 6: ((t0+t1)+(t2+t3)) + (t4+t5), on inputs where that
+    tree's float64 result differs from every other plausible tree's."""
+    rng = np.random.default_rng(13)
+    others = [
+        lambda t: ((((t[0] + t[1]) + t[2]) + t[3]) + t[4]) + t[5],
+        lambda t: (t[0] + t[1]) + ((t[2] + t[3]) + (t[4] + t[5])),
+        lambda t: ((t[0] + t[1]) + t[2]) + ((t[3] + t[4]) + t[5]),
+        lambda t: ((t[0] + t[1]) + (t[2] + t[3])) + t[4] + t[5],
+        lambda t: (t[0] + ((t[1] + t[2]) + (t[3] + t[4]))) + t[5],
+    ]
+    found = 0
+    for _ in range(2000):
+        t = list(spread(rng, 6, -30, 30))
+        want = ((t[0] + t[1]) + (t[2] + t[3])) + (t[4] + t[5])
+        if all(f(t) != want for f in others):
+            found += 1
+            assert ordered_sum(np.array(t), 0, 6, F64, PAIRWISE, stack1()) == want
+    assert found > 0
+
+
+def test_ordered_sum_rounds_each_term_to_the_accumulator():
+    """A one-term bf16 sum is a bfloat16 (the terms enter the accumulator rounded)."""
+    x = 1.0 + 2.0**-8 + 2.0**-30  # not a bfloat16; rounds to 1 + 2^-7
+    t = np.array([x, x])
+    for order in ORDERS:
+        one = ordered_sum(t, 0, 1, BF16, order, stack1())
+        assert bits(one) == bits(kvref.bf16_exact(x))
+        assert bits(ordered_sum(t, 0, 2, BF16, order, stack1())) == bits(kvref.ref_sum([x, x], BF16, order))
+
+
+@pytest.mark.parametrize("acc", FORMATS)
+@pytest.mark.parametrize("order", ORDERS)
+def test_weighted_rows_sum_equals_reference(acc, order):
+    rng = np.random.default_rng(4)
+    for n, m, c0, r0, col0 in [(0, 3, 0, 0, 0), (1, 5, 1, 2, 1), (6, 4, 0, 1, 2), (17, 7, 2, 0, 0), (33, 3, 0, 3, 4)]:
+        coef = spread(rng, c0 + n)
+        rows = spread(rng, (r0 + n, col0 + m + 2))
+        out = np.full(m, np.nan)
+        weighted_rows_sum(coef, c0, rows, r0, n, col0, m, acc, order, out, new_stack(m))
+        want = [kvref.ref_dot(coef[c0 : c0 + n], rows[r0 : r0 + n, col0 + j], acc, order) for j in range(m)]
+        assert same_bits(out, want)
+
+
+# --- matmul ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("storage", FORMATS)
+@pytest.mark.parametrize("acc", FORMATS)
+@pytest.mark.parametrize("order", ORDERS)
+def test_matmul_equals_per_element_reference(storage, acc, order):
+    rng = np.random.default_rng(5)
+    for T, n, m in [(1, 1, 1), (1, 9, 5), (4, 8, 3), (5, 13, 7), (9, 6, 4), (3, 0, 2)]:
+        x = round_array(spread(rng, (T, n)), storage)
+        w = round_array(spread(rng, (n, m)), storage)
+        got = kmatmul(x, w, storage, acc, order)
+        assert same_bits(got, kvref.ref_matmul(x, w, storage, acc, order)), (T, n, m)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_matmul_row_never_depends_on_the_batch(order):
+    """Row t of a T-row product equals the product of that row alone (prefill vs decode shape)."""
+    rng = np.random.default_rng(6)
+    for storage, acc in [(F64, F64), (F32, F32), (BF16, F32), (BF16, BF16)]:
+        x = round_array(spread(rng, (11, 24)), storage)
+        w = round_array(spread(rng, (24, 10)), storage)
+        full = kmatmul(x, w, storage, acc, order)
+        for t in range(x.shape[0]):
+            assert same_bits(full[t : t + 1], kmatmul(x[t : t + 1], w, storage, acc, order))
+            assert same_bits(full[: t + 1], kmatmul(x[: t + 1], w, storage, acc, order))
+
+
+# --- attention ----------------------------------------------------------------------------------
+
+
+COMBOS = [(F64, F64), (F32, F32), (BF16, F32), (BF16, BF16), (F64, BF16), (F32, F64)]
+
+
+@pytest.mark.parametrize(("storage", "acc"), COMBOS)
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_rows_equal_reference(storage, acc, order, causal):
+    rng = np.random.default_rng(7)
+    for T, d, H in [(1, 4, 1), (5, 8, 2), (9, 12, 3)]:
+        q = round_array(spread(rng, (T, d), -2, 2), storage)
+        k = round_array(spread(rng, (T, d), -2, 2), storage)
+        v = round_array(spread(rng, (T, d), -2, 2), storage)
+        scale = 1.0 / math.sqrt(d // H)
+        out = np.empty((T, d))
+        attention_into(q, k, v, 0, T, causal, H, scale, storage, acc, order, out, np.empty((0, 0, 0)))
+        for t in range(T):
+            hi = t + 1 if causal else T
+            want = kvref.ref_attend_row(q[t], k, v, 0, hi, H, scale, storage, acc, order, exp_array)
+            assert same_bits(out[t], want), (T, d, H, t)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_attend_row_over_a_window_equals_reference(order):
+    rng = np.random.default_rng(8)
+    d, H, S = 8, 2, 12
+    for storage, acc in COMBOS:
+        q = round_array(spread(rng, (1, d), -2, 2), storage)
+        kb = round_array(spread(rng, (S, d), -2, 2), storage)
+        vb = round_array(spread(rng, (S, d), -2, 2), storage)
+        for lo, hi in [(0, 1), (3, 9), (5, 12)]:
+            out = np.empty((1, d))
+            probs = np.zeros((H, 1, S))
+            attend_row(
+                q, 0, kb, vb, lo, hi, H, 0.5, storage, acc, order, out, 0, probs, 0,
+                np.empty(2 * S), np.empty(STACK_DEPTH), new_stack(d // H),
+            )  # fmt: skip
+            want = kvref.ref_attend_row(q[0], kb, vb, lo, hi, H, 0.5, storage, acc, order, exp_array)
+            assert same_bits(out[0], want)
+            assert np.all(probs[:, :, :lo] == 0.0) and np.all(probs[:, :, hi:] == 0.0)
+
+
+# --- row ops ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("storage", "acc"), COMBOS)
+@pytest.mark.parametrize("order", ORDERS)
+def test_rmsnorm_equals_reference(storage, acc, order):
+    rng = np.random.default_rng(9)
+    for T, d in [(1, 1), (3, 8), (4, 13)]:
+        x = round_array(spread(rng, (T, d)), storage)
+        g = round_array(1.0 + 0.1 * rng.standard_normal(d), storage)
+        out, inv = np.empty((T, d)), np.empty(T)
+        rmsnorm_into(x, g, 1e-5, storage, acc, order, out, inv)
+        for t in range(T):
+            want, want_inv = kvref.ref_rmsnorm_row(x[t], g, 1e-5, storage, acc, order)
+            assert same_bits(out[t], want) and bits(inv[t]) == bits(want_inv)
+
+
+@pytest.mark.parametrize("storage", FORMATS)
+def test_elementwise_rowops_equal_reference(storage):
+    rng = np.random.default_rng(10)
+    r = kvref.ROUND[storage]
+    u = spread(rng, (3, 7), -3, 4)
+    out = np.empty_like(u)
+    silu_into(u, storage, out)
+    e = exp_array(-u)
+    assert same_bits(out, [[r(u[i, j] / (1.0 + e[i, j])) for j in range(7)] for i in range(3)])
+    y = spread(rng, (3, 7))
+    add_into(u, y, storage, out)
+    assert same_bits(out, [[r(u[i, j] + y[i, j]) for j in range(7)] for i in range(3)])
+    wte, wpe = spread(rng, (5, 4)), spread(rng, (6, 4))
+    tokens, positions = np.array([4, 0, 4]), np.array([2, 3, 5])
+    emb = np.empty((3, 4))
+    embed_into(wte, wpe, tokens, positions, storage, emb)
+    pairs = zip(tokens, positions, strict=True)
+    assert same_bits(emb, [[r(wte[tk, j] + wpe[p, j]) for j in range(4)] for tk, p in pairs])
+
+
+# --- the order knob is real ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("acc", FORMATS)
+def test_orders_give_different_bits(acc):
+    """For each format, each order-taking kernel gives different bits in the two orders on
+    some inputs (and the reference twins agree that they should)."""
+    rng = np.random.default_rng(11)
+    n = 37
+    found = {"sum": 0, "dot": 0, "rows": 0, "matmul": 0, "attention": 0, "rmsnorm": 0}
+    for _ in range(40):
+        a, b = round_array(spread(rng, n), acc), round_array(spread(rng, n), acc)
+        s = [ordered_sum(a, 0, n, acc, o, stack1()) for o in ORDERS]
+        found["sum"] += bits(s[0]) != bits(s[1])
+        dt = [ordered_dot(a, 0, b, 0, n, acc, o, stack1()) for o in ORDERS]
+        found["dot"] += bits(dt[0]) != bits(dt[1])
+        rows = round_array(spread(rng, (n, 3)), acc)
+        outs = [np.empty(3), np.empty(3)]
+        for o in ORDERS:
+            weighted_rows_sum(a, 0, rows, 0, n, 0, 3, acc, o, outs[o], new_stack(3))
+        found["rows"] += not same_bits(outs[0], outs[1])
+        x = round_array(spread(rng, (2, n)), acc)
+        mm = [kmatmul(x, rows, acc, acc, o) for o in ORDERS]
+        found["matmul"] += not same_bits(mm[0], mm[1])
+        q, kv = round_array(spread(rng, (1, 12), -1, 2), acc), round_array(spread(rng, (n, 12), -1, 2), acc)
+        att = [np.empty((1, 12)), np.empty((1, 12))]
+        for o in ORDERS:
+            attention_into(q, kv, kv, n - 1, n, True, 1, 0.3, acc, acc, o, att[o], np.empty((0, 0, 0)))
+        found["attention"] += not same_bits(att[0], att[1])
+        rms = [np.empty((1, n)), np.empty((1, n))]
+        for o in ORDERS:
+            rmsnorm_row(x, 0, np.ones(n), 1e-5, acc, acc, o, rms[o], 0, stack1())
+        found["rmsnorm"] += not same_bits(rms[0], rms[1])
+    assert all(v > 0 for v in found.values()), found
+
+
+def test_orders_differ_on_a_constructed_input():
+    """1 + three halves of an ulp: sequential loses each one, pairwise adds two first."""
+    half_ulp = np.finfo(np.float64).eps / 2
+    t = np.array([1.0, half_ulp, half_ulp, half_ulp])
+    seq = ordered_sum(t, 0, 4, F64, SEQUENTIAL, stack1())
+    pair = ordered_sum(t, 0, 4, F64, PAIRWISE, stack1())
+    assert seq == 1.0 and pair == 1.0 + 2 * half_ulp and seq != pair
+
+
+# --- no fastmath, no FMA --------------------------------------------------------------------------
+#
+# The machine code that actually runs is checked: a subprocess records the object code of every
+# library Numba loads from its cache (or compiles) while the model's kernels are called, and
+# objdump disassembles it. (A kernel loaded from Numba's cache cannot be inspected in-process.)
+
+FMA_ASM = re.compile(r"\bv?f(?:n)?m(?:add|sub|addsub|subadd)\d*\w*", re.IGNORECASE)
+ORDER_SENSITIVE = (
+    "ordered_sum", "ordered_dot", "weighted_rows_sum", "matmul_into", "matmul", "_four_rows_sequential",
+    "attend_row", "attention_into", "rmsnorm_row", "rmsnorm_into", "silu_into", "rnd", "round_array",
+    "decode_kernel",
+)  # fmt: skip
+
+PROBE = r"""
+import json, os, sys
+from numba.core import codegen
+
+captured = []
+_set = codegen.CodeLibrary._set_compiled_object
+
+
+def _record_loaded(self, value):  # object code loaded from Numba's cache
+    captured.append((self.name, value))
+    return _set(self, value)
+
+
+_hook = codegen.CPUCodeLibrary._object_compiled_hook.__func__
+
+
+def _record_compiled(cls, ll_module, buf):  # object code compiled now (cold cache)
+    lib = getattr(ll_module, "_CPUCodeLibrary__library", None)
+    captured.append((getattr(lib, "name", "?"), buf))
+    return _hook(cls, ll_module, buf)
+
+
+codegen.CodeLibrary._set_compiled_object = _record_loaded
+codegen.CPUCodeLibrary._object_compiled_hook = classmethod(_record_compiled)
+
+import numba as nb
+import numpy as np
+
+sys.path.insert(0, sys.argv[1])
+import test_kernels
+
+test_kernels._representative_calls()
+
+
+def control(fastmath):
+    f = nb.njit(fastmath=fastmath)(test_kernels._dot)
+    f(np.ones(4), np.ones(4))
+    lib = f.overloads[f.signatures[0]].library
+    return lib._codegen._tm.emit_object(lib._final_module)
+
+
+captured += [("control_plain", control(False)), ("control_fast", control(True)),
+             ("control_contract", control({"contract"}))]
+out = []
+for i, (name, buf) in enumerate(captured):
+    path = os.path.join(sys.argv[2], f"{i}.o")
+    with open(path, "wb") as fh:
+        fh.write(buf)
+    out.append((name, path))
+print(json.dumps(out))
+"""
+
+
+def _dot(a, b):
+    s = 0.0
+    for i in range(a.shape[0]):
+        s += a[i] * b[i]
+    return s
+
+
+def _representative_calls():
+    """Call every order-sensitive kernel with the argument types the model uses."""
+    rng = np.random.default_rng(12)
+    v = rng.standard_normal(8)
+    m2 = rng.standard_normal((8, 8))
+    st_ = np.empty(STACK_DEPTH)
+    ordered_sum(v, 0, 8, F64, SEQUENTIAL, st_)
+    ordered_dot(v, 0, v, 0, 8, F64, SEQUENTIAL, st_)
+    out = np.empty(8)
+    weighted_rows_sum(v, 0, m2, 0, 8, 0, 8, F64, SEQUENTIAL, out, new_stack(8))
+    y = np.empty((8, 8))
+    matmul.matmul_into(m2, m2, F64, F64, SEQUENTIAL, y)
+    kmatmul(m2, m2, F64, F64, SEQUENTIAL)
+    matmul._four_rows_sequential(m2, m2, 0, y, F64)
+    attention_into(m2, m2, m2, 0, 8, True, 2, 0.5, F64, F64, SEQUENTIAL, y, np.empty((0, 0, 0)))
+    attend_row(m2, 0, m2, m2, 0, 8, 2, 0.5, F64, F64, SEQUENTIAL, y, 0, np.empty((0, 0, 0)), 0,
+               np.empty(16), st_, new_stack(4))  # fmt: skip
+    rmsnorm_into(m2, v, 1e-5, F64, F64, SEQUENTIAL, y, np.empty(8))
+    rmsnorm_row(m2, 0, v, 1e-5, F64, F64, SEQUENTIAL, y, 0, st_)
+    silu_into(m2, F64, y)
+    precision.rnd(1.0, BF16)
+    round_array(m2, BF16)
+
+    from kvfast import ModelConfig, decode_step, forward, init_params
+    from kvfast.model.cache import KVCache
+    from kvfast.numerics import Numerics
+
+    cfg = ModelConfig(vocab=5, d_model=4, n_head=2, n_layer=1, d_ff=4, max_pos=4)
+    p = init_params(cfg, 0)
+    cache = KVCache.empty(cfg, Numerics(), 4)
+    forward(cfg, p, [1, 2], Numerics(), cache)
+    decode_step(cfg, p, cache, 3, 2, Numerics())
+
+
+@pytest.fixture(scope="module")
+def machine_code(tmp_path_factory):
+    """Disassembly of every Numba library the model's kernels run, by library name."""
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("objdump is not installed")
+    tmp = tmp_path_factory.mktemp("objects")
+    run = subprocess.run(
+        [sys.executable, "-c", PROBE, str(Path(__file__).parent), str(tmp)],
+        capture_output=True, text=True, check=True, env=os.environ.copy(),
+    )  # fmt: skip
+    found: dict[str, list[str]] = {}
+    for name, path in json.loads(run.stdout.strip().splitlines()[-1]):
+        asm = subprocess.run([objdump, "-d", "--no-show-raw-insn", path], capture_output=True, text=True, check=True)
+        found.setdefault(name, []).append(asm.stdout)
+    return found
+
+
+def test_no_kernel_is_compiled_with_fastmath():
+    from kvfast.model.decode import decode_kernel
+
+    kernels = [getattr(mod, name) for mod in (reduce, matmul, attention, rowops, precision) for name in dir(mod)]
+    kernels = [k for k in kernels if isinstance(k, nb.core.registry.CPUDispatcher)] + [decode_kernel]
+    assert {k.__name__ for k in kernels} >= set(ORDER_SENSITIVE)
+    for k in kernels:
+        assert k.targetoptions.get("fastmath", False) is False, k.__name__
+
+
+def test_no_fused_multiply_add_in_the_machine_code(machine_code):
+    for name in ORDER_SENSITIVE:
+        assert name in machine_code, f"{name}: no machine code recorded"
+        for asm in machine_code[name]:
+            assert "ret" in asm  # real code was disassembled
+            fused = sorted(set(FMA_ASM.findall(asm)))
+            assert not fused, (name, fused[:5])
+    # the multiplying kernels really multiply (in scalar or vector form)
+    for name in ("ordered_dot", "_four_rows_sequential", "attend_row", "rmsnorm_row", "decode_kernel"):
+        assert any(re.search(r"\bvmul[sp]d\b", asm) for asm in machine_code[name]), name
+
+
+@pytest.mark.skipif(not llvm.get_host_cpu_features().get("fma", False), reason="this CPU has no FMA")
+def test_fma_detector_can_fail(machine_code):
+    """Control: the same disassembly check finds the FMA that fastmath, or contraction alone, produces."""
+    assert not FMA_ASM.findall(machine_code["control_plain"][0])
+    assert FMA_ASM.findall(machine_code["control_fast"][0])
+    assert FMA_ASM.findall(machine_code["control_contract"][0])
