@@ -11,8 +11,8 @@ Installing kvfast is enough; in a test::
 ``margin``, ``window``) and returns the report; when the check fails the
 test fails with the report: the first divergent step, its deviation, the
 context tokens and a short per-step table. Bad input (a model without a
-required method, bad logits, a bad prompt) fails the test with the
-``ValueError``'s message.
+required method, bad logits, a bad prompt) fails the test with
+``kv_check: bad input:`` and the ``ValueError``'s message.
 
 This module imports nothing heavy at import time (kvfast's checker is imported
 when the fixture is first used), so the plugin never slows down or breaks
@@ -33,7 +33,10 @@ def kv_check() -> Callable:
     def run(model, prompt, steps: int = 64, mode: str = "exact", **options):
         from kvfast.check.checker import check_cache
 
-        report = check_cache(model, prompt, steps, mode=mode, **options)
+        try:
+            report = check_cache(model, prompt, steps, mode=mode, **options)
+        except ValueError as exc:
+            pytest.fail(f"kv_check: bad input: {exc}", pytrace=False)
         if not report.passed:
             pytest.fail(report.format(), pytrace=False)
         return report
