@@ -1,0 +1,84 @@
+"""Benchmark: kvfast's every-step cache check against a plain cached generation.
+
+    .venv/bin/python benchmarks/check.py [--steps 256] [--repeats 5]
+
+Model: kvfast's transformer (vocab 256, d_model 64, 4 heads, 2 layers, d_ff
+256, float64, sequential order), a 16-token prompt, ``steps`` decode steps.
+Timed (median of ``repeats`` runs, after one warm-up run that compiles):
+
+- plain: ``run_generate`` with the cache (prefill + ``steps`` decode steps, prepared weights);
+- fast check: ``check_cache(KvfastModel, ..., scenarios=("decode",))`` in exact
+  mode (the cached run, one recompute of the final sequence, two more for the
+  append-invariance verification);
+- per-step check: the same with ``fast=False`` (one recompute per step);
+- fast check, both scenarios: ``decode`` and ``resume``.
+
+Prints a Markdown table; the target is fast check <= 3x plain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import numpy as np
+
+from kvfast import ModelConfig, Numerics, init_params
+from kvfast.check import KvfastModel, check_cache
+from kvfast.model.decode import run_generate
+from kvfast.model.transformer import Weights
+
+PROMPT_LEN = 16
+
+
+def median_time(fn, repeats: int) -> float:
+    fn()  # warm-up (compiles kernels on a cold cache)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args(argv)
+    if args.steps < 1 or args.repeats < 1:
+        ap.error("--steps and --repeats must be >= 1")
+    cfg = ModelConfig(vocab=256, d_model=64, n_head=4, n_layer=2, d_ff=256, max_pos=PROMPT_LEN + args.steps + 1)
+    params = init_params(cfg, 0)
+    nx = Numerics.preset("f64")
+    w = Weights.prepare(cfg, params, nx)
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab, PROMPT_LEN)
+    model = KvfastModel(cfg, params, nx)
+    report = check_cache(model, prompt, args.steps, scenarios=("decode",))
+    if report.path != "fast" or not report.passed:
+        raise SystemExit(f"unexpected: path {report.path}, verdict {report.verdict}")
+
+    plain = median_time(lambda: run_generate(cfg, w, prompt, args.steps + 1, nx, use_cache=True), args.repeats)
+    fast = median_time(lambda: check_cache(model, prompt, args.steps, scenarios=("decode",)), args.repeats)
+    slow = median_time(lambda: check_cache(model, prompt, args.steps, scenarios=("decode",), fast=False), args.repeats)
+    both = median_time(lambda: check_cache(model, prompt, args.steps), args.repeats)
+
+    print(f"kvfast check benchmark: {args.steps} decode steps after a {PROMPT_LEN}-token prompt, {cfg}, f64")
+    print(f"machine: {platform.machine()}, Python {platform.python_version()}; median of {args.repeats} runs\n")
+    print("| what | seconds | x plain generation |")
+    print("|---|---|---|")
+    for name, t in [
+        ("plain cached generation", plain),
+        ("every-step check, fast path (decode)", fast),
+        ("every-step check, per-step path (decode)", slow),
+        ("every-step check, fast path (decode + resume)", both),
+    ]:
+        print(f"| {name} | {t:.4f} | {t / plain:.2f} |")
+    print(f"\ntarget fast <= 3x plain: {'met' if fast <= 3 * plain else 'NOT met'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
