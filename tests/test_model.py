@@ -219,3 +219,15 @@ def test_init_params_names_shapes_and_determinism():
     assert all(same_bits(p[k], again[k]) for k in p)
     other = init_params(cfg, 8)
     assert not same_bits(p["wte"], other["wte"])
+
+
+@numerics_grid
+def test_generate_up_to_max_pos_with_and_without_cache(nx):
+    """The longest generation allowed (prompt + steps - 1 == max_pos) works and is cache-exact."""
+    cfg = ModelConfig(vocab=17, d_model=8, n_head=2, n_layer=2, d_ff=16, max_pos=9)
+    params = init_params(cfg, 9)
+    for P in (1, 4, 9):
+        steps = cfg.max_pos - P + 1
+        toks_c, logits_c = generate(cfg, params, np.arange(P) % cfg.vocab, steps, nx, use_cache=True)
+        toks_r, logits_r = generate(cfg, params, np.arange(P) % cfg.vocab, steps, nx, use_cache=False)
+        assert np.array_equal(toks_c, toks_r) and same_bits(logits_c, logits_r)

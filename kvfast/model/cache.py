@@ -28,12 +28,14 @@ class KVCache:
     prefill_len: int = 0
 
     @classmethod
-    def empty(cls, config: ModelConfig, numerics: Numerics, capacity: int | None = None) -> KVCache:
+    def empty(cls, config: ModelConfig, numerics: Numerics | str, capacity: int | None = None) -> KVCache:
         """An empty cache for ``config`` holding at most ``capacity`` positions (default ``max_pos``)."""
         if not isinstance(config, ModelConfig):
             raise ValueError(f"config: {type(config).__name__} is not allowed; allowed: a ModelConfig")
+        if isinstance(numerics, str):
+            numerics = Numerics.preset(numerics)
         if not isinstance(numerics, Numerics):
-            raise ValueError(f"numerics: {type(numerics).__name__} is not allowed; allowed: a Numerics")
+            raise ValueError(f"numerics: {numerics!r} is not allowed; allowed: a Numerics or a preset name")
         if capacity is None:
             capacity = config.max_pos
         if (

@@ -94,6 +94,10 @@ def check_params(config: ModelConfig, params: dict) -> dict[str, np.ndarray]:
     for name, shape in shapes.items():
         arr = params[name]
         dtype = getattr(arr, "dtype", None)
+        if dtype is None:
+            raise ValueError(
+                f"params[{name!r}]: {type(arr).__name__} is not allowed; allowed: a float32 or float64 array"
+            )
         if dtype not in (np.float64, np.float32):
             raise ValueError(f"params[{name!r}]: dtype {dtype} is not allowed; allowed: float32, float64")
         if arr.shape != shape:

@@ -214,7 +214,8 @@ def run_generate(
     tokens = np.empty(steps, dtype=np.int64)
     logits = np.empty((steps, config.vocab))
     if use_cache:
-        cache = KVCache.empty(config, numerics, prompt.shape[0] + steps)
+        # the last token is chosen, never decoded: positions 0 .. P + steps - 2 are stored
+        cache = KVCache.empty(config, numerics, prompt.shape[0] + steps - 1)
         row = run_forward(config, w, prompt, numerics, cache)[-1]
     else:
         row = run_forward(config, w, prompt, numerics)[-1]
