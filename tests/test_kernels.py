@@ -335,8 +335,8 @@ def test_orders_differ_on_a_constructed_input():
 FMA_ASM = re.compile(r"\bv?f(?:n)?m(?:add|sub|addsub|subadd)\d*\w*", re.IGNORECASE)
 ORDER_SENSITIVE = (
     "ordered_sum", "ordered_dot", "weighted_rows_sum", "matmul_into", "matmul", "_four_rows_sequential",
-    "attend_row", "attention_into", "rmsnorm_row", "rmsnorm_into", "silu_into", "rnd", "round_array",
-    "decode_kernel",
+    "attend_row", "attend_row_blocked", "attention_into", "rmsnorm_row", "rmsnorm_into", "silu_into", "rnd",
+    "round_array", "decode_kernel",
 )  # fmt: skip
 
 PROBE = r"""
@@ -416,6 +416,10 @@ def _representative_calls():
     attention_into(m2, m2, m2, 0, 8, True, 2, 0.5, F64, F64, SEQUENTIAL, y, np.empty((0, 0, 0)))
     attend_row(m2, 0, m2, m2, 0, 8, 2, 0.5, F64, F64, SEQUENTIAL, y, 0, np.empty((0, 0, 0)), 0,
                np.empty(16), st_, new_stack(4))  # fmt: skip
+    for mode in (attention.ONLINE, attention.SPLITKV):
+        attention_into(m2, m2, m2, 0, 8, True, 2, 0.5, F64, F64, SEQUENTIAL, y, np.empty((0, 0, 0)), mode, 4)
+        attention.attend_row_blocked(m2, 0, m2, m2, 0, 8, 0, 8, 2, 0.5, F64, F64, SEQUENTIAL, mode, 3, y, 0,
+                                     np.empty(16), st_, new_stack(4))  # fmt: skip
     rmsnorm_into(m2, v, 1e-5, F64, F64, SEQUENTIAL, y, np.empty(8))
     rmsnorm_row(m2, 0, v, 1e-5, F64, F64, SEQUENTIAL, y, 0, st_)
     silu_into(m2, F64, y)
@@ -469,7 +473,8 @@ def test_no_fused_multiply_add_in_the_machine_code(machine_code):
             fused = sorted(set(FMA_ASM.findall(asm)))
             assert not fused, (name, fused[:5])
     # the multiplying kernels really multiply (in scalar or vector form)
-    for name in ("ordered_dot", "_four_rows_sequential", "attend_row", "rmsnorm_row", "decode_kernel"):
+    for name in ("ordered_dot", "_four_rows_sequential", "attend_row", "attend_row_blocked", "rmsnorm_row",
+                 "decode_kernel"):  # fmt: skip
         assert any(re.search(r"\bvmul[sp]d\b", asm) for asm in machine_code[name]), name
 
 
