@@ -71,6 +71,18 @@ def test_table_columns(table):
     assert table.loc["all", "cases"] == 6 * len(BUGS)
 
 
+def test_markdown_table(cases):
+    from kvfast.check.score import markdown
+
+    table = compare_detectors(cases=cases)
+    text = markdown(table)
+    lines = text.splitlines()
+    assert len(lines) == 2 + len(table)
+    assert lines[0].startswith("| bug | cases | one_step_allclose: recall, steps, AUC")
+    every = table.set_index("bug").loc["all"]
+    assert f"| all | {6 * len(BUGS)} |" in text and f"(FPR {every['every_step_exact.fpr']:.3f})" in text
+
+
 def test_a_users_detector_may_return_a_bool_or_a_number(cases):
     few = [c for c in cases if c.config["bug"] in ("posoff", "freeze", "none")]
 

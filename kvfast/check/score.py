@@ -288,3 +288,23 @@ def compare_detectors(detectors: dict[str, Callable] | None = None, cases: Seque
         if "cases" not in table.columns:
             table.insert(0, "cases", s["cases"])
     return table.reset_index()
+
+
+def markdown(table: pd.DataFrame) -> str:
+    """:func:`compare_detectors`'s table as Markdown: per detector recall / steps to detection / AUC, FPR."""
+    names = [c[: -len(".recall")] for c in table.columns if c.endswith(".recall")]
+    head = "| bug | cases | " + " | ".join(f"{n}: recall, steps, AUC" for n in names) + " |"
+    lines = [head, "|" + "---|" * (2 + len(names))]
+
+    def num(x: float, fmt: str) -> str:
+        return "-" if np.isnan(x) else format(x, fmt)
+
+    for _, row in table.iterrows():
+        cells = [str(row["bug"]), str(int(row["cases"]))]
+        for n in names:
+            cell = f"{num(row[f'{n}.recall'], '.3f')}, {num(row[f'{n}.steps'], 'g')}, {num(row[f'{n}.auc'], '.3f')}"
+            if row["bug"] == "all":
+                cell += f" (FPR {num(row[f'{n}.fpr'], '.3f')})"
+            cells.append(cell)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
