@@ -181,11 +181,11 @@ def _first_diff(ta: dict, tb: dict) -> str:
                 bad = np.nonzero(~_same(a, b))[0]
                 if bad.size:
                     j = int(bad[0])
-                    return f"{kind}[layer={layer}, pos={t}, col={j}]: {a[j]!r} vs {b[j]!r}"
+                    return f"{kind}[layer={layer}, pos={t}, col={j}]: {float(a[j])!r} vs {float(b[j])!r}"
         bad = np.nonzero(~_same(ta["logits"][t], tb["logits"][t]))[0]
         if bad.size:
             j = int(bad[0])
-            return f"logits[pos={t}, col={j}]: {ta['logits'][t, j]!r} vs {tb['logits'][t, j]!r}"
+            return f"logits[pos={t}, col={j}]: {float(ta['logits'][t, j])!r} vs {float(tb['logits'][t, j])!r}"
     return ""
 
 
