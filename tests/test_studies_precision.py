@@ -17,7 +17,9 @@ WIDE = {"n_layer": 2, "n_head": 4, "d_model": 64, "d_ff": 256, "vocab": 32, "pro
 
 def _run(storage: str, accum: str, attention: str = "standard", seed: int = 0, order: str = "sequential", **kw):
     config = dict(SMALL, **kw)
-    config.update(seed=seed, storage=storage, accum=accum, attention=attention, prefill_order=order)
+    config.update(
+        seed=seed, storage=storage, accum=accum, attention=attention, decode_attention="same", prefill_order=order
+    )
     return precision.run(config)
 
 
@@ -47,7 +49,15 @@ def test_bf16_storage_with_f64_accumulator_agrees_across_orders(seed, attention)
 def test_f32_accumulator_exception_is_a_one_ulp_split_in_a_wide_model():
     """The listed exception: bf16 storage + f32 accumulator, wide model, seed 2. The two orders' f32
     sums straddle a rounding boundary of the bf16 grid, so the stored values are adjacent bf16 numbers."""
-    config = dict(WIDE, seed=2, storage="bf16", accum="f32", attention="standard", prefill_order="sequential")
+    config = dict(
+        WIDE,
+        seed=2,
+        storage="bf16",
+        accum="f32",
+        attention="standard",
+        decode_attention="same",
+        prefill_order="sequential",
+    )
     r = precision.run(config)
     assert r["fwd_pos_agree"] < 1.0
     cfg, params, tokens = precision.model_for(config)
@@ -86,12 +96,21 @@ def test_cache_exact_with_aligned_blocks_not_with_count_splits(storage, accum):
 
 
 def test_precision_config_is_validated():
-    good = dict(SMALL, seed=0, storage="bf16", accum="f64", attention="online:4", prefill_order="pairwise")
+    good = dict(
+        SMALL,
+        seed=0,
+        storage="bf16",
+        accum="f64",
+        attention="online:4",
+        decode_attention="splitkv:4",
+        prefill_order="pairwise",
+    )
     precision.check_config(good)
     for field, value, pattern in [
         ("attention", "flash:4", "attention: 'flash:4'"),
         ("attention", "online:0", "attention: 'online:0'"),
         ("attention", "online", "attention: 'online'"),
+        ("decode_attention", "splitkv", "decode_attention: 'splitkv'"),
         ("storage", "fp8", "storage: 'fp8'"),
         ("prefill_order", "random", "prefill_order: 'random'"),
         ("seed", -1, "seed: -1"),
@@ -171,5 +190,5 @@ def test_neartied_config_is_validated():
 def test_grids_expand():
     from kvfast.sweep.grid import load_grid
 
-    assert len(load_grid("precision")) == 720
+    assert len(load_grid("precision")) == 864
     assert len(load_grid("neartied")) == 600

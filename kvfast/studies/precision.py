@@ -2,9 +2,11 @@
 
 One run = one model and token sequence (``seed``), one storage format, one
 accumulator format and one attention kernel (``attention``: ``standard`` or a
-real kernel's order such as ``online:4``). The two summation orders are
-``sequential`` (A) and ``pairwise`` (B); ``prefill_order`` says which of them
-the batched paths use (the other one is the decode's).
+real kernel's order such as ``online:4``) for the batched paths, and one for the
+decode (``decode_attention``: ``same``, or another kernel, e.g. flash-decoding's
+``splitkv:4`` after a flash-attention ``online:4`` prefill). The two summation
+orders are ``sequential`` (A) and ``pairwise`` (B); ``prefill_order`` says which
+of them the batched paths use (the other one is the decode's).
 
 Three comparisons, every value compared by its bits (``==``):
 
@@ -21,9 +23,9 @@ Three comparisons, every value compared by its bits (``==``):
     decode kernel does not expose its residual stream). A decoded position
     agrees when its logits and all its K, V do.
 ``same_*``
-    the cache control: prefill and decode both in ``prefill_order``, against
-    the same full recompute. ``same_exact`` is True when every logit and every
-    K, V entry is bit-identical.
+    the cache control: prefill and decode both in ``prefill_order`` (the
+    decode with ``decode_attention``), against the same full recompute.
+    ``same_exact`` is True when every logit and every K, V entry is bit-identical.
 
 Sequences are ``prompt_len + steps`` tokens drawn from ``seed``; parameters are
 :func:`kvfast.init_params` of ``seed``. A run's numbers depend only on its config.
@@ -42,7 +44,7 @@ from kvfast.model.transformer import Weights, run_forward
 from kvfast.numerics import Numerics
 from kvfast.studies.base import Claim, Study, require_choice, require_int
 
-VERSION = "1"
+VERSION = "2"
 
 FORMATS = ("f64", "f32", "bf16")
 ORDERS = ("sequential", "pairwise")
@@ -60,6 +62,7 @@ CONFIG_FIELDS = {
     "storage": pa.string(),
     "accum": pa.string(),
     "attention": pa.string(),
+    "decode_attention": pa.string(),
     "prefill_order": pa.string(),
 }
 RESULT_FIELDS = {
@@ -82,19 +85,19 @@ RESULT_FIELDS = {
 }
 
 
-def parse_attention(spec: object) -> tuple[str, int]:
+def parse_attention(spec: object, field: str = "attention") -> tuple[str, int]:
     """``"standard"`` or ``"KIND:N"`` (``online:4``, ``splitkv:4``, ``splitcount:3``) -> ``(kind, N)``.
 
-    Raises ``ValueError`` naming the field ``attention``, the value and what is allowed.
+    Raises ``ValueError`` naming ``field``, the value and what is allowed.
     """
     allowed = "'standard', or 'online:N', 'splitkv:N', 'splitcount:N' with an integer N >= 1"
     if not isinstance(spec, str):
-        raise ValueError(f"attention: {spec!r} is not allowed; allowed: {allowed}")
+        raise ValueError(f"{field}: {spec!r} is not allowed; allowed: {allowed}")
     if spec == "standard":
         return "standard", 0
     kind, _, n = spec.partition(":")
     if kind not in ATTENTION_KINDS[1:] or not n.isdigit() or int(n) < 1:
-        raise ValueError(f"attention: {spec!r} is not allowed; allowed: {allowed}")
+        raise ValueError(f"{field}: {spec!r} is not allowed; allowed: {allowed}")
     return kind, int(n)
 
 
@@ -113,6 +116,8 @@ def check_config(config: dict) -> None:
     require_choice(config, "accum", FORMATS)
     require_choice(config, "prefill_order", ORDERS)
     parse_attention(config.get("attention"))
+    if config.get("decode_attention") != "same":
+        parse_attention(config.get("decode_attention"), "decode_attention")
     if config["d_model"] % config["n_head"]:
         raise ValueError(
             f"d_model: {config['d_model']} is not divisible by n_head={config['n_head']}; allowed: a multiple"
@@ -205,6 +210,9 @@ def run(config: dict) -> dict:
     order_b = ORDERS[1 - ORDERS.index(order_a)]
     nx_a = numerics_for(config["storage"], config["accum"], order_a, config["attention"])
     nx_b = numerics_for(config["storage"], config["accum"], order_b, config["attention"])
+    dec = config["attention"] if config["decode_attention"] == "same" else config["decode_attention"]
+    dec_a = numerics_for(config["storage"], config["accum"], order_a, dec)
+    dec_b = numerics_for(config["storage"], config["accum"], order_b, dec)
     w = Weights.prepare(cfg, params, nx_a)
     n = tokens.shape[0]
     p = config["prompt_len"]
@@ -215,13 +223,13 @@ def run(config: dict) -> dict:
     fwd_pos = _positions_agree([eq["resid"], eq["k"], eq["v"], eq["logits"]], [1, 1, 1, 0], n)
     fwd_max = max(_max_diff(ta[kind], tb[kind]) for kind in ("resid", "k", "v", "logits"))
 
-    mixed = cached_trace(cfg, w, tokens, p, nx_a, nx_b)
+    mixed = cached_trace(cfg, w, tokens, p, nx_a, dec_b)
     ckv = [_same(mixed["k"], ta["k"]), _same(mixed["v"], ta["v"])]
     clog = _same(mixed["logits"][p:], ta["logits"][p:])
     cache_pos = _positions_agree([ckv[0][:, p:], ckv[1][:, p:], clog], [1, 1, 0], n - p)
     cache_max = max(_max_diff(mixed[kind], ta[kind]) for kind in ("k", "v", "logits"))
 
-    same = cached_trace(cfg, w, tokens, p, nx_a, nx_a)
+    same = cached_trace(cfg, w, tokens, p, nx_a, dec_a)
     same_exact = all(_same(same[kind], ta[kind]).all() for kind in ("k", "v", "logits"))
     same_max = max(_max_diff(same[kind], ta[kind]) for kind in ("k", "v", "logits"))
 
@@ -246,7 +254,7 @@ def run(config: dict) -> dict:
 
 
 def summarize(df: pd.DataFrame) -> pd.DataFrame:
-    """Per (storage, accum, attention): mean agreement fractions, worst differences, exact-cache share."""
+    """Per (d_model, storage, accum, attention, decode_attention): mean agreement, worst differences, exact share."""
     ok = df[df["status"] == "ok"].copy()
     if not len(ok):
         return pd.DataFrame()
@@ -255,7 +263,7 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
     kinds = [k for k in ("standard", *sorted(set(ok["attention"]) - {"standard"})) if k in set(ok["attention"])]
     ok["attention"] = pd.Categorical(ok["attention"], categories=kinds, ordered=True)
     return (
-        ok.groupby(["d_model", "storage", "accum", "attention"], observed=True)
+        ok.groupby(["d_model", "storage", "accum", "attention", "decode_attention"], observed=True)
         .agg(
             runs=("run_id", "size"),
             fwd_pos_agree=("fwd_pos_agree", "mean"),
@@ -278,7 +286,7 @@ def _pct(x: float) -> str:
 def claims(df: pd.DataFrame) -> list[Claim]:
     """The seed's order/precision claims as this grid measured them."""
     ok = df[df["status"] == "ok"]
-    std = ok[ok["attention"] == "standard"]
+    std = ok[(ok["attention"] == "standard") & (ok["decode_attention"] == "same")]
     out = []
 
     def sel(storage: str, accum: str) -> pd.DataFrame:
@@ -310,8 +318,9 @@ def claims(df: pd.DataFrame) -> list[Claim]:
                 bool(pos16 < 1.0 and pos64 == 1.0 and pos32 == 1.0),
             )
         )
-    aligned = ok[ok["attention"].str.split(":").str[0].isin(["standard", "online", "splitkv"])]
-    counted = ok[ok["attention"].str.startswith("splitcount")]
+    same_kernel = ok[ok["decode_attention"] == "same"]
+    aligned = same_kernel[same_kernel["attention"].str.split(":").str[0].isin(["standard", "online", "splitkv"])]
+    counted = same_kernel[same_kernel["attention"].str.startswith("splitcount")]
     if len(aligned):
         presets = aligned[
             ((aligned["storage"] == "f64") & (aligned["accum"] == "f64"))
@@ -358,6 +367,7 @@ def precision_table(
     seeds: tuple[int, ...] = (0, 1),
     formats: tuple[tuple[str, str], ...] | None = None,
     attention: tuple[str, ...] = ("standard",),
+    decode_attention: str = "same",
     prefill_orders: tuple[str, ...] = ORDERS,
     **fixed: int,
 ) -> pd.DataFrame:
@@ -375,6 +385,14 @@ def precision_table(
         for storage, accum in pairs:
             for att in attention:
                 for order in prefill_orders:
-                    config = dict(base, seed=seed, storage=storage, accum=accum, attention=att, prefill_order=order)
+                    config = dict(
+                        base,
+                        seed=seed,
+                        storage=storage,
+                        accum=accum,
+                        attention=att,
+                        decode_attention=decode_attention,
+                        prefill_order=order,
+                    )
                     rows.append({**config, **run(config), "status": "ok", "run_id": str(len(rows))})
     return pd.DataFrame(rows)
