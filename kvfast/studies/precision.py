@@ -347,6 +347,18 @@ def claims(df: pd.DataFrame) -> list[Claim]:
                 bool((~counted["same_exact"]).all()),
             )
         )
+    mix = ok[ok["decode_attention"] != "same"]
+    if len(mix):
+        out.append(
+            Claim(
+                "a prefill kernel and a decode kernel that round in different places (flash-attention prefill, "
+                "flash-decoding decode) break the cache, same order, every format",
+                "(not in the seed)",
+                f"{int((~mix['same_exact']).sum())} of {len(mix)} runs not bit-exact, worst deviation "
+                f"{float(mix['same_max_diff'].max()):.3g}",
+                bool((~mix["same_exact"]).all()),
+            )
+        )
     return out
 
 
