@@ -175,7 +175,8 @@ def generate(
     chose each of them ``(steps, vocab)``. Row 0 comes from the prompt's forward;
     row i >= 1 from decode step i (with the cache) or from a full recompute of
     the whole sequence (without). ``decode_numerics`` lets the decode steps
-    run in another order or accumulator than the prefill (same storage).
+    run in another order, accumulator or attention kernel than the prefill
+    (same storage).
     """
     config = check_config(config)
     numerics = check_numerics(numerics)
