@@ -180,7 +180,7 @@ def test_weighted_rows_sum_equals_reference(acc, order):
 @pytest.mark.parametrize("order", ORDERS)
 def test_matmul_equals_per_element_reference(storage, acc, order):
     rng = np.random.default_rng(5)
-    for T, n, m in [(1, 1, 1), (1, 9, 5), (4, 8, 3), (5, 13, 7), (9, 6, 4), (3, 0, 2)]:
+    for T, n, m in [(1, 1, 1), (1, 9, 5), (4, 8, 3), (5, 13, 7), (9, 6, 4), (3, 0, 2), (17, 33, 19)]:
         x = round_array(spread(rng, (T, n)), storage)
         w = round_array(spread(rng, (n, m)), storage)
         got = kmatmul(x, w, storage, acc, order)
