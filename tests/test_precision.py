@@ -261,3 +261,17 @@ def test_round_array_grids(xs):
     assert np.array_equal(_bits64(got16[~nan]), _bits64(to_bfloat16(x)[~nan]))
     for v in x[~nan]:
         assert _bits64(rnd(float(v), BF16)) == _bits64(bf16_exact(float(v)))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_to_bfloat16_keeps_shape_and_dtype(dtype):
+    x = np.arange(1, 13, dtype=dtype).reshape(3, 4) / 7
+    for arr in (x, x[:, ::2], x[1, 2], np.asarray(x[1, 2]), x[:0], x.T):
+        got = to_bfloat16(arr)
+        flat = np.asarray(arr).ravel()
+        if dtype == np.float32:
+            want = flat.astype(ml_dtypes.bfloat16).astype(dtype)
+        else:
+            want = np.array([bf16_exact(float(v)) for v in flat])
+        assert got.shape == np.shape(arr) and got.dtype == dtype
+        assert np.array_equal(got.ravel(), want)

@@ -157,8 +157,9 @@ def to_bfloat16(x: np.ndarray, *, through_f32: bool = False) -> np.ndarray:
     rounds to float32 first exactly like ``x.astype(ml_dtypes.bfloat16)``.
     """
     arr = np.asarray(x)
+    # np.ascontiguousarray makes a 0-d input 1-d: give the result the input's shape back
     if arr.dtype == np.float32:
-        return round_bf16_f32_array(np.ascontiguousarray(arr))
+        return round_bf16_f32_array(np.ascontiguousarray(arr)).reshape(arr.shape)
     if arr.dtype == np.float64:
-        return round_bf16_f64_array(np.ascontiguousarray(arr), bool(through_f32))
+        return round_bf16_f64_array(np.ascontiguousarray(arr), bool(through_f32)).reshape(arr.shape)
     raise ValueError(f"x: dtype {arr.dtype} is not supported; allowed: float32, float64")
