@@ -387,12 +387,17 @@ def check_cache(
         raise ValueError(f"fast: {fast!r} is not allowed; allowed: True or False")
     margin, window = C.check_margin(margin), C.check_window(window)
     T = prompt.shape[0]
+    if T == 1 and scenarios == ("resume",):
+        raise ValueError(
+            "scenarios: ('resume',) cannot run on a one-token prompt (nothing to split); "
+            "allowed: a prompt of 2 or more tokens, or the 'decode' scenario"
+        )
     if split is None:
         split = T // 2
-    elif T > 1:
-        split = check_int(split, "split", 1, T - 1)
+    elif T == 1:
+        raise ValueError(f"split: {split!r} is not allowed; allowed: None (a one-token prompt cannot be split)")
     else:
-        split = check_int(split, "split", 0, 0)
+        split = check_int(split, "split", 1, T - 1)
     vocab = vocab_of(model)
     check_range(prompt, vocab)
 
