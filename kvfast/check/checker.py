@@ -370,7 +370,8 @@ def check_cache(
       ``"resume"`` (prefill ``prompt[:split]``, then ``extend`` with the rest,
       or feed the rest through ``decode`` if the model has no ``extend``; then
       decode). ``split`` defaults to ``len(prompt) // 2``; a one-token prompt
-      cannot be split and the resume scenario is reported as skipped.
+      cannot be split: the resume scenario is then reported as skipped beside
+      ``decode``, and asking for it alone is bad input.
     - ``fast``: use one recompute of the final sequence as the reference after
       verifying append-invariance (``False``: one recompute per step).
 
@@ -423,7 +424,8 @@ def check_cache(
             wrong = np.nonzero(greedy != spec[2])[0]
             j = steps if wrong.size == 0 else int(wrong[0])
             rows[T : T + j] = full[T : T + j]
-            tokens[: j + 1 if j < steps else steps] = greedy[: j + 1 if j < steps else steps]
+            n_ok = min(j + 1, steps)  # tokens chosen from valid rows
+            tokens[:n_ok] = greedy[:n_ok]
             known = T + j
             if j == steps:
                 reuse = spec
