@@ -74,3 +74,16 @@ def test_torch_tensors_are_read_exactly():
     t = torch.tensor([1.0, 2.5, -3.015625], dtype=torch.bfloat16, requires_grad=True)
     assert to_numpy(t * 1).tolist() == [1.0, 2.5, -3.015625]
     assert to_numpy(torch.tensor([0.1], dtype=torch.float64)).tolist() == [0.1]
+
+
+def test_cli_on_the_torch_example(npz, monkeypatch, capsys):
+    from kvfast.cli import main
+
+    monkeypatch.chdir(EXAMPLE.parents[1])
+    monkeypatch.setenv("KVFAST_NPZ", str(npz))
+    args = ["check", "examples.torch_model:from_env", "--prompt", "1,2,3", "--steps", "4"]
+    assert main([*args, "--mode", "control"]) == 0  # float32 whole-matrix vs one-row products: rounding
+    assert "ROUNDING" in capsys.readouterr().out
+    monkeypatch.setenv("KVFAST_DTYPE", "float16")
+    assert main(args) == 2
+    assert "dtype: 'float16' is not allowed" in capsys.readouterr().err
