@@ -1,56 +1,52 @@
-"""kvfast: a KV cache is not an approximation. Bit-exact cache checks, bugs, detectors and sweeps."""
+"""kvfast: a KV cache is not an approximation. Bit-exact cache checks, bugs, detectors and sweeps.
+
+Public names are imported on first use, so ``import kvfast`` (and the pytest
+plugin that installing kvfast registers) stays cheap and does not load Numba
+until a kernel is needed.
+"""
+
+from __future__ import annotations
+
+import importlib
 
 from kvfast._version import __version__
-from kvfast.kernels.precision import to_bfloat16
-from kvfast.model.bugs import BUGS
-from kvfast.model.cache import KVCache
-from kvfast.model.config import ModelConfig, init_params, load_params, save_params
-from kvfast.model.decode import decode_step, generate
-from kvfast.model.transformer import forward, forward_trace, loss_and_grads
-from kvfast.numerics import Numerics
 
+# public name -> module that defines it
+_EXPORTS = {
+    "BUGS": "kvfast.model.bugs",
+    "KVCache": "kvfast.model.cache",
+    "ModelConfig": "kvfast.model.config",
+    "init_params": "kvfast.model.config",
+    "load_params": "kvfast.model.config",
+    "save_params": "kvfast.model.config",
+    "decode_step": "kvfast.model.decode",
+    "generate": "kvfast.model.decode",
+    "forward": "kvfast.model.transformer",
+    "forward_trace": "kvfast.model.transformer",
+    "loss_and_grads": "kvfast.model.transformer",
+    "Numerics": "kvfast.numerics",
+    "to_bfloat16": "kvfast.kernels.precision",
+    "load": "kvfast.sweep.store",
+    "CheckReport": "kvfast.check",
+    "KvfastModel": "kvfast.check",
+    "NumpyModel": "kvfast.check",
+    "assert_cache_exact": "kvfast.check",
+    "check_cache": "kvfast.check",
+    "compare_detectors": "kvfast.check",
+    "score_detector": "kvfast.check",
+}
 
-def load(path):
-    """A results directory as a pandas DataFrame, one row per run, sorted by run_id (see kvfast.sweep.load)."""
-    from kvfast.sweep.store import load as _load
-
-    return _load(path)
-
-
-__all__ = [
-    "BUGS",
-    "KVCache",
-    "ModelConfig",
-    "Numerics",
-    "__version__",
-    "decode_step",
-    "forward",
-    "forward_trace",
-    "generate",
-    "init_params",
-    "load",
-    "load_params",
-    "loss_and_grads",
-    "save_params",
-    "to_bfloat16",
-]
-
-# kvfast.check, imported on first use (keeps `import kvfast` light and the pytest plugin cheap).
-_CHECK_EXPORTS = (
-    "CheckReport",
-    "KvfastModel",
-    "NumpyModel",
-    "assert_cache_exact",
-    "check_cache",
-    "compare_detectors",
-    "score_detector",
-)
-__all__ += list(_CHECK_EXPORTS)
+__all__ = ["__version__", *sorted(_EXPORTS)]
 
 
 def __getattr__(name: str):
-    if name in _CHECK_EXPORTS:
-        import kvfast.check
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvfast' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
-        return getattr(kvfast.check, name)
-    raise AttributeError(f"module 'kvfast' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
