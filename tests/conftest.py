@@ -1,40 +1,13 @@
 """Shared test setup.
 
-Numba's on-disk cache is invalidated only when the file that defines a jitted
-function changes, not when a function it calls (in another file) changes, nor
-when a module-level constant it reads changes: after an edit to
-``kvfast/kernels/reduce.py`` the cached ``decode_kernel`` would still run the
-old reduction. A bit-exactness suite must never test stale code, so the tests
-use a Numba cache directory keyed by a hash of every source file that uses
-Numba, plus ``kvfast/model/bugs.py`` (whose constants ``decode_kernel`` reads),
-set before Numba is imported. Set ``NUMBA_CACHE_DIR`` yourself to override.
+Numba's cache directory is keyed by a hash of kvfast's Numba sources by
+``kvfast.kernels`` itself, so the tests never run stale machine code.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _source_key() -> str:
-    digest = hashlib.sha256()
-    for path in sorted((ROOT / "kvfast").rglob("*.py")):
-        text = path.read_bytes()
-        if b"numba" in text or path.name == "bugs.py":
-            digest.update(path.relative_to(ROOT).as_posix().encode())
-            digest.update(text)
-    return digest.hexdigest()[:16]
-
-
-if "NUMBA_CACHE_DIR" not in os.environ:
-    os.environ["NUMBA_CACHE_DIR"] = str(ROOT / ".numba-test-cache" / _source_key())
-
-from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import HealthCheck, settings
 
 settings.register_profile(
     "kvfast",

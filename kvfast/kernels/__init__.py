@@ -1,0 +1,42 @@
+"""Numba kernels with an explicit summation order and software-rounded precision.
+
+Numba's on-disk cache is invalidated only when the file defining a jitted
+function changes, not when a function it calls in another file changes, nor a
+module constant it reads (``kvfast/model/bugs.py``). A bit-exactness tool must
+never run stale machine code, so before any kernel is compiled or loaded this
+package points Numba's cache at a directory keyed by a hash of every kvfast
+source file that uses Numba (under ``$XDG_CACHE_HOME/kvfast/numba/`` or
+``~/.cache/kvfast/numba/``). Set ``NUMBA_CACHE_DIR`` yourself to override it.
+Child processes (sweep workers) inherit the choice through the environment.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+_PACKAGE = Path(__file__).resolve().parents[1]
+
+
+def source_key() -> str:
+    """A short hash of every kvfast source file that uses Numba (plus the bug constants)."""
+    digest = hashlib.sha256()
+    for path in sorted(_PACKAGE.rglob("*.py")):
+        text = path.read_bytes()
+        if b"numba" in text or path.name == "bugs.py":
+            digest.update(path.relative_to(_PACKAGE).as_posix().encode())
+            digest.update(text)
+    return digest.hexdigest()[:16]
+
+
+def _default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kvfast" / "numba" / source_key()
+
+
+if "NUMBA_CACHE_DIR" not in os.environ:
+    os.environ["NUMBA_CACHE_DIR"] = str(_default_cache_dir())
+    if "numba" in sys.modules:  # numba read its config already: tell it too
+        sys.modules["numba"].config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]
