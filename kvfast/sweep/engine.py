@@ -31,12 +31,15 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
-from kvfast.studies.base import Study
 from kvfast.sweep.grid import Grid, Run
-from kvfast.sweep.store import STATUSES, ResultsDir, new_manifest, schema_for
+from kvfast.sweep.store import STATUSES, WARMUP, ResultsDir, new_manifest, schema_for
+
+if TYPE_CHECKING:
+    from kvfast.studies.base import Study
 
 BACKENDS = ("loky", "threading", "dask")
 CRASH_MESSAGE = "the worker process died during this run, and again when the run was retried alone"
@@ -362,7 +365,8 @@ def _sweep_locked(
     writer = _Writer(store, study, configs, progress)
     try:
         if pending:
-            _execute(grid, pending, writer, report, jobs, backend, client, chunk_s, chunk_size, stall_s)
+            crashed = {rid for rid, st in stored.items() if st == "crashed"}
+            _execute(grid, pending, writer, report, jobs, backend, client, chunk_s, chunk_size, stall_s, crashed)
     except KeyboardInterrupt:
         report.interrupted = True
     finally:
@@ -396,14 +400,22 @@ def _sweep_locked(
     return report
 
 
-def _execute(grid, pending, writer, report, jobs, backend, client, chunk_s, chunk_size, stall_s) -> None:
+def _execute(
+    grid, pending, writer, report, jobs, backend, client, chunk_s, chunk_size, stall_s, crashed: set[str]
+) -> None:
     study = grid.study
-    # Warm-up and timing in this process: compile (or load Numba's cache) once, here.
-    n_local = 1 if jobs == 1 else min(3, len(pending))
-    local = pending[:n_local] if jobs > 1 else []
+    # Warm-up and timing in this process: compile (or load Numba's cache) once, here. Never on a run
+    # that has killed a process: one stored as crashed, or one that killed this process during an
+    # earlier warm-up (its id is left in .warmup). Those go to workers.
+    marker = writer.store.path / WARMUP
+    avoid = crashed | {marker.read_text().strip() if marker.exists() else ""}
+    local = [r for r in pending if r.run_id not in avoid][:3] if jobs > 1 or client is not None else []
     for run in local:
+        marker.write_text(run.run_id)
         writer([_run_one(study, run)])
-    rest = pending[len(local) :]
+    marker.unlink(missing_ok=True)
+    local_ids = {r.run_id for r in local}
+    rest = [r for r in pending if r.run_id not in local_ids]
     if not rest:
         return
     if jobs == 1 and client is None:

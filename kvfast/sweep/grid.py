@@ -34,12 +34,14 @@ import tomllib
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import pyarrow as pa
 
-from kvfast.studies.base import Study
 from kvfast.sweep.ids import canonical, run_id, spec_hash
+
+if TYPE_CHECKING:
+    from kvfast.studies.base import Study
 
 TOP_KEYS = ("study", "description", "fixed", "axes", "tied", "union")
 SUB_KEYS = ("description", "fixed", "axes", "tied")

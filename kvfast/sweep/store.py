@@ -28,15 +28,19 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from kvfast.studies.base import Study
+if TYPE_CHECKING:
+    from kvfast.studies.base import Study
+
 
 MANIFEST = "_sweep.json"
 LOCK = ".lock"
+WARMUP = ".warmup"
 FORMAT = "kvfast-results-1"
 PART_RE = re.compile(r"^part-(\d{8})-([0-9a-f]{8})\.parquet$")
 STATUSES = ("ok", "error", "crashed")
@@ -154,13 +158,15 @@ class ResultsDir:
         if p.exists() and not p.is_dir():
             raise ValueError(f"--out: {str(p)!r} is not a directory")
         existing = p if p.exists() else next((a for a in p.parents if a.exists()), Path("."))
+        if not existing.is_dir():
+            raise ValueError(f"--out: {str(p)!r} is not writable ({str(existing)!r} is not a directory)")
         if not os.access(existing, os.W_OK | os.X_OK):
             raise ValueError(f"--out: {str(p)!r} is not writable (no write permission on {str(existing)!r})")
         if not p.exists():
             return
         manifest = self.manifest()
         if manifest is None:
-            foreign = [c.name for c in p.iterdir() if c.name != LOCK]
+            foreign = [c.name for c in p.iterdir() if c.name not in (LOCK, WARMUP)]
             if foreign:
                 raise ValueError(
                     f"--out: {str(p)!r} is not a kvfast results directory (it holds {foreign[0]!r} and no "
@@ -206,9 +212,11 @@ class ResultsDir:
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
         """Hold the directory's lock (creating the directory); ``ValueError`` if another sweep holds it."""
-        self.path.mkdir(parents=True, exist_ok=True)
-        lock_path = self.path / LOCK
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise ValueError(f"--out: {str(self.path)!r} is not writable ({exc.strerror})") from None
         try:
             _lock(fd)
         except OSError:

@@ -1,0 +1,156 @@
+"""Grids and run ids: expansion, sizes, validation before any run, id stability."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from kvfast.studies import STUDIES
+from kvfast.sweep import builtin_grids, grid_from_spec, load_grid, run_id, schema_for
+from kvfast.sweep.ids import canonical_json
+
+EXACT_FIXED = {"vocab": 32, "d_model": 16, "d_ff": 32}
+
+
+def exact_spec(**axes) -> dict:
+    base = {
+        "seed": [0],
+        "n_layer": [1],
+        "n_head": [1],
+        "prompt_len": [3],
+        "steps": [4],
+        "order": ["sequential"],
+        "preset": ["f64"],
+    }
+    base.update(axes)
+    return {"study": "exactness", "fixed": dict(EXACT_FIXED), "axes": base}
+
+
+def test_exactness_grid_is_1296_runs_of_432_configs_times_3_presets():
+    grid = load_grid("exactness")
+    assert len(grid) == 1296
+    assert len({r.run_id for r in grid.runs}) == 1296
+    presets = {}
+    for r in grid.runs:
+        presets.setdefault(r.config["preset"], set()).add(
+            tuple(sorted((k, v) for k, v in r.config.items() if k != "preset"))
+        )
+    assert sorted(presets) == ["bf16", "f32", "f64"]
+    assert all(len(v) == 432 for v in presets.values())
+    assert presets["f64"] == presets["f32"] == presets["bf16"]
+
+
+def test_every_builtin_grid_expands_and_validates():
+    grids = builtin_grids()
+    assert "exactness" in grids
+    for name in grids:
+        grid = load_grid(name)
+        assert len(grid) > 0
+        assert grid.study.name in STUDIES
+        for r in grid.runs[:50]:
+            assert list(r.config) == list(grid.study.config_fields)
+
+
+def test_cartesian_tied_and_union_sizes_and_order():
+    spec = exact_spec(seed=[0, 1, 2], preset=["f64", "f32"])
+    assert len(grid_from_spec(spec)) == 6
+    first = grid_from_spec(spec).runs
+    assert [(r.config["seed"], r.config["preset"]) for r in first[:3]] == [(0, "f64"), (0, "f32"), (1, "f64")]
+
+    tied = exact_spec(seed=[0, 1, 2])
+    del tied["axes"]["n_layer"], tied["axes"]["n_head"]
+    tied["tied"] = [{"n_layer": [1, 2, 3], "n_head": [1, 2, 4]}]
+    g = grid_from_spec(tied)
+    assert len(g) == 9
+    assert {(r.config["n_layer"], r.config["n_head"]) for r in g.runs} == {(1, 1), (2, 2), (3, 4)}
+
+    union = exact_spec(seed=[0, 1])
+    union["union"] = [{"axes": {"steps": [4, 8]}}, {"fixed": {"steps": 16}, "axes": {"preset": ["bf16", "f32"]}}]
+    g = grid_from_spec(union)
+    # 2 seeds x 2 steps, plus 2 seeds x 2 presets at steps 16
+    assert len(g) == 8
+    assert sorted({r.config["steps"] for r in g.runs}) == [4, 8, 16]
+    assert {r.config["preset"] for r in g.runs if r.config["steps"] == 16} == {"bf16", "f32"}
+
+    # duplicates across union entries are kept once
+    dup = exact_spec(seed=[0, 1])
+    dup["union"] = [{}, {"axes": {"seed": [1, 2]}}]
+    assert len(grid_from_spec(dup)) == 3
+
+
+def test_run_id_is_stable_across_numpy_scalars_key_order_and_int_in_float():
+    a = {"x": 0.1, "n": 3, "s": "f64", "flag": True, "xs": [1.5, 2.0]}
+    b = {"xs": np.array([1.5, 2.0]), "flag": np.bool_(True), "s": "f64", "n": np.int64(3), "x": np.float64(0.1)}
+    assert run_id("st", "1", a) == run_id("st", "1", b)
+    assert canonical_json(a) == canonical_json(b)
+    # distinct values, versions and studies give distinct ids
+    assert run_id("st", "1", a) != run_id("st", "1", dict(a, x=np.float32(0.1)))
+    assert run_id("st", "1", a) != run_id("st", "1", dict(a, x=0.1 + 2**-56))
+    assert run_id("st", "1", a) != run_id("st", "1", dict(a, flag=1))
+    assert run_id("st", "1", a) != run_id("st", "2", a)
+    assert run_id("st", "1", a) != run_id("other", "1", a)
+    # a fixed, known value: the id must not drift between kvfast versions or machines
+    assert run_id("exactness", "1", {"seed": 0}) == run_id("exactness", "1", {"seed": np.int32(0)})
+    assert len(run_id("st", "1", a)) == 32
+    with pytest.raises(ValueError, match="not allowed"):
+        canonical_json({"x": object()})
+
+
+def test_run_id_of_a_grid_run_does_not_depend_on_how_the_grid_is_written():
+    g1 = grid_from_spec(exact_spec(seed=[0, 1], steps=[4]))
+    spec = exact_spec(steps=[4])
+    spec["fixed"]["seed"] = 1
+    del spec["axes"]["seed"]
+    g2 = grid_from_spec(spec)
+    assert g2.runs[0].run_id == g1.runs[1].run_id
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda s: s["axes"].update(colour=["red"]), "axis 'colour' is not a config field of study 'exactness'"),
+        (lambda s: s["axes"].update(order=["reverse"]), "order: 'reverse' is not allowed; allowed: sequential"),
+        (lambda s: s["axes"].update(n_layer=[0]), "n_layer: 0 is not allowed; allowed: an integer >= 1"),
+        (lambda s: s["axes"].update(preset=["f16"]), "preset: 'f16' is not allowed; allowed: f64, f32, bf16"),
+        (lambda s: s["axes"].update(seed=[]), "axes.seed: \\[\\] is empty"),
+        (lambda s: s["axes"].update(seed=3), "axes.seed: 3 is not an array"),
+        (lambda s: s["fixed"].pop("vocab"), "vocab: missing from the grid"),
+        (lambda s: s.update(study="nope"), "study: 'nope' is not allowed; allowed: .*exactness"),
+        (lambda s: s.update(colour=1), "key 'colour' is not allowed; allowed: study, description"),
+        (lambda s: s["fixed"].update(seed=1), "key 'seed' is set twice"),
+        (lambda s: s.update(tied=[{"n_layer": [1, 2], "n_head": [1]}]), "arrays have different lengths"),
+        (lambda s: s["axes"].update(n_head=["2"]), "n_head: '2' is not allowed"),
+    ],
+)
+def test_bad_grids_are_refused_naming_field_value_and_allowed(mutate, match):
+    spec = exact_spec()
+    if "tied" in match or "different lengths" in match:
+        del spec["axes"]["n_layer"], spec["axes"]["n_head"]
+    mutate(spec)
+    with pytest.raises(ValueError, match=match):
+        grid_from_spec(spec)
+
+
+def test_toml_errors_and_unknown_grid(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('study = "exactness"\n[axes\nseed = [0]\n')
+    with pytest.raises(ValueError, match="TOML syntax error"):
+        load_grid(str(bad))
+    with pytest.raises(ValueError, match="not a built-in grid; allowed: .*exactness"):
+        load_grid("no-such-grid")
+    with pytest.raises(ValueError, match="is not a file"):
+        load_grid(str(tmp_path / "missing.toml"))
+
+
+def test_schema_is_explicit():
+    study = STUDIES["exactness"]
+    schema = schema_for(study)
+    assert schema.names[0] == "run_id"
+    assert schema.names[-3:] == ["status", "error", "wall_s"]
+    for name in ("seed", "n_layer", "n_head", "prompt_len", "steps", "order", "preset"):
+        assert name in schema.names
+    for name in ("storage", "accum", "max_abs_dev", "first_bad_step", "tokens_equal"):
+        assert name in schema.names
+    assert schema.field("max_abs_dev").type == pa.float64()
+    assert schema.field("wall_s").type == pa.float64()
