@@ -6,7 +6,7 @@ See ``docs/sweep.md`` for the grid format and the results schema.
 from kvfast.sweep.engine import BACKENDS, SweepReport, run_sweep
 from kvfast.sweep.grid import Grid, Run, builtin_grids, grid_from_spec, load_grid
 from kvfast.sweep.ids import canonical_json, run_id
-from kvfast.sweep.store import MANIFEST, ResultsDir, load, schema_for
+from kvfast.sweep.store import MANIFEST, ResultsDir, list_parts, load, schema_for
 
 __all__ = [
     "BACKENDS",
@@ -18,6 +18,7 @@ __all__ = [
     "builtin_grids",
     "canonical_json",
     "grid_from_spec",
+    "list_parts",
     "load",
     "load_grid",
     "run_id",

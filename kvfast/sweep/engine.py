@@ -234,7 +234,7 @@ def _dask_client(n_jobs: int, scheduler: str | None):
 
     if scheduler:
         try:
-            return Client(scheduler, timeout="10s"), None
+            return Client(scheduler, timeout="5s"), None
         except (OSError, TimeoutError, ValueError) as exc:
             raise ValueError(f"--scheduler: cannot connect to {scheduler!r} ({exc})") from None
     with dask.config.set({"distributed.scheduler.allowed-failures": 0}):
@@ -349,6 +349,7 @@ def _sweep_locked(
     grid, store, jobs, backend, client, retry_errors, fresh, quiet, chunk_s, chunk_size, stall_s, t_start
 ) -> SweepReport:
     study = grid.study
+    store.remove_temporaries()
     if fresh:
         store.clear()
     old = store.manifest()

@@ -243,6 +243,12 @@ class ResultsDir:
                 p.unlink()
         self.manifest_path.unlink(missing_ok=True)
 
+    def remove_temporaries(self) -> None:
+        """Delete hidden temporaries left by a killed writer (call only while holding the lock)."""
+        for p in self.path.iterdir():
+            if p.name.startswith((".part-", f".{MANIFEST}.")) and p.name.endswith(".tmp"):
+                p.unlink(missing_ok=True)
+
     def _next_seq(self) -> int:
         seqs = [int(m.group(1)) for p in self.path.iterdir() if (m := PART_RE.match(p.name))]
         return max(seqs, default=0) + 1
