@@ -24,6 +24,16 @@ and every scenario then runs again against the recompute's tokens. When the
 recompute is not append-invariant, the per-step path runs instead (noted in
 the report).
 
+Following the cache's own tokens (``follow="cache"``, exact mode only). Each
+scenario feeds ``decode`` the cache path's OWN greedy choices (the first from
+its last prompt row), and its reference is the recompute of that same
+sequence: one recompute of the scenario's final sequence after the same
+append-invariance verification (fast path), else one recompute per step. A
+deviation is still the cache's alone (both paths see one sequence), but the
+text is the one the cache generates: what kvfast's bug studies measure, where
+a bug may steer the generation onto another text. Each scenario then holds
+its own tokens.
+
 Modes. ``exact``: a step passes when its logits are equal (``==``) to the
 reference; no tolerance anywhere. ``control``: see :mod:`kvfast.check.control`.
 """
@@ -31,7 +41,7 @@ reference; no tolerance anywhere. ``control``: see :mod:`kvfast.check.control`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -48,6 +58,7 @@ from kvfast.check.protocol import (
 
 MODES = ("exact", "control")
 SCENARIOS = ("decode", "resume")
+FOLLOW = ("recompute", "cache")
 
 
 @dataclass(frozen=True)
@@ -65,6 +76,10 @@ class ScenarioReport:
     - ``step_verdicts[t]``: ``exact``/``divergent`` or ``rounding``/``bug``;
       ``verdict``: the scenario's (``exact``, ``divergent``, ``rounding``,
       ``bug``, or ``skipped`` with the reason in ``notes``).
+    - ``keep_logits=True`` only: ``cache_logits`` ``(T + steps, V)``, the cache
+      path's logits (rows ``0..T-1`` the prompt's, row ``T + t - 1`` decode step
+      ``t``'s), and ``reference``, the recompute rows they were compared with
+      (same shape); else ``None``.
     """
 
     name: str
@@ -83,6 +98,8 @@ class ScenarioReport:
     margin: float | None = None
     split: int | None = None
     notes: tuple[str, ...] = ()
+    cache_logits: np.ndarray | None = field(default=None, repr=False)
+    reference: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def passed(self) -> bool:
@@ -176,7 +193,9 @@ class CheckReport:
     ``verdict`` is ``exact`` or ``divergent`` (exact mode), ``rounding`` or
     ``bug`` (control mode); ``passed`` is ``True`` for ``exact`` and
     ``rounding``. ``tokens`` are the greedy tokens of the recompute path fed to
-    ``decode`` (``steps`` of them). ``path`` is ``fast`` or ``per-step``.
+    ``decode`` (``steps`` of them; with ``follow="cache"`` the first scenario
+    run's own tokens, each scenario's in its report). ``path`` is ``fast`` or
+    ``per-step`` (``per-step`` if any scenario needed it).
     """
 
     mode: str
@@ -301,14 +320,17 @@ def _deviations(first: np.ndarray, outs: np.ndarray, rows: np.ndarray) -> tuple[
     return dev, (int(bad_rows[0]) if bad_rows.size else None)
 
 
-def _per_step_rows(model, prompt: np.ndarray, rows: np.ndarray, tokens: np.ndarray, start: int, vocab: int) -> None:
-    """Fill ``rows[start:]`` and the tokens they choose by one recompute per position."""
+def _per_step_rows(
+    model, prompt: np.ndarray, rows: np.ndarray, tokens: np.ndarray, start: int, vocab: int, greedy: bool = True
+) -> None:
+    """Fill ``rows[start:]`` by one recompute per position; with ``greedy``, also the tokens they choose
+    (else ``tokens`` are given)."""
     T = prompt.shape[0]
     steps = tokens.shape[0]
     for p in range(start, T + steps):
         seq = np.concatenate([prompt, tokens[: p - T + 1]])
         rows[p] = check_logits(model.recompute(seq), "recompute", p + 1, vocab, f"of the first {p + 1} tokens")[-1]
-        if p - T + 1 < steps:
+        if greedy and p - T + 1 < steps:
             tokens[p - T + 1] = int(np.argmax(rows[p]))
 
 
@@ -356,6 +378,8 @@ def check_cache(
     split: int | None = None,
     margin: float = C.DEFAULT_MARGIN,
     window: int = C.DEFAULT_WINDOW,
+    follow: str = "recompute",
+    keep_logits: bool = False,
 ) -> CheckReport:
     """Compare a model's cache path with its full recompute at every step; return a :class:`CheckReport`.
 
@@ -374,6 +398,12 @@ def check_cache(
       ``decode``, and asking for it alone is bad input.
     - ``fast``: use one recompute of the final sequence as the reference after
       verifying append-invariance (``False``: one recompute per step).
+    - ``follow``: whose greedy tokens are fed to ``decode``: ``"recompute"``
+      (the default: the recompute path's, one sequence for every scenario) or
+      ``"cache"`` (each scenario's own cache path's, compared with the
+      recompute of that same sequence; exact mode only). See the module doc.
+    - ``keep_logits``: keep each scenario's cache logits and reference rows in
+      its report (``cache_logits``, ``reference``).
 
     Bad input (a missing method, logits of the wrong shape or not finite, a
     token out of range, an empty prompt, an unknown mode) raises ``ValueError``.
@@ -384,8 +414,13 @@ def check_cache(
     if mode not in MODES:
         raise ValueError(f"mode: {mode!r} is not allowed; allowed: {', '.join(MODES)}")
     scenarios = _check_scenarios(scenarios)
-    if not isinstance(fast, bool):
-        raise ValueError(f"fast: {fast!r} is not allowed; allowed: True or False")
+    for name, flag in (("fast", fast), ("keep_logits", keep_logits)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name}: {flag!r} is not allowed; allowed: True or False")
+    if follow not in FOLLOW:
+        raise ValueError(f"follow: {follow!r} is not allowed; allowed: {', '.join(FOLLOW)}")
+    if follow == "cache" and mode != "exact":
+        raise ValueError(f"follow: 'cache' is not allowed with mode={mode!r}; allowed: mode='exact'")
     margin, window = C.check_margin(margin), C.check_window(window)
     T = prompt.shape[0]
     if T == 1 and scenarios == ("resume",):
@@ -401,6 +436,8 @@ def check_cache(
         split = check_int(split, "split", 1, T - 1)
     vocab = vocab_of(model)
     check_range(prompt, vocab)
+    if follow == "cache":
+        return _check_following_cache(model, prompt, steps, scenarios, fast, split, vocab, keep_logits)
 
     notes: list[str] = []
     rows = np.empty((T + steps, vocab))
@@ -458,12 +495,56 @@ def check_cache(
             first, outs, _ = _run_cache_path(model, name, prompt, split, steps, vocab, lambda t, out: int(tokens[t]))
         dev, bad_row = _deviations(first, outs, rows)
         reports[name] = _judge(name, mode, prompt, tokens, dev, bad_row, floors, margin, window, split, model)
+        if keep_logits:
+            reports[name] = replace(reports[name], cache_logits=np.concatenate([first, outs]), reference=rows.copy())
+    return CheckReport(mode, prompt, tokens, reports, _overall(mode, reports), path, tuple(notes))
+
+
+def _overall(mode: str, reports: dict[str, ScenarioReport]) -> str:
     ran = [r for r in reports.values() if r.verdict != "skipped"]
     if mode == "exact":
-        verdict = "exact" if all(r.verdict == "exact" for r in ran) else "divergent"
-    else:
-        verdict = "rounding" if all(r.verdict == "rounding" for r in ran) else "bug"
-    return CheckReport(mode, prompt, tokens, reports, verdict, path, tuple(notes))
+        return "exact" if all(r.verdict == "exact" for r in ran) else "divergent"
+    return "rounding" if all(r.verdict == "rounding" for r in ran) else "bug"
+
+
+def _check_following_cache(model, prompt, steps, scenarios, fast, split, vocab, keep_logits) -> CheckReport:
+    """:func:`check_cache` with ``follow="cache"`` (exact mode): each scenario decodes its own greedy
+    tokens and is compared with the recompute of its own sequence (see the module doc)."""
+    T = prompt.shape[0]
+    notes: list[str] = []
+    ref0 = check_logits(model.recompute(prompt), "recompute", T, vocab, "of the prompt")
+    reports: dict[str, ScenarioReport] = {}
+    paths = []
+    for name in scenarios:
+        if name == "resume" and T < 2:
+            reports[name] = ScenarioReport(
+                name, "exact", prompt, np.zeros(0, dtype=np.int64), np.zeros(0), (), "skipped", None, None,
+                notes=("the prompt has one token and cannot be split in two chunks",),
+            )  # fmt: skip
+            continue
+        first, outs, fed = _run_cache_path(model, name, prompt, split, steps, vocab, lambda t, out: int(np.argmax(out)))
+        final = np.concatenate([prompt, fed])
+        why = "fast=False"
+        if fast:
+            rows = check_logits(model.recompute(final), "recompute", T + steps, vocab, "of the whole sequence")
+            why = _invariance(model, final, rows, ref0, steps, vocab)
+            if why is not None:
+                notes.append(
+                    f"scenario {name!r}: recompute is not append-invariant ({why}); used one recompute per step"
+                )
+        if why is not None:
+            rows = np.empty((T + steps, vocab))
+            rows[:T] = ref0
+            _per_step_rows(model, prompt, rows, fed, T, vocab, greedy=False)
+        paths.append("fast" if why is None else "per-step")
+        dev, bad_row = _deviations(first, outs, rows)
+        report = _judge(name, "exact", prompt, fed, dev, bad_row, None, None, None, split, model)
+        if keep_logits:
+            report = replace(report, cache_logits=np.concatenate([first, outs]), reference=rows)
+        reports[name] = report
+    ran = [r for r in reports.values() if r.verdict != "skipped"]
+    path = "fast" if all(p == "fast" for p in paths) else "per-step"
+    return CheckReport("exact", prompt, ran[0].tokens, reports, _overall("exact", reports), path, tuple(notes))
 
 
 def _judge(name, mode, prompt, tokens, dev, bad_row, floors, margin, window, split, model) -> ScenarioReport:

@@ -4,13 +4,19 @@ One run = one bug (or ``"none"``, the clean control) x one case (model kind,
 seed, depth, head count, prompt length). The run generates ``steps`` tokens
 greedily with the bugged cache and compares each step's logits with a full
 recompute of *the same* sequence (the prompt plus the tokens the bugged run
-chose so far), so that a deviation is the cache's alone. Because appending a
-token cannot change earlier positions under a causal mask, the recompute is
-one forward over the final sequence: its row ``prompt_len - 1 + i`` is the
-reference for step ``i`` (row 0 comes from the prefill, row ``i >= 1`` from
-decode step ``i``). The clean cached run is compared the same way in every run
-(``clean_dev``, expected exactly 0.0) and its tokens are the reference for
-"the output changed".
+chose so far), so that a deviation is the cache's alone. The comparison is
+:func:`kvfast.check.check_cache` on :class:`kvfast.check.KvfastModel` with the
+bug (exact mode, the ``decode`` scenario, ``steps - 1`` decode steps), the tool
+users get, with ``follow="cache"``: the bugged cache's own greedy tokens are
+fed, as a bugged deployment would generate them (the check's default would
+feed the recompute's tokens and never let a bug change the text). Step 0 is the
+prompt (every prompt row; the prefill carries no bug), step ``i >= 1`` decode
+step ``i``. The check's fast path makes the reference one recompute of the
+final sequence, after verifying that appending a token moves no earlier row.
+The clean cached run is checked the same way in every run (``clean_dev``,
+expected exactly 0.0) and its tokens are the reference for "the output
+changed". A run's tokens are the cache's greedy choices: the fed ones plus the
+last, chosen from the last decode's logits.
 
 Models (``model``):
 
@@ -38,10 +44,9 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from kvfast.model.bugs import BUG_CODES, BUGS, EVICT_WINDOW, VISIBLE_AT_STEP_1
+from kvfast.check import KvfastModel, check_cache
+from kvfast.model.bugs import BUGS, EVICT_WINDOW, VISIBLE_AT_STEP_1
 from kvfast.model.config import ModelConfig, init_params
-from kvfast.model.decode import run_generate
-from kvfast.model.transformer import Weights, run_forward
 from kvfast.numerics import PRESETS, Numerics
 from kvfast.studies.base import Claim, Study, require_choice, require_int
 from kvfast.studies.toytask import Task, train
@@ -170,34 +175,32 @@ def _first(mask: np.ndarray) -> int:
     return int(idx[0]) if idx.size else -1
 
 
-def compare_to_recompute(
-    cfg: ModelConfig, w: Weights, prompt: np.ndarray, tokens: np.ndarray, logits: np.ndarray, numerics: Numerics
-) -> tuple[np.ndarray, int]:
-    """Per-step max abs deviation of ``logits`` from a full recompute of the same sequence, and the
-    first step whose logits differ at all (``-1`` if none)."""
-    seq = np.concatenate([prompt, tokens[:-1]])
-    ref = run_forward(cfg, w, seq, numerics)[prompt.shape[0] - 1 :]
-    differ = (logits != ref).any(axis=1)
-    dev = np.abs(logits - ref).max(axis=1)
-    dev[differ & np.isnan(dev)] = np.inf
-    return dev, _first(differ)
+def check_run(
+    cfg: ModelConfig, params: dict, numerics: Numerics, prompt: np.ndarray, steps: int, bug: str | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """One generation of ``steps`` tokens by the (bugged) cache, checked by :func:`kvfast.check.check_cache`
+    (see the module docstring). Returns the tokens ``(steps,)``, the cache's logits that chose them
+    ``(steps, V)`` (row 0 the prompt's last, row ``i`` decode step ``i``), the check's per-step deviation
+    ``(steps,)`` and its first divergent step (``-1`` if none)."""
+    model = KvfastModel(cfg, params, numerics, bug=bug)
+    report = check_cache(model, prompt, steps - 1, scenarios="decode", follow="cache", keep_logits=True)
+    scen = report.scenarios["decode"]
+    logits = scen.cache_logits[prompt.shape[0] - 1 :]
+    first = scen.first_divergent_step
+    return np.argmax(logits, axis=1), logits, scen.deviation, -1 if first is None else first
 
 
 def run(config: dict) -> dict:
     """One bug x case; see the module docstring. Columns: :data:`RESULT_FIELDS`."""
     cfg, params = model_for(config)
     numerics = Numerics.preset(config["preset"])
-    w = Weights.prepare(cfg, params, numerics)
     prompt = prompt_for(config)
     steps = config["steps"]
-    code = BUG_CODES.get(config["bug"], 0)
-    clean_t, clean_l = run_generate(cfg, w, prompt, steps, numerics, True, 0)
-    clean_dev, _ = compare_to_recompute(cfg, w, prompt, clean_t, clean_l, numerics)
-    if code:
-        bug_t, bug_l = run_generate(cfg, w, prompt, steps, numerics, True, code)
-        dev, first_bad = compare_to_recompute(cfg, w, prompt, bug_t, bug_l, numerics)
+    clean_t, clean_l, clean_dev, clean_first = check_run(cfg, params, numerics, prompt, steps, None)
+    if config["bug"] != CONTROL:
+        bug_t, _, dev, first_bad = check_run(cfg, params, numerics, prompt, steps, config["bug"])
     else:
-        bug_t, dev, first_bad = clean_t, clean_dev, _first(clean_dev != 0)
+        bug_t, dev, first_bad = clean_t, clean_dev, clean_first
     top2 = np.sort(clean_l, axis=1)[:, -2:]
     return {
         "dev_step1": float(dev[1]),

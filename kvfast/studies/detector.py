@@ -4,13 +4,16 @@ Cases (:func:`detector_cases`, grid ``detector.toml``): 8 bugs x 30 cases =
 240 bugged runs, plus the same 30 cases with ``bug = "none"`` as clean
 controls = 270 runs. The 30 cases are 3 depths x 2 head counts x 5 (seed,
 prompt length) pairs on random models, 16 greedy tokens each (15 decode
-steps), float64. Each run is a :mod:`kvfast.studies.bugs` run (same columns).
+steps), float64. Each run is a :mod:`kvfast.studies.bugs` run (same columns):
+its per-step deviations are those of :func:`kvfast.check.check_cache` on
+:class:`kvfast.check.KvfastModel` with the bug, so the every-step detector
+scored here is the check users run.
 
 Two detectors, no tolerance anywhere:
 
 - **one-step**: flags a run if the cached logits differ (``!=``) from the
-  recompute at the prefill row or decode step 1 (what a test with a
-  one-token decode checks); its score is the max abs deviation there;
+  recompute at the prefill (step 0: its rows) or decode step 1 (what a test
+  with a one-token decode checks); its score is the max abs deviation there;
 - **every-step**: flags a run if they differ at any step; its score is the
   max abs deviation over all steps.
 
