@@ -154,3 +154,14 @@ def test_schema_is_explicit():
         assert name in schema.names
     assert schema.field("max_abs_dev").type == pa.float64()
     assert schema.field("wall_s").type == pa.float64()
+
+
+def test_the_toml_examples_in_docs_are_valid_grids():
+    import re
+    import tomllib
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "sweep.md").read_text()
+    blocks = re.findall(r"```toml\n(.*?)```", text, flags=re.S)
+    sizes = [len(grid_from_spec(tomllib.loads(b))) for b in blocks]
+    assert sizes == [432, 2 * (2 + 3)]

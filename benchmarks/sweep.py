@@ -1,0 +1,131 @@
+"""Sweep-engine benchmark on the built-in 1,296-run exactness grid.
+
+    .venv/bin/python benchmarks/sweep.py [--grid exactness] [--repeats 3] [--jobs 2]
+
+Every measurement runs in a fresh child process (as `kvfast run` would), into a fresh results
+directory, and prints one JSON line; this script prints a Markdown table of:
+
+- wall time with 1 worker and with N workers (median of ``--repeats``), and the speedup;
+- engine overhead: the fraction of wall time not spent inside runs,
+  ``1 - (sum of the runs' own wall_s / workers) / wall`` (perfect balance and zero overhead give 0);
+- runs per second;
+- peak memory: the main process and the largest worker (VmHWM from /proc on Linux);
+- cold versus warm compile: the first run of a sweep (in the main process, as warm-up) with an
+  empty Numba cache directory, and again with that directory filled; plus the whole N-worker sweep
+  wall time in both cases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CHILD = r"""
+import json, os, resource, sys, time
+t0 = time.perf_counter()
+from kvfast.sweep import load, load_grid, run_sweep
+grid = load_grid(sys.argv[1])
+jobs = int(sys.argv[3])
+report = run_sweep(grid, sys.argv[2], jobs=jobs, quiet=True)
+df = load(sys.argv[2])
+first = df.set_index("run_id").loc[grid.runs[0].run_id, "wall_s"]
+workers_kb = []
+try:
+    from joblib.externals.loky import get_reusable_executor
+    for pid in list(get_reusable_executor()._processes):
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("VmHWM:"):
+                workers_kb.append(int(line.split()[1]))
+except Exception:
+    pass
+print(json.dumps({
+    "jobs": jobs, "ok": report.ok, "ran": report.ran, "wall_s": report.wall_s,
+    "compute_s": report.compute_s, "chunk_size": report.chunk_size, "first_run_s": float(first),
+    "process_s": time.perf_counter() - t0,
+    "main_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    "worker_peak_mb": max(workers_kb) / 1024 if workers_kb else None,
+}))
+"""
+
+
+def child(grid: str, jobs: int, env: dict | None = None) -> dict:
+    with tempfile.TemporaryDirectory(prefix="kvfast-bench-") as tmp:
+        proc = subprocess.run(
+            [sys.executable, "-c", CHILD, grid, str(Path(tmp) / "out"), str(jobs)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+    if proc.returncode != 0:
+        raise SystemExit(f"benchmark child failed:\n{proc.stderr}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if not result["ok"]:
+        raise SystemExit(f"benchmark sweep did not finish ok: {result}")
+    return result
+
+
+def overhead(r: dict) -> float:
+    return 1.0 - (r["compute_s"] / r["jobs"]) / r["wall_s"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--grid", default="exactness")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--jobs", type=int, default=2, help="the parallel worker count to compare with 1")
+    args = parser.parse_args(argv)
+
+    load_before = os.getloadavg()
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="kvfast-numba-cold-") as cache:
+        cold = child(args.grid, args.jobs, {"NUMBA_CACHE_DIR": cache})
+        warm = child(args.grid, args.jobs, {"NUMBA_CACHE_DIR": cache})
+    runs = {1: [], args.jobs: []}
+    for _ in range(args.repeats):
+        for jobs in runs:
+            runs[jobs].append(child(args.grid, jobs))
+
+    def med(jobs: int, key: str) -> float:
+        return statistics.median(r[key] if key != "overhead" else overhead(r) for r in runs[jobs])
+
+    n = runs[1][0]["ran"]
+    w1, wn = med(1, "wall_s"), med(args.jobs, "wall_s")
+    rows = [
+        ("runs in the grid", f"{n:,}", f"{n:,}"),
+        ("chunk size (runs)", f"{runs[1][0]['chunk_size']}", f"{runs[args.jobs][0]['chunk_size']}"),
+        ("sweep wall s (median)", f"{w1:.2f}", f"{wn:.2f}"),
+        ("speedup vs 1 worker", "1.00", f"{w1 / wn:.2f}"),
+        ("runs per second", f"{n / w1:,.0f}", f"{n / wn:,.0f}"),
+        ("sum of run times s", f"{med(1, 'compute_s'):.2f}", f"{med(args.jobs, 'compute_s'):.2f}"),
+        ("engine overhead (fraction of wall)", f"{med(1, 'overhead'):.3f}", f"{med(args.jobs, 'overhead'):.3f}"),
+        ("process wall s incl. imports", f"{med(1, 'process_s'):.2f}", f"{med(args.jobs, 'process_s'):.2f}"),
+        ("peak memory, main process MB", f"{med(1, 'main_peak_mb'):.0f}", f"{med(args.jobs, 'main_peak_mb'):.0f}"),
+    ]
+    worker_peaks = [r["worker_peak_mb"] for r in runs[args.jobs] if r["worker_peak_mb"]]
+    rows.append(("peak memory, largest worker MB", "-", f"{max(worker_peaks):.0f}" if worker_peaks else "n/a"))
+    print(f"grid {args.grid}: 1 worker vs {args.jobs} workers, median of {args.repeats} fresh processes")
+    print(f"| figure | 1 worker | {args.jobs} workers |\n|---|---|---|")
+    for name, a, b in rows:
+        print(f"| {name} | {a} | {b} |")
+    print()
+    print(f"| compile | first run s (main process) | {args.jobs}-worker sweep wall s |\n|---|---|---|")
+    print(f"| cold (empty Numba cache) | {cold['first_run_s']:.2f} | {cold['wall_s']:.2f} |")
+    print(f"| warm (cache filled) | {warm['first_run_s']:.3f} | {warm['wall_s']:.2f} |")
+    print()
+    load_after = os.getloadavg()
+    print(
+        f"cpu_count {os.cpu_count()}, load average before {load_before[0]:.2f} after {load_after[0]:.2f}, "
+        f"benchmark took {time.perf_counter() - t0:.0f} s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
