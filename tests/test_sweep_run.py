@@ -165,7 +165,7 @@ def test_resume_skips_ok_runs_and_extending_a_grid_reuses_them(tmp_path, test_st
 
 
 def test_error_rows_crash_rows_and_retry_errors(tmp_path, test_study):
-    # crash and raise configs come after the first three runs (which run in this process as warm-up)
+    # crash and raise configs come after the first run (which runs in this process as warm-up)
     spec = {
         "study": "sweeptest",
         "fixed": {"scale": 1.0},

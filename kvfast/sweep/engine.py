@@ -6,9 +6,10 @@ Contract of :func:`run_sweep`:
   before the first run; a problem is a ``ValueError`` and nothing stored is touched.
 - Only runs not stored with ``status="ok"`` run (``retry_errors``: also those
   stored as ``error``/``crashed``; ``fresh``: stored results are deleted first).
-- The first pending runs execute in this process (Numba compiles or loads its
-  cache once, here, before workers start) and time the chunk size: about
-  ``chunk_s`` of work per chunk, at least four chunks per worker.
+- One pending run executes in this process first (Numba compiles, or loads
+  its cache, once, here, before workers start). The rest are cut into chunks
+  lazily, as workers ask for work: about ``chunk_s`` of work per chunk (from
+  the times of runs finished so far), at least four chunks per worker.
 - A run that raises is an ``error`` row (its message in ``error``); the sweep
   goes on. A chunk whose worker dies is re-run one run at a time, each alone
   in a worker; a run that kills its worker again is a ``crashed`` row.
@@ -25,9 +26,11 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import sys
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,7 +128,7 @@ class _Writer:
         self.ran = 0
         self.errors = 0
         self.compute_s = 0.0
-        self.walls: dict[str, float] = {}
+        self.recent: deque = deque(maxlen=64)
 
     def _full(self, row: dict) -> dict:
         out = dict(self.configs[row["run_id"]])
@@ -144,7 +147,8 @@ class _Writer:
         for r in rows:
             self.done.add(r["run_id"])
             self.compute_s += r["wall_s"] or 0.0
-            self.walls[r["run_id"]] = r["wall_s"] or 0.0
+            if r["status"] == "ok":
+                self.recent.append(r["wall_s"])
             self.errors += r["status"] != "ok"
         self.ran += len(rows)
         if self.progress is not None:
@@ -168,8 +172,47 @@ class _Writer:
         return pa.Table.from_pylist([fixed], schema=self.schema)
 
 
-def _chunks(runs: Sequence[Run], size: int) -> list[tuple[int, list[Run]]]:
-    return [(i, list(runs[s : s + size])) for i, s in enumerate(range(0, len(runs), size))]
+class _Planner:
+    """Cuts runs into chunks lazily, as workers ask for work.
+
+    A chunk holds about ``chunk_s`` seconds of work, from the median wall time of
+    the last runs finished (one run per chunk until a time is known), and no more
+    than ``len(runs) / (4 * workers)`` runs, so each worker gets at least four
+    chunks and the tail stays balanced. ``fixed`` overrides the size.
+    """
+
+    def __init__(self, runs: Sequence[Run], workers: int, chunk_s: float, fixed: int | None, recent: deque) -> None:
+        self.runs = list(runs)
+        self.pos = 0
+        self.chunk_s = chunk_s
+        self.fixed = fixed
+        self.recent = recent
+        self.cap = max(1, math.ceil(len(self.runs) / (4 * workers)))
+        self.handed: dict[int, list[Run]] = {}
+        self.sizes: list[int] = []
+
+    def size(self) -> int:
+        if self.fixed:
+            return self.fixed
+        times = list(self.recent)
+        if not times:
+            return 1
+        return max(1, min(self.cap, round(self.chunk_s / max(statistics.median(times), 1e-6))))
+
+    def take(self) -> tuple[int, list[Run]] | None:
+        """The next chunk ``(index, runs)``, or ``None`` when every run has been handed out."""
+        if self.pos >= len(self.runs):
+            return None
+        chunk = self.runs[self.pos : self.pos + self.size()]
+        self.pos += len(chunk)
+        index = len(self.handed)
+        self.handed[index] = chunk
+        self.sizes.append(len(chunk))
+        return index, chunk
+
+    def rest(self) -> list[Run]:
+        """Runs not handed out yet."""
+        return self.runs[self.pos :]
 
 
 def _is_crash(exc: BaseException) -> bool:
@@ -178,21 +221,18 @@ def _is_crash(exc: BaseException) -> bool:
     return isinstance(exc, BrokenProcessPool)
 
 
-def _execute_joblib(
-    study: Study, chunks: list[tuple[int, list[Run]]], backend: str, n_jobs: int, write: Callable
-) -> None:
+def _execute_joblib(study: Study, runs: list[Run], backend: str, n_jobs: int, plan: Callable, write: Callable) -> None:
     """Fan chunks out with joblib; chunks lost to a dead worker are re-run one run at a time, alone."""
     from joblib import Parallel, delayed
 
     suspects: list[Run] = []
-    remaining = chunks
+    remaining = runs
     while remaining:
-        dispatched: set[int] = set()
+        planner = plan(remaining)
         returned: set[int] = set()
 
-        def tasks(todo=remaining, dispatched=dispatched) -> Iterator:
-            for chunk in todo:
-                dispatched.add(chunk[0])
+        def tasks(planner=planner) -> Iterator:
+            while (chunk := planner.take()) is not None:
                 yield delayed(run_chunk)(study, chunk)
 
         parallel = Parallel(n_jobs=n_jobs, backend=backend, batch_size=1, return_as="generator_unordered")
@@ -204,9 +244,8 @@ def _execute_joblib(
         except Exception as exc:
             if not _is_crash(exc):
                 raise
-            lost = dispatched - returned
-            suspects += [r for i, runs in remaining if i in lost for r in runs]
-            remaining = [c for c in remaining if c[0] not in dispatched]
+            suspects += [r for i, chunk in planner.handed.items() if i not in returned for r in chunk]
+            remaining = planner.rest()
     for run in suspects:  # each alone, in a worker process
         try:
             rows = Parallel(n_jobs=2, backend="loky")([delayed(run_chunk)(study, (0, [run]))])[0][1]
@@ -248,34 +287,41 @@ def _dask_client(n_jobs: int, scheduler: str | None):
     return Client(cluster), cluster
 
 
-def _execute_dask(
-    study: Study, chunks: list[tuple[int, list[Run]]], client, stall_s: float, write: Callable
-) -> list[str]:
-    """Drive Dask futures directly; returns the ids of runs lost to a stall (nothing finished for ``stall_s``)."""
+def _execute_dask(study: Study, runs: list[Run], client, workers: int, plan: Callable, stall_s: float, write) -> list:
+    """Drive Dask futures directly, about two chunks per worker in flight.
+
+    Returns the ids of runs lost to a stall (no chunk finished for ``stall_s`` seconds).
+    """
     from distributed import wait
 
     token = os.urandom(4).hex()
-    by_future = {
-        client.submit(run_chunk, study, chunk, key=f"kvfast-{token}-{chunk[0]}", pure=False): chunk for chunk in chunks
-    }
-    pending = set(by_future)
+    planner = plan(runs)
+    in_flight: dict = {}
+
+    def submit() -> None:
+        while len(in_flight) < 2 * workers and (chunk := planner.take()) is not None:
+            fut = client.submit(run_chunk, study, chunk, key=f"kvfast-{token}-{chunk[0]}", pure=False)
+            in_flight[fut] = chunk
+
     suspects: list[Run] = []
-    lost: list[str] = []
-    while pending:
+    submit()
+    while in_flight:
         try:
-            done, pending = wait(pending, timeout=stall_s, return_when="FIRST_COMPLETED")
+            done, _ = wait(list(in_flight), timeout=stall_s, return_when="FIRST_COMPLETED")
         except TimeoutError:
             break
         for fut in done:
+            chunk = in_flight.pop(fut)
             if fut.status == "finished":
                 write(fut.result()[1])
-            else:
-                suspects += by_future[fut][1]
-    if pending:
-        for fut in pending:
-            lost += [r.run_id for r in by_future[fut][1]]
-        client.cancel(list(pending))
-        return lost
+            else:  # the worker died (KilledWorker) or the task was lost
+                suspects += chunk[1]
+        submit()
+    if in_flight:
+        lost = [r.run_id for chunk in in_flight.values() for r in chunk[1]] + [r.run_id for r in planner.rest()]
+        client.cancel(list(in_flight))
+        return lost + [r.run_id for r in suspects]
+    lost = []
     for run in suspects:  # each alone
         fut = client.submit(run_chunk, study, (0, [run]), key=f"kvfast-{token}-solo-{run.run_id}", pure=False)
         try:
@@ -405,43 +451,39 @@ def _execute(
     grid, pending, writer, report, jobs, backend, client, chunk_s, chunk_size, stall_s, crashed: set[str]
 ) -> None:
     study = grid.study
-    # Warm-up and timing in this process: compile (or load Numba's cache) once, here. Never on a run
-    # that has killed a process: one stored as crashed, or one that killed this process during an
+    if jobs == 1 and client is None:  # in-process, no pool
+        size = chunk_size or 64
+        for s in range(0, len(pending), size):
+            writer(run_chunk(study, (0, pending[s : s + size]))[1])
+        report.chunk_size = size
+        return
+    # Warm-up: one run in this process compiles (or loads Numba's cache) before any worker starts. Never
+    # a run that has killed a process: one stored as crashed, or one that killed this process during an
     # earlier warm-up (its id is left in .warmup). Those go to workers.
     marker = writer.store.path / WARMUP
     avoid = crashed | {marker.read_text().strip() if marker.exists() else ""}
-    local = [r for r in pending if r.run_id not in avoid][:3] if jobs > 1 or client is not None else []
+    local = [r for r in pending if r.run_id not in avoid][:1]
     for run in local:
         marker.write_text(run.run_id)
         writer([_run_one(study, run)])
     marker.unlink(missing_ok=True)
-    local_ids = {r.run_id for r in local}
-    rest = [r for r in pending if r.run_id not in local_ids]
+    writer.recent.clear()  # the warm-up's time includes compiling: not a run's time
+    rest = [r for r in pending if r not in local]
     if not rest:
         return
-    if jobs == 1 and client is None:
-        size = chunk_size or 64
-        for chunk in _chunks(rest, size):
-            writer(run_chunk(study, chunk)[1])
-        report.chunk_size = size
-        return
-    per_run = max(1e-5, _median_wall(local[1:], writer) if len(local) > 1 else 0.01)
     workers = jobs
     if client is not None:
         workers = max(1, len(client.scheduler_info().get("workers", {})) or jobs)
-    target = max(1, round(chunk_s / per_run))
-    cap = max(1, math.ceil(len(rest) / (4 * workers)))
-    size = chunk_size or min(target, cap)
-    report.chunk_size = size
     report.workers = workers
-    chunks = _chunks(rest, size)
+    planners: list[_Planner] = []
+
+    def plan(runs: list[Run]) -> _Planner:
+        planners.append(_Planner(runs, workers, chunk_s, chunk_size, writer.recent))
+        return planners[-1]
+
     if client is not None:
-        report.lost = _execute_dask(study, chunks, client, stall_s, writer)
+        report.lost = _execute_dask(study, rest, client, workers, plan, stall_s, writer)
     else:
-        _execute_joblib(study, chunks, backend, jobs, writer)
-
-
-def _median_wall(runs: list[Run], writer: _Writer) -> float:
-    """Median stored wall time of runs this sweep already ran locally."""
-    times = sorted(writer.walls[r.run_id] for r in runs if r.run_id in writer.walls)
-    return times[len(times) // 2] if times else 0.01
+        _execute_joblib(study, rest, backend, jobs, plan, writer)
+    sizes = [n for p in planners for n in p.sizes]
+    report.chunk_size = round(statistics.median(sizes)) if sizes else 0
