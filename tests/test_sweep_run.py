@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import numpy as np
 import pandas as pd
@@ -221,6 +222,25 @@ def test_dask_worker_crash_is_recorded_and_never_hangs(tmp_path, test_study):
     }
     report = run_sweep(grid_from_spec(spec), tmp_path / "d", jobs=2, backend="dask", quiet=True, stall_s=60)
     assert report.counts == {"ok": 8, "error": 0, "crashed": 1} and not report.lost
+
+
+def test_dask_stall_stops_and_names_the_lost_runs(tmp_path, test_study):
+    import logging
+
+    from distributed import LocalCluster
+
+    grid = grid_from_spec(test_spec(range(3), scale=[1.0]))
+    with LocalCluster(n_workers=0, dashboard_address=None, silence_logs=logging.ERROR) as empty:
+        t0 = time.monotonic()
+        report = run_sweep(grid, tmp_path / "s", jobs=2, backend="dask", scheduler=empty.scheduler_address,
+                           quiet=True, stall_s=1.0)  # fmt: skip
+        assert time.monotonic() - t0 < 30
+    # the warm-up run ran here; the two others never started: lost, named, not stored
+    assert sorted(report.lost) == sorted(r.run_id for r in grid.runs[1:])
+    assert not report.ok and "LOST 2 runs" in report.line()
+    assert list(load(tmp_path / "s")["run_id"]) == [grid.runs[0].run_id]
+    # the next sweep runs them
+    assert run_sweep(grid, tmp_path / "s", jobs=1, quiet=True).ran == 2
 
 
 def test_a_run_that_killed_the_parent_during_warmup_goes_to_a_worker(tmp_path, test_study):

@@ -30,6 +30,7 @@ import statistics
 import sys
 import time
 import traceback
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -237,9 +238,11 @@ def _execute_joblib(study: Study, runs: list[Run], backend: str, n_jobs: int, pl
 
         parallel = Parallel(n_jobs=n_jobs, backend=backend, batch_size=1, return_as="generator_unordered")
         try:
-            for index, rows in parallel(tasks()):
-                returned.add(index)
-                write(rows)
+            with warnings.catch_warnings():  # joblib's note about tasks cancelled by an interrupt
+                warnings.filterwarnings("ignore", message=".*tasks have been successfully executed")
+                for index, rows in parallel(tasks()):
+                    returned.add(index)
+                    write(rows)
             remaining = []
         except Exception as exc:
             if not _is_crash(exc):

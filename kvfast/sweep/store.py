@@ -258,7 +258,11 @@ class ResultsDir:
         seq = self._next_seq()
         name = f"part-{seq:08d}-{secrets.token_hex(4)}.parquet"
         tmp = self.path / f".{name}.tmp"
-        pq.write_table(table, tmp)
+        try:
+            pq.write_table(table, tmp)
+        except BaseException:  # an interrupt mid-write leaves no temporary behind
+            tmp.unlink(missing_ok=True)
+            raise
         final = self.path / name
         os.replace(tmp, final)
         return final
