@@ -1,0 +1,27 @@
+"""Benchmark: explicit-order kernels against BLAS, decode step against forward, cold against warm start.
+
+    .venv/bin/python benchmarks/kernels.py [--repeats 5]
+
+The same as ``kvfast bench kernels``; see :mod:`kvfast.bench.kernels` for what
+is timed and how. Prints Markdown tables (figures recorded in benchmarks/README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvfast.bench.kernels import main as bench_main
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5, help="samples per figure (the median is printed)")
+    args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
+    return bench_main(repeats=args.repeats)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,294 @@
+"""``kvfast bench kernels``: kernel speed against BLAS, one decode step against a forward, compile cost.
+
+Three sections, printed as Markdown tables:
+
+1. **matmul**: GFLOP/s of the explicit-order product ``(T x d) @ (d x d)``
+   (:func:`kvfast.kernels.matmul.matmul_into`) for d in {16, 64, 256}, T in
+   {1, 16, 256}, sequential order with f64, f32 and bf16 accumulators and
+   pairwise order with f64, next to ``np.matmul`` on the same shapes (BLAS,
+   limited to one thread through threadpoolctl when it is installed) and the
+   ratio kernel / BLAS. Inputs are on the accumulator's grid and the result is
+   stored in the same format.
+2. **decode**: one decode step at position L-1 over a cache of L-1 positions
+   against a full forward of L tokens, on the internal entry points
+   (``run_decode`` / ``run_forward`` on prepared ``Weights``, no validation) and
+   on the public ones (``decode_step`` / ``forward``, which validate and round
+   the parameters on every call).
+3. **compile**: a cold start (a fresh interpreter with an empty
+   ``NUMBA_CACHE_DIR`` in a temporary directory: import kvfast, run one
+   ``generate``, which compiles every kernel it needs) and a warm start (the
+   same in another fresh interpreter using that now filled cache).
+
+Timing: every figure is a median over ``repeats`` samples. In sections 1 and 2
+the candidates of one row are timed in interleaved rounds (one sample of each
+per round), so a load spike on the shared machine hits them alike, and each
+sample repeats its call until it has run for about 20 ms of CPU time. Figures
+are CPU time of this process (``time.process_time``: every thread of the
+process, so a multi-threaded BLAS is charged in full), which other processes on
+the machine disturb far less than wall time; the ratio columns compare figures
+measured in the same run. Section 3 reports the child's own CPU and wall time
+from just before ``import kvfast`` to the end of the generate; the cold start
+runs once (compiling is a one-off and takes about a minute), the warm start
+``repeats`` times.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+MATMUL_DS = (16, 64, 256)
+MATMUL_TS = (1, 16, 256)
+# (label, accumulator/storage format, order) of the explicit-order kernels timed per shape
+MATMUL_VARIANTS = (
+    ("f64 seq", "f64", "sequential"),
+    ("f32 seq", "f32", "sequential"),
+    ("bf16 seq", "bf16", "sequential"),
+    ("f64 pair", "f64", "pairwise"),
+)
+SAMPLE_CPU_S = 0.02  # each timed sample repeats its call for about this much CPU time
+DECODE_CONFIG = {"vocab": 256, "d_model": 64, "n_head": 4, "n_layer": 2, "d_ff": 256, "max_pos": 256}
+DECODE_LENGTHS = (16, 128)
+DECODE_PRESETS = ("f64", "f32", "bf16")
+SECTIONS = ("matmul", "decode", "compile")
+
+COMPILE_CHILD = r"""
+import json, time
+t0, c0 = time.perf_counter(), time.process_time()
+import kvfast
+cfg = kvfast.ModelConfig(vocab=64, d_model=32, n_head=4, n_layer=2, d_ff=64, max_pos=32)
+params = kvfast.init_params(cfg, 0)
+tokens, _ = kvfast.generate(cfg, params, [1, 2, 3], 4, kvfast.Numerics.preset("f64"))
+print(json.dumps({"wall": time.perf_counter() - t0, "cpu": time.process_time() - c0}))
+"""
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Median seconds per call: CPU time of this process and wall time."""
+
+    cpu: float
+    wall: float
+
+
+def _calls_per_sample(fn: Callable[[], object]) -> int:
+    """How many calls of ``fn`` make one sample of about ``SAMPLE_CPU_S`` CPU seconds."""
+    calls = 1
+    while True:
+        c0 = time.process_time()
+        for _ in range(calls):
+            fn()
+        spent = time.process_time() - c0
+        if spent >= SAMPLE_CPU_S or calls >= 1 << 20:
+            return calls
+        calls = max(calls * 2, int(calls * SAMPLE_CPU_S / max(spent, 1e-6)) + 1)
+
+
+def time_interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, Timing]:
+    """Median CPU and wall seconds per call of each function, timed in ``repeats`` interleaved rounds.
+
+    Each function is called once first (to compile or load its kernels), then
+    sized so one sample takes about ``SAMPLE_CPU_S`` of CPU time; every round
+    takes one sample of each function in turn.
+    """
+    for fn in fns.values():
+        fn()
+    calls = {name: _calls_per_sample(fn) for name, fn in fns.items()}
+    cpu: dict[str, list[float]] = {name: [] for name in fns}
+    wall: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            n = calls[name]
+            c0, w0 = time.process_time(), time.perf_counter()
+            for _ in range(n):
+                fn()
+            cpu[name].append((time.process_time() - c0) / n)
+            wall[name].append((time.perf_counter() - w0) / n)
+    return {name: Timing(statistics.median(cpu[name]), statistics.median(wall[name])) for name in fns}
+
+
+def _blas_single_thread():
+    """A context that limits BLAS to one thread (threadpoolctl), and a line describing the BLAS."""
+    try:
+        from threadpoolctl import threadpool_info, threadpool_limits
+    except ImportError:
+        import contextlib
+
+        return contextlib.nullcontext(), "BLAS: threadpoolctl is not installed, thread count not limited"
+    info = [i for i in threadpool_info() if i.get("user_api") == "blas"]
+    desc = ", ".join(f"{i.get('internal_api')} {i.get('version')} ({i.get('architecture')} kernels)" for i in info)
+    return threadpool_limits(limits=1, user_api="blas"), f"BLAS: {desc or 'none found'}, limited to 1 thread"
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def print_machine() -> None:
+    """One paragraph on the machine and the software versions."""
+    import numba
+
+    print(f"Machine: {_cpu_name()}, {os.cpu_count()} logical CPUs, {platform.system()} {platform.machine()}")
+    print(f"Python {platform.python_version()}, numpy {np.__version__}, numba {numba.__version__}")
+    for var in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_NUM_THREADS", "NUMBA_CPU_NAME"):
+        if var in os.environ:
+            print(f"Note: {var}={os.environ[var]} is set (it changes what the BLAS or Numba compiles for)")
+
+
+def bench_matmul(repeats: int) -> list[dict]:
+    """GFLOP/s of each explicit-order variant and of ``np.matmul`` per (T, d); prints a table."""
+    from kvfast.kernels.matmul import matmul_into
+    from kvfast.kernels.precision import FORMAT_CODES, round_array
+    from kvfast.kernels.reduce import ORDER_CODES
+
+    limit, blas_line = _blas_single_thread()
+    print(blas_line)
+    print()
+    labels = [v[0] for v in MATMUL_VARIANTS]
+    print("| T | d | BLAS GFLOP/s | " + " | ".join(f"{lb} GFLOP/s (x BLAS)" for lb in labels) + " |")
+    print("|---|---|---|" + "---|" * len(labels))
+    rows = []
+    rng = np.random.default_rng(0)
+    with limit:
+        for d in MATMUL_DS:
+            for T in MATMUL_TS:
+                x64 = rng.standard_normal((T, d))
+                w64 = rng.standard_normal((d, d))
+                yb = np.empty((T, d))
+                fns: dict[str, Callable[[], object]] = {"blas": lambda x=x64, w=w64, y=yb: np.matmul(x, w, out=y)}
+                for label, fmt, order in MATMUL_VARIANTS:
+                    code = FORMAT_CODES[fmt]
+                    x, w, y = round_array(x64, code), round_array(w64, code), np.empty((T, d))
+                    o = ORDER_CODES[order]
+                    fns[label] = lambda x=x, w=w, y=y, c=code, o=o: matmul_into(x, w, c, c, o, y)
+                times = time_interleaved(fns, repeats)
+                flops = 2.0 * T * d * d
+                gf = {name: flops / t.cpu / 1e9 for name, t in times.items()}
+                row = {"T": T, "d": d, "blas": gf["blas"]}
+                cells = []
+                for lb in labels:
+                    row[lb] = gf[lb]
+                    cells.append(f"{gf[lb]:.2f} ({gf[lb] / gf['blas']:.2f})")
+                rows.append(row)
+                print(f"| {T} | {d} | {gf['blas']:.2f} | " + " | ".join(cells) + " |", flush=True)
+    return rows
+
+
+def bench_decode(repeats: int) -> list[dict]:
+    """One decode step against a full forward of the same length; prints a table."""
+    from kvfast import ModelConfig, Numerics, decode_step, forward, init_params
+    from kvfast.model.cache import KVCache
+    from kvfast.model.decode import run_decode
+    from kvfast.model.transformer import Weights, run_forward
+
+    config = ModelConfig(**DECODE_CONFIG)
+    params = init_params(config, 0)
+    rng = np.random.default_rng(1)
+    shape = ", ".join(f"{k} {v}" for k, v in DECODE_CONFIG.items() if k != "max_pos")
+    print(f"Model: {shape}. Decode: one step at position L-1 over a cache of L-1; forward: all L positions.")
+    print()
+    print("| preset | L | API | decode ms | forward ms | forward / decode |")
+    print("|---|---|---|---|---|---|")
+    rows = []
+    for preset in DECODE_PRESETS:
+        nx = Numerics.preset(preset)
+        w = Weights.prepare(config, params, nx)
+        for L in DECODE_LENGTHS:
+            tokens = rng.integers(0, config.vocab, L).astype(np.int64)
+            cache = KVCache.empty(config, nx, L)
+            run_forward(config, w, tokens[: L - 1], nx, cache)
+            last = int(tokens[-1])
+
+            def internal_decode(cache=cache, w=w, nx=nx, last=last, L=L):
+                cache.length = L - 1
+                return run_decode(config, w, cache, last, nx)
+
+            def public_decode(cache=cache, nx=nx, last=last, L=L):
+                cache.length = L - 1
+                return decode_step(config, params, cache, last, L - 1, nx)
+
+            fns = {
+                "internal decode": internal_decode,
+                "internal forward": lambda w=w, t=tokens, nx=nx: run_forward(config, w, t, nx),
+                "public decode": public_decode,
+                "public forward": lambda t=tokens, nx=nx: forward(config, params, t, nx),
+            }
+            times = time_interleaved(fns, repeats)
+            for api in ("internal", "public"):
+                dec, fwd = times[f"{api} decode"].cpu, times[f"{api} forward"].cpu
+                rows.append({"preset": preset, "L": L, "api": api, "decode_s": dec, "forward_s": fwd})
+                print(f"| {preset} | {L} | {api} | {dec * 1e3:.3f} | {fwd * 1e3:.3f} | {fwd / dec:.1f} |", flush=True)
+    return rows
+
+
+def _run_child(cache_dir: str) -> dict:
+    env = dict(os.environ, NUMBA_CACHE_DIR=cache_dir)
+    w0 = time.perf_counter()
+    out = subprocess.run(
+        [sys.executable, "-c", COMPILE_CHILD], env=env, capture_output=True, text=True, check=True, timeout=1800
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result["process_wall"] = time.perf_counter() - w0
+    return result
+
+
+def bench_compile(repeats: int) -> dict:
+    """Cold compile (empty Numba cache) and warm start (filled cache) of import + one generate."""
+    print("Fresh interpreter: import kvfast, one generate (2 layers, 3-token prompt, 4 steps, f64).")
+    print()
+    with tempfile.TemporaryDirectory(prefix="kvfast-numba-") as cache_dir:
+        cold = _run_child(cache_dir)
+        warm = [_run_child(cache_dir) for _ in range(repeats)]
+    med = {k: statistics.median(r[k] for r in warm) for k in ("cpu", "wall", "process_wall")}
+    print("| start | runs | CPU s | wall s | wall s incl. interpreter start |")
+    print("|---|---|---|---|---|")
+    print(f"| cold (empty cache) | 1 | {cold['cpu']:.2f} | {cold['wall']:.2f} | {cold['process_wall']:.2f} |")
+    print(f"| warm (cached) | {repeats} | {med['cpu']:.2f} | {med['wall']:.2f} | {med['process_wall']:.2f} |")
+    print(f"\ncold / warm (CPU): {cold['cpu'] / med['cpu']:.0f}x", flush=True)
+    return {"cold": cold, "warm": med}
+
+
+def main(repeats: int = 5, sections: Sequence[str] = SECTIONS) -> int:
+    """Run the kernel benchmarks and print their tables; returns the exit code (0).
+
+    ``repeats`` (>= 1): samples per figure, the median is printed. ``sections``:
+    any of ``matmul``, ``decode``, ``compile``, in that order.
+    """
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats: {repeats!r} is not allowed; allowed: integers >= 1")
+    unknown = [s for s in sections if s not in SECTIONS]
+    if unknown:
+        raise ValueError(f"sections: {unknown!r} are not allowed; allowed: {', '.join(SECTIONS)}")
+    print("# kvfast bench kernels")
+    print()
+    print_machine()
+    print(f"Medians of {repeats} samples; CPU time of this process (time.process_time).")
+    if "matmul" in sections:
+        print("\n## matmul (T x d) @ (d x d), one thread\n")
+        c0 = time.perf_counter()
+        bench_matmul(repeats)
+        print(f"\n(section wall time {time.perf_counter() - c0:.0f} s, including any first-call compile)")
+    if "decode" in sections:
+        print("\n## decode_step against forward\n")
+        bench_decode(repeats)
+    if "compile" in sections:
+        print("\n## compile: cold against warm start\n")
+        bench_compile(repeats)
+    return 0
