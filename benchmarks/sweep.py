@@ -71,6 +71,15 @@ def child(grid: str, jobs: int, env: dict | None = None) -> dict:
     return result
 
 
+def cpu_pressure() -> str:
+    """Linux PSI: the share of the last minute some runnable task waited for a CPU (other jobs' load)."""
+    try:
+        line = Path("/proc/pressure/cpu").read_text().splitlines()[0]
+        return next(f for f in line.split() if f.startswith("avg60=")).split("=")[1] + "%"
+    except (OSError, StopIteration, IndexError):
+        return "n/a"
+
+
 def overhead(r: dict) -> float:
     return 1.0 - (r["compute_s"] / r["jobs"]) / r["wall_s"]
 
@@ -83,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     load_before = os.getloadavg()
+    pressure_before = cpu_pressure()
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvfast-numba-cold-") as cache:
         cold = child(args.grid, args.jobs, {"NUMBA_CACHE_DIR": cache})
@@ -122,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     load_after = os.getloadavg()
     print(
         f"cpu_count {os.cpu_count()}, load average before {load_before[0]:.2f} after {load_after[0]:.2f}, "
+        f"CPU pressure (some avg60) before {pressure_before} after {cpu_pressure()}, "
         f"benchmark took {time.perf_counter() - t0:.0f} s"
     )
     return 0

@@ -28,6 +28,7 @@ import math
 import os
 import statistics
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -214,6 +215,21 @@ class _Planner:
     def rest(self) -> list[Run]:
         """Runs not handed out yet."""
         return self.runs[self.pos :]
+
+
+def _loaded(study: Study) -> int:
+    """A worker's no-op task: unpickling ``study`` imported its module."""
+    return os.getpid()
+
+
+def _preheat(study: Study, jobs: int) -> None:
+    """Start the loky pool (the one the sweep then reuses) and import the study in every worker."""
+    from joblib import Parallel, delayed
+
+    try:
+        Parallel(n_jobs=jobs, backend="loky")(delayed(_loaded)(study) for _ in range(jobs))
+    except Exception:  # noqa: BLE001 - only a head start; the sweep itself reports any failure
+        pass
 
 
 def _is_crash(exc: BaseException) -> bool:
@@ -466,9 +482,19 @@ def _execute(
     marker = writer.store.path / WARMUP
     avoid = crashed | {marker.read_text().strip() if marker.exists() else ""}
     local = [r for r in pending if r.run_id not in avoid][:1]
-    for run in local:
-        marker.write_text(run.run_id)
-        writer([_run_one(study, run)])
+    # Meanwhile the loky pool starts and its workers import the study (not its kernels: those load
+    # from the cache this warm-up fills).
+    preheat = None
+    if client is None and backend == "loky" and len(pending) > 1:
+        preheat = threading.Thread(target=_preheat, args=(study, jobs), daemon=True)
+        preheat.start()
+    try:
+        for run in local:
+            marker.write_text(run.run_id)
+            writer([_run_one(study, run)])
+    finally:
+        if preheat is not None:
+            preheat.join()
     marker.unlink(missing_ok=True)
     writer.recent.clear()  # the warm-up's time includes compiling: not a run's time
     rest = [r for r in pending if r not in local]
@@ -489,4 +515,4 @@ def _execute(
     else:
         _execute_joblib(study, rest, backend, jobs, plan, writer)
     sizes = [n for p in planners for n in p.sizes]
-    report.chunk_size = round(statistics.median(sizes)) if sizes else 0
+    report.chunk_size = max(sizes, default=0)  # the steady-state size (the first chunks are single runs)
