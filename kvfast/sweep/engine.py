@@ -350,7 +350,13 @@ def _execute_dask(study: Study, runs: list[Run], client, workers: int, plan: Cal
         if fut.status == "finished":
             write(fut.result()[1])
         elif fut.status == "error":
-            write([_crash_row(study, run)])
+            exc = fut.exception()
+            if type(exc).__name__ == "KilledWorker":
+                write([_crash_row(study, run)])
+            else:  # not the run's own exception (that is caught in the worker): the task could not run
+                row = _crash_row(study, run)
+                row.update(status="error", error=f"{type(exc).__name__}: {exc}")
+                write([row])
         else:
             client.cancel([fut])
             lost.append(run.run_id)
