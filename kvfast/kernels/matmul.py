@@ -16,7 +16,8 @@ Speed (none of it changes any element's order of addition or its rounding):
   left to right, exactly the sequential order, but ``y`` is loaded and stored
   once per pass instead of once per k);
 - one kernel per accumulator format, chosen once per call, so the inner
-  loops carry no format branch and the f64 one is plain ``y + a*w``.
+  loops carry no format branch and the f64 one is plain ``y + a*w``; the
+  bf16 rounding is a branch-free twin of ``round_bf16_f64`` that vectorises.
 
 Each sequential sum starts from ``-0.0``: ``-0.0 + p == p`` for every p
 (including ``+0.0`` and ``-0.0``) and rounding is idempotent, so the first step
@@ -33,8 +34,10 @@ from __future__ import annotations
 
 import numba as nb
 import numpy as np
+from numba import types
+from numba.extending import intrinsic
 
-from kvfast.kernels.precision import F32, F64, rnd, round_bf16_f64
+from kvfast.kernels.precision import F32, F64, rnd
 from kvfast.kernels.reduce import SEQUENTIAL, new_stack, weighted_rows_sum
 
 _JIT = {"cache": True, "nogil": True, "fastmath": False, "error_model": "numpy"}
@@ -46,10 +49,66 @@ def _r32(v: float) -> float:
     return np.float64(np.float32(v))
 
 
+@intrinsic
+def _f64_bits(typingctx, x):
+    """Reinterpret a float64's bits as uint64."""
+    if not isinstance(x, types.Float) or x.bitwidth != 64:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], context.get_value_type(types.uint64))
+
+    return types.uint64(x), codegen
+
+
+@intrinsic
+def _bits_f64(typingctx, x):
+    """The float64 whose bits are the 64-bit integer ``x``."""
+    if not isinstance(x, types.Integer) or x.bitwidth != 64:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], context.get_value_type(types.float64))
+
+    return types.float64(x), codegen
+
+
+_SIGN = np.uint64(0x8000_0000_0000_0000)
+_MAGNITUDE = np.uint64(0x7FFF_FFFF_FFFF_FFFF)
+_HALF_LESS_ONE = np.uint64((1 << 44) - 1)  # half a bfloat16 ulp, less one, in float64 mantissa units
+_KEEP = np.uint64(0xFFFF_E000_0000_0000)  # sign, exponent and the top 7 mantissa bits
+_ONE = np.uint64(1)
+_DROPPED = np.uint64(45)  # float64 mantissa bits that bfloat16 drops
+_INF = np.uint64(0x7FF0_0000_0000_0000)
+_QNAN = np.uint64(0x7FF8_0000_0000_0000)
+_OVERFLOW = np.uint64((1023 + 128) << 52)  # 2**128: the first magnitude past bfloat16's range
+_MIN_NORMAL = 2.0**-126
+_SUBNORMAL_SHIFT = 1.5 * 2.0**-81  # |v| + this lies in [2**-81, 2**-80), whose ulp is 2**-133
+
+
 @nb.njit(**_JIT)
 def _rbf(v: float) -> float:
-    """``rnd(v, BF16)`` without the format branch."""
-    return round_bf16_f64(v)
+    """``rnd(v, BF16)`` without the format branch, and without branches, so loops over it vectorise.
+
+    One rounding of float64 to the nearest bfloat16, ties to even, exactly as
+    :func:`kvfast.kernels.precision.round_bf16_f64` (both are correctly rounded;
+    checked equal bit for bit on 4e7 random bit patterns and on every bfloat16
+    value and midpoint, offset by one float64 ulp either way): round the float64
+    bits at the 45th bit for normal results; past the largest bfloat16 (2**128
+    after rounding) give inf; below 2**-126 round to a multiple of 2**-133, the
+    bfloat16 subnormal step, by adding and subtracting a constant; the sign is
+    put back last (so -0.0 and tiny negatives stay negative); NaN becomes the
+    quiet NaN with its sign, as the float32 route gives.
+    """
+    b = _f64_bits(v)
+    a = b & _MAGNITUDE
+    r = (a + _HALF_LESS_ONE + ((a >> _DROPPED) & _ONE)) & _KEEP
+    r = _INF if r >= _OVERFLOW else r
+    mag = abs(v)
+    sub = _f64_bits((mag + _SUBNORMAL_SHIFT) - _SUBNORMAL_SHIFT)
+    r = sub if mag < _MIN_NORMAL else r
+    r = _QNAN if a > _INF else r
+    return _bits_f64(r | (b & _SIGN))
 
 
 # --- sequential kernels, one per accumulator format -------------------------------------------
@@ -186,6 +245,31 @@ def _rows1_f32(x, w, t, y):
 
 
 @nb.njit(**_JIT)
+def _rows4_bf16(x, w, t, y):
+    """``y[t:t+4] = x[t:t+4] @ w`` with a bf16 accumulator, each element summed over k left to right."""
+    n = x.shape[1]
+    m = w.shape[1]
+    for j in range(m):
+        y[t, j] = -0.0
+        y[t + 1, j] = -0.0
+        y[t + 2, j] = -0.0
+        y[t + 3, j] = -0.0
+    k = 0
+    while k < n:
+        a00 = x[t, k]
+        a10 = x[t + 1, k]
+        a20 = x[t + 2, k]
+        a30 = x[t + 3, k]
+        for j in range(m):
+            w0 = w[k, j]
+            y[t, j] = _rbf(y[t, j] + _rbf(a00 * w0))
+            y[t + 1, j] = _rbf(y[t + 1, j] + _rbf(a10 * w0))
+            y[t + 2, j] = _rbf(y[t + 2, j] + _rbf(a20 * w0))
+            y[t + 3, j] = _rbf(y[t + 3, j] + _rbf(a30 * w0))
+        k += 1
+
+
+@nb.njit(**_JIT)
 def _rows1_bf16(x, w, t, y):
     """``y[t] = x[t] @ w`` with a bf16 accumulator, each element summed over k left to right."""
     n = x.shape[1]
@@ -213,8 +297,7 @@ def _four_rows_sequential(x: np.ndarray, w: np.ndarray, t: int, y: np.ndarray, a
     elif acc == F32:
         _rows4_f32(x, w, t, y)
     else:
-        for r in range(t, t + 4):
-            _rows1_bf16(x, w, r, y)
+        _rows4_bf16(x, w, t, y)
 
 
 @nb.njit(**_JIT)
@@ -249,8 +332,12 @@ def matmul_into(x: np.ndarray, w: np.ndarray, storage: int, acc: int, order: int
                 _rows1_f32(x, w, t, y)
                 t += 1
         else:
-            for r in range(T):
-                _rows1_bf16(x, w, r, y)
+            while t + 4 <= T:
+                _rows4_bf16(x, w, t, y)
+                t += 4
+            while t < T:
+                _rows1_bf16(x, w, t, y)
+                t += 1
     else:
         stack = new_stack(m)
         for r in range(T):
