@@ -37,6 +37,26 @@ preset = ["f64"{extra}]
 """
 
 
+def children(pid: int) -> list[int]:
+    """Pids of the processes whose parent is ``pid`` (Linux /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            pass
+    return found
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie, dead but not yet reaped, counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def snapshot(folder: Path) -> dict[str, bytes]:
     """Every file under ``folder`` (hidden ones too) and its bytes."""
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
@@ -176,12 +196,20 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(tmp_path):
                 break
             time.sleep(0.01)
         assert proc.poll() is None, "the sweep ended before it could be killed"
+        workers = children(proc.pid)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
+        assert proc.returncode == -signal.SIGKILL
+        # its worker processes notice and exit, rather than idling on as orphans
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(alive(p) for p in workers):
+            time.sleep(0.1)
+        assert workers and not any(alive(p) for p in workers)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == -signal.SIGKILL
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the killed sweep's process group
+        except ProcessLookupError:
+            pass
     partial = pd.read_parquet(out)  # no half-written file is visible to plain readers
     assert 0 < len(partial) < len(grid)
     assert partial["run_id"].is_unique

@@ -111,8 +111,32 @@ def _run_one(study: Study, run: Run) -> dict:
     return row
 
 
+_WATCHING: list[int] = []
+
+
+def _watch_parent() -> None:
+    """In a loky worker: exit when the sweep process that started it is gone (``kill -9``).
+
+    loky's idle workers otherwise outlive a hard-killed parent indefinitely.
+    """
+    import multiprocessing
+
+    if _WATCHING or not multiprocessing.current_process().name.startswith("LokyProcess"):
+        return
+    parent = os.getppid()
+    _WATCHING.append(parent)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="kvfast-watch-parent", daemon=True).start()
+
+
 def run_chunk(study: Study, chunk: tuple[int, list[Run]]) -> tuple[int, list[dict]]:
     """A worker's task: run every run of one chunk, in order; returns ``(chunk index, rows)``."""
+    _watch_parent()
     index, runs = chunk
     return index, [_run_one(study, r) for r in runs]
 
@@ -219,6 +243,7 @@ class _Planner:
 
 def _loaded(study: Study) -> int:
     """A worker's no-op task: unpickling ``study`` imported its module."""
+    _watch_parent()
     return os.getpid()
 
 
