@@ -220,8 +220,12 @@ def test_dask_worker_crash_is_recorded_and_never_hangs(tmp_path, test_study):
         "fixed": {"scale": 1.0},
         "union": [{"axes": {"x": list(range(8)), "mode": ["ok"]}}, {"axes": {"x": [200], "mode": ["crash"]}}],
     }
+    # a LocalCluster that kvfast starts and stops itself
     report = run_sweep(grid_from_spec(spec), tmp_path / "d", jobs=2, backend="dask", quiet=True, stall_s=60)
     assert report.counts == {"ok": 8, "error": 0, "crashed": 1} and not report.lost
+    for _, row in load(tmp_path / "d").iterrows():
+        if row["status"] == "ok":
+            assert row["y"] == _run({"x": int(row["x"]), "scale": 1.0, "mode": "ok"})["y"]
 
 
 def test_dask_stall_stops_and_names_the_lost_runs(tmp_path, test_study):
