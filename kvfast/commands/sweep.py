@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 EXIT_FAILED = 1
@@ -264,5 +265,21 @@ def cmd_reproduce(args) -> int:
             break
     print(f"\n== claims ({len(plan)} studies, {time.perf_counter() - t0:.1f} s; results in {root})")
     table = pd.concat(claims, ignore_index=True) if claims else pd.DataFrame()
-    print(_table(table))
+    print(_markdown(table))
+    if len(table):
+        print(f"\n{int(table['holds'].sum())} of {len(table)} claims hold")
     return status
+
+
+def _markdown(df: pd.DataFrame) -> str:
+    """A Markdown table (long text cells stay readable, and paste into a README as they are)."""
+    if df is None or len(df) == 0:
+        return "(no rows)"
+
+    def cell(v) -> str:
+        text = ("yes" if v else "no") if isinstance(v, (bool, np.bool_)) else str(v)
+        return text.replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(df.columns) + " |", "|" + "---|" * len(df.columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join(lines)
