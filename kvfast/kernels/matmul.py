@@ -26,8 +26,9 @@ results stay NaN, but which NaN operand's sign survives an add is up to the
 compiler (IEEE 754 leaves it unspecified). No kernel uses fastmath; without it
 LLVM neither reassociates nor contracts ``a*b + c`` into an FMA.
 
-The per-format kernels below were written out by a generator (one line per
-output row), not by hand; they differ only in the rounding applied.
+The per-format kernels below are written out in full (one line per output
+row, generated mechanically); they differ only in the rounding applied, so
+edit them by pattern and keep them in step.
 """
 
 from __future__ import annotations
