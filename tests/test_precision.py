@@ -275,3 +275,32 @@ def test_to_bfloat16_keeps_shape_and_dtype(dtype):
             want = np.array([bf16_exact(float(v)) for v in flat])
         assert got.shape == np.shape(arr) and got.dtype == dtype
         assert np.array_equal(got.ravel(), want)
+
+
+def test_matmul_branch_free_bf16_round_equals_round_bf16_f64():
+    """matmul's vectorising bf16 rounding (``_rbf``) is the same function as ``round_bf16_f64``,
+    bit for bit: random float64 bit patterns, values next to bf16 midpoints, subnormals, overflow,
+    signed zeros, infinities and NaNs of both signs."""
+    import numba as nb
+
+    from kvfast.kernels.matmul import _rbf
+    from kvfast.kernels.precision import round_bf16_f64
+
+    @nb.njit
+    def both(xs):
+        a = np.empty_like(xs)
+        b = np.empty_like(xs)
+        for i in range(xs.size):
+            a[i] = _rbf(xs[i])
+            b[i] = round_bf16_f64(xs[i])
+        return a, b
+
+    rng = np.random.default_rng(11)
+    random_bits = rng.integers(0, 2**64, size=1 << 20, dtype=np.uint64).view(np.float64)
+    tiny = rng.uniform(-1, 1, size=1 << 16) * 2.0 ** rng.integers(-140, -120, size=1 << 16)
+    near_max = rng.uniform(0.99, 1.01, size=1 << 12) * 2.0**128
+    nans = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0])
+    nans = np.concatenate([nans, (np.uint64(0x7FF0000000000001) + np.arange(8, dtype=np.uint64)).view(np.float64)])
+    xs = np.concatenate([random_bits, f64_values_next_to_midpoints(20000, 3), f64_specials(), tiny, near_max, nans])
+    a, b = both(xs)
+    assert (_bits64(a) == _bits64(b)).all()
