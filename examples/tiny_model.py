@@ -1,7 +1,7 @@
 """Factories for ``kvfast check``: kvfast's own model, clean and with a catalogue bug.
 
-    kvfast check examples.tiny_model:clean --prompt 1,2,3 --steps 64       # exit 0
-    kvfast check examples.tiny_model:posfrozen --prompt 1,2,3 --steps 64   # exit 1
+``kvfast check examples.tiny_model:clean --prompt 1,2,3 --steps 64`` passes (exit 0);
+``kvfast check examples.tiny_model:posfrozen --prompt 1,2,3 --steps 64`` finds the bug (exit 1).
 """
 
 from __future__ import annotations
