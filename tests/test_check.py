@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from toymodels import Toy
 
 import kvfast
 from kvfast import ModelConfig, Numerics, init_params
@@ -29,39 +30,6 @@ def npz(tmp_path_factory, params):
     path = tmp_path_factory.mktemp("check") / "model.npz"
     kvfast.save_params(path, CFG, params)
     return path
-
-
-class Toy:
-    """A tiny causal model with a cache: logits(p) = tanh(sum of embeddings up to p) + P[p]."""
-
-    vocab_size = 7
-
-    def __init__(self, bug: str | None = None):
-        rng = np.random.default_rng(5)
-        self.E = rng.standard_normal((7, 7))
-        self.P = rng.standard_normal((64, 7))
-        self.bug = bug
-
-    def recompute(self, tokens):
-        s, out = np.zeros(7), []
-        for p, t in enumerate(tokens):
-            s = s + self.E[t]
-            out.append(np.tanh(s) + self.P[p])
-        return np.array(out)
-
-    def prefill(self, tokens):
-        out = Toy.recompute(self, tokens)
-        self.s = np.zeros(7)
-        for t in tokens:
-            self.s = self.s + self.E[t]
-        self.n = self.prefill_len = len(tokens)
-        return out
-
-    def decode(self, token):
-        self.s = self.s + self.E[token]
-        pos = self.prefill_len if self.bug == "posfrozen" else self.n
-        self.n += 1
-        return np.tanh(self.s) + self.P[pos]
 
 
 # --- correct implementations pass ------------------------------------------------------------

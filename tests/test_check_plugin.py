@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -12,64 +12,7 @@ from kvfast.cli import main
 
 pytest_plugins = ["pytester"]
 
-TOY = textwrap.dedent(
-    """
-    import numpy as np
-
-
-    class Toy:
-        '''A causal toy with a cache: logits(p) = tanh(running sum of embeddings) + P[p].'''
-
-        vocab_size = 7
-
-        def __init__(self, bug=None):
-            rng = np.random.default_rng(5)
-            self.E = rng.standard_normal((7, 7))
-            self.P = rng.standard_normal((64, 7))
-            self.bug = bug
-
-        def recompute(self, tokens):
-            s, out = np.zeros(7), []
-            for p, t in enumerate(tokens):
-                s = s + self.E[t]
-                out.append(np.tanh(s) + self.P[p])
-            return np.array(out)
-
-        def prefill(self, tokens):
-            out = Toy.recompute(self, tokens)
-            self.s = np.zeros(7)
-            for t in tokens:
-                self.s = self.s + self.E[t]
-            self.n = self.prefill_len = len(tokens)
-            return out
-
-        def decode(self, token):
-            self.s = self.s + self.E[token]
-            pos = self.prefill_len if self.bug == "posfrozen" else self.n
-            self.n += 1
-            return np.tanh(self.s) + self.P[pos]
-
-
-    def clean():
-        return Toy()
-
-
-    def posfrozen():
-        return Toy("posfrozen")
-
-
-    def wrong_shape():
-        class Bad(Toy):
-            def decode(self, token):
-                return super().decode(token)[:3]
-
-        return Bad()
-
-
-    def not_a_model():
-        return object()
-    """
-)
+TOY = (Path(__file__).parent / "toymodels.py").read_text()
 
 
 def test_kv_check_passes_a_correct_model_and_fails_a_bugged_one(pytester):
