@@ -54,10 +54,9 @@ import math
 import numba as nb
 import numpy as np
 
+from kvfast.kernels.jit import JIT_OPTIONS as _JIT
 from kvfast.kernels.precision import rnd
 from kvfast.kernels.reduce import STACK_DEPTH, new_stack, ordered_dot, ordered_sum, weighted_rows_sum
-
-_JIT = {"cache": True, "nogil": True, "fastmath": False, "error_model": "numpy"}
 
 STANDARD = 0
 ONLINE = 1

@@ -38,10 +38,9 @@ import numpy as np
 from numba import types
 from numba.extending import intrinsic
 
+from kvfast.kernels.jit import JIT_OPTIONS as _JIT
 from kvfast.kernels.precision import F32, F64, rnd
 from kvfast.kernels.reduce import SEQUENTIAL, new_stack, weighted_rows_sum
-
-_JIT = {"cache": True, "nogil": True, "fastmath": False, "error_model": "numpy"}
 
 
 @nb.njit(**_JIT)

@@ -17,14 +17,14 @@ import numpy as np
 from numba import types
 from numba.extending import intrinsic
 
+from kvfast.kernels.jit import JIT_OPTIONS as _JIT
+
 F64 = 0
 F32 = 1
 BF16 = 2
 
 FORMAT_CODES = {"f64": F64, "f32": F32, "bf16": BF16}
 FORMAT_NAMES = {code: name for name, code in FORMAT_CODES.items()}
-
-_JIT = {"cache": True, "nogil": True, "fastmath": False, "error_model": "numpy"}
 
 
 @intrinsic

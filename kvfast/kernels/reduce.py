@@ -30,6 +30,7 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
+from kvfast.kernels.jit import JIT_OPTIONS as _JIT
 from kvfast.kernels.precision import rnd
 
 SEQUENTIAL = 0
@@ -40,8 +41,6 @@ ORDER_NAMES = {code: name for name, code in ORDER_CODES.items()}
 
 # Depth of the pairwise stack: enough for 2**62 terms.
 STACK_DEPTH = 64
-
-_JIT = {"cache": True, "nogil": True, "fastmath": False, "error_model": "numpy"}
 
 
 @nb.njit(**_JIT)

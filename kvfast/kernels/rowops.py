@@ -11,10 +11,9 @@ import math
 import numba as nb
 import numpy as np
 
+from kvfast.kernels.jit import JIT_OPTIONS as _JIT
 from kvfast.kernels.precision import rnd
 from kvfast.kernels.reduce import ordered_dot
-
-_JIT = {"cache": True, "nogil": True, "fastmath": False, "error_model": "numpy"}
 
 
 @nb.njit(**_JIT)

@@ -13,6 +13,7 @@ import numba as nb
 import numpy as np
 
 from kvfast.kernels.attention import STANDARD, attend_row, attend_row_blocked
+from kvfast.kernels.jit import JIT_OPTIONS
 from kvfast.kernels.matmul import matmul_into
 from kvfast.kernels.precision import rnd
 from kvfast.kernels.reduce import STACK_DEPTH, new_stack
@@ -25,7 +26,7 @@ from kvfast.model.transformer import Weights, run_forward
 from kvfast.numerics import Numerics
 
 
-@nb.njit(cache=True, nogil=True, fastmath=False, error_model="numpy")
+@nb.njit(**JIT_OPTIONS)
 def decode_kernel(
     wte, wpe, g1, wq, wk, wv, wo, g2, w1, w2, gf, w_out,
     n_head, eps, kc, vc, length, prefill_len, token, pos,
