@@ -16,12 +16,21 @@ import pyarrow as pa
 
 @dataclass(frozen=True)
 class Claim:
-    """One of the seed's claims, as a study measured it."""
+    """One of the seed's claims, as a study measured it.
+
+    ``criterion``: how ``holds`` is decided, in words, starting with its kind
+    (``exact``, ``vs seed``, ``direction only``, ``test``; see
+    :mod:`kvfast.studies.criteria`); ``conditions``: each condition evaluated,
+    ``(words, result)``; ``holds`` is their conjunction. Build claims with
+    :func:`kvfast.studies.criteria.judged`.
+    """
 
     claim: str
     seed_figure: str
     kvfast_figure: str
     holds: bool
+    criterion: str = ""
+    conditions: tuple[tuple[str, bool], ...] = ()
 
 
 @dataclass(frozen=True)

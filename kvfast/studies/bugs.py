@@ -49,6 +49,7 @@ from kvfast.model.bugs import BUGS, EVICT_WINDOW, VISIBLE_AT_STEP_1
 from kvfast.model.config import ModelConfig, init_params
 from kvfast.numerics import PRESETS, Numerics
 from kvfast.studies.base import Claim, Study, require_choice, require_int
+from kvfast.studies.criteria import EXACT, VS_SEED, judged
 from kvfast.studies.toytask import Task, train
 
 VERSION = "1"
@@ -292,32 +293,43 @@ def claims(df: pd.DataFrame) -> list[Claim]:
         worst1 = float(g["dev_step1"].max())
         bitten = g.groupby("bug")["dev_all"].max()
         out.append(
-            Claim(
+            judged(
                 "growth bugs are exactly 0.0 at step 1 (" + ", ".join(growth) + ")",
                 "0.0 (freeze, evict, posfrozen)",
                 f"max {worst1!r} over {len(g)} runs; later max "
                 + ", ".join(f"{b} {bitten[b]:.3g}" for b in bitten.index),
-                worst1 == 0.0 and bool((bitten > 0).all()),
+                EXACT,
+                [
+                    ("step-1 deviation of every growth-bug run == 0.0", worst1 == 0.0),
+                    ("each growth bug deviates at a later step in some run", bool((bitten > 0).all())),
+                ],
             )
         )
     v = ok[ok["bug"].isin([b for b in BUGS if VISIBLE_AT_STEP_1[b]])]
     if len(v):
         out.append(
-            Claim(
+            judged(
                 "step-1-visible bugs deviate at step 1 in every run",
                 "stale 0.146, posoff 24.9",
                 f"{int((v['dev_step1'] > 0).sum())} of {len(v)} runs, min {float(v['dev_step1'].min()):.3g}",
-                bool((v["dev_step1"] > 0).all()),
+                EXACT,
+                [
+                    (
+                        "step-1 deviation > 0.0 in every run of stale, posoff, kvswap, noscale",
+                        bool((v["dev_step1"] > 0).all()),
+                    )
+                ],
             )
         )
     c = ok[ok["bug"] == CONTROL]
     clean = ok["clean_dev"]
     out.append(
-        Claim(
+        judged(
             "clean cached path equals a full recompute (every run's control)",
             "0.0",
             f"max {float(clean.max())!r} over {len(ok)} runs" + (f" ({len(c)} clean-control rows)" if len(c) else ""),
-            bool((clean == 0.0).all()),
+            EXACT,
+            [("clean run's deviation == 0.0 in every run", bool((clean == 0.0).all()))],
         )
     )
     for bug, (_, _, seed_pct) in SEED_BUG_TABLE.items():
@@ -326,8 +338,21 @@ def claims(df: pd.DataFrame) -> list[Claim]:
             continue
         per_model = b.groupby("model")["tokens_changed"].mean() * 100.0
         figure = ", ".join(f"{m} {_pct(p)}" for m, p in per_model.items())
-        holds = bool((per_model.round() == seed_pct).all())
-        out.append(Claim(f"{bug} changes the generated tokens", f"{_pct(seed_pct)} of runs", figure, holds))
+        out.append(
+            judged(
+                f"{bug} changes the generated tokens",
+                f"{_pct(seed_pct)} of runs",
+                figure,
+                VS_SEED,
+                [
+                    (
+                        f"{m} models: {_pct(p)}, rounded to a whole percent, == the seed's {_pct(seed_pct)}",
+                        round(p) == seed_pct,
+                    )
+                    for m, p in per_model.items()
+                ],
+            )
+        )
     return out
 
 

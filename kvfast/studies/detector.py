@@ -34,6 +34,7 @@ import pandas as pd
 from kvfast.model.bugs import BUGS, VISIBLE_AT_STEP_1
 from kvfast.studies import bugs as bugstudy
 from kvfast.studies.base import Claim, Study
+from kvfast.studies.criteria import EXACT, VS_SEED, judged, within
 from kvfast.studies.scoring import confusion, detector_metrics
 
 VERSION = f"1.{bugstudy.VERSION}"  # its runs are bug-study runs
@@ -48,6 +49,9 @@ SEED_FIGURES: dict[str, dict[str, float]] = {
 }
 SEED_CASES = 240
 SEED_CHANGED = 180
+# The one-step claim holds when kvfast's recall and AUC are each within this of the seed's (stated a priori:
+# about two binomial standard errors of a recall of 0.5 over 180 positives, sqrt(0.25 / 180) = 0.037).
+SEED_TOLERANCE = 0.075
 
 
 def detector_cases(controls: bool = True) -> list[dict]:
@@ -190,7 +194,10 @@ def _row(summary: pd.DataFrame, det: str, label: str) -> pd.Series | None:
 
 
 def claims(df: pd.DataFrame) -> list[Claim]:
-    """The seed's detector claims as measured (label "output changed" unless said otherwise)."""
+    """The seed's detector claims as measured (label "output changed" unless said otherwise).
+
+    The one-step figures are compared with the seed's within :data:`SEED_TOLERANCE`; the every-step
+    figures must equal 1.000 exactly (and FPR 0 on "bug present")."""
     s = scored(df)
     if s.empty:
         return []
@@ -199,54 +206,70 @@ def claims(df: pd.DataFrame) -> list[Claim]:
     bugged = s[s["bug_present"]]
     changed = int(bugged["output_changed"].sum())
     out.append(
-        Claim(
+        judged(
             "bugged runs whose generated output changed",
             f"{SEED_CHANGED} of {SEED_CASES}",
             f"{changed} of {len(bugged)}",
-            changed == SEED_CHANGED and len(bugged) == SEED_CASES,
+            VS_SEED,
+            [
+                (f"bugged runs == {SEED_CASES}", len(bugged) == SEED_CASES),
+                (f"changed == {SEED_CHANGED}", changed == SEED_CHANGED),
+            ],
         )
     )
     one = _row(summary, "one-step", "output changed")
     if one is not None:
+        seed = SEED_FIGURES["one-step"]
+        tol = SEED_TOLERANCE
         out.append(
-            Claim(
-                "one-step exact check misses output-changing runs (recall < 1.000)",
-                "recall 0.500, AUC 0.605",
+            judged(
+                "one-step exact check: recall and AUC as in the seed",
+                f"recall {seed['recall']:.3f}, AUC {seed['auc']:.3f}",
                 f"recall {one['recall']:.3f}, AUC {one['auc']:.3f}",
-                bool(one["recall"] < 1.0),
+                VS_SEED,
+                [
+                    (f"|recall - {seed['recall']:.3f}| <= {tol}", within(one["recall"], seed["recall"], tol)),
+                    (f"|AUC - {seed['auc']:.3f}| <= {tol}", within(one["auc"], seed["auc"], tol)),
+                ],
             )
         )
     every = _row(summary, "every-step", "output changed")
     if every is not None:
         out.append(
-            Claim(
+            judged(
                 "every-step exact check: recall 1.000 and AUC 1.000",
                 "recall 1.000, AUC 1.000",
                 f"recall {every['recall']:.3f}, AUC {every['auc']:.3f}",
-                bool(every["recall"] == 1.0 and every["auc"] == 1.0),
+                EXACT,
+                [("recall == 1.000", bool(every["recall"] == 1.0)), ("AUC == 1.000", bool(every["auc"] == 1.0))],
             )
         )
     present = _row(summary, "every-step", "bug present")
     if present is not None:
-        deviating = s[s["bug_present"] & (s["every_step_score"] > 0)]
         out.append(
-            Claim(
-                "every-step check flags every bugged run that ever deviates, and no clean control",
+            judged(
+                'every-step exact check on the label "bug present" (bugged runs vs clean controls)',
                 "recall 1.000 (no tolerance anywhere)",
-                f"recall {present['recall']:.3f} ({len(deviating)} of {int(present['positives'])} runs deviate), "
-                f"FPR {present['fpr']:.3f}",
-                bool(deviating["every_step_flag"].all() and (present["fpr"] == 0.0 or np.isnan(present["fpr"]))),
+                f"recall {present['recall']:.3f} ({int(present['positives'])} bugged), AUC {present['auc']:.3f}, "
+                f"FPR {present['fpr']:.3f} ({int(present['cases'] - present['positives'])} clean)",
+                EXACT,
+                [
+                    ("recall == 1.000 (every bugged run flagged)", bool(present["recall"] == 1.0)),
+                    ("AUC == 1.000", bool(present["auc"] == 1.0)),
+                    ("FPR == 0 over at least one clean control", bool(present["fpr"] == 0.0)),
+                ],
             )
         )
     growth = s[s["bug"].isin([b for b in BUGS if not VISIBLE_AT_STEP_1[b]])]
     if len(growth):
         caught = int(growth["one_step_flag"].sum())
         out.append(
-            Claim(
+            judged(
                 "the one-step check catches none of the growth bugs",
                 "0.0 at step 1 for freeze, evict, posfrozen",
                 f"{caught} of {len(growth)} growth-bug runs flagged",
-                caught == 0,
+                EXACT,
+                [("no growth-bug run flagged", caught == 0)],
             )
         )
     return out

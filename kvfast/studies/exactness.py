@@ -25,6 +25,7 @@ from kvfast.check import KvfastModel, check_cache
 from kvfast.model.config import ModelConfig, init_params
 from kvfast.numerics import PRESETS, Numerics
 from kvfast.studies.base import Claim, Study, require_choice, require_int
+from kvfast.studies.criteria import EXACT, judged
 
 VERSION = "1"
 
@@ -113,15 +114,21 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def claims(df: pd.DataFrame) -> list[Claim]:
+    """Every run bit-exact, with equal tokens (criteria in :func:`kvfast.studies.criteria.judged`)."""
     ok = df[df["status"] == "ok"]
     worst = float(ok["max_abs_dev"].max()) if len(ok) else float("nan")
     equal = int(ok["tokens_equal"].sum())
     return [
-        Claim(
+        judged(
             "cached decode == full recompute (bit-exact) over the grid",
             "1,296 runs, worst deviation 0.0, all tokens equal",
             f"{len(ok):,} runs ok of {len(df):,}, worst deviation {worst}, {equal:,} token strings equal",
-            bool(len(ok) == len(df) and worst == 0.0 and equal == len(ok)),
+            EXACT,
+            [
+                ("every run ok", bool(len(ok) and len(ok) == len(df))),
+                ("worst deviation == 0.0", worst == 0.0),
+                ("every token string equal", bool(len(ok)) and equal == len(ok)),
+            ],
         )
     ]
 

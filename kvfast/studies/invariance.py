@@ -30,6 +30,7 @@ from kvfast.model.transformer import Weights, run_forward
 from kvfast.numerics import PRESETS, Numerics
 from kvfast.studies.base import Claim, Study, require_choice, require_int
 from kvfast.studies.bugs import grid_cases
+from kvfast.studies.criteria import EXACT, judged
 
 VERSION = "1"
 
@@ -179,11 +180,12 @@ def claims(df: pd.DataFrame) -> list[Claim]:
         worst = float(on[["resid_in", "k", "v", "resid_out"]].to_numpy().max())
         presets = ", ".join(sorted(on["preset"].unique()))
         out.append(
-            Claim(
+            judged(
                 "with the causal mask, appending a token moves no earlier residual stream, K or V at any layer",
                 "exactly 0 at every layer",
                 f"max {worst!r} over {on['layer'].size} run-layers ({presets})",
-                worst == 0.0,
+                EXACT,
+                [("max change of residual stream, K and V over every run-layer == 0.0", worst == 0.0)],
             )
         )
     off = pl[~pl["causal"]]
@@ -193,19 +195,21 @@ def claims(df: pd.DataFrame) -> list[Claim]:
         later = off[off["layer"] >= 2]
         least = float(later[["resid_in", "k", "v"]].to_numpy().min()) if len(later) else float("nan")
         out.append(
-            Claim(
+            judged(
                 "without the mask, layer 1's K and V are still exact",
                 "exact at layer 1",
                 f"max {worst1!r} over {len(first)} runs",
-                worst1 == 0.0,
+                EXACT,
+                [("max change of layer 1's input, K and V == 0.0", worst1 == 0.0)],
             )
         )
         out.append(
-            Claim(
+            judged(
                 "without the mask, every layer from 2 moves (residual stream in, K and V)",
                 "wrong from layer 2",
                 f"min {least:.3g} over {len(later)} run-layers",
-                bool(len(later) and least > 0.0),
+                EXACT,
+                [("min change over every layer >= 2 of every run > 0.0", bool(len(later) and least > 0.0))],
             )
         )
     return out

@@ -38,12 +38,14 @@ from kvfast.model.decode import run_generate
 from kvfast.model.transformer import Weights
 from kvfast.numerics import Numerics
 from kvfast.studies.base import Claim, Study, require_choice, require_int
+from kvfast.studies.criteria import EXACT, TEST, judged, mcnemar_exact_p
 
 VERSION = "1"
 
 FORMATS = ("f64", "f32", "bf16")
 ORDERS = ("sequential", "pairwise")
 PRESET_PAIRS = (("f64", "f64"), ("f32", "f32"), ("bf16", "f32"))
+SAME_SIZE_LEVEL = 0.05  # "as often": the paired exact McNemar test does not reject at this level
 
 CONFIG_FIELDS = {
     "seed": pa.int64(),
@@ -188,49 +190,60 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def claims(df: pd.DataFrame) -> list[Claim]:
-    """The seed's near-tied claims (bf16 storage, every twin gap) and the same-order cache in the presets."""
+    """The seed's near-tied claims (bf16 storage, every twin gap) and the same-order cache in the presets.
+
+    "As often" is an exact McNemar test on the runs paired by model (the cached run and the control of
+    the same seed and gap), two-sided at level :data:`SAME_SIZE_LEVEL`, at every gap."""
     ok = df[df["status"] == "ok"]
     out = []
     b16 = ok[ok["storage"] == "bf16"]
-    per_gap, same_size = [], True
+    per_gap, conditions = [], []
     for exp in sorted(set(b16["twin_exp"])):
         s = b16[(b16["twin_exp"] == exp) & (b16["accum"] == "bf16")]
         if not len(s):
             continue
         fc, fn = int(s["flip_cached"].sum()), int(s["flip_control"].sum())
-        per_gap.append(f"2^-{exp}: {fc}/{len(s)} vs {fn}/{len(s)}")
-        # "the same size": within two binomial standard deviations of each other
-        same_size &= bool(abs(fc - fn) <= 2.0 * np.sqrt(max(fc + fn, 1)))
+        only_c = int((s["flip_cached"] & ~s["flip_control"]).sum())
+        only_n = int((~s["flip_cached"] & s["flip_control"]).sum())
+        p = mcnemar_exact_p(only_c, only_n)
+        per_gap.append(f"2^-{exp}: {fc}/{len(s)} vs {fn}/{len(s)} (McNemar p {p:.2f})")
+        conditions.append((f"gap 2^-{exp}: McNemar p >= {SAME_SIZE_LEVEL}", p >= SAME_SIZE_LEVEL))
     if per_gap:
         out.append(
-            Claim(
+            judged(
                 "near-tied model, bf16 storage + bf16 accumulator: tokens flip as often in cached runs "
                 "(prefill/decode in different orders) as in the no-cache control (two recomputes)",
                 "3 of 24 cached vs 2 of 24 control",
                 "twin gap: cached vs control flips: " + "; ".join(per_gap),
-                same_size,
+                TEST,
+                conditions,
             )
         )
     wide = b16[b16["accum"] != "bf16"]
     if len(wide):
         flips = int(wide["flip_cached"].sum() + wide["flip_control"].sum())
         out.append(
-            Claim(
+            judged(
                 "near-tied model, bf16 storage with an f32 or f64 accumulator: no token flips from order",
                 "order matters only with a bf16 accumulator",
                 f"{flips} flips in {2 * len(wide)} cached and control runs",
-                flips == 0,
+                EXACT,
+                [("no flip in any cached or control run", flips == 0)],
             )
         )
     presets = ok[[(s, a) in PRESET_PAIRS for s, a in zip(ok["storage"], ok["accum"], strict=True)]]
     if len(presets):
         out.append(
-            Claim(
+            judged(
                 "near-tied model, same order in prefill and decode: the cache is bit-exact in all three presets",
                 "bit-exact in all three formats",
                 f"{int(presets['same_exact'].sum())} of {len(presets)} preset runs bit-exact "
                 f"({int(ok['same_exact'].sum())} of {len(ok)} over all format pairs)",
-                bool(presets["same_exact"].all() and ok["same_exact"].all()),
+                EXACT,
+                [
+                    ("every preset run bit-exact", bool(presets["same_exact"].all())),
+                    ("every run of every format pair bit-exact", bool(ok["same_exact"].all())),
+                ],
             )
         )
     return out

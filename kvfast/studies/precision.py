@@ -43,6 +43,7 @@ from kvfast.model.decode import run_decode
 from kvfast.model.transformer import Weights, run_forward
 from kvfast.numerics import Numerics
 from kvfast.studies.base import Claim, Study, require_choice, require_int
+from kvfast.studies.criteria import EXACT, judged
 
 VERSION = "2"
 
@@ -297,11 +298,15 @@ def claims(df: pd.DataFrame) -> list[Claim]:
         pos = float(b64["fwd_pos_agree"].mean())
         cpos = float(b64["cache_pos_agree"].mean())
         out.append(
-            Claim(
+            judged(
                 "bf16 storage + f64 accumulator: the two summation orders agree bit for bit at every position",
                 "100% of positions",
                 f"{_pct(pos)} of positions (forward A vs B), {_pct(cpos)} (cached mixed vs recompute), {len(b64)} runs",
-                bool(pos == 1.0 and cpos == 1.0),
+                EXACT,
+                [
+                    ("every position agrees, forward in order A vs B", pos == 1.0),
+                    ("every decoded position agrees, mixed-order cache vs recompute", cpos == 1.0),
+                ],
             )
         )
     if len(b16) and len(b64):
@@ -310,12 +315,17 @@ def claims(df: pd.DataFrame) -> list[Claim]:
         pos16 = float(b16["fwd_pos_agree"].mean())
         split32 = int((b32["fwd_pos_agree"] < 1.0).sum()) if len(b32) else 0
         out.append(
-            Claim(
+            judged(
                 "only a bf16 accumulator makes order matter (bf16 storage)",
-                "100% with an f64 accumulator, less with a bf16 one",
+                "only a bfloat16 accumulator makes order matter",
                 f"positions agreeing: f64 acc {_pct(pos64)}, f32 acc {_pct(pos32)} ({split32} of {len(b32)} runs "
                 f"split), bf16 acc {_pct(pos16)}",
-                bool(pos16 < 1.0 and pos64 == 1.0 and pos32 == 1.0),
+                EXACT,
+                [
+                    ("f64 accumulator: 100% of positions agree", pos64 == 1.0),
+                    ("f32 accumulator: 100% of positions agree", pos32 == 1.0),
+                    ("bf16 accumulator: below 100%", bool(pos16 < 1.0)),
+                ],
             )
         )
     same_kernel = ok[ok["decode_attention"] == "same"]
@@ -328,35 +338,41 @@ def claims(df: pd.DataFrame) -> list[Claim]:
             | ((aligned["storage"] == "bf16") & (aligned["accum"] == "f32"))
         ]
         out.append(
-            Claim(
+            judged(
                 "same order in prefill and decode: the cache is bit-exact (three presets; standard and "
                 "aligned-block kernels)",
                 "bit-exact in all three formats",
                 f"{int(presets['same_exact'].sum())} of {len(presets)} preset runs exact; "
                 f"{int(aligned['same_exact'].sum())} of {len(aligned)} runs over all 9 format pairs",
-                bool(presets["same_exact"].all() and aligned["same_exact"].all()),
+                EXACT,
+                [
+                    ("every run of the three presets bit-exact", bool(len(presets) and presets["same_exact"].all())),
+                    ("every run of all 9 format pairs bit-exact", bool(aligned["same_exact"].all())),
+                ],
             )
         )
     if len(counted):
         out.append(
-            Claim(
+            judged(
                 "split-KV by count (boundaries move as the cache grows) breaks the cache, same order in both paths",
                 "(not in the seed; flash-decoding practice)",
                 f"{int((~counted['same_exact']).sum())} of {len(counted)} runs not bit-exact, "
                 f"worst deviation {float(counted['same_max_diff'].max()):.3g}",
-                bool((~counted["same_exact"]).all()),
+                EXACT,
+                [("no run bit-exact", bool((~counted["same_exact"]).all()))],
             )
         )
     mix = ok[ok["decode_attention"] != "same"]
     if len(mix):
         out.append(
-            Claim(
+            judged(
                 "a prefill kernel and a decode kernel that round in different places (flash-attention prefill, "
                 "flash-decoding decode) break the cache, same order, every format",
                 "(not in the seed)",
                 f"{int((~mix['same_exact']).sum())} of {len(mix)} runs not bit-exact, worst deviation "
                 f"{float(mix['same_max_diff'].max()):.3g}",
-                bool((~mix["same_exact"]).all()),
+                EXACT,
+                [("no run bit-exact", bool((~mix["same_exact"]).all()))],
             )
         )
     return out
