@@ -13,7 +13,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
 EXIT_FAILED = 1
@@ -71,7 +70,9 @@ def add_parser(sub) -> None:
     _exec_options(p)
     p.set_defaults(func=cmd_study)
 
-    p = sub.add_parser("reproduce", help="run every study's built-in grid and print the seed's claims table")
+    p = sub.add_parser(
+        "reproduce", help="run every study's built-in grid, print the seed's claims table and write the report"
+    )
     p.add_argument("--out", default="results/reproduce", metavar="DIR", help="default: results/reproduce")
     _exec_options(p)
     p.set_defaults(func=cmd_reproduce)
@@ -180,23 +181,9 @@ def cmd_show(args) -> int:
 
 
 def _claims(study, df: pd.DataFrame) -> pd.DataFrame:
-    try:
-        claims = study.claims(df)
-        rows = [
-            {"study": study.name, "claim": c.claim, "seed": c.seed_figure, "kvfast": c.kvfast_figure, "holds": c.holds}
-            for c in claims
-        ]
-    except Exception as exc:  # noqa: BLE001
-        rows = [
-            {
-                "study": study.name,
-                "claim": f"(claims failed: {type(exc).__name__}: {exc})",
-                "seed": "",
-                "kvfast": "",
-                "holds": False,
-            }
-        ]
-    return pd.DataFrame(rows, columns=["study", "claim", "seed", "kvfast", "holds"])
+    from kvfast.report.claims import COLUMNS, study_claims
+
+    return study_claims(study.name, df)[COLUMNS]
 
 
 def _study_grid(name: str):
@@ -253,33 +240,17 @@ def cmd_reproduce(args) -> int:
         ResultsDir(root / name).check(grid.study, fresh=True)
         plan.append(grid)
     t0 = time.perf_counter()
-    claims = []
     status = 0
     for grid in plan:
         print(f"\n== {grid.study.name}: {grid.study.description}")
         report, df = _run_study(grid, root / grid.study.name, args.jobs, args.quiet)
         print(_summary(grid.study, df))
-        claims.append(_claims(grid.study, df))
         status = status or _exit(report)
         if report.interrupted:
             break
     print(f"\n== claims ({len(plan)} studies, {time.perf_counter() - t0:.1f} s; results in {root})")
-    table = pd.concat(claims, ignore_index=True) if claims else pd.DataFrame()
-    print(_markdown(table))
-    if len(table):
-        print(f"\n{int(table['holds'].sum())} of {len(table)} claims hold")
+    from kvfast.report import claims_markdown, claims_table, load_results, write_report
+
+    print(claims_markdown(claims_table(load_results(root))))
+    print(f"\nreport: {write_report(root)}")
     return status
-
-
-def _markdown(df: pd.DataFrame) -> str:
-    """A Markdown table (long text cells stay readable, and paste into a README as they are)."""
-    if df is None or len(df) == 0:
-        return "(no rows)"
-
-    def cell(v) -> str:
-        text = ("yes" if v else "no") if isinstance(v, (bool, np.bool_)) else str(v)
-        return text.replace("|", "\\|").replace("\n", " ")
-
-    lines = ["| " + " | ".join(df.columns) + " |", "|" + "---|" * len(df.columns)]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
-    return "\n".join(lines)

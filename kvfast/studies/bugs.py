@@ -346,7 +346,7 @@ def claims(df: pd.DataFrame) -> list[Claim]:
                 VS_SEED,
                 [
                     (
-                        f"{m} models: {_pct(p)}, rounded to a whole percent, == the seed's {_pct(seed_pct)}",
+                        f"{m} models: {_pct(p)} == {_pct(seed_pct)} (whole percents)",
                         round(p) == seed_pct,
                     )
                     for m, p in per_model.items()

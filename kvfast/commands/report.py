@@ -1,0 +1,53 @@
+"""``kvfast report RESULTS_DIR [--out DIR] [--markdown [claims|facts|tables]]``.
+
+Writes ``report.html`` (self-contained: inline styles, images as base64 PNG)
+and its tables (``claims.csv``, ``claims.json``, ``facts.csv``,
+``summaries/*.csv``) from the stored Parquet alone, and prints the page's path.
+``--markdown`` prints a table as Markdown instead of writing anything: the
+claims table with its count (what the README pastes), the quoted figures, or
+every study's summary table (what docs/studies.md pastes).
+"""
+
+from __future__ import annotations
+
+MARKDOWN = ("claims", "facts", "tables")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("report", help="an HTML report (claims table, plots) of stored results, or Markdown tables")
+    p.add_argument("results", metavar="RESULTS_DIR", help="a folder of results directories (kvfast reproduce --out)")
+    p.add_argument("--out", metavar="DIR", help="where report.html and its tables go (default: RESULTS_DIR/report)")
+    p.add_argument(
+        "--markdown",
+        nargs="?",
+        const="claims",
+        choices=MARKDOWN,
+        metavar="WHAT",
+        help="print Markdown instead: claims (default), facts or tables; writes nothing",
+    )
+    p.set_defaults(func=cmd_report)
+
+
+def markdown_text(results: dict, what: str) -> str:
+    """The Markdown ``--markdown WHAT`` prints for ``results`` (study name -> stored runs)."""
+    from kvfast.report import claims_markdown, claims_table, facts, markdown, summaries
+
+    if what == "claims":
+        return claims_markdown(claims_table(results))
+    if what == "facts":
+        return markdown(facts(results), ["figure", "value", "study"])
+    parts = []
+    for name, table in summaries(results).items():
+        parts.append(f"#### {name}\n\n{markdown(table)}")
+    return "\n\n".join(parts)
+
+
+def cmd_report(args) -> int:
+    from kvfast.report import load_results, write_report
+
+    if args.markdown:
+        print(markdown_text(load_results(args.results), args.markdown))
+        return 0
+    page = write_report(args.results, args.out)
+    print(f"report: {page}")
+    return 0

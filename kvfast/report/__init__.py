@@ -1,0 +1,28 @@
+"""The report: the claims table, the quoted figures and the plots, computed from stored results alone.
+
+Sits between :mod:`kvfast.sweep` and :mod:`kvfast.commands` in the one-way
+import order. ``kvfast report RESULTS_DIR`` (and the end of ``kvfast
+reproduce``) calls :func:`write_report`.
+"""
+
+from __future__ import annotations
+
+from kvfast.report.claims import claims_markdown, claims_table, count_line, counts, markdown
+from kvfast.report.facts import facts
+from kvfast.report.page import render, summaries, write_report, write_tables
+from kvfast.report.results import load_results, study_dirs
+
+__all__ = [
+    "claims_markdown",
+    "claims_table",
+    "count_line",
+    "counts",
+    "facts",
+    "load_results",
+    "markdown",
+    "render",
+    "study_dirs",
+    "summaries",
+    "write_report",
+    "write_tables",
+]

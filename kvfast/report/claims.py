@@ -1,0 +1,103 @@
+"""The claims table, computed end to end from stored results, and the verifier count.
+
+Every row is a :class:`kvfast.studies.Claim` returned by a study's ``claims``
+on its stored runs: the claim, the seed's figure, kvfast's figure, whether it
+holds, and its criterion in words (its kind, then its conditions). The
+verifier count is the number of conditions evaluated over every claim, and
+how many hold (the seed's counterpart: "133 verifier assertions").
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from kvfast.studies import STUDIES
+
+COLUMNS = ["study", "claim", "seed", "kvfast", "holds", "criterion"]
+COUNT_COLUMNS = ["conditions", "conditions_hold"]
+
+
+def study_claims(name: str, df: pd.DataFrame) -> pd.DataFrame:
+    """One study's claims on its runs ``df``, as rows of :data:`COLUMNS` + :data:`COUNT_COLUMNS`.
+
+    A study whose ``claims`` raises gives one row that does not hold and names the error."""
+    study = STUDIES[name]
+    try:
+        rows = [
+            {
+                "study": name,
+                "claim": c.claim,
+                "seed": c.seed_figure,
+                "kvfast": c.kvfast_figure,
+                "holds": bool(c.holds),
+                "criterion": c.criterion,
+                "conditions": len(c.conditions),
+                "conditions_hold": sum(ok for _, ok in c.conditions),
+            }
+            for c in study.claims(df)
+        ]
+    except Exception as exc:  # noqa: BLE001 - one study's failure must not hide the others
+        rows = [
+            {
+                "study": name,
+                "claim": f"(claims failed: {type(exc).__name__}: {exc})",
+                "seed": "",
+                "kvfast": "",
+                "holds": False,
+                "criterion": "",
+                "conditions": 1,
+                "conditions_hold": 0,
+            }
+        ]
+    return pd.DataFrame(rows, columns=COLUMNS + COUNT_COLUMNS)
+
+
+def claims_table(results: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """Every study's claims, in study-name order (:func:`study_claims`)."""
+    parts = [study_claims(name, df) for name, df in sorted(results.items())]
+    if not parts:
+        return pd.DataFrame(columns=COLUMNS + COUNT_COLUMNS)
+    return pd.concat(parts, ignore_index=True)
+
+
+def counts(table: pd.DataFrame) -> dict[str, int]:
+    """``claims``, ``claims_hold``, ``conditions`` (the verifier's assertions), ``conditions_hold``."""
+    return {
+        "claims": len(table),
+        "claims_hold": int(table["holds"].sum()),
+        "conditions": int(table["conditions"].sum()),
+        "conditions_hold": int(table["conditions_hold"].sum()),
+    }
+
+
+def count_line(table: pd.DataFrame) -> str:
+    """``"N of M claims hold; verifier: K of J assertions hold"``."""
+    c = counts(table)
+    return (
+        f"{c['claims_hold']} of {c['claims']} claims hold; verifier: {c['conditions_hold']} of {c['conditions']} "
+        "assertions (the claims' conditions) hold"
+    )
+
+
+def _cell(v) -> str:
+    if isinstance(v, bool | np.bool_):
+        return "yes" if v else "no"
+    if isinstance(v, float | np.floating):
+        return f"{v:.4g}"
+    return str(v).replace("|", "\\|").replace("\n", " ")
+
+
+def markdown(df: pd.DataFrame, columns: list[str] | None = None) -> str:
+    """A Markdown table of ``df`` (``columns`` default: all); booleans as yes/no, floats to 4 digits."""
+    if df is None or len(df) == 0:
+        return "(no rows)"
+    cols = list(df.columns) if columns is None else columns
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in df[cols].itertuples(index=False)]
+    return "\n".join(lines)
+
+
+def claims_markdown(table: pd.DataFrame) -> str:
+    """The claims table as Markdown, then its count line (what the README pastes)."""
+    return markdown(table, COLUMNS) + "\n\n" + count_line(table)

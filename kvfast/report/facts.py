@@ -1,0 +1,144 @@
+"""Figures the README and docs quote beside the claims, each computed from the stored runs.
+
+:func:`facts` returns one row per figure: a key, the figure in words, its value
+and the study whose runs it comes from. ``kvfast report DIR --markdown facts``
+prints them; the report shows them under the claims table.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from kvfast.studies.detector import scored
+
+COLUMNS = ["key", "figure", "value", "study"]
+
+
+def _ok(df: pd.DataFrame) -> pd.DataFrame:
+    return df[df["status"] == "ok"] if "status" in df.columns else df
+
+
+def _bugs(df: pd.DataFrame) -> list[tuple[str, str, str]]:
+    ok = _ok(df)
+    rows = []
+    for model, g in ok.groupby("model"):
+        rows.append(
+            (
+                f"margin_median_{model}",
+                f"{model} models: median over runs of the smallest top-1 minus top-2 logit margin of the clean "
+                "generation",
+                f"{float(g['clean_margin_min'].median()):.3g} ({len(g)} runs)",
+            )
+        )
+    ev = ok[ok["bug"] == "evict"]
+    for (model, n_layer), g in ev.groupby(["model", "n_layer"]):
+        changed = g[g["tokens_changed"]]
+        prompts = ", ".join(str(p) for p in sorted(set(changed["prompt_len"].astype(int))))
+        rows.append(
+            (
+                f"evict_changed_{model}_{int(n_layer)}layer",
+                f"evict changes the output: {model} models with {int(n_layer)} layer(s)",
+                f"{100 * float(g['tokens_changed'].mean()):.0f}% of {len(g)} runs"
+                + (f" (prompt lengths {prompts})" if len(changed) else ""),
+            )
+        )
+    return rows
+
+
+def _detector(df: pd.DataFrame) -> list[tuple[str, str, str]]:
+    s = scored(df)
+    bugged = s[s["bug_present"]]
+    same = bugged[~bugged["output_changed"]]
+    changed = bugged[bugged["output_changed"]]
+    rows = []
+    if len(same) and len(changed):
+        hi = same.loc[same["every_step_score"].idxmax()]
+        lo = changed.loc[changed["every_step_score"].idxmin()]
+        rows.append(
+            (
+                "largest_unchanged_dev",
+                "largest all-steps deviation of a bugged run whose output did not change",
+                f"{hi['every_step_score']:.2g} ({hi['bug']})",
+            )
+        )
+        rows.append(
+            (
+                "smallest_changed_dev",
+                "smallest all-steps deviation of a bugged run whose output changed",
+                f"{lo['every_step_score']:.2g} ({lo['bug']})",
+            )
+        )
+    rows.append(
+        (
+            "margin_median_detector",
+            "detector runs: median of the clean generation's smallest top-1 minus top-2 margin",
+            f"{float(s['clean_margin_min'].median()):.3g} ({len(s)} runs)",
+        )
+    )
+    return rows
+
+
+def _precision(df: pd.DataFrame) -> list[tuple[str, str, str]]:
+    ok = _ok(df)
+    rows = []
+    b = ok[(ok["accum"] == "bf16") & (ok["attention"] == "standard") & (ok["decode_attention"] == "same")]
+    for d, g in b.groupby("d_model"):
+        rows.append(
+            (
+                f"bf16_accum_logit_diff_d{int(d)}",
+                f"bf16 accumulator, d_model {int(d)}: largest logit difference between the two orders (forward)",
+                f"{float(g['fwd_logits_max_diff'].max()):.3g}",
+            )
+        )
+    return rows
+
+
+def _neartied(df: pd.DataFrame) -> list[tuple[str, str, str]]:
+    ok = _ok(df)
+    b = ok[ok["accum"] == "bf16"]
+    if not len(b):
+        return []
+    return [
+        (
+            "neartied_bf16_logit_move",
+            "near-tied model, bf16 accumulator: largest logit move of the mixed-order cached run (to its first flip)",
+            f"{float(b['cached_max_diff'].max()):.3g}",
+        )
+    ]
+
+
+def _gradcheck(df: pd.DataFrame) -> list[tuple[str, str, str]]:
+    ok = _ok(df)
+    rows = []
+    for n_layer, g in ok.groupby("n_layer"):
+        rows.append(
+            (
+                f"gradcheck_{int(n_layer)}layer",
+                f"gradient check, {int(n_layer)} layer(s): tensors per model, worst relative error",
+                f"{int(g['tensors'].max())} tensors, {float(g['worst_rel_err'].max()):.2g}",
+            )
+        )
+    return rows
+
+
+FACTS = {
+    "bugs": _bugs,
+    "detector": _detector,
+    "precision": _precision,
+    "neartied": _neartied,
+    "gradcheck": _gradcheck,
+}
+
+
+def facts(results: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """Every quoted figure that the stored ``results`` allow, as rows of :data:`COLUMNS`."""
+    rows = []
+    total = 0
+    for name, df in sorted(results.items()):
+        total += len(df)
+        if name in FACTS and len(_ok(df)):
+            rows += [{"key": k, "figure": f, "value": v, "study": name} for k, f, v in FACTS[name](df)]
+    rows.append({"key": "runs", "figure": "runs stored over every study", "value": f"{total:,}", "study": "all"})
+    out = pd.DataFrame(rows, columns=COLUMNS)
+    return out.astype({"value": str}).replace({np.nan: ""})

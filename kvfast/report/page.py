@@ -1,0 +1,170 @@
+"""Write the report: one self-contained HTML page (images inline as base64 PNG) and its tables as CSV/JSON.
+
+The page needs no server and no network: every style is inline and every image
+a ``data:`` URL. With matplotlib absent each figure is replaced by the table of
+its numbers and a note saying how to get the plots.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from kvfast._version import __version__
+from kvfast.report import claims as claims_mod
+from kvfast.report.facts import facts
+from kvfast.report.figures import Section, matplotlib_available, sections
+from kvfast.report.results import load_results
+from kvfast.studies import STUDIES
+
+REPORT = "report.html"
+NO_MATPLOTLIB = (
+    "matplotlib is not installed, so the figures below are shown as the tables of their numbers. "
+    "Install the plot extra (pip install 'kvfast[plot]') and rerun `kvfast report` for the plots."
+)
+
+CSS = """
+body { font-family: system-ui, -apple-system, 'Segoe UI', sans-serif; margin: 2em auto; max-width: 1250px;
+       color: #222; line-height: 1.45; padding: 0 1em; }
+h1 { font-size: 1.6em; } h2 { margin-top: 2em; border-bottom: 1px solid #ccc; padding-bottom: .2em; }
+table { border-collapse: collapse; font-size: 0.85em; margin: .6em 0; }
+th, td { border: 1px solid #ccc; padding: 3px 6px; vertical-align: top; text-align: left; }
+th { background: #f2f2f2; }
+td.yes { background: #e3f4e3; font-weight: bold; } td.no { background: #fbe3e3; font-weight: bold; }
+img { max-width: 100%; border: 1px solid #eee; }
+.note { background: #fff7dd; border-left: 4px solid #e0b000; padding: .4em .8em; }
+.caption { color: #444; } details { margin: .4em 0 1em 0; } summary { cursor: pointer; color: #245; }
+"""
+
+
+def _text(v) -> str:
+    if isinstance(v, bool | np.bool_):
+        return "yes" if v else "no"
+    if isinstance(v, float | np.floating):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _html_table(df: pd.DataFrame, holds_col: str | None = None, max_rows: int = 400) -> str:
+    if df is None or not len(df):
+        return "<p>(no rows)</p>"
+    cols = list(df.columns)
+    out = ["<table><thead><tr>" + "".join(f"<th>{html.escape(str(c))}</th>" for c in cols) + "</tr></thead><tbody>"]
+    for row in df.head(max_rows).itertuples(index=False):
+        cells = []
+        for c, v in zip(cols, row, strict=True):
+            text = _text(v)
+            cls = f' class="{text}"' if c == holds_col else ""
+            cells.append(f"<td{cls}>{html.escape(text)}</td>")
+        out.append("<tr>" + "".join(cells) + "</tr>")
+    out.append("</tbody></table>")
+    if len(df) > max_rows:
+        out.append(f"<p>({len(df) - max_rows} more rows in the CSV beside this page)</p>")
+    return "".join(out)
+
+
+def _png(fig) -> str:
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _section_html(sec: Section, plots: bool) -> str:
+    parts = [f'<h2 id="{sec.key}">{html.escape(sec.title)}</h2>', f'<p class="caption">{html.escape(sec.caption)}</p>']
+    if sec.note:
+        parts.append(f'<p class="note">{html.escape(sec.note)}</p>')
+    if plots and sec.draw is not None:
+        data = _png(sec.draw())
+        parts.append(f'<img alt="{html.escape(sec.title)}" src="data:image/png;base64,{data}">')
+        parts.append(
+            f"<details><summary>the numbers plotted ({len(sec.table)} rows)</summary>{_html_table(sec.table)}</details>"
+        )
+    else:
+        parts.append(_html_table(sec.table))
+    return "\n".join(parts)
+
+
+def summaries(results: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
+    """Each study's summary table (``study.summarize``) of its stored runs; the detector adds its
+    steps-to-detection table (key ``detector_steps``)."""
+    from kvfast.studies import detector
+
+    out = {}
+    for name, df in sorted(results.items()):
+        out[name] = STUDIES[name].summarize(df)
+        if name == "detector":
+            out["detector_steps"] = detector.steps_to_detection(df)
+    return out
+
+
+def render(results: dict[str, pd.DataFrame], plots: bool | None = None) -> str:
+    """The report page for ``results`` (study name -> stored runs) as one HTML string."""
+    plots = matplotlib_available() if plots is None else plots
+    table = claims_mod.claims_table(results)
+    count = claims_mod.counts(table)
+    runs = sum(len(df) for df in results.values())
+    body = [
+        "<h1>kvfast: the seed's claims, measured</h1>",
+        f"<p>kvfast {html.escape(__version__)}; {runs:,} stored runs of {len(results)} studies "
+        f"({html.escape(', '.join(results))}). Every number on this page is computed from the stored Parquet "
+        "by <code>kvfast report</code>.</p>",
+        '<h2 id="claims">Claims</h2>',
+        f"<p><b>{count['claims_hold']} of {count['claims']} claims hold.</b> Verifier: {count['conditions_hold']} "
+        f"of {count['conditions']} assertions (the claims' conditions) hold. The criterion column says how each "
+        "verdict is reached; its first word is its kind (exact, vs seed, direction only, test, bound).</p>",
+        _html_table(table[claims_mod.COLUMNS], holds_col="holds"),
+        '<h2 id="facts">Other figures quoted in the README</h2>',
+        _html_table(facts(results)),
+    ]
+    if not plots:
+        body.append(f'<p class="note">{html.escape(NO_MATPLOTLIB)}</p>')
+    body += [_section_html(sec, plots) for sec in sections(results)]
+    body.append('<h2 id="summaries">Study summaries</h2>')
+    for name, summary in summaries(results).items():
+        body.append(f"<details><summary>{html.escape(name)} ({len(summary)} rows)</summary>")
+        body.append(_html_table(summary) + "</details>")
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>kvfast report</title><style>{CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n"
+    )
+
+
+def write_tables(results: dict[str, pd.DataFrame], out: str | os.PathLike) -> list[Path]:
+    """The report's tables under ``out``: ``claims.csv``, ``claims.json`` (rows + counts), ``facts.csv`` and
+    ``summaries/STUDY.csv``. Floats are written in full (shortest round-trip repr): equal files, equal numbers."""
+    root = Path(out)
+    (root / "summaries").mkdir(parents=True, exist_ok=True)
+    table = claims_mod.claims_table(results)
+    written = [root / "claims.csv", root / "claims.json", root / "facts.csv"]
+    table.to_csv(written[0], index=False, lineterminator="\n")
+    payload = {"counts": claims_mod.counts(table), "claims": table.to_dict(orient="records")}
+    written[1].write_text(json.dumps(payload, indent=1, ensure_ascii=False) + "\n")
+    facts(results).to_csv(written[2], index=False, lineterminator="\n")
+    for name, summary in summaries(results).items():
+        path = root / "summaries" / f"{name}.csv"
+        summary.to_csv(path, index=False, lineterminator="\n")
+        written.append(path)
+    return written
+
+
+def write_report(results_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
+    """Read every study's runs under ``results_dir`` and write ``OUT/report.html`` plus its tables
+    (:func:`write_tables`); ``out`` defaults to ``RESULTS_DIR/report``. Returns the page's path."""
+    results = load_results(results_dir)
+    root = Path(out) if out is not None else Path(results_dir) / "report"
+    root.mkdir(parents=True, exist_ok=True)
+    write_tables(results, root)
+    page = root / REPORT
+    page.write_text(render(results), encoding="utf-8")
+    return page
