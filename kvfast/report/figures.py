@@ -361,8 +361,8 @@ def _neartied_section(df: pd.DataFrame) -> Section:
         runs = int(table["runs"].max()) if len(table) else 0
         ax.axhline(3, color="#9467bd", lw=0.8, alpha=0.5)
         ax.axhline(2, color="#8c564b", lw=0.8, alpha=0.5)
-        ax.text(0.05, 3.3, "seed: cached 3 / 24", fontsize=8, color="#9467bd")
-        ax.text(0.05, 1.0, "seed: control 2 / 24", fontsize=8, color="#8c564b")
+        ax.text(0.02, 3.3, "seed: cached 3 / 24", fontsize=8, color="#9467bd", transform=ax.get_yaxis_transform())
+        ax.text(0.02, 1.0, "seed: control 2 / 24", fontsize=8, color="#8c564b", transform=ax.get_yaxis_transform())
         exps = sorted(set(table["twin_exp"]))
         ax.set_xticks(exps, [f"$2^{{-{e}}}$" for e in exps])
         ax.set_xlabel("twin gap (smaller = closer tie)")
