@@ -1,4 +1,4 @@
-"""``kvfast report RESULTS_DIR [--out DIR] [--markdown [claims|facts|tables]]``.
+"""``kvfast report RESULTS_DIR [--out DIR] [--markdown [claims|facts|tables]] [--no-html]``.
 
 Writes ``report.html`` (self-contained: inline styles, images as base64 PNG)
 and its tables (``claims.csv``, ``claims.json``, ``facts.csv``,
@@ -25,6 +25,7 @@ def add_parser(sub) -> None:
         metavar="WHAT",
         help="print Markdown instead: claims (default), facts or tables; writes nothing",
     )
+    p.add_argument("--no-html", action="store_true", help="write only the tables (CSV/JSON), as data/ keeps them")
     p.set_defaults(func=cmd_report)
 
 
@@ -43,10 +44,15 @@ def markdown_text(results: dict, what: str) -> str:
 
 
 def cmd_report(args) -> int:
-    from kvfast.report import load_results, write_report
+    from kvfast.report import load_results, write_report, write_tables
 
     if args.markdown:
         print(markdown_text(load_results(args.results), args.markdown))
+        return 0
+    if args.no_html:
+        out = args.out or f"{args.results}/report"
+        for path in write_tables(load_results(args.results), out):
+            print(path)
         return 0
     page = write_report(args.results, args.out)
     print(f"report: {page}")
