@@ -420,7 +420,7 @@ def _training_cosine_section(df: pd.DataFrame) -> Section:
         ax.plot(main["prefix_len"], main["cosine"], "-o", color="#1f77b4", label="mean over seeds")
         ax.plot([TASK_PREFIX], [0.857], "*", ms=14, color="#d62728", label="seed: 0.857 at 6 of 12")
         ax.set_xlabel("cached prefix length P (positions whose K/V are constants), of 12")
-        ax.set_ylabel("cosine(cached-prefix gradient, full gradient)")
+        ax.set_ylabel("gradient cosine, cached vs full")
         ax.set_title("Gradient cosine at initialisation against prefix length")
         ax.grid(alpha=0.3)
         ax.legend(loc="lower left")
