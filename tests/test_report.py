@@ -218,6 +218,14 @@ def test_bad_results_dir_is_one_line_and_exit_2(tmp_path, capsys):
     assert "RESULTS_DIR:" in capsys.readouterr().err
 
 
+def test_unwritable_out_is_one_line_and_exit_2(stored, tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main(["report", str(stored), "--out", str(blocker / "sub")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--out:" in err and "allowed: a writable directory" in err
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_roc_points_enclose_the_mann_whitney_auc(seed):
     rng = np.random.default_rng(seed)

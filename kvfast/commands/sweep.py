@@ -251,6 +251,9 @@ def cmd_reproduce(args) -> int:
     print(f"\n== claims ({len(plan)} studies, {time.perf_counter() - t0:.1f} s; results in {root})")
     from kvfast.report import claims_markdown, claims_table, load_results, write_report
 
-    print(claims_markdown(claims_table(load_results(root))))
-    print(f"\nreport: {write_report(root)}")
+    try:
+        print(claims_markdown(claims_table(load_results(root))))
+        print(f"\nreport: {write_report(root)}")
+    except ValueError as exc:  # nothing stored yet (interrupted before the first study ended)
+        print(f"note: no report: {exc}", file=sys.stderr)
     return status

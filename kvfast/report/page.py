@@ -140,10 +140,24 @@ def render(results: dict[str, pd.DataFrame], plots: bool | None = None) -> str:
     )
 
 
+def _writable(root: Path) -> None:
+    """Create ``root``; ``ValueError`` naming ``--out`` when it cannot be created or written."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / ".kvfast-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise ValueError(
+            f"--out: {str(root)!r} is not allowed ({exc.strerror}); allowed: a writable directory"
+        ) from None
+
+
 def write_tables(results: dict[str, pd.DataFrame], out: str | os.PathLike) -> list[Path]:
     """The report's tables under ``out``: ``claims.csv``, ``claims.json`` (rows + counts), ``facts.csv`` and
     ``summaries/STUDY.csv``. Floats are written in full (shortest round-trip repr): equal files, equal numbers."""
     root = Path(out)
+    _writable(root)
     (root / "summaries").mkdir(parents=True, exist_ok=True)
     table = claims_mod.claims_table(results)
     written = [root / "claims.csv", root / "claims.json", root / "facts.csv"]
@@ -163,7 +177,7 @@ def write_report(results_dir: str | os.PathLike, out: str | os.PathLike | None =
     (:func:`write_tables`); ``out`` defaults to ``RESULTS_DIR/report``. Returns the page's path."""
     results = load_results(results_dir)
     root = Path(out) if out is not None else Path(results_dir) / "report"
-    root.mkdir(parents=True, exist_ok=True)
+    _writable(root)
     write_tables(results, root)
     page = root / REPORT
     page.write_text(render(results), encoding="utf-8")
