@@ -217,11 +217,11 @@ def bench_decode(repeats: int) -> list[dict]:
             last = int(tokens[-1])
 
             def internal_decode(cache=cache, w=w, nx=nx, last=last, L=L):
-                cache.length = L - 1
+                cache.truncate(L - 1)
                 return run_decode(config, w, cache, last, nx)
 
             def public_decode(cache=cache, nx=nx, last=last, L=L):
-                cache.length = L - 1
+                cache.truncate(L - 1)
                 return decode_step(config, params, cache, last, L - 1, nx)
 
             fns = {
