@@ -255,13 +255,13 @@ def test_stacked_weights_hold_every_parameter_by_name():
 
 def test_tape_keeps_each_layer_by_name():
     """The backward's tape holds, per layer, the tensors the forward names (x, h, q, k, v, att, y, ...)."""
-    from kvfast.model.transformer import Tape, Weights, run_forward
+    from kvfast.model.transformer import Tape, Weights, forward_prepared
 
     cfg = ModelConfig(vocab=11, d_model=8, n_head=2, n_layer=2, d_ff=16, max_pos=9)
     params, nx = init_params(cfg, 4), Numerics.preset("f64")
     tokens = np.array([1, 5, 2, 7])
     tape = Tape()
-    logits = run_forward(cfg, Weights.prepare(cfg, params, nx), tokens, nx, tape=tape)
+    logits = forward_prepared(cfg, Weights.prepare(cfg, params, nx), tokens, nx, tape=tape)
     trace = forward_trace(cfg, params, tokens, nx)
     assert same_bits(logits, trace["logits"])
     assert len(tape.layers) == cfg.n_layer

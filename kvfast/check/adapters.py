@@ -6,8 +6,8 @@ import numpy as np
 
 from kvfast.model import bugs as B
 from kvfast.model.cache import KVCache
-from kvfast.model.decode import run_decode
-from kvfast.model.transformer import Weights, run_forward
+from kvfast.model.decode import decode_prepared
+from kvfast.model.transformer import Weights, forward_prepared
 from kvfast.model.validate import require_config, require_numerics, require_token, require_tokens
 from kvfast.numerics import Numerics
 
@@ -59,26 +59,26 @@ class KvfastModel:
     def recompute(self, tokens) -> np.ndarray:
         """Logits (T, V) of a full forward of ``tokens`` from position 0, no cache."""
         tokens = require_tokens(self.config, tokens)
-        return run_forward(self.config, self.weights, tokens, self.numerics)
+        return forward_prepared(self.config, self.weights, tokens, self.numerics)
 
     def recompute_variants(self, tokens) -> dict[str, np.ndarray]:
         """The recompute in the decode numerics, when they differ from the prefill's (see the class)."""
         if self.decode_numerics == self.numerics:
             return {}
         tokens = require_tokens(self.config, tokens)
-        return {"decode order": run_forward(self.config, self.weights, tokens, self.decode_numerics)}
+        return {"decode order": forward_prepared(self.config, self.weights, tokens, self.decode_numerics)}
 
     def prefill(self, tokens) -> np.ndarray:
         """A fresh cache filled with ``tokens`` (positions 0..T-1); their logits (T, V)."""
         tokens = require_tokens(self.config, tokens)
         self.cache = KVCache.empty(self.config, self.numerics)
-        return run_forward(self.config, self.weights, tokens, self.numerics, self.cache)
+        return forward_prepared(self.config, self.weights, tokens, self.numerics, self.cache)
 
     def extend(self, tokens) -> np.ndarray:
         """``tokens`` continuing the cache (a further prefill chunk); their logits (n, V)."""
         cache = self._cache()
         tokens = require_tokens(self.config, tokens, start=cache.length)
-        return run_forward(self.config, self.weights, tokens, self.numerics, cache)
+        return forward_prepared(self.config, self.weights, tokens, self.numerics, cache)
 
     def decode(self, token) -> np.ndarray:
         """One token at the cache's next position through the decode kernel; logits (V,)."""
@@ -89,7 +89,7 @@ class KvfastModel:
                 f"decode: the cache is full ({cache.length} positions, max_pos={self.config.max_pos}); "
                 f"allowed: at most {self.config.max_pos} positions in all"
             )
-        return run_decode(self.config, self.weights, cache, token, self.decode_numerics, self.bug_code)
+        return decode_prepared(self.config, self.weights, cache, token, self.decode_numerics, self.bug_code)
 
     def _cache(self) -> KVCache:
         if self.cache is None:

@@ -21,7 +21,7 @@ from kvfast.kernels.rowops import rmsnorm_row, silu
 from kvfast.model import bugs as B
 from kvfast.model.cache import KVCache
 from kvfast.model.config import ModelConfig
-from kvfast.model.transformer import StackedWeights, Weights, run_forward
+from kvfast.model.transformer import StackedWeights, Weights, forward_prepared
 from kvfast.model.validate import require_config, require_numerics, require_token, require_tokens
 from kvfast.numerics import Numerics
 from kvfast.validation import require_int
@@ -116,7 +116,7 @@ def decode_kernel(
     return new_length
 
 
-def run_decode(
+def decode_prepared(
     config: ModelConfig, w: Weights, cache: KVCache, token: int, numerics: Numerics, bug: int = B.NONE
 ) -> np.ndarray:
     """One decode step on prepared weights (no validation here); returns logits (vocab,)."""
@@ -160,7 +160,7 @@ def decode_step(
         raise ValueError(f"pos: {pos} is not the cache's next position; allowed: {cache.length}")
     cache.check_for(config, numerics, 1)
     w = Weights.prepare(config, params, numerics)
-    return run_decode(config, w, cache, token, numerics, code)
+    return decode_prepared(config, w, cache, token, numerics, code)
 
 
 def generate(
@@ -201,10 +201,10 @@ def generate(
             f"{numerics.storage!r}; allowed: the same storage (the cache is shared)"
         )
     w = Weights.prepare(config, params, numerics)
-    return run_generate(config, w, prompt, steps, numerics, use_cache, code, decode_nx)
+    return generate_prepared(config, w, prompt, steps, numerics, use_cache, code, decode_nx)
 
 
-def run_generate(
+def generate_prepared(
     config: ModelConfig,
     w: Weights,
     prompt: np.ndarray,
@@ -221,9 +221,9 @@ def run_generate(
     if use_cache:
         # the last token is chosen, never decoded: positions 0 .. P + steps - 2 are stored
         cache = KVCache.empty(config, numerics, prompt.shape[0] + steps - 1)
-        row = run_forward(config, w, prompt, numerics, cache)[-1]
+        row = forward_prepared(config, w, prompt, numerics, cache)[-1]
     else:
-        row = run_forward(config, w, prompt, numerics)[-1]
+        row = forward_prepared(config, w, prompt, numerics)[-1]
     seq = list(prompt)
     for i in range(steps):
         logits[i] = row
@@ -232,7 +232,7 @@ def run_generate(
         if i + 1 == steps:
             break
         if use_cache:
-            row = run_decode(config, w, cache, int(tokens[i]), decode_nx, bug)
+            row = decode_prepared(config, w, cache, int(tokens[i]), decode_nx, bug)
         else:
-            row = run_forward(config, w, np.asarray(seq, dtype=np.int64), numerics)[-1]
+            row = forward_prepared(config, w, np.asarray(seq, dtype=np.int64), numerics)[-1]
     return tokens, logits

@@ -105,7 +105,7 @@ class Tape:
     head: HeadTape | None = None
 
 
-def run_forward(
+def forward_prepared(
     config: ModelConfig,
     w: Weights,
     tokens: np.ndarray,
@@ -198,7 +198,7 @@ def forward(
     if cache is not None:
         cache.check_for(config, numerics, tokens.shape[0])
     w = Weights.prepare(config, params, numerics)
-    return run_forward(config, w, tokens, numerics, cache, bool(causal))
+    return forward_prepared(config, w, tokens, numerics, cache, bool(causal))
 
 
 def forward_trace(config: ModelConfig, params: dict, tokens, numerics: Numerics, causal: bool = True) -> dict:
@@ -212,7 +212,7 @@ def forward_trace(config: ModelConfig, params: dict, tokens, numerics: Numerics,
     tokens = require_tokens(config, tokens)
     w = Weights.prepare(config, params, numerics)
     trace: dict = {}
-    logits = run_forward(config, w, tokens, numerics, None, bool(causal), trace=trace)
+    logits = forward_prepared(config, w, tokens, numerics, None, bool(causal), trace=trace)
     return {
         "logits": logits,
         "resid": np.stack(trace["resid"]),
@@ -221,7 +221,7 @@ def forward_trace(config: ModelConfig, params: dict, tokens, numerics: Numerics,
     }
 
 
-def run_loss_and_grads(
+def loss_and_grads_prepared(
     config: ModelConfig,
     w: Weights,
     tokens: np.ndarray,
@@ -237,7 +237,7 @@ def run_loss_and_grads(
     through them.
     """
     tape = Tape()
-    logits = run_forward(config, w, tokens, numerics, tape=tape)
+    logits = forward_prepared(config, w, tokens, numerics, tape=tape)
     sel = slice(loss_from, None)
     loss, probs = L.cross_entropy_forward(logits[sel], targets[sel])
     dlogits = np.zeros_like(logits)
@@ -285,4 +285,4 @@ def loss_and_grads(
     if targets.shape != tokens.shape:
         raise ValueError(f"targets: shape {targets.shape} is not allowed; allowed: {tokens.shape} (as tokens)")
     w = Weights.prepare(config, params, numerics)
-    return run_loss_and_grads(config, w, tokens, targets, numerics)
+    return loss_and_grads_prepared(config, w, tokens, targets, numerics)
