@@ -8,11 +8,15 @@
 
 Shapes: tokens (T,), x/h/q/k/v/y/x_mid/h2 (T, d), u/a (T, f), logits (T, vocab).
 
-Each public function (:func:`forward`, :func:`forward_trace`,
-:func:`loss_and_grads`) validates its arguments, rounds the weights once
-(:class:`Weights`) and calls its ``run_*`` twin, which computes on prepared
-weights and checked arguments and validates nothing: the studies, the checker
-and the benchmarks call the twins in their loops.
+Each public function (:func:`forward`, :func:`loss_and_grads`, and in
+:mod:`kvfast.model.decode` ``decode_step`` and ``generate``) validates its
+arguments, rounds the weights once (:class:`Weights`) and calls its
+``*_prepared`` twin (:func:`forward_prepared`, :func:`loss_and_grads_prepared`,
+``decode_prepared``, ``generate_prepared``). A twin takes prepared weights and
+validated arguments and validates nothing, so the studies, the checker's adapter
+and the benchmarks call it in their loops. The suffix names what the twin takes:
+``run`` means executing a study or a grid elsewhere in kvfast, and ``check``
+names the cache checker.
 """
 
 from __future__ import annotations
