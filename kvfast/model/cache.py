@@ -45,7 +45,7 @@ class KVCache:
         shape = (config.n_layer, capacity, config.d_model)
         return cls(config, numerics.storage, capacity, np.zeros(shape), np.zeros(shape))
 
-    def check_for(self, config: ModelConfig, numerics: Numerics, extra: int) -> None:
+    def require_fits(self, config: ModelConfig, numerics: Numerics, extra: int) -> None:
         """Raise ``ValueError`` unless this cache fits ``config``/``numerics`` and has room for ``extra`` more."""
         if self.config != config:
             raise ValueError(f"cache: made for {self.config}, not for {config}; allowed: a cache made for this config")

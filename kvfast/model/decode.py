@@ -158,7 +158,7 @@ def decode_step(
         raise ValueError("cache: empty; allowed: a cache filled by forward() (a prefill) first")
     if pos != cache.length:
         raise ValueError(f"pos: {pos} is not the cache's next position; allowed: {cache.length}")
-    cache.check_for(config, numerics, 1)
+    cache.require_fits(config, numerics, 1)
     w = Weights.prepare(config, params, numerics)
     return decode_prepared(config, w, cache, token, numerics, code)
 

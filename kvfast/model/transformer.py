@@ -200,7 +200,7 @@ def forward(
     start = cache.length if cache is not None else 0
     tokens = require_tokens(config, tokens, start=start)
     if cache is not None:
-        cache.check_for(config, numerics, tokens.shape[0])
+        cache.require_fits(config, numerics, tokens.shape[0])
     w = Weights.prepare(config, params, numerics)
     return forward_prepared(config, w, tokens, numerics, cache, bool(causal))
 
