@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvfast.model.config import ModelConfig, init_params
-from kvfast.model.transformer import Weights, run_loss_and_grads
+from kvfast.model.transformer import Weights, loss_and_grads_prepared
 from kvfast.studies import training as T
 
 CFG = ModelConfig(vocab=8, d_model=8, n_head=2, n_layer=2, d_ff=16, max_pos=T.SEQ_LEN)
@@ -20,7 +20,7 @@ def _sequence(seed: int = 0):
 
 def _grads(params, x, y, prefix, detach):
     w = Weights.prepare(CFG, params, T.F64)
-    return run_loss_and_grads(CFG, w, x, y, T.F64, loss_from=prefix, detach_kv_before=detach)
+    return loss_and_grads_prepared(CFG, w, x, y, T.F64, loss_from=prefix, detach_kv_before=detach)
 
 
 def _central(params, frozen, x, y, name, idx, h=1e-5):

@@ -26,7 +26,7 @@ import pandas as pd
 import pyarrow as pa
 
 from kvfast.model.config import ModelConfig, init_params
-from kvfast.model.transformer import Weights, run_forward
+from kvfast.model.transformer import Weights, forward_prepared
 from kvfast.numerics import PRESETS, Numerics
 from kvfast.studies.base import Claim, Study, require_choice, require_int
 from kvfast.studies.bugs import grid_cases
@@ -72,7 +72,7 @@ def check_config(config: dict) -> None:
 
 def _trace(cfg: ModelConfig, w: Weights, tokens: np.ndarray, nx: Numerics, causal: bool) -> dict:
     trace: dict = {}
-    trace["logits"] = run_forward(cfg, w, tokens, nx, None, causal, trace=trace)
+    trace["logits"] = forward_prepared(cfg, w, tokens, nx, None, causal, trace=trace)
     return trace
 
 

@@ -34,7 +34,7 @@ import pandas as pd
 import pyarrow as pa
 
 from kvfast.model.config import ModelConfig, init_params
-from kvfast.model.decode import run_generate
+from kvfast.model.decode import generate_prepared
 from kvfast.model.transformer import Weights
 from kvfast.numerics import Numerics
 from kvfast.studies.base import Claim, Study, require_choice, require_int
@@ -133,10 +133,10 @@ def run(config: dict) -> dict:
     nx_b = Numerics(config["storage"], config["accum"], order_b)
     w = Weights.prepare(cfg, params, nx_a)
     steps = config["steps"]
-    t_ref, l_ref = run_generate(cfg, w, prompt, steps, nx_a, use_cache=False)
-    t_mix, l_mix = run_generate(cfg, w, prompt, steps, nx_a, use_cache=True, decode_numerics=nx_b)
-    t_ctl, l_ctl = run_generate(cfg, w, prompt, steps, nx_b, use_cache=False)
-    t_same, l_same = run_generate(cfg, w, prompt, steps, nx_a, use_cache=True)
+    t_ref, l_ref = generate_prepared(cfg, w, prompt, steps, nx_a, use_cache=False)
+    t_mix, l_mix = generate_prepared(cfg, w, prompt, steps, nx_a, use_cache=True, decode_numerics=nx_b)
+    t_ctl, l_ctl = generate_prepared(cfg, w, prompt, steps, nx_b, use_cache=False)
+    t_same, l_same = generate_prepared(cfg, w, prompt, steps, nx_a, use_cache=True)
 
     top2 = np.sort(l_ref, axis=1)[:, -2:]
     margins = top2[:, 1] - top2[:, 0]

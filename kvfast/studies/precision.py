@@ -39,8 +39,8 @@ import pyarrow as pa
 
 from kvfast.model.cache import KVCache
 from kvfast.model.config import ModelConfig, init_params
-from kvfast.model.decode import run_decode
-from kvfast.model.transformer import Weights, run_forward
+from kvfast.model.decode import decode_prepared
+from kvfast.model.transformer import Weights, forward_prepared
 from kvfast.numerics import Numerics
 from kvfast.studies.base import Claim, Study, require_choice, require_int
 
@@ -144,7 +144,7 @@ def model_for(config: dict) -> tuple[ModelConfig, dict, np.ndarray]:
 def full_trace(cfg: ModelConfig, w: Weights, tokens: np.ndarray, nx: Numerics) -> dict[str, np.ndarray]:
     """A forward over all ``tokens``: ``resid`` (L+1, T, d), ``k``/``v`` (L, T, d), ``logits`` (T, vocab)."""
     trace: dict = {}
-    logits = run_forward(cfg, w, tokens, nx, trace=trace)
+    logits = forward_prepared(cfg, w, tokens, nx, trace=trace)
     return {"resid": np.stack(trace["resid"]), "k": np.stack(trace["k"]), "v": np.stack(trace["v"]), "logits": logits}
 
 
@@ -159,9 +159,9 @@ def cached_trace(
     n = tokens.shape[0]
     cache = KVCache.empty(cfg, prefill, n)
     logits = np.empty((n, cfg.vocab))
-    logits[:prompt_len] = run_forward(cfg, w, tokens[:prompt_len], prefill, cache)
+    logits[:prompt_len] = forward_prepared(cfg, w, tokens[:prompt_len], prefill, cache)
     for t in range(prompt_len, n):
-        logits[t] = run_decode(cfg, w, cache, int(tokens[t]), decode)
+        logits[t] = decode_prepared(cfg, w, cache, int(tokens[t]), decode)
     return {"logits": logits, "k": cache.k.copy(), "v": cache.v.copy()}
 
 

@@ -10,7 +10,7 @@ whose remaining tokens are a fixed function of that prefix:
 The model reads ``s[:-1]`` and is trained to predict ``s[1:]``; only the
 positions whose target is determined by the prefix (``t >= prefix - 1``) enter
 the loss (:attr:`Task.loss_from`). Training uses the model's hand-written
-float64 backward (:func:`kvfast.model.transformer.run_loss_and_grads`) and the
+float64 backward (:func:`kvfast.model.transformer.loss_and_grads_prepared`) and the
 Adam below; every random draw derives from the ``seed`` argument, so the same
 arguments give the same parameters bit for bit. :func:`train` is memoised
 in-process, so a sweep worker trains each model once.
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvfast.model.config import ModelConfig, init_params
-from kvfast.model.transformer import Weights, run_forward, run_loss_and_grads
+from kvfast.model.transformer import Weights, forward_prepared, loss_and_grads_prepared
 from kvfast.numerics import Numerics
 
 TASK_KINDS = ("cycle", "reverse", "sort")
@@ -140,7 +140,7 @@ def batch_loss_and_grads(
     total = 0.0
     acc = {k: np.zeros_like(a) for k, a in params.items()}
     for x, y in zip(inputs, targets, strict=True):
-        loss, grads = run_loss_and_grads(
+        loss, grads = loss_and_grads_prepared(
             config, w, x, y, numerics, loss_from=loss_from, detach_kv_before=detach_kv_before
         )
         total += loss
@@ -224,7 +224,7 @@ def evaluate(
     inputs, targets = make_batch(task, np.random.default_rng([seed, 0xE7A1]), n)
     losses, hits, count = [], 0, 0
     for x, y in zip(inputs, targets, strict=True):
-        logits = run_forward(config, w, x, numerics)[task.loss_from :]
+        logits = forward_prepared(config, w, x, numerics)[task.loss_from :]
         yy = y[task.loss_from :]
         shifted = logits - logits.max(axis=1, keepdims=True)
         logp = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))

@@ -15,7 +15,7 @@ budget (same initialisation, same batches, same Adam steps and learning rate):
   gradient flows everywhere;
 - ``cached``: the same loss, but the keys and values of positions ``< P`` are
   constants (a cached prefix reused in fine-tuning; implemented with
-  ``run_loss_and_grads(..., detach_kv_before=P)``). Its loss as a function of
+  ``loss_and_grads_prepared(..., detach_kv_before=P)``). Its loss as a function of
   the parameters is :func:`cached_prefix_loss` (the prefix's K/V come from a
   frozen copy of the parameters through a real :class:`~kvfast.KVCache`), and
   its gradient is checked against central differences of that loss in the tests.
@@ -38,7 +38,7 @@ import pyarrow as pa
 from kvfast.model import layers as L
 from kvfast.model.cache import KVCache
 from kvfast.model.config import ModelConfig, init_params
-from kvfast.model.transformer import Weights, run_forward
+from kvfast.model.transformer import Weights, forward_prepared
 from kvfast.numerics import Numerics
 from kvfast.studies.base import Claim, Study, require_int
 from kvfast.studies.toytask import AdamState, adam_step, batch_loss_and_grads
@@ -136,8 +136,8 @@ def cached_prefix_loss(
     """
     cache = KVCache.empty(cfg, F64, tokens.shape[0])
     if prefix_len > 0:
-        run_forward(cfg, Weights.prepare(cfg, frozen, F64), tokens[:prefix_len], F64, cache)
-    logits = run_forward(cfg, Weights.prepare(cfg, params, F64), tokens[prefix_len:], F64, cache)
+        forward_prepared(cfg, Weights.prepare(cfg, frozen, F64), tokens[:prefix_len], F64, cache)
+    logits = forward_prepared(cfg, Weights.prepare(cfg, params, F64), tokens[prefix_len:], F64, cache)
     loss, _ = L.cross_entropy_forward(logits, targets[prefix_len:])
     return loss
 
@@ -147,7 +147,7 @@ def heldout(cfg: ModelConfig, params: dict, inputs: np.ndarray, targets: np.ndar
     w = Weights.prepare(cfg, params, F64)
     losses, hits = [], 0
     for x, y in zip(inputs, targets, strict=True):
-        logits = run_forward(cfg, w, x, F64)[first:]
+        logits = forward_prepared(cfg, w, x, F64)[first:]
         loss, _ = L.cross_entropy_forward(logits, y[first:])
         losses.append(loss)
         hits += int((logits.argmax(axis=1) == y[first:]).sum())
