@@ -1,7 +1,7 @@
 """Naive reference twins for the kernels, written from the documented definitions.
 
 Nothing here calls a kvfast kernel except ``exp_array`` (the kernels' own ``exp``,
-which the issue asks references to share). Pure Python floats are IEEE float64;
+shared so that a twin and its kernel differ only in their summation and rounding). Pure Python floats are IEEE float64;
 float32 arithmetic is native ``np.float32``; bfloat16 rounding is written twice
 (exact rationals with ``fractions.Fraction``, and a fast ``frexp`` version that
 the tests check against the exact one).

@@ -45,7 +45,7 @@ from kvfast.model.bugs import BUGS, EVICT_WINDOW, VISIBLE_AT_STEP_1
 from kvfast.model.config import ModelConfig, init_params
 from kvfast.numerics import PRESETS, Numerics
 from kvfast.studies.base import Claim, Study
-from kvfast.studies.common import model_config, ok_rows, require_config_choice, require_heads_divide
+from kvfast.studies.common import MODEL_SHAPE_FIELDS, model_config, ok_rows, require_config_choice, require_model_shape
 from kvfast.studies.toytask import CycleTask, train
 from kvfast.validation import require_int
 
@@ -74,11 +74,7 @@ CONFIG_FIELDS = {
     "bug": pa.string(),
     "model": pa.string(),
     "seed": pa.int64(),
-    "n_layer": pa.int64(),
-    "n_head": pa.int64(),
-    "d_model": pa.int64(),
-    "d_ff": pa.int64(),
-    "vocab": pa.int64(),
+    **MODEL_SHAPE_FIELDS,
     "prompt_len": pa.int64(),
     "steps": pa.int64(),
     "preset": pa.string(),
@@ -102,15 +98,9 @@ def validate_config(config: dict) -> None:
     require_config_choice(config, "bug", BUG_CHOICES)
     require_config_choice(config, "model", MODEL_KINDS)
     require_config_choice(config, "preset", tuple(PRESETS))
-    require_int(config.get("seed"), "seed", 0)
-    require_int(config.get("n_layer"), "n_layer", 1, 16)
-    require_int(config.get("d_model"), "d_model", 1, 1024)
-    require_int(config.get("n_head"), "n_head", 1, config["d_model"])
-    require_int(config.get("d_ff"), "d_ff", 1, 4096)
-    require_int(config.get("vocab"), "vocab", 2, 4096)
+    require_model_shape(config, max_layers=16, max_width=1024, min_vocab=2)
     require_int(config.get("prompt_len"), "prompt_len", 1, EVICT_WINDOW - 1)
     require_int(config.get("steps"), "steps", 2, MAX_POS + 1 - config["prompt_len"])
-    require_heads_divide(config)
 
 
 def task_for(vocab: int) -> CycleTask:

@@ -1,9 +1,9 @@
-"""What the studies share: validating a run's config, its model's shape, the ok rows of a results table.
+"""What the studies share: the model-shape config fields and their validation, a config's
+:class:`~kvfast.ModelConfig`, a choice among a study's values, and the ok rows of a results table.
 
-Integers are validated with :func:`kvfast.validation.require_int` directly
-(``require_int(config.get(name), name, lo, hi)``); this module adds what is
-specific to a config dict (a choice listed in the study's own order, the
-head-count rule) and the two things every study repeats.
+Integers are validated with :func:`kvfast.validation.require_int` (a study's own
+fields: ``require_int(config.get(name), name, lo, hi)``), so every message has
+the form ``FIELD: VALUE is not allowed; allowed: WHAT``.
 """
 
 from __future__ import annotations
@@ -11,9 +11,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pandas as pd
+import pyarrow as pa
 
 from kvfast.model.config import ModelConfig
-from kvfast.validation import not_allowed
+from kvfast.validation import not_allowed, require_int
+
+# The config columns that size a run's transformer (every study has them, in this order).
+MODEL_SHAPE_FIELDS: dict[str, pa.DataType] = {
+    "n_layer": pa.int64(),
+    "n_head": pa.int64(),
+    "d_model": pa.int64(),
+    "d_ff": pa.int64(),
+    "vocab": pa.int64(),
+}
 
 
 def require_config_choice(config: dict, field: str, allowed: Sequence) -> None:
@@ -26,9 +36,19 @@ def require_config_choice(config: dict, field: str, allowed: Sequence) -> None:
         raise not_allowed(field, value, listed)
 
 
-def require_heads_divide(config: dict) -> None:
-    """``ValueError`` unless ``config["n_head"]`` divides ``config["d_model"]``."""
-    d_model, n_head = config["d_model"], config["n_head"]
+def require_model_shape(config: dict, max_layers: int = 4096, max_width: int = 4096, min_vocab: int = 1) -> None:
+    """``ValueError`` unless ``seed`` and the :data:`MODEL_SHAPE_FIELDS` of ``config`` are in range.
+
+    ``seed >= 0``; ``n_layer`` in ``[1, max_layers]``; ``d_model`` in ``[1, max_width]``;
+    ``n_head`` in ``[1, d_model]`` and dividing ``d_model``; ``d_ff`` in ``[1, 4096]``;
+    ``vocab`` in ``[min_vocab, 4096]``.
+    """
+    require_int(config.get("seed"), "seed", 0)
+    require_int(config.get("n_layer"), "n_layer", 1, max_layers)
+    d_model = require_int(config.get("d_model"), "d_model", 1, max_width)
+    n_head = require_int(config.get("n_head"), "n_head", 1, d_model)
+    require_int(config.get("d_ff"), "d_ff", 1, 4096)
+    require_int(config.get("vocab"), "vocab", min_vocab, 4096)
     if d_model % n_head:
         raise ValueError(f"d_model: {d_model} is not allowed with n_head={n_head}; allowed: a multiple of n_head")
 

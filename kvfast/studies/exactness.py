@@ -26,18 +26,14 @@ from kvfast.kernels.reduce import ORDER_CODES
 from kvfast.model.config import ModelConfig, init_params
 from kvfast.numerics import PRESETS, Numerics
 from kvfast.studies.base import Claim, Study
-from kvfast.studies.common import model_config, ok_rows, require_config_choice, require_heads_divide
+from kvfast.studies.common import MODEL_SHAPE_FIELDS, model_config, ok_rows, require_config_choice, require_model_shape
 from kvfast.validation import require_int
 
 VERSION = "1"
 
 CONFIG_FIELDS = {
     "seed": pa.int64(),
-    "n_layer": pa.int64(),
-    "n_head": pa.int64(),
-    "d_model": pa.int64(),
-    "d_ff": pa.int64(),
-    "vocab": pa.int64(),
+    **MODEL_SHAPE_FIELDS,
     "prompt_len": pa.int64(),
     "steps": pa.int64(),
     "order": pa.string(),
@@ -55,12 +51,11 @@ RESULT_FIELDS = {
 
 def validate_config(config: dict) -> None:
     """Raise ``ValueError`` naming the field, its value and what is allowed."""
-    require_int(config.get("seed"), "seed", 0)
-    for name in ("n_layer", "n_head", "d_model", "d_ff", "vocab", "prompt_len", "steps"):
+    require_model_shape(config)
+    for name in ("prompt_len", "steps"):
         require_int(config.get(name), name, 1, 4096)
     require_config_choice(config, "order", tuple(ORDER_CODES))
     require_config_choice(config, "preset", tuple(PRESETS))
-    require_heads_divide(config)
 
 
 def model_for(config: dict) -> tuple[ModelConfig, dict]:

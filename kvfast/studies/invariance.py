@@ -29,7 +29,7 @@ from kvfast.model.config import ModelConfig, init_params
 from kvfast.model.transformer import Weights, run_forward
 from kvfast.numerics import PRESETS, Numerics
 from kvfast.studies.base import Claim, Study
-from kvfast.studies.common import model_config, ok_rows, require_config_choice, require_heads_divide
+from kvfast.studies.common import MODEL_SHAPE_FIELDS, model_config, ok_rows, require_config_choice, require_model_shape
 from kvfast.validation import require_int
 
 VERSION = "1"
@@ -38,11 +38,7 @@ CONFIG_FIELDS = {
     "preset": pa.string(),
     "causal": pa.bool_(),
     "seed": pa.int64(),
-    "n_layer": pa.int64(),
-    "n_head": pa.int64(),
-    "d_model": pa.int64(),
-    "d_ff": pa.int64(),
-    "vocab": pa.int64(),
+    **MODEL_SHAPE_FIELDS,
     "prompt_len": pa.int64(),
 }
 RESULT_FIELDS = {
@@ -58,14 +54,8 @@ def validate_config(config: dict) -> None:
     """Raise ``ValueError`` naming the field, its value and what is allowed."""
     require_config_choice(config, "preset", tuple(PRESETS))
     require_config_choice(config, "causal", (True, False))
-    require_int(config.get("seed"), "seed", 0)
-    require_int(config.get("n_layer"), "n_layer", 1, 16)
-    require_int(config.get("d_model"), "d_model", 1, 1024)
-    require_int(config.get("n_head"), "n_head", 1, config["d_model"])
-    require_int(config.get("d_ff"), "d_ff", 1, 4096)
-    require_int(config.get("vocab"), "vocab", 1, 4096)
+    require_model_shape(config, max_layers=16, max_width=1024)
     require_int(config.get("prompt_len"), "prompt_len", 1, 1024)
-    require_heads_divide(config)
 
 
 def _trace(cfg: ModelConfig, w: Weights, tokens: np.ndarray, nx: Numerics, causal: bool) -> dict:

@@ -40,7 +40,7 @@ from kvfast.model.decode import run_generate
 from kvfast.model.transformer import Weights
 from kvfast.numerics import Numerics
 from kvfast.studies.base import Claim, Study
-from kvfast.studies.common import model_config, ok_rows, require_config_choice, require_heads_divide
+from kvfast.studies.common import MODEL_SHAPE_FIELDS, model_config, ok_rows, require_config_choice, require_model_shape
 from kvfast.validation import require_int
 
 VERSION = "1"
@@ -51,11 +51,7 @@ PRESET_PAIRS = (("f64", "f64"), ("f32", "f32"), ("bf16", "f32"))
 
 CONFIG_FIELDS = {
     "seed": pa.int64(),
-    "n_layer": pa.int64(),
-    "n_head": pa.int64(),
-    "d_model": pa.int64(),
-    "d_ff": pa.int64(),
-    "vocab": pa.int64(),
+    **MODEL_SHAPE_FIELDS,
     "prompt_len": pa.int64(),
     "steps": pa.int64(),
     "twin_exp": pa.int64(),
@@ -82,17 +78,15 @@ RESULT_FIELDS = {
 
 def validate_config(config: dict) -> None:
     """Raise ``ValueError`` naming the field, its value and what is allowed."""
-    require_int(config.get("seed"), "seed", 0)
-    for name in ("n_layer", "n_head", "d_model", "d_ff", "prompt_len", "steps"):
+    require_model_shape(config, min_vocab=2)
+    for name in ("prompt_len", "steps"):
         require_int(config.get(name), name, 1, 4096)
-    require_int(config.get("vocab"), "vocab", 2, 4096)
     require_int(config.get("twin_exp"), "twin_exp", 0, 60)
     require_config_choice(config, "storage", FORMATS)
     require_config_choice(config, "accum", FORMATS)
     require_config_choice(config, "prefill_order", ORDERS)
     if config["vocab"] % 2:
         raise ValueError(f"vocab: {config['vocab']} is not allowed; allowed: an even number (tokens come in twins)")
-    require_heads_divide(config)
 
 
 def twin_head_model(config: dict) -> tuple[ModelConfig, dict, np.ndarray]:

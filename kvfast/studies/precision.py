@@ -46,7 +46,7 @@ from kvfast.model.decode import run_decode
 from kvfast.model.transformer import Weights, run_forward
 from kvfast.numerics import Numerics
 from kvfast.studies.base import Claim, Study
-from kvfast.studies.common import model_config, ok_rows, require_config_choice, require_heads_divide
+from kvfast.studies.common import MODEL_SHAPE_FIELDS, model_config, ok_rows, require_config_choice, require_model_shape
 from kvfast.validation import require_int
 
 VERSION = "2"
@@ -57,11 +57,7 @@ ATTENTION_KINDS = tuple(ATTENTION_CODES)  # standard, online, splitkv, splitcoun
 
 CONFIG_FIELDS = {
     "seed": pa.int64(),
-    "n_layer": pa.int64(),
-    "n_head": pa.int64(),
-    "d_model": pa.int64(),
-    "d_ff": pa.int64(),
-    "vocab": pa.int64(),
+    **MODEL_SHAPE_FIELDS,
     "prompt_len": pa.int64(),
     "steps": pa.int64(),
     "storage": pa.string(),
@@ -114,8 +110,8 @@ def numerics_for(storage: str, accum: str, order: str, attention: str) -> Numeri
 
 def validate_config(config: dict) -> None:
     """Raise ``ValueError`` naming the field, its value and what is allowed."""
-    require_int(config.get("seed"), "seed", 0)
-    for name in ("n_layer", "n_head", "d_model", "d_ff", "vocab", "steps", "prompt_len"):
+    require_model_shape(config)
+    for name in ("steps", "prompt_len"):
         require_int(config.get(name), name, 1, 4096)
     require_config_choice(config, "storage", FORMATS)
     require_config_choice(config, "accum", FORMATS)
@@ -123,7 +119,6 @@ def validate_config(config: dict) -> None:
     parse_attention(config.get("attention"))
     if config.get("decode_attention") != "same":
         parse_attention(config.get("decode_attention"), "decode_attention")
-    require_heads_divide(config)
 
 
 def model_for(config: dict) -> tuple[ModelConfig, dict, np.ndarray]:

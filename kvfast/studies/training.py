@@ -41,7 +41,7 @@ from kvfast.model.config import ModelConfig, init_params
 from kvfast.model.transformer import Weights, run_forward
 from kvfast.numerics import Numerics
 from kvfast.studies.base import Claim, Study
-from kvfast.studies.common import model_config, ok_rows, require_heads_divide
+from kvfast.studies.common import MODEL_SHAPE_FIELDS, model_config, ok_rows, require_model_shape
 from kvfast.studies.toytask import AdamState, adam_step, batch_loss_and_grads
 from kvfast.validation import not_allowed, require_int
 
@@ -55,11 +55,7 @@ F64 = Numerics()
 CONFIG_FIELDS = {
     "seed": pa.int64(),
     "prefix_len": pa.int64(),
-    "n_layer": pa.int64(),
-    "n_head": pa.int64(),
-    "d_model": pa.int64(),
-    "d_ff": pa.int64(),
-    "vocab": pa.int64(),
+    **MODEL_SHAPE_FIELDS,
     "train_steps": pa.int64(),
     "batch": pa.int64(),
     "lr": pa.float64(),
@@ -80,16 +76,14 @@ RESULT_FIELDS = {
 
 def validate_config(config: dict) -> None:
     """Raise ``ValueError`` naming the field, its value and what is allowed."""
-    require_int(config.get("seed"), "seed", 0)
+    require_model_shape(config, min_vocab=3)
     require_int(config.get("prefix_len"), "prefix_len", 0, SEQ_LEN - 1)
-    for name in ("n_layer", "n_head", "d_model", "d_ff", "batch", "grad_batch", "eval_size"):
+    for name in ("batch", "grad_batch", "eval_size"):
         require_int(config.get(name), name, 1, 4096)
-    require_int(config.get("vocab"), "vocab", 3, 4096)
     require_int(config.get("train_steps"), "train_steps", 0, 10**6)
     lr = config.get("lr")
     if isinstance(lr, bool) or not isinstance(lr, float | int) or not 0 < lr < 1:
         raise not_allowed("lr", lr, "a float in (0, 1)")
-    require_heads_divide(config)
 
 
 def successor_batch(rng: np.random.Generator, n: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:
