@@ -8,7 +8,7 @@ Timed: median CPU time of this process (``time.process_time``, robust to other
 processes on a shared machine) and median wall time, of ``repeats`` runs after
 one warm-up run that compiles:
 
-- plain: ``run_generate`` with the cache (prefill + ``steps`` decode steps, prepared weights);
+- plain: ``generate_prepared`` with the cache (prefill + ``steps`` decode steps, prepared weights);
 - fast check: ``check_cache(KvfastModel, ..., scenarios=("decode",))`` in exact
   mode (the cached run, one recompute of the final sequence, two more for the
   append-invariance verification);
@@ -29,7 +29,7 @@ import numpy as np
 
 from kvfast import ModelConfig, Numerics, init_params
 from kvfast.check import KvfastModel, check_cache
-from kvfast.model.decode import run_generate
+from kvfast.model.decode import generate_prepared
 from kvfast.model.transformer import Weights
 
 PROMPT_LEN = 16
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     if report.path != "fast" or not report.passed:
         raise SystemExit(f"unexpected: path {report.path}, verdict {report.verdict}")
 
-    plain = median_time(lambda: run_generate(cfg, w, prompt, args.steps + 1, nx, use_cache=True), args.repeats)
+    plain = median_time(lambda: generate_prepared(cfg, w, prompt, args.steps + 1, nx, use_cache=True), args.repeats)
     fast = median_time(lambda: check_cache(model, prompt, args.steps, scenarios=("decode",)), args.repeats)
     slow = median_time(lambda: check_cache(model, prompt, args.steps, scenarios=("decode",), fast=False), args.repeats)
     both = median_time(lambda: check_cache(model, prompt, args.steps), args.repeats)

@@ -27,13 +27,14 @@ _EXPORTS = {
     "Numerics": "kvfast.numerics",
     "to_bfloat16": "kvfast.kernels.precision",
     "load": "kvfast.sweep.store",
+    "run_inline": "kvfast.sweep.inline",
+    "compare_detectors": "kvfast.sweep.inline",
+    "score_detector": "kvfast.sweep.inline",
     "CheckReport": "kvfast.check",
     "KvfastModel": "kvfast.check",
     "NumpyModel": "kvfast.check",
     "assert_cache_exact": "kvfast.check",
     "check_cache": "kvfast.check",
-    "compare_detectors": "kvfast.check",
-    "score_detector": "kvfast.check",
 }
 
 __all__ = ["__version__", *sorted(_EXPORTS)]

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from kvfast.kernels.attention import ATTENTION_CODES
 from kvfast.kernels.precision import FORMAT_CODES
 from kvfast.kernels.reduce import ORDER_CODES
+from kvfast.validation import require_choice, require_int
 
 PRESETS: dict[str, tuple[str, str]] = {
     "f64": ("f64", "f64"),
@@ -21,11 +22,6 @@ PRESETS: dict[str, tuple[str, str]] = {
 # The block size (online, splitkv) or number of splits (splitcount) used when
 # ``attn_block`` is left at 0.
 DEFAULT_ATTN_BLOCK: dict[str, int] = {"standard": 0, "online": 4, "splitkv": 4, "splitcount": 2}
-
-
-def _check_choice(field: str, value: object, allowed: dict) -> None:
-    if not isinstance(value, str) or value not in allowed:
-        raise ValueError(f"{field}: {value!r} is not allowed; allowed: {', '.join(sorted(allowed))}")
 
 
 @dataclass(frozen=True)
@@ -60,22 +56,19 @@ class Numerics:
     attn_block: int = 0
 
     def __post_init__(self) -> None:
-        _check_choice("storage", self.storage, FORMAT_CODES)
-        _check_choice("accum", self.accum, FORMAT_CODES)
-        _check_choice("order", self.order, ORDER_CODES)
-        _check_choice("attention", self.attention, ATTENTION_CODES)
-        block = self.attn_block
-        if isinstance(block, bool) or not isinstance(block, int) or block < 0:
-            raise ValueError(f"attn_block: {block!r} is not allowed; allowed: an integer >= 0")
+        require_choice(self.storage, "storage", FORMAT_CODES)
+        require_choice(self.accum, "accum", FORMAT_CODES)
+        require_choice(self.order, "order", ORDER_CODES)
+        require_choice(self.attention, "attention", ATTENTION_CODES)
+        block = require_int(self.attn_block, "attn_block", 0)
         if self.attention == "standard" and block != 0:
             raise ValueError(f"attn_block: {block!r} is not allowed with attention='standard'; allowed: 0")
-        if block == 0:
-            object.__setattr__(self, "attn_block", DEFAULT_ATTN_BLOCK[self.attention])
+        object.__setattr__(self, "attn_block", block if block else DEFAULT_ATTN_BLOCK[self.attention])
 
     @classmethod
     def preset(cls, name: str, order: str = "sequential", attention: str = "standard", attn_block: int = 0) -> Numerics:
         """``f64`` = f64/f64, ``f32`` = f32/f32, ``bf16`` = bf16 storage with an f32 accumulator."""
-        _check_choice("preset", name, PRESETS)
+        require_choice(name, "preset", PRESETS)
         storage, accum = PRESETS[name]
         return cls(storage=storage, accum=accum, order=order, attention=attention, attn_block=attn_block)
 

@@ -6,7 +6,7 @@ the checker, the studies and the sweep engine all raise the same ``ValueError``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection
 
 import numpy as np
 
@@ -27,9 +27,8 @@ def require_int(value: object, field: str, minimum: int = 0, maximum: int | None
     return int(value)
 
 
-def require_choice(value: object, field: str, allowed: Iterable[str]) -> str:
+def require_choice(value: object, field: str, allowed: Collection[str]) -> str:
     """``value`` if it is one of the strings ``allowed``, else ``ValueError`` listing them (sorted)."""
-    names = sorted(allowed)
-    if not isinstance(value, str) or value not in names:
-        raise not_allowed(field, value, ", ".join(names))
+    if not isinstance(value, str) or value not in allowed:
+        raise not_allowed(field, value, ", ".join(sorted(allowed)))
     return value

@@ -1,7 +1,8 @@
 """Naive reference twins for the kernels, written from the documented definitions.
 
 Nothing here calls a kvfast kernel except ``exp_array`` (the kernels' own ``exp``,
-which the issue asks references to share). Pure Python floats are IEEE float64;
+the C library's: NumPy's ``exp`` may round differently in the last bit, and the
+references are compared bit for bit). Pure Python floats are IEEE float64;
 float32 arithmetic is native ``np.float32``; bfloat16 rounding is written twice
 (exact rationals with ``fractions.Fraction``, and a fast ``frexp`` version that
 the tests check against the exact one).

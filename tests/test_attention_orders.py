@@ -28,7 +28,7 @@ from kvfast.kernels.attention import (
 )
 from kvfast.kernels.precision import BF16, F32, F64, rnd
 from kvfast.kernels.reduce import PAIRWISE, SEQUENTIAL
-from kvfast.model.transformer import Weights, run_loss_and_grads
+from kvfast.model.transformer import Weights, loss_and_grads_prepared
 
 
 @nb.njit(cache=True)
@@ -280,4 +280,4 @@ def test_no_backward_in_real_kernel_orders():
     w = Weights.prepare(cfg, params, nx)
     tokens = np.array([1, 2, 3], dtype=np.int64)
     with pytest.raises(ValueError, match="numerics.attention: 'online'"):
-        run_loss_and_grads(cfg, w, tokens, tokens, nx)
+        loss_and_grads_prepared(cfg, w, tokens, tokens, nx)

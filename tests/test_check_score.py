@@ -1,21 +1,14 @@
-"""score_detector: the three built-in detectors against the catalogue, and any user detector."""
+"""kvfast.score_detector: the three built-in detectors against the catalogue, and any user detector."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from kvfast.check import (
-    DETECTORS,
-    Detection,
-    DetectorCase,
-    compare_detectors,
-    default_cases,
-    every_step_exact,
-    one_step_allclose,
-    score_detector,
-)
+from kvfast.check import DETECTORS, Detection, every_step_exact, one_step_allclose
 from kvfast.model.bugs import BUGS, VISIBLE_AT_STEP_1
+from kvfast.studies.detector import DetectorCase
+from kvfast.sweep.inline import compare_detectors, default_cases, score_detector
 
 
 @pytest.fixture(scope="module")

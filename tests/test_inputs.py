@@ -1,5 +1,5 @@
 """Bad input: every public function validates before computing and raises ValueError naming
-the field, the value and what is allowed (issue 2, section 4)."""
+the field, the value and what is allowed, and leaves a cache it was given untouched."""
 
 from __future__ import annotations
 

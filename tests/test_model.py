@@ -231,3 +231,63 @@ def test_generate_up_to_max_pos_with_and_without_cache(nx):
         toks_c, logits_c = generate(cfg, params, np.arange(P) % cfg.vocab, steps, nx, use_cache=True)
         toks_r, logits_r = generate(cfg, params, np.arange(P) % cfg.vocab, steps, nx, use_cache=False)
         assert np.array_equal(toks_c, toks_r) and same_bits(logits_c, logits_r)
+
+
+# --- the containers that join the forward, the decode kernel and the backward -------------------
+
+
+def test_stacked_weights_hold_every_parameter_by_name():
+    """Each parameter reaches the decode kernel under its own short name: ``h{l}.wq`` is ``stacked.wq[l]``."""
+    from kvfast.model.transformer import StackedWeights, Weights
+
+    cfg = ModelConfig(vocab=11, d_model=12, n_head=3, n_layer=3, d_ff=20, max_pos=9)
+    params = init_params(cfg, 3)
+    w = Weights.prepare(cfg, params, Numerics.preset("bf16"))
+    assert {name.split(".")[-1] for name in params} == set(StackedWeights._fields)
+    for name, arr in w.named.items():
+        short = name.split(".")[-1]
+        got = getattr(w.stacked, short)
+        if name.startswith("h"):
+            got = got[int(name.split(".")[0][1:])]
+        assert same_bits(got, arr), name
+        assert got.flags.c_contiguous
+
+
+def test_tape_keeps_each_layer_by_name():
+    """The backward's tape holds, per layer, the tensors the forward names (x, h, q, k, v, att, y, ...)."""
+    from kvfast.model.transformer import Tape, Weights, forward_prepared
+
+    cfg = ModelConfig(vocab=11, d_model=8, n_head=2, n_layer=2, d_ff=16, max_pos=9)
+    params, nx = init_params(cfg, 4), Numerics.preset("f64")
+    tokens = np.array([1, 5, 2, 7])
+    tape = Tape()
+    logits = forward_prepared(cfg, Weights.prepare(cfg, params, nx), tokens, nx, tape=tape)
+    trace = forward_trace(cfg, params, tokens, nx)
+    assert same_bits(logits, trace["logits"])
+    assert len(tape.layers) == cfg.n_layer
+    for layer, t in enumerate(tape.layers):
+        assert same_bits(t.x, trace["resid"][layer])
+        assert same_bits(t.k, trace["k"][layer]) and same_bits(t.v, trace["v"][layer])
+        assert t.att.shape == (cfg.n_head, 4, 4)
+    assert same_bits(tape.head.x, trace["resid"][-1])
+    assert np.array_equal(tape.head.positions, np.arange(4))
+
+
+def test_kv_cache_append_advance_truncate():
+    cfg = ModelConfig(vocab=11, d_model=4, n_head=2, n_layer=2, d_ff=8, max_pos=9)
+    cache = KVCache.empty(cfg, "f64", 6)
+    rows = np.arange(12.0).reshape(3, 4)
+    kbuf, vbuf = cache.append(1, rows, -rows)
+    assert cache.length == 0  # append stores; advance moves the length
+    assert same_bits(kbuf[:3], rows) and same_bits(vbuf[:3], -rows)
+    assert same_bits(cache.k[1, :3], rows) and not cache.k[0].any()
+    cache.advance(3, prefill=True)
+    assert (cache.length, cache.prefill_len) == (3, 3)
+    cache.append(0, rows[:1], rows[:1])
+    assert same_bits(cache.k[0, 3], rows[0])
+    cache.advance(1)
+    assert (cache.length, cache.prefill_len) == (4, 3)
+    cache.truncate(2)
+    assert cache.length == 2
+    with pytest.raises(ValueError, match=r"length: 3 is not allowed; allowed: an integer >= 0, <= 2"):
+        cache.truncate(3)

@@ -1,8 +1,9 @@
 """Tolerance checks of the model (kept apart from the exactness tests in test_model.py).
 
-- An independent float64 NumPy forward, written here from the architecture in the
-  issue (not from the kernels), agrees with ``kvfast.forward`` in the f64 preset to a
-  relative 1e-12 (its sums run in NumPy's order, so bit equality is not the claim).
+- An independent float64 NumPy forward, written here from the architecture's definition
+  (pre-norm decoder: RMSNorm, causal multi-head attention, SiLU MLP; not from the kernels),
+  agrees with ``kvfast.forward`` in the f64 preset to a relative 1e-12 (its sums run in
+  NumPy's order, so bit equality is not the claim).
 - The hand-written gradients agree with independently written central differences
   over every parameter tensor of a 2-layer, 2-head model; the worst relative error is
   reported and must be at most 1e-6.
@@ -32,7 +33,7 @@ def ref_softmax(s: np.ndarray) -> np.ndarray:
 
 
 def ref_forward(cfg: ModelConfig, p: dict, tokens: np.ndarray, causal: bool = True) -> dict:
-    """Pre-norm decoder, exactly as the issue states it, in float64 NumPy."""
+    """The pre-norm decoder from its definition, in float64 NumPy (no kvfast kernel)."""
     T = tokens.shape[0]
     d, H = cfg.d_model, cfg.n_head
     hd = d // H

@@ -175,7 +175,7 @@ def f64_specials() -> np.ndarray:
         np.nextafter(threshold, np.inf),
         bf16_max,
         float(fi32.smallest_normal),
-        1.0 + 2.0**-8 + 2.0**-30,  # the issue's example
+        1.0 + 2.0**-8 + 2.0**-30,  # rounds to 1 + 2^-7 directly, to 1.0 through float32
     ]
     arr = np.array(vals)
     return np.concatenate([arr, -arr])
@@ -211,7 +211,7 @@ def test_f64_direct_rounding_property(x):
     assert _bits64(got) == _bits64(bf16_exact(x))
 
 
-def test_issue_example_one_plus_2m8_plus_2m30():
+def test_one_plus_2m8_plus_2m30_rounds_up_directly_and_down_through_float32():
     x = 1.0 + 2.0**-8 + 2.0**-30
     exact = Fraction(x)
     # exactly representable check of the construction, then the two roundings

@@ -9,11 +9,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from kvfast.check.metrics import roc_auc
 from kvfast.cli import main
 from kvfast.report import claims_markdown, claims_table, counts, facts, load_results, render, write_tables
 from kvfast.report.figures import matplotlib_available, roc_points, sections
 from kvfast.studies import STUDIES
-from kvfast.studies.scoring import roc_auc
 
 SMALL_GRIDS = {
     "exactness": """
@@ -238,27 +238,3 @@ def test_roc_points_enclose_the_mann_whitney_auc(seed):
     assert (np.diff(fpr) >= 0).all() and (np.diff(tpr) >= 0).all()
     area = float(np.sum(np.diff(fpr) * (tpr[1:] + tpr[:-1]) / 2))
     assert area == pytest.approx(roc_auc(scores, labels), abs=1e-12)
-
-
-def test_report_sits_between_sweep_and_commands_in_the_import_order():
-    """kernels <- model <- check <- studies <- sweep <- report <- commands/cli: report imports nothing from
-    commands or cli, and nothing left of it imports report."""
-    import ast
-    from pathlib import Path
-
-    pkg = Path(__file__).resolve().parent.parent / "kvfast"
-
-    def imported(path: Path) -> set[str]:
-        names = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module:
-                names.add(node.module)
-            elif isinstance(node, ast.Import):
-                names.update(a.name for a in node.names)
-        return {n for n in names if n.startswith("kvfast")}
-
-    for path in (pkg / "report").glob("*.py"):
-        assert not {n for n in imported(path) if n.startswith(("kvfast.commands", "kvfast.cli"))}, path.name
-    for left in ("kernels", "model", "check", "studies", "sweep"):
-        for path in (pkg / left).glob("*.py"):
-            assert not {n for n in imported(path) if n.startswith("kvfast.report")}, f"{left}/{path.name}"

@@ -9,6 +9,8 @@ import pytest
 
 from kvfast.model.bugs import BUGS, EVICT_WINDOW, VISIBLE_AT_STEP_1
 from kvfast.studies import STUDIES, bugs
+from kvfast.sweep.grid import load_grid
+from kvfast.sweep.inline import run_inline
 
 BASE = {"vocab": 32, "d_model": 16, "d_ff": 32, "steps": 16, "preset": "f64"}
 
@@ -38,7 +40,7 @@ def small_cases() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs() -> pd.DataFrame:
-    return bugs.run_cases(small_cases())
+    return run_inline(small_cases(), study="bugs")
 
 
 def expected_first_bad(bug: str, prompt_len: int) -> int:
@@ -85,7 +87,7 @@ def test_trained_model_is_more_peaked_than_random(runs):
 
 
 def test_runs_are_deterministic_and_fit_the_schema(runs):
-    again = bugs.run_cases(small_cases()[::7])
+    again = run_inline(small_cases()[::7], study="bugs")
     first = runs.iloc[::7].reset_index(drop=True)
     for col in bugs.RESULT_FIELDS:
         assert list(again[col]) == list(first[col]), col
@@ -114,7 +116,7 @@ def test_status_column_is_respected(runs):
 
 
 def test_built_in_grid():
-    cases = bugs.grid_cases("bugs")
+    cases = load_grid("bugs").configs
     assert len(cases) == 768
     per = pd.DataFrame(cases).groupby(["bug", "model"]).size()
     assert len(per) == 16 and (per == 48).all()
@@ -122,16 +124,8 @@ def test_built_in_grid():
     # evict bites within the generation in every case
     assert all(EVICT_WINDOW + 1 - c["prompt_len"] <= c["steps"] - 1 for c in cases)
     for c in cases:
-        bugs.check_config(c)
+        bugs.validate_config(c)
     assert STUDIES["bugs"] is bugs.STUDY
-
-
-def test_grid_matches_the_sweep_engine():
-    grid = pytest.importorskip("kvfast.sweep.grid")
-    for name in ("bugs", "detector", "invariance"):
-        mine = [dict(sorted(c.items())) for c in bugs.grid_cases(name)]
-        theirs = [dict(sorted(r.config.items())) for r in grid.load_grid(name).runs]
-        assert sorted(map(repr, mine)) == sorted(map(repr, theirs)), name
 
 
 @pytest.mark.parametrize(
@@ -150,4 +144,4 @@ def test_grid_matches_the_sweep_engine():
 def test_bad_config_is_a_value_error(change, message):
     case = {**small_cases()[0], **change}
     with pytest.raises(ValueError, match=message):
-        bugs.check_config(case)
+        bugs.validate_config(case)

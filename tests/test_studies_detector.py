@@ -10,9 +10,11 @@ import pandas as pd
 import pytest
 from sklearn.metrics import roc_auc_score
 
+from kvfast.check.metrics import confusion, detector_metrics, median_detection_step, roc_auc
 from kvfast.model.bugs import BUGS, EVICT_WINDOW, VISIBLE_AT_STEP_1
 from kvfast.studies import STUDIES, detector
-from kvfast.studies.scoring import confusion, detector_metrics, roc_auc
+from kvfast.sweep.grid import load_grid
+from kvfast.sweep.inline import run_inline
 
 
 def brute_auc(scores, labels) -> Fraction:
@@ -64,12 +66,20 @@ def test_confusion_counts():
         confusion([1, 0], [True, False])
 
 
+def test_median_detection_step():
+    assert median_detection_step([True, True, False, True], [3, None, 1, 8]) == 5.5  # the unflagged 1 is left out
+    assert math.isnan(median_detection_step([True, False], [np.nan, 2]))  # flagged, but no step reported
+    assert math.isnan(median_detection_step([False, False], [1, 2]))  # nothing flagged
+    with pytest.raises(ValueError, match=r"steps: shape \(1,\) is not allowed"):
+        median_detection_step([True, False], [1])
+
+
 def test_detector_cases_design():
-    cases = detector.detector_cases()
+    cases = load_grid("detector").configs
     assert len(cases) == 270
     df = pd.DataFrame(cases)
     assert (df.groupby("bug").size() == 30).all() and set(df["bug"]) == {*BUGS, "none"}
-    assert len(detector.detector_cases(controls=False)) == 240
+    assert len([c for c in cases if c["bug"] != "none"]) == 240
     case_cols = ["seed", "n_layer", "n_head", "prompt_len"]
     per_bug = {b: set(map(tuple, g[case_cols].to_numpy().tolist())) for b, g in df.groupby("bug")}
     assert len(per_bug["none"]) == 30 and all(s == per_bug["none"] for s in per_bug.values())
@@ -80,12 +90,12 @@ def test_detector_cases_design():
 @pytest.fixture(scope="module")
 def runs() -> pd.DataFrame:
     """Two cases per bug and per control, taken from the study's own case list."""
-    cases = detector.detector_cases()
+    cases = load_grid("detector").configs
     picked = []
     for bug in [*BUGS, "none"]:
         mine = [c for c in cases if c["bug"] == bug]
         picked += [mine[0], mine[-1]]
-    return detector.detector_runs(picked)
+    return run_inline(picked, study="detector")
 
 
 def test_every_step_recall_is_one_for_every_bug_that_deviates(runs):

@@ -6,6 +6,8 @@ import pandas as pd
 import pytest
 
 from kvfast.studies import STUDIES, invariance
+from kvfast.sweep.grid import load_grid
+from kvfast.sweep.inline import run_inline
 
 
 def small_cases() -> list[dict]:
@@ -31,7 +33,7 @@ def small_cases() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs() -> pd.DataFrame:
-    return invariance.invariance_runs(small_cases())
+    return run_inline(small_cases(), study="invariance")
 
 
 def test_mask_on_is_exactly_zero_at_every_layer(runs):
@@ -73,13 +75,13 @@ def test_runs_are_deterministic():
 
 
 def test_built_in_grid():
-    cases = invariance.grid_cases("invariance")
+    cases = load_grid("invariance").configs
     assert len(cases) == 192
     df = pd.DataFrame(cases)
     assert set(df["preset"]) == {"f64", "f32", "bf16"} and set(df["causal"]) == {True, False}
     assert (df["n_layer"] >= 2).all()
     for c in cases:
-        invariance.check_config(c)
+        invariance.validate_config(c)
     assert STUDIES["invariance"] is invariance.STUDY
 
 
@@ -94,4 +96,4 @@ def test_built_in_grid():
 )
 def test_bad_config_is_a_value_error(change, message):
     with pytest.raises(ValueError, match=message):
-        invariance.check_config({**small_cases()[0], **change})
+        invariance.validate_config({**small_cases()[0], **change})

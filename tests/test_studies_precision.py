@@ -10,6 +10,7 @@ import pytest
 
 from kvfast.kernels.precision import to_bfloat16
 from kvfast.studies import neartied, precision
+from kvfast.sweep.inline import run_inline
 
 SMALL = {"n_layer": 2, "n_head": 2, "d_model": 16, "d_ff": 32, "vocab": 32, "prompt_len": 8, "steps": 8}
 WIDE = {"n_layer": 2, "n_head": 4, "d_model": 64, "d_ff": 256, "vocab": 32, "prompt_len": 16, "steps": 16}
@@ -114,7 +115,7 @@ def test_precision_config_is_validated():
         decode_attention="splitkv:4",
         prefill_order="pairwise",
     )
-    precision.check_config(good)
+    precision.validate_config(good)
     for field, value, pattern in [
         ("attention", "flash:4", "attention: 'flash:4'"),
         ("attention", "online:0", "attention: 'online:0'"),
@@ -125,13 +126,19 @@ def test_precision_config_is_validated():
         ("seed", -1, "seed: -1"),
     ]:
         with pytest.raises(ValueError, match=pattern):
-            precision.check_config(dict(good, **{field: value}))
+            precision.validate_config(dict(good, **{field: value}))
 
 
 def test_summary_and_claims_of_a_small_table():
-    df = precision.precision_table(
-        seeds=(0,), formats=(("bf16", "f64"), ("bf16", "f32"), ("bf16", "bf16")), attention=("standard", "splitcount:3")
+    df = run_inline(
+        {
+            "study": "precision",
+            "fixed": {**SMALL, "seed": 0, "decode_attention": "same"},
+            "axes": {"attention": ["standard", "splitcount:3"], "prefill_order": ["sequential", "pairwise"]},
+            "tied": [{"storage": ["bf16", "bf16", "bf16"], "accum": ["f64", "f32", "bf16"]}],
+        }
     )
+    assert len(df) == 12
     summary = precision.summarize(df)
     assert len(summary) == 6
     claims = {c.claim: c for c in precision.claims(df)}
@@ -187,13 +194,13 @@ def test_neartied_bf16_accumulator_flips_tokens_on_this_set():
 
 def test_neartied_config_is_validated():
     good = dict(NT, seed=0, storage="bf16", accum="bf16", twin_exp=6)
-    neartied.check_config(good)
+    neartied.validate_config(good)
     with pytest.raises(ValueError, match="vocab: 31"):
-        neartied.check_config(dict(good, vocab=31))
+        neartied.validate_config(dict(good, vocab=31))
     with pytest.raises(ValueError, match="twin_exp: -1"):
-        neartied.check_config(dict(good, twin_exp=-1))
+        neartied.validate_config(dict(good, twin_exp=-1))
     with pytest.raises(ValueError, match="accum: 'fp16'"):
-        neartied.check_config(dict(good, accum="fp16"))
+        neartied.validate_config(dict(good, accum="fp16"))
 
 
 def test_grids_expand():

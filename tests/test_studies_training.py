@@ -6,11 +6,17 @@ import numpy as np
 import pytest
 
 from kvfast.model.config import ModelConfig, init_params
-from kvfast.model.transformer import Weights, run_loss_and_grads
+from kvfast.model.transformer import Weights, loss_and_grads_prepared
 from kvfast.studies import training as T
+from kvfast.sweep.grid import load_grid
 
 CFG = ModelConfig(vocab=8, d_model=8, n_head=2, n_layer=2, d_ff=16, max_pos=T.SEQ_LEN)
 PREFIX = 6
+
+
+def main_budget() -> dict:
+    """The built-in grid's first run: the main budget (training.toml), seed 0, prefix 0."""
+    return load_grid("training").configs[0]
 
 
 def _sequence(seed: int = 0):
@@ -20,7 +26,7 @@ def _sequence(seed: int = 0):
 
 def _grads(params, x, y, prefix, detach):
     w = Weights.prepare(CFG, params, T.F64)
-    return run_loss_and_grads(CFG, w, x, y, T.F64, loss_from=prefix, detach_kv_before=detach)
+    return loss_and_grads_prepared(CFG, w, x, y, T.F64, loss_from=prefix, detach_kv_before=detach)
 
 
 def _central(params, frozen, x, y, name, idx, h=1e-5):
@@ -99,7 +105,7 @@ def test_prefix_zero_detaches_nothing():
 
 
 def test_a_short_run_is_deterministic_and_complete():
-    config = dict(T.DEFAULTS, seed=1, prefix_len=6, train_steps=3, grad_batch=4, eval_size=4)
+    config = dict(main_budget(), seed=1, prefix_len=6, train_steps=3, grad_batch=4, eval_size=4)
     first = T.run(config)
     assert set(first) == set(T.RESULT_FIELDS)
     assert first == T.run(config)
@@ -108,8 +114,8 @@ def test_a_short_run_is_deterministic_and_complete():
 
 
 def test_training_config_is_validated():
-    good = dict(T.DEFAULTS, seed=0, prefix_len=6)
-    T.check_config(good)
+    good = dict(main_budget(), seed=0, prefix_len=6)
+    T.validate_config(good)
     for field, value, pattern in [
         ("prefix_len", 12, "prefix_len: 12"),
         ("lr", 0.0, "lr: 0.0"),
@@ -118,12 +124,10 @@ def test_training_config_is_validated():
         ("train_steps", -1, "train_steps: -1"),
     ]:
         with pytest.raises(ValueError, match=pattern):
-            T.check_config(dict(good, **{field: value}))
+            T.validate_config(dict(good, **{field: value}))
 
 
 def test_grid_expands():
-    from kvfast.sweep.grid import load_grid
-
     grid = load_grid("training")
     assert len(grid) == 39
     assert sorted({r.config["prefix_len"] for r in grid.runs}) == list(range(12))

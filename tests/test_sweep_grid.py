@@ -7,7 +7,7 @@ import pyarrow as pa
 import pytest
 
 from kvfast.studies import STUDIES
-from kvfast.sweep import builtin_grids, grid_from_spec, load_grid, run_id, schema_for
+from kvfast.sweep import builtin_grids, grid_from_configs, grid_from_spec, load_grid, run_id, schema_for
 from kvfast.sweep.ids import canonical_json
 
 EXACT_FIXED = {"vocab": 32, "d_model": 16, "d_ff": 32}
@@ -165,3 +165,28 @@ def test_the_toml_examples_in_docs_are_valid_grids():
     blocks = re.findall(r"```toml\n(.*?)```", text, flags=re.S)
     sizes = [len(grid_from_spec(tomllib.loads(b))) for b in blocks]
     assert sizes == [432, 2 * (2 + 3)]
+
+
+def test_configs_go_through_the_same_pipeline_as_a_toml_grid():
+    """A list of configs gives the TOML grid's runs: same run ids, same normalised configs, same order."""
+    grid = load_grid("invariance")
+    again = grid_from_configs("invariance", grid.configs)
+    assert again.runs == grid.runs
+    assert grid_from_configs("invariance", grid.configs * 2).runs == grid.runs  # a repeated config runs once
+    bad = dict(grid.configs[0], prompt_len=0)
+    with pytest.raises(ValueError, match="prompt_len: 0 is not allowed"):
+        grid_from_configs("invariance", [bad])
+    with pytest.raises(ValueError, match="configs: empty"):
+        grid_from_configs("invariance", [])
+    with pytest.raises(ValueError, match=r"configs\[0\]: list is not allowed"):
+        grid_from_configs("invariance", [[1, 2]])
+
+
+def test_run_inline_takes_a_spec_and_refuses_configs_without_a_study():
+    from kvfast.sweep.inline import run_inline
+
+    spec = {"study": "invariance", "fixed": dict(load_grid("invariance").configs[0])}
+    df = run_inline(spec)
+    assert list(df["run_id"]) == [load_grid("invariance").runs[0].run_id] and list(df["status"]) == ["ok"]
+    with pytest.raises(ValueError, match="study: None is not allowed"):
+        run_inline([spec["fixed"]])

@@ -13,15 +13,17 @@ import pyarrow.parquet as pq
 import pytest
 
 from kvfast.studies import STUDIES
-from kvfast.studies.base import Study, require_choice, require_int
+from kvfast.studies.base import Study
+from kvfast.studies.common import require_config_choice
 from kvfast.sweep import ResultsDir, grid_from_spec, load, run_sweep
+from kvfast.validation import require_int
 
 # -- a tiny test-only study ----------------------------------------------------------------------------
 
 
-def _check(config: dict) -> None:
-    require_int(config, "x", 0)
-    require_choice(config, "mode", ("ok", "raise", "crash", "badtype", "pid"))
+def _validate(config: dict) -> None:
+    require_int(config.get("x"), "x", 0)
+    require_config_choice(config, "mode", ("ok", "raise", "crash", "badtype", "pid"))
     if not isinstance(config.get("scale"), float):
         raise ValueError(f"scale: {config.get('scale')!r} is not allowed; allowed: a number")
 
@@ -48,7 +50,7 @@ TEST_STUDY = Study(
     run=_run,
     config_fields={"x": pa.int64(), "scale": pa.float64(), "mode": pa.string()},
     result_fields={"y": pa.float64(), "n": pa.int64(), "idx": pa.list_(pa.int64())},
-    check_config=_check,
+    validate_config=_validate,
     summarize=lambda df: df.groupby("mode").size().reset_index(name="runs"),
 )
 

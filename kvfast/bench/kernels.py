@@ -11,7 +11,7 @@ Three sections, printed as Markdown tables:
    stored in the same format.
 2. **decode**: one decode step at position L-1 over a cache of L-1 positions
    against a full forward of L tokens, on the internal entry points
-   (``run_decode`` / ``run_forward`` on prepared ``Weights``, no validation) and
+   (``decode_prepared`` / ``forward_prepared`` on prepared ``Weights``, no validation) and
    on the public ones (``decode_step`` / ``forward``, which validate and round
    the parameters on every call).
 3. **compile**: a cold start (a fresh interpreter with an empty
@@ -195,8 +195,8 @@ def bench_decode(repeats: int) -> list[dict]:
     """One decode step against a full forward of the same length; prints a table."""
     from kvfast import ModelConfig, Numerics, decode_step, forward, init_params
     from kvfast.model.cache import KVCache
-    from kvfast.model.decode import run_decode
-    from kvfast.model.transformer import Weights, run_forward
+    from kvfast.model.decode import decode_prepared
+    from kvfast.model.transformer import Weights, forward_prepared
 
     config = ModelConfig(**DECODE_CONFIG)
     params = init_params(config, 0)
@@ -213,20 +213,20 @@ def bench_decode(repeats: int) -> list[dict]:
         for L in DECODE_LENGTHS:
             tokens = rng.integers(0, config.vocab, L).astype(np.int64)
             cache = KVCache.empty(config, nx, L)
-            run_forward(config, w, tokens[: L - 1], nx, cache)
+            forward_prepared(config, w, tokens[: L - 1], nx, cache)
             last = int(tokens[-1])
 
             def internal_decode(cache=cache, w=w, nx=nx, last=last, L=L):
-                cache.length = L - 1
-                return run_decode(config, w, cache, last, nx)
+                cache.truncate(L - 1)
+                return decode_prepared(config, w, cache, last, nx)
 
             def public_decode(cache=cache, nx=nx, last=last, L=L):
-                cache.length = L - 1
+                cache.truncate(L - 1)
                 return decode_step(config, params, cache, last, L - 1, nx)
 
             fns = {
                 "internal decode": internal_decode,
-                "internal forward": lambda w=w, t=tokens, nx=nx: run_forward(config, w, t, nx),
+                "internal forward": lambda w=w, t=tokens, nx=nx: forward_prepared(config, w, t, nx),
                 "public decode": public_decode,
                 "public forward": lambda t=tokens, nx=nx: forward(config, params, t, nx),
             }

@@ -5,7 +5,9 @@
 - :mod:`kvfast.check.control`: control mode's method and limits.
 - :class:`KvfastModel`: kvfast's own model (with any catalogue bug) as a model under test.
 - :class:`NumpyModel`: a NumPy reference model of the same architecture, loading kvfast's ``.npz``.
-- :func:`score_detector`: score any cache test against the bug catalogue.
+- :func:`score_detector`: score any cache test against the bug catalogue over given cases
+  (:func:`kvfast.score_detector` fills in the detector study's cases); :mod:`kvfast.check.metrics`
+  holds the metrics.
 """
 
 from __future__ import annotations
@@ -15,10 +17,9 @@ from kvfast.check.checker import MODES, SCENARIOS, CheckReport, ScenarioReport, 
 from kvfast.check.numpy_model import NumpyModel
 from kvfast.check.score import (
     DETECTORS,
+    Case,
     Detection,
-    DetectorCase,
     compare_detectors,
-    default_cases,
     every_step_exact,
     one_step_allclose,
     score_detector,
@@ -30,15 +31,14 @@ __all__ = [
     "MODES",
     "SCENARIOS",
     "CheckReport",
+    "Case",
     "Detection",
-    "DetectorCase",
     "KvfastModel",
     "NumpyModel",
     "ScenarioReport",
     "assert_cache_exact",
     "check_cache",
     "compare_detectors",
-    "default_cases",
     "every_step_exact",
     "one_step_allclose",
     "score_detector",

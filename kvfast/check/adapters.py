@@ -6,9 +6,9 @@ import numpy as np
 
 from kvfast.model import bugs as B
 from kvfast.model.cache import KVCache
-from kvfast.model.checks import check_config, check_numerics, check_token, check_tokens
-from kvfast.model.decode import run_decode
-from kvfast.model.transformer import Weights, run_forward
+from kvfast.model.decode import decode_prepared
+from kvfast.model.transformer import Weights, forward_prepared
+from kvfast.model.validate import require_config, require_numerics, require_token, require_tokens
 from kvfast.numerics import Numerics
 
 
@@ -36,10 +36,10 @@ class KvfastModel:
         bug: str | None = None,
         decode_numerics: Numerics | str | None = None,
     ) -> None:
-        self.config = check_config(config)
-        self.numerics = check_numerics(numerics)
+        self.config = require_config(config)
+        self.numerics = require_numerics(numerics)
         self.decode_numerics = (
-            self.numerics if decode_numerics is None else check_numerics(decode_numerics, "decode_numerics")
+            self.numerics if decode_numerics is None else require_numerics(decode_numerics, "decode_numerics")
         )
         if self.decode_numerics.storage != self.numerics.storage:
             raise ValueError(
@@ -58,38 +58,38 @@ class KvfastModel:
 
     def recompute(self, tokens) -> np.ndarray:
         """Logits (T, V) of a full forward of ``tokens`` from position 0, no cache."""
-        tokens = check_tokens(self.config, tokens)
-        return run_forward(self.config, self.weights, tokens, self.numerics)
+        tokens = require_tokens(self.config, tokens)
+        return forward_prepared(self.config, self.weights, tokens, self.numerics)
 
     def recompute_variants(self, tokens) -> dict[str, np.ndarray]:
         """The recompute in the decode numerics, when they differ from the prefill's (see the class)."""
         if self.decode_numerics == self.numerics:
             return {}
-        tokens = check_tokens(self.config, tokens)
-        return {"decode order": run_forward(self.config, self.weights, tokens, self.decode_numerics)}
+        tokens = require_tokens(self.config, tokens)
+        return {"decode order": forward_prepared(self.config, self.weights, tokens, self.decode_numerics)}
 
     def prefill(self, tokens) -> np.ndarray:
         """A fresh cache filled with ``tokens`` (positions 0..T-1); their logits (T, V)."""
-        tokens = check_tokens(self.config, tokens)
+        tokens = require_tokens(self.config, tokens)
         self.cache = KVCache.empty(self.config, self.numerics)
-        return run_forward(self.config, self.weights, tokens, self.numerics, self.cache)
+        return forward_prepared(self.config, self.weights, tokens, self.numerics, self.cache)
 
     def extend(self, tokens) -> np.ndarray:
         """``tokens`` continuing the cache (a further prefill chunk); their logits (n, V)."""
         cache = self._cache()
-        tokens = check_tokens(self.config, tokens, start=cache.length)
-        return run_forward(self.config, self.weights, tokens, self.numerics, cache)
+        tokens = require_tokens(self.config, tokens, start=cache.length)
+        return forward_prepared(self.config, self.weights, tokens, self.numerics, cache)
 
     def decode(self, token) -> np.ndarray:
         """One token at the cache's next position through the decode kernel; logits (V,)."""
         cache = self._cache()
-        token = check_token(self.config, token)
+        token = require_token(self.config, token)
         if cache.length >= cache.capacity:
             raise ValueError(
                 f"decode: the cache is full ({cache.length} positions, max_pos={self.config.max_pos}); "
                 f"allowed: at most {self.config.max_pos} positions in all"
             )
-        return run_decode(self.config, self.weights, cache, token, self.decode_numerics, self.bug_code)
+        return decode_prepared(self.config, self.weights, cache, token, self.decode_numerics, self.bug_code)
 
     def _cache(self) -> KVCache:
         if self.cache is None:

@@ -47,7 +47,6 @@ import numpy as np
 
 from kvfast.check import control as C
 from kvfast.check.protocol import (
-    check_int,
     check_logits,
     check_prompt,
     check_range,
@@ -55,6 +54,7 @@ from kvfast.check.protocol import (
     require_model,
     vocab_of,
 )
+from kvfast.validation import require_int
 
 MODES = ("exact", "control")
 SCENARIOS = ("decode", "resume")
@@ -410,7 +410,7 @@ def check_cache(
     """
     require_model(model)
     prompt = check_prompt(prompt)
-    steps = check_int(steps, "steps", 1)
+    steps = require_int(steps, "steps", 1)
     if mode not in MODES:
         raise ValueError(f"mode: {mode!r} is not allowed; allowed: {', '.join(MODES)}")
     scenarios = _check_scenarios(scenarios)
@@ -421,7 +421,7 @@ def check_cache(
         raise ValueError(f"follow: {follow!r} is not allowed; allowed: {', '.join(FOLLOW)}")
     if follow == "cache" and mode != "exact":
         raise ValueError(f"follow: 'cache' is not allowed with mode={mode!r}; allowed: mode='exact'")
-    margin, window = C.check_margin(margin), C.check_window(window)
+    margin, window = C.check_margin(margin), require_int(window, "window", 0)
     T = prompt.shape[0]
     if T == 1 and scenarios == ("resume",):
         raise ValueError(
@@ -433,7 +433,7 @@ def check_cache(
     elif T == 1:
         raise ValueError(f"split: {split!r} is not allowed; allowed: None (a one-token prompt cannot be split)")
     else:
-        split = check_int(split, "split", 1, T - 1)
+        split = require_int(split, "split", 1, T - 1)
     vocab = vocab_of(model)
     check_range(prompt, vocab)
     if follow == "cache":

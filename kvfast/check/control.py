@@ -75,12 +75,6 @@ def check_margin(margin: object) -> float:
     return float(margin)
 
 
-def check_window(window: object) -> int:
-    if isinstance(window, bool) or not isinstance(window, int | np.integer) or window < 0:
-        raise ValueError(f"window: {window!r} is not allowed; allowed: an integer >= 0")
-    return int(window)
-
-
 def order_noise(
     model, prompt: np.ndarray, final: np.ndarray, rows: np.ndarray, vocab: int, invariant: bool
 ) -> tuple[np.ndarray, list[str]]:

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvfast.validation import require_int
+
 REQUIRED = ("recompute", "prefill", "decode")
 OPTIONAL = ("extend", "recompute_variants")
 PROTOCOL = "an object with recompute(tokens), prefill(tokens), decode(token) and optionally extend(tokens)"
@@ -119,22 +121,11 @@ def check_range(prompt: np.ndarray, vocab: int) -> None:
         raise ValueError(f"prompt: token {int(prompt[bad][0])} is out of range; allowed: integers in [0, {vocab})")
 
 
-def check_int(value: object, field: str, minimum: int, maximum: int | None = None) -> int:
-    """An ``int`` (not a bool) in ``[minimum, maximum]``."""
-    ok = not isinstance(value, bool) and isinstance(value, int | np.integer)
-    if ok:
-        ok = value >= minimum and (maximum is None or value <= maximum)
-    if not ok:
-        upper = "" if maximum is None else f" and <= {maximum}"
-        raise ValueError(f"{field}: {value!r} is not allowed; allowed: an integer >= {minimum}{upper}")
-    return int(value)
-
-
 def vocab_of(model: object) -> int:
     """The model's vocabulary size: ``model.vocab_size`` if it is an int, else from ``recompute([0])``."""
     declared = getattr(model, "vocab_size", None)
     if declared is not None:
-        return check_int(declared, "model.vocab_size", 1)
+        return require_int(declared, "model.vocab_size", 1)
     probe = check_logits(model.recompute(np.zeros(1, dtype=np.int64)), "recompute", 1, None, "of [0]")
     return int(probe.shape[1])
 

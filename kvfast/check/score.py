@@ -13,7 +13,7 @@ Each case is a catalogue bug (or ``None``, a clean control) on one small
 model; the label is "a bug is present". :func:`score_detector` reports per bug:
 recall (flagged bugged cases / bugged cases), steps-to-detection (median step
 at which flagged cases fired) and ROC AUC of the scores against the clean
-controls (Mann-Whitney, ties half: :func:`kvfast.studies.scoring.roc_auc`), and
+controls (Mann-Whitney, ties half: :func:`kvfast.check.metrics.roc_auc`), and
 over all bugs also the false-positive rate on the clean controls.
 
 Built-in detectors (:data:`DETECTORS`):
@@ -31,18 +31,18 @@ Built-in detectors (:data:`DETECTORS`):
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import pandas as pd
 
 from kvfast.check.adapters import KvfastModel
 from kvfast.check.checker import check_cache
+from kvfast.check.metrics import confusion, median_detection_step, roc_auc
 from kvfast.check.protocol import check_logits, vocab_of
 from kvfast.model.bugs import BUGS
-from kvfast.numerics import Numerics
 
 ONE_STEP_ATOL = 1e-5
 ONE_STEP_RTOL = 1e-5
@@ -57,70 +57,23 @@ class Detection:
     step: int | None = None
 
 
-@dataclass(frozen=True)
-class DetectorCase:
-    """One case: a run config of the detector study (:mod:`kvfast.studies.bugs` keys).
+class Case(Protocol):
+    """What a detector is given (besides the model): :class:`kvfast.studies.detector.DetectorCase` is one.
 
-    The config names the bug (``"none"``: a clean control), the model
-    (``model``, ``seed``, ``n_layer``, ``n_head``, ``d_model``, ``d_ff``,
-    ``vocab``, ``preset``), the prompt (``seed``, ``prompt_len``) and ``steps``,
-    the number of greedy tokens generated (``steps - 1`` decode steps).
-    Models and prompts come from :func:`kvfast.studies.bugs.model_for` and
-    :func:`kvfast.studies.bugs.prompt_for`, as in the study.
+    ``config``: the case's fields (a row of the scored table); ``bug``: the
+    catalogue bug, ``None`` for a clean control; ``steps``: decode steps;
+    ``prompt``: int64 tokens; ``model()``: a fresh model under test with the bug.
     """
 
-    config: dict = field(hash=False)
+    config: dict
+    bug: str | None
+    steps: int
+    prompt: np.ndarray
 
-    @property
-    def bug(self) -> str | None:
-        bug = self.config.get("bug", "none")
-        return None if bug in (None, "none") else bug
-
-    @property
-    def steps(self) -> int:
-        """Decode steps (the study's ``steps`` counts generated tokens, the first from the prefill)."""
-        return int(self.config["steps"]) - 1
-
-    @property
-    def prompt(self) -> np.ndarray:
-        from kvfast.studies.bugs import prompt_for
-
-        return prompt_for(self.config)
-
-    def model(self) -> KvfastModel:
-        """A fresh kvfast model under test with this case's bug."""
-        cfg, params = _model(tuple(sorted((k, v) for k, v in self.config.items() if k != "bug")))
-        return KvfastModel(cfg, params, Numerics.preset(self.config["preset"]), bug=self.bug)
+    def model(self) -> KvfastModel: ...
 
 
-@functools.lru_cache(maxsize=64)
-def _model(key: tuple) -> tuple:
-    from kvfast.studies.bugs import model_for
-
-    return model_for(dict(key))
-
-
-def default_cases() -> list[DetectorCase]:
-    """The detector study's cases (:func:`kvfast.studies.detector.detector_cases`): 240 bugged, 30 clean.
-
-    8 bugs and a clean control x 3 depths x 2 head counts x 5 (seed, prompt
-    length) pairs on random float64 models (d_model 16, d_ff 32, vocab 32),
-    16 generated tokens (15 decode steps).
-    """
-    try:
-        from kvfast.studies.detector import detector_cases
-    except ImportError:  # the study not installed: the same grid, written out here
-        fixed = {"model": "random", "vocab": 32, "d_model": 16, "d_ff": 32, "steps": 16, "preset": "f64"}
-        pairs = [(10, 3), (11, 5), (12, 8), (13, 11), (14, 14)]
-        configs = [
-            {**fixed, "bug": bug, "n_layer": depth, "n_head": heads, "seed": seed, "prompt_len": plen}
-            for bug in (*BUGS, "none")
-            for depth in (1, 2, 3)
-            for heads in (1, 2)
-            for seed, plen in pairs
-        ]
-        return [DetectorCase(c) for c in configs]
-    return [DetectorCase(c) for c in detector_cases()]
+CASE_FIELDS = ("config", "bug", "steps", "prompt", "model")
 
 
 # --- the built-in detectors ------------------------------------------------------------------
@@ -202,12 +155,13 @@ def _as_detection(value: object, name: str) -> Detection:
     raise ValueError(f"detector {name}: returned {value!r}; allowed: a bool, a number (not NaN) or a Detection")
 
 
-def _as_case(case: object) -> DetectorCase:
-    if isinstance(case, DetectorCase):
-        return case
-    if isinstance(case, dict):
-        return DetectorCase(case)
-    raise ValueError(f"cases: {type(case).__name__} is not allowed; allowed: DetectorCase objects or config dicts")
+def _as_case(case: object) -> Case:
+    if all(hasattr(case, name) for name in CASE_FIELDS):
+        return case  # type: ignore[return-value]
+    raise ValueError(
+        f"cases: {type(case).__name__} is not allowed; allowed: cases with {', '.join(CASE_FIELDS)} "
+        "(kvfast.studies.detector.DetectorCase)"
+    )
 
 
 def run_detector(detector: Callable, cases: Iterable) -> pd.DataFrame:
@@ -228,8 +182,10 @@ def run_detector(detector: Callable, cases: Iterable) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def score_detector(detector: Callable, cases: Sequence | None = None) -> pd.DataFrame:
-    """Score ``detector`` over ``cases`` (default :func:`default_cases`): one row per bug, then ``all``.
+def score_detector(detector: Callable, cases: Sequence[Case]) -> pd.DataFrame:
+    """Score ``detector`` over ``cases``: one row per bug, then ``all``.
+
+    :func:`kvfast.score_detector` is this with the detector study's cases as the default.
 
     Columns: ``bug``, ``cases``, ``recall``, ``steps_to_detection`` (median
     step at which flagged cases fired; NaN if none fired or the detector gives
@@ -237,9 +193,7 @@ def score_detector(detector: Callable, cases: Sequence | None = None) -> pd.Data
     ``fpr`` (on the clean controls; on the ``all`` row). Needs clean controls
     (``bug=None``) and at least one bugged case.
     """
-    from kvfast.studies.scoring import confusion, roc_auc  # here: kvfast.studies may import kvfast.check
-
-    df = run_detector(detector, default_cases() if cases is None else cases)
+    df = run_detector(detector, cases)
     clean = df[df["bug"] == "none"]
     if clean.empty or len(clean) == len(df):
         raise ValueError("cases: need both clean controls (bug=None) and bugged cases; allowed: a mix of both")
@@ -250,13 +204,12 @@ def score_detector(detector: Callable, cases: Sequence | None = None) -> pd.Data
     for bug, part in groups:
         both = pd.concat([part, clean])
         labels = np.r_[np.ones(len(part), bool), np.zeros(len(clean), bool)]
-        steps = part.loc[part["flag"], "step"].dropna()
         out.append(
             {
                 "bug": bug,
                 "cases": len(part),
                 "recall": confusion(part["flag"].to_numpy(bool), np.ones(len(part), bool)).recall,
-                "steps_to_detection": float(steps.median()) if len(steps) else float("nan"),
+                "steps_to_detection": median_detection_step(part["flag"].to_numpy(bool), part["step"].tolist()),
                 "auc": roc_auc(both["score"].to_numpy(float), labels),
                 "fpr": fpr if bug == "all" else float("nan"),
             }
@@ -264,15 +217,15 @@ def score_detector(detector: Callable, cases: Sequence | None = None) -> pd.Data
     return pd.DataFrame(out)
 
 
-def compare_detectors(detectors: dict[str, Callable] | None = None, cases: Sequence | None = None) -> pd.DataFrame:
-    """:func:`score_detector` for each detector (default :data:`DETECTORS`), side by side.
+def compare_detectors(detectors: dict[str, Callable] | None, cases: Sequence[Case]) -> pd.DataFrame:
+    """:func:`score_detector` for each detector (``None``: :data:`DETECTORS`) over ``cases``, side by side.
 
     One row per bug and ``all``; for each detector the columns
     ``<name>.recall``, ``<name>.steps`` (steps to detection) and ``<name>.auc``,
     and ``<name>.fpr`` (meaningful on the ``all`` row).
     """
     detectors = DETECTORS if detectors is None else detectors
-    cases = default_cases() if cases is None else list(cases)
+    cases = list(cases)
     table = None
     for name, det in detectors.items():
         s = score_detector(det, cases).set_index("bug")

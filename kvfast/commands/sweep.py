@@ -237,7 +237,7 @@ def cmd_reproduce(args) -> int:
             print(f"note: study {name!r} has no built-in grid; skipped", file=sys.stderr)
             continue
         grid = _study_grid(name)  # every grid validated before the first run
-        ResultsDir(root / name).check(grid.study, fresh=True)
+        ResultsDir(root / name).require_writable(grid.study, fresh=True)
         plan.append(grid)
     t0 = time.perf_counter()
     status = 0

@@ -1,4 +1,11 @@
-"""The KV cache: per layer, the keys and values of every position seen so far."""
+"""The KV cache: per layer, the keys and values of every position seen so far.
+
+:class:`KVCache` owns its bookkeeping: the batched forward stores rows with
+:meth:`KVCache.append` and moves ``length`` with :meth:`KVCache.advance`; the
+decode path hands ``k``/``v`` to the compiled decode kernel (which stores the
+new position's row in place) and moves ``length`` with :meth:`KVCache.advance`
+too. Nothing else assigns ``length`` or ``prefill_len``.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvfast.model.config import ModelConfig
+from kvfast.model.validate import require_config, require_numerics
 from kvfast.numerics import Numerics
+from kvfast.validation import require_int
 
 
 @dataclass
@@ -30,24 +39,13 @@ class KVCache:
     @classmethod
     def empty(cls, config: ModelConfig, numerics: Numerics | str, capacity: int | None = None) -> KVCache:
         """An empty cache for ``config`` holding at most ``capacity`` positions (default ``max_pos``)."""
-        if not isinstance(config, ModelConfig):
-            raise ValueError(f"config: {type(config).__name__} is not allowed; allowed: a ModelConfig")
-        if isinstance(numerics, str):
-            numerics = Numerics.preset(numerics)
-        if not isinstance(numerics, Numerics):
-            raise ValueError(f"numerics: {numerics!r} is not allowed; allowed: a Numerics or a preset name")
-        if capacity is None:
-            capacity = config.max_pos
-        if (
-            isinstance(capacity, bool)
-            or not isinstance(capacity, int | np.integer)
-            or not (1 <= capacity <= config.max_pos)
-        ):
-            raise ValueError(f"capacity: {capacity!r} is not allowed; allowed: an integer in [1, {config.max_pos}]")
-        shape = (config.n_layer, int(capacity), config.d_model)
-        return cls(config, numerics.storage, int(capacity), np.zeros(shape), np.zeros(shape))
+        config = require_config(config)
+        numerics = require_numerics(numerics)
+        capacity = require_int(config.max_pos if capacity is None else capacity, "capacity", 1, config.max_pos)
+        shape = (config.n_layer, capacity, config.d_model)
+        return cls(config, numerics.storage, capacity, np.zeros(shape), np.zeros(shape))
 
-    def check_for(self, config: ModelConfig, numerics: Numerics, extra: int) -> None:
+    def require_fits(self, config: ModelConfig, numerics: Numerics, extra: int) -> None:
         """Raise ``ValueError`` unless this cache fits ``config``/``numerics`` and has room for ``extra`` more."""
         if self.config != config:
             raise ValueError(f"cache: made for {self.config}, not for {config}; allowed: a cache made for this config")
@@ -61,3 +59,30 @@ class KVCache:
                 f"cache: full ({self.length} of {self.capacity} positions used, {extra} more asked); "
                 "allowed: at most its capacity"
             )
+
+    # --- writes (no validation: the public functions check first) -------------------------------
+
+    def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Store ``k``, ``v`` (T, d) of ``layer`` at positions ``length .. length+T-1``.
+
+        Returns the layer's key and value buffers ``(capacity, d)``, which
+        attention reads. ``length`` does not move: :meth:`advance` moves it once
+        every layer holds the new rows.
+        """
+        n = k.shape[0]
+        self.k[layer, self.length : self.length + n] = k
+        self.v[layer, self.length : self.length + n] = v
+        return self.k[layer], self.v[layer]
+
+    def advance(self, n: int, prefill: bool = False) -> None:
+        """``n`` more positions are stored in every layer; ``prefill``: a batched forward stored them."""
+        self.length += n
+        if prefill:
+            self.prefill_len = self.length
+
+    def truncate(self, length: int) -> None:
+        """Forget positions ``length ..`` (their rows stay in the buffers until overwritten).
+
+        For benchmarks that repeat one decode step at the same position.
+        """
+        self.length = require_int(length, "length", 0, self.length)

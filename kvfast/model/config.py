@@ -1,4 +1,5 @@
-"""Model configuration, parameter initialisation, validation and ``.npz`` storage."""
+"""The model's sizes (:class:`ModelConfig`), its parameters' names and shapes, their initialisation,
+validation and ``.npz`` storage."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+
+from kvfast.validation import not_allowed, require_int
 
 
 @dataclass(frozen=True)
@@ -17,31 +20,29 @@ class ModelConfig:
     ``eps`` (RMSNorm) is a positive float.
     """
 
-    vocab: int
-    d_model: int
-    n_head: int
-    n_layer: int
-    d_ff: int
-    max_pos: int
-    eps: float = 1e-5
+    vocab: int  # number of token ids (rows of wte, columns of w_out)
+    d_model: int  # width of the residual stream, of q, k, v and of each K/V cache row
+    n_head: int  # attention heads, each of width head_dim = d_model // n_head
+    n_layer: int  # transformer blocks (attention + MLP), each with its own K/V cache
+    d_ff: int  # hidden width of the SiLU MLP
+    max_pos: int  # learned positions (rows of wpe): the longest sequence and the cache capacity
+    eps: float = 1e-5  # added to mean(x^2) inside every RMSNorm
 
     def __post_init__(self) -> None:
         for field in ("vocab", "d_model", "n_head", "n_layer", "d_ff", "max_pos"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value <= 0:
-                raise ValueError(f"{field}: {value!r} is not allowed; allowed: a positive integer")
-            object.__setattr__(self, field, int(value))
+            object.__setattr__(self, field, require_int(getattr(self, field), field, 1))
         if self.d_model % self.n_head != 0:
             raise ValueError(
                 f"d_model: {self.d_model} is not divisible by n_head={self.n_head}; allowed: a multiple of n_head"
             )
         eps = self.eps
         if isinstance(eps, bool) or not isinstance(eps, float | int | np.floating) or not eps > 0:
-            raise ValueError(f"eps: {eps!r} is not allowed; allowed: a positive float")
+            raise not_allowed("eps", eps, "a positive float")
         object.__setattr__(self, "eps", float(eps))
 
     @property
     def head_dim(self) -> int:
+        """Width of one attention head."""
         return self.d_model // self.n_head
 
 
@@ -63,9 +64,7 @@ def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def init_params(config: ModelConfig, seed: int) -> dict[str, np.ndarray]:
     """Random float64 parameters: embeddings N(0, 1), matrices N(0, 1/fan_in), gains 1."""
-    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
-        raise ValueError(f"seed: {seed!r} is not allowed; allowed: a non-negative integer")
-    rng = np.random.default_rng(int(seed))
+    rng = np.random.default_rng(require_int(seed, "seed", 0))
     params = {}
     for name, shape in param_shapes(config).items():
         short = name.split(".")[-1]
@@ -78,7 +77,7 @@ def init_params(config: ModelConfig, seed: int) -> dict[str, np.ndarray]:
     return params
 
 
-def check_params(config: ModelConfig, params: dict) -> dict[str, np.ndarray]:
+def require_params(config: ModelConfig, params: dict) -> dict[str, np.ndarray]:
     """Validate names, shapes and dtypes; return float64 C-contiguous copies."""
     if not isinstance(params, dict):
         raise ValueError(f"params: {type(params).__name__} is not allowed; allowed: a dict of arrays")
@@ -108,7 +107,7 @@ def check_params(config: ModelConfig, params: dict) -> dict[str, np.ndarray]:
 
 def save_params(path: str | Path, config: ModelConfig, params: dict) -> None:
     """Write a ``.npz`` with one array per parameter (its name) and ``config`` (JSON)."""
-    checked = check_params(config, params)
+    checked = require_params(config, params)
     np.savez(Path(path), config=np.array(json.dumps(asdict(config))), **checked)
 
 
@@ -119,4 +118,4 @@ def load_params(path: str | Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
             raise ValueError(f"path: {path} has no 'config' entry; allowed: a file written by save_params")
         config = ModelConfig(**json.loads(str(data["config"])))
         params = {name: data[name] for name in data.files if name != "config"}
-    return config, check_params(config, params)
+    return config, require_params(config, params)

@@ -20,27 +20,29 @@ from kvfast.kernels.reduce import STACK_DEPTH, new_stack
 from kvfast.kernels.rowops import rmsnorm_row, silu
 from kvfast.model import bugs as B
 from kvfast.model.cache import KVCache
-from kvfast.model.checks import check_config, check_count, check_numerics, check_token, check_tokens
 from kvfast.model.config import ModelConfig
-from kvfast.model.transformer import Weights, run_forward
+from kvfast.model.transformer import StackedWeights, Weights, forward_prepared
+from kvfast.model.validate import require_config, require_numerics, require_token, require_tokens
 from kvfast.numerics import Numerics
+from kvfast.validation import require_int
 
 
 @nb.njit(**JIT_OPTIONS)
 def decode_kernel(
-    wte, wpe, g1, wq, wk, wv, wo, g2, w1, w2, gf, w_out,
-    n_head, eps, kc, vc, length, prefill_len, token, pos,
+    w: StackedWeights, n_head, eps, kc, vc, length, prefill_len, token, pos,
     storage, acc, order, bug, window, logits, attn=0, attn_block=0,
 ):  # fmt: skip
     """One decode step: writes ``logits`` (1, vocab), stores K/V, returns the new cache length.
 
-    kc, vc: (n_layer, capacity, d). Every line a catalogue bug changes is marked.
-    ``attn``/``attn_block``: ``Numerics.attention_codes`` (a real kernel's attention
-    order; for splitcount the call's key range is the row's own ``lo..hi-1``).
+    ``w``: the stacked weights; kc, vc: the cache's (n_layer, capacity, d)
+    buffers, written in place at row ``slot``. Every line a catalogue bug
+    changes is marked. ``attn``/``attn_block``: ``Numerics.attention_codes`` (a
+    real kernel's attention order; for splitcount the call's key range is the
+    row's own ``lo..hi-1``).
     """
-    d = wte.shape[1]
-    n_layer = g1.shape[0]
-    f = w1.shape[2]
+    d = w.wte.shape[1]
+    n_layer = w.g1.shape[0]
+    f = w.w1.shape[2]
     hd = d // n_head
     scale = 1.0 / math.sqrt(hd)
     p = pos
@@ -77,12 +79,12 @@ def decode_kernel(
     vstack = new_stack(hd)
     no_probs = np.empty((0, 0, 0))
     for j in range(d):
-        x[0, j] = rnd(wte[token, j] + wpe[p, j], storage)
+        x[0, j] = rnd(w.wte[token, j] + w.wpe[p, j], storage)
     for layer in range(n_layer):
-        rmsnorm_row(x, 0, g1[layer], eps, storage, acc, order, h, 0, sstack)
-        matmul_into(h, wq[layer], storage, acc, order, q)
-        matmul_into(h, wk[layer], storage, acc, order, k)
-        matmul_into(h, wv[layer], storage, acc, order, v)
+        rmsnorm_row(x, 0, w.g1[layer], eps, storage, acc, order, h, 0, sstack)
+        matmul_into(h, w.wq[layer], storage, acc, order, q)
+        matmul_into(h, w.wk[layer], storage, acc, order, k)
+        matmul_into(h, w.wv[layer], storage, acc, order, v)
         if bug == B.KVSWAP:
             kc[layer, slot] = v[0]  # kvswap
             vc[layer, slot] = k[0]
@@ -99,32 +101,33 @@ def decode_kernel(
                 q, 0, kc[layer], vc[layer], lo, hi, lo, hi, n_head, scale, storage, acc, order, attn, attn_block,
                 y, 0, scratch, sstack, vstack,
             )  # fmt: skip
-        matmul_into(y, wo[layer], storage, acc, order, o)
+        matmul_into(y, w.wo[layer], storage, acc, order, o)
         for j in range(d):
             x[0, j] = rnd(x[0, j] + o[0, j], storage)
-        rmsnorm_row(x, 0, g2[layer], eps, storage, acc, order, h, 0, sstack)
-        matmul_into(h, w1[layer], storage, acc, order, u)
+        rmsnorm_row(x, 0, w.g2[layer], eps, storage, acc, order, h, 0, sstack)
+        matmul_into(h, w.w1[layer], storage, acc, order, u)
         for j in range(f):
             a[0, j] = rnd(silu(u[0, j]), storage)
-        matmul_into(a, w2[layer], storage, acc, order, o)
+        matmul_into(a, w.w2[layer], storage, acc, order, o)
         for j in range(d):
             x[0, j] = rnd(x[0, j] + o[0, j], storage)
-    rmsnorm_row(x, 0, gf, eps, storage, acc, order, h, 0, sstack)
-    matmul_into(h, w_out, storage, acc, order, logits)
+    rmsnorm_row(x, 0, w.gf, eps, storage, acc, order, h, 0, sstack)
+    matmul_into(h, w.w_out, storage, acc, order, logits)
     return new_length
 
 
-def run_decode(
+def decode_prepared(
     config: ModelConfig, w: Weights, cache: KVCache, token: int, numerics: Numerics, bug: int = B.NONE
 ) -> np.ndarray:
     """One decode step on prepared weights (no validation here); returns logits (vocab,)."""
     storage, acc, order = numerics.codes
     attn, attn_block = numerics.attention_codes
     logits = np.empty((1, config.vocab))
-    cache.length = decode_kernel(
-        *w.stacked, config.n_head, config.eps, cache.k, cache.v, cache.length, cache.prefill_len,
+    new_length = decode_kernel(
+        w.stacked, config.n_head, config.eps, cache.k, cache.v, cache.length, cache.prefill_len,
         token, cache.length, storage, acc, order, bug, B.EVICT_WINDOW, logits, attn, attn_block,
     )  # fmt: skip
+    cache.advance(new_length - cache.length)
     return logits[0]
 
 
@@ -142,22 +145,22 @@ def decode_step(
     ``pos`` must be the cache's next free position (``cache.length``). ``bug``
     selects a catalogue bug (:data:`kvfast.BUGS`) on this path.
     """
-    config = check_config(config)
-    numerics = check_numerics(numerics)
+    config = require_config(config)
+    numerics = require_numerics(numerics)
     code = B.bug_code(bug)
     if not isinstance(cache, KVCache):
         raise ValueError(f"cache: {type(cache).__name__} is not allowed; allowed: a KVCache")
-    token = check_token(config, token)
-    pos = check_count(pos, "pos")
+    token = require_token(config, token)
+    pos = require_int(pos, "pos")
     if pos >= config.max_pos:
         raise ValueError(f"pos: {pos} is out of range; allowed: integers in [0, {config.max_pos})")
     if cache.length == 0:
         raise ValueError("cache: empty; allowed: a cache filled by forward() (a prefill) first")
     if pos != cache.length:
         raise ValueError(f"pos: {pos} is not the cache's next position; allowed: {cache.length}")
-    cache.check_for(config, numerics, 1)
+    cache.require_fits(config, numerics, 1)
     w = Weights.prepare(config, params, numerics)
-    return run_decode(config, w, cache, token, numerics, code)
+    return decode_prepared(config, w, cache, token, numerics, code)
 
 
 def generate(
@@ -179,11 +182,11 @@ def generate(
     run in another order, accumulator or attention kernel than the prefill
     (same storage).
     """
-    config = check_config(config)
-    numerics = check_numerics(numerics)
-    decode_nx = numerics if decode_numerics is None else check_numerics(decode_numerics, "decode_numerics")
-    prompt = check_tokens(config, prompt, field="prompt")
-    steps = check_count(steps, "steps", minimum=1)
+    config = require_config(config)
+    numerics = require_numerics(numerics)
+    decode_nx = numerics if decode_numerics is None else require_numerics(decode_numerics, "decode_numerics")
+    prompt = require_tokens(config, prompt, field="prompt")
+    steps = require_int(steps, "steps", 1)
     if prompt.shape[0] + steps - 1 > config.max_pos:
         raise ValueError(
             f"steps: {steps} after a prompt of {prompt.shape[0]} pass max_pos={config.max_pos}; "
@@ -198,10 +201,10 @@ def generate(
             f"{numerics.storage!r}; allowed: the same storage (the cache is shared)"
         )
     w = Weights.prepare(config, params, numerics)
-    return run_generate(config, w, prompt, steps, numerics, use_cache, code, decode_nx)
+    return generate_prepared(config, w, prompt, steps, numerics, use_cache, code, decode_nx)
 
 
-def run_generate(
+def generate_prepared(
     config: ModelConfig,
     w: Weights,
     prompt: np.ndarray,
@@ -218,9 +221,9 @@ def run_generate(
     if use_cache:
         # the last token is chosen, never decoded: positions 0 .. P + steps - 2 are stored
         cache = KVCache.empty(config, numerics, prompt.shape[0] + steps - 1)
-        row = run_forward(config, w, prompt, numerics, cache)[-1]
+        row = forward_prepared(config, w, prompt, numerics, cache)[-1]
     else:
-        row = run_forward(config, w, prompt, numerics)[-1]
+        row = forward_prepared(config, w, prompt, numerics)[-1]
     seq = list(prompt)
     for i in range(steps):
         logits[i] = row
@@ -229,7 +232,7 @@ def run_generate(
         if i + 1 == steps:
             break
         if use_cache:
-            row = run_decode(config, w, cache, int(tokens[i]), decode_nx, bug)
+            row = decode_prepared(config, w, cache, int(tokens[i]), decode_nx, bug)
         else:
-            row = run_forward(config, w, np.asarray(seq, dtype=np.int64), numerics)[-1]
+            row = forward_prepared(config, w, np.asarray(seq, dtype=np.int64), numerics)[-1]
     return tokens, logits

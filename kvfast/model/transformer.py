@@ -2,68 +2,121 @@
 
     x = wte[token] + wpe[pos]
     per layer:  h = rmsnorm(x) * g1;  q, k, v = h @ wq, h @ wk, h @ wv
-                x = x + attention(q, k, v) @ wo
-                h2 = rmsnorm(x) * g2;  x = x + silu(h2 @ w1) @ w2
-    logits = (rmsnorm(x) * gf) @ w_out
+                y = attention(q, k, v);  x_mid = x + y @ wo
+                h2 = rmsnorm(x_mid) * g2;  u = h2 @ w1;  a = silu(u);  x = x_mid + a @ w2
+    hf = rmsnorm(x) * gf;  logits = hf @ w_out
 
-Shapes: tokens (T,), x/h/q/k/v (T, d), u/a (T, f), logits (T, vocab).
+Shapes: tokens (T,), x/h/q/k/v/y/x_mid/h2 (T, d), u/a (T, f), logits (T, vocab).
+
+Each public function (:func:`forward`, :func:`loss_and_grads`, and in
+:mod:`kvfast.model.decode` ``decode_step`` and ``generate``) validates its
+arguments, rounds the weights once (:class:`Weights`) and calls its
+``*_prepared`` twin (:func:`forward_prepared`, :func:`loss_and_grads_prepared`,
+``decode_prepared``, ``generate_prepared``). A twin takes prepared weights and
+validated arguments and validates nothing, so the studies, the checker's adapter
+and the benchmarks call it in their loops. The suffix names what the twin takes:
+``run`` means executing a study or a grid elsewhere in kvfast, and ``check``
+names the cache checker.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
 from kvfast.kernels.precision import round_array
 from kvfast.model import layers as L
 from kvfast.model.cache import KVCache
-from kvfast.model.checks import check_config, check_numerics, check_tokens
-from kvfast.model.config import ModelConfig, check_params
+from kvfast.model.config import ModelConfig, require_params
+from kvfast.model.validate import require_config, require_numerics, require_tokens
 from kvfast.numerics import Numerics
+
+
+class StackedWeights(NamedTuple):
+    """The parameters as the compiled decode kernel takes them: each per-layer tensor stacked on a
+    leading layer axis. Fields are the parameters' short names (``h{l}.wq`` -> ``wq[l]``)."""
+
+    wte: np.ndarray  # (vocab, d) token embeddings
+    wpe: np.ndarray  # (max_pos, d) position embeddings
+    g1: np.ndarray  # (n_layer, d) pre-attention RMSNorm gains
+    wq: np.ndarray  # (n_layer, d, d)
+    wk: np.ndarray  # (n_layer, d, d)
+    wv: np.ndarray  # (n_layer, d, d)
+    wo: np.ndarray  # (n_layer, d, d) attention output projection
+    g2: np.ndarray  # (n_layer, d) pre-MLP RMSNorm gains
+    w1: np.ndarray  # (n_layer, d, f) MLP in
+    w2: np.ndarray  # (n_layer, f, d) MLP out
+    gf: np.ndarray  # (d,) final RMSNorm gains
+    w_out: np.ndarray  # (d, vocab) unembedding
 
 
 @dataclass(frozen=True)
 class Weights:
-    """Parameters rounded to a storage format: by name, and stacked per layer for the decode kernel."""
+    """Parameters rounded to a storage format: by name (``named``) and stacked per layer (``stacked``)."""
 
     named: dict[str, np.ndarray]
-    stacked: tuple
+    stacked: StackedWeights
 
     @classmethod
     def prepare(cls, config: ModelConfig, params: dict, numerics: Numerics) -> Weights:
-        checked = check_params(config, params)
+        """Validate ``params`` against ``config`` and round them to ``numerics.storage``."""
+        checked = require_params(config, params)
         storage = numerics.codes[0]
         named = {name: round_array(arr, storage) for name, arr in checked.items()}
 
-        def stack(short: str) -> np.ndarray:
+        def stacked(short: str) -> np.ndarray:
+            if short in named:  # not per layer
+                return named[short]
             return np.ascontiguousarray(np.stack([named[f"h{i}.{short}"] for i in range(config.n_layer)]))
 
-        stacked = (
-            named["wte"],
-            named["wpe"],
-            stack("g1"),
-            stack("wq"),
-            stack("wk"),
-            stack("wv"),
-            stack("wo"),
-            stack("g2"),
-            stack("w1"),
-            stack("w2"),
-            named["gf"],
-            named["w_out"],
-        )
-        return cls(named, stacked)
+        return cls(named, StackedWeights(*(stacked(short) for short in StackedWeights._fields)))
 
 
-def run_forward(
+class LayerTape(NamedTuple):
+    """What one layer's forward keeps for its backward (names as in the module docstring)."""
+
+    x: np.ndarray  # (T, d) the layer's input
+    h: np.ndarray  # (T, d) rmsnorm(x) * g1
+    inv1: np.ndarray  # (T,) 1 / rms of x
+    q: np.ndarray  # (T, d)
+    k: np.ndarray  # (T, d)
+    v: np.ndarray  # (T, d)
+    att: np.ndarray  # (H, T, T) attention probabilities
+    y: np.ndarray  # (T, d) attention output, before wo
+    x_mid: np.ndarray  # (T, d) x + y @ wo
+    h2: np.ndarray  # (T, d) rmsnorm(x_mid) * g2
+    inv2: np.ndarray  # (T,) 1 / rms of x_mid
+    u: np.ndarray  # (T, f) h2 @ w1
+    a: np.ndarray  # (T, f) silu(u)
+
+
+class HeadTape(NamedTuple):
+    """What the final norm and unembedding keep for the backward."""
+
+    x: np.ndarray  # (T, d) the last layer's output
+    hf: np.ndarray  # (T, d) rmsnorm(x) * gf
+    invf: np.ndarray  # (T,) 1 / rms of x
+    positions: np.ndarray  # (T,) the rows' positions (for the wpe gradient)
+
+
+@dataclass
+class Tape:
+    """The forward's saved activations: one :class:`LayerTape` per layer, then the head's."""
+
+    layers: list[LayerTape] = field(default_factory=list)
+    head: HeadTape | None = None
+
+
+def forward_prepared(
     config: ModelConfig,
     w: Weights,
     tokens: np.ndarray,
     numerics: Numerics,
     cache: KVCache | None = None,
     causal: bool = True,
-    tape: list | None = None,
+    tape: Tape | None = None,
     trace: dict | None = None,
 ) -> np.ndarray:
     """The forward pass on prepared weights and checked tokens (no validation here).
@@ -94,9 +147,7 @@ def run_forward(
         k = L.linear_forward(h, p[pre + "wk"], nx)
         v = L.linear_forward(h, p[pre + "wv"], nx)
         if cache is not None:
-            cache.k[layer, pos0 : pos0 + T] = k
-            cache.v[layer, pos0 : pos0 + T] = v
-            kbuf, vbuf = cache.k[layer], cache.v[layer]
+            kbuf, vbuf = cache.append(layer, k, v)
         else:
             kbuf, vbuf = k, v
         y, att = L.attention_forward(
@@ -110,7 +161,7 @@ def run_forward(
         m = L.linear_forward(a, p[pre + "w2"], nx)
         x_out = L.residual_forward(x_mid, m, nx)
         if tape is not None:
-            tape.append((x, h, inv1, q, k, v, att, y, x_mid, h2, inv2, u, a))
+            tape.layers.append(LayerTape(x, h, inv1, q, k, v, att, y, x_mid, h2, inv2, u, a))
         if trace is not None:
             trace["resid"].append(x_out)
             trace["k"].append(k)
@@ -119,10 +170,9 @@ def run_forward(
     hf, invf = L.rmsnorm_forward(x, p["gf"], eps, nx)
     logits = L.linear_forward(hf, p["w_out"], nx)
     if tape is not None:
-        tape.append((x, hf, invf, positions))
+        tape.head = HeadTape(x, hf, invf, positions)
     if cache is not None:
-        cache.length = pos0 + T
-        cache.prefill_len = cache.length
+        cache.advance(T, prefill=True)
     return logits
 
 
@@ -140,19 +190,19 @@ def forward(
     their keys and values are appended; an empty cache is filled with every
     position's K and V (a prefill).
     """
-    config = check_config(config)
-    numerics = check_numerics(numerics)
+    config = require_config(config)
+    numerics = require_numerics(numerics)
     if cache is not None:
         if not isinstance(cache, KVCache):
             raise ValueError(f"cache: {type(cache).__name__} is not allowed; allowed: a KVCache or None")
         if not causal:
             raise ValueError("causal: False is not allowed with a cache; allowed: True")
     start = cache.length if cache is not None else 0
-    tokens = check_tokens(config, tokens, start=start)
+    tokens = require_tokens(config, tokens, start=start)
     if cache is not None:
-        cache.check_for(config, numerics, tokens.shape[0])
+        cache.require_fits(config, numerics, tokens.shape[0])
     w = Weights.prepare(config, params, numerics)
-    return run_forward(config, w, tokens, numerics, cache, bool(causal))
+    return forward_prepared(config, w, tokens, numerics, cache, bool(causal))
 
 
 def forward_trace(config: ModelConfig, params: dict, tokens, numerics: Numerics, causal: bool = True) -> dict:
@@ -161,12 +211,12 @@ def forward_trace(config: ModelConfig, params: dict, tokens, numerics: Numerics,
     Keys: ``logits`` (T, vocab), ``resid`` (n_layer+1, T, d) (index 0 is the
     embedding), ``k`` and ``v`` (n_layer, T, d).
     """
-    config = check_config(config)
-    numerics = check_numerics(numerics)
-    tokens = check_tokens(config, tokens)
+    config = require_config(config)
+    numerics = require_numerics(numerics)
+    tokens = require_tokens(config, tokens)
     w = Weights.prepare(config, params, numerics)
     trace: dict = {}
-    logits = run_forward(config, w, tokens, numerics, None, bool(causal), trace=trace)
+    logits = forward_prepared(config, w, tokens, numerics, None, bool(causal), trace=trace)
     return {
         "logits": logits,
         "resid": np.stack(trace["resid"]),
@@ -175,7 +225,7 @@ def forward_trace(config: ModelConfig, params: dict, tokens, numerics: Numerics,
     }
 
 
-def run_loss_and_grads(
+def loss_and_grads_prepared(
     config: ModelConfig,
     w: Weights,
     tokens: np.ndarray,
@@ -190,37 +240,37 @@ def run_loss_and_grads(
     constants (a cached prefix reused in training): no gradient flows back
     through them.
     """
-    tape: list = []
-    logits = run_forward(config, w, tokens, numerics, tape=tape)
+    tape = Tape()
+    logits = forward_prepared(config, w, tokens, numerics, tape=tape)
     sel = slice(loss_from, None)
     loss, probs = L.cross_entropy_forward(logits[sel], targets[sel])
     dlogits = np.zeros_like(logits)
     dlogits[sel] = L.cross_entropy_backward(probs, targets[sel])
     p = w.named
     grads: dict[str, np.ndarray] = {}
-    x, hf, invf, positions = tape.pop()
-    dhf, grads["w_out"] = L.linear_backward(dlogits, hf, p["w_out"])
-    dx, grads["gf"] = L.rmsnorm_backward(dhf, x, p["gf"], invf)
+    head = tape.head
+    dhf, grads["w_out"] = L.linear_backward(dlogits, head.hf, p["w_out"])
+    dx, grads["gf"] = L.rmsnorm_backward(dhf, head.x, p["gf"], head.invf)
     for layer in reversed(range(config.n_layer)):
         pre = f"h{layer}."
-        x_in, h, inv1, q, k, v, att, y, x_mid, h2, inv2, u, a = tape.pop()
+        t = tape.layers[layer]
         # x_out = x_mid + silu(h2 @ w1) @ w2
-        da, grads[pre + "w2"] = L.linear_backward(dx, a, p[pre + "w2"])
-        du = L.silu_backward(da, u)
-        dh2, grads[pre + "w1"] = L.linear_backward(du, h2, p[pre + "w1"])
-        dx_mid, grads[pre + "g2"] = L.rmsnorm_backward(dh2, x_mid, p[pre + "g2"], inv2)
+        da, grads[pre + "w2"] = L.linear_backward(dx, t.a, p[pre + "w2"])
+        du = L.silu_backward(da, t.u)
+        dh2, grads[pre + "w1"] = L.linear_backward(du, t.h2, p[pre + "w1"])
+        dx_mid, grads[pre + "g2"] = L.rmsnorm_backward(dh2, t.x_mid, p[pre + "g2"], t.inv2)
         dx_mid = dx_mid + dx
-        # x_mid = x_in + attention(q, k, v) @ wo
-        dy, grads[pre + "wo"] = L.linear_backward(dx_mid, y, p[pre + "wo"])
-        dq, dk, dv = L.attention_backward(dy, q, k, v, att, config.n_head)
+        # x_mid = x + attention(q, k, v) @ wo
+        dy, grads[pre + "wo"] = L.linear_backward(dx_mid, t.y, p[pre + "wo"])
+        dq, dk, dv = L.attention_backward(dy, t.q, t.k, t.v, t.att, config.n_head)
         dk[:detach_kv_before] = 0.0
         dv[:detach_kv_before] = 0.0
-        dh_q, grads[pre + "wq"] = L.linear_backward(dq, h, p[pre + "wq"])
-        dh_k, grads[pre + "wk"] = L.linear_backward(dk, h, p[pre + "wk"])
-        dh_v, grads[pre + "wv"] = L.linear_backward(dv, h, p[pre + "wv"])
-        dx_in, grads[pre + "g1"] = L.rmsnorm_backward(dh_q + dh_k + dh_v, x_in, p[pre + "g1"], inv1)
+        dh_q, grads[pre + "wq"] = L.linear_backward(dq, t.h, p[pre + "wq"])
+        dh_k, grads[pre + "wk"] = L.linear_backward(dk, t.h, p[pre + "wk"])
+        dh_v, grads[pre + "wv"] = L.linear_backward(dv, t.h, p[pre + "wv"])
+        dx_in, grads[pre + "g1"] = L.rmsnorm_backward(dh_q + dh_k + dh_v, t.x, p[pre + "g1"], t.inv1)
         dx = dx_in + dx_mid
-    grads["wte"], grads["wpe"] = L.embedding_backward(dx, tokens, positions, config.vocab, config.max_pos)
+    grads["wte"], grads["wpe"] = L.embedding_backward(dx, tokens, head.positions, config.vocab, config.max_pos)
     return loss, {name: grads[name] for name in p}
 
 
@@ -232,11 +282,11 @@ def loss_and_grads(
     The forward honours ``numerics``; the backward is float64 NumPy. Gradients
     have the parameters' names and shapes.
     """
-    config = check_config(config)
-    numerics = check_numerics(numerics)
-    tokens = check_tokens(config, tokens)
-    targets = check_tokens(config, targets, field="targets")
+    config = require_config(config)
+    numerics = require_numerics(numerics)
+    tokens = require_tokens(config, tokens)
+    targets = require_tokens(config, targets, field="targets")
     if targets.shape != tokens.shape:
         raise ValueError(f"targets: shape {targets.shape} is not allowed; allowed: {tokens.shape} (as tokens)")
     w = Weights.prepare(config, params, numerics)
-    return run_loss_and_grads(config, w, tokens, targets, numerics)
+    return loss_and_grads_prepared(config, w, tokens, targets, numerics)

@@ -10,13 +10,13 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from kvfast.studies.common import ok_rows
 from kvfast.studies.detector import scored
 
 COLUMNS = ["key", "figure", "value", "study"]
 
 
-def _ok(df: pd.DataFrame) -> pd.DataFrame:
-    return df[df["status"] == "ok"] if "status" in df.columns else df
+_ok = ok_rows
 
 
 def _bugs(df: pd.DataFrame) -> list[tuple[str, str, str]]:

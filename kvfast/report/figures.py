@@ -19,6 +19,7 @@ import pandas as pd
 from kvfast.model.bugs import BUGS, VISIBLE_AT_STEP_1
 from kvfast.studies import detector as det
 from kvfast.studies.bugs import SEED_BUG_TABLE
+from kvfast.studies.common import ok_rows
 from kvfast.studies.training import TASK_PREFIX
 
 SYMLOG_FLOOR = 1e-8  # deviations below this are drawn on a linear scale, so that exactly 0.0 is visible
@@ -53,8 +54,7 @@ def _plt():
     return plt
 
 
-def _ok(df: pd.DataFrame) -> pd.DataFrame:
-    return df[df["status"] == "ok"] if "status" in df.columns else df
+_ok = ok_rows
 
 
 # --- bugs: deviation per step ---------------------------------------------------------------------------------
@@ -134,7 +134,7 @@ def roc_points(scores, labels) -> tuple[np.ndarray, np.ndarray]:
     """The ROC curve of ``scores`` for boolean ``labels``: (FPR, TPR) at every threshold, from (0, 0) to (1, 1).
 
     Tied scores form one step (a straight segment), so the area under the points is the Mann-Whitney AUC
-    with ties counted half (:func:`kvfast.studies.scoring.roc_auc`)."""
+    with ties counted half (:func:`kvfast.check.metrics.roc_auc`)."""
     s = np.asarray(scores, dtype=np.float64)
     y = np.asarray(labels, dtype=bool)
     order = np.argsort(-s, kind="stable")

@@ -39,7 +39,7 @@ class Study:
 
     - ``run(config) -> dict``: one run; returns the result columns (``result_fields``).
     - ``config_fields`` / ``result_fields``: column name -> Arrow type, in order.
-    - ``check_config(config)``: raise ``ValueError`` naming the field, the value and
+    - ``validate_config(config)``: raise ``ValueError`` naming the field, the value and
       what is allowed, before any run starts.
     - ``summarize(df) -> DataFrame``: the printed table; ``claims(df) -> list[Claim]``.
     - ``version``: part of every run's id; bump it when the run's numbers change.
@@ -51,24 +51,6 @@ class Study:
     run: Callable[[dict], dict]
     config_fields: dict[str, pa.DataType]
     result_fields: dict[str, pa.DataType]
-    check_config: Callable[[dict], None]
+    validate_config: Callable[[dict], None]
     summarize: Callable[[pd.DataFrame], pd.DataFrame]
     claims: Callable[[pd.DataFrame], list[Claim]] = field(default=lambda df: [])
-
-
-def require_choice(config: dict, field_name: str, allowed) -> None:
-    """Raise ``ValueError`` unless ``config[field_name]`` is one of ``allowed``."""
-    if field_name not in config:
-        raise ValueError(f"{field_name}: missing; allowed: {', '.join(map(str, allowed))}")
-    value = config[field_name]
-    if value not in allowed or isinstance(value, bool) != any(isinstance(a, bool) for a in allowed):
-        raise ValueError(f"{field_name}: {value!r} is not allowed; allowed: {', '.join(map(str, allowed))}")
-
-
-def require_int(config: dict, field_name: str, lo: int, hi: int | None = None) -> None:
-    """Raise ``ValueError`` unless ``config[field_name]`` is an integer in ``[lo, hi]``."""
-    value = config.get(field_name)
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= lo and (hi is None or value <= hi)
-    if not ok:
-        upper = "" if hi is None else f", <= {hi}"
-        raise ValueError(f"{field_name}: {value!r} is not allowed; allowed: an integer >= {lo}{upper}")

@@ -36,10 +36,6 @@ kinds see the same ones. Every model has ``max_pos = MAX_POS``.
 
 from __future__ import annotations
 
-import tomllib
-from itertools import product
-from pathlib import Path
-
 import numpy as np
 import pandas as pd
 import pyarrow as pa
@@ -48,9 +44,11 @@ from kvfast.check import KvfastModel, check_cache
 from kvfast.model.bugs import BUGS, EVICT_WINDOW, VISIBLE_AT_STEP_1
 from kvfast.model.config import ModelConfig, init_params
 from kvfast.numerics import PRESETS, Numerics
-from kvfast.studies.base import Claim, Study, require_choice, require_int
+from kvfast.studies.base import Claim, Study
+from kvfast.studies.common import MODEL_SHAPE_FIELDS, model_config, ok_rows, require_config_choice, require_model_shape
 from kvfast.studies.criteria import EXACT, VS_SEED, judged
-from kvfast.studies.toytask import Task, train
+from kvfast.studies.toytask import CycleTask, train
+from kvfast.validation import require_int
 
 VERSION = "1"
 
@@ -63,8 +61,6 @@ TRAIN_SEED = 0
 TRAIN_STEPS = 200
 TRAIN_LR = 0.01
 TRAIN_BATCH = 8
-
-GRIDS = Path(__file__).resolve().parent.parent / "data" / "grids"
 
 # The seed's table (its five named bugs): step-1 deviation, all-steps deviation, output changed (%).
 SEED_BUG_TABLE: dict[str, tuple[float, float, float]] = {
@@ -79,11 +75,7 @@ CONFIG_FIELDS = {
     "bug": pa.string(),
     "model": pa.string(),
     "seed": pa.int64(),
-    "n_layer": pa.int64(),
-    "n_head": pa.int64(),
-    "d_model": pa.int64(),
-    "d_ff": pa.int64(),
-    "vocab": pa.int64(),
+    **MODEL_SHAPE_FIELDS,
     "prompt_len": pa.int64(),
     "steps": pa.int64(),
     "preset": pa.string(),
@@ -102,63 +94,24 @@ RESULT_FIELDS = {
 }
 
 
-def grid_cases(name: str) -> list[dict]:
-    """The configs of a built-in grid ``data/grids/NAME.toml``: ``[fixed]`` plus ``[axes]`` (cartesian)
-    times every ``[[tied]]`` table (its lists zipped), in the file's axis order."""
-    path = GRIDS / f"{name}.toml"
-    if not path.is_file():
-        raise ValueError(f"name: {name!r} is not allowed; allowed: a grid under {GRIDS}")
-    spec = tomllib.loads(path.read_text())
-    fixed = dict(spec.get("fixed", {}))
-    blocks: list[list[dict]] = [[{k: v} for v in vals] for k, vals in spec.get("axes", {}).items()]
-    for tied in spec.get("tied", []):
-        lengths = {len(v) for v in tied.values()}
-        if len(lengths) != 1:
-            raise ValueError(f"tied: lists of lengths {sorted(lengths)} in {path.name}; allowed: equal lengths")
-        blocks.append([dict(zip(tied, vals, strict=True)) for vals in zip(*tied.values(), strict=True)])
-    cases = []
-    for combo in product(*blocks):
-        case = dict(fixed)
-        for part in combo:
-            case.update(part)
-        cases.append(case)
-    return cases
-
-
-def check_config(config: dict) -> None:
+def validate_config(config: dict) -> None:
     """Raise ``ValueError`` naming the field, its value and what is allowed."""
-    require_choice(config, "bug", BUG_CHOICES)
-    require_choice(config, "model", MODEL_KINDS)
-    require_choice(config, "preset", tuple(PRESETS))
-    require_int(config, "seed", 0)
-    require_int(config, "n_layer", 1, 16)
-    require_int(config, "d_model", 1, 1024)
-    require_int(config, "n_head", 1, config["d_model"])
-    require_int(config, "d_ff", 1, 4096)
-    require_int(config, "vocab", 2, 4096)
-    require_int(config, "prompt_len", 1, EVICT_WINDOW - 1)
-    require_int(config, "steps", 2, MAX_POS + 1 - config["prompt_len"])
-    if config["d_model"] % config["n_head"]:
-        raise ValueError(
-            f"d_model: {config['d_model']} is not allowed with n_head={config['n_head']}; allowed: a multiple of n_head"
-        )
+    require_config_choice(config, "bug", BUG_CHOICES)
+    require_config_choice(config, "model", MODEL_KINDS)
+    require_config_choice(config, "preset", tuple(PRESETS))
+    require_model_shape(config, max_layers=16, max_width=1024, min_vocab=2)
+    require_int(config.get("prompt_len"), "prompt_len", 1, EVICT_WINDOW - 1)
+    require_int(config.get("steps"), "steps", 2, MAX_POS + 1 - config["prompt_len"])
 
 
-def task_for(vocab: int) -> Task:
-    """The toy task of the trained models: ``cycle`` with period :data:`TASK_PREFIX`."""
-    return Task("cycle", vocab=vocab, length=MAX_POS + 1, prefix=TASK_PREFIX)
+def task_for(vocab: int) -> CycleTask:
+    """The toy task of the trained models: the cycle task with period :data:`TASK_PREFIX`."""
+    return CycleTask(vocab=vocab, length=MAX_POS + 1, prefix=TASK_PREFIX)
 
 
 def model_for(config: dict) -> tuple[ModelConfig, dict]:
     """The model a config names (random from ``seed``, or trained once per architecture)."""
-    cfg = ModelConfig(
-        vocab=config["vocab"],
-        d_model=config["d_model"],
-        n_head=config["n_head"],
-        n_layer=config["n_layer"],
-        d_ff=config["d_ff"],
-        max_pos=MAX_POS,
-    )
+    cfg = model_config(config, MAX_POS)
     if config["model"] == "random":
         return cfg, init_params(cfg, config["seed"])
     return cfg, train(cfg, task_for(cfg.vocab), TRAIN_SEED, TRAIN_STEPS, TRAIN_LR, TRAIN_BATCH)
@@ -217,23 +170,6 @@ def run(config: dict) -> dict:
     }
 
 
-def run_cases(cases: list[dict]) -> pd.DataFrame:
-    """Run ``cases`` in this process (checking each first); one row per case, config then result columns."""
-    for case in cases:
-        check_config(case)
-    rows = [{**case, **run(case)} for case in cases]
-    return pd.DataFrame(rows, columns=[*CONFIG_FIELDS, *RESULT_FIELDS])
-
-
-def bug_runs(cases: list[dict] | None = None) -> pd.DataFrame:
-    """The bug study's runs (default: the built-in grid ``bugs.toml``) as a DataFrame."""
-    return run_cases(grid_cases("bugs") if cases is None else cases)
-
-
-def _ok(df: pd.DataFrame) -> pd.DataFrame:
-    return df[df["status"] == "ok"] if "status" in df.columns else df
-
-
 def _step_range(steps: pd.Series) -> str:
     s = steps[steps >= 0]
     if s.empty:
@@ -245,7 +181,7 @@ def _step_range(steps: pd.Series) -> str:
 def summarize(df: pd.DataFrame) -> pd.DataFrame:
     """The seed's table per model kind and bug: max deviation at step 1 and over all steps, % of runs
     whose tokens changed, the first deviating step's range; the seed's figures beside them."""
-    ok = _ok(df)
+    ok = ok_rows(df)
     order = {b: i for i, b in enumerate(BUG_CHOICES)}
     rows = []
     for (model, bug), g in ok.groupby(["model", "bug"], sort=False):
@@ -272,18 +208,13 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
     return out.sort_values(["model", "_o"]).drop(columns="_o").reset_index(drop=True)
 
 
-def bug_table(runs: pd.DataFrame | None = None) -> pd.DataFrame:
-    """The summary table (:func:`summarize`) of ``runs`` (default: run the built-in grid)."""
-    return summarize(bug_runs() if runs is None else runs)
-
-
 def _pct(x: float) -> str:
     return f"{x:.0f}%"
 
 
 def claims(df: pd.DataFrame) -> list[Claim]:
     """The seed's bug-table claims, as measured on every model kind in ``df``."""
-    ok = _ok(df)
+    ok = ok_rows(df)
     out: list[Claim] = []
     if ok.empty:
         return out
@@ -363,7 +294,7 @@ STUDY = Study(
     run=run,
     config_fields=CONFIG_FIELDS,
     result_fields=RESULT_FIELDS,
-    check_config=check_config,
+    validate_config=validate_config,
     summarize=summarize,
     claims=claims,
 )

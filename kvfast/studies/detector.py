@@ -1,6 +1,6 @@
 """The detector study: the one-step and the every-step exact cache check, scored against the catalogue.
 
-Cases (:func:`detector_cases`, grid ``detector.toml``): 8 bugs x 30 cases =
+Cases (the grid ``detector.toml``): 8 bugs x 30 cases =
 240 bugged runs, plus the same 30 cases with ``bug = "none"`` as clean
 controls = 270 runs. The 30 cases are 3 depths x 2 head counts x 5 (seed,
 prompt length) pairs on random models, 16 greedy tokens each (15 decode
@@ -20,22 +20,28 @@ Two detectors, no tolerance anywhere:
 Two labels: **output changed** (the generated tokens differ from the clean
 run's; scored over the 240 bugged runs, the seed's population) and **bug
 present** (scored over all 270 runs: 240 positives, 30 negatives). Metrics:
-recall, precision, FPR (:func:`kvfast.studies.scoring.confusion`) and ROC AUC
-(Mann-Whitney, ties counted half: :func:`kvfast.studies.scoring.roc_auc`).
+recall, precision, FPR (:func:`kvfast.check.metrics.confusion`) and ROC AUC
+(Mann-Whitney, ties counted half: :func:`kvfast.check.metrics.roc_auc`).
 Steps-to-detection of a run: its first deviating step (what a test's
 generation length must reach to see the bug).
 """
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass, field
+
 import numpy as np
 import pandas as pd
 
+from kvfast.check import KvfastModel
+from kvfast.check.metrics import confusion, detector_metrics
 from kvfast.model.bugs import BUGS, VISIBLE_AT_STEP_1
+from kvfast.numerics import Numerics
 from kvfast.studies import bugs as bugstudy
 from kvfast.studies.base import Claim, Study
+from kvfast.studies.common import ok_rows
 from kvfast.studies.criteria import EXACT, VS_SEED, judged, within
-from kvfast.studies.scoring import confusion, detector_metrics
 
 VERSION = f"1.{bugstudy.VERSION}"  # its runs are bug-study runs
 
@@ -54,25 +60,51 @@ SEED_CHANGED = 180
 SEED_TOLERANCE = 0.075
 
 
-def detector_cases(controls: bool = True) -> list[dict]:
-    """The study's run configs: 240 bugged runs, then (with ``controls``) 30 clean controls."""
-    cases = bugstudy.grid_cases("detector")
-    bugged = [c for c in cases if c["bug"] != bugstudy.CONTROL]
-    clean = [c for c in cases if c["bug"] == bugstudy.CONTROL]
-    return bugged + clean if controls else bugged
+@dataclass(frozen=True)
+class DetectorCase:
+    """One case for :func:`kvfast.check.score_detector`: a run config of this study (:mod:`kvfast.studies.bugs` keys).
+
+    The config names the bug (``"none"``: a clean control), the model
+    (``model``, ``seed``, ``n_layer``, ``n_head``, ``d_model``, ``d_ff``,
+    ``vocab``, ``preset``), the prompt (``seed``, ``prompt_len``) and ``steps``,
+    the number of greedy tokens generated (``steps - 1`` decode steps).
+    Models and prompts come from :func:`kvfast.studies.bugs.model_for` and
+    :func:`kvfast.studies.bugs.prompt_for`, as in the study. The study's own
+    cases are its grid's configs (``detector.toml``; :func:`kvfast.sweep.default_cases`).
+    """
+
+    config: dict = field(hash=False)
+
+    @property
+    def bug(self) -> str | None:
+        bug = self.config.get("bug", bugstudy.CONTROL)
+        return None if bug in (None, bugstudy.CONTROL) else bug
+
+    @property
+    def steps(self) -> int:
+        """Decode steps (the study's ``steps`` counts generated tokens, the first from the prefill)."""
+        return int(self.config["steps"]) - 1
+
+    @property
+    def prompt(self) -> np.ndarray:
+        return bugstudy.prompt_for(self.config)
+
+    def model(self) -> KvfastModel:
+        """A fresh kvfast model under test with this case's bug."""
+        cfg, params = _model(tuple(sorted((k, v) for k, v in self.config.items() if k != "bug")))
+        return KvfastModel(cfg, params, Numerics.preset(self.config["preset"]), bug=self.bug)
 
 
-def detector_runs(cases: list[dict] | None = None) -> pd.DataFrame:
-    """Run ``cases`` (default :func:`detector_cases`) in this process; one row per run."""
-    return bugstudy.run_cases(detector_cases() if cases is None else cases)
+@functools.lru_cache(maxsize=64)
+def _model(key: tuple) -> tuple:
+    return bugstudy.model_for(dict(key))
 
 
 def scored(df: pd.DataFrame) -> pd.DataFrame:
     """The ok runs of ``df`` with each detector's flag and score and each label, as columns:
     ``one_step_flag``, ``one_step_score``, ``every_step_flag``, ``every_step_score``,
     ``output_changed``, ``bug_present``, ``steps_to_detection`` (first deviating step, -1 if none)."""
-    ok = df[df["status"] == "ok"] if "status" in df.columns else df
-    out = ok.copy()
+    out = ok_rows(df).copy()
     first = out["first_bad_step"].astype(np.int64)
     dev = out["dev_per_step"].map(lambda d: np.asarray(d, dtype=np.float64))
     out["one_step_flag"] = (first >= 0) & (first <= 1)
@@ -183,11 +215,6 @@ def steps_to_detection(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def detector_table(runs: pd.DataFrame | None = None) -> pd.DataFrame:
-    """The summary (:func:`summarize`) of ``runs`` (default: run :func:`detector_cases`)."""
-    return summarize(detector_runs() if runs is None else runs)
-
-
 def _row(summary: pd.DataFrame, det: str, label: str) -> pd.Series | None:
     r = summary[(summary["detector"] == det) & (summary["scope"] == "all") & (summary["label"] == label)]
     return None if r.empty else r.iloc[0]
@@ -282,7 +309,7 @@ STUDY = Study(
     run=bugstudy.run,
     config_fields=bugstudy.CONFIG_FIELDS,
     result_fields=bugstudy.RESULT_FIELDS,
-    check_config=bugstudy.check_config,
+    validate_config=bugstudy.validate_config,
     summarize=summarize,
     claims=claims,
 )

@@ -22,20 +22,19 @@ import pandas as pd
 import pyarrow as pa
 
 from kvfast.check import KvfastModel, check_cache
+from kvfast.kernels.reduce import ORDER_CODES
 from kvfast.model.config import ModelConfig, init_params
 from kvfast.numerics import PRESETS, Numerics
-from kvfast.studies.base import Claim, Study, require_choice, require_int
+from kvfast.studies.base import Claim, Study
+from kvfast.studies.common import MODEL_SHAPE_FIELDS, model_config, ok_rows, require_config_choice, require_model_shape
 from kvfast.studies.criteria import EXACT, judged
+from kvfast.validation import require_int
 
 VERSION = "1"
 
 CONFIG_FIELDS = {
     "seed": pa.int64(),
-    "n_layer": pa.int64(),
-    "n_head": pa.int64(),
-    "d_model": pa.int64(),
-    "d_ff": pa.int64(),
-    "vocab": pa.int64(),
+    **MODEL_SHAPE_FIELDS,
     "prompt_len": pa.int64(),
     "steps": pa.int64(),
     "order": pa.string(),
@@ -51,27 +50,18 @@ RESULT_FIELDS = {
 }
 
 
-def check_config(config: dict) -> None:
-    for name in ("seed",):
-        require_int(config, name, 0)
-    for name in ("n_layer", "n_head", "d_model", "d_ff", "vocab", "prompt_len", "steps"):
-        require_int(config, name, 1, 4096)
-    require_choice(config, "order", ("sequential", "pairwise"))
-    require_choice(config, "preset", tuple(PRESETS))
-    if config["d_model"] % config["n_head"]:
-        raise ValueError(f"d_model: {config['d_model']} is not divisible by n_head={config['n_head']}")
+def validate_config(config: dict) -> None:
+    """Raise ``ValueError`` naming the field, its value and what is allowed."""
+    require_model_shape(config)
+    for name in ("prompt_len", "steps"):
+        require_int(config.get(name), name, 1, 4096)
+    require_config_choice(config, "order", tuple(ORDER_CODES))
+    require_config_choice(config, "preset", tuple(PRESETS))
 
 
 def model_for(config: dict) -> tuple[ModelConfig, dict]:
     """The model a run's config names; parameters and prompt seeds derive from ``seed``."""
-    cfg = ModelConfig(
-        vocab=config["vocab"],
-        d_model=config["d_model"],
-        n_head=config["n_head"],
-        n_layer=config["n_layer"],
-        d_ff=config["d_ff"],
-        max_pos=config["prompt_len"] + config["steps"],
-    )
+    cfg = model_config(config, config["prompt_len"] + config["steps"])
     return cfg, init_params(cfg, config["seed"])
 
 
@@ -105,7 +95,8 @@ def run(config: dict) -> dict:
 
 
 def summarize(df: pd.DataFrame) -> pd.DataFrame:
-    ok = df[df["status"] == "ok"]
+    """Per preset: runs, the worst deviation and the share of runs whose tokens are equal."""
+    ok = ok_rows(df)
     return (
         ok.groupby("preset")
         .agg(runs=("run_id", "size"), max_abs_dev=("max_abs_dev", "max"), tokens_equal=("tokens_equal", "mean"))
@@ -115,7 +106,7 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
 
 def claims(df: pd.DataFrame) -> list[Claim]:
     """Every run bit-exact, with equal tokens (criteria in :func:`kvfast.studies.criteria.judged`)."""
-    ok = df[df["status"] == "ok"]
+    ok = ok_rows(df)
     worst = float(ok["max_abs_dev"].max()) if len(ok) else float("nan")
     equal = int(ok["tokens_equal"].sum())
     return [
@@ -140,7 +131,7 @@ STUDY = Study(
     run=run,
     config_fields=CONFIG_FIELDS,
     result_fields=RESULT_FIELDS,
-    check_config=check_config,
+    validate_config=validate_config,
     summarize=summarize,
     claims=claims,
 )

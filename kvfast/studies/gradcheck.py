@@ -29,10 +29,12 @@ import pandas as pd
 import pyarrow as pa
 
 from kvfast.model.config import ModelConfig, init_params, param_shapes
-from kvfast.model.transformer import Weights, loss_and_grads, run_forward
+from kvfast.model.transformer import Weights, forward_prepared, loss_and_grads
 from kvfast.numerics import Numerics
-from kvfast.studies.base import Claim, Study, require_int
+from kvfast.studies.base import Claim, Study
+from kvfast.studies.common import ok_rows, require_model_shape
 from kvfast.studies.criteria import BOUND, judged
+from kvfast.validation import require_int
 
 VERSION = "1"
 
@@ -63,19 +65,10 @@ RESULT_FIELDS = {
 }
 
 
-def check_config(config: dict) -> None:
+def validate_config(config: dict) -> None:
     """Raise ``ValueError`` naming the field, its value and what is allowed."""
-    require_int(config, "seed", 0)
-    require_int(config, "n_layer", 1, 8)
-    require_int(config, "d_model", 1, 64)
-    require_int(config, "n_head", 1, config["d_model"])
-    require_int(config, "d_ff", 1, 128)
-    require_int(config, "vocab", 2, 128)
-    require_int(config, "seq_len", 1, 64)
-    if config["d_model"] % config["n_head"]:
-        raise ValueError(
-            f"d_model: {config['d_model']} is not allowed with n_head={config['n_head']}; allowed: a multiple of n_head"
-        )
+    require_model_shape(config, max_layers=8, max_width=64, min_vocab=2)
+    require_int(config.get("seq_len"), "seq_len", 1, 64)
 
 
 def reference_loss(logits: np.ndarray, targets: np.ndarray) -> float:
@@ -91,7 +84,7 @@ def central_differences(
     """d loss / d theta for every element of every tensor, by central differences of :func:`reference_loss`."""
 
     def loss(p: dict) -> float:
-        return reference_loss(run_forward(cfg, Weights.prepare(cfg, p, F64), tokens, F64), targets)
+        return reference_loss(forward_prepared(cfg, Weights.prepare(cfg, p, F64), tokens, F64), targets)
 
     grads = {}
     for name, arr in params.items():
@@ -135,7 +128,7 @@ def model_for(config: dict) -> tuple[ModelConfig, dict, np.ndarray, np.ndarray]:
 
 def run(config: dict) -> dict:
     """One gradient check (module docstring). Columns: :data:`RESULT_FIELDS`."""
-    check_config(config)
+    validate_config(config)
     cfg, params, tokens, targets = model_for(config)
     loss, analytic = loss_and_grads(cfg, params, tokens, targets, F64)
     numeric = central_differences(cfg, params, tokens, targets)
@@ -154,7 +147,7 @@ def run(config: dict) -> dict:
 
 def summarize(df: pd.DataFrame) -> pd.DataFrame:
     """Per depth: runs, tensors per model, worst relative error and the tensor that has it."""
-    ok = df[df["status"] == "ok"]
+    ok = ok_rows(df)
     if not len(ok):
         return pd.DataFrame()
     rows = []
@@ -175,7 +168,7 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
 
 def claims(df: pd.DataFrame) -> list[Claim]:
     """Every tensor of every run within :data:`TOLERANCE`, and every tensor checked."""
-    ok = df[df["status"] == "ok"]
+    ok = ok_rows(df)
     if not len(df):
         return []
     worst = float(ok["worst_rel_err"].max()) if len(ok) else float("nan")
@@ -204,7 +197,7 @@ STUDY = Study(
     run=run,
     config_fields=CONFIG_FIELDS,
     result_fields=RESULT_FIELDS,
-    check_config=check_config,
+    validate_config=validate_config,
     summarize=summarize,
     claims=claims,
 )

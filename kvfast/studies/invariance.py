@@ -26,11 +26,12 @@ import pandas as pd
 import pyarrow as pa
 
 from kvfast.model.config import ModelConfig, init_params
-from kvfast.model.transformer import Weights, run_forward
+from kvfast.model.transformer import Weights, forward_prepared
 from kvfast.numerics import PRESETS, Numerics
-from kvfast.studies.base import Claim, Study, require_choice, require_int
-from kvfast.studies.bugs import grid_cases
+from kvfast.studies.base import Claim, Study
+from kvfast.studies.common import MODEL_SHAPE_FIELDS, model_config, ok_rows, require_config_choice, require_model_shape
 from kvfast.studies.criteria import EXACT, judged
+from kvfast.validation import require_int
 
 VERSION = "1"
 
@@ -38,11 +39,7 @@ CONFIG_FIELDS = {
     "preset": pa.string(),
     "causal": pa.bool_(),
     "seed": pa.int64(),
-    "n_layer": pa.int64(),
-    "n_head": pa.int64(),
-    "d_model": pa.int64(),
-    "d_ff": pa.int64(),
-    "vocab": pa.int64(),
+    **MODEL_SHAPE_FIELDS,
     "prompt_len": pa.int64(),
 }
 RESULT_FIELDS = {
@@ -54,40 +51,24 @@ RESULT_FIELDS = {
 }
 
 
-def check_config(config: dict) -> None:
+def validate_config(config: dict) -> None:
     """Raise ``ValueError`` naming the field, its value and what is allowed."""
-    require_choice(config, "preset", tuple(PRESETS))
-    require_choice(config, "causal", (True, False))
-    require_int(config, "seed", 0)
-    require_int(config, "n_layer", 1, 16)
-    require_int(config, "d_model", 1, 1024)
-    require_int(config, "n_head", 1, config["d_model"])
-    require_int(config, "d_ff", 1, 4096)
-    require_int(config, "vocab", 1, 4096)
-    require_int(config, "prompt_len", 1, 1024)
-    if config["d_model"] % config["n_head"]:
-        raise ValueError(
-            f"d_model: {config['d_model']} is not allowed with n_head={config['n_head']}; allowed: a multiple of n_head"
-        )
+    require_config_choice(config, "preset", tuple(PRESETS))
+    require_config_choice(config, "causal", (True, False))
+    require_model_shape(config, max_layers=16, max_width=1024)
+    require_int(config.get("prompt_len"), "prompt_len", 1, 1024)
 
 
 def _trace(cfg: ModelConfig, w: Weights, tokens: np.ndarray, nx: Numerics, causal: bool) -> dict:
     trace: dict = {}
-    trace["logits"] = run_forward(cfg, w, tokens, nx, None, causal, trace=trace)
+    trace["logits"] = forward_prepared(cfg, w, tokens, nx, None, causal, trace=trace)
     return trace
 
 
 def run(config: dict) -> dict:
     """One prompt length x model x mask setting; see the module docstring."""
     p = config["prompt_len"]
-    cfg = ModelConfig(
-        vocab=config["vocab"],
-        d_model=config["d_model"],
-        n_head=config["n_head"],
-        n_layer=config["n_layer"],
-        d_ff=config["d_ff"],
-        max_pos=p + 1,
-    )
+    cfg = model_config(config, p + 1)
     nx = Numerics.preset(config["preset"])
     w = Weights.prepare(cfg, init_params(cfg, config["seed"]), nx)
     rng = np.random.default_rng([config["seed"], p, 0x1A7A])
@@ -109,18 +90,9 @@ def run(config: dict) -> dict:
     }
 
 
-def invariance_runs(cases: list[dict] | None = None) -> pd.DataFrame:
-    """Run ``cases`` (default: the built-in grid ``invariance.toml``) in this process; one row per run."""
-    cases = grid_cases("invariance") if cases is None else cases
-    for case in cases:
-        check_config(case)
-    rows = [{**case, **run(case)} for case in cases]
-    return pd.DataFrame(rows, columns=[*CONFIG_FIELDS, *RESULT_FIELDS])
-
-
 def per_layer(df: pd.DataFrame) -> pd.DataFrame:
     """One row per run and layer ``l``: ``resid_in`` (entering ``l``), ``k``, ``v``, ``resid_out`` (leaving ``l``)."""
-    ok = df[df["status"] == "ok"] if "status" in df.columns else df
+    ok = ok_rows(df)
     rows = []
     for _, r in ok.iterrows():
         resid = list(r["resid_dev"])
@@ -162,11 +134,6 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
     )
     out["seed"] = np.where(out["causal"], "0 (exact)", np.where(out["layer"] == 1, "exact", "wrong"))
     return out.sort_values(["preset", "causal", "layer"], ascending=[True, False, True]).reset_index(drop=True)
-
-
-def invariance_table(runs: pd.DataFrame | None = None) -> pd.DataFrame:
-    """The summary (:func:`summarize`) of ``runs`` (default: run the built-in grid)."""
-    return summarize(invariance_runs() if runs is None else runs)
 
 
 def claims(df: pd.DataFrame) -> list[Claim]:
@@ -222,7 +189,7 @@ STUDY = Study(
     run=run,
     config_fields=CONFIG_FIELDS,
     result_fields=RESULT_FIELDS,
-    check_config=check_config,
+    validate_config=validate_config,
     summarize=summarize,
     claims=claims,
 )

@@ -33,27 +33,27 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from kvfast.kernels.precision import FORMAT_CODES
+from kvfast.kernels.reduce import ORDER_CODES
 from kvfast.model.config import ModelConfig, init_params
-from kvfast.model.decode import run_generate
+from kvfast.model.decode import generate_prepared
 from kvfast.model.transformer import Weights
 from kvfast.numerics import Numerics
-from kvfast.studies.base import Claim, Study, require_choice, require_int
+from kvfast.studies.base import Claim, Study
+from kvfast.studies.common import MODEL_SHAPE_FIELDS, model_config, ok_rows, require_config_choice, require_model_shape
 from kvfast.studies.criteria import EXACT, TEST, judged, mcnemar_exact_p
+from kvfast.validation import require_int
 
 VERSION = "1"
 
-FORMATS = ("f64", "f32", "bf16")
-ORDERS = ("sequential", "pairwise")
+FORMATS = tuple(FORMAT_CODES)  # f64, f32, bf16
+ORDERS = tuple(ORDER_CODES)  # sequential, pairwise
 PRESET_PAIRS = (("f64", "f64"), ("f32", "f32"), ("bf16", "f32"))
 SAME_SIZE_LEVEL = 0.05  # "as often": the paired exact McNemar test does not reject at this level
 
 CONFIG_FIELDS = {
     "seed": pa.int64(),
-    "n_layer": pa.int64(),
-    "n_head": pa.int64(),
-    "d_model": pa.int64(),
-    "d_ff": pa.int64(),
-    "vocab": pa.int64(),
+    **MODEL_SHAPE_FIELDS,
     "prompt_len": pa.int64(),
     "steps": pa.int64(),
     "twin_exp": pa.int64(),
@@ -78,33 +78,22 @@ RESULT_FIELDS = {
 }
 
 
-def check_config(config: dict) -> None:
-    require_int(config, "seed", 0)
-    for name in ("n_layer", "n_head", "d_model", "d_ff", "prompt_len", "steps"):
-        require_int(config, name, 1, 4096)
-    require_int(config, "vocab", 2, 4096)
-    require_int(config, "twin_exp", 0, 60)
-    require_choice(config, "storage", FORMATS)
-    require_choice(config, "accum", FORMATS)
-    require_choice(config, "prefill_order", ORDERS)
+def validate_config(config: dict) -> None:
+    """Raise ``ValueError`` naming the field, its value and what is allowed."""
+    require_model_shape(config, min_vocab=2)
+    for name in ("prompt_len", "steps"):
+        require_int(config.get(name), name, 1, 4096)
+    require_int(config.get("twin_exp"), "twin_exp", 0, 60)
+    require_config_choice(config, "storage", FORMATS)
+    require_config_choice(config, "accum", FORMATS)
+    require_config_choice(config, "prefill_order", ORDERS)
     if config["vocab"] % 2:
         raise ValueError(f"vocab: {config['vocab']} is not allowed; allowed: an even number (tokens come in twins)")
-    if config["d_model"] % config["n_head"]:
-        raise ValueError(
-            f"d_model: {config['d_model']} is not divisible by n_head={config['n_head']}; allowed: a multiple"
-        )
 
 
 def twin_head_model(config: dict) -> tuple[ModelConfig, dict, np.ndarray]:
     """The near-tied model of a run (module docstring) and its prompt, all from ``seed``."""
-    cfg = ModelConfig(
-        vocab=config["vocab"],
-        d_model=config["d_model"],
-        n_head=config["n_head"],
-        n_layer=config["n_layer"],
-        d_ff=config["d_ff"],
-        max_pos=config["prompt_len"] + config["steps"],
-    )
+    cfg = model_config(config, config["prompt_len"] + config["steps"])
     params = init_params(cfg, config["seed"])
     rng = np.random.default_rng([config["seed"], 23])
     d, v = cfg.d_model, cfg.vocab
@@ -127,7 +116,7 @@ def _bits_equal(a: np.ndarray, b: np.ndarray) -> bool:
 
 def run(config: dict) -> dict:
     """One run (see the module docstring); returns :data:`RESULT_FIELDS`."""
-    check_config(config)
+    validate_config(config)
     cfg, params, prompt = twin_head_model(config)
     order_a = config["prefill_order"]
     order_b = ORDERS[1 - ORDERS.index(order_a)]
@@ -135,10 +124,10 @@ def run(config: dict) -> dict:
     nx_b = Numerics(config["storage"], config["accum"], order_b)
     w = Weights.prepare(cfg, params, nx_a)
     steps = config["steps"]
-    t_ref, l_ref = run_generate(cfg, w, prompt, steps, nx_a, use_cache=False)
-    t_mix, l_mix = run_generate(cfg, w, prompt, steps, nx_a, use_cache=True, decode_numerics=nx_b)
-    t_ctl, l_ctl = run_generate(cfg, w, prompt, steps, nx_b, use_cache=False)
-    t_same, l_same = run_generate(cfg, w, prompt, steps, nx_a, use_cache=True)
+    t_ref, l_ref = generate_prepared(cfg, w, prompt, steps, nx_a, use_cache=False)
+    t_mix, l_mix = generate_prepared(cfg, w, prompt, steps, nx_a, use_cache=True, decode_numerics=nx_b)
+    t_ctl, l_ctl = generate_prepared(cfg, w, prompt, steps, nx_b, use_cache=False)
+    t_same, l_same = generate_prepared(cfg, w, prompt, steps, nx_a, use_cache=True)
 
     top2 = np.sort(l_ref, axis=1)[:, -2:]
     margins = top2[:, 1] - top2[:, 0]
@@ -168,7 +157,7 @@ def run(config: dict) -> dict:
 
 def summarize(df: pd.DataFrame) -> pd.DataFrame:
     """Per (twin_exp, storage, accum): flips of the cached run and of the control (of N runs), margins, exact cache."""
-    ok = df[df["status"] == "ok"].copy()
+    ok = ok_rows(df).copy()
     if not len(ok):
         return pd.DataFrame()
     for col in ("storage", "accum"):
@@ -194,7 +183,7 @@ def claims(df: pd.DataFrame) -> list[Claim]:
 
     "As often" is an exact McNemar test on the runs paired by model (the cached run and the control of
     the same seed and gap), two-sided at level :data:`SAME_SIZE_LEVEL`, at every gap."""
-    ok = df[df["status"] == "ok"]
+    ok = ok_rows(df)
     out = []
     b16 = ok[ok["storage"] == "bf16"]
     per_gap, conditions = [], []
@@ -256,34 +245,7 @@ STUDY = Study(
     run=run,
     config_fields=CONFIG_FIELDS,
     result_fields=RESULT_FIELDS,
-    check_config=check_config,
+    validate_config=validate_config,
     summarize=summarize,
     claims=claims,
 )
-
-
-def neartied_table(
-    seeds: tuple[int, ...] = tuple(range(24)),
-    formats: tuple[tuple[str, str], ...] = (("bf16", "f64"), ("bf16", "f32"), ("bf16", "bf16")),
-    twin_exps: tuple[int, ...] = (8,),
-    **fixed: int | str,
-) -> pd.DataFrame:
-    """Run the study in-process and return one row per run (config + results), for library users."""
-    base: dict = {
-        "n_layer": 2,
-        "n_head": 2,
-        "d_model": 16,
-        "d_ff": 32,
-        "vocab": 32,
-        "prompt_len": 8,
-        "steps": 16,
-        "prefill_order": "sequential",
-    }
-    base.update(fixed)
-    rows = []
-    for exp in twin_exps:
-        for storage, accum in formats:
-            for seed in seeds:
-                config = dict(base, seed=seed, storage=storage, accum=accum, twin_exp=exp)
-                rows.append({**config, **run(config), "status": "ok", "run_id": str(len(rows))})
-    return pd.DataFrame(rows)

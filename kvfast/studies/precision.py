@@ -37,27 +37,28 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from kvfast.kernels.attention import ATTENTION_CODES
+from kvfast.kernels.precision import FORMAT_CODES
+from kvfast.kernels.reduce import ORDER_CODES
 from kvfast.model.cache import KVCache
 from kvfast.model.config import ModelConfig, init_params
-from kvfast.model.decode import run_decode
-from kvfast.model.transformer import Weights, run_forward
+from kvfast.model.decode import decode_prepared
+from kvfast.model.transformer import Weights, forward_prepared
 from kvfast.numerics import Numerics
-from kvfast.studies.base import Claim, Study, require_choice, require_int
+from kvfast.studies.base import Claim, Study
+from kvfast.studies.common import MODEL_SHAPE_FIELDS, model_config, ok_rows, require_config_choice, require_model_shape
 from kvfast.studies.criteria import EXACT, judged
+from kvfast.validation import require_int
 
 VERSION = "2"
 
-FORMATS = ("f64", "f32", "bf16")
-ORDERS = ("sequential", "pairwise")
-ATTENTION_KINDS = ("standard", "online", "splitkv", "splitcount")
+FORMATS = tuple(FORMAT_CODES)  # f64, f32, bf16
+ORDERS = tuple(ORDER_CODES)  # sequential (A), pairwise (B)
+ATTENTION_KINDS = tuple(ATTENTION_CODES)  # standard, online, splitkv, splitcount
 
 CONFIG_FIELDS = {
     "seed": pa.int64(),
-    "n_layer": pa.int64(),
-    "n_head": pa.int64(),
-    "d_model": pa.int64(),
-    "d_ff": pa.int64(),
-    "vocab": pa.int64(),
+    **MODEL_SHAPE_FIELDS,
     "prompt_len": pa.int64(),
     "steps": pa.int64(),
     "storage": pa.string(),
@@ -108,34 +109,23 @@ def numerics_for(storage: str, accum: str, order: str, attention: str) -> Numeri
     return Numerics(storage=storage, accum=accum, order=order, attention=kind, attn_block=block)
 
 
-def check_config(config: dict) -> None:
-    require_int(config, "seed", 0)
-    for name in ("n_layer", "n_head", "d_model", "d_ff", "vocab", "steps"):
-        require_int(config, name, 1, 4096)
-    require_int(config, "prompt_len", 1, 4096)
-    require_choice(config, "storage", FORMATS)
-    require_choice(config, "accum", FORMATS)
-    require_choice(config, "prefill_order", ORDERS)
+def validate_config(config: dict) -> None:
+    """Raise ``ValueError`` naming the field, its value and what is allowed."""
+    require_model_shape(config)
+    for name in ("steps", "prompt_len"):
+        require_int(config.get(name), name, 1, 4096)
+    require_config_choice(config, "storage", FORMATS)
+    require_config_choice(config, "accum", FORMATS)
+    require_config_choice(config, "prefill_order", ORDERS)
     parse_attention(config.get("attention"))
     if config.get("decode_attention") != "same":
         parse_attention(config.get("decode_attention"), "decode_attention")
-    if config["d_model"] % config["n_head"]:
-        raise ValueError(
-            f"d_model: {config['d_model']} is not divisible by n_head={config['n_head']}; allowed: a multiple"
-        )
 
 
 def model_for(config: dict) -> tuple[ModelConfig, dict, np.ndarray]:
     """The run's model, parameters and token sequence (``prompt_len + steps`` tokens), all from ``seed``."""
     n = config["prompt_len"] + config["steps"]
-    cfg = ModelConfig(
-        vocab=config["vocab"],
-        d_model=config["d_model"],
-        n_head=config["n_head"],
-        n_layer=config["n_layer"],
-        d_ff=config["d_ff"],
-        max_pos=n,
-    )
+    cfg = model_config(config, n)
     params = init_params(cfg, config["seed"])
     rng = np.random.default_rng([config["seed"], n, 11])
     tokens = rng.integers(0, config["vocab"], size=n).astype(np.int64)
@@ -145,7 +135,7 @@ def model_for(config: dict) -> tuple[ModelConfig, dict, np.ndarray]:
 def full_trace(cfg: ModelConfig, w: Weights, tokens: np.ndarray, nx: Numerics) -> dict[str, np.ndarray]:
     """A forward over all ``tokens``: ``resid`` (L+1, T, d), ``k``/``v`` (L, T, d), ``logits`` (T, vocab)."""
     trace: dict = {}
-    logits = run_forward(cfg, w, tokens, nx, trace=trace)
+    logits = forward_prepared(cfg, w, tokens, nx, trace=trace)
     return {"resid": np.stack(trace["resid"]), "k": np.stack(trace["k"]), "v": np.stack(trace["v"]), "logits": logits}
 
 
@@ -160,9 +150,9 @@ def cached_trace(
     n = tokens.shape[0]
     cache = KVCache.empty(cfg, prefill, n)
     logits = np.empty((n, cfg.vocab))
-    logits[:prompt_len] = run_forward(cfg, w, tokens[:prompt_len], prefill, cache)
+    logits[:prompt_len] = forward_prepared(cfg, w, tokens[:prompt_len], prefill, cache)
     for t in range(prompt_len, n):
-        logits[t] = run_decode(cfg, w, cache, int(tokens[t]), decode)
+        logits[t] = decode_prepared(cfg, w, cache, int(tokens[t]), decode)
     return {"logits": logits, "k": cache.k.copy(), "v": cache.v.copy()}
 
 
@@ -205,7 +195,7 @@ def _positions_agree(parts: list[np.ndarray], axis_of_pos: list[int], n: int) ->
 
 def run(config: dict) -> dict:
     """One run (see the module docstring); returns :data:`RESULT_FIELDS`."""
-    check_config(config)
+    validate_config(config)
     cfg, params, tokens = model_for(config)
     order_a = config["prefill_order"]
     order_b = ORDERS[1 - ORDERS.index(order_a)]
@@ -256,7 +246,7 @@ def run(config: dict) -> dict:
 
 def summarize(df: pd.DataFrame) -> pd.DataFrame:
     """Per (d_model, storage, accum, attention, decode_attention): mean agreement, worst differences, exact share."""
-    ok = df[df["status"] == "ok"].copy()
+    ok = ok_rows(df).copy()
     if not len(ok):
         return pd.DataFrame()
     for col in ("storage", "accum"):
@@ -286,7 +276,7 @@ def _pct(x: float) -> str:
 
 def claims(df: pd.DataFrame) -> list[Claim]:
     """The seed's order/precision claims as this grid measured them."""
-    ok = df[df["status"] == "ok"]
+    ok = ok_rows(df)
     std = ok[(ok["attention"] == "standard") & (ok["decode_attention"] == "same")]
     out = []
 
@@ -385,42 +375,7 @@ STUDY = Study(
     run=run,
     config_fields=CONFIG_FIELDS,
     result_fields=RESULT_FIELDS,
-    check_config=check_config,
+    validate_config=validate_config,
     summarize=summarize,
     claims=claims,
 )
-
-
-def precision_table(
-    seeds: tuple[int, ...] = (0, 1),
-    formats: tuple[tuple[str, str], ...] | None = None,
-    attention: tuple[str, ...] = ("standard",),
-    decode_attention: str = "same",
-    prefill_orders: tuple[str, ...] = ORDERS,
-    **fixed: int,
-) -> pd.DataFrame:
-    """Run the study in-process over the given cases and return one row per run (config + results).
-
-    ``formats``: (storage, accum) pairs, default all nine; ``fixed`` overrides
-    the model sizes (defaults: the built-in grid's). For library users who want
-    a DataFrame without the sweep engine.
-    """
-    base = {"n_layer": 2, "n_head": 2, "d_model": 16, "d_ff": 32, "vocab": 32, "prompt_len": 8, "steps": 8}
-    base.update(fixed)
-    pairs = formats if formats is not None else tuple((s, a) for s in FORMATS for a in FORMATS)
-    rows = []
-    for seed in seeds:
-        for storage, accum in pairs:
-            for att in attention:
-                for order in prefill_orders:
-                    config = dict(
-                        base,
-                        seed=seed,
-                        storage=storage,
-                        accum=accum,
-                        attention=att,
-                        decode_attention=decode_attention,
-                        prefill_order=order,
-                    )
-                    rows.append({**config, **run(config), "status": "ok", "run_id": str(len(rows))})
-    return pd.DataFrame(rows)

@@ -1,16 +1,13 @@
-"""Toy tasks and a hand-written Adam: small models trained by kvfast itself, deterministic from a seed.
+"""The toy task and a hand-written Adam: small models trained by kvfast itself, deterministic from a seed.
 
-A task draws sequences whose first ``prefix`` tokens are uniformly random and
-whose remaining tokens are a fixed function of that prefix:
-
-- ``cycle``:   the prefix repeated, ``s[t] = s[t % prefix]`` (any ``length > prefix``);
-- ``reverse``: the prefix then its reverse, ``s[prefix + i] = s[prefix - 1 - i]`` (``length == 2 * prefix``);
-- ``sort``:    the prefix then its tokens in ascending order (``length == 2 * prefix``).
+The bug study's trained models learn the *cycle* task: sequences whose first
+``prefix`` tokens are uniformly random and which then repeat them,
+``s[t] = s[t % prefix]`` (any ``length > prefix``).
 
 The model reads ``s[:-1]`` and is trained to predict ``s[1:]``; only the
 positions whose target is determined by the prefix (``t >= prefix - 1``) enter
-the loss (:attr:`Task.loss_from`). Training uses the model's hand-written
-float64 backward (:func:`kvfast.model.transformer.run_loss_and_grads`) and the
+the loss (:attr:`CycleTask.loss_from`). Training uses the model's hand-written
+float64 backward (:func:`kvfast.model.transformer.loss_and_grads_prepared`) and the
 Adam below; every random draw derives from the ``seed`` argument, so the same
 arguments give the same parameters bit for bit. :func:`train` is memoised
 in-process, so a sweep worker trains each model once.
@@ -24,42 +21,29 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvfast.model.config import ModelConfig, init_params
-from kvfast.model.transformer import Weights, run_forward, run_loss_and_grads
+from kvfast.model.transformer import Weights, forward_prepared, loss_and_grads_prepared
 from kvfast.numerics import Numerics
-
-TASK_KINDS = ("cycle", "reverse", "sort")
+from kvfast.validation import require_int
 
 
 @dataclass(frozen=True)
-class Task:
-    """A learnable sequence task (see the module docstring).
+class CycleTask:
+    """The cycle task (see the module docstring).
 
     ``vocab``: token ids drawn from ``[0, vocab)``; ``length``: tokens per
     sequence (the model reads ``length - 1`` of them, so it needs
     ``max_pos >= length - 1``); ``prefix``: how many leading tokens are free.
     """
 
-    kind: str
     vocab: int
     length: int
     prefix: int
 
     def __post_init__(self) -> None:
-        if self.kind not in TASK_KINDS:
-            raise ValueError(f"kind: {self.kind!r} is not allowed; allowed: {', '.join(TASK_KINDS)}")
-        for name in ("vocab", "length", "prefix"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-                raise ValueError(f"{name}: {value!r} is not allowed; allowed: a positive integer")
-            object.__setattr__(self, name, int(value))
-        if self.vocab < 2:
-            raise ValueError(f"vocab: {self.vocab} is not allowed; allowed: an integer >= 2")
-        if self.kind == "cycle" and self.length <= self.prefix:
+        for name, minimum in (("vocab", 2), ("length", 1), ("prefix", 1)):
+            object.__setattr__(self, name, require_int(getattr(self, name), name, minimum))
+        if self.length <= self.prefix:
             raise ValueError(f"length: {self.length} is not allowed; allowed: an integer > prefix={self.prefix}")
-        if self.kind != "cycle" and self.length != 2 * self.prefix:
-            raise ValueError(
-                f"length: {self.length} is not allowed for kind={self.kind!r}; allowed: 2 * prefix = {2 * self.prefix}"
-            )
 
     @property
     def loss_from(self) -> int:
@@ -72,19 +56,13 @@ class Task:
         if head.shape != (self.prefix,):
             raise ValueError(f"prefix_tokens: shape {head.shape} is not allowed; allowed: ({self.prefix},)")
         n = self.length if length is None else int(length)
-        if self.kind == "cycle":
-            return head[np.arange(n) % self.prefix]
-        if n != self.length:
-            raise ValueError(f"length: {n} is not allowed for kind={self.kind!r}; allowed: {self.length}")
-        tail = head[::-1] if self.kind == "reverse" else np.sort(head)
-        return np.concatenate([head, tail])
+        return head[np.arange(n) % self.prefix]
 
 
-def make_batch(task: Task, rng: np.random.Generator, batch: int) -> tuple[np.ndarray, np.ndarray]:
+def make_batch(task: CycleTask, rng: np.random.Generator, batch: int) -> tuple[np.ndarray, np.ndarray]:
     """``batch`` fresh sequences of ``task``: ``(inputs, targets)``, both ``(batch, length - 1)`` int64."""
-    if isinstance(batch, bool) or not isinstance(batch, int | np.integer) or batch < 1:
-        raise ValueError(f"batch: {batch!r} is not allowed; allowed: a positive integer")
-    heads = rng.integers(0, task.vocab, size=(int(batch), task.prefix))
+    batch = require_int(batch, "batch", 1)
+    heads = rng.integers(0, task.vocab, size=(batch, task.prefix))
     seqs = np.stack([task.complete(h) for h in heads])
     return seqs[:, :-1].copy(), seqs[:, 1:].copy()
 
@@ -140,7 +118,7 @@ def batch_loss_and_grads(
     total = 0.0
     acc = {k: np.zeros_like(a) for k, a in params.items()}
     for x, y in zip(inputs, targets, strict=True):
-        loss, grads = run_loss_and_grads(
+        loss, grads = loss_and_grads_prepared(
             config, w, x, y, numerics, loss_from=loss_from, detach_kv_before=detach_kv_before
         )
         total += loss
@@ -150,27 +128,26 @@ def batch_loss_and_grads(
     return total / n, {k: g / n for k, g in acc.items()}
 
 
-def _check_train_args(config: ModelConfig, task: Task, seed: int, steps: int, lr: float, batch: int) -> None:
+def _validate_train_args(config: ModelConfig, task: CycleTask, seed: int, steps: int, lr: float, batch: int) -> None:
     if not isinstance(config, ModelConfig):
         raise ValueError(f"config: {type(config).__name__} is not allowed; allowed: a ModelConfig")
-    if not isinstance(task, Task):
-        raise ValueError(f"task: {type(task).__name__} is not allowed; allowed: a Task")
+    if not isinstance(task, CycleTask):
+        raise ValueError(f"task: {type(task).__name__} is not allowed; allowed: a CycleTask")
     if task.vocab != config.vocab:
         raise ValueError(f"task.vocab: {task.vocab} is not allowed; allowed: config.vocab = {config.vocab}")
     if task.length - 1 > config.max_pos:
         raise ValueError(
             f"task.length: {task.length} is not allowed; allowed: at most max_pos + 1 = {config.max_pos + 1}"
         )
-    for name, value, lo in (("seed", seed, 0), ("steps", steps, 0), ("batch", batch, 1)):
-        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < lo:
-            raise ValueError(f"{name}: {value!r} is not allowed; allowed: an integer >= {lo}")
+    for name, value, minimum in (("seed", seed, 0), ("steps", steps, 0), ("batch", batch, 1)):
+        require_int(value, name, minimum)
     if isinstance(lr, bool) or not isinstance(lr, float | int) or not lr > 0:
         raise ValueError(f"lr: {lr!r} is not allowed; allowed: a positive float")
 
 
 @functools.lru_cache(maxsize=64)
 def _train_cached(
-    config: ModelConfig, task: Task, seed: int, steps: int, lr: float, batch: int, detach_kv_before: int
+    config: ModelConfig, task: CycleTask, seed: int, steps: int, lr: float, batch: int
 ) -> tuple[tuple[str, np.ndarray], ...]:
     params = init_params(config, seed)
     state = AdamState.zeros(params)
@@ -178,7 +155,7 @@ def _train_cached(
     numerics = Numerics()
     for _ in range(steps):
         inputs, targets = make_batch(task, rng, batch)
-        _, grads = batch_loss_and_grads(config, params, inputs, targets, task.loss_from, numerics, detach_kv_before)
+        _, grads = batch_loss_and_grads(config, params, inputs, targets, task.loss_from, numerics)
         adam_step(params, grads, state, lr)
     out = []
     for name, arr in params.items():
@@ -189,30 +166,25 @@ def _train_cached(
 
 def train(
     config: ModelConfig,
-    task: Task,
+    task: CycleTask,
     seed: int,
     steps: int,
     lr: float,
     batch: int = 8,
-    detach_kv_before: int = 0,
 ) -> dict[str, np.ndarray]:
     """Parameters of ``config`` trained on ``task`` for ``steps`` Adam steps of ``batch`` sequences.
 
     Initialisation is :func:`kvfast.init_params` with ``seed``; batches come
     from a generator seeded by ``seed``; the forward runs in float64 and the
-    backward is the model's hand-written one. ``detach_kv_before = P`` trains
-    with the keys and values of positions ``< P`` as constants (a cached
-    prefix). Memoised per argument tuple: the returned arrays are read-only
+    backward is the model's hand-written one. Memoised per argument tuple: the returned arrays are read-only
     and shared, the dict is fresh (copy an array before changing it).
     """
-    _check_train_args(config, task, seed, steps, lr, batch)
-    if isinstance(detach_kv_before, bool) or not isinstance(detach_kv_before, int) or detach_kv_before < 0:
-        raise ValueError(f"detach_kv_before: {detach_kv_before!r} is not allowed; allowed: an integer >= 0")
-    return dict(_train_cached(config, task, int(seed), int(steps), float(lr), int(batch), int(detach_kv_before)))
+    _validate_train_args(config, task, seed, steps, lr, batch)
+    return dict(_train_cached(config, task, int(seed), int(steps), float(lr), int(batch)))
 
 
 def evaluate(
-    config: ModelConfig, params: dict[str, np.ndarray], task: Task, seed: int, n: int = 64
+    config: ModelConfig, params: dict[str, np.ndarray], task: CycleTask, seed: int, n: int = 64
 ) -> dict[str, float]:
     """Teacher-forced held-out ``loss`` and ``accuracy`` (argmax == target) over the determined positions.
 
@@ -224,7 +196,7 @@ def evaluate(
     inputs, targets = make_batch(task, np.random.default_rng([seed, 0xE7A1]), n)
     losses, hits, count = [], 0, 0
     for x, y in zip(inputs, targets, strict=True):
-        logits = run_forward(config, w, x, numerics)[task.loss_from :]
+        logits = forward_prepared(config, w, x, numerics)[task.loss_from :]
         yy = y[task.loss_from :]
         shifted = logits - logits.max(axis=1, keepdims=True)
         logp = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))

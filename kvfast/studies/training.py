@@ -15,7 +15,7 @@ budget (same initialisation, same batches, same Adam steps and learning rate):
   gradient flows everywhere;
 - ``cached``: the same loss, but the keys and values of positions ``< P`` are
   constants (a cached prefix reused in fine-tuning; implemented with
-  ``run_loss_and_grads(..., detach_kv_before=P)``). Its loss as a function of
+  ``loss_and_grads_prepared(..., detach_kv_before=P)``). Its loss as a function of
   the parameters is :func:`cached_prefix_loss` (the prefix's K/V come from a
   frozen copy of the parameters through a real :class:`~kvfast.KVCache`), and
   its gradient is checked against central differences of that loss in the tests.
@@ -38,11 +38,13 @@ import pyarrow as pa
 from kvfast.model import layers as L
 from kvfast.model.cache import KVCache
 from kvfast.model.config import ModelConfig, init_params
-from kvfast.model.transformer import Weights, run_forward
+from kvfast.model.transformer import Weights, forward_prepared
 from kvfast.numerics import Numerics
-from kvfast.studies.base import Claim, Study, require_int
+from kvfast.studies.base import Claim, Study
+from kvfast.studies.common import MODEL_SHAPE_FIELDS, model_config, ok_rows, require_model_shape
 from kvfast.studies.criteria import DIRECTION, judged
 from kvfast.studies.toytask import AdamState, adam_step, batch_loss_and_grads
+from kvfast.validation import not_allowed, require_int
 
 VERSION = "1"
 
@@ -54,11 +56,7 @@ F64 = Numerics()
 CONFIG_FIELDS = {
     "seed": pa.int64(),
     "prefix_len": pa.int64(),
-    "n_layer": pa.int64(),
-    "n_head": pa.int64(),
-    "d_model": pa.int64(),
-    "d_ff": pa.int64(),
-    "vocab": pa.int64(),
+    **MODEL_SHAPE_FIELDS,
     "train_steps": pa.int64(),
     "batch": pa.int64(),
     "lr": pa.float64(),
@@ -77,32 +75,16 @@ RESULT_FIELDS = {
 }
 
 
-def check_config(config: dict) -> None:
-    require_int(config, "seed", 0)
-    require_int(config, "prefix_len", 0, SEQ_LEN - 1)
-    for name in ("n_layer", "n_head", "d_model", "d_ff", "batch", "grad_batch", "eval_size"):
-        require_int(config, name, 1, 4096)
-    require_int(config, "vocab", 3, 4096)
-    require_int(config, "train_steps", 0, 10**6)
+def validate_config(config: dict) -> None:
+    """Raise ``ValueError`` naming the field, its value and what is allowed."""
+    require_model_shape(config, min_vocab=3)
+    require_int(config.get("prefix_len"), "prefix_len", 0, SEQ_LEN - 1)
+    for name in ("batch", "grad_batch", "eval_size"):
+        require_int(config.get(name), name, 1, 4096)
+    require_int(config.get("train_steps"), "train_steps", 0, 10**6)
     lr = config.get("lr")
     if isinstance(lr, bool) or not isinstance(lr, float | int) or not 0 < lr < 1:
-        raise ValueError(f"lr: {lr!r} is not allowed; allowed: a float in (0, 1)")
-    if config["d_model"] % config["n_head"]:
-        raise ValueError(
-            f"d_model: {config['d_model']} is not divisible by n_head={config['n_head']}; allowed: a multiple"
-        )
-
-
-def model_config(config: dict) -> ModelConfig:
-    """The transformer of a run (``max_pos`` = 12)."""
-    return ModelConfig(
-        vocab=config["vocab"],
-        d_model=config["d_model"],
-        n_head=config["n_head"],
-        n_layer=config["n_layer"],
-        d_ff=config["d_ff"],
-        max_pos=SEQ_LEN,
-    )
+        raise not_allowed("lr", lr, "a float in (0, 1)")
 
 
 def successor_batch(rng: np.random.Generator, n: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:
@@ -137,8 +119,8 @@ def cached_prefix_loss(
     """
     cache = KVCache.empty(cfg, F64, tokens.shape[0])
     if prefix_len > 0:
-        run_forward(cfg, Weights.prepare(cfg, frozen, F64), tokens[:prefix_len], F64, cache)
-    logits = run_forward(cfg, Weights.prepare(cfg, params, F64), tokens[prefix_len:], F64, cache)
+        forward_prepared(cfg, Weights.prepare(cfg, frozen, F64), tokens[:prefix_len], F64, cache)
+    logits = forward_prepared(cfg, Weights.prepare(cfg, params, F64), tokens[prefix_len:], F64, cache)
     loss, _ = L.cross_entropy_forward(logits, targets[prefix_len:])
     return loss
 
@@ -148,7 +130,7 @@ def heldout(cfg: ModelConfig, params: dict, inputs: np.ndarray, targets: np.ndar
     w = Weights.prepare(cfg, params, F64)
     losses, hits = [], 0
     for x, y in zip(inputs, targets, strict=True):
-        logits = run_forward(cfg, w, x, F64)[first:]
+        logits = forward_prepared(cfg, w, x, F64)[first:]
         loss, _ = L.cross_entropy_forward(logits, y[first:])
         losses.append(loss)
         hits += int((logits.argmax(axis=1) == y[first:]).sum())
@@ -157,7 +139,7 @@ def heldout(cfg: ModelConfig, params: dict, inputs: np.ndarray, targets: np.ndar
 
 def train(config: dict, cached: bool) -> dict[str, np.ndarray]:
     """Parameters after ``train_steps`` Adam steps on fresh batches, full or cached-prefix (module docstring)."""
-    cfg = model_config(config)
+    cfg = model_config(config, SEQ_LEN)
     params = init_params(cfg, config["seed"])
     state = AdamState.zeros(params)
     rng = np.random.default_rng([config["seed"], 0x7124])
@@ -170,8 +152,8 @@ def train(config: dict, cached: bool) -> dict[str, np.ndarray]:
 
 def run(config: dict) -> dict:
     """One run: gradient cosine at initialisation, then both variants trained and evaluated."""
-    check_config(config)
-    cfg = model_config(config)
+    validate_config(config)
+    cfg = model_config(config, SEQ_LEN)
     p = config["prefix_len"]
     params0 = init_params(cfg, config["seed"])
     gx, gy = successor_batch(np.random.default_rng([config["seed"], 0x6AD]), config["grad_batch"], config["vocab"])
@@ -191,7 +173,7 @@ def run(config: dict) -> dict:
 
 def summarize(df: pd.DataFrame) -> pd.DataFrame:
     """Per training budget and prefix length: means over seeds of the gradient cosine and held-out losses."""
-    ok = df[df["status"] == "ok"]
+    ok = ok_rows(df)
     if not len(ok):
         return pd.DataFrame()
     return (
@@ -215,7 +197,8 @@ def claims(df: pd.DataFrame) -> list[Claim]:
     """The seed's training claims at a prefix of 6 of 12 (means over seeds, per training budget).
 
     Both check a direction only (cosine below 1; cached loss above full), and are labelled so."""
-    ok = df[(df["status"] == "ok") & (df["prefix_len"] == TASK_PREFIX)]
+    ok = ok_rows(df)
+    ok = ok[ok["prefix_len"] == TASK_PREFIX]
     if not len(ok):
         return []
     cos = ok["grad_cosine"]
@@ -249,31 +232,7 @@ STUDY = Study(
     run=run,
     config_fields=CONFIG_FIELDS,
     result_fields=RESULT_FIELDS,
-    check_config=check_config,
+    validate_config=validate_config,
     summarize=summarize,
     claims=claims,
 )
-
-DEFAULTS: dict = {
-    "n_layer": 2,
-    "n_head": 2,
-    "d_model": 16,
-    "d_ff": 32,
-    "vocab": 16,
-    "train_steps": 100,
-    "batch": 8,
-    "lr": 0.01,
-    "grad_batch": 32,
-    "eval_size": 64,
-}
-
-
-def training_table(seeds: tuple[int, ...] = (0,), prefix_lens: tuple[int, ...] = (6,), **fixed) -> pd.DataFrame:
-    """Run the study in-process (defaults: :data:`DEFAULTS`) and return one row per run, for library users."""
-    base = dict(DEFAULTS, **fixed)
-    rows = []
-    for seed in seeds:
-        for p in prefix_lens:
-            config = dict(base, seed=seed, prefix_len=p)
-            rows.append({**config, **run(config), "status": "ok", "run_id": str(len(rows))})
-    return pd.DataFrame(rows)

@@ -1,10 +1,15 @@
-"""The sweep engine: grids (TOML), parallel runs (joblib, Dask), Parquet results, resume.
+"""The sweep engine: grids (TOML), parallel runs (joblib, Dask), Parquet results, resume; in-process runs.
 
-See ``docs/sweep.md`` for the grid format and the results schema.
+See ``docs/sweep.md`` for the grid format and the results schema. The in-process
+names (:mod:`kvfast.sweep.inline`: ``run_inline``, ``default_cases``, ``score_detector``,
+``compare_detectors``) are imported on first use, so that importing the engine (``kvfast.load``)
+does not load the checker and its Numba kernels.
 """
 
+import importlib
+
 from kvfast.sweep.engine import BACKENDS, SweepReport, run_sweep
-from kvfast.sweep.grid import Grid, Run, builtin_grids, grid_from_spec, load_grid
+from kvfast.sweep.grid import Grid, Run, builtin_grids, grid_from_configs, grid_from_spec, load_grid
 from kvfast.sweep.ids import canonical_json, run_id
 from kvfast.sweep.store import MANIFEST, ResultsDir, list_parts, load, schema_for
 
@@ -17,11 +22,26 @@ __all__ = [
     "SweepReport",
     "builtin_grids",
     "canonical_json",
+    "compare_detectors",
+    "default_cases",
+    "grid_from_configs",
     "grid_from_spec",
     "list_parts",
     "load",
     "load_grid",
     "run_id",
+    "run_inline",
     "run_sweep",
     "schema_for",
+    "score_detector",
 ]
+
+_INLINE = ("compare_detectors", "default_cases", "run_inline", "score_detector")
+
+
+def __getattr__(name: str):
+    if name not in _INLINE:
+        raise AttributeError(f"module 'kvfast.sweep' has no attribute {name!r}")
+    value = getattr(importlib.import_module("kvfast.sweep.inline"), name)
+    globals()[name] = value
+    return value

@@ -424,7 +424,7 @@ def run_sweep(
         raise ValueError(f"chunk_size: {chunk_size!r} is not allowed; allowed: an integer >= 1")
     study = grid.study
     store = ResultsDir(out)
-    store.check(study, fresh=fresh)
+    store.require_writable(study, fresh=fresh)
     t_start = time.perf_counter()
     client = cluster = None
     if backend == "dask" and (jobs > 1 or scheduler):

@@ -23,7 +23,7 @@ The TOML form (see ``docs/sweep.md``)::
 Expansion order is deterministic (axes in TOML order, then tied groups, then
 union entries); a config that occurs twice (same run id) is kept once, at its
 first position. Every config must set exactly the study's ``config_fields``;
-its values are checked by the study's ``check_config`` and against the column
+its values are checked by the study's ``validate_config`` and against the column
 types, all before any run starts. Nothing is evaluated: ``tomllib`` only.
 """
 
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 import tomllib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -76,6 +77,11 @@ class Grid:
 
     def __len__(self) -> int:
         return len(self.runs)
+
+    @property
+    def configs(self) -> list[dict]:
+        """Every run's config (a fresh dict each), in expansion order."""
+        return [dict(r.config) for r in self.runs]
 
 
 def grids_dir() -> Path:
@@ -237,18 +243,34 @@ def grid_from_spec(spec: dict, name: str = "<grid>", source: str = "<spec>") -> 
     for config in configs:
         config = {f: _coerce(config[f], t) for f, t in fields.items()}
         try:
-            study.check_config(config)
+            study.validate_config(config)
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from None
         rid = run_id(study.name, study.version, config)
         if rid not in runs:
             runs[rid] = Run(rid, config)
     for f, t in fields.items():
-        _check_column(name, f, t, [r.config[f] for r in runs.values()])
+        _validate_column(name, f, t, [r.config[f] for r in runs.values()])
     return Grid(name=name, source=source, spec=canonical(spec), study=study, runs=tuple(runs.values()))
 
 
-def _check_column(name: str, field: str, typ: pa.DataType, values: list) -> None:
+def grid_from_configs(study: str, configs: Iterable[dict], name: str = "<configs>") -> Grid:
+    """The grid of exactly these configs of ``study``, through :func:`grid_from_spec`.
+
+    Each config is one ``[[union]]`` entry of ``[fixed]`` values, so the same
+    validation, column types, run ids and de-duplication apply as to a TOML grid.
+    """
+    union = []
+    for i, config in enumerate(configs):
+        if not isinstance(config, dict):
+            raise ValueError(f"{name}: configs[{i}]: {type(config).__name__} is not allowed; allowed: a dict")
+        union.append({"fixed": dict(config)})
+    if not union:
+        raise ValueError(f"{name}: configs: empty; allowed: at least one config")
+    return grid_from_spec({"study": study, "union": union}, name=name, source=name)
+
+
+def _validate_column(name: str, field: str, typ: pa.DataType, values: list) -> None:
     """``ValueError`` unless every value of a config column fits its Arrow type."""
     try:
         pa.array(values, type=typ)

@@ -147,7 +147,7 @@ class ResultsDir:
             raise ValueError(f"{self.path}: {MANIFEST} is not a kvfast manifest (format {data.get('format')!r})")
         return data
 
-    def check(self, study: Study, fresh: bool = False) -> None:
+    def require_writable(self, study: Study, fresh: bool = False) -> None:
         """Refuse (``ValueError``) a directory that a sweep of ``study`` may not write into.
 
         Refused: a file; an unwritable directory; a non-empty directory without a

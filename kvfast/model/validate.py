@@ -1,4 +1,9 @@
-"""Argument checks shared by the model's public functions."""
+"""Argument validation for the model's public functions (messages: ``FIELD: VALUE ...; allowed: WHAT``).
+
+Each ``require_*`` returns its argument in the form the computation uses (a
+``Numerics`` for a preset name, an int64 array for a token sequence) or raises
+``ValueError``; plain integers go through :func:`kvfast.validation.require_int`.
+"""
 
 from __future__ import annotations
 
@@ -6,23 +11,26 @@ import numpy as np
 
 from kvfast.model.config import ModelConfig
 from kvfast.numerics import Numerics
+from kvfast.validation import not_allowed
 
 
-def check_config(config: object) -> ModelConfig:
+def require_config(config: object) -> ModelConfig:
+    """``config`` if it is a :class:`ModelConfig`."""
     if not isinstance(config, ModelConfig):
         raise ValueError(f"config: {type(config).__name__} is not allowed; allowed: a ModelConfig")
     return config
 
 
-def check_numerics(numerics: object, field: str = "numerics") -> Numerics:
+def require_numerics(numerics: object, field: str = "numerics") -> Numerics:
+    """A :class:`Numerics`, or the preset of that name."""
     if isinstance(numerics, str):
         return Numerics.preset(numerics)
     if not isinstance(numerics, Numerics):
-        raise ValueError(f"{field}: {numerics!r} is not allowed; allowed: a Numerics or a preset name")
+        raise not_allowed(field, numerics, "a Numerics or a preset name")
     return numerics
 
 
-def check_tokens(config: ModelConfig, tokens: object, field: str = "tokens", start: int = 0) -> np.ndarray:
+def require_tokens(config: ModelConfig, tokens: object, field: str = "tokens", start: int = 0) -> np.ndarray:
     """A non-empty 1-D int64 array of ids in ``[0, vocab)`` that fits in ``max_pos`` after ``start``."""
     arr = np.asarray(tokens)
     if arr.ndim != 1 or arr.size == 0:
@@ -40,15 +48,10 @@ def check_tokens(config: ModelConfig, tokens: object, field: str = "tokens", sta
     return arr.astype(np.int64)
 
 
-def check_token(config: ModelConfig, token: object) -> int:
+def require_token(config: ModelConfig, token: object) -> int:
+    """One token id in ``[0, vocab)`` as an ``int``."""
     if isinstance(token, bool) or not isinstance(token, int | np.integer):
-        raise ValueError(f"token: {token!r} is not allowed; allowed: an integer in [0, {config.vocab})")
+        raise not_allowed("token", token, f"an integer in [0, {config.vocab})")
     if not 0 <= int(token) < config.vocab:
         raise ValueError(f"token: {token} is out of range; allowed: integers in [0, {config.vocab})")
     return int(token)
-
-
-def check_count(value: object, field: str, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
-        raise ValueError(f"{field}: {value!r} is not allowed; allowed: an integer >= {minimum}")
-    return int(value)

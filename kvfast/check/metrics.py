@@ -1,4 +1,7 @@
-"""Scoring a detector: recall, precision, false-positive rate and ROC AUC (Mann-Whitney, ties counted half).
+"""Detector metrics: recall, precision, false-positive rate, ROC AUC (Mann-Whitney, ties half), steps to detection.
+
+A leaf: it imports nothing from kvfast, so the checker's scoring
+(:mod:`kvfast.check.score`) and the detector study both use it.
 
 A detector gives each case a boolean *flag* and a real *score* for ranking;
 a *label* says which cases are positives. Every function here takes plain
@@ -114,6 +117,16 @@ def confusion(flags, labels) -> Confusion:
         precision=_ratio(tp, tp + fp),
         fpr=_ratio(fp, fp + tn),
     )
+
+
+def median_detection_step(flags, steps) -> float:
+    """The median of ``steps`` over the flagged cases that report a step (``None``/NaN: no step); ``nan`` if none."""
+    f = np.asarray(flags, dtype=bool)
+    s = np.asarray([np.nan if v is None else float(v) for v in steps], dtype=np.float64)
+    if f.shape != s.shape:
+        raise ValueError(f"steps: shape {s.shape} is not allowed; allowed: {f.shape} like flags")
+    fired = s[f & ~np.isnan(s)]
+    return float(np.median(fired)) if fired.size else math.nan
 
 
 def detector_metrics(flags, scores, labels) -> dict:

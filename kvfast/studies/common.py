@@ -1,0 +1,70 @@
+"""What the studies share: the model-shape config fields and their validation, a config's
+:class:`~kvfast.ModelConfig`, a choice among a study's values, and the ok rows of a results table.
+
+Integers are validated with :func:`kvfast.validation.require_int` (a study's own
+fields: ``require_int(config.get(name), name, lo, hi)``), so every message has
+the form ``FIELD: VALUE is not allowed; allowed: WHAT``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pandas as pd
+import pyarrow as pa
+
+from kvfast.model.config import ModelConfig
+from kvfast.validation import not_allowed, require_int
+
+# The config columns that size a run's transformer (every study has them, in this order).
+MODEL_SHAPE_FIELDS: dict[str, pa.DataType] = {
+    "n_layer": pa.int64(),
+    "n_head": pa.int64(),
+    "d_model": pa.int64(),
+    "d_ff": pa.int64(),
+    "vocab": pa.int64(),
+}
+
+
+def require_config_choice(config: dict, field: str, allowed: Sequence) -> None:
+    """``ValueError`` unless ``config[field]`` is one of ``allowed`` (listed in that order; bools only match bools)."""
+    listed = ", ".join(map(str, allowed))
+    if field not in config:
+        raise ValueError(f"{field}: missing; allowed: {listed}")
+    value = config[field]
+    if value not in allowed or isinstance(value, bool) != any(isinstance(a, bool) for a in allowed):
+        raise not_allowed(field, value, listed)
+
+
+def require_model_shape(config: dict, max_layers: int = 4096, max_width: int = 4096, min_vocab: int = 1) -> None:
+    """``ValueError`` unless ``seed`` and the :data:`MODEL_SHAPE_FIELDS` of ``config`` are in range.
+
+    ``seed >= 0``; ``n_layer`` in ``[1, max_layers]``; ``d_model`` in ``[1, max_width]``;
+    ``n_head`` in ``[1, d_model]`` and dividing ``d_model``; ``d_ff`` in ``[1, 4096]``;
+    ``vocab`` in ``[min_vocab, 4096]``.
+    """
+    require_int(config.get("seed"), "seed", 0)
+    require_int(config.get("n_layer"), "n_layer", 1, max_layers)
+    d_model = require_int(config.get("d_model"), "d_model", 1, max_width)
+    n_head = require_int(config.get("n_head"), "n_head", 1, d_model)
+    require_int(config.get("d_ff"), "d_ff", 1, 4096)
+    require_int(config.get("vocab"), "vocab", min_vocab, 4096)
+    if d_model % n_head:
+        raise ValueError(f"d_model: {d_model} is not allowed with n_head={n_head}; allowed: a multiple of n_head")
+
+
+def model_config(config: dict, max_pos: int) -> ModelConfig:
+    """The transformer a run's config names (``vocab``, ``d_model``, ``n_head``, ``n_layer``, ``d_ff``)."""
+    return ModelConfig(
+        vocab=config["vocab"],
+        d_model=config["d_model"],
+        n_head=config["n_head"],
+        n_layer=config["n_layer"],
+        d_ff=config["d_ff"],
+        max_pos=max_pos,
+    )
+
+
+def ok_rows(df: pd.DataFrame) -> pd.DataFrame:
+    """The runs of ``df`` stored with ``status == "ok"`` (all rows when there is no ``status`` column)."""
+    return df[df["status"] == "ok"] if "status" in df.columns else df

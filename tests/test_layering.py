@@ -1,0 +1,198 @@
+"""Imports run one way through kvfast: no cycle, and no import from a layer to the right of the importer's.
+
+Every import statement of every module is read from its source (an AST walk:
+top-level imports, imports inside functions and under ``TYPE_CHECKING``
+alike). A module may import from its own layer and from the layers to its
+left. The layers, left to right:
+
+0. **leaf**: ``kvfast._version``, ``kvfast.validation`` (they import nothing from kvfast).
+1. **kernels**: ``kvfast.kernels.*`` and ``kvfast.numerics`` (the validated names of the kernels'
+   format, order and attention codes).
+2. **model**: ``kvfast.model.*``.
+3. **check**: ``kvfast.check.*`` (``kvfast.check.metrics`` imports nothing from kvfast).
+4. **studies**: ``kvfast.studies.*``.
+5. **sweep**: ``kvfast.sweep.*`` (grids, execution, Parquet, in-process runs).
+6. **report**: ``kvfast.report.*`` (the claims table, quoted figures, plots and HTML page, from stored results).
+7. **commands**: ``kvfast`` itself (a facade that imports its public names on first use),
+   ``kvfast.cli``, ``kvfast.commands.*``, ``kvfast.bench.*``, ``kvfast.pytest_plugin`` and every
+   ``__main__`` module (entry points: nothing imports them).
+
+Importing ``a.b.c`` also runs the package ``a.b``'s ``__init__``, so an edge to a
+module counts as an edge to each of its packages too (except the importer's own
+packages, which are already running, and the ``kvfast`` facade).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import kvfast
+
+ROOT = Path(kvfast.__file__).resolve().parent
+
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("leaf", ("kvfast._version", "kvfast.validation")),
+    ("kernels", ("kvfast.kernels", "kvfast.numerics")),
+    ("model", ("kvfast.model",)),
+    ("check", ("kvfast.check",)),
+    ("studies", ("kvfast.studies",)),
+    ("sweep", ("kvfast.sweep",)),
+    ("report", ("kvfast.report",)),
+    ("commands", ("kvfast.cli", "kvfast.commands", "kvfast.bench", "kvfast.pytest_plugin")),
+]
+FACADE = "kvfast"
+
+
+def module_files() -> dict[str, Path]:
+    """Every module of kvfast by dotted name (a package by its own name)."""
+    out = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = ("kvfast", *path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def layer_of(name: str) -> int:
+    """The layer index of a module (``ValueError`` for a module the table above does not place)."""
+    if name == FACADE or name.rsplit(".", 1)[-1] == "__main__":
+        return len(LAYERS) - 1
+    for index, (_, prefixes) in enumerate(LAYERS):
+        if any(name == p or name.startswith(p + ".") for p in prefixes):
+            return index
+    raise ValueError(f"module {name}: in no layer; add it to LAYERS in tests/test_layering.py")
+
+
+def imported_modules(source: str, importer: str, is_package: bool, known: set[str]) -> set[str]:
+    """The kvfast modules that ``source`` (module ``importer``) imports anywhere in its body."""
+    found: set[str] = set()
+    package = importer if is_package else importer.rpartition(".")[0]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            # ``from pkg import sub`` imports the submodule ``pkg.sub`` when there is one
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        else:
+            continue
+        for target in targets:
+            if target != FACADE and not target.startswith(FACADE + "."):
+                continue
+            while target not in known and "." in target:  # ``import kvfast.x.y`` of a name, not a module
+                target = target.rpartition(".")[0]
+            found.add(target)
+            # running ``a.b.c`` runs ``a.b``'s __init__ first, unless the importer is inside ``a.b``
+            parent = target.rpartition(".")[0]
+            while parent and parent != FACADE:
+                if not (importer == parent or importer.startswith(parent + ".")):
+                    found.add(parent)
+                parent = parent.rpartition(".")[0]
+    found.discard(importer)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the kvfast modules it imports."""
+    files = module_files()
+    known = set(files)
+    return {
+        name: imported_modules(path.read_text(), name, path.name == "__init__.py", known)
+        for name, path in files.items()
+    }
+
+
+def right_to_left(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a module from a layer to the right of the importer's, as readable lines."""
+    bad = []
+    for importer, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            if layer_of(target) > layer_of(importer):
+                bad.append(
+                    f"{importer} ({LAYERS[layer_of(importer)][0]}) imports {target} ({LAYERS[layer_of(target)][0]})"
+                )
+    return bad
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles: every strongly connected set of two or more modules (Tarjan), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                group.append(top)
+                if top == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(found)
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    return import_graph()
+
+
+def test_every_module_is_in_a_layer(graph):
+    assert len(graph) > 40
+    for name in graph:
+        layer_of(name)
+
+
+def test_no_import_runs_right_to_left(graph):
+    assert right_to_left(graph) == []
+
+
+def test_no_import_cycle(graph):
+    assert cycles(graph) == []
+
+
+def test_the_walk_sees_imports_inside_functions_and_resolves_submodules():
+    known = {"kvfast.check", "kvfast.check.score", "kvfast.studies", "kvfast.studies.detector", "kvfast.model"}
+    source = (
+        "from kvfast.check import score\n"
+        "def f():\n"
+        "    from kvfast.studies.detector import DetectorCase\n"
+        "    import kvfast.model.config\n"
+    )
+    found = imported_modules(source, "kvfast.sweep.inline", False, known)
+    assert found == {"kvfast.check", "kvfast.check.score", "kvfast.studies", "kvfast.studies.detector", "kvfast.model"}
+
+
+def test_the_checks_fail_on_a_right_to_left_edge_and_on_a_cycle(graph):
+    """The checks can fail: one fake edge from check to studies (the circle this test guards against)."""
+    fake = {name: set(targets) for name, targets in graph.items()}
+    fake["kvfast.check.score"].add("kvfast.studies.detector")
+    assert right_to_left(fake) == ["kvfast.check.score (check) imports kvfast.studies.detector (studies)"]
+    found = cycles(fake)
+    assert len(found) == 1 and {"kvfast.check.score", "kvfast.studies.detector"} <= set(found[0])
+    with pytest.raises(ValueError, match="in no layer"):
+        layer_of("kvfast.newthing")
