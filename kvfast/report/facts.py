@@ -82,6 +82,17 @@ def _detector(df: pd.DataFrame) -> list[tuple[str, str, str]]:
 def _precision(df: pd.DataFrame) -> list[tuple[str, str, str]]:
     ok = _ok(df)
     rows = []
+    std = ok[(ok["attention"] == "standard") & (ok["decode_attention"] == "same")]
+    split = std[(std["storage"] == "bf16") & (std["accum"] == "f32") & (std["fwd_pos_agree"] < 1.0)]
+    for _, r in split.sort_values(["d_model", "seed", "prefill_order"]).iterrows():
+        rows.append(
+            (
+                f"f32_accum_split_d{int(r['d_model'])}_seed{int(r['seed'])}_{r['prefill_order']}",
+                f"bf16 storage + f32 accumulator, d_model {int(r['d_model'])}, seed {int(r['seed'])}, prefill "
+                f"{r['prefill_order']}: positions / values agreeing, first split",
+                f"{100 * r['fwd_pos_agree']:.1f}% / {100 * r['fwd_values_agree']:.2f}%, {r['fwd_first_diff']}",
+            )
+        )
     b = ok[(ok["accum"] == "bf16") & (ok["attention"] == "standard") & (ok["decode_attention"] == "same")]
     for d, g in b.groupby("d_model"):
         rows.append(
@@ -108,6 +119,26 @@ def _neartied(df: pd.DataFrame) -> list[tuple[str, str, str]]:
     ]
 
 
+def _training(df: pd.DataFrame) -> list[tuple[str, str, str]]:
+    ok = _ok(df)
+    rows = []
+    at = ok[ok["prefix_len"] == 6]
+    for steps, g in at.groupby("train_steps"):
+        g = g.sort_values("seed")
+        rows.append(
+            (
+                f"training_per_seed_{int(steps)}",
+                f"training at prefix 6 of 12, {int(steps)} steps, per seed: gradient cosine; suffix loss full / cached",
+                "; ".join(
+                    f"seed {int(r['seed'])}: {r['grad_cosine']:.3f}; {r['suffix_loss_full']:.3f} / "
+                    f"{r['suffix_loss_cached']:.3f}"
+                    for _, r in g.iterrows()
+                ),
+            )
+        )
+    return rows
+
+
 def _gradcheck(df: pd.DataFrame) -> list[tuple[str, str, str]]:
     ok = _ok(df)
     rows = []
@@ -127,6 +158,7 @@ FACTS = {
     "detector": _detector,
     "precision": _precision,
     "neartied": _neartied,
+    "training": _training,
     "gradcheck": _gradcheck,
 }
 
