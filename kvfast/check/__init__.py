@@ -6,6 +6,8 @@
 - :class:`KvfastModel`: kvfast's own model (with any catalogue bug) as a model under test.
 - :class:`NumpyModel`: a NumPy reference model of the same architecture, loading kvfast's ``.npz``.
 - :func:`score_detector`: score any cache test against the bug catalogue.
+- :class:`HFModel` (:mod:`kvfast.check.hf`, extra ``kvfast[hf]``): a Hugging Face causal LM as a model
+  under test (imported on first use: kvfast does not need torch).
 """
 
 from __future__ import annotations
@@ -25,7 +27,17 @@ from kvfast.check.score import (
     token_strings,
 )
 
+
+def __getattr__(name: str):
+    if name == "HFModel":
+        from kvfast.check.hf import HFModel
+
+        return HFModel
+    raise AttributeError(f"module 'kvfast.check' has no attribute {name!r}")
+
+
 __all__ = [
+    "HFModel",
     "DETECTORS",
     "MODES",
     "SCENARIOS",

@@ -17,6 +17,9 @@ A model under test is any object with these methods (tokens are passed as a
     Full recomputes of ``tokens`` that differ from ``recompute`` ONLY in how they
     add up (another batching, another kernel's summation order); never through
     the cache. A list is accepted too (named ``variant0``, ``variant1``, ...).
+``promote(dtype) -> model under test`` (optional)
+    The same model (its bug included) computing in ``dtype`` (``"float64"``):
+    the logic check ``check_cache(..., promote="float64")``.
 ``vocab_size`` (optional attribute, int)
     The vocabulary size. Without it the checker learns it from the logits of
     ``recompute([0])``.
@@ -30,8 +33,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvfast.validation import require_int
+
 REQUIRED = ("recompute", "prefill", "decode")
-OPTIONAL = ("extend", "recompute_variants")
+OPTIONAL = ("extend", "recompute_variants", "promote")
 PROTOCOL = "an object with recompute(tokens), prefill(tokens), decode(token) and optionally extend(tokens)"
 
 
@@ -119,22 +124,20 @@ def check_range(prompt: np.ndarray, vocab: int) -> None:
         raise ValueError(f"prompt: token {int(prompt[bad][0])} is out of range; allowed: integers in [0, {vocab})")
 
 
-def check_int(value: object, field: str, minimum: int, maximum: int | None = None) -> int:
-    """An ``int`` (not a bool) in ``[minimum, maximum]``."""
-    ok = not isinstance(value, bool) and isinstance(value, int | np.integer)
-    if ok:
-        ok = value >= minimum and (maximum is None or value <= maximum)
-    if not ok:
-        upper = "" if maximum is None else f" and <= {maximum}"
-        raise ValueError(f"{field}: {value!r} is not allowed; allowed: an integer >= {minimum}{upper}")
-    return int(value)
+def logits_format(value: object) -> str:
+    """The floating-point format a model's logits come in (before any widening): ``bfloat16``, ``float16``,
+    ``float32`` or ``float64`` (integers and anything else: ``float64``)."""
+    name = str(getattr(value, "dtype", "")).removeprefix("torch.")
+    if name in ("bfloat16", "float16", "float32", "float64"):
+        return name
+    return "float64"
 
 
 def vocab_of(model: object) -> int:
     """The model's vocabulary size: ``model.vocab_size`` if it is an int, else from ``recompute([0])``."""
     declared = getattr(model, "vocab_size", None)
     if declared is not None:
-        return check_int(declared, "model.vocab_size", 1)
+        return require_int(declared, "model.vocab_size", 1)
     probe = check_logits(model.recompute(np.zeros(1, dtype=np.int64)), "recompute", 1, None, "of [0]")
     return int(probe.shape[1])
 
