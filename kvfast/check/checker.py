@@ -561,8 +561,13 @@ def check_cache(
         split = require_int(split, "split", 1, T - 1)
     vocab = vocab_of(model)
     check_range(prompt, vocab)
+    limit = getattr(model, "max_positions", None)
+    if isinstance(limit, int) and T + steps > limit:
+        raise not_allowed(
+            "steps", steps, f"at most {limit - T} (the model has {limit} positions; the prompt takes {T})"
+        )
     if given is not None:
-        check_range(given, vocab)
+        check_range(given, vocab, "continuation")
     if follow == "cache":
         return _check_following_cache(model, prompt, steps, scenarios, fast, split, vocab, keep_logits)
 
@@ -633,6 +638,10 @@ def check_cache(
             batch_shape = {"batch shape (whole-sequence recompute)": np.abs(full - rows).max(axis=1)}
         sources, floor_notes = C.order_noise(model, prompt, final, rows, vocab, batch_shape)
         notes += floor_notes
+        scale = np.where(np.abs(rows).max(axis=1) > 0, np.abs(rows).max(axis=1), np.inf)
+        if sources:
+            listed = ", ".join(f"{k} (up to {float((v / scale).max()):.3g} relative)" for k, v in sources.items())
+            notes.append(f"order noise measured from: {listed}; pooled over the run")
 
     reports: dict[str, ScenarioReport] = {}
     for name in scenarios:

@@ -200,7 +200,9 @@ class HFModel:
             logits, cache = out[0], (out[1] if len(out) > 1 else None)
         else:
             logits = out.get("logits")
-            cache = out.get("cache") if "cache" in out else out.get("past_key_values")
+            keys = list(out.keys())  # never read a deprecated name: transformers 5.x warns on past_key_values
+            name = "cache" if "cache" in keys else "past_key_values" if "past_key_values" in keys else None
+            cache = None if name is None else out[name]
         if logits is None:
             raise not_allowed("model", type(model).__name__, f"{MODEL}; it returned no logits")
         return logits, cache

@@ -20,6 +20,8 @@ A model under test is any object with these methods (tokens are passed as a
 ``promote(dtype) -> model under test`` (optional)
     The same model (its bug included) computing in ``dtype`` (``"float64"``):
     the logic check ``check_cache(..., promote="float64")``.
+``max_positions`` (optional attribute, int)
+    The most positions the model can take; a longer check is bad input before any work.
 ``vocab_size`` (optional attribute, int)
     The vocabulary size. Without it the checker learns it from the logits of
     ``recompute([0])``.
@@ -117,11 +119,11 @@ def check_prompt(prompt: object) -> np.ndarray:
     return arr.astype(np.int64)
 
 
-def check_range(prompt: np.ndarray, vocab: int) -> None:
-    """Raise ``ValueError`` if a prompt token is not in ``[0, vocab)``."""
+def check_range(prompt: np.ndarray, vocab: int, field: str = "prompt") -> None:
+    """Raise ``ValueError`` if a token of ``field`` is not in ``[0, vocab)``."""
     bad = prompt >= vocab
     if bad.any():
-        raise ValueError(f"prompt: token {int(prompt[bad][0])} is out of range; allowed: integers in [0, {vocab})")
+        raise ValueError(f"{field}: token {int(prompt[bad][0])} is out of range; allowed: integers in [0, {vocab})")
 
 
 def logits_format(value: object) -> str:
