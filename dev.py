@@ -2,10 +2,12 @@
 """Run kvfast from a fresh clone with nothing but Python 3.11+ and pip.
 
     python3 dev.py reproduce [ARGS]   # create .venv, install kvfast, run `kvfast reproduce ARGS`
-    python3 dev.py test [ARGS]        # create .venv, install kvfast[test], run pytest ARGS
+    python3 dev.py test [ARGS]        # create .venv, install kvfast[test,hf], run pytest ARGS
     python3 dev.py kvfast ARGS        # any kvfast command inside the environment
 
-The environment is (re)installed when pyproject.toml changes.
+The environment is (re)installed when pyproject.toml or the torch pin changes. torch is installed
+first as the CPU build (TORCH_CPU, from the PyTorch CPU index or a local wheel store that pip is
+configured to search), so the Hugging Face tests run without pulling several GB of GPU libraries.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
 STAMP = VENV / ".kvfast-installed"
+TORCH_CPU = "torch==2.13.0+cpu"  # the CPU build; a plain `pip install torch` pulls ~20 GPU packages
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
 
 def ensure_env() -> None:
@@ -29,13 +33,13 @@ def ensure_env() -> None:
     if not (BIN / "python").exists():
         print("creating .venv ...", flush=True)
         venv.EnvBuilder(with_pip=True).create(VENV)
-    want = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    want = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + TORCH_CPU.encode()).hexdigest()
     if not STAMP.exists() or STAMP.read_text() != want:
-        print("installing kvfast[test] into .venv ...", flush=True)
-        subprocess.run(
-            [str(BIN / "python"), "-m", "pip", "install", "--quiet", "-e", f"{ROOT}[test]"],
-            check=True,
-        )
+        pip = [str(BIN / "python"), "-m", "pip", "install", "--quiet"]
+        print(f"installing {TORCH_CPU} into .venv ...", flush=True)
+        subprocess.run([*pip, TORCH_CPU, "--extra-index-url", TORCH_CPU_INDEX], check=True)
+        print("installing kvfast[test,hf] into .venv ...", flush=True)
+        subprocess.run([*pip, "-e", f"{ROOT}[test,hf]"], check=True)
         STAMP.write_text(want)
 
 
