@@ -673,6 +673,11 @@ def check_cache(
             f"the {fmt} verdict is inconclusive: run the logic check in float64 (promote='float64', "
             "--promote on the command line), where a cache logic bug stands far above rounding"
         )
+    elif mode == "control" and verdict == "rounding" and fmt in ("bfloat16", "float16"):
+        notes.append(
+            f"{fmt} logits resolve only a few significant digits: a cache logic bug can hide below {margin:g} "
+            "units in their last place; the logic check in float64 (promote='float64') rules it out"
+        )
     return CheckReport(mode, prompt, tokens, reports, verdict, path, tuple(notes), fmt, promoted)
 
 
