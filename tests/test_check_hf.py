@@ -12,6 +12,7 @@ The full matrix with its rates: ``python -m kvfast.check.hf_matrix``.
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 
 import numpy as np
@@ -126,7 +127,9 @@ def test_bfloat16_recommends_the_logic_check_when_inconclusive():
 
 def test_the_cache_argument_follows_the_forward_signature():
     model = tiny_model("llama", "float32", "sdpa", 0)
-    assert HFModel(model).cache_arg == "cache"  # transformers 5.x: past_key_values is deprecated
+    # transformers 5.x names it cache (past_key_values is deprecated there), 4.x past_key_values
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    assert HFModel(model).cache_arg == name
 
     class OldApi(torch.nn.Module):
         """A 4.x-style forward: the cache comes in as past_key_values."""
@@ -136,10 +139,9 @@ def test_the_cache_argument_follows_the_forward_signature():
             self.inner, self.config = inner, inner.config
 
         def forward(self, input_ids=None, past_key_values=None, attention_mask=None, use_cache=None):
-            out = self.inner(
-                input_ids=input_ids, cache=past_key_values, attention_mask=attention_mask, use_cache=use_cache
-            )
-            return {"logits": out.logits, "past_key_values": out.cache if use_cache else None}
+            kwargs = {name: past_key_values, "attention_mask": attention_mask, "use_cache": use_cache}
+            out = self.inner(input_ids=input_ids, **kwargs)
+            return {"logits": out.logits, "past_key_values": out[name] if use_cache else None}
 
     old = HFModel(OldApi(model))
     assert old.cache_arg == "past_key_values"
