@@ -37,9 +37,11 @@ def ensure_env() -> None:
     if not STAMP.exists() or STAMP.read_text() != want:
         pip = [str(BIN / "python"), "-m", "pip", "install", "--quiet"]
         print(f"installing {TORCH_CPU} into .venv ...", flush=True)
-        subprocess.run([*pip, TORCH_CPU, "--extra-index-url", TORCH_CPU_INDEX], check=True)
+        # torch alone from the CPU index (its dependencies come from the usual index in the next step,
+        # where the pin keeps this build): one lookup there, not one per dependency
+        subprocess.run([*pip, "--no-deps", TORCH_CPU, "--extra-index-url", TORCH_CPU_INDEX], check=True)
         print("installing kvfast[test,hf] into .venv ...", flush=True)
-        subprocess.run([*pip, "-e", f"{ROOT}[test,hf]"], check=True)
+        subprocess.run([*pip, "-e", f"{ROOT}[test,hf]", TORCH_CPU], check=True)
         STAMP.write_text(want)
 
 

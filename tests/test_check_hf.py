@@ -215,6 +215,10 @@ def test_mis_wrapped_models_raise_clear_value_errors():
         check_cache(model, [1, 2], 512)
     with pytest.raises(ValueError, match="positions: 513 is not allowed; allowed: at most 512 positions"):
         HFModel(model).recompute(np.zeros(513, dtype=np.int64))
+    shrunk = tiny_model("llama", "float32", "sdpa", 0)
+    shrunk.config.vocab_size = 200  # the config says 200 tokens, the embedding holds 96
+    with pytest.raises(ValueError, match=r"its forward\(\) raised IndexError on input_ids of shape \(1, 2\)"):
+        check_cache(shrunk, [150, 2], 2)
     with pytest.raises(ValueError, match="cache: empty; allowed: call prefill"):
         HFModel(model).decode(1)
     with pytest.raises(ValueError, match="variants: 'flash' is not allowed"):
@@ -283,7 +287,7 @@ def test_cli_checks_a_hugging_face_model(capsys, tmp_path, monkeypatch):
     assert "ROUNDING" in capsys.readouterr().out
     (tmp_path / "hf_bugged.py").write_text(
         "from kvfast.check.hf import HFModel, tiny_model\n\n"
-        "def make(bug, dtype='float32'):\n    return HFModel(tiny_model('llama', dtype), bug=bug)\n"
+        "def make(bug, dtype='float32', family='llama'):\n    return HFModel(tiny_model(family, dtype), bug=bug)\n"
     )
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -293,6 +297,13 @@ def test_cli_checks_a_hugging_face_model(capsys, tmp_path, monkeypatch):
     assert "logic check in float64 (same tokens): BUG" in out
     assert main([*bf16, "--factory-arg", "bug=replay", "--split", "1", "--margin", "2", "--decisive", "8"]) == 1
     assert "prompt split 1 + 3" in capsys.readouterr().out
+    # the bfloat16 GPT-2 with a growing window of test_bfloat16_recommends_the_logic_check_when_inconclusive
+    _, _, prompt, continuation = CASES[0]
+    unsure = ["check", "hf_bugged:make", "--mode", "control", "--factory-arg", "bug='window'"]
+    unsure += ["--factory-arg", "dtype=bfloat16", "--factory-arg", "family=gpt2"]
+    unsure += ["--prompt", ",".join(map(str, prompt)), "--continuation", ",".join(map(str, continuation))]
+    assert main(unsure) == 3
+    assert "INCONCLUSIVE" in capsys.readouterr().out
     assert main([*bf16, "--factory-arg", "bug=nope"]) == 2
     assert "bug: 'nope' is not allowed" in capsys.readouterr().err
     assert main([*bf16, "--factory-arg", "bug"]) == 2

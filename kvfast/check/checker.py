@@ -536,7 +536,8 @@ def check_cache(
     for name, flag in (("fast", fast), ("keep_logits", keep_logits)):
         if not isinstance(flag, bool):
             raise not_allowed(name, flag, "True or False")
-    follow = require_choice(follow, "follow", FOLLOW)
+    if follow not in FOLLOW:
+        raise not_allowed("follow", follow, ", ".join(FOLLOW))
     if follow == "cache" and mode != "exact":
         raise ValueError(f"follow: 'cache' is not allowed with mode={mode!r}; allowed: mode='exact'")
     if follow == "cache" and given is not None:

@@ -194,8 +194,16 @@ class HFModel:
 
     def _call(self, model, **kwargs):
         torch = _torch()
-        with torch.no_grad():
-            out = model(**kwargs)
+        try:
+            with torch.no_grad():
+                out = model(**kwargs)
+        except (RuntimeError, IndexError, TypeError) as exc:  # a mis-wrapped model: say so, not a tensor error
+            shape = tuple(kwargs["input_ids"].shape)
+            raise not_allowed(
+                "model",
+                type(model).__name__,
+                f"{MODEL}; its forward() raised {type(exc).__name__} on input_ids of shape {shape}: {exc}",
+            ) from exc
         if isinstance(out, tuple):
             logits, cache = out[0], (out[1] if len(out) > 1 else None)
         else:
