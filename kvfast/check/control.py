@@ -42,7 +42,7 @@ always finite. Verdicts per step: ``rounding`` when ``ratio <= margin``
 between. A scenario's verdict is its worst step's. Each step's report names
 the source that set its bound (``floor_source``).
 
-Measured (``python -m kvfast.check.hf`` prints the matrix and its rates): see
+Measured (``python -m kvfast.check.hf_matrix`` prints the matrix and its rates): see
 docs/check.md, section "Rounding or bug?".
 
 Limits
