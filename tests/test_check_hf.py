@@ -310,3 +310,20 @@ def test_cli_checks_a_hugging_face_model(capsys, tmp_path, monkeypatch):
     assert "--factory-arg: 'bug' is not allowed; allowed: KEY=VALUE" in capsys.readouterr().err
     assert main([*bf16, "--factory-arg", "bug=posoff", "--factory-arg", "colour=red"]) == 2
     assert "--factory-arg:" in capsys.readouterr().err
+
+
+def test_no_deprecation_warning_from_transformers():
+    """transformers 5.x warns once per process when past_key_values is passed or read; kvfast never does."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch; torch.set_num_threads(1)\n"
+        "from kvfast.check import check_cache\n"
+        "from kvfast.check.hf import tiny_model\n"
+        "for family in ('llama', 'gpt2'):\n"
+        "    check_cache(tiny_model(family), [1, 2, 3, 4], 4, mode='control', promote='float64')\n"
+        "    check_cache(tiny_model(family), [1, 2, 3, 4], 4)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "deprecated" not in out.stderr + out.stdout
