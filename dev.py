@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """Run kvfast from a fresh clone with nothing but Python 3.11+ and pip.
 
-    python3 dev.py reproduce [ARGS]   # create .venv, install kvfast, run `kvfast reproduce ARGS`
-    python3 dev.py test [ARGS]        # create .venv, install kvfast[test], run pytest ARGS
+    python3 dev.py reproduce [ARGS]   # create .venv, install kvfast[plot], run `kvfast reproduce ARGS`
+    python3 dev.py test [ARGS]        # create .venv, install kvfast[test,hf], run pytest ARGS
     python3 dev.py kvfast ARGS        # any kvfast command inside the environment
 
-The environment is (re)installed when pyproject.toml changes.
+The environment is (re)installed when pyproject.toml or the torch pin changes. torch is installed
+first as the CPU build (TORCH_CPU, from the PyTorch CPU index or a local wheel store that pip is
+configured to search), so the Hugging Face tests run without pulling several GB of GPU libraries.
 """
 
 from __future__ import annotations
@@ -21,30 +23,51 @@ ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
 STAMP = VENV / ".kvfast-installed"
+TORCH_CPU = "torch==2.13.0+cpu"  # the CPU build; a plain `pip install torch` pulls ~20 GPU packages
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
 
-def ensure_env() -> None:
+def _install_torch_cpu(pip: list[str]) -> None:
+    """The CPU build of torch, alone: from the indexes pip is configured with (a local wheel store
+    on machines that have one), else from the PyTorch CPU index."""
+    print(f"installing {TORCH_CPU} into .venv ...", flush=True)
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    if subprocess.run([*pip, "--no-deps", TORCH_CPU], **quiet).returncode != 0:
+        subprocess.run([*pip, "--no-deps", TORCH_CPU, "--extra-index-url", TORCH_CPU_INDEX], check=True)
+
+
+def ensure_env(extras: str) -> None:
+    """A .venv with kvfast installed in editable mode with ``extras`` (and torch's CPU build for ``hf``).
+
+    The stamp records what was installed for which pyproject.toml; a stamp that covers more extras
+    than asked for is kept (``test`` installs everything ``reproduce`` needs)."""
     if sys.version_info < (3, 11):  # noqa: UP036 (dev.py may be run by an older python3)
         sys.exit(f"kvfast needs Python 3.11 or newer; this is {sys.version.split()[0]}")
     if not (BIN / "python").exists():
         print("creating .venv ...", flush=True)
         venv.EnvBuilder(with_pip=True).create(VENV)
-    want = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
-    if not STAMP.exists() or STAMP.read_text() != want:
-        print("installing kvfast[test] into .venv ...", flush=True)
-        subprocess.run(
-            [str(BIN / "python"), "-m", "pip", "install", "--quiet", "-e", f"{ROOT}[test]"],
-            check=True,
-        )
-        STAMP.write_text(want)
+    project = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + TORCH_CPU.encode()).hexdigest()
+    wanted = set(extras.split(","))
+    if STAMP.exists():
+        stamp_project, _, stamp_extras = STAMP.read_text().partition(" ")
+        if stamp_project == project and wanted <= set(stamp_extras.split(",")):
+            return
+    pip = [str(BIN / "python"), "-m", "pip", "install", "--quiet"]
+    pins = []
+    if "hf" in wanted:
+        _install_torch_cpu(pip)
+        pins = [TORCH_CPU]  # keeps this build when transformers asks for torch
+    print(f"installing kvfast[{extras}] into .venv ...", flush=True)
+    subprocess.run([*pip, "-e", f"{ROOT}[{extras}]", *pins], check=True)
+    STAMP.write_text(f"{project} {extras}")
 
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in ("reproduce", "test", "kvfast"):
         print(__doc__)
         return 2
-    ensure_env()
     command, rest = argv[0], argv[1:]
+    ensure_env("plot" if command == "reproduce" else "test,hf,plot")
     if command == "test":
         cmd = [str(BIN / "python"), "-m", "pytest", *rest]
     elif command == "reproduce":

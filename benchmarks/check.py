@@ -15,7 +15,19 @@ one warm-up run that compiles:
 - per-step check: the same with ``fast=False`` (one recompute per step);
 - fast check, both scenarios: ``decode`` and ``resume``.
 
-Prints a Markdown table; the target is fast check <= 3x plain.
+Hugging Face models (when torch and transformers are installed; ``--hf-steps``,
+default 128): the tiny random Llama and GPT-2 of :func:`kvfast.check.hf.tiny_model`
+(float32, sdpa, one torch thread), a 16-token prompt:
+
+- plain: a cached greedy generation in torch (prefill, then one ``model(token,
+  cache=...)`` per step);
+- control check (decode) / (decode + resume): ``check_cache(model, ...,
+  mode="control")`` with the variants kvfast builds (other attention, batch of
+  two, one row at a time) and its control fast path (one recompute of the final
+  sequence, batch-shape noise from four prefix recomputes).
+
+Prints Markdown tables; the targets are fast check <= 3x plain (kvfast's model)
+and control check <= 3x plain (Hugging Face models).
 """
 
 from __future__ import annotations
@@ -51,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--hf-steps", type=int, default=128, help="decode steps for the Hugging Face models (0: skip)")
     args = ap.parse_args(argv)
     if args.steps < 1 or args.repeats < 1:
         ap.error("--steps and --repeats must be >= 1")
@@ -81,7 +94,45 @@ def main(argv: list[str] | None = None) -> int:
     ]:
         print(f"| {name} | {c:.4f} | {c / plain[0]:.2f} | {t:.4f} | {t / plain[1]:.2f} |")
     print(f"\ntarget fast <= 3x plain (CPU time): {'met' if fast[0] <= 3 * plain[0] else 'NOT met'}")
+    if args.hf_steps:
+        hf_benchmark(args.hf_steps, args.repeats)
     return 0
+
+
+def hf_benchmark(steps: int, repeats: int) -> None:
+    """The control check on tiny Hugging Face models against a plain cached generation (see the module doc)."""
+    try:
+        import torch
+
+        from kvfast.check.hf import tiny_model
+    except ImportError:
+        print("\nHugging Face benchmark skipped: torch/transformers not installed (pip install kvfast[hf])")
+        return
+    torch.set_num_threads(1)
+    prompt = np.random.default_rng(0).integers(0, 96, PROMPT_LEN)
+
+    def plain(model) -> None:
+        with torch.no_grad():
+            out = model(torch.from_numpy(prompt)[None, :], use_cache=True)
+            for _ in range(steps):
+                token = out.logits[0, -1].argmax().view(1, 1)
+                out = model(token, cache=out.cache, use_cache=True)
+
+    print(f"\nHugging Face models: {steps} decode steps after a {PROMPT_LEN}-token prompt, float32, sdpa, 1 thread")
+    print("| model | what | CPU s | x plain (CPU) | wall s | x plain (wall) |")
+    print("|---|---|---|---|---|---|")
+    for family in ("llama", "gpt2"):
+        model = tiny_model(family, "float32", "sdpa", 0)
+        report = check_cache(model, prompt, steps, mode="control")
+        if report.verdict != "rounding" or report.path != "fast":
+            raise SystemExit(f"unexpected: {family} path {report.path}, verdict {report.verdict}")
+        base = median_time(lambda m=model: plain(m), repeats)
+        decode = median_time(lambda m=model: check_cache(m, prompt, steps, "control", "decode"), repeats)
+        both = median_time(lambda m=model: check_cache(m, prompt, steps, "control"), repeats)
+        rows = [("plain cached generation", base), ("control check (decode)", decode)]
+        rows.append(("control check (decode + resume)", both))
+        for name, (c, t) in rows:
+            print(f"| {family} | {name} | {c:.4f} | {c / base[0]:.2f} | {t:.4f} | {t / base[1]:.2f} |")
 
 
 if __name__ == "__main__":

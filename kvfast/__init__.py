@@ -31,6 +31,7 @@ _EXPORTS = {
     "compare_detectors": "kvfast.sweep.inline",
     "score_detector": "kvfast.sweep.inline",
     "CheckReport": "kvfast.check",
+    "HFModel": "kvfast.check",
     "KvfastModel": "kvfast.check",
     "NumpyModel": "kvfast.check",
     "assert_cache_exact": "kvfast.check",

@@ -8,11 +8,14 @@ Installing kvfast is enough; in a test::
 
 ``kv_check(model, prompt, steps=64, mode="exact", **options)`` runs
 :func:`kvfast.check_cache` (options: ``scenarios``, ``fast``, ``split``,
-``margin``, ``window``) and returns the report; when the check fails the
-test fails with the report: the first divergent step, its deviation, the
-context tokens and a short per-step table. Bad input (a model without a
-required method, bad logits, a bad prompt) fails the test with
-``kv_check: bad input:`` and the ``ValueError``'s message.
+``margin``, ``decisive``, ``continuation``, ``promote``) and returns the
+report. ``model`` may be a Hugging Face causal LM (wrapped in
+:class:`kvfast.check.hf.HFModel`). When the check fails (a divergence, a bug,
+or an ``inconclusive`` control verdict that no float64 logic check cleared)
+the test fails with the report: which scenario failed first, at which step,
+by how much, the context tokens and a short per-step table. Bad input (a
+model without a required method, bad logits, a bad prompt) fails the test
+with ``kv_check: bad input:`` and the ``ValueError``'s message.
 
 This module imports nothing heavy at import time (kvfast's checker is imported
 when the fixture is first used), so the plugin never slows down or breaks
@@ -28,11 +31,14 @@ import pytest
 
 @pytest.fixture
 def kv_check() -> Callable:
-    """A function ``kv_check(model, prompt, steps=64, mode="exact", **options) -> CheckReport``; see the module."""
+    """A function ``kv_check(model, prompt, steps=64, mode="exact", **options) -> CheckReport``; see the module
+    (``steps`` defaults to the continuation's length when one is given)."""
 
-    def run(model, prompt, steps: int = 64, mode: str = "exact", **options):
+    def run(model, prompt, steps: int | None = None, mode: str = "exact", **options):
         from kvfast.check.checker import check_cache
 
+        if steps is None and options.get("continuation") is None:
+            steps = 64
         try:
             report = check_cache(model, prompt, steps, mode=mode, **options)
         except ValueError as exc:

@@ -8,6 +8,8 @@
 - :func:`score_detector`: score any cache test against the bug catalogue over given cases
   (:func:`kvfast.score_detector` fills in the detector study's cases); :mod:`kvfast.check.metrics`
   holds the metrics.
+- :class:`HFModel` (:mod:`kvfast.check.hf`, extra ``kvfast[hf]``): a Hugging Face causal LM as a model
+  under test (imported on first use: kvfast does not need torch).
 """
 
 from __future__ import annotations
@@ -26,7 +28,17 @@ from kvfast.check.score import (
     token_strings,
 )
 
+
+def __getattr__(name: str):
+    if name == "HFModel":
+        from kvfast.check.hf import HFModel
+
+        return HFModel
+    raise AttributeError(f"module 'kvfast.check' has no attribute {name!r}")
+
+
 __all__ = [
+    "HFModel",
     "DETECTORS",
     "MODES",
     "SCENARIOS",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from kvfast.model import bugs as B
@@ -48,6 +50,7 @@ class KvfastModel:
             )
         self.bug = bug
         self.bug_code = B.bug_code(bug)
+        self.params = params
         self.weights = Weights.prepare(self.config, params, self.numerics)
         self.cache: KVCache | None = None
         self.vocab_size = self.config.vocab
@@ -67,6 +70,16 @@ class KvfastModel:
             return {}
         tokens = require_tokens(self.config, tokens)
         return {"decode order": forward_prepared(self.config, self.weights, tokens, self.decode_numerics)}
+
+    def promote(self, dtype: str = "float64") -> KvfastModel:
+        """The same model and bug in float64 (``f64`` storage and accumulator, each path keeping its order)."""
+        if dtype != "float64":
+            raise ValueError(f"promote: {dtype!r} is not allowed; allowed: 'float64'")
+        nx, dec = self.numerics, self.decode_numerics
+        return KvfastModel(
+            self.config, self.params, replace(nx, storage="f64", accum="f64"), bug=self.bug,
+            decode_numerics=replace(dec, storage="f64", accum="f64"),
+        )  # fmt: skip
 
     def prefill(self, tokens) -> np.ndarray:
         """A fresh cache filled with ``tokens`` (positions 0..T-1); their logits (T, V)."""

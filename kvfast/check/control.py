@@ -1,59 +1,65 @@
-"""Control mode: is the cache's deviation rounding or a bug?
+"""Control mode: is the cache's deviation rounding, a bug, or inconclusive?
 
 This is the one place in kvfast with a tolerance, and the tolerance is
-measured, not chosen: it is the model's own order-noise floor.
+measured, not chosen: the model's own order noise, and never less than what
+the logits' format can resolve.
 
 Method
 ------
 Where prefill and decode run different kernels (a batched matrix product
-against a one-row product, another split of the keys), the cache path sums in
-another order than the recompute and an exact check flags rounding. Control
-mode measures, at every position, how far computations that differ ONLY in how
-they add up land from the reference recompute:
+against a one-row product, another attention kernel, another split of the
+keys), the cache path sums in another order than the recompute and an exact
+check flags rounding. Control mode measures how far computations that differ
+ONLY in how they add up land from the reference rows (the recompute):
 
-1. ``recompute_variants`` (the model's optional hook): full recomputes of the
-   same tokens batched differently, or in the decode kernel's order, never
-   through the cache. kvfast's own adapter offers the recompute in its decode
-   numerics; the NumPy reference model offers a one-row-at-a-time recompute.
-2. batch shape: when the model's recompute is not append-invariant (its rows
-   depend on how many rows the batch has, as with BLAS matrix products), the
-   per-step references ``recompute(prefix)[-1]`` are compared with the rows of
-   ``recompute(whole sequence)``.
+1. ``recompute_variants`` (the model's optional hook), computed once on the
+   final sequence: full recomputes batched differently, in another kernel's
+   order, never through the cache. kvfast builds them for Hugging Face models
+   (:mod:`kvfast.check.hf`: the other attention implementation, a batch of
+   two, every linear layer one row at a time); kvfast's own adapter offers the
+   recompute in its decode numerics.
+2. batch shape, when the recompute is not append-invariant (its rows depend
+   on how many rows the batch has): a few prefix recomputes against the same
+   rows of the reference (the fast path), or the whole-sequence recompute
+   against the per-step references (``fast=False``).
 
-``floor[t]`` is the largest of these deviations at step ``t`` (step 0: over
-every prompt row). Order noise is a random draw at each position, and one draw
-can be a lucky zero (the batch-shape source is even zero by construction at the
-last step, where the prefix is the whole sequence), so a step is judged against
+The noise is POOLED over the run, relative to the logits' magnitude: with
+``scale[p] = max |reference row p|`` and ``noise[p]`` the largest deviation of
+any source at position ``p``, ``rel = max_p noise[p] / scale[p]``. Order noise is
+a random draw at each position and one draw can be a lucky zero; the largest
+relative draw over every measured position is a level every position can
+reach. A step (step 0: the prompt rows it covers; step ``t``: one decode row)
+is judged against
 
-    bound[t] = max(largest floor within ``window`` steps of t, median floor over all steps)
+    bound[t] = max(rel * scale[t], ulp(format, scale[t]))
 
-(default window 2: five steps). A step is ``rounding`` when
-``deviation[t] <= margin * bound[t]`` and ``bug`` otherwise, with
-``ratio[t] = deviation[t] / bound[t]`` (``0`` for a zero deviation, ``inf`` when
-the bound is 0 and the deviation is not). The default margin is 4. Measured
-on 6 random models (d_model 32, 2 layers, prompt of 7, 30 decode steps; the
-script is the control tests' setup): correct models whose cache path adds up
-differently from their recompute reached ratios of at most 2 (kvfast's model
-with a pairwise prefill and a sequential decode, f32 and bf16 storage with a
-bf16 accumulator; an independent float32 NumPy model, whole-matrix recompute
-against one-row decode, with or without its one-row variant), while every
-catalogue bug reached a ratio of at least 7.1 (bf16 accumulator) and 4e5
-(float32). The margin sits between; the gap is narrowest in bfloat16.
+where ``ulp(format, x)`` is the spacing of the logits' own format (bfloat16,
+float16, float32 or float64, read from what the model returns) at magnitude
+``x``: a deviation of one unit in the last place of the logits is never more
+than rounding, and the bound is never 0, so the ratio ``deviation / bound`` is
+always finite. Verdicts per step: ``rounding`` when ``ratio <= margin``
+(default 4), ``bug`` when ``ratio > decisive`` (default 16), ``inconclusive``
+between. A scenario's verdict is its worst step's. Each step's report names
+the source that set its bound (``floor_source``).
+
+Measured (``python -m kvfast.check.hf_matrix`` prints the matrix and its rates): see
+docs/check.md, section "Rounding or bug?".
 
 Limits
 ------
-- The floor is only as good as the control computations. A model with an
-  append-invariant recompute and no ``recompute_variants`` has floor 0: control
-  mode then says ``bug`` for any deviation (it reduces to exact mode), and the
-  report notes it.
+- The floor is only as good as the control computations: a cache path whose
+  order noise is larger than every variant's (another kernel nobody mirrored)
+  can reach ``inconclusive`` or ``bug`` on a correct model; give the model a
+  variant in that kernel's order, or raise ``decisive``.
 - The control computations must not go through the cache: a variant computed
   with the cache under test would carry its bug into the floor and hide it.
-- A bug whose deviation is within ``margin`` times the order noise (a tiny
-  effect in a low-precision format) is called ``rounding``. Exact mode has no
-  such blind spot: use it wherever prefill and decode can share one order.
-- ``margin`` trades the two errors: raise it when a correct model's variants
-  do not reproduce its decode kernel's order closely; lower it to catch
-  smaller bugs.
+- A bug whose effect is within ``margin`` times the order noise is called
+  ``rounding``, and one within ``decisive`` times ``inconclusive``: in
+  bfloat16 many real bugs move logits by a few units in the last place only.
+  The logic check (``promote="float64"``) runs the same model in float64, where
+  the order noise is ~1e-16 relative and such bugs stand out by many orders.
+  Exact mode has no such blind spot: use it wherever prefill and decode can
+  share one order.
 """
 
 from __future__ import annotations
@@ -65,77 +71,98 @@ import numpy as np
 from kvfast.check.protocol import check_logits, has, variants_of
 
 DEFAULT_MARGIN = 4.0
-DEFAULT_WINDOW = 2
+DEFAULT_DECISIVE = 16.0
+VERDICTS = ("rounding", "inconclusive", "bug")
+
+#: Precision (significand bits, implicit bit included) and smallest normal of each logits format.
+FORMATS: dict[str, tuple[int, float]] = {
+    "bfloat16": (8, 2.0**-126),
+    "float16": (11, 2.0**-14),
+    "float32": (24, 2.0**-126),
+    "float64": (53, 2.0**-1022),
+}
 
 
-def check_margin(margin: object) -> float:
-    ok = not isinstance(margin, bool) and isinstance(margin, int | float | np.floating)
-    if not ok or not math.isfinite(margin) or margin < 1:
-        raise ValueError(f"margin: {margin!r} is not allowed; allowed: a finite number >= 1")
+def check_margin(margin: object, field: str = "margin", minimum: float = 1.0) -> float:
+    ok = not isinstance(margin, bool) and isinstance(margin, int | float | np.integer | np.floating)
+    if not ok or not math.isfinite(margin) or margin < minimum:
+        raise ValueError(f"{field}: {margin!r} is not allowed; allowed: a finite number >= {minimum:g}")
     return float(margin)
 
 
+def ulp(fmt: str, magnitude: np.ndarray | float) -> np.ndarray:
+    """The spacing of format ``fmt`` at ``magnitude`` (at least the spacing of its smallest normal)."""
+    bits, tiny = FORMATS[fmt]
+    m = np.maximum(np.abs(np.asarray(magnitude, dtype=np.float64)), tiny)
+    return np.ldexp(1.0, (np.frexp(m)[1] - 1) - (bits - 1))
+
+
 def order_noise(
-    model, prompt: np.ndarray, final: np.ndarray, rows: np.ndarray, vocab: int, invariant: bool
-) -> tuple[np.ndarray, list[str]]:
-    """Per-position order-noise floor ``(len(final),)`` against the reference ``rows``, and notes."""
-    T = prompt.shape[0]
+    model,
+    prompt: np.ndarray,
+    final: np.ndarray,
+    rows: np.ndarray,
+    vocab: int,
+    batch_shape: dict[str, np.ndarray] | None = None,
+) -> tuple[dict[str, np.ndarray], list[str]]:
+    """Per-position order noise ``{source: (len(final),)}`` against the reference ``rows``, and notes.
+
+    ``batch_shape``: already measured batch-shape noise (``{source: per-position deviation}``).
+    """
     n = final.shape[0]
-    floor = np.zeros(n)
-    notes: list[str] = []
-    sources: list[str] = []
-    if not invariant:
-        full = check_logits(model.recompute(final), "recompute", n, vocab, "of the whole sequence")
-        floor = np.maximum(floor, np.abs(full - rows).max(axis=1))
-        sources.append("batch shape")
+    sources: dict[str, np.ndarray] = dict(batch_shape or {})
     if has(model, "recompute_variants"):
-        whole = variants_of(model, final, vocab)
-        per_step = not invariant
-        if invariant and whole:
-            head = variants_of(model, prompt, vocab)
-            per_step = any(not np.array_equal(head[k], whole[k][:T]) for k in whole)
-            if per_step:
-                notes.append("recompute_variants is not append-invariant; computed it once per step")
-        if per_step:
-            head = variants_of(model, prompt, vocab)
-            got = {k: np.empty((n, vocab)) for k in head}
-            for k in head:
-                got[k][:T] = head[k]
-            for p in range(T, n):
-                step = variants_of(model, final[: p + 1], vocab)
-                for k in got:
-                    got[k][p] = step[k][-1]
-            whole = got
-        for k, v in whole.items():
-            floor = np.maximum(floor, np.abs(v - rows).max(axis=1))
-            sources.append(f"variant {k!r}")
+        for k, v in variants_of(model, final, vocab).items():
+            sources[f"variant {k!r}"] = np.abs(v - rows[:n]).max(axis=1)
+    notes: list[str] = []
     if not sources:
         notes.append(
             "control mode found no order-noise source (the recompute is append-invariant and the model has no "
-            "recompute_variants()); its floor is 0 and it reduces to exact mode"
+            "recompute_variants()); its bound is the logits' format resolution alone"
         )
-    else:
-        notes.append(f"order-noise floor from: {', '.join(sources)}")
-    return floor, notes
+    return sources, notes
 
 
-def step_floor(floor_by_position: np.ndarray, prompt_len: int) -> np.ndarray:
-    """Per-step floor: step 0 is the largest over the prompt rows, step t the row of position T+t-1."""
-    T = prompt_len
-    out = np.empty(floor_by_position.shape[0] - T + 1)
-    out[0] = floor_by_position[:T].max()
-    out[1:] = floor_by_position[T:]
-    return out
+def pooled_noise(sources: dict[str, np.ndarray], scale: np.ndarray) -> tuple[float, str]:
+    """``(rel, where)``: the largest ``noise / scale`` over every source and position, and what set it."""
+    best, where = 0.0, "none measured"
+    safe = np.where(scale > 0, scale, np.inf)
+    for name, noise in sources.items():
+        rel = noise / safe
+        p = int(np.argmax(rel))
+        if rel[p] > best:
+            best, where = float(rel[p]), f"{name} at position {p}"
+    return best, where
 
 
 def judge(
-    deviation: np.ndarray, floor: np.ndarray, margin: float, window: int
-) -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
-    """``(bound, ratio, verdicts)`` per step: ``rounding`` iff ``deviation <= margin * bound``."""
-    n = deviation.shape[0]
-    typical = float(np.median(floor))
-    bound = np.array([max(floor[max(0, t - window) : t + window + 1].max(), typical) for t in range(n)])
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = np.where(deviation == 0, 0.0, deviation / bound)
-    verdicts = tuple("rounding" if deviation[t] <= margin * bound[t] else "bug" for t in range(n))
-    return bound, ratio, verdicts
+    deviation: np.ndarray,
+    scale: np.ndarray,
+    rel: float,
+    where: str,
+    fmt: str,
+    margin: float,
+    decisive: float,
+) -> tuple[np.ndarray, np.ndarray, tuple[str, ...], tuple[str, ...]]:
+    """``(bound, ratio, verdicts, floor_sources)`` per step (see the module doc); every ratio is finite."""
+    noise = rel * scale
+    res = ulp(fmt, scale)
+    bound = np.maximum(noise, res)
+    with np.errstate(over="ignore"):
+        ratio = np.minimum(deviation / bound, np.finfo(np.float64).max)
+    verdicts = tuple("rounding" if r <= margin else "bug" if r > decisive else "inconclusive" for r in ratio)
+    sources = tuple(
+        f"order noise ({where}, {rel:.3g} relative)" if noise[t] >= res[t] else f"{fmt} resolution (1 ulp)"
+        for t in range(deviation.shape[0])
+    )
+    return bound, ratio, verdicts, sources
+
+
+def worst(verdicts) -> str:
+    """The worst of control verdicts (``bug`` > ``inconclusive`` > ``rounding``)."""
+    return max(verdicts, key=VERDICTS.index) if verdicts else "rounding"
+
+
+def check_rows(model, tokens: np.ndarray, vocab: int, what: str) -> np.ndarray:
+    """``model.recompute(tokens)`` validated."""
+    return check_logits(model.recompute(tokens), "recompute", tokens.shape[0], vocab, what)

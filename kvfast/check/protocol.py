@@ -17,6 +17,11 @@ A model under test is any object with these methods (tokens are passed as a
     Full recomputes of ``tokens`` that differ from ``recompute`` ONLY in how they
     add up (another batching, another kernel's summation order); never through
     the cache. A list is accepted too (named ``variant0``, ``variant1``, ...).
+``promote(dtype) -> model under test`` (optional)
+    The same model (its bug included) computing in ``dtype`` (``"float64"``):
+    the logic check ``check_cache(..., promote="float64")``.
+``max_positions`` (optional attribute, int)
+    The most positions the model can take; a longer check is bad input before any work.
 ``vocab_size`` (optional attribute, int)
     The vocabulary size. Without it the checker learns it from the logits of
     ``recompute([0])``.
@@ -33,7 +38,7 @@ import numpy as np
 from kvfast.validation import require_int
 
 REQUIRED = ("recompute", "prefill", "decode")
-OPTIONAL = ("extend", "recompute_variants")
+OPTIONAL = ("extend", "recompute_variants", "promote")
 PROTOCOL = "an object with recompute(tokens), prefill(tokens), decode(token) and optionally extend(tokens)"
 
 
@@ -114,11 +119,20 @@ def check_prompt(prompt: object) -> np.ndarray:
     return arr.astype(np.int64)
 
 
-def check_range(prompt: np.ndarray, vocab: int) -> None:
-    """Raise ``ValueError`` if a prompt token is not in ``[0, vocab)``."""
+def check_range(prompt: np.ndarray, vocab: int, field: str = "prompt") -> None:
+    """Raise ``ValueError`` if a token of ``field`` is not in ``[0, vocab)``."""
     bad = prompt >= vocab
     if bad.any():
-        raise ValueError(f"prompt: token {int(prompt[bad][0])} is out of range; allowed: integers in [0, {vocab})")
+        raise ValueError(f"{field}: token {int(prompt[bad][0])} is out of range; allowed: integers in [0, {vocab})")
+
+
+def logits_format(value: object) -> str:
+    """The floating-point format a model's logits come in (before any widening): ``bfloat16``, ``float16``,
+    ``float32`` or ``float64`` (integers and anything else: ``float64``)."""
+    name = str(getattr(value, "dtype", "")).removeprefix("torch.")
+    if name in ("bfloat16", "float16", "float32", "float64"):
+        return name
+    return "float64"
 
 
 def vocab_of(model: object) -> int:

@@ -1,0 +1,409 @@
+"""Hugging Face causal LMs as models under test: ``HFModel(model)`` (extra ``kvfast[hf]``).
+
+:func:`kvfast.check_cache` and the ``kv_check`` fixture wrap a transformers
+model in :class:`HFModel` themselves, so checking one is one line::
+
+    report = kvfast.check_cache(model, prompt=[1, 2, 3], steps=64, mode="control")
+
+What the adapter does (:mod:`kvfast.check.protocol` for the methods):
+
+- ``recompute(tokens)``: ``model(ids, use_cache=False).logits[0]``.
+- ``prefill(tokens)``: a FRESH cache (``DynamicCache``, or ``new_cache()`` such
+  as a ``StaticCache``; some releases update a cache in place, so one is never
+  reused), then ``model(ids, cache=..., use_cache=True)``.
+- ``extend(tokens)`` / ``decode(token)``: the next chunk on top of that cache,
+  with an all-ones attention mask over every position so far (what
+  ``generate`` passes) and ``cache_position`` where the model's ``forward``
+  takes it (transformers 4.x).
+- The cache argument is named as the model's ``forward`` names it: ``cache``
+  (transformers 5.x) or ``past_key_values`` (4.x; tuples or ``DynamicCache``),
+  so no deprecation warning is triggered and old releases work as they are.
+- ``recompute_variants(tokens)``: recomputes that differ from ``recompute`` only
+  in how they add up, built on deep copies of the model (a shared config would
+  switch the model under test too): ``"attention"`` (the other attention
+  implementation, eager <-> sdpa), ``"batch"`` (a batch of two copies of the
+  sequence) and ``"rows"`` (every linear layer applied one row at a time, the
+  decode's matrix-vector order). None goes through a cache.
+- ``promote(dtype)``: the same adapter over a deep copy of the model in
+  ``dtype`` (``check_cache(..., promote="float64")``).
+
+The model is put in eval mode (dropout would make every comparison noise).
+A mis-wrapped model (not a torch module, no language-model head, no KV cache,
+a sequence longer than its position table) raises ``ValueError``.
+
+:data:`HF_BUGS` is a catalogue of cache bugs injected into the cache path
+only (``HFModel(model, bug=...)``), for kvfast's own tests and scoring.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import numpy as np
+
+from kvfast.validation import not_allowed, require_choice, require_int
+
+VARIANTS = ("attention", "batch", "rows")
+MODEL = "a transformers causal LM with a language-model head and a KV cache (e.g. AutoModelForCausalLM)"
+
+#: Cache bugs injected into the cache path of :class:`HFModel` (the recompute and the variants stay clean),
+#: and the decode step at which each first acts (``"resume"``: in the resume scenario only).
+HF_BUGS: dict[str, str] = {
+    "window": "an unasked-for sliding window: decode attends only the last HF_WINDOW positions",
+    "posoff": "decode position off by one (position_ids one behind)",
+    "freeze": "the last layer's key frozen after step 1: later decode steps store step 1's key",
+    "f16": "the cache round-tripped through float16 (every stored key and value)",
+    "restart": "a resume restarts positions at the first chunk's length (decode position = prefill length + "
+    "tokens decoded, so extend() is not counted)",
+    "replay": "a token appended twice: extend() first re-appends the last token already in the cache",
+}
+HF_WINDOW = 8
+#: Bugs of the cache's logic (positions, eviction, growth, resume offsets); ``f16`` is a precision bug.
+HF_LOGIC_BUGS = ("window", "posoff", "freeze", "restart", "replay")
+
+
+def first_acting_step(bug: str, scenario: str, prompt_len: int) -> int | None:
+    """The first step at which ``bug`` changes the cache path's logits in ``scenario`` (``None``: never)."""
+    require_choice(bug, "bug", HF_BUGS)
+    resume = scenario == "resume"
+    if bug == "window":
+        return max(1, HF_WINDOW - prompt_len + 1)
+    if bug == "posoff":
+        return 1
+    if bug == "freeze":
+        return 2
+    if bug == "f16":
+        return 0 if resume else 1  # the resumed chunk reads the first chunk's rounded keys
+    if bug == "restart":
+        return 1 if resume else None
+    return 0 if resume else None  # replay
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError as exc:  # pragma: no cover - the hf extra installs torch
+        raise ValueError(
+            "model: a Hugging Face model needs torch; allowed: install kvfast[hf] (see the README)"
+        ) from exc
+    return torch
+
+
+def is_hf_model(model: object) -> bool:
+    """Whether ``model`` looks like a transformers model (a module with ``config`` and ``forward``) rather
+    than a model under test; imports nothing."""
+    return (
+        not callable(getattr(model, "recompute", None))
+        and callable(getattr(model, "forward", None))
+        and hasattr(model, "config")
+        and hasattr(model, "parameters")
+    )
+
+
+def _rowwise(forward):
+    """``forward`` of a linear layer applied one row at a time (the decode's matrix-vector order)."""
+    torch = _torch()
+
+    def run(x, *args, **kwargs):
+        flat = x.reshape(-1, x.shape[-1])
+        out = torch.cat([forward(flat[i : i + 1], *args, **kwargs) for i in range(flat.shape[0])])
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    return run
+
+
+class HFModel:
+    """A transformers causal LM behind the check protocol (see the module doc).
+
+    - ``model``: a ``PreTrainedModel`` with a language-model head (``AutoModelForCausalLM``).
+    - ``variants``: which order-noise recomputes :meth:`recompute_variants` offers
+      (a subset of :data:`VARIANTS`; ``()`` for none).
+    - ``new_cache``: a zero-argument callable returning a fresh cache object
+      (for example ``lambda: StaticCache(config=model.config, max_cache_len=256)``);
+      default: a ``DynamicCache`` (or what the model returns).
+    - ``bug``: a cache bug from :data:`HF_BUGS` injected into the cache path (tests, scoring).
+    """
+
+    def __init__(self, model, *, variants=VARIANTS, new_cache=None, bug: str | None = None) -> None:
+        torch = _torch()
+        if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+            raise not_allowed("model", type(model).__name__, MODEL)
+        if isinstance(variants, str):
+            variants = (variants,)
+        self.variants = tuple(require_choice(v, "variants", VARIANTS) for v in variants)
+        if new_cache is not None and not callable(new_cache):
+            raise not_allowed("new_cache", new_cache, "None or a callable returning a fresh cache")
+        if bug is not None:
+            require_choice(bug, "bug", HF_BUGS)
+        self.model = model.eval()
+        self.new_cache = new_cache
+        self.bug = bug
+        params = inspect.signature(model.forward).parameters
+        if "cache" in params:
+            self.cache_arg = "cache"
+        elif "past_key_values" in params:
+            self.cache_arg = "past_key_values"
+        else:
+            raise not_allowed(
+                "model", type(model).__name__, f"{MODEL}; its forward() takes neither cache nor past_key_values"
+            )
+        self.takes_cache_position = "cache_position" in params
+        self.takes_mask = "attention_mask" in params
+        self.takes_position_ids = "position_ids" in params
+        vocab = getattr(model.config, "vocab_size", None)
+        self.vocab_size = require_int(vocab, "model.config.vocab_size", 1)
+        self.max_positions = None
+        for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
+            value = getattr(model.config, key, None)
+            if isinstance(value, int) and value > 0:
+                self.max_positions = value
+                break
+        self._copies: dict[str, object] = {}
+        self.cache = None
+        self.length = 0
+        self.prefill_len = 0
+        self.decoded = 0
+        self.last_token: int | None = None
+
+    def __repr__(self) -> str:
+        bug = "" if self.bug is None else f", bug={self.bug!r}"
+        return f"HFModel({type(self.model).__name__}, {self.dtype}, {self.attention}{bug})"
+
+    @property
+    def dtype(self) -> str:
+        return str(next(self.model.parameters()).dtype).removeprefix("torch.")
+
+    @property
+    def attention(self) -> str:
+        return str(getattr(self.model.config, "_attn_implementation", None) or "eager")
+
+    # --- running the model -----------------------------------------------------------------------
+
+    def _ids(self, tokens, start: int):
+        torch = _torch()
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        end = start + tokens.shape[0]
+        if self.max_positions is not None and end > self.max_positions:
+            raise not_allowed(
+                "positions",
+                end,
+                f"at most {self.max_positions} positions in all (the model's config), prompt and steps included",
+            )
+        return torch.from_numpy(tokens.copy())[None, :]
+
+    def _call(self, model, **kwargs):
+        torch = _torch()
+        try:
+            with torch.no_grad():
+                out = model(**kwargs)
+        except (RuntimeError, IndexError, TypeError) as exc:  # a mis-wrapped model: say so, not a tensor error
+            shape = tuple(kwargs["input_ids"].shape)
+            raise not_allowed(
+                "model",
+                type(model).__name__,
+                f"{MODEL}; its forward() raised {type(exc).__name__} on input_ids of shape {shape}: {exc}",
+            ) from exc
+        if isinstance(out, tuple):
+            logits, cache = out[0], (out[1] if len(out) > 1 else None)
+        else:
+            logits = out.get("logits")
+            keys = list(out.keys())  # never read a deprecated name: transformers 5.x warns on past_key_values
+            name = "cache" if "cache" in keys else "past_key_values" if "past_key_values" in keys else None
+            cache = None if name is None else out[name]
+        if logits is None:
+            raise not_allowed("model", type(model).__name__, f"{MODEL}; it returned no logits")
+        return logits, cache
+
+    def recompute(self, tokens):
+        """Logits ``(T, V)`` of a full forward of ``tokens`` from position 0, no cache."""
+        logits, _ = self._call(self.model, input_ids=self._ids(tokens, 0), use_cache=False)
+        return logits[0]
+
+    def _fresh_cache(self):
+        if self.new_cache is not None:
+            return self.new_cache()
+        try:
+            from transformers import DynamicCache
+        except ImportError:  # pragma: no cover - releases without cache classes: the model returns tuples
+            return None
+        try:
+            cache = DynamicCache(config=self.model.config)
+        except TypeError:  # pragma: no cover - 4.x: no config argument
+            cache = DynamicCache()
+        return cache
+
+    def _cached(self, tokens, positions=None):
+        """``tokens`` on top of the cache (positions from ``self.length``); their logits ``(n, V)``."""
+        torch = _torch()
+        ids = self._ids(tokens, self.length)
+        n = ids.shape[1]
+        kwargs = {"input_ids": ids, "use_cache": True, self.cache_arg: self.cache}
+        if self.takes_mask:
+            mask = torch.ones(1, self.length + n, dtype=torch.long)
+            if self.bug == "window" and n == 1:
+                mask[0, : max(0, self.length + n - HF_WINDOW)] = 0
+            kwargs["attention_mask"] = mask
+        if self.takes_cache_position:
+            kwargs["cache_position"] = torch.arange(self.length, self.length + n)
+        if positions is not None:
+            if not self.takes_position_ids:
+                raise not_allowed("bug", self.bug, "a bug the model's forward() can take (it has no position_ids)")
+            kwargs["position_ids"] = torch.as_tensor(positions, dtype=torch.long)[None, :]
+        logits, cache = self._call(self.model, **kwargs)
+        if cache is None:
+            raise not_allowed("model", type(self.model).__name__, f"{MODEL}; it returned no cache with use_cache=True")
+        self.cache = cache
+        self.length += n
+        self.last_token = int(np.asarray(tokens).reshape(-1)[-1])
+        return logits[0]
+
+    def prefill(self, tokens):
+        """A fresh cache filled with ``tokens`` (positions ``0..T-1``); their logits ``(T, V)``."""
+        self.cache, self.length, self.decoded = self._fresh_cache(), 0, 0
+        self._inject()
+        out = self._cached(tokens)
+        self.prefill_len = self.length
+        return out
+
+    def extend(self, tokens):
+        """``tokens`` continuing the cache (a further prompt chunk); their logits ``(n, V)``."""
+        self._require_cache()
+        if self.bug == "replay":
+            tokens = np.concatenate([[self.last_token], np.asarray(tokens, dtype=np.int64).reshape(-1)])
+            return self._cached(tokens)[1:]
+        return self._cached(tokens)
+
+    def decode(self, token):
+        """One token at the cache's next position; logits ``(V,)``."""
+        self._require_cache()
+        token = require_int(token, "token", 0, self.vocab_size - 1)
+        positions = None
+        if self.bug == "posoff":
+            positions = [self.length - 1]
+        elif self.bug == "restart":
+            positions = [self.prefill_len + self.decoded]
+        self.decoded += 1
+        return self._cached([token], positions)[0]
+
+    def _require_cache(self) -> None:
+        if self.cache is None and self.length == 0:
+            raise ValueError("cache: empty; allowed: call prefill(tokens) first")
+
+    def _inject(self) -> None:
+        """Wrap the fresh cache's ``update`` for the bugs that act inside the cache."""
+        if self.bug not in ("freeze", "f16") or self.cache is None:
+            return
+        torch = _torch()
+        update = self.cache.update
+        last_layer = int(self.model.config.num_hidden_layers) - 1
+        frozen: dict[str, object] = {}
+        adapter = self
+
+        def buggy_update(key_states, value_states, layer_idx, *args, **kwargs):
+            n = key_states.shape[-2]
+            if adapter.bug == "f16":
+                k16 = key_states.to(torch.float16).to(key_states.dtype)
+                v16 = value_states.to(torch.float16).to(value_states.dtype)
+                keys, values = update(k16, v16, layer_idx, *args, **kwargs)
+                if n > 1 and keys.shape[-2] == n:  # the prefill attends its fresh keys; the cache keeps rounded ones
+                    return key_states, value_states
+                return keys, values
+            if layer_idx == last_layer and n == 1:
+                step = adapter.decoded  # decode step being computed (1-based; incremented before the call)
+                if step == 1:
+                    frozen["key"] = key_states.clone()
+                elif step > 1 and "key" in frozen:
+                    key_states = frozen["key"]
+            return update(key_states, value_states, layer_idx, *args, **kwargs)
+
+        self.cache.update = buggy_update
+
+    # --- order noise and promotion -------------------------------------------------------------
+
+    def _copy(self, name: str):
+        if name not in self._copies:
+            clone = copy.deepcopy(self.model)
+            if name == "attention":
+                other = "eager" if self.attention != "eager" else "sdpa"
+                if hasattr(clone, "set_attn_implementation"):
+                    clone.set_attn_implementation(other)
+                else:  # pragma: no cover - older releases
+                    clone.config._attn_implementation = other
+            elif name == "rows":
+                torch = _torch()
+                for module in clone.modules():
+                    if isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D":
+                        module.forward = _rowwise(module.forward)
+            self._copies[name] = clone.eval()
+        return self._copies[name]
+
+    def recompute_variants(self, tokens) -> dict:
+        """Recomputes of ``tokens`` that differ from :meth:`recompute` only in how they add up (no cache)."""
+        out = {}
+        for name in self.variants:
+            if name == "batch":
+                ids = self._ids(tokens, 0)
+                logits, _ = self._call(self.model, input_ids=ids.repeat(2, 1), use_cache=False)
+            else:
+                logits, _ = self._call(self._copy(name), input_ids=self._ids(tokens, 0), use_cache=False)
+            out[name] = logits[0]
+        return out
+
+    def promote(self, dtype: str = "float64") -> HFModel:
+        """The same adapter (bug and variants included) over a deep copy of the model in ``dtype``."""
+        torch = _torch()
+        require_choice(dtype, "promote", ("float64", "float32"))
+        new = copy.copy(self)
+        new.model = copy.deepcopy(self.model).to(getattr(torch, dtype)).eval()
+        new._copies = {}
+        new.cache, new.length = None, 0
+        return new
+
+
+# --- tiny random models from configs (tests, benchmarks, the measured matrix) ------------------------
+
+FAMILIES = ("llama", "gpt2", "mistral", "qwen2")
+DTYPES = ("float32", "float64", "bfloat16")
+ATTENTION = ("sdpa", "eager")
+TINY_VOCAB = 96
+TINY_POSITIONS = 512
+MISTRAL_WINDOW = 12
+
+
+def tiny_model(family: str = "llama", dtype: str = "float32", attention: str = "sdpa", seed: int = 0):
+    """A tiny random causal LM from a config (no download): 2 layers, hidden 32, vocab 96, in eval mode.
+
+    ``family``: :data:`FAMILIES` (``mistral`` has a sliding window of
+    :data:`MISTRAL_WINDOW` positions); ``dtype``: :data:`DTYPES`;
+    ``attention``: :data:`ATTENTION`; ``seed`` seeds the weights.
+    """
+    torch = _torch()
+    import transformers
+
+    require_choice(family, "family", FAMILIES)
+    require_choice(dtype, "dtype", DTYPES)
+    require_choice(attention, "attention", ATTENTION)
+    seed = require_int(seed, "seed", 0)
+    common = dict(vocab_size=TINY_VOCAB, attn_implementation=attention)
+    llama_like = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=TINY_POSITIONS, **common,
+    )  # fmt: skip
+    if family == "gpt2":
+        config = transformers.GPT2Config(
+            n_embd=32, n_layer=2, n_head=4, n_positions=TINY_POSITIONS, bos_token_id=0, eos_token_id=0, **common
+        )
+        cls = transformers.GPT2LMHeadModel
+    elif family == "mistral":
+        config = transformers.MistralConfig(sliding_window=MISTRAL_WINDOW, **llama_like)
+        cls = transformers.MistralForCausalLM
+    elif family == "qwen2":
+        config = transformers.Qwen2Config(**llama_like)
+        cls = transformers.Qwen2ForCausalLM
+    else:
+        config = transformers.LlamaConfig(**llama_like)
+        cls = transformers.LlamaForCausalLM
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    return model.to(getattr(torch, dtype))

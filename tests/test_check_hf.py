@@ -1,0 +1,329 @@
+"""Hugging Face models checked out of the box (kvfast.check.hf): tiny random models from configs, no downloads.
+
+The clean matrix (Llama, GPT-2, Mistral with a sliding window, Qwen2; float32, float64, bfloat16; sdpa and
+eager; two seeds x two prompts, a given continuation and a greedy run) never gets a "bug" verdict in control
+mode. Every injected logic bug is "bug" in float32 and float64, and in the float64 logic check of bfloat16
+models, at the step where it first acts (kvfast.check.hf.first_acting_step states it per bug and scenario:
+window at max(1, 8 - len(prompt) + 1), posoff at 1, freeze at 2, restart at 1 and replay at 0 in the resume
+scenario only; the float16 round trip, a precision bug, at 1 (decode) and 0 (resume)).
+The full matrix with its rates: ``python -m kvfast.check.hf_matrix``.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import os
+
+import numpy as np
+import pytest
+
+if os.environ.get("KVFAST_REQUIRE_HF") == "1":  # CI (.ci/run): run these, never skip them
+    import torch
+    import transformers
+else:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+
+from kvfast.check import check_cache  # noqa: E402
+from kvfast.check.hf import (  # noqa: E402
+    ATTENTION,
+    DTYPES,
+    FAMILIES,
+    HF_BUGS,
+    HF_LOGIC_BUGS,
+    TINY_VOCAB,
+    HFModel,
+    first_acting_step,
+    tiny_model,
+)
+from kvfast.check.hf_matrix import cases  # noqa: E402
+
+STEPS = 16
+CASES = list(cases(2, 2, STEPS))  # (seed, prompt id, prompt of 4 or 5 tokens, continuation)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("attention", ATTENTION)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_clean_models_are_never_a_bug(family, dtype, attention):
+    for seed, k, prompt, continuation in CASES:
+        model = tiny_model(family, dtype, attention, seed)
+        runs = [check_cache(model, prompt, mode="control", continuation=continuation)]
+        if k == 0:
+            runs.append(check_cache(model, prompt, STEPS, mode="control"))  # greedy tokens
+        for report in runs:
+            assert report.verdict != "bug", report.format()
+            assert np.isfinite(report.max_ratio)
+            if dtype != "bfloat16":  # measured: every float32/float64 run is rounding
+                assert report.verdict == "rounding", report.format()
+            assert report.path == "fast"
+
+
+def _assert_caught(report, bug: str, logic: bool) -> None:
+    """Every scenario the bug acts in says "bug" at the step where it first acts (the logic check if asked)."""
+    checked = report.promoted if logic else report
+    assert checked.verdict == "bug", checked.format()
+    T = report.prompt.shape[0]
+    for name, s in checked.scenarios.items():
+        want = first_acting_step(bug, name, T)
+        if want is None:
+            assert s.verdict == "rounding", (name, checked.format())
+        else:
+            assert s.first_bug_step == want, (name, checked.format())
+
+
+@pytest.mark.parametrize("attention", ATTENTION)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_bug_is_caught_at_the_step_where_it_first_acts(family, dtype, attention):
+    seed, _, prompt, continuation = CASES[1]
+    model = tiny_model(family, dtype, attention, seed)
+    for bug in HF_BUGS:
+        promote = "float64" if dtype != "float64" else None
+        report = check_cache(
+            HFModel(model, bug=bug), prompt, mode="control", continuation=continuation, promote=promote
+        )
+        assert not report.passed
+        if dtype == "bfloat16":
+            assert report.verdict in ("bug", "inconclusive", "rounding")  # native: often below bf16's resolution
+            _assert_caught(report, bug, logic=True)
+        elif bug in HF_LOGIC_BUGS or dtype == "float64":
+            _assert_caught(report, bug, logic=False)
+            if promote:
+                _assert_caught(report, bug, logic=True)
+        else:  # the float16 round trip in float32: a precision bug, found by the float64 logic check
+            assert report.verdict in ("bug", "inconclusive")
+            _assert_caught(report, bug, logic=True)
+
+
+def test_bfloat16_recommends_the_logic_check_when_inconclusive():
+    model = tiny_model("gpt2", "bfloat16", "sdpa", 0)
+    seed, _, prompt, continuation = CASES[0]
+    report = check_cache(HFModel(model, bug="window"), prompt, mode="control", continuation=continuation)
+    assert report.verdict == "inconclusive" and not report.passed
+    assert any("promote='float64'" in n for n in report.notes)
+    s = report.worst
+    assert s.first_inconclusive_step is not None and "first inconclusive step" in report.format()
+    logic = check_cache(
+        HFModel(model, bug="window"), prompt, mode="control", continuation=continuation, promote="float64"
+    )
+    assert logic.promoted.first_bug_step == first_acting_step("window", "decode", len(prompt))
+    assert "logic check in float64 (same tokens): BUG" in logic.format()
+    clean = check_cache(model, prompt, mode="control", continuation=continuation, promote="float64")
+    assert clean.passed and clean.promoted.verdict == "rounding"
+
+
+# --- the adapter ---------------------------------------------------------------------------------
+
+
+def test_the_cache_argument_follows_the_forward_signature():
+    model = tiny_model("llama", "float32", "sdpa", 0)
+    # transformers 5.x names it cache (past_key_values is deprecated there), 4.x past_key_values
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    assert HFModel(model).cache_arg == name
+
+    class OldApi(torch.nn.Module):
+        """A 4.x-style forward: the cache comes in as past_key_values."""
+
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.config = inner, inner.config
+
+        def forward(self, input_ids=None, past_key_values=None, attention_mask=None, use_cache=None):
+            kwargs = {name: past_key_values, "attention_mask": attention_mask, "use_cache": use_cache}
+            out = self.inner(input_ids=input_ids, **kwargs)
+            return {"logits": out.logits, "past_key_values": out[name] if use_cache else None}
+
+    old = HFModel(OldApi(model))
+    assert old.cache_arg == "past_key_values"
+    new = HFModel(model)
+    prompt = np.array([5, 6, 7, 8])
+    assert torch.equal(old.prefill(prompt), new.prefill(prompt))
+    assert torch.equal(old.decode(9), new.decode(9))
+    assert check_cache(old, prompt, 8, mode="control").verdict == "rounding"
+
+
+def test_variants_are_deep_copies_and_differ_only_in_order():
+    model = tiny_model("llama", "float32", "sdpa", 0)
+    adapter = HFModel(model)
+    tokens = np.arange(20) % TINY_VOCAB
+    reference = adapter.recompute(tokens).numpy()
+    variants = {k: v.numpy() for k, v in adapter.recompute_variants(tokens).items()}
+    assert set(variants) == {"attention", "batch", "rows"}
+    # the model under test is untouched: still sdpa, linear layers still whole-matrix
+    assert model.config._attn_implementation == "sdpa"
+    assert adapter._copies["attention"].config._attn_implementation == "eager"
+    assert "forward" not in vars(model.model.layers[0].self_attn.q_proj)
+    assert torch.equal(adapter.recompute(tokens), torch.from_numpy(reference))
+    for name, v in variants.items():
+        assert np.abs(v - reference).max() < 1e-5 * np.abs(reference).max(), name  # the same function
+    assert any(not np.array_equal(v, reference) for v in variants.values())  # ... added up differently
+
+
+def test_exact_mode_on_stock_models():
+    prompt = [3, 1, 4, 1, 5]
+    # eager attention in bfloat16: the cache path is bit-identical to the recompute
+    assert check_cache(tiny_model("llama", "bfloat16", "eager"), prompt, 8).verdict == "exact"
+    # sdpa in float32: order noise only, which exact mode flags and control mode calls rounding
+    model = tiny_model("llama", "float32", "sdpa")
+    exact = check_cache(model, prompt, 8)
+    assert exact.verdict == "divergent" and exact.max_deviation < 1e-5
+    assert check_cache(model, prompt, 8, mode="control").verdict == "rounding"
+
+
+def test_a_static_cache_and_a_sliding_window():
+    model = tiny_model("mistral", "float32", "sdpa", 0)  # sliding window 12, crossed by 6 + 20 positions
+    prompt = [1, 2, 3, 4, 5, 6]
+    adapter = HFModel(model, new_cache=lambda: transformers.StaticCache(config=model.config, max_cache_len=64))
+    assert check_cache(adapter, prompt, 20, mode="control").verdict == "rounding"
+    bugged = HFModel(
+        model, bug="posoff", new_cache=lambda: transformers.StaticCache(config=model.config, max_cache_len=64)
+    )
+    assert check_cache(bugged, prompt, 20, mode="control").first_bug_step == 1
+
+
+def test_continuation_is_what_decode_is_fed():
+    model = tiny_model("gpt2", "float32", "sdpa", 0)
+    continuation = [9, 8, 7, 6, 5]
+    report = check_cache(model, [1, 2, 3], mode="control", continuation=continuation)
+    assert report.tokens.tolist() == continuation and report.steps == 5
+    assert check_cache(model, [1, 2, 3], 3, continuation=continuation).tokens.tolist() == [9, 8, 7]
+    with pytest.raises(ValueError, match="steps: 6 is not allowed; allowed: an integer >= 1, <= 5"):
+        check_cache(model, [1, 2, 3], 6, continuation=continuation)
+    with pytest.raises(ValueError, match="continuation: token 96 is out of range"):
+        check_cache(model, [1, 2, 3], continuation=[1, 96])
+
+
+def test_mis_wrapped_models_raise_clear_value_errors():
+    model = tiny_model("llama", "float32", "sdpa", 0)
+    with pytest.raises(ValueError, match="model: 'str' is not allowed; allowed: a transformers causal LM"):
+        HFModel("llama")
+    with pytest.raises(ValueError, match="it returned no logits"):
+        check_cache(model.model, [1, 2, 3], 4)  # the base model, without its language-model head
+    with pytest.raises(ValueError, match="has no method 'recompute'"):
+        check_cache(torch.nn.Linear(2, 2), [1, 2, 3], 4)  # no config: neither a model under test nor HF
+    with pytest.raises(ValueError, match=r"steps: 512 is not allowed; allowed: at most 510 \(the model has 512"):
+        check_cache(model, [1, 2], 512)
+    with pytest.raises(ValueError, match="positions: 513 is not allowed; allowed: at most 512 positions"):
+        HFModel(model).recompute(np.zeros(513, dtype=np.int64))
+    shrunk = tiny_model("llama", "float32", "sdpa", 0)
+    shrunk.config.vocab_size = 200  # the config says 200 tokens, the embedding holds 96
+    with pytest.raises(ValueError, match=r"its forward\(\) raised IndexError on input_ids of shape \(1, 2\)"):
+        check_cache(shrunk, [150, 2], 2)
+    with pytest.raises(ValueError, match="cache: empty; allowed: call prefill"):
+        HFModel(model).decode(1)
+    with pytest.raises(ValueError, match="variants: 'flash' is not allowed"):
+        HFModel(model, variants=("flash",))
+    with pytest.raises(ValueError, match="promote: 'float16' is not allowed; allowed: float64"):
+        check_cache(model, [1, 2], 2, promote="float16")
+    with pytest.raises(ValueError, match="token: 96 is not allowed"):
+        adapter = HFModel(model)
+        adapter.prefill([1, 2])
+        adapter.decode(96)
+
+
+def test_promote_copies_the_model_and_keeps_the_bug():
+    model = tiny_model("llama", "bfloat16", "sdpa", 0)
+    adapter = HFModel(model, bug="freeze")
+    promoted = adapter.promote("float64")
+    assert promoted.bug == "freeze" and promoted.dtype == "float64" and adapter.dtype == "bfloat16"
+    assert next(model.parameters()).dtype == torch.bfloat16
+    again = copy.deepcopy(model).to(torch.float64)
+    assert torch.equal(promoted.recompute([1, 2, 3]), HFModel(again).recompute([1, 2, 3]))
+
+
+def test_the_report_says_which_scenario_failed_first():
+    model = tiny_model("llama", "float32", "sdpa", 0)
+    report = check_cache(HFModel(model, bug="replay"), [1, 2, 3, 4, 5, 6], 6, mode="control")
+    text = report.format()
+    assert report.scenarios["decode"].verdict == "rounding"
+    assert report.scenarios["resume"].first_bug_step == 0
+    assert "first in scenario 'resume', step 0 (the resumed chunk, prompt position 3-5, after a prefill of 0-2)" in text
+    assert "decode: rounding" in text
+
+
+# --- pytest and the command line --------------------------------------------------------------------
+
+
+pytest_plugins = ["pytester"]
+
+
+def test_kv_check_takes_a_hugging_face_model(pytester):
+    pytester.makepyfile(
+        test_hf="""
+        import torch
+        from kvfast.check.hf import HFModel, tiny_model
+
+        torch.set_num_threads(1)
+
+        def test_clean(kv_check):
+            report = kv_check(tiny_model("gpt2"), prompt=[1, 2, 3], steps=6, mode="control")
+            assert report.verdict == "rounding"
+
+        def test_posoff(kv_check):
+            model = HFModel(tiny_model("gpt2"), bug="posoff")
+            kv_check(model, prompt=[1, 2, 3], continuation=[4, 5, 6], mode="control")
+        """
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    assert "first bug step 1 (position 3)" in result.stdout.str()
+
+
+def test_cli_checks_a_hugging_face_model(capsys, tmp_path, monkeypatch):
+    from kvfast.cli import main
+
+    base = ["check", "kvfast.check.hf:tiny_model", "--prompt", "1,2,3,4", "--mode", "control"]
+    assert main([*base, "--steps", "4", "--factory-arg", "family=gpt2", "--factory-arg", "seed=1"]) == 0
+    assert "ROUNDING" in capsys.readouterr().out
+    (tmp_path / "hf_bugged.py").write_text(
+        "from kvfast.check.hf import HFModel, tiny_model\n\n"
+        "def make(bug, dtype='float32', family='llama'):\n    return HFModel(tiny_model(family, dtype), bug=bug)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    bf16 = ["check", "hf_bugged:make", "--prompt", "1,2,3,4", "--mode", "control", "--continuation", "5,6,7,8"]
+    assert main([*bf16, "--factory-arg", "bug=posoff", "--factory-arg", "dtype=bfloat16", "--promote"]) == 1
+    out = capsys.readouterr().out
+    assert "logic check in float64 (same tokens): BUG" in out
+    assert main([*bf16, "--factory-arg", "bug=replay", "--split", "1", "--margin", "2", "--decisive", "8"]) == 1
+    assert "prompt split 1 + 3" in capsys.readouterr().out
+    # the bfloat16 GPT-2 with a growing window of test_bfloat16_recommends_the_logic_check_when_inconclusive
+    _, _, prompt, continuation = CASES[0]
+    unsure = ["check", "hf_bugged:make", "--mode", "control", "--factory-arg", "bug='window'"]
+    unsure += ["--factory-arg", "dtype=bfloat16", "--factory-arg", "family=gpt2"]
+    unsure += ["--prompt", ",".join(map(str, prompt)), "--continuation", ",".join(map(str, continuation))]
+    assert main(unsure) == 3
+    assert "INCONCLUSIVE" in capsys.readouterr().out
+    assert main([*bf16, "--factory-arg", "bug=nope"]) == 2
+    assert "bug: 'nope' is not allowed" in capsys.readouterr().err
+    assert main([*bf16, "--factory-arg", "bug"]) == 2
+    assert "--factory-arg: 'bug' is not allowed; allowed: KEY=VALUE" in capsys.readouterr().err
+    assert main([*bf16, "--factory-arg", "bug=posoff", "--factory-arg", "colour=red"]) == 2
+    assert "--factory-arg:" in capsys.readouterr().err
+
+
+def test_no_deprecation_warning_from_transformers():
+    """transformers 5.x warns once per process when past_key_values is passed or read; kvfast never does."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch; torch.set_num_threads(1)\n"
+        "from kvfast.check import check_cache\n"
+        "from kvfast.check.hf import tiny_model\n"
+        "for family in ('llama', 'gpt2'):\n"
+        "    check_cache(tiny_model(family), [1, 2, 3, 4], 4, mode='control', promote='float64')\n"
+        "    check_cache(tiny_model(family), [1, 2, 3, 4], 4)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "deprecated" not in out.stderr + out.stdout
