@@ -93,6 +93,7 @@ prefill_order = ["sequential", "pairwise"]
 """,
     "neartied": """
 [fixed]
+model = "random"
 n_layer = 1
 n_head = 2
 d_model = 8

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from kvfast.model.bugs import BUGS
 from kvfast.studies import detector, neartied, training
 from kvfast.studies.common import ok_rows
 from kvfast.studies.detector import scored
@@ -95,7 +96,9 @@ def _detector(df: pd.DataFrame) -> list[tuple[str, str, str]]:
                 & (summary["label"] == "output changed")
             ].iloc[0]
             per_bug = ", ".join(
-                f"{bug} {int(g['output_changed'].sum())}" for bug, g in bugged.groupby("bug", sort=False)
+                f"{bug} {int(bugged.loc[bugged['bug'] == bug, 'output_changed'].sum())}"
+                for bug in BUGS
+                if (bugged["bug"] == bug).any()
             )
             rows.append(
                 (

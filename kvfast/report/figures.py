@@ -261,7 +261,7 @@ def _steps_section(df: pd.DataFrame) -> Section:
             "Steps to detection per bug (every-step check); one-step flags at right (" + " | ".join(models) + ")"
         )
         ax.grid(axis="x", alpha=0.3)
-        ax.legend(loc="lower right", fontsize=9)
+        ax.legend(loc="lower center", bbox_to_anchor=(0.5, 0.01), ncol=len(models), fontsize=9, markerscale=0.6)
         fig.tight_layout()
         return fig
 
@@ -638,9 +638,9 @@ def _training_tensor_section(df: pd.DataFrame) -> Section:
         "training_tensors",
         "Training: gradient cosine per parameter tensor",
         "The same cosine, tensor by tensor. The gap sits in the key and value projections (wk, wv) and the "
-        "embeddings, through which the prefix's keys and values depend on the parameters; tensors that act only "
-        "after the last attention (the last layer's MLP and output projection, the final norm, the output head) "
-        "get the same gradient either way.",
+        "pre-attention norms and embeddings, through which the prefix's keys and values depend on the parameters. "
+        "Tensors that the prefix's keys and values do not depend on (the last layer's queries, output projection, "
+        "MLP and its norm, the final norm, the output head) get the same gradient either way (cosine 1.000).",
         table,
         draw,
     )
