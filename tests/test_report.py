@@ -93,6 +93,7 @@ prefill_order = ["sequential", "pairwise"]
 """,
     "neartied": """
 [fixed]
+model = "random"
 n_layer = 1
 n_head = 2
 d_model = 8
@@ -167,7 +168,8 @@ def test_report_command_writes_a_self_contained_page_and_its_tables(stored, tmp_
     assert "http://" not in page and "https://" not in page  # nothing to fetch
     assert not re.search(r'src="(?!data:)', page)  # every image inline
     titles = [s.title for s in sections(results)]
-    assert len(titles) == 9
+    assert len(titles) == 12  # training: cosine vs prefix, during training, per tensor, final losses, loss curves
+    assert not [s.key for s in sections(results) if s.note]  # every figure's numbers are stored now
     for title in titles:
         assert html.escape(title) in page
     if matplotlib_available():

@@ -75,22 +75,43 @@ def test_median_detection_step():
 
 
 def test_detector_cases_design():
-    cases = load_grid("detector").configs
-    assert len(cases) == 270
-    df = pd.DataFrame(cases)
-    assert (df.groupby("bug").size() == 30).all() and set(df["bug"]) == {*BUGS, "none"}
-    assert len([c for c in cases if c["bug"] != "none"]) == 240
-    case_cols = ["seed", "n_layer", "n_head", "prompt_len"]
-    per_bug = {b: set(map(tuple, g[case_cols].to_numpy().tolist())) for b, g in df.groupby("bug")}
-    assert len(per_bug["none"]) == 30 and all(s == per_bug["none"] for s in per_bug.values())
-    assert (df["model"] == "random").all() and (df["prompt_len"] < EVICT_WINDOW).all()
+    all_cases = load_grid("detector").configs
+    assert len(all_cases) == 540
+    assert pd.DataFrame(all_cases).groupby("model").size().to_dict() == {"random": 270, "trained": 270}
+    designs = {}
+    for model in ("random", "trained"):
+        cases = [c for c in all_cases if c["model"] == model]
+        df = pd.DataFrame(cases)
+        assert (df.groupby("bug").size() == 30).all() and set(df["bug"]) == {*BUGS, "none"}
+        assert len([c for c in cases if c["bug"] != "none"]) == 240
+        case_cols = ["seed", "n_layer", "n_head", "prompt_len"]
+        per_bug = {b: set(map(tuple, g[case_cols].to_numpy().tolist())) for b, g in df.groupby("bug")}
+        assert len(per_bug["none"]) == 30 and all(s == per_bug["none"] for s in per_bug.values())
+        assert (df["prompt_len"] < EVICT_WINDOW).all()
+        designs[model] = per_bug
+    assert designs["random"] == designs["trained"]  # the same 30 cases on both model kinds
     assert STUDIES["detector"] is detector.STUDY
+
+
+def test_the_random_cases_keep_their_run_ids():
+    """Adding the trained model kind added runs: the random ones are the same configs (same ids) as before."""
+    from kvfast.sweep.ids import run_id
+
+    grid = load_grid("detector")
+    random = [r for r in grid.runs if r.config["model"] == "random"]
+    assert len(random) == 270
+    assert all(r.run_id == run_id("detector", detector.VERSION, r.config) for r in random)
+    first = random[0].config
+    assert first == {
+        "bug": "stale", "model": "random", "seed": 10, "n_layer": 1, "n_head": 1, "d_model": 16, "d_ff": 32,
+        "vocab": 32, "prompt_len": 3, "steps": 16, "preset": "f64",
+    }  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def runs() -> pd.DataFrame:
-    """Two cases per bug and per control, taken from the study's own case list."""
-    cases = load_grid("detector").configs
+    """Two cases per bug and per control, taken from the study's own random-model case list."""
+    cases = [c for c in load_grid("detector").configs if c["model"] == "random"]
     picked = []
     for bug in [*BUGS, "none"]:
         mine = [c for c in cases if c["bug"] == bug]
@@ -155,3 +176,22 @@ def test_claims_on_the_small_set(runs):
     claims = {c.claim: c for c in detector.claims(runs)}
     assert claims['every-step exact check on the label "bug present" (bugged runs vs clean controls)'].holds
     assert claims["the one-step check catches none of the growth bugs"].holds
+
+
+def test_trained_cases_are_scored_apart_and_keep_the_large_margins():
+    """Two trained-model cases per bug beside the random ones: summaries and steps per model kind; the trained
+    model's clean generations have top-2 margins far above the random models'."""
+    cases = [c for c in load_grid("detector").configs if c["model"] == "trained" and c["n_layer"] == 1]
+    picked = []
+    for bug in ["stale", "freeze", "none"]:
+        picked += [c for c in cases if c["bug"] == bug][:2]
+    trained = run_inline(picked, study="detector")
+    assert (trained["clean_dev"] == 0.0).all()
+    assert trained["clean_margin_min"].min() > 0.5
+    summary = detector.summarize(trained)
+    assert set(summary["model"]) == {"trained"} and list(summary.columns[:2]) == ["model", "detector"]
+    steps = detector.steps_to_detection(trained).set_index("bug")
+    assert steps.loc["freeze", "steps_min"] == 2 and steps.loc["stale", "steps_max"] == 1
+    assert not trained[trained["bug"] == "stale"]["tokens_changed"].any()  # the seed's 0% for stale
+    claims = detector.claims(trained)
+    assert [c.claim[:22] for c in claims] == ['trained "cycle" model:']  # no random runs: no seed rows

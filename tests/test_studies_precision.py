@@ -149,6 +149,7 @@ def test_summary_and_claims_of_a_small_table():
 # --- near-tied --------------------------------------------------------------------------------
 
 NT = {
+    "model": "random",
     "n_layer": 2,
     "n_head": 2,
     "d_model": 16,
@@ -201,10 +202,36 @@ def test_neartied_config_is_validated():
         neartied.validate_config(dict(good, twin_exp=-1))
     with pytest.raises(ValueError, match="accum: 'fp16'"):
         neartied.validate_config(dict(good, accum="fp16"))
+    with pytest.raises(ValueError, match="model: 'pretrained' is not allowed; allowed: random, trained"):
+        neartied.validate_config(dict(good, model="pretrained"))
+    with pytest.raises(ValueError, match="steps: 25 is not allowed with prompt_len=8 and model=trained"):
+        neartied.validate_config(dict(good, model="trained", steps=25))
+
+
+def test_twin_head_on_the_trained_model():
+    """The trained cycle model with its head rebuilt in twins: every other weight is the trained one, the prompt
+    is in-distribution, the top two are twins at nearly every step, and a same-order cache stays bit-exact."""
+    from kvfast.studies import bugs
+
+    config = dict(NT, model="trained", seed=3, storage="bf16", accum="bf16", twin_exp=6)
+    cfg, params, prompt = neartied.twin_head_model(config)
+    _, trained = bugs.model_for(config)
+    assert set(params) == set(trained)
+    for name in trained:
+        if name != "w_out":
+            assert params[name] is trained[name]
+    assert (params["w_out"][:, 0::2] == trained["w_out"][:, 0::2]).all()
+    assert not (params["w_out"][:, 1::2] == trained["w_out"][:, 1::2]).all()
+    assert (prompt[bugs.TASK_PREFIX :] == prompt[: len(prompt) - bugs.TASK_PREFIX]).all()  # the cycle task
+    r = neartied.run(config)
+    assert r["twin_top2_frac"] > 0.9 and r["same_exact"] is True
+    assert neartied.run(dict(config, model="random")) != r
 
 
 def test_grids_expand():
     from kvfast.sweep.grid import load_grid
 
     assert len(load_grid("precision")) == 864
-    assert len(load_grid("neartied")) == 600
+    near = load_grid("neartied")
+    assert len(near) == 1200
+    assert sum(r.config["model"] == "random" for r in near.runs) == 600

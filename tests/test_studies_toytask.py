@@ -98,9 +98,11 @@ def test_bad_training_arguments(change, message):
         train(**args)
 
 
-def test_bug_study_trained_model_solves_its_task():
-    """The trained model of the bug study (1 layer, 1 head): held-out loss and accuracy."""
-    case = {"model": "trained", "vocab": 32, "d_model": 16, "d_ff": 32, "n_layer": 1, "n_head": 1, "seed": 0}
+@pytest.mark.parametrize(("n_layer", "n_head"), [(1, 1), (2, 2), (3, 2)])
+def test_bug_study_trained_model_solves_its_task(n_layer, n_head):
+    """The trained models of the bug study (1 layer, 1 head), the near-tied study's twin head (2, 2) and the
+    detector study's deepest (3, 2): held-out loss and accuracy."""
+    case = {"model": "trained", "vocab": 32, "d_model": 16, "d_ff": 32, "n_layer": n_layer, "n_head": n_head, "seed": 0}
     cfg, params = bugs.model_for(case)
     task = bugs.task_for(32)
     before = evaluate(cfg, bugs.model_for({**case, "model": "random"})[1], task, 99)

@@ -110,7 +110,63 @@ def test_a_short_run_is_deterministic_and_complete():
     assert set(first) == set(T.RESULT_FIELDS)
     assert first == T.run(config)
     assert first["grad_cosine"] < 1.0
-    assert all(np.isfinite(v) for v in first.values())
+    assert all(np.isfinite(np.asarray(v, dtype=np.float64)).all() for k, v in first.items() if k != "tensor_names")
+
+
+def test_curves_agree_with_the_run_figures_bit_for_bit():
+    """The cosine curve starts at grad_cosine, the held-out curve ends at suffix_loss_*, the per-tensor lists
+    follow tensor_names, and the batch losses have one value per step."""
+    config = dict(main_budget(), seed=2, prefix_len=6, train_steps=7, grad_batch=4, eval_size=4)
+    r = T.run(config)
+    assert r["curve_steps"] == T.curve_steps(7) == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert T.curve_steps(100) == list(range(0, 101, 10)) and T.curve_steps(25) == [
+        0,
+        2,
+        4,
+        6,
+        8,
+        10,
+        12,
+        14,
+        16,
+        18,
+        20,
+        22,
+        24,
+        25,
+    ]
+    for variant in ("full", "cached"):
+        assert len(r[f"curve_cosine_{variant}"]) == len(r["curve_steps"]) == len(r[f"curve_suffix_loss_{variant}"])
+        assert r[f"curve_cosine_{variant}"][0] == r["grad_cosine"]
+        assert r[f"curve_suffix_loss_{variant}"][-1] == r[f"suffix_loss_{variant}"]
+        assert len(r[f"train_loss_{variant}"]) == 7
+        assert all(len(t) == len(r["tensor_names"]) for t in r[f"curve_tensor_cosine_{variant}"])
+    assert r["tensor_names"] == sorted(r["tensor_names"]) and len(r["tensor_names"]) == 4 + 8 * config["n_layer"]
+    assert r["train_loss_full"][0] == r["train_loss_cached"][0]  # the same first batch at the same parameters
+    assert r["curve_cosine_cached"][1:] != r["curve_cosine_full"][1:]  # the two variants part after one step
+    names = r["tensor_names"]
+    init = dict(zip(names, r["curve_tensor_cosine_full"][0], strict=True))
+    # the prefix's K/V depend on the K/V projections: their gradients differ; the output head's cannot
+    assert init["h0.wk"] < 0.999 and init["h0.wv"] < 0.999
+    assert init["w_out"] > 1 - 1e-12
+
+
+def test_taking_curve_points_changes_no_parameter():
+    config = dict(main_budget(), seed=0, prefix_len=5, train_steps=4, grad_batch=4, eval_size=4)
+    for cached in (False, True):
+        plain, losses, points = T.train(config, cached)
+        assert points == []
+        probed, losses2, points2 = T.train(config, cached, probe=lambda p: float(p["wte"].sum()))
+        assert losses == losses2 and len(points2) == len(T.curve_steps(4))
+        for name in plain:
+            assert (plain[name] == probed[name]).all()
+
+
+def test_prefix_zero_curves_are_one_training():
+    config = dict(main_budget(), seed=0, prefix_len=0, train_steps=3, grad_batch=4, eval_size=4)
+    r = T.run(config)
+    for a, b in (("curve_cosine_full", "curve_cosine_cached"), ("train_loss_full", "train_loss_cached")):
+        assert r[a] == r[b]
 
 
 def test_training_config_is_validated():

@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from kvfast.model.bugs import BUGS
+from kvfast.studies import detector, neartied, training
 from kvfast.studies.common import ok_rows
 from kvfast.studies.detector import scored
 
@@ -48,34 +50,71 @@ def _bugs(df: pd.DataFrame) -> list[tuple[str, str, str]]:
 
 def _detector(df: pd.DataFrame) -> list[tuple[str, str, str]]:
     s = scored(df)
-    bugged = s[s["bug_present"]]
-    same = bugged[~bugged["output_changed"]]
-    changed = bugged[bugged["output_changed"]]
     rows = []
-    if len(same) and len(changed):
-        hi = same.loc[same["every_step_score"].idxmax()]
-        lo = changed.loc[changed["every_step_score"].idxmin()]
+    summary = detector.summarize(df)
+    for model in detector.model_kinds(s):
+        m = s[s["model"] == model]
+        suffix = "" if model == detector.CLAIMS_MODEL else f"_{model}"
+        words = f"{model} models" if model == "random" else f"the {model} model"
+        bugged = m[m["bug_present"]]
+        same = bugged[~bugged["output_changed"]]
+        changed = bugged[bugged["output_changed"]]
+        if len(same) and len(changed):
+            hi = same.loc[same["every_step_score"].idxmax()]
+            lo = changed.loc[changed["every_step_score"].idxmin()]
+            rows.append(
+                (
+                    f"largest_unchanged_dev{suffix}",
+                    "largest all-steps deviation of a bugged run whose output did not change"
+                    + (f" ({words})" if suffix else ""),
+                    f"{hi['every_step_score']:.2g} ({hi['bug']})",
+                )
+            )
+            rows.append(
+                (
+                    f"smallest_changed_dev{suffix}",
+                    "smallest all-steps deviation of a bugged run whose output changed"
+                    + (f" ({words})" if suffix else ""),
+                    f"{lo['every_step_score']:.2g} ({lo['bug']})",
+                )
+            )
         rows.append(
             (
-                "largest_unchanged_dev",
-                "largest all-steps deviation of a bugged run whose output did not change",
-                f"{hi['every_step_score']:.2g} ({hi['bug']})",
+                f"margin_median_detector{suffix}",
+                "detector runs"
+                + (f" ({words})" if suffix else "")
+                + ": median of the clean generation's smallest top-1 minus top-2 margin",
+                f"{float(m['clean_margin_min'].median()):.3g} ({len(m)} runs)",
             )
         )
-        rows.append(
-            (
-                "smallest_changed_dev",
-                "smallest all-steps deviation of a bugged run whose output changed",
-                f"{lo['every_step_score']:.2g} ({lo['bug']})",
+        if suffix:
+            seed = detector.SEED_FIGURES["one-step"]
+            one = summary[
+                (summary["model"] == model)
+                & (summary["detector"] == "one-step")
+                & (summary["scope"] == "all")
+                & (summary["label"] == "output changed")
+            ].iloc[0]
+            per_bug = ", ".join(
+                f"{bug} {int(bugged.loc[bugged['bug'] == bug, 'output_changed'].sum())}"
+                for bug in BUGS
+                if (bugged["bug"] == bug).any()
             )
-        )
-    rows.append(
-        (
-            "margin_median_detector",
-            "detector runs: median of the clean generation's smallest top-1 minus top-2 margin",
-            f"{float(s['clean_margin_min'].median()):.3g} ({len(s)} runs)",
-        )
-    )
+            rows.append(
+                (
+                    f"detector_changed{suffix}",
+                    f"detector study, {words}: bugged runs whose output changed (of 30 per bug)",
+                    f"{len(changed)} of {len(bugged)} ({per_bug})",
+                )
+            )
+            rows.append(
+                (
+                    f"detector_one_step{suffix}",
+                    f'detector study, {words}: one-step exact check on "output changed" (seed: recall '
+                    f"{seed['recall']:.3f}, AUC {seed['auc']:.3f})",
+                    f"recall {one['recall']:.3f}, AUC {one['auc']:.3f}",
+                )
+            )
     return rows
 
 
@@ -107,16 +146,42 @@ def _precision(df: pd.DataFrame) -> list[tuple[str, str, str]]:
 
 def _neartied(df: pd.DataFrame) -> list[tuple[str, str, str]]:
     ok = _ok(df)
-    b = ok[ok["accum"] == "bf16"]
-    if not len(b):
-        return []
-    return [
-        (
-            "neartied_bf16_logit_move",
-            "near-tied model, bf16 accumulator: largest logit move of the mixed-order cached run (to its first flip)",
-            f"{float(b['cached_max_diff'].max()):.3g}",
+    rows = []
+    for model in [m for m in neartied.MODEL_KINDS if m in set(ok["model"])]:
+        runs = ok[ok["model"] == model]
+        b = runs[runs["accum"] == "bf16"]
+        if not len(b):
+            continue
+        suffix = "" if model == neartied.CLAIMS_MODEL else f"_{model}"
+        words = "" if not suffix else f" (twin head on the {model} model)"
+        rows.append(
+            (
+                f"neartied_bf16_logit_move{suffix}",
+                f"near-tied model{words}, bf16 accumulator: largest logit move of the mixed-order cached run "
+                "(to its first flip)",
+                f"{float(b['cached_max_diff'].max()):.3g}",
+            )
         )
-    ]
+        if suffix:
+            rows.append(
+                (
+                    f"neartied_flips{suffix}",
+                    f"near-tied model{words}, bf16 storage + bf16 accumulator, per twin gap: cached vs control "
+                    "flips (paired exact McNemar p)",
+                    neartied.flips_text(neartied.flips_per_gap(runs)),
+                )
+            )
+            rows.append(
+                (
+                    f"neartied_margin{suffix}",
+                    f"near-tied model{words}: median top-2 margin per twin gap (f64 preset)",
+                    "; ".join(
+                        f"2^-{int(e)}: {float(g['margin_median'].median()):.3g}"
+                        for e, g in runs[runs["storage"] == "f64"].groupby("twin_exp")
+                    ),
+                )
+            )
+    return rows
 
 
 def _training(df: pd.DataFrame) -> list[tuple[str, str, str]]:
@@ -139,6 +204,48 @@ def _training(df: pd.DataFrame) -> list[tuple[str, str, str]]:
     return rows
 
 
+def _training_curves(df: pd.DataFrame) -> list[tuple[str, str, str]]:
+    ok = _ok(df)
+    if "curve_cosine_full" not in ok.columns:
+        return []
+    at6 = ok[ok["prefix_len"] == 6]
+    rows = []
+    for steps, g in at6.groupby("train_steps"):
+        for variant in ("full", "cached"):
+            at, curve = training.mean_curve(g, f"curve_cosine_{variant}")
+            rows.append(
+                (
+                    f"training_cosine_curve_{variant}_{int(steps)}",
+                    f"training at prefix 6 of 12, {int(steps)} steps: gradient cosine along {variant} training "
+                    "(mean over seeds), step: cosine",
+                    ", ".join(f"{int(a)}: {c:.3f}" for a, c in zip(at, curve, strict=True)),
+                )
+            )
+        for variant in ("full", "cached"):
+            at, curve = training.mean_curve(g, f"curve_suffix_loss_{variant}")
+            rows.append(
+                (
+                    f"training_loss_curve_{variant}_{int(steps)}",
+                    f"training at prefix 6 of 12, {int(steps)} steps: held-out suffix loss of {variant} training "
+                    "(mean over seeds), step: loss",
+                    ", ".join(f"{int(a)}: {c:.3g}" for a, c in zip(at, curve, strict=True)),
+                )
+            )
+    main = at6[at6["train_steps"] == at6["train_steps"].min()]
+    names = list(main["tensor_names"].iloc[0])
+    init = np.array([np.asarray(list(c)[0], dtype=np.float64) for c in main["curve_tensor_cosine_full"]]).mean(axis=0)
+    order = np.argsort(init, kind="stable")
+    rows.append(
+        (
+            "training_tensor_cosine_init",
+            "training at prefix 6 of 12: gradient cosine per parameter tensor at initialisation (mean over seeds), "
+            "lowest first",
+            ", ".join(f"{names[i]} {init[i]:.3f}" for i in order),
+        )
+    )
+    return rows
+
+
 def _gradcheck(df: pd.DataFrame) -> list[tuple[str, str, str]]:
     ok = _ok(df)
     rows = []
@@ -158,7 +265,7 @@ FACTS = {
     "detector": _detector,
     "precision": _precision,
     "neartied": _neartied,
-    "training": _training,
+    "training": lambda df: _training(df) + _training_curves(df),
     "gradcheck": _gradcheck,
 }
 

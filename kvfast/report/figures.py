@@ -18,6 +18,7 @@ import pandas as pd
 
 from kvfast.model.bugs import BUGS, VISIBLE_AT_STEP_1
 from kvfast.studies import detector as det
+from kvfast.studies import training as tr
 from kvfast.studies.bugs import SEED_BUG_TABLE
 from kvfast.studies.common import ok_rows
 from kvfast.studies.training import TASK_PREFIX
@@ -148,48 +149,65 @@ def roc_points(scores, labels) -> tuple[np.ndarray, np.ndarray]:
 
 
 def roc_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Per label and detector: the ROC curve's points (``fpr``, ``tpr``) and the AUC."""
+    """Per model kind, label and detector: the ROC curve's points (``fpr``, ``tpr``) and the AUC."""
     s = det.scored(df)
     summary = det.summarize(df)
     rows = []
-    for label in det.LABELS:
-        pop = s[s["bug_present"]] if label == "output changed" else s
-        y = pop[label.replace(" ", "_")].to_numpy(bool)
-        for name in det.DETECTORS:
-            key = name.replace("-", "_")
-            fpr, tpr = roc_points(pop[f"{key}_score"].to_numpy(), y)
-            auc = summary[(summary["detector"] == name) & (summary["scope"] == "all") & (summary["label"] == label)]
-            for i, (a, b) in enumerate(zip(fpr, tpr, strict=True)):
-                rows.append(
-                    {"label": label, "detector": name, "point": i, "fpr": a, "tpr": b, "auc": float(auc["auc"].iloc[0])}
-                )
-    return pd.DataFrame(rows, columns=["label", "detector", "point", "fpr", "tpr", "auc"])
+    for model in det.model_kinds(s):
+        m = s[s["model"] == model]
+        for label in det.LABELS:
+            pop = m[m["bug_present"]] if label == "output changed" else m
+            y = pop[label.replace(" ", "_")].to_numpy(bool)
+            for name in det.DETECTORS:
+                key = name.replace("-", "_")
+                fpr, tpr = roc_points(pop[f"{key}_score"].to_numpy(), y)
+                auc = summary[
+                    (summary["model"] == model)
+                    & (summary["detector"] == name)
+                    & (summary["scope"] == "all")
+                    & (summary["label"] == label)
+                ]
+                for i, (a, b) in enumerate(zip(fpr, tpr, strict=True)):
+                    rows.append(
+                        {
+                            "model": model,
+                            "label": label,
+                            "detector": name,
+                            "point": i,
+                            "fpr": a,
+                            "tpr": b,
+                            "auc": float(auc["auc"].iloc[0]),
+                        }
+                    )
+    return pd.DataFrame(rows, columns=["model", "label", "detector", "point", "fpr", "tpr", "auc"])
 
 
 def _roc_section(df: pd.DataFrame) -> Section:
     table = roc_table(df)
     s = det.scored(df)
+    models = det.model_kinds(s)
 
     def draw():
         plt = _plt()
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4.8))
-        for ax, label in zip(axes, det.LABELS, strict=True):
-            pop = s[s["bug_present"]] if label == "output changed" else s
-            pos = int(pop[label.replace(" ", "_")].sum())
-            for name in det.DETECTORS:
-                g = table[(table["label"] == label) & (table["detector"] == name)]
-                ax.plot(
-                    g["fpr"], g["tpr"], "-o", ms=3, color=COLORS[name], label=f"{name} (AUC {g['auc'].iloc[0]:.3f})"
-                )
-            ax.plot([0, 1], [0, 1], ":", color="grey", label="chance (AUC 0.500)")
-            ax.set_xlabel("false-positive rate")
-            ax.set_ylabel("true-positive rate (recall)")
-            ax.set_title(f'label "{label}": {pos} positives of {len(pop)} runs')
-            ax.set_xlim(-0.02, 1.02)
-            ax.set_ylim(-0.02, 1.02)
-            ax.set_aspect("equal")
-            ax.grid(alpha=0.3)
-            ax.legend(loc="lower right")
+        fig, axes = plt.subplots(len(models), 2, figsize=(11, 4.8 * len(models)), squeeze=False)
+        for row, model in enumerate(models):
+            m = s[s["model"] == model]
+            for ax, label in zip(axes[row], det.LABELS, strict=True):
+                pop = m[m["bug_present"]] if label == "output changed" else m
+                pos = int(pop[label.replace(" ", "_")].sum())
+                for name in det.DETECTORS:
+                    g = table[(table["model"] == model) & (table["label"] == label) & (table["detector"] == name)]
+                    auc = g["auc"].iloc[0]
+                    ax.plot(g["fpr"], g["tpr"], "-o", ms=3, color=COLORS[name], label=f"{name} (AUC {auc:.4g})")
+                ax.plot([0, 1], [0, 1], ":", color="grey", label="chance (AUC 0.500)")
+                ax.set_xlabel("false-positive rate")
+                ax.set_ylabel("true-positive rate (recall)")
+                ax.set_title(f'{model} models, label "{label}":\n{pos} positives of {len(pop)} runs')
+                ax.set_xlim(-0.02, 1.02)
+                ax.set_ylim(-0.02, 1.02)
+                ax.set_aspect("equal")
+                ax.grid(alpha=0.3)
+                ax.legend(loc="lower right")
         fig.tight_layout()
         return fig
 
@@ -198,7 +216,9 @@ def _roc_section(df: pd.DataFrame) -> Section:
         "ROC curves of the one-step and the every-step exact check",
         "Scores: the largest deviation at the prompt and decode step 1 (one-step) or at any step (every-step). "
         'Left: label "output changed" over the 240 bugged runs (the seed\'s population). Right: label "bug present" '
-        "over all runs (bugged vs clean controls). Ties are one straight segment, so each area is the printed AUC.",
+        "over all runs (bugged vs clean controls). Top: random models (nearly tied: a small deviation can flip a "
+        "token); bottom: the trained cycle-task model (top-2 margins of several logits), the configuration closer "
+        "to the seed's. Ties are one straight segment, so each area is the printed AUC.",
         table,
         draw,
     )
@@ -207,40 +227,49 @@ def _roc_section(df: pd.DataFrame) -> Section:
 def _steps_section(df: pd.DataFrame) -> Section:
     table = det.steps_to_detection(df)
     s = det.scored(df)
+    models = det.model_kinds(s)
 
     def draw():
         plt = _plt()
-        bugs = [b for b in table["bug"] if b != "none"]
-        fig, ax = plt.subplots(figsize=(10, 0.45 * len(bugs) + 1.6))
+        bugs = [b for b in dict.fromkeys(table["bug"]) if b != "none"]
+        fig, ax = plt.subplots(figsize=(10.5, 0.55 * len(bugs) + 1.8))
+        offsets = np.linspace(-0.18, 0.18, len(models)) if len(models) > 1 else [0.0]
         for i, bug in enumerate(bugs):
-            g = s[(s["bug"] == bug) & s["every_step_flag"]]
-            steps, n = np.unique(g["steps_to_detection"].to_numpy(), return_counts=True)
-            ax.scatter(steps, np.full(steps.size, i), s=12 + 8 * n, color=COLORS["every-step"], alpha=0.7, zorder=3)
-            row = table[table["bug"] == bug].iloc[0]
-            ax.text(
-                16.3,
-                i,
-                f"one-step flags {row['one_step_flagged']}/{row['runs']}",
-                va="center",
-                fontsize=9,
-                color=COLORS["one-step"],
-            )
+            flagged = []
+            for off, model in zip(offsets, models, strict=True):
+                g = s[(s["model"] == model) & (s["bug"] == bug) & s["every_step_flag"]]
+                steps, n = np.unique(g["steps_to_detection"].to_numpy(), return_counts=True)
+                ax.scatter(
+                    steps,
+                    np.full(steps.size, i + off),
+                    s=12 + 8 * n,
+                    color=COLORS[model],
+                    alpha=0.7,
+                    zorder=3,
+                    label=f"{model} models" if i == 0 else None,
+                )
+                row = table[(table["model"] == model) & (table["bug"] == bug)].iloc[0]
+                flagged.append(f"{row['one_step_flagged']}/{row['runs']}")
+            ax.text(16.3, i, "one-step: " + " | ".join(flagged), va="center", fontsize=9, color=COLORS["one-step"])
         ax.axvline(1, color="grey", lw=1, ls=":")
         ax.set_yticks(range(len(bugs)), bugs)
         ax.set_ylim(len(bugs) - 0.5, -0.5)
-        ax.set_xlim(-0.5, 20.5)
+        ax.set_xlim(-0.5, 21.5)
         ax.set_xticks(range(0, 16))
         ax.set_xlabel("first decode step at which the every-step check fires (marker area: runs)")
-        ax.set_title("Steps to detection per bug (every-step check; one-step flags at right)")
+        ax.set_title(
+            "Steps to detection per bug (every-step check); one-step flags at right (" + " | ".join(models) + ")"
+        )
         ax.grid(axis="x", alpha=0.3)
+        ax.legend(loc="lower center", bbox_to_anchor=(0.5, 0.01), ncol=len(models), fontsize=9, markerscale=0.6)
         fig.tight_layout()
         return fig
 
     return Section(
         "steps",
         "Steps to detection per bug",
-        "For each bug, the first step at which the every-step check fires in each run (a test's generation must be "
-        "at least this long to see the bug), and how many runs the one-step check flags at all.",
+        "For each bug and model kind, the first step at which the every-step check fires in each run (a test's "
+        "generation must be at least this long to see the bug), and how many runs the one-step check flags at all.",
         table,
         draw,
     )
@@ -327,12 +356,14 @@ def _precision_section(df: pd.DataFrame) -> Section:
 
 
 def neartied_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Per storage/accumulator pair and twin gap: runs, flips of the mixed-order cached run and of the control."""
+    """Per model kind, storage/accumulator pair and twin gap: runs, flips of the mixed-order cached run and of the
+    control, and the median top-2 margin."""
     ok = _ok(df)
     rows = []
-    for (storage, accum, exp), g in ok.groupby(["storage", "accum", "twin_exp"]):
+    for (model, storage, accum, exp), g in ok.groupby(["model", "storage", "accum", "twin_exp"]):
         rows.append(
             {
+                "model": model,
                 "storage": storage,
                 "accum": accum,
                 "twin_exp": int(exp),
@@ -343,34 +374,41 @@ def neartied_table(df: pd.DataFrame) -> pd.DataFrame:
             }
         )
     return pd.DataFrame(
-        rows, columns=["storage", "accum", "twin_exp", "runs", "flips_cached", "flips_control", "margin_median"]
+        rows,
+        columns=["model", "storage", "accum", "twin_exp", "runs", "flips_cached", "flips_control", "margin_median"],
     )
 
 
 def _neartied_section(df: pd.DataFrame) -> Section:
     table = neartied_table(df)
+    models = [m for m in ("random", "trained") if m in set(table["model"])]
 
     def draw():
         plt = _plt()
-        fig, ax = plt.subplots(figsize=(8, 4.6))
+        fig, axes = plt.subplots(1, len(models), figsize=(6.2 * len(models), 4.8), sharey=True, squeeze=False)
         styles = {"bf16": "-", "f32": "--", "f64": ":"}
-        for accum, g in table[table["storage"] == "bf16"].groupby("accum"):
-            ls = styles[accum]
-            ax.plot(g["twin_exp"], g["flips_cached"], ls, marker="o", color="#9467bd", label=f"cached, {accum} acc")
-            ax.plot(g["twin_exp"], g["flips_control"], ls, marker="s", color="#8c564b", label=f"control, {accum} acc")
         runs = int(table["runs"].max()) if len(table) else 0
-        ax.axhline(3, color="#9467bd", lw=0.8, alpha=0.5)
-        ax.axhline(2, color="#8c564b", lw=0.8, alpha=0.5)
-        ax.text(0.02, 3.3, "seed: cached 3 / 24", fontsize=8, color="#9467bd", transform=ax.get_yaxis_transform())
-        ax.text(0.02, 1.0, "seed: control 2 / 24", fontsize=8, color="#8c564b", transform=ax.get_yaxis_transform())
         exps = sorted(set(table["twin_exp"]))
-        ax.set_xticks(exps, [f"$2^{{-{e}}}$" for e in exps])
-        ax.set_xlabel("twin gap (smaller = closer tie)")
-        ax.set_ylabel(f"runs whose tokens flip (of {runs})")
-        ax.set_ylim(-0.5, runs + 0.5)
-        ax.set_title("Near-tied model, bf16 storage: cached (mixed orders) vs no-cache control")
-        ax.grid(alpha=0.3)
-        ax.legend(loc="center right", fontsize=9)
+        for ax, model in zip(axes[0], models, strict=True):
+            mine = table[(table["model"] == model) & (table["storage"] == "bf16")]
+            for accum, g in mine.groupby("accum"):
+                ls = styles[accum]
+                ax.plot(g["twin_exp"], g["flips_cached"], ls, marker="o", color="#9467bd", label=f"cached, {accum} acc")
+                ax.plot(
+                    g["twin_exp"], g["flips_control"], ls, marker="s", color="#8c564b", label=f"control, {accum} acc"
+                )
+            ax.axhline(3, color="#9467bd", lw=0.8, alpha=0.5)
+            ax.axhline(2, color="#8c564b", lw=0.8, alpha=0.5)
+            ax.text(0.02, 3.3, "seed: cached 3 / 24", fontsize=8, color="#9467bd", transform=ax.get_yaxis_transform())
+            ax.text(0.02, 1.0, "seed: control 2 / 24", fontsize=8, color="#8c564b", transform=ax.get_yaxis_transform())
+            ax.set_xticks(exps, [f"$2^{{-{e}}}$" for e in exps])
+            ax.set_xlabel("twin gap (smaller = closer tie)")
+            ax.set_ylim(-0.5, runs + 0.5)
+            ax.set_title(f"twin head on the {model} model{'s' if model == 'random' else ''}")
+            ax.grid(alpha=0.3)
+        axes[0, 0].set_ylabel(f"runs whose tokens flip (of {runs})")
+        axes[0, -1].legend(loc="center right", fontsize=9)
+        fig.suptitle("Near-tied model, bf16 storage: cached (mixed orders) vs no-cache control")
         fig.tight_layout()
         return fig
 
@@ -379,8 +417,9 @@ def _neartied_section(df: pd.DataFrame) -> Section:
         "Near-tied flips against the tie gap, cached vs control",
         "A twin-head model makes every step nearly tied. Cached: prefill in sequential order, every decode step in "
         "pairwise; control: a full recompute in pairwise order, no cache. Both against a sequential recompute. "
+        "Left: the twin head on random models; right: on the trained cycle-task model (in-distribution prompts). "
         "With an f32 or f64 accumulator no run flips; with a bf16 accumulator the cache flips about as often as the "
-        "control at every gap.",
+        "control at every gap, on both.",
         table,
         draw,
     )
@@ -434,8 +473,6 @@ def _training_cosine_section(df: pd.DataFrame) -> Section:
         "at initialisation, on a fixed batch of 32 sequences.",
         table[["train_steps", "prefix_len", "seeds", "cosine", "cosine_min", "cosine_max"]],
         draw,
-        note="The study stores the cosine at initialisation only; a cosine during training (a curve over steps) is "
-        "not in its stored schema.",
     )
 
 
@@ -466,8 +503,186 @@ def _training_loss_section(df: pd.DataFrame) -> Section:
         "positions, full training against training with the prefix's K/V as constants.",
         table[["train_steps", "prefix_len", "seeds", "suffix_loss_full", "suffix_loss_cached"]],
         draw,
-        note="Loss curves over training steps are not stored (the study stores the loss after each budget, "
-        "100 and 300 steps); the figure shows the final losses against the prefix length instead.",
+    )
+
+
+def _curve_runs(df: pd.DataFrame) -> pd.DataFrame:
+    ok = _ok(df)
+    if "curve_cosine_full" not in ok.columns:
+        return ok.iloc[0:0]
+    return ok[ok["prefix_len"] == TASK_PREFIX]
+
+
+def training_curve_table(df: pd.DataFrame) -> pd.DataFrame:
+    """At prefix 6, per training budget and curve point: the step and the means over seeds of the gradient cosine
+    along full and along cached training, and of the held-out suffix loss of each variant."""
+    runs = _curve_runs(df)
+    rows = []
+    for steps, g in runs.groupby("train_steps"):
+        at, cos_full = tr.mean_curve(g, "curve_cosine_full")
+        _, cos_cached = tr.mean_curve(g, "curve_cosine_cached")
+        _, loss_full = tr.mean_curve(g, "curve_suffix_loss_full")
+        _, loss_cached = tr.mean_curve(g, "curve_suffix_loss_cached")
+        for i, step in enumerate(at):
+            rows.append(
+                {
+                    "train_steps": int(steps),
+                    "step": int(step),
+                    "seeds": len(g),
+                    "cosine_full_training": float(cos_full[i]),
+                    "cosine_cached_training": float(cos_cached[i]),
+                    "suffix_loss_full": float(loss_full[i]),
+                    "suffix_loss_cached": float(loss_cached[i]),
+                }
+            )
+    return pd.DataFrame(
+        rows,
+        columns=[
+            "train_steps",
+            "step",
+            "seeds",
+            "cosine_full_training",
+            "cosine_cached_training",
+            "suffix_loss_full",
+            "suffix_loss_cached",
+        ],
+    )
+
+
+def _budgets(runs: pd.DataFrame) -> list[int]:
+    return sorted(int(s) for s in set(runs["train_steps"]))
+
+
+def _training_curve_section(df: pd.DataFrame) -> Section:
+    table = training_curve_table(df)
+    runs = _curve_runs(df)
+
+    def draw():
+        plt = _plt()
+        budgets = _budgets(runs)
+        fig, axes = plt.subplots(1, len(budgets), figsize=(6.2 * len(budgets), 4.6), sharey=True, squeeze=False)
+        for ax, steps in zip(axes[0], budgets, strict=True):
+            g = runs[runs["train_steps"] == steps]
+            for variant, color in (("full", "#2ca02c"), ("cached", "#d62728")):
+                for _, r in g.iterrows():
+                    ax.plot(r["curve_steps"], r[f"curve_cosine_{variant}"], "-", color=color, alpha=0.25, lw=1)
+                at, mean = tr.mean_curve(g, f"curve_cosine_{variant}")
+                ax.plot(at, mean, "-o", ms=4, color=color, label=f"along {variant} training (mean of {len(g)} seeds)")
+            ax.axhline(tr.SEED_COSINE, color="black", ls="--", lw=1, label=f"seed: {tr.SEED_COSINE}")
+            ax.set_xlabel("training step (Adam)")
+            ax.set_title(f"{steps} training steps, prefix 6 of 12")
+            ax.grid(alpha=0.3)
+        axes[0, 0].set_ylabel("gradient cosine, cached-prefix vs full")
+        axes[0, 0].legend(loc="lower left", fontsize=9)
+        fig.suptitle("Gradient cosine during training (thin lines: one seed each)")
+        fig.tight_layout()
+        return fig
+
+    return Section(
+        "training_curve",
+        "Training: gradient cosine during training",
+        "The cosine between the full and the cached-prefix gradient on the fixed batch of 32 sequences, at the "
+        "parameters each variant has reached after that many Adam steps (step 0 is the cosine at initialisation). "
+        "Along full training it dips while the model learns to attend back to the prefix, through the seed's "
+        "0.857, and recovers once the task is learned; along cached training it keeps falling.",
+        table[["train_steps", "step", "seeds", "cosine_full_training", "cosine_cached_training"]],
+        draw,
+    )
+
+
+def training_tensor_table(df: pd.DataFrame) -> pd.DataFrame:
+    """At prefix 6 and the main (shortest) budget, per parameter tensor: the gradient cosine (mean over seeds) at
+    initialisation and at the last curve point along each variant's training."""
+    runs = _curve_runs(df)
+    if not len(runs):
+        return pd.DataFrame(columns=["tensor", "seeds", "at_init", "end_full_training", "end_cached_training"])
+    g = runs[runs["train_steps"] == min(_budgets(runs))]
+    names = list(g["tensor_names"].iloc[0])
+    full = np.array([np.asarray(list(c), dtype=np.float64) for c in g["curve_tensor_cosine_full"]])
+    cached = np.array([np.asarray(list(c), dtype=np.float64) for c in g["curve_tensor_cosine_cached"]])
+    return pd.DataFrame(
+        {
+            "tensor": names,
+            "seeds": len(g),
+            "at_init": full[:, 0, :].mean(axis=0),
+            "end_full_training": full[:, -1, :].mean(axis=0),
+            "end_cached_training": cached[:, -1, :].mean(axis=0),
+        }
+    )
+
+
+def _training_tensor_section(df: pd.DataFrame) -> Section:
+    table = training_tensor_table(df)
+    runs = _curve_runs(df)
+
+    def draw():
+        plt = _plt()
+        g = runs[runs["train_steps"] == min(_budgets(runs))]
+        names = list(g["tensor_names"].iloc[0])
+        at = list(g["curve_steps"].iloc[0])
+        fig, axes = plt.subplots(1, 2, figsize=(12, 6.4), sharey=True, layout="constrained")
+        for ax, variant in zip(axes, ("full", "cached"), strict=True):
+            cube = np.array([np.asarray(list(c), dtype=np.float64) for c in g[f"curve_tensor_cosine_{variant}"]])
+            grid = cube.mean(axis=0).T  # tensors x curve points
+            im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+            ax.set_xticks(range(len(at)), [str(a) for a in at], fontsize=8)
+            ax.set_yticks(range(len(names)), names, fontsize=8)
+            ax.set_xlabel("training step")
+            ax.set_title(f"along {variant} training")
+        axes[0].set_ylabel("parameter tensor (h0 = layer 1, h1 = layer 2)")
+        fig.colorbar(im, ax=axes, shrink=0.8, label="gradient cosine, cached-prefix vs full (mean over seeds)")
+        fig.suptitle(f"Gradient cosine per parameter tensor, prefix 6 of 12, {int(g['train_steps'].iloc[0])} steps")
+        return fig
+
+    return Section(
+        "training_tensors",
+        "Training: gradient cosine per parameter tensor",
+        "The same cosine, tensor by tensor. The gap sits in the key and value projections (wk, wv) and the "
+        "pre-attention norms and embeddings, through which the prefix's keys and values depend on the parameters. "
+        "Tensors that the prefix's keys and values do not depend on (the last layer's queries, output projection, "
+        "MLP and its norm, the final norm, the output head) get the same gradient either way (cosine 1.000).",
+        table,
+        draw,
+    )
+
+
+def _training_loss_curve_section(df: pd.DataFrame) -> Section:
+    table = training_curve_table(df)
+    runs = _curve_runs(df)
+
+    def draw():
+        plt = _plt()
+        budgets = _budgets(runs)
+        fig, axes = plt.subplots(1, len(budgets), figsize=(6.2 * len(budgets), 4.6), sharey=True, squeeze=False)
+        for ax, steps in zip(axes[0], budgets, strict=True):
+            g = runs[runs["train_steps"] == steps]
+            for variant, color in (("full", "#2ca02c"), ("cached", "#d62728")):
+                batch = np.array([np.asarray(v, dtype=np.float64) for v in g[f"train_loss_{variant}"]]).mean(axis=0)
+                ax.plot(
+                    np.arange(batch.size), batch, "-", color=color, alpha=0.35, lw=1, label=f"{variant}: training batch"
+                )
+                at, mean = tr.mean_curve(g, f"curve_suffix_loss_{variant}")
+                ax.plot(at, mean, "-o", ms=4, color=color, label=f"{variant}: held-out suffix")
+            ax.plot([steps], [1.346], "*", ms=13, color="#d62728", mec="black", label="seed cached: 1.346")
+            ax.plot([steps], [0.059], "*", ms=13, color="#2ca02c", mec="black", label="seed full: 0.059")
+            ax.set_yscale("log")
+            ax.set_xlabel("training step (Adam)")
+            ax.set_title(f"{steps} training steps, prefix 6 of 12 (mean of {len(g)} seeds)")
+            ax.grid(alpha=0.3, which="both")
+        axes[0, 0].set_ylabel("loss (log scale)")
+        axes[0, -1].legend(fontsize=8, loc="lower left", ncol=2)
+        fig.suptitle("Loss during training: cached prefix vs full")
+        fig.tight_layout()
+        return fig
+
+    return Section(
+        "training_loss_curve",
+        "Training: loss curves, cached prefix vs full",
+        "Thin lines: each step's training-batch loss over positions 6..11 (what each variant minimises); markers: "
+        "the held-out loss over the learnable suffix positions at the curve points (the last one is the figure of "
+        "the claims table). Stars: the seed's final losses, drawn at the end of each budget.",
+        table[["train_steps", "step", "seeds", "suffix_loss_full", "suffix_loss_cached"]],
+        draw,
     )
 
 
@@ -576,7 +791,13 @@ SECTIONS: dict[str, list[Callable[[pd.DataFrame], Section]]] = {
     "detector": [_roc_section, _steps_section],
     "precision": [_precision_section],
     "neartied": [_neartied_section],
-    "training": [_training_cosine_section, _training_loss_section],
+    "training": [
+        _training_cosine_section,
+        _training_curve_section,
+        _training_tensor_section,
+        _training_loss_section,
+        _training_loss_curve_section,
+    ],
     "exactness": [_exactness_section],
     "gradcheck": [_gradcheck_section],
 }

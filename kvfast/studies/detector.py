@@ -2,9 +2,14 @@
 
 Cases (the grid ``detector.toml``): 8 bugs x 30 cases =
 240 bugged runs, plus the same 30 cases with ``bug = "none"`` as clean
-controls = 270 runs. The 30 cases are 3 depths x 2 head counts x 5 (seed,
-prompt length) pairs on random models, 16 greedy tokens each (15 decode
-steps), float64. Each run is a :mod:`kvfast.studies.bugs` run (same columns):
+controls = 270 runs, for each model kind (``model``: ``random``, and
+``trained``, the cycle-task model of :mod:`kvfast.studies.bugs`): 540 runs,
+scored per model kind. The 30 cases are 3 depths x 2 head counts x 5 (seed,
+prompt length) pairs, 16 greedy tokens each (15 decode steps), float64. The
+seed's claims are judged on the random models (its first configuration); the
+trained model is the closer configuration (large top-2 margins), and its
+every-step figure, the one that comes closer to the seed's, is a row of its
+own. Each run is a :mod:`kvfast.studies.bugs` run (same columns):
 its per-step deviations are those of :func:`kvfast.check.check_cache` on
 :class:`kvfast.check.KvfastModel` with the bug, so the every-step detector
 scored here is the check users run.
@@ -58,6 +63,10 @@ SEED_CHANGED = 180
 # The one-step claim holds when kvfast's recall and AUC are each within this of the seed's (stated a priori:
 # about two binomial standard errors of a recall of 0.5 over 180 positives, sqrt(0.25 / 180) = 0.037).
 SEED_TOLERANCE = 0.075
+# The model kind the seed's claims are judged on (the configuration they were first measured on), and the
+# closer configuration reported beside it.
+CLAIMS_MODEL = "random"
+CLOSER_MODEL = "trained"
 
 
 @dataclass(frozen=True)
@@ -117,6 +126,12 @@ def scored(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def model_kinds(s: pd.DataFrame) -> list[str]:
+    """The model kinds present in scored runs ``s``, in :data:`kvfast.studies.bugs.MODEL_KINDS` order."""
+    present = set(s["model"])
+    return [m for m in bugstudy.MODEL_KINDS if m in present]
+
+
 def _population(s: pd.DataFrame, label: str) -> pd.DataFrame:
     return s[s["bug_present"]] if label == "output changed" else s
 
@@ -130,9 +145,18 @@ def _steps(first: pd.Series) -> str:
 
 
 def summarize(df: pd.DataFrame) -> pd.DataFrame:
-    """Headline rows (``scope = "all"``: each detector under each label) then per-bug rows (``scope`` =
-    the bug, label "bug present": the share of its runs each detector flags and the steps it needs)."""
+    """Per model kind (``model``): headline rows (``scope = "all"``: each detector under each label) then per-bug
+    rows (``scope`` = the bug, label "bug present": the share of its runs each detector flags and the steps it
+    needs)."""
     s = scored(df)
+    parts = [_summarize_model(s[s["model"] == model]).assign(model=model) for model in model_kinds(s)]
+    if not parts:
+        return pd.DataFrame()
+    out = pd.concat(parts, ignore_index=True)
+    return out[["model", *[c for c in out.columns if c != "model"]]]
+
+
+def _summarize_model(s: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for det in DETECTORS:
         key = det.replace("-", "_")
@@ -190,45 +214,75 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def steps_to_detection(df: pd.DataFrame) -> pd.DataFrame:
-    """Per bug: runs, how many changed the output, the every-step check's first firing step (min,
+    """Per model kind and bug: runs, how many changed the output, the every-step check's first firing step (min,
     median, max over the runs where it fires) and the share of runs the one-step check flags."""
     s = scored(df)
     rows = []
-    for bug in [*BUGS, bugstudy.CONTROL]:
-        g = s[s["bug"] == bug]
-        if g.empty:
-            continue
-        f = g.loc[g["every_step_flag"], "steps_to_detection"]
-        rows.append(
-            {
-                "bug": bug,
-                "visible_at_step_1": VISIBLE_AT_STEP_1.get(bug, False),
-                "runs": len(g),
-                "output_changed": int(g["output_changed"].sum()),
-                "one_step_flagged": int(g["one_step_flag"].sum()),
-                "every_step_flagged": int(g["every_step_flag"].sum()),
-                "steps_min": int(f.min()) if len(f) else -1,
-                "steps_median": float(f.median()) if len(f) else np.nan,
-                "steps_max": int(f.max()) if len(f) else -1,
-            }
-        )
+    for model in model_kinds(s):
+        for bug in [*BUGS, bugstudy.CONTROL]:
+            g = s[(s["model"] == model) & (s["bug"] == bug)]
+            if g.empty:
+                continue
+            f = g.loc[g["every_step_flag"], "steps_to_detection"]
+            rows.append(
+                {
+                    "model": model,
+                    "bug": bug,
+                    "visible_at_step_1": VISIBLE_AT_STEP_1.get(bug, False),
+                    "runs": len(g),
+                    "output_changed": int(g["output_changed"].sum()),
+                    "one_step_flagged": int(g["one_step_flag"].sum()),
+                    "every_step_flagged": int(g["every_step_flag"].sum()),
+                    "steps_min": int(f.min()) if len(f) else -1,
+                    "steps_median": float(f.median()) if len(f) else np.nan,
+                    "steps_max": int(f.max()) if len(f) else -1,
+                }
+            )
     return pd.DataFrame(rows)
 
 
-def _row(summary: pd.DataFrame, det: str, label: str) -> pd.Series | None:
-    r = summary[(summary["detector"] == det) & (summary["scope"] == "all") & (summary["label"] == label)]
+def _row(summary: pd.DataFrame, det: str, label: str, model: str = CLAIMS_MODEL) -> pd.Series | None:
+    if summary.empty:
+        return None
+    r = summary[
+        (summary["model"] == model)
+        & (summary["detector"] == det)
+        & (summary["scope"] == "all")
+        & (summary["label"] == label)
+    ]
     return None if r.empty else r.iloc[0]
 
 
 def claims(df: pd.DataFrame) -> list[Claim]:
-    """The seed's detector claims as measured (label "output changed" unless said otherwise).
+    """The seed's detector claims as measured on the :data:`CLAIMS_MODEL` runs (label "output changed" unless
+    said otherwise), then the closer configuration's (:data:`CLOSER_MODEL`) every-step row.
 
     The one-step figures are compared with the seed's within :data:`SEED_TOLERANCE`; the every-step
     figures must equal 1.000 exactly (and FPR 0 on "bug present")."""
+    summary = summarize(df)
+    out = _claims_model(df, summary)
+    closer = _row(summary, "every-step", "output changed", CLOSER_MODEL)
+    if closer is not None:
+        s = scored(df)
+        margin = float(s.loc[s["model"] == CLOSER_MODEL, "clean_margin_min"].median())
+        out.append(
+            judged(
+                f'{CLOSER_MODEL} "cycle" model: every-step exact check: recall 1.000 and AUC 1.000',
+                "recall 1.000, AUC 1.000",
+                f"recall {closer['recall']:.3f}, AUC {closer['auc']:.4f} ({int(closer['positives'])} of "
+                f"{int(closer['cases'])} bugged runs changed the output; median top-2 margin {margin:.3g})",
+                EXACT,
+                [("recall == 1.000", bool(closer["recall"] == 1.0)), ("AUC == 1.000", bool(closer["auc"] == 1.0))],
+            )
+        )
+    return out
+
+
+def _claims_model(df: pd.DataFrame, summary: pd.DataFrame) -> list[Claim]:
     s = scored(df)
+    s = s[s["model"] == CLAIMS_MODEL]
     if s.empty:
         return []
-    summary = summarize(df)
     out: list[Claim] = []
     bugged = s[s["bug_present"]]
     changed = int(bugged["output_changed"].sum())
