@@ -334,7 +334,7 @@ def test_orders_differ_on_a_constructed_input():
 
 FMA_ASM = re.compile(r"\bv?f(?:n)?m(?:add|sub|addsub|subadd)\d*\w*", re.IGNORECASE)
 ORDER_SENSITIVE = (
-    "ordered_sum", "ordered_dot", "weighted_rows_sum", "matmul_into", "matmul", "_four_rows_sequential",
+    "ordered_sum", "ordered_dot", "weighted_rows_sum", "matmul_into", "matmul", "_all_products",
     "attend_row", "attend_row_blocked", "attention_into", "rmsnorm_row", "rmsnorm_into", "silu_into", "rnd",
     "round_array", "decode_kernel",
 )  # fmt: skip
@@ -399,6 +399,20 @@ def _dot(a, b):
     return s
 
 
+@nb.njit(fastmath=False)
+def _all_products(x, w, y, x32, w32, y32):
+    """matmul's product kernels (``_product`` -> ``_seq_rows4``, ``_seq_rows1``, ``_pair_rows`` ->
+    ``_mac``/``_mul``/``_add``) in every accumulator format, data type and order, linked into one
+    library (they take the format as a literal, so Python cannot call them directly)."""
+    for order in (SEQUENTIAL, PAIRWISE):
+        for rows in (4, 1):
+            matmul._product(x[:rows], w, order, y[:rows], F64)
+            matmul._product(x[:rows], w, order, y[:rows], F32)
+            matmul._product(x[:rows], w, order, y[:rows], BF16)
+            matmul._product(x32[:rows], w32, order, y32[:rows], F32)
+            matmul._product(x32[:rows], w32, order, y32[:rows], BF16)
+
+
 def _representative_calls():
     """Call every order-sensitive kernel with the argument types the model uses."""
     rng = np.random.default_rng(12)
@@ -412,7 +426,13 @@ def _representative_calls():
     y = np.empty((8, 8))
     matmul.matmul_into(m2, m2, F64, F64, SEQUENTIAL, y)
     kmatmul(m2, m2, F64, F64, SEQUENTIAL)
-    matmul._four_rows_sequential(m2, m2, 0, y, F64)
+    for fmt in FORMATS:  # every rounding each product kernel is compiled with, in both data types
+        for order in ORDERS:
+            kmatmul(round_array(m2, fmt), round_array(m2, fmt), fmt, fmt, order)  # float32 copies (bf16: any T)
+            kmatmul(m2[:1], m2, fmt, fmt, order)  # float64 data (f32: fewer than 4 rows)
+            kmatmul(m2, m2, F64, fmt, order)  # float64 data (values off the accumulator's grid)
+    m32 = m2.astype(np.float32)
+    _all_products(m2, m2, y, m32, m32, np.empty((8, 8), dtype=np.float32))
     attention_into(m2, m2, m2, 0, 8, True, 2, 0.5, F64, F64, SEQUENTIAL, y, np.empty((0, 0, 0)))
     attend_row(m2, 0, m2, m2, 0, 8, 2, 0.5, F64, F64, SEQUENTIAL, y, 0, np.empty((0, 0, 0)), 0,
                np.empty(16), st_, new_stack(4))  # fmt: skip
@@ -459,7 +479,7 @@ def test_no_kernel_is_compiled_with_fastmath():
     from kvfast.model.decode import decode_kernel
 
     kernels = [getattr(mod, name) for mod in (reduce, matmul, attention, rowops, precision) for name in dir(mod)]
-    kernels = [k for k in kernels if isinstance(k, nb.core.registry.CPUDispatcher)] + [decode_kernel]
+    kernels = [k for k in kernels if isinstance(k, nb.core.registry.CPUDispatcher)] + [decode_kernel, _all_products]
     assert {k.__name__ for k in kernels} >= set(ORDER_SENSITIVE)
     for k in kernels:
         assert k.targetoptions.get("fastmath", False) is False, k.__name__
@@ -473,9 +493,13 @@ def test_no_fused_multiply_add_in_the_machine_code(machine_code):
             fused = sorted(set(FMA_ASM.findall(asm)))
             assert not fused, (name, fused[:5])
     # the multiplying kernels really multiply (in scalar or vector form)
-    for name in ("ordered_dot", "_four_rows_sequential", "attend_row", "attend_row_blocked", "rmsnorm_row",
+    for name in ("ordered_dot", "_all_products", "attend_row", "attend_row_blocked", "rmsnorm_row",
                  "decode_kernel"):  # fmt: skip
         assert any(re.search(r"\bvmul[sp]d\b", asm) for asm in machine_code[name]), name
+    # matmul runs float32 lanes (f32 and bf16 accumulators) with the bf16 rounding in integer lanes
+    for name in ("_all_products", "matmul_into"):
+        asm = "".join(machine_code[name])
+        assert re.search(r"\bvmulps\b", asm) and re.search(r"\bvpaddd\b", asm), name
 
 
 @pytest.mark.skipif(not llvm.get_host_cpu_features().get("fma", False), reason="this CPU has no FMA")

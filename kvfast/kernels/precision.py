@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numba as nb
 import numpy as np
+from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
@@ -53,6 +54,33 @@ def u32_as_f32(typingctx, x):
         if signature.args[0].bitwidth > 32:
             value = builder.trunc(value, context.get_value_type(types.uint32))
         return builder.bitcast(value, context.get_value_type(types.float32))
+
+    return types.float32(x), codegen
+
+
+@intrinsic
+def bf16_round_f32(typingctx, x):
+    """The bfloat16 nearest to the float32 ``x``, as a float32, in 32-bit integer operations.
+
+    :func:`bf16_bits_from_f32_bits` without branches and without Numba's
+    widening of uint32 arithmetic to 64 bits, so that a loop over it
+    vectorises with as many lanes as float32 has: round to nearest even on the
+    low 16 bits (a carry out of the mantissa bumps the exponent, which gives
+    inf exactly when a correct rounding overflows), and NaN becomes the quiet
+    NaN with its sign (a select, not a branch).
+    """
+    if not isinstance(x, types.Float) or x.bitwidth != 32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        bits = builder.bitcast(args[0], i32)
+        lsb = builder.and_(builder.lshr(bits, ir.Constant(i32, 16)), ir.Constant(i32, 1))
+        rounded = builder.add(builder.add(bits, ir.Constant(i32, 0x7FFF)), lsb)
+        rounded = builder.and_(rounded, ir.Constant(i32, 0xFFFF0000))
+        quiet_nan = builder.or_(builder.and_(bits, ir.Constant(i32, 0x80000000)), ir.Constant(i32, 0x7FC00000))
+        is_nan = builder.fcmp_unordered("uno", args[0], args[0])
+        return builder.bitcast(builder.select(is_nan, quiet_nan, rounded), ir.FloatType())
 
     return types.float32(x), codegen
 
