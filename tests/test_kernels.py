@@ -200,6 +200,96 @@ def test_matmul_row_never_depends_on_the_batch(order):
             assert same_bits(full[: t + 1], kmatmul(x[: t + 1], w, storage, acc, order))
 
 
+def edge_values(rng: np.random.Generator, shape, fmt: int) -> np.ndarray:
+    """Values on format ``fmt``'s grid whose products and sums hit the accumulator's hard cases:
+    short significands (exact ties at bfloat16 and float32 midpoints), magnitudes near bfloat16's
+    overflow and subnormal thresholds, signed zeros, infinities and NaNs."""
+    size = int(np.prod(shape))
+    short = rng.integers(-255, 256, size=size) * np.exp2(rng.integers(-12, 4, size=size).astype(float))
+    big = rng.integers(-255, 256, size=size) * np.exp2(rng.integers(56, 58, size=size).astype(float))
+    tiny = rng.integers(-255, 256, size=size) * np.exp2(rng.integers(-80, -60, size=size).astype(float))
+    wide = rng.standard_normal(size) * np.exp2(rng.integers(-140, 125, size=size).astype(float))
+    v = np.choose(rng.integers(0, 4, size=size), [short, big, tiny, wide])
+    special = rng.random(size) < 0.02
+    v[special] = rng.choice(np.array([0.0, -0.0, np.inf, -np.inf, np.nan]), size=int(special.sum()))
+    return round_array(v.reshape(shape), fmt)
+
+
+def same_bits_or_nan(a, b) -> bool:
+    """Bit-equal, or both NaN (which NaN operand's sign an add keeps is the compiler's choice)."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return a.shape == b.shape and bool(np.all((bits(a) == bits(b)) | (np.isnan(a) & np.isnan(b))))
+
+
+@pytest.mark.parametrize("acc", FORMATS)
+@pytest.mark.parametrize("order", ORDERS)
+def test_matmul_equals_reference_on_edge_values(acc, order):
+    """The float32-lane kernels (inputs on the accumulator's grid, T >= 4) and the float64-lane ones
+    (T < 4) against the per-element twin: ties, overflow, subnormals, signed zeros, inf, NaN;
+    n = 0..19 covers every pairwise tail (blocks of 8, 4, 2, 1)."""
+    rng = np.random.default_rng(14)
+    for n in range(20):
+        for T in (1, 5):
+            x, w = edge_values(rng, (T, n), acc), edge_values(rng, (n, 6), acc)
+            got = kmatmul(x, w, acc, acc, order)
+            assert same_bits_or_nan(got, kvref.ref_matmul(x, w, acc, acc, order)), (n, T)
+
+
+@nb.njit
+def _products_both_lanes(x, w, order, acc_is_bf16):
+    """matmul's product in float64 lanes and in float32 lanes on the same inputs."""
+    y64 = np.empty((x.shape[0], w.shape[1]))
+    y32 = np.empty((x.shape[0], w.shape[1]), dtype=np.float32)
+    x32, w32 = x.astype(np.float32), w.astype(np.float32)
+    if acc_is_bf16:
+        matmul._product(x, w, order, y64, BF16)
+        matmul._product(x32, w32, order, y32, BF16)
+    else:
+        matmul._product(x, w, order, y64, F32)
+        matmul._product(x32, w32, order, y32, F32)
+    return y64, y32.astype(np.float64)
+
+
+@pytest.mark.parametrize("acc", [F32, BF16])
+@pytest.mark.parametrize("order", ORDERS)
+def test_float32_lanes_equal_float64_lanes(acc, order):
+    """The float32-lane product (native float32 ops; bf16 rounding of float32 bits) equals the float64
+    one (each op in float64, rounded once) on a large sample of edge values on the grid."""
+    rng = np.random.default_rng(15)
+    for T, n, m in [(9, 67, 130), (4, 300, 64), (33, 16, 257), (1, 1000, 40)]:
+        for _ in range(6):
+            x, w = edge_values(rng, (T, n), acc), edge_values(rng, (n, m), acc)
+            y64, y32 = _products_both_lanes(x, w, order, acc == BF16)
+            assert same_bits_or_nan(y64, y32), (T, n, m)
+
+
+def test_bf16_round_f32_equals_ml_dtypes_and_the_scalar_rounding():
+    """The branch-free 32-bit bfloat16 rounding is ml_dtypes' rounding of float32, bit for bit
+    (random patterns, every bf16 midpoint +- 1 float32 ulp, overflow, subnormals, NaNs)."""
+    import ml_dtypes
+
+    @nb.njit
+    def both(xs):
+        a = np.empty_like(xs)
+        b = np.empty(xs.size, dtype=np.uint32)
+        for i in range(xs.size):
+            a[i] = precision.bf16_round_f32(xs[i])
+            b[i] = precision.bf16_bits_from_f32_bits(precision.f32_as_u32(xs[i]))
+        return a, b
+
+    rng = np.random.default_rng(16)
+    pattern = rng.integers(0, 2**32, size=1 << 21, dtype=np.uint64).astype(np.uint32)
+    mids = (np.arange(0, 1 << 16, dtype=np.uint32) << np.uint32(16)) | np.uint32(0x8000)
+    near = np.concatenate([mids - np.uint32(1), mids, mids + np.uint32(1)])
+    nan_inf = np.array([0x7F800000, 0xFF800000, 0x7F800001, 0xFFFFFFFF, 0x7FC00000, 0x7F7FFFFF], dtype=np.uint32)
+    xs = np.concatenate([pattern, near, nan_inf]).view(np.float32)
+    a, b = both(xs)
+    with np.errstate(invalid="ignore"):  # NaN inputs
+        want = xs.astype(ml_dtypes.bfloat16).astype(np.float32)
+    assert np.array_equal(a.view(np.uint32), want.view(np.uint32))
+    assert np.array_equal(a.view(np.uint32), b)
+
+
 # --- attention ----------------------------------------------------------------------------------
 
 
