@@ -424,7 +424,7 @@ def test_orders_differ_on_a_constructed_input():
 
 FMA_ASM = re.compile(r"\bv?f(?:n)?m(?:add|sub|addsub|subadd)\d*\w*", re.IGNORECASE)
 ORDER_SENSITIVE = (
-    "ordered_sum", "ordered_dot", "weighted_rows_sum", "matmul_into", "matmul", "_all_products",
+    "ordered_sum", "ordered_dot", "weighted_rows_sum", "matmul_into", "matmul", "_all_products", "score_dots",
     "attend_row", "attend_row_blocked", "attention_into", "rmsnorm_row", "rmsnorm_into", "silu_into", "rnd",
     "round_array", "decode_kernel",
 )  # fmt: skip
@@ -521,6 +521,8 @@ def _representative_calls():
             kmatmul(round_array(m2, fmt), round_array(m2, fmt), fmt, fmt, order)  # float32 copies (bf16: any T)
             kmatmul(m2[:1], m2, fmt, fmt, order)  # float64 data (f32: fewer than 4 rows)
             kmatmul(m2, m2, F64, fmt, order)  # float64 data (values off the accumulator's grid)
+    for fmt in FORMATS:
+        attention.score_dots(v, 0, m2, 0, 8, 8, fmt, SEQUENTIAL, st_, out)
     m32 = m2.astype(np.float32)
     _all_products(m2, m2, y, m32, m32, np.empty((8, 8), dtype=np.float32))
     attention_into(m2, m2, m2, 0, 8, True, 2, 0.5, F64, F64, SEQUENTIAL, y, np.empty((0, 0, 0)))
