@@ -142,13 +142,13 @@ def attend_row(
                 smax = s
         for j in range(nk):
             expd[j] = rnd(math.exp(scores[j] - smax), storage)
-        z = ordered_sum(expd, 0, nk, acc, order, sstack)
+        z = ordered_sum(expd, np.int64(0), nk, acc, order, sstack)  # int64: see attention_into
         for j in range(nk):
             expd[j] = rnd(expd[j] / z, storage)
         if probs.shape[0] > 0:
             for j in range(nk):
                 probs[h, pr, lo + j] = expd[j]
-        weighted_rows_sum(expd, 0, vbuf, lo, nk, c0, hd, acc, order, orow[c0 : c0 + hd], vstack)
+        weighted_rows_sum(expd, np.int64(0), vbuf, lo, nk, c0, hd, acc, order, orow[c0 : c0 + hd], vstack)
         for c in range(c0, c0 + hd):
             orow[c] = rnd(orow[c], storage)
 
@@ -287,14 +287,32 @@ def attention_into(
     scratch = np.empty(2 * max(n_keys, 1), dtype=np.float64)
     sstack = np.empty(STACK_DEPTH, dtype=np.float64)
     vstack = new_stack(d // n_head)
+    first = np.int64(0)  # not the literal 0: kernels called with a literal argument are compiled again for it
     for t in range(T):
         hi = pos0 + t + 1 if causal else n_keys
         if mode == STANDARD:
             attend_row(
-                q, t, kbuf, vbuf, 0, hi, n_head, scale, storage, acc, order, out, t, probs, t, scratch, sstack, vstack
+                q,
+                t,
+                kbuf,
+                vbuf,
+                first,
+                hi,
+                n_head,
+                scale,
+                storage,
+                acc,
+                order,
+                out,
+                t,
+                probs,
+                t,
+                scratch,
+                sstack,
+                vstack,
             )
         else:
             attend_row_blocked(
-                q, t, kbuf, vbuf, 0, hi, 0, n_keys, n_head, scale, storage, acc, order, mode, param,
+                q, t, kbuf, vbuf, first, hi, first, n_keys, n_head, scale, storage, acc, order, mode, param,
                 out, t, scratch, sstack, vstack,
             )  # fmt: skip

@@ -47,73 +47,11 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 from numba import types
-from numba.extending import intrinsic, overload
+from numba.extending import overload
 
 from kvfast.kernels.jit import JIT_OPTIONS as _JIT
-from kvfast.kernels.precision import BF16, F32, F64, bf16_round_f32, f32_as_u32, rnd
+from kvfast.kernels.precision import BF16, F32, F64, _rbf, bf16_round_f32, f32_as_u32, rnd
 from kvfast.kernels.reduce import SEQUENTIAL
-
-
-@intrinsic
-def _f64_bits(typingctx, x):
-    """Reinterpret a float64's bits as uint64."""
-    if not isinstance(x, types.Float) or x.bitwidth != 64:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], context.get_value_type(types.uint64))
-
-    return types.uint64(x), codegen
-
-
-@intrinsic
-def _bits_f64(typingctx, x):
-    """The float64 whose bits are the 64-bit integer ``x``."""
-    if not isinstance(x, types.Integer) or x.bitwidth != 64:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], context.get_value_type(types.float64))
-
-    return types.float64(x), codegen
-
-
-_SIGN = np.uint64(0x8000_0000_0000_0000)
-_MAGNITUDE = np.uint64(0x7FFF_FFFF_FFFF_FFFF)
-_HALF_LESS_ONE = np.uint64((1 << 44) - 1)  # half a bfloat16 ulp, less one, in float64 mantissa units
-_KEEP = np.uint64(0xFFFF_E000_0000_0000)  # sign, exponent and the top 7 mantissa bits
-_ONE = np.uint64(1)
-_DROPPED = np.uint64(45)  # float64 mantissa bits that bfloat16 drops
-_INF = np.uint64(0x7FF0_0000_0000_0000)
-_QNAN = np.uint64(0x7FF8_0000_0000_0000)
-_OVERFLOW = np.uint64((1023 + 128) << 52)  # 2**128: the first magnitude past bfloat16's range
-_MIN_NORMAL = 2.0**-126
-_SUBNORMAL_SHIFT = 1.5 * 2.0**-81  # |v| + this lies in [2**-81, 2**-80), whose ulp is 2**-133
-
-
-@nb.njit(**_JIT)
-def _rbf(v: float) -> float:
-    """``rnd(v, BF16)`` without the format branch, and without branches, so loops over it vectorise.
-
-    One rounding of float64 to the nearest bfloat16, ties to even, exactly as
-    :func:`kvfast.kernels.precision.round_bf16_f64` (both are correctly rounded;
-    checked equal bit for bit on 4e7 random bit patterns and on every bfloat16
-    value and midpoint, offset by one float64 ulp either way): round the float64
-    bits at the 45th bit for normal results; past the largest bfloat16 (2**128
-    after rounding) give inf; below 2**-126 round to a multiple of 2**-133, the
-    bfloat16 subnormal step, by adding and subtracting a constant; the sign is
-    put back last (so -0.0 and tiny negatives stay negative); NaN becomes the
-    quiet NaN with its sign, as the float32 route gives.
-    """
-    b = _f64_bits(v)
-    a = b & _MAGNITUDE
-    r = (a + _HALF_LESS_ONE + ((a >> _DROPPED) & _ONE)) & _KEEP
-    r = _INF if r >= _OVERFLOW else r
-    mag = abs(v)
-    sub = _f64_bits((mag + _SUBNORMAL_SHIFT) - _SUBNORMAL_SHIFT)
-    r = sub if mag < _MIN_NORMAL else r
-    r = _QNAN if a > _INF else r
-    return _bits_f64(r | (b & _SIGN))
 
 
 def _round(v, fmt):
@@ -230,8 +168,9 @@ def _pair_rows(x, w, t, rows, y, stack, acc):
     the q aligned blocks of eight k are each summed as a tree in registers and
     merged by a binary counter (``stack[level, row]`` holds one partial row
     per level), which builds every larger aligned block from its halves; the
-    r < 8 last terms form the aligned blocks of 4, 2 and 1 that the binary
-    decomposition of n gives; the blocks are then added left to right.
+    r < 8 last terms go through the same counter one at a time, which forms
+    the aligned blocks of 4, 2 and 1 that the binary decomposition of n gives;
+    the blocks are then added left to right.
     ``stack`` is (>= bit_length(q) + 3, >= rows, m); ``x`` has >= 1 column.
     """
     n = x.shape[1]
@@ -256,28 +195,20 @@ def _pair_rows(x, w, t, rows, y, stack, acc):
             sp -= 1
             count >>= 1
         sp += 1
-    k = n - n % 8
-    if n & 4:
-        for r in range(rows):
-            a0, a1, a2, a3 = x[t + r, k], x[t + r, k + 1], x[t + r, k + 2], x[t + r, k + 3]
-            for j in range(m):
-                s01 = _add(_mul(a0, w[k, j], acc), _mul(a1, w[k + 1, j], acc), acc)
-                s23 = _add(_mul(a2, w[k + 2, j], acc), _mul(a3, w[k + 3, j], acc), acc)
-                stack[sp, r, j] = _add(s01, s23, acc)
-        sp += 1
-        k += 4
-    if n & 2:
-        for r in range(rows):
-            a0, a1 = x[t + r, k], x[t + r, k + 1]
-            for j in range(m):
-                stack[sp, r, j] = _add(_mul(a0, w[k, j], acc), _mul(a1, w[k + 1, j], acc), acc)
-        sp += 1
-        k += 2
-    if n & 1:
+    k0 = n - n % 8
+    for i in range(n % 8):  # the last terms, one by one: the same counter, restarted at k0 (a multiple
+        k = k0 + i  # of 8, so aligned for every block size below 8), builds their blocks of 4, 2 and 1
         for r in range(rows):
             a0 = x[t + r, k]
             for j in range(m):
                 stack[sp, r, j] = _mul(a0, w[k, j], acc)
+        count = i + 1
+        while (count & 1) == 0:
+            for r in range(rows):
+                for j in range(m):
+                    stack[sp - 1, r, j] = _add(stack[sp - 1, r, j], stack[sp, r, j], acc)
+            sp -= 1
+            count >>= 1
         sp += 1
     for r in range(rows):
         for j in range(m):
@@ -292,23 +223,19 @@ def _product(x, w, order, y, acc):
     """``y = x @ w`` in ``order`` in the (literal) accumulator format ``acc``, without the storage
     rounding; ``x`` has >= 1 column."""
     T, n = x.shape
-    t = 0
     if order == SEQUENTIAL:
-        while t + 4 <= T:
+        whole = T - T % 4
+        for t in range(0, whole, 4):  # range: t is an int64, never the literal 0 (one compile, not two)
             _seq_rows4(x, w, t, y, acc)
-            t += 4
-        while t < T:
+        for t in range(whole, T):
             _seq_rows1(x, w, t, y, acc)
-            t += 1
     else:
         levels = 3
         while (8 << (levels - 3)) <= n:
             levels += 1
         stack = np.empty((levels, min(T, 4), w.shape[1]), dtype=y.dtype)
-        while t < T:
-            rows = min(T - t, 4)
-            _pair_rows(x, w, t, rows, y, stack, acc)
-            t += rows
+        for t in range(0, T, 4):
+            _pair_rows(x, w, t, min(T - t, 4), y, stack, acc)
 
 
 _BF16_LOW = np.uint32(0xFFFF)
@@ -380,9 +307,9 @@ def matmul_into(x: np.ndarray, w: np.ndarray, storage: int, acc: int, order: int
                 y[r, j] = rnd(y[r, j], storage)
 
 
-@nb.njit(**_JIT)
 def matmul(x: np.ndarray, w: np.ndarray, storage: int, acc: int, order: int) -> np.ndarray:
-    """``x @ w`` as a new (T, m) array; see :func:`matmul_into`."""
+    """``x @ w`` as a new (T, m) array; see :func:`matmul_into`. A Python function: a jitted one would
+    compile every kernel of matmul_into once more into itself (about 2.5 s of a cold start)."""
     y = np.empty((x.shape[0], w.shape[1]), dtype=np.float64)
     matmul_into(x, w, storage, acc, order, y)
     return y
