@@ -1,6 +1,6 @@
-"""``kvfast bench kernels``: kernel speed against BLAS, one decode step against a forward, compile cost.
+"""``kvfast bench kernels``: kernel speed against BLAS and NumPy, how cost grows, compile cost.
 
-Three sections, printed as Markdown tables:
+Sections, printed as Markdown tables:
 
 1. **matmul**: GFLOP/s of the explicit-order product ``(T x d) @ (d x d)``
    (:func:`kvfast.kernels.matmul.matmul_into`) for d in {16, 64, 256}, T in
@@ -8,27 +8,37 @@ Three sections, printed as Markdown tables:
    pairwise order with f64, next to ``np.matmul`` on the same shapes (BLAS,
    limited to one thread through threadpoolctl when it is installed) and the
    ratio kernel / BLAS. Inputs are on the accumulator's grid and the result is
-   stored in the same format.
-2. **decode**: one decode step at position L-1 over a cache of L-1 positions
+   stored in the same format. Then the bf16 kernel against
+   :func:`numpy_bf16_matmul`, a NumPy loop over k with the same semantics
+   (rounding by ml_dtypes after every product and add), with a check that
+   the two results are equal bit for bit.
+2. **attention**: causal attention of T rows over T keys (one head of dim 64,
+   T in {128, 512}) in the standard and online orders and each format
+   (:func:`kvfast.kernels.attention.attention_into`), against
+   :func:`numpy_attention` (float64, BLAS); cells are ms and NumPy time / kernel time.
+3. **decode**: one decode step at position L-1 over a cache of L-1 positions
    against a full forward of L tokens, on the internal entry points
    (``run_decode`` / ``run_forward`` on prepared ``Weights``, no validation) and
    on the public ones (``decode_step`` / ``forward``, which validate and round
    the parameters on every call).
-3. **compile**: a cold start (a fresh interpreter with an empty
+4. **growth**: a decode step against the cache length and a forward against
+   T, at four sizes, with the exponent p of time ~ size^p fitted by least
+   squares on log-log (:func:`growth_exponent`).
+5. **compile**: a cold start (a fresh interpreter with an empty
    ``NUMBA_CACHE_DIR`` in a temporary directory: import kvfast, run one
    ``generate``, which compiles every kernel it needs) and a warm start (the
    same in another fresh interpreter using that now filled cache).
 
-Timing: every figure is a median over ``repeats`` samples. In sections 1 and 2
+Timing: every figure is a median over ``repeats`` samples. In sections 1 to 4
 the candidates of one row are timed in interleaved rounds (one sample of each
 per round), so a load spike on the shared machine hits them alike, and each
 sample repeats its call until it has run for about 20 ms of CPU time. Figures
 are CPU time of this process (``time.process_time``: every thread of the
 process, so a multi-threaded BLAS is charged in full), which other processes on
 the machine disturb far less than wall time; the ratio columns compare figures
-measured in the same run. Section 3 reports the child's own CPU and wall time
+measured in the same run. Section 5 reports the child's own CPU and wall time
 from just before ``import kvfast`` to the end of the generate; the cold start
-runs once (compiling is a one-off and takes about a minute), the warm start
+runs once (compiling is a one-off and takes half a minute or more), the warm start
 ``repeats`` times.
 """
 
@@ -73,7 +83,7 @@ ATTENTION_VARIANTS = (  # (label, storage = accumulator format, attention order)
     ("bf16 standard", "bf16", "standard"),
     ("bf16 online", "bf16", "online"),
 )
-GROWTH_LENGTHS = (32, 64, 128, 256)  # cache lengths (decode) and T (forward) for the growth fits
+GROWTH_LENGTHS = (128, 256, 512, 1024)  # cache lengths (decode) and T (forward) for the growth fits
 
 COMPILE_CHILD = r"""
 import json, time
@@ -434,7 +444,7 @@ def main(repeats: int = 5, sections: Sequence[str] = SECTIONS) -> int:
     """Run the kernel benchmarks and print their tables; returns the exit code (0).
 
     ``repeats`` (>= 1): samples per figure, the median is printed. ``sections``:
-    any of ``matmul``, ``decode``, ``compile``, in that order.
+    any of ``matmul``, ``attention``, ``decode``, ``growth``, ``compile``, in that order.
     """
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats: {repeats!r} is not allowed; allowed: integers >= 1")
