@@ -57,6 +57,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvfast.validation import not_allowed, require_int
+
 MATMUL_DS = (16, 64, 256)
 MATMUL_TS = (1, 16, 256)
 # (label, accumulator/storage format, order) of the explicit-order kernels timed per shape
@@ -446,11 +448,10 @@ def main(repeats: int = 5, sections: Sequence[str] = SECTIONS) -> int:
     ``repeats`` (>= 1): samples per figure, the median is printed. ``sections``:
     any of ``matmul``, ``attention``, ``decode``, ``growth``, ``compile``, in that order.
     """
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats: {repeats!r} is not allowed; allowed: integers >= 1")
-    unknown = [s for s in sections if s not in SECTIONS]
-    if unknown:
-        raise ValueError(f"sections: {unknown!r} are not allowed; allowed: {', '.join(SECTIONS)}")
+    require_int(repeats, "repeats", minimum=1)
+    for section in sections:
+        if section not in SECTIONS:
+            raise not_allowed("sections", section, ", ".join(SECTIONS))
     print("# kvfast bench kernels")
     print()
     print_machine()
