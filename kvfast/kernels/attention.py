@@ -71,7 +71,7 @@ ATTENTION_CODES = {"standard": STANDARD, "online": ONLINE, "splitkv": SPLITKV, "
 ATTENTION_NAMES = {code: name for name, code in ATTENTION_CODES.items()}
 
 
-@nb.njit(**_JIT)
+@nb.njit(**_JIT, inline="always")
 def _dots_sequential(qrow, c0, kbuf, lo, nk, hd, out, acc):
     """``out[j] = ordered_dot(qrow[c0:], kbuf[lo + j, c0:], hd)`` in sequential order for j < nk, with
     ``acc`` a literal format: four keys at a time, so four independent sums (each still left to right
@@ -113,7 +113,7 @@ def score_dots(qrow, c0, kbuf, lo, nk, hd, acc, order, sstack, out):
             out[j] = ordered_dot(qrow, c0, kbuf[lo + j], c0, hd, acc, order, sstack)
 
 
-@nb.njit(**_JIT)
+@nb.njit(**_JIT, inline="always")
 def attend_row(
     q, qr, kbuf, vbuf, lo, hi, n_head, scale, storage, acc, order, out, outr, probs, pr, scratch, sstack, vstack
 ):
@@ -184,7 +184,7 @@ def block_edges(lo, hi, span_lo, span_hi, mode, param):
     return edges[:n]
 
 
-@nb.njit(**_JIT)
+@nb.njit(**_JIT, inline="always")
 def attend_row_blocked(
     q, qr, kbuf, vbuf, lo, hi, span_lo, span_hi, n_head, scale, storage, acc, order, mode, param,
     out, outr, scratch, sstack, vstack,

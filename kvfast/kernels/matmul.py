@@ -105,7 +105,7 @@ def _mac(s, a, b, acc):
 # matmul_into); ``acc`` is a literal format, so each body is compiled with its own rounding.
 
 
-@nb.njit(**_JIT)
+@nb.njit(**_JIT, inline="always")
 def _seq_rows4(x, w, t, y, acc):
     """``y[t:t+4] = x[t:t+4] @ w``, each element summed over k left to right; ``x`` has >= 1 column."""
     n = x.shape[1]
@@ -139,7 +139,7 @@ def _seq_rows4(x, w, t, y, acc):
         k += 1
 
 
-@nb.njit(**_JIT)
+@nb.njit(**_JIT, inline="always")
 def _seq_rows1(x, w, t, y, acc):
     """``y[t] = x[t] @ w``, each element summed over k left to right; ``x`` has >= 1 column."""
     n = x.shape[1]
@@ -160,7 +160,7 @@ def _seq_rows1(x, w, t, y, acc):
         k += 1
 
 
-@nb.njit(**_JIT)
+@nb.njit(**_JIT, inline="always")
 def _pair_rows(x, w, t, rows, y, stack, acc):
     """``y[t:t+rows] = x[t:t+rows] @ w``, each element summed over k in the pairwise order.
 
