@@ -18,8 +18,8 @@ Speed (none of it changes any element's order of addition or its rounding):
   left to right, exactly the sequential order, but ``y`` is loaded and stored
   once per pass instead of once per k);
 - float32 lanes where they give the same bits: when every input is a float32
-  (f32 accumulator) or a bfloat16 (bf16 accumulator), the product runs on
-  float32 copies, twice the lanes of float64. Native float32 ``*`` and ``+``
+  (f32 accumulator, and at least ``NARROW_MIN_ROWS`` rows) or a bfloat16 (bf16
+  accumulator), the product runs on float32 copies, twice the lanes of float64. Native float32 ``*`` and ``+``
   equal the float64 operation rounded once to float32 (the product of two
   float32s is exact in float64, and float64 carries more than 2*24+2 bits, so
   rounding a sum twice is harmless). For the bf16 accumulator the product of two
@@ -32,7 +32,9 @@ Speed (none of it changes any element's order of addition or its rounding):
 - one compiled body per accumulator format and data type, chosen once per
   call: the format reaches the kernels as a literal, so the rounding
   (:func:`_round`) is picked while compiling and the inner loops carry no
-  format branch.
+  format branch. The row kernels are inlined into ``_product`` in Numba IR
+  (``inline="always"``), so they are compiled there only, not once more on
+  their own (a shorter cold start).
 
 Each sequential sum starts from ``-0.0``: ``-0.0 + p == p`` for every p
 (including ``+0.0`` and ``-0.0``) and rounding is idempotent, so the first step
