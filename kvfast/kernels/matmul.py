@@ -18,8 +18,9 @@ Speed (none of it changes any element's order of addition or its rounding):
   left to right, exactly the sequential order, but ``y`` is loaded and stored
   once per pass instead of once per k);
 - float32 lanes where they give the same bits: when every input is a float32
-  (f32 accumulator, and at least ``NARROW_MIN_ROWS`` rows) or a bfloat16 (bf16
-  accumulator), the product runs on float32 copies, twice the lanes of float64. Native float32 ``*`` and ``+``
+  (f32 accumulator, and at least ``NARROW_MIN_ROWS`` rows) or a finite bfloat16
+  (bf16 accumulator), the product runs on float32 copies, twice the lanes of
+  float64. Native float32 ``*`` and ``+``
   equal the float64 operation rounded once to float32 (the product of two
   float32s is exact in float64, and float64 carries more than 2*24+2 bits, so
   rounding a sum twice is harmless). For the bf16 accumulator the product of two
@@ -28,7 +29,8 @@ Speed (none of it changes any element's order of addition or its rounding):
   bfloat16s never lands on a bfloat16 midpoint unless the exact sum is one, so
   rounding through float32 equals the one rounding from float64; the bfloat16
   rounding itself is integer arithmetic on the float32 bits
-  (:func:`kvfast.kernels.precision.bf16_round_f32`);
+  (:func:`kvfast.kernels.precision.bf16_round_f32`; a product of finite
+  inputs is never NaN, so its rounding skips the NaN select);
 - one compiled body per accumulator format and data type, chosen once per
   call: the format reaches the kernels as a literal, so the rounding
   (:func:`_round`) is picked while compiling and the inner loops carry no
@@ -52,7 +54,7 @@ from numba import types
 from numba.extending import overload
 
 from kvfast.kernels.jit import JIT_OPTIONS as _JIT
-from kvfast.kernels.precision import BF16, F32, F64, _rbf, bf16_round_f32, f32_as_u32, rnd
+from kvfast.kernels.precision import BF16, F32, F64, _rbf, bf16_round_f32, bf16_round_f32_not_nan, f32_as_u32, rnd
 from kvfast.kernels.reduce import SEQUENTIAL
 
 
@@ -83,10 +85,27 @@ def _round_overload(v, fmt):
     return None
 
 
+def _round_product(v, fmt):
+    """``rnd(v, fmt)`` of a product, for a literal format: see the overload below."""
+    raise NotImplementedError("only callable from jitted code, with a literal format")
+
+
+@overload(_round_product, jit_options=_JIT, prefer_literal=True)
+def _round_product_overload(v, fmt):
+    """:func:`_round`, except on float32 data with a BF16 accumulator: there the inputs are finite
+    bfloat16s (:func:`matmul_into` sends NaN and inf inputs down the float64 lanes), so a product
+    is never NaN and its rounding needs no NaN select. (A sum can be NaN: inf + -inf.)"""
+    if not isinstance(fmt, types.IntegerLiteral) or not isinstance(v, types.Float):
+        return None
+    if fmt.literal_value == BF16 and v.bitwidth == 32:
+        return lambda v, fmt: bf16_round_f32_not_nan(v)
+    return lambda v, fmt: _round(v, fmt)
+
+
 @nb.njit(**_JIT)
 def _mul(a, b, acc):
     """A product in the accumulator format: ``rnd(a * b, acc)`` (``acc`` a literal)."""
-    return _round(a * b, acc)
+    return _round_product(a * b, acc)
 
 
 @nb.njit(**_JIT)
@@ -98,7 +117,7 @@ def _add(a, b, acc):
 @nb.njit(**_JIT)
 def _mac(s, a, b, acc):
     """One sequential step ``rnd(s + rnd(a * b, acc), acc)``: two roundings, never fused."""
-    return _round(s + _round(a * b, acc), acc)
+    return _round(s + _round_product(a * b, acc), acc)
 
 
 # --- kernels, one body per accumulator format and data type ---------------------------------------
@@ -246,8 +265,8 @@ _BF16_LOW = np.uint32(0xFFFF)
 @nb.njit(**_JIT)
 def _as_f32(a: np.ndarray, out: np.ndarray, bf16: bool) -> bool:
     """Copy float64 ``a`` into float32 ``out``; False (copy unfinished) if a value is not a
-    float32 (a bfloat16 when ``bf16``). NaN counts as one. Checked row by row, without
-    branches inside a row, so the copy vectorises."""
+    float32 (NaN counts as one), or, when ``bf16``, not a finite bfloat16. Checked row by row,
+    without branches inside a row, so the copy vectorises."""
     low = _BF16_LOW if bf16 else np.uint32(0)
     for i in range(a.shape[0]):
         off = 0
@@ -255,7 +274,7 @@ def _as_f32(a: np.ndarray, out: np.ndarray, bf16: bool) -> bool:
             v = a[i, j]
             f = np.float32(v)
             out[i, j] = f
-            off += (np.float64(f) != v and v == v) or (f32_as_u32(f) & low) != 0
+            off += (np.float64(f) != v and v == v) or (f32_as_u32(f) & low) != 0 or (bf16 and v - v != 0.0)
         if off:
             return False
     return True

@@ -58,6 +58,24 @@ def u32_as_f32(typingctx, x):
     return types.float32(x), codegen
 
 
+def _bf16_round_f32_codegen(with_nan: bool):
+    """LLVM IR of the float32 -> bfloat16 rounding, in 32-bit integer operations."""
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        bits = builder.bitcast(args[0], i32)
+        lsb = builder.and_(builder.lshr(bits, ir.Constant(i32, 16)), ir.Constant(i32, 1))
+        rounded = builder.add(builder.add(bits, ir.Constant(i32, 0x7FFF)), lsb)
+        rounded = builder.and_(rounded, ir.Constant(i32, 0xFFFF0000))
+        if with_nan:
+            quiet_nan = builder.or_(builder.and_(bits, ir.Constant(i32, 0x80000000)), ir.Constant(i32, 0x7FC00000))
+            is_nan = builder.fcmp_unordered("uno", args[0], args[0])
+            rounded = builder.select(is_nan, quiet_nan, rounded)
+        return builder.bitcast(rounded, ir.FloatType())
+
+    return codegen
+
+
 @intrinsic
 def bf16_round_f32(typingctx, x):
     """The bfloat16 nearest to the float32 ``x``, as a float32, in 32-bit integer operations.
@@ -71,18 +89,16 @@ def bf16_round_f32(typingctx, x):
     """
     if not isinstance(x, types.Float) or x.bitwidth != 32:
         return None
+    return types.float32(x), _bf16_round_f32_codegen(with_nan=True)
 
-    def codegen(context, builder, signature, args):
-        i32 = ir.IntType(32)
-        bits = builder.bitcast(args[0], i32)
-        lsb = builder.and_(builder.lshr(bits, ir.Constant(i32, 16)), ir.Constant(i32, 1))
-        rounded = builder.add(builder.add(bits, ir.Constant(i32, 0x7FFF)), lsb)
-        rounded = builder.and_(rounded, ir.Constant(i32, 0xFFFF0000))
-        quiet_nan = builder.or_(builder.and_(bits, ir.Constant(i32, 0x80000000)), ir.Constant(i32, 0x7FC00000))
-        is_nan = builder.fcmp_unordered("uno", args[0], args[0])
-        return builder.bitcast(builder.select(is_nan, quiet_nan, rounded), ir.FloatType())
 
-    return types.float32(x), codegen
+@intrinsic
+def bf16_round_f32_not_nan(typingctx, x):
+    """:func:`bf16_round_f32` for an ``x`` that is not NaN (finite or +-inf), two operations
+    shorter: without the NaN select. On a NaN the result is wrong."""
+    if not isinstance(x, types.Float) or x.bitwidth != 32:
+        return None
+    return types.float32(x), _bf16_round_f32_codegen(with_nan=False)
 
 
 @nb.njit(**_JIT)
