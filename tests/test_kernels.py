@@ -200,6 +200,109 @@ def test_matmul_row_never_depends_on_the_batch(order):
             assert same_bits(full[: t + 1], kmatmul(x[: t + 1], w, storage, acc, order))
 
 
+def edge_values(rng: np.random.Generator, shape, fmt: int) -> np.ndarray:
+    """Values on format ``fmt``'s grid whose products and sums hit the accumulator's hard cases:
+    short significands (exact ties at bfloat16 and float32 midpoints), magnitudes near bfloat16's
+    overflow and subnormal thresholds, signed zeros, infinities and NaNs."""
+    size = int(np.prod(shape))
+    short = rng.integers(-255, 256, size=size) * np.exp2(rng.integers(-12, 4, size=size).astype(float))
+    big = rng.integers(-255, 256, size=size) * np.exp2(rng.integers(56, 58, size=size).astype(float))
+    tiny = rng.integers(-255, 256, size=size) * np.exp2(rng.integers(-80, -60, size=size).astype(float))
+    wide = rng.standard_normal(size) * np.exp2(rng.integers(-140, 125, size=size).astype(float))
+    v = np.choose(rng.integers(0, 4, size=size), [short, big, tiny, wide])
+    special = rng.random(size) < 0.02
+    v[special] = rng.choice(np.array([0.0, -0.0, np.inf, -np.inf, np.nan]), size=int(special.sum()))
+    return round_array(v.reshape(shape), fmt)
+
+
+def same_bits_or_nan(a, b) -> bool:
+    """Bit-equal, or both NaN (which NaN operand's sign an add keeps is the compiler's choice)."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return a.shape == b.shape and bool(np.all((bits(a) == bits(b)) | (np.isnan(a) & np.isnan(b))))
+
+
+@pytest.mark.parametrize("acc", FORMATS)
+@pytest.mark.parametrize("order", ORDERS)
+def test_matmul_equals_reference_on_edge_values(acc, order):
+    """The float32-lane kernels (inputs on the accumulator's grid, T >= 4) and the float64-lane ones
+    (T < 4) against the per-element twin: ties, overflow, subnormals, signed zeros, inf, NaN;
+    n = 0..19 covers every pairwise tail (blocks of 8, 4, 2, 1)."""
+    rng = np.random.default_rng(14)
+    for n in range(20):
+        for T in (1, 5):
+            x, w = edge_values(rng, (T, n), acc), edge_values(rng, (n, 6), acc)
+            got = kmatmul(x, w, acc, acc, order)
+            assert same_bits_or_nan(got, kvref.ref_matmul(x, w, acc, acc, order)), (n, T)
+
+
+@nb.njit
+def _products_both_lanes(x, w, order, acc_is_bf16):
+    """matmul's product in float64 lanes and in float32 lanes on the same inputs."""
+    y64 = np.empty((x.shape[0], w.shape[1]))
+    y32 = np.empty((x.shape[0], w.shape[1]), dtype=np.float32)
+    x32, w32 = x.astype(np.float32), w.astype(np.float32)
+    if acc_is_bf16:
+        matmul._product(x, w, order, y64, BF16)
+        matmul._product(x32, w32, order, y32, BF16)
+    else:
+        matmul._product(x, w, order, y64, F32)
+        matmul._product(x32, w32, order, y32, F32)
+    return y64, y32.astype(np.float64)
+
+
+@pytest.mark.parametrize("acc", [F32, BF16])
+@pytest.mark.parametrize("order", ORDERS)
+def test_float32_lanes_equal_float64_lanes(acc, order):
+    """The float32-lane product (native float32 ops; bf16 rounding of float32 bits) equals the float64
+    one (each op in float64, rounded once) on a large sample of edge values on the grid (finite ones
+    for bf16, whose float32 lanes take only those; products still overflow to inf)."""
+    rng = np.random.default_rng(15)
+    for T, n, m in [(9, 67, 130), (4, 300, 64), (33, 16, 257), (1, 1000, 40)]:
+        for _ in range(6):
+            x, w = edge_values(rng, (T, n), acc), edge_values(rng, (n, m), acc)
+            if acc == BF16:  # matmul_into sends NaN and inf inputs down the float64 lanes
+                x[~np.isfinite(x)], w[~np.isfinite(w)] = 0.0, -0.0
+            y64, y32 = _products_both_lanes(x, w, order, acc == BF16)
+            assert same_bits_or_nan(y64, y32), (T, n, m)
+
+
+def test_bf16_round_f32_equals_ml_dtypes_and_the_scalar_rounding():
+    """The branch-free 32-bit bfloat16 rounding is ml_dtypes' rounding of float32, bit for bit
+    (random patterns, every bf16 midpoint +- 1 float32 ulp, overflow, subnormals, NaNs); so is the
+    variant without the NaN select, on everything but NaN."""
+    import ml_dtypes
+
+    @nb.njit
+    def both(xs):
+        a = np.empty_like(xs)
+        b = np.empty(xs.size, dtype=np.uint32)
+        for i in range(xs.size):
+            a[i] = precision.bf16_round_f32(xs[i])
+            b[i] = precision.bf16_bits_from_f32_bits(precision.f32_as_u32(xs[i]))
+        return a, b
+
+    @nb.njit
+    def not_nan(xs):
+        out = np.empty_like(xs)
+        for i in range(xs.size):
+            out[i] = precision.bf16_round_f32_not_nan(xs[i])
+        return out
+
+    rng = np.random.default_rng(16)
+    pattern = rng.integers(0, 2**32, size=1 << 21, dtype=np.uint64).astype(np.uint32)
+    mids = (np.arange(0, 1 << 16, dtype=np.uint32) << np.uint32(16)) | np.uint32(0x8000)
+    near = np.concatenate([mids - np.uint32(1), mids, mids + np.uint32(1)])
+    nan_inf = np.array([0x7F800000, 0xFF800000, 0x7F800001, 0xFFFFFFFF, 0x7FC00000, 0x7F7FFFFF], dtype=np.uint32)
+    xs = np.concatenate([pattern, near, nan_inf]).view(np.float32)
+    a, b = both(xs)
+    with np.errstate(invalid="ignore"):  # NaN inputs
+        want = xs.astype(ml_dtypes.bfloat16).astype(np.float32)
+    assert np.array_equal(a.view(np.uint32), want.view(np.uint32))
+    assert np.array_equal(a.view(np.uint32), b)
+    not_nan_xs = xs[~np.isnan(xs)]  # every pattern but NaN: the same bits without the NaN select
+    assert np.array_equal(not_nan(not_nan_xs).view(np.uint32), want[~np.isnan(xs)].view(np.uint32))
+
+
 # --- attention ----------------------------------------------------------------------------------
 
 
@@ -302,7 +405,7 @@ def test_orders_give_different_bits(acc):
         for o in ORDERS:
             weighted_rows_sum(a, 0, rows, 0, n, 0, 3, acc, o, outs[o], new_stack(3))
         found["rows"] += not same_bits(outs[0], outs[1])
-        x = round_array(spread(rng, (2, n)), acc)
+        x = round_array(spread(rng, (5, n)), acc)  # 5 rows: the float32-lane kernels for f32 too
         mm = [kmatmul(x, rows, acc, acc, o) for o in ORDERS]
         found["matmul"] += not same_bits(mm[0], mm[1])
         q, kv = round_array(spread(rng, (1, 12), -1, 2), acc), round_array(spread(rng, (n, 12), -1, 2), acc)
@@ -334,7 +437,7 @@ def test_orders_differ_on_a_constructed_input():
 
 FMA_ASM = re.compile(r"\bv?f(?:n)?m(?:add|sub|addsub|subadd)\d*\w*", re.IGNORECASE)
 ORDER_SENSITIVE = (
-    "ordered_sum", "ordered_dot", "weighted_rows_sum", "matmul_into", "matmul", "_four_rows_sequential",
+    "ordered_sum", "ordered_dot", "weighted_rows_sum", "matmul_into", "_all_products", "score_dots",
     "attend_row", "attend_row_blocked", "attention_into", "rmsnorm_row", "rmsnorm_into", "silu_into", "rnd",
     "round_array", "decode_kernel",
 )  # fmt: skip
@@ -399,6 +502,20 @@ def _dot(a, b):
     return s
 
 
+@nb.njit(fastmath=False)
+def _all_products(x, w, y, x32, w32, y32):
+    """matmul's product kernels (``_product`` -> ``_seq_rows4``, ``_seq_rows1``, ``_pair_rows`` ->
+    ``_mac``/``_mul``/``_add``) in every accumulator format, data type and order, linked into one
+    library (they take the format as a literal, so Python cannot call them directly)."""
+    for order in (SEQUENTIAL, PAIRWISE):
+        for rows in (4, 1):
+            matmul._product(x[:rows], w, order, y[:rows], F64)
+            matmul._product(x[:rows], w, order, y[:rows], F32)
+            matmul._product(x[:rows], w, order, y[:rows], BF16)
+            matmul._product(x32[:rows], w32, order, y32[:rows], F32)
+            matmul._product(x32[:rows], w32, order, y32[:rows], BF16)
+
+
 def _representative_calls():
     """Call every order-sensitive kernel with the argument types the model uses."""
     rng = np.random.default_rng(12)
@@ -412,7 +529,15 @@ def _representative_calls():
     y = np.empty((8, 8))
     matmul.matmul_into(m2, m2, F64, F64, SEQUENTIAL, y)
     kmatmul(m2, m2, F64, F64, SEQUENTIAL)
-    matmul._four_rows_sequential(m2, m2, 0, y, F64)
+    for fmt in FORMATS:  # every rounding each product kernel is compiled with, in both data types
+        for order in ORDERS:
+            kmatmul(round_array(m2, fmt), round_array(m2, fmt), fmt, fmt, order)  # float32 copies (bf16: any T)
+            kmatmul(m2[:1], m2, fmt, fmt, order)  # float64 data (f32: fewer than 4 rows)
+            kmatmul(m2, m2, F64, fmt, order)  # float64 data (values off the accumulator's grid)
+    for fmt in FORMATS:
+        attention.score_dots(v, 0, m2, 0, 8, 8, fmt, SEQUENTIAL, st_, out)
+    m32 = m2.astype(np.float32)
+    _all_products(m2, m2, y, m32, m32, np.empty((8, 8), dtype=np.float32))
     attention_into(m2, m2, m2, 0, 8, True, 2, 0.5, F64, F64, SEQUENTIAL, y, np.empty((0, 0, 0)))
     attend_row(m2, 0, m2, m2, 0, 8, 2, 0.5, F64, F64, SEQUENTIAL, y, 0, np.empty((0, 0, 0)), 0,
                np.empty(16), st_, new_stack(4))  # fmt: skip
@@ -459,7 +584,7 @@ def test_no_kernel_is_compiled_with_fastmath():
     from kvfast.model.decode import decode_kernel
 
     kernels = [getattr(mod, name) for mod in (reduce, matmul, attention, rowops, precision) for name in dir(mod)]
-    kernels = [k for k in kernels if isinstance(k, nb.core.registry.CPUDispatcher)] + [decode_kernel]
+    kernels = [k for k in kernels if isinstance(k, nb.core.registry.CPUDispatcher)] + [decode_kernel, _all_products]
     assert {k.__name__ for k in kernels} >= set(ORDER_SENSITIVE)
     for k in kernels:
         assert k.targetoptions.get("fastmath", False) is False, k.__name__
@@ -473,9 +598,13 @@ def test_no_fused_multiply_add_in_the_machine_code(machine_code):
             fused = sorted(set(FMA_ASM.findall(asm)))
             assert not fused, (name, fused[:5])
     # the multiplying kernels really multiply (in scalar or vector form)
-    for name in ("ordered_dot", "_four_rows_sequential", "attend_row", "attend_row_blocked", "rmsnorm_row",
+    for name in ("ordered_dot", "_all_products", "attend_row", "attend_row_blocked", "rmsnorm_row",
                  "decode_kernel"):  # fmt: skip
         assert any(re.search(r"\bvmul[sp]d\b", asm) for asm in machine_code[name]), name
+    # matmul runs float32 lanes (f32 and bf16 accumulators) with the bf16 rounding in integer lanes
+    for name in ("_all_products", "matmul_into"):
+        asm = "".join(machine_code[name])
+        assert re.search(r"\bvmulps\b", asm) and re.search(r"\bvpaddd\b", asm), name
 
 
 @pytest.mark.skipif(not llvm.get_host_cpu_features().get("fma", False), reason="this CPU has no FMA")

@@ -1,6 +1,6 @@
-"""``kvfast bench kernels``: kernel speed against BLAS, one decode step against a forward, compile cost.
+"""``kvfast bench kernels``: kernel speed against BLAS and NumPy, how cost grows, compile cost.
 
-Three sections, printed as Markdown tables:
+Sections, printed as Markdown tables:
 
 1. **matmul**: GFLOP/s of the explicit-order product ``(T x d) @ (d x d)``
    (:func:`kvfast.kernels.matmul.matmul_into`) for d in {16, 64, 256}, T in
@@ -8,27 +8,37 @@ Three sections, printed as Markdown tables:
    pairwise order with f64, next to ``np.matmul`` on the same shapes (BLAS,
    limited to one thread through threadpoolctl when it is installed) and the
    ratio kernel / BLAS. Inputs are on the accumulator's grid and the result is
-   stored in the same format.
-2. **decode**: one decode step at position L-1 over a cache of L-1 positions
+   stored in the same format. Then the bf16 kernel against
+   :func:`numpy_bf16_matmul`, a NumPy loop over k with the same semantics
+   (rounding by ml_dtypes after every product and add), with a check that
+   the two results are equal bit for bit.
+2. **attention**: causal attention of T rows over T keys (one head of dim 64,
+   T in {128, 512}) in the standard and online orders and each format
+   (:func:`kvfast.kernels.attention.attention_into`), against
+   :func:`numpy_attention` (float64, BLAS); cells are ms and NumPy time / kernel time.
+3. **decode**: one decode step at position L-1 over a cache of L-1 positions
    against a full forward of L tokens, on the internal entry points
    (``decode_prepared`` / ``forward_prepared`` on prepared ``Weights``, no validation) and
    on the public ones (``decode_step`` / ``forward``, which validate and round
    the parameters on every call).
-3. **compile**: a cold start (a fresh interpreter with an empty
+4. **growth**: a decode step against the cache length and a forward against
+   T, at four sizes, with the exponent p of time ~ size^p fitted by least
+   squares on log-log (:func:`growth_exponent`).
+5. **compile**: a cold start (a fresh interpreter with an empty
    ``NUMBA_CACHE_DIR`` in a temporary directory: import kvfast, run one
    ``generate``, which compiles every kernel it needs) and a warm start (the
    same in another fresh interpreter using that now filled cache).
 
-Timing: every figure is a median over ``repeats`` samples. In sections 1 and 2
+Timing: every figure is a median over ``repeats`` samples. In sections 1 to 4
 the candidates of one row are timed in interleaved rounds (one sample of each
 per round), so a load spike on the shared machine hits them alike, and each
 sample repeats its call until it has run for about 20 ms of CPU time. Figures
 are CPU time of this process (``time.process_time``: every thread of the
 process, so a multi-threaded BLAS is charged in full), which other processes on
 the machine disturb far less than wall time; the ratio columns compare figures
-measured in the same run. Section 3 reports the child's own CPU and wall time
+measured in the same run. Section 5 reports the child's own CPU and wall time
 from just before ``import kvfast`` to the end of the generate; the cold start
-runs once (compiling is a one-off and takes about a minute), the warm start
+runs once (compiling is a one-off and takes half a minute or more), the warm start
 ``repeats`` times.
 """
 
@@ -47,6 +57,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvfast.validation import not_allowed, require_int
+
 MATMUL_DS = (16, 64, 256)
 MATMUL_TS = (1, 16, 256)
 # (label, accumulator/storage format, order) of the explicit-order kernels timed per shape
@@ -60,7 +72,20 @@ SAMPLE_CPU_S = 0.02  # each timed sample repeats its call for about this much CP
 DECODE_CONFIG = {"vocab": 256, "d_model": 64, "n_head": 4, "n_layer": 2, "d_ff": 256, "max_pos": 256}
 DECODE_LENGTHS = (16, 128)
 DECODE_PRESETS = ("f64", "f32", "bf16")
-SECTIONS = ("matmul", "decode", "compile")
+SECTIONS = ("matmul", "attention", "decode", "growth", "compile")
+BF16_LOOP_SHAPES = ((16, 64), (256, 256))  # (T, d) where the NumPy + ml_dtypes loop is timed
+ATTENTION_TS = (128, 512)
+ATTENTION_HEAD_DIM = 64
+ATTENTION_BLOCK = 64  # keys per block of the online order
+ATTENTION_VARIANTS = (  # (label, storage = accumulator format, attention order)
+    ("f64 standard", "f64", "standard"),
+    ("f64 online", "f64", "online"),
+    ("f32 standard", "f32", "standard"),
+    ("f32 online", "f32", "online"),
+    ("bf16 standard", "bf16", "standard"),
+    ("bf16 online", "bf16", "online"),
+)
+GROWTH_LENGTHS = (128, 256, 512, 1024)  # cache lengths (decode) and T (forward) for the growth fits
 
 COMPILE_CHILD = r"""
 import json, time
@@ -191,6 +216,158 @@ def bench_matmul(repeats: int) -> list[dict]:
     return rows
 
 
+def numpy_bf16_matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The bf16-accumulator sequential product as a NumPy loop over k, rounding with ml_dtypes.
+
+    ``y = -0.0``; for each k: ``y = bf16(y + bf16(x[:, k] * w[k]))``, products and sums computed in
+    float32 and rounded to bfloat16 by ml_dtypes. For inputs on the bfloat16 grid this is the
+    kernel's definition (each operation in float64, rounded once to bfloat16): the product of two
+    bfloat16s is exact in float32 where the rounding can tell, and rounding the sum of two
+    bfloat16s through float32 never creates a tie; the benchmark checks the bits are equal.
+    """
+    import ml_dtypes
+
+    bf16 = ml_dtypes.bfloat16
+    x32, w32 = x.astype(np.float32), w.astype(np.float32)
+    y = np.full((x.shape[0], w.shape[1]), -0.0, dtype=np.float32)
+    for k in range(x.shape[1]):
+        term = np.multiply.outer(x32[:, k], w32[k]).astype(bf16).astype(np.float32)
+        y = (y + term).astype(bf16).astype(np.float32)
+    return y.astype(np.float64)
+
+
+def bench_bf16_loop(repeats: int) -> list[dict]:
+    """The bf16 matmul kernel against :func:`numpy_bf16_matmul` (same semantics); prints a table."""
+    from kvfast.kernels.matmul import matmul_into
+    from kvfast.kernels.precision import BF16, round_array
+    from kvfast.kernels.reduce import SEQUENTIAL
+
+    print("| T | d | NumPy + ml_dtypes loop GFLOP/s | bf16 kernel GFLOP/s | kernel / loop | bits equal |")
+    print("|---|---|---|---|---|---|")
+    rows = []
+    rng = np.random.default_rng(2)
+    for T, d in BF16_LOOP_SHAPES:
+        x = round_array(rng.standard_normal((T, d)), BF16)
+        w = round_array(rng.standard_normal((d, d)), BF16)
+        y = np.empty((T, d))
+        times = time_interleaved(
+            {
+                "loop": lambda x=x, w=w: numpy_bf16_matmul(x, w),
+                "kernel": lambda x=x, w=w, y=y: matmul_into(x, w, BF16, BF16, SEQUENTIAL, y),
+            },
+            repeats,
+        )
+        equal = bool(np.array_equal(numpy_bf16_matmul(x, w).view(np.uint64), y.view(np.uint64)))
+        flops = 2.0 * T * d * d
+        loop, kern = flops / times["loop"].cpu / 1e9, flops / times["kernel"].cpu / 1e9
+        rows.append({"T": T, "d": d, "loop": loop, "kernel": kern, "equal": equal})
+        print(f"| {T} | {d} | {loop:.2f} | {kern:.2f} | {kern / loop:.1f} | {'yes' if equal else 'NO'} |", flush=True)
+    return rows
+
+
+def numpy_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+    """Causal one-head attention in float64 with BLAS: scores, masked softmax, weighted sum."""
+    s = (q @ k.T) * scale
+    s[np.triu_indices(s.shape[0], 1)] = -np.inf
+    s -= s.max(axis=1, keepdims=True)
+    e = np.exp(s)
+    return (e / e.sum(axis=1, keepdims=True)) @ v
+
+
+def bench_attention(repeats: int) -> list[dict]:
+    """Causal attention (one head of ``ATTENTION_HEAD_DIM``) of T rows over T keys: the kernel in
+    each format and order against :func:`numpy_attention`; prints a table."""
+    from kvfast.kernels.attention import ATTENTION_CODES, attention_into
+    from kvfast.kernels.precision import FORMAT_CODES, round_array
+    from kvfast.kernels.reduce import SEQUENTIAL
+
+    limit, _ = _blas_single_thread()
+    labels = [v[0] for v in ATTENTION_VARIANTS]
+    print(
+        f"Causal, one head of dim {ATTENTION_HEAD_DIM}, sequential sums; online order in blocks of"
+        f" {ATTENTION_BLOCK} keys. Cells: ms per call (NumPy time / kernel time)."
+    )
+    print()
+    print("| T | NumPy f64 (BLAS) ms | " + " | ".join(labels) + " |")
+    print("|---|---|" + "---|" * len(labels))
+    rows = []
+    rng = np.random.default_rng(3)
+    hd = ATTENTION_HEAD_DIM
+    scale = 1.0 / np.sqrt(hd)
+    no_probs = np.empty((0, 0, 0))
+    with limit:
+        for T in ATTENTION_TS:
+            q, k, v = (rng.standard_normal((T, hd)) for _ in range(3))
+            fns: dict[str, Callable[[], object]] = {"numpy": lambda q=q, k=k, v=v: numpy_attention(q, k, v, scale)}
+            for label, fmt, mode in ATTENTION_VARIANTS:
+                c = FORMAT_CODES[fmt]
+                qr, kr, vr = round_array(q, c), round_array(k, c), round_array(v, c)
+                out = np.empty((T, hd))
+                param = ATTENTION_BLOCK if mode != "standard" else 0
+                args = (qr, kr, vr, 0, T, True, 1, scale, c, c, SEQUENTIAL, out, no_probs, ATTENTION_CODES[mode], param)
+                fns[label] = lambda args=args: attention_into(*args)
+            times = time_interleaved(fns, repeats)
+            base = times["numpy"].cpu
+            row = {"T": T, "numpy_s": base}
+            cells = []
+            for lb in labels:
+                row[lb] = times[lb].cpu
+                cells.append(f"{times[lb].cpu * 1e3:.2f} ({base / times[lb].cpu:.2f})")
+            rows.append(row)
+            print(f"| {T} | {base * 1e3:.2f} | " + " | ".join(cells) + " |", flush=True)
+    return rows
+
+
+def growth_exponent(sizes: Sequence[float], seconds: Sequence[float]) -> float:
+    """The least-squares slope of log(seconds) against log(size): time ~ size ** slope."""
+    slope, _ = np.polyfit(np.log(np.asarray(sizes, dtype=float)), np.log(np.asarray(seconds, dtype=float)), 1)
+    return float(slope)
+
+
+def bench_growth(repeats: int) -> dict:
+    """How a decode step's time grows with the cache length and a forward's with T (f64 preset,
+    internal entry points); prints the times and the fitted exponents."""
+    from kvfast import ModelConfig, Numerics, init_params
+    from kvfast.model.cache import KVCache
+    from kvfast.model.decode import run_decode
+    from kvfast.model.transformer import Weights, run_forward
+
+    config = ModelConfig(**dict(DECODE_CONFIG, max_pos=max(GROWTH_LENGTHS) + 1))
+    params = init_params(config, 0)
+    nx = Numerics.preset("f64")
+    w = Weights.prepare(config, params, nx)
+    rng = np.random.default_rng(4)
+    fns: dict[str, Callable[[], object]] = {}
+    for L in GROWTH_LENGTHS:
+        tokens = rng.integers(0, config.vocab, L + 1).astype(np.int64)
+        cache = KVCache.empty(config, nx, L + 1)
+        run_forward(config, w, tokens[:L], nx, cache)
+
+        def decode(cache=cache, last=int(tokens[L]), L=L):
+            cache.length = L
+            return run_decode(config, w, cache, last, nx)
+
+        fns[f"decode {L}"] = decode
+        fns[f"forward {L}"] = lambda t=tokens[:L]: run_forward(config, w, t, nx)
+    times = time_interleaved(fns, repeats)
+    dec = [times[f"decode {L}"].cpu for L in GROWTH_LENGTHS]
+    fwd = [times[f"forward {L}"].cpu for L in GROWTH_LENGTHS]
+    print("| L (cache length / forward T) | decode ms | forward ms |")
+    print("|---|---|---|")
+    for L, a, b in zip(GROWTH_LENGTHS, dec, fwd, strict=True):
+        print(f"| {L} | {a * 1e3:.3f} | {b * 1e3:.3f} |")
+    result = {
+        "decode_exponent": growth_exponent(GROWTH_LENGTHS, dec),
+        "forward_exponent": growth_exponent(GROWTH_LENGTHS, fwd),
+    }
+    print(
+        f"\nFitted exponent (time ~ L^p, least squares on log-log, {len(GROWTH_LENGTHS)} sizes):"
+        f" decode step p = {result['decode_exponent']:.2f}, forward p = {result['forward_exponent']:.2f}",
+        flush=True,
+    )
+    return result
+
+
 def bench_decode(repeats: int) -> list[dict]:
     """One decode step against a full forward of the same length; prints a table."""
     from kvfast import ModelConfig, Numerics, decode_step, forward, init_params
@@ -269,13 +446,12 @@ def main(repeats: int = 5, sections: Sequence[str] = SECTIONS) -> int:
     """Run the kernel benchmarks and print their tables; returns the exit code (0).
 
     ``repeats`` (>= 1): samples per figure, the median is printed. ``sections``:
-    any of ``matmul``, ``decode``, ``compile``, in that order.
+    any of ``matmul``, ``attention``, ``decode``, ``growth``, ``compile``, in that order.
     """
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats: {repeats!r} is not allowed; allowed: integers >= 1")
-    unknown = [s for s in sections if s not in SECTIONS]
-    if unknown:
-        raise ValueError(f"sections: {unknown!r} are not allowed; allowed: {', '.join(SECTIONS)}")
+    require_int(repeats, "repeats", minimum=1)
+    for section in sections:
+        if section not in SECTIONS:
+            raise not_allowed("sections", section, ", ".join(SECTIONS))
     print("# kvfast bench kernels")
     print()
     print_machine()
@@ -285,9 +461,17 @@ def main(repeats: int = 5, sections: Sequence[str] = SECTIONS) -> int:
         c0 = time.perf_counter()
         bench_matmul(repeats)
         print(f"\n(section wall time {time.perf_counter() - c0:.0f} s, including any first-call compile)")
+        print("\n### bf16 accumulator: kernel against a NumPy + ml_dtypes loop of the same semantics\n")
+        bench_bf16_loop(repeats)
+    if "attention" in sections:
+        print("\n## attention against NumPy float64 (BLAS), one thread\n")
+        bench_attention(repeats)
     if "decode" in sections:
         print("\n## decode_step against forward\n")
         bench_decode(repeats)
+    if "growth" in sections:
+        print("\n## how cost grows: decode step against cache length, forward against T\n")
+        bench_growth(repeats)
     if "compile" in sections:
         print("\n## compile: cold against warm start\n")
         bench_compile(repeats)

@@ -14,6 +14,9 @@ one-token decode (one row over the cache), so with the same order the two are
 the same computation, and the cache is exact by construction of the arithmetic,
 not by luck.
 
+Each score's dot product is computed four keys at a time (four independent
+sums in flight, each still in its own order), which changes no bit.
+
 Real kernels' orders (``mode``, with an integer ``param``), per head, over the
 scores ``s_j`` above (computed exactly as in the standard mode):
 
@@ -55,8 +58,9 @@ import numba as nb
 import numpy as np
 
 from kvfast.kernels.jit import JIT_OPTIONS as _JIT
-from kvfast.kernels.precision import rnd
-from kvfast.kernels.reduce import STACK_DEPTH, new_stack, ordered_dot, ordered_sum, weighted_rows_sum
+from kvfast.kernels.matmul import _mac, _mul
+from kvfast.kernels.precision import BF16, F32, F64, rnd
+from kvfast.kernels.reduce import SEQUENTIAL, STACK_DEPTH, new_stack, ordered_dot, ordered_sum, weighted_rows_sum
 
 STANDARD = 0
 ONLINE = 1
@@ -67,7 +71,49 @@ ATTENTION_CODES = {"standard": STANDARD, "online": ONLINE, "splitkv": SPLITKV, "
 ATTENTION_NAMES = {code: name for name, code in ATTENTION_CODES.items()}
 
 
+@nb.njit(**_JIT, inline="always")
+def _dots_sequential(qrow, c0, kbuf, lo, nk, hd, out, acc):
+    """``out[j] = ordered_dot(qrow[c0:], kbuf[lo + j, c0:], hd)`` in sequential order for j < nk, with
+    ``acc`` a literal format: four keys at a time, so four independent sums (each still left to right
+    over the head's columns) are in flight instead of one."""
+    j = 0
+    while j + 4 <= nk:
+        k0, k1, k2, k3 = kbuf[lo + j], kbuf[lo + j + 1], kbuf[lo + j + 2], kbuf[lo + j + 3]
+        a = qrow[c0]
+        s0, s1, s2, s3 = _mul(a, k0[c0], acc), _mul(a, k1[c0], acc), _mul(a, k2[c0], acc), _mul(a, k3[c0], acc)
+        for c in range(c0 + 1, c0 + hd):
+            a = qrow[c]
+            s0 = _mac(s0, a, k0[c], acc)
+            s1 = _mac(s1, a, k1[c], acc)
+            s2 = _mac(s2, a, k2[c], acc)
+            s3 = _mac(s3, a, k3[c], acc)
+        out[j], out[j + 1], out[j + 2], out[j + 3] = s0, s1, s2, s3
+        j += 4
+    while j < nk:
+        k0 = kbuf[lo + j]
+        s0 = _mul(qrow[c0], k0[c0], acc)
+        for c in range(c0 + 1, c0 + hd):
+            s0 = _mac(s0, qrow[c], k0[c], acc)
+        out[j] = s0
+        j += 1
+
+
 @nb.njit(**_JIT)
+def score_dots(qrow, c0, kbuf, lo, nk, hd, acc, order, sstack, out):
+    """``out[j] = ordered_dot(qrow, c0, kbuf[lo + j], c0, hd, acc, order, sstack)`` for j < nk."""
+    if order == SEQUENTIAL and hd > 0:
+        if acc == F64:
+            _dots_sequential(qrow, c0, kbuf, lo, nk, hd, out, F64)
+        elif acc == F32:
+            _dots_sequential(qrow, c0, kbuf, lo, nk, hd, out, F32)
+        else:
+            _dots_sequential(qrow, c0, kbuf, lo, nk, hd, out, BF16)
+    else:
+        for j in range(nk):
+            out[j] = ordered_dot(qrow, c0, kbuf[lo + j], c0, hd, acc, order, sstack)
+
+
+@nb.njit(**_JIT, inline="always")
 def attend_row(
     q, qr, kbuf, vbuf, lo, hi, n_head, scale, storage, acc, order, out, outr, probs, pr, scratch, sstack, vstack
 ):
@@ -88,20 +134,21 @@ def attend_row(
     for h in range(n_head):
         c0 = h * hd
         smax = -np.inf
+        score_dots(qrow, c0, kbuf, lo, nk, hd, acc, order, sstack, scores)
         for j in range(nk):
-            s = rnd(ordered_dot(qrow, c0, kbuf[lo + j], c0, hd, acc, order, sstack) * scale, storage)
+            s = rnd(scores[j] * scale, storage)
             scores[j] = s
             if s > smax:
                 smax = s
         for j in range(nk):
             expd[j] = rnd(math.exp(scores[j] - smax), storage)
-        z = ordered_sum(expd, 0, nk, acc, order, sstack)
+        z = ordered_sum(expd, np.int64(0), nk, acc, order, sstack)  # int64: see attention_into
         for j in range(nk):
             expd[j] = rnd(expd[j] / z, storage)
         if probs.shape[0] > 0:
             for j in range(nk):
                 probs[h, pr, lo + j] = expd[j]
-        weighted_rows_sum(expd, 0, vbuf, lo, nk, c0, hd, acc, order, orow[c0 : c0 + hd], vstack)
+        weighted_rows_sum(expd, np.int64(0), vbuf, lo, nk, c0, hd, acc, order, orow[c0 : c0 + hd], vstack)
         for c in range(c0, c0 + hd):
             orow[c] = rnd(orow[c], storage)
 
@@ -137,7 +184,7 @@ def block_edges(lo, hi, span_lo, span_hi, mode, param):
     return edges[:n]
 
 
-@nb.njit(**_JIT)
+@nb.njit(**_JIT, inline="always")
 def attend_row_blocked(
     q, qr, kbuf, vbuf, lo, hi, span_lo, span_hi, n_head, scale, storage, acc, order, mode, param,
     out, outr, scratch, sstack, vstack,
@@ -163,8 +210,9 @@ def attend_row_blocked(
     part_lse = np.empty(max(nb_, 1))
     for h in range(n_head):
         c0 = h * hd
+        score_dots(qrow, c0, kbuf, lo, nk, hd, acc, order, sstack, scores)
         for j in range(nk):
-            scores[j] = rnd(ordered_dot(qrow, c0, kbuf[lo + j], c0, hd, acc, order, sstack) * scale, storage)
+            scores[j] = rnd(scores[j] * scale, storage)
         if mode == ONLINE:
             m = -np.inf
             lsum = 0.0
@@ -239,14 +287,32 @@ def attention_into(
     scratch = np.empty(2 * max(n_keys, 1), dtype=np.float64)
     sstack = np.empty(STACK_DEPTH, dtype=np.float64)
     vstack = new_stack(d // n_head)
+    first = np.int64(0)  # not the literal 0: kernels called with a literal argument are compiled again for it
     for t in range(T):
         hi = pos0 + t + 1 if causal else n_keys
         if mode == STANDARD:
             attend_row(
-                q, t, kbuf, vbuf, 0, hi, n_head, scale, storage, acc, order, out, t, probs, t, scratch, sstack, vstack
+                q,
+                t,
+                kbuf,
+                vbuf,
+                first,
+                hi,
+                n_head,
+                scale,
+                storage,
+                acc,
+                order,
+                out,
+                t,
+                probs,
+                t,
+                scratch,
+                sstack,
+                vstack,
             )
         else:
             attend_row_blocked(
-                q, t, kbuf, vbuf, 0, hi, 0, n_keys, n_head, scale, storage, acc, order, mode, param,
+                q, t, kbuf, vbuf, first, hi, first, n_keys, n_head, scale, storage, acc, order, mode, param,
                 out, t, scratch, sstack, vstack,
             )  # fmt: skip

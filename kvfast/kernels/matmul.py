@@ -10,14 +10,33 @@ Speed (none of it changes any element's order of addition or its rounding):
 
 - the i-k-j loop form: a row of outputs is updated for each k, so the
   innermost loop runs across output columns and vectorises, while every
-  element still receives its terms in k order;
+  element still receives its terms in k order; the pairwise order keeps one
+  partial row per tree level (a binary counter over blocks of eight k, each
+  block's tree summed in registers), so it vectorises across columns too;
 - four rows per pass over ``w`` (each loaded ``w`` vector serves four rows);
 - several k per pass over a row (``y + a0*w0 + a1*w1 + ...`` is evaluated
   left to right, exactly the sequential order, but ``y`` is loaded and stored
   once per pass instead of once per k);
-- one kernel per accumulator format, chosen once per call, so the inner
-  loops carry no format branch and the f64 one is plain ``y + a*w``; the
-  bf16 rounding is a branch-free twin of ``round_bf16_f64`` that vectorises.
+- float32 lanes where they give the same bits: when every input is a float32
+  (f32 accumulator, and at least ``NARROW_MIN_ROWS`` rows) or a finite bfloat16
+  (bf16 accumulator), the product runs on float32 copies, twice the lanes of
+  float64. Native float32 ``*`` and ``+``
+  equal the float64 operation rounded once to float32 (the product of two
+  float32s is exact in float64, and float64 carries more than 2*24+2 bits, so
+  rounding a sum twice is harmless). For the bf16 accumulator the product of two
+  bfloat16s is exact in float32 wherever a bfloat16 rounding could tell (below
+  2**-134 both round to zero), and a float32 rounding of the sum of two
+  bfloat16s never lands on a bfloat16 midpoint unless the exact sum is one, so
+  rounding through float32 equals the one rounding from float64; the bfloat16
+  rounding itself is integer arithmetic on the float32 bits
+  (:func:`kvfast.kernels.precision.bf16_round_f32`; a product of finite
+  inputs is never NaN, so its rounding skips the NaN select);
+- one compiled body per accumulator format and data type, chosen once per
+  call: the format reaches the kernels as a literal, so the rounding
+  (:func:`_round`) is picked while compiling and the inner loops carry no
+  format branch. The row kernels are inlined into ``_product`` in Numba IR
+  (``inline="always"``), so they are compiled there only, not once more on
+  their own (a shorter cold start).
 
 Each sequential sum starts from ``-0.0``: ``-0.0 + p == p`` for every p
 (including ``+0.0`` and ``-0.0``) and rounding is idempotent, so the first step
@@ -25,10 +44,6 @@ Each sequential sum starts from ``-0.0``: ``-0.0 + p == p`` for every p
 results stay NaN, but which NaN operand's sign survives an add is up to the
 compiler (IEEE 754 leaves it unspecified). No kernel uses fastmath; without it
 LLVM neither reassociates nor contracts ``a*b + c`` into an FMA.
-
-The per-format kernels below are written out in full (one line per output
-row, generated mechanically); they differ only in the rounding applied, so
-edit them by pattern and keep them in step.
 """
 
 from __future__ import annotations
@@ -36,91 +51,84 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 from numba import types
-from numba.extending import intrinsic
+from numba.extending import overload
 
 from kvfast.kernels.jit import JIT_OPTIONS as _JIT
-from kvfast.kernels.precision import F32, F64, rnd
-from kvfast.kernels.reduce import SEQUENTIAL, new_stack, weighted_rows_sum
+from kvfast.kernels.precision import BF16, F32, F64, _rbf, bf16_round_f32, bf16_round_f32_not_nan, f32_as_u32, rnd
+from kvfast.kernels.reduce import SEQUENTIAL
 
 
-@nb.njit(**_JIT)
-def _r32(v: float) -> float:
-    """``rnd(v, F32)`` without the format branch."""
-    return np.float64(np.float32(v))
+def _round(v, fmt):
+    """``rnd(v, fmt)`` for a format known when compiling (a literal): see the overload below."""
+    raise NotImplementedError("only callable from jitted code, with a literal format")
 
 
-@intrinsic
-def _f64_bits(typingctx, x):
-    """Reinterpret a float64's bits as uint64."""
-    if not isinstance(x, types.Float) or x.bitwidth != 64:
-        return None
+@overload(_round, jit_options=_JIT, prefer_literal=True)
+def _round_overload(v, fmt):
+    """The rounding of ``v`` to format ``fmt``, chosen while compiling, so no branch is left.
 
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], context.get_value_type(types.uint64))
-
-    return types.uint64(x), codegen
-
-
-@intrinsic
-def _bits_f64(typingctx, x):
-    """The float64 whose bits are the 64-bit integer ``x``."""
-    if not isinstance(x, types.Integer) or x.bitwidth != 64:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], context.get_value_type(types.float64))
-
-    return types.float64(x), codegen
-
-
-_SIGN = np.uint64(0x8000_0000_0000_0000)
-_MAGNITUDE = np.uint64(0x7FFF_FFFF_FFFF_FFFF)
-_HALF_LESS_ONE = np.uint64((1 << 44) - 1)  # half a bfloat16 ulp, less one, in float64 mantissa units
-_KEEP = np.uint64(0xFFFF_E000_0000_0000)  # sign, exponent and the top 7 mantissa bits
-_ONE = np.uint64(1)
-_DROPPED = np.uint64(45)  # float64 mantissa bits that bfloat16 drops
-_INF = np.uint64(0x7FF0_0000_0000_0000)
-_QNAN = np.uint64(0x7FF8_0000_0000_0000)
-_OVERFLOW = np.uint64((1023 + 128) << 52)  # 2**128: the first magnitude past bfloat16's range
-_MIN_NORMAL = 2.0**-126
-_SUBNORMAL_SHIFT = 1.5 * 2.0**-81  # |v| + this lies in [2**-81, 2**-80), whose ulp is 2**-133
-
-
-@nb.njit(**_JIT)
-def _rbf(v: float) -> float:
-    """``rnd(v, BF16)`` without the format branch, and without branches, so loops over it vectorise.
-
-    One rounding of float64 to the nearest bfloat16, ties to even, exactly as
-    :func:`kvfast.kernels.precision.round_bf16_f64` (both are correctly rounded;
-    checked equal bit for bit on 4e7 random bit patterns and on every bfloat16
-    value and midpoint, offset by one float64 ulp either way): round the float64
-    bits at the 45th bit for normal results; past the largest bfloat16 (2**128
-    after rounding) give inf; below 2**-126 round to a multiple of 2**-133, the
-    bfloat16 subnormal step, by adding and subtracting a constant; the sign is
-    put back last (so -0.0 and tiny negatives stay negative); NaN becomes the
-    quiet NaN with its sign, as the float32 route gives.
+    ``fmt`` must be a literal F64, F32 or BF16. float64 data: no rounding,
+    ``float64(float32(v))``, :func:`_rbf`; float32 data (F32 or BF16 only): no
+    rounding, :func:`kvfast.kernels.precision.bf16_round_f32`.
     """
-    b = _f64_bits(v)
-    a = b & _MAGNITUDE
-    r = (a + _HALF_LESS_ONE + ((a >> _DROPPED) & _ONE)) & _KEEP
-    r = _INF if r >= _OVERFLOW else r
-    mag = abs(v)
-    sub = _f64_bits((mag + _SUBNORMAL_SHIFT) - _SUBNORMAL_SHIFT)
-    r = sub if mag < _MIN_NORMAL else r
-    r = _QNAN if a > _INF else r
-    return _bits_f64(r | (b & _SIGN))
+    if not isinstance(fmt, types.IntegerLiteral) or not isinstance(v, types.Float):
+        return None
+    code = fmt.literal_value
+    if code == F64 or (code == F32 and v.bitwidth == 32):
+        return lambda v, fmt: v
+    if code == F32:
+        return lambda v, fmt: np.float64(np.float32(v))
+    if code == BF16 and v.bitwidth == 32:
+        return lambda v, fmt: bf16_round_f32(v)
+    if code == BF16:
+        return lambda v, fmt: _rbf(v)
+    return None
 
 
-# --- sequential kernels, one per accumulator format -------------------------------------------
+def _round_product(v, fmt):
+    """``rnd(v, fmt)`` of a product, for a literal format: see the overload below."""
+    raise NotImplementedError("only callable from jitted code, with a literal format")
+
+
+@overload(_round_product, jit_options=_JIT, prefer_literal=True)
+def _round_product_overload(v, fmt):
+    """:func:`_round`, except on float32 data with a BF16 accumulator: there the inputs are finite
+    bfloat16s (:func:`matmul_into` sends NaN and inf inputs down the float64 lanes), so a product
+    is never NaN and its rounding needs no NaN select. (A sum can be NaN: inf + -inf.)"""
+    if not isinstance(fmt, types.IntegerLiteral) or not isinstance(v, types.Float):
+        return None
+    if fmt.literal_value == BF16 and v.bitwidth == 32:
+        return lambda v, fmt: bf16_round_f32_not_nan(v)
+    return lambda v, fmt: _round(v, fmt)
+
+
+@nb.njit(**_JIT)
+def _mul(a, b, acc):
+    """A product in the accumulator format: ``rnd(a * b, acc)`` (``acc`` a literal)."""
+    return _round_product(a * b, acc)
+
+
+@nb.njit(**_JIT)
+def _add(a, b, acc):
+    """A sum in the accumulator format: ``rnd(a + b, acc)`` (``acc`` a literal)."""
+    return _round(a + b, acc)
+
+
+@nb.njit(**_JIT)
+def _mac(s, a, b, acc):
+    """One sequential step ``rnd(s + rnd(a * b, acc), acc)``: two roundings, never fused."""
+    return _round(s + _round_product(a * b, acc), acc)
+
+
+# --- kernels, one body per accumulator format and data type ---------------------------------------
 #
-# ``_rows4_<fmt>(x, w, t, y)`` writes rows t..t+3 of ``x @ w`` and ``_rows1_<fmt>`` row t, before the
-# storage rounding; x has at least one column. Each term is ``rnd(x[t, k] * w[k, j])`` and each
-# add ``rnd(y + term)`` in the accumulator format, for k = 0, 1, ... in order.
+# ``x``, ``w``, ``y``: float64 arrays, or float32 arrays for an F32 or BF16 accumulator (see
+# matmul_into); ``acc`` is a literal format, so each body is compiled with its own rounding.
 
 
-@nb.njit(**_JIT)
-def _rows4_f64(x, w, t, y):
-    """``y[t:t+4] = x[t:t+4] @ w`` with a f64 accumulator, each element summed over k left to right."""
+@nb.njit(**_JIT, inline="always")
+def _seq_rows4(x, w, t, y, acc):
+    """``y[t:t+4] = x[t:t+4] @ w``, each element summed over k left to right; ``x`` has >= 1 column."""
     n = x.shape[1]
     m = w.shape[1]
     for j in range(m):
@@ -136,168 +144,145 @@ def _rows4_f64(x, w, t, y):
         a30, a31, a32, a33 = x[t + 3, k], x[t + 3, k + 1], x[t + 3, k + 2], x[t + 3, k + 3]
         for j in range(m):
             w0, w1, w2, w3 = w[k, j], w[k + 1, j], w[k + 2, j], w[k + 3, j]
-            y[t, j] = y[t, j] + a00 * w0 + a01 * w1 + a02 * w2 + a03 * w3
-            y[t + 1, j] = y[t + 1, j] + a10 * w0 + a11 * w1 + a12 * w2 + a13 * w3
-            y[t + 2, j] = y[t + 2, j] + a20 * w0 + a21 * w1 + a22 * w2 + a23 * w3
-            y[t + 3, j] = y[t + 3, j] + a30 * w0 + a31 * w1 + a32 * w2 + a33 * w3
+            y[t, j] = _mac(_mac(_mac(_mac(y[t, j], a00, w0, acc), a01, w1, acc), a02, w2, acc), a03, w3, acc)
+            y[t + 1, j] = _mac(_mac(_mac(_mac(y[t + 1, j], a10, w0, acc), a11, w1, acc), a12, w2, acc), a13, w3, acc)
+            y[t + 2, j] = _mac(_mac(_mac(_mac(y[t + 2, j], a20, w0, acc), a21, w1, acc), a22, w2, acc), a23, w3, acc)
+            y[t + 3, j] = _mac(_mac(_mac(_mac(y[t + 3, j], a30, w0, acc), a31, w1, acc), a32, w2, acc), a33, w3, acc)
         k += 4
     while k < n:
-        a00 = x[t, k]
-        a10 = x[t + 1, k]
-        a20 = x[t + 2, k]
-        a30 = x[t + 3, k]
+        a00, a10, a20, a30 = x[t, k], x[t + 1, k], x[t + 2, k], x[t + 3, k]
         for j in range(m):
             w0 = w[k, j]
-            y[t, j] = y[t, j] + a00 * w0
-            y[t + 1, j] = y[t + 1, j] + a10 * w0
-            y[t + 2, j] = y[t + 2, j] + a20 * w0
-            y[t + 3, j] = y[t + 3, j] + a30 * w0
+            y[t, j] = _mac(y[t, j], a00, w0, acc)
+            y[t + 1, j] = _mac(y[t + 1, j], a10, w0, acc)
+            y[t + 2, j] = _mac(y[t + 2, j], a20, w0, acc)
+            y[t + 3, j] = _mac(y[t + 3, j], a30, w0, acc)
         k += 1
 
 
-@nb.njit(**_JIT)
-def _rows1_f64(x, w, t, y):
-    """``y[t] = x[t] @ w`` with a f64 accumulator, each element summed over k left to right."""
+@nb.njit(**_JIT, inline="always")
+def _seq_rows1(x, w, t, y, acc):
+    """``y[t] = x[t] @ w``, each element summed over k left to right; ``x`` has >= 1 column."""
     n = x.shape[1]
     m = w.shape[1]
     for j in range(m):
         y[t, j] = -0.0
     k = 0
     while k + 4 <= n:
-        a00, a01, a02, a03 = x[t, k], x[t, k + 1], x[t, k + 2], x[t, k + 3]
+        a0, a1, a2, a3 = x[t, k], x[t, k + 1], x[t, k + 2], x[t, k + 3]
         for j in range(m):
             w0, w1, w2, w3 = w[k, j], w[k + 1, j], w[k + 2, j], w[k + 3, j]
-            y[t, j] = y[t, j] + a00 * w0 + a01 * w1 + a02 * w2 + a03 * w3
+            y[t, j] = _mac(_mac(_mac(_mac(y[t, j], a0, w0, acc), a1, w1, acc), a2, w2, acc), a3, w3, acc)
         k += 4
     while k < n:
-        a00 = x[t, k]
+        a0 = x[t, k]
         for j in range(m):
-            w0 = w[k, j]
-            y[t, j] = y[t, j] + a00 * w0
+            y[t, j] = _mac(y[t, j], a0, w[k, j], acc)
         k += 1
 
 
-@nb.njit(**_JIT)
-def _rows4_f32(x, w, t, y):
-    """``y[t:t+4] = x[t:t+4] @ w`` with a f32 accumulator, each element summed over k left to right."""
-    n = x.shape[1]
-    m = w.shape[1]
-    for j in range(m):
-        y[t, j] = -0.0
-        y[t + 1, j] = -0.0
-        y[t + 2, j] = -0.0
-        y[t + 3, j] = -0.0
-    k = 0
-    while k + 4 <= n:
-        a00, a01, a02, a03 = x[t, k], x[t, k + 1], x[t, k + 2], x[t, k + 3]
-        a10, a11, a12, a13 = x[t + 1, k], x[t + 1, k + 1], x[t + 1, k + 2], x[t + 1, k + 3]
-        a20, a21, a22, a23 = x[t + 2, k], x[t + 2, k + 1], x[t + 2, k + 2], x[t + 2, k + 3]
-        a30, a31, a32, a33 = x[t + 3, k], x[t + 3, k + 1], x[t + 3, k + 2], x[t + 3, k + 3]
-        for j in range(m):
-            w0, w1, w2, w3 = w[k, j], w[k + 1, j], w[k + 2, j], w[k + 3, j]
-            y[t, j] = _r32(
-                _r32(_r32(_r32(y[t, j] + _r32(a00 * w0)) + _r32(a01 * w1)) + _r32(a02 * w2)) + _r32(a03 * w3)
-            )
-            y[t + 1, j] = _r32(
-                _r32(_r32(_r32(y[t + 1, j] + _r32(a10 * w0)) + _r32(a11 * w1)) + _r32(a12 * w2)) + _r32(a13 * w3)
-            )
-            y[t + 2, j] = _r32(
-                _r32(_r32(_r32(y[t + 2, j] + _r32(a20 * w0)) + _r32(a21 * w1)) + _r32(a22 * w2)) + _r32(a23 * w3)
-            )
-            y[t + 3, j] = _r32(
-                _r32(_r32(_r32(y[t + 3, j] + _r32(a30 * w0)) + _r32(a31 * w1)) + _r32(a32 * w2)) + _r32(a33 * w3)
-            )
-        k += 4
-    while k < n:
-        a00 = x[t, k]
-        a10 = x[t + 1, k]
-        a20 = x[t + 2, k]
-        a30 = x[t + 3, k]
-        for j in range(m):
-            w0 = w[k, j]
-            y[t, j] = _r32(y[t, j] + _r32(a00 * w0))
-            y[t + 1, j] = _r32(y[t + 1, j] + _r32(a10 * w0))
-            y[t + 2, j] = _r32(y[t + 2, j] + _r32(a20 * w0))
-            y[t + 3, j] = _r32(y[t + 3, j] + _r32(a30 * w0))
-        k += 1
+@nb.njit(**_JIT, inline="always")
+def _pair_rows(x, w, t, rows, y, stack, acc):
+    """``y[t:t+rows] = x[t:t+rows] @ w``, each element summed over k in the pairwise order.
 
-
-@nb.njit(**_JIT)
-def _rows1_f32(x, w, t, y):
-    """``y[t] = x[t] @ w`` with a f32 accumulator, each element summed over k left to right."""
-    n = x.shape[1]
-    m = w.shape[1]
-    for j in range(m):
-        y[t, j] = -0.0
-    k = 0
-    while k + 2 <= n:
-        a00, a01 = x[t, k], x[t, k + 1]
-        for j in range(m):
-            w0, w1 = w[k, j], w[k + 1, j]
-            y[t, j] = _r32(_r32(y[t, j] + _r32(a00 * w0)) + _r32(a01 * w1))
-        k += 2
-    while k < n:
-        a00 = x[t, k]
-        for j in range(m):
-            w0 = w[k, j]
-            y[t, j] = _r32(y[t, j] + _r32(a00 * w0))
-        k += 1
-
-
-@nb.njit(**_JIT)
-def _rows4_bf16(x, w, t, y):
-    """``y[t:t+4] = x[t:t+4] @ w`` with a bf16 accumulator, each element summed over k left to right."""
-    n = x.shape[1]
-    m = w.shape[1]
-    for j in range(m):
-        y[t, j] = -0.0
-        y[t + 1, j] = -0.0
-        y[t + 2, j] = -0.0
-        y[t + 3, j] = -0.0
-    k = 0
-    while k < n:
-        a00 = x[t, k]
-        a10 = x[t + 1, k]
-        a20 = x[t + 2, k]
-        a30 = x[t + 3, k]
-        for j in range(m):
-            w0 = w[k, j]
-            y[t, j] = _rbf(y[t, j] + _rbf(a00 * w0))
-            y[t + 1, j] = _rbf(y[t + 1, j] + _rbf(a10 * w0))
-            y[t + 2, j] = _rbf(y[t + 2, j] + _rbf(a20 * w0))
-            y[t + 3, j] = _rbf(y[t + 3, j] + _rbf(a30 * w0))
-        k += 1
-
-
-@nb.njit(**_JIT)
-def _rows1_bf16(x, w, t, y):
-    """``y[t] = x[t] @ w`` with a bf16 accumulator, each element summed over k left to right."""
-    n = x.shape[1]
-    m = w.shape[1]
-    for j in range(m):
-        y[t, j] = -0.0
-    k = 0
-    while k < n:
-        a00 = x[t, k]
-        for j in range(m):
-            w0 = w[k, j]
-            y[t, j] = _rbf(y[t, j] + _rbf(a00 * w0))
-        k += 1
-
-
-@nb.njit(**_JIT)
-def _four_rows_sequential(x: np.ndarray, w: np.ndarray, t: int, y: np.ndarray, acc: int) -> None:
-    """``y[t:t+4] = x[t:t+4] @ w`` in sequential order with accumulator ``acc`` (no storage rounding).
-
-    Requires ``x.shape[0] >= t + 4`` and ``x.shape[1] >= 1``. :func:`matmul_into` makes the same
-    choice once per call rather than calling this per block (each call level adds compile time).
+    The order of :mod:`kvfast.kernels.reduce` (``PAIRWISE``) with n = 8q + r:
+    the q aligned blocks of eight k are each summed as a tree in registers and
+    merged by a binary counter (``stack[level, row]`` holds one partial row
+    per level), which builds every larger aligned block from its halves; the
+    r < 8 last terms go through the same counter one at a time, which forms
+    the aligned blocks of 4, 2 and 1 that the binary decomposition of n gives;
+    the blocks are then added left to right.
+    ``stack`` is (>= bit_length(q) + 3, >= rows, m); ``x`` has >= 1 column.
     """
-    if acc == F64:
-        _rows4_f64(x, w, t, y)
-    elif acc == F32:
-        _rows4_f32(x, w, t, y)
+    n = x.shape[1]
+    m = w.shape[1]
+    sp = 0
+    for b in range(n // 8):
+        k = 8 * b
+        for r in range(rows):
+            a0, a1, a2, a3 = x[t + r, k], x[t + r, k + 1], x[t + r, k + 2], x[t + r, k + 3]
+            a4, a5, a6, a7 = x[t + r, k + 4], x[t + r, k + 5], x[t + r, k + 6], x[t + r, k + 7]
+            for j in range(m):
+                s01 = _add(_mul(a0, w[k, j], acc), _mul(a1, w[k + 1, j], acc), acc)
+                s23 = _add(_mul(a2, w[k + 2, j], acc), _mul(a3, w[k + 3, j], acc), acc)
+                s45 = _add(_mul(a4, w[k + 4, j], acc), _mul(a5, w[k + 5, j], acc), acc)
+                s67 = _add(_mul(a6, w[k + 6, j], acc), _mul(a7, w[k + 7, j], acc), acc)
+                stack[sp, r, j] = _add(_add(s01, s23, acc), _add(s45, s67, acc), acc)
+        count = b + 1
+        while (count & 1) == 0:  # merge equal blocks, as a binary counter carries
+            for r in range(rows):
+                for j in range(m):
+                    stack[sp - 1, r, j] = _add(stack[sp - 1, r, j], stack[sp, r, j], acc)
+            sp -= 1
+            count >>= 1
+        sp += 1
+    k0 = n - n % 8
+    for i in range(n % 8):  # the last terms, one by one: the same counter, restarted at k0 (a multiple
+        k = k0 + i  # of 8, so aligned for every block size below 8), builds their blocks of 4, 2 and 1
+        for r in range(rows):
+            a0 = x[t + r, k]
+            for j in range(m):
+                stack[sp, r, j] = _mul(a0, w[k, j], acc)
+        count = i + 1
+        while (count & 1) == 0:
+            for r in range(rows):
+                for j in range(m):
+                    stack[sp - 1, r, j] = _add(stack[sp - 1, r, j], stack[sp, r, j], acc)
+            sp -= 1
+            count >>= 1
+        sp += 1
+    for r in range(rows):
+        for j in range(m):
+            y[t + r, j] = stack[0, r, j]
+        for level in range(1, sp):
+            for j in range(m):
+                y[t + r, j] = _add(y[t + r, j], stack[level, r, j], acc)
+
+
+@nb.njit(**_JIT)
+def _product(x, w, order, y, acc):
+    """``y = x @ w`` in ``order`` in the (literal) accumulator format ``acc``, without the storage
+    rounding; ``x`` has >= 1 column."""
+    T, n = x.shape
+    if order == SEQUENTIAL:
+        whole = T - T % 4
+        for t in range(0, whole, 4):  # range: t is an int64, never the literal 0 (one compile, not two)
+            _seq_rows4(x, w, t, y, acc)
+        for t in range(whole, T):
+            _seq_rows1(x, w, t, y, acc)
     else:
-        _rows4_bf16(x, w, t, y)
+        levels = 3
+        while (8 << (levels - 3)) <= n:
+            levels += 1
+        stack = np.empty((levels, min(T, 4), w.shape[1]), dtype=y.dtype)
+        for t in range(0, T, 4):
+            _pair_rows(x, w, t, min(T - t, 4), y, stack, acc)
+
+
+_BF16_LOW = np.uint32(0xFFFF)
+
+
+@nb.njit(**_JIT)
+def _as_f32(a: np.ndarray, out: np.ndarray, bf16: bool) -> bool:
+    """Copy float64 ``a`` into float32 ``out``; False (copy unfinished) if a value is not a
+    float32 (NaN counts as one), or, when ``bf16``, not a finite bfloat16. Checked row by row,
+    without branches inside a row, so the copy vectorises."""
+    low = _BF16_LOW if bf16 else np.uint32(0)
+    for i in range(a.shape[0]):
+        off = 0
+        for j in range(a.shape[1]):
+            v = a[i, j]
+            f = np.float32(v)
+            out[i, j] = f
+            off += (np.float64(f) != v and v == v) or (f32_as_u32(f) & low) != 0 or (bf16 and v - v != 0.0)
+        if off:
+            return False
+    return True
+
+
+NARROW_MIN_ROWS = 4
+"""Fewest rows for which the f32 accumulator runs on float32 copies (copying ``w`` costs about as
+much as a one-row product); the bf16 accumulator always does, when its inputs allow."""
 
 
 @nb.njit(**_JIT)
@@ -311,46 +296,41 @@ def matmul_into(x: np.ndarray, w: np.ndarray, storage: int, acc: int, order: int
     """
     T, n = x.shape
     m = w.shape[1]
-    if n == 0:
+    if n == 0 or T == 0:
         for r in range(T):
             for j in range(m):
                 y[r, j] = 0.0
-    elif order == SEQUENTIAL:
-        t = 0
-        if acc == F64:
-            while t + 4 <= T:
-                _rows4_f64(x, w, t, y)
-                t += 4
-            while t < T:
-                _rows1_f64(x, w, t, y)
-                t += 1
-        elif acc == F32:
-            while t + 4 <= T:
-                _rows4_f32(x, w, t, y)
-                t += 4
-            while t < T:
-                _rows1_f32(x, w, t, y)
-                t += 1
-        else:
-            while t + 4 <= T:
-                _rows4_bf16(x, w, t, y)
-                t += 4
-            while t < T:
-                _rows1_bf16(x, w, t, y)
-                t += 1
+        return
+    if acc == F64:
+        _product(x, w, order, y, F64)
     else:
-        stack = new_stack(m)
-        for r in range(T):
-            weighted_rows_sum(x[r], 0, w, 0, n, 0, m, acc, order, y[r], stack)
+        narrow = acc == BF16 or T >= NARROW_MIN_ROWS
+        if narrow:
+            x32 = np.empty((T, n), dtype=np.float32)
+            w32 = np.empty((n, m), dtype=np.float32)
+            narrow = _as_f32(x, x32, acc == BF16) and _as_f32(w, w32, acc == BF16)
+        if narrow:
+            y32 = np.empty((T, m), dtype=np.float32)
+            if acc == F32:
+                _product(x32, w32, order, y32, F32)
+            else:
+                _product(x32, w32, order, y32, BF16)
+            for r in range(T):
+                for j in range(m):
+                    y[r, j] = np.float64(y32[r, j])
+        elif acc == F32:
+            _product(x, w, order, y, F32)
+        else:
+            _product(x, w, order, y, BF16)
     if storage != F64:
         for r in range(T):
             for j in range(m):
                 y[r, j] = rnd(y[r, j], storage)
 
 
-@nb.njit(**_JIT)
 def matmul(x: np.ndarray, w: np.ndarray, storage: int, acc: int, order: int) -> np.ndarray:
-    """``x @ w`` as a new (T, m) array; see :func:`matmul_into`."""
+    """``x @ w`` as a new (T, m) array; see :func:`matmul_into`. A Python function: a jitted one would
+    compile every kernel of matmul_into once more into itself (about 2.5 s of a cold start)."""
     y = np.empty((x.shape[0], w.shape[1]), dtype=np.float64)
     matmul_into(x, w, storage, acc, order, y)
     return y

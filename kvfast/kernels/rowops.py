@@ -25,7 +25,8 @@ def rmsnorm_row(x, xr, g, eps, storage, acc, order, out, outr, stack):
     """
     d = x.shape[1]
     row = x[xr]
-    mean_sq = rnd(ordered_dot(row, 0, row, 0, d, acc, order, stack) / d, acc)
+    zero = np.int64(0)  # not the literal 0, which would compile ordered_dot once more
+    mean_sq = rnd(ordered_dot(row, zero, row, zero, d, acc, order, stack) / d, acc)
     inv = rnd(1.0 / math.sqrt(mean_sq + eps), storage)
     orow = out[outr]
     for i in range(d):
