@@ -329,8 +329,8 @@ def bench_growth(repeats: int) -> dict:
     internal entry points); prints the times and the fitted exponents."""
     from kvfast import ModelConfig, Numerics, init_params
     from kvfast.model.cache import KVCache
-    from kvfast.model.decode import run_decode
-    from kvfast.model.transformer import Weights, run_forward
+    from kvfast.model.decode import decode_prepared
+    from kvfast.model.transformer import Weights, forward_prepared
 
     config = ModelConfig(**dict(DECODE_CONFIG, max_pos=max(GROWTH_LENGTHS) + 1))
     params = init_params(config, 0)
@@ -341,14 +341,14 @@ def bench_growth(repeats: int) -> dict:
     for L in GROWTH_LENGTHS:
         tokens = rng.integers(0, config.vocab, L + 1).astype(np.int64)
         cache = KVCache.empty(config, nx, L + 1)
-        run_forward(config, w, tokens[:L], nx, cache)
+        forward_prepared(config, w, tokens[:L], nx, cache)
 
         def decode(cache=cache, last=int(tokens[L]), L=L):
-            cache.length = L
-            return run_decode(config, w, cache, last, nx)
+            cache.truncate(L)
+            return decode_prepared(config, w, cache, last, nx)
 
         fns[f"decode {L}"] = decode
-        fns[f"forward {L}"] = lambda t=tokens[:L]: run_forward(config, w, t, nx)
+        fns[f"forward {L}"] = lambda t=tokens[:L]: forward_prepared(config, w, t, nx)
     times = time_interleaved(fns, repeats)
     dec = [times[f"decode {L}"].cpu for L in GROWTH_LENGTHS]
     fwd = [times[f"forward {L}"].cpu for L in GROWTH_LENGTHS]
