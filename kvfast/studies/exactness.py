@@ -128,4 +128,5 @@ STUDY = Study(
     validate_config=validate_config,
     summarize=summarize,
     claims=claims,
+    validate_groups=(("d_model", "n_head"),),  # d_model % n_head; every other field is checked alone
 )
