@@ -13,8 +13,12 @@ Contract of :func:`run_sweep`:
 - A run that raises is an ``error`` row (its message in ``error``); the sweep
   goes on. A chunk whose worker dies is re-run one run at a time, each alone
   in a worker; a run that kills its worker again is a ``crashed`` row.
-- Each finished chunk is written as a part at once, so an interrupted sweep
-  loses only chunks in flight; at the end the parts are compacted into one.
+- Finished chunks are written as a part within about a second (or
+  every :data:`~kvfast.sweep.store.PART_ROWS` rows), so an interrupted sweep loses
+  only chunks in flight; at the end the parts are compacted.
+- The grid is never materialised: pending runs are generated from it as chunks
+  are handed out, and what is stored is looked up in sorted arrays of ids, so
+  memory is bounded by the chunks in flight, not by the grid.
 - Dask futures are driven directly (no joblib Dask backend), with a stall
   timeout: if nothing finishes for ``stall_s`` seconds the sweep stops and the
   report lists the lost runs (not stored; the next sweep runs them).
@@ -24,6 +28,7 @@ Contract of :func:`run_sweep`:
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import statistics
@@ -36,12 +41,13 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
 import pyarrow as pa
 
 from kvfast.sweep.grid import Grid, Run
-from kvfast.sweep.store import STATUSES, WARMUP, ResultsDir, new_manifest, schema_for
+from kvfast.sweep.store import PART_ROWS, STATUSES, WARMUP, ResultsDir, StoredIndex, new_manifest, schema_for
 
 if TYPE_CHECKING:
     from kvfast.studies.base import Study
@@ -91,24 +97,32 @@ class SweepReport:
 
 def _run_one(study: Study, run: Run) -> dict:
     """One run as a row of result + bookkeeping columns (never raises for the run's own errors)."""
-    t0 = time.perf_counter()
+    clock = time.perf_counter
+    t0 = clock()
     try:
         result = study.run(dict(run.config))
-        if not isinstance(result, dict):
-            raise TypeError(f"run returned {type(result).__name__}, not a dict")
-        if set(result) != set(study.result_fields):
-            extra = sorted(set(result) - set(study.result_fields))
-            missing = sorted(set(study.result_fields) - set(result))
-            raise TypeError(f"run returned wrong columns (missing {missing}, unexpected {extra})")
+        if type(result) is not dict or result.keys() != study.result_fields.keys():
+            _wrong_result(study, result)
         row = dict(result)
-        row.update(run_id=run.run_id, status="ok", error=None)
+        row["run_id"] = run.run_id
+        row["status"] = "ok"
+        row["error"] = None
     except Exception as exc:  # noqa: BLE001 - every run's failure becomes a row
         row = {f: None for f in study.result_fields}
         last = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
         where = f" (at {Path(last[0].filename).name}:{last[0].lineno})" if last else ""
         row.update(run_id=run.run_id, status="error", error=f"{type(exc).__name__}: {exc}{where}")
-    row["wall_s"] = time.perf_counter() - t0
+    row["wall_s"] = clock() - t0
     return row
+
+
+def _wrong_result(study: Study, result) -> None:
+    if not isinstance(result, dict):
+        raise TypeError(f"run returned {type(result).__name__}, not a dict")
+    if set(result) != set(study.result_fields):
+        extra = sorted(set(result) - set(study.result_fields))
+        missing = sorted(set(study.result_fields) - set(result))
+        raise TypeError(f"run returned wrong columns (missing {missing}, unexpected {extra})")
 
 
 _WATCHING: list[int] = []
@@ -142,44 +156,74 @@ def run_chunk(study: Study, chunk: tuple[int, list[Run]]) -> tuple[int, list[dic
 
 
 class _Writer:
-    """Turns result rows into Arrow tables of the study's schema and writes parts."""
+    """Turns result rows into Arrow tables of the study's schema and writes parts.
 
-    def __init__(self, store: ResultsDir, study: Study, configs: dict[str, dict], progress) -> None:
+    Tables are buffered and written as one part when ``flush_s`` seconds have
+    passed since the last write or :data:`PART_ROWS` rows are buffered (and by
+    :meth:`flush`). ``counts``: status -> runs written by this sweep.
+    """
+
+    def __init__(self, store: ResultsDir, study: Study, progress, flush_s: float = 1.0) -> None:
         self.store = store
         self.study = study
         self.schema = schema_for(study)
-        self.configs = configs
+        self.config_names = list(study.config_fields)
         self.progress = progress
-        self.done: set[str] = set()
+        self.flush_s = flush_s
+        self.buffer: list[pa.Table] = []
+        self.buffered = 0
+        self.last_flush = time.monotonic()
         self.ran = 0
         self.errors = 0
+        self.counts: dict[str, int] = {}
+        self.written: set[str] = set()  # ids of runs written that had a stored row before (see ``watch``)
+        self.watch: set[str] = set()
         self.compute_s = 0.0
         self.recent: deque = deque(maxlen=64)
 
-    def _full(self, row: dict) -> dict:
-        out = dict(self.configs[row["run_id"]])
-        out.update(row)
-        return out
-
-    def __call__(self, rows: list[dict]) -> None:
+    def __call__(self, runs: Sequence[Run], rows: list[dict]) -> None:
         if not rows:
             return
-        full = [self._full(r) for r in rows]
+        configs = {r.run_id: r.config for r in runs} if len(runs) != len(rows) else None
+        if configs is None and any(r.run_id != row["run_id"] for r, row in zip(runs, rows, strict=True)):
+            configs = {r.run_id: r.config for r in runs}
+        ordered = [configs[row["run_id"]] for row in rows] if configs is not None else [r.config for r in runs]
+        columns = {"run_id": [row["run_id"] for row in rows]}
+        for name in self.config_names:
+            columns[name] = [c[name] for c in ordered]
+        for name in self.schema.names[1 + len(self.config_names) :]:
+            columns[name] = [row[name] for row in rows]
+        statuses = columns["status"]
         try:
-            table = pa.Table.from_pylist(full, schema=self.schema)
+            table = pa.Table.from_pydict(columns, schema=self.schema)
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError, ValueError):
+            full = [{**c, **row} for c, row in zip(ordered, rows, strict=True)]
             table = pa.concat_tables([self._one_row(r) for r in full])
-        self.store.write_part(table)
-        for r in rows:
-            self.done.add(r["run_id"])
+            statuses = table.column("status").to_pylist()
+        self.buffer.append(table)
+        self.buffered += len(rows)
+        for r, status in zip(rows, statuses, strict=True):
+            self.counts[status] = self.counts.get(status, 0) + 1
             self.compute_s += r["wall_s"] or 0.0
-            if r["status"] == "ok":
+            if status == "ok":
                 self.recent.append(r["wall_s"])
-            self.errors += r["status"] != "ok"
+            else:
+                self.errors += 1
+            if self.watch and r["run_id"] in self.watch:
+                self.written.add(r["run_id"])
         self.ran += len(rows)
+        if self.buffered >= PART_ROWS or time.monotonic() - self.last_flush >= self.flush_s:
+            self.flush()
         if self.progress is not None:
             self.progress.update(len(rows))
             self.progress.set_postfix(errors=self.errors, refresh=False)
+
+    def flush(self) -> None:
+        """Write the buffered rows as one part."""
+        if self.buffer:
+            self.store.write_part(self.buffer)
+        self.buffer, self.buffered = [], 0
+        self.last_flush = time.monotonic()
 
     def _one_row(self, row: dict) -> pa.Table:
         try:
@@ -199,23 +243,28 @@ class _Writer:
 
 
 class _Planner:
-    """Cuts runs into chunks lazily, as workers ask for work.
+    """Cuts runs into chunks lazily, as workers ask for work (the runs come from an iterator).
 
     A chunk holds about ``chunk_s`` seconds of work, from the median wall time of
     the last runs finished (one run per chunk until a time is known), and no more
-    than ``len(runs) / (4 * workers)`` runs, so each worker gets at least four
-    chunks and the tail stays balanced. ``fixed`` overrides the size.
+    than ``total / (4 * workers)`` runs, so each worker gets at least four
+    chunks and the tail stays balanced. ``fixed`` overrides the size. Chunks
+    handed out and not yet returned are kept in ``handed``.
     """
 
-    def __init__(self, runs: Sequence[Run], workers: int, chunk_s: float, fixed: int | None, recent: deque) -> None:
-        self.runs = list(runs)
-        self.pos = 0
+    def __init__(
+        self, runs: Iterator[Run], total: int, workers: int, chunk_s: float, fixed: int | None, recent: deque
+    ) -> None:
+        self.runs = iter(runs)
+        self.total = total
+        self.taken = 0
         self.chunk_s = chunk_s
         self.fixed = fixed
         self.recent = recent
-        self.cap = max(1, math.ceil(len(self.runs) / (4 * workers)))
+        self.cap = max(1, math.ceil(total / (4 * workers)))
         self.handed: dict[int, list[Run]] = {}
-        self.sizes: list[int] = []
+        self.count = 0
+        self.largest = 0
 
     def size(self) -> int:
         if self.fixed:
@@ -227,18 +276,23 @@ class _Planner:
 
     def take(self) -> tuple[int, list[Run]] | None:
         """The next chunk ``(index, runs)``, or ``None`` when every run has been handed out."""
-        if self.pos >= len(self.runs):
+        chunk = list(itertools.islice(self.runs, self.size()))
+        if not chunk:
             return None
-        chunk = self.runs[self.pos : self.pos + self.size()]
-        self.pos += len(chunk)
-        index = len(self.handed)
+        self.taken += len(chunk)
+        index = self.count
+        self.count += 1
         self.handed[index] = chunk
-        self.sizes.append(len(chunk))
+        self.largest = max(self.largest, len(chunk))
         return index, chunk
 
-    def rest(self) -> list[Run]:
-        """Runs not handed out yet."""
-        return self.runs[self.pos :]
+    def returned(self, index: int) -> list[Run]:
+        """The runs of chunk ``index``, which came back."""
+        return self.handed.pop(index)
+
+    def rest(self) -> tuple[Iterator[Run], int]:
+        """Runs not handed out yet, and how many."""
+        return self.runs, self.total - self.taken
 
 
 def _loaded(study: Study) -> int:
@@ -263,15 +317,16 @@ def _is_crash(exc: BaseException) -> bool:
     return isinstance(exc, BrokenProcessPool)
 
 
-def _execute_joblib(study: Study, runs: list[Run], backend: str, n_jobs: int, plan: Callable, write: Callable) -> None:
+def _execute_joblib(
+    study: Study, runs: Iterator[Run], total: int, backend: str, n_jobs: int, plan: Callable, write: Callable
+) -> None:
     """Fan chunks out with joblib; chunks lost to a dead worker are re-run one run at a time, alone."""
     from joblib import Parallel, delayed
 
     suspects: list[Run] = []
-    remaining = runs
-    while remaining:
-        planner = plan(remaining)
-        returned: set[int] = set()
+    remaining: Iterator[Run] | None = runs
+    while remaining is not None:
+        planner = plan(remaining, total)
 
         def tasks(planner=planner) -> Iterator:
             while (chunk := planner.take()) is not None:
@@ -282,14 +337,13 @@ def _execute_joblib(study: Study, runs: list[Run], backend: str, n_jobs: int, pl
             with warnings.catch_warnings():  # joblib's note about tasks cancelled by an interrupt
                 warnings.filterwarnings("ignore", message=".*tasks have been successfully executed")
                 for index, rows in parallel(tasks()):
-                    returned.add(index)
-                    write(rows)
-            remaining = []
+                    write(planner.returned(index), rows)
+            remaining = None
         except Exception as exc:
             if not _is_crash(exc):
                 raise
-            suspects += [r for i, chunk in planner.handed.items() if i not in returned for r in chunk]
-            remaining = planner.rest()
+            suspects += [r for chunk in planner.handed.values() for r in chunk]
+            remaining, total = planner.rest()
     for run in suspects:  # each alone, in a worker process
         try:
             rows = Parallel(n_jobs=2, backend="loky")([delayed(run_chunk)(study, (0, [run]))])[0][1]
@@ -297,7 +351,7 @@ def _execute_joblib(study: Study, runs: list[Run], backend: str, n_jobs: int, pl
             if not _is_crash(exc):
                 raise
             rows = [_crash_row(study, run)]
-        write(rows)
+        write([run], rows)
 
 
 def _crash_row(study: Study, run: Run) -> dict:
@@ -331,7 +385,9 @@ def _dask_client(n_jobs: int, scheduler: str | None):
     return Client(cluster), cluster
 
 
-def _execute_dask(study: Study, runs: list[Run], client, workers: int, plan: Callable, stall_s: float, write) -> list:
+def _execute_dask(
+    study: Study, runs: Iterator[Run], total: int, client, workers: int, plan: Callable, stall_s: float, write
+) -> list:
     """Drive Dask futures directly, about two chunks per worker in flight.
 
     Returns the ids of runs lost to a stall (no chunk finished for ``stall_s`` seconds).
@@ -339,7 +395,7 @@ def _execute_dask(study: Study, runs: list[Run], client, workers: int, plan: Cal
     from distributed import wait
 
     token = os.urandom(4).hex()
-    planner = plan(runs)
+    planner = plan(runs, total)
     in_flight: dict = {}
 
     def submit() -> None:
@@ -355,14 +411,15 @@ def _execute_dask(study: Study, runs: list[Run], client, workers: int, plan: Cal
         except TimeoutError:
             break
         for fut in done:
-            chunk = in_flight.pop(fut)
+            index, chunk = in_flight.pop(fut)
+            planner.returned(index)
             if fut.status == "finished":
-                write(fut.result()[1])
+                write(chunk, fut.result()[1])
             else:  # the worker died (KilledWorker) or the task was lost
-                suspects += chunk[1]
+                suspects += chunk
         submit()
     if in_flight:
-        lost = [r.run_id for chunk in in_flight.values() for r in chunk[1]] + [r.run_id for r in planner.rest()]
+        lost = [r.run_id for _, chunk in in_flight.values() for r in chunk] + [r.run_id for r in planner.rest()[0]]
         client.cancel(list(in_flight))
         return lost + [r.run_id for r in suspects]
     lost = []
@@ -373,15 +430,15 @@ def _execute_dask(study: Study, runs: list[Run], client, workers: int, plan: Cal
         except TimeoutError:
             pass
         if fut.status == "finished":
-            write(fut.result()[1])
+            write([run], fut.result()[1])
         elif fut.status == "error":
             exc = fut.exception()
             if type(exc).__name__ == "KilledWorker":
-                write([_crash_row(study, run)])
+                write([run], [_crash_row(study, run)])
             else:  # not the run's own exception (that is caught in the worker): the task could not run
                 row = _crash_row(study, run)
                 row.update(status="error", error=f"{type(exc).__name__}: {exc}")
-                write([row])
+                write([run], [row])
         else:
             client.cancel([fut])
             lost.append(run.run_id)
@@ -441,6 +498,59 @@ def run_sweep(
             cluster.close()
 
 
+class _Pending(NamedTuple):
+    """What a sweep must run: ``total`` runs, found by looking the grid's ids up in ``stored``."""
+
+    total: int
+    skipped_counts: dict[str, int]  # status -> grid runs not re-run, by their stored status
+    retried: set[str]  # ids of pending runs that have a stored row (error/crashed with retry_errors)
+    retried_counts: dict[str, int]
+
+
+_BATCH = 1 << 14
+
+
+def _find_pending(grid: Grid, stored: StoredIndex, redo: tuple[str, ...]) -> _Pending:
+    """One pass over the grid's ids (no configs built): how many runs are pending, and the stored statuses."""
+    if not len(stored.ids):
+        return _Pending(len(grid), {}, set(), {})
+    redo_codes = np.array([STATUSES.index(s) for s in redo], np.int8)
+    skipped = np.zeros(len(STATUSES), np.int64)
+    retried: set[str] = set()
+    retried_counts = np.zeros(len(STATUSES), np.int64)
+    total = 0
+    ids = grid.iter_ids()
+    while batch := list(itertools.islice(ids, _BATCH)):
+        codes = stored.lookup(batch)
+        redo_mask = np.isin(codes, redo_codes)
+        pending = (codes < 0) | redo_mask
+        total += int(pending.sum())
+        skipped += np.bincount(codes[~pending], minlength=len(STATUSES))[: len(STATUSES)]
+        if redo_mask.any():
+            retried.update(b for b, m in zip(batch, redo_mask, strict=True) if m)
+            retried_counts += np.bincount(codes[redo_mask], minlength=len(STATUSES))[: len(STATUSES)]
+    names = dict(enumerate(STATUSES))
+    return _Pending(
+        total,
+        {names[i]: int(n) for i, n in enumerate(skipped) if n},
+        retried,
+        {names[i]: int(n) for i, n in enumerate(retried_counts) if n},
+    )
+
+
+def _pending_runs(grid: Grid, stored: StoredIndex, redo: tuple[str, ...]) -> Iterator[Run]:
+    """The grid's runs that are not stored (or stored with a status in ``redo``), in expansion order, lazily."""
+    runs = grid.iter_runs()
+    if not len(stored.ids):
+        yield from runs
+        return
+    redo_codes = np.array([STATUSES.index(s) for s in redo], np.int8)
+    while batch := list(itertools.islice(runs, _BATCH)):
+        codes = stored.lookup([r.run_id for r in batch])
+        pending = (codes < 0) | np.isin(codes, redo_codes)
+        yield from itertools.compress(batch, pending.tolist())
+
+
 def _sweep_locked(
     grid, store, jobs, backend, client, retry_errors, fresh, quiet, chunk_s, chunk_size, stall_s, t_start
 ) -> SweepReport:
@@ -449,32 +559,42 @@ def _sweep_locked(
     if fresh:
         store.clear()
     old = store.manifest()
-    stored = store.stored_status()
+    stored = store.stored_index()
     redo = ("error", "crashed") if retry_errors else ()
-    pending = [r for r in grid.runs if r.run_id not in stored or stored[r.run_id] in redo]
+    plan = _find_pending(grid, stored, redo)
     manifest = new_manifest(study, old)
-    manifest.update(grid=grid.spec, grid_name=grid.name, grid_hash=grid.spec_hash, grid_runs=len(grid))
+    manifest.update(
+        grid=grid.spec, grid_name=grid.name, grid_hash=grid.spec_hash, grid_runs=len(grid), study_ref=grid.study_ref
+    )
     store.write_manifest(manifest)
 
-    report = SweepReport(study.name, store.path, len(grid), len(grid) - len(pending), workers=jobs)
-    configs = {r.run_id: r.config for r in pending}
-    progress = _progress(len(pending), study.name, quiet)
-    writer = _Writer(store, study, configs, progress)
+    report = SweepReport(study.name, store.path, len(grid), len(grid) - plan.total, workers=jobs)
+    progress = _progress(plan.total, study.name, quiet)
+    writer = _Writer(store, study, progress)
+    writer.watch = plan.retried
     try:
-        if pending:
-            crashed = {rid for rid, st in stored.items() if st == "crashed"}
-            _execute(grid, pending, writer, report, jobs, backend, client, chunk_s, chunk_size, stall_s, crashed)
+        if plan.total:
+            crashed = set(stored.ids[stored.codes == STATUSES.index("crashed")].astype(str).tolist())
+            pending = _pending_runs(grid, stored, redo)
+            _execute(
+                study, pending, plan.total, writer, report, jobs, backend, client, chunk_s, chunk_size, stall_s, crashed
+            )
     except KeyboardInterrupt:
         report.interrupted = True
     finally:
-        progress.close()
+        try:
+            writer.flush()
+        finally:
+            progress.close()
     if not report.interrupted:
         store.compact(schema_for(study))
-    final = store.stored_status()
-    report.counts = {s: 0 for s in STATUSES}
-    for r in grid.runs:
-        if r.run_id in final:
-            report.counts[final[r.run_id]] = report.counts.get(final[r.run_id], 0) + 1
+    counts = {s: plan.skipped_counts.get(s, 0) + writer.counts.get(s, 0) for s in STATUSES}
+    # pending runs with a stored row that were not written now (lost, interrupted) keep their stored status
+    for s, n in plan.retried_counts.items():
+        counts[s] += n
+    for rid in writer.written:
+        counts[STATUSES[int(stored.lookup([rid])[0])]] -= 1
+    report.counts = counts
     report.ran = writer.ran
     report.compute_s = writer.compute_s
     report.wall_s = time.perf_counter() - t_start
@@ -498,13 +618,12 @@ def _sweep_locked(
 
 
 def _execute(
-    grid, pending, writer, report, jobs, backend, client, chunk_s, chunk_size, stall_s, crashed: set[str]
+    study, pending, total, writer, report, jobs, backend, client, chunk_s, chunk_size, stall_s, crashed: set[str]
 ) -> None:
-    study = grid.study
     if jobs == 1 and client is None:  # in-process, no pool
         size = chunk_size or 64
-        for s in range(0, len(pending), size):
-            writer(run_chunk(study, (0, pending[s : s + size]))[1])
+        while chunk := list(itertools.islice(pending, size)):
+            writer(chunk, run_chunk(study, (0, chunk))[1])
         report.chunk_size = size
         return
     # Warm-up: one run in this process compiles (or loads Numba's cache) before any worker starts. Never
@@ -512,24 +631,34 @@ def _execute(
     # earlier warm-up (its id is left in .warmup). Those go to workers.
     marker = writer.store.path / WARMUP
     avoid = crashed | {marker.read_text().strip() if marker.exists() else ""}
-    local = [r for r in pending if r.run_id not in avoid][:1]
+    skipped: list[Run] = []
+    local: list[Run] = []
+    for run in pending:
+        if run.run_id in avoid:
+            skipped.append(run)
+            if len(skipped) < 64:
+                continue
+        else:
+            local.append(run)
+        break
+    rest = itertools.chain(skipped, pending)
     # Meanwhile the loky pool starts and its workers import the study (not its kernels: those load
     # from the cache this warm-up fills).
     preheat = None
-    if client is None and backend == "loky" and len(pending) > 1:
+    if client is None and backend == "loky" and total > 1:
         preheat = threading.Thread(target=_preheat, args=(study, jobs), daemon=True)
         preheat.start()
     try:
         for run in local:
             marker.write_text(run.run_id)
-            writer([_run_one(study, run)])
+            writer([run], [_run_one(study, run)])
     finally:
         if preheat is not None:
             preheat.join()
     marker.unlink(missing_ok=True)
     writer.recent.clear()  # the warm-up's time includes compiling: not a run's time
-    rest = [r for r in pending if r not in local]
-    if not rest:
+    total -= len(local)
+    if not total:
         return
     workers = jobs
     if client is not None:
@@ -537,13 +666,12 @@ def _execute(
     report.workers = workers
     planners: list[_Planner] = []
 
-    def plan(runs: list[Run]) -> _Planner:
-        planners.append(_Planner(runs, workers, chunk_s, chunk_size, writer.recent))
+    def plan(runs: Iterator[Run], n: int) -> _Planner:
+        planners.append(_Planner(runs, n, workers, chunk_s, chunk_size, writer.recent))
         return planners[-1]
 
     if client is not None:
-        report.lost = _execute_dask(study, rest, client, workers, plan, stall_s, writer)
+        report.lost = _execute_dask(study, rest, total, client, workers, plan, stall_s, writer)
     else:
-        _execute_joblib(study, rest, backend, jobs, plan, writer)
-    sizes = [n for p in planners for n in p.sizes]
-    report.chunk_size = max(sizes, default=0)  # the steady-state size (the first chunks are single runs)
+        _execute_joblib(study, rest, total, backend, jobs, plan, writer)
+    report.chunk_size = max((p.largest for p in planners), default=0)  # the steady-state size
