@@ -499,9 +499,10 @@ def run_sweep(
 
 
 class _Pending(NamedTuple):
-    """What a sweep must run: ``total`` runs, found by looking the grid's ids up in ``stored``."""
+    """What a sweep must run: ``total`` runs, found by looking the grid's ids up in the stored ones."""
 
     total: int
+    mask: np.ndarray | None  # one flag per grid run, in expansion order: pending; None: every run
     skipped_counts: dict[str, int]  # status -> grid runs not re-run, by their stored status
     retried: set[str]  # ids of pending runs that have a stored row (error/crashed with retry_errors)
     retried_counts: dict[str, int]
@@ -511,44 +512,43 @@ _BATCH = 1 << 14
 
 
 def _find_pending(grid: Grid, stored: StoredIndex, redo: tuple[str, ...]) -> _Pending:
-    """One pass over the grid's ids (no configs built): how many runs are pending, and the stored statuses."""
+    """One pass over the grid's ids (no configs built): which runs are pending, and the stored statuses."""
     if not len(stored.ids):
-        return _Pending(len(grid), {}, set(), {})
+        return _Pending(len(grid), None, {}, set(), {})
     redo_codes = np.array([STATUSES.index(s) for s in redo], np.int8)
     skipped = np.zeros(len(STATUSES), np.int64)
     retried: set[str] = set()
     retried_counts = np.zeros(len(STATUSES), np.int64)
-    total = 0
+    masks = []
     ids = grid.iter_ids()
     while batch := list(itertools.islice(ids, _BATCH)):
         codes = stored.lookup(batch)
         redo_mask = np.isin(codes, redo_codes)
         pending = (codes < 0) | redo_mask
-        total += int(pending.sum())
+        masks.append(pending)
         skipped += np.bincount(codes[~pending], minlength=len(STATUSES))[: len(STATUSES)]
         if redo_mask.any():
             retried.update(b for b, m in zip(batch, redo_mask, strict=True) if m)
             retried_counts += np.bincount(codes[redo_mask], minlength=len(STATUSES))[: len(STATUSES)]
+    mask = np.concatenate(masks) if masks else np.zeros(0, bool)
     names = dict(enumerate(STATUSES))
     return _Pending(
-        total,
+        int(mask.sum()),
+        mask,
         {names[i]: int(n) for i, n in enumerate(skipped) if n},
         retried,
         {names[i]: int(n) for i, n in enumerate(retried_counts) if n},
     )
 
 
-def _pending_runs(grid: Grid, stored: StoredIndex, redo: tuple[str, ...]) -> Iterator[Run]:
-    """The grid's runs that are not stored (or stored with a status in ``redo``), in expansion order, lazily."""
-    runs = grid.iter_runs()
-    if not len(stored.ids):
-        yield from runs
-        return
-    redo_codes = np.array([STATUSES.index(s) for s in redo], np.int8)
-    while batch := list(itertools.islice(runs, _BATCH)):
-        codes = stored.lookup([r.run_id for r in batch])
-        pending = (codes < 0) | np.isin(codes, redo_codes)
-        yield from itertools.compress(batch, pending.tolist())
+def _flags(mask: np.ndarray) -> Iterator[bool]:
+    for start in range(0, len(mask), _BATCH):
+        yield from mask[start : start + _BATCH].tolist()
+
+
+def _pending_runs(grid: Grid, plan: _Pending) -> Iterator[Run]:
+    """The grid's pending runs, in expansion order, generated lazily (no id computed for the others)."""
+    return grid.iter_runs(None if plan.mask is None else _flags(plan.mask))
 
 
 def _sweep_locked(
@@ -575,7 +575,7 @@ def _sweep_locked(
     try:
         if plan.total:
             crashed = set(stored.ids[stored.codes == STATUSES.index("crashed")].astype(str).tolist())
-            pending = _pending_runs(grid, stored, redo)
+            pending = _pending_runs(grid, plan)
             _execute(
                 study, pending, plan.total, writer, report, jobs, backend, client, chunk_s, chunk_size, stall_s, crashed
             )

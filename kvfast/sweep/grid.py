@@ -104,18 +104,33 @@ class _Entry:
         for combo in itertools.product(*(f.pieces for f in self.varying)):
             yield blake(fmt(*combo).encode(), digest_size=16).hexdigest()
 
-    def runs(self) -> Iterator[Run]:
+    def runs(self, select: Iterator[bool] | None = None, seen: set[str] | None = None) -> Iterator[Run]:
+        """The entry's runs; with ``select``, only those whose next flag is true (no id computed for the others).
+
+        With ``seen`` (ids of runs generated before), runs already seen are skipped and
+        consume no flag; new ones are added to it.
+        """
         fmt = self.template.format
         blake = hashlib.blake2b
         keys = [f.keys for f in self.varying]
         base = self.base
         pairs = [tuple(zip(f.rows, f.pieces, strict=True)) for f in self.varying]
         for combo in itertools.product(*pairs):
+            if seen is None:
+                if select is not None and not next(select):
+                    continue
+                rid = blake(fmt(*(pieces for _, pieces in combo)).encode(), digest_size=16).hexdigest()
+            else:
+                rid = blake(fmt(*(pieces for _, pieces in combo)).encode(), digest_size=16).hexdigest()
+                if rid in seen:
+                    continue
+                seen.add(rid)
+                if select is not None and not next(select):
+                    continue
             config = base.copy()
             for k, (row, _) in zip(keys, combo, strict=True):
                 config.update(zip(k, row, strict=True))
-            text = fmt(*(pieces for _, pieces in combo))
-            yield Run(blake(text.encode(), digest_size=16).hexdigest(), config)
+            yield Run(rid, config)
 
 
 @dataclass(frozen=True)
@@ -159,17 +174,16 @@ class Grid:
                     seen.add(rid)
                     yield rid
 
-    def iter_runs(self) -> Iterator[Run]:
-        """Every run (id and a fresh config dict), in expansion order, each once."""
+    def iter_runs(self, select: Iterable[bool] | None = None) -> Iterator[Run]:
+        """Every run (id and a fresh config dict), in expansion order, each once.
+
+        ``select``: one flag per run (in the order of :meth:`iter_ids`); only runs flagged
+        true are generated, and no id or config is built for the others.
+        """
+        flags = iter(select) if select is not None else None
         seen: set[str] = set()
         for i, entry in enumerate(self.entries):
-            if i not in self.overlapping:
-                yield from entry.runs()
-                continue
-            for run in entry.runs():
-                if run.run_id not in seen:
-                    seen.add(run.run_id)
-                    yield run
+            yield from entry.runs(flags, seen if i in self.overlapping else None)
 
     @functools.cached_property
     def runs(self) -> tuple[Run, ...]:

@@ -224,16 +224,14 @@ class ResultsDir:
         """The latest stored status of every run, as sorted NumPy arrays (read from the Parquet columns)."""
         parts = self.parts()
         if not parts:
-            return StoredIndex(np.empty(0, "S32"), np.empty(0, np.int8))
+            return StoredIndex.build(np.empty(0, "S32"), np.empty(0, np.int8))
         tables = [pq.read_table(p, columns=["run_id", "status"]) for p in parts]
         table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
         if len(tables) > 1 or not _sorted_unique(table.column("run_id")):
             table = _latest(table)
         ids = _fixed_ids(table.column("run_id"))
         codes = pc.index_in(table.column("status"), value_set=pa.array(STATUSES)).fill_null(len(STATUSES) - 1)
-        codes = codes.to_numpy().astype(np.int8)
-        order = np.argsort(ids, kind="stable")
-        return StoredIndex(ids[order], codes[order])
+        return StoredIndex.build(ids, codes.to_numpy().astype(np.int8))
 
     # -- writing (call these only while holding the lock) --------------------------------
 
@@ -358,19 +356,47 @@ def new_manifest(study: Study, old: dict | None) -> dict:
     }
 
 
+_HEX = np.zeros(256, np.uint64)
+_HEX[np.frombuffer(b"0123456789abcdef", np.uint8)] = np.arange(16, dtype=np.uint64)
+_HEX[np.frombuffer(b"ABCDEF", np.uint8)] = np.arange(10, 16, dtype=np.uint64)
+
+
+def id_keys(ids: np.ndarray) -> np.ndarray:
+    """The first 16 hex digits of each ``S32`` run id as a ``uint64`` (what lookups sort and search on)."""
+    digits = _HEX[ids.view(np.uint8).reshape(len(ids), 32)[:, :16]]
+    shifts = np.arange(60, -1, -4, dtype=np.uint64)
+    return np.bitwise_or.reduce(digits << shifts, axis=1) if len(ids) else np.empty(0, np.uint64)
+
+
 class StoredIndex(NamedTuple):
-    """Stored runs: ``ids`` (sorted ``S32`` run ids) and ``codes`` (index into :data:`STATUSES`)."""
+    """Stored runs: ``ids`` (``S32`` run ids), ``codes`` (index into :data:`STATUSES`) and ``keys``
+    (:func:`id_keys` of the ids), all sorted by ``keys``."""
 
     ids: np.ndarray
     codes: np.ndarray
+    keys: np.ndarray
+
+    @classmethod
+    def build(cls, ids: np.ndarray, codes: np.ndarray) -> StoredIndex:
+        keys = id_keys(ids)
+        order = np.argsort(keys, kind="stable")
+        return cls(ids[order], codes[order], keys[order])
 
     def lookup(self, run_ids: list[str]) -> np.ndarray:
-        """The status code of each of ``run_ids``, -1 where none is stored."""
+        """The status code of each of ``run_ids``, -1 where none is stored (exact: whole ids are compared)."""
         if not len(self.ids):
             return np.full(len(run_ids), -1, np.int8)
         want = np.array(run_ids, dtype="S32")
-        at = np.searchsorted(self.ids, want).clip(max=len(self.ids) - 1)
-        return np.where(self.ids[at] == want, self.codes[at], -1).astype(np.int8)
+        keys = id_keys(want)
+        order = np.argsort(keys)
+        at = np.empty(len(want), np.int64)
+        at[order] = np.searchsorted(self.keys, keys[order])  # sorted needles: a narrowing search
+        out = np.full(len(want), -1, np.int8)
+        for step in (0, 1):  # two stored ids may share their first 64 bits: look at the next one too
+            i = (at + step).clip(max=len(self.ids) - 1)
+            hit = (self.ids[i] == want) & (out < 0)
+            out[hit] = self.codes[i[hit]]
+        return out
 
 
 def _fixed_ids(column: pa.ChunkedArray) -> np.ndarray:
