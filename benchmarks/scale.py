@@ -200,7 +200,8 @@ def planning(sizes: list[int]) -> None:
         b = py(PLAN_CHILD, str(n), "ids")
         counted.append(a)
         ids.append(b)
-        print(f"| {b['runs']:,} | {a['s']:.3f} | {b['s']:.2f} | {b['peak_mb']:.0f} | {b['peak_mb'] - b['base_mb']:.0f} |")
+        grown = b["peak_mb"] - b["base_mb"]
+        print(f"| {b['runs']:,} | {a['s']:.3f} | {b['s']:.2f} | {b['peak_mb']:.0f} | {grown:.0f} |")
     runs = [r["runs"] for r in ids]
     print(
         f"\ngrowth exponent (time ~ runs^k): validate + count k = {slope(runs, [r['s'] for r in counted]):.2f}, "
@@ -213,8 +214,10 @@ def big(n: int) -> None:
     print(f"## a {n:,}-run grid of tiny runs (--jobs 1), swept for 20 s\n")
     with tempfile.TemporaryDirectory(prefix="kvfast-scale-") as tmp:
         r = py(BIG_CHILD, str(Path(tmp) / "out"), str(time.time()), str(n))
-    print(f"first run finished {r['first_run_s']:.1f} s after the process started; "
-          f"resident memory every 5 s while sweeping: {r['rss_mb']} MB\n")
+    print(
+        f"first run finished {r['first_run_s']:.1f} s after the process started; "
+        f"resident memory every 5 s while sweeping: {r['rss_mb']} MB\n"
+    )
 
 
 def rates() -> None:

@@ -53,6 +53,13 @@ def add_parser(sub) -> None:
     p.add_argument("--retry-errors", action="store_true", help="also re-run runs stored as error or crashed")
     p.add_argument("--fresh", action="store_true", help="delete stored results in DIR first")
     p.add_argument(
+        "--max-runs",
+        type=_jobs,
+        default=None,
+        metavar="N",
+        help="refuse a grid of more than N runs, counted from its axes before anything runs (default 10,000,000)",
+    )
+    p.add_argument(
         "--stall-timeout",
         type=_positive,
         default=300.0,
@@ -107,9 +114,9 @@ def cmd_grids(args) -> int:
 
 def cmd_run(args) -> int:
     from kvfast.sweep.engine import run_sweep
-    from kvfast.sweep.grid import load_grid
+    from kvfast.sweep.grid import DEFAULT_MAX_RUNS, load_grid
 
-    grid = load_grid(args.grid)
+    grid = load_grid(args.grid, max_runs=args.max_runs or DEFAULT_MAX_RUNS)
     report = run_sweep(
         grid,
         args.out,
@@ -169,6 +176,14 @@ def cmd_show(args) -> int:
         print("failed runs (first 10):")
         print(_table(bad[["run_id", "status", "error"]].head(10)))
     study = STUDIES.get(name)
+    if study is None and manifest.get("study_ref"):
+        from kvfast.sweep.grid import resolve_study
+
+        try:
+            study = resolve_study(manifest["study_ref"])
+        except ValueError as exc:
+            print(f"(study {name!r}: {exc}; no summary)")
+            return 0
     if study is None:
         print(f"(study {name!r} is not registered in this kvfast; no summary)")
         return 0

@@ -44,6 +44,8 @@ import importlib
 import itertools
 import json
 import math
+import os
+import sys
 import tomllib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -254,6 +256,8 @@ def resolve_study(ref: Any) -> Study:
         raise ValueError(f"study: {ref!r} is not allowed; allowed: {allowed}")
     if ":" in ref:
         module_name, _, attr = ref.partition(":")
+        if os.getcwd() not in sys.path:  # as `python -m` would: modules of the working directory
+            sys.path.insert(0, os.getcwd())
         try:
             module = importlib.import_module(module_name)
         except Exception as exc:  # noqa: BLE001 - any import failure is the user's study's problem

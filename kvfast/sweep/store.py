@@ -456,9 +456,13 @@ def load(path: str | os.PathLike) -> pd.DataFrame:
     parts = list_parts(p)
     if not parts:
         from kvfast.studies import STUDIES
+        from kvfast.sweep.grid import resolve_study
 
-        manifest = ResultsDir(p).manifest()
-        study = STUDIES.get((manifest or {}).get("study", ""))
+        manifest = ResultsDir(p).manifest() or {}
+        study = STUDIES.get(manifest.get("study", ""))
+        if study is None and manifest.get("study_ref"):
+            with contextlib.suppress(ValueError):
+                study = resolve_study(manifest["study_ref"])
         if study is None:
             raise ValueError(f"{str(p)!r}: no results (no part-*.parquet files)")
         return schema_for(study).empty_table().to_pandas()
