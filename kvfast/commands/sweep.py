@@ -48,7 +48,12 @@ def add_parser(sub) -> None:
     p.add_argument("grid", metavar="GRID_OR_TOML", help="a built-in grid name (see `kvfast grids`) or a .toml file")
     p.add_argument("--out", required=True, metavar="DIR", help="results directory (created; resumed if it exists)")
     _exec_options(p)
-    p.add_argument("--backend", default="loky", choices=["loky", "threading", "dask"], help="default: loky")
+    p.add_argument(
+        "--backend",
+        default="fork",
+        choices=["fork", "loky", "threading", "dask"],
+        help="default: fork (processes forked after the warm-up; loky where fork is unavailable)",
+    )
     p.add_argument("--scheduler", metavar="ADDRESS", help="Dask scheduler address (with --backend dask)")
     p.add_argument("--retry-errors", action="store_true", help="also re-run runs stored as error or crashed")
     p.add_argument("--fresh", action="store_true", help="delete stored results in DIR first")

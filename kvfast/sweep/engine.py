@@ -52,7 +52,7 @@ from kvfast.sweep.store import PART_ROWS, STATUSES, WARMUP, ResultsDir, StoredIn
 if TYPE_CHECKING:
     from kvfast.studies.base import Study
 
-BACKENDS = ("loky", "threading", "dask")
+BACKENDS = ("fork", "loky", "threading", "dask")
 CRASH_MESSAGE = "the worker process died during this run, and again when the run was retried alone"
 
 
@@ -129,13 +129,13 @@ _WATCHING: list[int] = []
 
 
 def _watch_parent() -> None:
-    """In a loky worker: exit when the sweep process that started it is gone (``kill -9``).
+    """In a pool worker (loky, fork): exit when the sweep process that started it is gone (``kill -9``).
 
-    loky's idle workers otherwise outlive a hard-killed parent indefinitely.
+    Idle workers otherwise outlive a hard-killed parent indefinitely.
     """
     import multiprocessing
 
-    if _WATCHING or not multiprocessing.current_process().name.startswith("LokyProcess"):
+    if _WATCHING or not multiprocessing.current_process().name.startswith(("LokyProcess", "ForkProcess")):
         return
     parent = os.getppid()
     _WATCHING.append(parent)
@@ -354,6 +354,67 @@ def _execute_joblib(
         write([run], rows)
 
 
+_FORKED_STUDY: list = []  # the study, as forked workers inherit it (nothing to pickle but the chunks)
+
+
+def _run_chunk_forked(chunk: tuple[int, list[Run]]) -> tuple[int, list[dict]]:
+    return run_chunk(_FORKED_STUDY[-1], chunk)
+
+
+def _execute_fork(study: Study, runs: Iterator[Run], total: int, n_jobs: int, plan: Callable, write: Callable) -> None:
+    """Fan chunks out to a pool of processes forked from this one after its warm-up.
+
+    The workers start in milliseconds: they inherit the imported modules and the
+    compiled kernels. About two chunks per worker are in flight. A dead worker
+    breaks the pool: the chunks in flight are re-run one run at a time, each alone
+    in a new one-worker pool, and a run that kills that worker too is ``crashed``.
+    """
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    _FORKED_STUDY.append(study)
+    try:
+        _fork_loop(runs, total, n_jobs, plan, write, context, study)
+    finally:
+        _FORKED_STUDY.pop()
+
+
+def _fork_loop(runs, total, n_jobs, plan, write, context, study) -> None:
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+    from concurrent.futures.process import BrokenProcessPool
+
+    suspects: list[Run] = []
+    remaining: Iterator[Run] | None = runs
+    while remaining is not None:
+        planner = plan(remaining, total)
+        pool = ProcessPoolExecutor(n_jobs, mp_context=context, initializer=_watch_parent)
+        in_flight: dict = {}
+        try:
+            while True:
+                while len(in_flight) < 2 * n_jobs and (chunk := planner.take()) is not None:
+                    in_flight[pool.submit(_run_chunk_forked, chunk)] = chunk
+                if not in_flight:
+                    break
+                done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
+                for fut in done:
+                    index, rows = fut.result()  # BrokenProcessPool when a worker died
+                    write(planner.returned(index), rows)
+                    del in_flight[fut]
+            remaining = None
+        except BrokenProcessPool:
+            suspects += [r for chunk in planner.handed.values() for r in chunk]
+            remaining, total = planner.rest()
+        finally:
+            pool.shutdown(wait=remaining is None, cancel_futures=True)
+    for run in suspects:  # each alone, in a new one-worker pool
+        with ProcessPoolExecutor(1, mp_context=context, initializer=_watch_parent) as pool:
+            try:
+                rows = pool.submit(_run_chunk_forked, (0, [run])).result()[1]
+            except BrokenProcessPool:
+                rows = [_crash_row(study, run)]
+        write([run], rows)
+
+
 def _crash_row(study: Study, run: Run) -> dict:
     row = {f: None for f in study.result_fields}
     row.update(run_id=run.run_id, status="crashed", error=CRASH_MESSAGE, wall_s=None)
@@ -457,7 +518,7 @@ def run_sweep(
     out: str | os.PathLike,
     *,
     jobs: int | None = None,
-    backend: str = "loky",
+    backend: str = "fork",
     scheduler: str | None = None,
     retry_errors: bool = False,
     fresh: bool = False,
@@ -471,6 +532,11 @@ def run_sweep(
 
     if backend not in BACKENDS:
         raise ValueError(f"--backend: {backend!r} is not allowed; allowed: {', '.join(BACKENDS)}")
+    if backend == "fork":
+        import multiprocessing
+
+        if "fork" not in multiprocessing.get_all_start_methods():  # Windows: no fork
+            backend = "loky"
     if jobs is None:
         jobs = joblib.cpu_count()
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
@@ -672,6 +738,8 @@ def _execute(
 
     if client is not None:
         report.lost = _execute_dask(study, rest, total, client, workers, plan, stall_s, writer)
+    elif backend == "fork":
+        _execute_fork(study, rest, total, jobs, plan, writer)
     else:
         _execute_joblib(study, rest, total, backend, jobs, plan, writer)
     report.chunk_size = max((p.largest for p in planners), default=0)  # the steady-state size
