@@ -16,6 +16,8 @@ Prints Markdown tables of:
 - resume and load against stored rows: a results directory of N ``ok`` rows (synthetic results on
   the exactness schema) is written, then timed: finding the pending runs of its grid (reading the
   stored ids and looking every grid id up), ``kvfast.load`` and ``kvfast show``;
+- a 10^5-run grid of tiny runs on a Dask LocalCluster of 2 workers against loky and fork (2 workers):
+  throughput and whether the stored results are identical;
 - the fresh-process speedup of 2 workers over 1 on the exactness grid: ``kvfast run`` in a new
   process each, median of ``--repeats``; sweep wall (``report.wall_s``) and process wall.
 """
@@ -116,6 +118,43 @@ with tempfile.TemporaryDirectory() as tmp:
     run_sweep(grid, tmp + "/warm", jobs=1, quiet=True, chunk_size=1) if which != "tiny" else None
     report = run_sweep(grid, tmp + "/out", jobs=1, quiet=True)
 print(json.dumps({"runs": report.ran, "wall_s": report.wall_s, "compute_s": report.compute_s}))
+"""
+)
+
+DASK_CHILD = (
+    TINY
+    + r"""
+import json, sys, tempfile, time
+import kvfast.studies
+kvfast.studies.STUDIES["tiny"] = TINY
+from kvfast.sweep import grid_from_spec, load, run_sweep
+from kvfast.sweep.engine import _dask_client
+if __name__ == "__main__":
+    n = int(sys.argv[1])
+    grid = grid_from_spec({"study": "tiny", "axes": {"x": list(range(n // 1000)), "k": list(range(1000))}})
+    out, frames = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for backend in ("fork", "loky"):
+            first = run_sweep(grid, f"{tmp}/{backend}", jobs=2, backend=backend, quiet=True)
+            again = run_sweep(grid, f"{tmp}/{backend}-2", jobs=2, backend=backend, quiet=True)
+            assert first.ok and again.ok
+            out[backend] = [n / first.wall_s, n / again.wall_s]
+            frames[backend] = load(f"{tmp}/{backend}").drop(columns="wall_s")
+        t0 = time.perf_counter()
+        client, cluster = _dask_client(2, None)
+        start = time.perf_counter() - t0
+        address = cluster.scheduler_address
+        first = run_sweep(grid, f"{tmp}/dask", jobs=2, backend="dask", scheduler=address, quiet=True)
+        again = run_sweep(grid, f"{tmp}/dask-2", jobs=2, backend="dask", scheduler=address, quiet=True)
+        client.close()
+        cluster.close()
+        assert first.ok and again.ok
+        out["dask"] = [n / (first.wall_s + start), n / again.wall_s]
+        out["dask_start_s"] = start
+        frames["dask"] = load(f"{tmp}/dask").drop(columns="wall_s")
+    base = frames["loky"]
+    out["identical"] = all(f.equals(base) for f in frames.values())
+    print(json.dumps(out))
 """
 )
 
@@ -244,6 +283,23 @@ def resume(sizes: list[int]) -> None:
     print()
 
 
+def dask(n: int) -> None:
+    print(f"## Dask LocalCluster (2 workers) against loky and fork (2 workers): {n:,} tiny runs\n")
+    with tempfile.TemporaryDirectory(prefix="kvfast-scale-") as tmp:
+        script = Path(tmp) / "dask_child.py"  # a file: Dask's worker processes re-import the main module
+        script.write_text(DASK_CHILD)
+        r = py(f"import runpy; runpy.run_path({str(script)!r}, run_name='__main__')", str(n))
+    print("| backend | runs/s, first sweep (pool or cluster start included) | runs/s, second sweep (warm) |")
+    print("|---|---|---|")
+    for backend in ("fork", "loky", "dask"):
+        print(f"| {backend} | {r[backend][0]:,.0f} | {r[backend][1]:,.0f} |")
+    print(
+        f"\nLocalCluster start {r['dask_start_s']:.1f} s; dask / loky throughput: first sweep "
+        f"{r['dask'][0] / r['loky'][0]:.2f}x, warm {r['dask'][1] / r['loky'][1]:.2f}x; "
+        f"results identical across backends: {r['identical']}\n"
+    )
+
+
 def fresh_speedup(repeats: int) -> None:
     print(f"## fresh process: `kvfast run exactness`, 1 vs 2 workers (median of {repeats})\n")
     walls: dict[int, list] = {1: [], 2: []}
@@ -273,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="10000,100000,1000000")
     parser.add_argument("--big", action="store_true", help="also a 10^7-run grid (time to first run, memory)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--only", default="planning,rates,resume,fresh", help="comma-separated sections")
+    parser.add_argument("--only", default="planning,rates,resume,dask,fresh", help="comma-separated sections")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     only = set(args.only.split(","))
@@ -287,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
         rates()
     if "resume" in only:
         resume(sizes)
+    if "dask" in only:
+        dask(100_000)
     if "fresh" in only:
         fresh_speedup(args.repeats)
     print(f"cpu_count {os.cpu_count()}, load average before {load:.2f} after {os.getloadavg()[0]:.2f}, "

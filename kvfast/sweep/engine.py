@@ -311,6 +311,13 @@ def _preheat(study: Study, jobs: int) -> None:
         pass
 
 
+def _preheat_dask(client, study: Study) -> None:
+    try:
+        client.run(_loaded, study)
+    except Exception:  # noqa: BLE001 - only a head start
+        pass
+
+
 def _is_crash(exc: BaseException) -> bool:
     from joblib.externals.loky.process_executor import BrokenProcessPool
 
@@ -713,6 +720,9 @@ def _execute(
     preheat = None
     if client is None and backend == "loky" and total > 1:
         preheat = threading.Thread(target=_preheat, args=(study, jobs), daemon=True)
+        preheat.start()
+    elif client is not None and total > 1:  # Dask workers import the engine and the study meanwhile
+        preheat = threading.Thread(target=_preheat_dask, args=(client, study), daemon=True)
         preheat.start()
     try:
         for run in local:
