@@ -69,7 +69,7 @@ TINY = Study(name="tiny", version="1", description="a tiny run", run=_run,
 BIG_CHILD = (
     TINY
     + r"""
-import os, sys, threading, time
+import json, os, sys, threading, time
 t_start = float(sys.argv[2])
 first = []
 def run(config):
