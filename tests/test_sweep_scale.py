@@ -149,6 +149,7 @@ def test_stored_index_lookup_is_exact_even_when_ids_share_their_first_64_bits():
     index = StoredIndex.build(ids, np.array([0, 1, 2, 0], np.int8))
     got = index.lookup(["0" * 16 + "b" * 16, "0" * 16 + "a" * 16, "0" * 16 + "c" * 16, "f" * 32, "e" * 32])
     assert got.tolist() == [1, 0, -1, 2, -1]
+    assert index.ids_with(0) == {"0" * 16 + "a" * 16, "1" * 32}
 
 
 def test_resume_runs_exactly_the_missing_runs_in_grid_order(tmp_path, pieces):

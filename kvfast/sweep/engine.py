@@ -586,7 +586,7 @@ _BATCH = 1 << 14
 
 def _find_pending(grid: Grid, stored: StoredIndex, redo: tuple[str, ...]) -> _Pending:
     """One pass over the grid's ids (no configs built): which runs are pending, and the stored statuses."""
-    if not len(stored.ids):
+    if not len(stored):
         return _Pending(len(grid), None, {}, set(), {})
     redo_codes = np.array([STATUSES.index(s) for s in redo], np.int8)
     skipped = np.zeros(len(STATUSES), np.int64)
@@ -647,7 +647,7 @@ def _sweep_locked(
     writer.watch = plan.retried
     try:
         if plan.total:
-            crashed = set(stored.ids[stored.codes == STATUSES.index("crashed")].astype(str).tolist())
+            crashed = stored.ids_with(STATUSES.index("crashed"))
             pending = _pending_runs(grid, plan)
             _execute(
                 study, pending, plan.total, writer, report, jobs, backend, client, chunk_s, chunk_size, stall_s, crashed

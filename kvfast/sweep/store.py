@@ -218,7 +218,8 @@ class ResultsDir:
     def stored_status(self) -> dict[str, str]:
         """run_id -> status of its latest stored row."""
         index = self.stored_index()
-        return dict(zip(index.ids.astype(str).tolist(), [STATUSES[c] for c in index.codes], strict=True))
+        ids = [f"{h:016x}{v:016x}" for h, v in zip(index.hi.tolist(), index.lo.tolist(), strict=True)]
+        return dict(zip(ids, [STATUSES[c] for c in index.codes], strict=True))
 
     def stored_index(self) -> StoredIndex:
         """The latest stored status of every run, as sorted NumPy arrays (read from the Parquet columns)."""
@@ -361,42 +362,55 @@ _HEX[np.frombuffer(b"0123456789abcdef", np.uint8)] = np.arange(16, dtype=np.uint
 _HEX[np.frombuffer(b"ABCDEF", np.uint8)] = np.arange(10, 16, dtype=np.uint64)
 
 
-def id_keys(ids: np.ndarray) -> np.ndarray:
-    """The first 16 hex digits of each ``S32`` run id as a ``uint64`` (what lookups sort and search on)."""
-    digits = _HEX[ids.view(np.uint8).reshape(len(ids), 32)[:, :16]]
+def id_keys(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``S32`` run ids (32 hex digits, 128 bits) as two ``uint64`` arrays: the first and last 16 digits."""
+    if not len(ids):
+        return np.empty(0, np.uint64), np.empty(0, np.uint64)
+    digits = _HEX[ids.view(np.uint8).reshape(len(ids), 32)]
     shifts = np.arange(60, -1, -4, dtype=np.uint64)
-    return np.bitwise_or.reduce(digits << shifts, axis=1) if len(ids) else np.empty(0, np.uint64)
+    return (
+        np.bitwise_or.reduce(digits[:, :16] << shifts, axis=1),
+        np.bitwise_or.reduce(digits[:, 16:] << shifts, axis=1),
+    )
 
 
 class StoredIndex(NamedTuple):
-    """Stored runs: ``ids`` (``S32`` run ids), ``codes`` (index into :data:`STATUSES`) and ``keys``
-    (:func:`id_keys` of the ids), all sorted by ``keys``."""
+    """Stored runs: each run id as two ``uint64`` halves (``hi``, ``lo``: 16 bytes, the whole id),
+    sorted, and its status ``codes`` (index into :data:`STATUSES`)."""
 
-    ids: np.ndarray
+    hi: np.ndarray
+    lo: np.ndarray
     codes: np.ndarray
-    keys: np.ndarray
 
     @classmethod
     def build(cls, ids: np.ndarray, codes: np.ndarray) -> StoredIndex:
-        keys = id_keys(ids)
-        order = np.argsort(keys, kind="stable")
-        return cls(ids[order], codes[order], keys[order])
+        hi, lo = id_keys(ids)
+        order = np.lexsort((lo, hi))
+        return cls(hi[order], lo[order], codes[order])
+
+    def __len__(self) -> int:
+        return len(self.hi)
 
     def lookup(self, run_ids: list[str]) -> np.ndarray:
-        """The status code of each of ``run_ids``, -1 where none is stored (exact: whole ids are compared)."""
-        if not len(self.ids):
+        """The status code of each of ``run_ids``, -1 where none is stored (exact: all 128 bits compared)."""
+        if not len(self.hi):
             return np.full(len(run_ids), -1, np.int8)
-        want = np.array(run_ids, dtype="S32")
-        keys = id_keys(want)
-        order = np.argsort(keys)
-        at = np.empty(len(want), np.int64)
-        at[order] = np.searchsorted(self.keys, keys[order])  # sorted needles: a narrowing search
-        out = np.full(len(want), -1, np.int8)
-        for step in (0, 1):  # two stored ids may share their first 64 bits: look at the next one too
-            i = (at + step).clip(max=len(self.ids) - 1)
-            hit = (self.ids[i] == want) & (out < 0)
+        hi, lo = id_keys(np.array(run_ids, dtype="S32"))
+        order = np.lexsort((lo, hi))
+        at = np.empty(len(hi), np.int64)
+        # sorted needles: a narrowing search; then the first stored id >= (hi, lo) among equal highs
+        at[order] = np.searchsorted(self.hi, hi[order])
+        out = np.full(len(hi), -1, np.int8)
+        for step in range(4):  # ids sharing their first 64 bits: look at the next few (2^-64 per pair)
+            i = (at + step).clip(max=len(self.hi) - 1)
+            hit = (self.hi[i] == hi) & (self.lo[i] == lo) & (out < 0)
             out[hit] = self.codes[i[hit]]
         return out
+
+    def ids_with(self, code: int) -> set[str]:
+        """The run ids (hex) stored with status ``code``."""
+        mask = self.codes == code
+        return {f"{h:016x}{v:016x}" for h, v in zip(self.hi[mask].tolist(), self.lo[mask].tolist(), strict=True)}
 
 
 def _fixed_ids(column: pa.ChunkedArray) -> np.ndarray:
