@@ -31,6 +31,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import pickle
 import statistics
 import sys
 import threading
@@ -453,6 +454,16 @@ def _dask_client(n_jobs: int, scheduler: str | None):
     return Client(cluster), cluster
 
 
+def _pack(chunk: tuple[int, list[Run]]) -> bytes:
+    """A chunk as one bytes object: Dask then sends it as it is, instead of walking every run's config
+    for futures to substitute (the walk cost more than the tiny runs themselves)."""
+    return pickle.dumps(chunk, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _run_chunk_packed(study: Study, packed: bytes) -> bytes:
+    return pickle.dumps(run_chunk(study, pickle.loads(packed)), protocol=pickle.HIGHEST_PROTOCOL)
+
+
 def _execute_dask(
     study: Study, runs: Iterator[Run], total: int, client, workers: int, plan: Callable, stall_s: float, write
 ) -> list:
@@ -468,7 +479,7 @@ def _execute_dask(
 
     def submit() -> None:
         while len(in_flight) < 2 * workers and (chunk := planner.take()) is not None:
-            fut = client.submit(run_chunk, study, chunk, key=f"kvfast-{token}-{chunk[0]}", pure=False)
+            fut = client.submit(_run_chunk_packed, study, _pack(chunk), key=f"kvfast-{token}-{chunk[0]}", pure=False)
             in_flight[fut] = chunk
 
     suspects: list[Run] = []
@@ -482,7 +493,7 @@ def _execute_dask(
             index, chunk = in_flight.pop(fut)
             planner.returned(index)
             if fut.status == "finished":
-                write(chunk, fut.result()[1])
+                write(chunk, pickle.loads(fut.result())[1])
             else:  # the worker died (KilledWorker) or the task was lost
                 suspects += chunk
         submit()
