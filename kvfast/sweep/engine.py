@@ -553,7 +553,8 @@ def run_sweep(
     if backend == "fork":
         import multiprocessing
 
-        if "fork" not in multiprocessing.get_all_start_methods():  # Windows: no fork
+        # Linux only: Windows has no fork, and macOS system libraries are not fork-safe
+        if not sys.platform.startswith("linux") or "fork" not in multiprocessing.get_all_start_methods():
             backend = "loky"
     if jobs is None:
         jobs = joblib.cpu_count()
