@@ -5,7 +5,8 @@
 Every measurement runs in a fresh child process (as `kvfast run` would), into a fresh results
 directory, and prints one JSON line; this script prints a Markdown table of:
 
-- wall time with 1 worker and with N workers (median of ``--repeats``), and the speedup;
+- wall time with 1 worker and with N workers (the default backend, fork; median of ``--repeats``),
+  and the speedup;
 - engine overhead: the fraction of wall time not spent inside runs,
   ``1 - (sum of the runs' own wall_s / workers) / wall`` (perfect balance and zero overhead give 0);
 - runs per second;

@@ -124,6 +124,7 @@ def test_identical_results_across_jobs_threading_and_dask(tmp_path, test_study, 
     frames: dict[str, list[pd.DataFrame]] = {}
     variants = [
         ("jobs1", dict(jobs=1)),
+        ("fork2", dict(jobs=2, backend="fork", chunk_size=3)),
         ("loky2", dict(jobs=2, backend="loky")),
         ("loky2-chunk1", dict(jobs=2, backend="loky", chunk_size=1)),
         ("threading2", dict(jobs=2, backend="threading", chunk_size=5)),
@@ -167,7 +168,8 @@ def test_resume_skips_ok_runs_and_extending_a_grid_reuses_them(tmp_path, test_st
     assert fresh.ran == 8 and len(load(out)) == 8
 
 
-def test_error_rows_crash_rows_and_retry_errors(tmp_path, test_study):
+@pytest.mark.parametrize("backend", ["fork", "loky"])
+def test_error_rows_crash_rows_and_retry_errors(tmp_path, test_study, backend):
     # crash and raise configs come after the first run (which runs in this process as warm-up)
     spec = {
         "study": "sweeptest",
@@ -182,7 +184,7 @@ def test_error_rows_crash_rows_and_retry_errors(tmp_path, test_study):
     }
     grid = grid_from_spec(spec)
     out = tmp_path / "e"
-    report = run_sweep(grid, out, jobs=2, quiet=True, chunk_size=3)
+    report = run_sweep(grid, out, jobs=2, quiet=True, chunk_size=3, backend=backend)
     assert not report.ok
     assert report.counts == {"ok": 20, "error": 3, "crashed": 1}
     df = load(out).set_index("x")

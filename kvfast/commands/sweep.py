@@ -47,10 +47,22 @@ def add_parser(sub) -> None:
     p.add_argument("grid", metavar="GRID_OR_TOML", help="a built-in grid name (see `kvfast grids`) or a .toml file")
     p.add_argument("--out", required=True, metavar="DIR", help="results directory (created; resumed if it exists)")
     _exec_options(p)
-    p.add_argument("--backend", default="loky", choices=["loky", "threading", "dask"], help="default: loky")
+    p.add_argument(
+        "--backend",
+        default="fork",
+        choices=["fork", "loky", "threading", "dask"],
+        help="default: fork (processes forked after the warm-up; loky where fork is unavailable)",
+    )
     p.add_argument("--scheduler", metavar="ADDRESS", help="Dask scheduler address (with --backend dask)")
     p.add_argument("--retry-errors", action="store_true", help="also re-run runs stored as error or crashed")
     p.add_argument("--fresh", action="store_true", help="delete stored results in DIR first")
+    p.add_argument(
+        "--max-runs",
+        type=_jobs,
+        default=None,
+        metavar="N",
+        help="refuse a grid of more than N runs, counted from its axes before anything runs (default 10,000,000)",
+    )
     p.add_argument(
         "--stall-timeout",
         type=_positive,
@@ -108,9 +120,9 @@ def cmd_grids(args) -> int:
 
 def cmd_run(args) -> int:
     from kvfast.sweep.engine import run_sweep
-    from kvfast.sweep.grid import load_grid
+    from kvfast.sweep.grid import DEFAULT_MAX_RUNS, load_grid
 
-    grid = load_grid(args.grid)
+    grid = load_grid(args.grid, max_runs=args.max_runs or DEFAULT_MAX_RUNS)
     report = run_sweep(
         grid,
         args.out,
@@ -170,6 +182,14 @@ def cmd_show(args) -> int:
         print("failed runs (first 10):")
         print(_table(bad[["run_id", "status", "error"]].head(10)))
     study = STUDIES.get(name)
+    if study is None and manifest.get("study_ref"):
+        from kvfast.sweep.grid import resolve_study
+
+        try:
+            study = resolve_study(manifest["study_ref"])
+        except ValueError as exc:
+            print(f"(study {name!r}: {exc}; no summary)")
+            return 0
     if study is None:
         print(f"(study {name!r} is not registered in this kvfast; no summary)")
         return 0

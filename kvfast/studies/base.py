@@ -54,3 +54,4 @@ class Study:
     validate_config: Callable[[dict], None]
     summarize: Callable[[pd.DataFrame], pd.DataFrame]
     claims: Callable[[pd.DataFrame], list[Claim]] = field(default=lambda df: [])
+    validate_groups: tuple[tuple[str, ...], ...] | None = None

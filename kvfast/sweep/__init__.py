@@ -9,12 +9,22 @@ does not load the checker and its Numba kernels.
 import importlib
 
 from kvfast.sweep.engine import BACKENDS, SweepReport, run_sweep
-from kvfast.sweep.grid import Grid, Run, builtin_grids, grid_from_configs, grid_from_spec, load_grid
+from kvfast.sweep.grid import (
+    DEFAULT_MAX_RUNS,
+    Grid,
+    Run,
+    builtin_grids,
+    grid_from_configs,
+    grid_from_spec,
+    load_grid,
+    resolve_study,
+)
 from kvfast.sweep.ids import canonical_json, run_id
 from kvfast.sweep.store import MANIFEST, ResultsDir, list_parts, load, schema_for
 
 __all__ = [
     "BACKENDS",
+    "DEFAULT_MAX_RUNS",
     "MANIFEST",
     "Grid",
     "ResultsDir",
@@ -29,6 +39,7 @@ __all__ = [
     "list_parts",
     "load",
     "load_grid",
+    "resolve_study",
     "run_id",
     "run_inline",
     "run_sweep",

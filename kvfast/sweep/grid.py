@@ -1,8 +1,8 @@
-"""Grids: a study plus axes, read from TOML, expanded and validated before any run.
+"""Grids: a study plus axes, read from TOML, validated before any run, expanded lazily.
 
 The TOML form (see ``docs/sweep.md``)::
 
-    study = "exactness"          # a registered study (kvfast.studies.STUDIES)
+    study = "exactness"          # a registered study, or "package.module:STUDY"
     description = "..."          # optional
 
     [fixed]                      # one value per key, in every run
@@ -25,27 +25,46 @@ union entries); a config that occurs twice (same run id) is kept once, at its
 first position. Every config must set exactly the study's ``config_fields``;
 its values are checked by the study's ``validate_config`` and against the column
 types, all before any run starts. Nothing is evaluated: ``tomllib`` only.
+
+Planning scales with the axes, not with the runs: each axis value is coerced,
+type-checked and turned into its canonical JSON piece once; the study's
+``validate_config`` runs once per distinct value of each of its validation
+groups (``Study.validate_groups``), not once per run; the run count is a
+product of axis lengths; and runs (ids and configs) are generated on demand by
+:meth:`Grid.iter_runs` / :meth:`Grid.iter_ids`, so memory does not grow with
+the grid. A run id is the same text :func:`kvfast.sweep.ids.run_id` hashes,
+assembled from the per-axis pieces by one ``str.format`` per run.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib
 import itertools
+import json
+import math
+import os
+import sys
 import tomllib
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import pyarrow as pa
 
-from kvfast.sweep.ids import canonical, run_id, spec_hash
+from kvfast.sweep.ids import canonical, spec_hash
 
 if TYPE_CHECKING:
     from kvfast.studies.base import Study
 
 TOP_KEYS = ("study", "description", "fixed", "axes", "tied", "union")
 SUB_KEYS = ("description", "fixed", "axes", "tied")
+ENTRY_POINT_GROUP = "kvfast.studies"
+DEFAULT_MAX_RUNS = 10_000_000
+_OVERLAP_CHECK_MAX = 64  # union entries compared pairwise for overlap; above this, every id is checked
 
 
 class Run(NamedTuple):
@@ -55,20 +74,87 @@ class Run(NamedTuple):
     config: dict
 
 
+class _Factor(NamedTuple):
+    """One factor of a (sub-)grid: the keys it sets and its distinct rows of values.
+
+    ``rows[i]`` are the canonical, column-coerced values of ``keys``; ``pieces[i]``
+    their canonical JSON pieces (``"key":value``), in the same order.
+    """
+
+    keys: tuple[str, ...]
+    rows: tuple[tuple, ...]
+    pieces: tuple[tuple[str, ...], ...]
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One union entry (or the whole grid without ``[[union]]``): factors covering every config field."""
+
+    where: str
+    factors: tuple[_Factor, ...]
+    base: dict  # every config field, in field order; the values of single-row factors
+    varying: tuple[_Factor, ...]  # factors with more than one row, in expansion order
+    template: str  # str.format template of the canonical id text; {i[k]}: piece k of varying factor i
+
+    @property
+    def size(self) -> int:
+        return math.prod(len(f.rows) for f in self.varying)
+
+    def ids(self) -> Iterator[str]:
+        fmt = self.template.format
+        blake = hashlib.blake2b
+        for combo in itertools.product(*(f.pieces for f in self.varying)):
+            yield blake(fmt(*combo).encode(), digest_size=16).hexdigest()
+
+    def runs(self, select: Iterator[bool] | None = None, seen: set[str] | None = None) -> Iterator[Run]:
+        """The entry's runs; with ``select``, only those whose next flag is true (no id computed for the others).
+
+        With ``seen`` (ids of runs generated before), runs already seen are skipped and
+        consume no flag; new ones are added to it.
+        """
+        fmt = self.template.format
+        blake = hashlib.blake2b
+        keys = [f.keys for f in self.varying]
+        base = self.base
+        pairs = [tuple(zip(f.rows, f.pieces, strict=True)) for f in self.varying]
+        for combo in itertools.product(*pairs):
+            if seen is None:
+                if select is not None and not next(select):
+                    continue
+                rid = blake(fmt(*(pieces for _, pieces in combo)).encode(), digest_size=16).hexdigest()
+            else:
+                rid = blake(fmt(*(pieces for _, pieces in combo)).encode(), digest_size=16).hexdigest()
+                if rid in seen:
+                    continue
+                seen.add(rid)
+                if select is not None and not next(select):
+                    continue
+            config = base.copy()
+            for k, (row, _) in zip(keys, combo, strict=True):
+                config.update(zip(k, row, strict=True))
+            yield Run(rid, config)
+
+
 @dataclass(frozen=True)
 class Grid:
-    """An expanded, validated grid.
+    """A validated grid, expanded on demand.
 
     ``name``: the built-in grid's name or the TOML file's stem; ``source``: where it
-    was read from; ``spec``: the parsed TOML; ``runs``: every run, in expansion order,
-    no run id twice.
+    was read from; ``spec``: the parsed TOML; ``study``: the study it runs;
+    ``study_ref``: how the grid named it (a registered name, ``module:ATTR`` or an
+    entry point's name). ``len(grid)``: its runs (no run id twice).
+    :meth:`iter_runs` / :meth:`iter_ids` generate them in expansion order;
+    ``runs`` materialises them (small grids, tests).
     """
 
     name: str
     source: str
     spec: dict
     study: Study
-    runs: tuple[Run, ...]
+    entries: tuple[_Entry, ...] = field(repr=False)
+    overlapping: frozenset[int] = field(repr=False)  # entries whose runs may repeat another entry's
+    size: int = 0
+    study_ref: str = ""
 
     @property
     def spec_hash(self) -> str:
@@ -76,12 +162,40 @@ class Grid:
         return spec_hash(self.spec)
 
     def __len__(self) -> int:
-        return len(self.runs)
+        return self.size
+
+    def iter_ids(self) -> Iterator[str]:
+        """Every run id, in expansion order, each once."""
+        seen: set[str] = set()
+        for i, entry in enumerate(self.entries):
+            if i not in self.overlapping:
+                yield from entry.ids()
+                continue
+            for rid in entry.ids():
+                if rid not in seen:
+                    seen.add(rid)
+                    yield rid
+
+    def iter_runs(self, select: Iterable[bool] | None = None) -> Iterator[Run]:
+        """Every run (id and a fresh config dict), in expansion order, each once.
+
+        ``select``: one flag per run (in the order of :meth:`iter_ids`); only runs flagged
+        true are generated, and no id or config is built for the others.
+        """
+        flags = iter(select) if select is not None else None
+        seen: set[str] = set()
+        for i, entry in enumerate(self.entries):
+            yield from entry.runs(flags, seen if i in self.overlapping else None)
+
+    @functools.cached_property
+    def runs(self) -> tuple[Run, ...]:
+        """Every run, materialised (for small grids; sweeps use :meth:`iter_runs`)."""
+        return tuple(self.iter_runs())
 
     @property
     def configs(self) -> list[dict]:
         """Every run's config (a fresh dict each), in expansion order."""
-        return [dict(r.config) for r in self.runs]
+        return [run.config for run in self.iter_runs()]
 
 
 def grids_dir() -> Path:
@@ -109,8 +223,8 @@ def resolve(name_or_path: str) -> Path:
     raise ValueError(f"grid: {name_or_path!r} is not a built-in grid; allowed: {allowed}, or a path to a .toml file")
 
 
-def load_grid(name_or_path: str) -> Grid:
-    """Read, expand and validate a built-in grid or a grid TOML file (``ValueError`` on any problem)."""
+def load_grid(name_or_path: str, max_runs: int = DEFAULT_MAX_RUNS) -> Grid:
+    """Read and validate a built-in grid or a grid TOML file (``ValueError`` on any problem)."""
     path = resolve(name_or_path)
     try:
         with open(path, "rb") as fh:
@@ -119,11 +233,53 @@ def load_grid(name_or_path: str) -> Grid:
         raise ValueError(f"{path}: TOML syntax error: {exc}") from None
     except OSError as exc:
         raise ValueError(f"{path}: cannot read: {exc.strerror}") from None
-    return grid_from_spec(spec, name=path.stem, source=str(path))
+    return grid_from_spec(spec, name=path.stem, source=str(path), max_runs=max_runs)
 
 
-def _level(table: Any, where: str, allowed: tuple[str, ...]) -> tuple[list[str], list[list[dict]]]:
-    """The keys a (sub-)grid sets and its factors: lists of partial configs to cross."""
+def _entry_point_studies() -> dict:
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def resolve_study(ref: Any) -> Study:
+    """The study a grid's ``study`` names: a registered name (``kvfast.studies.STUDIES``), a name
+    registered by an installed package in the ``kvfast.studies`` entry-point group, or
+    ``"package.module:ATTR"`` (a :class:`~kvfast.studies.base.Study` object). ``ValueError`` otherwise."""
+    from kvfast.studies import STUDIES
+    from kvfast.studies.base import Study
+
+    if isinstance(ref, str) and ref in STUDIES:
+        return STUDIES[ref]
+    allowed = f"{', '.join(sorted(STUDIES))}, an entry point of group {ENTRY_POINT_GROUP!r}, or 'package.module:STUDY'"
+    if not isinstance(ref, str) or not ref:
+        raise ValueError(f"study: {ref!r} is not allowed; allowed: {allowed}")
+    if ":" in ref:
+        module_name, _, attr = ref.partition(":")
+        if os.getcwd() not in sys.path:  # as `python -m` would: modules of the working directory
+            sys.path.insert(0, os.getcwd())
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as exc:  # noqa: BLE001 - any import failure is the user's study's problem
+            raise ValueError(f"study: {ref!r} cannot be imported ({type(exc).__name__}: {exc})") from None
+        study = module
+        for part in attr.split("."):
+            study = getattr(study, part, None)
+    else:
+        ep = _entry_point_studies().get(ref)
+        if ep is None:
+            raise ValueError(f"study: {ref!r} is not allowed; allowed: {allowed}")
+        try:
+            study = ep.load()
+        except Exception as exc:  # noqa: BLE001
+            raise ValueError(f"study: {ref!r} (entry point {ep.value}) cannot be loaded ({exc})") from None
+    if not isinstance(study, Study):
+        raise ValueError(f"study: {ref!r} is {type(study).__name__}, not allowed; allowed: a kvfast Study object")
+    return study
+
+
+def _level(table: Any, where: str, allowed: tuple[str, ...]) -> tuple[list[str], list[tuple[tuple, list[tuple]]]]:
+    """The keys a (sub-)grid sets and its factors: ``(keys, rows of canonical values)`` to cross."""
     if not isinstance(table, dict):
         raise ValueError(f"{where}: {table!r} is not a table")
     for key in table:
@@ -136,13 +292,13 @@ def _level(table: Any, where: str, allowed: tuple[str, ...]) -> tuple[list[str],
             raise ValueError(f"{where}: key {key!r} is set twice, in {seen[key]} and in {section}")
         seen[key] = section
 
-    factors: list[list[dict]] = []
+    factors: list[tuple[tuple, list[tuple]]] = []
     fixed = table.get("fixed", {})
     if not isinstance(fixed, dict):
         raise ValueError(f"{where}fixed: {fixed!r} is not a table")
     for key, value in fixed.items():
         claim(key, "[fixed]")
-        factors.append([{key: canonical(value, f"fixed.{key}")}])
+        factors.append(((key,), [(canonical(value, f"fixed.{key}"),)]))
     axes = table.get("axes", {})
     if not isinstance(axes, dict):
         raise ValueError(f"{where}axes: {axes!r} is not a table")
@@ -152,7 +308,7 @@ def _level(table: Any, where: str, allowed: tuple[str, ...]) -> tuple[list[str],
             raise ValueError(f"axes.{key}: {values!r} is not an array; allowed: an array of values, e.g. [{values!r}]")
         if not values:
             raise ValueError(f"axes.{key}: [] is empty; allowed: an array of at least one value")
-        factors.append([{key: canonical(v, f"axes.{key}")} for v in values])
+        factors.append(((key,), [(canonical(v, f"axes.{key}"),) for v in values]))
     tied = table.get("tied", [])
     if not isinstance(tied, list):
         raise ValueError(f"{where}tied: {tied!r} is not an array of tables; write [[tied]]")
@@ -168,20 +324,12 @@ def _level(table: Any, where: str, allowed: tuple[str, ...]) -> tuple[list[str],
         if len(set(lengths.values())) > 1:
             sizes = ", ".join(f"{k}={n}" for k, n in lengths.items())
             raise ValueError(f"tied[{i}]: arrays have different lengths ({sizes}); allowed: equal lengths")
-        keys = list(group)
+        keys = tuple(group)
         rows = zip(*(group[k] for k in keys), strict=True)
-        factors.append([{k: canonical(v, f"tied.{k}") for k, v in zip(keys, row, strict=True)} for row in rows])
+        factors.append(
+            (keys, [tuple(canonical(v, f"tied.{k}") for k, v in zip(keys, row, strict=True)) for row in rows])
+        )
     return list(seen), factors
-
-
-def _expand(factors: list[list[dict]]) -> list[dict]:
-    out = []
-    for combo in itertools.product(*factors):
-        config: dict = {}
-        for part in combo:
-            config.update(part)
-        out.append(config)
-    return out
 
 
 def _coerce(value: Any, typ: pa.DataType) -> Any:
@@ -193,18 +341,118 @@ def _coerce(value: Any, typ: pa.DataType) -> Any:
     return value
 
 
-def grid_from_spec(spec: dict, name: str = "<grid>", source: str = "<spec>") -> Grid:
-    """Expand and validate a parsed grid spec (the TOML as a dict). ``ValueError`` names the problem."""
-    from kvfast.studies import STUDIES
+def _piece(key: str, value: Any) -> str:
+    """The canonical JSON text of one config entry, as :func:`kvfast.sweep.ids.canonical_json` writes it."""
+    return json.dumps(key) + ":" + json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=True)
 
+
+def _factor(keys: tuple, rows: list[tuple], fields: dict[str, pa.DataType], cache: dict) -> _Factor:
+    """Coerce, type-check and de-duplicate one factor's rows (each distinct value once per field)."""
+    out_rows: list[tuple] = []
+    out_pieces: list[tuple] = []
+    seen: set[tuple] = set()
+    for row in rows:
+        values, pieces = [], []
+        for key, value in zip(keys, row, strict=True):
+            token = (key, json.dumps(value, sort_keys=True, allow_nan=True), type(value).__name__)
+            hit = cache.get(token)
+            if hit is None:
+                coerced = _coerce(value, fields[key])
+                hit = cache[token] = (coerced, _piece(key, coerced))
+            values.append(hit[0])
+            pieces.append(hit[1])
+        pieces_t = tuple(pieces)
+        if pieces_t not in seen:
+            seen.add(pieces_t)
+            out_rows.append(tuple(values))
+            out_pieces.append(pieces_t)
+    return _Factor(tuple(keys), tuple(out_rows), tuple(out_pieces))
+
+
+def _template(study: Study, fields: dict, factors: list[_Factor], varying: list[_Factor]) -> str:
+    """The ``str.format`` template of ``{"config":{...},"study":NAME,"version":V}`` with sorted keys."""
+
+    def escape(text: str) -> str:
+        return text.replace("{", "{{").replace("}", "}}")
+
+    where: dict[str, str] = {}
+    for f in factors:
+        i = next((j for j, v in enumerate(varying) if v is f), None)
+        for k, key in enumerate(f.keys):
+            where[key] = escape(f.pieces[0][k]) if i is None else f"{{{i}[{k}]}}"
+    config = ",".join(where[key] for key in sorted(fields))
+    tail = escape(f',"study":{json.dumps(study.name)},"version":{json.dumps(study.version)}}}')
+    return "{{" + escape('"config":{') + config + "}}" + tail
+
+
+def _validate_entry(study: Study, name: str, entry: _Entry, groups: list[tuple[str, ...]], done: set) -> None:
+    """Run ``validate_config`` once per distinct value of each validation group (see ``Study.validate_groups``).
+
+    The group's values are set into the entry's first config (itself validated
+    first), so a failure names the group's field and value.
+    """
+
+    def check(config: dict) -> None:
+        token = tuple(map(repr, config.values()))
+        if token in done:
+            return
+        try:
+            study.validate_config(dict(config))
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+        done.add(token)
+
+    reference = dict(entry.base)
+    for f in entry.varying:
+        reference.update(zip(f.keys, f.rows[0], strict=True))
+    check(reference)
+    owner = {key: f for f in entry.varying for key in f.keys}
+    for group in groups:
+        involved = []
+        for key in group:
+            f = owner.get(key)
+            if f is not None and all(f is not g for g in involved):
+                involved.append(f)
+        if not involved:
+            continue
+        for combo in itertools.product(*(f.rows for f in involved)):
+            config = dict(reference)
+            for f, row in zip(involved, combo, strict=True):
+                config.update((k, v) for k, v in zip(f.keys, row, strict=True) if k in group)
+            check(config)
+
+
+def _may_overlap(a: _Entry, b: _Entry) -> bool:
+    """False when no run of ``a`` can equal a run of ``b`` (some field's value sets are disjoint)."""
+
+    def values(entry: _Entry) -> dict[str, set[str]]:
+        out: dict[str, set[str]] = {}
+        for f in entry.factors:
+            for k, key in enumerate(f.keys):
+                out[key] = {p[k] for p in f.pieces}
+        return out
+
+    va, vb = values(a), values(b)
+    return all(va[key] & vb[key] for key in va)
+
+
+def grid_from_spec(spec: dict, name: str = "<grid>", source: str = "<spec>", max_runs: int = DEFAULT_MAX_RUNS) -> Grid:
+    """Validate a parsed grid spec (the TOML as a dict) and plan its runs. ``ValueError`` names the problem.
+
+    A grid of more than ``max_runs`` runs (counted from its axes, before anything
+    is expanded) is refused.
+    """
     if not isinstance(spec, dict):
         raise ValueError(f"{name}: the grid is not a table")
-    study_name = spec.get("study")
-    if study_name is None:
-        raise ValueError(f"{name}: study: missing; allowed: {', '.join(sorted(STUDIES))}")
-    if not isinstance(study_name, str) or study_name not in STUDIES:
-        raise ValueError(f"{name}: study: {study_name!r} is not allowed; allowed: {', '.join(sorted(STUDIES))}")
-    study = STUDIES[study_name]
+    study_ref = spec.get("study")
+    if study_ref is None:
+        from kvfast.studies import STUDIES
+
+        raise ValueError(f"{name}: study: missing; allowed: {', '.join(sorted(STUDIES))}, or 'package.module:STUDY'")
+    try:
+        study = resolve_study(study_ref)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
     try:
         top_keys, top_factors = _level(spec, "", TOP_KEYS)
     except ValueError as exc:
@@ -213,7 +461,7 @@ def grid_from_spec(spec: dict, name: str = "<grid>", source: str = "<spec>") -> 
     union = spec.get("union", [{}]) or [{}]
     if not isinstance(union, list):
         raise ValueError(f"{name}: union: {union!r} is not an array of tables; write [[union]]")
-    configs: list[dict] = []
+    raw_entries: list[tuple[str, list]] = []
     key_sets: list[tuple[str, set[str]]] = []
     for i, sub in enumerate(union):
         where = f"union[{i}]." if "union" in spec else ""
@@ -224,7 +472,7 @@ def grid_from_spec(spec: dict, name: str = "<grid>", source: str = "<spec>") -> 
         # sub-grid keys replace top-level keys of the same name
         kept = [f for f in top_factors if not (set(f[0]) & set(sub_keys))]
         key_sets.append((where or "grid", set(top_keys) | set(sub_keys)))
-        configs.extend(_expand(kept + sub_factors))
+        raw_entries.append((where or "grid", kept + sub_factors))
     fields = study.config_fields
     for where, keys in key_sets:
         unknown = sorted(keys - set(fields))
@@ -239,19 +487,77 @@ def grid_from_spec(spec: dict, name: str = "<grid>", source: str = "<spec>") -> 
                 f"{name}: {missing[0]}: missing from the grid ({where}); set it in [fixed] or [axes]; "
                 f"study {study.name!r} needs: {', '.join(fields)}"
             )
-    runs: dict[str, Run] = {}
-    for config in configs:
-        config = {f: _coerce(config[f], t) for f, t in fields.items()}
-        try:
-            study.validate_config(config)
-        except ValueError as exc:
-            raise ValueError(f"{name}: {exc}") from None
-        rid = run_id(study.name, study.version, config)
-        if rid not in runs:
-            runs[rid] = Run(rid, config)
-    for f, t in fields.items():
-        _validate_column(name, f, t, [r.config[f] for r in runs.values()])
-    return Grid(name=name, source=source, spec=canonical(spec), study=study, runs=tuple(runs.values()))
+    if isinstance(max_runs, bool) or not isinstance(max_runs, int) or max_runs < 1:
+        raise ValueError(f"--max-runs: {max_runs!r} is not allowed; allowed: an integer >= 1")
+    raw = sum(math.prod(len(rows) for _, rows in factors) for _, factors in raw_entries)
+    if raw > max_runs:
+        raise ValueError(
+            f"{name}: {raw:,} runs is not allowed; allowed: at most {max_runs:,} runs "
+            "(raise the limit with --max-runs N, or max_runs=N)"
+        )
+    cache: dict = {}
+    entries = []
+    for where, raw_factors in raw_entries:
+        factors = [_factor(keys, rows, fields, cache) for keys, rows in raw_factors]
+        varying = [f for f in factors if len(f.rows) > 1]
+        base = dict.fromkeys(fields)
+        for f in factors:
+            if len(f.rows) == 1:
+                base.update(zip(f.keys, f.rows[0], strict=True))
+        entries.append(_Entry(where, tuple(factors), base, tuple(varying), _template(study, fields, factors, varying)))
+    groups = _validation_groups(study)
+    done: set = set()
+    for entry in entries:
+        _validate_entry(study, name, entry, groups, done)
+    for f_name, typ in fields.items():  # column types: each distinct value of each field once
+        distinct: dict[str, Any] = {}
+        for entry in entries:
+            for f in entry.factors:
+                if f_name in f.keys:
+                    k = f.keys.index(f_name)
+                    for row, pieces in zip(f.rows, f.pieces, strict=True):
+                        distinct.setdefault(pieces[k], row[k])
+        _validate_column(name, f_name, typ, list(distinct.values()))
+    overlapping: set[int] = set()
+    if len(entries) > _OVERLAP_CHECK_MAX:
+        overlapping = set(range(len(entries)))
+    else:
+        for i, j in itertools.combinations(range(len(entries)), 2):
+            if _may_overlap(entries[i], entries[j]):
+                overlapping |= {i, j}
+    grid = Grid(
+        name=name,
+        source=source,
+        spec=canonical(spec),
+        study=study,
+        entries=tuple(entries),
+        overlapping=frozenset(overlapping),
+        study_ref=study_ref,
+    )
+    size = sum(e.size for i, e in enumerate(entries) if i not in overlapping)
+    if overlapping:
+        size += sum(1 for _ in _overlap_ids(grid))
+    object.__setattr__(grid, "size", size)
+    return grid
+
+
+def _overlap_ids(grid: Grid) -> Iterator[str]:
+    seen: set[str] = set()
+    for i in sorted(grid.overlapping):
+        for rid in grid.entries[i].ids():
+            if rid not in seen:
+                seen.add(rid)
+                yield rid
+
+
+def _validation_groups(study: Study) -> list[tuple[str, ...]]:
+    """The study's validation groups: its declared groups plus every other field alone; or all fields at once."""
+    declared = getattr(study, "validate_groups", None)
+    fields = list(study.config_fields)
+    if declared is None:
+        return [tuple(fields)]
+    named = {key for group in declared for key in group}
+    return [tuple(g) for g in declared] + [(key,) for key in fields if key not in named]
 
 
 def grid_from_configs(study: str, configs: Iterable[dict], name: str = "<configs>") -> Grid:

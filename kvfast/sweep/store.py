@@ -13,7 +13,18 @@ Layout of ``DIR``:
 
 A run stored twice (a retried error, say) is resolved by :func:`load`: the row
 in the highest-numbered part wins. At the end of a sweep the parts are
-compacted into one (latest row per run, sorted by run id).
+compacted: into one part (latest row per run, sorted by run id) up to
+:data:`COMPACT_ROWS` rows; above that, small parts are merged, in write order,
+into parts of about :data:`PART_ROWS` rows (reading everything at once would
+need memory that grows with the grid).
+
+Sizes: a part holds up to :data:`PART_ROWS` (1,048,576) rows in row groups of
+:data:`ROW_GROUP_ROWS` (131,072). A 10^6-row sweep is one file of 8 row groups,
+a 10^7-row one about ten files: few enough files that listing and opening them
+costs nothing next to reading them, row groups large enough that per-group
+overhead is small and small enough that pyarrow, DuckDB and Polars read a file
+with several threads and skip groups by their min/max statistics (a compacted
+part is sorted by ``run_id``, so a lookup by id reads one group).
 """
 
 from __future__ import annotations
@@ -28,10 +39,12 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 if TYPE_CHECKING:
@@ -44,6 +57,9 @@ WARMUP = ".warmup"
 FORMAT = "kvfast-results-1"
 PART_RE = re.compile(r"^part-(\d{8})-([0-9a-f]{8})\.parquet$")
 STATUSES = ("ok", "error", "crashed")
+PART_ROWS = 1 << 20
+ROW_GROUP_ROWS = 1 << 17
+COMPACT_ROWS = 2 * PART_ROWS
 BOOKKEEPING: dict[str, pa.DataType] = {
     "status": pa.string(),
     "error": pa.string(),
@@ -201,11 +217,22 @@ class ResultsDir:
 
     def stored_status(self) -> dict[str, str]:
         """run_id -> status of its latest stored row."""
-        status: dict[str, str] = {}
-        for part in self.parts():
-            t = pq.read_table(part, columns=["run_id", "status"])
-            status.update(zip(t.column("run_id").to_pylist(), t.column("status").to_pylist(), strict=True))
-        return status
+        index = self.stored_index()
+        ids = [f"{h:016x}{v:016x}" for h, v in zip(index.hi.tolist(), index.lo.tolist(), strict=True)]
+        return dict(zip(ids, [STATUSES[c] for c in index.codes], strict=True))
+
+    def stored_index(self) -> StoredIndex:
+        """The latest stored status of every run, as sorted NumPy arrays (read from the Parquet columns)."""
+        parts = self.parts()
+        if not parts:
+            return StoredIndex.build(np.empty(0, "S32"), np.empty(0, np.int8))
+        tables = [pq.read_table(p, columns=["run_id", "status"]) for p in parts]
+        table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+        if len(tables) > 1 or not _sorted_unique(table.column("run_id")):
+            table = _latest(table)
+        ids = _fixed_ids(table.column("run_id"))
+        codes = pc.index_in(table.column("status"), value_set=pa.array(STATUSES)).fill_null(len(STATUSES) - 1)
+        return StoredIndex.build(ids, codes.to_numpy().astype(np.int8))
 
     # -- writing (call these only while holding the lock) --------------------------------
 
@@ -253,13 +280,16 @@ class ResultsDir:
         seqs = [int(m.group(1)) for p in self.path.iterdir() if (m := PART_RE.match(p.name))]
         return max(seqs, default=0) + 1
 
-    def write_part(self, table: pa.Table) -> Path:
-        """Write one part: a hidden temporary name, then an atomic rename."""
+    def write_part(self, table: pa.Table | list[pa.Table]) -> Path:
+        """Write one part (a table, or tables of one schema): a hidden temporary name, then an atomic rename."""
+        tables = table if isinstance(table, list) else [table]
         seq = self._next_seq()
         name = f"part-{seq:08d}-{secrets.token_hex(4)}.parquet"
         tmp = self.path / f".{name}.tmp"
         try:
-            pq.write_table(table, tmp)
+            with pq.ParquetWriter(tmp, tables[0].schema) as writer:
+                for t in tables:
+                    writer.write_table(t, row_group_size=ROW_GROUP_ROWS)
         except BaseException:  # an interrupt mid-write leaves no temporary behind
             tmp.unlink(missing_ok=True)
             raise
@@ -268,13 +298,39 @@ class ResultsDir:
         return final
 
     def compact(self, schema: pa.Schema) -> None:
-        """Replace all parts by one (latest row per run, sorted by run id). Safe to interrupt."""
+        """Few parts from many. Safe to interrupt (a part is deleted only once its rows are in a newer one).
+
+        Up to :data:`COMPACT_ROWS` rows in all: one part, the latest row per run, sorted
+        by run id. Above: parts smaller than :data:`PART_ROWS` are merged in write order
+        into parts of about that size (a run stored twice keeps both rows; the later
+        part's wins in :func:`load`).
+        """
         parts = self.parts()
         if len(parts) <= 1:
             return
-        table = read_parts(parts, schema)
-        self.write_part(table)
-        for p in parts:
+        rows = [pq.ParquetFile(p).metadata.num_rows for p in parts]
+        if sum(rows) <= COMPACT_ROWS:
+            table = read_parts(parts, schema)
+            self.write_part(table)
+            for p in parts:
+                p.unlink()
+            return
+        big = [i for i, n in enumerate(rows) if n >= PART_ROWS]
+        start = big[-1] + 1 if big else 0  # only parts newer than every big one: merging never reorders rows
+        group: list[Path] = []
+        count = 0
+        for part, n in zip(parts[start:], rows[start:], strict=True):
+            group.append(part)
+            count += n
+            if count >= PART_ROWS:
+                self._merge(group, schema)
+                group, count = [], 0
+        if len(group) > 1:
+            self._merge(group, schema)
+
+    def _merge(self, group: list[Path], schema: pa.Schema) -> None:
+        self.write_part([pq.read_table(p, schema=schema) for p in group])
+        for p in group:
             p.unlink()
 
     def write_manifest(self, manifest: dict) -> None:
@@ -301,14 +357,102 @@ def new_manifest(study: Study, old: dict | None) -> dict:
     }
 
 
+_HEX = np.zeros(256, np.uint64)
+_HEX[np.frombuffer(b"0123456789abcdef", np.uint8)] = np.arange(16, dtype=np.uint64)
+_HEX[np.frombuffer(b"ABCDEF", np.uint8)] = np.arange(10, 16, dtype=np.uint64)
+
+
+def id_keys(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``S32`` run ids (32 hex digits, 128 bits) as two ``uint64`` arrays: the first and last 16 digits."""
+    if not len(ids):
+        return np.empty(0, np.uint64), np.empty(0, np.uint64)
+    digits = _HEX[ids.view(np.uint8).reshape(len(ids), 32)]
+    shifts = np.arange(60, -1, -4, dtype=np.uint64)
+    return (
+        np.bitwise_or.reduce(digits[:, :16] << shifts, axis=1),
+        np.bitwise_or.reduce(digits[:, 16:] << shifts, axis=1),
+    )
+
+
+class StoredIndex(NamedTuple):
+    """Stored runs: each run id as two ``uint64`` halves (``hi``, ``lo``: 16 bytes, the whole id),
+    sorted, and its status ``codes`` (index into :data:`STATUSES`)."""
+
+    hi: np.ndarray
+    lo: np.ndarray
+    codes: np.ndarray
+
+    @classmethod
+    def build(cls, ids: np.ndarray, codes: np.ndarray) -> StoredIndex:
+        hi, lo = id_keys(ids)
+        order = np.lexsort((lo, hi))
+        return cls(hi[order], lo[order], codes[order])
+
+    def __len__(self) -> int:
+        return len(self.hi)
+
+    def lookup(self, run_ids: list[str]) -> np.ndarray:
+        """The status code of each of ``run_ids``, -1 where none is stored (exact: all 128 bits compared)."""
+        if not len(self.hi):
+            return np.full(len(run_ids), -1, np.int8)
+        hi, lo = id_keys(np.array(run_ids, dtype="S32"))
+        order = np.lexsort((lo, hi))
+        at = np.empty(len(hi), np.int64)
+        # sorted needles: a narrowing search; then the first stored id >= (hi, lo) among equal highs
+        at[order] = np.searchsorted(self.hi, hi[order])
+        out = np.full(len(hi), -1, np.int8)
+        for step in range(4):  # ids sharing their first 64 bits: look at the next few (2^-64 per pair)
+            i = (at + step).clip(max=len(self.hi) - 1)
+            hit = (self.hi[i] == hi) & (self.lo[i] == lo) & (out < 0)
+            out[hit] = self.codes[i[hit]]
+        return out
+
+    def ids_with(self, code: int) -> set[str]:
+        """The run ids (hex) stored with status ``code``."""
+        mask = self.codes == code
+        return {f"{h:016x}{v:016x}" for h, v in zip(self.hi[mask].tolist(), self.lo[mask].tolist(), strict=True)}
+
+
+def _fixed_ids(column: pa.ChunkedArray) -> np.ndarray:
+    """A column of 32-character run ids as a NumPy ``S32`` array (from the Arrow buffers, no Python strings)."""
+    out = []
+    for chunk in column.chunks:
+        binary = pc.cast(chunk, pa.binary())
+        offsets = np.frombuffer(binary.buffers()[1], np.int32)[binary.offset : binary.offset + len(binary) + 1]
+        if len(binary) and (binary.null_count or not (np.diff(offsets) == 32).all()):
+            out.append(np.array(chunk.to_pylist(), dtype="S32"))  # not kvfast's ids: the slow way
+            continue
+        data = binary.buffers()[2]
+        start = int(offsets[0]) if len(offsets) else 0
+        out.append(
+            np.frombuffer(data, dtype="S32", count=len(binary), offset=start) if len(binary) else np.empty(0, "S32")
+        )
+    return np.concatenate(out) if out else np.empty(0, "S32")
+
+
+def _sorted_unique(ids: pa.ChunkedArray) -> bool:
+    """True when ``ids`` are strictly increasing (a compacted part)."""
+    if len(ids) < 2:
+        return True
+    arr = _fixed_ids(ids)
+    return bool((arr[1:] > arr[:-1]).all())
+
+
+def _latest(table: pa.Table) -> pa.Table:
+    """The latest row per run of ``table`` (rows in write order), sorted by run id."""
+    n = table.num_rows
+    order = pa.table({"run_id": table.column("run_id"), "_i": pa.array(np.arange(n, dtype=np.int64))})
+    last = order.group_by("run_id", use_threads=False).aggregate([("_i", "max")]).sort_by("run_id")
+    return table.take(last.column("_i_max"))
+
+
 def read_parts(parts: list[Path], schema: pa.Schema | None = None) -> pa.Table:
     """The latest row per run over ``parts`` (oldest first), sorted by run id."""
     tables = [pq.read_table(p, schema=schema) if schema is not None else pq.read_table(p) for p in parts]
     table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
-    n = table.num_rows
-    order = pa.table({"run_id": table.column("run_id"), "_i": pa.array(range(n), pa.int64())})
-    last = order.group_by("run_id").aggregate([("_i", "max")]).sort_by("run_id")
-    return table.take(last.column("_i_max"))
+    if len(tables) == 1 and _sorted_unique(table.column("run_id")):
+        return table  # a compacted part: already one row per run, sorted
+    return _latest(table)
 
 
 def load(path: str | os.PathLike) -> pd.DataFrame:
@@ -326,9 +470,13 @@ def load(path: str | os.PathLike) -> pd.DataFrame:
     parts = list_parts(p)
     if not parts:
         from kvfast.studies import STUDIES
+        from kvfast.sweep.grid import resolve_study
 
-        manifest = ResultsDir(p).manifest()
-        study = STUDIES.get((manifest or {}).get("study", ""))
+        manifest = ResultsDir(p).manifest() or {}
+        study = STUDIES.get(manifest.get("study", ""))
+        if study is None and manifest.get("study_ref"):
+            with contextlib.suppress(ValueError):
+                study = resolve_study(manifest["study_ref"])
         if study is None:
             raise ValueError(f"{str(p)!r}: no results (no part-*.parquet files)")
         return schema_for(study).empty_table().to_pandas()
