@@ -14,6 +14,7 @@ import pytest
 
 from kvfast.model.bugs import BUGS, VISIBLE_AT_STEP_1
 from kvfast.studies import STUDIES, bugs, detector, exactness, gradcheck, invariance, neartied, precision, training
+from kvfast.studies import check as check_study
 from kvfast.studies.criteria import DIRECTION, KINDS, judged, mcnemar_exact_p
 
 # --- holding tables ----------------------------------------------------------------------------------------------
@@ -198,7 +199,16 @@ def gradcheck_table() -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def check_table() -> pd.DataFrame:
+    rows = []
+    for bug in ("none", "posoff", "freeze"):
+        for mode in ("exact", "control"):
+            rows.append({"run_id": f"{bug}-{mode}", "status": "ok", "bug": bug, "mode": mode, "passed": bug == "none"})
+    return pd.DataFrame(rows)
+
+
 HOLDING = {
+    "check": check_table,
     "exactness": exactness_table,
     "invariance": invariance_table,
     "bugs": bugs_table,
@@ -209,6 +219,7 @@ HOLDING = {
     "gradcheck": gradcheck_table,
 }
 MODULES = {
+    "check": check_study,
     "exactness": exactness,
     "invariance": invariance,
     "bugs": bugs,
@@ -232,6 +243,10 @@ def _first(df: pd.DataFrame, mask) -> pd.Series:
     m = np.zeros(len(df), dtype=bool)
     m[np.nonzero(np.asarray(mask))[0][0]] = True
     return pd.Series(m, index=df.index)
+
+
+def _bugged_exact(df):
+    return (df["bug"] != "none") & (df["mode"] == "exact")
 
 
 def _growth(df):
@@ -299,6 +314,13 @@ def _causal_layer(df, column, index, value, causal=True):
 
 # (study, start of the claim's words, how to break it)
 FAILING = [
+    ("check", "check sweep", lambda d: _set(d, _first(d, d["bug"] == "none"), "passed", False)),
+    (
+        "check",
+        "check sweep",
+        lambda d: _set(d, _first(d, (d["bug"] != "none") & (d["mode"] == "exact")), "passed", True),
+    ),
+    ("check", "check sweep", lambda d: _set(d, _first(d, d["status"] == "ok"), "status", "error")),
     (
         "exactness",
         "cached decode == full recompute",
