@@ -62,7 +62,8 @@ def test_the_promoted_check_finds_every_bug_where_it_first_acts(table, few):
         assert table.loc[(dtype, "all"), "kvfast_control.fpr"] == 0.0
         for bug in HF_BUGS:
             row = table.loc[(dtype, bug)]
-            first = min(s for s in (first_acting_step(bug, n, prompt_len) for n in ("decode", "resume")) if s is not None)
+            acts = [first_acting_step(bug, name, prompt_len) for name in ("decode", "resume")]
+            first = min(s for s in acts if s is not None)
             assert row["kvfast_promoted.recall"] == 1.0 and row["kvfast_promoted.auc"] == 1.0, (dtype, bug)
             assert row["kvfast_promoted.steps"] == first, (dtype, bug)
             if dtype == "float32" and bug in HF_LOGIC_BUGS:

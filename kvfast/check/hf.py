@@ -223,6 +223,8 @@ class HFModel:
     def _fresh_cache(self):
         if self.new_cache is not None:
             return self.new_cache()
+        if getattr(self.model, "_supports_cache_class", True) is False:  # 4.3x GPT-2 and others: tuples only
+            return None
         try:
             from transformers import DynamicCache
         except ImportError:  # pragma: no cover - releases without cache classes: the model returns tuples
@@ -292,8 +294,10 @@ class HFModel:
 
     def _inject(self) -> None:
         """Wrap the fresh cache's ``update`` for the bugs that act inside the cache."""
-        if self.bug not in ("freeze", "f16") or self.cache is None:
+        if self.bug not in ("freeze", "f16"):
             return
+        if not callable(getattr(self.cache, "update", None)):
+            raise not_allowed("bug", self.bug, "a bug the model's cache can take (its cache is a tuple, no update())")
         torch = _torch()
         update = self.cache.update
         last_layer = int(self.model.config.num_hidden_layers) - 1
