@@ -165,17 +165,27 @@ def test_the_cache_argument_follows_the_forward_signature():
         HFModel(TupleCache(model), bug="freeze").prefill(prompt)
 
 
-def test_variants_are_deep_copies_and_differ_only_in_order():
-    model = tiny_model("llama", "float32", "sdpa", 0)
+@pytest.mark.parametrize("family", ["llama", "gpt2"])  # nn.Linear and GPT-2's Conv1D
+def test_variants_are_deep_copies_and_differ_only_in_order(family):
+    model = tiny_model(family, "float32", "sdpa", 0)
+    before = {name: p.detach().clone() for name, p in model.state_dict().items()}
     adapter = HFModel(model)
     tokens = np.arange(20) % TINY_VOCAB
     reference = adapter.recompute(tokens).numpy()
     variants = {k: v.numpy() for k, v in adapter.recompute_variants(tokens).items()}
+    adapter.promote("float64").recompute_variants(tokens)
     assert set(variants) == {"attention", "batch", "rows"}
-    # the model under test is untouched: still sdpa, linear layers still whole-matrix
+    # the model under test is untouched: still sdpa, no forward patched, the same weights, shared with no copy
     assert model.config._attn_implementation == "sdpa"
     assert adapter._copies["attention"].config._attn_implementation == "eager"
-    assert "forward" not in vars(model.model.layers[0].self_attn.q_proj)
+    assert adapter._copies["attention"].config is not model.config
+    assert not any("forward" in vars(m) for m in model.modules())
+    assert any("forward" in vars(m) for m in adapter._copies["rows"].modules())
+    assert all(torch.equal(p, before[name]) for name, p in model.state_dict().items())
+    assert next(model.parameters()).dtype == torch.float32
+    ours = {p.data_ptr() for p in model.parameters()}
+    for clone in adapter._copies.values():
+        assert ours.isdisjoint(p.data_ptr() for p in clone.parameters())
     assert torch.equal(adapter.recompute(tokens), torch.from_numpy(reference))
     for name, v in variants.items():
         assert np.abs(v - reference).max() < 1e-5 * np.abs(reference).max(), name  # the same function
@@ -381,3 +391,22 @@ def test_the_measured_matrix():
     assert ((bugs.logic_verdict == "bug") & bugs.logic_right_step).all()
     native = bugs[(bugs.dtype != "bfloat16") & (bugs.bug != "f16")]
     assert ((native.verdict == "bug") & native.right_step).all()
+
+
+def test_the_padded_recompute_is_measured_not_kept():
+    """A left-padded recompute (python -m kvfast.check.hf_matrix --padded) is the same function on a deep copy,
+    but it never lowered a clean run's largest ratio in the matrix, and in float64 eager attention its fully
+    masked pad rows give NaN logits: it is not among the built-in variants."""
+    from kvfast.check.hf import VARIANTS
+    from kvfast.check.hf_matrix import PaddedVariant
+
+    assert "padded" not in VARIANTS
+    model = tiny_model("llama", "float32", "sdpa", 0)
+    adapter = PaddedVariant(model)
+    tokens = np.arange(20) % TINY_VOCAB
+    reference = adapter.recompute(tokens)
+    padded = adapter.recompute_variants(tokens)["padded"]
+    assert (padded - reference).abs().max() < 1e-5 * reference.abs().max()
+    assert adapter._copies["padded"] is not model and not any("forward" in vars(m) for m in model.modules())
+    with pytest.raises(ValueError, match=r"recompute_variants \[.padded.\]: logits hold nan"):
+        check_cache(PaddedVariant(tiny_model("llama", "float64", "eager", 0)), [1, 2, 3, 4], 4, mode="control")

@@ -14,7 +14,10 @@ model; the label is "a bug is present". :func:`score_detector` reports per bug:
 recall (flagged bugged cases / bugged cases), steps-to-detection (median step
 at which flagged cases fired) and ROC AUC of the scores against the clean
 controls (Mann-Whitney, ties half: :func:`kvfast.check.metrics.roc_auc`), and
-over all bugs also the false-positive rate on the clean controls.
+over all bugs also the false-positive rate on the clean controls. The cases' bugs
+come from a catalogue (``bugs=``: kvfast's :data:`~kvfast.model.bugs.BUGS` by
+default; :mod:`kvfast.check.hf_score` scores Hugging Face models with
+:data:`kvfast.check.hf.HF_BUGS`).
 
 Built-in detectors (:data:`DETECTORS`):
 
