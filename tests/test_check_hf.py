@@ -32,6 +32,7 @@ from kvfast.check.hf import (  # noqa: E402
     FAMILIES,
     HF_BUGS,
     HF_LOGIC_BUGS,
+    MISTRAL_WINDOW,
     TINY_VOCAB,
     HFModel,
     first_acting_step,
@@ -81,11 +82,12 @@ def _assert_caught(report, bug: str, logic: bool) -> None:
             assert s.first_bug_step == want, (name, checked.format())
 
 
+@pytest.mark.parametrize("case", [1, 2], ids=["seed0-prompt5", "seed1-prompt4"])
 @pytest.mark.parametrize("attention", ATTENTION)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_every_bug_is_caught_at_the_step_where_it_first_acts(family, dtype, attention):
-    seed, _, prompt, continuation = CASES[1]
+def test_every_bug_is_caught_at_the_step_where_it_first_acts(family, dtype, attention, case):
+    seed, _, prompt, continuation = CASES[case]
     model = tiny_model(family, dtype, attention, seed)
     for bug in HF_BUGS:
         promote = "float64" if dtype != "float64" else None
@@ -151,18 +153,39 @@ def test_the_cache_argument_follows_the_forward_signature():
     assert torch.equal(old.decode(9), new.decode(9))
     assert check_cache(old, prompt, 8, mode="control").verdict == "rounding"
 
+    class TupleCache(OldApi):
+        """Releases whose models take no cache object (4.3x GPT-2: tuples) say so; kvfast then passes None first."""
 
-def test_variants_are_deep_copies_and_differ_only_in_order():
-    model = tiny_model("llama", "float32", "sdpa", 0)
+        _supports_cache_class = False
+
+    tuples = HFModel(TupleCache(model))
+    tuples.prefill(prompt)
+    assert check_cache(tuples, prompt, 8, mode="control").verdict == "rounding"
+    with pytest.raises(ValueError, match="bug: 'freeze' is not allowed; allowed: a bug the model's cache can take"):
+        HFModel(TupleCache(model), bug="freeze").prefill(prompt)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])  # nn.Linear and GPT-2's Conv1D
+def test_variants_are_deep_copies_and_differ_only_in_order(family):
+    model = tiny_model(family, "float32", "sdpa", 0)
+    before = {name: p.detach().clone() for name, p in model.state_dict().items()}
     adapter = HFModel(model)
     tokens = np.arange(20) % TINY_VOCAB
     reference = adapter.recompute(tokens).numpy()
     variants = {k: v.numpy() for k, v in adapter.recompute_variants(tokens).items()}
+    adapter.promote("float64").recompute_variants(tokens)
     assert set(variants) == {"attention", "batch", "rows"}
-    # the model under test is untouched: still sdpa, linear layers still whole-matrix
+    # the model under test is untouched: still sdpa, no forward patched, the same weights, shared with no copy
     assert model.config._attn_implementation == "sdpa"
     assert adapter._copies["attention"].config._attn_implementation == "eager"
-    assert "forward" not in vars(model.model.layers[0].self_attn.q_proj)
+    assert adapter._copies["attention"].config is not model.config
+    assert not any("forward" in vars(m) for m in model.modules())
+    assert any("forward" in vars(m) for m in adapter._copies["rows"].modules())
+    assert all(torch.equal(p, before[name]) for name, p in model.state_dict().items())
+    assert next(model.parameters()).dtype == torch.float32
+    ours = {p.data_ptr() for p in model.parameters()}
+    for clone in adapter._copies.values():
+        assert ours.isdisjoint(p.data_ptr() for p in clone.parameters())
     assert torch.equal(adapter.recompute(tokens), torch.from_numpy(reference))
     for name, v in variants.items():
         assert np.abs(v - reference).max() < 1e-5 * np.abs(reference).max(), name  # the same function
@@ -180,15 +203,41 @@ def test_exact_mode_on_stock_models():
     assert check_cache(model, prompt, 8, mode="control").verdict == "rounding"
 
 
-def test_a_static_cache_and_a_sliding_window():
-    model = tiny_model("mistral", "float32", "sdpa", 0)  # sliding window 12, crossed by 6 + 20 positions
-    prompt = [1, 2, 3, 4, 5, 6]
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_static_cache(family):
+    """A StaticCache (preallocated, updated in place) from new_cache: clean is rounding, bugs caught where they act."""
+    model = tiny_model(family, "float32", "sdpa", 0)
     adapter = HFModel(model, new_cache=lambda: transformers.StaticCache(config=model.config, max_cache_len=64))
-    assert check_cache(adapter, prompt, 20, mode="control").verdict == "rounding"
-    bugged = HFModel(
-        model, bug="posoff", new_cache=lambda: transformers.StaticCache(config=model.config, max_cache_len=64)
-    )
-    assert check_cache(bugged, prompt, 20, mode="control").first_bug_step == 1
+    prompt = [1, 2, 3, 4, 5, 6]
+    report = check_cache(adapter, prompt, 20, mode="control")
+    assert report.verdict == "rounding", report.format()
+    assert isinstance(adapter.cache, transformers.StaticCache)  # the check really ran on it
+    for bug in ("posoff", "freeze", "replay"):  # first acts at decode step 1, 2, and resume step 0
+        bugged = HFModel(
+            model, bug=bug, new_cache=lambda: transformers.StaticCache(config=model.config, max_cache_len=64)
+        )
+        _assert_caught(check_cache(bugged, prompt, 20, mode="control"), bug, logic=False)
+
+
+def test_a_sliding_window_model():
+    """Mistral with a sliding window of MISTRAL_WINDOW positions, crossed by 6 + 20: the window is real (the
+    same weights without it give other logits there), and the check follows it with a DynamicCache and a
+    StaticCache."""
+    model = tiny_model("mistral", "float32", "sdpa", 0)
+    prompt, steps = [1, 2, 3, 4, 5, 6], 20
+    assert model.config.sliding_window == MISTRAL_WINDOW < len(prompt) + steps
+    tokens = np.arange(len(prompt) + steps) % TINY_VOCAB
+    unwindowed = copy.deepcopy(model)
+    unwindowed.config.sliding_window = None
+    windowed, full = HFModel(model).recompute(tokens), HFModel(unwindowed).recompute(tokens)
+    assert torch.equal(windowed[:MISTRAL_WINDOW], full[:MISTRAL_WINDOW])  # identical until the window is full
+    assert not torch.equal(windowed[MISTRAL_WINDOW:], full[MISTRAL_WINDOW:])
+    static = HFModel(model, new_cache=lambda: transformers.StaticCache(config=model.config, max_cache_len=64))
+    for adapter in (HFModel(model), static):
+        assert check_cache(adapter, prompt, steps, mode="control").verdict == "rounding"
+        assert check_cache(adapter, prompt, steps, mode="control", promote="float64").promoted.verdict == "rounding"
+    for bug in HF_LOGIC_BUGS:
+        _assert_caught(check_cache(HFModel(model, bug=bug), prompt, steps, mode="control"), bug, logic=False)
 
 
 def test_continuation_is_what_decode_is_fed():
@@ -327,3 +376,37 @@ def test_no_deprecation_warning_from_transformers():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "deprecated" not in out.stderr + out.stdout
+
+
+@pytest.mark.slow
+def test_the_measured_matrix():
+    """The matrix of docs/check.md (python -m kvfast.check.hf_matrix: 3 seeds x 3 prompts x 24 steps, every
+    family, dtype and attention): no clean run is a bug; every logic bug is "bug" natively in float32 and
+    float64, and every bug in the float64 logic check, at the step where it first acts."""
+    from kvfast.check.hf_matrix import measure
+
+    df = measure(3, 3, 24)
+    clean, bugs = df[df["bug"].isna()], df[df["bug"].notna()]
+    assert len(clean) == 288 and (clean.verdict != "bug").all()
+    assert ((bugs.logic_verdict == "bug") & bugs.logic_right_step).all()
+    native = bugs[(bugs.dtype != "bfloat16") & (bugs.bug != "f16")]
+    assert ((native.verdict == "bug") & native.right_step).all()
+
+
+def test_the_padded_recompute_is_measured_not_kept():
+    """A left-padded recompute (python -m kvfast.check.hf_matrix --padded) is the same function on a deep copy,
+    but it never lowered a clean run's largest ratio in the matrix, and in float64 eager attention its fully
+    masked pad rows give NaN logits: it is not among the built-in variants."""
+    from kvfast.check.hf import VARIANTS
+    from kvfast.check.hf_matrix import PaddedVariant
+
+    assert "padded" not in VARIANTS
+    model = tiny_model("llama", "float32", "sdpa", 0)
+    adapter = PaddedVariant(model)
+    tokens = np.arange(20) % TINY_VOCAB
+    reference = adapter.recompute(tokens)
+    padded = adapter.recompute_variants(tokens)["padded"]
+    assert (padded - reference).abs().max() < 1e-5 * reference.abs().max()
+    assert adapter._copies["padded"] is not model and not any("forward" in vars(m) for m in model.modules())
+    with pytest.raises(ValueError, match=r"recompute_variants \[.padded.\]: logits hold nan"):
+        check_cache(PaddedVariant(tiny_model("llama", "float64", "eager", 0)), [1, 2, 3, 4], 4, mode="control")

@@ -104,3 +104,15 @@ def test_bad_detectors_and_cases(cases):
     with pytest.raises(ValueError, match="cases: int is not allowed"):
         score_detector(every_step_exact, [1])
     assert isinstance(every_step_exact(few[0].model(), few[0]), Detection)
+
+
+def test_the_catalogue_can_be_named(cases):
+    from kvfast.check import score
+
+    few = [c for c in cases if c.config["bug"] in ("posoff", "freeze", "none")]
+    with pytest.raises(ValueError, match="bugs: 'posoff' is not allowed; allowed: None"):
+        score.score_detector(every_step_exact, few, bugs="posoff")
+    with pytest.raises(ValueError, match="cases: bug 'freeze' is not allowed; allowed: None, posoff"):
+        score.score_detector(every_step_exact, few, bugs=("posoff",))
+    got = score.score_detector(every_step_exact, few, bugs=("freeze", "posoff"))
+    assert list(got["bug"]) == ["freeze", "posoff", "all"]  # in the catalogue's order

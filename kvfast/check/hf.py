@@ -10,7 +10,9 @@ What the adapter does (:mod:`kvfast.check.protocol` for the methods):
 - ``recompute(tokens)``: ``model(ids, use_cache=False).logits[0]``.
 - ``prefill(tokens)``: a FRESH cache (``DynamicCache``, or ``new_cache()`` such
   as a ``StaticCache``; some releases update a cache in place, so one is never
-  reused), then ``model(ids, cache=..., use_cache=True)``.
+  reused), then ``model(ids, cache=..., use_cache=True)``. A model that takes no
+  cache object (``_supports_cache_class = False``: 4.3x GPT-2) gets ``None`` and
+  is fed back the tuples it returns.
 - ``extend(tokens)`` / ``decode(token)``: the next chunk on top of that cache,
   with an all-ones attention mask over every position so far (what
   ``generate`` passes) and ``cache_position`` where the model's ``forward``
@@ -23,7 +25,8 @@ What the adapter does (:mod:`kvfast.check.protocol` for the methods):
   switch the model under test too): ``"attention"`` (the other attention
   implementation, eager <-> sdpa), ``"batch"`` (a batch of two copies of the
   sequence) and ``"rows"`` (every linear layer applied one row at a time, the
-  decode's matrix-vector order). None goes through a cache.
+  decode's matrix-vector order). None goes through a cache. (A left-padded
+  recompute was measured and not kept: ``python -m kvfast.check.hf_matrix --padded``.)
 - ``promote(dtype)``: the same adapter over a deep copy of the model in
   ``dtype`` (``check_cache(..., promote="float64")``).
 
@@ -223,6 +226,8 @@ class HFModel:
     def _fresh_cache(self):
         if self.new_cache is not None:
             return self.new_cache()
+        if getattr(self.model, "_supports_cache_class", True) is False:  # 4.3x GPT-2 and others: tuples only
+            return None
         try:
             from transformers import DynamicCache
         except ImportError:  # pragma: no cover - releases without cache classes: the model returns tuples
@@ -292,8 +297,10 @@ class HFModel:
 
     def _inject(self) -> None:
         """Wrap the fresh cache's ``update`` for the bugs that act inside the cache."""
-        if self.bug not in ("freeze", "f16") or self.cache is None:
+        if self.bug not in ("freeze", "f16"):
             return
+        if not callable(getattr(self.cache, "update", None)):
+            raise not_allowed("bug", self.bug, "a bug the model's cache can take (its cache is a tuple, no update())")
         torch = _torch()
         update = self.cache.update
         last_layer = int(self.model.config.num_hidden_layers) - 1

@@ -1,6 +1,6 @@
 """The measured matrix behind control mode's claims on Hugging Face models: false positives and misses.
 
-    python -m kvfast.check.hf_matrix [--seeds 3] [--prompts 3] [--steps 24]
+    python -m kvfast.check.hf_matrix [--seeds 3] [--prompts 3] [--steps 24] [--padded]
 
 Tiny random models from configs (:func:`kvfast.check.hf.tiny_model`: Llama,
 GPT-2, Mistral with a sliding window, Qwen2; float32, float64, bfloat16; sdpa
@@ -16,11 +16,16 @@ and eager), ``seeds`` weight seeds x ``prompts`` random prompts (lengths 4 to
   counted as a wrong step.
 
 Prints Markdown tables (pasted into docs/check.md).
+
+``--padded`` measures instead whether a left-padded recompute (:class:`PaddedVariant`)
+would add to control mode's floor: over the same clean and bugged runs, control mode
+with the built-in variants against the same plus the padded recompute.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
 
 import numpy as np
@@ -133,14 +138,81 @@ def tables(df: pd.DataFrame) -> str:
     return "\n".join(out)
 
 
+PAD = 3
+
+
+class PaddedVariant(HFModel):
+    """:class:`HFModel` whose variants also include ``"padded"``: the sequence after ``PAD`` pad tokens that the
+    attention mask hides, positions from 0 at the first real token, on a deep copy (measured, not kept)."""
+
+    def recompute_variants(self, tokens) -> dict:
+        import torch
+
+        out = super().recompute_variants(tokens)
+        ids = self._ids(tokens, 0)
+        pad = torch.zeros(1, PAD, dtype=torch.long)
+        mask = torch.cat([pad, torch.ones_like(ids)], 1)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        if "padded" not in self._copies:
+            self._copies["padded"] = copy.deepcopy(self.model).eval()
+        kwargs = {"attention_mask": mask, "position_ids": positions, "use_cache": False}
+        logits, _ = self._call(self._copies["padded"], input_ids=torch.cat([pad, ids], 1), **kwargs)
+        out["padded"] = logits[0, PAD:]
+        return out
+
+
+def padded_effect(seeds: int = 3, prompts: int = 3, steps: int = 24) -> str:
+    """What the padded recompute changes in control mode over the matrix (clean and bugged runs), as text."""
+    import torch
+
+    torch.set_num_threads(1)
+    clean, nan, raised, factor, before, after, bugged, changed = 0, 0, 0, 1.0, 0.0, 0.0, 0, []
+    for family, dtype, attention in itertools.product(FAMILIES, DTYPES, ATTENTION):
+        for seed, k, prompt, continuation in cases(seeds, prompts, steps):
+            model = tiny_model(family, dtype, attention, seed)
+            for bug in (None, *HF_BUGS):
+                base = check_cache(HFModel(model, bug=bug), prompt, mode="control", continuation=continuation)
+                try:
+                    pad = check_cache(PaddedVariant(model, bug=bug), prompt, mode="control", continuation=continuation)
+                except ValueError as exc:  # NaN logits: fully masked pad rows (float64 eager)
+                    if "logits hold nan" not in str(exc):
+                        raise
+                    nan += bug is None
+                    continue
+                if bug is None:
+                    clean += 1
+                    before, after = max(before, base.max_ratio), max(after, pad.max_ratio)
+                    if pad.max_ratio < base.max_ratio:
+                        raised += 1
+                        factor = max(factor, base.max_ratio / pad.max_ratio)
+                else:
+                    bugged += 1
+                    if pad.verdict != base.verdict:
+                        changed.append(f"{family} {dtype} {attention} seed {seed} prompt {k} {bug}: "
+                                       f"{base.verdict} -> {pad.verdict}")  # fmt: skip
+    lines = [
+        f"clean runs: {clean} (and {nan} where the padded recompute returns NaN logits)",
+        f"clean runs whose floor the padded recompute raises: {raised} (by up to {factor:.3g}x)",
+        f"largest clean ratio: {before:.3g} without, {after:.3g} with the padded recompute",
+        f"bugged runs: {bugged}; verdicts the padded recompute changes: {len(changed)}",
+    ]
+    return "\n".join(lines + changed)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--padded", action="store_true", help="measure what a left-padded recompute would add")
     args = ap.parse_args(argv)
+    command = f"python -m kvfast.check.hf_matrix --seeds {args.seeds} --prompts {args.prompts} --steps {args.steps}"
+    if args.padded:
+        print(f"{command} --padded\n")
+        print(padded_effect(args.seeds, args.prompts, args.steps))
+        return 0
     df = measure(args.seeds, args.prompts, args.steps)
-    print(f"python -m kvfast.check.hf_matrix --seeds {args.seeds} --prompts {args.prompts} --steps {args.steps}\n")
+    print(f"{command}\n")
     print(tables(df))
     return 0
 

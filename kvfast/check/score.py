@@ -14,7 +14,10 @@ model; the label is "a bug is present". :func:`score_detector` reports per bug:
 recall (flagged bugged cases / bugged cases), steps-to-detection (median step
 at which flagged cases fired) and ROC AUC of the scores against the clean
 controls (Mann-Whitney, ties half: :func:`kvfast.check.metrics.roc_auc`), and
-over all bugs also the false-positive rate on the clean controls.
+over all bugs also the false-positive rate on the clean controls. The cases' bugs
+come from a catalogue (``bugs=``: kvfast's :data:`~kvfast.model.bugs.BUGS` by
+default; :mod:`kvfast.check.hf_score` scores Hugging Face models with
+:data:`kvfast.check.hf.HF_BUGS`).
 
 Built-in detectors (:data:`DETECTORS`):
 
@@ -164,16 +167,29 @@ def _as_case(case: object) -> Case:
     )
 
 
-def run_detector(detector: Callable, cases: Iterable) -> pd.DataFrame:
-    """One row per case: the case's fields plus ``flag``, ``score`` and ``step``."""
+def _catalogue(bugs: Sequence[str] | None) -> tuple[str, ...]:
+    if bugs is None:
+        return tuple(BUGS)
+    if isinstance(bugs, str) or not all(isinstance(b, str) for b in bugs) or not bugs:
+        raise ValueError(f"bugs: {bugs!r} is not allowed; allowed: None (kvfast.BUGS) or a sequence of bug names")
+    return tuple(bugs)
+
+
+def run_detector(detector: Callable, cases: Iterable, bugs: Sequence[str] | None = None) -> pd.DataFrame:
+    """One row per case: the case's fields plus ``flag``, ``score`` and ``step``.
+
+    ``bugs``: the catalogue the cases' bugs come from (default :data:`kvfast.BUGS`; for Hugging Face
+    models :data:`kvfast.check.hf.HF_BUGS`).
+    """
+    bugs = _catalogue(bugs)
     if not callable(detector):
         raise ValueError(f"detector: {detector!r} is not allowed; allowed: a function (model, case) -> result")
     name = getattr(detector, "__name__", repr(detector))
     rows = []
     for raw in cases:
         case = _as_case(raw)
-        if case.bug is not None and case.bug not in BUGS:
-            raise ValueError(f"cases: bug {case.bug!r} is not allowed; allowed: None, {', '.join(BUGS)}")
+        if case.bug is not None and case.bug not in bugs:
+            raise ValueError(f"cases: bug {case.bug!r} is not allowed; allowed: None, {', '.join(bugs)}")
         det = _as_detection(detector(case.model(), case), name)
         rows.append({**case.config, "bug": case.bug or "none", "flag": det.flag, "score": det.score,
                      "step": det.step})  # fmt: skip
@@ -182,7 +198,7 @@ def run_detector(detector: Callable, cases: Iterable) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def score_detector(detector: Callable, cases: Sequence[Case]) -> pd.DataFrame:
+def score_detector(detector: Callable, cases: Sequence[Case], bugs: Sequence[str] | None = None) -> pd.DataFrame:
     """Score ``detector`` over ``cases``: one row per bug, then ``all``.
 
     :func:`kvfast.score_detector` is this with the detector study's cases as the default.
@@ -191,14 +207,16 @@ def score_detector(detector: Callable, cases: Sequence[Case]) -> pd.DataFrame:
     step at which flagged cases fired; NaN if none fired or the detector gives
     no steps), ``auc`` (the bug's scores against the clean controls'), and
     ``fpr`` (on the clean controls; on the ``all`` row). Needs clean controls
-    (``bug=None``) and at least one bugged case.
+    (``bug=None``) and at least one bugged case. ``bugs``: the cases' catalogue
+    (default :data:`kvfast.BUGS`), which also orders the rows.
     """
-    df = run_detector(detector, cases)
+    bugs = _catalogue(bugs)
+    df = run_detector(detector, cases, bugs)
     clean = df[df["bug"] == "none"]
     if clean.empty or len(clean) == len(df):
         raise ValueError("cases: need both clean controls (bug=None) and bugged cases; allowed: a mix of both")
     out = []
-    groups = [(b, df[df["bug"] == b]) for b in BUGS if (df["bug"] == b).any()]
+    groups = [(b, df[df["bug"] == b]) for b in bugs if (df["bug"] == b).any()]
     groups.append(("all", df[df["bug"] != "none"]))
     fpr = confusion(clean["flag"].to_numpy(bool), np.zeros(len(clean), bool)).fpr
     for bug, part in groups:
@@ -217,7 +235,9 @@ def score_detector(detector: Callable, cases: Sequence[Case]) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
-def compare_detectors(detectors: dict[str, Callable] | None, cases: Sequence[Case]) -> pd.DataFrame:
+def compare_detectors(
+    detectors: dict[str, Callable] | None, cases: Sequence[Case], bugs: Sequence[str] | None = None
+) -> pd.DataFrame:
     """:func:`score_detector` for each detector (``None``: :data:`DETECTORS`) over ``cases``, side by side.
 
     One row per bug and ``all``; for each detector the columns
@@ -228,7 +248,7 @@ def compare_detectors(detectors: dict[str, Callable] | None, cases: Sequence[Cas
     cases = list(cases)
     table = None
     for name, det in detectors.items():
-        s = score_detector(det, cases).set_index("bug")
+        s = score_detector(det, cases, bugs).set_index("bug")
         part = s[["recall", "steps_to_detection", "auc", "fpr"]].rename(
             columns={
                 "recall": f"{name}.recall",
@@ -244,16 +264,20 @@ def compare_detectors(detectors: dict[str, Callable] | None, cases: Sequence[Cas
 
 
 def markdown(table: pd.DataFrame) -> str:
-    """:func:`compare_detectors`'s table as Markdown: per detector recall / steps to detection / AUC, FPR."""
+    """:func:`compare_detectors`'s table as Markdown: per detector recall / steps to detection / AUC, FPR.
+
+    Columns before ``cases`` (``bug``, and any the caller inserted, such as a ``dtype``) are printed as they are.
+    """
     names = [c[: -len(".recall")] for c in table.columns if c.endswith(".recall")]
-    head = "| bug | cases | " + " | ".join(f"{n}: recall, steps, AUC" for n in names) + " |"
-    lines = [head, "|" + "---|" * (2 + len(names))]
+    keys = list(table.columns[: list(table.columns).index("cases")])
+    head = "| " + " | ".join(keys) + " | cases | " + " | ".join(f"{n}: recall, steps, AUC" for n in names) + " |"
+    lines = [head, "|" + "---|" * (len(keys) + 1 + len(names))]
 
     def num(x: float, fmt: str) -> str:
         return "-" if np.isnan(x) else format(x, fmt)
 
     for _, row in table.iterrows():
-        cells = [str(row["bug"]), str(int(row["cases"]))]
+        cells = [*(str(row[k]) for k in keys), str(int(row["cases"]))]
         for n in names:
             cell = f"{num(row[f'{n}.recall'], '.3f')}, {num(row[f'{n}.steps'], 'g')}, {num(row[f'{n}.auc'], '.3f')}"
             if row["bug"] == "all":
