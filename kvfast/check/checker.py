@@ -466,7 +466,8 @@ def as_model_under_test(model):
     if is_hf_model(model):
         from kvfast.check.hf import HFModel
 
-        return guard(call_model("kvfast.check.hf.HFModel(model)", HFModel, model, passthrough=(ValueError,)))
+        adapter = call_model("kvfast.check.hf.HFModel(model)", HFModel, model, passthrough=(ValueError,))
+        return guard(adapter, passthrough=(ValueError,))  # the adapter's ValueErrors are bad input
     require_model(model)
     return guard(model)
 

@@ -333,28 +333,30 @@ class GuardedModel:
     """A model under test seen through :func:`call_model`: each of its protocol methods (and attribute
     reads) runs guarded, so the model's own exceptions and exits become :class:`ModelUnderTestError`
     naming the call (``model.decode(5)``). Everything else passes through; ``promote`` returns a
-    guarded model too. ``wrapped`` is the model itself."""
+    guarded model too. ``wrapped`` is the model itself; ``passthrough``: exception types that stay
+    as they are (``ValueError`` for kvfast's own adapters, whose bad-input errors are documented)."""
 
-    def __init__(self, model: object):
+    def __init__(self, model: object, passthrough: tuple[type[BaseException], ...] = ()):
         object.__setattr__(self, "wrapped", model)
+        object.__setattr__(self, "passthrough", passthrough)
 
     def __getattr__(self, name: str):
-        model = object.__getattribute__(self, "wrapped")
+        model = self.wrapped
         value = call_model(f"model.{name}", getattr, model, name, passthrough=(AttributeError,))
         if name not in REQUIRED + OPTIONAL or not callable(value):
             return value
 
         def method(*args):
             where = f"model.{name}({', '.join(map(_arg_text, args))})"
-            out = call_model(where, value, *args)
-            return guard(out) if name == "promote" else out
+            out = call_model(where, value, *args, passthrough=self.passthrough)
+            return guard(out, self.passthrough) if name == "promote" else out
 
         return method
 
 
-def guard(model: object) -> object:
+def guard(model: object, passthrough: tuple[type[BaseException], ...] = ()) -> object:
     """``model`` as a :class:`GuardedModel` (once)."""
-    return model if isinstance(model, GuardedModel) else GuardedModel(model)
+    return model if isinstance(model, GuardedModel) else GuardedModel(model, passthrough)
 
 
 def model_name(model: object) -> str:

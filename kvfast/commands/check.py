@@ -167,7 +167,8 @@ def load_factory(spec: str):
 
 
 def build_model(spec: str, factory_args: dict[str, object]):
-    """``FACTORY(**factory_args)`` for ``spec``; ``ValueError`` if the arguments do not fit its signature,
+    """``FACTORY(**factory_args)`` for ``spec``; ``ValueError`` (bad input) if the arguments do not fit its
+    signature or the factory raises ``ValueError`` (its verdict on them), else
     :class:`~kvfast.check.protocol.ModelUnderTestError` if the factory (or its module) raises or exits."""
     from kvfast.check.protocol import call_model
 
@@ -179,7 +180,10 @@ def build_model(spec: str, factory_args: dict[str, object]):
     except ValueError:  # no signature to read (a builtin): the call decides
         pass
     call = f"{spec}({', '.join(f'{k}={v!r}' for k, v in factory_args.items())})"
-    return call_model(f"the factory {call}", factory, **factory_args)
+    try:
+        return call_model(f"the factory {call}", factory, **factory_args, passthrough=(ValueError,))
+    except ValueError as exc:  # by convention, the factory's verdict on its arguments: bad input
+        raise ValueError(f"{' '.join(str(exc).split())} (raised by the factory {call})") from exc
 
 
 def check_args(args) -> None:
