@@ -538,8 +538,20 @@ def test_kv_check_fails_one_line_when_the_model_exits_raises_or_hangs(pytester):
 def test_a_factory_that_rejects_its_arguments_is_bad_input(workdir):
     """By convention a ``ValueError`` from the factory is its verdict on the arguments: exit 2, not 4."""
     (workdir / "picky.py").write_text(
-        "def make(size=1):\n    if size > 2:\n        raise ValueError(f'size: {size} is not allowed; allowed: 1 or 2')\n"
+        "def make(size=1):\n"
+        "    if size > 2:\n"
+        "        raise ValueError(f'size: {size} is not allowed; allowed: 1 or 2')\n"
     )
     code, out, err = kvfast_check(workdir, "picky:make", "--factory-arg", "size=3", "--prompt", "1")
     assert code == 2
     assert_one_line(err, "size: 3 is not allowed; allowed: 1 or 2 (raised by the factory picky:make(size=3))")
+
+
+def test_the_exit_code_tables_are_complete():
+    """README and docs/check.md hold every row of ``EXIT_CODES`` (printed by the command they name)."""
+    rows = [f"| {code} | {text} |" for code, text in check_command.EXIT_CODES.items()]
+    assert sorted(check_command.EXIT_CODES) == [0, 1, 2, 3, 4, 5, EXIT_KVFAST_BUG, 130]
+    for doc in ("README.md", "docs/check.md"):
+        text = (ROOT / doc).read_text()
+        table = "| exit code | `kvfast check` |\n|---|---|\n" + "\n".join(rows) + "\n"
+        assert table in text, doc

@@ -56,14 +56,16 @@ from kvfast.validation import not_allowed
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_INCONCLUSIVE, EXIT_MODEL, EXIT_TIMEOUT = 0, 1, 2, 3, 4, 5
 EXIT_INTERRUPTED = 130
 EXIT_CODES = {
-    EXIT_PASS: "pass: a report was printed and its verdict passes (exact, or rounding in control mode)",
-    EXIT_FAIL: "a divergence (exact mode) or a bug (control mode, or the float64 logic check of --promote)",
-    EXIT_BAD_INPUT: "bad input (arguments, factory spec, module not importable, not a model, bad logits): one line",
-    EXIT_INCONCLUSIVE: "control mode: inconclusive, and no float64 logic check cleared it",
-    EXIT_MODEL: "the model under test, its factory or its module raised or exited (os._exit, a crash): one line",
-    EXIT_TIMEOUT: "the check did not finish within --timeout seconds: one line",
-    EXIT_KVFAST_BUG: "a bug in kvfast: a traceback, the kvfast version and a line saying so",
-    EXIT_INTERRUPTED: "interrupted by the user (Ctrl-C)",
+    EXIT_PASS: "pass: a report was printed and its verdict passes (`exact`; `rounding` in control mode)",
+    EXIT_FAIL: "a divergence (exact mode) or a `bug` (control mode, or the float64 logic check of `--promote`)",
+    EXIT_BAD_INPUT: "bad input, one line: an argument, the factory spec, a module that cannot be imported, "
+    "a factory that rejects its arguments or returns no model under test, bad logits, a bad prompt",
+    EXIT_INCONCLUSIVE: "control mode: `inconclusive`, and no float64 logic check cleared it",
+    EXIT_MODEL: "the model under test, its factory or its module raised or exited, one line naming the call "
+    "and the exception: `SystemExit` (`sys.exit(0)` too), `KeyboardInterrupt`, any exception, `os._exit`, a crash",
+    EXIT_TIMEOUT: "the check did not finish within `--timeout S` seconds, one line naming the call that hung",
+    EXIT_KVFAST_BUG: "a bug in kvfast: its traceback, the kvfast version and a line saying so",
+    EXIT_INTERRUPTED: "interrupted by the user (Ctrl-C); the check's processes were killed",
 }
 GRACE_S = 1.5  # after --timeout, the child's own timer has had this long to report before it is killed
 
