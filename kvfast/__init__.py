@@ -31,6 +31,8 @@ _EXPORTS = {
     "compare_detectors": "kvfast.sweep.inline",
     "score_detector": "kvfast.sweep.inline",
     "CheckReport": "kvfast.check",
+    "CheckTimeout": "kvfast.check",
+    "ModelUnderTestError": "kvfast.check",
     "HFModel": "kvfast.check",
     "KvfastModel": "kvfast.check",
     "NumpyModel": "kvfast.check",

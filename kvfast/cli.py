@@ -2,7 +2,10 @@
 
 Each subcommand lives in a module of :mod:`kvfast.commands` that defines
 ``add_parser(subparsers)`` (which sets ``func`` on its parser) and a handler
-``func(args) -> int``. Bad input is a one-line message and exit code 2.
+``func(args) -> int``. Bad input is a one-line message and exit code 2. An
+unexpected error (a bug in kvfast) prints its traceback, the kvfast version and
+a line saying it is a bug in kvfast, with exit code 70 (never 1, which
+``kvfast check`` uses for "divergence found").
 """
 
 from __future__ import annotations
@@ -11,9 +14,11 @@ import argparse
 import importlib
 import pkgutil
 import sys
+import traceback
 
 import kvfast.commands
 from kvfast._version import __version__
+from kvfast.commands import EXIT_KVFAST_BUG, bug_line
 
 
 def command_modules() -> list[str]:
@@ -48,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"kvfast: error: {exc}", file=sys.stderr)
         return 2
+    except Exception:  # noqa: BLE001 - an expected failure never gets here: this one is kvfast's bug
+        traceback.print_exc()
+        print(bug_line(), file=sys.stderr)
+        return EXIT_KVFAST_BUG
 
 
 if __name__ == "__main__":

@@ -8,14 +8,28 @@ Installing kvfast is enough; in a test::
 
 ``kv_check(model, prompt, steps=64, mode="exact", **options)`` runs
 :func:`kvfast.check_cache` (options: ``scenarios``, ``fast``, ``split``,
-``margin``, ``decisive``, ``continuation``, ``promote``) and returns the
-report. ``model`` may be a Hugging Face causal LM (wrapped in
+``margin``, ``decisive``, ``continuation``, ``promote``, ``timeout``) and
+returns the report. ``model`` may be a Hugging Face causal LM (wrapped in
 :class:`kvfast.check.hf.HFModel`). When the check fails (a divergence, a bug,
 or an ``inconclusive`` control verdict that no float64 logic check cleared)
 the test fails with the report: which scenario failed first, at which step,
-by how much, the context tokens and a short per-step table. Bad input (a
-model without a required method, bad logits, a bad prompt) fails the test
-with ``kv_check: bad input:`` and the ``ValueError``'s message.
+by how much, the context tokens and a short per-step table. Every other
+failure fails the test with one line and no traceback:
+
+- bad input (a model without a required method, bad logits, a bad prompt):
+  ``kv_check: bad input: `` and the ``ValueError``'s message;
+- the model's own code raised or exited (``SystemExit``, ``sys.exit(0)``
+  included, ``KeyboardInterrupt`` it raised itself, any other exception):
+  ``kv_check: the model under test failed: model.decode(5) raised ...``
+  (:class:`kvfast.check.ModelUnderTestError`);
+- ``timeout=S`` passed: ``kv_check: the check did not finish within S s: ...``
+  (:class:`kvfast.check.CheckTimeout`; a ``SIGALRM`` timer, so the test must
+  run in the main thread, and C code that never returns cannot be
+  interrupted: ``kvfast check --timeout`` kills a child process instead).
+
+A Ctrl-C from the user still stops the session. A model that calls
+``os._exit`` ends the pytest process itself (no in-process check can see
+it; ``kvfast check`` runs the model in a child process and exits 4).
 
 This module imports nothing heavy at import time (kvfast's checker is imported
 when the fixture is first used), so the plugin never slows down or breaks
@@ -39,10 +53,16 @@ def kv_check() -> Callable:
 
         if steps is None and options.get("continuation") is None:
             steps = 64
+        from kvfast.check.protocol import CheckTimeout, ModelUnderTestError
+
         try:
             report = check_cache(model, prompt, steps, mode=mode, **options)
         except ValueError as exc:
             pytest.fail(f"kv_check: bad input: {exc}", pytrace=False)
+        except ModelUnderTestError as exc:
+            pytest.fail(f"kv_check: the model under test failed: {exc}", pytrace=False)
+        except CheckTimeout as exc:
+            pytest.fail(f"kv_check: {exc}", pytrace=False)
         if not report.passed:
             pytest.fail(report.format(), pytrace=False)
         return report

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy  # noqa: F401 - loaded before pytester's in-process runs, which drop modules first loaded inside them
 import pytest
 
 from kvfast.cli import main

@@ -1,7 +1,8 @@
 """``kvfast.check``: every-step KV-cache checks for any model, with a rounding-or-bug verdict.
 
 - :func:`check_cache` / :func:`assert_cache_exact`: the checker (:mod:`kvfast.check.checker`).
-- :mod:`kvfast.check.protocol`: what a model under test provides.
+- :mod:`kvfast.check.protocol`: what a model under test provides; :class:`ModelUnderTestError` (the
+  model's own code raised or exited) and :class:`CheckTimeout` (``check_cache(..., timeout=S)``).
 - :mod:`kvfast.check.control`: control mode's method and limits.
 - :class:`KvfastModel`: kvfast's own model (with any catalogue bug) as a model under test.
 - :class:`NumpyModel`: a NumPy reference model of the same architecture, loading kvfast's ``.npz``.
@@ -17,6 +18,7 @@ from __future__ import annotations
 from kvfast.check.adapters import KvfastModel
 from kvfast.check.checker import MODES, SCENARIOS, CheckReport, ScenarioReport, assert_cache_exact, check_cache
 from kvfast.check.numpy_model import NumpyModel
+from kvfast.check.protocol import CheckTimeout, ModelUnderTestError
 from kvfast.check.score import (
     DETECTORS,
     Case,
@@ -43,9 +45,11 @@ __all__ = [
     "MODES",
     "SCENARIOS",
     "CheckReport",
+    "CheckTimeout",
     "Case",
     "Detection",
     "KvfastModel",
+    "ModelUnderTestError",
     "NumpyModel",
     "ScenarioReport",
     "assert_cache_exact",

@@ -47,13 +47,18 @@ import numpy as np
 
 from kvfast.check import control as C
 from kvfast.check.protocol import (
+    GuardedModel,
+    call_model,
     check_logits,
     check_prompt,
     check_range,
+    guard,
     has,
     logits_format,
+    model_name,
     require_model,
     vocab_of,
+    watched,
 )
 from kvfast.validation import not_allowed, require_choice, require_int
 
@@ -451,15 +456,20 @@ def _check_scenarios(scenarios: object) -> tuple[str, ...]:
 
 
 def as_model_under_test(model):
-    """``model`` itself, or a Hugging Face model wrapped in :class:`kvfast.check.hf.HFModel`."""
+    """``model`` (a Hugging Face model wrapped in :class:`kvfast.check.hf.HFModel`) seen through
+    :class:`kvfast.check.protocol.GuardedModel`: its own exceptions and exits become
+    :class:`~kvfast.check.protocol.ModelUnderTestError`. ``ValueError`` if it is not a model under test."""
     from kvfast.check.hf import is_hf_model
 
+    if isinstance(model, GuardedModel):
+        return model
     if is_hf_model(model):
         from kvfast.check.hf import HFModel
 
-        return HFModel(model)
+        adapter = call_model("kvfast.check.hf.HFModel(model)", HFModel, model, passthrough=(ValueError,))
+        return guard(adapter, passthrough=(ValueError,))  # the adapter's ValueErrors are bad input
     require_model(model)
-    return model
+    return guard(model)
 
 
 def _check_continuation(continuation: object, steps: int | None) -> tuple[np.ndarray | None, int]:
@@ -492,6 +502,7 @@ def check_cache(
     promote: str | None = None,
     follow: str = "recompute",
     keep_logits: bool = False,
+    timeout: float | None = None,
 ) -> CheckReport:
     """Compare a model's cache path with its full recompute at every step; return a :class:`CheckReport`.
 
@@ -525,9 +536,27 @@ def check_cache(
     - ``keep_logits``: keep each scenario's cache logits and reference rows in
       its report (``cache_logits``, ``reference``).
 
+    - ``timeout``: seconds the whole check may take (``None``: no limit); a
+      model call still running then ends with :class:`CheckTimeout` naming it
+      (a ``SIGALRM`` timer: main thread only; see
+      :func:`kvfast.check.protocol.watched`).
+
     Bad input (a missing method, logits of the wrong shape or not finite, a
     token out of range, an empty prompt, an unknown mode) raises ``ValueError``.
+    Anything the model's own code raises, ``SystemExit`` and ``KeyboardInterrupt``
+    included, raises :class:`ModelUnderTestError` chained from it.
     """
+    with watched(timeout):
+        return _check_cache(
+            model, prompt, steps, mode, scenarios, fast=fast, split=split, margin=margin, decisive=decisive,
+            continuation=continuation, promote=promote, follow=follow, keep_logits=keep_logits,
+        )  # fmt: skip
+
+
+def _check_cache(
+    model, prompt, steps, mode, scenarios, *, fast, split, margin, decisive, continuation, promote, follow, keep_logits
+) -> CheckReport:
+    """:func:`check_cache`'s work (inside its watch)."""
     model = as_model_under_test(model)
     prompt = check_prompt(prompt)
     given, steps = _check_continuation(continuation, steps)
@@ -545,7 +574,7 @@ def check_cache(
     if promote is not None:
         require_choice(promote, "promote", PROMOTE)
         if not has(model, "promote"):
-            raise not_allowed("promote", promote, f"None for {type(model).__name__} (it has no promote(dtype) method)")
+            raise not_allowed("promote", promote, f"None for {model_name(model)} (it has no promote(dtype) method)")
     margin = C.check_margin(margin)
     decisive = C.check_margin(decisive, "decisive", margin)
     T = prompt.shape[0]
@@ -665,9 +694,9 @@ def check_cache(
     verdict = _overall(mode, reports)
     promoted = None
     if promote is not None:
-        promoted = check_cache(
+        promoted = _check_cache(
             model.promote(promote), prompt, steps, "control", scenarios, fast=fast, split=split, margin=margin,
-            decisive=decisive, continuation=tokens,
+            decisive=decisive, continuation=tokens, promote=None, follow="recompute", keep_logits=False,
         )  # fmt: skip
     elif mode == "control" and verdict == "inconclusive" and fmt in ("bfloat16", "float16"):
         notes.append(

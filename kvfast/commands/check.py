@@ -5,11 +5,29 @@ Imports ``PACKAGE.MODULE`` (the current directory is searched first), calls
 key=value``, repeatable, values read as Python literals where they parse, else
 as strings) to build a model under test (:mod:`kvfast.check.protocol`) or a
 Hugging Face causal LM, and runs :func:`kvfast.check_cache` on it. Prints the
-report. Exit code 0 when the check passes, 1 when it finds a divergence
-(exact) or a bug (control, or the float64 logic check of ``--promote``), 3
-when the control verdict is inconclusive (and no logic check cleared it), 2
-for bad input (a bad spec or argument, a module or factory that cannot be
-found, a model missing a method, bad logits, a bad prompt), before any work.
+report.
+
+Exit codes (:data:`EXIT_CODES`): 0 only when a report was printed and says
+pass; 1 when it finds a divergence (exact) or a bug (control, or the float64
+logic check of ``--promote``); 2 for bad input (a bad spec or argument, a
+module or factory that cannot be found, a factory that returns no model under
+test, a model missing a method, bad logits, a bad prompt), one line; 3 when
+the control verdict is inconclusive (and no logic check cleared it); 4 when
+the model under test, its factory or its module raised or exited
+(``SystemExit``, ``sys.exit(0)`` included, ``KeyboardInterrupt``, any other
+exception, ``os._exit``, a crash or a signal), one line naming the call and
+the exception; 5 when the check did not finish within ``--timeout``; 70 for a
+bug in kvfast (a traceback, the version and a line saying so); 130 when the
+user interrupts it (Ctrl-C).
+
+Isolation. The check runs in a child process (``python -c``, the same
+interpreter and ``sys.path``, its own session) that reports back through a
+file; this process only validates the arguments, waits and prints. A model
+that calls ``os._exit(0)`` or crashes ends the child without a report, which
+can never read as a pass; a hang past ``--timeout`` that the in-process timer
+cannot interrupt (C code) is ended by killing the child's process group, and
+the child kills its group when this process dies, so no process outlives the
+check.
 
 Built in: ``kvfast.check.hf:tiny_model`` (a tiny random Hugging Face model;
 ``--factory-arg family=gpt2 --factory-arg dtype=bfloat16``).
@@ -17,12 +35,39 @@ Built in: ``kvfast.check.hf:tiny_model`` (a tiny random Hugging Face model;
 
 from __future__ import annotations
 
+import argparse
 import ast
 import importlib
+import inspect
+import json
+import math
 import os
+import signal
+import subprocess
 import sys
+import tempfile
+import threading
+import time
+import traceback
 
+from kvfast.commands import EXIT_KVFAST_BUG, bug_line
 from kvfast.validation import not_allowed
+
+EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_INCONCLUSIVE, EXIT_MODEL, EXIT_TIMEOUT = 0, 1, 2, 3, 4, 5
+EXIT_INTERRUPTED = 130
+EXIT_CODES = {
+    EXIT_PASS: "pass: a report was printed and its verdict passes (`exact`; `rounding` in control mode)",
+    EXIT_FAIL: "a divergence (exact mode) or a `bug` (control mode, or the float64 logic check of `--promote`)",
+    EXIT_BAD_INPUT: "bad input, one line: an argument, the factory spec, a module that cannot be imported, "
+    "a factory that rejects its arguments or returns no model under test, bad logits, a bad prompt",
+    EXIT_INCONCLUSIVE: "control mode: `inconclusive`, and no float64 logic check cleared it",
+    EXIT_MODEL: "the model under test, its factory or its module raised or exited, one line naming the call "
+    "and the exception: `SystemExit` (`sys.exit(0)` too), `KeyboardInterrupt`, any exception, `os._exit`, a crash",
+    EXIT_TIMEOUT: "the check did not finish within `--timeout S` seconds, one line naming the call that hung",
+    EXIT_KVFAST_BUG: "a bug in kvfast: its traceback, the kvfast version and a line saying so",
+    EXIT_INTERRUPTED: "interrupted by the user (Ctrl-C); the check's processes were killed",
+}
+GRACE_S = 1.5  # after --timeout, the child's own timer has had this long to report before it is killed
 
 
 def add_parser(sub) -> None:
@@ -52,6 +97,13 @@ def add_parser(sub) -> None:
         "--promote", action="store_true", help="add the logic check: the same model in float64 (control mode)"
     )
     p.add_argument("--per-step", action="store_true", help="one recompute per step instead of the fast path")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help=f"give up after S seconds (import, factory and check; exit {EXIT_TIMEOUT})",
+    )
     p.set_defaults(func=run)
 
 
@@ -91,26 +143,68 @@ def load_factory(spec: str):
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"factory: {spec!r} is not allowed; allowed: PACKAGE.MODULE:FACTORY")
+    from kvfast.check.protocol import call_model
+
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
-        module = importlib.import_module(module_name)
+        module = call_model(
+            f"importing {module_name}", importlib.import_module, module_name, passthrough=(ImportError,)
+        )
     except ImportError as exc:
         raise ValueError(
             f"factory: module {module_name!r} cannot be imported ({exc}); allowed: an importable module"
         ) from exc
     obj = module
     for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"factory: {module_name!r} has no attribute {attr!r}; allowed: a callable in that module")
-        obj = getattr(obj, part)
+        try:
+            obj = call_model(f"{module_name}.{attr}", getattr, obj, part, passthrough=(AttributeError,))
+        except AttributeError:
+            raise ValueError(
+                f"factory: {module_name!r} has no attribute {attr!r}; allowed: a callable in that module"
+            ) from None
     if not callable(obj):
         raise ValueError(f"factory: {spec!r} is not callable; allowed: a function or class")
     return obj
 
 
-def run(args) -> int:
+def build_model(spec: str, factory_args: dict[str, object]):
+    """``FACTORY(**factory_args)`` for ``spec``; ``ValueError`` (bad input) if the arguments do not fit its
+    signature or the factory raises ``ValueError`` (its verdict on them), else
+    :class:`~kvfast.check.protocol.ModelUnderTestError` if the factory (or its module) raises or exits."""
+    from kvfast.check.protocol import call_model
+
+    factory = load_factory(spec)
+    try:
+        inspect.signature(factory).bind(**factory_args)
+    except TypeError as exc:
+        raise not_allowed("--factory-arg", factory_args, f"arguments {spec} takes ({exc})") from None
+    except ValueError:  # no signature to read (a builtin): the call decides
+        pass
+    call = f"{spec}({', '.join(f'{k}={v!r}' for k, v in factory_args.items())})"
+    try:
+        return call_model(f"the factory {call}", factory, **factory_args, passthrough=(ValueError,))
+    except ValueError as exc:  # by convention, the factory's verdict on its arguments: bad input
+        raise ValueError(f"{' '.join(str(exc).split())} (raised by the factory {call})") from exc
+
+
+def check_args(args) -> None:
+    """Every check of the arguments that needs no import (bad input before any work)."""
+    parse_prompt(args.prompt)
+    if args.continuation is not None:
+        parse_prompt(args.continuation, "--continuation")
+    parse_factory_args(args.factory_arg)
+    module_name, sep, attr = args.factory.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"factory: {args.factory!r} is not allowed; allowed: PACKAGE.MODULE:FACTORY")
+    if args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise not_allowed("--timeout", args.timeout, "a number of seconds > 0")
+
+
+def run_check(args, started: float | None = None) -> dict:
+    """The check itself (in the child): ``{"kind": ..., ...}`` for the parent (see :func:`child`)."""
     from kvfast.check.checker import check_cache
+    from kvfast.check.protocol import CheckTimeout, ModelUnderTestError, watched
 
     prompt = parse_prompt(args.prompt)
     continuation = None if args.continuation is None else parse_prompt(args.continuation, "--continuation")
@@ -119,18 +213,142 @@ def run(args) -> int:
     options = {name: getattr(args, name) for name in ("split", "margin", "decisive") if getattr(args, name) is not None}
     if args.promote:
         options["promote"] = "float64"
-    factory_args = parse_factory_args(args.factory_arg)
-    factory = load_factory(args.factory)
     try:
-        model = factory(**factory_args)
-    except TypeError as exc:
-        raise not_allowed("--factory-arg", factory_args, f"arguments {args.factory} takes ({exc})") from exc
-    report = check_cache(
-        model, prompt, steps, mode=args.mode, scenarios=scenarios, fast=not args.per_step,
-        continuation=continuation, **options,
-    )  # fmt: skip
-    print(report.format())
+        with watched(args.timeout, started):
+            model = build_model(args.factory, parse_factory_args(args.factory_arg))
+            report = check_cache(
+                model, prompt, steps, mode=args.mode, scenarios=scenarios, fast=not args.per_step,
+                continuation=continuation, **options,
+            )  # fmt: skip
+    except ValueError as exc:
+        return {"kind": "bad input", "line": str(exc)}
+    except ModelUnderTestError as exc:
+        return {"kind": "model", "line": f"the model under test failed: {exc}"}
+    except CheckTimeout as exc:
+        return {"kind": "timeout", "line": str(exc)}
     if report.passed:
-        return 0
-    bug = report.verdict in ("bug", "divergent") or (report.promoted is not None and not report.promoted.passed)
-    return 1 if bug else 3
+        code = EXIT_PASS
+    else:
+        bug = report.verdict in ("bug", "divergent") or (report.promoted is not None and not report.promoted.passed)
+        code = EXIT_FAIL if bug else EXIT_INCONCLUSIVE
+    return {"kind": "report", "text": report.format(), "code": code}
+
+
+BOOT = (
+    "import json, sys\n"
+    "with open(sys.argv[1]) as f:\n"
+    "    request = json.load(f)\n"
+    "sys.path[:] = request['path']\n"
+    "from kvfast.commands.check import child\n"
+    "child(request)\n"
+)
+
+
+def child(request: dict) -> None:
+    """The child process: run the check, write ``{"kind": ...}`` to ``request["result"]``, exit 0.
+
+    Kinds: ``report`` (``text``, ``code``), ``bad input``, ``model``, ``timeout`` (``line``), ``bug``
+    (``traceback``). Its process group dies with the parent (a watchdog reads the parent's pipe).
+    """
+
+    def watchdog(fd: int) -> None:
+        while os.read(fd, 1):
+            pass
+        os.killpg(os.getpgrp(), signal.SIGKILL)  # the parent is gone: take the model's processes along
+
+    threading.Thread(target=watchdog, args=(request["watch_fd"],), daemon=True).start()
+    args = argparse.Namespace(**request["args"])
+    try:
+        result = run_check(args, request["started"])
+    except KeyboardInterrupt as exc:  # nobody else signals this process (its own session): the model did
+        result = {"kind": "model", "line": f"the model under test failed: its process got {exc!r}"}
+    except BaseException:  # noqa: BLE001 - anything else is kvfast's own bug, reported with its traceback
+        result = {"kind": "bug", "traceback": traceback.format_exc()}
+    part = request["result"] + ".part"
+    with open(part, "w") as f:
+        json.dump(result, f)
+    os.replace(part, request["result"])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # no atexit hook or finalizer of the model runs after the report
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _ended(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"killed by signal {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit status {returncode}"
+
+
+def run(args) -> int:
+    check_args(args)
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="kvfast-check-") as tmp:
+        watch_read, watch_write = os.pipe()
+        request = {
+            "args": {k: v for k, v in vars(args).items() if k != "func"},
+            "path": [str(p) for p in sys.path],
+            "result": os.path.join(tmp, "result.json"),
+            "watch_fd": watch_read,
+            "started": started,
+        }
+        with open(os.path.join(tmp, "request.json"), "w") as f:
+            json.dump(request, f)
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-c", BOOT, os.path.join(tmp, "request.json")],
+                pass_fds=(watch_read,),
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        finally:
+            os.close(watch_read)
+        try:
+            limit = None if args.timeout is None else args.timeout + GRACE_S - (time.time() - started)
+            proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc.pid)
+            proc.wait()
+            print(
+                f"kvfast: error: the check did not finish within {args.timeout:g} s and could not be interrupted "
+                "(the model under test is stuck outside Python); its processes were killed",
+                file=sys.stderr,
+            )
+            return EXIT_TIMEOUT
+        except KeyboardInterrupt:
+            _kill_group(proc.pid)
+            proc.wait()
+            print("kvfast: interrupted; the check's processes were killed", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        finally:
+            _kill_group(proc.pid)  # whatever the model left running in the child's session
+            os.close(watch_write)
+        try:
+            with open(request["result"]) as f:
+                result = json.load(f)
+        except FileNotFoundError:
+            print(
+                f"kvfast: error: the model under test ended the check's process without a report "
+                f"({_ended(proc.returncode)}: os._exit, a crash or a signal); nothing was checked to the end",
+                file=sys.stderr,
+            )
+            return EXIT_MODEL
+    kind = result["kind"]
+    if kind == "report":
+        print(result["text"])
+        return int(result["code"])
+    if kind == "bug":
+        print(result["traceback"], end="", file=sys.stderr)
+        print(bug_line(), file=sys.stderr)
+        return EXIT_KVFAST_BUG
+    print(f"kvfast: error: {result['line']}", file=sys.stderr)
+    return {"bad input": EXIT_BAD_INPUT, "model": EXIT_MODEL, "timeout": EXIT_TIMEOUT}[kind]
