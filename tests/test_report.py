@@ -134,6 +134,26 @@ vocab = 5
 seq_len = 3
 seed = 0
 """,
+    "check": """
+[fixed]
+factory = "kvfast.studies.check:kvfast_model"
+n_layer = 1
+n_head = 1
+d_model = 8
+d_ff = 8
+vocab = 8
+preset = "f64"
+order = "sequential"
+attention = "standard"
+prompt_seed = 0
+prompt_len = 3
+steps = 3
+scenarios = "decode"
+seed = 0
+[axes]
+bug = ["none", "posfrozen"]
+mode = ["exact"]
+""",
 }
 
 
