@@ -203,7 +203,7 @@ def cmd_show(args) -> int:
 def _claims(study, df: pd.DataFrame) -> pd.DataFrame:
     from kvfast.report.claims import COLUMNS, study_claims
 
-    return study_claims(study.name, df)[COLUMNS]
+    return study_claims(study, df)[COLUMNS]
 
 
 def _study_grid(name: str):

@@ -13,16 +13,23 @@ import numpy as np
 import pandas as pd
 
 from kvfast.studies import STUDIES
+from kvfast.studies.base import Study
 
 COLUMNS = ["study", "claim", "seed", "kvfast", "holds", "criterion"]
 COUNT_COLUMNS = ["conditions", "conditions_hold"]
 
 
-def study_claims(name: str, df: pd.DataFrame) -> pd.DataFrame:
+def study_claims(study: str | Study, df: pd.DataFrame) -> pd.DataFrame:
     """One study's claims on its runs ``df``, as rows of :data:`COLUMNS` + :data:`COUNT_COLUMNS`.
 
-    A study whose ``claims`` raises gives one row that does not hold and names the error."""
-    study = STUDIES[name]
+    ``study`` is a built-in study's name or a :class:`Study` (a user's own); a study without
+    ``claims`` gives no rows. A study whose ``claims`` raises gives one row that does not hold and
+    names the error."""
+    if isinstance(study, str):
+        study = STUDIES[study]
+    name = study.name
+    if study.claims is None:
+        return pd.DataFrame(columns=COLUMNS + COUNT_COLUMNS)
     try:
         rows = [
             {
