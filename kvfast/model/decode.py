@@ -159,7 +159,7 @@ def decode_step(
     if pos != cache.length:
         raise ValueError(f"pos: {pos} is not the cache's next position; allowed: {cache.length}")
     cache.require_fits(config, numerics, 1)
-    w = Weights.prepare(config, params, numerics)
+    w = Weights.cached(config, params, numerics)
     return decode_prepared(config, w, cache, token, numerics, code)
 
 
@@ -200,7 +200,7 @@ def generate(
             f"decode_numerics.storage: {decode_nx.storage!r} differs from numerics.storage "
             f"{numerics.storage!r}; allowed: the same storage (the cache is shared)"
         )
-    w = Weights.prepare(config, params, numerics)
+    w = Weights.cached(config, params, numerics)
     return generate_prepared(config, w, prompt, steps, numerics, use_cache, code, decode_nx)
 
 
