@@ -26,9 +26,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvfast.kernels.precision import round_array
+from kvfast.kernels.precision import F64, round_array
 from kvfast.model import layers as L
 from kvfast.model.cache import KVCache
+from kvfast.model.compiled import forward_entry
 from kvfast.model.config import ModelConfig, require_params
 from kvfast.model.validate import require_config, require_numerics, require_tokens
 from kvfast.numerics import Numerics
@@ -66,7 +67,10 @@ class Weights:
         storage = numerics.codes[0]
         # a read-only array (frozen by `cached`) is copied first: Numba would compile round_array
         # once more for read-only arrays, a type of their own
-        named = {name: round_array(a if a.flags.writeable else a.copy(), storage) for name, a in checked.items()}
+        if storage == F64:  # rounding to f64 is the identity: a copy has the same bits, and needs no kernel
+            named = {name: np.array(a, dtype=np.float64) for name, a in checked.items()}
+        else:
+            named = {name: round_array(a if a.flags.writeable else a.copy(), storage) for name, a in checked.items()}
 
         def stacked(short: str) -> np.ndarray:
             if short in named:  # not per layer
@@ -170,7 +174,28 @@ def forward_prepared(
     With a cache, rows sit at positions ``cache.length ..``, their K/V are
     appended to it and attention reads the cache. ``tape`` collects what the
     backward pass needs; ``trace`` collects the residual stream and K, V per layer.
+    Without a tape it runs in one compiled call
+    (:func:`kvfast.model.compiled.forward_kernel`); with one, layer by layer in
+    :func:`forward_layers`. Both run the same kernels in the same order, so the
+    logits are the same bits.
     """
+    if tape is None:
+        return _forward_compiled(config, w, tokens, numerics, cache, causal, trace)
+    return forward_layers(config, w, tokens, numerics, cache, causal, tape, trace)
+
+
+def forward_layers(
+    config: ModelConfig,
+    w: Weights,
+    tokens: np.ndarray,
+    numerics: Numerics,
+    cache: KVCache | None = None,
+    causal: bool = True,
+    tape: Tape | None = None,
+    trace: dict | None = None,
+) -> np.ndarray:
+    """:func:`forward_prepared` one layer function at a time, from Python: the textbook forward, and
+    the one that keeps a ``tape`` for the backward."""
     nx = numerics.codes
     if tape is not None and numerics.attention != "standard":
         raise ValueError(
@@ -217,6 +242,38 @@ def forward_prepared(
     logits = L.linear_forward(hf, p["w_out"], nx)
     if tape is not None:
         tape.head = HeadTape(x, hf, invf, positions)
+    if cache is not None:
+        cache.advance(T, prefill=True)
+    return logits
+
+
+def _forward_compiled(
+    config: ModelConfig,
+    w: Weights,
+    tokens: np.ndarray,
+    numerics: Numerics,
+    cache: KVCache | None,
+    causal: bool,
+    trace: dict | None,
+) -> np.ndarray:
+    """:func:`forward_prepared` without a tape, in one compiled call
+    (:func:`kvfast.model.compiled.forward_kernel`: the same kernels in the same order)."""
+    storage, acc, order = numerics.codes
+    attn, attn_block = numerics.attention_codes
+    T, d, n_layer = tokens.shape[0], config.d_model, config.n_layer
+    if cache is not None:
+        pos0, kc, vc = cache.length, cache.k, cache.v  # the kernel stores rows pos0 .. pos0+T-1
+    else:
+        pos0, kc, vc = 0, np.empty((n_layer, T, d)), np.empty((n_layer, T, d))
+    resid = np.empty((n_layer + 1, T, d)) if trace is not None else np.empty((0, 0, 0))
+    logits = np.empty((T, config.vocab))
+    forward_entry(storage, acc)(
+        w.stacked, config.n_head, config.eps, tokens, pos0, kc, vc, causal, order, attn, attn_block, logits, resid
+    )
+    if trace is not None:
+        trace["resid"] = list(resid)
+        trace["k"] = [kc[layer, pos0 : pos0 + T] for layer in range(n_layer)]
+        trace["v"] = [vc[layer, pos0 : pos0 + T] for layer in range(n_layer)]
     if cache is not None:
         cache.advance(T, prefill=True)
     return logits
