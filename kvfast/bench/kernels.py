@@ -29,8 +29,10 @@ Sections, printed as Markdown tables:
    squares on log-log (:func:`growth_exponent`).
 5. **compile**: a cold start (a fresh interpreter with an empty
    ``NUMBA_CACHE_DIR`` in a temporary directory: import kvfast, run one
-   ``generate``, which compiles every kernel it needs) and a warm start (the
-   same in another fresh interpreter using that now filled cache).
+   ``generate`` in f64, which compiles the f64 entries of the forward and the
+   decode step, and the kernels they call) and a warm start (the same in
+   another fresh interpreter using that now filled cache), and the part of a
+   warm start that Numba's BLAS probe costs (importing ``scipy.linalg``).
 
 Timing: every figure is a median over ``repeats`` samples. In sections 1 to 4
 the candidates of one row are timed in interleaved rounds (one sample of each
@@ -455,7 +457,21 @@ def bench_compile(repeats: int) -> dict:
     print(f"| cold (empty cache) | 1 | {cold['cpu']:.2f} | {cold['wall']:.2f} | {cold['process_wall']:.2f} |")
     print(f"| warm (cached) | {repeats} | {med['cpu']:.2f} | {med['wall']:.2f} | {med['process_wall']:.2f} |")
     print(f"\ncold / warm (CPU): {cold['cpu'] / med['cpu']:.0f}x", flush=True)
-    return {"cold": cold, "warm": med}
+    probe = statistics.median(_blas_probe_cpu() for _ in range(repeats))
+    print(
+        f"Of the warm start, Numba's BLAS probe (it imports scipy.linalg.cython_blas when its CPU target"
+        f" starts; numpy already imported): {probe:.2f} s CPU (median of {repeats} fresh interpreters).",
+        flush=True,
+    )
+    return {"cold": cold, "warm": med, "blas_probe_cpu": probe}
+
+
+def _blas_probe_cpu() -> float:
+    """CPU seconds a fresh interpreter spends importing ``scipy.linalg.cython_blas`` after numpy."""
+    code = "import time, numpy\nc = time.process_time()\nimport scipy.linalg.cython_blas\n"
+    code += "print(time.process_time() - c)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=600)
+    return float(out.stdout.strip().splitlines()[-1])
 
 
 def main(repeats: int = 5, sections: Sequence[str] = SECTIONS) -> int:

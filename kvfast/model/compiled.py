@@ -20,7 +20,9 @@ values it closes over).
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import sys
 
 import numba as nb
 import numpy as np
@@ -32,6 +34,43 @@ from kvfast.kernels.jit import JIT_OPTIONS
 from kvfast.kernels.matmul import NARROW_MIN_ROWS, _as_f32, _product, matmul_into
 from kvfast.kernels.precision import BF16, F64, rnd
 from kvfast.kernels.rowops import add_into, embed_into, rmsnorm_into, silu_into
+
+
+def _numba_blas_probe_without_importing_scipy() -> None:
+    """Let Numba's CPU target start without importing ``scipy.linalg`` (0.13-0.15 s of a warm start).
+
+    When its CPU target starts, Numba imports ``numba.np.arraymath``, which
+    probes for a BLAS by importing ``scipy.linalg.cython_blas`` (its
+    ``_HAVE_BLAS``, used only to pick how ``np.correlate``-style inner products
+    are compiled). No kvfast kernel calls a BLAS. Here, before the target
+    starts, that module is imported with the probe answering whether scipy
+    is installed (``importlib.util.find_spec``, no import); the real probe is
+    put back at once, so any later use of a BLAS in jitted code (``np.dot``)
+    still imports scipy and checks it when that code is compiled. Nothing
+    happens if the target started already or Numba's layout differs.
+    """
+    if "numba.np.arraymath" in sys.modules:
+        return
+    try:
+        from numba.np import linalg
+    except ImportError:  # pragma: no cover - another Numba layout
+        return
+    probe = getattr(linalg, "ensure_blas", None)
+    if probe is None:  # pragma: no cover
+        return
+
+    def scipy_is_installed() -> None:
+        if importlib.util.find_spec("scipy") is None:
+            raise ImportError("scipy 0.16+ is required for linear algebra")
+
+    linalg.ensure_blas = scipy_is_installed
+    try:
+        import numba.np.arraymath  # noqa: F401
+    finally:
+        linalg.ensure_blas = probe
+
+
+_numba_blas_probe_without_importing_scipy()
 
 # helpers made inside an overload: compiled into their caller (and cached with it), never alone
 _INNER = {k: v for k, v in JIT_OPTIONS.items() if k != "cache"}
