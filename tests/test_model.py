@@ -291,3 +291,47 @@ def test_kv_cache_append_advance_truncate():
     assert cache.length == 2
     with pytest.raises(ValueError, match=r"length: 3 is not allowed; allowed: an integer >= 0, <= 2"):
         cache.truncate(3)
+
+
+# --- the public functions' cache of prepared weights -------------------------------------------
+
+
+def test_public_functions_reuse_prepared_weights_and_never_serve_stale_ones():
+    from kvfast.model.transformer import Weights
+
+    cfg = ModelConfig(vocab=17, d_model=8, n_head=2, n_layer=2, d_ff=16, max_pos=24)
+    params = init_params(cfg, 3)
+    tokens = np.arange(6)
+    nx = Numerics.preset("bf16")
+    before = forward(cfg, params, tokens, nx)
+    w = Weights.cached(cfg, params, nx)
+    assert Weights.cached(cfg, params, nx) is w  # reused: no rounding per call
+    assert all(not a.flags.writeable for a in params.values())  # frozen while cached
+    with pytest.raises(ValueError, match="read-only"):
+        params["h1.wq"] += 1.0  # an in-place update cannot go unseen: it is refused
+    # updating in place after turning writing back on: the next call prepares afresh
+    params["h1.wq"].flags.writeable = True
+    params["h1.wq"] *= 2.0
+    fresh = {k: v.copy() for k, v in params.items()}
+    after = forward(cfg, params, tokens, nx)
+    assert Weights.cached(cfg, params, nx) is not w
+    assert same_bits(after, forward(cfg, fresh, tokens, nx))
+    assert not same_bits(after, before)
+    # a new array in the dict: prepared afresh
+    params["gf"] = params["gf"] * 0.5
+    copies = {k: v.copy() for k, v in params.items()}
+    assert same_bits(forward(cfg, params, tokens, nx), forward(cfg, copies, tokens, nx))
+    # views are never cached nor frozen (their owner could be written)
+    owner = params["wte"].copy()
+    params["wte"] = owner[:, :]
+    first = forward(cfg, params, tokens, nx)
+    assert params["wte"].flags.writeable and owner.flags.writeable
+    owner[tokens] += 1.0
+    assert not same_bits(forward(cfg, params, tokens, nx), first)
+    # decode_step and generate go through the same cache
+    cache = KVCache.empty(cfg, nx)
+    forward(cfg, params, tokens[:3], nx, cache)
+    params["wte"] = owner  # owns its memory again
+    row = decode_step(cfg, params, cache, int(tokens[3]), 3, nx)
+    assert not params["wte"].flags.writeable
+    assert same_bits(row, forward(cfg, {k: v.copy() for k, v in params.items()}, tokens[:4], nx)[-1])

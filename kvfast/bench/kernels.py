@@ -17,17 +17,22 @@ Sections, printed as Markdown tables:
    (:func:`kvfast.kernels.attention.attention_into`), against
    :func:`numpy_attention` (float64, BLAS); cells are ms and NumPy time / kernel time.
 3. **decode**: one decode step at position L-1 over a cache of L-1 positions
-   against a full forward of L tokens, on the internal entry points
-   (``decode_prepared`` / ``forward_prepared`` on prepared ``Weights``, no validation) and
-   on the public ones (``decode_step`` / ``forward``, which validate and round
-   the parameters on every call).
+   against a full forward of L tokens, through the compiled entry points
+   (``decode_prepared`` / ``forward_prepared`` on prepared ``Weights``, no
+   validation, one compiled call each), through the public ones
+   (``decode_step`` / ``forward``: validation and the cached prepared weights,
+   ``Weights.cached``), and the forward layer by layer from Python
+   (``forward_layers``, one call per kernel per layer), with the ratios
+   public / compiled (issue 13's target: at most 1.5) and layers / compiled.
 4. **growth**: a decode step against the cache length and a forward against
    T, at four sizes, with the exponent p of time ~ size^p fitted by least
    squares on log-log (:func:`growth_exponent`).
 5. **compile**: a cold start (a fresh interpreter with an empty
    ``NUMBA_CACHE_DIR`` in a temporary directory: import kvfast, run one
-   ``generate``, which compiles every kernel it needs) and a warm start (the
-   same in another fresh interpreter using that now filled cache).
+   ``generate`` in f64, which compiles the f64 entries of the forward and the
+   decode step, and the kernels they call) and a warm start (the same in
+   another fresh interpreter using that now filled cache), and what Numba's
+   BLAS probe (importing ``scipy.linalg``), which kvfast avoids, would add.
 
 Timing: every figure is a median over ``repeats`` samples. In sections 1 to 4
 the candidates of one row are timed in interleaved rounds (one sample of each
@@ -369,20 +374,27 @@ def bench_growth(repeats: int) -> dict:
 
 
 def bench_decode(repeats: int) -> list[dict]:
-    """One decode step against a full forward of the same length; prints a table."""
+    """One decode step against a full forward of the same length, each through its compiled entry
+    and through the public function, and the forward layer by layer from Python; prints a table."""
     from kvfast import ModelConfig, Numerics, decode_step, forward, init_params
     from kvfast.model.cache import KVCache
     from kvfast.model.decode import decode_prepared
-    from kvfast.model.transformer import Weights, forward_prepared
+    from kvfast.model.transformer import Weights, forward_layers, forward_prepared
 
     config = ModelConfig(**DECODE_CONFIG)
     params = init_params(config, 0)
     rng = np.random.default_rng(1)
     shape = ", ".join(f"{k} {v}" for k, v in DECODE_CONFIG.items() if k != "max_pos")
     print(f"Model: {shape}. Decode: one step at position L-1 over a cache of L-1; forward: all L positions.")
+    print("compiled: decode_prepared / forward_prepared on prepared Weights (one compiled call each);")
+    print("public: decode_step / forward (validation, the cached prepared weights); layers: forward_layers")
+    print("(the layer-by-layer forward from Python, one call per kernel per layer, as before issue 13).")
     print()
-    print("| preset | L | API | decode ms | forward ms | forward / decode |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| preset | L | decode compiled ms | decode public ms | public / compiled | forward compiled ms"
+        " | forward public ms | forward layers ms | layers / compiled | forward / decode (compiled) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for preset in DECODE_PRESETS:
         nx = Numerics.preset(preset)
@@ -393,7 +405,7 @@ def bench_decode(repeats: int) -> list[dict]:
             forward_prepared(config, w, tokens[: L - 1], nx, cache)
             last = int(tokens[-1])
 
-            def internal_decode(cache=cache, w=w, nx=nx, last=last, L=L):
+            def compiled_decode(cache=cache, w=w, nx=nx, last=last, L=L):
                 cache.truncate(L - 1)
                 return decode_prepared(config, w, cache, last, nx)
 
@@ -402,16 +414,22 @@ def bench_decode(repeats: int) -> list[dict]:
                 return decode_step(config, params, cache, last, L - 1, nx)
 
             fns = {
-                "internal decode": internal_decode,
-                "internal forward": lambda w=w, t=tokens, nx=nx: forward_prepared(config, w, t, nx),
-                "public decode": public_decode,
-                "public forward": lambda t=tokens, nx=nx: forward(config, params, t, nx),
+                "decode compiled": compiled_decode,
+                "decode public": public_decode,
+                "forward compiled": lambda w=w, t=tokens, nx=nx: forward_prepared(config, w, t, nx),
+                "forward public": lambda t=tokens, nx=nx: forward(config, params, t, nx),
+                "forward layers": lambda w=w, t=tokens, nx=nx: forward_layers(config, w, t, nx),
             }
-            times = time_interleaved(fns, repeats)
-            for api in ("internal", "public"):
-                dec, fwd = times[f"{api} decode"].cpu, times[f"{api} forward"].cpu
-                rows.append({"preset": preset, "L": L, "api": api, "decode_s": dec, "forward_s": fwd})
-                print(f"| {preset} | {L} | {api} | {dec * 1e3:.3f} | {fwd * 1e3:.3f} | {fwd / dec:.1f} |", flush=True)
+            times = {name: t.cpu for name, t in time_interleaved(fns, repeats).items()}
+            row = {"preset": preset, "L": L, **{name.replace(" ", "_") + "_s": t for name, t in times.items()}}
+            rows.append(row)
+            dc, dp = times["decode compiled"], times["decode public"]
+            fc, fp, fl = times["forward compiled"], times["forward public"], times["forward layers"]
+            print(
+                f"| {preset} | {L} | {dc * 1e3:.3f} | {dp * 1e3:.3f} | {dp / dc:.2f} | {fc * 1e3:.3f} | {fp * 1e3:.3f}"
+                f" | {fl * 1e3:.3f} | {fl / fc:.2f} | {fc / dc:.1f} |",
+                flush=True,
+            )
     return rows
 
 
@@ -439,7 +457,22 @@ def bench_compile(repeats: int) -> dict:
     print(f"| cold (empty cache) | 1 | {cold['cpu']:.2f} | {cold['wall']:.2f} | {cold['process_wall']:.2f} |")
     print(f"| warm (cached) | {repeats} | {med['cpu']:.2f} | {med['wall']:.2f} | {med['process_wall']:.2f} |")
     print(f"\ncold / warm (CPU): {cold['cpu'] / med['cpu']:.0f}x", flush=True)
-    return {"cold": cold, "warm": med}
+    probe = statistics.median(_blas_probe_cpu() for _ in range(repeats))
+    print(
+        f"Numba's BLAS probe as Numba runs it (importing scipy.linalg.cython_blas when its CPU target starts,"
+        f" numpy already imported), which kvfast.model.compiled answers without that import: {probe:.2f} s CPU"
+        f" saved per warm start (median of {repeats} fresh interpreters).",
+        flush=True,
+    )
+    return {"cold": cold, "warm": med, "blas_probe_cpu": probe}
+
+
+def _blas_probe_cpu() -> float:
+    """CPU seconds a fresh interpreter spends importing ``scipy.linalg.cython_blas`` after numpy."""
+    code = "import time, numpy\nc = time.process_time()\nimport scipy.linalg.cython_blas\n"
+    code += "print(time.process_time() - c)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=600)
+    return float(out.stdout.strip().splitlines()[-1])
 
 
 def main(repeats: int = 5, sections: Sequence[str] = SECTIONS) -> int:

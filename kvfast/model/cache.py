@@ -1,10 +1,10 @@
 """The KV cache: per layer, the keys and values of every position seen so far.
 
-:class:`KVCache` owns its bookkeeping: the batched forward stores rows with
+:class:`KVCache` owns its bookkeeping: the layer-by-layer forward stores rows with
 :meth:`KVCache.append` and moves ``length`` with :meth:`KVCache.advance`; the
-decode path hands ``k``/``v`` to the compiled decode kernel (which stores the
-new position's row in place) and moves ``length`` with :meth:`KVCache.advance`
-too. Nothing else assigns ``length`` or ``prefill_len``.
+compiled forward and decode kernels get ``k``/``v`` (and store the new rows
+in place) and ``length`` moves with :meth:`KVCache.advance` too. Nothing else
+assigns ``length`` or ``prefill_len``.
 """
 
 from __future__ import annotations

@@ -14,12 +14,12 @@ import numpy as np
 
 from kvfast.kernels.attention import STANDARD, attend_row, attend_row_blocked
 from kvfast.kernels.jit import JIT_OPTIONS
-from kvfast.kernels.matmul import matmul_into
 from kvfast.kernels.precision import rnd
 from kvfast.kernels.reduce import STACK_DEPTH, new_stack
 from kvfast.kernels.rowops import rmsnorm_row, silu
 from kvfast.model import bugs as B
 from kvfast.model.cache import KVCache
+from kvfast.model.compiled import _store_rows, linear_into
 from kvfast.model.config import ModelConfig
 from kvfast.model.transformer import StackedWeights, Weights, forward_prepared
 from kvfast.model.validate import require_config, require_numerics, require_token, require_tokens
@@ -27,7 +27,7 @@ from kvfast.numerics import Numerics
 from kvfast.validation import require_int
 
 
-@nb.njit(**JIT_OPTIONS)
+@nb.njit(**JIT_OPTIONS, inline="always")
 def decode_kernel(
     w: StackedWeights, n_head, eps, kc, vc, length, prefill_len, token, pos,
     storage, acc, order, bug, window, logits, attn=0, attn_block=0,
@@ -82,15 +82,15 @@ def decode_kernel(
         x[0, j] = rnd(w.wte[token, j] + w.wpe[p, j], storage)
     for layer in range(n_layer):
         rmsnorm_row(x, 0, w.g1[layer], eps, storage, acc, order, h, 0, sstack)
-        matmul_into(h, w.wq[layer], storage, acc, order, q)
-        matmul_into(h, w.wk[layer], storage, acc, order, k)
-        matmul_into(h, w.wv[layer], storage, acc, order, v)
+        linear_into(h, w.wq[layer], storage, acc, order, q)
+        linear_into(h, w.wk[layer], storage, acc, order, k)
+        linear_into(h, w.wv[layer], storage, acc, order, v)
         if bug == B.KVSWAP:
-            kc[layer, slot] = v[0]  # kvswap
-            vc[layer, slot] = k[0]
+            _store_rows(kc[layer], slot, v)  # kvswap
+            _store_rows(vc[layer], slot, k)
         else:
-            kc[layer, slot] = k[0]
-            vc[layer, slot] = v[0]
+            _store_rows(kc[layer], slot, k)
+            _store_rows(vc[layer], slot, v)
         if attn == STANDARD:
             attend_row(
                 q, 0, kc[layer], vc[layer], lo, hi, n_head, scale, storage, acc, order,
@@ -101,19 +101,42 @@ def decode_kernel(
                 q, 0, kc[layer], vc[layer], lo, hi, lo, hi, n_head, scale, storage, acc, order, attn, attn_block,
                 y, 0, scratch, sstack, vstack,
             )  # fmt: skip
-        matmul_into(y, w.wo[layer], storage, acc, order, o)
+        linear_into(y, w.wo[layer], storage, acc, order, o)
         for j in range(d):
             x[0, j] = rnd(x[0, j] + o[0, j], storage)
         rmsnorm_row(x, 0, w.g2[layer], eps, storage, acc, order, h, 0, sstack)
-        matmul_into(h, w.w1[layer], storage, acc, order, u)
+        linear_into(h, w.w1[layer], storage, acc, order, u)
         for j in range(f):
             a[0, j] = rnd(silu(u[0, j]), storage)
-        matmul_into(a, w.w2[layer], storage, acc, order, o)
+        linear_into(a, w.w2[layer], storage, acc, order, o)
         for j in range(d):
             x[0, j] = rnd(x[0, j] + o[0, j], storage)
     rmsnorm_row(x, 0, w.gf, eps, storage, acc, order, h, 0, sstack)
-    matmul_into(h, w.w_out, storage, acc, order, logits)
+    linear_into(h, w.w_out, storage, acc, order, logits)
     return new_length
+
+
+_DECODE_ENTRIES: dict = {}
+
+
+def decode_entry(storage: int, acc: int):
+    """The compiled decode step for one (storage, accumulator) pair: :func:`decode_kernel` with the two
+    formats as constants (see :mod:`kvfast.model.compiled`); arguments as ``decode_kernel`` without
+    ``storage`` and ``acc``."""
+    entry = _DECODE_ENTRIES.get((storage, acc))
+    if entry is None:
+        s_, a_ = int(storage), int(acc)
+
+        @nb.njit(**JIT_OPTIONS)
+        def decode_format(w, n_head, eps, kc, vc, length, prefill_len, token, pos, order, bug, window, logits, attn,
+                          attn_block):  # fmt: skip
+            return decode_kernel(
+                w, n_head, eps, kc, vc, length, prefill_len, token, pos, s_, a_, order, bug, window, logits, attn,
+                attn_block,
+            )  # fmt: skip
+
+        entry = _DECODE_ENTRIES[(storage, acc)] = decode_format
+    return entry
 
 
 def decode_prepared(
@@ -123,9 +146,9 @@ def decode_prepared(
     storage, acc, order = numerics.codes
     attn, attn_block = numerics.attention_codes
     logits = np.empty((1, config.vocab))
-    new_length = decode_kernel(
+    new_length = decode_entry(storage, acc)(
         w.stacked, config.n_head, config.eps, cache.k, cache.v, cache.length, cache.prefill_len,
-        token, cache.length, storage, acc, order, bug, B.EVICT_WINDOW, logits, attn, attn_block,
+        token, cache.length, order, bug, B.EVICT_WINDOW, logits, attn, attn_block,
     )  # fmt: skip
     cache.advance(new_length - cache.length)
     return logits[0]
@@ -159,7 +182,7 @@ def decode_step(
     if pos != cache.length:
         raise ValueError(f"pos: {pos} is not the cache's next position; allowed: {cache.length}")
     cache.require_fits(config, numerics, 1)
-    w = Weights.prepare(config, params, numerics)
+    w = Weights.cached(config, params, numerics)
     return decode_prepared(config, w, cache, token, numerics, code)
 
 
@@ -200,7 +223,7 @@ def generate(
             f"decode_numerics.storage: {decode_nx.storage!r} differs from numerics.storage "
             f"{numerics.storage!r}; allowed: the same storage (the cache is shared)"
         )
-    w = Weights.prepare(config, params, numerics)
+    w = Weights.cached(config, params, numerics)
     return generate_prepared(config, w, prompt, steps, numerics, use_cache, code, decode_nx)
 
 

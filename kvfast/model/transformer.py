@@ -26,9 +26,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvfast.kernels.precision import round_array
+from kvfast.kernels.precision import F64, round_array
 from kvfast.model import layers as L
 from kvfast.model.cache import KVCache
+from kvfast.model.compiled import forward_entry
 from kvfast.model.config import ModelConfig, require_params
 from kvfast.model.validate import require_config, require_numerics, require_tokens
 from kvfast.numerics import Numerics
@@ -64,7 +65,12 @@ class Weights:
         """Validate ``params`` against ``config`` and round them to ``numerics.storage``."""
         checked = require_params(config, params)
         storage = numerics.codes[0]
-        named = {name: round_array(arr, storage) for name, arr in checked.items()}
+        # a read-only array (frozen by `cached`) is copied first: Numba would compile round_array
+        # once more for read-only arrays, a type of their own
+        if storage == F64:  # rounding to f64 is the identity: a copy has the same bits, and needs no kernel
+            named = {name: np.array(a, dtype=np.float64) for name, a in checked.items()}
+        else:
+            named = {name: round_array(a if a.flags.writeable else a.copy(), storage) for name, a in checked.items()}
 
         def stacked(short: str) -> np.ndarray:
             if short in named:  # not per layer
@@ -72,6 +78,50 @@ class Weights:
             return np.ascontiguousarray(np.stack([named[f"h{i}.{short}"] for i in range(config.n_layer)]))
 
         return cls(named, StackedWeights(*(stacked(short) for short in StackedWeights._fields)))
+
+    @classmethod
+    def cached(cls, config: ModelConfig, params: dict, numerics: Numerics) -> Weights:
+        """:meth:`prepare`, reused while ``params`` holds the same arrays, unchanged.
+
+        The public functions call this, so a loop of ``decode_step`` calls rounds
+        the parameters once, not once per call. Stale weights are made
+        impossible rather than looked for: after preparing, every array of
+        ``params`` is made read-only (``arr.flags.writeable = False``), so an in-place
+        update (``params["h0.wq"] += ...``) raises numpy's "assignment
+        destination is read-only" instead of changing the values silently. A
+        call finds the prepared weights again only if ``params`` holds the very
+        same array objects, in the same order (the cache keeps them alive, so
+        their ids cannot be taken by others), and every one is still
+        read-only; a user who sets ``writeable = True`` again (to update in
+        place) or puts new arrays in the dict gets freshly prepared weights on
+        the next call. Arrays that do not own their memory (views of another
+        array, whose owner could still be written) are never cached: their
+        weights are prepared on every call. What goes unseen: writing through a
+        view made before the first call (it keeps its own flag), or setting the
+        flag on, writing and setting it off again between two calls. A hit
+        costs one id and one flag read per array.
+        """
+        arrays = tuple(params.values()) if isinstance(params, dict) else ()
+        key = (config, numerics.storage, tuple(map(id, arrays)))
+        entry = _WEIGHTS_CACHE.get(key)
+        if entry is not None and not any(a.flags.writeable for a in entry[0]):
+            return entry[1]
+        w = cls.prepare(config, params, numerics)
+        if all(a.base is None for a in arrays):  # prepare checked they are arrays
+            for a in arrays:
+                a.flags.writeable = False
+            _WEIGHTS_CACHE.pop(key, None)
+            while len(_WEIGHTS_CACHE) >= _WEIGHTS_CACHE_SIZE:
+                del _WEIGHTS_CACHE[next(iter(_WEIGHTS_CACHE))]
+            _WEIGHTS_CACHE[key] = (arrays, w)
+        return w
+
+
+# Prepared weights of the last parameter sets the public functions saw, keyed by (config, storage,
+# the ids of the arrays in dict order): (the arrays, Weights). An entry keeps its arrays alive, so no
+# other array can take one of their ids while it is here.
+_WEIGHTS_CACHE: dict[tuple, tuple[tuple, Weights]] = {}
+_WEIGHTS_CACHE_SIZE = 8
 
 
 class LayerTape(NamedTuple):
@@ -124,7 +174,28 @@ def forward_prepared(
     With a cache, rows sit at positions ``cache.length ..``, their K/V are
     appended to it and attention reads the cache. ``tape`` collects what the
     backward pass needs; ``trace`` collects the residual stream and K, V per layer.
+    Without a tape it runs in one compiled call
+    (:func:`kvfast.model.compiled.forward_kernel`); with one, layer by layer in
+    :func:`forward_layers`. Both run the same kernels in the same order, so the
+    logits are the same bits.
     """
+    if tape is None:
+        return _forward_compiled(config, w, tokens, numerics, cache, causal, trace)
+    return forward_layers(config, w, tokens, numerics, cache, causal, tape, trace)
+
+
+def forward_layers(
+    config: ModelConfig,
+    w: Weights,
+    tokens: np.ndarray,
+    numerics: Numerics,
+    cache: KVCache | None = None,
+    causal: bool = True,
+    tape: Tape | None = None,
+    trace: dict | None = None,
+) -> np.ndarray:
+    """:func:`forward_prepared` one layer function at a time, from Python: the textbook forward, and
+    the one that keeps a ``tape`` for the backward."""
     nx = numerics.codes
     if tape is not None and numerics.attention != "standard":
         raise ValueError(
@@ -176,6 +247,38 @@ def forward_prepared(
     return logits
 
 
+def _forward_compiled(
+    config: ModelConfig,
+    w: Weights,
+    tokens: np.ndarray,
+    numerics: Numerics,
+    cache: KVCache | None,
+    causal: bool,
+    trace: dict | None,
+) -> np.ndarray:
+    """:func:`forward_prepared` without a tape, in one compiled call
+    (:func:`kvfast.model.compiled.forward_kernel`: the same kernels in the same order)."""
+    storage, acc, order = numerics.codes
+    attn, attn_block = numerics.attention_codes
+    T, d, n_layer = tokens.shape[0], config.d_model, config.n_layer
+    if cache is not None:
+        pos0, kc, vc = cache.length, cache.k, cache.v  # the kernel stores rows pos0 .. pos0+T-1
+    else:
+        pos0, kc, vc = 0, np.empty((n_layer, T, d)), np.empty((n_layer, T, d))
+    resid = np.empty((n_layer + 1, T, d)) if trace is not None else np.empty((0, 0, 0))
+    logits = np.empty((T, config.vocab))
+    forward_entry(storage, acc)(
+        w.stacked, config.n_head, config.eps, tokens, pos0, kc, vc, causal, order, attn, attn_block, logits, resid
+    )
+    if trace is not None:
+        trace["resid"] = list(resid)
+        trace["k"] = [kc[layer, pos0 : pos0 + T] for layer in range(n_layer)]
+        trace["v"] = [vc[layer, pos0 : pos0 + T] for layer in range(n_layer)]
+    if cache is not None:
+        cache.advance(T, prefill=True)
+    return logits
+
+
 def forward(
     config: ModelConfig,
     params: dict,
@@ -201,7 +304,7 @@ def forward(
     tokens = require_tokens(config, tokens, start=start)
     if cache is not None:
         cache.require_fits(config, numerics, tokens.shape[0])
-    w = Weights.prepare(config, params, numerics)
+    w = Weights.cached(config, params, numerics)
     return forward_prepared(config, w, tokens, numerics, cache, bool(causal))
 
 
@@ -214,7 +317,7 @@ def forward_trace(config: ModelConfig, params: dict, tokens, numerics: Numerics,
     config = require_config(config)
     numerics = require_numerics(numerics)
     tokens = require_tokens(config, tokens)
-    w = Weights.prepare(config, params, numerics)
+    w = Weights.cached(config, params, numerics)
     trace: dict = {}
     logits = forward_prepared(config, w, tokens, numerics, None, bool(causal), trace=trace)
     return {
@@ -288,5 +391,5 @@ def loss_and_grads(
     targets = require_tokens(config, targets, field="targets")
     if targets.shape != tokens.shape:
         raise ValueError(f"targets: shape {targets.shape} is not allowed; allowed: {tokens.shape} (as tokens)")
-    w = Weights.prepare(config, params, numerics)
+    w = Weights.cached(config, params, numerics)
     return loss_and_grads_prepared(config, w, tokens, targets, numerics)

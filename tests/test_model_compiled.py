@@ -1,0 +1,141 @@
+"""The compiled forward and the per-format entries give the same bits as the code they replace.
+
+- ``linear_into`` with a literal format (what the per-format entries compile) against
+  ``matmul_into`` (the run-time dispatch), on random cases in every storage, accumulator and order;
+- the compiled forward (``forward_prepared`` without a tape) against the layer-by-layer Python
+  forward (``forward_layers``) in every preset, order and attention kernel, with and without a
+  cache, causal or not: logits, the residual stream and K/V of the trace, the cache's buffers.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+import pytest
+
+from kvfast import ModelConfig, Numerics, init_params
+from kvfast.kernels.matmul import matmul_into
+from kvfast.kernels.precision import BF16, F32, F64, round_array
+from kvfast.kernels.reduce import PAIRWISE, SEQUENTIAL
+from kvfast.model.cache import KVCache
+from kvfast.model.compiled import linear_into
+from kvfast.model.transformer import Weights, forward_layers, forward_prepared
+
+FORMATS = (F64, F32, BF16)
+
+
+def bits(x) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(x, dtype=np.float64)).view(np.uint64)
+
+
+def same_bits(a, b) -> bool:
+    """Equal bit patterns; NaN compared as NaN (which NaN's sign survives an add is the compiler's)."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if a.shape != b.shape:
+        return False
+    nan = np.isnan(a)
+    return bool(np.array_equal(nan, np.isnan(b)) and np.array_equal(bits(a[~nan]), bits(b[~nan])))
+
+
+def _literal_linear(storage: int, acc: int):
+    """``linear_into`` called with ``storage``/``acc`` as compile-time constants, as the entries do."""
+
+    @nb.njit(fastmath=False, error_model="numpy")
+    def run(x, w, order, y):
+        linear_into(x, w, storage, acc, order, y)
+
+    return run
+
+
+def _random_matrix(rng, shape, fmt, kind):
+    a = rng.standard_normal(shape) * np.exp2(rng.integers(-8, 9, size=shape))
+    if kind == "specials" and a.size:
+        flat = a.ravel()
+        idx = rng.integers(0, a.size, size=max(1, a.size // 8))
+        flat[idx] = rng.choice([np.inf, -np.inf, np.nan, 0.0, -0.0, 3.0e38, 1e-40], size=idx.size)
+    if kind != "off-grid":
+        a = round_array(a, fmt)
+    return a
+
+
+def test_linear_into_with_a_literal_format_equals_matmul_into():
+    rng = np.random.default_rng(20261130)
+    counts = {"cases": 0, "elements": 0}
+    for storage in FORMATS:
+        for acc in FORMATS:
+            run = _literal_linear(storage, acc)
+            for case in range(60):
+                T, n, m = int(rng.integers(0, 10)), int(rng.integers(0, 21)), int(rng.integers(0, 21))
+                kind = ("on-grid", "off-grid", "specials")[case % 3]
+                x = _random_matrix(rng, (T, n), acc, kind)
+                w = _random_matrix(rng, (n, m), acc, kind)
+                for order in (SEQUENTIAL, PAIRWISE):
+                    want, got = np.empty((T, m)), np.empty((T, m))
+                    matmul_into(x, w, storage, acc, order, want)
+                    run(x, w, order, got)
+                    assert same_bits(got, want), (storage, acc, order, T, n, m, kind)
+                    counts["cases"] += 1
+                    counts["elements"] += got.size
+    assert counts["cases"] == 9 * 60 * 2 and counts["elements"] > 10_000
+
+
+NUMERICS = [
+    Numerics.preset(p, order=o, attention=a)
+    for p in ("f64", "f32", "bf16")
+    for o in ("sequential", "pairwise")
+    for a in ("standard", "online", "splitkv", "splitcount")
+] + [Numerics("bf16", "bf16"), Numerics("f32", "f64"), Numerics("f64", "bf16")]
+
+
+@pytest.mark.parametrize("nx", NUMERICS, ids=lambda nx: nx.name)
+def test_compiled_forward_equals_the_layer_by_layer_forward(nx):
+    rng = np.random.default_rng(7)
+    for seed, (n_layer, n_head, d) in enumerate([(1, 1, 8), (2, 2, 8), (3, 4, 16), (2, 3, 12)]):
+        cfg = ModelConfig(vocab=19, d_model=d, n_head=n_head, n_layer=n_layer, d_ff=2 * d + 3, max_pos=40)
+        w = Weights.prepare(cfg, init_params(cfg, seed), nx)
+        tokens = rng.integers(0, cfg.vocab, size=int(rng.integers(1, 14))).astype(np.int64)
+        for causal in (True, False):
+            got_trace: dict = {}
+            want_trace: dict = {}
+            got = forward_prepared(cfg, w, tokens, nx, causal=causal, trace=got_trace)
+            want = forward_layers(cfg, w, tokens, nx, causal=causal, trace=want_trace)
+            assert same_bits(got, want), (seed, causal)
+            for key in ("resid", "k", "v"):
+                assert same_bits(np.stack(got_trace[key]), np.stack(want_trace[key])), (seed, causal, key)
+        # with a cache: a prefill, then a continuation of several rows (pos0 > 0)
+        split = int(rng.integers(1, tokens.shape[0] + 1))
+        caches = [KVCache.empty(cfg, nx, 30), KVCache.empty(cfg, nx, 30)]
+        logits = []
+        for fn, cache in zip((forward_prepared, forward_layers), caches, strict=True):
+            first = fn(cfg, w, tokens[:split], nx, cache)
+            rest = fn(cfg, w, tokens[split:], nx, cache) if split < tokens.shape[0] else first[:0]
+            logits.append(np.concatenate([first, rest]))
+        assert same_bits(logits[0], logits[1]), seed
+        assert caches[0].length == caches[1].length == tokens.shape[0]
+        assert caches[0].prefill_len == caches[1].prefill_len
+        assert same_bits(caches[0].k, caches[1].k) and same_bits(caches[0].v, caches[1].v)
+
+
+def test_the_compiled_forward_is_not_the_layer_by_layer_code_path():
+    """Control: the two paths really are different code (the compiled one makes no Python call per
+    layer), so the equality above compares two implementations, not one with itself."""
+    from kvfast.model import layers
+
+    calls = []
+    original = layers.linear_forward
+
+    def counting(*args):
+        calls.append(1)
+        return original(*args)
+
+    cfg = ModelConfig(vocab=11, d_model=8, n_head=2, n_layer=2, d_ff=8, max_pos=8)
+    nx = Numerics()
+    w = Weights.prepare(cfg, init_params(cfg, 0), nx)
+    layers.linear_forward = counting
+    try:
+        forward_prepared(cfg, w, np.arange(4), nx)
+        assert not calls
+        forward_layers(cfg, w, np.arange(4), nx)
+        assert len(calls) == 2 * 6 + 1
+    finally:
+        layers.linear_forward = original
