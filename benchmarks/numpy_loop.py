@@ -30,9 +30,10 @@ checking that appending a token moves no earlier row): both answer the same ques
 
 Timing: ``--repeats`` rounds, the three candidates interleaved in each round, after one warm-up
 round; wall time (``time.perf_counter``) of the whole grid; medians. Printed: runs/s each, the ratio
-kvfast / NumPy loop (engine and loop), the engine overhead ``1 - loop time / engine time``, and the
-load average (the machine is shared). ``--profile`` adds a cProfile of the kvfast loop (top entries
-by cumulative and by internal time).
+kvfast / NumPy loop (engine and loop), the engine overhead ``1 - loop time / engine time``, the load
+average (the machine is shared), and the time of the model building alone (``init_params`` for every
+run, timed in the same rounds; both candidates pay it, so NumPy loop / that time bounds the ratio).
+``--profile`` adds a cProfile of the kvfast loop (top entries by cumulative and by internal time).
 """
 
 from __future__ import annotations
@@ -207,6 +208,17 @@ def time_numpy(configs: list[dict]) -> float:
     return time.perf_counter() - t0
 
 
+def time_init(configs: list[dict]) -> float:
+    """The model building alone (``kvfast.init_params``), which both candidates do once per run."""
+    from kvfast import ModelConfig, init_params
+
+    t0 = time.perf_counter()
+    for c in configs:
+        cfg = ModelConfig(c["vocab"], c["d_model"], c["n_head"], c["n_layer"], c["d_ff"], c["prompt_len"] + c["steps"])
+        init_params(cfg, c["seed"])
+    return time.perf_counter() - t0
+
+
 def time_kvfast_loop(grid) -> float:
     t0 = time.perf_counter()
     for run in grid.runs:
@@ -257,13 +269,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"grid: {len(configs)} runs (d_model 32, f64); NumPy loop vs kvfast f64 logits: worst relative "
               f"deviation {worst:.2e} (tolerance 1e-12: {'ok' if worst <= 1e-12 else 'EXCEEDED'}); "
               f"token strings equal to kvfast's: {same_tokens}/{len(configs)}")  # fmt: skip
-        times: dict[str, list[float]] = {"numpy": [], "loop": [], "engine": []}
+        times: dict[str, list[float]] = {"numpy": [], "loop": [], "engine": [], "init": []}
         for i in range(args.repeats + 1):  # round 0 warms up (Numba cache load, lru caches, BLAS)
             numpy_s, loop_s, engine_s = time_numpy(configs), time_kvfast_loop(grid), time_engine(grid, tmp, i)
+            init_s = time_init(configs)
             if i:
-                times["numpy"].append(numpy_s)
-                times["loop"].append(loop_s)
-                times["engine"].append(engine_s)
+                for key, value in (("numpy", numpy_s), ("loop", loop_s), ("engine", engine_s), ("init", init_s)):
+                    times[key].append(value)
         med = {k: statistics.median(v) for k, v in times.items()}
         n = len(configs)
         print(f"\nmedians of {args.repeats} interleaved rounds, wall s for the {n} runs, one core:\n")
@@ -275,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nkvfast engine / NumPy loop, per round: {', '.join(f'{r:.1f}' for r in ratios)} "
               f"(median {statistics.median(ratios):.1f}x; target 30x)")  # fmt: skip
         print(f"engine overhead 1 - loop / engine: {1 - med['loop'] / med['engine']:.3f}")
+        print(f"model building alone (init_params, once per run in every candidate): {med['init']:.3f} s, "
+              f"{med['init'] / med['engine']:.0%} of the engine's wall; a kvfast doing nothing else would reach "
+              f"{med['numpy'] / med['init']:.1f}x the NumPy loop")  # fmt: skip
         load1 = os.getloadavg()
         print(f"cpu_count {os.cpu_count()}, load average (1 min) before {load0[0]:.2f}, after {load1[0]:.2f}")
         if args.profile:
