@@ -33,6 +33,8 @@ round; wall time (``time.perf_counter``) of the whole grid; medians. Printed: ru
 kvfast / NumPy loop (engine and loop), the engine overhead ``1 - loop time / engine time``, the load
 average (the machine is shared), and the time of the model building alone (``init_params`` for every
 run, timed in the same rounds; both candidates pay it, so NumPy loop / that time bounds the ratio).
+``--numpy-model`` adds kvfast's own NumPy reference model (:class:`kvfast.NumpyModel`, one row at a
+time and whole-matrix) through ``check_cache``, timed after the rounds: another NumPy baseline.
 ``--profile`` adds a cProfile of the kvfast loop (top entries by cumulative and by internal time).
 """
 
@@ -219,6 +221,19 @@ def time_init(configs: list[dict]) -> float:
     return time.perf_counter() - t0
 
 
+def time_numpy_model(configs: list[dict], batching: str) -> float:
+    """kvfast's NumPy reference model (:class:`kvfast.NumpyModel`) through ``check_cache``, per run."""
+    from kvfast import NumpyModel, check_cache
+    from kvfast.studies import exactness
+
+    t0 = time.perf_counter()
+    for c in configs:
+        cfg, params = exactness.model_for(c)
+        model = NumpyModel(cfg, params, batching=batching)
+        check_cache(model, exactness.prompt_for(c), max(1, c["steps"] - 1), scenarios="decode", follow="cache")
+    return time.perf_counter() - t0
+
+
 def time_kvfast_loop(grid) -> float:
     t0 = time.perf_counter()
     for run in grid.runs:
@@ -253,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds (after one warm-up round)")
     parser.add_argument("--profile", action="store_true", help="also cProfile the kvfast loop (3 passes)")
+    parser.add_argument(
+        "--numpy-model", action="store_true", help="also time kvfast.NumpyModel through check_cache (rows, matrix)"
+    )
     parser.add_argument("--top", type=int, default=25, help="profile entries shown")
     args = parser.parse_args(argv)
     if args.repeats < 1:
@@ -292,6 +310,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{med['numpy'] / med['init']:.1f}x the NumPy loop")  # fmt: skip
         load1 = os.getloadavg()
         print(f"cpu_count {os.cpu_count()}, load average (1 min) before {load0[0]:.2f}, after {load1[0]:.2f}")
+        if args.numpy_model:
+            for batching in ("rows", "matrix"):
+                wall = statistics.median(time_numpy_model(configs, batching) for _ in range(args.repeats))
+                print(f"kvfast.NumpyModel (batching {batching!r}) through check_cache: {n / wall:,.0f} runs/s "
+                      f"(median of {args.repeats}, after the rounds above)")  # fmt: skip
         if args.profile:
             print("\n## cProfile of the kvfast loop (3 passes over the grid)\n")
             print(profile_loop(grid, args.top))
