@@ -1,0 +1,325 @@
+"""kvfast against a plain NumPy user's loop on a d_model-32 exactness grid (issue 12: "at least 30x").
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/numpy_loop.py [--repeats 5] [--profile]
+
+The grid (216 runs, float64): the built-in exactness grid's axes at d_model 32,
+
+    study = "exactness";  fixed: vocab 32, d_model 32, d_ff 64, order "sequential", preset "f64"
+    axes: seed [0, 1, 2] x n_layer [1, 2, 3] x n_head [2, 4] x prompt_len [1, 3, 6, 10] x steps [4, 8, 16]
+
+Three ways to do the same 216 runs, timed on one core (BLAS limited to one thread):
+
+- **NumPy loop** (:func:`numpy_run`): what a competent NumPy user writes for the job. Per run: the
+  same model (``kvfast.init_params``, so the weights are identical) and the same prompt; greedy
+  generation of ``steps`` tokens with a KV cache (a prefill, then ``steps - 1`` one-token decodes,
+  ``np.matmul`` / BLAS products and a NumPy softmax in float64); at every step a full recompute of
+  the sequence so far without the cache, its logits compared with the cached ones (worst absolute
+  deviation, first step with a difference, whether the greedy tokens agree). No kvfast kernel is used.
+- **kvfast, engine**: ``kvfast.sweep.run_sweep`` on the grid (written as a TOML file, loaded with
+  ``load_grid``), ``jobs=1``, into a fresh results directory (Parquet) each repeat.
+- **kvfast, loop**: the exactness study's run function called in a plain Python loop over the same
+  runs: the per-run work without the engine (planning, chunking, rows, Parquet).
+
+The NumPy loop does the same work as kvfast's run (the same model, prompt, cached generation and
+comparison with a recompute), but not the same arithmetic: BLAS adds in its own order, so its logits
+differ from kvfast's explicit-order f64 kernels in the last bits. ``--check`` (run first, always)
+compares them with a relative tolerance of 1e-12 (the deviation relative to the largest logit).
+Note that the NumPy loop recomputes the sequence at every step, as a user checking the cache does,
+while kvfast's check recomputes only the final sequence (its rows are every step's reference, after
+checking that appending a token moves no earlier row): both answer the same question.
+
+Timing: ``--repeats`` rounds, the three candidates interleaved in each round, after one warm-up
+round; wall time (``time.perf_counter``) of the whole grid; medians. Printed: runs/s each, the ratio
+kvfast / NumPy loop (engine and loop), the engine overhead ``1 - loop time / engine time``, the load
+average (the machine is shared), and the time of the model building alone (``init_params`` for every
+run, timed in the same rounds; both candidates pay it, so NumPy loop / that time bounds the ratio).
+``--numpy-model`` adds kvfast's own NumPy reference model (:class:`kvfast.NumpyModel`, one row at a
+time and whole-matrix) through ``check_cache``, timed after the rounds: another NumPy baseline.
+``--profile`` adds a cProfile of the kvfast loop (top entries by cumulative and by internal time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import math
+import os
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+GRID_TOML = """\
+study = "exactness"
+description = "exactness at d_model 32, float64 only (benchmarks/numpy_loop.py)"
+
+[fixed]
+vocab = 32
+d_model = 32
+d_ff = 64
+order = "sequential"
+preset = "f64"
+
+[axes]
+seed = [0, 1, 2]
+n_layer = [1, 2, 3]
+n_head = [2, 4]
+prompt_len = [1, 3, 6, 10]
+steps = [4, 8, 16]
+"""
+
+EPS = 1e-5  # kvfast.ModelConfig's default RMSNorm epsilon
+
+
+# --- the NumPy user's model: float64, BLAS products, a KV cache ---------------------------------------
+
+
+def rmsnorm(x: np.ndarray, g: np.ndarray) -> np.ndarray:
+    """x (T, d) -> x / sqrt(mean(x^2) + eps) * g."""
+    return x * (1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + EPS)) * g
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_head: int, pos0: int) -> np.ndarray:
+    """Causal multi-head attention of q (T, d), queries at positions pos0.., over k, v (S, d)."""
+    T, d = q.shape
+    S = k.shape[0]
+    hd = d // n_head
+    qh = q.reshape(T, n_head, hd).transpose(1, 0, 2)  # (H, T, hd)
+    kh = k.reshape(S, n_head, hd).transpose(1, 0, 2)  # (H, S, hd)
+    vh = v.reshape(S, n_head, hd).transpose(1, 0, 2)  # (H, S, hd)
+    scores = np.matmul(qh, kh.transpose(0, 2, 1)) * (1.0 / math.sqrt(hd))  # (H, T, S)
+    future = np.arange(S)[None, :] > (pos0 + np.arange(T))[:, None]  # (T, S)
+    scores[:, future] = -np.inf
+    scores -= scores.max(axis=-1, keepdims=True)
+    probs = np.exp(scores)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    return np.matmul(probs, vh).transpose(1, 0, 2).reshape(T, d)  # (T, d)
+
+
+def forward(p: dict, n_layer: int, n_head: int, tokens: np.ndarray, cache: list | None = None) -> np.ndarray:
+    """Logits (T, vocab) of ``tokens``; with a cache (per layer [K, V, length]) they continue it."""
+    pos0 = cache[0][2] if cache else 0
+    T = tokens.shape[0]
+    x = p["wte"][tokens] + p["wpe"][pos0 : pos0 + T]
+    for i in range(n_layer):
+        h = rmsnorm(x, p[f"h{i}.g1"])
+        q, k, v = h @ p[f"h{i}.wq"], h @ p[f"h{i}.wk"], h @ p[f"h{i}.wv"]
+        if cache:
+            K, V, n = cache[i]
+            K[n : n + T], V[n : n + T] = k, v
+            cache[i][2] = n + T
+            k, v = K[: n + T], V[: n + T]
+        x = x + attention(q, k, v, n_head, pos0) @ p[f"h{i}.wo"]
+        u = rmsnorm(x, p[f"h{i}.g2"]) @ p[f"h{i}.w1"]
+        x = x + (u / (1.0 + np.exp(-u))) @ p[f"h{i}.w2"]
+    return rmsnorm(x, p["gf"]) @ p["w_out"]
+
+
+def numpy_generate(config: dict, params: dict | None = None) -> dict:
+    """One run: cached greedy generation, every step compared with a full recompute.
+
+    Returns the result (``max_abs_dev``, ``first_bad_step``, ``tokens_equal``, ``tokens``, as the
+    exactness study's columns) and ``cache_logits`` / ``recompute_logits``: the rows compared, one
+    per prompt position then one per decode step.
+    """
+    from kvfast import ModelConfig, init_params
+
+    n_layer, n_head, d = config["n_layer"], config["n_head"], config["d_model"]
+    T0, steps = config["prompt_len"], config["steps"]
+    if params is None:
+        cfg = ModelConfig(config["vocab"], d, n_head, n_layer, config["d_ff"], T0 + steps)
+        params = init_params(cfg, config["seed"])
+    rng = np.random.default_rng([config["seed"], T0, 7])  # the exactness study's prompt
+    tokens = list(rng.integers(0, config["vocab"], size=T0))
+    cache = [[np.empty((T0 + steps, d)), np.empty((T0 + steps, d)), 0] for _ in range(n_layer)]
+    cached = forward(params, n_layer, n_head, np.array(tokens), cache)  # prefill: (T0, vocab)
+    full = forward(params, n_layer, n_head, np.array(tokens))
+    cache_rows, full_rows = [cached], [full]
+    for _ in range(steps - 1):
+        tokens.append(int(np.argmax(cached[-1])))
+        cached = forward(params, n_layer, n_head, np.array(tokens[-1:]), cache)  # decode: (1, vocab)
+        full = forward(params, n_layer, n_head, np.array(tokens))[-1:]  # recompute, last row
+        cache_rows.append(cached)
+        full_rows.append(full)
+    dev = np.array([np.abs(a - b).max() for a, b in zip(cache_rows, full_rows, strict=True)])
+    bad = np.nonzero(dev > 0)[0]
+    t_cached = [int(np.argmax(r[-1])) for r in cache_rows]
+    t_full = [int(np.argmax(r[-1])) for r in full_rows]
+    return {
+        "max_abs_dev": float(dev.max()),
+        "first_bad_step": int(bad[0]) if bad.size else -1,
+        "tokens_equal": t_cached == t_full,
+        "tokens": ",".join(map(str, t_cached)),
+        "cache_logits": np.concatenate(cache_rows),
+        "recompute_logits": np.concatenate(full_rows),
+    }
+
+
+def numpy_run(config: dict) -> dict:
+    """The NumPy loop's run: :func:`numpy_generate` without the logits."""
+    out = numpy_generate(config)
+    del out["cache_logits"], out["recompute_logits"]
+    return out
+
+
+def kvfast_logits(config: dict, tokens: list[int]) -> np.ndarray:
+    """kvfast's f64 logits (one forward, ``order`` of the config) of ``tokens`` for the config's model."""
+    from kvfast import ModelConfig, Numerics, forward, init_params
+
+    cfg = ModelConfig(
+        config["vocab"], config["d_model"], config["n_head"], config["n_layer"], config["d_ff"],
+        config["prompt_len"] + config["steps"],
+    )  # fmt: skip
+    return forward(cfg, init_params(cfg, config["seed"]), np.array(tokens), Numerics.preset("f64", config["order"]))
+
+
+def agreement(config: dict) -> tuple[float, bool]:
+    """Relative deviation of the NumPy loop's cached logits from kvfast's f64 forward, and tokens equal.
+
+    Relative: ``max |numpy - kvfast| / max |kvfast|`` over every row the run compares.
+    """
+    from kvfast.studies import exactness
+
+    mine = numpy_generate(config)
+    tokens = [*exactness.prompt_for(config), *map(int, mine["tokens"].split(",")[:-1])]
+    ref = kvfast_logits(config, tokens)
+    rel = float(np.abs(mine["cache_logits"] - ref).max() / np.abs(ref).max())
+    return rel, mine["tokens"] == exactness.run(config)["tokens"]
+
+
+# --- the benchmark -----------------------------------------------------------------------------------
+
+
+def load_bench_grid(tmp: str):
+    from kvfast.sweep import load_grid
+
+    path = Path(tmp) / "exactness_d32.toml"
+    path.write_text(GRID_TOML)
+    return load_grid(str(path))
+
+
+def time_numpy(configs: list[dict]) -> float:
+    t0 = time.perf_counter()
+    for config in configs:
+        numpy_run(config)
+    return time.perf_counter() - t0
+
+
+def time_init(configs: list[dict]) -> float:
+    """The model building alone (``kvfast.init_params``), which both candidates do once per run."""
+    from kvfast import ModelConfig, init_params
+
+    t0 = time.perf_counter()
+    for c in configs:
+        cfg = ModelConfig(c["vocab"], c["d_model"], c["n_head"], c["n_layer"], c["d_ff"], c["prompt_len"] + c["steps"])
+        init_params(cfg, c["seed"])
+    return time.perf_counter() - t0
+
+
+def time_numpy_model(configs: list[dict], batching: str) -> float:
+    """kvfast's NumPy reference model (:class:`kvfast.NumpyModel`) through ``check_cache``, per run."""
+    from kvfast import NumpyModel, check_cache
+    from kvfast.studies import exactness
+
+    t0 = time.perf_counter()
+    for c in configs:
+        cfg, params = exactness.model_for(c)
+        model = NumpyModel(cfg, params, batching=batching)
+        check_cache(model, exactness.prompt_for(c), max(1, c["steps"] - 1), scenarios="decode", follow="cache")
+    return time.perf_counter() - t0
+
+
+def time_kvfast_loop(grid) -> float:
+    t0 = time.perf_counter()
+    for run in grid.runs:
+        grid.study.run(dict(run.config))
+    return time.perf_counter() - t0
+
+
+def time_engine(grid, tmp: str, i: int) -> float:
+    from kvfast.sweep import run_sweep
+
+    t0 = time.perf_counter()
+    report = run_sweep(grid, Path(tmp) / f"out{i}", jobs=1, quiet=True)
+    wall = time.perf_counter() - t0
+    assert report.ran == len(grid), report
+    return wall
+
+
+def profile_loop(grid, top: int) -> str:
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(3):
+        time_kvfast_loop(grid)
+    prof.disable()
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("cumulative").print_stats(top)
+    stats.sort_stats("tottime").print_stats(top)
+    return buf.getvalue()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds (after one warm-up round)")
+    parser.add_argument("--profile", action="store_true", help="also cProfile the kvfast loop (3 passes)")
+    parser.add_argument(
+        "--numpy-model", action="store_true", help="also time kvfast.NumpyModel through check_cache (rows, matrix)"
+    )
+    parser.add_argument("--top", type=int, default=25, help="profile entries shown")
+    args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats: {args.repeats} is not allowed; allowed: an integer >= 1")
+    from threadpoolctl import threadpool_limits
+
+    load0 = os.getloadavg()
+    with threadpool_limits(limits=1), tempfile.TemporaryDirectory(prefix="kvfast-numpy-loop-") as tmp:
+        grid = load_bench_grid(tmp)
+        configs = [dict(run.config) for run in grid.runs]
+        checks = [agreement(c) for c in configs]
+        worst = max(rel for rel, _ in checks)
+        same_tokens = sum(eq for _, eq in checks)
+        print(f"grid: {len(configs)} runs (d_model 32, f64); NumPy loop vs kvfast f64 logits: worst relative "
+              f"deviation {worst:.2e} (tolerance 1e-12: {'ok' if worst <= 1e-12 else 'EXCEEDED'}); "
+              f"token strings equal to kvfast's: {same_tokens}/{len(configs)}")  # fmt: skip
+        times: dict[str, list[float]] = {"numpy": [], "loop": [], "engine": [], "init": []}
+        for i in range(args.repeats + 1):  # round 0 warms up (Numba cache load, lru caches, BLAS)
+            numpy_s, loop_s, engine_s = time_numpy(configs), time_kvfast_loop(grid), time_engine(grid, tmp, i)
+            init_s = time_init(configs)
+            if i:
+                for key, value in (("numpy", numpy_s), ("loop", loop_s), ("engine", engine_s), ("init", init_s)):
+                    times[key].append(value)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        n = len(configs)
+        print(f"\nmedians of {args.repeats} interleaved rounds, wall s for the {n} runs, one core:\n")
+        print("| candidate | wall s | runs/s | x NumPy loop |\n|---|---|---|---|")
+        for key, label in (("numpy", "NumPy loop"), ("loop", "kvfast, study run in a loop"),
+                           ("engine", "kvfast, sweep engine (--jobs 1)")):  # fmt: skip
+            print(f"| {label} | {med[key]:.3f} | {n / med[key]:,.0f} | {med['numpy'] / med[key]:.1f} |")
+        ratios = [a / b for a, b in zip(times["numpy"], times["engine"], strict=True)]
+        print(f"\nkvfast engine / NumPy loop, per round: {', '.join(f'{r:.1f}' for r in ratios)} "
+              f"(median {statistics.median(ratios):.1f}x; target 30x)")  # fmt: skip
+        print(f"engine overhead 1 - loop / engine: {1 - med['loop'] / med['engine']:.3f}")
+        print(f"model building alone (init_params, once per run in every candidate): {med['init']:.3f} s, "
+              f"{med['init'] / med['engine']:.0%} of the engine's wall; a kvfast doing nothing else would reach "
+              f"{med['numpy'] / med['init']:.1f}x the NumPy loop")  # fmt: skip
+        load1 = os.getloadavg()
+        print(f"cpu_count {os.cpu_count()}, load average (1 min) before {load0[0]:.2f}, after {load1[0]:.2f}")
+        if args.numpy_model:
+            for batching in ("rows", "matrix"):
+                wall = statistics.median(time_numpy_model(configs, batching) for _ in range(args.repeats))
+                print(f"kvfast.NumpyModel (batching {batching!r}) through check_cache: {n / wall:,.0f} runs/s "
+                      f"(median of {args.repeats}, after the rounds above)")  # fmt: skip
+        if args.profile:
+            print("\n## cProfile of the kvfast loop (3 passes over the grid)\n")
+            print(profile_loop(grid, args.top))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
