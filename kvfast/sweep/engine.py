@@ -487,12 +487,13 @@ def _timed_out(markers: Path | None, run: Run) -> bool:
 
 
 def _timeout_row(study: Study, run: Run, limits: Limits) -> dict:
-    row = _crash_row(study, run)
-    row.update(status="timeout", error=_timeout_message(limits[0] if limits else None))
+    row = {f: None for f in study.result_fields}
+    row.update(run_id=run.run_id, status="timeout", error=_timeout_message(limits[0] if limits else None), wall_s=None)
     return row
 
 
 def _crash_row(study: Study, run: Run) -> dict:
+    print(f"kvfast: run {run.run_id} killed its worker, twice; stored as crashed", file=sys.stderr)
     row = {f: None for f in study.result_fields}
     row.update(run_id=run.run_id, status="crashed", error=CRASH_MESSAGE, wall_s=None)
     return row

@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import os
 import signal
 import sys
@@ -47,6 +48,7 @@ def worker_start(parent: int | None = None) -> None:
         return
     _STARTED.append(os.getpid())
     INTERRUPTED.clear()
+    faulthandler.disable()  # a crashing run is one line in the sweep's report, not a dump per worker
     parent = parent or os.getppid()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
