@@ -130,6 +130,16 @@ class _Watchdog:
 _WATCHDOG = _Watchdog()
 
 
+def _after_fork_in_child() -> None:
+    # a forked worker has none of the parent's threads, but a copy of its locks, maybe held: start afresh
+    global _WATCHDOG
+    _WATCHDOG = _Watchdog()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _on_alarm(signum, frame) -> None:
     if _WATCHDOG.active(threading.get_ident()):
         raise RunTimeout
