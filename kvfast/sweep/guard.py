@@ -158,11 +158,14 @@ def deadline(seconds: float | None, run_id: str, marker_dir: Path | None) -> Ite
     if not seconds:
         yield
         return
+    previous = None
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGALRM, _on_alarm)
+        previous = signal.signal(signal.SIGALRM, _on_alarm)
     hard = bool(_STARTED) and _STARTED[0] == os.getpid()  # only a pool worker may kill itself
     token = _WATCHDOG.arm(seconds, run_id, marker_dir, hard)
     try:
         yield
     finally:
         _WATCHDOG.disarm(token)
+        if previous is not None:
+            signal.signal(signal.SIGALRM, previous)
