@@ -508,6 +508,10 @@ def _dask_client(n_jobs: int, scheduler: str | None):
         raise ValueError("--backend: 'dask' needs the dask extra; install kvfast[dask]") from None
     import logging
 
+    # kvfast reports dead workers and a lost scheduler itself, in one line: not distributed's tracebacks
+    for name in ["distributed", *logging.root.manager.loggerDict]:
+        if name.startswith("distributed"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     if scheduler:
         try:
             return Client(scheduler, timeout="5s"), None
@@ -541,8 +545,11 @@ def _dask_rows(fut) -> list[dict] | None:
         return None
 
 
-def _scheduler_gone(client, fut=None) -> bool:
-    return (fut is not None and fut.status == "cancelled") or client.status not in ("running", "connecting")
+def _scheduler_gone(client, fut=None, exc: BaseException | None = None) -> bool:
+    """True when the futures were cancelled under us: the scheduler died (or the client lost it)."""
+    if exc is not None and type(exc).__name__ in ("FuturesCancelledError", "CancelledError", "CommClosedError"):
+        return True
+    return (fut is not None and fut.status == "cancelled") or client.status != "running"
 
 
 def _execute_dask(
@@ -597,7 +604,7 @@ def _execute_dask(
     except KeyboardInterrupt:
         raise
     except Exception as exc:  # noqa: BLE001 - a lost scheduler shows as many exception types
-        if _scheduler_gone(client):
+        if _scheduler_gone(client, exc=exc):
             return lost_all(f"the Dask scheduler was lost ({type(exc).__name__})")
         raise
     lost: list[str] = []
@@ -608,7 +615,7 @@ def _execute_dask(
             with contextlib.suppress(TimeoutError):
                 wait([fut], timeout=stall_s)
         except Exception as exc:  # noqa: BLE001
-            if _scheduler_gone(client):
+            if _scheduler_gone(client, exc=exc):
                 return lost + [r.run_id for r in suspects[i:]], f"the Dask scheduler was lost ({type(exc).__name__})"
             raise
         rows = _dask_rows(fut)
