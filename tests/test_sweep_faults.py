@@ -186,16 +186,26 @@ def test_kill_9_of_the_sweep_leaves_no_worker_behind(tmp_path, backend, delay):
 # --- 8. Ctrl-C and crashes: quiet --------------------------------------------------------------------
 
 
-def test_ctrl_c_is_exit_130_without_worker_tracebacks_and_resumes(tmp_path):
+@pytest.mark.parametrize(
+    "backend, delay",
+    [
+        ("fork", 2.0),
+        pytest.param("loky", 2.0, marks=pytest.mark.slow),
+        pytest.param("dask", 1.0, marks=pytest.mark.slow),
+        pytest.param("dask", 4.0, marks=pytest.mark.slow),
+    ],
+)
+def test_ctrl_c_is_exit_130_without_worker_tracebacks_and_resumes(tmp_path, backend, delay):
     toml = grid_toml(tmp_path / "g.toml", (list(range(16)), "slow"))
     out = tmp_path / "o"
     cmd = [sys.executable, "-m", "kvfast.cli", "run", str(toml), "--out", str(out), "--jobs", "2", "--quiet"]
+    cmd += ["--backend", backend]
     proc = subprocess.Popen(cmd, env=ENV, cwd=ROOT, start_new_session=True, stderr=subprocess.PIPE, text=True)
-    time.sleep(2.0)
+    time.sleep(delay)
     os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole group
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == EXIT_INTERRUPTED, err
-    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err and "ERROR" not in err, err
     deadline = time.monotonic() + 10
     while _group_alive(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -189,6 +189,9 @@ def _sweep(grid, out, **kwargs):
     except StorageError as exc:
         print(f"kvfast: error: {exc}", file=sys.stderr)
         return EXIT_STORAGE
+    except KeyboardInterrupt:  # before the first run (starting a Dask cluster, say): nothing stored changed
+        print("kvfast: interrupted before any run; nothing stored changed", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except SystemExit as exc:  # never let a stray exit end a sweep with its code (0 would be a false pass)
         raise RuntimeError(f"SystemExit({exc.code!r}) escaped the sweep engine") from None
 

@@ -502,8 +502,7 @@ def _crash_row(study: Study, run: Run) -> dict:
 def _dask_client(n_jobs: int, scheduler: str | None):
     """A connected ``distributed.Client`` (and the LocalCluster it owns, or ``None``)."""
     try:
-        import dask
-        from distributed import Client, LocalCluster
+        from distributed import Client
     except ImportError:
         raise ValueError("--backend: 'dask' needs the dask extra; install kvfast[dask]") from None
     import logging
@@ -517,15 +516,32 @@ def _dask_client(n_jobs: int, scheduler: str | None):
             return Client(scheduler, timeout="5s"), None
         except (OSError, TimeoutError, ValueError) as exc:
             raise ValueError(f"--scheduler: cannot connect to {scheduler!r} ({exc})") from None
+    on_main = threading.current_thread() is threading.main_thread()
+    # the cluster's processes inherit an ignored SIGINT: Ctrl-C is this process's to handle (it closes them)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if on_main else None
+    try:
+        cluster = _local_cluster(n_jobs)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+    return Client(cluster), cluster
+
+
+def _local_cluster(n_jobs: int):
+    import logging
+
+    import dask
+    from distributed import LocalCluster
+
     with dask.config.set({"distributed.scheduler.allowed-failures": 0}):
         cluster = LocalCluster(
             n_workers=n_jobs,
             threads_per_worker=1,
             processes=True,
             dashboard_address=None,
-            silence_logs=logging.ERROR,
+            silence_logs=logging.CRITICAL,
         )
-    return Client(cluster), cluster
+    return cluster
 
 
 def _run_chunk_packed(study: Study, packed: bytes) -> bytes:
