@@ -307,6 +307,15 @@ def test_a_truncated_part_is_one_line_then_repair_quarantines_it_and_a_rerun_rer
     assert stored(out).equals(reference(tmp_path, toml))
 
 
+@pytest.mark.parametrize("command", ["run", "show", "repair"])
+def test_a_path_over_255_characters_is_one_line(tmp_path, capsys, command):
+    toml = grid_toml(tmp_path / "g.toml", ([0], "ok"))
+    out = tmp_path / ("a" * 300)
+    proc = cli(capsys, command, *([toml, "--out", out] if command == "run" else [out]))
+    assert proc.returncode == 2
+    one_line(proc, "at most 255 bytes")
+
+
 def test_binary_toml_names_the_file(tmp_path, capsys):
     toml = tmp_path / "bin.toml"
     toml.write_bytes(b"\x00\xff\xfe")

@@ -155,6 +155,12 @@ class ResultsDir:
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         self.manifest_path = self.path / MANIFEST
+        longest = max((len(part.encode()) for part in self.path.parts), default=0)
+        if longest > 255 or len(str(self.path).encode()) > 4000:
+            raise ValueError(
+                f"DIR: {str(self.path)[:60]!r}... is not allowed ({longest} bytes in one name); "
+                "allowed: names of at most 255 bytes, paths of at most 4,000"
+            )
         self.part_metadata: dict[str, str] = {}  # written into every part's schema metadata (for `kvfast repair`)
 
     # -- reading -------------------------------------------------------------------------
