@@ -279,6 +279,10 @@ def test_every_broken_manifest_is_one_line_naming_it_and_repair_brings_it_back(t
         proc = cli(capsys, *command)
         assert proc.returncode == 2, (shape, proc.stderr)
         one_line(proc, str(out / MANIFEST), f"kvfast repair {out}")
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    replaced = cli(capsys, "run", toml, "--out", copy, "--jobs", "1", "--quiet", "--fresh")
+    assert replaced.returncode == 0 and "0 already stored, 6 run now" in replaced.stdout, replaced.stderr
     fixed = cli(capsys, "repair", out)
     assert fixed.returncode == 0 and "rebuilt _sweep.json from 1 parts" in fixed.stdout, fixed.stdout + fixed.stderr
     again = cli(capsys, "run", toml, "--out", out, "--jobs", "1", "--quiet")

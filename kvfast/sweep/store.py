@@ -229,7 +229,12 @@ class ResultsDir:
             raise ValueError(f"--out: {str(p)!r} is not writable (no write permission on {str(existing)!r})")
         if not p.exists():
             return
-        manifest = self.manifest()
+        try:
+            manifest = self.manifest()
+        except ValueError:
+            if fresh:  # a broken kvfast directory: --fresh replaces it, as asked
+                return
+            raise
         if manifest is None:
             foreign = [c.name for c in p.iterdir() if c.name not in (LOCK, WARMUP, TIMEOUTS, QUARANTINE)]
             if foreign:
@@ -317,6 +322,10 @@ class ResultsDir:
         for p in self.path.iterdir():
             if PART_RE.match(p.name) or (p.name.startswith(".part-") and p.name.endswith(".tmp")):
                 p.unlink()
+        if self.manifest_path.is_dir() and not self.manifest_path.is_symlink():
+            import shutil
+
+            shutil.rmtree(self.manifest_path)
         self.manifest_path.unlink(missing_ok=True)
 
     def remove_temporaries(self) -> None:
