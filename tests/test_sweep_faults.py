@@ -114,7 +114,13 @@ def test_system_exit_and_keyboard_interrupt_in_a_run_are_error_rows(tmp_path, jo
 
 @pytest.mark.parametrize(
     "backend, modes",
-    [("fork", ("hang", "stuck")), ("loky", ("hang", "stuck")), ("threading", ("spin",)), ("inline", ("hang", "spin"))],
+    [
+        ("fork", ("hang", "stuck")),
+        ("loky", ("hang", "stuck")),
+        ("threading", ("spin",)),
+        ("inline", ("hang", "spin")),
+        pytest.param("dask", ("hang", "spin"), marks=pytest.mark.slow),
+    ],
 )
 def test_run_timeout_stores_timeout_rows_and_replaces_the_worker(tmp_path, backend, modes, capsys):
     entries = [([0, 1, 2, 3], "ok"), *[([20 + i], m) for i, m in enumerate(modes)], ([4, 5, 6, 7], "ok")]

@@ -10,9 +10,14 @@ Contract of :func:`run_sweep`:
   its cache, once, here, before workers start). The rest are cut into chunks
   lazily, as workers ask for work: about ``chunk_s`` of work per chunk (from
   the times of runs finished so far), at least four chunks per worker.
-- A run that raises is an ``error`` row (its message in ``error``); the sweep
-  goes on. A chunk whose worker dies is re-run one run at a time, each alone
-  in a worker; a run that kills its worker again is a ``crashed`` row.
+- A run that raises is an ``error`` row (its message in ``error``), ``SystemExit``
+  and ``KeyboardInterrupt`` included; the sweep goes on. A chunk whose worker
+  dies is re-run one run at a time, each alone in a worker; a run that kills
+  its worker again is a ``crashed`` row. With ``run_timeout`` a run past its
+  limit is a ``timeout`` row (see :mod:`kvfast.sweep.guard`).
+- Workers die with the sweep process and ignore SIGINT; Ctrl-C kills them.
+- A failed write (disk full) is a :class:`~kvfast.sweep.store.StorageError`
+  saying how many runs are stored.
 - Finished chunks are written as a part within about a second (or
   every :data:`~kvfast.sweep.store.PART_ROWS` rows), so an interrupted sweep loses
   only chunks in flight; at the end the parts are compacted.
@@ -20,8 +25,9 @@ Contract of :func:`run_sweep`:
   are handed out, and what is stored is looked up in sorted arrays of ids, so
   memory is bounded by the chunks in flight, not by the grid.
 - Dask futures are driven directly (no joblib Dask backend), with a stall
-  timeout: if nothing finishes for ``stall_s`` seconds the sweep stops and the
-  report lists the lost runs (not stored; the next sweep runs them).
+  timeout: if nothing finishes for ``stall_s`` seconds, or the scheduler is
+  lost, the sweep stops and the report lists the lost runs and why (not
+  stored; the next sweep runs them). ``KilledWorker`` is a dead worker.
 - A run's numbers depend only on its config, never on backend, worker count,
   chunking or completion order.
 """
