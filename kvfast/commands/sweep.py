@@ -290,11 +290,8 @@ def cmd_show(args) -> int:
 
 def _claims(study, df: pd.DataFrame) -> pd.DataFrame:
     from kvfast.report.claims import COLUMNS, study_claims
-    from kvfast.studies import STUDIES
 
-    if STUDIES.get(study.name) is not study:  # a user's study: no claims of the seed
-        return pd.DataFrame()
-    return study_claims(study.name, df)[COLUMNS]
+    return study_claims(study, df)[COLUMNS]
 
 
 def _study_grid(name: str):
