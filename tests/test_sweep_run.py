@@ -186,7 +186,7 @@ def test_error_rows_crash_rows_and_retry_errors(tmp_path, test_study, backend):
     out = tmp_path / "e"
     report = run_sweep(grid, out, jobs=2, quiet=True, chunk_size=3, backend=backend)
     assert not report.ok
-    assert report.counts == {"ok": 20, "error": 3, "crashed": 1}
+    assert report.counts == {"ok": 20, "error": 3, "crashed": 1, "timeout": 0}
     df = load(out).set_index("x")
     assert (df.loc[list(range(20)), "status"] == "ok").all()
     assert df.loc[100, "status"] == "error" and "RuntimeError: boom at x=100" in df.loc[100, "error"]
@@ -209,7 +209,7 @@ def test_retry_errors_reruns_failed_runs_and_never_warms_up_on_a_crasher(tmp_pat
     table = load(out).set_index("run_id").loc[[grid.runs[0].run_id, grid.runs[1].run_id]].reset_index()
     table["status"] = ["error", "crashed"]
     store.write_part(pa.Table.from_pandas(table, schema=store_schema(), preserve_index=False))
-    assert run_sweep(grid, out, jobs=1, quiet=True).counts == {"ok": 4, "error": 1, "crashed": 1}
+    assert run_sweep(grid, out, jobs=1, quiet=True).counts == {"ok": 4, "error": 1, "crashed": 1, "timeout": 0}
     report = run_sweep(grid, out, jobs=2, quiet=True, retry_errors=True)
     assert report.ran == 2 and report.ok
     df = load(out).set_index("run_id")
@@ -226,7 +226,7 @@ def test_dask_worker_crash_is_recorded_and_never_hangs(tmp_path, test_study):
     }
     # a LocalCluster that kvfast starts and stops itself
     report = run_sweep(grid_from_spec(spec), tmp_path / "d", jobs=2, backend="dask", quiet=True, stall_s=60)
-    assert report.counts == {"ok": 8, "error": 0, "crashed": 1} and not report.lost
+    assert report.counts == {"ok": 8, "error": 0, "crashed": 1, "timeout": 0} and not report.lost
     for _, row in load(tmp_path / "d").iterrows():
         if row["status"] == "ok":
             assert row["y"] == _run({"x": int(row["x"]), "scale": 1.0, "mode": "ok"})["y"]

@@ -1,9 +1,15 @@
-"""Sweep commands: ``kvfast grids``, ``run``, ``show``, ``study``, ``reproduce``.
+"""Sweep commands: ``kvfast grids``, ``run``, ``show``, ``study``, ``reproduce``, ``repair``.
 
-Bad input (unknown grid, axis or value, TOML syntax error, out-of-range value,
-unwritable or foreign output directory, a directory in use) is a ``ValueError``:
-one line on stderr and exit code 2, before any run starts. A sweep that ends
-with failed or lost runs exits 1; an interrupted one 130.
+Exit codes of ``run``, ``study`` and ``reproduce`` (:data:`EXIT_CODES`): 0 only
+when every run of the grid is stored with status ``ok``; 1 when runs ended as
+``error``, ``crashed`` or ``timeout`` rows (``--retry-errors`` reruns them); 2
+for bad input, one line, before any run (unknown grid, axis or value, TOML
+error, a limit exceeded, an unwritable, foreign, broken or busy results
+directory); 3 when runs were lost (not stored: a stall, a lost Dask scheduler;
+a plain rerun runs them); 70 for a bug in kvfast (a traceback, the version
+and a line saying so); 74 when results could not be written (disk full), one
+line saying what is stored; 130 when interrupted (Ctrl-C; rerun to resume).
+A sweep that ends with fewer runs stored ``ok`` than its grid never exits 0.
 """
 
 from __future__ import annotations
@@ -16,7 +22,19 @@ from pathlib import Path
 import pandas as pd
 
 EXIT_FAILED = 1
+EXIT_LOST = 3
+EXIT_STORAGE = 74  # sysexits' EX_IOERR
 EXIT_INTERRUPTED = 130
+EXIT_CODES = {
+    0: "every run of the grid is stored with status `ok`",
+    EXIT_FAILED: "runs stored as `error`, `crashed` or `timeout` (`--retry-errors` reruns them)",
+    2: "bad input, one line, before any run: grid, TOML, a limit (`--max-runs`, memory), `--out` unwritable, "
+    "foreign, broken (`kvfast repair`), of another study or in use",
+    EXIT_LOST: "runs lost, not stored (a stall, a lost Dask scheduler): a plain rerun runs them",
+    70: "a bug in kvfast: a traceback, the version and a line saying so",
+    EXIT_STORAGE: "results could not be written (disk full): one line with what is stored; free space and rerun",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C): rerun to resume",
+}
 
 
 def _jobs(text: str) -> int:
@@ -64,6 +82,21 @@ def add_parser(sub) -> None:
         help="refuse a grid of more than N runs, counted from its axes before anything runs (default 10,000,000)",
     )
     p.add_argument(
+        "--run-timeout",
+        type=_positive,
+        default=None,
+        metavar="S",
+        help="a run taking longer than S seconds is stored as `timeout` and its worker replaced "
+        "(threading: Python code only)",
+    )
+    p.add_argument(
+        "--max-memory",
+        type=_positive,
+        default=None,
+        metavar="GIB",
+        help="refuse a grid whose largest run needs more than GIB GiB by kvfast's estimate (default: this machine's)",
+    )
+    p.add_argument(
         "--stall-timeout",
         type=_positive,
         default=300.0,
@@ -76,9 +109,14 @@ def add_parser(sub) -> None:
     p.add_argument("dir", metavar="DIR")
     p.set_defaults(func=cmd_show)
 
+    p = sub.add_parser("repair", help="rebuild a missing or broken manifest from the parts; quarantine bad parts")
+    p.add_argument("dir", metavar="DIR")
+    p.set_defaults(func=cmd_repair)
+
     p = sub.add_parser("study", help="run a study's built-in grid and print its summary")
     p.add_argument("name", metavar="NAME")
     p.add_argument("--out", metavar="DIR", help="results directory (default: results/NAME)")
+    p.add_argument("--fresh", action="store_true", help="replace results of another study or version in DIR")
     _exec_options(p)
     p.set_defaults(func=cmd_study)
 
@@ -119,11 +157,10 @@ def cmd_grids(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from kvfast.sweep.engine import run_sweep
     from kvfast.sweep.grid import DEFAULT_MAX_RUNS, load_grid
 
     grid = load_grid(args.grid, max_runs=args.max_runs or DEFAULT_MAX_RUNS)
-    report = run_sweep(
+    report = _sweep(
         grid,
         args.out,
         jobs=args.jobs,
@@ -133,21 +170,52 @@ def cmd_run(args) -> int:
         fresh=args.fresh,
         quiet=args.quiet,
         stall_s=args.stall_timeout,
+        run_timeout=args.run_timeout,
+        max_memory=int(args.max_memory * 2**30) if args.max_memory else None,
     )
+    if isinstance(report, int):
+        return report
     print(report.line())
     return _exit(report)
 
 
+def _sweep(grid, out, **kwargs):
+    """``run_sweep``, with a failed write as one line and exit code 74 (an ``int`` instead of the report)."""
+    from kvfast.sweep.engine import run_sweep
+    from kvfast.sweep.store import StorageError
+
+    try:
+        return run_sweep(grid, out, **kwargs)
+    except StorageError as exc:
+        print(f"kvfast: error: {exc}", file=sys.stderr)
+        return EXIT_STORAGE
+    except KeyboardInterrupt:  # before the first run (starting a Dask cluster, say): nothing stored changed
+        print("kvfast: interrupted before any run; nothing stored changed", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except SystemExit as exc:  # never let a stray exit end a sweep with its code (0 would be a false pass)
+        raise RuntimeError(f"SystemExit({exc.code!r}) escaped the sweep engine") from None
+
+
 def _exit(report) -> int:
+    """The exit code of a finished sweep (see :data:`EXIT_CODES`); 0 only when every run is stored ``ok``."""
     if report.interrupted:
         return EXIT_INTERRUPTED
-    if not report.ok:
-        failed = report.total - report.counts.get("ok", 0)
+    failed = sum(n for s, n in report.counts.items() if s != "ok")
+    missing = report.total - report.counts.get("ok", 0) - failed
+    if failed:
         print(
-            f"{report.study}: {failed:,} runs not ok; see `kvfast show {report.out}`, "
-            "re-run with --retry-errors to retry them",
+            f"{report.study}: {failed:,} runs stored as error, crashed or timeout; see `kvfast show {report.out}`; "
+            "--retry-errors reruns them",
             file=sys.stderr,
         )
+    if report.lost or missing > 0:
+        print(
+            f"{report.study}: {max(len(report.lost), missing):,} runs lost (not stored); "
+            "run the same command again to run them",
+            file=sys.stderr,
+        )
+        return EXIT_LOST
+    if failed or not report.ok:
         return EXIT_FAILED
     return 0
 
@@ -157,6 +225,26 @@ def _summary(study, df: pd.DataFrame) -> str:
         return _table(study.summarize(df))
     except Exception as exc:  # noqa: BLE001 - a study's summary bug must not hide the others
         return f"(summary failed: {type(exc).__name__}: {exc})"
+
+
+def _other_study(root: Path, grid) -> bool:
+    """True when ``root/STUDY`` holds results of another version of the study (reproduce replaces them)."""
+    from kvfast.sweep.store import ResultsDir
+
+    store = ResultsDir(root / grid.study.name)
+    if not store.manifest_path.exists():
+        return False
+    reason = store.mismatch(grid.study)
+    if reason:
+        print(f"note: {store.path} {reason}; starting it afresh", file=sys.stderr)
+    return bool(reason)
+
+
+def cmd_repair(args) -> int:
+    from kvfast.sweep.store import repair
+
+    print(repair(args.dir))
+    return 0
 
 
 def cmd_show(args) -> int:
@@ -221,14 +309,12 @@ def _study_grid(name: str):
     return grid
 
 
-def _run_study(grid, out: Path, jobs, quiet: bool):
-    from kvfast.sweep.engine import run_sweep
-    from kvfast.sweep.store import ResultsDir, load
+def _run_study(grid, out: Path, jobs, quiet: bool, fresh: bool = False):
+    from kvfast.sweep.store import load
 
-    reason = ResultsDir(out).mismatch(grid.study) if (out / "_sweep.json").exists() else None
-    if reason:
-        print(f"note: {out} {reason}; starting it afresh", file=sys.stderr)
-    report = run_sweep(grid, out, jobs=jobs, quiet=quiet, fresh=bool(reason))
+    report = _sweep(grid, out, jobs=jobs, quiet=quiet, fresh=fresh)
+    if isinstance(report, int):
+        return report, None
     print(report.line())
     return report, load(out)
 
@@ -236,7 +322,9 @@ def _run_study(grid, out: Path, jobs, quiet: bool):
 def cmd_study(args) -> int:
     grid = _study_grid(args.name)
     out = Path(args.out or f"results/{args.name}")
-    report, df = _run_study(grid, out, args.jobs, args.quiet)
+    report, df = _run_study(grid, out, args.jobs, args.quiet, fresh=args.fresh)
+    if isinstance(report, int):
+        return report
     print(_summary(grid.study, df))
     claims = _claims(grid.study, df)
     if len(claims):
@@ -263,7 +351,9 @@ def cmd_reproduce(args) -> int:
     status = 0
     for grid in plan:
         print(f"\n== {grid.study.name}: {grid.study.description}")
-        report, df = _run_study(grid, root / grid.study.name, args.jobs, args.quiet)
+        report, df = _run_study(grid, root / grid.study.name, args.jobs, args.quiet, fresh=_other_study(root, grid))
+        if isinstance(report, int):
+            return report
         print(_summary(grid.study, df))
         status = status or _exit(report)
         if report.interrupted:

@@ -10,9 +10,14 @@ Contract of :func:`run_sweep`:
   its cache, once, here, before workers start). The rest are cut into chunks
   lazily, as workers ask for work: about ``chunk_s`` of work per chunk (from
   the times of runs finished so far), at least four chunks per worker.
-- A run that raises is an ``error`` row (its message in ``error``); the sweep
-  goes on. A chunk whose worker dies is re-run one run at a time, each alone
-  in a worker; a run that kills its worker again is a ``crashed`` row.
+- A run that raises is an ``error`` row (its message in ``error``), ``SystemExit``
+  and ``KeyboardInterrupt`` included; the sweep goes on. A chunk whose worker
+  dies is re-run one run at a time, each alone in a worker; a run that kills
+  its worker again is a ``crashed`` row. With ``run_timeout`` a run past its
+  limit is a ``timeout`` row (see :mod:`kvfast.sweep.guard`).
+- Workers die with the sweep process and ignore SIGINT; Ctrl-C kills them.
+- A failed write (disk full) is a :class:`~kvfast.sweep.store.StorageError`
+  saying how many runs are stored.
 - Finished chunks are written as a part within about a second (or
   every :data:`~kvfast.sweep.store.PART_ROWS` rows), so an interrupted sweep loses
   only chunks in flight; at the end the parts are compacted.
@@ -20,18 +25,22 @@ Contract of :func:`run_sweep`:
   are handed out, and what is stored is looked up in sorted arrays of ids, so
   memory is bounded by the chunks in flight, not by the grid.
 - Dask futures are driven directly (no joblib Dask backend), with a stall
-  timeout: if nothing finishes for ``stall_s`` seconds the sweep stops and the
-  report lists the lost runs (not stored; the next sweep runs them).
+  timeout: if nothing finishes for ``stall_s`` seconds, or the scheduler is
+  lost, the sweep stops and the report lists the lost runs and why (not
+  stored; the next sweep runs them). ``KilledWorker`` is a dead worker.
 - A run's numbers depend only on its config, never on backend, worker count,
   chunking or completion order.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import itertools
 import math
 import os
 import pickle
+import signal
 import statistics
 import sys
 import threading
@@ -48,7 +57,21 @@ import numpy as np
 import pyarrow as pa
 
 from kvfast.sweep.grid import Grid, Run
-from kvfast.sweep.store import PART_ROWS, STATUSES, WARMUP, ResultsDir, StoredIndex, new_manifest, schema_for
+from kvfast.sweep.guard import INTERRUPTED, RunTimeout, deadline, on_sigint, worker_start
+from kvfast.sweep.limits import check_memory
+from kvfast.sweep.store import (
+    FORMAT,
+    PART_ROWS,
+    STATUSES,
+    TIMEOUTS,
+    WARMUP,
+    ResultsDir,
+    StorageError,
+    StoredIndex,
+    new_manifest,
+    schema_for,
+    versions,
+)
 
 if TYPE_CHECKING:
     from kvfast.studies.base import Study
@@ -68,6 +91,7 @@ class SweepReport:
     ran: int = 0
     counts: dict[str, int] = field(default_factory=dict)
     lost: list[str] = field(default_factory=list)
+    lost_reason: str = ""
     wall_s: float = 0.0
     compute_s: float = 0.0
     workers: int = 1
@@ -89,32 +113,51 @@ class SweepReport:
             f"{counts}; results in {self.out}"
         )
         if self.lost:
-            text += f"; LOST {len(self.lost):,} runs (not stored; run again to retry): {', '.join(self.lost[:5])}"
+            why = f" ({self.lost_reason})" if self.lost_reason else ""
+            text += (
+                f"; LOST {len(self.lost):,} runs{why}, not stored, a plain rerun runs them: {', '.join(self.lost[:5])}"
+            )
             text += " ..." if len(self.lost) > 5 else ""
         if self.interrupted:
             text += "; INTERRUPTED (run again to resume)"
         return text
 
 
-def _run_one(study: Study, run: Run) -> dict:
-    """One run as a row of result + bookkeeping columns (never raises for the run's own errors)."""
+def _run_one(study: Study, run: Run, limits: Limits = None) -> dict:
+    """One run as a row of result + bookkeeping columns (never raises for the run's own errors).
+
+    ``SystemExit`` and ``KeyboardInterrupt`` raised by the run's code are ``error``
+    rows too (only the user's Ctrl-C, seen by the sweep's SIGINT handler, stops the
+    sweep); a run past ``limits``' time limit is a ``timeout`` row.
+    """
     clock = time.perf_counter
     t0 = clock()
+    seconds, marker_dir = limits or (None, None)
     try:
-        result = study.run(dict(run.config))
+        with deadline(seconds, run.run_id, marker_dir):
+            result = study.run(dict(run.config))
         if type(result) is not dict or result.keys() != study.result_fields.keys():
             _wrong_result(study, result)
         row = dict(result)
         row["run_id"] = run.run_id
         row["status"] = "ok"
         row["error"] = None
-    except Exception as exc:  # noqa: BLE001 - every run's failure becomes a row
+    except RunTimeout:
+        row = {f: None for f in study.result_fields}
+        row.update(run_id=run.run_id, status="timeout", error=_timeout_message(seconds))
+    except (Exception, SystemExit, KeyboardInterrupt) as exc:  # noqa: BLE001 - every run's failure becomes a row
+        if isinstance(exc, KeyboardInterrupt) and INTERRUPTED.is_set():
+            raise
         row = {f: None for f in study.result_fields}
         last = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
         where = f" (at {Path(last[0].filename).name}:{last[0].lineno})" if last else ""
         row.update(run_id=run.run_id, status="error", error=f"{type(exc).__name__}: {exc}{where}")
     row["wall_s"] = clock() - t0
     return row
+
+
+def _timeout_message(seconds: float | None) -> str:
+    return f"RunTimeout: the run took longer than --run-timeout {seconds:g} s"
 
 
 def _wrong_result(study: Study, result) -> None:
@@ -126,34 +169,18 @@ def _wrong_result(study: Study, result) -> None:
         raise TypeError(f"run returned wrong columns (missing {missing}, unexpected {extra})")
 
 
-_WATCHING: list[int] = []
+Limits = tuple | None  # (run time limit in seconds or None, folder for timeout markers or None)
 
 
-def _watch_parent() -> None:
-    """In a pool worker (loky, fork): exit when the sweep process that started it is gone (``kill -9``).
-
-    Idle workers otherwise outlive a hard-killed parent indefinitely.
-    """
-    import multiprocessing
-
-    if _WATCHING or not multiprocessing.current_process().name.startswith(("LokyProcess", "ForkProcess")):
-        return
-    parent = os.getppid()
-    _WATCHING.append(parent)
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(0)
-
-    threading.Thread(target=watch, name="kvfast-watch-parent", daemon=True).start()
-
-
-def run_chunk(study: Study, chunk: tuple[int, list[Run]]) -> tuple[int, list[dict]]:
-    """A worker's task: run every run of one chunk, in order; returns ``(chunk index, rows)``."""
-    _watch_parent()
+def run_chunk(study: Study, chunk: tuple[int, list[Run]], limits: Limits = None) -> tuple[int, list[dict]]:
+    """A task: run every run of one chunk, in order; returns ``(chunk index, rows)``."""
     index, runs = chunk
-    return index, [_run_one(study, r) for r in runs]
+    return index, [_run_one(study, r, limits) for r in runs]
+
+
+def _run_chunk_in_worker(study: Study, chunk: tuple[int, list[Run]], limits: Limits = None):
+    worker_start()
+    return run_chunk(study, chunk, limits)
 
 
 class _Writer:
@@ -298,16 +325,23 @@ class _Planner:
 
 def _loaded(study: Study) -> int:
     """A worker's no-op task: unpickling ``study`` imported its module."""
-    _watch_parent()
+    worker_start()
     return os.getpid()
+
+
+def _loky_pool(n_jobs: int):
+    """loky's reusable pool of ``n_jobs`` workers (started by this process; each dies with it)."""
+    from joblib.externals.loky import get_reusable_executor
+
+    return get_reusable_executor(max_workers=n_jobs, initializer=worker_start, initargs=(os.getpid(),))
 
 
 def _preheat(study: Study, jobs: int) -> None:
     """Start the loky pool (the one the sweep then reuses) and import the study in every worker."""
-    from joblib import Parallel, delayed
-
     try:
-        Parallel(n_jobs=jobs, backend="loky")(delayed(_loaded)(study) for _ in range(jobs))
+        pool = _loky_pool(jobs)
+        for fut in [pool.submit(_loaded, study) for _ in range(jobs)]:
+            fut.result()
     except Exception:  # noqa: BLE001 - only a head start; the sweep itself reports any failure
         pass
 
@@ -319,111 +353,153 @@ def _preheat_dask(client, study: Study) -> None:
         pass
 
 
-def _is_crash(exc: BaseException) -> bool:
-    from joblib.externals.loky.process_executor import BrokenProcessPool
+def _execute_threads(study: Study, runs: Iterator[Run], total: int, n_jobs: int, plan, write, limits: Limits) -> None:
+    """Fan chunks out to threads of this process (joblib's threading backend).
 
-    return isinstance(exc, BrokenProcessPool)
-
-
-def _execute_joblib(
-    study: Study, runs: Iterator[Run], total: int, backend: str, n_jobs: int, plan: Callable, write: Callable
-) -> None:
-    """Fan chunks out with joblib; chunks lost to a dead worker are re-run one run at a time, alone."""
+    A time limit interrupts a run's Python code only: a thread cannot be killed, so
+    a run blocked in C code (a sleep, a Numba kernel) runs until it returns.
+    """
     from joblib import Parallel, delayed
 
-    suspects: list[Run] = []
-    remaining: Iterator[Run] | None = runs
-    while remaining is not None:
-        planner = plan(remaining, total)
+    planner = plan(runs, total)
 
-        def tasks(planner=planner) -> Iterator:
-            while (chunk := planner.take()) is not None:
-                yield delayed(run_chunk)(study, chunk)
+    def tasks() -> Iterator:
+        while (chunk := planner.take()) is not None:
+            yield delayed(run_chunk)(study, chunk, limits)
 
-        parallel = Parallel(n_jobs=n_jobs, backend=backend, batch_size=1, return_as="generator_unordered")
-        try:
-            with warnings.catch_warnings():  # joblib's note about tasks cancelled by an interrupt
-                warnings.filterwarnings("ignore", message=".*tasks have been successfully executed")
-                for index, rows in parallel(tasks()):
-                    write(planner.returned(index), rows)
-            remaining = None
-        except Exception as exc:
-            if not _is_crash(exc):
-                raise
-            suspects += [r for chunk in planner.handed.values() for r in chunk]
-            remaining, total = planner.rest()
-    for run in suspects:  # each alone, in a worker process
-        try:
-            rows = Parallel(n_jobs=2, backend="loky")([delayed(run_chunk)(study, (0, [run]))])[0][1]
-        except Exception as exc:
-            if not _is_crash(exc):
-                raise
-            rows = [_crash_row(study, run)]
-        write([run], rows)
+    parallel = Parallel(n_jobs=n_jobs, backend="threading", batch_size=1, return_as="generator_unordered")
+    with warnings.catch_warnings():  # joblib's note about tasks cancelled by an interrupt
+        warnings.filterwarnings("ignore", message=".*tasks have been successfully executed")
+        for index, rows in parallel(tasks()):
+            write(planner.returned(index), rows)
 
 
-_FORKED_STUDY: list = []  # the study, as forked workers inherit it (nothing to pickle but the chunks)
+_FORKED: list = []  # (study, limits), as forked workers inherit them (nothing to pickle but the chunks)
 
 
 def _run_chunk_forked(chunk: tuple[int, list[Run]]) -> tuple[int, list[dict]]:
-    return run_chunk(_FORKED_STUDY[-1], chunk)
+    study, limits = _FORKED[-1]
+    return run_chunk(study, chunk, limits)
 
 
-def _execute_fork(study: Study, runs: Iterator[Run], total: int, n_jobs: int, plan: Callable, write: Callable) -> None:
-    """Fan chunks out to a pool of processes forked from this one after its warm-up.
+def _execute_pool(
+    study: Study, runs: Iterator[Run], total: int, backend: str, n_jobs: int, plan, write, limits: Limits
+) -> None:
+    """Fan chunks out to a process pool: ``fork`` (forked from this process after its warm-up: workers
+    start in milliseconds and inherit the compiled kernels) or ``loky`` (fresh interpreters).
 
-    The workers start in milliseconds: they inherit the imported modules and the
-    compiled kernels. About two chunks per worker are in flight. A dead worker
-    breaks the pool: the chunks in flight are re-run one run at a time, each alone
-    in a new one-worker pool, and a run that kills that worker too is ``crashed``.
+    About two chunks per worker are in flight. A dead worker breaks the pool: the
+    chunks in flight are re-run one run at a time, each alone in a new one-worker
+    pool; a run that kills that worker too is ``crashed`` (``timeout`` when the
+    worker killed itself at the run's time limit). On Ctrl-C the workers are
+    killed at once.
     """
     import multiprocessing
-
-    context = multiprocessing.get_context("fork")
-    _FORKED_STUDY.append(study)
-    try:
-        _fork_loop(runs, total, n_jobs, plan, write, context, study)
-    finally:
-        _FORKED_STUDY.pop()
-
-
-def _fork_loop(runs, total, n_jobs, plan, write, context, study) -> None:
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
     from concurrent.futures.process import BrokenProcessPool
 
+    if backend == "fork":
+        context = multiprocessing.get_context("fork")
+
+        def pool_of(n: int):
+            return ProcessPoolExecutor(n, mp_context=context, initializer=worker_start, initargs=(os.getpid(),))
+
+        def submit(pool, chunk):
+            return pool.submit(_run_chunk_forked, chunk)
+
+        _FORKED.append((study, limits))
+    else:
+
+        def pool_of(n: int):
+            return _loky_pool(n)
+
+        def submit(pool, chunk):
+            return pool.submit(_run_chunk_in_worker, study, chunk, limits)
+
+    markers = limits[1] if limits else None
     suspects: list[Run] = []
     remaining: Iterator[Run] | None = runs
-    while remaining is not None:
-        planner = plan(remaining, total)
-        pool = ProcessPoolExecutor(n_jobs, mp_context=context, initializer=_watch_parent)
-        in_flight: dict = {}
-        try:
-            while True:
-                while len(in_flight) < 2 * n_jobs and (chunk := planner.take()) is not None:
-                    in_flight[pool.submit(_run_chunk_forked, chunk)] = chunk
-                if not in_flight:
-                    break
-                done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
-                for fut in done:
-                    index, rows = fut.result()  # BrokenProcessPool when a worker died
-                    write(planner.returned(index), rows)
-                    del in_flight[fut]
-            remaining = None
-        except BrokenProcessPool:
-            suspects += [r for chunk in planner.handed.values() for r in chunk]
-            remaining, total = planner.rest()
-        finally:
-            pool.shutdown(wait=remaining is None, cancel_futures=True)
-    for run in suspects:  # each alone, in a new one-worker pool
-        with ProcessPoolExecutor(1, mp_context=context, initializer=_watch_parent) as pool:
+    try:
+        while remaining is not None:
+            planner = plan(remaining, total)
+            pool = pool_of(n_jobs)
+            in_flight: dict = {}
             try:
-                rows = pool.submit(_run_chunk_forked, (0, [run])).result()[1]
+                while True:
+                    while len(in_flight) < 2 * n_jobs and (chunk := planner.take()) is not None:
+                        in_flight[submit(pool, chunk)] = chunk
+                    if not in_flight:
+                        break
+                    done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
+                    for fut in done:
+                        index, rows = fut.result()  # BrokenProcessPool when a worker died
+                        write(planner.returned(index), rows)
+                        del in_flight[fut]
+                remaining = None
             except BrokenProcessPool:
-                rows = [_crash_row(study, run)]
-        write([run], rows)
+                suspects += [r for chunk in planner.handed.values() for r in chunk]
+                remaining, total = planner.rest()
+                _shutdown(pool, kill=True)
+            except BaseException:
+                _shutdown(pool, kill=True)
+                raise
+            else:
+                if backend == "fork":
+                    _shutdown(pool, kill=False)
+        for run in suspects:  # each alone, in a new one-worker pool
+            if _timed_out(markers, run):
+                write([run], [_timeout_row(study, run, limits)])
+                continue
+            pool = pool_of(1)
+            try:
+                rows = submit(pool, (0, [run])).result()[1]
+            except BrokenProcessPool:
+                rows = [_timeout_row(study, run, limits) if _timed_out(markers, run) else _crash_row(study, run)]
+                _shutdown(pool, kill=True)
+            except BaseException:
+                _shutdown(pool, kill=True)
+                raise
+            else:
+                if backend == "fork":
+                    _shutdown(pool, kill=False)
+            write([run], rows)
+    finally:
+        if backend == "fork":
+            _FORKED.pop()
+
+
+def _shutdown(pool, kill: bool) -> None:
+    """Shut a pool down; ``kill``: its workers first (a run in progress, or hung, is not waited for)."""
+    if kill:
+        for proc in list((getattr(pool, "_processes", None) or {}).values()):
+            with contextlib.suppress(Exception):
+                proc.kill()
+    with contextlib.suppress(Exception):
+        if hasattr(pool, "_flags"):  # loky's executor
+            pool.shutdown(wait=not kill, kill_workers=kill)
+        else:
+            pool.shutdown(wait=not kill, cancel_futures=True)
+
+
+def _timed_out(markers: Path | None, run: Run) -> bool:
+    """True when a worker killed itself at ``run``'s time limit (and left a marker; it is removed)."""
+    if markers is None:
+        return False
+    marker = markers / run.run_id
+    if marker.exists():
+        marker.unlink(missing_ok=True)
+        return True
+    return False
+
+
+def _timeout_row(study: Study, run: Run, limits: Limits) -> dict:
+    row = {f: None for f in study.result_fields}
+    row.update(run_id=run.run_id, status="timeout", error=_timeout_message(limits[0] if limits else None), wall_s=None)
+    return row
 
 
 def _crash_row(study: Study, run: Run) -> dict:
+    print(f"kvfast: run {run.run_id} killed its worker, twice; stored as crashed", file=sys.stderr)
     row = {f: None for f in study.result_fields}
     row.update(run_id=run.run_id, status="crashed", error=CRASH_MESSAGE, wall_s=None)
     return row
@@ -432,96 +508,150 @@ def _crash_row(study: Study, run: Run) -> dict:
 def _dask_client(n_jobs: int, scheduler: str | None):
     """A connected ``distributed.Client`` (and the LocalCluster it owns, or ``None``)."""
     try:
-        import dask
-        from distributed import Client, LocalCluster
+        from distributed import Client
     except ImportError:
         raise ValueError("--backend: 'dask' needs the dask extra; install kvfast[dask]") from None
     import logging
 
+    # kvfast reports dead workers and a lost scheduler itself, in one line: not distributed's tracebacks
+    for name in ["distributed", *logging.root.manager.loggerDict]:
+        if name.startswith("distributed"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     if scheduler:
         try:
             return Client(scheduler, timeout="5s"), None
         except (OSError, TimeoutError, ValueError) as exc:
             raise ValueError(f"--scheduler: cannot connect to {scheduler!r} ({exc})") from None
+    on_main = threading.current_thread() is threading.main_thread()
+    # the cluster's processes inherit an ignored SIGINT: Ctrl-C is this process's to handle (it closes them)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if on_main else None
+    try:
+        cluster = _local_cluster(n_jobs)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+    return Client(cluster), cluster
+
+
+def _local_cluster(n_jobs: int):
+    import logging
+
+    import dask
+    from distributed import LocalCluster
+
     with dask.config.set({"distributed.scheduler.allowed-failures": 0}):
         cluster = LocalCluster(
             n_workers=n_jobs,
             threads_per_worker=1,
             processes=True,
             dashboard_address=None,
-            silence_logs=logging.ERROR,
+            silence_logs=logging.CRITICAL,
         )
-    return Client(cluster), cluster
-
-
-def _pack(chunk: tuple[int, list[Run]]) -> bytes:
-    """A chunk as one bytes object: Dask then sends it as it is, instead of walking every run's config
-    for futures to substitute (the walk cost more than the tiny runs themselves)."""
-    return pickle.dumps(chunk, protocol=pickle.HIGHEST_PROTOCOL)
+    return cluster
 
 
 def _run_chunk_packed(study: Study, packed: bytes) -> bytes:
-    return pickle.dumps(run_chunk(study, pickle.loads(packed)), protocol=pickle.HIGHEST_PROTOCOL)
+    worker_start()
+    chunk, limits = pickle.loads(packed)
+    return pickle.dumps(run_chunk(study, chunk, limits), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _dask_rows(fut) -> list[dict] | None:
+    """The rows of a finished chunk, or ``None`` when its worker died (``KilledWorker``: the future may
+    say "finished" and still raise) or the task was otherwise lost."""
+    if fut.status != "finished":
+        return None
+    try:
+        return pickle.loads(fut.result())[1]
+    except Exception:  # noqa: BLE001 - KilledWorker and the like: the chunk is retried run by run
+        return None
+
+
+def _scheduler_gone(client, fut=None, exc: BaseException | None = None) -> bool:
+    """True when the futures were cancelled under us: the scheduler died (or the client lost it)."""
+    if exc is not None and type(exc).__name__ in ("FuturesCancelledError", "CancelledError", "CommClosedError"):
+        return True
+    return (fut is not None and fut.status == "cancelled") or client.status != "running"
 
 
 def _execute_dask(
-    study: Study, runs: Iterator[Run], total: int, client, workers: int, plan: Callable, stall_s: float, write
-) -> list:
+    study: Study, runs: Iterator[Run], total: int, client, workers: int, plan: Callable, stall_s: float, write, limits
+) -> tuple[list[str], str]:
     """Drive Dask futures directly, about two chunks per worker in flight.
 
-    Returns the ids of runs lost to a stall (no chunk finished for ``stall_s`` seconds).
+    Returns the ids of runs lost (not stored: no chunk finished for ``stall_s``
+    seconds, or the scheduler was lost) and why, in a few words ("" if none).
+    A chunk whose worker died is re-run one run at a time; a run whose worker
+    dies again is ``crashed`` (``timeout`` if the worker killed itself at the
+    run's time limit).
     """
     from distributed import wait
 
     token = os.urandom(4).hex()
     planner = plan(runs, total)
     in_flight: dict = {}
+    markers = limits[1] if limits else None
 
     def submit() -> None:
         while len(in_flight) < 2 * workers and (chunk := planner.take()) is not None:
-            fut = client.submit(_run_chunk_packed, study, _pack(chunk), key=f"kvfast-{token}-{chunk[0]}", pure=False)
+            packed = pickle.dumps((chunk, limits), protocol=pickle.HIGHEST_PROTOCOL)
+            fut = client.submit(_run_chunk_packed, study, packed, key=f"kvfast-{token}-{chunk[0]}", pure=False)
             in_flight[fut] = chunk
 
-    suspects: list[Run] = []
-    submit()
-    while in_flight:
-        try:
-            done, _ = wait(list(in_flight), timeout=stall_s, return_when="FIRST_COMPLETED")
-        except TimeoutError:
-            break
-        for fut in done:
-            index, chunk = in_flight.pop(fut)
-            planner.returned(index)
-            if fut.status == "finished":
-                write(chunk, pickle.loads(fut.result())[1])
-            else:  # the worker died (KilledWorker) or the task was lost
-                suspects += chunk
-        submit()
-    if in_flight:
+    def lost_all(reason: str) -> tuple[list[str], str]:
         lost = [r.run_id for _, chunk in in_flight.values() for r in chunk] + [r.run_id for r in planner.rest()[0]]
-        client.cancel(list(in_flight))
-        return lost + [r.run_id for r in suspects]
-    lost = []
-    for run in suspects:  # each alone
-        fut = client.submit(run_chunk, study, (0, [run]), key=f"kvfast-{token}-solo-{run.run_id}", pure=False)
+        with contextlib.suppress(Exception):
+            client.cancel(list(in_flight))
+        return lost + [r.run_id for r in suspects], reason
+
+    suspects: list[Run] = []
+    try:
+        submit()
+        while in_flight:
+            try:
+                done, _ = wait(list(in_flight), timeout=stall_s, return_when="FIRST_COMPLETED")
+            except TimeoutError:
+                return lost_all(f"no run finished for {stall_s:g} s (--stall-timeout)")
+            for fut in done:
+                if _scheduler_gone(client, fut):
+                    return lost_all("the Dask scheduler was lost")
+                index, chunk = in_flight.pop(fut)
+                planner.returned(index)
+                rows = _dask_rows(fut)
+                if rows is None:
+                    suspects += chunk
+                else:
+                    write(chunk, rows)
+            submit()
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a lost scheduler shows as many exception types
+        if _scheduler_gone(client, exc=exc):
+            return lost_all(f"the Dask scheduler was lost ({type(exc).__name__})")
+        raise
+    lost: list[str] = []
+    for i, run in enumerate(suspects):  # each alone
         try:
-            wait([fut], timeout=stall_s)
-        except TimeoutError:
-            pass
-        if fut.status == "finished":
-            write([run], fut.result()[1])
-        elif fut.status == "error":
-            exc = fut.exception()
-            if type(exc).__name__ == "KilledWorker":
-                write([run], [_crash_row(study, run)])
-            else:  # not the run's own exception (that is caught in the worker): the task could not run
-                row = _crash_row(study, run)
-                row.update(status="error", error=f"{type(exc).__name__}: {exc}")
-                write([run], [row])
+            packed = pickle.dumps(((0, [run]), limits), protocol=pickle.HIGHEST_PROTOCOL)
+            fut = client.submit(_run_chunk_packed, study, packed, key=f"kvfast-{token}-solo-{run.run_id}", pure=False)
+            with contextlib.suppress(TimeoutError):
+                wait([fut], timeout=stall_s)
+        except Exception as exc:  # noqa: BLE001
+            if _scheduler_gone(client, exc=exc):
+                return lost + [r.run_id for r in suspects[i:]], f"the Dask scheduler was lost ({type(exc).__name__})"
+            raise
+        rows = _dask_rows(fut)
+        if rows is not None:
+            write([run], rows)
+        elif fut.status == "error":  # the worker died again, or the task could not run
+            write([run], [_timeout_row(study, run, limits) if _timed_out(markers, run) else _crash_row(study, run)])
+        elif _scheduler_gone(client, fut):
+            return lost + [r.run_id for r in suspects[i:]], "the Dask scheduler was lost"
         else:
-            client.cancel([fut])
+            with contextlib.suppress(Exception):
+                client.cancel([fut])
             lost.append(run.run_id)
-    return lost
+    return lost, (f"no run finished for {stall_s:g} s (--stall-timeout)" if lost else "")
 
 
 def _progress(total: int, desc: str, quiet: bool):
@@ -544,8 +674,17 @@ def run_sweep(
     chunk_s: float = 0.5,
     chunk_size: int | None = None,
     stall_s: float = 300.0,
+    run_timeout: float | None = None,
+    max_memory: int | None = None,
 ) -> SweepReport:
-    """Run ``grid`` into the results directory ``out`` (see the module docstring for the contract)."""
+    """Run ``grid`` into the results directory ``out`` (see the module docstring for the contract).
+
+    ``jobs`` above the machine's core count is capped to it with a warning.
+    ``run_timeout``: seconds a run may take (a ``timeout`` row after that).
+    Raises ``ValueError`` for bad arguments or a results directory that cannot
+    be used (one line, nothing stored touched), :class:`StorageError` when
+    results cannot be written (disk full): what is stored is kept.
+    """
     import joblib
 
     if backend not in BACKENDS:
@@ -560,27 +699,104 @@ def run_sweep(
         jobs = joblib.cpu_count()
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"--jobs: {jobs!r} is not allowed; allowed: an integer >= 1")
+    cores = joblib.cpu_count()
+    if jobs > cores and not (backend == "dask" and scheduler):
+        print(f"warning: --jobs {jobs} is more than the {cores} cores here; using {cores}", file=sys.stderr)
+        jobs = cores
+    if run_timeout is not None and (isinstance(run_timeout, bool) or not run_timeout > 0):
+        raise ValueError(f"--run-timeout: {run_timeout!r} is not allowed; allowed: a number of seconds > 0")
     if scheduler and backend != "dask":
         raise ValueError(f"--scheduler: {scheduler!r} needs --backend dask (backend is {backend!r})")
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size: {chunk_size!r} is not allowed; allowed: an integer >= 1")
     study = grid.study
+    check_memory(grid, max_memory)
     store = ResultsDir(out)
     store.require_writable(study, fresh=fresh)
     t_start = time.perf_counter()
     client = cluster = None
     if backend == "dask" and (jobs > 1 or scheduler):
         client, cluster = _dask_client(jobs, scheduler)
+    limits = (run_timeout, store.path / TIMEOUTS) if run_timeout else None
+    on_main = threading.current_thread() is threading.main_thread()
+    old_handler = signal.signal(signal.SIGINT, on_sigint) if on_main else None
+    INTERRUPTED.clear()
     try:
-        with store.locked():
+        with store.locked(), _storage_errors(store):
             return _sweep_locked(
-                grid, store, jobs, backend, client, retry_errors, fresh, quiet, chunk_s, chunk_size, stall_s, t_start
+                grid,
+                store,
+                jobs,
+                backend,
+                client,
+                retry_errors,
+                fresh,
+                quiet,
+                chunk_s,
+                chunk_size,
+                stall_s,
+                t_start,
+                limits,
             )
     finally:
-        if client is not None:
-            client.close()
-        if cluster is not None:
-            cluster.close()
+        if old_handler is not None:
+            signal.signal(signal.SIGINT, old_handler)
+        with contextlib.suppress(Exception):  # a lost scheduler: closing may fail too
+            if client is not None:
+                client.close(timeout=5)
+            if cluster is not None:
+                cluster.close(timeout=5)
+
+
+_STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO}
+
+
+@contextlib.contextmanager
+def _storage_errors(store: ResultsDir) -> Iterator[None]:
+    """Turn a failed write (disk full, quota, read-only file system) into one :class:`StorageError` line."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in _STORAGE_ERRNOS:
+            raise
+        try:
+            stored = f"{len(store.stored_index()):,} runs are stored"
+        except Exception:  # noqa: BLE001 - the count is a courtesy
+            stored = "what was stored is kept"
+        raise StorageError(
+            f"{store.path}: cannot write results ({exc.strerror}); {stored}; free space and rerun to resume"
+        ) from None
+
+
+def _warn_versions(store: ResultsDir, old: dict | None, stored: int) -> None:
+    """Warn when stored rows were written under other versions of kvfast, NumPy or Numba."""
+    if not old or not stored:
+        return
+    now = versions()
+    was = old.get("versions") if isinstance(old.get("versions"), dict) else {}
+    changed = [f"{k} {was.get(k)} -> {now[k]}" for k in ("kvfast", "numpy", "numba") if was.get(k) != now.get(k)]
+    if changed:
+        print(
+            f"warning: {store.path}: {stored:,} stored runs were written under other versions "
+            f"({', '.join(changed)}); the manifest's history keeps each sweep's versions",
+            file=sys.stderr,
+        )
+
+
+def _part_metadata(grid: Grid) -> dict[str, str]:
+    """What ``kvfast repair`` needs to rebuild a manifest, written into every part."""
+    import json
+
+    study = grid.study
+    return {
+        "kvfast.format": FORMAT,
+        "kvfast.study": study.name,
+        "kvfast.study_version": study.version,
+        "kvfast.study_ref": grid.study_ref or study.name,
+        "kvfast.grid_name": grid.name,
+        "kvfast.grid": json.dumps(grid.spec, sort_keys=True, default=str),
+        "kvfast.versions": json.dumps(versions(), sort_keys=True),
+    }
 
 
 class _Pending(NamedTuple):
@@ -637,7 +853,7 @@ def _pending_runs(grid: Grid, plan: _Pending) -> Iterator[Run]:
 
 
 def _sweep_locked(
-    grid, store, jobs, backend, client, retry_errors, fresh, quiet, chunk_s, chunk_size, stall_s, t_start
+    grid, store, jobs, backend, client, retry_errors, fresh, quiet, chunk_s, chunk_size, stall_s, t_start, limits
 ) -> SweepReport:
     study = grid.study
     store.remove_temporaries()
@@ -645,7 +861,9 @@ def _sweep_locked(
         store.clear()
     old = store.manifest()
     stored = store.stored_index()
-    redo = ("error", "crashed") if retry_errors else ()
+    _warn_versions(store, old, len(stored))
+    store.part_metadata = _part_metadata(grid)
+    redo = ("error", "crashed", "timeout") if retry_errors else ()
     plan = _find_pending(grid, stored, redo)
     manifest = new_manifest(study, old)
     manifest.update(
@@ -659,10 +877,22 @@ def _sweep_locked(
     writer.watch = plan.retried
     try:
         if plan.total:
-            crashed = stored.ids_with(STATUSES.index("crashed"))
+            crashed = stored.ids_with(STATUSES.index("crashed")) | stored.ids_with(STATUSES.index("timeout"))
             pending = _pending_runs(grid, plan)
             _execute(
-                study, pending, plan.total, writer, report, jobs, backend, client, chunk_s, chunk_size, stall_s, crashed
+                study,
+                pending,
+                plan.total,
+                writer,
+                report,
+                jobs,
+                backend,
+                client,
+                chunk_s,
+                chunk_size,
+                stall_s,
+                crashed,
+                limits,
             )
     except KeyboardInterrupt:
         report.interrupted = True
@@ -695,6 +925,7 @@ def _sweep_locked(
             "wall_s": round(report.wall_s, 3),
             "counts": report.counts,
             "lost": len(report.lost),
+            "versions": manifest["versions"],
             "interrupted": report.interrupted,
         }
     )
@@ -703,12 +934,12 @@ def _sweep_locked(
 
 
 def _execute(
-    study, pending, total, writer, report, jobs, backend, client, chunk_s, chunk_size, stall_s, crashed: set[str]
+    study, pending, total, writer, report, jobs, backend, client, chunk_s, chunk_size, stall_s, crashed, limits
 ) -> None:
     if jobs == 1 and client is None:  # in-process, no pool
         size = chunk_size or 64
         while chunk := list(itertools.islice(pending, size)):
-            writer(chunk, run_chunk(study, (0, chunk))[1])
+            writer(chunk, run_chunk(study, (0, chunk), limits)[1])
         report.chunk_size = size
         return
     # Warm-up: one run in this process compiles (or loads Numba's cache) before any worker starts. Never
@@ -739,7 +970,7 @@ def _execute(
     try:
         for run in local:
             marker.write_text(run.run_id)
-            writer([run], [_run_one(study, run)])
+            writer([run], [_run_one(study, run, limits)])
     finally:
         if preheat is not None:
             preheat.join()
@@ -759,9 +990,11 @@ def _execute(
         return planners[-1]
 
     if client is not None:
-        report.lost = _execute_dask(study, rest, total, client, workers, plan, stall_s, writer)
-    elif backend == "fork":
-        _execute_fork(study, rest, total, jobs, plan, writer)
+        report.lost, report.lost_reason = _execute_dask(
+            study, rest, total, client, workers, plan, stall_s, writer, limits
+        )
+    elif backend == "threading":
+        _execute_threads(study, rest, total, jobs, plan, writer, limits)
     else:
-        _execute_joblib(study, rest, total, backend, jobs, plan, writer)
+        _execute_pool(study, rest, total, backend, jobs, plan, writer, limits)
     report.chunk_size = max((p.largest for p in planners), default=0)  # the steady-state size

@@ -45,6 +45,7 @@ import itertools
 import json
 import math
 import os
+import re
 import sys
 import tomllib
 from collections.abc import Iterable, Iterator
@@ -231,6 +232,8 @@ def load_grid(name_or_path: str, max_runs: int = DEFAULT_MAX_RUNS) -> Grid:
             spec = tomllib.load(fh)
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"{path}: TOML syntax error: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not a TOML text file (byte {exc.start}: not UTF-8)") from None
     except OSError as exc:
         raise ValueError(f"{path}: cannot read: {exc.strerror}") from None
     return grid_from_spec(spec, name=path.stem, source=str(path), max_runs=max_runs)
@@ -332,12 +335,27 @@ def _level(table: Any, where: str, allowed: tuple[str, ...]) -> tuple[list[str],
     return list(seen), factors
 
 
-def _coerce(value: Any, typ: pa.DataType) -> Any:
-    """Integers in float columns become floats (so ``lr = 1`` and ``lr = 1.0`` are one run)."""
+_NUMBERED = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*):(.+)$")
+
+
+def _coerce(value: Any, typ: pa.DataType, key: str = "value") -> Any:
+    """A config value in its canonical form, so that one run has one id.
+
+    Integers in float columns become floats (``lr = 1`` and ``lr = 1.0`` are one
+    run). A string ``KIND:N`` whose ``N`` is digits (``online:4``) loses its
+    leading zeros (``online:04`` is ``online:4``); digits other than ASCII
+    (``online:٤``, ``online:²``) are refused, naming ``key``.
+    """
     if pa.types.is_floating(typ) and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if isinstance(value, str) and (m := _NUMBERED.match(value)):
+        tail = m.group(2)
+        if any(c.isdigit() or c.isnumeric() for c in tail) and not tail.isascii():
+            raise ValueError(f"{key}: {value!r} is not allowed; allowed: ASCII digits 0-9 after ':'")
+        if tail.isdigit() and len(tail) > 1 and tail.startswith("0"):
+            return f"{m.group(1)}:{int(tail)}"
     if (pa.types.is_list(typ) or pa.types.is_large_list(typ)) and isinstance(value, list):
-        return [_coerce(v, typ.value_type) for v in value]
+        return [_coerce(v, typ.value_type, key) for v in value]
     return value
 
 
@@ -357,7 +375,7 @@ def _factor(keys: tuple, rows: list[tuple], fields: dict[str, pa.DataType], cach
             token = (key, json.dumps(value, sort_keys=True, allow_nan=True), type(value).__name__)
             hit = cache.get(token)
             if hit is None:
-                coerced = _coerce(value, fields[key])
+                coerced = _coerce(value, fields[key], key)
                 hit = cache[token] = (coerced, _piece(key, coerced))
             values.append(hit[0])
             pieces.append(hit[1])

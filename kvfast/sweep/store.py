@@ -54,9 +54,12 @@ if TYPE_CHECKING:
 MANIFEST = "_sweep.json"
 LOCK = ".lock"
 WARMUP = ".warmup"
+TIMEOUTS = ".timeouts"  # ids of runs whose worker killed itself at the time limit
 FORMAT = "kvfast-results-1"
 PART_RE = re.compile(r"^part-(\d{8})-([0-9a-f]{8})\.parquet$")
-STATUSES = ("ok", "error", "crashed")
+STATUSES = ("ok", "error", "crashed", "timeout")
+REQUIRED = ("format", "study", "study_version", "schema")  # manifest keys every command relies on
+QUARANTINE = "_quarantine"
 PART_ROWS = 1 << 20
 ROW_GROUP_ROWS = 1 << 17
 COMPACT_ROWS = 2 * PART_ROWS
@@ -65,6 +68,10 @@ BOOKKEEPING: dict[str, pa.DataType] = {
     "error": pa.string(),
     "wall_s": pa.float64(),
 }
+
+
+class StorageError(Exception):
+    """Results could not be written (disk full, quota, read-only): one line saying what is stored and what to do."""
 
 
 def schema_for(study: Study) -> pa.Schema:
@@ -148,20 +155,62 @@ class ResultsDir:
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         self.manifest_path = self.path / MANIFEST
+        longest = max((len(part.encode()) for part in self.path.parts), default=0)
+        if longest > 255 or len(str(self.path).encode()) > 4000:
+            raise ValueError(
+                f"DIR: {str(self.path)[:60]!r}... is not allowed ({longest} bytes in one name); "
+                "allowed: names of at most 255 bytes, paths of at most 4,000"
+            )
+        self.part_metadata: dict[str, str] = {}  # written into every part's schema metadata (for `kvfast repair`)
 
     # -- reading -------------------------------------------------------------------------
 
     def manifest(self) -> dict | None:
-        """The manifest, or ``None`` if there is none. ``ValueError`` if it is not kvfast's."""
-        if not self.manifest_path.exists():
+        """The manifest, or ``None`` if there is none (and no part either).
+
+        ``ValueError`` (one line naming the file and the remedy) if it cannot be read,
+        is not JSON, not a JSON object, not kvfast's format or lacks a key, and if it
+        is missing while parts are stored.
+        """
+        path = self.manifest_path
+        if not path.exists():
+            if self.path.is_dir() and self.parts():
+                raise ValueError(f"{path}: missing while results are stored; {self.remedy()}")
             return None
         try:
-            data = json.loads(self.manifest_path.read_text())
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"{self.path}: {MANIFEST} is not a kvfast manifest ({exc})") from None
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise ValueError(f"{self.path}: {MANIFEST} is not a kvfast manifest (format {data.get('format')!r})")
+            data = json.loads(path.read_bytes())
+        except OSError as exc:
+            raise ValueError(f"{path}: cannot be read ({exc.strerror}); {self.remedy()}") from None
+        except ValueError as exc:
+            raise ValueError(f"{path}: not valid JSON ({str(exc).splitlines()[0]}); {self.remedy()}") from None
+        if not isinstance(data, dict):
+            raise ValueError(
+                f"{path}: a JSON {type(data).__name__}, not a kvfast manifest (an object); {self.remedy()}"
+            )
+        if data.get("format") != FORMAT:
+            raise ValueError(f"{path}: format {data.get('format')!r}, not {FORMAT!r}; {self.remedy()}")
+        missing = [k for k in REQUIRED if k not in data]
+        if missing:
+            raise ValueError(f"{path}: key {missing[0]!r} is missing; {self.remedy()}")
+        if not isinstance(data.get("history", []), list):
+            raise ValueError(f"{path}: key 'history' is not a list; {self.remedy()}")
         return data
+
+    def remedy(self) -> str:
+        """The one-line way back for a broken results directory."""
+        return f"run `kvfast repair {self.path}` to rebuild it from the stored parts, or use another --out"
+
+    def read_part(self, part: Path, **kwargs) -> pa.Table:
+        """One part (``pq.read_table`` arguments); ``ValueError`` naming it and the remedy if it is unreadable."""
+        try:
+            return pq.read_table(part, **kwargs)
+        except FileNotFoundError:
+            raise
+        except (OSError, pa.ArrowException) as exc:
+            raise ValueError(
+                f"{part}: not a readable Parquet part ({str(exc).splitlines()[0][:120]}); "
+                f"run `kvfast repair {self.path}` to move it aside (its runs run again on the next `kvfast run`)"
+            ) from None
 
     def require_writable(self, study: Study, fresh: bool = False) -> None:
         """Refuse (``ValueError``) a directory that a sweep of ``study`` may not write into.
@@ -180,9 +229,14 @@ class ResultsDir:
             raise ValueError(f"--out: {str(p)!r} is not writable (no write permission on {str(existing)!r})")
         if not p.exists():
             return
-        manifest = self.manifest()
+        try:
+            manifest = self.manifest()
+        except ValueError:
+            if fresh:  # a broken kvfast directory: --fresh replaces it, as asked
+                return
+            raise
         if manifest is None:
-            foreign = [c.name for c in p.iterdir() if c.name not in (LOCK, WARMUP)]
+            foreign = [c.name for c in p.iterdir() if c.name not in (LOCK, WARMUP, TIMEOUTS, QUARANTINE)]
             if foreign:
                 raise ValueError(
                     f"--out: {str(p)!r} is not a kvfast results directory (it holds {foreign[0]!r} and no "
@@ -226,12 +280,12 @@ class ResultsDir:
         parts = self.parts()
         if not parts:
             return StoredIndex.build(np.empty(0, "S32"), np.empty(0, np.int8))
-        tables = [pq.read_table(p, columns=["run_id", "status"]) for p in parts]
+        tables = [self.read_part(p, columns=["run_id", "status"]) for p in parts]
         table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
         if len(tables) > 1 or not _sorted_unique(table.column("run_id")):
             table = _latest(table)
         ids = _fixed_ids(table.column("run_id"))
-        codes = pc.index_in(table.column("status"), value_set=pa.array(STATUSES)).fill_null(len(STATUSES) - 1)
+        codes = pc.index_in(table.column("status"), value_set=pa.array(STATUSES)).fill_null(STATUSES.index("crashed"))
         return StoredIndex.build(ids, codes.to_numpy().astype(np.int8))
 
     # -- writing (call these only while holding the lock) --------------------------------
@@ -268,12 +322,21 @@ class ResultsDir:
         for p in self.path.iterdir():
             if PART_RE.match(p.name) or (p.name.startswith(".part-") and p.name.endswith(".tmp")):
                 p.unlink()
+        if self.manifest_path.is_dir() and not self.manifest_path.is_symlink():
+            import shutil
+
+            shutil.rmtree(self.manifest_path)
         self.manifest_path.unlink(missing_ok=True)
 
     def remove_temporaries(self) -> None:
-        """Delete hidden temporaries left by a killed writer (call only while holding the lock)."""
+        """Delete hidden temporaries left by a killed writer, and stale timeout markers (call only while
+        holding the lock)."""
         for p in self.path.iterdir():
             if p.name.startswith((".part-", f".{MANIFEST}.")) and p.name.endswith(".tmp"):
+                p.unlink(missing_ok=True)
+        markers = self.path / TIMEOUTS
+        if markers.is_dir():
+            for p in markers.iterdir():
                 p.unlink(missing_ok=True)
 
     def _next_seq(self) -> int:
@@ -283,6 +346,12 @@ class ResultsDir:
     def write_part(self, table: pa.Table | list[pa.Table]) -> Path:
         """Write one part (a table, or tables of one schema): a hidden temporary name, then an atomic rename."""
         tables = table if isinstance(table, list) else [table]
+        if self.part_metadata:
+            meta = {
+                **(tables[0].schema.metadata or {}),
+                **{k.encode(): v.encode() for k, v in self.part_metadata.items()},
+            }
+            tables = [t.replace_schema_metadata(meta) for t in tables]
         seq = self._next_seq()
         name = f"part-{seq:08d}-{secrets.token_hex(4)}.parquet"
         tmp = self.path / f".{name}.tmp"
@@ -310,7 +379,7 @@ class ResultsDir:
             return
         rows = [pq.ParquetFile(p).metadata.num_rows for p in parts]
         if sum(rows) <= COMPACT_ROWS:
-            table = read_parts(parts, schema)
+            table = read_parts(parts, schema, self)
             self.write_part(table)
             for p in parts:
                 p.unlink()
@@ -329,7 +398,7 @@ class ResultsDir:
             self._merge(group, schema)
 
     def _merge(self, group: list[Path], schema: pa.Schema) -> None:
-        self.write_part([pq.read_table(p, schema=schema) for p in group])
+        self.write_part([self.read_part(p, schema=schema) for p in group])
         for p in group:
             p.unlink()
 
@@ -353,7 +422,7 @@ def new_manifest(study: Study, old: dict | None) -> dict:
         "grid_name": None,
         "grid_hash": None,
         "grid_runs": None,
-        "history": list((old or {}).get("history", [])),
+        "history": list((old or {}).get("history", [])),  # one entry per sweep, with the versions it ran under
     }
 
 
@@ -446,9 +515,10 @@ def _latest(table: pa.Table) -> pa.Table:
     return table.take(last.column("_i_max"))
 
 
-def read_parts(parts: list[Path], schema: pa.Schema | None = None) -> pa.Table:
+def read_parts(parts: list[Path], schema: pa.Schema | None = None, store: ResultsDir | None = None) -> pa.Table:
     """The latest row per run over ``parts`` (oldest first), sorted by run id."""
-    tables = [pq.read_table(p, schema=schema) if schema is not None else pq.read_table(p) for p in parts]
+    store = store or ResultsDir(parts[0].parent)
+    tables = [store.read_part(p, schema=schema) if schema is not None else store.read_part(p) for p in parts]
     table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
     if len(tables) == 1 and _sorted_unique(table.column("run_id")):
         return table  # a compacted part: already one row per run, sorted
@@ -480,7 +550,15 @@ def load(path: str | os.PathLike) -> pd.DataFrame:
         if study is None:
             raise ValueError(f"{str(p)!r}: no results (no part-*.parquet files)")
         return schema_for(study).empty_table().to_pandas()
-    return read_parts(parts).to_pandas()
+    for attempt in range(50):  # a sweep compacting meanwhile deletes parts it merged: list them again
+        try:
+            return read_parts(parts).to_pandas()
+        except FileNotFoundError:
+            if attempt == 49:
+                raise
+            time.sleep(0.01 * (attempt + 1))
+            parts = list_parts(p)
+    raise AssertionError("unreachable")
 
 
 if sys.platform == "win32":  # pragma: no cover - not tested here
@@ -501,3 +579,93 @@ else:
 
     def _unlock(fd: int) -> None:
         fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+def repair(path: str | os.PathLike) -> str:
+    """Make a broken results directory usable again; returns one line saying what was done.
+
+    Unreadable parts (truncated, corrupt) are moved into ``DIR/_quarantine/`` (their
+    runs are then not stored: the next sweep runs them). A missing or broken
+    manifest is rebuilt from the metadata each part carries (study, version,
+    schema, grid, versions; the broken one is moved into the quarantine folder
+    too). ``ValueError`` if ``path`` is not a directory, is in use by a sweep,
+    or its parts disagree about their study.
+    """
+    store = ResultsDir(path)
+    if not store.path.is_dir():
+        raise ValueError(f"DIR: {str(store.path)!r} is not a directory")
+    done: list[str] = []
+    with store.locked():
+        store.remove_temporaries()
+        quarantine = store.path / QUARANTINE
+        good: list[tuple[Path, pa.Schema]] = []
+        for part in store.parts():
+            try:
+                table = pq.read_table(part)
+                good.append((part, table.schema))
+            except (OSError, pa.ArrowException):
+                quarantine.mkdir(exist_ok=True)
+                os.replace(part, quarantine / part.name)
+                done.append(f"moved unreadable {part.name} into {QUARANTINE}/")
+        try:
+            manifest = store.manifest()
+            broken = None
+        except ValueError as exc:
+            manifest, broken = None, str(exc)
+        if manifest is not None:
+            studies = {(s.metadata or {}).get(b"kvfast.study", b"").decode() for _, s in good}
+            if studies - {manifest["study"]}:
+                done.append(
+                    f"parts of other studies ({', '.join(sorted(studies - {manifest['study']}))}) left as they are"
+                )
+        elif good:
+            if store.manifest_path.exists():
+                quarantine.mkdir(exist_ok=True)
+                os.replace(store.manifest_path, quarantine / f"{MANIFEST}.broken-{secrets.token_hex(4)}")
+            store.write_manifest(_manifest_from_parts(store, good))
+            done.append(
+                f"rebuilt {MANIFEST} from {len(good):,} parts" + (f" ({broken.split(';')[0]})" if broken else "")
+            )
+        elif store.manifest_path.exists():
+            quarantine.mkdir(exist_ok=True)
+            os.replace(store.manifest_path, quarantine / f"{MANIFEST}.broken-{secrets.token_hex(4)}")
+            done.append(
+                f"moved the broken {MANIFEST} into {QUARANTINE}/ (no readable part: the directory starts afresh)"
+            )
+    if not done:
+        return f"{store.path}: nothing to repair ({len(store.parts()):,} readable parts, manifest ok)"
+    return f"{store.path}: " + "; ".join(done) + "; run the sweep again to run the missing runs"
+
+
+def _manifest_from_parts(store: ResultsDir, parts: list[tuple[Path, pa.Schema]]) -> dict:
+    metas = [{k.decode(): v.decode() for k, v in (s.metadata or {}).items()} for _, s in parts]
+    newest = metas[-1]
+    studies = {m.get("kvfast.study") for m in metas}
+    if len(studies) != 1 or None in studies:
+        raise ValueError(
+            f"{store.path}: its parts name studies {sorted(map(str, studies))}; cannot rebuild {MANIFEST}: move the "
+            "parts of the other study away, or use another --out"
+        )
+    schema = parts[-1][1]
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    grid, old_versions = None, {}
+    with contextlib.suppress(ValueError):
+        grid = json.loads(newest.get("kvfast.grid", "null"))
+    with contextlib.suppress(ValueError):
+        old_versions = json.loads(newest.get("kvfast.versions", "{}"))
+    return {
+        "format": FORMAT,
+        "study": newest["kvfast.study"],
+        "study_version": newest.get("kvfast.study_version"),
+        "schema": schema_text(schema.remove_metadata()),
+        "created": now,
+        "updated": now,
+        "versions": old_versions if isinstance(old_versions, dict) else {},
+        "machine": machine(),
+        "grid": grid,
+        "grid_name": newest.get("kvfast.grid_name"),
+        "grid_hash": None,
+        "grid_runs": None,
+        "study_ref": newest.get("kvfast.study_ref", newest["kvfast.study"]),
+        "history": [{"repaired": now, "from_parts": len(parts)}],
+    }

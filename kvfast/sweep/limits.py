@@ -1,0 +1,76 @@
+"""Limits checked before any run: a run's memory, from its config.
+
+:func:`run_memory_bytes` estimates what one run of kvfast's transformer studies
+needs, from the model-shape fields of its config (``n_layer``, ``d_model``,
+``n_head``, ``d_ff``, ``vocab``, and the sequence: ``prompt_len + steps`` or
+``seq_len``), in float64: the weights, the KV cache and one full forward pass
+(the uncached reference recomputes every prefix), times :data:`COPIES` (models
+and activations held at once: cached and uncached passes, other storage
+precisions). It is an order of magnitude, not a measurement. A config without
+these fields (users' studies) has no estimate and is never refused.
+
+:func:`check_memory` refuses a grid whose largest run (per ``[[union]]`` entry,
+each field at its largest value there: an upper bound) needs more than the
+machine's memory, before any run.
+"""
+
+from __future__ import annotations
+
+import os
+
+COPIES = 4
+_BYTES = 8  # float64
+_SHAPE = ("n_layer", "d_model", "d_ff", "vocab")
+
+
+def run_memory_bytes(config: dict) -> int | None:
+    """Estimated bytes one run of ``config`` needs, or ``None`` without model-shape fields."""
+    if not all(isinstance(config.get(k), int) for k in _SHAPE):
+        return None
+    n_layer, d_model, d_ff, vocab = (int(config[k]) for k in _SHAPE)
+    n_head = int(config.get("n_head") or 1)
+    seq = config.get("seq_len") or (int(config.get("prompt_len") or 0) + int(config.get("steps") or 0)) or 1
+    seq = int(seq)
+    weights = 2 * vocab * d_model + seq * d_model + n_layer * (4 * d_model * d_model + 2 * d_model * d_ff)
+    cache = 2 * n_layer * seq * d_model
+    activations = n_layer * seq * (8 * d_model + d_ff + n_head * seq) + seq * vocab
+    return COPIES * _BYTES * (weights + cache + activations)
+
+
+def machine_memory_bytes() -> int | None:
+    """Physical memory of this machine, or ``None`` where it cannot be read."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _largest_config(entry) -> dict:
+    config = dict(entry.base)
+    for factor in entry.factors:
+        for i, key in enumerate(factor.keys):
+            values = [row[i] for row in factor.rows]
+            numbers = [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+            if numbers:
+                config[key] = max(numbers)
+    return config
+
+
+def check_memory(grid, limit: int | None = None) -> None:
+    """``ValueError`` (one line, with the estimate) if a run of ``grid`` needs more than ``limit`` bytes
+    (default: the machine's memory)."""
+    limit = limit or machine_memory_bytes()
+    if not limit:
+        return
+    for entry in getattr(grid, "entries", ()):
+        config = _largest_config(entry)
+        need = run_memory_bytes(config)
+        if need is not None and need > limit:
+            shape = ", ".join(
+                f"{k}={config[k]}" for k in (*_SHAPE, "n_head", "prompt_len", "steps", "seq_len") if k in config
+            )
+            raise ValueError(
+                f"{grid.name}: its largest run ({shape}) needs about {need / 2**30:,.1f} GiB by kvfast's estimate, "
+                f"more than the {limit / 2**30:,.1f} GiB allowed; allowed: smaller runs, or --max-memory GIB to raise "
+                "the limit"
+            )

@@ -1,0 +1,71 @@
+"""A study whose runs misbehave on request (``mode``), for tests/test_sweep_faults.py.
+
+Grids name it ``study = "faultstudy:STUDY"`` (tests/ on ``PYTHONPATH``). Modes:
+``ok`` (``y = 1.5 x``), ``slow`` (0.3 s, then ok), ``exit0`` / ``exit3``
+(``SystemExit``), ``kbint`` (``KeyboardInterrupt``), ``hang`` (sleeps an hour:
+interruptible), ``spin`` (an hour of Python loop), ``stuck`` (an hour with SIGALRM blocked, as a C call that never
+checks for signals), ``die`` (``os._exit``), ``segv`` (SIGSEGV), ``big`` (ok,
+with a 256 KiB incompressible ``blob``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+import pyarrow as pa
+
+from kvfast.studies.base import Study
+
+MODES = ("ok", "slow", "spin", "exit0", "exit3", "kbint", "hang", "stuck", "die", "segv", "big")
+
+
+def run(config: dict) -> dict:
+    mode, x = config["mode"], config["x"]
+    if mode == "slow":
+        time.sleep(0.3)
+    elif mode == "exit0":
+        raise SystemExit(0)
+    elif mode == "exit3":
+        sys.exit(3)
+    elif mode == "kbint":
+        raise KeyboardInterrupt
+    elif mode == "spin":
+        start = time.monotonic()
+        while time.monotonic() - start < 3600:
+            pass
+    elif mode == "hang":
+        time.sleep(3600)
+    elif mode == "stuck":
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+        try:
+            time.sleep(3600)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGALRM})
+    elif mode == "die":
+        os._exit(7)
+    elif mode == "segv":
+        os.kill(os.getpid(), signal.SIGSEGV)
+    blob = np.random.default_rng(x).bytes(1 << 18).hex() if mode == "big" else ""
+    return {"y": 1.5 * x, "blob": blob}
+
+
+def validate_config(config: dict) -> None:
+    if config["mode"] not in MODES:
+        raise ValueError(f"mode: {config['mode']!r} is not allowed; allowed: {', '.join(MODES)}")
+
+
+STUDY = Study(
+    name="faults",
+    version="1",
+    description="runs that misbehave on request",
+    run=run,
+    config_fields={"x": pa.int64(), "mode": pa.string()},
+    result_fields={"y": pa.float64(), "blob": pa.string()},
+    validate_config=validate_config,
+    summarize=lambda df: df.groupby("mode").size().to_frame("runs").reset_index(),
+    validate_groups=(),
+)
