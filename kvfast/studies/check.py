@@ -36,6 +36,8 @@ import pandas as pd
 import pyarrow as pa
 
 from kvfast.check import KvfastModel, check_cache
+from kvfast.check.checker import as_model_under_test
+from kvfast.check.protocol import vocab_of
 from kvfast.kernels.attention import ATTENTION_CODES
 from kvfast.kernels.reduce import ORDER_CODES
 from kvfast.model.config import ModelConfig, init_params
@@ -160,8 +162,9 @@ def check_study(
 
 def check_one(model, config: dict) -> dict:
     """One :func:`check_cache` of ``model`` as the check's options in ``config`` name; the result columns."""
+    model = as_model_under_test(model)  # a Hugging Face model gets its adapter here
     rng = np.random.default_rng([config["prompt_seed"], config["prompt_len"], 11])
-    prompt = rng.integers(0, model.vocab_size, size=config["prompt_len"]).astype(np.int64)
+    prompt = rng.integers(0, vocab_of(model), size=config["prompt_len"]).astype(np.int64)
     report = check_cache(
         model, prompt, config["steps"], mode=config["mode"], scenarios=SCENARIO_CHOICES[config["scenarios"]]
     )

@@ -382,6 +382,17 @@ def _run_chunk_forked(chunk: tuple[int, list[Run]]) -> tuple[int, list[dict]]:
     return run_chunk(study, chunk, limits)
 
 
+# Libraries whose native thread pools do not survive a fork: once the warm-up run has imported one
+# (a study that builds torch models), a forked worker blocks forever on a lock held by a thread that
+# was not copied. Such sweeps use loky (fresh interpreters) instead.
+FORK_UNSAFE = ("torch", "tensorflow", "jax")
+
+
+def fork_unsafe_modules() -> list[str]:
+    """The :data:`FORK_UNSAFE` libraries this process has imported."""
+    return [name for name in FORK_UNSAFE if name in sys.modules]
+
+
 def _execute_pool(
     study: Study, runs: Iterator[Run], total: int, backend: str, n_jobs: int, plan, write, limits: Limits
 ) -> None:
@@ -398,6 +409,8 @@ def _execute_pool(
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
     from concurrent.futures.process import BrokenProcessPool
 
+    if backend == "fork" and fork_unsafe_modules():
+        backend = "loky"  # their thread pools do not survive a fork: a forked worker would hang
     if backend == "fork":
         context = multiprocessing.get_context("fork")
 
