@@ -249,6 +249,27 @@ def test_a_run_needing_more_memory_than_the_machine_is_refused_before_work(tmp_p
     assert "d_model=" in line
 
 
+def test_a_grid_whose_results_would_not_fit_on_the_disk_is_refused_before_work(tmp_path, capsys, monkeypatch):
+    import shutil
+
+    from kvfast.sweep import limits
+
+    out = tmp_path / "o"
+    grid = load_grid("exactness")
+    need = limits.row_bytes(grid.study) * len(grid)
+    real = shutil.disk_usage
+    fake = type(real(tmp_path))(total=10 * need, used=10 * need - need // 2, free=need // 2)
+    monkeypatch.setattr(limits.shutil, "disk_usage", lambda path: fake)
+    proc = cli(capsys, "run", "exactness", "--out", out)
+    assert proc.returncode == 2 and not out.exists()
+    line = one_line(proc, "1,296 runs need up to", "free under")
+    # the same grid with room for it is not refused (the check compares, it does not always refuse)
+    fake_roomy = type(real(tmp_path))(total=10 * need, used=0, free=2 * need)
+    monkeypatch.setattr(limits.shutil, "disk_usage", lambda path: fake_roomy)
+    limits.check_disk(grid, out)
+    assert "bytes a row" in line
+
+
 def test_max_runs_refuses_a_huge_grid_before_expanding_it(tmp_path, capsys):
     toml = tmp_path / "huge.toml"
     toml.write_text('study = "faultstudy:STUDY"\n[axes]\nx = ' + str(list(range(10_000))) + '\nmode = ["ok"]\n')

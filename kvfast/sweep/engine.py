@@ -58,7 +58,7 @@ import pyarrow as pa
 
 from kvfast.sweep.grid import Grid, Run
 from kvfast.sweep.guard import INTERRUPTED, RunTimeout, deadline, on_sigint, worker_start
-from kvfast.sweep.limits import check_memory
+from kvfast.sweep.limits import check_disk, check_memory
 from kvfast.sweep.store import (
     FORMAT,
     PART_ROWS,
@@ -724,6 +724,7 @@ def run_sweep(
         raise ValueError(f"chunk_size: {chunk_size!r} is not allowed; allowed: an integer >= 1")
     study = grid.study
     check_memory(grid, max_memory)
+    check_disk(grid, out)
     store = ResultsDir(out)
     store.require_writable(study, fresh=fresh)
     t_start = time.perf_counter()

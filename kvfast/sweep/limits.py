@@ -1,4 +1,4 @@
-"""Limits checked before any run: a run's memory, from its config.
+"""Limits checked before any run: a run's memory, from its config, and the grid's results on disk.
 
 :func:`run_memory_bytes` estimates what one run of kvfast's transformer studies
 needs, from the model-shape fields of its config (``n_layer``, ``d_model``,
@@ -11,12 +11,18 @@ these fields (users' studies) has no estimate and is never refused.
 
 :func:`check_memory` refuses a grid whose largest run (per ``[[union]]`` entry,
 each field at its largest value there: an upper bound) needs more than the
-machine's memory, before any run.
+machine's memory, before any run. :func:`check_disk` refuses a grid whose
+results (an uncompressed upper bound per row, from the study's schema) would not
+fit in the free space of the results directory's file system.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
 
 COPIES = 4
 _BYTES = 8  # float64
@@ -74,3 +80,49 @@ def check_memory(grid, limit: int | None = None) -> None:
                 f"more than the {limit / 2**30:,.1f} GiB allowed; allowed: smaller runs, or --max-memory GIB to raise "
                 "the limit"
             )
+
+
+# bytes per stored value, uncompressed: Parquet stores less (run ids, repeated configs compress)
+_STRING_BYTES = 32
+_LIST_BYTES = 128
+_ROW_OVERHEAD = 64  # run_id, status, wall_s, error
+
+
+def row_bytes(study) -> int:
+    """An upper-bound estimate of one stored row of ``study`` (its config and result columns)."""
+    total = _ROW_OVERHEAD
+    for dtype in (*study.config_fields.values(), *study.result_fields.values()):
+        if pa.types.is_list(dtype) or pa.types.is_large_list(dtype):
+            total += _LIST_BYTES
+        elif pa.types.is_string(dtype) or pa.types.is_large_string(dtype):
+            total += _STRING_BYTES
+        else:
+            total += 8
+    return total
+
+
+def free_bytes(path) -> int | None:
+    """Free space of the file system that holds ``path`` (or its nearest existing parent)."""
+    here = Path(path).absolute()
+    while not here.exists() and here != here.parent:
+        here = here.parent
+    try:
+        return shutil.disk_usage(here).free
+    except OSError:
+        return None
+
+
+def check_disk(grid, out) -> None:
+    """``ValueError`` (one line, with the estimate) if ``grid``'s results would not fit in the free space
+    under ``out`` (by :func:`row_bytes`, before any run)."""
+    free = free_bytes(out)
+    if free is None:
+        return
+    per_row = row_bytes(grid.study)
+    need = per_row * len(grid)
+    if need > free:
+        raise ValueError(
+            f"{grid.name}: {len(grid):,} runs need up to {need / 2**30:,.2f} GiB of results by kvfast's estimate "
+            f"({per_row} bytes a row, uncompressed), more than the {free / 2**30:,.2f} GiB free under {out}; "
+            "allowed: a smaller grid, or free space first"
+        )
