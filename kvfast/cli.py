@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import sys
 import traceback
@@ -31,6 +32,9 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a command killed by a closed pipe
 
 
 def build_parser() -> Parser:
@@ -53,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"kvfast: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (`kvfast show DIR | head`): stop quietly, like other tools
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        return EXIT_BROKEN_PIPE
     except Exception:  # noqa: BLE001 - an expected failure never gets here: this one is kvfast's bug
         traceback.print_exc()
         print(bug_line(), file=sys.stderr)

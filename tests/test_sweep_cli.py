@@ -240,3 +240,12 @@ def test_grids_lists_the_builtin_grids_with_their_run_counts(capsys):
     listing = capsys.readouterr().out
     row = next(line for line in listing.splitlines() if line.split()[:2] == ["exactness", "exactness"])
     assert row.split()[2] == "1296"
+
+
+def test_a_closed_pipe_ends_a_command_quietly(tmp_path):
+    """`kvfast grids | head -0`: the reader is gone before kvfast writes; no traceback, exit 141 (128 + SIGPIPE)."""
+    proc = subprocess.Popen([KVFAST, "grids"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # closed long before the command has started and printed
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141
+    assert "Traceback" not in err and "bug in kvfast" not in err
