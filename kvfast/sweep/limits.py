@@ -103,10 +103,10 @@ def row_bytes(study) -> int:
 
 def free_bytes(path) -> int | None:
     """Free space of the file system that holds ``path`` (or its nearest existing parent)."""
-    here = Path(path).absolute()
-    while not here.exists() and here != here.parent:
-        here = here.parent
-    try:
+    try:  # OSError: a name over the file system's limit, no permission (the store reports those in one line)
+        here = Path(path).absolute()
+        while not here.exists() and here != here.parent:
+            here = here.parent
         return shutil.disk_usage(here).free
     except OSError:
         return None
