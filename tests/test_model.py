@@ -328,6 +328,14 @@ def test_public_functions_reuse_prepared_weights_and_never_serve_stale_ones():
     assert params["wte"].flags.writeable and owner.flags.writeable
     owner[tokens] += 1.0
     assert not same_bits(forward(cfg, params, tokens, nx), first)
+    # the same array objects in the same order under swapped names: prepared afresh, not served from the cache
+    swapped = init_params(cfg, 4)
+    a, b = swapped.pop("h0.w1"), swapped.pop("h1.w1")
+    swapped = {"h1.w1": a, "h0.w1": b, **swapped}
+    again = {"h0.w1": a, "h1.w1": b, **{k: v for k, v in swapped.items() if k not in ("h0.w1", "h1.w1")}}
+    forward(cfg, again, tokens, nx)  # cached under the right names
+    want = forward(cfg, {k: v.copy() for k, v in swapped.items()}, tokens, nx)
+    assert same_bits(forward(cfg, swapped, tokens, nx), want)
     # decode_step and generate go through the same cache
     cache = KVCache.empty(cfg, nx)
     forward(cfg, params, tokens[:3], nx, cache)

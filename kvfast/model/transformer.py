@@ -90,7 +90,7 @@ class Weights:
         update (``params["h0.wq"] += ...``) raises numpy's "assignment
         destination is read-only" instead of changing the values silently. A
         call finds the prepared weights again only if ``params`` holds the very
-        same array objects, in the same order (the cache keeps them alive, so
+        same array objects under the same names, in the same order (the cache keeps them alive, so
         their ids cannot be taken by others), and every one is still
         read-only; a user who sets ``writeable = True`` again (to update in
         place) or puts new arrays in the dict gets freshly prepared weights on
@@ -102,7 +102,8 @@ class Weights:
         costs one id and one flag read per array.
         """
         arrays = tuple(params.values()) if isinstance(params, dict) else ()
-        key = (config, numerics.storage, tuple(map(id, arrays)))
+        names = tuple(params) if isinstance(params, dict) else ()  # the same arrays under swapped names differ
+        key = (config, numerics.storage, names, tuple(map(id, arrays)))
         entry = _WEIGHTS_CACHE.get(key)
         if entry is not None and not any(a.flags.writeable for a in entry[0]):
             return entry[1]
@@ -118,7 +119,7 @@ class Weights:
 
 
 # Prepared weights of the last parameter sets the public functions saw, keyed by (config, storage,
-# the ids of the arrays in dict order): (the arrays, Weights). An entry keeps its arrays alive, so no
+# the names and the ids of the arrays in dict order): (the arrays, Weights). An entry keeps its arrays alive, so no
 # other array can take one of their ids while it is here.
 _WEIGHTS_CACHE: dict[tuple, tuple[tuple, Weights]] = {}
 _WEIGHTS_CACHE_SIZE = 8
