@@ -20,6 +20,9 @@ import numpy as np
 BF16_P = 8
 BF16_EMIN = -126
 BF16_EMAX = 127
+F32_P = 24  # float32: the same exponent range, 24 significand bits
+F32_EMIN = -126
+F32_EMAX = 127
 
 
 def round_fraction_to_binary(x: Fraction, p: int, emin: int, emax: int) -> Fraction | None:
@@ -50,6 +53,21 @@ def bf16_exact(x: float) -> float:
     if r is None:
         return math.copysign(math.inf, x)
     return math.copysign(float(r), x)
+
+
+def f32_exact(x: float) -> float:
+    """The float32 nearest to float64 ``x`` (round to nearest even), by exact rationals."""
+    if math.isnan(x) or math.isinf(x):
+        return x
+    r = round_fraction_to_binary(Fraction(x), F32_P, F32_EMIN, F32_EMAX)
+    if r is None:
+        return math.copysign(math.inf, x)
+    return math.copysign(float(r), x)
+
+
+def bf16_through_f32_exact(x: float) -> float:
+    """float64 -> float32 -> bfloat16, each step one correct rounding (two roundings in all)."""
+    return bf16_exact(f32_exact(x))
 
 
 def bf16_fast(x: float) -> float:

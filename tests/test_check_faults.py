@@ -166,6 +166,7 @@ def workdir(tmp_path):
     (tmp_path / "faults.py").write_text(FAULTS)
     (tmp_path / "exits_on_import.py").write_text("raise SystemExit(0)\n")
     (tmp_path / "raises_on_import.py").write_text("raise RuntimeError('bad module')\n")
+    (tmp_path / "hangs_on_import.py").write_text("import time\nwhile True:\n    time.sleep(0.05)\n")
     return tmp_path
 
 
@@ -248,13 +249,16 @@ def test_a_raising_factory_with_arguments_is_named(workdir):
 @pytest.mark.parametrize(
     "factory, needle",
     [
-        ("faults:hang_factory", "within 1 s: the factory faults:hang_factory() had not returned"),
-        ("faults:hang_decode", "within 1 s: model.decode(1) had not returned"),
-        ("faults:hang_recompute", "within 1 s: model.recompute(<3 tokens>) had not returned"),
+        ("hangs_on_import:f", "within 2 s: importing hangs_on_import had not returned"),
+        ("faults:hang_factory", "within 2 s: the factory faults:hang_factory() had not returned"),
+        ("faults:hang_decode", "within 2 s: model.decode(1) had not returned"),
+        ("faults:hang_recompute", "within 2 s: model.recompute(<3 tokens>) had not returned"),
     ],
 )
 def test_a_hang_ends_at_the_timeout_with_exit_5(workdir, factory, needle):
-    code, out, err = kvfast_check(workdir, factory, "--prompt", "1,2,3", "--steps", "4", "--timeout", "1", wait=60)
+    """The deadline counts from kvfast's start in the child, not the parent's: on a loaded machine a slow
+    start of the interpreter is not the model's time (issue 22), so the hang itself is what it catches."""
+    code, out, err = kvfast_check(workdir, factory, "--prompt", "1,2,3", "--steps", "4", "--timeout", "2", wait=120)
     assert code == 5
     assert_one_line(err, "kvfast: error: the check did not finish " + needle)
 
@@ -262,8 +266,8 @@ def test_a_hang_ends_at_the_timeout_with_exit_5(workdir, factory, needle):
 @pytest.mark.parametrize(
     "factory, needle",
     [
-        ("faults:hang_with_child", "within 1 s: model.decode(1) had not returned"),
-        ("faults:stubborn", "within 1 s and could not be interrupted"),
+        ("faults:hang_with_child", "within 2 s: model.decode(1) had not returned"),
+        ("faults:stubborn", "within 2 s and could not be interrupted"),
     ],
 )
 def test_a_timeout_leaves_no_process_behind(workdir, tmp_path, factory, needle):
@@ -271,7 +275,7 @@ def test_a_timeout_leaves_no_process_behind(workdir, tmp_path, factory, needle):
     process the model started are gone when ``kvfast check`` returns."""
     pids = tmp_path / "pids"
     code, _, err = kvfast_check(
-        workdir, factory, "--prompt", "1,2,3", "--steps", "4", "--timeout", "1", pids=pids, wait=60
+        workdir, factory, "--prompt", "1,2,3", "--steps", "4", "--timeout", "2", pids=pids, wait=120
     )
     assert code == 5
     assert_one_line(err, needle)

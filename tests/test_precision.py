@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from kvref import bf16_exact, bf16_fast
+from kvref import bf16_exact, bf16_fast, bf16_through_f32_exact, f32_exact
 
 from kvfast import to_bfloat16
 from kvfast.kernels.precision import BF16, F32, F64, rnd, round_array
@@ -217,25 +217,79 @@ def test_one_plus_2m8_plus_2m30_rounds_up_directly_and_down_through_float32():
     # exactly representable check of the construction, then the two roundings
     assert exact == 1 + Fraction(1, 2**8) + Fraction(1, 2**30)
     assert to_bfloat16(np.array([x]))[0] == 1.0 + 2.0**-7 == bf16_exact(x)
-    assert to_bfloat16(np.array([x]), through_f32=True)[0] == 1.0
-    assert float(np.array([x]).astype(ml_dtypes.bfloat16)[0]) == 1.0
+    assert f32_exact(x) == 1.0 + 2.0**-8  # the tie that the first rounding makes
+    assert to_bfloat16(np.array([x]), through_f32=True)[0] == 1.0 == bf16_through_f32_exact(x)
 
 
-def test_through_f32_option_equals_ml_dtypes():
+def _assert_same_bf16(got: np.ndarray, want: np.ndarray) -> None:
+    """Bit for bit, NaNs compared by class and sign (their payloads are the format's canonical NaN)."""
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(np.signbit(got[nan]), np.signbit(want[nan]))
+    bad = np.flatnonzero(_bits64(got[~nan]) != _bits64(want[~nan]))
+    assert bad.size == 0, [(repr(float(got[~nan][i])), repr(float(want[~nan][i]))) for i in bad[:5]]
+
+
+def test_through_f32_option_equals_two_roundings_by_exact_rationals():
+    """``through_f32=True`` is float64 -> float32 -> bfloat16, each one correct rounding: compared with
+    the rational reference of the tests (not with ml_dtypes, whose float64 rounding changed in 0.7)."""
     vals = np.concatenate([f64_values_next_to_midpoints(5000, 2), f64_specials()])
     ours = to_bfloat16(vals, through_f32=True)
-    with np.errstate(invalid="ignore", over="ignore"):
-        ml = vals.astype(ml_dtypes.bfloat16).astype(np.float64)
-    nan = np.isnan(ml)
-    assert np.array_equal(np.isnan(ours), nan)
-    assert np.array_equal(np.signbit(ours[nan]), np.signbit(ml[nan]))
-    assert np.array_equal(_bits64(ours[~nan]), _bits64(ml[~nan]))
-    # and the direct rounding really differs from it near midpoints (ml_dtypes is sometimes wrong)
+    _assert_same_bf16(ours, np.array([bf16_through_f32_exact(float(v)) for v in vals]))
+    # and the direct rounding really differs from it near midpoints (double rounding is sometimes wrong)
     direct = to_bfloat16(vals)
-    differ = (_bits64(direct) != _bits64(ours)) & ~nan
+    differ = (_bits64(direct) != _bits64(ours)) & ~np.isnan(vals)
     assert differ.sum() > 0
     exact = np.array([bf16_exact(float(v)) for v in vals[differ]])
     assert np.array_equal(_bits64(direct[differ]), _bits64(exact))
+
+
+# ml_dtypes' own float64 -> bfloat16 cast, by release (measured here, both sides of the change):
+# through float32 (two roundings) before 0.7, one correct rounding from 0.7 on.
+ML_DTYPES_F64_ROUNDING = ((0, 7), "through_f32", "direct")
+
+
+def ml_dtypes_cast(vals: np.ndarray) -> np.ndarray:
+    """The installed ml_dtypes' float64 -> bfloat16 cast, back in float64."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return vals.astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def f64_rounding_of(cast, vals: np.ndarray) -> str:
+    """Which of kvfast's two float64 roundings ``cast`` is on ``vals``: ``"direct"``, ``"through_f32"``
+    or ``"neither"``."""
+    got = cast(vals)
+    nan = np.isnan(got)
+    for name, ours in (("direct", to_bfloat16(vals)), ("through_f32", to_bfloat16(vals, through_f32=True))):
+        if np.array_equal(np.isnan(ours), nan) and np.array_equal(_bits64(ours[~nan]), _bits64(got[~nan])):
+            return name
+    return "neither"
+
+
+def test_installed_ml_dtypes_float64_cast_is_one_of_the_two_documented_roundings():
+    """Records what the installed ml_dtypes does with float64 (docs/precision.md has the table): it is
+    exactly one of kvfast's two roundings, the one documented for its release. kvfast's own results never
+    depend on it: ``to_bfloat16`` is checked against the rational references above."""
+    vals = np.concatenate([f64_values_next_to_midpoints(5000, 3), f64_specials()])
+    version = tuple(int(p) for p in ml_dtypes.__version__.split(".")[:2])
+    got = f64_rounding_of(ml_dtypes_cast, vals)
+    first_direct, before, after = ML_DTYPES_F64_ROUNDING
+    print(f"\nml_dtypes {ml_dtypes.__version__}: float64 -> bfloat16 is {got}")
+    assert got == (before if version < first_direct else after), (ml_dtypes.__version__, got)
+
+
+def test_the_ml_dtypes_record_can_fail():
+    """The record tells the two roundings apart, and a third rounding (toward zero) is neither."""
+    vals = np.concatenate([f64_values_next_to_midpoints(500, 4), f64_specials()])
+    assert f64_rounding_of(to_bfloat16, vals) == "direct"
+    assert f64_rounding_of(lambda v: to_bfloat16(v, through_f32=True), vals) == "through_f32"
+
+    def truncate(v: np.ndarray) -> np.ndarray:  # bfloat16 by dropping float32's low 16 bits
+        with np.errstate(over="ignore"):
+            bits = v.astype(np.float32).view(U32) & U32(0xFFFF0000)
+        return bits.view(np.float32).astype(np.float64)
+
+    assert f64_rounding_of(truncate, vals) == "neither"
 
 
 def test_to_bfloat16_rejects_other_dtypes():

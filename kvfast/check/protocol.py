@@ -247,7 +247,7 @@ def watched(timeout: float | None, started: float | None = None) -> Iterator[Non
     child process that it kills. Nested calls
     (the logic check's inner check) share the outer watch. Previous handlers and a pending timer (e.g.
     pytest-timeout's) are restored afterwards. ``started``: a ``time.time()`` the deadline counts from
-    (default now; ``kvfast check``'s child process counts from its parent's start).
+    (default now; ``kvfast check``'s child process counts from the end of kvfast's own start-up).
     """
     global _watch
     timeout = check_timeout(timeout)

@@ -42,6 +42,7 @@ import inspect
 import json
 import math
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -102,7 +103,8 @@ def add_parser(sub) -> None:
         type=float,
         default=None,
         metavar="S",
-        help=f"give up after S seconds (import, factory and check; exit {EXIT_TIMEOUT})",
+        help=f"give up after S seconds of the user's code: importing its module, the factory and the check "
+        f"(kvfast's own start-up is not counted; exit {EXIT_TIMEOUT})",
     )
     p.set_defaults(func=run)
 
@@ -249,6 +251,9 @@ def child(request: dict) -> None:
 
     Kinds: ``report`` (``text``, ``code``), ``bad input``, ``model``, ``timeout`` (``line``), ``bug``
     (``traceback``). Its process group dies with the parent (a watchdog reads the parent's pipe).
+    ``--timeout`` counts from the moment kvfast itself is imported here (written to the parent on
+    ``request["ready_fd"]``): the deadline is for the user's code, so a slow start of the interpreter
+    and of kvfast on a loaded machine can never be blamed on the model or its module.
     """
 
     def watchdog(fd: int) -> None:
@@ -257,9 +262,14 @@ def child(request: dict) -> None:
         os.killpg(os.getpgrp(), signal.SIGKILL)  # the parent is gone: take the model's processes along
 
     threading.Thread(target=watchdog, args=(request["watch_fd"],), daemon=True).start()
+    import kvfast.check.checker  # noqa: F401 - kvfast's own start-up, before the deadline starts
+
+    started = time.time()
+    os.write(request["ready_fd"], b"r")
+    os.close(request["ready_fd"])
     args = argparse.Namespace(**request["args"])
     try:
-        result = run_check(args, request["started"])
+        result = run_check(args, started)
     except KeyboardInterrupt as exc:  # nobody else signals this process (its own session): the model did
         result = {"kind": "model", "line": f"the model under test failed: its process got {exc!r}"}
     except BaseException:  # noqa: BLE001 - anything else is kvfast's own bug, reported with its traceback
@@ -289,31 +299,43 @@ def _ended(returncode: int) -> str:
     return f"exit status {returncode}"
 
 
+def _wait_until_ready(proc: subprocess.Popen, ready_fd: int) -> None:
+    """Until the child has started kvfast (it writes a byte on ``ready_fd``) or has ended."""
+    while proc.poll() is None:
+        readable, _, _ = select.select([ready_fd], [], [], 0.2)
+        if readable:
+            os.read(ready_fd, 1)  # b"r", or b"" when the child ended first: either way, stop waiting
+            return
+
+
 def run(args) -> int:
     check_args(args)
-    started = time.time()
     with tempfile.TemporaryDirectory(prefix="kvfast-check-") as tmp:
         watch_read, watch_write = os.pipe()
+        ready_read, ready_write = os.pipe()
         request = {
             "args": {k: v for k, v in vars(args).items() if k != "func"},
             "path": [str(p) for p in sys.path],
             "result": os.path.join(tmp, "result.json"),
             "watch_fd": watch_read,
-            "started": started,
+            "ready_fd": ready_write,
         }
         with open(os.path.join(tmp, "request.json"), "w") as f:
             json.dump(request, f)
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-c", BOOT, os.path.join(tmp, "request.json")],
-                pass_fds=(watch_read,),
+                pass_fds=(watch_read, ready_write),
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
         finally:
             os.close(watch_read)
+            os.close(ready_write)
         try:
-            limit = None if args.timeout is None else args.timeout + GRACE_S - (time.time() - started)
+            _wait_until_ready(proc, ready_read)
+            # the child's own timer fires at --timeout from here; this one only ends code it cannot interrupt
+            limit = None if args.timeout is None else args.timeout + GRACE_S
             proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:
             _kill_group(proc.pid)
@@ -332,6 +354,7 @@ def run(args) -> int:
         finally:
             _kill_group(proc.pid)  # whatever the model left running in the child's session
             os.close(watch_write)
+            os.close(ready_read)
         try:
             with open(request["result"]) as f:
                 result = json.load(f)

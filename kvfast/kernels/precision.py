@@ -154,7 +154,7 @@ def round_bf16_f64(x: float) -> float:
 
 @nb.njit(**_JIT)
 def round_bf16_f64_via_f32(x: float) -> float:
-    """float64 -> float32 -> bfloat16: two roundings, as ml_dtypes does."""
+    """float64 -> float32 -> bfloat16: two roundings (ml_dtypes' float64 cast before 0.7)."""
     bits = f32_as_u32(np.float32(x))
     out = bf16_bits_from_f32_bits(bits)
     return np.float64(u32_as_f32(out))
@@ -260,7 +260,8 @@ def to_bfloat16(x: np.ndarray, *, through_f32: bool = False) -> np.ndarray:
 
     float32 input gives float32 output; float64 input gives float64 output,
     rounded directly (one correct rounding) unless ``through_f32=True``, which
-    rounds to float32 first exactly like ``x.astype(ml_dtypes.bfloat16)``.
+    rounds to float32 first (two roundings; what ``x.astype(ml_dtypes.bfloat16)``
+    does with float64 before ml_dtypes 0.7, which rounds directly).
     """
     arr = np.asarray(x)
     # np.ascontiguousarray makes a 0-d input 1-d: give the result the input's shape back
