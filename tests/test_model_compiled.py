@@ -1,13 +1,20 @@
 """The compiled forward and the per-format entries give the same bits as the code they replace.
 
-- ``linear_into`` with a literal format (what the per-format entries compile) against
-  ``matmul_into`` (the run-time dispatch), on random cases in every storage, accumulator and order;
+- ``matmul_into`` called from jitted code with a literal format (what the per-format entries
+  compile) against ``matmul_into`` called from Python (the run-time dispatch), on random cases in
+  every storage, accumulator and order; and a process that runs one format compiles that
+  format's product kernels only;
 - the compiled forward (``forward_prepared`` without a tape) against the layer-by-layer Python
   forward (``forward_layers``) in every preset, order and attention kernel, with and without a
   cache, causal or not: logits, the residual stream and K/V of the trace, the cache's buffers.
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numba as nb
 import numpy as np
@@ -18,10 +25,10 @@ from kvfast.kernels.matmul import matmul_into
 from kvfast.kernels.precision import BF16, F32, F64, round_array
 from kvfast.kernels.reduce import PAIRWISE, SEQUENTIAL
 from kvfast.model.cache import KVCache
-from kvfast.model.compiled import linear_into
 from kvfast.model.transformer import Weights, forward_layers, forward_prepared
 
 FORMATS = (F64, F32, BF16)
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def bits(x) -> np.ndarray:
@@ -37,12 +44,12 @@ def same_bits(a, b) -> bool:
     return bool(np.array_equal(nan, np.isnan(b)) and np.array_equal(bits(a[~nan]), bits(b[~nan])))
 
 
-def _literal_linear(storage: int, acc: int):
-    """``linear_into`` called with ``storage``/``acc`` as compile-time constants, as the entries do."""
+def _literal_matmul(storage: int, acc: int):
+    """``matmul_into`` called with ``storage``/``acc`` as compile-time constants, as the entries do."""
 
     @nb.njit(fastmath=False, error_model="numpy")
     def run(x, w, order, y):
-        linear_into(x, w, storage, acc, order, y)
+        matmul_into(x, w, storage, acc, order, y)
 
     return run
 
@@ -58,12 +65,12 @@ def _random_matrix(rng, shape, fmt, kind):
     return a
 
 
-def test_linear_into_with_a_literal_format_equals_matmul_into():
+def test_matmul_into_with_a_literal_format_equals_the_run_time_dispatch():
     rng = np.random.default_rng(20261130)
     counts = {"cases": 0, "elements": 0}
     for storage in FORMATS:
         for acc in FORMATS:
-            run = _literal_linear(storage, acc)
+            run = _literal_matmul(storage, acc)
             for case in range(60):
                 T, n, m = int(rng.integers(0, 10)), int(rng.integers(0, 21)), int(rng.integers(0, 21))
                 kind = ("on-grid", "off-grid", "specials")[case % 3]
@@ -77,6 +84,30 @@ def test_linear_into_with_a_literal_format_equals_matmul_into():
                     counts["cases"] += 1
                     counts["elements"] += got.size
     assert counts["cases"] == 9 * 60 * 2 and counts["elements"] > 10_000
+
+
+_COMPILED_FORMATS = """
+import sys
+import numpy as np
+import kvfast
+from kvfast.kernels.matmul import _product
+cfg = kvfast.ModelConfig(vocab=11, d_model=8, n_head=2, n_layer=2, d_ff=8, max_pos=8)
+params = kvfast.init_params(cfg, 0)
+kvfast.generate(cfg, params, np.arange(3), 3, sys.argv[1])
+print(sorted({sig[-1].literal_value for sig in _product.signatures}))
+"""
+
+
+@pytest.mark.parametrize(("preset", "code"), [("f64", F64), ("bf16", F32)])
+def test_a_process_running_one_format_compiles_that_formats_product_only(preset, code):
+    """The per-format entries pass the format as a literal down to ``matmul_into``, whose dispatch
+    is chosen while typing: a forward and decode steps in one format leave one accumulator format
+    among the compiled product kernels (a call from Python would compile all three)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run(
+        [sys.executable, "-c", _COMPILED_FORMATS, preset], capture_output=True, text=True, env=env, check=True
+    )
+    assert out.stdout.split("\n")[-2] == str([code])
 
 
 NUMERICS = [
@@ -117,12 +148,13 @@ def test_compiled_forward_equals_the_layer_by_layer_forward(nx):
 
 
 def test_the_compiled_forward_is_not_the_layer_by_layer_code_path():
-    """Control: the two paths really are different code (the compiled one makes no Python call per
-    layer), so the equality above compares two implementations, not one with itself."""
+    """Control: the two paths share the block (:mod:`kvfast.model.block`) but not the loop over
+    layers, the K/V store and the attention call (the compiled one makes no Python call per layer),
+    so the equality above tests the compiled path's plumbing against the textbook one."""
     from kvfast.model import layers
 
     calls = []
-    original = layers.linear_forward
+    original = layers.attention_forward
 
     def counting(*args):
         calls.append(1)
@@ -131,11 +163,11 @@ def test_the_compiled_forward_is_not_the_layer_by_layer_code_path():
     cfg = ModelConfig(vocab=11, d_model=8, n_head=2, n_layer=2, d_ff=8, max_pos=8)
     nx = Numerics()
     w = Weights.prepare(cfg, init_params(cfg, 0), nx)
-    layers.linear_forward = counting
+    layers.attention_forward = counting
     try:
         forward_prepared(cfg, w, np.arange(4), nx)
         assert not calls
         forward_layers(cfg, w, np.arange(4), nx)
-        assert len(calls) == 2 * 6 + 1
+        assert len(calls) == cfg.n_layer
     finally:
-        layers.linear_forward = original
+        layers.attention_forward = original

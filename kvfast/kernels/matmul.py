@@ -285,6 +285,60 @@ NARROW_MIN_ROWS = 4
 much as a one-row product); the bf16 accumulator always does, when its inputs allow."""
 
 
+def _format_product(x, w, order, y, acc):
+    """``y = x @ w`` in ``order`` in accumulator ``acc``, before the storage rounding: see the overload."""
+    raise NotImplementedError("only callable from jitted code")
+
+
+@overload(_format_product, jit_options=_JIT, prefer_literal=True)
+def _format_product_overload(x, w, order, y, acc):
+    """The one format dispatch of :func:`matmul_into`, chosen while typing when it can be.
+
+    A literal ``acc`` (a compiled model entry passes its format as a constant)
+    gives that format's body alone, so only that format's product kernels are
+    compiled; a run-time ``acc`` (a call from Python) gives a branch over the
+    three literal bodies. Body per format: F64 runs ``_product`` on the float64
+    data; F32 (at least ``NARROW_MIN_ROWS`` rows) and BF16 (any rows) run it on
+    float32 copies when every input allows (:func:`_as_f32`), else on the float64
+    data. ``x`` has >= 1 row and >= 1 column.
+    """
+    if not isinstance(acc, types.IntegerLiteral):
+
+        def dispatch(x, w, order, y, acc):
+            if acc == F64:
+                _format_product(x, w, order, y, F64)
+            elif acc == F32:
+                _format_product(x, w, order, y, F32)
+            else:
+                _format_product(x, w, order, y, BF16)
+
+        return dispatch
+    code = acc.literal_value
+    if code == F64:
+        return lambda x, w, order, y, acc: _product(x, w, order, y, F64)
+    is_bf16 = code == BF16
+    narrow_rows = 0 if is_bf16 else NARROW_MIN_ROWS  # bf16: float32 lanes for any T
+
+    def narrowed(x, w, order, y, acc):
+        T, n = x.shape
+        m = w.shape[1]
+        narrow = T >= narrow_rows
+        if narrow:
+            x32 = np.empty((T, n), dtype=np.float32)
+            w32 = np.empty((n, m), dtype=np.float32)
+            narrow = _as_f32(x, x32, is_bf16) and _as_f32(w, w32, is_bf16)
+        if narrow:
+            y32 = np.empty((T, m), dtype=np.float32)
+            _product(x32, w32, order, y32, code)
+            for r in range(T):
+                for j in range(m):
+                    y[r, j] = np.float64(y32[r, j])
+        else:
+            _product(x, w, order, y, code)
+
+    return narrowed
+
+
 @nb.njit(**_JIT)
 def matmul_into(x: np.ndarray, w: np.ndarray, storage: int, acc: int, order: int, y: np.ndarray) -> None:
     """``y[:] = x @ w`` (x: (T, n), w: (n, m), y: (T, m)) in ``order``, stored in ``storage``.
@@ -292,7 +346,9 @@ def matmul_into(x: np.ndarray, w: np.ndarray, storage: int, acc: int, order: int
     Element ``y[t, j]`` is the sum over k of ``x[t, k] * w[k, j]`` in ``order``
     (:mod:`kvfast.kernels.reduce`), products and adds rounded to ``acc``, the
     result rounded to ``storage``; an empty sum (n = 0) is ``0.0``. ``y`` must
-    not overlap ``x`` or ``w``.
+    not overlap ``x`` or ``w``. Called from jitted code with ``acc`` a
+    constant (a Numba literal), it compiles that format's kernels only
+    (:func:`_format_product`); from Python, all three.
     """
     T, n = x.shape
     m = w.shape[1]
@@ -301,27 +357,7 @@ def matmul_into(x: np.ndarray, w: np.ndarray, storage: int, acc: int, order: int
             for j in range(m):
                 y[r, j] = 0.0
         return
-    if acc == F64:
-        _product(x, w, order, y, F64)
-    else:
-        narrow = acc == BF16 or T >= NARROW_MIN_ROWS
-        if narrow:
-            x32 = np.empty((T, n), dtype=np.float32)
-            w32 = np.empty((n, m), dtype=np.float32)
-            narrow = _as_f32(x, x32, acc == BF16) and _as_f32(w, w32, acc == BF16)
-        if narrow:
-            y32 = np.empty((T, m), dtype=np.float32)
-            if acc == F32:
-                _product(x32, w32, order, y32, F32)
-            else:
-                _product(x32, w32, order, y32, BF16)
-            for r in range(T):
-                for j in range(m):
-                    y[r, j] = np.float64(y32[r, j])
-        elif acc == F32:
-            _product(x, w, order, y, F32)
-        else:
-            _product(x, w, order, y, BF16)
+    _format_product(x, w, order, y, acc)
     if storage != F64:
         for r in range(T):
             for j in range(m):

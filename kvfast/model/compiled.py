@@ -1,21 +1,23 @@
 """The compiled forward over all layers, and one compiled entry per number format.
 
 :func:`forward_kernel` is :func:`kvfast.model.transformer.forward_prepared`
-without a tape in one compiled call: the same kernels called in the same order
-on the same tensors (names and shapes as in :mod:`kvfast.model.transformer`),
-so every bit is the same; it saves one trip through Python per kernel per layer.
+without a tape in one compiled call: the block of :mod:`kvfast.model.block`
+(the same functions the layer-by-layer forward and the decode call) with the
+forward's K/V store and attention between its halves, so every bit is the
+same; it saves one trip through Python per kernel per layer.
 
 **One compiled entry per format.** Python calls the forward and the decode
 kernel through :func:`forward_entry` / :func:`decode_entry`, one small jitted
 function per (storage, accumulator) pair that passes the two formats on as
 compile-time constants (Numba literals). Numba types every branch of a function
 it compiles, so a kernel that picks its body with ``if acc == F64`` at run time
-compiles the bodies of every format; :func:`linear_into` (the model's
-``matmul_into``) picks the body while typing instead, from the literal, so a
-process that runs one format compiles the matmul of that format only (about
-a third of a cold start when every format was compiled). Each entry is made on
-first use and cached on disk like every kernel (Numba keys a closure's cache entry by the
-values it closes over).
+compiles the bodies of every format; :func:`kvfast.kernels.matmul.matmul_into`
+picks its body while typing when the format is a literal, so a process that
+runs one format compiles the matmul of that format only (about a third of a
+cold start when every format was compiled). The block's functions are
+compiled once per format pair and shared by the two entries. Each entry is
+made on first use and cached on disk like every kernel (Numba keys a
+closure's cache entry by the values it closes over).
 """
 
 from __future__ import annotations
@@ -26,14 +28,11 @@ import sys
 
 import numba as nb
 import numpy as np
-from numba import types
-from numba.extending import overload
 
 from kvfast.kernels.attention import attention_into
 from kvfast.kernels.jit import JIT_OPTIONS
-from kvfast.kernels.matmul import NARROW_MIN_ROWS, _as_f32, _product, matmul_into
-from kvfast.kernels.precision import BF16, F64, rnd
-from kvfast.kernels.rowops import add_into, embed_into, rmsnorm_into, silu_into
+from kvfast.kernels.rowops import embed_into
+from kvfast.model.block import attention_input_into, block_output_into, head_into
 
 
 def _numba_blas_probe_without_importing_scipy() -> None:
@@ -72,72 +71,6 @@ def _numba_blas_probe_without_importing_scipy() -> None:
 
 _numba_blas_probe_without_importing_scipy()
 
-# helpers made inside an overload: compiled into their caller (and cached with it), never alone
-_INNER = {k: v for k, v in JIT_OPTIONS.items() if k != "cache"}
-
-
-def linear_into(x, w, storage, acc, order, y):
-    """``matmul_into(x, w, storage, acc, order, y)`` from jitted code: see the overload below."""
-    raise NotImplementedError("only callable from jitted code")
-
-
-@overload(linear_into, jit_options=JIT_OPTIONS, prefer_literal=True)
-def _linear_into_overload(x, w, storage, acc, order, y):
-    """:func:`kvfast.kernels.matmul.matmul_into` with the accumulator's body chosen while typing.
-
-    With a literal ``acc`` only that format's product kernels are compiled; the
-    steps are those of ``matmul_into`` for that format, line for line (tested
-    equal bit for bit on random cases in every format, order and shape). With
-    a run-time ``acc`` it is ``matmul_into`` itself.
-    """
-    if not isinstance(acc, types.IntegerLiteral):
-        return lambda x, w, storage, acc, order, y: matmul_into(x, w, storage, acc, order, y)
-    code = acc.literal_value
-
-    if code == F64:
-
-        @nb.njit(**_INNER, inline="always")
-        def product(x, w, order, y):
-            _product(x, w, order, y, F64)
-
-    else:
-        is_bf16 = code == BF16
-        narrow_rows = 0 if is_bf16 else NARROW_MIN_ROWS  # bf16: float32 lanes for any T
-
-        @nb.njit(**_INNER, inline="always")
-        def product(x, w, order, y):
-            T, n = x.shape
-            m = w.shape[1]
-            narrow = T >= narrow_rows
-            if narrow:
-                x32 = np.empty((T, n), dtype=np.float32)
-                w32 = np.empty((n, m), dtype=np.float32)
-                narrow = _as_f32(x, x32, is_bf16) and _as_f32(w, w32, is_bf16)
-            if narrow:
-                y32 = np.empty((T, m), dtype=np.float32)
-                _product(x32, w32, order, y32, code)
-                for r in range(T):
-                    for j in range(m):
-                        y[r, j] = np.float64(y32[r, j])
-            else:
-                _product(x, w, order, y, code)
-
-    def impl(x, w, storage, acc, order, y):
-        T, n = x.shape
-        m = w.shape[1]
-        if n == 0 or T == 0:
-            for r in range(T):
-                for j in range(m):
-                    y[r, j] = 0.0
-            return
-        product(x, w, order, y)
-        if storage != F64:
-            for r in range(T):
-                for j in range(m):
-                    y[r, j] = rnd(y[r, j], storage)
-
-    return impl
-
 
 @nb.njit(**JIT_OPTIONS)
 def _store_rows(buf, start, rows):
@@ -160,6 +93,7 @@ def forward_kernel(w, n_head, eps, tokens, pos0, kc, vc, causal, storage, acc, o
     embedding and after each layer, or has no rows. ``attn``/``attn_block``:
     ``Numerics.attention_codes``. Every step is the one of ``forward_prepared``.
     """
+    # tokens: (T,); x, h, q, k, v, y, x_mid, h2, hf: (T, d); u, a: (T, f); logits: (T, vocab)
     T = tokens.shape[0]
     d = w.wte.shape[1]
     n_layer = w.g1.shape[0]
@@ -169,48 +103,27 @@ def forward_kernel(w, n_head, eps, tokens, pos0, kc, vc, causal, storage, acc, o
     scale = 1.0 / math.sqrt(d // n_head)
     no_att = np.empty((0, 0, 0))
     keep = resid.shape[0] > 0
-    x = np.empty((T, d))  # (T, d) residual stream
+    x = np.empty((T, d))  # the residual stream, updated in place by each layer
     embed_into(w.wte, w.wpe, tokens, positions, storage, x)
     if keep:
         _store_rows(resid[0], 0, x)
+    h, q, k, v, y = np.empty((T, d)), np.empty((T, d)), np.empty((T, d)), np.empty((T, d)), np.empty((T, d))
+    x_mid, h2 = np.empty((T, d)), np.empty((T, d))
+    u, a = np.empty((T, f)), np.empty((T, f))
+    inv = np.empty(T)  # 1/rms of each row (inv1, inv2, invf: none is kept)
     for layer in range(n_layer):
-        h = np.empty((T, d))  # (T, d) rmsnorm(x) * g1
-        inv1 = np.empty(T)
-        rmsnorm_into(x, w.g1[layer], eps, storage, acc, order, h, inv1)
-        q = np.empty((T, d))  # (T, d) each
-        k = np.empty((T, d))
-        v = np.empty((T, d))
-        linear_into(h, w.wq[layer], storage, acc, order, q)
-        linear_into(h, w.wk[layer], storage, acc, order, k)
-        linear_into(h, w.wv[layer], storage, acc, order, v)
+        attention_input_into(w, layer, x, eps, storage, acc, order, h, inv, q, k, v)
         _store_rows(kc[layer], pos0, k)
         _store_rows(vc[layer], pos0, v)
-        y = np.empty((T, d))  # (T, d) attention output, before wo
-        kbuf, vbuf = kc[layer], vc[layer]  # (S, d) keys and values of rows 0 .. n_keys-1
         attention_into(
-            q, kbuf, vbuf, pos0, n_keys, causal, n_head, scale, storage, acc, order, y, no_att, attn, attn_block
-        )
-        o = np.empty((T, d))  # (T, d) y @ wo
-        linear_into(y, w.wo[layer], storage, acc, order, o)
-        x_mid = np.empty((T, d))  # (T, d) x + y @ wo
-        add_into(x, o, storage, x_mid)
-        h2 = np.empty((T, d))  # (T, d) rmsnorm(x_mid) * g2
-        inv2 = np.empty(T)
-        rmsnorm_into(x_mid, w.g2[layer], eps, storage, acc, order, h2, inv2)
-        u = np.empty((T, f))  # (T, f) h2 @ w1
-        linear_into(h2, w.w1[layer], storage, acc, order, u)
-        a = np.empty((T, f))  # (T, f) silu(u)
-        silu_into(u, storage, a)
-        m = np.empty((T, d))  # (T, d) a @ w2
-        linear_into(a, w.w2[layer], storage, acc, order, m)
-        x = np.empty((T, d))  # (T, d) x_mid + a @ w2, the next layer's input
-        add_into(x_mid, m, storage, x)
+            q, kc[layer], vc[layer], pos0, n_keys, causal, n_head, scale, storage, acc, order, y, no_att, attn,
+            attn_block,
+        )  # fmt: skip
+        block_output_into(w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv, u, a, x)
         if keep:
             _store_rows(resid[layer + 1], 0, x)
-    hf = np.empty((T, d))  # (T, d) rmsnorm(x) * gf
-    invf = np.empty(T)
-    rmsnorm_into(x, w.gf, eps, storage, acc, order, hf, invf)
-    linear_into(hf, w.w_out, storage, acc, order, logits)  # (T, vocab)
+    hf = np.empty((T, d))
+    head_into(w, x, eps, storage, acc, order, hf, inv, logits)
 
 
 _FORWARD_ENTRIES: dict = {}

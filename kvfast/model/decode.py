@@ -1,8 +1,9 @@
 """Cached decoding: one position over the stored K/V buffer, in one compiled call; greedy generation.
 
-The decode kernel uses the same row kernels as the batched forward, so with the
-same numerics a decode step equals the matching row of a full recompute bit for
-bit. The catalogue's bugs (:mod:`kvfast.model.bugs`) each change one line here.
+The decode kernel runs the forward's block (:mod:`kvfast.model.block`) on one row
+and the same attention row kernel, so with the same numerics a decode step equals
+the matching row of a full recompute bit for bit. The catalogue's bugs
+(:mod:`kvfast.model.bugs`) each change one line here.
 """
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ import numpy as np
 
 from kvfast.kernels.attention import STANDARD, attend_row, attend_row_blocked
 from kvfast.kernels.jit import JIT_OPTIONS
-from kvfast.kernels.precision import rnd
 from kvfast.kernels.reduce import STACK_DEPTH, new_stack
-from kvfast.kernels.rowops import rmsnorm_row, silu
+from kvfast.kernels.rowops import embed_into
 from kvfast.model import bugs as B
+from kvfast.model.block import attention_input_into, block_output_into, head_into
 from kvfast.model.cache import KVCache
-from kvfast.model.compiled import _store_rows, linear_into
+from kvfast.model.compiled import _store_rows
 from kvfast.model.config import ModelConfig
 from kvfast.model.transformer import StackedWeights, Weights, forward_prepared
 from kvfast.model.validate import require_config, require_numerics, require_token, require_tokens
@@ -35,16 +36,16 @@ def decode_kernel(
     """One decode step: writes ``logits`` (1, vocab), stores K/V, returns the new cache length.
 
     ``w``: the stacked weights; kc, vc: the cache's (n_layer, capacity, d)
-    buffers, written in place at row ``slot``. Every line a catalogue bug
-    changes is marked. ``attn``/``attn_block``: ``Numerics.attention_codes`` (a
-    real kernel's attention order; for splitcount the call's key range is the
-    row's own ``lo..hi-1``).
+    buffers, written in place at row ``slot``. The block is the forward's
+    (:mod:`kvfast.model.block`) on one row; every line a catalogue bug changes
+    is marked (here and in :func:`_decode_attention`). ``attn``/``attn_block``:
+    ``Numerics.attention_codes`` (a real kernel's attention order; for
+    splitcount the call's key range is the row's own ``lo..hi-1``).
     """
+    # x, h, q, k, v, y, x_mid, h2, hf: (1, d); u, a: (1, f); logits: (1, vocab)
     d = w.wte.shape[1]
-    n_layer = w.g1.shape[0]
     f = w.w1.shape[2]
-    hd = d // n_head
-    scale = 1.0 / math.sqrt(hd)
+    scale = 1.0 / math.sqrt(d // n_head)
     p = pos
     slot = length
     new_length = length + 1
@@ -65,55 +66,47 @@ def decode_kernel(
         hi = prefill_len + 1  # maskfrozen
     if bug == B.NOSCALE:
         scale = 1.0  # noscale
-    x = np.empty((1, d))
-    h = np.empty((1, d))
-    q = np.empty((1, d))
-    k = np.empty((1, d))
-    v = np.empty((1, d))
-    y = np.empty((1, d))
-    o = np.empty((1, d))
-    u = np.empty((1, f))
-    a = np.empty((1, f))
+    x = np.empty((1, d))  # the residual stream, updated in place by each layer
+    embed_into(w.wte, w.wpe, np.full(1, token), np.full(1, p), storage, x)
+    h, q, k, v, y = np.empty((1, d)), np.empty((1, d)), np.empty((1, d)), np.empty((1, d)), np.empty((1, d))
+    x_mid, h2 = np.empty((1, d)), np.empty((1, d))
+    u, a = np.empty((1, f)), np.empty((1, f))
+    inv = np.empty(1)  # 1/rms (inv1, inv2, invf: none is kept)
+    for layer in range(w.g1.shape[0]):
+        attention_input_into(w, layer, x, eps, storage, acc, order, h, inv, q, k, v)
+        _decode_attention(q, k, v, kc[layer], vc[layer], slot, lo, hi, n_head, scale, storage, acc, order, bug,
+                          attn, attn_block, y)  # fmt: skip
+        block_output_into(w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv, u, a, x)
+    hf = np.empty((1, d))
+    head_into(w, x, eps, storage, acc, order, hf, inv, logits)
+    return new_length
+
+
+@nb.njit(**JIT_OPTIONS, inline="always")
+def _decode_attention(q, k, v, kbuf, vbuf, slot, lo, hi, n_head, scale, storage, acc, order, bug, attn, attn_block, y):
+    """Store the new row's ``k``, ``v`` at row ``slot`` of one layer's ``kbuf``, ``vbuf`` (capacity, d),
+    then attend ``q`` over keys ``lo .. hi-1`` into ``y``; the kvswap line is marked."""
+    # q, k, v, y: (1, d)
+    if bug == B.KVSWAP:
+        _store_rows(kbuf, slot, v)  # kvswap
+        _store_rows(vbuf, slot, k)
+    else:
+        _store_rows(kbuf, slot, k)
+        _store_rows(vbuf, slot, v)
+    hd = q.shape[1] // n_head
     scratch = np.empty(2 * max(hi - lo, 1))
     sstack = np.empty(STACK_DEPTH)
     vstack = new_stack(hd)
-    no_probs = np.empty((0, 0, 0))
-    for j in range(d):
-        x[0, j] = rnd(w.wte[token, j] + w.wpe[p, j], storage)
-    for layer in range(n_layer):
-        rmsnorm_row(x, 0, w.g1[layer], eps, storage, acc, order, h, 0, sstack)
-        linear_into(h, w.wq[layer], storage, acc, order, q)
-        linear_into(h, w.wk[layer], storage, acc, order, k)
-        linear_into(h, w.wv[layer], storage, acc, order, v)
-        if bug == B.KVSWAP:
-            _store_rows(kc[layer], slot, v)  # kvswap
-            _store_rows(vc[layer], slot, k)
-        else:
-            _store_rows(kc[layer], slot, k)
-            _store_rows(vc[layer], slot, v)
-        if attn == STANDARD:
-            attend_row(
-                q, 0, kc[layer], vc[layer], lo, hi, n_head, scale, storage, acc, order,
-                y, 0, no_probs, 0, scratch, sstack, vstack,
-            )  # fmt: skip
-        else:
-            attend_row_blocked(
-                q, 0, kc[layer], vc[layer], lo, hi, lo, hi, n_head, scale, storage, acc, order, attn, attn_block,
-                y, 0, scratch, sstack, vstack,
-            )  # fmt: skip
-        linear_into(y, w.wo[layer], storage, acc, order, o)
-        for j in range(d):
-            x[0, j] = rnd(x[0, j] + o[0, j], storage)
-        rmsnorm_row(x, 0, w.g2[layer], eps, storage, acc, order, h, 0, sstack)
-        linear_into(h, w.w1[layer], storage, acc, order, u)
-        for j in range(f):
-            a[0, j] = rnd(silu(u[0, j]), storage)
-        linear_into(a, w.w2[layer], storage, acc, order, o)
-        for j in range(d):
-            x[0, j] = rnd(x[0, j] + o[0, j], storage)
-    rmsnorm_row(x, 0, w.gf, eps, storage, acc, order, h, 0, sstack)
-    linear_into(h, w.w_out, storage, acc, order, logits)
-    return new_length
+    if attn == STANDARD:
+        attend_row(
+            q, 0, kbuf, vbuf, lo, hi, n_head, scale, storage, acc, order,
+            y, 0, np.empty((0, 0, 0)), 0, scratch, sstack, vstack,
+        )  # fmt: skip
+    else:
+        attend_row_blocked(
+            q, 0, kbuf, vbuf, lo, hi, lo, hi, n_head, scale, storage, acc, order, attn, attn_block,
+            y, 0, scratch, sstack, vstack,
+        )  # fmt: skip
 
 
 _DECODE_ENTRIES: dict = {}

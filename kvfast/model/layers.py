@@ -1,7 +1,9 @@
 """One function per layer and direction.
 
 Forward functions take the kernel codes of a :class:`~kvfast.numerics.Numerics`
-(``nx = (storage, accum, order)``) and run on the explicit-order kernels.
+(``nx = (storage, accum, order)``) and run on the explicit-order kernels; the
+norms, projections and MLP run in the block of :mod:`kvfast.model.block`, the
+very code of the compiled forward and the decode.
 Backward functions are float64 NumPy: gradients are for training and the
 gradient check, where the summation order is not the experiment.
 
@@ -16,8 +18,8 @@ import math
 import numpy as np
 
 from kvfast.kernels.attention import attention_into
-from kvfast.kernels.matmul import matmul
-from kvfast.kernels.rowops import add_into, embed_into, exp_array, rmsnorm_into, silu_into
+from kvfast.kernels.rowops import embed_into, exp_array
+from kvfast.model.block import attention_input_into, block_output_into, head_into
 
 Codes = tuple[int, int, int]
 
@@ -39,14 +41,41 @@ def embedding_backward(dx, tokens, positions, vocab: int, max_pos: int):
     return dwte, dwpe
 
 
+# --- the block around attention and the head: kvfast.model.block, the code of every forward --
+#
+# attention_input_forward: h = rmsnorm(x) * g1; q, k, v = h @ wq, h @ wk, h @ wv
+# block_output_forward:    x_mid = x + y @ wo; h2 = rmsnorm(x_mid) * g2; u = h2 @ w1; a = silu(u);
+#                          x_out = x_mid + a @ w2
+# head_forward:            hf = rmsnorm(x) * gf; logits = hf @ w_out
+
+
+def attention_input_forward(w, layer: int, x, eps: float, nx: Codes):
+    """Returns ``(h, inv1, q, k, v)``: (T, d), (T,), then (T, d) each (``w``: the stacked weights)."""
+    T, d = x.shape
+    h, inv1, q, k, v = np.empty((T, d)), np.empty(T), np.empty((T, d)), np.empty((T, d)), np.empty((T, d))
+    attention_input_into(w, layer, x, eps, nx[0], nx[1], nx[2], h, inv1, q, k, v)
+    return h, inv1, q, k, v
+
+
+def block_output_forward(w, layer: int, x, y, eps: float, nx: Codes):
+    """Returns ``(x_mid, h2, inv2, u, a, x_out)``: (T, d), (T, d), (T,), (T, f), (T, f), (T, d)."""
+    T, d = x.shape
+    f = w.w1.shape[2]
+    x_mid, h2, inv2 = np.empty((T, d)), np.empty((T, d)), np.empty(T)
+    u, a, x_out = np.empty((T, f)), np.empty((T, f)), np.empty((T, d))
+    block_output_into(w, layer, x, y, eps, nx[0], nx[1], nx[2], x_mid, h2, inv2, u, a, x_out)
+    return x_mid, h2, inv2, u, a, x_out
+
+
+def head_forward(w, x, eps: float, nx: Codes):
+    """Returns ``(hf, invf, logits)``: (T, d), (T,), (T, vocab)."""
+    T, d = x.shape
+    hf, invf, logits = np.empty((T, d)), np.empty(T), np.empty((T, w.w_out.shape[1]))
+    head_into(w, x, eps, nx[0], nx[1], nx[2], hf, invf, logits)
+    return hf, invf, logits
+
+
 # --- rmsnorm: h (T, d) = x / sqrt(mean(x^2) + eps) * g ----------------------------------------
-
-
-def rmsnorm_forward(x, g, eps: float, nx: Codes):
-    h = np.empty_like(x)
-    inv = np.empty(x.shape[0])
-    rmsnorm_into(x, g, eps, nx[0], nx[1], nx[2], h, inv)
-    return h, inv
 
 
 def rmsnorm_backward(dh, x, g, inv):
@@ -58,10 +87,6 @@ def rmsnorm_backward(dh, x, g, inv):
 
 
 # --- linear: y (T, m) = x (T, n) @ w (n, m) ------------------------------------------------
-
-
-def linear_forward(x, w, nx: Codes) -> np.ndarray:
-    return matmul(x, w, nx[0], nx[1], nx[2])
 
 
 def linear_backward(dy, x, w):
@@ -117,24 +142,9 @@ def attention_backward(dy, q, k, v, att, n_head: int):
 # --- silu: a = u * sigmoid(u) -------------------------------------------------------------
 
 
-def silu_forward(u, nx: Codes) -> np.ndarray:
-    a = np.empty_like(u)
-    silu_into(u, nx[0], a)
-    return a
-
-
 def silu_backward(da, u):
     sig = 1.0 / (1.0 + exp_array(-u))
     return da * sig * (1.0 + u * (1.0 - sig))
-
-
-# --- residual: x + y ----------------------------------------------------------------------
-
-
-def residual_forward(x, y, nx: Codes) -> np.ndarray:
-    out = np.empty_like(x)
-    add_into(x, y, nx[0], out)
-    return out
 
 
 # --- cross entropy: mean over positions of -log softmax(logits)[target] --------------------

@@ -203,21 +203,16 @@ def forward_layers(
             f"numerics.attention: {numerics.attention!r} has no backward; allowed: 'standard' for gradients"
         )
     eps = config.eps
-    p = w.named
     T = tokens.shape[0]
     pos0 = cache.length if cache is not None else 0
     positions = np.arange(pos0, pos0 + T, dtype=np.int64)
-    x = L.embedding_forward(p["wte"], p["wpe"], tokens, positions, nx)
+    x = L.embedding_forward(w.stacked.wte, w.stacked.wpe, tokens, positions, nx)
     if trace is not None:
         trace["resid"] = [x]
         trace["k"] = []
         trace["v"] = []
     for layer in range(config.n_layer):
-        pre = f"h{layer}."
-        h, inv1 = L.rmsnorm_forward(x, p[pre + "g1"], eps, nx)
-        q = L.linear_forward(h, p[pre + "wq"], nx)
-        k = L.linear_forward(h, p[pre + "wk"], nx)
-        v = L.linear_forward(h, p[pre + "wv"], nx)
+        h, inv1, q, k, v = L.attention_input_forward(w.stacked, layer, x, eps, nx)
         if cache is not None:
             kbuf, vbuf = cache.append(layer, k, v)
         else:
@@ -225,13 +220,7 @@ def forward_layers(
         y, att = L.attention_forward(
             q, kbuf, vbuf, config.n_head, causal, nx, pos0, keep_att=tape is not None, attn=numerics.attention_codes
         )
-        o = L.linear_forward(y, p[pre + "wo"], nx)
-        x_mid = L.residual_forward(x, o, nx)
-        h2, inv2 = L.rmsnorm_forward(x_mid, p[pre + "g2"], eps, nx)
-        u = L.linear_forward(h2, p[pre + "w1"], nx)
-        a = L.silu_forward(u, nx)
-        m = L.linear_forward(a, p[pre + "w2"], nx)
-        x_out = L.residual_forward(x_mid, m, nx)
+        x_mid, h2, inv2, u, a, x_out = L.block_output_forward(w.stacked, layer, x, y, eps, nx)
         if tape is not None:
             tape.layers.append(LayerTape(x, h, inv1, q, k, v, att, y, x_mid, h2, inv2, u, a))
         if trace is not None:
@@ -239,8 +228,7 @@ def forward_layers(
             trace["k"].append(k)
             trace["v"].append(v)
         x = x_out
-    hf, invf = L.rmsnorm_forward(x, p["gf"], eps, nx)
-    logits = L.linear_forward(hf, p["w_out"], nx)
+    hf, invf, logits = L.head_forward(w.stacked, x, eps, nx)
     if tape is not None:
         tape.head = HeadTape(x, hf, invf, positions)
     if cache is not None:
