@@ -98,12 +98,15 @@ print(sorted({sig[-1].literal_value for sig in _product.signatures}))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("preset", "code"), [("f64", F64), ("bf16", F32)])
-def test_a_process_running_one_format_compiles_that_formats_product_only(preset, code):
+def test_a_process_running_one_format_compiles_that_formats_product_only(preset, code, tmp_path):
     """The per-format entries pass the format as a literal down to ``matmul_into``, whose dispatch
     is chosen while typing: a forward and decode steps in one format leave one accumulator format
-    among the compiled product kernels (a call from Python would compile all three)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    among the compiled product kernels (a call from Python would compile all three). A cold start
+    (an empty Numba cache: kernels loaded from the cache are not listed), so slow."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "NUMBA_CACHE_DIR": str(tmp_path)}
     out = subprocess.run(
         [sys.executable, "-c", _COMPILED_FORMATS, preset], capture_output=True, text=True, env=env, check=True
     )

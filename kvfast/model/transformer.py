@@ -7,6 +7,8 @@
     hf = rmsnorm(x) * gf;  logits = hf @ w_out
 
 Shapes: tokens (T,), x/h/q/k/v/y/x_mid/h2 (T, d), u/a (T, f), logits (T, vocab).
+The block around attention and the head are written once, in
+:mod:`kvfast.model.block`, for both forwards here and the decode.
 
 Each public function (:func:`forward`, :func:`loss_and_grads`, and in
 :mod:`kvfast.model.decode` ``decode_step`` and ``generate``) validates its
@@ -36,8 +38,9 @@ from kvfast.numerics import Numerics
 
 
 class StackedWeights(NamedTuple):
-    """The parameters as the compiled decode kernel takes them: each per-layer tensor stacked on a
-    leading layer axis. Fields are the parameters' short names (``h{l}.wq`` -> ``wq[l]``)."""
+    """The parameters as the block (:mod:`kvfast.model.block`), the compiled forward and the decode take
+    them: each per-layer tensor stacked on a leading layer axis. Fields are the parameters' short names
+    (``h{l}.wq`` -> ``wq[l]``)."""
 
     wte: np.ndarray  # (vocab, d) token embeddings
     wpe: np.ndarray  # (max_pos, d) position embeddings
