@@ -18,9 +18,10 @@ two halves: the forward stores rows ``pos0 ..`` and attends every row
 probabilities for the tape), the decode stores one row and attends it over
 the cache's ``lo .. hi-1``, where the bug catalogue's marked lines act.
 
-Called from the compiled entries the formats are constants (Numba literals),
-so each function is compiled once per format pair and shared by the forward
-and the decode entries; called from Python, once for run-time formats.
+Called from the compiled entries the formats are constants (Numba literals)
+and the functions are inlined into each entry (``inline="always"``: Numba IR,
+one optimisation per entry, no call per layer); called from Python, each is
+compiled once for run-time formats.
 Every value is rounded as in the kernels; nothing here changes an order.
 """
 
@@ -34,7 +35,7 @@ from kvfast.kernels.matmul import matmul_into
 from kvfast.kernels.rowops import add_into, rmsnorm_into, silu_into
 
 
-@nb.njit(**JIT_OPTIONS)
+@nb.njit(**JIT_OPTIONS, inline="always")
 def attention_input_into(w, layer, x, eps, storage, acc, order, h, inv1, q, k, v) -> None:
     """``h = rmsnorm(x) * g1`` (``inv1``: each row's 1/rms) and ``q, k, v = h @ wq, h @ wk, h @ wv``.
 
@@ -48,7 +49,7 @@ def attention_input_into(w, layer, x, eps, storage, acc, order, h, inv1, q, k, v
     matmul_into(h, w.wv[layer], storage, acc, order, v)
 
 
-@nb.njit(**JIT_OPTIONS)
+@nb.njit(**JIT_OPTIONS, inline="always")
 def block_output_into(w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv2, u, a, x_out) -> None:
     """The rest of the block after attention: ``x_mid = x + y @ wo``, ``h2 = rmsnorm(x_mid) * g2``
     (``inv2``: 1/rms), ``u = h2 @ w1``, ``a = silu(u)``, ``x_out = x_mid + a @ w2``.
@@ -70,7 +71,7 @@ def block_output_into(w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv2,
     add_into(x_mid, m, storage, x_out)
 
 
-@nb.njit(**JIT_OPTIONS)
+@nb.njit(**JIT_OPTIONS, inline="always")
 def head_into(w, x, eps, storage, acc, order, hf, invf, logits) -> None:
     """``hf = rmsnorm(x) * gf`` (``invf``: 1/rms) and ``logits = hf @ w_out`` (``w``: the stacked weights)."""
     # x, hf: (T, d); invf: (T,); logits: (T, vocab)

@@ -72,10 +72,13 @@ def decode_kernel(
     x_mid, h2 = np.empty((1, d)), np.empty((1, d))
     u, a = np.empty((1, f)), np.empty((1, f))
     inv = np.empty(1)  # 1/rms (inv1, inv2, invf: none is kept)
+    scratch = np.empty(2 * max(hi - lo, 1))  # attention's scratch, for every layer
+    sstack = np.empty(STACK_DEPTH)
+    vstack = new_stack(d // n_head)
     for layer in range(w.g1.shape[0]):
         attention_input_into(w, layer, x, eps, storage, acc, order, h, inv, q, k, v)
         _decode_attention(q, k, v, kc[layer], vc[layer], slot, lo, hi, n_head, scale, storage, acc, order, bug,
-                          attn, attn_block, y)  # fmt: skip
+                          attn, attn_block, y, scratch, sstack, vstack)  # fmt: skip
         block_output_into(w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv, u, a, x)
     hf = np.empty((1, d))
     head_into(w, x, eps, storage, acc, order, hf, inv, logits)
@@ -83,9 +86,13 @@ def decode_kernel(
 
 
 @nb.njit(**JIT_OPTIONS, inline="always")
-def _decode_attention(q, k, v, kbuf, vbuf, slot, lo, hi, n_head, scale, storage, acc, order, bug, attn, attn_block, y):
+def _decode_attention(
+    q, k, v, kbuf, vbuf, slot, lo, hi, n_head, scale, storage, acc, order, bug, attn, attn_block, y,
+    scratch, sstack, vstack,
+):  # fmt: skip
     """Store the new row's ``k``, ``v`` at row ``slot`` of one layer's ``kbuf``, ``vbuf`` (capacity, d),
-    then attend ``q`` over keys ``lo .. hi-1`` into ``y``; the kvswap line is marked."""
+    then attend ``q`` over keys ``lo .. hi-1`` into ``y``; the kvswap line is marked. ``scratch``,
+    ``sstack``, ``vstack``: as for :func:`kvfast.kernels.attention.attend_row`."""
     # q, k, v, y: (1, d)
     if bug == B.KVSWAP:
         _store_rows(kbuf, slot, v)  # kvswap
@@ -93,10 +100,6 @@ def _decode_attention(q, k, v, kbuf, vbuf, slot, lo, hi, n_head, scale, storage,
     else:
         _store_rows(kbuf, slot, k)
         _store_rows(vbuf, slot, v)
-    hd = q.shape[1] // n_head
-    scratch = np.empty(2 * max(hi - lo, 1))
-    sstack = np.empty(STACK_DEPTH)
-    vstack = new_stack(hd)
     if attn == STANDARD:
         attend_row(
             q, 0, kbuf, vbuf, lo, hi, n_head, scale, storage, acc, order,
