@@ -159,9 +159,9 @@ def test_the_compiled_forward_is_not_the_layer_by_layer_code_path():
     calls = []
     original = layers.attention_forward
 
-    def counting(*args):
+    def counting(*args, **kwargs):
         calls.append(1)
-        return original(*args)
+        return original(*args, **kwargs)
 
     cfg = ModelConfig(vocab=11, d_model=8, n_head=2, n_layer=2, d_ff=8, max_pos=8)
     nx = Numerics()
