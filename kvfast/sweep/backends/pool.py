@@ -130,6 +130,10 @@ class ProcessPoolBackend(ParallelBackendBase):
             future.add_done_callback(callback)
         return future
 
+    def apply_async(self, func, callback=None):
+        """joblib before 1.5 calls this name (untested here: joblib 1.6 is installed)."""
+        return self.submit(func, callback)
+
     def retrieve_result_callback(self, future):
         return future.result()  # BrokenProcessPool when a worker died
 
