@@ -1,11 +1,11 @@
 """Sweep-engine benchmark on the built-in 1,296-run exactness grid.
 
-    .venv/bin/python benchmarks/sweep.py [--grid exactness] [--repeats 3] [--jobs 2]
+    .venv/bin/python benchmarks/sweep.py [--grid exactness] [--repeats 3] [--jobs 2] [--backend fork]
 
 Every measurement runs in a fresh child process (as `kvfast run` would), into a fresh results
 directory, and prints one JSON line; this script prints a Markdown table of:
 
-- wall time with 1 worker and with N workers (the default backend, fork; median of ``--repeats``),
+- wall time with 1 worker and with N workers (``--backend``, default fork; median of ``--repeats``),
   and the speedup;
 - engine overhead: the fraction of wall time not spent inside runs,
   ``1 - (sum of the runs' own wall_s / workers) / wall`` (perfect balance and zero overhead give 0);
@@ -35,7 +35,8 @@ t0 = time.perf_counter()
 from kvfast.sweep import load, load_grid, run_sweep
 grid = load_grid(sys.argv[1])
 jobs = int(sys.argv[3])
-report = run_sweep(grid, sys.argv[2], jobs=jobs, quiet=True)
+backend = sys.argv[4]
+report = run_sweep(grid, sys.argv[2], jobs=jobs, backend=backend, quiet=True)
 df = load(sys.argv[2])
 first = df.set_index("run_id").loc[grid.runs[0].run_id, "wall_s"]
 workers_kb = []
@@ -48,7 +49,8 @@ for stat in __import__("glob").glob("/proc/[0-9]*/stat"):
                     workers_kb.append(int(line.split()[1]))
     except (OSError, IndexError, ValueError):
         pass
-again = run_sweep(grid, sys.argv[2] + "-again", jobs=jobs, quiet=True)  # same process: the pool is warm
+# same process: the pool is warm
+again = run_sweep(grid, sys.argv[2] + "-again", jobs=jobs, backend=backend, quiet=True)
 print(json.dumps({
     "jobs": jobs, "ok": report.ok, "ran": report.ran, "wall_s": report.wall_s,
     "compute_s": report.compute_s, "chunk_size": report.chunk_size, "first_run_s": float(first),
@@ -60,10 +62,10 @@ print(json.dumps({
 """
 
 
-def child(grid: str, jobs: int, env: dict | None = None) -> dict:
+def child(grid: str, jobs: int, env: dict | None = None, backend: str = "fork") -> dict:
     with tempfile.TemporaryDirectory(prefix="kvfast-bench-") as tmp:
         proc = subprocess.run(
-            [sys.executable, "-c", CHILD, grid, str(Path(tmp) / "out"), str(jobs)],
+            [sys.executable, "-c", CHILD, grid, str(Path(tmp) / "out"), str(jobs), backend],
             capture_output=True,
             text=True,
             env={**os.environ, **(env or {})},
@@ -94,18 +96,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grid", default="exactness")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--jobs", type=int, default=2, help="the parallel worker count to compare with 1")
+    parser.add_argument("--backend", default="fork", help="fork, loky, threading or dask (default fork)")
     args = parser.parse_args(argv)
 
     load_before = os.getloadavg()
     pressure_before = cpu_pressure()
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvfast-numba-cold-") as cache:
-        cold = child(args.grid, args.jobs, {"NUMBA_CACHE_DIR": cache})
-        warm = child(args.grid, args.jobs, {"NUMBA_CACHE_DIR": cache})
+        cold = child(args.grid, args.jobs, {"NUMBA_CACHE_DIR": cache}, args.backend)
+        warm = child(args.grid, args.jobs, {"NUMBA_CACHE_DIR": cache}, args.backend)
     runs = {1: [], args.jobs: []}
     for _ in range(args.repeats):
         for jobs in runs:
-            runs[jobs].append(child(args.grid, jobs))
+            runs[jobs].append(child(args.grid, jobs, backend=args.backend))
 
     def med(jobs: int, key: str) -> float:
         return statistics.median(r[key] if key != "overhead" else overhead(r) for r in runs[jobs])
@@ -131,7 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     ]
     worker_peaks = [r["worker_peak_mb"] for r in runs[args.jobs] if r["worker_peak_mb"]]
     rows.append(("peak memory, largest worker MB", "-", f"{max(worker_peaks):.0f}" if worker_peaks else "n/a"))
-    print(f"grid {args.grid}: 1 worker vs {args.jobs} workers, median of {args.repeats} fresh processes")
+    print(
+        f"grid {args.grid}, backend {args.backend}: 1 worker vs {args.jobs} workers, "
+        f"median of {args.repeats} fresh processes"
+    )
     print(f"| figure | 1 worker | {args.jobs} workers |\n|---|---|---|")
     for name, a, b in rows:
         print(f"| {name} | {a} | {b} |")

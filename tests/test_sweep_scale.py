@@ -14,8 +14,8 @@ import pytest
 from kvfast.studies import STUDIES
 from kvfast.studies.base import Study
 from kvfast.sweep import grid_from_spec, load, load_grid, run_id, run_sweep
-from kvfast.sweep.engine import _find_pending
 from kvfast.sweep.ids import canonical
+from kvfast.sweep.plan import find_pending as _find_pending
 from kvfast.sweep.store import ResultsDir, StoredIndex
 
 CALLS: list[dict] = []

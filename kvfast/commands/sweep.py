@@ -158,11 +158,10 @@ def cmd_grids(args) -> int:
 
 def cmd_run(args) -> int:
     from kvfast.sweep.grid import DEFAULT_MAX_RUNS, load_grid
+    from kvfast.sweep.options import SweepOptions
 
     grid = load_grid(args.grid, max_runs=args.max_runs or DEFAULT_MAX_RUNS)
-    report = _sweep(
-        grid,
-        args.out,
+    options = SweepOptions.build(
         jobs=args.jobs,
         backend=args.backend,
         scheduler=args.scheduler,
@@ -173,19 +172,21 @@ def cmd_run(args) -> int:
         run_timeout=args.run_timeout,
         max_memory=int(args.max_memory * 2**30) if args.max_memory else None,
     )
+    report = _sweep(grid, args.out, options)
     if isinstance(report, int):
         return report
     print(report.line())
     return _exit(report)
 
 
-def _sweep(grid, out, **kwargs):
-    """``run_sweep``, with a failed write as one line and exit code 74 (an ``int`` instead of the report)."""
+def _sweep(grid, out, options):
+    """``run_sweep`` with ``options`` (a ``SweepOptions``), with a failed write as one line and exit code 74
+    (an ``int`` instead of the report)."""
     from kvfast.sweep.engine import run_sweep
     from kvfast.sweep.store import StorageError
 
     try:
-        return run_sweep(grid, out, **kwargs)
+        return run_sweep(grid, out, options)
     except StorageError as exc:
         print(f"kvfast: error: {exc}", file=sys.stderr)
         return EXIT_STORAGE
@@ -310,9 +311,10 @@ def _study_grid(name: str):
 
 
 def _run_study(grid, out: Path, jobs, quiet: bool, fresh: bool = False):
+    from kvfast.sweep.options import SweepOptions
     from kvfast.sweep.store import load
 
-    report = _sweep(grid, out, jobs=jobs, quiet=quiet, fresh=fresh)
+    report = _sweep(grid, out, SweepOptions.build(jobs=jobs, quiet=quiet, fresh=fresh))
     if isinstance(report, int):
         return report, None
     print(report.line())

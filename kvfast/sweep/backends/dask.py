@@ -1,0 +1,218 @@
+"""``--backend dask``: chunks as Dask futures, driven directly (not through joblib's Dask backend,
+which can wait forever on a task whose worker died).
+
+About two chunks per worker are in flight. Each chunk (and its rows) travels as
+one pickled bytes object, so distributed does not walk every run's config looking
+for futures. A chunk whose worker died (``KilledWorker``, even on a future that
+says "finished") is re-run one run at a time; a run whose worker dies again is
+``crashed`` (``timeout`` if the worker killed itself at the run's time limit).
+If no chunk finishes for ``job.stall_s`` seconds, or the scheduler is lost, the
+sweep stops: the runs not stored are returned as lost, with the reason.
+
+On the LocalCluster kvfast starts (:func:`dask_client` without a scheduler
+address) the scheduler gives up on a task after its first worker death
+(``allowed-failures = 0``); its processes ignore SIGINT (Ctrl-C is the sweep's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import signal
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from kvfast.sweep.backends import NOTHING_LOST, Job, Outcome
+from kvfast.sweep.grid import Run
+from kvfast.sweep.guard import worker_start
+from kvfast.sweep.rows import lost_worker_row, run_chunk
+
+if TYPE_CHECKING:
+    from kvfast.studies.base import Study
+
+
+def dask_client(n_jobs: int, scheduler: str | None):
+    """A connected ``distributed.Client`` (and the LocalCluster it owns, or ``None``); ``ValueError`` if none."""
+    try:
+        from distributed import Client
+    except ImportError:
+        raise ValueError("--backend: 'dask' needs the dask extra; install kvfast[dask]") from None
+    import logging
+
+    # kvfast reports dead workers and a lost scheduler itself, in one line: not distributed's tracebacks
+    for name in ["distributed", *logging.root.manager.loggerDict]:
+        if name.startswith("distributed"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    if scheduler:
+        try:
+            return Client(scheduler, timeout="5s"), None
+        except (OSError, TimeoutError, ValueError) as exc:
+            raise ValueError(f"--scheduler: cannot connect to {scheduler!r} ({exc})") from None
+    on_main = threading.current_thread() is threading.main_thread()
+    # the cluster's processes inherit an ignored SIGINT: Ctrl-C is this process's to handle (it closes them)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if on_main else None
+    try:
+        cluster = _local_cluster(n_jobs)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+    return Client(cluster), cluster
+
+
+def _local_cluster(n_jobs: int):
+    import logging
+
+    import dask
+    from distributed import LocalCluster
+
+    with dask.config.set({"distributed.scheduler.allowed-failures": 0}):
+        cluster = LocalCluster(
+            n_workers=n_jobs,
+            threads_per_worker=1,
+            processes=True,
+            dashboard_address=None,
+            silence_logs=logging.CRITICAL,
+        )
+    return cluster
+
+
+def _loaded(study: Study) -> int:
+    """A worker's no-op task: unpickling ``study`` imported its module."""
+    worker_start()
+    return os.getpid()
+
+
+def preheat(job: Job) -> None:
+    """Dask workers import the engine and the study (never raises)."""
+    try:
+        job.client.run(_loaded, job.study)
+    except Exception:  # noqa: BLE001 - only a head start
+        pass
+
+
+def run_chunk_packed(study: Study, packed: bytes) -> bytes:
+    """A Dask task: a pickled ``(chunk, limits)`` in, the pickled ``(index, rows)`` out."""
+    worker_start()
+    chunk, limits = pickle.loads(packed)
+    return pickle.dumps(run_chunk(study, chunk, limits), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _rows(fut) -> list[dict] | None:
+    """The rows of a finished chunk, or ``None`` when its worker died (``KilledWorker``: the future may
+    say "finished" and still raise) or the task was otherwise lost."""
+    if fut.status != "finished":
+        return None
+    try:
+        return pickle.loads(fut.result())[1]
+    except Exception:  # noqa: BLE001 - KilledWorker and the like: the chunk is retried run by run
+        return None
+
+
+def _scheduler_gone(client, fut=None, exc: BaseException | None = None) -> bool:
+    """True when the futures were cancelled under us: the scheduler died (or the client lost it)."""
+    if exc is not None and type(exc).__name__ in ("FuturesCancelledError", "CancelledError", "CommClosedError"):
+        return True
+    return (fut is not None and fut.status == "cancelled") or client.status != "running"
+
+
+class _Driver:
+    """One sweep's futures: submits chunks, collects rows, and names what is lost."""
+
+    def __init__(self, job: Job, runs: Iterator[Run], total: int) -> None:
+        self.job = job
+        self.client = job.client
+        self.token = os.urandom(4).hex()
+        self.planner = job.plan(runs, total)
+        self.in_flight: dict = {}
+        self.suspects: list[Run] = []
+
+    def submit(self, chunk: tuple[int, list[Run]], key: str):
+        packed = pickle.dumps((chunk, self.job.limits), protocol=pickle.HIGHEST_PROTOCOL)
+        return self.client.submit(run_chunk_packed, self.job.study, packed, key=key, pure=False)
+
+    def top_up(self) -> None:
+        while len(self.in_flight) < 2 * self.job.workers and (chunk := self.planner.take()) is not None:
+            self.in_flight[self.submit(chunk, f"kvfast-{self.token}-{chunk[0]}")] = chunk
+
+    def lost_all(self, reason: str) -> Outcome:
+        lost = [r.run_id for _, chunk in self.in_flight.values() for r in chunk]
+        lost += [r.run_id for r in self.planner.rest()[0]]
+        with contextlib.suppress(Exception):
+            self.client.cancel(list(self.in_flight))
+        return Outcome(lost + [r.run_id for r in self.suspects], reason)
+
+    def run_chunks(self) -> Outcome | None:
+        """Every chunk once; a chunk whose worker died goes to ``suspects``. An :class:`Outcome` if it stopped."""
+        from distributed import wait
+
+        stall_s = self.job.stall_s
+        self.top_up()
+        while self.in_flight:
+            try:
+                done, _ = wait(list(self.in_flight), timeout=stall_s, return_when="FIRST_COMPLETED")
+            except TimeoutError:
+                return self.lost_all(f"no run finished for {stall_s:g} s (--stall-timeout)")
+            for fut in done:
+                if _scheduler_gone(self.client, fut):
+                    return self.lost_all("the Dask scheduler was lost")
+                index, chunk = self.in_flight.pop(fut)
+                self.planner.returned(index)
+                rows = _rows(fut)
+                if rows is None:
+                    self.suspects += chunk
+                else:
+                    self.job.write(chunk, rows)
+            self.top_up()
+        return None
+
+    def run_suspects(self) -> Outcome:
+        """Each run of a chunk whose worker died, alone."""
+        from distributed import wait
+
+        job, stall_s, lost = self.job, self.job.stall_s, []
+        for i, run in enumerate(self.suspects):
+            try:
+                fut = self.submit((0, [run]), f"kvfast-{self.token}-solo-{run.run_id}")
+                with contextlib.suppress(TimeoutError):
+                    wait([fut], timeout=stall_s)
+            except Exception as exc:  # noqa: BLE001
+                if _scheduler_gone(self.client, exc=exc):
+                    why = f"the Dask scheduler was lost ({type(exc).__name__})"
+                    return Outcome(lost + [r.run_id for r in self.suspects[i:]], why)
+                raise
+            rows = _rows(fut)
+            if rows is not None:
+                job.write([run], rows)
+            elif fut.status == "error":  # the worker died again, or the task could not run
+                job.write([run], [lost_worker_row(job.study, run, job.limits)])
+            elif _scheduler_gone(self.client, fut):
+                return Outcome(lost + [r.run_id for r in self.suspects[i:]], "the Dask scheduler was lost")
+            else:
+                with contextlib.suppress(Exception):
+                    self.client.cancel([fut])
+                lost.append(run.run_id)
+        return Outcome(lost, f"no run finished for {stall_s:g} s (--stall-timeout)" if lost else "")
+
+
+def workers(client, asked: int) -> int:
+    """The cluster's worker count (``asked`` when it cannot tell)."""
+    return max(1, len(client.scheduler_info().get("workers", {})) or asked)
+
+
+def execute(job: Job, runs: Iterator[Run], total: int) -> Outcome:
+    """Drive Dask futures directly (see the module docstring); returns the runs lost and why."""
+    job.workers = workers(job.client, job.workers)
+    driver = _Driver(job, runs, total)
+    try:
+        stopped = driver.run_chunks()
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a lost scheduler shows as many exception types
+        if _scheduler_gone(job.client, exc=exc):
+            return driver.lost_all(f"the Dask scheduler was lost ({type(exc).__name__})")
+        raise
+    if stopped is not None:
+        return stopped
+    return driver.run_suspects() if driver.suspects else NOTHING_LOST

@@ -1,0 +1,260 @@
+"""``--backend fork`` and ``loky``: chunks fanned out to worker processes through joblib.
+
+Both are joblib parallel backends, registered under the names ``kvfast-fork``
+and ``kvfast-loky`` (:class:`ProcessPoolBackend`), and driven by one
+``joblib.Parallel`` call per pool (``batch_size=1``: a task is one chunk;
+``pre_dispatch="2*n_jobs"``: about two chunks per worker in flight; results
+unordered, as they finish):
+
+- ``fork``: a ``concurrent.futures`` pool of processes forked from the sweep's
+  after its warm-up run, so workers start in milliseconds with its modules and
+  compiled kernels, and tasks carry only their chunk (Linux; when the warm-up has
+  imported a library of :data:`FORK_UNSAFE`, the sweep uses ``loky`` instead);
+- ``loky``: loky's reusable pool of fresh interpreters (started, and the study
+  imported in every worker, by :func:`preheat` while the warm-up runs).
+
+Workers are set up by :func:`kvfast.sweep.guard.worker_start` (they die with the
+sweep and ignore SIGINT). A dead worker breaks its pool: joblib aborts the call
+(the backend kills the other workers), the chunks in flight are re-run one run at
+a time, each alone in a new one-worker pool, and a run that kills that worker too
+is ``crashed`` (``timeout`` when the worker killed itself at the run's time limit).
+The runs not yet handed out go on in a new pool. On Ctrl-C joblib aborts the call
+and the backend kills the workers at once.
+
+A run alone is submitted to the backend's one-worker pool directly, not through
+``Parallel``: joblib runs a one-job call in the calling process, where a crashing
+run would take the sweep with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import sys
+import warnings
+from collections.abc import Iterator
+from concurrent.futures.process import BrokenProcessPool, ProcessPoolExecutor
+from typing import TYPE_CHECKING
+
+from joblib import Parallel, delayed, register_parallel_backend
+from joblib._parallel_backends import ParallelBackendBase, SequentialBackend
+
+from kvfast.sweep.backends import NOTHING_LOST, Job, Outcome
+from kvfast.sweep.grid import Run
+from kvfast.sweep.guard import worker_start
+from kvfast.sweep.rows import Limits, lost_worker_row, run_chunk, run_chunk_in_worker, timed_out, timeout_row
+
+if TYPE_CHECKING:
+    from kvfast.studies.base import Study
+
+# Libraries whose native thread pools do not survive a fork: once the warm-up run has imported one
+# (a study that builds torch models), a forked worker blocks forever on a lock held by a thread that
+# was not copied. Such sweeps use loky (fresh interpreters) instead.
+FORK_UNSAFE = ("torch", "tensorflow", "jax")
+
+_FORKED: list = []  # (study, limits), as forked workers inherit them (nothing to pickle but the chunks)
+
+
+def fork_unsafe_modules() -> list[str]:
+    """The :data:`FORK_UNSAFE` libraries this process has imported."""
+    return [name for name in FORK_UNSAFE if name in sys.modules]
+
+
+def run_chunk_forked(chunk: tuple[int, list[Run]]) -> tuple[int, list[dict]]:
+    """A forked worker's task: :func:`~kvfast.sweep.rows.run_chunk` with the study it inherited."""
+    study, limits = _FORKED[-1]
+    return run_chunk(study, chunk, limits)
+
+
+def loky_pool(n_jobs: int):
+    """loky's reusable pool of ``n_jobs`` workers (started by this process; each dies with it)."""
+    from joblib.externals.loky import get_reusable_executor
+
+    return get_reusable_executor(max_workers=n_jobs, initializer=worker_start, initargs=(os.getpid(),))
+
+
+def _fork_pool(n_jobs: int) -> ProcessPoolExecutor:
+    context = multiprocessing.get_context("fork")
+    return ProcessPoolExecutor(n_jobs, mp_context=context, initializer=worker_start, initargs=(os.getpid(),))
+
+
+def shutdown(pool, kill: bool) -> None:
+    """Shut a pool down; ``kill``: its workers first (a run in progress, or hung, is not waited for)."""
+    if pool is None:
+        return
+    if kill:
+        for proc in list((getattr(pool, "_processes", None) or {}).values()):
+            with contextlib.suppress(Exception):
+                proc.kill()
+    with contextlib.suppress(Exception):
+        if hasattr(pool, "_flags"):  # loky's executor
+            pool.shutdown(wait=not kill, kill_workers=kill)
+        else:
+            pool.shutdown(wait=not kill, cancel_futures=True)
+
+
+class ProcessPoolBackend(ParallelBackendBase):
+    """A joblib backend over a process pool that reports a dead worker as ``BrokenProcessPool``.
+
+    ``kind``: ``"fork"`` (a new forked pool per ``Parallel`` call, shut down at its
+    end) or ``"loky"`` (loky's reusable pool, kept for the next call). Aborting a
+    call (a task failed, Ctrl-C) kills the workers. :meth:`run_alone` runs one task
+    in a new one-worker pool.
+    """
+
+    supports_retrieve_callback = True
+    kind = "fork"
+
+    def __init__(self, nesting_level: int | None = None, inner_max_num_threads: int | None = None, **kwargs) -> None:
+        super().__init__(nesting_level=nesting_level, inner_max_num_threads=inner_max_num_threads, **kwargs)
+        self.pool = None
+        self.n_jobs = 1
+
+    def new_pool(self, n_jobs: int):
+        """A pool of ``n_jobs`` workers of this backend's kind."""
+        return _fork_pool(n_jobs) if self.kind == "fork" else loky_pool(n_jobs)
+
+    def effective_n_jobs(self, n_jobs: int | None) -> int:
+        return max(1, n_jobs or 1)
+
+    def configure(self, n_jobs: int = 1, parallel=None, **backend_kwargs) -> int:
+        self.parallel = parallel
+        self.n_jobs = self.effective_n_jobs(n_jobs)
+        self.pool = self.new_pool(self.n_jobs)
+        return self.n_jobs
+
+    def submit(self, func, callback=None):
+        future = self.pool.submit(func)
+        if callback is not None:
+            future.add_done_callback(callback)
+        return future
+
+    def apply_async(self, func, callback=None):
+        """joblib before 1.5 calls this name (untested here: joblib 1.6 is installed)."""
+        return self.submit(func, callback)
+
+    def retrieve_result_callback(self, future):
+        return future.result()  # BrokenProcessPool when a worker died
+
+    def terminate(self) -> None:
+        if self.kind == "fork":
+            shutdown(self.pool, kill=False)
+        self.pool = None
+
+    def abort_everything(self, ensure_ready: bool = True) -> None:
+        shutdown(self.pool, kill=True)
+        self.pool = self.new_pool(self.n_jobs) if ensure_ready else None
+
+    def get_nested_backend(self):
+        return SequentialBackend(nesting_level=(self.nesting_level or 0) + 1), None
+
+    def run_alone(self, func, *args):
+        """``func(*args)`` in a new one-worker pool; ``BrokenProcessPool`` if the worker dies."""
+        pool = self.new_pool(1)
+        try:
+            result = pool.submit(func, *args).result()
+        except BaseException:
+            shutdown(pool, kill=True)
+            raise
+        if self.kind == "fork":
+            shutdown(pool, kill=False)
+        return result
+
+
+class ForkBackend(ProcessPoolBackend):
+    """``kvfast-fork``: processes forked from the sweep's after its warm-up."""
+
+    kind = "fork"
+
+
+class LokyBackend(ProcessPoolBackend):
+    """``kvfast-loky``: loky's reusable pool of fresh interpreters."""
+
+    kind = "loky"
+
+
+register_parallel_backend("kvfast-fork", ForkBackend)
+register_parallel_backend("kvfast-loky", LokyBackend)
+
+
+def _loaded(study: Study) -> int:
+    """A worker's no-op task: unpickling ``study`` imported its module."""
+    worker_start()
+    return os.getpid()
+
+
+def preheat(job: Job) -> None:
+    """loky: start the pool (the one the sweep then reuses) and import the study in every worker."""
+    if job.backend != "loky":
+        return
+    try:
+        pool = loky_pool(job.workers)
+        for fut in [pool.submit(_loaded, job.study) for _ in range(job.workers)]:
+            fut.result()
+    except Exception:  # noqa: BLE001 - only a head start; the sweep itself reports any failure
+        pass
+
+
+def execute(job: Job, runs: Iterator[Run], total: int) -> Outcome:
+    """Fan chunks out to ``job.workers`` processes (see the module docstring)."""
+    kind = "loky" if job.backend == "fork" and fork_unsafe_modules() else job.backend
+    suspects: list[Run] = []
+    remaining: Iterator[Run] | None = runs
+    if kind == "fork":
+        _FORKED.append((job.study, job.limits))
+    try:
+        while remaining is not None:
+            planner = job.plan(remaining, total)
+            try:
+                for index, rows in _fan_out(kind, planner, job):
+                    job.write(planner.returned(index), rows)
+                remaining = None
+            except BrokenProcessPool:
+                suspects += [r for chunk in list(planner.handed.values()) for r in chunk]
+                remaining, total = planner.rest()
+        backend = ForkBackend() if kind == "fork" else LokyBackend()
+        for run in suspects:
+            job.write([run], [_alone(backend, job.study, run, job.limits)])
+    finally:
+        if kind == "fork":
+            _FORKED.pop()
+    return NOTHING_LOST
+
+
+def _fan_out(kind: str, planner, job: Job) -> Iterator[tuple[int, list[dict]]]:
+    """``(chunk index, rows)`` of every chunk ``planner`` hands out, as they finish, from one ``Parallel`` call."""
+
+    def tasks() -> Iterator:
+        while (chunk := planner.take()) is not None:
+            if kind == "fork":
+                yield delayed(run_chunk_forked)(chunk)
+            else:
+                yield delayed(run_chunk_in_worker)(job.study, chunk, job.limits)
+
+    parallel = Parallel(
+        n_jobs=job.workers,
+        backend=f"kvfast-{kind}",
+        batch_size=1,
+        pre_dispatch="2*n_jobs",
+        return_as="generator_unordered",
+    )
+    results = parallel(tasks())
+    try:
+        with warnings.catch_warnings():  # joblib's note about tasks cancelled by an abort
+            warnings.filterwarnings("ignore", message=".*tasks have been successfully executed")
+            yield from results
+    finally:
+        results.close()  # an exception here (a failed write): joblib aborts the call and kills the workers
+
+
+def _alone(backend: ProcessPoolBackend, study: Study, run: Run, limits: Limits) -> dict:
+    """The row of a run whose chunk's worker died, re-run alone in a new one-worker pool."""
+    if timed_out(limits, run):
+        return timeout_row(study, run, limits)
+    try:
+        if backend.kind == "fork":
+            return backend.run_alone(run_chunk_forked, (0, [run]))[1][0]
+        return backend.run_alone(run_chunk_in_worker, study, (0, [run]), limits)[1][0]
+    except BrokenProcessPool:
+        return lost_worker_row(study, run, limits)

@@ -1,0 +1,96 @@
+"""How a sweep runs: one validated, immutable options object, built once.
+
+:meth:`SweepOptions.build` takes the options as ``kvfast run`` and
+:func:`kvfast.sweep.run_sweep` name them, checks every one (a ``ValueError`` of
+one line, ``--option: VALUE is not allowed; allowed: WHAT``, before anything
+runs or is touched) and resolves the defaults:
+
+- ``jobs=None`` is every core; more than the machine's cores is capped to it
+  with a warning (not with a Dask ``scheduler``: a cluster has its own);
+- ``backend="fork"`` is ``loky`` where fork is unavailable or unsafe (not Linux).
+
+A :class:`SweepOptions` made directly is checked too (``__post_init__``) but
+not resolved: ``jobs`` must then be an integer.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+BACKENDS = ("fork", "loky", "threading", "dask")
+
+
+@dataclass(frozen=True)
+class SweepOptions:
+    """The options of one sweep (see the module docstring and ``docs/sweep.md``).
+
+    ``jobs``: workers; ``backend``: one of :data:`BACKENDS`; ``scheduler``: a Dask
+    scheduler address (``backend="dask"`` only); ``retry_errors``: also re-run
+    runs stored as ``error``, ``crashed`` or ``timeout``; ``fresh``: delete stored
+    results first; ``quiet``: no progress bar; ``chunk_s``: seconds of work per
+    chunk; ``chunk_size``: a fixed chunk size instead; ``stall_s``: Dask gives up
+    when nothing finishes for that long; ``run_timeout``: seconds a run may take;
+    ``max_memory``: bytes a run may need by kvfast's estimate (``None``: this machine's).
+    """
+
+    jobs: int = 1
+    backend: str = "fork"
+    scheduler: str | None = None
+    retry_errors: bool = False
+    fresh: bool = False
+    quiet: bool = False
+    chunk_s: float = 0.5
+    chunk_size: int | None = None
+    stall_s: float = 300.0
+    run_timeout: float | None = None
+    max_memory: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_backend(self.backend)
+        _check_jobs(self.jobs)
+        if self.run_timeout is not None and (isinstance(self.run_timeout, bool) or not self.run_timeout > 0):
+            raise ValueError(f"--run-timeout: {self.run_timeout!r} is not allowed; allowed: a number of seconds > 0")
+        if self.scheduler and self.backend != "dask":
+            raise ValueError(f"--scheduler: {self.scheduler!r} needs --backend dask (backend is {self.backend!r})")
+        if self.chunk_size is not None and (not isinstance(self.chunk_size, int) or self.chunk_size < 1):
+            raise ValueError(f"chunk_size: {self.chunk_size!r} is not allowed; allowed: an integer >= 1")
+
+    @classmethod
+    def build(cls, *, jobs: int | None = None, backend: str = "fork", **options) -> SweepOptions:
+        """Check ``options`` and resolve the defaults (see the module docstring); ``ValueError`` if one is bad."""
+        import joblib
+
+        _check_backend(backend)
+        if backend == "fork" and not _fork_available():
+            backend = "loky"
+        cores = joblib.cpu_count()
+        if jobs is None:
+            jobs = cores
+        _check_jobs(jobs)
+        if jobs > cores and not (backend == "dask" and options.get("scheduler")):
+            print(f"warning: --jobs {jobs} is more than the {cores} cores here; using {cores}", file=sys.stderr)
+            jobs = cores
+        return cls(jobs=jobs, backend=backend, **options)
+
+    @property
+    def redo(self) -> tuple[str, ...]:
+        """The stored statuses this sweep runs again."""
+        return ("error", "crashed", "timeout") if self.retry_errors else ()
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"--backend: {backend!r} is not allowed; allowed: {', '.join(BACKENDS)}")
+
+
+def _check_jobs(jobs) -> None:
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"--jobs: {jobs!r} is not allowed; allowed: an integer >= 1")
+
+
+def _fork_available() -> bool:
+    """Linux only: Windows has no fork, and macOS system libraries are not fork-safe."""
+    import multiprocessing
+
+    return sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods()

@@ -1,0 +1,130 @@
+"""One run -> one row: the only place a run's row is made, whatever ends the run.
+
+A row is a dict of the study's result columns plus ``run_id``, ``status``,
+``error`` and ``wall_s`` (the config columns are added by the writer). Statuses:
+
+- ``ok``: the run returned a dict with exactly the study's result columns;
+- ``error``: the run raised (``SystemExit`` and ``KeyboardInterrupt`` included,
+  unless the user's Ctrl-C was seen by the sweep's SIGINT handler: then the
+  ``KeyboardInterrupt`` propagates and stops the sweep), or returned the wrong shape;
+- ``timeout``: the run passed its time limit (interrupted in place, or its
+  worker killed itself and left a marker: see :mod:`kvfast.sweep.guard`);
+- ``crashed``: the run killed its worker, and again when re-run alone.
+
+:func:`run_one` never raises for a run's own failure. Rows depend only on the
+run's config (``wall_s`` aside).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+from kvfast.sweep.grid import Run
+from kvfast.sweep.guard import INTERRUPTED, RunTimeout, deadline, worker_start
+
+if TYPE_CHECKING:
+    from kvfast.studies.base import Study
+
+CRASH_MESSAGE = "the worker process died during this run, and again when the run was retried alone"
+
+
+class RunLimits(NamedTuple):
+    """A run's time limit in seconds, and the folder where a worker that kills itself at it leaves a marker."""
+
+    seconds: float | None
+    markers: Path | None
+
+
+Limits = RunLimits | tuple | None  # None: no time limit
+
+
+def run_one(study: Study, run: Run, limits: Limits = None) -> dict:
+    """One run as a row of result + bookkeeping columns (never raises for the run's own errors).
+
+    ``SystemExit`` and ``KeyboardInterrupt`` raised by the run's code are ``error``
+    rows too (only the user's Ctrl-C, seen by the sweep's SIGINT handler, stops the
+    sweep); a run past ``limits``' time limit is a ``timeout`` row.
+    """
+    clock = time.perf_counter
+    t0 = clock()
+    seconds, marker_dir = limits or (None, None)
+    try:
+        with deadline(seconds, run.run_id, marker_dir):
+            result = study.run(dict(run.config))
+        if type(result) is not dict or result.keys() != study.result_fields.keys():
+            _wrong_result(study, result)
+        row = dict(result)
+        row["run_id"] = run.run_id
+        row["status"] = "ok"
+        row["error"] = None
+    except RunTimeout:
+        row = _empty_row(study, run, "timeout", _timeout_message(seconds))
+    except (Exception, SystemExit, KeyboardInterrupt) as exc:  # noqa: BLE001 - every run's failure becomes a row
+        if isinstance(exc, KeyboardInterrupt) and INTERRUPTED.is_set():
+            raise
+        last = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+        where = f" (at {Path(last[0].filename).name}:{last[0].lineno})" if last else ""
+        row = _empty_row(study, run, "error", f"{type(exc).__name__}: {exc}{where}")
+    row["wall_s"] = clock() - t0
+    return row
+
+
+def run_chunk(study: Study, chunk: tuple[int, list[Run]], limits: Limits = None) -> tuple[int, list[dict]]:
+    """A task: run every run of one chunk, in order; returns ``(chunk index, rows)``."""
+    index, runs = chunk
+    return index, [run_one(study, r, limits) for r in runs]
+
+
+def run_chunk_in_worker(study: Study, chunk: tuple[int, list[Run]], limits: Limits = None) -> tuple[int, list[dict]]:
+    """:func:`run_chunk` in a pool worker: set the worker up first (see :func:`kvfast.sweep.guard.worker_start`)."""
+    worker_start()
+    return run_chunk(study, chunk, limits)
+
+
+def lost_worker_row(study: Study, run: Run, limits: Limits) -> dict:
+    """The row of a run whose worker died when it ran alone: ``timeout`` if the worker killed itself at
+    the run's time limit (its marker is removed), else ``crashed`` (one line on stderr)."""
+    if timed_out(limits, run):
+        return timeout_row(study, run, limits)
+    print(f"kvfast: run {run.run_id} killed its worker, twice; stored as crashed", file=sys.stderr)
+    return _empty_row(study, run, "crashed", CRASH_MESSAGE, wall_s=None)
+
+
+def timeout_row(study: Study, run: Run, limits: Limits) -> dict:
+    """The row of a run whose worker killed itself at the run's time limit."""
+    return _empty_row(study, run, "timeout", _timeout_message(limits[0] if limits else None), wall_s=None)
+
+
+def timed_out(limits: Limits, run: Run) -> bool:
+    """True when a worker killed itself at ``run``'s time limit (and left a marker; it is removed)."""
+    markers = limits[1] if limits else None
+    if markers is None:
+        return False
+    marker = Path(markers) / run.run_id
+    if marker.exists():
+        marker.unlink(missing_ok=True)
+        return True
+    return False
+
+
+def _empty_row(study: Study, run: Run, status: str, error: str, **extra) -> dict:
+    row = {f: None for f in study.result_fields}
+    row.update(run_id=run.run_id, status=status, error=error, **extra)
+    return row
+
+
+def _timeout_message(seconds: float | None) -> str:
+    return f"RunTimeout: the run took longer than --run-timeout {seconds:g} s"
+
+
+def _wrong_result(study: Study, result) -> None:
+    if not isinstance(result, dict):
+        raise TypeError(f"run returned {type(result).__name__}, not a dict")
+    if set(result) != set(study.result_fields):
+        extra = sorted(set(result) - set(study.result_fields))
+        missing = sorted(set(study.result_fields) - set(result))
+        raise TypeError(f"run returned wrong columns (missing {missing}, unexpected {extra})")

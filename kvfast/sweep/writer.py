@@ -1,0 +1,112 @@
+"""Writing result rows: Arrow tables of the study's schema, buffered and written as Parquet parts.
+
+The writer is the one consumer of rows: every backend hands it ``(runs, rows)``
+for each finished chunk (rows in any order; ``runs`` give each row its config
+columns). A row whose values do not fit the schema is stored as an ``error``
+row (``ResultTypeError``) instead of failing the part. It also keeps the
+sweep's tallies: ``counts`` (status -> runs written by this sweep), ``ran``,
+``compute_s`` and ``recent`` (the wall times of the last ``ok`` runs, which the
+planner sizes chunks from).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+
+from kvfast.sweep.grid import Run
+from kvfast.sweep.store import PART_ROWS, ResultsDir, schema_for
+
+if TYPE_CHECKING:
+    from kvfast.studies.base import Study
+
+
+class Writer:
+    """Turns result rows into Arrow tables of the study's schema and writes parts.
+
+    Tables are buffered and written as one part when ``flush_s`` seconds have
+    passed since the last write or :data:`PART_ROWS` rows are buffered (and by
+    :meth:`flush`). ``counts``: status -> runs written by this sweep.
+    """
+
+    def __init__(self, store: ResultsDir, study: Study, progress, flush_s: float = 1.0) -> None:
+        self.store = store
+        self.study = study
+        self.schema = schema_for(study)
+        self.config_names = list(study.config_fields)
+        self.progress = progress
+        self.flush_s = flush_s
+        self.buffer: list[pa.Table] = []
+        self.buffered = 0
+        self.last_flush = time.monotonic()
+        self.ran = 0
+        self.errors = 0
+        self.counts: dict[str, int] = {}
+        self.written: set[str] = set()  # ids of runs written that had a stored row before (see ``watch``)
+        self.watch: set[str] = set()
+        self.compute_s = 0.0
+        self.recent: deque = deque(maxlen=64)
+
+    def __call__(self, runs: Sequence[Run], rows: list[dict]) -> None:
+        if not rows:
+            return
+        configs = {r.run_id: r.config for r in runs} if len(runs) != len(rows) else None
+        if configs is None and any(r.run_id != row["run_id"] for r, row in zip(runs, rows, strict=True)):
+            configs = {r.run_id: r.config for r in runs}
+        ordered = [configs[row["run_id"]] for row in rows] if configs is not None else [r.config for r in runs]
+        columns = {"run_id": [row["run_id"] for row in rows]}
+        for name in self.config_names:
+            columns[name] = [c[name] for c in ordered]
+        for name in self.schema.names[1 + len(self.config_names) :]:
+            columns[name] = [row[name] for row in rows]
+        statuses = columns["status"]
+        try:
+            table = pa.Table.from_pydict(columns, schema=self.schema)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError, ValueError):
+            full = [{**c, **row} for c, row in zip(ordered, rows, strict=True)]
+            table = pa.concat_tables([self._one_row(r) for r in full])
+            statuses = table.column("status").to_pylist()
+        self.buffer.append(table)
+        self.buffered += len(rows)
+        for r, status in zip(rows, statuses, strict=True):
+            self.counts[status] = self.counts.get(status, 0) + 1
+            self.compute_s += r["wall_s"] or 0.0
+            if status == "ok":
+                self.recent.append(r["wall_s"])
+            else:
+                self.errors += 1
+            if self.watch and r["run_id"] in self.watch:
+                self.written.add(r["run_id"])
+        self.ran += len(rows)
+        if self.buffered >= PART_ROWS or time.monotonic() - self.last_flush >= self.flush_s:
+            self.flush()
+        if self.progress is not None:
+            self.progress.update(len(rows))
+            self.progress.set_postfix(errors=self.errors, refresh=False)
+
+    def flush(self) -> None:
+        """Write the buffered rows as one part."""
+        if self.buffer:
+            self.store.write_part(self.buffer)
+        self.buffer, self.buffered = [], 0
+        self.last_flush = time.monotonic()
+
+    def _one_row(self, row: dict) -> pa.Table:
+        try:
+            return pa.Table.from_pylist([row], schema=self.schema)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError, ValueError):
+            pass
+        bad = "?"
+        for name, typ in self.study.result_fields.items():
+            try:
+                pa.array([row[name]], type=typ)
+            except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError, ValueError):
+                bad = f"{name}: {row[name]!r} does not fit type {typ}"
+                break
+        fixed = dict(row, status="error", error=f"ResultTypeError: {bad}")
+        fixed.update({f: None for f in self.study.result_fields})
+        return pa.Table.from_pylist([fixed], schema=self.schema)
