@@ -36,6 +36,14 @@ its own tokens.
 
 Modes. ``exact``: a step passes when its logits are equal (``==``) to the
 reference; no tolerance anywhere. ``control``: see :mod:`kvfast.check.control`.
+
+Layout. This module only orchestrates: the options, one validated object
+(:mod:`kvfast.check.options`), are resolved against the model and the prompt
+(:mod:`kvfast.check.subject`); every model call returns validated logits
+(:mod:`kvfast.check.calls`); the cache path runs in :mod:`kvfast.check.cache_path`;
+the reference and the order noise are found in :mod:`kvfast.check.reference`;
+the scenarios run in one loop for both follow modes (:mod:`kvfast.check.scenarios`);
+:mod:`kvfast.check.report` holds the report and its rendering.
 """
 
 from __future__ import annotations
@@ -51,11 +59,6 @@ from kvfast.check.reference import OwnReference, SharedReference
 from kvfast.check.report import CheckReport, ScenarioReport, overall
 from kvfast.check.scenarios import check_scenarios
 from kvfast.check.subject import resolve
-
-# Where the work is: the options (kvfast.check.options) are resolved against the model and the prompt
-# (kvfast.check.subject); every model call returns validated logits (kvfast.check.calls); the reference
-# and the order noise (kvfast.check.reference); the scenarios in one loop (kvfast.check.scenarios); the
-# report and its rendering (kvfast.check.report).
 
 
 def check_cache(
