@@ -40,7 +40,7 @@ def params():
         (dict(keep_logits="yes"), "keep_logits: 'yes' is not allowed; allowed: True or False"),
         (dict(follow="mine"), "follow: 'mine' is not allowed; allowed: recompute, cache"),
         (dict(follow="cache", mode="control"), "follow: 'cache' is not allowed with mode='control'"),
-        (dict(follow="cache", continuation=[1, 2]), "follow: 'cache' is not allowed with a continuation"),
+        (dict(follow="cache", steps=2, continuation=[1, 2]), "follow: 'cache' is not allowed with a continuation"),
         (dict(promote="float16"), "promote: 'float16' is not allowed"),
         (dict(margin=0.5), "margin: 0.5 is not allowed; allowed: a finite number >= 1"),
         (dict(decisive=2.0), "decisive: 2.0 is not allowed; allowed: a finite number >= 4"),
