@@ -117,3 +117,19 @@ def test_no_function_of_the_check_package_is_over_80_lines():
                 if lines > 80:
                     long.append(f"{path.name}:{node.lineno} {node.name} ({lines} lines)")
     assert not long, long
+
+
+def test_kvfast_check_builds_its_options_from_the_flags():
+    from types import SimpleNamespace
+
+    from kvfast.commands.check import check_options
+
+    flags = dict(continuation=None, split=None, margin=None, decisive=20.0, steps=None, mode="control")
+    args = SimpleNamespace(scenarios="decode, resume", per_step=True, promote=True, **flags)
+    assert check_options(args) == CheckOptions(64, "control", fast=False, decisive=20.0, promote="float64")
+    args = SimpleNamespace(**{**vars(args), "continuation": "7,8,9", "promote": False, "scenarios": "resume"})
+    assert check_options(args) == CheckOptions(
+        3, "control", "resume", fast=False, decisive=20.0, continuation=(7, 8, 9)
+    )
+    with pytest.raises(ValueError, match="scenarios: 'warp' is not allowed"):
+        check_options(SimpleNamespace(**{**vars(args), "scenarios": "decode,warp"}))
