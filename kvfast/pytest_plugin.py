@@ -7,9 +7,10 @@ Installing kvfast is enough; in a test::
         kv_check(MyModel(), prompt=[1, 2, 3], steps=64, mode="control")  # rounding or bug
 
 ``kv_check(model, prompt, steps=64, mode="exact", **options)`` runs
-:func:`kvfast.check_cache` (options: ``scenarios``, ``fast``, ``split``,
-``margin``, ``decisive``, ``continuation``, ``promote``, ``timeout``) and
-returns the report. ``model`` may be a Hugging Face causal LM (wrapped in
+:func:`kvfast.check_cache` (options: the fields of
+:class:`kvfast.check.CheckOptions`: ``scenarios``, ``fast``, ``split``,
+``margin``, ``decisive``, ``continuation``, ``promote``, ``follow``,
+``keep_logits``, ``timeout``) and returns the report. ``model`` may be a Hugging Face causal LM (wrapped in
 :class:`kvfast.check.hf.HFModel`). When the check fails (a divergence, a bug,
 or an ``inconclusive`` control verdict that no float64 logic check cleared)
 the test fails with the report: which scenario failed first, at which step,
@@ -49,14 +50,12 @@ def kv_check() -> Callable:
     (``steps`` defaults to the continuation's length when one is given)."""
 
     def run(model, prompt, steps: int | None = None, mode: str = "exact", **options):
-        from kvfast.check.checker import check_cache
-
-        if steps is None and options.get("continuation") is None:
-            steps = 64
+        from kvfast.check.checker import check_cache_with
+        from kvfast.check.options import CheckOptions
         from kvfast.check.protocol import CheckTimeout, ModelUnderTestError
 
         try:
-            report = check_cache(model, prompt, steps, mode=mode, **options)
+            report = check_cache_with(model, prompt, CheckOptions.defaulting_steps(steps, mode=mode, **options))
         except ValueError as exc:
             pytest.fail(f"kv_check: bad input: {exc}", pytrace=False)
         except ModelUnderTestError as exc:

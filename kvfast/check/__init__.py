@@ -1,6 +1,7 @@
 """``kvfast.check``: every-step KV-cache checks for any model, with a rounding-or-bug verdict.
 
-- :func:`check_cache` / :func:`assert_cache_exact`: the checker (:mod:`kvfast.check.checker`).
+- :func:`check_cache` / :func:`assert_cache_exact`: the checker (:mod:`kvfast.check.checker`);
+  :class:`CheckOptions` its options as one validated object (:func:`check_cache_with`).
 - :mod:`kvfast.check.protocol`: what a model under test provides; :class:`ModelUnderTestError` (the
   model's own code raised or exited) and :class:`CheckTimeout` (``check_cache(..., timeout=S)``).
 - :mod:`kvfast.check.control`: control mode's method and limits.
@@ -16,8 +17,17 @@
 from __future__ import annotations
 
 from kvfast.check.adapters import KvfastModel
-from kvfast.check.checker import MODES, SCENARIOS, CheckReport, ScenarioReport, assert_cache_exact, check_cache
+from kvfast.check.checker import (
+    MODES,
+    SCENARIOS,
+    CheckReport,
+    ScenarioReport,
+    assert_cache_exact,
+    check_cache,
+    check_cache_with,
+)
 from kvfast.check.numpy_model import NumpyModel
+from kvfast.check.options import CheckOptions
 from kvfast.check.protocol import CheckTimeout, ModelUnderTestError
 from kvfast.check.score import (
     DETECTORS,
@@ -44,6 +54,7 @@ __all__ = [
     "DETECTORS",
     "MODES",
     "SCENARIOS",
+    "CheckOptions",
     "CheckReport",
     "CheckTimeout",
     "Case",
@@ -54,6 +65,7 @@ __all__ = [
     "ScenarioReport",
     "assert_cache_exact",
     "check_cache",
+    "check_cache_with",
     "compare_detectors",
     "every_step_exact",
     "one_step_allclose",

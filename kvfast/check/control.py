@@ -42,6 +42,9 @@ always finite. Verdicts per step: ``rounding`` when ``ratio <= margin``
 between. A scenario's verdict is its worst step's. Each step's report names
 the source that set its bound (``floor_source``).
 
+The noise is measured in :mod:`kvfast.check.reference` (:func:`~kvfast.check.reference.order_noise`);
+this module judges against it.
+
 Measured (``python -m kvfast.check.hf_matrix`` prints the matrix and its rates): see
 docs/check.md, section "Rounding or bug?".
 
@@ -68,8 +71,6 @@ import math
 
 import numpy as np
 
-from kvfast.check.protocol import check_logits, has, variants_of
-
 DEFAULT_MARGIN = 4.0
 DEFAULT_DECISIVE = 16.0
 VERDICTS = ("rounding", "inconclusive", "bug")
@@ -95,32 +96,6 @@ def ulp(fmt: str, magnitude: np.ndarray | float) -> np.ndarray:
     bits, tiny = FORMATS[fmt]
     m = np.maximum(np.abs(np.asarray(magnitude, dtype=np.float64)), tiny)
     return np.ldexp(1.0, (np.frexp(m)[1] - 1) - (bits - 1))
-
-
-def order_noise(
-    model,
-    prompt: np.ndarray,
-    final: np.ndarray,
-    rows: np.ndarray,
-    vocab: int,
-    batch_shape: dict[str, np.ndarray] | None = None,
-) -> tuple[dict[str, np.ndarray], list[str]]:
-    """Per-position order noise ``{source: (len(final),)}`` against the reference ``rows``, and notes.
-
-    ``batch_shape``: already measured batch-shape noise (``{source: per-position deviation}``).
-    """
-    n = final.shape[0]
-    sources: dict[str, np.ndarray] = dict(batch_shape or {})
-    if has(model, "recompute_variants"):
-        for k, v in variants_of(model, final, vocab).items():
-            sources[f"variant {k!r}"] = np.abs(v - rows[:n]).max(axis=1)
-    notes: list[str] = []
-    if not sources:
-        notes.append(
-            "control mode found no order-noise source (the recompute is append-invariant and the model has no "
-            "recompute_variants()); its bound is the logits' format resolution alone"
-        )
-    return sources, notes
 
 
 def pooled_noise(sources: dict[str, np.ndarray], scale: np.ndarray) -> tuple[float, str]:
@@ -161,8 +136,3 @@ def judge(
 def worst(verdicts) -> str:
     """The worst of control verdicts (``bug`` > ``inconclusive`` > ``rounding``)."""
     return max(verdicts, key=VERDICTS.index) if verdicts else "rounding"
-
-
-def check_rows(model, tokens: np.ndarray, vocab: int, what: str) -> np.ndarray:
-    """``model.recompute(tokens)`` validated."""
-    return check_logits(model.recompute(tokens), "recompute", tokens.shape[0], vocab, what)

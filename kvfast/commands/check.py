@@ -203,25 +203,29 @@ def check_args(args) -> None:
         raise not_allowed("--timeout", args.timeout, "a number of seconds > 0")
 
 
+def check_options(args):
+    """The check's :class:`~kvfast.check.options.CheckOptions` from the flags (``ValueError`` naming a bad one);
+    the ``--timeout`` is the child's watch over the user's code, not the check's own."""
+    from kvfast.check.options import CheckOptions
+
+    continuation = None if args.continuation is None else parse_prompt(args.continuation, "--continuation")
+    given = {name: getattr(args, name) for name in ("split", "margin", "decisive") if getattr(args, name) is not None}
+    return CheckOptions.defaulting_steps(
+        args.steps, mode=args.mode, scenarios=tuple(s.strip() for s in args.scenarios.split(",")),
+        fast=not args.per_step, continuation=continuation, promote="float64" if args.promote else None, **given,
+    )  # fmt: skip
+
+
 def run_check(args, started: float | None = None) -> dict:
     """The check itself (in the child): ``{"kind": ..., ...}`` for the parent (see :func:`child`)."""
-    from kvfast.check.checker import check_cache
+    from kvfast.check.checker import check_cache_with
     from kvfast.check.protocol import CheckTimeout, ModelUnderTestError, watched
 
-    prompt = parse_prompt(args.prompt)
-    continuation = None if args.continuation is None else parse_prompt(args.continuation, "--continuation")
-    steps = args.steps if args.steps is not None or continuation is not None else 64
-    scenarios = tuple(s.strip() for s in args.scenarios.split(","))
-    options = {name: getattr(args, name) for name in ("split", "margin", "decisive") if getattr(args, name) is not None}
-    if args.promote:
-        options["promote"] = "float64"
     try:
+        options = check_options(args)
         with watched(args.timeout, started):
             model = build_model(args.factory, parse_factory_args(args.factory_arg))
-            report = check_cache(
-                model, prompt, steps, mode=args.mode, scenarios=scenarios, fast=not args.per_step,
-                continuation=continuation, **options,
-            )  # fmt: skip
+            report = check_cache_with(model, parse_prompt(args.prompt), options)
     except ValueError as exc:
         return {"kind": "bad input", "line": str(exc)}
     except ModelUnderTestError as exc:

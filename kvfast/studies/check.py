@@ -35,7 +35,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from kvfast.check import KvfastModel, check_cache
+from kvfast.check import CheckOptions, KvfastModel, check_cache_with
 from kvfast.check.checker import as_model_under_test
 from kvfast.check.protocol import vocab_of
 from kvfast.kernels.attention import ATTENTION_CODES
@@ -160,14 +160,17 @@ def check_study(
     )
 
 
+def check_options(config: dict) -> CheckOptions:
+    """The checker's options a run's ``config`` names (``steps``, ``mode``, ``scenarios``)."""
+    return CheckOptions(config["steps"], config["mode"], SCENARIO_CHOICES[config["scenarios"]])
+
+
 def check_one(model, config: dict) -> dict:
     """One :func:`check_cache` of ``model`` as the check's options in ``config`` name; the result columns."""
     model = as_model_under_test(model)  # a Hugging Face model gets its adapter here
     rng = np.random.default_rng([config["prompt_seed"], config["prompt_len"], 11])
     prompt = rng.integers(0, vocab_of(model), size=config["prompt_len"]).astype(np.int64)
-    report = check_cache(
-        model, prompt, config["steps"], mode=config["mode"], scenarios=SCENARIO_CHOICES[config["scenarios"]]
-    )
+    report = check_cache_with(model, prompt, check_options(config))
     scenarios = {k: s for k, s in report.scenarios.items() if len(s.deviation)}
     worst_name = max(scenarios, key=lambda k: float(np.max(scenarios[k].deviation)), default="")
     worst = scenarios.get(worst_name)
@@ -251,4 +254,4 @@ STUDY = check_study(
     description="kvfast's model factory over shape/format/kernel/bug, each configuration through check_cache",
 )
 
-__all__ = ["STUDY", "check_one", "check_study", "kvfast_model", "load_factory"]
+__all__ = ["STUDY", "check_one", "check_options", "check_study", "kvfast_model", "load_factory"]

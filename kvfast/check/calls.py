@@ -1,0 +1,83 @@
+"""Every call the checker makes to a model under test, each returning validated logits: :class:`ModelCalls`.
+
+The checker never calls a model's method itself: it calls :class:`ModelCalls`, which runs the
+method guarded (:class:`kvfast.check.protocol.GuardedModel`: the model's own exceptions and exits
+become :class:`~kvfast.check.protocol.ModelUnderTestError`) and hands back its logits checked by
+:func:`kvfast.check.protocol.check_logits` (the expected shape, real and finite numbers) as float64.
+``where`` names the call in a bad-logits message (``model.decode at step 3 (position 8): ...``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvfast.check.protocol import (
+    GuardedModel,
+    call_model,
+    check_logits,
+    guard,
+    has,
+    logits_format,
+    require_model,
+    variants_of,
+)
+
+
+def as_model_under_test(model: object) -> GuardedModel:
+    """``model`` (a Hugging Face model wrapped in :class:`kvfast.check.hf.HFModel`) seen through
+    :class:`kvfast.check.protocol.GuardedModel`: its own exceptions and exits become
+    :class:`~kvfast.check.protocol.ModelUnderTestError`. ``ValueError`` if it is not a model under test."""
+    from kvfast.check.hf import is_hf_model
+
+    if isinstance(model, GuardedModel):
+        return model
+    if is_hf_model(model):
+        from kvfast.check.hf import HFModel
+
+        adapter = call_model("kvfast.check.hf.HFModel(model)", HFModel, model, passthrough=(ValueError,))
+        return guard(adapter, passthrough=(ValueError,))  # the adapter's ValueErrors are bad input
+    require_model(model)
+    return guard(model)
+
+
+class ModelCalls:
+    """A guarded model under test with ``vocab`` logits per row; each method returns validated float64 logits.
+
+    ``model`` is the guarded model (:func:`as_model_under_test`): reach it for anything that is not a
+    logits call (``promote``, attributes).
+    """
+
+    def __init__(self, model: GuardedModel, vocab: int):
+        self.model = model
+        self.vocab = vocab
+
+    def has(self, name: str) -> bool:
+        """Whether the model has the optional method ``name``."""
+        return has(self.model, name)
+
+    def recompute(self, tokens: np.ndarray, where: str | None = None) -> np.ndarray:
+        """``recompute(tokens)``: ``(len(tokens), V)``; ``where`` defaults to ``of the first N tokens``."""
+        return self.recompute_with_format(tokens, where)[0]
+
+    def recompute_with_format(self, tokens: np.ndarray, where: str | None = None) -> tuple[np.ndarray, str]:
+        """``recompute(tokens)`` and the format its logits came in (:func:`kvfast.check.protocol.logits_format`)."""
+        n = tokens.shape[0]
+        raw = self.model.recompute(tokens)
+        where = f"of the first {n} tokens" if where is None else where
+        return check_logits(raw, "recompute", n, self.vocab, where), logits_format(raw)
+
+    def prefill(self, tokens: np.ndarray, where: str) -> np.ndarray:
+        """``prefill(tokens)``: ``(len(tokens), V)``."""
+        return check_logits(self.model.prefill(tokens), "prefill", tokens.shape[0], self.vocab, where)
+
+    def extend(self, tokens: np.ndarray, where: str) -> np.ndarray:
+        """``extend(tokens)``: ``(len(tokens), V)``."""
+        return check_logits(self.model.extend(tokens), "extend", tokens.shape[0], self.vocab, where)
+
+    def decode(self, token: int, where: str) -> np.ndarray:
+        """``decode(token)``: ``(V,)``."""
+        return check_logits(self.model.decode(int(token)), "decode", None, self.vocab, where)
+
+    def variants(self, tokens: np.ndarray) -> dict[str, np.ndarray]:
+        """``recompute_variants(tokens)`` as ``{name: (len(tokens), V)}`` (empty without the hook)."""
+        return variants_of(self.model, tokens, self.vocab)

@@ -1,0 +1,264 @@
+"""The reference a cache path is compared with, and (control mode) the order noise around it.
+
+Two kinds, one per ``follow`` mode, each telling the scenario loop (:mod:`kvfast.check.scenarios`)
+how to run a scenario's cache path and which recompute rows to compare it with:
+
+- :class:`SharedReference` (``follow="recompute"``): one sequence for every scenario, the
+  recompute's greedy choices (or the given continuation). Fast path: one recompute of the final
+  sequence after verifying append-invariance, falling back to one recompute per step from the first
+  step where the cache's greedy token differs; control mode keeps the fast path on a recompute that
+  is not append-invariant and measures its batch-shape noise. Per-step path: one recompute per step.
+  Control mode then measures the order noise (:func:`order_noise`).
+- :class:`OwnReference` (``follow="cache"``, exact mode): each scenario decodes its own greedy
+  tokens and is compared with the recompute of its own sequence (fast path after the same
+  verification, else one recompute per step).
+
+The method is in :mod:`kvfast.check.checker`'s module doc; the noise's use in :mod:`kvfast.check.control`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvfast.check.cache_path import CachePath, run_cache_path
+from kvfast.check.calls import ModelCalls
+from kvfast.check.subject import CheckSubject
+
+
+def per_step_rows(
+    calls: ModelCalls, prompt: np.ndarray, rows: np.ndarray, tokens: np.ndarray, start: int, greedy: bool = True
+) -> None:
+    """Fill ``rows[start:]`` by one recompute per position; with ``greedy``, also the tokens they choose
+    (else ``tokens`` are given)."""
+    T = prompt.shape[0]
+    steps = tokens.shape[0]
+    for p in range(start, T + steps):
+        seq = np.concatenate([prompt, tokens[: p - T + 1]])
+        rows[p] = calls.recompute(seq)[-1]
+        if greedy and p - T + 1 < steps:
+            tokens[p - T + 1] = int(np.argmax(rows[p]))
+
+
+def invariance(
+    calls: ModelCalls, final: np.ndarray, full: np.ndarray, ref0: np.ndarray, steps: int
+) -> tuple[str | None, dict[int, np.ndarray]]:
+    """``(None, parts)`` if the recompute is append-invariant at the checked prefixes, else ``(why, parts)``;
+    ``parts`` maps each prefix length checked to its recompute's rows."""
+    T = ref0.shape[0]
+    parts = {T: ref0}
+    why = None
+    if not np.array_equal(ref0, full[:T]):
+        dev = float(np.abs(ref0 - full[:T]).max())
+        why = f"recompute(prompt) differs from the first {T} rows of recompute(whole sequence) by {dev:.4g}"
+    q = T + max(1, steps // 4)
+    if q < final.shape[0]:
+        parts[q] = calls.recompute(final[:q])
+        if why is None and not np.array_equal(parts[q], full[:q]):
+            dev = float(np.abs(parts[q] - full[:q]).max())
+            why = f"recompute(first {q} tokens) differs from the same rows of recompute(whole sequence) by {dev:.4g}"
+    return why, parts
+
+
+def batch_shape_noise(
+    calls: ModelCalls, final: np.ndarray, full: np.ndarray, parts: dict[int, np.ndarray], steps: int
+) -> dict[str, np.ndarray]:
+    """Batch-shape noise from a few prefix recomputes (those of the invariance check, and two more)
+    against the same rows of the whole-sequence recompute ``full``; per position, 0 where not measured."""
+    n = final.shape[0]
+    T = min(parts)
+    for q in (T + steps // 2, T + (3 * steps) // 4):
+        if T < q < n and q not in parts:
+            parts[q] = calls.recompute(final[:q])
+    noise = np.zeros(n)
+    for q, part in parts.items():
+        noise[:q] = np.maximum(noise[:q], np.abs(part - full[:q]).max(axis=1))
+    return {f"batch shape ({len(parts)} prefix recomputes)": noise}
+
+
+def order_noise(
+    calls: ModelCalls, final: np.ndarray, rows: np.ndarray, batch_shape: dict[str, np.ndarray] | None = None
+) -> tuple[dict[str, np.ndarray], list[str]]:
+    """Per-position order noise ``{source: (len(final),)}`` against the reference ``rows``, and notes.
+
+    ``batch_shape``: already measured batch-shape noise (``{source: per-position deviation}``); the
+    model's ``recompute_variants`` of ``final`` are the other sources.
+    """
+    n = final.shape[0]
+    sources: dict[str, np.ndarray] = dict(batch_shape or {})
+    if calls.has("recompute_variants"):
+        for k, v in calls.variants(final).items():
+            sources[f"variant {k!r}"] = np.abs(v - rows[:n]).max(axis=1)
+    notes: list[str] = []
+    if not sources:
+        notes.append(
+            "control mode found no order-noise source (the recompute is append-invariant and the model has no "
+            "recompute_variants()); its bound is the logits' format resolution alone"
+        )
+    return sources, notes
+
+
+class SharedReference:
+    """``follow="recompute"``: the reference rows ``(T + steps, V)`` and the ``tokens`` every scenario is fed.
+
+    ``path`` (``fast`` or ``per-step``), ``notes`` (how the reference was found), ``noise`` (control
+    mode: the order noise per source and position, else ``None``). Built by :meth:`build`.
+    """
+
+    def __init__(self, subject: CheckSubject, prompt_rows: np.ndarray):
+        T, steps = subject.T, subject.steps
+        self.subject = subject
+        self.rows = np.empty((T + steps, subject.vocab))
+        self.tokens = np.empty(steps, dtype=np.int64)
+        self.rows[:T] = prompt_rows
+        if subject.given is not None:
+            self.tokens[:] = subject.given
+        else:
+            self.tokens[0] = int(np.argmax(self.rows[T - 1]))
+        self.path = "per-step"
+        self.notes: list[str] = []
+        self.noise: dict[str, np.ndarray] | None = None
+        self.known = T  # rows[:known] and the tokens they chose are final
+        self.reuse: CachePath | None = None  # the fast path's decode run, when it was fed these tokens
+        self.batch_shape: dict[str, np.ndarray] | None = None
+
+    @classmethod
+    def build(cls, subject: CheckSubject, prompt_rows: np.ndarray) -> SharedReference:
+        """The reference for ``subject`` whose ``recompute(prompt)`` is ``prompt_rows`` (see the module doc)."""
+        ref = cls(subject, prompt_rows)
+        T, steps = subject.T, subject.steps
+        if subject.options.fast:
+            ref._take_fast_path()
+        if ref.known < T + steps:
+            per_step_rows(subject.calls, subject.prompt, ref.rows, ref.tokens, ref.known, subject.given is None)
+        if subject.options.mode == "control":
+            ref._measure_noise()
+        return ref
+
+    @property
+    def skipped_tokens(self) -> np.ndarray:
+        """The tokens a skipped scenario's report holds: the shared ones."""
+        return self.tokens
+
+    def cache_run(self, scenario: str) -> CachePath:
+        """``scenario``'s cache path, fed :attr:`tokens` (the fast path's decode run when it was)."""
+        if scenario == "decode" and self.reuse is not None:
+            return self.reuse
+        s = self.subject
+        return run_cache_path(s.calls, scenario, s.prompt, s.split, s.steps, lambda t, out: int(self.tokens[t]))
+
+    def rows_for(self, scenario: str, run: CachePath) -> np.ndarray:
+        """The rows every scenario's run is compared with."""
+        return self.rows
+
+    def _take_fast_path(self) -> None:
+        """Decode with the cache's greedy choices, recompute the final sequence once and verify
+        append-invariance; keep the rows (and tokens) it settles, notes on what it could not."""
+        s = self.subject
+        T, steps, given = s.T, s.steps, s.given
+        first_tok = int(self.tokens[0])
+
+        def choose(t: int, out: np.ndarray) -> int:
+            if given is not None:
+                return int(given[t])
+            return first_tok if t == 0 else int(np.argmax(out))
+
+        spec = run_cache_path(s.calls, "decode", s.prompt, s.split, steps, choose)
+        final = np.concatenate([s.prompt, spec.fed])
+        full = s.calls.recompute(final, "of the whole sequence")
+        why, parts = invariance(s.calls, final, full, self.rows[:T], steps)
+        if why is not None and s.options.mode != "control":
+            self.notes.append(f"recompute is not append-invariant ({why}); used one recompute per step")
+            return
+        self.path = "fast"
+        if why is not None:
+            # control mode's fast path: the whole-sequence recompute is the reference; the rows it would
+            # have had in a shorter batch are order noise, measured from a few prefix recomputes
+            self.batch_shape = batch_shape_noise(s.calls, final, full, parts, steps)
+            self.notes.append(
+                f"recompute is not append-invariant ({why}); the reference is one recompute of the final "
+                f"sequence and its batch-shape noise comes from {len(parts)} prefix recomputes"
+            )
+            self.rows[:] = full
+            self.tokens[:] = spec.fed
+            self.known, self.reuse = T + steps, spec
+            return
+        greedy = spec.fed if given is not None else np.argmax(full[T - 1 : T + steps - 1], axis=1)
+        wrong = np.nonzero(greedy != spec.fed)[0]
+        j = steps if wrong.size == 0 else int(wrong[0])
+        self.rows[T : T + j] = full[T : T + j]
+        n_ok = min(j + 1, steps)  # tokens chosen from valid rows
+        self.tokens[:n_ok] = greedy[:n_ok]
+        self.known = T + j
+        if j == steps:
+            self.reuse = spec
+        else:
+            self.notes.append(
+                f"the cache's greedy token differs from the recompute's at step {j}; the reference "
+                "continues per step from there and the scenarios ran again on the recompute's tokens"
+            )
+
+    def _measure_noise(self) -> None:
+        """Control mode: the order noise around the reference rows (batch shape on the per-step path: the
+        whole-sequence recompute against them), and notes naming its sources."""
+        s = self.subject
+        final = np.concatenate([s.prompt, self.tokens])
+        batch_shape = self.batch_shape
+        if batch_shape is None and self.path == "per-step":
+            full = s.calls.recompute(final, "of the whole sequence")
+            batch_shape = {"batch shape (whole-sequence recompute)": np.abs(full - self.rows).max(axis=1)}
+        sources, floor_notes = order_noise(s.calls, final, self.rows, batch_shape)
+        self.notes += floor_notes
+        rows = self.rows
+        scale = np.where(np.abs(rows).max(axis=1) > 0, np.abs(rows).max(axis=1), np.inf)
+        if sources:
+            listed = ", ".join(f"{k} (up to {float((v / scale).max()):.3g} relative)" for k, v in sources.items())
+            self.notes.append(f"order noise measured from: {listed}; pooled over the run")
+        self.noise = sources
+
+
+class OwnReference:
+    """``follow="cache"``: each scenario is fed its own greedy tokens and compared with the recompute of
+    its own sequence. ``tokens``: the first scenario run's; ``path``: ``fast`` unless a scenario needed
+    one recompute per step; ``notes``; ``noise`` is ``None`` (exact mode only)."""
+
+    noise = None
+
+    def __init__(self, subject: CheckSubject, prompt_rows: np.ndarray):
+        self.subject = subject
+        self.prompt_rows = prompt_rows
+        self.notes: list[str] = []
+        self.paths: list[str] = []
+        self.tokens: np.ndarray | None = None
+        self.skipped_tokens = np.zeros(0, dtype=np.int64)
+
+    @property
+    def path(self) -> str:
+        return "fast" if all(p == "fast" for p in self.paths) else "per-step"
+
+    def cache_run(self, scenario: str) -> CachePath:
+        """``scenario``'s cache path fed its own greedy choices (the first from its last prompt row)."""
+        s = self.subject
+        return run_cache_path(s.calls, scenario, s.prompt, s.split, s.steps, lambda t, out: int(np.argmax(out)))
+
+    def rows_for(self, scenario: str, run: CachePath) -> np.ndarray:
+        """The recompute rows of ``run``'s own sequence (one recompute after verifying append-invariance,
+        else one recompute per step)."""
+        s = self.subject
+        T, steps = s.T, s.steps
+        final = np.concatenate([s.prompt, run.fed])
+        why = "fast=False"
+        if s.options.fast:
+            rows = s.calls.recompute(final, "of the whole sequence")
+            why, _ = invariance(s.calls, final, rows, self.prompt_rows, steps)
+            if why is not None:
+                self.notes.append(
+                    f"scenario {scenario!r}: recompute is not append-invariant ({why}); used one recompute per step"
+                )
+        if why is not None:
+            rows = np.empty((T + steps, s.vocab))
+            rows[:T] = self.prompt_rows
+            per_step_rows(s.calls, s.prompt, rows, run.fed, T, greedy=False)
+        self.paths.append("fast" if why is None else "per-step")
+        if self.tokens is None:
+            self.tokens = run.fed
+        return rows

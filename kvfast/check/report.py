@@ -1,0 +1,294 @@
+"""A check's report and its rendering: :class:`ScenarioReport` (one scenario, step by step) and
+:class:`CheckReport` (every scenario, the overall verdict, ``format()``), and the pieces the
+checker builds them from (:func:`skipped_resume`, :func:`overall`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvfast.check import control as C
+
+PASSING = ("exact", "rounding", "skipped")
+
+
+@dataclass(frozen=True)
+class ScenarioReport:
+    """One scenario's comparison of the cache path against the recompute, step by step.
+
+    - ``deviation[t]``: ``max |cache - recompute|`` over the logits of step ``t``
+      (step 0: the prompt rows the scenario judges: every row in ``decode``, the
+      resumed chunk's rows ``split..T-1`` in ``resume``); ``0.0`` exactly when equal.
+    - ``first_divergent_step``: the first step whose logits are not equal
+      (``None``: none); ``first_divergent_position`` the position of its first
+      differing row.
+    - control mode only: ``floor[t]`` (the order noise measured at step ``t``),
+      ``bound[t]`` (what the step is judged against), ``ratio[t]`` =
+      ``deviation / bound`` (always finite), ``floor_source[t]`` (what set the
+      bound), ``first_bug_step`` and ``first_inconclusive_step``.
+    - ``step_verdicts[t]``: ``exact``/``divergent`` or ``rounding``/``inconclusive``/``bug``;
+      ``verdict``: the scenario's (its worst step's, or ``skipped`` with the reason in ``notes``).
+    - ``keep_logits=True`` only: ``cache_logits`` ``(T + steps, V)``, the cache
+      path's logits (rows ``0..T-1`` the prompt's, row ``T + t - 1`` decode step
+      ``t``'s), and ``reference``, the recompute rows they were compared with
+      (same shape); else ``None``.
+    """
+
+    name: str
+    mode: str
+    prompt: np.ndarray
+    tokens: np.ndarray
+    deviation: np.ndarray
+    step_verdicts: tuple[str, ...]
+    verdict: str
+    first_divergent_step: int | None
+    first_divergent_position: int | None
+    floor: np.ndarray | None = None
+    bound: np.ndarray | None = None
+    ratio: np.ndarray | None = None
+    first_bug_step: int | None = None
+    margin: float | None = None
+    split: int | None = None
+    notes: tuple[str, ...] = ()
+    cache_logits: np.ndarray | None = field(default=None, repr=False)
+    reference: np.ndarray | None = field(default=None, repr=False)
+    floor_source: tuple[str, ...] | None = None
+    first_inconclusive_step: int | None = None
+    decisive: float | None = None
+
+    @property
+    def passed(self) -> bool:
+        """``True`` for ``exact``, ``rounding`` and ``skipped``."""
+        return self.verdict in PASSING
+
+    @property
+    def steps(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def first_row(self) -> int:
+        """The first prompt row step 0 judges (the resume scenario's: the split)."""
+        return self.split or 0
+
+    def position(self, step: int) -> str:
+        """The position(s) a step covers, as text (step 0: ``first_row-(T-1)``)."""
+        T = self.prompt.shape[0]
+        return f"{self.first_row}-{T - 1}" if step == 0 else str(T + step - 1)
+
+    def focus_step(self) -> int | None:
+        """The step a message is about: the first bug, else the first inconclusive step (control), or the
+        first divergence (exact)."""
+        if self.mode == "control":
+            return self.first_bug_step if self.first_bug_step is not None else self.first_inconclusive_step
+        return self.first_divergent_step
+
+    def table(self, max_rows: int = 12) -> str:
+        """A short per-step table: the first steps, and the steps around the first failure."""
+        n = self.deviation.shape[0]
+        focus = self.focus_step()
+        show = set(range(min(n, 4)))
+        if focus is not None:
+            show |= set(range(max(0, focus - 2), min(n, focus + 4)))
+        show |= {n - 1}
+        rows = sorted(show)[:max_rows]
+        head = f"{'step':>5} {'position':>9} {'fed token':>9} {'deviation':>11}"
+        if self.mode == "control":
+            head += f" {'floor':>10} {'bound':>10} {'ratio':>9}"
+        lines = [head + "  verdict"]
+        prev = -1
+        for t in rows:
+            if t != prev + 1:
+                lines.append(f"{'...':>5}")
+            prev = t
+            tok = "-" if t == 0 else str(int(self.tokens[t - 1]))
+            line = f"{t:>5} {self.position(t):>9} {tok:>9} {self.deviation[t]:>11.4g}"
+            if self.mode == "control":
+                line += f" {self.floor[t]:>10.4g} {self.bound[t]:>10.4g} {self.ratio[t]:>9.4g}"
+            mark = "  <- first" if t == focus else ""
+            lines.append(f"{line}  {self.step_verdicts[t]}{mark}")
+        return "\n".join(lines)
+
+    def where(self, step: int) -> str:
+        """``S (position P)``; the resume scenario's step 0 says it is the resumed chunk, not a prefill."""
+        if step == 0 and self.name == "resume":
+            at = self._focus_position(0)
+            return f"0 (the resumed chunk, prompt position {at}, after a prefill of 0-{self.first_row - 1})"
+        return f"{step} (position {self._focus_position(step)})"
+
+    def summary(self) -> str:
+        """One paragraph: the verdict, the first divergent step, its deviation and the context tokens."""
+        if self.verdict == "skipped":
+            return f"scenario {self.name!r}: skipped ({'; '.join(self.notes)})"
+        T = self.prompt.shape[0]
+        head = f"scenario {self.name!r} ({self.mode}): {self.verdict}"
+        if self.split is not None:
+            head += f" (prompt split {self.split} + {T - self.split})"
+        focus = self.focus_step()
+        if focus is None:
+            worst = float(self.deviation.max())
+            if self.mode == "control":
+                most = float(self.ratio.max())
+                return (
+                    f"{head}; every step within {self.margin:g}x its bound (worst deviation {worst:.4g}, "
+                    f"largest ratio {most:.3g})"
+                )
+            return f"{head}; all {self.deviation.shape[0]} steps bit-identical to the recompute"
+        if self.mode == "control":
+            what = "first bug step" if self.first_bug_step is not None else "first inconclusive step"
+        else:
+            what = "first divergent step"
+        msg = f"{head}; {what} {self.where(focus)}: max |cached - recompute| = {self.deviation[focus]:.6g}"
+        if self.mode == "control":
+            msg += (
+                f", {self.ratio[focus]:.4g}x its bound {self.bound[focus]:.4g} (rounding <= {self.margin:g}x, "
+                f"bug > {self.decisive:g}x; bound from {self.floor_source[focus]})"
+            )
+            if self.first_bug_step is not None and self.first_divergent_step is not None:
+                msg += f"; first nonzero deviation at step {self.first_divergent_step}"
+        ctx = self.context(focus)
+        shown = ", ".join(map(str, ctx[-24:]))
+        more = f"... ({ctx.shape[0] - 24} earlier) " if ctx.shape[0] > 24 else ""
+        msg += f"\ncontext tokens up to position {ctx.shape[0] - 1}: [{more}{shown}]"
+        return msg
+
+    def _focus_position(self, step: int) -> str:
+        if step == 0 and self.first_divergent_position is not None and self.mode == "exact":
+            return str(self.first_divergent_position)
+        return self.position(step)
+
+    def context(self, step: int) -> np.ndarray:
+        """The tokens the model had seen when step ``step``'s logits were computed."""
+        if step == 0:
+            return (
+                self.prompt
+                if self.first_divergent_position is None
+                else self.prompt[: self.first_divergent_position + 1]
+            )
+        return np.concatenate([self.prompt, self.tokens[:step]])
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    """The result of :func:`check_cache`: one :class:`ScenarioReport` per scenario, and the overall verdict.
+
+    ``verdict`` is ``exact`` or ``divergent`` (exact mode), ``rounding``,
+    ``inconclusive`` or ``bug`` (control mode: the worst scenario's).
+    ``passed``: ``exact`` or ``rounding``; with a logic check (``promoted``, the
+    same check on the model in float64), an ``inconclusive`` native verdict
+    passes when the logic check says ``rounding``, and a logic-check ``bug``
+    fails. ``tokens`` are the tokens fed to ``decode`` (``steps`` of them).
+    ``path`` is ``fast`` or ``per-step`` (``per-step`` if any scenario needed
+    it). ``logits_format``: the format the model's logits came in.
+    """
+
+    mode: str
+    prompt: np.ndarray
+    tokens: np.ndarray
+    scenarios: dict[str, ScenarioReport]
+    verdict: str
+    path: str
+    notes: tuple[str, ...] = field(default=())
+    logits_format: str = "float64"
+    promoted: CheckReport | None = None
+
+    @property
+    def passed(self) -> bool:
+        if self.promoted is not None:
+            if not self.promoted.passed:
+                return False
+            return self.verdict in ("exact", "rounding", "inconclusive")
+        return self.verdict in ("exact", "rounding")
+
+    @property
+    def steps(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def first_divergent_step(self) -> int | None:
+        """The earliest first divergent step over the scenarios (``None``: every step equal)."""
+        found = [s.first_divergent_step for s in self.scenarios.values() if s.first_divergent_step is not None]
+        return min(found) if found else None
+
+    @property
+    def first_bug_step(self) -> int | None:
+        """Control mode: the earliest step judged a bug over the scenarios."""
+        found = [s.first_bug_step for s in self.scenarios.values() if s.first_bug_step is not None]
+        return min(found) if found else None
+
+    @property
+    def worst(self) -> ScenarioReport:
+        """The scenario a failure message is about (the earliest failure; else the first scenario run)."""
+        ran = [s for s in self.scenarios.values() if s.verdict != "skipped"]
+        failing = [s for s in ran if not s.passed]
+        bugs = [s for s in failing if s.verdict == "bug"] or failing
+        if bugs:
+            return min(bugs, key=lambda s: s.focus_step())
+        return ran[0]
+
+    @property
+    def deviation(self) -> np.ndarray:
+        """Per-step deviation of :attr:`worst`."""
+        return self.worst.deviation
+
+    @property
+    def max_deviation(self) -> float:
+        """The largest deviation over every step of every scenario that ran."""
+        return max(float(s.deviation.max()) for s in self.scenarios.values() if s.verdict != "skipped")
+
+    @property
+    def max_ratio(self) -> float:
+        """Control mode: the largest ratio over every step of every scenario that ran."""
+        return max(float(s.ratio.max()) for s in self.scenarios.values() if s.ratio is not None)
+
+    def headline(self) -> str:
+        """Which scenario diverged (or failed) first, and each scenario's first step on its own."""
+        ran = [s for s in self.scenarios.values() if s.verdict != "skipped"]
+        parts = [
+            f"{s.name}: {s.verdict}" + ("" if s.focus_step() is None else f" from step {s.where(s.focus_step())}")
+            for s in ran
+        ]
+        failing = [s for s in ran if s.focus_step() is not None]
+        if not failing:
+            return "; ".join(parts)
+        first = self.worst if not self.worst.passed else min(failing, key=lambda s: s.focus_step())
+        return f"first in scenario {first.name!r}, step {first.where(first.focus_step())}; " + "; ".join(parts)
+
+    def format(self) -> str:
+        """The full readable report: a verdict line, each scenario's summary, the worst scenario's table."""
+        names = ", ".join(self.scenarios)
+        lines = [
+            f"kvfast check ({self.mode} mode, {self.path} reference, {self.steps} decode steps, "
+            f"prompt of {self.prompt.shape[0]} tokens, {self.logits_format} logits, scenarios: {names}): "
+            f"{self.verdict.upper()}",
+            self.headline(),
+        ]
+        lines += [s.summary() for s in self.scenarios.values()]
+        lines += [f"note: {n}" for n in self.notes]
+        worst = self.worst
+        lines.append(f"per-step table ({worst.name!r}):")
+        lines.append(worst.table())
+        if self.promoted is not None:
+            lines.append(f"logic check in float64 (same tokens): {self.promoted.verdict.upper()}")
+            lines += ["  " + line for line in self.promoted.format().splitlines()[1:]]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.format()
+
+
+def skipped_resume(mode: str, prompt: np.ndarray, tokens: np.ndarray) -> ScenarioReport:
+    """The resume scenario's report on a one-token prompt: skipped (it cannot be split in two chunks)."""
+    return ScenarioReport(
+        "resume", mode, prompt, tokens, np.zeros(0), (), "skipped", None, None,
+        notes=("the prompt has one token and cannot be split in two chunks",),
+    )  # fmt: skip
+
+
+def overall(mode: str, reports: dict[str, ScenarioReport]) -> str:
+    """The check's verdict from its scenarios' (skipped ones aside): ``exact`` when every one is, else
+    ``divergent`` (exact mode); the worst (control mode)."""
+    ran = [r for r in reports.values() if r.verdict != "skipped"]
+    if mode == "exact":
+        return "exact" if all(r.verdict == "exact" for r in ran) else "divergent"
+    return C.worst([r.verdict for r in ran])

@@ -1,0 +1,78 @@
+"""What one check is about: the model's calls, the prompt, and the options resolved against both.
+
+:func:`resolve` is where :class:`~kvfast.check.options.CheckOptions` meets a model and a prompt: it
+wraps the model (:func:`kvfast.check.calls.as_model_under_test`), validates the prompt, and checks
+what the options alone could not (``promote`` against the model's methods, ``split`` against the
+prompt's length, every token against the vocabulary, the positions against ``max_positions``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvfast.check.calls import ModelCalls, as_model_under_test
+from kvfast.check.options import CheckOptions
+from kvfast.check.protocol import check_prompt, check_range, has, model_name, vocab_of
+from kvfast.validation import not_allowed, require_int
+
+
+@dataclass(frozen=True)
+class CheckSubject:
+    """One check's inputs, validated: ``calls`` (the model), ``prompt`` (``int64``, ``T`` tokens),
+    ``options``, ``split`` (the resume scenario's, resolved) and ``given`` (the continuation's
+    tokens as ``int64``, or ``None`` for greedy ones)."""
+
+    calls: ModelCalls
+    prompt: np.ndarray
+    options: CheckOptions
+    split: int
+    given: np.ndarray | None
+
+    @property
+    def T(self) -> int:  # noqa: N802 - the prompt length's name throughout the checker's docs
+        return int(self.prompt.shape[0])
+
+    @property
+    def steps(self) -> int:
+        return int(self.options.steps)
+
+    @property
+    def vocab(self) -> int:
+        return self.calls.vocab
+
+
+def resolve(model: object, prompt: object, options: CheckOptions) -> CheckSubject:
+    """``model``, ``prompt`` and ``options`` as one :class:`CheckSubject`; ``ValueError`` for bad input."""
+    model = as_model_under_test(model)
+    prompt = check_prompt(prompt)
+    if options.promote is not None and not has(model, "promote"):
+        raise not_allowed("promote", options.promote, f"None for {model_name(model)} (it has no promote(dtype) method)")
+    T = prompt.shape[0]
+    split = _resolve_split(options, T)
+    vocab = vocab_of(model)
+    check_range(prompt, vocab)
+    limit = getattr(model, "max_positions", None)
+    if isinstance(limit, int) and T + options.steps > limit:
+        raise not_allowed(
+            "steps", options.steps, f"at most {limit - T} (the model has {limit} positions; the prompt takes {T})"
+        )
+    given = options.given_tokens()
+    if given is not None:
+        check_range(given, vocab, "continuation")
+    return CheckSubject(ModelCalls(model, vocab), prompt, options, split, given)
+
+
+def _resolve_split(options: CheckOptions, T: int) -> int:  # noqa: N803
+    """The resume scenario's split for a prompt of ``T`` tokens (default ``T // 2``)."""
+    if T == 1 and options.scenarios == ("resume",):
+        raise ValueError(
+            "scenarios: ('resume',) cannot run on a one-token prompt (nothing to split); "
+            "allowed: a prompt of 2 or more tokens, or the 'decode' scenario"
+        )
+    if options.split is None:
+        return T // 2
+    if T == 1:
+        raise not_allowed("split", options.split, "None (a one-token prompt cannot be split)")
+    return require_int(options.split, "split", 1, T - 1)
