@@ -12,8 +12,9 @@ import pytest
 from kvfast.check.metrics import roc_auc
 from kvfast.cli import main
 from kvfast.report import claims_markdown, claims_table, counts, facts, load_results, render, write_tables
-from kvfast.report.figures import matplotlib_available, roc_points, sections
+from kvfast.report.figures import matplotlib_available, sections
 from kvfast.studies import STUDIES
+from kvfast.studies.detector import roc_points
 
 SMALL_GRIDS = {
     "exactness": """
