@@ -189,7 +189,9 @@ def test_report_command_writes_a_self_contained_page_and_its_tables(stored, tmp_
     assert "http://" not in page and "https://" not in page  # nothing to fetch
     assert not re.search(r'src="(?!data:)', page)  # every image inline
     titles = [s.title for s in sections(results)]
-    assert len(titles) == 12  # training: cosine vs prefix, during training, per tensor, final losses, loss curves
+    # training: cosine vs prefix, during training, per tensor, final losses, loss curves; every other study one,
+    # the detector two (ROC, steps to detection)
+    assert len(titles) == 14
     assert not [s.key for s in sections(results) if s.note]  # every figure's numbers are stored now
     for title in titles:
         assert html.escape(title) in page
