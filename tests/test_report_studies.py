@@ -142,3 +142,22 @@ def test_the_report_names_no_study_and_imports_nothing_from_one():
                     assert not {a.name for a in node.names} & set(STUDIES), f"{name} imports a study module"
             if isinstance(node, ast.Constant) and isinstance(node.value, str):
                 assert node.value not in STUDIES, f"{name} names the study {node.value!r}"
+
+
+def test_the_check_figures_table_counts_verdicts_per_bug_mode_and_preset():
+    from kvfast.studies import check
+
+    rows = [
+        ("posfrozen", "exact", "f64", "divergent", False, 2, 5.6, None),
+        ("none", "control", "f64", "rounding", True, -1, 0.0, 0.0),
+        ("none", "exact", "f64", "exact", True, -1, 0.0, None),
+        ("posfrozen", "exact", "f64", "divergent", False, 3, 5.0, None),
+    ]
+    cols = ["bug", "mode", "preset", "verdict", "passed", "first_divergent_step", "worst_deviation", "ratio"]
+    df = pd.DataFrame(rows, columns=cols).assign(status="ok")
+    table = check.verdict_table(df)
+    assert list(table["bug"]) == ["none", "none", "posfrozen"]  # clean first, then catalogue order
+    assert list(table["mode"]) == ["exact", "control", "exact"]
+    assert list(table["verdicts"]) == ["exact 1", "rounding 1", "divergent 2"]
+    assert list(table["passed"]) == [1, 1, 0] and list(table["first_divergent_step"]) == ["-", "-", "2-3"]
+    assert table["worst_deviation"].iloc[2] == 5.6
