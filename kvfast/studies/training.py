@@ -472,14 +472,22 @@ def _draw_cosine(df: pd.DataFrame, table: pd.DataFrame):
     return fig
 
 
+def _budget_panels(runs: pd.DataFrame) -> tuple[object, object, list[tuple[object, int, pd.DataFrame]]]:
+    """One panel per training budget, side by side, sharing the y axis: the figure, its axes, and per panel
+    ``(axis, budget, the budget's runs)``."""
+    budgets = _budgets(runs)
+    fig, axes = pyplot().subplots(1, len(budgets), figsize=(6.2 * len(budgets), 4.6), sharey=True, squeeze=False)
+    return (
+        fig,
+        axes,
+        [(ax, steps, runs[runs["train_steps"] == steps]) for ax, steps in zip(axes[0], budgets, strict=True)],
+    )
+
+
 def _draw_cosine_curve(df: pd.DataFrame, table: pd.DataFrame):
     """Per budget, the cosine along full and along cached training: each seed, and their mean."""
-    runs = _curve_runs(df)
-    plt = pyplot()
-    budgets = _budgets(runs)
-    fig, axes = plt.subplots(1, len(budgets), figsize=(6.2 * len(budgets), 4.6), sharey=True, squeeze=False)
-    for ax, steps in zip(axes[0], budgets, strict=True):
-        g = runs[runs["train_steps"] == steps]
+    fig, axes, panels = _budget_panels(_curve_runs(df))
+    for ax, steps, g in panels:
         for variant, color in (("full", "#2ca02c"), ("cached", "#d62728")):
             for _, r in g.iterrows():
                 ax.plot(r["curve_steps"], r[f"curve_cosine_{variant}"], "-", color=color, alpha=0.25, lw=1)
@@ -539,12 +547,8 @@ def _draw_suffix_loss(df: pd.DataFrame, table: pd.DataFrame):
 
 def _draw_loss_curve(df: pd.DataFrame, table: pd.DataFrame):
     """Per budget, the training-batch loss and the held-out suffix loss along training."""
-    runs = _curve_runs(df)
-    plt = pyplot()
-    budgets = _budgets(runs)
-    fig, axes = plt.subplots(1, len(budgets), figsize=(6.2 * len(budgets), 4.6), sharey=True, squeeze=False)
-    for ax, steps in zip(axes[0], budgets, strict=True):
-        g = runs[runs["train_steps"] == steps]
+    fig, axes, panels = _budget_panels(_curve_runs(df))
+    for ax, steps, g in panels:
         for variant, color in (("full", "#2ca02c"), ("cached", "#d62728")):
             batch = np.array([np.asarray(v, dtype=np.float64) for v in g[f"train_loss_{variant}"]]).mean(axis=0)
             ax.plot(
