@@ -347,6 +347,7 @@ FIGURES = (
     ),
 )
 
+
 KVFAST_ARGS: dict[str, pa.DataType] = {
     "seed": pa.int64(),
     **MODEL_SHAPE_FIELDS,
