@@ -12,8 +12,9 @@ import pytest
 from kvfast.check.metrics import roc_auc
 from kvfast.cli import main
 from kvfast.report import claims_markdown, claims_table, counts, facts, load_results, render, write_tables
-from kvfast.report.figures import matplotlib_available, roc_points, sections
+from kvfast.report.figures import matplotlib_available, sections
 from kvfast.studies import STUDIES
+from kvfast.studies.detector import roc_points
 
 SMALL_GRIDS = {
     "exactness": """
@@ -188,7 +189,9 @@ def test_report_command_writes_a_self_contained_page_and_its_tables(stored, tmp_
     assert "http://" not in page and "https://" not in page  # nothing to fetch
     assert not re.search(r'src="(?!data:)', page)  # every image inline
     titles = [s.title for s in sections(results)]
-    assert len(titles) == 12  # training: cosine vs prefix, during training, per tensor, final losses, loss curves
+    # training: cosine vs prefix, during training, per tensor, final losses, loss curves; every other study one,
+    # the detector two (ROC, steps to detection)
+    assert len(titles) == 14
     assert not [s.key for s in sections(results) if s.note]  # every figure's numbers are stored now
     for title in titles:
         assert html.escape(title) in page

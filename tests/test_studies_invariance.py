@@ -97,3 +97,14 @@ def test_built_in_grid():
 def test_bad_config_is_a_value_error(change, message):
     with pytest.raises(ValueError, match=message):
         invariance.validate_config({**small_cases()[0], **change})
+
+
+def test_the_figures_table_shows_mask_on_exact_and_mask_off_moving_from_layer_2(runs):
+    table = invariance.layer_table(runs)
+    assert list(table.columns) == invariance.LAYER_COLUMNS
+    on, off = table[table["mask"] == "on"], table[table["mask"] == "off"]
+    assert (on["exact_runs"] == on["runs"]).all() and (on[["k_max", "v_max", "resid_in_max"]] == 0.0).all().all()
+    first, later = off[off["layer"] == 1], off[off["layer"] >= 2]
+    assert (first["exact_runs"] == first["runs"]).all()
+    assert (later["exact_runs"] == 0).all() and (later["kv_min"] > 0.0).all()
+    assert set(table["preset"]) == {"f64", "f32", "bf16"} and len(table) == 3 * 2 * 3

@@ -95,15 +95,14 @@ def _section_html(sec: Section, plots: bool) -> str:
 
 
 def summaries(results: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
-    """Each study's summary table (``study.summarize``) of its stored runs; the detector adds its
-    steps-to-detection table (key ``detector_steps``)."""
-    from kvfast.studies import detector
-
+    """Each study's summary table (``study.summarize``) of its stored runs, in study-name order, each followed
+    by the more tables the study declares (``study.tables``: name -> table)."""
     out = {}
     for name, df in sorted(results.items()):
-        out[name] = STUDIES[name].summarize(df)
-        if name == "detector":
-            out["detector_steps"] = detector.steps_to_detection(df)
+        study = STUDIES[name]
+        out[name] = study.summarize(df)
+        for table_name, make in study.tables:
+            out[table_name] = make(df)
     return out
 
 

@@ -1,4 +1,5 @@
-"""Studies: run functions over configs, each with its schema and summary (see :mod:`kvfast.studies.base`).
+"""Studies: run functions over configs, each with its schema, summary, claims and report figures (see
+:mod:`kvfast.studies.base`).
 
 Every module of this package that defines ``STUDY`` is registered in :data:`STUDIES`.
 """
@@ -8,7 +9,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from kvfast.studies.base import Claim, Study
+from kvfast.studies.base import Claim, Fact, Figure, Study
 
 
 def _discover() -> dict[str, Study]:
@@ -23,4 +24,4 @@ def _discover() -> dict[str, Study]:
 
 STUDIES: dict[str, Study] = _discover()
 
-__all__ = ["STUDIES", "Claim", "Study"]
+__all__ = ["STUDIES", "Claim", "Fact", "Figure", "Study"]

@@ -1,14 +1,18 @@
-"""What a study is: a run function over a config, its columns, and how to summarise it.
+"""What a study is: a run function over a config, its columns, how to summarise it, and how the report shows it.
 
 The sweep engine knows studies only through this interface: it expands a grid
 of configs, calls ``study.run(config)`` for each, and stores the returned
 columns. A run's numbers depend only on its config (seeds derive from it).
+The report (:mod:`kvfast.report`) knows studies only through it too: it walks
+the registry and shows each study's declared :class:`Figure` s, :class:`Fact` s
+and extra tables; it names no study.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import pandas as pd
 import pyarrow as pa
@@ -33,6 +37,38 @@ class Claim:
     conditions: tuple[tuple[str, bool], ...] = ()
 
 
+class Fact(NamedTuple):
+    """One figure the README and docs quote, computed from a study's stored runs: a unique ``key``, the
+    ``figure`` in words and its ``value`` as text (``kvfast report DIR --markdown facts`` prints them)."""
+
+    key: str
+    figure: str
+    value: str
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One figure of the report, declared by its study: one idea, its numbers and its plot.
+
+    - ``key``: the page's anchor for it (unique over every study's figures); ``title``; ``caption``: what
+      to look at.
+    - ``table(runs) -> DataFrame``: the numbers plotted, from the study's stored runs (every status; keep
+      the ``ok`` ones with :func:`kvfast.studies.common.ok_rows`). Always computed: the page shows it
+      under the plot, or instead of it when matplotlib is absent.
+    - ``draw(runs, table) -> matplotlib.figure.Figure``: the plot of ``table`` (``runs`` for what the
+      table does not hold); called only when matplotlib (the ``plot`` extra) is installed, so import it
+      inside, e.g. with :func:`kvfast.studies.plotting.pyplot`. ``None``: the table alone.
+    - ``note``: what the stored runs do not hold, shown beside the figure.
+    """
+
+    key: str
+    title: str
+    caption: str
+    table: Callable[[pd.DataFrame], pd.DataFrame]
+    draw: Callable[[pd.DataFrame, pd.DataFrame], object] | None = None
+    note: str = ""
+
+
 @dataclass(frozen=True)
 class Study:
     """A run function plus its schema.
@@ -43,6 +79,14 @@ class Study:
       what is allowed, before any run starts.
     - ``summarize(df) -> DataFrame``: the printed table; ``claims(df) -> list[Claim]``.
     - ``version``: part of every run's id; bump it when the run's numbers change.
+
+    How the report shows it (all optional; a study declares them next to its run function):
+
+    - ``figures``: its :class:`Figure` s, in page order.
+    - ``facts(df) -> list[Fact]``: the figures the README quotes (``(key, figure, value)`` tuples).
+    - ``tables``: more summary tables, ``(name, function of the runs)`` pairs: written as
+      ``summaries/NAME.csv`` after the study's own and printed by ``--markdown tables``.
+    - ``rank``: where its figures go on the page: lower first, ties in registry (name) order.
     """
 
     name: str
@@ -55,3 +99,7 @@ class Study:
     summarize: Callable[[pd.DataFrame], pd.DataFrame]
     claims: Callable[[pd.DataFrame], list[Claim]] = field(default=lambda df: [])
     validate_groups: tuple[tuple[str, ...], ...] | None = None
+    figures: tuple[Figure, ...] = ()
+    facts: Callable[[pd.DataFrame], list[Fact]] | None = None
+    tables: tuple[tuple[str, Callable[[pd.DataFrame], pd.DataFrame]], ...] = ()
+    rank: int = 1000

@@ -44,9 +44,10 @@ from kvfast.check import KvfastModel, check_cache
 from kvfast.model.bugs import BUGS, EVICT_WINDOW, VISIBLE_AT_STEP_1
 from kvfast.model.config import ModelConfig, init_params
 from kvfast.numerics import PRESETS, Numerics
-from kvfast.studies.base import Claim, Study
+from kvfast.studies.base import Claim, Fact, Figure, Study
 from kvfast.studies.common import MODEL_SHAPE_FIELDS, model_config, ok_rows, require_config_choice, require_model_shape
 from kvfast.studies.criteria import EXACT, VS_SEED, judged
+from kvfast.studies.plotting import COLORS, SYMLOG_FLOOR, pyplot
 from kvfast.studies.toytask import CycleTask, train
 from kvfast.validation import require_int
 
@@ -287,6 +288,104 @@ def claims(df: pd.DataFrame) -> list[Claim]:
     return out
 
 
+# --- the report: its figures and quoted facts (kvfast.report shows them: see Figure and Fact) ----------
+
+
+def bug_deviation_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Per model kind, bug and step: max and median over runs of the deviation at that step."""
+    ok = ok_rows(df)
+    rows = []
+    for (model, bug), g in ok[ok["bug"] != "none"].groupby(["model", "bug"]):
+        dev = np.array([np.asarray(d, dtype=np.float64) for d in g["dev_per_step"]])
+        for step in range(dev.shape[1]):
+            rows.append(
+                {
+                    "model": model,
+                    "bug": bug,
+                    "step": step,
+                    "runs": dev.shape[0],
+                    "max_dev": float(dev[:, step].max()),
+                    "median_dev": float(np.median(dev[:, step])),
+                }
+            )
+    return pd.DataFrame(rows, columns=["model", "bug", "step", "runs", "max_dev", "median_dev"])
+
+
+def _draw_deviation_per_step(df: pd.DataFrame, table: pd.DataFrame):
+    """Per bug, a panel of the max and median deviation per step, for each model kind."""
+    plt = pyplot()
+    bugs = [b for b in BUGS if b in set(table["bug"])]
+    ncol = 4
+    nrow = (len(bugs) + ncol - 1) // ncol
+    fig, axes = plt.subplots(nrow, ncol, figsize=(13, 3.4 * nrow), sharex=True, sharey=True, squeeze=False)
+    top = 2.0 * float(table["max_dev"].max()) if len(table) else 1.0
+    for ax, bug in zip(axes.flat, bugs, strict=False):
+        for model, g in table[table["bug"] == bug].groupby("model"):
+            ax.plot(g["step"], g["max_dev"], "-o", ms=3, color=COLORS.get(model), label=f"{model}: max")
+            ax.plot(g["step"], g["median_dev"], "--", color=COLORS.get(model), alpha=0.6, label=f"{model}: median")
+        ax.axvline(1, color="grey", lw=1, ls=":")
+        ax.set_yscale("symlog", linthresh=SYMLOG_FLOOR)
+        ax.set_ylim(0, top)
+        seed = SEED_BUG_TABLE.get(bug)
+        kind = "visible at step 1" if VISIBLE_AT_STEP_1[bug] else "0.0 at step 1"
+        ax.set_title(
+            f"{bug}: {kind}\n" + (f"seed: {seed[0]:g} at step 1, {seed[1]:g} over all" if seed else "(not in the seed)")
+        )
+        ax.grid(alpha=0.3)
+    for ax in axes.flat[len(bugs) :]:
+        ax.axis("off")
+    for ax in axes[-1]:
+        ax.set_xlabel("decode step (dotted line: step 1)")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("|logit deviation|\n(symlog, 0 at bottom)")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, frameon=False)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    return fig
+
+
+def facts(df: pd.DataFrame) -> list[Fact]:
+    """The quoted figures: each model kind's median clean top-2 margin, and how often evict changes the output."""
+    ok = ok_rows(df)
+    rows = []
+    for model, g in ok.groupby("model"):
+        rows.append(
+            (
+                f"margin_median_{model}",
+                f"{model} models: median over runs of the smallest top-1 minus top-2 logit margin of the clean "
+                "generation",
+                f"{float(g['clean_margin_min'].median()):.3g} ({len(g)} runs)",
+            )
+        )
+    ev = ok[ok["bug"] == "evict"]
+    for (model, n_layer), g in ev.groupby(["model", "n_layer"]):
+        changed = g[g["tokens_changed"]]
+        prompts = ", ".join(str(p) for p in sorted(set(changed["prompt_len"].astype(int))))
+        rows.append(
+            (
+                f"evict_changed_{model}_{int(n_layer)}layer",
+                f"evict changes the output: {model} models with {int(n_layer)} layer(s)",
+                f"{100 * float(g['tokens_changed'].mean()):.0f}% of {len(g)} runs"
+                + (f" (prompt lengths {prompts})" if len(changed) else ""),
+            )
+        )
+    return rows
+
+
+FIGURES = (
+    Figure(
+        "bugs",
+        "Each bug's deviation from a full recompute, per step",
+        "Max and median over runs (48 per bug and model kind) of the largest |logit difference| between the bugged "
+        "cache and a full recompute of the same tokens, at each step. Step 0 is the prompt, step 1 the first "
+        "decode (dotted). The y axis is symmetric-log so that a deviation of exactly 0.0 sits on the bottom "
+        "axis: the growth bugs are 0.0 at step 1 and deviate from step 2 (evict when the cache passes 16).",
+        bug_deviation_table,
+        _draw_deviation_per_step,
+    ),
+)
+
+
 STUDY = Study(
     name="bugs",
     version=VERSION,
@@ -297,4 +396,7 @@ STUDY = Study(
     validate_config=validate_config,
     summarize=summarize,
     claims=claims,
+    figures=FIGURES,
+    facts=facts,
+    rank=10,
 )

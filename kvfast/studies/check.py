@@ -25,6 +25,7 @@ some arguments is an ``error`` row for that run.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import os
@@ -42,9 +43,10 @@ from kvfast.kernels.attention import ATTENTION_CODES
 from kvfast.kernels.reduce import ORDER_CODES
 from kvfast.model.config import ModelConfig, init_params
 from kvfast.numerics import PRESETS, Numerics
-from kvfast.studies.base import Claim, Study
+from kvfast.studies.base import Claim, Figure, Study
 from kvfast.studies.common import MODEL_SHAPE_FIELDS, ok_rows, require_config_choice
 from kvfast.studies.criteria import EXACT, judged
+from kvfast.studies.plotting import SYMLOG_FLOOR, pyplot
 from kvfast.validation import not_allowed, require_int
 
 VERSION = "1"
@@ -237,6 +239,118 @@ def claims(df: pd.DataFrame) -> list[Claim]:
     ]
 
 
+# --- the report: the built-in study's figure (kvfast.report shows it: see Figure) --------------------------
+
+VERDICT_COLORS = {
+    "exact": "#2ca02c",
+    "rounding": "#98df8a",
+    "inconclusive": "#c7c7c7",
+    "divergent": "#ff9896",
+    "bug": "#d62728",
+    "skipped": "#7f7f7f",
+}
+VERDICT_COLUMNS = ["checks", "passed", "verdicts", "first_divergent_step", "worst_deviation", "ratio_max"]
+
+
+def verdict_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Per catalogue bug, mode and preset (those of the columns present): checks, checks passed, each verdict's
+    count (``"bug 4"``), the first divergent step's range over the checks that diverged (``-`` for none), the worst
+    deviation and (control mode) the largest deviation over its floor bound."""
+    ok = ok_rows(df)
+    keys = [k for k in ("bug", "mode", "preset") if k in ok.columns]
+    rows = []
+    for key, g in ok.groupby(keys) if keys and len(ok) else ():
+        first = g.loc[g["first_divergent_step"] >= 0, "first_divergent_step"]
+        steps = (
+            "-"
+            if first.empty
+            else f"{int(first.min())}" + ("" if first.min() == first.max() else f"-{int(first.max())}")
+        )
+        counts = g["verdict"].value_counts()
+        rows.append(
+            {
+                **dict(zip(keys, key, strict=True)),
+                "checks": len(g),
+                "passed": int(g["passed"].astype(bool).sum()),
+                "verdicts": ", ".join(f"{v} {int(counts[v])}" for v in sorted(counts.index)),
+                "first_divergent_step": steps,
+                "worst_deviation": float(g["worst_deviation"].max()),
+                "ratio_max": float(g["ratio"].max()) if g["ratio"].notna().any() else np.nan,
+            }
+        )
+    out = pd.DataFrame(rows, columns=[*keys, *VERDICT_COLUMNS])
+    return out.sort_values(keys, key=_in_catalogue_order, kind="stable").reset_index(drop=True) if keys else out
+
+
+def _in_catalogue_order(column: pd.Series) -> pd.Series:
+    """A sort key: bugs clean first then in catalogue order, modes and presets in their declared order."""
+    from kvfast.model.bugs import BUGS
+
+    order = {"bug": (NO_BUG, *BUGS), "mode": MODES, "preset": tuple(PRESETS)}[column.name]
+    return column.map({v: i for i, v in enumerate(order)}).fillna(len(order))
+
+
+def _draw_verdicts(df: pd.DataFrame, table: pd.DataFrame):
+    """Left: the worst deviation per bug and preset; right: per bug and mode, the checks by verdict."""
+    plt = pyplot()
+    ok = ok_rows(df)
+    bugs = list(dict.fromkeys(table["bug"]))
+    presets = list(dict.fromkeys(table["preset"]))
+    modes = [m for m in MODES if m in set(table["mode"])]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.6))
+    width = 0.8 / max(len(presets), 1)
+    for i, preset in enumerate(presets):
+        worst = [float(table[(table["bug"] == b) & (table["preset"] == preset)]["worst_deviation"].max()) for b in bugs]
+        x = np.arange(len(bugs)) + (i - (len(presets) - 1) / 2) * width
+        left.bar(x, worst, width, label=f"preset {preset}", color=("#1f77b4", "#ff7f0e", "#9467bd")[i % 3])
+        for xi, w in zip(x, worst, strict=True):
+            if w == 0.0:
+                left.text(xi, 1e-9, "0.0", ha="center", va="bottom", fontsize=8, rotation=90)
+    left.set_yscale("symlog", linthresh=SYMLOG_FLOOR)
+    left.set_ylim(0, 20.0 * float(table["worst_deviation"].max() or 1.0))
+    left.set_xticks(range(len(bugs)), bugs)
+    left.set_xlabel("model variant (catalogue bug; none: clean)")
+    left.set_ylabel("worst |cache - recompute| logit\n(symlog, 0 at bottom)")
+    left.set_title("Worst deviation over every step and scenario")
+    left.grid(axis="y", alpha=0.3)
+    left.legend(fontsize=8, loc="upper left")
+    verdicts = [v for v in VERDICT_COLORS if v in set(ok["verdict"])]
+    labels = [f"{b}\n{m}" for b in bugs for m in modes]
+    bottom = np.zeros(len(labels))
+    for verdict in verdicts:
+        n = np.array(
+            [
+                int(((ok["bug"] == b) & (ok["mode"] == m) & (ok["verdict"] == verdict)).sum())
+                for b in bugs
+                for m in modes
+            ]
+        )
+        right.bar(range(len(labels)), n, bottom=bottom, color=VERDICT_COLORS[verdict], label=verdict)
+        bottom += n
+    right.set_xticks(range(len(labels)), labels, fontsize=8)
+    right.set_ylabel("checks")
+    right.set_title("Checks by verdict, per model variant and mode")
+    right.legend(fontsize=8, loc="upper right", ncol=len(verdicts))
+    right.set_ylim(0, 1.25 * float(bottom.max() or 1.0))
+    fig.tight_layout()
+    return fig
+
+
+FIGURES = (
+    Figure(
+        "check",
+        "Check sweep: verdicts and deviations of clean and bugged models",
+        "Each run builds kvfast's model (clean, or with a catalogue bug) and checks its cache against a full "
+        "recompute at every decode step of both scenarios (decode, resume), in exact mode (== at every step) and "
+        "in control mode (against the model's order-noise floor). Left: the worst deviation per model variant "
+        "and preset (the y axis is symmetric-log, so exactly 0.0 is the bottom axis). Right: the checks by "
+        "verdict: every clean check passes in both modes, every bugged one fails.",
+        verdict_table,
+        _draw_verdicts,
+    ),
+)
+
+
 KVFAST_ARGS: dict[str, pa.DataType] = {
     "seed": pa.int64(),
     **MODEL_SHAPE_FIELDS,
@@ -253,5 +367,7 @@ STUDY = check_study(
     arg_groups=(("d_model", "n_head"),),
     description="kvfast's model factory over shape/format/kernel/bug, each configuration through check_cache",
 )
+STUDY = dataclasses.replace(STUDY, figures=FIGURES, rank=90)  # the built-in study's place in the report
+
 
 __all__ = ["STUDY", "check_one", "check_options", "check_study", "kvfast_model", "load_factory"]

@@ -44,9 +44,10 @@ from kvfast.check.metrics import confusion, detector_metrics
 from kvfast.model.bugs import BUGS, VISIBLE_AT_STEP_1
 from kvfast.numerics import Numerics
 from kvfast.studies import bugs as bugstudy
-from kvfast.studies.base import Claim, Study
+from kvfast.studies.base import Claim, Fact, Figure, Study
 from kvfast.studies.common import ok_rows
 from kvfast.studies.criteria import EXACT, VS_SEED, judged, within
+from kvfast.studies.plotting import COLORS, pyplot
 
 VERSION = f"1.{bugstudy.VERSION}"  # its runs are bug-study runs
 
@@ -356,6 +357,221 @@ def _claims_model(df: pd.DataFrame, summary: pd.DataFrame) -> list[Claim]:
     return out
 
 
+# --- the report: its figures and quoted facts (kvfast.report shows them: see Figure and Fact) ----------
+
+
+def roc_points(scores, labels) -> tuple[np.ndarray, np.ndarray]:
+    """The ROC curve of ``scores`` for boolean ``labels``: (FPR, TPR) at every threshold, from (0, 0) to (1, 1).
+
+    Tied scores form one step (a straight segment), so the area under the points is the Mann-Whitney AUC
+    with ties counted half (:func:`kvfast.check.metrics.roc_auc`)."""
+    s = np.asarray(scores, dtype=np.float64)
+    y = np.asarray(labels, dtype=bool)
+    order = np.argsort(-s, kind="stable")
+    s, y = s[order], y[order]
+    last = np.r_[np.nonzero(np.diff(s))[0], s.size - 1]  # the last index of each distinct score
+    tp = np.cumsum(y)[last]
+    fp = np.cumsum(~y)[last]
+    tpr = np.r_[0.0, tp / max(int(y.sum()), 1)]
+    fpr = np.r_[0.0, fp / max(int((~y).sum()), 1)]
+    return fpr, tpr
+
+
+def roc_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Per model kind, label and detector: the ROC curve's points (``fpr``, ``tpr``) and the AUC."""
+    s = scored(df)
+    summary = summarize(df)
+    rows = []
+    for model in model_kinds(s):
+        m = s[s["model"] == model]
+        for label in LABELS:
+            pop = m[m["bug_present"]] if label == "output changed" else m
+            y = pop[label.replace(" ", "_")].to_numpy(bool)
+            for name in DETECTORS:
+                key = name.replace("-", "_")
+                fpr, tpr = roc_points(pop[f"{key}_score"].to_numpy(), y)
+                auc = summary[
+                    (summary["model"] == model)
+                    & (summary["detector"] == name)
+                    & (summary["scope"] == "all")
+                    & (summary["label"] == label)
+                ]
+                for i, (a, b) in enumerate(zip(fpr, tpr, strict=True)):
+                    rows.append(
+                        {
+                            "model": model,
+                            "label": label,
+                            "detector": name,
+                            "point": i,
+                            "fpr": a,
+                            "tpr": b,
+                            "auc": float(auc["auc"].iloc[0]),
+                        }
+                    )
+    return pd.DataFrame(rows, columns=["model", "label", "detector", "point", "fpr", "tpr", "auc"])
+
+
+def _draw_roc(df: pd.DataFrame, table: pd.DataFrame):
+    """Per model kind (rows) and label (columns), each detector's ROC curve and its AUC."""
+    s = scored(df)
+    models = model_kinds(s)
+    plt = pyplot()
+    fig, axes = plt.subplots(len(models), 2, figsize=(11, 4.8 * len(models)), squeeze=False)
+    for row, model in enumerate(models):
+        m = s[s["model"] == model]
+        for ax, label in zip(axes[row], LABELS, strict=True):
+            pop = m[m["bug_present"]] if label == "output changed" else m
+            pos = int(pop[label.replace(" ", "_")].sum())
+            for name in DETECTORS:
+                g = table[(table["model"] == model) & (table["label"] == label) & (table["detector"] == name)]
+                auc = g["auc"].iloc[0]
+                ax.plot(g["fpr"], g["tpr"], "-o", ms=3, color=COLORS[name], label=f"{name} (AUC {auc:.4g})")
+            ax.plot([0, 1], [0, 1], ":", color="grey", label="chance (AUC 0.500)")
+            ax.set_xlabel("false-positive rate")
+            ax.set_ylabel("true-positive rate (recall)")
+            ax.set_title(f'{model} models, label "{label}":\n{pos} positives of {len(pop)} runs')
+            ax.set_xlim(-0.02, 1.02)
+            ax.set_ylim(-0.02, 1.02)
+            ax.set_aspect("equal")
+            ax.grid(alpha=0.3)
+            ax.legend(loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+def _draw_steps_to_detection(df: pd.DataFrame, table: pd.DataFrame):
+    """Per bug, the steps at which the every-step check first fires (marker area: runs); one-step flags beside."""
+    s = scored(df)
+    models = model_kinds(s)
+    plt = pyplot()
+    bugs = [b for b in dict.fromkeys(table["bug"]) if b != "none"]
+    fig, ax = plt.subplots(figsize=(10.5, 0.55 * len(bugs) + 1.8))
+    offsets = np.linspace(-0.18, 0.18, len(models)) if len(models) > 1 else [0.0]
+    for i, bug in enumerate(bugs):
+        flagged = []
+        for off, model in zip(offsets, models, strict=True):
+            g = s[(s["model"] == model) & (s["bug"] == bug) & s["every_step_flag"]]
+            steps, n = np.unique(g["steps_to_detection"].to_numpy(), return_counts=True)
+            ax.scatter(
+                steps,
+                np.full(steps.size, i + off),
+                s=12 + 8 * n,
+                color=COLORS[model],
+                alpha=0.7,
+                zorder=3,
+                label=f"{model} models" if i == 0 else None,
+            )
+            row = table[(table["model"] == model) & (table["bug"] == bug)].iloc[0]
+            flagged.append(f"{row['one_step_flagged']}/{row['runs']}")
+        ax.text(16.3, i, "one-step: " + " | ".join(flagged), va="center", fontsize=9, color=COLORS["one-step"])
+    ax.axvline(1, color="grey", lw=1, ls=":")
+    ax.set_yticks(range(len(bugs)), bugs)
+    ax.set_ylim(len(bugs) - 0.5, -0.5)
+    ax.set_xlim(-0.5, 21.5)
+    ax.set_xticks(range(0, 16))
+    ax.set_xlabel("first decode step at which the every-step check fires (marker area: runs)")
+    ax.set_title("Steps to detection per bug (every-step check); one-step flags at right (" + " | ".join(models) + ")")
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(loc="lower center", bbox_to_anchor=(0.5, 0.01), ncol=len(models), fontsize=9, markerscale=0.6)
+    fig.tight_layout()
+    return fig
+
+
+def facts(df: pd.DataFrame) -> list[Fact]:
+    """The quoted figures, per model kind: the deviation boundary between changed and unchanged outputs, the
+    clean margin, and (closer configuration) how many outputs changed and the one-step check's recall and AUC."""
+    s = scored(df)
+    rows = []
+    summary = summarize(df)
+    for model in model_kinds(s):
+        m = s[s["model"] == model]
+        suffix = "" if model == CLAIMS_MODEL else f"_{model}"
+        words = f"{model} models" if model == "random" else f"the {model} model"
+        bugged = m[m["bug_present"]]
+        same = bugged[~bugged["output_changed"]]
+        changed = bugged[bugged["output_changed"]]
+        if len(same) and len(changed):
+            hi = same.loc[same["every_step_score"].idxmax()]
+            lo = changed.loc[changed["every_step_score"].idxmin()]
+            rows.append(
+                (
+                    f"largest_unchanged_dev{suffix}",
+                    "largest all-steps deviation of a bugged run whose output did not change"
+                    + (f" ({words})" if suffix else ""),
+                    f"{hi['every_step_score']:.2g} ({hi['bug']})",
+                )
+            )
+            rows.append(
+                (
+                    f"smallest_changed_dev{suffix}",
+                    "smallest all-steps deviation of a bugged run whose output changed"
+                    + (f" ({words})" if suffix else ""),
+                    f"{lo['every_step_score']:.2g} ({lo['bug']})",
+                )
+            )
+        rows.append(
+            (
+                f"margin_median_detector{suffix}",
+                "detector runs"
+                + (f" ({words})" if suffix else "")
+                + ": median of the clean generation's smallest top-1 minus top-2 margin",
+                f"{float(m['clean_margin_min'].median()):.3g} ({len(m)} runs)",
+            )
+        )
+        if suffix:
+            seed = SEED_FIGURES["one-step"]
+            one = summary[
+                (summary["model"] == model)
+                & (summary["detector"] == "one-step")
+                & (summary["scope"] == "all")
+                & (summary["label"] == "output changed")
+            ].iloc[0]
+            per_bug = ", ".join(
+                f"{bug} {int(bugged.loc[bugged['bug'] == bug, 'output_changed'].sum())}"
+                for bug in BUGS
+                if (bugged["bug"] == bug).any()
+            )
+            rows.append(
+                (
+                    f"detector_changed{suffix}",
+                    f"detector study, {words}: bugged runs whose output changed (of 30 per bug)",
+                    f"{len(changed)} of {len(bugged)} ({per_bug})",
+                )
+            )
+            rows.append(
+                (
+                    f"detector_one_step{suffix}",
+                    f'detector study, {words}: one-step exact check on "output changed" (seed: recall '
+                    f"{seed['recall']:.3f}, AUC {seed['auc']:.3f})",
+                    f"recall {one['recall']:.3f}, AUC {one['auc']:.3f}",
+                )
+            )
+    return rows
+
+
+FIGURES = (
+    Figure(
+        "roc",
+        "ROC curves of the one-step and the every-step exact check",
+        "Scores: the largest deviation at the prompt and decode step 1 (one-step) or at any step (every-step). "
+        'Left: label "output changed" over the 240 bugged runs (the seed\'s population). Right: label "bug present" '
+        "over all runs (bugged vs clean controls). Top: random models (nearly tied: a small deviation can flip a "
+        "token); bottom: the trained cycle-task model (top-2 margins of several logits), the configuration closer "
+        "to the seed's. Ties are one straight segment, so each area is the printed AUC.",
+        roc_table,
+        _draw_roc,
+    ),
+    Figure(
+        "steps",
+        "Steps to detection per bug",
+        "For each bug and model kind, the first step at which the every-step check fires in each run (a test's "
+        "generation must be at least this long to see the bug), and how many runs the one-step check flags at all.",
+        steps_to_detection,
+        _draw_steps_to_detection,
+    ),
+)
+
+
 STUDY = Study(
     name="detector",
     version=VERSION,
@@ -366,4 +582,8 @@ STUDY = Study(
     validate_config=bugstudy.validate_config,
     summarize=summarize,
     claims=claims,
+    figures=FIGURES,
+    facts=facts,
+    tables=(("detector_steps", steps_to_detection),),
+    rank=20,
 )

@@ -27,9 +27,10 @@ from kvfast.check import KvfastModel, check_cache
 from kvfast.kernels.reduce import ORDER_CODES
 from kvfast.model.config import ModelConfig, init_params
 from kvfast.numerics import PRESETS, Numerics
-from kvfast.studies.base import Claim, Study
+from kvfast.studies.base import Claim, Figure, Study
 from kvfast.studies.common import MODEL_SHAPE_FIELDS, model_config, ok_rows, require_config_choice, require_model_shape
 from kvfast.studies.criteria import EXACT, judged
+from kvfast.studies.plotting import pyplot
 from kvfast.validation import require_int
 
 VERSION = "1"
@@ -137,6 +138,56 @@ def claims(df: pd.DataFrame) -> list[Claim]:
     ]
 
 
+# --- the report: its figures and quoted facts (kvfast.report shows them: see Figure and Fact) ----------
+
+
+def exactness_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Per preset and order: runs, worst deviation, runs bit-exact at every step, runs with equal tokens."""
+    ok = ok_rows(df)
+    out = (
+        ok.groupby(["preset", "order"])
+        .agg(
+            runs=("max_abs_dev", "size"),
+            worst_dev=("max_abs_dev", "max"),
+            exact_runs=("max_abs_dev", lambda s: int((s == 0.0).sum())),
+            tokens_equal=("tokens_equal", "sum"),
+        )
+        .reset_index()
+    )
+    return out
+
+
+def _draw_exact_runs(df: pd.DataFrame, table: pd.DataFrame):
+    """Per preset and order, the runs bit-exact at every step against all runs, with the worst deviation."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    labels = [f"{p}\n{o}" for p, o in zip(table["preset"], table["order"], strict=True)]
+    x = np.arange(len(table))
+    ax.bar(x, table["runs"], color="#dddddd", label="runs")
+    ax.bar(x, table["exact_runs"], width=0.5, color="#2ca02c", label="bit-exact at every step")
+    for i, (_, row) in enumerate(table.iterrows()):
+        ax.text(i, row["runs"] * 1.02, f"worst dev {row['worst_dev']:g}", ha="center", fontsize=9)
+    ax.set_xticks(x, labels)
+    ax.set_xlabel("preset and summation order")
+    ax.set_ylabel("runs")
+    ax.set_ylim(0, table["runs"].max() * 1.45 if len(table) else 1)
+    ax.set_title("Cached decode vs full recompute: runs bit-exact, and the worst deviation")
+    ax.legend(loc="upper center", ncol=2, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+FIGURES = (
+    Figure(
+        "exactness",
+        "Exactness: the grid's worst deviation per preset",
+        "Every run compares the cached logits with a full recompute at every step with ==.",
+        exactness_table,
+        _draw_exact_runs,
+    ),
+)
+
+
 STUDY = Study(
     name="exactness",
     version=VERSION,
@@ -148,4 +199,6 @@ STUDY = Study(
     summarize=summarize,
     claims=claims,
     validate_groups=(("d_model", "n_head"),),  # d_model % n_head; every other field is checked alone
+    figures=FIGURES,
+    rank=60,
 )

@@ -28,9 +28,10 @@ import pyarrow as pa
 from kvfast.model.config import ModelConfig, init_params
 from kvfast.model.transformer import Weights, forward_prepared
 from kvfast.numerics import PRESETS, Numerics
-from kvfast.studies.base import Claim, Study
+from kvfast.studies.base import Claim, Figure, Study
 from kvfast.studies.common import MODEL_SHAPE_FIELDS, model_config, ok_rows, require_config_choice, require_model_shape
 from kvfast.studies.criteria import EXACT, judged
+from kvfast.studies.plotting import SYMLOG_FLOOR, pyplot
 from kvfast.validation import require_int
 
 VERSION = "1"
@@ -182,6 +183,100 @@ def claims(df: pd.DataFrame) -> list[Claim]:
     return out
 
 
+# --- the report: its figure (kvfast.report shows it: see Figure) ---------------------------------------------
+
+LAYER_COLUMNS = ["preset", "mask", "layer", "runs", "exact_runs", "k_max", "v_max", "resid_in_max", "kv_min"]
+
+
+def layer_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Per preset, mask setting (``on``/``off``) and layer: runs, runs whose K and V at that layer are exactly
+    unchanged (``exact_runs``), the largest change over runs of K, V and the residual stream entering the layer,
+    and the smallest over runs of the smaller of its K and V changes (``kv_min``: above 0, K and V moved in every
+    run)."""
+    pl = per_layer(df)
+    if pl.empty:
+        return pd.DataFrame(columns=LAYER_COLUMNS)
+    pl = pl.assign(
+        mask=np.where(pl["causal"], "on", "off"),
+        kv=np.minimum(pl["k"], pl["v"]),
+        exact=(pl["k"] == 0.0) & (pl["v"] == 0.0),
+    )
+    out = (
+        pl.groupby(["preset", "mask", "layer"])
+        .agg(
+            runs=("k", "size"),
+            exact_runs=("exact", "sum"),
+            k_max=("k", "max"),
+            v_max=("v", "max"),
+            resid_in_max=("resid_in", "max"),
+            kv_min=("kv", "min"),
+        )
+        .reset_index()
+    )
+    out["exact_runs"] = out["exact_runs"].astype(np.int64)
+    order = {"on": 0, "off": 1}
+    out = out.sort_values(["preset", "mask", "layer"], key=lambda c: c.map(order) if c.name == "mask" else c)
+    return out[LAYER_COLUMNS].reset_index(drop=True)
+
+
+def _draw_layers(df: pd.DataFrame, table: pd.DataFrame):
+    """Per preset, the change of K and V per layer with the mask off (largest and smallest over runs) and on."""
+    plt = pyplot()
+    presets = [p for p in PRESETS if p in set(table["preset"])]
+    fig, axes = plt.subplots(1, len(presets), figsize=(4.4 * len(presets), 4.2), sharey=True, squeeze=False)
+    top = 20.0 * float(table[["k_max", "v_max"]].to_numpy().max()) if len(table) else 1.0
+    for ax, preset in zip(axes[0], presets, strict=True):
+        off = table[(table["preset"] == preset) & (table["mask"] == "off")]
+        on = table[(table["preset"] == preset) & (table["mask"] == "on")]
+        ax.plot(off["layer"], off["k_max"], "-o", color="#d62728", label="mask off: K, largest")
+        ax.plot(off["layer"], off["v_max"], "--s", color="#ff7f0e", label="mask off: V, largest")
+        ax.plot(off["layer"], off["kv_min"], ":^", color="#9467bd", label="mask off: smaller of K, V, least run")
+        ax.plot(on["layer"], on[["k_max", "v_max"]].max(axis=1), "-D", color="#2ca02c", label="mask on: K, V")
+        for _, row in pd.concat([off, on]).iterrows():
+            ax.text(
+                row["layer"],
+                0.93 if row["mask"] == "off" else 0.05,
+                f"{row['exact_runs']}/{row['runs']}",
+                transform=ax.get_xaxis_transform(),
+                ha="center",
+                fontsize=8,
+                color="#d62728" if row["mask"] == "off" else "#2ca02c",
+            )
+        ax.set_yscale("symlog", linthresh=SYMLOG_FLOOR)
+        ax.set_ylim(0, top)
+        ax.set_xticks(sorted(set(table["layer"])))
+        ax.set_xlabel("layer")
+        ax.set_title(f"preset {preset}")
+        ax.grid(alpha=0.3)
+    axes[0, 0].set_ylabel("max |change| at earlier positions\n(symlog, 0 at bottom)")
+    axes[0, -1].legend(loc="center right", fontsize=8)
+    axes[0, 0].text(
+        0.4,
+        0.4,
+        "numbers: runs whose K and V are exact\n(top: mask off; bottom: mask on)",
+        fontsize=8,
+        transform=axes[0, 0].transAxes,
+    )
+    fig.suptitle("Appending a token: how far each layer's K and V at earlier positions move")
+    fig.tight_layout()
+    return fig
+
+
+FIGURES = (
+    Figure(
+        "invariance",
+        "Invariance: how far appending a token moves earlier positions' K and V, per layer",
+        "Two forwards, over the prompt and over the prompt plus one token; the change of every earlier "
+        "position's keys and values at each layer (the y axis is symmetric-log, so exactly 0.0 is the bottom "
+        "axis). With the causal mask every layer is exact in every run, so a cache is exact. Without it layer "
+        "1's K and V are still exact (computed from the embedding alone) and every later layer moves in every "
+        "run: layer 1's attention lets the new token reach the earlier residual streams. Layers 3 and 4 are "
+        "the 4-layer models only.",
+        layer_table,
+        _draw_layers,
+    ),
+)
+
 STUDY = Study(
     name="invariance",
     version=VERSION,
@@ -192,4 +287,6 @@ STUDY = Study(
     validate_config=validate_config,
     summarize=summarize,
     claims=claims,
+    figures=FIGURES,
+    rank=75,
 )

@@ -46,9 +46,10 @@ from kvfast.model.decode import generate_prepared
 from kvfast.model.transformer import Weights
 from kvfast.numerics import Numerics
 from kvfast.studies import bugs as bugstudy
-from kvfast.studies.base import Claim, Study
+from kvfast.studies.base import Claim, Fact, Figure, Study
 from kvfast.studies.common import MODEL_SHAPE_FIELDS, model_config, ok_rows, require_config_choice, require_model_shape
 from kvfast.studies.criteria import EXACT, TEST, judged, mcnemar_exact_p
+from kvfast.studies.plotting import pyplot
 from kvfast.validation import require_int
 
 VERSION = "1"
@@ -278,6 +279,120 @@ def claims(df: pd.DataFrame) -> list[Claim]:
     return out
 
 
+# --- the report: its figures and quoted facts (kvfast.report shows them: see Figure and Fact) ----------
+
+
+def neartied_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Per model kind, storage/accumulator pair and twin gap: runs, flips of the mixed-order cached run and of the
+    control, and the median top-2 margin."""
+    ok = ok_rows(df)
+    rows = []
+    for (model, storage, accum, exp), g in ok.groupby(["model", "storage", "accum", "twin_exp"]):
+        rows.append(
+            {
+                "model": model,
+                "storage": storage,
+                "accum": accum,
+                "twin_exp": int(exp),
+                "runs": len(g),
+                "flips_cached": int(g["flip_cached"].sum()),
+                "flips_control": int(g["flip_control"].sum()),
+                "margin_median": float(g["margin_median"].median()),
+            }
+        )
+    return pd.DataFrame(
+        rows,
+        columns=["model", "storage", "accum", "twin_exp", "runs", "flips_cached", "flips_control", "margin_median"],
+    )
+
+
+def _draw_flips(df: pd.DataFrame, table: pd.DataFrame):
+    """Per model kind, flips of the cached run and of the control against the twin gap, per accumulator."""
+    models = [m for m in ("random", "trained") if m in set(table["model"])]
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(models), figsize=(6.2 * len(models), 4.8), sharey=True, squeeze=False)
+    styles = {"bf16": "-", "f32": "--", "f64": ":"}
+    runs = int(table["runs"].max()) if len(table) else 0
+    exps = sorted(set(table["twin_exp"]))
+    for ax, model in zip(axes[0], models, strict=True):
+        mine = table[(table["model"] == model) & (table["storage"] == "bf16")]
+        for accum, g in mine.groupby("accum"):
+            ls = styles[accum]
+            ax.plot(g["twin_exp"], g["flips_cached"], ls, marker="o", color="#9467bd", label=f"cached, {accum} acc")
+            ax.plot(g["twin_exp"], g["flips_control"], ls, marker="s", color="#8c564b", label=f"control, {accum} acc")
+        ax.axhline(3, color="#9467bd", lw=0.8, alpha=0.5)
+        ax.axhline(2, color="#8c564b", lw=0.8, alpha=0.5)
+        ax.text(0.02, 3.3, "seed: cached 3 / 24", fontsize=8, color="#9467bd", transform=ax.get_yaxis_transform())
+        ax.text(0.02, 1.0, "seed: control 2 / 24", fontsize=8, color="#8c564b", transform=ax.get_yaxis_transform())
+        ax.set_xticks(exps, [f"$2^{{-{e}}}$" for e in exps])
+        ax.set_xlabel("twin gap (smaller = closer tie)")
+        ax.set_ylim(-0.5, runs + 0.5)
+        ax.set_title(f"twin head on the {model} model{'s' if model == 'random' else ''}")
+        ax.grid(alpha=0.3)
+    axes[0, 0].set_ylabel(f"runs whose tokens flip (of {runs})")
+    axes[0, -1].legend(loc="center right", fontsize=9)
+    fig.suptitle("Near-tied model, bf16 storage: cached (mixed orders) vs no-cache control")
+    fig.tight_layout()
+    return fig
+
+
+def facts(df: pd.DataFrame) -> list[Fact]:
+    """The quoted figures per model kind: the bf16 accumulator's largest logit move and (twin head on the trained
+    model) the flips and the median margin per twin gap."""
+    ok = ok_rows(df)
+    rows = []
+    for model in [m for m in MODEL_KINDS if m in set(ok["model"])]:
+        runs = ok[ok["model"] == model]
+        b = runs[runs["accum"] == "bf16"]
+        if not len(b):
+            continue
+        suffix = "" if model == CLAIMS_MODEL else f"_{model}"
+        words = "" if not suffix else f" (twin head on the {model} model)"
+        rows.append(
+            (
+                f"neartied_bf16_logit_move{suffix}",
+                f"near-tied model{words}, bf16 accumulator: largest logit move of the mixed-order cached run "
+                "(to its first flip)",
+                f"{float(b['cached_max_diff'].max()):.3g}",
+            )
+        )
+        if suffix:
+            rows.append(
+                (
+                    f"neartied_flips{suffix}",
+                    f"near-tied model{words}, bf16 storage + bf16 accumulator, per twin gap: cached vs control "
+                    "flips (paired exact McNemar p)",
+                    flips_text(flips_per_gap(runs)),
+                )
+            )
+            rows.append(
+                (
+                    f"neartied_margin{suffix}",
+                    f"near-tied model{words}: median top-2 margin per twin gap (f64 preset)",
+                    "; ".join(
+                        f"2^-{int(e)}: {float(g['margin_median'].median()):.3g}"
+                        for e, g in runs[runs["storage"] == "f64"].groupby("twin_exp")
+                    ),
+                )
+            )
+    return rows
+
+
+FIGURES = (
+    Figure(
+        "neartied",
+        "Near-tied flips against the tie gap, cached vs control",
+        "A twin-head model makes every step nearly tied. Cached: prefill in sequential order, every decode step in "
+        "pairwise; control: a full recompute in pairwise order, no cache. Both against a sequential recompute. "
+        "Left: the twin head on random models; right: on the trained cycle-task model (in-distribution prompts). "
+        "With an f32 or f64 accumulator no run flips; with a bf16 accumulator the cache flips about as often as the "
+        "control at every gap, on both.",
+        neartied_table,
+        _draw_flips,
+    ),
+)
+
+
 STUDY = Study(
     name="neartied",
     version=VERSION,
@@ -288,4 +403,7 @@ STUDY = Study(
     validate_config=validate_config,
     summarize=summarize,
     claims=claims,
+    figures=FIGURES,
+    facts=facts,
+    rank=40,
 )

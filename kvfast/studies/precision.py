@@ -45,9 +45,10 @@ from kvfast.model.config import ModelConfig, init_params
 from kvfast.model.decode import decode_prepared
 from kvfast.model.transformer import Weights, forward_prepared
 from kvfast.numerics import Numerics
-from kvfast.studies.base import Claim, Study
+from kvfast.studies.base import Claim, Fact, Figure, Study
 from kvfast.studies.common import MODEL_SHAPE_FIELDS, model_config, ok_rows, require_config_choice, require_model_shape
 from kvfast.studies.criteria import EXACT, judged
+from kvfast.studies.plotting import pyplot
 from kvfast.validation import require_int
 
 VERSION = "2"
@@ -275,8 +276,13 @@ def _pct(x: float) -> str:
 
 
 def claims(df: pd.DataFrame) -> list[Claim]:
-    """The seed's order/precision claims as this grid measured them."""
+    """The seed's order/precision claims as this grid measured them: the formats', then the kernels'."""
     ok = ok_rows(df)
+    return _format_claims(ok) + _kernel_claims(ok)
+
+
+def _format_claims(ok: pd.DataFrame) -> list[Claim]:
+    """Standard attention, same kernel: which accumulator makes the summation order matter."""
     std = ok[(ok["attention"] == "standard") & (ok["decode_attention"] == "same")]
     out = []
 
@@ -318,6 +324,12 @@ def claims(df: pd.DataFrame) -> list[Claim]:
                 ],
             )
         )
+    return out
+
+
+def _kernel_claims(ok: pd.DataFrame) -> list[Claim]:
+    """Same order in both paths: aligned kernels keep the cache exact; count splits and mixed kernels break it."""
+    out = []
     same_kernel = ok[ok["decode_attention"] == "same"]
     aligned = same_kernel[same_kernel["attention"].str.split(":").str[0].isin(["standard", "online", "splitkv"])]
     counted = same_kernel[same_kernel["attention"].str.startswith("splitcount")]
@@ -368,6 +380,109 @@ def claims(df: pd.DataFrame) -> list[Claim]:
     return out
 
 
+# --- the report: its figures and quoted facts (kvfast.report shows them: see Figure and Fact) ----------
+
+
+def precision_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Standard attention, same decode kernel: per d_model, storage, accumulator and comparison, the share of
+    positions whose every value agrees bit for bit (mean over runs)."""
+    ok = ok_rows(df)
+    ok = ok[(ok["attention"] == "standard") & (ok["decode_attention"] == "same")]
+    rows = []
+    for (d, storage, accum), g in ok.groupby(["d_model", "storage", "accum"]):
+        seq = g[g["prefill_order"] == "sequential"]
+        pair = g[g["prefill_order"] == "pairwise"]
+        for comparison, values in (
+            ("forward: sequential vs pairwise", g["fwd_pos_agree"]),
+            ("cache: prefill sequential, decode pairwise", seq["cache_pos_agree"]),
+            ("cache: prefill pairwise, decode sequential", pair["cache_pos_agree"]),
+        ):
+            rows.append(
+                {
+                    "d_model": int(d),
+                    "storage": storage,
+                    "accum": accum,
+                    "comparison": comparison,
+                    "runs": len(values),
+                    "positions_agree": float(values.mean()) if len(values) else np.nan,
+                }
+            )
+    return pd.DataFrame(rows, columns=["d_model", "storage", "accum", "comparison", "runs", "positions_agree"])
+
+
+def _draw_agreement(df: pd.DataFrame, table: pd.DataFrame):
+    """Heatmaps, storage x accumulator, of the share of positions agreeing, per d_model and comparison."""
+    plt = pyplot()
+    dims = sorted(set(table["d_model"]))
+    comps = list(dict.fromkeys(table["comparison"]))
+    fig, axes = plt.subplots(
+        len(dims), len(comps), figsize=(4.3 * len(comps) + 1.2, 3.5 * len(dims) + 0.6), squeeze=False,
+        layout="constrained",
+    )  # fmt: skip
+    for r, d in enumerate(dims):
+        for c, comp in enumerate(comps):
+            ax = axes[r, c]
+            g = table[(table["d_model"] == d) & (table["comparison"] == comp)]
+            grid = np.full((3, 3), np.nan)
+            for _, row in g.iterrows():
+                grid[FORMATS.index(row["storage"]), FORMATS.index(row["accum"])] = row["positions_agree"]
+            im = ax.imshow(100 * grid, vmin=0, vmax=100, cmap="viridis")
+            for i in range(3):
+                for j in range(3):
+                    v = grid[i, j]
+                    text = "" if np.isnan(v) else f"{100 * v:.1f}%"
+                    ax.text(j, i, text, ha="center", va="center", color="white" if v < 0.6 else "black")
+            ax.set_xticks(range(3), FORMATS)
+            ax.set_yticks(range(3), FORMATS)
+            ax.set_xlabel("accumulator")
+            ax.set_ylabel(f"d_model {d}: storage" if c == 0 else "storage")
+            if r == 0:
+                ax.set_title(comp.replace(": ", ":\n"), fontsize=10)
+    fig.colorbar(im, ax=axes, shrink=0.8, label="% of positions agreeing bit for bit")
+    fig.suptitle("Share of positions whose every value agrees bit for bit (standard attention)")
+    return fig
+
+
+def facts(df: pd.DataFrame) -> list[Fact]:
+    """The quoted figures: each bf16-storage + f32-accumulator split, and the bf16 accumulator's logit difference."""
+    ok = ok_rows(df)
+    rows = []
+    std = ok[(ok["attention"] == "standard") & (ok["decode_attention"] == "same")]
+    split = std[(std["storage"] == "bf16") & (std["accum"] == "f32") & (std["fwd_pos_agree"] < 1.0)]
+    for _, r in split.sort_values(["d_model", "seed", "prefill_order"]).iterrows():
+        rows.append(
+            (
+                f"f32_accum_split_d{int(r['d_model'])}_seed{int(r['seed'])}_{r['prefill_order']}",
+                f"bf16 storage + f32 accumulator, d_model {int(r['d_model'])}, seed {int(r['seed'])}, prefill "
+                f"{r['prefill_order']}: positions / values agreeing, first split",
+                f"{100 * r['fwd_pos_agree']:.1f}% / {100 * r['fwd_values_agree']:.2f}%, {r['fwd_first_diff']}",
+            )
+        )
+    b = ok[(ok["accum"] == "bf16") & (ok["attention"] == "standard") & (ok["decode_attention"] == "same")]
+    for d, g in b.groupby("d_model"):
+        rows.append(
+            (
+                f"bf16_accum_logit_diff_d{int(d)}",
+                f"bf16 accumulator, d_model {int(d)}: largest logit difference between the two orders (forward)",
+                f"{float(g['fwd_logits_max_diff'].max()):.3g}",
+            )
+        )
+    return rows
+
+
+FIGURES = (
+    Figure(
+        "precision",
+        "Summation order: share of positions that agree bit for bit",
+        "Storage format (rows) x accumulator format (columns) x comparison (panels): the forward in sequential vs "
+        "pairwise order, and a cache whose prefill and decode use different orders against a full recompute. "
+        "Standard attention; 8 models per cell and order.",
+        precision_table,
+        _draw_agreement,
+    ),
+)
+
+
 STUDY = Study(
     name="precision",
     version=VERSION,
@@ -378,4 +493,7 @@ STUDY = Study(
     validate_config=validate_config,
     summarize=summarize,
     claims=claims,
+    figures=FIGURES,
+    facts=facts,
+    rank=30,
 )

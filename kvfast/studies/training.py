@@ -56,9 +56,10 @@ from kvfast.model.cache import KVCache
 from kvfast.model.config import ModelConfig, init_params
 from kvfast.model.transformer import Weights, forward_prepared
 from kvfast.numerics import Numerics
-from kvfast.studies.base import Claim, Study
+from kvfast.studies.base import Claim, Fact, Figure, Study
 from kvfast.studies.common import MODEL_SHAPE_FIELDS, model_config, ok_rows, require_model_shape
 from kvfast.studies.criteria import DIRECTION, VS_SEED, judged, within
+from kvfast.studies.plotting import pyplot
 from kvfast.studies.toytask import AdamState, adam_step, batch_loss_and_grads
 from kvfast.validation import not_allowed, require_int
 
@@ -346,6 +347,344 @@ def _direction_claims(ok: pd.DataFrame) -> list[Claim]:
     ]
 
 
+# --- the report: its figures and quoted facts (kvfast.report shows them: see Figure and Fact) ----------
+
+
+def training_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Per training budget and prefix length: mean, min and max gradient cosine and mean held-out suffix losses."""
+    ok = ok_rows(df)
+    out = (
+        ok.groupby(["train_steps", "prefix_len"])
+        .agg(
+            seeds=("seed", "nunique"),
+            cosine=("grad_cosine", "mean"),
+            cosine_min=("grad_cosine", "min"),
+            cosine_max=("grad_cosine", "max"),
+            suffix_loss_full=("suffix_loss_full", "mean"),
+            suffix_loss_cached=("suffix_loss_cached", "mean"),
+        )
+        .reset_index()
+    )
+    return out
+
+
+def _curve_runs(df: pd.DataFrame) -> pd.DataFrame:
+    ok = ok_rows(df)
+    if "curve_cosine_full" not in ok.columns:
+        return ok.iloc[0:0]
+    return ok[ok["prefix_len"] == TASK_PREFIX]
+
+
+def training_curve_table(df: pd.DataFrame) -> pd.DataFrame:
+    """At prefix 6, per training budget and curve point: the step and the means over seeds of the gradient cosine
+    along full and along cached training, and of the held-out suffix loss of each variant."""
+    runs = _curve_runs(df)
+    rows = []
+    for steps, g in runs.groupby("train_steps"):
+        at, cos_full = mean_curve(g, "curve_cosine_full")
+        _, cos_cached = mean_curve(g, "curve_cosine_cached")
+        _, loss_full = mean_curve(g, "curve_suffix_loss_full")
+        _, loss_cached = mean_curve(g, "curve_suffix_loss_cached")
+        for i, step in enumerate(at):
+            rows.append(
+                {
+                    "train_steps": int(steps),
+                    "step": int(step),
+                    "seeds": len(g),
+                    "cosine_full_training": float(cos_full[i]),
+                    "cosine_cached_training": float(cos_cached[i]),
+                    "suffix_loss_full": float(loss_full[i]),
+                    "suffix_loss_cached": float(loss_cached[i]),
+                }
+            )
+    return pd.DataFrame(
+        rows,
+        columns=[
+            "train_steps",
+            "step",
+            "seeds",
+            "cosine_full_training",
+            "cosine_cached_training",
+            "suffix_loss_full",
+            "suffix_loss_cached",
+        ],
+    )
+
+
+def _budgets(runs: pd.DataFrame) -> list[int]:
+    return sorted(int(s) for s in set(runs["train_steps"]))
+
+
+def training_tensor_table(df: pd.DataFrame) -> pd.DataFrame:
+    """At prefix 6 and the main (shortest) budget, per parameter tensor: the gradient cosine (mean over seeds) at
+    initialisation and at the last curve point along each variant's"""
+    runs = _curve_runs(df)
+    if not len(runs):
+        return pd.DataFrame(columns=["tensor", "seeds", "at_init", "end_full_training", "end_cached_training"])
+    g = runs[runs["train_steps"] == min(_budgets(runs))]
+    names = list(g["tensor_names"].iloc[0])
+    full = np.array([np.asarray(list(c), dtype=np.float64) for c in g["curve_tensor_cosine_full"]])
+    cached = np.array([np.asarray(list(c), dtype=np.float64) for c in g["curve_tensor_cosine_cached"]])
+    return pd.DataFrame(
+        {
+            "tensor": names,
+            "seeds": len(g),
+            "at_init": full[:, 0, :].mean(axis=0),
+            "end_full_training": full[:, -1, :].mean(axis=0),
+            "end_cached_training": cached[:, -1, :].mean(axis=0),
+        }
+    )
+
+
+def _cosine_table(df: pd.DataFrame) -> pd.DataFrame:
+    return training_table(df)[["train_steps", "prefix_len", "seeds", "cosine", "cosine_min", "cosine_max"]]
+
+
+def _loss_table(df: pd.DataFrame) -> pd.DataFrame:
+    return training_table(df)[["train_steps", "prefix_len", "seeds", "suffix_loss_full", "suffix_loss_cached"]]
+
+
+def _cosine_curve_table(df: pd.DataFrame) -> pd.DataFrame:
+    columns = ["train_steps", "step", "seeds", "cosine_full_training", "cosine_cached_training"]
+    return training_curve_table(df)[columns]
+
+
+def _loss_curve_table(df: pd.DataFrame) -> pd.DataFrame:
+    return training_curve_table(df)[["train_steps", "step", "seeds", "suffix_loss_full", "suffix_loss_cached"]]
+
+
+def _draw_cosine(df: pd.DataFrame, table: pd.DataFrame):
+    """The cosine at initialisation against the prefix length: each seed, and their mean."""
+    ok = ok_rows(df)
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.4))
+    main = table[table["train_steps"] == table["train_steps"].min()]
+    runs = ok[ok["train_steps"] == table["train_steps"].min()]
+    ax.scatter(runs["prefix_len"], runs["grad_cosine"], s=14, color="grey", alpha=0.6, label="one seed")
+    ax.plot(main["prefix_len"], main["cosine"], "-o", color="#1f77b4", label="mean over seeds")
+    ax.plot([TASK_PREFIX], [0.857], "*", ms=14, color="#d62728", label="seed: 0.857 at 6 of 12")
+    ax.set_xlabel("cached prefix length P (positions whose K/V are constants), of 12")
+    ax.set_ylabel("gradient cosine, cached vs full")
+    ax.set_title("Gradient cosine at initialisation against prefix length")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower left")
+    fig.tight_layout()
+    return fig
+
+
+def _budget_panels(runs: pd.DataFrame) -> tuple[object, object, list[tuple[object, int, pd.DataFrame]]]:
+    """One panel per training budget, side by side, sharing the y axis: the figure, its axes, and per panel
+    ``(axis, budget, the budget's runs)``."""
+    budgets = _budgets(runs)
+    fig, axes = pyplot().subplots(1, len(budgets), figsize=(6.2 * len(budgets), 4.6), sharey=True, squeeze=False)
+    return (
+        fig,
+        axes,
+        [(ax, steps, runs[runs["train_steps"] == steps]) for ax, steps in zip(axes[0], budgets, strict=True)],
+    )
+
+
+def _draw_cosine_curve(df: pd.DataFrame, table: pd.DataFrame):
+    """Per budget, the cosine along full and along cached training: each seed, and their mean."""
+    fig, axes, panels = _budget_panels(_curve_runs(df))
+    for ax, steps, g in panels:
+        for variant, color in (("full", "#2ca02c"), ("cached", "#d62728")):
+            for _, r in g.iterrows():
+                ax.plot(r["curve_steps"], r[f"curve_cosine_{variant}"], "-", color=color, alpha=0.25, lw=1)
+            at, mean = mean_curve(g, f"curve_cosine_{variant}")
+            ax.plot(at, mean, "-o", ms=4, color=color, label=f"along {variant} training (mean of {len(g)} seeds)")
+        ax.axhline(SEED_COSINE, color="black", ls="--", lw=1, label=f"seed: {SEED_COSINE}")
+        ax.set_xlabel("training step (Adam)")
+        ax.set_title(f"{steps} training steps, prefix 6 of 12")
+        ax.grid(alpha=0.3)
+    axes[0, 0].set_ylabel("gradient cosine, cached-prefix vs full")
+    axes[0, 0].legend(loc="lower left", fontsize=9)
+    fig.suptitle("Gradient cosine during training (thin lines: one seed each)")
+    fig.tight_layout()
+    return fig
+
+
+def _draw_tensor_cosine(df: pd.DataFrame, table: pd.DataFrame):
+    """Per variant, a heatmap of the cosine per parameter tensor against the training step."""
+    runs = _curve_runs(df)
+    plt = pyplot()
+    g = runs[runs["train_steps"] == min(_budgets(runs))]
+    names = list(g["tensor_names"].iloc[0])
+    at = list(g["curve_steps"].iloc[0])
+    fig, axes = plt.subplots(1, 2, figsize=(12, 6.4), sharey=True, layout="constrained")
+    for ax, variant in zip(axes, ("full", "cached"), strict=True):
+        cube = np.array([np.asarray(list(c), dtype=np.float64) for c in g[f"curve_tensor_cosine_{variant}"]])
+        grid = cube.mean(axis=0).T  # tensors x curve points
+        im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+        ax.set_xticks(range(len(at)), [str(a) for a in at], fontsize=8)
+        ax.set_yticks(range(len(names)), names, fontsize=8)
+        ax.set_xlabel("training step")
+        ax.set_title(f"along {variant} training")
+    axes[0].set_ylabel("parameter tensor (h0 = layer 1, h1 = layer 2)")
+    fig.colorbar(im, ax=axes, shrink=0.8, label="gradient cosine, cached-prefix vs full (mean over seeds)")
+    fig.suptitle(f"Gradient cosine per parameter tensor, prefix 6 of 12, {int(g['train_steps'].iloc[0])} steps")
+    return fig
+
+
+def _draw_suffix_loss(df: pd.DataFrame, table: pd.DataFrame):
+    """The held-out suffix loss after each budget against the prefix length, full and cached."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.4))
+    for steps, g in table.groupby("train_steps"):
+        marker = "-o" if len(g) > 1 else "D"
+        ax.plot(g["prefix_len"], g["suffix_loss_full"], marker, color="#2ca02c", label=f"full, {steps} steps")
+        ax.plot(g["prefix_len"], g["suffix_loss_cached"], marker, color="#d62728", label=f"cached, {steps} steps")
+    ax.plot([TASK_PREFIX], [1.346], "*", ms=14, color="#d62728", mec="black", label="seed cached: 1.346")
+    ax.plot([TASK_PREFIX], [0.059], "*", ms=14, color="#2ca02c", mec="black", label="seed full: 0.059")
+    ax.set_xlabel("cached prefix length P, of 12")
+    ax.set_ylabel("held-out suffix loss (mean over seeds)")
+    ax.set_title("Held-out suffix loss after the same budget: cached prefix vs full")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+def _draw_loss_curve(df: pd.DataFrame, table: pd.DataFrame):
+    """Per budget, the training-batch loss and the held-out suffix loss along training."""
+    fig, axes, panels = _budget_panels(_curve_runs(df))
+    for ax, steps, g in panels:
+        for variant, color in (("full", "#2ca02c"), ("cached", "#d62728")):
+            batch = np.array([np.asarray(v, dtype=np.float64) for v in g[f"train_loss_{variant}"]]).mean(axis=0)
+            ax.plot(
+                np.arange(batch.size), batch, "-", color=color, alpha=0.35, lw=1, label=f"{variant}: training batch"
+            )
+            at, mean = mean_curve(g, f"curve_suffix_loss_{variant}")
+            ax.plot(at, mean, "-o", ms=4, color=color, label=f"{variant}: held-out suffix")
+        ax.plot([steps], [1.346], "*", ms=13, color="#d62728", mec="black", label="seed cached: 1.346")
+        ax.plot([steps], [0.059], "*", ms=13, color="#2ca02c", mec="black", label="seed full: 0.059")
+        ax.set_yscale("log")
+        ax.set_xlabel("training step (Adam)")
+        ax.set_title(f"{steps} training steps, prefix 6 of 12 (mean of {len(g)} seeds)")
+        ax.grid(alpha=0.3, which="both")
+    axes[0, 0].set_ylabel("loss (log scale)")
+    axes[0, -1].legend(fontsize=8, loc="lower left", ncol=2)
+    fig.suptitle("Loss during training: cached prefix vs full")
+    fig.tight_layout()
+    return fig
+
+
+def _per_seed_facts(df: pd.DataFrame) -> list[Fact]:
+    ok = ok_rows(df)
+    rows = []
+    at = ok[ok["prefix_len"] == 6]
+    for steps, g in at.groupby("train_steps"):
+        g = g.sort_values("seed")
+        rows.append(
+            (
+                f"training_per_seed_{int(steps)}",
+                f"training at prefix 6 of 12, {int(steps)} steps, per seed: gradient cosine; suffix loss full / cached",
+                "; ".join(
+                    f"seed {int(r['seed'])}: {r['grad_cosine']:.3f}; {r['suffix_loss_full']:.3f} / "
+                    f"{r['suffix_loss_cached']:.3f}"
+                    for _, r in g.iterrows()
+                ),
+            )
+        )
+    return rows
+
+
+def _curve_facts(df: pd.DataFrame) -> list[Fact]:
+    ok = ok_rows(df)
+    if "curve_cosine_full" not in ok.columns:
+        return []
+    at6 = ok[ok["prefix_len"] == 6]
+    rows = []
+    for steps, g in at6.groupby("train_steps"):
+        for variant in ("full", "cached"):
+            at, curve = mean_curve(g, f"curve_cosine_{variant}")
+            rows.append(
+                (
+                    f"training_cosine_curve_{variant}_{int(steps)}",
+                    f"training at prefix 6 of 12, {int(steps)} steps: gradient cosine along {variant} training "
+                    "(mean over seeds), step: cosine",
+                    ", ".join(f"{int(a)}: {c:.3f}" for a, c in zip(at, curve, strict=True)),
+                )
+            )
+        for variant in ("full", "cached"):
+            at, curve = mean_curve(g, f"curve_suffix_loss_{variant}")
+            rows.append(
+                (
+                    f"training_loss_curve_{variant}_{int(steps)}",
+                    f"training at prefix 6 of 12, {int(steps)} steps: held-out suffix loss of {variant} training "
+                    "(mean over seeds), step: loss",
+                    ", ".join(f"{int(a)}: {c:.3g}" for a, c in zip(at, curve, strict=True)),
+                )
+            )
+    main = at6[at6["train_steps"] == at6["train_steps"].min()]
+    names = list(main["tensor_names"].iloc[0])
+    init = np.array([np.asarray(list(c)[0], dtype=np.float64) for c in main["curve_tensor_cosine_full"]]).mean(axis=0)
+    order = np.argsort(init, kind="stable")
+    rows.append(
+        (
+            "training_tensor_cosine_init",
+            "training at prefix 6 of 12: gradient cosine per parameter tensor at initialisation (mean over seeds), "
+            "lowest first",
+            ", ".join(f"{names[i]} {init[i]:.3f}" for i in order),
+        )
+    )
+    return rows
+
+
+def facts(df: pd.DataFrame) -> list[Fact]:
+    """The quoted figures: per seed at prefix 6, then the mean curves and the per-tensor cosine at initialisation."""
+    return _per_seed_facts(df) + _curve_facts(df)
+
+
+FIGURES = (
+    Figure(
+        "training_cosine",
+        "Training: gradient cosine against the cached prefix length",
+        "The cosine between the full gradient and the cached-prefix gradient (prefix K/V treated as constants), "
+        "at initialisation, on a fixed batch of 32 sequences.",
+        _cosine_table,
+        _draw_cosine,
+    ),
+    Figure(
+        "training_curve",
+        "Training: gradient cosine during training",
+        "The cosine between the full and the cached-prefix gradient on the fixed batch of 32 sequences, at the "
+        "parameters each variant has reached after that many Adam steps (step 0 is the cosine at initialisation). "
+        "Along full training it dips while the model learns to attend back to the prefix, through the seed's "
+        "0.857, and recovers once the task is learned; along cached training it keeps falling.",
+        _cosine_curve_table,
+        _draw_cosine_curve,
+    ),
+    Figure(
+        "training_tensors",
+        "Training: gradient cosine per parameter tensor",
+        "The same cosine, tensor by tensor. The gap sits in the key and value projections (wk, wv) and the "
+        "pre-attention norms and embeddings, through which the prefix's keys and values depend on the parameters. "
+        "Tensors that the prefix's keys and values do not depend on (the last layer's queries, output projection, "
+        "MLP and its norm, the final norm, the output head) get the same gradient either way (cosine 1.000).",
+        training_tensor_table,
+        _draw_tensor_cosine,
+    ),
+    Figure(
+        "training_loss",
+        "Training: held-out suffix loss, cached prefix vs full",
+        "After the same Adam budget from the same initialisation: the held-out loss over the learnable suffix "
+        "positions, full training against training with the prefix's K/V as constants.",
+        _loss_table,
+        _draw_suffix_loss,
+    ),
+    Figure(
+        "training_loss_curve",
+        "Training: loss curves, cached prefix vs full",
+        "Thin lines: each step's training-batch loss over positions 6..11 (what each variant minimises); markers: "
+        "the held-out loss over the learnable suffix positions at the curve points (the last one is the figure of "
+        "the claims table). Stars: the seed's final losses, drawn at the end of each budget.",
+        _loss_curve_table,
+        _draw_loss_curve,
+    ),
+)
+
+
 STUDY = Study(
     name="training",
     version=VERSION,
@@ -356,4 +695,7 @@ STUDY = Study(
     validate_config=validate_config,
     summarize=summarize,
     claims=claims,
+    figures=FIGURES,
+    facts=facts,
+    rank=50,
 )
