@@ -3,6 +3,9 @@ no traceback, and nothing lost."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -74,3 +77,41 @@ def test_a_long_message_from_user_code_is_still_one_bounded_line(tmp_path, monke
 @pytest.mark.parametrize("value", [["x"] * 3, {"a": "b" * 10_000}])
 def test_shown_bounds_any_value(value):
     assert len(shown(value)) <= SHOWN_CHARS
+
+
+# --- finding 4: a damaged or unwritable Numba cache is named, never blamed on the model ------------------
+
+BF16_ONCE = "import numpy as np, kvfast; print(kvfast.to_bfloat16(np.array([1.0 + 2.0**-8 + 2.0**-30]))[0])"
+
+
+def _python(code: str, env: dict) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **env)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_a_damaged_numba_cache_is_compiled_again_and_named_in_one_line(tmp_path):
+    cache = tmp_path / "numba"
+    first = _python(BF16_ONCE, {"NUMBA_CACHE_DIR": str(cache)})
+    assert first.returncode == 0 and first.stdout == "1.0078125\n" and first.stderr == "", first.stderr
+    damaged = sorted(cache.rglob("*.nbi")) + sorted(cache.rglob("*.nbc"))
+    assert damaged
+    for path in damaged:  # a pickle header announcing a frame that is not there, then noise
+        path.write_bytes(b"\x80\x04\x95\xff\xff" + bytes(range(7, 107)))
+    second = _python(BF16_ONCE, {"NUMBA_CACHE_DIR": str(cache)})
+    assert second.returncode == 0 and second.stdout == "1.0078125\n", second.stderr
+    lines = second.stderr.splitlines()
+    assert lines and all(line.startswith("kvfast: the Numba cache file ") and "is damaged" in line for line in lines)
+    assert all(f"delete {cache}" in line for line in lines) and "Traceback" not in second.stderr
+    third = _python(BF16_ONCE, {"NUMBA_CACHE_DIR": str(cache)})  # repaired: silent again
+    assert third.returncode == 0 and third.stdout == "1.0078125\n" and third.stderr == "", third.stderr
+
+
+def test_an_unwritable_numba_cache_dir_falls_back_to_a_private_one_and_says_so(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    wanted = blocker / "numba"  # cannot be created, even by root
+    run = _python(BF16_ONCE, {"NUMBA_CACHE_DIR": str(wanted), "TMPDIR": str(tmp_path)})
+    assert run.returncode == 0 and run.stdout == "1.0078125\n"
+    (line,) = run.stderr.splitlines()
+    assert line.startswith(f"kvfast: the Numba cache directory {wanted} cannot be written; caching kernels in ")
+    assert list((tmp_path / f"kvfast-numba-{os.getuid()}").rglob("*.nbi"))  # the fallback holds the kernels
