@@ -115,3 +115,44 @@ def test_an_unwritable_numba_cache_dir_falls_back_to_a_private_one_and_says_so(t
     (line,) = run.stderr.splitlines()
     assert line.startswith(f"kvfast: the Numba cache directory {wanted} cannot be written; caching kernels in ")
     assert list((tmp_path / f"kvfast-numba-{os.getuid()}").rglob("*.nbi"))  # the fallback holds the kernels
+
+
+# --- finding 8: nesting too deep; planning: duplicate axis values -------------------------------------
+
+
+def test_a_grid_nested_600_deep_is_one_line_and_exit_2(tmp_path, capsys):
+    toml = tmp_path / "deep.toml"
+    toml.write_text('study = "bugs"\n[axes]\nbug = ' + "[" * 600 + "1" + "]" * 600 + "\n")
+    code = main(["run", str(toml), "--out", str(tmp_path / "out"), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert "nested too deep to parse; allowed: at most 64 levels" in err
+
+
+def test_a_spec_nested_too_deep_is_a_value_error_naming_where():
+    from kvfast.sweep.grid import grid_from_spec
+
+    value = 1
+    for _ in range(600):
+        value = [value]
+    with pytest.raises(ValueError, match=r"axes\.bug(\[0\])+: nested more than 64 deep is not allowed"):
+        grid_from_spec({"study": "bugs", "axes": {"bug": [value]}})
+
+
+def test_duplicate_axis_values_are_dropped_before_planning_keeping_types_and_signs_apart():
+    from kvfast.sweep.grid import _distinct
+
+    assert _distinct([1, 1.0, True, 0.0, -0.0, 1, "1", 1.0, -0.0]) == [1, 1.0, True, 0.0, -0.0, "1"]
+    kept = _distinct([0.0, -0.0])
+    assert [str(v) for v in kept] == ["0.0", "-0.0"]
+    many = [3] * 100_000 + [1] * 100_000
+    assert _distinct(many) == [3, 1]
+
+
+def test_a_grid_of_many_duplicates_is_the_grid_of_its_distinct_values():
+    from kvfast.sweep.grid import grid_from_spec
+
+    axes = {"seed": [0, 1], "n": [10], "scale": [1], "order": ["sorted"]}
+    small = grid_from_spec({"study": "examples.sum_order_study:STUDY", "axes": axes})
+    big = grid_from_spec({"study": "examples.sum_order_study:STUDY", "axes": dict(axes, seed=[0, 1] * 50_000)})
+    assert len(big) == len(small) == 2 and list(big.iter_ids()) == list(small.iter_ids())

@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import pyarrow as pa
 
-from kvfast.sweep.ids import canonical, spec_hash
+from kvfast.sweep.ids import MAX_DEPTH, canonical, spec_hash
 
 if TYPE_CHECKING:
     from kvfast.studies.base import Study
@@ -234,6 +234,10 @@ def load_grid(name_or_path: str, max_runs: int = DEFAULT_MAX_RUNS) -> Grid:
         raise ValueError(f"{path}: TOML syntax error: {exc}") from None
     except UnicodeDecodeError as exc:
         raise ValueError(f"{path}: not a TOML text file (byte {exc.start}: not UTF-8)") from None
+    except RecursionError:  # Python's TOML parser recurses once per level of nesting
+        raise ValueError(
+            f"{path}: arrays or tables nested too deep to parse; allowed: at most {MAX_DEPTH} levels"
+        ) from None
     except OSError as exc:
         raise ValueError(f"{path}: cannot read: {exc.strerror}") from None
     return grid_from_spec(spec, name=path.stem, source=str(path), max_runs=max_runs)
@@ -311,7 +315,7 @@ def _level(table: Any, where: str, allowed: tuple[str, ...]) -> tuple[list[str],
             raise ValueError(f"axes.{key}: {values!r} is not an array; allowed: an array of values, e.g. [{values!r}]")
         if not values:
             raise ValueError(f"axes.{key}: [] is empty; allowed: an array of at least one value")
-        factors.append(((key,), [(canonical(v, f"axes.{key}"),) for v in values]))
+        factors.append(((key,), [(canonical(v, f"axes.{key}"),) for v in _distinct(values)]))
     tied = table.get("tied", [])
     if not isinstance(tied, list):
         raise ValueError(f"{where}tied: {tied!r} is not an array of tables; write [[tied]]")
@@ -333,6 +337,17 @@ def _level(table: Any, where: str, allowed: tuple[str, ...]) -> tuple[list[str],
             (keys, [tuple(canonical(v, f"tied.{k}") for k, v in zip(keys, row, strict=True)) for row in rows])
         )
     return list(seen), factors
+
+
+def _distinct(values: list) -> list:
+    """``values`` without repeats of a plain value (first occurrence kept, order kept), in one pass of C
+    hashing, so that an axis of two million copies of one value plans as fast as an axis of one.
+    ``1``, ``1.0`` and ``True`` stay apart (their types differ), as do ``0.0`` and ``-0.0``; anything
+    else (arrays, tables) is kept for :func:`_factor`'s de-duplication by canonical text."""
+    if not all(type(v) in (str, int, float, bool) for v in values):
+        return values
+    keys = dict.fromkeys((type(v), v, math.copysign(1.0, v) if type(v) is float else 0.0) for v in values)
+    return [key[1] for key in keys] if len(keys) < len(values) else values
 
 
 _NUMBERED = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*):(.+)$")
