@@ -156,3 +156,31 @@ def test_a_grid_of_many_duplicates_is_the_grid_of_its_distinct_values():
     small = grid_from_spec({"study": "examples.sum_order_study:STUDY", "axes": axes})
     big = grid_from_spec({"study": "examples.sum_order_study:STUDY", "axes": dict(axes, seed=[0, 1] * 50_000)})
     assert len(big) == len(small) == 2 and list(big.iter_ids()) == list(small.iter_ids())
+
+
+# --- kvfast.load on a directory holding a foreign Parquet file named like a part ----------------------
+
+
+@pytest.mark.parametrize("columns", [{"a": [1, 2]}, {"run_id": ["x"], "b": [1]}])
+def test_a_foreign_part_is_named_in_one_line(tmp_path, monkeypatch, columns, capsys):
+    import pandas as pd
+
+    import kvfast
+
+    monkeypatch.chdir(ROOT)  # the user study is examples.sum_order_study
+    toml = tmp_path / "small.toml"
+    toml.write_text('study = "examples.sum_order_study:STUDY"\n[axes]\nseed = [0, 1]\nn = [10]\nscale = [1]\n'
+                    'order = ["sorted"]\n')  # fmt: skip
+    out = tmp_path / "res"
+    assert main(["run", str(toml), "--out", str(out), "--quiet", "--jobs", "1"]) == 0
+    before = kvfast.load(out)
+    foreign = out / "part-99999999-deadbeef.parquet"
+    pd.DataFrame(columns).to_parquet(foreign)
+    with pytest.raises(ValueError, match=r"part-99999999-deadbeef\.parquet: not a part of these results"):
+        kvfast.load(out)
+    capsys.readouterr()
+    assert main(["show", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"move it out of {out}" in err
+    foreign.unlink()
+    assert kvfast.load(out).equals(before)  # nothing stored was touched
