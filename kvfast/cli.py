@@ -20,6 +20,7 @@ import traceback
 import kvfast.commands
 from kvfast._version import __version__
 from kvfast.commands import EXIT_KVFAST_BUG, bug_line
+from kvfast.validation import one_line
 
 
 def command_modules() -> list[str]:
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except ValueError as exc:
-        print(f"kvfast: error: {exc}", file=sys.stderr)
+        print(f"kvfast: error: {one_line(exc)}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # the reader went away (`kvfast show DIR | head`): stop quietly, like other tools
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes

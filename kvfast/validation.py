@@ -10,10 +10,33 @@ from collections.abc import Collection
 
 import numpy as np
 
+SHOWN_CHARS = 200  # a user's value quoted in a message: at most this many characters of its repr
+LINE_CHARS = 2000  # an error line on the command line: at most this many characters
+
+
+def shorten(text: str, limit: int) -> str:
+    """``text`` if it has at most ``limit`` characters, else its start and end around an ellipsis that
+    says how long it was (a message quoting a 5 MB value must still be one readable line)."""
+    if len(text) <= limit:
+        return text
+    keep = max(limit - 40, 8)
+    return f"{text[: keep - keep // 4]}...{text[-(keep // 4) :]} ({len(text):,} characters)"
+
+
+def shown(value: object) -> str:
+    """``repr(value)`` for a message, shortened to :data:`SHOWN_CHARS`."""
+    return shorten(repr(value), SHOWN_CHARS)
+
+
+def one_line(message: object) -> str:
+    """``message`` as one line for the command line: newlines and runs of blanks collapsed, shortened to
+    :data:`LINE_CHARS`."""
+    return shorten(" ".join(str(message).split()), LINE_CHARS)
+
 
 def not_allowed(field: str, value: object, allowed: str) -> ValueError:
-    """The one form of kvfast's argument errors (to ``raise``)."""
-    return ValueError(f"{field}: {value!r} is not allowed; allowed: {allowed}")
+    """The one form of kvfast's argument errors (to ``raise``); the value is quoted shortened."""
+    return ValueError(f"{field}: {shown(value)} is not allowed; allowed: {allowed}")
 
 
 def require_int(value: object, field: str, minimum: int = 0, maximum: int | None = None) -> int:

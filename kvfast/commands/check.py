@@ -52,7 +52,7 @@ import time
 import traceback
 
 from kvfast.commands import EXIT_KVFAST_BUG, bug_line
-from kvfast.validation import not_allowed
+from kvfast.validation import not_allowed, one_line
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_INCONCLUSIVE, EXIT_MODEL, EXIT_TIMEOUT = 0, 1, 2, 3, 4, 5
 EXIT_INTERRUPTED = 130
@@ -377,5 +377,5 @@ def run(args) -> int:
         print(result["traceback"], end="", file=sys.stderr)
         print(bug_line(), file=sys.stderr)
         return EXIT_KVFAST_BUG
-    print(f"kvfast: error: {result['line']}", file=sys.stderr)
+    print(f"kvfast: error: {one_line(result['line'])}", file=sys.stderr)
     return {"bad input": EXIT_BAD_INPUT, "model": EXIT_MODEL, "timeout": EXIT_TIMEOUT}[kind]

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from kvfast.validation import one_line
+
 EXIT_FAILED = 1
 EXIT_LOST = 3
 EXIT_STORAGE = 74  # sysexits' EX_IOERR
@@ -188,7 +190,7 @@ def _sweep(grid, out, options):
     try:
         return run_sweep(grid, out, options)
     except StorageError as exc:
-        print(f"kvfast: error: {exc}", file=sys.stderr)
+        print(f"kvfast: error: {one_line(exc)}", file=sys.stderr)
         return EXIT_STORAGE
     except KeyboardInterrupt:  # before the first run (starting a Dask cluster, say): nothing stored changed
         print("kvfast: interrupted before any run; nothing stored changed", file=sys.stderr)

@@ -8,6 +8,9 @@ package points Numba's cache at a directory keyed by a hash of every kvfast
 source file that uses Numba (under ``$XDG_CACHE_HOME/kvfast/numba/`` or
 ``~/.cache/kvfast/numba/``). Set ``NUMBA_CACHE_DIR`` yourself to override it.
 Child processes (sweep workers) inherit the choice through the environment.
+A damaged cache file is compiled again instead of failing the caller, and a directory
+that cannot be written is replaced by a private one, each said in one line on stderr
+(:mod:`kvfast.kernels.cache_guard`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import hashlib
 import os
 import sys
 from pathlib import Path
+
+from kvfast.kernels import cache_guard
 
 _PACKAGE = Path(__file__).resolve().parents[1]
 
@@ -36,7 +41,16 @@ def _default_cache_dir() -> Path:
     return Path(base) / "kvfast" / "numba" / source_key()
 
 
-if "NUMBA_CACHE_DIR" not in os.environ:
-    os.environ["NUMBA_CACHE_DIR"] = str(_default_cache_dir())
-    if "numba" in sys.modules:  # numba read its config already: tell it too
-        sys.modules["numba"].config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]
+def _choose_cache_dir() -> None:
+    """Point Numba at kvfast's cache directory (or the user's ``NUMBA_CACHE_DIR``), if it can be
+    written; see :mod:`kvfast.kernels.cache_guard` for what happens when it cannot."""
+    wanted = Path(os.environ.get("NUMBA_CACHE_DIR") or _default_cache_dir())
+    chosen = str(cache_guard.usable_cache_dir(wanted, wanted.name))
+    if os.environ.get("NUMBA_CACHE_DIR") != chosen:
+        os.environ["NUMBA_CACHE_DIR"] = chosen
+        if "numba" in sys.modules:  # numba read its config already: tell it too
+            sys.modules["numba"].config.CACHE_DIR = chosen
+
+
+_choose_cache_dir()
+cache_guard.install()

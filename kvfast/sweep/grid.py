@@ -56,7 +56,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import pyarrow as pa
 
-from kvfast.sweep.ids import canonical, spec_hash
+from kvfast.sweep.ids import MAX_DEPTH, canonical, spec_hash
+from kvfast.validation import shown
 
 if TYPE_CHECKING:
     from kvfast.studies.base import Study
@@ -234,6 +235,10 @@ def load_grid(name_or_path: str, max_runs: int = DEFAULT_MAX_RUNS) -> Grid:
         raise ValueError(f"{path}: TOML syntax error: {exc}") from None
     except UnicodeDecodeError as exc:
         raise ValueError(f"{path}: not a TOML text file (byte {exc.start}: not UTF-8)") from None
+    except RecursionError:  # Python's TOML parser recurses once per level of nesting
+        raise ValueError(
+            f"{path}: arrays or tables nested too deep to parse; allowed: at most {MAX_DEPTH} levels"
+        ) from None
     except OSError as exc:
         raise ValueError(f"{path}: cannot read: {exc.strerror}") from None
     return grid_from_spec(spec, name=path.stem, source=str(path), max_runs=max_runs)
@@ -311,7 +316,7 @@ def _level(table: Any, where: str, allowed: tuple[str, ...]) -> tuple[list[str],
             raise ValueError(f"axes.{key}: {values!r} is not an array; allowed: an array of values, e.g. [{values!r}]")
         if not values:
             raise ValueError(f"axes.{key}: [] is empty; allowed: an array of at least one value")
-        factors.append(((key,), [(canonical(v, f"axes.{key}"),) for v in values]))
+        factors.append(((key,), [(canonical(v, f"axes.{key}"),) for v in _distinct(values)]))
     tied = table.get("tied", [])
     if not isinstance(tied, list):
         raise ValueError(f"{where}tied: {tied!r} is not an array of tables; write [[tied]]")
@@ -333,6 +338,17 @@ def _level(table: Any, where: str, allowed: tuple[str, ...]) -> tuple[list[str],
             (keys, [tuple(canonical(v, f"tied.{k}") for k, v in zip(keys, row, strict=True)) for row in rows])
         )
     return list(seen), factors
+
+
+def _distinct(values: list) -> list:
+    """``values`` without repeats of a plain value (first occurrence kept, order kept), in one pass of C
+    hashing, so that an axis of two million copies of one value plans as fast as an axis of one.
+    ``1``, ``1.0`` and ``True`` stay apart (their types differ), as do ``0.0`` and ``-0.0``; anything
+    else (arrays, tables) is kept for :func:`_factor`'s de-duplication by canonical text."""
+    if not all(type(v) in (str, int, float, bool) for v in values):
+        return values
+    keys = dict.fromkeys((type(v), v, math.copysign(1.0, v) if type(v) is float else 0.0) for v in values)
+    return [key[1] for key in keys] if len(keys) < len(values) else values
 
 
 _NUMBERED = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*):(.+)$")
@@ -463,48 +479,8 @@ def grid_from_spec(spec: dict, name: str = "<grid>", source: str = "<spec>", max
     if not isinstance(spec, dict):
         raise ValueError(f"{name}: the grid is not a table")
     study_ref = spec.get("study")
-    if study_ref is None:
-        from kvfast.studies import STUDIES
-
-        raise ValueError(f"{name}: study: missing; allowed: {', '.join(sorted(STUDIES))}, or 'package.module:STUDY'")
-    try:
-        study = resolve_study(study_ref)
-    except ValueError as exc:
-        raise ValueError(f"{name}: {exc}") from None
-    try:
-        top_keys, top_factors = _level(spec, "", TOP_KEYS)
-    except ValueError as exc:
-        raise ValueError(f"{name}: {exc}") from None
-    top_keys = [k for k in top_keys if k not in ("study", "description")]
-    union = spec.get("union", [{}]) or [{}]
-    if not isinstance(union, list):
-        raise ValueError(f"{name}: union: {union!r} is not an array of tables; write [[union]]")
-    raw_entries: list[tuple[str, list]] = []
-    key_sets: list[tuple[str, set[str]]] = []
-    for i, sub in enumerate(union):
-        where = f"union[{i}]." if "union" in spec else ""
-        try:
-            sub_keys, sub_factors = _level(sub, where, SUB_KEYS)
-        except ValueError as exc:
-            raise ValueError(f"{name}: {exc}") from None
-        # sub-grid keys replace top-level keys of the same name
-        kept = [f for f in top_factors if not (set(f[0]) & set(sub_keys))]
-        key_sets.append((where or "grid", set(top_keys) | set(sub_keys)))
-        raw_entries.append((where or "grid", kept + sub_factors))
-    fields = study.config_fields
-    for where, keys in key_sets:
-        unknown = sorted(keys - set(fields))
-        if unknown:
-            raise ValueError(
-                f"{name}: axis {unknown[0]!r} is not a config field of study {study.name!r}; "
-                f"allowed: {', '.join(fields)}"
-            )
-        missing = [f for f in fields if f not in keys]
-        if missing:
-            raise ValueError(
-                f"{name}: {missing[0]}: missing from the grid ({where}); set it in [fixed] or [axes]; "
-                f"study {study.name!r} needs: {', '.join(fields)}"
-            )
+    study = _grid_study(study_ref, name)
+    raw_entries = _raw_entries(spec, study, name)
     if isinstance(max_runs, bool) or not isinstance(max_runs, int) or max_runs < 1:
         raise ValueError(f"--max-runs: {max_runs!r} is not allowed; allowed: an integer >= 1")
     raw = sum(math.prod(len(rows) for _, rows in factors) for _, factors in raw_entries)
@@ -513,36 +489,9 @@ def grid_from_spec(spec: dict, name: str = "<grid>", source: str = "<spec>", max
             f"{name}: {raw:,} runs is not allowed; allowed: at most {max_runs:,} runs "
             "(raise the limit with --max-runs N, or max_runs=N)"
         )
-    cache: dict = {}
-    entries = []
-    for where, raw_factors in raw_entries:
-        factors = [_factor(keys, rows, fields, cache) for keys, rows in raw_factors]
-        varying = [f for f in factors if len(f.rows) > 1]
-        base = dict.fromkeys(fields)
-        for f in factors:
-            if len(f.rows) == 1:
-                base.update(zip(f.keys, f.rows[0], strict=True))
-        entries.append(_Entry(where, tuple(factors), base, tuple(varying), _template(study, fields, factors, varying)))
-    groups = _validation_groups(study)
-    done: set = set()
-    for entry in entries:
-        _validate_entry(study, name, entry, groups, done)
-    for f_name, typ in fields.items():  # column types: each distinct value of each field once
-        distinct: dict[str, Any] = {}
-        for entry in entries:
-            for f in entry.factors:
-                if f_name in f.keys:
-                    k = f.keys.index(f_name)
-                    for row, pieces in zip(f.rows, f.pieces, strict=True):
-                        distinct.setdefault(pieces[k], row[k])
-        _validate_column(name, f_name, typ, list(distinct.values()))
-    overlapping: set[int] = set()
-    if len(entries) > _OVERLAP_CHECK_MAX:
-        overlapping = set(range(len(entries)))
-    else:
-        for i, j in itertools.combinations(range(len(entries)), 2):
-            if _may_overlap(entries[i], entries[j]):
-                overlapping |= {i, j}
+    entries = _planned_entries(raw_entries, study)
+    _validate_entries(entries, study, name)
+    overlapping = _overlapping(entries)
     grid = Grid(
         name=name,
         source=source,
@@ -557,6 +506,106 @@ def grid_from_spec(spec: dict, name: str = "<grid>", source: str = "<spec>", max
         size += sum(1 for _ in _overlap_ids(grid))
     object.__setattr__(grid, "size", size)
     return grid
+
+
+def _grid_study(study_ref: Any, name: str) -> Study:
+    """The study a grid names (``ValueError`` prefixed with the grid's name)."""
+    if study_ref is None:
+        from kvfast.studies import STUDIES
+
+        raise ValueError(f"{name}: study: missing; allowed: {', '.join(sorted(STUDIES))}, or 'package.module:STUDY'")
+    try:
+        return resolve_study(study_ref)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+
+
+def _raw_entries(spec: dict, study: Study, name: str) -> list[tuple[str, list]]:
+    """Per sub-grid (``[[union]]`` entry, or the grid itself): ``(where, factors)`` before coercion, the
+    sub-grid's keys replacing top-level keys of the same name; every config field set, none unknown."""
+    try:
+        top_keys, top_factors = _level(spec, "", TOP_KEYS)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+    top_keys = [k for k in top_keys if k not in ("study", "description")]
+    union = spec.get("union", [{}]) or [{}]
+    if not isinstance(union, list):
+        raise ValueError(f"{name}: union: {shown(union)} is not an array of tables; write [[union]]")
+    raw_entries: list[tuple[str, list]] = []
+    key_sets: list[tuple[str, set[str]]] = []
+    for i, sub in enumerate(union):
+        where = f"union[{i}]." if "union" in spec else ""
+        try:
+            sub_keys, sub_factors = _level(sub, where, SUB_KEYS)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+        kept = [f for f in top_factors if not (set(f[0]) & set(sub_keys))]
+        key_sets.append((where or "grid", set(top_keys) | set(sub_keys)))
+        raw_entries.append((where or "grid", kept + sub_factors))
+    for where, keys in key_sets:
+        _require_fields(keys, study, where, name)
+    return raw_entries
+
+
+def _require_fields(keys: set[str], study: Study, where: str, name: str) -> None:
+    """``ValueError`` unless ``keys`` are exactly the study's config fields."""
+    fields = study.config_fields
+    unknown = sorted(keys - set(fields))
+    if unknown:
+        raise ValueError(
+            f"{name}: axis {unknown[0]!r} is not a config field of study {study.name!r}; allowed: {', '.join(fields)}"
+        )
+    missing = [f for f in fields if f not in keys]
+    if missing:
+        raise ValueError(
+            f"{name}: {missing[0]}: missing from the grid ({where}); set it in [fixed] or [axes]; "
+            f"study {study.name!r} needs: {', '.join(fields)}"
+        )
+
+
+def _planned_entries(raw_entries: list[tuple[str, list]], study: Study) -> list[_Entry]:
+    """Each sub-grid's factors coerced and de-duplicated, its fixed values and its id template."""
+    fields = study.config_fields
+    cache: dict = {}
+    entries = []
+    for where, raw_factors in raw_entries:
+        factors = [_factor(keys, rows, fields, cache) for keys, rows in raw_factors]
+        varying = [f for f in factors if len(f.rows) > 1]
+        base = dict.fromkeys(fields)
+        for f in factors:
+            if len(f.rows) == 1:
+                base.update(zip(f.keys, f.rows[0], strict=True))
+        entries.append(_Entry(where, tuple(factors), base, tuple(varying), _template(study, fields, factors, varying)))
+    return entries
+
+
+def _validate_entries(entries: list[_Entry], study: Study, name: str) -> None:
+    """The study's ``validate_config`` on each validation group's values, then each column's type, each
+    distinct value once."""
+    groups = _validation_groups(study)
+    done: set = set()
+    for entry in entries:
+        _validate_entry(study, name, entry, groups, done)
+    for f_name, typ in study.config_fields.items():
+        distinct: dict[str, Any] = {}
+        for entry in entries:
+            for f in entry.factors:
+                if f_name in f.keys:
+                    k = f.keys.index(f_name)
+                    for row, pieces in zip(f.rows, f.pieces, strict=True):
+                        distinct.setdefault(pieces[k], row[k])
+        _validate_column(name, f_name, typ, list(distinct.values()))
+
+
+def _overlapping(entries: list[_Entry]) -> set[int]:
+    """The sub-grids that may share a run with another (their ids are de-duplicated when listed)."""
+    if len(entries) > _OVERLAP_CHECK_MAX:
+        return set(range(len(entries)))
+    overlapping: set[int] = set()
+    for i, j in itertools.combinations(range(len(entries)), 2):
+        if _may_overlap(entries[i], entries[j]):
+            overlapping |= {i, j}
+    return overlapping
 
 
 def _overlap_ids(grid: Grid) -> Iterator[str]:

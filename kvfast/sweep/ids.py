@@ -16,12 +16,21 @@ from typing import Any
 
 import numpy as np
 
+from kvfast.validation import shown
 
-def canonical(value: Any, where: str = "config") -> Any:
+MAX_DEPTH = 64  # arrays and tables nested deeper than this are refused (no config needs it; recursion does)
+_PLAIN = (str, int, float, bool, type(None))  # the exact types that are already canonical
+
+
+def canonical(value: Any, where: str = "config", depth: int = 0) -> Any:
     """``value`` as plain JSON-able Python (dict keys str, lists, bool/int/float/str/None).
 
-    Raises ``ValueError`` naming ``where`` for a type that has no canonical form.
+    Raises ``ValueError`` naming ``where`` for a type that has no canonical form, or for arrays and tables
+    nested more than :data:`MAX_DEPTH` deep.
     """
+    if depth > MAX_DEPTH:
+        raise ValueError(f"{where}: nested more than {MAX_DEPTH} deep is not allowed; allowed: at most {MAX_DEPTH} "
+                         "levels of arrays and tables")  # fmt: skip
     if isinstance(value, np.ndarray):
         value = value.tolist()
     elif isinstance(value, np.generic):
@@ -33,16 +42,18 @@ def canonical(value: Any, where: str = "config") -> Any:
     if isinstance(value, float):
         return float(value)
     if isinstance(value, (list, tuple)):
-        return [canonical(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        if all(type(v) in _PLAIN for v in value):  # the common case, without a call per element
+            return list(value)
+        return [canonical(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
     if isinstance(value, dict):
         out = {}
         for k, v in value.items():
             if not isinstance(k, str):
-                raise ValueError(f"{where}: key {k!r} is not allowed; allowed: string keys")
-            out[k] = canonical(v, f"{where}.{k}")
+                raise ValueError(f"{where}: key {shown(k)} is not allowed; allowed: string keys")
+            out[k] = canonical(v, f"{where}.{k}", depth + 1)
         return out
     raise ValueError(
-        f"{where}: {value!r} ({type(value).__name__}) is not allowed; "
+        f"{where}: {shown(value)} ({type(value).__name__}) is not allowed; "
         "allowed: integers, floats, strings, booleans, arrays and tables of them"
     )
 

@@ -47,6 +47,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from kvfast.validation import one_line, shorten
+
 if TYPE_CHECKING:
     from kvfast.studies.base import Study
 
@@ -515,11 +517,37 @@ def _latest(table: pa.Table) -> pa.Table:
     return table.take(last.column("_i_max"))
 
 
+def _require_same_columns(tables: list[pa.Table], parts: list[Path], store: ResultsDir) -> None:
+    """``ValueError`` naming the first part whose columns are not the results' own (the manifest's, or
+    else the first part's): a foreign Parquet file named like a part, found by ``kvfast.load``."""
+    try:
+        schema = (store.manifest() or {}).get("schema")
+    except ValueError:  # no manifest (one Parquet file loaded on its own): the first part decides
+        schema = None
+    expected = [name for name, _ in schema] if isinstance(schema, list) else tables[0].schema.names
+    if "run_id" not in expected:
+        raise ValueError(f"{parts[0]}: not kvfast results (no run_id column); allowed: a kvfast results directory")
+    for table, part in zip(tables, parts, strict=True):
+        if table.schema.names != expected:
+            missing = [c for c in expected if c not in table.schema.names]
+            raise ValueError(
+                f"{part}: not a part of these results (its columns {shorten(', '.join(table.schema.names), 120)}; "
+                f"missing {shorten(', '.join(missing), 120) or 'none'}); move it out of {store.path}"
+            )
+
+
 def read_parts(parts: list[Path], schema: pa.Schema | None = None, store: ResultsDir | None = None) -> pa.Table:
     """The latest row per run over ``parts`` (oldest first), sorted by run id."""
     store = store or ResultsDir(parts[0].parent)
     tables = [store.read_part(p, schema=schema) if schema is not None else store.read_part(p) for p in parts]
-    table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+    _require_same_columns(tables, parts, store)
+    try:
+        table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+    except pa.ArrowInvalid as exc:
+        raise ValueError(
+            f"{store.path}: its parts do not fit together ({one_line(exc)[:160]}); a file that is not a part of "
+            "these results lies among them: move it out of the directory"
+        ) from None
     if len(tables) == 1 and _sorted_unique(table.column("run_id")):
         return table  # a compacted part: already one row per run, sorted
     return _latest(table)
