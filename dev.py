@@ -30,10 +30,10 @@ TORCH_CPU = "torch==2.13.0+cpu"  # the CPU build; a plain `pip install torch` pu
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
 
-def _install_torch_cpu(pip: list[str]) -> None:
+def _install_torch_cpu(pip: list[str], venv_name: str = ".venv") -> None:
     """The CPU build of torch, alone: from the indexes pip is configured with (a local wheel store
     on machines that have one), else from the PyTorch CPU index."""
-    print(f"installing {TORCH_CPU} into .venv ...", flush=True)
+    print(f"installing {TORCH_CPU} into {venv_name} ...", flush=True)
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     if subprocess.run([*pip, "--no-deps", TORCH_CPU], **quiet).returncode != 0:
         subprocess.run([*pip, "--no-deps", TORCH_CPU, "--extra-index-url", TORCH_CPU_INDEX], check=True)
@@ -67,7 +67,7 @@ def ensure_env(extras: str, venv_dir: Path = VENV, constraints: Path | None = No
         pip += ["-c", str(constraints)]
     pins = []
     if "hf" in wanted:
-        _install_torch_cpu(pip)
+        _install_torch_cpu(pip, venv_dir.name)
         pins = [TORCH_CPU]  # keeps this build when transformers asks for torch
     print(f"installing kvfast[{extras}] into {venv_dir.name} ...", flush=True)
     subprocess.run([*pip, "-e", f"{ROOT}[{extras}]", *pins], check=True)
