@@ -3,11 +3,14 @@
 
     python3 dev.py reproduce [ARGS]   # create .venv, install kvfast[plot], run `kvfast reproduce ARGS`
     python3 dev.py test [ARGS]        # create .venv, install kvfast[test,hf], run pytest ARGS
+    python3 dev.py test-lowest [ARGS] # the same in .venv-lowest, every dependency at its lower bound
     python3 dev.py kvfast ARGS        # any kvfast command inside the environment
 
 The environment is (re)installed when pyproject.toml or the torch pin changes. torch is installed
 first as the CPU build (TORCH_CPU, from the PyTorch CPU index or a local wheel store that pip is
 configured to search), so the Hugging Face tests run without pulling several GB of GPU libraries.
+`test` installs the newest releases pyproject.toml allows (what a new user gets; CI runs this);
+`test-lowest` pins each dependency to its lower bound with the constraints file .ci/lowest.txt.
 """
 
 from __future__ import annotations
@@ -21,59 +24,72 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
-BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
-STAMP = VENV / ".kvfast-installed"
+LOWEST_VENV = ROOT / ".venv-lowest"
+LOWEST = ROOT / ".ci" / "lowest.txt"  # every dependency pinned to its lower bound (test-lowest)
 TORCH_CPU = "torch==2.13.0+cpu"  # the CPU build; a plain `pip install torch` pulls ~20 GPU packages
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
 
-def _install_torch_cpu(pip: list[str]) -> None:
+def _install_torch_cpu(pip: list[str], venv_name: str = ".venv") -> None:
     """The CPU build of torch, alone: from the indexes pip is configured with (a local wheel store
     on machines that have one), else from the PyTorch CPU index."""
-    print(f"installing {TORCH_CPU} into .venv ...", flush=True)
+    print(f"installing {TORCH_CPU} into {venv_name} ...", flush=True)
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     if subprocess.run([*pip, "--no-deps", TORCH_CPU], **quiet).returncode != 0:
         subprocess.run([*pip, "--no-deps", TORCH_CPU, "--extra-index-url", TORCH_CPU_INDEX], check=True)
 
 
-def ensure_env(extras: str) -> None:
-    """A .venv with kvfast installed in editable mode with ``extras`` (and torch's CPU build for ``hf``).
+def _bin(venv_dir: Path) -> Path:
+    return venv_dir / ("Scripts" if os.name == "nt" else "bin")
 
-    The stamp records what was installed for which pyproject.toml; a stamp that covers more extras
-    than asked for is kept (``test`` installs everything ``reproduce`` needs)."""
+
+def ensure_env(extras: str, venv_dir: Path = VENV, constraints: Path | None = None) -> Path:
+    """A venv (.venv) with kvfast installed in editable mode with ``extras`` (and torch's CPU build for
+    ``hf``), every package held to ``constraints`` when given; returns the venv's bin folder.
+
+    The stamp records what was installed for which pyproject.toml (and constraints); a stamp that covers
+    more extras than asked for is kept (``test`` installs everything ``reproduce`` needs)."""
     if sys.version_info < (3, 11):  # noqa: UP036 (dev.py may be run by an older python3)
         sys.exit(f"kvfast needs Python 3.11 or newer; this is {sys.version.split()[0]}")
-    if not (BIN / "python").exists():
-        print("creating .venv ...", flush=True)
-        venv.EnvBuilder(with_pip=True).create(VENV)
-    project = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + TORCH_CPU.encode()).hexdigest()
+    bin_dir, stamp = _bin(venv_dir), venv_dir / ".kvfast-installed"
+    if not (bin_dir / "python").exists():
+        print(f"creating {venv_dir.name} ...", flush=True)
+        venv.EnvBuilder(with_pip=True).create(venv_dir)
+    pinned = constraints.read_bytes() if constraints else b""
+    project = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + TORCH_CPU.encode() + pinned).hexdigest()
     wanted = set(extras.split(","))
-    if STAMP.exists():
-        stamp_project, _, stamp_extras = STAMP.read_text().partition(" ")
+    if stamp.exists():
+        stamp_project, _, stamp_extras = stamp.read_text().partition(" ")
         if stamp_project == project and wanted <= set(stamp_extras.split(",")):
-            return
-    pip = [str(BIN / "python"), "-m", "pip", "install", "--quiet"]
+            return bin_dir
+    pip = [str(bin_dir / "python"), "-m", "pip", "install", "--quiet"]
+    if constraints:
+        pip += ["-c", str(constraints)]
     pins = []
     if "hf" in wanted:
-        _install_torch_cpu(pip)
+        _install_torch_cpu(pip, venv_dir.name)
         pins = [TORCH_CPU]  # keeps this build when transformers asks for torch
-    print(f"installing kvfast[{extras}] into .venv ...", flush=True)
+    print(f"installing kvfast[{extras}] into {venv_dir.name} ...", flush=True)
     subprocess.run([*pip, "-e", f"{ROOT}[{extras}]", *pins], check=True)
-    STAMP.write_text(f"{project} {extras}")
+    stamp.write_text(f"{project} {extras}")
+    return bin_dir
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("reproduce", "test", "kvfast"):
+    if not argv or argv[0] not in ("reproduce", "test", "test-lowest", "kvfast"):
         print(__doc__)
         return 2
     command, rest = argv[0], argv[1:]
-    ensure_env("plot" if command == "reproduce" else "test,hf,plot")
-    if command == "test":
-        cmd = [str(BIN / "python"), "-m", "pytest", *rest]
-    elif command == "reproduce":
-        cmd = [str(BIN / "kvfast"), "reproduce", *rest]
+    if command == "test-lowest":
+        bin_dir = ensure_env("test,hf,plot", LOWEST_VENV, LOWEST)
     else:
-        cmd = [str(BIN / "kvfast"), *rest]
+        bin_dir = ensure_env("plot" if command == "reproduce" else "test,hf,plot")
+    if command in ("test", "test-lowest"):
+        cmd = [str(bin_dir / "python"), "-m", "pytest", *rest]
+    elif command == "reproduce":
+        cmd = [str(bin_dir / "kvfast"), "reproduce", *rest]
+    else:
+        cmd = [str(bin_dir / "kvfast"), *rest]
     return subprocess.call(cmd, cwd=ROOT)
 
 

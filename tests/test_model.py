@@ -49,7 +49,9 @@ def same_bits(a, b) -> bool:
     return a.shape == b.shape and bool(np.array_equal(bits(a), bits(b)))
 
 
-def setup(case):
+def make_case(case):
+    """(cfg, params, tokens, prompt_len, steps) of a case. Not named ``setup``: pytest 8.0 calls a module-level
+    ``setup`` as the module's setup function."""
     seed, n_layer, n_head, d, prompt_len, steps = case
     cfg = ModelConfig(vocab=17, d_model=d, n_head=n_head, n_layer=n_layer, d_ff=2 * d, max_pos=24)
     params = init_params(cfg, seed)
@@ -82,7 +84,7 @@ def max_abs_change_per_layer(a: np.ndarray, b: np.ndarray, upto: int) -> list[fl
 def test_append_invariance(nx, case):
     """Appending tokens changes no earlier position's residual stream, K or V at any layer:
     the maximum absolute change per layer is exactly 0.0 (and the bits are identical)."""
-    cfg, params, tokens, T, _ = setup(case)
+    cfg, params, tokens, T, _ = make_case(case)
     short = forward_trace(cfg, params, tokens[:T], nx)
     for extra in (1, 3):
         longer = forward_trace(cfg, params, tokens[: T + extra], nx)
@@ -98,7 +100,7 @@ def test_append_invariance(nx, case):
 def test_mask_off_exact_at_layer_1_and_moves_from_layer_2(nx, case):
     """Without the causal mask, layer 1's K and V of earlier positions still do not move
     (they depend on the embedding only), while every later layer's K and V change."""
-    cfg, params, tokens, T, _ = setup(case)
+    cfg, params, tokens, T, _ = make_case(case)
     short = forward_trace(cfg, params, tokens[:T], nx, causal=False)
     longer = forward_trace(cfg, params, tokens[: T + 1], nx, causal=False)
     for key in ("k", "v"):
@@ -116,7 +118,7 @@ def test_mask_off_exact_at_layer_1_and_moves_from_layer_2(nx, case):
 @numerics_grid
 @case_grid
 def test_generate_with_and_without_cache_identical(nx, case):
-    cfg, params, tokens, P, steps = setup(case)
+    cfg, params, tokens, P, steps = make_case(case)
     toks_c, logits_c = generate(cfg, params, tokens[:P], steps, nx, use_cache=True)
     toks_r, logits_r = generate(cfg, params, tokens[:P], steps, nx, use_cache=False)
     assert toks_c.shape == (steps,) and logits_c.shape == (steps, cfg.vocab)
@@ -130,7 +132,7 @@ def test_generate_with_and_without_cache_identical(nx, case):
 @numerics_grid
 @case_grid
 def test_decode_step_after_forward_equals_full_recompute(nx, case):
-    cfg, params, tokens, P, steps = setup(case)
+    cfg, params, tokens, P, steps = make_case(case)
     cache = KVCache.empty(cfg, nx, P + steps)
     prefill = forward(cfg, params, tokens[:P], nx, cache)
     assert cache.length == P
@@ -152,7 +154,7 @@ def test_decode_step_after_forward_equals_full_recompute(nx, case):
 @case_grid
 def test_chunked_prefill_equals_one_forward(nx, case):
     """forward() continuing a cache gives the same rows as one forward over everything."""
-    cfg, params, tokens, P, steps = setup(case)
+    cfg, params, tokens, P, steps = make_case(case)
     full = forward(cfg, params, tokens, nx)
     cache = KVCache.empty(cfg, nx)
     cut = max(1, P // 2)
@@ -167,7 +169,7 @@ def test_the_cache_comparison_catches_a_bug(bug):
     """Control: the same == comparison fails when the decode path has a one-line bug."""
     caught = 0
     for case in CASES:
-        cfg, params, tokens, P, steps = setup(case)
+        cfg, params, tokens, P, steps = make_case(case)
         _, logits_bug = generate(cfg, params, tokens[:P], steps, "f64", use_cache=True, bug=bug)
         _, logits_ref = generate(cfg, params, tokens[:P], steps, "f64", use_cache=False)
         assert same_bits(logits_bug[0], logits_ref[0])  # row 0 is the prefill's, before any decode
@@ -178,7 +180,7 @@ def test_the_cache_comparison_catches_a_bug(bug):
 def test_orders_change_the_model_output():
     """The order knob reaches the model: the two orders give different logits (where the
     accumulator is fine enough for order to show), while each is cache-exact."""
-    cfg, params, tokens, _, _ = setup(CASES[2])
+    cfg, params, tokens, _, _ = make_case(CASES[2])
     for storage, accum in [("f64", "f64"), ("f32", "f32"), ("bf16", "bf16")]:
         seq = forward(cfg, params, tokens, Numerics(storage, accum, "sequential"))
         pair = forward(cfg, params, tokens, Numerics(storage, accum, "pairwise"))
