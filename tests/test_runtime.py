@@ -73,15 +73,9 @@ def run(config):
     return {"y": 2 * config["x"]}
 
 
-STUDY = Study(
-    name="userfaults",
-    version="1",
-    description="a user's study that misbehaves on request",
-    run=run,
-    config_fields={"x": pa.int64()},
-    result_fields={"y": pa.int64()},
-    validate_config=validate_config,
-    summarize=lambda df: pd.DataFrame({"runs": [len(df)]}),
+STUDY = Study(  # name, version, description, run, config and result columns, validate_config, summarize
+    "userfaults", "1", "a user's study that misbehaves on request", run, {"x": pa.int64()}, {"y": pa.int64()},
+    validate_config, lambda df: pd.DataFrame({"runs": [len(df)]}),
 )
 """
 
@@ -163,17 +157,18 @@ def test_a_study_module_that_exits_or_raises_at_import_is_one_line_and_exit_2(wo
 def test_only_a_real_ctrl_c_at_import_is_exit_130(workdir):
     mark = workdir / "importing"
     env = dict(os.environ, PYTHONPATH=str(ROOT), KV_FAULT="import-sleep", KV_MARK=str(mark))
-    cmd = [sys.executable, "-m", "kvfast.cli", "run", "g.toml", "--out", "o", "--quiet"]
-    proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not mark.exists() and time.monotonic() < deadline:  # kvfast is importing the study (its probe)
+    argv = [sys.executable, "-m", "kvfast.cli", "run", "g.toml", "--out", "o", "--quiet"]
+    with subprocess.Popen(argv, cwd=workdir, env=env, stderr=subprocess.PIPE, text=True) as proc:
+        until = time.monotonic() + 120
+        while not mark.exists() and time.monotonic() < until:  # kvfast is importing the study (in its probe)
             time.sleep(0.05)
         time.sleep(0.2)
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
+        os.kill(proc.pid, signal.SIGINT)  # the user's Ctrl-C, to kvfast's process alone
+        try:
+            err = proc.communicate(timeout=60)[1]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
     assert proc.returncode == 130
     one_line(err, "kvfast: interrupted")
     assert not (workdir / "o").exists()
