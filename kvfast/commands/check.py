@@ -27,7 +27,8 @@ that calls ``os._exit(0)`` or crashes ends the child without a report, which
 can never read as a pass; a hang past ``--timeout`` that the in-process timer
 cannot interrupt (C code) is ended by killing the child's process group, and
 the child kills its group when this process dies, so no process outlives the
-check.
+check (the mechanics: :mod:`kvfast.runtime.child`; the factory is loaded by
+:func:`kvfast.runtime.load_object`'s rules).
 
 Built in: ``kvfast.check.hf:tiny_model`` (a tiny random Hugging Face model;
 ``--factory-arg family=gpt2 --factory-arg dtype=bfloat16``).
