@@ -2,8 +2,11 @@
 
 Each subcommand lives in a module of :mod:`kvfast.commands` that defines
 ``add_parser(subparsers)`` (which sets ``func`` on its parser) and a handler
-``func(args) -> int``. Bad input is a one-line message and exit code 2. An
-unexpected error (a bug in kvfast) prints its traceback, the kvfast version and
+``func(args) -> int``. Bad input, or the user's code (a study's module, its
+``validate_config``) raising or exiting, is a one-line message and exit code 2;
+the user's modules are imported through :mod:`kvfast.runtime` (a forked probe
+first, so that ``os._exit`` at import is one line too); a Ctrl-C is exit 130,
+one line. An unexpected error (a bug in kvfast) prints its traceback, the kvfast version and
 a line saying it is a bug in kvfast, with exit code 70 (never 1, which
 ``kvfast check`` uses for "divergence found").
 """
@@ -20,6 +23,7 @@ import traceback
 import kvfast.commands
 from kvfast._version import __version__
 from kvfast.commands import EXIT_KVFAST_BUG, bug_line
+from kvfast.runtime import UserCodeError, ctrl_c_noted, probing_imports
 from kvfast.validation import one_line
 
 
@@ -35,6 +39,7 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+EXIT_INTERRUPTED = 130  # 128 + SIGINT
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a command killed by a closed pipe
 
 
@@ -54,10 +59,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
-    except ValueError as exc:
+        with ctrl_c_noted(), probing_imports():
+            return int(args.func(args) or 0)
+    except (ValueError, UserCodeError) as exc:  # bad input; the user's code (a study module, say) failed
         print(f"kvfast: error: {one_line(exc)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # only a real Ctrl-C gets here: the user's own became UserCodeError
+        print("kvfast: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except BrokenPipeError:  # the reader went away (`kvfast show DIR | head`): stop quietly, like other tools
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
         return EXIT_BROKEN_PIPE

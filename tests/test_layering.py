@@ -5,7 +5,9 @@ top-level imports, imports inside functions and under ``TYPE_CHECKING``
 alike). A module may import from its own layer and from the layers to its
 left. The layers, left to right:
 
-0. **leaf**: ``kvfast._version``, ``kvfast.validation`` (they import nothing from kvfast).
+0. **leaf**: ``kvfast._version``, ``kvfast.validation`` (they import nothing from kvfast) and
+   ``kvfast.runtime.*`` (running the user's code: loading it, deadlines, child processes; it imports
+   only ``kvfast.validation``).
 1. **kernels**: ``kvfast.kernels.*`` and ``kvfast.numerics`` (the validated names of the kernels'
    format, order and attention codes).
 2. **model**: ``kvfast.model.*``.
@@ -34,7 +36,7 @@ import kvfast
 ROOT = Path(kvfast.__file__).resolve().parent
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("leaf", ("kvfast._version", "kvfast.validation")),
+    ("leaf", ("kvfast._version", "kvfast.validation", "kvfast.runtime")),
     ("kernels", ("kvfast.kernels", "kvfast.numerics")),
     ("model", ("kvfast.model",)),
     ("check", ("kvfast.check",)),
@@ -196,3 +198,10 @@ def test_the_checks_fail_on_a_right_to_left_edge_and_on_a_cycle(graph):
     assert len(found) == 1 and {"kvfast.check.score", "kvfast.studies.detector"} <= set(found[0])
     with pytest.raises(ValueError, match="in no layer"):
         layer_of("kvfast.newthing")
+
+
+def test_the_runtime_leaf_imports_only_validation(graph):
+    """``kvfast.runtime`` is run by check, sweep and the commands alike: it imports nothing of theirs."""
+    for name, targets in graph.items():
+        if name == "kvfast.runtime" or name.startswith("kvfast.runtime."):
+            assert {t for t in targets if not t.startswith("kvfast.runtime")} <= {"kvfast.validation"}, name

@@ -52,7 +52,7 @@ def test_the_example_user_study_sweeps_resumes_and_lands_in_parquet(tmp_path):
 def test_bad_study_references_are_refused_with_one_line_and_exit_2(tmp_path, capsys):
     for ref, match in [
         ("no_such_module_xyz:STUDY", "cannot be imported (ModuleNotFoundError"),
-        ("examples.sum_order_study:NOPE", "is NoneType, not allowed; allowed: a kvfast Study object"),
+        ("examples.sum_order_study:NOPE", "has no attribute 'NOPE'; allowed: a kvfast Study object"),
         ("examples.sum_order_study:run", "is function, not allowed"),
         ("not-a-study", "is not allowed; allowed: "),
     ]:

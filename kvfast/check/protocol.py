@@ -33,16 +33,13 @@ both exact). A leading batch axis of size 1 is dropped. Logits must be finite.
 
 from __future__ import annotations
 
-import math
-import signal
-import threading
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import numpy as np
 
-from kvfast.validation import not_allowed, require_int
+# CheckTimeout, check_timeout, describe and watched are re-exported here, where the checker has always named them
+from kvfast.runtime import CheckTimeout, UserCodeError, call_user, check_timeout, describe, watched  # noqa: F401
+from kvfast.validation import require_int
 
 REQUIRED = ("recompute", "prefill", "decode")
 OPTIONAL = ("extend", "recompute_variants", "promote")
@@ -50,7 +47,10 @@ PROTOCOL = "an object with recompute(tokens), prefill(tokens), decode(token) and
 
 
 def require_model(model: object) -> None:
-    """Raise ``ValueError`` naming the first required method ``model`` lacks."""
+    """Raise ``ValueError`` naming the first required method ``model`` lacks (or saying it is a class, not
+    an instance: a class has the methods, unbound)."""
+    if isinstance(model, type):
+        raise ValueError(f"model: the class {model.__name__} is not allowed; allowed: an instance of it, {PROTOCOL}")
     for name in REQUIRED:
         if not callable(getattr(model, name, None)):
             raise ValueError(f"model: {type(model).__name__} has no method {name!r}; allowed: {PROTOCOL}")
@@ -169,157 +169,26 @@ def variants_of(model: object, tokens: np.ndarray, vocab: int) -> dict[str, np.n
     }
 
 
-# --- the model's own failures and the check's deadline ------------------------------------------
+# --- the model's own failures and the check's deadline (the machinery: kvfast.runtime) ------------
 
 
-class ModelUnderTestError(RuntimeError):
+class ModelUnderTestError(UserCodeError):
     """The model under test (or its factory, or its module) raised or exited instead of returning.
 
     Raised by :func:`kvfast.check_cache` (and ``kvfast check``'s factory loading) for ANY exception
     the model's own code raises, ``SystemExit`` (``sys.exit(0)`` included) and ``KeyboardInterrupt``
     included, chained from it (``__cause__``). ``where`` names the call (``model.decode(5)``),
     ``error`` is the original exception; ``str()`` is one line: where, the type and the message.
+    A :class:`kvfast.runtime.UserCodeError`.
     """
-
-    def __init__(self, where: str, error: BaseException):
-        self.where = where
-        self.error = error
-        super().__init__(f"{where} raised {describe(error)}")
-
-
-class CheckTimeout(TimeoutError):
-    """The check did not finish within its ``timeout``; ``where`` names what had not returned."""
-
-    def __init__(self, seconds: float, where: str):
-        self.seconds = seconds
-        self.where = where
-        super().__init__(f"the check did not finish within {seconds:g} s: {where} had not returned")
-
-
-class _Deadline(BaseException):
-    """Raised by the timer's signal handler inside whatever runs; a ``BaseException`` so that the
-    model's ``except Exception`` cannot swallow it."""
-
-
-def describe(error: BaseException, limit: int = 400) -> str:
-    """``Type: message`` on one line (whitespace squeezed, at most ``limit`` characters of message)."""
-    name = type(error).__name__
-    text = " ".join(str(error).split())
-    if isinstance(error, SystemExit):
-        text = repr(error.code) if error.code is not None else "None"
-    if len(text) > limit:
-        text = text[:limit] + "..."
-    return f"{name}: {text}" if text else name
-
-
-class _Watch:
-    """The state of one watched check (main thread): its deadline and whether Ctrl-C came from the user."""
-
-    def __init__(self, seconds: float | None):
-        self.seconds = seconds
-        self.done = False
-        self.user_interrupt = False
-
-
-_watch: _Watch | None = None
-
-
-def check_timeout(timeout: object) -> float | None:
-    """``timeout`` validated: ``None`` or a finite number of seconds > 0 (``ValueError`` naming the field)."""
-    if timeout is None:
-        return None
-    ok = isinstance(timeout, int | float) and not isinstance(timeout, bool) and math.isfinite(timeout) and timeout > 0
-    if not ok:
-        raise ValueError(f"timeout: {timeout!r} is not allowed; allowed: None or a number of seconds > 0")
-    return float(timeout)
-
-
-@contextmanager
-def watched(timeout: float | None, started: float | None = None) -> Iterator[None]:
-    """Run the body as one watched check: a model call that outlives ``timeout`` seconds ends with
-    :class:`CheckTimeout`, and a Ctrl-C from the user stays a ``KeyboardInterrupt`` (one the model raises
-    itself becomes :class:`ModelUnderTestError` in :func:`call_model`).
-
-    The deadline is a ``SIGALRM`` interval timer (it re-fires every 0.25 s until a guarded call sees it, so
-    a model that catches it once does not outlive it), so it needs the main thread; no thread or process
-    is started. Code that never returns to the interpreter (a C call that blocks forever) or that catches
-    every ``BaseException`` forever cannot be stopped this way: ``kvfast check`` runs the check in a
-    child process that it kills. Nested calls
-    (the logic check's inner check) share the outer watch. Previous handlers and a pending timer (e.g.
-    pytest-timeout's) are restored afterwards. ``started``: a ``time.time()`` the deadline counts from
-    (default now; ``kvfast check``'s child process counts from the end of kvfast's own start-up).
-    """
-    global _watch
-    timeout = check_timeout(timeout)
-    main = threading.current_thread() is threading.main_thread()
-    if _watch is not None and main:
-        yield
-        return
-    if not main:
-        if timeout is not None:
-            raise not_allowed("timeout", timeout, "None outside the main thread (the deadline is a SIGALRM timer)")
-        yield
-        return
-    if timeout is not None and not hasattr(signal, "setitimer"):
-        raise not_allowed("timeout", timeout, "None on this platform (it has no signal.setitimer)")
-    watch = _Watch(timeout)
-    old_int = signal.getsignal(signal.SIGINT)
-    if old_int is signal.default_int_handler:
-
-        def on_int(signum, frame):
-            watch.user_interrupt = True
-            raise KeyboardInterrupt
-
-        signal.signal(signal.SIGINT, on_int)
-    if timeout is not None:
-
-        def on_alarm(signum, frame):
-            if not watch.done:
-                raise _Deadline
-
-        old_alarm = signal.signal(signal.SIGALRM, on_alarm)
-        first = timeout if started is None else max(timeout - (time.time() - started), 1e-3)
-        old_timer = signal.setitimer(signal.ITIMER_REAL, first, 0.25)
-        started = time.monotonic()
-    _watch = watch
-    try:
-        yield
-    except _Deadline:
-        watch.done = True
-        raise CheckTimeout(timeout, "kvfast's comparison between model calls") from None
-    finally:
-        watch.done = True
-        _watch = None
-        if timeout is not None:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, old_alarm)
-            if old_timer[0] > 0:  # someone else's pending timer: give back what is left of it
-                left = max(old_timer[0] - (time.monotonic() - started), 1e-3)
-                signal.setitimer(signal.ITIMER_REAL, left, old_timer[1])
-        if old_int is signal.default_int_handler:
-            signal.signal(signal.SIGINT, old_int)
 
 
 def call_model(where: str, fn: Callable, *args, passthrough: tuple[type[BaseException], ...] = (), **kwargs):
-    """``fn(*args, **kwargs)``: code of the model under test. Whatever it raises (``SystemExit``,
-    ``KeyboardInterrupt`` and every other exception; except ``passthrough`` types and a Ctrl-C from the
-    user) becomes :class:`ModelUnderTestError` chained from it; the watched deadline, :class:`CheckTimeout`."""
-    try:
-        return fn(*args, **kwargs)
-    except _Deadline:
-        if _watch is not None:
-            _watch.done = True
-        raise CheckTimeout(_watch.seconds if _watch else 0.0, where) from None
-    except (ModelUnderTestError, CheckTimeout):
-        raise
-    except KeyboardInterrupt as exc:
-        if _watch is not None and _watch.user_interrupt:
-            raise
-        raise ModelUnderTestError(where, exc) from exc
-    except passthrough:
-        raise
-    except BaseException as exc:  # noqa: BLE001 - every failure of the model's own code is the model's
-        raise ModelUnderTestError(where, exc) from exc
+    """``fn(*args, **kwargs)``: code of the model under test, through :func:`kvfast.runtime.call_user`:
+    whatever it raises (``SystemExit``, ``KeyboardInterrupt`` and every other exception; except
+    ``passthrough`` types and a Ctrl-C from the user) becomes :class:`ModelUnderTestError` chained from
+    it; the watched deadline (:func:`watched`), :class:`CheckTimeout`."""
+    return call_user(where, fn, *args, passthrough=passthrough, error=ModelUnderTestError, **kwargs)
 
 
 def _arg_text(value: object) -> str:

@@ -27,7 +27,8 @@ that calls ``os._exit(0)`` or crashes ends the child without a report, which
 can never read as a pass; a hang past ``--timeout`` that the in-process timer
 cannot interrupt (C code) is ended by killing the child's process group, and
 the child kills its group when this process dies, so no process outlives the
-check.
+check (the mechanics: :mod:`kvfast.runtime.child`; the factory is loaded by
+:func:`kvfast.runtime.load_object`'s rules).
 
 Built in: ``kvfast.check.hf:tiny_model`` (a tiny random Hugging Face model;
 ``--factory-arg family=gpt2 --factory-arg dtype=bfloat16``).
@@ -37,21 +38,13 @@ from __future__ import annotations
 
 import argparse
 import ast
-import importlib
 import inspect
-import json
 import math
-import os
-import select
-import signal
-import subprocess
 import sys
-import tempfile
-import threading
-import time
 import traceback
 
 from kvfast.commands import EXIT_KVFAST_BUG, bug_line
+from kvfast.runtime import split_ref
 from kvfast.validation import not_allowed, one_line
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_INCONCLUSIVE, EXIT_MODEL, EXIT_TIMEOUT = 0, 1, 2, 3, 4, 5
@@ -141,33 +134,20 @@ def parse_factory_args(items: list[str]) -> dict[str, object]:
 
 
 def load_factory(spec: str):
-    """The callable named by ``PACKAGE.MODULE:FACTORY``; ``ValueError`` if it cannot be found."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"factory: {spec!r} is not allowed; allowed: PACKAGE.MODULE:FACTORY")
-    from kvfast.check.protocol import call_model
+    """The callable named by ``PACKAGE.MODULE:FACTORY`` (:func:`kvfast.runtime.load_object`'s rules and
+    messages): ``ValueError`` if it cannot be found, :class:`~kvfast.check.protocol.ModelUnderTestError`
+    if its module raises or exits at import."""
+    from kvfast.check.protocol import ModelUnderTestError
+    from kvfast.runtime import load_object
 
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = call_model(
-            f"importing {module_name}", importlib.import_module, module_name, passthrough=(ImportError,)
-        )
-    except ImportError as exc:
-        raise ValueError(
-            f"factory: module {module_name!r} cannot be imported ({exc}); allowed: an importable module"
-        ) from exc
-    obj = module
-    for part in attr.split("."):
-        try:
-            obj = call_model(f"{module_name}.{attr}", getattr, obj, part, passthrough=(AttributeError,))
-        except AttributeError:
-            raise ValueError(
-                f"factory: {module_name!r} has no attribute {attr!r}; allowed: a callable in that module"
-            ) from None
-    if not callable(obj):
-        raise ValueError(f"factory: {spec!r} is not callable; allowed: a function or class")
-    return obj
+    return load_object(
+        spec,
+        "factory",
+        accept=callable,
+        allowed="a callable (a function or class) that returns a model under test",
+        form="PACKAGE.MODULE:FACTORY",
+        error=ModelUnderTestError,
+    )
 
 
 def build_model(spec: str, factory_args: dict[str, object]):
@@ -185,9 +165,25 @@ def build_model(spec: str, factory_args: dict[str, object]):
         pass
     call = f"{spec}({', '.join(f'{k}={v!r}' for k, v in factory_args.items())})"
     try:
-        return call_model(f"the factory {call}", factory, **factory_args, passthrough=(ValueError,))
+        model = call_model(f"the factory {call}", factory, **factory_args, passthrough=(ValueError,))
     except ValueError as exc:  # by convention, the factory's verdict on its arguments: bad input
         raise ValueError(f"{' '.join(str(exc).split())} (raised by the factory {call})") from exc
+    require_model_under_test(model, call)
+    return model
+
+
+def require_model_under_test(model: object, call: str) -> None:
+    """``ValueError`` (bad input: ``the factory CALL returns no model under test: ...``) unless ``model`` is a
+    model under test or a Hugging Face model: a class instead of an instance, ``None``, anything else."""
+    from kvfast.check.hf import is_hf_model
+    from kvfast.check.protocol import require_model
+
+    try:
+        if not isinstance(model, type) and is_hf_model(model):
+            return
+        require_model(model)
+    except ValueError as exc:
+        raise ValueError(f"the factory {call} returns no model under test: {exc}") from None
 
 
 def check_args(args) -> None:
@@ -196,9 +192,7 @@ def check_args(args) -> None:
     if args.continuation is not None:
         parse_prompt(args.continuation, "--continuation")
     parse_factory_args(args.factory_arg)
-    module_name, sep, attr = args.factory.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"factory: {args.factory!r} is not allowed; allowed: PACKAGE.MODULE:FACTORY")
+    split_ref(args.factory, "factory", "PACKAGE.MODULE:FACTORY")
     if args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout > 0):
         raise not_allowed("--timeout", args.timeout, "a number of seconds > 0")
 
@@ -251,26 +245,20 @@ BOOT = (
 
 
 def child(request: dict) -> None:
-    """The child process: run the check, write ``{"kind": ...}`` to ``request["result"]``, exit 0.
+    """The child process (:func:`kvfast.runtime.child.run_in_child`): run the check, write
+    ``{"kind": ...}`` for the parent, exit 0.
 
     Kinds: ``report`` (``text``, ``code``), ``bad input``, ``model``, ``timeout`` (``line``), ``bug``
-    (``traceback``). Its process group dies with the parent (a watchdog reads the parent's pipe).
-    ``--timeout`` counts from the moment kvfast itself is imported here (written to the parent on
-    ``request["ready_fd"]``): the deadline is for the user's code, so a slow start of the interpreter
-    and of kvfast on a loaded machine can never be blamed on the model or its module.
+    (``traceback``). ``--timeout`` counts from the moment kvfast itself is imported here: the deadline is
+    for the user's code, so a slow start of the interpreter and of kvfast on a loaded machine can never
+    be blamed on the model or its module.
     """
+    from kvfast.runtime.child import child_done, child_ready, child_started
 
-    def watchdog(fd: int) -> None:
-        while os.read(fd, 1):
-            pass
-        os.killpg(os.getpgrp(), signal.SIGKILL)  # the parent is gone: take the model's processes along
-
-    threading.Thread(target=watchdog, args=(request["watch_fd"],), daemon=True).start()
+    child_started(request)
     import kvfast.check.checker  # noqa: F401 - kvfast's own start-up, before the deadline starts
 
-    started = time.time()
-    os.write(request["ready_fd"], b"r")
-    os.close(request["ready_fd"])
+    started = child_ready(request)
     args = argparse.Namespace(**request["args"])
     try:
         result = run_check(args, started)
@@ -278,97 +266,34 @@ def child(request: dict) -> None:
         result = {"kind": "model", "line": f"the model under test failed: its process got {exc!r}"}
     except BaseException:  # noqa: BLE001 - anything else is kvfast's own bug, reported with its traceback
         result = {"kind": "bug", "traceback": traceback.format_exc()}
-    part = request["result"] + ".part"
-    with open(part, "w") as f:
-        json.dump(result, f)
-    os.replace(part, request["result"])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # no atexit hook or finalizer of the model runs after the report
-
-
-def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _ended(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            return f"killed by signal {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"killed by signal {-returncode}"
-    return f"exit status {returncode}"
-
-
-def _wait_until_ready(proc: subprocess.Popen, ready_fd: int) -> None:
-    """Until the child has started kvfast (it writes a byte on ``ready_fd``) or has ended."""
-    while proc.poll() is None:
-        readable, _, _ = select.select([ready_fd], [], [], 0.2)
-        if readable:
-            os.read(ready_fd, 1)  # b"r", or b"" when the child ended first: either way, stop waiting
-            return
+    child_done(request, result)
 
 
 def run(args) -> int:
+    from kvfast.runtime.child import run_in_child
+
     check_args(args)
-    with tempfile.TemporaryDirectory(prefix="kvfast-check-") as tmp:
-        watch_read, watch_write = os.pipe()
-        ready_read, ready_write = os.pipe()
-        request = {
-            "args": {k: v for k, v in vars(args).items() if k != "func"},
-            "path": [str(p) for p in sys.path],
-            "result": os.path.join(tmp, "result.json"),
-            "watch_fd": watch_read,
-            "ready_fd": ready_write,
-        }
-        with open(os.path.join(tmp, "request.json"), "w") as f:
-            json.dump(request, f)
-        try:
-            proc = subprocess.Popen(
-                [sys.executable, "-c", BOOT, os.path.join(tmp, "request.json")],
-                pass_fds=(watch_read, ready_write),
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        finally:
-            os.close(watch_read)
-            os.close(ready_write)
-        try:
-            _wait_until_ready(proc, ready_read)
-            # the child's own timer fires at --timeout from here; this one only ends code it cannot interrupt
-            limit = None if args.timeout is None else args.timeout + GRACE_S
-            proc.wait(timeout=limit)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc.pid)
-            proc.wait()
-            print(
-                f"kvfast: error: the check did not finish within {args.timeout:g} s and could not be interrupted "
-                "(the model under test is stuck outside Python); its processes were killed",
-                file=sys.stderr,
-            )
-            return EXIT_TIMEOUT
-        except KeyboardInterrupt:
-            _kill_group(proc.pid)
-            proc.wait()
-            print("kvfast: interrupted; the check's processes were killed", file=sys.stderr)
-            return EXIT_INTERRUPTED
-        finally:
-            _kill_group(proc.pid)  # whatever the model left running in the child's session
-            os.close(watch_write)
-            os.close(ready_read)
-        try:
-            with open(request["result"]) as f:
-                result = json.load(f)
-        except FileNotFoundError:
-            print(
-                f"kvfast: error: the model under test ended the check's process without a report "
-                f"({_ended(proc.returncode)}: os._exit, a crash or a signal); nothing was checked to the end",
-                file=sys.stderr,
-            )
-            return EXIT_MODEL
+    request = {"args": {k: v for k, v in vars(args).items() if k != "func"}}
+    try:
+        outcome = run_in_child(BOOT, request, args.timeout, GRACE_S)
+    except KeyboardInterrupt:
+        print("kvfast: interrupted; the check's processes were killed", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    if outcome.timed_out:
+        print(
+            f"kvfast: error: the check did not finish within {args.timeout:g} s and could not be interrupted "
+            "(the model under test is stuck outside Python); its processes were killed",
+            file=sys.stderr,
+        )
+        return EXIT_TIMEOUT
+    result = outcome.result
+    if result is None:
+        print(
+            f"kvfast: error: the model under test ended the check's process without a report "
+            f"({outcome.ended()}: os._exit, a crash or a signal); nothing was checked to the end",
+            file=sys.stderr,
+        )
+        return EXIT_MODEL
     kind = result["kind"]
     if kind == "report":
         print(result["text"])

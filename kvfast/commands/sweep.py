@@ -5,7 +5,9 @@ when every run of the grid is stored with status ``ok``; 1 when runs ended as
 ``error``, ``crashed`` or ``timeout`` rows (``--retry-errors`` reruns them); 2
 for bad input, one line, before any run (unknown grid, axis or value, TOML
 error, a limit exceeded, an unwritable, foreign, broken or busy results
-directory); 3 when runs were lost (not stored: a stall, a lost Dask scheduler;
+directory; a user's study module or ``validate_config`` that raises or exits,
+``os._exit`` at import included: see :mod:`kvfast.runtime.load`); 3 when runs
+were lost (not stored: a stall, a lost Dask scheduler;
 a plain rerun runs them); 70 for a bug in kvfast (a traceback, the version
 and a line saying so); 74 when results could not be written (disk full), one
 line saying what is stored; 130 when interrupted (Ctrl-C; rerun to resume).
@@ -31,7 +33,8 @@ EXIT_CODES = {
     0: "every run of the grid is stored with status `ok`",
     EXIT_FAILED: "runs stored as `error`, `crashed` or `timeout` (`--retry-errors` reruns them)",
     2: "bad input, one line, before any run: grid, TOML, a limit (`--max-runs`, memory), `--out` unwritable, "
-    "foreign, broken (`kvfast repair`), of another study or in use",
+    "foreign, broken (`kvfast repair`), of another study or in use; a study's module or `validate_config` that "
+    "raises or exits (any exception, `sys.exit`, `os._exit`, `KeyboardInterrupt`)",
     EXIT_LOST: "runs lost, not stored (a stall, a lost Dask scheduler): a plain rerun runs them",
     70: "a bug in kvfast: a traceback, the version and a line saying so",
     EXIT_STORAGE: "results could not be written (disk full): one line with what is stored; free space and rerun",
@@ -162,6 +165,7 @@ def cmd_run(args) -> int:
     from kvfast.sweep.grid import DEFAULT_MAX_RUNS, load_grid
     from kvfast.sweep.options import SweepOptions
 
+    out = Path(args.out).absolute()  # before the study's module is imported: user code cannot move it
     grid = load_grid(args.grid, max_runs=args.max_runs or DEFAULT_MAX_RUNS)
     options = SweepOptions.build(
         jobs=args.jobs,
@@ -174,7 +178,7 @@ def cmd_run(args) -> int:
         run_timeout=args.run_timeout,
         max_memory=int(args.max_memory * 2**30) if args.max_memory else None,
     )
-    report = _sweep(grid, args.out, options)
+    report = _sweep(grid, out, options)
     if isinstance(report, int):
         return report
     print(report.line())
@@ -324,8 +328,8 @@ def _run_study(grid, out: Path, jobs, quiet: bool, fresh: bool = False):
 
 
 def cmd_study(args) -> int:
+    out = Path(args.out or f"results/{args.name}").absolute()  # before any user code (see cmd_run)
     grid = _study_grid(args.name)
-    out = Path(args.out or f"results/{args.name}")
     report, df = _run_study(grid, out, args.jobs, args.quiet, fresh=args.fresh)
     if isinstance(report, int):
         return report
@@ -341,7 +345,7 @@ def cmd_reproduce(args) -> int:
     from kvfast.sweep.grid import builtin_grids
     from kvfast.sweep.store import ResultsDir
 
-    root = Path(args.out)
+    root = Path(args.out).absolute()  # before any user code (see cmd_run)
     grids = builtin_grids()
     plan = []
     for name in sorted(STUDIES):

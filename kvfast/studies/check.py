@@ -27,9 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
-import os
-import sys
 from collections.abc import Callable
 
 import numpy as np
@@ -43,11 +40,12 @@ from kvfast.kernels.attention import ATTENTION_CODES
 from kvfast.kernels.reduce import ORDER_CODES
 from kvfast.model.config import ModelConfig, init_params
 from kvfast.numerics import PRESETS, Numerics
+from kvfast.runtime import load_object
 from kvfast.studies.base import Claim, Figure, Study
 from kvfast.studies.common import MODEL_SHAPE_FIELDS, ok_rows, require_config_choice
 from kvfast.studies.criteria import EXACT, judged
 from kvfast.studies.plotting import SYMLOG_FLOOR, pyplot
-from kvfast.validation import not_allowed, require_int
+from kvfast.validation import require_int
 
 VERSION = "1"
 MODES = ("exact", "control")
@@ -94,20 +92,9 @@ def kvfast_model(
 
 @functools.lru_cache(maxsize=64)
 def load_factory(ref: str) -> Callable:
-    """The callable ``"package.module:NAME"`` names (``ValueError`` if it cannot be imported)."""
-    if not isinstance(ref, str) or ref.count(":") != 1:
-        raise not_allowed("factory", ref, "'package.module:NAME', a callable that returns a model")
-    module_name, name = ref.split(":")
-    if os.getcwd() not in sys.path:  # as `python -m` would: modules of the working directory
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # noqa: BLE001 - the user's module: any failure is bad input
-        raise ValueError(f"factory: {ref!r} cannot be imported ({type(exc).__name__}: {exc})") from None
-    factory = getattr(module, name, None)
-    if not callable(factory):
-        raise not_allowed("factory", ref, f"a callable; {module_name} has no callable {name!r}")
-    return factory
+    """The callable ``"package.module:NAME"`` names (:func:`kvfast.runtime.load_object`'s rules and messages:
+    ``ValueError`` if it cannot be found, :class:`kvfast.runtime.UserCodeError` if its module raises or exits)."""
+    return load_object(ref, "factory", accept=callable, allowed="a callable that returns a model")
 
 
 def _validate_check(config: dict) -> None:

@@ -46,10 +46,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvfast.runtime import INTERRUPTED, on_sigint
 from kvfast.sweep.backends import Job, Outcome, backend_module, execute
 from kvfast.sweep.backends.inline import CHUNK as INLINE_CHUNK
 from kvfast.sweep.grid import Grid, Run
-from kvfast.sweep.guard import INTERRUPTED, on_sigint
 from kvfast.sweep.limits import check_disk, check_memory
 from kvfast.sweep.options import BACKENDS, SweepOptions
 from kvfast.sweep.plan import Pending, find_pending, pending_runs, split_warmup
@@ -149,12 +149,14 @@ def run_sweep(grid: Grid, out: str | os.PathLike, options: SweepOptions | None =
     a run may take (a ``timeout`` row after that). Raises ``ValueError`` for bad
     options or a results directory that cannot be used (one line, nothing stored
     touched), :class:`StorageError` when results cannot be written (disk full):
-    what is stored is kept.
+    what is stored is kept. ``out`` is made absolute first, before any run: a run that changes the
+    working directory cannot move where results go.
     """
     if options is None:
         options = SweepOptions.build(**kwargs)
     elif kwargs:
         raise TypeError(f"run_sweep: pass options or keywords, not both (got {', '.join(sorted(kwargs))})")
+    out = Path(os.path.abspath(out))  # once, before any run: a run that changes directory cannot move it
     study = grid.study
     check_memory(grid, options.max_memory)
     check_disk(grid, out)

@@ -40,13 +40,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib
 import itertools
 import json
 import math
-import os
 import re
-import sys
 import tomllib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -56,6 +53,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import pyarrow as pa
 
+from kvfast.runtime import UserCodeError, call_user, load_object
+from kvfast.runtime.load import entry_points_of
 from kvfast.sweep.ids import MAX_DEPTH, canonical, spec_hash
 from kvfast.validation import shown
 
@@ -245,45 +244,33 @@ def load_grid(name_or_path: str, max_runs: int = DEFAULT_MAX_RUNS) -> Grid:
 
 
 def _entry_point_studies() -> dict:
-    from importlib.metadata import entry_points
-
-    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    return entry_points_of(ENTRY_POINT_GROUP)
 
 
 def resolve_study(ref: Any) -> Study:
     """The study a grid's ``study`` names: a registered name (``kvfast.studies.STUDIES``), a name
     registered by an installed package in the ``kvfast.studies`` entry-point group, or
-    ``"package.module:ATTR"`` (a :class:`~kvfast.studies.base.Study` object). ``ValueError`` otherwise."""
+    ``"package.module:ATTR"`` (a :class:`~kvfast.studies.base.Study` object), loaded by
+    :func:`kvfast.runtime.load_object`'s rules. ``ValueError`` otherwise, one line: also when the study's
+    module raises or exits at import (``SystemExit`` of any code, ``KeyboardInterrupt`` from the module,
+    any exception; ``os._exit`` where the command line probes the import)."""
     from kvfast.studies import STUDIES
     from kvfast.studies.base import Study
 
     if isinstance(ref, str) and ref in STUDIES:
         return STUDIES[ref]
     allowed = f"{', '.join(sorted(STUDIES))}, an entry point of group {ENTRY_POINT_GROUP!r}, or 'package.module:STUDY'"
-    if not isinstance(ref, str) or not ref:
-        raise ValueError(f"study: {ref!r} is not allowed; allowed: {allowed}")
-    if ":" in ref:
-        module_name, _, attr = ref.partition(":")
-        if os.getcwd() not in sys.path:  # as `python -m` would: modules of the working directory
-            sys.path.insert(0, os.getcwd())
-        try:
-            module = importlib.import_module(module_name)
-        except Exception as exc:  # noqa: BLE001 - any import failure is the user's study's problem
-            raise ValueError(f"study: {ref!r} cannot be imported ({type(exc).__name__}: {exc})") from None
-        study = module
-        for part in attr.split("."):
-            study = getattr(study, part, None)
-    else:
-        ep = _entry_point_studies().get(ref)
-        if ep is None:
-            raise ValueError(f"study: {ref!r} is not allowed; allowed: {allowed}")
-        try:
-            study = ep.load()
-        except Exception as exc:  # noqa: BLE001
-            raise ValueError(f"study: {ref!r} (entry point {ep.value}) cannot be loaded ({exc})") from None
-    if not isinstance(study, Study):
-        raise ValueError(f"study: {ref!r} is {type(study).__name__}, not allowed; allowed: a kvfast Study object")
-    return study
+    try:
+        return load_object(
+            ref,
+            "study",
+            accept=lambda obj: isinstance(obj, Study),
+            allowed="a kvfast Study object",
+            form=allowed,
+            entry_points=lambda: _entry_point_studies(),
+        )
+    except UserCodeError as exc:
+        raise ValueError(f"study: {shown(ref)}: {exc}") from None
 
 
 def _level(table: Any, where: str, allowed: tuple[str, ...]) -> tuple[list[str], list[tuple[tuple, list[tuple]]]]:
@@ -431,9 +418,12 @@ def _validate_entry(study: Study, name: str, entry: _Entry, groups: list[tuple[s
         if token in done:
             return
         try:
-            study.validate_config(dict(config))
+            where = f"study {study.name!r}: validate_config"
+            call_user(where, study.validate_config, dict(config), passthrough=(ValueError,))
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from None
+        except UserCodeError as exc:  # not the ValueError of its contract: one line naming the config
+            raise ValueError(f"{name}: {exc} (config {shown(config)})") from None
         done.add(token)
 
     reference = dict(entry.base)
