@@ -85,7 +85,8 @@ def check_logits(value: object, method: str, rows: int | None, vocab: int | None
     ``rows`` is the expected number of rows (``None``: one row, shape ``(V,)``).
     ``vocab`` is the expected ``V`` (``None``: any positive size). A leading
     axis of size 1 is dropped. Raises ``ValueError`` for a non-numeric dtype, a
-    wrong shape or a non-finite value.
+    wrong shape or a non-finite value. The result is always a fresh array, never
+    the model's own buffer (a model may return the same buffer on every call).
     """
     arr = to_numpy(value)
     want_ndim = 1 if rows is None else 2
@@ -103,7 +104,7 @@ def check_logits(value: object, method: str, rows: int | None, vocab: int | None
         ok = arr.shape[-1] == vocab
     if not ok:
         raise ValueError(f"model.{method}{at}: logits of shape {arr.shape} are not allowed; allowed: {expected}")
-    arr = arr.astype(np.float64, copy=False)
+    arr = arr.astype(np.float64, copy=True)  # the checker's own copy: a model may reuse its output buffer
     finite = np.isfinite(arr)
     if not finite.all():
         idx = np.argwhere(~finite)[0]
