@@ -56,7 +56,7 @@ from kvfast.check.calls import as_model_under_test
 from kvfast.check.options import MODES, SCENARIOS, CheckOptions
 from kvfast.check.protocol import watched
 from kvfast.check.reference import OwnReference, SharedReference
-from kvfast.check.report import CheckReport, ScenarioReport, overall
+from kvfast.check.report import LENGTH_DEPENDENT, CheckReport, ScenarioReport, overall
 from kvfast.check.scenarios import check_scenarios
 from kvfast.check.subject import resolve
 
@@ -118,11 +118,12 @@ def _check(model, prompt, options: CheckOptions) -> CheckReport:
     subject = resolve(model, prompt, options)
     prompt_rows, fmt = subject.calls.recompute_with_format(subject.prompt, "of the prompt")
     if options.follow == "cache":
-        reference = OwnReference(subject, prompt_rows)
+        reference = OwnReference(subject, prompt_rows, fmt)
     else:
-        reference = SharedReference.build(subject, prompt_rows)
+        reference = SharedReference.build(subject, prompt_rows, fmt)
     reports = check_scenarios(subject, reference, fmt)
     verdict = overall(options.mode, reports)
+    length = reference.length
     notes = reference.notes
     promoted = None
     if options.promote is not None and options.follow == "recompute":  # follow="cache" runs no logic check
@@ -131,11 +132,16 @@ def _check(model, prompt, options: CheckOptions) -> CheckReport:
             follow="recompute", keep_logits=False, timeout=None, split=subject.split,
         )  # fmt: skip
         promoted = _check(subject.calls.model.promote(options.promote), subject.prompt, inner)
+        if length is None and promoted.length_dependence is not None:
+            length = replace(promoted.length_dependence, by=f"the logic check in {options.promote}")
     else:
         notes += _format_notes(options, verdict, fmt)
+    if length is not None:
+        verdict = LENGTH_DEPENDENT
     return CheckReport(
-        options.mode, subject.prompt, reference.tokens, reports, verdict, reference.path, tuple(notes), fmt, promoted
-    )
+        options.mode, subject.prompt, reference.tokens, reports, verdict, reference.path, tuple(notes), fmt, promoted,
+        length,
+    )  # fmt: skip
 
 
 def _format_notes(options: CheckOptions, verdict: str, fmt: str) -> list[str]:

@@ -104,6 +104,29 @@ def is_hf_model(model: object) -> bool:
     )
 
 
+#: Rotary scalings built to run past ``max_position_embeddings`` (their frequencies change with the length).
+SCALES_PAST_LIMIT = ("dynamic",)
+
+
+def scales_past_limit(config) -> bool:
+    """Whether ``config``'s rotary scaling is one built to run past ``max_position_embeddings`` (dynamic NTK:
+    :data:`SCALES_PAST_LIMIT`), so that a check may go beyond it: its length-dependent rope is exactly what
+    must be seen."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(rope, dict):
+        return False
+    return (rope.get("rope_type") or rope.get("type")) in SCALES_PAST_LIMIT
+
+
+def position_limit(config) -> int | None:
+    """The most positions ``config`` declares (``max_position_embeddings``, ``n_positions``, ``max_seq_len``)."""
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def _rowwise(forward):
     """``forward`` of a linear layer applied one row at a time (the decode's matrix-vector order)."""
     torch = _torch()
@@ -156,12 +179,7 @@ class HFModel:
         self.takes_position_ids = "position_ids" in params
         vocab = getattr(model.config, "vocab_size", None)
         self.vocab_size = require_int(vocab, "model.config.vocab_size", 1)
-        self.max_positions = None
-        for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
-            value = getattr(model.config, key, None)
-            if isinstance(value, int) and value > 0:
-                self.max_positions = value
-                break
+        self.max_positions = None if scales_past_limit(model.config) else position_limit(model.config)
         self._copies: dict[str, object] = {}
         self.cache = None
         self.length = 0
