@@ -116,8 +116,8 @@ def order_noise(
     notes: list[str] = []
     if not sources:
         notes.append(
-            "control mode found no order-noise source (no batch-shape noise was measured or admitted and the model has no "
-            "recompute_variants()); its bound is the logits' format resolution alone"
+            "control mode found no order-noise source (no batch-shape noise was measured or admitted and the model "
+            "has no recompute_variants()); its bound is the logits' format resolution alone"
         )
     return sources, notes
 
