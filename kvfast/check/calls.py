@@ -19,6 +19,7 @@ import numpy as np
 
 from kvfast.check.protocol import (
     GuardedModel,
+    ModelUnderTestError,
     call_model,
     check_logits,
     guard,
@@ -87,3 +88,16 @@ class ModelCalls:
     def variants(self, tokens: np.ndarray) -> dict[str, np.ndarray]:
         """``recompute_variants(tokens)`` as ``{name: (len(tokens), V)}`` (empty without the hook)."""
         return variants_of(self.model, tokens.copy(), self.vocab)
+
+    def variants_or_skipped(self, tokens: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+        """:meth:`variants`, and the variants skipped with the reason: those the model itself reports it could
+        not build or run (its optional ``skipped_variants`` attribute, ``{name: reason}``), or every variant
+        when ``recompute_variants`` raises or returns bad logits (one line naming the call). A variant is
+        order noise, never the check: losing one must not lose the verdict."""
+        try:
+            found = self.variants(tokens)
+        except (ModelUnderTestError, ValueError) as exc:
+            return {}, {"all": " ".join(str(exc).split())}
+        skipped = getattr(self.model, "skipped_variants", None)
+        skipped = {str(k): str(v) for k, v in skipped.items()} if isinstance(skipped, dict) else {}
+        return found, {k: v for k, v in skipped.items() if k not in found}

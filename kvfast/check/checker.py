@@ -54,7 +54,7 @@ from dataclasses import replace
 from kvfast.check import control as C
 from kvfast.check.calls import as_model_under_test
 from kvfast.check.options import MODES, SCENARIOS, CheckOptions
-from kvfast.check.protocol import watched
+from kvfast.check.protocol import ModelUnderTestError, watched
 from kvfast.check.reference import OwnReference, SharedReference
 from kvfast.check.report import LENGTH_DEPENDENT, CheckReport, ScenarioReport, overall
 from kvfast.check.scenarios import check_scenarios
@@ -131,8 +131,10 @@ def _check(model, prompt, options: CheckOptions) -> CheckReport:
             options, mode="control", continuation=tuple(reference.tokens.tolist()), promote=None,
             follow="recompute", keep_logits=False, timeout=None, split=subject.split,
         )  # fmt: skip
-        promoted = _check(subject.calls.model.promote(options.promote), subject.prompt, inner)
-        if length is None and promoted.length_dependence is not None:
+        promoted, skipped = _logic_check(subject, inner)
+        if promoted is None:
+            notes += [skipped] + _format_notes(options, verdict, fmt)
+        elif length is None and promoted.length_dependence is not None:
             length = replace(promoted.length_dependence, by=f"the logic check in {options.promote}")
     else:
         notes += _format_notes(options, verdict, fmt)
@@ -142,6 +144,18 @@ def _check(model, prompt, options: CheckOptions) -> CheckReport:
         options.mode, subject.prompt, reference.tokens, reports, verdict, reference.path, tuple(notes), fmt, promoted,
         length,
     )  # fmt: skip
+
+
+def _logic_check(subject, inner: CheckOptions) -> tuple[CheckReport | None, str]:
+    """The logic check's report, or ``(None, note)`` when the model cannot be promoted or cannot run promoted
+    (six MoE families and XGLM have no float64 kernels): the note names the call and the error, and the
+    native verdict stands. A timeout is never skipped."""
+    dtype = subject.options.promote
+    try:
+        return _check(subject.calls.model.promote(dtype), subject.prompt, inner), ""
+    except (ModelUnderTestError, ValueError) as exc:
+        why = " ".join(str(exc).split())
+        return None, f"the logic check in {dtype} was skipped: the model cannot run in {dtype} ({why})"
 
 
 def _format_notes(options: CheckOptions, verdict: str, fmt: str) -> list[str]:

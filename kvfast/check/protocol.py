@@ -17,9 +17,16 @@ A model under test is any object with these methods (tokens are passed as a
     Full recomputes of ``tokens`` that differ from ``recompute`` ONLY in how they
     add up (another batching, another kernel's summation order); never through
     the cache. A list is accepted too (named ``variant0``, ``variant1``, ...).
+    If it raises or returns bad logits, control mode goes on without variants
+    (a note names the call and the error).
+``skipped_variants`` (optional attribute, ``{name: reason}``)
+    Variants the model could not build or run (an eager-only model asked for
+    another attention): the report names each with its reason.
 ``promote(dtype) -> model under test`` (optional)
     The same model (its bug included) computing in ``dtype`` (``"float64"``):
-    the logic check ``check_cache(..., promote="float64")``.
+    the logic check ``check_cache(..., promote="float64")``. If the model cannot
+    be promoted or cannot run promoted, the logic check is skipped with a note
+    and the native verdict stands.
 ``max_positions`` (optional attribute, int)
     The most positions the model can take; a longer check is bad input before any work.
 ``vocab_size`` (optional attribute, int)

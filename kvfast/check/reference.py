@@ -110,10 +110,12 @@ def order_noise(
     """
     n = final.shape[0]
     sources: dict[str, np.ndarray] = dict(batch_shape or {})
-    if calls.has("recompute_variants"):
-        for k, v in calls.variants(final).items():
-            sources[f"variant {k!r}"] = np.abs(v - rows[:n]).max(axis=1)
     notes: list[str] = []
+    if calls.has("recompute_variants"):
+        variants, skipped = calls.variants_or_skipped(final)
+        for k, v in variants.items():
+            sources[f"variant {k!r}"] = np.abs(v - rows[:n]).max(axis=1)
+        notes += [f"order-noise variant {k!r} skipped: {why}" for k, why in skipped.items()]
     if not sources:
         notes.append(
             "control mode found no order-noise source (no batch-shape noise was measured or admitted and the model "
@@ -148,7 +150,9 @@ class SharedReference:
         self.notes: list[str] = []
         self.noise: dict[str, np.ndarray] | None = None
         self.known = T  # rows[:known] and the tokens they chose are final
-        self.reuse: CachePath | None = None  # the fast path's decode run, when it was fed these tokens
+        self.reuse: CachePath | None = None  # the fast path's cache run, when it was fed these tokens
+        # the fast path runs the first scenario asked for (a resume-only check never prefills the whole prompt)
+        self.reuse_scenario = "decode" if "decode" in subject.options.scenarios else "resume"
         self.batch_shape: dict[str, np.ndarray] | None = None
 
     @classmethod
@@ -177,7 +181,7 @@ class SharedReference:
 
     def cache_run(self, scenario: str) -> CachePath:
         """``scenario``'s cache path, fed :attr:`tokens` (the fast path's decode run when it was)."""
-        if scenario == "decode" and self.reuse is not None:
+        if scenario == self.reuse_scenario and self.reuse is not None:
             return self.reuse
         s = self.subject
         return run_cache_path(s.calls, scenario, s.prompt, s.split, s.steps, lambda t, out: int(self.tokens[t]))
@@ -198,7 +202,7 @@ class SharedReference:
                 return int(given[t])
             return first_tok if t == 0 else int(np.argmax(out))
 
-        spec = run_cache_path(s.calls, "decode", s.prompt, s.split, steps, choose)
+        spec = run_cache_path(s.calls, self.reuse_scenario, s.prompt, s.split, steps, choose)
         final = np.concatenate([s.prompt, spec.fed])
         full = s.calls.recompute(final, "of the whole sequence")
         why, parts = invariance(s.calls, final, full, self.rows[:T], steps)
