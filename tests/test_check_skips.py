@@ -90,3 +90,25 @@ def test_a_resume_only_check_prefills_only_the_first_chunk(mode):
     assert report.verdict in ("exact", "rounding") and report.path == "fast"
     with pytest.raises(kvfast.ModelUnderTestError, match=r"model\.prefill\(<6 tokens>\) raised RuntimeError"):
         kvfast.check_cache(ShortPrefill(), PROMPT, 8, mode=mode)  # the decode scenario needs the whole prompt
+
+
+def test_the_logic_check_names_the_format_it_actually_ran_in():
+    class Float32Logits(Toy):
+        def recompute(self, tokens):
+            return super().recompute(tokens).astype(np.float32)
+
+        def prefill(self, tokens):
+            return super().prefill(tokens).astype(np.float32)
+
+        def decode(self, token):
+            return super().decode(token).astype(np.float32)
+
+    class PromotesToFloat32(Toy):
+        def promote(self, dtype):
+            return Float32Logits()
+
+    report = kvfast.check_cache(PromotesToFloat32(), PROMPT, 6, mode="control", promote="float64")
+    assert report.promoted.logits_format == "float32"
+    assert "logic check in float32 (same tokens): ROUNDING" in report.format()
+    assert "logic check in float64" not in report.format()
+    assert any("the logic check ran in float32" in n for n in report.notes)

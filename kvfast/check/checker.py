@@ -134,7 +134,12 @@ def _check(model, prompt, options: CheckOptions) -> CheckReport:
         promoted, skipped = _logic_check(subject, inner)
         if promoted is None:
             notes += [skipped] + _format_notes(options, verdict, fmt)
-        elif length is None and promoted.length_dependence is not None:
+        elif promoted.logits_format != options.promote:
+            notes.append(
+                f"the model promoted to {options.promote} returned {promoted.logits_format} logits: the logic check "
+                f"ran in {promoted.logits_format}, with {promoted.logits_format}'s resolution"
+            )
+        if promoted is not None and length is None and promoted.length_dependence is not None:
             length = replace(promoted.length_dependence, by=f"the logic check in {options.promote}")
     else:
         notes += _format_notes(options, verdict, fmt)

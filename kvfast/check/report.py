@@ -311,7 +311,8 @@ class CheckReport:
         lines.append(f"per-step table ({worst.name!r}):")
         lines.append(worst.table())
         if self.promoted is not None:
-            lines.append(f"logic check in float64 (same tokens): {self.promoted.verdict.upper()}")
+            ran = self.promoted.logits_format  # the format it actually ran in, never a claim of float64
+            lines.append(f"logic check in {ran} (same tokens): {self.promoted.verdict.upper()}")
             lines += ["  " + line for line in self.promoted.format().splitlines()[1:]]
         return "\n".join(lines)
 
