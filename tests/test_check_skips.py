@@ -55,16 +55,21 @@ def test_a_variant_the_model_could_not_build_is_named():
     assert any("variant 'batch'" in n for n in report.notes)
 
 
-@pytest.mark.parametrize("cls, why", [(CannotPromote, "TypeError: expected Float"), (FailsPromoted, "decode")])
-def test_a_logic_check_the_model_cannot_run_keeps_the_native_verdict(cls, why):
-    report = kvfast.check_cache(cls(), PROMPT, 8, mode="control", promote="float64")
+def test_a_logic_check_the_model_cannot_run_keeps_the_native_verdict():
+    report = kvfast.check_cache(FailsPromoted(), PROMPT, 8, mode="control", promote="float64")
     assert report.promoted is None and report.verdict == "rounding" and report.passed
     skipped = [n for n in report.notes if n.startswith("the logic check in float64 was skipped")]
-    assert len(skipped) == 1 and why in skipped[0], report.notes
+    assert len(skipped) == 1, report.notes
+    assert "model.decode(" in skipped[0] and "RuntimeError: no float64 kernel for the experts" in skipped[0]
+
+
+def test_promote_itself_raising_is_the_models_failure():
+    with pytest.raises(kvfast.ModelUnderTestError, match=r"model\.promote\('float64'\) raised TypeError"):
+        kvfast.check_cache(CannotPromote(), PROMPT, 8, mode="control", promote="float64")
 
 
 def test_a_skipped_logic_check_does_not_hide_the_native_bug():
-    class Bugged(CannotPromote):
+    class Bugged(FailsPromoted):
         def __init__(self):
             super().__init__("posfrozen")
 

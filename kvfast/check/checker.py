@@ -152,15 +152,17 @@ def _check(model, prompt, options: CheckOptions) -> CheckReport:
 
 
 def _logic_check(subject, inner: CheckOptions) -> tuple[CheckReport | None, str]:
-    """The logic check's report, or ``(None, note)`` when the model cannot be promoted or cannot run promoted
-    (six MoE families and XGLM have no float64 kernels): the note names the call and the error, and the
-    native verdict stands. A timeout is never skipped."""
+    """The logic check's report, or ``(None, note)`` when the promoted model cannot run (six MoE families and
+    XGLM have no float64 kernels): the note names the call and the error, and the native verdict stands.
+    ``promote`` itself raising is the model's failure (:class:`ModelUnderTestError`), and a timeout is never
+    skipped."""
     dtype = subject.options.promote
+    promoted = subject.calls.model.promote(dtype)
     try:
-        return _check(subject.calls.model.promote(dtype), subject.prompt, inner), ""
+        return _check(promoted, subject.prompt, inner), ""
     except (ModelUnderTestError, ValueError) as exc:
         why = " ".join(str(exc).split())
-        return None, f"the logic check in {dtype} was skipped: the model cannot run in {dtype} ({why})"
+        return None, f"the logic check in {dtype} was skipped: the promoted model cannot run in {dtype} ({why})"
 
 
 def _format_notes(options: CheckOptions, verdict: str, fmt: str) -> list[str]:
