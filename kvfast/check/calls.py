@@ -92,11 +92,11 @@ class ModelCalls:
     def variants_or_skipped(self, tokens: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, str]]:
         """:meth:`variants`, and the variants skipped with the reason: those the model itself reports it could
         not build or run (its optional ``skipped_variants`` attribute, ``{name: reason}``), or every variant
-        when ``recompute_variants`` raises or returns bad logits (one line naming the call). A variant is
-        order noise, never the check: losing one must not lose the verdict."""
+        when ``recompute_variants`` raises (one line naming the call). A variant is order noise, never the
+        check: losing one must not lose the verdict. Bad logits from it stay bad input (``ValueError``)."""
         try:
             found = self.variants(tokens)
-        except (ModelUnderTestError, ValueError) as exc:
+        except ModelUnderTestError as exc:
             return {}, {"all": " ".join(str(exc).split())}
         skipped = getattr(self.model, "skipped_variants", None)
         skipped = {str(k): str(v) for k, v in skipped.items()} if isinstance(skipped, dict) else {}

@@ -17,8 +17,8 @@ A model under test is any object with these methods (tokens are passed as a
     Full recomputes of ``tokens`` that differ from ``recompute`` ONLY in how they
     add up (another batching, another kernel's summation order); never through
     the cache. A list is accepted too (named ``variant0``, ``variant1``, ...).
-    If it raises or returns bad logits, control mode goes on without variants
-    (a note names the call and the error).
+    If it raises, control mode goes on without variants (a note names the
+    call and the error); bad logits from it are bad input.
 ``skipped_variants`` (optional attribute, ``{name: reason}``)
     Variants the model could not build or run (an eager-only model asked for
     another attention): the report names each with its reason.
