@@ -167,7 +167,7 @@ def test_fast_path_recomputes_a_constant_number_of_times_per_scenario_set():
     check_cache(fast, TOY_PROMPT, 30, scenarios="decode")
     check_cache(slow, TOY_PROMPT, 30, scenarios="decode", fast=False)
     assert fast.recomputes == 3  # prompt, whole sequence, one prefix to verify append-invariance
-    assert slow.recomputes == 1 + 30
+    assert slow.recomputes == 1 + 30 + 1  # and the whole sequence once: is the recompute length-dependent?
 
 
 # --- messages ----------------------------------------------------------------------------------

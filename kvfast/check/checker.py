@@ -54,9 +54,9 @@ from dataclasses import replace
 from kvfast.check import control as C
 from kvfast.check.calls import as_model_under_test
 from kvfast.check.options import MODES, SCENARIOS, CheckOptions
-from kvfast.check.protocol import watched
+from kvfast.check.protocol import ModelUnderTestError, watched
 from kvfast.check.reference import OwnReference, SharedReference
-from kvfast.check.report import CheckReport, ScenarioReport, overall
+from kvfast.check.report import LENGTH_DEPENDENT, CheckReport, ScenarioReport, overall
 from kvfast.check.scenarios import check_scenarios
 from kvfast.check.subject import resolve
 
@@ -118,11 +118,12 @@ def _check(model, prompt, options: CheckOptions) -> CheckReport:
     subject = resolve(model, prompt, options)
     prompt_rows, fmt = subject.calls.recompute_with_format(subject.prompt, "of the prompt")
     if options.follow == "cache":
-        reference = OwnReference(subject, prompt_rows)
+        reference = OwnReference(subject, prompt_rows, fmt)
     else:
-        reference = SharedReference.build(subject, prompt_rows)
+        reference = SharedReference.build(subject, prompt_rows, fmt)
     reports = check_scenarios(subject, reference, fmt)
     verdict = overall(options.mode, reports)
+    length = reference.length
     notes = reference.notes
     promoted = None
     if options.promote is not None and options.follow == "recompute":  # follow="cache" runs no logic check
@@ -130,12 +131,38 @@ def _check(model, prompt, options: CheckOptions) -> CheckReport:
             options, mode="control", continuation=tuple(reference.tokens.tolist()), promote=None,
             follow="recompute", keep_logits=False, timeout=None, split=subject.split,
         )  # fmt: skip
-        promoted = _check(subject.calls.model.promote(options.promote), subject.prompt, inner)
+        promoted, skipped = _logic_check(subject, inner)
+        if promoted is None:
+            notes += [skipped] + _format_notes(options, verdict, fmt)
+        elif promoted.logits_format != options.promote:
+            notes.append(
+                f"the model promoted to {options.promote} returned {promoted.logits_format} logits: the logic check "
+                f"ran in {promoted.logits_format}, with {promoted.logits_format}'s resolution"
+            )
+        if promoted is not None and length is None and promoted.length_dependence is not None:
+            length = replace(promoted.length_dependence, by=f"the logic check in {options.promote}")
     else:
         notes += _format_notes(options, verdict, fmt)
+    if length is not None:
+        verdict = LENGTH_DEPENDENT
     return CheckReport(
-        options.mode, subject.prompt, reference.tokens, reports, verdict, reference.path, tuple(notes), fmt, promoted
-    )
+        options.mode, subject.prompt, reference.tokens, reports, verdict, reference.path, tuple(notes), fmt, promoted,
+        length,
+    )  # fmt: skip
+
+
+def _logic_check(subject, inner: CheckOptions) -> tuple[CheckReport | None, str]:
+    """The logic check's report, or ``(None, note)`` when the promoted model cannot run (six MoE families and
+    XGLM have no float64 kernels): the note names the call and the error, and the native verdict stands.
+    ``promote`` itself raising is the model's failure (:class:`ModelUnderTestError`), and a timeout is never
+    skipped."""
+    dtype = subject.options.promote
+    promoted = subject.calls.model.promote(dtype)
+    try:
+        return _check(promoted, subject.prompt, inner), ""
+    except (ModelUnderTestError, ValueError) as exc:
+        why = " ".join(str(exc).split())
+        return None, f"the logic check in {dtype} was skipped: the promoted model cannot run in {dtype} ({why})"
 
 
 def _format_notes(options: CheckOptions, verdict: str, fmt: str) -> list[str]:

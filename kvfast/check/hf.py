@@ -32,7 +32,11 @@ What the adapter does (:mod:`kvfast.check.protocol` for the methods):
 
 The model is put in eval mode (dropout would make every comparison noise).
 A mis-wrapped model (not a torch module, no language-model head, no KV cache,
-a sequence longer than its position table) raises ``ValueError``.
+a sequence longer than its position table) raises ``ValueError``. An exception
+the model's own ``forward`` raises is the model's: ``check_cache`` raises
+:class:`~kvfast.check.protocol.ModelUnderTestError` naming the call (``kvfast
+check``: exit 4), never "not allowed". A variant the model cannot build or run
+is skipped (:attr:`HFModel.skipped_variants`, named in the report).
 
 :data:`HF_BUGS` is a catalogue of cache bugs injected into the cache path
 only (``HFModel(model, bug=...)``), for kvfast's own tests and scoring.
@@ -83,6 +87,15 @@ def first_acting_step(bug: str, scenario: str, prompt_len: int) -> int | None:
     return 0 if resume else None  # replay
 
 
+class ModelForwardError(RuntimeError):
+    """A ``ValueError`` the wrapped model's own ``forward`` raised: the model's failure (``kvfast check``
+    exit 4), kept apart from the adapter's ``ValueError`` for bad input. Every other exception of the
+    model's ``forward`` passes as it is."""
+
+    def __init__(self, model: str, error: BaseException):
+        super().__init__(f"{model}.forward raised ValueError: {' '.join(str(error).split())}")
+
+
 def _torch():
     try:
         import torch
@@ -102,6 +115,29 @@ def is_hf_model(model: object) -> bool:
         and hasattr(model, "config")
         and hasattr(model, "parameters")
     )
+
+
+#: Rotary scalings built to run past ``max_position_embeddings`` (their frequencies change with the length).
+SCALES_PAST_LIMIT = ("dynamic",)
+
+
+def scales_past_limit(config) -> bool:
+    """Whether ``config``'s rotary scaling is one built to run past ``max_position_embeddings`` (dynamic NTK:
+    :data:`SCALES_PAST_LIMIT`), so that a check may go beyond it: its length-dependent rope is exactly what
+    must be seen."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(rope, dict):
+        return False
+    return (rope.get("rope_type") or rope.get("type")) in SCALES_PAST_LIMIT
+
+
+def position_limit(config) -> int | None:
+    """The most positions ``config`` declares (``max_position_embeddings``, ``n_positions``, ``max_seq_len``)."""
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 def _rowwise(forward):
@@ -156,13 +192,9 @@ class HFModel:
         self.takes_position_ids = "position_ids" in params
         vocab = getattr(model.config, "vocab_size", None)
         self.vocab_size = require_int(vocab, "model.config.vocab_size", 1)
-        self.max_positions = None
-        for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
-            value = getattr(model.config, key, None)
-            if isinstance(value, int) and value > 0:
-                self.max_positions = value
-                break
+        self.max_positions = None if scales_past_limit(model.config) else position_limit(model.config)
         self._copies: dict[str, object] = {}
+        self.skipped_variants: dict[str, str] = {}  # variants this model cannot build or run, with the reason
         self.cache = None
         self.length = 0
         self.prefill_len = 0
@@ -200,13 +232,8 @@ class HFModel:
         try:
             with torch.no_grad():
                 out = model(**kwargs)
-        except (RuntimeError, IndexError, TypeError) as exc:  # a mis-wrapped model: say so, not a tensor error
-            shape = tuple(kwargs["input_ids"].shape)
-            raise not_allowed(
-                "model",
-                type(model).__name__,
-                f"{MODEL}; its forward() raised {type(exc).__name__} on input_ids of shape {shape}: {exc}",
-            ) from exc
+        except ValueError as exc:  # the model's own error, not kvfast's bad input (which ValueError means here)
+            raise ModelForwardError(type(model).__name__, exc) from exc
         if isinstance(out, tuple):
             logits, cache = out[0], (out[1] if len(out) > 1 else None)
         else:
@@ -334,9 +361,12 @@ class HFModel:
             if name == "attention":
                 other = "eager" if self.attention != "eager" else "sdpa"
                 if hasattr(clone, "set_attn_implementation"):
-                    clone.set_attn_implementation(other)
+                    clone.set_attn_implementation(other)  # eager-only models raise (Gemma2, gpt-oss)
                 else:  # pragma: no cover - older releases
                     clone.config._attn_implementation = other
+                got = str(getattr(clone.config, "_attn_implementation", None) or "eager")
+                if got != other:  # Bloom only warns and stays eager: the variant would measure nothing
+                    raise ValueError(f"asked for {other!r} attention, the model stayed {got!r}")
             elif name == "rows":
                 torch = _torch()
                 for module in clone.modules():
@@ -346,14 +376,23 @@ class HFModel:
         return self._copies[name]
 
     def recompute_variants(self, tokens) -> dict:
-        """Recomputes of ``tokens`` that differ from :meth:`recompute` only in how they add up (no cache)."""
+        """Recomputes of ``tokens`` that differ from :meth:`recompute` only in how they add up (no cache).
+        A variant the model cannot build or run is left out and named in :attr:`skipped_variants` with the
+        reason (an eager-only model has no other attention; a router that returns a tuple has no rows)."""
         out = {}
         for name in self.variants:
-            if name == "batch":
-                ids = self._ids(tokens, 0)
-                logits, _ = self._call(self.model, input_ids=ids.repeat(2, 1), use_cache=False)
-            else:
-                logits, _ = self._call(self._copy(name), input_ids=self._ids(tokens, 0), use_cache=False)
+            if name in self.skipped_variants:
+                continue
+            try:
+                if name == "batch":
+                    ids = self._ids(tokens, 0)
+                    logits, _ = self._call(self.model, input_ids=ids.repeat(2, 1), use_cache=False)
+                else:
+                    logits, _ = self._call(self._copy(name), input_ids=self._ids(tokens, 0), use_cache=False)
+            except Exception as exc:  # noqa: BLE001 - a variant is order noise: losing one must not lose the check
+                self.skipped_variants[name] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+                self._copies.pop(name, None)
+                continue
             out[name] = logits[0]
         return out
 
@@ -364,6 +403,7 @@ class HFModel:
         new = copy.copy(self)
         new.model = copy.deepcopy(self.model).to(getattr(torch, dtype)).eval()
         new._copies = {}
+        new.skipped_variants = {}
         new.cache, new.length = None, 0
         return new
 

@@ -17,9 +17,16 @@ A model under test is any object with these methods (tokens are passed as a
     Full recomputes of ``tokens`` that differ from ``recompute`` ONLY in how they
     add up (another batching, another kernel's summation order); never through
     the cache. A list is accepted too (named ``variant0``, ``variant1``, ...).
+    If it raises, control mode goes on without variants (a note names the
+    call and the error); bad logits from it are bad input.
+``skipped_variants`` (optional attribute, ``{name: reason}``)
+    Variants the model could not build or run (an eager-only model asked for
+    another attention): the report names each with its reason.
 ``promote(dtype) -> model under test`` (optional)
     The same model (its bug included) computing in ``dtype`` (``"float64"``):
-    the logic check ``check_cache(..., promote="float64")``.
+    the logic check ``check_cache(..., promote="float64")``. If the model cannot
+    be promoted or cannot run promoted, the logic check is skipped with a note
+    and the native verdict stands.
 ``max_positions`` (optional attribute, int)
     The most positions the model can take; a longer check is bad input before any work.
 ``vocab_size`` (optional attribute, int)
@@ -85,7 +92,8 @@ def check_logits(value: object, method: str, rows: int | None, vocab: int | None
     ``rows`` is the expected number of rows (``None``: one row, shape ``(V,)``).
     ``vocab`` is the expected ``V`` (``None``: any positive size). A leading
     axis of size 1 is dropped. Raises ``ValueError`` for a non-numeric dtype, a
-    wrong shape or a non-finite value.
+    wrong shape or a non-finite value. The result is always a fresh array, never
+    the model's own buffer (a model may return the same buffer on every call).
     """
     arr = to_numpy(value)
     want_ndim = 1 if rows is None else 2
@@ -103,7 +111,7 @@ def check_logits(value: object, method: str, rows: int | None, vocab: int | None
         ok = arr.shape[-1] == vocab
     if not ok:
         raise ValueError(f"model.{method}{at}: logits of shape {arr.shape} are not allowed; allowed: {expected}")
-    arr = arr.astype(np.float64, copy=False)
+    arr = arr.astype(np.float64, copy=True)  # the checker's own copy: a model may reuse its output buffer
     finite = np.isfinite(arr)
     if not finite.all():
         idx = np.argwhere(~finite)[0]

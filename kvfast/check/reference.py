@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvfast.check import control as C
 from kvfast.check.cache_path import CachePath, run_cache_path
 from kvfast.check.calls import ModelCalls
+from kvfast.check.report import LengthDependence
 from kvfast.check.subject import CheckSubject
 
 
@@ -59,6 +61,29 @@ def invariance(
     return why, parts
 
 
+def length_dependence(
+    parts: dict[int, np.ndarray], full: np.ndarray, fmt: str, shorts: np.ndarray | None = None
+) -> LengthDependence | None:
+    """The worst row where a shorter recompute differs from the same row of ``full`` (the recompute of
+    ``len(full)`` tokens) by more than rounding can explain (:func:`kvfast.check.control.length_ceiling`
+    for logits in ``fmt``), or ``None``. ``parts`` maps a prefix length to its recompute's rows (the
+    per-step path: a length to rows holding row ``p`` of ``recompute(first shorts[p] tokens)``)."""
+    ceiling = C.length_ceiling(fmt, np.abs(full).max(axis=1))
+    worst: LengthDependence | None = None
+    for q, part in parts.items():
+        dev = np.abs(part - full[:q]).max(axis=1)
+        p = int(np.argmax(dev / ceiling[:q]))
+        if dev[p] > ceiling[p] and (worst is None or dev[p] / ceiling[p] > worst.ratio):
+            short = q if shorts is None else int(shorts[p])
+            worst = LengthDependence(p, short, full.shape[0], float(dev[p]), float(ceiling[p]))
+    return worst
+
+
+def per_step_lengths(T: int, n: int) -> np.ndarray:  # noqa: N803
+    """Per-step references' lengths: row ``p`` of ``n`` came from a recompute of ``max(T, p + 1)`` tokens."""
+    return np.maximum(np.arange(n) + 1, T)
+
+
 def batch_shape_noise(
     calls: ModelCalls, final: np.ndarray, full: np.ndarray, parts: dict[int, np.ndarray], steps: int
 ) -> dict[str, np.ndarray]:
@@ -85,14 +110,16 @@ def order_noise(
     """
     n = final.shape[0]
     sources: dict[str, np.ndarray] = dict(batch_shape or {})
-    if calls.has("recompute_variants"):
-        for k, v in calls.variants(final).items():
-            sources[f"variant {k!r}"] = np.abs(v - rows[:n]).max(axis=1)
     notes: list[str] = []
+    if calls.has("recompute_variants"):
+        variants, skipped = calls.variants_or_skipped(final)
+        for k, v in variants.items():
+            sources[f"variant {k!r}"] = np.abs(v - rows[:n]).max(axis=1)
+        notes += [f"order-noise variant {k!r} skipped: {why}" for k, why in skipped.items()]
     if not sources:
         notes.append(
-            "control mode found no order-noise source (the recompute is append-invariant and the model has no "
-            "recompute_variants()); its bound is the logits' format resolution alone"
+            "control mode found no order-noise source (no batch-shape noise was measured or admitted and the model "
+            "has no recompute_variants()); its bound is the logits' format resolution alone"
         )
     return sources, notes
 
@@ -101,12 +128,17 @@ class SharedReference:
     """``follow="recompute"``: the reference rows ``(T + steps, V)`` and the ``tokens`` every scenario is fed.
 
     ``path`` (``fast`` or ``per-step``), ``notes`` (how the reference was found), ``noise`` (control
-    mode: the order noise per source and position, else ``None``). Built by :meth:`build`.
+    mode: the order noise per source and position, else ``None``), ``length`` (a
+    :class:`~kvfast.check.report.LengthDependence` when the recompute changes with the length by more
+    than rounding, else ``None``). Built by :meth:`build`.
     """
 
-    def __init__(self, subject: CheckSubject, prompt_rows: np.ndarray):
+    def __init__(self, subject: CheckSubject, prompt_rows: np.ndarray, fmt: str = "float64"):
         T, steps = subject.T, subject.steps
         self.subject = subject
+        self.fmt = fmt
+        self.length: LengthDependence | None = None
+        self.full: np.ndarray | None = None  # the per-step path's whole-sequence recompute, once measured
         self.rows = np.empty((T + steps, subject.vocab))
         self.tokens = np.empty(steps, dtype=np.int64)
         self.rows[:T] = prompt_rows
@@ -118,18 +150,26 @@ class SharedReference:
         self.notes: list[str] = []
         self.noise: dict[str, np.ndarray] | None = None
         self.known = T  # rows[:known] and the tokens they chose are final
-        self.reuse: CachePath | None = None  # the fast path's decode run, when it was fed these tokens
+        self.reuse: CachePath | None = None  # the fast path's cache run, when it was fed these tokens
+        # the fast path runs the first scenario asked for (a resume-only check never prefills the whole prompt)
+        self.reuse_scenario = "decode" if "decode" in subject.options.scenarios else "resume"
         self.batch_shape: dict[str, np.ndarray] | None = None
 
     @classmethod
-    def build(cls, subject: CheckSubject, prompt_rows: np.ndarray) -> SharedReference:
-        """The reference for ``subject`` whose ``recompute(prompt)`` is ``prompt_rows`` (see the module doc)."""
-        ref = cls(subject, prompt_rows)
+    def build(cls, subject: CheckSubject, prompt_rows: np.ndarray, fmt: str = "float64") -> SharedReference:
+        """The reference for ``subject`` whose ``recompute(prompt)`` is ``prompt_rows`` (``fmt``: the format
+        of the model's logits; see the module doc)."""
+        ref = cls(subject, prompt_rows, fmt)
         T, steps = subject.T, subject.steps
         if subject.options.fast:
             ref._take_fast_path()
         if ref.known < T + steps:
             per_step_rows(subject.calls, subject.prompt, ref.rows, ref.tokens, ref.known, subject.given is None)
+        if ref.path == "per-step" and (subject.options.mode == "control" or not subject.options.fast):
+            final = np.concatenate([subject.prompt, ref.tokens])
+            ref.full = subject.calls.recompute(final, "of the whole sequence")
+            if ref.length is None:
+                ref.length = length_dependence({T + steps: ref.rows}, ref.full, fmt, per_step_lengths(T, T + steps))
         if subject.options.mode == "control":
             ref._measure_noise()
         return ref
@@ -141,7 +181,7 @@ class SharedReference:
 
     def cache_run(self, scenario: str) -> CachePath:
         """``scenario``'s cache path, fed :attr:`tokens` (the fast path's decode run when it was)."""
-        if scenario == "decode" and self.reuse is not None:
+        if scenario == self.reuse_scenario and self.reuse is not None:
             return self.reuse
         s = self.subject
         return run_cache_path(s.calls, scenario, s.prompt, s.split, s.steps, lambda t, out: int(self.tokens[t]))
@@ -162,10 +202,11 @@ class SharedReference:
                 return int(given[t])
             return first_tok if t == 0 else int(np.argmax(out))
 
-        spec = run_cache_path(s.calls, "decode", s.prompt, s.split, steps, choose)
+        spec = run_cache_path(s.calls, self.reuse_scenario, s.prompt, s.split, steps, choose)
         final = np.concatenate([s.prompt, spec.fed])
         full = s.calls.recompute(final, "of the whole sequence")
         why, parts = invariance(s.calls, final, full, self.rows[:T], steps)
+        self.length = length_dependence(parts, full, self.fmt)
         if why is not None and s.options.mode != "control":
             self.notes.append(f"recompute is not append-invariant ({why}); used one recompute per step")
             return
@@ -174,6 +215,7 @@ class SharedReference:
             # control mode's fast path: the whole-sequence recompute is the reference; the rows it would
             # have had in a shorter batch are order noise, measured from a few prefix recomputes
             self.batch_shape = batch_shape_noise(s.calls, final, full, parts, steps)
+            self.length = length_dependence(parts, full, self.fmt)
             self.notes.append(
                 f"recompute is not append-invariant ({why}); the reference is one recompute of the final "
                 f"sequence and its batch-shape noise comes from {len(parts)} prefix recomputes"
@@ -204,8 +246,13 @@ class SharedReference:
         final = np.concatenate([s.prompt, self.tokens])
         batch_shape = self.batch_shape
         if batch_shape is None and self.path == "per-step":
-            full = s.calls.recompute(final, "of the whole sequence")
-            batch_shape = {"batch shape (whole-sequence recompute)": np.abs(full - self.rows).max(axis=1)}
+            batch_shape = {"batch shape (whole-sequence recompute)": np.abs(self.full - self.rows).max(axis=1)}
+        if self.length is not None and batch_shape:
+            self.notes.append(
+                f"{', '.join(batch_shape)} not admitted as order noise: it exceeds what rounding can explain "
+                "(the recompute depends on the length)"
+            )
+            batch_shape = {}
         sources, floor_notes = order_noise(s.calls, final, self.rows, batch_shape)
         self.notes += floor_notes
         rows = self.rows
@@ -223,9 +270,11 @@ class OwnReference:
 
     noise = None
 
-    def __init__(self, subject: CheckSubject, prompt_rows: np.ndarray):
+    def __init__(self, subject: CheckSubject, prompt_rows: np.ndarray, fmt: str = "float64"):
         self.subject = subject
         self.prompt_rows = prompt_rows
+        self.fmt = fmt
+        self.length: LengthDependence | None = None  # the first scenario's, if its recompute changes with the length
         self.notes: list[str] = []
         self.paths: list[str] = []
         self.tokens: np.ndarray | None = None
@@ -249,7 +298,8 @@ class OwnReference:
         why = "fast=False"
         if s.options.fast:
             rows = s.calls.recompute(final, "of the whole sequence")
-            why, _ = invariance(s.calls, final, rows, self.prompt_rows, steps)
+            why, parts = invariance(s.calls, final, rows, self.prompt_rows, steps)
+            self.length = self.length or length_dependence(parts, rows, self.fmt)
             if why is not None:
                 self.notes.append(
                     f"scenario {scenario!r}: recompute is not append-invariant ({why}); used one recompute per step"
@@ -258,6 +308,10 @@ class OwnReference:
             rows = np.empty((T + steps, s.vocab))
             rows[:T] = self.prompt_rows
             per_step_rows(s.calls, s.prompt, rows, run.fed, T, greedy=False)
+            if not s.options.fast:
+                full = s.calls.recompute(final, "of the whole sequence")
+                found = length_dependence({T + steps: rows}, full, self.fmt, per_step_lengths(T, T + steps))
+                self.length = self.length or found
         self.paths.append("fast" if why is None else "per-step")
         if self.tokens is None:
             self.tokens = run.fed

@@ -11,6 +11,37 @@ import numpy as np
 from kvfast.check import control as C
 
 PASSING = ("exact", "rounding", "skipped")
+LENGTH_DEPENDENT = "length-dependent"  # the check's verdict when the recompute itself changes with the length
+
+
+@dataclass(frozen=True)
+class LengthDependence:
+    """A recompute whose past changes with the length: row ``position`` of ``recompute(first short tokens)``
+    differs from the same row of ``recompute(first long tokens)`` by ``deviation``, ``ratio`` times what
+    rounding can explain (:func:`kvfast.check.control.length_ceiling`, ``ceiling``). ``by``: the check
+    that found it (``""``: this one; ``"the logic check in float64"``)."""
+
+    position: int
+    short: int
+    long: int
+    deviation: float
+    ceiling: float
+    by: str = ""
+
+    @property
+    def ratio(self) -> float:
+        return self.deviation / self.ceiling
+
+    def line(self) -> str:
+        """One line: what differs, by how much, and the likely causes."""
+        by = f" (found by {self.by})" if self.by else ""
+        return (
+            f"the recompute depends on the sequence's length{by}: row {self.position} of recompute(first "
+            f"{self.short} tokens) differs from the same row of recompute(first {self.long} tokens) by "
+            f"{self.deviation:.4g}, {self.ratio:.3g}x what rounding can explain ({self.ceiling:.3g}); likely a "
+            "length-dependent position scaling (dynamic NTK, LongRoPE, YaRN) or a recompute that is itself wrong. "
+            "No cache can equal a recompute whose past changes with the length: the check cannot pass"
+        )
 
 
 @dataclass(frozen=True)
@@ -173,7 +204,11 @@ class CheckReport:
     """The result of :func:`check_cache`: one :class:`ScenarioReport` per scenario, and the overall verdict.
 
     ``verdict`` is ``exact`` or ``divergent`` (exact mode), ``rounding``,
-    ``inconclusive`` or ``bug`` (control mode: the worst scenario's).
+    ``inconclusive`` or ``bug`` (control mode: the worst scenario's), or, in
+    either mode, ``length-dependent`` (:data:`LENGTH_DEPENDENT`) when the
+    recompute itself changes with the sequence's length by more than rounding
+    (``length_dependence`` says where and how much; the scenarios keep their own
+    verdicts): such a check never passes.
     ``passed``: ``exact`` or ``rounding``; with a logic check (``promoted``, the
     same check on the model in float64), an ``inconclusive`` native verdict
     passes when the logic check says ``rounding``, and a logic-check ``bug``
@@ -191,9 +226,12 @@ class CheckReport:
     notes: tuple[str, ...] = field(default=())
     logits_format: str = "float64"
     promoted: CheckReport | None = None
+    length_dependence: LengthDependence | None = None
 
     @property
     def passed(self) -> bool:
+        if self.length_dependence is not None:
+            return False
         if self.promoted is not None:
             if not self.promoted.passed:
                 return False
@@ -237,9 +275,11 @@ class CheckReport:
         return max(float(s.deviation.max()) for s in self.scenarios.values() if s.verdict != "skipped")
 
     @property
-    def max_ratio(self) -> float:
-        """Control mode: the largest ratio over every step of every scenario that ran."""
-        return max(float(s.ratio.max()) for s in self.scenarios.values() if s.ratio is not None)
+    def max_ratio(self) -> float | None:
+        """Control mode: the largest ratio over every step of every scenario that ran (``None``: no scenario has
+        ratios, as in exact mode)."""
+        ratios = [float(s.ratio.max()) for s in self.scenarios.values() if s.ratio is not None and s.ratio.size]
+        return max(ratios) if ratios else None
 
     def headline(self) -> str:
         """Which scenario diverged (or failed) first, and each scenario's first step on its own."""
@@ -263,13 +303,16 @@ class CheckReport:
             f"{self.verdict.upper()}",
             self.headline(),
         ]
+        if self.length_dependence is not None:
+            lines.insert(1, self.length_dependence.line())
         lines += [s.summary() for s in self.scenarios.values()]
         lines += [f"note: {n}" for n in self.notes]
         worst = self.worst
         lines.append(f"per-step table ({worst.name!r}):")
         lines.append(worst.table())
         if self.promoted is not None:
-            lines.append(f"logic check in float64 (same tokens): {self.promoted.verdict.upper()}")
+            ran = self.promoted.logits_format  # the format it actually ran in, never a claim of float64
+            lines.append(f"logic check in {ran} (same tokens): {self.promoted.verdict.upper()}")
             lines += ["  " + line for line in self.promoted.format().splitlines()[1:]]
         return "\n".join(lines)
 

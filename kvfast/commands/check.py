@@ -16,7 +16,9 @@ the control verdict is inconclusive (and no logic check cleared it); 4 when
 the model under test, its factory or its module raised or exited
 (``SystemExit``, ``sys.exit(0)`` included, ``KeyboardInterrupt``, any other
 exception, ``os._exit``, a crash or a signal), one line naming the call and
-the exception; 5 when the check did not finish within ``--timeout``; 70 for a
+the exception; 5 when the check did not finish within ``--timeout``; 6 when
+the recompute itself depends on the sequence's length (verdict
+``length-dependent``: no cache can equal it); 70 for a
 bug in kvfast (a traceback, the version and a line saying so); 130 when the
 user interrupts it (Ctrl-C).
 
@@ -48,6 +50,7 @@ from kvfast.runtime import split_ref
 from kvfast.validation import not_allowed, one_line
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_INCONCLUSIVE, EXIT_MODEL, EXIT_TIMEOUT = 0, 1, 2, 3, 4, 5
+EXIT_LENGTH_DEPENDENT = 6
 EXIT_INTERRUPTED = 130
 EXIT_CODES = {
     EXIT_PASS: "pass: a report was printed and its verdict passes (`exact`; `rounding` in control mode)",
@@ -58,6 +61,9 @@ EXIT_CODES = {
     EXIT_MODEL: "the model under test, its factory or its module raised or exited, one line naming the call "
     "and the exception: `SystemExit` (`sys.exit(0)` too), `KeyboardInterrupt`, any exception, `os._exit`, a crash",
     EXIT_TIMEOUT: "the check did not finish within `--timeout S` seconds, one line naming the call that hung",
+    EXIT_LENGTH_DEPENDENT: "`length-dependent`: the recompute itself changes with the sequence's length by more "
+    "than rounding (dynamic NTK, LongRoPE, or a wrong recompute); no cache can equal it; the report's second "
+    "line names the row, the two lengths and the size",
     EXIT_KVFAST_BUG: "a bug in kvfast: its traceback, the kvfast version and a line saying so",
     EXIT_INTERRUPTED: "interrupted by the user (Ctrl-C); the check's processes were killed",
 }
@@ -226,7 +232,9 @@ def run_check(args, started: float | None = None) -> dict:
         return {"kind": "model", "line": f"the model under test failed: {exc}"}
     except CheckTimeout as exc:
         return {"kind": "timeout", "line": str(exc)}
-    if report.passed:
+    if report.length_dependence is not None:
+        code = EXIT_LENGTH_DEPENDENT
+    elif report.passed:
         code = EXIT_PASS
     else:
         bug = report.verdict in ("bug", "divergent") or (report.promoted is not None and not report.promoted.passed)

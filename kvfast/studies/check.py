@@ -234,6 +234,7 @@ VERDICT_COLORS = {
     "inconclusive": "#c7c7c7",
     "divergent": "#ff9896",
     "bug": "#d62728",
+    "length-dependent": "#9467bd",
     "skipped": "#7f7f7f",
 }
 VERDICT_COLUMNS = ["checks", "passed", "verdicts", "first_divergent_step", "worst_deviation", "ratio_max"]
