@@ -442,7 +442,7 @@ ORDER_SENSITIVE = (
     "round_array", "forward_format", "decode_format",
 )  # fmt: skip
 # forward_format / decode_format: the model's per-format entries (kvfast/model/compiled.py, decode.py), into
-# which forward_kernel, decode_kernel and linear_into are inlined
+# which forward_kernel, decode_kernel, the block and matmul_into are inlined
 
 PROBE = r"""
 import json, os, sys
