@@ -1,0 +1,231 @@
+"""Pool workers' processes: their process trees, and the sweep process's watch over them.
+
+Worker side (Linux; elsewhere these are no-ops):
+
+- :func:`worker_setup` (a pool worker's initializer): :func:`kvfast.sweep.guard.worker_start`,
+  then the worker leads its own process group (so a run's children, which inherit
+  the group, are ended with it by one ``killpg``) and becomes a child subreaper
+  (so a run's grandchildren whose parent exits, daemons included, are re-parented
+  to the worker instead of init, and are found).
+- :func:`end_new_children`: after each run, every process the run left behind
+  (children not there before the run, and all their descendants) is killed.
+- :class:`Beats`: a worker writes what it is doing (the run it started, when;
+  or idle) into one small file per worker under the heartbeat folder
+  (``DIR/.workers/PID``), one ``pwrite`` per run start and end.
+
+Sweep side:
+
+- :class:`Monitor`: a thread of the sweep process, running while a pool backend
+  executes. It reads the heartbeat files twice a second. A worker whose run is
+  past ``--run-timeout`` plus the worker's own grace period and one second more
+  (it did not kill itself: it is stopped, ``SIGSTOP``, or wedged in C code that
+  holds the GIL) gets its run's timeout marker written and its process group
+  killed: the pool sees a dead worker and the run is stored as ``timeout``
+  (:mod:`kvfast.sweep.rows`). A worker stopped (state ``T``) for ``stall_s``
+  seconds, with or without a time limit, is killed the same way without a
+  marker: its runs are re-run alone, per the crash rules (``crashed`` when it
+  stops again). Only the sweep's own children that wrote a heartbeat are ever
+  killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from kvfast.sweep.guard import worker_start
+
+LINUX = sys.platform.startswith("linux")
+PR_SET_CHILD_SUBREAPER = 36
+_WORKER: list[int] = []  # [pid] once this process is set up as a pool worker
+
+
+def in_worker() -> bool:
+    """True in a pool worker set up by :func:`worker_setup` (not in a process it forked)."""
+    return bool(_WORKER) and _WORKER[0] == os.getpid()
+
+
+def worker_setup(parent: int | None = None) -> None:
+    """A pool worker's initializer (idempotent): :func:`worker_start`, its own process group, a subreaper."""
+    worker_start(parent)
+    if in_worker():
+        return
+    _WORKER[:] = [os.getpid()]
+    if not LINUX:
+        return
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+    with contextlib.suppress(OSError, ValueError):
+        signal.signal(signal.SIGTTOU, signal.SIG_IGN)  # a background group may still write to the terminal
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def children(pid: int | None = None) -> set[int]:
+    """The pids of ``pid``'s (default: this process's) live children (Linux; an empty set elsewhere)."""
+    pid = pid or os.getpid()
+    found: set[int] = set()
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as f:
+                found.update(int(p) for p in f.read().split())
+    return found
+
+
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """``(state, ppid, pgid)`` of a process, ``None`` if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields[0], int(fields[1]), int(fields[2])
+
+
+def _descendants(roots: set[int]) -> set[int]:
+    """``roots`` and every live descendant of them."""
+    found, todo = set(), list(roots)
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found.add(pid)
+            todo.extend(children(pid))
+    return found
+
+
+def end_new_children(before: set[int]) -> None:
+    """Kill every child of this process not in ``before``, with all its descendants, and reap them.
+
+    In a worker (a subreaper) the orphans that killing re-parents here are found
+    and killed too, until none is left (a few rounds at most).
+    """
+    for _ in range(8):
+        new = children() - before
+        if not new:
+            return
+        for pid in _descendants(new):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        for pid in new:
+            with contextlib.suppress(OSError):
+                os.waitpid(pid, 0)
+
+
+class Beats:
+    """A worker's heartbeat file ``FOLDER/PID``: ``"RUN_ID STARTED"`` while a run runs, ``"-"`` when idle."""
+
+    _files: dict[int, int] = {}  # pid -> open fd (a forked worker opens its own)
+
+    @classmethod
+    def write(cls, folder: Path | None, text: str) -> None:
+        if folder is None or not in_worker():
+            return
+        pid = os.getpid()
+        try:
+            fd = cls._files.get(pid)
+            if fd is None:
+                Path(folder).mkdir(exist_ok=True)
+                fd = cls._files[pid] = os.open(Path(folder) / str(pid), os.O_WRONLY | os.O_CREAT, 0o644)
+            os.pwrite(fd, text.ljust(64).encode(), 0)
+        except OSError:
+            pass
+
+
+def run_started(folder: Path | None, run_id: str) -> None:
+    """Record in the heartbeat file that ``run_id`` started now (``time.monotonic``, the same in every process)."""
+    Beats.write(folder, f"{run_id} {time.monotonic():.3f}")
+
+
+def run_ended(folder: Path | None) -> None:
+    """Record in the heartbeat file that no run is running."""
+    Beats.write(folder, "-")
+
+
+def kill_worker(pid: int) -> None:
+    """SIGKILL a worker's process group (itself and its runs' processes) if it leads one, else the worker."""
+    stat = _stat(pid)
+    with contextlib.suppress(OSError):
+        if stat is not None and stat[2] == pid:
+            os.killpg(pid, signal.SIGKILL)
+        else:
+            os.kill(pid, signal.SIGKILL)
+
+
+class Monitor:
+    """The sweep process's watch over its pool workers (see the module docstring); a context manager."""
+
+    def __init__(self, folder: Path | None, seconds: float | None, markers: Path | None, stall_s: float) -> None:
+        self.folder, self.seconds, self.markers, self.stall_s = folder, seconds, markers, stall_s
+        self.stop = threading.Event()
+        self.stopped_since: dict[int, float] = {}
+        self.killed: list[tuple[int, str]] = []  # (pid, run id or "")
+        self.thread = threading.Thread(target=self.loop, name="kvfast-monitor", daemon=True)
+
+    def __enter__(self) -> Monitor:
+        if self.folder is not None and LINUX:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        if self.thread.is_alive():
+            self.thread.join()
+        if self.folder is not None:
+            with contextlib.suppress(OSError):
+                self.check(time.monotonic())  # end what dead workers left, one last time
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+    def loop(self) -> None:
+        while not self.stop.wait(0.5):
+            with contextlib.suppress(OSError):
+                self.check(time.monotonic())
+
+    def limit(self) -> float | None:
+        """Seconds after a run's start at which its worker is killed: the limit, the worker's grace, 1 s."""
+        if not self.seconds:
+            return None
+        return self.seconds + min(30.0, 1.0 + 0.25 * self.seconds) + 1.0
+
+    def check(self, now: float) -> None:
+        """One look at every worker's heartbeat; kill the overdue and the long-stopped ones."""
+        mine, limit = children(), self.limit()
+        for entry in os.scandir(self.folder):
+            pid = int(entry.name) if entry.name.isdigit() else 0
+            if pid <= 1 or pid == os.getpid():
+                continue
+            stat = _stat(pid) if pid in mine else None
+            if stat is None:  # a worker of this sweep is gone: end what its runs left in its process group
+                with contextlib.suppress(OSError):
+                    os.killpg(pid, signal.SIGKILL)
+                Path(entry.path).unlink(missing_ok=True)
+                self.stopped_since.pop(pid, None)
+                continue
+            words = Path(entry.path).read_text().split()
+            run_id, started = (words[0], float(words[1])) if len(words) == 2 else ("", now)
+            if limit is not None and run_id and now - started > limit:
+                self.kill(pid, run_id)
+            elif stat[0] in "Tt":
+                since = self.stopped_since.setdefault(pid, now)
+                if now - since > self.stall_s:
+                    self.kill(pid, "")
+            else:
+                self.stopped_since.pop(pid, None)
+
+    def kill(self, pid: int, run_id: str) -> None:
+        """Kill worker ``pid``; with ``run_id``, first leave the run's timeout marker."""
+        if run_id and self.markers is not None:
+            with contextlib.suppress(OSError):
+                Path(self.markers).mkdir(exist_ok=True)
+                (Path(self.markers) / run_id).write_text(str(pid))
+        kill_worker(pid)
+        self.killed.append((pid, run_id))
+        self.stopped_since.pop(pid, None)
+        with contextlib.suppress(OSError):
+            (Path(self.folder) / str(pid)).unlink()
