@@ -57,7 +57,7 @@ def _orphans(x: int) -> None:
     os.waitpid(middle, 0)
     daemon = os.read(read, 64).decode()
     os.close(read)
-    _mark(f"orphans-{x}", f"{child.pid} {daemon}")
+    _mark(f"orphans-{x}", f"{child.pid} {daemon}\n")
 
 
 def _forkret(x: int) -> dict:

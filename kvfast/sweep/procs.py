@@ -64,8 +64,41 @@ def worker_setup(parent: int | None = None) -> None:
         os.setpgid(0, 0)
     with contextlib.suppress(OSError, ValueError):
         signal.signal(signal.SIGTTOU, signal.SIG_IGN)  # a background group may still write to the terminal
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def _prctl(option: int, value) -> int:
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
+    except (OSError, AttributeError):
+        return -1
+
+
+class RunTree:
+    """The processes one run starts, ended when it ends (:meth:`end`), outside a pool worker too.
+
+    ``reap`` false: nothing is done. In a process that is not a pool worker (``--jobs 1``,
+    the warm-up), this process is a child subreaper for the run's duration only
+    (as it was before, after it), so that the run's detached grandchildren are found.
+    """
+
+    def __init__(self, reap: bool) -> None:
+        self.reap = reap and LINUX
+        self.before = children() if self.reap else set()
+        self.was: int | None = None
+        if self.reap and not in_worker():
+            flag = ctypes.c_int(0)
+            _prctl(PR_SET_CHILD_SUBREAPER + 1, ctypes.byref(flag))  # PR_GET_CHILD_SUBREAPER
+            self.was = flag.value
+            _prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+    def end(self) -> None:
+        """Kill what the run left running (see :func:`end_new_children`)."""
+        if not self.reap:
+            return
+        end_new_children(self.before)
+        if self.was is not None:
+            _prctl(PR_SET_CHILD_SUBREAPER, self.was)
 
 
 def children(pid: int | None = None) -> set[int]:

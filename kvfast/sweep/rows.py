@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from kvfast.sweep.grid import Run
 from kvfast.sweep.guard import INTERRUPTED, RunTimeout, deadline
-from kvfast.sweep.procs import children, end_new_children, in_worker, run_ended, run_started, worker_setup
+from kvfast.sweep.procs import RunTree, in_worker, run_ended, run_started, worker_setup
 
 if TYPE_CHECKING:
     from kvfast.studies.base import Study
@@ -70,7 +70,7 @@ def run_one(study: Study, run: Run, limits: Limits = None) -> dict:
     seconds, marker_dir = limits[:2] if limits else (None, None)
     beats = limits[2] if limits and len(limits) > 2 else None
     reap = in_worker() or bool(limits and len(limits) > 3 and limits[3])
-    pid, before = os.getpid(), children() if reap else set()
+    pid, tree = os.getpid(), RunTree(reap)
     run_started(beats, run.run_id)
     try:
         with deadline(seconds, run.run_id, marker_dir):
@@ -79,8 +79,7 @@ def run_one(study: Study, run: Run, limits: Limits = None) -> dict:
             finally:
                 if os.getpid() != pid:  # a child the run forked returned (or raised) into kvfast's loop
                     os._exit(0)
-                if reap:
-                    end_new_children(before)
+                tree.end()
                 run_ended(beats)
         if type(result) is not dict or result.keys() != study.result_fields.keys():
             _wrong_result(study, result)
