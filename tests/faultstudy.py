@@ -10,8 +10,9 @@ exiting), ``orphan`` (leaves a ``sleep`` child and a detached daemon grandchild 
 ``stop`` (the run's process stops itself with SIGSTOP, never resumed).
 
 When the environment variable ``KVFAST_FAULT_MARKS`` names a folder, ``slow`` runs write
-``started-X`` there as they start (tests wait for it instead of sleeping a guessed time), and
-``orphan`` runs write the pids they leave behind into ``orphans-X``.
+``started-X`` there as they start, holding the pid of the process running them (tests wait for
+it instead of sleeping a guessed time), and ``orphan`` runs write the pids they leave behind
+into ``orphans-X``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,22 @@ import pyarrow as pa
 
 from kvfast.studies.base import Study
 
-MODES = ("ok", "slow", "spin", "exit0", "exit3", "kbint", "hang", "stuck", "die", "segv", "big", "forkret", "orphan", "stop")
+MODES = (
+    "ok",
+    "slow",
+    "spin",
+    "exit0",
+    "exit3",
+    "kbint",
+    "hang",
+    "stuck",
+    "die",
+    "segv",
+    "big",
+    "forkret",
+    "orphan",
+    "stop",
+)
 MARKS = "KVFAST_FAULT_MARKS"
 
 
@@ -71,7 +87,7 @@ def _forkret(x: int) -> dict:
 def run(config: dict) -> dict:
     mode, x = config["mode"], config["x"]
     if mode == "slow":
-        _mark(f"started-{x}")
+        _mark(f"started-{x}", str(os.getpid()))
         time.sleep(0.3)
     elif mode == "forkret":
         return _forkret(x)
