@@ -67,9 +67,14 @@ def worker_setup(parent: int | None = None) -> None:
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
+_LIBC: list = []
+
+
 def _prctl(option: int, value) -> int:
     try:
-        return ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
+        if not _LIBC:
+            _LIBC.append(ctypes.CDLL(None, use_errno=True))
+        return _LIBC[0].prctl(option, value, 0, 0, 0)
     except (OSError, AttributeError):
         return -1
 
@@ -84,7 +89,7 @@ class RunTree:
 
     def __init__(self, reap: bool) -> None:
         self.reap = reap and LINUX
-        self.before = children() if self.reap else set()
+        self.before = children() if self.reap and not in_worker() else set()  # a worker's own: none
         self.was: int | None = None
         if self.reap and not in_worker():
             flag = ctypes.c_int(0)
@@ -107,8 +112,12 @@ def children(pid: int | None = None) -> set[int]:
     found: set[int] = set()
     with contextlib.suppress(OSError):
         for task in os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as f:
-                found.update(int(p) for p in f.read().split())
+            with contextlib.suppress(OSError):
+                fd = os.open(f"/proc/{pid}/task/{task}/children", os.O_RDONLY)  # os.open: a third of open()'s cost
+                try:
+                    found.update(int(p) for p in os.read(fd, 1 << 16).split())
+                finally:
+                    os.close(fd)
     return found
 
 
