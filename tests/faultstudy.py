@@ -7,7 +7,8 @@ interruptible), ``spin`` (an hour of Python loop), ``stuck`` (an hour with SIGAL
 checks for signals), ``die`` (``os._exit``), ``segv`` (SIGSEGV), ``big`` (ok,
 with a 256 KiB incompressible ``blob``), ``forkret`` (forks; the child returns a result instead of
 exiting), ``orphan`` (leaves a ``sleep`` child and a detached daemon grandchild running, ok),
-``stop`` (the run's process stops itself with SIGSTOP, never resumed).
+``stop`` (the run's process stops itself with SIGSTOP, never resumed), ``slowkid`` (``slow``, with a
+``sleep`` child running meanwhile; its pid goes into ``kids-X``).
 
 When the environment variable ``KVFAST_FAULT_MARKS`` names a folder, ``slow`` runs write
 ``started-X`` there as they start, holding the pid of the process running them (tests wait for
@@ -42,6 +43,7 @@ MODES = (
     "forkret",
     "orphan",
     "stop",
+    "slowkid",
 )
 MARKS = "KVFAST_FAULT_MARKS"
 
@@ -87,6 +89,13 @@ def _forkret(x: int) -> dict:
 def run(config: dict) -> dict:
     mode, x = config["mode"], config["x"]
     if mode == "slow":
+        _mark(f"started-{x}", str(os.getpid()))
+        time.sleep(0.3)
+    elif mode == "slowkid":  # slow, with a `sleep` child running meanwhile
+        import subprocess
+
+        kid = subprocess.Popen(["sleep", "3600"])
+        _mark(f"kids-{x}", f"{kid.pid}\n")
         _mark(f"started-{x}", str(os.getpid()))
         time.sleep(0.3)
     elif mode == "forkret":

@@ -214,6 +214,28 @@ def test_kill_9_of_the_sweep_leaves_no_worker_behind(tmp_path, backend, delay):
     assert stored(out).equals(reference(tmp_path, toml))
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_kill_9_of_the_sweep_ends_the_processes_its_runs_had_running(tmp_path):
+    """A run's process tree ends with it when the sweep is killed too: each worker's keeper kills its group."""
+    toml = grid_toml(tmp_path / "g.toml", (list(range(8)), "slowkid"))
+    out, marks = tmp_path / "o", tmp_path / "marks"
+    cmd = [sys.executable, "-m", "kvfast.cli", "run", str(toml), "--out", str(out), "--jobs", "2", "--quiet"]
+    proc = subprocess.Popen(cmd, env=marks_env(marks), cwd=ROOT, start_new_session=True, stderr=subprocess.DEVNULL)
+    wait_for_a_worker_run(marks, proc)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    kids = [int(p) for mark in marks.glob("kids-*") for p in mark.read_text().split()]
+    try:
+        deadline = time.monotonic() + 10
+        while ((left := [p for p in kids if _alive(p)]) or _group_alive(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert kids and not left and not _group_alive(proc.pid), (kids, left, _group_alive(proc.pid))
+    finally:
+        for pid in kids:
+            with __import__("contextlib").suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
 # --- 8. Ctrl-C and crashes: quiet --------------------------------------------------------------------
 
 

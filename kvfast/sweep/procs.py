@@ -6,7 +6,8 @@ Worker side (Linux; elsewhere these are no-ops):
   then the worker leads its own process group (so a run's children, which inherit
   the group, are ended with it by one ``killpg``) and becomes a child subreaper
   (so a run's grandchildren whose parent exits, daemons included, are re-parented
-  to the worker instead of init, and are found).
+  to the worker instead of init, and are found); a keeper process in its group
+  kills the group when the worker dies, however it dies (``kill -9`` of the sweep too).
 - :func:`end_new_children`: after each run, every process the run left behind
   (children not there before the run, and all their descendants) is killed.
 - :class:`Beats`: a worker writes what it is doing (the run it started, when;
@@ -43,8 +44,10 @@ from pathlib import Path
 from kvfast.sweep.guard import worker_start
 
 LINUX = sys.platform.startswith("linux")
+PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 _WORKER: list[int] = []  # [pid] once this process is set up as a pool worker
+_KEEPER: list[int] = []  # [pid] of the worker's keeper (see worker_setup)
 
 
 def in_worker() -> bool:
@@ -65,6 +68,37 @@ def worker_setup(parent: int | None = None) -> None:
     with contextlib.suppress(OSError, ValueError):
         signal.signal(signal.SIGTTOU, signal.SIG_IGN)  # a background group may still write to the terminal
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    _start_keeper()
+
+
+def _start_keeper() -> None:
+    """Fork the worker's keeper: a process of its group that kills the group when the worker dies.
+
+    However the worker dies (killed by the sweep, a crash, or by the kernel because
+    the sweep was killed with ``kill -9``), the kernel sends the keeper SIGTERM
+    (``PR_SET_PDEATHSIG``) and it kills the whole group: what the worker's runs left
+    running dies with the worker. The keeper runs no kvfast code after the fork.
+    """
+    worker = os.getpid()
+    if os.getpgid(0) != worker:  # not the leader of its own group: the group is not the worker's to kill
+        return
+    try:
+        pid = os.fork()
+    except OSError:
+        return
+    if pid:
+        _KEEPER[:] = [pid]
+        return
+    try:
+        signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != worker:  # the worker died before the line above
+            os.killpg(0, signal.SIGKILL)
+        while True:
+            signal.pause()
+    finally:
+        os._exit(0)
 
 
 _LIBC: list = []
@@ -89,7 +123,7 @@ class RunTree:
 
     def __init__(self, reap: bool) -> None:
         self.reap = reap and LINUX
-        self.before = children() if self.reap and not in_worker() else set()  # a worker's own: none
+        self.before = children() if self.reap and not in_worker() else set(_KEEPER)  # a worker's own: its keeper
         self.was: int | None = None
         if self.reap and not in_worker():
             flag = ctypes.c_int(0)
