@@ -346,6 +346,30 @@ def test_processes_a_run_leaves_behind_are_ended_with_the_run(tmp_path, args):
     assert (stored(tmp_path / "o")["status"] == "ok").all() and len(stored(tmp_path / "o")) == 7
 
 
+@pytest.mark.parametrize("surfaces_as", ["KeyboardInterrupt", "ImportError"])
+def test_ctrl_c_during_the_clis_start_up_is_one_line_and_130(monkeypatch, capsys, surfaces_as):
+    """A real SIGINT while the subcommands are imported (pandas, NumPy: seconds on a loaded machine) is one
+    line and 130, also when the import it hit turns it into an ImportError (NumPy's C extension does)."""
+    import kvfast.cli as cli_module
+
+    def importing():
+        try:
+            os.kill(os.getpid(), signal.SIGINT)  # delivered to this (the main) thread, as a terminal's Ctrl-C
+            time.sleep(5)
+        except KeyboardInterrupt:
+            if surfaces_as == "ImportError":
+                raise ImportError("PyCapsule_Import could not import module 'datetime'") from None
+            raise
+        raise AssertionError("SIGINT was not delivered")
+
+    monkeypatch.setattr(cli_module, "build_parser", importing)
+    capsys.readouterr()
+    assert cli_module.main(["run", "exactness"]) == EXIT_INTERRUPTED
+    err = capsys.readouterr().err
+    assert err == "kvfast: interrupted\n", err
+    assert signal.getsignal(signal.SIGINT) is not cli_module._on_ctrl_c  # main put the previous handler back
+
+
 def test_a_segfaulting_run_is_one_line_and_a_crashed_row(tmp_path):
     toml = grid_toml(tmp_path / "g.toml", ([0, 1, 2], "ok"), ([30], "segv"), ([3, 4], "ok"))
     proc = kvfast("run", toml, "--out", tmp_path / "o", "--jobs", "2", "--quiet")
