@@ -315,6 +315,19 @@ def test_a_stopped_worker_is_killed_by_the_sweep_and_its_run_is_a_timeout_row(tm
     assert stored(out).equals(df.reset_index()[COLUMNS])
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIGSTOP, /proc")
+def test_a_worker_stopped_for_the_stall_timeout_is_killed_and_its_run_crashed(tmp_path):
+    """Without --run-timeout a stopped worker is killed after --stall-timeout; its run is retried alone
+    per the crash rules (it stops its worker again: `crashed`), the other runs are stored ok."""
+    toml = grid_toml(tmp_path / "g.toml", ([0, 1, 2, 3], "ok"), ([61], "stop"), ([4, 5], "ok"))
+    out = tmp_path / "o"
+    proc = kvfast("run", toml, "--out", out, "--jobs", "2", "--stall-timeout", "1", "--quiet", timeout=240)
+    assert proc.returncode == EXIT_FAILED, proc.stderr
+    one_line(proc, "killed its worker, twice; stored as crashed")
+    df = stored(out).set_index("x")
+    assert df.loc[61, "status"] == "crashed" and (df.drop(index=61)["status"] == "ok").all() and len(df) == 7
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]

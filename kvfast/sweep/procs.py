@@ -197,18 +197,23 @@ def end_new_children(before: set[int]) -> None:
 class Beats:
     """A worker's heartbeat file ``FOLDER/PID``: ``"RUN_ID STARTED"`` while a run runs, ``"-"`` when idle."""
 
-    _files: dict[int, int] = {}  # pid -> open fd (a forked worker opens its own)
+    _files: dict[int, tuple[str, int]] = {}  # pid -> (folder, open fd); a forked worker opens its own
 
     @classmethod
     def write(cls, folder: Path | None, text: str) -> None:
+        """Write ``text`` into this worker's file (reopened when the folder changed or the file was
+        removed: a reused loky worker serves the next sweep too)."""
         if folder is None or not in_worker():
             return
         pid = os.getpid()
         try:
-            fd = cls._files.get(pid)
-            if fd is None:
+            where, fd = cls._files.get(pid, ("", -1))
+            if where != str(folder) or fd < 0 or os.fstat(fd).st_nlink == 0:
+                if fd >= 0:
+                    os.close(fd)
                 Path(folder).mkdir(exist_ok=True)
-                fd = cls._files[pid] = os.open(Path(folder) / str(pid), os.O_WRONLY | os.O_CREAT, 0o644)
+                fd = os.open(Path(folder) / str(pid), os.O_WRONLY | os.O_CREAT, 0o644)
+                cls._files[pid] = (str(folder), fd)
             os.pwrite(fd, text.ljust(64).encode(), 0)
         except OSError:
             pass
@@ -278,13 +283,17 @@ class Monitor:
                 continue
             stat = _stat(pid) if pid in mine else None
             if stat is None:  # a worker of this sweep is gone: end what its runs left in its process group
-                with contextlib.suppress(OSError):
-                    os.killpg(pid, signal.SIGKILL)
+                if _stat(pid) is None:  # (its pid not taken by a process that is not ours)
+                    with contextlib.suppress(OSError):
+                        os.killpg(pid, signal.SIGKILL)
                 Path(entry.path).unlink(missing_ok=True)
                 self.stopped_since.pop(pid, None)
                 continue
             words = Path(entry.path).read_text().split()
-            run_id, started = (words[0], float(words[1])) if len(words) == 2 else ("", now)
+            try:
+                run_id, started = (words[0], float(words[1])) if len(words) == 2 else ("", now)
+            except ValueError:  # read while being written: look again next time
+                run_id, started = "", now
             if limit is not None and run_id and now - started > limit:
                 self.kill(pid, run_id)
             elif stat[0] in "Tt":
