@@ -11,8 +11,8 @@ Worker side (Linux; elsewhere these are no-ops):
 - :func:`end_new_children`: after each run, every process the run left behind
   (children not there before the run, and all their descendants) is killed.
 - :class:`Beats`: a worker writes what it is doing (the run it started, when;
-  or idle) into one small file per worker under the heartbeat folder
-  (``DIR/.workers/PID``), one ``pwrite`` per run start and end.
+  or idle) into one small file per worker under the sweep's heartbeat folder
+  (``DIR/.workers/TOKEN/PID``, a folder per sweep), one ``pwrite`` per run start and end.
 
 Sweep side:
 
@@ -123,7 +123,7 @@ class RunTree:
 
     def __init__(self, reap: bool) -> None:
         self.reap = reap and LINUX
-        self.before = children() if self.reap and not in_worker() else set(_KEEPER)  # a worker's own: its keeper
+        self.before = _run_children() if self.reap and not in_worker() else set(_KEEPER)  # a worker's own: its keeper
         self.was: int | None = None
         if self.reap and not in_worker():
             flag = ctypes.c_int(0)
@@ -140,18 +140,47 @@ class RunTree:
             _prctl(PR_SET_CHILD_SUBREAPER, self.was)
 
 
-def children(pid: int | None = None) -> set[int]:
-    """The pids of ``pid``'s (default: this process's) live children (Linux; an empty set elsewhere)."""
+def children(pid: int | None = None, tasks: tuple[int, ...] | None = None) -> set[int]:
+    """The pids of ``pid``'s (default: this process's) children (Linux; an empty set elsewhere).
+
+    ``tasks``: read only these threads' lists (a child is listed under the thread that
+    forked it, an orphan re-parented to a subreaper under its main thread); default: every thread's.
+    """
     pid = pid or os.getpid()
     found: set[int] = set()
     with contextlib.suppress(OSError):
-        for task in os.listdir(f"/proc/{pid}/task"):
+        for task in tasks or os.listdir(f"/proc/{pid}/task"):
             with contextlib.suppress(OSError):
                 fd = os.open(f"/proc/{pid}/task/{task}/children", os.O_RDONLY)  # os.open: a third of open()'s cost
                 try:
                     found.update(int(p) for p in os.read(fd, 1 << 16).split())
                 finally:
                     os.close(fd)
+    return found
+
+
+_LISTS: dict[tuple[int, int], int] = {}  # (pid, thread id) -> open fd of its children list, read with pread
+
+
+def _run_children() -> set[int]:
+    """This process's children listed under its main thread and the calling thread (where a run's are).
+
+    The two lists stay open and are re-read with one ``pread`` each (a microsecond; opening
+    them anew costs fifty times that on a loaded machine)."""
+    pid = os.getpid()
+    found: set[int] = set()
+    for task in {pid, threading.get_native_id()}:
+        fd = _LISTS.get((pid, task))
+        try:
+            if fd is None:
+                fd = _LISTS[(pid, task)] = os.open(f"/proc/{pid}/task/{task}/children", os.O_RDONLY)
+            found.update(int(p) for p in os.pread(fd, 1 << 16, 0).split())
+        except OSError:
+            _LISTS.pop((pid, task), None)
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            found |= children(pid, (task,))
     return found
 
 
@@ -180,10 +209,13 @@ def end_new_children(before: set[int]) -> None:
     """Kill every child of this process not in ``before``, with all its descendants, and reap them.
 
     In a worker (a subreaper) the orphans that killing re-parents here are found
-    and killed too, until none is left (a few rounds at most).
+    and killed too, until none is left (a few rounds at most). Only the main thread's
+    and the calling thread's children are looked at (one or two reads a run): a child
+    forked by another thread the run left running is not, but it is in the worker's
+    process group, which the worker's keeper kills when the worker ends.
     """
     for _ in range(8):
-        new = children() - before
+        new = _run_children() - before
         if not new:
             return
         for pid in _descendants(new):
@@ -201,14 +233,14 @@ class Beats:
 
     @classmethod
     def write(cls, folder: Path | None, text: str) -> None:
-        """Write ``text`` into this worker's file (reopened when the folder changed or the file was
-        removed: a reused loky worker serves the next sweep too)."""
+        """Write ``text`` into this worker's file (opened anew when the folder changed: every sweep has
+        its own, and a reused loky worker serves the next sweep too)."""
         if folder is None or not in_worker():
             return
         pid = os.getpid()
         try:
             where, fd = cls._files.get(pid, ("", -1))
-            if where != str(folder) or fd < 0 or os.fstat(fd).st_nlink == 0:
+            if where != str(folder) or fd < 0:
                 if fd >= 0:
                     os.close(fd)
                 Path(folder).mkdir(exist_ok=True)
@@ -262,6 +294,8 @@ class Monitor:
             with contextlib.suppress(OSError):
                 self.check(time.monotonic())  # end what dead workers left, one last time
             shutil.rmtree(self.folder, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                Path(self.folder).parent.rmdir()  # DIR/.workers, when no other sweep's folder is left
 
     def loop(self) -> None:
         while not self.stop.wait(0.5):

@@ -35,6 +35,7 @@ import os
 import platform
 import re
 import secrets
+import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -337,10 +338,11 @@ class ResultsDir:
         for p in self.path.iterdir():
             if p.name.startswith((".part-", f".{MANIFEST}.")) and p.name.endswith(".tmp"):
                 p.unlink(missing_ok=True)
-        for folder in (self.path / TIMEOUTS, self.path / WORKERS):
-            if folder.is_dir():
-                for p in folder.iterdir():
-                    p.unlink(missing_ok=True)
+        markers = self.path / TIMEOUTS
+        if markers.is_dir():
+            for p in markers.iterdir():
+                p.unlink(missing_ok=True)
+        shutil.rmtree(self.path / WORKERS, ignore_errors=True)
 
     def _next_seq(self) -> int:
         seqs = [int(m.group(1)) for p in self.path.iterdir() if (m := PART_RE.match(p.name))]
