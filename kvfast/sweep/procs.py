@@ -243,7 +243,7 @@ class Beats:
             if where != str(folder) or fd < 0:
                 if fd >= 0:
                     os.close(fd)
-                Path(folder).mkdir(exist_ok=True)
+                Path(folder).mkdir(parents=True, exist_ok=True)
                 fd = os.open(Path(folder) / str(pid), os.O_WRONLY | os.O_CREAT, 0o644)
                 cls._files[pid] = (str(folder), fd)
             os.pwrite(fd, text.ljust(64).encode(), 0)
