@@ -1,6 +1,6 @@
 """Open a kvfast report in headless Chromium, as a reader would, and check it.
 
-    python benchmarks/report_browser.py results/reproduce/report/report.html [--screenshot PATH]
+    python benchmarks/report_browser.py results/reproduce.report/report.html [--screenshot PATH]
 
 Loads the page from disk (a file:// URL, no server) and asserts: no failed
 request (Network.loadingFailed, or an HTTP status >= 400), no console error,

@@ -8,27 +8,28 @@ the user's modules are imported through :mod:`kvfast.runtime` (a forked probe
 first, so that ``os._exit`` at import is one line too); a Ctrl-C is exit 130,
 one line. An unexpected error (a bug in kvfast) prints its traceback, the kvfast version and
 a line saying it is a bug in kvfast, with exit code 70 (never 1, which
-``kvfast check`` uses for "divergence found").
+``kvfast check`` uses for "divergence found"). Ctrl-C at any point, start-up
+included (the subcommands' imports: pandas, NumPy), is one line and exit code
+130: this module imports nothing heavy, and :func:`main` installs its SIGINT
+handler before it imports anything else.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import os
-import pkgutil
+import signal
 import sys
-import traceback
+import threading
 
-import kvfast.commands
 from kvfast._version import __version__
-from kvfast.commands import EXIT_KVFAST_BUG, bug_line
-from kvfast.runtime import UserCodeError, ctrl_c_noted, probing_imports
-from kvfast.validation import one_line
 
 
 def command_modules() -> list[str]:
     """Every module of :mod:`kvfast.commands`, in name order."""
+    import pkgutil
+
+    import kvfast.commands
+
     return sorted(f"kvfast.commands.{m.name}" for m in pkgutil.iter_modules(kvfast.commands.__path__))
 
 
@@ -46,13 +47,49 @@ EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a command kill
 def build_parser() -> Parser:
     parser = Parser(prog="kvfast", description="A KV cache is not an approximation: check it bit for bit.")
     parser.add_argument("--version", action="version", version=f"kvfast {__version__}")
+    import importlib
+
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for name in command_modules():
         importlib.import_module(name).add_parser(sub)
     return parser
 
 
+_CTRL_C = threading.Event()
+
+
+def _on_ctrl_c(signum, frame) -> None:
+    _CTRL_C.set()
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; its exit code. A Ctrl-C that no subcommand handled is one line and 130."""
+    on_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, _on_ctrl_c) if on_main else None
+    _CTRL_C.clear()
+    try:
+        return _main(argv)
+    except BaseException as exc:  # a Ctrl-C during an import can surface as that import's ImportError
+        interrupt = sys.modules.get("kvfast.runtime.interrupt")  # a sweep's own SIGINT handler records it there
+        seen = _CTRL_C.is_set() or (interrupt is not None and interrupt.INTERRUPTED.is_set())
+        if not seen or isinstance(exc, SystemExit):
+            raise
+        print("kvfast: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _main(argv: list[str] | None) -> int:
+    import os
+    import traceback
+
+    from kvfast.commands import EXIT_KVFAST_BUG, bug_line
+    from kvfast.runtime import UserCodeError, ctrl_c_noted, probing_imports
+    from kvfast.validation import one_line
+
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -5,7 +5,15 @@ Grids name it ``study = "faultstudy:STUDY"`` (tests/ on ``PYTHONPATH``). Modes:
 (``SystemExit``), ``kbint`` (``KeyboardInterrupt``), ``hang`` (sleeps an hour:
 interruptible), ``spin`` (an hour of Python loop), ``stuck`` (an hour with SIGALRM blocked, as a C call that never
 checks for signals), ``die`` (``os._exit``), ``segv`` (SIGSEGV), ``big`` (ok,
-with a 256 KiB incompressible ``blob``).
+with a 256 KiB incompressible ``blob``), ``forkret`` (forks; the child returns a result instead of
+exiting), ``orphan`` (leaves a ``sleep`` child and a detached daemon grandchild running, ok),
+``stop`` (the run's process stops itself with SIGSTOP, never resumed), ``slowkid`` (``slow``, with a
+``sleep`` child running meanwhile; its pid goes into ``kids-X``).
+
+When the environment variable ``KVFAST_FAULT_MARKS`` names a folder, ``slow`` runs write
+``started-X`` there as they start, holding the pid of the process running them (tests wait for
+it instead of sleeping a guessed time), and ``orphan`` runs write the pids they leave behind
+into ``orphans-X``.
 """
 
 from __future__ import annotations
@@ -20,13 +28,82 @@ import pyarrow as pa
 
 from kvfast.studies.base import Study
 
-MODES = ("ok", "slow", "spin", "exit0", "exit3", "kbint", "hang", "stuck", "die", "segv", "big")
+MODES = (
+    "ok",
+    "slow",
+    "spin",
+    "exit0",
+    "exit3",
+    "kbint",
+    "hang",
+    "stuck",
+    "die",
+    "segv",
+    "big",
+    "forkret",
+    "orphan",
+    "stop",
+    "slowkid",
+)
+MARKS = "KVFAST_FAULT_MARKS"
+
+
+def _mark(name: str, text: str = "") -> None:
+    folder = os.environ.get(MARKS)
+    if folder:
+        with open(os.path.join(folder, name), "a") as f:
+            f.write(text)
+
+
+def _orphans(x: int) -> None:
+    """A ``sleep`` child, and a daemon (double fork, new session) whose parent exits at once."""
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "3600"])
+    read, write = os.pipe()
+    middle = os.fork()
+    if middle == 0:
+        os.setsid()
+        daemon = os.fork()
+        if daemon == 0:
+            os.close(read)
+            os.write(write, str(os.getpid()).encode())
+            os.close(write)
+            time.sleep(3600)
+        os._exit(0)
+    os.close(write)
+    os.waitpid(middle, 0)
+    daemon = os.read(read, 64).decode()
+    os.close(read)
+    _mark(f"orphans-{x}", f"{child.pid} {daemon}\n")
+
+
+def _forkret(x: int) -> dict:
+    pid = os.fork()
+    if pid == 0:
+        return {"y": -1.0, "blob": "from the forked child"}
+    os.waitpid(pid, 0)
+    return {"y": 1.5 * x, "blob": ""}
 
 
 def run(config: dict) -> dict:
     mode, x = config["mode"], config["x"]
     if mode == "slow":
+        _mark(f"started-{x}", str(os.getpid()))
         time.sleep(0.3)
+    elif mode == "slowkid":  # slow, with a `sleep` child running meanwhile
+        import subprocess
+
+        kid = subprocess.Popen(["sleep", "3600"])
+        _mark(f"kids-{x}", f"{kid.pid}\n")
+        _mark(f"started-{x}", str(os.getpid()))
+        time.sleep(0.3)
+    elif mode == "forkret":
+        return _forkret(x)
+    elif mode == "orphan":
+        _orphans(x)
+    elif mode == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
     elif mode == "exit0":
         raise SystemExit(0)
     elif mode == "exit3":

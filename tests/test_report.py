@@ -243,6 +243,31 @@ def test_bad_results_dir_is_one_line_and_exit_2(tmp_path, capsys):
     assert "RESULTS_DIR:" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags", [[], ["--no-html"]])
+def test_report_of_a_results_dir_goes_beside_it_and_the_dataset_still_reads(stored, tmp_path, capsys, flags):
+    """Issue 23, finding 12: `kvfast report DIR` wrote DIR/report/, and pd.read_parquet(DIR) then failed."""
+    import shutil
+
+    import pyarrow.dataset as ds
+
+    one = tmp_path / "exactness"
+    shutil.copytree(stored / "exactness", one)
+    before = pd.read_parquet(one)
+    assert main(["report", str(one), *flags]) == 0
+    printed = capsys.readouterr().out
+    assert str(tmp_path / "exactness.report") in printed and (tmp_path / "exactness.report" / "claims.csv").is_file()
+    assert sorted(p.name for p in one.iterdir() if not p.name.startswith(("_", "."))) == sorted(
+        p.name for p in (stored / "exactness").iterdir() if not p.name.startswith(("_", "."))
+    )
+    assert pd.read_parquet(one).equals(before)
+    assert ds.dataset(one, format="parquet").to_table().num_rows == len(before)
+    # --out inside a results directory is refused with one line, nothing written
+    assert main(["report", str(one), *flags, "--out", str(one / "report")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--out:" in err and "inside the results directory" in err
+    assert not (one / "report").exists() and pd.read_parquet(one).equals(before)
+
+
 def test_unwritable_out_is_one_line_and_exit_2(stored, tmp_path, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("")

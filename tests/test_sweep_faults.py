@@ -32,15 +32,37 @@ ENV.pop("PYTHONFAULTHANDLER", None)
 COLUMNS = ["run_id", "x", "mode", "y", "blob", "status", "error"]
 
 
-def kvfast(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def kvfast(*argv: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "kvfast.cli", *map(str, argv)],
         capture_output=True,
         text=True,
-        env=ENV,
+        env=env or ENV,
         cwd=ROOT,
         timeout=timeout,
     )
+
+
+def marks_env(folder: Path) -> dict:
+    """The environment under which tests/faultstudy.py leaves marks in ``folder`` (see its docstring)."""
+    folder.mkdir(exist_ok=True)
+    return {**ENV, "KVFAST_FAULT_MARKS": str(folder)}
+
+
+def wait_for_a_worker_run(marks: Path, sweep: subprocess.Popen, limit: float = 300) -> None:
+    """Wait until a ``slow`` run has started in a process other than the sweep's own (a worker).
+
+    No fixed sleep: on a loaded machine the sweep may still be importing pandas seconds
+    after it started, and a signal then tests start-up, not the sweep."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        for mark in marks.glob("started-*"):
+            pid = mark.read_text().strip()
+            if pid and int(pid) != sweep.pid:
+                return
+        assert sweep.poll() is None, "the sweep ended before any worker started a run"
+        time.sleep(0.02)
+    raise AssertionError(f"no run started in a worker within {limit} s")
 
 
 def cli(capsys, *argv) -> subprocess.CompletedProcess:
@@ -146,7 +168,9 @@ def test_run_timeout_refuses_nonsense():
 # --- 5. no orphans ---------------------------------------------------------------------------------
 
 
-def _group_alive(pgid: int) -> list[int]:
+def _group_alive(sid: int) -> list[int]:
+    """Live processes of the session ``sid`` (the sweep's, started with ``start_new_session``): its workers
+    lead process groups of their own inside it, and whatever their runs start stays in it too."""
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -154,7 +178,7 @@ def _group_alive(pgid: int) -> list[int]:
                 fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
+            if int(fields[3]) == sid and fields[0] != "Z":
                 pids.append(int(entry.name))
     return pids
 
@@ -172,21 +196,44 @@ def _group_alive(pgid: int) -> list[int]:
 )
 def test_kill_9_of_the_sweep_leaves_no_worker_behind(tmp_path, backend, delay):
     toml = grid_toml(tmp_path / "g.toml", (list(range(16)), "slow"))
-    out = tmp_path / "o"
+    out, marks = tmp_path / "o", tmp_path / "marks"
     cmd = [sys.executable, "-m", "kvfast.cli", "run", str(toml), "--out", str(out), "--jobs", "2", "--quiet"]
     proc = subprocess.Popen(
-        [*cmd, "--backend", backend], env=ENV, cwd=ROOT, start_new_session=True, stderr=subprocess.DEVNULL
+        [*cmd, "--backend", backend], env=marks_env(marks), cwd=ROOT, start_new_session=True, stderr=subprocess.DEVNULL
     )
+    wait_for_a_worker_run(marks, proc)
     time.sleep(delay)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     deadline = time.monotonic() + 10
     while (alive := _group_alive(proc.pid)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not alive, f"workers left {alive} after kill -9 at {delay} s"
+    assert not alive, f"workers left {alive} after kill -9 {delay} s after a worker started a run"
     again = kvfast("run", toml, "--out", out, "--jobs", "2", "--quiet")
     assert again.returncode == 0, again.stderr
     assert stored(out).equals(reference(tmp_path, toml))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_kill_9_of_the_sweep_ends_the_processes_its_runs_had_running(tmp_path):
+    """A run's process tree ends with it when the sweep is killed too: each worker's keeper kills its group."""
+    toml = grid_toml(tmp_path / "g.toml", (list(range(8)), "slowkid"))
+    out, marks = tmp_path / "o", tmp_path / "marks"
+    cmd = [sys.executable, "-m", "kvfast.cli", "run", str(toml), "--out", str(out), "--jobs", "2", "--quiet"]
+    proc = subprocess.Popen(cmd, env=marks_env(marks), cwd=ROOT, start_new_session=True, stderr=subprocess.DEVNULL)
+    wait_for_a_worker_run(marks, proc)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    kids = [int(p) for mark in marks.glob("kids-*") for p in mark.read_text().split()]
+    try:
+        deadline = time.monotonic() + 10
+        while ((left := [p for p in kids if _alive(p)]) or _group_alive(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert kids and not left and not _group_alive(proc.pid), (kids, left, _group_alive(proc.pid))
+    finally:
+        for pid in kids:
+            with __import__("contextlib").suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
 
 
 # --- 8. Ctrl-C and crashes: quiet --------------------------------------------------------------------
@@ -195,20 +242,23 @@ def test_kill_9_of_the_sweep_leaves_no_worker_behind(tmp_path, backend, delay):
 @pytest.mark.parametrize(
     "backend, delay",
     [
-        ("fork", 2.0),
-        pytest.param("loky", 2.0, marks=pytest.mark.slow),
+        ("fork", 0.3),  # seconds after a worker started a run (16 runs of 0.3 s on 2 workers: well before the end)
+        pytest.param("loky", 0.3, marks=pytest.mark.slow),
+        pytest.param("dask", 0.3, marks=pytest.mark.slow),
         pytest.param("dask", 1.0, marks=pytest.mark.slow),
-        pytest.param("dask", 4.0, marks=pytest.mark.slow),
     ],
 )
 def test_ctrl_c_is_exit_130_without_worker_tracebacks_and_resumes(tmp_path, backend, delay):
     toml = grid_toml(tmp_path / "g.toml", (list(range(16)), "slow"))
-    out = tmp_path / "o"
+    out, marks = tmp_path / "o", tmp_path / "marks"
     cmd = [sys.executable, "-m", "kvfast.cli", "run", str(toml), "--out", str(out), "--jobs", "2", "--quiet"]
     cmd += ["--backend", backend]
-    proc = subprocess.Popen(cmd, env=ENV, cwd=ROOT, start_new_session=True, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd, env=marks_env(marks), cwd=ROOT, start_new_session=True, stderr=subprocess.PIPE, text=True
+    )
+    wait_for_a_worker_run(marks, proc)
     time.sleep(delay)
-    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole group
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the sweep's process group
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == EXIT_INTERRUPTED, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err and "ERROR" not in err, err
@@ -218,6 +268,119 @@ def test_ctrl_c_is_exit_130_without_worker_tracebacks_and_resumes(tmp_path, back
     assert not _group_alive(proc.pid)
     again = kvfast("run", toml, "--out", out, "--jobs", "2", "--quiet")
     assert again.returncode == 0 and stored(out).equals(reference(tmp_path, toml))
+
+
+# --- issue 23: runs that fork, stop, or leave processes behind ---------------------------------------
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork")
+@pytest.mark.parametrize("args", [["--jobs", "1"], ["--jobs", "2", "--backend", "fork"]])
+def test_a_forked_child_that_returns_never_reaches_the_sweep(tmp_path, args):
+    """Finding 10: `if os.fork() == 0: return {...}` in a run hung the sweep and stored 45 rows for 24 runs."""
+    toml = grid_toml(tmp_path / "g.toml", ([0, 1, 2, 3], "ok"), ([50, 51, 52], "forkret"), ([4, 5, 6, 7], "ok"))
+    out = tmp_path / "o"
+    proc = kvfast("run", toml, "--out", out, *args, "--quiet", timeout=120)  # a hang fails here
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.strip() == "", proc.stderr
+    assert "11 run now" in proc.stdout
+    raw = pd.read_parquet(out)
+    assert len(raw) == 11 and raw["run_id"].is_unique and (raw["blob"] == "").all()
+    ref = grid_toml(tmp_path / "ref.toml", ([0, 1, 2, 3], "ok"), ([50, 51, 52], "forkret"), ([4, 5, 6, 7], "ok"))
+    assert stored(out).equals(reference(tmp_path, ref))
+    again = kvfast("run", toml, "--out", out, *args, "--quiet")
+    assert again.returncode == 0 and "11 already stored, 0 run now" in again.stdout
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIGSTOP, /proc")
+@pytest.mark.parametrize("backend", ["fork", pytest.param("loky", marks=pytest.mark.slow)])
+def test_a_stopped_worker_is_killed_by_the_sweep_and_its_run_is_a_timeout_row(tmp_path, backend):
+    """Finding 11: a worker stopped with SIGSTOP (never resumed) made the sweep wait forever; its time limit
+    was enforced only inside the stopped worker. The sweep process now kills it."""
+    toml = grid_toml(tmp_path / "g.toml", ([0, 1, 2, 3], "ok"), ([60], "stop"), ([4, 5, 6, 7], "ok"))
+    out = tmp_path / "o"
+    t0 = time.monotonic()
+    args = ["--jobs", "2", "--backend", backend, "--run-timeout", "2", "--quiet"]
+    proc = kvfast("run", toml, "--out", out, *args, timeout=240)
+    assert proc.returncode == EXIT_FAILED, proc.stderr
+    assert time.monotonic() - t0 < 200
+    one_line(proc, "1 runs stored as error, crashed or timeout")
+    df = stored(out).set_index("x")
+    assert df.loc[60, "status"] == "timeout" and "--run-timeout 2 s" in df.loc[60, "error"]
+    ok = df.drop(index=60)
+    assert len(ok) == 8 and (ok["status"] == "ok").all() and (ok["y"] == 1.5 * ok.index).all()
+    assert not (out / ".workers").exists()
+    assert not any((out / ".timeouts").iterdir()) if (out / ".timeouts").exists() else True
+    again = kvfast("run", toml, "--out", out, *args)
+    assert again.returncode == EXIT_FAILED and "9 already stored, 0 run now" in again.stdout
+    assert stored(out).equals(df.reset_index()[COLUMNS])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIGSTOP, /proc")
+def test_a_worker_stopped_for_the_stall_timeout_is_killed_and_its_run_crashed(tmp_path):
+    """Without --run-timeout a stopped worker is killed after --stall-timeout; its run is retried alone
+    per the crash rules (it stops its worker again: `crashed`), the other runs are stored ok."""
+    toml = grid_toml(tmp_path / "g.toml", ([0, 1, 2, 3], "ok"), ([61], "stop"), ([4, 5], "ok"))
+    out = tmp_path / "o"
+    proc = kvfast("run", toml, "--out", out, "--jobs", "2", "--stall-timeout", "1", "--quiet", timeout=240)
+    assert proc.returncode == EXIT_FAILED, proc.stderr
+    one_line(proc, "killed its worker, twice; stored as crashed")
+    df = stored(out).set_index("x")
+    assert df.loc[61, "status"] == "crashed" and (df.drop(index=61)["status"] == "ok").all() and len(df) == 7
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("args", [["--jobs", "1"], ["--jobs", "2", "--backend", "fork"]])
+def test_processes_a_run_leaves_behind_are_ended_with_the_run(tmp_path, args):
+    """Also seen in issue 23: a run's own grandchild processes outlived the sweep. Each `orphan` run leaves
+    a `sleep` child and a detached daemon (new session, parent gone); none may be running after the sweep."""
+    toml = grid_toml(tmp_path / "g.toml", ([0, 1], "ok"), ([70, 71, 72], "orphan"), ([2, 3], "ok"))
+    marks = tmp_path / "marks"
+    proc = kvfast("run", toml, "--out", tmp_path / "o", *args, "--quiet", env=marks_env(marks))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    pids = [int(p) for mark in marks.glob("orphans-*") for p in mark.read_text().split()]
+    assert len(pids) == 6, pids
+    try:
+        deadline = time.monotonic() + 5
+        while (left := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not left, f"processes left running by runs: {left}"
+    finally:
+        for pid in pids:
+            with __import__("contextlib").suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    assert (stored(tmp_path / "o")["status"] == "ok").all() and len(stored(tmp_path / "o")) == 7
+
+
+@pytest.mark.parametrize("surfaces_as", ["KeyboardInterrupt", "ImportError"])
+def test_ctrl_c_during_the_clis_start_up_is_one_line_and_130(monkeypatch, capsys, surfaces_as):
+    """A real SIGINT while the subcommands are imported (pandas, NumPy: seconds on a loaded machine) is one
+    line and 130, also when the import it hit turns it into an ImportError (NumPy's C extension does)."""
+    import kvfast.cli as cli_module
+
+    def importing():
+        try:
+            os.kill(os.getpid(), signal.SIGINT)  # delivered to this (the main) thread, as a terminal's Ctrl-C
+            time.sleep(5)
+        except KeyboardInterrupt:
+            if surfaces_as == "ImportError":
+                raise ImportError("PyCapsule_Import could not import module 'datetime'") from None
+            raise
+        raise AssertionError("SIGINT was not delivered")
+
+    monkeypatch.setattr(cli_module, "build_parser", importing)
+    capsys.readouterr()
+    assert cli_module.main(["run", "exactness"]) == EXIT_INTERRUPTED
+    err = capsys.readouterr().err
+    assert err == "kvfast: interrupted\n", err
+    assert signal.getsignal(signal.SIGINT) is not cli_module._on_ctrl_c  # main put the previous handler back
 
 
 def test_a_segfaulting_run_is_one_line_and_a_crashed_row(tmp_path):

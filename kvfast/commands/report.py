@@ -3,6 +3,8 @@
 Writes ``report.html`` (self-contained: inline styles, images as base64 PNG)
 and its tables (``claims.csv``, ``claims.json``, ``facts.csv``,
 ``summaries/*.csv``) from the stored Parquet alone, and prints the page's path.
+They go into ``--out``, by default ``RESULTS_DIR.report`` beside it: never inside
+a results directory, which stays a readable Parquet dataset.
 ``--markdown`` prints a table as Markdown instead of writing anything: the
 claims table with its count (what the README pastes), the quoted figures, or
 every study's summary table (what docs/studies.md pastes).
@@ -16,7 +18,11 @@ MARKDOWN = ("claims", "facts", "tables")
 def add_parser(sub) -> None:
     p = sub.add_parser("report", help="an HTML report (claims table, plots) of stored results, or Markdown tables")
     p.add_argument("results", metavar="RESULTS_DIR", help="a folder of results directories (kvfast reproduce --out)")
-    p.add_argument("--out", metavar="DIR", help="where report.html and its tables go (default: RESULTS_DIR/report)")
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        help="where report.html and its tables go, outside any results directory (default: RESULTS_DIR.report)",
+    )
     p.add_argument(
         "--markdown",
         nargs="?",
@@ -44,13 +50,13 @@ def markdown_text(results: dict, what: str) -> str:
 
 
 def cmd_report(args) -> int:
-    from kvfast.report import load_results, write_report, write_tables
+    from kvfast.report import load_results, report_dir, write_report, write_tables
 
     if args.markdown:
         print(markdown_text(load_results(args.results), args.markdown))
         return 0
     if args.no_html:
-        out = args.out or f"{args.results}/report"
+        out = report_dir(args.results, args.out)
         for path in write_tables(load_results(args.results), out):
             print(path)
         return 0

@@ -106,7 +106,8 @@ def add_parser(sub) -> None:
         type=_positive,
         default=300.0,
         metavar="S",
-        help="Dask: give up when no chunk finishes for S seconds (default 300)",
+        help="Dask: give up when no chunk finishes for S seconds; fork, loky: kill a worker stopped that long "
+        "(default 300)",
     )
     p.set_defaults(func=cmd_run)
 

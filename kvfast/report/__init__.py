@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kvfast.report.claims import claims_markdown, claims_table, count_line, counts, markdown
 from kvfast.report.facts import facts
-from kvfast.report.page import render, summaries, write_report, write_tables
+from kvfast.report.page import render, report_dir, summaries, write_report, write_tables
 from kvfast.report.results import load_results, study_dirs
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "load_results",
     "markdown",
     "render",
+    "report_dir",
     "study_dirs",
     "summaries",
     "write_report",

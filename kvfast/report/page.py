@@ -23,6 +23,7 @@ from kvfast.report.facts import facts
 from kvfast.report.figures import Section, matplotlib_available, sections
 from kvfast.report.results import load_results
 from kvfast.studies import STUDIES
+from kvfast.sweep.store import MANIFEST
 
 REPORT = "report.html"
 NO_MATPLOTLIB = (
@@ -171,11 +172,35 @@ def write_tables(results: dict[str, pd.DataFrame], out: str | os.PathLike) -> li
     return written
 
 
+def report_dir(results_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
+    """Where the report of ``results_dir`` goes: ``out``, by default ``RESULTS_DIR.report`` beside it.
+
+    Never inside a results directory (a folder with the manifest, or under one):
+    every file there that is not Parquet and not named ``.*``/``_*`` would make
+    ``pd.read_parquet(DIR)`` and ``pyarrow.dataset`` fail. ``ValueError`` naming
+    ``--out`` for such an ``out``.
+    """
+    if out is None:
+        base = Path(results_dir)
+        base = Path(os.path.abspath(base)) if base.name in ("", ".", "..") else base
+        out = base.with_name(base.name + ".report")
+    root = Path(out)
+    for folder in (root.absolute(), *root.absolute().parents):
+        if (folder / MANIFEST).is_file():
+            raise ValueError(
+                f"--out: {str(root)!r} is not allowed (it is inside the results directory {str(folder)!r}, "
+                f"which would then not read as a Parquet dataset); allowed: a folder outside it, "
+                f"such as {str(folder) + '.report'!r}"
+            )
+    return root
+
+
 def write_report(results_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
     """Read every study's runs under ``results_dir`` and write ``OUT/report.html`` plus its tables
-    (:func:`write_tables`); ``out`` defaults to ``RESULTS_DIR/report``. Returns the page's path."""
+    (:func:`write_tables`); ``out``: see :func:`report_dir` (default ``RESULTS_DIR.report``).
+    Returns the page's path."""
     results = load_results(results_dir)
-    root = Path(out) if out is not None else Path(results_dir) / "report"
+    root = report_dir(results_dir, out)
     _writable(root)
     write_tables(results, root)
     page = root / REPORT

@@ -1,6 +1,6 @@
 """What guards a run of the user's code and a worker process: time limits, the parent's death, Ctrl-C.
 
-(The sweep's runs use it; :mod:`kvfast.sweep.guard` re-exports it under its old name.)
+(The sweep's runs use it.)
 
 - :func:`worker_start` (a pool worker's initializer, and the first thing every
   task calls): on Linux the kernel kills the worker when the process that

@@ -59,6 +59,7 @@ from kvfast.sweep.store import (
     STATUSES,
     TIMEOUTS,
     WARMUP,
+    WORKERS,
     ResultsDir,
     StorageError,
     StoredIndex,
@@ -319,8 +320,10 @@ def _execute(
     crashed: set[str],
 ) -> None:
     """Run the pending runs: in this process (one job), or a warm-up here and the rest on the backend."""
-    limits = RunLimits(options.run_timeout, writer.store.path / TIMEOUTS) if options.run_timeout else None
     inline = options.jobs == 1 and client is None
+    path = writer.store.path
+    beats = None if inline else path / WORKERS / os.urandom(4).hex()  # a folder per sweep (kvfast.sweep.procs)
+    limits = RunLimits(options.run_timeout, path / TIMEOUTS, beats, reap=inline)
     job = Job(
         study=grid.study,
         backend="inline" if inline else options.backend,
@@ -364,10 +367,11 @@ def _warm_up(job: Job, runs: Iterator[Run], total: int, writer: Writer, crashed:
         # from the cache this warm-up fills)
         preheat = threading.Thread(target=backend_module(job.backend).preheat, args=(job,), daemon=True)
         preheat.start()
+    limits = job.limits._replace(reap=preheat is None) if job.limits else None  # a starting pool's workers stay
     try:
         for run in local:
             marker.write_text(run.run_id)
-            writer([run], [run_one(job.study, run, job.limits)])
+            writer([run], [run_one(job.study, run, limits)])
     finally:
         if preheat is not None:
             preheat.join()

@@ -30,7 +30,8 @@ class SweepOptions:
     runs stored as ``error``, ``crashed`` or ``timeout``; ``fresh``: delete stored
     results first; ``quiet``: no progress bar; ``chunk_s``: seconds of work per
     chunk; ``chunk_size``: a fixed chunk size instead; ``stall_s``: Dask gives up
-    when nothing finishes for that long; ``run_timeout``: seconds a run may take;
+    when nothing finishes for that long, fork and loky kill a worker stopped that
+    long; ``run_timeout``: seconds a run may take;
     ``max_memory``: bytes a run may need by kvfast's estimate (``None``: this machine's).
     """
 

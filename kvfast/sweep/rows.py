@@ -8,7 +8,7 @@ A row is a dict of the study's result columns plus ``run_id``, ``status``,
   unless the user's Ctrl-C was seen by the sweep's SIGINT handler: then the
   ``KeyboardInterrupt`` propagates and stops the sweep), or returned the wrong shape;
 - ``timeout``: the run passed its time limit (interrupted in place, or its
-  worker killed itself and left a marker: see :mod:`kvfast.sweep.guard`);
+  worker killed itself and left a marker: see :mod:`kvfast.runtime.worker`);
 - ``crashed``: the run killed its worker, and again when re-run alone.
 
 :func:`run_one` never raises for a run's own failure. Rows depend only on the
@@ -17,14 +17,16 @@ run's config (``wall_s`` aside).
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
+from kvfast.runtime.worker import INTERRUPTED, RunTimeout, deadline
 from kvfast.sweep.grid import Run
-from kvfast.sweep.guard import INTERRUPTED, RunTimeout, deadline, worker_start
+from kvfast.sweep.procs import RunTree, in_worker, run_ended, run_started, worker_setup
 
 if TYPE_CHECKING:
     from kvfast.studies.base import Study
@@ -33,10 +35,19 @@ CRASH_MESSAGE = "the worker process died during this run, and again when the run
 
 
 class RunLimits(NamedTuple):
-    """A run's time limit in seconds, and the folder where a worker that kills itself at it leaves a marker."""
+    """How runs are guarded.
+
+    ``seconds``: a run's time limit (``None``: none); ``markers``: the folder where a
+    worker that is killed at it leaves a marker; ``beats``: the folder of the
+    workers' heartbeat files (:class:`kvfast.sweep.procs.Monitor` reads them);
+    ``reap``: end the processes a run leaves behind also outside a pool worker
+    (``--jobs 1``, a warm-up with no pool starting beside it; a pool worker always does).
+    """
 
     seconds: float | None
     markers: Path | None
+    beats: Path | None = None
+    reap: bool = False
 
 
 Limits = RunLimits | tuple | None  # None: no time limit
@@ -48,13 +59,28 @@ def run_one(study: Study, run: Run, limits: Limits = None) -> dict:
     ``SystemExit`` and ``KeyboardInterrupt`` raised by the run's code are ``error``
     rows too (only the user's Ctrl-C, seen by the sweep's SIGINT handler, stops the
     sweep); a run past ``limits``' time limit is a ``timeout`` row.
+
+    A process the run forked (``os.fork()``) never gets back here: when the run
+    returns or raises in a process other than the one that called it, that
+    process exits at once (``os._exit(0)``), so it cannot run more runs, write
+    rows or hold the sweep open.
     """
     clock = time.perf_counter
     t0 = clock()
-    seconds, marker_dir = limits or (None, None)
+    seconds, marker_dir = limits[:2] if limits else (None, None)
+    beats = limits[2] if limits and len(limits) > 2 else None
+    reap = in_worker() or bool(limits and len(limits) > 3 and limits[3])
+    pid, tree = os.getpid(), RunTree(reap)
+    run_started(beats, run.run_id)
     try:
         with deadline(seconds, run.run_id, marker_dir):
-            result = study.run(dict(run.config))
+            try:
+                result = study.run(dict(run.config))
+            finally:
+                if os.getpid() != pid:  # a child the run forked returned (or raised) into kvfast's loop
+                    os._exit(0)
+                tree.end()
+                run_ended(beats)
         if type(result) is not dict or result.keys() != study.result_fields.keys():
             _wrong_result(study, result)
         row = dict(result)
@@ -80,8 +106,8 @@ def run_chunk(study: Study, chunk: tuple[int, list[Run]], limits: Limits = None)
 
 
 def run_chunk_in_worker(study: Study, chunk: tuple[int, list[Run]], limits: Limits = None) -> tuple[int, list[dict]]:
-    """:func:`run_chunk` in a pool worker: set the worker up first (see :func:`kvfast.sweep.guard.worker_start`)."""
-    worker_start()
+    """:func:`run_chunk` in a pool worker: set the worker up first (see :func:`kvfast.sweep.procs.worker_setup`)."""
+    worker_setup()
     return run_chunk(study, chunk, limits)
 
 

@@ -35,6 +35,7 @@ import os
 import platform
 import re
 import secrets
+import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -57,6 +58,7 @@ MANIFEST = "_sweep.json"
 LOCK = ".lock"
 WARMUP = ".warmup"
 TIMEOUTS = ".timeouts"  # ids of runs whose worker killed itself at the time limit
+WORKERS = ".workers"  # pool workers' heartbeat files (kvfast.sweep.procs), while a sweep runs
 FORMAT = "kvfast-results-1"
 PART_RE = re.compile(r"^part-(\d{8})-([0-9a-f]{8})\.parquet$")
 STATUSES = ("ok", "error", "crashed", "timeout")
@@ -238,7 +240,7 @@ class ResultsDir:
                 return
             raise
         if manifest is None:
-            foreign = [c.name for c in p.iterdir() if c.name not in (LOCK, WARMUP, TIMEOUTS, QUARANTINE)]
+            foreign = [c.name for c in p.iterdir() if c.name not in (LOCK, WARMUP, TIMEOUTS, WORKERS, QUARANTINE)]
             if foreign:
                 raise ValueError(
                     f"--out: {str(p)!r} is not a kvfast results directory (it holds {foreign[0]!r} and no "
@@ -340,6 +342,7 @@ class ResultsDir:
         if markers.is_dir():
             for p in markers.iterdir():
                 p.unlink(missing_ok=True)
+        shutil.rmtree(self.path / WORKERS, ignore_errors=True)
 
     def _next_seq(self) -> int:
         seqs = [int(m.group(1)) for p in self.path.iterdir() if (m := PART_RE.match(p.name))]

@@ -24,9 +24,9 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from kvfast.runtime.worker import worker_start
 from kvfast.sweep.backends import NOTHING_LOST, Job, Outcome
 from kvfast.sweep.grid import Run
-from kvfast.sweep.guard import worker_start
 from kvfast.sweep.rows import lost_worker_row, run_chunk
 
 if TYPE_CHECKING:

@@ -13,8 +13,12 @@ unordered, as they finish):
 - ``loky``: loky's reusable pool of fresh interpreters (started, and the study
   imported in every worker, by :func:`preheat` while the warm-up runs).
 
-Workers are set up by :func:`kvfast.sweep.guard.worker_start` (they die with the
-sweep and ignore SIGINT). A dead worker breaks its pool: joblib aborts the call
+Workers are set up by :func:`kvfast.sweep.procs.worker_setup` (they die with the
+sweep, ignore SIGINT, lead their own process group and end the processes each
+run leaves). While the pool runs, a :class:`kvfast.sweep.procs.Monitor` in this
+process kills a worker that is past a run's time limit without having killed
+itself (stopped, or wedged in C code), or stopped for ``--stall-timeout``: the
+pool sees a dead worker, as below. A dead worker breaks its pool: joblib aborts the call
 (the backend kills the other workers), the chunks in flight are re-run one run at
 a time, each alone in a new one-worker pool, and a run that kills that worker too
 is ``crashed`` (``timeout`` when the worker killed itself at the run's time limit).
@@ -42,7 +46,7 @@ from joblib._parallel_backends import ParallelBackendBase, SequentialBackend
 
 from kvfast.sweep.backends import NOTHING_LOST, Job, Outcome
 from kvfast.sweep.grid import Run
-from kvfast.sweep.guard import worker_start
+from kvfast.sweep.procs import Monitor, kill_worker, worker_setup
 from kvfast.sweep.rows import Limits, lost_worker_row, run_chunk, run_chunk_in_worker, timed_out, timeout_row
 
 if TYPE_CHECKING:
@@ -71,12 +75,12 @@ def loky_pool(n_jobs: int):
     """loky's reusable pool of ``n_jobs`` workers (started by this process; each dies with it)."""
     from joblib.externals.loky import get_reusable_executor
 
-    return get_reusable_executor(max_workers=n_jobs, initializer=worker_start, initargs=(os.getpid(),))
+    return get_reusable_executor(max_workers=n_jobs, initializer=worker_setup, initargs=(os.getpid(),))
 
 
 def _fork_pool(n_jobs: int) -> ProcessPoolExecutor:
     context = multiprocessing.get_context("fork")
-    return ProcessPoolExecutor(n_jobs, mp_context=context, initializer=worker_start, initargs=(os.getpid(),))
+    return ProcessPoolExecutor(n_jobs, mp_context=context, initializer=worker_setup, initargs=(os.getpid(),))
 
 
 def shutdown(pool, kill: bool) -> None:
@@ -86,7 +90,7 @@ def shutdown(pool, kill: bool) -> None:
     if kill:
         for proc in list((getattr(pool, "_processes", None) or {}).values()):
             with contextlib.suppress(Exception):
-                proc.kill()
+                kill_worker(proc.pid)
     with contextlib.suppress(Exception):
         if hasattr(pool, "_flags"):  # loky's executor
             pool.shutdown(wait=not kill, kill_workers=kill)
@@ -180,7 +184,7 @@ register_parallel_backend("kvfast-loky", LokyBackend)
 
 def _loaded(study: Study) -> int:
     """A worker's no-op task: unpickling ``study`` imported its module."""
-    worker_start()
+    worker_setup()
     return os.getpid()
 
 
@@ -203,7 +207,10 @@ def execute(job: Job, runs: Iterator[Run], total: int) -> Outcome:
     remaining: Iterator[Run] | None = runs
     if kind == "fork":
         _FORKED.append((job.study, job.limits))
+    limits = job.limits or (None, None)
+    monitor = Monitor(limits[2] if len(limits) > 2 else None, limits[0], limits[1], job.stall_s)
     try:
+        monitor.__enter__()
         while remaining is not None:
             planner = job.plan(remaining, total)
             try:
@@ -217,6 +224,7 @@ def execute(job: Job, runs: Iterator[Run], total: int) -> Outcome:
         for run in suspects:
             job.write([run], [_alone(backend, job.study, run, job.limits)])
     finally:
+        monitor.__exit__(None, None, None)
         if kind == "fork":
             _FORKED.pop()
     return NOTHING_LOST
