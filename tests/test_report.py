@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from kvfast.check.metrics import roc_auc
+from kvfast.check.score import roc_auc
 from kvfast.cli import main
 from kvfast.report import claims_markdown, claims_table, counts, facts, load_results, render, write_tables
 from kvfast.report.figures import matplotlib_available, sections
