@@ -7,8 +7,7 @@ import pytest
 
 from kvfast.check import DETECTORS, Detection, every_step_exact, one_step_allclose
 from kvfast.model.bugs import BUGS, VISIBLE_AT_STEP_1
-from kvfast.studies.detector import DetectorCase
-from kvfast.studies.detector import compare_detectors, default_cases, score_detector
+from kvfast.studies.detector import DetectorCase, compare_detectors, default_cases, score_detector
 
 
 @pytest.fixture(scope="module")

@@ -276,7 +276,9 @@ DETECTORS: dict[str, Callable] = {
 # --- scoring ----------------------------------------------------------------------------------
 
 
-def _as_detection(value: object, name: str) -> Detection:
+def as_detection(value: object, name: str) -> Detection:
+    """A detector's return value as a :class:`Detection` (a bool: the flag; a number: the score; ``ValueError``
+    naming detector ``name`` otherwise)."""
     if isinstance(value, Detection):
         return value
     if isinstance(value, bool | np.bool_):
@@ -318,7 +320,7 @@ def run_detector(detector: Callable, cases: Iterable, bugs: Sequence[str] | None
         case = _as_case(raw)
         if case.bug is not None and case.bug not in bugs:
             raise ValueError(f"cases: bug {case.bug!r} is not allowed; allowed: None, {', '.join(bugs)}")
-        det = _as_detection(detector(case.model(), case), name)
+        det = as_detection(detector(case.model(), case), name)
         rows.append({**case.config, "bug": case.bug or "none", "flag": det.flag, "score": det.score,
                      "step": det.step})  # fmt: skip
     if not rows:

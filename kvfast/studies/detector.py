@@ -41,8 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from kvfast.check import KvfastModel
-from kvfast.check import score
+from kvfast.check import KvfastModel, score
 from kvfast.check.score import confusion, detector_metrics
 from kvfast.model.bugs import BUGS, VISIBLE_AT_STEP_1
 from kvfast.numerics import Numerics
@@ -132,7 +131,14 @@ def default_cases() -> list[DetectorCase]:
     for bug, n_layer, n_head, (seed, prompt_len) in itertools.product(
         (*BUGS, bugstudy.CONTROL), CASE_SHAPES["n_layer"], CASE_SHAPES["n_head"], CASE_PROMPTS
     ):
-        values = {**CASE_FIXED, "bug": bug, "seed": seed, "n_layer": n_layer, "n_head": n_head, "prompt_len": prompt_len}
+        values = {
+            **CASE_FIXED,
+            "bug": bug,
+            "seed": seed,
+            "n_layer": n_layer,
+            "n_head": n_head,
+            "prompt_len": prompt_len,
+        }
         out.append(DetectorCase({k: values[k] for k in bugstudy.CONFIG_FIELDS}))
     return out
 

@@ -1,8 +1,8 @@
 """The sweep engine: grids (TOML), parallel runs (joblib, Dask), Parquet results, resume; in-process runs.
 
 See ``docs/sweep.md`` for the grid format and the results schema. The in-process
-runner (:mod:`kvfast.sweep.inline`: ``run_inline``) is imported on first use, so that importing the engine (``kvfast.load``)
-does not load the checker and its Numba kernels.
+runner (:mod:`kvfast.sweep.inline`: ``run_inline``) is imported on first use, so that importing the
+engine (``kvfast.load``) does not load the checker and its Numba kernels.
 """
 
 import importlib
