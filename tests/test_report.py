@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import html
-import importlib.util
-import os
 import re
 
 import numpy as np
 import pandas as pd
 import pytest
+from test_studies_hf import HF, HF_SMALL_GRIDS
 
 from kvfast.check.score import roc_auc
 from kvfast.cli import main
@@ -161,41 +160,7 @@ mode = ["exact"]
 
 
 # The Hugging Face studies need kvfast[hf]: their small grids run where it is installed (always in CI).
-HF = os.environ.get("KVFAST_REQUIRE_HF") == "1" or all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
-HF_GRIDS = {
-    "hf_matrix": """
-[fixed]
-family = "llama"
-dtype = "float32"
-attention = "sdpa"
-seed = 0
-prompt = 0
-steps = 4
-mode = "control"
-scenarios = "both"
-variants = "builtin"
-feed = "given"
-[[union]]
-[union.fixed]
-bug = "none"
-promote = "none"
-[[union]]
-[union.fixed]
-bug = "posoff"
-promote = "float64"
-""",
-    "hf_score": """
-[fixed]
-family = "llama"
-dtype = "float32"
-attention = "sdpa"
-seed = 0
-prompt = 0
-steps = 4
-[axes]
-bug = ["none", "posoff"]
-""",
-}
+HF_GRIDS = HF_SMALL_GRIDS  # tests/test_studies_hf.py: 3 runs each
 if HF:
     SMALL_GRIDS.update(HF_GRIDS)
 

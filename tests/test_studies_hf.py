@@ -20,8 +20,8 @@ KVFAST = str(Path(sys.executable).with_name("kvfast"))
 # CI (.ci/run, KVFAST_REQUIRE_HF=1) runs the end-to-end test, never skips it
 HF = os.environ.get("KVFAST_REQUIRE_HF") == "1" or all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
 
-SMALL = {
-    "hf_matrix": """study = "hf_matrix"
+HF_SMALL_GRIDS = {
+    "hf_matrix": """
 [fixed]
 family = "llama"
 dtype = "float32"
@@ -44,7 +44,7 @@ promote = "float64"
 [union.axes]
 bug = ["posoff", "replay"]
 """,
-    "hf_score": """study = "hf_score"
+    "hf_score": """
 [fixed]
 family = "gpt2"
 dtype = "float32"
@@ -87,8 +87,8 @@ def test_both_studies_run_resume_show_and_report(tmp_path):
         return subprocess.run([KVFAST, *args], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
 
     root = tmp_path / "results"
-    for name, body in SMALL.items():
-        (tmp_path / f"{name}.toml").write_text(body)
+    for name, body in HF_SMALL_GRIDS.items():
+        (tmp_path / f"{name}.toml").write_text(f'study = "{name}"\n{body}')
         cmd = ["run", str(tmp_path / f"{name}.toml"), "--out", str(root / name), "--jobs", "2", "--quiet"]
         first = kvfast(*cmd)
         assert first.returncode == 0, first.stderr
