@@ -16,10 +16,11 @@ import functools
 import importlib.util
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 
 from kvfast.check.hf import ATTENTION, DTYPES, FAMILIES, HF_BUGS, TINY_VOCAB
-from kvfast.studies.common import require_config_choice
+from kvfast.studies.common import ok_rows, require_config_choice
 from kvfast.validation import require_int
 
 NO_BUG = "none"
@@ -85,3 +86,21 @@ def base_model(family: str, dtype: str, attention: str, seed: int):
 def bug_of(config: dict) -> str | None:
     """The config's injected bug, ``None`` for a clean run."""
     return None if config["bug"] == NO_BUG else config["bug"]
+
+
+ORDER = {"family": FAMILIES, "dtype": DTYPES, "attention": ATTENTION, "bug": (NO_BUG, *HF_BUGS)}
+
+
+def ordered_ok_rows(df: pd.DataFrame) -> pd.DataFrame:
+    """The ok runs of ``df`` in the declared order of the model axes and the bug catalogue (then seed and prompt),
+    whatever order the sweep stored them in, so every table built by grouping them has one order."""
+    ok = ok_rows(df)
+    keys = [k for k in (*ORDER, "seed", "prompt") if k in ok.columns]
+    if not len(ok) or not keys:
+        return ok
+
+    def rank(column: pd.Series) -> pd.Series:
+        values = ORDER.get(column.name)
+        return column if values is None else column.map({v: i for i, v in enumerate(values)}).fillna(len(values))
+
+    return ok.sort_values(keys, key=rank, kind="stable")

@@ -42,7 +42,7 @@ from kvfast.check.hf import HFModel, first_acting_step
 from kvfast.studies import hf_common as hf
 from kvfast.studies.base import Claim, Fact, Figure, Study
 from kvfast.studies.check import MODES, SCENARIO_CHOICES
-from kvfast.studies.common import ok_rows, require_config_choice
+from kvfast.studies.common import require_config_choice
 from kvfast.studies.criteria import EXACT, judged
 from kvfast.studies.plotting import pyplot
 
@@ -168,7 +168,7 @@ def run(config: dict) -> dict:
 def clean_table(df: pd.DataFrame) -> pd.DataFrame:
     """The clean runs per dtype, then ``all``: runs, ``bug`` verdicts (false positives), ``inconclusive``, the
     largest ratio (the summary)."""
-    ok = ok_rows(df)
+    ok = hf.ordered_ok_rows(df)
     clean = ok[ok["bug"] == hf.NO_BUG] if len(ok) else ok
     rows = []
     for dtype, g in [*clean.groupby("dtype", sort=False), ("all", clean)] if len(clean) else ():
@@ -187,7 +187,7 @@ def clean_table(df: pd.DataFrame) -> pd.DataFrame:
 def bug_table(df: pd.DataFrame) -> pd.DataFrame:
     """The bugged runs per bug and dtype: native verdict counts, catches at the right step, the logic check's
     catches (at the right step) and its smallest ratio."""
-    ok = ok_rows(df)
+    ok = hf.ordered_ok_rows(df)
     bugs = ok[ok["bug"] != hf.NO_BUG] if len(ok) else ok
     rows = []
     for (bug, dtype), g in bugs.groupby(["bug", "dtype"], sort=False) if len(bugs) else ():
@@ -214,7 +214,7 @@ def bug_table(df: pd.DataFrame) -> pd.DataFrame:
 def miss_rates(df: pd.DataFrame) -> dict[str, tuple[int, int]]:
     """``(misses, runs)``: logic bugs natively in float32/float64 and in bfloat16, and every bug in the logic
     check (a miss: any verdict but ``bug``)."""
-    ok = ok_rows(df)
+    ok = hf.ordered_ok_rows(df)
     bugs = ok[ok["bug"] != hf.NO_BUG]
     logic = bugs[bugs["bug"] != "f16"]
     parts = {
@@ -227,7 +227,7 @@ def miss_rates(df: pd.DataFrame) -> dict[str, tuple[int, int]]:
 
 def claims(df: pd.DataFrame) -> list[Claim]:
     """No clean run is a ``bug``; every bugged run with the logic check is a ``bug`` there at the right step."""
-    ok = ok_rows(df)
+    ok = hf.ordered_ok_rows(df)
     if not len(ok):
         return []
     clean = ok[ok["bug"] == hf.NO_BUG]
@@ -276,7 +276,7 @@ def facts(df: pd.DataFrame) -> list[Fact]:
 def ratio_table(df: pd.DataFrame) -> pd.DataFrame:
     """Per family and dtype: the largest clean ratio and the smallest bugged ratio, natively and in the logic
     check (what separates rounding from a bug)."""
-    ok = ok_rows(df)
+    ok = hf.ordered_ok_rows(df)
     rows = []
     for (family, dtype), g in ok.groupby(["family", "dtype"], sort=False) if len(ok) else ():
         clean, bugged = g[g["bug"] == hf.NO_BUG], g[g["bug"] != hf.NO_BUG]

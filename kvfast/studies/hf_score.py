@@ -195,7 +195,7 @@ def score_table(df: pd.DataFrame) -> pd.DataFrame:
     """Per dtype and attention implementation (in the runs' order), :func:`kvfast.check.score.side_by_side` of
     every detector's :func:`~kvfast.check.score.score_rows` over its ok runs (its bugs against its clean
     controls): ``bug``, ``dtype``, ``attention``, ``cases``, then ``<detector>.recall/steps/auc/fpr``."""
-    ok = ok_rows(df)
+    ok = hf.ordered_ok_rows(df)
     parts = []
     for key, runs in ok.groupby(list(GROUPS), sort=False) if len(ok) else ():
         if (runs["bug"] == hf.NO_BUG).all() or (runs["bug"] != hf.NO_BUG).all():
