@@ -6,7 +6,7 @@ mode. Every injected logic bug is "bug" in float32 and float64, and in the float
 models, at the step where it first acts (kvfast.check.hf.first_acting_step states it per bug and scenario:
 window at max(1, 8 - len(prompt) + 1), posoff at 1, freeze at 2, restart at 1 and replay at 0 in the resume
 scenario only; the float16 round trip, a precision bug, at 1 (decode) and 0 (resume)).
-The full matrix with its rates: ``python -m kvfast.check.hf_matrix``.
+The full matrix with its rates: the ``hf_matrix`` study (``kvfast study hf_matrix``).
 """
 
 from __future__ import annotations
@@ -38,10 +38,16 @@ from kvfast.check.hf import (  # noqa: E402
     first_acting_step,
     tiny_model,
 )
-from kvfast.check.hf_matrix import cases  # noqa: E402
+from kvfast.studies.hf_common import prompt_and_continuation  # noqa: E402
+from kvfast.studies.hf_matrix import PROMPT_LENGTHS, PROMPT_STREAM  # noqa: E402
 
 STEPS = 16
-CASES = list(cases(2, 2, STEPS))  # (seed, prompt id, prompt of 4 or 5 tokens, continuation)
+# (seed, prompt id, prompt of 4 or 5 tokens, continuation): the hf_matrix study's first two prompts per seed
+CASES = [
+    (seed, k, *prompt_and_continuation(PROMPT_STREAM, seed, k, STEPS, PROMPT_LENGTHS))
+    for seed in range(2)
+    for k in range(2)
+]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -380,13 +386,13 @@ def test_no_deprecation_warning_from_transformers():
 
 @pytest.mark.slow
 def test_the_measured_matrix():
-    """The matrix of docs/check.md (python -m kvfast.check.hf_matrix: 3 seeds x 3 prompts x 24 steps, every
-    family, dtype and attention): no clean run is a bug; every logic bug is "bug" natively in float32 and
-    float64, and every bug in the float64 logic check, at the step where it first acts."""
-    from kvfast.check.hf_matrix import measure
+    """The matrix of docs/check.md (the hf_matrix study's grid: 3 seeds x 3 prompts x 24 steps, every family,
+    dtype and attention): no clean run is a bug; every logic bug is "bug" natively in float32 and float64, and
+    every bug in the float64 logic check, at the step where it first acts."""
+    from kvfast.sweep.inline import run_inline
 
-    df = measure(3, 3, 24)
-    clean, bugs = df[df["bug"].isna()], df[df["bug"].notna()]
+    df = run_inline("hf_matrix")
+    clean, bugs = df[df["bug"] == "none"], df[df["bug"] != "none"]
     assert len(clean) == 288 and (clean.verdict != "bug").all()
     assert ((bugs.logic_verdict == "bug") & bugs.logic_right_step).all()
     native = bugs[(bugs.dtype != "bfloat16") & (bugs.bug != "f16")]
@@ -394,11 +400,11 @@ def test_the_measured_matrix():
 
 
 def test_the_padded_recompute_is_measured_not_kept():
-    """A left-padded recompute (python -m kvfast.check.hf_matrix --padded) is the same function on a deep copy,
+    """A left-padded recompute (the hf_matrix study with variants = "padded") is the same function on a deep copy,
     but it never lowered a clean run's largest ratio in the matrix, and in float64 eager attention its fully
     masked pad rows give NaN logits: it is not among the built-in variants."""
     from kvfast.check.hf import VARIANTS
-    from kvfast.check.hf_matrix import PaddedVariant
+    from kvfast.studies.hf_matrix import PaddedVariant
 
     assert "padded" not in VARIANTS
     model = tiny_model("llama", "float32", "sdpa", 0)

@@ -7,8 +7,7 @@ import pytest
 
 from kvfast.check import DETECTORS, Detection, every_step_exact, one_step_allclose
 from kvfast.model.bugs import BUGS, VISIBLE_AT_STEP_1
-from kvfast.studies.detector import DetectorCase
-from kvfast.sweep.inline import compare_detectors, default_cases, score_detector
+from kvfast.studies.detector import DetectorCase, compare_detectors, default_cases, score_detector
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +31,10 @@ def test_default_cases_are_the_detector_studys(cases):
     assert {c.bug for c in all_cases} == {*BUGS, None}
     assert all(c.steps == c.config["steps"] - 1 for c in all_cases)
     assert len(cases) == 6 * (len(BUGS) + 1)
+    from kvfast.sweep.grid import load_grid
+
+    grid = [c for c in load_grid("detector").configs if c["model"] == "random"]
+    assert [c.config for c in all_cases] == grid  # the grid's random-model configs, in its order
 
 
 def test_every_step_exact_catches_every_bug_and_no_clean_case(table):

@@ -13,7 +13,19 @@ import pandas as pd
 import pytest
 
 from kvfast.model.bugs import BUGS, VISIBLE_AT_STEP_1
-from kvfast.studies import STUDIES, bugs, detector, exactness, gradcheck, invariance, neartied, precision, training
+from kvfast.studies import (
+    STUDIES,
+    bugs,
+    detector,
+    exactness,
+    gradcheck,
+    hf_matrix,
+    hf_score,
+    invariance,
+    neartied,
+    precision,
+    training,
+)
 from kvfast.studies import check as check_study
 from kvfast.studies.criteria import DIRECTION, KINDS, judged, mcnemar_exact_p
 
@@ -207,6 +219,32 @@ def check_table() -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def hf_matrix_table() -> pd.DataFrame:
+    rows = [
+        {"status": "ok", "bug": "none", "promote": "none", "verdict": "rounding", "logic_verdict": None,
+         "logic_right_step": None},
+        {"status": "ok", "bug": "none", "promote": "none", "verdict": "inconclusive", "logic_verdict": None,
+         "logic_right_step": None},
+        {"status": "ok", "bug": "posoff", "promote": "float64", "verdict": "bug", "logic_verdict": "bug",
+         "logic_right_step": True},
+        {"status": "ok", "bug": "replay", "promote": "float64", "verdict": "rounding", "logic_verdict": "bug",
+         "logic_right_step": True},
+    ]  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def hf_score_table() -> pd.DataFrame:
+    rows = []
+    for bug, flagged in (("none", False), ("none", False), ("posoff", True), ("replay", True)):
+        row = {"status": "ok", "dtype": "float32", "attention": "sdpa", "bug": bug}
+        for name in hf_score.DETECTORS:
+            row.update(
+                {f"{name}_flag": flagged, f"{name}_score": float(flagged), f"{name}_step": 1 if flagged else None}
+            )
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
 HOLDING = {
     "check": check_table,
     "exactness": exactness_table,
@@ -217,6 +255,8 @@ HOLDING = {
     "neartied": neartied_table,
     "training": training_table,
     "gradcheck": gradcheck_table,
+    "hf_matrix": hf_matrix_table,
+    "hf_score": hf_score_table,
 }
 MODULES = {
     "check": check_study,
@@ -228,6 +268,8 @@ MODULES = {
     "neartied": neartied,
     "training": training,
     "gradcheck": gradcheck,
+    "hf_matrix": hf_matrix,
+    "hf_score": hf_score,
 }
 
 
@@ -314,6 +356,21 @@ def _causal_layer(df, column, index, value, causal=True):
 
 # (study, start of the claim's words, how to break it)
 FAILING = [
+    ("hf_matrix", "Hugging Face models", lambda d: _set(d, _first(d, d["bug"] == "none"), "verdict", "bug")),
+    (
+        "hf_matrix",
+        "Hugging Face models",
+        lambda d: _set(d, _first(d, d["bug"] != "none"), "logic_verdict", "inconclusive"),
+    ),
+    ("hf_matrix", "Hugging Face models", lambda d: _set(d, _first(d, d["bug"] != "none"), "logic_right_step", False)),
+    ("hf_matrix", "Hugging Face models", lambda d: _set(d, _first(d, d["status"] == "ok"), "status", "error")),
+    (
+        "hf_score",
+        "Hugging Face models",
+        lambda d: _set(d, _first(d, d["bug"] != "none"), "kvfast_promoted_flag", False),
+    ),
+    ("hf_score", "Hugging Face models", lambda d: _set(d, _first(d, d["bug"] == "none"), "kvfast_promoted_flag", True)),
+    ("hf_score", "Hugging Face models", lambda d: _set(d, _first(d, d["status"] == "ok"), "status", "error")),
     ("check", "check sweep", lambda d: _set(d, _first(d, d["bug"] == "none"), "passed", False)),
     (
         "check",

@@ -8,8 +8,9 @@ import re
 import numpy as np
 import pandas as pd
 import pytest
+from test_studies_hf import HF, HF_SMALL_GRIDS
 
-from kvfast.check.metrics import roc_auc
+from kvfast.check.score import roc_auc
 from kvfast.cli import main
 from kvfast.report import claims_markdown, claims_table, counts, facts, load_results, render, write_tables
 from kvfast.report.figures import matplotlib_available, sections
@@ -158,6 +159,12 @@ mode = ["exact"]
 }
 
 
+# The Hugging Face studies need kvfast[hf]: their small grids run where it is installed (always in CI).
+HF_GRIDS = HF_SMALL_GRIDS  # tests/test_studies_hf.py: 3 runs each
+if HF:
+    SMALL_GRIDS.update(HF_GRIDS)
+
+
 @pytest.fixture(scope="module")
 def stored(tmp_path_factory):
     """A folder of results directories, one per study, each from a small grid (as `kvfast reproduce` lays out)."""
@@ -170,7 +177,7 @@ def stored(tmp_path_factory):
 
 
 def test_every_study_has_a_small_grid_here():
-    assert set(SMALL_GRIDS) == set(STUDIES)
+    assert set(SMALL_GRIDS) | set(HF_GRIDS) == set(STUDIES)
 
 
 def test_report_command_writes_a_self_contained_page_and_its_tables(stored, tmp_path, capsys):
@@ -179,7 +186,7 @@ def test_report_command_writes_a_self_contained_page_and_its_tables(stored, tmp_
     assert capsys.readouterr().out.strip() == f"report: {out / 'report.html'}"
     page = (out / "report.html").read_text()
     results = load_results(stored)
-    assert set(results) == set(STUDIES)
+    assert set(results) == set(SMALL_GRIDS)
     table = claims_table(results)
     c = counts(table)
     assert f"{c['claims_hold']} of {c['claims']} claims hold." in page
@@ -190,8 +197,8 @@ def test_report_command_writes_a_self_contained_page_and_its_tables(stored, tmp_
     assert not re.search(r'src="(?!data:)', page)  # every image inline
     titles = [s.title for s in sections(results)]
     # training: cosine vs prefix, during training, per tensor, final losses, loss curves; every other study one,
-    # the detector two (ROC, steps to detection)
-    assert len(titles) == 14
+    # the detector two (ROC, steps to detection); the Hugging Face studies one each
+    assert len(titles) == 14 + 2 * HF
     assert not [s.key for s in sections(results) if s.note]  # every figure's numbers are stored now
     for title in titles:
         assert html.escape(title) in page
@@ -199,7 +206,8 @@ def test_report_command_writes_a_self_contained_page_and_its_tables(stored, tmp_
         assert page.count('src="data:image/png;base64,') == len(titles)
     written = pd.read_csv(out / "claims.csv", keep_default_na=False)
     assert list(written["claim"]) == list(table["claim"])
-    assert {p.stem for p in (out / "summaries").glob("*.csv")} == {*STUDIES, "detector_steps"}
+    extra = {"detector_steps", *(["hf_matrix_bugs"] if HF else [])}
+    assert {p.stem for p in (out / "summaries").glob("*.csv")} == {*SMALL_GRIDS, *extra}
 
 
 def test_without_matplotlib_every_figure_is_a_table_with_a_note(stored):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -44,7 +46,12 @@ def test_exactness_grid_is_1296_runs_of_432_configs_times_3_presets():
 def test_every_builtin_grid_expands_and_validates():
     grids = builtin_grids()
     assert "exactness" in grids
+    has_hf = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
     for name in grids:
+        if name.startswith("hf_") and not has_hf:  # the Hugging Face studies need kvfast[hf]: refused in one line
+            with pytest.raises(ValueError, match=rf"study {name}: needs .*install kvfast\[hf\]"):
+                load_grid(name)
+            continue
         grid = load_grid(name)
         assert len(grid) > 0
         assert grid.study.name in STUDIES

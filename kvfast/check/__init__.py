@@ -8,8 +8,8 @@
 - :class:`KvfastModel`: kvfast's own model (with any catalogue bug) as a model under test.
 - :class:`NumpyModel`: a NumPy reference model of the same architecture, loading kvfast's ``.npz``.
 - :func:`score_detector`: score any cache test against the bug catalogue over given cases
-  (:func:`kvfast.score_detector` fills in the detector study's cases); :mod:`kvfast.check.metrics`
-  holds the metrics.
+  (:func:`kvfast.score_detector` fills in the detector study's cases); :mod:`kvfast.check.score` holds
+  all of detector scoring (the metrics too).
 - :class:`HFModel` (:mod:`kvfast.check.hf`, extra ``kvfast[hf]``): a Hugging Face causal LM as a model
   under test (imported on first use: kvfast does not need torch).
 """

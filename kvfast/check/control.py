@@ -45,7 +45,7 @@ the source that set its bound (``floor_source``).
 The noise is measured in :mod:`kvfast.check.reference` (:func:`~kvfast.check.reference.order_noise`);
 this module judges against it.
 
-Measured (``python -m kvfast.check.hf_matrix`` prints the matrix and its rates): see
+Measured (the ``hf_matrix`` study, ``kvfast study hf_matrix``, gives the matrix and its rates): see
 docs/check.md, section "Rounding or bug?".
 
 Limits

@@ -26,7 +26,7 @@ What the adapter does (:mod:`kvfast.check.protocol` for the methods):
   implementation, eager <-> sdpa), ``"batch"`` (a batch of two copies of the
   sequence) and ``"rows"`` (every linear layer applied one row at a time, the
   decode's matrix-vector order). None goes through a cache. (A left-padded
-  recompute was measured and not kept: ``python -m kvfast.check.hf_matrix --padded``.)
+  recompute was measured and not kept: the `hf_matrix` study with ``variants = "padded"``.)
 - ``promote(dtype)``: the same adapter over a deep copy of the model in
   ``dtype`` (``check_cache(..., promote="float64")``).
 

@@ -1,4 +1,5 @@
-"""Scoring a cache test against the bug catalogue: ``score_detector`` and three built-in detectors.
+"""Scoring a cache test against a bug catalogue, in one module: the metrics, the built-in detectors,
+:func:`score_detector` and :func:`compare_detectors`, and :func:`score_rows` for stored runs.
 
 A *detector* is any function ``detector(model, case)`` that tests a model
 under test (:mod:`kvfast.check.protocol`; here kvfast's own model with the
@@ -13,11 +14,13 @@ Each case is a catalogue bug (or ``None``, a clean control) on one small
 model; the label is "a bug is present". :func:`score_detector` reports per bug:
 recall (flagged bugged cases / bugged cases), steps-to-detection (median step
 at which flagged cases fired) and ROC AUC of the scores against the clean
-controls (Mann-Whitney, ties half: :func:`kvfast.check.metrics.roc_auc`), and
-over all bugs also the false-positive rate on the clean controls. The cases' bugs
-come from a catalogue (``bugs=``: kvfast's :data:`~kvfast.model.bugs.BUGS` by
-default; :mod:`kvfast.check.hf_score` scores Hugging Face models with
-:data:`kvfast.check.hf.HF_BUGS`).
+controls (Mann-Whitney, ties half: :func:`roc_auc`), and over all bugs also the
+false-positive rate on the clean controls. The cases are always given here (the
+check layer knows no study): :func:`kvfast.score_detector` fills in the detector
+study's (:func:`kvfast.studies.detector.default_cases`). The cases' bugs come from a
+catalogue (``bugs=``: kvfast's :data:`~kvfast.model.bugs.BUGS` by default; the
+``hf_score`` study scores Hugging Face models with :data:`kvfast.check.hf.HF_BUGS`).
+:func:`score_rows` scores detections already made (a study's stored runs) the same way.
 
 Built-in detectors (:data:`DETECTORS`):
 
@@ -30,12 +33,27 @@ Built-in detectors (:data:`DETECTORS`):
 - ``every_step_exact``: kvfast's check (:func:`kvfast.check_cache`, exact mode,
   the ``decode`` scenario) over ``case.steps`` decode steps: logits equal
   (``==``) at every step.
+
+The metrics (:func:`roc_auc`, :func:`confusion`, :func:`median_detection_step`,
+:func:`detector_metrics`) take plain sequences (lists, NumPy arrays, pandas
+Series) and return floats; a rate whose denominator is zero is ``nan`` (for
+example precision when nothing is flagged, FPR when there are no negatives).
+ROC AUC is the Mann-Whitney statistic: the probability that a random
+positive scores above a random negative, a tie counting one half,
+
+    AUC = (#{(p, n): s_p > s_n} + 0.5 #{(p, n): s_p == s_n}) / (n_pos n_neg),
+
+computed exactly: the numerator is counted in integers (in half units) from a
+sort, and the result is one correctly rounded division. It equals the area
+under the ROC curve with ties joined by straight lines (scikit-learn's
+``roc_auc_score``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Protocol
 
 import numpy as np
@@ -43,12 +61,122 @@ import pandas as pd
 
 from kvfast.check.adapters import KvfastModel
 from kvfast.check.checker import check_cache
-from kvfast.check.metrics import confusion, median_detection_step, roc_auc
 from kvfast.check.protocol import check_logits, vocab_of
 from kvfast.model.bugs import BUGS
 
 ONE_STEP_ATOL = 1e-5
 ONE_STEP_RTOL = 1e-5
+
+
+# --- the metrics ------------------------------------------------------------------------------
+
+
+def _as_labels(labels) -> np.ndarray:
+    arr = np.asarray(labels)
+    if arr.ndim != 1:
+        raise ValueError(f"labels: shape {arr.shape} is not allowed; allowed: a 1-D sequence of booleans")
+    if arr.dtype != bool:
+        if arr.dtype.kind not in "iu" or not np.isin(arr, (0, 1)).all():
+            raise ValueError("labels: values other than True/False/0/1 are not allowed; allowed: booleans")
+        arr = arr.astype(bool)
+    return arr
+
+
+def _as_scores(scores, n: int, field: str = "scores") -> np.ndarray:
+    arr = np.asarray(scores, dtype=np.float64)
+    if arr.shape != (n,):
+        raise ValueError(f"{field}: shape {arr.shape} is not allowed; allowed: ({n},) like labels")
+    if np.isnan(arr).any():
+        raise ValueError(f"{field}: NaN is not allowed; allowed: real numbers (inf is fine)")
+    return arr
+
+
+def _as_flags(flags, n: int) -> np.ndarray:
+    arr = np.asarray(flags)
+    if arr.shape != (n,):
+        raise ValueError(f"flags: shape {arr.shape} is not allowed; allowed: ({n},) like labels")
+    if arr.dtype != bool:
+        raise ValueError(f"flags: dtype {arr.dtype} is not allowed; allowed: booleans")
+    return arr
+
+
+def roc_auc(scores, labels) -> float:
+    """Mann-Whitney ROC AUC of ``scores`` for ``labels`` (ties counted half); ``nan`` if a class is empty."""
+    y = _as_labels(labels)
+    s = _as_scores(scores, y.shape[0])
+    n_pos = int(y.sum())
+    n_neg = int(y.shape[0] - n_pos)
+    if n_pos == 0 or n_neg == 0:
+        return math.nan
+    # For every distinct score value: how many negatives lie strictly below it, and how many equal it.
+    neg = np.sort(s[~y])
+    pos = s[y]
+    below = np.searchsorted(neg, pos, side="left")
+    equal = np.searchsorted(neg, pos, side="right") - below
+    half_units = 2 * int(below.sum()) + int(equal.sum())
+    return half_units / (2 * n_pos * n_neg)
+
+
+@dataclass(frozen=True)
+class Confusion:
+    """Counts and rates of a flagging detector against labels."""
+
+    n: int
+    positives: int
+    flagged: int
+    tp: int
+    fp: int
+    tn: int
+    fn: int
+    recall: float
+    precision: float
+    fpr: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _ratio(a: int, b: int) -> float:
+    return a / b if b else math.nan
+
+
+def confusion(flags, labels) -> Confusion:
+    """Recall ``tp/(tp+fn)``, precision ``tp/(tp+fp)`` and FPR ``fp/(fp+tn)`` of boolean ``flags``."""
+    y = _as_labels(labels)
+    f = _as_flags(flags, y.shape[0])
+    tp = int((f & y).sum())
+    fp = int((f & ~y).sum())
+    fn = int((~f & y).sum())
+    tn = int((~f & ~y).sum())
+    return Confusion(
+        n=int(y.shape[0]),
+        positives=tp + fn,
+        flagged=tp + fp,
+        tp=tp,
+        fp=fp,
+        tn=tn,
+        fn=fn,
+        recall=_ratio(tp, tp + fn),
+        precision=_ratio(tp, tp + fp),
+        fpr=_ratio(fp, fp + tn),
+    )
+
+
+def median_detection_step(flags, steps) -> float:
+    """The median of ``steps`` over the flagged cases that report a step (``None``/NaN: no step); ``nan`` if none."""
+    f = np.asarray(flags, dtype=bool)
+    s = np.asarray([np.nan if v is None else float(v) for v in steps], dtype=np.float64)
+    if f.shape != s.shape:
+        raise ValueError(f"steps: shape {s.shape} is not allowed; allowed: {f.shape} like flags")
+    fired = s[f & ~np.isnan(s)]
+    return float(np.median(fired)) if fired.size else math.nan
+
+
+def detector_metrics(flags, scores, labels) -> dict:
+    """:func:`confusion`'s fields plus ``auc`` (:func:`roc_auc` of ``scores``), as one dict."""
+    out = confusion(flags, labels).as_dict()
+    out["auc"] = roc_auc(scores, labels)
+    return out
 
 
 @dataclass(frozen=True)
@@ -148,7 +276,9 @@ DETECTORS: dict[str, Callable] = {
 # --- scoring ----------------------------------------------------------------------------------
 
 
-def _as_detection(value: object, name: str) -> Detection:
+def as_detection(value: object, name: str) -> Detection:
+    """A detector's return value as a :class:`Detection` (a bool: the flag; a number: the score; ``ValueError``
+    naming detector ``name`` otherwise)."""
     if isinstance(value, Detection):
         return value
     if isinstance(value, bool | np.bool_):
@@ -190,7 +320,7 @@ def run_detector(detector: Callable, cases: Iterable, bugs: Sequence[str] | None
         case = _as_case(raw)
         if case.bug is not None and case.bug not in bugs:
             raise ValueError(f"cases: bug {case.bug!r} is not allowed; allowed: None, {', '.join(bugs)}")
-        det = _as_detection(detector(case.model(), case), name)
+        det = as_detection(detector(case.model(), case), name)
         rows.append({**case.config, "bug": case.bug or "none", "flag": det.flag, "score": det.score,
                      "step": det.step})  # fmt: skip
     if not rows:
@@ -199,7 +329,8 @@ def run_detector(detector: Callable, cases: Iterable, bugs: Sequence[str] | None
 
 
 def score_detector(detector: Callable, cases: Sequence[Case], bugs: Sequence[str] | None = None) -> pd.DataFrame:
-    """Score ``detector`` over ``cases``: one row per bug, then ``all``.
+    """Score ``detector`` over ``cases``: one row per bug, then ``all`` (:func:`score_rows` of
+    :func:`run_detector`'s rows).
 
     :func:`kvfast.score_detector` is this with the detector study's cases as the default.
 
@@ -211,7 +342,17 @@ def score_detector(detector: Callable, cases: Sequence[Case], bugs: Sequence[str
     (default :data:`kvfast.BUGS`), which also orders the rows.
     """
     bugs = _catalogue(bugs)
-    df = run_detector(detector, cases, bugs)
+    return score_rows(run_detector(detector, cases, bugs), bugs)
+
+
+def score_rows(df: pd.DataFrame, bugs: Sequence[str] | None = None) -> pd.DataFrame:
+    """:func:`score_detector`'s table from detections already made: ``df`` has one row per case with
+    ``bug`` (``"none"``: a clean control), ``flag``, ``score`` and ``step`` (``None``/NaN: no step).
+
+    ``bugs``: the catalogue (default :data:`kvfast.BUGS`), which orders the rows; bugs absent from
+    ``df`` get no row. Raises ``ValueError`` without both clean controls and bugged cases.
+    """
+    bugs = _catalogue(bugs)
     clean = df[df["bug"] == "none"]
     if clean.empty or len(clean) == len(df):
         raise ValueError("cases: need both clean controls (bug=None) and bugged cases; allowed: a mix of both")
@@ -246,9 +387,15 @@ def compare_detectors(
     """
     detectors = DETECTORS if detectors is None else detectors
     cases = list(cases)
+    return side_by_side({name: score_detector(det, cases, bugs) for name, det in detectors.items()})
+
+
+def side_by_side(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """Detector name -> its :func:`score_rows` table, joined on ``bug`` as :func:`compare_detectors` shows them:
+    ``bug``, ``cases``, then ``<name>.recall``, ``<name>.steps``, ``<name>.auc``, ``<name>.fpr`` per detector."""
     table = None
-    for name, det in detectors.items():
-        s = score_detector(det, cases, bugs).set_index("bug")
+    for name, scored in tables.items():
+        s = scored.set_index("bug")
         part = s[["recall", "steps_to_detection", "auc", "fpr"]].rename(
             columns={
                 "recall": f"{name}.recall",

@@ -353,6 +353,8 @@ def cmd_reproduce(args) -> int:
         if name not in grids:
             print(f"note: study {name!r} has no built-in grid; skipped", file=sys.stderr)
             continue
+        if not STUDIES[name].reproduce:  # an experiment: `kvfast study NAME` runs it
+            continue
         grid = _study_grid(name)  # every grid validated before the first run
         ResultsDir(root / name).require_writable(grid.study, fresh=True)
         plan.append(grid)

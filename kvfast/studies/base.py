@@ -87,6 +87,9 @@ class Study:
     - ``tables``: more summary tables, ``(name, function of the runs)`` pairs: written as
       ``summaries/NAME.csv`` after the study's own and printed by ``--markdown tables``.
     - ``rank``: where its figures go on the page: lower first, ties in registry (name) order.
+
+    ``reproduce``: whether ``kvfast reproduce`` runs its built-in grid (``False``: an experiment run by name,
+    ``kvfast study NAME``, e.g. one that needs an optional extra or takes long).
     """
 
     name: str
@@ -103,3 +106,4 @@ class Study:
     facts: Callable[[pd.DataFrame], list[Fact]] | None = None
     tables: tuple[tuple[str, Callable[[pd.DataFrame], pd.DataFrame]], ...] = ()
     rank: int = 1000
+    reproduce: bool = True

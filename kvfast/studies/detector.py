@@ -25,8 +25,8 @@ Two detectors, no tolerance anywhere:
 Two labels: **output changed** (the generated tokens differ from the clean
 run's; scored over the 240 bugged runs, the seed's population) and **bug
 present** (scored over all 270 runs: 240 positives, 30 negatives). Metrics:
-recall, precision, FPR (:func:`kvfast.check.metrics.confusion`) and ROC AUC
-(Mann-Whitney, ties counted half: :func:`kvfast.check.metrics.roc_auc`).
+recall, precision, FPR (:func:`kvfast.check.score.confusion`) and ROC AUC
+(Mann-Whitney, ties counted half: :func:`kvfast.check.score.roc_auc`).
 Steps-to-detection of a run: its first deviating step (what a test's
 generation length must reach to see the bug).
 """
@@ -34,13 +34,15 @@ generation length must reach to see the bug).
 from __future__ import annotations
 
 import functools
+import itertools
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
 
-from kvfast.check import KvfastModel
-from kvfast.check.metrics import confusion, detector_metrics
+from kvfast.check import KvfastModel, score
+from kvfast.check.score import confusion, detector_metrics
 from kvfast.model.bugs import BUGS, VISIBLE_AT_STEP_1
 from kvfast.numerics import Numerics
 from kvfast.studies import bugs as bugstudy
@@ -80,7 +82,7 @@ class DetectorCase:
     the number of greedy tokens generated (``steps - 1`` decode steps).
     Models and prompts come from :func:`kvfast.studies.bugs.model_for` and
     :func:`kvfast.studies.bugs.prompt_for`, as in the study. The study's own
-    cases are its grid's configs (``detector.toml``; :func:`kvfast.sweep.default_cases`).
+    cases are its grid's random-model configs (``detector.toml``; :func:`default_cases`).
     """
 
     config: dict = field(hash=False)
@@ -108,6 +110,55 @@ class DetectorCase:
 @functools.lru_cache(maxsize=64)
 def _model(key: tuple) -> tuple:
     return bugstudy.model_for(dict(key))
+
+
+# The detector grid's random-model cases (``detector.toml``, ``model = "random"``), in its order;
+# tests/test_check_score.py asserts they are the grid's configs.
+CASE_SHAPES = {"n_layer": (1, 2, 3), "n_head": (1, 2)}
+CASE_PROMPTS = ((10, 3), (11, 5), (12, 8), (13, 11), (14, 14))  # (seed, prompt_len), tied
+CASE_FIXED = {"model": "random", "d_model": 16, "d_ff": 32, "vocab": 32, "steps": 16, "preset": "f64"}
+
+
+def default_cases() -> list[DetectorCase]:
+    """The detector study's cases (the random-model configs of grid ``detector.toml``): 240 bugged, then 30
+    clean controls.
+
+    8 bugs and a clean control x 3 depths x 2 head counts x 5 (seed, prompt
+    length) pairs on random float64 models (d_model 16, d_ff 32, vocab 32),
+    16 generated tokens (15 decode steps).
+    """
+    out = []
+    for bug, n_layer, n_head, (seed, prompt_len) in itertools.product(
+        (*BUGS, bugstudy.CONTROL), CASE_SHAPES["n_layer"], CASE_SHAPES["n_head"], CASE_PROMPTS
+    ):
+        values = {
+            **CASE_FIXED,
+            "bug": bug,
+            "seed": seed,
+            "n_layer": n_layer,
+            "n_head": n_head,
+            "prompt_len": prompt_len,
+        }
+        out.append(DetectorCase({k: values[k] for k in bugstudy.CONFIG_FIELDS}))
+    return out
+
+
+def _cases(cases: Iterable | None) -> list:
+    if cases is None:
+        return default_cases()
+    return [DetectorCase(c) if isinstance(c, dict) else c for c in cases]
+
+
+def score_detector(detector: Callable, cases: Sequence | None = None) -> pd.DataFrame:
+    """:func:`kvfast.check.score_detector` over ``cases`` (default :func:`default_cases`; config dicts allowed).
+    ``kvfast.score_detector`` is this."""
+    return score.score_detector(detector, _cases(cases))
+
+
+def compare_detectors(detectors: dict[str, Callable] | None = None, cases: Sequence | None = None) -> pd.DataFrame:
+    """:func:`kvfast.check.compare_detectors` (default :data:`kvfast.check.DETECTORS`) over ``cases``
+    (default :func:`default_cases`; config dicts allowed). ``kvfast.compare_detectors`` is this."""
+    return score.compare_detectors(detectors, _cases(cases))
 
 
 def scored(df: pd.DataFrame) -> pd.DataFrame:
@@ -364,7 +415,7 @@ def roc_points(scores, labels) -> tuple[np.ndarray, np.ndarray]:
     """The ROC curve of ``scores`` for boolean ``labels``: (FPR, TPR) at every threshold, from (0, 0) to (1, 1).
 
     Tied scores form one step (a straight segment), so the area under the points is the Mann-Whitney AUC
-    with ties counted half (:func:`kvfast.check.metrics.roc_auc`)."""
+    with ties counted half (:func:`kvfast.check.score.roc_auc`)."""
     s = np.asarray(scores, dtype=np.float64)
     y = np.asarray(labels, dtype=bool)
     order = np.argsort(-s, kind="stable")

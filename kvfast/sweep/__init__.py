@@ -1,9 +1,8 @@
 """The sweep engine: grids (TOML), parallel runs (joblib, Dask), Parquet results, resume; in-process runs.
 
 See ``docs/sweep.md`` for the grid format and the results schema. The in-process
-names (:mod:`kvfast.sweep.inline`: ``run_inline``, ``default_cases``, ``score_detector``,
-``compare_detectors``) are imported on first use, so that importing the engine (``kvfast.load``)
-does not load the checker and its Numba kernels.
+runner (:mod:`kvfast.sweep.inline`: ``run_inline``) is imported on first use, so that importing the
+engine (``kvfast.load``) does not load the checker and its Numba kernels.
 """
 
 import importlib
@@ -32,8 +31,6 @@ __all__ = [
     "SweepReport",
     "builtin_grids",
     "canonical_json",
-    "compare_detectors",
-    "default_cases",
     "grid_from_configs",
     "grid_from_spec",
     "list_parts",
@@ -44,10 +41,9 @@ __all__ = [
     "run_inline",
     "run_sweep",
     "schema_for",
-    "score_detector",
 ]
 
-_INLINE = ("compare_detectors", "default_cases", "run_inline", "score_detector")
+_INLINE = ("run_inline",)
 
 
 def __getattr__(name: str):

@@ -1,5 +1,4 @@
-"""Running a grid in this process, for library users and tests: :func:`run_inline`, and detector scoring
-over the detector study's grid (:func:`score_detector`, :func:`compare_detectors`).
+"""Running a grid in this process, for library users and tests: :func:`run_inline`.
 
 Everything goes through :mod:`kvfast.sweep.grid`, the parser and validation
 that ``kvfast run`` uses: the same ``[[union]]`` expansion, the same checks
@@ -10,12 +9,10 @@ resumable sweep and several workers use :func:`kvfast.sweep.run_sweep`.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable
 
 import pandas as pd
 
-from kvfast.check import score
-from kvfast.studies.detector import DetectorCase
 from kvfast.sweep.grid import Grid, grid_from_configs, grid_from_spec, load_grid
 
 
@@ -42,33 +39,3 @@ def run_inline(grid: Grid | str | os.PathLike | dict | Iterable[dict], study: st
     g = as_grid(grid, study)
     rows = [{**run.config, **g.study.run(dict(run.config)), "run_id": run.run_id, "status": "ok"} for run in g.runs]
     return pd.DataFrame(rows, columns=[*g.study.config_fields, *g.study.result_fields, "run_id", "status"])
-
-
-# --- detector scoring over the detector study's grid ---------------------------------------------
-
-
-def default_cases() -> list[DetectorCase]:
-    """The detector study's cases (grid ``detector.toml``): 240 bugged, then 30 clean controls.
-
-    8 bugs and a clean control x 3 depths x 2 head counts x 5 (seed, prompt
-    length) pairs on random float64 models (d_model 16, d_ff 32, vocab 32),
-    16 generated tokens (15 decode steps).
-    """
-    return [DetectorCase(config) for config in load_grid("detector").configs if config["model"] == "random"]
-
-
-def _cases(cases: Iterable | None) -> list:
-    if cases is None:
-        return default_cases()
-    return [DetectorCase(c) if isinstance(c, dict) else c for c in cases]
-
-
-def score_detector(detector: Callable, cases: Sequence | None = None) -> pd.DataFrame:
-    """:func:`kvfast.check.score_detector` over ``cases`` (default :func:`default_cases`; config dicts allowed)."""
-    return score.score_detector(detector, _cases(cases))
-
-
-def compare_detectors(detectors: dict[str, Callable] | None = None, cases: Sequence | None = None) -> pd.DataFrame:
-    """:func:`kvfast.check.compare_detectors` (default :data:`kvfast.check.DETECTORS`) over ``cases``
-    (default :func:`default_cases`; config dicts allowed)."""
-    return score.compare_detectors(detectors, _cases(cases))

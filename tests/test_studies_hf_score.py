@@ -1,4 +1,4 @@
-"""The anchors' cache tests scored on Hugging Face models through the one scoring path (kvfast.check.hf_score).
+"""The anchors' cache tests scored on Hugging Face models through the one scoring path (the hf_score study).
 
 One tiny Llama per dtype (float32, bfloat16), one prompt of 4 tokens, a given continuation of 8 tokens, every
 bug of HF_BUGS and a clean control: the scores, steps and AUCs asserted here follow from where each bug first
@@ -20,20 +20,32 @@ else:
     pytest.importorskip("transformers")
 
 from kvfast.check.hf import HF_BUGS, HF_LOGIC_BUGS, first_acting_step  # noqa: E402
-from kvfast.check.hf_score import DETECTORS, HFCase, cases, kvfast_control, score  # noqa: E402
 from kvfast.check.score import markdown, score_detector  # noqa: E402
+from kvfast.studies.hf_score import DETECTORS, HFCase, kvfast_control, score_table  # noqa: E402
+from kvfast.sweep.inline import run_inline  # noqa: E402
 
 STEPS = 8
+GRID = {
+    "study": "hf_score",
+    "fixed": {"family": "llama", "attention": "sdpa", "seed": 0, "prompt": 0, "steps": STEPS},
+    "axes": {"dtype": ["float32", "bfloat16"], "bug": ["none", *HF_BUGS]},
+}
 
 
 @pytest.fixture(scope="module")
-def few():
-    return cases(1, 1, STEPS, families=("llama",), dtypes=("float32", "bfloat16"))
+def runs():
+    return run_inline(GRID)
 
 
 @pytest.fixture(scope="module")
-def table(few):
-    return score(few).set_index(["dtype", "bug"])
+def few(runs):
+    config = [c for c in runs.columns if c in ("family", "dtype", "attention", "seed", "prompt", "steps", "bug")]
+    return [HFCase(row) for row in runs[config].to_dict("records")]
+
+
+@pytest.fixture(scope="module")
+def table(runs):
+    return score_table(runs).drop(columns="attention").set_index(["dtype", "bug"])
 
 
 def test_cases_are_hf_bugs_and_clean_controls(few):
@@ -42,7 +54,7 @@ def test_cases_are_hf_bugs_and_clean_controls(few):
     case = few[1]
     assert isinstance(case, HFCase) and case.steps == STEPS and case.prompt.shape == (4,)
     assert case.config == {"family": "llama", "dtype": "float32", "attention": "sdpa", "seed": 0, "prompt": 0,
-                           "bug": case.bug}  # fmt: skip
+                           "steps": STEPS, "bug": case.bug}  # fmt: skip
     adapter = case.model()
     assert adapter.bug == case.bug and case.model() is not adapter
 
@@ -101,3 +113,13 @@ def test_the_catalogue_is_checked(few):
         score_detector(kvfast_control, few, bugs="window")
     got = score_detector(lambda model, case: np.float64(case.bug is not None), few[:7], bugs=HF_BUGS)
     assert list(got["bug"]) == [*HF_BUGS, "all"] and (got["recall"] == 1.0).all()
+
+
+def test_the_stored_detections_score_as_the_detectors_run_directly(few, table):
+    """The study stores each detector's detections; scoring them is the one scoring path over the cases."""
+    from kvfast.check.score import compare_detectors
+
+    for dtype in ("float32", "bfloat16"):
+        direct = compare_detectors(DETECTORS, [c for c in few if c.config["dtype"] == dtype], HF_BUGS)
+        stored = table.xs(dtype, level="dtype").reset_index()
+        assert stored.equals(direct[stored.columns]), dtype

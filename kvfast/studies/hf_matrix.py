@@ -1,0 +1,344 @@
+"""The ``hf_matrix`` study: the measured matrix behind control mode's claims on Hugging Face models, false
+positives and misses (extra ``kvfast[hf]``).
+
+One run is one :func:`kvfast.check_cache` of a tiny random model (:mod:`kvfast.studies.hf_common`:
+``family``, ``dtype``, ``attention``, weight ``seed``) on the ``prompt``-th random prompt of the seed's
+stream (4 to 7 tokens, ``default_rng(1000 + seed)``), with every axis of the check a config field:
+
+- ``bug``: ``"none"`` (clean) or a bug of :data:`kvfast.check.hf.HF_BUGS` injected into the cache path;
+- ``feed``: ``"given"`` (the stream's random continuation of ``steps`` tokens) or ``"greedy"`` (``steps``
+  greedy tokens, no continuation);
+- ``mode`` (``exact``, ``control``), ``scenarios`` (``decode``, ``resume``, ``both``), ``promote``
+  (``"none"``, or ``"float64"``: the logic check, ``check_cache(..., promote="float64")``);
+- ``variants``: ``"builtin"`` (the adapter's recompute variants) or ``"padded"`` (also a left-padded
+  recompute, :class:`PaddedVariant`: measured, not kept; its fully masked pad rows give NaN logits in
+  float64 eager attention, stored as the verdict ``"nan-logits"``).
+
+Result columns: ``verdict``, ``ratio`` (the largest deviation over its floor), ``worst_deviation``,
+``first_step`` (the earliest first ``bug`` step over the scenarios, -1 if none), ``right_step`` (bugged
+runs: every scenario that says ``bug`` says it where the bug first acts,
+:func:`kvfast.check.hf.first_acting_step`), and the same for the logic check (``logic_*``, null without
+``promote``). A false positive is a clean ``bug``; a miss is a bugged run that is not ``bug``.
+
+The built-in grid (``hf_matrix.toml``, 1,584 runs: Llama, GPT-2, Mistral with a sliding window, Qwen2;
+float32, float64, bfloat16; sdpa and eager; 3 seeds x 3 prompts, 24 steps, control mode, both scenarios):
+the clean runs with the given continuation, one greedy clean run per model (prompt 0), and every bug with
+the float64 logic check. ``kvfast study hf_matrix`` runs it (not ``kvfast reproduce``: it needs torch and
+takes long); its tables are the summary (clean runs) and ``hf_matrix_bugs``
+(``kvfast report DIR --markdown tables``). More axes (architectures, scenarios) are more values of these
+fields: the scan (issue 20) builds on them.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from kvfast.check.checker import check_cache
+from kvfast.check.hf import HFModel, first_acting_step
+from kvfast.studies import hf_common as hf
+from kvfast.studies.base import Claim, Fact, Figure, Study
+from kvfast.studies.check import MODES, SCENARIO_CHOICES
+from kvfast.studies.common import require_config_choice
+from kvfast.studies.criteria import EXACT, judged
+from kvfast.studies.plotting import pyplot
+
+VERSION = "1"
+PROMPT_STREAM = 1000
+PROMPT_LENGTHS = (4, 5, 6, 7)
+FEEDS = ("given", "greedy")
+PROMOTE = ("none", "float64")
+VARIANTS = ("builtin", "padded")
+NAN_LOGITS = "nan-logits"
+PAD = 3
+
+CONFIG_FIELDS: dict[str, pa.DataType] = {
+    **hf.MODEL_FIELDS,
+    **hf.CASE_FIELDS,
+    "feed": pa.string(),
+    "mode": pa.string(),
+    "scenarios": pa.string(),
+    "promote": pa.string(),
+    "variants": pa.string(),
+}
+RESULT_FIELDS: dict[str, pa.DataType] = {
+    "verdict": pa.string(),
+    "ratio": pa.float64(),
+    "worst_deviation": pa.float64(),
+    "first_step": pa.int64(),
+    "right_step": pa.bool_(),
+    "logic_verdict": pa.string(),
+    "logic_ratio": pa.float64(),
+    "logic_step": pa.int64(),
+    "logic_right_step": pa.bool_(),
+}
+
+
+class PaddedVariant(HFModel):
+    """:class:`HFModel` whose variants also include ``"padded"``: the sequence after ``PAD`` pad tokens that the
+    attention mask hides, positions from 0 at the first real token, on a deep copy (measured, not kept)."""
+
+    def recompute_variants(self, tokens) -> dict:
+        import torch
+
+        out = super().recompute_variants(tokens)
+        ids = self._ids(tokens, 0)
+        pad = torch.zeros(1, PAD, dtype=torch.long)
+        mask = torch.cat([pad, torch.ones_like(ids)], 1)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        if "padded" not in self._copies:
+            self._copies["padded"] = copy.deepcopy(self.model).eval()
+        kwargs = {"attention_mask": mask, "position_ids": positions, "use_cache": False}
+        logits, _ = self._call(self._copies["padded"], input_ids=torch.cat([pad, ids], 1), **kwargs)
+        out["padded"] = logits[0, PAD:]
+        return out
+
+
+def validate_config(config: dict) -> None:
+    """``ValueError`` naming the field (or the missing torch) before any run."""
+    hf.validate_model_and_case(config, "hf_matrix")
+    require_config_choice(config, "feed", FEEDS)
+    require_config_choice(config, "mode", MODES)
+    require_config_choice(config, "scenarios", tuple(SCENARIO_CHOICES))
+    require_config_choice(config, "promote", PROMOTE)
+    require_config_choice(config, "variants", VARIANTS)
+
+
+def first_step(report, bug: str | None) -> tuple[int | None, bool | None]:
+    """The earliest first bug step over the scenarios, and (a bugged run) whether every scenario that says
+    ``bug`` says it where the bug first acts (``None`` for a clean run)."""
+    T = report.prompt.shape[0]
+    got, right = None, True
+    for name, s in report.scenarios.items():
+        if s.first_bug_step is not None and (got is None or s.first_bug_step < got):
+            got = s.first_bug_step
+        want = None if bug is None else first_acting_step(bug, name, T)
+        if want is not None and s.verdict == "bug" and s.first_bug_step != want:
+            right = False
+    return got, (right if bug is not None else None)
+
+
+def _check(config: dict):
+    """The config's :func:`check_cache` report."""
+    c = config
+    model = hf.base_model(c["family"], c["dtype"], c["attention"], c["seed"])
+    adapter = (PaddedVariant if c["variants"] == "padded" else HFModel)(model, bug=hf.bug_of(c))
+    prompt, continuation = hf.prompt_and_continuation(PROMPT_STREAM, c["seed"], c["prompt"], c["steps"], PROMPT_LENGTHS)
+    kwargs = {"mode": c["mode"], "scenarios": SCENARIO_CHOICES[c["scenarios"]]}
+    if c["promote"] != "none":
+        kwargs["promote"] = c["promote"]
+    if c["feed"] == "greedy":
+        return check_cache(adapter, prompt, c["steps"], **kwargs)
+    return check_cache(adapter, prompt, continuation=continuation, **kwargs)
+
+
+def run(config: dict) -> dict:
+    """One check as the config names it: verdict, ratio, worst deviation and first bug step (and right step),
+    natively and in the logic check."""
+    try:
+        report = _check(config)
+    except ValueError as exc:  # the padded recompute's fully masked pad rows (float64 eager)
+        if config["variants"] != "padded" or "logits hold nan" not in str(exc):
+            raise
+        return {**dict.fromkeys(RESULT_FIELDS), "verdict": NAN_LOGITS, "first_step": -1}
+    bug = hf.bug_of(config)
+    step, right = first_step(report, bug)
+    out = {
+        "verdict": report.verdict,
+        "ratio": report.max_ratio,
+        "worst_deviation": float(report.max_deviation),
+        "first_step": -1 if step is None else int(step),
+        "right_step": right,
+    }
+    logic = dict.fromkeys(("logic_verdict", "logic_ratio", "logic_step", "logic_right_step"))
+    if report.promoted is not None:
+        lstep, lright = first_step(report.promoted, bug)
+        logic = {
+            "logic_verdict": report.promoted.verdict,
+            "logic_ratio": report.promoted.max_ratio,
+            "logic_step": -1 if lstep is None else int(lstep),
+            "logic_right_step": lright,
+        }
+    return {**out, **logic}
+
+
+def clean_table(df: pd.DataFrame) -> pd.DataFrame:
+    """The clean runs per dtype, then ``all``: runs, ``bug`` verdicts (false positives), ``inconclusive``, the
+    largest ratio (the summary)."""
+    ok = hf.ordered_ok_rows(df)
+    clean = ok[ok["bug"] == hf.NO_BUG] if len(ok) else ok
+    rows = []
+    for dtype, g in [*clean.groupby("dtype", sort=False), ("all", clean)] if len(clean) else ():
+        rows.append(
+            {
+                "dtype": dtype,
+                "runs": len(g),
+                "bug": int((g["verdict"] == "bug").sum()),
+                "inconclusive": int((g["verdict"] == "inconclusive").sum()),
+                "largest_ratio": float(g["ratio"].max()),
+            }
+        )
+    return pd.DataFrame(rows, columns=["dtype", "runs", "bug", "inconclusive", "largest_ratio"])
+
+
+def bug_table(df: pd.DataFrame) -> pd.DataFrame:
+    """The bugged runs per bug and dtype: native verdict counts, catches at the right step, the logic check's
+    catches (at the right step) and its smallest ratio."""
+    ok = hf.ordered_ok_rows(df)
+    bugs = ok[ok["bug"] != hf.NO_BUG] if len(ok) else ok
+    rows = []
+    for (bug, dtype), g in bugs.groupby(["bug", "dtype"], sort=False) if len(bugs) else ():
+        v = g["verdict"]
+        caught = g[v == "bug"]
+        logic = g[g["logic_verdict"] == "bug"]
+        rows.append(
+            {
+                "bug": bug,
+                "dtype": dtype,
+                "runs": len(g),
+                "native_bug": int((v == "bug").sum()),
+                "native_inconclusive": int((v == "inconclusive").sum()),
+                "native_rounding": int((v == "rounding").sum()),
+                "native_right_step": int(caught["right_step"].astype(bool).sum()),
+                "logic_bug": len(logic),
+                "logic_right_step": int(logic["logic_right_step"].astype(bool).sum()),
+                "smallest_logic_ratio": float(g["logic_ratio"].min()),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def miss_rates(df: pd.DataFrame) -> dict[str, tuple[int, int]]:
+    """``(misses, runs)``: logic bugs natively in float32/float64 and in bfloat16, and every bug in the logic
+    check (a miss: any verdict but ``bug``)."""
+    ok = hf.ordered_ok_rows(df)
+    bugs = ok[ok["bug"] != hf.NO_BUG]
+    logic = bugs[bugs["bug"] != "f16"]
+    parts = {
+        "logic bugs, float32/float64 native": (logic[logic["dtype"] != "bfloat16"], "verdict"),
+        "logic bugs, bfloat16 native": (logic[logic["dtype"] == "bfloat16"], "verdict"),
+        "all bugs, logic check in float64": (bugs[bugs["promote"] == "float64"], "logic_verdict"),
+    }
+    return {name: (int((sel[col] != "bug").sum()), len(sel)) for name, (sel, col) in parts.items()}
+
+
+def claims(df: pd.DataFrame) -> list[Claim]:
+    """No clean run is a ``bug``; every bugged run with the logic check is a ``bug`` there at the right step."""
+    ok = hf.ordered_ok_rows(df)
+    if not len(ok):
+        return []
+    clean = ok[ok["bug"] == hf.NO_BUG]
+    logic = ok[(ok["bug"] != hf.NO_BUG) & (ok["promote"] == "float64")]
+    false_pos = int((clean["verdict"] == "bug").sum())
+    found = int(((logic["logic_verdict"] == "bug") & logic["logic_right_step"].astype(bool)).sum())
+    return [
+        judged(
+            "Hugging Face models: control mode calls no clean run a bug, and its float64 logic check finds every "
+            "injected bug where it first acts",
+            "(not in the seed)",
+            f"{false_pos} of {len(clean):,} clean runs bug; {found} of {len(logic):,} bugged runs found at the "
+            "right step by the logic check",
+            EXACT,
+            [
+                ("every run ok", len(ok) == len(df)),
+                ("no clean run is bug", bool(len(clean)) and false_pos == 0),
+                ("every bug found at the right step", bool(len(logic)) and found == len(logic)),
+            ],
+        )
+    ]
+
+
+def facts(df: pd.DataFrame) -> list[Fact]:
+    """The clean runs' false positives and largest ratio, and each miss rate."""
+    table = clean_table(df)
+    if not len(table):
+        return []
+    total = table.iloc[-1]
+    rows = [
+        Fact(
+            "hf_matrix_clean",
+            "hf_matrix study: clean runs, bug verdicts (false positives), inconclusive, largest ratio",
+            f"{int(total['runs'])} runs, {int(total['bug'])} bug, {int(total['inconclusive'])} inconclusive, "
+            f"largest ratio {total['largest_ratio']:.3g}",
+        )
+    ]
+    for i, (name, (miss, runs)) in enumerate(miss_rates(df).items()):
+        rate = miss / runs if runs else float("nan")
+        rows.append(
+            Fact(f"hf_matrix_miss_{i}", f"hf_matrix study: miss rate, {name}", f"{rate:.3f} ({miss} of {runs})")
+        )
+    return rows
+
+
+def ratio_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Per family and dtype: the largest clean ratio and the smallest bugged ratio, natively and in the logic
+    check (what separates rounding from a bug)."""
+    ok = hf.ordered_ok_rows(df)
+    rows = []
+    for (family, dtype), g in ok.groupby(["family", "dtype"], sort=False) if len(ok) else ():
+        clean, bugged = g[g["bug"] == hf.NO_BUG], g[g["bug"] != hf.NO_BUG]
+        rows.append(
+            {
+                "family": family,
+                "dtype": dtype,
+                "clean_runs": len(clean),
+                "largest_clean_ratio": float(clean["ratio"].max()) if len(clean) else np.nan,
+                "bugged_runs": len(bugged),
+                "bugged_native_bug": int((bugged["verdict"] == "bug").sum()),
+                "smallest_bugged_logic_ratio": float(bugged["logic_ratio"].min()) if len(bugged) else np.nan,
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def _draw_ratios(df: pd.DataFrame, table: pd.DataFrame):
+    """Per family and dtype: the largest clean ratio against the smallest bugged logic-check ratio (log scale)."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(11, 4.2))
+    labels = [f"{f}\n{d}" for f, d in zip(table["family"], table["dtype"], strict=True)]
+    x = np.arange(len(labels))
+    ax.bar(x - 0.2, table["largest_clean_ratio"].clip(lower=1e-3), 0.4, label="largest clean ratio", color="#2ca02c")
+    logic = table["smallest_bugged_logic_ratio"].fillna(0.0).clip(lower=1e-3)
+    ax.bar(x + 0.2, logic, 0.4, label="smallest bugged ratio, logic check", color="#d62728")
+    ax.axhline(1.0, color="black", lw=0.8, ls="--")
+    ax.set_yscale("log")
+    ax.set_xticks(x, labels, fontsize=8)
+    ax.set_ylabel("deviation / floor bound (log)")
+    ax.set_title("Clean runs stay under the floor (ratio < 1); injected bugs rise far above it")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+FIGURES = (
+    Figure(
+        "hf_matrix",
+        "Hugging Face models: control mode's floor against clean and bugged runs",
+        "Tiny random Llama, GPT-2, Mistral (sliding window) and Qwen2 in float32, float64 and bfloat16, sdpa and "
+        "eager. A ratio is the largest cache-versus-recompute deviation over the floor control mode measures; "
+        "above 1 is a bug. Green: the largest over the clean runs (no false positive while it stays below 1); red: "
+        "the smallest over the bugged runs in the float64 logic check (every bug found while it stays above 1).",
+        ratio_table,
+        _draw_ratios,
+    ),
+)
+
+STUDY = Study(
+    name="hf_matrix",
+    version=VERSION,
+    description="control mode on tiny Hugging Face models: false positives and misses (needs kvfast[hf])",
+    run=run,
+    config_fields=CONFIG_FIELDS,
+    result_fields=RESULT_FIELDS,
+    validate_config=validate_config,
+    summarize=clean_table,
+    claims=claims,
+    figures=FIGURES,
+    facts=facts,
+    tables=(("hf_matrix_bugs", bug_table),),
+    rank=100,
+    reproduce=False,
+)

@@ -1,0 +1,112 @@
+"""The Hugging Face studies (hf_matrix, hf_score) through the real command line: a reduced grid of each on two
+workers, resumed, shown, and drawn by the report; torch stays optional (importing the studies does not import
+it, and a grid of them without it is refused in one line)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from kvfast.studies import STUDIES
+
+ROOT = Path(__file__).resolve().parent.parent
+KVFAST = str(Path(sys.executable).with_name("kvfast"))
+# CI (.ci/run, KVFAST_REQUIRE_HF=1) runs the end-to-end test, never skips it
+HF = os.environ.get("KVFAST_REQUIRE_HF") == "1" or all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
+
+HF_SMALL_GRIDS = {
+    "hf_matrix": """
+[fixed]
+family = "llama"
+dtype = "float32"
+attention = "sdpa"
+seed = 0
+prompt = 0
+steps = 6
+mode = "control"
+scenarios = "both"
+variants = "builtin"
+[[union]]
+[union.fixed]
+bug = "none"
+feed = "given"
+promote = "none"
+[[union]]
+[union.fixed]
+feed = "given"
+promote = "float64"
+[union.axes]
+bug = ["posoff", "replay"]
+""",
+    "hf_score": """
+[fixed]
+family = "gpt2"
+dtype = "float32"
+attention = "sdpa"
+seed = 0
+prompt = 0
+steps = 6
+[axes]
+bug = ["none", "posoff", "freeze"]
+""",
+}
+
+
+def test_importing_the_studies_imports_no_torch():
+    code = "import sys, kvfast.studies.hf_matrix, kvfast.studies.hf_score; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "False"
+
+
+def test_without_torch_a_grid_is_refused_in_one_line(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
+    for name in ("hf_matrix", "hf_score"):
+        with pytest.raises(ValueError, match=rf"^study {name}: needs torch; allowed: install kvfast\[hf\]"):
+            STUDIES[name].validate_config({})
+
+
+def test_they_are_experiments_not_in_reproduce():
+    assert not STUDIES["hf_matrix"].reproduce and not STUDIES["hf_score"].reproduce
+    assert all(s.reproduce for n, s in STUDIES.items() if not n.startswith("hf_"))
+
+
+@pytest.mark.skipif(not HF, reason="needs kvfast[hf] (torch and transformers)")
+def test_both_studies_run_resume_show_and_report(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+    def kvfast(*args):
+        return subprocess.run([KVFAST, *args], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+
+    root = tmp_path / "results"
+    for name, body in HF_SMALL_GRIDS.items():
+        (tmp_path / f"{name}.toml").write_text(f'study = "{name}"\n{body}')
+        cmd = ["run", str(tmp_path / f"{name}.toml"), "--out", str(root / name), "--jobs", "2", "--quiet"]
+        first = kvfast(*cmd)
+        assert first.returncode == 0, first.stderr
+        again = kvfast(*cmd)
+        assert again.returncode == 0 and "3 already stored, 0 run now" in again.stdout, again.stdout
+        shown = kvfast("show", str(root / name))
+        assert shown.returncode == 0 and "3 runs stored: ok 3" in shown.stdout, shown.stdout
+    matrix = pd.read_parquet(root / "hf_matrix").set_index("bug")
+    assert (matrix["status"] == "ok").all() and matrix.loc["none", "verdict"] == "rounding"
+    assert (matrix.loc[["posoff", "replay"], "logic_verdict"] == "bug").all()
+    assert matrix.loc[["posoff", "replay"], "logic_right_step"].all()
+    score = pd.read_parquet(root / "hf_score").set_index("bug")
+    assert score.loc["posoff", "kvfast_promoted_flag"] and not score.loc["none", "kvfast_promoted_flag"]
+    report = kvfast("report", str(root), "--out", str(tmp_path / "rep"))
+    assert report.returncode == 0, report.stderr
+    page = (tmp_path / "rep" / "report.html").read_text()
+    for study in ("hf_matrix", "hf_score"):
+        for figure in STUDIES[study].figures:
+            assert figure.title.replace("'", "&#x27;") in page
+    facts = kvfast("report", str(root), "--markdown", "facts")
+    assert "hf_matrix study: clean runs" in facts.stdout and "hf_score study, float32 sdpa" in facts.stdout
