@@ -45,24 +45,25 @@ def round_fraction_to_binary(x: Fraction, p: int, emin: int, emax: int) -> Fract
     return r if x > 0 else -r
 
 
-def bf16_exact(x: float) -> float:
-    """The bfloat16 nearest to float64 ``x`` in one rounding, by exact rationals."""
+def round_exact(x: float, p: int, emin: int, emax: int) -> float:
+    """The value of a binary format (``p`` significand bits, exponents ``emin``..``emax``) nearest to
+    float64 ``x``, round to nearest even, by exact rationals; overflow is a signed infinity."""
     if math.isnan(x) or math.isinf(x):
         return x
-    r = round_fraction_to_binary(Fraction(x), BF16_P, BF16_EMIN, BF16_EMAX)
+    r = round_fraction_to_binary(Fraction(x), p, emin, emax)
     if r is None:
         return math.copysign(math.inf, x)
     return math.copysign(float(r), x)
+
+
+def bf16_exact(x: float) -> float:
+    """The bfloat16 nearest to float64 ``x`` in one rounding, by exact rationals."""
+    return round_exact(x, BF16_P, BF16_EMIN, BF16_EMAX)
 
 
 def f32_exact(x: float) -> float:
     """The float32 nearest to float64 ``x`` (round to nearest even), by exact rationals."""
-    if math.isnan(x) or math.isinf(x):
-        return x
-    r = round_fraction_to_binary(Fraction(x), F32_P, F32_EMIN, F32_EMAX)
-    if r is None:
-        return math.copysign(math.inf, x)
-    return math.copysign(float(r), x)
+    return round_exact(x, F32_P, F32_EMIN, F32_EMAX)
 
 
 def bf16_through_f32_exact(x: float) -> float:
