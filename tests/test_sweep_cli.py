@@ -197,12 +197,14 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(tmp_path):
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            if out.is_dir() and len(list_parts(out)) >= 1:
-                break
+        workers: list[int] = []
+        while time.monotonic() < deadline and proc.poll() is None:  # a part stored and the pool started:
+            if out.is_dir() and len(list_parts(out)) >= 1:  # the first part can come from the warm-up
+                workers = children(proc.pid)  # run in the sweep's own process, before any worker exists
+                if workers:
+                    break
             time.sleep(0.01)
         assert proc.poll() is None, "the sweep ended before it could be killed"
-        workers = children(proc.pid)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         assert proc.returncode == -signal.SIGKILL
