@@ -53,6 +53,7 @@ from dataclasses import replace
 
 from kvfast.check import control as C
 from kvfast.check.calls import as_model_under_test
+from kvfast.check.formats import formats_of
 from kvfast.check.options import MODES, SCENARIOS, CheckOptions
 from kvfast.check.protocol import ModelUnderTestError, watched
 from kvfast.check.reference import OwnReference, SharedReference
@@ -117,14 +118,17 @@ def _check(model, prompt, options: CheckOptions) -> CheckReport:
     """:func:`check_cache_with`'s work (inside its watch): the reference, the scenarios, the logic check."""
     subject = resolve(model, prompt, options)
     prompt_rows, fmt = subject.calls.recompute_with_format(subject.prompt, "of the prompt")
+    formats = formats_of(subject.calls.model, fmt)  # the noise model's formats: declared, measured or assumed
     if options.follow == "cache":
-        reference = OwnReference(subject, prompt_rows, fmt)
+        reference = OwnReference(subject, prompt_rows, fmt, formats)
     else:
-        reference = SharedReference.build(subject, prompt_rows, fmt)
-    reports = check_scenarios(subject, reference, fmt)
+        reference = SharedReference.build(subject, prompt_rows, fmt, formats)
+    reports = check_scenarios(subject, reference, formats.floor)  # every bound >= 1 ulp of the lowest format
     verdict = overall(options.mode, reports)
     length = reference.length
     notes = reference.notes
+    if options.mode == "control" and formats.note() is not None:
+        notes.append(formats.note())
     promoted = None
     if options.promote is not None and options.follow == "recompute":  # follow="cache" runs no logic check
         inner = replace(
@@ -147,7 +151,7 @@ def _check(model, prompt, options: CheckOptions) -> CheckReport:
         verdict = LENGTH_DEPENDENT
     return CheckReport(
         options.mode, subject.prompt, reference.tokens, reports, verdict, reference.path, tuple(notes), fmt, promoted,
-        length,
+        length, formats,
     )  # fmt: skip
 
 

@@ -71,17 +71,15 @@ import math
 
 import numpy as np
 
+from kvfast.check.formats import FORMATS as _FORMATS
+
 DEFAULT_MARGIN = 4.0
 DEFAULT_DECISIVE = 16.0
 VERDICTS = ("rounding", "inconclusive", "bug")
 
-#: Precision (significand bits, implicit bit included) and smallest normal of each logits format.
-FORMATS: dict[str, tuple[int, float]] = {
-    "bfloat16": (8, 2.0**-126),
-    "float16": (11, 2.0**-14),
-    "float32": (24, 2.0**-126),
-    "float64": (53, 2.0**-1022),
-}
+#: Precision (significand bits, implicit bit included) and smallest magnitude of each format, logits' and internal
+#: ones (the table lives in :mod:`kvfast.check.formats`).
+FORMATS = _FORMATS
 
 
 def check_margin(margin: object, field: str = "margin", minimum: float = 1.0) -> float:

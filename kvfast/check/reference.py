@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvfast.check import control as C
+from kvfast.check import formats as F
 from kvfast.check.cache_path import CachePath, run_cache_path
 from kvfast.check.calls import ModelCalls
 from kvfast.check.report import LengthDependence
@@ -62,13 +63,16 @@ def invariance(
 
 
 def length_dependence(
-    parts: dict[int, np.ndarray], full: np.ndarray, fmt: str, shorts: np.ndarray | None = None
+    parts: dict[int, np.ndarray], full: np.ndarray, fmt: str | F.NoiseFormats, shorts: np.ndarray | None = None
 ) -> LengthDependence | None:
     """The worst row where a shorter recompute differs from the same row of ``full`` (the recompute of
-    ``len(full)`` tokens) by more than rounding can explain (:func:`kvfast.check.control.length_ceiling`
-    for logits in ``fmt``), or ``None``. ``parts`` maps a prefix length to its recompute's rows (the
-    per-step path: a length to rows holding row ``p`` of ``recompute(first shorts[p] tokens)``)."""
-    ceiling = C.length_ceiling(fmt, np.abs(full).max(axis=1))
+    ``len(full)`` tokens) by more than rounding can explain, or ``None``: the admission ceiling of the
+    model's :class:`~kvfast.check.formats.NoiseFormats` (:func:`kvfast.check.formats.ceiling`), or, given
+    only the logits' format ``fmt``, :func:`kvfast.check.control.length_ceiling`. ``parts`` maps a prefix
+    length to its recompute's rows (the per-step path: a length to rows holding row ``p`` of
+    ``recompute(first shorts[p] tokens)``)."""
+    scale = np.abs(full).max(axis=1)
+    ceiling = C.length_ceiling(fmt, scale) if isinstance(fmt, str) else F.ceiling(fmt.ceiling, scale)
     worst: LengthDependence | None = None
     for q, part in parts.items():
         dev = np.abs(part - full[:q]).max(axis=1)
@@ -124,6 +128,17 @@ def order_noise(
     return sources, notes
 
 
+def refusal_reason(name: str, formats: F.NoiseFormats) -> str:
+    """Why an order-noise source above the admission ceiling is no rounding (rule 1 of issue 18)."""
+    if name.startswith("batch shape"):
+        return "the recompute's rows change with the batch's length by more than rounding (the recompute depends on it)"
+    inside = "" if formats.source == "assumed" else f" than the model's lowest ({formats.floor}, {formats.source})"
+    return (
+        f"it computes in a lower format inside{inside}, or differs from the recompute in logic: it cannot raise "
+        "the bound"
+    )
+
+
 class SharedReference:
     """``follow="recompute"``: the reference rows ``(T + steps, V)`` and the ``tokens`` every scenario is fed.
 
@@ -133,10 +148,13 @@ class SharedReference:
     than rounding, else ``None``). Built by :meth:`build`.
     """
 
-    def __init__(self, subject: CheckSubject, prompt_rows: np.ndarray, fmt: str = "float64"):
+    def __init__(
+        self, subject: CheckSubject, prompt_rows: np.ndarray, fmt: str = "float64", formats: F.NoiseFormats | None = None
+    ):
         T, steps = subject.T, subject.steps
         self.subject = subject
         self.fmt = fmt
+        self.formats = formats or F.noise_formats(fmt, None)  # the noise model's formats (assumed when not given)
         self.length: LengthDependence | None = None
         self.full: np.ndarray | None = None  # the per-step path's whole-sequence recompute, once measured
         self.rows = np.empty((T + steps, subject.vocab))
@@ -156,10 +174,13 @@ class SharedReference:
         self.batch_shape: dict[str, np.ndarray] | None = None
 
     @classmethod
-    def build(cls, subject: CheckSubject, prompt_rows: np.ndarray, fmt: str = "float64") -> SharedReference:
+    def build(
+        cls, subject: CheckSubject, prompt_rows: np.ndarray, fmt: str = "float64", formats: F.NoiseFormats | None = None
+    ) -> SharedReference:
         """The reference for ``subject`` whose ``recompute(prompt)`` is ``prompt_rows`` (``fmt``: the format
-        of the model's logits; see the module doc)."""
-        ref = cls(subject, prompt_rows, fmt)
+        of the model's logits; ``formats``: the model's internal formats, :mod:`kvfast.check.formats`, assumed
+        from ``fmt`` when ``None``; see the module doc)."""
+        ref = cls(subject, prompt_rows, fmt, formats)
         T, steps = subject.T, subject.steps
         if subject.options.fast:
             ref._take_fast_path()
@@ -169,7 +190,8 @@ class SharedReference:
             final = np.concatenate([subject.prompt, ref.tokens])
             ref.full = subject.calls.recompute(final, "of the whole sequence")
             if ref.length is None:
-                ref.length = length_dependence({T + steps: ref.rows}, ref.full, fmt, per_step_lengths(T, T + steps))
+                lengths = per_step_lengths(T, T + steps)
+                ref.length = length_dependence({T + steps: ref.rows}, ref.full, ref.formats, lengths)
         if subject.options.mode == "control":
             ref._measure_noise()
         return ref
@@ -206,7 +228,7 @@ class SharedReference:
         final = np.concatenate([s.prompt, spec.fed])
         full = s.calls.recompute(final, "of the whole sequence")
         why, parts = invariance(s.calls, final, full, self.rows[:T], steps)
-        self.length = length_dependence(parts, full, self.fmt)
+        self.length = length_dependence(parts, full, self.formats)
         if why is not None and s.options.mode != "control":
             self.notes.append(f"recompute is not append-invariant ({why}); used one recompute per step")
             return
@@ -215,7 +237,7 @@ class SharedReference:
             # control mode's fast path: the whole-sequence recompute is the reference; the rows it would
             # have had in a shorter batch are order noise, measured from a few prefix recomputes
             self.batch_shape = batch_shape_noise(s.calls, final, full, parts, steps)
-            self.length = length_dependence(parts, full, self.fmt)
+            self.length = length_dependence(parts, full, self.formats)
             self.notes.append(
                 f"recompute is not append-invariant ({why}); the reference is one recompute of the final "
                 f"sequence and its batch-shape noise comes from {len(parts)} prefix recomputes"
@@ -253,9 +275,16 @@ class SharedReference:
                 "(the recompute depends on the length)"
             )
             batch_shape = {}
-        sources, floor_notes = order_noise(s.calls, final, self.rows, batch_shape)
+        measured, floor_notes = order_noise(s.calls, final, self.rows, batch_shape)
         self.notes += floor_notes
         rows = self.rows
+        sources, refused = F.admission(measured, np.abs(rows).max(axis=1), self.formats)
+        self.notes += [r.line(self.formats, refusal_reason(r.name, self.formats)) for r in refused]
+        if measured and not sources:
+            self.notes.append(
+                "control mode admitted no order-noise source (every one measured was above what rounding can produce); "
+                f"its bound is the {self.formats.floor} resolution alone"
+            )
         scale = np.where(np.abs(rows).max(axis=1) > 0, np.abs(rows).max(axis=1), np.inf)
         if sources:
             listed = ", ".join(f"{k} (up to {float((v / scale).max()):.3g} relative)" for k, v in sources.items())
@@ -270,10 +299,13 @@ class OwnReference:
 
     noise = None
 
-    def __init__(self, subject: CheckSubject, prompt_rows: np.ndarray, fmt: str = "float64"):
+    def __init__(
+        self, subject: CheckSubject, prompt_rows: np.ndarray, fmt: str = "float64", formats: F.NoiseFormats | None = None
+    ):
         self.subject = subject
         self.prompt_rows = prompt_rows
         self.fmt = fmt
+        self.formats = formats or F.noise_formats(fmt, None)
         self.length: LengthDependence | None = None  # the first scenario's, if its recompute changes with the length
         self.notes: list[str] = []
         self.paths: list[str] = []
@@ -299,7 +331,7 @@ class OwnReference:
         if s.options.fast:
             rows = s.calls.recompute(final, "of the whole sequence")
             why, parts = invariance(s.calls, final, rows, self.prompt_rows, steps)
-            self.length = self.length or length_dependence(parts, rows, self.fmt)
+            self.length = self.length or length_dependence(parts, rows, self.formats)
             if why is not None:
                 self.notes.append(
                     f"scenario {scenario!r}: recompute is not append-invariant ({why}); used one recompute per step"
@@ -310,7 +342,7 @@ class OwnReference:
             per_step_rows(s.calls, s.prompt, rows, run.fed, T, greedy=False)
             if not s.options.fast:
                 full = s.calls.recompute(final, "of the whole sequence")
-                found = length_dependence({T + steps: rows}, full, self.fmt, per_step_lengths(T, T + steps))
+                found = length_dependence({T + steps: rows}, full, self.formats, per_step_lengths(T, T + steps))
                 self.length = self.length or found
         self.paths.append("fast" if why is None else "per-step")
         if self.tokens is None:

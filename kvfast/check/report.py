@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvfast.check import control as C
+from kvfast.check.formats import NoiseFormats
 
 PASSING = ("exact", "rounding", "skipped")
 LENGTH_DEPENDENT = "length-dependent"  # the check's verdict when the recompute itself changes with the length
@@ -214,7 +215,9 @@ class CheckReport:
     passes when the logic check says ``rounding``, and a logic-check ``bug``
     fails. ``tokens`` are the tokens fed to ``decode`` (``steps`` of them).
     ``path`` is ``fast`` or ``per-step`` (``per-step`` if any scenario needed
-    it). ``logits_format``: the format the model's logits came in.
+    it). ``logits_format``: the format the model's logits came in; ``formats``: the noise model's formats
+    (:class:`~kvfast.check.formats.NoiseFormats`: the lowest internal format, which sets the floor of every
+    bound and the admission ceiling of order noise, and whether it was declared, measured or assumed).
     """
 
     mode: str
@@ -227,6 +230,7 @@ class CheckReport:
     logits_format: str = "float64"
     promoted: CheckReport | None = None
     length_dependence: LengthDependence | None = None
+    formats: NoiseFormats | None = None
 
     @property
     def passed(self) -> bool:
@@ -299,7 +303,7 @@ class CheckReport:
         names = ", ".join(self.scenarios)
         lines = [
             f"kvfast check ({self.mode} mode, {self.path} reference, {self.steps} decode steps, "
-            f"prompt of {self.prompt.shape[0]} tokens, {self.logits_format} logits, scenarios: {names}): "
+            f"prompt of {self.prompt.shape[0]} tokens, {self.logits_format} logits{self._lowest()}, scenarios: {names}): "
             f"{self.verdict.upper()}",
             self.headline(),
         ]
@@ -312,12 +316,21 @@ class CheckReport:
         lines.append(worst.table())
         if self.promoted is not None:
             ran = self.promoted.logits_format  # the format it actually ran in, never a claim of float64
-            lines.append(f"logic check in {ran} (same tokens): {self.promoted.verdict.upper()}")
+            low = self.promoted.formats
+            lowest = "" if low is None else f" (lowest internal format {low.line()})"
+            lines.append(f"logic check in {ran} (same tokens): {self.promoted.verdict.upper()}{lowest}")
             lines += ["  " + line for line in self.promoted.format().splitlines()[1:]]
         return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.format()
+
+    def _lowest(self) -> str:
+        """Control mode: the lowest internal format and where it came from (``, lowest internal format float32
+        (measured: softmax)``)."""
+        if self.mode != "control" or self.formats is None:
+            return ""
+        return f", lowest internal format {self.formats.line()}"
 
 
 def skipped_resume(mode: str, prompt: np.ndarray, tokens: np.ndarray) -> ScenarioReport:
