@@ -120,8 +120,8 @@ class NoiseFormats:
             return None
         return (
             f"the model declares no internal formats (internal_formats) and kvfast measured none: assumed it computes "
-            f"in its logits' {self.logits} inside (the floor of every bound: 1 {self.logits} ulp), admitted batch-shape "
-            f"noise up to {CEILING_ULPS:g} {self.ceiling} ulps"
+            f"in its logits' {self.logits} inside (the floor of every bound: 1 {self.logits} ulp), admitted "
+            f"batch-shape noise up to {CEILING_ULPS:g} {self.ceiling} ulps"
             + (" (a float64 model may run a float32 softmax inside)" if self.ceiling != self.logits else "")
             + " and its recompute_variants as they are; declare internal_formats ({what: format}) to have every "
             "noise source tested against what rounding can produce"

@@ -149,7 +149,11 @@ class SharedReference:
     """
 
     def __init__(
-        self, subject: CheckSubject, prompt_rows: np.ndarray, fmt: str = "float64", formats: F.NoiseFormats | None = None
+        self,
+        subject: CheckSubject,
+        prompt_rows: np.ndarray,
+        fmt: str = "float64",
+        formats: F.NoiseFormats | None = None,
     ):
         T, steps = subject.T, subject.steps
         self.subject = subject
@@ -300,7 +304,11 @@ class OwnReference:
     noise = None
 
     def __init__(
-        self, subject: CheckSubject, prompt_rows: np.ndarray, fmt: str = "float64", formats: F.NoiseFormats | None = None
+        self,
+        subject: CheckSubject,
+        prompt_rows: np.ndarray,
+        fmt: str = "float64",
+        formats: F.NoiseFormats | None = None,
     ):
         self.subject = subject
         self.prompt_rows = prompt_rows

@@ -303,7 +303,8 @@ class CheckReport:
         names = ", ".join(self.scenarios)
         lines = [
             f"kvfast check ({self.mode} mode, {self.path} reference, {self.steps} decode steps, "
-            f"prompt of {self.prompt.shape[0]} tokens, {self.logits_format} logits{self._lowest()}, scenarios: {names}): "
+            f"prompt of {self.prompt.shape[0]} tokens, {self.logits_format} logits{self._lowest()}, "
+            f"scenarios: {names}): "
             f"{self.verdict.upper()}",
             self.headline(),
         ]
