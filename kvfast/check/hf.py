@@ -49,6 +49,7 @@ import inspect
 
 import numpy as np
 
+from kvfast.check.formats import lowest
 from kvfast.validation import not_allowed, require_choice, require_int
 
 VARIANTS = ("attention", "batch", "rows")
@@ -140,6 +141,79 @@ def position_limit(config) -> int | None:
     return None
 
 
+#: The order-sensitive aten ops (their result depends on the order of a sum) and what each computes: a row-local
+#: cast or an elementwise op computed the same way in both paths cannot make a cache and a recompute differ, a
+#: sum can. ``(what, index of the left operand of a matrix product or None)``: a product with an inner
+#: dimension of 1 (the rope's ``inv_freq @ positions``) adds nothing and does not count.
+ORDER_OPS: dict[str, tuple[str, int | None]] = {
+    **{op: ("matrix products", 0) for op in ("mm", "bmm", "matmul", "dot", "vdot", "mv", "_int_mm")},
+    **{op: ("matrix products", 1) for op in ("addmm", "baddbmm", "addbmm", "addmv", "_addmm_activation")},
+    **{op: ("softmax", None) for op in ("_softmax", "_log_softmax", "softmax", "log_softmax")},
+    **{
+        op: ("attention", None)
+        for op in (
+            "_scaled_dot_product_flash_attention_for_cpu",
+            "_scaled_dot_product_flash_attention",
+            "_scaled_dot_product_efficient_attention",
+            "_scaled_dot_product_attention_math",
+            "_scaled_dot_product_cudnn_attention",
+            "scaled_dot_product_attention",
+        )
+    },  # fmt: skip
+}
+#: torch dtypes as :data:`kvfast.check.formats.FORMATS` names (the integer and float8 formats of quantized kernels)
+TORCH_FORMATS = {
+    "float64": "float64", "float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "int8": "int8",
+    "uint8": "int8", "float8_e4m3fn": "float8_e4m3", "float8_e4m3fnuz": "float8_e4m3", "float8_e5m2": "float8_e5m2",
+    "float8_e5m2fnuz": "float8_e5m2",
+}  # fmt: skip
+
+
+def _order_op(func, args, out) -> tuple[str, str] | None:
+    """``(what, format)`` of one aten call if it is order-sensitive (:data:`ORDER_OPS`), else ``None``."""
+    torch = _torch()
+    found = ORDER_OPS.get(func.overloadpacket.__name__)
+    if found is None:
+        return None
+    what, left = found
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    result = out[0] if isinstance(out, tuple | list) else out
+    if left is not None:  # a matrix product: its operands' format, if it sums over more than one term
+        if len(args) <= left + 1 or not isinstance(args[left], torch.Tensor) or args[left].shape[-1] <= 1:
+            return None
+        tensors = [args[left], args[left + 1]] if isinstance(args[left + 1], torch.Tensor) else [args[left]]
+    else:  # softmax, attention: the format it computes (and returns) in
+        tensors = [result] if isinstance(result, torch.Tensor) else tensors[:1]
+    fmts = [TORCH_FORMATS.get(str(t.dtype).removeprefix("torch.")) for t in tensors]
+    fmts = [f for f in fmts if f is not None]
+    return (what, lowest(fmts)) if fmts else None
+
+
+def measure_internal_formats(model, tokens) -> dict[str, str]:
+    """The formats a transformers ``model`` computes its order-sensitive ops in (``{what: format}``, ``what``:
+    ``matrix products``, ``softmax``, ``attention``), from one forward of ``tokens`` (no cache) under a
+    ``TorchDispatchMode`` that records every aten call (:data:`ORDER_OPS`; the lowest format per kind).
+    Llama float64 sdpa: every op float64; Llama and Bloom float64 eager: a float32 softmax."""
+    torch = _torch()
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: dict[str, str] = {}
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            found = _order_op(func, args, out)
+            if found is not None:
+                what, fmt = found
+                seen[what] = lowest([fmt, seen.get(what, fmt)])
+            return out
+
+    ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64))[None, :]
+    with torch.no_grad(), Record():
+        model(input_ids=ids, use_cache=False)
+    return seen
+
+
 def _rowwise(forward):
     """``forward`` of a linear layer applied one row at a time (the decode's matrix-vector order)."""
     torch = _torch()
@@ -194,6 +268,7 @@ class HFModel:
         self.vocab_size = require_int(vocab, "model.config.vocab_size", 1)
         self.max_positions = None if scales_past_limit(model.config) else position_limit(model.config)
         self._copies: dict[str, object] = {}
+        self._formats: dict[str, str] | None = None  # measured on first use (internal_formats)
         self.skipped_variants: dict[str, str] = {}  # variants this model cannot build or run, with the reason
         self.cache = None
         self.length = 0
@@ -212,6 +287,23 @@ class HFModel:
     @property
     def attention(self) -> str:
         return str(getattr(self.model.config, "_attn_implementation", None) or "eager")
+
+    #: where :attr:`internal_formats` comes from (the protocol's optional attribute; kvfast measures it here)
+    internal_formats_source = "measured"
+    #: the tokens the internal formats are measured on (every order-sensitive op runs on a few rows)
+    PROBE = 4
+
+    @property
+    def internal_formats(self) -> dict[str, str] | None:
+        """``{what: format}`` of the model's order-sensitive ops (:func:`measure_internal_formats`), measured on
+        first use on :attr:`PROBE` tokens; ``None`` (the checker then assumes them) if that forward raises."""
+        if self._formats is None:
+            tokens = np.arange(self.PROBE) % self.vocab_size
+            try:
+                self._formats = measure_internal_formats(self.model, tokens)
+            except Exception:  # noqa: BLE001 - the check's own calls name the model's errors; here: unknown
+                return None
+        return dict(self._formats)
 
     # --- running the model -----------------------------------------------------------------------
 
@@ -403,6 +495,7 @@ class HFModel:
         new = copy.copy(self)
         new.model = copy.deepcopy(self.model).to(getattr(torch, dtype)).eval()
         new._copies = {}
+        new._formats = None
         new.skipped_variants = {}
         new.cache, new.length = None, 0
         return new
