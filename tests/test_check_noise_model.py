@@ -21,6 +21,7 @@ import kvfast
 from kvfast.check import formats as F
 
 PROMPT8 = [3, 1, 4, 1, 5, 9, 2, 6]
+TOY_PROMPT = [3, 1, 4, 1, 5, 0, 2, 6]  # Toy's vocabulary has 7 tokens
 
 
 # --- the formats and the ceiling (no torch) -----------------------------------------------------------------
@@ -89,14 +90,14 @@ class NoisyVariantToy(Toy):
 
 
 def test_a_logical_difference_offered_as_a_variant_is_refused():
-    report = kvfast.check_cache(NoisyVariantToy(), PROMPT8, 8, mode="control", scenarios="decode")
+    report = kvfast.check_cache(NoisyVariantToy(), TOY_PROMPT, 8, mode="control", scenarios="decode")
     refused = [n for n in report.notes if n.startswith("variant 'shifted' (")]
     assert len(refused) == 1 and "not admitted: above what float32 rounding can produce (64 ulps" in refused[0]
     assert report.verdict == "bug", report.format()
     # the same model without its declaration: kvfast cannot tell, keeps the variant (today's behaviour), and says so
     plain = NoisyVariantToy()
     plain.internal_formats = None
-    lenient = kvfast.check_cache(plain, PROMPT8, 8, mode="control", scenarios="decode")
+    lenient = kvfast.check_cache(plain, TOY_PROMPT, 8, mode="control", scenarios="decode")
     assert lenient.verdict == "rounding" and any("declares no internal formats" in n for n in lenient.notes)
 
 

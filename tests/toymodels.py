@@ -80,9 +80,7 @@ class LowFormatToy:
         f = np.float32
         self.E = rng.standard_normal((vocab, d)).astype(f)
         self.P = rng.standard_normal((64, d)).astype(f)
-        self.Wq, self.Wk, self.Wv, self.Wo = (
-            (rng.standard_normal((d, d)) / np.sqrt(d)).astype(f) for _ in range(4)
-        )
+        self.Wq, self.Wk, self.Wv, self.Wo = ((rng.standard_normal((d, d)) / np.sqrt(d)).astype(f) for _ in range(4))
         self.U = (rng.standard_normal((d, vocab)) / np.sqrt(d)).astype(f)
         self.kind, self.bug, self.vocab_size, self.d = kind, bug, vocab, d
         if declare:
