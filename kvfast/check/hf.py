@@ -27,6 +27,11 @@ What the adapter does (:mod:`kvfast.check.protocol` for the methods):
   sequence) and ``"rows"`` (every linear layer applied one row at a time, the
   decode's matrix-vector order). None goes through a cache. (A left-padded
   recompute was measured and not kept: the `hf_matrix` study with ``variants = "padded"``.)
+- ``internal_formats``: the formats of the model's order-sensitive ops (matrix
+  products with an inner dimension > 1, softmax, sdpa), measured once on a few
+  tokens under a ``TorchDispatchMode`` (:func:`measure_internal_formats`): a
+  float32 softmax inside a float64 eager model sets control mode's floor and
+  admission ceiling (:mod:`kvfast.check.formats`).
 - ``promote(dtype)``: the same adapter over a deep copy of the model in
   ``dtype`` (``check_cache(..., promote="float64")``).
 

@@ -27,6 +27,16 @@ A model under test is any object with these methods (tokens are passed as a
     the logic check ``check_cache(..., promote="float64")``. If the model cannot
     be promoted or cannot run promoted, the logic check is skipped with a note
     and the native verdict stands.
+``internal_formats`` (optional attribute, ``{what: format}``)
+    The formats the model computes in inside, where they are lower than its
+    logits' (``{"kv cache": "float16"}``, ``{"activations": "int8"}``,
+    ``{"softmax": "float32"}``; formats: :data:`kvfast.check.formats.FORMATS`).
+    The lowest of them and the logits' format sets the floor of every bound in
+    control mode and the ceiling below which order noise is admitted
+    (:mod:`kvfast.check.formats`). Absent: kvfast assumes the logits' format
+    (and says so in a note); Hugging Face models have it measured. An optional
+    ``internal_formats_source`` (``"declared"``, the default, or ``"measured"``)
+    says where it came from.
 ``max_positions`` (optional attribute, int)
     The most positions the model can take; a longer check is bad input before any work.
 ``vocab_size`` (optional attribute, int)
