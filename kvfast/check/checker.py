@@ -123,7 +123,8 @@ def _check(model, prompt, options: CheckOptions) -> CheckReport:
         reference = OwnReference(subject, prompt_rows, fmt, formats)
     else:
         reference = SharedReference.build(subject, prompt_rows, fmt, formats)
-    reports = check_scenarios(subject, reference, formats.floor)  # every bound >= 1 ulp of the lowest format
+    formats = formats.after_probe(reference.noise)  # a measured rounding probe replaces the lowest format's ulp
+    reports = check_scenarios(subject, reference, formats.floor)  # every bound >= 1 ulp of the floor format
     verdict = overall(options.mode, reports)
     length = reference.length
     notes = reference.notes

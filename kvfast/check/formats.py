@@ -30,7 +30,7 @@ above it is not order noise: the report notes it with its size, the ceiling and 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -101,6 +101,19 @@ class NoiseFormats:
     source: str
     floor: str
     ceiling: str
+    probe: str | None = None
+    probed: bool = False
+
+    def after_probe(self, admitted: Mapping[str, np.ndarray] | None) -> NoiseFormats:
+        """These formats once the order noise is known: when the model's rounding probe (``probe``, a variant that
+        moves every value computed in the lowest internal format by one unit of it) was measured and admitted,
+        that format's effect on the logits is measured, not assumed, and the floor falls to the lowest of the
+        other formats (the logits' included); else unchanged."""
+        if self.probe is None or not admitted or f"variant {self.probe!r}" not in admitted:
+            return self
+        low = lowest(self.internal.values())
+        rest = [self.logits, *(f for f in self.internal.values() if f != low)]
+        return replace(self, floor=lowest(rest), probed=True)
 
     @property
     def lowest_what(self) -> str:
@@ -112,6 +125,12 @@ class NoiseFormats:
         """One phrase: the lowest internal format, what computes in it and where that came from."""
         if self.source == "assumed":
             return f"{self.floor} (assumed: the logits' format; admission ceiling in {self.ceiling})"
+        if self.probed:
+            inside = [w for w, f in self.internal.items() if f == self.ceiling]
+            return (
+                f"{self.ceiling} ({self.source}: {', '.join(inside)}; its rounding measured by the variant "
+                f"{self.probe!r}, the floor in {self.floor})"
+            )
         return f"{self.floor} ({self.source}: {self.lowest_what})"
 
     def note(self) -> str | None:
@@ -153,7 +172,9 @@ def formats_of(model: object, logits: str) -> NoiseFormats:
         return noise_formats(logits, None)
     source = getattr(model, "internal_formats_source", None)
     source = source if source in SOURCES[:2] else "declared"
-    return noise_formats(logits, check_internal_formats(internal), source)
+    probe = getattr(model, "rounding_probe", None)
+    found = noise_formats(logits, check_internal_formats(internal), source)
+    return replace(found, probe=probe) if isinstance(probe, str) else found
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,7 @@ import inspect
 
 import numpy as np
 
-from kvfast.check.formats import lowest
+from kvfast.check.formats import FORMATS, lowest
 from kvfast.validation import not_allowed, require_choice, require_int
 
 VARIANTS = ("attention", "batch", "rows")
@@ -219,6 +219,32 @@ def measure_internal_formats(model, tokens) -> dict[str, str]:
     return seen
 
 
+def probe_recompute(model, tokens, fmt: str, seed: int = 0):
+    """A forward of ``tokens`` (no cache) in which every result of an order-sensitive op computed in ``fmt``
+    (:data:`ORDER_OPS`) is moved by about one unit in the last place of ``fmt``, up or down at random (seeded):
+    what rounding in ``fmt`` at those ops can do to the logits, measured (the ``"rounding probe"`` variant).
+    Real order noise moves a few of those values by one unit (where two paths' inputs straddle a rounding
+    boundary); the probe moves every one, so it is an upper estimate of the same effect."""
+    torch = _torch()
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    step = 2.0 ** -(FORMATS[fmt][0] - 1)
+    gen = torch.Generator().manual_seed(seed)
+
+    class Perturb(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            found = _order_op(func, args, out)
+            if found is None or found[1] != fmt or not isinstance(out, torch.Tensor) or not out.is_floating_point():
+                return out
+            sign = torch.randint(0, 2, out.shape, generator=gen, dtype=torch.float64) * 2 - 1
+            return (out.double() * (1 + sign * step)).to(out.dtype)
+
+    ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64))[None, :]
+    with torch.no_grad(), Perturb():
+        return model(input_ids=ids, use_cache=False).logits
+
+
 def _rowwise(forward):
     """``forward`` of a linear layer applied one row at a time (the decode's matrix-vector order)."""
     torch = _torch()
@@ -309,6 +335,26 @@ class HFModel:
             except Exception:  # noqa: BLE001 - the check's own calls name the model's errors; here: unknown
                 return None
         return dict(self._formats)
+
+    #: the variant that moves every value computed in the lowest internal format by one unit of it (protocol:
+    #: the optional ``rounding_probe`` attribute names it)
+    PROBE_VARIANT = "rounding probe"
+
+    @property
+    def rounding_probe(self) -> str | None:
+        """:attr:`PROBE_VARIANT` when an order-sensitive op computes in a format below the model's own (a float32
+        softmax in a float64 eager model), else ``None``: what that format's rounding does to the logits is then
+        measured (:func:`probe_recompute`) instead of assumed to be one unit of it at the logits' magnitude."""
+        low = self._probe_format()
+        return None if low is None else self.PROBE_VARIANT
+
+    def _probe_format(self) -> str | None:
+        inside = self.internal_formats
+        own = TORCH_FORMATS.get(self.dtype)
+        if not inside or own is None:
+            return None
+        low = lowest(inside.values())
+        return low if FORMATS[low][0] < FORMATS[own][0] else None
 
     # --- running the model -----------------------------------------------------------------------
 
@@ -477,10 +523,14 @@ class HFModel:
         A variant the model cannot build or run is left out and named in :attr:`skipped_variants` with the
         reason (an eager-only model has no other attention; a router that returns a tuple has no rows)."""
         out = {}
-        for name in self.variants:
+        probe = (self.PROBE_VARIANT,) if self._probe_format() is not None and self.variants else ()
+        for name in self.variants + probe:
             if name in self.skipped_variants:
                 continue
             try:
+                if name == self.PROBE_VARIANT:
+                    out[name] = probe_recompute(self.model, self._ids(tokens, 0)[0].numpy(), self._probe_format())[0]
+                    continue
                 if name == "batch":
                     ids = self._ids(tokens, 0)
                     logits, _ = self._call(self.model, input_ids=ids.repeat(2, 1), use_cache=False)
