@@ -9,7 +9,8 @@ own low-format test models (tests/toymodels.py: a float16 KV cache, int8 activat
    (``--seeds`` seeds x 2 prompts, a given continuation of 12 tokens, control mode, both scenarios);
 2. the order-noise sources refused by the admission ceiling, with their size against it;
 3. each HF cache bug's native verdict and, from bfloat16, the float64 logic check's, with the smallest ratio;
-4. the low-format toy models, clean and with a position off by one, with and without their declaration.
+4. float64 eager Llama and Bloom with and without the rounding probe (clean, f16, freeze);
+5. the low-format toy models, clean and with a position off by one, with and without their declaration.
 """
 
 from __future__ import annotations
@@ -110,6 +111,28 @@ def bug_table(seeds: int) -> None:
                       f"{smallest:.3g} |")  # fmt: skip
 
 
+def probe_table(seeds: int) -> None:
+    from kvfast.check import check_cache
+    from kvfast.check.hf import HFModel
+
+    print("\n| model | dtype | rounding probe | bug | runs | verdicts | largest ratio (clean) / smallest (bug) |")
+    print("|---|---|---|---|---|---|---|")
+    for family in ("llama", "bloom"):
+        for probe in (True, False):
+            for bug in (None, "f16", "freeze"):
+                verdicts, ratios = {}, []
+                for seed, prompt, cont in runs(seeds):
+                    model = build(family, "float64", "eager", seed)
+                    model = HFModel(model, bug=bug) if probe else HFModel(model, variants=(), bug=bug)
+                    r = check_cache(model, prompt, mode="control", continuation=cont)
+                    verdicts[r.verdict] = verdicts.get(r.verdict, 0) + 1
+                    ratios.append(r.max_ratio)
+                counts = ", ".join(f"{v} {k}" for k, v in sorted(verdicts.items()))
+                shown = max(ratios) if bug is None else min(ratios)
+                with_probe = "yes" if probe else "no (variants=())"
+                print(f"| {family} eager | float64 | {with_probe} | {bug} | {len(ratios)} | {counts} | {shown:.3g} |")
+
+
 def toy_table(seeds: int) -> None:
     from toymodels import LowFormatToy
 
@@ -142,6 +165,7 @@ def main() -> None:
     logging.disable(logging.WARNING)
     clean_table(args.seeds)
     bug_table(args.seeds)
+    probe_table(args.seeds)
     toy_table(args.seeds)
 
 

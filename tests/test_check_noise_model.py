@@ -246,6 +246,16 @@ def test_bfloat16_bloom_through_the_logic_check(bug):
         assert scenario.first_bug_step == first_acting_step(bug, name, len(PROMPT8)), (bug, name)
 
 
+def test_the_float16_round_trip_of_blooms_float32_cache_is_found_by_the_logic_check():
+    """Natively 10-15 float32 units against 2-3 units of float32 order noise (not a bug there); in the logic
+    check a bug at its first acting step, so the check fails."""
+    cont = list(np.random.default_rng(0).integers(1, 96, 12))
+    model = HFModel(bloom("float32"), bug="f16")
+    report = quiet(kvfast.check_cache, model, PROMPT8, mode="control", continuation=cont, promote="float64")
+    assert report.promoted.verdict == "bug" and not report.passed
+    assert {n: s.first_bug_step for n, s in report.promoted.scenarios.items()} == {"decode": 1, "resume": 0}
+
+
 @pytest.mark.parametrize("bug", [b for b in HF_BUGS if b not in ("posoff", "restart")])  # Bloom takes no positions
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_every_applicable_hf_bug_is_found_natively_on_bloom(bug, dtype):
