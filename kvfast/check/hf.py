@@ -31,7 +31,10 @@ What the adapter does (:mod:`kvfast.check.protocol` for the methods):
   products with an inner dimension > 1, softmax, sdpa), measured once on a few
   tokens under a ``TorchDispatchMode`` (:func:`measure_internal_formats`): a
   float32 softmax inside a float64 eager model sets control mode's floor and
-  admission ceiling (:mod:`kvfast.check.formats`).
+  admission ceiling (:mod:`kvfast.check.formats`). Where that format is below the
+  model's own, ``recompute_variants`` adds ``"rounding probe"``
+  (:func:`probe_recompute`: every value of that format moved by one unit of it),
+  which measures what that format does to the logits (:attr:`HFModel.rounding_probe`).
 - ``promote(dtype)``: the same adapter over a deep copy of the model in
   ``dtype`` (``check_cache(..., promote="float64")``).
 
