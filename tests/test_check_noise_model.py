@@ -313,3 +313,5 @@ def test_longrope_crossing_its_original_limit_is_never_rounding(dtype, attention
     assert line.startswith("the recompute depends on the sequence's length") and f"row {found.position} " in line
     if dtype != "bfloat16":
         assert "rounding" not in {s.verdict for s in report.scenarios.values()}
+        exact = quiet(kvfast.check_cache, phi3_longrope(dtype, attention), list(range(1, 11)), 12)
+        assert exact.verdict == "length-dependent" and exact.length_dependence.long == 22
