@@ -132,7 +132,7 @@ def refusal_reason(name: str, formats: F.NoiseFormats) -> str:
     """Why an order-noise source above the admission ceiling is no rounding (rule 1 of issue 18)."""
     if name.startswith("batch shape"):
         return "the recompute's rows change with the batch's length by more than rounding (the recompute depends on it)"
-    inside = "" if formats.source == "assumed" else f" than the model's lowest ({formats.floor}, {formats.source})"
+    inside = "" if formats.source == "assumed" else f" than the model's lowest ({formats.ceiling}, {formats.source})"
     return (
         f"it computes in a lower format inside{inside}, or differs from the recompute in logic: it cannot raise "
         "the bound"
