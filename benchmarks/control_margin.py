@@ -49,7 +49,7 @@ class Group:
 
     def add_clean(self, report) -> None:
         self.runs += 1
-        self.clean.append(max(s.max_ratio for s in report.scenarios.values() if s.ratio is not None))
+        self.clean.append(max(float(s.ratio.max()) for s in report.scenarios.values() if s.ratio is not None))
 
     def add_bug(self, scenario, step: int) -> None:
         self.runs += 1

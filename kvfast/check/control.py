@@ -68,6 +68,7 @@ Limits
 from __future__ import annotations
 
 import math
+from statistics import NormalDist
 
 import numpy as np
 
@@ -130,6 +131,33 @@ def pooled_noise(sources: dict[str, np.ndarray], scale: np.ndarray) -> tuple[flo
     return best, where
 
 
+def noise_draws(sources: dict[str, np.ndarray]) -> int:
+    """How many draws of order noise ``sources`` hold: the ``(source, position)`` pairs whose deviation is not 0
+    (a 0 is a row the source computed exactly as the reference did, not a draw of the noise)."""
+    return int(sum(np.count_nonzero(v) for v in sources.values()))
+
+
+def _median_max(n: int) -> float:
+    """The median of the largest of ``n`` independent half-normal draws (standard scale):
+    ``Phi^-1((1 + 2^(-1/n)) / 2)``."""
+    return NormalDist().inv_cdf((1.0 + 2.0 ** (-1.0 / n)) / 2.0)
+
+
+def steps_factor(compared: int, draws: int) -> float:
+    """How far the largest of ``compared`` rows' order noise may typically exceed the largest of ``draws``
+    measured draws: ``median_max(compared) / median_max(draws)`` for half-normal noise, at least 1 (1 when
+    nothing was measured or ``draws >= compared``); see the module doc."""
+    if draws <= 0 or compared <= draws:
+        return 1.0
+    return max(1.0, _median_max(compared) / _median_max(draws))
+
+
+def prefix_length(q: int) -> int:
+    """The length a prefix recompute of about ``q`` tokens uses: odd (``q | 1``), so its last row falls in a
+    partial block of every BLAS kernel that blocks rows by an even number (see the module doc)."""
+    return q | 1
+
+
 def judge(
     deviation: np.ndarray,
     scale: np.ndarray,
@@ -138,16 +166,23 @@ def judge(
     fmt: str,
     margin: float,
     decisive: float,
+    compared: int | None = None,
+    draws: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray, tuple[str, ...], tuple[str, ...]]:
-    """``(bound, ratio, verdicts, floor_sources)`` per step (see the module doc); every ratio is finite."""
-    noise = rel * scale
+    """``(bound, ratio, verdicts, floor_sources)`` per step (see the module doc); every ratio is finite.
+
+    ``compared`` (the reference rows the steps cover) and ``draws`` (:func:`noise_draws`) scale the pooled
+    noise by :func:`steps_factor`; without them the factor is 1."""
+    factor = 1.0 if compared is None or draws is None else steps_factor(compared, draws)
+    noise = factor * rel * scale
     res = ulp(fmt, scale)
     bound = np.maximum(noise, res)
     with np.errstate(over="ignore"):
         ratio = np.minimum(deviation / bound, np.finfo(np.float64).max)
     verdicts = tuple("rounding" if r <= margin else "bug" if r > decisive else "inconclusive" for r in ratio)
+    scaled = "" if factor == 1.0 else f", x{factor:.3g} for {compared} rows against {draws} draws"
     sources = tuple(
-        f"order noise ({where}, {rel:.3g} relative)" if noise[t] >= res[t] else f"{fmt} resolution (1 ulp)"
+        f"order noise ({where}, {rel:.3g} relative{scaled})" if noise[t] >= res[t] else f"{fmt} resolution (1 ulp)"
         for t in range(deviation.shape[0])
     )
     return bound, ratio, verdicts, sources
