@@ -54,12 +54,12 @@ class Group:
     def add_bug(self, scenario, step: int) -> None:
         self.runs += 1
         self.bugs.append(float(scenario.ratio[step]))
-        self.missed += scenario.verdicts[step] != "bug"
+        self.missed += scenario.step_verdicts[step] != "bug"
 
     def row(self) -> str:
         clean = max(self.clean) if self.clean else float("nan")
         bug = min(self.bugs) if self.bugs else float("nan")
-        margin = bug / clean if self.clean and self.bugs else float("nan")
+        margin = (bug / clean if clean > 0 else float("inf")) if self.clean and self.bugs else float("nan")
         return f"| {self.name} | {self.runs} | {clean:.3g} | {bug:.3g} | {margin:.3g} | {self.missed} |"
 
 
