@@ -6,7 +6,9 @@ clean ratio, per group of models, so a change to the bound can be seen not to le
 Groups (every check in control mode):
 
 - ``batched prefill``: ``examples/batched_prefill_model.py`` (plain protocol, no variants, no promote),
-  float32 and bfloat16, ``--runs`` seeds x prompts, both scenarios: clean ratios only (it has no bugs);
+  float32 and bfloat16, ``--runs`` seeds x prompts, both scenarios, clean; the first ``--bug-runs`` of them
+  also with each of its bugs (``BUGS``: ``posoff`` acts at step 1, ``freeze`` at step 2,
+  ``extend_from_zero`` at the resume scenario's step 0);
 - ``kvfast f32`` / ``kvfast bf16``: kvfast's own model with a prefill order and a decode order
   (``tests/test_check_control.py``'s setups), clean, and each catalogue bug (``kvfast.BUGS``) at the step
   where it first acts (from an exact check in one order);
@@ -63,14 +65,23 @@ class Group:
         return f"| {self.name} | {self.runs} | {clean:.3g} | {bug:.3g} | {margin:.3g} | {self.missed} |"
 
 
-def batched_prefill(runs: int) -> list[Group]:
+BATCHED_FIRST_STEP = {"posoff": {"decode": 1, "resume": 1}, "freeze": {"decode": 2, "resume": 2},
+                      "extend_from_zero": {"resume": 0}}  # fmt: skip
+
+
+def batched_prefill(runs: int, bug_runs: int) -> list[Group]:
     example = load_example()
     groups = []
     for dtype in ("float32", "bfloat16"):
         g = Group(f"batched prefill {dtype}")
-        for seed, prompt, continuation in example.grid(runs):
+        for i, (seed, prompt, continuation) in enumerate(example.grid(runs)):
             model = example.BatchedPrefillModel(seed, dtype)
             g.add_clean(check_cache(model, prompt, continuation=continuation, mode="control"))
+            for bug, first in BATCHED_FIRST_STEP.items() if i < bug_runs else ():
+                model = example.BatchedPrefillModel(seed, dtype, bug=bug)
+                report = check_cache(model, prompt, continuation=continuation, mode="control")
+                for name, step in first.items():
+                    g.add_bug(report.scenarios[name], step)
         groups.append(g)
     return groups
 
@@ -126,11 +137,12 @@ def hugging_face(prompts: int) -> list[Group]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=40, help="batched-prefill runs per format")
+    parser.add_argument("--bug-runs", type=int, default=40, help="batched-prefill runs with each of its bugs")
     parser.add_argument("--hf-prompts", type=int, default=2, help="prompts per Hugging Face model")
     parser.add_argument("--no-hf", action="store_true")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    groups = batched_prefill(args.runs) + kvfast_own()
+    groups = batched_prefill(args.runs, args.bug_runs) + kvfast_own()
     if not args.no_hf:
         groups += hugging_face(args.hf_prompts)
     print("| group | runs | largest clean ratio | smallest bug ratio at its first step | margin | not `bug` there |")

@@ -25,6 +25,8 @@ The architecture (pre-norm decoder, learned positions, rotary-free)::
                 x = x + silu(rmsnorm(x) * g2 @ w1) @ w2
     logits = rmsnorm(x) * gf @ w_out
 
+``bug`` injects one of three cache bugs (:data:`BUGS`) into the cache path only.
+
 ``python examples/batched_prefill_model.py`` checks it in control mode over a grid of seeds and
 prompts, in both formats and both scenarios, and prints one report and the verdict counts.
 """
@@ -34,6 +36,13 @@ from __future__ import annotations
 import numpy as np
 
 DTYPES = ("float32", "bfloat16")
+#: Cache bugs the model can carry (``bug=``), each with the step where it first acts per scenario.
+BUGS: dict[str, str] = {
+    "posoff": "decode() adds the position embedding of the position before its own (acts at step 1)",
+    "freeze": "the cache stops growing after the first decode: each later decode replaces the newest key and "
+    "value (acts at step 2)",
+    "extend_from_zero": "extend() numbers its chunk's positions from 0 (acts at the resume scenario's step 0)",
+}
 
 
 def _bf16(x: np.ndarray) -> np.ndarray:
@@ -60,9 +69,13 @@ class BatchedPrefillModel:
         n_layer: int = 2,
         d_ff: int = 128,
         max_positions: int = 128,
+        bug: str | None = None,
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype: {dtype!r} is not allowed; allowed: {', '.join(DTYPES)}")
+        if bug is not None and bug not in BUGS:
+            raise ValueError(f"bug: {bug!r} is not allowed; allowed: None, {', '.join(BUGS)}")
+        self.bug, self.decoded = bug, 0
         if d_model % n_head:
             raise ValueError(f"n_head: {n_head} is not allowed; allowed: a divisor of d_model={d_model}")
         self.dtype, self.vocab_size, self.max_positions = dtype, int(vocab), int(max_positions)
@@ -95,7 +108,7 @@ class BatchedPrefillModel:
         self.V: list[np.ndarray] | None = None
 
     def __repr__(self) -> str:
-        return f"BatchedPrefillModel({self.dtype})"
+        return f"BatchedPrefillModel({self.dtype}, bug={self.bug!r})"
 
     # --- the protocol -------------------------------------------------------------------------
 
@@ -106,21 +119,27 @@ class BatchedPrefillModel:
     def prefill(self, tokens) -> np.ndarray:
         """A fresh cache holding ``tokens`` (whole-matrix products); their logits ``(T, V)``."""
         logits, self.K, self.V = self._batched(self._tokens(tokens, 0), None)
+        self.decoded = 0
         return self._out(logits)
 
     def extend(self, tokens) -> np.ndarray:
         """``tokens`` continuing the cache (whole-matrix products over the chunk); their logits ``(n, V)``."""
         cache = self._cache()
-        logits, self.K, self.V = self._batched(self._tokens(tokens, cache[0][0].shape[0]), cache)
+        past = cache[0][0].shape[0]
+        pos0 = 0 if self.bug == "extend_from_zero" else past
+        logits, self.K, self.V = self._batched(self._tokens(tokens, past), cache, pos0)
         return self._out(logits)
 
     def decode(self, token) -> np.ndarray:
         """One token at the cache's next position, one row at a time; logits ``(V,)``."""
         K, V = self._cache()
+        if self.bug == "freeze" and self.decoded >= 1:
+            K, V = [k[:-1] for k in K], [v[:-1] for v in V]
         pos = K[0].shape[0]
         tok = int(self._tokens([token], pos)[0])
         r = self.round
-        x = r(self.wte[tok] + self.wpe[pos])  # (d,)
+        x = r(self.wte[tok] + self.wpe[pos - 1 if self.bug == "posoff" else pos])  # (d,)
+        self.decoded += 1
         for i, L in enumerate(self.layers):
             h = r(self._norm(x) * L["g1"])
             q, k, v = r(h @ L["wq"]), r(h @ L["wk"]), r(h @ L["wv"])  # matrix-vector products
@@ -139,11 +158,14 @@ class BatchedPrefillModel:
 
     # --- the batched path ---------------------------------------------------------------------
 
-    def _batched(self, tokens: np.ndarray, cache) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
+    def _batched(
+        self, tokens: np.ndarray, cache, pos0: int | None = None
+    ) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
         r = self.round
         past = 0 if cache is None else cache[0][0].shape[0]
         n = tokens.shape[0]
-        x = r(self.wte[tokens] + self.wpe[past : past + n])  # (n, d)
+        pos0 = past if pos0 is None else pos0
+        x = r(self.wte[tokens] + self.wpe[pos0 : pos0 + n])  # (n, d)
         Ks, Vs = [], []
         for i, L in enumerate(self.layers):
             h = r(self._norm(x) * L["g1"])

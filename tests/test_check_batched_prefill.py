@@ -85,27 +85,24 @@ def test_the_old_statistic_fails_this_model(example, monkeypatch):
     assert old.scenarios["decode"].floor_source[1] == "float32 resolution (1 ulp)"  # nothing was measured
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_cache_bug_in_the_same_model_is_found_where_it_first_acts(example, dtype):
-    """A cache that stops growing after the first decode (each later decode replaces the newest key and value,
-    at a position one behind): a growth bug, invisible at step 1."""
+FIRST_STEP = {"posoff": {"decode": 1, "resume": 1}, "freeze": {"decode": 2, "resume": 2},
+              "extend_from_zero": {"decode": None, "resume": 0}}  # fmt: skip
 
-    class Stale(example.BatchedPrefillModel):
-        def decode(self, token):
-            if self.K[0].shape[0] > self.T:  # from the second decode on, the newest key is dropped
-                self.K = [k[:-1] for k in self.K]
-                self.V = [v[:-1] for v in self.V]
-            return super().decode(token)
 
-        def prefill(self, tokens):
-            self.T = len(tokens)
-            return super().prefill(tokens)
-
-    seed, prompt, continuation = list(example.grid(3))[2]
-    report = check_cache(Stale(seed, dtype), prompt, continuation=continuation, mode="control", scenarios="decode")
-    s = report.scenarios["decode"]
-    assert report.verdict == "bug" and s.first_bug_step == 2
-    assert s.step_verdicts[:2] == ("rounding", "rounding")
+@pytest.mark.parametrize("bug", list(FIRST_STEP))
+def test_each_cache_bug_of_the_same_model_is_found_where_it_first_acts(example, bug):
+    """In float32 natively, over the first 6 runs of the grid (run 2 included): ``bug`` at the step where it
+    first acts in every scenario it acts in, ``rounding`` in a scenario it never reaches."""
+    assert set(FIRST_STEP) == set(example.BUGS)
+    for seed, prompt, continuation in example.grid(6):
+        report = check_cache(
+            example.BatchedPrefillModel(seed, "float32", bug=bug), prompt, continuation=continuation, mode="control"
+        )
+        for name, step in FIRST_STEP[bug].items():
+            s = report.scenarios[name]
+            assert (s.verdict, s.first_bug_step) == (("rounding", None) if step is None else ("bug", step)), name
+            if step is not None:
+                assert set(s.step_verdicts[:step]) <= {"rounding"}, name
 
 
 def test_the_example_prints_a_report(example, capsys):
