@@ -21,7 +21,8 @@ ONLY in how they add up land from the reference rows (the recompute):
 2. batch shape, when the recompute is not append-invariant (its rows depend
    on how many rows the batch has): a few prefix recomputes against the same
    rows of the reference (the fast path), or the whole-sequence recompute
-   against the per-step references (``fast=False``).
+   against the per-step references (``fast=False``). The prefix lengths are
+   odd (:func:`prefix_length`; "Odd prefix lengths" below).
 
 The noise is POOLED over the run, relative to the logits' magnitude: with
 ``scale[p] = max |reference row p|`` and ``noise[p]`` the largest deviation of
@@ -31,9 +32,9 @@ relative draw over every measured position is a level every position can
 reach. A step (step 0: the prompt rows it covers; step ``t``: one decode row)
 is judged against
 
-    bound[t] = max(rel * scale[t], ulp(format, scale[t]))
+    bound[t] = max(g * rel * scale[t], ulp(format, scale[t]))
 
-where ``ulp(format, x)`` is the spacing of the logits' own format (bfloat16,
+(``g``: the steps factor, below), where ``ulp(format, x)`` is the spacing of the logits' own format (bfloat16,
 float16, float32 or float64, read from what the model returns) at magnitude
 ``x``: a deviation of one unit in the last place of the logits is never more
 than rounding, and the bound is never 0, so the ratio ``deviation / bound`` is
@@ -41,6 +42,48 @@ always finite. Verdicts per step: ``rounding`` when ``ratio <= margin``
 (default 4), ``bug`` when ``ratio > decisive`` (default 16), ``inconclusive``
 between. A scenario's verdict is its worst step's. Each step's report names
 the source that set its bound (``floor_source``).
+
+Odd prefix lengths (the plain protocol's only noise source)
+-----------------------------------------------------------
+A model with no ``recompute_variants`` gives control mode nothing but its
+recompute, so the batch-shape draws must reach the decode's kind of noise.
+A BLAS matrix product blocks the rows of ``x @ W`` by a fixed count (8 or 16
+float32 rows in OpenBLAS here) and computes a full block in one kernel order;
+a row's sums are the same in a batch of ``q`` rows as in one of ``n`` rows
+when it lands in a full block both times. With every prefix length a multiple
+of the block (a prompt of 8 or 16 tokens and 32 or 64 steps: lengths 16, 24,
+32, 40 against 48) the prefix recomputes equalled the whole recompute bit for
+bit, the recompute looked append-invariant, NO noise was measured, and a
+correct one-row decode (4 to 13 float32 units off the batched rows) was judged
+against one unit: ``inconclusive`` (issue 18). An odd length puts the last
+row of every prefix in a partial block, which the kernel computes on its edge
+path, the closest a recompute comes to a one-row product without the cache,
+for every kernel that blocks rows by an even count. Each prefix is still the
+true prefix at its true positions (a permuted batch would change positions).
+The invariance check's prefix is odd too, so exact mode also sees such a
+recompute as what it is (not append-invariant) and goes per step.
+
+The steps factor ``g``
+----------------------
+``rel`` is the largest of ``M`` draws (:func:`noise_draws`: the ``(source,
+position)`` pairs whose deviation is not 0; a 0 is a row a source computed in
+the reference's own order, no draw of the noise). A scenario compares ``S``
+reference rows (step 0's prompt rows and one per decode step), each a draw of
+the cache path's noise. Were both samples of one distribution, the largest of
+``S`` would still exceed the largest of ``M`` with probability ``S / (S + M)``,
+by a factor growing with ``S / M``; an odd prefix of an otherwise aligned
+batch yields about one draw (its partial block), so ``M = 3`` against ``S =
+65`` happens. The rounding error of a long sum is close to Gaussian (a sum of
+many independent rounding errors), so ``|noise|`` is half-normal; the median of
+the largest of ``N`` half-normal draws is ``m(N) = Phi^-1((1 + 2^(-1/N)) / 2)``
+and the pooled noise is scaled by ``g = max(1, m(S) / m(M))`` (:func:`steps_factor`):
+1 when ``M >= S`` (every model with variants at every position: Hugging Face
+models, kvfast's own), 2.02 for ``S = 65, M = 3``, at most ``m(S) / m(1)``
+(3.8 at ``S = 65``). Why it cannot hide a bug where the old bound did not: it
+only scales noise that was measured and admitted (``M = 0`` leaves the bound
+at the format's resolution), it grows like ``sqrt(log S)``, and where noise was
+measured at every position it is 1: the catalogue margins are unchanged
+(``benchmarks/control_margin.py``, figures in docs/check.md).
 
 The noise is measured in :mod:`kvfast.check.reference` (:func:`~kvfast.check.reference.order_noise`);
 this module judges against it.
@@ -54,6 +97,15 @@ Limits
   order noise is larger than every variant's (another kernel nobody mirrored)
   can reach ``inconclusive`` or ``bug`` on a correct model; give the model a
   variant in that kernel's order, or raise ``decisive``.
+- The plain protocol's noise is the batch shape alone: a recompute that is
+  invariant at every length (each row computed alone, or every length padded
+  to the block) while the decode runs another kernel gives no draw, and the
+  bound stays at the format's resolution: offer ``recompute_variants``. Rows
+  blocked by an odd count (3, 5, 7) need not reach a partial block at an odd
+  length. The half-normal model is an assumption: noise with a heavier tail
+  (a near-tie in a softmax, a cancellation) can pass ``g * rel``, which the
+  ``margin`` (4) absorbs; measured on the batched-prefill example the largest
+  clean ratio is 2.74 over 200 float32 runs (docs/check.md).
 - The control computations must not go through the cache: a variant computed
   with the cache under test would carry its bug into the floor and hide it.
 - A bug whose effect is within ``margin`` times the order noise is called
@@ -68,6 +120,7 @@ Limits
 from __future__ import annotations
 
 import math
+from statistics import NormalDist
 
 import numpy as np
 
@@ -128,6 +181,33 @@ def pooled_noise(sources: dict[str, np.ndarray], scale: np.ndarray) -> tuple[flo
     return best, where
 
 
+def noise_draws(sources: dict[str, np.ndarray]) -> int:
+    """How many draws of order noise ``sources`` hold: the ``(source, position)`` pairs whose deviation is not 0
+    (a 0 is a row the source computed exactly as the reference did, not a draw of the noise)."""
+    return int(sum(np.count_nonzero(v) for v in sources.values()))
+
+
+def _median_max(n: int) -> float:
+    """The median of the largest of ``n`` independent half-normal draws (standard scale):
+    ``Phi^-1((1 + 2^(-1/n)) / 2)``."""
+    return NormalDist().inv_cdf((1.0 + 2.0 ** (-1.0 / n)) / 2.0)
+
+
+def steps_factor(compared: int, draws: int) -> float:
+    """How far the largest of ``compared`` rows' order noise may typically exceed the largest of ``draws``
+    measured draws: ``median_max(compared) / median_max(draws)`` for half-normal noise, at least 1 (1 when
+    nothing was measured or ``draws >= compared``); see the module doc."""
+    if draws <= 0 or compared <= draws:
+        return 1.0
+    return max(1.0, _median_max(compared) / _median_max(draws))
+
+
+def prefix_length(q: int) -> int:
+    """The length a prefix recompute of about ``q`` tokens uses: odd (``q | 1``), so its last row falls in a
+    partial block of every BLAS kernel that blocks rows by an even number (see the module doc)."""
+    return q | 1
+
+
 def judge(
     deviation: np.ndarray,
     scale: np.ndarray,
@@ -136,16 +216,23 @@ def judge(
     fmt: str,
     margin: float,
     decisive: float,
+    compared: int | None = None,
+    draws: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray, tuple[str, ...], tuple[str, ...]]:
-    """``(bound, ratio, verdicts, floor_sources)`` per step (see the module doc); every ratio is finite."""
-    noise = rel * scale
+    """``(bound, ratio, verdicts, floor_sources)`` per step (see the module doc); every ratio is finite.
+
+    ``compared`` (the reference rows the steps cover) and ``draws`` (:func:`noise_draws`) scale the pooled
+    noise by :func:`steps_factor`; without them the factor is 1."""
+    factor = 1.0 if compared is None or draws is None else steps_factor(compared, draws)
+    noise = factor * rel * scale
     res = ulp(fmt, scale)
     bound = np.maximum(noise, res)
     with np.errstate(over="ignore"):
         ratio = np.minimum(deviation / bound, np.finfo(np.float64).max)
     verdicts = tuple("rounding" if r <= margin else "bug" if r > decisive else "inconclusive" for r in ratio)
+    scaled = "" if factor == 1.0 else f", x{factor:.3g} for {compared} rows against {draws} draws"
     sources = tuple(
-        f"order noise ({where}, {rel:.3g} relative)" if noise[t] >= res[t] else f"{fmt} resolution (1 ulp)"
+        f"order noise ({where}, {rel:.3g} relative{scaled})" if noise[t] >= res[t] else f"{fmt} resolution (1 ulp)"
         for t in range(deviation.shape[0])
     )
     return bound, ratio, verdicts, sources

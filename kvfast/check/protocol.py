@@ -89,11 +89,14 @@ def to_numpy(value: object) -> np.ndarray:
         if str(getattr(value, "dtype", "")) == "torch.bfloat16":
             value = value.float()  # exact: every bfloat16 is a float32
     try:
-        return np.asarray(value)
+        arr = np.asarray(value)
     except Exception as exc:  # noqa: BLE001 - any conversion failure is the model's bad output
         raise ValueError(
             f"logits: {type(value).__name__} cannot be read by numpy.asarray ({exc}); allowed: an array-like"
         ) from exc
+    if arr.dtype.kind == "V" and str(arr.dtype) == "bfloat16":
+        arr = arr.astype(np.float32)  # an ml_dtypes bfloat16 array: exact, as for torch's
+    return arr
 
 
 def check_logits(value: object, method: str, rows: int | None, vocab: int | None, where: str = "") -> np.ndarray:

@@ -53,7 +53,7 @@ def invariance(
     if not np.array_equal(ref0, full[:T]):
         dev = float(np.abs(ref0 - full[:T]).max())
         why = f"recompute(prompt) differs from the first {T} rows of recompute(whole sequence) by {dev:.4g}"
-    q = T + max(1, steps // 4)
+    q = C.prefix_length(T + max(1, steps // 4))  # odd: see kvfast.check.control.prefix_length
     if q < final.shape[0]:
         parts[q] = calls.recompute(final[:q])
         if why is None and not np.array_equal(parts[q], full[:q]):
@@ -95,7 +95,7 @@ def batch_shape_noise(
     against the same rows of the whole-sequence recompute ``full``; per position, 0 where not measured."""
     n = final.shape[0]
     T = min(parts)
-    for q in (T + steps // 2, T + (3 * steps) // 4):
+    for q in map(C.prefix_length, (T + steps // 2, T + (3 * steps) // 4)):
         if T < q < n and q not in parts:
             parts[q] = calls.recompute(final[:q])
     noise = np.zeros(n)

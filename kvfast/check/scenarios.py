@@ -86,7 +86,10 @@ def judge_scenario(
     scale = np.concatenate([[scale_pos[start:T].max()], scale_pos[T:]])
     floor = np.concatenate([[noise_pos[start:T].max()], noise_pos[T:]])
     rel, where = C.pooled_noise(noise, scale_pos)
-    bound, ratio, verdicts, floor_source = C.judge(dev, scale, rel, where, fmt, margin, decisive)
+    compared = T - start + dev.shape[0] - 1  # the reference rows the steps cover
+    bound, ratio, verdicts, floor_source = C.judge(
+        dev, scale, rel, where, fmt, margin, decisive, compared, C.noise_draws(noise)
+    )
     bugs = [t for t, v in enumerate(verdicts) if v == "bug"]
     unsure = [t for t, v in enumerate(verdicts) if v == "inconclusive"]
     return ScenarioReport(
