@@ -210,6 +210,54 @@ def run(config: dict) -> dict:
     }
 
 
+def logic_check_for(dtype: str) -> str:
+    """The ``promote`` a scan gives ``dtype``: the float64 logic check for bfloat16 (natively a logic bug there
+    often moves the logits by one unit in the last place), none otherwise."""
+    return "float64" if dtype == "bfloat16" else "none"
+
+
+def scan_spec(
+    families: list[str],
+    dtypes: list[str] = ("float32", "bfloat16"),
+    scenario_names: list[str] | None = None,
+    seeds: int = 2,
+    prompts: int = 2,
+    steps: int = 16,
+    attention: str = "auto",
+    bugs: bool = True,
+) -> dict:
+    """The grid spec of a scan (the form of ``hf_scan.toml``): ``families`` x ``scenario_names`` (default: every
+    scenario); clean runs in every dtype (bfloat16 with the logic check: :func:`logic_check_for`) x ``seeds`` x
+    ``prompts``; with ``bugs``, every injected bug in the first dtype, seed 0, prompt 0, in the scenarios where
+    it acts (:func:`kvfast.check.hf.first_acting_step`)."""
+    from kvfast.check.hf import HF_BUGS, first_acting_step
+
+    names = list(scenario_names or scenarios())
+    union = [
+        {
+            "description": "clean",
+            "fixed": {"bug": hf.NO_BUG},
+            "axes": {"seed": list(range(seeds)), "prompt": list(range(prompts))},
+            "tied": [{"dtype": list(dtypes), "promote": [logic_check_for(d) for d in dtypes]}],
+        }
+    ]
+    for scenario in names if bugs else ():
+        acting = [b for b in HF_BUGS if first_acting_step(b, scenario, min(PROMPT_LENGTHS)) is not None]
+        fixed = {"dtype": dtypes[0], "promote": logic_check_for(dtypes[0]), "seed": 0, "prompt": 0}
+        if acting:
+            union.append(
+                {"description": f"injected bugs, {scenario}", "fixed": {**fixed, "scenario": scenario},
+                 "axes": {"bug": acting}}
+            )  # fmt: skip
+    return {
+        "study": "hf_scan",
+        "description": "kvfast scan",
+        "fixed": {"steps": steps, "attention": attention},
+        "axes": {"architecture": list(families), "scenario": names},
+        "union": union,
+    }
+
+
 # --- the scoreboard ----------------------------------------------------------------------------------------
 
 
@@ -331,7 +379,11 @@ def facts(df: pd.DataFrame) -> list[Fact]:
     return [
         Fact("hf_scan_coverage", f"hf_scan: architectures checked (transformers {versions})", f"{checked} of {total}"),
         Fact("hf_scan_clean", "hf_scan: clean runs by verdict", verdict_cell(clean["verdict"]) if len(clean) else ""),
-        Fact("hf_scan_bugs", "hf_scan: bugged runs found (where the bug acts)", f"{int(_found(bugged).sum())} of {len(bugged)}"),
+        Fact(
+            "hf_scan_bugs",
+            "hf_scan: bugged runs found (where the bug acts)",
+            f"{int(_found(bugged).sum())} of {len(bugged)}",
+        ),
         Fact(
             "hf_scan_check_s",
             "hf_scan: median seconds per check (largest)",
