@@ -36,7 +36,7 @@ def add_parser(sub) -> None:
     p.add_argument("--prompts", type=int, default=2, metavar="N", help="prompts per seed (default 2)")
     p.add_argument("--steps", type=int, default=16, metavar="N", help="decode steps (default 16)")
     p.add_argument("--attention", default="auto", metavar="IMPL", help="auto (the class's default), sdpa or eager")
-    p.add_argument("--no-bugs", action="store_true", help="clean runs only (no injected bug catalogue)")
+    p.add_argument("--bugs", nargs="+", metavar="BUG", help="injected bugs (default: every bug of the catalogue; none)")
     p.add_argument(
         "--out", default="results/hf_scan", metavar="DIR", help="results directory (default: results/hf_scan)"
     )
@@ -55,6 +55,7 @@ def _choose(values: list[str], allowed: tuple[str, ...], option: str) -> None:
 
 def build_grid(args):
     """The scan's grid from the command's arguments; ``ValueError`` (one line) for a bad one."""
+    from kvfast.check.hf import HF_BUGS
     from kvfast.studies import scan
     from kvfast.studies.hf_common import require_torch
     from kvfast.sweep.grid import grid_from_spec
@@ -68,14 +69,15 @@ def build_grid(args):
     scenarios = _names(args.scenarios) or list(scan.scenarios())
     _choose(scenarios, scan.scenarios(), "--scenarios")
     _choose([args.attention], scan.ATTENTION, "--attention")
+    bugs = _names(args.bugs) or list(HF_BUGS)
+    bugs = [] if bugs == ["none"] else bugs
+    _choose(bugs, tuple(HF_BUGS), "--bugs")
     require_int(args.seeds, "--seeds", 1, 100)
     require_int(args.prompts, "--prompts", 1, 100)
     require_int(args.steps, "--steps", 1, 256)
     if args.jobs is not None:
         require_int(args.jobs, "--jobs", 1)
-    spec = scan.scan_spec(
-        families, dtypes, scenarios, args.seeds, args.prompts, args.steps, args.attention, not args.no_bugs
-    )
+    spec = scan.scan_spec(families, dtypes, scenarios, args.seeds, args.prompts, args.steps, args.attention, bugs)
     return grid_from_spec(spec, name="hf_scan", source="kvfast scan")
 
 

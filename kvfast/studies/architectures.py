@@ -61,6 +61,8 @@ SMALL: dict[str, int] = {
     **dict.fromkeys(("swa_num_key_value_heads",), KV_HEADS),
     **dict.fromkeys(("num_nextn_predict_layers",), 0),
     **dict.fromkeys(("first_k_dense_replace", "num_dense_layers"), 1),
+    **dict.fromkeys(("vocab_size_per_layer_input",), VOCAB),
+    **dict.fromkeys(("hidden_size_per_layer_input",), HEAD_DIM),
     **dict.fromkeys(("image_size",), 32),
     **dict.fromkeys(("patch_size",), 8),
     **dict.fromkeys(("vision_output_dim", "projection_dim", "hidden_size_per_head"), HIDDEN),
@@ -148,28 +150,63 @@ def _layer_count(d: dict) -> int | None:
     return None
 
 
+def _plan(d: dict) -> tuple[int | None, list[int], int]:
+    """``(layers in the config, indices of the layers kept, layers of the tiny model)``.
+
+    Per-layer types as long as the layer count keep :func:`_layers_kept`; a shorter list is a repeating pattern
+    (RecurrentGemma's ``block_types``): the tiny model has one period of it (at most :data:`MAX_LAYERS`); layers
+    that share another layer's keys and values (``num_kv_shared_layers``) get the kept layers twice over, so that
+    the second half can share the first's.
+    """
+    n = _layer_count(d)
+    if not n:
+        return n, [], 0
+    types = next((d[k] for k in TYPE_KEYS if isinstance(d.get(k), list | str) and len(d[k]) == n), None)
+    kept = _layers_kept(list(types)) if types is not None else list(range(min(n, 2)))
+    pattern = next((d[k] for k in TYPE_KEYS if isinstance(d.get(k), list) and 2 < len(d[k]) < n), None)
+    count = min(len(pattern), MAX_LAYERS) if pattern is not None and types is None else len(kept)
+    if isinstance(d.get("num_kv_shared_layers"), int) and d["num_kv_shared_layers"] > 0 and types is not None:
+        tail = {max(j for j in range(n) if types[j] == types[i]) for i in kept}  # the same types, last layers
+        kept = sorted(set(kept) | tail)
+        count = len(kept)
+    return n, kept, count
+
+
+def _hooks(d: dict, n: int | None, kept: list[int], count: int) -> dict:
+    """Options whose defaults make no sense for a tiny model: hybrid layouts that would keep no attention layer,
+    an adapter with no language, a shared-KV tail longer than the model."""
+    out: dict = {}
+    if isinstance(d.get("attn_layer_period"), int) and d["attn_layer_period"] > count:
+        out["attn_layer_period"], out["attn_layer_offset"] = count, count - 1  # Jamba: the last layer attends
+    if "attn_layer_indices" in d and not d["attn_layer_indices"]:
+        out["attn_layer_indices"] = [count - 1]  # Bamba: attention in the last layer (none by default)
+    if d.get("default_language") is None and d.get("languages"):
+        out["default_language"] = d["languages"][0]  # X-MOD: a language adapter must be chosen
+    if isinstance(d.get("num_kv_shared_layers"), int) and d["num_kv_shared_layers"] > 0:
+        out["num_kv_shared_layers"] = count // 2
+    return out
+
+
 def shrink(d: dict) -> dict:
     """The overrides that make a config (as ``to_dict()`` gives it) tiny; nested sub-config dicts shrunk too.
 
     Only keys the config has are set; per-layer lists (as long as the layer count) keep the layers of
-    :func:`_layers_kept`; a sliding window is made :data:`WINDOW` (never larger than it was); rotary scaling,
+    :func:`_plan`; a sliding window is made :data:`WINDOW` (never larger than it was); rotary scaling,
     soft-capping and attention types are kept as they are.
     """
+    n, kept, count = _plan(d)
     out: dict = {}
-    n = _layer_count(d)
-    types = next((d[k] for k in TYPE_KEYS if isinstance(d.get(k), list | str) and len(d[k]) == n), None)
-    kept = _layers_kept(list(types)) if types is not None and n else list(range(min(n or 0, 2)))
     for key, value in d.items():
         if key == "is_decoder" and value is False:  # encoder classes (BERT, RoBERTa) cache only as decoders
             out[key] = True
         if isinstance(value, bool) or key in ("id2label", "label2id"):
             continue
-        if key == "per_layer_config" and isinstance(value, dict) and n:
+        if key == "per_layer_config" and isinstance(value, dict):
             out[key] = _per_layer(value, kept)
-        if isinstance(value, dict) and ("model_type" in value or key.endswith("_config")):
+        elif isinstance(value, dict) and ("model_type" in value or key.endswith("_config")):
             out[key] = {**value, **shrink(value)}
         elif key in LAYER_KEYS and isinstance(value, int) and n:
-            out[key] = len(kept)
+            out[key] = count
         elif n and isinstance(value, list | str) and key in TYPE_KEYS and len(value) == n:
             picked = [value[i] for i in kept]
             out[key] = "".join(picked) if isinstance(value, str) else picked
@@ -181,7 +218,7 @@ def shrink(d: dict) -> dict:
             out[key] = SMALL[key]
         elif key in PAD_KEYS and isinstance(value, int) and value >= VOCAB:
             out[key] = 0
-    return out
+    return {**out, **_hooks(d, n, kept, count)}
 
 
 def own_cache(model) -> bool:

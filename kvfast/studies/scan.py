@@ -224,11 +224,12 @@ def scan_spec(
     prompts: int = 2,
     steps: int = 16,
     attention: str = "auto",
-    bugs: bool = True,
+    bugs: list[str] | None = None,
 ) -> dict:
     """The grid spec of a scan (the form of ``hf_scan.toml``): ``families`` x ``scenario_names`` (default: every
     scenario); clean runs in every dtype (bfloat16 with the logic check: :func:`logic_check_for`) x ``seeds`` x
-    ``prompts``; with ``bugs``, every injected bug in the first dtype, seed 0, prompt 0, in the scenarios where
+    ``prompts``; each of ``bugs`` (default: every injected bug; ``[]``: none) in the first dtype, seed 0,
+    prompt 0, in the scenarios where
     it acts (:func:`kvfast.check.hf.first_acting_step`)."""
     from kvfast.check.hf import HF_BUGS, first_acting_step
 
@@ -241,8 +242,12 @@ def scan_spec(
             "tied": [{"dtype": list(dtypes), "promote": [logic_check_for(d) for d in dtypes]}],
         }
     ]
-    for scenario in names if bugs else ():
-        acting = [b for b in HF_BUGS if first_acting_step(b, scenario, min(PROMPT_LENGTHS)) is not None]
+    for scenario in names:
+        acting = [
+            b
+            for b in (HF_BUGS if bugs is None else bugs)
+            if first_acting_step(b, scenario, min(PROMPT_LENGTHS)) is not None
+        ]
         fixed = {"dtype": dtypes[0], "promote": logic_check_for(dtypes[0]), "seed": 0, "prompt": 0}
         if acting:
             union.append(
