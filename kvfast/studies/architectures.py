@@ -47,6 +47,7 @@ SMALL: dict[str, int] = {
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "n_experts"), EXPERTS),
     **dict.fromkeys(("num_experts_per_tok", "moe_k", "top_k", "num_selected_experts", "moe_topk"), 2),
     **dict.fromkeys(("n_group", "topk_group", "num_expert_groups", "moe_num_shared_experts"), 1),
+    **dict.fromkeys(("n_groups", "mamba_n_groups"), 1),
     **dict.fromkeys(("kv_lora_rank", "q_lora_rank", "index_head_dim"), 16),
     **dict.fromkeys(("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "swa_head_dim"), HEAD_DIM),
     **dict.fromkeys(("rotary_dim",), HEAD_DIM // 2),
@@ -231,6 +232,18 @@ def own_cache(model) -> bool:
         name.endswith("Cache") and isinstance(value, type) and value.__module__ == module.__name__
         for name, value in vars(module or object).items()
     )
+
+
+def pad_token(model) -> int | None:
+    """The model's padding token id (its text config's for a composite model), ``None`` if it has none."""
+    config = model.config
+    pad = getattr(config, "pad_token_id", None)
+    if pad is None and hasattr(config, "get_text_config"):
+        try:
+            pad = getattr(config.get_text_config(), "pad_token_id", None)
+        except ValueError:  # several text configs (MusicGen): no single answer
+            pad = None
+    return pad if isinstance(pad, int) and not isinstance(pad, bool) else None
 
 
 def tiny_config(model_type: str):

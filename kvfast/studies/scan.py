@@ -147,15 +147,27 @@ def _step(report) -> int:
     return int(min(steps)) if steps else -1
 
 
+def tokens(config: dict, pad: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """The config's prompt and continuation, with the model's padding token ``pad`` replaced by the next id: a
+    RoBERTa-style model gives a padding token no position (its position ids skip it), so a prompt holding one
+    asks the cache a question no generation asks (measured: clean RoBERTa, CamemBERT, X-MOD called ``bug``)."""
+    c = config
+    prompt, continuation = hf.prompt_and_continuation(PROMPT_STREAM, c["seed"], c["prompt"], c["steps"], PROMPT_LENGTHS)
+    if pad is not None:
+        prompt[prompt == pad] = (pad + 1) % hf.TINY_VOCAB
+        continuation[continuation == pad] = (pad + 1) % hf.TINY_VOCAB
+    return prompt, continuation
+
+
 def _check(config: dict, model):
     """The config's check of ``model`` (an adapter is made here, with the bug)."""
     from kvfast.check.checker import check_cache
     from kvfast.check.hf import HFModel
-    from kvfast.studies.architectures import own_cache
+    from kvfast.studies.architectures import own_cache, pad_token
 
     c = config
     adapter = HFModel(model, new_cache=(lambda: None) if own_cache(model) else None, bug=hf.bug_of(c))
-    prompt, continuation = hf.prompt_and_continuation(PROMPT_STREAM, c["seed"], c["prompt"], c["steps"], PROMPT_LENGTHS)
+    prompt, continuation = tokens(c, pad_token(model))
     promote = None if c["promote"] == "none" else c["promote"]
     report = check_cache(
         adapter, prompt, mode="control", scenarios=(c["scenario"],), continuation=continuation, promote=promote
