@@ -13,9 +13,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from kvfast.studies import STUDIES
+from kvfast.studies import STUDIES, hf_common, scan
 from kvfast.studies import architectures as A
-from kvfast.studies import scan
 
 ROOT = Path(__file__).resolve().parent.parent
 KVFAST = str(Path(sys.executable).with_name("kvfast"))
@@ -61,6 +60,15 @@ def test_shrink_makes_sizes_tiny_and_keeps_what_matters_to_the_cache():
         "sliding_window": A.WINDOW,
         "layer_types": ["sliding_attention", "full_attention"],
     }  # soft-capping, rope parameters and token ids outside the vocabulary are not touched
+
+
+def test_prompts_never_hold_the_padding_token():
+    config = {"seed": 0, "prompt": 0, "steps": 200}
+    prompt, continuation = scan.tokens(config, None)
+    assert 1 in continuation  # the stream draws it ...
+    prompt, continuation = scan.tokens(config, 1)
+    assert 1 not in prompt and 1 not in continuation  # ... and a model whose padding token it is never sees it
+    assert A.VOCAB == hf_common.TINY_VOCAB
 
 
 def test_shrink_keeps_one_layer_of_each_type_and_renumbers_per_layer_tables():
