@@ -4,6 +4,7 @@ one transformers cannot run as a KV-cache model), resumed and drawn by the repor
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from kvfast.commands import scan as scan_command
 from kvfast.studies import STUDIES, hf_common, scan
 from kvfast.studies import architectures as A
 
@@ -174,23 +176,43 @@ def test_the_study_is_registered_and_imports_no_torch():
 # --- the command ------------------------------------------------------------------------------------------------
 
 
+def _args(**kw) -> argparse.Namespace:
+    base = {"families": None, "dtypes": None, "scenarios": None, "seeds": 2, "prompts": 2, "steps": 16}
+    return argparse.Namespace(**{**base, "attention": "auto", "bugs": None, "jobs": None, **kw})
+
+
 @pytest.mark.skipif(not HF, reason="needs kvfast[hf] (torch and transformers)")
 @pytest.mark.parametrize(
-    ("args", "line"),
+    ("kw", "message"),
     [
-        (["--families", "llama", "nope"], "kvfast: error: --families: 'nope' is not allowed; allowed: "),
-        (
-            ["--dtypes", "float16"],
-            "kvfast: error: --dtypes: 'float16' is not allowed; allowed: float32, float64, bfloat16",
-        ),
-        (["--bugs", "typo"], "kvfast: error: --bugs: 'typo' is not allowed; allowed: window, posoff, freeze, f16"),
-        (["--steps", "0"], "kvfast: error: --steps: 0 is not allowed; allowed: "),
+        ({"families": ["llama", "nope"]}, "--families: 'nope' is not allowed; allowed: afmoe, "),
+        ({"dtypes": ["float16"]}, "--dtypes: 'float16' is not allowed; allowed: float32, float64, bfloat16"),
+        ({"scenarios": ["decode,rewind"]}, "--scenarios: 'rewind' is not allowed; allowed: decode, resume"),
+        ({"bugs": ["typo"]}, "--bugs: 'typo' is not allowed; allowed: window, posoff, freeze, f16, restart, replay"),
+        ({"attention": "flash"}, "--attention: 'flash' is not allowed; allowed: auto, sdpa, eager"),
+        ({"steps": 0}, "--steps: 0 is not allowed; allowed: "),
+        ({"jobs": 0}, "--jobs: 0 is not allowed; allowed: "),
     ],
 )
-def test_bad_input_is_one_line_and_exit_2(tmp_path, args, line):
-    out = kvfast("scan", *args, "--out", str(tmp_path / "x"))
-    assert out.returncode == 2 and out.stderr.startswith(line) and out.stderr.count("\n") == 1, out.stderr
-    assert "llama" in out.stderr or "--families" not in line  # the allowed families are listed
+def test_bad_input_names_the_option_and_the_allowed_values(kw, message):
+    with pytest.raises(ValueError) as info:
+        scan_command.build_grid(_args(**kw))
+    assert str(info.value).startswith(message)
+
+
+def test_the_default_scan_covers_every_architecture_of_the_installed_transformers():
+    if not HF:
+        pytest.skip("needs kvfast[hf] (torch and transformers)")
+    grid = scan_command.build_grid(_args())
+    per_arch = 2 * 2 * 2 * 2 + 4 + 6  # scenarios x dtypes x seeds x prompts clean; bugs where they act
+    assert len(grid) == per_arch * len(A.causal_lm_types())
+
+
+@pytest.mark.skipif(not HF, reason="needs kvfast[hf] (torch and transformers)")
+def test_bad_input_on_the_command_line_is_one_line_and_exit_2(tmp_path):
+    out = kvfast("scan", "--families", "llama", "nope", "--out", str(tmp_path / "x"))
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith("kvfast: error: --families: 'nope' is not allowed; allowed: afmoe, ")
     assert not (tmp_path / "x").exists()
 
 
