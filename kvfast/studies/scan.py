@@ -479,6 +479,7 @@ STUDY = Study(
     result_fields=RESULT_FIELDS,
     validate_config=validate_config,
     summarize=scoreboard,
+    claims=None,  # a scoreboard, not a claim: the verdicts issue owns what clean runs must give
     figures=FIGURES,
     facts=facts,
     tables=(("hf_scan_skipped", skipped_table), ("hf_scan_bugs", bug_table)),
