@@ -1,0 +1,119 @@
+"""``kvfast scan [--families ...] [--dtypes ...] [--out DIR] [--jobs N] [--markdown]``: every causal-LM
+architecture of the installed transformers, checked and scored (the ``hf_scan`` study, extra ``kvfast[hf]``).
+
+Runs :func:`kvfast.studies.scan.scan_spec`'s grid on the sweep engine (parallel, resumable: a rerun runs only
+what is not stored), then prints the scoreboard (:func:`kvfast.studies.scan.scoreboard`) and the skipped
+architectures with their reasons, and writes both, as CSV and Markdown, to ``DIR.report/`` (beside the results,
+never inside them). ``--markdown`` prints them as Markdown (what docs/check.md pastes); ``kvfast report DIR``
+draws the heatmap. Bad input (an unknown family, dtype or scenario) is one line naming the allowed values,
+exit 2. Exit codes as ``kvfast run`` (:data:`kvfast.commands.sweep.EXIT_CODES`): a skipped architecture is a
+stored ``ok`` run whose verdict is ``skipped``, not a failure.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+DEFAULT_DTYPES = ("float32", "bfloat16")
+
+
+def _names(values: list[str] | None) -> list[str]:
+    """Values given as several arguments, comma-separated, or both; in order, once each."""
+    out: list[str] = []
+    for value in values or ():
+        out += [v for v in value.split(",") if v and v not in out]
+    return out
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("scan", help="check every causal-LM architecture of the installed transformers; a scoreboard")
+    p.add_argument("--families", nargs="+", metavar="TYPE", help="model types (default: every causal-LM type)")
+    p.add_argument(
+        "--dtypes", nargs="+", metavar="DTYPE", help="default: float32 bfloat16 (bfloat16 with the logic check)"
+    )
+    p.add_argument("--scenarios", nargs="+", metavar="NAME", help="default: every scenario of the check")
+    p.add_argument("--seeds", type=int, default=2, metavar="N", help="weight seeds 0..N-1 (default 2)")
+    p.add_argument("--prompts", type=int, default=2, metavar="N", help="prompts per seed (default 2)")
+    p.add_argument("--steps", type=int, default=16, metavar="N", help="decode steps (default 16)")
+    p.add_argument("--attention", default="auto", metavar="IMPL", help="auto (the class's default), sdpa or eager")
+    p.add_argument("--bugs", nargs="+", metavar="BUG", help="injected bugs (default: every bug of the catalogue; none)")
+    p.add_argument(
+        "--out", default="results/hf_scan", metavar="DIR", help="results directory (default: results/hf_scan)"
+    )
+    p.add_argument("--markdown", action="store_true", help="print the scoreboard and the skipped table as Markdown")
+    p.add_argument("--fresh", action="store_true", help="delete stored results in DIR first")
+    p.add_argument("--jobs", type=int, default=None, metavar="N", help="worker processes (default: all cores)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_scan)
+
+
+def _choose(values: list[str], allowed: tuple[str, ...], option: str) -> None:
+    for value in values:
+        if value not in allowed:
+            raise ValueError(f"{option}: {value!r} is not allowed; allowed: {', '.join(allowed)}")
+
+
+def build_grid(args):
+    """The scan's grid from the command's arguments; ``ValueError`` (one line) for a bad one."""
+    from kvfast.check.hf import HF_BUGS
+    from kvfast.studies import scan
+    from kvfast.studies.hf_common import require_torch
+    from kvfast.sweep.grid import grid_from_spec
+    from kvfast.validation import require_int
+
+    require_torch("hf_scan")
+    families = _names(args.families) or list(scan.architectures())
+    _choose(families, scan.architectures(), "--families")
+    dtypes = _names(args.dtypes) or list(DEFAULT_DTYPES)
+    _choose(dtypes, scan.DTYPES, "--dtypes")
+    scenarios = _names(args.scenarios) or list(scan.scenarios())
+    _choose(scenarios, scan.scenarios(), "--scenarios")
+    _choose([args.attention], scan.ATTENTION, "--attention")
+    bugs = _names(args.bugs) or list(HF_BUGS)
+    bugs = [] if bugs == ["none"] else bugs
+    _choose(bugs, tuple(HF_BUGS), "--bugs")
+    require_int(args.seeds, "--seeds", 1, 100)
+    require_int(args.prompts, "--prompts", 1, 100)
+    require_int(args.steps, "--steps", 1, 256)
+    if args.jobs is not None:
+        require_int(args.jobs, "--jobs", 1)
+    spec = scan.scan_spec(families, dtypes, scenarios, args.seeds, args.prompts, args.steps, args.attention, bugs)
+    return grid_from_spec(spec, name="hf_scan", source="kvfast scan")
+
+
+def scoreboard_text(df, markdown: bool) -> str:
+    """The scoreboard, then the skipped architectures, as text or Markdown."""
+    from kvfast.commands.sweep import _table
+    from kvfast.report import markdown as md
+    from kvfast.studies import scan
+
+    board, skipped = scan.scoreboard(df), scan.skipped_table(df)
+    checked, total = scan.coverage(df)
+    head = f"{checked} of {total} architectures checked; {len(skipped)} with skipped runs"
+    show = md if markdown else _table
+    return f"{head}\n\n{show(board)}\n\nskipped:\n\n{show(skipped)}"
+
+
+def cmd_scan(args) -> int:
+    from kvfast.commands.sweep import _exit, _sweep
+    from kvfast.report import report_dir
+    from kvfast.studies import scan
+    from kvfast.sweep.options import SweepOptions
+    from kvfast.sweep.store import load
+
+    out = Path(args.out).absolute()
+    grid = build_grid(args)
+    report = _sweep(grid, out, SweepOptions.build(jobs=args.jobs, quiet=args.quiet, fresh=args.fresh))
+    if isinstance(report, int):
+        return report
+    print(report.line())
+    df = load(out)
+    df = df[df["run_id"].isin(set(grid.iter_ids()))]  # this grid's runs (DIR may hold an earlier, larger scan)
+    print(scoreboard_text(df, args.markdown))
+    where = report_dir(out)
+    where.mkdir(parents=True, exist_ok=True)
+    scan.scoreboard(df).to_csv(where / "scoreboard.csv", index=False, lineterminator="\n")
+    scan.skipped_table(df).to_csv(where / "skipped.csv", index=False, lineterminator="\n")
+    (where / "scoreboard.md").write_text(scoreboard_text(df, True) + "\n")
+    print(f"scoreboard: {where / 'scoreboard.md'} (kvfast report {args.out}: the heatmap)")
+    return _exit(report)

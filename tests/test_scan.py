@@ -1,0 +1,245 @@
+"""``kvfast scan`` and the ``hf_scan`` study: tiny configs of every architecture (shrunk, with what matters to the
+cache kept), the scoreboard's counts, bad input in one line, and a small scan end to end (two architectures and
+one transformers cannot run as a KV-cache model), resumed and drawn by the report."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from kvfast.commands import scan as scan_command
+from kvfast.studies import STUDIES, hf_common, scan
+from kvfast.studies import architectures as A
+
+ROOT = Path(__file__).resolve().parent.parent
+KVFAST = str(Path(sys.executable).with_name("kvfast"))
+HF = os.environ.get("KVFAST_REQUIRE_HF") == "1" or all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def kvfast(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([KVFAST, *args], capture_output=True, text=True, timeout=600, cwd=ROOT, env=ENV)
+
+
+# --- shrinking a config -------------------------------------------------------------------------------------
+
+GEMMA2_LIKE = {
+    "vocab_size": 256000,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "pad_token_id": 0,
+    "eos_token_id": 255999,
+    "sliding_window": 4096,
+    "layer_types": ["sliding_attention", "full_attention"] * 13,
+    "final_logit_softcapping": 30.0,
+    "attn_logit_softcapping": 50.0,
+    "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+    "use_cache": True,
+}
+
+
+def test_shrink_makes_sizes_tiny_and_keeps_what_matters_to_the_cache():
+    out = A.shrink(GEMMA2_LIKE)
+    assert out == {
+        "vocab_size": A.VOCAB,
+        "hidden_size": A.HIDDEN,
+        "intermediate_size": A.FFN,
+        "num_hidden_layers": 2,
+        "num_attention_heads": A.HEADS,
+        "num_key_value_heads": A.KV_HEADS,
+        "head_dim": A.HEAD_DIM,
+        "sliding_window": A.WINDOW,
+        "layer_types": ["sliding_attention", "full_attention"],
+    }  # soft-capping, rope parameters and token ids outside the vocabulary are not touched
+
+
+def test_prompts_never_hold_the_padding_token():
+    config = {"seed": 0, "prompt": 0, "steps": 200}
+    prompt, continuation = scan.tokens(config, None)
+    assert 1 in continuation  # the stream draws it ...
+    prompt, continuation = scan.tokens(config, 1)
+    assert 1 not in prompt and 1 not in continuation  # ... and a model whose padding token it is never sees it
+    assert A.VOCAB == hf_common.TINY_VOCAB
+
+
+def test_shrink_keeps_one_layer_of_each_type_and_renumbers_per_layer_tables():
+    types = ["sliding"] * 5 + ["full"] + ["sliding"] * 5 + ["full"]
+    d = {"num_hidden_layers": 12, "layer_types": types, "per_layer_config": {"05": {"head_dim": 512}}}
+    out = A.shrink(d)
+    assert out["num_hidden_layers"] == 2 and out["layer_types"] == ["sliding", "full"]
+    assert out["per_layer_config"] == {"01": {"head_dim": 512}}  # layer 5 is the tiny model's layer 1
+
+
+def test_shrink_gives_a_hybrid_model_an_attention_layer_and_a_pattern_one_period():
+    jamba = A.shrink({"num_hidden_layers": 32, "attn_layer_period": 8, "attn_layer_offset": 4})
+    assert (jamba["num_hidden_layers"], jamba["attn_layer_period"], jamba["attn_layer_offset"]) == (2, 2, 1)
+    recurrent = A.shrink({"num_hidden_layers": 26, "block_types": ["recurrent", "recurrent", "attention"]})
+    assert recurrent["num_hidden_layers"] == 3
+    mla = A.shrink({"num_attention_heads": 128, "num_key_value_heads": 128, "qk_rope_head_dim": 64})
+    assert mla == {"num_attention_heads": A.HEADS, "num_key_value_heads": A.HEADS, "qk_rope_head_dim": A.HEAD_DIM}
+
+
+def test_shrink_makes_encoders_decoders_and_shrinks_sub_configs():
+    out = A.shrink({"is_decoder": False, "text_config": {"model_type": "x", "hidden_size": 4096}})
+    assert out["is_decoder"] is True
+    assert out["text_config"] == {"model_type": "x", "hidden_size": A.HIDDEN}
+
+
+# --- the scoreboard ---------------------------------------------------------------------------------------------
+
+
+def _row(arch, dtype="float32", scenario="decode", bug="none", verdict="rounding", **kw) -> dict:
+    base = {
+        "architecture": arch, "dtype": dtype, "attention": "auto", "scenario": scenario, "seed": 0, "prompt": 0,
+        "steps": 8, "bug": bug, "promote": "none", "status": "ok", **dict.fromkeys(scan.RESULT_FIELDS),
+        "verdict": verdict, "acting_step": -1, "attention_used": "sdpa", "check_s": 0.1,
+    }  # fmt: skip
+    return {**base, **kw}
+
+
+RUNS = pd.DataFrame(
+    [
+        _row("a"),
+        _row("a", verdict="bug"),  # a clean run called bug: a false positive
+        _row("a", bug="posoff", verdict="bug", first_bug_step=1, acting_step=1, right_step=True),
+        _row("a", bug="freeze", verdict="rounding", first_bug_step=-1, acting_step=2, right_step=False),
+        _row("a", bug="replay", verdict="rounding", acting_step=-1),  # never acts in decode: not scored
+        _row(
+            "b",
+            scenario="resume",
+            bug="posoff",
+            verdict="rounding",
+            logic_verdict="bug",
+            first_bug_step=-1,
+            logic_step=1,
+            acting_step=1,
+            right_step=False,
+        ),  # fmt: skip
+        _row("b", scenario="resume"),
+        _row("c", verdict="skipped", skip_kind="adapter", reason="no KV cache"),
+    ]
+)
+
+
+def test_scoreboard_counts_clean_verdicts_bugs_found_and_false_positives():
+    board = scan.scoreboard(RUNS).set_index("architecture")
+    assert list(board.index) == ["a", "b"]  # c: every run skipped, listed apart
+    assert board.loc["a", "float32/decode"] == "bug 1, rounding 1"
+    assert (board.loc["a", "bugs_found"], board.loc["a", "at_right_step"], board.loc["a", "fpr"]) == ("1/2", 1, 0.5)
+    assert board.loc["b", "bugs_found"] == "1/1" and board.loc["b", "fpr"] == 0.0  # found by the logic check
+    assert board.loc["b", "steps_to_detect"] == 0.0
+    skipped = scan.skipped_table(RUNS)
+    assert skipped.to_dict("records") == [
+        {"architecture": "c", "skipped": "1/1", "kind": "adapter", "reason": "no KV cache"}
+    ]
+    assert scan.coverage(RUNS) == (2, 3)
+    bugs = scan.bug_table(RUNS).set_index("bug")
+    assert bugs.loc["freeze", "missed_on"] == "a" and bugs.loc["posoff", "found"] == 2
+
+
+def test_heatmap_cells_are_the_worst_clean_verdict():
+    table = scan.heatmap_table(RUNS).set_index("architecture")
+    assert table.loc["a", "float32/decode"] == "bug"
+    assert table.loc["b", "float32/resume"] == "rounding"
+    assert table.loc["c", "float32/decode"] == "skipped"
+
+
+def test_the_scan_spec_runs_each_bug_where_it_acts():
+    spec = scan.scan_spec(["llama"], ["float32", "bfloat16"], ["decode", "resume"], bugs=["posoff", "replay"])
+    clean, *bugs = spec["union"]
+    assert clean["tied"] == [{"dtype": ["float32", "bfloat16"], "promote": ["none", "float64"]}]
+    assert [(b["fixed"]["scenario"], b["axes"]["bug"]) for b in bugs] == [
+        ("decode", ["posoff"]),
+        ("resume", ["posoff", "replay"]),
+    ]
+    assert scan.scan_spec(["llama"], bugs=[])["union"][1:] == []
+
+
+def test_the_study_is_registered_and_imports_no_torch():
+    assert "hf_scan" in STUDIES and not STUDIES["hf_scan"].reproduce
+    code = "import sys, kvfast.studies.scan, kvfast.commands.scan; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, check=True)
+    assert out.stdout.strip() == "False"
+
+
+# --- the command ------------------------------------------------------------------------------------------------
+
+
+def _args(**kw) -> argparse.Namespace:
+    base = {"families": None, "dtypes": None, "scenarios": None, "seeds": 2, "prompts": 2, "steps": 16}
+    return argparse.Namespace(**{**base, "attention": "auto", "bugs": None, "jobs": None, **kw})
+
+
+@pytest.mark.skipif(not HF, reason="needs kvfast[hf] (torch and transformers)")
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"families": ["llama", "nope"]}, "--families: 'nope' is not allowed; allowed: afmoe, "),
+        ({"dtypes": ["float16"]}, "--dtypes: 'float16' is not allowed; allowed: float32, float64, bfloat16"),
+        ({"scenarios": ["decode,rewind"]}, "--scenarios: 'rewind' is not allowed; allowed: decode, resume"),
+        ({"bugs": ["typo"]}, "--bugs: 'typo' is not allowed; allowed: window, posoff, freeze, f16, restart, replay"),
+        ({"attention": "flash"}, "--attention: 'flash' is not allowed; allowed: auto, sdpa, eager"),
+        ({"steps": 0}, "--steps: 0 is not allowed; allowed: "),
+        ({"jobs": 0}, "--jobs: 0 is not allowed; allowed: "),
+    ],
+)
+def test_bad_input_names_the_option_and_the_allowed_values(kw, message):
+    with pytest.raises(ValueError) as info:
+        scan_command.build_grid(_args(**kw))
+    assert str(info.value).startswith(message)
+
+
+def test_the_default_scan_covers_every_architecture_of_the_installed_transformers():
+    if not HF:
+        pytest.skip("needs kvfast[hf] (torch and transformers)")
+    grid = scan_command.build_grid(_args())
+    per_arch = 2 * 2 * 2 * 2 + 4 + 6  # scenarios x dtypes x seeds x prompts clean; bugs where they act
+    assert len(grid) == per_arch * len(A.causal_lm_types())
+
+
+@pytest.mark.skipif(not HF, reason="needs kvfast[hf] (torch and transformers)")
+def test_bad_input_on_the_command_line_is_one_line_and_exit_2(tmp_path):
+    out = kvfast("scan", "--families", "llama", "nope", "--out", str(tmp_path / "x"))
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith("kvfast: error: --families: 'nope' is not allowed; allowed: afmoe, ")
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.skipif(not HF, reason="needs kvfast[hf] (torch and transformers)")
+def test_a_small_scan_end_to_end(tmp_path):
+    out = tmp_path / "hf_scan"
+    cmd = ["scan", "--families", "llama,gpt2", "rwkv", "--dtypes", "float32", "--seeds", "1", "--prompts", "1"]
+    cmd += ["--steps", "6", "--bugs", "posoff", "replay", "--out", str(out), "--jobs", "2", "--quiet", "--markdown"]
+    first = kvfast(*cmd)
+    assert first.returncode == 0, first.stderr
+    assert "2 of 3 architectures checked" in first.stdout
+    df = pd.read_parquet(out)
+    assert len(df) == 15 and (df["status"] == "ok").all()  # 3 x (2 clean + posoff in decode, posoff and replay)
+    rwkv = df[df["architecture"] == "rwkv"]
+    assert (rwkv["verdict"] == "skipped").all() and (rwkv["skip_kind"] == "adapter").all()
+    ran = df[df["architecture"] != "rwkv"]
+    assert (ran.loc[ran["bug"] == "none", "verdict"] == "rounding").all()
+    assert (ran.loc[ran["bug"] != "none", "verdict"] == "bug").all() and ran.loc[
+        ran["bug"] != "none", "right_step"
+    ].all()
+    assert "| llama | sdpa | rounding 1 | rounding 1 | 3/3 | 3 | 0 | 0 |" in first.stdout
+    assert "| rwkv | 5/5 | adapter |" in first.stdout
+    board = (tmp_path / "hf_scan.report" / "scoreboard.md").read_text()
+    assert "| gpt2 |" in board and "| rwkv |" in board
+    again = kvfast(*cmd)
+    assert again.returncode == 0 and "15 already stored, 0 run now" in again.stdout, again.stdout
+    report = kvfast("report", str(out), "--out", str(tmp_path / "rep"))
+    assert report.returncode == 0, report.stderr
+    page = (tmp_path / "rep" / "report.html").read_text()
+    assert STUDIES["hf_scan"].figures[0].title in page and "hf_scan_skipped" in page
