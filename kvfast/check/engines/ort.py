@@ -234,39 +234,18 @@ PRECISIONS = ("fp32", "fp16", "int4")
 
 
 def tiny_ort_model(out, seed: int = 0, precision: str = "fp32") -> Path:
-    """Build a tiny random Llama (2 layers, hidden 64, intermediate 160, 4 heads, 2 KV heads, vocab 128,
-    256 positions) in ``out/hf`` (transformers weights and a word-level tokenizer) and convert it with
-    onnxruntime-genai's model builder into ``out/onnx`` (``precision``: :data:`PRECISIONS`, CPU); return
-    ``out/onnx``. Nothing is downloaded; about 10 s."""
+    """Build a tiny random Llama (:func:`kvfast.check.engines.tiny.tiny_llama`) in ``out/hf`` and convert it
+    with onnxruntime-genai's model builder into ``out/onnx`` (``precision``: :data:`PRECISIONS`, CPU);
+    return ``out/onnx``. Nothing is downloaded; about 10 s."""
     import subprocess
     import sys
 
-    import torch
-    import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from kvfast.check.engines.tiny import tiny_llama
 
     require_choice(precision, "precision", PRECISIONS)
-    seed = require_int(seed, "seed", 0)
     out = Path(out)
     hf, onnx = out / "hf", out / "onnx"
-    # intermediate size != vocabulary: the builder takes any linear layer with vocabulary-many outputs for the
-    # language-model head (onnxruntime-genai 0.18 wired the head to layer 0's MLP input when both were 128)
-    config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=0, eos_token_id=1, pad_token_id=1,
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # norm weights other than the default ones, so no two norms are alike
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1 + 0.1 * torch.randn_like(param))
-    model.save_pretrained(hf)
-    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(128)}, unk_token="t2"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    transformers.PreTrainedTokenizerFast(
-        tokenizer_object=words, bos_token="t0", eos_token="t1", pad_token="t1", unk_token="t2"
-    ).save_pretrained(hf)
+    tiny_llama(hf, seed)
     cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", str(hf), "-i", str(hf), "-o", str(onnx),
            "-p", precision, "-e", "cpu"]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True)
