@@ -125,3 +125,21 @@ def test_kvfast_check_engine_ort_checks_a_model_directory_and_refuses_a_bad_one(
     bad = subprocess.run([*cmd, str(tmp_path), "--prompt", "1,2"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2
     assert bad.stderr.count("\n") == 1 and "onnxruntime-genai model directory" in bad.stderr
+
+
+def test_the_engines_study_checks_one_model_in_transformers_and_onnxruntime_genai(monkeypatch, tmp_path):
+    from kvfast.studies.engines import STUDY
+
+    monkeypatch.setenv("KVFAST_ENGINE_MODELS", str(tmp_path))
+    base = {"weights": "f32", "cache": "native", "seed": 0, "prompt": 0, "steps": 12}
+    for engine in ("transformers", "ort"):
+        clean = {**base, "engine": engine, "bug": "none"}
+        bugged = {**clean, "bug": "evict"}
+        STUDY.validate_config(clean)
+        out, found = STUDY.run(clean), STUDY.run(bugged)
+        assert out["verdict"] == "rounding" and out["first_bug_step"] == -1
+        assert found["verdict"] == "bug" and found["first_bug_step"] == found["acts_at"] == 4  # a 5-token prompt
+    with pytest.raises(ValueError, match="^weights/cache: f16/native is not allowed for ort"):
+        STUDY.validate_config({**base, "engine": "ort", "bug": "none", "weights": "f16"})
+    with pytest.raises(ValueError, match="^engine: 'vllm' is not allowed"):
+        STUDY.validate_config({**base, "engine": "vllm", "bug": "none"})
