@@ -2,7 +2,7 @@
 """Run kvfast from a fresh clone with nothing but Python 3.11+ and pip.
 
     python3 dev.py reproduce [ARGS]   # create .venv, install kvfast[plot], run `kvfast reproduce ARGS`
-    python3 dev.py test [ARGS]        # create .venv, install kvfast[test,hf], run pytest ARGS
+    python3 dev.py test [ARGS]        # create .venv, install kvfast[test,hf,ort], run pytest ARGS
     python3 dev.py test-lowest [ARGS] # the same in .venv-lowest, every dependency at its lower bound
     python3 dev.py kvfast ARGS        # any kvfast command inside the environment
 
@@ -81,9 +81,9 @@ def main(argv: list[str]) -> int:
         return 2
     command, rest = argv[0], argv[1:]
     if command == "test-lowest":
-        bin_dir = ensure_env("test,hf,plot", LOWEST_VENV, LOWEST)
+        bin_dir = ensure_env("test,hf,ort,plot", LOWEST_VENV, LOWEST)
     else:
-        bin_dir = ensure_env("plot" if command == "reproduce" else "test,hf,plot")
+        bin_dir = ensure_env("plot" if command == "reproduce" else "test,hf,ort,plot")
     if command in ("test", "test-lowest"):
         cmd = [str(bin_dir / "python"), "-m", "pytest", *rest]
     elif command == "reproduce":

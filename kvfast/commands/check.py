@@ -67,6 +67,8 @@ EXIT_CODES = {
     EXIT_KVFAST_BUG: "a bug in kvfast: its traceback, the kvfast version and a line saying so",
     EXIT_INTERRUPTED: "interrupted by the user (Ctrl-C); the check's processes were killed",
 }
+#: ``--engine NAME PATH``: the factory that builds NAME's model under test from ``path=PATH``.
+ENGINES = {"ort": "kvfast.check.engines.ort:ORTModel"}
 GRACE_S = 1.5  # after --timeout, the child's own timer has had this long to report before it is killed
 
 
@@ -76,7 +78,14 @@ def add_parser(sub) -> None:
         help="check a model's KV cache against its recompute at every step",
         description="Check a model's KV cache against its full recompute at every decode step.",
     )
-    p.add_argument("factory", metavar="PACKAGE.MODULE:FACTORY", help="a callable that builds the model")
+    p.add_argument(
+        "factory", metavar="PACKAGE.MODULE:FACTORY",
+        help="a callable that builds the model (with --engine: the engine's model path)",
+    )  # fmt: skip
+    p.add_argument(
+        "--engine", choices=sorted(ENGINES), default=None,
+        help="check an inference engine's model: FACTORY is then its path (ort: an onnxruntime-genai model directory)",
+    )  # fmt: skip
     p.add_argument(
         "--factory-arg", action="append", default=[], metavar="KEY=VALUE", help="an argument for FACTORY (repeatable)"
     )
@@ -178,6 +187,11 @@ def build_model(spec: str, factory_args: dict[str, object]):
     return model
 
 
+def build_engine(args):
+    """``--engine NAME PATH``: NAME's adapter (:data:`ENGINES`) over ``PATH``, with the ``--factory-arg``s."""
+    return build_model(ENGINES[args.engine], {"path": args.factory, **parse_factory_args(args.factory_arg)})
+
+
 def require_model_under_test(model: object, call: str) -> None:
     """``ValueError`` (bad input: ``the factory CALL returns no model under test: ...``) unless ``model`` is a
     model under test or a Hugging Face model: a class instead of an instance, ``None``, anything else."""
@@ -198,6 +212,10 @@ def check_args(args) -> None:
     if args.continuation is not None:
         parse_prompt(args.continuation, "--continuation")
     parse_factory_args(args.factory_arg)
+    if getattr(args, "engine", None) is not None:
+        if "path" in parse_factory_args(args.factory_arg):
+            raise not_allowed("--factory-arg", "path=...", "no path: with --engine the path is the positional argument")
+        return
     split_ref(args.factory, "factory", "PACKAGE.MODULE:FACTORY")
     if args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout > 0):
         raise not_allowed("--timeout", args.timeout, "a number of seconds > 0")
@@ -224,7 +242,11 @@ def run_check(args, started: float | None = None) -> dict:
     try:
         options = check_options(args)
         with watched(args.timeout, started):
-            model = build_model(args.factory, parse_factory_args(args.factory_arg))
+            model = (
+                build_engine(args)
+                if getattr(args, "engine", None)
+                else build_model(args.factory, parse_factory_args(args.factory_arg))
+            )
             report = check_cache_with(model, parse_prompt(args.prompt), options)
     except ValueError as exc:
         return {"kind": "bad input", "line": str(exc)}

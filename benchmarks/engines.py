@@ -1,0 +1,138 @@
+"""Benchmark and verdict table: kvfast's checks on inference engines (tiny random Llamas built here).
+
+    .venv/bin/python benchmarks/engines.py [--steps 64] [--seeds 2] [--repeats 5] [--out DIR]
+
+For each engine installed (onnxruntime-genai: ``kvfast[ort]``), seeds ``0..seeds-1`` build a tiny random
+Llama and convert it (:func:`kvfast.check.engines.ort.tiny_ort_model`), then:
+
+- **verdicts**: clean runs in control mode over the seeds x two prompts x ``steps`` decode steps, both
+  scenarios, with the engine's own variants only and with the cross-implementation variant (the same weights
+  recomputed in transformers), and each injected bug of the engine's catalogue (its first bug step against
+  the step where it first acts); the largest clean ratio and the smallest bug ratio;
+- **cost**: the median CPU time of the control check (decode; decode + resume) against a plain cached
+  generation through the engine (prefill, then one token per step), as ratios measured in this run.
+
+Prints Markdown tables (pasted into docs/engines.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+PROMPTS = ([3, 4, 5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1])
+
+
+def median_cpu(fn, repeats: int) -> float:
+    """Median CPU time of ``repeats`` calls after one warm-up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        c0 = time.process_time()
+        fn()
+        times.append(time.process_time() - c0)
+    return statistics.median(times)
+
+
+def ort_verdicts(built: list[tuple[Path, Path]], steps: int) -> None:
+    from kvfast.check import check_cache
+    from kvfast.check.engines.ort import ORT_BUGS, ORT_WINDOW, ORTModel
+
+    print(f"\n### onnxruntime-genai: verdicts ({len(built)} seeds x {len(PROMPTS)} prompts x {steps} steps, control)")
+    print("| variants | runs | rounding | inconclusive | bug | largest ratio |")
+    print("|---|---|---|---|---|---|")
+    own, cross = ("batch", "no-opt"), ("batch", "no-opt", "transformers")
+    for label, variants in (("engine's own (batch, no-opt)", own), ("+ transformers (cross-implementation)", cross)):
+        counts = {"rounding": 0, "inconclusive": 0, "bug": 0}
+        largest = 0.0
+        for onnx, hf in built:
+            model = ORTModel(onnx, variants=variants, hf_model=hf if "transformers" in variants else None)
+            for prompt in PROMPTS:
+                report = check_cache(model, prompt, steps, mode="control")
+                for scenario in report.scenarios.values():
+                    counts[scenario.verdict] += 1
+                    largest = max(largest, float(np.max(scenario.ratio)))
+        runs = sum(counts.values())
+        print(
+            f"| {label} | {runs} | {counts['rounding']} | {counts['inconclusive']} | {counts['bug']} | {largest:.3g} |"
+        )
+    print("\n| injected bug | runs | bug at the step it first acts | smallest bug ratio |")
+    print("|---|---|---|---|")
+    for bug in ORT_BUGS:
+        if bug == "rewind":  # a rollback bug: acts only in a rollback scenario
+            continue
+        hits, runs, smallest = 0, 0, np.inf
+        for onnx, hf in built:
+            model = ORTModel(onnx, variants=("batch", "transformers"), hf_model=hf, bug=bug)
+            for prompt in PROMPTS:
+                report = check_cache(model, prompt, steps, mode="control", scenarios=("decode",))
+                decode = report.scenarios["decode"]
+                acts = max(1, ORT_WINDOW - len(prompt) + 1)
+                runs += 1
+                hits += decode.first_bug_step == acts
+                smallest = min(smallest, float(decode.ratio[acts]))
+        print(f"| {bug} | {runs} | {hits} of {runs} | {smallest:.3g} |")
+
+
+def ort_cost(onnx: Path, hf: Path, steps: int, repeats: int) -> None:
+    import onnxruntime_genai as og
+
+    from kvfast.check import check_cache
+    from kvfast.check.engines.ort import ORTModel
+
+    model = ORTModel(onnx, variants=("batch", "transformers"), hf_model=hf)
+    prompt = np.array(PROMPTS[1])
+
+    def plain() -> None:
+        params = og.GeneratorParams(model.og_model)
+        params.set_search_options(max_length=model.max_positions)
+        gen = og.Generator(model.og_model, params)
+        gen.append_tokens(prompt.astype(np.int32)[None, :])
+        for _ in range(steps):
+            token = int(np.argmax(gen.get_output("logits")[0, -1]))
+            gen.append_tokens(np.array([[token]], dtype=np.int32))
+
+    base = median_cpu(plain, repeats)
+    decode = median_cpu(lambda: check_cache(model, prompt, steps, "control", "decode"), repeats)
+    both = median_cpu(lambda: check_cache(model, prompt, steps, "control"), repeats)
+    print(f"\n### onnxruntime-genai: cost ({steps} decode steps, {len(prompt)}-token prompt, median of {repeats})")
+    print("| what | CPU s | x plain |")
+    print("|---|---|---|")
+    for name, value in (("plain cached generation", base), ("control check (decode)", decode),
+                        ("control check (decode + resume)", both)):  # fmt: skip
+        print(f"| {name} | {value:.4f} | {value / base:.2f} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--seeds", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default=None, help="where to build the tiny models (default: a temporary folder)")
+    args = ap.parse_args(argv)
+    if args.steps < 1 or args.seeds < 1 or args.repeats < 1:
+        ap.error("--steps, --seeds and --repeats must be >= 1")
+    try:
+        import onnxruntime_genai  # noqa: F401
+        import torch
+
+        from kvfast.check.engines.ort import tiny_ort_model
+    except ImportError:
+        print("onnxruntime-genai not installed (pip install 'kvfast[ort,hf]'): nothing to measure")
+        return 0
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(args.out or tmp)
+        built = [(tiny_ort_model(root / f"seed{s}", seed=s), root / f"seed{s}" / "hf") for s in range(args.seeds)]
+        ort_verdicts(built, args.steps)
+        ort_cost(*built[0], args.steps, args.repeats)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,204 @@
+"""Study ``engines``: one tiny random Llama checked in transformers, onnxruntime-genai and llama.cpp.
+
+The same weights (:func:`kvfast.check.engines.tiny.tiny_llama` of the config's ``seed``) are checked through
+each engine's own cached path against its own recompute, in control mode, both scenarios, with the
+cross-implementation variant (the weights recomputed by transformers) for the engines:
+
+- ``engine``: ``transformers`` (:class:`kvfast.check.hf.HFModel`, its built-in variants), ``ort``
+  (:class:`kvfast.check.engines.ort.ORTModel`, fp32; ``kvfast[ort]``) or ``llamacpp``
+  (:class:`kvfast.check.engines.llamacpp.LlamaCppModel`; llama-cpp-python);
+- ``weights`` (llama.cpp: ``f32``, ``f16``, ``q8_0``; the others ``f32``) and ``cache`` (llama.cpp's KV cache
+  type ``f16``, ``f32``, ``q8_0``; the others ``native``);
+- ``bug``: ``none`` or ``evict`` (decode drops the oldest token past 8 tokens: each engine's ``evict``, and
+  transformers' ``window``), acting first at decode step ``max(1, 9 - len(prompt))``.
+
+Each engine's model files are built once per seed into a folder shared by the runs
+(:func:`model_dir`). A grid naming an engine whose package is not installed is refused before any run.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from kvfast.studies.base import Study
+from kvfast.studies.common import ok_rows, require_config_choice
+from kvfast.validation import require_int
+
+VERSION = "1"
+ENGINES = {"transformers": "transformers", "ort": "onnxruntime_genai", "llamacpp": "llama_cpp"}
+WEIGHTS = ("f32", "f16", "q8_0")
+CACHES = ("native", "f16", "f32", "q8_0")
+BUGS = ("none", "evict")
+WINDOW = 8
+PROMPT_LENGTHS = (5, 9)
+VERDICTS = ("rounding", "inconclusive", "bug", "length-dependent")
+
+CONFIG_FIELDS: dict[str, pa.DataType] = {
+    "engine": pa.string(),
+    "weights": pa.string(),
+    "cache": pa.string(),
+    "seed": pa.int64(),
+    "prompt": pa.int64(),
+    "steps": pa.int64(),
+    "bug": pa.string(),
+}
+RESULT_FIELDS: dict[str, pa.DataType] = {
+    "verdict": pa.string(),
+    "decode_verdict": pa.string(),
+    "resume_verdict": pa.string(),
+    "ratio": pa.float64(),
+    "worst_deviation": pa.float64(),
+    "first_bug_step": pa.int64(),
+    "acts_at": pa.int64(),
+    "seconds": pa.float64(),
+}
+
+
+def validate_config(config: dict) -> None:
+    """``ValueError`` naming the field (or the engine's missing package) before any run."""
+    require_config_choice(config, "engine", tuple(ENGINES))
+    engine = config["engine"]
+    if importlib.util.find_spec(ENGINES[engine]) is None or importlib.util.find_spec("torch") is None:
+        raise ValueError(
+            f"engine: {engine!r} needs {ENGINES[engine]} and torch; allowed: an installed engine (docs/engines.md)"
+        )
+    require_config_choice(config, "weights", WEIGHTS)
+    require_config_choice(config, "cache", CACHES)
+    weights, cache = config["weights"], config["cache"]
+    if engine != "llamacpp" and (weights != "f32" or cache != "native"):
+        raise ValueError(f"weights/cache: {weights}/{cache} is not allowed for {engine}; allowed: f32/native")
+    if engine == "llamacpp" and cache == "native":
+        raise ValueError("cache: 'native' is not allowed for llamacpp; allowed: f16, f32, q8_0")
+    require_int(config.get("seed"), "seed", 0, 1000)
+    require_int(config.get("prompt"), "prompt", 0, 1000)
+    require_int(config.get("steps"), "steps", 1, 200)
+    require_config_choice(config, "bug", BUGS)
+
+
+def model_dir(seed: int) -> Path:
+    """The tiny Llama of ``seed`` in transformers (``hf/``), and the engines' files built from it on first use,
+    in a folder shared by every run of this machine (built in a temporary folder, then renamed: concurrent
+    workers never see half a model)."""
+    import kvfast
+
+    root = Path(os.environ.get("KVFAST_ENGINE_MODELS", Path(tempfile.gettempdir()) / "kvfast-engine-models"))
+    return root / f"{kvfast.__version__}-seed{seed}"
+
+
+def _built(seed: int, engine: str, weights: str) -> Path:
+    """The model file or folder of ``engine`` for ``seed`` (built once)."""
+    from kvfast.check.engines.llamacpp import tiny_gguf_model
+    from kvfast.check.engines.ort import tiny_ort_model
+
+    final = model_dir(seed) / (f"{engine}-{weights}")
+    if not final.exists():
+        final.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(dir=final.parent))
+        if engine == "ort":
+            tiny_ort_model(work, seed)
+        elif engine == "llamacpp":
+            tiny_gguf_model(work, seed, weights)
+        else:
+            from kvfast.check.engines.tiny import tiny_llama
+
+            tiny_llama(work / "hf", seed)
+        try:
+            work.rename(final)
+        except OSError:  # another worker finished first: use its copy
+            pass
+    return final
+
+
+@functools.lru_cache(maxsize=16)
+def _model(engine: str, weights: str, cache: str, seed: int, bug: str):
+    """The model under test of a run (one per process and configuration; adapters reset on every prefill)."""
+    import torch
+
+    torch.set_num_threads(1)
+    built = _built(seed, engine, weights)
+    hf_dir = built / "hf"
+    if engine == "ort":
+        from kvfast.check.engines.ort import ORTModel
+
+        variants = ("batch", "no-opt", "transformers")
+        return ORTModel(built / "onnx", variants=variants, hf_model=hf_dir, bug=None if bug == "none" else bug)
+    if engine == "llamacpp":
+        from kvfast.check.engines.llamacpp import LlamaCppModel
+
+        gguf = built / f"model-{weights}.gguf"
+        return LlamaCppModel(gguf, cache=cache, hf_model=hf_dir, bug=None if bug == "none" else bug)
+    from transformers import AutoModelForCausalLM
+
+    from kvfast.check.hf import HFModel
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    return HFModel(model, bug=None if bug == "none" else "window")
+
+
+def prompt_of(config: dict) -> np.ndarray:
+    """The config's prompt: ``default_rng(seed * 1000 + prompt)`` draws a prompt of ``PROMPT_LENGTHS[prompt % 2]``
+    tokens in ``[3, 128)`` (no special token)."""
+    rng = np.random.default_rng(config["seed"] * 1000 + config["prompt"])
+    return rng.integers(3, 128, PROMPT_LENGTHS[config["prompt"] % len(PROMPT_LENGTHS)])
+
+
+def run(config: dict) -> dict:
+    """One control-mode check of the config's engine, both scenarios."""
+    from kvfast.check.checker import check_cache
+
+    model = _model(config["engine"], config["weights"], config["cache"], config["seed"], config["bug"])
+    prompt = prompt_of(config)
+    start = time.perf_counter()
+    report = check_cache(model, prompt, config["steps"], mode="control")
+    seconds = time.perf_counter() - start
+    steps = [s.first_bug_step for s in report.scenarios.values() if s.first_bug_step is not None]
+    return {
+        "verdict": report.verdict,
+        "decode_verdict": report.scenarios["decode"].verdict,
+        "resume_verdict": report.scenarios["resume"].verdict,
+        "ratio": report.max_ratio,
+        "worst_deviation": float(report.max_deviation),
+        "first_bug_step": min(steps) if steps else -1,
+        "acts_at": -1 if config["bug"] == "none" else max(1, WINDOW + 1 - len(prompt)),
+        "seconds": seconds,
+    }
+
+
+def summarize(df: pd.DataFrame) -> pd.DataFrame:
+    """Per engine, weights and KV cache: clean runs by verdict and their largest ratio; bugged runs found at the
+    step where the bug first acts and their smallest ratio at that step's scenario maximum."""
+    ok = ok_rows(df)
+    rows = []
+    for (engine, weights, cache), g in ok.groupby(["engine", "weights", "cache"], sort=True) if len(ok) else ():
+        clean, bugged = g[g["bug"] == "none"], g[g["bug"] != "none"]
+        row = {"engine": engine, "weights": weights, "cache": cache, "clean_runs": len(clean)}
+        row.update({f"clean_{v}": int((clean["verdict"] == v).sum()) for v in VERDICTS})
+        row["largest_clean_ratio"] = float(clean["ratio"].max()) if len(clean) else np.nan
+        row["bugged_runs"] = len(bugged)
+        row["bug_at_first_acting_step"] = int((bugged["first_bug_step"] == bugged["acts_at"]).sum())
+        row["smallest_bug_ratio"] = float(bugged["ratio"].min()) if len(bugged) else np.nan
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+STUDY = Study(
+    name="engines",
+    version=VERSION,
+    description="one tiny Llama checked in transformers, onnxruntime-genai and llama.cpp (needs the engines)",
+    run=run,
+    config_fields=CONFIG_FIELDS,
+    result_fields=RESULT_FIELDS,
+    validate_config=validate_config,
+    summarize=summarize,
+    rank=120,
+    reproduce=False,
+)
