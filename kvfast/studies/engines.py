@@ -35,7 +35,7 @@ from kvfast.validation import require_int
 
 VERSION = "1"
 ENGINES = {"transformers": "transformers", "ort": "onnxruntime_genai", "llamacpp": "llama_cpp"}
-WEIGHTS = ("f32", "f16", "q8_0")
+WEIGHTS = ("f32", "f16")
 CACHES = ("native", "f16", "f32", "q8_0")
 BUGS = ("none", "evict")
 WINDOW = 8

@@ -18,8 +18,9 @@ What the adapter does:
 - ``recompute(tokens)``: a third context, ``reset()`` then ``eval`` of the whole sequence in one batch.
 - ``recompute_variants``: ``"transformers"`` (the same weights recomputed by a transformers model, a
   cross-implementation variant) when ``hf_model`` is given.
-- ``internal_formats``: the KV cache's format (``float16``, ``float32``, ``int8`` for ``q8_0``) and, for
-  ``q8_0`` weights, ``int8`` activations (llama.cpp quantises a matrix product's input to 8 bits).
+- ``internal_formats``: the KV cache's format (``float16``, ``float32``, ``int8`` for ``q8_0``) and the
+  activations' (:data:`ACTIVATIONS`: ``float16`` for float16 weights, ``int8`` for ``q8_0``: ggml rounds a
+  matrix product's input to its weights' kind).
 - ``promote(dtype)``: the same model with a float32 KV cache (llama.cpp has no float64): the logic check runs
   in float32 and says so.
 """
@@ -39,6 +40,9 @@ LLAMACPP_BUGS: dict[str, str] = {
     "evict": "decode drops the oldest token once the sequence passes LLAMACPP_WINDOW tokens",
 }
 LLAMACPP_WINDOW = 8
+#: The format a matrix product's input is rounded to, by the weights' file type (``general.file_type``):
+#: ggml converts the activations to float16 for float16 weights (1) and quantises them to 8 bits for q8_0 (7).
+ACTIVATIONS = {"1": "float16", "7": "int8"}
 MODEL = "a GGUF file path or a llama_cpp.Llama"
 
 
@@ -78,16 +82,14 @@ class LlamaCppModel:
         self._reference = None
         self.vocab_size = int(self.llm.n_vocab())
         self.internal_formats = {"kv cache": CACHE_TYPES[self.cache_type]}
-        if "q8_0" in self.llm.metadata.get("general.file_type_name", "") or self._weights_q8():
-            self.internal_formats["activations"] = "int8"
+        activations = ACTIVATIONS.get(str(self.llm.metadata.get("general.file_type", "")))
+        if activations is not None:
+            self.internal_formats["activations"] = activations
         self.tokens: list[int] = []
 
     def __repr__(self) -> str:
         bug = "" if self.bug is None else f", bug={self.bug!r}"
         return f"LlamaCppModel({str(self.path)!r}, cache={self.cache_type!r}{bug})"
-
-    def _weights_q8(self) -> bool:
-        return str(self.llm.metadata.get("general.file_type", "")) == "7"  # LLAMA_FTYPE_MOSTLY_Q8_0
 
     def _context(self):
         llama_cpp = _llama_cpp()
@@ -96,6 +98,7 @@ class LlamaCppModel:
         return llama_cpp.Llama(
             str(self.path), n_ctx=n, n_batch=n, n_ubatch=n, logits_all=True, n_threads=1, n_threads_batch=1,
             type_k=ggml[self.cache_type], type_v=ggml[self.cache_type], verbose=False,
+            flash_attn=self.cache_type == "q8_0",  # llama.cpp quantises the V cache only under flash attention
         )  # fmt: skip
 
     def _eval(self, llm, tokens) -> np.ndarray:
@@ -179,6 +182,8 @@ class LlamaCppModel:
 
 # --- tiny random GGUF files (no download) ---------------------------------------------------------------
 
+#: q8_0 weights are written too, but llama-cpp-python 0.3.36 as built here (AVX-512, AMX) crashed evaluating
+#: them on the tiny model (a segmentation fault inside eval): docs/engines.md.
 WEIGHTS = ("f32", "f16", "q8_0")
 #: Hugging Face's per-layer tensor names -> llama.cpp's (``blk.N.<name>.weight``).
 GGUF_NAMES = {
@@ -250,7 +255,7 @@ def tiny_gguf_model(out, seed: int = 0, weights: str = "f32") -> Path:
             writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float16))
         else:
             q = gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), gguf.GGMLQuantizationType.Q8_0)
-            writer.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

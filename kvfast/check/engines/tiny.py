@@ -11,7 +11,7 @@ from kvfast.validation import require_int
 #: any linear layer with vocabulary-many outputs for the language-model head (with both at 128 it wired the
 #: head to layer 0's MLP input).
 TINY_LLAMA = dict(
-    vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+    vocab_size=128, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=256, bos_token_id=0, eos_token_id=1, pad_token_id=1,
 )  # fmt: skip
 
