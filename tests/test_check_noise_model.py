@@ -193,7 +193,10 @@ def test_a_float64_sdpa_model_does_not_admit_the_eager_float32_softmax():
     assert report.verdict == "rounding", report.format()
     refused = [n for n in report.notes if n.startswith("variant 'attention' (")]
     assert len(refused) == 1 and "not admitted: above what float64 rounding can produce (64 ulps" in refused[0]
-    assert "lowest internal format float64 (measured: logits)" in report.format().splitlines()[0]
+    assert (
+        "lowest internal format float64 (measured: logits, attention, matrix products)"
+        in report.format().splitlines()[0]
+    )
 
 
 @pytest.mark.parametrize("seed", range(2))
