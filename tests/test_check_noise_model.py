@@ -56,6 +56,16 @@ def test_the_lowest_format_sets_floor_and_ceiling_and_unknown_formats_are_assume
     assert "assumed it computes in its logits' float64 inside" in assumed.note()
 
 
+def test_the_floor_falls_only_when_the_rounding_probe_was_admitted():
+    from dataclasses import replace
+
+    fmt = replace(F.noise_formats("float64", {"softmax": "float32", "matrix products": "float64"}), probe="probe")
+    assert fmt.floor == "float32"
+    assert fmt.after_probe({"variant 'rows'": np.zeros(3)}) == fmt  # refused or skipped: one float32 unit stays
+    probed = fmt.after_probe({"variant 'probe'": np.zeros(3)})
+    assert (probed.floor, probed.ceiling, probed.probed) == ("float64", "float32", True)
+
+
 @pytest.mark.parametrize("ulps, admitted", [(60.0, True), (70.0, False)])
 def test_admission_sits_at_64_ulps_of_the_lowest_format(ulps, admitted):
     """Both sides: a source of 60 float32 ulps may be rounding, one of 70 may not."""
@@ -193,7 +203,10 @@ def test_a_float64_sdpa_model_does_not_admit_the_eager_float32_softmax():
     assert report.verdict == "rounding", report.format()
     refused = [n for n in report.notes if n.startswith("variant 'attention' (")]
     assert len(refused) == 1 and "not admitted: above what float64 rounding can produce (64 ulps" in refused[0]
-    assert "lowest internal format float64 (measured: logits)" in report.format().splitlines()[0]
+    assert (
+        "lowest internal format float64 (measured: logits, attention, matrix products)"
+        in report.format().splitlines()[0]
+    )
 
 
 @pytest.mark.parametrize("seed", range(2))

@@ -117,9 +117,9 @@ class NoiseFormats:
 
     @property
     def lowest_what(self) -> str:
-        """What computes in the floor format (``"logits"`` when nothing inside is lower)."""
-        inside = [w for w, f in self.internal.items() if f == self.floor]
-        return ", ".join(inside) if inside and self.floor != self.logits else "logits"
+        """What computes in the floor format: ``"logits"`` (when the logits are in it) and the internal ops in it."""
+        inside = [w for w, f in sorted(self.internal.items()) if f == self.floor]
+        return ", ".join((["logits"] if self.floor == self.logits else []) + inside)
 
     def line(self) -> str:
         """One phrase: the lowest internal format, what computes in it and where that came from."""
