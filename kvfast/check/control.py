@@ -47,18 +47,20 @@ Odd prefix lengths (the plain protocol's only noise source)
 -----------------------------------------------------------
 A model with no ``recompute_variants`` gives control mode nothing but its
 recompute, so the batch-shape draws must reach the decode's kind of noise.
-A BLAS matrix product blocks the rows of ``x @ W`` by a fixed count (8 or 16
-float32 rows in OpenBLAS here) and computes a full block in one kernel order;
-a row's sums are the same in a batch of ``q`` rows as in one of ``n`` rows
-when it lands in a full block both times. With every prefix length a multiple
-of the block (a prompt of 8 or 16 tokens and 32 or 64 steps: lengths 16, 24,
-32, 40 against 48) the prefix recomputes equalled the whole recompute bit for
-bit, the recompute looked append-invariant, NO noise was measured, and a
-correct one-row decode (4 to 13 float32 units off the batched rows) was judged
-against one unit: ``inconclusive`` (issue 18). An odd length puts the last
-row of every prefix in a partial block, which the kernel computes on its edge
-path, the closest a recompute comes to a one-row product without the cache,
-for every kernel that blocks rows by an even count. Each prefix is still the
+A reduction over the keys is split by its kernel into lanes plus a tail
+whose size depends on the number of keys in the batch: NumPy's sum (the
+softmax's denominator here) adds eight interleaved lanes and then the last
+``n mod 8`` terms in sequence. Row ``p`` of a causal batch has zeros past key
+``p``, so when both lengths are multiples of 8 its non-zero terms fall in
+the same lanes and the row comes out bit for bit the same. With every prefix
+length a multiple of 8 (a prompt of 8 or 16 tokens and 32 or 64 steps:
+lengths 16, 24, 32, 40 against 48) the prefix recomputes equalled the whole
+recompute, the recompute looked append-invariant, NO noise was measured, and
+the correct one-row decode (up to 9 float32 units off the batched rows) was
+judged against one unit: ``inconclusive`` (issue 18). An odd length leaves
+a tail for every lane count that is even, so the rows that reach into it
+are summed in another order: a draw of the order noise a reduction over
+another number of keys (the decode's) makes. Each prefix is still the
 true prefix at its true positions (a permuted batch would change positions).
 The invariance check's prefix is odd too, so exact mode also sees such a
 recompute as what it is (not append-invariant) and goes per step.
@@ -72,7 +74,7 @@ reference rows (step 0's prompt rows and one per decode step), each a draw of
 the cache path's noise. Were both samples of one distribution, the largest of
 ``S`` would still exceed the largest of ``M`` with probability ``S / (S + M)``,
 by a factor growing with ``S / M``; an odd prefix of an otherwise aligned
-batch yields about one draw (its partial block), so ``M = 3`` against ``S =
+batch yields only the rows in its tail (often one), so ``M = 3`` against ``S =
 65`` happens. The rounding error of a long sum is close to Gaussian (a sum of
 many independent rounding errors), so ``|noise|`` is half-normal; the median of
 the largest of ``N`` half-normal draws is ``m(N) = Phi^-1((1 + 2^(-1/N)) / 2)``
@@ -99,10 +101,10 @@ Limits
   variant in that kernel's order, or raise ``decisive``.
 - The plain protocol's noise is the batch shape alone: a recompute that is
   invariant at every length (each row computed alone, or every length padded
-  to the block) while the decode runs another kernel gives no draw, and the
-  bound stays at the format's resolution: offer ``recompute_variants``. Rows
-  blocked by an odd count (3, 5, 7) need not reach a partial block at an odd
-  length. The half-normal model is an assumption: noise with a heavier tail
+  to the lanes) while the decode runs another kernel gives no draw, and the
+  bound stays at the format's resolution: offer ``recompute_variants``. A
+  kernel whose lane count is odd need not leave a tail at an odd length.
+  The half-normal model is an assumption: noise with a heavier tail
   (a near-tie in a softmax, a cancellation) can pass ``g * rel``, which the
   ``margin`` (4) absorbs; measured on the batched-prefill example the largest
   clean ratio is 2.74 over 200 float32 runs (docs/check.md).
@@ -203,8 +205,9 @@ def steps_factor(compared: int, draws: int) -> float:
 
 
 def prefix_length(q: int) -> int:
-    """The length a prefix recompute of about ``q`` tokens uses: odd (``q | 1``), so its last row falls in a
-    partial block of every BLAS kernel that blocks rows by an even number (see the module doc)."""
+    """The length a prefix recompute of about ``q`` tokens uses: odd (``q | 1``), so that a reduction over its
+    keys split into an even number of lanes has a tail and its last rows add up in another order than in a
+    longer batch (see the module doc)."""
     return q | 1
 
 
