@@ -42,6 +42,7 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--markdown", action="store_true", help="print the scoreboard and the skipped table as Markdown")
     p.add_argument("--fresh", action="store_true", help="delete stored results in DIR first")
+    p.add_argument("--retry-errors", action="store_true", help="also re-run runs stored as error or crashed")
     p.add_argument("--jobs", type=int, default=None, metavar="N", help="worker processes (default: all cores)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_scan)
@@ -103,7 +104,8 @@ def cmd_scan(args) -> int:
 
     out = Path(args.out).absolute()
     grid = build_grid(args)
-    report = _sweep(grid, out, SweepOptions.build(jobs=args.jobs, quiet=args.quiet, fresh=args.fresh))
+    options = SweepOptions.build(jobs=args.jobs, quiet=args.quiet, fresh=args.fresh, retry_errors=args.retry_errors)
+    report = _sweep(grid, out, options)
     if isinstance(report, int):
         return report
     print(report.line())
