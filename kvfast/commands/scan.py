@@ -83,16 +83,17 @@ def build_grid(args):
 
 
 def scoreboard_text(df, markdown: bool) -> str:
-    """The scoreboard, then the skipped architectures, as text or Markdown."""
+    """The scoreboard, each injected bug over every architecture, then the skipped architectures, as text or
+    Markdown."""
     from kvfast.commands.sweep import _table
     from kvfast.report import markdown as md
     from kvfast.studies import scan
 
-    board, skipped = scan.scoreboard(df), scan.skipped_table(df)
+    board, skipped, bugs = scan.scoreboard(df), scan.skipped_table(df), scan.bug_table(df)
     checked, total = scan.coverage(df)
     head = f"{checked} of {total} architectures checked; {len(skipped)} with skipped runs"
     show = md if markdown else _table
-    return f"{head}\n\n{show(board)}\n\nskipped:\n\n{show(skipped)}"
+    return f"{head}\n\n{show(board)}\n\ninjected bugs:\n\n{show(bugs)}\n\nskipped:\n\n{show(skipped)}"
 
 
 def cmd_scan(args) -> int:
