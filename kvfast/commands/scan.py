@@ -42,6 +42,7 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--markdown", action="store_true", help="print the scoreboard and the skipped table as Markdown")
     p.add_argument("--fresh", action="store_true", help="delete stored results in DIR first")
+    p.add_argument("--retry-errors", action="store_true", help="also re-run runs stored as error or crashed")
     p.add_argument("--jobs", type=int, default=None, metavar="N", help="worker processes (default: all cores)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_scan)
@@ -82,16 +83,17 @@ def build_grid(args):
 
 
 def scoreboard_text(df, markdown: bool) -> str:
-    """The scoreboard, then the skipped architectures, as text or Markdown."""
+    """The scoreboard, each injected bug over every architecture, then the skipped architectures, as text or
+    Markdown."""
     from kvfast.commands.sweep import _table
     from kvfast.report import markdown as md
     from kvfast.studies import scan
 
-    board, skipped = scan.scoreboard(df), scan.skipped_table(df)
+    board, skipped, bugs = scan.scoreboard(df), scan.skipped_table(df), scan.bug_table(df)
     checked, total = scan.coverage(df)
     head = f"{checked} of {total} architectures checked; {len(skipped)} with skipped runs"
     show = md if markdown else _table
-    return f"{head}\n\n{show(board)}\n\nskipped:\n\n{show(skipped)}"
+    return f"{head}\n\n{show(board)}\n\ninjected bugs:\n\n{show(bugs)}\n\nskipped:\n\n{show(skipped)}"
 
 
 def cmd_scan(args) -> int:
@@ -103,7 +105,8 @@ def cmd_scan(args) -> int:
 
     out = Path(args.out).absolute()
     grid = build_grid(args)
-    report = _sweep(grid, out, SweepOptions.build(jobs=args.jobs, quiet=args.quiet, fresh=args.fresh))
+    options = SweepOptions.build(jobs=args.jobs, quiet=args.quiet, fresh=args.fresh, retry_errors=args.retry_errors)
+    report = _sweep(grid, out, options)
     if isinstance(report, int):
         return report
     print(report.line())

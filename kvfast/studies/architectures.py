@@ -265,6 +265,20 @@ def _reason(where: str, exc: BaseException) -> str:
     return f"{where}: {type(exc).__name__}: {text[:300]}"
 
 
+def _config_for(model_type: str, config, wanted: type):
+    """``config``, or its sub-config the causal-LM class takes (a multimodal type whose causal-LM class is its
+    text model, MusicGen's decoder); :class:`Unbuildable` when there is none."""
+    if isinstance(config, wanted):
+        return config
+    for value in vars(config).values():
+        if isinstance(value, wanted):
+            return value
+    try:
+        return config.get_text_config()
+    except Exception as exc:  # noqa: BLE001 - transformers' own refusal (several text configs) is the reason
+        raise Unbuildable(model_type, _reason("config", exc)) from exc
+
+
 def tiny_architecture(model_type: str, dtype: str = "float32", attention: str = "auto", seed: int = 0):
     """``model_type``'s causal-LM class over :func:`tiny_config`, weights seeded by ``seed``, in ``dtype``,
     eval mode, with ``attention`` (``auto``: transformers' own default for the class); :class:`Unbuildable`
@@ -277,8 +291,7 @@ def tiny_architecture(model_type: str, dtype: str = "float32", attention: str = 
     cls = getattr(transformers, name, None)
     if cls is None:
         raise Unbuildable(model_type, f"class: transformers has no {name}")
-    if not isinstance(config, cls.config_class) and hasattr(config, "get_text_config"):
-        config = config.get_text_config()  # a multimodal type whose causal-LM class is its text model
+    config = _config_for(model_type, config, cls.config_class)
     kwargs = {} if attention == "auto" else {"attn_implementation": attention}
     torch.manual_seed(seed)
     try:
