@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/engines.py [--steps 64] [--seeds 2] [--repeats 5] [--out DIR]
 
-For each engine installed (onnxruntime-genai: ``kvfast[ort]``), seeds ``0..seeds-1`` build a tiny random
+For onnxruntime-genai (``kvfast[ort]``), seeds ``0..seeds-1`` build a tiny random
 Llama and convert it (:func:`kvfast.check.engines.ort.tiny_ort_model`), then:
 
 - **verdicts**: clean runs in control mode over the seeds x two prompts x ``steps`` decode steps, both
@@ -11,6 +11,9 @@ Llama and convert it (:func:`kvfast.check.engines.ort.tiny_ort_model`), then:
   the step where it first acts); the largest clean ratio and the smallest bug ratio;
 - **cost**: the median CPU time of the control check (decode; decode + resume) against a plain cached
   generation through the engine (prefill, then one token per step), as ratios measured in this run.
+
+For llama.cpp (``kvfast[llamacpp]``, when installed): the same cost ratios, float16 and float32 KV cache. The
+verdicts of every engine on the same weights: ``kvfast run engines_all`` (the ``engines`` study).
 
 Prints Markdown tables (pasted into docs/engines.md).
 """
@@ -108,6 +111,33 @@ def ort_cost(onnx: Path, hf: Path, steps: int, repeats: int) -> None:
         print(f"| {name} | {value:.4f} | {value / base:.2f} |")
 
 
+def llamacpp_cost(out: Path, steps: int, repeats: int) -> None:
+    from kvfast.check import check_cache
+    from kvfast.check.engines.llamacpp import LlamaCppModel, tiny_gguf_model
+
+    gguf = tiny_gguf_model(out, seed=0, weights="f32")
+    prompt = np.array(PROMPTS[1])
+    print(f"\n### llama.cpp: cost ({steps} decode steps, {len(prompt)}-token prompt, f32 weights, median of {repeats})")
+    print("| KV cache | what | CPU s | x plain |")
+    print("|---|---|---|---|")
+    for cache in ("f16", "f32"):
+        model = LlamaCppModel(gguf, cache=cache, hf_model=out / "hf")
+        llm = model._context()
+
+        def plain(llm=llm) -> None:
+            llm.reset()
+            llm.eval([int(t) for t in prompt])
+            for _ in range(steps):
+                llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+
+        base = median_cpu(plain, repeats)
+        decode = median_cpu(lambda m=model: check_cache(m, prompt, steps, "control", "decode"), repeats)
+        both = median_cpu(lambda m=model: check_cache(m, prompt, steps, "control"), repeats)
+        for name, value in (("plain cached generation", base), ("control check (decode)", decode),
+                            ("control check (decode + resume)", both)):  # fmt: skip
+            print(f"| {cache} | {name} | {value:.4f} | {value / base:.2f} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=64)
@@ -131,6 +161,12 @@ def main(argv: list[str] | None = None) -> int:
         built = [(tiny_ort_model(root / f"seed{s}", seed=s), root / f"seed{s}" / "hf") for s in range(args.seeds)]
         ort_verdicts(built, args.steps)
         ort_cost(*built[0], args.steps, args.repeats)
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            print("\nllama.cpp: llama-cpp-python not installed (pip install 'kvfast[llamacpp]'): not measured")
+        else:
+            llamacpp_cost(root / "gguf", args.steps, args.repeats)
     return 0
 
 
