@@ -143,3 +143,14 @@ def test_the_engines_study_checks_one_model_in_transformers_and_onnxruntime_gena
         STUDY.validate_config({**base, "engine": "ort", "bug": "none", "weights": "f16"})
     with pytest.raises(ValueError, match="^engine: 'vllm' is not allowed"):
         STUDY.validate_config({**base, "engine": "vllm", "bug": "none"})
+
+
+def test_other_weights_offered_as_the_transformers_variant_are_refused_not_taken_for_noise(built, tmp_path):
+    onnx, _ = built
+    from kvfast.check.engines.tiny import tiny_llama
+
+    tiny_llama(tmp_path / "other", seed=7)  # a wrong conversion looks like this: another function entirely
+    model = ORTModel(onnx, variants=("batch", "transformers"), hf_model=tmp_path / "other")
+    report = check_cache(model, PROMPTS[0], 8, mode="control")
+    assert any(note.startswith("variant 'transformers'") and "not admitted" in note for note in report.notes)
+    assert report.verdict != "bug"  # refusing the source never turns a clean engine into a bug by itself
