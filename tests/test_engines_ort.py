@@ -154,3 +154,9 @@ def test_other_weights_offered_as_the_transformers_variant_are_refused_not_taken
     report = check_cache(model, PROMPTS[0], 8, mode="control")
     assert any(note.startswith("variant 'transformers'") and "not admitted" in note for note in report.notes)
     assert report.verdict != "bug"  # refusing the source never turns a clean engine into a bug by itself
+
+
+def test_check_cache_takes_an_onnxruntime_genai_directory_as_it_is(built):
+    onnx, _ = built
+    report = check_cache(str(onnx), PROMPTS[0], 8, mode="control", scenarios="decode")
+    assert report.scenarios["decode"].verdict in ("rounding", "inconclusive")  # no cross-implementation variant

@@ -31,13 +31,21 @@ from kvfast.check.protocol import (
 
 
 def as_model_under_test(model: object) -> GuardedModel:
-    """``model`` (a Hugging Face model wrapped in :class:`kvfast.check.hf.HFModel`) seen through
+    """``model`` (a Hugging Face model wrapped in :class:`kvfast.check.hf.HFModel`, an onnxruntime-genai model
+    directory in :class:`kvfast.check.engines.ort.ORTModel`) seen through
     :class:`kvfast.check.protocol.GuardedModel`: its own exceptions and exits become
     :class:`~kvfast.check.protocol.ModelUnderTestError`. ``ValueError`` if it is not a model under test."""
     from kvfast.check.hf import is_hf_model
 
     if isinstance(model, GuardedModel):
         return model
+    from kvfast.check.engines.ort import is_ort_model
+
+    if is_ort_model(model):  # a path to an onnxruntime-genai model directory
+        from kvfast.check.engines.ort import ORTModel
+
+        adapter = call_model("kvfast.check.engines.ort.ORTModel(model)", ORTModel, model, passthrough=(ValueError,))
+        return guard(adapter, passthrough=(ValueError,))
     if is_hf_model(model):
         from kvfast.check.hf import HFModel
 

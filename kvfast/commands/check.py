@@ -68,7 +68,7 @@ EXIT_CODES = {
     EXIT_INTERRUPTED: "interrupted by the user (Ctrl-C); the check's processes were killed",
 }
 #: ``--engine NAME PATH``: the factory that builds NAME's model under test from ``path=PATH``.
-ENGINES = {"ort": "kvfast.check.engines.ort:ORTModel"}
+ENGINES = {"ort": "kvfast.check.engines.ort:ORTModel", "llamacpp": "kvfast.check.engines.llamacpp:LlamaCppModel"}
 GRACE_S = 1.5  # after --timeout, the child's own timer has had this long to report before it is killed
 
 
@@ -84,7 +84,8 @@ def add_parser(sub) -> None:
     )  # fmt: skip
     p.add_argument(
         "--engine", choices=sorted(ENGINES), default=None,
-        help="check an inference engine's model: FACTORY is then its path (ort: an onnxruntime-genai model directory)",
+        help="check an inference engine's model: FACTORY is then its path (ort: an onnxruntime-genai model directory; "
+        "llamacpp: a GGUF file)",
     )  # fmt: skip
     p.add_argument(
         "--factory-arg", action="append", default=[], metavar="KEY=VALUE", help="an argument for FACTORY (repeatable)"

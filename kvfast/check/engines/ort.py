@@ -59,10 +59,7 @@ def _modules():
 
 
 def is_ort_model(model: object) -> bool:
-    """Whether ``model`` is an ``onnxruntime_genai.Model`` or a path to a directory with ``genai_config.json``
-    (imports nothing)."""
-    if type(model).__module__.startswith("onnxruntime_genai"):
-        return True
+    """Whether ``model`` is a path to a directory with ``genai_config.json`` (imports nothing)."""
     return isinstance(model, str | os.PathLike) and (Path(model) / "genai_config.json").is_file()
 
 
@@ -78,7 +75,7 @@ class ORTModel:
 
     def __init__(self, path, *, variants=("batch", "no-opt"), hf_model=None, bug: str | None = None) -> None:
         ort, og = _modules()
-        if not is_ort_model(path) or not isinstance(path, str | os.PathLike):
+        if not is_ort_model(path):
             raise not_allowed("path", path, MODEL)
         self.path = Path(path)
         config = json.loads((self.path / "genai_config.json").read_text())["model"]
