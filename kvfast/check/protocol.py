@@ -27,6 +27,14 @@ A model under test is any object with these methods (tokens are passed as a
     the logic check ``check_cache(..., promote="float64")``. If the model cannot
     be promoted or cannot run promoted, the logic check is skipped with a note
     and the native verdict stands.
+``crop(n)`` (optional; the ``rollback`` scenario, :mod:`kvfast.check.operations`)
+    Keep the first ``n`` positions of the cache and forget the rest (speculative
+    decoding's rollback); the next ``decode`` is at position ``n``.
+``snapshot() -> state`` and ``restore(state)`` (optional; the ``fork`` scenario)
+    A copy of the cache as it is now, and the cache set back to a copy of it (a
+    state may be restored more than once; no branch may change another).
+    A hook that raises ``NotImplementedError`` (a cache kind that cannot roll
+    back) gets its scenario skipped with a note, never a failed check.
 ``max_positions`` (optional attribute, int)
     The most positions the model can take; a longer check is bad input before any work.
 ``vocab_size`` (optional attribute, int)
@@ -49,7 +57,7 @@ from kvfast.runtime import CheckTimeout, UserCodeError, call_user, check_timeout
 from kvfast.validation import require_int
 
 REQUIRED = ("recompute", "prefill", "decode")
-OPTIONAL = ("extend", "recompute_variants", "promote")
+OPTIONAL = ("extend", "recompute_variants", "promote", "crop", "snapshot", "restore")
 PROTOCOL = "an object with recompute(tokens), prefill(tokens), decode(token) and optionally extend(tokens)"
 
 

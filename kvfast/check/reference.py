@@ -152,7 +152,8 @@ class SharedReference:
         self.known = T  # rows[:known] and the tokens they chose are final
         self.reuse: CachePath | None = None  # the fast path's cache run, when it was fed these tokens
         # the fast path runs the first scenario asked for (a resume-only check never prefills the whole prompt)
-        self.reuse_scenario = "decode" if "decode" in subject.options.scenarios else "resume"
+        asked = subject.options.scenarios  # an operation-only check (rollback, fork) prefills like decode
+        self.reuse_scenario = "resume" if "resume" in asked and "decode" not in asked else "decode"
         self.batch_shape: dict[str, np.ndarray] | None = None
 
     @classmethod

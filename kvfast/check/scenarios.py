@@ -10,6 +10,8 @@ import numpy as np
 
 from kvfast.check import control as C
 from kvfast.check.cache_path import CachePath
+from kvfast.check.operations import check_operation
+from kvfast.check.options import OPERATIONS
 from kvfast.check.reference import OwnReference, SharedReference
 from kvfast.check.report import ScenarioReport, skipped_resume
 from kvfast.check.subject import CheckSubject
@@ -24,6 +26,9 @@ def check_scenarios(
     for name in subject.options.scenarios:
         if name == "resume" and subject.T < 2:
             reports[name] = skipped_resume(subject.options.mode, subject.prompt, reference.skipped_tokens)
+            continue
+        if name in OPERATIONS:  # rollback, fork: kvfast.check.operations
+            reports.update(check_operation(subject, reference, name, fmt))
             continue
         run = reference.cache_run(name)
         rows = reference.rows_for(name, run)

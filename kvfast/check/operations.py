@@ -1,0 +1,223 @@
+"""The cache operations real inference stacks use, as scenarios: ``rollback`` and ``fork``.
+
+Each is defined by what it must equal: a full recompute of the tokens the cache logically holds.
+Both feed ``decode`` the same tokens as the ``decode`` scenario (the shared tokens, or the cache's
+own greedy ones with ``follow="cache"``), so step ``t`` is still position ``T + t - 1`` and is judged
+against the same reference rows, by the same verdict machinery, in the same per-step table.
+
+``rollback`` (speculative decoding, assisted generation; the model's ``crop(n)`` hook: keep the first
+``n`` positions). Before decode step ``t = 1, 1 + ROLLBACK_EVERY, ...`` the cache takes ``k`` draft
+tokens (``k`` cycles through :data:`DRAFTS`; tokens the shared text does not hold), then
+``crop(T + t - 1)`` drops them again and step ``t`` decodes the kept token. Every step after a
+rollback must equal the recompute of the kept prefix plus the tokens after it: a crop that keeps one
+draft too many shows at the first step after the first rollback. The drafts' own logits are not judged.
+
+``fork`` (prefix caching, parallel sampling, a prompt reused; the hooks ``snapshot() -> state`` and
+``restore(state)``). Prefill, ``s0 = snapshot()``; decode steps ``1..h`` (``h = steps // 2``),
+``sh = snapshot()``; ``restore(s0)`` and decode a second branch of ``m = max(1, h)`` other tokens;
+``restore(sh)`` and decode steps ``h + 1..steps``. Two reports: ``fork`` (the first branch: steps after
+``h`` show whether the second branch changed it) and ``fork-branch`` (the second branch against the
+recompute of the prompt plus its own tokens; control mode judges it against the run's pooled relative
+order noise, the level every position can reach). A snapshot that shares the key buffer with the live
+cache shows at step ``h + 1``.
+
+A model without the hooks gets the scenario reported as ``skipped`` with a note, as does a model whose
+hook raises ``NotImplementedError`` (a cache kind that cannot roll back: the note names the call and
+the reason); any other exception of the model's is :class:`~kvfast.check.protocol.ModelUnderTestError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+import numpy as np
+
+from kvfast.check.cache_path import CachePath
+from kvfast.check.calls import ModelCalls
+from kvfast.check.protocol import ModelUnderTestError
+from kvfast.check.reference import OwnReference, SharedReference, per_step_rows
+from kvfast.check.report import ScenarioReport
+from kvfast.check.subject import CheckSubject
+
+#: The hooks each operation scenario needs (optional methods of the protocol).
+HOOKS: dict[str, tuple[str, ...]] = {"rollback": ("crop",), "fork": ("snapshot", "restore")}
+#: Decode steps between two rollbacks (the first rollback comes before step 1).
+ROLLBACK_EVERY = 4
+#: Draft tokens taken before each rollback, in turn.
+DRAFTS = (1, 2, 3)
+BRANCH = "fork-branch"  # the name of the fork scenario's second branch's report
+
+Choose = Callable[[int, np.ndarray], int]
+
+
+class Unsupported(Exception):  # noqa: N818 - a hook the model declines, not an error of the check
+    """A hook raised ``NotImplementedError``: the scenario is skipped with ``str(self)`` as its note."""
+
+
+def check_operation(
+    subject: CheckSubject, reference: SharedReference | OwnReference, name: str, fmt: str
+) -> dict[str, ScenarioReport]:
+    """Operation scenario ``name`` (``rollback``, ``fork``) run and judged: ``{report name: report}``.
+    Skipped (with a note) when the model lacks a hook or a hook raises ``NotImplementedError``."""
+    from kvfast.check.scenarios import judge_scenario  # scenarios dispatches here: import when called
+
+    missing = [h for h in HOOKS[name] if not subject.calls.has(h)]
+    if missing:
+        hooks = " and ".join(f"{h}()" for h in missing)
+        return {name: skipped(name, subject, reference.skipped_tokens, f"the model has no {hooks}")}
+    choose = _chooser(reference)
+    try:
+        if name == "rollback":
+            run, notes = rollback_path(subject.calls, subject.prompt, subject.steps, choose)
+            branch = None
+        else:
+            run, branch, notes = fork_paths(subject.calls, subject.prompt, subject.steps, choose)
+    except Unsupported as exc:
+        return {name: skipped(name, subject, reference.skipped_tokens, str(exc))}
+    rows = reference.rows_for(name, run)
+    reports = {name: _judged(subject, name, run, rows, reference.noise, fmt, notes, judge_scenario)}
+    if branch is not None:
+        rows_b = _branch_rows(subject, reference, branch)
+        noise_b = _pooled_noise_for(reference.noise, rows, rows_b)
+        note = (
+            f"the second branch: {branch.fed.shape[0]} tokens decoded from the prompt's snapshot, against the "
+            "recompute of the prompt plus its own tokens"
+        )
+        if noise_b is not None:
+            note += "; its order noise is the run's pooled relative noise at this branch's magnitudes"
+        reports[BRANCH] = _judged(subject, BRANCH, branch, rows_b, noise_b, fmt, (note,), judge_scenario)
+    return reports
+
+
+def _judged(subject, name, run, rows, noise, fmt, notes, judge) -> ScenarioReport:
+    report = judge(subject, name, run, rows, noise, fmt)
+    report = replace(report, notes=report.notes + tuple(notes))
+    if subject.options.keep_logits:
+        report = replace(report, cache_logits=run.logits(), reference=rows.copy())
+    return report
+
+
+def _chooser(reference: SharedReference | OwnReference) -> Choose:
+    """The tokens fed to ``decode``: the shared ones, or (``follow="cache"``) the cache's own greedy ones."""
+    if isinstance(reference, SharedReference):
+        tokens = reference.tokens
+        return lambda t, out: int(tokens[t])
+    return lambda t, out: int(np.argmax(out))
+
+
+def skipped(name: str, subject: CheckSubject, tokens: np.ndarray, why: str) -> ScenarioReport:
+    """Scenario ``name``'s report when it cannot run on this model: ``skipped``, ``why`` as its note."""
+    return ScenarioReport(
+        name, subject.options.mode, subject.prompt, tokens, np.zeros(0), (), "skipped", None, None, notes=(why,)
+    )
+
+
+def _hook(calls: ModelCalls, name: str, *args):
+    """``model.<name>(*args)``; a ``NotImplementedError`` from it becomes :class:`Unsupported`."""
+    try:
+        return getattr(calls.model, name)(*args)
+    except ModelUnderTestError as exc:
+        if isinstance(exc.error, NotImplementedError):
+            raise Unsupported(f"{exc.where} is not supported by this model: {exc.error}") from exc
+        raise
+
+
+def draft_tokens(next_token: int, k: int, vocab: int) -> np.ndarray:
+    """``k`` draft tokens that are not the kept text: from ``next_token + 1`` on, modulo ``vocab``."""
+    return (next_token + 1 + np.arange(k, dtype=np.int64) * 7) % vocab
+
+
+def rollback_points(steps: int) -> list[int]:
+    """The decode steps before which the rollback scenario drafts and crops."""
+    return list(range(1, steps + 1, ROLLBACK_EVERY))
+
+
+def rollback_path(
+    calls: ModelCalls, prompt: np.ndarray, steps: int, choose: Choose
+) -> tuple[CachePath, tuple[str, ...]]:
+    """The rollback scenario's cache path (see the module doc) and its note."""
+    T = prompt.shape[0]
+    first = calls.prefill(prompt, "of the prompt")
+    decoded = np.empty((steps, calls.vocab))
+    fed = np.empty(steps, dtype=np.int64)
+    points = rollback_points(steps)
+    last = first[-1]
+    for t in range(1, steps + 1):
+        tok = int(choose(t - 1, last))
+        fed[t - 1] = tok
+        if t in points:
+            k = DRAFTS[points.index(t) % len(DRAFTS)]
+            for i, d in enumerate(draft_tokens(tok, k, calls.vocab)):
+                calls.decode(int(d), f"of draft token {i + 1} of {k} before step {t} (rollback)")
+            _hook(calls, "crop", T + t - 1)
+        last = calls.decode(tok, f"at step {t} (position {T + t - 1})")
+        decoded[t - 1] = last
+    shown = ", ".join(map(str, points[:6])) + (", ..." if len(points) > 6 else "")
+    note = (
+        f"{len(points)} rollbacks: before steps {shown} the cache took {min(DRAFTS)}-{max(DRAFTS)} draft tokens "
+        "and crop(n) kept the first n positions again; each step equals the recompute of the kept prefix and "
+        "the tokens after it"
+    )
+    return CachePath(first, decoded, fed), (note,)
+
+
+def fork_paths(
+    calls: ModelCalls, prompt: np.ndarray, steps: int, choose: Choose
+) -> tuple[CachePath, CachePath, tuple[str, ...]]:
+    """The fork scenario's two branches (see the module doc): the first (all ``steps``), the second, a note."""
+    T = prompt.shape[0]
+    h, m = steps // 2, max(1, min(steps, steps // 2))
+    first = calls.prefill(prompt, "of the prompt")
+    at_prompt = _hook(calls, "snapshot")
+    decoded = np.empty((steps, calls.vocab))
+    fed = np.empty(steps, dtype=np.int64)
+    last = first[-1]
+
+    def run(t0: int, t1: int) -> None:
+        nonlocal last
+        for t in range(t0, t1 + 1):
+            fed[t - 1] = tok = int(choose(t - 1, last))
+            last = decoded[t - 1] = calls.decode(tok, f"at step {t} (position {T + t - 1})")
+
+    run(1, h)
+    at_h = _hook(calls, "snapshot")
+    _hook(calls, "restore", at_prompt)
+    other = draft_tokens(int(choose(0, first[-1])), m, calls.vocab)
+    branch = np.stack(
+        [calls.decode(int(tok), f"at step {i + 1} of the second branch (position {T + i})") for i, tok in enumerate(other)]
+    )
+    _hook(calls, "restore", at_h)
+    run(h + 1, steps)
+    note = (
+        f"snapshot after the prompt and after step {h}; a second branch of {m} tokens ran from the prompt's "
+        f"snapshot, then restore() went back to step {h}: steps {h + 1}-{steps} show whether it changed this branch"
+    )
+    return CachePath(first, decoded, fed), CachePath(first, branch, other), (note,)
+
+
+def _branch_rows(subject: CheckSubject, reference: SharedReference | OwnReference, branch: CachePath) -> np.ndarray:
+    """The reference rows of the fork's second branch: one recompute of its sequence (fast or control), else
+    one recompute per step (the reference found the recompute not append-invariant in exact mode)."""
+    calls, prompt = subject.calls, subject.prompt
+    seq = np.concatenate([prompt, branch.fed])
+    per_step = subject.options.mode == "exact" and (not subject.options.fast or reference.path == "per-step")
+    if not per_step:
+        return calls.recompute(seq, "of the fork's second branch")
+    T = prompt.shape[0]
+    rows = np.empty((seq.shape[0], subject.vocab))
+    rows[:T] = calls.recompute(prompt, "of the prompt")
+    per_step_rows(calls, prompt, rows, branch.fed.copy(), T, greedy=False)
+    return rows
+
+
+def _pooled_noise_for(
+    noise: dict[str, np.ndarray] | None, rows: np.ndarray, rows_b: np.ndarray
+) -> dict[str, np.ndarray] | None:
+    """Control mode: each noise source's largest relative draw over the run, at the branch's magnitudes."""
+    if noise is None:
+        return None
+    scale = np.abs(rows).max(axis=1)
+    safe = np.where(scale > 0, scale, np.inf)
+    scale_b = np.abs(rows_b).max(axis=1)
+    return {k: float((v / safe).max()) * scale_b for k, v in noise.items()}
