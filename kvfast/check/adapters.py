@@ -108,20 +108,28 @@ class KvfastModel:
 
     # --- cache operations (the rollback and fork scenarios, kvfast.check.operations) ------------------
 
+    op_bug: str | None = None  # an operation bug (kvfast.check.operations.OP_BUGS), set by inject_op_bug
+
     def crop(self, n: int) -> None:
         """Keep the first ``n`` positions of the cache (a rollback); the next decode is at position ``n``."""
-        self._cache().truncate(n)
+        cache = self._cache()
+        if self.op_bug == "crop_short" and n < cache.length:
+            n += 1
+        cache.truncate(n)
 
     def snapshot(self) -> KVCache:
         """A copy of the cache as it is now (its own key and value buffers)."""
         cache = self._cache()
-        return replace(cache, k=cache.k.copy(), v=cache.v.copy())
+        return replace(cache, k=self._keys(cache.k), v=cache.v.copy())
 
     def restore(self, state: KVCache) -> None:
         """The cache set back to a copy of ``state`` (a :meth:`snapshot`; restorable again)."""
         if not isinstance(state, KVCache):
             raise ValueError(f"state: {type(state).__name__} is not allowed; allowed: a KVCache from snapshot()")
-        self.cache = replace(state, k=state.k.copy(), v=state.v.copy())
+        self.cache = replace(state, k=self._keys(state.k), v=state.v.copy())
+
+    def _keys(self, k: np.ndarray) -> np.ndarray:
+        return k if self.op_bug == "fork_shared_keys" else k.copy()
 
     def _cache(self) -> KVCache:
         if self.cache is None:

@@ -407,6 +407,28 @@ class HFModel:
         new.cache, new.length = None, 0
         return new
 
+    # --- cache operations (the rollback and fork scenarios; kvfast.check.hf_ops) ----------------------
+
+    op_bug: str | None = None  # an operation bug (kvfast.check.operations.OP_BUGS), set by inject_op_bug
+
+    def crop(self, n: int) -> None:
+        """Keep the first ``n`` positions of the cache (``cache.crop``; :func:`kvfast.check.hf_ops.crop`)."""
+        from kvfast.check import hf_ops
+
+        hf_ops.crop(self, n)
+
+    def snapshot(self):
+        """A deep copy of the cache and its counters (:func:`kvfast.check.hf_ops.snapshot`)."""
+        from kvfast.check import hf_ops
+
+        return hf_ops.snapshot(self)
+
+    def restore(self, state) -> None:
+        """The cache set back to a copy of ``state`` (:func:`kvfast.check.hf_ops.restore`)."""
+        from kvfast.check import hf_ops
+
+        hf_ops.restore(self, state)
+
 
 # --- tiny random models from configs (tests, benchmarks, the measured matrix) ------------------------
 

@@ -8,7 +8,9 @@ against the same reference rows, by the same verdict machinery, in the same per-
 ``rollback`` (speculative decoding, assisted generation; the model's ``crop(n)`` hook: keep the first
 ``n`` positions). Before decode step ``t = 1, 1 + ROLLBACK_EVERY, ...`` the cache takes ``k`` draft
 tokens (``k`` cycles through :data:`DRAFTS`; tokens the shared text does not hold), then
-``crop(T + t - 1)`` drops them again and step ``t`` decodes the kept token. Every step after a
+``crop(T + t - 1)`` drops them again and step ``t`` decodes the kept token. Right after the prefill
+the scenario calls ``crop(T)``, a rollback of nothing, where a model may prepare for rollbacks (a Hugging
+Face cache starts recording its past there, as ``generate`` does after its prefill). Every step after a
 rollback must equal the recompute of the kept prefix plus the tokens after it: a crop that keeps one
 draft too many shows at the first step after the first rollback. The drafts' own logits are not judged.
 
@@ -49,6 +51,37 @@ DRAFTS = (1, 2, 3)
 BRANCH = "fork-branch"  # the name of the fork scenario's second branch's report
 
 Choose = Callable[[int, np.ndarray], int]
+
+#: Bugs of the cache operations, injected into the operation hooks only (``inject_op_bug``; kvfast's own
+#: model and :class:`~kvfast.check.hf.HFModel`): the recompute, prefill and decode stay clean.
+OP_BUGS: dict[str, str] = {
+    "crop_short": "a rollback that crops one token too few: crop(n) keeps n + 1 positions",
+    "fork_shared_keys": "a fork that shares the key tensor: snapshot() and restore() copy the values, not the keys",
+}
+
+
+def inject_op_bug(model, bug: str | None):
+    """``model`` (a :class:`~kvfast.check.KvfastModel` or :class:`~kvfast.check.hf.HFModel`) with operation bug
+    ``bug`` from :data:`OP_BUGS` (``None``: clean), set in place and returned."""
+    from kvfast.validation import require_choice
+
+    if bug is not None:
+        require_choice(bug, "bug", OP_BUGS)
+    if not hasattr(type(model), "op_bug"):
+        raise ValueError(f"model: {type(model).__name__} takes no operation bug; allowed: KvfastModel or HFModel")
+    model.op_bug = bug
+    return model
+
+
+def op_first_acting_step(bug: str, scenario: str, steps: int) -> int | None:
+    """The first step at which operation bug ``bug`` changes ``scenario``'s logits (``None``: never). For
+    ``fork_shared_keys`` this holds where the cache writes its key buffer in place (kvfast's own cache, a
+    Hugging Face ``StaticCache``); a ``DynamicCache`` concatenates new tensors, and sharing one is harmless."""
+    if bug == "crop_short":
+        return 1 if scenario == "rollback" else None
+    if bug == "fork_shared_keys":
+        return steps // 2 + 1 if scenario == "fork" and steps // 2 >= 1 else None
+    raise ValueError(f"bug: {bug!r} is not allowed; allowed: {', '.join(OP_BUGS)}")
 
 
 class Unsupported(Exception):  # noqa: N818 - a hook the model declines, not an error of the check
@@ -139,6 +172,7 @@ def rollback_path(
     """The rollback scenario's cache path (see the module doc) and its note."""
     T = prompt.shape[0]
     first = calls.prefill(prompt, "of the prompt")
+    _hook(calls, "crop", T)  # a rollback of nothing: where a model may prepare for rollbacks (HF: generate's way)
     decoded = np.empty((steps, calls.vocab))
     fed = np.empty(steps, dtype=np.int64)
     points = rollback_points(steps)
