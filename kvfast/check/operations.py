@@ -89,12 +89,11 @@ class Unsupported(Exception):  # noqa: N818 - a hook the model declines, not an 
 
 
 def check_operation(
-    subject: CheckSubject, reference: SharedReference | OwnReference, name: str, fmt: str
+    subject: CheckSubject, reference: SharedReference | OwnReference, name: str, fmt: str, judge_scenario: Callable
 ) -> dict[str, ScenarioReport]:
-    """Operation scenario ``name`` (``rollback``, ``fork``) run and judged: ``{report name: report}``.
-    Skipped (with a note) when the model lacks a hook or a hook raises ``NotImplementedError``."""
-    from kvfast.check.scenarios import judge_scenario  # scenarios dispatches here: import when called
-
+    """Operation scenario ``name`` (``rollback``, ``fork``) run and judged by ``judge_scenario`` (the
+    scenarios' own, :func:`kvfast.check.scenarios.judge_scenario`): ``{report name: report}``. Skipped
+    (with a note) when the model lacks a hook or a hook raises ``NotImplementedError``."""
     missing = [h for h in HOOKS[name] if not subject.calls.has(h)]
     if missing:
         hooks = " and ".join(f"{h}()" for h in missing)
@@ -218,9 +217,8 @@ def fork_paths(
     at_h = _hook(calls, "snapshot")
     _hook(calls, "restore", at_prompt)
     other = draft_tokens(int(choose(0, first[-1])), m, calls.vocab)
-    branch = np.stack(
-        [calls.decode(int(tok), f"at step {i + 1} of the second branch (position {T + i})") for i, tok in enumerate(other)]
-    )
+    where = [f"at step {i + 1} of the second branch (position {T + i})" for i in range(m)]
+    branch = np.stack([calls.decode(int(tok), at) for tok, at in zip(other, where, strict=True)])
     _hook(calls, "restore", at_h)
     run(h + 1, steps)
     note = (

@@ -28,7 +28,7 @@ def check_scenarios(
             reports[name] = skipped_resume(subject.options.mode, subject.prompt, reference.skipped_tokens)
             continue
         if name in OPERATIONS:  # rollback, fork: kvfast.check.operations
-            reports.update(check_operation(subject, reference, name, fmt))
+            reports.update(check_operation(subject, reference, name, fmt, judge_scenario))
             continue
         run = reference.cache_run(name)
         rows = reference.rows_for(name, run)

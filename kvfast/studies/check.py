@@ -6,7 +6,8 @@ A run calls ``factory(**args)`` -- ``factory`` is a config field naming a callab
 model's cache against its full recompute on a random prompt (``prompt_len`` tokens drawn from
 ``prompt_seed``) for ``steps`` decode steps in ``mode`` (``exact``: ``==`` at every step;
 ``control``: against the model's order-noise floor), over ``scenarios`` (``decode``,
-``resume`` or ``both``; the cache operations ``rollback``, ``fork``, or ``operations`` for decode and both). Result columns: ``verdict`` and ``passed`` (the report's),
+``resume`` or ``both``; the cache operations ``rollback``, ``fork``, or ``operations``: decode, rollback
+and fork). Result columns: ``verdict`` and ``passed`` (the report's),
 ``first_divergent_step`` (-1 if none), ``worst_deviation`` (largest \\|cache - recompute\\|
 logit over every step and scenario), ``ratio`` (control mode: the worst step's deviation over its
 floor bound; null in exact mode), ``worst_scenario`` and ``tokens`` (the checked token ids).

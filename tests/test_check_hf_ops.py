@@ -1,0 +1,124 @@
+"""The rollback and fork scenarios on tiny random Hugging Face models (kvfast.check.hf_ops), no downloads.
+
+Clean models are never ``bug`` nor ``inconclusive`` in control mode (float32 and bfloat16, the float64
+logic check included; the whole matrix of 4 families x 2 dtypes x 2 seeds x 2 prompts is ``-m slow``,
+about 40 s). Mistral rolls back past its sliding window (its cache records its past, as ``generate``
+makes it do); a static sliding-window cache larger than the window cannot roll back and is skipped with
+a note. ``crop_short`` is found at step 1 of the rollback; ``fork_shared_keys`` at the first step after
+the restore where the cache writes keys in place (a ``StaticCache``), and nowhere with a ``DynamicCache``,
+which concatenates new tensors.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+if os.environ.get("KVFAST_REQUIRE_HF") == "1":  # CI (.ci/run): run these, never skip them
+    import torch
+    import transformers
+else:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+
+from kvfast.check import check_cache  # noqa: E402
+from kvfast.check.hf import MISTRAL_WINDOW, HFModel, tiny_model  # noqa: E402
+from kvfast.check.operations import BRANCH, OP_BUGS, inject_op_bug, op_first_acting_step  # noqa: E402
+from kvfast.studies.hf_common import prompt_and_continuation  # noqa: E402
+from kvfast.studies.hf_matrix import PROMPT_LENGTHS, PROMPT_STREAM  # noqa: E402
+
+STEPS = 16
+OPS = ("rollback", "fork")
+CASES = [
+    (seed, k, *prompt_and_continuation(PROMPT_STREAM, seed, k, STEPS, PROMPT_LENGTHS))
+    for seed in range(2)
+    for k in range(2)
+]
+LONG_PROMPT = list(range(3, 3 + MISTRAL_WINDOW + 4))  # longer than Mistral's window
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def static(model, length: int = 64):
+    return lambda: transformers.StaticCache(config=model.config, max_cache_len=length)
+
+
+def _assert_clean(report) -> None:
+    for checked in (report, report.promoted):
+        assert checked.verdict == "rounding", report.format()
+        assert set(checked.scenarios) == {"rollback", "fork", BRANCH}
+
+
+def test_a_clean_llama_through_rollback_and_fork():
+    seed, _, prompt, continuation = CASES[0]
+    report = check_cache(
+        tiny_model("llama", "float32", "sdpa", seed), prompt, mode="control", continuation=continuation,
+        scenarios=OPS, promote="float64",
+    )  # fmt: skip
+    _assert_clean(report)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "mistral", "qwen2"])
+def test_clean_models_are_never_a_bug_nor_inconclusive(family, dtype):
+    for seed, _, prompt, continuation in CASES:
+        model = tiny_model(family, dtype, "sdpa", seed)
+        report = check_cache(model, prompt, mode="control", continuation=continuation, scenarios=OPS, promote="float64")
+        _assert_clean(report)
+
+
+def test_mistral_rolls_back_past_its_window():
+    model = tiny_model("mistral", "float32", "sdpa", 0)
+    report = check_cache(model, LONG_PROMPT, 12, mode="control", scenarios=OPS)
+    assert report.verdict == "rounding", report.format()
+    assert report.scenarios["rollback"].verdict == "rounding"
+    bad = check_cache(inject_op_bug(HFModel(model), "crop_short"), LONG_PROMPT, 12, mode="control", scenarios=OPS)
+    assert bad.scenarios["rollback"].first_bug_step == 1, bad.format()
+
+
+def test_a_static_window_cache_that_cannot_roll_back_is_skipped():
+    model = tiny_model("mistral", "float32", "sdpa", 0)
+    report = check_cache(HFModel(model, new_cache=static(model)), LONG_PROMPT, 8, mode="control", scenarios=OPS)
+    rollback = report.scenarios["rollback"]
+    assert rollback.verdict == "skipped" and "not croppable" in rollback.notes[0], report.format()
+    assert report.scenarios["fork"].verdict == "rounding" and report.passed
+
+
+@pytest.mark.parametrize("bug", list(OP_BUGS))
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_operation_bugs_are_found_where_they_first_act(family, bug):
+    seed, _, prompt, continuation = CASES[1]
+    model = tiny_model(family, "float32", "sdpa", seed)
+    adapter = inject_op_bug(HFModel(model, new_cache=static(model)), bug)
+    report = check_cache(adapter, prompt, mode="control", continuation=continuation, scenarios=OPS)
+    for name in OPS:
+        assert report.scenarios[name].first_bug_step == op_first_acting_step(bug, name, STEPS), report.format()
+    assert report.scenarios[BRANCH].verdict == "rounding"
+
+
+def test_sharing_keys_is_harmless_in_a_dynamic_cache():
+    """A DynamicCache concatenates a new key tensor at every update: a fork that shares the old one reads
+    nothing another branch wrote (the bug needs a cache that writes in place)."""
+    seed, _, prompt, continuation = CASES[1]
+    adapter = inject_op_bug(HFModel(tiny_model("llama", "float32", "sdpa", seed)), "fork_shared_keys")
+    report = check_cache(adapter, prompt, mode="control", continuation=continuation, scenarios="fork")
+    assert report.verdict == "rounding", report.format()
+
+
+def test_a_restored_cache_keeps_an_injected_bug_on_its_own_copy():
+    """The f16 bug wraps the cache's update(); a restored copy gets its own wrapper, never the original's."""
+    seed, _, prompt, continuation = CASES[0]
+    adapter = HFModel(tiny_model("llama", "float32", "sdpa", seed), bug="f16")
+    adapter.prefill(prompt)
+    state = adapter.snapshot()
+    adapter.restore(state)
+    assert adapter.cache is not state.cache and "update" in vars(adapter.cache)
+    assert "update" not in vars(state.cache)
