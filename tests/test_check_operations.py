@@ -196,3 +196,22 @@ def test_kv_check_fixture_takes_them(pytester):
         """
     )
     pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=1)
+
+
+def test_an_operation_only_check_reuses_the_fast_paths_run():
+    """The fast path runs the first operation's path and the scenario reuses it: one prefill in all."""
+
+    class Counting(ToyOps):
+        prefills = 0
+
+        def prefill(self, tokens):
+            Counting.prefills += 1
+            return super().prefill(tokens)
+
+    report = check_cache(Counting(), [1, 2, 3], 8, scenarios="rollback")
+    assert report.verdict == "exact" and report.path == "fast" and Counting.prefills == 1
+    Counting.prefills = 0
+    report = check_cache(Counting(), [1, 2, 3], 8, scenarios=("fork", "rollback"))
+    assert report.verdict == "exact" and Counting.prefills == 2
+    skipped = check_cache(Toy(), [1, 2, 3], 8, scenarios=OPS)  # the fast path falls back to a decode run
+    assert [s.verdict for s in skipped.scenarios.values()] == ["skipped", "skipped"]

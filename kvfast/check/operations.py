@@ -31,11 +31,11 @@ the reason); any other exception of the model's is :class:`~kvfast.check.protoco
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from kvfast.check.cache_path import CachePath
+from kvfast.check.cache_path import OPERATION_PATHS, CachePath, Unsupported
 from kvfast.check.calls import ModelCalls
 from kvfast.check.protocol import ModelUnderTestError
 from kvfast.check.reference import OwnReference, SharedReference, per_step_rows
@@ -49,6 +49,32 @@ ROLLBACK_EVERY = 4
 #: Draft tokens taken before each rollback, in turn.
 DRAFTS = (1, 2, 3)
 BRANCH = "fork-branch"  # the name of the fork scenario's second branch's report
+
+
+@dataclass(frozen=True)
+class OperationRun:
+    """One run of an operation's cache path: ``path`` (the judged branch, as a
+    :class:`~kvfast.check.cache_path.CachePath`), ``notes`` (what the run did), ``branch`` (the fork's
+    second branch, else ``None``). Has CachePath's fields, so the reference's fast path can run it."""
+
+    path: CachePath
+    notes: tuple[str, ...]
+    branch: CachePath | None = None
+
+    @property
+    def prompt_rows(self) -> np.ndarray:
+        return self.path.prompt_rows
+
+    @property
+    def decoded(self) -> np.ndarray:
+        return self.path.decoded
+
+    @property
+    def fed(self) -> np.ndarray:
+        return self.path.fed
+
+    def logits(self) -> np.ndarray:
+        return self.path.logits()
 
 Choose = Callable[[int, np.ndarray], int]
 
@@ -84,10 +110,6 @@ def op_first_acting_step(bug: str, scenario: str, steps: int) -> int | None:
     raise ValueError(f"bug: {bug!r} is not allowed; allowed: {', '.join(OP_BUGS)}")
 
 
-class Unsupported(Exception):  # noqa: N818 - a hook the model declines, not an error of the check
-    """A hook raised ``NotImplementedError``: the scenario is skipped with ``str(self)`` as its note."""
-
-
 def check_operation(
     subject: CheckSubject, reference: SharedReference | OwnReference, name: str, fmt: str, judge_scenario: Callable
 ) -> dict[str, ScenarioReport]:
@@ -98,15 +120,11 @@ def check_operation(
     if missing:
         hooks = " and ".join(f"{h}()" for h in missing)
         return {name: skipped(name, subject, reference.skipped_tokens, f"the model has no {hooks}")}
-    choose = _chooser(reference)
     try:
-        if name == "rollback":
-            run, notes = rollback_path(subject.calls, subject.prompt, subject.steps, choose)
-            branch = None
-        else:
-            run, branch, notes = fork_paths(subject.calls, subject.prompt, subject.steps, choose)
+        run = _run(subject, reference, name)
     except Unsupported as exc:
         return {name: skipped(name, subject, reference.skipped_tokens, str(exc))}
+    notes, branch = run.notes, run.branch
     rows = reference.rows_for(name, run)
     reports = {name: _judged(subject, name, run, rows, reference.noise, fmt, notes, judge_scenario)}
     if branch is not None:
@@ -120,6 +138,14 @@ def check_operation(
             note += "; its order noise is the run's pooled relative noise at this branch's magnitudes"
         reports[BRANCH] = _judged(subject, BRANCH, branch, rows_b, noise_b, fmt, (note,), judge_scenario)
     return reports
+
+
+def _run(subject: CheckSubject, reference: SharedReference | OwnReference, name: str) -> OperationRun:
+    """``name``'s run: the reference's fast-path run when it was this operation's and fed the shared tokens."""
+    if isinstance(reference, SharedReference) and reference.reuse_scenario == name:
+        if isinstance(reference.reuse, OperationRun):
+            return reference.reuse
+    return OPERATION_PATHS[name](subject.calls, subject.prompt, subject.steps, _chooser(reference))
 
 
 def _judged(subject, name, run, rows, noise, fmt, notes, judge) -> ScenarioReport:
@@ -146,7 +172,9 @@ def skipped(name: str, subject: CheckSubject, tokens: np.ndarray, why: str) -> S
 
 
 def _hook(calls: ModelCalls, name: str, *args):
-    """``model.<name>(*args)``; a ``NotImplementedError`` from it becomes :class:`Unsupported`."""
+    """``model.<name>(*args)``; a missing hook or a ``NotImplementedError`` from it becomes :class:`Unsupported`."""
+    if not calls.has(name):
+        raise Unsupported(f"the model has no {name}()")
     try:
         return getattr(calls.model, name)(*args)
     except ModelUnderTestError as exc:
@@ -165,10 +193,8 @@ def rollback_points(steps: int) -> list[int]:
     return list(range(1, steps + 1, ROLLBACK_EVERY))
 
 
-def rollback_path(
-    calls: ModelCalls, prompt: np.ndarray, steps: int, choose: Choose
-) -> tuple[CachePath, tuple[str, ...]]:
-    """The rollback scenario's cache path (see the module doc) and its note."""
+def rollback_path(calls: ModelCalls, prompt: np.ndarray, steps: int, choose: Choose) -> OperationRun:
+    """The rollback scenario's cache path (see the module doc)."""
     T = prompt.shape[0]
     first = calls.prefill(prompt, "of the prompt")
     _hook(calls, "crop", T)  # a rollback of nothing: where a model may prepare for rollbacks (HF: generate's way)
@@ -192,13 +218,11 @@ def rollback_path(
         "and crop(n) kept the first n positions again; each step equals the recompute of the kept prefix and "
         "the tokens after it"
     )
-    return CachePath(first, decoded, fed), (note,)
+    return OperationRun(CachePath(first, decoded, fed), (note,))
 
 
-def fork_paths(
-    calls: ModelCalls, prompt: np.ndarray, steps: int, choose: Choose
-) -> tuple[CachePath, CachePath, tuple[str, ...]]:
-    """The fork scenario's two branches (see the module doc): the first (all ``steps``), the second, a note."""
+def fork_paths(calls: ModelCalls, prompt: np.ndarray, steps: int, choose: Choose) -> OperationRun:
+    """The fork scenario's two branches (see the module doc): the first (all ``steps``) and the second."""
     T = prompt.shape[0]
     h, m = steps // 2, max(1, min(steps, steps // 2))
     first = calls.prefill(prompt, "of the prompt")
@@ -225,7 +249,7 @@ def fork_paths(
         f"snapshot after the prompt and after step {h}; a second branch of {m} tokens ran from the prompt's "
         f"snapshot, then restore() went back to step {h}: steps {h + 1}-{steps} show whether it changed this branch"
     )
-    return CachePath(first, decoded, fed), CachePath(first, branch, other), (note,)
+    return OperationRun(CachePath(first, decoded, fed), (note,), CachePath(first, branch, other))
 
 
 def _branch_rows(subject: CheckSubject, reference: SharedReference | OwnReference, branch: CachePath) -> np.ndarray:
@@ -253,3 +277,6 @@ def _pooled_noise_for(
     safe = np.where(scale > 0, scale, np.inf)
     scale_b = np.abs(rows_b).max(axis=1)
     return {k: float((v / safe).max()) * scale_b for k, v in noise.items()}
+
+
+OPERATION_PATHS.update(rollback=rollback_path, fork=fork_paths)
