@@ -73,7 +73,7 @@ import numpy as np
 
 DEFAULT_MARGIN = 4.0
 DEFAULT_DECISIVE = 16.0
-VERDICTS = ("rounding", "inconclusive", "bug")
+VERDICTS = ("rounding", "lossy", "inconclusive", "bug")  # lossy: a quantized cache within its format
 
 #: Precision (significand bits, implicit bit included) and smallest normal of each logits format.
 FORMATS: dict[str, tuple[int, float]] = {

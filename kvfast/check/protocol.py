@@ -35,6 +35,11 @@ A model under test is any object with these methods (tokens are passed as a
     state may be restored more than once; no branch may change another).
     A hook that raises ``NotImplementedError`` (a cache kind that cannot roll
     back) gets its scenario skipped with a note, never a failed check.
+``lossy_cache`` (optional attribute, a format name) and ``lossless() -> model under test``
+    A cache that stores keys and values in a lossy format (``int8``, ``fp8``):
+    every scenario is then judged as one (:mod:`kvfast.check.lossy`, verdict
+    ``lossy``, never ``exact`` or ``rounding``) against ``lossless()``, the same
+    model with its cache unquantized.
 ``max_positions`` (optional attribute, int)
     The most positions the model can take; a longer check is bad input before any work.
 ``vocab_size`` (optional attribute, int)
@@ -57,7 +62,7 @@ from kvfast.runtime import CheckTimeout, UserCodeError, call_user, check_timeout
 from kvfast.validation import require_int
 
 REQUIRED = ("recompute", "prefill", "decode")
-OPTIONAL = ("extend", "recompute_variants", "promote", "crop", "snapshot", "restore")
+OPTIONAL = ("extend", "recompute_variants", "promote", "crop", "snapshot", "restore", "lossless")
 PROTOCOL = "an object with recompute(tokens), prefill(tokens), decode(token) and optionally extend(tokens)"
 
 

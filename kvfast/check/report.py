@@ -10,7 +10,7 @@ import numpy as np
 
 from kvfast.check import control as C
 
-PASSING = ("exact", "rounding", "skipped")
+PASSING = ("exact", "rounding", "lossy", "skipped")  # lossy: a quantized cache within its format (check.lossy)
 LENGTH_DEPENDENT = "length-dependent"  # the check's verdict when the recompute itself changes with the length
 
 
@@ -235,8 +235,8 @@ class CheckReport:
         if self.promoted is not None:
             if not self.promoted.passed:
                 return False
-            return self.verdict in ("exact", "rounding", "inconclusive")
-        return self.verdict in ("exact", "rounding")
+            return self.verdict in ("exact", "rounding", "lossy", "inconclusive")
+        return self.verdict in ("exact", "rounding", "lossy")
 
     @property
     def steps(self) -> int:
@@ -333,5 +333,7 @@ def overall(mode: str, reports: dict[str, ScenarioReport]) -> str:
     ``divergent`` (exact mode); the worst (control mode)."""
     ran = [r for r in reports.values() if r.verdict != "skipped"]
     if mode == "exact":
-        return "exact" if all(r.verdict == "exact" for r in ran) else "divergent"
+        if all(r.verdict == "exact" for r in ran):
+            return "exact"
+        return "lossy" if all(r.verdict in ("exact", "lossy") for r in ran) else "divergent"
     return C.worst([r.verdict for r in ran])

@@ -10,6 +10,7 @@ import numpy as np
 
 from kvfast.check import control as C
 from kvfast.check.cache_path import CachePath
+from kvfast.check.lossy import lossy_format, rejudge
 from kvfast.check.operations import check_operation
 from kvfast.check.options import OPERATIONS
 from kvfast.check.reference import OwnReference, SharedReference
@@ -36,6 +37,8 @@ def check_scenarios(
         if subject.options.keep_logits:
             report = replace(report, cache_logits=run.logits(), reference=rows.copy())
         reports[name] = report
+    if lossy_format(subject.calls) is not None:  # a quantized cache: kvfast.check.lossy, verdict "lossy"
+        reports = rejudge(subject, reference, reports, fmt, judge_scenario)
     return reports
 
 
