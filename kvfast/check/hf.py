@@ -429,6 +429,29 @@ class HFModel:
 
         hf_ops.restore(self, state)
 
+    # --- lossy caches (kvfast.check.lossy; kvfast.check.hf_ops) ------------------------------------------
+
+    lossy_emulation: str | None = None  # set on with_lossy_cache's twin: kvfast's own round trip of the format
+
+    @property
+    def lossy_cache(self) -> str | None:
+        """The format of a lossy cache (a ``QuantizedCache`` from ``new_cache``), else ``None``."""
+        from kvfast.check import hf_ops
+
+        return hf_ops.lossy_format(self)
+
+    def lossless(self) -> HFModel:
+        """The same adapter over an unquantized ``DynamicCache``."""
+        from kvfast.check import hf_ops
+
+        return hf_ops.lossless(self)
+
+    def with_lossy_cache(self, fmt: str) -> HFModel:
+        """The unquantized adapter with kvfast's own round trip of ``fmt`` (the format's expected error)."""
+        from kvfast.check import hf_ops
+
+        return hf_ops.with_lossy_cache(self, fmt)
+
 
 # --- tiny random models from configs (tests, benchmarks, the measured matrix) ------------------------
 

@@ -89,3 +89,78 @@ def restore(adapter, state: CacheState) -> None:
     adapter.length, adapter.prefill_len, adapter.decoded = state.length, state.prefill_len, state.decoded
     adapter.last_token = state.last_token
     adapter._inject()
+    if getattr(adapter, "lossy_emulation", None) is not None:  # the emulation's wrapper, on the copy
+        wrap_round_trip(adapter.cache, adapter.lossy_emulation)
+
+
+# --- lossy caches (kvfast.check.lossy) -------------------------------------------------------------------
+
+
+def lossy_format(adapter) -> str | None:
+    """The lossy format of ``adapter``'s cache: kvfast's emulation's, else read from a fresh cache's layers
+    (a ``QuantizedCache``: ``fp8`` for its fp8 backend, ``int<nbits>`` for quanto and HQQ), else ``None``."""
+    emulated = getattr(adapter, "lossy_emulation", None)
+    if emulated is not None:
+        return emulated
+    if adapter.new_cache is None:
+        return None
+    key = id(adapter.new_cache)
+    if getattr(adapter, "_lossy_probe", (None,))[0] != key:
+        found = None
+        for layer in _layers(adapter.new_cache()):
+            name = type(layer).__name__
+            if name == "Fp8QuantizedLayer":
+                found = "fp8"
+            elif "Quantized" in name:
+                found = f"int{int(getattr(layer, 'nbits', 4))}"
+        adapter._lossy_probe = (key, found)
+    return adapter._lossy_probe[1]
+
+
+def lossless(adapter):
+    """The same adapter (bugs included) over a fresh ``DynamicCache``: the cache unquantized."""
+    twin = copy.copy(adapter)
+    twin.new_cache, twin.lossy_emulation = None, None
+    twin.cache, twin.length = None, 0
+    return twin
+
+
+def _round_trip_tensor(fmt: str, tensor):
+    import torch
+
+    from kvfast.check.lossy_formats import round_trip
+
+    out = round_trip(fmt, tensor.detach().double().numpy())
+    return torch.from_numpy(out).to(tensor.dtype)
+
+
+def wrap_round_trip(cache, fmt: str) -> None:
+    """Round-trip every key and value ``cache`` stores through ``fmt`` (kvfast's own emulation); a prefill
+    attends its fresh rows, every later call the stored ones (as transformers' quantized layers do)."""
+    update = cache.update
+
+    def lossy_update(key_states, value_states, layer_idx, *args, **kwargs):
+        n = key_states.shape[-2]
+        kq, vq = _round_trip_tensor(fmt, key_states), _round_trip_tensor(fmt, value_states)
+        keys, values = update(kq, vq, layer_idx, *args, **kwargs)
+        if n > 1 and keys.shape[-2] == n:
+            return key_states, value_states
+        return keys, values
+
+    cache.update = lossy_update
+
+
+def with_lossy_cache(adapter, fmt: str):
+    """The lossless twin of ``adapter`` with kvfast's own round trip of ``fmt`` on a ``DynamicCache``."""
+    from transformers import DynamicCache
+
+    twin = lossless(adapter)
+    model = adapter.model
+
+    def make():
+        cache = DynamicCache(config=model.config)
+        wrap_round_trip(cache, fmt)
+        return cache
+
+    twin.new_cache, twin.lossy_emulation = make, fmt
+    return twin

@@ -38,42 +38,12 @@ from kvfast.check import control as C
 from kvfast.check.adapters import KvfastModel
 from kvfast.check.cache_path import run_cache_path
 from kvfast.check.calls import ModelCalls, as_model_under_test
+from kvfast.check.lossy_formats import LOSSY_FORMATS, round_trip
 from kvfast.check.report import ScenarioReport
 from kvfast.check.subject import CheckSubject
 
-#: Lossy cache formats kvfast emulates: ``{name: (description, expected relative error per value)}``.
-LOSSY_FORMATS: dict[str, tuple[str, float]] = {
-    "int8": ("symmetric int8 per row, scale absmax / 127", 0.5 / 127),
-    "fp8": ("float8 e4m3 per row, scale absmax / 448", 2.0**-4),
-}
-FP8_MAX = 448.0
 #: Bugs of kvfast's own lossy cache (:class:`LossyKvfastModel`): what it stores is worse than it declares.
 LOSSY_BUGS: dict[str, str] = {"int4": "declares int8 but stores 4 bits (scale absmax / 7)"}
-
-
-def _int_round_trip(x: np.ndarray, levels: int) -> np.ndarray:
-    scale = np.abs(x).max(axis=-1, keepdims=True) / levels
-    safe = np.where(scale > 0, scale, 1.0)
-    return np.clip(np.round(x / safe), -levels, levels) * safe
-
-
-def _fp8_round_trip(x: np.ndarray) -> np.ndarray:
-    scale = np.abs(x).max(axis=-1, keepdims=True) / FP8_MAX
-    y = x / np.where(scale > 0, scale, 1.0)
-    _, e = np.frexp(y)  # |y| in [2^(e-1), 2^e): 3 mantissa bits space it 2^(e-4); subnormals 2^-9
-    spacing = np.ldexp(1.0, np.maximum(e, -5) - 4)
-    return np.clip(np.round(y / spacing) * spacing, -FP8_MAX, FP8_MAX) * np.where(scale > 0, scale, 1.0)
-
-
-def round_trip(fmt: str, x: np.ndarray) -> np.ndarray:
-    """``x`` (float64, rows on the last axis) stored in format ``fmt`` and read back (see the module doc)."""
-    if fmt == "int8":
-        return _int_round_trip(x, 127)
-    if fmt == "fp8":
-        return _fp8_round_trip(x)
-    if fmt == "int4":  # only as LOSSY_BUGS["int4"]
-        return _int_round_trip(x, 7)
-    raise ValueError(f"fmt: {fmt!r} is not allowed; allowed: {', '.join(LOSSY_FORMATS)}")
 
 
 class LossyKvfastModel(KvfastModel):
@@ -169,11 +139,17 @@ def _step_rows(run, first_row: int) -> list[np.ndarray]:
 
 
 def _errors(a, b, first_row: int) -> np.ndarray:
-    return np.array([np.abs(x - y).max() for x, y in zip(_step_rows(a, first_row), _step_rows(b, first_row), strict=True)])
+    return np.array(
+        [np.abs(x - y).max() for x, y in zip(_step_rows(a, first_row), _step_rows(b, first_row), strict=True)]
+    )
 
 
 def lossy_report(
-    subject: CheckSubject, report: ScenarioReport, twin_report: ScenarioReport | None, runs: dict, fmt: str,
+    subject: CheckSubject,
+    report: ScenarioReport,
+    twin_report: ScenarioReport | None,
+    runs: dict,
+    fmt: str,
     cache_fmt: str,
 ) -> ScenarioReport:
     """``report`` judged as a lossy cache's (see the module doc): ``runs`` holds the ``lossy``, ``lossless``
@@ -192,16 +168,21 @@ def lossy_report(
     else:
         verdicts = ["lossy" if r <= opts.margin else "bug" if r > opts.decisive else "inconclusive" for r in ratio]
     if twin_report is not None:  # a logic bug of the lossless twin is the model's
-        verdicts = [v if tv in ("exact", "rounding") else tv for v, tv in zip(verdicts, twin_report.step_verdicts, strict=True)]
+        verdicts = [
+            v if tv in ("exact", "rounding") else tv for v, tv in zip(verdicts, twin_report.step_verdicts, strict=True)
+        ]
     order = ("lossy", "inconclusive", "divergent", "bug")
     worst = max(verdicts, key=order.index)
     bad = [t for t, v in enumerate(verdicts) if v in ("bug", "divergent")]
     unsure = [t for t, v in enumerate(verdicts) if v == "inconclusive"]
-    source = tuple("expected error of the format" if e >= b else "order noise or resolution" for e, b in zip(expected, bound, strict=True))
+    source = tuple(
+        "expected error of the format" if e >= b else "order noise or resolution"
+        for e, b in zip(expected, bound, strict=True)
+    )
     note = (
-        f"a lossy cache ({cache_fmt}): deviation is the measured error against the same cache unquantized (lossless()), "
-        "floor the expected error of the format (kvfast's own round trip of every stored key and value); never "
-        "exact or rounding"
+        f"a lossy cache ({cache_fmt}): deviation is the measured error against the same cache unquantized "
+        "(lossless()), floor the expected error of the format (kvfast's own round trip of every stored key and "
+        "value); never exact or rounding"
     )
     notes = report.notes + (note,)
     if runs.get("emulated") is None:

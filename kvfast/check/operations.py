@@ -76,6 +76,7 @@ class OperationRun:
     def logits(self) -> np.ndarray:
         return self.path.logits()
 
+
 Choose = Callable[[int, np.ndarray], int]
 
 #: Bugs of the cache operations, injected into the operation hooks only (``inject_op_bug``; kvfast's own

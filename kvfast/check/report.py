@@ -124,7 +124,7 @@ class ScenarioReport:
         show |= {n - 1}
         rows = sorted(show)[:max_rows]
         head = f"{'step':>5} {'position':>9} {'fed token':>9} {'deviation':>11}"
-        if self.mode == "control":
+        if self.floor is not None:  # control mode, and a lossy cache in either mode (kvfast.check.lossy)
             head += f" {'floor':>10} {'bound':>10} {'ratio':>9}"
         lines = [head + "  verdict"]
         prev = -1
@@ -134,7 +134,7 @@ class ScenarioReport:
             prev = t
             tok = "-" if t == 0 else str(int(self.tokens[t - 1]))
             line = f"{t:>5} {self.position(t):>9} {tok:>9} {self.deviation[t]:>11.4g}"
-            if self.mode == "control":
+            if self.floor is not None:
                 line += f" {self.floor[t]:>10.4g} {self.bound[t]:>10.4g} {self.ratio[t]:>9.4g}"
             mark = "  <- first" if t == focus else ""
             lines.append(f"{line}  {self.step_verdicts[t]}{mark}")
@@ -151,6 +151,13 @@ class ScenarioReport:
         """One paragraph: the verdict, the first divergent step, its deviation and the context tokens."""
         if self.verdict == "skipped":
             return f"scenario {self.name!r}: skipped ({'; '.join(self.notes)})"
+        if self.verdict == "lossy":  # a quantized cache within its format (kvfast.check.lossy)
+            lossy = [n for n in self.notes if n.startswith("a lossy cache")]
+            return (
+                f"scenario {self.name!r} ({self.mode}): lossy; every step within {self.margin:g}x its bound (largest "
+                f"error against the cache unquantized {float(self.deviation.max()):.4g}, largest ratio "
+                f"{float(self.ratio.max()):.3g}); " + "; ".join(lossy)
+            )
         T = self.prompt.shape[0]
         head = f"scenario {self.name!r} ({self.mode}): {self.verdict}"
         if self.split is not None:
