@@ -41,17 +41,26 @@ def test_fp8_round_trip_equals_torchs_float8_e4m3():
     assert np.array_equal(round_trip("fp8", x), want)
 
 
+def test_fp8_tensor_takes_the_frozen_scale():
+    x = np.array([[1.0, 0.001, 300.0]])
+    # 0.001 rounds to the smallest subnormal, 2^-9; 300 to 288 (e4m3's spacing 32 there)
+    assert np.array_equal(round_trip("fp8-tensor", x, 1.0), np.array([[1.0, 2.0**-9, 288.0]]))
+    assert round_trip("fp8-tensor", np.array([[1000.0]]), 1.0)[0, 0] == 448.0  # saturates at the format's max
+    with pytest.raises(ValueError, match="scale: None is not allowed for fmt 'fp8-tensor'"):
+        round_trip("fp8-tensor", x)
+
+
 def test_bad_formats_are_refused():
-    with pytest.raises(ValueError, match="fmt: 'int9' is not allowed; allowed: int8, fp8"):
+    with pytest.raises(ValueError, match="fmt: 'int9' is not allowed; allowed: int8, fp8, fp8-tensor"):
         round_trip("int9", np.zeros((1, 2)))
-    with pytest.raises(ValueError, match="fmt: 'fp4' is not allowed"):
+    with pytest.raises(ValueError, match="fmt: 'fp4' is not allowed; allowed: int8, fp8$"):
         lossy("fp4")
     with pytest.raises(ValueError, match="lossy_bug: 'x' is not allowed; allowed: int4"):
         lossy(lossy_bug="x")
 
 
 @pytest.mark.parametrize("mode", ["exact", "control"])
-@pytest.mark.parametrize("fmt", list(LOSSY_FORMATS))
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
 def test_kvfasts_own_lossy_cache_is_lossy_never_exact_or_rounding(fmt, mode):
     report = check_cache(lossy(fmt), PROMPT, 16, mode=mode, scenarios=ALL)
     assert report.verdict == "lossy" and report.passed, report.format()
@@ -94,8 +103,11 @@ def test_transformers_fp8_quantized_cache_is_lossy(family):
     torch.set_num_threads(1)
     model = tiny_model(family, "float32", "sdpa", 0)
     adapter = HFModel(model, new_cache=lambda: transformers.QuantizedCache("fp8", model.config))
-    assert adapter.lossy_cache == "fp8" and HFModel(model).lossy_cache is None
+    assert adapter.lossy_cache == "fp8-tensor" and HFModel(model).lossy_cache is None
     report = check_cache(adapter, list(range(3, 19)), 16, mode="control", scenarios=("decode", "resume", "fork"))
     assert report.verdict == "lossy", report.format()
     assert all(v == "lossy" for s in report.scenarios.values() for v in s.step_verdicts)
     assert report.scenarios["decode"].floor[1:].min() > 0  # the format's expected error was measured
+    # transformers' fp8 cache is kvfast's per-tensor fp8 emulation up to its float32 scale (measured: ratio
+    # 0.99-1.00005 on these models; kvfast divides in float64)
+    assert report.max_ratio <= 1.001

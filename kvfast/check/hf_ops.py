@@ -90,7 +90,9 @@ def restore(adapter, state: CacheState) -> None:
     adapter.last_token = state.last_token
     adapter._inject()
     if getattr(adapter, "lossy_emulation", None) is not None:  # the emulation's wrapper, on the copy
+        frozen = dict(getattr(adapter.cache, "lossy_scales", {}))
         wrap_round_trip(adapter.cache, adapter.lossy_emulation)
+        adapter.cache.lossy_scales.update(frozen)
 
 
 # --- lossy caches (kvfast.check.lossy) -------------------------------------------------------------------
@@ -98,7 +100,7 @@ def restore(adapter, state: CacheState) -> None:
 
 def lossy_format(adapter) -> str | None:
     """The lossy format of ``adapter``'s cache: kvfast's emulation's, else read from a fresh cache's layers
-    (a ``QuantizedCache``: ``fp8`` for its fp8 backend, ``int<nbits>`` for quanto and HQQ), else ``None``."""
+    (a ``QuantizedCache``: ``fp8-tensor`` for its fp8 backend, ``int<nbits>`` for quanto and HQQ), else ``None``."""
     emulated = getattr(adapter, "lossy_emulation", None)
     if emulated is not None:
         return emulated
@@ -110,7 +112,7 @@ def lossy_format(adapter) -> str | None:
         for layer in _layers(adapter.new_cache()):
             name = type(layer).__name__
             if name == "Fp8QuantizedLayer":
-                found = "fp8"
+                found = "fp8-tensor"
             elif "Quantized" in name:
                 found = f"int{int(getattr(layer, 'nbits', 4))}"
         adapter._lossy_probe = (key, found)
@@ -125,29 +127,37 @@ def lossless(adapter):
     return twin
 
 
-def _round_trip_tensor(fmt: str, tensor):
+def _round_trip_tensor(fmt: str, tensor, scale: float | None = None):
     import torch
 
     from kvfast.check.lossy_formats import round_trip
 
-    out = round_trip(fmt, tensor.detach().double().numpy())
+    out = round_trip(fmt, tensor.detach().double().numpy(), scale)
     return torch.from_numpy(out).to(tensor.dtype)
 
 
 def wrap_round_trip(cache, fmt: str) -> None:
     """Round-trip every key and value ``cache`` stores through ``fmt`` (kvfast's own emulation); a prefill
-    attends its fresh rows, every later call the stored ones (as transformers' quantized layers do)."""
+    attends its fresh rows, every later call the stored ones (as transformers' quantized layers do).
+    ``fp8-tensor``: each layer's key and value scales are frozen at its first store."""
+    from kvfast.check.lossy_formats import FP8_MAX
+
     update = cache.update
+    scales: dict[int, tuple] = {}
 
     def lossy_update(key_states, value_states, layer_idx, *args, **kwargs):
         n = key_states.shape[-2]
-        kq, vq = _round_trip_tensor(fmt, key_states), _round_trip_tensor(fmt, value_states)
+        if fmt == "fp8-tensor" and layer_idx not in scales:
+            scales[layer_idx] = tuple(float(t.abs().amax().float()) / FP8_MAX for t in (key_states, value_states))
+        ks, vs = scales.get(layer_idx, (None, None))
+        kq, vq = _round_trip_tensor(fmt, key_states, ks), _round_trip_tensor(fmt, value_states, vs)
         keys, values = update(kq, vq, layer_idx, *args, **kwargs)
         if n > 1 and keys.shape[-2] == n:
             return key_states, value_states
         return keys, values
 
     cache.update = lossy_update
+    cache.lossy_scales = scales  # a restored copy keeps the frozen scales (restore wraps the copy again)
 
 
 def with_lossy_cache(adapter, fmt: str):

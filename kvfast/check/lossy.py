@@ -21,9 +21,11 @@ the step's order-noise bound (control mode) and one unit in the last place of th
 ``divergent``. A model without ``with_lossy_cache`` on its twin has no expected error: every step is
 then judged against the order noise and the format's resolution alone, and a note says so.
 
-Formats (:data:`LOSSY_FORMATS`), each applied per row (one position of one head, or of the whole model
-for kvfast's own cache) with its own scale: ``int8`` (symmetric, scale ``absmax / 127``, round half to
-even) and ``fp8`` (float8 e4m3: 3 mantissa bits, scale ``absmax / 448``). Measured on the tiny models
+Formats (:data:`~kvfast.check.lossy_formats.LOSSY_FORMATS`): ``int8`` (symmetric, scale ``absmax / 127``,
+round half to even) and ``fp8`` (float8 e4m3: 3 mantissa bits, scale ``absmax / 448``), each per row
+(one position of one head, or of the whole model for kvfast's own cache) with its own scale; and
+``fp8-tensor`` (transformers' fp8 ``QuantizedCache``: one scale per layer's keys and values, frozen at
+the first store, so rows far below the tensor's largest value fall into fp8's subnormals). Measured on the tiny models
 (``tests/test_check_lossy.py``): kvfast's own int8 and fp8 caches are ``lossy`` at ratio 1 (they are the
 format's emulation); an "int8" cache that stores 4 bits is ``bug``.
 """
@@ -38,7 +40,7 @@ from kvfast.check import control as C
 from kvfast.check.adapters import KvfastModel
 from kvfast.check.cache_path import run_cache_path
 from kvfast.check.calls import ModelCalls, as_model_under_test
-from kvfast.check.lossy_formats import LOSSY_FORMATS, round_trip
+from kvfast.check.lossy_formats import LOSSY_FORMATS, ROW_FORMATS, round_trip  # noqa: F401 - re-exported
 from kvfast.check.report import ScenarioReport
 from kvfast.check.subject import CheckSubject
 
@@ -54,8 +56,8 @@ class LossyKvfastModel(KvfastModel):
     def __init__(self, config, params: dict, numerics="f64", bug=None, decode_numerics=None, *, fmt: str = "int8",
                  lossy_bug: str | None = None) -> None:  # fmt: skip
         super().__init__(config, params, numerics, bug, decode_numerics)
-        if fmt not in LOSSY_FORMATS:
-            raise ValueError(f"fmt: {fmt!r} is not allowed; allowed: {', '.join(LOSSY_FORMATS)}")
+        if fmt not in ROW_FORMATS:
+            raise ValueError(f"fmt: {fmt!r} is not allowed; allowed: {', '.join(ROW_FORMATS)}")
         if lossy_bug is not None and lossy_bug not in LOSSY_BUGS:
             raise ValueError(f"lossy_bug: {lossy_bug!r} is not allowed; allowed: {', '.join(LOSSY_BUGS)}")
         self.lossy_cache = fmt
