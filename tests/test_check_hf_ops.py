@@ -29,7 +29,7 @@ from kvfast.studies.hf_common import prompt_and_continuation  # noqa: E402
 from kvfast.studies.hf_matrix import PROMPT_LENGTHS, PROMPT_STREAM  # noqa: E402
 
 STEPS = 16
-OPS = ("rollback", "fork")
+OPS = ("rollback", "fork", "reorder")
 CASES = [
     (seed, k, *prompt_and_continuation(PROMPT_STREAM, seed, k, STEPS, PROMPT_LENGTHS))
     for seed in range(2)
@@ -53,7 +53,7 @@ def static(model, length: int = 64):
 def _assert_clean(report) -> None:
     for checked in (report, report.promoted):
         assert checked.verdict == "rounding", report.format()
-        assert set(checked.scenarios) == {"rollback", "fork", BRANCH}
+        assert set(checked.scenarios) == {"rollback", "fork", BRANCH, "reorder", "reorder-beam"}
 
 
 def test_a_clean_llama_through_rollback_and_fork():
@@ -84,6 +84,15 @@ def test_mistral_rolls_back_past_its_window():
     assert bad.scenarios["rollback"].first_bug_step == 1, bad.format()
 
 
+def test_reorder_validates_its_beams():
+    adapter = HFModel(tiny_model("llama", "float32", "sdpa", 0))
+    with pytest.raises(ValueError, match="cache: no beams"):
+        adapter.decode_beams([1, 2])
+    adapter.prefill_beams([1, 2, 3], 2)
+    with pytest.raises(ValueError, match=r"tokens: 3 tokens are not allowed; allowed: one per beam \(2\)"):
+        adapter.decode_beams([1, 2, 3])
+
+
 def test_a_static_window_cache_that_cannot_roll_back_is_skipped():
     model = tiny_model("mistral", "float32", "sdpa", 0)
     report = check_cache(HFModel(model, new_cache=static(model)), LONG_PROMPT, 8, mode="control", scenarios=OPS)
@@ -101,7 +110,9 @@ def test_operation_bugs_are_found_where_they_first_act(family, bug):
     report = check_cache(adapter, prompt, mode="control", continuation=continuation, scenarios=OPS)
     for name in OPS:
         assert report.scenarios[name].first_bug_step == op_first_acting_step(bug, name, STEPS), report.format()
-    assert report.scenarios[BRANCH].verdict == "rounding"
+    for name, s in report.scenarios.items():
+        if name not in OPS:  # the second branch or beam: the reorder bugs act in both beams
+            assert s.first_bug_step == op_first_acting_step(bug, name, STEPS), report.format()
 
 
 def test_sharing_keys_is_harmless_in_a_dynamic_cache():

@@ -84,7 +84,7 @@ def test_control_mode_and_the_same_table():
 
 
 @pytest.mark.parametrize("mode", ["exact", "control"])
-@pytest.mark.parametrize("bug", list(OP_BUGS))
+@pytest.mark.parametrize("bug", ["crop_short", "fork_shared_keys"])  # the reorder bugs: HFModel only
 def test_each_operation_bug_is_found_where_it_first_acts(bug, mode):
     report = check_cache(kvfast_model(bug), PROMPT, STEPS, mode=mode, scenarios=OPS)
     assert not report.passed
@@ -112,10 +112,14 @@ def test_the_protocol_toy_with_hooks():
 
 
 def test_a_model_without_hooks_is_skipped_with_a_note():
+    reorder = check_cache(kvfast_model(), PROMPT, 4, scenarios="reorder").scenarios["reorder"]
+    assert reorder.verdict == "skipped"
+    assert reorder.notes == ("the model has no prefill_beams() and decode_beams() and reorder()",)
     report = check_cache(Toy(), [1, 2, 3], 8, scenarios=("decode",) + OPS)
     assert report.verdict == "exact" and report.passed
     assert report.scenarios["rollback"].verdict == "skipped"
     assert report.scenarios["rollback"].notes == ("the model has no crop()",)
+    assert "reorder" in OP_BUGS["reorder_keys_only"]
     assert report.scenarios["fork"].notes == ("the model has no snapshot() and restore()",)
     assert "skipped (the model has no crop())" in report.format()
 
@@ -141,8 +145,10 @@ def test_a_hook_raising_not_implemented_is_skipped_and_any_other_error_is_the_mo
 def test_options_accept_the_new_names_and_keep_the_default():
     assert CheckOptions(4).scenarios == SCENARIOS == ("decode", "resume")
     assert CheckOptions(4, scenarios="rollback").scenarios == ("rollback",)
-    assert ALL_SCENARIOS == ("decode", "resume", "rollback", "fork")
-    with pytest.raises(ValueError, match=r"scenarios: 'beam' is not allowed; allowed: decode, fork, resume, rollback"):
+    assert ALL_SCENARIOS == ("decode", "resume", "rollback", "fork", "reorder")
+    with pytest.raises(
+        ValueError, match=r"scenarios: 'beam' is not allowed; allowed: decode, fork, reorder, resume, rollback"
+    ):
         CheckOptions(4, scenarios=("decode", "beam"))
 
 

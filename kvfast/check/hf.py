@@ -452,6 +452,26 @@ class HFModel:
 
         return hf_ops.with_lossy_cache(self, fmt)
 
+    # --- beams (the reorder scenario; kvfast.check.hf_ops) --------------------------------------------
+
+    def prefill_beams(self, tokens, n: int):
+        """A fresh cache of ``n`` beams of ``tokens``; logits ``(n, T, V)`` (see :mod:`kvfast.check.hf_ops`)."""
+        from kvfast.check import hf_ops
+
+        return hf_ops.prefill_beams(self, tokens, n)
+
+    def decode_beams(self, tokens):
+        """One token per beam; logits ``(n, V)`` (:func:`kvfast.check.hf_ops.decode_beams`)."""
+        from kvfast.check import hf_ops
+
+        return hf_ops.decode_beams(self, tokens)
+
+    def reorder(self, index) -> None:
+        """The beams reordered by ``index`` (``cache.reorder_cache``; :func:`kvfast.check.hf_ops.reorder`)."""
+        from kvfast.check import hf_ops
+
+        hf_ops.reorder(self, index)
+
 
 # --- tiny random models from configs (tests, benchmarks, the measured matrix) ------------------------
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class CacheState:
@@ -174,3 +176,61 @@ def with_lossy_cache(adapter, fmt: str):
 
     twin.new_cache, twin.lossy_emulation = make, fmt
     return twin
+
+
+# --- beams (the reorder scenario, kvfast.check.operations) -------------------------------------------------
+
+
+def prefill_beams(adapter, tokens, n: int):
+    """A fresh cache holding ``n`` beams of ``tokens`` (a batch of ``n`` copies, as beam search starts);
+    logits ``(n, T, V)``."""
+    import torch
+
+    ids = adapter._ids(tokens, 0).repeat(n, 1)
+    adapter.cache, adapter.length, adapter.decoded = adapter._fresh_cache(), 0, 0
+    adapter.beams = n
+    return _beam_call(adapter, ids, torch)
+
+
+def decode_beams(adapter, tokens):
+    """One token per beam on top of the beams' cache; logits ``(n, V)``."""
+    import torch
+
+    if getattr(adapter, "beams", 0) < 1 or adapter.cache is None:
+        raise ValueError("cache: no beams; allowed: call prefill_beams(tokens, n) first")
+    ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64).reshape(-1, 1))
+    if ids.shape[0] != adapter.beams:
+        raise ValueError(f"tokens: {ids.shape[0]} tokens are not allowed; allowed: one per beam ({adapter.beams})")
+    return _beam_call(adapter, ids, torch)[:, -1]
+
+
+def _beam_call(adapter, ids, torch):
+    n = ids.shape[1]
+    kwargs = {"input_ids": ids, "use_cache": True, adapter.cache_arg: adapter.cache}
+    if adapter.takes_mask:
+        kwargs["attention_mask"] = torch.ones(ids.shape[0], adapter.length + n, dtype=torch.long)
+    if adapter.takes_cache_position:
+        kwargs["cache_position"] = torch.arange(adapter.length, adapter.length + n)
+    logits, cache = adapter._call(adapter.model, **kwargs)
+    adapter.cache = cache
+    adapter.length += n
+    return logits
+
+
+def reorder(adapter, index) -> None:
+    """The beams reordered: beam ``i`` holds what beam ``index[i]`` held (``cache.reorder_cache``). Operation
+    bugs: ``reorder_wrong_index`` keeps the old order; ``reorder_keys_only`` moves the keys, not the values."""
+    import torch
+
+    cache = adapter.cache
+    if not callable(getattr(cache, "reorder_cache", None)):
+        raise NotImplementedError(f"{type(cache).__name__} has no reorder_cache()")
+    idx = torch.as_tensor(np.asarray(index, dtype=np.int64))
+    bug = getattr(adapter, "op_bug", None)
+    if bug == "reorder_wrong_index":
+        return
+    if bug == "reorder_keys_only":
+        for layer in _layers(cache):
+            layer.keys = layer.keys.index_select(0, idx)
+        return
+    cache.reorder_cache(idx)

@@ -129,11 +129,12 @@ def _twin_calls(calls: ModelCalls, fmt: str | None = None) -> ModelCalls | None:
 
 def _runs(calls: ModelCalls, subject: CheckSubject, name: str, tokens: np.ndarray):
     """Scenario ``name``'s cache path on ``calls``, fed ``tokens`` (the fork's second branch: its own)."""
-    from kvfast.check.operations import BRANCH
+    from kvfast.check.operations import BRANCHES
 
-    scenario = "fork" if name == BRANCH else name
+    owner = {b: op for op, b in BRANCHES.items()}
+    scenario = owner.get(name, name)
     run = run_cache_path(calls, scenario, subject.prompt, subject.split, subject.steps, lambda t, out: int(tokens[t]))
-    return run.branch if name == BRANCH else run
+    return run.branch if name in owner else run
 
 
 def _step_rows(run, first_row: int) -> list[np.ndarray]:
@@ -200,8 +201,9 @@ def lossy_report(
 def rejudge(subject: CheckSubject, reference, reports: dict, fmt: str, judge_scenario) -> dict:
     """Every report of a model with a lossy cache judged as such (see the module doc); skipped ones stay.
     ``fmt``: the logits' format. A model that declares ``lossy_cache`` without ``lossless()`` is bad input."""
-    from kvfast.check.operations import BRANCH
+    from kvfast.check.operations import BRANCHES
 
+    owner = {b: op for op, b in BRANCHES.items()}
     cache_fmt = lossy_format(subject.calls)
     if not subject.calls.has("lossless"):
         raise ValueError(
@@ -214,11 +216,11 @@ def rejudge(subject: CheckSubject, reference, reports: dict, fmt: str, judge_sce
         if report.verdict == "skipped":
             out[name] = report
             continue
-        tokens = reports["fork"].tokens if name == BRANCH else report.tokens  # the branch is run by the fork
+        tokens = reports[owner[name]].tokens if name in owner else report.tokens  # a branch is run by its op
         runs = {"lossy": _runs(subject.calls, subject, name, tokens), "lossless": _runs(twin, subject, name, tokens)}
         runs["emulated"] = None if emulated is None else _runs(emulated, subject, name, tokens)
         twin_report = None
-        if name != BRANCH:
+        if name not in owner:
             rows = reference.rows_for(name, runs["lossless"])
             twin_subject = replace(subject, calls=twin)
             twin_report = judge_scenario(twin_subject, name, runs["lossless"], rows, reference.noise, fmt)

@@ -43,12 +43,18 @@ from kvfast.check.report import ScenarioReport
 from kvfast.check.subject import CheckSubject
 
 #: The hooks each operation scenario needs (optional methods of the protocol).
-HOOKS: dict[str, tuple[str, ...]] = {"rollback": ("crop",), "fork": ("snapshot", "restore")}
+HOOKS: dict[str, tuple[str, ...]] = {
+    "rollback": ("crop",), "fork": ("snapshot", "restore"), "reorder": ("prefill_beams", "decode_beams", "reorder"),
+}  # fmt: skip
 #: Decode steps between two rollbacks (the first rollback comes before step 1).
 ROLLBACK_EVERY = 4
 #: Draft tokens taken before each rollback, in turn.
 DRAFTS = (1, 2, 3)
 BRANCH = "fork-branch"  # the name of the fork scenario's second branch's report
+#: The report of each operation's second branch (the fork's other branch, the reorder's other beam).
+BRANCHES = {"fork": BRANCH, "reorder": "reorder-beam"}
+#: Decode steps before which the reorder scenario swaps its two beams (beam index ``[1, 0]``).
+REORDER_EVERY = 4
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,8 @@ Choose = Callable[[int, np.ndarray], int]
 OP_BUGS: dict[str, str] = {
     "crop_short": "a rollback that crops one token too few: crop(n) keeps n + 1 positions",
     "fork_shared_keys": "a fork that shares the key tensor: snapshot() and restore() copy the values, not the keys",
+    "reorder_wrong_index": "a beam reorder by the wrong index: the cache keeps its old order (HFModel only)",
+    "reorder_keys_only": "a beam reorder of the keys only: the values stay in the old order (HFModel only)",
 }
 
 
@@ -108,6 +116,8 @@ def op_first_acting_step(bug: str, scenario: str, steps: int) -> int | None:
         return 1 if scenario == "rollback" else None
     if bug == "fork_shared_keys":
         return steps // 2 + 1 if scenario == "fork" and steps // 2 >= 1 else None
+    if bug in ("reorder_wrong_index", "reorder_keys_only"):
+        return 2 if scenario in ("reorder", BRANCHES["reorder"]) and steps >= 2 else None
     raise ValueError(f"bug: {bug!r} is not allowed; allowed: {', '.join(OP_BUGS)}")
 
 
@@ -134,10 +144,13 @@ def check_operation(
         note = (
             f"the second branch: {branch.fed.shape[0]} tokens decoded from the prompt's snapshot, against the "
             "recompute of the prompt plus its own tokens"
+            if name == "fork"
+            else "the second beam: its own tokens, against the recompute of the prompt plus them"
         )
         if noise_b is not None:
             note += "; its order noise is the run's pooled relative noise at this branch's magnitudes"
-        reports[BRANCH] = _judged(subject, BRANCH, branch, rows_b, noise_b, fmt, (note,), judge_scenario)
+        other = BRANCHES[name]
+        reports[other] = _judged(subject, other, branch, rows_b, noise_b, fmt, (note,), judge_scenario)
     return reports
 
 
@@ -280,4 +293,40 @@ def _pooled_noise_for(
     return {k: float((v / safe).max()) * scale_b for k, v in noise.items()}
 
 
-OPERATION_PATHS.update(rollback=rollback_path, fork=fork_paths)
+def reorder_points(steps: int) -> list[int]:
+    """The decode steps before which the reorder scenario swaps its beams (never before step 2: both beams
+    hold the prompt alone until then, and a swap would change nothing)."""
+    return list(range(2, steps + 1, REORDER_EVERY))
+
+
+def reorder_path(calls: ModelCalls, prompt: np.ndarray, steps: int, choose: Choose) -> OperationRun:
+    """The reorder scenario (beam search): two beams, the first fed the shared tokens, the second others;
+    before each of :func:`reorder_points` the cache is reordered by ``[1, 0]`` and the beams swap slots.
+    Each beam is judged along its own lineage (its rows, whichever slot computed them)."""
+    from kvfast.check.protocol import check_logits
+
+    T, V = prompt.shape[0], calls.vocab
+    raw = _hook(calls, "prefill_beams", prompt.copy(), 2)
+    first = [check_logits(raw[b], "prefill_beams", T, V, f"beam {b} of the prompt") for b in range(2)]
+    rows = np.empty((2, steps, V))
+    fed = np.empty((2, steps), dtype=np.int64)
+    slot = [0, 1]  # slot[beam]: the batch row holding the beam's cache
+    last = first[0][-1]
+    points = reorder_points(steps)
+    for t in range(1, steps + 1):
+        fed[0, t - 1] = int(choose(t - 1, last))
+        fed[1, t - 1] = int(draft_tokens(int(fed[0, t - 1]), 1, V)[0])
+        if t in points:
+            _hook(calls, "reorder", np.array([1, 0], dtype=np.int64))
+            slot = [1 - s for s in slot]
+        batch = np.empty(2, dtype=np.int64)
+        batch[slot[0]], batch[slot[1]] = fed[0, t - 1], fed[1, t - 1]
+        out = check_logits(_hook(calls, "decode_beams", batch), "decode_beams", 2, V, f"at step {t}")
+        rows[0, t - 1], rows[1, t - 1] = out[slot[0]], out[slot[1]]
+        last = rows[0, t - 1]
+    shown = ", ".join(map(str, points[:6])) + (", ..." if len(points) > 6 else "")
+    note = f"two beams; the cache reordered by [1, 0] (the beams swap slots) before steps {shown}"
+    return OperationRun(CachePath(first[0], rows[0], fed[0]), (note,), CachePath(first[1], rows[1], fed[1]))
+
+
+OPERATION_PATHS.update(rollback=rollback_path, fork=fork_paths, reorder=reorder_path)

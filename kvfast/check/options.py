@@ -21,7 +21,7 @@ from kvfast.validation import not_allowed, require_choice, require_int
 MODES = ("exact", "control")
 SCENARIOS = ("decode", "resume")  # the default scenarios
 #: The cache operations' scenarios (:mod:`kvfast.check.operations`): asked for by name, never by default.
-OPERATIONS = ("rollback", "fork")
+OPERATIONS = ("rollback", "fork", "reorder")
 ALL_SCENARIOS = SCENARIOS + OPERATIONS
 FOLLOW = ("recompute", "cache")
 PROMOTE = ("float64",)
@@ -47,7 +47,9 @@ class CheckOptions:
       alone is bad input. Also, by name only (:data:`OPERATIONS`, see
       :mod:`kvfast.check.operations`): ``"rollback"`` (drafts cropped away
       again, the model's ``crop``) and ``"fork"`` (branches from snapshots,
-      ``snapshot``/``restore``); skipped with a note on a model without the hooks.
+      ``snapshot``/``restore``) and ``"reorder"`` (two beams, the cache reordered
+      by a beam index: ``prefill_beams``/``decode_beams``/``reorder``); skipped
+      with a note on a model without the hooks.
     - ``continuation``: the tokens to feed ``decode`` (at least ``steps``)
       instead of greedy ones (random-weight models repeat one token greedily);
       kept as a tuple of its first ``steps`` token ids.

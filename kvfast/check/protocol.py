@@ -33,6 +33,10 @@ A model under test is any object with these methods (tokens are passed as a
 ``snapshot() -> state`` and ``restore(state)`` (optional; the ``fork`` scenario)
     A copy of the cache as it is now, and the cache set back to a copy of it (a
     state may be restored more than once; no branch may change another).
+``prefill_beams(tokens, n) -> logits (n, T, V)``, ``decode_beams(tokens) -> logits (n, V)`` and
+``reorder(index)`` (optional; the ``reorder`` scenario, beam search)
+    A fresh cache of ``n`` beams of ``tokens``; one token per beam; the cache's
+    beams reordered so that beam ``i`` holds what beam ``index[i]`` held.
     A hook that raises ``NotImplementedError`` (a cache kind that cannot roll
     back) gets its scenario skipped with a note, never a failed check.
 ``lossy_cache`` (optional attribute, a format name) and ``lossless() -> model under test``
@@ -62,7 +66,10 @@ from kvfast.runtime import CheckTimeout, UserCodeError, call_user, check_timeout
 from kvfast.validation import require_int
 
 REQUIRED = ("recompute", "prefill", "decode")
-OPTIONAL = ("extend", "recompute_variants", "promote", "crop", "snapshot", "restore", "lossless")
+OPTIONAL = (
+    "extend", "recompute_variants", "promote", "crop", "snapshot", "restore", "lossless", "prefill_beams",
+    "decode_beams", "reorder",
+)  # fmt: skip
 PROTOCOL = "an object with recompute(tokens), prefill(tokens), decode(token) and optionally extend(tokens)"
 
 
