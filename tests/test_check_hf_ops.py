@@ -133,3 +133,18 @@ def test_a_restored_cache_keeps_an_injected_bug_on_its_own_copy():
     adapter.restore(state)
     assert adapter.cache is not state.cache and "update" in vars(adapter.cache)
     assert "update" not in vars(state.cache)
+
+
+def test_the_operation_bug_score_table(monkeypatch):
+    """The command behind docs/check.md's table (python -m kvfast.studies.op_score), on one model and prompt:
+    the detectors people write never see an operation bug; kvfast's operations check finds each."""
+    from kvfast.studies import op_score
+
+    monkeypatch.setattr(op_score, "FAMILIES", ("llama",))
+    monkeypatch.setattr(op_score, "PROMPTS", (0,))
+    table = op_score.score_table(steps=6)
+    rows = {line.split(" | ")[0].strip("| "): line for line in table.splitlines()[2:]}
+    assert set(rows) == {*OP_BUGS, "all"}
+    for bug in OP_BUGS:
+        assert "| 0.000, -, 0.500 | 0.000, -, 0.500 | 1.000, " in rows[bug], table
+    assert rows["crop_short"].endswith("1.000, 1, 1.000 |") and rows["fork_shared_keys"].endswith("1.000, 4, 1.000 |")
