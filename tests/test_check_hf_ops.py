@@ -148,3 +148,48 @@ def test_the_operation_bug_score_table(monkeypatch):
     for bug in OP_BUGS:
         assert "| 0.000, -, 0.500 | 0.000, -, 0.500 | 1.000, " in rows[bug], table
     assert rows["crop_short"].endswith("1.000, 1, 1.000 |") and rows["fork_shared_keys"].endswith("1.000, 4, 1.000 |")
+
+
+# --- hybrid caches: Gemma2 and Gemma3 (sliding and full layers), prompts longer than the window ----------
+
+HYBRID_WINDOW = 8
+
+
+def tiny_hybrid(kind: str, dtype: str = "float32", seed: int = 0):
+    """A tiny random Gemma2 or Gemma3 (one sliding layer of window 8, one full layer), eager attention."""
+    common = dict(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=512, sliding_window=HYBRID_WINDOW,
+        attn_implementation="eager",
+    )  # fmt: skip
+    if kind == "gemma2":
+        config, cls = transformers.Gemma2Config(**common), transformers.Gemma2ForCausalLM
+    else:
+        config, cls = transformers.Gemma3TextConfig(**common), transformers.Gemma3ForCausalLM
+    torch.manual_seed(seed)
+    return cls(config).eval().to(getattr(torch, dtype))
+
+
+ALL_OPS = ("decode", "resume", *OPS)
+
+
+def test_a_hybrid_cache_through_every_scenario():
+    model = tiny_hybrid("gemma3")
+    report = check_cache(model, list(range(3, 15)), 16, mode="control", scenarios=ALL_OPS)
+    assert report.verdict == "rounding", report.format()
+    assert all(s.verdict == "rounding" for s in report.scenarios.values())
+    bad = check_cache(inject_op_bug(HFModel(tiny_hybrid("gemma2")), "crop_short"), list(range(3, 15)), 16,
+                      mode="control", scenarios="rollback")  # fmt: skip
+    assert bad.scenarios["rollback"].first_bug_step == 1, bad.format()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+def test_hybrid_models_are_never_a_bug_nor_inconclusive(kind, dtype):
+    for seed in range(2):
+        model = tiny_hybrid(kind, dtype, seed)
+        for prompt in (list(range(3, 15)), list(range(40, 45))):  # longer and shorter than the window
+            report = check_cache(model, prompt, 16, mode="control", scenarios=ALL_OPS, promote="float64")
+            for checked in (report, report.promoted):
+                assert checked.verdict == "rounding", report.format()
