@@ -29,7 +29,7 @@ from kvfast.studies.hf_common import prompt_and_continuation  # noqa: E402
 from kvfast.studies.hf_matrix import PROMPT_LENGTHS, PROMPT_STREAM  # noqa: E402
 
 STEPS = 16
-OPS = ("rollback", "fork", "reorder")
+OPS = ("rollback", "fork", "reorder", "padded")
 CASES = [
     (seed, k, *prompt_and_continuation(PROMPT_STREAM, seed, k, STEPS, PROMPT_LENGTHS))
     for seed in range(2)
@@ -53,7 +53,7 @@ def static(model, length: int = 64):
 def _assert_clean(report) -> None:
     for checked in (report, report.promoted):
         assert checked.verdict == "rounding", report.format()
-        assert set(checked.scenarios) == {"rollback", "fork", BRANCH, "reorder", "reorder-beam"}
+        assert set(checked.scenarios) == {*OPS, BRANCH, "reorder-beam", "padded-row"}
 
 
 def test_a_clean_llama_through_rollback_and_fork():
@@ -101,7 +101,7 @@ def test_a_static_window_cache_that_cannot_roll_back_is_skipped():
     assert report.scenarios["fork"].verdict == "rounding" and report.passed
 
 
-@pytest.mark.parametrize("bug", list(OP_BUGS))
+@pytest.mark.parametrize("bug", [b for b in OP_BUGS if b != "padded_positions_from_start"])
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_operation_bugs_are_found_where_they_first_act(family, bug):
     seed, _, prompt, continuation = CASES[1]
@@ -113,6 +113,19 @@ def test_operation_bugs_are_found_where_they_first_act(family, bug):
     for name, s in report.scenarios.items():
         if name not in OPS:  # the second branch or beam: the reorder bugs act in both beams
             assert s.first_bug_step == op_first_acting_step(bug, name, STEPS), report.format()
+
+
+def test_left_padding_positions_from_the_padded_start():
+    """Found at step 0 of the padded row on GPT-2 (absolute positions); invisible under rotary positions
+    (Llama), which see only the differences of positions: the shift is one constant per row."""
+    seed, _, prompt, continuation = CASES[1]
+    prompt = list(range(3, 19))  # 16 tokens: the other row has 14 and two pads
+    for family, want in (("gpt2", 0), ("llama", None)):
+        adapter = inject_op_bug(HFModel(tiny_model(family, "float32", "sdpa", seed)), "padded_positions_from_start")
+        report = check_cache(adapter, prompt, 8, mode="control", scenarios="padded")
+        assert report.scenarios["padded-row"].first_bug_step == want, report.format()
+        assert report.scenarios["padded"].verdict == "rounding"
+    assert op_first_acting_step("padded_positions_from_start", "padded-row", 8) == 0
 
 
 def test_sharing_keys_is_harmless_in_a_dynamic_cache():
@@ -145,7 +158,7 @@ def test_the_operation_bug_score_table(monkeypatch):
     table = op_score.score_table(steps=6)
     rows = {line.split(" | ")[0].strip("| "): line for line in table.splitlines()[2:]}
     assert set(rows) == {*OP_BUGS, "all"}
-    for bug in OP_BUGS:
+    for bug in [b for b in OP_BUGS if b != "padded_positions_from_start"]:  # Llama: rotary positions
         assert "| 0.000, -, 0.500 | 0.000, -, 0.500 | 1.000, " in rows[bug], table
     assert rows["crop_short"].endswith("1.000, 1, 1.000 |") and rows["fork_shared_keys"].endswith("1.000, 4, 1.000 |")
 

@@ -145,9 +145,9 @@ def test_a_hook_raising_not_implemented_is_skipped_and_any_other_error_is_the_mo
 def test_options_accept_the_new_names_and_keep_the_default():
     assert CheckOptions(4).scenarios == SCENARIOS == ("decode", "resume")
     assert CheckOptions(4, scenarios="rollback").scenarios == ("rollback",)
-    assert ALL_SCENARIOS == ("decode", "resume", "rollback", "fork", "reorder")
+    assert ALL_SCENARIOS == ("decode", "resume", "rollback", "fork", "reorder", "padded")
     with pytest.raises(
-        ValueError, match=r"scenarios: 'beam' is not allowed; allowed: decode, fork, reorder, resume, rollback"
+        ValueError, match=r"scenarios: 'beam' is not allowed; allowed: decode, fork, padded, reorder, resume, rollback"
     ):
         CheckOptions(4, scenarios=("decode", "beam"))
 

@@ -472,6 +472,20 @@ class HFModel:
 
         hf_ops.reorder(self, index)
 
+    # --- a left-padded batch (the padded scenario; kvfast.check.hf_ops) ---------------------------------
+
+    def prefill_padded(self, prompts) -> list:
+        """A fresh cache of ``prompts`` as one left-padded batch; each prompt's logits (:mod:`kvfast.check.hf_ops`)."""
+        from kvfast.check import hf_ops
+
+        return hf_ops.prefill_padded(self, prompts)
+
+    def decode_padded(self, tokens):
+        """One token per row of the padded batch; logits ``(n, V)``."""
+        from kvfast.check import hf_ops
+
+        return hf_ops.decode_padded(self, tokens)
+
 
 # --- tiny random models from configs (tests, benchmarks, the measured matrix) ------------------------
 

@@ -234,3 +234,66 @@ def reorder(adapter, index) -> None:
             layer.keys = layer.keys.index_select(0, idx)
         return
     cache.reorder_cache(idx)
+
+
+# --- a left-padded batch (the padded scenario, kvfast.check.operations) ------------------------------------
+
+
+def prefill_padded(adapter, prompts) -> list:
+    """A fresh cache holding ``prompts`` (token arrays of any lengths) as one left-padded batch, with the
+    attention mask and positions ``generate`` builds (``mask.cumsum(-1) - 1``, pads at 1); each prompt's
+    logits ``(T_i, V)``, pads dropped. Operation bug ``padded_positions_from_start``: positions counted
+    from the padded start (``0..L-1`` on every row)."""
+    import torch
+
+    rows = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
+    width = max(r.shape[0] for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - r.shape[0] :] = torch.from_numpy(r)
+        mask[i, width - r.shape[0] :] = 1
+    adapter.cache, adapter.length, adapter.decoded = adapter._fresh_cache(), 0, 0
+    adapter.pad_mask = mask
+    logits = _padded_call(adapter, ids, _positions(adapter, mask, width), torch)
+    return [logits[i, width - r.shape[0] :] for i, r in enumerate(rows)]
+
+
+def decode_padded(adapter, tokens):
+    """One token per row of the padded batch; logits ``(n, V)``."""
+    import torch
+
+    mask = getattr(adapter, "pad_mask", None)
+    if mask is None or adapter.cache is None:
+        raise ValueError("cache: no padded batch; allowed: call prefill_padded(prompts) first")
+    ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64).reshape(-1, 1))
+    if ids.shape[0] != mask.shape[0]:
+        raise ValueError(f"tokens: {ids.shape[0]} tokens are not allowed; allowed: one per row ({mask.shape[0]})")
+    adapter.pad_mask = mask = torch.cat([mask, torch.ones(mask.shape[0], 1, dtype=torch.long)], dim=1)
+    return _padded_call(adapter, ids, _positions(adapter, mask, 1), torch)[:, -1]
+
+
+def _positions(adapter, mask, n: int):
+    """The positions of the last ``n`` columns of ``mask``, as ``generate`` builds them (or the bug's)."""
+    import torch
+
+    if getattr(adapter, "op_bug", None) == "padded_positions_from_start":
+        width = mask.shape[1]
+        return torch.arange(width - n, width).repeat(mask.shape[0], 1)
+    positions = mask.cumsum(-1) - 1
+    positions.masked_fill_(mask == 0, 1)
+    return positions[:, -n:]
+
+
+def _padded_call(adapter, ids, positions, torch):
+    n = ids.shape[1]
+    kwargs = {"input_ids": ids, "use_cache": True, adapter.cache_arg: adapter.cache}
+    kwargs["attention_mask"] = adapter.pad_mask
+    if adapter.takes_position_ids:
+        kwargs["position_ids"] = positions
+    if adapter.takes_cache_position:
+        kwargs["cache_position"] = torch.arange(adapter.length, adapter.length + n)
+    logits, cache = adapter._call(adapter.model, **kwargs)
+    adapter.cache = cache
+    adapter.length += n
+    return logits

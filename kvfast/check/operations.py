@@ -45,6 +45,7 @@ from kvfast.check.subject import CheckSubject
 #: The hooks each operation scenario needs (optional methods of the protocol).
 HOOKS: dict[str, tuple[str, ...]] = {
     "rollback": ("crop",), "fork": ("snapshot", "restore"), "reorder": ("prefill_beams", "decode_beams", "reorder"),
+    "padded": ("prefill_padded", "decode_padded"),
 }  # fmt: skip
 #: Decode steps between two rollbacks (the first rollback comes before step 1).
 ROLLBACK_EVERY = 4
@@ -52,7 +53,7 @@ ROLLBACK_EVERY = 4
 DRAFTS = (1, 2, 3)
 BRANCH = "fork-branch"  # the name of the fork scenario's second branch's report
 #: The report of each operation's second branch (the fork's other branch, the reorder's other beam).
-BRANCHES = {"fork": BRANCH, "reorder": "reorder-beam"}
+BRANCHES = {"fork": BRANCH, "reorder": "reorder-beam", "padded": "padded-row"}
 #: Decode steps before which the reorder scenario swaps its two beams (beam index ``[1, 0]``).
 REORDER_EVERY = 4
 
@@ -92,6 +93,8 @@ OP_BUGS: dict[str, str] = {
     "fork_shared_keys": "a fork that shares the key tensor: snapshot() and restore() copy the values, not the keys",
     "reorder_wrong_index": "a beam reorder by the wrong index: the cache keeps its old order (HFModel only)",
     "reorder_keys_only": "a beam reorder of the keys only: the values stay in the old order (HFModel only)",
+    "padded_positions_from_start": "a left-padded batch whose positions count from the padded start (HFModel "
+    "only; invisible to rotary positions in exact arithmetic, a shift of every position of a row)",
 }
 
 
@@ -118,6 +121,8 @@ def op_first_acting_step(bug: str, scenario: str, steps: int) -> int | None:
         return steps // 2 + 1 if scenario == "fork" and steps // 2 >= 1 else None
     if bug in ("reorder_wrong_index", "reorder_keys_only"):
         return 2 if scenario in ("reorder", BRANCHES["reorder"]) and steps >= 2 else None
+    if bug == "padded_positions_from_start":  # absolute positions only (GPT-2): the padded (shorter) row
+        return 0 if scenario == BRANCHES["padded"] else None
     raise ValueError(f"bug: {bug!r} is not allowed; allowed: {', '.join(OP_BUGS)}")
 
 
@@ -139,18 +144,22 @@ def check_operation(
     rows = reference.rows_for(name, run)
     reports = {name: _judged(subject, name, run, rows, reference.noise, fmt, notes, judge_scenario)}
     if branch is not None:
-        rows_b = _branch_rows(subject, reference, branch)
+        # the padded batch's other row has a prompt of its own
+        sub_b = replace(subject, prompt=padded_prompt(subject.prompt, subject.vocab)) if name == "padded" else subject
+        rows_b = _branch_rows(sub_b, reference, branch)
         noise_b = _pooled_noise_for(reference.noise, rows, rows_b)
         note = (
             f"the second branch: {branch.fed.shape[0]} tokens decoded from the prompt's snapshot, against the "
             "recompute of the prompt plus its own tokens"
             if name == "fork"
             else "the second beam: its own tokens, against the recompute of the prompt plus them"
+            if name == "reorder"
+            else "the padded batch's other row: its own prompt and tokens, against their unpadded recompute"
         )
         if noise_b is not None:
             note += "; its order noise is the run's pooled relative noise at this branch's magnitudes"
         other = BRANCHES[name]
-        reports[other] = _judged(subject, other, branch, rows_b, noise_b, fmt, (note,), judge_scenario)
+        reports[other] = _judged(sub_b, other, branch, rows_b, noise_b, fmt, (note,), judge_scenario)
     return reports
 
 
@@ -329,4 +338,40 @@ def reorder_path(calls: ModelCalls, prompt: np.ndarray, steps: int, choose: Choo
     return OperationRun(CachePath(first[0], rows[0], fed[0]), (note,), CachePath(first[1], rows[1], fed[1]))
 
 
-OPERATION_PATHS.update(rollback=rollback_path, fork=fork_paths, reorder=reorder_path)
+def padded_prompt(prompt: np.ndarray, vocab: int) -> np.ndarray:
+    """The padded scenario's other prompt: two tokens shorter than ``prompt`` (two longer for a prompt of one
+    or two tokens), so one of the rows is left-padded."""
+    T = prompt.shape[0]
+    n = T - 2 if T > 2 else T + 2
+    return (prompt[np.arange(n) % T] * 3 + 1 + np.arange(n)) % vocab
+
+
+def padded_path(calls: ModelCalls, prompt: np.ndarray, steps: int, choose: Choose) -> OperationRun:
+    """The padded scenario (batched generation): ``prompt`` and :func:`padded_prompt` as one left-padded batch
+    (mask and positions as ``generate`` builds them), then one token per row per step; each row is judged
+    against its own unpadded recompute."""
+    from kvfast.check.protocol import check_logits
+
+    V = calls.vocab
+    other = padded_prompt(prompt, V)
+    raw = _hook(calls, "prefill_padded", [prompt.copy(), other.copy()])
+    first = [check_logits(raw[i], "prefill_padded", p.shape[0], V, f"row {i}") for i, p in enumerate((prompt, other))]
+    rows = np.empty((2, steps, V))
+    fed = np.empty((2, steps), dtype=np.int64)
+    last = first[0][-1]
+    for t in range(1, steps + 1):
+        fed[0, t - 1] = int(choose(t - 1, last))
+        fed[1, t - 1] = int(draft_tokens(int(fed[0, t - 1]), 1, V)[0])
+        out = check_logits(_hook(calls, "decode_padded", fed[:, t - 1].copy()), "decode_padded", 2, V, f"at step {t}")
+        rows[:, t - 1] = out
+        last = rows[0, t - 1]
+    pad = abs(prompt.shape[0] - other.shape[0])
+    row = "second" if other.shape[0] < prompt.shape[0] else "first"
+    note = (
+        f"a left-padded batch of two prompts ({prompt.shape[0]} and {other.shape[0]} tokens; the {row} row has "
+        f"{pad} pads), mask and positions as generate builds them"
+    )
+    return OperationRun(CachePath(first[0], rows[0], fed[0]), (note,), CachePath(first[1], rows[1], fed[1]))
+
+
+OPERATION_PATHS.update(rollback=rollback_path, fork=fork_paths, reorder=reorder_path, padded=padded_path)

@@ -21,7 +21,7 @@ from kvfast.validation import not_allowed, require_choice, require_int
 MODES = ("exact", "control")
 SCENARIOS = ("decode", "resume")  # the default scenarios
 #: The cache operations' scenarios (:mod:`kvfast.check.operations`): asked for by name, never by default.
-OPERATIONS = ("rollback", "fork", "reorder")
+OPERATIONS = ("rollback", "fork", "reorder", "padded")
 ALL_SCENARIOS = SCENARIOS + OPERATIONS
 FOLLOW = ("recompute", "cache")
 PROMOTE = ("float64",)
@@ -48,8 +48,9 @@ class CheckOptions:
       :mod:`kvfast.check.operations`): ``"rollback"`` (drafts cropped away
       again, the model's ``crop``) and ``"fork"`` (branches from snapshots,
       ``snapshot``/``restore``) and ``"reorder"`` (two beams, the cache reordered
-      by a beam index: ``prefill_beams``/``decode_beams``/``reorder``); skipped
-      with a note on a model without the hooks.
+      by a beam index: ``prefill_beams``/``decode_beams``/``reorder``) and
+      ``"padded"`` (a left-padded batch of two prompts: ``prefill_padded``/
+      ``decode_padded``); skipped with a note on a model without the hooks.
     - ``continuation``: the tokens to feed ``decode`` (at least ``steps``)
       instead of greedy ones (random-weight models repeat one token greedily);
       kept as a tuple of its first ``steps`` token ids.

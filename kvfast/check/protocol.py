@@ -37,6 +37,10 @@ A model under test is any object with these methods (tokens are passed as a
 ``reorder(index)`` (optional; the ``reorder`` scenario, beam search)
     A fresh cache of ``n`` beams of ``tokens``; one token per beam; the cache's
     beams reordered so that beam ``i`` holds what beam ``index[i]`` held.
+``prefill_padded(prompts) -> [logits (T_i, V)]`` and ``decode_padded(tokens) -> logits (n, V)``
+(optional; the ``padded`` scenario, batched generation)
+    A fresh cache of prompts of different lengths as one left-padded batch
+    (each prompt's logits, pads dropped); one token per row.
     A hook that raises ``NotImplementedError`` (a cache kind that cannot roll
     back) gets its scenario skipped with a note, never a failed check.
 ``lossy_cache`` (optional attribute, a format name) and ``lossless() -> model under test``
@@ -68,7 +72,7 @@ from kvfast.validation import require_int
 REQUIRED = ("recompute", "prefill", "decode")
 OPTIONAL = (
     "extend", "recompute_variants", "promote", "crop", "snapshot", "restore", "lossless", "prefill_beams",
-    "decode_beams", "reorder",
+    "decode_beams", "reorder", "prefill_padded", "decode_padded",
 )  # fmt: skip
 PROTOCOL = "an object with recompute(tokens), prefill(tokens), decode(token) and optionally extend(tokens)"
 

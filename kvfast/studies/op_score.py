@@ -12,7 +12,10 @@ detection, ROC AUC, false-positive rate on the clean cases):
 - ``three_token_allclose`` and ``hf_logits_and_ids``: the hf_score study's two detectors people write
   (popular test suites' three-token ``allclose``; Hugging Face's per-step logits and ids);
 - ``kvfast_operations``: :func:`kvfast.check_cache` in control mode over the scenarios ``decode``,
-  ``rollback``, ``fork`` and ``reorder``; flags a ``bug``; score: the largest ratio.
+  ``rollback``, ``fork``, ``reorder`` and ``padded``; flags a ``bug``; score: the largest ratio.
+
+``padded_positions_from_start`` acts on GPT-2 only (absolute positions): under rotary positions it shifts
+every position of a row by one constant, which attention cannot see in exact arithmetic.
 
 Prints one Markdown table (pasted into docs/check.md, section 9).
 """
@@ -31,7 +34,7 @@ from kvfast.check.score import Detection, markdown, score_detector, side_by_side
 FAMILIES = ("llama", "gpt2", "qwen2")
 PROMPTS = (0, 1)
 CACHE_LEN = 64
-SCENARIOS = ("decode", "rollback", "fork", "reorder")
+SCENARIOS = ("decode", "rollback", "fork", "reorder", "padded")
 
 
 @dataclass(frozen=True, eq=False)
@@ -75,7 +78,7 @@ class OpCase:
 
 
 def kvfast_operations(model, case: OpCase) -> Detection:
-    """Control mode over decode, rollback, fork and reorder; flags ``bug``; score: the largest ratio."""
+    """Control mode over every operation scenario and decode; flags ``bug``; score: the largest ratio."""
     report = check_cache(model, case.prompt, mode="control", continuation=case.continuation, scenarios=SCENARIOS)
     return Detection(report.verdict == "bug", float(report.max_ratio), report.first_bug_step)
 
