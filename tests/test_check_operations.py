@@ -186,7 +186,8 @@ def test_the_check_study_sweeps_the_operations():
     from kvfast.studies.check import SCENARIO_CHOICES
 
     assert SCENARIO_CHOICES["rollback"] == ("rollback",) and SCENARIO_CHOICES["fork"] == ("fork",)
-    assert SCENARIO_CHOICES["operations"] == ("decode", "rollback", "fork")
+    assert SCENARIO_CHOICES["operations"] == ("decode", "rollback", "fork", "reorder", "padded")
+    assert SCENARIO_CHOICES["reorder"] == ("reorder",) and SCENARIO_CHOICES["padded"] == ("padded",)
 
 
 def test_kv_check_fixture_takes_them(pytester):

@@ -92,7 +92,7 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--scenarios",
         default="decode,resume",
-        help="comma-separated: decode, resume (default both), rollback, fork (the cache operations)",
+        help="comma-separated: decode, resume (default both), rollback, fork, reorder, padded (cache operations)",
     )
     p.add_argument("--split", type=int, default=None, help="the resume scenario's split (default half the prompt)")
     p.add_argument("--margin", type=float, default=None, help="control: rounding up to this ratio (default 4)")
