@@ -17,7 +17,7 @@ detection, ROC AUC, false-positive rate on the clean cases):
 ``padded_positions_from_start`` acts on GPT-2 only (absolute positions): under rotary positions it shifts
 every position of a row by one constant, which attention cannot see in exact arithmetic.
 
-Prints one Markdown table (pasted into docs/check.md, section 9).
+Prints one Markdown table (pasted into docs/check.md, section 10).
 """
 
 from __future__ import annotations
