@@ -101,7 +101,9 @@ def test_a_static_window_cache_that_cannot_roll_back_is_skipped():
     assert report.scenarios["fork"].verdict == "rounding" and report.passed
 
 
-@pytest.mark.parametrize("bug", [b for b in OP_BUGS if b != "padded_positions_from_start"])
+@pytest.mark.parametrize(
+    "bug", [b for b in OP_BUGS if b not in ("padded_positions_from_start", "static_never_cleared")]
+)
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_operation_bugs_are_found_where_they_first_act(family, bug):
     seed, _, prompt, continuation = CASES[1]
@@ -126,6 +128,19 @@ def test_left_padding_positions_from_the_padded_start():
         assert report.scenarios["padded-row"].first_bug_step == want, report.format()
         assert report.scenarios["padded"].verdict == "rounding"
     assert op_first_acting_step("padded_positions_from_start", "padded-row", 8) == 0
+
+
+def test_a_static_cache_never_cleared_between_prompts():
+    """The first scenario's run (the fast path's, reused) prefills a clean cache; every later one reuses it as
+    left: step 0 is a bug in each, and a check of ``decode`` alone cannot see it."""
+    seed, _, prompt, continuation = CASES[0]
+    model = tiny_model("llama", "float32", "sdpa", seed)
+    adapter = inject_op_bug(HFModel(model, new_cache=static(model, 512)), "static_never_cleared")
+    report = check_cache(adapter, prompt, mode="control", continuation=continuation, scenarios=("decode", "resume"))
+    assert report.scenarios["decode"].verdict == "rounding"
+    assert report.scenarios["resume"].first_bug_step == 0, report.format()
+    with pytest.raises(ValueError, match="allowed: an HFModel with new_cache"):
+        inject_op_bug(HFModel(model), "static_never_cleared")
 
 
 def test_sharing_keys_is_harmless_in_a_dynamic_cache():

@@ -95,6 +95,8 @@ OP_BUGS: dict[str, str] = {
     "reorder_keys_only": "a beam reorder of the keys only: the values stay in the old order (HFModel only)",
     "padded_positions_from_start": "a left-padded batch whose positions count from the padded start (HFModel "
     "only; invisible to rotary positions in exact arithmetic, a shift of every position of a row)",
+    "static_never_cleared": "a static cache never cleared between prompts: every prefill reuses the first "
+    "cache object as it was left (HFModel with new_cache only)",
 }
 
 
@@ -107,6 +109,12 @@ def inject_op_bug(model, bug: str | None):
         require_choice(bug, "bug", OP_BUGS)
     if not hasattr(type(model), "op_bug"):
         raise ValueError(f"model: {type(model).__name__} takes no operation bug; allowed: KvfastModel or HFModel")
+    if bug == "static_never_cleared":
+        if getattr(model, "new_cache", None) is None:
+            raise ValueError(f"bug: {bug!r} is not allowed here; allowed: an HFModel with new_cache (a StaticCache)")
+        made = []
+        fresh = model.new_cache
+        model.new_cache = lambda: made[0] if made else made.append(fresh()) or made[0]
     model.op_bug = bug
     return model
 
@@ -123,6 +131,8 @@ def op_first_acting_step(bug: str, scenario: str, steps: int) -> int | None:
         return 2 if scenario in ("reorder", BRANCHES["reorder"]) and steps >= 2 else None
     if bug == "padded_positions_from_start":  # absolute positions only (GPT-2): the padded (shorter) row
         return 0 if scenario == BRANCHES["padded"] else None
+    if bug == "static_never_cleared":  # every prefill after the first: step 0 of each later scenario's run
+        return 0
     raise ValueError(f"bug: {bug!r} is not allowed; allowed: {', '.join(OP_BUGS)}")
 
 
