@@ -218,6 +218,12 @@ def test_hybrid_models_are_never_a_bug_nor_inconclusive(kind, dtype):
     for seed in range(2):
         model = tiny_hybrid(kind, dtype, seed)
         for prompt in (list(range(3, 15)), list(range(40, 45))):  # longer and shorter than the window
-            report = check_cache(model, prompt, 16, mode="control", scenarios=ALL_OPS, promote="float64")
+            unpadded = tuple(n for n in ALL_OPS if n != "padded")
+            report = check_cache(model, prompt, 16, mode="control", scenarios=unpadded, promote="float64")
             for checked in (report, report.promoted):
                 assert checked.verdict == "rounding", report.format()
+            # measured: in float64 a left-padded Gemma row's logits are NaN (transformers 5.24, eager), so the
+            # logic check of the padded scenario is skipped with a note and the native verdict stands
+            padded = check_cache(model, prompt, 16, mode="control", scenarios="padded", promote="float64")
+            assert padded.verdict == "rounding" and padded.passed, padded.format()
+            assert padded.promoted is None and any("logits hold nan" in n for n in padded.notes)
