@@ -63,9 +63,10 @@ def test_bad_formats_are_refused():
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 def test_kvfasts_own_lossy_cache_is_lossy_never_exact_or_rounding(fmt, mode):
     report = check_cache(lossy(fmt), PROMPT, 16, mode=mode, scenarios=ALL)
-    assert report.verdict == "lossy" and report.passed, report.format()
+    assert report.verdict == "lossy", report.format()
+    assert report.passed == (mode == "control")  # exact mode promises ==, which no lossy cache keeps
     for s in report.scenarios.values():
-        assert set(s.step_verdicts) == {"lossy"}
+        assert set(s.step_verdicts) == {"lossy"} and s.passed == (mode == "control")
         assert (s.deviation == s.floor).all() and (s.ratio <= 1).all()  # measured IS the format's expected error
         assert s.deviation[1:].max() > 0
     assert "a lossy cache (" + fmt + ")" in report.format()
@@ -111,3 +112,10 @@ def test_transformers_fp8_quantized_cache_is_lossy(family):
     # transformers' fp8 cache is kvfast's per-tensor fp8 emulation up to its float32 scale (measured: ratio
     # 0.99-1.00005 on these models; kvfast divides in float64)
     assert report.max_ratio <= 1.001
+
+
+def test_assert_cache_exact_fails_on_a_lossy_cache():
+    from kvfast.check import assert_cache_exact
+
+    with pytest.raises(AssertionError, match="LOSSY"):
+        assert_cache_exact(lossy(), PROMPT, 8, scenarios="decode")
