@@ -25,6 +25,8 @@ default 128): the tiny random Llama and GPT-2 of :func:`kvfast.check.hf.tiny_mod
   mode="control")`` with the variants kvfast builds (other attention, batch of
   two, one row at a time) and its control fast path (one recompute of the final
   sequence, batch-shape noise from four prefix recomputes).
+- control check (rollback) / (fork) / (reorder) / (padded): each cache operation's scenario alone
+  (:mod:`kvfast.check.operations`; the operation hooks built in for Hugging Face models).
 
 Prints Markdown tables; the targets are fast check <= 3x plain (kvfast's model)
 and control check <= 3x plain (Hugging Face models).
@@ -131,6 +133,13 @@ def hf_benchmark(steps: int, repeats: int) -> None:
         both = median_time(lambda m=model: check_cache(m, prompt, steps, "control"), repeats)
         rows = [("plain cached generation", base), ("control check (decode)", decode)]
         rows.append(("control check (decode + resume)", both))
+        for op in ("rollback", "fork", "reorder", "padded"):  # each cache operation (kvfast.check.operations) alone
+            rows.append(
+                (
+                    f"control check ({op})",
+                    median_time(lambda m=model, o=op: check_cache(m, prompt, steps, "control", o), repeats),
+                )
+            )
         for name, (c, t) in rows:
             print(f"| {family} | {name} | {c:.4f} | {c / base[0]:.2f} | {t:.4f} | {t / base[1]:.2f} |")
 

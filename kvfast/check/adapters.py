@@ -22,6 +22,8 @@ class KvfastModel:
     - ``extend``: the batched forward continuing the cache (positions from its length).
     - ``decode``: the compiled decode kernel, in ``decode_numerics`` (default:
       ``numerics``; same storage), with catalogue bug ``bug`` (:data:`kvfast.BUGS`).
+    - ``crop``/``snapshot``/``restore``: the cache operations (a rollback keeps
+      the first ``n`` positions; a snapshot copies the buffers), all exact.
     - ``recompute_variants``: when ``decode_numerics`` differs from
       ``numerics``, ``{"decode order": the recompute in decode_numerics}`` (a
       computation that differs from ``recompute`` only in how it adds up); else
@@ -103,6 +105,31 @@ class KvfastModel:
                 f"allowed: at most {self.config.max_pos} positions in all"
             )
         return decode_prepared(self.config, self.weights, cache, token, self.decode_numerics, self.bug_code)
+
+    # --- cache operations (the rollback and fork scenarios, kvfast.check.operations) ------------------
+
+    op_bug: str | None = None  # an operation bug (kvfast.check.operations.OP_BUGS), set by inject_op_bug
+
+    def crop(self, n: int) -> None:
+        """Keep the first ``n`` positions of the cache (a rollback); the next decode is at position ``n``."""
+        cache = self._cache()
+        if self.op_bug == "crop_short" and n < cache.length:
+            n += 1
+        cache.truncate(n)
+
+    def snapshot(self) -> KVCache:
+        """A copy of the cache as it is now (its own key and value buffers)."""
+        cache = self._cache()
+        return replace(cache, k=self._keys(cache.k), v=cache.v.copy())
+
+    def restore(self, state: KVCache) -> None:
+        """The cache set back to a copy of ``state`` (a :meth:`snapshot`; restorable again)."""
+        if not isinstance(state, KVCache):
+            raise ValueError(f"state: {type(state).__name__} is not allowed; allowed: a KVCache from snapshot()")
+        self.cache = replace(state, k=self._keys(state.k), v=state.v.copy())
+
+    def _keys(self, k: np.ndarray) -> np.ndarray:
+        return k if self.op_bug == "fork_shared_keys" else k.copy()
 
     def _cache(self) -> KVCache:
         if self.cache is None:

@@ -1,4 +1,9 @@
-"""The path under test: fill the cache for the prompt (one scenario's way), then decode step by step."""
+"""The path under test: fill the cache for the prompt (one scenario's way), then decode step by step.
+
+The cache operations' paths (``rollback``, ``fork``) live in :mod:`kvfast.check.operations`, which
+registers them in :data:`OPERATION_PATHS`; :func:`run_cache_path` runs them too, so the reference's
+fast path can be fed by (and reuse) an operation's run when no plain scenario is asked for.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,15 @@ from typing import NamedTuple
 import numpy as np
 
 from kvfast.check.calls import ModelCalls
+
+
+class Unsupported(Exception):  # noqa: N818 - a hook the model declines, not an error of the check
+    """A model's operation hook raised ``NotImplementedError``: its scenario is skipped, ``str(self)`` the note."""
+
+
+#: ``{scenario: runner(calls, prompt, steps, choose) -> a run with CachePath's fields}``, filled by
+#: :mod:`kvfast.check.operations` when it is imported (it imports this module, never the reverse).
+OPERATION_PATHS: dict[str, Callable] = {}
 
 
 class CachePath(NamedTuple):
@@ -34,11 +48,17 @@ def run_cache_path(
 ) -> CachePath:
     """Fill the cache for the prompt as ``scenario`` does, then decode ``steps`` tokens.
 
-    ``decode``: ``prefill(prompt)``. ``resume``: ``prefill(prompt[:split])``, then ``extend`` with the
+    ``decode``: ``prefill(prompt)``. An operation (:data:`OPERATION_PATHS`): its own path (a plain decode
+    run when the model declines the operation). ``resume``: ``prefill(prompt[:split])``, then ``extend`` with the
     rest (or the rest through ``decode``, one token at a time, if the model has no ``extend``).
     ``choose(t, logits)`` gives the token fed at decode step ``t + 1`` from the cache's logits of step
     ``t`` (step 0: the prompt's last row).
     """
+    if scenario in OPERATION_PATHS:
+        try:
+            return OPERATION_PATHS[scenario](calls, prompt, steps, choose)
+        except Unsupported:  # the reference's run needs only tokens; the scenario itself reports the skip
+            return run_cache_path(calls, "decode", prompt, split, steps, choose)
     T = prompt.shape[0]
     if scenario == "decode":
         first = calls.prefill(prompt, "of the prompt")

@@ -130,7 +130,7 @@ from kvfast.check.formats import FORMATS as _FORMATS
 
 DEFAULT_MARGIN = 4.0
 DEFAULT_DECISIVE = 16.0
-VERDICTS = ("rounding", "inconclusive", "bug")
+VERDICTS = ("rounding", "lossy", "inconclusive", "bug")  # lossy: a quantized cache within its format
 
 #: Precision (significand bits, implicit bit included) and smallest magnitude of each format, logits' and internal
 #: ones (the table lives in :mod:`kvfast.check.formats`).

@@ -558,6 +558,85 @@ class HFModel:
         new.cache, new.length = None, 0
         return new
 
+    # --- cache operations (the rollback and fork scenarios; kvfast.check.hf_ops) ----------------------
+
+    op_bug: str | None = None  # an operation bug (kvfast.check.operations.OP_BUGS), set by inject_op_bug
+
+    def crop(self, n: int) -> None:
+        """Keep the first ``n`` positions of the cache (``cache.crop``; :func:`kvfast.check.hf_ops.crop`)."""
+        from kvfast.check import hf_ops
+
+        hf_ops.crop(self, n)
+
+    def snapshot(self):
+        """A deep copy of the cache and its counters (:func:`kvfast.check.hf_ops.snapshot`)."""
+        from kvfast.check import hf_ops
+
+        return hf_ops.snapshot(self)
+
+    def restore(self, state) -> None:
+        """The cache set back to a copy of ``state`` (:func:`kvfast.check.hf_ops.restore`)."""
+        from kvfast.check import hf_ops
+
+        hf_ops.restore(self, state)
+
+    # --- lossy caches (kvfast.check.lossy; kvfast.check.hf_ops) ------------------------------------------
+
+    lossy_emulation: str | None = None  # set on with_lossy_cache's twin: kvfast's own round trip of the format
+
+    @property
+    def lossy_cache(self) -> str | None:
+        """The format of a lossy cache (a ``QuantizedCache`` from ``new_cache``), else ``None``."""
+        from kvfast.check import hf_ops
+
+        return hf_ops.lossy_format(self)
+
+    def lossless(self) -> HFModel:
+        """The same adapter over an unquantized ``DynamicCache``."""
+        from kvfast.check import hf_ops
+
+        return hf_ops.lossless(self)
+
+    def with_lossy_cache(self, fmt: str) -> HFModel:
+        """The unquantized adapter with kvfast's own round trip of ``fmt`` (the format's expected error)."""
+        from kvfast.check import hf_ops
+
+        return hf_ops.with_lossy_cache(self, fmt)
+
+    # --- beams (the reorder scenario; kvfast.check.hf_ops) --------------------------------------------
+
+    def prefill_beams(self, tokens, n: int):
+        """A fresh cache of ``n`` beams of ``tokens``; logits ``(n, T, V)`` (see :mod:`kvfast.check.hf_ops`)."""
+        from kvfast.check import hf_ops
+
+        return hf_ops.prefill_beams(self, tokens, n)
+
+    def decode_beams(self, tokens):
+        """One token per beam; logits ``(n, V)`` (:func:`kvfast.check.hf_ops.decode_beams`)."""
+        from kvfast.check import hf_ops
+
+        return hf_ops.decode_beams(self, tokens)
+
+    def reorder(self, index) -> None:
+        """The beams reordered by ``index`` (``cache.reorder_cache``; :func:`kvfast.check.hf_ops.reorder`)."""
+        from kvfast.check import hf_ops
+
+        hf_ops.reorder(self, index)
+
+    # --- a left-padded batch (the padded scenario; kvfast.check.hf_ops) ---------------------------------
+
+    def prefill_padded(self, prompts) -> list:
+        """A fresh cache of ``prompts`` as one left-padded batch; each prompt's logits (:mod:`kvfast.check.hf_ops`)."""
+        from kvfast.check import hf_ops
+
+        return hf_ops.prefill_padded(self, prompts)
+
+    def decode_padded(self, tokens):
+        """One token per row of the padded batch; logits ``(n, V)``."""
+        from kvfast.check import hf_ops
+
+        return hf_ops.decode_padded(self, tokens)
+
 
 # --- tiny random models from configs (tests, benchmarks, the measured matrix) ------------------------
 

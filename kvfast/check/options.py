@@ -19,7 +19,10 @@ from kvfast.check.protocol import check_prompt, check_timeout
 from kvfast.validation import not_allowed, require_choice, require_int
 
 MODES = ("exact", "control")
-SCENARIOS = ("decode", "resume")
+SCENARIOS = ("decode", "resume")  # the default scenarios
+#: The cache operations' scenarios (:mod:`kvfast.check.operations`): asked for by name, never by default.
+OPERATIONS = ("rollback", "fork", "reorder", "padded")
+ALL_SCENARIOS = SCENARIOS + OPERATIONS
 FOLLOW = ("recompute", "cache")
 PROMOTE = ("float64",)
 DEFAULT_STEPS = 64  # the kv_check fixture's and `kvfast check`'s steps when neither steps nor a continuation is given
@@ -41,7 +44,13 @@ class CheckOptions:
       decode); a name or a sequence, kept as a tuple. ``split`` defaults to
       ``len(prompt) // 2``; a one-token prompt cannot be split: the resume
       scenario is then reported as skipped beside ``decode``, and asking for it
-      alone is bad input.
+      alone is bad input. Also, by name only (:data:`OPERATIONS`, see
+      :mod:`kvfast.check.operations`): ``"rollback"`` (drafts cropped away
+      again, the model's ``crop``) and ``"fork"`` (branches from snapshots,
+      ``snapshot``/``restore``) and ``"reorder"`` (two beams, the cache reordered
+      by a beam index: ``prefill_beams``/``decode_beams``/``reorder``) and
+      ``"padded"`` (a left-padded batch of two prompts: ``prefill_padded``/
+      ``decode_padded``); skipped with a note on a model without the hooks.
     - ``continuation``: the tokens to feed ``decode`` (at least ``steps``)
       instead of greedy ones (random-weight models repeat one token greedily);
       kept as a tuple of its first ``steps`` token ids.
@@ -132,14 +141,14 @@ def _check_continuation(continuation: object, steps: object) -> tuple[np.ndarray
 
 
 def _check_scenarios(scenarios: object) -> tuple[str, ...]:
-    """``scenarios`` as a tuple of distinct names from :data:`SCENARIOS` (one name alone is accepted)."""
+    """``scenarios`` as a tuple of distinct names from :data:`ALL_SCENARIOS` (one name alone is accepted)."""
     if isinstance(scenarios, str):
         scenarios = (scenarios,)
     if not isinstance(scenarios, Sequence) or not scenarios:
-        raise not_allowed("scenarios", scenarios, f"a non-empty subset of {SCENARIOS}")
+        raise not_allowed("scenarios", scenarios, f"a non-empty subset of {ALL_SCENARIOS}")
     out = []
     for s in scenarios:
-        require_choice(s, "scenarios", SCENARIOS)
+        require_choice(s, "scenarios", ALL_SCENARIOS)
         if s in out:
             raise ValueError(f"scenarios: {s!r} appears twice; allowed: each scenario once")
         out.append(s)

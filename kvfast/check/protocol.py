@@ -37,6 +37,27 @@ A model under test is any object with these methods (tokens are passed as a
     (and says so in a note); Hugging Face models have it measured. An optional
     ``internal_formats_source`` (``"declared"``, the default, or ``"measured"``)
     says where it came from.
+``crop(n)`` (optional; the ``rollback`` scenario, :mod:`kvfast.check.operations`)
+    Keep the first ``n`` positions of the cache and forget the rest (speculative
+    decoding's rollback); the next ``decode`` is at position ``n``.
+``snapshot() -> state`` and ``restore(state)`` (optional; the ``fork`` scenario)
+    A copy of the cache as it is now, and the cache set back to a copy of it (a
+    state may be restored more than once; no branch may change another).
+``prefill_beams(tokens, n) -> logits (n, T, V)``, ``decode_beams(tokens) -> logits (n, V)`` and
+``reorder(index)`` (optional; the ``reorder`` scenario, beam search)
+    A fresh cache of ``n`` beams of ``tokens``; one token per beam; the cache's
+    beams reordered so that beam ``i`` holds what beam ``index[i]`` held.
+``prefill_padded(prompts) -> [logits (T_i, V)]`` and ``decode_padded(tokens) -> logits (n, V)``
+(optional; the ``padded`` scenario, batched generation)
+    A fresh cache of prompts of different lengths as one left-padded batch
+    (each prompt's logits, pads dropped); one token per row.
+    A hook that raises ``NotImplementedError`` (a cache kind that cannot roll
+    back) gets its scenario skipped with a note, never a failed check.
+``lossy_cache`` (optional attribute, a format name) and ``lossless() -> model under test``
+    A cache that stores keys and values in a lossy format (``int8``, ``fp8``):
+    every scenario is then judged as one (:mod:`kvfast.check.lossy`, verdict
+    ``lossy``, never ``exact`` or ``rounding``) against ``lossless()``, the same
+    model with its cache unquantized.
 ``max_positions`` (optional attribute, int)
     The most positions the model can take; a longer check is bad input before any work.
 ``vocab_size`` (optional attribute, int)
@@ -59,7 +80,10 @@ from kvfast.runtime import CheckTimeout, UserCodeError, call_user, check_timeout
 from kvfast.validation import require_int
 
 REQUIRED = ("recompute", "prefill", "decode")
-OPTIONAL = ("extend", "recompute_variants", "promote")
+OPTIONAL = (
+    "extend", "recompute_variants", "promote", "crop", "snapshot", "restore", "lossless", "prefill_beams",
+    "decode_beams", "reorder", "prefill_padded", "decode_padded",
+)  # fmt: skip
 PROTOCOL = "an object with recompute(tokens), prefill(tokens), decode(token) and optionally extend(tokens)"
 
 

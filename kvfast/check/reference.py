@@ -174,7 +174,9 @@ class SharedReference:
         self.known = T  # rows[:known] and the tokens they chose are final
         self.reuse: CachePath | None = None  # the fast path's cache run, when it was fed these tokens
         # the fast path runs the first scenario asked for (a resume-only check never prefills the whole prompt)
-        self.reuse_scenario = "decode" if "decode" in subject.options.scenarios else "resume"
+        # (an operation-only check's fast path runs, and its scenario reuses, the first operation's path)
+        asked = subject.options.scenarios
+        self.reuse_scenario = next((n for n in ("decode", "resume") if n in asked), asked[0])
         self.batch_shape: dict[str, np.ndarray] | None = None
 
     @classmethod

@@ -11,7 +11,7 @@ import numpy as np
 from kvfast.check import control as C
 from kvfast.check.formats import NoiseFormats
 
-PASSING = ("exact", "rounding", "skipped")
+PASSING = ("exact", "rounding", "lossy", "skipped")  # lossy: a quantized cache within its format (check.lossy)
 LENGTH_DEPENDENT = "length-dependent"  # the check's verdict when the recompute itself changes with the length
 
 
@@ -91,8 +91,9 @@ class ScenarioReport:
 
     @property
     def passed(self) -> bool:
-        """``True`` for ``exact``, ``rounding`` and ``skipped``."""
-        return self.verdict in PASSING
+        """``True`` for ``exact``, ``rounding`` and ``skipped``, and ``lossy`` in control mode (exact mode
+        promises ``==``, which no lossy cache can keep)."""
+        return self.verdict in PASSING and not (self.verdict == "lossy" and self.mode == "exact")
 
     @property
     def steps(self) -> int:
@@ -125,7 +126,7 @@ class ScenarioReport:
         show |= {n - 1}
         rows = sorted(show)[:max_rows]
         head = f"{'step':>5} {'position':>9} {'fed token':>9} {'deviation':>11}"
-        if self.mode == "control":
+        if self.floor is not None:  # control mode, and a lossy cache in either mode (kvfast.check.lossy)
             head += f" {'floor':>10} {'bound':>10} {'ratio':>9}"
         lines = [head + "  verdict"]
         prev = -1
@@ -135,7 +136,7 @@ class ScenarioReport:
             prev = t
             tok = "-" if t == 0 else str(int(self.tokens[t - 1]))
             line = f"{t:>5} {self.position(t):>9} {tok:>9} {self.deviation[t]:>11.4g}"
-            if self.mode == "control":
+            if self.floor is not None:
                 line += f" {self.floor[t]:>10.4g} {self.bound[t]:>10.4g} {self.ratio[t]:>9.4g}"
             mark = "  <- first" if t == focus else ""
             lines.append(f"{line}  {self.step_verdicts[t]}{mark}")
@@ -152,6 +153,13 @@ class ScenarioReport:
         """One paragraph: the verdict, the first divergent step, its deviation and the context tokens."""
         if self.verdict == "skipped":
             return f"scenario {self.name!r}: skipped ({'; '.join(self.notes)})"
+        if self.verdict == "lossy":  # a quantized cache within its format (kvfast.check.lossy)
+            lossy = [n for n in self.notes if n.startswith("a lossy cache")]
+            return (
+                f"scenario {self.name!r} ({self.mode}): lossy; every step within {self.margin:g}x its bound (largest "
+                f"error against the cache unquantized {float(self.deviation.max()):.4g}, largest ratio "
+                f"{float(self.ratio.max()):.3g}); " + "; ".join(lossy)
+            )
         T = self.prompt.shape[0]
         head = f"scenario {self.name!r} ({self.mode}): {self.verdict}"
         if self.split is not None:
@@ -236,11 +244,12 @@ class CheckReport:
     def passed(self) -> bool:
         if self.length_dependence is not None:
             return False
+        lossy = ("lossy",) if self.mode == "control" else ()  # exact mode promises ==: never a lossy cache
         if self.promoted is not None:
             if not self.promoted.passed:
                 return False
-            return self.verdict in ("exact", "rounding", "inconclusive")
-        return self.verdict in ("exact", "rounding")
+            return self.verdict in ("exact", "rounding", "inconclusive", *lossy)
+        return self.verdict in ("exact", "rounding", *lossy)
 
     @property
     def steps(self) -> int:
@@ -347,5 +356,7 @@ def overall(mode: str, reports: dict[str, ScenarioReport]) -> str:
     ``divergent`` (exact mode); the worst (control mode)."""
     ran = [r for r in reports.values() if r.verdict != "skipped"]
     if mode == "exact":
-        return "exact" if all(r.verdict == "exact" for r in ran) else "divergent"
+        if all(r.verdict == "exact" for r in ran):
+            return "exact"
+        return "lossy" if all(r.verdict in ("exact", "lossy") for r in ran) else "divergent"
     return C.worst([r.verdict for r in ran])

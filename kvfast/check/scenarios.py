@@ -10,6 +10,9 @@ import numpy as np
 
 from kvfast.check import control as C
 from kvfast.check.cache_path import CachePath
+from kvfast.check.lossy import lossy_format, rejudge
+from kvfast.check.operations import check_operation
+from kvfast.check.options import OPERATIONS
 from kvfast.check.reference import OwnReference, SharedReference
 from kvfast.check.report import ScenarioReport, skipped_resume
 from kvfast.check.subject import CheckSubject
@@ -25,12 +28,17 @@ def check_scenarios(
         if name == "resume" and subject.T < 2:
             reports[name] = skipped_resume(subject.options.mode, subject.prompt, reference.skipped_tokens)
             continue
+        if name in OPERATIONS:  # rollback, fork: kvfast.check.operations
+            reports.update(check_operation(subject, reference, name, fmt, judge_scenario))
+            continue
         run = reference.cache_run(name)
         rows = reference.rows_for(name, run)
         report = judge_scenario(subject, name, run, rows, reference.noise, fmt)
         if subject.options.keep_logits:
             report = replace(report, cache_logits=run.logits(), reference=rows.copy())
         reports[name] = report
+    if lossy_format(subject.calls) is not None:  # a quantized cache: kvfast.check.lossy, verdict "lossy"
+        reports = rejudge(subject, reference, reports, fmt, judge_scenario)
     return reports
 
 

@@ -99,7 +99,11 @@ def add_parser(sub) -> None:
         default="exact",
         help="exact (==) or control (rounding/inconclusive/bug)",
     )
-    p.add_argument("--scenarios", default="decode,resume", help="comma-separated: decode, resume (default both)")
+    p.add_argument(
+        "--scenarios",
+        default="decode,resume",
+        help="comma-separated: decode, resume (default both), rollback, fork, reorder, padded (cache operations)",
+    )
     p.add_argument("--split", type=int, default=None, help="the resume scenario's split (default half the prompt)")
     p.add_argument("--margin", type=float, default=None, help="control: rounding up to this ratio (default 4)")
     p.add_argument("--decisive", type=float, default=None, help="control: bug beyond this ratio (default 16)")

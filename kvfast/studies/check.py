@@ -6,7 +6,9 @@ A run calls ``factory(**args)`` -- ``factory`` is a config field naming a callab
 model's cache against its full recompute on a random prompt (``prompt_len`` tokens drawn from
 ``prompt_seed``) for ``steps`` decode steps in ``mode`` (``exact``: ``==`` at every step;
 ``control``: against the model's order-noise floor), over ``scenarios`` (``decode``,
-``resume`` or ``both``). Result columns: ``verdict`` and ``passed`` (the report's),
+``resume`` or ``both``; the cache operations ``rollback``, ``fork``, ``reorder``, ``padded``, or
+``operations``: decode and all four, those a model has no hooks for reported as skipped).
+Result columns: ``verdict`` and ``passed`` (the report's),
 ``first_divergent_step`` (-1 if none), ``worst_deviation`` (largest \\|cache - recompute\\|
 logit over every step and scenario), ``ratio`` (control mode: the worst step's deviation over its
 floor bound; null in exact mode), ``worst_scenario`` and ``tokens`` (the checked token ids).
@@ -49,7 +51,12 @@ from kvfast.validation import require_int
 
 VERSION = "1"
 MODES = ("exact", "control")
-SCENARIO_CHOICES = {"decode": ("decode",), "resume": ("resume",), "both": ("decode", "resume")}
+SCENARIO_CHOICES = {
+    "decode": ("decode",), "resume": ("resume",), "both": ("decode", "resume"),
+    # the cache operations (kvfast.check.operations): a grid axis value each, or all with decode
+    "rollback": ("rollback",), "fork": ("fork",), "reorder": ("reorder",), "padded": ("padded",),
+    "operations": ("decode", "rollback", "fork", "reorder", "padded"),
+}  # fmt: skip
 NO_BUG = "none"
 
 CHECK_FIELDS: dict[str, pa.DataType] = {

@@ -1,0 +1,228 @@
+"""Lossy (quantized) caches: an approximation by design, with a verdict of its own, ``lossy``.
+
+A model whose cache stores its keys and values in a lossy format declares it: the optional attribute
+``lossy_cache`` (a format name; :class:`~kvfast.check.hf.HFModel` reads it from a ``QuantizedCache``'s
+layers) and the hook ``lossless()`` (the same model, bug included, with its cache unquantized). Such a
+model's cache can never equal the recompute, so no scenario of it is ever ``exact`` or ``rounding``.
+Each scenario is run three times on the same tokens:
+
+- the model's own (lossy) cache path;
+- the lossless twin's: judged against the recompute by the usual machinery (a logic bug of the twin is
+  the model's: its step verdict stands, ``divergent`` / ``inconclusive`` / ``bug``);
+- the expected error of the format: the twin with kvfast's own round trip of every stored key and value
+  through the format (:func:`round_trip`; the twin's hook ``with_lossy_cache(fmt)``, built in for kvfast's
+  own model and Hugging Face models).
+
+Step ``t``'s ``deviation`` is the MEASURED error, ``max |lossy - lossless|`` over the step's logits; its
+``floor`` the EXPECTED error, ``max |emulated - lossless|``; ``bound`` the larger of the expected error,
+the step's order-noise bound (control mode) and one unit in the last place of the logits' format;
+``ratio = deviation / bound``. Step verdicts: ``lossy`` (ratio <= margin: as good as the format allows),
+``inconclusive`` (<= decisive) or ``bug`` (worse than the format allows); in exact mode ``lossy`` or
+``divergent``. A model without ``with_lossy_cache`` on its twin has no expected error: every step is
+then judged against the order noise and the format's resolution alone, and a note says so.
+
+Formats (:data:`~kvfast.check.lossy_formats.LOSSY_FORMATS`): ``int8`` (symmetric, scale ``absmax / 127``,
+round half to even) and ``fp8`` (float8 e4m3: 3 mantissa bits, scale ``absmax / 448``), each per row
+(one position of one head, or of the whole model for kvfast's own cache) with its own scale; and
+``fp8-tensor`` (transformers' fp8 ``QuantizedCache``: one scale per layer's keys and values, frozen at
+the first store, so rows far below the tensor's largest value fall into fp8's subnormals). Measured on the tiny models
+(``tests/test_check_lossy.py``): kvfast's own int8 and fp8 caches are ``lossy`` at ratio 1 (they are the
+format's emulation); an "int8" cache that stores 4 bits is ``bug``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from kvfast.check import control as C
+from kvfast.check.adapters import KvfastModel
+from kvfast.check.cache_path import run_cache_path
+from kvfast.check.calls import ModelCalls, as_model_under_test
+from kvfast.check.lossy_formats import LOSSY_FORMATS, ROW_FORMATS, round_trip  # noqa: F401 - re-exported
+from kvfast.check.report import ScenarioReport
+from kvfast.check.subject import CheckSubject
+
+#: Bugs of kvfast's own lossy cache (:class:`LossyKvfastModel`): what it stores is worse than it declares.
+LOSSY_BUGS: dict[str, str] = {"int4": "declares int8 but stores 4 bits (scale absmax / 7)"}
+
+
+class LossyKvfastModel(KvfastModel):
+    """kvfast's own model with a lossy cache: every key and value row it stores (prefill, extend, decode) is
+    round-tripped through ``fmt`` (:data:`LOSSY_FORMATS`) once stored; the positions a call computes attend
+    their fresh rows. ``lossy_bug``: :data:`LOSSY_BUGS`. Takes :class:`KvfastModel`'s arguments."""
+
+    def __init__(self, config, params: dict, numerics="f64", bug=None, decode_numerics=None, *, fmt: str = "int8",
+                 lossy_bug: str | None = None) -> None:  # fmt: skip
+        super().__init__(config, params, numerics, bug, decode_numerics)
+        if fmt not in ROW_FORMATS:
+            raise ValueError(f"fmt: {fmt!r} is not allowed; allowed: {', '.join(ROW_FORMATS)}")
+        if lossy_bug is not None and lossy_bug not in LOSSY_BUGS:
+            raise ValueError(f"lossy_bug: {lossy_bug!r} is not allowed; allowed: {', '.join(LOSSY_BUGS)}")
+        self.lossy_cache = fmt
+        self.lossy_bug = lossy_bug
+
+    def __repr__(self) -> str:
+        return f"LossyKvfastModel({self.numerics.name}, {self.lossy_cache}, lossy_bug={self.lossy_bug!r})"
+
+    def _stored(self, start: int) -> None:
+        cache = self.cache
+        fmt = self.lossy_bug or self.lossy_cache
+        for arr in (cache.k, cache.v):
+            arr[:, start : cache.length] = round_trip(fmt, arr[:, start : cache.length])
+
+    def prefill(self, tokens) -> np.ndarray:
+        out = super().prefill(tokens)
+        self._stored(0)
+        return out
+
+    def extend(self, tokens) -> np.ndarray:
+        start = self._cache().length
+        out = super().extend(tokens)
+        self._stored(start)
+        return out
+
+    def decode(self, token) -> np.ndarray:
+        start = self._cache().length
+        out = super().decode(token)
+        self._stored(start)
+        return out
+
+    def lossless(self) -> KvfastModel:
+        """The same model (bug included) with an exact cache."""
+        return KvfastModel(self.config, self.params, self.numerics, self.bug, self.decode_numerics)
+
+    def promote(self, dtype: str = "float64") -> LossyKvfastModel:
+        plain = super().promote(dtype)
+        return LossyKvfastModel(
+            self.config, self.params, plain.numerics, self.bug, plain.decode_numerics, fmt=self.lossy_cache,
+            lossy_bug=self.lossy_bug,
+        )  # fmt: skip
+
+
+def with_lossy_cache(model: KvfastModel, fmt: str) -> LossyKvfastModel:
+    """kvfast's own model with kvfast's own round trip of ``fmt`` (the expected error of the format)."""
+    return LossyKvfastModel(model.config, model.params, model.numerics, model.bug, model.decode_numerics, fmt=fmt)
+
+
+def lossy_format(calls: ModelCalls) -> str | None:
+    """The format the model declares its cache lossy in (``lossy_cache``), or ``None``."""
+    fmt = getattr(calls.model, "lossy_cache", None)
+    return fmt if isinstance(fmt, str) and fmt else None
+
+
+def _twin_calls(calls: ModelCalls, fmt: str | None = None) -> ModelCalls | None:
+    """The lossless twin's calls (``fmt``: the twin with kvfast's round trip of ``fmt``; ``None`` if the twin
+    cannot take it)."""
+    twin = calls.model.lossless()
+    if fmt is not None:
+        raw = getattr(twin, "wrapped", twin)
+        if isinstance(raw, KvfastModel):
+            twin = with_lossy_cache(raw, fmt)
+        elif callable(getattr(raw, "with_lossy_cache", None)):
+            twin = raw.with_lossy_cache(fmt)
+        else:
+            return None
+    return ModelCalls(as_model_under_test(twin), calls.vocab)
+
+
+def _runs(calls: ModelCalls, subject: CheckSubject, name: str, tokens: np.ndarray):
+    """Scenario ``name``'s cache path on ``calls``, fed ``tokens`` (the fork's second branch: its own)."""
+    from kvfast.check.operations import BRANCHES
+
+    owner = {b: op for op, b in BRANCHES.items()}
+    scenario = owner.get(name, name)
+    run = run_cache_path(calls, scenario, subject.prompt, subject.split, subject.steps, lambda t, out: int(tokens[t]))
+    return run.branch if name in owner else run
+
+
+def _step_rows(run, first_row: int) -> list[np.ndarray]:
+    return [run.prompt_rows[first_row:]] + list(run.decoded)
+
+
+def _errors(a, b, first_row: int) -> np.ndarray:
+    return np.array(
+        [np.abs(x - y).max() for x, y in zip(_step_rows(a, first_row), _step_rows(b, first_row), strict=True)]
+    )
+
+
+def lossy_report(
+    subject: CheckSubject,
+    report: ScenarioReport,
+    twin_report: ScenarioReport | None,
+    runs: dict,
+    fmt: str,
+    cache_fmt: str,
+) -> ScenarioReport:
+    """``report`` judged as a lossy cache's (see the module doc): ``runs`` holds the ``lossy``, ``lossless``
+    and (optional) ``emulated`` paths; ``twin_report`` the lossless path against the recompute; ``fmt`` the
+    logits' format, ``cache_fmt`` the cache's."""
+    opts, mode, first = subject.options, subject.options.mode, report.first_row
+    measured = _errors(runs["lossy"], runs["lossless"], first)
+    expected = _errors(runs["emulated"], runs["lossless"], first) if runs.get("emulated") else np.zeros_like(measured)
+    scale = np.array([np.abs(r).max() for r in _step_rows(runs["lossless"], first)])
+    bound = np.maximum(expected, C.ulp(fmt, scale))
+    if twin_report is not None and twin_report.bound is not None:
+        bound = np.maximum(bound, twin_report.bound)
+    ratio = measured / bound
+    if mode == "exact":
+        verdicts = ["lossy" if r <= opts.margin else "divergent" for r in ratio]
+    else:
+        verdicts = ["lossy" if r <= opts.margin else "bug" if r > opts.decisive else "inconclusive" for r in ratio]
+    if twin_report is not None:  # a logic bug of the lossless twin is the model's
+        verdicts = [
+            v if tv in ("exact", "rounding") else tv for v, tv in zip(verdicts, twin_report.step_verdicts, strict=True)
+        ]
+    order = ("lossy", "inconclusive", "divergent", "bug")
+    worst = max(verdicts, key=order.index)
+    bad = [t for t, v in enumerate(verdicts) if v in ("bug", "divergent")]
+    unsure = [t for t, v in enumerate(verdicts) if v == "inconclusive"]
+    source = tuple(
+        "expected error of the format" if e >= b else "order noise or resolution"
+        for e, b in zip(expected, bound, strict=True)
+    )
+    note = (
+        f"a lossy cache ({cache_fmt}): deviation is the measured error against the same cache unquantized "
+        "(lossless()), floor the expected error of the format (kvfast's own round trip of every stored key and "
+        "value); never exact or rounding"
+    )
+    notes = report.notes + (note,)
+    if runs.get("emulated") is None:
+        notes += ("no expected error: the lossless twin has no with_lossy_cache(); judged against the noise alone",)
+    return replace(
+        report, deviation=measured, step_verdicts=tuple(verdicts), verdict=worst, floor=expected, bound=bound,
+        ratio=ratio, first_bug_step=bad[0] if bad else None, first_inconclusive_step=unsure[0] if unsure else None,
+        margin=opts.margin, decisive=opts.decisive, floor_source=source, notes=notes,
+        first_divergent_step=int(np.nonzero(measured > 0)[0][0]) if (measured > 0).any() else None,
+    )  # fmt: skip
+
+
+def rejudge(subject: CheckSubject, reference, reports: dict, fmt: str, judge_scenario) -> dict:
+    """Every report of a model with a lossy cache judged as such (see the module doc); skipped ones stay.
+    ``fmt``: the logits' format. A model that declares ``lossy_cache`` without ``lossless()`` is bad input."""
+    from kvfast.check.operations import BRANCHES
+
+    owner = {b: op for op, b in BRANCHES.items()}
+    cache_fmt = lossy_format(subject.calls)
+    if not subject.calls.has("lossless"):
+        raise ValueError(
+            f"model.lossy_cache: {cache_fmt!r} declared without a lossless() method; allowed: a model with "
+            "lossless() (the same model with its cache unquantized), or no lossy_cache"
+        )
+    twin, emulated = _twin_calls(subject.calls), _twin_calls(subject.calls, cache_fmt)
+    out = {}
+    for name, report in reports.items():
+        if report.verdict == "skipped":
+            out[name] = report
+            continue
+        tokens = reports[owner[name]].tokens if name in owner else report.tokens  # a branch is run by its op
+        runs = {"lossy": _runs(subject.calls, subject, name, tokens), "lossless": _runs(twin, subject, name, tokens)}
+        runs["emulated"] = None if emulated is None else _runs(emulated, subject, name, tokens)
+        twin_report = None
+        if name not in owner:
+            rows = reference.rows_for(name, runs["lossless"])
+            twin_subject = replace(subject, calls=twin)
+            twin_report = judge_scenario(twin_subject, name, runs["lossless"], rows, reference.noise, fmt)
+        out[name] = lossy_report(subject, report, twin_report, runs, fmt, cache_fmt)
+    return out

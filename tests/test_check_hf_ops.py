@@ -1,0 +1,229 @@
+"""The rollback and fork scenarios on tiny random Hugging Face models (kvfast.check.hf_ops), no downloads.
+
+Clean models are never ``bug`` nor ``inconclusive`` in control mode (float32 and bfloat16, the float64
+logic check included; the whole matrix of 4 families x 2 dtypes x 2 seeds x 2 prompts is ``-m slow``,
+about 40 s). Mistral rolls back past its sliding window (its cache records its past, as ``generate``
+makes it do); a static sliding-window cache larger than the window cannot roll back and is skipped with
+a note. ``crop_short`` is found at step 1 of the rollback; ``fork_shared_keys`` at the first step after
+the restore where the cache writes keys in place (a ``StaticCache``), and nowhere with a ``DynamicCache``,
+which concatenates new tensors.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+if os.environ.get("KVFAST_REQUIRE_HF") == "1":  # CI (.ci/run): run these, never skip them
+    import torch
+    import transformers
+else:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+
+from kvfast.check import check_cache  # noqa: E402
+from kvfast.check.hf import MISTRAL_WINDOW, HFModel, tiny_model  # noqa: E402
+from kvfast.check.operations import BRANCH, OP_BUGS, inject_op_bug, op_first_acting_step  # noqa: E402
+from kvfast.studies.hf_common import prompt_and_continuation  # noqa: E402
+from kvfast.studies.hf_matrix import PROMPT_LENGTHS, PROMPT_STREAM  # noqa: E402
+
+STEPS = 16
+OPS = ("rollback", "fork", "reorder", "padded")
+CASES = [
+    (seed, k, *prompt_and_continuation(PROMPT_STREAM, seed, k, STEPS, PROMPT_LENGTHS))
+    for seed in range(2)
+    for k in range(2)
+]
+LONG_PROMPT = list(range(3, 3 + MISTRAL_WINDOW + 4))  # longer than Mistral's window
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def static(model, length: int = 64):
+    return lambda: transformers.StaticCache(config=model.config, max_cache_len=length)
+
+
+def _assert_clean(report) -> None:
+    for checked in (report, report.promoted):
+        assert checked.verdict == "rounding", report.format()
+        assert set(checked.scenarios) == {*OPS, BRANCH, "reorder-beam", "padded-row"}
+
+
+def test_a_clean_llama_through_rollback_and_fork():
+    seed, _, prompt, continuation = CASES[0]
+    report = check_cache(
+        tiny_model("llama", "float32", "sdpa", seed), prompt, mode="control", continuation=continuation,
+        scenarios=OPS, promote="float64",
+    )  # fmt: skip
+    _assert_clean(report)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "mistral", "qwen2"])
+def test_clean_models_are_never_a_bug_nor_inconclusive(family, dtype):
+    for seed, _, prompt, continuation in CASES:
+        model = tiny_model(family, dtype, "sdpa", seed)
+        report = check_cache(model, prompt, mode="control", continuation=continuation, scenarios=OPS, promote="float64")
+        _assert_clean(report)
+
+
+def test_mistral_rolls_back_past_its_window():
+    model = tiny_model("mistral", "float32", "sdpa", 0)
+    report = check_cache(model, LONG_PROMPT, 12, mode="control", scenarios=OPS)
+    assert report.verdict == "rounding", report.format()
+    assert report.scenarios["rollback"].verdict == "rounding"
+    bad = check_cache(inject_op_bug(HFModel(model), "crop_short"), LONG_PROMPT, 12, mode="control", scenarios=OPS)
+    assert bad.scenarios["rollback"].first_bug_step == 1, bad.format()
+
+
+def test_reorder_validates_its_beams():
+    adapter = HFModel(tiny_model("llama", "float32", "sdpa", 0))
+    with pytest.raises(ValueError, match="cache: no beams"):
+        adapter.decode_beams([1, 2])
+    adapter.prefill_beams([1, 2, 3], 2)
+    with pytest.raises(ValueError, match=r"tokens: 3 tokens are not allowed; allowed: one per beam \(2\)"):
+        adapter.decode_beams([1, 2, 3])
+
+
+def test_a_static_window_cache_that_cannot_roll_back_is_skipped():
+    model = tiny_model("mistral", "float32", "sdpa", 0)
+    report = check_cache(HFModel(model, new_cache=static(model)), LONG_PROMPT, 8, mode="control", scenarios=OPS)
+    rollback = report.scenarios["rollback"]
+    assert rollback.verdict == "skipped" and "not croppable" in rollback.notes[0], report.format()
+    assert report.scenarios["fork"].verdict == "rounding" and report.passed
+
+
+@pytest.mark.parametrize(
+    "bug", [b for b in OP_BUGS if b not in ("padded_positions_from_start", "static_never_cleared")]
+)
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_operation_bugs_are_found_where_they_first_act(family, bug):
+    seed, _, prompt, continuation = CASES[1]
+    model = tiny_model(family, "float32", "sdpa", seed)
+    adapter = inject_op_bug(HFModel(model, new_cache=static(model)), bug)
+    report = check_cache(adapter, prompt, mode="control", continuation=continuation, scenarios=OPS)
+    for name in OPS:
+        assert report.scenarios[name].first_bug_step == op_first_acting_step(bug, name, STEPS), report.format()
+    for name, s in report.scenarios.items():
+        if name not in OPS:  # the second branch or beam: the reorder bugs act in both beams
+            assert s.first_bug_step == op_first_acting_step(bug, name, STEPS), report.format()
+
+
+def test_left_padding_positions_from_the_padded_start():
+    """Found at step 0 of the padded row on GPT-2 (absolute positions); invisible under rotary positions
+    (Llama), which see only the differences of positions: the shift is one constant per row."""
+    seed, _, prompt, continuation = CASES[1]
+    prompt = list(range(3, 19))  # 16 tokens: the other row has 14 and two pads
+    for family, want in (("gpt2", 0), ("llama", None)):
+        adapter = inject_op_bug(HFModel(tiny_model(family, "float32", "sdpa", seed)), "padded_positions_from_start")
+        report = check_cache(adapter, prompt, 8, mode="control", scenarios="padded")
+        assert report.scenarios["padded-row"].first_bug_step == want, report.format()
+        assert report.scenarios["padded"].verdict == "rounding"
+    assert op_first_acting_step("padded_positions_from_start", "padded-row", 8) == 0
+
+
+def test_a_static_cache_never_cleared_between_prompts():
+    """The first scenario's run (the fast path's, reused) prefills a clean cache; every later one reuses it as
+    left: step 0 is a bug in each, and a check of ``decode`` alone cannot see it."""
+    seed, _, prompt, continuation = CASES[0]
+    model = tiny_model("llama", "float32", "sdpa", seed)
+    adapter = inject_op_bug(HFModel(model, new_cache=static(model, 512)), "static_never_cleared")
+    report = check_cache(adapter, prompt, mode="control", continuation=continuation, scenarios=("decode", "resume"))
+    assert report.scenarios["decode"].verdict == "rounding"
+    assert report.scenarios["resume"].first_bug_step == 0, report.format()
+    with pytest.raises(ValueError, match="allowed: an HFModel with new_cache"):
+        inject_op_bug(HFModel(model), "static_never_cleared")
+
+
+def test_sharing_keys_is_harmless_in_a_dynamic_cache():
+    """A DynamicCache concatenates a new key tensor at every update: a fork that shares the old one reads
+    nothing another branch wrote (the bug needs a cache that writes in place)."""
+    seed, _, prompt, continuation = CASES[1]
+    adapter = inject_op_bug(HFModel(tiny_model("llama", "float32", "sdpa", seed)), "fork_shared_keys")
+    report = check_cache(adapter, prompt, mode="control", continuation=continuation, scenarios="fork")
+    assert report.verdict == "rounding", report.format()
+
+
+def test_a_restored_cache_keeps_an_injected_bug_on_its_own_copy():
+    """The f16 bug wraps the cache's update(); a restored copy gets its own wrapper, never the original's."""
+    seed, _, prompt, continuation = CASES[0]
+    adapter = HFModel(tiny_model("llama", "float32", "sdpa", seed), bug="f16")
+    adapter.prefill(prompt)
+    state = adapter.snapshot()
+    adapter.restore(state)
+    assert adapter.cache is not state.cache and "update" in vars(adapter.cache)
+    assert "update" not in vars(state.cache)
+
+
+def test_the_operation_bug_score_table(monkeypatch):
+    """The command behind docs/check.md's table (python -m kvfast.studies.op_score), on one model and prompt:
+    the detectors people write never see an operation bug; kvfast's operations check finds each."""
+    from kvfast.studies import op_score
+
+    monkeypatch.setattr(op_score, "FAMILIES", ("llama",))
+    monkeypatch.setattr(op_score, "PROMPTS", (0,))
+    table = op_score.score_table(steps=6)
+    rows = {line.split(" | ")[0].strip("| "): line for line in table.splitlines()[2:]}
+    assert set(rows) == {*OP_BUGS, "all"}
+    for bug in [b for b in OP_BUGS if b != "padded_positions_from_start"]:  # Llama: rotary positions
+        assert "| 0.000, -, 0.500 | 0.000, -, 0.500 | 1.000, " in rows[bug], table
+    assert rows["crop_short"].endswith("1.000, 1, 1.000 |") and rows["fork_shared_keys"].endswith("1.000, 4, 1.000 |")
+
+
+# --- hybrid caches: Gemma2 and Gemma3 (sliding and full layers), prompts longer than the window ----------
+
+HYBRID_WINDOW = 8
+
+
+def tiny_hybrid(kind: str, dtype: str = "float32", seed: int = 0):
+    """A tiny random Gemma2 or Gemma3 (one sliding layer of window 8, one full layer), eager attention."""
+    common = dict(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=512, sliding_window=HYBRID_WINDOW,
+        attn_implementation="eager",
+    )  # fmt: skip
+    if kind == "gemma2":
+        config, cls = transformers.Gemma2Config(**common), transformers.Gemma2ForCausalLM
+    else:
+        config, cls = transformers.Gemma3TextConfig(**common), transformers.Gemma3ForCausalLM
+    torch.manual_seed(seed)
+    return cls(config).eval().to(getattr(torch, dtype))
+
+
+ALL_OPS = ("decode", "resume", *OPS)
+
+
+def test_a_hybrid_cache_through_every_scenario():
+    model = tiny_hybrid("gemma3")
+    report = check_cache(model, list(range(3, 15)), 16, mode="control", scenarios=ALL_OPS)
+    assert report.verdict == "rounding", report.format()
+    assert all(s.verdict == "rounding" for s in report.scenarios.values())
+    bad = check_cache(inject_op_bug(HFModel(tiny_hybrid("gemma2")), "crop_short"), list(range(3, 15)), 16,
+                      mode="control", scenarios="rollback")  # fmt: skip
+    assert bad.scenarios["rollback"].first_bug_step == 1, bad.format()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+def test_hybrid_models_are_never_a_bug_nor_inconclusive(kind, dtype):
+    for seed in range(2):
+        model = tiny_hybrid(kind, dtype, seed)
+        for prompt in (list(range(3, 15)), list(range(40, 45))):  # longer and shorter than the window
+            unpadded = tuple(n for n in ALL_OPS if n != "padded")
+            report = check_cache(model, prompt, 16, mode="control", scenarios=unpadded, promote="float64")
+            for checked in (report, report.promoted):
+                assert checked.verdict == "rounding", report.format()
+            # measured: in float64 a left-padded Gemma row's logits are NaN (transformers 5.24, eager), so the
+            # logic check of the padded scenario is skipped with a note and the native verdict stands
+            padded = check_cache(model, prompt, 16, mode="control", scenarios="padded", promote="float64")
+            assert padded.verdict == "rounding" and padded.passed, padded.format()
+            assert padded.promoted is None and any("logits hold nan" in n for n in padded.notes)

@@ -1,0 +1,121 @@
+"""Lossy (quantized) caches (kvfast.check.lossy): the verdict ``lossy``, never ``exact`` nor ``rounding``.
+
+kvfast's own int8 and fp8 caches measure exactly their format's expected error (they are its emulation:
+ratio <= 1 at every step); an "int8" cache that stores 4 bits is ``bug`` at step 1; a logic bug under a
+lossy cache is still found (the lossless twin is judged against the recompute). transformers' own fp8
+``QuantizedCache`` is ``lossy`` on the tiny Llama, GPT-2 and Qwen2. kvfast's fp8 round trip equals
+torch's float8 e4m3 conversion bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvfast import ModelConfig, init_params
+from kvfast.check import check_cache
+from kvfast.check.lossy import LOSSY_FORMATS, LossyKvfastModel, round_trip
+
+CFG = ModelConfig(vocab=64, d_model=32, n_head=4, n_layer=2, d_ff=64, max_pos=64)
+PROMPT = [1, 2, 3, 4, 5]
+ALL = ("decode", "resume", "rollback", "fork")
+
+
+def lossy(fmt: str = "int8", **kwargs) -> LossyKvfastModel:
+    return LossyKvfastModel(CFG, init_params(CFG, 0), "f64", fmt=fmt, **kwargs)
+
+
+def test_int8_round_trip_is_within_half_a_step():
+    x = np.random.default_rng(0).standard_normal((50, 16)) * 3
+    err = np.abs(round_trip("int8", x) - x).max(axis=1)
+    assert (err <= np.abs(x).max(axis=1) * LOSSY_FORMATS["int8"][1] * (1 + 1e-12)).all()
+    grid = np.arange(-127, 128, dtype=np.float64)[None, :] / 127 * 5  # on the int8 grid already: unchanged
+    assert np.array_equal(round_trip("int8", grid), np.round(grid / (5 / 127)) * (5 / 127))
+
+
+def test_fp8_round_trip_equals_torchs_float8_e4m3():
+    torch = pytest.importorskip("torch")
+    x = np.random.default_rng(1).standard_normal((40, 32)) * np.logspace(-3, 3, 40)[:, None]
+    scale = np.abs(x).max(axis=1, keepdims=True) / 448.0
+    want = torch.from_numpy(x / scale).to(torch.float8_e4m3fn).double().numpy() * scale
+    assert np.array_equal(round_trip("fp8", x), want)
+
+
+def test_fp8_tensor_takes_the_frozen_scale():
+    x = np.array([[1.0, 0.001, 300.0]])
+    # 0.001 rounds to the smallest subnormal, 2^-9; 300 to 288 (e4m3's spacing 32 there)
+    assert np.array_equal(round_trip("fp8-tensor", x, 1.0), np.array([[1.0, 2.0**-9, 288.0]]))
+    assert round_trip("fp8-tensor", np.array([[1000.0]]), 1.0)[0, 0] == 448.0  # saturates at the format's max
+    with pytest.raises(ValueError, match="scale: None is not allowed for fmt 'fp8-tensor'"):
+        round_trip("fp8-tensor", x)
+
+
+def test_bad_formats_are_refused():
+    with pytest.raises(ValueError, match="fmt: 'int9' is not allowed; allowed: int8, fp8, fp8-tensor"):
+        round_trip("int9", np.zeros((1, 2)))
+    with pytest.raises(ValueError, match="fmt: 'fp4' is not allowed; allowed: int8, fp8$"):
+        lossy("fp4")
+    with pytest.raises(ValueError, match="lossy_bug: 'x' is not allowed; allowed: int4"):
+        lossy(lossy_bug="x")
+
+
+@pytest.mark.parametrize("mode", ["exact", "control"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_kvfasts_own_lossy_cache_is_lossy_never_exact_or_rounding(fmt, mode):
+    report = check_cache(lossy(fmt), PROMPT, 16, mode=mode, scenarios=ALL)
+    assert report.verdict == "lossy", report.format()
+    assert report.passed == (mode == "control")  # exact mode promises ==, which no lossy cache keeps
+    for s in report.scenarios.values():
+        assert set(s.step_verdicts) == {"lossy"} and s.passed == (mode == "control")
+        assert (s.deviation == s.floor).all() and (s.ratio <= 1).all()  # measured IS the format's expected error
+        assert s.deviation[1:].max() > 0
+    assert "a lossy cache (" + fmt + ")" in report.format()
+
+
+def test_a_cache_worse_than_its_format_is_a_bug_at_step_1():
+    report = check_cache(lossy(lossy_bug="int4"), PROMPT, 16, mode="control", scenarios=("decode", "resume"))
+    assert report.verdict == "bug" and report.scenarios["decode"].first_bug_step == 1, report.format()
+    exact = check_cache(lossy(lossy_bug="int4"), PROMPT, 16, scenarios="decode")
+    assert exact.verdict == "divergent"
+
+
+def test_a_logic_bug_under_a_lossy_cache_is_still_found():
+    model = LossyKvfastModel(CFG, init_params(CFG, 0), "f64", bug="posoff", fmt="int8")
+    report = check_cache(model, PROMPT, 16, mode="control", scenarios="decode")
+    assert report.verdict == "bug" and report.scenarios["decode"].first_bug_step == 1, report.format()
+
+
+def test_a_lossy_cache_without_lossless_is_bad_input():
+    from tests.toymodels import Toy
+
+    class Declares(Toy):
+        lossy_cache = "int8"
+
+    with pytest.raises(ValueError, match=r"model\.lossy_cache: 'int8' declared without a lossless\(\) method"):
+        check_cache(Declares(), [1, 2, 3], 4)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2"])
+def test_transformers_fp8_quantized_cache_is_lossy(family):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from kvfast.check.hf import HFModel, tiny_model
+
+    torch.set_num_threads(1)
+    model = tiny_model(family, "float32", "sdpa", 0)
+    adapter = HFModel(model, new_cache=lambda: transformers.QuantizedCache("fp8", model.config))
+    assert adapter.lossy_cache == "fp8-tensor" and HFModel(model).lossy_cache is None
+    report = check_cache(adapter, list(range(3, 19)), 16, mode="control", scenarios=("decode", "resume", "fork"))
+    assert report.verdict == "lossy", report.format()
+    assert all(v == "lossy" for s in report.scenarios.values() for v in s.step_verdicts)
+    assert report.scenarios["decode"].floor[1:].min() > 0  # the format's expected error was measured
+    # transformers' fp8 cache is kvfast's per-tensor fp8 emulation up to its float32 scale (measured: ratio
+    # 0.99-1.00005 on these models; kvfast divides in float64)
+    assert report.max_ratio <= 1.001
+
+
+def test_assert_cache_exact_fails_on_a_lossy_cache():
+    from kvfast.check import assert_cache_exact
+
+    with pytest.raises(AssertionError, match="LOSSY"):
+        assert_cache_exact(lossy(), PROMPT, 8, scenarios="decode")
