@@ -94,3 +94,15 @@ def test_bad_arguments_are_one_clear_error(built, tmp_path):
         LlamaCppModel(tmp_path / "missing.gguf")
     with pytest.raises(ValueError, match="^cache: 'q4'"):
         LlamaCppModel(files["f32"], cache="q4")
+
+
+@pytest.mark.parametrize("bug", [None, "rewind"])
+def test_rollback_and_fork_scenarios_run_on_llama_cpp(built, bug):
+    files, hf = built
+    model = LlamaCppModel(files["f32"], cache="f16", hf_model=hf, bug=bug)
+    report = check_cache(model, PROMPTS[1], 24, mode="control", scenarios=("rollback", "fork"))
+    if bug is None:
+        assert report.verdict == "rounding", report.format()
+    else:  # crop keeps one token too many from the first rollback (before step 1) on
+        assert report.scenarios["rollback"].verdict == "bug"
+        assert report.scenarios["rollback"].first_bug_step == 1

@@ -160,3 +160,14 @@ def test_check_cache_takes_an_onnxruntime_genai_directory_as_it_is(built):
     onnx, _ = built
     report = check_cache(str(onnx), PROMPTS[0], 8, mode="control", scenarios="decode")
     assert report.scenarios["decode"].verdict in ("rounding", "inconclusive")  # no cross-implementation variant
+
+
+@pytest.mark.parametrize("bug", [None, "rewind"])
+def test_the_rollback_scenario_runs_on_rewind_to(built, bug):
+    onnx, hf = built
+    model = ORTModel(onnx, variants=("batch", "transformers"), hf_model=hf, bug=bug)
+    report = check_cache(model, PROMPTS[1], 24, mode="control", scenarios=("rollback",))
+    rollback = report.scenarios["rollback"]
+    assert rollback.verdict == ("rounding" if bug is None else "bug"), report.format()
+    if bug is not None:  # rewind_to keeps one token too many from the first rollback (before step 1) on
+        assert rollback.first_bug_step == 1

@@ -13,8 +13,9 @@ What the adapter does:
   (``type_k``/``type_v``: ``f16``, the default, ``f32`` or ``q8_0``).
 - ``extend(tokens)``: a resumed session: the context's state is saved (``save_state``), loaded into a second
   context (``load_state``), and the chunk is evaluated there; that context is then the one under test.
-- ``crop(n)`` (rollback): keep the first ``n`` positions (``n_tokens = n``; the next ``eval`` removes the rest
-  from the KV cache, as llama-cpp-python's own prefix reuse does).
+- ``crop(n)`` (the ``rollback`` scenario): keep the first ``n`` positions (``n_tokens = n``; the next ``eval``
+  removes the rest from the KV cache, as llama-cpp-python's own prefix reuse does).
+- ``snapshot()``/``restore(state)`` (the ``fork`` scenario): ``save_state``/``load_state``.
 - ``recompute(tokens)``: a third context, ``reset()`` then ``eval`` of the whole sequence in one batch.
 - ``recompute_variants``: ``"transformers"`` (the same weights recomputed by a transformers model, a
   cross-implementation variant) when ``hf_model`` is given.
@@ -150,6 +151,17 @@ class LlamaCppModel:
         keep = min(n + 1, self.llm.n_tokens) if self.bug == "rewind" else n
         self.llm.n_tokens = keep
         self.tokens = self.tokens[:keep]
+
+    def snapshot(self):
+        """The cache as it is now (``save_state``, and the tokens it holds): the ``fork`` scenario."""
+        self._require()
+        return self.llm.save_state(), list(self.tokens)
+
+    def restore(self, state) -> None:
+        """The cache set back to a :meth:`snapshot` (``load_state``; a state may be restored more than once)."""
+        saved, tokens = state
+        self.llm.load_state(saved)
+        self.tokens = list(tokens)
 
     def _require(self) -> None:
         if self.llm.n_tokens == 0 and not self.tokens:
