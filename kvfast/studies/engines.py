@@ -88,10 +88,10 @@ def model_dir(seed: int) -> Path:
     """The tiny Llama of ``seed`` in transformers (``hf/``), and the engines' files built from it on first use,
     in a folder shared by every run of this machine (built in a temporary folder, then renamed: concurrent
     workers never see half a model)."""
-    import kvfast
+    from kvfast._version import __version__
 
     root = Path(os.environ.get("KVFAST_ENGINE_MODELS", Path(tempfile.gettempdir()) / "kvfast-engine-models"))
-    return root / f"{kvfast.__version__}-seed{seed}"
+    return root / f"{__version__}-seed{seed}"
 
 
 def _built(seed: int, engine: str, weights: str) -> Path:
