@@ -129,8 +129,14 @@ RUNS = pd.DataFrame(
         _row("b", scenario="resume"),
         _row("c", verdict="skipped", skip_kind="adapter", reason="no KV cache"),
         _row("c", bug="posoff", verdict="skipped", skip_kind="adapter", reason="no KV cache", acting_step=None),
-        _row("b", bug="freeze", verdict="skipped", skip_kind="run", acting_step=None,
-             reason="model.decode(1) raised ValueError: bug: 'freeze' is not allowed; allowed: a bug ..."),  # fmt: skip
+        _row(
+            "b",
+            bug="freeze",
+            verdict="skipped",
+            skip_kind="run",
+            acting_step=None,
+            reason="model.decode(1) raised ValueError: bug: 'freeze' is not allowed; allowed: a bug ...",
+        ),  # fmt: skip
     ]
 )
 
