@@ -10,7 +10,7 @@ bug of :data:`kvfast.check.hf.HF_BUGS` injected into the cache path; ``promote``
 logic check.
 
 Result columns: ``verdict`` (the check's; or ``skipped``, with ``skip_kind`` and ``reason``: ``config`` or
-``build`` when transformers cannot make the tiny model, ``run`` when the model's own ``forward`` raises during
+``model`` when transformers cannot make the tiny model, ``run`` when the model's own ``forward`` raises during
 the check, ``adapter`` when kvfast refuses it as a model under test, e.g. no KV cache, or refuses to inject the
 bug, even inside a model call: :func:`kind_of`), ``ratio``,
 ``worst_deviation``, ``floor_source`` (what set the bound at the worst step), ``first_bug_step`` (-1: none),
