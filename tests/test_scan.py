@@ -128,6 +128,15 @@ RUNS = pd.DataFrame(
         ),  # fmt: skip
         _row("b", scenario="resume"),
         _row("c", verdict="skipped", skip_kind="adapter", reason="no KV cache"),
+        _row("c", bug="posoff", verdict="skipped", skip_kind="adapter", reason="no KV cache", acting_step=None),
+        _row(
+            "b",
+            bug="freeze",
+            verdict="skipped",
+            skip_kind="run",
+            acting_step=None,
+            reason="model.decode(1) raised ValueError: bug: 'freeze' is not allowed; allowed: a bug ...",
+        ),  # fmt: skip
     ]
 )
 
@@ -146,6 +155,15 @@ def test_scoreboard_counts_clean_verdicts_bugs_found_and_false_positives():
     assert scan.coverage(RUNS) == (2, 3)
     bugs = scan.bug_table(RUNS).set_index("bug")
     assert bugs.loc["freeze", "missed_on"] == "a" and bugs.loc["posoff", "found"] == 2
+    assert bugs.loc["freeze", "not_injectable_on"] == "b"  # b runs clean; c, skipped altogether, is not listed
+    assert bugs.loc["posoff", "not_injectable_on"] == ""
+
+
+def test_a_refusal_of_kvfast_inside_a_model_call_is_the_adapters():
+    refusal = "model.decode(1) raised ValueError: bug: 'posoff' is not allowed; allowed: x"
+    assert scan.kind_of("run", refusal) == "adapter"
+    assert scan.kind_of("run", "model.recompute(<4 tokens>) raised RuntimeError: shape mismatch") == "run"
+    assert scan.kind_of("config", "config: ValueError: x is not allowed; allowed: y") == "config"
 
 
 def test_heatmap_cells_are_the_worst_clean_verdict():
@@ -234,7 +252,7 @@ def test_a_small_scan_end_to_end(tmp_path):
         ran["bug"] != "none", "right_step"
     ].all()
     assert "| llama | sdpa | rounding 1 | rounding 1 | 3/3 | 3 | 0 | 0 |" in first.stdout
-    assert "| rwkv | 5/5 | adapter |" in first.stdout
+    assert "| rwkv | 2/2 | adapter |" in first.stdout  # its clean runs
     board = (tmp_path / "hf_scan.report" / "scoreboard.md").read_text()
     assert "| gpt2 |" in board and "| rwkv |" in board
     again = kvfast(*cmd)

@@ -10,8 +10,9 @@ bug of :data:`kvfast.check.hf.HF_BUGS` injected into the cache path; ``promote``
 logic check.
 
 Result columns: ``verdict`` (the check's; or ``skipped``, with ``skip_kind`` and ``reason``: ``config`` or
-``build`` when transformers cannot make the tiny model, ``run`` when the model's own ``forward`` raises during
-the check, ``adapter`` when kvfast refuses it as a model under test, e.g. no KV cache), ``ratio``,
+``model`` when transformers cannot make the tiny model, ``run`` when the model's own ``forward`` raises during
+the check, ``adapter`` when kvfast refuses it as a model under test, e.g. no KV cache, or refuses to inject the
+bug, even inside a model call: :func:`kind_of`), ``ratio``,
 ``worst_deviation``, ``floor_source`` (what set the bound at the worst step), ``first_bug_step`` (-1: none),
 ``acting_step`` (where the bug first acts, -1: it never acts in this scenario or the run is clean),
 ``right_step``, the logic check's ``logic_verdict``, ``logic_ratio``, ``logic_step``, the seconds to build the
@@ -197,7 +198,8 @@ def run(config: dict) -> dict:
     try:
         report, prompt_len = _check(c, model)
     except ModelUnderTestError as exc:
-        return _skipped("run", " ".join(str(exc).split())[:400], **extra)
+        reason = " ".join(str(exc).split())[:400]
+        return _skipped(kind_of("run", reason), reason, **extra)
     except ValueError as exc:  # kvfast refuses the model (no KV cache, no logits, a bug it cannot take)
         return _skipped("adapter", " ".join(str(exc).split())[:400], **extra)
     bug = hf.bug_of(c)
@@ -333,35 +335,55 @@ def scoreboard(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+#: The form of kvfast's own refusals (:func:`kvfast.validation.not_allowed`): a model-call error with it is the
+#: adapter refusing the model (no cache returned, a bug it cannot take), not the model's own failure.
+REFUSAL = " is not allowed; allowed: "
+
+
+def kind_of(kind: str | None, reason: str | None) -> str | None:
+    """A skipped run's kind, with a ``run`` failure that is kvfast's refusal (:data:`REFUSAL`, raised inside a
+    model call and so reported as that call's) counted as ``adapter``."""
+    if kind == "run" and reason and REFUSAL in reason:
+        return "adapter"
+    return kind
+
+
 def skipped_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Per architecture with skipped runs: how many of its runs were skipped, the kind and the first reason."""
+    """Per architecture whose clean runs were skipped (every one, or some: ``skipped`` counts them): the kind and
+    the first reason. A bug that cannot be injected into a model that runs is in :func:`bug_table`."""
     ok = _ordered(df)
-    skipped = ok[ok["verdict"] == SKIPPED] if len(ok) else ok
+    clean = ok[ok["bug"] == hf.NO_BUG] if len(ok) else ok
+    skipped = clean[clean["verdict"] == SKIPPED] if len(clean) else clean
     rows = []
     for arch, g in skipped.groupby("architecture", sort=False) if len(skipped) else ():
-        total = int((ok["architecture"] == arch).sum())
+        total = int((clean["architecture"] == arch).sum())
         first = g.iloc[0]
         rows.append(
             {
                 "architecture": arch,
                 "skipped": f"{len(g)}/{total}",
-                "kind": first["skip_kind"],
+                "kind": kind_of(first["skip_kind"], first["reason"]),
                 "reason": first["reason"],
             }
         )
     return pd.DataFrame(rows, columns=["architecture", "skipped", "kind", "reason"])
 
 
+BUG_COLUMNS = ("bug", "dtype", "runs", "found", "at_right_step", "missed_on", "not_injectable_on")
+
+
 def bug_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Per injected bug and dtype, over every architecture: runs where it acts, found, at the right step,
-    architectures where it was missed."""
+    """Per injected bug and dtype, over every architecture: runs where it acts, found, at the right step, the
+    architectures where it was missed, and those (checked clean) where it could not be injected (the adapter
+    refuses it, e.g. a position bug on a model whose ``forward`` takes no ``position_ids``)."""
     ok = _ordered(df)
-    bugged = ok[(ok["bug"] != hf.NO_BUG) & (ok["verdict"] != SKIPPED)] if len(ok) else ok
-    bugged = bugged[bugged["acting_step"] >= 0] if len(bugged) else bugged
+    bugged = ok[ok["bug"] != hf.NO_BUG] if len(ok) else ok
+    ran = set(ok.loc[(ok["bug"] == hf.NO_BUG) & (ok["verdict"] != SKIPPED), "architecture"]) if len(ok) else set()
     rows = []
-    for (bug, dtype), g in bugged.groupby(["bug", "dtype"], sort=False) if len(bugged) else ():
+    for (bug, dtype), all_runs in bugged.groupby(["bug", "dtype"], sort=False) if len(bugged) else ():
+        g = all_runs[(all_runs["verdict"] != SKIPPED) & (all_runs["acting_step"] >= 0)]
+        refused = all_runs[(all_runs["verdict"] == SKIPPED) & all_runs["architecture"].isin(ran)]
         found = _found(g)
-        missed = sorted(set(g.loc[~found, "architecture"]))
         rows.append(
             {
                 "bug": bug,
@@ -369,10 +391,11 @@ def bug_table(df: pd.DataFrame) -> pd.DataFrame:
                 "runs": len(g),
                 "found": int(found.sum()),
                 "at_right_step": int(g.loc[found, "right_step"].astype(bool).sum()),
-                "missed_on": ", ".join(missed),
+                "missed_on": ", ".join(sorted(set(g.loc[~found, "architecture"]))),
+                "not_injectable_on": ", ".join(sorted(set(refused["architecture"]))),
             }
         )
-    return pd.DataFrame(rows, columns=["bug", "dtype", "runs", "found", "at_right_step", "missed_on"])
+    return pd.DataFrame(rows, columns=[*BUG_COLUMNS])
 
 
 def coverage(df: pd.DataFrame) -> tuple[int, int]:
