@@ -29,8 +29,9 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from kvfast.studies.base import Study
+from kvfast.studies.base import Figure, Study
 from kvfast.studies.common import ok_rows, require_config_choice
+from kvfast.studies.plotting import pyplot
 from kvfast.validation import require_int
 
 VERSION = "1"
@@ -190,6 +191,38 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _draw_engines(df: pd.DataFrame, table: pd.DataFrame):
+    """Per engine, weights and KV cache: the largest clean ratio against the smallest bugged ratio (log scale)."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(10, 4))
+    labels = [f"{e}\n{w} / {c}" for e, w, c in zip(table["engine"], table["weights"], table["cache"], strict=True)]
+    x = np.arange(len(labels))
+    ax.bar(x - 0.2, table["largest_clean_ratio"].fillna(0.0).clip(lower=1e-4), 0.4, label="largest clean ratio",
+           color="#2ca02c")  # fmt: skip
+    ax.bar(x + 0.2, table["smallest_bug_ratio"].fillna(0.0).clip(lower=1e-4), 0.4, label="smallest ratio, eviction",
+           color="#d62728")  # fmt: skip
+    ax.axhline(4.0, color="black", lw=0.8, ls="--", label="margin (rounding below)")
+    ax.set_yscale("log")
+    ax.set_xticks(x, labels, fontsize=8)
+    ax.set_ylabel("deviation / bound (log)")
+    ax.set_title("The same weights in every engine: clean runs under the margin, an injected eviction far above")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+FIGURES = (
+    Figure(
+        "engines",
+        "Inference engines: clean verdicts and an injected eviction on the same tiny Llama",
+        "One tiny random Llama per seed, checked in transformers, onnxruntime-genai and llama.cpp (its weight and KV "
+        "cache types) in control mode, both scenarios. Green: the largest clean ratio of each configuration (rounding "
+        "while below the dashed margin of 4); red: the smallest ratio of the runs with an injected eviction.",
+        summarize,
+        _draw_engines,
+    ),
+)
+
 STUDY = Study(
     name="engines",
     version=VERSION,
@@ -199,6 +232,7 @@ STUDY = Study(
     result_fields=RESULT_FIELDS,
     validate_config=validate_config,
     summarize=summarize,
+    figures=FIGURES,
     rank=120,
     reproduce=False,
 )
