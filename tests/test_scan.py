@@ -261,3 +261,18 @@ def test_a_small_scan_end_to_end(tmp_path):
     assert report.returncode == 0, report.stderr
     page = (tmp_path / "rep" / "report.html").read_text()
     assert STUDIES["hf_scan"].figures[0].title in page and "hf_scan_skipped" in page
+
+
+@pytest.mark.skipif(not HF, reason="needs torch and transformers (kvfast[hf])")
+def test_rotary_scalings_are_scanned_and_only_the_length_dependent_ones_are_named():
+    import torch
+
+    from kvfast.check import check_cache
+
+    torch.set_num_threads(1)
+    assert {"llama+dynamic", "llama+yarn", "phi3+longrope"} <= set(A.causal_lm_types())
+    prompt = list(range(3, 10))  # 7 tokens + 12 steps: past ROPE_LIMIT = 16 positions
+    for arch, verdict in (("llama+dynamic", "length-dependent"), ("phi3+longrope", "length-dependent"),
+                          ("llama+yarn", "rounding")):  # fmt: skip
+        report = check_cache(A.tiny_architecture(arch, "float32", "auto", 0), prompt, 12, mode="control")
+        assert report.verdict == verdict, (arch, report.format())

@@ -95,10 +95,28 @@ class Unbuildable(Exception):
         self.reason = reason
 
 
+#: Rotary scalings scanned as architectures of their own (``base+scaling``; issue 18, rule 7): their positions
+#: pass ``ROPE_LIMIT`` within a 16-step check. Dynamic NTK and LongRoPE change every key's frequencies with the
+#: length, so no cache can equal their recompute (verdict ``length-dependent``); YaRN's are fixed (a control).
+ROPE_LIMIT = 16
+ROPE_VARIANTS: dict[str, tuple[str, dict]] = {
+    "llama+dynamic": ("llama", {"max_position_embeddings": ROPE_LIMIT,
+                                "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}),
+    "llama+yarn": ("llama", {"max_position_embeddings": 4 * ROPE_LIMIT,
+                             "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                              "original_max_position_embeddings": ROPE_LIMIT}}),
+    "phi3+longrope": ("phi3", {"original_max_position_embeddings": ROPE_LIMIT,
+                               "max_position_embeddings": 4 * ROPE_LIMIT,
+                               "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * (HEAD_DIM // 2),
+                                                "long_factor": [1.0 + k for k in range(HEAD_DIM // 2)]}}),
+}  # fmt: skip
+
+
 @functools.lru_cache(maxsize=1)
 def causal_lm_types() -> dict[str, str]:
     """Model type -> causal-LM class name, from the installed transformers' ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``
-    (only types that also have a config class), in name order."""
+    (only types that also have a config class), in name order; then the rotary scalings of
+    :data:`ROPE_VARIANTS` whose base type is there."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -108,6 +126,7 @@ def causal_lm_types() -> dict[str, str]:
             name = name[0]
         if model_type in CONFIG_MAPPING_NAMES and name:
             out[model_type] = name
+    out.update({variant: out[base] for variant, (base, _) in ROPE_VARIANTS.items() if base in out})
     return out
 
 
@@ -251,11 +270,12 @@ def tiny_config(model_type: str):
     :class:`Unbuildable` when transformers refuses it."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    cls = CONFIG_MAPPING[model_type]
+    base_type, rope = ROPE_VARIANTS.get(model_type, (model_type, {}))
+    cls = CONFIG_MAPPING[base_type]
     try:
         base = cls()
         overrides = shrink(base.to_dict())
-        return cls(**overrides)
+        return cls(**{**overrides, **rope})
     except Exception as exc:  # noqa: BLE001 - transformers' own refusal is the reason the scan records
         raise Unbuildable(model_type, _reason("config", exc)) from exc
 
