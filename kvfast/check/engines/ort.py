@@ -67,19 +67,22 @@ class ORTModel:
     """An onnxruntime-genai model directory behind the check protocol (see the module doc).
 
     - ``path``: the model directory.
-    - ``variants``: a subset of :data:`VARIANTS` (``"transformers"`` only with ``hf_model``).
+    - ``variants``: a subset of :data:`VARIANTS` (``"transformers"`` only with ``hf_model``); default: all
+      of them that ``hf_model`` allows.
     - ``hf_model``: the same weights as a transformers causal LM (or its directory), for the
       cross-implementation variant.
     - ``bug``: a cache bug from :data:`ORT_BUGS` injected into the cached path.
     """
 
-    def __init__(self, path, *, variants=("batch", "no-opt"), hf_model=None, bug: str | None = None) -> None:
+    def __init__(self, path, *, variants=None, hf_model=None, bug: str | None = None) -> None:
         ort, og = _modules()
         if not is_ort_model(path):
             raise not_allowed("path", path, MODEL)
         self.path = Path(path)
         config = json.loads((self.path / "genai_config.json").read_text())["model"]
         decoder = config["decoder"]
+        if variants is None:  # every variant the model can offer: the cross-implementation one with hf_model
+            variants = ("batch", "no-opt") if hf_model is None else VARIANTS
         if isinstance(variants, str):
             variants = (variants,)
         self.variants = tuple(require_choice(v, "variants", VARIANTS) for v in variants)
