@@ -489,23 +489,25 @@ def main(repeats: int = 5, sections: Sequence[str] = SECTIONS) -> int:
     print()
     print_machine()
     print(f"Medians of {repeats} samples; CPU time of this process (time.process_time).")
-    if "matmul" in sections:
-        print("\n## matmul (T x d) @ (d x d), one thread\n")
-        c0 = time.perf_counter()
-        bench_matmul(repeats)
-        print(f"\n(section wall time {time.perf_counter() - c0:.0f} s, including any first-call compile)")
-        print("\n### bf16 accumulator: kernel against a NumPy + ml_dtypes loop of the same semantics\n")
-        bench_bf16_loop(repeats)
-    if "attention" in sections:
-        print("\n## attention against NumPy float64 (BLAS), one thread\n")
-        bench_attention(repeats)
-    if "decode" in sections:
-        print("\n## decode_step against forward\n")
-        bench_decode(repeats)
-    if "growth" in sections:
-        print("\n## how cost grows: decode step against cache length, forward against T\n")
-        bench_growth(repeats)
-    if "compile" in sections:
-        print("\n## compile: cold against warm start\n")
-        bench_compile(repeats)
+    headings = {  # each section's heading and what prints it
+        "matmul": ("matmul (T x d) @ (d x d), one thread", _matmul_section),
+        "attention": ("attention against NumPy float64 (BLAS), one thread", bench_attention),
+        "decode": ("decode_step against forward", bench_decode),
+        "growth": ("how cost grows: decode step against cache length, forward against T", bench_growth),
+        "compile": ("compile: cold against warm start", bench_compile),
+    }
+    for section in SECTIONS:
+        if section in sections:
+            heading, bench = headings[section]
+            print(f"\n## {heading}\n")
+            bench(repeats)
     return 0
+
+
+def _matmul_section(repeats: int) -> None:
+    """The matmul section: the kernels against BLAS, its wall time, then the bf16 accumulator's loop."""
+    c0 = time.perf_counter()
+    bench_matmul(repeats)
+    print(f"\n(section wall time {time.perf_counter() - c0:.0f} s, including any first-call compile)")
+    print("\n### bf16 accumulator: kernel against a NumPy + ml_dtypes loop of the same semantics\n")
+    bench_bf16_loop(repeats)

@@ -206,9 +206,16 @@ def decode_beams(adapter, tokens):
 
 def _beam_call(adapter, ids, torch):
     n = ids.shape[1]
+    mask = torch.ones(ids.shape[0], adapter.length + n, dtype=torch.long) if adapter.takes_mask else None
+    return _call_appending(adapter, ids, torch, attention_mask=mask)
+
+
+def _call_appending(adapter, ids, torch, **extra):
+    """The model called on ``ids`` after the adapter's cache (``extra``: keyword arguments, ``None`` ones left
+    out; ``cache_position`` added where the model takes it); the cache and length advanced; the logits."""
+    n = ids.shape[1]
     kwargs = {"input_ids": ids, "use_cache": True, adapter.cache_arg: adapter.cache}
-    if adapter.takes_mask:
-        kwargs["attention_mask"] = torch.ones(ids.shape[0], adapter.length + n, dtype=torch.long)
+    kwargs.update((k, v) for k, v in extra.items() if v is not None)
     if adapter.takes_cache_position:
         kwargs["cache_position"] = torch.arange(adapter.length, adapter.length + n)
     logits, cache = adapter._call(adapter.model, **kwargs)
@@ -286,14 +293,5 @@ def _positions(adapter, mask, n: int):
 
 
 def _padded_call(adapter, ids, positions, torch):
-    n = ids.shape[1]
-    kwargs = {"input_ids": ids, "use_cache": True, adapter.cache_arg: adapter.cache}
-    kwargs["attention_mask"] = adapter.pad_mask
-    if adapter.takes_position_ids:
-        kwargs["position_ids"] = positions
-    if adapter.takes_cache_position:
-        kwargs["cache_position"] = torch.arange(adapter.length, adapter.length + n)
-    logits, cache = adapter._call(adapter.model, **kwargs)
-    adapter.cache = cache
-    adapter.length += n
-    return logits
+    positions = positions if adapter.takes_position_ids else None
+    return _call_appending(adapter, ids, torch, attention_mask=adapter.pad_mask, position_ids=positions)

@@ -114,6 +114,25 @@ def score_dots(qrow, c0, kbuf, lo, nk, hd, acc, order, sstack, out):
 
 
 @nb.njit(**_JIT, inline="always")
+def _row_views(q, qr, out, outr, n_head, lo, hi, scratch):
+    """What a row's attention works in: the head width, the number of keys ``lo..hi-1``, the scores and the
+    exponentials (the two halves of ``scratch``), the query row and the output row."""
+    hd = q.shape[1] // n_head
+    nk = hi - lo
+    return hd, nk, scratch[:nk], scratch[nk : 2 * nk], q[qr], out[outr]
+
+
+@nb.njit(**_JIT, inline="always")
+def _max_of(x, a0, n):
+    """``max(x[a0:a0+n])`` by a left-to-right scan from ``-inf`` (``-inf`` when ``n == 0``)."""
+    m = -np.inf
+    for j in range(a0, a0 + n):
+        if x[j] > m:
+            m = x[j]
+    return m
+
+
+@nb.njit(**_JIT, inline="always")
 def attend_row(
     q, qr, kbuf, vbuf, lo, hi, n_head, scale, storage, acc, order, out, outr, probs, pr, scratch, sstack, vstack
 ):
@@ -124,13 +143,7 @@ def attend_row(
     floats; ``sstack`` is (STACK_DEPTH,) and ``vstack`` (STACK_DEPTH, >= head_dim)
     scratch for pairwise sums.
     """
-    d = q.shape[1]
-    hd = d // n_head
-    nk = hi - lo
-    scores = scratch[:nk]
-    expd = scratch[nk : 2 * nk]
-    qrow = q[qr]
-    orow = out[outr]
+    hd, nk, scores, expd, qrow, orow = _row_views(q, qr, out, outr, n_head, lo, hi, scratch)
     for h in range(n_head):
         c0 = h * hd
         smax = -np.inf
@@ -195,13 +208,7 @@ def attend_row_blocked(
     only). Scores are computed as in :func:`attend_row`; ``scratch`` holds
     >= 2*(hi-lo) floats. No probabilities are kept (no backward in these modes).
     """
-    d = q.shape[1]
-    hd = d // n_head
-    nk = hi - lo
-    scores = scratch[:nk]
-    expd = scratch[nk : 2 * nk]
-    qrow = q[qr]
-    orow = out[outr]
+    hd, nk, scores, expd, qrow, orow = _row_views(q, qr, out, outr, n_head, lo, hi, scratch)
     edges = block_edges(lo, hi, span_lo, span_hi, mode, param)
     nb_ = edges.shape[0] - 1
     tmp = np.empty(hd)
@@ -221,10 +228,7 @@ def attend_row_blocked(
             for b in range(nb_):
                 a0 = edges[b] - lo
                 n = edges[b + 1] - edges[b]
-                mb = -np.inf
-                for j in range(a0, a0 + n):
-                    if scores[j] > mb:
-                        mb = scores[j]
+                mb = _max_of(scores, a0, n)
                 mnew = m if m > mb else mb
                 alpha = rnd(math.exp(m - mnew), acc)
                 for j in range(a0, a0 + n):
@@ -242,10 +246,7 @@ def attend_row_blocked(
             for b in range(nb_):
                 a0 = edges[b] - lo
                 n = edges[b + 1] - edges[b]
-                mb = -np.inf
-                for j in range(a0, a0 + n):
-                    if scores[j] > mb:
-                        mb = scores[j]
+                mb = _max_of(scores, a0, n)
                 for j in range(a0, a0 + n):
                     expd[j] = rnd(math.exp(scores[j] - mb), storage)
                 lb = ordered_sum(expd, a0, n, acc, order, sstack)

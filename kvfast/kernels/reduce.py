@@ -50,6 +50,29 @@ def new_stack(width: int) -> np.ndarray:
 
 
 @nb.njit(**_JIT)
+def _push_pairwise(stack: np.ndarray, sp: int, v: float, i: int, acc: int) -> int:
+    """Push term ``i`` (0-based, already in format ``acc``) of a pairwise sum onto ``stack`` (``sp`` entries):
+    merge it with the equal blocks on top, as a binary counter carries (each add rounded to ``acc``); the new
+    number of entries."""
+    count = i + 1
+    while (count & 1) == 0:
+        sp -= 1
+        v = rnd(stack[sp] + v, acc)
+        count >>= 1
+    stack[sp] = v
+    return sp + 1
+
+
+@nb.njit(**_JIT)
+def _stack_total(stack: np.ndarray, sp: int, acc: int) -> float:
+    """The pairwise sum's blocks on ``stack`` (``sp >= 1`` entries), added left to right in format ``acc``."""
+    s = stack[0]
+    for i in range(1, sp):
+        s = rnd(s + stack[i], acc)
+    return s
+
+
+@nb.njit(**_JIT)
 def ordered_sum(t: np.ndarray, lo: int, n: int, acc: int, order: int, stack: np.ndarray) -> float:
     """Sum ``t[lo:lo+n]`` in ``order``, in format ``acc``.
 
@@ -66,18 +89,8 @@ def ordered_sum(t: np.ndarray, lo: int, n: int, acc: int, order: int, stack: np.
         return s
     sp = 0
     for i in range(n):
-        v = rnd(t[lo + i], acc)
-        count = i + 1
-        while (count & 1) == 0:
-            sp -= 1
-            v = rnd(stack[sp] + v, acc)
-            count >>= 1
-        stack[sp] = v
-        sp += 1
-    s = stack[0]
-    for i in range(1, sp):
-        s = rnd(s + stack[i], acc)
-    return s
+        sp = _push_pairwise(stack, sp, rnd(t[lo + i], acc), i, acc)
+    return _stack_total(stack, sp, acc)
 
 
 @nb.njit(**_JIT)
@@ -94,18 +107,8 @@ def ordered_dot(
         return s
     sp = 0
     for i in range(n):
-        v = rnd(a[a0 + i] * b[b0 + i], acc)
-        count = i + 1
-        while (count & 1) == 0:
-            sp -= 1
-            v = rnd(stack[sp] + v, acc)
-            count >>= 1
-        stack[sp] = v
-        sp += 1
-    s = stack[0]
-    for i in range(1, sp):
-        s = rnd(s + stack[i], acc)
-    return s
+        sp = _push_pairwise(stack, sp, rnd(a[a0 + i] * b[b0 + i], acc), i, acc)
+    return _stack_total(stack, sp, acc)
 
 
 @nb.njit(**_JIT)

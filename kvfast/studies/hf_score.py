@@ -60,16 +60,11 @@ PROMPT_LENGTHS = (4, 5)
 GROUPS = ("dtype", "attention")  # scored apart: each group's bugs against its own clean controls
 
 
-@dataclass(frozen=True, eq=False)
-class HFCase:
-    """One scored case (:class:`kvfast.check.score.Case`) from a run's config: a tiny model, a prompt, a
-    continuation, a bug or ``None``."""
+class PromptOfConfig:
+    """A scored case's ``steps``, ``prompt`` and ``continuation`` from its ``config`` (``seed``, ``prompt``,
+    ``steps``): the study's prompt stream. Shared with :class:`kvfast.studies.op_score.OpCase`."""
 
-    config: dict = field(hash=False)
-
-    @property
-    def bug(self) -> str | None:
-        return hf.bug_of(self.config)
+    config: dict
 
     @property
     def steps(self) -> int:
@@ -86,6 +81,18 @@ class HFCase:
     def _tokens(self) -> tuple[np.ndarray, np.ndarray]:
         c = self.config
         return hf.prompt_and_continuation(PROMPT_STREAM, c["seed"], c["prompt"], c["steps"], PROMPT_LENGTHS)
+
+
+@dataclass(frozen=True, eq=False)
+class HFCase(PromptOfConfig):
+    """One scored case (:class:`kvfast.check.score.Case`) from a run's config: a tiny model, a prompt, a
+    continuation, a bug or ``None``."""
+
+    config: dict = field(hash=False)
+
+    @property
+    def bug(self) -> str | None:
+        return hf.bug_of(self.config)
 
     def model(self) -> HFModel:
         """A fresh adapter with the case's bug over the (shared, never modified) tiny model."""

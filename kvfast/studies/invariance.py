@@ -116,25 +116,41 @@ def per_layer(df: pd.DataFrame) -> pd.DataFrame:
     )
 
 
-def summarize(df: pd.DataFrame) -> pd.DataFrame:
-    """Per preset, mask setting and layer: runs, and the max (and, for ``k``, the min) change over runs."""
+def layer_stats(df: pd.DataFrame) -> pd.DataFrame:
+    """Per preset, mask setting (``causal``, on first) and layer: runs, runs whose K and V at that layer are
+    exactly unchanged (``exact_runs``), the max change over runs of the residual stream entering and leaving
+    the layer, K and V, the min of K's and of the smaller of K's and V's (``kv_min``). Empty: :func:`per_layer`'s
+    empty table."""
     pl = per_layer(df)
     if pl.empty:
         return pl
+    pl = pl.assign(kv=np.minimum(pl["k"], pl["v"]), exact=(pl["k"] == 0.0) & (pl["v"] == 0.0))
     out = (
         pl.groupby(["preset", "causal", "layer"])
         .agg(
             runs=("k", "size"),
+            exact_runs=("exact", "sum"),
             resid_in=("resid_in", "max"),
             k=("k", "max"),
             v=("v", "max"),
             k_min=("k", "min"),
+            kv_min=("kv", "min"),
             resid_out=("resid_out", "max"),
         )
         .reset_index()
     )
-    out["seed"] = np.where(out["causal"], "0 (exact)", np.where(out["layer"] == 1, "exact", "wrong"))
+    out["exact_runs"] = out["exact_runs"].astype(np.int64)
     return out.sort_values(["preset", "causal", "layer"], ascending=[True, False, True]).reset_index(drop=True)
+
+
+def summarize(df: pd.DataFrame) -> pd.DataFrame:
+    """Per preset, mask setting and layer: runs, and the max (and, for ``k``, the min) change over runs."""
+    stats = layer_stats(df)
+    if stats.empty:
+        return stats
+    out = stats[["preset", "causal", "layer", "runs", "resid_in", "k", "v", "k_min", "resid_out"]].copy()
+    out["seed"] = np.where(out["causal"], "0 (exact)", np.where(out["layer"] == 1, "exact", "wrong"))
+    return out
 
 
 def claims(df: pd.DataFrame) -> list[Claim]:
@@ -193,30 +209,11 @@ def layer_table(df: pd.DataFrame) -> pd.DataFrame:
     unchanged (``exact_runs``), the largest change over runs of K, V and the residual stream entering the layer,
     and the smallest over runs of the smaller of its K and V changes (``kv_min``: above 0, K and V moved in every
     run)."""
-    pl = per_layer(df)
-    if pl.empty:
+    stats = layer_stats(df)
+    if stats.empty:
         return pd.DataFrame(columns=LAYER_COLUMNS)
-    pl = pl.assign(
-        mask=np.where(pl["causal"], "on", "off"),
-        kv=np.minimum(pl["k"], pl["v"]),
-        exact=(pl["k"] == 0.0) & (pl["v"] == 0.0),
-    )
-    out = (
-        pl.groupby(["preset", "mask", "layer"])
-        .agg(
-            runs=("k", "size"),
-            exact_runs=("exact", "sum"),
-            k_max=("k", "max"),
-            v_max=("v", "max"),
-            resid_in_max=("resid_in", "max"),
-            kv_min=("kv", "min"),
-        )
-        .reset_index()
-    )
-    out["exact_runs"] = out["exact_runs"].astype(np.int64)
-    order = {"on": 0, "off": 1}
-    out = out.sort_values(["preset", "mask", "layer"], key=lambda c: c.map(order) if c.name == "mask" else c)
-    return out[LAYER_COLUMNS].reset_index(drop=True)
+    out = stats.assign(mask=np.where(stats["causal"], "on", "off"))
+    return out.rename(columns={"k": "k_max", "v": "v_max", "resid_in": "resid_in_max"})[LAYER_COLUMNS]
 
 
 def _draw_layers(df: pd.DataFrame, table: pd.DataFrame):

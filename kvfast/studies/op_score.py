@@ -30,6 +30,7 @@ import numpy as np
 from kvfast.check.checker import check_cache
 from kvfast.check.operations import OP_BUGS, inject_op_bug
 from kvfast.check.score import Detection, markdown, score_detector, side_by_side
+from kvfast.studies.hf_score import PromptOfConfig
 
 FAMILIES = ("llama", "gpt2", "qwen2")
 PROMPTS = (0, 1)
@@ -38,31 +39,12 @@ SCENARIOS = ("decode", "rollback", "fork", "reorder", "padded")
 
 
 @dataclass(frozen=True, eq=False)
-class OpCase:
+class OpCase(PromptOfConfig):
     """One scored case (:class:`kvfast.check.score.Case`): a tiny model over a ``StaticCache``, a prompt, its
     continuation and an operation bug (``None``: clean)."""
 
     config: dict = field(hash=False)
     bug: str | None = None
-
-    @property
-    def steps(self) -> int:
-        return int(self.config["steps"])
-
-    @property
-    def prompt(self) -> np.ndarray:
-        return self._tokens()[0]
-
-    @property
-    def continuation(self) -> np.ndarray:
-        return self._tokens()[1]
-
-    def _tokens(self) -> tuple[np.ndarray, np.ndarray]:
-        from kvfast.studies import hf_common as hf
-        from kvfast.studies.hf_score import PROMPT_LENGTHS, PROMPT_STREAM
-
-        c = self.config
-        return hf.prompt_and_continuation(PROMPT_STREAM, c["seed"], c["prompt"], c["steps"], PROMPT_LENGTHS)
 
     def model(self):
         """A fresh adapter over a ``StaticCache`` with the case's operation bug."""

@@ -595,27 +595,22 @@ def _curve_facts(df: pd.DataFrame) -> list[Fact]:
         return []
     at6 = ok[ok["prefix_len"] == 6]
     rows = []
+    curves = (  # key, column, what is measured, unit, number format
+        ("cosine", "curve_cosine", "gradient cosine along {} training", "cosine", ".3f"),
+        ("loss", "curve_suffix_loss", "held-out suffix loss of {} training", "loss", ".3g"),
+    )
     for steps, g in at6.groupby("train_steps"):
-        for variant in ("full", "cached"):
-            at, curve = mean_curve(g, f"curve_cosine_{variant}")
-            rows.append(
-                (
-                    f"training_cosine_curve_{variant}_{int(steps)}",
-                    f"training at prefix 6 of 12, {int(steps)} steps: gradient cosine along {variant} training "
-                    "(mean over seeds), step: cosine",
-                    ", ".join(f"{int(a)}: {c:.3f}" for a, c in zip(at, curve, strict=True)),
+        for key, column, what, unit, fmt in curves:
+            for variant in ("full", "cached"):
+                at, curve = mean_curve(g, f"{column}_{variant}")
+                rows.append(
+                    (
+                        f"training_{key}_curve_{variant}_{int(steps)}",
+                        f"training at prefix 6 of 12, {int(steps)} steps: {what.format(variant)} "
+                        f"(mean over seeds), step: {unit}",
+                        ", ".join(f"{int(a)}: {c:{fmt}}" for a, c in zip(at, curve, strict=True)),
+                    )
                 )
-            )
-        for variant in ("full", "cached"):
-            at, curve = mean_curve(g, f"curve_suffix_loss_{variant}")
-            rows.append(
-                (
-                    f"training_loss_curve_{variant}_{int(steps)}",
-                    f"training at prefix 6 of 12, {int(steps)} steps: held-out suffix loss of {variant} training "
-                    "(mean over seeds), step: loss",
-                    ", ".join(f"{int(a)}: {c:.3g}" for a, c in zip(at, curve, strict=True)),
-                )
-            )
     main = at6[at6["train_steps"] == at6["train_steps"].min()]
     names = list(main["tensor_names"].iloc[0])
     init = np.array([np.asarray(list(c)[0], dtype=np.float64) for c in main["curve_tensor_cosine_full"]]).mean(axis=0)
