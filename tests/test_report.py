@@ -160,7 +160,33 @@ mode = ["exact"]
 
 
 # The Hugging Face studies need kvfast[hf]: their small grids run where it is installed (always in CI).
-HF_GRIDS = HF_SMALL_GRIDS  # tests/test_studies_hf.py: 3 runs each
+HF_GRIDS = {
+    **HF_SMALL_GRIDS,  # tests/test_studies_hf.py: 3 runs each
+    "hf_scan": """
+[fixed]
+architecture = "llama"
+scenario = "decode"
+dtype = "float32"
+promote = "none"
+attention = "auto"
+seed = 0
+prompt = 0
+steps = 4
+[axes]
+bug = ["none", "posoff"]
+""",
+    "engines": """
+[fixed]
+engine = "transformers"
+weights = "f32"
+cache = "native"
+seed = 0
+prompt = 0
+steps = 4
+[axes]
+bug = ["none", "evict"]
+""",
+}
 if HF:
     SMALL_GRIDS.update(HF_GRIDS)
 
@@ -197,8 +223,8 @@ def test_report_command_writes_a_self_contained_page_and_its_tables(stored, tmp_
     assert not re.search(r'src="(?!data:)', page)  # every image inline
     titles = [s.title for s in sections(results)]
     # training: cosine vs prefix, during training, per tensor, final losses, loss curves; every other study one,
-    # the detector two (ROC, steps to detection); the Hugging Face studies one each
-    assert len(titles) == 14 + 2 * HF
+    # the detector two (ROC, steps to detection); the Hugging Face studies (and the engines study) one each
+    assert len(titles) == 14 + len(HF_GRIDS) * HF
     assert not [s.key for s in sections(results) if s.note]  # every figure's numbers are stored now
     for title in titles:
         assert html.escape(title) in page
@@ -206,7 +232,7 @@ def test_report_command_writes_a_self_contained_page_and_its_tables(stored, tmp_
         assert page.count('src="data:image/png;base64,') == len(titles)
     written = pd.read_csv(out / "claims.csv", keep_default_na=False)
     assert list(written["claim"]) == list(table["claim"])
-    extra = {"detector_steps", *(["hf_matrix_bugs"] if HF else [])}
+    extra = {"detector_steps", *(["hf_matrix_bugs", "hf_scan_bugs", "hf_scan_skipped"] if HF else [])}
     assert {p.stem for p in (out / "summaries").glob("*.csv")} == {*SMALL_GRIDS, *extra}
 
 
