@@ -232,6 +232,7 @@ STUDY = Study(
     result_fields=RESULT_FIELDS,
     validate_config=validate_config,
     summarize=summarize,
+    claims=None,  # a comparison of engines, no claim of the seed's
     figures=FIGURES,
     rank=120,
     reproduce=False,
