@@ -19,7 +19,15 @@ What the adapter does:
   same weights recomputed by a transformers model, a cross-implementation variant) when ``hf_model`` is
   given. None goes through a cache.
 - ``internal_formats``: the KV cache's format and the compute format, read from the graph's
-  ``past_key_values`` inputs and ``logits`` output (``{"kv cache": "float32", "compute": "float32"}``).
+  ``past_key_values`` inputs and ``logits`` output (``{"kv cache": "float32", "compute": "float32"}``),
+  and, for a quantized build (int8, int4: ``MatMulNBits`` nodes), ``"activations": "int8"`` where a node's
+  ``accuracy_level`` is 4: onnxruntime's CPU kernel then rounds each row of the node's input to int8 in
+  blocks of ``block_size`` along the inner dimension (:func:`fake_quantize_int8_blocks`) before an integer
+  dot product. The weights' own format is not declared: see :func:`quantized_formats`.
+- quantized builds: the ``transformers`` variant loads ``hf_model`` with the build's own weights,
+  dequantized from the ``MatMulNBits`` initializers (:func:`dequantize_matmulnbits`), and rounds the
+  inputs of those layers to int8 as the engine does (:func:`dequantized_transformers`), so it computes
+  the engine's function, not the float32 model the build was quantized from.
 - ``promote``: none (onnxruntime has no float64 decoder); a float32 model already checks in float32.
 
 :data:`ORT_BUGS` are cache bugs injected into the cached path only, for kvfast's tests and scoring.
@@ -29,6 +37,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -101,6 +111,8 @@ class ORTModel:
         kv = ORT_TYPES.get(self.past[0].type, "float32") if self.past else "float32"
         logits = next(o for o in self.session.get_outputs() if o.name == "logits")
         self.internal_formats = {"kv cache": kv, "compute": ORT_TYPES.get(logits.type, "float32")}
+        self.quantized = quantized_matmuls(self.path / "model.onnx", weights=False)
+        self.internal_formats.update(quantized_formats(self.quantized))
         self.hf_model = hf_model
         self._sessions: dict[str, object] = {}
         self.skipped_variants: dict[str, str] = {}
@@ -223,20 +235,209 @@ class ORTModel:
             from transformers import AutoModelForCausalLM
 
             model = self.hf_model = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+        if self.quantized and not getattr(model, "_kvfast_dequantized", False):
+            # the float weights the build was quantized from are another function: give it the build's own
+            model = self.hf_model = dequantized_transformers(model, self.path / "model.onnx")
         ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64))[None, :]
         with torch.no_grad():
             return model(input_ids=ids, use_cache=False).logits[0].float().numpy()
 
 
+# --- quantized builds: the MatMulNBits weights, dequantized, and the engine's int8 activations ----------
+
+#: ``MatMulNBits``'s ``accuracy_level`` at which onnxruntime's CPU kernel rounds the input to int8 (the contrib
+#: op's spec: 4 = int8 compute). Measured here (onnxruntime 1.32, float32 input): levels 0 to 3 compute in
+#: float32 (a few float32 units from the dequantized product), level 4 is ``fake_quantize_int8_blocks`` of the
+#: input times the dequantized weight, to a few float32 units (tests/test_engines_ort.py).
+INT8_ACCURACY_LEVEL = 4
+_WEIGHT_NAME = re.compile(r"^(?P<module>.+)\.MatMul\.weight_Q\d+$")
+
+
+@dataclass(frozen=True)
+class QuantizedMatMul:
+    """One ``MatMulNBits`` node of a graph: ``Y = A @ W.T`` with ``W`` ``(n, k)`` stored in ``bits``-bit codes, one
+    scale (and zero point) per block of ``block_size`` along ``k``. ``module``: the layer's path in the
+    builder's naming (``model.layers.0.attn.qkv_proj``); ``weight``: ``W`` dequantized (float32), or ``None``
+    when read without weights."""
+
+    node: str
+    module: str
+    bits: int
+    block_size: int
+    k: int
+    n: int
+    accuracy_level: int
+    weight: np.ndarray | None = None
+
+
+def dequantize_matmulnbits(
+    codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, *, bits: int, block_size: int, k: int
+) -> np.ndarray:
+    """The float weight ``W`` ``(n, k)`` of a ``MatMulNBits`` node, from the contrib op's spec (com.microsoft):
+
+    - ``codes``: uint8 ``(n, blocks, block_size * bits / 8)``, ``blocks = ceil(k / block_size)``, each byte
+      holding ``8 / bits`` codes, the lowest bits first;
+    - ``scales``: ``(n, blocks)`` (or flat), in the input's float type;
+    - ``zero_points``: ``None`` (the default zero point, ``2 ** (bits - 1)``: symmetric) or uint8 packed like
+      the codes along the blocks (``(n, ceil(blocks * bits / 8))`` or flat);
+    - ``W[j, b * block_size + i] = (code - zero_point[j, b]) * scale[j, b]``, computed in the scales' format
+      (the kernel's dequantization: one rounding), the padding past ``k`` dropped.
+
+    ``ValueError`` naming the field for shapes or types outside the spec."""
+    if bits not in (2, 4, 8):
+        raise not_allowed("bits", bits, "2, 4, 8")
+    codes = np.asarray(codes)
+    if codes.dtype != np.uint8 or codes.ndim != 3:
+        raise not_allowed("codes", f"{codes.dtype} {codes.shape}", "uint8 (n, blocks, block_size * bits / 8)")
+    n, blocks, blob = codes.shape
+    if blocks != -(-k // block_size) or blob * 8 != block_size * bits:
+        raise not_allowed("codes", codes.shape, f"(n, {-(-k // block_size)}, {block_size * bits // 8})")
+    scales = np.asarray(scales)
+    if scales.dtype.kind != "f" or scales.size != n * blocks:
+        raise not_allowed("scales", f"{scales.dtype} {scales.shape}", f"floats, ({n}, {blocks})")
+    scales = scales.reshape(n, blocks)
+    unpacked = _unpack(codes.reshape(n, blocks * blob), bits).reshape(n, blocks, block_size)
+    if zero_points is None:
+        zero = np.full((n, blocks, 1), 2 ** (bits - 1), dtype=scales.dtype)
+    else:
+        zero_points = np.asarray(zero_points)
+        per_row = -(-blocks * bits // 8)
+        if zero_points.dtype != np.uint8 or zero_points.size != n * per_row:
+            raise not_allowed(
+                "zero_points", f"{zero_points.dtype} {zero_points.shape}", f"uint8 packed, ({n}, {per_row})"
+            )
+        zero = _unpack(zero_points.reshape(n, per_row), bits)[:, :blocks, None].astype(scales.dtype)
+    weight = (unpacked.astype(scales.dtype) - zero) * scales[:, :, None]
+    return weight.reshape(n, blocks * block_size)[:, :k]
+
+
+def _unpack(packed: np.ndarray, bits: int) -> np.ndarray:
+    """``(rows, bytes)`` uint8 -> ``(rows, bytes * 8 / bits)`` codes, the lowest bits of each byte first."""
+    if bits == 8:
+        return packed
+    shifts = np.arange(0, 8, bits, dtype=np.uint8)
+    return ((packed[:, :, None] >> shifts) & np.uint8(2**bits - 1)).reshape(packed.shape[0], -1)
+
+
+def quantized_matmuls(onnx_file, *, weights: bool = True) -> list[QuantizedMatMul]:
+    """The ``MatMulNBits`` nodes of ``onnx_file`` (empty for a float build), their weights dequantized
+    (:func:`dequantize_matmulnbits`) when ``weights``. ``ValueError`` for a node kvfast cannot dequantize
+    (float zero points, ``g_idx``, a bias, weights that are not initializers)."""
+    import onnx
+    from onnx import numpy_helper
+
+    graph = onnx.load(str(onnx_file), load_external_data=weights).graph
+    nodes = [n for n in graph.node if n.op_type == "MatMulNBits" and n.domain == "com.microsoft"]
+    if not nodes:
+        return []
+    inits = {i.name: i for i in graph.initializer} if weights else {}
+    out = []
+    for node in nodes:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        inputs = list(node.input) + [""] * (6 - len(node.input))
+        if any(inputs[4:]):
+            raise not_allowed(f"{node.name}.inputs", inputs[4:], "no g_idx and no bias (kvfast dequantizes none)")
+        found = _WEIGHT_NAME.match(inputs[1])
+        module = found["module"] if found else node.name.strip("/").rsplit("/", 1)[0].replace("/", ".")
+        q = QuantizedMatMul(node.name, module, int(attrs.get("bits", 4)), int(attrs["block_size"]), int(attrs["K"]),
+                            int(attrs["N"]), int(attrs.get("accuracy_level", 0)))  # fmt: skip
+        if weights:
+            missing = [name for name in inputs[1:4] if name and name not in inits]
+            if missing:
+                raise not_allowed(f"{node.name}.inputs", missing, "initializers (constant quantized weights)")
+            zero = numpy_helper.to_array(inits[inputs[3]]) if inputs[3] else None
+            weight = dequantize_matmulnbits(numpy_helper.to_array(inits[inputs[1]]),
+                                            numpy_helper.to_array(inits[inputs[2]]), zero, bits=q.bits,
+                                            block_size=q.block_size, k=q.k)  # fmt: skip
+            q = replace(q, weight=weight)
+        out.append(q)
+    return out
+
+
+def quantized_formats(matmuls: list[QuantizedMatMul]) -> dict[str, str]:
+    """What a quantized build computes in, for ``internal_formats``: ``{"activations": "int8"}`` when any node
+    rounds its input to int8 (``accuracy_level`` :data:`INT8_ACCURACY_LEVEL`), else nothing.
+
+    The weights' int8 (or int4) codes are not a format of the noise model: they are constants, rounded once
+    when the model was built, and the cached path and the recompute multiply by the very same dequantized
+    values; only a format a computation rounds INTO while it runs (a cache, an activation, a sum) can make two
+    orders of the same function land apart. The activations are such a format: a float32 input that differs
+    by one float32 unit between the two paths can round to another int8 code (1/127 of its block's largest
+    value)."""
+    return {"activations": "int8"} if any(q.accuracy_level == INT8_ACCURACY_LEVEL for q in matmuls) else {}
+
+
+def fake_quantize_int8_blocks(x, block_size: int):
+    """``x`` (a float torch tensor) rounded as onnxruntime's CPU ``MatMulNBits`` rounds its input at
+    ``accuracy_level`` 4 (MLAS's int8 compute): each row in blocks of ``block_size`` along the last axis,
+    per block ``scale = max|x| / 127`` and ``code = round(x * (127 / max|x|))`` (to nearest, ties to even),
+    returned as ``code * scale`` (the integer dot product times the scales equals this product's sum up to
+    order)."""
+    import torch
+
+    k = x.shape[-1]
+    pad = (-k) % block_size
+    blocks = torch.nn.functional.pad(x, (0, pad)).reshape(*x.shape[:-1], -1, block_size)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    codes = torch.round(blocks * inverse).clamp(-127, 127)
+    return (codes * (amax / 127.0)).reshape(*x.shape[:-1], -1)[..., :k]
+
+
+def _hf_parameters(matmul: QuantizedMatMul, config) -> dict[str, np.ndarray]:
+    """A node's dequantized weight under transformers' parameter names (Llama family): the builder's ``attn`` is
+    ``self_attn``; its fused ``qkv_proj`` splits into ``q_proj``, ``k_proj``, ``v_proj`` by the heads."""
+    module = matmul.module.replace(".attn.", ".self_attn.")
+    if not module.endswith(".qkv_proj"):
+        return {f"{module}.weight": matmul.weight}
+    head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    sizes = [config.num_attention_heads * head, config.num_key_value_heads * head]
+    q, kv = sizes
+    base = module[: -len("qkv_proj")]
+    w = matmul.weight
+    if w.shape[0] != q + 2 * kv:
+        raise not_allowed(f"{matmul.node}.N", w.shape[0], f"{q + 2 * kv} (q, k, v of the transformers config)")
+    return {f"{base}q_proj.weight": w[:q], f"{base}k_proj.weight": w[q : q + kv], f"{base}v_proj.weight": w[q + kv :]}
+
+
+def dequantized_transformers(hf_model, onnx_file):
+    """A copy of ``hf_model`` (a transformers causal LM, float32) computing what the quantized build
+    ``onnx_file`` computes, up to order: every ``MatMulNBits`` layer's weight replaced by the build's own,
+    dequantized (:func:`quantized_matmuls`), and, for a node at ``accuracy_level`` 4, its input rounded to int8
+    the way the engine rounds it (:func:`fake_quantize_int8_blocks`, a forward pre-hook). The other weights
+    (embedding, norms) are the model's own: the builder keeps them in float. ``ValueError`` naming the
+    parameter when a quantized layer has no counterpart of its shape in ``hf_model``."""
+    import copy
+
+    import torch
+
+    model = copy.deepcopy(hf_model).float().eval()
+    params = dict(model.named_parameters())
+    for matmul in quantized_matmuls(onnx_file):
+        for name, weight in _hf_parameters(matmul, model.config).items():
+            if name not in params or tuple(params[name].shape) != weight.shape:
+                allowed = "a parameter of hf_model with the node's shape (the same architecture as the build)"
+                raise not_allowed(f"hf_model.{name}", tuple(weight.shape), allowed)
+            with torch.no_grad():
+                params[name].copy_(torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32)))
+            if matmul.accuracy_level == INT8_ACCURACY_LEVEL:
+                layer = model.get_submodule(name.removesuffix(".weight"))
+                block = matmul.block_size
+                layer.register_forward_pre_hook(lambda _m, args, b=block: (fake_quantize_int8_blocks(args[0], b),))
+    model._kvfast_dequantized = True
+    return model
+
+
 # --- tiny random test models (no download) -------------------------------------------------------------
 
-PRECISIONS = ("fp32", "fp16", "int4")
+PRECISIONS = ("fp32", "fp16", "int8", "int4")
 
 
 def tiny_ort_model(out, seed: int = 0, precision: str = "fp32") -> Path:
     """Build a tiny random Llama (:func:`kvfast.check.engines.tiny.tiny_llama`) in ``out/hf`` and convert it
-    with onnxruntime-genai's model builder into ``out/onnx`` (``precision``: :data:`PRECISIONS`, CPU);
-    return ``out/onnx``. Nothing is downloaded; about 10 s."""
+    with onnxruntime-genai's model builder into ``out/onnx`` (``precision``: :data:`PRECISIONS`, CPU; int8 and
+    int4 are the builder's weight-only ``MatMulNBits`` quantization with its CPU defaults: symmetric, blocks of
+    32, ``accuracy_level`` 4); return ``out/onnx``. Nothing is downloaded; about 10 s."""
     import subprocess
     import sys
 
