@@ -1,16 +1,19 @@
 """Benchmark and verdict table: kvfast's checks on inference engines (tiny random Llamas built here).
 
-    .venv/bin/python benchmarks/engines.py [--steps 64] [--seeds 2] [--repeats 5] [--out DIR]
+    .venv/bin/python benchmarks/engines.py [--steps 64] [--seeds 2] [--repeats 5] [--precisions fp32,int8] [--out DIR]
 
 For onnxruntime-genai (``kvfast[ort]``), seeds ``0..seeds-1`` build a tiny random
-Llama and convert it (:func:`kvfast.check.engines.ort.tiny_ort_model`), then:
+Llama and convert it (:func:`kvfast.check.engines.ort.tiny_ort_model`) at each of ``precisions`` (the
+builder's ``-p``), then:
 
-- **verdicts**: clean runs in control mode over the seeds x two prompts x ``steps`` decode steps, both
-  scenarios, with the engine's own variants only and with the cross-implementation variant (the same weights
-  recomputed in transformers), and each injected bug of the engine's catalogue (its first bug step against
-  the step where it first acts); the largest clean ratio and the smallest bug ratio;
-- **cost**: the median CPU time of the control check (decode; decode + resume) against a plain cached
-  generation through the engine (prefill, then one token per step), as ratios measured in this run.
+- **verdicts**, per build: clean runs in control mode over the seeds x two prompts x ``steps`` decode steps,
+  both scenarios, with the engine's own variants only and with the cross-implementation variant (the same
+  weights recomputed in transformers; for an int8 build the build's weights dequantized, with its int8
+  activations), and each injected bug of the engine's catalogue (its first bug step against the step where it
+  first acts); the largest clean ratio and the smallest bug ratio;
+- **cost** (the first precision's build): the median CPU time of the control check (decode; decode + resume)
+  against a plain cached generation through the engine (prefill, then one token per step), as ratios measured
+  in this run.
 
 For llama.cpp (``kvfast[llamacpp]``, when installed): the same cost ratios, float16 and float32 KV cache. The
 verdicts of every engine on the same weights: ``kvfast run engines_all`` (the ``engines`` study).
@@ -21,6 +24,7 @@ Prints Markdown tables (pasted into docs/engines.md).
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import tempfile
 import time
@@ -42,17 +46,21 @@ def median_cpu(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def ort_verdicts(built: list[tuple[Path, Path]], steps: int) -> None:
+def ort_verdicts(builds: dict[str, list[tuple[Path, Path]]], steps: int) -> None:
     from kvfast.check import check_cache
     from kvfast.check.engines.ort import ORT_BUGS, ORT_WINDOW, ORTModel
 
-    print(f"\n### onnxruntime-genai: verdicts ({len(built)} seeds x {len(PROMPTS)} prompts x {steps} steps, control)")
-    print("| variants | runs | rounding | inconclusive | bug | largest ratio |")
-    print("|---|---|---|---|---|---|")
+    seeds = len(next(iter(builds.values())))
+    print(f"\n### onnxruntime-genai: verdicts ({seeds} seeds x {len(PROMPTS)} prompts x {steps} steps, control)")
+    print("| build | internal formats | variants | runs | rounding | inconclusive | bug | largest ratio |")
+    print("|---|---|---|---|---|---|---|---|")
     own, cross = ("batch", "no-opt"), ("batch", "no-opt", "transformers")
-    for label, variants in (("engine's own (batch, no-opt)", own), ("+ transformers (cross-implementation)", cross)):
+    for (precision, built), (label, variants) in itertools.product(
+        builds.items(), (("engine's own (batch, no-opt)", own), ("+ transformers (cross-implementation)", cross))
+    ):
         counts = {"rounding": 0, "inconclusive": 0, "bug": 0}
         largest = 0.0
+        formats = ", ".join(f"{k} {v}" for k, v in ORTModel(built[0][0]).internal_formats.items())
         for onnx, hf in built:
             model = ORTModel(onnx, variants=variants, hf_model=hf if "transformers" in variants else None)
             for prompt in PROMPTS:
@@ -62,11 +70,12 @@ def ort_verdicts(built: list[tuple[Path, Path]], steps: int) -> None:
                     largest = max(largest, float(np.max(scenario.ratio)))
         runs = sum(counts.values())
         print(
-            f"| {label} | {runs} | {counts['rounding']} | {counts['inconclusive']} | {counts['bug']} | {largest:.3g} |"
+            f"| {precision} | {formats} | {label} | {runs} | {counts['rounding']} | {counts['inconclusive']} | "
+            f"{counts['bug']} | {largest:.3g} |"
         )
-    print("\n| injected bug | runs | bug at the step it first acts | smallest bug ratio |")
-    print("|---|---|---|---|")
-    for bug in ORT_BUGS:
+    print("\n| build | injected bug | runs | bug at the step it first acts | smallest bug ratio |")
+    print("|---|---|---|---|---|")
+    for (precision, built), bug in itertools.product(builds.items(), ORT_BUGS):
         if bug == "rewind":  # a rollback bug: acts only in a rollback scenario
             continue
         hits, runs, smallest = 0, 0, np.inf
@@ -79,10 +88,10 @@ def ort_verdicts(built: list[tuple[Path, Path]], steps: int) -> None:
                 runs += 1
                 hits += decode.first_bug_step == acts
                 smallest = min(smallest, float(decode.ratio[acts]))
-        print(f"| {bug} | {runs} | {hits} of {runs} | {smallest:.3g} |")
+        print(f"| {precision} | {bug} | {runs} | {hits} of {runs} | {smallest:.3g} |")
 
 
-def ort_cost(onnx: Path, hf: Path, steps: int, repeats: int) -> None:
+def ort_cost(onnx: Path, hf: Path, steps: int, repeats: int, precision: str) -> None:
     import onnxruntime_genai as og
 
     from kvfast.check import check_cache
@@ -103,7 +112,10 @@ def ort_cost(onnx: Path, hf: Path, steps: int, repeats: int) -> None:
     base = median_cpu(plain, repeats)
     decode = median_cpu(lambda: check_cache(model, prompt, steps, "control", "decode"), repeats)
     both = median_cpu(lambda: check_cache(model, prompt, steps, "control"), repeats)
-    print(f"\n### onnxruntime-genai: cost ({steps} decode steps, {len(prompt)}-token prompt, median of {repeats})")
+    print(
+        f"\n### onnxruntime-genai: cost ({precision} build, {steps} decode steps, {len(prompt)}-token prompt, "
+        f"median of {repeats})"
+    )
     print("| what | CPU s | x plain |")
     print("|---|---|---|")
     for name, value in (("plain cached generation", base), ("control check (decode)", decode),
@@ -143,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--precisions", default="fp32,int8", help="onnxruntime-genai builds, comma-separated")
     ap.add_argument("--out", default=None, help="where to build the tiny models (default: a temporary folder)")
     args = ap.parse_args(argv)
     if args.steps < 1 or args.seeds < 1 or args.repeats < 1:
@@ -151,16 +164,23 @@ def main(argv: list[str] | None = None) -> int:
         import onnxruntime_genai  # noqa: F401
         import torch
 
-        from kvfast.check.engines.ort import tiny_ort_model
+        from kvfast.check.engines.ort import PRECISIONS, tiny_ort_model
     except ImportError:
         print("onnxruntime-genai not installed (pip install 'kvfast[ort,hf]'): nothing to measure")
         return 0
+    precisions = args.precisions.split(",")
+    if not precisions or any(p not in PRECISIONS for p in precisions):
+        ap.error(f"--precisions: {args.precisions!r} is not allowed; allowed: a comma-separated subset of {PRECISIONS}")
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.out or tmp)
-        built = [(tiny_ort_model(root / f"seed{s}", seed=s), root / f"seed{s}" / "hf") for s in range(args.seeds)]
-        ort_verdicts(built, args.steps)
-        ort_cost(*built[0], args.steps, args.repeats)
+        builds = {
+            p: [(tiny_ort_model(root / f"{p}-seed{s}", seed=s, precision=p), root / f"{p}-seed{s}" / "hf")
+                for s in range(args.seeds)]
+            for p in precisions
+        }  # fmt: skip
+        ort_verdicts(builds, args.steps)
+        ort_cost(*builds[precisions[0]][0], args.steps, args.repeats, precisions[0])
         try:
             import llama_cpp  # noqa: F401
         except ImportError:

@@ -2,7 +2,9 @@
 model builder (no download), checked through the engine's own generator against a plain onnxruntime session.
 
 Clean models in control mode are `rounding` in both scenarios with the cross-implementation variant (the same
-weights recomputed in transformers); an injected eviction is `bug` at the step where it first acts.
+weights recomputed in transformers); an injected eviction is `bug` at the step where it first acts. The same for
+an int8 build (weight-only MatMulNBits, int8 activations), whose transformers variant is the build's weights
+dequantized (checked against onnxruntime's own MatMulNBits kernel).
 """
 
 from __future__ import annotations
@@ -139,8 +141,13 @@ def test_the_engines_study_checks_one_model_in_transformers_and_onnxruntime_gena
         out, found = STUDY.run(clean), STUDY.run(bugged)
         assert out["verdict"] == "rounding" and out["first_bug_step"] == -1
         assert found["verdict"] == "bug" and found["first_bug_step"] == found["acts_at"] == 4  # a 5-token prompt
-    with pytest.raises(ValueError, match="^weights/cache: f16/native is not allowed for ort"):
+    with pytest.raises(
+        ValueError, match="^weights/cache: f16/native is not allowed for ort; allowed: f32/native, int8"
+    ):
         STUDY.validate_config({**base, "engine": "ort", "bug": "none", "weights": "f16"})
+    STUDY.validate_config({**base, "engine": "ort", "bug": "none", "weights": "int8"})  # the int8 build
+    with pytest.raises(ValueError, match="^weights/cache: int8/native is not allowed for transformers; allowed: f32/"):
+        STUDY.validate_config({**base, "engine": "transformers", "bug": "none", "weights": "int8"})
     with pytest.raises(ValueError, match="^engine: 'vllm' is not allowed"):
         STUDY.validate_config({**base, "engine": "vllm", "bug": "none"})
 
@@ -171,3 +178,164 @@ def test_the_rollback_scenario_runs_on_rewind_to(built, bug):
     assert rollback.verdict == ("rounding" if bug is None else "bug"), report.format()
     if bug is not None:  # rewind_to keeps one token too many from the first rollback (before step 1) on
         assert rollback.first_bug_step == 1
+
+
+# --- int8 builds (weight-only MatMulNBits; the CPU kernel rounds activations to int8) ----------------------
+
+
+def _matmulnbits_session(codes, scales, zero_points, *, bits: int, block_size: int, k: int, accuracy_level: int):
+    """One ``MatMulNBits`` node over the given initializers, as a one-thread onnxruntime session."""
+    import onnxruntime
+    from onnx import TensorProto, helper, numpy_helper
+
+    n = codes.shape[0]
+    inits = [numpy_helper.from_array(codes, "B"), numpy_helper.from_array(scales, "S")]
+    inputs = ["A", "B", "S"]
+    if zero_points is not None:
+        inits.append(numpy_helper.from_array(zero_points, "Z"))
+        inputs.append("Z")
+    node = helper.make_node("MatMulNBits", inputs, ["Y"], domain="com.microsoft", K=k, N=n, bits=bits,
+                            block_size=block_size, accuracy_level=accuracy_level)  # fmt: skip
+    a, y = (helper.make_tensor_value_info(name, TensorProto.FLOAT, [None, d]) for name, d in (("A", k), ("Y", n)))
+    graph = helper.make_graph([node], "g", [a], [y], initializer=inits)
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = 1
+    model = helper.make_model(graph, opset_imports=opsets)
+    return onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _codes(rng, n: int, k: int, block_size: int, bits: int, zero_points: bool):
+    blocks = -(-k // block_size)
+    codes = rng.integers(0, 256, (n, blocks, block_size * bits // 8), dtype=np.uint8)
+    scales = (0.001 + 0.01 * rng.random((n, blocks))).astype(np.float32)
+    zeros = rng.integers(0, 256, (n, -(-blocks * bits // 8)), dtype=np.uint8) if zero_points else None
+    return codes, scales, zeros
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("zero_points", [False, True])
+def test_dequantize_matmulnbits_is_the_weight_onnxruntime_multiplies_by(bits, zero_points):
+    from kvfast.check.engines.ort import dequantize_matmulnbits
+
+    rng = np.random.default_rng(bits + 10 * zero_points)
+    n, k, block = 48, 96, 32
+    codes, scales, zeros = _codes(rng, n, k, block, bits, zero_points)
+    session = _matmulnbits_session(codes, scales, zeros, bits=bits, block_size=block, k=k, accuracy_level=0)
+    a = rng.standard_normal((16, k)).astype(np.float32)
+    engine = session.run(None, {"A": a})[0].astype(np.float64)
+    scale = np.abs(engine).max()
+    eps = float(np.finfo(np.float32).eps)
+
+    def off(weight):  # the largest deviation of a @ weight.T from the engine, in float32 units of its largest value
+        return np.abs(a.astype(np.float64) @ weight.T.astype(np.float64) - engine).max() / (eps * scale)
+
+    weight = dequantize_matmulnbits(codes, scales, zeros, bits=bits, block_size=block, k=k)
+    print(f"bits {bits}, zero points {zero_points}: {off(weight):.2f} float32 units")
+    assert weight.shape == (n, k) and weight.dtype == np.float32
+    assert off(weight) <= 8  # the same weights, another summation order
+    # failing data: another zero point, or the codes read high bits first, is another weight altogether
+    other_zero = None if zero_points else np.zeros((n, -(-k // block * bits // 8)), np.uint8)  # packed zeros
+    shifted = dequantize_matmulnbits(codes, scales, other_zero, bits=bits, block_size=block, k=k)
+    assert off(shifted) > 1e3
+    if bits == 4:
+        swapped = ((codes >> 4) | (codes << 4)).astype(np.uint8)
+        assert off(dequantize_matmulnbits(swapped, scales, zeros, bits=bits, block_size=block, k=k)) > 1e3
+
+
+def test_fake_quantize_int8_blocks_is_what_accuracy_level_4_does_to_the_input():
+    from kvfast.check.engines.ort import dequantize_matmulnbits, fake_quantize_int8_blocks
+
+    rng = np.random.default_rng(3)
+    n, k, block = 64, 128, 32
+    codes, scales, _ = _codes(rng, n, k, block, 8, False)
+    weight = dequantize_matmulnbits(codes, scales, None, bits=8, block_size=block, k=k).astype(np.float64)
+    a = rng.standard_normal((256, k)).astype(np.float32)
+    a[:, :block] *= 10  # blocks of other ranges: each block has its own scale
+    engine = _matmulnbits_session(codes, scales, None, bits=8, block_size=block, k=k, accuracy_level=4)
+    y = engine.run(None, {"A": a})[0].astype(np.float64)
+    eps, scale = float(np.finfo(np.float32).eps), np.abs(y).max()
+    rounded = fake_quantize_int8_blocks(torch.from_numpy(a), block).numpy().astype(np.float64)
+    emulated = np.abs(rounded @ weight.T - y).max() / (eps * scale)
+    plain = np.abs(a.astype(np.float64) @ weight.T - y).max() / (eps * scale)
+    print(f"accuracy_level 4: {emulated:.2f} float32 units from int8-rounded inputs, {plain:.3g} from float ones")
+    assert emulated <= 8
+    assert plain > 1e3  # the float input is not what the kernel multiplies: the rounding to int8 is real
+    # per block: another block size is another rounding
+    assert np.abs(fake_quantize_int8_blocks(torch.from_numpy(a), 2 * block).numpy() @ weight.T - y).max() > 1e3 * (
+        eps * scale
+    )
+
+
+@pytest.fixture(scope="module")
+def built_int8(tmp_path_factory):
+    """The tiny random Llama of seed 1 converted with ``-p int8``: ``(onnx dir, hf dir)``."""
+    out = tmp_path_factory.mktemp("ort8")
+    return tiny_ort_model(out, seed=1, precision="int8"), out / "hf"
+
+
+def test_an_int8_build_declares_int8_activations_read_from_its_graph(built_int8, built):
+    from kvfast.check.engines.ort import quantized_matmuls
+
+    onnx, _ = built_int8
+    nodes = quantized_matmuls(onnx / "model.onnx", weights=False)
+    # every linear layer (q/k/v fused, o, gate, up, down per layer, and the head) is int8, rounding its input
+    assert len(nodes) == 11 and {(q.bits, q.accuracy_level) for q in nodes} == {(8, 4)}
+    model = ORTModel(onnx)
+    assert model.internal_formats == {"kv cache": "float32", "compute": "float32", "activations": "int8"}
+    assert ORTModel(built[0]).internal_formats == {"kv cache": "float32", "compute": "float32"}  # no MatMulNBits
+
+
+def test_the_dequantized_transformers_model_is_the_int8_engine_up_to_order(built_int8):
+    import transformers
+
+    from kvfast.check.engines.ort import dequantized_transformers
+
+    onnx, hf = built_int8
+    model = ORTModel(onnx)
+    tokens = np.array([9, 8, 7, 6, 5, 4, 3, 2, 1, *range(10, 40)])
+    engine = model.recompute(tokens)
+    scale = np.abs(engine).max(-1)
+    eps = float(np.finfo(np.float32).eps)
+    original = transformers.AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
+
+    def units(m):  # the largest relative deviation from the engine's recompute, in float32 units
+        with torch.no_grad():
+            logits = m(input_ids=torch.as_tensor(tokens)[None], use_cache=False).logits[0].numpy()
+        return float((np.abs(logits - engine).max(-1) / scale).max() / eps)
+
+    same = dequantized_transformers(original, onnx / "model.onnx")
+    float_inputs = dequantized_transformers(original, onnx / "model.onnx")
+    for layer in float_inputs.modules():
+        layer._forward_pre_hooks.clear()  # the build's weights, but float32 activations
+    figures = {"dequantized, int8 activations": units(same), "dequantized, float activations": units(float_inputs),
+               "the float weights it was built from": units(original)}  # fmt: skip
+    print({k: f"{v:.3g} float32 units" for k, v in figures.items()})
+    assert figures["dequantized, int8 activations"] <= 16  # the same function, another order
+    assert figures["dequantized, float activations"] > 1e3
+    assert figures["the float weights it was built from"] > 1e3
+    assert not any(layer._forward_pre_hooks for layer in original.modules())  # the caller's model untouched
+
+
+def test_a_clean_int8_engine_is_rounding_and_an_injected_eviction_a_bug_where_it_first_acts(built_int8):
+    onnx, hf = built_int8
+    variants = ("batch", "no-opt", "transformers")
+    clean = check_cache(ORTModel(onnx, variants=variants, hf_model=hf), PROMPTS[1], 24, mode="control")
+    assert clean.verdict == "rounding", clean.format()
+    assert any("variant 'transformers'" in note and "not admitted" not in note for note in clean.notes)
+    bugged = check_cache(ORTModel(onnx, variants=variants, hf_model=hf, bug="evict"), PROMPTS[0], 16, mode="control")
+    assert bugged.verdict == "bug"
+    assert bugged.scenarios["decode"].first_bug_step == ORT_WINDOW - len(PROMPTS[0]) + 1
+
+
+@pytest.mark.slow
+def test_int8_clean_runs_are_rounding_over_two_seeds_two_prompts_64_steps(tmp_path):
+    """The issue's bar for int8: 2 seeds x 2 prompts x 64 steps, both scenarios, 0 bug and 0 inconclusive."""
+    verdicts = []
+    for seed in (0, 1):
+        onnx = tiny_ort_model(tmp_path / f"seed{seed}", seed=seed, precision="int8")
+        model = ORTModel(onnx, variants=("batch", "no-opt", "transformers"), hf_model=tmp_path / f"seed{seed}" / "hf")
+        for prompt in PROMPTS:
+            report = check_cache(model, prompt, 64, mode="control")
+            verdicts += [s.verdict for s in report.scenarios.values()]
+    assert verdicts == ["rounding"] * 8

@@ -5,10 +5,12 @@ each engine's own cached path against its own recompute, in control mode, both s
 cross-implementation variant (the weights recomputed by transformers) for the engines:
 
 - ``engine``: ``transformers`` (:class:`kvfast.check.hf.HFModel`, its built-in variants), ``ort``
-  (:class:`kvfast.check.engines.ort.ORTModel`, fp32; ``kvfast[ort]``) or ``llamacpp``
+  (:class:`kvfast.check.engines.ort.ORTModel`; ``kvfast[ort]``) or ``llamacpp``
   (:class:`kvfast.check.engines.llamacpp.LlamaCppModel`; llama-cpp-python);
-- ``weights`` (llama.cpp: ``f32``, ``f16``, ``q8_0``; the others ``f32``) and ``cache`` (llama.cpp's KV cache
-  type ``f16``, ``f32``, ``q8_0``; the others ``native``);
+- ``weights`` (llama.cpp: ``f32``, ``f16``; onnxruntime-genai: ``f32`` or ``int8``, the model builder's
+  weight-only int8, whose transformers variant gets the build's dequantized weights and int8 activations;
+  transformers: ``f32``) and ``cache`` (llama.cpp's KV cache type ``f16``, ``f32``, ``q8_0``; the others
+  ``native``);
 - ``bug``: ``none`` or ``evict`` (decode drops the oldest token past 8 tokens: each engine's ``evict``, and
   transformers' ``window``), acting first at decode step ``max(1, 9 - len(prompt))``.
 
@@ -36,7 +38,10 @@ from kvfast.validation import require_int
 
 VERSION = "1"
 ENGINES = {"transformers": "transformers", "ort": "onnxruntime_genai", "llamacpp": "llama_cpp"}
-WEIGHTS = ("f32", "f16")
+WEIGHTS = ("f32", "f16", "int8")
+#: The weights each engine is built with (``ort``'s ``int8``: ``tiny_ort_model(..., precision="int8")``).
+ENGINE_WEIGHTS = {"transformers": ("f32",), "ort": ("f32", "int8"), "llamacpp": ("f32", "f16")}
+ORT_PRECISIONS = {"f32": "fp32", "int8": "int8"}
 CACHES = ("native", "f16", "f32", "q8_0")
 BUGS = ("none", "evict")
 WINDOW = 8
@@ -75,8 +80,11 @@ def validate_config(config: dict) -> None:
     require_config_choice(config, "weights", WEIGHTS)
     require_config_choice(config, "cache", CACHES)
     weights, cache = config["weights"], config["cache"]
-    if engine != "llamacpp" and (weights != "f32" or cache != "native"):
-        raise ValueError(f"weights/cache: {weights}/{cache} is not allowed for {engine}; allowed: f32/native")
+    if engine != "llamacpp" and (weights not in ENGINE_WEIGHTS[engine] or cache != "native"):
+        allowed = ", ".join(f"{w}/native" for w in ENGINE_WEIGHTS[engine])
+        raise ValueError(f"weights/cache: {weights}/{cache} is not allowed for {engine}; allowed: {allowed}")
+    if engine == "llamacpp" and weights not in ENGINE_WEIGHTS[engine]:
+        raise ValueError(f"weights: {weights!r} is not allowed for llamacpp; allowed: f16, f32")
     if engine == "llamacpp" and cache == "native":
         raise ValueError("cache: 'native' is not allowed for llamacpp; allowed: f16, f32, q8_0")
     require_int(config.get("seed"), "seed", 0, 1000)
@@ -105,7 +113,7 @@ def _built(seed: int, engine: str, weights: str) -> Path:
         final.parent.mkdir(parents=True, exist_ok=True)
         work = Path(tempfile.mkdtemp(dir=final.parent))
         if engine == "ort":
-            tiny_ort_model(work, seed)
+            tiny_ort_model(work, seed, ORT_PRECISIONS[weights])
         elif engine == "llamacpp":
             tiny_gguf_model(work, seed, weights)
         else:
