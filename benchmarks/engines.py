@@ -46,32 +46,49 @@ def median_cpu(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def largest_relative_deviation(model, report) -> float:
+    """The largest deviation of any scenario's step over the largest logit of its reference rows (the model's
+    recompute of the prompt and the fed tokens: step 0 is the prompt's rows, step ``t`` the row at
+    ``len(prompt) + t - 1``)."""
+    scale = np.abs(model.recompute(np.concatenate([report.prompt, report.tokens]))).max(-1)
+    n = len(report.prompt)
+    per_step = np.concatenate([[scale[:n].max()], scale[n:]])
+    return max(float(np.max(s.deviation / per_step[: len(s.deviation)])) for s in report.scenarios.values())
+
+
 def ort_verdicts(builds: dict[str, list[tuple[Path, Path]]], steps: int) -> None:
     from kvfast.check import check_cache
     from kvfast.check.engines.ort import ORT_BUGS, ORT_WINDOW, ORTModel
 
     seeds = len(next(iter(builds.values())))
     print(f"\n### onnxruntime-genai: verdicts ({seeds} seeds x {len(PROMPTS)} prompts x {steps} steps, control)")
-    print("| build | internal formats | variants | runs | rounding | inconclusive | bug | largest ratio |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| build | internal formats | variants | runs | rounding | inconclusive | bug | largest ratio | "
+          "largest relative deviation |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     own, cross = ("batch", "no-opt"), ("batch", "no-opt", "transformers")
-    for (precision, built), (label, variants) in itertools.product(
-        builds.items(), (("engine's own (batch, no-opt)", own), ("+ transformers (cross-implementation)", cross))
-    ):
+    rows = [("engine's own (batch, no-opt)", own, True), ("+ transformers (cross-implementation)", cross, True),
+            ("+ transformers, internal formats undeclared beyond kv cache and compute", cross, False)]  # fmt: skip
+    for (precision, built), (label, variants, declared) in itertools.product(builds.items(), rows):
         counts = {"rounding": 0, "inconclusive": 0, "bug": 0}
-        largest = 0.0
-        formats = ", ".join(f"{k} {v}" for k, v in ORTModel(built[0][0]).internal_formats.items())
+        largest = relative = 0.0
+        formats = ORTModel(built[0][0]).internal_formats
+        if not declared and set(formats) <= {"kv cache", "compute"}:
+            continue  # nothing declared beyond them: the row above
         for onnx, hf in built:
             model = ORTModel(onnx, variants=variants, hf_model=hf if "transformers" in variants else None)
+            if not declared:  # what the check says without the int8 activations: float32 is all it knows
+                model.internal_formats = {k: v for k, v in formats.items() if k in ("kv cache", "compute")}
             for prompt in PROMPTS:
                 report = check_cache(model, prompt, steps, mode="control")
+                relative = max(relative, largest_relative_deviation(model, report))
                 for scenario in report.scenarios.values():
                     counts[scenario.verdict] += 1
                     largest = max(largest, float(np.max(scenario.ratio)))
         runs = sum(counts.values())
+        shown = ", ".join(f"{k} {v}" for k, v in model.internal_formats.items())
         print(
-            f"| {precision} | {formats} | {label} | {runs} | {counts['rounding']} | {counts['inconclusive']} | "
-            f"{counts['bug']} | {largest:.3g} |"
+            f"| {precision} | {shown} | {label} | {runs} | {counts['rounding']} | {counts['inconclusive']} | "
+            f"{counts['bug']} | {largest:.3g} | {relative:.3g} |"
         )
     print("\n| build | injected bug | runs | bug at the step it first acts | smallest bug ratio |")
     print("|---|---|---|---|---|")
