@@ -80,7 +80,8 @@ class ORTModel:
     - ``variants``: a subset of :data:`VARIANTS` (``"transformers"`` only with ``hf_model``); default: all
       of them that ``hf_model`` allows.
     - ``hf_model``: the same weights as a transformers causal LM (or its directory), for the
-      cross-implementation variant.
+      cross-implementation variant; for a quantized build, the model it was built from: the variant computes
+      with a copy holding the build's own weights, dequantized (:func:`dequantized_transformers`).
     - ``bug``: a cache bug from :data:`ORT_BUGS` injected into the cached path.
     """
 
