@@ -261,6 +261,11 @@ def test_fake_quantize_int8_blocks_is_what_accuracy_level_4_does_to_the_input():
     print(f"accuracy_level 4: {emulated:.2f} float32 units from int8-rounded inputs, {plain:.3g} from float ones")
     assert emulated <= 8
     assert plain > 1e3  # the float input is not what the kernel multiplies: the rounding to int8 is real
+    # levels 0 to 3 (unset, float32, float16, bfloat16) compute a float32 input in float32 on this CPU kernel
+    for level in range(4):
+        session = _matmulnbits_session(codes, scales, None, bits=8, block_size=block, k=k, accuracy_level=level)
+        y_level = session.run(None, {"A": a})[0].astype(np.float64)
+        assert np.abs(a.astype(np.float64) @ weight.T - y_level).max() / (eps * scale) <= 8, level
     # per block: another block size is another rounding
     assert np.abs(fake_quantize_int8_blocks(torch.from_numpy(a), 2 * block).numpy() @ weight.T - y).max() > 1e3 * (
         eps * scale
