@@ -290,3 +290,27 @@ def test_the_window_bug_stays_out_of_the_recompute_and_needs_a_window():
         op_first_acting_step(WINDOW_BUG, "decode", 16)
     assert op_first_acting_step(WINDOW_BUG, "decode", 4, 4, MISTRAL_WINDOW) is None  # beyond the run
     assert op_first_acting_step(WINDOW_BUG, "padded-row", 16, 4, MISTRAL_WINDOW) == MISTRAL_WINDOW - 2
+
+
+# --- the offloaded cache: CUDA only in transformers 5.24 -------------------------------------------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="measured on CPU-only torch: the offload path needs CUDA")
+@pytest.mark.parametrize("kind", ["DynamicCache", "StaticCache"])
+def test_an_offloaded_cache_cannot_run_without_cuda(kind):
+    """``offloading=True`` (and ``generate``'s ``cache_implementation="offloaded"``) calls
+    ``torch.cuda.default_stream`` in ``Cache.update``: on CPU-only torch the model's first prefill raises
+    ``AssertionError: Torch not compiled with CUDA enabled``, which kvfast reports as the model's error
+    (``ModelUnderTestError``, exit 4), never as a verdict. The same cache without offloading is clean."""
+    from kvfast.check import ModelUnderTestError
+
+    model = tiny_model("llama", "float32", "sdpa", 0)
+    extra = {"max_cache_len": 64} if kind == "StaticCache" else {}
+    cls = getattr(transformers, kind)
+    offloaded = HFModel(model, new_cache=lambda: cls(config=model.config, offloading=True, **extra))
+    with pytest.raises(ModelUnderTestError, match="prefill") as caught:
+        check_cache(offloaded, [3, 4, 5, 6], 4, mode="control", scenarios=ALL_OPS)
+    assert isinstance(caught.value.error, AssertionError)
+    assert str(caught.value.error) == "Torch not compiled with CUDA enabled"
+    resident = HFModel(model, new_cache=lambda: cls(config=model.config, offloading=False, **extra))
+    assert check_cache(resident, [3, 4, 5, 6], 4, mode="control", scenarios=ALL_OPS).verdict == "rounding"

@@ -119,3 +119,45 @@ def test_assert_cache_exact_fails_on_a_lossy_cache():
 
     with pytest.raises(AssertionError, match="LOSSY"):
         assert_cache_exact(lossy(), PROMPT, 8, scenarios="decode")
+
+
+#: transformers' group-wise backends on the tiny models (head_dim 8): groups of 8 (the default 64 divides
+#: no tiny tensor: both backends refuse it) and a residual of 4 positions kept unquantized (default 128,
+#: longer than the run: only the prefill would be quantized).
+GROUPWISE = {
+    "quanto": ("optimum.quanto", dict(nbits=4, q_group_size=8, residual_length=4)),
+    "hqq": ("hqq", dict(nbits=4, q_group_size=8, residual_length=4)),
+}
+
+
+@pytest.mark.parametrize("backend", sorted(GROUPWISE))
+def test_quanto_and_hqq_quantized_caches_are_lossy_never_rounding(backend, monkeypatch):
+    """A 4-bit ``QuantizedCache`` of the quanto or HQQ backend (skipped where the package is absent: neither is
+    a dependency of kvfast) is ``lossy`` at every step, its measured error against the cache unquantized
+    within 4x kvfast's own int4 round trip's; a 2-bit cache judged against int8's expected error is ``bug``
+    (failing data: a cache worse than the format it declares)."""
+    module, kwargs = GROUPWISE[backend]
+    pytest.importorskip(module)
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from kvfast.check import hf_ops
+    from kvfast.check.hf import HFModel, tiny_model
+
+    torch.set_num_threads(1)
+    model = tiny_model("llama", "float32", "sdpa", 0)
+    adapter = HFModel(model, new_cache=lambda: transformers.QuantizedCache(backend, model.config, **kwargs))
+    assert adapter.lossy_cache == "int4"
+    scenarios = ("decode", "resume", "reorder", "padded")  # quanto's tensors cannot be deep-copied: no fork
+    report = check_cache(adapter, list(range(3, 11)), 12, mode="control", scenarios=scenarios)
+    assert report.verdict == "lossy" and report.passed, report.format()
+    for s in report.scenarios.values():
+        assert set(s.step_verdicts) == {"lossy"}, report.format()
+        assert s.deviation[1:].min() > 0 and s.floor[1:].min() > 0  # measured and expected, at every step
+    assert "a lossy cache (int4)" in report.format()
+
+    two_bits = {**kwargs, "nbits": 2}
+    adapter = HFModel(model, new_cache=lambda: transformers.QuantizedCache(backend, model.config, **two_bits))
+    original = hf_ops.lossy_format
+    monkeypatch.setattr(hf_ops, "lossy_format", lambda a: "int8" if original(a) == "int2" else original(a))
+    worse = check_cache(adapter, list(range(3, 11)), 12, mode="control", scenarios="decode")
+    assert worse.verdict == "bug" and worse.scenarios["decode"].first_bug_step == 1, worse.format()
