@@ -161,3 +161,47 @@ def test_quanto_and_hqq_quantized_caches_are_lossy_never_rounding(backend, monke
     monkeypatch.setattr(hf_ops, "lossy_format", lambda a: "int8" if original(a) == "int2" else original(a))
     worse = check_cache(adapter, list(range(3, 11)), 12, mode="control", scenarios="decode")
     assert worse.verdict == "bug" and worse.scenarios["decode"].first_bug_step == 1, worse.format()
+
+
+# --- internal_formats or lossy_cache: a quantized cache is lossy_cache, never internal rounding -------------
+
+
+def test_quantized_cache_entries_of_internal_formats():
+    from kvfast.check.formats import quantized_cache
+
+    internal = {"kv cache": "int8", "KV": "float8_e4m3", "cache_v": "float8_e5m2", "activations": "int8",
+                "kv cache16": "float16", "kvfast": "int8"}  # fmt: skip
+    assert quantized_cache(internal) == {"kv cache": "int8", "KV": "float8_e4m3", "cache_v": "float8_e5m2"}
+
+
+def test_a_cache_declared_quantized_both_ways_is_refused():
+    """lossy_cache and an int8 KV cache in internal_formats: one model, two contradicting declarations."""
+
+    class Both(LossyKvfastModel):
+        internal_formats = {"kv cache": "int8"}
+
+    with pytest.raises(ValueError, match=r"model\.internal_formats: \{'kv cache': 'int8'\} declares the cache"):
+        check_cache(Both(CFG, init_params(CFG, 0), "f64", fmt="int8"), PROMPT, 4, mode="control")
+
+    class Float16Cache(LossyKvfastModel):  # failing data: a float16 cache is rounding, no contradiction
+        internal_formats = {"kv cache": "float16"}
+
+    assert check_cache(
+        Float16Cache(CFG, init_params(CFG, 0), "f64", fmt="int8"), PROMPT, 4, mode="control"
+    ).verdict == ("lossy")
+
+
+def test_an_int8_cache_declared_as_an_internal_format_gets_a_note():
+    """Declared as internal rounding, a quantized cache is judged as order noise: the report says why that can
+    pass a cache worse than its format, and what to declare instead; an int8 activation gets no such note."""
+    from tests.toymodels import LowFormatToy
+
+    model = LowFormatToy("kv16")
+    model.internal_formats = {"kv cache": "int8"}
+    report = check_cache(model, [1, 2, 3, 4], 4, mode="control", scenarios="decode")
+    notes = [n for n in report.notes if n.startswith("internal_formats puts the KV cache in int8")]
+    assert len(notes) == 1 and "lossy_cache = 'int8' with lossless()" in notes[0], report.format()
+    activations = check_cache(LowFormatToy("int8"), [1, 2, 3, 4], 4, mode="control", scenarios="decode")
+    assert not any("puts the KV cache" in n for n in activations.notes)
+    exact = check_cache(model, [1, 2, 3, 4], 4, scenarios="decode")  # judged with ==: no noise model, no note
+    assert not any("puts the KV cache" in n for n in exact.notes)
