@@ -89,8 +89,9 @@ Choose = Callable[[int, np.ndarray], int]
 #: The sliding-window operation bug's name (:data:`OP_BUGS`).
 WINDOW_BUG = "window_evicts_one_too_many"
 
-#: Bugs of the cache operations, injected into the operation hooks only (``inject_op_bug``; kvfast's own
-#: model and :class:`~kvfast.check.hf.HFModel`): the recompute, prefill and decode stay clean.
+#: Bugs of the cache operations, injected into the cache path only (``inject_op_bug``; kvfast's own model and
+#: :class:`~kvfast.check.hf.HFModel`): the recompute always stays clean; every bug but the window bug acts in
+#: the operation hooks only (prefill and decode stay clean), the window bug in every cached call.
 OP_BUGS: dict[str, str] = {
     "crop_short": "a rollback that crops one token too few: crop(n) keeps n + 1 positions",
     "fork_shared_keys": "a fork that shares the key tensor: snapshot() and restore() copy the values, not the keys",
