@@ -16,8 +16,8 @@ one warm-up run that compiles:
 - fast check, both scenarios: ``decode`` and ``resume``.
 
 Hugging Face models (when torch and transformers are installed; ``--hf-steps``,
-default 128): the tiny random Llama and GPT-2 of :func:`kvfast.check.hf.tiny_model`
-(float32, sdpa, one torch thread), a 16-token prompt:
+default 128): the tiny random Llama, GPT-2 and Mistral (a sliding window of 12, crossed by the prompt) of
+:func:`kvfast.check.hf.tiny_model` (float32, sdpa, one torch thread), a 16-token prompt:
 
 - plain: a cached greedy generation in torch (prefill, then one ``model(token,
   cache=...)`` per step);
@@ -123,7 +123,7 @@ def hf_benchmark(steps: int, repeats: int) -> None:
     print(f"\nHugging Face models: {steps} decode steps after a {PROMPT_LEN}-token prompt, float32, sdpa, 1 thread")
     print("| model | what | CPU s | x plain (CPU) | wall s | x plain (wall) |")
     print("|---|---|---|---|---|---|")
-    for family in ("llama", "gpt2"):
+    for family in ("llama", "gpt2", "mistral"):
         model = tiny_model(family, "float32", "sdpa", 0)
         report = check_cache(model, prompt, steps, mode="control")
         if report.verdict != "rounding" or report.path != "fast":

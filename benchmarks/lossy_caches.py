@@ -7,12 +7,16 @@ resume and fork, a 16-token prompt), the largest measured error (|lossy - lossle
 expected error of the format (kvfast's own round trip on the lossless cache) and the largest ratio of the
 two (see kvfast.check.lossy). Models: kvfast's own (vocab 64, d_model 32, f64) with an int8 and an fp8
 cache and the "int8 that stores 4 bits" bug; the tiny random Hugging Face Llama, GPT-2 and Qwen2 (float32
-and bfloat16) with transformers' fp8 QuantizedCache (built in; quanto and HQQ are separate packages).
+and bfloat16) with transformers' fp8 QuantizedCache (built in), and the float32 Llama with a 4-bit
+quanto and HQQ QuantizedCache where those packages import (groups of 8, a residual of 4 positions; scenarios
+decode and resume: quanto's tensors cannot be deep-copied, so no fork); neither is a dependency of kvfast,
+and a backend that does not import gets no row.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 
 import numpy as np
 
@@ -23,8 +27,21 @@ from kvfast.check.lossy import LossyKvfastModel
 SCENARIOS = ("decode", "resume", "fork")
 
 
-def row(name: str, model, prompt, steps: int) -> str:
-    report = check_cache(model, prompt, steps, mode="control", scenarios=SCENARIOS)
+#: transformers' group-wise backends: the module each needs, and the tiny models' settings (groups of 8:
+#: the default 64 divides no tiny tensor; a residual of 4: the default 128 outlasts the run).
+GROUPWISE = {"quanto": "optimum.quanto", "hqq": "hqq"}
+GROUPWISE_KWARGS = dict(nbits=4, q_group_size=8, residual_length=4)
+
+
+def importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # the parent package (optimum) is absent
+        return False
+
+
+def row(name: str, model, prompt, steps: int, scenarios: tuple[str, ...] = SCENARIOS) -> str:
+    report = check_cache(model, prompt, steps, mode="control", scenarios=scenarios)
     ran = list(report.scenarios.values())
     measured = max(float(s.deviation.max()) for s in ran)
     expected = max(float(s.floor.max()) for s in ran)
@@ -57,6 +74,12 @@ def main(argv: list[str] | None = None) -> int:
             m = tiny_model(family, dtype, "sdpa", 0)
             adapter = HFModel(m, new_cache=lambda m=m: transformers.QuantizedCache("fp8", m.config))
             print(row(f"{family} {dtype}, QuantizedCache fp8", adapter, prompt, args.steps))
+    m = tiny_model("llama", "float32", "sdpa", 0)
+    for backend, module in GROUPWISE.items():
+        if importable(module):
+            make = lambda b=backend: transformers.QuantizedCache(b, m.config, **GROUPWISE_KWARGS)  # noqa: E731
+            name = f"llama float32, QuantizedCache {backend} int4 (decode, resume)"
+            print(row(name, HFModel(m, new_cache=make), prompt, args.steps, ("decode", "resume")))
     return 0
 
 

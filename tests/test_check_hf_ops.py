@@ -24,7 +24,7 @@ else:
 
 from kvfast.check import check_cache  # noqa: E402
 from kvfast.check.hf import MISTRAL_WINDOW, HFModel, tiny_model  # noqa: E402
-from kvfast.check.operations import BRANCH, OP_BUGS, inject_op_bug, op_first_acting_step  # noqa: E402
+from kvfast.check.operations import BRANCH, OP_BUGS, WINDOW_BUG, inject_op_bug, op_first_acting_step  # noqa: E402
 from kvfast.studies.hf_common import prompt_and_continuation  # noqa: E402
 from kvfast.studies.hf_matrix import PROMPT_LENGTHS, PROMPT_STREAM  # noqa: E402
 
@@ -102,7 +102,7 @@ def test_a_static_window_cache_that_cannot_roll_back_is_skipped():
 
 
 @pytest.mark.parametrize(
-    "bug", [b for b in OP_BUGS if b not in ("padded_positions_from_start", "static_never_cleared")]
+    "bug", [b for b in OP_BUGS if b not in ("padded_positions_from_start", "static_never_cleared", WINDOW_BUG)]
 )
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_operation_bugs_are_found_where_they_first_act(family, bug):
@@ -172,10 +172,29 @@ def test_the_operation_bug_score_table(monkeypatch):
     monkeypatch.setattr(op_score, "PROMPTS", (0,))
     table = op_score.score_table(steps=6)
     rows = {line.split(" | ")[0].strip("| "): line for line in table.splitlines()[2:]}
-    assert set(rows) == {*OP_BUGS, "all"}
-    for bug in [b for b in OP_BUGS if b != "padded_positions_from_start"]:  # Llama: rotary positions
+    assert set(rows) == {*OP_BUGS, "all"} - {WINDOW_BUG}  # a window bug needs a family with a window
+    for bug in [b for b in OP_BUGS if b not in ("padded_positions_from_start", WINDOW_BUG)]:  # Llama: rotary
         assert "| 0.000, -, 0.500 | 0.000, -, 0.500 | 1.000, " in rows[bug], table
     assert rows["crop_short"].endswith("1.000, 1, 1.000 |") and rows["fork_shared_keys"].endswith("1.000, 4, 1.000 |")
+
+
+def test_the_window_bug_row_of_the_score_table(monkeypatch):
+    """Mistral's row: the three-token check stops at step 1 and misses it; the per-step generation test (its
+    ``steps`` compare decode steps 0 to steps - 1) and
+    kvfast find it at the step where the cache first holds more than window - 1 positions."""
+    from kvfast.studies import op_score
+
+    monkeypatch.setattr(op_score, "FAMILIES", ("mistral",))
+    monkeypatch.setattr(op_score, "PROMPTS", (0,))
+    table = op_score.score_table(steps=9)  # prompt 0 has 4 tokens: the window (12) is first exceeded at step 8
+    rows = {line.split(" | ")[0].strip("| "): line for line in table.splitlines()[2:]}
+    assert set(rows) == {WINDOW_BUG, "all"}
+    want = op_first_acting_step(WINDOW_BUG, "decode", 9, 4, MISTRAL_WINDOW)
+    assert want == 8
+    assert rows[WINDOW_BUG] == f"| {WINDOW_BUG} | 1 | 0.000, -, 0.500 | 1.000, {want}, 1.000 | 1.000, {want}, 1.000 |"
+    # failing data: a run that stops before step 8, where neither the generation test nor kvfast can see it
+    short = {line.split(" | ")[0].strip("| "): line for line in op_score.score_table(steps=7).splitlines()[2:]}
+    assert short[WINDOW_BUG] == f"| {WINDOW_BUG} | 1 | 0.000, -, 0.500 | 0.000, -, 0.500 | 0.000, -, 0.500 |"
 
 
 # --- hybrid caches: Gemma2 and Gemma3 (sliding and full layers), prompts longer than the window ----------
@@ -227,3 +246,76 @@ def test_hybrid_models_are_never_a_bug_nor_inconclusive(kind, dtype):
             padded = check_cache(model, prompt, 16, mode="control", scenarios="padded", promote="float64")
             assert padded.verdict == "rounding" and padded.passed, padded.format()
             assert padded.promoted is None and any("logits hold nan" in n for n in padded.notes)
+
+
+# --- a window that evicts one too many (the operation bug window_evicts_one_too_many) -------------------
+
+
+@pytest.mark.parametrize(
+    ("kind", "prompt_len", "static_cache"),
+    [
+        ("mistral", 4, False),
+        ("gemma2", 5, True),
+        pytest.param("mistral", MISTRAL_WINDOW + 3, True, marks=pytest.mark.slow),  # the prefill crosses the window
+        pytest.param("gemma3", 11, False, marks=pytest.mark.slow),
+    ],
+)
+def test_a_window_that_evicts_one_too_many_is_found_where_it_first_acts(kind, prompt_len, static_cache):
+    """Every scenario's first ``bug`` step is where the cache first holds more than ``window - 1`` positions
+    (step 0 for a prompt longer than the window); the same model clean has no ``bug`` step anywhere."""
+    model = tiny_model("mistral", "float32", "sdpa", 0) if kind == "mistral" else tiny_hybrid(kind)
+    window, prompt = model.config.sliding_window, list(range(3, 3 + prompt_len))
+    new_cache = static(model) if static_cache else None
+    bad = check_cache(inject_op_bug(HFModel(model, new_cache=new_cache), WINDOW_BUG), prompt, 16, mode="control",
+                      scenarios=ALL_OPS)  # fmt: skip
+    clean = check_cache(HFModel(model, new_cache=new_cache), prompt, 16, mode="control", scenarios=ALL_OPS)
+    assert bad.verdict == "bug" and clean.verdict == "rounding", clean.format()
+    for name, report in bad.scenarios.items():
+        if report.verdict == "skipped":  # a static sliding-window cache cannot roll back
+            assert name == "rollback" and static_cache
+            continue
+        want = op_first_acting_step(WINDOW_BUG, name, 16, prompt_len, window)
+        assert want is not None and report.first_bug_step == want, bad.format()
+        assert clean.scenarios[name].first_bug_step is None
+    assert model.config.sliding_window == window  # put back after every call
+
+
+def test_the_window_bug_stays_out_of_the_recompute_and_needs_a_window():
+    model = tiny_model("mistral", "float32", "sdpa", 0)
+    tokens = list(range(3, 3 + 2 * MISTRAL_WINDOW))
+    adapter = inject_op_bug(HFModel(model), WINDOW_BUG)
+    assert bool((adapter.recompute(tokens) == HFModel(model).recompute(tokens)).all())
+    first = adapter.prefill(tokens)  # the cache path: the prefill's rows from position window - 1 on change
+    clean = HFModel(model).prefill(tokens)
+    assert bool((first[: MISTRAL_WINDOW - 1] == clean[: MISTRAL_WINDOW - 1]).all())
+    assert not torch.allclose(first[MISTRAL_WINDOW - 1], clean[MISTRAL_WINDOW - 1], atol=1e-3)
+    with pytest.raises(ValueError, match="allowed: an HFModel of a model with a sliding window"):
+        inject_op_bug(HFModel(tiny_model("llama", "float32", "sdpa", 0)), WINDOW_BUG)
+    with pytest.raises(ValueError, match="prompt_len"):
+        op_first_acting_step(WINDOW_BUG, "decode", 16)
+    assert op_first_acting_step(WINDOW_BUG, "decode", 4, 4, MISTRAL_WINDOW) is None  # beyond the run
+    assert op_first_acting_step(WINDOW_BUG, "padded-row", 16, 4, MISTRAL_WINDOW) == MISTRAL_WINDOW - 2
+
+
+# --- the offloaded cache: CUDA only in transformers 5.24 -------------------------------------------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="measured on CPU-only torch: the offload path needs CUDA")
+@pytest.mark.parametrize("kind", ["DynamicCache", "StaticCache"])
+def test_an_offloaded_cache_cannot_run_without_cuda(kind):
+    """``offloading=True`` (and ``generate``'s ``cache_implementation="offloaded"``) calls
+    ``torch.cuda.default_stream`` in ``Cache.update``: on CPU-only torch the model's first prefill raises
+    ``AssertionError: Torch not compiled with CUDA enabled``, which kvfast reports as the model's error
+    (``ModelUnderTestError``, exit 4), never as a verdict. The same cache without offloading is clean."""
+    from kvfast.check import ModelUnderTestError
+
+    model = tiny_model("llama", "float32", "sdpa", 0)
+    extra = {"max_cache_len": 64} if kind == "StaticCache" else {}
+    cls = getattr(transformers, kind)
+    offloaded = HFModel(model, new_cache=lambda: cls(config=model.config, offloading=True, **extra))
+    with pytest.raises(ModelUnderTestError, match="prefill") as caught:
+        check_cache(offloaded, [3, 4, 5, 6], 4, mode="control", scenarios=ALL_OPS)
+    assert isinstance(caught.value.error, AssertionError)
+    assert str(caught.value.error) == "Torch not compiled with CUDA enabled"
+    resident = HFModel(model, new_cache=lambda: cls(config=model.config, offloading=False, **extra))
+    assert check_cache(resident, [3, 4, 5, 6], 4, mode="control", scenarios=ALL_OPS).verdict == "rounding"

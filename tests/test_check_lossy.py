@@ -119,3 +119,89 @@ def test_assert_cache_exact_fails_on_a_lossy_cache():
 
     with pytest.raises(AssertionError, match="LOSSY"):
         assert_cache_exact(lossy(), PROMPT, 8, scenarios="decode")
+
+
+#: transformers' group-wise backends on the tiny models (head_dim 8): groups of 8 (the default 64 divides
+#: no tiny tensor: both backends refuse it) and a residual of 4 positions kept unquantized (default 128,
+#: longer than the run: only the prefill would be quantized).
+GROUPWISE = {
+    "quanto": ("optimum.quanto", dict(nbits=4, q_group_size=8, residual_length=4)),
+    "hqq": ("hqq", dict(nbits=4, q_group_size=8, residual_length=4)),
+}
+
+
+@pytest.mark.parametrize("backend", sorted(GROUPWISE))
+def test_quanto_and_hqq_quantized_caches_are_lossy_never_rounding(backend, monkeypatch):
+    """A 4-bit ``QuantizedCache`` of the quanto or HQQ backend (skipped where the package is absent: neither is
+    a dependency of kvfast) is ``lossy`` at every step, its measured error against the cache unquantized
+    within 4x kvfast's own int4 round trip's; a 2-bit cache judged against int8's expected error is ``bug``
+    (failing data: a cache worse than the format it declares)."""
+    module, kwargs = GROUPWISE[backend]
+    pytest.importorskip(module)
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from kvfast.check import hf_ops
+    from kvfast.check.hf import HFModel, tiny_model
+
+    torch.set_num_threads(1)
+    model = tiny_model("llama", "float32", "sdpa", 0)
+    adapter = HFModel(model, new_cache=lambda: transformers.QuantizedCache(backend, model.config, **kwargs))
+    assert adapter.lossy_cache == "int4"
+    scenarios = ("decode", "resume", "reorder", "padded")  # quanto's tensors cannot be deep-copied: no fork
+    report = check_cache(adapter, list(range(3, 11)), 12, mode="control", scenarios=scenarios)
+    assert report.verdict == "lossy" and report.passed, report.format()
+    for s in report.scenarios.values():
+        assert set(s.step_verdicts) == {"lossy"}, report.format()
+        assert s.deviation[1:].min() > 0 and s.floor[1:].min() > 0  # measured and expected, at every step
+    assert "a lossy cache (int4)" in report.format()
+
+    two_bits = {**kwargs, "nbits": 2}
+    adapter = HFModel(model, new_cache=lambda: transformers.QuantizedCache(backend, model.config, **two_bits))
+    original = hf_ops.lossy_format
+    monkeypatch.setattr(hf_ops, "lossy_format", lambda a: "int8" if original(a) == "int2" else original(a))
+    worse = check_cache(adapter, list(range(3, 11)), 12, mode="control", scenarios="decode")
+    assert worse.verdict == "bug" and worse.scenarios["decode"].first_bug_step == 1, worse.format()
+
+
+# --- internal_formats or lossy_cache: a quantized cache is lossy_cache, never internal rounding -------------
+
+
+def test_quantized_cache_entries_of_internal_formats():
+    from kvfast.check.formats import quantized_cache
+
+    internal = {"kv cache": "int8", "KV": "float8_e4m3", "cache_v": "float8_e5m2", "activations": "int8",
+                "kv cache16": "float16", "kvfast": "int8"}  # fmt: skip
+    assert quantized_cache(internal) == {"kv cache": "int8", "KV": "float8_e4m3", "cache_v": "float8_e5m2"}
+
+
+def test_a_cache_declared_quantized_both_ways_is_refused():
+    """lossy_cache and an int8 KV cache in internal_formats: one model, two contradicting declarations."""
+
+    class Both(LossyKvfastModel):
+        internal_formats = {"kv cache": "int8"}
+
+    with pytest.raises(ValueError, match=r"model\.internal_formats: \{'kv cache': 'int8'\} declares the cache"):
+        check_cache(Both(CFG, init_params(CFG, 0), "f64", fmt="int8"), PROMPT, 4, mode="control")
+
+    class Float16Cache(LossyKvfastModel):  # failing data: a float16 cache is rounding, no contradiction
+        internal_formats = {"kv cache": "float16"}
+
+    assert check_cache(
+        Float16Cache(CFG, init_params(CFG, 0), "f64", fmt="int8"), PROMPT, 4, mode="control"
+    ).verdict == ("lossy")
+
+
+def test_an_int8_cache_declared_as_an_internal_format_gets_a_note():
+    """Declared as internal rounding, a quantized cache is judged as order noise: the report says why that can
+    pass a cache worse than its format, and what to declare instead; an int8 activation gets no such note."""
+    from tests.toymodels import LowFormatToy
+
+    model = LowFormatToy("kv16")
+    model.internal_formats = {"kv cache": "int8"}
+    report = check_cache(model, [1, 2, 3, 4], 4, mode="control", scenarios="decode")
+    notes = [n for n in report.notes if n.startswith("internal_formats puts the KV cache in int8")]
+    assert len(notes) == 1 and "lossy_cache = 'int8' with lossless()" in notes[0], report.format()
+    activations = check_cache(LowFormatToy("int8"), [1, 2, 3, 4], 4, mode="control", scenarios="decode")
+    assert not any("puts the KV cache" in n for n in activations.notes)
+    exact = check_cache(model, [1, 2, 3, 4], 4, scenarios="decode")  # judged with ==: no noise model, no note
+    assert not any("puts the KV cache" in n for n in exact.notes)

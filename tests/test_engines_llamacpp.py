@@ -50,6 +50,8 @@ def test_clean_llama_cpp_is_rounding_with_its_cache_format_declared(built, weigh
     assert model.internal_formats["kv cache"] == {"f16": "float16", "f32": "float32", "q8_0": "int8"}[cache]
     report = check_cache(model, prompt, 64, mode="control")
     assert report.verdict == "rounding", report.format()
+    # a quantized cache declared as internal rounding: the report says it is lossy by design (docs/check.md, 11)
+    assert any(n.startswith("internal_formats puts the KV cache in int8") for n in report.notes) == (cache == "q8_0")
 
 
 def test_an_undeclared_float16_cache_is_what_made_clean_runs_bugs(built):

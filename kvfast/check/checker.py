@@ -128,8 +128,8 @@ def _check(model, prompt, options: CheckOptions) -> CheckReport:
     verdict = overall(options.mode, reports)
     length = reference.length
     notes = reference.notes
-    if options.mode == "control" and formats.note() is not None:
-        notes.append(formats.note())
+    if options.mode == "control":
+        notes.extend(n for n in (formats.note(), formats.cache_note()) if n is not None)
     promoted = None
     if options.promote is not None and options.follow == "recompute":  # follow="cache" runs no logic check
         inner = replace(

@@ -29,6 +29,7 @@ above it is not order noise: the report notes it with its size, the ceiling and 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
@@ -48,6 +49,10 @@ FORMATS: dict[str, tuple[int, float]] = {
     "float32": (24, 2.0**-126),
     "float64": (53, 2.0**-1022),
 }
+
+#: The scaled formats (a scale per tensor, row or block): a KV cache stored in one of them is quantized, an
+#: approximation by design (a lossy cache: the model's ``lossy_cache``), never order noise.
+SCALED = ("int8", "float8_e4m3", "float8_e5m2")
 
 #: How many units in the last place of the ceiling format order noise may reach (see the module doc).
 CEILING_ULPS = 64.0
@@ -85,6 +90,30 @@ def check_internal_formats(value: object, field: str = "model.internal_formats")
             raise ValueError(f"{field}: {{{what!r}: {fmt!r}}} is not allowed; allowed: {allowed}")
         out[what] = fmt
     return out
+
+
+def quantized_cache(internal: Mapping[str, str]) -> dict[str, str]:
+    """The entries of ``internal`` (a model's ``internal_formats``, validated) that store the KV cache
+    (``what`` contains ``cache`` or the word ``kv``) in a scaled format (:data:`SCALED`): a quantized
+    cache, lossy by design (declare it with ``lossy_cache``), not a format whose rounding is order noise."""
+    return {
+        what: fmt
+        for what, fmt in internal.items()
+        if fmt in SCALED and ("cache" in what.lower() or "kv" in re.split(r"[^a-z0-9]+", what.lower()))
+    }
+
+
+def check_lossy_declaration(model: object, internal: Mapping[str, str]) -> None:
+    """``ValueError`` when ``model`` declares its cache quantized both ways: lossy (``lossy_cache``) and a
+    scaled internal format (:func:`quantized_cache` of ``internal``); a quantized cache is ``lossy_cache``."""
+    cache = getattr(model, "lossy_cache", None)
+    both = quantized_cache(internal)
+    if isinstance(cache, str) and cache and both:
+        raise ValueError(
+            f"model.internal_formats: {both!r} declares the cache quantized, and model.lossy_cache declares it "
+            f"lossy ({cache!r}); allowed: a quantized cache as lossy_cache alone (its rounding is not order "
+            "noise), internal_formats for the formats the model computes in"
+        )
 
 
 @dataclass(frozen=True)
@@ -133,6 +162,21 @@ class NoiseFormats:
             )
         return f"{self.floor} ({self.source}: {self.lowest_what})"
 
+    def cache_note(self) -> str | None:
+        """The note a report carries when the internal formats hold a quantized cache (:func:`quantized_cache`),
+        else ``None``."""
+        found = quantized_cache(self.internal)
+        if not found:
+            return None
+        what, fmt = next(iter(found.items()))
+        return (
+            f"internal_formats puts the KV cache in {fmt} ({what!r}): a quantized cache is lossy by design, not "
+            f"order noise, yet it is judged here as rounding inside the model (the floor and the admission "
+            f"ceiling in {self.floor}), which can pass a cache worse than its format allows; declare it as "
+            f"lossy_cache = {'int8' if fmt == 'int8' else 'fp8'!r} with lossless() instead, to have every step "
+            "judged lossy against the format's expected error"
+        )
+
     def note(self) -> str | None:
         """The note a report carries when the formats were assumed, else ``None``."""
         if self.source != "assumed":
@@ -173,7 +217,9 @@ def formats_of(model: object, logits: str) -> NoiseFormats:
     source = getattr(model, "internal_formats_source", None)
     source = source if source in SOURCES[:2] else "declared"
     probe = getattr(model, "rounding_probe", None)
-    found = noise_formats(logits, check_internal_formats(internal), source)
+    internal = check_internal_formats(internal)
+    check_lossy_declaration(model, internal)
+    found = noise_formats(logits, internal, source)
     return replace(found, probe=probe) if isinstance(probe, str) else found
 
 

@@ -428,7 +428,10 @@ class HFModel:
             if not self.takes_position_ids:
                 raise not_allowed("bug", self.bug, "a bug the model's forward() can take (it has no position_ids)")
             kwargs["position_ids"] = torch.as_tensor(positions, dtype=torch.long)[None, :]
-        logits, cache = self._call(self.model, **kwargs)
+        from kvfast.check.hf_ops import window_bug
+
+        with window_bug(self):  # the operation bug window_evicts_one_too_many: the cache path only
+            logits, cache = self._call(self.model, **kwargs)
         if cache is None:
             raise not_allowed("model", type(self.model).__name__, f"{MODEL}; it returned no cache with use_cache=True")
         self.cache = cache

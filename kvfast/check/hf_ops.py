@@ -14,12 +14,18 @@
 
 Operation bugs (:data:`kvfast.check.operations.OP_BUGS`, set with
 :func:`kvfast.check.operations.inject_op_bug`): ``crop_short`` keeps one position too many;
-``fork_shared_keys`` gives every copy the original layers' key tensors.
+``fork_shared_keys`` gives every copy the original layers' key tensors; ``window_evicts_one_too_many``
+runs every call of the cache path (prefill, chunks, decode, beams, padded batches; never the recompute)
+with the model config's ``sliding_window`` one smaller (:func:`window_bug`): the masks the model builds
+then let each query attend the last ``window - 1`` positions, as a cache that evicts one position too
+many leaves it, while the cache layers, built with the true window, keep what they always keep.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +40,22 @@ class CacheState:
     prefill_len: int
     decoded: int
     last_token: int | None
+
+
+@contextlib.contextmanager
+def window_bug(adapter) -> Iterator[None]:
+    """Inside: the model's ``config.sliding_window`` one smaller, when ``adapter`` has the operation bug
+    ``window_evicts_one_too_many`` (put back on leaving, whatever happens); otherwise nothing changes."""
+    config = adapter.model.config
+    if getattr(adapter, "op_bug", None) != "window_evicts_one_too_many":  # operations.WINDOW_BUG (no import: a cycle)
+        yield
+        return
+    window = config.sliding_window
+    config.sliding_window = window - 1
+    try:
+        yield
+    finally:
+        config.sliding_window = window
 
 
 def _layers(cache) -> list:
@@ -218,7 +240,8 @@ def _call_appending(adapter, ids, torch, **extra):
     kwargs.update((k, v) for k, v in extra.items() if v is not None)
     if adapter.takes_cache_position:
         kwargs["cache_position"] = torch.arange(adapter.length, adapter.length + n)
-    logits, cache = adapter._call(adapter.model, **kwargs)
+    with window_bug(adapter):
+        logits, cache = adapter._call(adapter.model, **kwargs)
     adapter.cache = cache
     adapter.length += n
     return logits

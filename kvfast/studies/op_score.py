@@ -2,12 +2,16 @@
 
     python -m kvfast.studies.op_score [--steps 16]
 
-Cases: the tiny random Llama, GPT-2 and Qwen2 (float32, sdpa, weight seed 0) over a ``StaticCache`` of 512
-positions (a cache that writes its keys in place, where a shared key tensor acts), the hf_score study's
-first two prompts with their continuations, each with one bug of
-:data:`kvfast.check.operations.OP_BUGS` injected into the operation hooks (``inject_op_bug``) or clean.
-Detectors, each scored through :func:`kvfast.check.score.score_detector` (recall, median steps to
-detection, ROC AUC, false-positive rate on the clean cases):
+Cases: the tiny random Llama, GPT-2, Qwen2 and Mistral (float32, sdpa, weight seed 0) over a ``StaticCache``
+of 512 positions (a cache that writes its keys in place, where a shared key tensor acts), the hf_score
+study's first two prompts with their continuations, each with one bug of
+:data:`kvfast.check.operations.OP_BUGS` injected into the cache path (``inject_op_bug``) or clean. The
+sliding-window bug (``window_evicts_one_too_many``) needs a window: it is scored on Mistral (a window of
+:data:`kvfast.check.hf.MISTRAL_WINDOW`), which carries it and clean controls only; the other bugs on the
+three families without a window (:func:`bugs_of`).
+Detectors, each scored through the path of :func:`kvfast.check.score.score_detector` (``run_detector``
+then ``score_rows``: recall, median steps to detection, ROC AUC, false-positive rate on the clean cases),
+each group of families' bugs against that group's clean cases (:func:`grouped_scores`):
 
 - ``three_token_allclose`` and ``hf_logits_and_ids``: the hf_score study's two detectors people write
   (popular test suites' three-token ``allclose``; Hugging Face's per-step logits and ids);
@@ -26,13 +30,15 @@ import argparse
 from dataclasses import dataclass, field
 
 import numpy as np
+import pandas as pd
 
 from kvfast.check.checker import check_cache
-from kvfast.check.operations import OP_BUGS, inject_op_bug
-from kvfast.check.score import Detection, markdown, score_detector, side_by_side
+from kvfast.check.operations import OP_BUGS, WINDOW_BUG, inject_op_bug
+from kvfast.check.score import Detection, markdown, run_detector, score_rows, side_by_side
 from kvfast.studies.hf_score import PromptOfConfig
 
-FAMILIES = ("llama", "gpt2", "qwen2")
+FAMILIES = ("llama", "gpt2", "qwen2", "mistral")
+WINDOWED = ("mistral",)  # the families with a sliding window
 PROMPTS = (0, 1)
 CACHE_LEN = 512  # room for the never-cleared static cache's later prefills
 SCENARIOS = ("decode", "rollback", "fork", "reorder", "padded")
@@ -73,13 +79,21 @@ def kvfast_operations(model, case: OpCase) -> Detection:
 
 
 def cases(steps: int) -> list[OpCase]:
-    """Every family x prompt x (clean and each operation bug)."""
+    """Every family x prompt x (clean and each operation bug of :func:`bugs_of` the family)."""
     out = []
     for family in FAMILIES:
         for prompt in PROMPTS:
             config = {"family": family, "seed": 0, "prompt": prompt, "steps": steps}
-            out += [OpCase(config, bug) for bug in (None, *OP_BUGS)]
+            out += [OpCase(config, bug) for bug in (None, *bugs_of(family))]
     return out
+
+
+def bugs_of(family: str) -> tuple[str, ...]:
+    """The operation bugs scored on ``family``: the sliding-window bug on a family with a window (and only it,
+    so the other bugs' rows stay on the families without one), every other bug elsewhere."""
+    if family in WINDOWED:
+        return (WINDOW_BUG,)
+    return tuple(b for b in OP_BUGS if b != WINDOW_BUG)
 
 
 def score_table(steps: int = 16) -> str:
@@ -92,8 +106,20 @@ def score_table(steps: int = 16) -> str:
         "kvfast_operations": kvfast_operations,
     }
     all_cases = cases(steps)
-    tables = {name: score_detector(fn, all_cases, bugs=tuple(OP_BUGS)) for name, fn in detectors.items()}
+    tables = {name: grouped_scores(run_detector(fn, all_cases, tuple(OP_BUGS))) for name, fn in detectors.items()}
     return markdown(side_by_side(tables))
+
+
+def grouped_scores(detections: pd.DataFrame) -> pd.DataFrame:
+    """:func:`~kvfast.check.score.score_rows` per group of families (with and without a window), each group's
+    bugs against its own clean controls (a bug is never ranked against another architecture's clean scores),
+    then the ``all`` row over every case; rows in :data:`OP_BUGS`' order."""
+    bugs = tuple(OP_BUGS)
+    windowed = detections["family"].isin(WINDOWED)
+    parts = [score_rows(detections[group], bugs) for group in (~windowed, windowed) if group.any()]
+    rows = pd.concat([p[p["bug"] != "all"] for p in parts] + [score_rows(detections, bugs).tail(1)])
+    order = {b: i for i, b in enumerate((*bugs, "all"))}
+    return rows.sort_values("bug", key=lambda c: c.map(order), kind="stable").reset_index(drop=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    print(f"operation bugs, {len(FAMILIES)} families x {len(PROMPTS)} prompts, {args.steps} steps, StaticCache")
+    print(f"operation bugs, {', '.join(FAMILIES)} x {len(PROMPTS)} prompts, {args.steps} steps, StaticCache")
     print(score_table(args.steps))
     return 0
 
