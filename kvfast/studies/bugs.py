@@ -350,8 +350,7 @@ def facts(df: pd.DataFrame) -> list[Fact]:
     margins = [
         Fact(
             f"margin_median_{model}",
-            f"{model} models: median over runs of the smallest top-1 minus top-2 logit margin of the clean "
-            "generation",
+            f"{model} models: median over runs of the smallest top-1 minus top-2 logit margin of the clean generation",
             f"{float(g['clean_margin_min'].median()):.3g} ({len(g)} runs)",
         )
         for model, g in ok.groupby("model")
