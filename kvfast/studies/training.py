@@ -362,20 +362,19 @@ def _direction_claims(ok: pd.DataFrame) -> list[Claim]:
 
 def training_table(df: pd.DataFrame) -> pd.DataFrame:
     """Per training budget and prefix length: mean, min and max gradient cosine and mean held-out suffix losses."""
-    ok = ok_rows(df)
-    out = (
-        ok.groupby(["train_steps", "prefix_len"])
+    suffix_losses = {f"suffix_loss_{v}": (f"suffix_loss_{v}", "mean") for v in VARIANTS}
+    return (
+        ok_rows(df)
+        .groupby(["train_steps", "prefix_len"])
         .agg(
             seeds=("seed", "nunique"),
             cosine=("grad_cosine", "mean"),
             cosine_min=("grad_cosine", "min"),
             cosine_max=("grad_cosine", "max"),
-            suffix_loss_full=("suffix_loss_full", "mean"),
-            suffix_loss_cached=("suffix_loss_cached", "mean"),
+            **suffix_losses,
         )
         .reset_index()
     )
-    return out
 
 
 def _curve_runs(df: pd.DataFrame) -> pd.DataFrame:
