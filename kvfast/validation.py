@@ -6,7 +6,9 @@ the checker, the studies and the sweep engine all raise the same ``ValueError``.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Collection
+from types import ModuleType
 
 import numpy as np
 
@@ -55,3 +57,12 @@ def require_choice(value: object, field: str, allowed: Collection[str]) -> str:
     if not isinstance(value, str) or value not in allowed:
         raise not_allowed(field, value, ", ".join(sorted(allowed)))
     return value
+
+
+def import_extra(module: str, what: str, extra: str, field: str = "model") -> ModuleType:
+    """The module ``module``, imported, or ``ValueError`` naming ``field`` when it cannot be: ``what`` (in
+    words, e.g. ``"a llama.cpp model"``) needs it, and the optional extra ``extra`` of kvfast installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ValueError(f"{field}: {what} needs {module}; allowed: pip install 'kvfast[{extra}]'") from exc

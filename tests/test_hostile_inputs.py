@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvfast.cli import main
-from kvfast.validation import LINE_CHARS, SHOWN_CHARS, not_allowed, one_line, shorten, shown
+from kvfast.validation import LINE_CHARS, SHOWN_CHARS, import_extra, not_allowed, one_line, shorten, shown
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,6 +33,37 @@ def test_not_allowed_quotes_a_huge_value_shortened_with_its_length():
     assert len(msg) < SHOWN_CHARS + 100
     assert "(5,000,002 characters)" in msg and msg.endswith("allowed: sequential, pairwise")
     assert shown("ok") == "'ok'"  # a short value is quoted as it is
+
+
+@pytest.mark.parametrize(
+    ("importer", "module", "extra"),
+    [
+        ("kvfast.check.engines.llamacpp:_llama_cpp", "llama_cpp", "llamacpp"),
+        ("kvfast.check.engines.ort:_modules", "onnxruntime_genai", "ort"),
+        ("kvfast.check.hf:_torch", "torch", "hf"),
+    ],
+)
+def test_a_missing_optional_extra_is_a_value_error_naming_module_and_extra(monkeypatch, importer, module, extra):
+    import importlib
+
+    path, name = importer.split(":")
+    load = getattr(importlib.import_module(path), name)
+    monkeypatch.setitem(sys.modules, module, None)  # import_module raises ImportError for a None entry
+    with pytest.raises(ValueError, match=rf"^model: .* needs {module}; allowed: pip install 'kvfast\[{extra}\]'$"):
+        load()
+
+
+def test_the_dask_backend_without_distributed_names_the_dask_extra(monkeypatch):
+    from kvfast.sweep.backends.dask import dask_client
+
+    monkeypatch.setitem(sys.modules, "distributed", None)
+    message = r"^--backend: 'dask' needs distributed; allowed: pip install 'kvfast\[dask\]'$"
+    with pytest.raises(ValueError, match=message):
+        dask_client(1, None)
+
+
+def test_import_extra_returns_an_installed_module():
+    assert import_extra("json", "a test", "none") is sys.modules["json"]
 
 
 def test_one_line_collapses_newlines_and_bounds_the_length():

@@ -115,6 +115,7 @@ def test_bad_input_gives_one_line_exit_2_and_leaves_stored_results_alone(tmp_pat
             "preset: 'f16' is not allowed; allowed: f64, f32, bf16",
         ),
         (["run", "exactness", "--out", out, "--jobs", "0"], "--jobs: 0 is not allowed; allowed: an integer >= 1"),
+        (["scan", "--out", out, "--jobs", "x"], "--jobs: 'x' is not allowed; allowed: an integer >= 1"),
         (["run", "exactness", "--out", out, "--backend", "mpi"], "invalid choice: 'mpi'"),
         (["run", "exactness", "--out", out, "--scheduler", "tcp://127.0.0.1:9"], "needs --backend dask"),
         (

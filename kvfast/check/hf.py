@@ -58,7 +58,7 @@ import inspect
 import numpy as np
 
 from kvfast.check.formats import FORMATS, lowest
-from kvfast.validation import not_allowed, require_choice, require_int
+from kvfast.validation import import_extra, not_allowed, require_choice, require_int
 
 VARIANTS = ("attention", "batch", "rows")
 MODEL = "a transformers causal LM with a language-model head and a KV cache (e.g. AutoModelForCausalLM)"
@@ -106,13 +106,7 @@ class ModelForwardError(RuntimeError):
 
 
 def _torch():
-    try:
-        import torch
-    except ImportError as exc:  # pragma: no cover - the hf extra installs torch
-        raise ValueError(
-            "model: a Hugging Face model needs torch; allowed: install kvfast[hf] (see the README)"
-        ) from exc
-    return torch
+    return import_extra("torch", "a Hugging Face model", "hf")
 
 
 def is_hf_model(model: object) -> bool:

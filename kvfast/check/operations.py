@@ -38,7 +38,7 @@ import numpy as np
 from kvfast.check.cache_path import OPERATION_PATHS, CachePath, Unsupported
 from kvfast.check.calls import ModelCalls
 from kvfast.check.protocol import ModelUnderTestError
-from kvfast.check.reference import OwnReference, SharedReference, per_step_rows
+from kvfast.check.reference import Reference, SharedReference, per_step_rows
 from kvfast.check.report import ScenarioReport
 from kvfast.check.subject import CheckSubject
 
@@ -170,7 +170,7 @@ def op_first_acting_step(
 
 
 def check_operation(
-    subject: CheckSubject, reference: SharedReference | OwnReference, name: str, fmt: str, judge_scenario: Callable
+    subject: CheckSubject, reference: Reference, name: str, fmt: str, judge_scenario: Callable
 ) -> dict[str, ScenarioReport]:
     """Operation scenario ``name`` (``rollback``, ``fork``) run and judged by ``judge_scenario`` (the
     scenarios' own, :func:`kvfast.check.scenarios.judge_scenario`): ``{report name: report}``. Skipped
@@ -206,7 +206,7 @@ def check_operation(
     return reports
 
 
-def _run(subject: CheckSubject, reference: SharedReference | OwnReference, name: str) -> OperationRun:
+def _run(subject: CheckSubject, reference: Reference, name: str) -> OperationRun:
     """``name``'s run: the reference's fast-path run when it was this operation's and fed the shared tokens."""
     if isinstance(reference, SharedReference) and reference.reuse_scenario == name:
         if isinstance(reference.reuse, OperationRun):
@@ -222,7 +222,7 @@ def _judged(subject, name, run, rows, noise, fmt, notes, judge) -> ScenarioRepor
     return report
 
 
-def _chooser(reference: SharedReference | OwnReference) -> Choose:
+def _chooser(reference: Reference) -> Choose:
     """The tokens fed to ``decode``: the shared ones, or (``follow="cache"``) the cache's own greedy ones."""
     if isinstance(reference, SharedReference):
         tokens = reference.tokens
@@ -318,7 +318,7 @@ def fork_paths(calls: ModelCalls, prompt: np.ndarray, steps: int, choose: Choose
     return OperationRun(CachePath(first, decoded, fed), (note,), CachePath(first, branch, other))
 
 
-def _branch_rows(subject: CheckSubject, reference: SharedReference | OwnReference, branch: CachePath) -> np.ndarray:
+def _branch_rows(subject: CheckSubject, reference: Reference, branch: CachePath) -> np.ndarray:
     """The reference rows of the fork's second branch: one recompute of its sequence (fast or control), else
     one recompute per step (the reference found the recompute not append-invariant in exact mode)."""
     calls, prompt = subject.calls, subject.prompt

@@ -3,6 +3,7 @@
 Two kinds, one per ``follow`` mode, each telling the scenario loop (:mod:`kvfast.check.scenarios`)
 how to run a scenario's cache path and which recompute rows to compare it with:
 
+- :class:`Reference`: what both kinds share and the scenario loop reads.
 - :class:`SharedReference` (``follow="recompute"``): one sequence for every scenario, the
   recompute's greedy choices (or the given continuation). Fast path: one recompute of the final
   sequence after verifying append-invariance, falling back to one recompute per step from the first
@@ -139,13 +140,15 @@ def refusal_reason(name: str, formats: F.NoiseFormats) -> str:
     )
 
 
-class SharedReference:
-    """``follow="recompute"``: the reference rows ``(T + steps, V)`` and the ``tokens`` every scenario is fed.
+class Reference:
+    """What the scenario loop reads of a reference, in either ``follow`` mode.
 
-    ``path`` (``fast`` or ``per-step``), ``notes`` (how the reference was found), ``noise`` (control
-    mode: the order noise per source and position, else ``None``), ``length`` (a
-    :class:`~kvfast.check.report.LengthDependence` when the recompute changes with the length by more
-    than rounding, else ``None``). Built by :meth:`build`.
+    ``subject``; ``prompt_rows``: ``recompute(prompt)``; ``fmt``: the format of the model's logits;
+    ``formats``: the model's internal formats (:mod:`kvfast.check.formats`), assumed from ``fmt`` when
+    ``None``; ``length`` (a :class:`~kvfast.check.report.LengthDependence` when the recompute changes with
+    the length by more than rounding, else ``None``); ``notes`` (how the reference was found). A kind adds
+    ``path``, ``noise``, ``tokens`` and ``skipped_tokens``, and says how a scenario runs
+    (:meth:`cache_run`) and what it is compared with (:meth:`rows_for`).
     """
 
     def __init__(
@@ -155,21 +158,42 @@ class SharedReference:
         fmt: str = "float64",
         formats: F.NoiseFormats | None = None,
     ):
-        T, steps = subject.T, subject.steps
         self.subject = subject
+        self.prompt_rows = prompt_rows
         self.fmt = fmt
         self.formats = formats or F.noise_formats(fmt, None)  # the noise model's formats (assumed when not given)
         self.length: LengthDependence | None = None
+        self.notes: list[str] = []
+
+    def cache_run(self, scenario: str) -> CachePath:
+        """``scenario``'s cache path, fed this reference's tokens."""
+        raise NotImplementedError
+
+    def rows_for(self, scenario: str, run: CachePath) -> np.ndarray:
+        """The recompute rows ``run`` (``scenario``'s cache path) is compared with."""
+        raise NotImplementedError
+
+
+class SharedReference(Reference):
+    """``follow="recompute"``: the reference rows ``(T + steps, V)`` and the ``tokens`` every scenario is fed.
+
+    ``path`` (``fast`` or ``per-step``), ``noise`` (control mode: the order noise per source and position,
+    else ``None``). Built by :meth:`build` (the arguments are :class:`Reference`'s).
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        subject = self.subject
+        T, steps = subject.T, subject.steps
         self.full: np.ndarray | None = None  # the per-step path's whole-sequence recompute, once measured
         self.rows = np.empty((T + steps, subject.vocab))
         self.tokens = np.empty(steps, dtype=np.int64)
-        self.rows[:T] = prompt_rows
+        self.rows[:T] = self.prompt_rows
         if subject.given is not None:
             self.tokens[:] = subject.given
         else:
             self.tokens[0] = int(np.argmax(self.rows[T - 1]))
         self.path = "per-step"
-        self.notes: list[str] = []
         self.noise: dict[str, np.ndarray] | None = None
         self.known = T  # rows[:known] and the tokens they chose are final
         self.reuse: CachePath | None = None  # the fast path's cache run, when it was fed these tokens
@@ -298,26 +322,16 @@ class SharedReference:
         self.noise = sources
 
 
-class OwnReference:
+class OwnReference(Reference):
     """``follow="cache"``: each scenario is fed its own greedy tokens and compared with the recompute of
     its own sequence. ``tokens``: the first scenario run's; ``path``: ``fast`` unless a scenario needed
-    one recompute per step; ``notes``; ``noise`` is ``None`` (exact mode only)."""
+    one recompute per step; ``noise`` is ``None`` (exact mode only); ``length``: the first scenario's, if
+    its recompute changes with the length. The arguments are :class:`Reference`'s."""
 
     noise = None
 
-    def __init__(
-        self,
-        subject: CheckSubject,
-        prompt_rows: np.ndarray,
-        fmt: str = "float64",
-        formats: F.NoiseFormats | None = None,
-    ):
-        self.subject = subject
-        self.prompt_rows = prompt_rows
-        self.fmt = fmt
-        self.formats = formats or F.noise_formats(fmt, None)
-        self.length: LengthDependence | None = None  # the first scenario's, if its recompute changes with the length
-        self.notes: list[str] = []
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self.paths: list[str] = []
         self.tokens: np.ndarray | None = None
         self.skipped_tokens = np.zeros(0, dtype=np.int64)

@@ -13,14 +13,12 @@ from kvfast.check.cache_path import CachePath
 from kvfast.check.lossy import lossy_format, rejudge
 from kvfast.check.operations import check_operation
 from kvfast.check.options import OPERATIONS
-from kvfast.check.reference import OwnReference, SharedReference
+from kvfast.check.reference import Reference
 from kvfast.check.report import ScenarioReport, skipped_resume
 from kvfast.check.subject import CheckSubject
 
 
-def check_scenarios(
-    subject: CheckSubject, reference: SharedReference | OwnReference, fmt: str
-) -> dict[str, ScenarioReport]:
+def check_scenarios(subject: CheckSubject, reference: Reference, fmt: str) -> dict[str, ScenarioReport]:
     """Each of the subject's scenarios run and judged against ``reference`` (``fmt``: the format the
     model's logits come in); a resume scenario on a one-token prompt is reported as skipped."""
     reports: dict[str, ScenarioReport] = {}

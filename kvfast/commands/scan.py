@@ -26,6 +26,8 @@ def _names(values: list[str] | None) -> list[str]:
 
 
 def add_parser(sub) -> None:
+    from kvfast.commands.sweep import add_exec_options, add_resume_options
+
     p = sub.add_parser("scan", help="check every causal-LM architecture of the installed transformers; a scoreboard")
     p.add_argument("--families", nargs="+", metavar="TYPE", help="model types (default: every causal-LM type)")
     p.add_argument(
@@ -41,10 +43,8 @@ def add_parser(sub) -> None:
         "--out", default="results/hf_scan", metavar="DIR", help="results directory (default: results/hf_scan)"
     )
     p.add_argument("--markdown", action="store_true", help="print the scoreboard and the skipped table as Markdown")
-    p.add_argument("--fresh", action="store_true", help="delete stored results in DIR first")
-    p.add_argument("--retry-errors", action="store_true", help="also re-run runs stored as error or crashed")
-    p.add_argument("--jobs", type=int, default=None, metavar="N", help="worker processes (default: all cores)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_resume_options(p)
+    add_exec_options(p)
     p.set_defaults(func=cmd_scan)
 
 

@@ -69,7 +69,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("run", help="run a grid (built-in name or TOML file) into a results directory")
     p.add_argument("grid", metavar="GRID_OR_TOML", help="a built-in grid name (see `kvfast grids`) or a .toml file")
     p.add_argument("--out", required=True, metavar="DIR", help="results directory (created; resumed if it exists)")
-    _exec_options(p)
+    add_exec_options(p)
     p.add_argument(
         "--backend",
         default="fork",
@@ -77,8 +77,7 @@ def add_parser(sub) -> None:
         help="default: fork (processes forked after the warm-up; loky where fork is unavailable)",
     )
     p.add_argument("--scheduler", metavar="ADDRESS", help="Dask scheduler address (with --backend dask)")
-    p.add_argument("--retry-errors", action="store_true", help="also re-run runs stored as error or crashed")
-    p.add_argument("--fresh", action="store_true", help="delete stored results in DIR first")
+    add_resume_options(p)
     p.add_argument(
         "--max-runs",
         type=_jobs,
@@ -123,18 +122,27 @@ def add_parser(sub) -> None:
     p.add_argument("name", metavar="NAME")
     p.add_argument("--out", metavar="DIR", help="results directory (default: results/NAME)")
     p.add_argument("--fresh", action="store_true", help="replace results of another study or version in DIR")
-    _exec_options(p)
+    add_exec_options(p)
     p.set_defaults(func=cmd_study)
 
     p = sub.add_parser(
         "reproduce", help="run every study's built-in grid, print the seed's claims table and write the report"
     )
     p.add_argument("--out", default="results/reproduce", metavar="DIR", help="default: results/reproduce")
-    _exec_options(p)
+    add_exec_options(p)
     p.set_defaults(func=cmd_reproduce)
 
 
-def _exec_options(p) -> None:
+def add_resume_options(p: argparse.ArgumentParser) -> None:
+    """``--retry-errors`` and ``--fresh``: what a rerun into a results directory that exists does (``kvfast
+    run``, ``kvfast scan``)."""
+    p.add_argument("--retry-errors", action="store_true", help="also re-run runs stored as error or crashed")
+    p.add_argument("--fresh", action="store_true", help="delete stored results in DIR first")
+
+
+def add_exec_options(p: argparse.ArgumentParser) -> None:
+    """``--jobs N`` (validated: an integer >= 1) and ``--quiet``: how a grid runs (``kvfast run``, ``reproduce``,
+    ``scan``)."""
     p.add_argument("--jobs", type=_jobs, default=None, metavar="N", help="worker processes (default: all cores)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 

@@ -28,16 +28,24 @@ FORMAT_CODES = {"f64": F64, "f32": F32, "bf16": BF16}
 FORMAT_NAMES = {code: name for name, code in FORMAT_CODES.items()}
 
 
-@intrinsic
-def f32_as_u32(typingctx, x):
-    """Reinterpret a float32's bits as uint32 (no allocation, no conversion)."""
-    if not isinstance(x, types.Float) or x.bitwidth != 32:
-        return None
+def _bitcast(kind: type[types.Number], bits: int, target: types.Number, doc: str):
+    """An intrinsic that reinterprets the bits of a ``bits``-wide number of ``kind`` (``types.Float`` or
+    ``types.Integer``) as ``target`` of the same width: no allocation, no conversion (``doc``: its doc)."""
 
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], context.get_value_type(types.uint32))
+    def reinterpret(typingctx, x):
+        if not isinstance(x, kind) or x.bitwidth != bits:
+            return None
 
-    return types.uint32(x), codegen
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(args[0], context.get_value_type(target))
+
+        return target(x), codegen
+
+    reinterpret.__doc__ = doc
+    return intrinsic(reinterpret)
+
+
+f32_as_u32 = _bitcast(types.Float, 32, types.uint32, "Reinterpret a float32's bits as uint32.")
 
 
 @intrinsic
@@ -160,28 +168,8 @@ def round_bf16_f64_via_f32(x: float) -> float:
     return np.float64(u32_as_f32(out))
 
 
-@intrinsic
-def _f64_bits(typingctx, x):
-    """Reinterpret a float64's bits as uint64."""
-    if not isinstance(x, types.Float) or x.bitwidth != 64:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], context.get_value_type(types.uint64))
-
-    return types.uint64(x), codegen
-
-
-@intrinsic
-def _bits_f64(typingctx, x):
-    """The float64 whose bits are the 64-bit integer ``x``."""
-    if not isinstance(x, types.Integer) or x.bitwidth != 64:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], context.get_value_type(types.float64))
-
-    return types.float64(x), codegen
+_f64_bits = _bitcast(types.Float, 64, types.uint64, "Reinterpret a float64's bits as uint64.")
+_bits_f64 = _bitcast(types.Integer, 64, types.float64, "The float64 whose bits are the 64-bit integer ``x``.")
 
 
 _SIGN = np.uint64(0x8000_0000_0000_0000)

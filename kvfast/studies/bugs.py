@@ -45,7 +45,14 @@ from kvfast.model.bugs import BUGS, EVICT_WINDOW, VISIBLE_AT_STEP_1
 from kvfast.model.config import ModelConfig, init_params
 from kvfast.numerics import PRESETS, Numerics
 from kvfast.studies.base import Claim, Fact, Figure, Study
-from kvfast.studies.common import MODEL_SHAPE_FIELDS, model_config, ok_rows, require_config_choice, require_model_shape
+from kvfast.studies.common import (
+    MODEL_SHAPE_FIELDS,
+    NO_BUG,
+    model_config,
+    ok_rows,
+    require_config_choice,
+    require_model_shape,
+)
 from kvfast.studies.criteria import EXACT, VS_SEED, judged
 from kvfast.studies.plotting import COLORS, SYMLOG_FLOOR, pyplot
 from kvfast.studies.toytask import CycleTask, train
@@ -53,7 +60,7 @@ from kvfast.validation import require_int
 
 VERSION = "1"
 
-CONTROL = "none"
+CONTROL = NO_BUG  # the clean control run
 BUG_CHOICES = (*BUGS, CONTROL)
 MODEL_KINDS = ("random", "trained")
 MAX_POS = 32
@@ -179,6 +186,12 @@ def _step_range(steps: pd.Series) -> str:
     return str(lo) if lo == hi else f"{lo}-{hi}"
 
 
+def bug_key(model: str, bug: str) -> dict[str, object]:
+    """The first columns of a row per model kind and bug: ``model``, ``bug`` and ``visible_at_step_1``
+    (whether the bug shows at the first decode step; ``False`` for the clean control)."""
+    return {"model": model, "bug": bug, "visible_at_step_1": VISIBLE_AT_STEP_1.get(bug, False)}
+
+
 def summarize(df: pd.DataFrame) -> pd.DataFrame:
     """The seed's table per model kind and bug: max deviation at step 1 and over all steps, % of runs
     whose tokens changed, the first deviating step's range; the seed's figures beside them."""
@@ -189,9 +202,7 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
         seed = SEED_BUG_TABLE.get(bug, (np.nan, np.nan, np.nan))
         rows.append(
             {
-                "model": model,
-                "bug": bug,
-                "visible_at_step_1": VISIBLE_AT_STEP_1.get(bug, False),
+                **bug_key(model, bug),
                 "cases": len(g),
                 "step_1": float(g["dev_step1"].max()),
                 "all_steps": float(g["dev_all"].max()),
@@ -347,29 +358,28 @@ def _draw_deviation_per_step(df: pd.DataFrame, table: pd.DataFrame):
 def facts(df: pd.DataFrame) -> list[Fact]:
     """The quoted figures: each model kind's median clean top-2 margin, and how often evict changes the output."""
     ok = ok_rows(df)
-    rows = []
-    for model, g in ok.groupby("model"):
-        rows.append(
-            (
-                f"margin_median_{model}",
-                f"{model} models: median over runs of the smallest top-1 minus top-2 logit margin of the clean "
-                "generation",
-                f"{float(g['clean_margin_min'].median()):.3g} ({len(g)} runs)",
-            )
+    margins = [
+        Fact(
+            f"margin_median_{model}",
+            f"{model} models: median over runs of the smallest top-1 minus top-2 logit margin of the clean generation",
+            f"{float(g['clean_margin_min'].median()):.3g} ({len(g)} runs)",
         )
-    ev = ok[ok["bug"] == "evict"]
-    for (model, n_layer), g in ev.groupby(["model", "n_layer"]):
-        changed = g[g["tokens_changed"]]
-        prompts = ", ".join(str(p) for p in sorted(set(changed["prompt_len"].astype(int))))
-        rows.append(
-            (
-                f"evict_changed_{model}_{int(n_layer)}layer",
-                f"evict changes the output: {model} models with {int(n_layer)} layer(s)",
-                f"{100 * float(g['tokens_changed'].mean()):.0f}% of {len(g)} runs"
-                + (f" (prompt lengths {prompts})" if len(changed) else ""),
-            )
-        )
-    return rows
+        for model, g in ok.groupby("model")
+    ]
+    evict = ok[ok["bug"] == "evict"].groupby(["model", "n_layer"])
+    return margins + [_evict_fact(model, int(n_layer), g) for (model, n_layer), g in evict]
+
+
+def _evict_fact(model: str, n_layer: int, runs: pd.DataFrame) -> Fact:
+    """How often evict changes the output of ``runs`` (one model kind and depth), and at which prompt lengths."""
+    changed = runs[runs["tokens_changed"]]
+    prompts = ", ".join(str(p) for p in sorted(set(changed["prompt_len"].astype(int))))
+    return Fact(
+        f"evict_changed_{model}_{n_layer}layer",
+        f"evict changes the output: {model} models with {n_layer} layer(s)",
+        f"{100 * float(runs['tokens_changed'].mean()):.0f}% of {len(runs)} runs"
+        + (f" (prompt lengths {prompts})" if len(changed) else ""),
+    )
 
 
 FIGURES = (

@@ -44,7 +44,7 @@ from kvfast.model.config import ModelConfig, init_params
 from kvfast.numerics import PRESETS, Numerics
 from kvfast.runtime import load_object
 from kvfast.studies.base import Claim, Figure, Study
-from kvfast.studies.common import MODEL_SHAPE_FIELDS, ok_rows, require_config_choice
+from kvfast.studies.common import MODEL_SHAPE_FIELDS, NO_BUG, ok_rows, require_config_choice
 from kvfast.studies.criteria import EXACT, judged
 from kvfast.studies.plotting import SYMLOG_FLOOR, pyplot
 from kvfast.validation import require_int
@@ -57,7 +57,6 @@ SCENARIO_CHOICES = {
     "rollback": ("rollback",), "fork": ("fork",), "reorder": ("reorder",), "padded": ("padded",),
     "operations": ("decode", "rollback", "fork", "reorder", "padded"),
 }  # fmt: skip
-NO_BUG = "none"
 
 CHECK_FIELDS: dict[str, pa.DataType] = {
     "prompt_seed": pa.int64(),

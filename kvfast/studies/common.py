@@ -16,6 +16,9 @@ import pyarrow as pa
 from kvfast.model.config import ModelConfig
 from kvfast.validation import not_allowed, require_int
 
+#: The ``bug`` axis's value of a clean run (no bug injected), in every study with such an axis.
+NO_BUG = "none"
+
 # The config columns that size a run's transformer (every study has them, in this order).
 MODEL_SHAPE_FIELDS: dict[str, pa.DataType] = {
     "n_layer": pa.int64(),

@@ -278,9 +278,7 @@ def steps_to_detection(df: pd.DataFrame) -> pd.DataFrame:
             f = g.loc[g["every_step_flag"], "steps_to_detection"]
             rows.append(
                 {
-                    "model": model,
-                    "bug": bug,
-                    "visible_at_step_1": VISIBLE_AT_STEP_1.get(bug, False),
+                    **bugstudy.bug_key(model, bug),
                     "runs": len(g),
                     "output_changed": int(g["output_changed"].sum()),
                     "one_step_flagged": int(g["one_step_flag"].sum()),
@@ -324,7 +322,7 @@ def claims(df: pd.DataFrame) -> list[Claim]:
                 f"recall {closer['recall']:.3f}, AUC {closer['auc']:.4f} ({int(closer['positives'])} of "
                 f"{int(closer['cases'])} bugged runs changed the output; median top-2 margin {margin:.3g})",
                 EXACT,
-                [("recall == 1.000", bool(closer["recall"] == 1.0)), ("AUC == 1.000", bool(closer["auc"] == 1.0))],
+                _all_flagged(closer),
             )
         )
     return out
@@ -350,49 +348,12 @@ def _claims_model(df: pd.DataFrame, summary: pd.DataFrame) -> list[Claim]:
             ],
         )
     )
-    one = _row(summary, "one-step", "output changed")
-    if one is not None:
-        seed = SEED_FIGURES["one-step"]
-        tol = SEED_TOLERANCE
-        out.append(
-            judged(
-                "one-step exact check: recall and AUC as in the seed",
-                f"recall {seed['recall']:.3f}, AUC {seed['auc']:.3f}",
-                f"recall {one['recall']:.3f}, AUC {one['auc']:.3f}",
-                VS_SEED,
-                [
-                    (f"|recall - {seed['recall']:.3f}| <= {tol}", within(one["recall"], seed["recall"], tol)),
-                    (f"|AUC - {seed['auc']:.3f}| <= {tol}", within(one["auc"], seed["auc"], tol)),
-                ],
-            )
-        )
-    every = _row(summary, "every-step", "output changed")
-    if every is not None:
-        out.append(
-            judged(
-                "every-step exact check: recall 1.000 and AUC 1.000",
-                "recall 1.000, AUC 1.000",
-                f"recall {every['recall']:.3f}, AUC {every['auc']:.3f}",
-                EXACT,
-                [("recall == 1.000", bool(every["recall"] == 1.0)), ("AUC == 1.000", bool(every["auc"] == 1.0))],
-            )
-        )
-    present = _row(summary, "every-step", "bug present")
-    if present is not None:
-        out.append(
-            judged(
-                'every-step exact check on the label "bug present" (bugged runs vs clean controls)',
-                "recall 1.000 (no tolerance anywhere)",
-                f"recall {present['recall']:.3f} ({int(present['positives'])} bugged), AUC {present['auc']:.3f}, "
-                f"FPR {present['fpr']:.3f} ({int(present['cases'] - present['positives'])} clean)",
-                EXACT,
-                [
-                    ("recall == 1.000 (every bugged run flagged)", bool(present["recall"] == 1.0)),
-                    ("AUC == 1.000", bool(present["auc"] == 1.0)),
-                    ("FPR == 0 over at least one clean control", bool(present["fpr"] == 0.0)),
-                ],
-            )
-        )
+    found = [
+        (_row(summary, "one-step", "output changed"), _one_step_claim),
+        (_row(summary, "every-step", "output changed"), _every_step_claim),
+        (_row(summary, "every-step", "bug present"), _bug_present_claim),
+    ]
+    out += [claim(row) for row, claim in found if row is not None]
     growth = s[s["bug"].isin([b for b in BUGS if not VISIBLE_AT_STEP_1[b]])]
     if len(growth):
         caught = int(growth["one_step_flag"].sum())
@@ -406,6 +367,55 @@ def _claims_model(df: pd.DataFrame, summary: pd.DataFrame) -> list[Claim]:
             )
         )
     return out
+
+
+def _all_flagged(row: pd.Series) -> list[tuple[str, bool]]:
+    """The every-step check's exact conditions on a summary row: recall and AUC both 1.000."""
+    return [("recall == 1.000", bool(row["recall"] == 1.0)), ("AUC == 1.000", bool(row["auc"] == 1.0))]
+
+
+def _one_step_claim(one: pd.Series) -> Claim:
+    """The one-step check's recall and AUC (``one``: its summary row) against the seed's, within tolerance."""
+    seed = SEED_FIGURES["one-step"]
+    tol = SEED_TOLERANCE
+    return judged(
+        "one-step exact check: recall and AUC as in the seed",
+        f"recall {seed['recall']:.3f}, AUC {seed['auc']:.3f}",
+        f"recall {one['recall']:.3f}, AUC {one['auc']:.3f}",
+        VS_SEED,
+        [
+            (f"|recall - {seed['recall']:.3f}| <= {tol}", within(one["recall"], seed["recall"], tol)),
+            (f"|AUC - {seed['auc']:.3f}| <= {tol}", within(one["auc"], seed["auc"], tol)),
+        ],
+    )
+
+
+def _every_step_claim(every: pd.Series) -> Claim:
+    """The every-step check on the label "output changed" (``every``: its summary row): recall and AUC 1.000."""
+    return judged(
+        "every-step exact check: recall 1.000 and AUC 1.000",
+        "recall 1.000, AUC 1.000",
+        f"recall {every['recall']:.3f}, AUC {every['auc']:.3f}",
+        EXACT,
+        _all_flagged(every),
+    )
+
+
+def _bug_present_claim(present: pd.Series) -> Claim:
+    """The every-step check on the label "bug present" (``present``: its summary row): every bugged run
+    flagged and no clean control."""
+    return judged(
+        'every-step exact check on the label "bug present" (bugged runs vs clean controls)',
+        "recall 1.000 (no tolerance anywhere)",
+        f"recall {present['recall']:.3f} ({int(present['positives'])} bugged), AUC {present['auc']:.3f}, "
+        f"FPR {present['fpr']:.3f} ({int(present['cases'] - present['positives'])} clean)",
+        EXACT,
+        [
+            ("recall == 1.000 (every bugged run flagged)", bool(present["recall"] == 1.0)),
+            ("AUC == 1.000", bool(present["auc"] == 1.0)),
+            ("FPR == 0 over at least one clean control", bool(present["fpr"] == 0.0)),
+        ],
+    )
 
 
 # --- the report: its figures and quoted facts (kvfast.report shows them: see Figure and Fact) ----------

@@ -33,7 +33,7 @@ import pyarrow as pa
 
 from kvfast.studies.base import Figure, Study
 from kvfast.studies.common import ok_rows, require_config_choice
-from kvfast.studies.plotting import pyplot
+from kvfast.studies.plotting import ratio_bars
 from kvfast.validation import require_int
 
 VERSION = "1"
@@ -201,22 +201,19 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
 
 def _draw_engines(df: pd.DataFrame, table: pd.DataFrame):
     """Per engine, weights and KV cache: the largest clean ratio against the smallest bugged ratio (log scale)."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(10, 4))
     labels = [f"{e}\n{w} / {c}" for e, w, c in zip(table["engine"], table["weights"], table["cache"], strict=True)]
-    x = np.arange(len(labels))
-    ax.bar(x - 0.2, table["largest_clean_ratio"].fillna(0.0).clip(lower=1e-4), 0.4, label="largest clean ratio",
-           color="#2ca02c")  # fmt: skip
-    ax.bar(x + 0.2, table["smallest_bug_ratio"].fillna(0.0).clip(lower=1e-4), 0.4, label="smallest ratio, eviction",
-           color="#d62728")  # fmt: skip
-    ax.axhline(4.0, color="black", lw=0.8, ls="--", label="margin (rounding below)")
-    ax.set_yscale("log")
-    ax.set_xticks(x, labels, fontsize=8)
-    ax.set_ylabel("deviation / bound (log)")
-    ax.set_title("The same weights in every engine: clean runs under the margin, an injected eviction far above")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
+    return ratio_bars(
+        labels,
+        table["largest_clean_ratio"],
+        table["smallest_bug_ratio"],
+        bugged_label="smallest ratio, eviction",
+        line=4.0,
+        line_label="margin (rounding below)",
+        floor=1e-4,
+        ylabel="deviation / bound (log)",
+        title="The same weights in every engine: clean runs under the margin, an injected eviction far above",
+        figsize=(10, 4),
+    )
 
 
 FIGURES = (

@@ -232,17 +232,14 @@ def _draw_rel_err(df: pd.DataFrame, table: pd.DataFrame):
 
 def facts(df: pd.DataFrame) -> list[Fact]:
     """The quoted figures per depth: tensors per model and the worst relative error."""
-    ok = ok_rows(df)
-    rows = []
-    for n_layer, g in ok.groupby("n_layer"):
-        rows.append(
-            (
-                f"gradcheck_{int(n_layer)}layer",
-                f"gradient check, {int(n_layer)} layer(s): tensors per model, worst relative error",
-                f"{int(g['tensors'].max())} tensors, {float(g['worst_rel_err'].max()):.2g}",
-            )
+    return [
+        Fact(
+            f"gradcheck_{int(n_layer)}layer",
+            f"gradient check, {int(n_layer)} layer(s): tensors per model, worst relative error",
+            f"{int(g['tensors'].max())} tensors, {float(g['worst_rel_err'].max()):.2g}",
         )
-    return rows
+        for n_layer, g in ok_rows(df).groupby("n_layer")
+    ]
 
 
 FIGURES = (

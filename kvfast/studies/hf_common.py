@@ -20,10 +20,8 @@ import pandas as pd
 import pyarrow as pa
 
 from kvfast.check.hf import ATTENTION, DTYPES, FAMILIES, HF_BUGS, TINY_VOCAB
-from kvfast.studies.common import ok_rows, require_config_choice
+from kvfast.studies.common import NO_BUG, ok_rows, require_config_choice
 from kvfast.validation import require_int
-
-NO_BUG = "none"
 
 #: The model a run checks: a tiny random causal LM (:func:`kvfast.check.hf.tiny_model`) and its weight seed.
 MODEL_FIELDS: dict[str, pa.DataType] = {

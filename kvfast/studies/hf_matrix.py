@@ -44,7 +44,7 @@ from kvfast.studies.base import Claim, Fact, Figure, Study
 from kvfast.studies.check import MODES, SCENARIO_CHOICES
 from kvfast.studies.common import require_config_choice
 from kvfast.studies.criteria import EXACT, judged
-from kvfast.studies.plotting import pyplot
+from kvfast.studies.plotting import ratio_bars
 
 VERSION = "1"
 PROMPT_STREAM = 1000
@@ -296,21 +296,17 @@ def ratio_table(df: pd.DataFrame) -> pd.DataFrame:
 
 def _draw_ratios(df: pd.DataFrame, table: pd.DataFrame):
     """Per family and dtype: the largest clean ratio against the smallest bugged logic-check ratio (log scale)."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(11, 4.2))
-    labels = [f"{f}\n{d}" for f, d in zip(table["family"], table["dtype"], strict=True)]
-    x = np.arange(len(labels))
-    ax.bar(x - 0.2, table["largest_clean_ratio"].clip(lower=1e-3), 0.4, label="largest clean ratio", color="#2ca02c")
-    logic = table["smallest_bugged_logic_ratio"].fillna(0.0).clip(lower=1e-3)
-    ax.bar(x + 0.2, logic, 0.4, label="smallest bugged ratio, logic check", color="#d62728")
-    ax.axhline(1.0, color="black", lw=0.8, ls="--")
-    ax.set_yscale("log")
-    ax.set_xticks(x, labels, fontsize=8)
-    ax.set_ylabel("deviation / floor bound (log)")
-    ax.set_title("Clean runs stay under the floor (ratio < 1); injected bugs rise far above it")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
+    return ratio_bars(
+        [f"{f}\n{d}" for f, d in zip(table["family"], table["dtype"], strict=True)],
+        table["largest_clean_ratio"],
+        table["smallest_bugged_logic_ratio"],
+        bugged_label="smallest bugged ratio, logic check",
+        line=1.0,
+        floor=1e-3,
+        ylabel="deviation / floor bound (log)",
+        title="Clean runs stay under the floor (ratio < 1); injected bugs rise far above it",
+        figsize=(11, 4.2),
+    )
 
 
 FIGURES = (

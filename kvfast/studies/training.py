@@ -245,28 +245,38 @@ def run(config: dict) -> dict:
     return out
 
 
+VARIANTS = ("full", "cached")  # trained on full recomputes / on the cached prefix
+#: The summary's statistics of a cosine curve along training, each averaged over a group's runs.
+CURVE_POINTS = {"min": min, "end": lambda curve: curve[-1]}
+
+
+def _mean_over_runs(point):
+    """An aggregation of a curve column: the mean over a group's runs of ``point(curve)``."""
+    return lambda curves: float(np.mean([point(c) for c in curves]))
+
+
 def summarize(df: pd.DataFrame) -> pd.DataFrame:
     """Per training budget and prefix length: means over seeds of the gradient cosine and held-out losses, and of
     the lowest and the last point of the cosine curve along each variant's training."""
     ok = ok_rows(df)
     if not len(ok):
         return pd.DataFrame()
+    heldout_means = {
+        f"{metric}_{v}": (f"{metric}_{v}", "mean") for metric in ("loss", "suffix_loss", "suffix_acc") for v in VARIANTS
+    }
+    curve_points = {
+        f"curve_cosine_{point}_{v}": (f"curve_cosine_{v}", _mean_over_runs(pick))
+        for v in VARIANTS
+        for point, pick in CURVE_POINTS.items()
+    }
     return (
         ok.groupby(["d_model", "train_steps", "prefix_len"])
         .agg(
             seeds=("seed", "nunique"),
             grad_cosine=("grad_cosine", "mean"),
             grad_cosine_min=("grad_cosine", "min"),
-            loss_full=("loss_full", "mean"),
-            loss_cached=("loss_cached", "mean"),
-            suffix_loss_full=("suffix_loss_full", "mean"),
-            suffix_loss_cached=("suffix_loss_cached", "mean"),
-            suffix_acc_full=("suffix_acc_full", "mean"),
-            suffix_acc_cached=("suffix_acc_cached", "mean"),
-            curve_cosine_min_full=("curve_cosine_full", lambda c: float(np.mean([min(x) for x in c]))),
-            curve_cosine_end_full=("curve_cosine_full", lambda c: float(np.mean([x[-1] for x in c]))),
-            curve_cosine_min_cached=("curve_cosine_cached", lambda c: float(np.mean([min(x) for x in c]))),
-            curve_cosine_end_cached=("curve_cosine_cached", lambda c: float(np.mean([x[-1] for x in c]))),
+            **heldout_means,
+            **curve_points,
         )
         .reset_index()
     )
@@ -352,20 +362,19 @@ def _direction_claims(ok: pd.DataFrame) -> list[Claim]:
 
 def training_table(df: pd.DataFrame) -> pd.DataFrame:
     """Per training budget and prefix length: mean, min and max gradient cosine and mean held-out suffix losses."""
-    ok = ok_rows(df)
-    out = (
-        ok.groupby(["train_steps", "prefix_len"])
+    suffix_losses = {f"suffix_loss_{v}": (f"suffix_loss_{v}", "mean") for v in VARIANTS}
+    return (
+        ok_rows(df)
+        .groupby(["train_steps", "prefix_len"])
         .agg(
             seeds=("seed", "nunique"),
             cosine=("grad_cosine", "mean"),
             cosine_min=("grad_cosine", "min"),
             cosine_max=("grad_cosine", "max"),
-            suffix_loss_full=("suffix_loss_full", "mean"),
-            suffix_loss_cached=("suffix_loss_cached", "mean"),
+            **suffix_losses,
         )
         .reset_index()
     )
-    return out
 
 
 def _curve_runs(df: pd.DataFrame) -> pd.DataFrame:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvfast.validation import not_allowed, require_choice, require_int
+from kvfast.validation import import_extra, not_allowed, require_choice, require_int
 
 CACHE_TYPES = {"f16": "float16", "f32": "float32", "q8_0": "int8"}
 LLAMACPP_BUGS: dict[str, str] = {
@@ -48,13 +48,7 @@ MODEL = "a GGUF file path or a llama_cpp.Llama"
 
 
 def _llama_cpp():
-    try:
-        import llama_cpp
-    except ImportError as exc:  # pragma: no cover - the llamacpp extra installs it
-        raise ValueError(
-            "model: a llama.cpp model needs llama-cpp-python; allowed: pip install 'kvfast[llamacpp]'"
-        ) from exc
-    return llama_cpp
+    return import_extra("llama_cpp", "a llama.cpp model", "llamacpp")
 
 
 class LlamaCppModel:

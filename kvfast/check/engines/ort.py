@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvfast.validation import not_allowed, require_choice, require_int
+from kvfast.validation import import_extra, not_allowed, require_choice, require_int
 
 VARIANTS = ("batch", "no-opt", "transformers")
 ORT_BUGS: dict[str, str] = {
@@ -58,14 +58,8 @@ MODEL = "an onnxruntime-genai model directory (genai_config.json and its model.o
 
 
 def _modules():
-    try:
-        import onnxruntime
-        import onnxruntime_genai
-    except ImportError as exc:  # pragma: no cover - the ort extra installs both
-        raise ValueError(
-            "model: an onnxruntime-genai model needs kvfast[ort]; allowed: pip install 'kvfast[ort]'"
-        ) from exc
-    return onnxruntime, onnxruntime_genai
+    what = "an onnxruntime-genai model"
+    return import_extra("onnxruntime", what, "ort"), import_extra("onnxruntime_genai", what, "ort")
 
 
 def is_ort_model(model: object) -> bool:

@@ -28,6 +28,7 @@ from kvfast.runtime.worker import worker_start
 from kvfast.sweep.backends import NOTHING_LOST, Job, Outcome
 from kvfast.sweep.grid import Run
 from kvfast.sweep.rows import lost_worker_row, run_chunk
+from kvfast.validation import import_extra
 
 if TYPE_CHECKING:
     from kvfast.studies.base import Study
@@ -35,10 +36,7 @@ if TYPE_CHECKING:
 
 def dask_client(n_jobs: int, scheduler: str | None):
     """A connected ``distributed.Client`` (and the LocalCluster it owns, or ``None``); ``ValueError`` if none."""
-    try:
-        from distributed import Client
-    except ImportError:
-        raise ValueError("--backend: 'dask' needs the dask extra; install kvfast[dask]") from None
+    Client = import_extra("distributed", "'dask'", "dask", field="--backend").Client
     import logging
 
     # kvfast reports dead workers and a lost scheduler itself, in one line: not distributed's tracebacks
