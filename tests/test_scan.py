@@ -365,3 +365,14 @@ def test_injected_bugs_are_still_found_on_a_state_space_model_or_refused():
     assert _scan_run("mamba2", "resume", "replay")["verdict"] == "bug"
     refused = _scan_run("mamba", "decode", "window")  # the bug lives in a mask Mamba's generate never passes
     assert refused["verdict"] == "skipped" and refused["skip_kind"] == "adapter"
+
+
+@pytest.mark.skipif(not HF, reason="needs torch and transformers (kvfast[hf])")
+def test_cached_calls_get_generates_positions_where_they_are_the_models_own():
+    """Bamba's forward without ``position_ids`` numbers a decoded token from 0 (``generate`` always passes them):
+    clean Bamba was called ``bug`` in float32. RoBERTa numbers positions from its padding id: it keeps its own."""
+    from kvfast.check.hf import HFModel
+
+    assert HFModel(A.tiny_architecture("bamba"))._generate_positions() is True
+    assert HFModel(A.tiny_architecture("roberta"))._generate_positions() is False
+    assert _scan_run("bamba")["verdict"] == "rounding"  # old behaviour: "bug"

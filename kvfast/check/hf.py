@@ -427,6 +427,8 @@ class HFModel:
                 raise not_allowed("bug", self.bug, "a bug the model can take (its generate passes no attention mask)")
         if self.takes_cache_position:
             kwargs["cache_position"] = torch.arange(self.length, self.length + n)
+        if positions is None and self._generate_positions():
+            positions = list(range(self.length, self.length + n))
         if positions is not None:
             if not self.takes_position_ids:
                 raise not_allowed("bug", self.bug, "a bug the model's forward() can take (it has no position_ids)")
@@ -438,6 +440,33 @@ class HFModel:
         self.length += n
         self.last_token = int(np.asarray(tokens).reshape(-1)[-1])
         return logits[0]
+
+    _positions_as_generate: bool | None = None  # measured on first use (_generate_positions)
+
+    def _generate_positions(self) -> bool:
+        """Whether cached calls get ``position_ids`` as ``generate`` gives them (the positions after the cache:
+        transformers 5.x's ``generate`` passes them to every decoder-only model whose ``forward`` takes them).
+
+        Only where they are the model's own positions: a recompute of :attr:`PROBE` tokens with ``position_ids``
+        ``0..T-1`` must equal, bit for bit, the recompute without them (RoBERTa-style models number positions
+        from their padding id: they keep deriving their own). Measured: Bamba's ``forward`` without
+        ``position_ids`` numbers a decoded token from 0 whatever the cache holds, which ``generate`` never
+        asks of it: clean Bamba was called ``bug`` in float32 (deviations around 1e-3 from decode step 1).
+        """
+        if self._positions_as_generate is None:
+            self._positions_as_generate = False
+            if self.takes_position_ids and not getattr(self.model.config, "is_encoder_decoder", False):
+                torch = _torch()
+                ids = self._ids(np.arange(self.PROBE) % self.vocab_size, 0)
+                try:
+                    plain, _ = self._call(self.model, input_ids=ids, use_cache=False)
+                    numbered, _ = self._call(
+                        self.model, input_ids=ids, use_cache=False, position_ids=torch.arange(self.PROBE)[None, :]
+                    )
+                except Exception:  # noqa: BLE001 - positions it cannot take: it keeps deriving its own
+                    return False
+                self._positions_as_generate = bool(torch.equal(plain, numbered))
+        return self._positions_as_generate
 
     def _generate_passes_mask(self, ids, mask) -> bool:
         """Whether the model's own ``generate`` passes the attention mask in this call (asked of its
