@@ -14,9 +14,12 @@ What the adapter does (:mod:`kvfast.check.protocol` for the methods):
   cache object (``_supports_cache_class = False``: 4.3x GPT-2) gets ``None`` and
   is fed back the tuples it returns.
 - ``extend(tokens)`` / ``decode(token)``: the next chunk on top of that cache,
-  with an all-ones attention mask over every position so far (what
-  ``generate`` passes) and ``cache_position`` where the model's ``forward``
-  takes it (transformers 4.x).
+  driven as the model's own ``generate`` drives it: an all-ones attention mask
+  over every position so far where its ``prepare_inputs_for_generation`` keeps
+  one (state-space models drop it after the prefill), ``position_ids`` after
+  the cache where they equal the model's own numbering (5.x ``generate``
+  passes them; RoBERTa-style models keep theirs), and ``cache_position`` where
+  the model's ``forward`` takes it (transformers 4.x).
 - The cache argument is named as the model's ``forward`` names it: ``cache``
   (transformers 5.x) or ``past_key_values`` (4.x; tuples or ``DynamicCache``),
   so no deprecation warning is triggered and old releases work as they are.
