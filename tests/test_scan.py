@@ -276,3 +276,103 @@ def test_rotary_scalings_are_scanned_and_only_the_length_dependent_ones_are_name
                           ("llama+yarn", "rounding")):  # fmt: skip
         report = check_cache(A.tiny_architecture(arch, "float32", "auto", 0), prompt, 12, mode="control")
         assert report.verdict == verdict, (arch, report.format())
+
+
+# --- builds that the shrinking used to break; state-space models driven as generate drives them ----------------
+
+#: Types skipped before only because of kvfast's shrinking (fields the default config leaves to the checkpoint,
+#: constraints between fields): each now builds and runs one forward.
+FIXED_TYPES = (
+    "hunyuan_v1_dense", "ministral", "nemotron", "dots1", "deepseek_v2", "dbrx", "cohere_compass_text",
+    "lfm2_moe", "granitemoehybrid", "zamba", "qwen4_exp_text", "dory", "kimi_linear", "bailing_hybrid",
+)  # fmt: skip
+
+
+@pytest.mark.skipif(not HF, reason="needs torch and transformers (kvfast[hf])")
+@pytest.mark.parametrize("model_type", FIXED_TYPES)
+def test_types_the_shrinking_used_to_break_build_and_run(model_type):
+    import torch
+
+    if model_type not in A.causal_lm_types():
+        pytest.skip(f"{model_type} is not in this transformers release")
+    model = A.tiny_architecture(model_type)
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 2, 3, 4]]), use_cache=True).logits
+    assert logits.shape[-1] == model.config.vocab_size
+
+
+def test_derived_fields_get_the_value_their_none_stands_for():
+    d = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": None, "head_dim": None}
+    out = A.shrink(d)
+    assert out["head_dim"] == A.HIDDEN // A.HEADS
+    assert out["num_key_value_heads"] == A.HEADS
+    assert "head_dim" not in A.shrink({"hidden_size": 4096, "num_attention_heads": 32})  # absent stays absent
+
+
+def _scan_run(arch: str, scenario: str = "decode", bug: str = "none") -> dict:
+    c = {"architecture": arch, "dtype": "float32", "attention": "auto", "scenario": scenario, "seed": 0,
+         "prompt": 0, "steps": 8, "bug": bug, "promote": "none"}  # fmt: skip
+    return scan.run(c)
+
+
+@pytest.mark.skipif(not HF, reason="needs torch and transformers (kvfast[hf])")
+def test_a_state_space_model_gets_no_attention_mask_after_its_prefill_as_generate_gives_it():
+    """Mamba's ``generate`` drops the mask after the first call; the adapter used to pass one over every position,
+    which its mixer broadcast into one row per position: clean Mamba was called ``bug`` at decode step 2."""
+    import torch
+
+    from kvfast.check.hf import HFModel
+
+    mamba = HFModel(A.tiny_architecture("mamba"))
+    mamba.prefill([1, 2, 3, 4])
+    mask = torch.ones(1, 5, dtype=torch.long)
+    assert mamba._generate_passes_mask(mamba._ids([5], mamba.length), mask) is False
+    llama = HFModel(A.tiny_architecture("llama"))
+    llama.prefill([1, 2, 3, 4])
+    assert llama._generate_passes_mask(llama._ids([5], llama.length), mask) is True  # attention models keep it
+    assert _scan_run("mamba")["verdict"] == "rounding"  # old behaviour: "bug"
+
+
+@pytest.mark.skipif(not HF, reason="needs torch and transformers (kvfast[hf])")
+def test_a_state_space_model_equals_its_own_generate_bit_for_bit():
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from kvfast.check.hf import HFModel
+
+    model = A.tiny_architecture("mamba")
+    prompt, continuation = [5, 9, 13, 22], [31, 40, 7, 18, 2]
+
+    class Force(LogitsProcessor):  # generate's greedy choice forced to the continuation
+        def __call__(self, input_ids, scores):
+            forced = torch.full_like(scores, float("-inf"))
+            forced[:, continuation[input_ids.shape[1] - len(prompt)]] = 0
+            return scores + forced
+
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(continuation),
+                         min_new_tokens=len(continuation), do_sample=False, output_logits=True,
+                         return_dict_in_generate=True, logits_processor=LogitsProcessorList([Force()]),
+                         pad_token_id=0)  # fmt: skip
+    adapter = HFModel(model)
+    adapter.prefill(prompt)
+    decoded = torch.stack([adapter.decode(t) for t in continuation[:-1]])
+    assert torch.equal(decoded, torch.stack([g[0] for g in out.logits[1:]]))
+
+
+@pytest.mark.skipif(not HF, reason="needs torch and transformers (kvfast[hf])")
+def test_injected_bugs_are_still_found_on_a_state_space_model_or_refused():
+    assert _scan_run("mamba2", "resume", "replay")["verdict"] == "bug"
+    refused = _scan_run("mamba", "decode", "window")  # the bug lives in a mask Mamba's generate never passes
+    assert refused["verdict"] == "skipped" and refused["skip_kind"] == "adapter"
+
+
+@pytest.mark.skipif(not HF, reason="needs torch and transformers (kvfast[hf])")
+def test_cached_calls_get_generates_positions_where_they_are_the_models_own():
+    """Bamba's forward without ``position_ids`` numbers a decoded token from 0 (``generate`` always passes them):
+    clean Bamba was called ``bug`` in float32. RoBERTa numbers positions from its padding id: it keeps its own."""
+    from kvfast.check.hf import HFModel
+
+    assert HFModel(A.tiny_architecture("bamba"))._generate_positions() is True
+    assert HFModel(A.tiny_architecture("roberta"))._generate_positions() is False
+    assert _scan_run("bamba")["verdict"] == "rounding"  # old behaviour: "bug"

@@ -14,9 +14,12 @@ What the adapter does (:mod:`kvfast.check.protocol` for the methods):
   cache object (``_supports_cache_class = False``: 4.3x GPT-2) gets ``None`` and
   is fed back the tuples it returns.
 - ``extend(tokens)`` / ``decode(token)``: the next chunk on top of that cache,
-  with an all-ones attention mask over every position so far (what
-  ``generate`` passes) and ``cache_position`` where the model's ``forward``
-  takes it (transformers 4.x).
+  driven as the model's own ``generate`` drives it: an all-ones attention mask
+  over every position so far where its ``prepare_inputs_for_generation`` keeps
+  one (state-space models drop it after the prefill), ``position_ids`` after
+  the cache where they equal the model's own numbering (5.x ``generate``
+  passes them; RoBERTa-style models keep theirs), and ``cache_position`` where
+  the model's ``forward`` takes it (transformers 4.x).
 - The cache argument is named as the model's ``forward`` names it: ``cache``
   (transformers 5.x) or ``past_key_values`` (4.x; tuples or ``DynamicCache``),
   so no deprecation warning is triggered and old releases work as they are.
@@ -415,9 +418,14 @@ class HFModel:
             mask = torch.ones(1, self.length + n, dtype=torch.long)
             if self.bug == "window" and n == 1:
                 mask[0, : max(0, self.length + n - HF_WINDOW)] = 0
-            kwargs["attention_mask"] = mask
+            if self._generate_passes_mask(ids, mask):
+                kwargs["attention_mask"] = mask
+            elif self.bug == "window" and n == 1:  # the bug lives in the mask: a model given none cannot take it
+                raise not_allowed("bug", self.bug, "a bug the model can take (its generate passes no attention mask)")
         if self.takes_cache_position:
             kwargs["cache_position"] = torch.arange(self.length, self.length + n)
+        if positions is None and self._generate_positions():
+            positions = list(range(self.length, self.length + n))
         if positions is not None:
             if not self.takes_position_ids:
                 raise not_allowed("bug", self.bug, "a bug the model's forward() can take (it has no position_ids)")
@@ -432,6 +440,64 @@ class HFModel:
         self.length += n
         self.last_token = int(np.asarray(tokens).reshape(-1)[-1])
         return logits[0]
+
+    _positions_as_generate: bool | None = None  # measured on first use (_generate_positions)
+
+    def _generate_positions(self) -> bool:
+        """Whether cached calls get ``position_ids`` as ``generate`` gives them (the positions after the cache:
+        transformers 5.x's ``generate`` passes them to every decoder-only model whose ``forward`` takes them).
+
+        Only where they are the model's own positions: a recompute of :attr:`PROBE` tokens with ``position_ids``
+        ``0..T-1`` must equal, bit for bit, the recompute without them (RoBERTa-style models number positions
+        from their padding id: they keep deriving their own). Measured: Bamba's ``forward`` without
+        ``position_ids`` numbers a decoded token from 0 whatever the cache holds, which ``generate`` never
+        asks of it: clean Bamba was called ``bug`` in float32 (deviations around 1e-3 from decode step 1).
+        """
+        if self._positions_as_generate is None:
+            self._positions_as_generate = False
+            if self.takes_position_ids and not getattr(self.model.config, "is_encoder_decoder", False):
+                torch = _torch()
+                ids = self._ids(np.arange(self.PROBE) % self.vocab_size, 0)
+                try:
+                    plain, _ = self._call(self.model, input_ids=ids, use_cache=False)
+                    numbered, _ = self._call(
+                        self.model, input_ids=ids, use_cache=False, position_ids=torch.arange(self.PROBE)[None, :]
+                    )
+                except Exception:  # noqa: BLE001 - positions it cannot take: it keeps deriving its own
+                    return False
+                self._positions_as_generate = bool(torch.equal(plain, numbered))
+        return self._positions_as_generate
+
+    def _generate_passes_mask(self, ids, mask) -> bool:
+        """Whether the model's own ``generate`` passes the attention mask in this call (asked of its
+        ``prepare_inputs_for_generation``, with the cache as it is and ``is_first_iteration`` for the prefill).
+
+        State-space models (Mamba, FalconMamba, Mamba-2, the hybrids built on their mixers) drop it after the
+        first call: their mixers multiply the new tokens' hidden states by the mask (padding states zeroed),
+        and a mask over every position so far broadcasts one decoded token into as many rows as positions
+        (measured: clean Mamba called ``bug`` at decode step 2 with deviations above 1, and its resume raising
+        in ``extend``). Where the question cannot be asked (a release or model whose
+        ``prepare_inputs_for_generation`` takes other arguments), the mask is passed, as ``generate`` does for
+        attention models.
+        """
+        prepare = getattr(self.model, "prepare_inputs_for_generation", None)
+        if prepare is None:
+            return True
+        torch = _torch()
+        n = ids.shape[1]
+        so_far = torch.cat([torch.zeros(1, self.length, dtype=ids.dtype), ids], dim=1)  # only the shape is read
+        try:
+            inputs = prepare(
+                so_far,
+                next_sequence_length=n,
+                **{self.cache_arg: self.cache},
+                attention_mask=mask,
+                use_cache=True,
+                is_first_iteration=self.length == 0,
+            )
+        except Exception:  # noqa: BLE001 - a signature of another release: generate's default (the mask) stands
+            return True
+        return not isinstance(inputs, dict) or inputs.get("attention_mask", mask) is not None
 
     def prefill(self, tokens):
         """A fresh cache filled with ``tokens`` (positions ``0..T-1``); their logits ``(T, V)``."""

@@ -46,7 +46,8 @@ SMALL: dict[str, int] = {
     **dict.fromkeys(("moe_ffn_hidden_size", "shared_intermediate_size", "intermediate_size_mlp"), 32),
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "n_experts"), EXPERTS),
     **dict.fromkeys(("num_experts_per_tok", "moe_k", "top_k", "num_selected_experts", "moe_topk"), 2),
-    **dict.fromkeys(("n_group", "topk_group", "num_expert_groups", "moe_num_shared_experts"), 1),
+    **dict.fromkeys(("num_experts_per_token",), 2),
+    **dict.fromkeys(("n_group", "topk_group", "num_expert_groups", "moe_num_shared_experts", "num_expert_group"), 1),
     **dict.fromkeys(("n_groups", "mamba_n_groups"), 1),
     **dict.fromkeys(("kv_lora_rank", "q_lora_rank", "index_head_dim"), 16),
     **dict.fromkeys(("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "swa_head_dim"), HEAD_DIM),
@@ -56,6 +57,7 @@ SMALL: dict[str, int] = {
     **dict.fromkeys(("sliding_window", "attention_window", "window_size", "local_window_size"), WINDOW),
     **dict.fromkeys(("mamba_d_state", "state_size", "ssm_state_size", "d_state", "linear_key_head_dim"), 16),
     **dict.fromkeys(("mamba_n_heads", "linear_num_value_heads", "linear_num_key_heads", "ssm_num_heads"), 4),
+    **dict.fromkeys(("linear_num_heads",), HEADS),
     **dict.fromkeys(("mamba_d_head", "mamba_head_dim", "linear_value_head_dim", "linear_head_dim"), 16),
     **dict.fromkeys(("mamba_expand", "expand"), 1),
     **dict.fromkeys(("swa_num_attention_heads",), HEADS),
@@ -207,6 +209,64 @@ def _hooks(d: dict, n: int | None, kept: list[int], count: int) -> dict:
     return out
 
 
+def _derived(d: dict, out: dict) -> dict:
+    """Fields a default config leaves ``None`` for the checkpoint to fill, which the modeling code reads without a
+    fallback (HunYuan's and Ministral's ``head_dim``, Nemotron's ``num_key_value_heads``): given the value the
+    config's own docs derive for ``None`` (the hidden size over the heads; as many key/value heads as heads)."""
+    merged = {**d, **out}
+    heads = _heads(merged)
+    extra: dict = {}
+    if "head_dim" in d and d["head_dim"] is None and heads:
+        extra["head_dim"] = merged.get("hidden_size", HIDDEN) // heads
+    for key in KV_KEYS:
+        if key in d and d[key] is None and heads:
+            extra[key] = heads
+    return extra
+
+
+def _rope_per_type(d: dict, types: list[str]) -> dict:
+    """Default rotary parameters for each of ``types`` (CohereCompass's default ``rope_parameters`` is ``{}``,
+    while its rotary embedding looks each layer type up in it)."""
+    theta = d.get("default_theta") or 10000.0
+    return {t: {"rope_type": "default", "rope_theta": theta} for t in dict.fromkeys(types)}
+
+
+#: Per-type overrides, keyed by the config's ``model_type`` (a sub-config's too), applied after the generic ones:
+#: what a type's default config leaves to the checkpoint, or a constraint between fields the generic shrinking
+#: breaks. Each takes ``(default config dict, overrides so far)``; the comment says why.
+TYPE_OVERRIDES: dict = {
+    # The expert counts are None by default (every checkpoint sets them); the MoE layer needs them.
+    "dots1": lambda d, out: {"n_routed_experts": EXPERTS, "num_experts_per_tok": 2, "n_shared_experts": 1},
+    "deepseek_v2": lambda d, out: {"num_experts_per_tok": 2},
+    # The attention reads ``attn_config.rope_theta``, which the default attention sub-config lacks (the outer
+    # config keeps it in ``rope_parameters``), and clamps by ``clip_qkv``, which torch refuses as None on both
+    # sides: DBRX's own value (8).
+    "dbrx": lambda d, out: {
+        "attn_config": {**out.get("attn_config", d["attn_config"]), "clip_qkv": 8.0,
+                        "rope_theta": (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)}
+    },
+    "cohere_compass_text": lambda d, out: {"rope_parameters": _rope_per_type(d, out.get("layer_types") or [])},
+    # No default layer layout (None): a convolution layer then an attention layer, as the checkpoints mix them.
+    "lfm2_moe": lambda d, out: {"layer_types": ["conv", "full_attention"]},
+    # The default layout is recurrent only (checkpoints add attention layers): attention in the last layer.
+    "granitemoehybrid": lambda d, out: {"layer_types": ["linear_attention", "attention"]},
+    # The shared transformer block is tied across its hybrid layers: it needs two of them to tie.
+    "zamba": lambda d, out: {"num_hidden_layers": 4, "attn_layer_period": 2, "attn_layer_offset": 1,
+                             "layers_block_type": ["linear_attention", "hybrid"] * 2},
+    # Axial position embeddings: their widths sum to the hidden size, their shape multiplies to the positions.
+    "reformer": lambda d, out: {"axial_pos_embds_dim": [HIDDEN // 2, HIDDEN // 2], "axial_pos_shape": [16, 32]},
+    # The QSA indexer has no defaults (None); small ones with a budget that selects within a check.
+    "qwen4_exp_text": lambda d, out: {"indexer_n_heads": HEADS, "indexer_kv_heads": 1, "indexer_head_dim": HEAD_DIM,
+                                      "indexer_budget": 8, "indexer_compress_ratio": 4},
+    # ``to_dict`` lists an ``mlp`` block after each layer and doubles the layer counts; the constructor halves
+    # them: one input, one recurrent and one output layer, with both attention types.
+    "dory": lambda d, out: {"num_hidden_layers": 6, "n_input_layers": 2, "n_output_layers": 2,
+                            "n_recurrent_layers": 2,
+                            "layer_types": ["sliding_attention", "mlp", "sliding_attention", "mlp",
+                                            "full_attention", "mlp"]},
+}  # fmt: skip
+
+
 def shrink(d: dict) -> dict:
     """The overrides that make a config (as ``to_dict()`` gives it) tiny; nested sub-config dicts shrunk too.
 
@@ -238,7 +298,10 @@ def shrink(d: dict) -> dict:
             out[key] = SMALL[key]
         elif key in PAD_KEYS and isinstance(value, int) and value >= VOCAB:
             out[key] = 0
-    return {**out, **_hooks(d, n, kept, count)}
+    out = {**out, **_hooks(d, n, kept, count)}
+    out.update(_derived(d, out))
+    fix = TYPE_OVERRIDES.get(d.get("model_type"))
+    return {**out, **fix(d, out)} if fix else out
 
 
 def own_cache(model) -> bool:
