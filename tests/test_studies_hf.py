@@ -86,16 +86,21 @@ def kvfast(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([KVFAST, *args], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
 
 
-def run_both_studies(root: Path) -> list[list[str]]:
-    """Run the reduced grid of each study on two workers into ``root/<study>``, check the stored rows; return the
-    two command lines."""
+def run_both_studies(root: Path, two_workers: bool) -> list[list[str]]:
+    """Run the reduced grid of each study into ``root/<study>`` (on two workers through a real ``kvfast``
+    process, or with ``--jobs 1`` in this process), check the stored rows; return the two command lines."""
+    from kvfast.cli import main
+
     commands = []
     for name, body in HF_SMALL_GRIDS.items():
         toml = root.parent / f"{name}.toml"
         toml.write_text(f'study = "{name}"\n{body}')
-        cmd = ["run", str(toml), "--out", str(root / name), "--jobs", "2", "--quiet"]
-        first = kvfast(*cmd)
-        assert first.returncode == 0, first.stderr
+        cmd = ["run", str(toml), "--out", str(root / name), "--jobs", "2" if two_workers else "1", "--quiet"]
+        if two_workers:
+            first = kvfast(*cmd)
+            assert first.returncode == 0, first.stderr
+        else:
+            assert main(cmd) == 0
         commands.append(cmd)
     matrix = pd.read_parquet(root / "hf_matrix").set_index("bug")
     assert (matrix["status"] == "ok").all() and matrix.loc["none", "verdict"] == "rounding"
@@ -107,18 +112,19 @@ def run_both_studies(root: Path) -> list[list[str]]:
 
 
 @pytest.mark.skipif(not HF, reason="needs kvfast[hf] (torch and transformers)")
-def test_both_studies_run_on_two_workers(tmp_path):
-    """The runs themselves; resumed, shown and drawn by `kvfast report` (six more processes): the ``-m slow``
-    twin below (the resume and show of any sweep: tests/test_sweep_cli.py; these studies' figures and facts in
-    the report: tests/test_report.py)."""
-    run_both_studies(tmp_path / "results")
+def test_both_studies_run(tmp_path):
+    """The runs and their verdicts, in this process. On two workers through a real ``kvfast`` process, resumed,
+    shown and drawn by `kvfast report`: the ``-m slow`` twin below (Hugging Face models checked on two workers
+    through ``kvfast run``: tests/test_sweep_check_hf.py; the resume and show of any sweep:
+    tests/test_sweep_cli.py; these studies' figures and facts in the report: tests/test_report.py)."""
+    run_both_studies(tmp_path / "results", two_workers=False)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HF, reason="needs kvfast[hf] (torch and transformers)")
 def test_both_studies_run_resume_show_and_report(tmp_path):
     root = tmp_path / "results"
-    for cmd in run_both_studies(root):
+    for cmd in run_both_studies(root, two_workers=True):
         again = kvfast(*cmd)
         assert again.returncode == 0 and "3 already stored, 0 run now" in again.stdout, again.stdout
         shown = kvfast("show", cmd[3])  # its --out
