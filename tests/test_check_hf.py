@@ -6,13 +6,15 @@ mode. Every injected logic bug is "bug" in float32 and float64, and in the float
 models, at the step where it first acts (kvfast.check.hf.first_acting_step states it per bug and scenario:
 window at max(1, 8 - len(prompt) + 1), posoff at 1, freeze at 2, restart at 1 and replay at 0 in the resume
 scenario only; the float16 round trip, a precision bug, at 1 (decode) and 0 (resume)).
-The full matrix with its rates: the ``hf_matrix`` study (``kvfast study hf_matrix``).
+The default run holds a pairwise share of the two matrix tests (every pair of values of any two axes; the
+other cells are ``-m slow``). The full matrix with its rates: the ``hf_matrix`` study (``kvfast study hf_matrix``).
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
+import itertools
 import os
 
 import numpy as np
@@ -58,9 +60,45 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("attention", ATTENTION)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("family", FAMILIES)
+CASE_IDS = ("seed0-prompt5", "seed1-prompt4")  # CASES[1] and CASES[2]: a 5-token and a 4-token prompt
+
+
+def in_default_run(family: str, dtype: str, attention: str, case: str | None = None) -> bool:
+    """The matrix's share in the default run: every family x dtype once, the attention (and the bug test's
+    case) alternating so that every pair of values of any two axes is in it (a pairwise covering set, 12 of
+    24 clean and 12 of 48 bug cells); the other cells are ``-m slow``, the whole matrix again with its rates
+    in ``test_the_measured_matrix``."""
+    f, d = FAMILIES.index(family), DTYPES.index(dtype)
+    fast = ATTENTION[(f + d) % 2] == attention
+    return fast and (case is None or CASE_IDS[(f + d // 2) % 2] == case)
+
+
+def matrix(*axes: tuple[str, ...]) -> list:
+    """The cells of ``FAMILIES x DTYPES x ATTENTION (x axes)``, those outside :func:`in_default_run` marked slow."""
+    cells = itertools.product(FAMILIES, DTYPES, ATTENTION, *axes)
+    return [cell if in_default_run(*cell) else pytest.param(*cell, marks=pytest.mark.slow) for cell in cells]
+
+
+def missing_pairs(cells: list, axes: tuple[tuple[str, ...], ...]) -> set:
+    """The pairs of values of two axes (``(i, j, value_i, value_j)``) that no cell holds."""
+    pairs = itertools.combinations(range(len(axes)), 2)
+    every = {(i, j, a, b) for i, j in pairs for a, b in itertools.product(axes[i], axes[j])}
+    return every - {(i, j, c[i], c[j]) for c in cells for i, j in itertools.combinations(range(len(axes)), 2)}
+
+
+def test_the_default_run_holds_every_pair_of_values_of_the_matrix():
+    for cells, axes in (
+        (matrix(), (FAMILIES, DTYPES, ATTENTION)),
+        (matrix(CASE_IDS), (FAMILIES, DTYPES, ATTENTION, CASE_IDS)),
+    ):
+        fast = [c for c in cells if not hasattr(c, "marks")]  # pytest.param(..., marks=slow) has marks
+        assert len(fast) == len(FAMILIES) * len(DTYPES) < len(cells)
+        assert missing_pairs(fast, axes) == set()
+        # failing data: without eager attention the share would miss every pair holding it
+        assert (0, 2, "llama", "eager") in missing_pairs([c for c in fast if c[2] == "sdpa"], axes)
+
+
+@pytest.mark.parametrize(("family", "dtype", "attention"), matrix())
 def test_clean_models_are_never_a_bug(family, dtype, attention):
     for seed, k, prompt, continuation in CASES:
         model = tiny_model(family, dtype, attention, seed)
@@ -88,12 +126,9 @@ def _assert_caught(report, bug: str, logic: bool) -> None:
             assert s.first_bug_step == want, (name, checked.format())
 
 
-@pytest.mark.parametrize("case", [1, 2], ids=["seed0-prompt5", "seed1-prompt4"])
-@pytest.mark.parametrize("attention", ATTENTION)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(("family", "dtype", "attention", "case"), matrix(CASE_IDS))
 def test_every_bug_is_caught_at_the_step_where_it_first_acts(family, dtype, attention, case):
-    seed, _, prompt, continuation = CASES[case]
+    seed, _, prompt, continuation = CASES[1 + CASE_IDS.index(case)]
     model = tiny_model(family, dtype, attention, seed)
     for bug in HF_BUGS:
         promote = "float64" if dtype != "float64" else None
@@ -334,7 +369,57 @@ def test_kv_check_takes_a_hugging_face_model(pytester):
     assert "first bug step 1 (position 3)" in result.stdout.str()
 
 
+HF_BUGGED = (
+    "from kvfast.check.hf import HFModel, tiny_model\n\n"
+    "def make(bug, dtype='float32', family='llama'):\n    return HFModel(tiny_model(family, dtype), bug=bug)\n"
+)
+
+
 def test_cli_checks_a_hugging_face_model(capsys, tmp_path, monkeypatch):
+    """``kvfast check`` of a Hugging Face factory: the verdicts that need the child (a bug found by the float64
+    logic check: exit 1; inconclusive: exit 3) through it, the other flags in this process through the child's
+    own function (:func:`kvfast.commands.check.run_check`). Each flag through a real child:
+    test_cli_checks_a_hugging_face_model_with_every_option (``-m slow``)."""
+    from kvfast.cli import build_parser, main
+    from kvfast.commands.check import EXIT_FAIL, EXIT_PASS, run_check
+
+    (tmp_path / "hf_bugged.py").write_text(HF_BUGGED)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    bf16 = ["check", "hf_bugged:make", "--prompt", "1,2,3,4", "--mode", "control", "--continuation", "5,6,7,8"]
+    assert main([*bf16, "--factory-arg", "bug=posoff", "--factory-arg", "dtype=bfloat16", "--promote"]) == 1
+    assert "logic check in float64 (same tokens): BUG" in capsys.readouterr().out
+    # the bfloat16 GPT-2 with a growing window of test_bfloat16_recommends_the_logic_check_when_inconclusive
+    _, _, prompt, continuation = CASES[0]
+    unsure = ["check", "hf_bugged:make", "--mode", "control", "--factory-arg", "bug='window'"]
+    unsure += ["--factory-arg", "dtype=bfloat16", "--factory-arg", "family=gpt2"]
+    unsure += ["--prompt", ",".join(map(str, prompt)), "--continuation", ",".join(map(str, continuation))]
+    assert main(unsure) == 3
+    assert "INCONCLUSIVE" in capsys.readouterr().out
+    assert main([*bf16, "--factory-arg", "bug"]) == 2  # refused before the child starts
+    assert "--factory-arg: 'bug' is not allowed; allowed: KEY=VALUE" in capsys.readouterr().err
+
+    def in_process(*argv: str) -> dict:
+        return run_check(build_parser().parse_args(list(argv)))
+
+    base = ["check", "kvfast.check.hf:tiny_model", "--prompt", "1,2,3,4", "--mode", "control"]
+    clean = in_process(*base, "--steps", "4", "--factory-arg", "family=gpt2", "--factory-arg", "seed=1")
+    assert clean["code"] == EXIT_PASS and "ROUNDING" in clean["text"]
+    split = in_process(*bf16, "--factory-arg", "bug=replay", "--split", "1", "--margin", "2", "--decisive", "8")
+    assert split["code"] == EXIT_FAIL and "prompt split 1 + 3" in split["text"]
+    for factory_args, line in (
+        (["bug=nope"], "bug: 'nope' is not allowed"),
+        (["bug=posoff", "colour=red"], "--factory-arg:"),
+    ):
+        refused = in_process(*bf16, *(a for arg in factory_args for a in ("--factory-arg", arg)))
+        assert refused["kind"] == "bad input" and line in refused["line"], refused  # exit 2 in run()
+
+
+@pytest.mark.slow
+def test_cli_checks_a_hugging_face_model_with_every_option(capsys, tmp_path, monkeypatch):
+    """Every flag through a real child process, one each (8 children, each importing torch); the default run
+    has test_cli_checks_a_hugging_face_model (the exit codes 1 and 3 through the child, the rest of the flags
+    in one process)."""
     from kvfast.cli import main
 
     base = ["check", "kvfast.check.hf:tiny_model", "--prompt", "1,2,3,4", "--mode", "control"]

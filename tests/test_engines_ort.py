@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,7 +25,7 @@ else:
     torch = pytest.importorskip("torch")
 
 from kvfast.check import check_cache  # noqa: E402
-from kvfast.check.engines.ort import ORT_WINDOW, ORTModel, tiny_ort_model  # noqa: E402
+from kvfast.check.engines.ort import ORT_WINDOW, ORTModel  # noqa: E402
 
 torch.set_num_threads(1)
 PROMPTS = ([3, 4, 5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1])
@@ -32,10 +33,20 @@ PROMPTS = ([3, 4, 5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1])
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """A tiny random Llama (seed 1) in transformers and, converted, in onnxruntime-genai: ``(onnx dir, hf dir)``."""
-    out = tmp_path_factory.mktemp("ort")
-    onnx = tiny_ort_model(out, seed=1)
-    return onnx, out / "hf"
+    """A tiny random Llama (seed 1) in transformers and, converted, in onnxruntime-genai: ``(onnx dir, hf dir)``.
+    Built (once, the slow part of this file) by the engines study's own builder, where the study finds its seed-1
+    ort model when ``KVFAST_ENGINE_MODELS`` is :func:`engine_models` of the onnx dir."""
+    from kvfast.studies.engines import _built
+
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("KVFAST_ENGINE_MODELS", str(tmp_path_factory.mktemp("engine-models")))
+        out = _built(1, "ort", "f32")  # tiny_ort_model(<root>/<version>-seed1/ort-f32, seed=1)
+    return out / "onnx", out / "hf"
+
+
+def engine_models(onnx: Path) -> Path:
+    """The ``KVFAST_ENGINE_MODELS`` root that holds the ``built`` model ``onnx``."""
+    return onnx.parents[2]
 
 
 def test_the_recompute_is_the_same_graph_as_the_prefill_and_the_same_function_as_transformers(built):
@@ -129,11 +140,11 @@ def test_kvfast_check_engine_ort_checks_a_model_directory_and_refuses_a_bad_one(
     assert bad.stderr.count("\n") == 1 and "onnxruntime-genai model directory" in bad.stderr
 
 
-def test_the_engines_study_checks_one_model_in_transformers_and_onnxruntime_genai(monkeypatch, tmp_path):
+def test_the_engines_study_checks_one_model_in_transformers_and_onnxruntime_genai(built, monkeypatch):
     from kvfast.studies.engines import STUDY
 
-    monkeypatch.setenv("KVFAST_ENGINE_MODELS", str(tmp_path))
-    base = {"weights": "f32", "cache": "native", "seed": 0, "prompt": 0, "steps": 12}
+    monkeypatch.setenv("KVFAST_ENGINE_MODELS", str(engine_models(built[0])))  # seed 1's ort model: `built`
+    base = {"weights": "f32", "cache": "native", "seed": 1, "prompt": 0, "steps": 12}
     for engine in ("transformers", "ort"):
         clean = {**base, "engine": engine, "bug": "none"}
         bugged = {**clean, "bug": "evict"}

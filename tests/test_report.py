@@ -234,6 +234,8 @@ def test_report_command_writes_a_self_contained_page_and_its_tables(stored, tmp_
     assert list(written["claim"]) == list(table["claim"])
     extra = {"detector_steps", *(["hf_matrix_bugs", "hf_scan_bugs", "hf_scan_skipped"] if HF else [])}
     assert {p.stem for p in (out / "summaries").glob("*.csv")} == {*SMALL_GRIDS, *extra}
+    for name in {*SMALL_GRIDS, *extra}:  # each summary table on the page too (hf_scan_skipped among them)
+        assert f"<summary>{name} (" in page, name
 
 
 def test_without_matplotlib_every_figure_is_a_table_with_a_note(stored):
@@ -257,7 +259,10 @@ def test_markdown_prints_the_claims_table_and_its_count(stored, capsys):
     assert lines[-1].startswith(f"{c['claims_hold']} of {c['claims']} claims hold; verifier: ")
     for what in ("facts", "tables"):
         assert main(["report", str(stored), "--markdown", what]) == 0
-        assert capsys.readouterr().out.startswith(("| figure |", "#### bugs"))
+        out = capsys.readouterr().out
+        assert out.startswith(("| figure |", "#### bugs"))
+        if HF and what == "facts":  # the Hugging Face studies' facts (their grids: tests/test_studies_hf.py)
+            assert "hf_matrix study: clean runs" in out and "hf_score study, float32 sdpa" in out
 
 
 def test_tables_are_the_same_bytes_when_written_twice(stored, tmp_path):

@@ -234,11 +234,14 @@ def test_bad_input_on_the_command_line_is_one_line_and_exit_2(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
-@pytest.mark.skipif(not HF, reason="needs kvfast[hf] (torch and transformers)")
-def test_a_small_scan_end_to_end(tmp_path):
-    out = tmp_path / "hf_scan"
-    cmd = ["scan", "--families", "llama,gpt2", "rwkv", "--dtypes", "float32", "--seeds", "1", "--prompts", "1"]
-    cmd += ["--steps", "6", "--bugs", "posoff", "replay", "--out", str(out), "--jobs", "2", "--quiet", "--markdown"]
+SMALL_SCAN = ["scan", "--families", "llama,gpt2", "rwkv", "--dtypes", "float32", "--seeds", "1", "--prompts", "1"]
+SMALL_SCAN += ["--steps", "6", "--bugs", "posoff", "replay", "--jobs", "2", "--quiet", "--markdown"]
+
+
+def small_scan(out: Path) -> list[str]:
+    """Run the small scan (two architectures and rwkv, which transformers cannot run as a KV-cache model) into
+    ``out``, check its rows, its printed scoreboard and the scoreboard file; return its command line."""
+    cmd = [*SMALL_SCAN, "--out", str(out)]
     first = kvfast(*cmd)
     assert first.returncode == 0, first.stderr
     assert "2 of 3 architectures checked" in first.stdout
@@ -253,8 +256,24 @@ def test_a_small_scan_end_to_end(tmp_path):
     ].all()
     assert "| llama | sdpa | rounding 1 | rounding 1 | 3/3 | 3 | 0 | 0 |" in first.stdout
     assert "| rwkv | 2/2 | adapter |" in first.stdout  # its clean runs
-    board = (tmp_path / "hf_scan.report" / "scoreboard.md").read_text()
+    board = (out.parent / f"{out.name}.report" / "scoreboard.md").read_text()
     assert "| gpt2 |" in board and "| rwkv |" in board
+    return cmd
+
+
+@pytest.mark.skipif(not HF, reason="needs kvfast[hf] (torch and transformers)")
+def test_a_small_scan_end_to_end(tmp_path):
+    """The scan itself; resumed and drawn by `kvfast report` (two more processes): the ``-m slow`` twin below
+    (the resume of any sweep: tests/test_sweep_cli.py; hf_scan's figure and skipped table in the report:
+    tests/test_report.py)."""
+    small_scan(tmp_path / "hf_scan")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HF, reason="needs kvfast[hf] (torch and transformers)")
+def test_a_small_scan_end_to_end_resumed_and_reported(tmp_path):
+    out = tmp_path / "hf_scan"
+    cmd = small_scan(out)
     again = kvfast(*cmd)
     assert again.returncode == 0 and "15 already stored, 0 run now" in again.stdout, again.stdout
     report = kvfast("report", str(out), "--out", str(tmp_path / "rep"))

@@ -81,29 +81,54 @@ def test_they_are_experiments_not_in_reproduce():
     assert not STUDIES["engines"].reproduce
 
 
-@pytest.mark.skipif(not HF, reason="needs kvfast[hf] (torch and transformers)")
-def test_both_studies_run_resume_show_and_report(tmp_path):
+def kvfast(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([KVFAST, *args], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
 
-    def kvfast(*args):
-        return subprocess.run([KVFAST, *args], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
 
-    root = tmp_path / "results"
+def run_both_studies(root: Path, two_workers: bool) -> list[list[str]]:
+    """Run the reduced grid of each study into ``root/<study>`` (on two workers through a real ``kvfast``
+    process, or with ``--jobs 1`` in this process), check the stored rows; return the two command lines."""
+    from kvfast.cli import main
+
+    commands = []
     for name, body in HF_SMALL_GRIDS.items():
-        (tmp_path / f"{name}.toml").write_text(f'study = "{name}"\n{body}')
-        cmd = ["run", str(tmp_path / f"{name}.toml"), "--out", str(root / name), "--jobs", "2", "--quiet"]
-        first = kvfast(*cmd)
-        assert first.returncode == 0, first.stderr
-        again = kvfast(*cmd)
-        assert again.returncode == 0 and "3 already stored, 0 run now" in again.stdout, again.stdout
-        shown = kvfast("show", str(root / name))
-        assert shown.returncode == 0 and "3 runs stored: ok 3" in shown.stdout, shown.stdout
+        toml = root.parent / f"{name}.toml"
+        toml.write_text(f'study = "{name}"\n{body}')
+        cmd = ["run", str(toml), "--out", str(root / name), "--jobs", "2" if two_workers else "1", "--quiet"]
+        if two_workers:
+            first = kvfast(*cmd)
+            assert first.returncode == 0, first.stderr
+        else:
+            assert main(cmd) == 0
+        commands.append(cmd)
     matrix = pd.read_parquet(root / "hf_matrix").set_index("bug")
     assert (matrix["status"] == "ok").all() and matrix.loc["none", "verdict"] == "rounding"
     assert (matrix.loc[["posoff", "replay"], "logic_verdict"] == "bug").all()
     assert matrix.loc[["posoff", "replay"], "logic_right_step"].all()
     score = pd.read_parquet(root / "hf_score").set_index("bug")
     assert score.loc["posoff", "kvfast_promoted_flag"] and not score.loc["none", "kvfast_promoted_flag"]
+    return commands
+
+
+@pytest.mark.skipif(not HF, reason="needs kvfast[hf] (torch and transformers)")
+def test_both_studies_run(tmp_path):
+    """The runs and their verdicts, in this process. On two workers through a real ``kvfast`` process, resumed,
+    shown and drawn by `kvfast report`: the ``-m slow`` twin below (Hugging Face models checked on two workers
+    through ``kvfast run``: tests/test_sweep_check_hf.py; the resume and show of any sweep:
+    tests/test_sweep_cli.py; these studies' figures and facts in the report: tests/test_report.py)."""
+    run_both_studies(tmp_path / "results", two_workers=False)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HF, reason="needs kvfast[hf] (torch and transformers)")
+def test_both_studies_run_resume_show_and_report(tmp_path):
+    root = tmp_path / "results"
+    for cmd in run_both_studies(root, two_workers=True):
+        again = kvfast(*cmd)
+        assert again.returncode == 0 and "3 already stored, 0 run now" in again.stdout, again.stdout
+        shown = kvfast("show", cmd[3])  # its --out
+        assert shown.returncode == 0 and "3 runs stored: ok 3" in shown.stdout, shown.stdout
     report = kvfast("report", str(root), "--out", str(tmp_path / "rep"))
     assert report.returncode == 0, report.stderr
     page = (tmp_path / "rep" / "report.html").read_text()

@@ -589,7 +589,10 @@ def test_config_values_are_canonical_before_hashing():
             grid_from_spec({**base, "axes": {"attention": [bad]}})
 
 
-def test_load_never_fails_while_a_sweep_compacts(tmp_path):
+@pytest.mark.parametrize("sweeps", [1, pytest.param(3, marks=pytest.mark.slow)])
+def test_load_never_fails_while_a_sweep_compacts(tmp_path, sweeps):
+    """A reader loads the results while a sweep writes and compacts them: once in the default run, three times
+    (more chances to hit the race) with -m slow."""
     toml = grid_toml(tmp_path / "g.toml", (list(range(400)), "ok"))
     out = tmp_path / "o"
     assert kvfast("run", grid_toml(tmp_path / "seed.toml", ([0], "ok")), "--out", out, "--quiet").returncode == 0
@@ -605,7 +608,7 @@ def test_load_never_fails_while_a_sweep_compacts(tmp_path):
             except BaseException as exc:  # noqa: BLE001 - collected for the assertion
                 errors.append(exc)
 
-    for _ in range(3):  # each sweep writes parts every few runs and compacts them at the end
+    for _ in range(sweeps):  # each sweep writes parts every few runs and compacts them at the end
         shutil.rmtree(out)
         assert kvfast("run", grid_toml(tmp_path / "seed.toml", ([0], "ok")), "--out", out, "--quiet").returncode == 0
         reader = threading.Thread(target=read)
