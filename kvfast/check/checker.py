@@ -129,7 +129,7 @@ def _check(model, prompt, options: CheckOptions) -> CheckReport:
     length = reference.length
     notes = reference.notes
     if options.mode == "control":
-        notes.extend(n for n in (formats.note(), formats.cache_note()) if n is not None)
+        notes += [n for n in (formats.note(), formats.cache_note()) if n is not None]
     promoted = None
     if options.promote is not None and options.follow == "recompute":  # follow="cache" runs no logic check
         inner = replace(
