@@ -282,6 +282,7 @@ class HFModel:
             require_choice(bug, "bug", HF_BUGS)
         self.model = model.eval()
         self.new_cache = new_cache
+        self._mask_as_generate: dict[tuple, bool] = {}  # _generate_passes_mask's answers
         self.bug = bug
         params = inspect.signature(model.forward).parameters
         if "cache" in params:
@@ -480,6 +481,14 @@ class HFModel:
         ``prepare_inputs_for_generation`` takes other arguments), the mask is passed, as ``generate`` does for
         attention models.
         """
+        # asked once per (prefill or not, chunk length, cache type), not on every decode step: the answer is the model's
+        # generation logic, which reads whether this is the first call and the inputs' shape, not their values
+        key = (self.length == 0, ids.shape[1], type(self.cache))
+        if key not in self._mask_as_generate:
+            self._mask_as_generate[key] = self._ask_generate_for_mask(ids, mask)
+        return self._mask_as_generate[key]
+
+    def _ask_generate_for_mask(self, ids, mask) -> bool:
         prepare = getattr(self.model, "prepare_inputs_for_generation", None)
         if prepare is None:
             return True
@@ -616,6 +625,7 @@ class HFModel:
         new = copy.copy(self)
         new.model = copy.deepcopy(self.model).to(getattr(torch, dtype)).eval()
         new._copies = {}
+        new._mask_as_generate = {}
         new._formats = None
         new.skipped_variants = {}
         new.cache, new.length = None, 0
