@@ -12,7 +12,7 @@ import pytest
 from toymodels import Toy
 
 import kvfast
-from kvfast.check import control as C
+from kvfast.check import formats as F
 from kvfast.check.reference import length_dependence
 
 PROMPT = [1, 2, 3, 4, 5, 6]
@@ -102,12 +102,12 @@ def test_a_clean_model_is_never_called_length_dependent(model, mode, fast):
 
 def test_the_ceiling_sits_between_rounding_and_a_logical_difference():
     full = np.ones((4, 3))
-    ceiling = float(C.length_ceiling("float32", 1.0))
+    ceiling = float(F.length_ceiling("float32", 1.0))
     assert length_dependence({3: full[:3] + 0.5 * ceiling}, full, "float32") is None
     found = length_dependence({3: full[:3] + 2 * ceiling}, full, "float32")
     assert found is not None and found.short == 3 and found.long == 4 and found.ratio == pytest.approx(2)
     # float64 logits: a float32 softmax inside may be rounding; float32's ceiling applies
-    assert float(C.length_ceiling("float64", 1.0)) == ceiling
+    assert float(F.length_ceiling("float64", 1.0)) == ceiling
 
 
 def test_kvfast_check_exits_6_with_the_line(tmp_path):

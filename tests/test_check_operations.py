@@ -15,14 +15,9 @@ import pytest
 
 from kvfast import ModelConfig, init_params
 from kvfast.check import CheckOptions, KvfastModel, ModelUnderTestError, check_cache
-from kvfast.check.operations import (
-    BRANCH,
-    OP_BUGS,
-    inject_op_bug,
-    op_first_acting_step,
-    rollback_points,
-)
+from kvfast.check.operations import OP_BUGS, inject_op_bug, op_first_acting_step
 from kvfast.check.options import ALL_SCENARIOS, SCENARIOS
+from kvfast.check.scenarios import BRANCH, rollback_points
 from tests.toymodels import Toy
 
 pytest_plugins = ["pytester"]

@@ -37,13 +37,26 @@ its own tokens.
 Modes. ``exact``: a step passes when its logits are equal (``==``) to the
 reference; no tolerance anywhere. ``control``: see :mod:`kvfast.check.control`.
 
-Layout. This module only orchestrates: the options, one validated object
-(:mod:`kvfast.check.options`), are resolved against the model and the prompt
-(:mod:`kvfast.check.subject`); every model call returns validated logits
-(:mod:`kvfast.check.calls`); the cache path runs in :mod:`kvfast.check.cache_path`;
-the reference and the order noise are found in :mod:`kvfast.check.reference`;
-the scenarios run in one loop for both follow modes (:mod:`kvfast.check.scenarios`);
-:mod:`kvfast.check.report` holds the report and its rendering.
+The pipeline. A check is: choose the scenarios, run each, judge each, report.
+This module is that pipeline and nothing else: the options, one validated
+object (:mod:`kvfast.check.options`), are resolved against the model and the
+prompt (:mod:`kvfast.check.subject`); every model call returns validated
+logits (:mod:`kvfast.check.calls`); each scenario is a unit in
+:mod:`kvfast.check.scenarios` that says whether it can run and runs its cache
+path; the reference and the order noise are found in
+:mod:`kvfast.check.reference`; the judge, chosen once from the options
+(:mod:`kvfast.check.judge`), judges every scenario the same way (a lossy cache
+is then re-judged as one, :mod:`kvfast.check.lossy`); :mod:`kvfast.check.report`
+holds the report and its rendering. The float64 logic check (``promote``) is a
+second run of this same pipeline on the promoted model.
+
+Skipped is never passed. A scenario that cannot run on the model (a missing
+hook, a hook that raises ``NotImplementedError``, a one-token prompt for
+``resume``) is reported ``skipped`` with the reason; the check then passes
+only on the scenarios that ran, and its report says which were skipped in its
+first lines. A check in which no requested scenario ran is ``unchecked``
+(:data:`~kvfast.check.report.UNCHECKED`), which never passes; with
+``strict=True`` any skipped scenario makes it ``unchecked``.
 """
 
 from __future__ import annotations
@@ -51,15 +64,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
+import numpy as np
+
 from kvfast.check import control as C
 from kvfast.check.calls import as_model_under_test
 from kvfast.check.formats import formats_of
+from kvfast.check.judge import Judge, Part, judge_for
+from kvfast.check.lossy import lossy_format, rejudge
 from kvfast.check.options import MODES, SCENARIOS, CheckOptions
 from kvfast.check.protocol import ModelUnderTestError, watched
-from kvfast.check.reference import OwnReference, SharedReference
-from kvfast.check.report import LENGTH_DEPENDENT, CheckReport, ScenarioReport, overall
-from kvfast.check.scenarios import check_scenarios
-from kvfast.check.subject import resolve
+from kvfast.check.reference import OwnReference, Reference, SharedReference, per_step_rows
+from kvfast.check.report import LENGTH_DEPENDENT, UNCHECKED, CheckReport, ScenarioReport, skipped
+from kvfast.check.scenarios import REGISTRY, Run, Scenario, Unsupported
+from kvfast.check.subject import CheckSubject, resolve
 
 
 def check_cache(
@@ -78,6 +95,7 @@ def check_cache(
     follow: str = "recompute",
     keep_logits: bool = False,
     timeout: float | None = None,
+    strict: bool = False,
 ) -> CheckReport:
     """Compare a model's cache path with its full recompute at every step; return a :class:`CheckReport`.
 
@@ -89,7 +107,7 @@ def check_cache(
       ``continuation``), ``mode`` (``exact`` or ``control``), ``scenarios``
       (``decode``, ``resume``), ``fast``, ``split``, ``margin``, ``decisive``,
       ``continuation``, ``promote`` (the float64 logic check), ``follow``
-      (``recompute`` or ``cache``), ``keep_logits`` and ``timeout`` (seconds;
+      (``recompute`` or ``cache``), ``keep_logits``, ``strict`` and ``timeout`` (seconds;
       a model call still running then ends with :class:`CheckTimeout` naming
       it). :func:`check_cache_with` takes them as one object.
 
@@ -101,6 +119,7 @@ def check_cache(
     options = CheckOptions(
         steps, mode, scenarios, fast=fast, split=split, margin=margin, decisive=decisive,
         continuation=continuation, promote=promote, follow=follow, keep_logits=keep_logits, timeout=timeout,
+        strict=strict,
     )  # fmt: skip
     return check_cache_with(model, prompt, options)
 
@@ -117,28 +136,32 @@ def check_cache_with(model, prompt, options: CheckOptions) -> CheckReport:
 def _check(model, prompt, options: CheckOptions) -> CheckReport:
     """:func:`check_cache_with`'s work (inside its watch): the reference, the scenarios, the logic check."""
     subject = resolve(model, prompt, options)
+    judge = judge_for(options)
     prompt_rows, fmt = subject.calls.recompute_with_format(subject.prompt, "of the prompt")
     formats = formats_of(subject.calls.model, fmt)  # the noise model's formats: declared, measured or assumed
     if options.follow == "cache":
         reference = OwnReference(subject, prompt_rows, fmt, formats)
     else:
-        reference = SharedReference.build(subject, prompt_rows, fmt, formats)
+        reference = SharedReference.build(subject, prompt_rows, fmt, formats, judge.measures_noise)
     formats = formats.after_probe(reference.noise)  # a measured rounding probe replaces the lowest format's ulp
-    reports = check_scenarios(subject, reference, formats.floor)  # every bound >= 1 ulp of the floor format
-    verdict = overall(options.mode, reports)
+    reports = run_scenarios(subject, reference, judge, formats.floor)  # every bound >= 1 ulp of the floor format
+    if lossy_format(subject.calls) is not None:  # a quantized cache: kvfast.check.lossy, verdict "lossy"
+        reports = rejudge(subject, reference, reports, formats.floor, judge)
+    ran = [r for r in reports.values() if r.verdict != "skipped"]
+    verdict = judge.overall(ran) if ran else UNCHECKED
     length = reference.length
     notes = reference.notes
-    if options.mode == "control":
+    if judge.measures_noise:
         notes += [n for n in (formats.note(), formats.cache_note()) if n is not None]
     promoted = None
-    if options.promote is not None and options.follow == "recompute":  # follow="cache" runs no logic check
+    if options.promote is not None and options.follow == "recompute" and ran:  # follow="cache": no logic check
         inner = replace(
             options, mode="control", continuation=tuple(reference.tokens.tolist()), promote=None,
             follow="recompute", keep_logits=False, timeout=None, split=subject.split,
         )  # fmt: skip
-        promoted, skipped = _logic_check(subject, inner)
+        promoted, skipped_note = _logic_check(subject, inner)
         if promoted is None:
-            notes += [skipped] + _format_notes(options, verdict, fmt)
+            notes += [skipped_note] + _format_notes(judge, options, verdict, fmt)
         elif promoted.logits_format != options.promote:
             notes.append(
                 f"the model promoted to {options.promote} returned {promoted.logits_format} logits: the logic check "
@@ -147,13 +170,84 @@ def _check(model, prompt, options: CheckOptions) -> CheckReport:
         if promoted is not None and length is None and promoted.length_dependence is not None:
             length = replace(promoted.length_dependence, by=f"the logic check in {options.promote}")
     else:
-        notes += _format_notes(options, verdict, fmt)
-    if length is not None:
+        notes += _format_notes(judge, options, verdict, fmt)
+    if options.strict and len(ran) < len(reports):
+        verdict = UNCHECKED
+    if length is not None and ran:
         verdict = LENGTH_DEPENDENT
     return CheckReport(
         options.mode, subject.prompt, reference.tokens, reports, verdict, reference.path, tuple(notes), fmt, promoted,
-        length, formats,
+        length, formats, strict=options.strict,
     )  # fmt: skip
+
+
+def run_scenarios(subject: CheckSubject, reference: Reference, judge: Judge, fmt: str) -> dict[str, ScenarioReport]:
+    """Each of the subject's scenarios run and judged against ``reference`` by ``judge`` (``fmt``: the format
+    whose 1 ulp is the least bound of a step): ``{report name: report}``; a scenario that cannot run on this
+    model is reported ``skipped`` with the reason."""
+    reports: dict[str, ScenarioReport] = {}
+    for name in subject.options.scenarios:
+        scenario = REGISTRY[name]
+        why = scenario.skip_reason(subject.calls, subject.prompt)
+        if why is None:
+            try:
+                run = reference.cache_run(scenario)
+            except Unsupported as exc:
+                why = str(exc)
+        if why is not None:
+            reports[name] = skipped(name, subject.options.mode, subject.prompt, reference.skipped_tokens, why)
+            continue
+        for part in _parts(subject, reference, scenario, run):
+            report = judge.judge(part, fmt)
+            if subject.options.keep_logits:
+                report = replace(report, cache_logits=part.path.logits(), reference=part.rows.copy())
+            reports[part.name] = report
+    return reports
+
+
+def _parts(subject: CheckSubject, reference: Reference, scenario: Scenario, run: Run) -> list[Part]:
+    """What ``scenario``'s ``run`` is judged as: its path against the reference rows, and its second path
+    (:attr:`~kvfast.check.scenarios.Scenario.branch`) against the recompute of its own sequence."""
+    split = scenario.first_row(subject.split) or None
+    notes = scenario.judged_notes(subject.calls, subject.prompt, subject.split) + run.notes
+    rows = reference.rows_for(scenario.name, run)
+    parts = [Part(scenario.name, subject.prompt, run.path, rows, reference.noise, split, notes)]
+    if run.branch is not None:
+        prompt = scenario.branch_prompt(subject.prompt, subject.vocab)
+        rows_b = _branch_rows(subject, prompt, reference, run.branch)
+        noise_b = _pooled_noise_for(reference.noise, rows, rows_b)
+        note = scenario.branch_note(run)
+        if noise_b is not None:
+            note += "; its order noise is the run's pooled relative noise at this branch's magnitudes"
+        parts.append(Part(scenario.branch, prompt, run.branch, rows_b, noise_b, None, (note,)))
+    return parts
+
+
+def _branch_rows(subject: CheckSubject, prompt: np.ndarray, reference: Reference, branch) -> np.ndarray:
+    """The reference rows of a second branch on ``prompt``: one recompute of its sequence, else one recompute per
+    step (exact mode, where the reference found the recompute not append-invariant or ``fast=False``)."""
+    calls = subject.calls
+    seq = np.concatenate([prompt, branch.fed])
+    per_step = not reference.noisy and (not subject.options.fast or reference.path == "per-step")
+    if not per_step:
+        return calls.recompute(seq, "of the fork's second branch")
+    T = prompt.shape[0]
+    rows = np.empty((seq.shape[0], subject.vocab))
+    rows[:T] = calls.recompute(prompt, "of the prompt")
+    per_step_rows(calls, prompt, rows, branch.fed.copy(), T, greedy=False)
+    return rows
+
+
+def _pooled_noise_for(
+    noise: dict[str, np.ndarray] | None, rows: np.ndarray, rows_b: np.ndarray
+) -> dict[str, np.ndarray] | None:
+    """Control mode: each noise source's largest relative draw over the run, at the branch's magnitudes."""
+    if noise is None:
+        return None
+    scale = np.abs(rows).max(axis=1)
+    safe = np.where(scale > 0, scale, np.inf)
+    scale_b = np.abs(rows_b).max(axis=1)
+    return {k: float((v / safe).max()) * scale_b for k, v in noise.items()}
 
 
 def _logic_check(subject, inner: CheckOptions) -> tuple[CheckReport | None, str]:
@@ -170,9 +264,9 @@ def _logic_check(subject, inner: CheckOptions) -> tuple[CheckReport | None, str]
         return None, f"the logic check in {dtype} was skipped: the promoted model cannot run in {dtype} ({why})"
 
 
-def _format_notes(options: CheckOptions, verdict: str, fmt: str) -> list[str]:
+def _format_notes(judge: Judge, options: CheckOptions, verdict: str, fmt: str) -> list[str]:
     """Control mode on bfloat16/float16 logits: what the verdict cannot see, and the logic check that can."""
-    if options.mode != "control" or fmt not in ("bfloat16", "float16"):
+    if not judge.measures_noise or fmt not in ("bfloat16", "float16"):
         return []
     if verdict == "inconclusive":
         return [

@@ -126,15 +126,11 @@ from statistics import NormalDist
 
 import numpy as np
 
-from kvfast.check.formats import FORMATS as _FORMATS
+from kvfast.check.formats import ulp  # the formats and their spacing: kvfast.check.formats owns rounding
 
 DEFAULT_MARGIN = 4.0
 DEFAULT_DECISIVE = 16.0
 VERDICTS = ("rounding", "lossy", "inconclusive", "bug")  # lossy: a quantized cache within its format
-
-#: Precision (significand bits, implicit bit included) and smallest magnitude of each format, logits' and internal
-#: ones (the table lives in :mod:`kvfast.check.formats`).
-FORMATS = _FORMATS
 
 
 def check_margin(margin: object, field: str = "margin", minimum: float = 1.0) -> float:
@@ -142,33 +138,6 @@ def check_margin(margin: object, field: str = "margin", minimum: float = 1.0) ->
     if not ok or not math.isfinite(margin) or margin < minimum:
         raise ValueError(f"{field}: {margin!r} is not allowed; allowed: a finite number >= {minimum:g}")
     return float(margin)
-
-
-def ulp(fmt: str, magnitude: np.ndarray | float) -> np.ndarray:
-    """The spacing of format ``fmt`` at ``magnitude`` (at least the spacing of its smallest normal)."""
-    bits, tiny = FORMATS[fmt]
-    m = np.maximum(np.abs(np.asarray(magnitude, dtype=np.float64)), tiny)
-    return np.ldexp(1.0, (np.frexp(m)[1] - 1) - (bits - 1))
-
-
-#: How far rounding alone may move a row of a recompute when the same rows are computed in a batch of another
-#: length, in units in the last place of the row's largest logit in its lowest internal format (see
-#: :func:`length_ceiling` and docs/check.md, "A recompute that depends on the length").
-LENGTH_ULPS = 64.0
-
-
-def lowest_format(fmt: str) -> str:
-    """The lowest precision a model whose logits come in ``fmt`` may compute in inside: ``float32`` for
-    ``float64`` logits (eager attentions run their softmax in float32 inside a float64 model: Llama, Bloom),
-    else ``fmt`` itself."""
-    return "float32" if fmt == "float64" else fmt
-
-
-def length_ceiling(fmt: str, scale: np.ndarray | float) -> np.ndarray:
-    """The largest deviation rounding can explain between a row of ``recompute(prefix)`` and the same row of
-    ``recompute(longer)`` whose largest logit is ``scale``: :data:`LENGTH_ULPS` units in the last place of
-    ``scale`` in :func:`lowest_format` (``fmt``)."""
-    return LENGTH_ULPS * ulp(lowest_format(fmt), scale)
 
 
 def pooled_noise(sources: dict[str, np.ndarray], scale: np.ndarray) -> tuple[float, str]:

@@ -73,6 +73,26 @@ def ceiling(fmt: str, scale: np.ndarray | float) -> np.ndarray:
     return CEILING_ULPS * ulp(fmt, scale)
 
 
+#: How far rounding alone may move a row of a recompute when the same rows are computed in a batch of another
+#: length, in units in the last place of the row's largest logit in its lowest internal format (see
+#: :func:`length_ceiling` and docs/check.md, "A recompute that depends on the length").
+LENGTH_ULPS = 64.0
+
+
+def lowest_format(fmt: str) -> str:
+    """The lowest precision a model whose logits come in ``fmt`` may compute in inside, when it declares none:
+    ``float32`` for ``float64`` logits (eager attentions run their softmax in float32 inside a float64 model:
+    Llama, Bloom), else ``fmt`` itself."""
+    return "float32" if fmt == "float64" else fmt
+
+
+def length_ceiling(fmt: str, scale: np.ndarray | float) -> np.ndarray:
+    """The largest deviation rounding can explain between a row of ``recompute(prefix)`` and the same row of
+    ``recompute(longer)`` whose largest logit is ``scale``: :data:`LENGTH_ULPS` units in the last place of
+    ``scale`` in :func:`lowest_format` (``fmt``)."""
+    return LENGTH_ULPS * ulp(lowest_format(fmt), scale)
+
+
 def lowest(formats) -> str:
     """The format of least precision among ``formats`` (names of :data:`FORMATS`)."""
     return min(formats, key=lambda f: FORMATS[f][0])

@@ -36,12 +36,13 @@ from dataclasses import replace
 
 import numpy as np
 
-from kvfast.check import control as C
 from kvfast.check.adapters import KvfastModel
-from kvfast.check.cache_path import run_cache_path
 from kvfast.check.calls import ModelCalls, as_model_under_test
+from kvfast.check.formats import ulp
+from kvfast.check.judge import Judge, Part
 from kvfast.check.lossy_formats import LOSSY_FORMATS, ROW_FORMATS, round_trip  # noqa: F401 - re-exported
 from kvfast.check.report import ScenarioReport
+from kvfast.check.scenarios import REGISTRY, branches
 from kvfast.check.subject import CheckSubject
 
 #: Bugs of kvfast's own lossy cache (:class:`LossyKvfastModel`): what it stores is worse than it declares.
@@ -128,12 +129,10 @@ def _twin_calls(calls: ModelCalls, fmt: str | None = None) -> ModelCalls | None:
 
 
 def _runs(calls: ModelCalls, subject: CheckSubject, name: str, tokens: np.ndarray):
-    """Scenario ``name``'s cache path on ``calls``, fed ``tokens`` (the fork's second branch: its own)."""
-    from kvfast.check.operations import BRANCHES
-
-    owner = {b: op for op, b in BRANCHES.items()}
-    scenario = owner.get(name, name)
-    run = run_cache_path(calls, scenario, subject.prompt, subject.split, subject.steps, lambda t, out: int(tokens[t]))
+    """Report ``name``'s cache path on ``calls``, fed ``tokens`` (a second branch: its scenario's run's branch)."""
+    owner = branches()
+    scenario = REGISTRY[owner.get(name, name)]
+    run = scenario.run(calls, subject.prompt, subject.split, subject.steps, lambda t, out: int(tokens[t]))
     return run.branch if name in owner else run
 
 
@@ -154,22 +153,20 @@ def lossy_report(
     runs: dict,
     fmt: str,
     cache_fmt: str,
+    judge: Judge,
 ) -> ScenarioReport:
     """``report`` judged as a lossy cache's (see the module doc): ``runs`` holds the ``lossy``, ``lossless``
     and (optional) ``emulated`` paths; ``twin_report`` the lossless path against the recompute; ``fmt`` the
-    logits' format, ``cache_fmt`` the cache's."""
-    opts, mode, first = subject.options, subject.options.mode, report.first_row
+    logits' format, ``cache_fmt`` the cache's; ``judge`` the check's."""
+    first = report.first_row
     measured = _errors(runs["lossy"], runs["lossless"], first)
     expected = _errors(runs["emulated"], runs["lossless"], first) if runs.get("emulated") else np.zeros_like(measured)
     scale = np.array([np.abs(r).max() for r in _step_rows(runs["lossless"], first)])
-    bound = np.maximum(expected, C.ulp(fmt, scale))
+    bound = np.maximum(expected, ulp(fmt, scale))
     if twin_report is not None and twin_report.bound is not None:
         bound = np.maximum(bound, twin_report.bound)
     ratio = measured / bound
-    if mode == "exact":
-        verdicts = ["lossy" if r <= opts.margin else "divergent" for r in ratio]
-    else:
-        verdicts = ["lossy" if r <= opts.margin else "bug" if r > opts.decisive else "inconclusive" for r in ratio]
+    verdicts = judge.lossy_verdicts(ratio)
     if twin_report is not None:  # a logic bug of the lossless twin is the model's
         verdicts = [
             v if tv in ("exact", "rounding") else tv for v, tv in zip(verdicts, twin_report.step_verdicts, strict=True)
@@ -193,17 +190,16 @@ def lossy_report(
     return replace(
         report, deviation=measured, step_verdicts=tuple(verdicts), verdict=worst, floor=expected, bound=bound,
         ratio=ratio, first_bug_step=bad[0] if bad else None, first_inconclusive_step=unsure[0] if unsure else None,
-        margin=opts.margin, decisive=opts.decisive, floor_source=source, notes=notes,
+        margin=judge.margin, decisive=judge.decisive, floor_source=source, notes=notes,
         first_divergent_step=int(np.nonzero(measured > 0)[0][0]) if (measured > 0).any() else None,
     )  # fmt: skip
 
 
-def rejudge(subject: CheckSubject, reference, reports: dict, fmt: str, judge_scenario) -> dict:
+def rejudge(subject: CheckSubject, reference, reports: dict, fmt: str, judge: Judge) -> dict:
     """Every report of a model with a lossy cache judged as such (see the module doc); skipped ones stay.
-    ``fmt``: the logits' format. A model that declares ``lossy_cache`` without ``lossless()`` is bad input."""
-    from kvfast.check.operations import BRANCHES
-
-    owner = {b: op for op, b in BRANCHES.items()}
+    ``fmt``: the logits' format; ``judge``: the check's (the lossless twin's logic is judged by it). A model
+    that declares ``lossy_cache`` without ``lossless()`` is bad input."""
+    owner = branches()
     cache_fmt = lossy_format(subject.calls)
     if not subject.calls.has("lossless"):
         raise ValueError(
@@ -222,7 +218,8 @@ def rejudge(subject: CheckSubject, reference, reports: dict, fmt: str, judge_sce
         twin_report = None
         if name not in owner:
             rows = reference.rows_for(name, runs["lossless"])
-            twin_subject = replace(subject, calls=twin)
-            twin_report = judge_scenario(twin_subject, name, runs["lossless"], rows, reference.noise, fmt)
-        out[name] = lossy_report(subject, report, twin_report, runs, fmt, cache_fmt)
+            split = subject.split if REGISTRY[name].first_row(subject.split) else None
+            part = Part(name, subject.prompt, runs["lossless"].path, rows, reference.noise, split)
+            twin_report = judge.judge(part, fmt)
+        out[name] = lossy_report(subject, report, twin_report, runs, fmt, cache_fmt, judge)
     return out

@@ -16,13 +16,14 @@ import numpy as np
 
 from kvfast.check.control import DEFAULT_DECISIVE, DEFAULT_MARGIN, check_margin
 from kvfast.check.protocol import check_prompt, check_timeout
+from kvfast.check.scenarios import all_scenarios, default_scenarios
 from kvfast.validation import not_allowed, require_choice, require_int
 
 MODES = ("exact", "control")
-SCENARIOS = ("decode", "resume")  # the default scenarios
-#: The cache operations' scenarios (:mod:`kvfast.check.operations`): asked for by name, never by default.
-OPERATIONS = ("rollback", "fork", "reorder", "padded")
-ALL_SCENARIOS = SCENARIOS + OPERATIONS
+SCENARIOS = default_scenarios()  # the default scenarios (decode, resume)
+#: Every registered scenario (:data:`kvfast.check.scenarios.REGISTRY`); those not in :data:`SCENARIOS`, the cache
+#: operations, are asked for by name.
+ALL_SCENARIOS = all_scenarios()
 FOLLOW = ("recompute", "cache")
 PROMOTE = ("float64",)
 DEFAULT_STEPS = 64  # the kv_check fixture's and `kvfast check`'s steps when neither steps nor a continuation is given
@@ -44,8 +45,8 @@ class CheckOptions:
       decode); a name or a sequence, kept as a tuple. ``split`` defaults to
       ``len(prompt) // 2``; a one-token prompt cannot be split: the resume
       scenario is then reported as skipped beside ``decode``, and asking for it
-      alone is bad input. Also, by name only (:data:`OPERATIONS`, see
-      :mod:`kvfast.check.operations`): ``"rollback"`` (drafts cropped away
+      alone is bad input. Also, by name only (the cache operations, see
+      :mod:`kvfast.check.scenarios`): ``"rollback"`` (drafts cropped away
       again, the model's ``crop``) and ``"fork"`` (branches from snapshots,
       ``snapshot``/``restore``) and ``"reorder"`` (two beams, the cache reordered
       by a beam index: ``prefill_beams``/``decode_beams``/``reorder``) and
@@ -71,6 +72,8 @@ class CheckOptions:
       model call still running then ends with :class:`~kvfast.check.CheckTimeout`
       naming it (a ``SIGALRM`` timer: main thread only; see
       :func:`kvfast.check.protocol.watched`).
+    - ``strict``: any requested scenario that was skipped fails the check (verdict ``unchecked``); by default a
+      check passes on the scenarios that ran and names the skipped ones in its first lines.
     """
 
     steps: int | None = None
@@ -85,12 +88,13 @@ class CheckOptions:
     follow: str = "recompute"
     keep_logits: bool = False
     timeout: float | None = None
+    strict: bool = False
 
     def __post_init__(self) -> None:
         given, steps = _check_continuation(self.continuation, self.steps)
         mode = require_choice(self.mode, "mode", MODES)
         scenarios = _check_scenarios(self.scenarios)
-        for name in ("fast", "keep_logits"):
+        for name in ("fast", "keep_logits", "strict"):
             if not isinstance(getattr(self, name), bool):
                 raise not_allowed(name, getattr(self, name), "True or False")
         if self.follow not in FOLLOW:
@@ -141,14 +145,16 @@ def _check_continuation(continuation: object, steps: object) -> tuple[np.ndarray
 
 
 def _check_scenarios(scenarios: object) -> tuple[str, ...]:
-    """``scenarios`` as a tuple of distinct names from :data:`ALL_SCENARIOS` (one name alone is accepted)."""
+    """``scenarios`` as a tuple of distinct registered names (:func:`kvfast.check.scenarios.all_scenarios`; one
+    name alone is accepted)."""
+    known = all_scenarios()  # read now: a scenario registered after import is a scenario like the others
     if isinstance(scenarios, str):
         scenarios = (scenarios,)
     if not isinstance(scenarios, Sequence) or not scenarios:
-        raise not_allowed("scenarios", scenarios, f"a non-empty subset of {ALL_SCENARIOS}")
+        raise not_allowed("scenarios", scenarios, f"a non-empty subset of {known}")
     out = []
     for s in scenarios:
-        require_choice(s, "scenarios", ALL_SCENARIOS)
+        require_choice(s, "scenarios", known)
         if s in out:
             raise ValueError(f"scenarios: {s!r} appears twice; allowed: each scenario once")
         out.append(s)

@@ -23,9 +23,9 @@ import numpy as np
 
 from kvfast.check import control as C
 from kvfast.check import formats as F
-from kvfast.check.cache_path import CachePath, run_cache_path
 from kvfast.check.calls import ModelCalls
 from kvfast.check.report import LengthDependence
+from kvfast.check.scenarios import REGISTRY, Run, Scenario, Unsupported
 from kvfast.check.subject import CheckSubject
 
 
@@ -69,11 +69,11 @@ def length_dependence(
     """The worst row where a shorter recompute differs from the same row of ``full`` (the recompute of
     ``len(full)`` tokens) by more than rounding can explain, or ``None``: the admission ceiling of the
     model's :class:`~kvfast.check.formats.NoiseFormats` (:func:`kvfast.check.formats.ceiling`), or, given
-    only the logits' format ``fmt``, :func:`kvfast.check.control.length_ceiling`. ``parts`` maps a prefix
+    only the logits' format ``fmt``, :func:`kvfast.check.formats.length_ceiling`. ``parts`` maps a prefix
     length to its recompute's rows (the per-step path: a length to rows holding row ``p`` of
     ``recompute(first shorts[p] tokens)``)."""
     scale = np.abs(full).max(axis=1)
-    ceiling = C.length_ceiling(fmt, scale) if isinstance(fmt, str) else F.ceiling(fmt.ceiling, scale)
+    ceiling = F.length_ceiling(fmt, scale) if isinstance(fmt, str) else F.ceiling(fmt.ceiling, scale)
     worst: LengthDependence | None = None
     for q, part in parts.items():
         dev = np.abs(part - full[:q]).max(axis=1)
@@ -145,7 +145,8 @@ class Reference:
 
     ``subject``; ``prompt_rows``: ``recompute(prompt)``; ``fmt``: the format of the model's logits;
     ``formats``: the model's internal formats (:mod:`kvfast.check.formats`), assumed from ``fmt`` when
-    ``None``; ``length`` (a :class:`~kvfast.check.report.LengthDependence` when the recompute changes with
+    ``None``; ``noisy``: whether the judge needs the model's order noise (control mode; :mod:`kvfast.check.judge`);
+    ``length`` (a :class:`~kvfast.check.report.LengthDependence` when the recompute changes with
     the length by more than rounding, else ``None``); ``notes`` (how the reference was found). A kind adds
     ``path``, ``noise``, ``tokens`` and ``skipped_tokens``, and says how a scenario runs
     (:meth:`cache_run`) and what it is compared with (:meth:`rows_for`).
@@ -157,19 +158,27 @@ class Reference:
         prompt_rows: np.ndarray,
         fmt: str = "float64",
         formats: F.NoiseFormats | None = None,
+        noisy: bool = False,
     ):
         self.subject = subject
+        self.noisy = noisy
         self.prompt_rows = prompt_rows
         self.fmt = fmt
         self.formats = formats or F.noise_formats(fmt, None)  # the noise model's formats (assumed when not given)
         self.length: LengthDependence | None = None
         self.notes: list[str] = []
 
-    def cache_run(self, scenario: str) -> CachePath:
-        """``scenario``'s cache path, fed this reference's tokens."""
+    def choose(self, t: int, out: np.ndarray) -> int:
+        """The token fed at decode step ``t + 1`` (``out``: the cache's logits of step ``t``)."""
         raise NotImplementedError
 
-    def rows_for(self, scenario: str, run: CachePath) -> np.ndarray:
+    def cache_run(self, scenario: Scenario) -> Run:
+        """``scenario``'s run, fed this reference's tokens (:meth:`choose`); raises
+        :class:`~kvfast.check.scenarios.Unsupported` when the model declines one of its hooks."""
+        s = self.subject
+        return scenario.run(s.calls, s.prompt, s.split, s.steps, self.choose)
+
+    def rows_for(self, scenario: str, run: Run) -> np.ndarray:
         """The recompute rows ``run`` (``scenario``'s cache path) is compared with."""
         raise NotImplementedError
 
@@ -196,7 +205,7 @@ class SharedReference(Reference):
         self.path = "per-step"
         self.noise: dict[str, np.ndarray] | None = None
         self.known = T  # rows[:known] and the tokens they chose are final
-        self.reuse: CachePath | None = None  # the fast path's cache run, when it was fed these tokens
+        self.reuse: Run | None = None  # the fast path's cache run, when it was fed these tokens
         # the fast path runs the first scenario asked for (a resume-only check never prefills the whole prompt)
         # (an operation-only check's fast path runs, and its scenario reuses, the first operation's path)
         asked = subject.options.scenarios
@@ -205,24 +214,29 @@ class SharedReference(Reference):
 
     @classmethod
     def build(
-        cls, subject: CheckSubject, prompt_rows: np.ndarray, fmt: str = "float64", formats: F.NoiseFormats | None = None
+        cls,
+        subject: CheckSubject,
+        prompt_rows: np.ndarray,
+        fmt: str = "float64",
+        formats: F.NoiseFormats | None = None,
+        noisy: bool = False,
     ) -> SharedReference:
         """The reference for ``subject`` whose ``recompute(prompt)`` is ``prompt_rows`` (``fmt``: the format
         of the model's logits; ``formats``: the model's internal formats, :mod:`kvfast.check.formats`, assumed
-        from ``fmt`` when ``None``; see the module doc)."""
-        ref = cls(subject, prompt_rows, fmt, formats)
+        from ``fmt`` when ``None``; ``noisy``: measure the order noise (control mode); see the module doc)."""
+        ref = cls(subject, prompt_rows, fmt, formats, noisy)
         T, steps = subject.T, subject.steps
         if subject.options.fast:
             ref._take_fast_path()
         if ref.known < T + steps:
             per_step_rows(subject.calls, subject.prompt, ref.rows, ref.tokens, ref.known, subject.given is None)
-        if ref.path == "per-step" and (subject.options.mode == "control" or not subject.options.fast):
+        if ref.path == "per-step" and (noisy or not subject.options.fast):
             final = np.concatenate([subject.prompt, ref.tokens])
             ref.full = subject.calls.recompute(final, "of the whole sequence")
             if ref.length is None:
                 lengths = per_step_lengths(T, T + steps)
                 ref.length = length_dependence({T + steps: ref.rows}, ref.full, ref.formats, lengths)
-        if subject.options.mode == "control":
+        if noisy:
             ref._measure_noise()
         return ref
 
@@ -231,14 +245,17 @@ class SharedReference(Reference):
         """The tokens a skipped scenario's report holds: the shared ones."""
         return self.tokens
 
-    def cache_run(self, scenario: str) -> CachePath:
-        """``scenario``'s cache path, fed :attr:`tokens` (the fast path's decode run when it was)."""
-        if scenario == self.reuse_scenario and self.reuse is not None:
-            return self.reuse
-        s = self.subject
-        return run_cache_path(s.calls, scenario, s.prompt, s.split, s.steps, lambda t, out: int(self.tokens[t]))
+    def choose(self, t: int, out: np.ndarray) -> int:
+        """The shared token of step ``t + 1``."""
+        return int(self.tokens[t])
 
-    def rows_for(self, scenario: str, run: CachePath) -> np.ndarray:
+    def cache_run(self, scenario: Scenario) -> Run:
+        """``scenario``'s run, fed :attr:`tokens` (the fast path's run when it was this scenario's)."""
+        if scenario.name == self.reuse_scenario and self.reuse is not None:
+            return self.reuse
+        return super().cache_run(scenario)
+
+    def rows_for(self, scenario: str, run: Run) -> np.ndarray:
         """The rows every scenario's run is compared with."""
         return self.rows
 
@@ -254,12 +271,17 @@ class SharedReference(Reference):
                 return int(given[t])
             return first_tok if t == 0 else int(np.argmax(out))
 
-        spec = run_cache_path(s.calls, self.reuse_scenario, s.prompt, s.split, steps, choose)
+        own = True  # the run is the scenario's own (not the decode run standing in for a declined operation)
+        try:
+            spec = REGISTRY[self.reuse_scenario].run(s.calls, s.prompt, s.split, steps, choose)
+        except Unsupported:  # the reference needs only tokens; the scenario itself reports the skip
+            own = False
+            spec = REGISTRY["decode"].run(s.calls, s.prompt, s.split, steps, choose)
         final = np.concatenate([s.prompt, spec.fed])
         full = s.calls.recompute(final, "of the whole sequence")
         why, parts = invariance(s.calls, final, full, self.rows[:T], steps)
         self.length = length_dependence(parts, full, self.formats)
-        if why is not None and s.options.mode != "control":
+        if why is not None and not self.noisy:
             self.notes.append(f"recompute is not append-invariant ({why}); used one recompute per step")
             return
         self.path = "fast"
@@ -274,7 +296,8 @@ class SharedReference(Reference):
             )
             self.rows[:] = full
             self.tokens[:] = spec.fed
-            self.known, self.reuse = T + steps, spec
+            self.known = T + steps
+            self.reuse = spec if own else None
             return
         greedy = spec.fed if given is not None else np.argmax(full[T - 1 : T + steps - 1], axis=1)
         wrong = np.nonzero(greedy != spec.fed)[0]
@@ -283,7 +306,7 @@ class SharedReference(Reference):
         n_ok = min(j + 1, steps)  # tokens chosen from valid rows
         self.tokens[:n_ok] = greedy[:n_ok]
         self.known = T + j
-        if j == steps:
+        if j == steps and own:
             self.reuse = spec
         else:
             self.notes.append(
@@ -340,12 +363,11 @@ class OwnReference(Reference):
     def path(self) -> str:
         return "fast" if all(p == "fast" for p in self.paths) else "per-step"
 
-    def cache_run(self, scenario: str) -> CachePath:
-        """``scenario``'s cache path fed its own greedy choices (the first from its last prompt row)."""
-        s = self.subject
-        return run_cache_path(s.calls, scenario, s.prompt, s.split, s.steps, lambda t, out: int(np.argmax(out)))
+    def choose(self, t: int, out: np.ndarray) -> int:
+        """The cache's own greedy choice (the first from its last prompt row)."""
+        return int(np.argmax(out))
 
-    def rows_for(self, scenario: str, run: CachePath) -> np.ndarray:
+    def rows_for(self, scenario: str, run: Run) -> np.ndarray:
         """The recompute rows of ``run``'s own sequence (one recompute after verifying append-invariance,
         else one recompute per step)."""
         s = self.subject

@@ -1,6 +1,6 @@
 """A check's report and its rendering: :class:`ScenarioReport` (one scenario, step by step) and
-:class:`CheckReport` (every scenario, the overall verdict, ``format()``), and the pieces the
-checker builds them from (:func:`skipped_resume`, :func:`overall`)."""
+:class:`CheckReport` (every scenario, the overall verdict, ``format()``), and a skipped scenario's
+report (:func:`skipped`)."""
 
 from __future__ import annotations
 
@@ -8,18 +8,20 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvfast.check import control as C
 from kvfast.check.formats import NoiseFormats
 
 PASSING = ("exact", "rounding", "lossy", "skipped")  # lossy: a quantized cache within its format (check.lossy)
 LENGTH_DEPENDENT = "length-dependent"  # the check's verdict when the recompute itself changes with the length
+#: The check's verdict when no requested scenario ran (or, with ``strict``, when any was skipped): nothing, or not
+#: everything asked for, was checked. It never passes.
+UNCHECKED = "unchecked"
 
 
 @dataclass(frozen=True)
 class LengthDependence:
     """A recompute whose past changes with the length: row ``position`` of ``recompute(first short tokens)``
     differs from the same row of ``recompute(first long tokens)`` by ``deviation``, ``ratio`` times what
-    rounding can explain (:func:`kvfast.check.control.length_ceiling`, ``ceiling``). ``by``: the check
+    rounding can explain (:func:`kvfast.check.formats.length_ceiling`, ``ceiling``). ``by``: the check
     that found it (``""``: this one; ``"the logic check in float64"``)."""
 
     position: int
@@ -239,10 +241,21 @@ class CheckReport:
     promoted: CheckReport | None = None
     length_dependence: LengthDependence | None = None
     formats: NoiseFormats | None = None
+    strict: bool = False
+
+    @property
+    def ran(self) -> list[ScenarioReport]:
+        """The reports of the scenarios that ran (not skipped)."""
+        return [s for s in self.scenarios.values() if s.verdict != "skipped"]
+
+    @property
+    def skipped(self) -> dict[str, str]:
+        """``{scenario: why}`` for each requested scenario that did not run."""
+        return {name: "; ".join(s.notes) for name, s in self.scenarios.items() if s.verdict == "skipped"}
 
     @property
     def passed(self) -> bool:
-        if self.length_dependence is not None:
+        if self.verdict == UNCHECKED or self.length_dependence is not None:
             return False
         lossy = ("lossy",) if self.mode == "control" else ()  # exact mode promises ==: never a lossy cache
         if self.promoted is not None:
@@ -268,24 +281,26 @@ class CheckReport:
         return min(found) if found else None
 
     @property
-    def worst(self) -> ScenarioReport:
-        """The scenario a failure message is about (the earliest failure; else the first scenario run)."""
-        ran = [s for s in self.scenarios.values() if s.verdict != "skipped"]
+    def worst(self) -> ScenarioReport | None:
+        """The scenario a failure message is about (the earliest failure; else the first scenario run; ``None``
+        when none ran)."""
+        ran = self.ran
         failing = [s for s in ran if not s.passed]
         bugs = [s for s in failing if s.verdict == "bug"] or failing
         if bugs:
             return min(bugs, key=lambda s: s.focus_step())
-        return ran[0]
+        return ran[0] if ran else None
 
     @property
     def deviation(self) -> np.ndarray:
-        """Per-step deviation of :attr:`worst`."""
-        return self.worst.deviation
+        """Per-step deviation of :attr:`worst` (empty when no scenario ran)."""
+        worst = self.worst
+        return np.zeros(0) if worst is None else worst.deviation
 
     @property
     def max_deviation(self) -> float:
-        """The largest deviation over every step of every scenario that ran."""
-        return max(float(s.deviation.max()) for s in self.scenarios.values() if s.verdict != "skipped")
+        """The largest deviation over every step of every scenario that ran (NaN when none ran: nothing measured)."""
+        return max((float(s.deviation.max()) for s in self.ran), default=float("nan"))
 
     @property
     def max_ratio(self) -> float | None:
@@ -294,9 +309,20 @@ class CheckReport:
         ratios = [float(s.ratio.max()) for s in self.scenarios.values() if s.ratio is not None and s.ratio.size]
         return max(ratios) if ratios else None
 
+    def skipped_line(self) -> str | None:
+        """One line naming each skipped scenario and why (``None``: none was skipped)."""
+        if not self.skipped:
+            return None
+        listed = "; ".join(f"{name} ({why})" for name, why in self.skipped.items())
+        if not self.ran:
+            return f"no requested scenario ran, nothing was checked: {listed}"
+        if self.strict:
+            return f"strict: a requested scenario was skipped, so the check cannot pass: {listed}"
+        return f"skipped (not checked; the verdict covers only {', '.join(s.name for s in self.ran)}): {listed}"
+
     def headline(self) -> str:
         """Which scenario diverged (or failed) first, and each scenario's first step on its own."""
-        ran = [s for s in self.scenarios.values() if s.verdict != "skipped"]
+        ran = self.ran
         parts = [
             f"{s.name}: {s.verdict}" + ("" if s.focus_step() is None else f" from step {s.where(s.focus_step())}")
             for s in ran
@@ -319,6 +345,10 @@ class CheckReport:
         ]
         if self.length_dependence is not None:
             lines.insert(1, self.length_dependence.line())
+        if self.skipped_line() is not None:
+            lines.insert(1, self.skipped_line())
+        if not self.ran:  # nothing to summarize: the verdict line and the skipped line say it all
+            return "\n".join(lines[:2] + [f"note: {n}" for n in self.notes])
         lines += [s.summary() for s in self.scenarios.values()]
         lines += [f"note: {n}" for n in self.notes]
         worst = self.worst
@@ -343,20 +373,6 @@ class CheckReport:
         return f", lowest internal format {self.formats.line()}"
 
 
-def skipped_resume(mode: str, prompt: np.ndarray, tokens: np.ndarray) -> ScenarioReport:
-    """The resume scenario's report on a one-token prompt: skipped (it cannot be split in two chunks)."""
-    return ScenarioReport(
-        "resume", mode, prompt, tokens, np.zeros(0), (), "skipped", None, None,
-        notes=("the prompt has one token and cannot be split in two chunks",),
-    )  # fmt: skip
-
-
-def overall(mode: str, reports: dict[str, ScenarioReport]) -> str:
-    """The check's verdict from its scenarios' (skipped ones aside): ``exact`` when every one is, else
-    ``divergent`` (exact mode); the worst (control mode)."""
-    ran = [r for r in reports.values() if r.verdict != "skipped"]
-    if mode == "exact":
-        if all(r.verdict == "exact" for r in ran):
-            return "exact"
-        return "lossy" if all(r.verdict in ("exact", "lossy") for r in ran) else "divergent"
-    return C.worst([r.verdict for r in ran])
+def skipped(name: str, mode: str, prompt: np.ndarray, tokens: np.ndarray, why: str) -> ScenarioReport:
+    """Scenario ``name``'s report when it cannot run on this model: ``skipped``, ``why`` as its note."""
+    return ScenarioReport(name, mode, prompt, tokens, np.zeros(0), (), "skipped", None, None, notes=(why,))

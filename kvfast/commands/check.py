@@ -18,9 +18,10 @@ the model under test, its factory or its module raised or exited
 exception, ``os._exit``, a crash or a signal), one line naming the call and
 the exception; 5 when the check did not finish within ``--timeout``; 6 when
 the recompute itself depends on the sequence's length (verdict
-``length-dependent``: no cache can equal it); 70 for a
-bug in kvfast (a traceback, the version and a line saying so); 130 when the
-user interrupts it (Ctrl-C).
+``length-dependent``: no cache can equal it); 7 when no requested scenario
+ran (verdict ``unchecked``: the model lacks or declines every one's hooks) or,
+with ``--strict``, when any was skipped; 70 for a bug in kvfast (a traceback,
+the version and a line saying so); 130 when the user interrupts it (Ctrl-C).
 
 Isolation. The check runs in a child process (``python -c``, the same
 interpreter and ``sys.path``, its own session) that reports back through a
@@ -51,6 +52,7 @@ from kvfast.validation import not_allowed, one_line
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_INCONCLUSIVE, EXIT_MODEL, EXIT_TIMEOUT = 0, 1, 2, 3, 4, 5
 EXIT_LENGTH_DEPENDENT = 6
+EXIT_UNCHECKED = 7
 EXIT_INTERRUPTED = 130
 EXIT_CODES = {
     EXIT_PASS: "pass: a report was printed and its verdict passes (`exact`; `rounding` in control mode)",
@@ -64,6 +66,8 @@ EXIT_CODES = {
     EXIT_LENGTH_DEPENDENT: "`length-dependent`: the recompute itself changes with the sequence's length by more "
     "than rounding (dynamic NTK, LongRoPE, or a wrong recompute); no cache can equal it; the report's second "
     "line names the row, the two lengths and the size",
+    EXIT_UNCHECKED: "`unchecked`: no requested scenario ran (each one's hooks are missing or declined), or with "
+    "`--strict` one was skipped; the report's second line names the scenarios and why",
     EXIT_KVFAST_BUG: "a bug in kvfast: its traceback, the kvfast version and a line saying so",
     EXIT_INTERRUPTED: "interrupted by the user (Ctrl-C); the check's processes were killed",
 }
@@ -243,6 +247,7 @@ def run_check(args, started: float | None = None) -> dict:
     """The check itself (in the child): ``{"kind": ..., ...}`` for the parent (see :func:`child`)."""
     from kvfast.check.checker import check_cache_with
     from kvfast.check.protocol import CheckTimeout, ModelUnderTestError, watched
+    from kvfast.check.report import UNCHECKED
 
     try:
         options = check_options(args)
@@ -259,7 +264,9 @@ def run_check(args, started: float | None = None) -> dict:
         return {"kind": "model", "line": f"the model under test failed: {exc}"}
     except CheckTimeout as exc:
         return {"kind": "timeout", "line": str(exc)}
-    if report.length_dependence is not None:
+    if report.verdict == UNCHECKED:
+        code = EXIT_UNCHECKED
+    elif report.length_dependence is not None:
         code = EXIT_LENGTH_DEPENDENT
     elif report.passed:
         code = EXIT_PASS

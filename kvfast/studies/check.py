@@ -242,6 +242,7 @@ VERDICT_COLORS = {
     "bug": "#d62728",
     "length-dependent": "#9467bd",
     "skipped": "#7f7f7f",
+    "unchecked": "#000000",
 }
 VERDICT_COLUMNS = ["checks", "passed", "verdicts", "first_divergent_step", "worst_deviation", "ratio_max"]
 

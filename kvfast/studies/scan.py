@@ -12,7 +12,8 @@ logic check.
 Result columns: ``verdict`` (the check's; or ``skipped``, with ``skip_kind`` and ``reason``: ``config`` or
 ``model`` when transformers cannot make the tiny model, ``run`` when the model's own ``forward`` raises during
 the check, ``adapter`` when kvfast refuses it as a model under test, e.g. no KV cache, or refuses to inject the
-bug, even inside a model call: :func:`kind_of`), ``ratio``,
+bug, even inside a model call: :func:`kind_of`; ``scenario`` when the scenario cannot run on the model, a check
+that checked nothing and so never a pass), ``ratio``,
 ``worst_deviation``, ``floor_source`` (what set the bound at the worst step), ``first_bug_step`` (-1: none),
 ``acting_step`` (where the bug first acts, -1: it never acts in this scenario or the run is clean),
 ``right_step``, the logic check's ``logic_verdict``, ``logic_ratio``, ``logic_step``, the seconds to build the
@@ -202,6 +203,8 @@ def run(config: dict) -> dict:
         return _skipped(kind_of("run", reason), reason, **extra)
     except ValueError as exc:  # kvfast refuses the model (no KV cache, no logits, a bug it cannot take)
         return _skipped("adapter", " ".join(str(exc).split())[:400], **extra)
+    if not report.ran:  # the scenario cannot run on this model (no hook, or the release declines it): not a pass
+        return _skipped("scenario", " ".join(report.skipped_line().split())[:400], **extra)
     bug = hf.bug_of(c)
     acting = None if bug is None else first_acting_step(bug, c["scenario"], prompt_len)
     step = _step(report)

@@ -1,0 +1,146 @@
+"""The judge of a check, chosen once from its options (:func:`judge_for`): how each scenario's cache path is
+judged against its reference rows, and how the scenarios' verdicts make the check's.
+
+- :class:`ExactJudge` (``mode="exact"``): a step passes when its logits are equal (``==``) to the reference;
+  no tolerance anywhere. Verdicts ``exact`` / ``divergent``.
+- :class:`ControlJudge` (``mode="control"``): each step against the model's measured order noise
+  (:mod:`kvfast.check.control`). Verdicts ``rounding`` / ``inconclusive`` / ``bug``.
+
+A lossy cache (:mod:`kvfast.check.lossy`) is judged by the same judge first, then re-judged as a lossy
+cache's. The judge is the one place that knows the mode: the reference asks it whether to measure order
+noise (:attr:`Judge.measures_noise`), the pipeline asks it for the scenarios' overall verdict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvfast.check import control as C
+from kvfast.check.options import CheckOptions
+from kvfast.check.report import ScenarioReport
+from kvfast.check.scenarios import CachePath
+
+
+@dataclass(frozen=True)
+class Part:
+    """One judged comparison, a report's worth: ``name`` (the report's), ``prompt`` (the prompt the path ran on),
+    ``path`` (the cache path), ``rows`` (the reference rows, ``(T + steps, V)``), ``noise`` (the order noise per
+    source and position, control mode), ``split`` (the resume scenario's: step 0 judges rows ``split..T-1``;
+    else ``None``) and ``notes``."""
+
+    name: str
+    prompt: np.ndarray
+    path: CachePath
+    rows: np.ndarray
+    noise: dict[str, np.ndarray] | None
+    split: int | None = None
+    notes: tuple[str, ...] = ()
+
+
+def deviations(run: CachePath, rows: np.ndarray, start: int = 0) -> tuple[np.ndarray, int | None]:
+    """Per-step max |cache - reference| (step 0 over prompt rows ``start..T-1``) and the first differing
+    prompt row (or ``None``)."""
+    first, outs = run.prompt_rows, run.decoded
+    T = first.shape[0]
+    dev = np.empty(outs.shape[0] + 1)
+    diff0 = np.abs(first[start:] - rows[start:T]).max(axis=1)
+    dev[0] = diff0.max()
+    dev[1:] = np.abs(outs - rows[T:]).max(axis=1)
+    bad_rows = np.nonzero(diff0 > 0)[0]
+    return dev, (start + int(bad_rows[0]) if bad_rows.size else None)
+
+
+@dataclass(frozen=True)
+class Judge:
+    """How a check judges (see the module doc). ``mode``: the option it was chosen from; ``measures_noise``:
+    whether the reference must measure the model's order noise for it; ``margin`` and ``decisive``: the ratios
+    up to which a step is rounding (a lossy cache's step: ``lossy``) and beyond which it is a bug."""
+
+    margin: float = C.DEFAULT_MARGIN
+    decisive: float = C.DEFAULT_DECISIVE
+    mode = ""
+    measures_noise = False
+
+    def judge(self, part: Part, fmt: str) -> ScenarioReport:
+        """``part``'s report; ``fmt``: the format whose 1 ulp is the least bound of a step (control)."""
+        raise NotImplementedError
+
+    def overall(self, reports: list[ScenarioReport]) -> str:
+        """The check's verdict from the reports of the scenarios that ran (at least one)."""
+        raise NotImplementedError
+
+    def lossy_verdicts(self, ratio: np.ndarray) -> list[str]:
+        """A lossy cache's step verdicts from its ratios to the format's expected error (:mod:`kvfast.check.lossy`)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class ExactJudge(Judge):
+    mode = "exact"
+
+    def judge(self, part: Part, fmt: str) -> ScenarioReport:
+        dev, bad_row = deviations(part.path, part.rows, part.split or 0)
+        differs = np.nonzero(dev > 0)[0]
+        first = int(differs[0]) if differs.size else None
+        verdicts = tuple("divergent" if d > 0 else "exact" for d in dev)
+        return ScenarioReport(
+            part.name, self.mode, part.prompt, part.path.fed, dev, verdicts,
+            "divergent" if first is not None else "exact", first, bad_row, split=part.split, notes=part.notes,
+        )  # fmt: skip
+
+    def overall(self, reports: list[ScenarioReport]) -> str:
+        if all(r.verdict == "exact" for r in reports):
+            return "exact"
+        return "lossy" if all(r.verdict in ("exact", "lossy") for r in reports) else "divergent"
+
+    def lossy_verdicts(self, ratio: np.ndarray) -> list[str]:
+        return ["lossy" if r <= self.margin else "divergent" for r in ratio]
+
+
+@dataclass(frozen=True)
+class ControlJudge(Judge):
+    """Control mode with rounding up to ``margin`` times a step's bound and a bug beyond ``decisive`` times."""
+
+    mode = "control"
+    measures_noise = True
+
+    def judge(self, part: Part, fmt: str) -> ScenarioReport:
+        rows, noise = part.rows, part.noise
+        dev, bad_row = deviations(part.path, rows, part.split or 0)
+        differs = np.nonzero(dev > 0)[0]
+        first = int(differs[0]) if differs.size else None
+        T = part.prompt.shape[0]
+        start = part.split or 0
+        scale_pos = np.abs(rows).max(axis=1)
+        noise_pos = np.zeros(rows.shape[0])
+        for v in noise.values():
+            noise_pos = np.maximum(noise_pos, v)
+        scale = np.concatenate([[scale_pos[start:T].max()], scale_pos[T:]])
+        floor = np.concatenate([[noise_pos[start:T].max()], noise_pos[T:]])
+        rel, where = C.pooled_noise(noise, scale_pos)
+        compared = T - start + dev.shape[0] - 1  # the reference rows the steps cover
+        bound, ratio, verdicts, floor_source = C.judge(
+            dev, scale, rel, where, fmt, self.margin, self.decisive, compared, C.noise_draws(noise)
+        )
+        bugs = [t for t, v in enumerate(verdicts) if v == "bug"]
+        unsure = [t for t, v in enumerate(verdicts) if v == "inconclusive"]
+        return ScenarioReport(
+            part.name, self.mode, part.prompt, part.path.fed, dev, verdicts, C.worst(verdicts), first, bad_row,
+            floor=floor, bound=bound, ratio=ratio, first_bug_step=bugs[0] if bugs else None, margin=self.margin,
+            split=part.split, notes=part.notes, floor_source=floor_source,
+            first_inconclusive_step=unsure[0] if unsure else None, decisive=self.decisive,
+        )  # fmt: skip
+
+    def overall(self, reports: list[ScenarioReport]) -> str:
+        return C.worst([r.verdict for r in reports])
+
+    def lossy_verdicts(self, ratio: np.ndarray) -> list[str]:
+        return ["lossy" if r <= self.margin else "bug" if r > self.decisive else "inconclusive" for r in ratio]
+
+
+def judge_for(options: CheckOptions) -> Judge:
+    """The judge ``options`` ask for: the one place a check's mode is decided."""
+    kind = {"exact": ExactJudge, "control": ControlJudge}[options.mode]
+    return kind(options.margin, options.decisive)
