@@ -235,7 +235,7 @@ def _bad(method, result):
         (Toy(), [1], 2, {"scenarios": ("decode", "warp")}, "scenarios: 'warp' is not allowed"),
         (Toy(), [1, 2, 3], 2, {"split": 3}, "split: 3 is not allowed"),
         (Toy(), [1], 2, {"margin": 0.5}, "margin: 0.5 is not allowed"),
-        (Toy(), [1], 2, {"scenarios": "resume"}, "cannot run on a one-token prompt"),
+        (Toy(), [1], 2, {"scenarios": "resume"}, "cannot run on this prompt (the prompt has one token"),
         (Toy(), [1], 2, {"split": 1}, "split: 1 is not allowed; allowed: None"),
         (Toy(), [1], 2, {"fast": "yes"}, "fast: 'yes' is not allowed"),
         (

@@ -26,6 +26,7 @@ from kvfast.check import formats as F
 from kvfast.check.calls import ModelCalls
 from kvfast.check.report import LengthDependence
 from kvfast.check.scenarios import REGISTRY, Run, Scenario, Unsupported
+from kvfast.check.scenarios.decode import Decode
 from kvfast.check.subject import CheckSubject
 
 
@@ -209,7 +210,7 @@ class SharedReference(Reference):
         # the fast path runs the first scenario asked for (a resume-only check never prefills the whole prompt)
         # (an operation-only check's fast path runs, and its scenario reuses, the first operation's path)
         asked = subject.options.scenarios
-        self.reuse_scenario = next((n for n in ("decode", "resume") if n in asked), asked[0])
+        self.reuse_scenario = next((n for n in asked if REGISTRY[n].default), asked[0])
         self.batch_shape: dict[str, np.ndarray] | None = None
 
     @classmethod
@@ -276,7 +277,7 @@ class SharedReference(Reference):
             spec = REGISTRY[self.reuse_scenario].run(s.calls, s.prompt, s.split, steps, choose)
         except Unsupported:  # the reference needs only tokens; the scenario itself reports the skip
             own = False
-            spec = REGISTRY["decode"].run(s.calls, s.prompt, s.split, steps, choose)
+            spec = Decode().run(s.calls, s.prompt, s.split, steps, choose)
         final = np.concatenate([s.prompt, spec.fed])
         full = s.calls.recompute(final, "of the whole sequence")
         why, parts = invariance(s.calls, final, full, self.rows[:T], steps)

@@ -146,7 +146,7 @@ class ScenarioReport:
 
     def where(self, step: int) -> str:
         """``S (position P)``; the resume scenario's step 0 says it is the resumed chunk, not a prefill."""
-        if step == 0 and self.name == "resume":
+        if step == 0 and self.split is not None:  # the resume scenario
             at = self._focus_position(0)
             return f"0 (the resumed chunk, prompt position {at}, after a prefill of 0-{self.first_row - 1})"
         return f"{step} (position {self._focus_position(step)})"

@@ -15,6 +15,7 @@ import numpy as np
 from kvfast.check.calls import ModelCalls, as_model_under_test
 from kvfast.check.options import CheckOptions
 from kvfast.check.protocol import check_prompt, check_range, has, model_name, vocab_of
+from kvfast.check.scenarios import REGISTRY
 from kvfast.validation import not_allowed, require_int
 
 
@@ -50,6 +51,7 @@ def resolve(model: object, prompt: object, options: CheckOptions) -> CheckSubjec
     if options.promote is not None and not has(model, "promote"):
         raise not_allowed("promote", options.promote, f"None for {model_name(model)} (it has no promote(dtype) method)")
     T = prompt.shape[0]
+    _refuse_prompt(options, prompt)
     split = _resolve_split(options, T)
     vocab = vocab_of(model)
     check_range(prompt, vocab)
@@ -64,13 +66,20 @@ def resolve(model: object, prompt: object, options: CheckOptions) -> CheckSubjec
     return CheckSubject(ModelCalls(model, vocab), prompt, options, split, given)
 
 
+def _refuse_prompt(options: CheckOptions, prompt: np.ndarray) -> None:
+    """Bad input when no requested scenario can run on ``prompt`` whatever the model (a one-token prompt asked
+    only to be resumed): known before any work, so never a check."""
+    why = [REGISTRY[name].prompt_reason(prompt) for name in options.scenarios]
+    if all(w is not None for w in why):
+        can = ", ".join(n for n, s in REGISTRY.items() if s.prompt_reason(prompt) is None)
+        raise ValueError(
+            f"scenarios: {options.scenarios!r} cannot run on this prompt ({'; '.join(why)}); allowed: a longer "
+            f"prompt, or a scenario that can ({can})"
+        )
+
+
 def _resolve_split(options: CheckOptions, T: int) -> int:  # noqa: N803
     """The resume scenario's split for a prompt of ``T`` tokens (default ``T // 2``)."""
-    if T == 1 and options.scenarios == ("resume",):
-        raise ValueError(
-            "scenarios: ('resume',) cannot run on a one-token prompt (nothing to split); "
-            "allowed: a prompt of 2 or more tokens, or the 'decode' scenario"
-        )
     if options.split is None:
         return T // 2
     if T == 1:

@@ -71,18 +71,24 @@ class Run:
 class Scenario:
     """One scenario. A unit sets :attr:`name`, :attr:`hooks`, :attr:`default` (run when no scenarios are
     named) and :attr:`branch` (the report name of its second path, if it has one) and implements :meth:`run`;
-    it may override :meth:`skip_reason`, :meth:`judged_notes`, :meth:`first_row`, :meth:`branch_prompt` and
-    :meth:`branch_note`. Register it in :data:`kvfast.check.scenarios.REGISTRY`."""
+    it may override :meth:`prompt_reason`, :meth:`skip_reason`, :meth:`judged_notes`, :meth:`first_row`,
+    :meth:`branch_prompt` and :meth:`branch_note`. Register it in :data:`kvfast.check.scenarios.REGISTRY`."""
 
     name: str = ""
     hooks: tuple[str, ...] = ()
     default: bool = False
     branch: str | None = None
 
+    def prompt_reason(self, prompt: np.ndarray) -> str | None:
+        """Why this scenario cannot run on ``prompt`` whatever the model (``None``: it can)."""
+        return None
+
     def skip_reason(self, calls: ModelCalls, prompt: np.ndarray) -> str | None:
         """Why this scenario cannot run on ``calls``' model and ``prompt`` (``None``: it can); asked before it runs."""
         missing = [h for h in self.hooks if not calls.has(h)]
-        return f"the model has no {' and '.join(f'{h}()' for h in missing)}" if missing else None
+        if missing:
+            return f"the model has no {' and '.join(f'{h}()' for h in missing)}"
+        return self.prompt_reason(prompt)
 
     def run(self, calls: ModelCalls, prompt: np.ndarray, split: int, steps: int, choose: Choose) -> Run:
         """Fill the cache for ``prompt`` this scenario's way, then decode ``steps`` tokens chosen by ``choose``."""

@@ -13,7 +13,7 @@ class Resume(Scenario):
     name = "resume"
     default = True
 
-    def skip_reason(self, calls: ModelCalls, prompt: np.ndarray) -> str | None:
+    def prompt_reason(self, prompt: np.ndarray) -> str | None:
         return "the prompt has one token and cannot be split in two chunks" if prompt.shape[0] < 2 else None
 
     def run(self, calls: ModelCalls, prompt: np.ndarray, split: int, steps: int, choose: Choose) -> Run:
