@@ -17,42 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvfast.check.protocol import (
-    GuardedModel,
-    ModelUnderTestError,
-    call_model,
-    check_logits,
-    guard,
-    has,
-    logits_format,
-    require_model,
-    variants_of,
-)
-
-
-def as_model_under_test(model: object) -> GuardedModel:
-    """``model`` (a Hugging Face model wrapped in :class:`kvfast.check.hf.HFModel`, an onnxruntime-genai model
-    directory in :class:`kvfast.check.engines.ort.ORTModel`) seen through
-    :class:`kvfast.check.protocol.GuardedModel`: its own exceptions and exits become
-    :class:`~kvfast.check.protocol.ModelUnderTestError`. ``ValueError`` if it is not a model under test."""
-    from kvfast.check.hf import is_hf_model
-
-    if isinstance(model, GuardedModel):
-        return model
-    from kvfast.check.engines.ort import is_ort_model
-
-    if is_ort_model(model):  # a path to an onnxruntime-genai model directory
-        from kvfast.check.engines.ort import ORTModel
-
-        adapter = call_model("kvfast.check.engines.ort.ORTModel(model)", ORTModel, model, passthrough=(ValueError,))
-        return guard(adapter, passthrough=(ValueError,))
-    if is_hf_model(model):
-        from kvfast.check.hf import HFModel
-
-        adapter = call_model("kvfast.check.hf.HFModel(model)", HFModel, model, passthrough=(ValueError,))
-        return guard(adapter, passthrough=(ValueError,))  # the adapter's ValueErrors are bad input
-    require_model(model)
-    return guard(model)
+from kvfast.check.protocol import GuardedModel, ModelUnderTestError, check_logits, has, logits_format, variants_of
 
 
 class ModelCalls:

@@ -67,7 +67,6 @@ from dataclasses import replace
 import numpy as np
 
 from kvfast.check import control as C
-from kvfast.check.calls import as_model_under_test
 from kvfast.check.formats import formats_of
 from kvfast.check.judge import Judge, Part, judge_for
 from kvfast.check.lossy import lossy_format, rejudge
@@ -76,7 +75,7 @@ from kvfast.check.protocol import ModelUnderTestError, watched
 from kvfast.check.reference import OwnReference, Reference, SharedReference, per_step_rows
 from kvfast.check.report import LENGTH_DEPENDENT, UNCHECKED, CheckReport, ScenarioReport, skipped
 from kvfast.check.scenarios import REGISTRY, Run, Scenario, Unsupported
-from kvfast.check.subject import CheckSubject, resolve
+from kvfast.check.subject import CheckSubject, as_model_under_test, resolve
 
 
 def check_cache(

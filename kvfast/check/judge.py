@@ -14,13 +14,16 @@ noise (:attr:`Judge.measures_noise`), the pipeline asks it for the scenarios' ov
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvfast.check import control as C
-from kvfast.check.options import CheckOptions
 from kvfast.check.report import ScenarioReport
 from kvfast.check.scenarios import CachePath
+
+if TYPE_CHECKING:  # the options are read, never built or validated here
+    from kvfast.check.options import CheckOptions
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """What one check is about: the model's calls, the prompt, and the options resolved against both.
 
 :func:`resolve` is where :class:`~kvfast.check.options.CheckOptions` meets a model and a prompt: it
-wraps the model (:func:`kvfast.check.calls.as_model_under_test`), validates the prompt, and checks
+wraps the model (:func:`as_model_under_test`), validates the prompt, and checks
 what the options alone could not (``promote`` against the model's methods, ``split`` against the
 prompt's length, every token against the vocabulary, the positions against ``max_positions``).
 """
@@ -9,14 +9,27 @@ prompt's length, every token against the vocabulary, the positions against ``max
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvfast.check.calls import ModelCalls, as_model_under_test
-from kvfast.check.options import CheckOptions
-from kvfast.check.protocol import check_prompt, check_range, has, model_name, vocab_of
+from kvfast.check.calls import ModelCalls
+from kvfast.check.protocol import (
+    GuardedModel,
+    call_model,
+    check_prompt,
+    check_range,
+    guard,
+    has,
+    model_name,
+    require_model,
+    vocab_of,
+)
 from kvfast.check.scenarios import REGISTRY
 from kvfast.validation import not_allowed, require_int
+
+if TYPE_CHECKING:  # the options are read, never built or validated here
+    from kvfast.check.options import CheckOptions
 
 
 @dataclass(frozen=True)
@@ -42,6 +55,31 @@ class CheckSubject:
     @property
     def vocab(self) -> int:
         return self.calls.vocab
+
+
+def as_model_under_test(model: object) -> GuardedModel:
+    """``model`` (a Hugging Face model wrapped in :class:`kvfast.check.hf.HFModel`, an onnxruntime-genai model
+    directory in :class:`kvfast.check.engines.ort.ORTModel`) seen through
+    :class:`kvfast.check.protocol.GuardedModel`: its own exceptions and exits become
+    :class:`~kvfast.check.protocol.ModelUnderTestError`. ``ValueError`` if it is not a model under test."""
+    from kvfast.check.hf import is_hf_model
+
+    if isinstance(model, GuardedModel):
+        return model
+    from kvfast.check.engines.ort import is_ort_model
+
+    if is_ort_model(model):  # a path to an onnxruntime-genai model directory
+        from kvfast.check.engines.ort import ORTModel
+
+        adapter = call_model("kvfast.check.engines.ort.ORTModel(model)", ORTModel, model, passthrough=(ValueError,))
+        return guard(adapter, passthrough=(ValueError,))
+    if is_hf_model(model):
+        from kvfast.check.hf import HFModel
+
+        adapter = call_model("kvfast.check.hf.HFModel(model)", HFModel, model, passthrough=(ValueError,))
+        return guard(adapter, passthrough=(ValueError,))  # the adapter's ValueErrors are bad input
+    require_model(model)
+    return guard(model)
 
 
 def resolve(model: object, prompt: object, options: CheckOptions) -> CheckSubject:
