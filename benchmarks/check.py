@@ -26,7 +26,7 @@ default 128): the tiny random Llama, GPT-2 and Mistral (a sliding window of 12, 
   two, one row at a time) and its control fast path (one recompute of the final
   sequence, batch-shape noise from four prefix recomputes).
 - control check (rollback) / (fork) / (reorder) / (padded): each cache operation's scenario alone
-  (:mod:`kvfast.check.operations`; the operation hooks built in for Hugging Face models).
+  (:mod:`kvfast.check.scenarios`; the operation hooks built in for Hugging Face models).
 
 Prints Markdown tables; the targets are fast check <= 3x plain (kvfast's model)
 and control check <= 3x plain (Hugging Face models).
@@ -133,7 +133,7 @@ def hf_benchmark(steps: int, repeats: int) -> None:
         both = median_time(lambda m=model: check_cache(m, prompt, steps, "control"), repeats)
         rows = [("plain cached generation", base), ("control check (decode)", decode)]
         rows.append(("control check (decode + resume)", both))
-        for op in ("rollback", "fork", "reorder", "padded"):  # each cache operation (kvfast.check.operations) alone
+        for op in ("rollback", "fork", "reorder", "padded"):  # each cache operation (kvfast.check.scenarios) alone
             rows.append(
                 (
                     f"control check ({op})",

@@ -1,4 +1,4 @@
-"""The cache operations' scenarios (kvfast.check.operations): rollback and fork.
+"""The cache operations' scenarios (kvfast.check.scenarios): rollback and fork.
 
 On kvfast's own model both are bit-exact (exact mode, ``==``); on the protocol's toy with the hooks too;
 on tiny random Hugging Face models (Llama, GPT-2, Mistral with its window, Qwen2) clean runs are never

@@ -89,7 +89,10 @@ def test_the_check_study_builds_its_options_from_the_config():
 
 # --- layout -----------------------------------------------------------------------------------
 
-CHECKER = ("checker.py", "subject.py", "reference.py", "cache_path.py", "scenarios.py", "report.py", "options.py")
+CHECKER = (
+    "checker.py", "subject.py", "reference.py", "judge.py", "report.py", "options.py", "scenarios/base.py",
+    "scenarios/decode.py", "scenarios/resume.py", "scenarios/rollback.py", "scenarios/fork.py",
+)  # fmt: skip
 
 
 def test_the_checker_validates_logits_only_through_model_calls():

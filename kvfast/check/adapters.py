@@ -106,7 +106,7 @@ class KvfastModel:
             )
         return decode_prepared(self.config, self.weights, cache, token, self.decode_numerics, self.bug_code)
 
-    # --- cache operations (the rollback and fork scenarios, kvfast.check.operations) ------------------
+    # --- cache operations (the rollback and fork scenarios, kvfast.check.scenarios) ------------------
 
     op_bug: str | None = None  # an operation bug (kvfast.check.operations.OP_BUGS), set by inject_op_bug
 

@@ -1,4 +1,4 @@
-"""The cache operations of :mod:`kvfast.check.operations` on Hugging Face caches (:class:`~kvfast.check.hf.HFModel`'s
+"""The cache operations of :mod:`kvfast.check.scenarios` on Hugging Face caches (:class:`~kvfast.check.hf.HFModel`'s
 ``crop``, ``snapshot`` and ``restore`` hooks call these).
 
 - ``crop(n)``: ``cache.crop(n - length)`` (transformers 5.x takes the number of positions to remove, as a
@@ -200,7 +200,7 @@ def with_lossy_cache(adapter, fmt: str):
     return twin
 
 
-# --- beams (the reorder scenario, kvfast.check.operations) -------------------------------------------------
+# --- beams (the reorder scenario, kvfast.check.scenarios) -------------------------------------------------
 
 
 def prefill_beams(adapter, tokens, n: int):
@@ -266,7 +266,7 @@ def reorder(adapter, index) -> None:
     cache.reorder_cache(idx)
 
 
-# --- a left-padded batch (the padded scenario, kvfast.check.operations) ------------------------------------
+# --- a left-padded batch (the padded scenario, kvfast.check.scenarios) ------------------------------------
 
 
 def prefill_padded(adapter, prompts) -> list:

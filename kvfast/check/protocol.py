@@ -37,7 +37,7 @@ A model under test is any object with these methods (tokens are passed as a
     (and says so in a note); Hugging Face models have it measured. An optional
     ``internal_formats_source`` (``"declared"``, the default, or ``"measured"``)
     says where it came from.
-``crop(n)`` (optional; the ``rollback`` scenario, :mod:`kvfast.check.operations`)
+``crop(n)`` (optional; the ``rollback`` scenario, :mod:`kvfast.check.scenarios`)
     Keep the first ``n`` positions of the cache and forget the rest (speculative
     decoding's rollback); the next ``decode`` is at position ``n``.
 ``snapshot() -> state`` and ``restore(state)`` (optional; the ``fork`` scenario)

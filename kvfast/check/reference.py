@@ -1,6 +1,6 @@
 """The reference a cache path is compared with, and (control mode) the order noise around it.
 
-Two kinds, one per ``follow`` mode, each telling the scenario loop (:mod:`kvfast.check.scenarios`)
+Two kinds, one per ``follow`` mode, each telling the pipeline (:mod:`kvfast.check.checker`)
 how to run a scenario's cache path and which recompute rows to compare it with:
 
 - :class:`Reference`: what both kinds share and the scenario loop reads.

@@ -347,8 +347,8 @@ class CheckReport:
             lines.insert(1, self.length_dependence.line())
         if self.skipped_line() is not None:
             lines.insert(1, self.skipped_line())
-        if not self.ran:  # nothing to summarize: the verdict line and the skipped line say it all
-            return "\n".join(lines[:2] + [f"note: {n}" for n in self.notes])
+        if not self.ran:  # nothing was checked: the verdict line and the line naming the scenarios and why
+            return "\n".join(lines[:2])
         lines += [s.summary() for s in self.scenarios.values()]
         lines += [f"note: {n}" for n in self.notes]
         worst = self.worst

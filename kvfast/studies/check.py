@@ -53,7 +53,7 @@ VERSION = "1"
 MODES = ("exact", "control")
 SCENARIO_CHOICES = {
     "decode": ("decode",), "resume": ("resume",), "both": ("decode", "resume"),
-    # the cache operations (kvfast.check.operations): a grid axis value each, or all with decode
+    # the cache operations (kvfast.check.scenarios): a grid axis value each, or all with decode
     "rollback": ("rollback",), "fork": ("fork",), "reorder": ("reorder",), "padded": ("padded",),
     "operations": ("decode", "rollback", "fork", "reorder", "padded"),
 }  # fmt: skip
