@@ -27,10 +27,14 @@ def _inject_int4(model):
     return subclass_with(model, _StoresInt4)
 
 
-#: The lossy cache's bugs: each acts on every stored row, from the prompt's rows on (step 0).
+#: The lossy cache's bugs: each changes every stored row, so it first acts where a call first reads stored rows:
+#: decode step 1, or a resume's second chunk (step 0); a prefill attends its fresh rows.
 LOSSY_BUGS: dict[str, Bug] = catalogue(
-    Bug("int4", "declares int8 but stores 4 bits (scale absmax / 7)", lambda s, t, n, w: 0, _inject_int4, logic=False),
-)
+    Bug(
+        "int4", "declares int8 but stores 4 bits (scale absmax / 7)",
+        lambda s, t, n, w: 0 if s == "resume" else 1, _inject_int4, logic=False,
+    ),
+)  # fmt: skip
 
 
 def inject_lossy_bug(model: LossyKvfastModel, bug: str | None) -> LossyKvfastModel:
