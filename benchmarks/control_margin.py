@@ -13,8 +13,8 @@ Groups (every check in control mode):
   (``tests/test_check_control.py``'s setups), clean, and each catalogue bug (``kvfast.BUGS``) at the step
   where it first acts (from an exact check in one order);
 - ``HF float32`` / ``HF float64``: the tiny Llama, GPT-2, Mistral and Qwen2 (sdpa), clean and with each
-  ``kvfast.check.hf.HF_BUGS`` bug, natively; ``HF bfloat16 logic``: bfloat16 models, the float64 logic
-  check's ratios. A bug's ratio is its ratio at ``kvfast.check.hf.first_acting_step`` in each scenario where
+  ``kvfast.bugs.hf.HF_BUGS`` bug, natively; ``HF bfloat16 logic``: bfloat16 models, the float64 logic
+  check's ratios. A bug's ratio is its ratio at ``kvfast.bugs.hf.first_acting_step`` in each scenario where
   it acts (the injected bugs of HF_BUGS act at a known step).
 
 Prints one table row per group: runs, largest clean ratio, smallest bug ratio at its first step,
@@ -108,7 +108,8 @@ def kvfast_own() -> list[Group]:
 def hugging_face(prompts: int) -> list[Group]:
     import torch
 
-    from kvfast.check.hf import FAMILIES, HF_BUGS, HFModel, first_acting_step, tiny_model
+    from kvfast.bugs.hf import HF_BUGS, first_acting_step, inject_hf_bug
+    from kvfast.check.hf import FAMILIES, HFModel, tiny_model
     from kvfast.studies.hf_common import prompt_and_continuation
     from kvfast.studies.hf_matrix import PROMPT_LENGTHS, PROMPT_STREAM
 
@@ -122,7 +123,8 @@ def hugging_face(prompts: int) -> list[Group]:
                 prompt, cont = prompt_and_continuation(PROMPT_STREAM, 0, k, 24, PROMPT_LENGTHS)
                 kw = {"promote": "float64"} if dtype == "bfloat16" else {}
                 for bug in (None, *HF_BUGS):
-                    report = check_cache(HFModel(model, bug=bug), prompt, continuation=cont, mode="control", **kw)
+                    adapter = inject_hf_bug(HFModel(model), bug)
+                    report = check_cache(adapter, prompt, continuation=cont, mode="control", **kw)
                     report = report.promoted if dtype == "bfloat16" else report
                     if bug is None:
                         g.add_clean(report)

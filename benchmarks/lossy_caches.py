@@ -21,6 +21,7 @@ import importlib.util
 import numpy as np
 
 from kvfast import ModelConfig, init_params
+from kvfast.bugs.lossy import inject_lossy_bug
 from kvfast.check import check_cache
 from kvfast.check.lossy import LossyKvfastModel
 
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|")
     for fmt, bug in (("int8", None), ("fp8", None), ("int8", "int4")):
         name = f"kvfast f64, {fmt} cache" + (f" (bug: stores {bug})" if bug else "")
-        print(row(name, LossyKvfastModel(cfg, params, "f64", fmt=fmt, lossy_bug=bug), prompt, args.steps))
+        print(row(name, inject_lossy_bug(LossyKvfastModel(cfg, params, "f64", fmt=fmt), bug), prompt, args.steps))
     try:
         import torch
         import transformers

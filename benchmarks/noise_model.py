@@ -80,8 +80,9 @@ def clean_table(seeds: int) -> None:
 
 
 def bug_table(seeds: int) -> None:
+    from kvfast.bugs.hf import HF_BUGS, first_acting_step, inject_hf_bug
     from kvfast.check import check_cache
-    from kvfast.check.hf import HF_BUGS, HFModel, first_acting_step
+    from kvfast.check.hf import HFModel
 
     print("\n| model | bug | dtype | runs | verdicts | at the first acting step | smallest ratio |")
     print("|---|---|---|---|---|---|---|")
@@ -92,7 +93,7 @@ def bug_table(seeds: int) -> None:
             for dtype in ("float32", "float64", "bfloat16"):
                 verdicts, right, smallest, n = {}, 0, np.inf, 0
                 for seed, prompt, cont in runs(seeds):
-                    model = HFModel(build(family, dtype, attention, seed), bug=bug)
+                    model = inject_hf_bug(HFModel(build(family, dtype, attention, seed)), bug)
                     promote = "float64" if dtype == "bfloat16" else None
                     r = check_cache(model, prompt, mode="control", continuation=cont, promote=promote)
                     judged = r.promoted if promote else r
@@ -112,6 +113,7 @@ def bug_table(seeds: int) -> None:
 
 
 def probe_table(seeds: int) -> None:
+    from kvfast.bugs.hf import inject_hf_bug
     from kvfast.check import check_cache
     from kvfast.check.hf import HFModel
 
@@ -123,7 +125,7 @@ def probe_table(seeds: int) -> None:
                 verdicts, ratios = {}, []
                 for seed, prompt, cont in runs(seeds):
                     model = build(family, "float64", "eager", seed)
-                    model = HFModel(model, bug=bug) if probe else HFModel(model, variants=(), bug=bug)
+                    model = inject_hf_bug(HFModel(model) if probe else HFModel(model, variants=()), bug)
                     r = check_cache(model, prompt, mode="control", continuation=cont)
                     verdicts[r.verdict] = verdicts.get(r.verdict, 0) + 1
                     ratios.append(r.max_ratio)

@@ -3,7 +3,7 @@
 The clean matrix (Llama, GPT-2, Mistral with a sliding window, Qwen2; float32, float64, bfloat16; sdpa and
 eager; two seeds x two prompts, a given continuation and a greedy run) never gets a "bug" verdict in control
 mode. Every injected logic bug is "bug" in float32 and float64, and in the float64 logic check of bfloat16
-models, at the step where it first acts (kvfast.check.hf.first_acting_step states it per bug and scenario:
+models, at the step where it first acts (kvfast.bugs.hf.first_acting_step states it per bug and scenario:
 window at max(1, 8 - len(prompt) + 1), posoff at 1, freeze at 2, restart at 1 and replay at 0 in the resume
 scenario only; the float16 round trip, a precision bug, at 1 (decode) and 0 (resume)).
 The default run holds a pairwise share of the two matrix tests (every pair of values of any two axes; the
@@ -27,19 +27,9 @@ else:
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
 
+from kvfast.bugs.hf import HF_BUGS, HF_LOGIC_BUGS, first_acting_step, inject_hf_bug  # noqa: E402
 from kvfast.check import ModelUnderTestError, check_cache  # noqa: E402
-from kvfast.check.hf import (  # noqa: E402
-    ATTENTION,
-    DTYPES,
-    FAMILIES,
-    HF_BUGS,
-    HF_LOGIC_BUGS,
-    MISTRAL_WINDOW,
-    TINY_VOCAB,
-    HFModel,
-    first_acting_step,
-    tiny_model,
-)
+from kvfast.check.hf import ATTENTION, DTYPES, FAMILIES, MISTRAL_WINDOW, TINY_VOCAB, HFModel, tiny_model  # noqa: E402
 from kvfast.studies.hf_common import prompt_and_continuation  # noqa: E402
 from kvfast.studies.hf_matrix import PROMPT_LENGTHS, PROMPT_STREAM  # noqa: E402
 
@@ -133,7 +123,7 @@ def test_every_bug_is_caught_at_the_step_where_it_first_acts(family, dtype, atte
     for bug in HF_BUGS:
         promote = "float64" if dtype != "float64" else None
         report = check_cache(
-            HFModel(model, bug=bug), prompt, mode="control", continuation=continuation, promote=promote
+            inject_hf_bug(HFModel(model), bug), prompt, mode="control", continuation=continuation, promote=promote
         )
         assert not report.passed
         if dtype == "bfloat16":
@@ -151,13 +141,13 @@ def test_every_bug_is_caught_at_the_step_where_it_first_acts(family, dtype, atte
 def test_bfloat16_recommends_the_logic_check_when_inconclusive():
     model = tiny_model("gpt2", "bfloat16", "sdpa", 0)
     seed, _, prompt, continuation = CASES[0]
-    report = check_cache(HFModel(model, bug="window"), prompt, mode="control", continuation=continuation)
+    report = check_cache(inject_hf_bug(HFModel(model), "window"), prompt, mode="control", continuation=continuation)
     assert report.verdict == "inconclusive" and not report.passed
     assert any("promote='float64'" in n for n in report.notes)
     s = report.worst
     assert s.first_inconclusive_step is not None and "first inconclusive step" in report.format()
     logic = check_cache(
-        HFModel(model, bug="window"), prompt, mode="control", continuation=continuation, promote="float64"
+        inject_hf_bug(HFModel(model), "window"), prompt, mode="control", continuation=continuation, promote="float64"
     )
     assert logic.promoted.first_bug_step == first_acting_step("window", "decode", len(prompt))
     assert "logic check in float64 (same tokens): BUG" in logic.format()
@@ -203,7 +193,7 @@ def test_the_cache_argument_follows_the_forward_signature():
     tuples.prefill(prompt)
     assert check_cache(tuples, prompt, 8, mode="control").verdict == "rounding"
     with pytest.raises(ValueError, match="bug: 'freeze' is not allowed; allowed: a bug the model's cache can take"):
-        HFModel(TupleCache(model), bug="freeze").prefill(prompt)
+        inject_hf_bug(HFModel(TupleCache(model)), "freeze").prefill(prompt)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])  # nn.Linear and GPT-2's Conv1D
@@ -254,8 +244,8 @@ def test_a_static_cache(family):
     assert report.verdict == "rounding", report.format()
     assert isinstance(adapter.cache, transformers.StaticCache)  # the check really ran on it
     for bug in ("posoff", "freeze", "replay"):  # first acts at decode step 1, 2, and resume step 0
-        bugged = HFModel(
-            model, bug=bug, new_cache=lambda: transformers.StaticCache(config=model.config, max_cache_len=64)
+        bugged = inject_hf_bug(
+            HFModel(model, new_cache=lambda: transformers.StaticCache(config=model.config, max_cache_len=64)), bug
         )
         _assert_caught(check_cache(bugged, prompt, 20, mode="control"), bug, logic=False)
 
@@ -278,7 +268,7 @@ def test_a_sliding_window_model():
         assert check_cache(adapter, prompt, steps, mode="control").verdict == "rounding"
         assert check_cache(adapter, prompt, steps, mode="control", promote="float64").promoted.verdict == "rounding"
     for bug in HF_LOGIC_BUGS:
-        _assert_caught(check_cache(HFModel(model, bug=bug), prompt, steps, mode="control"), bug, logic=False)
+        _assert_caught(check_cache(inject_hf_bug(HFModel(model), bug), prompt, steps, mode="control"), bug, logic=False)
 
 
 def test_continuation_is_what_decode_is_fed():
@@ -323,7 +313,7 @@ def test_mis_wrapped_models_raise_clear_value_errors():
 
 def test_promote_copies_the_model_and_keeps_the_bug():
     model = tiny_model("llama", "bfloat16", "sdpa", 0)
-    adapter = HFModel(model, bug="freeze")
+    adapter = inject_hf_bug(HFModel(model), "freeze")
     promoted = adapter.promote("float64")
     assert promoted.bug == "freeze" and promoted.dtype == "float64" and adapter.dtype == "bfloat16"
     assert next(model.parameters()).dtype == torch.bfloat16
@@ -333,7 +323,7 @@ def test_promote_copies_the_model_and_keeps_the_bug():
 
 def test_the_report_says_which_scenario_failed_first():
     model = tiny_model("llama", "float32", "sdpa", 0)
-    report = check_cache(HFModel(model, bug="replay"), [1, 2, 3, 4, 5, 6], 6, mode="control")
+    report = check_cache(inject_hf_bug(HFModel(model), "replay"), [1, 2, 3, 4, 5, 6], 6, mode="control")
     text = report.format()
     assert report.scenarios["decode"].verdict == "rounding"
     assert report.scenarios["resume"].first_bug_step == 0
@@ -351,6 +341,7 @@ def test_kv_check_takes_a_hugging_face_model(pytester):
     pytester.makepyfile(
         test_hf="""
         import torch
+        from kvfast.bugs.hf import inject_hf_bug
         from kvfast.check.hf import HFModel, tiny_model
 
         torch.set_num_threads(1)
@@ -360,7 +351,7 @@ def test_kv_check_takes_a_hugging_face_model(pytester):
             assert report.verdict == "rounding"
 
         def test_posoff(kv_check):
-            model = HFModel(tiny_model("gpt2"), bug="posoff")
+            model = inject_hf_bug(HFModel(tiny_model("gpt2")), "posoff")
             kv_check(model, prompt=[1, 2, 3], continuation=[4, 5, 6], mode="control")
         """
     )
@@ -370,8 +361,9 @@ def test_kv_check_takes_a_hugging_face_model(pytester):
 
 
 HF_BUGGED = (
-    "from kvfast.check.hf import HFModel, tiny_model\n\n"
-    "def make(bug, dtype='float32', family='llama'):\n    return HFModel(tiny_model(family, dtype), bug=bug)\n"
+    "from kvfast.bugs.hf import inject_hf_bug\nfrom kvfast.check.hf import HFModel, tiny_model\n\n"
+    "def make(bug, dtype='float32', family='llama'):\n"
+    "    return inject_hf_bug(HFModel(tiny_model(family, dtype)), bug)\n"
 )
 
 
@@ -426,8 +418,9 @@ def test_cli_checks_a_hugging_face_model_with_every_option(capsys, tmp_path, mon
     assert main([*base, "--steps", "4", "--factory-arg", "family=gpt2", "--factory-arg", "seed=1"]) == 0
     assert "ROUNDING" in capsys.readouterr().out
     (tmp_path / "hf_bugged.py").write_text(
-        "from kvfast.check.hf import HFModel, tiny_model\n\n"
-        "def make(bug, dtype='float32', family='llama'):\n    return HFModel(tiny_model(family, dtype), bug=bug)\n"
+        "from kvfast.bugs.hf import inject_hf_bug\nfrom kvfast.check.hf import HFModel, tiny_model\n\n"
+        "def make(bug, dtype='float32', family='llama'):\n"
+        "    return inject_hf_bug(HFModel(tiny_model(family, dtype)), bug)\n"
     )
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -22,9 +22,11 @@ else:
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
 
+from kvfast.bugs.hf import inject_hf_bug  # noqa: E402
+from kvfast.bugs.operations import OP_BUGS, WINDOW_BUG, inject_op_bug, op_first_acting_step  # noqa: E402
 from kvfast.check import check_cache  # noqa: E402
 from kvfast.check.hf import MISTRAL_WINDOW, HFModel, tiny_model  # noqa: E402
-from kvfast.check.operations import BRANCH, OP_BUGS, WINDOW_BUG, inject_op_bug, op_first_acting_step  # noqa: E402
+from kvfast.check.scenarios import BRANCH  # noqa: E402
 from kvfast.studies.hf_common import prompt_and_continuation  # noqa: E402
 from kvfast.studies.hf_matrix import PROMPT_LENGTHS, PROMPT_STREAM  # noqa: E402
 
@@ -155,7 +157,7 @@ def test_sharing_keys_is_harmless_in_a_dynamic_cache():
 def test_a_restored_cache_keeps_an_injected_bug_on_its_own_copy():
     """The f16 bug wraps the cache's update(); a restored copy gets its own wrapper, never the original's."""
     seed, _, prompt, continuation = CASES[0]
-    adapter = HFModel(tiny_model("llama", "float32", "sdpa", seed), bug="f16")
+    adapter = inject_hf_bug(HFModel(tiny_model("llama", "float32", "sdpa", seed)), "f16")
     adapter.prefill(prompt)
     state = adapter.snapshot()
     adapter.restore(state)

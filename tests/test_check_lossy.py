@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from kvfast import ModelConfig, init_params
+from kvfast.bugs.lossy import inject_lossy_bug
 from kvfast.check import check_cache
 from kvfast.check.lossy import LOSSY_FORMATS, LossyKvfastModel, round_trip
 
@@ -21,8 +22,8 @@ PROMPT = [1, 2, 3, 4, 5]
 ALL = ("decode", "resume", "rollback", "fork")
 
 
-def lossy(fmt: str = "int8", **kwargs) -> LossyKvfastModel:
-    return LossyKvfastModel(CFG, init_params(CFG, 0), "f64", fmt=fmt, **kwargs)
+def lossy(fmt: str = "int8", lossy_bug: str | None = None, **kwargs) -> LossyKvfastModel:
+    return inject_lossy_bug(LossyKvfastModel(CFG, init_params(CFG, 0), "f64", fmt=fmt, **kwargs), lossy_bug)
 
 
 def test_int8_round_trip_is_within_half_a_step():

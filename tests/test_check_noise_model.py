@@ -141,7 +141,8 @@ else:
 
 from test_check_hf import one_thread  # noqa: E402, F401 - torch on one thread for this module too
 
-from kvfast.check.hf import HF_BUGS, HFModel, first_acting_step, measure_internal_formats, tiny_model  # noqa: E402
+from kvfast.bugs.hf import HF_BUGS, first_acting_step, inject_hf_bug  # noqa: E402
+from kvfast.check.hf import HFModel, measure_internal_formats, tiny_model  # noqa: E402
 
 
 def bloom(dtype="float32", seed=0):
@@ -235,9 +236,11 @@ def test_without_the_rounding_probe_the_floor_is_one_unit_of_the_lowest_format()
         kvfast.check_cache, HFModel(bloom("float64"), variants=()), PROMPT8, mode="control", continuation=cont
     )
     assert clean.verdict == "rounding" and (clean.formats.floor, clean.formats.probed) == ("float32", False)
-    bugged = HFModel(bloom("float64"), variants=(), bug="f16")
+    bugged = inject_hf_bug(HFModel(bloom("float64"), variants=()), "f16")
     assert quiet(kvfast.check_cache, bugged, PROMPT8, mode="control", continuation=cont).verdict == "inconclusive"
-    probed = quiet(kvfast.check_cache, HFModel(bloom("float64"), bug="f16"), PROMPT8, mode="control", continuation=cont)
+    probed = quiet(
+        kvfast.check_cache, inject_hf_bug(HFModel(bloom("float64")), "f16"), PROMPT8, mode="control", continuation=cont
+    )
     assert probed.verdict == "bug" and probed.scenarios["decode"].first_bug_step == 1
 
 
@@ -246,7 +249,7 @@ def test_bfloat16_bloom_through_the_logic_check(bug):
     """Clean: rounding in both; every bug: `bug` at its first acting step in the float64 logic check, the float16
     round trip of the cache (10-15 float32 units in float32, where it is `rounding`) included."""
     cont = list(np.random.default_rng(1).integers(1, 96, 12))
-    model = HFModel(bloom("bfloat16"), bug=bug)
+    model = inject_hf_bug(HFModel(bloom("bfloat16")), bug)
     report = quiet(kvfast.check_cache, model, PROMPT8, mode="control", continuation=cont, promote="float64")
     logic = report.promoted
     if bug is None:
@@ -263,7 +266,7 @@ def test_the_float16_round_trip_of_blooms_float32_cache_is_found_by_the_logic_ch
     """Natively 10-15 float32 units against 2-3 units of float32 order noise (not a bug there); in the logic
     check a bug at its first acting step, so the check fails."""
     cont = list(np.random.default_rng(0).integers(1, 96, 12))
-    model = HFModel(bloom("float32"), bug="f16")
+    model = inject_hf_bug(HFModel(bloom("float32")), "f16")
     report = quiet(kvfast.check_cache, model, PROMPT8, mode="control", continuation=cont, promote="float64")
     assert report.promoted.verdict == "bug" and not report.passed
     assert {n: s.first_bug_step for n, s in report.promoted.scenarios.items()} == {"decode": 1, "resume": 0}
@@ -273,7 +276,9 @@ def test_the_float16_round_trip_of_blooms_float32_cache_is_found_by_the_logic_ch
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_every_applicable_hf_bug_is_found_natively_on_bloom(bug, dtype):
     cont = list(np.random.default_rng(0).integers(1, 96, 12))
-    report = quiet(kvfast.check_cache, HFModel(bloom(dtype), bug=bug), PROMPT8, mode="control", continuation=cont)
+    report = quiet(
+        kvfast.check_cache, inject_hf_bug(HFModel(bloom(dtype)), bug), PROMPT8, mode="control", continuation=cont
+    )
     if bug == "f16" and dtype == "float32":  # a precision bug of 10-15 float32 units against 2-4 units of noise
         return
     assert report.verdict == "bug", report.format()

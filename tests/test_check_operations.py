@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from kvfast import ModelConfig, init_params
+from kvfast.bugs.operations import OP_BUGS, inject_op_bug, op_first_acting_step
 from kvfast.check import CheckOptions, KvfastModel, ModelUnderTestError, check_cache
-from kvfast.check.operations import OP_BUGS, inject_op_bug, op_first_acting_step
 from kvfast.check.options import ALL_SCENARIOS, SCENARIOS
 from kvfast.check.scenarios import BRANCH, rollback_points
 from tests.toymodels import Toy
@@ -114,7 +114,7 @@ def test_a_model_without_hooks_is_skipped_with_a_note():
     assert report.verdict == "exact" and report.passed
     assert report.scenarios["rollback"].verdict == "skipped"
     assert report.scenarios["rollback"].notes == ("the model has no crop()",)
-    assert "reorder" in OP_BUGS["reorder_keys_only"]
+    assert "reorder" in OP_BUGS["reorder_keys_only"].description
     assert report.scenarios["fork"].notes == ("the model has no snapshot() and restore()",)
     assert "skipped (the model has no crop())" in report.format()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvfast.check import DETECTORS, Detection, every_step_exact, one_step_allclose
+from kvfast.bugs.score import DETECTORS, Detection, every_step_exact, one_step_allclose
 from kvfast.model.bugs import BUGS, VISIBLE_AT_STEP_1
 from kvfast.studies.detector import DetectorCase, compare_detectors, default_cases, score_detector
 
@@ -68,7 +68,7 @@ def test_table_columns(table):
 
 
 def test_markdown_table(table):
-    from kvfast.check.score import markdown
+    from kvfast.bugs.score import markdown
 
     table = table.reset_index()
     text = markdown(table)
@@ -110,7 +110,7 @@ def test_bad_detectors_and_cases(cases):
 
 
 def test_the_catalogue_can_be_named(cases):
-    from kvfast.check import score
+    from kvfast.bugs import score
 
     few = [c for c in cases if c.config["bug"] in ("posoff", "freeze", "none")]
     with pytest.raises(ValueError, match="bugs: 'posoff' is not allowed; allowed: None"):

@@ -11,11 +11,13 @@ left. The layers, left to right:
 1. **kernels**: ``kvfast.kernels.*`` and ``kvfast.numerics`` (the validated names of the kernels'
    format, order and attention codes).
 2. **model**: ``kvfast.model.*``.
-3. **check**: ``kvfast.check.*`` (``kvfast.check.metrics`` imports nothing from kvfast).
-4. **studies**: ``kvfast.studies.*``.
-5. **sweep**: ``kvfast.sweep.*`` (grids, execution, Parquet, in-process runs).
-6. **report**: ``kvfast.report.*`` (the claims table, quoted figures, plots and HTML page, from stored results).
-7. **commands**: ``kvfast`` itself (a facade that imports its public names on first use),
+3. **check**: ``kvfast.check.*``, the product (``kvfast.check.metrics`` imports nothing from kvfast).
+4. **bugs**: ``kvfast.bugs.*``, test tooling: the bug catalogues (they subclass the checker's adapters) and
+   detector scoring. The checker never imports them.
+5. **studies**: ``kvfast.studies.*``.
+6. **sweep**: ``kvfast.sweep.*`` (grids, execution, Parquet, in-process runs).
+7. **report**: ``kvfast.report.*`` (the claims table, quoted figures, plots and HTML page, from stored results).
+8. **commands**: ``kvfast`` itself (a facade that imports its public names on first use),
    ``kvfast.cli``, ``kvfast.commands.*``, ``kvfast.bench.*``, ``kvfast.pytest_plugin`` and every
    ``__main__`` module (entry points: nothing imports them).
 
@@ -40,6 +42,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("kernels", ("kvfast.kernels", "kvfast.numerics")),
     ("model", ("kvfast.model",)),
     ("check", ("kvfast.check",)),
+    ("bugs", ("kvfast.bugs",)),
     ("studies", ("kvfast.studies",)),
     ("sweep", ("kvfast.sweep",)),
     ("report", ("kvfast.report",)),
@@ -178,26 +181,39 @@ def test_no_import_cycle(graph):
 
 
 def test_the_walk_sees_imports_inside_functions_and_resolves_submodules():
-    known = {"kvfast.check", "kvfast.check.score", "kvfast.studies", "kvfast.studies.detector", "kvfast.model"}
+    known = {"kvfast.bugs", "kvfast.bugs.score", "kvfast.studies", "kvfast.studies.detector", "kvfast.model"}
     source = (
-        "from kvfast.check import score\n"
+        "from kvfast.bugs import score\n"
         "def f():\n"
         "    from kvfast.studies.detector import DetectorCase\n"
         "    import kvfast.model.config\n"
     )
     found = imported_modules(source, "kvfast.sweep.inline", False, known)
-    assert found == {"kvfast.check", "kvfast.check.score", "kvfast.studies", "kvfast.studies.detector", "kvfast.model"}
+    assert found == {"kvfast.bugs", "kvfast.bugs.score", "kvfast.studies", "kvfast.studies.detector", "kvfast.model"}
 
 
 def test_the_checks_fail_on_a_right_to_left_edge_and_on_a_cycle(graph):
-    """The checks can fail: one fake edge from check to studies (the circle this test guards against)."""
+    """The checks can fail: one fake edge from the catalogue to studies, and one from the product to the
+    catalogue (the circles this test guards against: a bug that is a branch inside the adapter)."""
     fake = {name: set(targets) for name, targets in graph.items()}
-    fake["kvfast.check.score"].add("kvfast.studies.detector")
-    assert right_to_left(fake) == ["kvfast.check.score (check) imports kvfast.studies.detector (studies)"]
+    fake["kvfast.bugs.score"].add("kvfast.studies.detector")
+    assert right_to_left(fake) == ["kvfast.bugs.score (bugs) imports kvfast.studies.detector (studies)"]
     found = cycles(fake)
-    assert len(found) == 1 and {"kvfast.check.score", "kvfast.studies.detector"} <= set(found[0])
+    assert len(found) == 1 and {"kvfast.bugs.score", "kvfast.studies.detector"} <= set(found[0])
+    fake = {name: set(targets) for name, targets in graph.items()}
+    fake["kvfast.check.hf_ops"].add("kvfast.bugs.operations")
+    assert right_to_left(fake) == ["kvfast.check.hf_ops (check) imports kvfast.bugs.operations (bugs)"]
+    assert any({"kvfast.check.hf_ops", "kvfast.bugs.operations"} <= set(group) for group in cycles(fake))
     with pytest.raises(ValueError, match="in no layer"):
         layer_of("kvfast.newthing")
+
+
+def test_the_checker_never_imports_the_bug_catalogues(graph):
+    """The product holds no test tooling: no module of ``kvfast.check`` imports ``kvfast.bugs`` (the layers say
+    it too; this names the rule), and the catalogues do import the checker (their bugs subclass its adapters)."""
+    product = {name: targets for name, targets in graph.items() if name.startswith("kvfast.check")}
+    assert {t for targets in product.values() for t in targets if t.startswith("kvfast.bugs")} == set()
+    assert "kvfast.check.hf" in graph["kvfast.bugs.hf"] and "kvfast.check.adapters" in graph["kvfast.bugs.operations"]
 
 
 def test_the_runtime_leaf_imports_only_validation(graph):

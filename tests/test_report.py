@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 from test_studies_hf import HF, HF_SMALL_GRIDS
 
-from kvfast.check.score import roc_auc
+from kvfast.bugs.score import roc_auc
 from kvfast.cli import main
 from kvfast.report import claims_markdown, claims_table, counts, facts, load_results, render, write_tables
 from kvfast.report.figures import matplotlib_available, sections

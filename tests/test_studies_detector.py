@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 from sklearn.metrics import roc_auc_score
 
-from kvfast.check.score import confusion, detector_metrics, median_detection_step, roc_auc
+from kvfast.bugs.score import confusion, detector_metrics, median_detection_step, roc_auc
 from kvfast.model.bugs import BUGS, EVICT_WINDOW, VISIBLE_AT_STEP_1
 from kvfast.studies import STUDIES, detector
 from kvfast.sweep.grid import load_grid

@@ -2,7 +2,7 @@
 
 One tiny Llama per dtype (float32, bfloat16), one prompt of 4 tokens, a given continuation of 8 tokens, every
 bug of HF_BUGS and a clean control: the scores, steps and AUCs asserted here follow from where each bug first
-acts (kvfast.check.hf.first_acting_step: window at step 5 for this prompt, posoff 1, freeze 2, f16 0 (resume),
+acts (kvfast.bugs.hf.first_acting_step: window at step 5 for this prompt, posoff 1, freeze 2, f16 0 (resume),
 restart 1 and replay 0 in the resume scenario only).
 """
 
@@ -19,8 +19,8 @@ else:
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
 
-from kvfast.check.hf import HF_BUGS, HF_LOGIC_BUGS, first_acting_step  # noqa: E402
-from kvfast.check.score import markdown, score_detector  # noqa: E402
+from kvfast.bugs.hf import HF_BUGS, HF_LOGIC_BUGS, first_acting_step  # noqa: E402
+from kvfast.bugs.score import markdown, score_detector  # noqa: E402
 from kvfast.studies.hf_score import DETECTORS, HFCase, kvfast_control, score_table  # noqa: E402
 from kvfast.sweep.inline import run_inline  # noqa: E402
 
@@ -117,7 +117,7 @@ def test_the_catalogue_is_checked(few):
 
 def test_the_stored_detections_score_as_the_detectors_run_directly(few, table):
     """The study stores each detector's detections; scoring them is the one scoring path over the cases."""
-    from kvfast.check.score import compare_detectors
+    from kvfast.bugs.score import compare_detectors
 
     for dtype in ("float32", "bfloat16"):
         direct = compare_detectors(DETECTORS, [c for c in few if c.config["dtype"] == dtype], HF_BUGS)

@@ -7,11 +7,11 @@
 - :mod:`kvfast.check.control`: control mode's method and limits.
 - :class:`KvfastModel`: kvfast's own model (with any catalogue bug) as a model under test.
 - :class:`NumpyModel`: a NumPy reference model of the same architecture, loading kvfast's ``.npz``.
-- :func:`score_detector`: score any cache test against the bug catalogue over given cases
-  (:func:`kvfast.score_detector` fills in the detector study's cases); :mod:`kvfast.check.score` holds
-  all of detector scoring (the metrics too).
 - :class:`HFModel` (:mod:`kvfast.check.hf`, extra ``kvfast[hf]``): a Hugging Face causal LM as a model
   under test (imported on first use: kvfast does not need torch).
+
+The product only: the bug catalogues kvfast tests it against, and detector scoring, are :mod:`kvfast.bugs`
+(which imports this package, never the other way round).
 """
 
 from __future__ import annotations
@@ -29,16 +29,6 @@ from kvfast.check.checker import (
 from kvfast.check.numpy_model import NumpyModel
 from kvfast.check.options import CheckOptions
 from kvfast.check.protocol import CheckTimeout, ModelUnderTestError
-from kvfast.check.score import (
-    DETECTORS,
-    Case,
-    Detection,
-    compare_detectors,
-    every_step_exact,
-    one_step_allclose,
-    score_detector,
-    token_strings,
-)
 
 
 def __getattr__(name: str):
@@ -51,14 +41,11 @@ def __getattr__(name: str):
 
 __all__ = [
     "HFModel",
-    "DETECTORS",
     "MODES",
     "SCENARIOS",
     "CheckOptions",
     "CheckReport",
     "CheckTimeout",
-    "Case",
-    "Detection",
     "KvfastModel",
     "ModelUnderTestError",
     "NumpyModel",
@@ -66,9 +53,4 @@ __all__ = [
     "assert_cache_exact",
     "check_cache",
     "check_cache_with",
-    "compare_detectors",
-    "every_step_exact",
-    "one_step_allclose",
-    "score_detector",
-    "token_strings",
 ]

@@ -23,7 +23,9 @@ class KvfastModel:
     - ``decode``: the compiled decode kernel, in ``decode_numerics`` (default:
       ``numerics``; same storage), with catalogue bug ``bug`` (:data:`kvfast.BUGS`).
     - ``crop``/``snapshot``/``restore``: the cache operations (a rollback keeps
-      the first ``n`` positions; a snapshot copies the buffers), all exact.
+      the first ``n`` positions; a snapshot copies the buffers), all exact; the
+      operation bugs of :mod:`kvfast.bugs.operations` act in their hooks
+      (``_crop_keep``, ``_copy_keys``).
     - ``recompute_variants``: when ``decode_numerics`` differs from
       ``numerics``, ``{"decode order": the recompute in decode_numerics}`` (a
       computation that differs from ``recompute`` only in how it adds up); else
@@ -108,28 +110,29 @@ class KvfastModel:
 
     # --- cache operations (the rollback and fork scenarios, kvfast.check.scenarios) ------------------
 
-    op_bug: str | None = None  # an operation bug (kvfast.check.operations.OP_BUGS), set by inject_op_bug
-
     def crop(self, n: int) -> None:
         """Keep the first ``n`` positions of the cache (a rollback); the next decode is at position ``n``."""
         cache = self._cache()
-        if self.op_bug == "crop_short" and n < cache.length:
-            n += 1
-        cache.truncate(n)
+        cache.truncate(self._crop_keep(n, cache.length))
+
+    def _crop_keep(self, n: int, length: int) -> int:
+        """Hook: the positions a crop to ``n`` of a cache of ``length`` positions keeps (``n``)."""
+        return n
 
     def snapshot(self) -> KVCache:
         """A copy of the cache as it is now (its own key and value buffers)."""
         cache = self._cache()
-        return replace(cache, k=self._keys(cache.k), v=cache.v.copy())
+        return replace(cache, k=self._copy_keys(cache.k), v=cache.v.copy())
 
     def restore(self, state: KVCache) -> None:
         """The cache set back to a copy of ``state`` (a :meth:`snapshot`; restorable again)."""
         if not isinstance(state, KVCache):
             raise ValueError(f"state: {type(state).__name__} is not allowed; allowed: a KVCache from snapshot()")
-        self.cache = replace(state, k=self._keys(state.k), v=state.v.copy())
+        self.cache = replace(state, k=self._copy_keys(state.k), v=state.v.copy())
 
-    def _keys(self, k: np.ndarray) -> np.ndarray:
-        return k if self.op_bug == "fork_shared_keys" else k.copy()
+    def _copy_keys(self, k: np.ndarray) -> np.ndarray:
+        """Hook: the key buffer a snapshot or restore takes (a copy)."""
+        return k.copy()
 
     def _cache(self) -> KVCache:
         if self.cache is None:

@@ -49,8 +49,8 @@ the model's own ``forward`` raises is the model's: ``check_cache`` raises
 check``: exit 4), never "not allowed". A variant the model cannot build or run
 is skipped (:attr:`HFModel.skipped_variants`, named in the report).
 
-:data:`HF_BUGS` is a catalogue of cache bugs injected into the cache path
-only (``HFModel(model, bug=...)``), for kvfast's own tests and scoring.
+kvfast's own tests and scoring inject cache bugs by subclassing the adapter (:mod:`kvfast.bugs.hf`,
+:mod:`kvfast.bugs.operations`): the small methods marked *hook* below are where they act.
 """
 
 from __future__ import annotations
@@ -65,38 +65,6 @@ from kvfast.validation import import_extra, not_allowed, require_choice, require
 
 VARIANTS = ("attention", "batch", "rows")
 MODEL = "a transformers causal LM with a language-model head and a KV cache (e.g. AutoModelForCausalLM)"
-
-#: Cache bugs injected into the cache path of :class:`HFModel` (the recompute and the variants stay clean),
-#: and the decode step at which each first acts (``"resume"``: in the resume scenario only).
-HF_BUGS: dict[str, str] = {
-    "window": "an unasked-for sliding window: decode attends only the last HF_WINDOW positions",
-    "posoff": "decode position off by one (position_ids one behind)",
-    "freeze": "the last layer's key frozen after step 1: later decode steps store step 1's key",
-    "f16": "the cache round-tripped through float16 (every stored key and value)",
-    "restart": "a resume restarts positions at the first chunk's length (decode position = prefill length + "
-    "tokens decoded, so extend() is not counted)",
-    "replay": "a token appended twice: extend() first re-appends the last token already in the cache",
-}
-HF_WINDOW = 8
-#: Bugs of the cache's logic (positions, eviction, growth, resume offsets); ``f16`` is a precision bug.
-HF_LOGIC_BUGS = ("window", "posoff", "freeze", "restart", "replay")
-
-
-def first_acting_step(bug: str, scenario: str, prompt_len: int) -> int | None:
-    """The first step at which ``bug`` changes the cache path's logits in ``scenario`` (``None``: never)."""
-    require_choice(bug, "bug", HF_BUGS)
-    resume = scenario == "resume"
-    if bug == "window":
-        return max(1, HF_WINDOW - prompt_len + 1)
-    if bug == "posoff":
-        return 1
-    if bug == "freeze":
-        return 2
-    if bug == "f16":
-        return 0 if resume else 1  # the resumed chunk reads the first chunk's rounded keys
-    if bug == "restart":
-        return 1 if resume else None
-    return 0 if resume else None  # replay
 
 
 class ModelForwardError(RuntimeError):
@@ -266,10 +234,9 @@ class HFModel:
     - ``new_cache``: a zero-argument callable returning a fresh cache object
       (for example ``lambda: StaticCache(config=model.config, max_cache_len=256)``);
       default: a ``DynamicCache`` (or what the model returns).
-    - ``bug``: a cache bug from :data:`HF_BUGS` injected into the cache path (tests, scoring).
     """
 
-    def __init__(self, model, *, variants=VARIANTS, new_cache=None, bug: str | None = None) -> None:
+    def __init__(self, model, *, variants=VARIANTS, new_cache=None) -> None:
         torch = _torch()
         if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
             raise not_allowed("model", type(model).__name__, MODEL)
@@ -278,12 +245,9 @@ class HFModel:
         self.variants = tuple(require_choice(v, "variants", VARIANTS) for v in variants)
         if new_cache is not None and not callable(new_cache):
             raise not_allowed("new_cache", new_cache, "None or a callable returning a fresh cache")
-        if bug is not None:
-            require_choice(bug, "bug", HF_BUGS)
         self.model = model.eval()
         self.new_cache = new_cache
         self._mask_as_generate: dict[tuple, bool] = {}  # _generate_passes_mask's answers
-        self.bug = bug
         params = inspect.signature(model.forward).parameters
         if "cache" in params:
             self.cache_arg = "cache"
@@ -309,8 +273,7 @@ class HFModel:
         self.last_token: int | None = None
 
     def __repr__(self) -> str:
-        bug = "" if self.bug is None else f", bug={self.bug!r}"
-        return f"HFModel({type(self.model).__name__}, {self.dtype}, {self.attention}{bug})"
+        return f"HFModel({type(self.model).__name__}, {self.dtype}, {self.attention})"
 
     @property
     def dtype(self) -> str:
@@ -416,31 +379,33 @@ class HFModel:
         n = ids.shape[1]
         kwargs = {"input_ids": ids, "use_cache": True, self.cache_arg: self.cache}
         if self.takes_mask:
-            mask = torch.ones(1, self.length + n, dtype=torch.long)
-            if self.bug == "window" and n == 1:
-                mask[0, : max(0, self.length + n - HF_WINDOW)] = 0
+            mask = self._attention_mask(n)
             if self._generate_passes_mask(ids, mask):
                 kwargs["attention_mask"] = mask
-            elif self.bug == "window" and n == 1:  # the bug lives in the mask: a model given none cannot take it
-                raise not_allowed("bug", self.bug, "a bug the model can take (its generate passes no attention mask)")
         if self.takes_cache_position:
             kwargs["cache_position"] = torch.arange(self.length, self.length + n)
         if positions is None and self._generate_positions():
             positions = list(range(self.length, self.length + n))
         if positions is not None:
-            if not self.takes_position_ids:
-                raise not_allowed("bug", self.bug, "a bug the model's forward() can take (it has no position_ids)")
             kwargs["position_ids"] = torch.as_tensor(positions, dtype=torch.long)[None, :]
-        from kvfast.check.hf_ops import window_bug
-
-        with window_bug(self):  # the operation bug window_evicts_one_too_many: the cache path only
-            logits, cache = self._call(self.model, **kwargs)
+        logits, cache = self._cached_forward(**kwargs)
         if cache is None:
             raise not_allowed("model", type(self.model).__name__, f"{MODEL}; it returned no cache with use_cache=True")
         self.cache = cache
         self.length += n
         self.last_token = int(np.asarray(tokens).reshape(-1)[-1])
         return logits[0]
+
+    def _attention_mask(self, n: int):
+        """Hook: the attention mask of a cached call of ``n`` tokens, as ``generate`` builds it (all ones over
+        every position so far)."""
+        torch = _torch()
+        return torch.ones(1, self.length + n, dtype=torch.long)
+
+    def _cached_forward(self, **kwargs):
+        """Hook: the model's forward on the cache path (every cached call; never the recompute): ``(logits,
+        cache)``."""
+        return self._call(self.model, **kwargs)
 
     _positions_as_generate: bool | None = None  # measured on first use (_generate_positions)
 
@@ -511,7 +476,7 @@ class HFModel:
     def prefill(self, tokens):
         """A fresh cache filled with ``tokens`` (positions ``0..T-1``); their logits ``(T, V)``."""
         self.cache, self.length, self.decoded = self._fresh_cache(), 0, 0
-        self._inject()
+        self._wrap_cache()
         out = self._cached(tokens)
         self.prefill_len = self.length
         return out
@@ -519,20 +484,13 @@ class HFModel:
     def extend(self, tokens):
         """``tokens`` continuing the cache (a further prompt chunk); their logits ``(n, V)``."""
         self._require_cache()
-        if self.bug == "replay":
-            tokens = np.concatenate([[self.last_token], np.asarray(tokens, dtype=np.int64).reshape(-1)])
-            return self._cached(tokens)[1:]
         return self._cached(tokens)
 
     def decode(self, token):
         """One token at the cache's next position; logits ``(V,)``."""
         self._require_cache()
         token = require_int(token, "token", 0, self.vocab_size - 1)
-        positions = None
-        if self.bug == "posoff":
-            positions = [self.length - 1]
-        elif self.bug == "restart":
-            positions = [self.prefill_len + self.decoded]
+        positions = self._decode_positions()
         self.decoded += 1
         return self._cached([token], positions)[0]
 
@@ -540,36 +498,12 @@ class HFModel:
         if self.cache is None and self.length == 0:
             raise ValueError("cache: empty; allowed: call prefill(tokens) first")
 
-    def _inject(self) -> None:
-        """Wrap the fresh cache's ``update`` for the bugs that act inside the cache."""
-        if self.bug not in ("freeze", "f16"):
-            return
-        if not callable(getattr(self.cache, "update", None)):
-            raise not_allowed("bug", self.bug, "a bug the model's cache can take (its cache is a tuple, no update())")
-        torch = _torch()
-        update = self.cache.update
-        last_layer = int(self.model.config.num_hidden_layers) - 1
-        frozen: dict[str, object] = {}
-        adapter = self
+    def _decode_positions(self) -> list[int] | None:
+        """Hook: the ``position_ids`` of the next decoded token, ``None`` for the model's own (or ``generate``'s)."""
+        return None
 
-        def buggy_update(key_states, value_states, layer_idx, *args, **kwargs):
-            n = key_states.shape[-2]
-            if adapter.bug == "f16":
-                k16 = key_states.to(torch.float16).to(key_states.dtype)
-                v16 = value_states.to(torch.float16).to(value_states.dtype)
-                keys, values = update(k16, v16, layer_idx, *args, **kwargs)
-                if n > 1 and keys.shape[-2] == n:  # the prefill attends its fresh keys; the cache keeps rounded ones
-                    return key_states, value_states
-                return keys, values
-            if layer_idx == last_layer and n == 1:
-                step = adapter.decoded  # decode step being computed (1-based; incremented before the call)
-                if step == 1:
-                    frozen["key"] = key_states.clone()
-                elif step > 1 and "key" in frozen:
-                    key_states = frozen["key"]
-            return update(key_states, value_states, layer_idx, *args, **kwargs)
-
-        self.cache.update = buggy_update
+    def _wrap_cache(self) -> None:
+        """Hook: called on every fresh or restored cache (``self.cache``), where a subclass may wrap it."""
 
     # --- order noise and promotion -------------------------------------------------------------
 
@@ -633,13 +567,32 @@ class HFModel:
 
     # --- cache operations (the rollback and fork scenarios; kvfast.check.hf_ops) ----------------------
 
-    op_bug: str | None = None  # an operation bug (kvfast.check.operations.OP_BUGS), set by inject_op_bug
-
     def crop(self, n: int) -> None:
         """Keep the first ``n`` positions of the cache (``cache.crop``; :func:`kvfast.check.hf_ops.crop`)."""
         from kvfast.check import hf_ops
 
         hf_ops.crop(self, n)
+
+    def _crop_keep(self, n: int, length: int) -> int:
+        """Hook: the positions a crop to ``n`` of a cache of ``length`` positions keeps (``n``)."""
+        return n
+
+    def _copy_cache(self, cache):
+        """Hook: the copy of ``cache`` a snapshot or restore takes (:func:`kvfast.check.hf_ops.copy_cache`)."""
+        from kvfast.check import hf_ops
+
+        return hf_ops.copy_cache(cache)
+
+    def _reorder_cache(self, cache, index) -> None:
+        """Hook: ``cache``'s beams reordered by ``index`` (a tensor; ``cache.reorder_cache``)."""
+        cache.reorder_cache(index)
+
+    def _padded_positions(self, mask, n: int):
+        """Hook: the positions of the last ``n`` columns of a left-padded batch's ``mask``
+        (:func:`kvfast.check.hf_ops.generate_positions`)."""
+        from kvfast.check import hf_ops
+
+        return hf_ops.generate_positions(mask, n)
 
     def snapshot(self):
         """A deep copy of the cache and its counters (:func:`kvfast.check.hf_ops.snapshot`)."""

@@ -9,23 +9,17 @@
   window. A cache that cannot be rolled back (a tuple cache, a layer transformers marks not croppable)
   raises ``NotImplementedError``: the scenario is skipped with a note.
 - ``snapshot()``: a ``copy.deepcopy`` of the cache and of the adapter's bookkeeping (length, decode
-  count); ``restore(state)``: a fresh deep copy of it (a state may be restored again), with any injected
-  bug's ``update`` wrapper put back on the copy.
+  count); ``restore(state)``: a fresh deep copy of it (a state may be restored again), with the adapter's
+  ``_wrap_cache`` hook run on the copy.
 
-Operation bugs (:data:`kvfast.check.operations.OP_BUGS`, set with
-:func:`kvfast.check.operations.inject_op_bug`): ``crop_short`` keeps one position too many;
-``fork_shared_keys`` gives every copy the original layers' key tensors; ``window_evicts_one_too_many``
-runs every call of the cache path (prefill, chunks, decode, beams, padded batches; never the recompute)
-with the model config's ``sliding_window`` one smaller (:func:`window_bug`): the masks the model builds
-then let each query attend the last ``window - 1`` positions, as a cache that evicts one position too
-many leaves it, while the cache layers, built with the true window, keep what they always keep.
+Operation bugs (:mod:`kvfast.bugs.operations`) subclass the adapter: they act in its hooks
+(``_crop_keep``, ``_copy_cache``, ``_reorder_cache``, ``_padded_positions``, ``_cached_forward``), which
+these functions call.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,22 +34,6 @@ class CacheState:
     prefill_len: int
     decoded: int
     last_token: int | None
-
-
-@contextlib.contextmanager
-def window_bug(adapter) -> Iterator[None]:
-    """Inside: the model's ``config.sliding_window`` one smaller, when ``adapter`` has the operation bug
-    ``window_evicts_one_too_many`` (put back on leaving, whatever happens); otherwise nothing changes."""
-    config = adapter.model.config
-    if getattr(adapter, "op_bug", None) != "window_evicts_one_too_many":  # operations.WINDOW_BUG (no import: a cycle)
-        yield
-        return
-    window = config.sliding_window
-    config.sliding_window = window - 1
-    try:
-        yield
-    finally:
-        config.sliding_window = window
 
 
 def _layers(cache) -> list:
@@ -76,32 +54,25 @@ def crop(adapter, n: int) -> None:
         raise NotImplementedError(f"transformers marks the cache's {stuck[0]} layers not croppable")
     if callable(getattr(cache, "activate_past_recording", None)):
         cache.activate_past_recording()  # idempotent; generate does it before it may roll back
-    if getattr(adapter, "op_bug", None) == "crop_short" and n < adapter.length:
-        n += 1
+    n = adapter._crop_keep(n, adapter.length)
     cache.crop(n - adapter.length)
     adapter.length = n
     adapter.decoded = max(0, n - adapter.prefill_len)
 
 
-def _copy(cache, share_keys: bool = False):
+def copy_cache(cache):
+    """A deep copy of ``cache`` without a wrapper of the instance's ``update`` (its closure holds the ORIGINAL
+    cache's method; the adapter's ``_wrap_cache`` hook wraps the copy again)."""
     clone = copy.deepcopy(cache)
     if hasattr(clone, "__dict__"):
-        # an injected bug wraps the instance's update(); its closure holds the ORIGINAL cache's method
         clone.__dict__.pop("update", None)
-    if share_keys:  # the fork_shared_keys bug: the copy's layers keep the original key tensors
-        for mine, theirs in zip(_layers(clone), _layers(cache), strict=True):
-            mine.keys = theirs.keys
     return clone
-
-
-def _shares_keys(adapter) -> bool:
-    return getattr(adapter, "op_bug", None) == "fork_shared_keys"
 
 
 def snapshot(adapter) -> CacheState:
     """A copy of ``adapter``'s cache as it is now."""
     adapter._require_cache()
-    cache = _copy(adapter.cache, _shares_keys(adapter))
+    cache = adapter._copy_cache(adapter.cache)
     return CacheState(cache, adapter.length, adapter.prefill_len, adapter.decoded, adapter.last_token)
 
 
@@ -109,10 +80,10 @@ def restore(adapter, state: CacheState) -> None:
     """``adapter``'s cache set back to a copy of ``state`` (a :func:`snapshot`)."""
     if not isinstance(state, CacheState):
         raise ValueError(f"state: {type(state).__name__} is not allowed; allowed: a CacheState from snapshot()")
-    adapter.cache = _copy(state.cache, _shares_keys(adapter))
+    adapter.cache = adapter._copy_cache(state.cache)
     adapter.length, adapter.prefill_len, adapter.decoded = state.length, state.prefill_len, state.decoded
     adapter.last_token = state.last_token
-    adapter._inject()
+    adapter._wrap_cache()
     if getattr(adapter, "lossy_emulation", None) is not None:  # the emulation's wrapper, on the copy
         frozen = dict(getattr(adapter.cache, "lossy_scales", {}))
         wrap_round_trip(adapter.cache, adapter.lossy_emulation)
@@ -240,30 +211,22 @@ def _call_appending(adapter, ids, torch, **extra):
     kwargs.update((k, v) for k, v in extra.items() if v is not None)
     if adapter.takes_cache_position:
         kwargs["cache_position"] = torch.arange(adapter.length, adapter.length + n)
-    with window_bug(adapter):
-        logits, cache = adapter._call(adapter.model, **kwargs)
+    logits, cache = adapter._cached_forward(**kwargs)
     adapter.cache = cache
     adapter.length += n
     return logits
 
 
 def reorder(adapter, index) -> None:
-    """The beams reordered: beam ``i`` holds what beam ``index[i]`` held (``cache.reorder_cache``). Operation
-    bugs: ``reorder_wrong_index`` keeps the old order; ``reorder_keys_only`` moves the keys, not the values."""
+    """The beams reordered: beam ``i`` holds what beam ``index[i]`` held (the adapter's ``_reorder_cache``
+    hook: ``cache.reorder_cache``)."""
     import torch
 
     cache = adapter.cache
     if not callable(getattr(cache, "reorder_cache", None)):
         raise NotImplementedError(f"{type(cache).__name__} has no reorder_cache()")
     idx = torch.as_tensor(np.asarray(index, dtype=np.int64))
-    bug = getattr(adapter, "op_bug", None)
-    if bug == "reorder_wrong_index":
-        return
-    if bug == "reorder_keys_only":
-        for layer in _layers(cache):
-            layer.keys = layer.keys.index_select(0, idx)
-        return
-    cache.reorder_cache(idx)
+    adapter._reorder_cache(cache, idx)
 
 
 # --- a left-padded batch (the padded scenario, kvfast.check.scenarios) ------------------------------------
@@ -272,8 +235,7 @@ def reorder(adapter, index) -> None:
 def prefill_padded(adapter, prompts) -> list:
     """A fresh cache holding ``prompts`` (token arrays of any lengths) as one left-padded batch, with the
     attention mask and positions ``generate`` builds (``mask.cumsum(-1) - 1``, pads at 1); each prompt's
-    logits ``(T_i, V)``, pads dropped. Operation bug ``padded_positions_from_start``: positions counted
-    from the padded start (``0..L-1`` on every row)."""
+    logits ``(T_i, V)``, pads dropped."""
     import torch
 
     rows = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
@@ -285,7 +247,7 @@ def prefill_padded(adapter, prompts) -> list:
         mask[i, width - r.shape[0] :] = 1
     adapter.cache, adapter.length, adapter.decoded = adapter._fresh_cache(), 0, 0
     adapter.pad_mask = mask
-    logits = _padded_call(adapter, ids, _positions(adapter, mask, width), torch)
+    logits = _padded_call(adapter, ids, adapter._padded_positions(mask, width), torch)
     return [logits[i, width - r.shape[0] :] for i, r in enumerate(rows)]
 
 
@@ -300,16 +262,11 @@ def decode_padded(adapter, tokens):
     if ids.shape[0] != mask.shape[0]:
         raise ValueError(f"tokens: {ids.shape[0]} tokens are not allowed; allowed: one per row ({mask.shape[0]})")
     adapter.pad_mask = mask = torch.cat([mask, torch.ones(mask.shape[0], 1, dtype=torch.long)], dim=1)
-    return _padded_call(adapter, ids, _positions(adapter, mask, 1), torch)[:, -1]
+    return _padded_call(adapter, ids, adapter._padded_positions(mask, 1), torch)[:, -1]
 
 
-def _positions(adapter, mask, n: int):
-    """The positions of the last ``n`` columns of ``mask``, as ``generate`` builds them (or the bug's)."""
-    import torch
-
-    if getattr(adapter, "op_bug", None) == "padded_positions_from_start":
-        width = mask.shape[1]
-        return torch.arange(width - n, width).repeat(mask.shape[0], 1)
+def generate_positions(mask, n: int):
+    """The positions of the last ``n`` columns of ``mask``, as ``generate`` builds them."""
     positions = mask.cumsum(-1) - 1
     positions.masked_fill_(mask == 0, 1)
     return positions[:, -n:]

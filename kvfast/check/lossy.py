@@ -45,31 +45,30 @@ from kvfast.check.report import ScenarioReport
 from kvfast.check.scenarios import REGISTRY, branches
 from kvfast.check.subject import CheckSubject, as_model_under_test
 
-#: Bugs of kvfast's own lossy cache (:class:`LossyKvfastModel`): what it stores is worse than it declares.
-LOSSY_BUGS: dict[str, str] = {"int4": "declares int8 but stores 4 bits (scale absmax / 7)"}
-
 
 class LossyKvfastModel(KvfastModel):
     """kvfast's own model with a lossy cache: every key and value row it stores (prefill, extend, decode) is
     round-tripped through ``fmt`` (:data:`LOSSY_FORMATS`) once stored; the positions a call computes attend
-    their fresh rows. ``lossy_bug``: :data:`LOSSY_BUGS`. Takes :class:`KvfastModel`'s arguments."""
+    their fresh rows. Takes :class:`KvfastModel`'s arguments. The bugs of :mod:`kvfast.bugs.lossy` act in
+    the hook ``_stored_format``."""
 
-    def __init__(self, config, params: dict, numerics="f64", bug=None, decode_numerics=None, *, fmt: str = "int8",
-                 lossy_bug: str | None = None) -> None:  # fmt: skip
+    def __init__(self, config, params: dict, numerics="f64", bug=None, decode_numerics=None, *,
+                 fmt: str = "int8") -> None:  # fmt: skip
         super().__init__(config, params, numerics, bug, decode_numerics)
         if fmt not in ROW_FORMATS:
             raise ValueError(f"fmt: {fmt!r} is not allowed; allowed: {', '.join(ROW_FORMATS)}")
-        if lossy_bug is not None and lossy_bug not in LOSSY_BUGS:
-            raise ValueError(f"lossy_bug: {lossy_bug!r} is not allowed; allowed: {', '.join(LOSSY_BUGS)}")
         self.lossy_cache = fmt
-        self.lossy_bug = lossy_bug
 
     def __repr__(self) -> str:
-        return f"LossyKvfastModel({self.numerics.name}, {self.lossy_cache}, lossy_bug={self.lossy_bug!r})"
+        return f"LossyKvfastModel({self.numerics.name}, {self.lossy_cache})"
+
+    def _stored_format(self) -> str:
+        """Hook: the format every stored row is round-tripped through (the declared one, ``lossy_cache``)."""
+        return self.lossy_cache
 
     def _stored(self, start: int) -> None:
         cache = self.cache
-        fmt = self.lossy_bug or self.lossy_cache
+        fmt = self._stored_format()
         for arr in (cache.k, cache.v):
             arr[:, start : cache.length] = round_trip(fmt, arr[:, start : cache.length])
 
@@ -97,9 +96,8 @@ class LossyKvfastModel(KvfastModel):
     def promote(self, dtype: str = "float64") -> LossyKvfastModel:
         plain = super().promote(dtype)
         return LossyKvfastModel(
-            self.config, self.params, plain.numerics, self.bug, plain.decode_numerics, fmt=self.lossy_cache,
-            lossy_bug=self.lossy_bug,
-        )  # fmt: skip
+            self.config, self.params, plain.numerics, self.bug, plain.decode_numerics, fmt=self.lossy_cache
+        )
 
 
 def with_lossy_cache(model: KvfastModel, fmt: str) -> LossyKvfastModel:

@@ -44,6 +44,6 @@ def round_trip(fmt: str, x: np.ndarray, scale: float | None = None) -> np.ndarra
         return _int_round_trip(x, 127)
     if fmt == "fp8":
         return _fp8_round_trip(x)
-    if fmt.startswith("int") and fmt[3:].isdigit() and 2 <= int(fmt[3:]) <= 8:  # int4: LOSSY_BUGS, quanto/HQQ
+    if fmt.startswith("int") and fmt[3:].isdigit() and 2 <= int(fmt[3:]) <= 8:  # int4: kvfast.bugs.lossy, quanto/HQQ
         return _int_round_trip(x, 2 ** (int(fmt[3:]) - 1) - 1)
     raise ValueError(f"fmt: {fmt!r} is not allowed; allowed: {', '.join(LOSSY_FORMATS)}")

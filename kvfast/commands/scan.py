@@ -56,7 +56,7 @@ def _choose(values: list[str], allowed: tuple[str, ...], option: str) -> None:
 
 def build_grid(args):
     """The scan's grid from the command's arguments; ``ValueError`` (one line) for a bad one."""
-    from kvfast.check.hf import HF_BUGS
+    from kvfast.bugs.hf import HF_BUGS
     from kvfast.studies import scan
     from kvfast.studies.hf_common import require_torch
     from kvfast.sweep.grid import grid_from_spec

@@ -40,8 +40,8 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from kvfast.bugs.kvfast_model import BUGS, EVICT_WINDOW, VISIBLE_AT_STEP_1
 from kvfast.check import KvfastModel, check_cache
-from kvfast.model.bugs import BUGS, EVICT_WINDOW, VISIBLE_AT_STEP_1
 from kvfast.model.config import ModelConfig, init_params
 from kvfast.numerics import PRESETS, Numerics
 from kvfast.studies.base import Claim, Fact, Figure, Study

@@ -193,7 +193,7 @@ def _validate_kvfast_args(config: dict) -> None:
     require_config_choice(config, "preset", tuple(PRESETS))
     require_config_choice(config, "order", tuple(ORDER_CODES))
     require_config_choice(config, "attention", tuple(ATTENTION_CODES))
-    from kvfast.model.bugs import BUGS
+    from kvfast.bugs.kvfast_model import BUGS
 
     require_config_choice(config, "bug", (NO_BUG, *BUGS))
 
@@ -279,7 +279,7 @@ def verdict_table(df: pd.DataFrame) -> pd.DataFrame:
 
 def _in_catalogue_order(column: pd.Series) -> pd.Series:
     """A sort key: bugs clean first then in catalogue order, modes and presets in their declared order."""
-    from kvfast.model.bugs import BUGS
+    from kvfast.bugs.kvfast_model import BUGS
 
     order = {"bug": (NO_BUG, *BUGS), "mode": MODES, "preset": tuple(PRESETS)}[column.name]
     return column.map({v: i for i, v in enumerate(order)}).fillna(len(order))

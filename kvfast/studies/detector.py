@@ -25,8 +25,8 @@ Two detectors, no tolerance anywhere:
 Two labels: **output changed** (the generated tokens differ from the clean
 run's; scored over the 240 bugged runs, the seed's population) and **bug
 present** (scored over all 270 runs: 240 positives, 30 negatives). Metrics:
-recall, precision, FPR (:func:`kvfast.check.score.confusion`) and ROC AUC
-(Mann-Whitney, ties counted half: :func:`kvfast.check.score.roc_auc`).
+recall, precision, FPR (:func:`kvfast.bugs.score.confusion`) and ROC AUC
+(Mann-Whitney, ties counted half: :func:`kvfast.bugs.score.roc_auc`).
 Steps-to-detection of a run: its first deviating step (what a test's
 generation length must reach to see the bug).
 """
@@ -41,9 +41,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from kvfast.check import KvfastModel, score
-from kvfast.check.score import confusion, detector_metrics
-from kvfast.model.bugs import BUGS, VISIBLE_AT_STEP_1
+from kvfast.bugs import score
+from kvfast.bugs.kvfast_model import BUGS, VISIBLE_AT_STEP_1
+from kvfast.bugs.score import confusion, detector_metrics
+from kvfast.check import KvfastModel
 from kvfast.numerics import Numerics
 from kvfast.studies import bugs as bugstudy
 from kvfast.studies.base import Claim, Fact, Figure, Study
@@ -74,7 +75,8 @@ CLOSER_MODEL = "trained"
 
 @dataclass(frozen=True)
 class DetectorCase:
-    """One case for :func:`kvfast.check.score_detector`: a run config of this study (:mod:`kvfast.studies.bugs` keys).
+    """One case for :func:`kvfast.bugs.score.score_detector`: a run config of this study (:mod:`kvfast.studies.bugs`
+    keys).
 
     The config names the bug (``"none"``: a clean control), the model
     (``model``, ``seed``, ``n_layer``, ``n_head``, ``d_model``, ``d_ff``,
@@ -150,13 +152,13 @@ def _cases(cases: Iterable | None) -> list:
 
 
 def score_detector(detector: Callable, cases: Sequence | None = None) -> pd.DataFrame:
-    """:func:`kvfast.check.score_detector` over ``cases`` (default :func:`default_cases`; config dicts allowed).
+    """:func:`kvfast.bugs.score.score_detector` over ``cases`` (default :func:`default_cases`; config dicts allowed).
     ``kvfast.score_detector`` is this."""
     return score.score_detector(detector, _cases(cases))
 
 
 def compare_detectors(detectors: dict[str, Callable] | None = None, cases: Sequence | None = None) -> pd.DataFrame:
-    """:func:`kvfast.check.compare_detectors` (default :data:`kvfast.check.DETECTORS`) over ``cases``
+    """:func:`kvfast.bugs.score.compare_detectors` (default :data:`kvfast.bugs.score.DETECTORS`) over ``cases``
     (default :func:`default_cases`; config dicts allowed). ``kvfast.compare_detectors`` is this."""
     return score.compare_detectors(detectors, _cases(cases))
 
@@ -425,7 +427,7 @@ def roc_points(scores, labels) -> tuple[np.ndarray, np.ndarray]:
     """The ROC curve of ``scores`` for boolean ``labels``: (FPR, TPR) at every threshold, from (0, 0) to (1, 1).
 
     Tied scores form one step (a straight segment), so the area under the points is the Mann-Whitney AUC
-    with ties counted half (:func:`kvfast.check.score.roc_auc`)."""
+    with ties counted half (:func:`kvfast.bugs.score.roc_auc`)."""
     s = np.asarray(scores, dtype=np.float64)
     y = np.asarray(labels, dtype=bool)
     order = np.argsort(-s, kind="stable")

@@ -147,10 +147,11 @@ def _model(engine: str, weights: str, cache: str, seed: int, bug: str):
         return LlamaCppModel(gguf, cache=cache, hf_model=hf_dir, bug=None if bug == "none" else bug)
     from transformers import AutoModelForCausalLM
 
+    from kvfast.bugs.hf import inject_hf_bug
     from kvfast.check.hf import HFModel
 
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-    return HFModel(model, bug=None if bug == "none" else "window")
+    return inject_hf_bug(HFModel(model), None if bug == "none" else "window")
 
 
 def prompt_of(config: dict) -> np.ndarray:

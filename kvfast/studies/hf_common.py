@@ -19,7 +19,8 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from kvfast.check.hf import ATTENTION, DTYPES, FAMILIES, HF_BUGS, TINY_VOCAB
+from kvfast.bugs.hf import HF_BUGS
+from kvfast.check.hf import ATTENTION, DTYPES, FAMILIES, TINY_VOCAB
 from kvfast.studies.common import NO_BUG, ok_rows, require_config_choice
 from kvfast.validation import require_int
 

@@ -5,7 +5,7 @@ One run is one :func:`kvfast.check_cache` of a tiny random model (:mod:`kvfast.s
 ``family``, ``dtype``, ``attention``, weight ``seed``) on the ``prompt``-th random prompt of the seed's
 stream (4 to 7 tokens, ``default_rng(1000 + seed)``), with every axis of the check a config field:
 
-- ``bug``: ``"none"`` (clean) or a bug of :data:`kvfast.check.hf.HF_BUGS` injected into the cache path;
+- ``bug``: ``"none"`` (clean) or a bug of :data:`kvfast.bugs.hf.HF_BUGS` injected into the cache path;
 - ``feed``: ``"given"`` (the stream's random continuation of ``steps`` tokens) or ``"greedy"`` (``steps``
   greedy tokens, no continuation);
 - ``mode`` (``exact``, ``control``), ``scenarios`` (``decode``, ``resume``, ``both``), ``promote``
@@ -17,7 +17,7 @@ stream (4 to 7 tokens, ``default_rng(1000 + seed)``), with every axis of the che
 Result columns: ``verdict``, ``ratio`` (the largest deviation over its floor), ``worst_deviation``,
 ``first_step`` (the earliest first ``bug`` step over the scenarios, -1 if none), ``right_step`` (bugged
 runs: every scenario that says ``bug`` says it where the bug first acts,
-:func:`kvfast.check.hf.first_acting_step`), and the same for the logic check (``logic_*``, null without
+:func:`kvfast.bugs.hf.first_acting_step`), and the same for the logic check (``logic_*``, null without
 ``promote``). A false positive is a clean ``bug``; a miss is a bugged run that is not ``bug``.
 
 The built-in grid (``hf_matrix.toml``, 1,584 runs: Llama, GPT-2, Mistral with a sliding window, Qwen2;
@@ -37,8 +37,9 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from kvfast.bugs.hf import first_acting_step, inject_hf_bug
 from kvfast.check.checker import check_cache
-from kvfast.check.hf import HFModel, first_acting_step
+from kvfast.check.hf import HFModel
 from kvfast.studies import hf_common as hf
 from kvfast.studies.base import Claim, Fact, Figure, Study
 from kvfast.studies.check import MODES, SCENARIO_CHOICES
@@ -125,7 +126,7 @@ def _check(config: dict):
     """The config's :func:`check_cache` report."""
     c = config
     model = hf.base_model(c["family"], c["dtype"], c["attention"], c["seed"])
-    adapter = (PaddedVariant if c["variants"] == "padded" else HFModel)(model, bug=hf.bug_of(c))
+    adapter = inject_hf_bug((PaddedVariant if c["variants"] == "padded" else HFModel)(model), hf.bug_of(c))
     prompt, continuation = hf.prompt_and_continuation(PROMPT_STREAM, c["seed"], c["prompt"], c["steps"], PROMPT_LENGTHS)
     kwargs = {"mode": c["mode"], "scenarios": SCENARIO_CHOICES[c["scenarios"]]}
     if c["promote"] != "none":

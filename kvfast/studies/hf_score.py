@@ -4,13 +4,13 @@ injected cache bug (extra ``kvfast[hf]``).
 One run is one case: a tiny random model (:mod:`kvfast.studies.hf_common`: ``family``, ``dtype``,
 ``attention``, weight ``seed``), the ``prompt``-th random prompt of the seed's stream (4 or 5 tokens,
 ``default_rng(2000 + seed)``) with a random continuation of ``steps`` tokens, and one bug of
-:data:`kvfast.check.hf.HF_BUGS` injected into the cache path (``bug = "none"``: a clean control). Every
+:data:`kvfast.bugs.hf.HF_BUGS` injected into the cache path (``bug = "none"``: a clean control). Every
 detector of :data:`DETECTORS` tests the case, each on a fresh :class:`~kvfast.check.hf.HFModel` with the
 bug; a run stores each detector's ``<name>_flag``, ``<name>_score`` and ``<name>_step`` (null: it did not
 fire, or gives no step).
 
 The summary scores the stored detections through the one scoring path
-(:func:`kvfast.check.score.score_rows`: recall, median steps to detection, ROC AUC, and the false-positive
+(:func:`kvfast.bugs.score.score_rows`: recall, median steps to detection, ROC AUC, and the false-positive
 rate on the clean controls, as :func:`kvfast.score_detector` does for kvfast's own models), per dtype and
 attention implementation (each group's bugs against its own clean controls).
 
@@ -43,9 +43,10 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from kvfast.bugs.hf import HF_BUGS, inject_hf_bug
+from kvfast.bugs.score import Detection, as_detection, score_rows, side_by_side
 from kvfast.check.checker import check_cache
-from kvfast.check.hf import HF_BUGS, HFModel
-from kvfast.check.score import Detection, as_detection, score_rows, side_by_side
+from kvfast.check.hf import HFModel
 from kvfast.studies import hf_common as hf
 from kvfast.studies.base import Claim, Fact, Figure, Study
 from kvfast.studies.common import ok_rows
@@ -85,7 +86,7 @@ class PromptOfConfig:
 
 @dataclass(frozen=True, eq=False)
 class HFCase(PromptOfConfig):
-    """One scored case (:class:`kvfast.check.score.Case`) from a run's config: a tiny model, a prompt, a
+    """One scored case (:class:`kvfast.bugs.score.Case`) from a run's config: a tiny model, a prompt, a
     continuation, a bug or ``None``."""
 
     config: dict = field(hash=False)
@@ -97,7 +98,7 @@ class HFCase(PromptOfConfig):
     def model(self) -> HFModel:
         """A fresh adapter with the case's bug over the (shared, never modified) tiny model."""
         c = self.config
-        return HFModel(hf.base_model(c["family"], c["dtype"], c["attention"], c["seed"]), bug=self.bug)
+        return inject_hf_bug(HFModel(hf.base_model(c["family"], c["dtype"], c["attention"], c["seed"])), self.bug)
 
 
 def _np(logits) -> np.ndarray:
@@ -187,7 +188,7 @@ def run(config: dict) -> dict:
 
 
 def detections(runs: pd.DataFrame, name: str) -> pd.DataFrame:
-    """One detector's stored detections as :func:`kvfast.check.score.score_rows` takes them."""
+    """One detector's stored detections as :func:`kvfast.bugs.score.score_rows` takes them."""
     return pd.DataFrame(
         {
             "bug": runs["bug"].to_numpy(),
@@ -199,8 +200,8 @@ def detections(runs: pd.DataFrame, name: str) -> pd.DataFrame:
 
 
 def score_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Per dtype and attention implementation (in the runs' order), :func:`kvfast.check.score.side_by_side` of
-    every detector's :func:`~kvfast.check.score.score_rows` over its ok runs (its bugs against its clean
+    """Per dtype and attention implementation (in the runs' order), :func:`kvfast.bugs.score.side_by_side` of
+    every detector's :func:`~kvfast.bugs.score.score_rows` over its ok runs (its bugs against its clean
     controls): ``bug``, ``dtype``, ``attention``, ``cases``, then ``<detector>.recall/steps/auc/fpr``."""
     ok = hf.ordered_ok_rows(df)
     parts = []

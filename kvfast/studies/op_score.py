@@ -5,11 +5,11 @@
 Cases: the tiny random Llama, GPT-2, Qwen2 and Mistral (float32, sdpa, weight seed 0) over a ``StaticCache``
 of 512 positions (a cache that writes its keys in place, where a shared key tensor acts), the hf_score
 study's first two prompts with their continuations, each with one bug of
-:data:`kvfast.check.operations.OP_BUGS` injected into the cache path (``inject_op_bug``) or clean. The
+:data:`kvfast.bugs.operations.OP_BUGS` injected into the cache path (``inject_op_bug``) or clean. The
 sliding-window bug (``window_evicts_one_too_many``) needs a window: it is scored on Mistral (a window of
 :data:`kvfast.check.hf.MISTRAL_WINDOW`), which carries it and clean controls only; the other bugs on the
 three families without a window (:func:`bugs_of`).
-Detectors, each scored through the path of :func:`kvfast.check.score.score_detector` (``run_detector``
+Detectors, each scored through the path of :func:`kvfast.bugs.score.score_detector` (``run_detector``
 then ``score_rows``: recall, median steps to detection, ROC AUC, false-positive rate on the clean cases),
 each group of families' bugs against that group's clean cases (:func:`grouped_scores`):
 
@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from kvfast.bugs.operations import OP_BUGS, WINDOW_BUG, inject_op_bug
+from kvfast.bugs.score import Detection, markdown, run_detector, score_rows, side_by_side
 from kvfast.check.checker import check_cache
-from kvfast.check.operations import OP_BUGS, WINDOW_BUG, inject_op_bug
-from kvfast.check.score import Detection, markdown, run_detector, score_rows, side_by_side
 from kvfast.studies.hf_score import PromptOfConfig
 
 FAMILIES = ("llama", "gpt2", "qwen2", "mistral")
@@ -46,7 +46,7 @@ SCENARIOS = ("decode", "rollback", "fork", "reorder", "padded")
 
 @dataclass(frozen=True, eq=False)
 class OpCase(PromptOfConfig):
-    """One scored case (:class:`kvfast.check.score.Case`): a tiny model over a ``StaticCache``, a prompt, its
+    """One scored case (:class:`kvfast.bugs.score.Case`): a tiny model over a ``StaticCache``, a prompt, its
     continuation and an operation bug (``None``: clean)."""
 
     config: dict = field(hash=False)
@@ -111,7 +111,7 @@ def score_table(steps: int = 16) -> str:
 
 
 def grouped_scores(detections: pd.DataFrame) -> pd.DataFrame:
-    """:func:`~kvfast.check.score.score_rows` per group of families (with and without a window), each group's
+    """:func:`~kvfast.bugs.score.score_rows` per group of families (with and without a window), each group's
     bugs against its own clean controls (a bug is never ranked against another architecture's clean scores),
     then the ``all`` row over every case; rows in :data:`OP_BUGS`' order."""
     bugs = tuple(OP_BUGS)

@@ -6,7 +6,7 @@ architecture (:func:`kvfast.studies.architectures.tiny_architecture`: ``architec
 transformers' own ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``; ``dtype``; ``attention``, ``auto`` for the class's
 default; weight ``seed``), on the ``prompt``-th random prompt of the seed's stream (4 to 7 tokens,
 ``default_rng(3000 + seed)``) with a random continuation of ``steps`` tokens; ``bug``: ``"none"`` (clean) or a
-bug of :data:`kvfast.check.hf.HF_BUGS` injected into the cache path; ``promote``: ``"float64"`` adds the
+bug of :data:`kvfast.bugs.hf.HF_BUGS` injected into the cache path; ``promote``: ``"float64"`` adds the
 logic check.
 
 Result columns: ``verdict`` (the check's; or ``skipped``, with ``skip_kind`` and ``reason``: ``config`` or
@@ -98,7 +98,7 @@ def architectures() -> tuple[str, ...]:
 
 def validate_config(config: dict) -> None:
     """``ValueError`` naming the field (or the missing torch) before any run."""
-    from kvfast.check.hf import HF_BUGS
+    from kvfast.bugs.hf import HF_BUGS
 
     hf.require_torch("hf_scan")
     require_config_choice(config, "architecture", architectures())
@@ -163,12 +163,13 @@ def tokens(config: dict, pad: int | None) -> tuple[np.ndarray, np.ndarray]:
 
 def _check(config: dict, model):
     """The config's check of ``model`` (an adapter is made here, with the bug)."""
+    from kvfast.bugs.hf import inject_hf_bug
     from kvfast.check.checker import check_cache
     from kvfast.check.hf import HFModel
     from kvfast.studies.architectures import own_cache, pad_token
 
     c = config
-    adapter = HFModel(model, new_cache=(lambda: None) if own_cache(model) else None, bug=hf.bug_of(c))
+    adapter = inject_hf_bug(HFModel(model, new_cache=(lambda: None) if own_cache(model) else None), hf.bug_of(c))
     prompt, continuation = tokens(c, pad_token(model))
     promote = None if c["promote"] == "none" else c["promote"]
     report = check_cache(
@@ -180,7 +181,7 @@ def _check(config: dict, model):
 def run(config: dict) -> dict:
     """One check as the config names it (see the module doc); a model transformers cannot build or run, or that
     kvfast refuses, is a ``skipped`` row with the reason."""
-    from kvfast.check.hf import first_acting_step
+    from kvfast.bugs.hf import first_acting_step
     from kvfast.check.protocol import ModelUnderTestError
     from kvfast.studies.architectures import Unbuildable
 
@@ -247,8 +248,8 @@ def scan_spec(
     scenario); clean runs in every dtype (bfloat16 with the logic check: :func:`logic_check_for`) x ``seeds`` x
     ``prompts``; each of ``bugs`` (default: every injected bug; ``[]``: none) in the first dtype, seed 0,
     prompt 0, in the scenarios where
-    it acts (:func:`kvfast.check.hf.first_acting_step`)."""
-    from kvfast.check.hf import HF_BUGS, first_acting_step
+    it acts (:func:`kvfast.bugs.hf.first_acting_step`)."""
+    from kvfast.bugs.hf import HF_BUGS, first_acting_step
 
     names = list(scenario_names or scenarios())
     union = [

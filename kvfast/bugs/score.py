@@ -16,10 +16,10 @@ recall (flagged bugged cases / bugged cases), steps-to-detection (median step
 at which flagged cases fired) and ROC AUC of the scores against the clean
 controls (Mann-Whitney, ties half: :func:`roc_auc`), and over all bugs also the
 false-positive rate on the clean controls. The cases are always given here (the
-check layer knows no study): :func:`kvfast.score_detector` fills in the detector
+catalogue knows no study): :func:`kvfast.score_detector` fills in the detector
 study's (:func:`kvfast.studies.detector.default_cases`). The cases' bugs come from a
 catalogue (``bugs=``: kvfast's :data:`~kvfast.model.bugs.BUGS` by default; the
-``hf_score`` study scores Hugging Face models with :data:`kvfast.check.hf.HF_BUGS`).
+``hf_score`` study scores Hugging Face models with :data:`kvfast.bugs.hf.HF_BUGS`).
 :func:`score_rows` scores detections already made (a study's stored runs) the same way.
 
 Built-in detectors (:data:`DETECTORS`):
@@ -309,7 +309,7 @@ def run_detector(detector: Callable, cases: Iterable, bugs: Sequence[str] | None
     """One row per case: the case's fields plus ``flag``, ``score`` and ``step``.
 
     ``bugs``: the catalogue the cases' bugs come from (default :data:`kvfast.BUGS`; for Hugging Face
-    models :data:`kvfast.check.hf.HF_BUGS`).
+    models :data:`kvfast.bugs.hf.HF_BUGS`).
     """
     bugs = _catalogue(bugs)
     if not callable(detector):

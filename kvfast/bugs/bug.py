@@ -1,0 +1,60 @@
+"""One bug of a catalogue, in one shape: :class:`Bug` (name, description, where it first acts, how it is injected).
+
+A bug is injected into a model under test by subclassing its adapter (:func:`subclass_with`): a small mixin
+overrides the adapter's hooks (``HFModel._decode_positions``, ``KvfastModel._crop_keep``, ...), so the product
+adapters hold no ``if bug == ...`` branch. kvfast's own model's bugs are one changed line each inside the
+model's decode kernel (:mod:`kvfast.model.bugs`): injecting one selects it by name.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+#: ``acts(scenario, prompt_len, steps, window)``: the first step at which a bug changes that scenario's cache
+#: path logits (step 0: the prompt's rows), ``None`` where it never does. A catalogue reads what it needs.
+Acts = Callable[[str, "int | None", "int | None", "int | None"], "int | None"]
+
+
+@dataclass(frozen=True)
+class Bug:
+    """One catalogued cache bug.
+
+    - ``name``: its name in its catalogue (a study's ``bug`` axis value).
+    - ``description``: what the bug does, in one sentence.
+    - ``acts``: where it first acts (see :data:`Acts`; :meth:`first_acting_step`).
+    - ``inject``: ``inject(model) -> model``: the model under test with the bug (an adapter of the kind the
+      catalogue names; in place where the adapter allows it, and returned).
+    - ``logic``: a bug of the cache's logic (positions, eviction, growth, offsets); ``False``: a precision bug.
+    """
+
+    name: str
+    description: str
+    acts: Acts
+    inject: Callable[[object], object]
+    logic: bool = True
+
+    def first_acting_step(
+        self, scenario: str, prompt_len: int | None = None, steps: int | None = None, window: int | None = None
+    ) -> int | None:
+        """The first step at which this bug changes ``scenario``'s cache path logits (``None``: never)."""
+        return self.acts(scenario, prompt_len, steps, window)
+
+
+def catalogue(*bugs: Bug) -> dict[str, Bug]:
+    """``{bug.name: bug}`` in the given order."""
+    return {bug.name: bug for bug in bugs}
+
+
+def subclass_with(model: object, mixin: type) -> object:
+    """``model`` turned, in place, into an instance of its class with ``mixin`` in front (the mixin's methods
+    override the adapter's hooks); returned. The new class keeps the adapter's name, so reports and error
+    messages name the adapter as before."""
+    model.__class__ = _with_mixin(type(model), mixin)
+    return model
+
+
+@functools.cache
+def _with_mixin(base: type, mixin: type) -> type:
+    return type(base.__name__, (mixin, base), {"__module__": mixin.__module__, "__qualname__": base.__qualname__})

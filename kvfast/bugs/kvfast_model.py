@@ -1,0 +1,52 @@
+"""kvfast's own model's eight bugs (:data:`kvfast.model.bugs.BUGS`) as catalogue entries.
+
+Each is one changed line of the model's decode kernel (:mod:`kvfast.model.decode`), selected by name
+(``KvfastModel(..., bug=NAME)``); this module gives them the catalogue's shape (:class:`~kvfast.bugs.bug.Bug`):
+where each first acts in the ``decode`` scenario (a prompt then greedy decode steps) and how it is injected.
+The model's own tables (:data:`BUGS`: descriptions, :data:`VISIBLE_AT_STEP_1`, :data:`EVICT_WINDOW`) are
+re-exported here, so the studies read every catalogue from :mod:`kvfast.bugs`.
+"""
+
+from __future__ import annotations
+
+from kvfast.bugs.bug import Bug, catalogue
+from kvfast.check.adapters import KvfastModel
+from kvfast.model.bugs import BUGS, EVICT_WINDOW, VISIBLE_AT_STEP_1, bug_code
+from kvfast.validation import not_allowed, require_int
+
+__all__ = ["BUGS", "EVICT_WINDOW", "KVFAST_BUGS", "VISIBLE_AT_STEP_1", "first_acting_step"]
+
+
+def first_acting_step(bug: str, scenario: str, prompt_len: int) -> int:
+    """The first decode step at which kvfast's bug ``bug`` changes the logits of the ``decode`` scenario (the
+    only scenario this is stated for): step 1 for the four visible at step 1; ``evict`` where the cache plus
+    the new token first exceed its window (``EVICT_WINDOW + 1 - prompt_len``); step 2 for the other growth
+    bugs (the first step at which the cache holds a decoded entry or the position passes the prompt)."""
+    if bug not in BUGS:
+        raise not_allowed("bug", bug, ", ".join(BUGS))
+    if scenario != "decode":
+        raise not_allowed("scenario", scenario, "decode (where kvfast's own bugs' first acting steps are stated)")
+    if VISIBLE_AT_STEP_1[bug]:
+        return 1
+    if bug == "evict":
+        return max(1, EVICT_WINDOW + 1 - require_int(prompt_len, "prompt_len", 1))
+    return 2
+
+
+def _injector(name: str):
+    def inject(model):
+        """``model`` (a :class:`~kvfast.check.KvfastModel`) decoding with bug ``name``, in place."""
+        if not isinstance(model, KvfastModel):
+            raise ValueError(f"model: {type(model).__name__} is not allowed; allowed: a KvfastModel")
+        model.bug, model.bug_code = name, bug_code(name)
+        return model
+
+    return inject
+
+
+def _entry(name: str) -> Bug:
+    return Bug(name, BUGS[name], lambda s, t, n, w: first_acting_step(name, s, t), _injector(name))
+
+
+#: kvfast's own model's bugs, in :data:`kvfast.model.bugs.BUGS`' order.
+KVFAST_BUGS: dict[str, Bug] = catalogue(*(_entry(name) for name in BUGS))
