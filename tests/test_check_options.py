@@ -96,7 +96,7 @@ CHECKER = (
 
 
 def test_the_checker_validates_logits_only_through_model_calls():
-    """Every model call of the checker returns validated logits through ``ModelCalls`` (kvfast/check/calls.py):
+    """Every model call of the checker returns validated logits through ``ModelCalls`` (kvfast/check/protocol.py):
     no other checker module calls ``check_logits`` or a model's logits method itself."""
     for name in CHECKER:
         tree = ast.parse((ROOT / "kvfast" / "check" / name).read_text())

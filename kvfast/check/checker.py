@@ -41,7 +41,7 @@ The pipeline. A check is: choose the scenarios, run each, judge each, report.
 This module is that pipeline and nothing else: the options, one validated
 object (:mod:`kvfast.check.options`), are resolved against the model and the
 prompt (:mod:`kvfast.check.subject`); every model call returns validated
-logits (:mod:`kvfast.check.calls`); each scenario is a unit in
+logits (:class:`kvfast.check.protocol.ModelCalls`); each scenario is a unit in
 :mod:`kvfast.check.scenarios` that says whether it can run and runs its cache
 path; the reference and the order noise are found in
 :mod:`kvfast.check.reference`; the judge, chosen once from the options

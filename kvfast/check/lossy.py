@@ -37,10 +37,10 @@ from dataclasses import replace
 import numpy as np
 
 from kvfast.check.adapters import KvfastModel
-from kvfast.check.calls import ModelCalls
 from kvfast.check.formats import ulp
 from kvfast.check.judge import Judge, Part
 from kvfast.check.lossy_formats import LOSSY_FORMATS, ROW_FORMATS, round_trip  # noqa: F401 - re-exported
+from kvfast.check.protocol import ModelCalls
 from kvfast.check.report import ScenarioReport
 from kvfast.check.scenarios import REGISTRY, branches
 from kvfast.check.subject import CheckSubject, as_model_under_test

@@ -23,7 +23,7 @@ import numpy as np
 
 from kvfast.check import control as C
 from kvfast.check import formats as F
-from kvfast.check.calls import ModelCalls
+from kvfast.check.protocol import ModelCalls
 from kvfast.check.report import LengthDependence
 from kvfast.check.scenarios import REGISTRY, Run, Scenario, Unsupported
 from kvfast.check.scenarios.decode import Decode

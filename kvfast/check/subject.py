@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvfast.check.calls import ModelCalls
 from kvfast.check.protocol import (
     GuardedModel,
+    ModelCalls,
     call_model,
     check_prompt,
     check_range,

@@ -16,8 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvfast.check.calls import ModelCalls
-from kvfast.check.protocol import ModelUnderTestError
+from kvfast.check.protocol import ModelCalls, ModelUnderTestError
 
 #: ``choose(t, logits) -> token``: the token fed at decode step ``t + 1`` from the cache's logits of step ``t``
 #: (step 0: the prompt's last row).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvfast.check.calls import ModelCalls
+from kvfast.check.protocol import ModelCalls
 from kvfast.check.scenarios.base import Choose, Run, Scenario, decode_steps
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvfast.check.calls import ModelCalls
+from kvfast.check.protocol import ModelCalls
 from kvfast.check.scenarios.base import CachePath, Choose, Run, Scenario, draft_tokens, hook
 
 BRANCH = "fork-branch"  # the name of the fork scenario's second branch's report

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvfast.check.calls import ModelCalls
-from kvfast.check.protocol import check_logits
+from kvfast.check.protocol import ModelCalls, check_logits
 from kvfast.check.scenarios.base import CachePath, Choose, Run, Scenario, draft_tokens, hook, shown
 
 #: Decode steps before which the reorder scenario swaps its two beams (beam index ``[1, 0]``).

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvfast.check.calls import ModelCalls
+from kvfast.check.protocol import ModelCalls
 from kvfast.check.scenarios.base import CachePath, Choose, Run, Scenario, draft_tokens, hook, shown
 
 #: Decode steps between two rollbacks (the first rollback comes before step 1).
