@@ -41,8 +41,10 @@ from kvfast.check.adapters import KvfastModel
 from kvfast.check.cache_path import run_cache_path
 from kvfast.check.calls import ModelCalls, as_model_under_test
 from kvfast.check.lossy_formats import LOSSY_FORMATS, ROW_FORMATS, round_trip  # noqa: F401 - re-exported
+from kvfast.check.protocol import read_attribute
 from kvfast.check.report import ScenarioReport
 from kvfast.check.subject import CheckSubject
+from kvfast.validation import not_allowed
 
 #: Bugs of kvfast's own lossy cache (:class:`LossyKvfastModel`): what it stores is worse than it declares.
 LOSSY_BUGS: dict[str, str] = {"int4": "declares int8 but stores 4 bits (scale absmax / 7)"}
@@ -106,10 +108,20 @@ def with_lossy_cache(model: KvfastModel, fmt: str) -> LossyKvfastModel:
     return LossyKvfastModel(model.config, model.params, model.numerics, model.bug, model.decode_numerics, fmt=fmt)
 
 
+#: The formats a model may declare its cache lossy in (``lossy_cache``): kvfast's emulated ones and the integer
+#: formats of transformers' quantized caches (quanto, HQQ: ``int2`` to ``int7``), each one :func:`round_trip` takes.
+DECLARED_FORMATS = (*LOSSY_FORMATS, *(f"int{bits}" for bits in range(2, 8)))
+
+
 def lossy_format(calls: ModelCalls) -> str | None:
-    """The format the model declares its cache lossy in (``lossy_cache``), or ``None``."""
-    fmt = getattr(calls.model, "lossy_cache", None)
-    return fmt if isinstance(fmt, str) and fmt else None
+    """The format the model declares its cache lossy in (``lossy_cache``; ``None``: absent or ``None``), read as
+    the model's code (:func:`~kvfast.check.protocol.read_attribute`). Anything but ``None`` or a name of
+    :data:`DECLARED_FORMATS` is a ``ValueError`` naming ``model.lossy_cache`` (a typo never makes a lossy cache
+    judged as a lossless one)."""
+    fmt = read_attribute(calls.model, "lossy_cache")
+    if fmt is not None and not (isinstance(fmt, str) and fmt in DECLARED_FORMATS):
+        raise not_allowed("model.lossy_cache", fmt, f"None or a format name: {', '.join(DECLARED_FORMATS)}")
+    return fmt
 
 
 def _twin_calls(calls: ModelCalls, fmt: str | None = None) -> ModelCalls | None:
