@@ -205,8 +205,8 @@ class CheckOptions:
             raise ValueError(f"follow: 'cache' is not allowed with mode={mode!r}; allowed: mode='exact'")
         if self.follow == "cache" and given is not None:
             raise ValueError("follow: 'cache' is not allowed with a continuation; allowed: follow='recompute'")
-        if self.promote is not None and not (isinstance(self.promote, str) and self.promote in PROMOTE):
-            raise not_allowed("promote", self.promote, f"None or {', '.join(PROMOTE)}")
+        if self.promote is not None:
+            require_choice(self.promote, "promote", PROMOTE)
         margin = check_margin(self.margin)
         decisive = check_margin(self.decisive, "decisive", margin)
         timeout = check_timeout(self.timeout)
