@@ -10,6 +10,8 @@ import ast
 import dataclasses
 import json
 import pathlib
+import subprocess
+import sys
 from collections.abc import Mapping
 
 import numpy as np  # loaded before pytester's in-process runs, which drop modules first loaded inside them
@@ -184,6 +186,17 @@ def test_every_field_but_keep_logits_has_a_flag_with_help(capsys):
         assert kept in text
     for flag in ("--steps", "--timeout", "--promote", "--strict"):
         assert flag in text
+
+
+def test_only_the_check_command_reads_the_options_module():
+    """The other commands never pay the checker's imports (numba): the flags are added when ``check`` is parsed."""
+    code = (
+        "import sys; from kvfast.cli import build_parser; parser = build_parser(); "
+        "print('kvfast.check' in sys.modules); parser.parse_args(['check', 'm:f', '--prompt', '1']); "
+        "print('kvfast.check.options' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.split() == ["False", "True"]
 
 
 def test_the_flags_build_the_options():

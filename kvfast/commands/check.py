@@ -5,7 +5,9 @@ Imports ``PACKAGE.MODULE`` (the current directory is searched first), calls
 key=value``, repeatable, values read as Python literals where they parse, else
 as strings) to build a model under test (:mod:`kvfast.check.protocol`) or a
 Hugging Face causal LM, and runs :func:`kvfast.check_cache` on it. Prints the
-report.
+report. The check's flags are the fields of :class:`kvfast.check.CheckOptions`
+(each declares its flag: :func:`add_option_flags`), validated by it in this
+process before the child starts.
 
 Exit codes (:data:`EXIT_CODES`): 0 only when a report was printed and says
 pass; 1 when it finds a divergence (exact) or a bug (control, or the float64
