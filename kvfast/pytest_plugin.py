@@ -10,14 +10,15 @@ Installing kvfast is enough; in a test::
 :func:`kvfast.check_cache` (options: the fields of
 :class:`kvfast.check.CheckOptions`: ``scenarios``, ``fast``, ``split``,
 ``margin``, ``decisive``, ``continuation``, ``promote``, ``follow``,
-``keep_logits``, ``timeout``) and returns the report. ``model`` may be a Hugging Face causal LM (wrapped in
+``keep_logits``, ``timeout``, ``strict``) and returns the report. ``model`` may be a Hugging Face causal LM (wrapped in
 :class:`kvfast.check.hf.HFModel`). When the check fails (a divergence, a bug,
 or an ``inconclusive`` control verdict that no float64 logic check cleared)
 the test fails with the report: which scenario failed first, at which step,
 by how much, the context tokens and a short per-step table. Every other
 failure fails the test with one line and no traceback:
 
-- bad input (a model without a required method, bad logits, a bad prompt):
+- bad input (a model without a required method, bad logits, a bad prompt,
+  an option that is no field of :class:`kvfast.check.CheckOptions`):
   ``kv_check: bad input: `` and the ``ValueError``'s message;
 - the model's own code raised or exited (``SystemExit``, ``sys.exit(0)``
   included, ``KeyboardInterrupt`` it raised itself, any other exception):
@@ -53,15 +54,19 @@ def kv_check() -> Callable:
         from kvfast.check.checker import check_cache_with
         from kvfast.check.options import CheckOptions
         from kvfast.check.protocol import CheckTimeout, ModelUnderTestError
+        from kvfast.validation import one_line
 
+        failure = None
         try:
             report = check_cache_with(model, prompt, CheckOptions.defaulting_steps(steps, mode=mode, **options))
         except ValueError as exc:
-            pytest.fail(f"kv_check: bad input: {exc}", pytrace=False)
+            failure = f"kv_check: bad input: {exc}"
         except ModelUnderTestError as exc:
-            pytest.fail(f"kv_check: the model under test failed: {exc}", pytrace=False)
+            failure = f"kv_check: the model under test failed: {exc}"
         except CheckTimeout as exc:
-            pytest.fail(f"kv_check: {exc}", pytrace=False)
+            failure = f"kv_check: {exc}"
+        if failure is not None:  # failed here, outside the except block: no exception chain
+            pytest.fail(one_line(failure), pytrace=False)
         if not report.passed:
             pytest.fail(report.format(), pytrace=False)
         return report

@@ -136,6 +136,7 @@ def _check(model, prompt, options: CheckOptions) -> CheckReport:
     """:func:`check_cache_with`'s work (inside its watch): the reference, the scenarios, the logic check."""
     subject = resolve(model, prompt, options)
     judge = judge_for(options)
+    lossy = lossy_format(subject.calls)  # a quantized cache (kvfast.check.lossy), its declaration read before any work
     prompt_rows, fmt = subject.calls.recompute_with_format(subject.prompt, "of the prompt")
     formats = formats_of(subject.calls.model, fmt)  # the noise model's formats: declared, measured or assumed
     if options.follow == "cache":
@@ -144,8 +145,8 @@ def _check(model, prompt, options: CheckOptions) -> CheckReport:
         reference = SharedReference.build(subject, prompt_rows, fmt, formats, judge.measures_noise)
     formats = formats.after_probe(reference.noise)  # a measured rounding probe replaces the lowest format's ulp
     reports = run_scenarios(subject, reference, judge, formats.floor)  # every bound >= 1 ulp of the floor format
-    if lossy_format(subject.calls) is not None:  # a quantized cache: kvfast.check.lossy, verdict "lossy"
-        reports = rejudge(subject, reference, reports, formats.floor, judge)
+    if lossy is not None:  # judged as a lossy cache's: verdict "lossy"
+        reports = rejudge(subject, reference, reports, formats.floor, judge, lossy)
     ran = [r for r in reports.values() if r.verdict != "skipped"]
     verdict = judge.overall(ran) if ran else UNCHECKED
     length = reference.length

@@ -35,6 +35,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from kvfast.check.protocol import read_attribute
+
 #: Precision in bits (significand bits, implicit bit included) and the smallest magnitude at which the format's
 #: spacing is measured (its smallest normal; the scaled formats, int8 and float8, carry a per-tensor or per-block
 #: scale, so only their relative spacing counts: float32's smallest normal). int8: 127 steps over a tensor's
@@ -126,7 +128,7 @@ def quantized_cache(internal: Mapping[str, str]) -> dict[str, str]:
 def check_lossy_declaration(model: object, internal: Mapping[str, str]) -> None:
     """``ValueError`` when ``model`` declares its cache quantized both ways: lossy (``lossy_cache``) and a
     scaled internal format (:func:`quantized_cache` of ``internal``); a quantized cache is ``lossy_cache``."""
-    cache = getattr(model, "lossy_cache", None)
+    cache = read_attribute(model, "lossy_cache")
     both = quantized_cache(internal)
     if isinstance(cache, str) and cache and both:
         raise ValueError(
@@ -230,13 +232,14 @@ def noise_formats(logits: str, internal: Mapping[str, str] | None, source: str =
 def formats_of(model: object, logits: str) -> NoiseFormats:
     """``model``'s :class:`NoiseFormats`: its ``internal_formats`` attribute (``{what: format}``; source
     ``declared``, or what its optional ``internal_formats_source`` attribute says, e.g. ``measured``; ``None``
-    or absent: ``assumed``)."""
-    internal = getattr(model, "internal_formats", None)
+    or absent: ``assumed``). Each attribute is read as the model's code
+    (:func:`~kvfast.check.protocol.read_attribute`: what it raises is the model's failure)."""
+    internal = read_attribute(model, "internal_formats")
     if internal is None:
         return noise_formats(logits, None)
-    source = getattr(model, "internal_formats_source", None)
-    source = source if source in SOURCES[:2] else "declared"
-    probe = getattr(model, "rounding_probe", None)
+    source = read_attribute(model, "internal_formats_source")
+    source = source if isinstance(source, str) and source in SOURCES[:2] else "declared"
+    probe = read_attribute(model, "rounding_probe")
     internal = check_internal_formats(internal)
     check_lossy_declaration(model, internal)
     found = noise_formats(logits, internal, source)

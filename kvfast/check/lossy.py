@@ -40,10 +40,11 @@ from kvfast.check.adapters import KvfastModel
 from kvfast.check.formats import ulp
 from kvfast.check.judge import Judge, Part
 from kvfast.check.lossy_formats import LOSSY_FORMATS, ROW_FORMATS, round_trip  # noqa: F401 - re-exported
-from kvfast.check.protocol import ModelCalls
+from kvfast.check.protocol import ModelCalls, read_attribute
 from kvfast.check.report import ScenarioReport
 from kvfast.check.scenarios import REGISTRY, branches
 from kvfast.check.subject import CheckSubject, as_model_under_test
+from kvfast.validation import not_allowed
 
 
 class LossyKvfastModel(KvfastModel):
@@ -105,10 +106,25 @@ def with_lossy_cache(model: KvfastModel, fmt: str) -> LossyKvfastModel:
     return LossyKvfastModel(model.config, model.params, model.numerics, model.bug, model.decode_numerics, fmt=fmt)
 
 
+#: The formats a model may declare its cache lossy in (``lossy_cache``): kvfast's emulated ones and the integer
+#: formats of transformers' quantized caches (quanto, HQQ: ``int2`` to ``int7``), each one :func:`round_trip` takes.
+DECLARED_FORMATS = (*LOSSY_FORMATS, *(f"int{bits}" for bits in range(2, 8)))
+
+
 def lossy_format(calls: ModelCalls) -> str | None:
-    """The format the model declares its cache lossy in (``lossy_cache``), or ``None``."""
-    fmt = getattr(calls.model, "lossy_cache", None)
-    return fmt if isinstance(fmt, str) and fmt else None
+    """The format the model declares its cache lossy in (``lossy_cache``; ``None``: absent or ``None``), read as
+    the model's code (:func:`~kvfast.check.protocol.read_attribute`). Anything but ``None`` or a name of
+    :data:`DECLARED_FORMATS` is a ``ValueError`` naming ``model.lossy_cache`` (a typo never makes a lossy cache
+    judged as a lossless one), and so is a lossy cache declared without ``lossless()``."""
+    fmt = read_attribute(calls.model, "lossy_cache")
+    if fmt is not None and not (isinstance(fmt, str) and fmt in DECLARED_FORMATS):
+        raise not_allowed("model.lossy_cache", fmt, f"None or a format name: {', '.join(DECLARED_FORMATS)}")
+    if fmt is not None and not calls.has("lossless"):
+        raise ValueError(
+            f"model.lossy_cache: {fmt!r} declared without a lossless() method; allowed: a model with "
+            "lossless() (the same model with its cache unquantized), or no lossy_cache"
+        )
+    return fmt
 
 
 def _twin_calls(calls: ModelCalls, fmt: str | None = None) -> ModelCalls | None:
@@ -193,17 +209,11 @@ def lossy_report(
     )  # fmt: skip
 
 
-def rejudge(subject: CheckSubject, reference, reports: dict, fmt: str, judge: Judge) -> dict:
+def rejudge(subject: CheckSubject, reference, reports: dict, fmt: str, judge: Judge, cache_fmt: str) -> dict:
     """Every report of a model with a lossy cache judged as such (see the module doc); skipped ones stay.
-    ``fmt``: the logits' format; ``judge``: the check's (the lossless twin's logic is judged by it). A model
-    that declares ``lossy_cache`` without ``lossless()`` is bad input."""
+    ``fmt``: the logits' format; ``judge``: the check's (the lossless twin's logic is judged by it); ``cache_fmt``:
+    the cache's declared format (:func:`lossy_format`)."""
     owner = branches()
-    cache_fmt = lossy_format(subject.calls)
-    if not subject.calls.has("lossless"):
-        raise ValueError(
-            f"model.lossy_cache: {cache_fmt!r} declared without a lossless() method; allowed: a model with "
-            "lossless() (the same model with its cache unquantized), or no lossy_cache"
-        )
     twin, emulated = _twin_calls(subject.calls), _twin_calls(subject.calls, cache_fmt)
     out = {}
     for name, report in reports.items():

@@ -5,12 +5,17 @@ check study's config all become one :class:`CheckOptions`; the checker reads not
 needs the model or the prompt (the split against the prompt's length, a token against the
 vocabulary, ``promote`` against the model's methods) is checked when a check starts
 (:func:`kvfast.check.subject.resolve`).
+
+Each field is one place: its default, its validation (``__post_init__``) and its flag on the
+command line (:class:`Flag`, the field's ``metadata["flag"]``: the flag's name, its help and how
+its text is read; :func:`flags` lists them, ``kvfast check`` builds its parser from them). A field
+without a flag is Python only: ``keep_logits`` (the logits stay in the report object, never printed).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -27,6 +32,49 @@ ALL_SCENARIOS = all_scenarios()
 FOLLOW = ("recompute", "cache")
 PROMOTE = ("float64",)
 DEFAULT_STEPS = 64  # the kv_check fixture's and `kvfast check`'s steps when neither steps nor a continuation is given
+
+
+def parse_tokens(text: str) -> tuple[int, ...]:
+    """``"1,2,3"`` -> ``(1, 2, 3)``; ``ValueError`` naming the bad item (the text of a token-list flag)."""
+    items = [t.strip() for t in text.split(",")]
+    if not text.strip() or any(not t for t in items):
+        raise ValueError(f"{text!r} is not allowed; allowed: comma-separated token ids such as 1,2,3")
+    out = []
+    for t in items:
+        try:
+            out.append(int(t))
+        except ValueError:
+            raise ValueError(f"{t!r} is not an integer; allowed: comma-separated token ids") from None
+    return tuple(out)
+
+
+def parse_names(text: str) -> tuple[str, ...]:
+    """``"decode, resume"`` -> ``("decode", "resume")`` (the text of a comma-separated flag; the names are
+    validated by :class:`CheckOptions`)."""
+    return tuple(name.strip() for name in text.split(","))
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A :class:`CheckOptions` field's flag on the command line.
+
+    ``name`` (``--steps``) and ``help``; the value is read from the flag's text by ``parse`` (text ->
+    value, ``ValueError`` for bad text) or is one of ``choices``. ``bare``: the field's value for the
+    flag given without a value (``--per-step``: ``fast=False``; ``--promote``: ``"float64"``, and
+    ``--promote float64`` too since it has ``choices``); ``None``: the flag takes a value. The value is
+    then validated by :class:`CheckOptions`, as in Python."""
+
+    name: str
+    help: str
+    parse: Callable[[str], object] | None = None
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+    bare: object = None
+
+
+def option(default: object, flag: Flag | None = None):
+    """A :class:`CheckOptions` field: its default and its :class:`Flag` (``None``: Python only)."""
+    return field(default=default, metadata={} if flag is None else {"flag": flag})
 
 
 @dataclass(frozen=True)
@@ -71,24 +119,80 @@ class CheckOptions:
     - ``timeout``: seconds the whole check may take (``None``: no limit); a
       model call still running then ends with :class:`~kvfast.check.CheckTimeout`
       naming it (a ``SIGALRM`` timer: main thread only; see
-      :func:`kvfast.check.protocol.watched`).
-    - ``strict``: any requested scenario that was skipped fails the check (verdict ``unchecked``); by default a
-      check passes on the scenarios that ran and names the skipped ones in its first lines.
+      :func:`kvfast.check.protocol.watched`). On the command line ``--timeout``
+      watches the user's code in the check's child process: the import of its
+      module and the factory too.
+    - ``strict``: any requested scenario that was skipped fails the check.
     """
 
-    steps: int | None = None
-    mode: str = "exact"
-    scenarios: Sequence[str] | str = SCENARIOS
-    fast: bool = True
-    split: int | None = None
-    margin: float = DEFAULT_MARGIN
-    decisive: float = DEFAULT_DECISIVE
-    continuation: Sequence[int] | None = None
-    promote: str | None = None
-    follow: str = "recompute"
-    keep_logits: bool = False
-    timeout: float | None = None
-    strict: bool = False
+    steps: int | None = option(
+        None, Flag("--steps", "decode steps to check (default 64, or the continuation's length)", int, metavar="N")
+    )
+    mode: str = option(
+        "exact", Flag("--mode", "exact (== at every step) or control (rounding, inconclusive or bug)", choices=MODES)
+    )
+    scenarios: Sequence[str] | str = option(
+        SCENARIOS,
+        Flag(
+            "--scenarios",
+            f"comma-separated: {', '.join(SCENARIOS)} (the default: both), "
+            f"{', '.join(s for s in ALL_SCENARIOS if s not in SCENARIOS)} (cache operations)",
+            parse_names,
+            metavar="A,B",
+        ),
+    )
+    fast: bool = option(True, Flag("--per-step", "one recompute per step instead of the fast path", bare=False))
+    split: int | None = option(
+        None, Flag("--split", "the resume scenario's split (default half the prompt)", int, metavar="N")
+    )
+    margin: float = option(
+        DEFAULT_MARGIN,
+        Flag("--margin", f"control: rounding up to this ratio (default {DEFAULT_MARGIN:g})", float, metavar="X"),
+    )
+    decisive: float = option(
+        DEFAULT_DECISIVE,
+        Flag("--decisive", f"control: bug beyond this ratio (default {DEFAULT_DECISIVE:g})", float, metavar="X"),
+    )
+    continuation: Sequence[int] | None = option(
+        None,
+        Flag(
+            "--continuation",
+            "comma-separated token ids to feed instead of greedy ones",
+            parse_tokens,
+            metavar="T1,T2,...",
+        ),
+    )
+    promote: str | None = option(
+        None,
+        Flag(
+            "--promote",
+            f"add the logic check: the same model in {PROMOTE[0]} (control mode); --promote alone is "
+            f"--promote {PROMOTE[0]}",
+            choices=PROMOTE,
+            bare=PROMOTE[0],
+        ),
+    )
+    follow: str = option(
+        "recompute",
+        Flag(
+            "--follow",
+            "whose greedy tokens are fed: the recompute's (the default) or each scenario's own cache path's "
+            "(exact mode)",
+            choices=FOLLOW,
+        ),
+    )
+    keep_logits: bool = option(False)
+    timeout: float | None = option(
+        None,
+        Flag(
+            "--timeout",
+            "give up after S seconds of the user's code: importing its module, the factory and the check "
+            "(kvfast's own start-up is not counted)",
+            float,
+            metavar="S",
+        ),
+    )
+    strict: bool = option(False, Flag("--strict", "any requested scenario that was skipped fails the check", bare=True))
 
     def __post_init__(self) -> None:
         given, steps = _check_continuation(self.continuation, self.steps)
@@ -116,16 +220,27 @@ class CheckOptions:
             object.__setattr__(self, name, value)
 
     @classmethod
-    def defaulting_steps(cls, steps: int | None = None, **fields) -> CheckOptions:
-        """``CheckOptions(steps, **fields)``, with :data:`DEFAULT_STEPS` (64) when neither ``steps`` nor a
-        ``continuation`` is given: the ``kv_check`` fixture's and ``kvfast check``'s default."""
-        if steps is None and fields.get("continuation") is None:
+    def defaulting_steps(cls, steps: int | None = None, **given) -> CheckOptions:
+        """``CheckOptions(steps, **given)``, with :data:`DEFAULT_STEPS` (64) when neither ``steps`` nor a
+        ``continuation`` is given: the ``kv_check`` fixture's and ``kvfast check``'s default. A name that is
+        no field is a ``ValueError`` listing the fields (never a ``TypeError`` from the constructor)."""
+        names = [f.name for f in fields(cls)]
+        for name in given:
+            if name not in names:
+                raise ValueError(f"options: {name!r} is not allowed; allowed: {', '.join(names)}")
+        if steps is None and given.get("continuation") is None:
             steps = DEFAULT_STEPS
-        return cls(steps, **fields)
+        return cls(steps, **given)
 
     def given_tokens(self) -> np.ndarray | None:
         """The continuation as an ``int64`` array of ``steps`` tokens (``None``: greedy tokens)."""
         return None if self.continuation is None else np.asarray(self.continuation, dtype=np.int64)
+
+
+def flags() -> dict[str, Flag]:
+    """``{field name: its Flag}`` for every :class:`CheckOptions` field with one (every field but the Python-only
+    ``keep_logits``), in the fields' order."""
+    return {f.name: f.metadata["flag"] for f in fields(CheckOptions) if "flag" in f.metadata}
 
 
 def _check_continuation(continuation: object, steps: object) -> tuple[np.ndarray | None, int]:

@@ -71,7 +71,7 @@ both exact). A leading batch axis of size 1 is dropped. Logits must be finite.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -89,21 +89,39 @@ PROTOCOL = "an object with recompute(tokens), prefill(tokens), decode(token) and
 
 def require_model(model: object) -> None:
     """Raise ``ValueError`` naming the first required method ``model`` lacks (or saying it is a class, not
-    an instance: a class has the methods, unbound)."""
+    an instance: a class has the methods, unbound); a method that raises when read is the model's
+    (:func:`read_attribute`)."""
     if isinstance(model, type):
         raise ValueError(f"model: the class {model.__name__} is not allowed; allowed: an instance of it, {PROTOCOL}")
     for name in REQUIRED:
-        if not callable(getattr(model, name, None)):
+        if not callable(read_attribute(model, name)):
             raise ValueError(f"model: {type(model).__name__} has no method {name!r}; allowed: {PROTOCOL}")
     for name in OPTIONAL:
-        value = getattr(model, name, None)
+        value = read_attribute(model, name)
         if value is not None and not callable(value):
             raise ValueError(f"model.{name}: {value!r} is not callable; allowed: a method or absent")
 
 
+def read_attribute(model: object, name: str, default: object = None) -> object:
+    """The model's attribute ``name`` (an optional method or a declaration: ``internal_formats``,
+    ``lossy_cache``, ``vocab_size``, ``max_positions``), ``default`` when it has none. Reading it runs the
+    model's code (a property; a mapping's items): whatever that raises is the model's failure,
+    :class:`ModelUnderTestError` naming ``model.NAME`` (:func:`call_model`; an ``AttributeError`` reads as
+    absent, as for :func:`getattr`). A mapping comes back as a ``dict`` read once, so that validating it
+    runs no more of the model's code."""
+    raw = model.wrapped if isinstance(model, GuardedModel) else model
+    passthrough = model.passthrough if isinstance(model, GuardedModel) else ()
+
+    def read() -> object:
+        value = getattr(raw, name, default)
+        return dict(value.items()) if isinstance(value, Mapping) else value
+
+    return call_model(f"model.{name}", read, passthrough=passthrough)
+
+
 def has(model: object, name: str) -> bool:
     """Whether ``model`` has the optional method ``name``."""
-    return callable(getattr(model, name, None))
+    return callable(read_attribute(model, name))
 
 
 def to_numpy(value: object) -> np.ndarray:
@@ -189,7 +207,7 @@ def logits_format(value: object) -> str:
 
 def vocab_of(model: object) -> int:
     """The model's vocabulary size: ``model.vocab_size`` if it is an int, else from ``recompute([0])``."""
-    declared = getattr(model, "vocab_size", None)
+    declared = read_attribute(model, "vocab_size")
     if declared is not None:
         return require_int(declared, "model.vocab_size", 1)
     probe = check_logits(model.recompute(np.zeros(1, dtype=np.int64)), "recompute", 1, None, "of [0]")
@@ -345,6 +363,6 @@ class ModelCalls:
             found = self.variants(tokens)
         except ModelUnderTestError as exc:
             return {}, {"all": " ".join(str(exc).split())}
-        skipped = getattr(self.model, "skipped_variants", None)
+        skipped = read_attribute(self.model, "skipped_variants")
         skipped = {str(k): str(v) for k, v in skipped.items()} if isinstance(skipped, dict) else {}
         return found, {k: v for k, v in skipped.items() if k not in found}

@@ -22,6 +22,7 @@ from kvfast.check.protocol import (
     guard,
     has,
     model_name,
+    read_attribute,
     require_model,
     vocab_of,
 )
@@ -93,7 +94,7 @@ def resolve(model: object, prompt: object, options: CheckOptions) -> CheckSubjec
     split = _resolve_split(options, T)
     vocab = vocab_of(model)
     check_range(prompt, vocab)
-    limit = getattr(model, "max_positions", None)
+    limit = read_attribute(model, "max_positions")
     if isinstance(limit, int) and T + options.steps > limit:
         raise not_allowed(
             "steps", options.steps, f"at most {limit - T} (the model has {limit} positions; the prompt takes {T})"

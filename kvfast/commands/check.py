@@ -5,7 +5,9 @@ Imports ``PACKAGE.MODULE`` (the current directory is searched first), calls
 key=value``, repeatable, values read as Python literals where they parse, else
 as strings) to build a model under test (:mod:`kvfast.check.protocol`) or a
 Hugging Face causal LM, and runs :func:`kvfast.check_cache` on it. Prints the
-report.
+report. The check's flags are the fields of :class:`kvfast.check.CheckOptions`
+(each declares its flag: :func:`add_option_flags`), validated by it in this
+process before the child starts.
 
 Exit codes (:data:`EXIT_CODES`): 0 only when a report was printed and says
 pass; 1 when it finds a divergence (exact) or a bug (control, or the float64
@@ -42,9 +44,9 @@ from __future__ import annotations
 import argparse
 import ast
 import inspect
-import math
 import sys
 import traceback
+from dataclasses import replace
 
 from kvfast.commands import EXIT_KVFAST_BUG, bug_line
 from kvfast.runtime import split_ref
@@ -95,49 +97,69 @@ def add_parser(sub) -> None:
         "--factory-arg", action="append", default=[], metavar="KEY=VALUE", help="an argument for FACTORY (repeatable)"
     )
     p.add_argument("--prompt", required=True, help="comma-separated token ids, e.g. 1,2,3")
-    p.add_argument("--steps", type=int, default=None, help="decode steps to check (default 64, or the continuation's)")
-    p.add_argument("--continuation", default=None, help="comma-separated token ids to feed instead of greedy ones")
-    p.add_argument(
-        "--mode",
-        choices=["exact", "control"],
-        default="exact",
-        help="exact (==) or control (rounding/inconclusive/bug)",
-    )
-    p.add_argument(
-        "--scenarios",
-        default="decode,resume",
-        help="comma-separated: decode, resume (default both), rollback, fork, reorder, padded (cache operations)",
-    )
-    p.add_argument("--split", type=int, default=None, help="the resume scenario's split (default half the prompt)")
-    p.add_argument("--margin", type=float, default=None, help="control: rounding up to this ratio (default 4)")
-    p.add_argument("--decisive", type=float, default=None, help="control: bug beyond this ratio (default 16)")
-    p.add_argument(
-        "--promote", action="store_true", help="add the logic check: the same model in float64 (control mode)"
-    )
-    p.add_argument("--per-step", action="store_true", help="one recompute per step instead of the fast path")
-    p.add_argument(
-        "--timeout",
-        type=float,
-        default=None,
-        metavar="S",
-        help=f"give up after S seconds of the user's code: importing its module, the factory and the check "
-        f"(kvfast's own start-up is not counted; exit {EXIT_TIMEOUT})",
-    )
+    add_option_flags_on_use(p)
     p.set_defaults(func=run)
 
 
-def parse_prompt(text: str, flag: str = "--prompt") -> list[int]:
-    """``"1,2,3"`` -> ``[1, 2, 3]``; ``ValueError`` naming the bad item."""
-    items = [t.strip() for t in text.split(",")]
-    if not text.strip() or any(not t for t in items):
-        raise ValueError(f"{flag}: {text!r} is not allowed; allowed: comma-separated token ids such as 1,2,3")
-    out = []
-    for t in items:
+def add_option_flags_on_use(parser: argparse.ArgumentParser) -> None:
+    """Give ``parser`` the flags of :class:`~kvfast.check.options.CheckOptions`' fields when it is first used
+    (parsing ``kvfast check ...`` or its ``--help``): they are read from the options module, whose package
+    costs a second of imports that the other commands never pay."""
+    parse = parser.parse_known_args
+
+    def parse_known_args(args=None, namespace=None):
+        parser.parse_known_args = parse  # once: from now on the parser has the flags
+        add_option_flags(parser)
+        return parse(args, namespace)
+
+    parser.parse_known_args = parse_known_args
+
+
+def add_option_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per :class:`~kvfast.check.options.CheckOptions` field with a :class:`~kvfast.check.options.Flag`
+    (its ``dest`` the field's name, ``None`` when not given: the field's default); bad text is one line naming
+    the flag (exit 2), bad values are :class:`CheckOptions`' (:func:`check_options`)."""
+    from kvfast.check.options import flags
+
+    for name, flag in flags().items():
+        kwargs: dict = {"dest": name, "default": None, "help": flag.help}
+        if flag.bare is not None and flag.choices is None:
+            kwargs.update(action="store_const", const=flag.bare)
+        else:
+            kwargs.update(choices=flag.choices, metavar=flag.metavar)
+            if flag.parse is not None:
+                kwargs["type"] = _flag_text(flag.parse)
+            if flag.bare is not None:
+                kwargs.update(nargs="?", const=flag.bare)
+        parser.add_argument(flag.name, **kwargs)
+
+
+NUMBERS = {int: "an integer", float: "a number"}  # what int and float read, for their flags' messages
+
+
+def _flag_text(parse):
+    """``parse`` for argparse: bad text is one line, ``argument --FLAG: '...' is not allowed; allowed: ...``
+    (``parse``'s own ``ValueError`` message; ``int`` and ``float``: :data:`NUMBERS`)."""
+
+    def read(text: str):
         try:
-            out.append(int(t))
-        except ValueError:
-            raise ValueError(f"{flag}: {t!r} is not an integer; allowed: comma-separated token ids") from None
-    return out
+            return parse(text)
+        except ValueError as exc:
+            why = f"{text!r} is not allowed; allowed: {NUMBERS[parse]}" if parse in NUMBERS else str(exc)
+            raise argparse.ArgumentTypeError(why) from None
+
+    read.__name__ = getattr(parse, "__name__", "value")
+    return read
+
+
+def parse_prompt(text: str, flag: str = "--prompt") -> list[int]:
+    """``"1,2,3"`` -> ``[1, 2, 3]``; ``ValueError`` naming ``flag`` and the bad item."""
+    from kvfast.check.options import parse_tokens
+
+    try:
+        return list(parse_tokens(text))
+    except ValueError as exc:
+        raise ValueError(f"{flag}: {exc}") from None
 
 
 def parse_factory_args(items: list[str]) -> dict[str, object]:
@@ -216,31 +238,36 @@ def require_model_under_test(model: object, call: str) -> None:
 
 
 def check_args(args) -> None:
-    """Every check of the arguments that needs no import (bad input before any work)."""
+    """Every check of the arguments before the child starts (bad input before any work): the prompt, the
+    factory's spec and arguments, and the options (:func:`check_options`)."""
     parse_prompt(args.prompt)
-    if args.continuation is not None:
-        parse_prompt(args.continuation, "--continuation")
     parse_factory_args(args.factory_arg)
+    check_options(args)
     if getattr(args, "engine", None) is not None:
         if "path" in parse_factory_args(args.factory_arg):
             raise not_allowed("--factory-arg", "path=...", "no path: with --engine the path is the positional argument")
         return
     split_ref(args.factory, "factory", "PACKAGE.MODULE:FACTORY")
-    if args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout > 0):
-        raise not_allowed("--timeout", args.timeout, "a number of seconds > 0")
 
 
 def check_options(args):
-    """The check's :class:`~kvfast.check.options.CheckOptions` from the flags (``ValueError`` naming a bad one);
-    the ``--timeout`` is the child's watch over the user's code, not the check's own."""
-    from kvfast.check.options import CheckOptions
+    """The check's :class:`~kvfast.check.options.CheckOptions` from the flags (each field's ``dest``; ``None``:
+    not given, the field's default). A bad value is the options' ``ValueError`` with the field's name replaced
+    by its flag's (``--steps: 0 is not allowed; ...``)."""
+    from kvfast.check.options import CheckOptions, flags
 
-    continuation = None if args.continuation is None else parse_prompt(args.continuation, "--continuation")
-    given = {name: getattr(args, name) for name in ("split", "margin", "decisive") if getattr(args, name) is not None}
-    return CheckOptions.defaulting_steps(
-        args.steps, mode=args.mode, scenarios=tuple(s.strip() for s in args.scenarios.split(",")),
-        fast=not args.per_step, continuation=continuation, promote="float64" if args.promote else None, **given,
-    )  # fmt: skip
+    named = flags()
+    given = {name: getattr(args, name, None) for name in named}
+    given = {name: value for name, value in given.items() if value is not None}
+    try:
+        return CheckOptions.defaulting_steps(**given)
+    except ValueError as exc:
+        message = str(exc)
+        for name, flag in named.items():
+            if message.startswith(f"{name}: "):
+                message = f"{flag.name}: {message.removeprefix(f'{name}: ')}"
+                break
+        raise ValueError(message) from None
 
 
 def run_check(args, started: float | None = None) -> dict:
@@ -250,7 +277,7 @@ def run_check(args, started: float | None = None) -> dict:
     from kvfast.check.report import UNCHECKED
 
     try:
-        options = check_options(args)
+        options = replace(check_options(args), timeout=None)  # --timeout is this process's watch (below)
         with watched(args.timeout, started):
             model = (
                 build_engine(args)

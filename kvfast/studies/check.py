@@ -37,6 +37,7 @@ import pyarrow as pa
 
 from kvfast.check import CheckOptions, KvfastModel, check_cache_with
 from kvfast.check.checker import as_model_under_test
+from kvfast.check.options import MODES
 from kvfast.check.protocol import vocab_of
 from kvfast.kernels.attention import ATTENTION_CODES
 from kvfast.kernels.reduce import ORDER_CODES
@@ -50,7 +51,6 @@ from kvfast.studies.plotting import SYMLOG_FLOOR, pyplot
 from kvfast.validation import require_int
 
 VERSION = "1"
-MODES = ("exact", "control")
 SCENARIO_CHOICES = {
     "decode": ("decode",), "resume": ("resume",), "both": ("decode", "resume"),
     # the cache operations (kvfast.check.scenarios): a grid axis value each, or all with decode
@@ -110,6 +110,7 @@ def _validate_check(config: dict) -> None:
     require_int(config.get("steps"), "steps", 1, 4096)
     require_config_choice(config, "mode", MODES)
     require_config_choice(config, "scenarios", tuple(SCENARIO_CHOICES))
+    check_options(config)  # the checker's own validation of what the fields name, before any run
 
 
 def check_study(

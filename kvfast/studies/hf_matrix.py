@@ -40,6 +40,7 @@ import pyarrow as pa
 from kvfast.bugs.hf import first_acting_step, inject_hf_bug
 from kvfast.check.checker import check_cache
 from kvfast.check.hf import HFModel
+from kvfast.check.options import PROMOTE as CHECK_PROMOTE
 from kvfast.studies import hf_common as hf
 from kvfast.studies.base import Claim, Fact, Figure, Study
 from kvfast.studies.check import MODES, SCENARIO_CHOICES
@@ -51,7 +52,7 @@ VERSION = "1"
 PROMPT_STREAM = 1000
 PROMPT_LENGTHS = (4, 5, 6, 7)
 FEEDS = ("given", "greedy")
-PROMOTE = ("none", "float64")
+PROMOTE = ("none", *CHECK_PROMOTE)  # "none": promote=None
 VARIANTS = ("builtin", "padded")
 NAN_LOGITS = "nan-logits"
 PAD = 3

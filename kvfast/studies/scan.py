@@ -46,7 +46,6 @@ PROMPT_STREAM = 3000
 PROMPT_LENGTHS = (4, 5, 6, 7)
 DTYPES = ("float32", "float64", "bfloat16")
 ATTENTION = ("auto", "sdpa", "eager")
-PROMOTE = ("none", "float64")
 SKIPPED = "skipped"
 #: Verdicts from best to worst (a cell shows the worst of its runs first).
 VERDICTS = ("exact", "rounding", "inconclusive", "length-dependent", "bug", SKIPPED)
@@ -99,6 +98,7 @@ def architectures() -> tuple[str, ...]:
 def validate_config(config: dict) -> None:
     """``ValueError`` naming the field (or the missing torch) before any run."""
     from kvfast.bugs.hf import HF_BUGS
+    from kvfast.check.options import PROMOTE
 
     hf.require_torch("hf_scan")
     require_config_choice(config, "architecture", architectures())
@@ -109,7 +109,7 @@ def validate_config(config: dict) -> None:
     require_int(config.get("prompt"), "prompt", 0, 1000)
     require_int(config.get("steps"), "steps", 1, 256)
     require_config_choice(config, "bug", (hf.NO_BUG, *HF_BUGS))
-    require_config_choice(config, "promote", PROMOTE)
+    require_config_choice(config, "promote", ("none", *PROMOTE))  # "none": promote=None
 
 
 @functools.lru_cache(maxsize=16)
