@@ -1,13 +1,19 @@
 """The cache operations of :mod:`kvfast.check.operations` on Hugging Face caches (:class:`~kvfast.check.hf.HFModel`'s
 ``crop``, ``snapshot`` and ``restore`` hooks call these).
 
-- ``crop(n)``: ``cache.crop(n - length)`` (transformers 5.x takes the number of positions to remove, as a
-  negative int). As ``generate`` does for a cache it may roll back, the first crop (the rollback scenario
-  calls ``crop(length)`` right after the prefill, a rollback of nothing) activates the cache's past
-  recording (``activate_past_recording``), so that a sliding-window layer keeps the positions a later
-  rollback needs; a crop that keeps everything is ``crop(0)``, which puts a sliding layer back to its
-  window. A cache that cannot be rolled back (a tuple cache, a layer transformers marks not croppable)
-  raises ``NotImplementedError``: the scenario is skipped with a note.
+- ``crop(n)``: the installed transformers release asked how to remove ``length - n`` positions
+  (:func:`crop_argument`, the one place that decides it): ``cache.crop(-r)`` removes ``r > 0`` positions in
+  every release; ``crop(0)`` removes nothing from 5.14 on (and puts a sliding or linear-attention layer that
+  records its past back to its window), but keeps 0 positions, i.e. empties the cache, before 5.14, where a
+  rollback of nothing is therefore no call at all. As ``generate`` does for a cache it may roll back, the
+  first crop (the rollback scenario calls ``crop(length)`` right after the prefill, a rollback of nothing)
+  activates the cache's past recording (``activate_past_recording``, 5.14 on), so that a sliding-window
+  layer keeps the positions a later rollback needs. A cache the release cannot roll back
+  (:func:`cannot_crop`: a tuple cache, a layer with no ``crop`` such as 5.0's ``StaticLayer``, a layer
+  transformers marks not croppable, a linear-attention layer whose ``crop`` leaves its states as they are
+  before 5.14, a sliding-window layer past its window that keeps no past, as before 5.15) raises
+  ``NotImplementedError`` naming the release and the reason, before the cache is changed: the scenario is
+  skipped with a note.
 - ``snapshot()``: a ``copy.deepcopy`` of the cache and of the adapter's bookkeeping (length, decode
   count); ``restore(state)``: a fresh deep copy of it (a state may be restored again), with any injected
   bug's ``update`` wrapper put back on the copy.
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -62,6 +69,85 @@ def _layers(cache) -> list:
     return list(getattr(cache, "layers", None) or [])
 
 
+# --- what the installed transformers release can do with a cache (asked here, nowhere else) -------------
+
+
+def release() -> str:
+    """The installed transformers release (``transformers.__version__``), as notes name it."""
+    import transformers
+
+    return f"transformers {transformers.__version__}"
+
+
+@functools.cache
+def crop_zero_removes_nothing() -> bool:
+    """Whether the installed release's ``cache.crop(0)`` removes nothing (5.14 on: ``crop(-r)`` removes ``r``
+    positions and ``crop(0)`` none) rather than keeping 0 positions (before 5.14 a non-negative argument is the
+    length to KEEP, so ``crop(0)`` empties the cache). Asked of the release itself: a ``DynamicCache`` holding
+    two positions, cropped with 0 (``False`` where that cannot be asked: no call is then made for a rollback of
+    nothing, which is right on every release)."""
+    import torch
+
+    try:
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        kv = torch.zeros(1, 1, 2, 1)
+        cache.update(kv, kv, 0)
+        cache.crop(0)
+        return int(cache.get_seq_length()) == 2
+    except Exception:  # noqa: BLE001 - a release that cannot be asked: the safe answer
+        return False
+
+
+def crop_argument(cache, remove: int) -> int | None:
+    """The argument of ``cache.crop`` that removes ``remove`` positions on the installed release (``None``: make
+    no call). ``crop(-r)`` removes ``r`` in every release kvfast supports; a rollback of nothing is ``crop(0)``
+    where that removes nothing (:func:`crop_zero_removes_nothing`), else no call (``crop(0)`` would empty the
+    cache), and no call either on a sliding layer past its window that keeps no past (5.14's ``crop`` raises
+    there, and there is nothing to tidy)."""
+    if remove > 0:
+        return -remove
+    if not crop_zero_removes_nothing() or any(_past_window(layer) for layer in _layers(cache)):
+        return None
+    return 0
+
+
+def _is_linear_attention(layer) -> bool:
+    return any(k.__name__ == "LinearAttentionCacheLayerMixin" for k in type(layer).__mro__)
+
+
+def _past_window(layer) -> bool:
+    """A sliding-window layer that has seen its window and keeps no past: its release's ``crop`` raises
+    (before 5.15 always; from 5.15 on unless it records its past)."""
+    window = getattr(layer, "sliding_window", None)
+    if not isinstance(window, int) or getattr(layer, "record_past", False) is True:
+        return False
+    length = layer.get_seq_length() if callable(getattr(layer, "get_seq_length", None)) else 0
+    return int(length) >= window
+
+
+def cannot_crop(cache, remove: int) -> str | None:
+    """Why the installed release cannot remove ``remove`` positions from ``cache`` now (``None``: it can);
+    asked before anything is changed."""
+    if not callable(getattr(cache, "crop", None)):
+        return f"{type(cache).__name__} has no crop() (a tuple cache cannot roll back)"
+    for layer in _layers(cache):
+        name = type(layer).__name__
+        if not callable(getattr(layer, "crop", None)):
+            return f"its {name} layers have no crop()"
+        if getattr(layer, "is_croppable", True) is False:
+            return f"transformers marks the cache's {name} layers not croppable"
+        if _is_linear_attention(layer) and not callable(getattr(layer, "activate_past_recording", None)):
+            return f"its {name} layers' crop() leaves their states as they are (no past recording before 5.14)"
+        if remove > 0 and _past_window(layer):
+            return (
+                f"its {name} layers have seen their window of {layer.sliding_window} positions and keep no past "
+                "(they cannot be cropped past the window)"
+            )
+    return None
+
+
 def crop(adapter, n: int) -> None:
     """Keep the first ``n`` positions of ``adapter``'s cache (see the module doc)."""
     from kvfast.validation import require_int
@@ -69,16 +155,16 @@ def crop(adapter, n: int) -> None:
     adapter._require_cache()
     n = require_int(n, "n", 0, adapter.length)
     cache = adapter.cache
-    if not callable(getattr(cache, "crop", None)):
-        raise NotImplementedError(f"{type(cache).__name__} has no crop() (a tuple cache cannot roll back)")
-    stuck = [type(layer).__name__ for layer in _layers(cache) if getattr(layer, "is_croppable", True) is False]
-    if stuck:
-        raise NotImplementedError(f"transformers marks the cache's {stuck[0]} layers not croppable")
+    why = cannot_crop(cache, adapter.length - n)
+    if why is not None:
+        raise NotImplementedError(f"{release()}: {why}")
     if callable(getattr(cache, "activate_past_recording", None)):
         cache.activate_past_recording()  # idempotent; generate does it before it may roll back
     if getattr(adapter, "op_bug", None) == "crop_short" and n < adapter.length:
         n += 1
-    cache.crop(n - adapter.length)
+    argument = crop_argument(cache, adapter.length - n)
+    if argument is not None:
+        cache.crop(argument)
     adapter.length = n
     adapter.decoded = max(0, n - adapter.prefill_len)
 
@@ -254,7 +340,10 @@ def reorder(adapter, index) -> None:
 
     cache = adapter.cache
     if not callable(getattr(cache, "reorder_cache", None)):
-        raise NotImplementedError(f"{type(cache).__name__} has no reorder_cache()")
+        raise NotImplementedError(f"{release()}: {type(cache).__name__} has no reorder_cache()")
+    stuck = [type(layer).__name__ for layer in _layers(cache) if not callable(getattr(layer, "reorder_cache", None))]
+    if stuck:
+        raise NotImplementedError(f"{release()}: its {stuck[0]} layers have no reorder_cache()")
     idx = torch.as_tensor(np.asarray(index, dtype=np.int64))
     bug = getattr(adapter, "op_bug", None)
     if bug == "reorder_wrong_index":
