@@ -79,8 +79,10 @@ def test_exact_mode_finds_a_bit_exact_model_exact(family, cache, scenario):
 
 
 def test_crop_zero_is_asked_of_the_release():
-    """The installed release says what ``crop(0)`` does; its answer is the one its release notes give."""
+    """The installed release says what ``crop(0)`` does, and whether its past recording survives several forwards
+    without a crop; its answers are those its sources give (5.14 and 5.18)."""
     assert hf_ops.crop_zero_removes_nothing() is (RELEASE >= Version("5.14"))
+    assert hf_ops.records_past_across_calls() is (RELEASE >= Version("5.18"))
     assert hf_ops.crop_argument(None, 3) == -3
     assert hf_ops.crop_argument(None, 0) == (0 if RELEASE >= Version("5.14") else None)
 
