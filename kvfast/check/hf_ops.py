@@ -157,7 +157,7 @@ def cannot_crop(cache, remove: int) -> str | None:
     """Why the installed release cannot remove ``remove`` positions from ``cache`` now (``None``: it can);
     asked before anything is changed."""
     if not callable(getattr(cache, "crop", None)):
-        return f"{type(cache).__name__} has no crop() (a tuple cache cannot roll back)"
+        return f"{type(cache).__name__} has no crop()"
     for layer in _layers(cache):
         name = type(layer).__name__
         if not callable(getattr(layer, "crop", None)):
@@ -351,11 +351,21 @@ def _beam_call(adapter, ids, torch):
     return _call_appending(adapter, ids, torch, attention_mask=mask)
 
 
+def _mask_as_generate(adapter, ids, mask):
+    """``mask``, or ``None`` for a ``cache_params`` model (4.x state-space: Mamba, Mamba-2) whose ``generate``
+    passes none after the prefill (its mixers multiply the new rows by the mask: a mask over every position
+    raises on a decoded token, measured on 4.57.6); every other model gets the mask, as before."""
+    if mask is None or adapter.cache_arg != "cache_params" or adapter.length == 0:
+        return mask
+    return mask if adapter._generate_passes_mask(ids[:1], mask[:1]) else None
+
+
 def _call_appending(adapter, ids, torch, **extra):
     """The model called on ``ids`` after the adapter's cache (``extra``: keyword arguments, ``None`` ones left
     out; ``cache_position`` added where the model takes it); the cache and length advanced; the logits."""
     n = ids.shape[1]
     kwargs = {"input_ids": ids, "use_cache": True, adapter.cache_arg: adapter.cache}
+    extra["attention_mask"] = _mask_as_generate(adapter, ids, extra.get("attention_mask"))
     kwargs.update((k, v) for k, v in extra.items() if v is not None)
     if adapter.takes_cache_position:
         kwargs["cache_position"] = torch.arange(adapter.length, adapter.length + n)
