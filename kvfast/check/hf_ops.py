@@ -352,10 +352,11 @@ def _beam_call(adapter, ids, torch):
 
 
 def _mask_as_generate(adapter, ids, mask):
-    """``mask``, or ``None`` for a ``cache_params`` model (4.x state-space: Mamba, Mamba-2) whose ``generate``
-    passes none after the prefill (its mixers multiply the new rows by the mask: a mask over every position
-    raises on a decoded token, measured on 4.57.6); every other model gets the mask, as before."""
-    if mask is None or adapter.cache_arg != "cache_params" or adapter.length == 0:
+    """``mask`` where the model's ``generate`` passes one in this call (asked as for a single sequence,
+    :meth:`~kvfast.check.hf.HFModel._generate_passes_mask`), else ``None``: state-space models (Mamba, Mamba-2,
+    FalconMamba) drop it after the prefill, and their mixers multiply the new rows by it (a mask over every
+    position: clean Mamba ``bug`` in reorder and padded on 5.24, a shape error on 4.57.6)."""
+    if mask is None or adapter.length == 0:
         return mask
     return mask if adapter._generate_passes_mask(ids[:1], mask[:1]) else None
 
