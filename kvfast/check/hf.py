@@ -20,9 +20,12 @@ What the adapter does (:mod:`kvfast.check.protocol` for the methods):
   the cache where they equal the model's own numbering (5.x ``generate``
   passes them; RoBERTa-style models keep theirs), and ``cache_position`` where
   the model's ``forward`` takes it (transformers 4.x).
-- The cache argument is named as the model's ``forward`` names it: ``cache``
-  (transformers 5.x) or ``past_key_values`` (4.x; tuples or ``DynamicCache``),
-  so no deprecation warning is triggered and old releases work as they are.
+- The cache argument is named as the model's ``forward`` names it
+  (:data:`CACHE_ARGS`): ``cache`` (transformers 5.x), ``past_key_values`` (4.x;
+  tuples or ``DynamicCache``) or ``cache_params`` (the state-space models of
+  4.x and early 5.x: Mamba, Mamba-2, FalconMamba, which build their own state
+  cache at the prefill, as their ``generate`` lets them), so no deprecation
+  warning is triggered and old releases work as they are.
 - ``recompute_variants(tokens)``: recomputes that differ from ``recompute`` only
   in how they add up, built on deep copies of the model (a shared config would
   switch the model under test too): ``"attention"`` (the other attention
@@ -64,6 +67,10 @@ from kvfast.check.formats import FORMATS, lowest
 from kvfast.validation import import_extra, not_allowed, require_choice, require_int
 
 VARIANTS = ("attention", "batch", "rows")
+#: The names a model's ``forward`` may give its cache argument (and its output the cache), the first it takes
+#: used: ``cache`` (transformers 5.x), ``past_key_values`` (4.x), ``cache_params`` (4.x and early 5.x state-space
+#: models, whose own cache class the model builds itself).
+CACHE_ARGS = ("cache", "past_key_values", "cache_params")
 MODEL = "a transformers causal LM with a language-model head and a KV cache (e.g. AutoModelForCausalLM)"
 
 
@@ -249,14 +256,12 @@ class HFModel:
         self.new_cache = new_cache
         self._mask_as_generate: dict[tuple, bool] = {}  # _generate_passes_mask's answers
         params = inspect.signature(model.forward).parameters
-        if "cache" in params:
-            self.cache_arg = "cache"
-        elif "past_key_values" in params:
-            self.cache_arg = "past_key_values"
-        else:
+        takes = [name for name in CACHE_ARGS if name in params]
+        if not takes:
             raise not_allowed(
-                "model", type(model).__name__, f"{MODEL}; its forward() takes neither cache nor past_key_values"
+                "model", type(model).__name__, f"{MODEL}; its forward() takes none of {', '.join(CACHE_ARGS)}"
             )
+        self.cache_arg = takes[0]
         self.takes_cache_position = "cache_position" in params
         self.takes_mask = "attention_mask" in params
         self.takes_position_ids = "position_ids" in params
@@ -346,7 +351,7 @@ class HFModel:
         else:
             logits = out.get("logits")
             keys = list(out.keys())  # never read a deprecated name: transformers 5.x warns on past_key_values
-            name = "cache" if "cache" in keys else "past_key_values" if "past_key_values" in keys else None
+            name = next((k for k in CACHE_ARGS if k in keys), None)
             cache = None if name is None else out[name]
         if logits is None:
             raise not_allowed("model", type(model).__name__, f"{MODEL}; it returned no logits")
@@ -360,6 +365,8 @@ class HFModel:
     def _fresh_cache(self):
         if self.new_cache is not None:
             return self.new_cache()
+        if self.cache_arg == "cache_params":  # a state-space model of 4.x / early 5.x builds its own state cache
+            return None
         if getattr(self.model, "_supports_cache_class", True) is False:  # 4.3x GPT-2 and others: tuples only
             return None
         try:
@@ -460,6 +467,10 @@ class HFModel:
         torch = _torch()
         n = ids.shape[1]
         so_far = torch.cat([torch.zeros(1, self.length, dtype=ids.dtype), ids], dim=1)  # only the shape is read
+        # the state-space models of 4.x read the positions from cache_position (their generate passes it)
+        where = (
+            {"cache_position": torch.arange(self.length, self.length + n)} if self.cache_arg == "cache_params" else {}
+        )
         try:
             inputs = prepare(
                 so_far,
@@ -468,6 +479,7 @@ class HFModel:
                 attention_mask=mask,
                 use_cache=True,
                 is_first_iteration=self.length == 0,
+                **where,
             )
         except Exception:  # noqa: BLE001 - a signature of another release: generate's default (the mask) stands
             return True
@@ -482,8 +494,14 @@ class HFModel:
         return out
 
     def extend(self, tokens):
-        """``tokens`` continuing the cache (a further prompt chunk); their logits ``(n, V)``."""
+        """``tokens`` continuing the cache (a further prompt chunk); their logits ``(n, V)``. A ``cache_params``
+        model (:data:`CACHE_ARGS`) takes them one call per token, as its ``generate`` feeds it after the prefill
+        (its ``prepare_inputs_for_generation`` keeps the last token only): measured on 4.57.6, a chunk raises in
+        Mamba (IndexError) and is ``bug`` from its first row in Mamba-2."""
         self._require_cache()
+        if self.cache_arg == "cache_params":
+            torch = _torch()
+            return torch.cat([self._cached([t]) for t in np.asarray(tokens, dtype=np.int64).reshape(-1)])
         return self._cached(tokens)
 
     def decode(self, token):

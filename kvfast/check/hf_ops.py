@@ -1,13 +1,19 @@
 """The cache operations of :mod:`kvfast.check.scenarios` on Hugging Face caches (:class:`~kvfast.check.hf.HFModel`'s
 ``crop``, ``snapshot`` and ``restore`` hooks call these).
 
-- ``crop(n)``: ``cache.crop(n - length)`` (transformers 5.x takes the number of positions to remove, as a
-  negative int). As ``generate`` does for a cache it may roll back, the first crop (the rollback scenario
-  calls ``crop(length)`` right after the prefill, a rollback of nothing) activates the cache's past
-  recording (``activate_past_recording``), so that a sliding-window layer keeps the positions a later
-  rollback needs; a crop that keeps everything is ``crop(0)``, which puts a sliding layer back to its
-  window. A cache that cannot be rolled back (a tuple cache, a layer transformers marks not croppable)
-  raises ``NotImplementedError``: the scenario is skipped with a note.
+- ``crop(n)``: the installed transformers release asked how to remove ``length - n`` positions
+  (:func:`crop_argument`, the one place that decides it): ``cache.crop(-r)`` removes ``r > 0`` positions in
+  every release; ``crop(0)`` removes nothing from 5.14 on (and puts a sliding or linear-attention layer that
+  records its past back to its window), but keeps 0 positions, i.e. empties the cache, before 5.14, where a
+  rollback of nothing is therefore no call at all. As ``generate`` does for a cache it may roll back, the
+  first crop (the rollback scenario calls ``crop(length)`` right after the prefill, a rollback of nothing)
+  activates the cache's past recording (``activate_past_recording``), so that a sliding-window layer keeps
+  the positions a later rollback needs: from 5.18 on only (:func:`records_past_across_calls`; 5.15 to 5.17
+  need a crop after every forward, which one-token draft calls cannot give). A cache the release cannot
+  roll back (:func:`cannot_crop`: a tuple cache, a layer with no ``crop`` such as 5.0's ``StaticLayer``, a
+  layer transformers marks not croppable, a linear-attention layer that records no past, a sliding-window
+  layer past its window that recorded no past, as before 5.18) raises ``NotImplementedError`` naming the
+  release and the reason, before the cache is changed: the scenario is skipped with a note.
 - ``snapshot()``: a ``copy.deepcopy`` of the cache and of the adapter's bookkeeping (length, decode
   count); ``restore(state)``: a fresh deep copy of it (a state may be restored again), with the adapter's
   ``_wrap_cache`` hook run on the copy.
@@ -20,6 +26,7 @@ these functions call.
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +47,118 @@ def _layers(cache) -> list:
     return list(getattr(cache, "layers", None) or [])
 
 
+# --- what the installed transformers release can do with a cache (asked here, nowhere else) -------------
+
+
+def release() -> str:
+    """The installed transformers release (``transformers.__version__``), as notes name it."""
+    import transformers
+
+    return f"transformers {transformers.__version__}"
+
+
+@functools.cache
+def crop_zero_removes_nothing() -> bool:
+    """Whether the installed release's ``cache.crop(0)`` removes nothing (5.14 on: ``crop(-r)`` removes ``r``
+    positions and ``crop(0)`` none) rather than keeping 0 positions (before 5.14 a non-negative argument is the
+    length to KEEP, so ``crop(0)`` empties the cache). Asked of the release itself: a ``DynamicCache`` holding
+    two positions, cropped with 0 (``False`` where that cannot be asked: no call is then made for a rollback of
+    nothing, which is right on every release)."""
+    import torch
+
+    try:
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        kv = torch.zeros(1, 1, 2, 1)
+        cache.update(kv, kv, 0)
+        cache.crop(0)
+        return int(cache.get_seq_length()) == 2
+    except Exception:  # noqa: BLE001 - a release that cannot be asked: the safe answer
+        return False
+
+
+def crop_argument(cache, remove: int) -> int | None:
+    """The argument of ``cache.crop`` that removes ``remove`` positions on the installed release (``None``: make
+    no call). ``crop(-r)`` removes ``r`` in every release kvfast supports; a rollback of nothing is ``crop(0)``
+    where that removes nothing (:func:`crop_zero_removes_nothing`), else no call (``crop(0)`` would empty the
+    cache), and no call either on a sliding layer past its window that keeps no past (5.14's ``crop`` raises
+    there, and there is nothing to tidy)."""
+    if remove > 0:
+        return -remove
+    if not crop_zero_removes_nothing() or any(_past_window(layer) for layer in _layers(cache)):
+        return None
+    return 0
+
+
+@functools.cache
+def records_past_across_calls() -> bool:
+    """Whether the installed release's past recording (``activate_past_recording``) lets several forwards run
+    without a crop between them (5.18 on: a recording sliding-window layer hands the attention only the
+    positions its mask covers). From 5.15 to 5.17 a recording layer hands it every position recorded, and a
+    second forward without a crop raises in the attention (the mask covers the window only), so kvfast
+    records nothing there (the rollback scenario decodes one draft token per call): a sliding-window layer
+    then cannot roll back past its window, and the scenario is skipped. Asked of the release: a recording
+    ``DynamicSlidingWindowLayer`` of window 2, updated three times by one position, must return 2."""
+    import torch
+
+    try:
+        from transformers.cache_utils import DynamicSlidingWindowLayer
+
+        layer = DynamicSlidingWindowLayer(sliding_window=2)
+        if not callable(getattr(layer, "activate_past_recording", None)):
+            return False
+        layer.activate_past_recording()
+        kv = torch.zeros(1, 1, 1, 1)
+        for _ in range(3):
+            keys, _ = layer.update(kv, kv)
+        return int(keys.shape[-2]) == 2
+    except Exception:  # noqa: BLE001 - a release that cannot be asked: record nothing
+        return False
+
+
+def _is_linear_attention(layer) -> bool:
+    return any(k.__name__ == "LinearAttentionCacheLayerMixin" for k in type(layer).__mro__)
+
+
+def _past_window(layer) -> bool:
+    """A sliding-window layer that has seen its window and keeps no past: its release's ``crop`` raises
+    (before 5.15 always; from 5.15 on unless it records its past)."""
+    window = getattr(layer, "sliding_window", None)
+    if not isinstance(window, int) or getattr(layer, "record_past", False) is True:
+        return False
+    length = layer.get_seq_length() if callable(getattr(layer, "get_seq_length", None)) else 0
+    return int(length) >= window
+
+
+def cannot_crop(cache, remove: int) -> str | None:
+    """Why the installed release cannot remove ``remove`` positions from ``cache`` now (``None``: it can);
+    asked before anything is changed."""
+    if not callable(getattr(cache, "crop", None)):
+        return f"{type(cache).__name__} has no crop()"
+    for layer in _layers(cache):
+        name = type(layer).__name__
+        if not callable(getattr(layer, "crop", None)):
+            return f"its {name} layers have no crop()"
+        if getattr(layer, "is_croppable", True) is False:
+            return f"transformers marks the cache's {name} layers not croppable"
+        if _is_linear_attention(layer) and not records_past_across_calls():
+            return f"its {name} layers keep their states for a crop only with a past recording {_NO_RECORDING}"
+        if remove > 0 and _past_window(layer):
+            return (
+                f"its {name} layers have seen their window of {layer.sliding_window} positions and kept no past, so "
+                f"they cannot be cropped past it (a past recording {_NO_RECORDING})"
+            )
+    return None
+
+
+#: Why kvfast records no past on a release (:func:`records_past_across_calls` is false), as notes say it.
+_NO_RECORDING = (
+    "kvfast uses only from transformers 5.18 on; before, a recording cache needs a crop after every forward, and "
+    "the rollback scenario decodes one draft token per call"
+)
+
+
 def crop(adapter, n: int) -> None:
     """Keep the first ``n`` positions of ``adapter``'s cache (see the module doc)."""
     from kvfast.validation import require_int
@@ -47,15 +166,15 @@ def crop(adapter, n: int) -> None:
     adapter._require_cache()
     n = require_int(n, "n", 0, adapter.length)
     cache = adapter.cache
-    if not callable(getattr(cache, "crop", None)):
-        raise NotImplementedError(f"{type(cache).__name__} has no crop() (a tuple cache cannot roll back)")
-    stuck = [type(layer).__name__ for layer in _layers(cache) if getattr(layer, "is_croppable", True) is False]
-    if stuck:
-        raise NotImplementedError(f"transformers marks the cache's {stuck[0]} layers not croppable")
-    if callable(getattr(cache, "activate_past_recording", None)):
+    why = cannot_crop(cache, adapter.length - n)
+    if why is not None:
+        raise NotImplementedError(f"{release()}: {why}")
+    if records_past_across_calls() and callable(getattr(cache, "activate_past_recording", None)):
         cache.activate_past_recording()  # idempotent; generate does it before it may roll back
     n = adapter._crop_keep(n, adapter.length)
-    cache.crop(n - adapter.length)
+    argument = crop_argument(cache, adapter.length - n)
+    if argument is not None:
+        cache.crop(argument)
     adapter.length = n
     adapter.decoded = max(0, n - adapter.prefill_len)
 
@@ -203,11 +322,22 @@ def _beam_call(adapter, ids, torch):
     return _call_appending(adapter, ids, torch, attention_mask=mask)
 
 
+def _mask_as_generate(adapter, ids, mask):
+    """``mask`` where the model's ``generate`` passes one in this call (asked as for a single sequence,
+    :meth:`~kvfast.check.hf.HFModel._generate_passes_mask`), else ``None``: state-space models (Mamba, Mamba-2,
+    FalconMamba) drop it after the prefill, and their mixers multiply the new rows by it (a mask over every
+    position: clean Mamba ``bug`` in reorder and padded on 5.24, a shape error on 4.57.6)."""
+    if mask is None or adapter.length == 0:
+        return mask
+    return mask if adapter._generate_passes_mask(ids[:1], mask[:1]) else None
+
+
 def _call_appending(adapter, ids, torch, **extra):
     """The model called on ``ids`` after the adapter's cache (``extra``: keyword arguments, ``None`` ones left
     out; ``cache_position`` added where the model takes it); the cache and length advanced; the logits."""
     n = ids.shape[1]
     kwargs = {"input_ids": ids, "use_cache": True, adapter.cache_arg: adapter.cache}
+    extra["attention_mask"] = _mask_as_generate(adapter, ids, extra.get("attention_mask"))
     kwargs.update((k, v) for k, v in extra.items() if v is not None)
     if adapter.takes_cache_position:
         kwargs["cache_position"] = torch.arange(adapter.length, adapter.length + n)
@@ -224,7 +354,10 @@ def reorder(adapter, index) -> None:
 
     cache = adapter.cache
     if not callable(getattr(cache, "reorder_cache", None)):
-        raise NotImplementedError(f"{type(cache).__name__} has no reorder_cache()")
+        raise NotImplementedError(f"{release()}: {type(cache).__name__} has no reorder_cache()")
+    stuck = [type(layer).__name__ for layer in _layers(cache) if not callable(getattr(layer, "reorder_cache", None))]
+    if stuck:
+        raise NotImplementedError(f"{release()}: its {stuck[0]} layers have no reorder_cache()")
     idx = torch.as_tensor(np.asarray(index, dtype=np.int64))
     adapter._reorder_cache(cache, idx)
 
