@@ -1,14 +1,26 @@
 """``kvfast.check``: every-step KV-cache checks for any model, with a rounding-or-bug verdict.
 
-- :func:`check_cache` / :func:`assert_cache_exact`: the checker (:mod:`kvfast.check.checker`);
-  :class:`CheckOptions` its options as one validated object (:func:`check_cache_with`).
-- :mod:`kvfast.check.protocol`: what a model under test provides; :class:`ModelUnderTestError` (the
-  model's own code raised or exited) and :class:`CheckTimeout` (``check_cache(..., timeout=S)``).
-- :mod:`kvfast.check.control`: control mode's method and limits.
-- :class:`KvfastModel`: kvfast's own model (with any catalogue bug) as a model under test.
-- :class:`NumpyModel`: a NumPy reference model of the same architecture, loading kvfast's ``.npz``.
-- :class:`HFModel` (:mod:`kvfast.check.hf`, extra ``kvfast[hf]``): a Hugging Face causal LM as a model
-  under test (imported on first use: kvfast does not need torch).
+The API: :func:`check_cache` / :func:`assert_cache_exact` (:func:`check_cache_with` takes the options as one
+:class:`CheckOptions`); a :class:`CheckReport` back. :class:`KvfastModel` (kvfast's own model),
+:class:`NumpyModel` (a NumPy model of the same architecture) and :class:`HFModel` (a Hugging Face causal LM,
+extra ``kvfast[hf]``, imported on first use) are models under test; engines are in :mod:`kvfast.check.engines`.
+
+Reading order: a check is one pipeline (choose the scenarios, run each, judge each, report), and the modules
+follow it, each below the next:
+
+1. :mod:`~kvfast.check.protocol`: what a model under test provides, how its answers are validated
+   (:class:`~kvfast.check.protocol.ModelCalls`), and whose failure an error is (:class:`ModelUnderTestError`,
+   :class:`CheckTimeout`); :mod:`~kvfast.check.formats`: rounding (the formats, their ulps, the ceilings
+   below which noise is rounding, the model's internal formats).
+2. :mod:`~kvfast.check.scenarios`: one unit per scenario (``decode``, ``resume``, ``rollback``, ``fork``,
+   ``reorder``, ``padded``) and their registry; :mod:`~kvfast.check.control`: control mode's method and limits;
+   :mod:`~kvfast.check.report`: the report and its rendering.
+3. :mod:`~kvfast.check.options`: every option, validated once (the command line's flags come from its fields).
+4. :mod:`~kvfast.check.subject`: the options met with a model and a prompt; :mod:`~kvfast.check.judge`: how a
+   scenario is judged (exact or control), chosen once.
+5. :mod:`~kvfast.check.reference`: the recompute rows (and order noise) a cache path is compared with;
+   :mod:`~kvfast.check.lossy`: a quantized cache re-judged as one.
+6. :mod:`~kvfast.check.checker`: the pipeline itself (the float64 logic check is a second run of it).
 
 The product only: the bug catalogues kvfast tests it against, and detector scoring, are :mod:`kvfast.bugs`
 (which imports this package, never the other way round).
