@@ -14,7 +14,8 @@ directory, and prints one JSON line; this script prints a Markdown table of:
 - peak memory: the main process and the largest worker (VmHWM from /proc on Linux);
 - cold versus warm compile: the first run of a sweep (in the main process, as warm-up) with an
   empty Numba cache directory, and again with that directory filled; plus the whole N-worker sweep
-  wall time in both cases.
+  wall time and CPU time (the process and the workers it reaped) in both cases, and each cold / warm ratio
+  (one sample each: compiling is a one-off).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -63,6 +65,9 @@ print(json.dumps({
 
 
 def child(grid: str, jobs: int, env: dict | None = None, backend: str = "fork") -> dict:
+    """One sweep in a fresh process: its JSON line, plus ``cpu_s``, the CPU seconds of that process and
+    the workers it reaped (``RUSAGE_CHILDREN``: user + system)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     with tempfile.TemporaryDirectory(prefix="kvfast-bench-") as tmp:
         proc = subprocess.run(
             [sys.executable, "-c", CHILD, grid, str(Path(tmp) / "out"), str(jobs), backend],
@@ -72,7 +77,9 @@ def child(grid: str, jobs: int, env: dict | None = None, backend: str = "fork") 
         )
     if proc.returncode != 0:
         raise SystemExit(f"benchmark child failed:\n{proc.stderr}")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["cpu_s"] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if not result["ok"]:
         raise SystemExit(f"benchmark sweep did not finish ok: {result}")
     return result
@@ -142,9 +149,20 @@ def main(argv: list[str] | None = None) -> int:
     for name, a, b in rows:
         print(f"| {name} | {a} | {b} |")
     print()
-    print(f"| compile | first run s (main process) | {args.jobs}-worker sweep wall s |\n|---|---|---|")
-    print(f"| cold (empty Numba cache) | {cold['first_run_s']:.2f} | {cold['wall_s']:.2f} |")
-    print(f"| warm (cache filled) | {warm['first_run_s']:.3f} | {warm['wall_s']:.2f} |")
+    print(
+        f"| compile | first run s (main process) | {args.jobs}-worker sweep wall s | "
+        "process CPU s (main + workers) |\n|---|---|---|---|"
+    )
+    print(f"| cold (empty Numba cache) | {cold['first_run_s']:.2f} | {cold['wall_s']:.2f} | {cold['cpu_s']:.1f} |")
+    print(f"| warm (cache filled) | {warm['first_run_s']:.3f} | {warm['wall_s']:.2f} | {warm['cpu_s']:.1f} |")
+    print(
+        f"| cold / warm (same run) | {cold['first_run_s'] / warm['first_run_s']:.0f}x | "
+        f"{cold['wall_s'] / warm['wall_s']:.1f}x | {cold['cpu_s'] / warm['cpu_s']:.1f}x |"
+    )
+    print(
+        "(cold and warm: one sweep each, a fresh process each, the cold one first; compiling is a one-off, "
+        "so these are single samples, not medians)"
+    )
     print()
     load_after = os.getloadavg()
     print(

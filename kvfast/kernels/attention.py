@@ -17,6 +17,12 @@ not by luck.
 Each score's dot product is computed four keys at a time (four independent
 sums in flight, each still in its own order), which changes no bit.
 
+Compile cost (a cold start): the row kernels (:func:`attend_row`,
+:func:`attend_row_blocked`) are ordinary calls, compiled once per format and
+shared by the forward's :func:`attention_into` and the decode step (inlined, they
+were compiled into each); given a literal accumulator format (a compiled model
+entry's constant), :func:`score_dots` compiles that format's sequential body only.
+
 Real kernels' orders (``mode``, with an integer ``param``), per head, over the
 scores ``s_j`` above (computed exactly as in the standard mode):
 
@@ -56,6 +62,8 @@ import math
 
 import numba as nb
 import numpy as np
+from numba import types
+from numba.extending import overload
 
 from kvfast.kernels.jit import JIT_OPTIONS as _JIT
 from kvfast.kernels.matmul import _mac, _mul
@@ -98,16 +106,36 @@ def _dots_sequential(qrow, c0, kbuf, lo, nk, hd, out, acc):
         j += 1
 
 
-@nb.njit(**_JIT)
-def score_dots(qrow, c0, kbuf, lo, nk, hd, acc, order, sstack, out):
-    """``out[j] = ordered_dot(qrow, c0, kbuf[lo + j], c0, hd, acc, order, sstack)`` for j < nk."""
-    if order == SEQUENTIAL and hd > 0:
+def _dots_sequential_any(qrow, c0, kbuf, lo, nk, hd, out, acc):
+    """:func:`_dots_sequential` for any format ``acc``: see the overload below."""
+    raise NotImplementedError("only callable from jitted code")
+
+
+@overload(_dots_sequential_any, jit_options=_JIT, prefer_literal=True)
+def _dots_sequential_any_overload(qrow, c0, kbuf, lo, nk, hd, out, acc):
+    """The format dispatch of :func:`score_dots`, chosen while typing when it can be: a literal ``acc`` (a
+    compiled model entry's constant) compiles that format's body alone; a run-time one, a branch over the
+    three (as :func:`kvfast.kernels.matmul.matmul_into` does)."""
+    if isinstance(acc, types.IntegerLiteral):
+        code = acc.literal_value
+        return lambda qrow, c0, kbuf, lo, nk, hd, out, acc: _dots_sequential(qrow, c0, kbuf, lo, nk, hd, out, code)
+
+    def dispatch(qrow, c0, kbuf, lo, nk, hd, out, acc):
         if acc == F64:
             _dots_sequential(qrow, c0, kbuf, lo, nk, hd, out, F64)
         elif acc == F32:
             _dots_sequential(qrow, c0, kbuf, lo, nk, hd, out, F32)
         else:
             _dots_sequential(qrow, c0, kbuf, lo, nk, hd, out, BF16)
+
+    return dispatch
+
+
+@nb.njit(**_JIT)
+def score_dots(qrow, c0, kbuf, lo, nk, hd, acc, order, sstack, out):
+    """``out[j] = ordered_dot(qrow, c0, kbuf[lo + j], c0, hd, acc, order, sstack)`` for j < nk."""
+    if order == SEQUENTIAL and hd > 0:
+        _dots_sequential_any(qrow, c0, kbuf, lo, nk, hd, out, acc)
     else:
         for j in range(nk):
             out[j] = ordered_dot(qrow, c0, kbuf[lo + j], c0, hd, acc, order, sstack)
@@ -132,7 +160,7 @@ def _max_of(x, a0, n):
     return m
 
 
-@nb.njit(**_JIT, inline="always")
+@nb.njit(**_JIT)
 def attend_row(
     q, qr, kbuf, vbuf, lo, hi, n_head, scale, storage, acc, order, out, outr, probs, pr, scratch, sstack, vstack
 ):
@@ -197,7 +225,7 @@ def block_edges(lo, hi, span_lo, span_hi, mode, param):
     return edges[:n]
 
 
-@nb.njit(**_JIT, inline="always")
+@nb.njit(**_JIT)
 def attend_row_blocked(
     q, qr, kbuf, vbuf, lo, hi, span_lo, span_hi, n_head, scale, storage, acc, order, mode, param,
     out, outr, scratch, sstack, vstack,

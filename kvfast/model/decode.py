@@ -100,15 +100,16 @@ def _decode_attention(
     else:
         _store_rows(kbuf, slot, k)
         _store_rows(vbuf, slot, v)
+    row = np.int64(0)  # not the literal 0: the row kernels are compiled once, for the forward's int64 rows too
     if attn == STANDARD:
         attend_row(
-            q, 0, kbuf, vbuf, lo, hi, n_head, scale, storage, acc, order,
-            y, 0, np.empty((0, 0, 0)), 0, scratch, sstack, vstack,
+            q, row, kbuf, vbuf, lo, hi, n_head, scale, storage, acc, order,
+            y, row, np.empty((0, 0, 0)), row, scratch, sstack, vstack,
         )  # fmt: skip
     else:
         attend_row_blocked(
-            q, 0, kbuf, vbuf, lo, hi, lo, hi, n_head, scale, storage, acc, order, attn, attn_block,
-            y, 0, scratch, sstack, vstack,
+            q, row, kbuf, vbuf, lo, hi, lo, hi, n_head, scale, storage, acc, order, attn, attn_block,
+            y, row, scratch, sstack, vstack,
         )  # fmt: skip
 
 

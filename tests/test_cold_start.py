@@ -1,0 +1,94 @@
+"""A cold start loads only what it uses: ``import kvfast`` loads no Numba, and importing the model and
+the studies compiles no kernel (kernels compile, or load from the cache, on their first call).
+
+Each check runs in a fresh interpreter with an empty ``NUMBA_CACHE_DIR`` and counts Numba's
+``numba:compile`` events (a cache hit is one too, so a kernel loaded at import would count). The
+control shows the counter sees an eager compile: a module-level ``njit`` with an explicit signature.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+COUNT = r"""
+import json, sys
+before = "numba" in sys.modules
+from numba.core import event
+compiled = []
+class Listener(event.Listener):
+    def on_start(self, ev):
+        compiled.append(ev.data["dispatcher"].py_func.__qualname__)
+    def on_end(self, ev):
+        pass
+event.register("numba:compile", Listener())
+exec(sys.argv[1])
+print(json.dumps({"compiled": compiled}))
+"""
+
+
+def _run(args: list[str], cache: Path | None) -> str:
+    """stdout of ``python ARGS`` from the repository root, with an empty Numba cache in ``cache`` (or kvfast's)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if cache is not None:
+        env["NUMBA_CACHE_DIR"] = str(cache)
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, check=True, env=env, cwd=ROOT).stdout
+
+
+def _compiled_by(statement: str, cache: Path | None) -> list[str]:
+    """The functions Numba compiled (or loaded from its cache) while ``statement`` ran."""
+    return json.loads(_run(["-c", COUNT, statement], cache).strip().splitlines()[-1])["compiled"]
+
+
+def test_import_kvfast_loads_no_numba(tmp_path):
+    out = _run(["-c", "import sys, kvfast; print('numba' in sys.modules, 'llvmlite' in sys.modules)"], tmp_path)
+    assert out.split() == ["False", "False"]
+
+
+def test_importing_the_model_and_the_studies_compiles_no_kernel(tmp_path):
+    statement = (
+        "import kvfast.model.transformer, kvfast.model.decode, kvfast.model.layers, kvfast.numerics\n"
+        "import kvfast.studies.exactness, kvfast.studies.precision, kvfast.studies.training\n"
+        "import kvfast.kernels.matmul, kvfast.kernels.attention, kvfast.kernels.rowops"
+    )
+    assert _compiled_by(statement, tmp_path) == []
+
+
+def test_the_compile_counter_sees_an_eager_compile(tmp_path):
+    """Control: a kernel compiled at import (an explicit signature) is counted."""
+    statement = "import numba\n@numba.njit('float64(float64)')\ndef twice(x):\n    return 2.0 * x"
+    assert _compiled_by(statement, tmp_path) == ["twice"]
+
+
+LOADED = r"""
+import json, sys
+import numba
+exec(sys.argv[1])
+loaded = sorted(
+    f"{mod.__name__}.{name}" for mod in list(sys.modules.values()) if (mod.__name__ or "").startswith("kvfast")
+    for name, obj in vars(mod).items() if isinstance(obj, numba.core.dispatcher.Dispatcher) and obj.signatures
+)
+print(json.dumps(loaded))
+"""
+
+
+def test_the_first_call_compiles_or_loads_only_what_it_uses():
+    """Laziness, with kvfast's own cache (a cache load is counted too: a dispatcher with a signature):
+    after importing nothing is loaded; one f64 forward loads its entry, not the decode's."""
+    imports = (
+        "import kvfast.model.config as c, kvfast.model.transformer as t, kvfast.model.decode, kvfast.numerics as n"
+    )
+    assert json.loads(_run(["-c", LOADED, imports], None).strip().splitlines()[-1]) == []
+    call = (
+        "\ncfg = c.ModelConfig(vocab=8, d_model=4, n_head=1, n_layer=1, d_ff=4, max_pos=4)\n"
+        "t.forward(cfg, c.init_params(cfg, 0), [1, 2], n.Numerics())\n"
+        "from kvfast.model.compiled import forward_entry\n"
+        "assert forward_entry(0, 0).signatures"
+    )
+    loaded = json.loads(_run(["-c", LOADED, imports + call], None).strip().splitlines()[-1])
+    assert not any("decode" in name for name in loaded), loaded
