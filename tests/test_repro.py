@@ -18,12 +18,21 @@ from kvfast.check.hf import HFModel, tiny_model  # noqa: E402
 from kvfast.repro import find_case, write_reproducer  # noqa: E402
 from kvfast.repro.patches import PATCHES, patch_for  # noqa: E402
 
-#: Runs a script with kvfast made unimportable (``sys.modules['kvfast'] = None``) and in isolated mode (no
-#: PYTHONPATH, no current directory on sys.path): what it imports must be torch and transformers only.
-NO_KVFAST = (
-    "import runpy, sys; sys.modules['kvfast'] = None; sys.argv = [sys.argv[1]]; "
-    "runpy.run_path(sys.argv[0], run_name='__main__')"
-)
+#: Runs scripts in one interpreter with kvfast made unimportable (``sys.modules['kvfast'] = None``), in isolated
+#: mode (no PYTHONPATH, no current directory on sys.path): what they import must be torch and transformers only.
+#: Each script's output ends with a line ``== exit CODE`` (one interpreter for several: torch loads once).
+NO_KVFAST = """
+import runpy, sys
+sys.modules['kvfast'] = None
+for path in sys.argv[1:]:
+    sys.argv = [path]
+    try:
+        runpy.run_path(path, run_name='__main__')
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    print(f'== exit {code}', flush=True)
+"""
 PROMPT = np.array([5, 17, 42, 8])
 CONTINUATION = np.array([3, 61, 9, 27, 33, 70, 12, 4, 88, 1, 50, 23])
 
@@ -33,10 +42,14 @@ def _one_thread():
     torch.set_num_threads(1)
 
 
-def run_script(path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-I", "-c", NO_KVFAST, str(path)], capture_output=True, text=True, timeout=300
+def run_scripts(*paths) -> list[tuple[int, str]]:
+    """``(exit code, output)`` of each script, run without kvfast (:data:`NO_KVFAST`)."""
+    done = subprocess.run(
+        [sys.executable, "-I", "-c", NO_KVFAST, *map(str, paths)], capture_output=True, text=True, timeout=600
     )
+    parts = re.split(r"^== exit (\S+)\n", done.stdout, flags=re.M)
+    assert len(parts) == 2 * len(paths) + 1, done.stdout + done.stderr
+    return [(int(parts[2 * i + 1]), parts[2 * i]) for i in range(len(paths))]
 
 
 def first_differing_step(out: str) -> int | None:
@@ -47,7 +60,7 @@ def first_differing_step(out: str) -> int | None:
 def test_the_guard_makes_kvfast_unimportable(tmp_path):
     script = tmp_path / "s.py"
     script.write_text("import kvfast\n")
-    done = run_script(script)
+    done = subprocess.run([sys.executable, "-I", "-c", NO_KVFAST, str(script)], capture_output=True, text=True)
     assert done.returncode == 1 and "import of kvfast halted" in done.stderr
 
 
@@ -59,37 +72,31 @@ def _case(family, bug, scenario, tmp_path, seed=0):
     return case, write_reproducer(case, tmp_path / "repro")
 
 
-def test_an_injected_bug_reproduces_without_kvfast_and_a_clean_model_exits_0(tmp_path):
-    case, script = _case("llama", ("hf", "posoff"), "decode", tmp_path)
-    assert case.verdict == "bug" and case.first_bug_step == 1 and case.bug == ("hf", "posoff")
-    done = run_script(script)
-    assert done.returncode == 1, done.stderr
-    assert first_differing_step(done.stdout) == 1
-    assert "versions: python" in done.stdout and "transformers" in done.stdout
-    assert "INJECTED BUG" in script.read_text()
-    clean, script = _case("llama", None, "decode", tmp_path / "clean")
-    assert clean.verdict == "rounding" and clean.bug is None
-    done = run_script(script)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert first_differing_step(done.stdout) is None and "no bug shown" in done.stdout
-
-
-def test_the_script_measures_what_kvfast_measured(tmp_path):
-    """A finding of the library itself (no patch): the script's per-step deviations are kvfast's, digit for digit
-    as printed (the same calls, the same recompute rows)."""
+def test_findings_reproduce_without_kvfast_and_a_clean_model_exits_0(tmp_path):
+    """An injected bug (the script carries it), a finding of the library itself (Mamba's resume: no patch) and
+    a clean model asked for on purpose: exit 1, 1 and 0; the script's per-step deviations are kvfast's, digit
+    for digit as printed (the same calls, the same recompute rows)."""
     from kvfast.studies.architectures import tiny_architecture
 
-    model = tiny_architecture("mamba", "float32", "auto", 0)
-    case = find_case(model, PROMPT, "resume", continuation=CONTINUATION[:6], command="tests/test_repro.py")
-    assert case.verdict == "bug" and case.bug is None
-    script = write_reproducer(case, tmp_path)
-    done = run_script(script)
-    assert done.returncode == 1, done.stderr
-    assert first_differing_step(done.stdout) == case.first_bug_step
-    rows = re.findall(r"^\s+(\d+)\s+[\d-]+\s+(\S+)\s+\S+", done.stdout, re.M)
-    assert [float(d) for _, d in rows] == [float(f"{d:.6g}") for d in case.deviation]
-    text = (tmp_path / "ISSUE.md").read_text()
-    assert "Label: **known**" in text and "resume" in text and "transformers" in text
+    posoff, posoff_script = _case("llama", ("hf", "posoff"), "decode", tmp_path / "posoff")
+    assert posoff.verdict == "bug" and posoff.first_bug_step == 1 and posoff.bug == ("hf", "posoff")
+    assert "INJECTED BUG" in posoff_script.read_text()
+    mamba = find_case(tiny_architecture("mamba", "float32", "auto", 0), PROMPT, "resume", continuation=CONTINUATION[:6])
+    assert mamba.verdict == "bug" and mamba.bug is None
+    mamba_script = write_reproducer(mamba, tmp_path / "mamba")
+    clean, clean_script = _case("llama", None, "decode", tmp_path / "clean")
+    assert clean.verdict == "rounding" and clean.bug is None
+    (code, out), (mamba_code, mamba_out), (clean_code, clean_out) = run_scripts(
+        posoff_script, mamba_script, clean_script
+    )
+    assert code == 1 and first_differing_step(out) == 1
+    assert "versions: python" in out and "transformers" in out
+    assert mamba_code == 1 and first_differing_step(mamba_out) == mamba.first_bug_step
+    rows = re.findall(r"^\s+(\d+)\s+[\d-]+\s+(\S+)\s+\S+", mamba_out, re.M)
+    assert [float(d) for _, d in rows] == [float(f"{d:.6g}") for d in mamba.deviation]
+    issue = (tmp_path / "mamba" / "ISSUE.md").read_text()
+    assert "Label: **known**" in issue and "resume" in issue
+    assert clean_code == 0 and first_differing_step(clean_out) is None and "no bug shown" in clean_out
 
 
 def test_a_bug_no_script_carries_is_refused_by_name():
@@ -114,11 +121,12 @@ def test_every_patch_has_a_case():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bug", list(CARRIED), ids=lambda b: f"{b[0]}:{b[1]}")
-def test_every_carried_catalogue_bug_reproduces_without_kvfast(bug, tmp_path):
-    family, scenario = CARRIED[bug]
-    case, script = _case(family, bug, scenario, tmp_path)
-    assert case.verdict == "bug", case
-    done = run_script(script)
-    assert done.returncode == 1, done.stdout + done.stderr
-    assert first_differing_step(done.stdout) == case.first_bug_step
+def test_every_carried_catalogue_bug_reproduces_without_kvfast(tmp_path):
+    cases, scripts = [], []
+    for bug, (family, scenario) in CARRIED.items():
+        case, script = _case(family, bug, scenario, tmp_path / bug[1])
+        assert case.verdict == "bug", (bug, case.verdict)
+        cases.append(case)
+        scripts.append(script)
+    for case, (code, out) in zip(cases, run_scripts(*scripts), strict=True):
+        assert code == 1 and first_differing_step(out) == case.first_bug_step, (case.bug, out)
