@@ -15,8 +15,9 @@ pytest.importorskip("transformers")
 
 from kvfast.bugs import CATALOGUES  # noqa: E402
 from kvfast.check.hf import HFModel, tiny_model  # noqa: E402
-from kvfast.repro import find_case, write_reproducer  # noqa: E402
+from kvfast.repro import check_case, find_case, write_reproducer  # noqa: E402
 from kvfast.repro.patches import PATCHES, patch_for  # noqa: E402
+from kvfast.repro.shrink import shrink_case  # noqa: E402
 
 #: Runs scripts in one interpreter with kvfast made unimportable (``sys.modules['kvfast'] = None``), in isolated
 #: mode (no PYTHONPATH, no current directory on sys.path): what they import must be torch and transformers only.
@@ -86,9 +87,14 @@ def test_findings_reproduce_without_kvfast_and_a_clean_model_exits_0(tmp_path):
     mamba_script = write_reproducer(mamba, tmp_path / "mamba")
     clean, clean_script = _case("llama", None, "decode", tmp_path / "clean")
     assert clean.verdict == "rounding" and clean.bug is None
-    (code, out), (mamba_code, mamba_out), (clean_code, clean_out) = run_scripts(
-        posoff_script, mamba_script, clean_script
-    )
+    shrunk = shrink_case(posoff, seconds=60)
+    assert check_case(shrunk.case).scenarios["decode"].verdict == "bug"  # kvfast still calls the shrunk case a bug
+    assert shrunk.case.config["num_hidden_layers"] == 1 and shrunk.case.steps == 1 and len(shrunk.case.prompt) < 4
+    assert shrunk.case.config["hidden_size"] < posoff.config["hidden_size"] and shrunk.case.bug == posoff.bug
+    shrunk_script = write_reproducer(shrunk.case, tmp_path / "shrunk")
+    runs = run_scripts(posoff_script, mamba_script, clean_script, shrunk_script)
+    (code, out), (mamba_code, mamba_out), (clean_code, clean_out), (shrunk_code, shrunk_out) = runs
+    assert shrunk_code == 1 and first_differing_step(shrunk_out) == shrunk.case.first_bug_step
     assert code == 1 and first_differing_step(out) == 1
     assert "versions: python" in out and "transformers" in out
     assert mamba_code == 1 and first_differing_step(mamba_out) == mamba.first_bug_step
@@ -97,6 +103,22 @@ def test_findings_reproduce_without_kvfast_and_a_clean_model_exits_0(tmp_path):
     issue = (tmp_path / "mamba" / "ISSUE.md").read_text()
     assert "Label: **known**" in issue and "resume" in issue
     assert clean_code == 0 and first_differing_step(clean_out) is None and "no bug shown" in clean_out
+
+
+def test_shrinking_reports_what_it_could_not_shrink_and_refuses_a_case_without_a_bug(tmp_path):
+    """Mamba's resume: the prompt cannot lose a token (a 2-token resume is rounding), which the result says."""
+    from kvfast.studies.architectures import tiny_architecture
+
+    model = tiny_architecture("mamba", "float32", "auto", 0)
+    case = find_case(model, PROMPT, "resume", continuation=CONTINUATION[:4])
+    shrunk = shrink_case(case, seconds=60)
+    assert shrunk.case.verdict == "bug" and shrunk.case.steps == 1
+    assert any(line.startswith("prompt start 3 tokens -> 2 tokens: kvfast calls it") for line in shrunk.not_shrunk)
+    clean = find_case(HFModel(tiny_model("llama")), PROMPT, "decode", continuation=CONTINUATION[:2])
+    with pytest.raises(ValueError, match="case: verdict 'rounding' is not allowed; allowed: a case kvfast calls"):
+        shrink_case(clean)
+    with pytest.raises(ValueError, match="seconds: 0 is not allowed"):
+        shrink_case(case, seconds=0)
 
 
 def test_a_bug_no_script_carries_is_refused_by_name():
