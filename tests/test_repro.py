@@ -152,3 +152,82 @@ def test_every_carried_catalogue_bug_reproduces_without_kvfast(tmp_path):
         scripts.append(script)
     for case, (code, out) in zip(cases, run_scripts(*scripts), strict=True):
         assert code == 1 and first_differing_step(out) == case.first_bug_step, (case.bug, out)
+
+
+def test_known_or_new_labels_follow_the_registry():
+    from kvfast.repro.known import label
+
+    known, reference = label("transformers", "5.24.0", "mamba", "resume")
+    assert known == "known" and "docs/check.md" in reference
+    assert label("transformers", "5.24.0", "mamba", "decode") == ("new", None)  # another scenario: not in it
+    assert label("transformers", "4.46.3", "gemma2", "decode")[0] == "known"
+    assert label("transformers", "5.24.0", "gemma2", "decode") == ("new", None)  # gone in 4.57.6
+    assert label("transformers", "5.24.0", "mamba", "resume", injected=True)[0] == "injected"
+
+
+def test_the_findings_list_new_first():
+    from kvfast.repro.findings import Finding, findings_table
+
+    rows = [
+        Finding("a", "float32", "decode", "hf:posoff", "injected", None, 1, "x"),
+        Finding("b", "float32", "resume", "none", "known", "ref", 0, "y"),
+        Finding("c", "float32", "decode", "none", "new", None, 3, "z"),
+    ]
+    assert list(findings_table(rows)["label"]) == ["new", "known", "injected"]
+
+
+BUGGY = """
+from kvfast.bugs.hf import inject_hf_bug
+from kvfast.check.hf import HFModel, tiny_model
+
+
+def buggy(seed=0):
+    return inject_hf_bug(HFModel(tiny_model("llama", seed=seed)), "posoff")
+"""
+
+
+def test_kvfast_check_repro_writes_a_reproducer_per_failing_scenario(tmp_path):
+    import os
+    from pathlib import Path
+
+    import kvfast
+
+    (tmp_path / "buggy_factory.py").write_text(BUGGY)
+    env = {**os.environ, "PYTHONPATH": str(Path(kvfast.__file__).resolve().parents[1])}
+    args = ["check", "buggy_factory:buggy", "--prompt", "5,17,42,8", "--steps", "4", "--mode", "control"]
+    args += ["--scenarios", "decode", "--repro", str(tmp_path / "out"), "--repro-seconds", "5"]
+    done = subprocess.run(
+        [sys.executable, "-m", "kvfast.cli", *args], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    script = tmp_path / "out" / "decode" / "reproduce.py"
+    assert f"reproducer, decode: {script} (injected" in done.stdout
+    assert script.exists() and (tmp_path / "out" / "decode" / "ISSUE.md").exists()
+    assert "kvfast check buggy_factory:buggy" in script.read_text()
+    bad = subprocess.run(
+        [sys.executable, "-m", "kvfast.cli", *args[:-1], "0"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "--repro-seconds: 0 is not allowed" in bad.stderr
+
+
+def test_a_scan_writes_its_bug_rows_reproducers_beside_the_results(tmp_path):
+    import pandas as pd
+
+    from kvfast.studies.scan_repro import bug_rows, repro_dir, write_scan_reproducers
+
+    base = dict(dtype="float32", attention="auto", seed=0, prompt=0, steps=4, first_bug_step=0)
+    df = pd.DataFrame(
+        [
+            {**base, "architecture": "mamba", "scenario": "resume", "bug": "none", "verdict": "bug"},
+            {**base, "architecture": "mamba", "scenario": "resume", "bug": "none", "verdict": "bug", "prompt": 1},
+            {**base, "architecture": "llama", "scenario": "decode", "bug": "posoff", "verdict": "bug"},
+            {**base, "architecture": "llama", "scenario": "decode", "bug": "none", "verdict": "rounding"},
+        ]
+    )
+    assert len(bug_rows(df, "findings")) == 1 and len(bug_rows(df, "all")) == 2
+    results = tmp_path / "scan"
+    table = write_scan_reproducers(df, results, "findings", seconds=5)
+    assert repro_dir(results) == tmp_path / "scan.repro" and not results.exists()
+    assert list(table["label"]) == ["known"] and list(table["architecture"]) == ["mamba"]
+    assert (tmp_path / "scan.repro" / "mamba-float32-resume-none" / "reproduce.py").exists()
+    assert (tmp_path / "scan.repro" / "findings.csv").exists()
