@@ -233,3 +233,12 @@ def test_a_scan_writes_its_bug_rows_reproducers_beside_the_results(tmp_path):
     assert list(table["label"]) == ["known"] and list(table["architecture"]) == ["mamba"]
     assert (tmp_path / "scan.repro" / "mamba-float32-resume-none" / "reproduce.py").exists()
     assert (tmp_path / "scan.repro" / "findings.csv").exists()
+
+
+def test_a_cache_no_script_builds_is_refused_by_name():
+    from transformers import StaticCache
+
+    model = tiny_model("llama")
+    adapter = HFModel(model, new_cache=lambda: StaticCache(config=model.config, max_cache_len=32))
+    with pytest.raises(ValueError, match="model: .*StaticCache.* is not allowed; allowed: a DynamicCache"):
+        find_case(adapter, PROMPT, "decode", continuation=CONTINUATION[:2])

@@ -239,6 +239,9 @@ def find_case(
     ``_from_config`` do not give the model's weights, the case carries them (``weights``)."""
     require_choice(scenario, "scenario", SCRIPT_SCENARIOS)
     adapter = adapter_for(model, own_cache=own_cache)
+    if adapter.new_cache is not None and adapter.new_cache() is not None:  # a script builds a DynamicCache or none
+        made = type(adapter.new_cache()).__name__
+        raise not_allowed("model", f"an HFModel with new_cache of {made}", "a DynamicCache or the model's own cache")
     if report is None:
         from kvfast.check.checker import check_cache
 

@@ -78,8 +78,13 @@ def reproduce_report(
         elif name not in SCRIPT_SCENARIOS:
             why = f"no reproducer: a script replays {', '.join(SCRIPT_SCENARIOS)}, not {name!r}"
         else:
-            case = find_case(model, prompt, name, continuation=list(s.tokens), seed=seed, command=command)
-            if case.verdict != "bug":
+            try:
+                case = find_case(model, prompt, name, continuation=list(s.tokens), seed=seed, command=command)
+            except ValueError as exc:  # a cache a script does not build (a StaticCache, a quantized cache)
+                case, why = None, f"no reproducer: {exc}"
+            if case is None:
+                pass
+            elif case.verdict != "bug":
                 why = f"no reproducer: kvfast's control check of {name!r} alone says {case.verdict!r}"
             else:
                 out.append(write_case(case, Path(directory) / name, seconds))
