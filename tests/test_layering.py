@@ -14,6 +14,8 @@ left. The layers, left to right:
 3. **check**: ``kvfast.check.*``, the product (``kvfast.check.metrics`` imports nothing from kvfast).
 4. **bugs**: ``kvfast.bugs.*``, test tooling: the bug catalogues (they subclass the checker's adapters) and
    detector scoring. The checker never imports them.
+4a. **repro**: ``kvfast.repro.*``, a finding as an upstream-ready reproducer (it reads reports and
+   re-injects catalogue bugs; the checker and the catalogues never import it).
 5. **studies**: ``kvfast.studies.*``.
 6. **sweep**: ``kvfast.sweep.*`` (grids, execution, Parquet, in-process runs).
 7. **report**: ``kvfast.report.*`` (the claims table, quoted figures, plots and HTML page, from stored results).
@@ -43,6 +45,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("model", ("kvfast.model",)),
     ("check", ("kvfast.check",)),
     ("bugs", ("kvfast.bugs",)),
+    ("repro", ("kvfast.repro",)),
     ("studies", ("kvfast.studies",)),
     ("sweep", ("kvfast.sweep",)),
     ("report", ("kvfast.report",)),
@@ -213,6 +216,7 @@ def test_the_checker_never_imports_the_bug_catalogues(graph):
     it too; this names the rule), and the catalogues do import the checker (their bugs subclass its adapters)."""
     product = {name: targets for name, targets in graph.items() if name.startswith("kvfast.check")}
     assert {t for targets in product.values() for t in targets if t.startswith("kvfast.bugs")} == set()
+    assert {t for targets in product.values() for t in targets if t.startswith("kvfast.repro")} == set()
     assert "kvfast.check.hf" in graph["kvfast.bugs.hf"] and "kvfast.check.adapters" in graph["kvfast.bugs.operations"]
 
 

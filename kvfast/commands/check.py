@@ -97,6 +97,13 @@ def add_parser(sub) -> None:
         "--factory-arg", action="append", default=[], metavar="KEY=VALUE", help="an argument for FACTORY (repeatable)"
     )
     p.add_argument("--prompt", required=True, help="comma-separated token ids, e.g. 1,2,3")
+    p.add_argument(
+        "--repro", default=None, metavar="DIR",
+        help="on a bug: a shrunk standalone reproducer per failing scenario in DIR/SCENARIO/ (kvfast.repro)",
+    )  # fmt: skip
+    p.add_argument(
+        "--repro-seconds", type=int, default=60, metavar="S", help="the time budget of shrinking each one (default 60)"
+    )
     add_option_flags_on_use(p)
     p.set_defaults(func=run)
 
@@ -243,6 +250,8 @@ def check_args(args) -> None:
     parse_prompt(args.prompt)
     parse_factory_args(args.factory_arg)
     check_options(args)
+    if getattr(args, "repro", None) is not None and getattr(args, "repro_seconds", 60) < 1:
+        raise not_allowed("--repro-seconds", args.repro_seconds, "an integer >= 1")
     if getattr(args, "engine", None) is not None:
         if "path" in parse_factory_args(args.factory_arg):
             raise not_allowed("--factory-arg", "path=...", "no path: with --engine the path is the positional argument")
@@ -300,7 +309,27 @@ def run_check(args, started: float | None = None) -> dict:
     else:
         bug = report.verdict in ("bug", "divergent") or (report.promoted is not None and not report.promoted.passed)
         code = EXIT_FAIL if bug else EXIT_INCONCLUSIVE
-    return {"kind": "report", "text": report.format(), "code": code}
+    text = report.format()
+    if code == EXIT_FAIL and getattr(args, "repro", None):
+        text += "\n" + _reproducers(args, model, report)
+    return {"kind": "report", "text": text, "code": code}
+
+
+def _reproducers(args, model, report) -> str:
+    """``--repro DIR``: a reproducer per failing scenario (:func:`kvfast.repro.findings.reproduce_report`), as
+    lines for the report."""
+    from kvfast.repro.findings import reproduce_report
+
+    seed = parse_factory_args(args.factory_arg).get("seed", 0)
+    found = reproduce_report(
+        model, parse_prompt(args.prompt), report, args.repro, seconds=args.repro_seconds,
+        seed=seed if isinstance(seed, int) else 0, command=getattr(args, "command_line", "kvfast check"),
+    )  # fmt: skip
+    lines = []
+    for f in found:
+        label = f" ({f.label}{': ' + f.reference if f.reference else ''})" if f.label else ""
+        lines.append(f"reproducer, {f.scenario}: {f.reproducer or f.note}{label}")
+    return "\n".join(lines)
 
 
 BOOT = (
@@ -343,6 +372,7 @@ def run(args) -> int:
 
     check_args(args)
     request = {"args": {k: v for k, v in vars(args).items() if k != "func"}}
+    request["args"]["command_line"] = " ".join(["kvfast", *sys.argv[1:]])
     try:
         outcome = run_in_child(BOOT, request, args.timeout, GRACE_S)
     except KeyboardInterrupt:

@@ -43,6 +43,12 @@ def add_parser(sub) -> None:
         "--out", default="results/hf_scan", metavar="DIR", help="results directory (default: results/hf_scan)"
     )
     p.add_argument("--markdown", action="store_true", help="print the scoreboard and the skipped table as Markdown")
+    p.add_argument(
+        "--repro", nargs="?", const="findings", default=None, choices=("findings", "all"),
+        help="a shrunk standalone reproducer per bug row in DIR.repro/ (findings: clean runs called bug; all: the "
+        "injected bugs' rows too), listed new findings first",
+    )  # fmt: skip
+    p.add_argument("--repro-seconds", type=int, default=60, metavar="S", help="shrinking budget per reproducer")
     add_resume_options(p)
     add_exec_options(p)
     p.set_defaults(func=cmd_scan)
@@ -76,6 +82,7 @@ def build_grid(args):
     require_int(args.seeds, "--seeds", 1, 100)
     require_int(args.prompts, "--prompts", 1, 100)
     require_int(args.steps, "--steps", 1, 256)
+    require_int(getattr(args, "repro_seconds", 60), "--repro-seconds", 1)
     if args.jobs is not None:
         require_int(args.jobs, "--jobs", 1)
     spec = scan.scan_spec(families, dtypes, scenarios, args.seeds, args.prompts, args.steps, args.attention, bugs)
@@ -119,4 +126,19 @@ def cmd_scan(args) -> int:
     scan.skipped_table(df).to_csv(where / "skipped.csv", index=False, lineterminator="\n")
     (where / "scoreboard.md").write_text(scoreboard_text(df, True) + "\n")
     print(f"scoreboard: {where / 'scoreboard.md'} (kvfast report {args.out}: the heatmap)")
+    if args.repro:
+        _write_reproducers(df, out, args)
     return _exit(report)
+
+
+def _write_reproducers(df, out: Path, args) -> None:
+    """``--repro``: the bug rows' reproducers beside the results (:mod:`kvfast.studies.scan_repro`), listed."""
+    from kvfast.commands.sweep import _table
+    from kvfast.report import markdown as md
+    from kvfast.studies.scan_repro import repro_dir, write_scan_reproducers
+
+    table = write_scan_reproducers(df, out, args.repro, float(args.repro_seconds))
+    print(f"\nfindings, new first ({len(table)}):\n\n{(md if args.markdown else _table)(table)}")
+    if len(table):
+        (repro_dir(out) / "findings.md").write_text(md(table) + "\n")
+        print(f"reproducers: {repro_dir(out)}")

@@ -1,0 +1,282 @@
+"""One finding as data: :class:`Case` (the tiny model, the scenario, the tokens, how the model is called, the
+injected bug if any, and what kvfast measured), made from a Hugging Face model by :func:`find_case` and
+checked again by :func:`check_case`.
+
+A case names everything a standalone script needs to rebuild the finding without kvfast: the model's class and
+its config as a dict (``AutoConfig.for_model(**config)``), the weight seed (or, where the weights are not those
+of ``torch.manual_seed(seed)`` followed by ``_from_config``, their state dict beside the script), the dtype and
+attention implementation, the scenario's tokens (the prompt, the token fed at each decode step, the resume
+split, the rollback's drafts) and the way the model's own ``generate`` calls it, as kvfast's adapter measured it
+on the release that found it (:class:`~kvfast.check.hf.HFModel`: which cache argument, whether an attention mask
+and ``position_ids`` are passed, whether the model builds its own cache). kvfast's per-step deviations and the
+bound each step was judged against (the bug threshold: ``decisive`` times the step's bound in control mode,
+exact equality in exact mode) come with it, so the script and its issue text state what kvfast found.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import asdict, dataclass, field, replace
+
+import numpy as np
+
+from kvfast.validation import not_allowed, require_choice
+
+#: The scenarios a standalone script replays (the others need batches, beams or snapshots: not yet written).
+SCRIPT_SCENARIOS = ("decode", "resume", "rollback")
+#: Config keys a rebuild must not carry (the release that wrote them, the dtype the model is cast to, and
+#: transformers' private bookkeeping).
+DROPPED_KEYS = ("transformers_version", "dtype", "torch_dtype")
+
+
+@dataclass(frozen=True)
+class Case:
+    """A finding of kvfast on a Hugging Face causal LM, as data (see the module doc).
+
+    - ``model_class``, ``config`` (``to_dict()`` of the model's config, JSON-able), ``seed`` (``None``: the
+      weights are ``weights`` and travel in a file beside the script), ``dtype``, ``attention``.
+    - ``scenario`` (:data:`SCRIPT_SCENARIOS`), ``prompt``, ``tokens`` (fed at decode steps 1..n), ``split``
+      (resume), ``drafts`` (rollback: ``{step: draft tokens}`` taken before the step and cropped away).
+    - ``calls``: how ``generate`` calls the model (``cache_arg``, ``own_cache``, ``mask`` per call kind
+      ``prefill``/``chunk``/``decode``, ``positions``, ``cache_position``, ``record_past``).
+    - ``bug``: ``(catalogue, name)`` of an injected catalogue bug (the script then carries it), ``None`` for a
+      finding about the library itself.
+    - kvfast's measurement: ``verdict``, ``first_bug_step``, ``deviation`` (per step), ``threshold`` (the per-step
+      bug threshold), ``threshold_origin`` (what it is, in words), ``versions``, ``command`` (how it was found).
+    """
+
+    model_class: str
+    config: dict
+    seed: int | None
+    dtype: str
+    attention: str
+    scenario: str
+    prompt: tuple[int, ...]
+    tokens: tuple[int, ...]
+    calls: dict
+    split: int | None = None
+    drafts: dict = field(default_factory=dict)
+    bug: tuple[str, str] | None = None
+    verdict: str = ""
+    first_bug_step: int | None = None
+    deviation: tuple[float, ...] = ()
+    threshold: tuple[float, ...] = ()
+    threshold_origin: str = ""
+    versions: dict = field(default_factory=dict)
+    command: str = ""
+    weights: dict | None = field(default=None, repr=False, compare=False)
+    library: str = "transformers"
+
+    @property
+    def architecture(self) -> str:
+        return str(self.config.get("model_type", self.model_class))
+
+    @property
+    def steps(self) -> int:
+        return len(self.tokens)
+
+    def to_json(self) -> str:
+        """The case as JSON (the weights left out: they travel as a file)."""
+        data = asdict(self)
+        data.pop("weights")
+        data["drafts"] = {str(k): v for k, v in self.drafts.items()}
+        return json.dumps(data, indent=1, sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> Case:
+        data = json.loads(text)
+        data["drafts"] = {int(k): list(v) for k, v in data["drafts"].items()}
+        for key in ("prompt", "tokens", "deviation", "threshold"):
+            data[key] = tuple(data[key])
+        data["bug"] = None if data["bug"] is None else tuple(data["bug"])
+        return Case(**data)
+
+
+def versions() -> dict[str, str]:
+    """The versions a finding names: python, torch, transformers."""
+    import platform
+
+    import torch
+    import transformers
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def config_dict(config) -> dict:
+    """``config.to_dict()`` without :data:`DROPPED_KEYS`, JSON-able (a round trip through JSON)."""
+    d = {k: v for k, v in config.to_dict().items() if k not in DROPPED_KEYS and not k.startswith("_")}
+    return json.loads(json.dumps(d, default=str))
+
+
+def build_model(case: Case):
+    """The case's model, built as its script builds it: ``torch.manual_seed(seed)``, the class's
+    ``_from_config(AutoConfig.for_model(**config))`` (or the case's weights loaded), eval mode, cast to the dtype."""
+    import torch
+    import transformers
+
+    cls = getattr(transformers, case.model_class)
+    config = transformers.AutoConfig.for_model(**copy.deepcopy(case.config))
+    if case.seed is not None:
+        torch.manual_seed(case.seed)
+    model = cls._from_config(config, attn_implementation=case.attention)
+    if case.weights is not None:
+        model.load_state_dict(case.weights)
+    if not isinstance(getattr(model.config, "vocab_size", None), int):  # a composite config (as the scan does)
+        model.config.vocab_size = model.config.get_text_config().vocab_size
+    return model.eval().to(getattr(torch, case.dtype))
+
+
+def _same_weights(a, b) -> bool:
+    import torch
+
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k].cpu(), sb[k].cpu()) for k in sa)
+
+
+def _injected(adapter) -> tuple[str, str] | None:
+    """``(catalogue, name)`` of the catalogue bug injected into ``adapter`` (read from its mixins)."""
+    from kvfast.repro.patches import bug_of_adapter
+
+    return bug_of_adapter(adapter)
+
+
+def _calls(adapter) -> dict:
+    """How ``generate`` calls the model, as ``adapter`` measured it (its answers after a check)."""
+    from kvfast.check import hf_ops
+
+    mask = {"prefill": True, "chunk": True, "decode": True}
+    for (first, n, _cache_type), passes in adapter._mask_as_generate.items():
+        mask["prefill" if first else "decode" if n == 1 else "chunk"] = bool(passes)
+    return {
+        "cache_arg": adapter.cache_arg,
+        "own_cache": adapter.new_cache is not None and adapter.new_cache() is None,
+        "mask": mask if adapter.takes_mask else {k: False for k in mask},
+        "positions": bool(adapter._generate_positions()),
+        "cache_position": bool(adapter.takes_cache_position),
+        "record_past": bool(hf_ops.records_past_across_calls()),
+    }
+
+
+def _drafts(scenario: str, tokens, vocab: int) -> dict[int, list[int]]:
+    if scenario != "rollback":
+        return {}
+    from kvfast.check.scenarios.base import draft_tokens
+    from kvfast.check.scenarios.rollback import DRAFTS, rollback_points
+
+    points = rollback_points(len(tokens))
+    return {
+        t: [int(d) for d in draft_tokens(int(tokens[t - 1]), DRAFTS[i % len(DRAFTS)], vocab)]
+        for i, t in enumerate(points)
+    }
+
+
+def adapter_for(model, *, own_cache: bool | None = None):
+    """An :class:`~kvfast.check.hf.HFModel` over ``model`` (a transformers model, or an adapter returned as it
+    is); ``own_cache``: give the model no cache object (it builds its own, as ``generate`` lets hybrid models)."""
+    from kvfast.check.hf import HFModel
+
+    if isinstance(model, HFModel):
+        return model
+    return HFModel(model, new_cache=(lambda: None) if own_cache else None)
+
+
+def check_case(case: Case, adapter=None, promote: str | None = None):
+    """kvfast's control-mode check of ``case`` (its model rebuilt, its bug injected again): the report."""
+    from kvfast.check.checker import check_cache
+
+    if adapter is None:
+        adapter = inject(adapter_for(build_model(case), own_cache=case.calls.get("own_cache")), case.bug)
+    return check_cache(
+        adapter,
+        np.asarray(case.prompt, dtype=np.int64),
+        mode="control",
+        scenarios=(case.scenario,),
+        continuation=np.asarray(case.tokens, dtype=np.int64),
+        split=case.split,
+        promote=promote,
+    )
+
+
+def inject(adapter, bug: tuple[str, str] | None):
+    """``adapter`` with catalogue bug ``bug`` (``(catalogue, name)``; ``None``: unchanged)."""
+    if bug is None:
+        return adapter
+    from kvfast.bugs import CATALOGUES
+
+    catalogue, name = bug
+    return CATALOGUES[catalogue][name].inject(adapter)
+
+
+def _threshold(s) -> tuple[tuple[float, ...], str]:
+    if s.mode == "exact" or s.bound is None:
+        return tuple(0.0 for _ in s.deviation), "exact equality (kvfast's exact mode: the paths must be bit-equal)"
+    thr = tuple(float(b) * float(s.decisive) for b in s.bound)
+    if s.verdict == "exact":
+        return tuple(0.0 for _ in s.deviation), "exact equality (kvfast found the two paths bit-equal at every step)"
+    return thr, (
+        f"kvfast's control-mode bug threshold at each step: {s.decisive:g} x the step's bound (the order noise "
+        "kvfast measured for this model at that step, from recomputes that differ only in how they add up)"
+    )
+
+
+def find_case(
+    model,
+    prompt,
+    scenario: str,
+    *,
+    continuation=None,
+    steps: int | None = None,
+    seed: int | None = 0,
+    own_cache: bool | None = None,
+    command: str = "",
+    report=None,
+) -> Case:
+    """The :class:`Case` of ``model`` (a transformers causal LM, or an :class:`~kvfast.check.hf.HFModel` over one,
+    with an injected catalogue bug or none) on ``prompt`` in ``scenario``: kvfast's control check is run (or
+    ``report``, a check already run on this adapter, is read), and the case keeps its tokens, its per-step
+    deviations and thresholds. ``seed``: the weight seed to try first; where ``torch.manual_seed(seed)`` and
+    ``_from_config`` do not give the model's weights, the case carries them (``weights``)."""
+    require_choice(scenario, "scenario", SCRIPT_SCENARIOS)
+    adapter = adapter_for(model, own_cache=own_cache)
+    if adapter.new_cache is not None and adapter.new_cache() is not None:  # a script builds a DynamicCache or none
+        made = type(adapter.new_cache()).__name__
+        raise not_allowed("model", f"an HFModel with new_cache of {made}", "a DynamicCache or the model's own cache")
+    if report is None:
+        from kvfast.check.checker import check_cache
+
+        report = check_cache(adapter, prompt, steps, mode="control", scenarios=(scenario,), continuation=continuation)
+    if scenario not in report.scenarios:
+        raise not_allowed("scenario", scenario, f"a scenario the report holds ({', '.join(report.scenarios)})")
+    s = report.scenarios[scenario]
+    hf = adapter.model
+    threshold, origin = _threshold(s)
+    case = Case(
+        model_class=type(hf).__name__,
+        config=config_dict(hf.config),
+        seed=seed,
+        dtype=adapter.dtype,
+        attention=adapter.attention,
+        scenario=scenario,
+        prompt=tuple(int(t) for t in s.prompt),
+        tokens=tuple(int(t) for t in s.tokens),
+        calls=_calls(adapter),
+        split=s.split if scenario == "resume" else None,
+        drafts=_drafts(scenario, s.tokens, adapter.vocab_size),
+        bug=_injected(adapter),
+        verdict=s.verdict,
+        first_bug_step=s.first_bug_step if s.mode == "control" else s.first_divergent_step,
+        deviation=tuple(float(d) for d in s.deviation),
+        threshold=threshold,
+        threshold_origin=origin,
+        versions=versions(),
+        command=command,
+    )
+    try:
+        rebuilt = build_model(case)
+        same = _same_weights(rebuilt, hf)
+    except Exception:  # noqa: BLE001 - a config that does not rebuild from its dict: the weights travel instead
+        same = False
+    if not same:
+        case = replace(case, seed=None, weights={k: v.detach().cpu().clone() for k, v in hf.state_dict().items()})
+    return case

@@ -1,0 +1,94 @@
+"""Reproducers for what a check or a scan found: :func:`reproduce_report` (every ``bug`` scenario of one check's
+report: ``kvfast check ... --repro DIR``) and :class:`Finding` with :func:`findings_table` (the listing, new
+findings first, each with its reproducer's path).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvfast.repro.case import SCRIPT_SCENARIOS, find_case
+from kvfast.repro.known import LABELS
+from kvfast.repro.script import finding_label, write_reproducer
+from kvfast.repro.shrink import DEFAULT_SECONDS, shrink_case
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One finding and its reproducer: what (``architecture``, ``dtype``, ``scenario``, ``bug``: an injected
+    catalogue bug or ``"none"``), its ``label`` (new, known, injected) and ``reference``, the first bug
+    ``step`` of the shrunk case, its ``reproducer`` path (or ``None``) and a ``note`` (why there is none, what
+    did not shrink)."""
+
+    architecture: str
+    dtype: str
+    scenario: str
+    bug: str
+    label: str
+    reference: str | None
+    step: int | None
+    reproducer: str | None
+    note: str = ""
+
+
+def findings_table(findings: list[Finding]):
+    """The findings as a DataFrame, new first (then known, then injected), each with its reproducer."""
+    import pandas as pd
+
+    columns = ["label", "architecture", "dtype", "scenario", "bug", "step", "reproducer", "reference", "note"]
+    rank = {label: i for i, label in enumerate(LABELS)}
+    rows = sorted(findings, key=lambda f: (rank.get(f.label, len(rank)), f.architecture, f.dtype, f.scenario))
+    return pd.DataFrame([{c: getattr(f, c) for c in columns} for f in rows], columns=columns)
+
+
+def write_case(case, directory, seconds: float = DEFAULT_SECONDS) -> Finding:
+    """``case`` shrunk (within ``seconds``; ``0``: not shrunk) and written into ``directory``: its finding."""
+    notes = []
+    if seconds and case.verdict == "bug":
+        shrunk = shrink_case(case, seconds)
+        case = shrunk.case
+        notes = list(shrunk.lines())
+    path = write_reproducer(case, directory)
+    if notes:
+        (Path(directory) / "SHRINK.txt").write_text("\n".join(notes) + "\n")
+    tag, reference = finding_label(case)
+    bug = "none" if case.bug is None else f"{case.bug[0]}:{case.bug[1]}"
+    return Finding(
+        case.architecture, case.dtype, case.scenario, bug, tag, reference, case.first_bug_step, str(path),
+        "; ".join(notes[1:-1]),
+    )  # fmt: skip
+
+
+def reproduce_report(
+    model, prompt, report, directory, *, seconds: float = DEFAULT_SECONDS, seed: int = 0, command: str = ""
+) -> list[Finding]:
+    """A reproducer for every scenario of ``report`` called ``bug`` (a check of ``model``, a transformers causal
+    LM or an :class:`~kvfast.check.hf.HFModel`, on ``prompt``), each in ``directory/SCENARIO/``, shrunk within
+    ``seconds``. A scenario no script replays, or a model that is not a Hugging Face one, gets a finding with no
+    reproducer and the reason."""
+    from kvfast.check.hf import HFModel, is_hf_model
+
+    out = []
+    for name, s in report.scenarios.items():
+        if s.verdict not in ("bug", "divergent"):
+            continue
+        if not (isinstance(model, HFModel) or is_hf_model(model)):
+            why = f"no reproducer: kvfast writes them for Hugging Face models only, not {type(model).__name__}"
+        elif name not in SCRIPT_SCENARIOS:
+            why = f"no reproducer: a script replays {', '.join(SCRIPT_SCENARIOS)}, not {name!r}"
+        else:
+            try:
+                case = find_case(model, prompt, name, continuation=list(s.tokens), seed=seed, command=command)
+            except ValueError as exc:  # a cache a script does not build (a StaticCache, a quantized cache)
+                case, why = None, f"no reproducer: {exc}"
+            if case is None:
+                pass
+            elif case.verdict != "bug":
+                why = f"no reproducer: kvfast's control check of {name!r} alone says {case.verdict!r}"
+            else:
+                out.append(write_case(case, Path(directory) / name, seconds))
+                continue
+        arch = str(getattr(getattr(getattr(model, "model", model), "config", None), "model_type", "?"))
+        out.append(Finding(arch, "", name, "", "", None, s.first_bug_step, None, why))
+    return out

@@ -1,0 +1,143 @@
+"""A case as files a maintainer can run and read: :func:`render` (the standalone script,
+:mod:`kvfast.repro.template`), :func:`issue_text` (ISSUE.md: the three-line summary first, then versions,
+config, scenario, step, size and how it was found) and :func:`write_reproducer` (both, the case as JSON, and the
+weights where the case carries them, into one folder).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvfast.repro.case import Case
+from kvfast.repro.known import label
+from kvfast.repro.patches import patch_for
+from kvfast.repro.template import TEMPLATE
+
+SCRIPT = "reproduce.py"
+ISSUE = "ISSUE.md"
+CASE = "case.json"
+WEIGHTS = "weights.pt"
+
+SCENARIO_TEXT = {
+    "decode": "prefill the prompt, then one token per decode step",
+    "resume": "prefill the prompt's first chunk, continue the cache with the second chunk in one call, then one "
+    "token per decode step",
+    "rollback": "prefill, then before some decode steps a few draft tokens that cache.crop() removes again, one "
+    "token per decode step",
+}
+
+
+def _versions_text(case: Case) -> str:
+    v = case.versions
+    return f"python {v.get('python')}, torch {v.get('torch')}, transformers {v.get('transformers')}"
+
+
+def title(case: Case) -> str:
+    """The summary's first line."""
+    what = "the cached path disagrees with the full recompute" if case.verdict == "bug" else "cache vs recompute"
+    bug = f" (injected bug {case.bug[0]}:{case.bug[1]})" if case.bug else ""
+    return f"{case.model_class} ({case.architecture}), {case.dtype}, {case.scenario}: {what}{bug}"
+
+
+def render(case: Case) -> str:
+    """The standalone script of ``case`` (see :mod:`kvfast.repro.template`)."""
+    weights = (
+        f"seed {case.seed}: torch.manual_seed then _from_config"
+        if case.seed is not None
+        else f"weights from {WEIGHTS} beside it"
+    )
+    fields = {
+        "TITLE": title(case),
+        "MODEL_CLASS": case.model_class,
+        "WEIGHTS_TEXT": weights,
+        "SCENARIO_TEXT": SCENARIO_TEXT[case.scenario],
+        "THRESHOLD_ORIGIN": case.threshold_origin,
+        "COMMAND": case.command or "kvfast.repro (Python)",
+        "MODEL_CLASS_REPR": repr(case.model_class),
+        "CONFIG_JSON": json.dumps(case.config, indent=1, sort_keys=True),
+        "SEED": repr(case.seed),
+        "WEIGHTS": repr(None if case.seed is not None else WEIGHTS),
+        "DTYPE": repr(case.dtype),
+        "ATTENTION": repr(case.attention),
+        "SCENARIO": repr(case.scenario),
+        "PROMPT": repr(list(case.prompt)),
+        "TOKENS": repr(list(case.tokens)),
+        "SPLIT": repr(case.split),
+        "DRAFTS": repr({int(k): list(v) for k, v in case.drafts.items()}),
+        "FOUND_ON": str(case.versions.get("transformers")),
+        "CALLS": repr(case.calls),
+        "THRESHOLD": repr([float(t) for t in case.threshold]),
+        "FOUND_VERSIONS": _versions_text(case),
+        "PATCH": patch_for(case.bug),
+    }
+    text = TEMPLATE
+    for key, value in fields.items():
+        text = text.replace(f"@{key}@", value)
+    return text
+
+
+def finding_label(case: Case) -> tuple[str, str | None]:
+    """``(label, reference)`` of ``case`` (:func:`kvfast.repro.known.label`)."""
+    version = str(case.versions.get(case.library, ""))
+    return label(case.library, version, case.architecture, case.scenario, injected=case.bug is not None)
+
+
+def issue_text(case: Case) -> str:
+    """ISSUE.md: the three lines a maintainer reads first, then the details."""
+    tag, reference = finding_label(case)
+    step = case.first_bug_step
+    dev = case.deviation[step] if step is not None and step < len(case.deviation) else None
+    thr = case.threshold[step] if step is not None and step < len(case.threshold) else None
+    if step is None:
+        where = "no step (kvfast found no bug: this reproducer exits 0)"
+    else:
+        where = "the prompt's rows" if step == 0 else f"decode step {step} (position {len(case.prompt) + step - 1})"
+    size = "" if dev is None else f" by {dev:.4g} (threshold {thr:.3g}, {dev / thr:.3g}x)" if thr else f" by {dev:.4g}"
+    lines = [
+        f"# {title(case)}",
+        "",
+        f"1. **What**: with a tiny random {case.model_class}, the logits of `generate`'s cached path differ from a "
+        f"full recompute of the same tokens at {where}{size}.",
+        f"2. **Where**: scenario `{case.scenario}` ({SCENARIO_TEXT[case.scenario]}); {_versions_text(case)}.",
+        f"3. **Run**: `python {SCRIPT}` (torch and transformers only): exits 1 while the bug is present, 0 once the "
+        "two paths agree within the threshold it states.",
+        "",
+        f"Label: **{tag}**" + (f" ({reference})" if reference else " (in no registry of known bugs kvfast keeps)"),
+        "",
+        "## Details",
+        "",
+        f"- versions: {_versions_text(case)}",
+        f"- model: `{case.model_class}`, model type `{case.architecture}`, {case.dtype}, {case.attention} attention, "
+        + (f"weights `torch.manual_seed({case.seed})`" if case.seed is not None else f"weights in `{WEIGHTS}`"),
+        f"- size: {len(case.prompt)}-token prompt, {case.steps} decode steps"
+        + (f", resume split {case.split}" if case.split else ""),
+        f"- first step over the threshold: {step}; kvfast's verdict: `{case.verdict}`",
+        f"- threshold: {case.threshold_origin}",
+        f"- how it was found: `{case.command or 'kvfast.repro (Python)'}`",
+        f"- injected bug: `{case.bug[0]}:{case.bug[1]}` (carried by the script itself)" if case.bug else
+        "- injected bug: none (a finding about the library)",
+        "",
+        "Config (`AutoConfig.for_model(**config)`):",
+        "",
+        "```json",
+        json.dumps(case.config, indent=1, sort_keys=True),
+        "```",
+        "",
+    ]  # fmt: skip
+    return "\n".join(lines)
+
+
+def write_reproducer(case: Case, directory) -> Path:
+    """``reproduce.py``, ``ISSUE.md`` and ``case.json`` (and ``weights.pt`` where the case carries its weights)
+    written into ``directory`` (made if missing); the script's path."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / SCRIPT).write_text(render(case))
+    (out / ISSUE).write_text(issue_text(case))
+    (out / CASE).write_text(case.to_json() + "\n")
+    if case.weights is not None:
+        import torch
+
+        torch.save(case.weights, out / WEIGHTS)
+    return out / SCRIPT

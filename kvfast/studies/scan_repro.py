@@ -1,0 +1,75 @@
+"""Reproducers for a scan's ``bug`` rows (``kvfast scan --repro``): each written beside the results, never inside
+the Parquet dataset (``DIR.repro/``), one per architecture, dtype, scenario and bug (its first row), shrunk.
+
+Which rows: ``findings`` (the clean runs kvfast called ``bug``: findings about transformers) or ``all`` (the
+injected catalogue bugs' rows too). The listing (:func:`kvfast.repro.findings.findings_table`, new findings
+first) is written as ``findings.md`` and ``findings.csv`` in the same folder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from kvfast.studies import hf_common as hf
+
+WHICH = ("findings", "all")
+
+
+def repro_dir(results_dir) -> Path:
+    """``DIR.repro`` beside the results directory ``DIR``."""
+    path = Path(results_dir).absolute()
+    return path.with_name(path.name + ".repro")
+
+
+def bug_rows(df: pd.DataFrame, which: str = "findings") -> pd.DataFrame:
+    """The first ``bug`` row per architecture, dtype, scenario and bug (``which``: :data:`WHICH`)."""
+    from kvfast.validation import require_choice
+
+    require_choice(which, "which", WHICH)
+    rows = df[df["verdict"] == "bug"] if len(df) else df
+    if which == "findings" and len(rows):
+        rows = rows[rows["bug"] == hf.NO_BUG]
+    if not len(rows):
+        return rows
+    return rows.sort_values(["architecture", "dtype", "scenario", "bug", "seed", "prompt"]).drop_duplicates(
+        ["architecture", "dtype", "scenario", "bug"]
+    )
+
+
+def write_scan_reproducers(df: pd.DataFrame, results_dir, which: str = "findings", seconds: float = 60.0):
+    """A reproducer for each of :func:`bug_rows` in ``DIR.repro/ARCH-DTYPE-SCENARIO-BUG/``; the findings table."""
+    from kvfast.check.hf import HFModel
+    from kvfast.repro.case import SCRIPT_SCENARIOS, find_case, inject
+    from kvfast.repro.findings import Finding, findings_table, write_case
+    from kvfast.studies.architectures import own_cache, pad_token
+    from kvfast.studies.scan import _model, tokens
+
+    where = repro_dir(results_dir)
+    found = []
+    for row in bug_rows(df, which).to_dict("records"):
+        name = f"{row['architecture']}-{row['dtype']}-{row['scenario']}-{row['bug']}"
+        bug = None if row["bug"] == hf.NO_BUG else ("hf", row["bug"])
+        if row["scenario"] not in SCRIPT_SCENARIOS:
+            why = f"no script replays {row['scenario']!r}"
+            step = int(row["first_bug_step"])
+            found.append(
+                Finding(row["architecture"], row["dtype"], row["scenario"], row["bug"], "", None, step, None, why)
+            )
+            continue
+        model = _model(row["architecture"], row["dtype"], row["attention"], int(row["seed"]))
+        adapter = inject(HFModel(model, new_cache=(lambda: None) if own_cache(model) else None), bug)
+        prompt, continuation = tokens(row, pad_token(model))
+        command = (
+            f"kvfast scan --families {row['architecture']} --dtypes {row['dtype']} --scenarios {row['scenario']} "
+            f"--steps {row['steps']} --repro"
+        )
+        case = find_case(adapter, prompt, row["scenario"], continuation=continuation, seed=int(row["seed"]),
+                         command=command)  # fmt: skip
+        found.append(write_case(case, where / name, seconds))
+    table = findings_table(found)
+    if len(found):
+        where.mkdir(parents=True, exist_ok=True)
+        table.to_csv(where / "findings.csv", index=False, lineterminator="\n")
+    return table
