@@ -73,8 +73,7 @@ def _case(family, bug, scenario, tmp_path, seed=0):
     return case, write_reproducer(case, tmp_path / "repro")
 
 
-@pytest.mark.slow  # over 20 s on the loaded 2-core machine (a kvfast-free interpreter loads torch)
-def test_findings_reproduce_without_kvfast_and_a_clean_model_exits_0(tmp_path):
+def test_findings_reproduce_without_kvfast_and_a_clean_model_exits_0(tmp_path):  # the issue's proof: by default
     """An injected bug (the script carries it), a finding of the library itself (Mamba's resume: no patch) and
     a clean model asked for on purpose: exit 1, 1 and 0; the script's per-step deviations are kvfast's, digit
     for digit as printed (the same calls, the same recompute rows)."""
