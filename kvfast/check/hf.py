@@ -431,7 +431,7 @@ class HFModel:
             elif self.bug == "window" and n == 1:  # the bug lives in the mask: a model given none cannot take it
                 raise not_allowed("bug", self.bug, "a bug the model can take (its generate passes no attention mask)")
         if self.takes_cache_position:
-            kwargs["cache_position"] = torch.arange(self.length, self.length + n)
+            kwargs["cache_position"] = self.cache_positions(n)
         if positions is None and self._generate_positions():
             positions = list(range(self.length, self.length + n))
         if positions is not None:
@@ -448,6 +448,36 @@ class HFModel:
         self.length += n
         self.last_token = int(np.asarray(tokens).reshape(-1)[-1])
         return logits[0]
+
+    _generate_prefill_positions: int | None = None  # asked once of a cache_params model (cache_positions); 0: unknown
+
+    def cache_positions(self, n: int):
+        """The ``cache_position`` of the next ``n`` tokens, as ``generate`` numbers them: the positions after the
+        cache, except in a ``cache_params`` model (4.x Mamba, Mamba-2), whose ``generate`` gives the prefill
+        ``arange(conv_kernel)`` whatever the prompt's length and counts on from there: a shorter prefill's later
+        calls are numbered ``conv_kernel`` on (the state cache writes the new conv column at the clamped
+        position; measured on 4.57.6, Mamba continued after a prefill of 1 or 2 tokens numbered from the tokens
+        was off by about 1 from the recompute). Asked of the model's ``prepare_inputs_for_generation``."""
+        torch = _torch()
+        start = self.length
+        if self.cache_arg == "cache_params" and self.length > 0:
+            start += max(0, self._prefill_positions() - self.prefill_len)
+        return torch.arange(start, start + n)
+
+    def _prefill_positions(self) -> int:
+        """How many ``cache_position`` entries the model's ``generate`` gives its prefill (``cache_params`` models;
+        the prompt's length where it cannot be asked)."""
+        if self._generate_prefill_positions is None:
+            torch = _torch()
+            self._generate_prefill_positions = 0
+            prepare = getattr(self.model, "prepare_inputs_for_generation", None)
+            try:
+                ids = torch.zeros(1, 1, dtype=torch.long)
+                inputs = prepare(ids, cache_params=None, use_cache=True, cache_position=torch.arange(1))
+                self._generate_prefill_positions = int(inputs["cache_position"].shape[0])
+            except Exception:  # noqa: BLE001 - a release whose generate cannot be asked: the tokens' positions
+                pass
+        return self._generate_prefill_positions or self.prefill_len
 
     _positions_as_generate: bool | None = None  # measured on first use (_generate_positions)
 
@@ -503,9 +533,7 @@ class HFModel:
         n = ids.shape[1]
         so_far = torch.cat([torch.zeros(1, self.length, dtype=ids.dtype), ids], dim=1)  # only the shape is read
         # the state-space models of 4.x read the positions from cache_position (their generate passes it)
-        where = (
-            {"cache_position": torch.arange(self.length, self.length + n)} if self.cache_arg == "cache_params" else {}
-        )
+        where = {"cache_position": self.cache_positions(n)} if self.cache_arg == "cache_params" else {}
         try:
             inputs = prepare(
                 so_far,

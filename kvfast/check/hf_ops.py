@@ -164,6 +164,8 @@ def cannot_crop(cache, remove: int) -> str | None:
             return f"its {name} layers have no crop()"
         if getattr(layer, "is_croppable", True) is False:
             return f"transformers marks the cache's {name} layers not croppable"
+        if _is_linear_attention(layer) and not callable(getattr(layer, "activate_past_recording", None)):
+            return f"its {name} layers' crop() leaves their states as they are (no past recording before 5.14)"
         if _is_linear_attention(layer) and not records_past_across_calls():
             return f"its {name} layers keep their states for a crop only with a past recording {_NO_RECORDING}"
         if remove > 0 and _past_window(layer):
@@ -330,7 +332,9 @@ def prefill_beams(adapter, tokens, n: int):
     ids = adapter._ids(tokens, 0).repeat(n, 1)
     adapter.cache, adapter.length, adapter.decoded = adapter._fresh_cache(), 0, 0
     adapter.beams = n
-    return _beam_call(adapter, ids, torch)
+    logits = _beam_call(adapter, ids, torch)
+    adapter.prefill_len = adapter.length
+    return logits
 
 
 def decode_beams(adapter, tokens):
@@ -369,7 +373,7 @@ def _call_appending(adapter, ids, torch, **extra):
     extra["attention_mask"] = _mask_as_generate(adapter, ids, extra.get("attention_mask"))
     kwargs.update((k, v) for k, v in extra.items() if v is not None)
     if adapter.takes_cache_position:
-        kwargs["cache_position"] = torch.arange(adapter.length, adapter.length + n)
+        kwargs["cache_position"] = adapter.cache_positions(n)
     with window_bug(adapter):
         logits, cache = adapter._call(adapter.model, **kwargs)
     adapter.cache = cache
@@ -419,6 +423,7 @@ def prefill_padded(adapter, prompts) -> list:
     adapter.cache, adapter.length, adapter.decoded = adapter._fresh_cache(), 0, 0
     adapter.pad_mask = mask
     logits = _padded_call(adapter, ids, _positions(adapter, mask, width), torch)
+    adapter.prefill_len = adapter.length
     return [logits[i, width - r.shape[0] :] for i, r in enumerate(rows)]
 
 
