@@ -215,17 +215,31 @@ def summarise(rows: list[dict]) -> dict:
             key = f"{r['model']} {r['scenario']}: {_reason(r['note'])}"
             why[key] = why.get(key, 0) + 1
     reasons = "; ".join(f"{k} ({n})" for k, n in sorted(why.items())) or "-"
+    alarms: dict[str, int] = {}
+    for r in rows:
+        if r["verdict"] in ("bug", "inconclusive", "divergent"):
+            key = f"{r['model']} {r['mode']} {r['scenario']} {r['verdict']}"
+            alarms[key] = alarms.get(key, 0) + 1
+    where = "; ".join(f"{k} ({n})" for k, n in sorted(alarms.items())) or "-"
     models = len({r["model"] for r in rows})
-    return {"models": models, "runs": len(rows), **counts, "passed": passed, "reasons": reasons}
+    return {"models": models, "runs": len(rows), **counts, "passed": passed, "reasons": reasons, "where": where}
 
 
 def markdown(results: dict[str, list[dict]]) -> str:
     """The table: a row per release (``bug`` and ``divergent`` on clean models are false ones)."""
-    head = ["release", "models", "scenario reports", *COUNTED, "rounding / exact", "skipped and errors: why"]
+    head = [
+        "release",
+        "models",
+        "scenario reports",
+        *COUNTED,
+        "rounding / exact",
+        "bug, inconclusive, divergent: where",
+    ]
+    head += ["skipped and errors: why"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for release, rows in results.items():
         c = summarise(rows)
-        cells = [release, c["models"], c["runs"], *(c[k] for k in COUNTED), c["passed"], c["reasons"]]
+        cells = [release, c["models"], c["runs"], *(c[k] for k in COUNTED), c["passed"], c["where"], c["reasons"]]
         lines.append("| " + " | ".join(str(x) for x in cells) + " |")
     return "\n".join(lines)
 

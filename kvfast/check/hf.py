@@ -12,7 +12,9 @@ What the adapter does (:mod:`kvfast.check.protocol` for the methods):
   as a ``StaticCache``; some releases update a cache in place, so one is never
   reused), then ``model(ids, cache=..., use_cache=True)``. A model that takes no
   cache object (``_supports_cache_class = False``: 4.3x GPT-2) gets ``None`` and
-  is fed back the tuples it returns.
+  is fed back the tuples it returns; so does a model whose modeling module defines
+  its own cache class (:func:`builds_own_cache`: Jamba, MiniMax, 5.6's OLMo-Hybrid),
+  which builds it at the prefill as ``generate`` lets it.
 - ``extend(tokens)`` / ``decode(token)``: the next chunk on top of that cache,
   driven as the model's own ``generate`` drives it: an all-ones attention mask
   over every position so far where its ``prepare_inputs_for_generation`` keeps
@@ -117,6 +119,19 @@ class ModelForwardError(RuntimeError):
 
 def _torch():
     return import_extra("torch", "a Hugging Face model", "hf")
+
+
+def builds_own_cache(model) -> bool:
+    """Whether ``model``'s modeling module defines its own cache class (hybrid recurrent models: Jamba, Bamba,
+    MiniMax; OLMo-Hybrid in 5.6, whose layers read ``conv_states_q`` that a ``DynamicCache`` lacks): such a model
+    is given no cache object and builds its own at the prefill, as ``generate`` lets it."""
+    import sys
+
+    module = sys.modules.get(type(model).__module__)
+    return any(
+        name.endswith("Cache") and isinstance(value, type) and value.__module__ == module.__name__
+        for name, value in vars(module or object).items()
+    )
 
 
 def is_hf_model(model: object) -> bool:
@@ -402,7 +417,7 @@ class HFModel:
     def _fresh_cache(self):
         if self.new_cache is not None:
             return self.new_cache()
-        if self.cache_arg == "cache_params":  # a state-space model of 4.x / early 5.x builds its own state cache
+        if self.cache_arg == "cache_params" or builds_own_cache(self.model):  # it builds its own, as generate lets it
             return None
         if getattr(self.model, "_supports_cache_class", True) is False:  # 4.3x GPT-2 and others: tuples only
             return None

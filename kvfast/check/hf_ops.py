@@ -167,19 +167,19 @@ def cannot_crop(cache, remove: int) -> str | None:
         if _is_linear_attention(layer) and not callable(getattr(layer, "activate_past_recording", None)):
             return f"its {name} layers' crop() leaves their states as they are (no past recording before 5.14)"
         if _is_linear_attention(layer) and not records_past_across_calls():
-            return f"its {name} layers keep their states for a crop only with a past recording {_NO_RECORDING}"
+            return f"its {name} layers keep their states for a crop only with a past recording ({_NO_RECORDING})"
         if remove > 0 and _past_window(layer):
             return (
                 f"its {name} layers have seen their window of {layer.sliding_window} positions and kept no past, so "
-                f"they cannot be cropped past it (a past recording {_NO_RECORDING})"
+                f"they cannot be cropped past it (a past recording: {_NO_RECORDING})"
             )
     return None
 
 
 #: Why kvfast records no past on a release (:func:`records_past_across_calls` is false), as notes say it.
 _NO_RECORDING = (
-    "kvfast uses only from transformers 5.18 on; before, a recording cache needs a crop after every forward, and "
-    "the rollback scenario decodes one draft token per call"
+    "kvfast records a cache's past from transformers 5.18 on; before, a recording cache needs a crop after every "
+    "forward, and the rollback scenario decodes one draft token per call"
 )
 
 
