@@ -4,9 +4,9 @@ GPT-2, Mistral with its sliding window, Llama over a ``StaticCache``; Mamba, Mam
 (bfloat16, eager; the attention models);
 a scenario the release cannot run is ``skipped`` with a note naming the release and the reason.
 
-Run on the lowest release (``python3 dev.py test-lowest tests/test_check_hf_releases.py``) and on the newest
-(``python3 dev.py test``); ``benchmarks/scan_releases.py`` runs the same models on 4.57, 5.0, 5.10, 5.15 and the
-newest (docs/check.md, "Transformers releases"). About 30 s on one core.
+Run on the lowest release (``python3 dev.py test-lowest-hf``, in CI) and on the newest (``python3 dev.py
+test``); ``benchmarks/scan_releases.py`` runs the same models on 4.57, 5.0, 5.10, 5.15 and the newest
+(docs/check.md, "Transformers releases"). About 40 s on one core.
 
 The crop: before 5.14 ``cache.crop(m)`` keeps ``m`` positions for ``m >= 0`` (``crop(0)`` empties the
 cache), from 5.14 on ``crop(0)`` removes nothing; ``crop(-r)`` removes ``r`` in both
