@@ -4,13 +4,15 @@
     python3 dev.py reproduce [ARGS]   # create .venv, install kvfast[plot], run `kvfast reproduce ARGS`
     python3 dev.py test [ARGS]        # create .venv, install kvfast[test,hf,ort], run pytest ARGS
     python3 dev.py test-lowest [ARGS] # the same in .venv-lowest, every dependency at its lower bound
+    python3 dev.py test-lowest-hf [ARGS]  # there with kvfast[test,hf] only: HF_TESTS, or the files in ARGS
     python3 dev.py kvfast ARGS        # any kvfast command inside the environment
 
 The environment is (re)installed when pyproject.toml or the torch pin changes. torch is installed
 first as the CPU build (TORCH_CPU, from the PyTorch CPU index or a local wheel store that pip is
 configured to search), so the Hugging Face tests run without pulling several GB of GPU libraries.
 `test` installs the newest releases pyproject.toml allows (what a new user gets; CI runs this);
-`test-lowest` pins each dependency to its lower bound with the constraints file .ci/lowest.txt.
+`test-lowest` pins each dependency to its lower bound with the constraints file .ci/lowest.txt;
+`test-lowest-hf` installs only kvfast[test,hf] so pinned and runs HF_TESTS (CI: the lowest transformers).
 """
 
 from __future__ import annotations
@@ -28,6 +30,13 @@ LOWEST_VENV = ROOT / ".venv-lowest"
 LOWEST = ROOT / ".ci" / "lowest.txt"  # every dependency pinned to its lower bound (test-lowest)
 TORCH_CPU = "torch==2.13.0+cpu"  # the CPU build; a plain `pip install torch` pulls ~20 GPU packages
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+#: the Hugging Face tests `test-lowest-hf` runs on the lowest transformers release (CI, .ci/run)
+HF_TESTS = (
+    "tests/test_check_hf.py",
+    "tests/test_check_hf_ops.py",
+    "tests/test_check_operations.py",
+    "tests/test_check_hf_releases.py",
+)
 
 
 def _install_torch_cpu(pip: list[str], venv_name: str = ".venv") -> None:
@@ -76,12 +85,16 @@ def ensure_env(extras: str, venv_dir: Path = VENV, constraints: Path | None = No
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("reproduce", "test", "test-lowest", "kvfast"):
+    if not argv or argv[0] not in ("reproduce", "test", "test-lowest", "test-lowest-hf", "kvfast"):
         print(__doc__)
         return 2
     command, rest = argv[0], argv[1:]
     if command == "test-lowest":
         bin_dir = ensure_env("test,hf,ort,plot", LOWEST_VENV, LOWEST)
+    elif command == "test-lowest-hf":
+        bin_dir = ensure_env("test,hf", LOWEST_VENV, LOWEST)
+        files_given = any(not arg.startswith("-") for arg in rest)  # test files named: those instead of HF_TESTS
+        command, rest = "test", rest if files_given else [*HF_TESTS, *rest]
     else:
         bin_dir = ensure_env("plot" if command == "reproduce" else "test,hf,ort,plot")
     if command in ("test", "test-lowest"):

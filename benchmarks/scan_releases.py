@@ -1,34 +1,43 @@
-"""``kvfast scan`` over several transformers releases, merged into one dataset with a ``transformers_version`` column.
+"""Clean tiny models through every scenario on several transformers releases: a verdict count per release.
 
-    python benchmarks/scan_releases.py --releases 4.46.3 4.52.4 4.57.6 5.24.0 --out results/scan_releases
+    python benchmarks/scan_releases.py --releases 4.57.6 5.0.0 5.10.4 5.15.1 5.24.0 [--envs DIR] [--venv PATH ...]
 
-Per release: an environment made once with ``pip install --target ENVS/transformers-X transformers==X``
-(``huggingface_hub<1.0`` beside a 4.x release; the numpy and torch that pip puts there are removed, so that every
-release runs on this environment's CPU torch and numpy), then ``kvfast scan`` in a child process with that folder
-first on ``PYTHONPATH`` into ``OUT/X`` (resumable: a rerun runs only what is missing). The release this
-environment has installed runs without a folder. The architectures are those of ``--families`` that the release
-has (each release's own auto mapping). Then every release's stored runs are merged into ``OUT/merged.parquet``
-and two tables are printed: the worst clean verdict per architecture, dtype and scenario in each release (a
-column per release), and the cells whose verdict changes between releases (a clean ``bug`` in one release that is
-``rounding`` in the next is a real bug of that release, or a fix).
+Per release: an environment (``--venv PATH``: a virtual environment, run with its own python; ``--releases X``:
+a folder made once with ``pip install --target ENVS/transformers-X transformers==X``, ``huggingface_hub<1.0``
+beside a 4.x release, the numpy and torch pip puts there removed, so the release runs on this environment's CPU
+torch and numpy; the release installed here runs without a folder). In each, a child process imports this
+checkout's kvfast and checks the clean tiny models (:data:`MODELS`: every family of
+:data:`kvfast.check.hf.FAMILIES`, Llama over a ``StaticCache``, Mamba and Mamba-2 from
+:func:`kvfast.studies.architectures.tiny_architecture`) in every scenario, on a prompt longer than Mistral's
+window and one shorter, 10 decode steps: control mode in float32 with sdpa, and exact mode in bfloat16 with
+eager attention (where cache and recompute agree bit for bit, so any ``divergent`` is false), the attention
+families only. It prints a markdown table, one row per release: models, scenario reports, and how many are
+``bug``, ``inconclusive``, ``divergent`` (exact mode), ``skipped`` (reasons summarised), an error of the
+model's, and ``rounding`` / ``exact``. On a clean model every ``bug`` and every ``divergent`` is a false one.
 
-A release that cannot be installed, or whose scan fails, is reported in one line and left out; the rest go on.
+``--scan`` instead runs ``kvfast scan`` per release (``--families``, ``--dtypes``, ...) into ``OUT/release``
+and merges the runs into ``OUT/merged.parquet`` with a ``transformers_version`` column, printing the worst
+clean verdict per architecture, dtype and scenario in each release and the cells whose verdict changes.
+
+A release that cannot be installed, or whose run fails, is reported in one line and left out; the rest go on.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pandas as pd
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_RELEASES = ("4.46.3", "4.52.4", "4.57.6", "5.0.0", "5.24.0")
+DEFAULT_RELEASES = ("4.57.6", "5.0.0", "5.10.4", "5.15.1", "5.24.0")
 DEFAULT_FAMILIES = (
     "llama",
     "gpt2",
@@ -128,9 +137,163 @@ def changes(table: pd.DataFrame) -> pd.DataFrame:
     return table[keep]
 
 
+# --- clean models through every scenario (the default) ----------------------------------------------------
+
+#: (name, how the child builds it, exact mode too): the clean tiny models every release must check cleanly
+MODELS = (
+    ("llama", "family", True),
+    ("gpt2", "family", True),
+    ("mistral", "family", True),
+    ("qwen2", "family", True),
+    ("llama+static", "static", True),
+    ("mamba", "architecture", False),
+    ("mamba2", "architecture", False),
+)
+#: a prompt longer than Mistral's window of 12, and one shorter (its rollbacks then start inside the window)
+PROMPTS = (list(range(3, 19)), [5, 9, 2, 7, 4])
+STEPS = 10
+#: the columns of the table, in order (a report's verdict, or ``error``: the model's own error)
+COUNTED = ("bug", "inconclusive", "divergent", "skipped", "error")
+
+
+def _model(name: str, how: str, dtype: str, attention: str):
+    """The clean model ``name`` as the child builds it (an ``HFModel`` or a transformers model)."""
+    import transformers
+
+    from kvfast.check.hf import HFModel, tiny_model
+    from kvfast.studies.architectures import tiny_architecture
+
+    if how == "architecture":
+        return tiny_architecture(name, dtype, "auto", 0)
+    family = name.split("+")[0]
+    model = tiny_model(family, dtype, attention, 0)
+    if how == "static":
+        return HFModel(model, new_cache=lambda: transformers.StaticCache(config=model.config, max_cache_len=64))
+    return model
+
+
+def child() -> None:
+    """In a release's environment: every model, mode and scenario; one JSON line per scenario report."""
+    import torch
+    import transformers
+
+    from kvfast.check import ModelUnderTestError, check_cache
+    from kvfast.check.options import ALL_SCENARIOS
+
+    torch.set_num_threads(1)
+    release = str(transformers.__version__)
+    for name, how, exact_too in MODELS:
+        modes = [("control", "float32", "sdpa")] + ([("exact", "bfloat16", "eager")] if exact_too else [])
+        for mode, dtype, attention in modes:
+            for scenario, prompt in itertools.product(ALL_SCENARIOS, PROMPTS):
+                row = {"release": release, "model": name, "mode": mode, "scenario": scenario, "prompt": len(prompt)}
+                try:
+                    model = _model(name, how, dtype, attention)
+                    report = check_cache(model, prompt, STEPS, mode=mode, scenarios=scenario)
+                except (ModelUnderTestError, ValueError) as exc:
+                    print(json.dumps({**row, "verdict": "error", "note": " ".join(str(exc).split())[:300]}))
+                    continue
+                for got, scenario_report in report.scenarios.items():
+                    note = scenario_report.notes[0] if scenario_report.verdict == "skipped" else ""
+                    print(json.dumps({**row, "scenario": got, "verdict": scenario_report.verdict, "note": note}))
+            sys.stdout.flush()
+
+
+def _reason(note: str) -> str:
+    """A skip's or an error's note, short: the part after the release's name, up to a parenthesis."""
+    text = note.split(": ", 2)[-1] if "transformers " in note else note
+    return text.split(" (")[0].removeprefix("its ")
+
+
+def summarise(rows: list[dict]) -> dict:
+    """One release's rows as the table's cells."""
+    counts = {k: sum(r["verdict"] == k for r in rows) for k in COUNTED}
+    passed = sum(r["verdict"] in ("rounding", "exact") for r in rows)
+    why: dict[str, int] = {}
+    for r in rows:
+        if r["verdict"] in ("skipped", "error"):
+            key = f"{r['model']} {r['scenario']}: {_reason(r['note'])}"
+            why[key] = why.get(key, 0) + 1
+    reasons = "; ".join(f"{k} ({n})" for k, n in sorted(why.items())) or "-"
+    alarms: dict[str, int] = {}
+    for r in rows:
+        if r["verdict"] in ("bug", "inconclusive", "divergent"):
+            key = f"{r['model']} {r['mode']} {r['scenario']} {r['verdict']}"
+            alarms[key] = alarms.get(key, 0) + 1
+    where = "; ".join(f"{k} ({n})" for k, n in sorted(alarms.items())) or "-"
+    models = len({r["model"] for r in rows})
+    return {"models": models, "runs": len(rows), **counts, "passed": passed, "reasons": reasons, "where": where}
+
+
+def markdown(results: dict[str, list[dict]]) -> str:
+    """The table: a row per release (``bug`` and ``divergent`` on clean models are false ones)."""
+    head = [
+        "release",
+        "models",
+        "scenario reports",
+        *COUNTED,
+        "rounding / exact",
+        "bug, inconclusive, divergent: where",
+    ]
+    head += ["skipped and errors: why"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for release, rows in results.items():
+        c = summarise(rows)
+        cells = [release, c["models"], c["runs"], *(c[k] for k in COUNTED), c["passed"], c["where"], c["reasons"]]
+        lines.append("| " + " | ".join(str(x) for x in cells) + " |")
+    return "\n".join(lines)
+
+
+def run_child(python: str, env: dict) -> list[dict]:
+    """The child's rows (this file run with ``--child`` by ``python`` in ``env``)."""
+    done = subprocess.run([python, __file__, "--child"], capture_output=True, text=True, env=env, cwd=ROOT)
+    if done.returncode:
+        raise RuntimeError(f"the child exited {done.returncode}: {done.stderr.strip().splitlines()[-1:]}")
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def venv_env() -> dict:
+    """A virtual environment's child: this checkout first on its path."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def scenarios_main(args) -> int:
+    envs = Path(args.envs or Path(args.out) / "envs").absolute()
+    envs.mkdir(parents=True, exist_ok=True)
+    results: dict[str, list[dict]] = {}
+    runs = [(f"venv {v}", lambda v=v: run_child(str(Path(v) / "bin" / "python"), venv_env())) for v in args.venv]
+    runs += [
+        (release, lambda r=release: run_child(sys.executable, child_env(environment(r, envs))))
+        for release in args.releases
+    ]
+    for label, go in runs:
+        t0 = time.perf_counter()
+        try:
+            rows = go()
+        except RuntimeError as exc:
+            print(f"{label}: left out: {exc}", flush=True)
+            continue
+        if rows:
+            results[rows[0]["release"]] = rows
+            print(
+                f"transformers {rows[0]['release']}: {len(rows)} reports in {time.perf_counter() - t0:.0f} s",
+                flush=True,
+            )
+    if not results:
+        print("no release was run", file=sys.stderr)
+        return 1
+    print()
+    print(markdown(results))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--releases", nargs="+", default=list(DEFAULT_RELEASES))
+    p.add_argument("--releases", nargs="*", default=None, help="releases to install and run (pip --target)")
+    p.add_argument("--venv", action="append", default=[], help="a virtual environment to run in (repeatable)")
+    p.add_argument("--envs", default=None, help="where release environments go (default: OUT/envs)")
+    p.add_argument("--out", default="results/scan_releases")
+    p.add_argument("--scan", action="store_true", help="run kvfast scan per release instead (the options below)")
     p.add_argument("--families", nargs="+", default=list(DEFAULT_FAMILIES))
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--seeds", type=int, default=1)
@@ -138,9 +301,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--bugs", nargs="+", default=["none"], help="injected bugs (default: none, clean runs only)")
     p.add_argument("--jobs", type=int, default=2)
-    p.add_argument("--out", default="results/scan_releases")
-    p.add_argument("--envs", default=None, help="where release environments go (default: OUT/envs)")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.child:
+        child()
+        return 0
+    if args.releases is None:
+        args.releases = [] if args.venv else list(DEFAULT_RELEASES)
+    return scan_main(args) if args.scan else scenarios_main(args)
+
+
+def scan_main(args) -> int:
     envs = Path(args.envs or Path(args.out) / "envs").absolute()
     envs.mkdir(parents=True, exist_ok=True)
     from kvfast.sweep.store import load

@@ -12,7 +12,9 @@ What the adapter does (:mod:`kvfast.check.protocol` for the methods):
   as a ``StaticCache``; some releases update a cache in place, so one is never
   reused), then ``model(ids, cache=..., use_cache=True)``. A model that takes no
   cache object (``_supports_cache_class = False``: 4.3x GPT-2) gets ``None`` and
-  is fed back the tuples it returns.
+  is fed back the tuples it returns; so does a model whose modeling module defines
+  its own cache class (:func:`builds_own_cache`: Jamba, MiniMax, 5.6's OLMo-Hybrid),
+  which builds it at the prefill as ``generate`` lets it.
 - ``extend(tokens)`` / ``decode(token)``: the next chunk on top of that cache,
   driven as the model's own ``generate`` drives it: an all-ones attention mask
   over every position so far where its ``prepare_inputs_for_generation`` keeps
@@ -85,6 +87,19 @@ class ModelForwardError(RuntimeError):
 
 def _torch():
     return import_extra("torch", "a Hugging Face model", "hf")
+
+
+def builds_own_cache(model) -> bool:
+    """Whether ``model``'s modeling module defines its own cache class (hybrid recurrent models: Jamba, Bamba,
+    MiniMax; OLMo-Hybrid in 5.6, whose layers read ``conv_states_q`` that a ``DynamicCache`` lacks): such a model
+    is given no cache object and builds its own at the prefill, as ``generate`` lets it."""
+    import sys
+
+    module = sys.modules.get(type(model).__module__)
+    return any(
+        name.endswith("Cache") and isinstance(value, type) and value.__module__ == module.__name__
+        for name, value in vars(module or object).items()
+    )
 
 
 def is_hf_model(model: object) -> bool:
@@ -365,7 +380,7 @@ class HFModel:
     def _fresh_cache(self):
         if self.new_cache is not None:
             return self.new_cache()
-        if self.cache_arg == "cache_params":  # a state-space model of 4.x / early 5.x builds its own state cache
+        if self.cache_arg == "cache_params" or builds_own_cache(self.model):  # it builds its own, as generate lets it
             return None
         if getattr(self.model, "_supports_cache_class", True) is False:  # 4.3x GPT-2 and others: tuples only
             return None
@@ -390,7 +405,7 @@ class HFModel:
             if self._generate_passes_mask(ids, mask):
                 kwargs["attention_mask"] = mask
         if self.takes_cache_position:
-            kwargs["cache_position"] = torch.arange(self.length, self.length + n)
+            kwargs["cache_position"] = self.cache_positions(n)
         if positions is None and self._generate_positions():
             positions = list(range(self.length, self.length + n))
         if positions is not None:
@@ -413,6 +428,36 @@ class HFModel:
         """Hook: the model's forward on the cache path (every cached call; never the recompute): ``(logits,
         cache)``."""
         return self._call(self.model, **kwargs)
+
+    _generate_prefill_positions: int | None = None  # asked once of a cache_params model (cache_positions); 0: unknown
+
+    def cache_positions(self, n: int):
+        """The ``cache_position`` of the next ``n`` tokens, as ``generate`` numbers them: the positions after the
+        cache, except in a ``cache_params`` model (4.x Mamba, Mamba-2), whose ``generate`` gives the prefill
+        ``arange(conv_kernel)`` whatever the prompt's length and counts on from there: a shorter prefill's later
+        calls are numbered ``conv_kernel`` on (the state cache writes the new conv column at the clamped
+        position; measured on 4.57.6, Mamba continued after a prefill of 1 or 2 tokens numbered from the tokens
+        was off by about 1 from the recompute). Asked of the model's ``prepare_inputs_for_generation``."""
+        torch = _torch()
+        start = self.length
+        if self.cache_arg == "cache_params" and self.length > 0:
+            start += max(0, self._prefill_positions() - self.prefill_len)
+        return torch.arange(start, start + n)
+
+    def _prefill_positions(self) -> int:
+        """How many ``cache_position`` entries the model's ``generate`` gives its prefill (``cache_params`` models;
+        the prompt's length where it cannot be asked)."""
+        if self._generate_prefill_positions is None:
+            torch = _torch()
+            self._generate_prefill_positions = 0
+            prepare = getattr(self.model, "prepare_inputs_for_generation", None)
+            try:
+                ids = torch.zeros(1, 1, dtype=torch.long)
+                inputs = prepare(ids, cache_params=None, use_cache=True, cache_position=torch.arange(1))
+                self._generate_prefill_positions = int(inputs["cache_position"].shape[0])
+            except Exception:  # noqa: BLE001 - a release whose generate cannot be asked: the tokens' positions
+                pass
+        return self._generate_prefill_positions or self.prefill_len
 
     _positions_as_generate: bool | None = None  # measured on first use (_generate_positions)
 
@@ -468,9 +513,7 @@ class HFModel:
         n = ids.shape[1]
         so_far = torch.cat([torch.zeros(1, self.length, dtype=ids.dtype), ids], dim=1)  # only the shape is read
         # the state-space models of 4.x read the positions from cache_position (their generate passes it)
-        where = (
-            {"cache_position": torch.arange(self.length, self.length + n)} if self.cache_arg == "cache_params" else {}
-        )
+        where = {"cache_position": self.cache_positions(n)} if self.cache_arg == "cache_params" else {}
         try:
             inputs = prepare(
                 so_far,

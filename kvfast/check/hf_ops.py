@@ -142,20 +142,22 @@ def cannot_crop(cache, remove: int) -> str | None:
             return f"its {name} layers have no crop()"
         if getattr(layer, "is_croppable", True) is False:
             return f"transformers marks the cache's {name} layers not croppable"
+        if _is_linear_attention(layer) and not callable(getattr(layer, "activate_past_recording", None)):
+            return f"its {name} layers' crop() leaves their states as they are (no past recording before 5.14)"
         if _is_linear_attention(layer) and not records_past_across_calls():
-            return f"its {name} layers keep their states for a crop only with a past recording {_NO_RECORDING}"
+            return f"its {name} layers keep their states for a crop only with a past recording ({_NO_RECORDING})"
         if remove > 0 and _past_window(layer):
             return (
                 f"its {name} layers have seen their window of {layer.sliding_window} positions and kept no past, so "
-                f"they cannot be cropped past it (a past recording {_NO_RECORDING})"
+                f"they cannot be cropped past it (a past recording: {_NO_RECORDING})"
             )
     return None
 
 
 #: Why kvfast records no past on a release (:func:`records_past_across_calls` is false), as notes say it.
 _NO_RECORDING = (
-    "kvfast uses only from transformers 5.18 on; before, a recording cache needs a crop after every forward, and "
-    "the rollback scenario decodes one draft token per call"
+    "kvfast records a cache's past from transformers 5.18 on; before, a recording cache needs a crop after every "
+    "forward, and the rollback scenario decodes one draft token per call"
 )
 
 
@@ -301,7 +303,9 @@ def prefill_beams(adapter, tokens, n: int):
     ids = adapter._ids(tokens, 0).repeat(n, 1)
     adapter.cache, adapter.length, adapter.decoded = adapter._fresh_cache(), 0, 0
     adapter.beams = n
-    return _beam_call(adapter, ids, torch)
+    logits = _beam_call(adapter, ids, torch)
+    adapter.prefill_len = adapter.length
+    return logits
 
 
 def decode_beams(adapter, tokens):
@@ -340,7 +344,7 @@ def _call_appending(adapter, ids, torch, **extra):
     extra["attention_mask"] = _mask_as_generate(adapter, ids, extra.get("attention_mask"))
     kwargs.update((k, v) for k, v in extra.items() if v is not None)
     if adapter.takes_cache_position:
-        kwargs["cache_position"] = torch.arange(adapter.length, adapter.length + n)
+        kwargs["cache_position"] = adapter.cache_positions(n)
     logits, cache = adapter._cached_forward(**kwargs)
     adapter.cache = cache
     adapter.length += n
@@ -381,6 +385,7 @@ def prefill_padded(adapter, prompts) -> list:
     adapter.cache, adapter.length, adapter.decoded = adapter._fresh_cache(), 0, 0
     adapter.pad_mask = mask
     logits = _padded_call(adapter, ids, adapter._padded_positions(mask, width), torch)
+    adapter.prefill_len = adapter.length
     return [logits[i, width - r.shape[0] :] for i, r in enumerate(rows)]
 
 

@@ -305,15 +305,10 @@ def shrink(d: dict) -> dict:
 
 
 def own_cache(model) -> bool:
-    """Whether ``model``'s modeling module defines its own cache class (hybrid recurrent models: Jamba, Bamba,
-    MiniMax): such a model is given no cache object and builds its own, as ``generate`` lets it."""
-    import sys
+    """Whether ``model`` builds its own cache (:func:`kvfast.check.hf.builds_own_cache`, where it is decided)."""
+    from kvfast.check.hf import builds_own_cache
 
-    module = sys.modules.get(type(model).__module__)
-    return any(
-        name.endswith("Cache") and isinstance(value, type) and value.__module__ == module.__name__
-        for name, value in vars(module or object).items()
-    )
+    return builds_own_cache(model)
 
 
 def pad_token(model) -> int | None:
