@@ -12,6 +12,7 @@ stored ``ok`` run whose verdict is ``skipped``, not a failure.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 DEFAULT_DTYPES = ("float32", "bfloat16")
@@ -97,11 +98,13 @@ def scoreboard_text(df, markdown: bool) -> str:
 
 
 def cmd_scan(args) -> int:
-    from kvfast.commands.sweep import _exit, _sweep
+    from kvfast.commands.sweep import EXIT_STORAGE, _exit, _sweep
     from kvfast.report import report_dir
+    from kvfast.report.page import report_path, writing_report
     from kvfast.studies import scan
     from kvfast.sweep.options import SweepOptions
-    from kvfast.sweep.store import load
+    from kvfast.sweep.store import StorageError, load
+    from kvfast.validation import one_line
 
     out = Path(args.out).absolute()
     grid = build_grid(args)
@@ -113,10 +116,17 @@ def cmd_scan(args) -> int:
     df = load(out)
     df = df[df["run_id"].isin(set(grid.iter_ids()))]  # this grid's runs (DIR may hold an earlier, larger scan)
     print(scoreboard_text(df, args.markdown))
-    where = report_dir(out)
-    where.mkdir(parents=True, exist_ok=True)
-    scan.scoreboard(df).to_csv(where / "scoreboard.csv", index=False, lineterminator="\n")
-    scan.skipped_table(df).to_csv(where / "skipped.csv", index=False, lineterminator="\n")
-    (where / "scoreboard.md").write_text(scoreboard_text(df, True) + "\n")
+    where = report_path(out)
+    stored = f"{len(df):,} runs are stored in {out}"
+    try:
+        with writing_report(where, stored, what="the scoreboard"):
+            where = report_dir(out)
+            where.mkdir(parents=True, exist_ok=True)
+            scan.scoreboard(df).to_csv(where / "scoreboard.csv", index=False, lineterminator="\n")
+            scan.skipped_table(df).to_csv(where / "skipped.csv", index=False, lineterminator="\n")
+            (where / "scoreboard.md").write_text(scoreboard_text(df, True) + "\n")
+    except StorageError as exc:
+        print(f"kvfast: error: {one_line(exc)}", file=sys.stderr)
+        return EXIT_STORAGE
     print(f"scoreboard: {where / 'scoreboard.md'} (kvfast report {args.out}: the heatmap)")
     return _exit(report)

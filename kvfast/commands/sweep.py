@@ -10,7 +10,9 @@ directory; a user's study module or ``validate_config`` that raises or exits,
 were lost (not stored: a stall, a lost Dask scheduler;
 a plain rerun runs them); 70 for a bug in kvfast (a traceback, the version
 and a line saying so); 74 when results could not be written (disk full), one
-line saying what is stored; 130 when interrupted (Ctrl-C; rerun to resume).
+line saying what is stored (``kvfast report`` and ``kvfast scan`` too, for their
+report or scoreboard: disk full, a name too long, a read-only place, saying
+where it would have gone); 130 when interrupted (Ctrl-C; rerun to resume).
 A sweep that ends with fewer runs stored ``ok`` than its grid never exits 0.
 """
 
@@ -37,7 +39,8 @@ EXIT_CODES = {
     "raises or exits (any exception, `sys.exit`, `os._exit`, `KeyboardInterrupt`)",
     EXIT_LOST: "runs lost, not stored (a stall, a lost Dask scheduler): a plain rerun runs them",
     70: "a bug in kvfast: a traceback, the version and a line saying so",
-    EXIT_STORAGE: "results could not be written (disk full): one line with what is stored; free space and rerun",
+    EXIT_STORAGE: "results, a report or a scoreboard could not be written (disk full, a name too long, a read-only "
+    "place): one line with what is stored and where it would have gone; free space (or shorten the name) and rerun",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C): rerun to resume",
 }
 

@@ -5,6 +5,8 @@ Every backend module has
 - ``preheat(job) -> None``: an optional head start, run in a thread while the
   warm-up run executes in the sweep's process (start a pool, import the study in
   the workers); it never raises;
+- ``supervised(job)`` (optional): a context manager held from before the warm-up run
+  until ``execute`` returns (the pool backends' watch over their worker processes);
 - ``execute(job, runs, total) -> Outcome``: run ``total`` runs from the iterator
   ``runs`` (cut into chunks by ``job.plan``) and hand every finished chunk's rows
   to ``job.write(runs, rows)``, from the calling thread. Each run's row is made by
@@ -22,6 +24,7 @@ threading backend), :mod:`.dask` (Dask futures, driven directly).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -86,6 +89,12 @@ _MODULES = {"inline": "inline", "fork": "pool", "loky": "pool", "threading": "th
 def backend_module(name: str) -> ModuleType:
     """The module that implements backend ``name`` (imported on first use: Dask only when asked for)."""
     return importlib.import_module(f"{__name__}.{_MODULES[name]}")
+
+
+def supervised(job: Job) -> contextlib.AbstractContextManager:
+    """``job.backend``'s watch over its workers, from the warm-up until it is done (a no-op where it has none)."""
+    module = backend_module(job.backend)
+    return module.supervised(job) if hasattr(module, "supervised") else contextlib.nullcontext()
 
 
 def execute(job: Job, runs: Iterator[Run], total: int) -> Outcome:
