@@ -21,6 +21,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+import kvfast.studies  # noqa: F401 - registers the built-in studies (the sweep names none itself: issue 29)
 from kvfast.cli import main
 from kvfast.commands.sweep import EXIT_CODES, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_LOST, EXIT_STORAGE
 from kvfast.sweep import grid_from_spec, load, load_grid, run_sweep

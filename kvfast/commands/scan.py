@@ -58,7 +58,7 @@ def _choose(values: list[str], allowed: tuple[str, ...], option: str) -> None:
 def build_grid(args):
     """The scan's grid from the command's arguments; ``ValueError`` (one line) for a bad one."""
     from kvfast.bugs.hf import HF_BUGS
-    from kvfast.studies import scan
+    from kvfast.studies import STUDIES, scan
     from kvfast.studies.hf_common import require_torch
     from kvfast.sweep.grid import grid_from_spec
     from kvfast.validation import require_int
@@ -80,7 +80,7 @@ def build_grid(args):
     if args.jobs is not None:
         require_int(args.jobs, "--jobs", 1)
     spec = scan.scan_spec(families, dtypes, scenarios, args.seeds, args.prompts, args.steps, args.attention, bugs)
-    return grid_from_spec(spec, name="hf_scan", source="kvfast scan")
+    return grid_from_spec(spec, name="hf_scan", source="kvfast scan", studies=STUDIES)
 
 
 def scoreboard_text(df, markdown: bool) -> str:

@@ -10,6 +10,7 @@ import importlib
 import pkgutil
 
 from kvfast.studies.base import Claim, Fact, Figure, Study
+from kvfast.sweep.study import REGISTERED
 
 
 def _discover() -> dict[str, Study]:
@@ -23,5 +24,6 @@ def _discover() -> dict[str, Study]:
 
 
 STUDIES: dict[str, Study] = _discover()
+REGISTERED.register(STUDIES)  # the sweep's default registry: kvfast.sweep names no study itself
 
 __all__ = ["STUDIES", "Claim", "Fact", "Figure", "Study"]

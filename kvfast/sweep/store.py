@@ -51,7 +51,7 @@ import pyarrow.parquet as pq
 from kvfast.validation import one_line, shorten
 
 if TYPE_CHECKING:
-    from kvfast.studies.base import Study
+    from kvfast.sweep.study import Study
 
 
 MANIFEST = "_sweep.json"
@@ -582,11 +582,11 @@ def load(path: str | os.PathLike) -> pd.DataFrame:
         raise ValueError(f"{str(p)!r}: no such results directory")
     parts = list_parts(p)
     if not parts:
-        from kvfast.studies import STUDIES
         from kvfast.sweep.grid import resolve_study
+        from kvfast.sweep.study import REGISTERED
 
         manifest = ResultsDir(p).manifest() or {}
-        study = STUDIES.get(manifest.get("study", ""))
+        study = REGISTERED.get(manifest.get("study", ""))
         if study is None and manifest.get("study_ref"):
             with contextlib.suppress(ValueError):
                 study = resolve_study(manifest["study_ref"])

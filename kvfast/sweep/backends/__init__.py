@@ -37,7 +37,7 @@ from kvfast.sweep.plan import Planner
 from kvfast.sweep.rows import Limits
 
 if TYPE_CHECKING:
-    from kvfast.studies.base import Study
+    from kvfast.sweep.study import Study
 
 
 class Outcome(NamedTuple):

@@ -31,7 +31,7 @@ from kvfast.sweep.rows import lost_worker_row, run_chunk
 from kvfast.validation import import_extra
 
 if TYPE_CHECKING:
-    from kvfast.studies.base import Study
+    from kvfast.sweep.study import Study
 
 
 def dask_client(n_jobs: int, scheduler: str | None):

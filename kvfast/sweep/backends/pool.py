@@ -51,7 +51,7 @@ from kvfast.sweep.procs import Monitor, kill_worker, worker_setup
 from kvfast.sweep.rows import Limits, lost_worker_row, run_chunk, run_chunk_in_worker, timed_out, timeout_row
 
 if TYPE_CHECKING:
-    from kvfast.studies.base import Study
+    from kvfast.sweep.study import Study
 
 # Libraries whose native thread pools do not survive a fork: once the warm-up run has imported one
 # (a study that builds torch models), a forked worker blocks forever on a lock held by a thread that
