@@ -23,7 +23,7 @@ def _discover() -> dict[str, Study]:
     return found
 
 
-STUDIES: dict[str, Study] = _discover()
-REGISTERED.register(STUDIES)  # the sweep's default registry: kvfast.sweep names no study itself
+REGISTERED.register(_discover())
+STUDIES: dict[str, Study] = REGISTERED  # the sweep's default registry itself: kvfast.sweep names no study
 
 __all__ = ["STUDIES", "Claim", "Fact", "Figure", "Study"]

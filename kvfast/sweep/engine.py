@@ -126,6 +126,7 @@ class SweepReport:
     workers: int = 1
     chunk_size: int = 0
     interrupted: bool = False
+    worker_versions: dict[str, dict] = field(default_factory=dict)  # Dask: worker address -> its versions
 
     @property
     def ok(self) -> bool:
@@ -320,6 +321,7 @@ def _history(grid: Grid, report: SweepReport, options: SweepOptions, versions_no
         "lost": len(report.lost),
         "versions": versions_now,
         "interrupted": report.interrupted,
+        **({"worker_versions": report.worker_versions} if report.worker_versions else {}),
     }
 
 
@@ -360,6 +362,7 @@ def _execute(
             return
         outcome: Outcome = execute(job, runs, total)
     report.lost, report.lost_reason = list(outcome.lost), outcome.reason
+    report.worker_versions = dict(job.worker_versions)
     report.workers = job.workers
     report.chunk_size = job.largest_chunk  # the steady-state size
 

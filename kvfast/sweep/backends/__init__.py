@@ -57,7 +57,8 @@ class Job:
     ``backend``: the backend's name (``fork``, ``loky``, ``threading``, ``dask``,
     or ``inline``); ``workers``: how many (a Dask backend sets it from its
     cluster); ``client``: the Dask client, if any; ``recent``: the wall times of
-    the last ``ok`` runs (the writer fills it; planners read it).
+    the last ``ok`` runs (the writer fills it; planners read it); ``worker_versions``: what each Dask worker
+    runs (kvfast, the study's version; ``refused`` when it differs from this process), for the manifest.
     """
 
     study: Study
@@ -71,6 +72,7 @@ class Job:
     stall_s: float = 300.0
     client: Any = None
     planners: list[Planner] = field(default_factory=list)
+    worker_versions: dict[str, dict] = field(default_factory=dict)  # Dask: worker address -> its versions
 
     def plan(self, runs: Iterator[Run], total: int) -> Planner:
         """A new :class:`Planner` over ``runs`` (``total`` of them) for this job's workers."""
