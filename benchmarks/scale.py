@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PLAN_CHILD = r"""
 import json, resource, sys, time
 def rss(): return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+import kvfast.studies  # noqa: F401 - registers the built-in studies
 from kvfast.sweep.grid import grid_from_spec, load_grid
 spec = dict(load_grid("exactness").spec)
 base_mb = rss()

@@ -34,6 +34,7 @@ from pathlib import Path
 CHILD = r"""
 import json, os, resource, sys, time
 t0 = time.perf_counter()
+import kvfast.studies  # noqa: F401 - registers the built-in studies into the sweep's registry
 from kvfast.sweep import load, load_grid, run_sweep
 grid = load_grid(sys.argv[1])
 jobs = int(sys.argv[3])

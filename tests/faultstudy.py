@@ -7,7 +7,8 @@ interruptible), ``spin`` (an hour of Python loop), ``stuck`` (an hour with SIGAL
 checks for signals), ``die`` (``os._exit``), ``segv`` (SIGSEGV), ``big`` (ok,
 with a 256 KiB incompressible ``blob``), ``forkret`` (forks; the child returns a result instead of
 exiting), ``orphan`` (leaves a ``sleep`` child and a detached daemon grandchild running, ok),
-``stop`` (the run's process stops itself with SIGSTOP, never resumed), ``slowkid`` (``slow``, with a
+``stop`` (the run's process stops itself with SIGSTOP, never resumed), ``stopidle`` (ok, and its process
+stops itself 0.2 s after the run returned: a worker stopped with no run in progress), ``slowkid`` (``slow``, with a
 ``sleep`` child running meanwhile; its pid goes into ``kids-X``).
 
 When the environment variable ``KVFAST_FAULT_MARKS`` names a folder, ``slow`` runs write
@@ -43,6 +44,7 @@ MODES = (
     "forkret",
     "orphan",
     "stop",
+    "stopidle",
     "slowkid",
 )
 MARKS = "KVFAST_FAULT_MARKS"
@@ -104,6 +106,12 @@ def run(config: dict) -> dict:
         _orphans(x)
     elif mode == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
+    elif mode == "stopidle":
+        import threading
+
+        stopper = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGSTOP))
+        stopper.daemon = True
+        stopper.start()
     elif mode == "exit0":
         raise SystemExit(0)
     elif mode == "exit3":

@@ -16,8 +16,9 @@ left. The layers, left to right:
    detector scoring. The checker never imports them.
 4a. **repro**: ``kvfast.repro.*``, a finding as an upstream-ready reproducer (it reads reports and
    re-injects catalogue bugs; the checker and the catalogues never import it).
-5. **studies**: ``kvfast.studies.*``.
-6. **sweep**: ``kvfast.sweep.*`` (grids, execution, Parquet, in-process runs).
+5. **sweep**: ``kvfast.sweep.*`` (grids, execution, Parquet, in-process runs; the ``Study`` contract and the
+   registry studies register into: the sweep imports nothing from ``kvfast.studies``).
+6. **studies**: ``kvfast.studies.*``.
 7. **report**: ``kvfast.report.*`` (the claims table, quoted figures, plots and HTML page, from stored results).
 8. **commands**: ``kvfast`` itself (a facade that imports its public names on first use),
    ``kvfast.cli``, ``kvfast.commands.*``, ``kvfast.bench.*``, ``kvfast.pytest_plugin`` and every
@@ -46,8 +47,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("check", ("kvfast.check",)),
     ("bugs", ("kvfast.bugs",)),
     ("repro", ("kvfast.repro",)),
-    ("studies", ("kvfast.studies",)),
     ("sweep", ("kvfast.sweep",)),
+    ("studies", ("kvfast.studies",)),
     ("report", ("kvfast.report",)),
     ("commands", ("kvfast.cli", "kvfast.commands", "kvfast.bench", "kvfast.pytest_plugin")),
 ]
@@ -225,3 +226,16 @@ def test_the_runtime_leaf_imports_only_validation(graph):
     for name, targets in graph.items():
         if name == "kvfast.runtime" or name.startswith("kvfast.runtime."):
             assert {t for t in targets if not t.startswith("kvfast.runtime")} <= {"kvfast.validation"}, name
+
+
+def test_the_sweep_imports_nothing_from_the_studies(graph):
+    """Issue 29: ``Study`` is the sweep's contract (:mod:`kvfast.sweep.study`); studies register into its registry
+    and sit above it. The rule, named, and shown to fail on the edge it used to have (``grid`` looked names up in
+    ``kvfast.studies.STUDIES``)."""
+    sweep = {name: targets for name, targets in graph.items() if name.startswith("kvfast.sweep")}
+    assert {t for targets in sweep.values() for t in targets if t.startswith("kvfast.studies")} == set()
+    assert "kvfast.sweep.study" in graph["kvfast.studies"]  # the built-in studies register into the sweep's registry
+    fake = {name: set(targets) for name, targets in graph.items()}
+    fake["kvfast.sweep.grid"].add("kvfast.studies")
+    assert right_to_left(fake) == ["kvfast.sweep.grid (sweep) imports kvfast.studies (studies)"]
+    assert any({"kvfast.sweep.grid", "kvfast.studies"} <= set(group) for group in cycles(fake))

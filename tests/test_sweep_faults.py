@@ -21,6 +21,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+import kvfast.studies  # noqa: F401 - registers the built-in studies (the sweep names none itself: issue 29)
 from kvfast.cli import main
 from kvfast.commands.sweep import EXIT_CODES, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_LOST, EXIT_STORAGE
 from kvfast.sweep import grid_from_spec, load, load_grid, run_sweep
@@ -313,6 +314,28 @@ def test_a_stopped_worker_is_killed_by_the_sweep_and_its_run_is_a_timeout_row(tm
     again = kvfast("run", toml, "--out", out, *args)
     assert again.returncode == EXIT_FAILED and "9 already stored, 0 run now" in again.stdout
     assert stored(out).equals(df.reset_index()[COLUMNS])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIGSTOP, /proc")
+@pytest.mark.parametrize("backend", ["fork", "loky"])
+def test_a_worker_stopped_between_runs_is_killed_within_the_run_timeout(tmp_path, backend):
+    """Issue 29: a worker stopped with SIGSTOP while no run of it was in progress (its heartbeat said idle) was
+    waited for until --stall-timeout (300 s): the sweep looked hung. With --run-timeout a stopped worker is
+    killed once stopped that long, whatever it was doing. The `stopidle` run returns and its worker stops
+    itself 0.2 s later, while the other worker's `hang` run runs into its time limit."""
+    toml = grid_toml(tmp_path / "g.toml", ([0, 1, 2, 3], "ok"), ([20], "hang"), ([62], "stopidle"))
+    out = tmp_path / "o"
+    args = ["--jobs", "2", "--backend", backend, "--run-timeout", "2", "--quiet"]
+    t0 = time.monotonic()
+    proc = kvfast("run", toml, "--out", out, *args, timeout=150)  # a hang fails here (it waited 300 s)
+    took = time.monotonic() - t0
+    assert took < 100, took  # the start-up of 2 loky workers on a loaded machine included
+    assert proc.returncode == EXIT_FAILED, proc.stdout + proc.stderr
+    one_line(proc, "1 runs stored as error, crashed or timeout")
+    df = stored(out).set_index("x")
+    assert len(df) == 6 and df.loc[20, "status"] == "timeout" and (df.drop(index=20)["status"] == "ok").all()
+    again = kvfast("run", toml, "--out", out, *args, timeout=150)
+    assert again.returncode == EXIT_FAILED and "6 already stored, 0 run now" in again.stdout, again.stdout
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIGSTOP, /proc")

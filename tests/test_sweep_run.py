@@ -286,3 +286,16 @@ def test_lock_refuses_a_second_sweep_and_leaves_results_alone(tmp_path, test_stu
             run_sweep(grid, out, jobs=1, quiet=True, fresh=True)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert run_sweep(grid, out, jobs=1, quiet=True).ok  # released
+
+
+@pytest.mark.parametrize(
+    "ran, wall_s, printed",
+    [(39, 79.7, "0.49 runs/s"), (35, 10.0, "3.5 runs/s"), (12, 1.0, "12 runs/s"), (9_001, 78.6, "115 runs/s"),
+     (123_456, 10.0, "12,346 runs/s"), (0, 3.0, "0 runs/s")],
+)  # fmt: skip
+def test_throughput_is_printed_with_the_precision_it_has(tmp_path, ran, wall_s, printed):
+    """Issue 29: "39 runs ... in 79.7 s (0 runs/s ...)": a rate under 1 was rounded to 0."""
+    from kvfast.sweep import SweepReport
+
+    line = SweepReport("s", tmp_path, total=ran, skipped=0, ran=ran, wall_s=wall_s, workers=2).line()
+    assert f"({printed}, 2 workers)" in line, line

@@ -12,6 +12,10 @@ every study's summary table (what docs/studies.md pastes).
 
 from __future__ import annotations
 
+import sys
+
+from kvfast.validation import one_line
+
 MARKDOWN = ("claims", "facts", "tables")
 
 
@@ -50,16 +54,25 @@ def markdown_text(results: dict, what: str) -> str:
 
 
 def cmd_report(args) -> int:
+    from kvfast.commands.sweep import EXIT_STORAGE
     from kvfast.report import load_results, report_dir, write_report, write_tables
+    from kvfast.report.page import report_path, writing_report
+    from kvfast.sweep.store import StorageError
 
     if args.markdown:
         print(markdown_text(load_results(args.results), args.markdown))
         return 0
-    if args.no_html:
-        out = report_dir(args.results, args.out)
-        for path in write_tables(load_results(args.results), out):
-            print(path)
-        return 0
-    page = write_report(args.results, args.out)
+    stored = f"the results in {args.results} are stored, unchanged"
+    try:
+        with writing_report(report_path(args.results, args.out), stored):
+            if args.no_html:
+                results = load_results(args.results)
+                for path in write_tables(results, report_dir(args.results, args.out)):
+                    print(path)
+                return 0
+            page = write_report(args.results, args.out)
+    except StorageError as exc:
+        print(f"kvfast: error: {one_line(exc)}", file=sys.stderr)
+        return EXIT_STORAGE
     print(f"report: {page}")
     return 0

@@ -12,6 +12,7 @@ stored ``ok`` run whose verdict is ``skipped``, not a failure.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 DEFAULT_DTYPES = ("float32", "bfloat16")
@@ -63,7 +64,7 @@ def _choose(values: list[str], allowed: tuple[str, ...], option: str) -> None:
 def build_grid(args):
     """The scan's grid from the command's arguments; ``ValueError`` (one line) for a bad one."""
     from kvfast.bugs.hf import HF_BUGS
-    from kvfast.studies import scan
+    from kvfast.studies import STUDIES, scan
     from kvfast.studies.hf_common import require_torch
     from kvfast.sweep.grid import grid_from_spec
     from kvfast.validation import require_int
@@ -86,7 +87,7 @@ def build_grid(args):
     if args.jobs is not None:
         require_int(args.jobs, "--jobs", 1)
     spec = scan.scan_spec(families, dtypes, scenarios, args.seeds, args.prompts, args.steps, args.attention, bugs)
-    return grid_from_spec(spec, name="hf_scan", source="kvfast scan")
+    return grid_from_spec(spec, name="hf_scan", source="kvfast scan", studies=STUDIES)
 
 
 def scoreboard_text(df, markdown: bool) -> str:
@@ -104,11 +105,13 @@ def scoreboard_text(df, markdown: bool) -> str:
 
 
 def cmd_scan(args) -> int:
-    from kvfast.commands.sweep import _exit, _sweep
+    from kvfast.commands.sweep import EXIT_STORAGE, _exit, _sweep
     from kvfast.report import report_dir
+    from kvfast.report.page import report_path, writing_report
     from kvfast.studies import scan
     from kvfast.sweep.options import SweepOptions
-    from kvfast.sweep.store import load
+    from kvfast.sweep.store import StorageError, load
+    from kvfast.validation import one_line
 
     out = Path(args.out).absolute()
     grid = build_grid(args)
@@ -120,11 +123,18 @@ def cmd_scan(args) -> int:
     df = load(out)
     df = df[df["run_id"].isin(set(grid.iter_ids()))]  # this grid's runs (DIR may hold an earlier, larger scan)
     print(scoreboard_text(df, args.markdown))
-    where = report_dir(out)
-    where.mkdir(parents=True, exist_ok=True)
-    scan.scoreboard(df).to_csv(where / "scoreboard.csv", index=False, lineterminator="\n")
-    scan.skipped_table(df).to_csv(where / "skipped.csv", index=False, lineterminator="\n")
-    (where / "scoreboard.md").write_text(scoreboard_text(df, True) + "\n")
+    where = report_path(out)
+    stored = f"{len(df):,} runs are stored in {out}"
+    try:
+        with writing_report(where, stored, what="the scoreboard"):
+            where = report_dir(out)
+            where.mkdir(parents=True, exist_ok=True)
+            scan.scoreboard(df).to_csv(where / "scoreboard.csv", index=False, lineterminator="\n")
+            scan.skipped_table(df).to_csv(where / "skipped.csv", index=False, lineterminator="\n")
+            (where / "scoreboard.md").write_text(scoreboard_text(df, True) + "\n")
+    except StorageError as exc:
+        print(f"kvfast: error: {one_line(exc)}", file=sys.stderr)
+        return EXIT_STORAGE
     print(f"scoreboard: {where / 'scoreboard.md'} (kvfast report {args.out}: the heatmap)")
     if args.repro:
         _write_reproducers(df, out, args)

@@ -10,7 +10,9 @@ directory; a user's study module or ``validate_config`` that raises or exits,
 were lost (not stored: a stall, a lost Dask scheduler;
 a plain rerun runs them); 70 for a bug in kvfast (a traceback, the version
 and a line saying so); 74 when results could not be written (disk full), one
-line saying what is stored; 130 when interrupted (Ctrl-C; rerun to resume).
+line saying what is stored (``kvfast report`` and ``kvfast scan`` too, for their
+report or scoreboard: disk full, a name too long, a read-only place, saying
+where it would have gone); 130 when interrupted (Ctrl-C; rerun to resume).
 A sweep that ends with fewer runs stored ``ok`` than its grid never exits 0.
 """
 
@@ -37,7 +39,8 @@ EXIT_CODES = {
     "raises or exits (any exception, `sys.exit`, `os._exit`, `KeyboardInterrupt`)",
     EXIT_LOST: "runs lost, not stored (a stall, a lost Dask scheduler): a plain rerun runs them",
     70: "a bug in kvfast: a traceback, the version and a line saying so",
-    EXIT_STORAGE: "results could not be written (disk full): one line with what is stored; free space and rerun",
+    EXIT_STORAGE: "results, a report or a scoreboard could not be written (disk full, a name too long, a read-only "
+    "place): one line with what is stored and where it would have gone; free space (or shorten the name) and rerun",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C): rerun to resume",
 }
 
@@ -155,12 +158,13 @@ def _table(df: pd.DataFrame) -> str:
 
 
 def cmd_grids(args) -> int:
+    from kvfast.studies import STUDIES
     from kvfast.sweep.grid import builtin_grids, load_grid
 
     rows = []
     for name, path in builtin_grids().items():
         try:
-            g = load_grid(str(path))
+            g = load_grid(str(path), studies=STUDIES)
             rows.append(
                 {"grid": name, "study": g.study.name, "runs": len(g), "description": g.spec.get("description", "")}
             )
@@ -171,11 +175,12 @@ def cmd_grids(args) -> int:
 
 
 def cmd_run(args) -> int:
+    from kvfast.studies import STUDIES
     from kvfast.sweep.grid import DEFAULT_MAX_RUNS, load_grid
     from kvfast.sweep.options import SweepOptions
 
     out = Path(args.out).absolute()  # before the study's module is imported: user code cannot move it
-    grid = load_grid(args.grid, max_runs=args.max_runs or DEFAULT_MAX_RUNS)
+    grid = load_grid(args.grid, max_runs=args.max_runs or DEFAULT_MAX_RUNS, studies=STUDIES)
     options = SweepOptions.build(
         jobs=args.jobs,
         backend=args.backend,
@@ -290,7 +295,7 @@ def cmd_show(args) -> int:
         from kvfast.sweep.grid import resolve_study
 
         try:
-            study = resolve_study(manifest["study_ref"])
+            study = resolve_study(manifest["study_ref"], STUDIES)
         except ValueError as exc:
             print(f"(study {name!r}: {exc}; no summary)")
             return 0
@@ -319,7 +324,7 @@ def _study_grid(name: str):
     grids = builtin_grids()
     if name not in grids:
         raise ValueError(f"study: {name!r} has no built-in grid (kvfast/data/grids/{name}.toml)")
-    grid = load_grid(str(grids[name]))
+    grid = load_grid(str(grids[name]), studies=STUDIES)
     if grid.study.name != name:
         raise ValueError(f"grid {name}: runs study {grid.study.name!r}, not {name!r}")
     return grid

@@ -8,10 +8,13 @@ its numbers and a note saying how to get the plots.
 from __future__ import annotations
 
 import base64
+import contextlib
+import errno
 import html
 import io
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +26,7 @@ from kvfast.report.facts import facts
 from kvfast.report.figures import Section, matplotlib_available, sections
 from kvfast.report.results import load_results
 from kvfast.studies import STUDIES
-from kvfast.sweep.store import MANIFEST
+from kvfast.sweep.store import MANIFEST, StorageError
 
 REPORT = "report.html"
 NO_MATPLOTLIB = (
@@ -148,6 +151,8 @@ def _writable(root: Path) -> None:
         probe.write_text("")
         probe.unlink()
     except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO):  # the place is fine; it is full
+            raise
         raise ValueError(
             f"--out: {str(root)!r} is not allowed ({exc.strerror}); allowed: a writable directory"
         ) from None
@@ -172,6 +177,54 @@ def write_tables(results: dict[str, pd.DataFrame], out: str | os.PathLike) -> li
     return written
 
 
+# what the place a report goes to can refuse mid-way: a full disk or quota, a file too big, an I/O error, a
+# read-only file system or folder, a name longer than the file system's limit
+_WRITE_ERRNOS = {
+    errno.ENOSPC,
+    errno.EDQUOT,
+    errno.EFBIG,
+    errno.EIO,
+    errno.EROFS,
+    errno.EACCES,
+    errno.EPERM,
+    errno.ENAMETOOLONG,
+}
+
+
+@contextlib.contextmanager
+def writing_report(where: str | os.PathLike, stored: str, what: str = "the report") -> Iterator[None]:
+    """Turn a failed write of ``what`` into ``where`` (see :data:`_WRITE_ERRNOS`) into one
+    :class:`~kvfast.sweep.store.StorageError` line: why, where it would have gone, and ``stored`` (what is
+    stored, unchanged). Other errors pass through."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in _WRITE_ERRNOS:
+            raise
+        name = os.fsdecode(exc.filename) if exc.filename else os.fspath(where)
+        why = exc.strerror or type(exc).__name__
+        if exc.errno == errno.ENAMETOOLONG:
+            longest = max(len(os.fsencode(part)) for part in Path(name).parts)
+            why += f": a name of {longest} bytes in {name!r}; the file system allows 255"
+            fix = "pass --out with a shorter folder" if what == "the report" else "use a shorter --out"
+        elif exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            why += f": {name}"
+            fix = "pass --out with a writable folder" if what == "the report" else "rerun with a writable --out"
+        else:
+            why += f": {name}"
+            fix = "free space and rerun"
+        raise StorageError(f"{what} could not be written into {os.fspath(where)} ({why}); {stored}; {fix}") from None
+
+
+def report_path(results_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
+    """``out``, by default ``RESULTS_DIR.report`` beside ``results_dir`` (the path alone: nothing is looked at)."""
+    if out is not None:
+        return Path(out)
+    base = Path(results_dir)
+    base = Path(os.path.abspath(base)) if base.name in ("", ".", "..") else base
+    return base.with_name(base.name + ".report")
+
+
 def report_dir(results_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
     """Where the report of ``results_dir`` goes: ``out``, by default ``RESULTS_DIR.report`` beside it.
 
@@ -180,11 +233,7 @@ def report_dir(results_dir: str | os.PathLike, out: str | os.PathLike | None = N
     ``pd.read_parquet(DIR)`` and ``pyarrow.dataset`` fail. ``ValueError`` naming
     ``--out`` for such an ``out``.
     """
-    if out is None:
-        base = Path(results_dir)
-        base = Path(os.path.abspath(base)) if base.name in ("", ".", "..") else base
-        out = base.with_name(base.name + ".report")
-    root = Path(out)
+    root = report_path(results_dir, out)
     for folder in (root.absolute(), *root.absolute().parents):
         if (folder / MANIFEST).is_file():
             raise ValueError(

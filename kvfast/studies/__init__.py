@@ -10,6 +10,7 @@ import importlib
 import pkgutil
 
 from kvfast.studies.base import Claim, Fact, Figure, Study
+from kvfast.sweep.study import REGISTERED
 
 
 def _discover() -> dict[str, Study]:
@@ -22,6 +23,7 @@ def _discover() -> dict[str, Study]:
     return found
 
 
-STUDIES: dict[str, Study] = _discover()
+REGISTERED.register(_discover())
+STUDIES: dict[str, Study] = REGISTERED  # the sweep's default registry itself: kvfast.sweep names no study
 
 __all__ = ["STUDIES", "Claim", "Fact", "Figure", "Study"]

@@ -20,14 +20,18 @@ from kvfast.sweep.grid import (
 )
 from kvfast.sweep.ids import canonical_json, run_id
 from kvfast.sweep.store import MANIFEST, ResultsDir, list_parts, load, schema_for
+from kvfast.sweep.study import REGISTERED, Study, StudyRegistry
 
 __all__ = [
     "BACKENDS",
     "DEFAULT_MAX_RUNS",
     "MANIFEST",
+    "REGISTERED",
     "Grid",
     "ResultsDir",
     "Run",
+    "Study",
+    "StudyRegistry",
     "SweepReport",
     "builtin_grids",
     "canonical_json",

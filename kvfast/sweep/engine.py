@@ -46,8 +46,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from kvfast.runtime import INTERRUPTED, on_sigint
-from kvfast.sweep.backends import Job, Outcome, backend_module, execute
+from kvfast.sweep.backends import Job, Outcome, backend_module, execute, supervised
 from kvfast.sweep.backends.inline import CHUNK as INLINE_CHUNK
 from kvfast.sweep.grid import Grid, Run
 from kvfast.sweep.limits import check_disk, check_memory
@@ -96,6 +98,17 @@ def _dask_client(n_jobs: int, scheduler: str | None):
     return dask_client(n_jobs, scheduler)
 
 
+def runs_per_second(runs: int, seconds: float) -> str:
+    """``runs / seconds`` as printed: whole numbers from 100 up (``1,234``), else two significant digits (``0.49``,
+    ``3.5``, ``12``), never rounded to ``0``; ``0`` when nothing ran, ``-`` with no time measured."""
+    if seconds <= 0:
+        return "0" if runs == 0 else "-"
+    rate = runs / seconds
+    if rate >= 100 or rate == 0:
+        return f"{rate:,.0f}"
+    return np.format_float_positional(rate, precision=2, unique=False, fractional=False, trim="-")
+
+
 @dataclass
 class SweepReport:
     """What a sweep did. ``counts``: status -> runs of this grid now stored (after the sweep)."""
@@ -113,6 +126,7 @@ class SweepReport:
     workers: int = 1
     chunk_size: int = 0
     interrupted: bool = False
+    worker_versions: dict[str, dict] = field(default_factory=dict)  # Dask: worker address -> its versions
 
     @property
     def ok(self) -> bool:
@@ -121,11 +135,11 @@ class SweepReport:
 
     def line(self) -> str:
         """A one-line summary."""
-        rate = self.ran / self.wall_s if self.wall_s > 0 else 0.0
+        rate = runs_per_second(self.ran, self.wall_s)
         counts = ", ".join(f"{s} {self.counts.get(s, 0):,}" for s in STATUSES)
         text = (
             f"{self.study}: {self.total:,} runs in the grid, {self.skipped:,} already stored, "
-            f"{self.ran:,} run now in {self.wall_s:.1f} s ({rate:,.0f} runs/s, {self.workers} workers); "
+            f"{self.ran:,} run now in {self.wall_s:.1f} s ({rate} runs/s, {self.workers} workers); "
             f"{counts}; results in {self.out}"
         )
         if self.lost:
@@ -161,7 +175,7 @@ def run_sweep(grid: Grid, out: str | os.PathLike, options: SweepOptions | None =
     study = grid.study
     check_memory(grid, options.max_memory)
     check_disk(grid, out)
-    store = ResultsDir(out)
+    store = ResultsDir(out, option="--out")
     store.require_writable(study, fresh=options.fresh)
     t_start = time.perf_counter()
     client = cluster = None
@@ -307,6 +321,7 @@ def _history(grid: Grid, report: SweepReport, options: SweepOptions, versions_no
         "lost": len(report.lost),
         "versions": versions_now,
         "interrupted": report.interrupted,
+        **({"worker_versions": report.worker_versions} if report.worker_versions else {}),
     }
 
 
@@ -341,11 +356,13 @@ def _execute(
         execute(job, runs, total)
         report.chunk_size = options.chunk_size or INLINE_CHUNK
         return
-    runs, total = _warm_up(job, runs, total, writer, crashed)
-    if not total:
-        return
-    outcome: Outcome = execute(job, runs, total)
+    with supervised(job):  # from before the warm-up: a worker may stop while its pool starts
+        runs, total = _warm_up(job, runs, total, writer, crashed)
+        if not total:
+            return
+        outcome: Outcome = execute(job, runs, total)
     report.lost, report.lost_reason = list(outcome.lost), outcome.reason
+    report.worker_versions = dict(job.worker_versions)
     report.workers = job.workers
     report.chunk_size = job.largest_chunk  # the steady-state size
 
@@ -361,13 +378,17 @@ def _warm_up(job: Job, runs: Iterator[Run], total: int, writer: Writer, crashed:
     marker = writer.store.path / WARMUP
     avoid = crashed | {marker.read_text().strip() if marker.exists() else ""}
     local, rest = split_warmup(runs, avoid)
-    preheat = None
-    if total > 1 and (job.backend == "loky" or job.client is not None):
-        # loky workers (or Dask workers) start and import the study meanwhile (not its kernels: those load
-        # from the cache this warm-up fills)
+    preheat, starting = None, False
+    if total > 1 and job.backend == "loky":
+        # loky workers start and import the study meanwhile (not its kernels: those load from the cache this
+        # warm-up fills); started from this thread, which they die with (a helper thread would end first)
+        backend_module(job.backend).preheat(job)
+        starting = True
+    elif total > 1 and job.client is not None:  # Dask workers import the study meanwhile
         preheat = threading.Thread(target=backend_module(job.backend).preheat, args=(job,), daemon=True)
         preheat.start()
-    limits = job.limits._replace(reap=preheat is None) if job.limits else None  # a starting pool's workers stay
+        starting = True
+    limits = job.limits._replace(reap=not starting) if job.limits else None  # a starting pool's workers stay
     try:
         for run in local:
             marker.write_text(run.run_id)

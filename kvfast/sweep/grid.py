@@ -45,7 +45,7 @@ import json
 import math
 import re
 import tomllib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -59,7 +59,7 @@ from kvfast.sweep.ids import MAX_DEPTH, canonical, spec_hash
 from kvfast.validation import shown
 
 if TYPE_CHECKING:
-    from kvfast.studies.base import Study
+    from kvfast.sweep.study import Study
 
 TOP_KEYS = ("study", "description", "fixed", "axes", "tied", "union")
 SUB_KEYS = ("description", "fixed", "axes", "tied")
@@ -224,8 +224,9 @@ def resolve(name_or_path: str) -> Path:
     raise ValueError(f"grid: {name_or_path!r} is not a built-in grid; allowed: {allowed}, or a path to a .toml file")
 
 
-def load_grid(name_or_path: str, max_runs: int = DEFAULT_MAX_RUNS) -> Grid:
-    """Read and validate a built-in grid or a grid TOML file (``ValueError`` on any problem)."""
+def load_grid(name_or_path: str, max_runs: int = DEFAULT_MAX_RUNS, studies: Mapping[str, Study] | None = None) -> Grid:
+    """Read and validate a built-in grid or a grid TOML file (``ValueError`` on any problem); ``studies``: the
+    registry its study name is looked up in (default :data:`~kvfast.sweep.study.REGISTERED`)."""
     path = resolve(name_or_path)
     try:
         with open(path, "rb") as fh:
@@ -240,26 +241,28 @@ def load_grid(name_or_path: str, max_runs: int = DEFAULT_MAX_RUNS) -> Grid:
         ) from None
     except OSError as exc:
         raise ValueError(f"{path}: cannot read: {exc.strerror}") from None
-    return grid_from_spec(spec, name=path.stem, source=str(path), max_runs=max_runs)
+    return grid_from_spec(spec, name=path.stem, source=str(path), max_runs=max_runs, studies=studies)
 
 
 def _entry_point_studies() -> dict:
     return entry_points_of(ENTRY_POINT_GROUP)
 
 
-def resolve_study(ref: Any) -> Study:
-    """The study a grid's ``study`` names: a registered name (``kvfast.studies.STUDIES``), a name
+def resolve_study(ref: Any, studies: Mapping[str, Study] | None = None) -> Study:
+    """The study a grid's ``study`` names: a name in ``studies`` (a registry: the command line passes
+    ``kvfast.studies.STUDIES``; default :data:`~kvfast.sweep.study.REGISTERED`, which importing
+    ``kvfast.studies`` fills with the built-in studies), a name
     registered by an installed package in the ``kvfast.studies`` entry-point group, or
-    ``"package.module:ATTR"`` (a :class:`~kvfast.studies.base.Study` object), loaded by
+    ``"package.module:ATTR"`` (a :class:`~kvfast.sweep.study.Study` object), loaded by
     :func:`kvfast.runtime.load_object`'s rules. ``ValueError`` otherwise, one line: also when the study's
     module raises or exits at import (``SystemExit`` of any code, ``KeyboardInterrupt`` from the module,
     any exception; ``os._exit`` where the command line probes the import)."""
-    from kvfast.studies import STUDIES
-    from kvfast.studies.base import Study
+    from kvfast.sweep.study import REGISTERED, Study
 
-    if isinstance(ref, str) and ref in STUDIES:
-        return STUDIES[ref]
-    allowed = f"{', '.join(sorted(STUDIES))}, an entry point of group {ENTRY_POINT_GROUP!r}, or 'package.module:STUDY'"
+    studies = REGISTERED if studies is None else studies
+    if isinstance(ref, str) and ref in studies:
+        return studies[ref]
+    allowed = f"{_registered_names(studies)}, an entry point of group {ENTRY_POINT_GROUP!r}, or 'package.module:STUDY'"
     try:
         return load_object(
             ref,
@@ -460,16 +463,23 @@ def _may_overlap(a: _Entry, b: _Entry) -> bool:
     return all(va[key] & vb[key] for key in va)
 
 
-def grid_from_spec(spec: dict, name: str = "<grid>", source: str = "<spec>", max_runs: int = DEFAULT_MAX_RUNS) -> Grid:
+def grid_from_spec(
+    spec: dict,
+    name: str = "<grid>",
+    source: str = "<spec>",
+    max_runs: int = DEFAULT_MAX_RUNS,
+    studies: Mapping[str, Study] | None = None,
+) -> Grid:
     """Validate a parsed grid spec (the TOML as a dict) and plan its runs. ``ValueError`` names the problem.
 
     A grid of more than ``max_runs`` runs (counted from its axes, before anything
-    is expanded) is refused.
+    is expanded) is refused. ``studies``: the registry the spec's study name is looked up in (see
+    :func:`resolve_study`).
     """
     if not isinstance(spec, dict):
         raise ValueError(f"{name}: the grid is not a table")
     study_ref = spec.get("study")
-    study = _grid_study(study_ref, name)
+    study = _grid_study(study_ref, name, studies)
     raw_entries = _raw_entries(spec, study, name)
     if isinstance(max_runs, bool) or not isinstance(max_runs, int) or max_runs < 1:
         raise ValueError(f"--max-runs: {max_runs!r} is not allowed; allowed: an integer >= 1")
@@ -498,14 +508,22 @@ def grid_from_spec(spec: dict, name: str = "<grid>", source: str = "<spec>", max
     return grid
 
 
-def _grid_study(study_ref: Any, name: str) -> Study:
+def _registered_names(studies: Mapping[str, Study]) -> str:
+    """The registered study names, for a refusal (what to do when there are none)."""
+    if studies:
+        return ", ".join(sorted(studies))
+    return "a registered name (none is: `import kvfast.studies` registers the built-in ones)"
+
+
+def _grid_study(study_ref: Any, name: str, studies: Mapping[str, Study] | None) -> Study:
     """The study a grid names (``ValueError`` prefixed with the grid's name)."""
     if study_ref is None:
-        from kvfast.studies import STUDIES
+        from kvfast.sweep.study import REGISTERED
 
-        raise ValueError(f"{name}: study: missing; allowed: {', '.join(sorted(STUDIES))}, or 'package.module:STUDY'")
+        names = _registered_names(REGISTERED if studies is None else studies)
+        raise ValueError(f"{name}: study: missing; allowed: {names}, or 'package.module:STUDY'")
     try:
-        return resolve_study(study_ref)
+        return resolve_study(study_ref, studies)
     except ValueError as exc:
         raise ValueError(f"{name}: {exc}") from None
 

@@ -17,16 +17,18 @@ Worker side (Linux; elsewhere these are no-ops):
 Sweep side:
 
 - :class:`Monitor`: a thread of the sweep process, running while a pool backend
-  executes. It reads the heartbeat files twice a second. A worker whose run is
+  works (its warm-up, while the pool starts, included). Twice a second it reads the
+  heartbeat files and the state of every child process of the sweep. A worker whose run is
   past ``--run-timeout`` plus the worker's own grace period and one second more
   (it did not kill itself: it is stopped, ``SIGSTOP``, or wedged in C code that
   holds the GIL) gets its run's timeout marker written and its process group
   killed: the pool sees a dead worker and the run is stored as ``timeout``
-  (:mod:`kvfast.sweep.rows`). A worker stopped (state ``T``) for ``stall_s``
-  seconds, with or without a time limit, is killed the same way without a
-  marker: its runs are re-run alone, per the crash rules (``crashed`` when it
-  stops again). Only the sweep's own children that wrote a heartbeat are ever
-  killed.
+  (:mod:`kvfast.sweep.rows`). A child stopped (state ``T``), whatever it was doing (a run,
+  nothing, starting up), is killed once stopped for ``--run-timeout`` (``stall_s`` without
+  one): with a marker if its heartbeat names a run past its time limit (``timeout``),
+  else without (its runs are re-run alone, per the crash rules: ``crashed`` when it stops
+  again). When the pool is done, a child still stopped is killed at once (nothing waits
+  for it any more). Only the sweep's own child processes are ever killed.
 """
 
 from __future__ import annotations
@@ -261,6 +263,14 @@ def run_ended(folder: Path | None) -> None:
     Beats.write(folder, "-")
 
 
+def _scandir(folder: Path | None) -> list[os.DirEntry]:
+    """The entries of the heartbeat folder (none before a worker made it)."""
+    try:
+        return list(os.scandir(folder)) if folder is not None else []
+    except OSError:
+        return []
+
+
 def kill_worker(pid: int) -> None:
     """SIGKILL a worker's process group (itself and its runs' processes) if it leads one, else the worker."""
     stat = _stat(pid)
@@ -292,7 +302,7 @@ class Monitor:
             self.thread.join()
         if self.folder is not None:
             with contextlib.suppress(OSError):
-                self.check(time.monotonic())  # end what dead workers left, one last time
+                self.check(time.monotonic(), final=True)  # end what dead workers left, and stopped ones
             shutil.rmtree(self.folder, ignore_errors=True)
             with contextlib.suppress(OSError):
                 Path(self.folder).parent.rmdir()  # DIR/.workers, when no other sweep's folder is left
@@ -308,32 +318,43 @@ class Monitor:
             return None
         return self.seconds + min(30.0, 1.0 + 0.25 * self.seconds) + 1.0
 
-    def check(self, now: float) -> None:
-        """One look at every worker's heartbeat; kill the overdue and the long-stopped ones."""
+    def stop_limit(self) -> float:
+        """Seconds a child may stay stopped: the run time limit, else ``stall_s``."""
+        return min(self.stall_s, self.seconds) if self.seconds else self.stall_s
+
+    def check(self, now: float, final: bool = False) -> None:
+        """One look at every child and heartbeat; kill the overdue and the long-stopped ones (``final``: every
+        stopped one)."""
         mine, limit = children(), self.limit()
-        for entry in os.scandir(self.folder):
+        beats: dict[int, tuple[str, float]] = {}
+        for entry in _scandir(self.folder):
             pid = int(entry.name) if entry.name.isdigit() else 0
             if pid <= 1 or pid == os.getpid():
                 continue
-            stat = _stat(pid) if pid in mine else None
-            if stat is None:  # a worker of this sweep is gone: end what its runs left in its process group
+            if pid not in mine:  # a worker of this sweep is gone: end what its runs left in its process group
                 if _stat(pid) is None:  # (its pid not taken by a process that is not ours)
                     with contextlib.suppress(OSError):
                         os.killpg(pid, signal.SIGKILL)
                 Path(entry.path).unlink(missing_ok=True)
-                self.stopped_since.pop(pid, None)
                 continue
             words = Path(entry.path).read_text().split()
             try:
-                run_id, started = (words[0], float(words[1])) if len(words) == 2 else ("", now)
+                beats[pid] = (words[0], float(words[1])) if len(words) == 2 else ("", now)
             except ValueError:  # read while being written: look again next time
-                run_id, started = "", now
+                beats[pid] = ("", now)
+        for pid in mine:
+            stat = _stat(pid)
+            if stat is None:
+                self.stopped_since.pop(pid, None)
+                continue
+            run_id, started = beats.get(pid, ("", now))
             if limit is not None and run_id and now - started > limit:
                 self.kill(pid, run_id)
             elif stat[0] in "Tt":
                 since = self.stopped_since.setdefault(pid, now)
-                if now - since > self.stall_s:
-                    self.kill(pid, "")
+                if final or now - since > self.stop_limit():
+                    overdue = bool(run_id and self.seconds and now - started > self.seconds)
+                    self.kill(pid, run_id if overdue else "")
             else:
                 self.stopped_since.pop(pid, None)
 

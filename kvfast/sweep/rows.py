@@ -29,7 +29,7 @@ from kvfast.sweep.grid import Run
 from kvfast.sweep.procs import RunTree, in_worker, run_ended, run_started, worker_setup
 
 if TYPE_CHECKING:
-    from kvfast.studies.base import Study
+    from kvfast.sweep.study import Study
 
 CRASH_MESSAGE = "the worker process died during this run, and again when the run was retried alone"
 

@@ -51,7 +51,7 @@ import pyarrow.parquet as pq
 from kvfast.validation import one_line, shorten
 
 if TYPE_CHECKING:
-    from kvfast.studies.base import Study
+    from kvfast.sweep.study import Study
 
 
 MANIFEST = "_sweep.json"
@@ -156,13 +156,25 @@ def list_parts(path: str | os.PathLike) -> list[Path]:
 class ResultsDir:
     """One results directory (see the module docstring for its layout)."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, option: str = "DIR") -> None:
+        """``option``: how the command line names the path (``DIR``, ``--out``), for the refusals below.
+
+        Refused (``ValueError``, one line naming ``option``): a name over 255 bytes or a path over 4,000 (the
+        file system's limits), and a path that is not valid UTF-8 (the file system may take it; pyarrow, which
+        reads and writes the parts, cannot)."""
         self.path = Path(path)
         self.manifest_path = self.path / MANIFEST
-        longest = max((len(part.encode()) for part in self.path.parts), default=0)
-        if longest > 255 or len(str(self.path).encode()) > 4000:
+        try:
+            str(self.path).encode("utf-8")
+        except UnicodeEncodeError:
             raise ValueError(
-                f"DIR: {str(self.path)[:60]!r}... is not allowed ({longest} bytes in one name); "
+                f"{option}: {os.fsencode(self.path)!r} is not allowed (not valid UTF-8: pyarrow, which writes and "
+                "reads the results, takes UTF-8 paths only); allowed: a path in UTF-8"
+            ) from None
+        longest = max((len(os.fsencode(part)) for part in self.path.parts), default=0)
+        if longest > 255 or len(os.fsencode(self.path)) > 4000:
+            raise ValueError(
+                f"{option}: {str(self.path)[:60]!r}... is not allowed ({longest} bytes in one name); "
                 "allowed: names of at most 255 bytes, paths of at most 4,000"
             )
         self.part_metadata: dict[str, str] = {}  # written into every part's schema metadata (for `kvfast repair`)
@@ -570,11 +582,11 @@ def load(path: str | os.PathLike) -> pd.DataFrame:
         raise ValueError(f"{str(p)!r}: no such results directory")
     parts = list_parts(p)
     if not parts:
-        from kvfast.studies import STUDIES
         from kvfast.sweep.grid import resolve_study
+        from kvfast.sweep.study import REGISTERED
 
         manifest = ResultsDir(p).manifest() or {}
-        study = STUDIES.get(manifest.get("study", ""))
+        study = REGISTERED.get(manifest.get("study", ""))
         if study is None and manifest.get("study_ref"):
             with contextlib.suppress(ValueError):
                 study = resolve_study(manifest["study_ref"])

@@ -22,7 +22,7 @@ from kvfast.sweep.grid import Run
 from kvfast.sweep.store import PART_ROWS, ResultsDir, schema_for
 
 if TYPE_CHECKING:
-    from kvfast.studies.base import Study
+    from kvfast.sweep.study import Study
 
 
 class Writer:

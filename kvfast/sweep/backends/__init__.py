@@ -5,6 +5,8 @@ Every backend module has
 - ``preheat(job) -> None``: an optional head start, run in a thread while the
   warm-up run executes in the sweep's process (start a pool, import the study in
   the workers); it never raises;
+- ``supervised(job)`` (optional): a context manager held from before the warm-up run
+  until ``execute`` returns (the pool backends' watch over their worker processes);
 - ``execute(job, runs, total) -> Outcome``: run ``total`` runs from the iterator
   ``runs`` (cut into chunks by ``job.plan``) and hand every finished chunk's rows
   to ``job.write(runs, rows)``, from the calling thread. Each run's row is made by
@@ -22,6 +24,7 @@ threading backend), :mod:`.dask` (Dask futures, driven directly).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -34,7 +37,7 @@ from kvfast.sweep.plan import Planner
 from kvfast.sweep.rows import Limits
 
 if TYPE_CHECKING:
-    from kvfast.studies.base import Study
+    from kvfast.sweep.study import Study
 
 
 class Outcome(NamedTuple):
@@ -54,7 +57,8 @@ class Job:
     ``backend``: the backend's name (``fork``, ``loky``, ``threading``, ``dask``,
     or ``inline``); ``workers``: how many (a Dask backend sets it from its
     cluster); ``client``: the Dask client, if any; ``recent``: the wall times of
-    the last ``ok`` runs (the writer fills it; planners read it).
+    the last ``ok`` runs (the writer fills it; planners read it); ``worker_versions``: what each Dask worker
+    runs (kvfast, the study's version; ``refused`` when it differs from this process), for the manifest.
     """
 
     study: Study
@@ -68,6 +72,7 @@ class Job:
     stall_s: float = 300.0
     client: Any = None
     planners: list[Planner] = field(default_factory=list)
+    worker_versions: dict[str, dict] = field(default_factory=dict)  # Dask: worker address -> its versions
 
     def plan(self, runs: Iterator[Run], total: int) -> Planner:
         """A new :class:`Planner` over ``runs`` (``total`` of them) for this job's workers."""
@@ -86,6 +91,12 @@ _MODULES = {"inline": "inline", "fork": "pool", "loky": "pool", "threading": "th
 def backend_module(name: str) -> ModuleType:
     """The module that implements backend ``name`` (imported on first use: Dask only when asked for)."""
     return importlib.import_module(f"{__name__}.{_MODULES[name]}")
+
+
+def supervised(job: Job) -> contextlib.AbstractContextManager:
+    """``job.backend``'s watch over its workers, from the warm-up until it is done (a no-op where it has none)."""
+    module = backend_module(job.backend)
+    return module.supervised(job) if hasattr(module, "supervised") else contextlib.nullcontext()
 
 
 def execute(job: Job, runs: Iterator[Run], total: int) -> Outcome:

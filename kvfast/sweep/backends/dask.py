@@ -9,6 +9,11 @@ says "finished") is re-run one run at a time; a run whose worker dies again is
 If no chunk finishes for ``job.stall_s`` seconds, or the scheduler is lost, the
 sweep stops: the runs not stored are returned as lost, with the reason.
 
+Before the first chunk, every worker says which kvfast it runs and which version of the study its own
+import of the study's module gives (:func:`check_workers`); a worker that differs from this process is
+refused (one line naming it and both versions; no chunk goes to it), and the sweep stops when none is left.
+The manifest's history records each worker's versions.
+
 On the LocalCluster kvfast starts (:func:`dask_client` without a scheduler
 address) the scheduler gives up on a task after its first worker death
 (``allowed-failures = 0``); its processes ignore SIGINT (Ctrl-C is the sweep's).
@@ -20,6 +25,7 @@ import contextlib
 import os
 import pickle
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -31,7 +37,7 @@ from kvfast.sweep.rows import lost_worker_row, run_chunk
 from kvfast.validation import import_extra
 
 if TYPE_CHECKING:
-    from kvfast.studies.base import Study
+    from kvfast.sweep.study import Study
 
 
 def dask_client(n_jobs: int, scheduler: str | None):
@@ -108,6 +114,55 @@ def _rows(fut) -> list[dict] | None:
         return None
 
 
+def worker_identity(study_module: str, study_name: str) -> dict:
+    """On a worker: the kvfast it runs and the version of study ``study_name`` that its own import of
+    ``study_module`` gives (``None`` when the module defines no such study)."""
+    import importlib
+
+    import kvfast._version
+    from kvfast.sweep.study import Study
+
+    found: dict = {"kvfast": kvfast._version.__version__, "study_version": None}
+    try:
+        module = importlib.import_module(study_module)
+    except BaseException as exc:  # noqa: BLE001 - the client names it
+        found["study_version"] = f"its module cannot be imported ({type(exc).__name__})"
+        return found
+    for value in vars(module).values():
+        if isinstance(value, Study) and value.name == study_name:
+            found["study_version"] = value.version
+            break
+    return found
+
+
+def check_workers(job: Job) -> list[str]:
+    """Ask every worker for its versions (:func:`worker_identity`); record them in ``job.worker_versions``; print
+    one line per worker that differs from this process; the addresses of the workers that match.
+    ``ValueError`` (one line, before any chunk runs) when every worker was refused."""
+    import kvfast._version
+
+    study = job.study
+    mine = {"kvfast": kvfast._version.__version__, "study_version": study.version}
+    found = job.client.run(worker_identity, study.run.__module__, study.name)
+    good, refused = [], []
+    for address, theirs in sorted(found.items()):
+        job.worker_versions[address] = {**theirs, "refused": theirs != mine}
+        if theirs == mine:
+            good.append(address)
+            continue
+        differ = [
+            f"{label} {theirs[key]}, this client {label} {mine[key]}"
+            for key, label in (("kvfast", "kvfast"), ("study_version", f"study {study.name} version"))
+            if theirs[key] != mine[key]
+        ]
+        refused.append(f"Dask worker {address} refused: it runs {'; '.join(differ)}")
+    for line in refused:
+        print(f"kvfast: {line}; no run goes to it", file=sys.stderr)
+    if refused and not good:  # (no worker at all is not a refusal: the stall limit covers a cluster without any)
+        raise ValueError(f"--scheduler: every worker was refused ({refused[0]}); nothing ran on the cluster")
+    return good
+
+
 def _scheduler_gone(client, fut=None, exc: BaseException | None = None) -> bool:
     """True when the futures were cancelled under us: the scheduler died (or the client lost it)."""
     if exc is not None and type(exc).__name__ in ("FuturesCancelledError", "CancelledError", "CommClosedError"):
@@ -125,10 +180,12 @@ class _Driver:
         self.planner = job.plan(runs, total)
         self.in_flight: dict = {}
         self.suspects: list[Run] = []
+        self.only: list[str] | None = None  # the workers chunks may go to (None: any; set when one was refused)
 
     def submit(self, chunk: tuple[int, list[Run]], key: str):
         packed = pickle.dumps((chunk, self.job.limits), protocol=pickle.HIGHEST_PROTOCOL)
-        return self.client.submit(run_chunk_packed, self.job.study, packed, key=key, pure=False)
+        where = {"workers": self.only, "allow_other_workers": False} if self.only else {}
+        return self.client.submit(run_chunk_packed, self.job.study, packed, key=key, pure=False, **where)
 
     def top_up(self) -> None:
         while len(self.in_flight) < 2 * self.job.workers and (chunk := self.planner.take()) is not None:
@@ -201,8 +258,11 @@ def workers(client, asked: int) -> int:
 
 def execute(job: Job, runs: Iterator[Run], total: int) -> Outcome:
     """Drive Dask futures directly (see the module docstring); returns the runs lost and why."""
-    job.workers = workers(job.client, job.workers)
+    good = check_workers(job)
+    refused = any(v["refused"] for v in job.worker_versions.values())
+    job.workers = len(good) if refused else workers(job.client, job.workers)
     driver = _Driver(job, runs, total)
+    driver.only = good if refused else None
     try:
         stopped = driver.run_chunks()
     except KeyboardInterrupt:

@@ -15,10 +15,11 @@ unordered, as they finish):
 
 Workers are set up by :func:`kvfast.sweep.procs.worker_setup` (they die with the
 sweep, ignore SIGINT, lead their own process group and end the processes each
-run leaves). While the pool runs, a :class:`kvfast.sweep.procs.Monitor` in this
-process kills a worker that is past a run's time limit without having killed
-itself (stopped, or wedged in C code), or stopped for ``--stall-timeout``: the
-pool sees a dead worker, as below. A dead worker breaks its pool: joblib aborts the call
+run leaves). While the pool starts and runs (:func:`supervised`), a
+:class:`kvfast.sweep.procs.Monitor` in this process kills a worker that is past a
+run's time limit without having killed itself (stopped, or wedged in C code), or
+stopped (whatever it was doing) for ``--run-timeout`` (``--stall-timeout`` without
+one): the pool sees a dead worker, as below. A dead worker breaks its pool: joblib aborts the call
 (the backend kills the other workers), the chunks in flight are re-run one run at
 a time, each alone in a new one-worker pool, and a run that kills that worker too
 is ``crashed`` (``timeout`` when the worker killed itself at the run's time limit).
@@ -50,7 +51,7 @@ from kvfast.sweep.procs import Monitor, kill_worker, worker_setup
 from kvfast.sweep.rows import Limits, lost_worker_row, run_chunk, run_chunk_in_worker, timed_out, timeout_row
 
 if TYPE_CHECKING:
-    from kvfast.studies.base import Study
+    from kvfast.sweep.study import Study
 
 # Libraries whose native thread pools do not survive a fork: once the warm-up run has imported one
 # (a study that builds torch models), a forked worker blocks forever on a lock held by a thread that
@@ -142,8 +143,8 @@ class ProcessPoolBackend(ParallelBackendBase):
         return future.result()  # BrokenProcessPool when a worker died
 
     def terminate(self) -> None:
-        if self.kind == "fork":
-            shutdown(self.pool, kill=False)
+        if self.kind == "fork":  # every result is in: kill, not join (a stopped idle worker holds the queue's lock)
+            shutdown(self.pool, kill=True)
         self.pool = None
 
     def abort_everything(self, ensure_ready: bool = True) -> None:
@@ -162,7 +163,7 @@ class ProcessPoolBackend(ParallelBackendBase):
             shutdown(pool, kill=True)
             raise
         if self.kind == "fork":
-            shutdown(pool, kill=False)
+            shutdown(pool, kill=True)  # the result is in (see terminate)
         return result
 
 
@@ -189,15 +190,24 @@ def _loaded(study: Study) -> int:
 
 
 def preheat(job: Job) -> None:
-    """loky: start the pool (the one the sweep then reuses) and import the study in every worker."""
+    """loky: start the pool (the one the sweep then reuses) and have every worker import the study; returns at
+    once (the workers start meanwhile). Call it from the thread that runs the sweep: a worker dies with the
+    thread that started it (``PR_SET_PDEATHSIG``), and a helper thread that ends would take the pool along."""
     if job.backend != "loky":
         return
     try:
         pool = loky_pool(job.workers)
-        for fut in [pool.submit(_loaded, job.study) for _ in range(job.workers)]:
-            fut.result()
+        for _ in range(job.workers):
+            pool.submit(_loaded, job.study)
     except Exception:  # noqa: BLE001 - only a head start; the sweep itself reports any failure
         pass
+
+
+def supervised(job: Job) -> Monitor:
+    """The sweep's watch over its worker processes (:class:`~kvfast.sweep.procs.Monitor`), a context manager
+    the engine holds from before the warm-up (while the pool starts) until the backend is done."""
+    limits = job.limits or (None, None)
+    return Monitor(limits[2] if len(limits) > 2 else None, limits[0], limits[1], job.stall_s)
 
 
 def execute(job: Job, runs: Iterator[Run], total: int) -> Outcome:
@@ -207,10 +217,7 @@ def execute(job: Job, runs: Iterator[Run], total: int) -> Outcome:
     remaining: Iterator[Run] | None = runs
     if kind == "fork":
         _FORKED.append((job.study, job.limits))
-    limits = job.limits or (None, None)
-    monitor = Monitor(limits[2] if len(limits) > 2 else None, limits[0], limits[1], job.stall_s)
     try:
-        monitor.__enter__()
         while remaining is not None:
             planner = job.plan(remaining, total)
             try:
@@ -224,7 +231,6 @@ def execute(job: Job, runs: Iterator[Run], total: int) -> Outcome:
         for run in suspects:
             job.write([run], [_alone(backend, job.study, run, job.limits)])
     finally:
-        monitor.__exit__(None, None, None)
         if kind == "fork":
             _FORKED.pop()
     return NOTHING_LOST
