@@ -40,8 +40,12 @@ import numpy as np
 from kvfast.validation import import_extra, not_allowed, require_choice, require_int
 
 #: How vLLM is run: the engine core in this process (the adapter reads its rows and hooks its attention), a
-#: 1 GiB KV cache, one thread (one summation order whatever the machine). Set before vLLM is imported.
-ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+#: 1 GiB KV cache, one thread (one summation order whatever the machine), and decode attention without split-KV
+#: partitions (vLLM's CPU default splits the keys of a long decode into partitions summed apart: measured here,
+#: decode past 96 positions then differs from the prefill by a few float32 units, which exact mode reports and
+#: control mode calls rounding). Set before vLLM is imported, each unless the environment already sets it.
+ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
+              "VLLM_CPU_ATTN_SPLIT_KV": "0"}  # fmt: skip
 DTYPES = ("float32", "bfloat16")
 VARIANTS = ("batch", "chunk")
 #: The prefill chunk of the ``chunk`` variant (tokens per scheduler step).
@@ -165,7 +169,8 @@ class VLLMModel:
         self.skipped_variants: dict[str, str] = {}
         self.tokens: list[int] | None = None
         self._ahead: list[tuple[int, np.ndarray]] = []  # decoded (token fed, its row) run ahead, not yet handed out
-        self._requests = 0
+        self.requests = 0  # requests sent to the engine
+        self.last_hit = 0  # prefix-cache tokens the last cached-path request read
 
     def __repr__(self) -> str:
         return f"VLLMModel({str(self.path) if self.path else 'LLM'!r})"
@@ -187,7 +192,7 @@ class VLLMModel:
         for p in prompts:
             if len(p) > self.max_positions:
                 raise not_allowed("positions", len(p), f"at most {self.max_positions} (max_model_len)")
-        self._requests += len(prompts)
+        self.requests += len(prompts)
         previous, _ACTIVE = _ACTIVE, (self if cached_path else None)
         try:
             return self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
@@ -219,6 +224,7 @@ class VLLMModel:
         if not read_cache:  # a fresh cache: no block of an earlier request to hit
             self.llm.reset_prefix_cache()
         out = self._generate([tokens], [self._params(ahead, True, read_cache)], cached_path=True)[0]
+        self.last_hit = int(out.num_cached_tokens or 0)
         rows = self._rows_of(out, first)
         decoded = out.outputs[0]
         fed = zip(decoded.token_ids[:-1], decoded.logprobs[1:], strict=True)  # token t's row is the next one
