@@ -97,10 +97,3 @@ def test_the_command_line_checks_a_bfloat16_engine(model_dir):
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "ROUNDING" in done.stdout.splitlines()[0]
 
-
-def test_the_command_line_exact_mode_passes_a_bfloat16_engine(model_dir):
-    prompt = ",".join(map(str, PROMPT))
-    cmd = [sys.executable, "-m", "kvfast.cli", "check", "--engine", "vllm", str(model_dir), "--prompt", prompt,
-           "--steps", str(STEPS), "--factory-arg", "dtype=bfloat16"]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr[-3000:]

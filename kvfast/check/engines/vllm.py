@@ -45,7 +45,7 @@ from kvfast.validation import import_extra, not_allowed, require_choice, require
 #: decode past 96 positions then differs from the prefill by a few float32 units, which exact mode reports and
 #: control mode calls rounding). Set before vLLM is imported, each unless the environment already sets it.
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
-              "VLLM_CPU_ATTN_SPLIT_KV": "0"}  # fmt: skip
+              "VLLM_CPU_ATTN_SPLIT_KV": "0", "VLLM_LOGGING_LEVEL": "ERROR"}  # fmt: skip
 DTYPES = ("float32", "bfloat16")
 VARIANTS = ("batch", "chunk")
 #: The prefill chunk of the ``chunk`` variant (tokens per scheduler step).
@@ -117,7 +117,8 @@ class VLLMModel:
     - ``path``: a model directory (a fresh engine is built: ``dtype``, ``prefix_caching``, ``block_size``,
       ``max_model_len``, ``seed`` apply) or a ``vllm.LLM`` built in this process with
       ``logprobs_mode="raw_logits"`` and ``max_logprobs=-1``.
-    - ``speculate``: decode steps run ahead in each request (the checker's decodes are served from them).
+    - ``speculate``: decode steps run ahead in each request (the checker's first ``speculate`` decodes after a
+      ``prefill`` or ``extend`` are served from them; a later one resumes in a new request).
     - ``variants``: a subset of :data:`VARIANTS` (control mode's order noise).
     """
 
@@ -220,7 +221,7 @@ class VLLMModel:
 
     def _run_ahead(self, tokens: list[int], first: int, read_cache: bool) -> np.ndarray:
         """One cached-path request over ``tokens`` (rows from ``first``) decoding ``speculate`` tokens ahead."""
-        ahead = max(1, min(self.speculate, self.max_positions - len(tokens)))
+        ahead = max(1, min(self.speculate + 1, self.max_positions - len(tokens)))  # + 1: the prompt's last row
         if not read_cache:  # a fresh cache: no block of an earlier request to hit
             self.llm.reset_prefix_cache()
         out = self._generate([tokens], [self._params(ahead, True, read_cache)], cached_path=True)[0]
