@@ -96,4 +96,3 @@ def test_the_command_line_checks_a_bfloat16_engine(model_dir):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "ROUNDING" in done.stdout.splitlines()[0]
-
