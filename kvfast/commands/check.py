@@ -74,7 +74,8 @@ EXIT_CODES = {
     EXIT_INTERRUPTED: "interrupted by the user (Ctrl-C); the check's processes were killed",
 }
 #: ``--engine NAME PATH``: the factory that builds NAME's model under test from ``path=PATH``.
-ENGINES = {"ort": "kvfast.check.engines.ort:ORTModel", "llamacpp": "kvfast.check.engines.llamacpp:LlamaCppModel"}
+ENGINES = {"ort": "kvfast.check.engines.ort:ORTModel", "llamacpp": "kvfast.check.engines.llamacpp:LlamaCppModel",
+           "vllm": "kvfast.check.engines.vllm:VLLMModel"}  # fmt: skip
 GRACE_S = 1.5  # after --timeout, the child's own timer has had this long to report before it is killed
 
 

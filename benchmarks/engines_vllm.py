@@ -1,0 +1,75 @@
+"""Cost and verdict table of kvfast's checks on vLLM (a tiny random Llama built here; vLLM's own venv).
+
+    .venv-vllm/bin/python benchmarks/engines_vllm.py [--steps 32] [--repeats 5] [--prompt-len 70]
+
+One engine (:class:`kvfast.check.engines.vllm.VLLMModel`, float32), then, in this run:
+
+- **cost**: the median wall time of a check (exact mode, both scenarios; control mode, both scenarios) against a
+  plain vLLM generation of the same tokens (one request, ``steps`` greedy tokens, no logprobs), and the ratios;
+- **verdicts**: each bug of :data:`kvfast.bugs.engines.VLLM_BUGS` in exact mode (its first divergent step per
+  scenario against the step where it first acts) and in control mode (the verdict).
+
+Prints Markdown tables (pasted into docs/engines.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--prompt-len", type=int, default=70)
+    args = parser.parse_args()
+
+    from kvfast.bugs.engines import VLLM_BUGS, first_acting_step, inject_vllm_bug
+    from kvfast.check import check_cache
+    from kvfast.check.engines.vllm import VLLMModel, tiny_vllm_model
+
+    prompt = [3 + i % 250 for i in range(args.prompt_len)]
+    with tempfile.TemporaryDirectory() as out:
+        engine = VLLMModel(tiny_vllm_model(out, seed=1))
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        plain = SamplingParams(max_tokens=args.steps, temperature=0.0, detokenize=False, ignore_eos=True)
+
+        def generate() -> None:
+            engine.llm.generate([TokensPrompt(prompt_token_ids=prompt)], plain, use_tqdm=False)
+
+        runs = {
+            "plain generation": generate,
+            "check, exact": lambda: check_cache(engine, prompt, args.steps, mode="exact"),
+            "check, control": lambda: check_cache(engine, prompt, args.steps, mode="control"),
+        }
+        for run in runs.values():  # warm-up
+            run()
+        times = {name: [] for name in runs}
+        for _ in range(args.repeats):
+            for name, run in runs.items():
+                start = time.perf_counter()
+                run()
+                times[name].append(time.perf_counter() - start)
+        base = statistics.median(times["plain generation"])
+        print(f"| run ({args.steps} steps, prompt {args.prompt_len}) | median s | x plain generation |")
+        print("|---|---|---|")
+        for name, ts in times.items():
+            print(f"| {name} | {statistics.median(ts):.3f} | {statistics.median(ts) / base:.1f} |")
+        print()
+        print("| bug | scenario | first acting step | first divergent step (exact) | control verdict |")
+        print("|---|---|---|---|---|")
+        for name in VLLM_BUGS:
+            exact = check_cache(inject_vllm_bug(VLLMModel(engine.llm), name), prompt, args.steps, fast=False)
+            control = check_cache(inject_vllm_bug(VLLMModel(engine.llm), name), prompt, args.steps, mode="control")
+            for scenario, report in exact.scenarios.items():
+                acts = first_acting_step(name, scenario, len(prompt))
+                print(f"| {name} | {scenario} | {acts} | {report.first_divergent_step} | {control.verdict} |")
+
+
+if __name__ == "__main__":
+    main()

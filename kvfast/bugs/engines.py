@@ -1,0 +1,126 @@
+"""Cache bugs injected into an inference engine's cached path: :data:`VLLM_BUGS` (vLLM,
+:class:`~kvfast.check.engines.vllm.VLLMModel`).
+
+Each vLLM bug is a mixin over :meth:`VLLMModel._attention_metadata`, the hook every CPU attention step of the
+cached path passes its ``CommonAttentionMetadata`` through (the recompute's and the variants' never do): the bug
+hands the kernel a changed copy (block table, sequence lengths), as a wrong scheduler or block manager would.
+``inject_vllm_bug(VLLMModel(path), "evict")``; :func:`first_acting_step` says where each first acts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvfast.bugs.bug import Bug, catalogue, subclass_with
+from kvfast.check.engines.vllm import BLOCK, VLLMModel
+from kvfast.validation import not_allowed, require_choice
+
+#: The ``evict`` bug's window in blocks: decode drops the sequence's first block once it holds more.
+VLLM_WINDOW_BLOCKS = 2
+
+
+class _VLLMBug:
+    """What every vLLM bug mixin shares: its name (``bug``), shown in the adapter's repr, and the metadata
+    copy it changes (:meth:`_change`, given clones of ``seq_lens`` and ``block_table_tensor``)."""
+
+    bug: str
+
+    def __repr__(self) -> str:
+        return f"{super().__repr__()[:-1]}, bug={self.bug!r})"
+
+    def _attention_metadata(self, metadata, block_size: int):
+        metadata = super()._attention_metadata(metadata, block_size)
+        seq_lens, table = metadata.seq_lens.clone(), metadata.block_table_tensor.clone()
+        query_lens = metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]
+        if not self._change(seq_lens, table, query_lens, block_size):
+            return metadata
+        return dataclasses.replace(
+            metadata, seq_lens=seq_lens, block_table_tensor=table, max_seq_len=int(seq_lens.max())
+        )
+
+    def _change(self, seq_lens, table, query_lens, block_size: int) -> bool:
+        raise NotImplementedError
+
+
+class _Evict(_VLLMBug):
+    bug = "evict"
+
+    def _change(self, seq_lens, table, query_lens, block_size):
+        rows = ((query_lens == 1) & (seq_lens > VLLM_WINDOW_BLOCKS * block_size)).nonzero().flatten().tolist()
+        for r in rows:  # the kernel reads the keys from the second block on: the first block is evicted
+            table[r, :-1] = table[r, 1:].clone()
+            seq_lens[r] -= block_size
+        return bool(rows)
+
+
+class _BlockShort(_VLLMBug):
+    bug = "short"
+
+    def _change(self, seq_lens, table, query_lens, block_size):
+        rows = ((query_lens == 1) & (seq_lens > block_size)).nonzero().flatten().tolist()
+        for r in rows:  # the table lacks the sequence's last block: decode attends the full blocks before it
+            seq_lens[r] = (int(seq_lens[r]) - 1) // block_size * block_size
+        return bool(rows)
+
+
+class _HitOffByOne(_VLLMBug):
+    bug = "hitpos"
+
+    def _change(self, seq_lens, table, query_lens, block_size):
+        rows = ((query_lens > 1) & (seq_lens > query_lens)).nonzero().flatten().tolist()
+        for r in rows:  # a chunk over cached blocks is placed one position early: each query misses its own key
+            seq_lens[r] -= 1
+        return bool(rows)
+
+
+def _injector(mixin: type):
+    def inject(adapter):
+        if not isinstance(adapter, VLLMModel):
+            raise not_allowed("model", type(adapter).__name__, "a VLLMModel (kvfast.check.engines.vllm)")
+        return subclass_with(adapter, mixin)
+
+    return inject
+
+
+def _evict_acts(scenario, prompt_len, steps, window):
+    return max(1, VLLM_WINDOW_BLOCKS * BLOCK - prompt_len + 1)
+
+
+def _short_acts(scenario, prompt_len, steps, window):
+    return max(1, BLOCK - prompt_len + 1)
+
+
+def _hit_acts(scenario, prompt_len, steps, window):
+    # the resume scenario's second chunk reads the first chunk's full blocks (its default split: half the prompt)
+    return 0 if scenario == "resume" and prompt_len // 2 >= BLOCK else None
+
+
+#: vLLM's cache bugs (block size :data:`~kvfast.check.engines.vllm.BLOCK`), each acting on the cached path only.
+VLLM_BUGS: dict[str, Bug] = catalogue(
+    Bug(
+        "evict", f"decode drops the sequence's first block once it holds more than {VLLM_WINDOW_BLOCKS} blocks",
+        _evict_acts, _injector(_Evict),
+    ),
+    Bug(
+        "short", "decode is handed a block table one block short: it attends only the full blocks before the last",
+        _short_acts, _injector(_BlockShort),
+    ),
+    Bug(
+        "hitpos", "a chunk computed over prefix-cache blocks is placed one position early (each query misses its "
+        "own key)", _hit_acts, _injector(_HitOffByOne),
+    ),
+)  # fmt: skip
+
+
+def first_acting_step(bug: str, scenario: str, prompt_len: int) -> int | None:
+    """The first step at which ``bug`` changes the cache path's logits in ``scenario`` (``None``: never)."""
+    require_choice(bug, "bug", VLLM_BUGS)
+    return VLLM_BUGS[bug].first_acting_step(scenario, prompt_len)
+
+
+def inject_vllm_bug(adapter: VLLMModel, bug: str | None) -> VLLMModel:
+    """``adapter`` with cache bug ``bug`` of :data:`VLLM_BUGS` (``None``: clean, unchanged), in place and returned."""
+    if bug is None:
+        return adapter
+    require_choice(bug, "bug", VLLM_BUGS)
+    return VLLM_BUGS[bug].inject(adapter)

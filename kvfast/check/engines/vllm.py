@@ -1,0 +1,324 @@
+"""vLLM models as models under test: ``VLLMModel(path | LLM)`` (extra ``kvfast[vllm]``, its own venv: docs/engines.md).
+
+A vLLM engine (a model directory vLLM can load, or a ``vllm.LLM`` built with ``logprobs_mode="raw_logits"`` and
+``max_logprobs=-1``) behind the check protocol (:mod:`kvfast.check.protocol`)::
+
+    report = kvfast.check_cache(VLLMModel("path/to/model"), prompt=[1, 2, 3], steps=32, mode="control")
+
+vLLM has no cache-free forward: every row it hands back was computed through its paged KV cache. What the
+adapter asks of it (one in-process engine, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; every row over the full
+vocabulary as raw logits: ``prompt_logprobs=-1`` for a prompt's rows, ``logprobs=-1`` for each decoded row):
+
+- ``recompute(tokens)``: one request over ``tokens`` that reads no prefix cache (vLLM's own prefill of the
+  whole sequence, the reference); the prefix cache is emptied after it, so the cached path never hits its blocks.
+- ``prefill(tokens)``: the prefix cache emptied, then a fresh request over ``tokens`` that decodes greedily
+  ``speculate`` tokens in the same request; its decoded rows are kept. ``decode(token)`` hands back the
+  next kept row while ``token`` is the one vLLM decoded (the checker's greedy tokens are vLLM's own), so a
+  whole check's decode path is ONE request, vLLM's real decode. A token vLLM did not choose starts a new
+  request over the sequence and that token, reading the prefix cache (the rows from there are a resume).
+- ``extend(tokens)``: a new request over the sequence and ``tokens`` that reads the prefix cache: the
+  resumed chunk is computed over a real prefix-cache hit (the full blocks of the earlier request; a
+  first chunk shorter than a block, :data:`BLOCK` tokens, leaves none: the whole sequence is then prefilled).
+- ``recompute_variants`` (control mode's order noise, each from vLLM itself): ``"batch"`` (the sequence
+  recomputed in one step together with another request: other GEMM shapes) and ``"chunk"`` (the sequence
+  recomputed as a chunked prefill of ``CHUNK`` tokens a step: other shapes, attention over cached chunks).
+- ``internal_formats``: the model's dtype for the KV cache and the compute (``{"kv cache": "bfloat16",
+  "compute": "bfloat16"}``); no ``promote``: vLLM's CPU backend has no float64.
+
+Bugs for kvfast's own tests are injected through :meth:`VLLMModel._attention_metadata`, the hook every CPU
+attention step of the cached path passes through (:mod:`kvfast.bugs.engines`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import numpy as np
+
+from kvfast.validation import import_extra, not_allowed, require_choice, require_int
+
+#: How vLLM is run: the engine core in this process (the adapter reads its rows and hooks its attention), a
+#: 1 GiB KV cache, one thread (one summation order whatever the machine), and decode attention without split-KV
+#: partitions (vLLM's CPU default splits the keys of a long decode into partitions summed apart: measured here,
+#: decode past 96 positions then differs from the prefill by a few float32 units, which exact mode reports and
+#: control mode calls rounding). Set before vLLM is imported, each unless the environment already sets it.
+ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
+              "VLLM_CPU_ATTN_SPLIT_KV": "0", "VLLM_LOGGING_LEVEL": "ERROR"}  # fmt: skip
+DTYPES = ("float32", "bfloat16")
+VARIANTS = ("batch", "chunk")
+#: The prefill chunk of the ``chunk`` variant (tokens per scheduler step).
+CHUNK = 16
+#: vLLM's CPU attention: block sizes a multiple of 32, head size at least 32.
+BLOCK = 32
+MODEL = "a model directory vLLM can load (config.json and weights) or a vllm.LLM"
+
+#: The adapter whose cached path is running (its attention metadata hook applies), else ``None``.
+_ACTIVE: VLLMModel | None = None
+
+
+def _vllm():
+    for key, value in ENGINE_ENV.items():
+        os.environ.setdefault(key, value)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    vllm = import_extra("vllm", "a vLLM model", "vllm")
+    _patch_kernel_scan()
+    _patch_attention_metadata()
+    return vllm
+
+
+def _patch_kernel_scan() -> None:
+    """vLLM's CPU platform rebinds kernels by scanning every module's namespace with ``vars(value)``; an object
+    whose ``__getattr__`` answers ``__dict__`` (llvmlite's ``lib``, loaded with numba, which kvfast imports)
+    makes the scan fail. Give the scan a ``vars`` that reads the instance dict itself (no ``__getattr__``)."""
+    try:
+        from vllm.triton_utils import dispatcher
+    except ImportError:  # another vLLM release: nothing to mend
+        return
+
+    def instance_dict(value):
+        try:
+            found = object.__getattribute__(value, "__dict__")
+        except AttributeError:
+            return {}
+        return found if isinstance(found, dict) else {}
+
+    dispatcher.vars = instance_dict
+
+
+def _patch_attention_metadata() -> None:
+    """Route every CPU attention metadata build through the active adapter's :meth:`VLLMModel._attention_metadata`
+    (once; a no-op while no cached path runs)."""
+    from vllm.v1.attention.backends import cpu_attn
+
+    builder = cpu_attn.CPUAttentionMetadataBuilder
+    if getattr(builder.build, "_kvfast", False):
+        return
+    build = builder.build
+
+    def hooked(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        if _ACTIVE is not None:
+            common_attn_metadata = _ACTIVE._attention_metadata(common_attn_metadata, self.block_size)
+        return build(self, common_prefix_len, common_attn_metadata, fast_build)
+
+    hooked._kvfast = True
+    builder.build = hooked
+
+
+def is_vllm_llm(model: object) -> bool:
+    """Whether ``model`` is a ``vllm.LLM`` (imports nothing)."""
+    return type(model).__name__ == "LLM" and type(model).__module__.startswith("vllm")
+
+
+class VLLMModel:
+    """A vLLM engine behind the check protocol (see the module doc).
+
+    - ``path``: a model directory (a fresh engine is built: ``dtype``, ``prefix_caching``, ``block_size``,
+      ``max_model_len``, ``seed`` apply) or a ``vllm.LLM`` built in this process with
+      ``logprobs_mode="raw_logits"`` and ``max_logprobs=-1``.
+    - ``speculate``: decode steps run ahead in each request (the checker's first ``speculate`` decodes after a
+      ``prefill`` or ``extend`` are served from them; a later one resumes in a new request).
+    - ``variants``: a subset of :data:`VARIANTS` (control mode's order noise).
+    """
+
+    def __init__(
+        self,
+        path,
+        *,
+        dtype: str = "float32",
+        prefix_caching: bool = True,
+        block_size: int = BLOCK,
+        max_model_len: int | None = None,
+        speculate: int = 32,
+        variants=VARIANTS,
+        seed: int = 0,
+    ) -> None:
+        vllm = _vllm()
+        if isinstance(variants, str):
+            variants = (variants,)
+        self.variants = tuple(require_choice(v, "variants", VARIANTS) for v in variants)
+        self.speculate = require_int(speculate, "speculate", 1)
+        if is_vllm_llm(path):
+            self.llm, self.path = path, None
+        else:
+            if not isinstance(path, str | os.PathLike) or not (Path(path) / "config.json").is_file():
+                raise not_allowed("path", path, MODEL)
+            require_choice(dtype, "dtype", DTYPES)
+            block_size = require_int(block_size, "block_size", BLOCK)
+            if block_size % BLOCK:
+                raise not_allowed("block_size", block_size, f"a multiple of {BLOCK} (vLLM's CPU attention)")
+            self.path = Path(path)
+            kwargs = dict(
+                model=str(self.path), dtype=dtype, enforce_eager=True, skip_tokenizer_init=True,
+                max_logprobs=-1, logprobs_mode="raw_logits", enable_prefix_caching=bool(prefix_caching),
+                block_size=block_size, seed=require_int(seed, "seed", 0),
+            )  # fmt: skip
+            if max_model_len is not None:
+                kwargs["max_model_len"] = require_int(max_model_len, "max_model_len", 1)
+            self.llm = vllm.LLM(**kwargs)
+        config = self.llm.llm_engine.vllm_config
+        if str(config.model_config.logprobs_mode) not in ("raw_logits", "LogprobsMode.RAW_LOGITS"):
+            raise not_allowed("model.logprobs_mode", config.model_config.logprobs_mode, "raw_logits")
+        if config.model_config.max_logprobs != -1:
+            raise not_allowed("model.max_logprobs", config.model_config.max_logprobs, "-1 (the full vocabulary)")
+        self.vocab_size = int(config.model_config.get_vocab_size())
+        self.max_positions = int(config.model_config.max_model_len)
+        self.block_size = int(config.cache_config.block_size)
+        fmt = str(config.model_config.dtype).removeprefix("torch.")
+        self.internal_formats = {"kv cache": fmt, "compute": fmt}
+        self.skipped_variants: dict[str, str] = {}
+        self.tokens: list[int] | None = None
+        self._ahead: list[tuple[int, np.ndarray]] = []  # decoded (token fed, its row) run ahead, not yet handed out
+        self.requests = 0  # requests sent to the engine
+        self.last_hit = 0  # prefix-cache tokens the last cached-path request read
+
+    def __repr__(self) -> str:
+        return f"VLLMModel({str(self.path) if self.path else 'LLM'!r})"
+
+    # --- requests ---------------------------------------------------------------------------------------------
+
+    def _params(self, max_tokens: int, prompt_rows: bool, read_cache: bool):
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, logprobs=-1, prompt_logprobs=-1 if prompt_rows else None,
+            detokenize=False, skip_reading_prefix_cache=not read_cache, ignore_eos=True,
+        )  # fmt: skip
+
+    def _generate(self, prompts: list[list[int]], params: list, cached_path: bool) -> list:
+        from vllm.inputs import TokensPrompt
+
+        global _ACTIVE
+        for p in prompts:
+            if len(p) > self.max_positions:
+                raise not_allowed("positions", len(p), f"at most {self.max_positions} (max_model_len)")
+        self.requests += len(prompts)
+        previous, _ACTIVE = _ACTIVE, (self if cached_path else None)
+        try:
+            return self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        finally:
+            _ACTIVE = previous
+            if not cached_path:  # the reference leaves no block in the prefix cache for the cached path to hit
+                self.llm.reset_prefix_cache()
+
+    def _row(self, logprobs: dict) -> np.ndarray:
+        return np.fromiter((logprobs[i].logprob for i in range(self.vocab_size)), np.float32, self.vocab_size)
+
+    def _rows_of(self, output, first: int) -> np.ndarray:
+        """The rows of prompt positions ``first`` .. end of ``output`` (prompt logprobs, then the first decoded
+        row for the prompt's last position)."""
+        n = len(output.prompt_token_ids)
+        prompt = output.prompt_logprobs or []
+        rows = []
+        for p in range(first, n - 1):
+            entry = prompt[p + 1] if p + 1 < len(prompt) else None
+            if entry is None:
+                raise RuntimeError(f"vLLM returned no prompt logprobs for position {p} (of {n})")
+            rows.append(self._row(entry))
+        rows.append(self._row(output.outputs[0].logprobs[0]))
+        return np.stack(rows)
+
+    def _run_ahead(self, tokens: list[int], first: int, read_cache: bool) -> np.ndarray:
+        """One cached-path request over ``tokens`` (rows from ``first``) decoding ``speculate`` tokens ahead."""
+        ahead = max(1, min(self.speculate + 1, self.max_positions - len(tokens)))  # + 1: the prompt's last row
+        if not read_cache:  # a fresh cache: no block of an earlier request to hit
+            self.llm.reset_prefix_cache()
+        out = self._generate([tokens], [self._params(ahead, True, read_cache)], cached_path=True)[0]
+        self.last_hit = int(out.num_cached_tokens or 0)
+        rows = self._rows_of(out, first)
+        decoded = out.outputs[0]
+        fed = zip(decoded.token_ids[:-1], decoded.logprobs[1:], strict=True)  # token t's row is the next one
+        self._ahead = [(int(t), self._row(lp)) for t, lp in fed]
+        self.tokens = list(tokens)
+        return rows
+
+    # --- the protocol -----------------------------------------------------------------------------------------
+
+    def recompute(self, tokens):
+        """vLLM's own prefill of ``tokens``, reading no prefix cache: ``(T, V)``."""
+        tokens = [int(t) for t in np.asarray(tokens).reshape(-1)]
+        out = self._generate([tokens], [self._params(1, True, False)], cached_path=False)[0]
+        return self._rows_of(out, 0)
+
+    def prefill(self, tokens):
+        """A fresh request over ``tokens`` (no prefix cache read); ``(T, V)``; decodes run ahead greedily."""
+        return self._run_ahead([int(t) for t in np.asarray(tokens).reshape(-1)], 0, read_cache=False)
+
+    def extend(self, tokens):
+        """A new request over the sequence and ``tokens``, reading the prefix cache: ``(n, V)``."""
+        self._require()
+        first = len(self.tokens)
+        return self._run_ahead(self.tokens + [int(t) for t in np.asarray(tokens).reshape(-1)], first, True)
+
+    def decode(self, token):
+        """The row after ``token``: from the running request while ``token`` is vLLM's own, else a new request."""
+        self._require()
+        token = require_int(token, "token", 0, self.vocab_size - 1)
+        if self._ahead and self._ahead[0][0] == token:
+            self.tokens.append(token)
+            return self._ahead.pop(0)[1]
+        return self._run_ahead(self.tokens + [token], len(self.tokens), read_cache=True)[0]
+
+    def _require(self) -> None:
+        if self.tokens is None:
+            raise ValueError("cache: empty; allowed: call prefill(tokens) first")
+
+    # --- the bug hook -----------------------------------------------------------------------------------------
+
+    def _attention_metadata(self, metadata, block_size: int):
+        """Every CPU attention step of the cached path passes its ``CommonAttentionMetadata`` here (the
+        recompute's do not); the product hands it back unchanged. Bug mixins override it."""
+        return metadata
+
+    # --- order noise ------------------------------------------------------------------------------------------
+
+    def recompute_variants(self, tokens) -> dict:
+        """Recomputes of ``tokens`` by vLLM that differ from :meth:`recompute` only in how they add up; a variant
+        that cannot run is left out and named in :attr:`skipped_variants`."""
+        tokens = [int(t) for t in np.asarray(tokens).reshape(-1)]
+        out = {}
+        for name in self.variants:
+            if name in self.skipped_variants:
+                continue
+            try:
+                out[name] = self._batch(tokens) if name == "batch" else self._chunked(tokens)
+            except Exception as exc:  # noqa: BLE001 - a variant is order noise: losing one must not lose the check
+                self.skipped_variants[name] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+        return out
+
+    def _batch(self, tokens: list[int]) -> np.ndarray:
+        other = tokens[::-1]  # another request in the same step: the GEMMs run over both
+        params = self._params(1, True, False)
+        return self._rows_of(self._generate([tokens, other], [params, params], cached_path=False)[0], 0)
+
+    def _chunked(self, tokens: list[int]) -> np.ndarray:
+        with self._token_budget(CHUNK):
+            out = self._generate([tokens], [self._params(1, True, False)], cached_path=False)[0]
+        return self._rows_of(out, 0)
+
+    @contextlib.contextmanager
+    def _token_budget(self, n: int):
+        """The scheduler's tokens per step set to ``n`` for the duration (a chunked prefill)."""
+        core = getattr(self.llm.llm_engine.engine_core, "engine_core", None)
+        scheduler = getattr(core, "scheduler", None)
+        if scheduler is None or not hasattr(scheduler, "max_num_scheduled_tokens"):
+            raise NotImplementedError("the engine's scheduler is not in this process")
+        saved = scheduler.max_num_scheduled_tokens
+        scheduler.max_num_scheduled_tokens = n
+        try:
+            yield
+        finally:
+            scheduler.max_num_scheduled_tokens = saved
+
+
+# --- a tiny random test model (no download) -----------------------------------------------------------------
+
+
+def tiny_vllm_model(out, seed: int = 0) -> Path:
+    """A tiny random Llama (:func:`kvfast.check.engines.tiny.tiny_llama`: hidden 128, 4 heads of 32, which vLLM's
+    CPU attention takes) written to ``out``; returns ``out``."""
+    from kvfast.check.engines.tiny import tiny_llama
+
+    tiny_llama(out, seed)
+    return Path(out)

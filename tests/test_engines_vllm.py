@@ -1,0 +1,98 @@
+"""vLLM built in (kvfast.check.engines.vllm): a tiny random Llama (hidden 128, 4 heads of 32: vLLM's CPU attention
+takes no smaller head) checked through vLLM's own cached path against vLLM's own prefill; its catalogue bugs
+(kvfast.bugs.engines), injected through the CPU attention metadata, found where they first act.
+
+Marked ``vllm``: vLLM's CPU build needs its own venv (``python3 dev.py test-vllm``); elsewhere these skip. One
+engine per dtype for the whole file (building one costs seconds); the bugs reuse the float32 engine's ``LLM``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+if os.environ.get("KVFAST_REQUIRE_VLLM") == "1":  # the vLLM CI job: run these, never skip them
+    import vllm  # noqa: F401
+else:
+    pytest.importorskip("vllm")
+
+from kvfast.bugs.engines import VLLM_BUGS, first_acting_step, inject_vllm_bug  # noqa: E402
+from kvfast.check import check_cache  # noqa: E402
+from kvfast.check.engines.vllm import BLOCK, VLLMModel, tiny_vllm_model  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+PROMPT = list(range(3, 43))  # 40 tokens: the resume's first chunk (20) and a prefill past one block of 32
+LONG = list(range(3, 3 + 2 * BLOCK + 6))  # 70 tokens: the resume's first chunk fills a block (a prefix-cache hit)
+STEPS = 32
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_vllm_model(tmp_path_factory.mktemp("vllm-tiny"), seed=1)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    return VLLMModel(model_dir, dtype="float32")
+
+
+def test_decode_is_one_request_of_vllm_and_equals_its_own_prefill_bit_for_bit(engine):
+    rows = engine.prefill(PROMPT)
+    assert np.array_equal(rows, engine.recompute(PROMPT))
+    sent = engine.requests
+    seq, decoded = list(PROMPT), []
+    for _ in range(8):
+        seq.append(int(np.argmax(rows[-1] if not decoded else decoded[-1])))
+        decoded.append(engine.decode(seq[-1]))
+    assert engine.requests == sent  # served by the running request: vLLM's own decode
+    assert np.array_equal(np.stack(decoded), engine.recompute(seq)[len(PROMPT) :])
+    # a token vLLM did not choose starts a new request over the prefix cache
+    other = (int(np.argmax(decoded[-1])) + 1) % engine.vocab_size
+    row = engine.decode(other)
+    assert engine.requests == sent + 2 and np.array_equal(row, engine.recompute(seq + [other])[-1])
+
+
+def test_resume_reads_a_real_prefix_cache_hit(engine):
+    split = len(LONG) // 2
+    engine.prefill(LONG[:split])
+    rows = engine.extend(LONG[split:])
+    assert engine.last_hit == split // BLOCK * BLOCK > 0  # the first chunk's full blocks, read from the cache
+    assert np.array_equal(rows, engine.recompute(LONG)[split:])
+
+
+@pytest.mark.parametrize("mode", ["exact", "control"])
+def test_a_correct_engine_passes_in_float32(engine, mode):
+    report = check_cache(engine, LONG, STEPS, mode=mode)
+    assert report.verdict == ("exact" if mode == "exact" else "rounding"), report.format()
+    assert set(report.scenarios) == {"decode", "resume"}
+
+
+def test_an_llm_object_is_accepted_and_a_bad_path_is_refused(engine, tmp_path):
+    again = VLLMModel(engine.llm)
+    assert again.vocab_size == engine.vocab_size and again.internal_formats == engine.internal_formats
+    with pytest.raises(ValueError, match="^path: "):
+        VLLMModel(tmp_path)
+
+
+@pytest.mark.parametrize("bug", sorted(VLLM_BUGS))
+def test_every_catalogue_bug_is_found_at_its_first_acting_step_in_float32(engine, bug):
+    model = inject_vllm_bug(VLLMModel(engine.llm), bug)
+    report = check_cache(model, LONG, STEPS, mode="exact", fast=False)
+    assert report.verdict == "divergent", report.format()
+    for name, scenario in report.scenarios.items():
+        assert scenario.first_divergent_step == first_acting_step(bug, name, len(LONG)), (name, report.format())
+    control = check_cache(inject_vllm_bug(VLLMModel(engine.llm), bug), LONG, STEPS, mode="control")
+    assert control.verdict == "bug", control.format()
+
+
+def test_the_command_line_checks_a_bfloat16_engine(model_dir):
+    prompt = ",".join(map(str, PROMPT))
+    cmd = [sys.executable, "-m", "kvfast.cli", "check", "--engine", "vllm", str(model_dir), "--prompt", prompt,
+           "--steps", str(STEPS), "--mode", "control", "--factory-arg", "dtype=bfloat16"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "ROUNDING" in done.stdout.splitlines()[0]
