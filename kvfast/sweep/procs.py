@@ -142,25 +142,6 @@ class RunTree:
             _prctl(PR_SET_CHILD_SUBREAPER, self.was)
 
 
-def children(pid: int | None = None, tasks: tuple[int, ...] | None = None) -> set[int]:
-    """The pids of ``pid``'s (default: this process's) children (Linux; an empty set elsewhere).
-
-    ``tasks``: read only these threads' lists (a child is listed under the thread that
-    forked it, an orphan re-parented to a subreaper under its main thread); default: every thread's.
-    """
-    pid = pid or os.getpid()
-    found: set[int] = set()
-    with contextlib.suppress(OSError):
-        for task in tasks or os.listdir(f"/proc/{pid}/task"):
-            with contextlib.suppress(OSError):
-                fd = os.open(f"/proc/{pid}/task/{task}/children", os.O_RDONLY)  # os.open: a third of open()'s cost
-                try:
-                    found.update(int(p) for p in os.read(fd, 1 << 16).split())
-                finally:
-                    os.close(fd)
-    return found
-
-
 _LISTS: dict[tuple[int, int], int] = {}  # (pid, thread id) -> open fd of its children list, read with pread
 
 
@@ -182,28 +163,25 @@ def _run_children() -> set[int]:
             if fd is not None:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-            found |= children(pid, (task,))
+            found.update(p.pid for p in _process().children())  # (psutil: every thread's list)
     return found
 
 
-def _stat(pid: int) -> tuple[str, int, int] | None:
-    """``(state, ppid, pgid)`` of a process, ``None`` if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return fields[0], int(fields[1]), int(fields[2])
+def _process(pid: int | None = None):
+    """``psutil.Process(pid)`` (this process by default): process trees and states, read by psutil."""
+    import psutil
+
+    return psutil.Process(pid)
 
 
 def _descendants(roots: set[int]) -> set[int]:
-    """``roots`` and every live descendant of them."""
-    found, todo = set(), list(roots)
-    while todo:
-        pid = todo.pop()
-        if pid not in found:
-            found.add(pid)
-            todo.extend(children(pid))
+    """``roots`` and every live descendant of them (psutil)."""
+    import psutil
+
+    found = set(roots)
+    for pid in roots:
+        with contextlib.suppress(psutil.Error):
+            found.update(p.pid for p in _process(pid).children(recursive=True))
     return found
 
 
@@ -273,9 +251,8 @@ def _scandir(folder: Path | None) -> list[os.DirEntry]:
 
 def kill_worker(pid: int) -> None:
     """SIGKILL a worker's process group (itself and its runs' processes) if it leads one, else the worker."""
-    stat = _stat(pid)
     with contextlib.suppress(OSError):
-        if stat is not None and stat[2] == pid:
+        if os.getpgid(pid) == pid:
             os.killpg(pid, signal.SIGKILL)
         else:
             os.kill(pid, signal.SIGKILL)
@@ -325,14 +302,17 @@ class Monitor:
     def check(self, now: float, final: bool = False) -> None:
         """One look at every child and heartbeat; kill the overdue and the long-stopped ones (``final``: every
         stopped one)."""
-        mine, limit = children(), self.limit()
+        import psutil
+
+        kids = {p.pid: p for p in _process().children()}
+        mine, limit = set(kids), self.limit()
         beats: dict[int, tuple[str, float]] = {}
         for entry in _scandir(self.folder):
             pid = int(entry.name) if entry.name.isdigit() else 0
             if pid <= 1 or pid == os.getpid():
                 continue
             if pid not in mine:  # a worker of this sweep is gone: end what its runs left in its process group
-                if _stat(pid) is None:  # (its pid not taken by a process that is not ours)
+                if not psutil.pid_exists(pid):  # (its pid not taken by a process that is not ours)
                     with contextlib.suppress(OSError):
                         os.killpg(pid, signal.SIGKILL)
                 Path(entry.path).unlink(missing_ok=True)
@@ -342,15 +322,16 @@ class Monitor:
                 beats[pid] = (words[0], float(words[1])) if len(words) == 2 else ("", now)
             except ValueError:  # read while being written: look again next time
                 beats[pid] = ("", now)
-        for pid in mine:
-            stat = _stat(pid)
-            if stat is None:
+        for pid, proc in kids.items():
+            try:
+                stopped = proc.status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+            except psutil.Error:  # gone meanwhile
                 self.stopped_since.pop(pid, None)
                 continue
             run_id, started = beats.get(pid, ("", now))
             if limit is not None and run_id and now - started > limit:
                 self.kill(pid, run_id)
-            elif stat[0] in "Tt":
+            elif stopped:
                 since = self.stopped_since.setdefault(pid, now)
                 if final or now - since > self.stop_limit():
                     overdue = bool(run_id and self.seconds and now - started > self.seconds)
