@@ -71,7 +71,6 @@ both exact). A leading batch axis of size 1 is dropped. Logits must be finite.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from typing import NoReturn
 
@@ -175,17 +174,14 @@ def check_logits(value: object, method: str, rows: int | None, vocab: int | None
         expected = f"({v},)" if rows is None else f"({rows}, {v})"
         raise ValueError(f"model.{method}{_at(where)}: logits of shape {shape} are not allowed; allowed: {expected}")
     arr = arr.astype(np.float64, copy=True)  # the checker's own copy: a model may reuse its output buffer
-    # a finite sum proves every value finite (a NaN or an infinity makes it NaN or infinite); a sum that is not
-    # finite (a NaN, an infinity, or finite values that overflow) is looked at value by value
-    if not math.isfinite(np.add.reduce(arr, axis=None)):
-        finite = np.isfinite(arr)
-        if not finite.all():
-            idx = np.argwhere(~finite)[0]
-            bad = arr[tuple(idx)]
-            raise ValueError(
-                f"model.{method}{_at(where)}: logits hold {bad} at index {tuple(int(i) for i in idx)}; "
-                "allowed: finite numbers"
-            )
+    finite = np.isfinite(arr)
+    if not np.logical_and.reduce(finite, axis=None):  # ndarray.all() without its Python wrapper
+        idx = np.argwhere(~finite)[0]
+        bad = arr[tuple(idx)]
+        raise ValueError(
+            f"model.{method}{_at(where)}: logits hold {bad} at index {tuple(int(i) for i in idx)}; "
+            "allowed: finite numbers"
+        )
     return arr
 
 
