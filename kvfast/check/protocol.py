@@ -72,6 +72,7 @@ both exact). A leading batch axis of size 1 is dropped. Logits must be finite.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import NoReturn
 
 import numpy as np
 
@@ -84,6 +85,7 @@ OPTIONAL = (
     "extend", "recompute_variants", "promote", "crop", "snapshot", "restore", "lossless", "prefill_beams",
     "decode_beams", "reorder", "prefill_padded", "decode_padded",
 )  # fmt: skip
+PROTOCOL_METHODS = frozenset(REQUIRED + OPTIONAL)
 PROTOCOL = "an object with recompute(tokens), prefill(tokens), decode(token) and optionally extend(tokens)"
 
 
@@ -109,14 +111,13 @@ def read_attribute(model: object, name: str, default: object = None) -> object:
     :class:`ModelUnderTestError` naming ``model.NAME`` (:func:`call_model`; an ``AttributeError`` reads as
     absent, as for :func:`getattr`). A mapping comes back as a ``dict`` read once, so that validating it
     runs no more of the model's code."""
-    raw = model.wrapped if isinstance(model, GuardedModel) else model
-    passthrough = model.passthrough if isinstance(model, GuardedModel) else ()
-
-    def read() -> object:
+    guarded = isinstance(model, GuardedModel)
+    raw = model.wrapped if guarded else model
+    try:
         value = getattr(raw, name, default)
         return dict(value.items()) if isinstance(value, Mapping) else value
-
-    return call_model(f"model.{name}", read, passthrough=passthrough)
+    except BaseException as exc:  # noqa: BLE001 - classified by call_model, as if it had made the read
+        model_failed(f"model.{name}", exc, model.passthrough if guarded else ())
 
 
 def has(model: object, name: str) -> bool:
@@ -126,16 +127,19 @@ def has(model: object, name: str) -> bool:
 
 def to_numpy(value: object) -> np.ndarray:
     """``value`` as a NumPy array without changing any number (torch tensors included)."""
-    if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch tensor, without importing torch
-        value = value.detach().cpu()
-        if str(getattr(value, "dtype", "")) == "torch.bfloat16":
-            value = value.float()  # exact: every bfloat16 is a float32
-    try:
-        arr = np.asarray(value)
-    except Exception as exc:  # noqa: BLE001 - any conversion failure is the model's bad output
-        raise ValueError(
-            f"logits: {type(value).__name__} cannot be read by numpy.asarray ({exc}); allowed: an array-like"
-        ) from exc
+    if type(value) is np.ndarray:  # already an array (the common case): nothing to convert
+        arr = value
+    else:
+        if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch tensor, without importing torch
+            value = value.detach().cpu()
+            if str(getattr(value, "dtype", "")) == "torch.bfloat16":
+                value = value.float()  # exact: every bfloat16 is a float32
+        try:
+            arr = np.asarray(value)
+        except Exception as exc:  # noqa: BLE001 - any conversion failure is the model's bad output
+            raise ValueError(
+                f"logits: {type(value).__name__} cannot be read by numpy.asarray ({exc}); allowed: an array-like"
+            ) from exc
     if arr.dtype.kind == "V" and str(arr.dtype) == "bfloat16":
         arr = arr.astype(np.float32)  # an ml_dtypes bfloat16 array: exact, as for torch's
     return arr
@@ -154,27 +158,35 @@ def check_logits(value: object, method: str, rows: int | None, vocab: int | None
     want_ndim = 1 if rows is None else 2
     if arr.ndim == want_ndim + 1 and arr.shape[0] == 1:
         arr = arr[0]
-    v = "V" if vocab is None else str(vocab)
-    expected = f"({v},)" if rows is None else f"({rows}, {v})"
-    at = f" {where}" if where else ""
     if arr.dtype.kind not in "fiu":
-        raise ValueError(f"model.{method}{at}: logits of dtype {arr.dtype} are not allowed; allowed: real numbers")
-    ok = arr.ndim == want_ndim and arr.shape[-1] >= 1
-    if ok and rows is not None:
-        ok = arr.shape[0] == rows
-    if ok and vocab is not None:
-        ok = arr.shape[-1] == vocab
+        raise ValueError(
+            f"model.{method}{_at(where)}: logits of dtype {arr.dtype} are not allowed; allowed: real numbers"
+        )
+    shape = arr.shape
+    ok = (
+        arr.ndim == want_ndim
+        and shape[-1] >= 1
+        and (rows is None or shape[0] == rows)
+        and (vocab is None or shape[-1] == vocab)
+    )
     if not ok:
-        raise ValueError(f"model.{method}{at}: logits of shape {arr.shape} are not allowed; allowed: {expected}")
+        v = "V" if vocab is None else str(vocab)
+        expected = f"({v},)" if rows is None else f"({rows}, {v})"
+        raise ValueError(f"model.{method}{_at(where)}: logits of shape {shape} are not allowed; allowed: {expected}")
     arr = arr.astype(np.float64, copy=True)  # the checker's own copy: a model may reuse its output buffer
     finite = np.isfinite(arr)
-    if not finite.all():
+    if not np.logical_and.reduce(finite, axis=None):  # ndarray.all() without its Python wrapper
         idx = np.argwhere(~finite)[0]
         bad = arr[tuple(idx)]
         raise ValueError(
-            f"model.{method}{at}: logits hold {bad} at index {tuple(int(i) for i in idx)}; allowed: finite numbers"
+            f"model.{method}{_at(where)}: logits hold {bad} at index {tuple(int(i) for i in idx)}; "
+            "allowed: finite numbers"
         )
     return arr
+
+
+def _at(where: str) -> str:
+    return f" {where}" if where else ""
 
 
 def check_prompt(prompt: object) -> np.ndarray:
@@ -199,10 +211,18 @@ def check_range(prompt: np.ndarray, vocab: int, field: str = "prompt") -> None:
 def logits_format(value: object) -> str:
     """The floating-point format a model's logits come in (before any widening): ``bfloat16``, ``float16``,
     ``float32`` or ``float64`` (integers and anything else: ``float64``)."""
-    name = str(getattr(value, "dtype", "")).removeprefix("torch.")
-    if name in ("bfloat16", "float16", "float32", "float64"):
+    dtype = getattr(value, "dtype", "")
+    known = _NUMPY_FORMATS.get(dtype) if isinstance(dtype, np.dtype) else None  # numpy's own: no text
+    if known is not None:
+        return known
+    name = str(dtype).removeprefix("torch.")
+    if name in LOGITS_FORMATS:
         return name
     return "float64"
+
+
+LOGITS_FORMATS = ("bfloat16", "float16", "float32", "float64")
+_NUMPY_FORMATS = {np.dtype(name): name for name in LOGITS_FORMATS[1:]}
 
 
 def vocab_of(model: object) -> int:
@@ -254,6 +274,18 @@ def call_model(where: str, fn: Callable, *args, passthrough: tuple[type[BaseExce
     return call_user(where, fn, *args, passthrough=passthrough, error=ModelUnderTestError, **kwargs)
 
 
+def model_failed(where: str, error: BaseException, passthrough: tuple[type[BaseException], ...] = ()) -> NoReturn:
+    """Raise what :func:`call_model` raises for ``where`` when the model's code raised ``error`` (caught by the
+    caller, which ran that code itself: a call that returns pays no wrapper and formats no ``where``): the same
+    exception from the same decision (:func:`kvfast.runtime.call_user`)."""
+
+    def again() -> NoReturn:
+        raise error
+
+    call_model(where, again, passthrough=passthrough)
+    raise AssertionError("unreachable: call_model re-raises what again() raises")  # pragma: no cover
+
+
 def _arg_text(value: object) -> str:
     if isinstance(value, np.ndarray):
         return f"<{value.shape[0]} tokens>" if value.ndim == 1 else f"<array {value.shape}>"
@@ -273,15 +305,20 @@ class GuardedModel:
         object.__setattr__(self, "passthrough", passthrough)
 
     def __getattr__(self, name: str):
-        model = self.wrapped
-        value = call_model(f"model.{name}", getattr, model, name, passthrough=(AttributeError,))
-        if name not in REQUIRED + OPTIONAL or not callable(value):
+        try:
+            value = getattr(self.wrapped, name)
+        except BaseException as exc:  # noqa: BLE001 - classified by call_model (AttributeError: absent)
+            model_failed(f"model.{name}", exc, (AttributeError,))
+        if name not in PROTOCOL_METHODS or not callable(value):
             return value
+        passthrough = self.passthrough
 
         def method(*args):
-            where = f"model.{name}({', '.join(map(_arg_text, args))})"
-            out = call_model(where, value, *args, passthrough=self.passthrough)
-            return guard(out, self.passthrough) if name == "promote" else out
+            try:
+                out = value(*args)
+            except BaseException as exc:  # noqa: BLE001 - classified by call_model, naming the call
+                model_failed(f"model.{name}({', '.join(map(_arg_text, args))})", exc, passthrough)
+            return guard(out, passthrough) if name == "promote" else out
 
         return method
 

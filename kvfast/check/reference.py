@@ -48,7 +48,9 @@ def invariance(
     calls: ModelCalls, final: np.ndarray, full: np.ndarray, ref0: np.ndarray, steps: int
 ) -> tuple[str | None, dict[int, np.ndarray]]:
     """``(None, parts)`` if the recompute is append-invariant at the checked prefixes, else ``(why, parts)``;
-    ``parts`` maps each prefix length checked to its recompute's rows."""
+    ``parts`` maps each prefix length checked to its recompute's rows. ``None`` means every part equals
+    (``==``) the same rows of ``full``: no length dependence there either (:func:`length_dependence` of such
+    parts is ``None``, so the callers skip it)."""
     T = ref0.shape[0]
     parts = {T: ref0}
     why = None
@@ -270,7 +272,7 @@ class SharedReference(Reference):
         def choose(t: int, out: np.ndarray) -> int:
             if given is not None:
                 return int(given[t])
-            return first_tok if t == 0 else int(np.argmax(out))
+            return first_tok if t == 0 else int(out.argmax())
 
         own = True  # the run is the scenario's own (not the decode run standing in for a declined operation)
         try:
@@ -281,7 +283,7 @@ class SharedReference(Reference):
         final = np.concatenate([s.prompt, spec.fed])
         full = s.calls.recompute(final, "of the whole sequence")
         why, parts = invariance(s.calls, final, full, self.rows[:T], steps)
-        self.length = length_dependence(parts, full, self.formats)
+        self.length = None if why is None else length_dependence(parts, full, self.formats)
         if why is not None and not self.noisy:
             self.notes.append(f"recompute is not append-invariant ({why}); used one recompute per step")
             return
@@ -366,7 +368,7 @@ class OwnReference(Reference):
 
     def choose(self, t: int, out: np.ndarray) -> int:
         """The cache's own greedy choice (the first from its last prompt row)."""
-        return int(np.argmax(out))
+        return int(out.argmax())
 
     def rows_for(self, scenario: str, run: Run) -> np.ndarray:
         """The recompute rows of ``run``'s own sequence (one recompute after verifying append-invariance,
@@ -378,7 +380,8 @@ class OwnReference(Reference):
         if s.options.fast:
             rows = s.calls.recompute(final, "of the whole sequence")
             why, parts = invariance(s.calls, final, rows, self.prompt_rows, steps)
-            self.length = self.length or length_dependence(parts, rows, self.formats)
+            if why is not None:
+                self.length = self.length or length_dependence(parts, rows, self.formats)
             if why is not None:
                 self.notes.append(
                     f"scenario {scenario!r}: recompute is not append-invariant ({why}); used one recompute per step"

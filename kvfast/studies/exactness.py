@@ -18,6 +18,7 @@ check then runs one (``max_pos`` has room) and the run keeps step 0 only.
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import numpy as np
 import pandas as pd
@@ -65,9 +66,11 @@ def validate_config(config: dict) -> None:
 def model_for(config: dict) -> tuple[ModelConfig, dict]:
     """The model a run's config names; parameters and prompt seeds derive from ``seed``.
 
-    Runs that differ only in ``order`` or ``preset`` (neighbours in the built-in grid)
-    share one parameter set: it is drawn once per process and reused (never written
-    to: the model rounds a copy of it). Validation happened when the grid was planned.
+    Runs that differ only in ``order``, ``preset`` or ``n_head`` (neighbours in the built-in grid)
+    share one parameter set: :func:`~kvfast.model.config.init_params` draws from the parameters'
+    shapes and the seed, and no shape depends on ``n_head`` (tests/test_studies_exactness_fast.py
+    pins both). It is drawn once per process and reused (never written to: the model rounds a copy
+    of it). Validation happened when the grid was planned.
     """
     shape = tuple(config[k] for k in MODEL_SHAPE_FIELDS)
     return _model(config["seed"], shape, config["prompt_len"] + config["steps"])
@@ -76,12 +79,27 @@ def model_for(config: dict) -> tuple[ModelConfig, dict]:
 @functools.lru_cache(maxsize=16)
 def _model(seed: int, shape: tuple[int, ...], max_pos: int) -> tuple[ModelConfig, dict]:
     cfg = model_config(dict(zip(MODEL_SHAPE_FIELDS, shape, strict=True)), max_pos)
-    return cfg, init_params(cfg, seed)
+    return cfg, _params(replace(cfg, n_head=1), seed)
+
+
+@functools.lru_cache(maxsize=16)
+def _params(cfg: ModelConfig, seed: int) -> dict:
+    """``init_params(cfg, seed)``, once per process (``cfg``: one ``n_head`` stands for all)."""
+    return init_params(cfg, seed)
 
 
 def prompt_for(config: dict) -> np.ndarray:
-    rng = np.random.default_rng([config["seed"], config["prompt_len"], 7])
-    return rng.integers(0, config["vocab"], size=config["prompt_len"]).astype(np.int64)
+    """The run's prompt: ``prompt_len`` tokens in ``[0, vocab)`` drawn from ``(seed, prompt_len)``; read-only
+    (drawn once per process)."""
+    return _prompt(config["seed"], config["prompt_len"], config["vocab"])
+
+
+@functools.lru_cache(maxsize=64)
+def _prompt(seed: int, prompt_len: int, vocab: int) -> np.ndarray:
+    rng = np.random.default_rng([seed, prompt_len, 7])
+    prompt = rng.integers(0, vocab, size=prompt_len).astype(np.int64)
+    prompt.flags.writeable = False
+    return prompt
 
 
 def run(config: dict) -> dict:

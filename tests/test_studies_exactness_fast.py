@@ -1,0 +1,132 @@
+"""The per-run shortcuts of the exactness study and of the checker's hot path (issue 30): each one gives what the
+long way gives, bit for bit, and each criterion has data that makes it fail."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvfast.check import KvfastModel, ModelUnderTestError, check_cache
+from kvfast.check.protocol import check_logits, logits_format, read_attribute
+from kvfast.model.config import ModelConfig, init_params
+from kvfast.studies import exactness
+
+torch.set_num_threads(1)
+
+CONFIG = {
+    "seed": 1, "vocab": 32, "d_model": 16, "n_head": 2, "n_layer": 2, "d_ff": 32, "prompt_len": 3, "steps": 5,
+    "order": "sequential", "preset": "f64",
+}  # fmt: skip
+
+
+def _same_params(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_init_params_does_not_depend_on_n_head_but_on_every_shape_and_the_seed():
+    """What lets the study share one parameter set across head counts (exactness.model_for)."""
+    cfg = ModelConfig(32, 16, 1, 2, 32, 8)
+    base = init_params(cfg, 0)
+    for n_head in (2, 4, 8, 16):
+        other = ModelConfig(32, 16, n_head, 2, 32, 8)
+        assert _same_params(init_params(other, 0), base)
+    # control: what the parameters do depend on changes them
+    assert not _same_params(init_params(cfg, 1), base)
+    longer = init_params(ModelConfig(32, 16, 1, 2, 32, 9), 0)
+    assert not np.array_equal(longer["h0.wq"], base["h0.wq"])
+
+
+@pytest.mark.parametrize("n_head", [1, 2, 4])
+def test_model_for_gives_the_params_init_params_draws(n_head):
+    config = {**CONFIG, "n_head": n_head}
+    cfg, params = exactness.model_for(config)
+    assert cfg.n_head == n_head and cfg.max_pos == config["prompt_len"] + config["steps"]
+    assert _same_params(params, init_params(cfg, config["seed"]))
+    assert not _same_params(params, init_params(cfg, config["seed"] + 1))  # control: another seed differs
+
+
+def test_prompt_for_is_the_seeded_draw_and_read_only():
+    prompt = exactness.prompt_for(CONFIG)
+    rng = np.random.default_rng([CONFIG["seed"], CONFIG["prompt_len"], 7])
+    drawn = rng.integers(0, CONFIG["vocab"], size=CONFIG["prompt_len"]).astype(np.int64)
+    assert prompt.dtype == np.int64 and prompt.tolist() == drawn.tolist()
+    assert exactness.prompt_for({**CONFIG, "seed": 2}).tolist() != drawn.tolist()  # control
+    with pytest.raises(ValueError, match="read-only"):
+        prompt[0] = 0
+
+
+@pytest.mark.parametrize("n_head", [1, 2])
+def test_a_run_equals_the_check_of_a_freshly_built_model(n_head):
+    """The study's run (shared parameters, shared prompt) against everything built anew for it."""
+    config = {**CONFIG, "n_head": n_head}
+    row = exactness.run(config)
+    cfg = ModelConfig(32, 16, n_head, 2, 32, config["prompt_len"] + config["steps"])
+    rng = np.random.default_rng([config["seed"], config["prompt_len"], 7])
+    prompt = rng.integers(0, 32, size=config["prompt_len"]).astype(np.int64)
+    report = check_cache(
+        KvfastModel(cfg, init_params(cfg, config["seed"]), "f64"), prompt, config["steps"] - 1, scenarios="decode",
+        follow="cache", keep_logits=True,
+    ).scenarios["decode"]  # fmt: skip
+    tokens = np.argmax(report.cache_logits[config["prompt_len"] - 1 :], axis=1)
+    assert row["tokens"] == ",".join(map(str, tokens))
+    assert row["max_abs_dev"] == float(report.deviation.max()) == 0.0
+    other = KvfastModel(cfg, init_params(cfg, config["seed"] + 1), "f64")  # control: another model's tokens differ
+    shown = check_cache(other, prompt, config["steps"] - 1, scenarios="decode", follow="cache").scenarios["decode"]
+    assert ",".join(map(str, shown.tokens)) != ",".join(map(str, tokens[1:]))
+
+
+def test_check_logits_rejects_a_non_finite_value_and_keeps_every_finite_one():
+    big = np.array([1e308, 1e308, -5.0])  # finite (their sum is not)
+    out = check_logits(big, "decode", None, 3)
+    assert out.tolist() == big.tolist() and out is not big
+    for bad, index in ((np.array([1.0, np.nan, 2.0]), 1), (np.array([1.0, 2.0, -np.inf]), 2)):
+        with pytest.raises(ValueError, match=rf"^model.decode at step 3: logits hold .* at index \({index},\); "):
+            check_logits(bad, "decode", None, 3, "at step 3")
+    ints = check_logits(np.array([[1, 2]], dtype=np.int32), "recompute", 1, 2)
+    assert ints.dtype == np.float64 and ints.tolist() == [[1.0, 2.0]]
+
+
+@pytest.mark.parametrize(
+    "value, fmt",
+    [
+        (np.zeros(2, np.float16), "float16"), (np.zeros(2, np.float32), "float32"), (np.zeros(2), "float64"),
+        (np.zeros(2, np.int64), "float64"), (np.zeros(2, ">f4"), "float64"), ([0.0, 1.0], "float64"),
+        (torch.zeros(2, dtype=torch.bfloat16), "bfloat16"), (torch.zeros(2, dtype=torch.float32), "float32"),
+    ],
+)  # fmt: skip
+def test_logits_format_reads_numpy_and_torch_dtypes(value, fmt):
+    assert logits_format(value) == fmt
+
+
+class RaisingDeclaration:
+    """A model whose declaration raises when read (its property is the model's code)."""
+
+    vocab_size = 4
+
+    def recompute(self, tokens):
+        return np.zeros((len(tokens), 4))
+
+    prefill = recompute
+
+    def decode(self, token):
+        return np.zeros(4)
+
+    @property
+    def internal_formats(self):
+        raise RuntimeError("no formats here")
+
+    @property
+    def lossy_cache(self):
+        raise AttributeError("absent, as getattr reads it")
+
+
+def test_a_declaration_that_raises_is_the_models_failure_and_an_attribute_error_reads_as_absent():
+    model = RaisingDeclaration()
+    assert read_attribute(model, "lossy_cache", "default") == "default"
+    with pytest.raises(ModelUnderTestError) as info:
+        read_attribute(model, "internal_formats")
+    assert str(info.value) == "model.internal_formats raised RuntimeError: no formats here"
+    assert type(info.value.__cause__) is RuntimeError
+    with pytest.raises(ModelUnderTestError, match="^model.internal_formats raised RuntimeError"):
+        check_cache(model, [0, 1], 2)
