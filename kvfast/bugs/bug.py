@@ -12,6 +12,8 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvfast.validation import require_choice
+
 #: ``acts(scenario, prompt_len, steps, window)``: the first step at which a bug changes that scenario's cache
 #: path logits (step 0: the prompt's rows), ``None`` where it never does. A catalogue reads what it needs.
 Acts = Callable[[str, "int | None", "int | None", "int | None"], "int | None"]
@@ -45,6 +47,22 @@ class Bug:
 def catalogue(*bugs: Bug) -> dict[str, Bug]:
     """``{bug.name: bug}`` in the given order."""
     return {bug.name: bug for bug in bugs}
+
+
+def inject_from(bugs: dict[str, Bug], model: object, bug: str | None, field: str = "bug") -> object:
+    """``model`` with bug ``bug`` of catalogue ``bugs`` (``None``: clean, unchanged), in place and returned; an
+    unknown name is a ``ValueError`` naming ``field`` and the catalogue's names."""
+    if bug is None:
+        return model
+    require_choice(bug, field, bugs)
+    return bugs[bug].inject(model)
+
+
+def first_acting_in(bugs: dict[str, Bug], bug: str, scenario: str, prompt_len: int) -> int | None:
+    """The first step at which ``bug`` of catalogue ``bugs`` changes ``scenario``'s cache path logits (``None``:
+    never); an unknown name is a ``ValueError``."""
+    require_choice(bug, "bug", bugs)
+    return bugs[bug].first_acting_step(scenario, prompt_len)
 
 
 def subclass_with(model: object, mixin: type) -> object:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvfast.bugs.bug import Bug, catalogue, subclass_with
+from kvfast.bugs.bug import Bug, catalogue, first_acting_in, inject_from, subclass_with
 from kvfast.check.engines.vllm import BLOCK, VLLMModel
-from kvfast.validation import not_allowed, require_choice
+from kvfast.validation import not_allowed
 
 #: The ``evict`` bug's window in blocks: decode drops the sequence's first block once it holds more.
 VLLM_WINDOW_BLOCKS = 2
@@ -114,13 +114,9 @@ VLLM_BUGS: dict[str, Bug] = catalogue(
 
 def first_acting_step(bug: str, scenario: str, prompt_len: int) -> int | None:
     """The first step at which ``bug`` changes the cache path's logits in ``scenario`` (``None``: never)."""
-    require_choice(bug, "bug", VLLM_BUGS)
-    return VLLM_BUGS[bug].first_acting_step(scenario, prompt_len)
+    return first_acting_in(VLLM_BUGS, bug, scenario, prompt_len)
 
 
 def inject_vllm_bug(adapter: VLLMModel, bug: str | None) -> VLLMModel:
     """``adapter`` with cache bug ``bug`` of :data:`VLLM_BUGS` (``None``: clean, unchanged), in place and returned."""
-    if bug is None:
-        return adapter
-    require_choice(bug, "bug", VLLM_BUGS)
-    return VLLM_BUGS[bug].inject(adapter)
+    return inject_from(VLLM_BUGS, adapter, bug)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvfast.bugs.bug import Bug, catalogue, subclass_with
+from kvfast.bugs.bug import Bug, catalogue, first_acting_in, inject_from, subclass_with
 from kvfast.check.hf import HFModel
-from kvfast.validation import not_allowed, require_choice
+from kvfast.validation import not_allowed
 
 #: The window of the ``window`` bug (positions decode attends).
 HF_WINDOW = 8
@@ -173,13 +173,9 @@ HF_LOGIC_BUGS = tuple(name for name, bug in HF_BUGS.items() if bug.logic)
 
 def first_acting_step(bug: str, scenario: str, prompt_len: int) -> int | None:
     """The first step at which ``bug`` changes the cache path's logits in ``scenario`` (``None``: never)."""
-    require_choice(bug, "bug", HF_BUGS)
-    return HF_BUGS[bug].first_acting_step(scenario, prompt_len)
+    return first_acting_in(HF_BUGS, bug, scenario, prompt_len)
 
 
 def inject_hf_bug(adapter: HFModel, bug: str | None) -> HFModel:
     """``adapter`` with cache bug ``bug`` of :data:`HF_BUGS` (``None``: clean, unchanged), in place and returned."""
-    if bug is None:
-        return adapter
-    require_choice(bug, "bug", HF_BUGS)
-    return HF_BUGS[bug].inject(adapter)
+    return inject_from(HF_BUGS, adapter, bug)

@@ -3,9 +3,8 @@ than it declares. ``inject_lossy_bug(LossyKvfastModel(config, params, fmt="int8"
 
 from __future__ import annotations
 
-from kvfast.bugs.bug import Bug, catalogue, subclass_with
+from kvfast.bugs.bug import Bug, catalogue, inject_from, subclass_with
 from kvfast.check.lossy import LossyKvfastModel
-from kvfast.validation import require_choice
 
 
 class _StoresInt4:
@@ -39,7 +38,4 @@ LOSSY_BUGS: dict[str, Bug] = catalogue(
 
 def inject_lossy_bug(model: LossyKvfastModel, bug: str | None) -> LossyKvfastModel:
     """``model`` with lossy-cache bug ``bug`` of :data:`LOSSY_BUGS` (``None``: clean), in place and returned."""
-    if bug is None:
-        return model
-    require_choice(bug, "lossy_bug", LOSSY_BUGS)
-    return LOSSY_BUGS[bug].inject(model)
+    return inject_from(LOSSY_BUGS, model, bug, "lossy_bug")
