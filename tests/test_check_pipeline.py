@@ -86,6 +86,8 @@ def test_strict_makes_any_skip_fail(mode):
     assert report.format().splitlines()[1].startswith("strict: a requested scenario was skipped")
     whole = check_cache(model(), PROMPT, 8, mode=mode, scenarios=("decode", "resume"), strict=True)
     assert whole.passed  # strict with nothing skipped is the plain check
+    found = check_cache(model("posfrozen"), PROMPT, 8, mode=mode, scenarios=("decode", "reorder"), strict=True)
+    assert found.verdict == ("divergent" if mode == "exact" else "bug")  # a bug found stays the bug, never unchecked
 
 
 def test_kv_check_fails_when_nothing_ran(pytester):

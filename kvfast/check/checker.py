@@ -171,14 +171,15 @@ def _check(model, prompt, options: CheckOptions) -> CheckReport:
             length = replace(promoted.length_dependence, by=f"the logic check in {options.promote}")
     else:
         notes += _format_notes(judge, options, verdict, fmt)
-    if options.strict and len(ran) < len(reports):
-        verdict = UNCHECKED
     if length is not None and ran:
         verdict = LENGTH_DEPENDENT
-    return CheckReport(
+    report = CheckReport(
         options.mode, subject.prompt, reference.tokens, reports, verdict, reference.path, tuple(notes), fmt, promoted,
         length, formats, strict=options.strict,
     )  # fmt: skip
+    if options.strict and report.skipped and report.passed:  # strict: a pass on part of what was asked is none
+        report = replace(report, verdict=UNCHECKED)  # (a failure stays the failure it found)
+    return report
 
 
 def run_scenarios(subject: CheckSubject, reference: Reference, judge: Judge, fmt: str) -> dict[str, ScenarioReport]:
