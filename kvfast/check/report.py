@@ -12,8 +12,8 @@ from kvfast.check.formats import NoiseFormats
 
 PASSING = ("exact", "rounding", "lossy", "skipped")  # lossy: a quantized cache within its format (check.lossy)
 LENGTH_DEPENDENT = "length-dependent"  # the check's verdict when the recompute itself changes with the length
-#: The check's verdict when no requested scenario ran (or, with ``strict``, when any was skipped and the rest passed): nothing, or not
-#: everything asked for, was checked. It never passes.
+#: The check's verdict when no requested scenario ran (or, with ``strict``, when any was skipped and the rest
+#: passed): nothing, or not everything asked for, was checked. It never passes.
 UNCHECKED = "unchecked"
 
 
