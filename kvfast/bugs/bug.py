@@ -12,7 +12,7 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvfast.validation import require_choice
+from kvfast.validation import not_allowed, require_choice
 
 #: ``acts(scenario, prompt_len, steps, window)``: the first step at which a bug changes that scenario's cache
 #: path logits (step 0: the prompt's rows), ``None`` where it never does. A catalogue reads what it needs.
@@ -63,6 +63,22 @@ def first_acting_in(bugs: dict[str, Bug], bug: str, scenario: str, prompt_len: i
     never); an unknown name is a ``ValueError``."""
     require_choice(bug, "bug", bugs)
     return bugs[bug].first_acting_step(scenario, prompt_len)
+
+
+def mixin_injector(adapter: type, allowed: str) -> Callable[[type], Callable[[object], object]]:
+    """``injector(mixin)`` for a catalogue of ``adapter``'s bugs: it gives ``inject(model)``, which turns an
+    ``adapter`` into one with ``mixin`` in front (:func:`subclass_with`) and refuses anything else
+    (``ValueError`` naming ``model`` and ``allowed``)."""
+
+    def injector(mixin: type) -> Callable[[object], object]:
+        def inject(model: object) -> object:
+            if not isinstance(model, adapter):
+                raise not_allowed("model", type(model).__name__, allowed)
+            return subclass_with(model, mixin)
+
+        return inject
+
+    return injector
 
 
 def subclass_with(model: object, mixin: type) -> object:

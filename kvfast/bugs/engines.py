@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvfast.bugs.bug import Bug, catalogue, first_acting_in, inject_from, subclass_with
+from kvfast.bugs.bug import Bug, catalogue, first_acting_in, inject_from, mixin_injector
 from kvfast.check.engines.vllm import BLOCK, VLLMModel
-from kvfast.validation import not_allowed
 
 #: The ``evict`` bug's window in blocks: decode drops the sequence's first block once it holds more.
 VLLM_WINDOW_BLOCKS = 2
@@ -73,13 +72,7 @@ class _HitOffByOne(_VLLMBug):
         return bool(rows)
 
 
-def _injector(mixin: type):
-    def inject(adapter):
-        if not isinstance(adapter, VLLMModel):
-            raise not_allowed("model", type(adapter).__name__, "a VLLMModel (kvfast.check.engines.vllm)")
-        return subclass_with(adapter, mixin)
-
-    return inject
+_injector = mixin_injector(VLLMModel, "a VLLMModel (kvfast.check.engines.vllm)")
 
 
 def _evict_acts(scenario, prompt_len, steps, window):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvfast.bugs.bug import Bug, catalogue, first_acting_in, inject_from, subclass_with
+from kvfast.bugs.bug import Bug, catalogue, first_acting_in, inject_from, mixin_injector
 from kvfast.check.hf import HFModel
 from kvfast.validation import not_allowed
 
@@ -125,13 +125,7 @@ class _Replay(_HFBug):
         return self._cached(tokens)[1:]
 
 
-def _injector(mixin: type):
-    def inject(adapter):
-        if not isinstance(adapter, HFModel):
-            raise not_allowed("model", type(adapter).__name__, "an HFModel (kvfast.check.hf)")
-        return subclass_with(adapter, mixin)
-
-    return inject
+_injector = mixin_injector(HFModel, "an HFModel (kvfast.check.hf)")
 
 
 def _window_acts(scenario, prompt_len, steps, window):
