@@ -74,9 +74,21 @@ def embed_into(wte, wpe, tokens, positions, storage, out):
 
 @nb.njit(**_JIT)
 def exp_array(x: np.ndarray) -> np.ndarray:
-    """The kernels' own ``exp`` (the C library's) elementwise, for references."""
+    """The kernels' own ``exp`` (the C library's) elementwise, for references (``np.exp`` depends on the CPU's
+    SIMD features, like ``np.log``: see :func:`log_array`)."""
     flat = x.ravel()
     out = np.empty(flat.size, dtype=np.float64)
     for i in range(flat.size):
         out[i] = math.exp(flat[i])
+    return out.reshape(x.shape)
+
+
+@nb.njit(**_JIT)
+def log_array(x: np.ndarray) -> np.ndarray:
+    """The kernels' own ``log`` (the C library's) elementwise, for references: NumPy's ``np.log`` picks its
+    code by the CPU's SIMD features (AVX-512 or not), so its last bits depend on the machine."""
+    flat = x.ravel()
+    out = np.empty(flat.size, dtype=np.float64)
+    for i in range(flat.size):
+        out[i] = math.log(flat[i])
     return out.reshape(x.shape)

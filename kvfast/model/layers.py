@@ -4,8 +4,11 @@ Forward functions take the kernel codes of a :class:`~kvfast.numerics.Numerics`
 (``nx = (storage, accum, order)``) and run on the explicit-order kernels; the
 norms, projections and MLP run in the block of :mod:`kvfast.model.block`, the
 very code of the compiled forward and the decode.
-Backward functions are float64 NumPy: gradients are for training and the
-gradient check, where the summation order is not the experiment.
+Backward functions are float64: gradients are for training and the gradient
+check, where the summation order is not the experiment, but their products run
+on the sequential float64 kernel (:func:`product`), never on NumPy's BLAS,
+whose kernel (and so the last bits of every gradient) depends on the CPU it
+runs on: a trained model's numbers must depend only on its config.
 
 Shapes: T positions, d = d_model, f = d_ff, H heads of width hd = d / H,
 S key positions (S = T without a cache).
@@ -18,7 +21,10 @@ import math
 import numpy as np
 
 from kvfast.kernels.attention import attention_into
-from kvfast.kernels.rowops import embed_into, exp_array
+from kvfast.kernels.matmul import matmul
+from kvfast.kernels.precision import F64
+from kvfast.kernels.reduce import SEQUENTIAL
+from kvfast.kernels.rowops import embed_into, exp_array, log_array
 from kvfast.model.block import attention_input_into, block_output_into, head_into
 
 Codes = tuple[int, int, int]
@@ -81,7 +87,8 @@ def head_forward(w, x, eps: float, nx: Codes):
 def rmsnorm_backward(dh, x, g, inv):
     d = x.shape[1]
     gdh = dh * g
-    dx = inv[:, None] * gdh - x * (inv**3)[:, None] * (gdh * x).sum(axis=1, keepdims=True) / d
+    # inv * inv * inv, not inv**3: NumPy's power picks its code by the CPU's SIMD features
+    dx = inv[:, None] * gdh - x * (inv * inv * inv)[:, None] * (gdh * x).sum(axis=1, keepdims=True) / d
     dg = (dh * x * inv[:, None]).sum(axis=0)
     return dx, dg
 
@@ -89,8 +96,13 @@ def rmsnorm_backward(dh, x, g, inv):
 # --- linear: y (T, m) = x (T, n) @ w (n, m) ------------------------------------------------
 
 
+def product(a, b) -> np.ndarray:
+    """``a @ b`` in float64, each element summed in sequential order: the same bits on every machine."""
+    return matmul(np.ascontiguousarray(a), np.ascontiguousarray(b), F64, F64, SEQUENTIAL)
+
+
 def linear_backward(dy, x, w):
-    return dy @ w.T, x.T @ dy
+    return product(dy, w.T), product(x.T, dy)
 
 
 # --- attention: y (T, d) from q (T, d) over k, v (S, d), H heads ---------------------------
@@ -131,11 +143,11 @@ def attention_backward(dy, q, k, v, att, n_head: int):
     for h in range(n_head):
         cols = slice(h * hd, (h + 1) * hd)
         p = att[h]
-        dv[:, cols] = p.T @ dy[:, cols]
-        dp = dy[:, cols] @ v[:, cols].T
+        dv[:, cols] = product(p.T, dy[:, cols])
+        dp = product(dy[:, cols], v[:, cols].T)
         ds = p * (dp - (dp * p).sum(axis=1, keepdims=True))
-        dq[:, cols] = ds @ k[:, cols] * scale
-        dk[:, cols] = ds.T @ q[:, cols] * scale
+        dq[:, cols] = product(ds, k[:, cols]) * scale
+        dk[:, cols] = product(ds.T, q[:, cols]) * scale
     return dq, dk, dv
 
 
@@ -155,7 +167,7 @@ def cross_entropy_forward(logits, targets):
     probs = exp_array(shifted)
     probs /= probs.sum(axis=1, keepdims=True)
     rows = np.arange(targets.shape[0])
-    loss = float(-np.mean(np.log(probs[rows, targets])))
+    loss = float(-np.mean(log_array(probs[rows, targets])))
     return loss, probs
 
 

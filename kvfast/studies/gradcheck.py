@@ -28,6 +28,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from kvfast.kernels.rowops import exp_array, log_array
 from kvfast.model.config import ModelConfig, init_params, param_shapes
 from kvfast.model.transformer import Weights, forward_prepared, loss_and_grads
 from kvfast.numerics import Numerics
@@ -73,9 +74,10 @@ def validate_config(config: dict) -> None:
 
 
 def reference_loss(logits: np.ndarray, targets: np.ndarray) -> float:
-    """Mean cross-entropy of ``targets`` (T,) under ``logits`` (T, V), by a shifted log-sum-exp in NumPy."""
+    """Mean cross-entropy of ``targets`` (T,) under ``logits`` (T, V), by a shifted log-sum-exp in NumPy
+    (``exp`` and ``log`` the C library's: NumPy's own depend on the CPU's SIMD features)."""
     m = logits.max(axis=1, keepdims=True)
-    lse = m[:, 0] + np.log(np.exp(logits - m).sum(axis=1))
+    lse = m[:, 0] + log_array(exp_array(logits - m).sum(axis=1))
     return float(np.mean(lse - logits[np.arange(targets.size), targets]))
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvfast.kernels.rowops import exp_array, log_array
 from kvfast.model.config import ModelConfig, init_params
 from kvfast.model.transformer import Weights, forward_prepared, loss_and_grads_prepared
 from kvfast.numerics import Numerics
@@ -199,7 +200,7 @@ def evaluate(
         logits = forward_prepared(config, w, x, numerics)[task.loss_from :]
         yy = y[task.loss_from :]
         shifted = logits - logits.max(axis=1, keepdims=True)
-        logp = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+        logp = shifted - log_array(exp_array(shifted).sum(axis=1, keepdims=True))
         losses.append(-logp[np.arange(yy.shape[0]), yy].mean())
         hits += int((logits.argmax(axis=1) == yy).sum())
         count += yy.shape[0]

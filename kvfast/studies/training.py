@@ -47,6 +47,8 @@ the optimiser is the hand-written Adam of :mod:`kvfast.studies.toytask`.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pandas as pd
 import pyarrow as pa
@@ -130,8 +132,9 @@ def _flat(grads: dict[str, np.ndarray]) -> np.ndarray:
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
     """``a . b / (|a| |b|)`` of two flattened gradients (NaN when either is all zero)."""
-    norm = np.linalg.norm(a) * np.linalg.norm(b)
-    return float(a @ b / norm) if norm > 0 else float("nan")
+    # math.fsum: correctly rounded sums, the same on every machine (a BLAS dot or norm is not)
+    norm = math.sqrt(math.fsum(a * a)) * math.sqrt(math.fsum(b * b))
+    return math.fsum(a * b) / norm if norm > 0 else float("nan")
 
 
 def curve_steps(train_steps: int) -> list[int]:
