@@ -25,7 +25,7 @@ else:
     torch = pytest.importorskip("torch")
 
 from kvfast.check import check_cache  # noqa: E402
-from kvfast.check.engines.ort import ORT_WINDOW, ORTModel, tiny_ort_model  # noqa: E402
+from kvfast.check.engines.ort import DEFAULT_VARIANTS, ORT_WINDOW, ORTModel, tiny_ort_model  # noqa: E402
 
 torch.set_num_threads(1)
 PROMPTS = ([3, 4, 5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1])
@@ -135,6 +135,9 @@ def test_kvfast_check_engine_ort_checks_a_model_directory_and_refuses_a_bad_one(
     done = subprocess.run([*cmd, str(onnx), *args], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "ROUNDING" in done.stdout
+    plain = [*cmd, str(onnx), "--prompt", "9,8,7,6,5,4,3,2,1", "--steps", "32", "--mode", "control"]
+    alone = subprocess.run(plain, capture_output=True, text=True, timeout=300)  # no outside weights
+    assert alone.returncode == 0 and "ROUNDING" in alone.stdout, alone.stdout + alone.stderr
     bad = subprocess.run([*cmd, str(tmp_path), "--prompt", "1,2"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2
     assert bad.stderr.count("\n") == 1 and "onnxruntime-genai model directory" in bad.stderr
@@ -177,7 +180,101 @@ def test_other_weights_offered_as_the_transformers_variant_are_refused_not_taken
 def test_check_cache_takes_an_onnxruntime_genai_directory_as_it_is(built):
     onnx, _ = built
     report = check_cache(str(onnx), PROMPTS[0], 8, mode="control", scenarios="decode")
-    assert report.scenarios["decode"].verdict in ("rounding", "inconclusive")  # no cross-implementation variant
+    assert report.scenarios["decode"].verdict == "rounding", report.format()  # the engine's own variants
+
+
+# --- the engine's own order noise: no outside weights ---------------------------------------------------------
+
+ALL_PROMPTS = (*PROMPTS, list(range(10, 40)))
+
+
+@pytest.mark.parametrize("prompt", ALL_PROMPTS)
+def test_a_clean_engine_without_outside_weights_is_rounding_in_both_scenarios(built, prompt):
+    onnx, _ = built
+    model = ORTModel(onnx)  # no hf_model: the default variants are the engine's own
+    assert model.variants == DEFAULT_VARIANTS
+    report = check_cache(model, prompt, 64, mode="control")
+    assert report.verdict == "rounding", report.format()
+    assert {name: s.verdict for name, s in report.scenarios.items()} == {"decode": "rounding", "resume": "rounding"}
+    assert any("variant 'chunk'" in note and "not admitted" not in note for note in report.notes)
+
+
+def test_without_the_chunk_variant_the_clean_engine_is_inconclusive_its_batch_and_session_variants_are_exact(built):
+    """Why a correct fp32 engine was `inconclusive`: every variant but the one-token chunks, and the prefix
+    recomputes, equal the recompute bit for bit, so the bound is one float32 unit; the decode lands further."""
+    onnx, _ = built
+    model = ORTModel(onnx, variants=("batch", "no-opt", "threads", "chunk"))
+    tokens = np.array([*PROMPTS[1], *range(10, 30)])
+    reference = model.recompute(tokens)
+    variants = model.recompute_variants(tokens)
+    for name in ("batch", "no-opt", "threads"):
+        assert np.array_equal(variants[name], reference), name
+    assert np.array_equal(model.recompute(tokens[:11]), reference[:11])  # append-invariant: no batch-shape draw
+    chunk = np.abs(variants["chunk"] - reference).max(-1)
+    assert np.count_nonzero(chunk) > len(tokens) // 2  # a draw of the one-row order at most positions
+    assert chunk.max() <= 64 * np.finfo(np.float32).eps * np.abs(reference).max()  # rounding, no logic change
+    # failing data for the criterion above: the same clean engine without the chunk variant
+    report = check_cache(ORTModel(onnx, variants=("batch", "no-opt")), PROMPTS[1], 64, mode="control")
+    assert report.verdict == "inconclusive", report.format()
+
+
+@pytest.mark.parametrize("bug", ["evict", "rewind"])
+def test_an_injected_bug_never_reaches_the_chunk_variant(built, bug):
+    onnx, _ = built
+    tokens = np.array([*PROMPTS[1], *range(10, 30)])
+    clean = ORTModel(onnx, variants="chunk").recompute_variants(tokens)["chunk"]
+    buggy = ORTModel(onnx, variants="chunk", bug=bug)
+    buggy.prefill(tokens[:9])  # the generator under test holds a cache; the variant never reads it
+    buggy.crop(4)
+    assert np.array_equal(buggy.recompute_variants(tokens)["chunk"], clean)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("kv_format", ["float32", "float16"])
+def test_injected_bugs_are_bugs_where_they_first_act_without_outside_weights(built, prompt, kv_format):
+    """float32, and a float16 cache declared (the floor and the admission ceiling in float16: what a float16
+    build is judged against; onnxruntime-genai's own fp16 CPU build fails in its decode here)."""
+    onnx, _ = built
+
+    def model(bug):
+        m = ORTModel(onnx, bug=bug)
+        m.internal_formats = {**m.internal_formats, "kv cache": kv_format}
+        return m
+
+    evicted = check_cache(model("evict"), prompt, 16, mode="control")
+    acts = max(1, ORT_WINDOW - len(prompt) + 1)
+    assert evicted.verdict == "bug", evicted.format()
+    assert {s.first_bug_step for s in evicted.scenarios.values()} == {acts}
+    rewound = check_cache(model("rewind"), prompt, 16, mode="control", scenarios=("rollback",))
+    assert rewound.verdict == "bug" and rewound.scenarios["rollback"].first_bug_step == 1, rewound.format()
+    clean = check_cache(model(None), prompt, 16, mode="control", scenarios=("decode", "resume", "rollback"))
+    assert clean.verdict == "rounding", clean.format()
+
+
+class _LosesPast(ORTModel):
+    """A chunk variant that drops the oldest cached position once the past holds 8: a logic bug in it."""
+
+    def _feeds(self, ids, past):
+        if past and next(iter(past.values())).shape[2] >= 8 and ids.shape[0] == 1:
+            past = {name: v[:, :, 1:] for name, v in past.items()}
+        return super()._feeds(ids, past)
+
+
+def test_a_chunk_variant_off_by_more_than_rounding_is_refused_not_taken_for_noise(built):
+    onnx, _ = built
+    report = check_cache(_LosesPast(onnx, variants=("batch", "chunk")), PROMPTS[1], 16, mode="control")
+    assert any(note.startswith("variant 'chunk'") and "not admitted" in note for note in report.notes)
+    assert report.verdict != "rounding"  # judged without it: one float32 unit
+
+
+def test_the_logic_check_runs_in_float32_and_says_so(built):
+    onnx, _ = built
+    report = check_cache(ORTModel(onnx), PROMPTS[0], 16, mode="control", promote="float64")
+    assert report.verdict == "rounding" and report.promoted.verdict == "rounding"
+    assert report.promoted.logits_format == "float32"
+    assert any("logic check ran in float32" in note for note in report.notes)
+    bugged = check_cache(ORTModel(onnx, bug="evict"), PROMPTS[0], 16, mode="control", promote="float64")
+    assert bugged.promoted.verdict == "bug"
 
 
 @pytest.mark.parametrize("bug", [None, "rewind"])
