@@ -108,3 +108,16 @@ def test_rollback_and_fork_scenarios_run_on_llama_cpp(built, bug):
     else:  # crop keeps one token too many from the first rollback (before step 1) on
         assert report.scenarios["rollback"].verdict == "bug"
         assert report.scenarios["rollback"].first_bug_step == 1
+
+
+def test_a_llama_object_is_checked_as_its_file_with_its_cache_type(built):
+    import llama_cpp
+
+    files, hf = built
+    llm = llama_cpp.Llama(str(files["f32"]), n_ctx=128, type_k=llama_cpp.GGML_TYPE_F16,
+                          type_v=llama_cpp.GGML_TYPE_F16, verbose=False)  # fmt: skip
+    model = LlamaCppModel(llm, hf_model=hf)
+    assert (model.path, model.cache_type, model.max_positions) == (files["f32"], "f16", 128)
+    report = check_cache(llm, PROMPTS[1], 32, mode="control")  # the object, as a user has it
+    assert report.verdict in ("rounding", "inconclusive"), report.format()  # no transformers variant given
+    assert check_cache(model, PROMPTS[1], 32, mode="control").verdict == "rounding"

@@ -458,3 +458,28 @@ def test_int8_clean_runs_are_rounding_over_two_seeds_two_prompts_64_steps(tmp_pa
             report = check_cache(model, prompt, 64, mode="control")
             verdicts += [s.verdict for s in report.scenarios.values()]
     assert verdicts == ["rounding"] * 8
+
+
+# --- an onnxruntime_genai.Model given as it is ------------------------------------------------------------------
+
+
+def test_an_onnxruntime_genai_model_object_is_checked_as_its_directory_is(built):
+    import onnxruntime_genai as og
+
+    onnx, _ = built
+    loaded, directory = ORTModel(og.Model(str(onnx))), ORTModel(onnx)
+    assert loaded.variants == ("batch", "chunk") and loaded.internal_formats == directory.internal_formats
+    assert (loaded.vocab_size, loaded.max_positions) == (directory.vocab_size, directory.max_positions)
+    tokens = np.array([*PROMPTS[1], *range(10, 30)])
+    # through fresh generators of the object: the same rows as the directory's plain session, bit for bit
+    assert np.array_equal(loaded.recompute(tokens), directory.recompute(tokens))
+    ours, theirs = loaded.recompute_variants(tokens), directory.recompute_variants(tokens)
+    assert all(np.array_equal(ours[name], theirs[name]) for name in ours)
+    for prompt in ALL_PROMPTS:
+        report = check_cache(og.Model(str(onnx)), prompt, 64, mode="control")  # the object, as a user has it
+        assert report.verdict == "rounding", report.format()
+        assert set(report.scenarios) == {"decode", "resume"}
+    evicted = check_cache(ORTModel(og.Model(str(onnx)), bug="evict"), PROMPTS[0], 16, mode="control")
+    assert evicted.verdict == "bug" and evicted.scenarios["decode"].first_bug_step == ORT_WINDOW - 4
+    with pytest.raises(ValueError, match="^variants: 'no-opt' is not allowed; allowed: batch, chunk, transformers"):
+        ORTModel(og.Model(str(onnx)), variants=("batch", "no-opt"))

@@ -47,6 +47,25 @@ ACTIVATIONS = {"1": "float16", "7": "int8"}
 MODEL = "a GGUF file path or a llama_cpp.Llama"
 
 
+#: ggml's type numbers (``ggml_type``, stable in its ABI) -> :data:`CACHE_TYPES`' keys: a ``Llama``'s KV cache type.
+GGML_TYPES = {0: "f32", 1: "f16", 8: "q8_0"}
+
+
+def is_llama(model: object) -> bool:
+    """Whether ``model`` is a ``llama_cpp.Llama`` (imports nothing)."""
+    return type(model).__name__ == "Llama" and type(model).__module__.startswith("llama_cpp")
+
+
+def llama_settings(llm) -> dict:
+    """What kvfast reads from a ``llama_cpp.Llama`` to check its model: ``{"path": its GGUF file (model_path),
+    "cache": its KV cache type (context_params.type_k, a key of CACHE_TYPES), "n_ctx": its context length}``.
+    ``ValueError`` naming the field for a cache type kvfast does not know."""
+    kind = int(llm.context_params.type_k)
+    if kind not in GGML_TYPES:
+        raise not_allowed("model.context_params.type_k", kind, ", ".join(f"{k} ({v})" for k, v in GGML_TYPES.items()))
+    return {"path": llm.model_path, "cache": GGML_TYPES[kind], "n_ctx": int(llm.n_ctx())}
+
+
 def _llama_cpp():
     return import_extra("llama_cpp", "a llama.cpp model", "llamacpp")
 
@@ -54,7 +73,9 @@ def _llama_cpp():
 class LlamaCppModel:
     """A GGUF model behind the check protocol through llama-cpp-python (see the module doc).
 
-    - ``path``: the GGUF file.
+    - ``path``: the GGUF file, or a ``llama_cpp.Llama``: its file, KV cache type and context length are read
+      from it (:func:`llama_settings`; ``cache`` and ``n_ctx`` then come from the object) and kvfast runs its
+      own contexts of that file (every row's logits need ``logits_all``, one thread, one batch per prompt).
     - ``cache``: the KV cache type, a key of :data:`CACHE_TYPES`.
     - ``hf_model``: the same weights as a transformers causal LM (or its directory), for the
       cross-implementation variant.
@@ -63,6 +84,9 @@ class LlamaCppModel:
     """
 
     def __init__(self, path, *, cache: str = "f16", hf_model=None, bug: str | None = None, n_ctx: int = 256):
+        if is_llama(path):
+            settings = llama_settings(path)
+            path, cache, n_ctx = settings["path"], settings["cache"], settings["n_ctx"]
         if not isinstance(path, str | os.PathLike) or not Path(path).is_file():
             raise not_allowed("path", path, MODEL)
         self.cache_type = require_choice(cache, "cache", CACHE_TYPES)

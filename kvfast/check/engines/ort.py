@@ -65,6 +65,9 @@ VARIANTS = ("batch", "no-opt", "chunk", "threads", "transformers")
 #: ``"threads"`` is left out: measured bit-identical to the recompute on onnxruntime's CPU kernels (they split a
 #: product's rows and columns among threads, never its sums), it gives no draw for the cost of a session.
 DEFAULT_VARIANTS = ("batch", "no-opt", "chunk")
+#: The variants of an ``onnxruntime_genai.Model`` object: it does not say where its graph is, so there is no plain
+#: session (``no-opt``, ``threads``); each runs in a fresh generator of its own.
+MODEL_VARIANTS = ("batch", "chunk")
 #: The intra-op thread count of the ``"threads"`` variant's session (the recompute's is 1).
 VARIANT_THREADS = 4
 ORT_BUGS: dict[str, str] = {
@@ -75,7 +78,7 @@ ORT_WINDOW = 8
 #: onnxruntime's tensor type names -> kvfast's format names.
 ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16",
              "tensor(double)": "float64"}  # fmt: skip
-MODEL = "an onnxruntime-genai model directory (genai_config.json and its model.onnx)"
+MODEL = "an onnxruntime-genai model directory (genai_config.json and its model.onnx) or an onnxruntime_genai.Model"
 
 
 def _presents(decoder: dict) -> dict[str, str]:
@@ -94,6 +97,11 @@ def _presents(decoder: dict) -> dict[str, str]:
 def _modules():
     what = "an onnxruntime-genai model"
     return import_extra("onnxruntime", what, "ort"), import_extra("onnxruntime_genai", what, "ort")
+
+
+def is_og_model(model: object) -> bool:
+    """Whether ``model`` is an ``onnxruntime_genai.Model`` (imports nothing)."""
+    return type(model).__name__ == "Model" and type(model).__module__.startswith("onnxruntime_genai")
 
 
 def is_ort_model(model: object) -> bool:
@@ -115,21 +123,56 @@ class ORTModel:
 
     def __init__(self, path, *, variants=None, hf_model=None, bug: str | None = None) -> None:
         ort, og = _modules()
-        if not is_ort_model(path):
+        loaded = is_og_model(path)
+        if not loaded and not is_ort_model(path):
             raise not_allowed("path", path, MODEL)
-        self.path = Path(path)
-        config = json.loads((self.path / "genai_config.json").read_text())["model"]
-        decoder = config["decoder"]
+        own = DEFAULT_VARIANTS if not loaded else MODEL_VARIANTS
         if variants is None:  # the engine's own variants, and the cross-implementation one with hf_model
-            variants = DEFAULT_VARIANTS if hf_model is None else (*DEFAULT_VARIANTS, "transformers")
+            variants = own if hf_model is None else (*own, "transformers")
         if isinstance(variants, str):
             variants = (variants,)
         self.variants = tuple(require_choice(v, "variants", VARIANTS) for v in variants)
         if "transformers" in self.variants and hf_model is None:
             raise not_allowed("variants", "transformers", "a variant of VARIANTS; 'transformers' needs hf_model")
+        needs_file = [v for v in self.variants if v not in (*MODEL_VARIANTS, "transformers")]
+        if loaded and needs_file:
+            allowed = f"{', '.join(MODEL_VARIANTS)}, transformers for an onnxruntime_genai.Model (no file: no session)"
+            raise not_allowed("variants", needs_file[0], allowed)
         if bug is not None:
             require_choice(bug, "bug", ORT_BUGS)
         self.bug = bug
+        self.hf_model = hf_model
+        self._sessions: dict[str, object] = {}
+        self.skipped_variants: dict[str, str] = {}
+        self.generator = None
+        self.length = 0
+        if loaded:
+            self._from_loaded(path)
+        else:
+            self._from_directory(ort, og, Path(path))
+
+    def _from_loaded(self, og_model) -> None:
+        """An ``onnxruntime_genai.Model`` (it does not say where it was loaded from): everything through generators
+        of it. The formats are read from its outputs: the logits' and the first layer's ``present`` key's."""
+        _, og = _modules()
+        self.og_model, self.path, self.session, self.quantized = og_model, None, None, []
+        self.max_positions = int(og.GeneratorParams(og_model).get_search_options()["max_length"])
+        generator = self._generator(1, 2)
+        generator.append_tokens(np.zeros((1, 1), np.int32))
+        logits = np.array(generator.get_output("logits"))
+        self.vocab_size = int(logits.shape[-1])
+        fmt = str(logits.dtype) if str(logits.dtype) in ("float16", "float32") else "float32"
+        try:
+            kv = str(np.array(generator.get_output("present.0.key")).dtype)
+        except Exception:  # noqa: BLE001 - another output naming: the logits' format stands for the cache's
+            kv = fmt
+        self.internal_formats = {"kv cache": kv if kv in ("float16", "float32") else fmt, "compute": fmt}
+
+    def _from_directory(self, ort, og, path: Path) -> None:
+        """A model directory: the generator's model, a plain session, the formats read from the graph."""
+        self.path = path
+        config = json.loads((self.path / "genai_config.json").read_text())["model"]
+        decoder = config["decoder"]
         self.vocab_size = require_int(config.get("vocab_size"), "genai_config.vocab_size", 1)
         self.max_positions = require_int(config.get("context_length"), "genai_config.context_length", 1)
         self.og_model = og.Model(str(self.path))
@@ -146,15 +189,31 @@ class ORTModel:
         self.internal_formats = {"kv cache": kv, "compute": ORT_TYPES.get(logits.type, "float32")}
         self.quantized = quantized_matmuls(self.path / "model.onnx", weights=False)
         self.internal_formats.update(quantized_formats(self.quantized))
-        self.hf_model = hf_model
-        self._sessions: dict[str, object] = {}
-        self.skipped_variants: dict[str, str] = {}
-        self.generator = None
-        self.length = 0
 
     def __repr__(self) -> str:
         bug = "" if self.bug is None else f", bug={self.bug!r}"
-        return f"ORTModel({str(self.path)!r}{bug})"
+        where = "onnxruntime_genai.Model" if self.path is None else str(self.path)
+        return f"ORTModel({where!r}{bug})"
+
+    def _generator(self, batch: int = 1, max_length: int | None = None):
+        """A fresh generator of the model (``batch`` sequences, room for ``max_length`` positions)."""
+        _, og = _modules()
+        params = og.GeneratorParams(self.og_model)
+        params.set_search_options(batch_size=batch, max_length=max_length or self.max_positions)
+        return og.Generator(self.og_model, params)
+
+    def _generate(self, tokens, batch: int = 1, chunk: int | None = None) -> np.ndarray:
+        """Logits ``(batch, T, V)`` of a fresh generator fed ``batch`` copies of ``tokens`` at once (nothing cached
+        before them) or, with ``chunk``, ``chunk`` tokens at a time (the engine's own cache between chunks, in a
+        generator of its own: never the one under test)."""
+        ids = np.repeat(np.asarray(tokens, dtype=np.int32).reshape(1, -1), batch, 0)
+        if ids.shape[1] > self.max_positions:
+            raise not_allowed("positions", ids.shape[1], f"at most {self.max_positions} (the model's max_length)")
+        generator, rows = self._generator(batch, ids.shape[1]), []
+        for start in range(0, ids.shape[1], chunk or ids.shape[1]):
+            generator.append_tokens(ids[:, start : start + (chunk or ids.shape[1])])
+            rows.append(np.array(generator.get_output("logits")))
+        return np.concatenate(rows, axis=1)
 
     def _session(self, ort, optimize: bool, threads: int = 1):
         options = ort.SessionOptions()
@@ -199,8 +258,9 @@ class ORTModel:
         return np.concatenate(rows)
 
     def recompute(self, tokens):
-        """Logits ``(T, V)`` of the graph over ``tokens`` with an empty past."""
-        return self._run(self.session, tokens)[0]
+        """Logits ``(T, V)`` of the graph over ``tokens`` with an empty past (a plain session; for an
+        ``onnxruntime_genai.Model``, a fresh generator's prefill: measured equal to the session bit for bit)."""
+        return self._run(self.session, tokens)[0] if self.session is not None else self._generate(tokens)[0]
 
     # --- the cached path: the engine's own generator ---------------------------------------------------
 
@@ -214,10 +274,7 @@ class ORTModel:
 
     def prefill(self, tokens):
         """A fresh generator fed ``tokens``; their logits ``(T, V)``."""
-        _, og = _modules()
-        params = og.GeneratorParams(self.og_model)
-        params.set_search_options(max_length=self.max_positions)
-        self.generator, self.length = og.Generator(self.og_model, params), 0
+        self.generator, self.length = self._generator(), 0
         self.tokens: list[int] = []
         out = self._append(tokens)
         self.tokens += [int(t) for t in np.asarray(tokens).reshape(-1)]
@@ -274,9 +331,11 @@ class ORTModel:
                 continue
             try:
                 if name == "batch":
-                    out[name] = self._run(self.session, tokens, batch=2)[1]
+                    out[name] = (self._run(self.session, tokens, batch=2) if self.session is not None
+                                 else self._generate(tokens, batch=2))[1]  # fmt: skip
                 elif name == "chunk":
-                    out[name] = self._run_in_chunks(self.session, tokens, chunk=1)
+                    out[name] = (self._run_in_chunks(self.session, tokens, chunk=1) if self.session is not None
+                                 else self._generate(tokens, chunk=1)[0])  # fmt: skip
                 elif name in ("no-opt", "threads"):
                     if name not in self._sessions:
                         threads = VARIANT_THREADS if name == "threads" else 1
