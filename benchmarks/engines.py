@@ -57,16 +57,18 @@ def largest_relative_deviation(model, report) -> float:
 
 
 def ort_verdicts(builds: dict[str, list[tuple[Path, Path]]], steps: int) -> None:
+    from kvfast.bugs.engines import ORT_BUGS, inject_ort_bug
     from kvfast.check import check_cache
-    from kvfast.check.engines.ort import ORT_BUGS, ORT_WINDOW, ORTModel
+    from kvfast.check.engines.ort import DEFAULT_VARIANTS, ORTModel
 
     seeds = len(next(iter(builds.values())))
     print(f"\n### onnxruntime-genai: verdicts ({seeds} seeds x {len(PROMPTS)} prompts x {steps} steps, control)")
     print("| build | internal formats | variants | runs | rounding | inconclusive | bug | largest ratio | "
           "largest relative deviation |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
-    own, cross = ("batch", "no-opt"), ("batch", "no-opt", "transformers")
-    rows = [("engine's own (batch, no-opt)", own, True), ("+ transformers (cross-implementation)", cross, True),
+    own, cross = DEFAULT_VARIANTS, (*DEFAULT_VARIANTS, "transformers")
+    rows = [("engine's own without chunk (batch, no-opt)", ("batch", "no-opt"), True),
+            (f"engine's own ({', '.join(own)})", own, True), ("+ transformers (cross-implementation)", cross, True),
             ("+ transformers, internal formats undeclared beyond kv cache and compute", cross, False)]  # fmt: skip
     for (precision, built), (label, variants, declared) in itertools.product(builds.items(), rows):
         counts = {"rounding": 0, "inconclusive": 0, "bug": 0}
@@ -90,22 +92,25 @@ def ort_verdicts(builds: dict[str, list[tuple[Path, Path]]], steps: int) -> None
             f"| {precision} | {shown} | {label} | {runs} | {counts['rounding']} | {counts['inconclusive']} | "
             f"{counts['bug']} | {largest:.3g} | {relative:.3g} |"
         )
-    print("\n| build | injected bug | runs | bug at the step it first acts | smallest bug ratio |")
-    print("|---|---|---|---|---|")
-    for (precision, built), bug in itertools.product(builds.items(), ORT_BUGS):
-        if bug == "rewind":  # a rollback bug: acts only in a rollback scenario
-            continue
-        hits, runs, smallest = 0, 0, np.inf
+    print(
+        "\n| build | injected bug | scenario | variants | runs | bug at the step it first acts | smallest bug ratio |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    scenario_of = {"evict": "decode", "rewind": "rollback"}  # where each first acts (ORT_BUGS' first_acting_step)
+    sets = {"engine's own": own, "+ transformers": cross}
+    for (precision, built), bug, (label, variants) in itertools.product(builds.items(), ORT_BUGS, sets.items()):
+        hits, runs, smallest, scenario = 0, 0, np.inf, scenario_of[bug]
         for onnx, hf in built:
-            model = ORTModel(onnx, variants=("batch", "transformers"), hf_model=hf, bug=bug)
+            model = ORTModel(onnx, variants=variants, hf_model=hf if "transformers" in variants else None)
+            inject_ort_bug(model, bug)
             for prompt in PROMPTS:
-                report = check_cache(model, prompt, steps, mode="control", scenarios=("decode",))
-                decode = report.scenarios["decode"]
-                acts = max(1, ORT_WINDOW - len(prompt) + 1)
+                report = check_cache(model, prompt, steps, mode="control", scenarios=(scenario,))
+                found = report.scenarios[scenario]
+                acts = ORT_BUGS[bug].first_acting_step(scenario, len(prompt))
                 runs += 1
-                hits += decode.first_bug_step == acts
-                smallest = min(smallest, float(decode.ratio[acts]))
-        print(f"| {precision} | {bug} | {runs} | {hits} of {runs} | {smallest:.3g} |")
+                hits += found.first_bug_step == acts
+                smallest = min(smallest, float(found.ratio[acts]))
+        print(f"| {precision} | {bug} | {scenario} | {label} | {runs} | {hits} of {runs} | {smallest:.3g} |")
 
 
 def ort_cost(onnx: Path, hf: Path, steps: int, repeats: int, precision: str) -> None:
@@ -115,6 +120,7 @@ def ort_cost(onnx: Path, hf: Path, steps: int, repeats: int, precision: str) -> 
     from kvfast.check.engines.ort import ORTModel
 
     model = ORTModel(onnx, variants=("batch", "transformers"), hf_model=hf)
+    own = ORTModel(onnx)  # the engine's own variants (no outside weights)
     prompt = np.array(PROMPTS[1])
 
     def plain() -> None:
@@ -129,14 +135,16 @@ def ort_cost(onnx: Path, hf: Path, steps: int, repeats: int, precision: str) -> 
     base = median_cpu(plain, repeats)
     decode = median_cpu(lambda: check_cache(model, prompt, steps, "control", "decode"), repeats)
     both = median_cpu(lambda: check_cache(model, prompt, steps, "control"), repeats)
+    alone = median_cpu(lambda: check_cache(own, prompt, steps, "control"), repeats)
     print(
         f"\n### onnxruntime-genai: cost ({precision} build, {steps} decode steps, {len(prompt)}-token prompt, "
         f"median of {repeats})"
     )
     print("| what | CPU s | x plain |")
     print("|---|---|---|")
-    for name, value in (("plain cached generation", base), ("control check (decode)", decode),
-                        ("control check (decode + resume)", both)):  # fmt: skip
+    mine = f"control check (decode + resume; engine's own: {', '.join(own.variants)})"
+    for name, value in (("plain cached generation", base), ("control check (decode; batch, transformers)", decode),
+                        ("control check (decode + resume; batch, transformers)", both), (mine, alone)):  # fmt: skip
         print(f"| {name} | {value:.4f} | {value / base:.2f} |")
 
 

@@ -24,8 +24,10 @@ else:
     pytest.importorskip("onnxruntime_genai")
     torch = pytest.importorskip("torch")
 
+from kvfast.bugs.engines import ENGINE_WINDOW as ORT_WINDOW  # noqa: E402
+from kvfast.bugs.engines import ORT_BUGS, inject_ort_bug  # noqa: E402
 from kvfast.check import check_cache  # noqa: E402
-from kvfast.check.engines.ort import DEFAULT_VARIANTS, ORT_WINDOW, ORTModel, tiny_ort_model  # noqa: E402
+from kvfast.check.engines.ort import DEFAULT_VARIANTS, ORTModel, tiny_ort_model  # noqa: E402
 
 torch.set_num_threads(1)
 PROMPTS = ([3, 4, 5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1])
@@ -89,7 +91,7 @@ def test_exact_mode_names_the_first_step_where_the_engine_decode_differs(built):
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_an_injected_eviction_is_a_bug_at_the_step_where_it_first_acts(built, prompt):
     onnx, hf = built
-    model = ORTModel(onnx, variants=("batch", "transformers"), hf_model=hf, bug="evict")
+    model = inject_ort_bug(ORTModel(onnx, variants=("batch", "transformers"), hf_model=hf), "evict")
     report = check_cache(model, prompt, 16, mode="control")
     # decode step t runs at length len(prompt) + t - 1 before its token: the eviction acts from that length's window
     acts = max(1, ORT_WINDOW - len(prompt) + 1)
@@ -100,7 +102,7 @@ def test_an_injected_eviction_is_a_bug_at_the_step_where_it_first_acts(built, pr
 def test_crop_rewinds_the_engine_cache_and_the_injected_rewind_keeps_one_token_too_many(built):
     onnx, _ = built
     tokens = np.array([3, 4, 5, 6, 7, 8, 9])
-    clean, buggy = ORTModel(onnx), ORTModel(onnx, bug="rewind")
+    clean, buggy = ORTModel(onnx), inject_ort_bug(ORTModel(onnx), "rewind")
     for model in (clean, buggy):
         model.prefill(tokens)
         model.crop(4)
@@ -116,8 +118,8 @@ def test_bad_paths_and_options_are_one_clear_error(built, tmp_path):
         ORTModel(tmp_path)
     with pytest.raises(ValueError, match="^variants: 'transformers'"):
         ORTModel(onnx, variants=("transformers",))
-    with pytest.raises(ValueError, match="^bug: 'nope'"):
-        ORTModel(onnx, bug="nope")
+    with pytest.raises(ValueError, match="^bug: 'nope' is not allowed; allowed: evict, rewind"):
+        inject_ort_bug(ORTModel(onnx), "nope")
 
 
 def test_kvfast_check_engine_ort_checks_a_model_directory_and_refuses_a_bad_one(built, tmp_path):
@@ -223,7 +225,7 @@ def test_an_injected_bug_never_reaches_the_chunk_variant(built, bug):
     onnx, _ = built
     tokens = np.array([*PROMPTS[1], *range(10, 30)])
     clean = ORTModel(onnx, variants="chunk").recompute_variants(tokens)["chunk"]
-    buggy = ORTModel(onnx, variants="chunk", bug=bug)
+    buggy = inject_ort_bug(ORTModel(onnx, variants="chunk"), bug)
     buggy.prefill(tokens[:9])  # the generator under test holds a cache; the variant never reads it
     buggy.crop(4)
     assert np.array_equal(buggy.recompute_variants(tokens)["chunk"], clean)
@@ -237,16 +239,17 @@ def test_injected_bugs_are_bugs_where_they_first_act_without_outside_weights(bui
     onnx, _ = built
 
     def model(bug):
-        m = ORTModel(onnx, bug=bug)
+        m = inject_ort_bug(ORTModel(onnx), bug)
         m.internal_formats = {**m.internal_formats, "kv cache": kv_format}
         return m
 
-    evicted = check_cache(model("evict"), prompt, 16, mode="control")
-    acts = max(1, ORT_WINDOW - len(prompt) + 1)
-    assert evicted.verdict == "bug", evicted.format()
-    assert {s.first_bug_step for s in evicted.scenarios.values()} == {acts}
-    rewound = check_cache(model("rewind"), prompt, 16, mode="control", scenarios=("rollback",))
-    assert rewound.verdict == "bug" and rewound.scenarios["rollback"].first_bug_step == 1, rewound.format()
+    for name, bug in ORT_BUGS.items():  # each where the catalogue says it first acts
+        scenarios = [s for s in ("decode", "resume", "rollback") if bug.first_acting_step(s, len(prompt)) is not None]
+        report = check_cache(model(name), prompt, 16, mode="control", scenarios=scenarios)
+        assert report.verdict == "bug", report.format()
+        found = {s: r.first_bug_step for s, r in report.scenarios.items()}
+        assert found == {s: bug.first_acting_step(s, len(prompt)) for s in scenarios}, name
+    assert ORT_BUGS["evict"].first_acting_step("decode", len(prompt)) == max(1, ORT_WINDOW - len(prompt) + 1)
     clean = check_cache(model(None), prompt, 16, mode="control", scenarios=("decode", "resume", "rollback"))
     assert clean.verdict == "rounding", clean.format()
 
@@ -273,14 +276,14 @@ def test_the_logic_check_runs_in_float32_and_says_so(built):
     assert report.verdict == "rounding" and report.promoted.verdict == "rounding"
     assert report.promoted.logits_format == "float32"
     assert any("logic check ran in float32" in note for note in report.notes)
-    bugged = check_cache(ORTModel(onnx, bug="evict"), PROMPTS[0], 16, mode="control", promote="float64")
+    bugged = check_cache(inject_ort_bug(ORTModel(onnx), "evict"), PROMPTS[0], 16, mode="control", promote="float64")
     assert bugged.promoted.verdict == "bug"
 
 
 @pytest.mark.parametrize("bug", [None, "rewind"])
 def test_the_rollback_scenario_runs_on_rewind_to(built, bug):
     onnx, hf = built
-    model = ORTModel(onnx, variants=("batch", "transformers"), hf_model=hf, bug=bug)
+    model = inject_ort_bug(ORTModel(onnx, variants=("batch", "transformers"), hf_model=hf), bug)
     report = check_cache(model, PROMPTS[1], 24, mode="control", scenarios=("rollback",))
     rollback = report.scenarios["rollback"]
     assert rollback.verdict == ("rounding" if bug is None else "bug"), report.format()
@@ -442,7 +445,9 @@ def test_a_clean_int8_engine_is_rounding_and_an_injected_eviction_a_bug_where_it
     undeclared = ORTModel(onnx, variants=variants, hf_model=hf)
     undeclared.internal_formats = {"kv cache": "float32", "compute": "float32"}
     assert check_cache(undeclared, PROMPTS[1], 24, mode="control").verdict == "bug"
-    bugged = check_cache(ORTModel(onnx, variants=variants, hf_model=hf, bug="evict"), PROMPTS[0], 16, mode="control")
+    bugged = check_cache(
+        inject_ort_bug(ORTModel(onnx, variants=variants, hf_model=hf), "evict"), PROMPTS[0], 16, mode="control"
+    )
     assert bugged.verdict == "bug"
     assert bugged.scenarios["decode"].first_bug_step == ORT_WINDOW - len(PROMPTS[0]) + 1
 
@@ -479,7 +484,7 @@ def test_an_onnxruntime_genai_model_object_is_checked_as_its_directory_is(built)
         report = check_cache(og.Model(str(onnx)), prompt, 64, mode="control")  # the object, as a user has it
         assert report.verdict == "rounding", report.format()
         assert set(report.scenarios) == {"decode", "resume"}
-    evicted = check_cache(ORTModel(og.Model(str(onnx)), bug="evict"), PROMPTS[0], 16, mode="control")
+    evicted = check_cache(inject_ort_bug(ORTModel(og.Model(str(onnx))), "evict"), PROMPTS[0], 16, mode="control")
     assert evicted.verdict == "bug" and evicted.scenarios["decode"].first_bug_step == ORT_WINDOW - 4
     with pytest.raises(ValueError, match="^variants: 'no-opt' is not allowed; allowed: batch, chunk, transformers"):
         ORTModel(og.Model(str(onnx)), variants=("batch", "no-opt"))

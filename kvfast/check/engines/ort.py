@@ -45,7 +45,8 @@ What the adapter does:
 - ``promote``: the model itself (onnxruntime-genai has no float64 decoder): the logic check runs in the
   build's own format, and the report says so.
 
-:data:`ORT_BUGS` are cache bugs injected into the cached path only, for kvfast's tests and scoring.
+Cache bugs for kvfast's tests and scoring are injected into the cached path by subclassing this adapter
+(:data:`kvfast.bugs.engines.ORT_BUGS`, over the hooks :meth:`ORTModel._crop_keep` and ``decode``).
 """
 
 from __future__ import annotations
@@ -70,11 +71,6 @@ DEFAULT_VARIANTS = ("batch", "no-opt", "chunk")
 MODEL_VARIANTS = ("batch", "chunk")
 #: The intra-op thread count of the ``"threads"`` variant's session (the recompute's is 1).
 VARIANT_THREADS = 4
-ORT_BUGS: dict[str, str] = {
-    "rewind": "crop(n) rewinds one position too few (rewind_to(n + 1)): the cache keeps a token it should drop",
-    "evict": "decode drops the oldest token once the sequence passes ORT_WINDOW tokens (rewind and replay)",
-}
-ORT_WINDOW = 8
 #: onnxruntime's tensor type names -> kvfast's format names.
 ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16",
              "tensor(double)": "float64"}  # fmt: skip
@@ -118,10 +114,9 @@ class ORTModel:
     - ``hf_model``: the same weights as a transformers causal LM (or its directory), for the
       cross-implementation variant; for a quantized build, the model it was built from: the variant computes
       with a copy holding the build's own weights, dequantized (:func:`dequantized_transformers`).
-    - ``bug``: a cache bug from :data:`ORT_BUGS` injected into the cached path.
     """
 
-    def __init__(self, path, *, variants=None, hf_model=None, bug: str | None = None) -> None:
+    def __init__(self, path, *, variants=None, hf_model=None) -> None:
         ort, og = _modules()
         loaded = is_og_model(path)
         if not loaded and not is_ort_model(path):
@@ -138,9 +133,6 @@ class ORTModel:
         if loaded and needs_file:
             allowed = f"{', '.join(MODEL_VARIANTS)}, transformers for an onnxruntime_genai.Model (no file: no session)"
             raise not_allowed("variants", needs_file[0], allowed)
-        if bug is not None:
-            require_choice(bug, "bug", ORT_BUGS)
-        self.bug = bug
         self.hf_model = hf_model
         self._sessions: dict[str, object] = {}
         self.skipped_variants: dict[str, str] = {}
@@ -191,9 +183,8 @@ class ORTModel:
         self.internal_formats.update(quantized_formats(self.quantized))
 
     def __repr__(self) -> str:
-        bug = "" if self.bug is None else f", bug={self.bug!r}"
         where = "onnxruntime_genai.Model" if self.path is None else str(self.path)
-        return f"ORTModel({where!r}{bug})"
+        return f"ORTModel({where!r})"
 
     def _generator(self, batch: int = 1, max_length: int | None = None):
         """A fresh generator of the model (``batch`` sequences, room for ``max_length`` positions)."""
@@ -291,10 +282,6 @@ class ORTModel:
         """One token appended; logits ``(V,)``."""
         self._require()
         token = require_int(token, "token", 0, self.vocab_size - 1)
-        if self.bug == "evict" and self.length >= ORT_WINDOW:
-            # the injected eviction: drop the oldest token by rebuilding the generator over the last tokens
-            keep = self.tokens[-(ORT_WINDOW - 1) :]
-            self.prefill(keep)
         out = self._append([token])[0]
         self.tokens.append(token)
         return out
@@ -303,10 +290,14 @@ class ORTModel:
         """Roll the cache back to its first ``n`` positions (``rewind_to``)."""
         self._require()
         n = require_int(n, "n", 0, self.length)
-        target = min(n + 1, self.length) if self.bug == "rewind" else n
+        target = self._crop_keep(n)
         self.generator.rewind_to(target)
         self.length = target
         self.tokens = self.tokens[:target]
+
+    def _crop_keep(self, n: int) -> int:
+        """Hook: the positions a crop to ``n`` keeps (``n``)."""
+        return n
 
     def _require(self) -> None:
         if self.generator is None:
