@@ -1,4 +1,4 @@
-"""onnxruntime-genai models as models under test: ``ORTModel(path)`` (extra ``kvfast[ort]``).
+"""onnxruntime-genai models as models under test: ``ORTModel(path | onnxruntime_genai.Model)`` (``kvfast[ort]``).
 
 An onnxruntime-genai model directory (``genai_config.json`` and its ONNX decoder, as
 ``python -m onnxruntime_genai.models.builder`` writes it) behind the check protocol
@@ -25,7 +25,7 @@ What the adapter does:
 
   Why ``"chunk"``: onnxruntime's recompute is append-invariant and its batch, thread and optimisation
   variants are bit-identical to it (measured: 0 relative on fp32 builds), so without it a correct fp32 engine
-  had no noise but one float32 unit and was ``inconclusive`` (its decode lands up to 5 units from the
+  had no noise but one float32 unit and was ``inconclusive`` (its decode lands up to 7 units from the
   recompute). What differs is the one-row product: a chunk of one row takes other kernels (matrix-vector,
   attention over a past) than a chunk of two or more, whose rows equal the recompute's bit for bit. The chunk
   variant's past is plain arrays kvfast passes from run to run, never the generator's buffers: a bug of the
@@ -106,11 +106,15 @@ def is_ort_model(model: object) -> bool:
 
 
 class ORTModel:
-    """An onnxruntime-genai model directory behind the check protocol (see the module doc).
+    """An onnxruntime-genai model behind the check protocol (see the module doc).
 
-    - ``path``: the model directory.
-    - ``variants``: a subset of :data:`VARIANTS` (``"transformers"`` only with ``hf_model``); default: all
-      of them that ``hf_model`` allows.
+    - ``path``: the model directory, or an ``onnxruntime_genai.Model`` as a user has it (it does not say where
+      its files are: the recompute and the variants then run in fresh generators of it, see
+      :data:`MODEL_VARIANTS`, and a quantized build's int8 activations cannot be read, so pass the directory
+      for those).
+    - ``variants``: a subset of :data:`VARIANTS` (``"transformers"`` only with ``hf_model``); default: the
+      engine's own (:data:`DEFAULT_VARIANTS`, :data:`MODEL_VARIANTS` for a ``Model``), and ``"transformers"``
+      with ``hf_model``.
     - ``hf_model``: the same weights as a transformers causal LM (or its directory), for the
       cross-implementation variant; for a quantized build, the model it was built from: the variant computes
       with a copy holding the build's own weights, dequantized (:func:`dequantized_transformers`).
