@@ -120,6 +120,9 @@ def test_bad_paths_and_options_are_one_clear_error(built, tmp_path):
         ORTModel(onnx, variants=("transformers",))
     with pytest.raises(ValueError, match="^bug: 'nope' is not allowed; allowed: evict, rewind"):
         inject_ort_bug(ORTModel(onnx), "nope")
+    model = ORTModel(onnx)
+    assert inject_ort_bug(model, "evict") is model and type(model).__name__ == "ORTModel"  # in place, same name
+    assert repr(model) == f"ORTModel({str(onnx)!r}, bug='evict')" and model.promote("float64") is model
 
 
 def test_kvfast_check_engine_ort_checks_a_model_directory_and_refuses_a_bad_one(built, tmp_path):
