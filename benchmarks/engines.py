@@ -1,6 +1,7 @@
 """Benchmark and verdict table: kvfast's checks on inference engines (tiny random Llamas built here).
 
     .venv/bin/python benchmarks/engines.py [--steps 64] [--seeds 2] [--repeats 5] [--precisions fp32,int8] [--out DIR]
+        [--sweep-seeds N] [--sweep-prompts 5]
 
 For onnxruntime-genai (``kvfast[ort]``), seeds ``0..seeds-1`` build a tiny random
 Llama and convert it (:func:`kvfast.check.engines.ort.tiny_ort_model`) at each of ``precisions`` (the
@@ -11,6 +12,10 @@ builder's ``-p``), then:
   weights recomputed in transformers; for an int8 build the build's weights dequantized, with its int8
   activations), and each injected bug of the engine's catalogue (its first bug step against the step where it
   first acts); the largest clean ratio and the smallest bug ratio;
+- **the engine's own noise sweep** (``--sweep-seeds N``, off by default): fp32 builds of seeds ``0..N-1``,
+  ``--sweep-prompts`` random prompts each (2 to 39 tokens), ``steps`` steps, the decode, resume and rollback
+  scenarios with the engine's own variants only (no outside weights): the clean verdicts and each injected
+  bug's verdict where it first acts;
 - **cost** (the first precision's build): the median CPU time of the control check (decode; decode + resume)
   against a plain cached generation through the engine (prefill, then one token per step), as ratios measured
   in this run.
@@ -113,6 +118,43 @@ def ort_verdicts(builds: dict[str, list[tuple[Path, Path]]], steps: int) -> None
         print(f"| {precision} | {bug} | {scenario} | {label} | {runs} | {hits} of {runs} | {smallest:.3g} |")
 
 
+def ort_own_sweep(root: Path, seeds: int, prompts: int, steps: int) -> None:
+    from kvfast.bugs.engines import ORT_BUGS, inject_ort_bug
+    from kvfast.check import check_cache
+    from kvfast.check.engines.ort import ORTModel, tiny_ort_model
+
+    scenarios = ("decode", "resume", "rollback")
+    clean: dict[str, int] = {}
+    bugs: dict[str, dict[str, int]] = {name: {} for name in ORT_BUGS}
+    largest, smallest = 0.0, {name: np.inf for name in ORT_BUGS}
+    for seed in range(seeds):
+        out = root / f"fp32-seed{seed}"
+        onnx = out / "onnx" if (out / "onnx" / "genai_config.json").is_file() else tiny_ort_model(out, seed=seed)
+        model, rng = ORTModel(onnx), np.random.default_rng(seed)
+        for _ in range(prompts):
+            prompt = rng.integers(3, model.vocab_size, int(rng.integers(2, 40)))
+            for found in check_cache(model, prompt, steps, mode="control", scenarios=scenarios).scenarios.values():
+                clean[found.verdict] = clean.get(found.verdict, 0) + 1
+                largest = max(largest, float(np.max(found.ratio)))
+            for name, bug in ORT_BUGS.items():
+                acting = {s: bug.first_acting_step(s, len(prompt)) for s in scenarios}
+                acting = {s: step for s, step in acting.items() if step is not None}
+                report = check_cache(inject_ort_bug(ORTModel(onnx), name), prompt, steps, "control", tuple(acting))
+                for s, found in report.scenarios.items():
+                    key = f"{found.verdict}{' at its first acting step' if found.first_bug_step == acting[s] else ''}"
+                    bugs[name][key] = bugs[name].get(key, 0) + 1
+                    smallest[name] = min(smallest[name], float(found.ratio[acting[s]]))
+    print(f"\n### onnxruntime-genai fp32, the engine's own variants only ({seeds} seeds x {prompts} random prompts x "
+          f"{steps} steps; {', '.join(scenarios)})")  # fmt: skip
+    print("| model | scenario runs | verdicts | largest clean ratio / smallest bug ratio |")
+    print("|---|---|---|---|")
+    shown = ", ".join(f"{k} {v}" for k, v in sorted(clean.items()))
+    print(f"| clean | {sum(clean.values())} | {shown} | {largest:.3g} |")
+    for name, counts in bugs.items():
+        shown = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+        print(f"| {name} | {sum(counts.values())} | {shown} | {smallest[name]:.3g} |")
+
+
 def ort_cost(onnx: Path, hf: Path, steps: int, repeats: int, precision: str) -> None:
     import onnxruntime_genai as og
 
@@ -182,9 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--precisions", default="fp32,int8", help="onnxruntime-genai builds, comma-separated")
     ap.add_argument("--out", default=None, help="where to build the tiny models (default: a temporary folder)")
+    ap.add_argument("--sweep-seeds", type=int, default=0, help="the engine's own noise sweep over this many seeds")
+    ap.add_argument("--sweep-prompts", type=int, default=5, help="random prompts per seed in that sweep")
     args = ap.parse_args(argv)
-    if args.steps < 1 or args.seeds < 1 or args.repeats < 1:
-        ap.error("--steps, --seeds and --repeats must be >= 1")
+    if args.steps < 1 or args.seeds < 1 or args.repeats < 1 or args.sweep_seeds < 0 or args.sweep_prompts < 1:
+        ap.error("--steps, --seeds, --repeats and --sweep-prompts must be >= 1, --sweep-seeds >= 0")
     try:
         import onnxruntime_genai  # noqa: F401
         import torch
@@ -205,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
             for p in precisions
         }  # fmt: skip
         ort_verdicts(builds, args.steps)
+        if args.sweep_seeds:
+            ort_own_sweep(root, args.sweep_seeds, args.sweep_prompts, args.steps)
         ort_cost(*builds[precisions[0]][0], args.steps, args.repeats, precisions[0])
         try:
             import llama_cpp  # noqa: F401
