@@ -1,6 +1,7 @@
 """Benchmark and verdict table: kvfast's checks on inference engines (tiny random Llamas built here).
 
     .venv/bin/python benchmarks/engines.py [--steps 64] [--seeds 2] [--repeats 5] [--precisions fp32,int8] [--out DIR]
+        [--sweep-seeds N] [--sweep-prompts 5]
 
 For onnxruntime-genai (``kvfast[ort]``), seeds ``0..seeds-1`` build a tiny random
 Llama and convert it (:func:`kvfast.check.engines.ort.tiny_ort_model`) at each of ``precisions`` (the
@@ -11,6 +12,10 @@ builder's ``-p``), then:
   weights recomputed in transformers; for an int8 build the build's weights dequantized, with its int8
   activations), and each injected bug of the engine's catalogue (its first bug step against the step where it
   first acts); the largest clean ratio and the smallest bug ratio;
+- **the engine's own noise sweep** (``--sweep-seeds N``, off by default): fp32 builds of seeds ``0..N-1``,
+  ``--sweep-prompts`` random prompts each (2 to 39 tokens), ``steps`` steps, the decode, resume and rollback
+  scenarios with the engine's own variants only (no outside weights): the clean verdicts and each injected
+  bug's verdict where it first acts;
 - **cost** (the first precision's build): the median CPU time of the control check (decode; decode + resume)
   against a plain cached generation through the engine (prefill, then one token per step), as ratios measured
   in this run.
@@ -57,16 +62,18 @@ def largest_relative_deviation(model, report) -> float:
 
 
 def ort_verdicts(builds: dict[str, list[tuple[Path, Path]]], steps: int) -> None:
+    from kvfast.bugs.engines import ORT_BUGS, inject_ort_bug
     from kvfast.check import check_cache
-    from kvfast.check.engines.ort import ORT_BUGS, ORT_WINDOW, ORTModel
+    from kvfast.check.engines.ort import DEFAULT_VARIANTS, ORTModel
 
     seeds = len(next(iter(builds.values())))
     print(f"\n### onnxruntime-genai: verdicts ({seeds} seeds x {len(PROMPTS)} prompts x {steps} steps, control)")
     print("| build | internal formats | variants | runs | rounding | inconclusive | bug | largest ratio | "
           "largest relative deviation |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
-    own, cross = ("batch", "no-opt"), ("batch", "no-opt", "transformers")
-    rows = [("engine's own (batch, no-opt)", own, True), ("+ transformers (cross-implementation)", cross, True),
+    own, cross = DEFAULT_VARIANTS, (*DEFAULT_VARIANTS, "transformers")
+    rows = [("engine's own without chunk (batch, no-opt)", ("batch", "no-opt"), True),
+            (f"engine's own ({', '.join(own)})", own, True), ("+ transformers (cross-implementation)", cross, True),
             ("+ transformers, internal formats undeclared beyond kv cache and compute", cross, False)]  # fmt: skip
     for (precision, built), (label, variants, declared) in itertools.product(builds.items(), rows):
         counts = {"rounding": 0, "inconclusive": 0, "bug": 0}
@@ -90,22 +97,62 @@ def ort_verdicts(builds: dict[str, list[tuple[Path, Path]]], steps: int) -> None
             f"| {precision} | {shown} | {label} | {runs} | {counts['rounding']} | {counts['inconclusive']} | "
             f"{counts['bug']} | {largest:.3g} | {relative:.3g} |"
         )
-    print("\n| build | injected bug | runs | bug at the step it first acts | smallest bug ratio |")
-    print("|---|---|---|---|---|")
-    for (precision, built), bug in itertools.product(builds.items(), ORT_BUGS):
-        if bug == "rewind":  # a rollback bug: acts only in a rollback scenario
-            continue
-        hits, runs, smallest = 0, 0, np.inf
+    print(
+        "\n| build | injected bug | scenario | variants | runs | bug at the step it first acts | smallest bug ratio |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    scenario_of = {"evict": "decode", "rewind": "rollback"}  # where each first acts (ORT_BUGS' first_acting_step)
+    sets = {"engine's own": own, "+ transformers": cross}
+    for (precision, built), bug, (label, variants) in itertools.product(builds.items(), ORT_BUGS, sets.items()):
+        hits, runs, smallest, scenario = 0, 0, np.inf, scenario_of[bug]
         for onnx, hf in built:
-            model = ORTModel(onnx, variants=("batch", "transformers"), hf_model=hf, bug=bug)
+            model = ORTModel(onnx, variants=variants, hf_model=hf if "transformers" in variants else None)
+            inject_ort_bug(model, bug)
             for prompt in PROMPTS:
-                report = check_cache(model, prompt, steps, mode="control", scenarios=("decode",))
-                decode = report.scenarios["decode"]
-                acts = max(1, ORT_WINDOW - len(prompt) + 1)
+                report = check_cache(model, prompt, steps, mode="control", scenarios=(scenario,))
+                found = report.scenarios[scenario]
+                acts = ORT_BUGS[bug].first_acting_step(scenario, len(prompt))
                 runs += 1
-                hits += decode.first_bug_step == acts
-                smallest = min(smallest, float(decode.ratio[acts]))
-        print(f"| {precision} | {bug} | {runs} | {hits} of {runs} | {smallest:.3g} |")
+                hits += found.first_bug_step == acts
+                smallest = min(smallest, float(found.ratio[acts]))
+        print(f"| {precision} | {bug} | {scenario} | {label} | {runs} | {hits} of {runs} | {smallest:.3g} |")
+
+
+def ort_own_sweep(root: Path, seeds: int, prompts: int, steps: int) -> None:
+    from kvfast.bugs.engines import ORT_BUGS, inject_ort_bug
+    from kvfast.check import check_cache
+    from kvfast.check.engines.ort import ORTModel, tiny_ort_model
+
+    scenarios = ("decode", "resume", "rollback")
+    clean: dict[str, int] = {}
+    bugs: dict[str, dict[str, int]] = {name: {} for name in ORT_BUGS}
+    largest, smallest = 0.0, {name: np.inf for name in ORT_BUGS}
+    for seed in range(seeds):
+        out = root / f"fp32-seed{seed}"
+        onnx = out / "onnx" if (out / "onnx" / "genai_config.json").is_file() else tiny_ort_model(out, seed=seed)
+        model, rng = ORTModel(onnx), np.random.default_rng(seed)
+        for _ in range(prompts):
+            prompt = rng.integers(3, model.vocab_size, int(rng.integers(2, 40)))
+            for found in check_cache(model, prompt, steps, mode="control", scenarios=scenarios).scenarios.values():
+                clean[found.verdict] = clean.get(found.verdict, 0) + 1
+                largest = max(largest, float(np.max(found.ratio)))
+            for name, bug in ORT_BUGS.items():
+                acting = {s: bug.first_acting_step(s, len(prompt)) for s in scenarios}
+                acting = {s: step for s, step in acting.items() if step is not None}
+                report = check_cache(inject_ort_bug(ORTModel(onnx), name), prompt, steps, "control", tuple(acting))
+                for s, found in report.scenarios.items():
+                    key = f"{found.verdict}{' at its first acting step' if found.first_bug_step == acting[s] else ''}"
+                    bugs[name][key] = bugs[name].get(key, 0) + 1
+                    smallest[name] = min(smallest[name], float(found.ratio[acting[s]]))
+    print(f"\n### onnxruntime-genai fp32, the engine's own variants only ({seeds} seeds x {prompts} random prompts x "
+          f"{steps} steps; {', '.join(scenarios)})")  # fmt: skip
+    print("| model | scenario runs | verdicts | largest clean ratio / smallest bug ratio |")
+    print("|---|---|---|---|")
+    shown = ", ".join(f"{k} {v}" for k, v in sorted(clean.items()))
+    print(f"| clean | {sum(clean.values())} | {shown} | {largest:.3g} |")
+    for name, counts in bugs.items():
+        shown = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+        print(f"| {name} | {sum(counts.values())} | {shown} | {smallest[name]:.3g} |")
 
 
 def ort_cost(onnx: Path, hf: Path, steps: int, repeats: int, precision: str) -> None:
@@ -115,6 +162,7 @@ def ort_cost(onnx: Path, hf: Path, steps: int, repeats: int, precision: str) -> 
     from kvfast.check.engines.ort import ORTModel
 
     model = ORTModel(onnx, variants=("batch", "transformers"), hf_model=hf)
+    own = ORTModel(onnx)  # the engine's own variants (no outside weights)
     prompt = np.array(PROMPTS[1])
 
     def plain() -> None:
@@ -129,14 +177,16 @@ def ort_cost(onnx: Path, hf: Path, steps: int, repeats: int, precision: str) -> 
     base = median_cpu(plain, repeats)
     decode = median_cpu(lambda: check_cache(model, prompt, steps, "control", "decode"), repeats)
     both = median_cpu(lambda: check_cache(model, prompt, steps, "control"), repeats)
+    alone = median_cpu(lambda: check_cache(own, prompt, steps, "control"), repeats)
     print(
         f"\n### onnxruntime-genai: cost ({precision} build, {steps} decode steps, {len(prompt)}-token prompt, "
         f"median of {repeats})"
     )
     print("| what | CPU s | x plain |")
     print("|---|---|---|")
-    for name, value in (("plain cached generation", base), ("control check (decode)", decode),
-                        ("control check (decode + resume)", both)):  # fmt: skip
+    mine = f"control check (decode + resume; engine's own: {', '.join(own.variants)})"
+    for name, value in (("plain cached generation", base), ("control check (decode; batch, transformers)", decode),
+                        ("control check (decode + resume; batch, transformers)", both), (mine, alone)):  # fmt: skip
         print(f"| {name} | {value:.4f} | {value / base:.2f} |")
 
 
@@ -174,9 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--precisions", default="fp32,int8", help="onnxruntime-genai builds, comma-separated")
     ap.add_argument("--out", default=None, help="where to build the tiny models (default: a temporary folder)")
+    ap.add_argument("--sweep-seeds", type=int, default=0, help="the engine's own noise sweep over this many seeds")
+    ap.add_argument("--sweep-prompts", type=int, default=5, help="random prompts per seed in that sweep")
     args = ap.parse_args(argv)
-    if args.steps < 1 or args.seeds < 1 or args.repeats < 1:
-        ap.error("--steps, --seeds and --repeats must be >= 1")
+    if args.steps < 1 or args.seeds < 1 or args.repeats < 1 or args.sweep_seeds < 0 or args.sweep_prompts < 1:
+        ap.error("--steps, --seeds, --repeats and --sweep-prompts must be >= 1, --sweep-seeds >= 0")
     try:
         import onnxruntime_genai  # noqa: F401
         import torch
@@ -197,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
             for p in precisions
         }  # fmt: skip
         ort_verdicts(builds, args.steps)
+        if args.sweep_seeds:
+            ort_own_sweep(root, args.sweep_seeds, args.sweep_prompts, args.steps)
         ort_cost(*builds[precisions[0]][0], args.steps, args.repeats, precisions[0])
         try:
             import llama_cpp  # noqa: F401

@@ -17,8 +17,10 @@ pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip 
 pytest.importorskip("gguf", reason="gguf is not installed (pip install 'kvfast[llamacpp]')")
 torch = pytest.importorskip("torch")
 
+from kvfast.bugs.engines import ENGINE_WINDOW as LLAMACPP_WINDOW  # noqa: E402
+from kvfast.bugs.engines import inject_llamacpp_bug  # noqa: E402
 from kvfast.check import check_cache  # noqa: E402
-from kvfast.check.engines.llamacpp import LLAMACPP_WINDOW, LlamaCppModel, tiny_gguf_model  # noqa: E402
+from kvfast.check.engines.llamacpp import LlamaCppModel, tiny_gguf_model  # noqa: E402
 
 torch.set_num_threads(1)
 PROMPTS = ([3, 4, 5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1])
@@ -66,7 +68,7 @@ def test_an_undeclared_float16_cache_is_what_made_clean_runs_bugs(built):
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_an_injected_eviction_is_a_bug_where_it_first_acts_and_in_the_float32_logic_check(built, prompt):
     files, hf = built
-    model = LlamaCppModel(files["f32"], cache="f16", hf_model=hf, bug="evict")
+    model = inject_llamacpp_bug(LlamaCppModel(files["f32"], cache="f16", hf_model=hf), "evict")
     report = check_cache(model, prompt, 16, mode="control", promote="float64")
     acts = max(1, LLAMACPP_WINDOW - len(prompt) + 1)
     assert report.verdict == "bug" and report.scenarios["decode"].first_bug_step == acts
@@ -75,7 +77,8 @@ def test_an_injected_eviction_is_a_bug_where_it_first_acts_and_in_the_float32_lo
 
 def test_resume_goes_through_save_and_load_state_and_crop_rolls_back(built):
     files, _ = built
-    clean, buggy = LlamaCppModel(files["f32"], cache="f32"), LlamaCppModel(files["f32"], cache="f32", bug="rewind")
+    clean = LlamaCppModel(files["f32"], cache="f32")
+    buggy = inject_llamacpp_bug(LlamaCppModel(files["f32"], cache="f32"), "rewind")
     first = clean.llm
     clean.prefill(np.array([3, 4, 5]))
     rows = clean.extend(np.array([6, 7]))
@@ -101,10 +104,23 @@ def test_bad_arguments_are_one_clear_error(built, tmp_path):
 @pytest.mark.parametrize("bug", [None, "rewind"])
 def test_rollback_and_fork_scenarios_run_on_llama_cpp(built, bug):
     files, hf = built
-    model = LlamaCppModel(files["f32"], cache="f16", hf_model=hf, bug=bug)
+    model = inject_llamacpp_bug(LlamaCppModel(files["f32"], cache="f16", hf_model=hf), bug)
     report = check_cache(model, PROMPTS[1], 24, mode="control", scenarios=("rollback", "fork"))
     if bug is None:
         assert report.verdict == "rounding", report.format()
     else:  # crop keeps one token too many from the first rollback (before step 1) on
         assert report.scenarios["rollback"].verdict == "bug"
         assert report.scenarios["rollback"].first_bug_step == 1
+
+
+def test_a_llama_object_is_checked_as_its_file_with_its_cache_type(built):
+    import llama_cpp
+
+    files, hf = built
+    llm = llama_cpp.Llama(str(files["f32"]), n_ctx=128, type_k=llama_cpp.GGML_TYPE_F16,
+                          type_v=llama_cpp.GGML_TYPE_F16, verbose=False)  # fmt: skip
+    model = LlamaCppModel(llm, hf_model=hf)
+    assert (model.path, model.cache_type, model.max_positions) == (files["f32"], "f16", 128)
+    report = check_cache(llm, PROMPTS[1], 32, mode="control")  # the object, as a user has it
+    assert report.verdict in ("rounding", "inconclusive"), report.format()  # no transformers variant given
+    assert check_cache(model, PROMPTS[1], 32, mode="control").verdict == "rounding"

@@ -24,8 +24,10 @@ else:
     pytest.importorskip("onnxruntime_genai")
     torch = pytest.importorskip("torch")
 
+from kvfast.bugs.engines import ENGINE_WINDOW as ORT_WINDOW  # noqa: E402
+from kvfast.bugs.engines import ORT_BUGS, inject_ort_bug  # noqa: E402
 from kvfast.check import check_cache  # noqa: E402
-from kvfast.check.engines.ort import ORT_WINDOW, ORTModel, tiny_ort_model  # noqa: E402
+from kvfast.check.engines.ort import DEFAULT_VARIANTS, ORTModel, tiny_ort_model  # noqa: E402
 
 torch.set_num_threads(1)
 PROMPTS = ([3, 4, 5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1])
@@ -89,7 +91,7 @@ def test_exact_mode_names_the_first_step_where_the_engine_decode_differs(built):
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_an_injected_eviction_is_a_bug_at_the_step_where_it_first_acts(built, prompt):
     onnx, hf = built
-    model = ORTModel(onnx, variants=("batch", "transformers"), hf_model=hf, bug="evict")
+    model = inject_ort_bug(ORTModel(onnx, variants=("batch", "transformers"), hf_model=hf), "evict")
     report = check_cache(model, prompt, 16, mode="control")
     # decode step t runs at length len(prompt) + t - 1 before its token: the eviction acts from that length's window
     acts = max(1, ORT_WINDOW - len(prompt) + 1)
@@ -100,7 +102,7 @@ def test_an_injected_eviction_is_a_bug_at_the_step_where_it_first_acts(built, pr
 def test_crop_rewinds_the_engine_cache_and_the_injected_rewind_keeps_one_token_too_many(built):
     onnx, _ = built
     tokens = np.array([3, 4, 5, 6, 7, 8, 9])
-    clean, buggy = ORTModel(onnx), ORTModel(onnx, bug="rewind")
+    clean, buggy = ORTModel(onnx), inject_ort_bug(ORTModel(onnx), "rewind")
     for model in (clean, buggy):
         model.prefill(tokens)
         model.crop(4)
@@ -116,8 +118,11 @@ def test_bad_paths_and_options_are_one_clear_error(built, tmp_path):
         ORTModel(tmp_path)
     with pytest.raises(ValueError, match="^variants: 'transformers'"):
         ORTModel(onnx, variants=("transformers",))
-    with pytest.raises(ValueError, match="^bug: 'nope'"):
-        ORTModel(onnx, bug="nope")
+    with pytest.raises(ValueError, match="^bug: 'nope' is not allowed; allowed: evict, rewind"):
+        inject_ort_bug(ORTModel(onnx), "nope")
+    model = ORTModel(onnx)
+    assert inject_ort_bug(model, "evict") is model and type(model).__name__ == "ORTModel"  # in place, same name
+    assert repr(model) == f"ORTModel({str(onnx)!r}, bug='evict')" and model.promote("float64") is model
 
 
 def test_kvfast_check_engine_ort_checks_a_model_directory_and_refuses_a_bad_one(built, tmp_path):
@@ -135,6 +140,9 @@ def test_kvfast_check_engine_ort_checks_a_model_directory_and_refuses_a_bad_one(
     done = subprocess.run([*cmd, str(onnx), *args], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "ROUNDING" in done.stdout
+    plain = [*cmd, str(onnx), "--prompt", "9,8,7,6,5,4,3,2,1", "--steps", "32", "--mode", "control"]
+    alone = subprocess.run(plain, capture_output=True, text=True, timeout=300)  # no outside weights
+    assert alone.returncode == 0 and "ROUNDING" in alone.stdout, alone.stdout + alone.stderr
     bad = subprocess.run([*cmd, str(tmp_path), "--prompt", "1,2"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2
     assert bad.stderr.count("\n") == 1 and "onnxruntime-genai model directory" in bad.stderr
@@ -177,13 +185,108 @@ def test_other_weights_offered_as_the_transformers_variant_are_refused_not_taken
 def test_check_cache_takes_an_onnxruntime_genai_directory_as_it_is(built):
     onnx, _ = built
     report = check_cache(str(onnx), PROMPTS[0], 8, mode="control", scenarios="decode")
-    assert report.scenarios["decode"].verdict in ("rounding", "inconclusive")  # no cross-implementation variant
+    assert report.scenarios["decode"].verdict == "rounding", report.format()  # the engine's own variants
+
+
+# --- the engine's own order noise: no outside weights ---------------------------------------------------------
+
+ALL_PROMPTS = (*PROMPTS, list(range(10, 40)))
+
+
+@pytest.mark.parametrize("prompt", ALL_PROMPTS)
+def test_a_clean_engine_without_outside_weights_is_rounding_in_both_scenarios(built, prompt):
+    onnx, _ = built
+    model = ORTModel(onnx)  # no hf_model: the default variants are the engine's own
+    assert model.variants == DEFAULT_VARIANTS
+    report = check_cache(model, prompt, 64, mode="control")
+    assert report.verdict == "rounding", report.format()
+    assert {name: s.verdict for name, s in report.scenarios.items()} == {"decode": "rounding", "resume": "rounding"}
+    assert any("variant 'chunk'" in note and "not admitted" not in note for note in report.notes)
+
+
+def test_without_the_chunk_variant_the_clean_engine_is_inconclusive_its_batch_and_session_variants_are_exact(built):
+    """Why a correct fp32 engine was `inconclusive`: every variant but the one-token chunks, and the prefix
+    recomputes, equal the recompute bit for bit, so the bound is one float32 unit; the decode lands further."""
+    onnx, _ = built
+    model = ORTModel(onnx, variants=("batch", "no-opt", "threads", "chunk"))
+    tokens = np.array([*PROMPTS[1], *range(10, 30)])
+    reference = model.recompute(tokens)
+    variants = model.recompute_variants(tokens)
+    for name in ("batch", "no-opt", "threads"):
+        assert np.array_equal(variants[name], reference), name
+    assert np.array_equal(model.recompute(tokens[:11]), reference[:11])  # append-invariant: no batch-shape draw
+    chunk = np.abs(variants["chunk"] - reference).max(-1)
+    assert np.count_nonzero(chunk) > len(tokens) // 2  # a draw of the one-row order at most positions
+    assert chunk.max() <= 64 * np.finfo(np.float32).eps * np.abs(reference).max()  # rounding, no logic change
+    # failing data for the criterion above: the same clean engine without the chunk variant
+    report = check_cache(ORTModel(onnx, variants=("batch", "no-opt")), PROMPTS[1], 64, mode="control")
+    assert report.verdict == "inconclusive", report.format()
+
+
+@pytest.mark.parametrize("bug", ["evict", "rewind"])
+def test_an_injected_bug_never_reaches_the_chunk_variant(built, bug):
+    onnx, _ = built
+    tokens = np.array([*PROMPTS[1], *range(10, 30)])
+    clean = ORTModel(onnx, variants="chunk").recompute_variants(tokens)["chunk"]
+    buggy = inject_ort_bug(ORTModel(onnx, variants="chunk"), bug)
+    buggy.prefill(tokens[:9])  # the generator under test holds a cache; the variant never reads it
+    buggy.crop(4)
+    assert np.array_equal(buggy.recompute_variants(tokens)["chunk"], clean)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("kv_format", ["float32", "float16"])
+def test_injected_bugs_are_bugs_where_they_first_act_without_outside_weights(built, prompt, kv_format):
+    """float32, and a float16 cache declared (the floor and the admission ceiling in float16: what a float16
+    build is judged against; onnxruntime-genai's own fp16 CPU build fails in its decode here)."""
+    onnx, _ = built
+
+    def model(bug):
+        m = inject_ort_bug(ORTModel(onnx), bug)
+        m.internal_formats = {**m.internal_formats, "kv cache": kv_format}
+        return m
+
+    for name, bug in ORT_BUGS.items():  # each where the catalogue says it first acts
+        scenarios = [s for s in ("decode", "resume", "rollback") if bug.first_acting_step(s, len(prompt)) is not None]
+        report = check_cache(model(name), prompt, 16, mode="control", scenarios=scenarios)
+        assert report.verdict == "bug", report.format()
+        found = {s: r.first_bug_step for s, r in report.scenarios.items()}
+        assert found == {s: bug.first_acting_step(s, len(prompt)) for s in scenarios}, name
+    assert ORT_BUGS["evict"].first_acting_step("decode", len(prompt)) == max(1, ORT_WINDOW - len(prompt) + 1)
+    clean = check_cache(model(None), prompt, 16, mode="control", scenarios=("decode", "resume", "rollback"))
+    assert clean.verdict == "rounding", clean.format()
+
+
+class _LosesPast(ORTModel):
+    """A chunk variant that drops the oldest cached position once the past holds 8: a logic bug in it."""
+
+    def _feeds(self, ids, past):
+        if past and next(iter(past.values())).shape[2] >= 8 and ids.shape[0] == 1:
+            past = {name: v[:, :, 1:] for name, v in past.items()}
+        return super()._feeds(ids, past)
+
+
+def test_a_chunk_variant_off_by_more_than_rounding_is_refused_not_taken_for_noise(built):
+    onnx, _ = built
+    report = check_cache(_LosesPast(onnx, variants=("batch", "chunk")), PROMPTS[1], 16, mode="control")
+    assert any(note.startswith("variant 'chunk'") and "not admitted" in note for note in report.notes)
+    assert report.verdict != "rounding"  # judged without it: one float32 unit
+
+
+def test_the_logic_check_runs_in_float32_and_says_so(built):
+    onnx, _ = built
+    report = check_cache(ORTModel(onnx), PROMPTS[0], 16, mode="control", promote="float64")
+    assert report.verdict == "rounding" and report.promoted.verdict == "rounding"
+    assert report.promoted.logits_format == "float32"
+    assert any("logic check ran in float32" in note for note in report.notes)
+    bugged = check_cache(inject_ort_bug(ORTModel(onnx), "evict"), PROMPTS[0], 16, mode="control", promote="float64")
+    assert bugged.promoted.verdict == "bug"
 
 
 @pytest.mark.parametrize("bug", [None, "rewind"])
 def test_the_rollback_scenario_runs_on_rewind_to(built, bug):
     onnx, hf = built
-    model = ORTModel(onnx, variants=("batch", "transformers"), hf_model=hf, bug=bug)
+    model = inject_ort_bug(ORTModel(onnx, variants=("batch", "transformers"), hf_model=hf), bug)
     report = check_cache(model, PROMPTS[1], 24, mode="control", scenarios=("rollback",))
     rollback = report.scenarios["rollback"]
     assert rollback.verdict == ("rounding" if bug is None else "bug"), report.format()
@@ -345,7 +448,9 @@ def test_a_clean_int8_engine_is_rounding_and_an_injected_eviction_a_bug_where_it
     undeclared = ORTModel(onnx, variants=variants, hf_model=hf)
     undeclared.internal_formats = {"kv cache": "float32", "compute": "float32"}
     assert check_cache(undeclared, PROMPTS[1], 24, mode="control").verdict == "bug"
-    bugged = check_cache(ORTModel(onnx, variants=variants, hf_model=hf, bug="evict"), PROMPTS[0], 16, mode="control")
+    bugged = check_cache(
+        inject_ort_bug(ORTModel(onnx, variants=variants, hf_model=hf), "evict"), PROMPTS[0], 16, mode="control"
+    )
     assert bugged.verdict == "bug"
     assert bugged.scenarios["decode"].first_bug_step == ORT_WINDOW - len(PROMPTS[0]) + 1
 
@@ -361,3 +466,28 @@ def test_int8_clean_runs_are_rounding_over_two_seeds_two_prompts_64_steps(tmp_pa
             report = check_cache(model, prompt, 64, mode="control")
             verdicts += [s.verdict for s in report.scenarios.values()]
     assert verdicts == ["rounding"] * 8
+
+
+# --- an onnxruntime_genai.Model given as it is ------------------------------------------------------------------
+
+
+def test_an_onnxruntime_genai_model_object_is_checked_as_its_directory_is(built):
+    import onnxruntime_genai as og
+
+    onnx, _ = built
+    loaded, directory = ORTModel(og.Model(str(onnx))), ORTModel(onnx)
+    assert loaded.variants == ("batch", "chunk") and loaded.internal_formats == directory.internal_formats
+    assert (loaded.vocab_size, loaded.max_positions) == (directory.vocab_size, directory.max_positions)
+    tokens = np.array([*PROMPTS[1], *range(10, 30)])
+    # through fresh generators of the object: the same rows as the directory's plain session, bit for bit
+    assert np.array_equal(loaded.recompute(tokens), directory.recompute(tokens))
+    ours, theirs = loaded.recompute_variants(tokens), directory.recompute_variants(tokens)
+    assert all(np.array_equal(ours[name], theirs[name]) for name in ours)
+    for prompt in ALL_PROMPTS:
+        report = check_cache(og.Model(str(onnx)), prompt, 64, mode="control")  # the object, as a user has it
+        assert report.verdict == "rounding", report.format()
+        assert set(report.scenarios) == {"decode", "resume"}
+    evicted = check_cache(inject_ort_bug(ORTModel(og.Model(str(onnx))), "evict"), PROMPTS[0], 16, mode="control")
+    assert evicted.verdict == "bug" and evicted.scenarios["decode"].first_bug_step == ORT_WINDOW - 4
+    with pytest.raises(ValueError, match="^variants: 'no-opt' is not allowed; allowed: batch, chunk, transformers"):
+        ORTModel(og.Model(str(onnx)), variants=("batch", "no-opt"))

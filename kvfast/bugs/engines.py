@@ -1,5 +1,7 @@
 """Cache bugs injected into an inference engine's cached path: :data:`VLLM_BUGS` (vLLM,
-:class:`~kvfast.check.engines.vllm.VLLMModel`).
+:class:`~kvfast.check.engines.vllm.VLLMModel`), :data:`ORT_BUGS` (onnxruntime-genai,
+:class:`~kvfast.check.engines.ort.ORTModel`) and :data:`LLAMACPP_BUGS` (llama.cpp,
+:class:`~kvfast.check.engines.llamacpp.LlamaCppModel`).
 
 Each vLLM bug is a mixin over :meth:`VLLMModel._attention_metadata`, the hook every CPU attention step of the
 cached path passes its ``CommonAttentionMetadata`` through (the recompute's and the variants' never do): the bug
@@ -12,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 
 from kvfast.bugs.bug import Bug, catalogue, first_acting_in, inject_from, mixin_injector
+from kvfast.check.engines.llamacpp import LlamaCppModel
+from kvfast.check.engines.ort import ORTModel
 from kvfast.check.engines.vllm import BLOCK, VLLMModel
 
 #: The ``evict`` bug's window in blocks: decode drops the sequence's first block once it holds more.
@@ -113,3 +117,75 @@ def first_acting_step(bug: str, scenario: str, prompt_len: int) -> int | None:
 def inject_vllm_bug(adapter: VLLMModel, bug: str | None) -> VLLMModel:
     """``adapter`` with cache bug ``bug`` of :data:`VLLM_BUGS` (``None``: clean, unchanged), in place and returned."""
     return inject_from(VLLM_BUGS, adapter, bug)
+
+
+# --- onnxruntime-genai and llama.cpp ---------------------------------------------------------------------------
+# Each bug is one mixin over what both adapters share: ``decode(token)``, ``_crop_keep(n)`` (the positions a
+# rollback keeps), ``length`` (the positions the cache under test holds) and ``tokens`` (the tokens in it). The
+# recompute and the order-noise variants never pass through them.
+
+#: The ``evict`` bug's window: decode drops the oldest token once the cache holds this many positions.
+ENGINE_WINDOW = 8
+
+
+class _EngineBug:
+    """What every onnxruntime-genai and llama.cpp bug mixin shares: its name (``bug``), shown in the adapter's
+    repr."""
+
+    bug: str
+
+    def __repr__(self) -> str:
+        return f"{super().__repr__()[:-1]}, bug={self.bug!r})"
+
+
+class _Rewind(_EngineBug):
+    bug = "rewind"
+
+    def _crop_keep(self, n: int) -> int:
+        return min(super()._crop_keep(n) + 1, self.length)  # the cache keeps a token it should drop
+
+
+class _EngineEvict(_EngineBug):
+    bug = "evict"
+
+    def decode(self, token):
+        if self.length >= ENGINE_WINDOW:  # the oldest token dropped: the cache rebuilt over the last ones
+            self.prefill(self.tokens[-(ENGINE_WINDOW - 1) :])
+        return super().decode(token)
+
+
+def _engine_evict_acts(scenario, prompt_len, steps, window):
+    # decode step t runs at length prompt_len + t - 1 before its token (the resumed prompt too); other scenarios
+    # are not catalogued
+    return max(1, ENGINE_WINDOW - prompt_len + 1) if scenario in ("decode", "resume") else None
+
+
+def _rewind_acts(scenario, prompt_len, steps, window):
+    return 1 if scenario == "rollback" else None  # the first rollback is before step 1
+
+
+def _engine_catalogue(adapter: type, allowed: str) -> dict[str, Bug]:
+    injector = mixin_injector(adapter, allowed)
+    return catalogue(
+        Bug("rewind", "crop(n) keeps one position too many: the cache keeps a token it should drop", _rewind_acts,
+            injector(_Rewind)),
+        Bug("evict", f"decode drops the oldest token once the cache holds {ENGINE_WINDOW} positions (rebuilt over "
+            "the last ones)", _engine_evict_acts, injector(_EngineEvict)),
+    )  # fmt: skip
+
+
+#: onnxruntime-genai's cache bugs, in the engine's own generator (``rewind_to``, ``append_tokens``).
+ORT_BUGS: dict[str, Bug] = _engine_catalogue(ORTModel, "an ORTModel (kvfast.check.engines.ort)")
+#: llama.cpp's cache bugs, in the context under test (``n_tokens``, ``eval``).
+LLAMACPP_BUGS: dict[str, Bug] = _engine_catalogue(LlamaCppModel, "a LlamaCppModel (kvfast.check.engines.llamacpp)")
+
+
+def inject_ort_bug(adapter: ORTModel, bug: str | None) -> ORTModel:
+    """``adapter`` with cache bug ``bug`` of :data:`ORT_BUGS` (``None``: clean, unchanged), in place and returned."""
+    return inject_from(ORT_BUGS, adapter, bug)
+
+
+def inject_llamacpp_bug(adapter: LlamaCppModel, bug: str | None) -> LlamaCppModel:
+    """``adapter`` with cache bug ``bug`` of :data:`LLAMACPP_BUGS` (``None``: clean, unchanged), in place and
+    returned."""
+    return inject_from(LLAMACPP_BUGS, adapter, bug)

@@ -59,20 +59,20 @@ class CheckSubject:
 
 
 def as_model_under_test(model: object) -> GuardedModel:
-    """``model`` (a Hugging Face model wrapped in :class:`kvfast.check.hf.HFModel`, an onnxruntime-genai model
-    directory in :class:`kvfast.check.engines.ort.ORTModel`) seen through
+    """``model`` (a Hugging Face model wrapped in :class:`kvfast.check.hf.HFModel`, an engine's object or an
+    onnxruntime-genai model directory in its adapter: :func:`kvfast.check.engines.engine_adapter`) seen through
     :class:`kvfast.check.protocol.GuardedModel`: its own exceptions and exits become
     :class:`~kvfast.check.protocol.ModelUnderTestError`. ``ValueError`` if it is not a model under test."""
     from kvfast.check.hf import is_hf_model
 
     if isinstance(model, GuardedModel):
         return model
-    from kvfast.check.engines.ort import is_ort_model
+    from kvfast.check.engines import engine_adapter
 
-    if is_ort_model(model):  # a path to an onnxruntime-genai model directory
-        from kvfast.check.engines.ort import ORTModel
-
-        adapter = call_model("kvfast.check.engines.ort.ORTModel(model)", ORTModel, model, passthrough=(ValueError,))
+    engine = engine_adapter(model)  # an engine's own object, or an onnxruntime-genai model directory
+    if engine is not None:
+        name, adapter_class = engine
+        adapter = call_model(f"{name}(model)", adapter_class, model, passthrough=(ValueError,))
         return guard(adapter, passthrough=(ValueError,))
     if is_hf_model(model):
         from kvfast.check.hf import HFModel

@@ -136,15 +136,19 @@ def _model(engine: str, weights: str, cache: str, seed: int, bug: str):
     built = _built(seed, engine, weights)
     hf_dir = built / "hf"
     if engine == "ort":
+        from kvfast.bugs.engines import inject_ort_bug
         from kvfast.check.engines.ort import ORTModel
 
         variants = ("batch", "no-opt", "transformers")
-        return ORTModel(built / "onnx", variants=variants, hf_model=hf_dir, bug=None if bug == "none" else bug)
+        model = ORTModel(built / "onnx", variants=variants, hf_model=hf_dir)
+        return inject_ort_bug(model, None if bug == "none" else bug)
     if engine == "llamacpp":
+        from kvfast.bugs.engines import inject_llamacpp_bug
         from kvfast.check.engines.llamacpp import LlamaCppModel
 
         gguf = built / f"model-{weights}.gguf"
-        return LlamaCppModel(gguf, cache=cache, hf_model=hf_dir, bug=None if bug == "none" else bug)
+        model = LlamaCppModel(gguf, cache=cache, hf_model=hf_dir)
+        return inject_llamacpp_bug(model, None if bug == "none" else bug)
     from transformers import AutoModelForCausalLM
 
     from kvfast.bugs.hf import inject_hf_bug

@@ -1,2 +1,31 @@
 """Inference engines as models under test (each an optional extra): :mod:`kvfast.check.engines.ort`
-(onnxruntime-genai, ``kvfast[ort]``)."""
+(onnxruntime-genai, ``kvfast[ort]``), :mod:`kvfast.check.engines.llamacpp` (llama.cpp through
+llama-cpp-python, ``kvfast[llamacpp]``), :mod:`kvfast.check.engines.vllm` (vLLM, ``kvfast[vllm]``).
+
+:func:`engine_adapter` is where an engine's own object (or an onnxruntime-genai model directory) given to
+``check_cache`` finds its adapter: the one table of what kvfast wraps by itself.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+#: What ``check_cache`` wraps by itself: ``(module, detector, adapter)``; the detector (imports no engine) says
+#: whether an object is that engine's, the adapter (the module's class) takes it as its first argument.
+ENGINE_OBJECTS = (
+    ("kvfast.check.engines.ort", "is_ort_model", "ORTModel"),  # an onnxruntime-genai model directory
+    ("kvfast.check.engines.ort", "is_og_model", "ORTModel"),  # an onnxruntime_genai.Model
+    ("kvfast.check.engines.llamacpp", "is_llama", "LlamaCppModel"),  # a llama_cpp.Llama
+    ("kvfast.check.engines.vllm", "is_vllm_llm", "VLLMModel"),  # a vllm.LLM
+)
+
+
+def engine_adapter(model: object) -> tuple[str, Callable[[object], object]] | None:
+    """``(name, adapter class)`` for an engine object or model directory kvfast wraps by itself
+    (:data:`ENGINE_OBJECTS`), else ``None``. Imports no engine: only the matching adapter's module."""
+    for module, detector, adapter in ENGINE_OBJECTS:
+        found = importlib.import_module(module)
+        if getattr(found, detector)(model):
+            return f"{module}.{adapter}", getattr(found, adapter)
+    return None

@@ -13,8 +13,9 @@ What the adapter does:
   (``type_k``/``type_v``: ``f16``, the default, ``f32`` or ``q8_0``).
 - ``extend(tokens)``: a resumed session: the context's state is saved (``save_state``), loaded into a second
   context (``load_state``), and the chunk is evaluated there; that context is then the one under test.
-- ``crop(n)`` (the ``rollback`` scenario): keep the first ``n`` positions (``n_tokens = n``; the next ``eval``
-  removes the rest from the KV cache, as llama-cpp-python's own prefix reuse does).
+- ``crop(n)`` (the ``rollback`` scenario; hook :meth:`LlamaCppModel._crop_keep`): keep the first ``n``
+  positions (``n_tokens = n``; the next ``eval`` removes the rest from the KV cache, as llama-cpp-python's own
+  prefix reuse does).
 - ``snapshot()``/``restore(state)`` (the ``fork`` scenario): ``save_state``/``load_state``.
 - ``recompute(tokens)``: a third context, ``reset()`` then ``eval`` of the whole sequence in one batch.
 - ``recompute_variants``: ``"transformers"`` (the same weights recomputed by a transformers model, a
@@ -24,6 +25,9 @@ What the adapter does:
   matrix product's input to its weights' kind).
 - ``promote(dtype)``: the same model with a float32 KV cache (llama.cpp has no float64): the logic check runs
   in float32 and says so.
+
+Cache bugs for kvfast's tests and scoring are injected into the cached path by subclassing this adapter
+(:data:`kvfast.bugs.engines.LLAMACPP_BUGS`, over the hooks :meth:`LlamaCppModel._crop_keep` and ``decode``).
 """
 
 from __future__ import annotations
@@ -36,15 +40,29 @@ import numpy as np
 from kvfast.validation import import_extra, not_allowed, require_choice, require_int
 
 CACHE_TYPES = {"f16": "float16", "f32": "float32", "q8_0": "int8"}
-LLAMACPP_BUGS: dict[str, str] = {
-    "rewind": "crop(n) keeps one position too many",
-    "evict": "decode drops the oldest token once the sequence passes LLAMACPP_WINDOW tokens",
-}
-LLAMACPP_WINDOW = 8
 #: The format a matrix product's input is rounded to, by the weights' file type (``general.file_type``):
 #: ggml converts the activations to float16 for float16 weights (1) and quantises them to 8 bits for q8_0 (7).
 ACTIVATIONS = {"1": "float16", "7": "int8"}
 MODEL = "a GGUF file path or a llama_cpp.Llama"
+
+
+#: ggml's type numbers (``ggml_type``, stable in its ABI) -> :data:`CACHE_TYPES`' keys: a ``Llama``'s KV cache type.
+GGML_TYPES = {0: "f32", 1: "f16", 8: "q8_0"}
+
+
+def is_llama(model: object) -> bool:
+    """Whether ``model`` is a ``llama_cpp.Llama`` (imports nothing)."""
+    return type(model).__name__ == "Llama" and type(model).__module__.startswith("llama_cpp")
+
+
+def llama_settings(llm) -> dict:
+    """What kvfast reads from a ``llama_cpp.Llama`` to check its model: ``{"path": its GGUF file (model_path),
+    "cache": its KV cache type (context_params.type_k, a key of CACHE_TYPES), "n_ctx": its context length}``.
+    ``ValueError`` naming the field for a cache type kvfast does not know."""
+    kind = int(llm.context_params.type_k)
+    if kind not in GGML_TYPES:
+        raise not_allowed("model.context_params.type_k", kind, ", ".join(f"{k} ({v})" for k, v in GGML_TYPES.items()))
+    return {"path": llm.model_path, "cache": GGML_TYPES[kind], "n_ctx": int(llm.n_ctx())}
 
 
 def _llama_cpp():
@@ -54,21 +72,23 @@ def _llama_cpp():
 class LlamaCppModel:
     """A GGUF model behind the check protocol through llama-cpp-python (see the module doc).
 
-    - ``path``: the GGUF file.
+    - ``path``: the GGUF file, or a ``llama_cpp.Llama``: its file, KV cache type and context length are read
+      from it (:func:`llama_settings`; ``cache`` and ``n_ctx`` then come from the object) and kvfast runs its
+      own contexts of that file (every row's logits need ``logits_all``, one thread, one batch per prompt).
     - ``cache``: the KV cache type, a key of :data:`CACHE_TYPES`.
     - ``hf_model``: the same weights as a transformers causal LM (or its directory), for the
       cross-implementation variant.
-    - ``bug``: a cache bug from :data:`LLAMACPP_BUGS`, injected into the cached path.
     - ``n_ctx``: the context length of every context (default 256).
     """
 
-    def __init__(self, path, *, cache: str = "f16", hf_model=None, bug: str | None = None, n_ctx: int = 256):
+    def __init__(self, path, *, cache: str = "f16", hf_model=None, n_ctx: int = 256):
+        if is_llama(path):
+            settings = llama_settings(path)
+            path, cache, n_ctx = settings["path"], settings["cache"], settings["n_ctx"]
         if not isinstance(path, str | os.PathLike) or not Path(path).is_file():
             raise not_allowed("path", path, MODEL)
         self.cache_type = require_choice(cache, "cache", CACHE_TYPES)
-        if bug is not None:
-            require_choice(bug, "bug", LLAMACPP_BUGS)
-        self.path, self.bug, self.hf_model = Path(path), bug, hf_model
+        self.path, self.hf_model = Path(path), hf_model
         self.max_positions = require_int(n_ctx, "n_ctx", 2)
         self.variants = ("transformers",) if hf_model is not None else ()
         self.skipped_variants: dict[str, str] = {}
@@ -83,8 +103,7 @@ class LlamaCppModel:
         self.tokens: list[int] = []
 
     def __repr__(self) -> str:
-        bug = "" if self.bug is None else f", bug={self.bug!r}"
-        return f"LlamaCppModel({str(self.path)!r}, cache={self.cache_type!r}{bug})"
+        return f"LlamaCppModel({str(self.path)!r}, cache={self.cache_type!r})"
 
     def _context(self):
         llama_cpp = _llama_cpp()
@@ -132,9 +151,6 @@ class LlamaCppModel:
         """``eval([token])`` on the context under test; logits ``(V,)``."""
         self._require()
         token = require_int(token, "token", 0, self.vocab_size - 1)
-        if self.bug == "evict" and self.llm.n_tokens >= LLAMACPP_WINDOW:
-            keep = self.tokens[-(LLAMACPP_WINDOW - 1) :]  # the injected eviction: the oldest token dropped
-            self.prefill(keep)
         self.tokens.append(token)
         return self._eval(self.llm, [token])[0]
 
@@ -142,9 +158,18 @@ class LlamaCppModel:
         """Keep the first ``n`` positions of the cache."""
         self._require()
         n = require_int(n, "n", 0, self.llm.n_tokens)
-        keep = min(n + 1, self.llm.n_tokens) if self.bug == "rewind" else n
+        keep = self._crop_keep(n)
         self.llm.n_tokens = keep
         self.tokens = self.tokens[:keep]
+
+    def _crop_keep(self, n: int) -> int:
+        """Hook: the positions a crop to ``n`` keeps (``n``)."""
+        return n
+
+    @property
+    def length(self) -> int:
+        """The positions the cache under test holds."""
+        return int(self.llm.n_tokens)
 
     def snapshot(self):
         """The cache as it is now (``save_state``, and the tokens it holds): the ``fork`` scenario."""
@@ -182,8 +207,9 @@ class LlamaCppModel:
             return {}
 
     def promote(self, dtype: str = "float64") -> LlamaCppModel:
-        """The same model (bug included) with a float32 KV cache: the best precision llama.cpp offers."""
-        return LlamaCppModel(self.path, cache="f32", hf_model=self.hf_model, bug=self.bug, n_ctx=self.max_positions)
+        """The same model (an injected bug included: the same class) with a float32 KV cache: the best precision
+        llama.cpp offers."""
+        return type(self)(self.path, cache="f32", hf_model=self.hf_model, n_ctx=self.max_positions)
 
 
 # --- tiny random GGUF files (no download) ---------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""onnxruntime-genai models as models under test: ``ORTModel(path)`` (extra ``kvfast[ort]``).
+"""onnxruntime-genai models as models under test: ``ORTModel(path | onnxruntime_genai.Model)`` (``kvfast[ort]``).
 
 An onnxruntime-genai model directory (``genai_config.json`` and its ONNX decoder, as
 ``python -m onnxruntime_genai.models.builder`` writes it) behind the check protocol
@@ -14,10 +14,24 @@ What the adapter does:
 - ``recompute(tokens)``: a plain ``onnxruntime.InferenceSession`` over the same ``model.onnx`` with an
   empty past (every ``past_key_values.*`` input of length 0): the same graph, no cache.
 - ``crop(n)`` (rollback): the generator's ``rewind_to(n)``.
-- ``recompute_variants``: ``"batch"`` (a batch of two copies of the sequence) and ``"no-opt"`` (a session
-  with graph optimisations off: other fused kernels, other summation orders), and ``"transformers"`` (the
-  same weights recomputed by a transformers model, a cross-implementation variant) when ``hf_model`` is
-  given. None goes through a cache.
+- ``recompute_variants``, the engine's own order noise (no outside weights needed): ``"batch"`` (a batch of
+  two copies of the sequence), ``"no-opt"`` (a session with graph optimisations off: other fused kernels),
+  ``"chunk"`` (prefill chunking: the sequence fed one token at a time through the plain session, each run's
+  ``present`` keys and values handed back as the next run's past by kvfast itself), ``"threads"`` (a session
+  with :data:`VARIANT_THREADS` intra-op threads; not a default: see :data:`DEFAULT_VARIANTS`); and
+  ``"transformers"`` (the same weights recomputed by a transformers model, a cross-implementation variant)
+  when ``hf_model`` is given. Each is admitted as noise only within what the declared formats' rounding can
+  produce (:func:`kvfast.check.formats.admission`).
+
+  Why ``"chunk"``: onnxruntime's recompute is append-invariant and its batch, thread and optimisation
+  variants are bit-identical to it (measured: 0 relative on fp32 builds), so without it a correct fp32 engine
+  had no noise but one float32 unit and was ``inconclusive`` (its decode lands up to 7 units from the
+  recompute). What differs is the one-row product: a chunk of one row takes other kernels (matrix-vector,
+  attention over a past) than a chunk of two or more, whose rows equal the recompute's bit for bit. The chunk
+  variant's past is plain arrays kvfast passes from run to run, never the generator's buffers: a bug of the
+  engine's cache handling (positions, the shared past-present buffer, ``rewind_to``, eviction) cannot reach
+  it; a bug inside the graph's attention over a past would, and it then moves the variant off the recompute
+  by more than rounding can, so the variant is refused and the cached path judged without it.
 - ``internal_formats``: the KV cache's format and the compute format, read from the graph's
   ``past_key_values`` inputs and ``logits`` output (``{"kv cache": "float32", "compute": "float32"}``),
   and, for a quantized build (int8, int4: ``MatMulNBits`` nodes), ``"activations": "int8"`` where a node's
@@ -28,9 +42,11 @@ What the adapter does:
   dequantized from the ``MatMulNBits`` initializers (:func:`dequantize_matmulnbits`), and rounds the
   inputs of those layers to int8 as the engine does (:func:`dequantized_transformers`), so it computes
   the engine's function, not the float32 model the build was quantized from.
-- ``promote``: none (onnxruntime has no float64 decoder); a float32 model already checks in float32.
+- ``promote``: the model itself (onnxruntime-genai has no float64 decoder): the logic check runs in the
+  build's own format, and the report says so.
 
-:data:`ORT_BUGS` are cache bugs injected into the cached path only, for kvfast's tests and scoring.
+Cache bugs for kvfast's tests and scoring are injected into the cached path by subclassing this adapter
+(:data:`kvfast.bugs.engines.ORT_BUGS`, over the hooks :meth:`ORTModel._crop_keep` and ``decode``).
 """
 
 from __future__ import annotations
@@ -45,21 +61,43 @@ import numpy as np
 
 from kvfast.validation import import_extra, not_allowed, require_choice, require_int
 
-VARIANTS = ("batch", "no-opt", "transformers")
-ORT_BUGS: dict[str, str] = {
-    "rewind": "crop(n) rewinds one position too few (rewind_to(n + 1)): the cache keeps a token it should drop",
-    "evict": "decode drops the oldest token once the sequence passes ORT_WINDOW tokens (rewind and replay)",
-}
-ORT_WINDOW = 8
+VARIANTS = ("batch", "no-opt", "chunk", "threads", "transformers")
+#: The variants an ``ORTModel`` computes unless told otherwise (``"transformers"`` added with ``hf_model``):
+#: ``"threads"`` is left out: measured bit-identical to the recompute on onnxruntime's CPU kernels (they split a
+#: product's rows and columns among threads, never its sums), it gives no draw for the cost of a session.
+DEFAULT_VARIANTS = ("batch", "no-opt", "chunk")
+#: The variants of an ``onnxruntime_genai.Model`` object: it does not say where its graph is, so there is no plain
+#: session (``no-opt``, ``threads``); each runs in a fresh generator of its own.
+MODEL_VARIANTS = ("batch", "chunk")
+#: The intra-op thread count of the ``"threads"`` variant's session (the recompute's is 1).
+VARIANT_THREADS = 4
 #: onnxruntime's tensor type names -> kvfast's format names.
 ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16",
              "tensor(double)": "float64"}  # fmt: skip
-MODEL = "an onnxruntime-genai model directory (genai_config.json and its model.onnx)"
+MODEL = "an onnxruntime-genai model directory (genai_config.json and its model.onnx) or an onnxruntime_genai.Model"
+
+
+def _presents(decoder: dict) -> dict[str, str]:
+    """``{past input: present output}`` of every layer's key and value, from the decoder's ``genai_config`` names
+    (``past_key_values.%d.key`` -> ``present.%d.key``, the builder's defaults where a name is not given)."""
+    inputs, outputs = decoder.get("inputs", {}), decoder.get("outputs", {})
+    out = {}
+    for kind in ("key", "value"):
+        past = inputs.get(f"past_{kind}_names", f"past_key_values.%d.{kind}")
+        present = outputs.get(f"present_{kind}_names", f"present.%d.{kind}")
+        for layer in range(int(decoder["num_hidden_layers"])):
+            out[past % layer] = present % layer
+    return out
 
 
 def _modules():
     what = "an onnxruntime-genai model"
     return import_extra("onnxruntime", what, "ort"), import_extra("onnxruntime_genai", what, "ort")
+
+
+def is_og_model(model: object) -> bool:
+    """Whether ``model`` is an ``onnxruntime_genai.Model`` (imports nothing)."""
+    return type(model).__name__ == "Model" and type(model).__module__.startswith("onnxruntime_genai")
 
 
 def is_ort_model(model: object) -> bool:
@@ -68,83 +106,156 @@ def is_ort_model(model: object) -> bool:
 
 
 class ORTModel:
-    """An onnxruntime-genai model directory behind the check protocol (see the module doc).
+    """An onnxruntime-genai model behind the check protocol (see the module doc).
 
-    - ``path``: the model directory.
-    - ``variants``: a subset of :data:`VARIANTS` (``"transformers"`` only with ``hf_model``); default: all
-      of them that ``hf_model`` allows.
+    - ``path``: the model directory, or an ``onnxruntime_genai.Model`` as a user has it (it does not say where
+      its files are: the recompute and the variants then run in fresh generators of it, see
+      :data:`MODEL_VARIANTS`, and a quantized build's int8 activations cannot be read, so pass the directory
+      for those).
+    - ``variants``: a subset of :data:`VARIANTS` (``"transformers"`` only with ``hf_model``); default: the
+      engine's own (:data:`DEFAULT_VARIANTS`, :data:`MODEL_VARIANTS` for a ``Model``), and ``"transformers"``
+      with ``hf_model``.
     - ``hf_model``: the same weights as a transformers causal LM (or its directory), for the
       cross-implementation variant; for a quantized build, the model it was built from: the variant computes
       with a copy holding the build's own weights, dequantized (:func:`dequantized_transformers`).
-    - ``bug``: a cache bug from :data:`ORT_BUGS` injected into the cached path.
     """
 
-    def __init__(self, path, *, variants=None, hf_model=None, bug: str | None = None) -> None:
+    def __init__(self, path, *, variants=None, hf_model=None) -> None:
         ort, og = _modules()
-        if not is_ort_model(path):
+        loaded = is_og_model(path)
+        if not loaded and not is_ort_model(path):
             raise not_allowed("path", path, MODEL)
-        self.path = Path(path)
-        config = json.loads((self.path / "genai_config.json").read_text())["model"]
-        decoder = config["decoder"]
-        if variants is None:  # every variant the model can offer: the cross-implementation one with hf_model
-            variants = ("batch", "no-opt") if hf_model is None else VARIANTS
+        own = DEFAULT_VARIANTS if not loaded else MODEL_VARIANTS
+        if variants is None:  # the engine's own variants, and the cross-implementation one with hf_model
+            variants = own if hf_model is None else (*own, "transformers")
         if isinstance(variants, str):
             variants = (variants,)
         self.variants = tuple(require_choice(v, "variants", VARIANTS) for v in variants)
         if "transformers" in self.variants and hf_model is None:
             raise not_allowed("variants", "transformers", "a variant of VARIANTS; 'transformers' needs hf_model")
-        if bug is not None:
-            require_choice(bug, "bug", ORT_BUGS)
-        self.bug = bug
-        self.vocab_size = require_int(config.get("vocab_size"), "genai_config.vocab_size", 1)
-        self.max_positions = require_int(config.get("context_length"), "genai_config.context_length", 1)
-        self.og_model = og.Model(str(self.path))
-        self.session = self._session(ort, optimize=True)
-        self.past = [i for i in self.session.get_inputs() if i.name.startswith("past_key_values")]
-        self.kv_heads = int(decoder["num_key_value_heads"])
-        self.head_size = int(decoder["head_size"])
-        kv = ORT_TYPES.get(self.past[0].type, "float32") if self.past else "float32"
-        logits = next(o for o in self.session.get_outputs() if o.name == "logits")
-        self.internal_formats = {"kv cache": kv, "compute": ORT_TYPES.get(logits.type, "float32")}
-        self.quantized = quantized_matmuls(self.path / "model.onnx", weights=False)
-        self.internal_formats.update(quantized_formats(self.quantized))
+        needs_file = [v for v in self.variants if v not in (*MODEL_VARIANTS, "transformers")]
+        if loaded and needs_file:
+            allowed = f"{', '.join(MODEL_VARIANTS)}, transformers for an onnxruntime_genai.Model (no file: no session)"
+            raise not_allowed("variants", needs_file[0], allowed)
         self.hf_model = hf_model
         self._sessions: dict[str, object] = {}
         self.skipped_variants: dict[str, str] = {}
         self.generator = None
         self.length = 0
+        if loaded:
+            self._from_loaded(path)
+        else:
+            self._from_directory(ort, og, Path(path))
+
+    def _from_loaded(self, og_model) -> None:
+        """An ``onnxruntime_genai.Model`` (it does not say where it was loaded from): everything through generators
+        of it. The formats are read from its outputs: the logits' and the first layer's ``present`` key's."""
+        _, og = _modules()
+        self.og_model, self.path, self.session, self.quantized = og_model, None, None, []
+        self.max_positions = int(og.GeneratorParams(og_model).get_search_options()["max_length"])
+        generator = self._generator(1, 2)
+        generator.append_tokens(np.zeros((1, 1), np.int32))
+        logits = np.array(generator.get_output("logits"))
+        self.vocab_size = int(logits.shape[-1])
+        fmt = str(logits.dtype) if str(logits.dtype) in ("float16", "float32") else "float32"
+        try:
+            kv = str(np.array(generator.get_output("present.0.key")).dtype)
+        except Exception:  # noqa: BLE001 - another output naming: the logits' format stands for the cache's
+            kv = fmt
+        self.internal_formats = {"kv cache": kv if kv in ("float16", "float32") else fmt, "compute": fmt}
+
+    def _from_directory(self, ort, og, path: Path) -> None:
+        """A model directory: the generator's model, a plain session, the formats read from the graph."""
+        self.path = path
+        config = json.loads((self.path / "genai_config.json").read_text())["model"]
+        decoder = config["decoder"]
+        self.vocab_size = require_int(config.get("vocab_size"), "genai_config.vocab_size", 1)
+        self.max_positions = require_int(config.get("context_length"), "genai_config.context_length", 1)
+        self.og_model = og.Model(str(self.path))
+        self.session = self._session(ort, optimize=True)
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        self.presents = _presents(decoder)
+        self.takes_positions = decoder.get("inputs", {}).get("position_ids", "position_ids") in inputs
+        self.kv_heads = int(decoder["num_key_value_heads"])
+        self.head_size = int(decoder["head_size"])
+        first = inputs.get(next(iter(self.presents), ""))
+        kv = ORT_TYPES.get(first.type, "float32") if first is not None else "float32"
+        self.past_dtype = np.float16 if kv == "float16" else np.float32  # the graph's past inputs
+        logits = next(o for o in self.session.get_outputs() if o.name == "logits")
+        self.internal_formats = {"kv cache": kv, "compute": ORT_TYPES.get(logits.type, "float32")}
+        self.quantized = quantized_matmuls(self.path / "model.onnx", weights=False)
+        self.internal_formats.update(quantized_formats(self.quantized))
 
     def __repr__(self) -> str:
-        bug = "" if self.bug is None else f", bug={self.bug!r}"
-        return f"ORTModel({str(self.path)!r}{bug})"
+        where = "onnxruntime_genai.Model" if self.path is None else str(self.path)
+        return f"ORTModel({where!r})"
 
-    def _session(self, ort, optimize: bool):
+    def _generator(self, batch: int = 1, max_length: int | None = None):
+        """A fresh generator of the model (``batch`` sequences, room for ``max_length`` positions)."""
+        _, og = _modules()
+        params = og.GeneratorParams(self.og_model)
+        params.set_search_options(batch_size=batch, max_length=max_length or self.max_positions)
+        return og.Generator(self.og_model, params)
+
+    def _generate(self, tokens, batch: int = 1, chunk: int | None = None) -> np.ndarray:
+        """Logits ``(batch, T, V)`` of a fresh generator fed ``batch`` copies of ``tokens`` at once (nothing cached
+        before them) or, with ``chunk``, ``chunk`` tokens at a time (the engine's own cache between chunks, in a
+        generator of its own: never the one under test)."""
+        ids = np.repeat(np.asarray(tokens, dtype=np.int32).reshape(1, -1), batch, 0)
+        if ids.shape[1] > self.max_positions:
+            raise not_allowed("positions", ids.shape[1], f"at most {self.max_positions} (the model's max_length)")
+        generator, rows = self._generator(batch, ids.shape[1]), []
+        for start in range(0, ids.shape[1], chunk or ids.shape[1]):
+            generator.append_tokens(ids[:, start : start + (chunk or ids.shape[1])])
+            rows.append(np.array(generator.get_output("logits")))
+        return np.concatenate(rows, axis=1)
+
+    def _session(self, ort, optimize: bool, threads: int = 1):
         options = ort.SessionOptions()
-        options.intra_op_num_threads = 1  # one order per kernel, whatever the machine
+        options.intra_op_num_threads = threads  # 1: one order per kernel, whatever the machine
         if not optimize:
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         return ort.InferenceSession(str(self.path / "model.onnx"), options, providers=["CPUExecutionProvider"])
 
     # --- the recompute: a plain session, an empty past ------------------------------------------------
 
+    def _feeds(self, ids: np.ndarray, past: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The graph's inputs for ``ids`` ``(batch, n)`` after ``past`` (``{past input: (batch, heads, start,
+        head size)}``): the attention mask over every position so far and, where the graph takes them, the
+        positions ``start .. start + n - 1``."""
+        batch, n = ids.shape
+        start = next(iter(past.values())).shape[2] if past else 0
+        if start + n > self.max_positions:
+            raise not_allowed("positions", start + n, f"at most {self.max_positions} (genai_config.context_length)")
+        feeds = {"input_ids": ids, "attention_mask": np.ones((batch, start + n), np.int64), **past}
+        if self.takes_positions:
+            feeds["position_ids"] = np.repeat(np.arange(start, start + n, dtype=np.int64)[None, :], batch, 0)
+        return feeds
+
+    def _empty_past(self, batch: int) -> dict[str, np.ndarray]:
+        return {name: np.zeros((batch, self.kv_heads, 0, self.head_size), self.past_dtype) for name in self.presents}
+
     def _run(self, session, tokens, batch: int = 1) -> np.ndarray:
+        """Logits ``(batch, T, V)`` of ``session`` over ``batch`` copies of ``tokens``, an empty past."""
+        ids = np.repeat(np.asarray(tokens, dtype=np.int64).reshape(1, -1), batch, 0)
+        return session.run(["logits"], self._feeds(ids, self._empty_past(batch)))[0]
+
+    def _run_in_chunks(self, session, tokens, chunk: int = 1) -> np.ndarray:
+        """Logits ``(T, V)`` of ``session`` fed ``tokens`` ``chunk`` at a time, each run's ``present`` keys and
+        values handed back as the next run's past by kvfast (plain arrays: never the generator's buffers)."""
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        if tokens.shape[0] > self.max_positions:
-            raise not_allowed(
-                "positions", tokens.shape[0], f"at most {self.max_positions} (genai_config.context_length)"
-            )
-        feeds = {
-            "input_ids": np.repeat(tokens[None, :], batch, 0),
-            "attention_mask": np.ones((batch, tokens.shape[0]), np.int64),
-        }
-        dtype = np.float16 if self.internal_formats["kv cache"] == "float16" else np.float32
-        for past in self.past:
-            feeds[past.name] = np.zeros((batch, self.kv_heads, 0, self.head_size), dtype)
-        return session.run(["logits"], feeds)[0]
+        past, rows = self._empty_past(1), []
+        names = ["logits", *self.presents.values()]
+        for start in range(0, tokens.shape[0], chunk):
+            out = session.run(names, self._feeds(tokens[None, start : start + chunk], past))
+            rows.append(out[0][0])
+            past = dict(zip(self.presents, out[1:], strict=True))
+        return np.concatenate(rows)
 
     def recompute(self, tokens):
-        """Logits ``(T, V)`` of the graph over ``tokens`` with an empty past."""
-        return self._run(self.session, tokens)[0]
+        """Logits ``(T, V)`` of the graph over ``tokens`` with an empty past (a plain session; for an
+        ``onnxruntime_genai.Model``, a fresh generator's prefill: measured equal to the session bit for bit)."""
+        return self._run(self.session, tokens)[0] if self.session is not None else self._generate(tokens)[0]
 
     # --- the cached path: the engine's own generator ---------------------------------------------------
 
@@ -158,10 +269,7 @@ class ORTModel:
 
     def prefill(self, tokens):
         """A fresh generator fed ``tokens``; their logits ``(T, V)``."""
-        _, og = _modules()
-        params = og.GeneratorParams(self.og_model)
-        params.set_search_options(max_length=self.max_positions)
-        self.generator, self.length = og.Generator(self.og_model, params), 0
+        self.generator, self.length = self._generator(), 0
         self.tokens: list[int] = []
         out = self._append(tokens)
         self.tokens += [int(t) for t in np.asarray(tokens).reshape(-1)]
@@ -178,10 +286,6 @@ class ORTModel:
         """One token appended; logits ``(V,)``."""
         self._require()
         token = require_int(token, "token", 0, self.vocab_size - 1)
-        if self.bug == "evict" and self.length >= ORT_WINDOW:
-            # the injected eviction: drop the oldest token by rebuilding the generator over the last tokens
-            keep = self.tokens[-(ORT_WINDOW - 1) :]
-            self.prefill(keep)
         out = self._append([token])[0]
         self.tokens.append(token)
         return out
@@ -190,14 +294,25 @@ class ORTModel:
         """Roll the cache back to its first ``n`` positions (``rewind_to``)."""
         self._require()
         n = require_int(n, "n", 0, self.length)
-        target = min(n + 1, self.length) if self.bug == "rewind" else n
+        target = self._crop_keep(n)
         self.generator.rewind_to(target)
         self.length = target
         self.tokens = self.tokens[:target]
 
+    def _crop_keep(self, n: int) -> int:
+        """Hook: the positions a crop to ``n`` keeps (``n``)."""
+        return n
+
     def _require(self) -> None:
         if self.generator is None:
             raise ValueError("cache: empty; allowed: call prefill(tokens) first")
+
+    def promote(self, dtype: str = "float64") -> ORTModel:
+        """This same model: onnxruntime-genai has no float64 decoder, so the logic check
+        (``check_cache(..., promote="float64")``) runs in the build's own format (float32 for an fp32 build) and
+        the report says so (the format it ran in, never a claim of float64)."""
+        require_choice(dtype, "promote", ("float64", "float32"))
+        return self
 
     # --- order noise ---------------------------------------------------------------------------------
 
@@ -211,10 +326,15 @@ class ORTModel:
                 continue
             try:
                 if name == "batch":
-                    out[name] = self._run(self.session, tokens, batch=2)[1]
-                elif name == "no-opt":
+                    out[name] = (self._run(self.session, tokens, batch=2) if self.session is not None
+                                 else self._generate(tokens, batch=2))[1]  # fmt: skip
+                elif name == "chunk":
+                    out[name] = (self._run_in_chunks(self.session, tokens, chunk=1) if self.session is not None
+                                 else self._generate(tokens, chunk=1)[0])  # fmt: skip
+                elif name in ("no-opt", "threads"):
                     if name not in self._sessions:
-                        self._sessions[name] = self._session(ort, optimize=False)
+                        threads = VARIANT_THREADS if name == "threads" else 1
+                        self._sessions[name] = self._session(ort, optimize=name != "no-opt", threads=threads)
                     out[name] = self._run(self._sessions[name], tokens)[0]
                 else:
                     out[name] = self._transformers(tokens)
