@@ -42,7 +42,7 @@ def write_scan_reproducers(df: pd.DataFrame, results_dir, which: str = "findings
     """A reproducer for each of :func:`bug_rows` in ``DIR.repro/ARCH-DTYPE-SCENARIO-BUG/``; the findings table."""
     from kvfast.check.hf import HFModel
     from kvfast.repro.case import SCRIPT_SCENARIOS, find_case, inject
-    from kvfast.repro.findings import Finding, findings_table, write_case
+    from kvfast.repro.findings import Finding, findings_table, write_case, write_findings
     from kvfast.studies.architectures import own_cache, pad_token
     from kvfast.studies.scan import _model, tokens
 
@@ -70,6 +70,5 @@ def write_scan_reproducers(df: pd.DataFrame, results_dir, which: str = "findings
         found.append(write_case(case, where / name, seconds))
     table = findings_table(found)
     if len(found):
-        where.mkdir(parents=True, exist_ok=True)
-        table.to_csv(where / "findings.csv", index=False, lineterminator="\n")
+        write_findings(table, where)
     return table
