@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvfast.repro.case import SCRIPT_SCENARIOS, find_case
+from kvfast.repro.case import SCRIPT_SCENARIOS, base_scenario, find_case
 from kvfast.repro.known import LABELS
 from kvfast.repro.script import finding_label, write_reproducer
 from kvfast.repro.shrink import DEFAULT_SECONDS, shrink_case
@@ -119,8 +119,9 @@ def reproduce_report(
             why = f"no reproducer: a script replays {', '.join(SCRIPT_SCENARIOS)}, not {name!r}"
         else:
             try:
-                case = find_case(model, prompt, name, continuation=list(s.tokens), seed=seed, command=command)
-            except ValueError as exc:  # a cache a script does not build (a StaticCache, a quantized cache)
+                main = report.scenarios.get(base_scenario(name), s)  # a second branch's run: its scenario's tokens
+                case = find_case(model, prompt, name, continuation=list(main.tokens), seed=seed, command=command)
+            except ValueError as exc:  # a cache a script does not build (a quantized cache, a class of its own)
                 case, why = None, f"no reproducer: {exc}"
             if case is None:
                 pass

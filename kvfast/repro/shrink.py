@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
-from kvfast.repro.case import Case, adapter_for, build_model, check_case, find_case, inject
+from kvfast.repro.case import Case, case_adapter, check_case, find_case
 from kvfast.validation import require_int
 
 DEFAULT_SECONDS = 60.0
@@ -168,7 +168,7 @@ def _size(case: Case, dim: str) -> str:
 def _verdict(case: Case):
     """``(adapter, report)`` when kvfast calls ``case`` a ``bug``, else ``(None, why not)``."""
     try:
-        adapter = inject(adapter_for(build_model(case), own_cache=case.calls.get("own_cache")), case.bug)
+        adapter = case_adapter(case)
         report = check_case(case, adapter)
     except Exception as exc:  # noqa: BLE001 - the architecture refuses the candidate: not kept, and why
         return None, f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
