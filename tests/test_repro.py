@@ -255,6 +255,7 @@ def test_a_cache_no_script_builds_is_refused_by_name():
         find_case(adapter, PROMPT, "decode", continuation=CONTINUATION[:2])
 
 
+@pytest.mark.slow  # over 20 s on the loaded 2-core machine (scripts in a kvfast-free interpreter)
 def test_the_cache_operations_reproduce_without_kvfast_clean_and_bugged(tmp_path):
     """fork (on a StaticCache, with its bug fork_shared_keys), reorder (both beams), padded (both rows): each
     script's exit code is kvfast's verdict, its first differing step kvfast's first bug step, and its per-step
@@ -280,3 +281,45 @@ def test_the_cache_operations_reproduce_without_kvfast_clean_and_bugged(tmp_path
         assert [float(d) for _, d in rows] == [float(f"{d:.6g}") for d in case.deviation], case.scenario
     code, out = runs[-1]
     assert code == 1 and first_differing_step(out) == shrunk.case.first_bug_step == 2
+
+
+@pytest.mark.slow  # over 20 s on the loaded 2-core machine (scripts in a kvfast-free interpreter)
+def test_a_finding_only_the_logic_check_shows_reproduces_in_float64(tmp_path):
+    """FalconMamba's bfloat16 resume: its own verdict is inconclusive (the difference hides in bfloat16's
+    rounding), the float64 logic check says bug. The case is the logic check's (the bfloat16 model promoted), its
+    weights still a seed's; the script, without kvfast, runs it in float64, says so, and exits 1 at kvfast's step
+    with kvfast's deviations. The scan lists such a row (and prefers a native bug row of the same cell)."""
+    import pandas as pd
+
+    from kvfast.check.checker import check_cache
+    from kvfast.studies.architectures import tiny_architecture
+    from kvfast.studies.scan_repro import bug_rows
+
+    model = tiny_architecture("falcon_mamba", "bfloat16", "auto", 0)
+    native = check_cache(
+        HFModel(model), PROMPT, mode="control", scenarios=("resume",), continuation=CONTINUATION[:4], promote="float64"
+    )
+    assert native.verdict != "bug" and native.promoted.verdict == "bug"
+    case = find_case(model, PROMPT, "resume", continuation=CONTINUATION[:4], promote="float64")
+    assert case.verdict == "bug" and case.dtype == "bfloat16" and case.promote == "float64" and case.weights is None
+    assert check_case(case).scenarios["resume"].verdict == "bug"
+    script = write_reproducer(case, tmp_path / "logic")
+    assert "precision: a finding of kvfast's logic check" in (tmp_path / "logic" / "ISSUE.md").read_text()
+    ((code, out),) = run_scripts(script)
+    assert code == 1 and "run in float64: the model's weights are bfloat16's" in out
+    assert first_differing_step(out) == case.first_bug_step
+    rows = re.findall(r"^\s+(\d+)\s+[\d-]+\s+(\S+)\s+\S+", out, re.M)
+    assert [float(d) for _, d in rows] == [float(f"{d:.6g}") for d in case.deviation]
+    base = dict(architecture="falcon_mamba", dtype="bfloat16", attention="auto", scenario="resume", bug="none",
+                steps=4, seed=0, promote="float64", first_bug_step=-1)  # fmt: skip
+    df = pd.DataFrame(
+        [
+            {**base, "prompt": 0, "verdict": "inconclusive", "logic_verdict": "bug"},
+            {**base, "prompt": 1, "verdict": "rounding", "logic_verdict": "rounding"},
+        ]
+    )
+    assert list(bug_rows(df)["prompt"]) == [0]
+    both = pd.concat([df, pd.DataFrame([{**base, "prompt": 2, "verdict": "bug", "logic_verdict": "bug"}])])
+    assert list(bug_rows(both)["prompt"]) == [2]  # a native bug row first
+    clean = df.assign(logic_verdict="rounding")
+    assert not len(bug_rows(clean))

@@ -50,6 +50,9 @@ class Case:
       :data:`SCRIPT_CACHES` cache).
     - ``bug``: ``(catalogue, name)`` of an injected catalogue bug (the script then carries it), ``None`` for a
       finding about the library itself.
+    - ``promote``: ``"float64"`` for a finding kvfast's logic check shows (a bfloat16 model, its weights rounded
+      to bfloat16, run in float64: where a cache logic bug stands far above rounding) and ``dtype`` does not;
+      the measurement below is then the logic check's.
     - kvfast's measurement: ``verdict``, ``first_bug_step``, ``deviation`` (per step), ``threshold`` (the per-step
       bug threshold), ``threshold_origin`` (what it is, in words), ``versions``, ``command`` (how it was found).
     """
@@ -77,6 +80,7 @@ class Case:
     library: str = "transformers"
     branch_prompt: tuple[int, ...] = ()
     branch_tokens: tuple[int, ...] = ()
+    promote: str | None = None
 
     @property
     def architecture(self) -> str:
@@ -151,11 +155,14 @@ def build_model(case: Case):
     if case.seed is not None:
         torch.manual_seed(case.seed)
     model = cls._from_config(config, attn_implementation=case.attention)
-    if case.weights is not None:
-        model.load_state_dict(case.weights)
     if not isinstance(getattr(model.config, "vocab_size", None), int):  # a composite config (as the scan does)
         model.config.vocab_size = model.config.get_text_config().vocab_size
-    return model.eval().to(getattr(torch, case.dtype))
+    model = model.eval().to(getattr(torch, case.dtype))
+    if case.promote is not None:  # the logic check: the model in its dtype, then promoted (HFModel.promote)
+        model = model.to(getattr(torch, case.promote))
+    if case.weights is not None:
+        model.load_state_dict(case.weights)
+    return model
 
 
 def _same_weights(a, b) -> bool:
@@ -280,12 +287,15 @@ def find_case(
     own_cache: bool | None = None,
     command: str = "",
     report=None,
+    promote: str | None = None,
 ) -> Case:
     """The :class:`Case` of ``model`` (a transformers causal LM, or an :class:`~kvfast.check.hf.HFModel` over one,
     with an injected catalogue bug or none) on ``prompt`` in ``scenario``: kvfast's control check is run (or
     ``report``, a check already run on this adapter, is read), and the case keeps its tokens, its per-step
     deviations and thresholds. ``seed``: the weight seed to try first; where ``torch.manual_seed(seed)`` and
-    ``_from_config`` do not give the model's weights, the case carries them (``weights``)."""
+    ``_from_config`` do not give the model's weights, the case carries them (``weights``). ``promote``
+    (``"float64"``): the case of kvfast's logic check (the model promoted, :meth:`~kvfast.check.hf.HFModel.promote`,
+    and checked), for a finding the model's own dtype cannot resolve."""
     require_choice(scenario, "scenario", SCRIPT_SCENARIOS)
     adapter = adapter_for(model, own_cache=own_cache)
     made = None if adapter.new_cache is None else adapter.new_cache()
@@ -295,6 +305,10 @@ def find_case(
             f"a DynamicCache, {', '.join(SCRIPT_CACHES)} or the model's own cache",
         )  # fmt: skip
     base = base_scenario(scenario)
+    dtype = adapter.dtype
+    if promote is not None:
+        require_choice(promote, "promote", ("float64",))
+        adapter = adapter.promote(promote)
     if report is None:
         from kvfast.check.checker import check_cache
 
@@ -309,7 +323,7 @@ def find_case(
         model_class=type(hf).__name__,
         config=config_dict(hf.config),
         seed=seed,
-        dtype=adapter.dtype,
+        dtype=dtype,
         attention=adapter.attention,
         scenario=scenario,
         prompt=tuple(int(t) for t in main.prompt),
@@ -327,6 +341,7 @@ def find_case(
         command=command,
         branch_prompt=() if branch is None else tuple(int(t) for t in branch.prompt),
         branch_tokens=() if branch is None else tuple(int(t) for t in branch.tokens),
+        promote=promote,
     )
     try:
         rebuilt = build_model(case)

@@ -53,6 +53,16 @@ def _versions_text(case: Case) -> str:
     return f"python {v.get('python')}, torch {v.get('torch')}, transformers {v.get('transformers')}"
 
 
+def _promote_text(case: Case) -> str:
+    return (
+        f"- precision: a finding of kvfast's logic check. In {case.dtype} the two paths differ by no more than "
+        f"{case.dtype}'s rounding lets kvfast tell apart (its {case.dtype} verdict is not `bug`), so the script "
+        f"builds the model in {case.dtype} (its weights rounded to {case.dtype}) and runs both paths in "
+        f"{case.promote}, where the cache's difference stands far above the {case.promote} rounding. A maintainer "
+        f"who runs the model in {case.dtype} sees the same cause as a drift within {case.dtype}'s rounding."
+    )
+
+
 def _cache_text(case: Case) -> str:
     calls = case.calls
     if calls.get("cache_class"):
@@ -66,7 +76,8 @@ def title(case: Case) -> str:
     """The summary's first line."""
     what = "the cached path disagrees with the full recompute" if case.verdict == "bug" else "cache vs recompute"
     bug = f" (injected bug {case.bug[0]}:{case.bug[1]})" if case.bug else ""
-    return f"{case.model_class} ({case.architecture}), {case.dtype}, {case.scenario}: {what}{bug}"
+    dtype = case.dtype if case.promote is None else f"{case.dtype} run in {case.promote}"
+    return f"{case.model_class} ({case.architecture}), {dtype}, {case.scenario}: {what}{bug}"
 
 
 def render(case: Case) -> str:
@@ -88,6 +99,7 @@ def render(case: Case) -> str:
         "SEED": repr(case.seed),
         "WEIGHTS": repr(None if case.seed is not None else WEIGHTS),
         "DTYPE": repr(case.dtype),
+        "PROMOTE": repr(case.promote),
         "ATTENTION": repr(case.attention),
         "SCENARIO": repr(case.run_scenario),
         "JUDGED": repr(case.judged),
@@ -157,7 +169,9 @@ def issue_text(case: Case) -> str:
         + (f"; second sequence: {len(case.branch_prompt)}-token prompt, {len(case.branch_tokens)} steps"
            if case.branch_prompt else ""),
         f"- cache: {_cache_text(case)}",
-        f"- first step over the threshold: {step}; kvfast's verdict: `{case.verdict}`",
+        f"- first step over the threshold: {step}; kvfast's verdict: `{case.verdict}`"
+        + (f" (of its logic check: the {case.dtype} model promoted to {case.promote})" if case.promote else ""),
+        *([_promote_text(case)] if case.promote else []),
         f"- threshold: {case.threshold_origin}",
         f"- how it was found: `{case.command or 'kvfast.repro (Python)'}`",
         f"- injected bug: `{case.bug[0]}:{case.bug[1]}` (carried by the script itself)" if case.bug else

@@ -215,7 +215,12 @@ def shrink_case(case: Case, seconds: float = DEFAULT_SECONDS) -> Shrunk:
                 progress = True
             if out_of_time:
                 break
-    if found is not None:  # the kept case measured again, as a case of its own (thresholds, deviations, drafts)
+    if found is not None and kept.promote is not None:  # the logic check's case: checked again from its dtype
+        kept = find_case(
+            case_adapter(replace(kept, promote=None)), kept.prompt, kept.scenario, continuation=list(kept.tokens),
+            seed=kept.seed, command=case.command, promote=kept.promote,
+        )  # fmt: skip
+    elif found is not None:  # the kept case measured again, as a case of its own (thresholds, deviations, drafts)
         adapter, report = found
         kept = find_case(
             adapter, kept.prompt, kept.scenario, continuation=list(kept.tokens), seed=kept.seed,

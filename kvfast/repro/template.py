@@ -36,6 +36,7 @@ CONFIG = json.loads(r"""@CONFIG_JSON@""")
 SEED = @SEED@
 WEIGHTS = @WEIGHTS@  # a state dict beside this script, or None: the weights of torch.manual_seed(SEED)
 DTYPE = @DTYPE@
+PROMOTE = @PROMOTE@  # None, or "float64": the model built in DTYPE (its weights rounded to it), then run in float64
 ATTENTION = @ATTENTION@
 SCENARIO = @SCENARIO@  # what the cached path does: decode, resume, rollback, fork, reorder or padded
 JUDGED = @JUDGED@  # the sequence compared with its recompute: "main" or "branch" (the second branch, beam or row)
@@ -57,19 +58,23 @@ THRESHOLD = @THRESHOLD@
 
 
 def build_model():
-    """The tiny model: the config's class, random weights from SEED (or WEIGHTS), eval mode, in DTYPE."""
+    """The tiny model: the config's class, random weights from SEED (or WEIGHTS), eval mode, in DTYPE (then
+    PROMOTE)."""
     config = transformers.AutoConfig.for_model(**CONFIG)
     if SEED is not None:
         torch.manual_seed(SEED)
     model = getattr(transformers, MODEL_CLASS)._from_config(config, attn_implementation=ATTENTION)
+    if not isinstance(getattr(model.config, "vocab_size", None), int):
+        model.config.vocab_size = model.config.get_text_config().vocab_size
+    model = model.eval().to(getattr(torch, DTYPE))
+    if PROMOTE is not None:
+        model = model.to(getattr(torch, PROMOTE))
     if WEIGHTS is not None:
         import os
 
         here = os.path.dirname(os.path.abspath(__file__))
         model.load_state_dict(torch.load(os.path.join(here, WEIGHTS), weights_only=True))
-    if not isinstance(getattr(model.config, "vocab_size", None), int):
-        model.config.vocab_size = model.config.get_text_config().vocab_size
-    return model.eval().to(getattr(torch, DTYPE))
+    return model
 
 
 class CachedPath:
@@ -300,6 +305,9 @@ def main():
           f"transformers {transformers.__version__} (found on @FOUND_VERSIONS@)")
     print(f"model: {MODEL_CLASS}, {DTYPE}, {ATTENTION} attention; scenario {SCENARIO}; prompt of {len(PROMPT)} "
           f"tokens, {len(TOKENS)} decode steps")
+    if PROMOTE is not None:
+        print(f"run in {PROMOTE}: the model's weights are {DTYPE}'s, its arithmetic {PROMOTE}'s (in {DTYPE} the "
+              f"difference hides in {DTYPE}'s rounding; in {PROMOTE} it stands above it)")
     model = build_model()
     prompt, tokens = (BRANCH_PROMPT, BRANCH_TOKENS) if JUDGED == "branch" else (PROMPT, TOKENS)
     if JUDGED == "branch":
