@@ -328,3 +328,24 @@ def test_a_finding_only_the_logic_check_shows_reproduces_in_float64(tmp_path):
     assert list(bug_rows(both)["prompt"]) == [2]  # a native bug row first
     clean = df.assign(logic_verdict="rounding")
     assert not len(bug_rows(clean))
+
+
+def test_a_check_reproduces_a_second_branch_with_its_scenario_s_tokens(tmp_path):
+    """kvfast check --repro's function on a reorder whose bug shows in both beams: one reproducer per report, each
+    case with the main beam's tokens (what the check fed) and the second beam's, and judging its own."""
+    import json
+
+    from kvfast.check.checker import check_cache
+    from kvfast.repro.findings import reproduce_report
+
+    adapter = CATALOGUES["operations"]["reorder_wrong_index"].inject(HFModel(tiny_model("llama")))
+    report = check_cache(adapter, PROMPT, mode="control", scenarios=("reorder",), continuation=CONTINUATION[:4])
+    assert {n: s.verdict for n, s in report.scenarios.items()} == {"reorder": "bug", "reorder-beam": "bug"}
+    found = reproduce_report(adapter, PROMPT, report, tmp_path, seconds=0)
+    assert sorted(f.scenario for f in found) == ["reorder", "reorder-beam"] and all(f.reproducer for f in found)
+    for name in ("reorder", "reorder-beam"):
+        case = json.loads((tmp_path / name / "case.json").read_text())
+        assert case["scenario"] == name and case["tokens"] == report.scenarios["reorder"].tokens.tolist()
+        assert case["branch_tokens"] == report.scenarios["reorder-beam"].tokens.tolist()
+        assert case["deviation"] == report.scenarios[name].deviation.tolist()
+    assert "JUDGED = 'branch'" in (tmp_path / "reorder-beam" / "reproduce.py").read_text()
