@@ -46,8 +46,8 @@ def add_parser(sub) -> None:
     p.add_argument("--markdown", action="store_true", help="print the scoreboard and the skipped table as Markdown")
     p.add_argument(
         "--repro", nargs="?", const="findings", default=None, choices=("findings", "all"),
-        help="a shrunk standalone reproducer per bug row in DIR.repro/ (findings: clean runs called bug; all: the "
-        "injected bugs' rows too), listed new findings first",
+        help="a shrunk standalone reproducer per bug row in DIR.repro/ (findings: clean runs called bug, natively or "
+        "by the float64 logic check alone; all: the injected bugs' rows too), listed new findings first",
     )  # fmt: skip
     p.add_argument("--repro-seconds", type=int, default=60, metavar="S", help="shrinking budget per reproducer")
     add_resume_options(p)
