@@ -65,8 +65,11 @@ def test_the_guard_makes_kvfast_unimportable(tmp_path):
     assert done.returncode == 1 and "import of kvfast halted" in done.stderr
 
 
-def _case(family, bug, scenario, tmp_path, seed=0):
-    adapter = HFModel(tiny_model(family, seed=seed))
+def _case(family, bug, scenario, tmp_path, seed=0, static=False):
+    from transformers import StaticCache
+
+    model = tiny_model(family, seed=seed)
+    adapter = HFModel(model, new_cache=(lambda: StaticCache(config=model.config, max_cache_len=32)) if static else None)
     if bug is not None:
         adapter = CATALOGUES[bug[0]][bug[1]].inject(adapter)
     case = find_case(adapter, PROMPT, scenario, continuation=CONTINUATION, seed=seed, command="tests/test_repro.py")
@@ -122,8 +125,8 @@ def test_shrinking_reports_what_it_could_not_shrink_and_refuses_a_case_without_a
 
 
 def test_a_bug_no_script_carries_is_refused_by_name():
-    with pytest.raises(ValueError, match="bug: 'operations:reorder_keys_only' is not allowed; allowed: .*hf:posoff"):
-        patch_for(("operations", "reorder_keys_only"))
+    with pytest.raises(ValueError, match="bug: 'operations:static_never_cleared' is not allowed; allowed: .*hf:posoff"):
+        patch_for(("operations", "static_never_cleared"))
 
 
 CARRIED = {
@@ -135,7 +138,13 @@ CARRIED = {
     ("hf", "f16"): ("llama", "decode"),
     ("operations", "crop_short"): ("llama", "rollback"),
     ("operations", "window_evicts_one_too_many"): ("mistral", "decode"),
+    ("operations", "fork_shared_keys"): ("llama", "fork"),  # a StaticCache: it writes its keys in place
+    ("operations", "reorder_wrong_index"): ("llama", "reorder"),
+    ("operations", "reorder_keys_only"): ("llama", "reorder-beam"),
+    ("operations", "padded_positions_from_start"): ("gpt2", "padded-row"),  # absolute positions
 }
+#: The bugs that act only on a cache that writes in place (a StaticCache).
+STATIC = {("operations", "fork_shared_keys")}
 
 
 def test_every_patch_has_a_case():
@@ -143,13 +152,18 @@ def test_every_patch_has_a_case():
 
 
 @pytest.mark.slow
-def test_every_carried_catalogue_bug_reproduces_without_kvfast(tmp_path):
+def test_every_carried_catalogue_bug_shrinks_to_a_reproducer_without_kvfast(tmp_path):
+    """Every bug a script carries (both catalogues): found, shrunk (kvfast still calls the shrunk case a bug, and
+    it is no larger), and both scripts, run without kvfast, exit 1 at kvfast's first bug step."""
     cases, scripts = [], []
     for bug, (family, scenario) in CARRIED.items():
-        case, script = _case(family, bug, scenario, tmp_path / bug[1])
+        case, script = _case(family, bug, scenario, tmp_path / bug[1], static=bug in STATIC)
         assert case.verdict == "bug", (bug, case.verdict)
-        cases.append(case)
-        scripts.append(script)
+        shrunk = shrink_case(case, seconds=20).case
+        assert check_case(shrunk).scenarios[scenario].verdict == "bug" and shrunk.bug == bug
+        assert shrunk.steps <= case.steps and len(shrunk.prompt) <= len(case.prompt), bug
+        cases += [case, shrunk]
+        scripts += [script, write_reproducer(shrunk, tmp_path / f"{bug[1]}-shrunk")]
     for case, (code, out) in zip(cases, run_scripts(*scripts), strict=True):
         assert code == 1 and first_differing_step(out) == case.first_bug_step, (case.bug, out)
 
@@ -235,9 +249,103 @@ def test_a_scan_writes_its_bug_rows_reproducers_beside_the_results(tmp_path):
 
 
 def test_a_cache_no_script_builds_is_refused_by_name():
-    from transformers import StaticCache
+    from transformers import DynamicCache
+
+    class OwnCache(DynamicCache):
+        pass
 
     model = tiny_model("llama")
-    adapter = HFModel(model, new_cache=lambda: StaticCache(config=model.config, max_cache_len=32))
-    with pytest.raises(ValueError, match="model: .*StaticCache.* is not allowed; allowed: a DynamicCache"):
+    adapter = HFModel(model, new_cache=lambda: OwnCache(config=model.config))
+    with pytest.raises(ValueError, match="model: .*OwnCache' is not allowed; allowed: a DynamicCache, StaticCache or"):
         find_case(adapter, PROMPT, "decode", continuation=CONTINUATION[:2])
+
+
+@pytest.mark.slow  # over 20 s on the loaded 2-core machine (scripts in a kvfast-free interpreter)
+def test_the_cache_operations_reproduce_without_kvfast_clean_and_bugged(tmp_path):
+    """fork (on a StaticCache, with its bug fork_shared_keys), reorder (both beams), padded (both rows): each
+    script's exit code is kvfast's verdict, its first differing step kvfast's first bug step, and its per-step
+    deviations kvfast's, digit for digit as printed; a reorder bug shrunk is still a bug and still shown."""
+    cases = [
+        _case("llama", None, "fork", tmp_path / "fork", static=True),
+        _case("llama", None, "reorder-beam", tmp_path / "beam"),
+        _case("gpt2", None, "padded", tmp_path / "padded"),
+        _case("llama", ("operations", "fork_shared_keys"), "fork", tmp_path / "shared", static=True),
+        _case("gpt2", ("operations", "padded_positions_from_start"), "padded-row", tmp_path / "row"),
+    ]
+    wrong, _ = _case("llama", ("operations", "reorder_wrong_index"), "reorder", tmp_path / "wrong")
+    assert [c.verdict for c, _ in cases] == ["rounding", "rounding", "rounding", "bug", "bug"]
+    assert cases[0][0].calls["cache_class"] == "StaticCache" and cases[1][0].branch_tokens
+    shrunk = shrink_case(wrong, seconds=30)
+    assert check_case(shrunk.case).scenarios["reorder"].verdict == "bug" and shrunk.case.steps <= wrong.steps
+    shrunk_script = write_reproducer(shrunk.case, tmp_path / "wrong-shrunk")
+    runs = run_scripts(*(script for _, script in cases), shrunk_script)
+    for (case, _), (code, out) in zip(cases, runs, strict=False):
+        assert code == (1 if case.verdict == "bug" else 0), (case.scenario, out)
+        assert first_differing_step(out) == case.first_bug_step, (case.scenario, out)
+        rows = re.findall(r"^\s+(\d+)\s+[\d-]+\s+(\S+)\s+\S+", out, re.M)
+        assert [float(d) for _, d in rows] == [float(f"{d:.6g}") for d in case.deviation], case.scenario
+    code, out = runs[-1]
+    assert code == 1 and first_differing_step(out) == shrunk.case.first_bug_step == 2
+
+
+@pytest.mark.slow  # over 20 s on the loaded 2-core machine (scripts in a kvfast-free interpreter)
+def test_a_finding_only_the_logic_check_shows_reproduces_in_float64(tmp_path):
+    """FalconMamba's bfloat16 resume: its own verdict is inconclusive (the difference hides in bfloat16's
+    rounding), the float64 logic check says bug. The case is the logic check's (the bfloat16 model promoted), its
+    weights still a seed's; the script, without kvfast, runs it in float64, says so, and exits 1 at kvfast's step
+    with kvfast's deviations. The scan lists such a row (and prefers a native bug row of the same cell)."""
+    import pandas as pd
+
+    from kvfast.check.checker import check_cache
+    from kvfast.studies.architectures import tiny_architecture
+    from kvfast.studies.scan_repro import bug_rows
+
+    model = tiny_architecture("falcon_mamba", "bfloat16", "auto", 0)
+    native = check_cache(
+        HFModel(model), PROMPT, mode="control", scenarios=("resume",), continuation=CONTINUATION[:4], promote="float64"
+    )
+    assert native.verdict != "bug" and native.promoted.verdict == "bug"
+    case = find_case(model, PROMPT, "resume", continuation=CONTINUATION[:4], promote="float64")
+    assert case.verdict == "bug" and case.dtype == "bfloat16" and case.promote == "float64" and case.weights is None
+    assert check_case(case).scenarios["resume"].verdict == "bug"
+    script = write_reproducer(case, tmp_path / "logic")
+    assert "precision: a finding of kvfast's logic check" in (tmp_path / "logic" / "ISSUE.md").read_text()
+    ((code, out),) = run_scripts(script)
+    assert code == 1 and "run in float64: the model's weights are bfloat16's" in out
+    assert first_differing_step(out) == case.first_bug_step
+    rows = re.findall(r"^\s+(\d+)\s+[\d-]+\s+(\S+)\s+\S+", out, re.M)
+    assert [float(d) for _, d in rows] == [float(f"{d:.6g}") for d in case.deviation]
+    base = dict(architecture="falcon_mamba", dtype="bfloat16", attention="auto", scenario="resume", bug="none",
+                steps=4, seed=0, promote="float64", first_bug_step=-1)  # fmt: skip
+    df = pd.DataFrame(
+        [
+            {**base, "prompt": 0, "verdict": "inconclusive", "logic_verdict": "bug"},
+            {**base, "prompt": 1, "verdict": "rounding", "logic_verdict": "rounding"},
+        ]
+    )
+    assert list(bug_rows(df)["prompt"]) == [0]
+    both = pd.concat([df, pd.DataFrame([{**base, "prompt": 2, "verdict": "bug", "logic_verdict": "bug"}])])
+    assert list(bug_rows(both)["prompt"]) == [2]  # a native bug row first
+    clean = df.assign(logic_verdict="rounding")
+    assert not len(bug_rows(clean))
+
+
+def test_a_check_reproduces_a_second_branch_with_its_scenario_s_tokens(tmp_path):
+    """kvfast check --repro's function on a reorder whose bug shows in both beams: one reproducer per report, each
+    case with the main beam's tokens (what the check fed) and the second beam's, and judging its own."""
+    import json
+
+    from kvfast.check.checker import check_cache
+    from kvfast.repro.findings import reproduce_report
+
+    adapter = CATALOGUES["operations"]["reorder_wrong_index"].inject(HFModel(tiny_model("llama")))
+    report = check_cache(adapter, PROMPT, mode="control", scenarios=("reorder",), continuation=CONTINUATION[:4])
+    assert {n: s.verdict for n, s in report.scenarios.items()} == {"reorder": "bug", "reorder-beam": "bug"}
+    found = reproduce_report(adapter, PROMPT, report, tmp_path, seconds=0)
+    assert sorted(f.scenario for f in found) == ["reorder", "reorder-beam"] and all(f.reproducer for f in found)
+    for name in ("reorder", "reorder-beam"):
+        case = json.loads((tmp_path / name / "case.json").read_text())
+        assert case["scenario"] == name and case["tokens"] == report.scenarios["reorder"].tokens.tolist()
+        assert case["branch_tokens"] == report.scenarios["reorder-beam"].tokens.tolist()
+        assert case["deviation"] == report.scenarios[name].deviation.tolist()
+    assert "JUDGED = 'branch'" in (tmp_path / "reorder-beam" / "reproduce.py").read_text()

@@ -1,4 +1,4 @@
-"""``kvfast report RESULTS_DIR [--out DIR] [--markdown [claims|facts|tables]] [--no-html]``.
+"""``kvfast report RESULTS_DIR [--out DIR] [--markdown [claims|facts|tables|findings]] [--no-html]``.
 
 Writes ``report.html`` (self-contained: inline styles, images as base64 PNG)
 and its tables (``claims.csv``, ``claims.json``, ``facts.csv``,
@@ -7,7 +7,11 @@ They go into ``--out``, by default ``RESULTS_DIR.report`` beside it: never insid
 a results directory, which stays a readable Parquet dataset.
 ``--markdown`` prints a table as Markdown instead of writing anything: the
 claims table with its count (what the README pastes), the quoted figures, or
-every study's summary table (what docs/studies.md pastes).
+every study's summary table (what docs/studies.md pastes), or a scan's findings.
+
+A scan whose reproducers were written (``kvfast scan --repro``) has its findings listed, new first, each with
+its label, reference and reproducer's path: at the head of the page and printed after its path
+(:mod:`kvfast.report.findings`).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import sys
 
 from kvfast.validation import one_line
 
-MARKDOWN = ("claims", "facts", "tables")
+MARKDOWN = ("claims", "facts", "tables", "findings")
 
 
 def add_parser(sub) -> None:
@@ -33,7 +37,8 @@ def add_parser(sub) -> None:
         const="claims",
         choices=MARKDOWN,
         metavar="WHAT",
-        help="print Markdown instead: claims (default), facts or tables; writes nothing",
+        help="print Markdown instead: claims (default), facts, tables or findings (a scan's, kvfast scan --repro); "
+        "writes nothing",
     )
     p.add_argument("--no-html", action="store_true", help="write only the tables (CSV/JSON), as data/ keeps them")
     p.set_defaults(func=cmd_report)
@@ -56,9 +61,15 @@ def markdown_text(results: dict, what: str) -> str:
 def cmd_report(args) -> int:
     from kvfast.commands.sweep import EXIT_STORAGE
     from kvfast.report import load_results, report_dir, write_report, write_tables
+    from kvfast.report.findings import findings_text, scan_findings
     from kvfast.report.page import report_path, writing_report
     from kvfast.sweep.store import StorageError
 
+    if args.markdown == "findings":
+        found = scan_findings(args.results)
+        print("(no findings: no kvfast scan --repro wrote reproducers beside these results)" if found is None
+              else findings_text(found, as_markdown=True))  # fmt: skip
+        return 0
     if args.markdown:
         print(markdown_text(load_results(args.results), args.markdown))
         return 0
@@ -75,4 +86,7 @@ def cmd_report(args) -> int:
         print(f"kvfast: error: {one_line(exc)}", file=sys.stderr)
         return EXIT_STORAGE
     print(f"report: {page}")
+    found = scan_findings(args.results)
+    if found is not None:
+        print(f"\nfindings, new first: {findings_text(found)}")
     return 0

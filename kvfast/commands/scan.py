@@ -46,8 +46,8 @@ def add_parser(sub) -> None:
     p.add_argument("--markdown", action="store_true", help="print the scoreboard and the skipped table as Markdown")
     p.add_argument(
         "--repro", nargs="?", const="findings", default=None, choices=("findings", "all"),
-        help="a shrunk standalone reproducer per bug row in DIR.repro/ (findings: clean runs called bug; all: the "
-        "injected bugs' rows too), listed new findings first",
+        help="a shrunk standalone reproducer per bug row in DIR.repro/ (findings: clean runs called bug, natively or "
+        "by the float64 logic check alone; all: the injected bugs' rows too), listed new findings first",
     )  # fmt: skip
     p.add_argument("--repro-seconds", type=int, default=60, metavar="S", help="shrinking budget per reproducer")
     add_resume_options(p)
@@ -90,9 +90,9 @@ def build_grid(args):
     return grid_from_spec(spec, name="hf_scan", source="kvfast scan", studies=STUDIES)
 
 
-def scoreboard_text(df, markdown: bool) -> str:
+def scoreboard_text(df, markdown: bool, findings=None) -> str:
     """The scoreboard, each injected bug over every architecture, then the skipped architectures, as text or
-    Markdown."""
+    Markdown; then ``findings`` (``--repro``'s listing, new first, each with its reproducer) where given."""
     from kvfast.commands.sweep import _table
     from kvfast.report import markdown as md
     from kvfast.studies import scan
@@ -101,7 +101,12 @@ def scoreboard_text(df, markdown: bool) -> str:
     checked, total = scan.coverage(df)
     head = f"{checked} of {total} architectures checked; {len(skipped)} with skipped runs"
     show = md if markdown else _table
-    return f"{head}\n\n{show(board)}\n\ninjected bugs:\n\n{show(bugs)}\n\nskipped:\n\n{show(skipped)}"
+    text = f"{head}\n\n{show(board)}\n\ninjected bugs:\n\n{show(bugs)}\n\nskipped:\n\n{show(skipped)}"
+    if findings is None:
+        return text
+    from kvfast.report.findings import findings_text
+
+    return f"{text}\n\nfindings, new first: {findings_text(findings, markdown) if len(findings) else 'none'}"
 
 
 def cmd_scan(args) -> int:
@@ -137,18 +142,30 @@ def cmd_scan(args) -> int:
         return EXIT_STORAGE
     print(f"scoreboard: {where / 'scoreboard.md'} (kvfast report {args.out}: the heatmap)")
     if args.repro:
-        _write_reproducers(df, out, args)
+        try:
+            with writing_report(where, stored, what="the reproducers"):
+                findings = _write_reproducers(df, out, args)
+                (where / "scoreboard.md").write_text(scoreboard_text(df, True, findings) + "\n")
+        except StorageError as exc:
+            print(f"kvfast: error: {one_line(exc)}", file=sys.stderr)
+            return EXIT_STORAGE
     return _exit(report)
 
 
-def _write_reproducers(df, out: Path, args) -> None:
-    """``--repro``: the bug rows' reproducers beside the results (:mod:`kvfast.studies.scan_repro`), listed."""
-    from kvfast.commands.sweep import _table
+def _write_reproducers(df, out: Path, args):
+    """``--repro``: the bug rows' reproducers beside the results (:mod:`kvfast.studies.scan_repro`), listed new
+    first (printed, and written as ``findings.md`` beside ``findings.csv``); the listing."""
     from kvfast.report import markdown as md
+    from kvfast.report import report_dir
+    from kvfast.report.findings import findings_text
+    from kvfast.repro.findings import FINDINGS_MD
     from kvfast.studies.scan_repro import repro_dir, write_scan_reproducers
 
     table = write_scan_reproducers(df, out, args.repro, float(args.repro_seconds))
-    print(f"\nfindings, new first ({len(table)}):\n\n{(md if args.markdown else _table)(table)}")
-    if len(table):
-        (repro_dir(out) / "findings.md").write_text(md(table) + "\n")
-        print(f"reproducers: {repro_dir(out)}")
+    if not len(table):
+        print("\nfindings, new first: none (no bug row to reproduce)")
+        return table
+    print(f"\nfindings, new first: {findings_text(table, args.markdown)}")
+    (repro_dir(out) / FINDINGS_MD).write_text(md(table) + "\n")
+    print(f"reproducers: {repro_dir(out)}; the scoreboard lists them: {report_dir(out) / 'scoreboard.md'}")
+    return table

@@ -24,6 +24,7 @@ from kvfast._version import __version__
 from kvfast.report import claims as claims_mod
 from kvfast.report.facts import facts
 from kvfast.report.figures import Section, matplotlib_available, sections
+from kvfast.report.findings import findings_html, scan_findings
 from kvfast.report.results import load_results
 from kvfast.studies import STUDIES
 from kvfast.sweep.store import MANIFEST, StorageError
@@ -110,8 +111,15 @@ def summaries(results: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
     return out
 
 
-def render(results: dict[str, pd.DataFrame], plots: bool | None = None) -> str:
-    """The report page for ``results`` (study name -> stored runs) as one HTML string."""
+def render(
+    results: dict[str, pd.DataFrame],
+    plots: bool | None = None,
+    findings: pd.DataFrame | None = None,
+    page_dir: str | os.PathLike = ".",
+) -> str:
+    """The report page for ``results`` (study name -> stored runs) as one HTML string; ``findings`` (a scan's
+    listing, :func:`kvfast.report.findings.scan_findings`) first where given, its links relative to
+    ``page_dir``."""
     plots = matplotlib_available() if plots is None else plots
     table = claims_mod.claims_table(results)
     count = claims_mod.counts(table)
@@ -121,6 +129,7 @@ def render(results: dict[str, pd.DataFrame], plots: bool | None = None) -> str:
         f"<p>kvfast {html.escape(__version__)}; {runs:,} stored runs of {len(results)} studies "
         f"({html.escape(', '.join(results))}). Every number on this page is computed from the stored Parquet "
         "by <code>kvfast report</code>.</p>",
+        *([] if findings is None else [findings_html(findings, page_dir)]),
         '<h2 id="claims">Claims</h2>',
         f"<p><b>{count['claims_hold']} of {count['claims']} claims hold.</b> Verifier: {count['conditions_hold']} "
         f"of {count['conditions']} assertions (the claims' conditions) hold. The criterion column says how each "
@@ -246,12 +255,13 @@ def report_dir(results_dir: str | os.PathLike, out: str | os.PathLike | None = N
 
 def write_report(results_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
     """Read every study's runs under ``results_dir`` and write ``OUT/report.html`` plus its tables
-    (:func:`write_tables`); ``out``: see :func:`report_dir` (default ``RESULTS_DIR.report``).
+    (:func:`write_tables`); ``out``: see :func:`report_dir` (default ``RESULTS_DIR.report``). A scan's findings
+    (``kvfast scan --repro``: :func:`~kvfast.report.findings.scan_findings`) head the page.
     Returns the page's path."""
     results = load_results(results_dir)
     root = report_dir(results_dir, out)
     _writable(root)
     write_tables(results, root)
     page = root / REPORT
-    page.write_text(render(results), encoding="utf-8")
+    page.write_text(render(results, findings=scan_findings(results_dir), page_dir=root), encoding="utf-8")
     return page

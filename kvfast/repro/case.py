@@ -23,8 +23,12 @@ import numpy as np
 
 from kvfast.validation import not_allowed, require_choice
 
-#: The scenarios a standalone script replays (the others need batches, beams or snapshots: not yet written).
-SCRIPT_SCENARIOS = ("decode", "resume", "rollback")
+#: The reports a standalone script replays: every scenario's, and the second branch of fork, reorder and padded
+#: (``fork-branch``, ``reorder-beam``, ``padded-row``: the script runs their scenario and judges that sequence).
+SCRIPT_SCENARIOS = ("decode", "resume", "rollback", "fork", "fork-branch", "reorder", "reorder-beam", "padded",
+                    "padded-row")  # fmt: skip
+#: The cache classes a script builds itself (else a fresh ``DynamicCache``, or none where the model builds its own).
+SCRIPT_CACHES = ("StaticCache",)
 #: Config keys a rebuild must not carry (the release that wrote them, the dtype the model is cast to, and
 #: transformers' private bookkeeping).
 DROPPED_KEYS = ("transformers_version", "dtype", "torch_dtype")
@@ -36,12 +40,19 @@ class Case:
 
     - ``model_class``, ``config`` (``to_dict()`` of the model's config, JSON-able), ``seed`` (``None``: the
       weights are ``weights`` and travel in a file beside the script), ``dtype``, ``attention``.
-    - ``scenario`` (:data:`SCRIPT_SCENARIOS`), ``prompt``, ``tokens`` (fed at decode steps 1..n), ``split``
-      (resume), ``drafts`` (rollback: ``{step: draft tokens}`` taken before the step and cropped away).
+    - ``scenario`` (:data:`SCRIPT_SCENARIOS`: the report judged), ``prompt``, ``tokens`` (fed at decode steps
+      1..n), ``split`` (resume), ``drafts`` (rollback: ``{step: draft tokens}`` taken before the step and cropped
+      away); ``branch_prompt`` and ``branch_tokens``: the second sequence of fork, reorder and padded (run in every
+      case of them; judged in ``fork-branch``, ``reorder-beam``, ``padded-row``).
     - ``calls``: how ``generate`` calls the model (``cache_arg``, ``own_cache``, ``mask`` per call kind
-      ``prefill``/``chunk``/``decode``, ``positions``, ``cache_position``, ``record_past``).
+      ``prefill``/``chunk``/``decode``, ``positions``, ``cache_position``, ``record_past``, ``takes_mask``,
+      ``takes_position_ids``; ``cache_class`` and ``max_cache_len`` where the model is given a
+      :data:`SCRIPT_CACHES` cache).
     - ``bug``: ``(catalogue, name)`` of an injected catalogue bug (the script then carries it), ``None`` for a
       finding about the library itself.
+    - ``promote``: ``"float64"`` for a finding kvfast's logic check shows (a bfloat16 model, its weights rounded
+      to bfloat16, run in float64: where a cache logic bug stands far above rounding) and ``dtype`` does not;
+      the measurement below is then the logic check's.
     - kvfast's measurement: ``verdict``, ``first_bug_step``, ``deviation`` (per step), ``threshold`` (the per-step
       bug threshold), ``threshold_origin`` (what it is, in words), ``versions``, ``command`` (how it was found).
     """
@@ -67,10 +78,23 @@ class Case:
     command: str = ""
     weights: dict | None = field(default=None, repr=False, compare=False)
     library: str = "transformers"
+    branch_prompt: tuple[int, ...] = ()
+    branch_tokens: tuple[int, ...] = ()
+    promote: str | None = None
 
     @property
     def architecture(self) -> str:
         return str(self.config.get("model_type", self.model_class))
+
+    @property
+    def run_scenario(self) -> str:
+        """The scenario the cached path runs (``padded`` for ``padded-row``)."""
+        return base_scenario(self.scenario)
+
+    @property
+    def judged(self) -> str:
+        """``"branch"`` where the report judged is a scenario's second sequence, else ``"main"``."""
+        return "main" if self.scenario == self.run_scenario else "branch"
 
     @property
     def steps(self) -> int:
@@ -87,10 +111,21 @@ class Case:
     def from_json(text: str) -> Case:
         data = json.loads(text)
         data["drafts"] = {int(k): list(v) for k, v in data["drafts"].items()}
-        for key in ("prompt", "tokens", "deviation", "threshold"):
-            data[key] = tuple(data[key])
+        for key in ("prompt", "tokens", "deviation", "threshold", "branch_prompt", "branch_tokens"):
+            data[key] = tuple(data.get(key, ()))
         data["bug"] = None if data["bug"] is None else tuple(data["bug"])
         return Case(**data)
+
+
+def _branches() -> dict[str, str]:
+    from kvfast.check.scenarios import branches
+
+    return branches()
+
+
+def base_scenario(report: str) -> str:
+    """The scenario whose run gives ``report`` (a second branch's report name -> its scenario's)."""
+    return _branches().get(report, report)
 
 
 def versions() -> dict[str, str]:
@@ -120,11 +155,14 @@ def build_model(case: Case):
     if case.seed is not None:
         torch.manual_seed(case.seed)
     model = cls._from_config(config, attn_implementation=case.attention)
-    if case.weights is not None:
-        model.load_state_dict(case.weights)
     if not isinstance(getattr(model.config, "vocab_size", None), int):  # a composite config (as the scan does)
         model.config.vocab_size = model.config.get_text_config().vocab_size
-    return model.eval().to(getattr(torch, case.dtype))
+    model = model.eval().to(getattr(torch, case.dtype))
+    if case.promote is not None:  # the logic check: the model in its dtype, then promoted (HFModel.promote)
+        model = model.to(getattr(torch, case.promote))
+    if case.weights is not None:
+        model.load_state_dict(case.weights)
+    return model
 
 
 def _same_weights(a, b) -> bool:
@@ -148,14 +186,20 @@ def _calls(adapter) -> dict:
     mask = {"prefill": True, "chunk": True, "decode": True}
     for (first, n, _cache_type), passes in adapter._mask_as_generate.items():
         mask["prefill" if first else "decode" if n == 1 else "chunk"] = bool(passes)
-    return {
+    made = None if adapter.new_cache is None else adapter.new_cache()
+    out = {
         "cache_arg": adapter.cache_arg,
-        "own_cache": adapter.new_cache is not None and adapter.new_cache() is None,
+        "own_cache": adapter.new_cache is not None and made is None,
         "mask": mask if adapter.takes_mask else {k: False for k in mask},
         "positions": bool(adapter._generate_positions()),
         "cache_position": bool(adapter.takes_cache_position),
         "record_past": bool(hf_ops.records_past_across_calls()),
+        "takes_mask": bool(adapter.takes_mask),
+        "takes_position_ids": bool(adapter.takes_position_ids),
     }
+    if type(made).__name__ == "StaticCache":
+        out.update(cache_class="StaticCache", max_cache_len=int(made.layers[0].max_cache_len))
+    return out
 
 
 def _drafts(scenario: str, tokens, vocab: int) -> dict[int, list[int]]:
@@ -171,14 +215,26 @@ def _drafts(scenario: str, tokens, vocab: int) -> dict[int, list[int]]:
     }
 
 
-def adapter_for(model, *, own_cache: bool | None = None):
+def adapter_for(model, *, own_cache: bool | None = None, calls: dict | None = None):
     """An :class:`~kvfast.check.hf.HFModel` over ``model`` (a transformers model, or an adapter returned as it
-    is); ``own_cache``: give the model no cache object (it builds its own, as ``generate`` lets hybrid models)."""
+    is); ``own_cache``: give the model no cache object (it builds its own, as ``generate`` lets hybrid models);
+    ``calls`` (a case's): the cache class it names (a ``StaticCache`` of ``max_cache_len``) made fresh per prefill."""
     from kvfast.check.hf import HFModel
 
     if isinstance(model, HFModel):
         return model
+    if calls and calls.get("cache_class") == "StaticCache":
+        import transformers
+
+        length = int(calls["max_cache_len"])
+        return HFModel(model, new_cache=lambda: transformers.StaticCache(config=model.config, max_cache_len=length))
     return HFModel(model, new_cache=(lambda: None) if own_cache else None)
+
+
+def case_adapter(case: Case):
+    """The adapter of ``case``: its model rebuilt (:func:`build_model`), its cache as the case names it, its
+    injected bug injected again."""
+    return inject(adapter_for(build_model(case), own_cache=case.calls.get("own_cache"), calls=case.calls), case.bug)
 
 
 def check_case(case: Case, adapter=None, promote: str | None = None):
@@ -186,12 +242,12 @@ def check_case(case: Case, adapter=None, promote: str | None = None):
     from kvfast.check.checker import check_cache
 
     if adapter is None:
-        adapter = inject(adapter_for(build_model(case), own_cache=case.calls.get("own_cache")), case.bug)
+        adapter = case_adapter(case)
     return check_cache(
         adapter,
         np.asarray(case.prompt, dtype=np.int64),
         mode="control",
-        scenarios=(case.scenario,),
+        scenarios=(case.run_scenario,),
         continuation=np.asarray(case.tokens, dtype=np.int64),
         split=case.split,
         promote=promote,
@@ -231,38 +287,50 @@ def find_case(
     own_cache: bool | None = None,
     command: str = "",
     report=None,
+    promote: str | None = None,
 ) -> Case:
     """The :class:`Case` of ``model`` (a transformers causal LM, or an :class:`~kvfast.check.hf.HFModel` over one,
     with an injected catalogue bug or none) on ``prompt`` in ``scenario``: kvfast's control check is run (or
     ``report``, a check already run on this adapter, is read), and the case keeps its tokens, its per-step
     deviations and thresholds. ``seed``: the weight seed to try first; where ``torch.manual_seed(seed)`` and
-    ``_from_config`` do not give the model's weights, the case carries them (``weights``)."""
+    ``_from_config`` do not give the model's weights, the case carries them (``weights``). ``promote``
+    (``"float64"``): the case of kvfast's logic check (the model promoted, :meth:`~kvfast.check.hf.HFModel.promote`,
+    and checked), for a finding the model's own dtype cannot resolve."""
     require_choice(scenario, "scenario", SCRIPT_SCENARIOS)
     adapter = adapter_for(model, own_cache=own_cache)
-    if adapter.new_cache is not None and adapter.new_cache() is not None:  # a script builds a DynamicCache or none
-        made = type(adapter.new_cache()).__name__
-        raise not_allowed("model", f"an HFModel with new_cache of {made}", "a DynamicCache or the model's own cache")
+    made = None if adapter.new_cache is None else adapter.new_cache()
+    if made is not None and type(made).__name__ not in ("DynamicCache", *SCRIPT_CACHES):  # what a script builds
+        raise not_allowed(
+            "model", f"an HFModel with new_cache of {type(made).__name__}",
+            f"a DynamicCache, {', '.join(SCRIPT_CACHES)} or the model's own cache",
+        )  # fmt: skip
+    base = base_scenario(scenario)
+    dtype = adapter.dtype
+    if promote is not None:
+        require_choice(promote, "promote", ("float64",))
+        adapter = adapter.promote(promote)
     if report is None:
         from kvfast.check.checker import check_cache
 
-        report = check_cache(adapter, prompt, steps, mode="control", scenarios=(scenario,), continuation=continuation)
+        report = check_cache(adapter, prompt, steps, mode="control", scenarios=(base,), continuation=continuation)
     if scenario not in report.scenarios:
         raise not_allowed("scenario", scenario, f"a scenario the report holds ({', '.join(report.scenarios)})")
-    s = report.scenarios[scenario]
+    s, main = report.scenarios[scenario], report.scenarios[base]
+    branch = next((report.scenarios[b] for b, op in _branches().items() if op == base and b in report.scenarios), None)
     hf = adapter.model
     threshold, origin = _threshold(s)
     case = Case(
         model_class=type(hf).__name__,
         config=config_dict(hf.config),
         seed=seed,
-        dtype=adapter.dtype,
+        dtype=dtype,
         attention=adapter.attention,
         scenario=scenario,
-        prompt=tuple(int(t) for t in s.prompt),
-        tokens=tuple(int(t) for t in s.tokens),
+        prompt=tuple(int(t) for t in main.prompt),
+        tokens=tuple(int(t) for t in main.tokens),
         calls=_calls(adapter),
-        split=s.split if scenario == "resume" else None,
-        drafts=_drafts(scenario, s.tokens, adapter.vocab_size),
+        split=main.split if base == "resume" else None,
+        drafts=_drafts(base, main.tokens, adapter.vocab_size),
         bug=_injected(adapter),
         verdict=s.verdict,
         first_bug_step=s.first_bug_step if s.mode == "control" else s.first_divergent_step,
@@ -271,6 +339,9 @@ def find_case(
         threshold_origin=origin,
         versions=versions(),
         command=command,
+        branch_prompt=() if branch is None else tuple(int(t) for t in branch.prompt),
+        branch_tokens=() if branch is None else tuple(int(t) for t in branch.tokens),
+        promote=promote,
     )
     try:
         rebuilt = build_model(case)

@@ -1,6 +1,8 @@
 """Reproducers for what a check or a scan found: :func:`reproduce_report` (every ``bug`` scenario of one check's
 report: ``kvfast check ... --repro DIR``) and :class:`Finding` with :func:`findings_table` (the listing, new
-findings first, each with its reproducer's path).
+findings first, each with its reproducer's path), kept beside the reproducers as :data:`FINDINGS_CSV` and
+:data:`FINDINGS_MD` (:func:`write_findings`) and read back by :func:`read_findings` (``kvfast report`` and the
+scan's scoreboard list them).
 """
 
 from __future__ import annotations
@@ -8,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvfast.repro.case import SCRIPT_SCENARIOS, find_case
+from kvfast.repro.case import SCRIPT_SCENARIOS, base_scenario, find_case
 from kvfast.repro.known import LABELS
 from kvfast.repro.script import finding_label, write_reproducer
 from kvfast.repro.shrink import DEFAULT_SECONDS, shrink_case
@@ -32,14 +34,52 @@ class Finding:
     note: str = ""
 
 
+#: The listing's columns, in order.
+COLUMNS = ("label", "architecture", "dtype", "scenario", "bug", "step", "reproducer", "reference", "note")
+#: The listing's files, in the folder that holds the reproducers.
+FINDINGS_CSV, FINDINGS_MD = "findings.csv", "findings.md"
+
+
 def findings_table(findings: list[Finding]):
-    """The findings as a DataFrame, new first (then known, then injected), each with its reproducer."""
+    """The findings as a DataFrame (:data:`COLUMNS`), new first (then known, then injected; a finding with no
+    reproducer, unlabelled, last), each with its reproducer."""
     import pandas as pd
 
-    columns = ["label", "architecture", "dtype", "scenario", "bug", "step", "reproducer", "reference", "note"]
+    return ordered(pd.DataFrame([{c: getattr(f, c) for c in COLUMNS} for f in findings], columns=list(COLUMNS)))
+
+
+def ordered(table):
+    """``table`` (rows of :data:`COLUMNS`) sorted new first, then known, then injected, then unlabelled; by
+    architecture, dtype and scenario within a label; the index renumbered."""
     rank = {label: i for i, label in enumerate(LABELS)}
-    rows = sorted(findings, key=lambda f: (rank.get(f.label, len(rank)), f.architecture, f.dtype, f.scenario))
-    return pd.DataFrame([{c: getattr(f, c) for c in columns} for f in rows], columns=columns)
+    if not len(table):
+        return table.reset_index(drop=True)
+    key = table["label"].map(lambda v: rank.get(v, len(rank)) if isinstance(v, str) else len(rank))
+    order = table.assign(_rank=key).sort_values(["_rank", "architecture", "dtype", "scenario"], kind="stable")
+    return order.drop(columns="_rank").reset_index(drop=True)
+
+
+def write_findings(table, directory) -> Path:
+    """``table`` (:func:`findings_table`) as :data:`FINDINGS_CSV` in ``directory`` (made if missing); its path.
+    (The Markdown twin, :data:`FINDINGS_MD`, is the command's to write: Markdown tables are the report's.)"""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    table.to_csv(out / FINDINGS_CSV, index=False, lineterminator="\n")
+    return out / FINDINGS_CSV
+
+
+def read_findings(directory):
+    """The listing kept in ``directory`` (:data:`FINDINGS_CSV`), new first, empty cells as ``""`` (the step
+    an integer or ``<NA>``); ``None`` where there is none."""
+    import pandas as pd
+
+    path = Path(directory) / FINDINGS_CSV
+    if not path.is_file():
+        return None
+    table = pd.read_csv(path, dtype={"step": "Int64"}).reindex(columns=list(COLUMNS))
+    text = [c for c in COLUMNS if c != "step"]
+    table[text] = table[text].astype(object).where(table[text].notna(), "")
+    return ordered(table)
 
 
 def write_case(case, directory, seconds: float = DEFAULT_SECONDS) -> Finding:
@@ -79,8 +119,9 @@ def reproduce_report(
             why = f"no reproducer: a script replays {', '.join(SCRIPT_SCENARIOS)}, not {name!r}"
         else:
             try:
-                case = find_case(model, prompt, name, continuation=list(s.tokens), seed=seed, command=command)
-            except ValueError as exc:  # a cache a script does not build (a StaticCache, a quantized cache)
+                main = report.scenarios.get(base_scenario(name), s)  # a second branch's run: its scenario's tokens
+                case = find_case(model, prompt, name, continuation=list(main.tokens), seed=seed, command=command)
+            except ValueError as exc:  # a cache a script does not build (a quantized cache, a class of its own)
                 case, why = None, f"no reproducer: {exc}"
             if case is None:
                 pass

@@ -3,9 +3,9 @@ script's ``CachedPath`` and misbehave exactly as kvfast's mixin does (:mod:`kvfa
 :mod:`kvfast.bugs.operations`), so that the script, which never imports kvfast, shows the same bug.
 
 :data:`PATCHES`: ``{(catalogue, name): script text}``. The bugs of the scenarios the script does not replay
-(fork, reorder, padded: ``fork_shared_keys``, ``reorder_wrong_index``, ``reorder_keys_only``,
-``padded_positions_from_start``) and ``static_never_cleared`` (a bug across several prefills of a
-``StaticCache``) have none: :func:`patch_for` says so.
+Every bug of both catalogues but ``static_never_cleared`` (a bug across several prefills of one
+``StaticCache``, injected by replacing ``new_cache``, so neither seen in an adapter nor carried): :func:`patch_for`
+says so.
 """
 
 from __future__ import annotations
@@ -110,6 +110,46 @@ class CachedPath(CachedPath):
 '''
 
 
+_FORK_SHARED_KEYS = '''
+class CachedPath(CachedPath):
+    """INJECTED BUG (kvfast's catalogue 'operations', 'fork_shared_keys'): a fork that shares the key tensor:
+    snapshot() and restore() copy the values, not the keys (a cache that writes its keys in place, such as a
+    StaticCache, then shows the second branch's keys in the first)."""
+
+    def copy_cache(self, cache):
+        clone = super().copy_cache(cache)
+        for mine, theirs in zip(clone.layers, cache.layers):
+            mine.keys = theirs.keys
+        return clone
+'''
+_REORDER_WRONG_INDEX = '''
+class CachedPath(CachedPath):
+    """INJECTED BUG (kvfast's catalogue 'operations', 'reorder_wrong_index'): a beam reorder by the wrong index:
+    the cache keeps its old order."""
+
+    def reorder_cache(self, index):
+        return None
+'''
+_REORDER_KEYS_ONLY = '''
+class CachedPath(CachedPath):
+    """INJECTED BUG (kvfast's catalogue 'operations', 'reorder_keys_only'): a beam reorder of the keys only: the
+    values stay in the old order."""
+
+    def reorder_cache(self, index):
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(0, index)
+'''
+_PADDED_FROM_START = '''
+class CachedPath(CachedPath):
+    """INJECTED BUG (kvfast's catalogue 'operations', 'padded_positions_from_start'): a left-padded batch whose
+    positions count from the padded start (every row numbered as if it had no pads)."""
+
+    def padded_positions(self, mask, n):
+        width = mask.shape[1]
+        return torch.arange(width - n, width).repeat(mask.shape[0], 1)
+'''
+
+
 def _window_patch() -> str:
     from kvfast.bugs.hf import HF_WINDOW
 
@@ -126,6 +166,10 @@ PATCHES: dict[tuple[str, str], object] = {
     ("hf", "f16"): _F16,
     ("operations", "crop_short"): _CROP_SHORT,
     ("operations", "window_evicts_one_too_many"): _WINDOW_EVICTS,
+    ("operations", "fork_shared_keys"): _FORK_SHARED_KEYS,
+    ("operations", "reorder_wrong_index"): _REORDER_WRONG_INDEX,
+    ("operations", "reorder_keys_only"): _REORDER_KEYS_ONLY,
+    ("operations", "padded_positions_from_start"): _PADDED_FROM_START,
 }
 
 

@@ -25,7 +25,27 @@ SCENARIO_TEXT = {
     "token per decode step",
     "rollback": "prefill, then before some decode steps a few draft tokens that cache.crop() removes again, one "
     "token per decode step",
+    "fork": "prefill, snapshot (a deep copy of the cache); half the decode steps, snapshot; restore the prompt's "
+    "snapshot and decode a second branch; restore the second snapshot and decode the rest",
+    "reorder": "two beams of the prompt in one batch, each fed its own tokens; before some decode steps "
+    "cache.reorder_cache([1, 0]) swaps their slots, as beam search does",
+    "padded": "the prompt and a second one as one left-padded batch (the attention mask and positions generate "
+    "builds), then one token per row per decode step",
 }
+#: What a second sequence's report judges (the script runs its scenario).
+BRANCH_TEXT = {
+    "fork": "the second branch, decoded from the prompt's snapshot",
+    "reorder": "the second beam",
+    "padded": "the batch's second row",
+}
+
+
+def scenario_text(case: Case) -> str:
+    """The scenario in words, with the sequence judged where it is a second one."""
+    text = SCENARIO_TEXT[case.run_scenario]
+    if case.judged == "branch":
+        text += f"; judged: {BRANCH_TEXT[case.run_scenario]}, against the recompute of its own tokens"
+    return text
 
 
 def _versions_text(case: Case) -> str:
@@ -33,11 +53,31 @@ def _versions_text(case: Case) -> str:
     return f"python {v.get('python')}, torch {v.get('torch')}, transformers {v.get('transformers')}"
 
 
+def _promote_text(case: Case) -> str:
+    return (
+        f"- precision: a finding of kvfast's logic check. In {case.dtype} the two paths differ by no more than "
+        f"{case.dtype}'s rounding lets kvfast tell apart (its {case.dtype} verdict is not `bug`), so the script "
+        f"builds the model in {case.dtype} (its weights rounded to {case.dtype}) and runs both paths in "
+        f"{case.promote}, where the cache's difference stands far above the {case.promote} rounding. A maintainer "
+        f"who runs the model in {case.dtype} sees the same cause as a drift within {case.dtype}'s rounding."
+    )
+
+
+def _cache_text(case: Case) -> str:
+    calls = case.calls
+    if calls.get("cache_class"):
+        return f"`transformers.{calls['cache_class']}(config=..., max_cache_len={calls.get('max_cache_len')})`"
+    if calls.get("own_cache") or calls.get("cache_arg") == "cache_params":
+        return "the model's own (no cache object given, as generate lets it)"
+    return "a fresh `transformers.DynamicCache(config=...)`"
+
+
 def title(case: Case) -> str:
     """The summary's first line."""
     what = "the cached path disagrees with the full recompute" if case.verdict == "bug" else "cache vs recompute"
     bug = f" (injected bug {case.bug[0]}:{case.bug[1]})" if case.bug else ""
-    return f"{case.model_class} ({case.architecture}), {case.dtype}, {case.scenario}: {what}{bug}"
+    dtype = case.dtype if case.promote is None else f"{case.dtype} run in {case.promote}"
+    return f"{case.model_class} ({case.architecture}), {dtype}, {case.scenario}: {what}{bug}"
 
 
 def render(case: Case) -> str:
@@ -51,7 +91,7 @@ def render(case: Case) -> str:
         "TITLE": title(case),
         "MODEL_CLASS": case.model_class,
         "WEIGHTS_TEXT": weights,
-        "SCENARIO_TEXT": SCENARIO_TEXT[case.scenario],
+        "SCENARIO_TEXT": scenario_text(case),
         "THRESHOLD_ORIGIN": case.threshold_origin,
         "COMMAND": case.command or "kvfast.repro (Python)",
         "MODEL_CLASS_REPR": repr(case.model_class),
@@ -59,8 +99,13 @@ def render(case: Case) -> str:
         "SEED": repr(case.seed),
         "WEIGHTS": repr(None if case.seed is not None else WEIGHTS),
         "DTYPE": repr(case.dtype),
+        "PROMOTE": repr(case.promote),
         "ATTENTION": repr(case.attention),
-        "SCENARIO": repr(case.scenario),
+        "SCENARIO": repr(case.run_scenario),
+        "JUDGED": repr(case.judged),
+        "BRANCH_PROMPT": repr(list(case.branch_prompt)),
+        "BRANCH_TOKENS": repr(list(case.branch_tokens)),
+        "REORDER_AT": repr(_reorder_points(case)),
         "PROMPT": repr(list(case.prompt)),
         "TOKENS": repr(list(case.tokens)),
         "SPLIT": repr(case.split),
@@ -75,6 +120,14 @@ def render(case: Case) -> str:
     for key, value in fields.items():
         text = text.replace(f"@{key}@", value)
     return text
+
+
+def _reorder_points(case: Case) -> list[int]:
+    if case.run_scenario != "reorder":
+        return []
+    from kvfast.check.scenarios.reorder import reorder_points
+
+    return reorder_points(case.steps)
 
 
 def finding_label(case: Case) -> tuple[str, str | None]:
@@ -92,14 +145,15 @@ def issue_text(case: Case) -> str:
     if step is None:
         where = "no step (kvfast found no bug: this reproducer exits 0)"
     else:
-        where = "the prompt's rows" if step == 0 else f"decode step {step} (position {len(case.prompt) + step - 1})"
+        judged = case.branch_prompt if case.judged == "branch" else case.prompt
+        where = "the prompt's rows" if step == 0 else f"decode step {step} (position {len(judged) + step - 1})"
     size = "" if dev is None else f" by {dev:.4g} (threshold {thr:.3g}, {dev / thr:.3g}x)" if thr else f" by {dev:.4g}"
     lines = [
         f"# {title(case)}",
         "",
         f"1. **What**: with a tiny random {case.model_class}, the logits of `generate`'s cached path differ from a "
         f"full recompute of the same tokens at {where}{size}.",
-        f"2. **Where**: scenario `{case.scenario}` ({SCENARIO_TEXT[case.scenario]}); {_versions_text(case)}.",
+        f"2. **Where**: scenario `{case.scenario}` ({scenario_text(case)}); {_versions_text(case)}.",
         f"3. **Run**: `python {SCRIPT}` (torch and transformers only): exits 1 while the bug is present, 0 once the "
         "two paths agree within the threshold it states.",
         "",
@@ -111,8 +165,13 @@ def issue_text(case: Case) -> str:
         f"- model: `{case.model_class}`, model type `{case.architecture}`, {case.dtype}, {case.attention} attention, "
         + (f"weights `torch.manual_seed({case.seed})`" if case.seed is not None else f"weights in `{WEIGHTS}`"),
         f"- size: {len(case.prompt)}-token prompt, {case.steps} decode steps"
-        + (f", resume split {case.split}" if case.split else ""),
-        f"- first step over the threshold: {step}; kvfast's verdict: `{case.verdict}`",
+        + (f", resume split {case.split}" if case.split else "")
+        + (f"; second sequence: {len(case.branch_prompt)}-token prompt, {len(case.branch_tokens)} steps"
+           if case.branch_prompt else ""),
+        f"- cache: {_cache_text(case)}",
+        f"- first step over the threshold: {step}; kvfast's verdict: `{case.verdict}`"
+        + (f" (of its logic check: the {case.dtype} model promoted to {case.promote})" if case.promote else ""),
+        *([_promote_text(case)] if case.promote else []),
         f"- threshold: {case.threshold_origin}",
         f"- how it was found: `{case.command or 'kvfast.repro (Python)'}`",
         f"- injected bug: `{case.bug[0]}:{case.bug[1]}` (carried by the script itself)" if case.bug else

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
-from kvfast.repro.case import Case, adapter_for, build_model, check_case, find_case, inject
+from kvfast.repro.case import Case, case_adapter, check_case, find_case
 from kvfast.validation import require_int
 
 DEFAULT_SECONDS = 60.0
@@ -168,7 +168,7 @@ def _size(case: Case, dim: str) -> str:
 def _verdict(case: Case):
     """``(adapter, report)`` when kvfast calls ``case`` a ``bug``, else ``(None, why not)``."""
     try:
-        adapter = inject(adapter_for(build_model(case), own_cache=case.calls.get("own_cache")), case.bug)
+        adapter = case_adapter(case)
         report = check_case(case, adapter)
     except Exception as exc:  # noqa: BLE001 - the architecture refuses the candidate: not kept, and why
         return None, f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"
@@ -215,7 +215,12 @@ def shrink_case(case: Case, seconds: float = DEFAULT_SECONDS) -> Shrunk:
                 progress = True
             if out_of_time:
                 break
-    if found is not None:  # the kept case measured again, as a case of its own (thresholds, deviations, drafts)
+    if found is not None and kept.promote is not None:  # the logic check's case: checked again from its dtype
+        kept = find_case(
+            case_adapter(replace(kept, promote=None)), kept.prompt, kept.scenario, continuation=list(kept.tokens),
+            seed=kept.seed, command=case.command, promote=kept.promote,
+        )  # fmt: skip
+    elif found is not None:  # the kept case measured again, as a case of its own (thresholds, deviations, drafts)
         adapter, report = found
         kept = find_case(
             adapter, kept.prompt, kept.scenario, continuation=list(kept.tokens), seed=kept.seed,

@@ -1,9 +1,13 @@
 """The standalone reproducer's text (:func:`kvfast.repro.script.render` fills in the ``@NAME@`` fields).
 
 The script never imports kvfast: it builds the model, runs the scenario's cached calls as the model's own
-``generate`` makes them (the ``CALLS`` it was measured to need) and one full recompute, and compares them step by
-step against ``THRESHOLD``. Its ``CachedPath`` mirrors :class:`kvfast.check.hf.HFModel`'s cached calls; an
-injected catalogue bug is a subclass of it placed after it (:mod:`kvfast.repro.patches`).
+``generate`` makes them (the ``CALLS`` it was measured to need) and one full recompute of the judged sequence,
+and compares them step by step against ``THRESHOLD``. Its ``CachedPath`` mirrors :class:`kvfast.check.hf.HFModel`'s
+cached calls and :mod:`kvfast.check.hf_ops`' cache operations (``crop``, a snapshot and its restore as deep
+copies, two beams and ``reorder_cache``, a left-padded batch with ``generate``'s mask and positions); an injected
+catalogue bug is a subclass of it placed after it (:mod:`kvfast.repro.patches`). The sequence judged is the
+scenario's main one (``PROMPT`` then ``TOKENS``) or, for ``fork-branch``, ``reorder-beam`` and ``padded-row``,
+its second one (``BRANCH_PROMPT`` then ``BRANCH_TOKENS``).
 """
 
 TEMPLATE = r'''#!/usr/bin/env python3
@@ -19,6 +23,7 @@ Threshold: @THRESHOLD_ORIGIN@.
 Found by: @COMMAND@
 """
 
+import copy
 import json
 import platform
 import sys
@@ -31,34 +36,45 @@ CONFIG = json.loads(r"""@CONFIG_JSON@""")
 SEED = @SEED@
 WEIGHTS = @WEIGHTS@  # a state dict beside this script, or None: the weights of torch.manual_seed(SEED)
 DTYPE = @DTYPE@
+PROMOTE = @PROMOTE@  # None, or "float64": the model built in DTYPE (its weights rounded to it), then run in float64
 ATTENTION = @ATTENTION@
-SCENARIO = @SCENARIO@
+SCENARIO = @SCENARIO@  # what the cached path does: decode, resume, rollback, fork, reorder or padded
+JUDGED = @JUDGED@  # the sequence compared with its recompute: "main" or "branch" (the second branch, beam or row)
 PROMPT = @PROMPT@
 TOKENS = @TOKENS@  # the token fed at decode step t = 1, 2, ...
 SPLIT = @SPLIT@  # resume: the prompt's first chunk is PROMPT[:SPLIT], the second PROMPT[SPLIT:]
 DRAFTS = @DRAFTS@  # rollback: before step t the cache takes these draft tokens, then crop() drops them
+# fork: the second branch's tokens, decoded from a snapshot after the prompt; reorder: the second beam's prompt and
+# tokens; padded: the batch's second row (left-padded where it is the shorter)
+BRANCH_PROMPT = @BRANCH_PROMPT@
+BRANCH_TOKENS = @BRANCH_TOKENS@
+REORDER_AT = @REORDER_AT@  # reorder: the decode steps before which the two beams swap slots (reorder_cache([1, 0]))
 # How `generate` calls this model (measured on transformers @FOUND_ON@): the cache argument's name, whether the
-# model builds its own cache, whether an attention mask is passed (per call kind), position_ids, cache_position,
-# and whether the cache records its past before a rollback (activate_past_recording).
+# model builds its own cache (or which cache class it is given), whether an attention mask is passed (per call
+# kind), position_ids, cache_position, and whether the cache records its past before a rollback.
 CALLS = @CALLS@
 # The largest |cached - recompute| each step may show (step 0 first); see the docstring for where it comes from.
 THRESHOLD = @THRESHOLD@
 
 
 def build_model():
-    """The tiny model: the config's class, random weights from SEED (or WEIGHTS), eval mode, in DTYPE."""
+    """The tiny model: the config's class, random weights from SEED (or WEIGHTS), eval mode, in DTYPE (then
+    PROMOTE)."""
     config = transformers.AutoConfig.for_model(**CONFIG)
     if SEED is not None:
         torch.manual_seed(SEED)
     model = getattr(transformers, MODEL_CLASS)._from_config(config, attn_implementation=ATTENTION)
+    if not isinstance(getattr(model.config, "vocab_size", None), int):
+        model.config.vocab_size = model.config.get_text_config().vocab_size
+    model = model.eval().to(getattr(torch, DTYPE))
+    if PROMOTE is not None:
+        model = model.to(getattr(torch, PROMOTE))
     if WEIGHTS is not None:
         import os
 
         here = os.path.dirname(os.path.abspath(__file__))
         model.load_state_dict(torch.load(os.path.join(here, WEIGHTS), weights_only=True))
-    if not isinstance(getattr(model.config, "vocab_size", None), int):
-        model.config.vocab_size = model.config.get_text_config().vocab_size
-    return model.eval().to(getattr(torch, DTYPE))
+    return model
 
 
 class CachedPath:
@@ -72,6 +88,8 @@ class CachedPath:
     def fresh_cache(self):
         if CALLS["own_cache"] or CALLS["cache_arg"] == "cache_params":
             return None
+        if CALLS.get("cache_class") == "StaticCache":
+            return transformers.StaticCache(config=self.model.config, max_cache_len=CALLS["max_cache_len"])
         try:
             return transformers.DynamicCache(config=self.model.config)
         except TypeError:  # transformers 4.x: no config argument
@@ -139,11 +157,89 @@ class CachedPath:
             self.cache.crop(n - self.length)
         self.length = n
         self.decoded = max(0, n - self.prefill_len)
+
+    # --- fork: a snapshot and its restore are deep copies of the cache ---------------------------------------
+
+    def copy_cache(self, cache):
+        clone = copy.deepcopy(cache)
+        if hasattr(clone, "__dict__"):
+            clone.__dict__.pop("update", None)  # a wrapper of the original's update is not copied (re-wrapped)
+        return clone
+
+    def snapshot(self):
+        return self.copy_cache(self.cache), self.length, self.prefill_len, self.decoded, self.last_token
+
+    def restore(self, state):
+        cache, self.length, self.prefill_len, self.decoded, self.last_token = state
+        self.cache = self.copy_cache(cache)
+        if self.cache is not None:
+            self.wrap_cache()
+
+    # --- reorder and padded: a batch of two sequences ----------------------------------------------------------
+
+    def batch_forward(self, ids, mask, positions=None):
+        n = ids.shape[1]
+        kwargs = {"input_ids": ids, "use_cache": True, CALLS["cache_arg"]: self.cache}
+        if mask is not None and (self.length == 0 or CALLS["mask"]["decode"]):
+            kwargs["attention_mask"] = mask
+        if positions is not None:
+            kwargs["position_ids"] = positions
+        if CALLS["cache_position"]:
+            kwargs["cache_position"] = torch.arange(self.length, self.length + n)
+        out = self.cached_forward(**kwargs)
+        self.cache = next(out[k] for k in ("cache", "past_key_values", "cache_params") if k in out.keys())
+        self.length += n
+        return out.logits
+
+    def prefill_beams(self, tokens, n):
+        self.cache, self.length, self.decoded = self.fresh_cache(), 0, 0
+        ids = torch.tensor([tokens]).repeat(n, 1)
+        mask = torch.ones(n, len(tokens), dtype=torch.long) if CALLS.get("takes_mask", True) else None
+        return self.batch_forward(ids, mask)
+
+    def decode_beams(self, tokens):
+        ids = torch.tensor(tokens).reshape(-1, 1)
+        mask = torch.ones(ids.shape[0], self.length + 1, dtype=torch.long) if CALLS.get("takes_mask", True) else None
+        return self.batch_forward(ids, mask)[:, -1]
+
+    def reorder_cache(self, index):
+        self.cache.reorder_cache(index)
+
+    def padded_positions(self, mask, n):
+        """generate's positions of the last n columns: mask.cumsum(-1) - 1, pads at 1."""
+        positions = mask.cumsum(-1) - 1
+        positions.masked_fill_(mask == 0, 1)
+        return positions[:, -n:]
+
+    def padded_forward(self, ids, n):
+        positions = self.padded_positions(self.pad_mask, n) if CALLS.get("takes_position_ids") else None
+        return self.batch_forward(ids, self.pad_mask, positions)
+
+    def prefill_padded(self, prompts):
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        self.pad_mask = torch.zeros(len(prompts), width, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p)
+            self.pad_mask[i, width - len(p):] = 1
+        self.cache, self.length, self.decoded = self.fresh_cache(), 0, 0
+        logits = self.padded_forward(ids, width)
+        return [logits[i, width - len(p):] for i, p in enumerate(prompts)]
+
+    def decode_padded(self, tokens):
+        self.pad_mask = torch.cat([self.pad_mask, torch.ones(self.pad_mask.shape[0], 1, dtype=torch.long)], dim=1)
+        return self.padded_forward(torch.tensor(tokens).reshape(-1, 1), 1)[:, -1]
 @PATCH@
 
 def cached_rows(model):
-    """The cached path's logits: one row per prompt position, then one per decode step."""
+    """The cached path's logits of the judged sequence: one row per prompt position, then one per decode step."""
     path = CachedPath(model)
+    if SCENARIO == "fork":
+        return fork_rows(path)
+    if SCENARIO == "reorder":
+        return reorder_rows(path)
+    if SCENARIO == "padded":
+        return padded_rows(path)
     if SCENARIO == "resume":
         prompt = torch.cat([path.prefill(PROMPT[:SPLIT]), path.extend(PROMPT[SPLIT:])])
     else:
@@ -160,20 +256,71 @@ def cached_rows(model):
     return torch.cat(rows)
 
 
+def fork_rows(path):
+    """Prefill, snapshot; steps 1..h, snapshot; restore the prompt's snapshot and decode BRANCH_TOKENS; restore
+    step h's snapshot and decode steps h+1.. (h = len(TOKENS) // 2)."""
+    h = len(TOKENS) // 2
+    first = path.prefill(PROMPT)
+    at_prompt = path.snapshot()
+    main = [path.decode(token)[None] for token in TOKENS[:h]]
+    at_h = path.snapshot()
+    path.restore(at_prompt)
+    branch = [path.decode(token)[None] for token in BRANCH_TOKENS]
+    path.restore(at_h)
+    main += [path.decode(token)[None] for token in TOKENS[h:]]
+    return torch.cat([first, *(branch if JUDGED == "branch" else main)])
+
+
+def reorder_rows(path):
+    """Two beams (PROMPT twice); beam 0 is fed TOKENS, beam 1 BRANCH_TOKENS; before each step of REORDER_AT the
+    cache is reordered by [1, 0] (the beams swap slots); each beam's rows taken from the slot that holds it."""
+    first = path.prefill_beams(PROMPT, 2)
+    slot = [0, 1]
+    rows = [[first[0]], [first[1]]]
+    for t, tokens in enumerate(zip(TOKENS, BRANCH_TOKENS), start=1):
+        if t in REORDER_AT:
+            path.reorder_cache(torch.tensor([1, 0]))
+            slot = [1 - s for s in slot]
+        batch = [0, 0]
+        batch[slot[0]], batch[slot[1]] = tokens
+        out = path.decode_beams(batch)
+        rows[0].append(out[slot[0]][None])
+        rows[1].append(out[slot[1]][None])
+    return torch.cat(rows[1 if JUDGED == "branch" else 0])
+
+
+def padded_rows(path):
+    """PROMPT and BRANCH_PROMPT as one left-padded batch, then TOKENS and BRANCH_TOKENS one per row per step."""
+    first = path.prefill_padded([PROMPT, BRANCH_PROMPT])
+    rows = [[first[0]], [first[1]]]
+    for tokens in zip(TOKENS, BRANCH_TOKENS):
+        out = path.decode_padded(list(tokens))
+        rows[0].append(out[0][None])
+        rows[1].append(out[1][None])
+    return torch.cat(rows[1 if JUDGED == "branch" else 0])
+
+
 def main():
     print(f"versions: python {platform.python_version()}, torch {torch.__version__}, "
           f"transformers {transformers.__version__} (found on @FOUND_VERSIONS@)")
     print(f"model: {MODEL_CLASS}, {DTYPE}, {ATTENTION} attention; scenario {SCENARIO}; prompt of {len(PROMPT)} "
           f"tokens, {len(TOKENS)} decode steps")
+    if PROMOTE is not None:
+        print(f"run in {PROMOTE}: the model's weights are {DTYPE}'s, its arithmetic {PROMOTE}'s (in {DTYPE} the "
+              f"difference hides in {DTYPE}'s rounding; in {PROMOTE} it stands above it)")
     model = build_model()
+    prompt, tokens = (BRANCH_PROMPT, BRANCH_TOKENS) if JUDGED == "branch" else (PROMPT, TOKENS)
+    if JUDGED == "branch":
+        print(f"judged: the {SCENARIO} scenario's second sequence (prompt of {len(prompt)} tokens, {len(tokens)} "
+              "decode steps), against its own recompute")
     with torch.no_grad():
-        recompute = model(input_ids=torch.tensor([PROMPT + TOKENS]), use_cache=False).logits[0]
-    cached = cached_rows(model)
-    T = len(PROMPT)
+        recompute = model(input_ids=torch.tensor([prompt + tokens]), use_cache=False).logits[0]
+        cached = cached_rows(model)
+    T = len(prompt)
     first_row = SPLIT if SCENARIO == "resume" else 0
     first_unequal, first_bug = None, None
     print(f"{'step':>5} {'position':>9} {'max |cached - recompute|':>25} {'threshold':>11}")
-    for t in range(len(TOKENS) + 1):
+    for t in range(len(tokens) + 1):
         rows = slice(first_row, T) if t == 0 else slice(T + t - 1, T + t)
         diff = float((cached[rows].double() - recompute[rows].double()).abs().max())
         where = f"{first_row}-{T - 1}" if t == 0 else str(T + t - 1)

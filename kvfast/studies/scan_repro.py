@@ -2,12 +2,16 @@
 the Parquet dataset (``DIR.repro/``), one per architecture, dtype, scenario and bug (its first row), shrunk.
 
 Which rows: ``findings`` (the clean runs kvfast called ``bug``: findings about transformers) or ``all`` (the
-injected catalogue bugs' rows too). The listing (:func:`kvfast.repro.findings.findings_table`, new findings
+injected catalogue bugs' rows too). A run called ``bug`` only by the float64 logic check (a bfloat16 run whose
+own verdict is ``rounding`` or ``inconclusive``: the difference hides in bfloat16's rounding) is a finding too; its
+reproducer is the logic check's (the bfloat16 model run in float64, :attr:`kvfast.repro.case.Case.promote`), and
+its listing's note says so. The listing (:func:`kvfast.repro.findings.findings_table`, new findings
 first) is written as ``findings.md`` and ``findings.csv`` in the same folder.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -23,26 +27,35 @@ def repro_dir(results_dir) -> Path:
     return path.with_name(path.name + ".repro")
 
 
+def logic_only(row) -> bool:
+    """Whether ``row`` is ``bug`` by the float64 logic check alone (its own verdict is not ``bug``)."""
+    return row["verdict"] != "bug" and row.get("logic_verdict") == "bug"
+
+
 def bug_rows(df: pd.DataFrame, which: str = "findings") -> pd.DataFrame:
-    """The first ``bug`` row per architecture, dtype, scenario and bug (``which``: :data:`WHICH`)."""
+    """The first ``bug`` row per architecture, dtype, scenario and bug (``which``: :data:`WHICH`): called ``bug``
+    natively (preferred) or by the logic check alone (:func:`logic_only`)."""
     from kvfast.validation import require_choice
 
     require_choice(which, "which", WHICH)
-    rows = df[df["verdict"] == "bug"] if len(df) else df
+    if not len(df):
+        return df
+    logic = df["logic_verdict"] == "bug" if "logic_verdict" in df else False
+    rows = df[(df["verdict"] == "bug") | logic]
     if which == "findings" and len(rows):
         rows = rows[rows["bug"] == hf.NO_BUG]
     if not len(rows):
         return rows
-    return rows.sort_values(["architecture", "dtype", "scenario", "bug", "seed", "prompt"]).drop_duplicates(
-        ["architecture", "dtype", "scenario", "bug"]
-    )
+    rows = rows.assign(_logic=rows["verdict"] != "bug")
+    order = ["architecture", "dtype", "scenario", "bug", "_logic", "seed", "prompt"]
+    return rows.sort_values(order).drop_duplicates(["architecture", "dtype", "scenario", "bug"]).drop(columns="_logic")
 
 
 def write_scan_reproducers(df: pd.DataFrame, results_dir, which: str = "findings", seconds: float = 60.0):
     """A reproducer for each of :func:`bug_rows` in ``DIR.repro/ARCH-DTYPE-SCENARIO-BUG/``; the findings table."""
     from kvfast.check.hf import HFModel
     from kvfast.repro.case import SCRIPT_SCENARIOS, find_case, inject
-    from kvfast.repro.findings import Finding, findings_table, write_case
+    from kvfast.repro.findings import Finding, findings_table, write_case, write_findings
     from kvfast.studies.architectures import own_cache, pad_token
     from kvfast.studies.scan import _model, tokens
 
@@ -65,11 +78,15 @@ def write_scan_reproducers(df: pd.DataFrame, results_dir, which: str = "findings
             f"kvfast scan --families {row['architecture']} --dtypes {row['dtype']} --scenarios {row['scenario']} "
             f"--steps {row['steps']} --repro"
         )
+        promote = row["promote"] if logic_only(row) else None
         case = find_case(adapter, prompt, row["scenario"], continuation=continuation, seed=int(row["seed"]),
-                         command=command)  # fmt: skip
-        found.append(write_case(case, where / name, seconds))
+                         command=command, promote=promote)  # fmt: skip
+        finding = write_case(case, where / (name + ("-logic" if promote else "")), seconds)
+        if promote:
+            why = f"{row['dtype']} says {row['verdict']!r}; the {promote} logic check says 'bug' (the script runs it)"
+            finding = replace(finding, note="; ".join(n for n in (why, finding.note) if n))
+        found.append(finding)
     table = findings_table(found)
     if len(found):
-        where.mkdir(parents=True, exist_ok=True)
-        table.to_csv(where / "findings.csv", index=False, lineterminator="\n")
+        write_findings(table, where)
     return table

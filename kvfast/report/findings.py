@@ -1,0 +1,99 @@
+"""The findings a scan's reproducers were written for, in the report: :func:`scan_findings` reads the listing
+beside each ``hf_scan`` results directory (``DIR.repro/findings.csv``, :mod:`kvfast.studies.scan_repro`), new
+findings first; :func:`findings_html` is the report page's section (each finding's label with its reference,
+and links to its reproducer and issue text); :func:`findings_text` the listing ``kvfast report`` and ``kvfast
+scan`` print.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+from pathlib import Path
+
+import pandas as pd
+
+from kvfast.report.claims import markdown
+
+#: The columns the listing shows, in order (``note`` only in the files: why a row has no reproducer).
+SHOWN = ("label", "architecture", "dtype", "scenario", "bug", "step", "reproducer", "reference")
+#: The label cells' colours on the page.
+LABEL_COLOURS = {"new": "#fbe3e3", "known": "#fff3cc", "injected": "#e6eefc"}
+
+
+def scan_findings(results_root: str | os.PathLike) -> pd.DataFrame | None:
+    """The findings listed beside every ``hf_scan`` results directory under ``results_root`` (one, or a folder
+    of them), new first; ``None`` where no scan wrote reproducers (``kvfast scan --repro``)."""
+    from kvfast.report.results import study_dirs
+    from kvfast.repro.findings import ordered, read_findings
+    from kvfast.studies.scan_repro import repro_dir
+
+    path = study_dirs(results_root).get("hf_scan")
+    table = None if path is None else read_findings(repro_dir(path))
+    return None if table is None else ordered(table)
+
+
+def counts_line(table: pd.DataFrame) -> str:
+    """``"3 findings: 1 new, 2 known; 3 with a reproducer"``."""
+    labels = table["label"].value_counts()
+    parts = [f"{int(labels[k])} {k}" for k in ("new", "known", "injected") if k in labels]
+    with_script = int((table["reproducer"] != "").sum())
+    return f"{len(table)} findings: {', '.join(parts) or 'none labelled'}; {with_script} with a reproducer"
+
+
+def findings_text(table: pd.DataFrame, as_markdown: bool = False) -> str:
+    """The listing (:data:`SHOWN`, new first) after its counts line, as plain text or Markdown."""
+    if as_markdown:
+        return f"{counts_line(table)}\n\n{markdown(table, list(SHOWN))}"
+    shown = table[list(SHOWN)].astype(str).replace({"<NA>": ""})
+    return f"{counts_line(table)}\n\n{shown.to_string(index=False)}"
+
+
+def _link(path: str, page_dir: Path, text: str) -> str:
+    if not path:
+        return ""
+    href = Path(os.path.relpath(Path(path).absolute(), page_dir.absolute())).as_posix()
+    return f'<a href="{html.escape(href)}">{html.escape(text)}</a>'
+
+
+def findings_html(table: pd.DataFrame, page_dir: str | os.PathLike) -> str:
+    """The report page's findings section: the counts, then one row per finding, new first, with its label
+    (coloured), its reference, and links (relative to ``page_dir``, where the page is) to its ``reproduce.py``
+    and ``ISSUE.md``; a finding without a reproducer says why."""
+    where = Path(page_dir)
+    parts = [
+        '<h2 id="findings">Findings, new first</h2>',
+        f"<p><b>{html.escape(counts_line(table))}.</b> Each was written by <code>kvfast scan --repro</code>: a "
+        "shrunk, standalone <code>reproduce.py</code> (torch and transformers only; exit 1 while the bug is there) "
+        "and its <code>ISSUE.md</code>. <i>new</i>: in no registry of known cache bugs kvfast keeps; "
+        "<i>known</i>: with its reference; <i>injected</i>: a bug of kvfast's own catalogue, put there on "
+        "purpose.</p>",
+        "<table><thead><tr>"
+        + "".join(f"<th>{c}</th>" for c in ("label", "what", "first step", "reproducer", "reference or note"))
+        + "</tr></thead><tbody>",
+    ]
+    for row in table.to_dict("records"):
+        label = str(row["label"] or "")
+        colour = LABEL_COLOURS.get(label)
+        style = f' style="background:{colour};font-weight:bold"' if colour else ""
+        what = f"{row['architecture']}, {row['dtype'] or '?'}, {row['scenario']}"
+        if row["bug"] and row["bug"] != "none":
+            what += f" (injected {row['bug']})"
+        script = str(row["reproducer"] or "")
+        issue = str(Path(script).with_name("ISSUE.md")) if script else ""
+        links = (
+            f"{_link(script, where, 'reproduce.py')} · {_link(issue, where, 'ISSUE.md')}"
+            f"<br><small>{html.escape(script)}</small>"
+            if script
+            else "none"
+        )
+        step = "" if pd.isna(row["step"]) else str(int(row["step"]))
+        ref = html.escape(str(row["reference"] or ""))
+        if row["note"]:
+            ref += ("<br>" if ref else "") + f"<small>{html.escape(str(row['note']))}</small>"
+        parts.append(
+            f"<tr><td{style}>{html.escape(label or '-')}</td><td>{html.escape(what)}</td><td>{step}</td>"
+            f"<td>{links}</td><td>{ref}</td></tr>"
+        )
+    parts.append("</tbody></table>")
+    return "\n".join(parts)
