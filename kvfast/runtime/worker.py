@@ -17,7 +17,10 @@
   sweep process sees the dead worker, finds the marker and stores a
   ``timeout`` row; the pool starts a new worker. The sweep process itself (one
   job, or the threading backend) is never killed: there a run stuck in C code
-  runs on until it returns.
+  runs on until it returns. A run in a pool worker's main thread also arms
+  ``faulthandler.dump_traceback_later(exit=True)`` one second after that: a C thread that needs
+  no GIL ends the worker even when the run's C code holds the GIL (the watchdog thread cannot
+  run then); the sweep sees the dead worker and re-runs the run alone, under its own watch.
 - :data:`INTERRUPTED` (:mod:`kvfast.runtime.interrupt`'s): set by the sweep process's
   SIGINT handler :func:`on_sigint`, so that a ``KeyboardInterrupt`` raised by a
   run's own code (an ``error`` row) is told apart from the user's Ctrl-C (which
@@ -39,13 +42,30 @@ from pathlib import Path
 
 from kvfast.runtime.interrupt import INTERRUPTED, on_sigint
 
-__all__ = ["INTERRUPTED", "RunTimeout", "deadline", "on_sigint", "worker_start"]
+__all__ = ["INTERRUPTED", "RunTimeout", "deadline", "grace", "on_sigint", "prctl", "worker_start"]
 
 _STARTED: list[int] = []
+_LIBC: list = []
+_DEVNULL: list = []  # where the faulthandler backstop writes its (unwanted) traceback
 
 
 class RunTimeout(BaseException):  # noqa: N818 - a BaseException, so that a run's `except Exception` cannot hide it
     """Raised inside a run that passed its time limit."""
+
+
+def prctl(option: int, value) -> int:
+    """Linux ``prctl(option, value)`` through libc; -1 where there is none."""
+    try:
+        if not _LIBC:
+            _LIBC.append(ctypes.CDLL(None, use_errno=True))
+        return _LIBC[0].prctl(option, value, 0, 0, 0)
+    except (OSError, AttributeError):
+        return -1
+
+
+def grace(seconds: float) -> float:
+    """How long a run past its time limit of ``seconds`` may take to return before its worker ends."""
+    return min(30.0, 1.0 + 0.25 * seconds)
 
 
 def worker_start(parent: int | None = None) -> None:
@@ -59,11 +79,7 @@ def worker_start(parent: int | None = None) -> None:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
+        prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != parent:  # the parent died before the line above
         os._exit(0)
 
@@ -85,11 +101,10 @@ class _Watchdog:
         self.thread: threading.Thread | None = None
 
     def arm(self, seconds: float, run_id: str, marker_dir: Path | None, hard: bool) -> int:
-        grace = min(30.0, 1.0 + 0.25 * seconds)
         now = time.monotonic()
         with self.cond:
             self.token += 1
-            hard_at = now + seconds + grace if hard else float("inf")
+            hard_at = now + seconds + grace(seconds) if hard else float("inf")
             self.runs[self.token] = [threading.get_ident(), now + seconds, hard_at, run_id, marker_dir, False]
             if self.thread is None or not self.thread.is_alive():
                 self.thread = threading.Thread(target=self.loop, name="kvfast-run-timeout", daemon=True)
@@ -163,9 +178,15 @@ def deadline(seconds: float | None, run_id: str, marker_dir: Path | None) -> Ite
         previous = signal.signal(signal.SIGALRM, _on_alarm)
     hard = bool(_STARTED) and _STARTED[0] == os.getpid()  # only a pool worker may kill itself
     token = _WATCHDOG.arm(seconds, run_id, marker_dir, hard)
+    backstop = hard and threading.current_thread() is threading.main_thread()  # one run at a time
+    if backstop:
+        _DEVNULL[:] = _DEVNULL or [open(os.devnull, "w")]  # noqa: SIM115 - kept open for faulthandler
+        faulthandler.dump_traceback_later(seconds + grace(seconds) + 1.0, exit=True, file=_DEVNULL[0])
     try:
         yield
     finally:
+        if backstop:
+            faulthandler.cancel_dump_traceback_later()
         _WATCHDOG.disarm(token)
         if previous is not None:
             signal.signal(signal.SIGALRM, previous)
