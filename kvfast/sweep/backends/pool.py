@@ -14,22 +14,17 @@ unordered, as they finish):
   imported in every worker, by :func:`preheat` while the warm-up runs).
 
 Workers are set up by :func:`kvfast.sweep.procs.worker_setup` (they die with the
-sweep, ignore SIGINT, lead their own process group and end the processes each
-run leaves); a worker whose run is past its time limit and does not return ends
-itself (:mod:`kvfast.runtime.worker`). While the pool starts and runs
-(:func:`supervised`), a :class:`kvfast.sweep.procs.Monitor` kills a worker stopped
-(``SIGSTOP``) for ``--run-timeout`` (``--stall-timeout`` without one). A dead worker
-breaks its pool: joblib aborts the call (the backend kills the other workers), the
-runs not yet handed out go on in a new pool, and those of the chunks in flight are
-re-run one at a time, each alone in a new one-worker pool, whose result the sweep
-waits for (``Future.result``) for at most the run's time limit, the worker's grace
-and a second: a run that outlasts that wait, or kills that worker too after its time
-limit, is ``timeout`` (its worker is killed); one that kills it sooner is ``crashed``.
-On Ctrl-C joblib aborts the call and the backend kills the workers at once.
-
-A run alone is submitted to the backend's one-worker pool directly, not through
-``Parallel``: joblib runs a one-job call in the calling process, where a crashing
-run would take the sweep with it.
+sweep, ignore SIGINT, lead their own process group and end the processes each run
+leaves); one whose run is past its time limit and its grace ends itself
+(:mod:`kvfast.runtime.worker`); one stopped (``SIGSTOP``) is killed by the sweep's
+:class:`kvfast.sweep.procs.Monitor` (:func:`supervised`). A dead worker breaks its
+pool: joblib aborts the call (the backend kills the other workers), the runs not yet
+handed out go on in a new pool, and those of the chunks in flight are re-run one at
+a time, each alone in a new one-worker pool (:meth:`ProcessPoolBackend.run_alone`:
+submitted directly, as joblib runs a one-job call in the calling process, where a
+crashing run would take the sweep with it), ``timeout`` when past its time limit,
+``crashed`` when it kills that worker sooner. On Ctrl-C joblib aborts the call and
+the backend kills the workers at once.
 """
 
 from __future__ import annotations
@@ -51,7 +46,7 @@ from kvfast.runtime.worker import grace
 from kvfast.sweep.backends import NOTHING_LOST, Job, Outcome
 from kvfast.sweep.grid import Run
 from kvfast.sweep.procs import Monitor, kill_worker, worker_setup
-from kvfast.sweep.rows import Limits, lost_worker_row, run_chunk, run_chunk_in_worker, timed_out, timeout_row
+from kvfast.sweep.rows import Limits, lost_worker_row, run_chunk, run_chunk_in_worker, timeout_row
 
 if TYPE_CHECKING:
     from kvfast.sweep.study import Study
@@ -270,14 +265,11 @@ def _fan_out(kind: str, planner, job: Job) -> Iterator[tuple[int, list[dict]]]:
 
 def _alone(backend: ProcessPoolBackend, study: Study, run: Run, limits: Limits) -> dict:
     """The row of a run whose chunk's worker died, re-run alone in a new one-worker pool."""
-    if timed_out(limits, run):
-        return timeout_row(study, run, limits)
     forked = backend.kind == "fork"
     task = (run_chunk_forked, (0, [run])) if forked else (run_chunk_in_worker, study, (0, [run]), limits)
     try:
         return backend.run_alone(*task, seconds=limits[0] if limits else None)[1][0]
     except TimeoutError:
-        timed_out(limits, run)  # a marker the worker left as it ended itself
         return timeout_row(study, run, limits)
     except BrokenProcessPool:
         return lost_worker_row(study, run, limits)
