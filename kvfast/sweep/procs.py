@@ -194,7 +194,8 @@ class Monitor:
         self.done.set()
         if self.thread.is_alive():
             self.thread.join()
-            self.check(time.monotonic(), final=True)
+            with contextlib.suppress(OSError):
+                self.check(time.monotonic(), final=True)
 
     def loop(self) -> None:
         while not self.done.wait(0.5):
