@@ -14,8 +14,8 @@ stops itself 0.2 s after the run returned: a worker stopped with no run in progr
 
 When the environment variable ``KVFAST_FAULT_MARKS`` names a folder, ``slow`` runs write
 ``started-X`` there as they start, holding the pid of the process running them (tests wait for
-it instead of sleeping a guessed time), and ``orphan`` runs write the pids they leave behind
-into ``orphans-X``.
+it instead of sleeping a guessed time), ``orphan`` runs write the pids they leave behind
+into ``orphans-X``, and ``stop`` runs add their pid to ``stop-X`` each time they run.
 """
 
 from __future__ import annotations
@@ -107,6 +107,7 @@ def run(config: dict) -> dict:
     elif mode == "orphan":
         _orphans(x)
     elif mode == "stop":
+        _mark(f"stop-{x}", f"{os.getpid()}\n")
         os.kill(os.getpid(), signal.SIGSTOP)
     elif mode == "stopidle":
         import threading

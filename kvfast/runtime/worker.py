@@ -18,7 +18,9 @@
   thread that needs no GIL, so C code holding the GIL cannot stop it (the sweep
   sees the dead worker and re-runs the run alone, timed by itself); in another
   thread (Dask) by a second timer that first writes the run's id into the marker
-  folder (the sweep finds it and stores a ``timeout`` row). The sweep process
+  folder (the sweep finds it and stores a ``timeout`` row). While a pool worker's
+  run has a time limit, the worker's process name (``PR_SET_NAME``) is the first
+  15 digits of the run's id: the sweep reads it when it kills a stopped worker. The sweep process
   itself (one job, or the threading backend) is never ended: there a run stuck in
   C code runs on until it returns.
 - :data:`INTERRUPTED` (:mod:`kvfast.runtime.interrupt`'s): set by the sweep process's
@@ -46,6 +48,8 @@ from kvfast.runtime.interrupt import INTERRUPTED, on_sigint
 __all__ = ["INTERRUPTED", "RunTimeout", "deadline", "grace", "on_sigint", "prctl", "worker_start"]
 
 _STARTED: list[int] = []
+PR_SET_NAME = 15
+WORKER_NAME = b"kvfast-worker"  # a pool worker's process name between runs (during one: the run id's first 15 digits)
 _LIBC: list = []
 _DEVNULL: list = []  # where the faulthandler backstop writes its (unwanted) traceback
 
@@ -131,6 +135,7 @@ def deadline(seconds: float | None, run_id: str, marker_dir: Path | None) -> Ite
         previous = signal.signal(signal.SIGALRM, _on_alarm)
         signal.setitimer(signal.ITIMER_REAL, seconds)
         if hard:
+            prctl(PR_SET_NAME, run_id[:15].encode())  # the process's name: what the sweep reads if it stops
             _DEVNULL[:] = _DEVNULL or [open(os.devnull, "w")]  # noqa: SIM115 - kept open for faulthandler
             faulthandler.dump_traceback_later(seconds + grace(seconds), exit=True, file=_DEVNULL[0])
     elif hard:
@@ -149,4 +154,5 @@ def deadline(seconds: float | None, run_id: str, marker_dir: Path | None) -> Ite
             signal.setitimer(signal.ITIMER_REAL, 0)
             if hard:
                 faulthandler.cancel_dump_traceback_later()
+                prctl(PR_SET_NAME, WORKER_NAME)
             signal.signal(signal.SIGALRM, previous)

@@ -14,8 +14,9 @@ Worker side (Linux; elsewhere these are no-ops):
 Sweep side: :class:`Monitor`, a thread of the sweep process while a pool backend works (its
 warm-up, while the pool starts, included). Twice a second it reads the state of every child
 process of the sweep (psutil); a child stopped (``SIGSTOP``: state ``T``), whatever it was doing
-(a run, nothing, starting up), is killed with its process group once stopped for ``stop_s``; when
-the pool is done, a child still stopped is killed at once. The pool sees a dead worker (see
+(a run, nothing, starting up), is killed with its process group once stopped for ``stop_s`` (the
+run it was in, named by the worker's process name, is past its time limit when that was as long:
+:data:`OVERDUE`); when the pool is done, a child still stopped is killed at once. The pool sees a dead worker (see
 :mod:`kvfast.sweep.backends.pool` for what becomes of its runs). Only the sweep's own child
 processes are ever killed. A worker that runs past a time limit without being stopped ends
 itself (:mod:`kvfast.runtime.worker`).
@@ -176,16 +177,24 @@ def kill_worker(pid: int) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-class Monitor:
-    """The sweep process's watch over stopped child processes (see the module docstring); a context manager."""
+OVERDUE: set[str] = set()  # process names (run id prefixes) of workers the Monitor killed stopped past a run's limit
 
-    def __init__(self, stop_s: float) -> None:
-        self.stop_s = stop_s
+
+class Monitor:
+    """The sweep process's watch over stopped child processes (see the module docstring); a context manager.
+
+    ``seconds``: the runs' time limit; a worker killed after being stopped that long is in a run past it: its
+    process name, the run id's first 15 digits while a run with a limit runs (:mod:`kvfast.runtime.worker`),
+    goes into :data:`OVERDUE`."""
+
+    def __init__(self, stop_s: float, seconds: float | None = None) -> None:
+        self.stop_s, self.seconds = stop_s, seconds
         self.done = threading.Event()
         self.stopped_since: dict[int, float] = {}
         self.thread = threading.Thread(target=self.loop, name="kvfast-monitor", daemon=True)
 
     def __enter__(self) -> Monitor:
+        OVERDUE.clear()
         if LINUX:
             self.thread.start()
         return self
@@ -210,5 +219,7 @@ class Monitor:
             if _suppressed(proc.status) not in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
                 self.stopped_since.pop(proc.pid, None)
             elif final or now - self.stopped_since.setdefault(proc.pid, now) > self.stop_s:
+                if self.seconds and now - self.stopped_since[proc.pid] >= self.seconds:
+                    OVERDUE.add(_suppressed(proc.name) or "")
                 kill_worker(proc.pid)
                 self.stopped_since.pop(proc.pid, None)

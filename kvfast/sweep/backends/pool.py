@@ -45,7 +45,7 @@ from joblib._parallel_backends import ParallelBackendBase, SequentialBackend
 from kvfast.runtime.worker import grace
 from kvfast.sweep.backends import NOTHING_LOST, Job, Outcome
 from kvfast.sweep.grid import Run
-from kvfast.sweep.procs import Monitor, kill_worker, worker_setup
+from kvfast.sweep.procs import OVERDUE, Monitor, kill_worker, worker_setup
 from kvfast.sweep.rows import Limits, lost_worker_row, run_chunk, run_chunk_in_worker, timeout_row
 
 if TYPE_CHECKING:
@@ -208,7 +208,7 @@ def supervised(job: Job) -> Monitor:
     """The sweep's watch over stopped workers (:class:`~kvfast.sweep.procs.Monitor`), a context manager the
     engine holds from before the warm-up (while the pool starts) until the backend is done."""
     seconds = job.limits[0] if job.limits else None
-    return Monitor(min(job.stall_s, seconds) if seconds else job.stall_s)
+    return Monitor(min(job.stall_s, seconds) if seconds else job.stall_s, seconds)
 
 
 def execute(job: Job, runs: Iterator[Run], total: int) -> Outcome:
@@ -264,7 +264,11 @@ def _fan_out(kind: str, planner, job: Job) -> Iterator[tuple[int, list[dict]]]:
 
 
 def _alone(backend: ProcessPoolBackend, study: Study, run: Run, limits: Limits) -> dict:
-    """The row of a run whose chunk's worker died, re-run alone in a new one-worker pool."""
+    """The row of a run whose chunk's worker died, re-run alone in a new one-worker pool (``timeout`` at once
+    when its worker was killed stopped past the run's limit: :data:`~kvfast.sweep.procs.OVERDUE`)."""
+    if run.run_id[:15] in OVERDUE:
+        OVERDUE.discard(run.run_id[:15])
+        return timeout_row(study, run, limits)
     forked = backend.kind == "fork"
     task = (run_chunk_forked, (0, [run])) if forked else (run_chunk_in_worker, study, (0, [run]), limits)
     try:
