@@ -4,17 +4,18 @@ Grids name it ``study = "faultstudy:STUDY"`` (tests/ on ``PYTHONPATH``). Modes:
 ``ok`` (``y = 1.5 x``), ``slow`` (0.3 s, then ok), ``exit0`` / ``exit3``
 (``SystemExit``), ``kbint`` (``KeyboardInterrupt``), ``hang`` (sleeps an hour:
 interruptible), ``spin`` (an hour of Python loop), ``stuck`` (an hour with SIGALRM blocked, as a C call that never
-checks for signals), ``die`` (``os._exit``), ``segv`` (SIGSEGV), ``big`` (ok,
-with a 256 KiB incompressible ``blob``), ``forkret`` (forks; the child returns a result instead of
-exiting), ``orphan`` (leaves a ``sleep`` child and a detached daemon grandchild running, ok),
+checks for signals), ``gil`` (``stuck``, holding the GIL all along: no other thread of the process runs),
+``die`` (``os._exit``), ``segv`` (SIGSEGV), ``big`` (ok, with a 256 KiB incompressible ``blob``), ``forkret``
+(forks; the child returns a result instead of exiting), ``orphan`` (leaves a ``sleep`` child and a detached
+daemon grandchild running, ok),
 ``stop`` (the run's process stops itself with SIGSTOP, never resumed), ``stopidle`` (ok, and its process
 stops itself 0.2 s after the run returned: a worker stopped with no run in progress), ``slowkid`` (``slow``, with a
 ``sleep`` child running meanwhile; its pid goes into ``kids-X``).
 
 When the environment variable ``KVFAST_FAULT_MARKS`` names a folder, ``slow`` runs write
 ``started-X`` there as they start, holding the pid of the process running them (tests wait for
-it instead of sleeping a guessed time), and ``orphan`` runs write the pids they leave behind
-into ``orphans-X``.
+it instead of sleeping a guessed time), ``orphan`` runs write the pids they leave behind
+into ``orphans-X``, and ``stop`` runs add their pid to ``stop-X`` each time they run.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ MODES = (
     "kbint",
     "hang",
     "stuck",
+    "gil",
     "die",
     "segv",
     "big",
@@ -105,6 +107,7 @@ def run(config: dict) -> dict:
     elif mode == "orphan":
         _orphans(x)
     elif mode == "stop":
+        _mark(f"stop-{x}", f"{os.getpid()}\n")
         os.kill(os.getpid(), signal.SIGSTOP)
     elif mode == "stopidle":
         import threading
@@ -130,6 +133,11 @@ def run(config: dict) -> dict:
             time.sleep(3600)
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGALRM})
+    elif mode == "gil":
+        import ctypes
+
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+        ctypes.PyDLL(None).sleep(3600)  # PyDLL: the GIL stays held during the call
     elif mode == "die":
         os._exit(7)
     elif mode == "segv":

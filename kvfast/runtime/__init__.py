@@ -11,7 +11,7 @@ the commands alike.
   at import survived by a forked probe.
 - :mod:`kvfast.runtime.deadline`: :func:`watched`, a deadline for the user's code in this process's
   main thread (a ``SIGALRM`` timer; :class:`CheckTimeout`).
-- :mod:`kvfast.runtime.worker`: a sweep run's deadline in any thread (:func:`deadline`, a watchdog;
+- :mod:`kvfast.runtime.worker`: a sweep run's deadline in any thread (:func:`deadline`: timers;
   :class:`RunTimeout`) and a worker process that dies with its parent (:func:`worker_start`).
 - :mod:`kvfast.runtime.child`: the user's code in a child process that this one survives
   (:func:`run_in_child`; ``kvfast check``'s isolation).

@@ -7,7 +7,7 @@ a :class:`~kvfast.runtime.user.UserCodeError`). ``kvfast check``, ``check_cache(
 ``kv_check`` fixture use it. Code that never returns to the interpreter (a C call that blocks forever)
 or that catches every ``BaseException`` forever cannot be stopped this way: run it in a child process
 (:mod:`kvfast.runtime.child`), which can be killed. A sweep's per-run limit is
-:func:`kvfast.runtime.worker.deadline` (a watchdog thread, for pool workers and other threads).
+:func:`kvfast.runtime.worker.deadline` (timers, for pool workers and other threads).
 """
 
 from __future__ import annotations

@@ -9,15 +9,20 @@
   the parent once a second. Workers ignore SIGINT: Ctrl-C is the sweep
   process's to handle (it stops the workers), so no worker prints a traceback.
 - :func:`deadline`: a run's time limit. At the limit the run is interrupted
-  with :class:`RunTimeout` (in the main thread by ``SIGALRM``, which also
-  interrupts ``sleep`` and blocking calls; in another thread asynchronously,
-  which only interrupts Python code). If the run has not returned ``grace``
-  seconds later (a Numba kernel or C call that never checks for signals), a
-  worker process writes the run's id into the marker folder and exits: the
-  sweep process sees the dead worker, finds the marker and stores a
-  ``timeout`` row; the pool starts a new worker. The sweep process itself (one
-  job, or the threading backend) is never killed: there a run stuck in C code
-  runs on until it returns.
+  with :class:`RunTimeout`: in the main thread by ``SIGALRM`` from an interval
+  timer (``signal.setitimer``), which also interrupts ``sleep`` and blocking
+  calls; in another thread asynchronously (a ``threading.Timer``), which only
+  interrupts Python code. If the run has not returned ``grace`` seconds later (a
+  Numba kernel or C call that never checks for signals), a worker process ends:
+  in its main thread by ``faulthandler.dump_traceback_later(exit=True)``, a C
+  thread that needs no GIL, so C code holding the GIL cannot stop it (the sweep
+  sees the dead worker and re-runs the run alone, timed by itself); in another
+  thread (Dask) by a second timer that first writes the run's id into the marker
+  folder (the sweep finds it and stores a ``timeout`` row). While a pool worker's
+  run has a time limit, the worker's process name (``PR_SET_NAME``) is the first
+  15 digits of the run's id: the sweep reads it when it kills a stopped worker. The sweep process
+  itself (one job, or the threading backend) is never ended: there a run stuck in
+  C code runs on until it returns.
 - :data:`INTERRUPTED` (:mod:`kvfast.runtime.interrupt`'s): set by the sweep process's
   SIGINT handler :func:`on_sigint`, so that a ``KeyboardInterrupt`` raised by a
   run's own code (an ``error`` row) is told apart from the user's Ctrl-C (which
@@ -26,6 +31,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import faulthandler
 import os
@@ -39,13 +45,32 @@ from pathlib import Path
 
 from kvfast.runtime.interrupt import INTERRUPTED, on_sigint
 
-__all__ = ["INTERRUPTED", "RunTimeout", "deadline", "on_sigint", "worker_start"]
+__all__ = ["INTERRUPTED", "RunTimeout", "deadline", "grace", "on_sigint", "prctl", "worker_start"]
 
 _STARTED: list[int] = []
+PR_SET_NAME = 15
+WORKER_NAME = b"kvfast-worker"  # a pool worker's process name between runs (during one: the run id's first 15 digits)
+_LIBC: list = []
+_DEVNULL: list = []  # where the faulthandler backstop writes its (unwanted) traceback
 
 
 class RunTimeout(BaseException):  # noqa: N818 - a BaseException, so that a run's `except Exception` cannot hide it
     """Raised inside a run that passed its time limit."""
+
+
+def prctl(option: int, value) -> int:
+    """Linux ``prctl(option, value)`` through libc; -1 where there is none."""
+    try:
+        if not _LIBC:
+            _LIBC.append(ctypes.CDLL(None, use_errno=True))
+        return _LIBC[0].prctl(option, value, 0, 0, 0)
+    except (OSError, AttributeError):
+        return -1
+
+
+def grace(seconds: float) -> float:
+    """How long a run past its time limit of ``seconds`` may take to return before its worker ends."""
+    return min(30.0, 1.0 + 0.25 * seconds)
 
 
 def worker_start(parent: int | None = None) -> None:
@@ -59,11 +84,7 @@ def worker_start(parent: int | None = None) -> None:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
+        prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != parent:  # the parent died before the line above
         os._exit(0)
 
@@ -75,81 +96,29 @@ def worker_start(parent: int | None = None) -> None:
     threading.Thread(target=watch, name="kvfast-watch-parent", daemon=True).start()
 
 
-class _Watchdog:
-    """One thread per process that fires the deadlines of the runs in progress."""
-
-    def __init__(self) -> None:
-        self.cond = threading.Condition()
-        self.runs: dict[int, list] = {}  # token -> [thread ident, deadline, hard deadline, run id, marker dir, fired]
-        self.token = 0
-        self.thread: threading.Thread | None = None
-
-    def arm(self, seconds: float, run_id: str, marker_dir: Path | None, hard: bool) -> int:
-        grace = min(30.0, 1.0 + 0.25 * seconds)
-        now = time.monotonic()
-        with self.cond:
-            self.token += 1
-            hard_at = now + seconds + grace if hard else float("inf")
-            self.runs[self.token] = [threading.get_ident(), now + seconds, hard_at, run_id, marker_dir, False]
-            if self.thread is None or not self.thread.is_alive():
-                self.thread = threading.Thread(target=self.loop, name="kvfast-run-timeout", daemon=True)
-                self.thread.start()
-            self.cond.notify()
-            return self.token
-
-    def disarm(self, token: int) -> None:
-        with self.cond:
-            self.runs.pop(token, None)
-
-    def active(self, ident: int) -> bool:
-        with self.cond:
-            return any(r[0] == ident for r in self.runs.values())
-
-    def loop(self) -> None:
-        while True:
-            with self.cond:
-                now = time.monotonic()
-                wake = now + 60.0
-                for entry in self.runs.values():
-                    ident, soft_at, hard_at, run_id, marker_dir, fired = entry
-                    if not fired and now >= soft_at:
-                        entry[5] = True
-                        _interrupt(ident)
-                    elif now >= hard_at:
-                        if marker_dir is not None:
-                            try:
-                                marker_dir.mkdir(exist_ok=True)
-                                (marker_dir / run_id).write_text(str(os.getpid()))
-                            except OSError:
-                                pass
-                        os._exit(3)
-                    wake = min(wake, hard_at if entry[5] else soft_at)
-                self.cond.wait(max(0.01, wake - now))
-
-
-_WATCHDOG = _Watchdog()
-
-
-def _after_fork_in_child() -> None:
-    # a forked worker has none of the parent's threads, but a copy of its locks, maybe held: start afresh
-    global _WATCHDOG
-    _WATCHDOG = _Watchdog()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+_ARMED: dict[int, bool] = {}  # thread ident -> its run's deadline is armed (may still interrupt it)
+_LOCK = threading.Lock()  # once a deadline is disarmed, no timer interrupts its thread
 
 
 def _on_alarm(signum, frame) -> None:
-    if _WATCHDOG.active(threading.get_ident()):
+    if _ARMED.get(threading.get_ident()):
         raise RunTimeout
 
 
 def _interrupt(ident: int) -> None:
-    if ident == threading.main_thread().ident:
-        signal.pthread_kill(ident, signal.SIGALRM)
-    else:
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(RunTimeout))
+    """Raise :class:`RunTimeout` in thread ``ident`` (not the main one) if its deadline is still armed."""
+    with _LOCK:
+        if _ARMED.get(ident):
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(RunTimeout))
+
+
+def _end_worker(marker_dir: Path | None, run_id: str) -> None:
+    """A worker thread's run is past its grace: leave the run's marker and end the worker."""
+    if marker_dir is not None:
+        with contextlib.suppress(OSError):
+            marker_dir.mkdir(exist_ok=True)
+            (marker_dir / run_id).write_text(str(os.getpid()))
+    os._exit(3)
 
 
 @contextmanager
@@ -158,14 +127,32 @@ def deadline(seconds: float | None, run_id: str, marker_dir: Path | None) -> Ite
     if not seconds:
         yield
         return
-    previous = None
-    if threading.current_thread() is threading.main_thread():
+    ident, main = threading.get_ident(), threading.current_thread() is threading.main_thread()
+    hard = bool(_STARTED) and _STARTED[0] == os.getpid()  # only a pool worker may end itself
+    _ARMED[ident] = True
+    timers = [] if main else [threading.Timer(seconds, _interrupt, (ident,))]
+    if main:
         previous = signal.signal(signal.SIGALRM, _on_alarm)
-    hard = bool(_STARTED) and _STARTED[0] == os.getpid()  # only a pool worker may kill itself
-    token = _WATCHDOG.arm(seconds, run_id, marker_dir, hard)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        if hard:
+            prctl(PR_SET_NAME, run_id[:15].encode())  # the process's name: what the sweep reads if it stops
+            _DEVNULL[:] = _DEVNULL or [open(os.devnull, "w")]  # noqa: SIM115 - kept open for faulthandler
+            faulthandler.dump_traceback_later(seconds + grace(seconds), exit=True, file=_DEVNULL[0])
+    elif hard:
+        timers.append(threading.Timer(seconds + grace(seconds), _end_worker, (marker_dir, run_id)))
+    for timer in timers:
+        timer.daemon = True
+        timer.start()
     try:
         yield
     finally:
-        _WATCHDOG.disarm(token)
-        if previous is not None:
+        with _LOCK:
+            _ARMED.pop(ident, None)
+        for timer in timers:
+            timer.cancel()
+        if main:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            if hard:
+                faulthandler.cancel_dump_traceback_later()
+                prctl(PR_SET_NAME, WORKER_NAME)
             signal.signal(signal.SIGALRM, previous)

@@ -61,7 +61,6 @@ from kvfast.sweep.store import (
     STATUSES,
     TIMEOUTS,
     WARMUP,
-    WORKERS,
     ResultsDir,
     StorageError,
     StoredIndex,
@@ -337,8 +336,7 @@ def _execute(
     """Run the pending runs: in this process (one job), or a warm-up here and the rest on the backend."""
     inline = options.jobs == 1 and client is None
     path = writer.store.path
-    beats = None if inline else path / WORKERS / os.urandom(4).hex()  # a folder per sweep (kvfast.sweep.procs)
-    limits = RunLimits(options.run_timeout, path / TIMEOUTS, beats, reap=inline)
+    limits = RunLimits(options.run_timeout, path / TIMEOUTS, reap=inline)
     job = Job(
         study=grid.study,
         backend="inline" if inline else options.backend,

@@ -1,4 +1,4 @@
-"""Pool workers' processes: their process trees, and the sweep process's watch over them.
+"""Pool workers' processes: their process trees, and the sweep process's watch over stopped ones.
 
 Worker side (Linux; elsewhere these are no-ops):
 
@@ -8,27 +8,18 @@ Worker side (Linux; elsewhere these are no-ops):
   (so a run's grandchildren whose parent exits, daemons included, are re-parented
   to the worker instead of init, and are found); a keeper process in its group
   kills the group when the worker dies, however it dies (``kill -9`` of the sweep too).
-- :func:`end_new_children`: after each run, every process the run left behind
-  (children not there before the run, and all their descendants) is killed.
-- :class:`Beats`: a worker writes what it is doing (the run it started, when;
-  or idle) into one small file per worker under the sweep's heartbeat folder
-  (``DIR/.workers/TOKEN/PID``, a folder per sweep), one ``pwrite`` per run start and end.
+- :class:`RunTree`: after each run, every process the run left behind (children
+  not there before the run, and all their descendants) is killed.
 
-Sweep side:
-
-- :class:`Monitor`: a thread of the sweep process, running while a pool backend
-  works (its warm-up, while the pool starts, included). Twice a second it reads the
-  heartbeat files and the state of every child process of the sweep. A worker whose run is
-  past ``--run-timeout`` plus the worker's own grace period and one second more
-  (it did not kill itself: it is stopped, ``SIGSTOP``, or wedged in C code that
-  holds the GIL) gets its run's timeout marker written and its process group
-  killed: the pool sees a dead worker and the run is stored as ``timeout``
-  (:mod:`kvfast.sweep.rows`). A child stopped (state ``T``), whatever it was doing (a run,
-  nothing, starting up), is killed once stopped for ``--run-timeout`` (``stall_s`` without
-  one): with a marker if its heartbeat names a run past its time limit (``timeout``),
-  else without (its runs are re-run alone, per the crash rules: ``crashed`` when it stops
-  again). When the pool is done, a child still stopped is killed at once (nothing waits
-  for it any more). Only the sweep's own child processes are ever killed.
+Sweep side: :class:`Monitor`, a thread of the sweep process while a pool backend works (its
+warm-up, while the pool starts, included). Twice a second it reads the state of every child
+process of the sweep (psutil); a child stopped (``SIGSTOP``: state ``T``), whatever it was doing
+(a run, nothing, starting up), is killed with its process group once stopped for ``stop_s`` (the
+run it was in, named by the worker's process name, is past its time limit when that was as long:
+:data:`OVERDUE`); when the pool is done, a child still stopped is killed at once. The pool sees a dead worker (see
+:mod:`kvfast.sweep.backends.pool` for what becomes of its runs). Only the sweep's own child
+processes are ever killed. A worker that runs past a time limit without being stopped ends
+itself (:mod:`kvfast.runtime.worker`).
 """
 
 from __future__ import annotations
@@ -36,14 +27,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import shutil
 import signal
 import sys
 import threading
 import time
-from pathlib import Path
 
-from kvfast.runtime.worker import worker_start
+from kvfast.runtime.worker import prctl, worker_start
 
 LINUX = sys.platform.startswith("linux")
 PR_SET_PDEATHSIG = 1
@@ -69,7 +58,7 @@ def worker_setup(parent: int | None = None) -> None:
         os.setpgid(0, 0)
     with contextlib.suppress(OSError, ValueError):
         signal.signal(signal.SIGTTOU, signal.SIG_IGN)  # a background group may still write to the terminal
-    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
     _start_keeper()
 
 
@@ -94,25 +83,13 @@ def _start_keeper() -> None:
     try:
         signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
         if os.getppid() != worker:  # the worker died before the line above
             os.killpg(0, signal.SIGKILL)
         while True:
             signal.pause()
     finally:
         os._exit(0)
-
-
-_LIBC: list = []
-
-
-def _prctl(option: int, value) -> int:
-    try:
-        if not _LIBC:
-            _LIBC.append(ctypes.CDLL(None, use_errno=True))
-        return _LIBC[0].prctl(option, value, 0, 0, 0)
-    except (OSError, AttributeError):
-        return -1
 
 
 class RunTree:
@@ -129,17 +106,41 @@ class RunTree:
         self.was: int | None = None
         if self.reap and not in_worker():
             flag = ctypes.c_int(0)
-            _prctl(PR_SET_CHILD_SUBREAPER + 1, ctypes.byref(flag))  # PR_GET_CHILD_SUBREAPER
+            prctl(PR_SET_CHILD_SUBREAPER + 1, ctypes.byref(flag))  # PR_GET_CHILD_SUBREAPER
             self.was = flag.value
-            _prctl(PR_SET_CHILD_SUBREAPER, 1)
+            prctl(PR_SET_CHILD_SUBREAPER, 1)
 
     def end(self) -> None:
-        """Kill what the run left running (see :func:`end_new_children`)."""
+        """Kill every child of this process not there before the run, with all its descendants, and reap them.
+
+        In a subreaper the orphans that killing re-parents here are found and killed too,
+        until none is left (a few rounds at most). Only the main thread's and the calling
+        thread's children are looked at (one or two reads a run): a child forked by another
+        thread the run left running is not, but it is in the worker's process group, which
+        the worker's keeper kills when the worker ends.
+        """
         if not self.reap:
             return
-        end_new_children(self.before)
+        import psutil
+
+        for _ in range(8):
+            new = [p for pid in _run_children() - self.before if (p := _suppressed(psutil.Process, pid))]
+            if not new:
+                break
+            for proc in [*new, *(d for p in new for d in _suppressed(p.children, True) or ())]:
+                _suppressed(proc.kill)
+            psutil.wait_procs(new)
         if self.was is not None:
-            _prctl(PR_SET_CHILD_SUBREAPER, self.was)
+            prctl(PR_SET_CHILD_SUBREAPER, self.was)
+
+
+def _suppressed(call, *args):
+    """``call(*args)``; ``None`` when the process is gone meanwhile (psutil)."""
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        return call(*args)
+    return None
 
 
 _LISTS: dict[tuple[int, int], int] = {}  # (pid, thread id) -> open fd of its children list, read with pread
@@ -148,8 +149,8 @@ _LISTS: dict[tuple[int, int], int] = {}  # (pid, thread id) -> open fd of its ch
 def _run_children() -> set[int]:
     """This process's children listed under its main thread and the calling thread (where a run's are).
 
-    The two lists stay open and are re-read with one ``pread`` each (a microsecond; opening
-    them anew costs fifty times that on a loaded machine)."""
+    The two lists stay open and are re-read with one ``pread`` each (a microsecond; psutil's
+    ``children()`` scans every process, a millisecond)."""
     pid = os.getpid()
     found: set[int] = set()
     for task in {pid, threading.get_native_id()}:
@@ -158,95 +159,13 @@ def _run_children() -> set[int]:
             if fd is None:
                 fd = _LISTS[(pid, task)] = os.open(f"/proc/{pid}/task/{task}/children", os.O_RDONLY)
             found.update(int(p) for p in os.pread(fd, 1 << 16, 0).split())
-        except OSError:
-            _LISTS.pop((pid, task), None)
-            if fd is not None:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-            found.update(p.pid for p in _process().children())  # (psutil: every thread's list)
+        except OSError:  # no such list (an old kernel): psutil, which reads every thread's
+            if (fd := _LISTS.pop((pid, task), None)) is not None:
+                os.close(fd)
+            import psutil
+
+            found.update(p.pid for p in psutil.Process().children())
     return found
-
-
-def _process(pid: int | None = None):
-    """``psutil.Process(pid)`` (this process by default): process trees and states, read by psutil."""
-    import psutil
-
-    return psutil.Process(pid)
-
-
-def _descendants(roots: set[int]) -> set[int]:
-    """``roots`` and every live descendant of them (psutil)."""
-    import psutil
-
-    found = set(roots)
-    for pid in roots:
-        with contextlib.suppress(psutil.Error):
-            found.update(p.pid for p in _process(pid).children(recursive=True))
-    return found
-
-
-def end_new_children(before: set[int]) -> None:
-    """Kill every child of this process not in ``before``, with all its descendants, and reap them.
-
-    In a worker (a subreaper) the orphans that killing re-parents here are found
-    and killed too, until none is left (a few rounds at most). Only the main thread's
-    and the calling thread's children are looked at (one or two reads a run): a child
-    forked by another thread the run left running is not, but it is in the worker's
-    process group, which the worker's keeper kills when the worker ends.
-    """
-    for _ in range(8):
-        new = _run_children() - before
-        if not new:
-            return
-        for pid in _descendants(new):
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-        for pid in new:
-            with contextlib.suppress(OSError):
-                os.waitpid(pid, 0)
-
-
-class Beats:
-    """A worker's heartbeat file ``FOLDER/PID``: ``"RUN_ID STARTED"`` while a run runs, ``"-"`` when idle."""
-
-    _files: dict[int, tuple[str, int]] = {}  # pid -> (folder, open fd); a forked worker opens its own
-
-    @classmethod
-    def write(cls, folder: Path | None, text: str) -> None:
-        """Write ``text`` into this worker's file (opened anew when the folder changed: every sweep has
-        its own, and a reused loky worker serves the next sweep too)."""
-        if folder is None or not in_worker():
-            return
-        pid = os.getpid()
-        try:
-            where, fd = cls._files.get(pid, ("", -1))
-            if where != str(folder) or fd < 0:
-                if fd >= 0:
-                    os.close(fd)
-                Path(folder).mkdir(parents=True, exist_ok=True)
-                fd = os.open(Path(folder) / str(pid), os.O_WRONLY | os.O_CREAT, 0o644)
-                cls._files[pid] = (str(folder), fd)
-            os.pwrite(fd, text.ljust(64).encode(), 0)
-        except OSError:
-            pass
-
-
-def run_started(folder: Path | None, run_id: str) -> None:
-    """Record in the heartbeat file that ``run_id`` started now (``time.monotonic``, the same in every process)."""
-    Beats.write(folder, f"{run_id} {time.monotonic():.3f}")
-
-
-def run_ended(folder: Path | None) -> None:
-    """Record in the heartbeat file that no run is running."""
-    Beats.write(folder, "-")
-
-
-def _scandir(folder: Path | None) -> list[os.DirEntry]:
-    """The entries of the heartbeat folder (none before a worker made it)."""
-    try:
-        return list(os.scandir(folder)) if folder is not None else []
-    except OSError:
-        return []
 
 
 def kill_worker(pid: int) -> None:
@@ -258,95 +177,49 @@ def kill_worker(pid: int) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-class Monitor:
-    """The sweep process's watch over its pool workers (see the module docstring); a context manager."""
+OVERDUE: set[str] = set()  # process names (run id prefixes) of workers the Monitor killed stopped past a run's limit
 
-    def __init__(self, folder: Path | None, seconds: float | None, markers: Path | None, stall_s: float) -> None:
-        self.folder, self.seconds, self.markers, self.stall_s = folder, seconds, markers, stall_s
-        self.stop = threading.Event()
+
+class Monitor:
+    """The sweep process's watch over stopped child processes (see the module docstring); a context manager.
+
+    ``seconds``: the runs' time limit; a worker killed after being stopped that long is in a run past it: its
+    process name, the run id's first 15 digits while a run with a limit runs (:mod:`kvfast.runtime.worker`),
+    goes into :data:`OVERDUE`."""
+
+    def __init__(self, stop_s: float, seconds: float | None = None) -> None:
+        self.stop_s, self.seconds = stop_s, seconds
+        self.done = threading.Event()
         self.stopped_since: dict[int, float] = {}
-        self.killed: list[tuple[int, str]] = []  # (pid, run id or "")
         self.thread = threading.Thread(target=self.loop, name="kvfast-monitor", daemon=True)
 
     def __enter__(self) -> Monitor:
-        if self.folder is not None and LINUX:
+        OVERDUE.clear()
+        if LINUX:
             self.thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        self.stop.set()
+        self.done.set()
         if self.thread.is_alive():
             self.thread.join()
-        if self.folder is not None:
             with contextlib.suppress(OSError):
-                self.check(time.monotonic(), final=True)  # end what dead workers left, and stopped ones
-            shutil.rmtree(self.folder, ignore_errors=True)
-            with contextlib.suppress(OSError):
-                Path(self.folder).parent.rmdir()  # DIR/.workers, when no other sweep's folder is left
+                self.check(time.monotonic(), final=True)
 
     def loop(self) -> None:
-        while not self.stop.wait(0.5):
+        while not self.done.wait(0.5):
             with contextlib.suppress(OSError):
                 self.check(time.monotonic())
 
-    def limit(self) -> float | None:
-        """Seconds after a run's start at which its worker is killed: the limit, the worker's grace, 1 s."""
-        if not self.seconds:
-            return None
-        return self.seconds + min(30.0, 1.0 + 0.25 * self.seconds) + 1.0
-
-    def stop_limit(self) -> float:
-        """Seconds a child may stay stopped: the run time limit, else ``stall_s``."""
-        return min(self.stall_s, self.seconds) if self.seconds else self.stall_s
-
     def check(self, now: float, final: bool = False) -> None:
-        """One look at every child and heartbeat; kill the overdue and the long-stopped ones (``final``: every
-        stopped one)."""
+        """One look at every child: kill those stopped for ``stop_s`` (``final``: every stopped one)."""
         import psutil
 
-        kids = {p.pid: p for p in _process().children()}
-        mine, limit = set(kids), self.limit()
-        beats: dict[int, tuple[str, float]] = {}
-        for entry in _scandir(self.folder):
-            pid = int(entry.name) if entry.name.isdigit() else 0
-            if pid <= 1 or pid == os.getpid():
-                continue
-            if pid not in mine:  # a worker of this sweep is gone: end what its runs left in its process group
-                if not psutil.pid_exists(pid):  # (its pid not taken by a process that is not ours)
-                    with contextlib.suppress(OSError):
-                        os.killpg(pid, signal.SIGKILL)
-                Path(entry.path).unlink(missing_ok=True)
-                continue
-            words = Path(entry.path).read_text().split()
-            try:
-                beats[pid] = (words[0], float(words[1])) if len(words) == 2 else ("", now)
-            except ValueError:  # read while being written: look again next time
-                beats[pid] = ("", now)
-        for pid, proc in kids.items():
-            try:
-                stopped = proc.status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
-            except psutil.Error:  # gone meanwhile
-                self.stopped_since.pop(pid, None)
-                continue
-            run_id, started = beats.get(pid, ("", now))
-            if limit is not None and run_id and now - started > limit:
-                self.kill(pid, run_id)
-            elif stopped:
-                since = self.stopped_since.setdefault(pid, now)
-                if final or now - since > self.stop_limit():
-                    overdue = bool(run_id and self.seconds and now - started > self.seconds)
-                    self.kill(pid, run_id if overdue else "")
-            else:
-                self.stopped_since.pop(pid, None)
-
-    def kill(self, pid: int, run_id: str) -> None:
-        """Kill worker ``pid``; with ``run_id``, first leave the run's timeout marker."""
-        if run_id and self.markers is not None:
-            with contextlib.suppress(OSError):
-                Path(self.markers).mkdir(exist_ok=True)
-                (Path(self.markers) / run_id).write_text(str(pid))
-        kill_worker(pid)
-        self.killed.append((pid, run_id))
-        self.stopped_since.pop(pid, None)
-        with contextlib.suppress(OSError):
-            (Path(self.folder) / str(pid)).unlink()
+        for proc in psutil.Process().children():
+            if _suppressed(proc.status) not in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+                self.stopped_since.pop(proc.pid, None)
+            elif final or now - self.stopped_since.setdefault(proc.pid, now) > self.stop_s:
+                if self.seconds and now - self.stopped_since[proc.pid] >= self.seconds:
+                    OVERDUE.add(_suppressed(proc.name) or "")
+                kill_worker(proc.pid)
+                self.stopped_since.pop(proc.pid, None)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from kvfast.runtime.worker import INTERRUPTED, RunTimeout, deadline
 from kvfast.sweep.grid import Run
-from kvfast.sweep.procs import RunTree, in_worker, run_ended, run_started, worker_setup
+from kvfast.sweep.procs import RunTree, in_worker, worker_setup
 
 if TYPE_CHECKING:
     from kvfast.sweep.study import Study
@@ -38,15 +38,13 @@ class RunLimits(NamedTuple):
     """How runs are guarded.
 
     ``seconds``: a run's time limit (``None``: none); ``markers``: the folder where a
-    worker that is killed at it leaves a marker; ``beats``: the folder of the
-    workers' heartbeat files (:class:`kvfast.sweep.procs.Monitor` reads them);
-    ``reap``: end the processes a run leaves behind also outside a pool worker
-    (``--jobs 1``, a warm-up with no pool starting beside it; a pool worker always does).
+    worker that is killed at it leaves a marker; ``reap``: end the processes a run leaves
+    behind also outside a pool worker (``--jobs 1``, a warm-up with no pool starting beside
+    it; a pool worker always does).
     """
 
     seconds: float | None
     markers: Path | None
-    beats: Path | None = None
     reap: bool = False
 
 
@@ -68,10 +66,8 @@ def run_one(study: Study, run: Run, limits: Limits = None) -> dict:
     clock = time.perf_counter
     t0 = clock()
     seconds, marker_dir = limits[:2] if limits else (None, None)
-    beats = limits[2] if limits and len(limits) > 2 else None
-    reap = in_worker() or bool(limits and len(limits) > 3 and limits[3])
+    reap = in_worker() or bool(limits and len(limits) > 2 and limits[2])
     pid, tree = os.getpid(), RunTree(reap)
-    run_started(beats, run.run_id)
     try:
         with deadline(seconds, run.run_id, marker_dir):
             try:
@@ -80,7 +76,6 @@ def run_one(study: Study, run: Run, limits: Limits = None) -> dict:
                 if os.getpid() != pid:  # a child the run forked returned (or raised) into kvfast's loop
                     os._exit(0)
                 tree.end()
-                run_ended(beats)
         if type(result) is not dict or result.keys() != study.result_fields.keys():
             _wrong_result(study, result)
         row = dict(result)

@@ -14,21 +14,17 @@ unordered, as they finish):
   imported in every worker, by :func:`preheat` while the warm-up runs).
 
 Workers are set up by :func:`kvfast.sweep.procs.worker_setup` (they die with the
-sweep, ignore SIGINT, lead their own process group and end the processes each
-run leaves). While the pool starts and runs (:func:`supervised`), a
-:class:`kvfast.sweep.procs.Monitor` in this process kills a worker that is past a
-run's time limit without having killed itself (stopped, or wedged in C code), or
-stopped (whatever it was doing) for ``--run-timeout`` (``--stall-timeout`` without
-one): the pool sees a dead worker, as below. A dead worker breaks its pool: joblib aborts the call
-(the backend kills the other workers), the chunks in flight are re-run one run at
-a time, each alone in a new one-worker pool, and a run that kills that worker too
-is ``crashed`` (``timeout`` when the worker killed itself at the run's time limit).
-The runs not yet handed out go on in a new pool. On Ctrl-C joblib aborts the call
-and the backend kills the workers at once.
-
-A run alone is submitted to the backend's one-worker pool directly, not through
-``Parallel``: joblib runs a one-job call in the calling process, where a crashing
-run would take the sweep with it.
+sweep, ignore SIGINT, lead their own process group and end the processes each run
+leaves); one whose run is past its time limit and its grace ends itself
+(:mod:`kvfast.runtime.worker`); one stopped (``SIGSTOP``) is killed by the sweep's
+:class:`kvfast.sweep.procs.Monitor` (:func:`supervised`). A dead worker breaks its
+pool: joblib aborts the call (the backend kills the other workers), the runs not yet
+handed out go on in a new pool, and those of the chunks in flight are re-run one at
+a time, each alone in a new one-worker pool (:meth:`ProcessPoolBackend.run_alone`:
+submitted directly, as joblib runs a one-job call in the calling process, where a
+crashing run would take the sweep with it), ``timeout`` when past its time limit,
+``crashed`` when it kills that worker sooner. On Ctrl-C joblib aborts the call and
+the backend kills the workers at once.
 """
 
 from __future__ import annotations
@@ -37,6 +33,7 @@ import contextlib
 import multiprocessing
 import os
 import sys
+import time
 import warnings
 from collections.abc import Iterator
 from concurrent.futures.process import BrokenProcessPool, ProcessPoolExecutor
@@ -45,10 +42,11 @@ from typing import TYPE_CHECKING
 from joblib import Parallel, delayed, register_parallel_backend
 from joblib._parallel_backends import ParallelBackendBase, SequentialBackend
 
+from kvfast.runtime.worker import grace
 from kvfast.sweep.backends import NOTHING_LOST, Job, Outcome
 from kvfast.sweep.grid import Run
-from kvfast.sweep.procs import Monitor, kill_worker, worker_setup
-from kvfast.sweep.rows import Limits, lost_worker_row, run_chunk, run_chunk_in_worker, timed_out, timeout_row
+from kvfast.sweep.procs import OVERDUE, Monitor, kill_worker, worker_setup
+from kvfast.sweep.rows import Limits, lost_worker_row, run_chunk, run_chunk_in_worker, timeout_row
 
 if TYPE_CHECKING:
     from kvfast.sweep.study import Study
@@ -154,11 +152,20 @@ class ProcessPoolBackend(ParallelBackendBase):
     def get_nested_backend(self):
         return SequentialBackend(nesting_level=(self.nesting_level or 0) + 1), None
 
-    def run_alone(self, func, *args):
-        """``func(*args)`` in a new one-worker pool; ``BrokenProcessPool`` if the worker dies."""
+    def run_alone(self, func, *args, seconds: float | None = None):
+        """``func(*args)`` in a new one-worker pool. ``TimeoutError`` (the worker killed) when it has not
+        returned ``seconds`` (the run's time limit) plus the worker's grace and one second after the worker
+        was ready, or when the worker died after ``seconds``; ``BrokenProcessPool`` when it died sooner."""
         pool = self.new_pool(1)
         try:
-            result = pool.submit(func, *args).result()
+            pool.submit(os.getpid).result()  # a worker is up: the time counts from here
+            started = time.monotonic()
+            try:
+                result = pool.submit(func, *args).result(seconds and seconds + grace(seconds) + 1.0)
+            except BrokenProcessPool:
+                if seconds and time.monotonic() - started >= seconds:
+                    raise TimeoutError from None
+                raise
         except BaseException:
             shutdown(pool, kill=True)
             raise
@@ -183,12 +190,6 @@ register_parallel_backend("kvfast-fork", ForkBackend)
 register_parallel_backend("kvfast-loky", LokyBackend)
 
 
-def _loaded(study: Study) -> int:
-    """A worker's no-op task: unpickling ``study`` imported its module."""
-    worker_setup()
-    return os.getpid()
-
-
 def preheat(job: Job) -> None:
     """loky: start the pool (the one the sweep then reuses) and have every worker import the study; returns at
     once (the workers start meanwhile). Call it from the thread that runs the sweep: a worker dies with the
@@ -198,16 +199,16 @@ def preheat(job: Job) -> None:
     try:
         pool = loky_pool(job.workers)
         for _ in range(job.workers):
-            pool.submit(_loaded, job.study)
+            pool.submit(run_chunk_in_worker, job.study, (0, []))  # no run: it imports the study
     except Exception:  # noqa: BLE001 - only a head start; the sweep itself reports any failure
         pass
 
 
 def supervised(job: Job) -> Monitor:
-    """The sweep's watch over its worker processes (:class:`~kvfast.sweep.procs.Monitor`), a context manager
-    the engine holds from before the warm-up (while the pool starts) until the backend is done."""
-    limits = job.limits or (None, None)
-    return Monitor(limits[2] if len(limits) > 2 else None, limits[0], limits[1], job.stall_s)
+    """The sweep's watch over stopped workers (:class:`~kvfast.sweep.procs.Monitor`), a context manager the
+    engine holds from before the warm-up (while the pool starts) until the backend is done."""
+    seconds = job.limits[0] if job.limits else None
+    return Monitor(min(job.stall_s, seconds) if seconds else job.stall_s, seconds)
 
 
 def execute(job: Job, runs: Iterator[Run], total: int) -> Outcome:
@@ -263,12 +264,16 @@ def _fan_out(kind: str, planner, job: Job) -> Iterator[tuple[int, list[dict]]]:
 
 
 def _alone(backend: ProcessPoolBackend, study: Study, run: Run, limits: Limits) -> dict:
-    """The row of a run whose chunk's worker died, re-run alone in a new one-worker pool."""
-    if timed_out(limits, run):
+    """The row of a run whose chunk's worker died, re-run alone in a new one-worker pool (``timeout`` at once
+    when its worker was killed stopped past the run's limit: :data:`~kvfast.sweep.procs.OVERDUE`)."""
+    if run.run_id[:15] in OVERDUE:
+        OVERDUE.discard(run.run_id[:15])
         return timeout_row(study, run, limits)
+    forked = backend.kind == "fork"
+    task = (run_chunk_forked, (0, [run])) if forked else (run_chunk_in_worker, study, (0, [run]), limits)
     try:
-        if backend.kind == "fork":
-            return backend.run_alone(run_chunk_forked, (0, [run]))[1][0]
-        return backend.run_alone(run_chunk_in_worker, study, (0, [run]), limits)[1][0]
+        return backend.run_alone(*task, seconds=limits[0] if limits else None)[1][0]
+    except TimeoutError:
+        return timeout_row(study, run, limits)
     except BrokenProcessPool:
         return lost_worker_row(study, run, limits)

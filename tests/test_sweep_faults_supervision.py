@@ -1,0 +1,50 @@
+"""The pool's supervision (issue 29): a run past ``--run-timeout`` is a ``timeout`` row however its worker
+is held, here by C code that keeps the GIL (the worker's own watchdog thread cannot run; a C thread,
+``faulthandler``'s, ends the worker, and the run re-run alone is timed by the sweep itself).
+
+Through the real command line, on tests/faultstudy.py (see tests/test_sweep_faults.py).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+from test_sweep_faults import grid_toml, kvfast, marks_env, one_line, stored
+
+from kvfast.commands.sweep import EXIT_FAILED
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="libc sleep through ctypes.PyDLL")
+@pytest.mark.parametrize("backend", ["fork", pytest.param("loky", marks=pytest.mark.slow)])
+def test_a_run_holding_the_gil_past_its_time_limit_is_a_timeout_row(tmp_path, backend):
+    toml = grid_toml(tmp_path / "g.toml", ([0, 1, 2, 3], "ok"), ([80], "gil"), ([4, 5, 6, 7], "ok"))
+    out = tmp_path / "o"
+    args = ["--jobs", "2", "--backend", backend, "--run-timeout", "1", "--quiet"]
+    t0 = time.monotonic()
+    proc = kvfast("run", toml, "--out", out, *args, timeout=150)  # a hang fails here
+    assert time.monotonic() - t0 < 100
+    assert proc.returncode == EXIT_FAILED, proc.stdout + proc.stderr
+    one_line(proc, "1 runs stored as error, crashed or timeout")
+    df = stored(out).set_index("x")
+    assert df.loc[80, "status"] == "timeout" and "--run-timeout 1 s" in df.loc[80, "error"]
+    ok = df.drop(index=80)
+    assert len(ok) == 8 and (ok["status"] == "ok").all() and (ok["y"] == 1.5 * ok.index).all()
+    again = kvfast("run", toml, "--out", out, *args)
+    assert again.returncode == EXIT_FAILED and "9 already stored, 0 run now" in again.stdout
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIGSTOP, PR_SET_NAME")
+def test_a_run_that_stops_its_worker_past_the_run_timeout_is_a_timeout_row_without_a_second_try(tmp_path):
+    """Done-when: the SIGSTOP case ends within --run-timeout plus a few seconds. The sweep kills the worker
+    stopped for --run-timeout and reads the run from the worker's process name: a `timeout` row at once, not a
+    second try alone (which would stop and wait again)."""
+    toml = grid_toml(tmp_path / "g.toml", ([0, 1, 2, 3], "ok"), ([60], "stop"), ([4, 5, 6, 7], "ok"))
+    out, marks = tmp_path / "o", tmp_path / "marks"
+    args = ["--jobs", "2", "--backend", "fork", "--run-timeout", "2", "--quiet"]
+    proc = kvfast("run", toml, "--out", out, *args, env=marks_env(marks), timeout=150)
+    assert proc.returncode == EXIT_FAILED, proc.stdout + proc.stderr
+    assert len((marks / "stop-60").read_text().split()) == 1  # it ran once
+    df = stored(out).set_index("x")
+    assert df.loc[60, "status"] == "timeout" and (df.drop(index=60)["status"] == "ok").all() and len(df) == 9
