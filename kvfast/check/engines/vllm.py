@@ -20,8 +20,14 @@ vocabulary as raw logits: ``prompt_logprobs=-1`` for a prompt's rows, ``logprobs
   resumed chunk is computed over a real prefix-cache hit (the full blocks of the earlier request; a
   first chunk shorter than a block, :data:`BLOCK` tokens, leaves none: the whole sequence is then prefilled).
 - ``recompute_variants`` (control mode's order noise, each from vLLM itself): ``"batch"`` (the sequence
-  recomputed in one step together with another request: other GEMM shapes) and ``"chunk"`` (the sequence
-  recomputed as a chunked prefill of ``CHUNK`` tokens a step: other shapes, attention over cached chunks).
+  recomputed in one step together with another request: other GEMM shapes), ``"chunk"`` (the sequence
+  recomputed as a chunked prefill of ``CHUNK`` tokens a step: other shapes, attention over cached chunks) and
+  ``"rows"`` (the recompute with every linear layer run on :data:`ROWS` row at a time: the GEMM kernel a decode
+  step runs, the prefill's attention). vLLM's CPU GEMMs depend on their row count: in bfloat16 on a CPU with
+  AMX, a linear layer whose weight is under 1 MiB runs sgl-kernel's ``weight_packed_linear``, an AVX-512 kernel
+  for up to 4 rows and an AMX one above, which add up in another order; measured on the tiny test model, a
+  decode row then differs from vLLM's own prefill of the same tokens by up to 1 bfloat16 unit of the logits
+  (exact mode: ``divergent``; control mode: ``rounding``, the ``"rows"`` variant measuring that noise).
 - ``internal_formats``: the model's dtype for the KV cache and the compute (``{"kv cache": "bfloat16",
   "compute": "bfloat16"}``); no ``promote``: vLLM's CPU backend has no float64.
 
@@ -47,9 +53,11 @@ from kvfast.validation import import_extra, not_allowed, require_choice, require
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
               "VLLM_CPU_ATTN_SPLIT_KV": "0", "VLLM_LOGGING_LEVEL": "ERROR"}  # fmt: skip
 DTYPES = ("float32", "bfloat16")
-VARIANTS = ("batch", "chunk")
+VARIANTS = ("batch", "chunk", "rows")
 #: The prefill chunk of the ``chunk`` variant (tokens per scheduler step).
 CHUNK = 16
+#: The rows per GEMM call of the ``rows`` variant: one, as in a decode step of one request.
+ROWS = 1
 #: vLLM's CPU attention: block sizes a multiple of 32, head size at least 32.
 BLOCK = 32
 MODEL = "a model directory vLLM can load (config.json and weights) or a vllm.LLM"
@@ -120,6 +128,10 @@ class VLLMModel:
     - ``speculate``: decode steps run ahead in each request (the checker's first ``speculate`` decodes after a
       ``prefill`` or ``extend`` are served from them; a later one resumes in a new request).
     - ``variants``: a subset of :data:`VARIANTS` (control mode's order noise).
+    - ``gemm_rows``: ``None`` (vLLM as it runs) or ``n``: every linear layer, on the cached path and in the
+      recompute alike, runs its GEMM on ``n`` rows at a time (``1``: the kernel of a one-request decode step
+      everywhere). The cache's logic is unchanged; what no longer differs is the GEMM kernel chosen by row count,
+      so exact mode judges the cache alone where vLLM's GEMMs depend on it (bfloat16 on AMX CPUs: module doc).
     """
 
     def __init__(
@@ -133,8 +145,10 @@ class VLLMModel:
         speculate: int = 32,
         variants=VARIANTS,
         seed: int = 0,
+        gemm_rows: int | None = None,
     ) -> None:
         vllm = _vllm()
+        self.gemm_rows = None if gemm_rows is None else require_int(gemm_rows, "gemm_rows", 1)
         if isinstance(variants, str):
             variants = (variants,)
         self.variants = tuple(require_choice(v, "variants", VARIANTS) for v in variants)
@@ -172,9 +186,12 @@ class VLLMModel:
         self._ahead: list[tuple[int, np.ndarray]] = []  # decoded (token fed, its row) run ahead, not yet handed out
         self.requests = 0  # requests sent to the engine
         self.last_hit = 0  # prefix-cache tokens the last cached-path request read
+        if self.gemm_rows:
+            self._warm_up()
 
     def __repr__(self) -> str:
-        return f"VLLMModel({str(self.path) if self.path else 'LLM'!r})"
+        rows = f", gemm_rows={self.gemm_rows}" if self.gemm_rows else ""
+        return f"VLLMModel({str(self.path) if self.path else 'LLM'!r}{rows})"
 
     # --- requests ---------------------------------------------------------------------------------------------
 
@@ -195,8 +212,10 @@ class VLLMModel:
                 raise not_allowed("positions", len(p), f"at most {self.max_positions} (max_model_len)")
         self.requests += len(prompts)
         previous, _ACTIVE = _ACTIVE, (self if cached_path else None)
+        rows = self._gemm_rows(self.gemm_rows) if self.gemm_rows else contextlib.nullcontext()
         try:
-            return self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+            with rows:
+                return self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         finally:
             _ACTIVE = previous
             if not cached_path:  # the reference leaves no block in the prefix cache for the cached path to hit
@@ -232,6 +251,16 @@ class VLLMModel:
         self._ahead = [(int(t), self._row(lp)) for t, lp in fed]
         self.tokens = list(tokens)
         return rows
+
+    def _warm_up(self) -> None:
+        """One request with vLLM's GEMMs as they are, before any is split into rows: measured here, a first
+        forward whose GEMMs all take the few-row kernel dies of SIGILL in the CPU attention's AMX kernel (the
+        AMX tile state is set up by the many-row GEMM kernel)."""
+        from vllm.inputs import TokensPrompt
+
+        prompt = TokensPrompt(prompt_token_ids=[i % self.vocab_size for i in range(2 * BLOCK)])
+        self.llm.generate([prompt], self._params(1, False, False), use_tqdm=False)
+        self.llm.reset_prefix_cache()
 
     # --- the protocol -----------------------------------------------------------------------------------------
 
@@ -282,7 +311,7 @@ class VLLMModel:
             if name in self.skipped_variants:
                 continue
             try:
-                out[name] = self._batch(tokens) if name == "batch" else self._chunked(tokens)
+                out[name] = {"batch": self._batch, "chunk": self._chunked, "rows": self._rows}[name](tokens)
             except Exception as exc:  # noqa: BLE001 - a variant is order noise: losing one must not lose the check
                 self.skipped_variants[name] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
         return out
@@ -296,6 +325,51 @@ class VLLMModel:
         with self._token_budget(CHUNK):
             out = self._generate([tokens], [self._params(1, True, False)], cached_path=False)[0]
         return self._rows_of(out, 0)
+
+    def _rows(self, tokens: list[int]) -> np.ndarray:
+        with self._gemm_rows(ROWS):
+            out = self._generate([tokens], [self._params(1, True, False)], cached_path=False)[0]
+        return self._rows_of(out, 0)
+
+    def _layers(self) -> list:
+        """The model's linear layers that run vLLM's CPU GEMM dispatch (``cpu_linear``), in this process."""
+        core = getattr(self.llm.llm_engine.engine_core, "engine_core", None)
+        executor = getattr(core, "model_executor", None)
+        worker = getattr(getattr(executor, "driver_worker", None), "worker", None)
+        model = getattr(getattr(worker, "model_runner", None), "model", None)
+        if model is None:
+            raise NotImplementedError("the engine's model is not in this process")
+        layers = [m for m in model.modules() if callable(getattr(m, "cpu_linear", None))]
+        if not layers:
+            raise NotImplementedError("no linear layer of the model runs vLLM's CPU GEMM dispatch (cpu_linear)")
+        return layers
+
+    @contextlib.contextmanager
+    def _gemm_rows(self, n: int):
+        """Every linear layer's GEMM run on ``n`` rows at a time for the duration (the rows are independent:
+        the same products, each with the kernel a step of ``n`` tokens runs)."""
+        import torch
+
+        layers = self._layers()
+        saved = [layer.cpu_linear for layer in layers]
+
+        def blocked(linear):
+            def run(x, weight, bias):
+                flat = x.reshape(-1, x.shape[-1])
+                if flat.shape[0] <= n:
+                    return linear(x, weight, bias)
+                out = torch.cat([linear(flat[i : i + n], weight, bias) for i in range(0, flat.shape[0], n)])
+                return out.reshape(*x.shape[:-1], out.shape[-1])
+
+            return run
+
+        for layer, linear in zip(layers, saved, strict=True):
+            layer.cpu_linear = blocked(linear)
+        try:
+            yield
+        finally:
+            for layer, linear in zip(layers, saved, strict=True):
+                layer.cpu_linear = linear
 
     @contextlib.contextmanager
     def _token_budget(self, n: int):
