@@ -38,6 +38,7 @@ attention step of the cached path passes through (:mod:`kvfast.bugs.engines`).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 from pathlib import Path
 
@@ -70,10 +71,24 @@ def _vllm():
     for key, value in ENGINE_ENV.items():
         os.environ.setdefault(key, value)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    _set_threads()
     vllm = import_extra("vllm", "a vLLM model", "vllm")
     _patch_kernel_scan()
     _patch_attention_metadata()
     return vllm
+
+
+def _set_threads() -> None:
+    """torch's intra-op threads set to ``OMP_NUM_THREADS`` before vLLM's CPU worker forbids setting them: torch,
+    once imported (kvfast may import it first), no longer reads the variable, and vLLM's worker then keeps
+    torch's default (one thread per core). Measured here on 2 shared cores: with 2 threads every small kernel
+    waited for the other thread (a 128 x 128 GEMM row 14-24 ms instead of microseconds)."""
+    import torch
+
+    if not getattr(torch.set_num_threads, "__name__", "").startswith("skip"):  # vLLM's worker has not replaced it
+        threads = os.environ["OMP_NUM_THREADS"]
+        if threads.isdigit() and int(threads) > 0:
+            torch.set_num_threads(int(threads))
 
 
 def _patch_kernel_scan() -> None:
@@ -112,6 +127,34 @@ def _patch_attention_metadata() -> None:
 
     hooked._kvfast = True
     builder.build = hooked
+
+
+def _append_fast(self, token_ids, logprobs, ranks, decoded_tokens) -> None:
+    """vLLM's ``FlatLogprobs.append_fast`` (one position's logprobs appended to flat lists, as far as the
+    shortest input goes), by ``list.extend`` instead of a Python loop per entry: the same lists."""
+    n = min(len(token_ids), len(logprobs))
+    ranks, decoded = list(itertools.islice(ranks, n)), list(itertools.islice(decoded_tokens, n))
+    n = min(n, len(ranks), len(decoded))
+    self.start_indices.append(len(self.logprobs))
+    self.token_ids.extend(token_ids[:n])
+    self.logprobs.extend(logprobs[:n])
+    self.ranks.extend(ranks[:n])
+    self.decoded_tokens.extend(decoded[:n])
+    self.end_indices.append(len(self.logprobs))
+
+
+@contextlib.contextmanager
+def _flat_appends():
+    """:func:`_append_fast` in place of vLLM's own for the duration (the adapter's rows are the full
+    vocabulary: measured here, vLLM's loop was most of a check's time)."""
+    from vllm.logprobs import FlatLogprobs
+
+    saved = FlatLogprobs.append_fast
+    FlatLogprobs.append_fast = _append_fast
+    try:
+        yield
+    finally:
+        FlatLogprobs.append_fast = saved
 
 
 def is_vllm_llm(model: object) -> bool:
@@ -200,7 +243,7 @@ class VLLMModel:
 
         return SamplingParams(
             max_tokens=max_tokens, temperature=0.0, logprobs=-1, prompt_logprobs=-1 if prompt_rows else None,
-            detokenize=False, skip_reading_prefix_cache=not read_cache, ignore_eos=True,
+            detokenize=False, skip_reading_prefix_cache=not read_cache, ignore_eos=True, flat_logprobs=True,
         )  # fmt: skip
 
     def _generate(self, prompts: list[list[int]], params: list, cached_path: bool) -> list:
@@ -214,29 +257,38 @@ class VLLMModel:
         previous, _ACTIVE = _ACTIVE, (self if cached_path else None)
         rows = self._gemm_rows(self.gemm_rows) if self.gemm_rows else contextlib.nullcontext()
         try:
-            with rows:
+            with rows, _flat_appends():
                 return self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         finally:
             _ACTIVE = previous
             if not cached_path:  # the reference leaves no block in the prefix cache for the cached path to hit
                 self.llm.reset_prefix_cache()
 
-    def _row(self, logprobs: dict) -> np.ndarray:
-        return np.fromiter((logprobs[i].logprob for i in range(self.vocab_size)), np.float32, self.vocab_size)
+    def _flat_rows(self, flat, indices) -> np.ndarray:
+        """Rows ``indices`` of vLLM's ``FlatLogprobs`` ``flat`` (every position's full vocabulary, flat lists:
+        no dict per row) as ``(len(indices), V)`` float32."""
+        ids = np.asarray(flat.token_ids, np.int64)
+        values = np.asarray(flat.logprobs, np.float32)  # float32 logits read back as Python floats: exact
+        rows = np.empty((len(indices), self.vocab_size), np.float32)
+        for k, i in enumerate(indices):
+            start, end = flat.start_indices[i], flat.end_indices[i]
+            covered = np.zeros(self.vocab_size, bool)
+            covered[ids[start:end]] = True
+            if not covered.all():
+                raise RuntimeError(f"vLLM returned {int(covered.sum())} of {self.vocab_size} logits for a row")
+            rows[k, ids[start:end]] = values[start:end]
+        return rows
 
     def _rows_of(self, output, first: int) -> np.ndarray:
         """The rows of prompt positions ``first`` .. end of ``output`` (prompt logprobs, then the first decoded
         row for the prompt's last position)."""
         n = len(output.prompt_token_ids)
-        prompt = output.prompt_logprobs or []
-        rows = []
-        for p in range(first, n - 1):
-            entry = prompt[p + 1] if p + 1 < len(prompt) else None
-            if entry is None:
-                raise RuntimeError(f"vLLM returned no prompt logprobs for position {p} (of {n})")
-            rows.append(self._row(entry))
-        rows.append(self._row(output.outputs[0].logprobs[0]))
-        return np.stack(rows)
+        prompt = output.prompt_logprobs
+        if prompt is None or len(prompt) < n:
+            raise RuntimeError(f"vLLM returned no prompt logprobs for some of the {n} positions")
+        # prompt logprobs entry p + 1 is the row of position p (entry 0, the first token's, is empty)
+        rows = self._flat_rows(prompt, range(first + 1, n)) if first + 1 < n else np.empty((0, self.vocab_size))
+        return np.concatenate([rows, self._flat_rows(output.outputs[0].logprobs, [0])]).astype(np.float32)
 
     def _run_ahead(self, tokens: list[int], first: int, read_cache: bool) -> np.ndarray:
         """One cached-path request over ``tokens`` (rows from ``first``) decoding ``speculate`` tokens ahead."""
@@ -247,8 +299,8 @@ class VLLMModel:
         self.last_hit = int(out.num_cached_tokens or 0)
         rows = self._rows_of(out, first)
         decoded = out.outputs[0]
-        fed = zip(decoded.token_ids[:-1], decoded.logprobs[1:], strict=True)  # token t's row is the next one
-        self._ahead = [(int(t), self._row(lp)) for t, lp in fed]
+        ahead_rows = self._flat_rows(decoded.logprobs, range(1, len(decoded.token_ids)))
+        self._ahead = list(zip(map(int, decoded.token_ids[:-1]), ahead_rows, strict=True))  # token t: the next row
         self.tokens = list(tokens)
         return rows
 
