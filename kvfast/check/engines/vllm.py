@@ -63,6 +63,18 @@ ROWS = 1
 BLOCK = 32
 MODEL = "a model directory vLLM can load (config.json and weights) or a vllm.LLM"
 
+#: The ids of the adapters' own requests: integers, as ``LLM.generate``'s (it sorts its outputs by them), far
+#: above them, one sequence for every adapter in the process.
+_REQUEST_IDS = itertools.count(10**15)
+_SALTS = itertools.count()
+
+
+def _salt() -> str:
+    """A prefix-cache salt used once: vLLM hashes it into a request's blocks, so only requests given the same
+    salt share blocks (the cached path's own history; never the reference's). No reset of the cache needed."""
+    return f"kvfast-{os.getpid()}-{next(_SALTS)}"
+
+
 #: The adapter whose cached path is running (its attention metadata hook applies), else ``None``.
 _ACTIVE: VLLMModel | None = None
 
@@ -226,7 +238,10 @@ class VLLMModel:
         self.internal_formats = {"kv cache": fmt, "compute": fmt}
         self.skipped_variants: dict[str, str] = {}
         self.tokens: list[int] | None = None
-        self._ahead: list[tuple[int, np.ndarray]] = []  # decoded (token fed, its row) run ahead, not yet handed out
+        self._history = _salt()  # the prefix-cache salt of the cached path's requests since the last prefill
+        self._live: str | None = None  # the cached-path request running in the engine
+        self._sampled = -1  # the token the live request chose last (fed by the next decode)
+        self._ahead: list[tuple[int, np.ndarray]] = []  # decoded (token fed, its row) kept when it stopped
         self.requests = 0  # requests sent to the engine
         self.last_hit = 0  # prefix-cache tokens the last cached-path request read
         if self.gemm_rows:
@@ -246,23 +261,35 @@ class VLLMModel:
             detokenize=False, skip_reading_prefix_cache=not read_cache, ignore_eos=True, flat_logprobs=True,
         )  # fmt: skip
 
-    def _generate(self, prompts: list[list[int]], params: list, cached_path: bool) -> list:
-        from vllm.inputs import TokensPrompt
-
+    @contextlib.contextmanager
+    def _engine(self, cached_path: bool):
+        """What every engine call of the adapter runs under: the bug hook live on the cached path only, the
+        GEMMs split into rows (``gemm_rows``), vLLM's flat logprobs appended fast."""
         global _ACTIVE
-        for p in prompts:
-            if len(p) > self.max_positions:
-                raise not_allowed("positions", len(p), f"at most {self.max_positions} (max_model_len)")
-        self.requests += len(prompts)
         previous, _ACTIVE = _ACTIVE, (self if cached_path else None)
         rows = self._gemm_rows(self.gemm_rows) if self.gemm_rows else contextlib.nullcontext()
         try:
             with rows, _flat_appends():
-                return self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+                yield
         finally:
             _ACTIVE = previous
-            if not cached_path:  # the reference leaves no block in the prefix cache for the cached path to hit
-                self.llm.reset_prefix_cache()
+
+    def _check_length(self, tokens: list[int]) -> None:
+        if len(tokens) > self.max_positions:
+            raise not_allowed("positions", len(tokens), f"at most {self.max_positions} (max_model_len)")
+
+    def _generate(self, prompts: list[list[int]], params: list, cached_path: bool) -> list:
+        """One ``LLM.generate`` of ``prompts`` (the live cached-path request ended first), each under a salt
+        of its own: no later request hits a block of theirs."""
+        from vllm.inputs import TokensPrompt
+
+        for p in prompts:
+            self._check_length(p)
+        self._stop()
+        self.requests += len(prompts)
+        prompts = [TokensPrompt(prompt_token_ids=p, cache_salt=_salt()) for p in prompts]
+        with self._engine(cached_path):
+            return self.llm.generate(prompts, params, use_tqdm=False)
 
     def _flat_rows(self, flat, indices) -> np.ndarray:
         """Rows ``indices`` of vLLM's ``FlatLogprobs`` ``flat`` (every position's full vocabulary, flat lists:
@@ -290,19 +317,54 @@ class VLLMModel:
         rows = self._flat_rows(prompt, range(first + 1, n)) if first + 1 < n else np.empty((0, self.vocab_size))
         return np.concatenate([rows, self._flat_rows(output.outputs[0].logprobs, [0])]).astype(np.float32)
 
-    def _run_ahead(self, tokens: list[int], first: int, read_cache: bool) -> np.ndarray:
-        """One cached-path request over ``tokens`` (rows from ``first``) decoding ``speculate`` tokens ahead."""
-        ahead = max(1, min(self.speculate + 1, self.max_positions - len(tokens)))  # + 1: the prompt's last row
-        if not read_cache:  # a fresh cache: no block of an earlier request to hit
-            self.llm.reset_prefix_cache()
-        out = self._generate([tokens], [self._params(ahead, True, read_cache)], cached_path=True)[0]
+    def _start(self, tokens: list[int], first: int, read_cache: bool) -> np.ndarray:
+        """A cached-path request over ``tokens`` decoding up to ``speculate`` tokens, stepped only through its
+        prefill: its rows from ``first`` (the last chose the token a decode is fed next). The first
+        :meth:`decode` steps it to its end; a prefill or extend before that ends it (no decode step is spent)."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        self._check_length(tokens)
+        self._stop()
+        self._ahead = []
+        if not read_cache:  # a new history: no block of an earlier request to hit
+            self._history = _salt()
+        params = self._params(max(1, min(self.speculate + 1, self.max_positions - len(tokens))), True, read_cache)
+        params.output_kind = RequestOutputKind.DELTA
+        self._live = str(next(_REQUEST_IDS))
+        self.requests += 1
+        prompt = TokensPrompt(prompt_token_ids=tokens, cache_salt=self._history)
+        self.llm.llm_engine.add_request(self._live, prompt, params)
+        out = self._step()
         self.last_hit = int(out.num_cached_tokens or 0)
-        rows = self._rows_of(out, first)
-        decoded = out.outputs[0]
-        ahead_rows = self._flat_rows(decoded.logprobs, range(1, len(decoded.token_ids)))
-        self._ahead = list(zip(map(int, decoded.token_ids[:-1]), ahead_rows, strict=True))  # token t: the next row
         self.tokens = list(tokens)
-        return rows
+        return self._rows_of(out, first)
+
+    def _step(self):
+        """Step the engine until the live request outputs its next token: that output (``DELTA``: the new
+        token and its row, and after the prefill the prompt's rows)."""
+        engine = self.llm.llm_engine
+        with self._engine(cached_path=True):
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.request_id == self._live and out.outputs and out.outputs[0].token_ids:
+                        self._sampled = int(out.outputs[0].token_ids[-1])
+                        if out.finished:
+                            self._live = None
+                        return out
+        raise RuntimeError("vLLM finished the request without a token")
+
+    def _run_to_end(self) -> None:
+        """Step the live request to its end, keeping each (token fed, its row) for :meth:`decode`."""
+        while self._live is not None:
+            token = self._sampled
+            self._ahead.append((token, self._flat_rows(self._step().outputs[0].logprobs, [0])[0]))
+
+    def _stop(self) -> None:
+        """End the live request (not yet decoded: nothing of it is kept) before another request runs."""
+        if self._live is not None:
+            self.llm.llm_engine.abort_request([self._live])
+            self._live = None
 
     def _warm_up(self) -> None:
         """One request with vLLM's GEMMs as they are, before any is split into rows: measured here, a first
@@ -310,9 +372,8 @@ class VLLMModel:
         AMX tile state is set up by the many-row GEMM kernel)."""
         from vllm.inputs import TokensPrompt
 
-        prompt = TokensPrompt(prompt_token_ids=[i % self.vocab_size for i in range(2 * BLOCK)])
+        prompt = TokensPrompt(prompt_token_ids=[i % self.vocab_size for i in range(2 * BLOCK)], cache_salt=_salt())
         self.llm.generate([prompt], self._params(1, False, False), use_tqdm=False)
-        self.llm.reset_prefix_cache()
 
     # --- the protocol -----------------------------------------------------------------------------------------
 
@@ -323,23 +384,25 @@ class VLLMModel:
         return self._rows_of(out, 0)
 
     def prefill(self, tokens):
-        """A fresh request over ``tokens`` (no prefix cache read); ``(T, V)``; decodes run ahead greedily."""
-        return self._run_ahead([int(t) for t in np.asarray(tokens).reshape(-1)], 0, read_cache=False)
+        """A fresh request over ``tokens`` (no prefix cache read); ``(T, V)``; decodes continue it."""
+        return self._start([int(t) for t in np.asarray(tokens).reshape(-1)], 0, read_cache=False)
 
     def extend(self, tokens):
         """A new request over the sequence and ``tokens``, reading the prefix cache: ``(n, V)``."""
         self._require()
         first = len(self.tokens)
-        return self._run_ahead(self.tokens + [int(t) for t in np.asarray(tokens).reshape(-1)], first, True)
+        return self._start(self.tokens + [int(t) for t in np.asarray(tokens).reshape(-1)], first, True)
 
     def decode(self, token):
-        """The row after ``token``: from the running request while ``token`` is vLLM's own, else a new request."""
+        """The row after ``token``: from the running request while ``token`` is the one vLLM decoded, else a
+        new request over the sequence and ``token``, reading the prefix cache."""
         self._require()
         token = require_int(token, "token", 0, self.vocab_size - 1)
+        self._run_to_end()
         if self._ahead and self._ahead[0][0] == token:
             self.tokens.append(token)
             return self._ahead.pop(0)[1]
-        return self._run_ahead(self.tokens + [token], len(self.tokens), read_cache=True)[0]
+        return self._start(self.tokens + [token], len(self.tokens), read_cache=True)[0]
 
     def _require(self) -> None:
         if self.tokens is None:
