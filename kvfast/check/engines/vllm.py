@@ -279,13 +279,14 @@ class VLLMModel:
             raise not_allowed("positions", len(tokens), f"at most {self.max_positions} (max_model_len)")
 
     def _generate(self, prompts: list[list[int]], params: list, cached_path: bool) -> list:
-        """One ``LLM.generate`` of ``prompts`` (the live cached-path request ended first), each under a salt
+        """One ``LLM.generate`` of ``prompts`` (the live cached-path request stepped to its end first, its rows
+        kept for :meth:`decode`), each under a salt
         of its own: no later request hits a block of theirs."""
         from vllm.inputs import TokensPrompt
 
         for p in prompts:
             self._check_length(p)
-        self._stop()
+        self._run_to_end()  # LLM.generate would run it to its end too, and hand back its rows with its own
         self.requests += len(prompts)
         prompts = [TokensPrompt(prompt_token_ids=p, cache_salt=_salt()) for p in prompts]
         with self._engine(cached_path):
@@ -320,7 +321,8 @@ class VLLMModel:
     def _start(self, tokens: list[int], first: int, read_cache: bool) -> np.ndarray:
         """A cached-path request over ``tokens`` decoding up to ``speculate`` tokens, stepped only through its
         prefill: its rows from ``first`` (the last chose the token a decode is fed next). The first
-        :meth:`decode` steps it to its end; a prefill or extend before that ends it (no decode step is spent)."""
+        :meth:`decode` (or another request) steps it to its end; a prefill or extend before that ends it (no
+        decode step is spent on a sequence no decode continues)."""
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
