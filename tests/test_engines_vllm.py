@@ -3,7 +3,7 @@ takes no smaller head) checked through vLLM's own cached path against vLLM's own
 (kvfast.bugs.engines), injected through the CPU attention metadata, found where they first act.
 
 Marked ``vllm``: vLLM's CPU build needs its own venv (``python3 dev.py test-vllm``); elsewhere these skip. One
-engine per dtype for the whole file (building one costs seconds); the bugs reuse the float32 engine's ``LLM``.
+engine per dtype for the whole file (building one costs seconds); the bugs reuse the engines' ``LLM``.
 """
 
 from __future__ import annotations
@@ -38,6 +38,11 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(model_dir):
     return VLLMModel(model_dir, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def engine_bf16(model_dir):
+    return VLLMModel(model_dir, dtype="bfloat16")
 
 
 def test_decode_is_one_request_of_vllm_and_equals_its_own_prefill_bit_for_bit(engine):
@@ -89,10 +94,37 @@ def test_every_catalogue_bug_is_found_at_its_first_acting_step_in_float32(engine
     assert control.verdict == "bug", control.format()
 
 
-def test_the_command_line_checks_a_bfloat16_engine(model_dir):
+def test_bfloat16_decode_equals_the_prefill_run_with_decode_shaped_gemms_bit_for_bit(engine_bf16):
+    # vLLM's CPU GEMMs pick their kernel by row count (bfloat16 on AMX: up to 4 rows AVX-512, more AMX): a
+    # decode row equals, bit for bit, the prefill whose linear layers run one row at a time (the "rows" variant)
+    rows = engine_bf16.prefill(PROMPT)
+    seq, decoded = list(PROMPT), [rows[-1]]
+    for _ in range(STEPS):
+        seq.append(int(np.argmax(decoded[-1])))
+        decoded.append(engine_bf16.decode(seq[-1]))
+    variants = engine_bf16.recompute_variants(seq)
+    assert engine_bf16.skipped_variants == {} and set(variants) == {"batch", "chunk", "rows"}
+    assert np.array_equal(np.stack(decoded), variants["rows"][len(PROMPT) - 1 :])
+
+
+def test_bfloat16_control_mode_is_rounding_and_gemm_rows_makes_exact_mode_exact(engine_bf16):
+    control = check_cache(engine_bf16, LONG, STEPS, mode="control")
+    assert control.verdict == "rounding", control.format()
+    rows = VLLMModel(engine_bf16.llm, gemm_rows=1)  # every GEMM one row at a time, on both paths
+    exact = check_cache(rows, LONG, STEPS, mode="exact")
+    assert exact.verdict == "exact", exact.format()
+
+
+@pytest.mark.parametrize("bug", ["short", "hitpos"])
+def test_a_catalogue_bug_is_no_rounding_in_bfloat16_control_mode(engine_bf16, bug):
+    report = check_cache(inject_vllm_bug(VLLMModel(engine_bf16.llm), bug), LONG, STEPS, mode="control")
+    assert report.verdict in ("bug", "inconclusive"), report.format()
+
+
+def test_the_command_line_checks_a_bfloat16_engine_exactly_with_gemm_rows(model_dir):
     prompt = ",".join(map(str, PROMPT))
     cmd = [sys.executable, "-m", "kvfast.cli", "check", "--engine", "vllm", str(model_dir), "--prompt", prompt,
-           "--steps", str(STEPS), "--mode", "control", "--factory-arg", "dtype=bfloat16"]  # fmt: skip
+           "--steps", str(STEPS), "--factory-arg", "dtype=bfloat16", "--factory-arg", "gemm_rows=1"]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-    assert "ROUNDING" in done.stdout.splitlines()[0]
+    assert "EXACT" in done.stdout.splitlines()[0]
