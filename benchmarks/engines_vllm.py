@@ -1,8 +1,8 @@
 """Cost and verdict table of kvfast's checks on vLLM (a tiny random Llama built here; vLLM's own venv).
 
-    .venv-vllm/bin/python benchmarks/engines_vllm.py [--steps 32] [--repeats 5] [--prompt-len 70]
+    .venv-vllm/bin/python benchmarks/engines_vllm.py [--steps 32] [--repeats 5] [--prompt-len 70] [--dtype float32]
 
-One engine (:class:`kvfast.check.engines.vllm.VLLMModel`, float32), then, in this run:
+One engine (:class:`kvfast.check.engines.vllm.VLLMModel`, ``--dtype``), then, in this run:
 
 - **cost**: the median wall time of a check (exact mode, both scenarios; control mode, both scenarios) against a
   plain vLLM generation of the same tokens (one request, ``steps`` greedy tokens, no logprobs), and the ratios;
@@ -25,6 +25,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--prompt-len", type=int, default=70)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = parser.parse_args()
 
     from kvfast.bugs.engines import VLLM_BUGS, first_acting_step, inject_vllm_bug
@@ -33,7 +34,7 @@ def main() -> None:
 
     prompt = [3 + i % 250 for i in range(args.prompt_len)]
     with tempfile.TemporaryDirectory() as out:
-        engine = VLLMModel(tiny_vllm_model(out, seed=1))
+        engine = VLLMModel(tiny_vllm_model(out, seed=1), dtype=args.dtype)
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -56,15 +57,20 @@ def main() -> None:
                 run()
                 times[name].append(time.perf_counter() - start)
         base = statistics.median(times["plain generation"])
-        print(f"| run ({args.steps} steps, prompt {args.prompt_len}) | median s | x plain generation |")
+        print(f"| run ({args.dtype}, {args.steps} steps, prompt {args.prompt_len}) | median s | x plain generation |")
         print("|---|---|---|")
         for name, ts in times.items():
             print(f"| {name} | {statistics.median(ts):.3f} | {statistics.median(ts) / base:.1f} |")
         print()
+        rows = 1 if args.dtype == "bfloat16" else None  # exact mode in bfloat16: decode-shaped GEMMs on both paths
+        print(f"exact mode: VLLMModel(gemm_rows={rows}); control mode: VLLMModel() ({args.dtype})")
+        print()
         print("| bug | scenario | first acting step | first divergent step (exact) | control verdict |")
         print("|---|---|---|---|---|")
         for name in VLLM_BUGS:
-            exact = check_cache(inject_vllm_bug(VLLMModel(engine.llm), name), prompt, args.steps, fast=False)
+            exact = check_cache(
+                inject_vllm_bug(VLLMModel(engine.llm, gemm_rows=rows), name), prompt, args.steps, fast=False
+            )
             control = check_cache(inject_vllm_bug(VLLMModel(engine.llm), name), prompt, args.steps, mode="control")
             for scenario, report in exact.scenarios.items():
                 acts = first_acting_step(name, scenario, len(prompt))

@@ -10,13 +10,16 @@ adapter asks of it (one in-process engine, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``;
 vocabulary as raw logits: ``prompt_logprobs=-1`` for a prompt's rows, ``logprobs=-1`` for each decoded row):
 
 - ``recompute(tokens)``: one request over ``tokens`` that reads no prefix cache (vLLM's own prefill of the
-  whole sequence, the reference); the prefix cache is emptied after it, so the cached path never hits its blocks.
-- ``prefill(tokens)``: the prefix cache emptied, then a fresh request over ``tokens`` that decodes greedily
-  ``speculate`` tokens in the same request; its decoded rows are kept. ``decode(token)`` hands back the
-  next kept row while ``token`` is the one vLLM decoded (the checker's greedy tokens are vLLM's own), so a
-  whole check's decode path is ONE request, vLLM's real decode. A token vLLM did not choose starts a new
-  request over the sequence and that token, reading the prefix cache (the rows from there are a resume).
-- ``extend(tokens)``: a new request over the sequence and ``tokens`` that reads the prefix cache: the
+  whole sequence, the reference), under a prefix-cache salt of its own (``cache_salt``), so the cached path
+  never hits its blocks (and no reset of the prefix cache is needed).
+- ``prefill(tokens)``: a request over ``tokens`` under a new salt (a fresh history: no block of an earlier
+  request to hit) that may decode greedily ``speculate`` tokens, stepped through its prefill only. The first
+  ``decode(token)`` steps it to its end (its decoded rows kept) and hands back the next kept row while
+  ``token`` is the one vLLM decoded (the checker's greedy tokens are vLLM's own), so a whole check's decode
+  path is ONE request, vLLM's real decode. A token vLLM did not choose starts a new request over the
+  sequence and that token, reading the prefix cache (the rows from there are a resume).
+- ``extend(tokens)``: a new request over the sequence and ``tokens`` (the history's salt) that reads the
+  prefix cache: the
   resumed chunk is computed over a real prefix-cache hit (the full blocks of the earlier request; a
   first chunk shorter than a block, :data:`BLOCK` tokens, leaves none: the whole sequence is then prefilled).
 - ``recompute_variants`` (control mode's order noise, each from vLLM itself): ``"batch"`` (the sequence
