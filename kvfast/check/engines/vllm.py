@@ -19,9 +19,9 @@ vocabulary as raw logits: ``prompt_logprobs=-1`` for a prompt's rows, ``logprobs
   path is ONE request, vLLM's real decode. A token vLLM did not choose starts a new request over the
   sequence and that token, reading the prefix cache (the rows from there are a resume).
 - ``extend(tokens)``: a new request over the sequence and ``tokens`` (the history's salt) that reads the
-  prefix cache: the
-  resumed chunk is computed over a real prefix-cache hit (the full blocks of the earlier request; a
-  first chunk shorter than a block, :data:`BLOCK` tokens, leaves none: the whole sequence is then prefilled).
+  prefix cache: the resumed chunk is computed over a real prefix-cache hit (the full blocks of the earlier
+  request; a first chunk shorter than a block, :data:`BLOCK` tokens, leaves none: the whole sequence is then
+  prefilled).
 - ``recompute_variants`` (control mode's order noise, each from vLLM itself): ``"batch"`` (the sequence
   recomputed in one step together with another request: other GEMM shapes), ``"chunk"`` (the sequence
   recomputed as a chunked prefill of ``CHUNK`` tokens a step: other shapes, attention over cached chunks) and
