@@ -7,7 +7,9 @@ One engine (:class:`kvfast.check.engines.vllm.VLLMModel`, ``--dtype``), then, in
 - **cost**: the median wall time of a check (exact mode, both scenarios; control mode, both scenarios) against a
   plain vLLM generation of the same tokens (one request, ``steps`` greedy tokens, no logprobs), and the ratios;
 - **verdicts**: each bug of :data:`kvfast.bugs.engines.VLLM_BUGS` in exact mode (its first divergent step per
-  scenario against the step where it first acts) and in control mode (the verdict).
+  scenario against the step where it first acts) and in control mode (the verdict);
+- **batch invariance**: the prompt's ``steps`` decoded rows when it decodes together with other requests (1 to 7
+  others, same length) against the same rows when it decodes alone (vLLM's greedy decode, full-vocabulary rows).
 
 Prints Markdown tables (pasted into docs/engines.md).
 """
@@ -75,6 +77,33 @@ def main() -> None:
             for scenario, report in exact.scenarios.items():
                 acts = first_acting_step(name, scenario, len(prompt))
                 print(f"| {name} | {scenario} | {acts} | {report.first_divergent_step} | {control.verdict} |")
+        print()
+        batch_invariance(engine, prompt, args.steps)
+
+
+def batch_invariance(engine, prompt: list[int], steps: int) -> None:
+    """Print the batch-invariance table (see the module doc)."""
+    import numpy as np
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(
+        max_tokens=steps, temperature=0.0, detokenize=False, ignore_eos=True, logprobs=-1, flat_logprobs=True
+    )
+
+    def decoded_rows(others: int) -> np.ndarray:
+        prompts = [prompt] + [[3 + (t * (k + 2)) % 250 for t in prompt] for k in range(others)]
+        salted = [TokensPrompt(prompt_token_ids=p, cache_salt=f"batch-{others}-{i}") for i, p in enumerate(prompts)]
+        out = engine.llm.generate(salted, params, use_tqdm=False)[0].outputs[0]
+        return engine._flat_rows(out.logprobs, range(len(out.token_ids)))
+
+    alone = decoded_rows(0)
+    print("| requests decoding together | max abs(row - row alone) | first differing step |")
+    print("|---|---|---|")
+    for others in (1, 3, 4, 7):
+        dev = np.abs(decoded_rows(others) - alone).max(axis=1)
+        first = int(np.argmax(dev > 0)) if (dev > 0).any() else None
+        print(f"| {others + 1} | {float(dev.max()):.6g} | {first} |")
 
 
 if __name__ == "__main__":
