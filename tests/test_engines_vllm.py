@@ -74,6 +74,7 @@ def test_a_correct_engine_passes_in_float32(engine, mode):
     report = check_cache(engine, LONG, STEPS, mode=mode)
     assert report.verdict == ("exact" if mode == "exact" else "rounding"), report.format()
     assert set(report.scenarios) == {"decode", "resume"}
+    assert not engine.llm.llm_engine.has_unfinished_requests()  # no request of the check left in the engine
 
 
 def test_an_llm_object_is_accepted_and_a_bad_path_is_refused(engine, tmp_path):
@@ -81,6 +82,8 @@ def test_an_llm_object_is_accepted_and_a_bad_path_is_refused(engine, tmp_path):
     assert again.vocab_size == engine.vocab_size and again.internal_formats == engine.internal_formats
     with pytest.raises(ValueError, match="^path: "):
         VLLMModel(tmp_path)
+    with pytest.raises(ValueError, match="^gemm_rows: "):
+        VLLMModel(engine.llm, gemm_rows=0)
 
 
 @pytest.mark.parametrize("bug", sorted(VLLM_BUGS))
