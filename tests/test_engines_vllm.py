@@ -41,6 +41,12 @@ def engine(model_dir):
 
 
 @pytest.fixture(scope="module")
+def small_cache(model_dir):
+    # 13 blocks of 32: four requests of LONG fit at their prefill (3 blocks each), not to the end of 32 decode steps
+    return VLLMModel(model_dir, dtype="float32", kv_blocks=13)
+
+
+@pytest.fixture(scope="module")
 def engine_bf16(model_dir):
     return VLLMModel(model_dir, dtype="bfloat16")
 
@@ -84,6 +90,25 @@ def test_an_llm_object_is_accepted_and_a_bad_path_is_refused(engine, tmp_path):
         VLLMModel(tmp_path)
     with pytest.raises(ValueError, match="^gemm_rows: "):
         VLLMModel(engine.llm, gemm_rows=0)
+
+
+def test_chunked_prefill_is_checked_against_the_unchunked_recompute(engine):
+    chunked = VLLMModel(engine.llm, prefill_chunk=16)  # the cached path's prefills 16 tokens a step
+    assert check_cache(chunked, LONG, STEPS).verdict == "exact"
+    # a chunk over cached chunks placed one position early: the decode scenario's own prefill now has such chunks,
+    # and the unchunked reference does not share the bug, so it is seen at the prefill (step 0) in both scenarios
+    report = check_cache(inject_vllm_bug(VLLMModel(engine.llm, prefill_chunk=16), "hitpos"), LONG, STEPS, fast=False)
+    assert {k: v.first_divergent_step for k, v in report.scenarios.items()} == {"decode": 0, "resume": 0}
+
+
+def test_requests_in_flight_together_and_forced_preemptions(small_cache):
+    busy = VLLMModel(small_cache.llm, companions=3)  # three other requests in the same steps, sent first
+    report = check_cache(busy, LONG, STEPS)
+    assert report.verdict == "exact", report.format()
+    assert busy.preemptions > 0  # the block budget preempted the cached path's request; its rows stay exact
+    buggy = inject_vllm_bug(VLLMModel(small_cache.llm, companions=3), "evict")
+    report = check_cache(buggy, LONG, STEPS, fast=False)
+    assert {k: v.first_divergent_step for k, v in report.scenarios.items()} == {"decode": 1, "resume": 1}
 
 
 @pytest.mark.parametrize("bug", sorted(VLLM_BUGS))

@@ -90,6 +90,7 @@ def _vllm():
     vllm = import_extra("vllm", "a vLLM model", "vllm")
     _patch_kernel_scan()
     _patch_attention_metadata()
+    _patch_preemption()
     return vllm
 
 
@@ -123,6 +124,24 @@ def _patch_kernel_scan() -> None:
         return found if isinstance(found, dict) else {}
 
     dispatcher.vars = instance_dict
+
+
+def _patch_preemption() -> None:
+    """Count the scheduler's preemptions of the active adapter's cached-path request (once)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    if getattr(Scheduler._preempt_request, "_kvfast", False):
+        return
+    preempt = Scheduler._preempt_request
+
+    def counted(self, request, *args, **kwargs):
+        live = None if _ACTIVE is None else _ACTIVE._live  # the engine core's id: ours, "-", a random suffix
+        if live is not None and request.request_id.rpartition("-")[0] == live:
+            _ACTIVE.preemptions += 1
+        return preempt(self, request, *args, **kwargs)
+
+    counted._kvfast = True
+    Scheduler._preempt_request = counted
 
 
 def _patch_attention_metadata() -> None:
@@ -190,6 +209,12 @@ class VLLMModel:
       recompute alike, runs its GEMM on ``n`` rows at a time (``1``: the kernel of a one-request decode step
       everywhere). The cache's logic is unchanged; what no longer differs is the GEMM kernel chosen by row count,
       so exact mode judges the cache alone where vLLM's GEMMs depend on it (bfloat16 on AMX CPUs: module doc).
+    - ``prefill_chunk``: the cached path's prefills chunked to ``n`` tokens a scheduler step (vLLM's chunked
+      prefill); the recompute stays unchunked, an independent reference.
+    - ``companions``: other requests (prompts of the same length, their own prefix-cache salts) decoding in the
+      same steps as each cached-path request: requests in flight together (batch invariance).
+    - ``kv_blocks``: the KV cache's blocks (a model directory only; vLLM's ``num_gpu_blocks_override``): a small
+      budget with ``companions`` forces preemptions (:attr:`preemptions` counts those of the cached path's).
     """
 
     def __init__(
@@ -204,9 +229,14 @@ class VLLMModel:
         variants=VARIANTS,
         seed: int = 0,
         gemm_rows: int | None = None,
+        prefill_chunk: int | None = None,
+        companions: int = 0,
+        kv_blocks: int | None = None,
     ) -> None:
         vllm = _vllm()
         self.gemm_rows = None if gemm_rows is None else require_int(gemm_rows, "gemm_rows", 1)
+        self.prefill_chunk = None if prefill_chunk is None else require_int(prefill_chunk, "prefill_chunk", 1)
+        self.companions = require_int(companions, "companions", 0)
         if isinstance(variants, str):
             variants = (variants,)
         self.variants = tuple(require_choice(v, "variants", VARIANTS) for v in variants)
@@ -228,6 +258,8 @@ class VLLMModel:
             )  # fmt: skip
             if max_model_len is not None:
                 kwargs["max_model_len"] = require_int(max_model_len, "max_model_len", 1)
+            if kv_blocks is not None:
+                kwargs["num_gpu_blocks_override"] = require_int(kv_blocks, "kv_blocks", 1)
             self.llm = vllm.LLM(**kwargs)
         config = self.llm.llm_engine.vllm_config
         if str(config.model_config.logprobs_mode) not in ("raw_logits", "LogprobsMode.RAW_LOGITS"):
@@ -243,6 +275,8 @@ class VLLMModel:
         self.tokens: list[int] | None = None
         self._history = _salt()  # the prefix-cache salt of the cached path's requests since the last prefill
         self._live: str | None = None  # the cached-path request running in the engine
+        self._others: list[str] = []  # the companions running with it
+        self.preemptions = 0  # times the scheduler preempted a cached-path request
         self._sampled = -1  # the token the live request chose last (fed by the next decode)
         self._ahead: list[tuple[int, np.ndarray]] = []  # decoded (token fed, its row) kept when it stopped
         self.requests = 0  # requests sent to the engine
@@ -338,6 +372,17 @@ class VLLMModel:
         params.output_kind = RequestOutputKind.DELTA
         self._live = str(next(_REQUEST_IDS))
         self.requests += 1
+        for k in range(
+            self.companions
+        ):  # other requests in the same steps (their rows are not read), sent first: under a
+            # block budget the scheduler preempts the latest request, the cached path's
+            other = [(t * (k + 2) + k + 1) % self.vocab_size for t in tokens]
+            self._others.append(str(next(_REQUEST_IDS)))
+            quiet = self._params(params.max_tokens, False, False)
+            quiet.logprobs = None
+            self.llm.llm_engine.add_request(
+                self._others[-1], TokensPrompt(prompt_token_ids=other, cache_salt=_salt()), quiet
+            )
         prompt = TokensPrompt(prompt_token_ids=tokens, cache_salt=self._history)
         self.llm.llm_engine.add_request(self._live, prompt, params)
         out = self._step()
@@ -349,13 +394,15 @@ class VLLMModel:
         """Step the engine until the live request outputs its next token: that output (``DELTA``: the new
         token and its row, and after the prefill the prompt's rows)."""
         engine = self.llm.llm_engine
-        with self._engine(cached_path=True):
+        budget = self._token_budget(self.prefill_chunk) if self.prefill_chunk else contextlib.nullcontext()
+        with self._engine(cached_path=True), budget:
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.request_id == self._live and out.outputs and out.outputs[0].token_ids:
                         self._sampled = int(out.outputs[0].token_ids[-1])
                         if out.finished:
                             self._live = None
+                            self._end_others()
                         return out
         raise RuntimeError("vLLM finished the request without a token")
 
@@ -370,6 +417,12 @@ class VLLMModel:
         if self._live is not None:
             self.llm.llm_engine.abort_request([self._live])
             self._live = None
+        self._end_others()
+
+    def _end_others(self) -> None:
+        if self._others:
+            self.llm.llm_engine.abort_request(self._others)
+            self._others = []
 
     def _warm_up(self) -> None:
         """One request with vLLM's GEMMs as they are, before any is split into rows: measured here, a first
