@@ -3,7 +3,7 @@ takes no smaller head) checked through vLLM's own cached path against vLLM's own
 (kvfast.bugs.engines), injected through the CPU attention metadata, found where they first act.
 
 Marked ``vllm``: vLLM's CPU build needs its own venv (``python3 dev.py test-vllm``); elsewhere these skip. One
-engine per dtype for the whole file (building one costs seconds); the bugs reuse the float32 engine's ``LLM``.
+engine per dtype for the whole file (building one costs seconds); the bugs reuse the engines' ``LLM``.
 """
 
 from __future__ import annotations
@@ -40,6 +40,17 @@ def engine(model_dir):
     return VLLMModel(model_dir, dtype="float32")
 
 
+@pytest.fixture(scope="module")
+def small_cache(model_dir):
+    # 13 blocks of 32: four requests of LONG fit at their prefill (3 blocks each), not to the end of 32 decode steps
+    return VLLMModel(model_dir, dtype="float32", kv_blocks=13)
+
+
+@pytest.fixture(scope="module")
+def engine_bf16(model_dir):
+    return VLLMModel(model_dir, dtype="bfloat16")
+
+
 def test_decode_is_one_request_of_vllm_and_equals_its_own_prefill_bit_for_bit(engine):
     rows = engine.prefill(PROMPT)
     assert np.array_equal(rows, engine.recompute(PROMPT))
@@ -69,6 +80,7 @@ def test_a_correct_engine_passes_in_float32(engine, mode):
     report = check_cache(engine, LONG, STEPS, mode=mode)
     assert report.verdict == ("exact" if mode == "exact" else "rounding"), report.format()
     assert set(report.scenarios) == {"decode", "resume"}
+    assert not engine.llm.llm_engine.has_unfinished_requests()  # no request of the check left in the engine
 
 
 def test_an_llm_object_is_accepted_and_a_bad_path_is_refused(engine, tmp_path):
@@ -76,6 +88,27 @@ def test_an_llm_object_is_accepted_and_a_bad_path_is_refused(engine, tmp_path):
     assert again.vocab_size == engine.vocab_size and again.internal_formats == engine.internal_formats
     with pytest.raises(ValueError, match="^path: "):
         VLLMModel(tmp_path)
+    with pytest.raises(ValueError, match="^gemm_rows: "):
+        VLLMModel(engine.llm, gemm_rows=0)
+
+
+def test_chunked_prefill_is_checked_against_the_unchunked_recompute(engine):
+    chunked = VLLMModel(engine.llm, prefill_chunk=16)  # the cached path's prefills 16 tokens a step
+    assert check_cache(chunked, LONG, STEPS).verdict == "exact"
+    # a chunk over cached chunks placed one position early: the decode scenario's own prefill now has such chunks,
+    # and the unchunked reference does not share the bug, so it is seen at the prefill (step 0) in both scenarios
+    report = check_cache(inject_vllm_bug(VLLMModel(engine.llm, prefill_chunk=16), "hitpos"), LONG, STEPS, fast=False)
+    assert {k: v.first_divergent_step for k, v in report.scenarios.items()} == {"decode": 0, "resume": 0}
+
+
+def test_requests_in_flight_together_and_forced_preemptions(small_cache):
+    busy = VLLMModel(small_cache.llm, companions=3)  # three other requests in the same steps, sent first
+    report = check_cache(busy, LONG, STEPS)
+    assert report.verdict == "exact", report.format()
+    assert busy.preemptions > 0  # the block budget preempted the cached path's request; its rows stay exact
+    buggy = inject_vllm_bug(VLLMModel(small_cache.llm, companions=3), "evict")
+    report = check_cache(buggy, LONG, STEPS, fast=False)
+    assert {k: v.first_divergent_step for k, v in report.scenarios.items()} == {"decode": 1, "resume": 1}
 
 
 @pytest.mark.parametrize("bug", sorted(VLLM_BUGS))
@@ -89,10 +122,37 @@ def test_every_catalogue_bug_is_found_at_its_first_acting_step_in_float32(engine
     assert control.verdict == "bug", control.format()
 
 
-def test_the_command_line_checks_a_bfloat16_engine(model_dir):
+def test_bfloat16_decode_equals_the_prefill_run_with_decode_shaped_gemms_bit_for_bit(engine_bf16):
+    # vLLM's CPU GEMMs pick their kernel by row count (bfloat16 on AMX: up to 4 rows AVX-512, more AMX): a
+    # decode row equals, bit for bit, the prefill whose linear layers run one row at a time (the "rows" variant)
+    rows = engine_bf16.prefill(PROMPT)
+    seq, decoded = list(PROMPT), [rows[-1]]
+    for _ in range(STEPS):
+        seq.append(int(np.argmax(decoded[-1])))
+        decoded.append(engine_bf16.decode(seq[-1]))
+    variants = engine_bf16.recompute_variants(seq)
+    assert engine_bf16.skipped_variants == {} and set(variants) == {"batch", "chunk", "rows"}
+    assert np.array_equal(np.stack(decoded), variants["rows"][len(PROMPT) - 1 :])
+
+
+def test_bfloat16_control_mode_is_rounding_and_gemm_rows_makes_exact_mode_exact(engine_bf16):
+    control = check_cache(engine_bf16, LONG, STEPS, mode="control")
+    assert control.verdict == "rounding", control.format()
+    rows = VLLMModel(engine_bf16.llm, gemm_rows=1)  # every GEMM one row at a time, on both paths
+    exact = check_cache(rows, LONG, STEPS, mode="exact")
+    assert exact.verdict == "exact", exact.format()
+
+
+@pytest.mark.parametrize("bug", ["short", "hitpos"])
+def test_a_catalogue_bug_is_no_rounding_in_bfloat16_control_mode(engine_bf16, bug):
+    report = check_cache(inject_vllm_bug(VLLMModel(engine_bf16.llm), bug), LONG, STEPS, mode="control")
+    assert report.verdict in ("bug", "inconclusive"), report.format()
+
+
+def test_the_command_line_checks_a_bfloat16_engine_exactly_with_gemm_rows(model_dir):
     prompt = ",".join(map(str, PROMPT))
     cmd = [sys.executable, "-m", "kvfast.cli", "check", "--engine", "vllm", str(model_dir), "--prompt", prompt,
-           "--steps", str(STEPS), "--mode", "control", "--factory-arg", "dtype=bfloat16"]  # fmt: skip
+           "--steps", str(STEPS), "--factory-arg", "dtype=bfloat16", "--factory-arg", "gemm_rows=1"]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-    assert "ROUNDING" in done.stdout.splitlines()[0]
+    assert "EXACT" in done.stdout.splitlines()[0]

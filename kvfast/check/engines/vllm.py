@@ -10,18 +10,27 @@ adapter asks of it (one in-process engine, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``;
 vocabulary as raw logits: ``prompt_logprobs=-1`` for a prompt's rows, ``logprobs=-1`` for each decoded row):
 
 - ``recompute(tokens)``: one request over ``tokens`` that reads no prefix cache (vLLM's own prefill of the
-  whole sequence, the reference); the prefix cache is emptied after it, so the cached path never hits its blocks.
-- ``prefill(tokens)``: the prefix cache emptied, then a fresh request over ``tokens`` that decodes greedily
-  ``speculate`` tokens in the same request; its decoded rows are kept. ``decode(token)`` hands back the
-  next kept row while ``token`` is the one vLLM decoded (the checker's greedy tokens are vLLM's own), so a
-  whole check's decode path is ONE request, vLLM's real decode. A token vLLM did not choose starts a new
-  request over the sequence and that token, reading the prefix cache (the rows from there are a resume).
-- ``extend(tokens)``: a new request over the sequence and ``tokens`` that reads the prefix cache: the
-  resumed chunk is computed over a real prefix-cache hit (the full blocks of the earlier request; a
-  first chunk shorter than a block, :data:`BLOCK` tokens, leaves none: the whole sequence is then prefilled).
+  whole sequence, the reference), under a prefix-cache salt of its own (``cache_salt``), so the cached path
+  never hits its blocks (and no reset of the prefix cache is needed).
+- ``prefill(tokens)``: a request over ``tokens`` under a new salt (a fresh history: no block of an earlier
+  request to hit) that may decode greedily ``speculate`` tokens, stepped through its prefill only. The first
+  ``decode(token)`` steps it to its end (its decoded rows kept) and hands back the next kept row while
+  ``token`` is the one vLLM decoded (the checker's greedy tokens are vLLM's own), so a whole check's decode
+  path is ONE request, vLLM's real decode. A token vLLM did not choose starts a new request over the
+  sequence and that token, reading the prefix cache (the rows from there are a resume).
+- ``extend(tokens)``: a new request over the sequence and ``tokens`` (the history's salt) that reads the
+  prefix cache: the resumed chunk is computed over a real prefix-cache hit (the full blocks of the earlier
+  request; a first chunk shorter than a block, :data:`BLOCK` tokens, leaves none: the whole sequence is then
+  prefilled).
 - ``recompute_variants`` (control mode's order noise, each from vLLM itself): ``"batch"`` (the sequence
-  recomputed in one step together with another request: other GEMM shapes) and ``"chunk"`` (the sequence
-  recomputed as a chunked prefill of ``CHUNK`` tokens a step: other shapes, attention over cached chunks).
+  recomputed in one step together with another request: other GEMM shapes), ``"chunk"`` (the sequence
+  recomputed as a chunked prefill of ``CHUNK`` tokens a step: other shapes, attention over cached chunks) and
+  ``"rows"`` (the recompute with every linear layer run on :data:`ROWS` row at a time: the GEMM kernel a decode
+  step runs, the prefill's attention). vLLM's CPU GEMMs depend on their row count: in bfloat16 on a CPU with
+  AMX, a linear layer whose weight is under 1 MiB runs sgl-kernel's ``weight_packed_linear``, an AVX-512 kernel
+  for up to 4 rows and an AMX one above, which add up in another order; measured on the tiny test model, a
+  decode row then differs from vLLM's own prefill of the same tokens by up to 1 bfloat16 unit of the logits
+  (exact mode: ``divergent``; control mode: ``rounding``, the ``"rows"`` variant measuring that noise).
 - ``internal_formats``: the model's dtype for the KV cache and the compute (``{"kv cache": "bfloat16",
   "compute": "bfloat16"}``); no ``promote``: vLLM's CPU backend has no float64.
 
@@ -32,6 +41,7 @@ attention step of the cached path passes through (:mod:`kvfast.bugs.engines`).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 from pathlib import Path
 
@@ -47,12 +57,26 @@ from kvfast.validation import import_extra, not_allowed, require_choice, require
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
               "VLLM_CPU_ATTN_SPLIT_KV": "0", "VLLM_LOGGING_LEVEL": "ERROR"}  # fmt: skip
 DTYPES = ("float32", "bfloat16")
-VARIANTS = ("batch", "chunk")
+VARIANTS = ("batch", "chunk", "rows")
 #: The prefill chunk of the ``chunk`` variant (tokens per scheduler step).
 CHUNK = 16
+#: The rows per GEMM call of the ``rows`` variant: one, as in a decode step of one request.
+ROWS = 1
 #: vLLM's CPU attention: block sizes a multiple of 32, head size at least 32.
 BLOCK = 32
 MODEL = "a model directory vLLM can load (config.json and weights) or a vllm.LLM"
+
+#: The ids of the adapters' own requests: integers, as ``LLM.generate``'s (it sorts its outputs by them), far
+#: above them, one sequence for every adapter in the process.
+_REQUEST_IDS = itertools.count(10**15)
+_SALTS = itertools.count()
+
+
+def _salt() -> str:
+    """A prefix-cache salt used once: vLLM hashes it into a request's blocks, so only requests given the same
+    salt share blocks (the cached path's own history; never the reference's). No reset of the cache needed."""
+    return f"kvfast-{os.getpid()}-{next(_SALTS)}"
+
 
 #: The adapter whose cached path is running (its attention metadata hook applies), else ``None``.
 _ACTIVE: VLLMModel | None = None
@@ -62,10 +86,25 @@ def _vllm():
     for key, value in ENGINE_ENV.items():
         os.environ.setdefault(key, value)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    _set_threads()
     vllm = import_extra("vllm", "a vLLM model", "vllm")
     _patch_kernel_scan()
     _patch_attention_metadata()
+    _patch_preemption()
     return vllm
+
+
+def _set_threads() -> None:
+    """torch's intra-op threads set to ``OMP_NUM_THREADS`` before vLLM's CPU worker forbids setting them: torch,
+    once imported (kvfast may import it first), no longer reads the variable, and vLLM's worker then keeps
+    torch's default (one thread per core). Measured here on 2 shared cores: with 2 threads every small kernel
+    waited for the other thread (a 128 x 128 GEMM row 14-24 ms instead of microseconds)."""
+    import torch
+
+    if not getattr(torch.set_num_threads, "__name__", "").startswith("skip"):  # vLLM's worker has not replaced it
+        threads = os.environ["OMP_NUM_THREADS"]
+        if threads.isdigit() and int(threads) > 0:
+            torch.set_num_threads(int(threads))
 
 
 def _patch_kernel_scan() -> None:
@@ -87,6 +126,24 @@ def _patch_kernel_scan() -> None:
     dispatcher.vars = instance_dict
 
 
+def _patch_preemption() -> None:
+    """Count the scheduler's preemptions of the active adapter's cached-path request (once)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    if getattr(Scheduler._preempt_request, "_kvfast", False):
+        return
+    preempt = Scheduler._preempt_request
+
+    def counted(self, request, *args, **kwargs):
+        live = None if _ACTIVE is None else _ACTIVE._live  # the engine core's id: ours, "-", a random suffix
+        if live is not None and request.request_id.rpartition("-")[0] == live:
+            _ACTIVE.preemptions += 1
+        return preempt(self, request, *args, **kwargs)
+
+    counted._kvfast = True
+    Scheduler._preempt_request = counted
+
+
 def _patch_attention_metadata() -> None:
     """Route every CPU attention metadata build through the active adapter's :meth:`VLLMModel._attention_metadata`
     (once; a no-op while no cached path runs)."""
@@ -106,6 +163,34 @@ def _patch_attention_metadata() -> None:
     builder.build = hooked
 
 
+def _append_fast(self, token_ids, logprobs, ranks, decoded_tokens) -> None:
+    """vLLM's ``FlatLogprobs.append_fast`` (one position's logprobs appended to flat lists, as far as the
+    shortest input goes), by ``list.extend`` instead of a Python loop per entry: the same lists."""
+    n = min(len(token_ids), len(logprobs))
+    ranks, decoded = list(itertools.islice(ranks, n)), list(itertools.islice(decoded_tokens, n))
+    n = min(n, len(ranks), len(decoded))
+    self.start_indices.append(len(self.logprobs))
+    self.token_ids.extend(token_ids[:n])
+    self.logprobs.extend(logprobs[:n])
+    self.ranks.extend(ranks[:n])
+    self.decoded_tokens.extend(decoded[:n])
+    self.end_indices.append(len(self.logprobs))
+
+
+@contextlib.contextmanager
+def _flat_appends():
+    """:func:`_append_fast` in place of vLLM's own for the duration (the adapter's rows are the full
+    vocabulary: measured here, vLLM's loop was most of a check's time)."""
+    from vllm.logprobs import FlatLogprobs
+
+    saved = FlatLogprobs.append_fast
+    FlatLogprobs.append_fast = _append_fast
+    try:
+        yield
+    finally:
+        FlatLogprobs.append_fast = saved
+
+
 def is_vllm_llm(model: object) -> bool:
     """Whether ``model`` is a ``vllm.LLM`` (imports nothing)."""
     return type(model).__name__ == "LLM" and type(model).__module__.startswith("vllm")
@@ -120,6 +205,16 @@ class VLLMModel:
     - ``speculate``: decode steps run ahead in each request (the checker's first ``speculate`` decodes after a
       ``prefill`` or ``extend`` are served from them; a later one resumes in a new request).
     - ``variants``: a subset of :data:`VARIANTS` (control mode's order noise).
+    - ``gemm_rows``: ``None`` (vLLM as it runs) or ``n``: every linear layer, on the cached path and in the
+      recompute alike, runs its GEMM on ``n`` rows at a time (``1``: the kernel of a one-request decode step
+      everywhere). The cache's logic is unchanged; what no longer differs is the GEMM kernel chosen by row count,
+      so exact mode judges the cache alone where vLLM's GEMMs depend on it (bfloat16 on AMX CPUs: module doc).
+    - ``prefill_chunk``: the cached path's prefills chunked to ``n`` tokens a scheduler step (vLLM's chunked
+      prefill); the recompute stays unchunked, an independent reference.
+    - ``companions``: other requests (prompts of the same length, their own prefix-cache salts) decoding in the
+      same steps as each cached-path request: requests in flight together (batch invariance).
+    - ``kv_blocks``: the KV cache's blocks (a model directory only; vLLM's ``num_gpu_blocks_override``): a small
+      budget with ``companions`` forces preemptions (:attr:`preemptions` counts those of the cached path's).
     """
 
     def __init__(
@@ -133,8 +228,15 @@ class VLLMModel:
         speculate: int = 32,
         variants=VARIANTS,
         seed: int = 0,
+        gemm_rows: int | None = None,
+        prefill_chunk: int | None = None,
+        companions: int = 0,
+        kv_blocks: int | None = None,
     ) -> None:
         vllm = _vllm()
+        self.gemm_rows = None if gemm_rows is None else require_int(gemm_rows, "gemm_rows", 1)
+        self.prefill_chunk = None if prefill_chunk is None else require_int(prefill_chunk, "prefill_chunk", 1)
+        self.companions = require_int(companions, "companions", 0)
         if isinstance(variants, str):
             variants = (variants,)
         self.variants = tuple(require_choice(v, "variants", VARIANTS) for v in variants)
@@ -156,6 +258,8 @@ class VLLMModel:
             )  # fmt: skip
             if max_model_len is not None:
                 kwargs["max_model_len"] = require_int(max_model_len, "max_model_len", 1)
+            if kv_blocks is not None:
+                kwargs["num_gpu_blocks_override"] = require_int(kv_blocks, "kv_blocks", 1)
             self.llm = vllm.LLM(**kwargs)
         config = self.llm.llm_engine.vllm_config
         if str(config.model_config.logprobs_mode) not in ("raw_logits", "LogprobsMode.RAW_LOGITS"):
@@ -169,12 +273,20 @@ class VLLMModel:
         self.internal_formats = {"kv cache": fmt, "compute": fmt}
         self.skipped_variants: dict[str, str] = {}
         self.tokens: list[int] | None = None
-        self._ahead: list[tuple[int, np.ndarray]] = []  # decoded (token fed, its row) run ahead, not yet handed out
+        self._history = _salt()  # the prefix-cache salt of the cached path's requests since the last prefill
+        self._live: str | None = None  # the cached-path request running in the engine
+        self._others: list[str] = []  # the companions running with it
+        self.preemptions = 0  # times the scheduler preempted a cached-path request
+        self._sampled = -1  # the token the live request chose last (fed by the next decode)
+        self._ahead: list[tuple[int, np.ndarray]] = []  # decoded (token fed, its row) kept when it stopped
         self.requests = 0  # requests sent to the engine
         self.last_hit = 0  # prefix-cache tokens the last cached-path request read
+        if self.gemm_rows:
+            self._warm_up()
 
     def __repr__(self) -> str:
-        return f"VLLMModel({str(self.path) if self.path else 'LLM'!r})"
+        rows = f", gemm_rows={self.gemm_rows}" if self.gemm_rows else ""
+        return f"VLLMModel({str(self.path) if self.path else 'LLM'!r}{rows})"
 
     # --- requests ---------------------------------------------------------------------------------------------
 
@@ -183,55 +295,143 @@ class VLLMModel:
 
         return SamplingParams(
             max_tokens=max_tokens, temperature=0.0, logprobs=-1, prompt_logprobs=-1 if prompt_rows else None,
-            detokenize=False, skip_reading_prefix_cache=not read_cache, ignore_eos=True,
+            detokenize=False, skip_reading_prefix_cache=not read_cache, ignore_eos=True, flat_logprobs=True,
         )  # fmt: skip
 
-    def _generate(self, prompts: list[list[int]], params: list, cached_path: bool) -> list:
-        from vllm.inputs import TokensPrompt
-
+    @contextlib.contextmanager
+    def _engine(self, cached_path: bool):
+        """What every engine call of the adapter runs under: the bug hook live on the cached path only, the
+        GEMMs split into rows (``gemm_rows``), vLLM's flat logprobs appended fast."""
         global _ACTIVE
-        for p in prompts:
-            if len(p) > self.max_positions:
-                raise not_allowed("positions", len(p), f"at most {self.max_positions} (max_model_len)")
-        self.requests += len(prompts)
         previous, _ACTIVE = _ACTIVE, (self if cached_path else None)
+        rows = self._gemm_rows(self.gemm_rows) if self.gemm_rows else contextlib.nullcontext()
         try:
-            return self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+            with rows, _flat_appends():
+                yield
         finally:
             _ACTIVE = previous
-            if not cached_path:  # the reference leaves no block in the prefix cache for the cached path to hit
-                self.llm.reset_prefix_cache()
 
-    def _row(self, logprobs: dict) -> np.ndarray:
-        return np.fromiter((logprobs[i].logprob for i in range(self.vocab_size)), np.float32, self.vocab_size)
+    def _check_length(self, tokens: list[int]) -> None:
+        if len(tokens) > self.max_positions:
+            raise not_allowed("positions", len(tokens), f"at most {self.max_positions} (max_model_len)")
+
+    def _generate(self, prompts: list[list[int]], params: list, cached_path: bool) -> list:
+        """One ``LLM.generate`` of ``prompts`` (the live cached-path request stepped to its end first, its rows
+        kept for :meth:`decode`), each under a salt
+        of its own: no later request hits a block of theirs."""
+        from vllm.inputs import TokensPrompt
+
+        for p in prompts:
+            self._check_length(p)
+        self._run_to_end()  # LLM.generate would run it to its end too, and hand back its rows with its own
+        self.requests += len(prompts)
+        prompts = [TokensPrompt(prompt_token_ids=p, cache_salt=_salt()) for p in prompts]
+        with self._engine(cached_path):
+            return self.llm.generate(prompts, params, use_tqdm=False)
+
+    def _flat_rows(self, flat, indices) -> np.ndarray:
+        """Rows ``indices`` of vLLM's ``FlatLogprobs`` ``flat`` (every position's full vocabulary, flat lists:
+        no dict per row) as ``(len(indices), V)`` float32."""
+        ids = np.asarray(flat.token_ids, np.int64)
+        values = np.asarray(flat.logprobs, np.float32)  # float32 logits read back as Python floats: exact
+        rows = np.empty((len(indices), self.vocab_size), np.float32)
+        for k, i in enumerate(indices):
+            start, end = flat.start_indices[i], flat.end_indices[i]
+            covered = np.zeros(self.vocab_size, bool)
+            covered[ids[start:end]] = True
+            if not covered.all():
+                raise RuntimeError(f"vLLM returned {int(covered.sum())} of {self.vocab_size} logits for a row")
+            rows[k, ids[start:end]] = values[start:end]
+        return rows
 
     def _rows_of(self, output, first: int) -> np.ndarray:
         """The rows of prompt positions ``first`` .. end of ``output`` (prompt logprobs, then the first decoded
         row for the prompt's last position)."""
         n = len(output.prompt_token_ids)
-        prompt = output.prompt_logprobs or []
-        rows = []
-        for p in range(first, n - 1):
-            entry = prompt[p + 1] if p + 1 < len(prompt) else None
-            if entry is None:
-                raise RuntimeError(f"vLLM returned no prompt logprobs for position {p} (of {n})")
-            rows.append(self._row(entry))
-        rows.append(self._row(output.outputs[0].logprobs[0]))
-        return np.stack(rows)
+        prompt = output.prompt_logprobs
+        if prompt is None or len(prompt) < n:
+            raise RuntimeError(f"vLLM returned no prompt logprobs for some of the {n} positions")
+        # prompt logprobs entry p + 1 is the row of position p (entry 0, the first token's, is empty)
+        rows = self._flat_rows(prompt, range(first + 1, n)) if first + 1 < n else np.empty((0, self.vocab_size))
+        return np.concatenate([rows, self._flat_rows(output.outputs[0].logprobs, [0])]).astype(np.float32)
 
-    def _run_ahead(self, tokens: list[int], first: int, read_cache: bool) -> np.ndarray:
-        """One cached-path request over ``tokens`` (rows from ``first``) decoding ``speculate`` tokens ahead."""
-        ahead = max(1, min(self.speculate + 1, self.max_positions - len(tokens)))  # + 1: the prompt's last row
-        if not read_cache:  # a fresh cache: no block of an earlier request to hit
-            self.llm.reset_prefix_cache()
-        out = self._generate([tokens], [self._params(ahead, True, read_cache)], cached_path=True)[0]
+    def _start(self, tokens: list[int], first: int, read_cache: bool) -> np.ndarray:
+        """A cached-path request over ``tokens`` decoding up to ``speculate`` tokens, stepped only through its
+        prefill: its rows from ``first`` (the last chose the token a decode is fed next). The first
+        :meth:`decode` (or another request) steps it to its end; a prefill or extend before that ends it (no
+        decode step is spent on a sequence no decode continues)."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        self._check_length(tokens)
+        self._stop()
+        self._ahead = []
+        if not read_cache:  # a new history: no block of an earlier request to hit
+            self._history = _salt()
+        params = self._params(max(1, min(self.speculate + 1, self.max_positions - len(tokens))), True, read_cache)
+        params.output_kind = RequestOutputKind.DELTA
+        self._live = str(next(_REQUEST_IDS))
+        self.requests += 1
+        for k in range(
+            self.companions
+        ):  # other requests in the same steps (their rows are not read), sent first: under a
+            # block budget the scheduler preempts the latest request, the cached path's
+            other = [(t * (k + 2) + k + 1) % self.vocab_size for t in tokens]
+            self._others.append(str(next(_REQUEST_IDS)))
+            quiet = self._params(params.max_tokens, False, False)
+            quiet.logprobs = None
+            self.llm.llm_engine.add_request(
+                self._others[-1], TokensPrompt(prompt_token_ids=other, cache_salt=_salt()), quiet
+            )
+        prompt = TokensPrompt(prompt_token_ids=tokens, cache_salt=self._history)
+        self.llm.llm_engine.add_request(self._live, prompt, params)
+        out = self._step()
         self.last_hit = int(out.num_cached_tokens or 0)
-        rows = self._rows_of(out, first)
-        decoded = out.outputs[0]
-        fed = zip(decoded.token_ids[:-1], decoded.logprobs[1:], strict=True)  # token t's row is the next one
-        self._ahead = [(int(t), self._row(lp)) for t, lp in fed]
         self.tokens = list(tokens)
-        return rows
+        return self._rows_of(out, first)
+
+    def _step(self):
+        """Step the engine until the live request outputs its next token: that output (``DELTA``: the new
+        token and its row, and after the prefill the prompt's rows)."""
+        engine = self.llm.llm_engine
+        budget = self._token_budget(self.prefill_chunk) if self.prefill_chunk else contextlib.nullcontext()
+        with self._engine(cached_path=True), budget:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.request_id == self._live and out.outputs and out.outputs[0].token_ids:
+                        self._sampled = int(out.outputs[0].token_ids[-1])
+                        if out.finished:
+                            self._live = None
+                            self._end_others()
+                        return out
+        raise RuntimeError("vLLM finished the request without a token")
+
+    def _run_to_end(self) -> None:
+        """Step the live request to its end, keeping each (token fed, its row) for :meth:`decode`."""
+        while self._live is not None:
+            token = self._sampled
+            self._ahead.append((token, self._flat_rows(self._step().outputs[0].logprobs, [0])[0]))
+
+    def _stop(self) -> None:
+        """End the live request (not yet decoded: nothing of it is kept) before another request runs."""
+        if self._live is not None:
+            self.llm.llm_engine.abort_request([self._live])
+            self._live = None
+        self._end_others()
+
+    def _end_others(self) -> None:
+        if self._others:
+            self.llm.llm_engine.abort_request(self._others)
+            self._others = []
+
+    def _warm_up(self) -> None:
+        """One request with vLLM's GEMMs as they are, before any is split into rows: measured here, a first
+        forward whose GEMMs all take the few-row kernel dies of SIGILL in the CPU attention's AMX kernel (the
+        AMX tile state is set up by the many-row GEMM kernel)."""
+        from vllm.inputs import TokensPrompt
+
+        prompt = TokensPrompt(prompt_token_ids=[i % self.vocab_size for i in range(2 * BLOCK)], cache_salt=_salt())
+        self.llm.generate([prompt], self._params(1, False, False), use_tqdm=False)
 
     # --- the protocol -----------------------------------------------------------------------------------------
 
@@ -242,23 +442,25 @@ class VLLMModel:
         return self._rows_of(out, 0)
 
     def prefill(self, tokens):
-        """A fresh request over ``tokens`` (no prefix cache read); ``(T, V)``; decodes run ahead greedily."""
-        return self._run_ahead([int(t) for t in np.asarray(tokens).reshape(-1)], 0, read_cache=False)
+        """A fresh request over ``tokens`` (no prefix cache read); ``(T, V)``; decodes continue it."""
+        return self._start([int(t) for t in np.asarray(tokens).reshape(-1)], 0, read_cache=False)
 
     def extend(self, tokens):
         """A new request over the sequence and ``tokens``, reading the prefix cache: ``(n, V)``."""
         self._require()
         first = len(self.tokens)
-        return self._run_ahead(self.tokens + [int(t) for t in np.asarray(tokens).reshape(-1)], first, True)
+        return self._start(self.tokens + [int(t) for t in np.asarray(tokens).reshape(-1)], first, True)
 
     def decode(self, token):
-        """The row after ``token``: from the running request while ``token`` is vLLM's own, else a new request."""
+        """The row after ``token``: from the running request while ``token`` is the one vLLM decoded, else a
+        new request over the sequence and ``token``, reading the prefix cache."""
         self._require()
         token = require_int(token, "token", 0, self.vocab_size - 1)
+        self._run_to_end()
         if self._ahead and self._ahead[0][0] == token:
             self.tokens.append(token)
             return self._ahead.pop(0)[1]
-        return self._run_ahead(self.tokens + [token], len(self.tokens), read_cache=True)[0]
+        return self._start(self.tokens + [token], len(self.tokens), read_cache=True)[0]
 
     def _require(self) -> None:
         if self.tokens is None:
@@ -282,7 +484,7 @@ class VLLMModel:
             if name in self.skipped_variants:
                 continue
             try:
-                out[name] = self._batch(tokens) if name == "batch" else self._chunked(tokens)
+                out[name] = {"batch": self._batch, "chunk": self._chunked, "rows": self._rows}[name](tokens)
             except Exception as exc:  # noqa: BLE001 - a variant is order noise: losing one must not lose the check
                 self.skipped_variants[name] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
         return out
@@ -296,6 +498,51 @@ class VLLMModel:
         with self._token_budget(CHUNK):
             out = self._generate([tokens], [self._params(1, True, False)], cached_path=False)[0]
         return self._rows_of(out, 0)
+
+    def _rows(self, tokens: list[int]) -> np.ndarray:
+        with self._gemm_rows(ROWS):
+            out = self._generate([tokens], [self._params(1, True, False)], cached_path=False)[0]
+        return self._rows_of(out, 0)
+
+    def _layers(self) -> list:
+        """The model's linear layers that run vLLM's CPU GEMM dispatch (``cpu_linear``), in this process."""
+        core = getattr(self.llm.llm_engine.engine_core, "engine_core", None)
+        executor = getattr(core, "model_executor", None)
+        worker = getattr(getattr(executor, "driver_worker", None), "worker", None)
+        model = getattr(getattr(worker, "model_runner", None), "model", None)
+        if model is None:
+            raise NotImplementedError("the engine's model is not in this process")
+        layers = [m for m in model.modules() if callable(getattr(m, "cpu_linear", None))]
+        if not layers:
+            raise NotImplementedError("no linear layer of the model runs vLLM's CPU GEMM dispatch (cpu_linear)")
+        return layers
+
+    @contextlib.contextmanager
+    def _gemm_rows(self, n: int):
+        """Every linear layer's GEMM run on ``n`` rows at a time for the duration (the rows are independent:
+        the same products, each with the kernel a step of ``n`` tokens runs)."""
+        import torch
+
+        layers = self._layers()
+        saved = [layer.cpu_linear for layer in layers]
+
+        def blocked(linear):
+            def run(x, weight, bias):
+                flat = x.reshape(-1, x.shape[-1])
+                if flat.shape[0] <= n:
+                    return linear(x, weight, bias)
+                out = torch.cat([linear(flat[i : i + n], weight, bias) for i in range(0, flat.shape[0], n)])
+                return out.reshape(*x.shape[:-1], out.shape[-1])
+
+            return run
+
+        for layer, linear in zip(layers, saved, strict=True):
+            layer.cpu_linear = blocked(linear)
+        try:
+            yield
+        finally:
+            for layer, linear in zip(layers, saved, strict=True):
+                layer.cpu_linear = linear
 
     @contextlib.contextmanager
     def _token_budget(self, n: int):
