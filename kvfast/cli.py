@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
+        pool = sys.modules.get("kvfast.sweep.backends.pool")
+        if pool is not None:  # a sweep ran: its loky workers are killed, not joined at exit
+            pool.release_workers()
 
 
 def _main(argv: list[str] | None) -> int:

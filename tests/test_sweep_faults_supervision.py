@@ -7,11 +7,12 @@ Through the real command line, on tests/faultstudy.py (see tests/test_sweep_faul
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import time
 
 import pytest
-from test_sweep_faults import grid_toml, kvfast, marks_env, one_line, stored
+from test_sweep_faults import ENV, ROOT, grid_toml, kvfast, marks_env, one_line, stored
 
 from kvfast.commands.sweep import EXIT_FAILED
 
@@ -48,3 +49,37 @@ def test_a_run_that_stops_its_worker_past_the_run_timeout_is_a_timeout_row_witho
     assert len((marks / "stop-60").read_text().split()) == 1  # it ran once
     df = stored(out).set_index("x")
     assert df.loc[60, "status"] == "timeout" and (df.drop(index=60)["status"] == "ok").all() and len(df) == 9
+
+
+STOP_AFTER_THE_COMMAND = """
+import os, signal, sys
+from joblib.externals.loky import reusable_executor
+from kvfast.cli import main
+code = main(sys.argv[1:])
+executor = reusable_executor._executor  # the loky workers the sweep used, if the command left them running
+for proc in list((getattr(executor, "_processes", None) or {}).values()):
+    if proc.is_alive():
+        os.kill(proc.pid, signal.SIGSTOP)  # stopped after the sweep's last look at its workers
+print("exit", code, flush=True)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIGSTOP")
+def test_a_loky_worker_stopped_after_the_sweep_does_not_hold_the_exit(tmp_path):
+    """Every run stored and the summary printed, an idle loky worker stopped (SIGSTOP) after the sweep's last
+    look at its workers held the command's exit for ever: loky joins its workers when the interpreter exits
+    (seen once in the loaded fault test). The command now kills its loky workers when it returns, so there
+    is none left to stop, and the process exits."""
+    toml = grid_toml(tmp_path / "g.toml", ([0, 1, 2, 3], "ok"))
+    out = tmp_path / "o"
+    argv = ["run", str(toml), "--out", str(out), "--jobs", "2", "--backend", "loky", "--quiet"]
+    done = subprocess.run(
+        [sys.executable, "-c", STOP_AFTER_THE_COMMAND, *argv],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        cwd=ROOT,
+        timeout=120,
+    )  # a hang fails here
+    assert done.returncode == 0 and "exit 0" in done.stdout, done.stdout + done.stderr
+    assert len(stored(out)) == 4

@@ -77,6 +77,15 @@ def loky_pool(n_jobs: int):
     return get_reusable_executor(max_workers=n_jobs, initializer=worker_setup, initargs=(os.getpid(),))
 
 
+def release_workers() -> None:
+    """Kill loky's reusable workers, if this process started any: a command is done. Never joined: a worker
+    stopped (SIGSTOP) after the sweep's last look would hold the interpreter's exit for ever (loky joins its
+    workers at exit)."""
+    from joblib.externals.loky import reusable_executor
+
+    shutdown(reusable_executor._executor, kill=True)
+
+
 def _fork_pool(n_jobs: int) -> ProcessPoolExecutor:
     context = multiprocessing.get_context("fork")
     return ProcessPoolExecutor(n_jobs, mp_context=context, initializer=worker_setup, initargs=(os.getpid(),))
