@@ -31,7 +31,7 @@ import numpy as np
 from kvfast.kernels.precision import F64, round_array
 from kvfast.model import layers as L
 from kvfast.model.cache import KVCache
-from kvfast.model.compiled import forward_entry
+from kvfast.model.compiled import forward_kernel
 from kvfast.model.config import ModelConfig, require_params
 from kvfast.model.validate import require_config, require_numerics, require_tokens
 from kvfast.numerics import Numerics
@@ -259,9 +259,10 @@ def _forward_compiled(
         pos0, kc, vc = 0, np.empty((n_layer, T, d)), np.empty((n_layer, T, d))
     resid = np.empty((n_layer + 1, T, d)) if trace is not None else np.empty((0, 0, 0))
     logits = np.empty((T, config.vocab))
-    forward_entry(storage, acc)(
-        w.stacked, config.n_head, config.eps, tokens, pos0, kc, vc, causal, order, attn, attn_block, logits, resid
-    )
+    forward_kernel(
+        w.stacked, config.n_head, config.eps, tokens, pos0, kc, vc, causal, storage, acc, order, attn, attn_block,
+        logits, resid,
+    )  # fmt: skip
     if trace is not None:
         trace["resid"] = list(resid)
         trace["k"] = [kc[layer, pos0 : pos0 + T] for layer in range(n_layer)]
