@@ -18,8 +18,9 @@ Each score's dot product is computed four keys at a time (four independent
 sums in flight, each still in its own order), which changes no bit.
 
 Compile cost (a cold start): the row kernels (:func:`attend_row`,
-:func:`attend_row_blocked`) are ordinary calls, compiled once and shared by the forward's :func:`attention_into` and the decode step (inlined, they
-were compiled into each); :func:`score_dots` picks a sequential body compiled
+:func:`attend_row_blocked`) are ordinary calls, compiled once and shared by the
+forward's :func:`attention_into` and the decode step (inlined, they were
+compiled into each); :func:`score_dots` picks a sequential body compiled
 for one accumulator format (that format's only, given a literal one).
 
 Real kernels' orders (``mode``, with an integer ``param``), per head, over the

@@ -335,8 +335,8 @@ def matmul_into(x: np.ndarray, w: np.ndarray, storage: int, acc: int, order: int
     (:mod:`kvfast.kernels.reduce`), products and adds rounded to ``acc``, the
     result rounded to ``storage``; an empty sum (n = 0) is ``0.0``. ``y`` must
     not overlap ``x`` or ``w``. One branch over the three formats at the top
-    picks a body compiled for that format (:func:`_format_product`); with ``acc``
-    a constant (a Numba literal) the other branches are pruned while compiling.
+    picks a body compiled for that format (:func:`_format_product`), so the
+    loops carry no format branch; every body is compiled with ``matmul_into``.
     """
     T, n = x.shape
     m = w.shape[1]
@@ -346,7 +346,7 @@ def matmul_into(x: np.ndarray, w: np.ndarray, storage: int, acc: int, order: int
                 y[r, j] = 0.0
         return
     # the one format dispatch: each branch passes its format on as a constant (one body each, with its
-    # own rounding and no format branch); a literal ``acc`` (a caller's constant) prunes the others
+    # own rounding and no format branch); Numba compiles all three (it prunes no branch on an int)
     if acc == F64:
         _format_product(x, w, order, y, F64)
     elif acc == F32:
