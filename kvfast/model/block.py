@@ -19,8 +19,9 @@ probabilities for the tape), the decode stores one row and attends it over
 the cache's ``lo .. hi-1``, where the bug catalogue's marked lines act.
 
 The functions are inlined into the compiled forward and decode
-(``inline="always"``: Numba IR, no call per layer); called from Python, each
-is compiled once. The formats are run-time integers either way.
+(``inline="always"``: Numba IR, no call per layer); the layer-by-layer forward
+runs their Python source (``.py_func``), which calls the same compiled kernels.
+The formats are run-time integers either way.
 Every value is rounded as in the kernels; nothing here changes an order.
 """
 
