@@ -1,6 +1,6 @@
 """Where a cold start's compile time goes: CPU seconds per compiled kernel specialisation.
 
-    python benchmarks/compile_profile.py [--preset f64] [--all]
+    PYTHONPATH=$PWD python benchmarks/compile_profile.py [--preset f64] [--all] [--reproduce]
 
 Points Numba's cache at an empty temporary directory, then imports kvfast and runs the same
 ``generate`` as the cold start of ``kvfast bench kernels`` in this process, recording every
@@ -8,6 +8,13 @@ compilation with Numba's event API (``numba:compile``). Prints the total CPU tim
 kernel called from Python (its time includes the kernels it compiles on the way), and with
 ``--all`` every nested compilation too, deepest indented; a kernel listed twice with different
 argument types (e.g. ``Literal[int](0)`` against ``int64``) was compiled twice.
+
+``--reproduce``: what ``kvfast reproduce``'s grids run, instead of one preset: ``generate`` (a
+prefill and decode steps) in every storage/accumulator pair of the precision grid (the other grids'
+pairs are among them; order and attention kernel are run-time arguments, so one of each), the forward
+with a tape and its gradients (``loss_and_grads``: training, gradcheck) and the forward's trace;
+prints the CPU seconds of each step and the total, the figure of the "at most 20 s" target. CPU time
+(``time.process_time``), not wall: the machine may be shared.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="f64", choices=["f64", "f32", "bf16"])
     parser.add_argument("--all", action="store_true", help="also list nested compilations")
+    parser.add_argument("--reproduce", action="store_true", help="every format kvfast reproduce runs, timed by step")
     args = parser.parse_args()
     os.environ["NUMBA_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvfast-numba-")
     c0 = time.process_time()
@@ -47,9 +55,23 @@ def main() -> int:
 
     cfg = kvfast.ModelConfig(vocab=64, d_model=32, n_head=4, n_layer=2, d_ff=64, max_pos=32)
     params = kvfast.init_params(cfg, 0)
-    kvfast.generate(cfg, params, [1, 2, 3], 4, kvfast.Numerics.preset(args.preset))
-    total = time.process_time() - c0
-    print(f"cold start (import kvfast, one generate, preset {args.preset}): {total:.2f} s CPU")
+    if args.reproduce:
+        print(f"import kvfast and start Numba: {time.process_time() - c0:.2f} s CPU")
+        formats = ("f64", "f32", "bf16")
+        for storage, accum in [(s, a) for s in formats for a in formats]:
+            c = time.process_time()
+            kvfast.generate(cfg, params, [1, 2, 3], 4, kvfast.Numerics(storage, accum))
+            print(f"generate, storage {storage}, accumulator {accum}: {time.process_time() - c:.2f} s CPU")
+        c = time.process_time()
+        kvfast.loss_and_grads(cfg, params, [1, 2, 3], [2, 3, 4], kvfast.Numerics())
+        kvfast.forward_trace(cfg, params, [1, 2, 3], kvfast.Numerics())
+        print(f"loss_and_grads and forward_trace (the layer-by-layer forward): {time.process_time() - c:.2f} s CPU")
+        total = time.process_time() - c0
+        print(f"cold start (import kvfast, every format kvfast reproduce runs): {total:.2f} s CPU")
+    else:
+        kvfast.generate(cfg, params, [1, 2, 3], 4, kvfast.Numerics.preset(args.preset))
+        total = time.process_time() - c0
+        print(f"cold start (import kvfast, one generate, preset {args.preset}): {total:.2f} s CPU")
     for seconds, depth, name, types in records:
         if depth == 0 or args.all:
             print(f"{seconds:7.2f}  {'  ' * depth}{name} {types[:150]}")

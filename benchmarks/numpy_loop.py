@@ -197,11 +197,12 @@ def agreement(config: dict) -> tuple[float, bool]:
 
 
 def load_bench_grid(tmp: str):
+    from kvfast.studies import STUDIES
     from kvfast.sweep import load_grid
 
     path = Path(tmp) / "exactness_d32.toml"
     path.write_text(GRID_TOML)
-    return load_grid(str(path))
+    return load_grid(str(path), studies=STUDIES)
 
 
 def time_numpy(configs: list[dict]) -> float:

@@ -14,8 +14,11 @@ directory, and prints one JSON line; this script prints a Markdown table of:
 - peak memory: the main process and the largest worker (VmHWM from /proc on Linux);
 - cold versus warm compile: the first run of a sweep (in the main process, as warm-up) with an
   empty Numba cache directory, and again with that directory filled; plus the whole N-worker sweep
-  wall time and CPU time (the process and the workers it reaped) in both cases, and each cold / warm ratio
-  (one sample each: compiling is a one-off).
+  wall time and CPU time (the process and the workers it reaped) in both cases, each cold / warm ratio
+  (one sample each: compiling is a one-off), and how many functions the main process and the workers
+  compiled (Numba's ``numba:compile`` events, which a load from the cache does not raise here; a
+  forked worker inherits the listener, so 0 there means the workers ran on what the warm-up
+  compiled; the names are printed when not; other backends' workers are not counted).
 """
 
 from __future__ import annotations
@@ -34,6 +37,16 @@ from pathlib import Path
 CHILD = r"""
 import json, os, resource, sys, time
 t0 = time.perf_counter()
+from numba.core import event
+main_pid = os.getpid()
+compile_log = sys.argv[2] + ".compiles"
+class CompileLog(event.Listener):  # inherited by forked workers: every process appends what it compiles or loads
+    def on_start(self, ev):
+        with open(compile_log, "a") as f:
+            f.write(f"{os.getpid()} {ev.data['dispatcher'].py_func.__qualname__}\n")
+    def on_end(self, ev):
+        pass
+event.register("numba:compile", CompileLog())
 import kvfast.studies  # noqa: F401 - registers the built-in studies into the sweep's registry
 from kvfast.sweep import load, load_grid, run_sweep
 grid = load_grid(sys.argv[1])
@@ -52,6 +65,11 @@ for stat in __import__("glob").glob("/proc/[0-9]*/stat"):
                     workers_kb.append(int(line.split()[1]))
     except (OSError, IndexError, ValueError):
         pass
+log = open(compile_log).read().split() if os.path.exists(compile_log) else []
+pids = log[0::2]
+main_compiles = sum(p == str(main_pid) for p in pids)
+worker_compiles = len(pids) - main_compiles
+worker_compiled = sorted({name for pid, name in zip(pids, log[1::2]) if pid != str(main_pid)})
 # same process: the pool is warm
 again = run_sweep(grid, sys.argv[2] + "-again", jobs=jobs, backend=backend, quiet=True)
 print(json.dumps({
@@ -61,6 +79,7 @@ print(json.dumps({
     "main_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     "worker_peak_mb": max(workers_kb) / 1024 if workers_kb else None,
     "again_wall_s": again.wall_s, "again_compute_s": again.compute_s,
+    "main_compiles": main_compiles, "worker_compiles": worker_compiles, "worker_compiled": worker_compiled,
 }))
 """
 
@@ -152,14 +171,20 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(
         f"| compile | first run s (main process) | {args.jobs}-worker sweep wall s | "
-        "process CPU s (main + workers) |\n|---|---|---|---|"
+        "process CPU s (main + workers) | functions compiled: main / workers |\n|---|---|---|---|---|"
     )
-    print(f"| cold (empty Numba cache) | {cold['first_run_s']:.2f} | {cold['wall_s']:.2f} | {cold['cpu_s']:.1f} |")
-    print(f"| warm (cache filled) | {warm['first_run_s']:.3f} | {warm['wall_s']:.2f} | {warm['cpu_s']:.1f} |")
+    for name, r, digits in (("cold (empty Numba cache)", cold, 2), ("warm (cache filled)", warm, 3)):
+        print(
+            f"| {name} | {r['first_run_s']:.{digits}f} | {r['wall_s']:.2f} | {r['cpu_s']:.1f} | "
+            f"{r['main_compiles']} / {r['worker_compiles']} |"
+        )
     print(
         f"| cold / warm (same run) | {cold['first_run_s'] / warm['first_run_s']:.0f}x | "
-        f"{cold['wall_s'] / warm['wall_s']:.1f}x | {cold['cpu_s'] / warm['cpu_s']:.1f}x |"
+        f"{cold['wall_s'] / warm['wall_s']:.1f}x | {cold['cpu_s'] / warm['cpu_s']:.1f}x | |"
     )
+    for name, r in (("cold", cold), ("warm", warm)):
+        if r["worker_compiled"]:
+            print(f"compiled in the workers ({name}): {', '.join(r['worker_compiled'])}")
     print(
         "(cold and warm: one sweep each, a fresh process each, the cold one first; compiling is a one-off, "
         "so these are single samples, not medians)"

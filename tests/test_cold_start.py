@@ -87,8 +87,8 @@ def test_the_first_call_compiles_or_loads_only_what_it_uses():
     call = (
         "\ncfg = c.ModelConfig(vocab=8, d_model=4, n_head=1, n_layer=1, d_ff=4, max_pos=4)\n"
         "t.forward(cfg, c.init_params(cfg, 0), [1, 2], n.Numerics())\n"
-        "from kvfast.model.compiled import forward_entry\n"
-        "assert forward_entry(0, 0).signatures"
+        "from kvfast.model.compiled import forward_kernel\n"
+        "assert forward_kernel.signatures"
     )
     loaded = json.loads(_run(["-c", LOADED, imports + call], None).strip().splitlines()[-1])
     assert not any("decode" in name for name in loaded), loaded

@@ -439,10 +439,10 @@ FMA_ASM = re.compile(r"\bv?f(?:n)?m(?:add|sub|addsub|subadd)\d*\w*", re.IGNORECA
 ORDER_SENSITIVE = (
     "ordered_sum", "ordered_dot", "weighted_rows_sum", "matmul_into", "_all_products", "score_dots",
     "attend_row", "attend_row_blocked", "attention_into", "rmsnorm_row", "rmsnorm_into", "silu_into", "rnd",
-    "round_array", "forward_format", "decode_format",
+    "round_array", "forward_kernel", "decode_kernel",
 )  # fmt: skip
-# forward_format / decode_format: the model's per-format entries (kvfast/model/compiled.py, decode.py), into
-# which forward_kernel, decode_kernel, the block and matmul_into are inlined
+# forward_kernel / decode_kernel: the model's compiled entries (kvfast/model/compiled.py, decode.py), into
+# which the block is inlined
 
 PROBE = r"""
 import json, os, sys
@@ -585,12 +585,12 @@ def machine_code(tmp_path_factory):
 
 
 def test_no_kernel_is_compiled_with_fastmath():
-    from kvfast.model.compiled import forward_entry, forward_kernel
-    from kvfast.model.decode import decode_entry, decode_kernel
+    from kvfast.model.compiled import forward_kernel
+    from kvfast.model.decode import decode_kernel
 
     kernels = [getattr(mod, name) for mod in (reduce, matmul, attention, rowops, precision) for name in dir(mod)]
     kernels = [k for k in kernels if isinstance(k, nb.core.registry.CPUDispatcher)] + [decode_kernel, _all_products]
-    kernels += [forward_kernel, forward_entry(F64, F64), decode_entry(F64, F64)]
+    kernels += [forward_kernel]
     assert {k.__name__ for k in kernels} >= set(ORDER_SENSITIVE)
     for k in kernels:
         assert k.targetoptions.get("fastmath", False) is False, k.__name__
@@ -605,7 +605,7 @@ def test_no_fused_multiply_add_in_the_machine_code(machine_code):
             assert not fused, (name, fused[:5])
     # the multiplying kernels really multiply (in scalar or vector form)
     for name in ("ordered_dot", "_all_products", "attend_row", "attend_row_blocked", "rmsnorm_row",
-                 "forward_format", "decode_format"):  # fmt: skip
+                 "forward_kernel", "decode_kernel"):  # fmt: skip
         assert any(re.search(r"\bvmul[sp]d\b", asm) for asm in machine_code[name]), name
     # matmul runs float32 lanes (f32 and bf16 accumulators) with the bf16 rounding in integer lanes
     for name in ("_all_products", "matmul_into"):

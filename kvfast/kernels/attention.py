@@ -18,10 +18,10 @@ Each score's dot product is computed four keys at a time (four independent
 sums in flight, each still in its own order), which changes no bit.
 
 Compile cost (a cold start): the row kernels (:func:`attend_row`,
-:func:`attend_row_blocked`) are ordinary calls, compiled once per format and
-shared by the forward's :func:`attention_into` and the decode step (inlined, they
-were compiled into each); given a literal accumulator format (a compiled model
-entry's constant), :func:`score_dots` compiles that format's sequential body only.
+:func:`attend_row_blocked`) are ordinary calls, compiled once and shared by the
+forward's :func:`attention_into` and the decode step (inlined, they were
+compiled into each); :func:`score_dots` picks a sequential body compiled
+for one accumulator format (that format's only, given a literal one).
 
 Real kernels' orders (``mode``, with an integer ``param``), per head, over the
 scores ``s_j`` above (computed exactly as in the standard mode):
@@ -114,7 +114,7 @@ def _dots_sequential_any(qrow, c0, kbuf, lo, nk, hd, out, acc):
 @overload(_dots_sequential_any, jit_options=_JIT, prefer_literal=True)
 def _dots_sequential_any_overload(qrow, c0, kbuf, lo, nk, hd, out, acc):
     """The format dispatch of :func:`score_dots`, chosen while typing when it can be: a literal ``acc`` (a
-    compiled model entry's constant) compiles that format's body alone; a run-time one, a branch over the
+    caller's constant) compiles that format's body alone; a run-time one, a branch over the
     three (as :func:`kvfast.kernels.matmul.matmul_into` does)."""
     if isinstance(acc, types.IntegerLiteral):
         code = acc.literal_value

@@ -292,27 +292,15 @@ def _format_product(x, w, order, y, acc):
 
 @overload(_format_product, jit_options=_JIT, prefer_literal=True)
 def _format_product_overload(x, w, order, y, acc):
-    """The one format dispatch of :func:`matmul_into`, chosen while typing when it can be.
+    """The product body of one literal format ``acc`` (:func:`matmul_into` branches over the three).
 
-    A literal ``acc`` (a compiled model entry passes its format as a constant)
-    gives that format's body alone, so only that format's product kernels are
-    compiled; a run-time ``acc`` (a call from Python) gives a branch over the
-    three literal bodies. Body per format: F64 runs ``_product`` on the float64
+    Body per format: F64 runs ``_product`` on the float64
     data; F32 (at least ``NARROW_MIN_ROWS`` rows) and BF16 (any rows) run it on
     float32 copies when every input allows (:func:`_as_f32`), else on the float64
     data. ``x`` has >= 1 row and >= 1 column.
     """
     if not isinstance(acc, types.IntegerLiteral):
-
-        def dispatch(x, w, order, y, acc):
-            if acc == F64:
-                _format_product(x, w, order, y, F64)
-            elif acc == F32:
-                _format_product(x, w, order, y, F32)
-            else:
-                _format_product(x, w, order, y, BF16)
-
-        return dispatch
+        return None
     code = acc.literal_value
     if code == F64:
         return lambda x, w, order, y, acc: _product(x, w, order, y, F64)
@@ -346,9 +334,9 @@ def matmul_into(x: np.ndarray, w: np.ndarray, storage: int, acc: int, order: int
     Element ``y[t, j]`` is the sum over k of ``x[t, k] * w[k, j]`` in ``order``
     (:mod:`kvfast.kernels.reduce`), products and adds rounded to ``acc``, the
     result rounded to ``storage``; an empty sum (n = 0) is ``0.0``. ``y`` must
-    not overlap ``x`` or ``w``. Called from jitted code with ``acc`` a
-    constant (a Numba literal), it compiles that format's kernels only
-    (:func:`_format_product`); from Python, all three.
+    not overlap ``x`` or ``w``. One branch over the three formats at the top
+    picks a body compiled for that format (:func:`_format_product`), so the
+    loops carry no format branch; every body is compiled with ``matmul_into``.
     """
     T, n = x.shape
     m = w.shape[1]
@@ -357,7 +345,14 @@ def matmul_into(x: np.ndarray, w: np.ndarray, storage: int, acc: int, order: int
             for j in range(m):
                 y[r, j] = 0.0
         return
-    _format_product(x, w, order, y, acc)
+    # the one format dispatch: each branch passes its format on as a constant (one body each, with its
+    # own rounding and no format branch); Numba compiles all three (it prunes no branch on an int)
+    if acc == F64:
+        _format_product(x, w, order, y, F64)
+    elif acc == F32:
+        _format_product(x, w, order, y, F32)
+    else:
+        _format_product(x, w, order, y, BF16)
     if storage != F64:
         for r in range(T):
             for j in range(m):

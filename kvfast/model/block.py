@@ -18,10 +18,10 @@ two halves: the forward stores rows ``pos0 ..`` and attends every row
 probabilities for the tape), the decode stores one row and attends it over
 the cache's ``lo .. hi-1``, where the bug catalogue's marked lines act.
 
-Called from the compiled entries the formats are constants (Numba literals)
-and the functions are inlined into each entry (``inline="always"``: Numba IR,
-one optimisation per entry, no call per layer); called from Python, each is
-compiled once for run-time formats.
+The functions are inlined into the compiled forward and decode
+(``inline="always"``: Numba IR, no call per layer); the layer-by-layer forward
+runs their Python source (``.py_func``), which calls the same compiled kernels.
+The formats are run-time integers either way.
 Every value is rounded as in the kernels; nothing here changes an order.
 """
 

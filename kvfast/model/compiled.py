@@ -1,4 +1,4 @@
-"""The compiled forward over all layers, and one compiled entry per number format.
+"""The compiled forward over all layers: one compiled entry for every number format.
 
 :func:`forward_kernel` is :func:`kvfast.model.transformer.forward_prepared`
 without a tape in one compiled call: the block of :mod:`kvfast.model.block`
@@ -6,18 +6,20 @@ without a tape in one compiled call: the block of :mod:`kvfast.model.block`
 forward's K/V store and attention between its halves, so every bit is the
 same; it saves one trip through Python per kernel per layer.
 
-**One compiled entry per format.** Python calls the forward and the decode
-kernel through :func:`forward_entry` / :func:`decode_entry`, one small jitted
-function per (storage, accumulator) pair that passes the two formats on as
-compile-time constants (Numba literals). Numba types every branch of a function
-it compiles, so a kernel that picks its body with ``if acc == F64`` at run time
-compiles the bodies of every format; :func:`kvfast.kernels.matmul.matmul_into`
-picks its body while typing when the format is a literal, so a process that
-runs one format compiles the matmul of that format only (about a third of a
-cold start when every format was compiled). The block's functions are
-compiled once per format pair and shared by the two entries. Each entry is
-made on first use and cached on disk like every kernel (Numba keys a
-closure's cache entry by the values it closes over).
+**One entry for every format.** The storage and accumulator formats reach the
+forward and the decode (:func:`kvfast.model.decode.decode_kernel`) as run-time
+integers, as they reach the layer functions called from Python, so one
+compiled forward and one decode serve every format a process runs, and the
+kernels below them (``matmul_into``, attention, the norms) are compiled once,
+with the signature the layer-by-layer forward and the training use too. The
+hot loops still carry no format branch: ``matmul_into`` and the attention's
+score dots pick a body compiled for one format (the format a constant there)
+at the top of each call. Numba's compile time grows with every specialisation
+*and* with every level that links one in (each level optimises and emits the
+machine code of all it calls once more), so per-format entries, each with its
+own copy of every kernel below it, cost several times more for the three
+presets and the nine storage/accumulator pairs of ``kvfast reproduce``
+(``benchmarks/compile_profile.py``; the README's figures).
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def _store_rows(buf, start, rows):
             buf[start + t, j] = rows[t, j]
 
 
-@nb.njit(**JIT_OPTIONS, inline="always")
+@nb.njit(**JIT_OPTIONS)
 def forward_kernel(w, n_head, eps, tokens, pos0, kc, vc, causal, storage, acc, order, attn, attn_block, logits, resid):
     """The forward of ``tokens`` at positions ``pos0 ..`` over all layers; writes ``logits`` (T, vocab).
 
@@ -124,22 +126,3 @@ def forward_kernel(w, n_head, eps, tokens, pos0, kc, vc, causal, storage, acc, o
             _store_rows(resid[layer + 1], 0, x)
     hf = np.empty((T, d))
     head_into(w, x, eps, storage, acc, order, hf, inv, logits)
-
-
-_FORWARD_ENTRIES: dict = {}
-_DECODE_ENTRIES: dict = {}
-
-
-def forward_entry(storage: int, acc: int):
-    """The compiled forward for one (storage, accumulator) pair: :func:`forward_kernel` with the two
-    formats as constants; arguments as ``forward_kernel`` without ``storage`` and ``acc``."""
-    entry = _FORWARD_ENTRIES.get((storage, acc))
-    if entry is None:
-        s_, a_ = int(storage), int(acc)
-
-        @nb.njit(**JIT_OPTIONS)
-        def forward_format(w, n_head, eps, tokens, pos0, kc, vc, causal, order, attn, attn_block, logits, resid):
-            forward_kernel(w, n_head, eps, tokens, pos0, kc, vc, causal, s_, a_, order, attn, attn_block, logits, resid)
-
-        entry = _FORWARD_ENTRIES[(storage, acc)] = forward_format
-    return entry

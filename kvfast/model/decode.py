@@ -28,7 +28,7 @@ from kvfast.numerics import Numerics
 from kvfast.validation import require_int
 
 
-@nb.njit(**JIT_OPTIONS, inline="always")
+@nb.njit(**JIT_OPTIONS)
 def decode_kernel(
     w: StackedWeights, n_head, eps, kc, vc, length, prefill_len, token, pos,
     storage, acc, order, bug, window, logits, attn=0, attn_block=0,
@@ -113,29 +113,6 @@ def _decode_attention(
         )  # fmt: skip
 
 
-_DECODE_ENTRIES: dict = {}
-
-
-def decode_entry(storage: int, acc: int):
-    """The compiled decode step for one (storage, accumulator) pair: :func:`decode_kernel` with the two
-    formats as constants (see :mod:`kvfast.model.compiled`); arguments as ``decode_kernel`` without
-    ``storage`` and ``acc``."""
-    entry = _DECODE_ENTRIES.get((storage, acc))
-    if entry is None:
-        s_, a_ = int(storage), int(acc)
-
-        @nb.njit(**JIT_OPTIONS)
-        def decode_format(w, n_head, eps, kc, vc, length, prefill_len, token, pos, order, bug, window, logits, attn,
-                          attn_block):  # fmt: skip
-            return decode_kernel(
-                w, n_head, eps, kc, vc, length, prefill_len, token, pos, s_, a_, order, bug, window, logits, attn,
-                attn_block,
-            )  # fmt: skip
-
-        entry = _DECODE_ENTRIES[(storage, acc)] = decode_format
-    return entry
-
-
 def decode_prepared(
     config: ModelConfig, w: Weights, cache: KVCache, token: int, numerics: Numerics, bug: int = B.NONE
 ) -> np.ndarray:
@@ -143,9 +120,9 @@ def decode_prepared(
     storage, acc, order = numerics.codes
     attn, attn_block = numerics.attention_codes
     logits = np.empty((1, config.vocab))
-    new_length = decode_entry(storage, acc)(
+    new_length = decode_kernel(
         w.stacked, config.n_head, config.eps, cache.k, cache.v, cache.length, cache.prefill_len,
-        token, cache.length, order, bug, B.EVICT_WINDOW, logits, attn, attn_block,
+        token, cache.length, storage, acc, order, bug, B.EVICT_WINDOW, logits, attn, attn_block,
     )  # fmt: skip
     cache.advance(new_length - cache.length)
     return logits[0]

@@ -28,10 +28,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvfast.kernels.precision import F64, round_array
+from kvfast.kernels.precision import round_array
 from kvfast.model import layers as L
 from kvfast.model.cache import KVCache
-from kvfast.model.compiled import forward_entry
+from kvfast.model.compiled import forward_kernel
 from kvfast.model.config import ModelConfig, require_params
 from kvfast.model.validate import require_config, require_numerics, require_tokens
 from kvfast.numerics import Numerics
@@ -69,11 +69,10 @@ class Weights:
         checked = require_params(config, params)
         storage = numerics.codes[0]
         # a read-only array (frozen by `cached`) is copied first: Numba would compile round_array
-        # once more for read-only arrays, a type of their own
-        if storage == F64:  # rounding to f64 is the identity: a copy has the same bits, and needs no kernel
-            named = {name: np.array(a, dtype=np.float64) for name, a in checked.items()}
-        else:
-            named = {name: round_array(a if a.flags.writeable else a.copy(), storage) for name, a in checked.items()}
+        # once more for read-only arrays, a type of their own. f64 goes through round_array too (the
+        # identity, a copy with the same bits), so a sweep's warm-up run in any format compiles it and
+        # forked workers running other formats compile nothing (benchmarks/sweep.py counts it)
+        named = {name: round_array(a if a.flags.writeable else a.copy(), storage) for name, a in checked.items()}
 
         def stacked(short: str) -> np.ndarray:
             if short in named:  # not per layer
@@ -259,9 +258,10 @@ def _forward_compiled(
         pos0, kc, vc = 0, np.empty((n_layer, T, d)), np.empty((n_layer, T, d))
     resid = np.empty((n_layer + 1, T, d)) if trace is not None else np.empty((0, 0, 0))
     logits = np.empty((T, config.vocab))
-    forward_entry(storage, acc)(
-        w.stacked, config.n_head, config.eps, tokens, pos0, kc, vc, causal, order, attn, attn_block, logits, resid
-    )
+    forward_kernel(
+        w.stacked, config.n_head, config.eps, tokens, pos0, kc, vc, causal, storage, acc, order, attn, attn_block,
+        logits, resid,
+    )  # fmt: skip
     if trace is not None:
         trace["resid"] = list(resid)
         trace["k"] = [kc[layer, pos0 : pos0 + T] for layer in range(n_layer)]
