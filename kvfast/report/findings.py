@@ -1,5 +1,5 @@
 """The findings a scan's reproducers were written for, in the report: :func:`scan_findings` reads the listing
-beside each ``hf_scan`` results directory (``DIR.repro/findings.csv``, :mod:`kvfast.studies.scan_repro`), new
+beside each results directory (a scan's, ``DIR.repro/findings.csv``, :mod:`kvfast.studies.scan_repro`), new
 findings first; :func:`findings_html` is the report page's section (each finding's label with its reference,
 and links to its reproducer and issue text); :func:`findings_text` the listing ``kvfast report`` and ``kvfast
 scan`` print.
@@ -22,15 +22,16 @@ LABEL_COLOURS = {"new": "#fbe3e3", "known": "#fff3cc", "injected": "#e6eefc"}
 
 
 def scan_findings(results_root: str | os.PathLike) -> pd.DataFrame | None:
-    """The findings listed beside every ``hf_scan`` results directory under ``results_root`` (one, or a folder
-    of them), new first; ``None`` where no scan wrote reproducers (``kvfast scan --repro``)."""
+    """The findings listed beside every results directory under ``results_root`` (one, or a folder of them)
+    that has them (a scan's, ``kvfast scan --repro``), new first; ``None`` where none has. The report names no
+    study: whichever wrote a listing is read."""
     from kvfast.report.results import study_dirs
     from kvfast.repro.findings import ordered, read_findings
     from kvfast.studies.scan_repro import repro_dir
 
-    path = study_dirs(results_root).get("hf_scan")
-    table = None if path is None else read_findings(repro_dir(path))
-    return None if table is None else ordered(table)
+    tables = [read_findings(repro_dir(path)) for path in study_dirs(results_root).values()]
+    tables = [table for table in tables if table is not None]
+    return ordered(pd.concat(tables, ignore_index=True)) if tables else None
 
 
 def counts_line(table: pd.DataFrame) -> str:
