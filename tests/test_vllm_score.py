@@ -108,5 +108,7 @@ def test_a_bug_that_does_not_act_within_the_steps_is_missed_by_every_detector_an
     scores = vs.scores(table).set_index("bug")
     assert list(scores.index) == ["short", "all"] and scores.loc["all", "cases"] == 1  # the quiet case left out
     assert scores.loc["short", "kvfast_exact.recall"] == 1.0 and scores.loc["short", "vllm_logprobs.recall"] == 0.0
-    lines = vs.case_markdown(table).splitlines()
-    assert lines[3].split(" | ")[3:] == ["evict", "-", "-", "-", "-", "- |"]
+    lines = vs.case_markdown(table).splitlines()  # the clean control left out
+    assert [line.split(" | ")[2:] for line in lines[2:]] == [
+        ["evict", "-", "-", "-", "-", "- |"], ["short", "1", "1", "-", "1", "1 |"]
+    ]  # fmt: skip

@@ -49,6 +49,7 @@ into docs/engines.md.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import tempfile
 from collections.abc import Callable
@@ -333,17 +334,28 @@ def _step(flag, step) -> str:
     return "found" if step is None or pd.isna(step) else str(int(step))
 
 
+def _cell(rows: list[pd.Series], value: Callable[[pd.Series], str]) -> str:
+    """``value`` of each dtype's row: one value where they agree, else each, joined by `` / ``."""
+    values = [value(r) for r in rows]
+    return values[0] if len(set(values)) == 1 else " / ".join(values)
+
+
 def case_markdown(table: pd.DataFrame) -> str:
-    """The per-case table: each detector's step (``-``: not flagged; on a clean case any flag is a false
-    positive) against the bug's first acting step (``-``: it does not act within the steps)."""
+    """The per-case table, one row per scenario, prompt and bug: each detector's step (``-``: not flagged)
+    against the bug's first acting step (``-``: it does not act within the steps); a cell where the dtypes differ
+    gives each (``float32 / bfloat16``). Clean controls are left out (their flags are the scores' FPR)."""
     names = _names(table)
-    head = "| dtype | scenario | prompt | bug | first acting step | " + " | ".join(names) + " |"
-    lines = [head, "|" + "---|" * (5 + len(names))]
-    for _, r in table.iterrows():
-        acts = "-" if pd.isna(r["acts"]) else str(int(r["acts"]))
-        scenario = r["scenario"] + (f" ({int(r['preemptions'])} preempted)" if r["scenario"] == "preemption" else "")
-        cells = [r["dtype"], scenario, str(r["prompt_len"]), r["bug"], acts]
-        cells += [_step(r[f"{n}.flag"], r[f"{n}.step"]) for n in names]
+    dtypes = list(dict.fromkeys(table["dtype"]))
+    bugged = table[table["bug"] != "none"]
+    head = "| scenario | prompt | bug | first acting step | " + " | ".join(names) + " |"
+    lines = [head, "|" + "---|" * (4 + len(names))]
+    for (scenario, length, bug), group in bugged.groupby(["scenario", "prompt_len", "bug"], sort=False):
+        by_dtype = group.set_index("dtype")
+        cell = functools.partial(_cell, [by_dtype.loc[d] for d in dtypes if d in by_dtype.index])
+        if scenario == "preemption":
+            scenario += f" ({cell(lambda r: str(int(r['preemptions'])))} preempted)"
+        cells = [scenario, str(length), bug, cell(lambda r: "-" if pd.isna(r["acts"]) else str(int(r["acts"])))]
+        cells += [cell(lambda r, n=n: _step(r[f"{n}.flag"], r[f"{n}.step"])) for n in names]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -369,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
         engines = Engines(tiny_vllm_model(out, seed=1))
         table = detections(cases(engines, dtypes, args.steps))
     print(f"vLLM bugs, tiny Llama (seed 1), prompts {', '.join(map(str, PROMPT_LENGTHS))}, {args.steps} steps")
+    print()
+    print(f"Per case (a cell that differs between dtypes: {' / '.join(dtypes)}):")
     print()
     print(case_markdown(table))
     print()
