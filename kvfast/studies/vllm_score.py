@@ -30,12 +30,13 @@ Detectors (:data:`DETECTORS`), each given the case's cached path:
 - ``three_token_allclose``: three greedy tokens with the cache; decode step 1's logits against vLLM's own
   recompute of the same tokens, ``allclose(atol=rtol=1e-5)`` (kvfast's other tables' three-token check,
   :func:`kvfast.bugs.score.one_step_allclose`);
-- ``vllm_logprobs``: vLLM's own test criterion (``check_logprobs_close`` in vLLM's ``tests/models/utils.py``,
-  which its prefix-caching, chunked-prefill and preemption tests run between two generations) with one logprob
-  per step: ``steps + 1`` greedy tokens of the cached path against an uncached run (one plain ``LLM.generate``
-  of the prompt, ``logprobs=1``, reading no prefix cache, unchunked, alone in the engine);
-  :func:`logprobs_close`. The uncached run here is clean: the bugs act on the cached path only, where in vLLM a
-  decode bug would act in both runs, so this is the criterion at its most favourable;
+- ``vllm_logprobs``: vLLM's own test criterion (``check_logprobs_close`` in vLLM's ``tests/models/utils.py``; with
+  one greedy logprob it fails where the same file's ``check_outputs_equal`` fails, which vLLM's prefix-caching
+  tests run between a run with the cache and one without) with one logprob per step: ``steps + 1`` greedy tokens of
+  the cached path against an uncached run (one plain ``LLM.generate`` of the prompt, ``logprobs=1``, reading no
+  prefix cache, unchunked, alone in the engine); :func:`logprobs_close`. The uncached run here is clean: the bugs
+  act on the cached path only, where in vLLM a decode bug would act in both runs, so this is the criterion at its
+  most favourable;
 - ``kvfast_exact``: :func:`kvfast.check_cache`, exact mode, the case's scenario (``decode`` or ``resume``; chunked
   prefill and preemption are the engine's setup); in ``bfloat16`` with ``gemm_rows=1`` (vLLM's CPU GEMMs choose
   their kernel by row count: docs/engines.md);
