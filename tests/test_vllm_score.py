@@ -112,3 +112,20 @@ def test_a_bug_that_does_not_act_within_the_steps_is_missed_by_every_detector_an
     assert [line.split(" | ")[2:] for line in lines[2:]] == [
         ["evict", "-", "-", "-", "-", "- |"], ["short", "1", "1", "-", "1", "1 |"]
     ]  # fmt: skip
+
+
+@pytest.mark.vllm
+def test_the_command_prints_the_tables_of_docs_engines_md(engines, monkeypatch, capsys):
+    monkeypatch.setattr(vs, "SCENARIOS", ("decode",))
+    monkeypatch.setattr(vs, "PROMPT_LENGTHS", (70,))
+    monkeypatch.setattr(vs, "Engines", lambda model_dir: engines)  # the file's engine, not a second one
+    assert vs.main(["--steps", "4", "--dtypes", "float32"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "vLLM bugs, tiny Llama (seed 1), prompts 70, 4 steps"
+    rows = [line for line in lines if line.startswith("| decode | 70 |")]
+    assert [r.split(" | ")[2:] for r in rows] == [
+        ["evict", "1", "1", "1", "1", "1 |"],
+        ["short", "1", "1", "1", "1", "1 |"],
+        ["hitpos", "-", "-", "-", "-", "- |"],
+    ]
+    assert "| all | float32 | 2 | 1.000, 1, 1.000 (FPR 0.000) |" in "\n".join(lines)

@@ -7,6 +7,7 @@ Each vLLM bug is a mixin over :meth:`VLLMModel._attention_metadata`, the hook ev
 cached path passes its ``CommonAttentionMetadata`` through (the recompute's and the variants' never do): the bug
 hands the kernel a changed copy (block table, sequence lengths), as a wrong scheduler or block manager would.
 ``inject_vllm_bug(VLLMModel(path), "evict")``; :func:`first_acting_step` says where each first acts.
+:mod:`kvfast.studies.vllm_score` scores them against the checks people write (docs/engines.md).
 """
 
 from __future__ import annotations
@@ -110,7 +111,9 @@ VLLM_BUGS: dict[str, Bug] = catalogue(
 
 
 def first_acting_step(bug: str, scenario: str, prompt_len: int) -> int | None:
-    """The first step at which ``bug`` changes the cache path's logits in ``scenario`` (``None``: never)."""
+    """The first step at which ``bug`` changes the cache path's logits in ``scenario`` (``None``: never), on an
+    engine as :class:`VLLMModel` builds it by default; under chunked prefill or preemption
+    :func:`kvfast.studies.vllm_score.acting_step` measures it (a preempted request's re-prefill is no decode)."""
     return first_acting_in(VLLM_BUGS, bug, scenario, prompt_len)
 
 

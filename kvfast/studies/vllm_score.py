@@ -157,11 +157,12 @@ class VLLMCase:
         return inject_vllm_bug(adapter, self.bug if bug is True else bug)
 
 
-def cases(engines: Engines, dtypes=DTYPES, steps: int = STEPS, prompt_lengths=PROMPT_LENGTHS) -> list[VLLMCase]:
-    """Every dtype x scenario x prompt x (clean and each bug of :data:`VLLM_BUGS`)."""
+def cases(engines: Engines, dtypes=DTYPES, steps: int = STEPS) -> list[VLLMCase]:
+    """Every dtype x scenario (:data:`SCENARIOS`) x prompt (:data:`PROMPT_LENGTHS`) x (clean and each bug of
+    :data:`VLLM_BUGS`)."""
     steps = require_int(steps, "steps", 1)
     out = []
-    for dtype, scenario, length in itertools.product(dtypes, SCENARIOS, prompt_lengths):
+    for dtype, scenario, length in itertools.product(dtypes, SCENARIOS, PROMPT_LENGTHS):
         config = {"dtype": require_choice(dtype, "dtypes", DTYPES), "scenario": scenario, "prompt_len": length,
                   "steps": steps}  # fmt: skip
         out += [VLLMCase(config, bug, engines) for bug in (None, *VLLM_BUGS)]
