@@ -26,7 +26,7 @@ import pyarrow as pa
 
 from kvfast.check import KvfastModel, check_cache
 from kvfast.kernels.reduce import ORDER_CODES
-from kvfast.model.config import ModelConfig, init_params
+from kvfast.model.config import ModelConfig, SeedDraws
 from kvfast.numerics import PRESETS, Numerics
 from kvfast.studies.base import Claim, Figure, Study
 from kvfast.studies.common import MODEL_SHAPE_FIELDS, model_config, ok_rows, require_config_choice, require_model_shape
@@ -84,8 +84,20 @@ def _model(seed: int, shape: tuple[int, ...], max_pos: int) -> tuple[ModelConfig
 
 @functools.lru_cache(maxsize=16)
 def _params(cfg: ModelConfig, seed: int) -> dict:
-    """``init_params(cfg, seed)``, once per process (``cfg``: one ``n_head`` stands for all)."""
-    return init_params(cfg, seed)
+    """``init_params(cfg, seed)``, once per process (``cfg``: one ``n_head`` stands for all), cut from the
+    seed's draws (:class:`~kvfast.model.config.SeedDraws`: the shapes and lengths of one seed share them);
+    read-only arrays, so that every run's :class:`~kvfast.check.KvfastModel` reuses their prepared weights
+    (:func:`kvfast.check.adapters.prepared_weights`)."""
+    params = _draws(seed).params(cfg)
+    for array in params.values():
+        array.flags.writeable = False
+    return params
+
+
+@functools.lru_cache(maxsize=4)
+def _draws(seed: int) -> SeedDraws:
+    """The seed's standard normal draws, kept for every parameter set of that seed."""
+    return SeedDraws(seed)
 
 
 def prompt_for(config: dict) -> np.ndarray:
