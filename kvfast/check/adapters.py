@@ -13,6 +13,7 @@ from kvfast.model.decode import decode_prepared
 from kvfast.model.transformer import Weights, forward_prepared
 from kvfast.model.validate import require_config, require_numerics, require_token, require_tokens
 from kvfast.numerics import Numerics
+from kvfast.validation import require_int
 
 
 class KvfastModel:
@@ -109,6 +110,21 @@ class KvfastModel:
                 f"allowed: at most {self.config.max_pos} positions in all"
             )
         return decode_prepared(self.config, self.weights, cache, token, self.decode_numerics, self.bug_code)
+
+    def decode_greedy(self, token, n) -> np.ndarray:
+        """``n`` :meth:`decode` steps, the first fed ``token``, each next the argmax (first maximum) of the step
+        before's logits; their logits ``(n, V)`` (:mod:`kvfast.check.protocol`). Declines with
+        ``NotImplementedError``, the cache untouched, when it has no room for ``n`` more positions (the checker
+        then decodes step by step and meets :meth:`decode`'s own error)."""
+        cache = self._cache()
+        n = require_int(n, "n", 1)
+        if cache.length + n > cache.capacity:
+            raise NotImplementedError(f"{n} steps from position {cache.length} pass the cache's {cache.capacity}")
+        out = np.empty((n, self.vocab_size))
+        for i in range(n):
+            out[i] = self.decode(token)
+            token = int(out[i].argmax())
+        return out
 
     # --- cache operations (the rollback and fork scenarios, kvfast.check.scenarios) ------------------
 
