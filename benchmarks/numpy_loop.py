@@ -227,7 +227,7 @@ def shared_parameter_sets(configs: list[dict]) -> int:
     """How many parameter sets the exactness study draws for ``configs`` (its ``init_params`` calls)."""
     from kvfast.studies import exactness
 
-    exactness._params.cache_clear()
+    fresh_state()
     for c in configs:
         exactness.model_for(c)
     return exactness._params.cache_info().misses
@@ -246,7 +246,18 @@ def time_numpy_model(configs: list[dict], batching: str) -> float:
     return time.perf_counter() - t0
 
 
+def fresh_state() -> None:
+    """What a fresh process starts from: the study's kept parameter sets, draws and prompts and the prepared
+    weights forgotten (each kvfast candidate starts from it, as a sweep's process does; compiled kernels stay)."""
+    from kvfast.check import adapters
+    from kvfast.studies import exactness
+
+    exactness.clear_caches()
+    adapters.clear_prepared_weights()
+
+
 def time_kvfast_loop(grid) -> float:
+    fresh_state()
     t0 = time.perf_counter()
     for run in grid.runs:
         grid.study.run(dict(run.config))
@@ -256,6 +267,7 @@ def time_kvfast_loop(grid) -> float:
 def time_engine(grid, tmp: str, i: int) -> float:
     from kvfast.sweep import run_sweep
 
+    fresh_state()
     t0 = time.perf_counter()
     report = run_sweep(grid, Path(tmp) / f"out{i}", jobs=1, quiet=True)
     wall = time.perf_counter() - t0

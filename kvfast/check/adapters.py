@@ -120,9 +120,16 @@ class KvfastModel:
         n = require_int(n, "n", 1)
         if cache.length + n > cache.capacity:
             raise NotImplementedError(f"{n} steps from position {cache.length} pass the cache's {cache.capacity}")
+        step = self.decode
+        if type(self).decode is KvfastModel.decode:  # the kernel itself: decode's checks hold at every step
+
+            def step(tok: int) -> np.ndarray:  # (room: checked above; every token after the first: an argmax)
+                return decode_prepared(self.config, self.weights, cache, tok, self.decode_numerics, self.bug_code)
+
+            token = require_token(self.config, token)
         out = np.empty((n, self.vocab_size))
         for i in range(n):
-            out[i] = self.decode(token)
+            out[i] = step(token)
             token = int(out[i].argmax())
         return out
 
@@ -190,3 +197,8 @@ def prepared_weights(config: ModelConfig, params: dict, numerics: Numerics) -> W
 # prepared_weights' entries, least recently used first: key -> (the arrays, kept alive; their Weights)
 _PREPARED: dict[tuple, tuple[tuple, Weights]] = {}
 _PREPARED_SIZE = 64
+
+
+def clear_prepared_weights() -> None:
+    """Forget every parameter set :func:`prepared_weights` keeps (a fresh process's state, for benchmarks)."""
+    _PREPARED.clear()
