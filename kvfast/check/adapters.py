@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 
 import numpy as np
@@ -185,20 +186,25 @@ def prepared_weights(config: ModelConfig, params: dict, numerics: Numerics) -> W
         return Weights.prepare(config, params, numerics)
     shape = (config.vocab, config.d_model, config.n_layer, config.d_ff, config.max_pos)
     key = (shape, numerics.storage, tuple(params), tuple(map(id, arrays)))
-    entry = _PREPARED.pop(key, None)
+    with _PREPARED_LOCK:
+        entry = _PREPARED.pop(key, None)
     if entry is None:
         entry = (arrays, Weights.prepare(config, params, numerics))
+    with _PREPARED_LOCK:  # (a sweep's threads share it)
+        _PREPARED.pop(key, None)
         while len(_PREPARED) >= _PREPARED_SIZE:
             del _PREPARED[next(iter(_PREPARED))]  # the least recently used
-    _PREPARED[key] = entry  # most recently used last
+        _PREPARED[key] = entry  # most recently used last
     return entry[1]
 
 
 # prepared_weights' entries, least recently used first: key -> (the arrays, kept alive; their Weights)
 _PREPARED: dict[tuple, tuple[tuple, Weights]] = {}
 _PREPARED_SIZE = 64
+_PREPARED_LOCK = threading.Lock()
 
 
 def clear_prepared_weights() -> None:
     """Forget every parameter set :func:`prepared_weights` keeps (a fresh process's state, for benchmarks)."""
-    _PREPARED.clear()
+    with _PREPARED_LOCK:
+        _PREPARED.clear()
