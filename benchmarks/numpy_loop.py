@@ -19,6 +19,9 @@ Three ways to do the same 216 runs, timed on one core (BLAS limited to one threa
   ``load_grid``), ``jobs=1``, into a fresh results directory (Parquet) each repeat.
 - **kvfast, loop**: the exactness study's run function called in a plain Python loop over the same
   runs: the per-run work without the engine (planning, chunking, rows, Parquet).
+- **kvfast's model calls alone** (:func:`model_calls`): the calls a run's check makes to kvfast's
+  model, without the checker (nothing validated or compared): the ceiling the checker's Python works
+  under, and ``1 - model / loop`` its share.
 
 The NumPy loop does the same work as kvfast's run (the same model, prompt, cached generation and
 comparison with a recompute), but not the same arithmetic: BLAS adds in its own order, so its logits
@@ -272,6 +275,37 @@ def fresh_state() -> None:
     adapters.clear_prepared_weights()
 
 
+def model_calls(config: dict) -> None:
+    """The calls one run's check makes to kvfast's model, without the checker: the recompute of the prompt,
+    the prefill, the greedy decode steps (``decode_greedy``), the recompute of the final sequence and of the
+    prefix the append-invariance check takes (the study's model, prompt and numerics; nothing compared)."""
+    from kvfast.check import KvfastModel
+    from kvfast.check.control import prefix_length
+    from kvfast.numerics import Numerics
+    from kvfast.studies import exactness
+
+    cfg, params = exactness.model_for(config)
+    model = KvfastModel(cfg, params, Numerics.preset(config["preset"], config["order"]))
+    prompt = exactness.prompt_for(config)
+    steps, T = max(1, config["steps"] - 1), config["prompt_len"]
+    model.recompute(prompt)
+    first = int(model.prefill(prompt)[-1].argmax())
+    rows = model.decode_greedy(first, steps)
+    final = np.concatenate([prompt, [first], rows[:-1].argmax(axis=1)])
+    model.recompute(final)
+    q = prefix_length(T + max(1, steps // 4))
+    if q < final.shape[0]:
+        model.recompute(final[:q])
+
+
+def time_model_calls(configs: list[dict]) -> Clock:
+    fresh_state()
+    with Clock() as clock:
+        for config in configs:
+            model_calls(config)
+    return clock
+
+
 def time_kvfast_loop(grid) -> Clock:
     fresh_state()
     with Clock() as clock:
@@ -326,9 +360,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"grid: {len(configs)} runs (d_model 32, f64); NumPy loop vs kvfast f64 logits: worst relative "
               f"deviation {worst:.2e} (tolerance 1e-12: {'ok' if worst <= 1e-12 else 'EXCEEDED'}); "
               f"token strings equal to kvfast's: {same_tokens}/{len(configs)}")  # fmt: skip
-        times: dict[str, list[Clock]] = {"numpy": [], "loop": [], "engine": [], "init": []}
+        times: dict[str, list[Clock]] = {"numpy": [], "loop": [], "engine": [], "model": [], "init": []}
         for i in range(args.repeats + 1):  # round 0 warms up (Numba cache load, lru caches, BLAS)
             clocks = {"numpy": time_numpy(configs), "loop": time_kvfast_loop(grid), "engine": time_engine(grid, tmp, i)}
+            clocks["model"] = time_model_calls(configs)
             clocks["init"] = time_init(configs)
             if i:
                 for key, clock in clocks.items():
@@ -339,14 +374,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nmedians of {args.repeats} interleaved rounds, {kind} s for the {n} runs, one core:\n")
             print(f"| candidate | {kind} s | runs/s | x NumPy loop |\n|---|---|---|---|")
             for key, label in (("numpy", "NumPy loop"), ("loop", "kvfast, study run in a loop"),
-                               ("engine", "kvfast, sweep engine (--jobs 1)")):  # fmt: skip
+                               ("engine", "kvfast, sweep engine (--jobs 1)"),
+                               ("model", "kvfast's model calls alone (no checker)")):  # fmt: skip
                 print(f"| {label} | {med[key]:.3f} | {n / med[key]:,.0f} | {med['numpy'] / med[key]:.1f} |")
-            for key, label in (("engine", "engine"), ("loop", "study run in a loop")):
+            for key, label in (("engine", "engine"), ("loop", "study run in a loop"), ("model", "model calls alone")):
                 ratios = [getattr(a, kind) / getattr(b, kind) for a, b in zip(times["numpy"], times[key], strict=True)]
                 print(f"\nNumPy loop / kvfast {label}, {kind} time, per round (both measured in the same round): "
                       f"{', '.join(f'{r:.1f}' for r in ratios)} (median {statistics.median(ratios):.1f}x; "
                       "target 5x, issue 30)")  # fmt: skip
-            print(f"engine overhead 1 - loop / engine ({kind}): {1 - med['loop'] / med['engine']:.3f}")
+            print(
+                f"engine overhead 1 - loop / engine ({kind}): {1 - med['loop'] / med['engine']:.3f}; "
+                f"the checker's share of the loop 1 - model calls / loop: {1 - med['model'] / med['loop']:.3f}"
+            )
         med = {k: statistics.median(c.wall for c in v) for k, v in times.items()}
         sets, seeds = shared_parameter_sets(configs)
         print(f"model building alone (init_params once per run, as the NumPy loop does): {med['init']:.3f} s wall, "
