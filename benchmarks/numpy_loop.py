@@ -19,6 +19,9 @@ Three ways to do the same 216 runs, timed on one core (BLAS limited to one threa
   ``load_grid``), ``jobs=1``, into a fresh results directory (Parquet) each repeat.
 - **kvfast, loop**: the exactness study's run function called in a plain Python loop over the same
   runs: the per-run work without the engine (planning, chunking, rows, Parquet).
+- **kvfast's model calls alone** (:func:`model_calls`): the calls a run's check makes to kvfast's
+  model, without the checker (nothing validated or compared): the ceiling the checker's Python works
+  under, and ``1 - model / loop`` its share.
 
 The NumPy loop does the same work as kvfast's run (the same model, prompt, cached generation and
 comparison with a recompute), but not the same arithmetic: BLAS adds in its own order, so its logits
@@ -29,11 +32,15 @@ while kvfast's check recomputes only the final sequence (its rows are every step
 checking that appending a token moves no earlier row): both answer the same question.
 
 Timing: ``--repeats`` rounds, the three candidates interleaved in each round, after one warm-up
-round; wall time (``time.perf_counter``) of the whole grid; medians. Printed: runs/s each, the ratio
-kvfast / NumPy loop (engine and loop), the engine overhead ``1 - loop time / engine time``, the load
-average (the machine is shared), and the time of the model building alone (``init_params`` for every
-run, as the NumPy loop does, timed in the same rounds; kvfast's study draws one parameter set per seed,
-shapes and length and shares it across head counts, orders and presets: the line says how many it draws).
+round; each kvfast candidate starts from a fresh process's state (the study's kept parameter sets,
+draws and prompts and the prepared weights forgotten; compiled kernels kept). Wall time
+(``time.perf_counter``) and this process's CPU time (``time.process_time``, less sensitive to other
+processes on a shared machine) of the whole grid; medians. Printed for each: runs/s, the ratio
+kvfast / NumPy loop (engine and loop, and per round), the engine overhead ``1 - loop / engine``;
+then the load average (the machine is shared), and the time of the model building alone
+(``init_params`` for every run, as the NumPy loop does, timed in the same rounds; kvfast's study
+builds one parameter set per seed, shapes and length, shared across head counts, orders and presets,
+cut from one sequence of draws per seed: the line says how many of each).
 ``--numpy-model`` adds kvfast's own NumPy reference model (:class:`kvfast.NumpyModel`, one row at a
 time and whole-matrix) through ``check_cache``, timed after the rounds: another NumPy baseline.
 ``--profile`` adds a cProfile of the kvfast loop (top entries by cumulative and by internal time).
@@ -205,32 +212,43 @@ def load_bench_grid(tmp: str):
     return load_grid(str(path), studies=STUDIES)
 
 
-def time_numpy(configs: list[dict]) -> float:
-    t0 = time.perf_counter()
-    for config in configs:
-        numpy_run(config)
-    return time.perf_counter() - t0
+class Clock:
+    """Wall time (``time.perf_counter``) and this process's CPU time (``time.process_time``) of a block."""
+
+    def __enter__(self) -> Clock:
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.wall, self.cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
 
 
-def time_init(configs: list[dict]) -> float:
+def time_numpy(configs: list[dict]) -> Clock:
+    with Clock() as clock:
+        for config in configs:
+            numpy_run(config)
+    return clock
+
+
+def time_init(configs: list[dict]) -> Clock:
     """The model building alone (``kvfast.init_params``), once per run as the NumPy loop does."""
     from kvfast import ModelConfig, init_params
 
-    t0 = time.perf_counter()
-    for c in configs:
-        cfg = ModelConfig(c["vocab"], c["d_model"], c["n_head"], c["n_layer"], c["d_ff"], c["prompt_len"] + c["steps"])
-        init_params(cfg, c["seed"])
-    return time.perf_counter() - t0
+    with Clock() as clock:
+        for c in configs:
+            shape = (c["vocab"], c["d_model"], c["n_head"], c["n_layer"], c["d_ff"], c["prompt_len"] + c["steps"])
+            init_params(ModelConfig(*shape), c["seed"])
+    return clock
 
 
-def shared_parameter_sets(configs: list[dict]) -> int:
-    """How many parameter sets the exactness study draws for ``configs`` (its ``init_params`` calls)."""
+def shared_parameter_sets(configs: list[dict]) -> tuple[int, int]:
+    """How many parameter sets the exactness study builds for ``configs``, and from how many seeds' draws."""
     from kvfast.studies import exactness
 
-    exactness._params.cache_clear()
+    fresh_state()
     for c in configs:
         exactness.model_for(c)
-    return exactness._params.cache_info().misses
+    return exactness._params.cache_info().misses, exactness._draws.cache_info().misses
 
 
 def time_numpy_model(configs: list[dict], batching: str) -> float:
@@ -238,29 +256,72 @@ def time_numpy_model(configs: list[dict], batching: str) -> float:
     from kvfast import NumpyModel, check_cache
     from kvfast.studies import exactness
 
-    t0 = time.perf_counter()
-    for c in configs:
-        cfg, params = exactness.model_for(c)
-        model = NumpyModel(cfg, params, batching=batching)
-        check_cache(model, exactness.prompt_for(c), max(1, c["steps"] - 1), scenarios="decode", follow="cache")
-    return time.perf_counter() - t0
+    fresh_state()
+    with Clock() as clock:
+        for c in configs:
+            cfg, params = exactness.model_for(c)
+            model = NumpyModel(cfg, params, batching=batching)
+            check_cache(model, exactness.prompt_for(c), max(1, c["steps"] - 1), scenarios="decode", follow="cache")
+    return clock.wall
 
 
-def time_kvfast_loop(grid) -> float:
-    t0 = time.perf_counter()
-    for run in grid.runs:
-        grid.study.run(dict(run.config))
-    return time.perf_counter() - t0
+def fresh_state() -> None:
+    """What a fresh process starts from: the study's kept parameter sets, draws and prompts and the prepared
+    weights forgotten (each kvfast candidate starts from it, as a sweep's process does; compiled kernels stay)."""
+    from kvfast.check import adapters
+    from kvfast.studies import exactness
+
+    exactness.clear_caches()
+    adapters.clear_prepared_weights()
 
 
-def time_engine(grid, tmp: str, i: int) -> float:
+def model_calls(config: dict) -> None:
+    """The calls one run's check makes to kvfast's model, without the checker: the recompute of the prompt,
+    the prefill, the greedy decode steps (``decode_greedy``), the recompute of the final sequence and of the
+    prefix the append-invariance check takes (the study's model, prompt and numerics; nothing compared)."""
+    from kvfast.check import KvfastModel
+    from kvfast.check.control import prefix_length
+    from kvfast.numerics import Numerics
+    from kvfast.studies import exactness
+
+    cfg, params = exactness.model_for(config)
+    model = KvfastModel(cfg, params, Numerics.preset(config["preset"], config["order"]))
+    prompt = exactness.prompt_for(config)
+    steps, T = max(1, config["steps"] - 1), config["prompt_len"]
+    model.recompute(prompt)
+    first = int(model.prefill(prompt)[-1].argmax())
+    rows = model.decode_greedy(first, steps)
+    final = np.concatenate([prompt, [first], rows[:-1].argmax(axis=1)])
+    model.recompute(final)
+    q = prefix_length(T + max(1, steps // 4))
+    if q < final.shape[0]:
+        model.recompute(final[:q])
+
+
+def time_model_calls(configs: list[dict]) -> Clock:
+    fresh_state()
+    with Clock() as clock:
+        for config in configs:
+            model_calls(config)
+    return clock
+
+
+def time_kvfast_loop(grid) -> Clock:
+    fresh_state()
+    with Clock() as clock:
+        for run in grid.runs:
+            grid.study.run(dict(run.config))
+    return clock
+
+
+def time_engine(grid, tmp: str, i: int) -> Clock:
     from kvfast.sweep import run_sweep
 
-    t0 = time.perf_counter()
-    report = run_sweep(grid, Path(tmp) / f"out{i}", jobs=1, quiet=True)
-    wall = time.perf_counter() - t0
+    fresh_state()
+    with Clock() as clock:
+        report = run_sweep(grid, Path(tmp) / f"out{i}", jobs=1, quiet=True)
     assert report.ran == len(grid), report
-    return wall
+    return clock
 
 
 def profile_loop(grid, top: int) -> str:
@@ -299,29 +360,37 @@ def main(argv: list[str] | None = None) -> int:
         print(f"grid: {len(configs)} runs (d_model 32, f64); NumPy loop vs kvfast f64 logits: worst relative "
               f"deviation {worst:.2e} (tolerance 1e-12: {'ok' if worst <= 1e-12 else 'EXCEEDED'}); "
               f"token strings equal to kvfast's: {same_tokens}/{len(configs)}")  # fmt: skip
-        times: dict[str, list[float]] = {"numpy": [], "loop": [], "engine": [], "init": []}
+        times: dict[str, list[Clock]] = {"numpy": [], "loop": [], "engine": [], "model": [], "init": []}
         for i in range(args.repeats + 1):  # round 0 warms up (Numba cache load, lru caches, BLAS)
-            numpy_s, loop_s, engine_s = time_numpy(configs), time_kvfast_loop(grid), time_engine(grid, tmp, i)
-            init_s = time_init(configs)
+            clocks = {"numpy": time_numpy(configs), "loop": time_kvfast_loop(grid), "engine": time_engine(grid, tmp, i)}
+            clocks["model"] = time_model_calls(configs)
+            clocks["init"] = time_init(configs)
             if i:
-                for key, value in (("numpy", numpy_s), ("loop", loop_s), ("engine", engine_s), ("init", init_s)):
-                    times[key].append(value)
-        med = {k: statistics.median(v) for k, v in times.items()}
+                for key, clock in clocks.items():
+                    times[key].append(clock)
         n = len(configs)
-        print(f"\nmedians of {args.repeats} interleaved rounds, wall s for the {n} runs, one core:\n")
-        print("| candidate | wall s | runs/s | x NumPy loop |\n|---|---|---|---|")
-        for key, label in (("numpy", "NumPy loop"), ("loop", "kvfast, study run in a loop"),
-                           ("engine", "kvfast, sweep engine (--jobs 1)")):  # fmt: skip
-            print(f"| {label} | {med[key]:.3f} | {n / med[key]:,.0f} | {med['numpy'] / med[key]:.1f} |")
-        for key, label in (("engine", "engine"), ("loop", "study run in a loop")):
-            ratios = [a / b for a, b in zip(times["numpy"], times[key], strict=True)]
-            print(f"\nNumPy loop / kvfast {label}, per round (both measured in the same round): "
-                  f"{', '.join(f'{r:.1f}' for r in ratios)} (median {statistics.median(ratios):.1f}x; "
-                  "target 5x, issue 30)")  # fmt: skip
-        print(f"engine overhead 1 - loop / engine: {1 - med['loop'] / med['engine']:.3f}")
-        print(f"model building alone (init_params once per run, as the NumPy loop does): {med['init']:.3f} s, "
-              f"{med['init'] / med['numpy']:.0%} of the NumPy loop's wall; kvfast's study draws "
-              f"{shared_parameter_sets(configs)} sets for the {n} runs (shared across head counts)")  # fmt: skip
+        for kind in ("wall", "cpu"):
+            med = {k: statistics.median(getattr(c, kind) for c in v) for k, v in times.items()}
+            print(f"\nmedians of {args.repeats} interleaved rounds, {kind} s for the {n} runs, one core:\n")
+            print(f"| candidate | {kind} s | runs/s | x NumPy loop |\n|---|---|---|---|")
+            for key, label in (("numpy", "NumPy loop"), ("loop", "kvfast, study run in a loop"),
+                               ("engine", "kvfast, sweep engine (--jobs 1)"),
+                               ("model", "kvfast's model calls alone (no checker)")):  # fmt: skip
+                print(f"| {label} | {med[key]:.3f} | {n / med[key]:,.0f} | {med['numpy'] / med[key]:.1f} |")
+            for key, label in (("engine", "engine"), ("loop", "study run in a loop"), ("model", "model calls alone")):
+                ratios = [getattr(a, kind) / getattr(b, kind) for a, b in zip(times["numpy"], times[key], strict=True)]
+                print(f"\nNumPy loop / kvfast {label}, {kind} time, per round (both measured in the same round): "
+                      f"{', '.join(f'{r:.1f}' for r in ratios)} (median {statistics.median(ratios):.1f}x; "
+                      "target 5x, issue 30)")  # fmt: skip
+            print(
+                f"engine overhead 1 - loop / engine ({kind}): {1 - med['loop'] / med['engine']:.3f}; "
+                f"the checker's share of the loop 1 - model calls / loop: {1 - med['model'] / med['loop']:.3f}"
+            )
+        med = {k: statistics.median(c.wall for c in v) for k, v in times.items()}
+        sets, seeds = shared_parameter_sets(configs)
+        print(f"model building alone (init_params once per run, as the NumPy loop does): {med['init']:.3f} s wall, "
+              f"{med['init'] / med['numpy']:.0%} of the NumPy loop's; kvfast's study builds {sets} parameter sets "
+              f"for the {n} runs (shared across head counts), cut from the draws of {seeds} seeds")  # fmt: skip
         load1 = os.getloadavg()
         print(f"cpu_count {os.cpu_count()}, load average (1 min) before {load0[0]:.2f}, after {load1[0]:.2f}")
         if args.numpy_model:

@@ -8,8 +8,11 @@ import pytest
 import torch
 
 from kvfast.check import KvfastModel, ModelUnderTestError, check_cache
+from kvfast.check.adapters import prepared_weights
 from kvfast.check.protocol import check_logits, logits_format, read_attribute
-from kvfast.model.config import ModelConfig, init_params
+from kvfast.model.config import ModelConfig, SeedDraws, draw_count, init_params, param_shapes, params_from_draws
+from kvfast.model.transformer import Weights
+from kvfast.numerics import Numerics
 from kvfast.studies import exactness
 
 torch.set_num_threads(1)
@@ -35,6 +38,99 @@ def test_init_params_does_not_depend_on_n_head_but_on_every_shape_and_the_seed()
     assert not _same_params(init_params(cfg, 1), base)
     longer = init_params(ModelConfig(32, 16, 1, 2, 32, 9), 0)
     assert not np.array_equal(longer["h0.wq"], base["h0.wq"])
+
+
+def _drawn_one_by_one(config: ModelConfig, seed: int) -> dict:
+    """The parameters as init_params drew them before issue 30: one draw call per parameter, in order."""
+    rng = np.random.default_rng(seed)
+    params = {}
+    for name, shape in param_shapes(config).items():
+        short = name.split(".")[-1]
+        if short in ("g1", "g2", "gf"):
+            params[name] = np.ones(shape)
+        elif short in ("wte", "wpe"):
+            params[name] = rng.standard_normal(shape)
+        else:
+            params[name] = rng.standard_normal(shape) / np.sqrt(shape[0])
+    return params
+
+
+def _same_bits(a: dict, b: dict) -> bool:
+    return list(a) == list(b) and all(
+        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and a[k].tobytes() == b[k].tobytes() for k in a
+    )
+
+
+CONFIGS = [ModelConfig(32, 16, 1, n_layer, 32, max_pos) for n_layer in (1, 3) for max_pos in (26, 4, 11)] + [
+    ModelConfig(7, 12, 3, 2, 5, 3),
+    ModelConfig(64, 24, 2, 4, 40, 17),
+]
+
+
+@pytest.mark.parametrize("seed", [0, 5])
+def test_init_params_and_seed_draws_cut_the_same_bits_as_one_draw_per_parameter(seed):
+    """One draw for every parameter (init_params) or draws kept across configs of one seed (SeedDraws, in an order
+    where later configs need fewer and more draws): the bits of one draw call per parameter."""
+    draws = SeedDraws(seed)
+    for config in CONFIGS:
+        want = _drawn_one_by_one(config, seed)
+        got = draws.params(config)
+        assert _same_bits(init_params(config, seed), want)
+        assert _same_bits(got, want)
+        assert all(a.base is None for a in got.values())  # no view of the kept draws
+    # control: the comparison sees one ulp, another seed, and the draws of another config
+    config = CONFIGS[0]
+    nudged = _drawn_one_by_one(config, seed)
+    nudged["h0.wk"][1, 2] = np.nextafter(nudged["h0.wk"][1, 2], np.inf)
+    assert not _same_bits(draws.params(config), nudged)
+    assert not _same_bits(SeedDraws(seed + 1).params(config), _drawn_one_by_one(config, seed))
+    shorter = params_from_draws(CONFIGS[1], draws.first(draw_count(CONFIGS[0])))
+    assert not _same_bits(shorter, _drawn_one_by_one(CONFIGS[0], seed))
+
+
+def test_params_from_draws_refuses_too_few_draws():
+    config = CONFIGS[0]
+    need = draw_count(config)
+    with pytest.raises(ValueError, match=rf"^draws: .* is not allowed; allowed: a 1-D array of at least {need} draws"):
+        params_from_draws(config, np.zeros(need - 1))
+    with pytest.raises(ValueError, match="^draws: "):
+        params_from_draws(config, np.zeros((need, 1)))
+    assert _same_bits(params_from_draws(config, SeedDraws(3).first(need)), init_params(config, 3))
+
+
+def _frozen(params: dict) -> dict:
+    for a in params.values():
+        a.flags.writeable = False
+    return params
+
+
+def test_prepared_weights_are_reused_for_read_only_parameters_across_head_counts_and_orders():
+    config = ModelConfig(32, 16, 2, 2, 32, 8)
+    params = _frozen(init_params(config, 4))
+    first = KvfastModel(config, params, "f64").weights
+    for other in (ModelConfig(32, 16, 4, 2, 32, 8), ModelConfig(32, 16, 2, 2, 32, 8, eps=1e-6)):
+        assert KvfastModel(other, params, "f64").weights is first
+    assert KvfastModel(config, params, Numerics.preset("f64", "pairwise")).weights is first
+    fresh = Weights.prepare(config, params, Numerics.preset("f64"))
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(first.stacked, fresh.stacked, strict=True))
+    # control: another storage, other arrays of the same values, or a differently shaped config prepare anew
+    assert KvfastModel(config, params, "f32").weights is not first
+    copies = _frozen({k: v.copy() for k, v in params.items()})
+    assert KvfastModel(config, copies, "f64").weights is not first
+
+
+def test_writable_or_view_parameters_are_prepared_every_time_and_never_frozen():
+    config = ModelConfig(32, 16, 2, 2, 32, 8)
+    params = init_params(config, 4)
+    a, b = KvfastModel(config, params, "f64"), KvfastModel(config, params, "f64")
+    assert a.weights is not b.weights
+    assert all(v.flags.writeable for v in params.values())  # the caller's arrays are left as they were
+    params["h0.wq"] += 1.0  # so an update in place reaches the next model
+    assert not np.array_equal(KvfastModel(config, params, "f64").weights.named["h0.wq"], a.weights.named["h0.wq"])
+    views = _frozen({k: v[...] for k, v in init_params(config, 4).items()})  # read-only views: their owner is not
+    assert prepared_weights(config, views, Numerics.preset("f64")) is not prepared_weights(
+        config, views, Numerics.preset("f64")
+    )
 
 
 @pytest.mark.parametrize("n_head", [1, 2, 4])

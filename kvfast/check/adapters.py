@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 
 import numpy as np
 
 from kvfast.model import bugs as B
 from kvfast.model.cache import KVCache
+from kvfast.model.config import ModelConfig
 from kvfast.model.decode import decode_prepared
 from kvfast.model.transformer import Weights, forward_prepared
 from kvfast.model.validate import require_config, require_numerics, require_token, require_tokens
 from kvfast.numerics import Numerics
+from kvfast.validation import require_int
 
 
 class KvfastModel:
@@ -31,7 +34,8 @@ class KvfastModel:
       computation that differs from ``recompute`` only in how it adds up); else
       nothing.
 
-    Weights are rounded once, here. Bad arguments raise ``ValueError``.
+    Weights are rounded once, here (:func:`prepared_weights`: once per parameter set and storage
+    while the parameters are read-only arrays). Bad arguments raise ``ValueError``.
     """
 
     def __init__(
@@ -55,7 +59,7 @@ class KvfastModel:
         self.bug = bug
         self.bug_code = B.bug_code(bug)
         self.params = params
-        self.weights = Weights.prepare(self.config, params, self.numerics)
+        self.weights = prepared_weights(self.config, params, self.numerics)
         self.cache: KVCache | None = None
         self.vocab_size = self.config.vocab
 
@@ -108,6 +112,28 @@ class KvfastModel:
             )
         return decode_prepared(self.config, self.weights, cache, token, self.decode_numerics, self.bug_code)
 
+    def decode_greedy(self, token, n) -> np.ndarray:
+        """``n`` :meth:`decode` steps, the first fed ``token``, each next the argmax (first maximum) of the step
+        before's logits; their logits ``(n, V)`` (:mod:`kvfast.check.protocol`). Declines with
+        ``NotImplementedError``, the cache untouched, when it has no room for ``n`` more positions (the checker
+        then decodes step by step and meets :meth:`decode`'s own error)."""
+        cache = self._cache()
+        n = require_int(n, "n", 1)
+        if cache.length + n > cache.capacity:
+            raise NotImplementedError(f"{n} steps from position {cache.length} pass the cache's {cache.capacity}")
+        step = self.decode
+        if type(self).decode is KvfastModel.decode:  # the kernel itself: decode's checks hold at every step
+
+            def step(tok: int) -> np.ndarray:  # (room: checked above; every token after the first: an argmax)
+                return decode_prepared(self.config, self.weights, cache, tok, self.decode_numerics, self.bug_code)
+
+            token = require_token(self.config, token)
+        out = np.empty((n, self.vocab_size))
+        for i in range(n):
+            out[i] = step(token)
+            token = int(out[i].argmax())
+        return out
+
     # --- cache operations (the rollback and fork scenarios, kvfast.check.scenarios) ------------------
 
     def crop(self, n: int) -> None:
@@ -138,3 +164,47 @@ class KvfastModel:
         if self.cache is None:
             raise ValueError("cache: empty; allowed: call prefill(tokens) first")
         return self.cache
+
+
+def prepared_weights(config: ModelConfig, params: dict, numerics: Numerics) -> Weights:
+    """``Weights.prepare(config, params, numerics)``, reused while ``params`` holds the same read-only arrays.
+
+    Reused only for parameters that cannot change: a dict whose every array is read-only
+    (``flags.writeable`` off) and owns its memory (not a view, whose owner could be written), the
+    same array objects under the same names in the same order (an entry keeps them alive, so no
+    other array can take their ids). Unlike :meth:`Weights.cached` (the public functions'), no flag
+    of the caller's arrays is changed: writable parameters are prepared on every call, as before.
+    Prepared weights depend on the parameters' shapes and the storage format only, so models that
+    differ in ``n_head``, ``eps`` or their accumulator and order share them (the studies' grids do).
+    A hit costs one id and two flag reads per array.
+    """
+    arrays = tuple(params.values()) if isinstance(params, dict) else ()
+    frozen = bool(arrays) and all(
+        isinstance(a, np.ndarray) and not a.flags.writeable and a.base is None for a in arrays
+    )
+    if not frozen:
+        return Weights.prepare(config, params, numerics)
+    shape = (config.vocab, config.d_model, config.n_layer, config.d_ff, config.max_pos)
+    key = (shape, numerics.storage, tuple(params), tuple(map(id, arrays)))
+    with _PREPARED_LOCK:
+        entry = _PREPARED.pop(key, None)
+    if entry is None:
+        entry = (arrays, Weights.prepare(config, params, numerics))
+    with _PREPARED_LOCK:  # (a sweep's threads share it)
+        _PREPARED.pop(key, None)
+        while len(_PREPARED) >= _PREPARED_SIZE:
+            del _PREPARED[next(iter(_PREPARED))]  # the least recently used
+        _PREPARED[key] = entry  # most recently used last
+    return entry[1]
+
+
+# prepared_weights' entries, least recently used first: key -> (the arrays, kept alive; their Weights)
+_PREPARED: dict[tuple, tuple[tuple, Weights]] = {}
+_PREPARED_SIZE = 64
+_PREPARED_LOCK = threading.Lock()
+
+
+def clear_prepared_weights() -> None:
+    """Forget every parameter set :func:`prepared_weights` keeps (a fresh process's state, for benchmarks)."""
+    with _PREPARED_LOCK:
+        _PREPARED.clear()

@@ -87,7 +87,7 @@ class ExactJudge(Judge):
         dev, bad_row = deviations(part.path, part.rows, part.split or 0)
         differs = np.nonzero(dev > 0)[0]
         first = int(differs[0]) if differs.size else None
-        verdicts = tuple("divergent" if d > 0 else "exact" for d in dev)
+        verdicts = tuple("divergent" if d else "exact" for d in (dev > 0).tolist())
         return ScenarioReport(
             part.name, self.mode, part.prompt, part.path.fed, dev, verdicts,
             "divergent" if first is not None else "exact", first, bad_row, split=part.split, notes=part.notes,

@@ -13,6 +13,14 @@ A model under test is any object with these methods (tokens are passed as a
     One new token at the cache's next position, over the cache; appends its K/V.
 ``extend(tokens) -> logits (n, V)`` (optional)
     A further chunk on top of the cache (chunked prefill, a resumed session).
+``decode_greedy(token, n) -> logits (n, V)`` (optional, a shortcut)
+    ``n`` decode steps in one call: the first fed ``token``, each next fed the
+    argmax (first maximum) of the step before's logits; the logits ``n`` calls
+    of ``decode`` so fed return, row ``i`` from step ``i + 1``. The checker asks
+    for it where it feeds greedy tokens (it then derives the tokens fed from
+    the rows it gets, so a hook that feeds others shows as a divergence). It may
+    decline with ``NotImplementedError`` before it decodes anything (the cache
+    as it was): the checker then calls ``decode`` step by step.
 ``recompute_variants(tokens) -> {name: logits (T, V)}`` (optional, control mode)
     Full recomputes of ``tokens`` that differ from ``recompute`` ONLY in how they
     add up (another batching, another kernel's summation order); never through
@@ -71,6 +79,7 @@ both exact). A leading batch axis of size 1 is dropped. Logits must be finite.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Mapping
 from typing import NoReturn
 
@@ -82,8 +91,8 @@ from kvfast.validation import require_int
 
 REQUIRED = ("recompute", "prefill", "decode")
 OPTIONAL = (
-    "extend", "recompute_variants", "promote", "crop", "snapshot", "restore", "lossless", "prefill_beams",
-    "decode_beams", "reorder", "prefill_padded", "decode_padded",
+    "extend", "decode_greedy", "recompute_variants", "promote", "crop", "snapshot", "restore", "lossless",
+    "prefill_beams", "decode_beams", "reorder", "prefill_padded", "decode_padded",
 )  # fmt: skip
 PROTOCOL_METHODS = frozenset(REQUIRED + OPTIONAL)
 PROTOCOL = "an object with recompute(tokens), prefill(tokens), decode(token) and optionally extend(tokens)"
@@ -115,9 +124,15 @@ def read_attribute(model: object, name: str, default: object = None) -> object:
     raw = model.wrapped if guarded else model
     try:
         value = getattr(raw, name, default)
+        if type(value) in _NO_MAPPING:  # a method, None, a number, a string: no Mapping to read (no ABC check)
+            return value
         return dict(value.items()) if isinstance(value, Mapping) else value
     except BaseException as exc:  # noqa: BLE001 - classified by call_model, as if it had made the read
         model_failed(f"model.{name}", exc, model.passthrough if guarded else ())
+
+
+#: Types whose instances are never a ``Mapping`` (exactly these types, not subclasses).
+_NO_MAPPING = frozenset((types.MethodType, types.FunctionType, type(None), bool, int, float, str))
 
 
 def has(model: object, name: str) -> bool:
@@ -386,6 +401,17 @@ class ModelCalls:
     def decode(self, token: int, where: str) -> np.ndarray:
         """``decode(token)``: ``(V,)``."""
         return check_logits(self.model.decode(int(token)), "decode", None, self.vocab, where)
+
+    def decode_greedy(self, token: int, steps: int, where: str) -> np.ndarray | None:
+        """``decode_greedy(token, steps)``: ``(steps, V)``; ``None`` when the model declines it
+        (``NotImplementedError``)."""
+        try:
+            raw = self.model.decode_greedy(int(token), int(steps))
+        except ModelUnderTestError as exc:
+            if isinstance(exc.error, NotImplementedError):
+                return None
+            raise
+        return check_logits(raw, "decode_greedy", steps, self.vocab, where)
 
     def variants(self, tokens: np.ndarray) -> dict[str, np.ndarray]:
         """``recompute_variants(tokens)`` as ``{name: (len(tokens), V)}`` (empty without the hook)."""

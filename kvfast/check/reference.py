@@ -26,6 +26,7 @@ from kvfast.check import formats as F
 from kvfast.check.protocol import ModelCalls
 from kvfast.check.report import LengthDependence
 from kvfast.check.scenarios import REGISTRY, Run, Scenario, Unsupported
+from kvfast.check.scenarios.base import mark_greedy
 from kvfast.check.scenarios.decode import Decode
 from kvfast.check.subject import CheckSubject
 
@@ -274,6 +275,9 @@ class SharedReference(Reference):
                 return int(given[t])
             return first_tok if t == 0 else int(out.argmax())
 
+        if given is None:
+            mark_greedy(choose)
+
         own = True  # the run is the scenario's own (not the decode run standing in for a declined operation)
         try:
             spec = REGISTRY[self.reuse_scenario].run(s.calls, s.prompt, s.split, steps, choose)
@@ -366,6 +370,7 @@ class OwnReference(Reference):
     def path(self) -> str:
         return "fast" if all(p == "fast" for p in self.paths) else "per-step"
 
+    @mark_greedy
     def choose(self, t: int, out: np.ndarray) -> int:
         """The cache's own greedy choice (the first from its last prompt row)."""
         return int(out.argmax())

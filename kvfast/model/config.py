@@ -4,6 +4,8 @@ validation and ``.npz`` storage."""
 from __future__ import annotations
 
 import json
+import math
+import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -62,19 +64,91 @@ def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+#: The short names of the parameters that start at 1 (the RMSNorm gains); every other parameter is drawn.
+GAINS = ("g1", "g2", "gf")
+
+
 def init_params(config: ModelConfig, seed: int) -> dict[str, np.ndarray]:
-    """Random float64 parameters: embeddings N(0, 1), matrices N(0, 1/fan_in), gains 1."""
+    """Random float64 parameters: embeddings N(0, 1), matrices N(0, 1/fan_in), gains 1.
+
+    The drawn parameters take consecutive standard normal draws of ``numpy.random.default_rng(seed)``
+    in :func:`param_shapes`' order (:func:`params_from_draws`); the gains take none. Every config of
+    one seed therefore cuts its parameters from the same sequence of draws, which :class:`SeedDraws`
+    draws once for all of them.
+    """
     rng = np.random.default_rng(require_int(seed, "seed", 0))
+    shapes = param_shapes(config)
+    return _cut(shapes, rng.standard_normal(_count(shapes)))
+
+
+def draw_count(config: ModelConfig) -> int:
+    """How many standard normal draws :func:`init_params` takes for ``config``."""
+    return _count(param_shapes(config))
+
+
+def params_from_draws(config: ModelConfig, draws: np.ndarray) -> dict[str, np.ndarray]:
+    """``config``'s parameters cut from the standard normal ``draws`` (at least :func:`draw_count` of them),
+    in :func:`param_shapes`' order: embeddings as drawn, matrices divided by ``sqrt(fan_in)``, gains 1.
+    Every array is its own (no view of ``draws``)."""
+    shapes = param_shapes(config)
+    need = _count(shapes)
+    if not isinstance(draws, np.ndarray) or draws.ndim != 1 or draws.shape[0] < need:
+        raise ValueError(f"draws: {draws!r:.60} is not allowed; allowed: a 1-D array of at least {need} draws")
+    return _cut(shapes, draws)
+
+
+def _count(shapes: dict[str, tuple[int, ...]]) -> int:
+    return sum(math.prod(shape) for name, shape in shapes.items() if _short(name) not in GAINS)
+
+
+def _cut(shapes: dict[str, tuple[int, ...]], draws: np.ndarray) -> dict[str, np.ndarray]:
     params = {}
-    for name, shape in param_shapes(config).items():
-        short = name.split(".")[-1]
-        if short in ("g1", "g2", "gf"):
+    at = 0
+    for name, shape in shapes.items():
+        short = _short(name)
+        if short in GAINS:
             params[name] = np.ones(shape)
-        elif short in ("wte", "wpe"):
-            params[name] = rng.standard_normal(shape)
-        else:
-            params[name] = rng.standard_normal(shape) / np.sqrt(shape[0])
+            continue
+        block = draws[at : at + math.prod(shape)].reshape(shape)
+        at += block.size
+        # math.sqrt and np.sqrt are both IEEE's correctly rounded square root: the same divisor
+        params[name] = block.copy() if short in ("wte", "wpe") else block / math.sqrt(shape[0])
     return params
+
+
+def _short(name: str) -> str:
+    return name.rsplit(".", 1)[-1]
+
+
+class SeedDraws:
+    """The standard normal draws of one seed, drawn as far as asked and kept.
+
+    ``params(config)`` equals ``init_params(config, seed)`` for every ``config`` (a sequence of normal
+    draws does not depend on how many are drawn at a time), but draws only what no earlier call drew:
+    the configs of a grid that share a seed (other widths, depths, ``max_pos``) share their draws.
+    Thread-safe. Kept draws: the most any call asked for.
+    """
+
+    def __init__(self, seed: int) -> None:
+        self.seed = require_int(seed, "seed", 0)
+        self._rng = np.random.default_rng(self.seed)
+        self._draws = np.empty(0)
+        self._lock = threading.Lock()
+
+    def first(self, n: int) -> np.ndarray:
+        """The first ``n`` (or more) draws of the seed's sequence (read-only)."""
+        with self._lock:
+            have = self._draws.shape[0]
+            if have < n:
+                draws = np.concatenate([self._draws, self._rng.standard_normal(n - have)])
+                draws.flags.writeable = False
+                self._draws = draws
+            return self._draws
+
+    def params(self, config: ModelConfig) -> dict[str, np.ndarray]:
+        """``init_params(config, seed)``, cut from the kept draws."""
+        shapes = param_shapes(config)
+        return _cut(shapes, self.first(_count(shapes)))
 
 
 def require_params(config: ModelConfig, params: dict) -> dict[str, np.ndarray]:

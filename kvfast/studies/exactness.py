@@ -18,15 +18,14 @@ check then runs one (``max_pos`` has room) and the run keeps step 0 only.
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from kvfast.check import KvfastModel, check_cache
+from kvfast.check import CheckOptions, KvfastModel, check_cache_with
 from kvfast.kernels.reduce import ORDER_CODES
-from kvfast.model.config import ModelConfig, init_params
+from kvfast.model.config import ModelConfig, SeedDraws
 from kvfast.numerics import PRESETS, Numerics
 from kvfast.studies.base import Claim, Figure, Study
 from kvfast.studies.common import MODEL_SHAPE_FIELDS, model_config, ok_rows, require_config_choice, require_model_shape
@@ -79,13 +78,25 @@ def model_for(config: dict) -> tuple[ModelConfig, dict]:
 @functools.lru_cache(maxsize=16)
 def _model(seed: int, shape: tuple[int, ...], max_pos: int) -> tuple[ModelConfig, dict]:
     cfg = model_config(dict(zip(MODEL_SHAPE_FIELDS, shape, strict=True)), max_pos)
-    return cfg, _params(replace(cfg, n_head=1), seed)
+    return cfg, _params(seed, cfg.vocab, cfg.d_model, cfg.n_layer, cfg.d_ff, max_pos)
 
 
 @functools.lru_cache(maxsize=16)
-def _params(cfg: ModelConfig, seed: int) -> dict:
-    """``init_params(cfg, seed)``, once per process (``cfg``: one ``n_head`` stands for all)."""
-    return init_params(cfg, seed)
+def _params(seed: int, vocab: int, d_model: int, n_layer: int, d_ff: int, max_pos: int) -> dict:
+    """``init_params(cfg, seed)`` for the config of these sizes (any ``n_head``: one stands for all), once per
+    process, cut from the seed's draws (:class:`~kvfast.model.config.SeedDraws`: the shapes and lengths of one
+    seed share them); read-only arrays, so that every run's :class:`~kvfast.check.KvfastModel` reuses their
+    prepared weights (:func:`kvfast.check.adapters.prepared_weights`)."""
+    params = _draws(seed).params(ModelConfig(vocab, d_model, 1, n_layer, d_ff, max_pos))
+    for array in params.values():
+        array.flags.writeable = False
+    return params
+
+
+@functools.lru_cache(maxsize=4)
+def _draws(seed: int) -> SeedDraws:
+    """The seed's standard normal draws, kept for every parameter set of that seed."""
+    return SeedDraws(seed)
 
 
 def prompt_for(config: dict) -> np.ndarray:
@@ -102,16 +113,31 @@ def _prompt(seed: int, prompt_len: int, vocab: int) -> np.ndarray:
     return prompt
 
 
+@functools.lru_cache(maxsize=64)
+def _numerics(preset: str, order: str) -> Numerics:
+    return Numerics.preset(preset, order)
+
+
+@functools.lru_cache(maxsize=64)
+def _options(steps: int) -> CheckOptions:
+    """The check a run of ``steps`` tokens makes (options are immutable: one object per step count)."""
+    return CheckOptions(max(1, steps - 1), scenarios="decode", follow="cache", keep_logits=True)
+
+
+def clear_caches() -> None:
+    """Forget what the study keeps between runs in this process (parameter sets and their draws, prompts,
+    numerics, check options): a fresh process's state (the benchmarks time runs from it)."""
+    for cached in (_model, _params, _draws, _prompt, _numerics, _options):
+        cached.cache_clear()
+
+
 def run(config: dict) -> dict:
     """One run (see the module doc). Columns: :data:`RESULT_FIELDS`."""
     cfg, params = model_for(config)
-    numerics = Numerics.preset(config["preset"], config["order"])
+    numerics = _numerics(config["preset"], config["order"])
     prompt = prompt_for(config)
     steps, T = config["steps"], config["prompt_len"]
-    report = check_cache(
-        KvfastModel(cfg, params, numerics), prompt, max(1, steps - 1), scenarios="decode", follow="cache",
-        keep_logits=True,
-    ).scenarios["decode"]  # fmt: skip
+    report = check_cache_with(KvfastModel(cfg, params, numerics), prompt, _options(steps)).scenarios["decode"]
     dev = report.deviation[:steps]
     t_cached = np.argmax(report.cache_logits[T - 1 : T - 1 + steps], axis=1)
     t_full = np.argmax(report.reference[T - 1 : T - 1 + steps], axis=1)

@@ -9,6 +9,7 @@ llama-cpp-python, ``kvfast[llamacpp]``), :mod:`kvfast.check.engines.vllm` (vLLM,
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable
 
 #: What ``check_cache`` wraps by itself: ``(module, detector, adapter)``; the detector (imports no engine) says
@@ -25,7 +26,7 @@ def engine_adapter(model: object) -> tuple[str, Callable[[object], object]] | No
     """``(name, adapter class)`` for an engine object or model directory kvfast wraps by itself
     (:data:`ENGINE_OBJECTS`), else ``None``. Imports no engine: only the matching adapter's module."""
     for module, detector, adapter in ENGINE_OBJECTS:
-        found = importlib.import_module(module)
+        found = sys.modules.get(module) or importlib.import_module(module)
         if getattr(found, detector)(model):
             return f"{module}.{adapter}", getattr(found, adapter)
     return None

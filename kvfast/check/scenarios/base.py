@@ -122,9 +122,29 @@ def hook(calls: ModelCalls, name: str, *args):
         raise
 
 
+def mark_greedy(choose: Choose) -> Choose:
+    """``choose`` (a function) marked greedy: from decode step 2 on it feeds the argmax (first maximum) of the step
+    before's logits, so :func:`decode_steps` may ask a model with ``decode_greedy`` for every step in one call."""
+    choose.greedy = True
+    return choose
+
+
 def decode_steps(calls: ModelCalls, first: np.ndarray, steps: int, choose: Choose) -> CachePath:
-    """``steps`` decode steps on a cache that holds the prompt (``first``: the prompt's rows as it was filled)."""
+    """``steps`` decode steps on a cache that holds the prompt (``first``: the prompt's rows as it was filled).
+
+    With a ``choose`` marked greedy (:func:`mark_greedy`) and a model that has ``decode_greedy``
+    (:mod:`kvfast.check.protocol`), one call decodes every step: the token of step 1 is ``choose``'s, those of
+    later steps the argmax of the rows returned (what ``choose`` would have fed); the rows are what ``decode``
+    step by step returns, compared the same way. A model that declines is decoded step by step."""
     T = first.shape[0]
+    if getattr(choose, "greedy", False) is True and calls.has("decode_greedy"):
+        tok = int(choose(0, first[-1]))
+        decoded = calls.decode_greedy(tok, steps, f"of steps 1-{steps} (positions {T}-{T + steps - 1})")
+        if decoded is not None:
+            fed = np.empty(steps, dtype=np.int64)
+            fed[0] = tok
+            fed[1:] = np.argmax(decoded[:-1], axis=1)
+            return CachePath(first, decoded, fed)
     decoded = np.empty((steps, calls.vocab))
     fed = np.empty(steps, dtype=np.int64)
     last = first[-1]
