@@ -30,7 +30,11 @@ vocabulary as raw logits: ``prompt_logprobs=-1`` for a prompt's rows, ``logprobs
   AMX, a linear layer whose weight is under 1 MiB runs sgl-kernel's ``weight_packed_linear``, an AVX-512 kernel
   for up to 4 rows and an AMX one above, which add up in another order; measured on the tiny test model, a
   decode row then differs from vLLM's own prefill of the same tokens by up to 1 bfloat16 unit of the logits
-  (exact mode: ``divergent``; control mode: ``rounding``, the ``"rows"`` variant measuring that noise).
+  (control mode: ``rounding``, the ``"rows"`` variant measuring that noise). Exact mode judges the cache,
+  like with like: :meth:`VLLMModel.prepare_check` probes the engine once (:meth:`VLLMModel.row_count_effect`:
+  the same rows through every linear layer alone and among :data:`PROBE_ROWS`) and, where the row count changes
+  the GEMMs' arithmetic, runs every GEMM one row at a time on both paths for an exact check (``gemm_rows="auto"``,
+  the default), saying so in the report with the size measured; control mode keeps vLLM's own arithmetic.
 - ``internal_formats``: the model's dtype for the KV cache and the compute (``{"kv cache": "bfloat16",
   "compute": "bfloat16"}``); no ``promote``: vLLM's CPU backend has no float64.
 
@@ -43,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +67,13 @@ VARIANTS = ("batch", "chunk", "rows")
 CHUNK = 16
 #: The rows per GEMM call of the ``rows`` variant: one, as in a decode step of one request.
 ROWS = 1
+#: ``gemm_rows``' default: exact mode pins the GEMMs to one row where the row count changes them (the probe).
+AUTO = "auto"
+GEMM_ROWS = "'auto', None (vLLM's GEMMs as they run) or an integer >= 1 (rows per GEMM call)"
+#: The row-count probe: the same rows through every linear layer alone and among this many.
+PROBE_ROWS = 8
+#: The probe's input: the activations each linear layer sees in a prefill of this many tokens.
+PROBE_TOKENS = 2 * PROBE_ROWS
 #: vLLM's CPU attention: block sizes a multiple of 32, head size at least 32.
 BLOCK = 32
 MODEL = "a model directory vLLM can load (config.json and weights) or a vllm.LLM"
@@ -80,6 +92,8 @@ def _salt() -> str:
 
 #: The adapter whose cached path is running (its attention metadata hook applies), else ``None``.
 _ACTIVE: VLLMModel | None = None
+#: Each engine's row-count effect once probed (:meth:`VLLMModel.row_count_effect`): ``{vllm.LLM: units}``.
+_ROW_EFFECTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _vllm():
@@ -205,10 +219,12 @@ class VLLMModel:
     - ``speculate``: decode steps run ahead in each request (the checker's first ``speculate`` decodes after a
       ``prefill`` or ``extend`` are served from them; a later one resumes in a new request).
     - ``variants``: a subset of :data:`VARIANTS` (control mode's order noise).
-    - ``gemm_rows``: ``None`` (vLLM as it runs) or ``n``: every linear layer, on the cached path and in the
-      recompute alike, runs its GEMM on ``n`` rows at a time (``1``: the kernel of a one-request decode step
-      everywhere). The cache's logic is unchanged; what no longer differs is the GEMM kernel chosen by row count,
-      so exact mode judges the cache alone where vLLM's GEMMs depend on it (bfloat16 on AMX CPUs: module doc).
+    - ``gemm_rows``: ``n``: every linear layer, on the cached path and in the recompute alike, runs its GEMM on
+      ``n`` rows at a time (``1``: the kernel of a one-request decode step everywhere); ``None``: vLLM's GEMMs as
+      they run; ``"auto"`` (the default): ``1`` in an exact check where :meth:`row_count_effect` finds that the
+      row count changes the GEMMs (bfloat16 on AMX CPUs: module doc), else as they run (control mode always).
+      The cache's logic is unchanged; what no longer differs is the GEMM kernel chosen by row count, so exact
+      mode judges the cache alone. :meth:`prepare_check` resolves it and says so in the report.
     - ``prefill_chunk``: the cached path's prefills chunked to ``n`` tokens a scheduler step (vLLM's chunked
       prefill); the recompute stays unchunked, an independent reference.
     - ``companions``: other requests (prompts of the same length, their own prefix-cache salts) decoding in the
@@ -228,13 +244,20 @@ class VLLMModel:
         speculate: int = 32,
         variants=VARIANTS,
         seed: int = 0,
-        gemm_rows: int | None = None,
+        gemm_rows: int | str | None = AUTO,
         prefill_chunk: int | None = None,
         companions: int = 0,
         kv_blocks: int | None = None,
     ) -> None:
         vllm = _vllm()
-        self.gemm_rows = None if gemm_rows is None else require_int(gemm_rows, "gemm_rows", 1)
+        if gemm_rows is not None and gemm_rows != AUTO:
+            try:
+                gemm_rows = require_int(gemm_rows, "gemm_rows", 1)
+            except ValueError:
+                raise not_allowed("gemm_rows", gemm_rows, GEMM_ROWS) from None
+        self.gemm_rows = gemm_rows
+        #: the rows per GEMM call now (``None``: as vLLM runs them): ``gemm_rows`` resolved for the check
+        self.rows_pinned: int | None = gemm_rows if isinstance(gemm_rows, int) else None
         self.prefill_chunk = None if prefill_chunk is None else require_int(prefill_chunk, "prefill_chunk", 1)
         self.companions = require_int(companions, "companions", 0)
         if isinstance(variants, str):
@@ -281,11 +304,11 @@ class VLLMModel:
         self._ahead: list[tuple[int, np.ndarray]] = []  # decoded (token fed, its row) kept when it stopped
         self.requests = 0  # requests sent to the engine
         self.last_hit = 0  # prefix-cache tokens the last cached-path request read
-        if self.gemm_rows:
+        if self.rows_pinned:
             self._warm_up()
 
     def __repr__(self) -> str:
-        rows = f", gemm_rows={self.gemm_rows}" if self.gemm_rows else ""
+        rows = "" if self.gemm_rows == AUTO else f", gemm_rows={self.gemm_rows}"
         return f"VLLMModel({str(self.path) if self.path else 'LLM'!r}{rows})"
 
     # --- requests ---------------------------------------------------------------------------------------------
@@ -304,7 +327,7 @@ class VLLMModel:
         GEMMs split into rows (``gemm_rows``), vLLM's flat logprobs appended fast."""
         global _ACTIVE
         previous, _ACTIVE = _ACTIVE, (self if cached_path else None)
-        rows = self._gemm_rows(self.gemm_rows) if self.gemm_rows else contextlib.nullcontext()
+        rows = self._gemm_rows(self.rows_pinned) if self.rows_pinned else contextlib.nullcontext()
         try:
             with rows, _flat_appends():
                 yield
@@ -432,6 +455,88 @@ class VLLMModel:
 
         prompt = TokensPrompt(prompt_token_ids=[i % self.vocab_size for i in range(2 * BLOCK)], cache_salt=_salt())
         self.llm.generate([prompt], self._params(1, False, False), use_tqdm=False)
+
+    # --- the check's set-up -----------------------------------------------------------------------------------
+
+    def prepare_check(self, options) -> list[str]:
+        """The checker's hook before a check (``options``: its :class:`~kvfast.check.options.CheckOptions`):
+        ``gemm_rows`` resolved for its mode (:attr:`rows_pinned`), and notes saying how the GEMMs ran when the
+        row count changes them on this CPU (:meth:`row_count_effect`) or ``gemm_rows`` is the user's."""
+        if isinstance(self.gemm_rows, int):
+            self.rows_pinned = self.gemm_rows
+            n = self.gemm_rows
+            return [f"every GEMM of vLLM ran {n} row{'s' if n > 1 else ''} at a time on both paths (gemm_rows={n})"]
+        from kvfast.check.judge import judge_for
+
+        self.rows_pinned = None
+        if judge_for(options).measures_noise:  # control mode: vLLM's own arithmetic, the "rows" variant its noise
+            return []
+        units = self.row_count_effect()
+        if units == 0:
+            return []
+        fmt = self.internal_formats["compute"]
+        effect = (
+            f"vLLM's {fmt} GEMMs on this CPU change with the row count by up to {units:g} {fmt} "
+            f"unit{'' if units == 1 else 's'} in the last place (the same rows through every linear layer alone "
+            f"and among {PROBE_ROWS})"
+        )
+        if self.gemm_rows is None:
+            return [
+                f"{effect}; exact mode ran them as vLLM does (gemm_rows=None), so a decode step (one row) can differ "
+                "from the prefill of the same tokens by that much whatever the cache does; the default "
+                "(gemm_rows='auto') runs them one row at a time on both paths, and control mode judges vLLM's "
+                "default arithmetic"
+            ]
+        self.rows_pinned = 1
+        return [
+            f"{effect}; exact mode ran them one row at a time on both paths (gemm_rows=1); control mode checks "
+            "vLLM's default arithmetic"
+        ]
+
+    def row_count_effect(self) -> float:
+        """How far vLLM's GEMMs on this CPU change with their row count, probed once per engine: the
+        activations each linear layer sees in a prefill of :data:`PROBE_TOKENS` tokens, run through it
+        :data:`PROBE_ROWS` rows at a time and one row at a time; the largest difference of an output in units
+        in its last place (in the output's own format). ``0.0``: the row count changes nothing here."""
+        if self.llm in _ROW_EFFECTS:
+            return _ROW_EFFECTS[self.llm]
+        import torch
+
+        from kvfast.check.formats import ulp
+
+        layers = self._layers()
+        saved = [layer.cpu_linear for layer in layers]
+        seen: dict[int, tuple] = {}
+
+        def capture(k, linear):
+            def run(x, weight, bias):
+                seen.setdefault(k, (x.reshape(-1, x.shape[-1]).clone(), weight, bias))
+                return linear(x, weight, bias)
+
+            return run
+
+        pinned, self.rows_pinned = self.rows_pinned, None  # the layers' GEMMs as vLLM runs them
+        for k, (layer, linear) in enumerate(zip(layers, saved, strict=True)):
+            layer.cpu_linear = capture(k, linear)
+        try:
+            self.recompute([(3 + 7 * i) % self.vocab_size for i in range(PROBE_TOKENS)])
+        finally:
+            self.rows_pinned = pinned
+            for layer, linear in zip(layers, saved, strict=True):
+                layer.cpu_linear = linear
+        worst = 0.0
+        with torch.no_grad():
+            for k, (x, weight, bias) in seen.items():
+                for start in range(0, x.shape[0] - PROBE_ROWS + 1, PROBE_ROWS):
+                    rows = x[start : start + PROBE_ROWS]
+                    together = saved[k](rows, weight, bias)
+                    alone = torch.cat([saved[k](rows[i : i + 1], weight, bias) for i in range(PROBE_ROWS)])
+                    fmt = str(together.dtype).removeprefix("torch.")
+                    a, b = together.float().numpy(), alone.float().numpy()
+                    units = np.abs(a - b) / ulp(fmt, np.maximum(np.abs(a), np.abs(b)))
+                    worst = max(worst, float(units.max()))
+        _ROW_EFFECTS[self.llm] = worst
+        return worst
 
     # --- the protocol -----------------------------------------------------------------------------------------
 
