@@ -22,19 +22,20 @@ vocabulary as raw logits: ``prompt_logprobs=-1`` for a prompt's rows, ``logprobs
   prefix cache: the resumed chunk is computed over a real prefix-cache hit (the full blocks of the earlier
   request; a first chunk shorter than a block, :data:`BLOCK` tokens, leaves none: the whole sequence is then
   prefilled).
-- ``recompute_variants`` (control mode's order noise, each from vLLM itself): ``"batch"`` (the sequence
-  recomputed in one step together with another request: other GEMM shapes), ``"chunk"`` (the sequence
-  recomputed as a chunked prefill of ``CHUNK`` tokens a step: other shapes, attention over cached chunks) and
-  ``"rows"`` (the recompute with every linear layer run on :data:`ROWS` row at a time: the GEMM kernel a decode
-  step runs, the prefill's attention). vLLM's CPU GEMMs depend on their row count: in bfloat16 on a CPU with
-  AMX, a linear layer whose weight is under 1 MiB runs sgl-kernel's ``weight_packed_linear``, an AVX-512 kernel
-  for up to 4 rows and an AMX one above, which add up in another order; measured on the tiny test model, a
-  decode row then differs from vLLM's own prefill of the same tokens by up to 1 bfloat16 unit of the logits
-  (control mode: ``rounding``, the ``"rows"`` variant measuring that noise). Exact mode judges the cache,
-  like with like: :meth:`VLLMModel.prepare_check` probes the engine once (:meth:`VLLMModel.row_count_effect`:
-  the same rows through every linear layer alone and among :data:`PROBE_ROWS`) and, where the row count changes
-  the GEMMs' arithmetic, runs every GEMM one row at a time on both paths for an exact check (``gemm_rows="auto"``,
-  the default), saying so in the report with the size measured; control mode keeps vLLM's own arithmetic.
+- ``recompute_variants`` (control mode's order noise, each from vLLM itself): ``"batch"`` (the sequence recomputed
+  in one step together with another request of :data:`BATCH_OTHER` tokens: other GEMM shapes), ``"chunk"`` (the
+  sequence recomputed as a chunked prefill of ``CHUNK`` tokens a step: other shapes, attention over cached chunks;
+  not in :data:`DEFAULT_VARIANTS`) and ``"rows"`` (the recompute with every linear layer run on :data:`ROWS` row at
+  a time: the GEMM kernel a decode step runs, the prefill's attention). vLLM's CPU GEMMs depend on their row count:
+  in bfloat16 on a CPU with AMX, a linear layer whose weight is under 1 MiB runs sgl-kernel's
+  ``weight_packed_linear``, an AVX-512 kernel for up to 4 rows and an AMX one above, which add up in another order;
+  measured on the tiny test model, a decode row then differs from vLLM's own prefill of the same tokens by up to 1
+  bfloat16 unit of the logits (control mode: ``rounding``, the ``"rows"`` variant measuring that noise). Exact mode
+  judges the cache, like with like: :meth:`VLLMModel.prepare_check` probes the engine once
+  (:meth:`VLLMModel.row_count_effect`: the same rows through every linear layer alone and among :data:`PROBE_ROWS`)
+  and, where the row count changes the GEMMs' arithmetic, runs every GEMM one row at a time on both paths for an
+  exact check (``gemm_rows="auto"``, the default), saying so in the report with the size measured; control mode
+  keeps vLLM's own arithmetic.
 - ``internal_formats``: the model's dtype for the KV cache and the compute (``{"kv cache": "bfloat16",
   "compute": "bfloat16"}``); no ``promote``: vLLM's CPU backend has no float64.
 
@@ -63,6 +64,10 @@ ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "
               "VLLM_CPU_ATTN_SPLIT_KV": "0", "VLLM_LOGGING_LEVEL": "ERROR"}  # fmt: skip
 DTYPES = ("float32", "bfloat16")
 VARIANTS = ("batch", "chunk", "rows")
+#: The variants a check measures unless told otherwise: ``chunk`` measured no noise beyond ``batch`` and ``rows``
+#: (0 relative in float32 and bfloat16, the verdicts the same with or without it over the clean engine and the
+#: catalogue bugs: ``benchmarks/engines_vllm.py --variants``), and cost a third of a plain generation.
+DEFAULT_VARIANTS = ("batch", "rows")
 #: The prefill chunk of the ``chunk`` variant (tokens per scheduler step).
 CHUNK = 16
 #: The rows per GEMM call of the ``rows`` variant: one, as in a decode step of one request.
@@ -76,6 +81,8 @@ PROBE_ROWS = 8
 PROBE_TOKENS = 2 * PROBE_ROWS
 #: vLLM's CPU attention: block sizes a multiple of 32, head size at least 32.
 BLOCK = 32
+#: The ``batch`` variant's other request: this many tokens (other GEMM shapes for a fraction of a recompute).
+BATCH_OTHER = BLOCK
 MODEL = "a model directory vLLM can load (config.json and weights) or a vllm.LLM"
 
 #: The ids of the adapters' own requests: integers, as ``LLM.generate``'s (it sorts its outputs by them), far
@@ -218,7 +225,7 @@ class VLLMModel:
       ``logprobs_mode="raw_logits"`` and ``max_logprobs=-1``.
     - ``speculate``: decode steps run ahead in each request (the checker's first ``speculate`` decodes after a
       ``prefill`` or ``extend`` are served from them; a later one resumes in a new request).
-    - ``variants``: a subset of :data:`VARIANTS` (control mode's order noise).
+    - ``variants``: a subset of :data:`VARIANTS` (control mode's order noise; default :data:`DEFAULT_VARIANTS`).
     - ``gemm_rows``: ``n``: every linear layer, on the cached path and in the recompute alike, runs its GEMM on
       ``n`` rows at a time (``1``: the kernel of a one-request decode step everywhere); ``None``: vLLM's GEMMs as
       they run; ``"auto"`` (the default): ``1`` in an exact check where :meth:`row_count_effect` finds that the
@@ -242,7 +249,7 @@ class VLLMModel:
         block_size: int = BLOCK,
         max_model_len: int | None = None,
         speculate: int = 32,
-        variants=VARIANTS,
+        variants=DEFAULT_VARIANTS,
         seed: int = 0,
         gemm_rows: int | str | None = AUTO,
         prefill_chunk: int | None = None,
@@ -595,7 +602,7 @@ class VLLMModel:
         return out
 
     def _batch(self, tokens: list[int]) -> np.ndarray:
-        other = tokens[::-1]  # another request in the same step: the GEMMs run over both
+        other = tokens[::-1][:BATCH_OTHER]  # another request in the same step: the GEMMs run over both
         params = self._params(1, True, False)
         return self._rows_of(self._generate([tokens, other], [params, params], cached_path=False)[0], 0)
 
