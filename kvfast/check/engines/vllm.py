@@ -112,6 +112,7 @@ def _vllm():
     _patch_kernel_scan()
     _patch_attention_metadata()
     _patch_preemption()
+    _patch_sampling()
     return vllm
 
 
@@ -163,6 +164,30 @@ def _patch_preemption() -> None:
 
     counted._kvfast = True
     Scheduler._preempt_request = counted
+
+
+def _patch_sampling() -> None:
+    """Hand the active adapter its cached-path request's raw logits row at every sampling step (once): the row
+    vLLM's ``raw_logits`` logprobs mode reports (the sampler's input, widened to float32), without the logprobs
+    machinery (measured here: asking vLLM for a full-vocabulary row on every decode step cost about 40% of a
+    plain generation)."""
+    import torch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if getattr(GPUModelRunner._sample, "_kvfast", False):
+        return
+    sample = GPUModelRunner._sample
+
+    def captured(self, logits, spec_decode_metadata):
+        live = None if _ACTIVE is None else _ACTIVE._live
+        if live is not None and logits is not None and spec_decode_metadata is None:
+            for i, request in enumerate(self.input_batch.req_ids[: logits.shape[0]]):
+                if request is not None and request.rpartition("-")[0] == live:  # the engine core's id: ours + "-..."
+                    _ACTIVE._logits = logits[i].to(torch.float32).numpy().copy()
+        return sample(self, logits, spec_decode_metadata)
+
+    captured._kvfast = True
+    GPUModelRunner._sample = captured
 
 
 def _patch_attention_metadata() -> None:
@@ -308,6 +333,8 @@ class VLLMModel:
         self._others: list[str] = []  # the companions running with it
         self.preemptions = 0  # times the scheduler preempted a cached-path request
         self._sampled = -1  # the token the live request chose last (fed by the next decode)
+        self._logits: np.ndarray | None = None  # the live request's last raw logits row (_patch_sampling)
+        self._row: np.ndarray | None = None  # the row that chose _sampled
         self._ahead: list[tuple[int, np.ndarray]] = []  # decoded (token fed, its row) kept when it stopped
         self.requests = 0  # requests sent to the engine
         self.last_hit = 0  # prefix-cache tokens the last cached-path request read
@@ -374,16 +401,17 @@ class VLLMModel:
             rows[k, ids[start:end]] = values[start:end]
         return rows
 
-    def _rows_of(self, output, first: int) -> np.ndarray:
-        """The rows of prompt positions ``first`` .. end of ``output`` (prompt logprobs, then the first decoded
-        row for the prompt's last position)."""
+    def _rows_of(self, output, first: int, last: np.ndarray | None = None) -> np.ndarray:
+        """The rows of prompt positions ``first`` .. end of ``output`` (prompt logprobs, then the prompt's last
+        position's: ``last``, else the first decoded row's logprobs)."""
         n = len(output.prompt_token_ids)
         prompt = output.prompt_logprobs
         if prompt is None or len(prompt) < n:
             raise RuntimeError(f"vLLM returned no prompt logprobs for some of the {n} positions")
         # prompt logprobs entry p + 1 is the row of position p (entry 0, the first token's, is empty)
         rows = self._flat_rows(prompt, range(first + 1, n)) if first + 1 < n else np.empty((0, self.vocab_size))
-        return np.concatenate([rows, self._flat_rows(output.outputs[0].logprobs, [0])]).astype(np.float32)
+        last = self._flat_rows(output.outputs[0].logprobs, [0])[0] if last is None else last
+        return np.concatenate([rows, last[None]]).astype(np.float32)
 
     def _start(self, tokens: list[int], first: int, read_cache: bool) -> np.ndarray:
         """A cached-path request over ``tokens`` decoding up to ``speculate`` tokens, stepped only through its
@@ -400,6 +428,7 @@ class VLLMModel:
             self._history = _salt()
         params = self._params(max(1, min(self.speculate + 1, self.max_positions - len(tokens))), True, read_cache)
         params.output_kind = RequestOutputKind.DELTA
+        params.logprobs = None  # each decoded row is the sampler's, handed over by _patch_sampling's hook
         self._live = str(next(_REQUEST_IDS))
         self.requests += 1
         for k in range(
@@ -418,18 +447,21 @@ class VLLMModel:
         out = self._step()
         self.last_hit = int(out.num_cached_tokens or 0)
         self.tokens = list(tokens)
-        return self._rows_of(out, first)
+        return self._rows_of(out, first, self._row)
 
     def _step(self):
         """Step the engine until the live request outputs its next token: that output (``DELTA``: the new
-        token and its row, and after the prefill the prompt's rows)."""
+        token, and after the prefill the prompt's rows); the row that chose the token in :attr:`_row`."""
         engine = self.llm.llm_engine
         budget = self._token_budget(self.prefill_chunk) if self.prefill_chunk else contextlib.nullcontext()
+        self._logits = None
         with self._engine(cached_path=True), budget:
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.request_id == self._live and out.outputs and out.outputs[0].token_ids:
-                        self._sampled = int(out.outputs[0].token_ids[-1])
+                        if self._logits is None:
+                            raise RuntimeError("vLLM sampled a token of the cached path without handing its logits")
+                        self._row, self._sampled = self._logits, int(out.outputs[0].token_ids[-1])
                         if out.finished:
                             self._live = None
                             self._end_others()
@@ -440,7 +472,8 @@ class VLLMModel:
         """Step the live request to its end, keeping each (token fed, its row) for :meth:`decode`."""
         while self._live is not None:
             token = self._sampled
-            self._ahead.append((token, self._flat_rows(self._step().outputs[0].logprobs, [0])[0]))
+            self._step()
+            self._ahead.append((token, self._row))
 
     def _stop(self) -> None:
         """End the live request (not yet decoded: nothing of it is kept) before another request runs."""
@@ -589,10 +622,16 @@ class VLLMModel:
 
     def recompute_variants(self, tokens) -> dict:
         """Recomputes of ``tokens`` by vLLM that differ from :meth:`recompute` only in how they add up; a variant
-        that cannot run is left out and named in :attr:`skipped_variants`."""
+        that cannot run is left out and named in :attr:`skipped_variants`, and so is ``rows`` where the row count
+        changes no GEMM (:meth:`row_count_effect` is 0: it would measure nothing, at half a plain generation)."""
         tokens = [int(t) for t in np.asarray(tokens).reshape(-1)]
         out = {}
         for name in self.variants:
+            if name == "rows" and "rows" not in self.skipped_variants and self.row_count_effect() == 0:
+                self.skipped_variants["rows"] = (
+                    f"vLLM's GEMMs on this CPU do not change with the row count (the same rows through every linear "
+                    f"layer alone and among {PROBE_ROWS} agree bit for bit): the variant would equal the recompute"
+                )
             if name in self.skipped_variants:
                 continue
             try:
