@@ -13,7 +13,7 @@ One engine (:class:`kvfast.check.engines.vllm.VLLMModel`, ``--dtype``), then, in
 - **batch invariance**: the prompt's ``steps`` decoded rows when it decodes together with other requests (1 to 7
   others, same length) against the same rows when it decodes alone (vLLM's greedy decode, full-vocabulary rows);
 - **variants**: control mode's verdict and largest ratio with every variant (:data:`VARIANTS`) and with the
-  default ones (:data:`DEFAULT_VARIANTS`), on the clean engine and each catalogue bug, over three prompts, and each
+  ``chunk`` (:data:`CHUNKS`) left out, on the clean engine and each catalogue bug, over three prompts, and each
   variant's largest measured noise (relative to the row's largest logit): what dropping a variant changes.
 
 Prints Markdown tables (pasted into docs/engines.md).
@@ -122,17 +122,19 @@ def variants(engine, prompt: list[int], args) -> None:
 
     from kvfast.bugs.engines import VLLM_BUGS, inject_vllm_bug
     from kvfast.check import check_cache
-    from kvfast.check.engines.vllm import DEFAULT_VARIANTS, VARIANTS, VLLMModel
+    from kvfast.check.engines.vllm import VARIANTS, VLLMModel
+
+    without_chunk = tuple(v for v in VARIANTS if v != "chunk")
 
     prompts = {"prompt": prompt, "reversed": prompt[::-1], "strided": [3 + (7 * i) % 250 for i in range(len(prompt))]}
     every = VLLMModel(engine.llm, variants=VARIANTS)
-    print(f"| case ({args.dtype}) | prompt | verdict, max ratio: {VARIANTS} | {DEFAULT_VARIANTS} | "
+    print(f"| case ({args.dtype}) | prompt | verdict, max ratio: {VARIANTS} | {without_chunk} | "
           + " | ".join(f"noise {v!r}" for v in VARIANTS) + " |")  # fmt: skip
     print("|---|---|---|---|" + "---|" * len(VARIANTS))
     for case in (None, *VLLM_BUGS):
         for label, tokens in prompts.items():
             cells = []
-            for names in (VARIANTS, DEFAULT_VARIANTS):
+            for names in (VARIANTS, without_chunk):
                 model = VLLMModel(engine.llm, variants=names)
                 model = model if case is None else inject_vllm_bug(model, case)
                 report = check_cache(model, tokens, args.steps, mode="control")

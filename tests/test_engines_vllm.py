@@ -9,6 +9,7 @@ engine per dtype for the whole file (building one costs seconds); the bugs reuse
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -181,3 +182,24 @@ def test_the_command_line_checks_a_bfloat16_engine_exactly(model_dir):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "EXACT" in done.stdout.splitlines()[0]
+
+
+@pytest.mark.slow
+def test_long_context_is_reported_with_its_size_and_position(tmp_path):
+    # 3,500 tokens: vLLM's prefill rows change with the sequence's total length (rows past 3,200, a few float32
+    # units: within rounding, so not `length-dependent`), and a row over cached keys (a decode step, a resumed
+    # chunk) differs from the prefill's by as much. Exact mode: divergent where it first shows, by how much;
+    # control mode: rounding, the length dependence named with its size and rows, the chunk variant measuring
+    # the cached keys' noise
+    model = VLLMModel(tiny_vllm_model(tmp_path, seed=1, positions=4096), max_model_len=4096)
+    prompt = [3 + (7 * i) % 250 for i in range(3500)]
+    exact = check_cache(model, prompt, 4, mode="exact")
+    assert exact.verdict == "divergent", exact.format()
+    decode = exact.scenarios["decode"]
+    assert decode.first_divergent_step == 1 and 0 < decode.deviation[1] < 1e-5, exact.format()  # position 3500
+    control = check_cache(model, prompt, STEPS, mode="control")
+    assert control.verdict == "rounding" and control.length_dependence is None, control.format()
+    found = [n for n in control.notes if "recompute is not append-invariant" in n]
+    where = re.search(r"by (\S+) at row (\d+); (\d+) rows differ, from row (\d+) to (\d+)", found[0] if found else "")
+    assert where and 0 < float(where[1]) < 1e-5 and 1280 < int(where[4]) <= int(where[2]) < 3500, control.notes
+    assert re.search(r"variant 'chunk' \(up to [1-9]", " ".join(control.notes)), control.notes

@@ -24,18 +24,17 @@ vocabulary as raw logits: ``prompt_logprobs=-1`` for a prompt's rows, ``logprobs
   prefilled).
 - ``recompute_variants`` (control mode's order noise, each from vLLM itself): ``"batch"`` (the sequence recomputed
   in one step together with another request of :data:`BATCH_OTHER` tokens: other GEMM shapes), ``"chunk"`` (the
-  sequence recomputed as a chunked prefill of ``CHUNK`` tokens a step: other shapes, attention over cached chunks;
-  not in :data:`DEFAULT_VARIANTS`) and ``"rows"`` (the recompute with every linear layer run on :data:`ROWS` row at
-  a time: the GEMM kernel a decode step runs, the prefill's attention). vLLM's CPU GEMMs depend on their row count:
-  in bfloat16 on a CPU with AMX, a linear layer whose weight is under 1 MiB runs sgl-kernel's
-  ``weight_packed_linear``, an AVX-512 kernel for up to 4 rows and an AMX one above, which add up in another order;
-  measured on the tiny test model, a decode row then differs from vLLM's own prefill of the same tokens by up to 1
-  bfloat16 unit of the logits (control mode: ``rounding``, the ``"rows"`` variant measuring that noise). Exact mode
-  judges the cache, like with like: :meth:`VLLMModel.prepare_check` probes the engine once
-  (:meth:`VLLMModel.row_count_effect`: the same rows through every linear layer alone and among :data:`PROBE_ROWS`)
-  and, where the row count changes the GEMMs' arithmetic, runs every GEMM one row at a time on both paths for an
-  exact check (``gemm_rows="auto"``, the default), saying so in the report with the size measured; control mode
-  keeps vLLM's own arithmetic.
+  sequence recomputed as a chunked prefill of :data:`CHUNKS` chunks: other shapes, attention over cached keys) and
+  ``"rows"`` (the recompute with every linear layer run on :data:`ROWS` row at a time: the GEMM kernel a decode step
+  runs, the prefill's attention). vLLM's CPU GEMMs depend on their row count: in bfloat16 on a CPU with AMX, a
+  linear layer whose weight is under 1 MiB runs sgl-kernel's ``weight_packed_linear``, an AVX-512 kernel for up to 4
+  rows and an AMX one above, which add up in another order; measured on the tiny test model, a decode row then
+  differs from vLLM's own prefill of the same tokens by up to 1 bfloat16 unit of the logits (control mode:
+  ``rounding``, the ``"rows"`` variant measuring that noise). Exact mode judges the cache, like with like:
+  :meth:`VLLMModel.prepare_check` probes the engine once (:meth:`VLLMModel.row_count_effect`: the same rows through
+  every linear layer alone and among :data:`PROBE_ROWS`) and, where the row count changes the GEMMs' arithmetic,
+  runs every GEMM one row at a time on both paths for an exact check (``gemm_rows="auto"``, the default), saying so
+  in the report with the size measured; control mode keeps vLLM's own arithmetic.
 - ``internal_formats``: the model's dtype for the KV cache and the compute (``{"kv cache": "bfloat16",
   "compute": "bfloat16"}``); no ``promote``: vLLM's CPU backend has no float64.
 
@@ -64,12 +63,12 @@ ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "
               "VLLM_CPU_ATTN_SPLIT_KV": "0", "VLLM_LOGGING_LEVEL": "ERROR"}  # fmt: skip
 DTYPES = ("float32", "bfloat16")
 VARIANTS = ("batch", "chunk", "rows")
-#: The variants a check measures unless told otherwise: ``chunk`` measured no noise beyond ``batch`` and ``rows``
-#: (0 relative in float32 and bfloat16, the verdicts the same with or without it over the clean engine and the
-#: catalogue bugs: ``benchmarks/engines_vllm.py --variants``), and cost a third of a plain generation.
-DEFAULT_VARIANTS = ("batch", "rows")
-#: The prefill chunk of the ``chunk`` variant (tokens per scheduler step).
-CHUNK = 16
+#: The chunks of the ``chunk`` variant's prefill (the sequence's first half, then the rest over its cached keys).
+#: Measured (``benchmarks/engines_vllm.py --only variants``): on a prompt of 70 tokens it measures no noise (16
+#: tokens a chunk neither), yet on 3,500 tokens it is the one source of the resumed chunk's noise (up to 9.8e-7
+#: relative; without it a correct engine is ``inconclusive``), at 0.57 s a variant there against 1.44 s for 16
+#: tokens a chunk.
+CHUNKS = 2
 #: The rows per GEMM call of the ``rows`` variant: one, as in a decode step of one request.
 ROWS = 1
 #: ``gemm_rows``' default: exact mode pins the GEMMs to one row where the row count changes them (the probe).
@@ -250,7 +249,7 @@ class VLLMModel:
       ``logprobs_mode="raw_logits"`` and ``max_logprobs=-1``.
     - ``speculate``: decode steps run ahead in each request (the checker's first ``speculate`` decodes after a
       ``prefill`` or ``extend`` are served from them; a later one resumes in a new request).
-    - ``variants``: a subset of :data:`VARIANTS` (control mode's order noise; default :data:`DEFAULT_VARIANTS`).
+    - ``variants``: a subset of :data:`VARIANTS` (control mode's order noise).
     - ``gemm_rows``: ``n``: every linear layer, on the cached path and in the recompute alike, runs its GEMM on
       ``n`` rows at a time (``1``: the kernel of a one-request decode step everywhere); ``None``: vLLM's GEMMs as
       they run; ``"auto"`` (the default): ``1`` in an exact check where :meth:`row_count_effect` finds that the
@@ -274,7 +273,7 @@ class VLLMModel:
         block_size: int = BLOCK,
         max_model_len: int | None = None,
         speculate: int = 32,
-        variants=DEFAULT_VARIANTS,
+        variants=VARIANTS,
         seed: int = 0,
         gemm_rows: int | str | None = AUTO,
         prefill_chunk: int | None = None,
@@ -646,7 +645,7 @@ class VLLMModel:
         return self._rows_of(self._generate([tokens, other], [params, params], cached_path=False)[0], 0)
 
     def _chunked(self, tokens: list[int]) -> np.ndarray:
-        with self._token_budget(CHUNK):
+        with self._token_budget(-(-len(tokens) // CHUNKS)):
             out = self._generate([tokens], [self._params(1, True, False)], cached_path=False)[0]
         return self._rows_of(out, 0)
 
@@ -713,10 +712,18 @@ class VLLMModel:
 # --- a tiny random test model (no download) -----------------------------------------------------------------
 
 
-def tiny_vllm_model(out, seed: int = 0) -> Path:
+def tiny_vllm_model(out, seed: int = 0, positions: int | None = None) -> Path:
     """A tiny random Llama (:func:`kvfast.check.engines.tiny.tiny_llama`: hidden 128, 4 heads of 32, which vLLM's
-    CPU attention takes) written to ``out``; returns ``out``."""
+    CPU attention takes) written to ``out``, with ``positions`` positions if given (its config's
+    ``max_position_embeddings``: a long-context model, the same weights); returns ``out``."""
+    import json
+
     from kvfast.check.engines.tiny import tiny_llama
 
     tiny_llama(out, seed)
+    if positions is not None:
+        config = Path(out) / "config.json"
+        values = json.loads(config.read_text())
+        values["max_position_embeddings"] = require_int(positions, "positions", 1)
+        config.write_text(json.dumps(values, indent=2))
     return Path(out)
