@@ -100,6 +100,8 @@ def _salt() -> str:
 _ACTIVE: VLLMModel | None = None
 #: Each engine's row-count effect once probed (:meth:`VLLMModel.row_count_effect`): ``{vllm.LLM: units}``.
 _ROW_EFFECTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: Each engine's linear layers once found (:meth:`VLLMModel._layers`): ``{vllm.LLM: [layer, ...]}``.
+_LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _vllm():
@@ -655,7 +657,10 @@ class VLLMModel:
         return self._rows_of(out, 0)
 
     def _layers(self) -> list:
-        """The model's linear layers that run vLLM's CPU GEMM dispatch (``cpu_linear``), in this process."""
+        """The model's linear layers that run vLLM's CPU GEMM dispatch (``cpu_linear``), in this process (found
+        once per engine: a pinned check asks at every step)."""
+        if self.llm in _LAYERS:
+            return _LAYERS[self.llm]
         core = getattr(self.llm.llm_engine.engine_core, "engine_core", None)
         executor = getattr(core, "model_executor", None)
         worker = getattr(getattr(executor, "driver_worker", None), "worker", None)
@@ -665,6 +670,7 @@ class VLLMModel:
         layers = [m for m in model.modules() if callable(getattr(m, "cpu_linear", None))]
         if not layers:
             raise NotImplementedError("no linear layer of the model runs vLLM's CPU GEMM dispatch (cpu_linear)")
+        _LAYERS[self.llm] = layers
         return layers
 
     @contextlib.contextmanager
