@@ -1,9 +1,10 @@
 """Cost and verdict tables of kvfast's checks on vLLM (a tiny random Llama built here; vLLM's own venv).
 
     .venv-vllm/bin/python benchmarks/engines_vllm.py [--steps 32] [--repeats 5] [--prompt-len 70] [--dtype float32]
-        [--only cost,bugs,batch,variants]
+        [--only cost,bugs,batch,variants,long]
 
-One engine (:class:`kvfast.check.engines.vllm.VLLMModel`, ``--dtype``), then, in this run (``--only``: some):
+One engine (:class:`kvfast.check.engines.vllm.VLLMModel`, ``--dtype``; the tiny model with as many positions as
+the check needs), then, in this run (``--only``: some; ``long`` only when asked):
 
 - **cost**: the median wall time of a check (exact mode, both scenarios; control mode, both scenarios) against a
   plain vLLM generation of the same tokens (one fresh request: its own prefix-cache salt, so no repeat reads the
@@ -14,7 +15,9 @@ One engine (:class:`kvfast.check.engines.vllm.VLLMModel`, ``--dtype``), then, in
   others, same length) against the same rows when it decodes alone (vLLM's greedy decode, full-vocabulary rows);
 - **variants**: control mode's verdict and largest ratio with every variant (:data:`VARIANTS`) and with the
   ``chunk`` (:data:`CHUNKS`) left out, on the clean engine and each catalogue bug, over three prompts, and each
-  variant's largest measured noise (relative to the row's largest logit): what dropping a variant changes.
+  variant's largest measured noise (relative to the row's largest logit): what dropping a variant changes;
+- **long**: an exact and a control check's verdicts, first differing steps and sizes, and notes (with
+  ``--prompt-len 3500``: the long-context findings of docs/engines.md).
 
 Prints Markdown tables (pasted into docs/engines.md).
 """
@@ -33,7 +36,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--prompt-len", type=int, default=70)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {SECTIONS}")
+    parser.add_argument("--only", default=",".join(SECTIONS[:4]), help=f"comma-separated sections of {SECTIONS}")
     args = parser.parse_args()
     only = [s.strip() for s in args.only.split(",")]
     if not set(only) <= set(SECTIONS):
@@ -43,13 +46,15 @@ def main() -> None:
 
     prompt = [3 + i % 250 for i in range(args.prompt_len)]
     with tempfile.TemporaryDirectory() as out:
-        engine = VLLMModel(tiny_vllm_model(out, seed=1), dtype=args.dtype)
+        positions = max(256, args.prompt_len + args.steps)  # the tiny model's 256, or as many as the check needs
+        engine = VLLMModel(tiny_vllm_model(out, seed=1, positions=positions), dtype=args.dtype)
         for section in only:
-            {"cost": cost, "bugs": bugs, "batch": batch_invariance, "variants": variants}[section](engine, prompt, args)
+            run = {"cost": cost, "bugs": bugs, "batch": batch_invariance, "variants": variants, "long": reports}
+            run[section](engine, prompt, args)
             print()
 
 
-SECTIONS = ("cost", "bugs", "batch", "variants")
+SECTIONS = ("cost", "bugs", "batch", "variants", "long")
 
 
 def cost(engine, prompt: list[int], args) -> None:
@@ -148,7 +153,23 @@ def variants(engine, prompt: list[int], args) -> None:
                 for k, v in every.recompute_variants(final).items()
             }
             print(f"| {case or 'clean'} | {label} | {cells[0]} | {cells[1]} | "
-                  + " | ".join(f"{noise[v]:.3g}" for v in VARIANTS) + " |")  # fmt: skip
+                  + " | ".join(f"{noise[v]:.3g}" if v in noise else "skipped" for v in VARIANTS) + " |")  # fmt: skip
+
+
+def reports(engine, prompt: list[int], args) -> None:
+    """Print an exact and a control check's verdicts, where each scenario first fails and by how much, and their
+    notes (``--only long --prompt-len 3500``: what a long prompt shows; see the module doc)."""
+    from kvfast.check import check_cache
+
+    for mode in ("exact", "control"):
+        report = check_cache(engine, prompt, args.steps, mode=mode)
+        print(f"- {mode} ({args.dtype}, prompt {len(prompt)}, {args.steps} steps): {report.verdict}")
+        for name, scenario in report.scenarios.items():
+            step = scenario.first_divergent_step
+            size = "" if step is None else f", by {scenario.deviation[step]:.3g}"
+            print(f"  - {name}: {scenario.verdict}, first differing step {step}{size}")
+        for note in report.notes:
+            print(f"  - note: {note}")
 
 
 def batch_invariance(engine, prompt: list[int], args) -> None:
