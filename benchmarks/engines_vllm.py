@@ -46,7 +46,7 @@ def main() -> None:
 
     prompt = [3 + i % 250 for i in range(args.prompt_len)]
     with tempfile.TemporaryDirectory() as out:
-        positions = max(256, args.prompt_len + args.steps)  # the tiny model's 256, or as many as the check needs
+        positions = max(256, args.prompt_len + args.steps + 1)  # the tiny model's 256, or as many as a check needs
         engine = VLLMModel(tiny_vllm_model(out, seed=1, positions=positions), dtype=args.dtype)
         for section in only:
             run = {"cost": cost, "bugs": bugs, "batch": batch_invariance, "variants": variants, "long": reports}

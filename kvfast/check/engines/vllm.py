@@ -257,7 +257,8 @@ class VLLMModel:
       they run; ``"auto"`` (the default): ``1`` in an exact check where :meth:`row_count_effect` finds that the
       row count changes the GEMMs (bfloat16 on AMX CPUs: module doc), else as they run (control mode always).
       The cache's logic is unchanged; what no longer differs is the GEMM kernel chosen by row count, so exact
-      mode judges the cache alone. :meth:`prepare_check` resolves it and says so in the report.
+      mode judges the cache alone. :meth:`prepare_check` resolves it for each check (:attr:`rows_pinned`, which
+      stays so after the check) and says so in the report.
     - ``prefill_chunk``: the cached path's prefills chunked to ``n`` tokens a scheduler step (vLLM's chunked
       prefill); the recompute stays unchunked, an independent reference.
     - ``companions``: other requests (prompts of the same length, their own prefix-cache salts) decoding in the
@@ -323,7 +324,8 @@ class VLLMModel:
         if config.model_config.max_logprobs != -1:
             raise not_allowed("model.max_logprobs", config.model_config.max_logprobs, "-1 (the full vocabulary)")
         self.vocab_size = int(config.model_config.get_vocab_size())
-        self.max_positions = int(config.model_config.max_model_len)
+        # a request's tokens leave vLLM room for the one it generates (a row of the last position is such a request)
+        self.max_positions = int(config.model_config.max_model_len) - 1
         self.block_size = int(config.cache_config.block_size)
         fmt = str(config.model_config.dtype).removeprefix("torch.")
         self.internal_formats = {"kv cache": fmt, "compute": fmt}
