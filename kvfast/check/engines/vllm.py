@@ -645,8 +645,9 @@ class VLLMModel:
 
     def _batch(self, tokens: list[int]) -> np.ndarray:
         other = tokens[::-1][:BATCH_OTHER]  # another request in the same step: the GEMMs run over both
-        params = self._params(1, True, False)
-        return self._rows_of(self._generate([tokens, other], [params, params], cached_path=False)[0], 0)
+        quiet = self._params(1, False, False)  # its rows are not read: no logprobs asked of it
+        quiet.logprobs = None
+        return self._rows_of(self._generate([tokens, other], [self._params(1, True, False), quiet], False)[0], 0)
 
     def _chunked(self, tokens: list[int]) -> np.ndarray:
         with self._token_budget(-(-len(tokens) // CHUNKS)):
