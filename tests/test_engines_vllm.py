@@ -9,6 +9,7 @@ engine per dtype for the whole file (building one costs seconds); the bugs reuse
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -80,6 +81,10 @@ def test_a_correct_engine_passes_in_float32(engine, mode):
     report = check_cache(engine, LONG, STEPS, mode=mode)
     assert report.verdict == ("exact" if mode == "exact" else "rounding"), report.format()
     assert set(report.scenarios) == {"decode", "resume"}
+    # float32 GEMMs that do not change with the row count (the probe) run as vLLM runs them, with no note
+    pinned = mode == "exact" and engine.row_count_effect() > 0
+    assert engine.rows_pinned == (1 if pinned else None)
+    assert any("CPU change with the row count" in n for n in report.notes) == pinned, report.notes
     assert not engine.llm.llm_engine.has_unfinished_requests()  # no request of the check left in the engine
 
 
@@ -88,8 +93,9 @@ def test_an_llm_object_is_accepted_and_a_bad_path_is_refused(engine, tmp_path):
     assert again.vocab_size == engine.vocab_size and again.internal_formats == engine.internal_formats
     with pytest.raises(ValueError, match="^path: "):
         VLLMModel(tmp_path)
-    with pytest.raises(ValueError, match="^gemm_rows: "):
-        VLLMModel(engine.llm, gemm_rows=0)
+    for bad in (0, "one", 1.5):
+        with pytest.raises(ValueError, match="^gemm_rows: .* allowed: 'auto', None .* or an integer >= 1"):
+            VLLMModel(engine.llm, gemm_rows=bad)
 
 
 def test_chunked_prefill_is_checked_against_the_unchunked_recompute(engine):
@@ -135,24 +141,65 @@ def test_bfloat16_decode_equals_the_prefill_run_with_decode_shaped_gemms_bit_for
     assert np.array_equal(np.stack(decoded), variants["rows"][len(PROMPT) - 1 :])
 
 
-def test_bfloat16_control_mode_is_rounding_and_gemm_rows_makes_exact_mode_exact(engine_bf16):
+def test_bfloat16_row_count_probe_pins_exact_mode_only_and_says_so(engine_bf16):
+    units = engine_bf16.row_count_effect()  # this CPU's fact: the same rows through a GEMM alone vs among 8
+    if units == 0:
+        pytest.skip("vLLM's bfloat16 GEMMs do not change with the row count on this CPU: nothing to pin")
+    effect = f"change with the row count by up to {units:g} bfloat16 unit"
+    # control mode: vLLM's own arithmetic (the "rows" variant measures the row count's noise), no pin, no note
     control = check_cache(engine_bf16, LONG, STEPS, mode="control")
-    assert control.verdict == "rounding", control.format()
-    rows = VLLMModel(engine_bf16.llm, gemm_rows=1)  # every GEMM one row at a time, on both paths
-    exact = check_cache(rows, LONG, STEPS, mode="exact")
-    assert exact.verdict == "exact", exact.format()
+    assert control.verdict == "rounding" and engine_bf16.rows_pinned is None, control.format()
+    assert not any(effect in n for n in control.notes)
+    # exact mode (gemm_rows="auto"): every GEMM one row at a time on both paths, the size measured in the report
+    auto = VLLMModel(engine_bf16.llm)
+    exact = check_cache(auto, LONG, STEPS, mode="exact")
+    assert exact.verdict == "exact" and auto.rows_pinned == 1, exact.format()
+    assert any(effect in n and "one row at a time on both paths" in n for n in exact.notes), exact.notes
+    # the unpinned exact check the user asked for: divergent, the reason in the report
+    unpinned = check_cache(VLLMModel(engine_bf16.llm, gemm_rows=None), LONG, STEPS, mode="exact")
+    assert unpinned.verdict == "divergent", unpinned.format()
+    assert any(effect in n and "gemm_rows=None" in n for n in unpinned.notes), unpinned.notes
+    # an explicit gemm_rows wins in either mode
+    two = VLLMModel(engine_bf16.llm, gemm_rows=2)
+    report = check_cache(two, LONG, STEPS, mode="control")
+    assert two.rows_pinned == 2 and "gemm_rows=2" in report.notes[0], report.notes
 
 
 @pytest.mark.parametrize("bug", ["short", "hitpos"])
-def test_a_catalogue_bug_is_no_rounding_in_bfloat16_control_mode(engine_bf16, bug):
+def test_a_catalogue_bug_is_found_in_bfloat16_exact_mode_with_the_pin_and_is_no_rounding_in_control(engine_bf16, bug):
+    exact = check_cache(inject_vllm_bug(VLLMModel(engine_bf16.llm), bug), LONG, STEPS, mode="exact", fast=False)
+    assert exact.verdict == "divergent", exact.format()
+    for name, scenario in exact.scenarios.items():
+        assert scenario.first_divergent_step == first_acting_step(bug, name, len(LONG)), (name, exact.format())
     report = check_cache(inject_vllm_bug(VLLMModel(engine_bf16.llm), bug), LONG, STEPS, mode="control")
     assert report.verdict in ("bug", "inconclusive"), report.format()
 
 
-def test_the_command_line_checks_a_bfloat16_engine_exactly_with_gemm_rows(model_dir):
+def test_the_command_line_checks_a_bfloat16_engine_exactly(model_dir):
     prompt = ",".join(map(str, PROMPT))
     cmd = [sys.executable, "-m", "kvfast.cli", "check", "--engine", "vllm", str(model_dir), "--prompt", prompt,
-           "--steps", str(STEPS), "--factory-arg", "dtype=bfloat16", "--factory-arg", "gemm_rows=1"]  # fmt: skip
+           "--steps", str(STEPS), "--factory-arg", "dtype=bfloat16"]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "EXACT" in done.stdout.splitlines()[0]
+
+
+@pytest.mark.slow
+def test_long_context_is_reported_with_its_size_and_position(tmp_path):
+    # 3,500 tokens: vLLM's prefill rows change with the sequence's total length (rows past 3,200, a few float32
+    # units: within rounding, so not `length-dependent`), and a row over cached keys (a decode step, a resumed
+    # chunk) differs from the prefill's by as much. Exact mode: divergent where it first shows, by how much;
+    # control mode: rounding, the length dependence named with its size and rows, the chunk variant measuring
+    # the cached keys' noise
+    model = VLLMModel(tiny_vllm_model(tmp_path, seed=1, positions=4096), max_model_len=4096)
+    prompt = [3 + (7 * i) % 250 for i in range(3500)]
+    exact = check_cache(model, prompt, 4, mode="exact")
+    assert exact.verdict == "divergent", exact.format()
+    decode = exact.scenarios["decode"]
+    assert decode.first_divergent_step == 1 and 0 < decode.deviation[1] < 1e-5, exact.format()  # position 3500
+    control = check_cache(model, prompt, STEPS, mode="control")
+    assert control.verdict == "rounding" and control.length_dependence is None, control.format()
+    found = [n for n in control.notes if "recompute is not append-invariant" in n]
+    where = re.search(r"by (\S+) at row (\d+); (\d+) rows differ, from row (\d+) to (\d+)", found[0] if found else "")
+    assert where and 0 < float(where[1]) < 1e-5 and 1280 < int(where[4]) <= int(where[2]) < 3500, control.notes
+    assert re.search(r"variant 'chunk' \(up to [1-9]", " ".join(control.notes)), control.notes

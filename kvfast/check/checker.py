@@ -136,6 +136,7 @@ def _check(model, prompt, options: CheckOptions) -> CheckReport:
     """:func:`check_cache_with`'s work (inside its watch): the reference, the scenarios, the logic check."""
     subject = resolve(model, prompt, options)
     judge = judge_for(options)
+    prepared = subject.calls.prepare(options)  # the model's own set-up for this check (its notes head the report's)
     lossy = lossy_format(subject.calls)  # a quantized cache (kvfast.check.lossy), its declaration read before any work
     prompt_rows, fmt = subject.calls.recompute_with_format(subject.prompt, "of the prompt")
     formats = formats_of(subject.calls.model, fmt)  # the noise model's formats: declared, measured or assumed
@@ -150,7 +151,7 @@ def _check(model, prompt, options: CheckOptions) -> CheckReport:
     ran = [r for r in reports.values() if r.verdict != "skipped"]
     verdict = judge.overall(ran) if ran else UNCHECKED
     length = reference.length
-    notes = reference.notes
+    notes = prepared + reference.notes
     if judge.measures_noise:
         notes += [n for n in (formats.note(), formats.cache_note()) if n is not None]
     promoted = None

@@ -66,6 +66,12 @@ A model under test is any object with these methods (tokens are passed as a
     every scenario is then judged as one (:mod:`kvfast.check.lossy`, verdict
     ``lossy``, never ``exact`` or ``rounding``) against ``lossless()``, the same
     model with its cache unquantized.
+``prepare_check(options) -> [note, ...] | None`` (optional)
+    Called once before any other call of a check with its
+    :class:`~kvfast.check.options.CheckOptions` (``options.mode``: ``exact`` or ``control``): a model that
+    computes one way for exact mode and another for control mode sets itself up here (vLLM pins its GEMMs'
+    row count in exact mode where it changes their arithmetic). The notes it returns (strings) head the
+    report's notes: what it chose and why.
 ``max_positions`` (optional attribute, int)
     The most positions the model can take; a longer check is bad input before any work.
 ``vocab_size`` (optional attribute, int)
@@ -92,7 +98,7 @@ from kvfast.validation import require_int
 REQUIRED = ("recompute", "prefill", "decode")
 OPTIONAL = (
     "extend", "decode_greedy", "recompute_variants", "promote", "crop", "snapshot", "restore", "lossless",
-    "prefill_beams", "decode_beams", "reorder", "prefill_padded", "decode_padded",
+    "prefill_beams", "decode_beams", "reorder", "prefill_padded", "decode_padded", "prepare_check",
 )  # fmt: skip
 PROTOCOL_METHODS = frozenset(REQUIRED + OPTIONAL)
 PROTOCOL = "an object with recompute(tokens), prefill(tokens), decode(token) and optionally extend(tokens)"
@@ -378,6 +384,20 @@ class ModelCalls:
     def has(self, name: str) -> bool:
         """Whether the model has the optional method ``name``."""
         return has(self.model, name)
+
+    def prepare(self, options: object) -> list[str]:
+        """``prepare_check(options)`` (optional; absent: nothing to do): the model set up for this check, and
+        its notes for the report. ``ValueError`` unless it returns ``None`` or a list or tuple of strings."""
+        if not self.has("prepare_check"):
+            return []
+        notes = self.model.prepare_check(options)
+        if notes is None:
+            return []
+        if not isinstance(notes, list | tuple) or not all(isinstance(n, str) for n in notes):
+            raise ValueError(
+                f"model.prepare_check: {type(notes).__name__} is not allowed; allowed: None or a list of str (notes)"
+            )
+        return list(notes)
 
     def recompute(self, tokens: np.ndarray, where: str | None = None) -> np.ndarray:
         """``recompute(tokens)``: ``(len(tokens), V)``; ``where`` defaults to ``of the first N tokens``."""

@@ -56,15 +56,25 @@ def invariance(
     parts = {T: ref0}
     why = None
     if not np.array_equal(ref0, full[:T]):
-        dev = float(np.abs(ref0 - full[:T]).max())
-        why = f"recompute(prompt) differs from the first {T} rows of recompute(whole sequence) by {dev:.4g}"
+        why = f"recompute(prompt) differs from the first {T} rows of recompute(whole sequence) by {_where(ref0, full)}"
     q = C.prefix_length(T + max(1, steps // 4))  # odd: see kvfast.check.control.prefix_length
     if q < final.shape[0]:
         parts[q] = calls.recompute(final[:q])
         if why is None and not np.array_equal(parts[q], full[:q]):
-            dev = float(np.abs(parts[q] - full[:q]).max())
-            why = f"recompute(first {q} tokens) differs from the same rows of recompute(whole sequence) by {dev:.4g}"
+            where = _where(parts[q], full)
+            why = f"recompute(first {q} tokens) differs from the same rows of recompute(whole sequence) by {where}"
     return why, parts
+
+
+def _where(part: np.ndarray, full: np.ndarray) -> str:
+    """How far and where ``part`` (a shorter recompute's rows) differs from the same rows of ``full``: the largest
+    difference, its row, and the rows that differ (``4.47e-07 at row 3285; 300 rows differ, from row 3200 to 3499``)."""
+    dev = np.abs(part - full[: part.shape[0]]).max(axis=1)
+    rows = np.nonzero(dev > 0)[0]
+    return (
+        f"{float(dev.max()):.4g} at row {int(np.argmax(dev))}; {rows.size} row{'s' if rows.size > 1 else ''} "
+        f"differ{'' if rows.size > 1 else 's'}, from row {int(rows[0])} to {int(rows[-1])}"
+    )
 
 
 def length_dependence(

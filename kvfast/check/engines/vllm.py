@@ -22,15 +22,19 @@ vocabulary as raw logits: ``prompt_logprobs=-1`` for a prompt's rows, ``logprobs
   prefix cache: the resumed chunk is computed over a real prefix-cache hit (the full blocks of the earlier
   request; a first chunk shorter than a block, :data:`BLOCK` tokens, leaves none: the whole sequence is then
   prefilled).
-- ``recompute_variants`` (control mode's order noise, each from vLLM itself): ``"batch"`` (the sequence
-  recomputed in one step together with another request: other GEMM shapes), ``"chunk"`` (the sequence
-  recomputed as a chunked prefill of ``CHUNK`` tokens a step: other shapes, attention over cached chunks) and
-  ``"rows"`` (the recompute with every linear layer run on :data:`ROWS` row at a time: the GEMM kernel a decode
-  step runs, the prefill's attention). vLLM's CPU GEMMs depend on their row count: in bfloat16 on a CPU with
-  AMX, a linear layer whose weight is under 1 MiB runs sgl-kernel's ``weight_packed_linear``, an AVX-512 kernel
-  for up to 4 rows and an AMX one above, which add up in another order; measured on the tiny test model, a
-  decode row then differs from vLLM's own prefill of the same tokens by up to 1 bfloat16 unit of the logits
-  (exact mode: ``divergent``; control mode: ``rounding``, the ``"rows"`` variant measuring that noise).
+- ``recompute_variants`` (control mode's order noise, each from vLLM itself): ``"batch"`` (the sequence recomputed
+  in one step together with another request of :data:`BATCH_OTHER` tokens: other GEMM shapes), ``"chunk"`` (the
+  sequence recomputed as a chunked prefill of :data:`CHUNKS` chunks: other shapes, attention over cached keys) and
+  ``"rows"`` (the recompute with every linear layer run on :data:`ROWS` row at a time: the GEMM kernel a decode step
+  runs, the prefill's attention). vLLM's CPU GEMMs depend on their row count: in bfloat16 on a CPU with AMX, a
+  linear layer whose weight is under 1 MiB runs sgl-kernel's ``weight_packed_linear``, an AVX-512 kernel for up to 4
+  rows and an AMX one above, which add up in another order; measured on the tiny test model, a decode row then
+  differs from vLLM's own prefill of the same tokens by up to 1 bfloat16 unit of the logits (control mode:
+  ``rounding``, the ``"rows"`` variant measuring that noise). Exact mode judges the cache, like with like:
+  :meth:`VLLMModel.prepare_check` probes the engine once (:meth:`VLLMModel.row_count_effect`: the same rows through
+  every linear layer alone and among :data:`PROBE_ROWS`) and, where the row count changes the GEMMs' arithmetic,
+  runs every GEMM one row at a time on both paths for an exact check (``gemm_rows="auto"``, the default), saying so
+  in the report with the size measured; control mode keeps vLLM's own arithmetic.
 - ``internal_formats``: the model's dtype for the KV cache and the compute (``{"kv cache": "bfloat16",
   "compute": "bfloat16"}``); no ``promote``: vLLM's CPU backend has no float64.
 
@@ -43,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -58,12 +63,25 @@ ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "
               "VLLM_CPU_ATTN_SPLIT_KV": "0", "VLLM_LOGGING_LEVEL": "ERROR"}  # fmt: skip
 DTYPES = ("float32", "bfloat16")
 VARIANTS = ("batch", "chunk", "rows")
-#: The prefill chunk of the ``chunk`` variant (tokens per scheduler step).
-CHUNK = 16
+#: The chunks of the ``chunk`` variant's prefill (the sequence's first half, then the rest over its cached keys).
+#: Measured (``benchmarks/engines_vllm.py --only variants``): on a prompt of 70 tokens it measures no noise (16
+#: tokens a chunk neither), yet on 3,500 tokens it is the one source of the resumed chunk's noise (up to 9.8e-7
+#: relative; without it a correct engine is ``inconclusive``), at 0.57 s a variant there against 1.44 s for 16
+#: tokens a chunk.
+CHUNKS = 2
 #: The rows per GEMM call of the ``rows`` variant: one, as in a decode step of one request.
 ROWS = 1
+#: ``gemm_rows``' default: exact mode pins the GEMMs to one row where the row count changes them (the probe).
+AUTO = "auto"
+GEMM_ROWS = "'auto', None (vLLM's GEMMs as they run) or an integer >= 1 (rows per GEMM call)"
+#: The row-count probe: the same rows through every linear layer alone and among this many.
+PROBE_ROWS = 8
+#: The probe's input: the activations each linear layer sees in a prefill of this many tokens.
+PROBE_TOKENS = 2 * PROBE_ROWS
 #: vLLM's CPU attention: block sizes a multiple of 32, head size at least 32.
 BLOCK = 32
+#: The ``batch`` variant's other request: this many tokens (other GEMM shapes for a fraction of a recompute).
+BATCH_OTHER = BLOCK
 MODEL = "a model directory vLLM can load (config.json and weights) or a vllm.LLM"
 
 #: The ids of the adapters' own requests: integers, as ``LLM.generate``'s (it sorts its outputs by them), far
@@ -80,6 +98,10 @@ def _salt() -> str:
 
 #: The adapter whose cached path is running (its attention metadata hook applies), else ``None``.
 _ACTIVE: VLLMModel | None = None
+#: Each engine's row-count effect once probed (:meth:`VLLMModel.row_count_effect`): ``{vllm.LLM: units}``.
+_ROW_EFFECTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: Each engine's linear layers once found (:meth:`VLLMModel._layers`): ``{vllm.LLM: [layer, ...]}``.
+_LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _vllm():
@@ -91,6 +113,7 @@ def _vllm():
     _patch_kernel_scan()
     _patch_attention_metadata()
     _patch_preemption()
+    _patch_sampling()
     return vllm
 
 
@@ -142,6 +165,30 @@ def _patch_preemption() -> None:
 
     counted._kvfast = True
     Scheduler._preempt_request = counted
+
+
+def _patch_sampling() -> None:
+    """Hand the active adapter its cached-path request's raw logits row at every sampling step (once): the row
+    vLLM's ``raw_logits`` logprobs mode reports (the sampler's input, widened to float32), without the logprobs
+    machinery (measured here: asking vLLM for a full-vocabulary row on every decode step cost about 40% of a
+    plain generation)."""
+    import torch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if getattr(GPUModelRunner._sample, "_kvfast", False):
+        return
+    sample = GPUModelRunner._sample
+
+    def captured(self, logits, spec_decode_metadata):
+        live = None if _ACTIVE is None else _ACTIVE._live
+        if live is not None and logits is not None and spec_decode_metadata is None:
+            for i, request in enumerate(self.input_batch.req_ids[: logits.shape[0]]):
+                if request is not None and request.rpartition("-")[0] == live:  # the engine core's id: ours + "-..."
+                    _ACTIVE._logits = logits[i].to(torch.float32).numpy().copy()
+        return sample(self, logits, spec_decode_metadata)
+
+    captured._kvfast = True
+    GPUModelRunner._sample = captured
 
 
 def _patch_attention_metadata() -> None:
@@ -205,10 +252,13 @@ class VLLMModel:
     - ``speculate``: decode steps run ahead in each request (the checker's first ``speculate`` decodes after a
       ``prefill`` or ``extend`` are served from them; a later one resumes in a new request).
     - ``variants``: a subset of :data:`VARIANTS` (control mode's order noise).
-    - ``gemm_rows``: ``None`` (vLLM as it runs) or ``n``: every linear layer, on the cached path and in the
-      recompute alike, runs its GEMM on ``n`` rows at a time (``1``: the kernel of a one-request decode step
-      everywhere). The cache's logic is unchanged; what no longer differs is the GEMM kernel chosen by row count,
-      so exact mode judges the cache alone where vLLM's GEMMs depend on it (bfloat16 on AMX CPUs: module doc).
+    - ``gemm_rows``: ``n``: every linear layer, on the cached path and in the recompute alike, runs its GEMM on
+      ``n`` rows at a time (``1``: the kernel of a one-request decode step everywhere); ``None``: vLLM's GEMMs as
+      they run; ``"auto"`` (the default): ``1`` in an exact check where :meth:`row_count_effect` finds that the
+      row count changes the GEMMs (bfloat16 on AMX CPUs: module doc), else as they run (control mode always).
+      The cache's logic is unchanged; what no longer differs is the GEMM kernel chosen by row count, so exact
+      mode judges the cache alone. :meth:`prepare_check` resolves it for each check (:attr:`rows_pinned`, which
+      stays so after the check) and says so in the report.
     - ``prefill_chunk``: the cached path's prefills chunked to ``n`` tokens a scheduler step (vLLM's chunked
       prefill); the recompute stays unchunked, an independent reference.
     - ``companions``: other requests (prompts of the same length, their own prefix-cache salts) decoding in the
@@ -228,13 +278,20 @@ class VLLMModel:
         speculate: int = 32,
         variants=VARIANTS,
         seed: int = 0,
-        gemm_rows: int | None = None,
+        gemm_rows: int | str | None = AUTO,
         prefill_chunk: int | None = None,
         companions: int = 0,
         kv_blocks: int | None = None,
     ) -> None:
         vllm = _vllm()
-        self.gemm_rows = None if gemm_rows is None else require_int(gemm_rows, "gemm_rows", 1)
+        if gemm_rows is not None and gemm_rows != AUTO:
+            try:
+                gemm_rows = require_int(gemm_rows, "gemm_rows", 1)
+            except ValueError:
+                raise not_allowed("gemm_rows", gemm_rows, GEMM_ROWS) from None
+        self.gemm_rows = gemm_rows
+        #: the rows per GEMM call now (``None``: as vLLM runs them): ``gemm_rows`` resolved for the check
+        self.rows_pinned: int | None = gemm_rows if isinstance(gemm_rows, int) else None
         self.prefill_chunk = None if prefill_chunk is None else require_int(prefill_chunk, "prefill_chunk", 1)
         self.companions = require_int(companions, "companions", 0)
         if isinstance(variants, str):
@@ -267,7 +324,8 @@ class VLLMModel:
         if config.model_config.max_logprobs != -1:
             raise not_allowed("model.max_logprobs", config.model_config.max_logprobs, "-1 (the full vocabulary)")
         self.vocab_size = int(config.model_config.get_vocab_size())
-        self.max_positions = int(config.model_config.max_model_len)
+        # a request's tokens leave vLLM room for the one it generates (a row of the last position is such a request)
+        self.max_positions = int(config.model_config.max_model_len) - 1
         self.block_size = int(config.cache_config.block_size)
         fmt = str(config.model_config.dtype).removeprefix("torch.")
         self.internal_formats = {"kv cache": fmt, "compute": fmt}
@@ -278,14 +336,16 @@ class VLLMModel:
         self._others: list[str] = []  # the companions running with it
         self.preemptions = 0  # times the scheduler preempted a cached-path request
         self._sampled = -1  # the token the live request chose last (fed by the next decode)
+        self._logits: np.ndarray | None = None  # the live request's last raw logits row (_patch_sampling)
+        self._row: np.ndarray | None = None  # the row that chose _sampled
         self._ahead: list[tuple[int, np.ndarray]] = []  # decoded (token fed, its row) kept when it stopped
         self.requests = 0  # requests sent to the engine
         self.last_hit = 0  # prefix-cache tokens the last cached-path request read
-        if self.gemm_rows:
+        if self.rows_pinned:
             self._warm_up()
 
     def __repr__(self) -> str:
-        rows = f", gemm_rows={self.gemm_rows}" if self.gemm_rows else ""
+        rows = "" if self.gemm_rows == AUTO else f", gemm_rows={self.gemm_rows}"
         return f"VLLMModel({str(self.path) if self.path else 'LLM'!r}{rows})"
 
     # --- requests ---------------------------------------------------------------------------------------------
@@ -304,7 +364,7 @@ class VLLMModel:
         GEMMs split into rows (``gemm_rows``), vLLM's flat logprobs appended fast."""
         global _ACTIVE
         previous, _ACTIVE = _ACTIVE, (self if cached_path else None)
-        rows = self._gemm_rows(self.gemm_rows) if self.gemm_rows else contextlib.nullcontext()
+        rows = self._gemm_rows(self.rows_pinned) if self.rows_pinned else contextlib.nullcontext()
         try:
             with rows, _flat_appends():
                 yield
@@ -344,16 +404,17 @@ class VLLMModel:
             rows[k, ids[start:end]] = values[start:end]
         return rows
 
-    def _rows_of(self, output, first: int) -> np.ndarray:
-        """The rows of prompt positions ``first`` .. end of ``output`` (prompt logprobs, then the first decoded
-        row for the prompt's last position)."""
+    def _rows_of(self, output, first: int, last: np.ndarray | None = None) -> np.ndarray:
+        """The rows of prompt positions ``first`` .. end of ``output`` (prompt logprobs, then the prompt's last
+        position's: ``last``, else the first decoded row's logprobs)."""
         n = len(output.prompt_token_ids)
         prompt = output.prompt_logprobs
         if prompt is None or len(prompt) < n:
             raise RuntimeError(f"vLLM returned no prompt logprobs for some of the {n} positions")
         # prompt logprobs entry p + 1 is the row of position p (entry 0, the first token's, is empty)
         rows = self._flat_rows(prompt, range(first + 1, n)) if first + 1 < n else np.empty((0, self.vocab_size))
-        return np.concatenate([rows, self._flat_rows(output.outputs[0].logprobs, [0])]).astype(np.float32)
+        last = self._flat_rows(output.outputs[0].logprobs, [0])[0] if last is None else last
+        return np.concatenate([rows, last[None]]).astype(np.float32)
 
     def _start(self, tokens: list[int], first: int, read_cache: bool) -> np.ndarray:
         """A cached-path request over ``tokens`` decoding up to ``speculate`` tokens, stepped only through its
@@ -370,6 +431,7 @@ class VLLMModel:
             self._history = _salt()
         params = self._params(max(1, min(self.speculate + 1, self.max_positions - len(tokens))), True, read_cache)
         params.output_kind = RequestOutputKind.DELTA
+        params.logprobs = None  # each decoded row is the sampler's, handed over by _patch_sampling's hook
         self._live = str(next(_REQUEST_IDS))
         self.requests += 1
         for k in range(
@@ -388,18 +450,21 @@ class VLLMModel:
         out = self._step()
         self.last_hit = int(out.num_cached_tokens or 0)
         self.tokens = list(tokens)
-        return self._rows_of(out, first)
+        return self._rows_of(out, first, self._row)
 
     def _step(self):
         """Step the engine until the live request outputs its next token: that output (``DELTA``: the new
-        token and its row, and after the prefill the prompt's rows)."""
+        token, and after the prefill the prompt's rows); the row that chose the token in :attr:`_row`."""
         engine = self.llm.llm_engine
         budget = self._token_budget(self.prefill_chunk) if self.prefill_chunk else contextlib.nullcontext()
+        self._logits = None
         with self._engine(cached_path=True), budget:
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.request_id == self._live and out.outputs and out.outputs[0].token_ids:
-                        self._sampled = int(out.outputs[0].token_ids[-1])
+                        if self._logits is None:
+                            raise RuntimeError("vLLM sampled a token of the cached path without handing its logits")
+                        self._row, self._sampled = self._logits, int(out.outputs[0].token_ids[-1])
                         if out.finished:
                             self._live = None
                             self._end_others()
@@ -410,7 +475,8 @@ class VLLMModel:
         """Step the live request to its end, keeping each (token fed, its row) for :meth:`decode`."""
         while self._live is not None:
             token = self._sampled
-            self._ahead.append((token, self._flat_rows(self._step().outputs[0].logprobs, [0])[0]))
+            self._step()
+            self._ahead.append((token, self._row))
 
     def _stop(self) -> None:
         """End the live request (not yet decoded: nothing of it is kept) before another request runs."""
@@ -432,6 +498,88 @@ class VLLMModel:
 
         prompt = TokensPrompt(prompt_token_ids=[i % self.vocab_size for i in range(2 * BLOCK)], cache_salt=_salt())
         self.llm.generate([prompt], self._params(1, False, False), use_tqdm=False)
+
+    # --- the check's set-up -----------------------------------------------------------------------------------
+
+    def prepare_check(self, options) -> list[str]:
+        """The checker's hook before a check (``options``: its :class:`~kvfast.check.options.CheckOptions`):
+        ``gemm_rows`` resolved for its mode (:attr:`rows_pinned`), and notes saying how the GEMMs ran when the
+        row count changes them on this CPU (:meth:`row_count_effect`) or ``gemm_rows`` is the user's."""
+        if isinstance(self.gemm_rows, int):
+            self.rows_pinned = self.gemm_rows
+            n = self.gemm_rows
+            return [f"every GEMM of vLLM ran {n} row{'s' if n > 1 else ''} at a time on both paths (gemm_rows={n})"]
+        from kvfast.check.judge import judge_for
+
+        self.rows_pinned = None
+        if judge_for(options).measures_noise:  # control mode: vLLM's own arithmetic, the "rows" variant its noise
+            return []
+        units = self.row_count_effect()
+        if units == 0:
+            return []
+        fmt = self.internal_formats["compute"]
+        effect = (
+            f"vLLM's {fmt} GEMMs on this CPU change with the row count by up to {units:g} {fmt} "
+            f"unit{'' if units == 1 else 's'} in the last place (the same rows through every linear layer alone "
+            f"and among {PROBE_ROWS})"
+        )
+        if self.gemm_rows is None:
+            return [
+                f"{effect}; exact mode ran them as vLLM does (gemm_rows=None), so a decode step (one row) can differ "
+                "from the prefill of the same tokens by that much whatever the cache does; the default "
+                "(gemm_rows='auto') runs them one row at a time on both paths, and control mode judges vLLM's "
+                "default arithmetic"
+            ]
+        self.rows_pinned = 1
+        return [
+            f"{effect}; exact mode ran them one row at a time on both paths (gemm_rows=1); control mode checks "
+            "vLLM's default arithmetic"
+        ]
+
+    def row_count_effect(self) -> float:
+        """How far vLLM's GEMMs on this CPU change with their row count, probed once per engine: the
+        activations each linear layer sees in a prefill of :data:`PROBE_TOKENS` tokens, run through it
+        :data:`PROBE_ROWS` rows at a time and one row at a time; the largest difference of an output in units
+        in its last place (in the output's own format). ``0.0``: the row count changes nothing here."""
+        if self.llm in _ROW_EFFECTS:
+            return _ROW_EFFECTS[self.llm]
+        import torch
+
+        from kvfast.check.formats import ulp
+
+        layers = self._layers()
+        saved = [layer.cpu_linear for layer in layers]
+        seen: dict[int, tuple] = {}
+
+        def capture(k, linear):
+            def run(x, weight, bias):
+                seen.setdefault(k, (x.reshape(-1, x.shape[-1]).clone(), weight, bias))
+                return linear(x, weight, bias)
+
+            return run
+
+        pinned, self.rows_pinned = self.rows_pinned, None  # the layers' GEMMs as vLLM runs them
+        for k, (layer, linear) in enumerate(zip(layers, saved, strict=True)):
+            layer.cpu_linear = capture(k, linear)
+        try:
+            self.recompute([(3 + 7 * i) % self.vocab_size for i in range(PROBE_TOKENS)])
+        finally:
+            self.rows_pinned = pinned
+            for layer, linear in zip(layers, saved, strict=True):
+                layer.cpu_linear = linear
+        worst = 0.0
+        with torch.no_grad():
+            for k, (x, weight, bias) in seen.items():
+                for start in range(0, x.shape[0] - PROBE_ROWS + 1, PROBE_ROWS):
+                    rows = x[start : start + PROBE_ROWS]
+                    together = saved[k](rows, weight, bias)
+                    alone = torch.cat([saved[k](rows[i : i + 1], weight, bias) for i in range(PROBE_ROWS)])
+                    fmt = str(together.dtype).removeprefix("torch.")
+                    a, b = together.float().numpy(), alone.float().numpy()
+                    units = np.abs(a - b) / ulp(fmt, np.maximum(np.abs(a), np.abs(b)))
+                    worst = max(worst, float(units.max()))
+        _ROW_EFFECTS[self.llm] = worst
+        return worst
 
     # --- the protocol -----------------------------------------------------------------------------------------
 
@@ -477,10 +625,16 @@ class VLLMModel:
 
     def recompute_variants(self, tokens) -> dict:
         """Recomputes of ``tokens`` by vLLM that differ from :meth:`recompute` only in how they add up; a variant
-        that cannot run is left out and named in :attr:`skipped_variants`."""
+        that cannot run is left out and named in :attr:`skipped_variants`, and so is ``rows`` where the row count
+        changes no GEMM (:meth:`row_count_effect` is 0: it would measure nothing, at half a plain generation)."""
         tokens = [int(t) for t in np.asarray(tokens).reshape(-1)]
         out = {}
         for name in self.variants:
+            if name == "rows" and "rows" not in self.skipped_variants and self.row_count_effect() == 0:
+                self.skipped_variants["rows"] = (
+                    f"vLLM's GEMMs on this CPU do not change with the row count (the same rows through every linear "
+                    f"layer alone and among {PROBE_ROWS} agree bit for bit): the variant would equal the recompute"
+                )
             if name in self.skipped_variants:
                 continue
             try:
@@ -490,12 +644,13 @@ class VLLMModel:
         return out
 
     def _batch(self, tokens: list[int]) -> np.ndarray:
-        other = tokens[::-1]  # another request in the same step: the GEMMs run over both
-        params = self._params(1, True, False)
-        return self._rows_of(self._generate([tokens, other], [params, params], cached_path=False)[0], 0)
+        other = tokens[::-1][:BATCH_OTHER]  # another request in the same step: the GEMMs run over both
+        quiet = self._params(1, False, False)  # its rows are not read: no logprobs asked of it
+        quiet.logprobs = None
+        return self._rows_of(self._generate([tokens, other], [self._params(1, True, False), quiet], False)[0], 0)
 
     def _chunked(self, tokens: list[int]) -> np.ndarray:
-        with self._token_budget(CHUNK):
+        with self._token_budget(-(-len(tokens) // CHUNKS)):
             out = self._generate([tokens], [self._params(1, True, False)], cached_path=False)[0]
         return self._rows_of(out, 0)
 
@@ -505,7 +660,10 @@ class VLLMModel:
         return self._rows_of(out, 0)
 
     def _layers(self) -> list:
-        """The model's linear layers that run vLLM's CPU GEMM dispatch (``cpu_linear``), in this process."""
+        """The model's linear layers that run vLLM's CPU GEMM dispatch (``cpu_linear``), in this process (found
+        once per engine: a pinned check asks at every step)."""
+        if self.llm in _LAYERS:
+            return _LAYERS[self.llm]
         core = getattr(self.llm.llm_engine.engine_core, "engine_core", None)
         executor = getattr(core, "model_executor", None)
         worker = getattr(getattr(executor, "driver_worker", None), "worker", None)
@@ -515,6 +673,7 @@ class VLLMModel:
         layers = [m for m in model.modules() if callable(getattr(m, "cpu_linear", None))]
         if not layers:
             raise NotImplementedError("no linear layer of the model runs vLLM's CPU GEMM dispatch (cpu_linear)")
+        _LAYERS[self.llm] = layers
         return layers
 
     @contextlib.contextmanager
@@ -562,10 +721,18 @@ class VLLMModel:
 # --- a tiny random test model (no download) -----------------------------------------------------------------
 
 
-def tiny_vllm_model(out, seed: int = 0) -> Path:
+def tiny_vllm_model(out, seed: int = 0, positions: int | None = None) -> Path:
     """A tiny random Llama (:func:`kvfast.check.engines.tiny.tiny_llama`: hidden 128, 4 heads of 32, which vLLM's
-    CPU attention takes) written to ``out``; returns ``out``."""
+    CPU attention takes) written to ``out``, with ``positions`` positions if given (its config's
+    ``max_position_embeddings``: a long-context model, the same weights); returns ``out``."""
+    import json
+
     from kvfast.check.engines.tiny import tiny_llama
 
     tiny_llama(out, seed)
+    if positions is not None:
+        config = Path(out) / "config.json"
+        values = json.loads(config.read_text())
+        values["max_position_embeddings"] = require_int(positions, "positions", 1)
+        config.write_text(json.dumps(values, indent=2))
     return Path(out)
