@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvfast.check.adapters import KvfastModel
 from kvfast.check.protocol import (
     GuardedModel,
     ModelCalls,
@@ -63,11 +64,13 @@ def as_model_under_test(model: object) -> GuardedModel:
     onnxruntime-genai model directory in its adapter: :func:`kvfast.check.engines.engine_adapter`) seen through
     :class:`kvfast.check.protocol.GuardedModel`: its own exceptions and exits become
     :class:`~kvfast.check.protocol.ModelUnderTestError`. ``ValueError`` if it is not a model under test."""
-    from kvfast.check.hf import is_hf_model
-
     if isinstance(model, GuardedModel):
         return model
+    if type(model) is KvfastModel:  # kvfast's own model (exactly): neither an engine's object nor a Hugging Face one
+        require_model(model)
+        return guard(model)
     from kvfast.check.engines import engine_adapter
+    from kvfast.check.hf import is_hf_model
 
     engine = engine_adapter(model)  # an engine's own object, or an onnxruntime-genai model directory
     if engine is not None:
