@@ -15,6 +15,7 @@ import numpy as np
 
 from kvfast.check.adapters import KvfastModel
 from kvfast.check.protocol import (
+    PROTOCOL_METHODS,
     GuardedModel,
     ModelCalls,
     call_model,
@@ -67,7 +68,8 @@ def as_model_under_test(model: object) -> GuardedModel:
     if isinstance(model, GuardedModel):
         return model
     if type(model) is KvfastModel:  # kvfast's own model (exactly): neither an engine's object nor a Hugging Face one
-        require_model(model)
+        if not PROTOCOL_METHODS.isdisjoint(vars(model)):  # a protocol method replaced on the instance: check them
+            require_model(model)  # (else its methods are its class's, which has every required one)
         return guard(model)
     from kvfast.check.engines import engine_adapter
     from kvfast.check.hf import is_hf_model
