@@ -19,6 +19,8 @@ Three ways to do the same 216 runs, timed on one core (BLAS limited to one threa
   ``load_grid``), ``jobs=1``, into a fresh results directory (Parquet) each repeat.
 - **kvfast, loop**: the exactness study's run function called in a plain Python loop over the same
   runs: the per-run work without the engine (planning, chunking, rows, Parquet).
+- **the engine alone** (:func:`lookup_grid`): the engine on the grid with the study's run replaced by a lookup
+  of its rows: the engine's own time per run (printed, not a candidate).
 - **kvfast's model calls alone** (:func:`model_calls`): the calls a run's check makes to kvfast's
   model, without the checker (nothing validated or compared): the ceiling the checker's Python works
   under, and ``1 - model / loop`` its share.
@@ -314,7 +316,7 @@ def time_kvfast_loop(grid) -> Clock:
     return clock
 
 
-def time_engine(grid, tmp: str, i: int) -> Clock:
+def time_engine(grid, tmp: str, i: int | str) -> Clock:
     from kvfast.sweep import run_sweep
 
     fresh_state()
@@ -322,6 +324,19 @@ def time_engine(grid, tmp: str, i: int) -> Clock:
         report = run_sweep(grid, Path(tmp) / f"out{i}", jobs=1, quiet=True)
     assert report.ran == len(grid), report
     return clock
+
+
+def lookup_grid(grid):
+    """``grid`` with its study's run replaced by a lookup of the rows it returns (computed here, once): swept, it
+    times the engine's own work (planning, each run's guards, the rows, the writer, Parquet parts, the manifest)."""
+    import dataclasses
+
+    rows = {tuple(sorted(run.config.items())): grid.study.run(dict(run.config)) for run in grid.runs}
+
+    def lookup(config: dict) -> dict:
+        return dict(rows[tuple(sorted(config.items()))])
+
+    return dataclasses.replace(grid, study=dataclasses.replace(grid.study, run=lookup))
 
 
 def profile_loop(grid, top: int) -> str:
@@ -360,11 +375,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"grid: {len(configs)} runs (d_model 32, f64); NumPy loop vs kvfast f64 logits: worst relative "
               f"deviation {worst:.2e} (tolerance 1e-12: {'ok' if worst <= 1e-12 else 'EXCEEDED'}); "
               f"token strings equal to kvfast's: {same_tokens}/{len(configs)}")  # fmt: skip
-        times: dict[str, list[Clock]] = {"numpy": [], "loop": [], "engine": [], "model": [], "init": []}
+        alone = lookup_grid(grid)
+        times: dict[str, list[Clock]] = {"numpy": [], "loop": [], "engine": [], "model": [], "init": [], "alone": []}
         for i in range(args.repeats + 1):  # round 0 warms up (Numba cache load, lru caches, BLAS)
             clocks = {"numpy": time_numpy(configs), "loop": time_kvfast_loop(grid), "engine": time_engine(grid, tmp, i)}
             clocks["model"] = time_model_calls(configs)
             clocks["init"] = time_init(configs)
+            clocks["alone"] = time_engine(alone, tmp, f"alone{i}")
             if i:
                 for key, clock in clocks.items():
                     times[key].append(clock)
@@ -387,6 +404,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"the checker's share of the loop 1 - model calls / loop: {1 - med['model'] / med['loop']:.3f}"
             )
         med = {k: statistics.median(c.wall for c in v) for k, v in times.items()}
+        cpu = {k: statistics.median(c.cpu for c in v) for k, v in times.items()}
+        print(f"the engine's own time (the study's run replaced by a lookup of its rows): {med['alone'] / n * 1e6:.0f} "
+              f"us wall, {cpu['alone'] / n * 1e6:.0f} us CPU per run, {med['alone'] / med['engine']:.1%} of the "
+              f"engine's wall; the checker's own (study run in a loop - model calls alone): "
+              f"{(med['loop'] - med['model']) / n * 1e6:.0f} us wall, {(cpu['loop'] - cpu['model']) / n * 1e6:.0f} us "
+              "CPU per run")  # fmt: skip
         sets, seeds = shared_parameter_sets(configs)
         print(f"model building alone (init_params once per run, as the NumPy loop does): {med['init']:.3f} s wall, "
               f"{med['init'] / med['numpy']:.0%} of the NumPy loop's; kvfast's study builds {sets} parameter sets "

@@ -257,6 +257,21 @@ def test_bad_input_is_a_clear_value_error(model, prompt, steps, kwargs, needle):
     assert needle in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "name, value, needle",
+    [("decode", 5, "has no method 'decode'"), ("extend", 3, "model.extend: 3 is not callable")],
+)
+def test_kvfast_model_with_a_method_replaced_on_the_instance_is_checked(params, name, value, needle):
+    """kvfast's own model skips the protocol's method checks only while its methods are its class's
+    (kvfast.check.subject): one replaced on the instance is checked as any model's (without the check, the
+    decode case runs and passes: the greedy decode calls the kernel, not the instance's decode)."""
+    model = KvfastModel(CFG, params)
+    setattr(model, name, value)
+    with pytest.raises(ValueError) as err:
+        check_cache(model, [1, 2, 3], 2)
+    assert needle in str(err.value)
+
+
 def test_vocab_size_is_learned_from_the_logits_without_the_attribute():
     class Anonymous(Toy):
         vocab_size = None

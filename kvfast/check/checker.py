@@ -200,10 +200,7 @@ def run_scenarios(subject: CheckSubject, reference: Reference, judge: Judge, fmt
             reports[name] = skipped(name, subject.options.mode, subject.prompt, reference.skipped_tokens, why)
             continue
         for part in _parts(subject, reference, scenario, run):
-            report = judge.judge(part, fmt)
-            if subject.options.keep_logits:
-                report = replace(report, cache_logits=part.path.logits(), reference=part.rows.copy())
-            reports[part.name] = report
+            reports[part.name] = judge.judge(part, fmt)
     return reports
 
 
@@ -213,7 +210,8 @@ def _parts(subject: CheckSubject, reference: Reference, scenario: Scenario, run:
     split = scenario.first_row(subject.split) or None
     notes = scenario.judged_notes(subject.calls, subject.prompt, subject.split) + run.notes
     rows = reference.rows_for(scenario.name, run)
-    parts = [Part(scenario.name, subject.prompt, run.path, rows, reference.noise, split, notes)]
+    keep = subject.options.keep_logits
+    parts = [Part(scenario.name, subject.prompt, run.path, rows, reference.noise, split, notes, keep)]
     if run.branch is not None:
         prompt = scenario.branch_prompt(subject.prompt, subject.vocab)
         rows_b = _branch_rows(subject, prompt, reference, run.branch)
@@ -221,7 +219,7 @@ def _parts(subject: CheckSubject, reference: Reference, scenario: Scenario, run:
         note = scenario.branch_note(run)
         if noise_b is not None:
             note += "; its order noise is the run's pooled relative noise at this branch's magnitudes"
-        parts.append(Part(scenario.branch, prompt, run.branch, rows_b, noise_b, None, (note,)))
+        parts.append(Part(scenario.branch, prompt, run.branch, rows_b, noise_b, None, (note,), keep))
     return parts
 
 

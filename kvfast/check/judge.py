@@ -31,7 +31,7 @@ class Part:
     """One judged comparison, a report's worth: ``name`` (the report's), ``prompt`` (the prompt the path ran on),
     ``path`` (the cache path), ``rows`` (the reference rows, ``(T + steps, V)``), ``noise`` (the order noise per
     source and position, control mode), ``split`` (the resume scenario's: step 0 judges rows ``split..T-1``;
-    else ``None``) and ``notes``."""
+    else ``None``), ``notes`` and ``keep_logits`` (the report keeps the compared logits: :meth:`kept`)."""
 
     name: str
     prompt: np.ndarray
@@ -40,6 +40,12 @@ class Part:
     noise: dict[str, np.ndarray] | None
     split: int | None = None
     notes: tuple[str, ...] = ()
+    keep_logits: bool = False
+
+    def kept(self) -> dict[str, np.ndarray]:
+        """The report's ``cache_logits`` (the path's) and ``reference`` (a copy of the rows) with ``keep_logits``;
+        else nothing (the report's ``None``): passed to the report as it is built, not copied into it after."""
+        return {"cache_logits": self.path.logits(), "reference": self.rows.copy()} if self.keep_logits else {}
 
 
 def deviations(run: CachePath, rows: np.ndarray, start: int = 0) -> tuple[np.ndarray, int | None]:
@@ -91,6 +97,7 @@ class ExactJudge(Judge):
         return ScenarioReport(
             part.name, self.mode, part.prompt, part.path.fed, dev, verdicts,
             "divergent" if first is not None else "exact", first, bad_row, split=part.split, notes=part.notes,
+            **part.kept(),
         )  # fmt: skip
 
     def overall(self, reports: list[ScenarioReport]) -> str:
@@ -133,7 +140,7 @@ class ControlJudge(Judge):
             part.name, self.mode, part.prompt, part.path.fed, dev, verdicts, C.worst(verdicts), first, bad_row,
             floor=floor, bound=bound, ratio=ratio, first_bug_step=bugs[0] if bugs else None, margin=self.margin,
             split=part.split, notes=part.notes, floor_source=floor_source,
-            first_inconclusive_step=unsure[0] if unsure else None, decisive=self.decisive,
+            first_inconclusive_step=unsure[0] if unsure else None, decisive=self.decisive, **part.kept(),
         )  # fmt: skip
 
     def overall(self, reports: list[ScenarioReport]) -> str:

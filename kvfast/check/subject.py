@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvfast.check.adapters import KvfastModel
 from kvfast.check.protocol import (
+    PROTOCOL_METHODS,
     GuardedModel,
     ModelCalls,
     call_model,
@@ -63,11 +65,14 @@ def as_model_under_test(model: object) -> GuardedModel:
     onnxruntime-genai model directory in its adapter: :func:`kvfast.check.engines.engine_adapter`) seen through
     :class:`kvfast.check.protocol.GuardedModel`: its own exceptions and exits become
     :class:`~kvfast.check.protocol.ModelUnderTestError`. ``ValueError`` if it is not a model under test."""
-    from kvfast.check.hf import is_hf_model
-
     if isinstance(model, GuardedModel):
         return model
+    if type(model) is KvfastModel:  # kvfast's own model (exactly): neither an engine's object nor a Hugging Face one
+        if not PROTOCOL_METHODS.isdisjoint(vars(model)):  # a protocol method replaced on the instance: check them
+            require_model(model)  # (else its methods are its class's, which has every required one)
+        return guard(model)
     from kvfast.check.engines import engine_adapter
+    from kvfast.check.hf import is_hf_model
 
     engine = engine_adapter(model)  # an engine's own object, or an onnxruntime-genai model directory
     if engine is not None:

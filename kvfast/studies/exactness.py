@@ -148,7 +148,7 @@ def run(config: dict) -> dict:
         "max_abs_dev": float(dev.max()),
         "first_bad_step": int(bad[0]) if bad.size else -1,
         "tokens_equal": bool((t_cached == t_full).all()),
-        "tokens": ",".join(map(str, t_cached)),
+        "tokens": ",".join(map(str, t_cached.tolist())),  # Python ints: the same text, without NumPy's str per token
     }
 
 

@@ -372,10 +372,12 @@ class ResultsDir:
         seq = self._next_seq()
         name = f"part-{seq:08d}-{secrets.token_hex(4)}.parquet"
         tmp = self.path / f".{name}.tmp"
+        # one table (zero-copy): row groups of ROW_GROUP_ROWS rows, not one per buffered chunk (each group and
+        # each write_table call has a fixed cost: a 216-run sweep's 4 chunks took twice the time of one table)
+        table = tables[0] if len(tables) == 1 else pa.concat_tables(tables)
         try:
-            with pq.ParquetWriter(tmp, tables[0].schema) as writer:
-                for t in tables:
-                    writer.write_table(t, row_group_size=ROW_GROUP_ROWS)
+            with pq.ParquetWriter(tmp, table.schema) as writer:
+                writer.write_table(table, row_group_size=ROW_GROUP_ROWS)
         except BaseException:  # an interrupt mid-write leaves no temporary behind
             tmp.unlink(missing_ok=True)
             raise
