@@ -1,0 +1,111 @@
+"""The kernels the compiled forward and decode call by address, and the table of their addresses.
+
+The compiled entries (:func:`kvfast.model.compiled.forward_kernel`,
+:func:`kvfast.model.decode.decode_kernel`) call the large kernels (the product bodies under
+``matmul_with``, ``rmsnorm_into``, the attention) through their addresses
+(:mod:`kvfast.kernels.indirect`), so each kernel's machine code is generated once, on its own, and
+not again inside each entry. Python passes the addresses in a :class:`Kernels` table, built once per
+process for what a call needs (:func:`forward_kernels`, :func:`decode_kernels`: the product bodies of
+its accumulator only, the attention of its kind only; the slots it cannot reach are 0).
+
+:func:`call_matmul` and :func:`call_rmsnorm` are what the block (:mod:`kvfast.model.block`) calls: from
+jitted code through the table, from Python (the layer-by-layer forward runs the block's source, with
+no table) the kernels themselves. Either way the same machine code runs, so the bits are the same.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from numba import types
+from numba.extending import overload
+
+from kvfast.kernels.attention import STANDARD, attend_row, attend_row_blocked, attention_into
+from kvfast.kernels.indirect import address, through_address
+from kvfast.kernels.jit import JIT_OPTIONS
+from kvfast.kernels.matmul import matmul_into, matmul_with, product_bodies
+from kvfast.kernels.rowops import rmsnorm_into
+
+_I, _F, _B = types.int64, types.float64, types.boolean
+_A1, _A2, _A3 = (types.Array(types.float64, n, "C") for n in (1, 2, 3))
+
+RMSNORM = (_A2, _A1, _F, _I, _I, _I, _A2, _A1)
+"""``rmsnorm_into(x, g, eps, storage, acc, order, out, inv)`` as the block calls it."""
+ATTENTION = (_A2, _A2, _A2, _I, _I, _B, _I, _F, _I, _I, _I, _A2, _A3, _I, _I)
+"""``attention_into(q, kbuf, vbuf, pos0, n_keys, causal, n_head, scale, storage, acc, order, out, probs, mode,
+param)`` as the compiled forward and the layer-by-layer forward call it."""
+ROW = (_A2, _I, _A2, _A2, _I, _I, _I, _F, _I, _I, _I, _A2, _I, _A3, _I, _A1, _A1, _A2)
+"""``attend_row(...)`` as the decode calls it."""
+BLOCKED = (_A2, _I, _A2, _A2, _I, _I, _I, _I, _I, _F, _I, _I, _I, _I, _I, _A2, _I, _A1, _A1, _A2)
+"""``attend_row_blocked(...)`` as the decode calls it."""
+
+rmsnorm_at = through_address(RMSNORM)
+attention_at = through_address(ATTENTION)
+row_at = through_address(ROW)
+blocked_at = through_address(BLOCKED)
+
+
+class Kernels(NamedTuple):
+    """Addresses of the kernels a compiled entry calls (0: a kernel this call cannot reach)."""
+
+    products: tuple[int, int, int, int, int]  # kvfast.kernels.matmul.product_bodies
+    rmsnorm: int  # rmsnorm_into
+    attention: int  # attention_into (the forward)
+    row: int  # attend_row (the decode, standard attention)
+    blocked: int  # attend_row_blocked (the decode, a real kernel's order)
+
+
+_TABLES: dict[tuple, Kernels] = {}
+
+
+def forward_kernels(acc: int) -> Kernels:
+    """The table of the compiled forward in accumulator ``acc`` (compiled or loaded on first use)."""
+    key = ("forward", acc)
+    table = _TABLES.get(key)
+    if table is None:
+        table = Kernels(product_bodies(acc), address(rmsnorm_into, RMSNORM), address(attention_into, ATTENTION), 0, 0)
+        _TABLES[key] = table
+    return table
+
+
+def decode_kernels(acc: int, attn: int) -> Kernels:
+    """The table of the decode in accumulator ``acc`` with attention kind ``attn`` (a code)."""
+    key = ("decode", acc, attn == STANDARD)
+    table = _TABLES.get(key)
+    if table is None:
+        standard = attn == STANDARD
+        table = Kernels(
+            product_bodies(acc),
+            address(rmsnorm_into, RMSNORM),
+            0,
+            address(attend_row, ROW) if standard else 0,
+            0 if standard else address(attend_row_blocked, BLOCKED),
+        )
+        _TABLES[key] = table
+    return table
+
+
+def call_matmul(kern, x, w, storage, acc, order, y) -> None:
+    """``matmul_into(x, w, storage, acc, order, y)``; jitted, with ``kern``'s product bodies."""
+    matmul_into(x, w, storage, acc, order, y)
+
+
+@overload(call_matmul, jit_options=JIT_OPTIONS)
+def _call_matmul_jitted(kern, x, w, storage, acc, order, y):
+    def impl(kern, x, w, storage, acc, order, y):
+        matmul_with(x, w, storage, acc, order, y, kern.products)
+
+    return impl
+
+
+def call_rmsnorm(kern, x, g, eps, storage, acc, order, out, inv) -> None:
+    """``rmsnorm_into(x, g, eps, storage, acc, order, out, inv)``; jitted, through ``kern.rmsnorm``."""
+    rmsnorm_into(x, g, eps, storage, acc, order, out, inv)
+
+
+@overload(call_rmsnorm, jit_options=JIT_OPTIONS)
+def _call_rmsnorm_jitted(kern, x, g, eps, storage, acc, order, out, inv):
+    def impl(kern, x, g, eps, storage, acc, order, out, inv):
+        rmsnorm_at(kern.rmsnorm, (x, g, eps, storage, acc, order, out, inv))
+
+    return impl
