@@ -439,7 +439,7 @@ FMA_ASM = re.compile(r"\bv?f(?:n)?m(?:add|sub|addsub|subadd)\d*\w*", re.IGNORECA
 ORDER_SENSITIVE = (
     "ordered_sum", "ordered_dot", "weighted_rows_sum", "matmul_with", "_product", "_all_products",
     "score_dots",
-    "attend_row", "attend_row_blocked", "attention_into", "rmsnorm_row", "rmsnorm_into", "silu_into", "rnd",
+    "attend_row", "attend_row_blocked", "attention_with", "rmsnorm_row", "rmsnorm_into", "silu_into", "rnd",
     "round_array", "forward_kernel", "decode_kernel",
 )  # fmt: skip
 # forward_kernel / decode_kernel: the model's compiled entries (kvfast/model/compiled.py, decode.py), into

@@ -65,6 +65,7 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
+from kvfast.kernels.indirect import address, through_address
 from kvfast.kernels.jit import JIT_OPTIONS as _JIT
 from kvfast.kernels.matmul import _mac, _mul
 from kvfast.kernels.precision import BF16, F32, F64, rnd
@@ -299,49 +300,81 @@ def attend_row_blocked(
                 orow[c0 + c] = rnd(acc_o[c], storage)
 
 
+_I, _F = types.int64, types.float64
+_A1, _A2, _A3 = (types.Array(types.float64, n, "C") for n in (1, 2, 3))
+
+ROW = (_A2, _I, _A2, _A2, _I, _I, _I, _F, _I, _I, _I, _A2, _I, _A3, _I, _A1, _A1, _A2)
+"""The argument types :func:`attend_row` is compiled for, and called with by address (the forward and the decode)."""
+BLOCKED = (_A2, _I, _A2, _A2, _I, _I, _I, _I, _I, _F, _I, _I, _I, _I, _I, _A2, _I, _A1, _A1, _A2)
+"""The argument types :func:`attend_row_blocked` is compiled for, and called with by address."""
+
+_row_at = through_address(ROW)
+_blocked_at = through_address(BLOCKED)
+
+
+def row_kernels(mode: int) -> tuple[int, int]:
+    """``(row, blocked)``: the address of :func:`attend_row` for the standard ``mode``, else of
+    :func:`attend_row_blocked` (compiled or loaded on first use); 0 for the one ``mode`` never runs."""
+    if mode == STANDARD:
+        return address(attend_row, ROW), 0
+    return 0, address(attend_row_blocked, BLOCKED)
+
+
 @nb.njit(**_JIT)
+def attention_with(
+    q, kbuf, vbuf, pos0, n_keys, causal, n_head, scale, storage, acc, order, out, probs, mode, param, row, blocked
+):
+    """:func:`attention_into` given the row kernels' addresses ``row``, ``blocked`` (:func:`row_kernels` of
+    ``mode``): the form jitted code calls (small, so linking it costs little; the row kernels are not linked)."""
+    T = q.shape[0]
+    d = q.shape[1]
+    scratch = np.empty(2 * max(n_keys, 1), dtype=np.float64)
+    sstack = np.empty(STACK_DEPTH, dtype=np.float64)
+    vstack = new_stack(d // n_head)
+    first = np.int64(0)
+    for t in range(T):
+        hi = pos0 + t + 1 if causal else n_keys
+        if mode == STANDARD:
+            _row_at(
+                row,
+                (q, t, kbuf, vbuf, first, hi, n_head, scale, storage, acc, order, out, t, probs, t, scratch, sstack,
+                 vstack),
+            )  # fmt: skip
+        else:
+            _blocked_at(
+                blocked,
+                (q, t, kbuf, vbuf, first, hi, first, n_keys, n_head, scale, storage, acc, order, mode, param, out, t,
+                 scratch, sstack, vstack),
+            )  # fmt: skip
+
+
+def _c_array(a, name: str, ndim: int, written: bool) -> np.ndarray:
+    """``a`` as a C-contiguous float64 array of ``ndim`` dimensions (inputs are copied if need be; an output
+    must be one already, since it is written in place)."""
+    arr = np.asarray(a)
+    unwritable = written and not (arr.flags.c_contiguous and arr.flags.writeable)
+    if arr.ndim != ndim or arr.dtype != np.float64 or unwritable:
+        kind = "a writable C-contiguous" if written else "a"
+        raise ValueError(f"{name}: {arr.dtype} array of {arr.ndim} dimensions is not allowed; allowed: {kind} "
+                         f"float64 array of {ndim}")  # fmt: skip
+    return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
+
+
 def attention_into(
     q, kbuf, vbuf, pos0, n_keys, causal, n_head, scale, storage, acc, order, out, probs, mode=0, param=0
-):
+) -> None:
     """Attention of every row of ``q`` (T, d) over the first ``n_keys`` buffer rows.
 
     Row t sits at absolute position ``pos0 + t``; under the causal mask it sees
     keys ``0 .. pos0+t``, otherwise all ``n_keys``. ``mode``/``param`` select a
     real kernel's order (module doc; default: the standard order); for
     SPLITCOUNT the call's key range is ``0 .. n_keys-1``. ``probs`` is filled in
-    the standard mode only.
+    the standard mode only. ``out`` and ``probs`` (H, T, keys), or (0, 0, 0)
+    for none, are written in place: C-contiguous float64 arrays. The row kernel
+    runs through its address (:func:`attention_with`, :func:`row_kernels`).
     """
-    T = q.shape[0]
-    d = q.shape[1]
-    scratch = np.empty(2 * max(n_keys, 1), dtype=np.float64)
-    sstack = np.empty(STACK_DEPTH, dtype=np.float64)
-    vstack = new_stack(d // n_head)
-    first = np.int64(0)  # not the literal 0: kernels called with a literal argument are compiled again for it
-    for t in range(T):
-        hi = pos0 + t + 1 if causal else n_keys
-        if mode == STANDARD:
-            attend_row(
-                q,
-                t,
-                kbuf,
-                vbuf,
-                first,
-                hi,
-                n_head,
-                scale,
-                storage,
-                acc,
-                order,
-                out,
-                t,
-                probs,
-                t,
-                scratch,
-                sstack,
-                vstack,
-            )
-        else:
-            attend_row_blocked(
-                q, t, kbuf, vbuf, first, hi, first, n_keys, n_head, scale, storage, acc, order, mode, param,
-                out, t, scratch, sstack, vstack,
-            )  # fmt: skip
+    attention_with(
+        _c_array(q, "q", 2, False), _c_array(kbuf, "kbuf", 2, False), _c_array(vbuf, "vbuf", 2, False), int(pos0),
+        int(n_keys), bool(causal), int(n_head), float(scale), int(storage), int(acc), int(order),
+        _c_array(out, "out", 2, True), _c_array(probs, "probs", 3, True), int(mode), int(param), *row_kernels(mode),
+    )  # fmt: skip

@@ -2,11 +2,11 @@
 
 The compiled entries (:func:`kvfast.model.compiled.forward_kernel`,
 :func:`kvfast.model.decode.decode_kernel`) call the large kernels (the product bodies under
-``matmul_with``, ``rmsnorm_into``, the attention) through their addresses
+``matmul_with``, ``rmsnorm_into``, the attention's row kernels) through their addresses
 (:mod:`kvfast.kernels.indirect`), so each kernel's machine code is generated once, on its own, and
 not again inside each entry. Python passes the addresses in a :class:`Kernels` table, built once per
-process for what a call needs (:func:`forward_kernels`, :func:`decode_kernels`: the product bodies of
-its accumulator only, the attention of its kind only; the slots it cannot reach are 0).
+process for what a call needs (:func:`kernels`: the product bodies of
+its accumulator only, the attention row kernel of its kind only; the slots it cannot reach are 0).
 
 :func:`call_matmul` and :func:`call_rmsnorm` are what the block (:mod:`kvfast.model.block`) calls: from
 jitted code through the table, from Python (the layer-by-layer forward runs the block's source, with
@@ -20,27 +20,19 @@ from typing import NamedTuple
 from numba import types
 from numba.extending import overload
 
-from kvfast.kernels.attention import STANDARD, attend_row, attend_row_blocked, attention_into
+from kvfast.kernels.attention import BLOCKED, ROW, row_kernels
 from kvfast.kernels.indirect import address, through_address
 from kvfast.kernels.jit import JIT_OPTIONS
 from kvfast.kernels.matmul import matmul_into, matmul_with, product_bodies
 from kvfast.kernels.rowops import rmsnorm_into
 
-_I, _F, _B = types.int64, types.float64, types.boolean
-_A1, _A2, _A3 = (types.Array(types.float64, n, "C") for n in (1, 2, 3))
+_I, _F = types.int64, types.float64
+_A1, _A2 = (types.Array(types.float64, n, "C") for n in (1, 2))
 
 RMSNORM = (_A2, _A1, _F, _I, _I, _I, _A2, _A1)
 """``rmsnorm_into(x, g, eps, storage, acc, order, out, inv)`` as the block calls it."""
-ATTENTION = (_A2, _A2, _A2, _I, _I, _B, _I, _F, _I, _I, _I, _A2, _A3, _I, _I)
-"""``attention_into(q, kbuf, vbuf, pos0, n_keys, causal, n_head, scale, storage, acc, order, out, probs, mode,
-param)`` as the compiled forward and the layer-by-layer forward call it."""
-ROW = (_A2, _I, _A2, _A2, _I, _I, _I, _F, _I, _I, _I, _A2, _I, _A3, _I, _A1, _A1, _A2)
-"""``attend_row(...)`` as the decode calls it."""
-BLOCKED = (_A2, _I, _A2, _A2, _I, _I, _I, _I, _I, _F, _I, _I, _I, _I, _I, _A2, _I, _A1, _A1, _A2)
-"""``attend_row_blocked(...)`` as the decode calls it."""
 
 rmsnorm_at = through_address(RMSNORM)
-attention_at = through_address(ATTENTION)
 row_at = through_address(ROW)
 blocked_at = through_address(BLOCKED)
 
@@ -50,37 +42,20 @@ class Kernels(NamedTuple):
 
     products: tuple[int, int, int, int, int]  # kvfast.kernels.matmul.product_bodies
     rmsnorm: int  # rmsnorm_into
-    attention: int  # attention_into (the forward)
-    row: int  # attend_row (the decode, standard attention)
-    blocked: int  # attend_row_blocked (the decode, a real kernel's order)
+    row: int  # attend_row (standard attention)
+    blocked: int  # attend_row_blocked (a real kernel's order)
 
 
 _TABLES: dict[tuple, Kernels] = {}
 
 
-def forward_kernels(acc: int) -> Kernels:
-    """The table of the compiled forward in accumulator ``acc`` (compiled or loaded on first use)."""
-    key = ("forward", acc)
+def kernels(acc: int, attn: int) -> Kernels:
+    """The table of the compiled forward and decode in accumulator ``acc`` with attention kind ``attn`` (a
+    code): the kernels compiled, or loaded from the cache, on first use."""
+    key = (acc, attn == 0)
     table = _TABLES.get(key)
     if table is None:
-        table = Kernels(product_bodies(acc), address(rmsnorm_into, RMSNORM), address(attention_into, ATTENTION), 0, 0)
-        _TABLES[key] = table
-    return table
-
-
-def decode_kernels(acc: int, attn: int) -> Kernels:
-    """The table of the decode in accumulator ``acc`` with attention kind ``attn`` (a code)."""
-    key = ("decode", acc, attn == STANDARD)
-    table = _TABLES.get(key)
-    if table is None:
-        standard = attn == STANDARD
-        table = Kernels(
-            product_bodies(acc),
-            address(rmsnorm_into, RMSNORM),
-            0,
-            address(attend_row, ROW) if standard else 0,
-            0 if standard else address(attend_row_blocked, BLOCKED),
-        )
+        table = Kernels(product_bodies(acc), address(rmsnorm_into, RMSNORM), *row_kernels(attn))
         _TABLES[key] = table
     return table
 

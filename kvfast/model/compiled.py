@@ -33,9 +33,9 @@ import sys
 import numba as nb
 import numpy as np
 
+from kvfast.kernels.attention import attention_with
 from kvfast.kernels.jit import JIT_OPTIONS
 from kvfast.kernels.rowops import embed_into
-from kvfast.model.addresses import attention_at
 from kvfast.model.block import attention_input_into, block_output_into, head_into
 
 
@@ -91,7 +91,7 @@ def forward_kernel(
 ):
     """The forward of ``tokens`` at positions ``pos0 ..`` over all layers; writes ``logits`` (T, vocab).
 
-    ``kern``: :func:`kvfast.model.addresses.forward_kernels` of ``acc`` (the kernels it calls by address);
+    ``kern``: :func:`kvfast.model.addresses.kernels` (the kernels it calls by address);
     ``w``: :class:`~kvfast.model.transformer.StackedWeights`; ``kc``, ``vc``
     (n_layer, S, d): the key/value buffers, rows ``pos0 .. pos0+T-1`` of each
     layer are written here and attention reads rows ``0 ..`` (a cache's
@@ -122,10 +122,9 @@ def forward_kernel(
         attention_input_into(kern, w, layer, x, eps, storage, acc, order, h, inv, q, k, v)
         _store_rows(kc[layer], pos0, k)
         _store_rows(vc[layer], pos0, v)
-        attention_at(
-            kern.attention,
-            (q, kc[layer], vc[layer], pos0, n_keys, causal, n_head, scale, storage, acc, order, y, no_att, attn,
-             attn_block),
+        attention_with(
+            q, kc[layer], vc[layer], pos0, n_keys, causal, n_head, scale, storage, acc, order, y, no_att, attn,
+            attn_block, kern.row, kern.blocked,
         )  # fmt: skip
         block_output_into(kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv, u, a, x)
         if keep:

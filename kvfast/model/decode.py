@@ -18,7 +18,7 @@ from kvfast.kernels.jit import JIT_OPTIONS
 from kvfast.kernels.reduce import STACK_DEPTH, new_stack
 from kvfast.kernels.rowops import embed_into
 from kvfast.model import bugs as B
-from kvfast.model.addresses import blocked_at, decode_kernels, row_at
+from kvfast.model.addresses import blocked_at, kernels, row_at
 from kvfast.model.block import attention_input_into, block_output_into, head_into
 from kvfast.model.cache import KVCache
 from kvfast.model.compiled import _store_rows
@@ -36,7 +36,7 @@ def decode_kernel(
 ):  # fmt: skip
     """One decode step: writes ``logits`` (1, vocab), stores K/V, returns the new cache length.
 
-    ``kern``: :func:`kvfast.model.addresses.decode_kernels` (the kernels it calls by address);
+    ``kern``: :func:`kvfast.model.addresses.kernels` (the kernels it calls by address);
     ``w``: the stacked weights; kc, vc: the cache's (n_layer, capacity, d)
     buffers, written in place at row ``slot``. The block is the forward's
     (:mod:`kvfast.model.block`) on one row; every line a catalogue bug changes
@@ -123,7 +123,7 @@ def decode_prepared(
     attn, attn_block = numerics.attention_codes
     logits = np.empty((1, config.vocab))
     new_length = decode_kernel(
-        decode_kernels(acc, attn), w.stacked, config.n_head, config.eps, cache.k, cache.v, cache.length,
+        kernels(acc, attn), w.stacked, config.n_head, config.eps, cache.k, cache.v, cache.length,
         cache.prefill_len, token, cache.length, storage, acc, order, bug, B.EVICT_WINDOW, logits, attn, attn_block,
     )  # fmt: skip
     cache.advance(new_length - cache.length)
