@@ -18,8 +18,10 @@ two halves: the forward stores rows ``pos0 ..`` and attends every row
 probabilities for the tape), the decode stores one row and attends it over
 the cache's ``lo .. hi-1``, where the bug catalogue's marked lines act.
 
-The functions are inlined into the compiled forward and decode
-(``inline="always"``: Numba IR, no call per layer); the layer-by-layer forward
+The compiled forward and decode call them as ordinary jitted functions
+(compiled once, linked into both: small, since the large kernels below them
+are called by address, :mod:`kvfast.model.addresses`; inlined in Numba IR they
+were typed and lowered again in each entry); the layer-by-layer forward
 runs their Python source (``.py_func``), which calls the same compiled kernels.
 The formats are run-time integers either way.
 Every value is rounded as in the kernels; nothing here changes an order.
@@ -35,7 +37,7 @@ from kvfast.kernels.rowops import add_into, silu_into
 from kvfast.model.addresses import call_matmul, call_rmsnorm
 
 
-@nb.njit(**JIT_OPTIONS, inline="always")
+@nb.njit(**JIT_OPTIONS)
 def attention_input_into(kern, w, layer, x, eps, storage, acc, order, h, inv1, q, k, v) -> None:
     """``h = rmsnorm(x) * g1`` (``inv1``: each row's 1/rms) and ``q, k, v = h @ wq, h @ wk, h @ wv``.
 
@@ -49,7 +51,7 @@ def attention_input_into(kern, w, layer, x, eps, storage, acc, order, h, inv1, q
     call_matmul(kern, h, w.wv[layer], storage, acc, order, v)
 
 
-@nb.njit(**JIT_OPTIONS, inline="always")
+@nb.njit(**JIT_OPTIONS)
 def block_output_into(kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv2, u, a, x_out) -> None:
     """The rest of the block after attention: ``x_mid = x + y @ wo``, ``h2 = rmsnorm(x_mid) * g2``
     (``inv2``: 1/rms), ``u = h2 @ w1``, ``a = silu(u)``, ``x_out = x_mid + a @ w2``.
@@ -71,7 +73,7 @@ def block_output_into(kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2,
     add_into(x_mid, m, storage, x_out)
 
 
-@nb.njit(**JIT_OPTIONS, inline="always")
+@nb.njit(**JIT_OPTIONS)
 def head_into(kern, w, x, eps, storage, acc, order, hf, invf, logits) -> None:
     """``hf = rmsnorm(x) * gf`` (``invf``: 1/rms) and ``logits = hf @ w_out`` (``w``: the stacked weights)."""
     # x, hf: (T, d); invf: (T,); logits: (T, vocab)
