@@ -2,7 +2,7 @@
 
 The compiled entries (:func:`kvfast.model.compiled.forward_kernel`,
 :func:`kvfast.model.decode.decode_kernel`) call the large kernels (the product bodies under
-``matmul_with``, ``rmsnorm_into``, the attention's row kernels) through their addresses
+``matmul_with`` itself, ``rmsnorm_into``, the attention's row kernels) through their addresses
 (:mod:`kvfast.kernels.indirect`), so each kernel's machine code is generated once, on its own, and
 not again inside each entry. Python passes the addresses in a :class:`Kernels` table, built once per
 process for what a call needs (:func:`kernels`: the product bodies of
@@ -31,8 +31,11 @@ _A1, _A2 = (types.Array(types.float64, n, "C") for n in (1, 2))
 
 RMSNORM = (_A2, _A1, _F, _I, _I, _I, _A2, _A1)
 """``rmsnorm_into(x, g, eps, storage, acc, order, out, inv)`` as the block calls it."""
+MATMUL = (_A2, _A2, _I, _I, _I, _A2, types.UniTuple(_I, 5))
+"""``matmul_with(x, w, storage, acc, order, y, bodies)`` as the block calls it."""
 
 rmsnorm_at = through_address(RMSNORM)
+matmul_at = through_address(MATMUL)
 row_at = through_address(ROW)
 blocked_at = through_address(BLOCKED)
 
@@ -41,6 +44,7 @@ class Kernels(NamedTuple):
     """Addresses of the kernels a compiled entry calls (0: a kernel this call cannot reach)."""
 
     products: tuple[int, int, int, int, int]  # kvfast.kernels.matmul.product_bodies
+    matmul: int  # matmul_with (the format dispatch over the product bodies)
     rmsnorm: int  # rmsnorm_into
     row: int  # attend_row (standard attention)
     blocked: int  # attend_row_blocked (a real kernel's order)
@@ -55,20 +59,23 @@ def kernels(acc: int, attn: int) -> Kernels:
     key = (acc, attn == 0)
     table = _TABLES.get(key)
     if table is None:
-        table = Kernels(product_bodies(acc), address(rmsnorm_into, RMSNORM), *row_kernels(attn))
+        table = Kernels(
+            product_bodies(acc), address(matmul_with, MATMUL), address(rmsnorm_into, RMSNORM), *row_kernels(attn)
+        )
         _TABLES[key] = table
     return table
 
 
 def call_matmul(kern, x, w, storage, acc, order, y) -> None:
-    """``matmul_into(x, w, storage, acc, order, y)``; jitted, with ``kern``'s product bodies."""
+    """``matmul_into(x, w, storage, acc, order, y)``; jitted, ``matmul_with`` through ``kern.matmul`` with
+    ``kern``'s product bodies (called from every layer function, linked it was emitted again in each)."""
     matmul_into(x, w, storage, acc, order, y)
 
 
 @overload(call_matmul, jit_options=JIT_OPTIONS)
 def _call_matmul_jitted(kern, x, w, storage, acc, order, y):
     def impl(kern, x, w, storage, acc, order, y):
-        matmul_with(x, w, storage, acc, order, y, kern.products)
+        matmul_at(kern.matmul, (x, w, storage, acc, order, y, kern.products))
 
     return impl
 
