@@ -20,7 +20,7 @@ from typing import NamedTuple
 from numba import types
 from numba.extending import overload
 
-from kvfast.kernels.attention import BLOCKED, ROW, row_kernels
+from kvfast.kernels.attention import BLOCKED, ROW, dot_bodies, row_kernels
 from kvfast.kernels.indirect import address, through_address
 from kvfast.kernels.jit import JIT_OPTIONS
 from kvfast.kernels.matmul import matmul_into, matmul_with, product_bodies
@@ -48,6 +48,7 @@ class Kernels(NamedTuple):
     rmsnorm: int  # rmsnorm_into
     row: int  # attend_row (standard attention)
     blocked: int  # attend_row_blocked (a real kernel's order)
+    dots: tuple[int, int, int]  # kvfast.kernels.attention.dot_bodies (the row kernels' score dots)
 
 
 _TABLES: dict[tuple, Kernels] = {}
@@ -60,7 +61,11 @@ def kernels(acc: int, attn: int) -> Kernels:
     table = _TABLES.get(key)
     if table is None:
         table = Kernels(
-            product_bodies(acc), address(matmul_with, MATMUL), address(rmsnorm_into, RMSNORM), *row_kernels(attn)
+            product_bodies(acc),
+            address(matmul_with, MATMUL),
+            address(rmsnorm_into, RMSNORM),
+            *row_kernels(attn),
+            dot_bodies(acc),
         )
         _TABLES[key] = table
     return table

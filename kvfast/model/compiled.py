@@ -124,7 +124,7 @@ def forward_kernel(
         _store_rows(vc[layer], pos0, v)
         attention_with(
             q, kc[layer], vc[layer], pos0, n_keys, causal, n_head, scale, storage, acc, order, y, no_att, attn,
-            attn_block, kern.row, kern.blocked,
+            attn_block, kern.row, kern.blocked, kern.dots,
         )  # fmt: skip
         block_output_into(kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv, u, a, x)
         if keep:

@@ -106,12 +106,12 @@ def _decode_attention(
     if attn == STANDARD:
         row_at(kern.row, (
             q, row, kbuf, vbuf, lo, hi, n_head, scale, storage, acc, order,
-            y, row, np.empty((0, 0, 0)), row, scratch, sstack, vstack,
+            y, row, np.empty((0, 0, 0)), row, scratch, sstack, vstack, kern.dots,
         ))  # fmt: skip
     else:
         blocked_at(kern.blocked, (
             q, row, kbuf, vbuf, lo, hi, lo, hi, n_head, scale, storage, acc, order, attn, attn_block,
-            y, row, scratch, sstack, vstack,
+            y, row, scratch, sstack, vstack, kern.dots,
         ))  # fmt: skip
 
 
