@@ -315,7 +315,14 @@ PRODUCT_BODIES = (
 """The five bodies, in the order of a :func:`product_bodies` tuple: f64; f32 on float32 copies, f32 on
 float64 data; bf16 on float32 copies, bf16 on float64 data."""
 
-_BODIES_OF = {F64: (0,), F32: (1, 2), BF16: (3, 4)}
+_NARROWED = tuple(
+    (_F64_2D, _F64_2D, types.int64, _F64_2D, types.int64, types.int64, types.BooleanLiteral(bf16))
+    for bf16 in (False, True)
+)
+"""The signatures of :func:`_narrowed` for the f32 and the bf16 accumulator (slots 5 and 6 of a
+:func:`product_bodies` tuple)."""
+
+_BODIES_OF = {F64: (0,), F32: (1, 2, 5), BF16: (3, 4, 6)}
 
 _call_f64 = through_address(PRODUCT_BODIES[0])
 _call_f32_narrow = through_address(PRODUCT_BODIES[1])
@@ -324,13 +331,15 @@ _call_bf16_narrow = through_address(PRODUCT_BODIES[3])
 _call_bf16_wide = through_address(PRODUCT_BODIES[4])
 
 
-def product_bodies(acc: int) -> tuple[int, int, int, int, int]:
-    """The addresses of the product bodies accumulator ``acc`` runs (compiled, or loaded from the cache,
-    on first use), 0 for the other formats' (which ``matmul_with`` never calls with this ``acc``)."""
+def product_bodies(acc: int) -> tuple[int, ...]:
+    """The addresses of what accumulator ``acc`` runs (compiled, or loaded from the cache, on first use):
+    the five product bodies (:data:`PRODUCT_BODIES`), then :func:`_narrowed` for f32 and for bf16; 0 for
+    the other formats' (which ``matmul_with`` never calls with this ``acc``)."""
     wanted = _BODIES_OF.get(acc)
     if wanted is None:
         raise ValueError(f"acc: {acc!r} is not allowed; allowed: {F64}, {F32}, {BF16}")
-    return tuple(address(_product, PRODUCT_BODIES[i]) if i in wanted else 0 for i in range(5))  # type: ignore[return-value]
+    kernels = [(_product, sig) for sig in PRODUCT_BODIES] + [(_narrowed, sig) for sig in _NARROWED]
+    return tuple(address(*kernels[i]) if i in wanted else 0 for i in range(7))
 
 
 @nb.njit(**_JIT)
@@ -361,6 +370,10 @@ def _narrowed(x, w, order, y, narrow_body, wide_body, bf16):
         _call_f32_wide(wide_body, (x, w, order, y))
 
 
+_call_narrowed_f32 = through_address(_NARROWED[0])
+_call_narrowed_bf16 = through_address(_NARROWED[1])
+
+
 @nb.njit(**_JIT)
 def matmul_with(x, w, storage, acc, order, y, bodies) -> None:
     """:func:`matmul_into` given the product bodies' addresses ``bodies`` (:func:`product_bodies` of
@@ -377,9 +390,9 @@ def matmul_with(x, w, storage, acc, order, y, bodies) -> None:
     if acc == F64:
         _call_f64(bodies[0], (x, w, order, y))
     elif acc == F32:
-        _narrowed(x, w, order, y, bodies[1], bodies[2], False)
+        _call_narrowed_f32(bodies[5], (x, w, order, y, bodies[1], bodies[2]))
     else:
-        _narrowed(x, w, order, y, bodies[3], bodies[4], True)
+        _call_narrowed_bf16(bodies[6], (x, w, order, y, bodies[3], bodies[4]))
     if storage != F64:
         for r in range(T):
             for j in range(m):

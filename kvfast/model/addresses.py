@@ -31,7 +31,7 @@ _A1, _A2 = (types.Array(types.float64, n, "C") for n in (1, 2))
 
 RMSNORM = (_A2, _A1, _F, _I, _I, _I, _A2, _A1)
 """``rmsnorm_into(x, g, eps, storage, acc, order, out, inv)`` as the block calls it."""
-MATMUL = (_A2, _A2, _I, _I, _I, _A2, types.UniTuple(_I, 5))
+MATMUL = (_A2, _A2, _I, _I, _I, _A2, types.UniTuple(_I, 7))
 """``matmul_with(x, w, storage, acc, order, y, bodies)`` as the block calls it."""
 
 rmsnorm_at = through_address(RMSNORM)
@@ -43,7 +43,7 @@ blocked_at = through_address(BLOCKED)
 class Kernels(NamedTuple):
     """Addresses of the kernels a compiled entry calls (0: a kernel this call cannot reach)."""
 
-    products: tuple[int, int, int, int, int]  # kvfast.kernels.matmul.product_bodies
+    products: tuple[int, ...]  # kvfast.kernels.matmul.product_bodies (7)
     matmul: int  # matmul_with (the format dispatch over the product bodies)
     rmsnorm: int  # rmsnorm_into
     row: int  # attend_row (standard attention)
