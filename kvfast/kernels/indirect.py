@@ -7,7 +7,10 @@ decode). A call through an address is a plain indirect call: the callee is compi
 Numba's cache) once, on its own, for one fixed signature, and a caller holds only the call.
 
 - :func:`address`: a kernel's machine-code address for a signature (compiled now or loaded from the
-  cache, once per process; forked workers inherit it, their memory being a copy).
+  cache, once per process; forked workers inherit it, their memory being a copy). Processes sharing a
+  cache directory compile a kernel one at a time (a lock file per kernel and signature beside the cache):
+  sweep workers that need a kernel the warm-up did not compile wait for the first one's compile and
+  load it from the cache, instead of each compiling it again.
 - :func:`through_address`: a jitted ``call(addr, args)`` for one signature; ``args`` is the tuple of
   the arguments (without those the signature fixes as literals). Its typing refuses any other argument
   types, so the code at an address is never called with arguments of another layout.
@@ -20,11 +23,39 @@ Numba's first-class functions: they call through the C ABI wrapper, for which ar
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import os
+
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 _ADDRESSES: dict[tuple, int] = {}
+
+
+@contextlib.contextmanager
+def _one_compile_at_a_time(kernel, signature: tuple):
+    """Hold an exclusive lock on a file named after ``kernel`` and ``signature`` in Numba's cache directory
+    (released by the system if the process dies); no lock where none can be taken."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not a POSIX system
+        yield
+        return
+    key = hashlib.sha256(f"{kernel.py_func.__module__}.{kernel.__qualname__}{signature}".encode()).hexdigest()[:24]
+    try:
+        directory = os.path.join(os.environ["NUMBA_CACHE_DIR"], "kvfast-locks")
+        os.makedirs(directory, exist_ok=True)
+        fd = os.open(os.path.join(directory, key), os.O_RDWR | os.O_CREAT, 0o600)
+    except (KeyError, OSError):
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def address(kernel, signature: tuple) -> int:
@@ -33,7 +64,9 @@ def address(kernel, signature: tuple) -> int:
     key = (kernel, signature)
     found = _ADDRESSES.get(key)
     if found is None:
-        kernel.compile(signature)
+        if signature not in kernel.overloads:
+            with _one_compile_at_a_time(kernel, signature):
+                kernel.compile(signature)  # loads what another process compiled meanwhile
         result = kernel.overloads[signature]
         found = result.library.get_pointer_to_function(result.fndesc.mangled_name)
         if not found:  # pragma: no cover - Numba would have raised while compiling
