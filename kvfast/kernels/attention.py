@@ -124,12 +124,20 @@ _dots_f32 = through_address(DOT_BODIES[1])
 _dots_bf16 = through_address(DOT_BODIES[2])
 
 
-def dot_bodies(acc: int) -> tuple[int, int, int]:
+_DOT_TABLES: dict[int, np.ndarray] = {}
+
+
+def dot_bodies(acc: int) -> np.ndarray:
     """The address of the sequential score-dot body of accumulator ``acc`` in its slot (compiled, or loaded
-    from the cache, on first use), 0 in the others' (:func:`score_dots` never calls them with this ``acc``)."""
-    if acc not in (F64, F32, BF16):
-        raise ValueError(f"acc: {acc!r} is not allowed; allowed: {F64}, {F32}, {BF16}")
-    return tuple(address(_dots_sequential, DOT_BODIES[i]) if i == acc else 0 for i in range(3))  # type: ignore[return-value]
+    from the cache, on first use), 0 in the others' (:func:`score_dots` never calls them with this ``acc``):
+    an int64 array of 3, one per format and process (do not write it)."""
+    table = _DOT_TABLES.get(acc)
+    if table is None:
+        if acc not in (F64, F32, BF16):
+            raise ValueError(f"acc: {acc!r} is not allowed; allowed: {F64}, {F32}, {BF16}")
+        table = np.array([address(_dots_sequential, DOT_BODIES[i]) if i == acc else 0 for i in range(3)], np.int64)
+        _DOT_TABLES[acc] = table
+    return table
 
 
 @nb.njit(**_JIT)
@@ -308,7 +316,7 @@ def attend_row_blocked(
                 orow[c0 + c] = rnd(acc_o[c], storage)
 
 
-_DOTS = types.UniTuple(_I, 3)
+_DOTS = types.Array(types.int64, 1, "C")
 ROW = (_A2, _I, _A2, _A2, _I, _I, _I, _F, _I, _I, _I, _A2, _I, _A3, _I, _A1, _A1, _A2, _DOTS)
 """The argument types :func:`attend_row` is compiled for, and called with by address (the forward and the decode)."""
 BLOCKED = (_A2, _I, _A2, _A2, _I, _I, _I, _I, _I, _F, _I, _I, _I, _I, _I, _A2, _I, _A1, _A1, _A2, _DOTS)

@@ -331,15 +331,23 @@ _call_bf16_narrow = through_address(PRODUCT_BODIES[3])
 _call_bf16_wide = through_address(PRODUCT_BODIES[4])
 
 
-def product_bodies(acc: int) -> tuple[int, ...]:
-    """The addresses of what accumulator ``acc`` runs (compiled, or loaded from the cache, on first use):
-    the five product bodies (:data:`PRODUCT_BODIES`), then :func:`_narrowed` for f32 and for bf16; 0 for
-    the other formats' (which ``matmul_with`` never calls with this ``acc``)."""
-    wanted = _BODIES_OF.get(acc)
-    if wanted is None:
-        raise ValueError(f"acc: {acc!r} is not allowed; allowed: {F64}, {F32}, {BF16}")
-    kernels = [(_product, sig) for sig in PRODUCT_BODIES] + [(_narrowed, sig) for sig in _NARROWED]
-    return tuple(address(*kernels[i]) if i in wanted else 0 for i in range(7))
+_PRODUCT_TABLES: dict[int, np.ndarray] = {}
+
+
+def product_bodies(acc: int) -> np.ndarray:
+    """The addresses of what accumulator ``acc`` runs (compiled, or loaded from the cache, on first use), an
+    int64 array (an array, not a tuple: Numba types an array argument in its fast path): the five product
+    bodies (:data:`PRODUCT_BODIES`), then :func:`_narrowed` for f32 and for bf16; 0 for the other formats'
+    (which ``matmul_with`` never calls with this ``acc``). One array per format and process: do not write it."""
+    table = _PRODUCT_TABLES.get(acc)
+    if table is None:
+        wanted = _BODIES_OF.get(acc)
+        if wanted is None:
+            raise ValueError(f"acc: {acc!r} is not allowed; allowed: {F64}, {F32}, {BF16}")
+        kernels = [(_product, sig) for sig in PRODUCT_BODIES] + [(_narrowed, sig) for sig in _NARROWED]
+        table = np.array([address(*kernels[i]) if i in wanted else 0 for i in range(7)], dtype=np.int64)
+        _PRODUCT_TABLES[acc] = table
+    return table
 
 
 @nb.njit(**_JIT)

@@ -36,6 +36,7 @@ import numpy as np
 from kvfast.kernels.attention import attention_with
 from kvfast.kernels.jit import JIT_OPTIONS
 from kvfast.kernels.rowops import embed_into
+from kvfast.model.addresses import BLOCKED_AT, DOTS, ROW_AT
 from kvfast.model.block import attention_input_into, block_output_into, head_into
 
 
@@ -124,7 +125,7 @@ def forward_kernel(
         _store_rows(vc[layer], pos0, v)
         attention_with(
             q, kc[layer], vc[layer], pos0, n_keys, causal, n_head, scale, storage, acc, order, y, no_att, attn,
-            attn_block, kern.row, kern.blocked, kern.dots,
+            attn_block, kern[ROW_AT], kern[BLOCKED_AT], kern[DOTS:],
         )  # fmt: skip
         block_output_into(kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv, u, a, x)
         if keep:

@@ -18,7 +18,7 @@ from kvfast.kernels.jit import JIT_OPTIONS
 from kvfast.kernels.reduce import STACK_DEPTH, new_stack
 from kvfast.kernels.rowops import embed_into
 from kvfast.model import bugs as B
-from kvfast.model.addresses import blocked_at, kernels, row_at
+from kvfast.model.addresses import BLOCKED_AT, DOTS, ROW_AT, blocked_at, kernels, row_at
 from kvfast.model.block import attention_input_into, block_output_into, head_into
 from kvfast.model.cache import KVCache
 from kvfast.model.compiled import _store_rows
@@ -104,14 +104,14 @@ def _decode_attention(
         _store_rows(vbuf, slot, v)
     row = np.int64(0)  # not the literal 0: the row kernels are compiled once, for the forward's int64 rows too
     if attn == STANDARD:
-        row_at(kern.row, (
+        row_at(kern[ROW_AT], (
             q, row, kbuf, vbuf, lo, hi, n_head, scale, storage, acc, order,
-            y, row, np.empty((0, 0, 0)), row, scratch, sstack, vstack, kern.dots,
+            y, row, np.empty((0, 0, 0)), row, scratch, sstack, vstack, kern[DOTS:],
         ))  # fmt: skip
     else:
-        blocked_at(kern.blocked, (
+        blocked_at(kern[BLOCKED_AT], (
             q, row, kbuf, vbuf, lo, hi, lo, hi, n_head, scale, storage, acc, order, attn, attn_block,
-            y, row, scratch, sstack, vstack, kern.dots,
+            y, row, scratch, sstack, vstack, kern[DOTS:],
         ))  # fmt: skip
 
 
