@@ -418,7 +418,8 @@ def matmul_into(x: np.ndarray, w: np.ndarray, storage: int, acc: int, order: int
     branch; a process compiles (or loads) the bodies of the formats it runs, on
     first use. Jitted code calls :func:`matmul_with` with :func:`product_bodies`.
     """
-    matmul_with(x, w, storage, acc, order, y, product_bodies(acc))
+    table = _PRODUCT_TABLES.get(acc)  # product_bodies(acc), one call less once it is built
+    matmul_with(x, w, storage, acc, order, y, product_bodies(acc) if table is None else table)
 
 
 def matmul(x: np.ndarray, w: np.ndarray, storage: int, acc: int, order: int) -> np.ndarray:
