@@ -340,7 +340,7 @@ def test_attend_row_over_a_window_equals_reference(order):
             probs = np.zeros((H, 1, S))
             attend_row(
                 q, 0, kb, vb, lo, hi, H, 0.5, storage, acc, order, out, 0, probs, 0,
-                np.empty(2 * S), np.empty(STACK_DEPTH), new_stack(d // H),
+                np.empty(2 * S), np.empty(STACK_DEPTH), new_stack(d // H), attention.dot_bodies(acc),
             )  # fmt: skip
             want = kvref.ref_attend_row(q[0], kb, vb, lo, hi, H, 0.5, storage, acc, order, exp_array)
             assert same_bits(out[0], want)
@@ -437,12 +437,14 @@ def test_orders_differ_on_a_constructed_input():
 
 FMA_ASM = re.compile(r"\bv?f(?:n)?m(?:add|sub|addsub|subadd)\d*\w*", re.IGNORECASE)
 ORDER_SENSITIVE = (
-    "ordered_sum", "ordered_dot", "weighted_rows_sum", "matmul_into", "_all_products", "score_dots",
-    "attend_row", "attend_row_blocked", "attention_into", "rmsnorm_row", "rmsnorm_into", "silu_into", "rnd",
+    "ordered_sum", "ordered_dot", "weighted_rows_sum", "matmul_with", "_product", "_all_products",
+    "score_dots", "_dots_sequential",
+    "attend_row", "attend_row_blocked", "attention_with", "rmsnorm_row", "rmsnorm_into", "silu_into", "rnd",
     "round_array", "forward_kernel", "decode_kernel",
 )  # fmt: skip
 # forward_kernel / decode_kernel: the model's compiled entries (kvfast/model/compiled.py, decode.py), into
-# which the block is inlined
+# which the block is inlined; matmul_with / _product: the format dispatch and the product bodies it calls by
+# address
 
 PROBE = r"""
 import json, os, sys
@@ -537,16 +539,16 @@ def _representative_calls():
             kmatmul(m2[:1], m2, fmt, fmt, order)  # float64 data (f32: fewer than 4 rows)
             kmatmul(m2, m2, F64, fmt, order)  # float64 data (values off the accumulator's grid)
     for fmt in FORMATS:
-        attention.score_dots(v, 0, m2, 0, 8, 8, fmt, SEQUENTIAL, st_, out)
+        attention.score_dots(v, 0, m2, 0, 8, 8, fmt, SEQUENTIAL, st_, out, attention.dot_bodies(fmt))
     m32 = m2.astype(np.float32)
     _all_products(m2, m2, y, m32, m32, np.empty((8, 8), dtype=np.float32))
     attention_into(m2, m2, m2, 0, 8, True, 2, 0.5, F64, F64, SEQUENTIAL, y, np.empty((0, 0, 0)))
     attend_row(m2, 0, m2, m2, 0, 8, 2, 0.5, F64, F64, SEQUENTIAL, y, 0, np.empty((0, 0, 0)), 0,
-               np.empty(16), st_, new_stack(4))  # fmt: skip
+               np.empty(16), st_, new_stack(4), attention.dot_bodies(F64))  # fmt: skip
     for mode in (attention.ONLINE, attention.SPLITKV):
         attention_into(m2, m2, m2, 0, 8, True, 2, 0.5, F64, F64, SEQUENTIAL, y, np.empty((0, 0, 0)), mode, 4)
         attention.attend_row_blocked(m2, 0, m2, m2, 0, 8, 0, 8, 2, 0.5, F64, F64, SEQUENTIAL, mode, 3, y, 0,
-                                     np.empty(16), st_, new_stack(4))  # fmt: skip
+                                     np.empty(16), st_, new_stack(4), attention.dot_bodies(F64))  # fmt: skip
     rmsnorm_into(m2, v, 1e-5, F64, F64, SEQUENTIAL, y, np.empty(8))
     rmsnorm_row(m2, 0, v, 1e-5, F64, F64, SEQUENTIAL, y, 0, st_)
     silu_into(m2, F64, y)
@@ -603,12 +605,12 @@ def test_no_fused_multiply_add_in_the_machine_code(machine_code):
             assert "ret" in asm  # real code was disassembled
             fused = sorted(set(FMA_ASM.findall(asm)))
             assert not fused, (name, fused[:5])
-    # the multiplying kernels really multiply (in scalar or vector form)
-    for name in ("ordered_dot", "_all_products", "attend_row", "attend_row_blocked", "rmsnorm_row",
-                 "forward_kernel", "decode_kernel"):  # fmt: skip
+    # the multiplying kernels really multiply (in scalar or vector form); the compiled forward and decode
+    # call them by address (kvfast.model.addresses), so their own code need not
+    for name in ("ordered_dot", "_all_products", "_product", "attend_row", "attend_row_blocked", "rmsnorm_row"):
         assert any(re.search(r"\bvmul[sp]d\b", asm) for asm in machine_code[name]), name
     # matmul runs float32 lanes (f32 and bf16 accumulators) with the bf16 rounding in integer lanes
-    for name in ("_all_products", "matmul_into"):
+    for name in ("_all_products", "_product"):
         asm = "".join(machine_code[name])
         assert re.search(r"\bvmulps\b", asm) and re.search(r"\bvpaddd\b", asm), name
 

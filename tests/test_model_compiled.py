@@ -1,6 +1,6 @@
 """The compiled forward and the per-format entries give the same bits as the code they replace.
 
-- ``matmul_into`` called from jitted code with a literal format against ``matmul_into`` called
+- ``matmul_with`` called from jitted code with a literal format against ``matmul_into`` called
   from Python (the run-time dispatch), on random cases in every storage, accumulator and order;
   and every format a process runs shares one compiled forward and one decode;
 - the compiled forward (``forward_prepared`` without a tape) against the layer-by-layer Python
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from kvfast import ModelConfig, Numerics, init_params
-from kvfast.kernels.matmul import matmul_into
+from kvfast.kernels.matmul import matmul_into, matmul_with, product_bodies
 from kvfast.kernels.precision import BF16, F32, F64, round_array
 from kvfast.kernels.reduce import PAIRWISE, SEQUENTIAL
 from kvfast.model.cache import KVCache
@@ -44,13 +44,14 @@ def same_bits(a, b) -> bool:
 
 
 def _literal_matmul(storage: int, acc: int):
-    """``matmul_into`` called with ``storage``/``acc`` as compile-time constants, as the entries do."""
+    """``matmul_with`` (the form jitted code calls, with the product bodies' addresses) called from jitted code
+    with ``storage``/``acc`` as compile-time constants."""
 
     @nb.njit(fastmath=False, error_model="numpy")
-    def run(x, w, order, y):
-        matmul_into(x, w, storage, acc, order, y)
+    def run(x, w, order, y, bodies):
+        matmul_with(x, w, storage, acc, order, y, bodies)
 
-    return run
+    return lambda x, w, order, y: run(x, w, order, y, product_bodies(acc))
 
 
 def _random_matrix(rng, shape, fmt, kind):

@@ -18,10 +18,12 @@ Each score's dot product is computed four keys at a time (four independent
 sums in flight, each still in its own order), which changes no bit.
 
 Compile cost (a cold start): the row kernels (:func:`attend_row`,
-:func:`attend_row_blocked`) are ordinary calls, compiled once and shared by the
-forward's :func:`attention_into` and the decode step (inlined, they were
-compiled into each); :func:`score_dots` picks a sequential body compiled
-for one accumulator format (that format's only, given a literal one).
+:func:`attend_row_blocked`) are called through their addresses
+(:mod:`kvfast.kernels.indirect`) by :func:`attention_with` (the forward's) and
+the decode step, so each is compiled, and its machine code generated, once
+(inlined or linked, it was generated again in each caller); :func:`score_dots`
+calls the sequential body of its accumulator format by address too, compiled
+on the first use of that format (:func:`dot_bodies`).
 
 Real kernels' orders (``mode``, with an integer ``param``), per head, over the
 scores ``s_j`` above (computed exactly as in the standard mode):
@@ -63,8 +65,8 @@ import math
 import numba as nb
 import numpy as np
 from numba import types
-from numba.extending import overload
 
+from kvfast.kernels.indirect import address, through_address
 from kvfast.kernels.jit import JIT_OPTIONS as _JIT
 from kvfast.kernels.matmul import _mac, _mul
 from kvfast.kernels.precision import BF16, F32, F64, rnd
@@ -78,8 +80,11 @@ SPLITCOUNT = 3
 ATTENTION_CODES = {"standard": STANDARD, "online": ONLINE, "splitkv": SPLITKV, "splitcount": SPLITCOUNT}
 ATTENTION_NAMES = {code: name for name, code in ATTENTION_CODES.items()}
 
+_I, _F = types.int64, types.float64
+_A1, _A2, _A3 = (types.Array(types.float64, n, "C") for n in (1, 2, 3))
 
-@nb.njit(**_JIT, inline="always")
+
+@nb.njit(**_JIT)
 def _dots_sequential(qrow, c0, kbuf, lo, nk, hd, out, acc):
     """``out[j] = ordered_dot(qrow[c0:], kbuf[lo + j, c0:], hd)`` in sequential order for j < nk, with
     ``acc`` a literal format: four keys at a time, so four independent sums (each still left to right
@@ -106,36 +111,48 @@ def _dots_sequential(qrow, c0, kbuf, lo, nk, hd, out, acc):
         j += 1
 
 
-def _dots_sequential_any(qrow, c0, kbuf, lo, nk, hd, out, acc):
-    """:func:`_dots_sequential` for any format ``acc``: see the overload below."""
-    raise NotImplementedError("only callable from jitted code")
+def _dots_body(acc: int) -> tuple:
+    """The signature :func:`_dots_sequential` is compiled for, for the (literal) format ``acc``."""
+    return (_A1, _I, _A2, _I, _I, _I, _A1, types.IntegerLiteral(acc))
 
 
-@overload(_dots_sequential_any, jit_options=_JIT, prefer_literal=True)
-def _dots_sequential_any_overload(qrow, c0, kbuf, lo, nk, hd, out, acc):
-    """The format dispatch of :func:`score_dots`, chosen while typing when it can be: a literal ``acc`` (a
-    caller's constant) compiles that format's body alone; a run-time one, a branch over the
-    three (as :func:`kvfast.kernels.matmul.matmul_into` does)."""
-    if isinstance(acc, types.IntegerLiteral):
-        code = acc.literal_value
-        return lambda qrow, c0, kbuf, lo, nk, hd, out, acc: _dots_sequential(qrow, c0, kbuf, lo, nk, hd, out, code)
+DOT_BODIES = (_dots_body(F64), _dots_body(F32), _dots_body(BF16))
+"""The sequential score-dot bodies, one per accumulator format, in the order of a :func:`dot_bodies` tuple."""
 
-    def dispatch(qrow, c0, kbuf, lo, nk, hd, out, acc):
-        if acc == F64:
-            _dots_sequential(qrow, c0, kbuf, lo, nk, hd, out, F64)
-        elif acc == F32:
-            _dots_sequential(qrow, c0, kbuf, lo, nk, hd, out, F32)
-        else:
-            _dots_sequential(qrow, c0, kbuf, lo, nk, hd, out, BF16)
+_dots_f64 = through_address(DOT_BODIES[0])
+_dots_f32 = through_address(DOT_BODIES[1])
+_dots_bf16 = through_address(DOT_BODIES[2])
 
-    return dispatch
+
+_DOT_TABLES: dict[int, np.ndarray] = {}
+
+
+def dot_bodies(acc: int) -> np.ndarray:
+    """The address of the sequential score-dot body of accumulator ``acc`` in its slot (compiled, or loaded
+    from the cache, on first use), 0 in the others' (:func:`score_dots` never calls them with this ``acc``):
+    an int64 array of 3, one per format and process (do not write it)."""
+    table = _DOT_TABLES.get(acc)
+    if table is None:
+        if acc not in (F64, F32, BF16):
+            raise ValueError(f"acc: {acc!r} is not allowed; allowed: {F64}, {F32}, {BF16}")
+        table = np.array([address(_dots_sequential, DOT_BODIES[i]) if i == acc else 0 for i in range(3)], np.int64)
+        _DOT_TABLES[acc] = table
+    return table
 
 
 @nb.njit(**_JIT)
-def score_dots(qrow, c0, kbuf, lo, nk, hd, acc, order, sstack, out):
-    """``out[j] = ordered_dot(qrow, c0, kbuf[lo + j], c0, hd, acc, order, sstack)`` for j < nk."""
+def score_dots(qrow, c0, kbuf, lo, nk, hd, acc, order, sstack, out, dots):
+    """``out[j] = ordered_dot(qrow, c0, kbuf[lo + j], c0, hd, acc, order, sstack)`` for j < nk.
+
+    ``dots``: :func:`dot_bodies` of ``acc``; the sequential order runs that format's body, called through
+    its address (each format's body compiled once, on first use, and not again in every row kernel)."""
     if order == SEQUENTIAL and hd > 0:
-        _dots_sequential_any(qrow, c0, kbuf, lo, nk, hd, out, acc)
+        if acc == F64:
+            _dots_f64(dots[0], (qrow, c0, kbuf, lo, nk, hd, out))
+        elif acc == F32:
+            _dots_f32(dots[1], (qrow, c0, kbuf, lo, nk, hd, out))
+        else:
+            _dots_bf16(dots[2], (qrow, c0, kbuf, lo, nk, hd, out))
     else:
         for j in range(nk):
             out[j] = ordered_dot(qrow, c0, kbuf[lo + j], c0, hd, acc, order, sstack)
@@ -162,20 +179,20 @@ def _max_of(x, a0, n):
 
 @nb.njit(**_JIT)
 def attend_row(
-    q, qr, kbuf, vbuf, lo, hi, n_head, scale, storage, acc, order, out, outr, probs, pr, scratch, sstack, vstack
+    q, qr, kbuf, vbuf, lo, hi, n_head, scale, storage, acc, order, out, outr, probs, pr, scratch, sstack, vstack, dots
 ):
     """Attention of ``q[qr]`` over keys ``lo..hi-1``; writes ``out[outr]``.
 
     ``probs`` (H, rows, keys) receives the probabilities at ``probs[h, pr, j]``
     when it has rows (for the backward pass); ``scratch`` holds >= 2*(hi-lo)
     floats; ``sstack`` is (STACK_DEPTH,) and ``vstack`` (STACK_DEPTH, >= head_dim)
-    scratch for pairwise sums.
+    scratch for pairwise sums; ``dots``: :func:`dot_bodies` of ``acc``.
     """
     hd, nk, scores, expd, qrow, orow = _row_views(q, qr, out, outr, n_head, lo, hi, scratch)
     for h in range(n_head):
         c0 = h * hd
         smax = -np.inf
-        score_dots(qrow, c0, kbuf, lo, nk, hd, acc, order, sstack, scores)
+        score_dots(qrow, c0, kbuf, lo, nk, hd, acc, order, sstack, scores, dots)
         for j in range(nk):
             s = rnd(scores[j] * scale, storage)
             scores[j] = s
@@ -228,7 +245,7 @@ def block_edges(lo, hi, span_lo, span_hi, mode, param):
 @nb.njit(**_JIT)
 def attend_row_blocked(
     q, qr, kbuf, vbuf, lo, hi, span_lo, span_hi, n_head, scale, storage, acc, order, mode, param,
-    out, outr, scratch, sstack, vstack,
+    out, outr, scratch, sstack, vstack, dots,
 ):  # fmt: skip
     """:func:`attend_row` in a real kernel's order (ONLINE, SPLITKV or SPLITCOUNT; see the module doc).
 
@@ -245,7 +262,7 @@ def attend_row_blocked(
     part_lse = np.empty(max(nb_, 1))
     for h in range(n_head):
         c0 = h * hd
-        score_dots(qrow, c0, kbuf, lo, nk, hd, acc, order, sstack, scores)
+        score_dots(qrow, c0, kbuf, lo, nk, hd, acc, order, sstack, scores, dots)
         for j in range(nk):
             scores[j] = rnd(scores[j] * scale, storage)
         if mode == ONLINE:
@@ -299,49 +316,98 @@ def attend_row_blocked(
                 orow[c0 + c] = rnd(acc_o[c], storage)
 
 
+_DOTS = types.Array(types.int64, 1, "C")
+ROW = (_A2, _I, _A2, _A2, _I, _I, _I, _F, _I, _I, _I, _A2, _I, _A3, _I, _A1, _A1, _A2, _DOTS)
+"""The argument types :func:`attend_row` is compiled for, and called with by address (the forward and the decode)."""
+BLOCKED = (_A2, _I, _A2, _A2, _I, _I, _I, _I, _I, _F, _I, _I, _I, _I, _I, _A2, _I, _A1, _A1, _A2, _DOTS)
+"""The argument types :func:`attend_row_blocked` is compiled for, and called with by address."""
+
+_row_at = through_address(ROW)
+_blocked_at = through_address(BLOCKED)
+
+
+def row_kernels(mode: int) -> tuple[int, int]:
+    """``(row, blocked)``: the address of :func:`attend_row` for the standard ``mode``, else of
+    :func:`attend_row_blocked` (compiled or loaded on first use); 0 for the one ``mode`` never runs."""
+    if mode == STANDARD:
+        return address(attend_row, ROW), 0
+    return 0, address(attend_row_blocked, BLOCKED)
+
+
 @nb.njit(**_JIT)
+def attention_with(
+    q,
+    kbuf,
+    vbuf,
+    pos0,
+    n_keys,
+    causal,
+    n_head,
+    scale,
+    storage,
+    acc,
+    order,
+    out,
+    probs,
+    mode,
+    param,
+    row,
+    blocked,
+    dots,
+):
+    """:func:`attention_into` given the row kernels' addresses ``row``, ``blocked`` (:func:`row_kernels` of
+    ``mode``) and the score-dot bodies' ``dots`` (:func:`dot_bodies` of ``acc``): the form jitted code calls
+    (small, so linking it costs little; the row kernels are not linked)."""
+    T = q.shape[0]
+    d = q.shape[1]
+    scratch = np.empty(2 * max(n_keys, 1), dtype=np.float64)
+    sstack = np.empty(STACK_DEPTH, dtype=np.float64)
+    vstack = new_stack(d // n_head)
+    first = np.int64(0)
+    for t in range(T):
+        hi = pos0 + t + 1 if causal else n_keys
+        if mode == STANDARD:
+            _row_at(
+                row,
+                (q, t, kbuf, vbuf, first, hi, n_head, scale, storage, acc, order, out, t, probs, t, scratch, sstack,
+                 vstack, dots),
+            )  # fmt: skip
+        else:
+            _blocked_at(
+                blocked,
+                (q, t, kbuf, vbuf, first, hi, first, n_keys, n_head, scale, storage, acc, order, mode, param, out, t,
+                 scratch, sstack, vstack, dots),
+            )  # fmt: skip
+
+
+def _c_array(a, name: str, ndim: int, written: bool) -> np.ndarray:
+    """``a`` as a C-contiguous float64 array of ``ndim`` dimensions (inputs are copied if need be; an output
+    must be one already, since it is written in place)."""
+    arr = np.asarray(a)
+    unwritable = written and not (arr.flags.c_contiguous and arr.flags.writeable)
+    if arr.ndim != ndim or arr.dtype != np.float64 or unwritable:
+        kind = "a writable C-contiguous" if written else "a"
+        raise ValueError(f"{name}: {arr.dtype} array of {arr.ndim} dimensions is not allowed; allowed: {kind} "
+                         f"float64 array of {ndim}")  # fmt: skip
+    return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
+
+
 def attention_into(
     q, kbuf, vbuf, pos0, n_keys, causal, n_head, scale, storage, acc, order, out, probs, mode=0, param=0
-):
+) -> None:
     """Attention of every row of ``q`` (T, d) over the first ``n_keys`` buffer rows.
 
     Row t sits at absolute position ``pos0 + t``; under the causal mask it sees
     keys ``0 .. pos0+t``, otherwise all ``n_keys``. ``mode``/``param`` select a
     real kernel's order (module doc; default: the standard order); for
     SPLITCOUNT the call's key range is ``0 .. n_keys-1``. ``probs`` is filled in
-    the standard mode only.
+    the standard mode only. ``out`` and ``probs`` (H, T, keys), or (0, 0, 0)
+    for none, are written in place: C-contiguous float64 arrays. The row kernel
+    runs through its address (:func:`attention_with`, :func:`row_kernels`).
     """
-    T = q.shape[0]
-    d = q.shape[1]
-    scratch = np.empty(2 * max(n_keys, 1), dtype=np.float64)
-    sstack = np.empty(STACK_DEPTH, dtype=np.float64)
-    vstack = new_stack(d // n_head)
-    first = np.int64(0)  # not the literal 0: kernels called with a literal argument are compiled again for it
-    for t in range(T):
-        hi = pos0 + t + 1 if causal else n_keys
-        if mode == STANDARD:
-            attend_row(
-                q,
-                t,
-                kbuf,
-                vbuf,
-                first,
-                hi,
-                n_head,
-                scale,
-                storage,
-                acc,
-                order,
-                out,
-                t,
-                probs,
-                t,
-                scratch,
-                sstack,
-                vstack,
-            )
-        else:
-            attend_row_blocked(
-                q, t, kbuf, vbuf, first, hi, first, n_keys, n_head, scale, storage, acc, order, mode, param,
-                out, t, scratch, sstack, vstack,
-            )  # fmt: skip
+    attention_with(
+        _c_array(q, "q", 2, False), _c_array(kbuf, "kbuf", 2, False), _c_array(vbuf, "vbuf", 2, False), int(pos0),
+        int(n_keys), bool(causal), int(n_head), float(scale), int(storage), int(acc), int(order),
+        _c_array(out, "out", 2, True), _c_array(probs, "probs", 3, True), int(mode), int(param), *row_kernels(mode),
+        dot_bodies(int(acc)),
+    )  # fmt: skip

@@ -36,7 +36,10 @@ Speed (none of it changes any element's order of addition or its rounding):
   (:func:`_round`) is picked while compiling and the inner loops carry no
   format branch. The row kernels are inlined into ``_product`` in Numba IR
   (``inline="always"``), so they are compiled there only, not once more on
-  their own (a shorter cold start).
+  their own (a shorter cold start). Each body is compiled on its own when a
+  process first runs its format and is called through its address
+  (:mod:`kvfast.kernels.indirect`), so its machine code is generated once,
+  not again in every function that calls ``matmul``.
 
 Each sequential sum starts from ``-0.0``: ``-0.0 + p == p`` for every p
 (including ``+0.0`` and ``-0.0``) and rounding is idempotent, so the first step
@@ -53,6 +56,7 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
+from kvfast.kernels.indirect import address, through_address
 from kvfast.kernels.jit import JIT_OPTIONS as _JIT
 from kvfast.kernels.precision import BF16, F32, F64, _rbf, bf16_round_f32, bf16_round_f32_not_nan, f32_as_u32, rnd
 from kvfast.kernels.reduce import SEQUENTIAL
@@ -285,59 +289,103 @@ NARROW_MIN_ROWS = 4
 much as a one-row product); the bf16 accumulator always does, when its inputs allow."""
 
 
-def _format_product(x, w, order, y, acc):
-    """``y = x @ w`` in ``order`` in accumulator ``acc``, before the storage rounding: see the overload."""
-    raise NotImplementedError("only callable from jitted code")
+# --- the product bodies, called by address ---------------------------------------------------------
+#
+# Each body (``_product`` for one literal format and data type) is compiled on its own, once, when a
+# process first multiplies in its format, and called through its address (kvfast.kernels.indirect).
+# Linked, its code was optimised and emitted again in every function above it (the format dispatch,
+# matmul_into, the compiled forward, the decode).
+
+_F64_2D = types.Array(types.float64, 2, "C")
+_F32_2D = types.Array(types.float32, 2, "C")
 
 
-@overload(_format_product, jit_options=_JIT, prefer_literal=True)
-def _format_product_overload(x, w, order, y, acc):
-    """The product body of one literal format ``acc`` (:func:`matmul_into` branches over the three).
+def _body(data: types.Array, acc: int) -> tuple:
+    """The signature of the body of accumulator ``acc`` on ``data`` (float64 or float32 C arrays)."""
+    return (data, data, types.int64, data, types.IntegerLiteral(acc))
 
-    Body per format: F64 runs ``_product`` on the float64
-    data; F32 (at least ``NARROW_MIN_ROWS`` rows) and BF16 (any rows) run it on
-    float32 copies when every input allows (:func:`_as_f32`), else on the float64
-    data. ``x`` has >= 1 row and >= 1 column.
-    """
-    if not isinstance(acc, types.IntegerLiteral):
-        return None
-    code = acc.literal_value
-    if code == F64:
-        return lambda x, w, order, y, acc: _product(x, w, order, y, F64)
-    is_bf16 = code == BF16
-    narrow_rows = 0 if is_bf16 else NARROW_MIN_ROWS  # bf16: float32 lanes for any T
 
-    def narrowed(x, w, order, y, acc):
-        T, n = x.shape
-        m = w.shape[1]
-        narrow = T >= narrow_rows
-        if narrow:
-            x32 = np.empty((T, n), dtype=np.float32)
-            w32 = np.empty((n, m), dtype=np.float32)
-            narrow = _as_f32(x, x32, is_bf16) and _as_f32(w, w32, is_bf16)
-        if narrow:
-            y32 = np.empty((T, m), dtype=np.float32)
-            _product(x32, w32, order, y32, code)
-            for r in range(T):
-                for j in range(m):
-                    y[r, j] = np.float64(y32[r, j])
-        else:
-            _product(x, w, order, y, code)
+PRODUCT_BODIES = (
+    _body(_F64_2D, F64),
+    _body(_F32_2D, F32),
+    _body(_F64_2D, F32),
+    _body(_F32_2D, BF16),
+    _body(_F64_2D, BF16),
+)
+"""The five bodies, in the order of a :func:`product_bodies` tuple: f64; f32 on float32 copies, f32 on
+float64 data; bf16 on float32 copies, bf16 on float64 data."""
 
-    return narrowed
+_NARROWED = tuple(
+    (_F64_2D, _F64_2D, types.int64, _F64_2D, types.int64, types.int64, types.BooleanLiteral(bf16))
+    for bf16 in (False, True)
+)
+"""The signatures of :func:`_narrowed` for the f32 and the bf16 accumulator (slots 5 and 6 of a
+:func:`product_bodies` tuple)."""
+
+_BODIES_OF = {F64: (0,), F32: (1, 2, 5), BF16: (3, 4, 6)}
+
+_call_f64 = through_address(PRODUCT_BODIES[0])
+_call_f32_narrow = through_address(PRODUCT_BODIES[1])
+_call_f32_wide = through_address(PRODUCT_BODIES[2])
+_call_bf16_narrow = through_address(PRODUCT_BODIES[3])
+_call_bf16_wide = through_address(PRODUCT_BODIES[4])
+
+
+_PRODUCT_TABLES: dict[int, np.ndarray] = {}
+
+
+def product_bodies(acc: int) -> np.ndarray:
+    """The addresses of what accumulator ``acc`` runs (compiled, or loaded from the cache, on first use), an
+    int64 array (an array, not a tuple: Numba types an array argument in its fast path): the five product
+    bodies (:data:`PRODUCT_BODIES`), then :func:`_narrowed` for f32 and for bf16; 0 for the other formats'
+    (which ``matmul_with`` never calls with this ``acc``). One array per format and process: do not write it."""
+    table = _PRODUCT_TABLES.get(acc)
+    if table is None:
+        wanted = _BODIES_OF.get(acc)
+        if wanted is None:
+            raise ValueError(f"acc: {acc!r} is not allowed; allowed: {F64}, {F32}, {BF16}")
+        kernels = [(_product, sig) for sig in PRODUCT_BODIES] + [(_narrowed, sig) for sig in _NARROWED]
+        table = np.array([address(*kernels[i]) if i in wanted else 0 for i in range(7)], dtype=np.int64)
+        _PRODUCT_TABLES[acc] = table
+    return table
 
 
 @nb.njit(**_JIT)
-def matmul_into(x: np.ndarray, w: np.ndarray, storage: int, acc: int, order: int, y: np.ndarray) -> None:
-    """``y[:] = x @ w`` (x: (T, n), w: (n, m), y: (T, m)) in ``order``, stored in ``storage``.
+def _narrowed(x, w, order, y, narrow_body, wide_body, bf16):
+    """The f32 (``bf16`` False) or bf16 (``bf16`` True) product: on float32 copies (at least
+    ``NARROW_MIN_ROWS`` rows for f32, any for bf16) when every input allows (:func:`_as_f32`), else on
+    the float64 data; ``narrow_body``, ``wide_body``: the two bodies' addresses. ``x`` has >= 1 row
+    and >= 1 column."""
+    T, n = x.shape
+    m = w.shape[1]
+    narrow = T >= (0 if bf16 else NARROW_MIN_ROWS)
+    if narrow:
+        x32 = np.empty((T, n), dtype=np.float32)
+        w32 = np.empty((n, m), dtype=np.float32)
+        narrow = _as_f32(x, x32, bf16) and _as_f32(w, w32, bf16)
+    if narrow:
+        y32 = np.empty((T, m), dtype=np.float32)
+        if bf16:
+            _call_bf16_narrow(narrow_body, (x32, w32, order, y32))
+        else:
+            _call_f32_narrow(narrow_body, (x32, w32, order, y32))
+        for r in range(T):
+            for j in range(m):
+                y[r, j] = np.float64(y32[r, j])
+    elif bf16:
+        _call_bf16_wide(wide_body, (x, w, order, y))
+    else:
+        _call_f32_wide(wide_body, (x, w, order, y))
 
-    Element ``y[t, j]`` is the sum over k of ``x[t, k] * w[k, j]`` in ``order``
-    (:mod:`kvfast.kernels.reduce`), products and adds rounded to ``acc``, the
-    result rounded to ``storage``; an empty sum (n = 0) is ``0.0``. ``y`` must
-    not overlap ``x`` or ``w``. One branch over the three formats at the top
-    picks a body compiled for that format (:func:`_format_product`), so the
-    loops carry no format branch; every body is compiled with ``matmul_into``.
-    """
+
+_call_narrowed_f32 = through_address(_NARROWED[0])
+_call_narrowed_bf16 = through_address(_NARROWED[1])
+
+
+@nb.njit(**_JIT)
+def matmul_with(x, w, storage, acc, order, y, bodies) -> None:
+    """:func:`matmul_into` given the product bodies' addresses ``bodies`` (:func:`product_bodies` of
+    ``acc``): the form jitted code calls (small, so linking it costs little; the bodies are not linked)."""
     T, n = x.shape
     m = w.shape[1]
     if n == 0 or T == 0:
@@ -345,18 +393,33 @@ def matmul_into(x: np.ndarray, w: np.ndarray, storage: int, acc: int, order: int
             for j in range(m):
                 y[r, j] = 0.0
         return
-    # the one format dispatch: each branch passes its format on as a constant (one body each, with its
-    # own rounding and no format branch); Numba compiles all three (it prunes no branch on an int)
+    # the one format dispatch: each branch runs the bodies compiled for its format (their loops carry
+    # no format branch)
     if acc == F64:
-        _format_product(x, w, order, y, F64)
+        _call_f64(bodies[0], (x, w, order, y))
     elif acc == F32:
-        _format_product(x, w, order, y, F32)
+        _call_narrowed_f32(bodies[5], (x, w, order, y, bodies[1], bodies[2]))
     else:
-        _format_product(x, w, order, y, BF16)
+        _call_narrowed_bf16(bodies[6], (x, w, order, y, bodies[3], bodies[4]))
     if storage != F64:
         for r in range(T):
             for j in range(m):
                 y[r, j] = rnd(y[r, j], storage)
+
+
+def matmul_into(x: np.ndarray, w: np.ndarray, storage: int, acc: int, order: int, y: np.ndarray) -> None:
+    """``y[:] = x @ w`` (x: (T, n), w: (n, m), y: (T, m), float64 C arrays) in ``order``, stored in ``storage``.
+
+    Element ``y[t, j]`` is the sum over k of ``x[t, k] * w[k, j]`` in ``order``
+    (:mod:`kvfast.kernels.reduce`), products and adds rounded to ``acc``, the
+    result rounded to ``storage``; an empty sum (n = 0) is ``0.0``. ``y`` must
+    not overlap ``x`` or ``w``. One branch over the three formats picks the bodies
+    compiled for that format (:func:`_product`), so the loops carry no format
+    branch; a process compiles (or loads) the bodies of the formats it runs, on
+    first use. Jitted code calls :func:`matmul_with` with :func:`product_bodies`.
+    """
+    table = _PRODUCT_TABLES.get(acc)  # product_bodies(acc), one call less once it is built
+    matmul_with(x, w, storage, acc, order, y, product_bodies(acc) if table is None else table)
 
 
 def matmul(x: np.ndarray, w: np.ndarray, storage: int, acc: int, order: int) -> np.ndarray:

@@ -18,8 +18,10 @@ two halves: the forward stores rows ``pos0 ..`` and attends every row
 probabilities for the tape), the decode stores one row and attends it over
 the cache's ``lo .. hi-1``, where the bug catalogue's marked lines act.
 
-The functions are inlined into the compiled forward and decode
-(``inline="always"``: Numba IR, no call per layer); the layer-by-layer forward
+The compiled forward and decode call them as ordinary jitted functions
+(compiled once, linked into both: small, since the large kernels below them
+are called by address, :mod:`kvfast.model.addresses`; inlined in Numba IR they
+were typed and lowered again in each entry); the layer-by-layer forward
 runs their Python source (``.py_func``), which calls the same compiled kernels.
 The formats are run-time integers either way.
 Every value is rounded as in the kernels; nothing here changes an order.
@@ -31,26 +33,26 @@ import numba as nb
 import numpy as np
 
 from kvfast.kernels.jit import JIT_OPTIONS
-from kvfast.kernels.matmul import matmul_into
-from kvfast.kernels.rowops import add_into, rmsnorm_into, silu_into
+from kvfast.kernels.rowops import add_into, silu_into
+from kvfast.model.addresses import call_matmul, call_rmsnorm
 
 
-@nb.njit(**JIT_OPTIONS, inline="always")
-def attention_input_into(w, layer, x, eps, storage, acc, order, h, inv1, q, k, v) -> None:
+@nb.njit(**JIT_OPTIONS)
+def attention_input_into(kern, w, layer, x, eps, storage, acc, order, h, inv1, q, k, v) -> None:
     """``h = rmsnorm(x) * g1`` (``inv1``: each row's 1/rms) and ``q, k, v = h @ wq, h @ wk, h @ wv``.
 
     ``w``: :class:`~kvfast.model.transformer.StackedWeights`, read at ``layer``.
     Writes ``h``, ``inv1``, ``q``, ``k``, ``v``; none may overlap ``x``.
     """
     # x, h, q, k, v: (T, d); inv1: (T,)
-    rmsnorm_into(x, w.g1[layer], eps, storage, acc, order, h, inv1)
-    matmul_into(h, w.wq[layer], storage, acc, order, q)
-    matmul_into(h, w.wk[layer], storage, acc, order, k)
-    matmul_into(h, w.wv[layer], storage, acc, order, v)
+    call_rmsnorm(kern, x, w.g1[layer], eps, storage, acc, order, h, inv1)
+    call_matmul(kern, h, w.wq[layer], storage, acc, order, q)
+    call_matmul(kern, h, w.wk[layer], storage, acc, order, k)
+    call_matmul(kern, h, w.wv[layer], storage, acc, order, v)
 
 
-@nb.njit(**JIT_OPTIONS, inline="always")
-def block_output_into(w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv2, u, a, x_out) -> None:
+@nb.njit(**JIT_OPTIONS)
+def block_output_into(kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv2, u, a, x_out) -> None:
     """The rest of the block after attention: ``x_mid = x + y @ wo``, ``h2 = rmsnorm(x_mid) * g2``
     (``inv2``: 1/rms), ``u = h2 @ w1``, ``a = silu(u)``, ``x_out = x_mid + a @ w2``.
 
@@ -61,19 +63,19 @@ def block_output_into(w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv2,
     # x, y, x_mid, h2, x_out: (T, d); inv2: (T,); u, a: (T, f)
     T, d = x.shape
     o = np.empty((T, d))  # (T, d) y @ wo
-    matmul_into(y, w.wo[layer], storage, acc, order, o)
+    call_matmul(kern, y, w.wo[layer], storage, acc, order, o)
     add_into(x, o, storage, x_mid)
-    rmsnorm_into(x_mid, w.g2[layer], eps, storage, acc, order, h2, inv2)
-    matmul_into(h2, w.w1[layer], storage, acc, order, u)
+    call_rmsnorm(kern, x_mid, w.g2[layer], eps, storage, acc, order, h2, inv2)
+    call_matmul(kern, h2, w.w1[layer], storage, acc, order, u)
     silu_into(u, storage, a)
     m = np.empty((T, d))  # (T, d) a @ w2
-    matmul_into(a, w.w2[layer], storage, acc, order, m)
+    call_matmul(kern, a, w.w2[layer], storage, acc, order, m)
     add_into(x_mid, m, storage, x_out)
 
 
-@nb.njit(**JIT_OPTIONS, inline="always")
-def head_into(w, x, eps, storage, acc, order, hf, invf, logits) -> None:
+@nb.njit(**JIT_OPTIONS)
+def head_into(kern, w, x, eps, storage, acc, order, hf, invf, logits) -> None:
     """``hf = rmsnorm(x) * gf`` (``invf``: 1/rms) and ``logits = hf @ w_out`` (``w``: the stacked weights)."""
     # x, hf: (T, d); invf: (T,); logits: (T, vocab)
-    rmsnorm_into(x, w.gf, eps, storage, acc, order, hf, invf)
-    matmul_into(hf, w.w_out, storage, acc, order, logits)
+    call_rmsnorm(kern, x, w.gf, eps, storage, acc, order, hf, invf)
+    call_matmul(kern, hf, w.w_out, storage, acc, order, logits)

@@ -10,9 +10,11 @@ same; it saves one trip through Python per kernel per layer.
 forward and the decode (:func:`kvfast.model.decode.decode_kernel`) as run-time
 integers, as they reach the layer functions called from Python, so one
 compiled forward and one decode serve every format a process runs, and the
-kernels below them (``matmul_into``, attention, the norms) are compiled once,
-with the signature the layer-by-layer forward and the training use too. The
-hot loops still carry no format branch: ``matmul_into`` and the attention's
+kernels below them (the product bodies, attention, the norms) are compiled once,
+with the signature the layer-by-layer forward and the training use too, and
+called through their addresses (:mod:`kvfast.model.addresses`): their machine
+code is not emitted again inside the forward and the decode. The
+hot loops still carry no format branch: ``matmul_with`` and the attention's
 score dots pick a body compiled for one format (the format a constant there)
 at the top of each call. Numba's compile time grows with every specialisation
 *and* with every level that links one in (each level optimises and emits the
@@ -31,9 +33,10 @@ import sys
 import numba as nb
 import numpy as np
 
-from kvfast.kernels.attention import attention_into
+from kvfast.kernels.attention import attention_with
 from kvfast.kernels.jit import JIT_OPTIONS
 from kvfast.kernels.rowops import embed_into
+from kvfast.model.addresses import BLOCKED_AT, DOTS, ROW_AT
 from kvfast.model.block import attention_input_into, block_output_into, head_into
 
 
@@ -84,9 +87,12 @@ def _store_rows(buf, start, rows):
 
 
 @nb.njit(**JIT_OPTIONS)
-def forward_kernel(w, n_head, eps, tokens, pos0, kc, vc, causal, storage, acc, order, attn, attn_block, logits, resid):
+def forward_kernel(
+    kern, w, n_head, eps, tokens, pos0, kc, vc, causal, storage, acc, order, attn, attn_block, logits, resid
+):
     """The forward of ``tokens`` at positions ``pos0 ..`` over all layers; writes ``logits`` (T, vocab).
 
+    ``kern``: :func:`kvfast.model.addresses.kernels` (the kernels it calls by address);
     ``w``: :class:`~kvfast.model.transformer.StackedWeights`; ``kc``, ``vc``
     (n_layer, S, d): the key/value buffers, rows ``pos0 .. pos0+T-1`` of each
     layer are written here and attention reads rows ``0 ..`` (a cache's
@@ -114,15 +120,15 @@ def forward_kernel(w, n_head, eps, tokens, pos0, kc, vc, causal, storage, acc, o
     u, a = np.empty((T, f)), np.empty((T, f))
     inv = np.empty(T)  # 1/rms of each row (inv1, inv2, invf: none is kept)
     for layer in range(n_layer):
-        attention_input_into(w, layer, x, eps, storage, acc, order, h, inv, q, k, v)
+        attention_input_into(kern, w, layer, x, eps, storage, acc, order, h, inv, q, k, v)
         _store_rows(kc[layer], pos0, k)
         _store_rows(vc[layer], pos0, v)
-        attention_into(
+        attention_with(
             q, kc[layer], vc[layer], pos0, n_keys, causal, n_head, scale, storage, acc, order, y, no_att, attn,
-            attn_block,
+            attn_block, kern[ROW_AT], kern[BLOCKED_AT], kern[DOTS:],
         )  # fmt: skip
-        block_output_into(w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv, u, a, x)
+        block_output_into(kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv, u, a, x)
         if keep:
             _store_rows(resid[layer + 1], 0, x)
     hf = np.empty((T, d))
-    head_into(w, x, eps, storage, acc, order, hf, inv, logits)
+    head_into(kern, w, x, eps, storage, acc, order, hf, inv, logits)

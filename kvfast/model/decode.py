@@ -13,11 +13,12 @@ import math
 import numba as nb
 import numpy as np
 
-from kvfast.kernels.attention import STANDARD, attend_row, attend_row_blocked
+from kvfast.kernels.attention import STANDARD
 from kvfast.kernels.jit import JIT_OPTIONS
 from kvfast.kernels.reduce import STACK_DEPTH, new_stack
 from kvfast.kernels.rowops import embed_into
 from kvfast.model import bugs as B
+from kvfast.model.addresses import BLOCKED_AT, DOTS, ROW_AT, blocked_at, kernels, row_at
 from kvfast.model.block import attention_input_into, block_output_into, head_into
 from kvfast.model.cache import KVCache
 from kvfast.model.compiled import _store_rows
@@ -30,11 +31,12 @@ from kvfast.validation import require_int
 
 @nb.njit(**JIT_OPTIONS)
 def decode_kernel(
-    w: StackedWeights, n_head, eps, kc, vc, length, prefill_len, token, pos,
+    kern, w: StackedWeights, n_head, eps, kc, vc, length, prefill_len, token, pos,
     storage, acc, order, bug, window, logits, attn=0, attn_block=0,
 ):  # fmt: skip
     """One decode step: writes ``logits`` (1, vocab), stores K/V, returns the new cache length.
 
+    ``kern``: :func:`kvfast.model.addresses.kernels` (the kernels it calls by address);
     ``w``: the stacked weights; kc, vc: the cache's (n_layer, capacity, d)
     buffers, written in place at row ``slot``. The block is the forward's
     (:mod:`kvfast.model.block`) on one row; every line a catalogue bug changes
@@ -76,18 +78,18 @@ def decode_kernel(
     sstack = np.empty(STACK_DEPTH)
     vstack = new_stack(d // n_head)
     for layer in range(w.g1.shape[0]):
-        attention_input_into(w, layer, x, eps, storage, acc, order, h, inv, q, k, v)
-        _decode_attention(q, k, v, kc[layer], vc[layer], slot, lo, hi, n_head, scale, storage, acc, order, bug,
+        attention_input_into(kern, w, layer, x, eps, storage, acc, order, h, inv, q, k, v)
+        _decode_attention(kern, q, k, v, kc[layer], vc[layer], slot, lo, hi, n_head, scale, storage, acc, order, bug,
                           attn, attn_block, y, scratch, sstack, vstack)  # fmt: skip
-        block_output_into(w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv, u, a, x)
+        block_output_into(kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv, u, a, x)
     hf = np.empty((1, d))
-    head_into(w, x, eps, storage, acc, order, hf, inv, logits)
+    head_into(kern, w, x, eps, storage, acc, order, hf, inv, logits)
     return new_length
 
 
 @nb.njit(**JIT_OPTIONS, inline="always")
 def _decode_attention(
-    q, k, v, kbuf, vbuf, slot, lo, hi, n_head, scale, storage, acc, order, bug, attn, attn_block, y,
+    kern, q, k, v, kbuf, vbuf, slot, lo, hi, n_head, scale, storage, acc, order, bug, attn, attn_block, y,
     scratch, sstack, vstack,
 ):  # fmt: skip
     """Store the new row's ``k``, ``v`` at row ``slot`` of one layer's ``kbuf``, ``vbuf`` (capacity, d),
@@ -102,15 +104,15 @@ def _decode_attention(
         _store_rows(vbuf, slot, v)
     row = np.int64(0)  # not the literal 0: the row kernels are compiled once, for the forward's int64 rows too
     if attn == STANDARD:
-        attend_row(
+        row_at(kern[ROW_AT], (
             q, row, kbuf, vbuf, lo, hi, n_head, scale, storage, acc, order,
-            y, row, np.empty((0, 0, 0)), row, scratch, sstack, vstack,
-        )  # fmt: skip
+            y, row, np.empty((0, 0, 0)), row, scratch, sstack, vstack, kern[DOTS:],
+        ))  # fmt: skip
     else:
-        attend_row_blocked(
+        blocked_at(kern[BLOCKED_AT], (
             q, row, kbuf, vbuf, lo, hi, lo, hi, n_head, scale, storage, acc, order, attn, attn_block,
-            y, row, scratch, sstack, vstack,
-        )  # fmt: skip
+            y, row, scratch, sstack, vstack, kern[DOTS:],
+        ))  # fmt: skip
 
 
 def decode_prepared(
@@ -121,8 +123,8 @@ def decode_prepared(
     attn, attn_block = numerics.attention_codes
     logits = np.empty((1, config.vocab))
     new_length = decode_kernel(
-        w.stacked, config.n_head, config.eps, cache.k, cache.v, cache.length, cache.prefill_len,
-        token, cache.length, storage, acc, order, bug, B.EVICT_WINDOW, logits, attn, attn_block,
+        kernels(acc, attn), w.stacked, config.n_head, config.eps, cache.k, cache.v, cache.length,
+        cache.prefill_len, token, cache.length, storage, acc, order, bug, B.EVICT_WINDOW, logits, attn, attn_block,
     )  # fmt: skip
     cache.advance(new_length - cache.length)
     return logits[0]

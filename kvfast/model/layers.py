@@ -64,7 +64,7 @@ def attention_input_forward(w, layer: int, x, eps: float, nx: Codes):
     """Returns ``(h, inv1, q, k, v)``: (T, d), (T,), then (T, d) each (``w``: the stacked weights)."""
     T, d = x.shape
     h, inv1, q, k, v = np.empty((T, d)), np.empty(T), np.empty((T, d)), np.empty((T, d)), np.empty((T, d))
-    attention_input_into.py_func(w, layer, x, eps, nx[0], nx[1], nx[2], h, inv1, q, k, v)
+    attention_input_into.py_func(None, w, layer, x, eps, nx[0], nx[1], nx[2], h, inv1, q, k, v)
     return h, inv1, q, k, v
 
 
@@ -74,7 +74,7 @@ def block_output_forward(w, layer: int, x, y, eps: float, nx: Codes):
     f = w.w1.shape[2]
     x_mid, h2, inv2 = np.empty((T, d)), np.empty((T, d)), np.empty(T)
     u, a, x_out = np.empty((T, f)), np.empty((T, f)), np.empty((T, d))
-    block_output_into.py_func(w, layer, x, y, eps, nx[0], nx[1], nx[2], x_mid, h2, inv2, u, a, x_out)
+    block_output_into.py_func(None, w, layer, x, y, eps, nx[0], nx[1], nx[2], x_mid, h2, inv2, u, a, x_out)
     return x_mid, h2, inv2, u, a, x_out
 
 
@@ -82,7 +82,7 @@ def head_forward(w, x, eps: float, nx: Codes):
     """Returns ``(hf, invf, logits)``: (T, d), (T,), (T, vocab)."""
     T, d = x.shape
     hf, invf, logits = np.empty((T, d)), np.empty(T), np.empty((T, w.w_out.shape[1]))
-    head_into.py_func(w, x, eps, nx[0], nx[1], nx[2], hf, invf, logits)
+    head_into.py_func(None, w, x, eps, nx[0], nx[1], nx[2], hf, invf, logits)
     return hf, invf, logits
 
 

@@ -30,6 +30,7 @@ import numpy as np
 
 from kvfast.kernels.precision import round_array
 from kvfast.model import layers as L
+from kvfast.model.addresses import kernels
 from kvfast.model.cache import KVCache
 from kvfast.model.compiled import forward_kernel
 from kvfast.model.config import ModelConfig, require_params
@@ -259,8 +260,8 @@ def _forward_compiled(
     resid = np.empty((n_layer + 1, T, d)) if trace is not None else np.empty((0, 0, 0))
     logits = np.empty((T, config.vocab))
     forward_kernel(
-        w.stacked, config.n_head, config.eps, tokens, pos0, kc, vc, causal, storage, acc, order, attn, attn_block,
-        logits, resid,
+        kernels(acc, attn), w.stacked, config.n_head, config.eps, tokens, pos0, kc, vc, causal, storage, acc, order,
+        attn, attn_block, logits, resid,
     )  # fmt: skip
     if trace is not None:
         trace["resid"] = list(resid)

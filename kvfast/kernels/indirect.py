@@ -1,0 +1,111 @@
+"""Calls through a kernel's address: its machine code is generated once, not again in every caller.
+
+Numba links the code of every jitted function a jitted function calls into the caller's own module,
+and optimises and emits it again there, at every level (``matmul``'s product bodies were emitted in
+the body's own entry, in the format wrapper, in ``matmul_into``, in the compiled forward and in the
+decode). A call through an address is a plain indirect call: the callee is compiled (or loaded from
+Numba's cache) once, on its own, for one fixed signature, and a caller holds only the call.
+
+- :func:`address`: a kernel's machine-code address for a signature (compiled now or loaded from the
+  cache, once per process; forked workers inherit it, their memory being a copy). Processes sharing a
+  cache directory compile a kernel one at a time (a lock file per kernel and signature beside the cache):
+  sweep workers that need a kernel the warm-up did not compile wait for the first one's compile and
+  load it from the cache, instead of each compiling it again.
+- :func:`through_address`: a jitted ``call(addr, args)`` for one signature; ``args`` is the tuple of
+  the arguments (without those the signature fixes as literals). Its typing refuses any other argument
+  types, so the code at an address is never called with arguments of another layout.
+
+Addresses are run-time values, never constants in compiled code: Numba's on-disk cache stays valid in
+every process (the caller receives the address as an argument from Python). The callee runs with
+Numba's own calling convention and an error it returns is passed on, as for a linked call. Why not
+Numba's first-class functions: they call through the C ABI wrapper, for which arrays are not a type.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+_ADDRESSES: dict[tuple, int] = {}
+
+
+@contextlib.contextmanager
+def _one_compile_at_a_time(kernel, signature: tuple):
+    """Hold an exclusive lock on a file named after ``kernel`` and ``signature`` in Numba's cache directory
+    (released by the system if the process dies); no lock where none can be taken."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not a POSIX system
+        yield
+        return
+    key = hashlib.sha256(f"{kernel.py_func.__module__}.{kernel.__qualname__}{signature}".encode()).hexdigest()[:24]
+    try:
+        directory = os.path.join(os.environ["NUMBA_CACHE_DIR"], "kvfast-locks")
+        os.makedirs(directory, exist_ok=True)
+        fd = os.open(os.path.join(directory, key), os.O_RDWR | os.O_CREAT, 0o600)
+    except (KeyError, OSError):
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def address(kernel, signature: tuple) -> int:
+    """The address of ``kernel``'s machine code for the argument types ``signature`` (a tuple of Numba
+    types, literals included), compiled or loaded from the cache on the first request of a process."""
+    key = (kernel, signature)
+    found = _ADDRESSES.get(key)
+    if found is None:
+        if signature not in kernel.overloads:
+            with _one_compile_at_a_time(kernel, signature):
+                kernel.compile(signature)  # loads what another process compiled meanwhile
+        result = kernel.overloads[signature]
+        found = result.library.get_pointer_to_function(result.fndesc.mangled_name)
+        if not found:  # pragma: no cover - Numba would have raised while compiling
+            raise RuntimeError(f"{kernel.__name__}{signature}: no machine code")
+        _ADDRESSES[key] = found
+    return found
+
+
+def through_address(signature: tuple, restype=types.none):
+    """A jitted ``call(addr, args)`` of the kernel at ``addr`` compiled for ``signature``.
+
+    ``args``: a tuple of the arguments whose type in ``signature`` is not a literal, in order, each of
+    exactly that type (an integer literal at the call site counts as its integer type); a literal of
+    ``signature`` is passed as its value. Returns the kernel's result (of type ``restype``).
+    """
+    passed = tuple(t for t in signature if not isinstance(t, types.Literal))
+
+    @intrinsic
+    def call(typingctx, addr, args):
+        if not isinstance(addr, types.Integer) or not isinstance(args, types.BaseTuple):
+            return None
+        if tuple(types.unliteral(t) for t in args.types) != passed:
+            return None  # another layout: no call (a typing error names the arguments)
+
+        def codegen(context, builder, sig, llargs):
+            fnty = context.call_conv.get_function_type(restype, signature)
+            fn = builder.inttoptr(llargs[0], fnty.as_pointer())
+            given = iter(cgutils.unpack_tuple(builder, llargs[1], len(passed)))
+            values = [
+                context.get_constant(types.unliteral(t), t.literal_value)
+                if isinstance(t, types.Literal)
+                else next(given)
+                for t in signature
+            ]
+            status, result = context.call_conv.call_function(builder, fn, restype, signature, values)
+            with cgutils.if_unlikely(builder, status.is_error):
+                context.call_conv.return_status_propagate(builder, status)
+            return result
+
+        return restype(addr, args), codegen
+
+    return call
