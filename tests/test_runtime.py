@@ -306,3 +306,19 @@ def test_the_probe_survives_os_exit_at_import(tmp_path, monkeypatch):
         "importing exits_at_import_kv ended its process (exit status 0: os._exit, a crash or a signal at import)"
     )
     assert "exits_at_import_kv" not in sys.modules
+
+
+def test_the_probe_forks_for_a_user_module_and_never_for_kvfast_own(tmp_path, monkeypatch):
+    """kvfast's own modules are not user code: importing them in a probe would only import them twice."""
+    import kvfast.runtime.load as load_module
+
+    probed = []
+    real = load_module.probe_import
+    monkeypatch.setattr(load_module, "probe_import", lambda module: probed.append(module) or real(module))
+    (tmp_path / "plain_user_module_kv.py").write_text("X = 1\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "kvfast.studies.toytask", raising=False)
+    with probing_imports():
+        assert load_object("plain_user_module_kv:X", "study", accept=lambda x: True, allowed="anything") == 1
+        load_object("kvfast.studies.toytask:__name__", "study", accept=lambda x: True, allowed="anything")
+    assert probed == ["plain_user_module_kv"]

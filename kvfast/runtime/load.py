@@ -14,12 +14,13 @@ Rules (:func:`load_object`):
   caller's ``error`` (:class:`~kvfast.runtime.user.UserCodeError`) naming ``importing MODULE``;
 - with :func:`probing_imports` on (the command line turns it on), a module not imported yet is first
   imported in a forked probe process, so that ``os._exit`` (or a crash) at import ends the probe, not
-  kvfast: it is then ``error`` with :class:`~kvfast.runtime.user.ProcessEnded`. The probe costs a fork
-  and the module's import once more (its import-time side effects run twice; its output in the probe is
-  discarded). Why a probe and not the child-process runner (:mod:`kvfast.runtime.child`): a sweep's
-  process is the one that forks its workers, holds the results directory's lock and handles Ctrl-C,
-  so moving all of it into a child would change what every other fault test pins down; the probe
-  guards exactly the step that can end the process before any of that starts.
+  kvfast: it is then ``error`` with :class:`~kvfast.runtime.user.ProcessEnded`. The probe costs a fork and the
+  module's import once more (its import-time side effects run twice; its output in the probe is discarded);
+  kvfast's own modules (``kvfast.studies...``) are not user code and are never probed. Why a probe and not the
+  child-process runner (:mod:`kvfast.runtime.child`): a sweep's process is the one that forks its workers,
+  holds the results directory's lock and handles Ctrl-C, so moving all of it into a child would change what
+  every other fault test pins down; the probe guards exactly the step that can end the process before any of
+  that starts.
 - a missing attribute, or an object ``accept`` refuses, is a ``ValueError`` ending in
   ``allowed: ALLOWED``.
 
@@ -80,7 +81,7 @@ def working_dir_on_path() -> None:
 def import_user_module(module: str, field: str, ref: str, error: type[UserCodeError] = UserCodeError):
     """``module`` imported by the rules of the module doc (``ValueError`` or ``error``)."""
     working_dir_on_path()
-    if _PROBE[0] and module not in sys.modules:
+    if _PROBE[0] and module not in sys.modules and not is_kvfast_module(module):
         ended = probe_import(module)
         if ended is not None:
             raise error(f"importing {module}", ended)
@@ -91,6 +92,12 @@ def import_user_module(module: str, field: str, ref: str, error: type[UserCodeEr
         raise ValueError(
             f"{field}: {shown(ref)} cannot be imported: its module {module!r} cannot be imported ({describe(exc)})"
         ) from None
+
+
+def is_kvfast_module(module: str) -> bool:
+    """Whether ``module`` is kvfast's own (``kvfast`` or below it): not user code, so never probed (its import,
+    the studies' about 1.4 s, would otherwise run twice: ``kvfast check kvfast.studies.check:kvfast_model``)."""
+    return module == "kvfast" or module.startswith("kvfast.")
 
 
 def probe_import(module: str) -> ProcessEnded | None:
