@@ -82,6 +82,14 @@ def _same_report(a, b) -> bool:
     return True
 
 
+def assert_rows_of_greedy_decodes(rows: np.ndarray, model, token: int) -> None:
+    """``rows`` are, bit for bit, what ``model.decode`` returns step by step, fed ``token`` and then each argmax."""
+    for i in range(len(rows)):
+        row = model.decode(token)
+        assert row.tobytes() == rows[i].tobytes()
+        token = int(np.argmax(row))
+
+
 @pytest.mark.parametrize("bug", [None, "stale", "freeze", "posoff"])
 @pytest.mark.parametrize("numerics", ["f64", "bf16"])
 def test_decode_greedy_returns_the_rows_of_one_decode_per_step_fed_greedily(bug, numerics):
@@ -89,11 +97,7 @@ def test_decode_greedy_returns_the_rows_of_one_decode_per_step_fed_greedily(bug,
     fast.prefill(PROMPT)
     slow.prefill(PROMPT)
     rows = fast.decode_greedy(7, 9)
-    token = 7
-    for i in range(9):
-        row = slow.decode(token)
-        assert row.tobytes() == rows[i].tobytes()
-        token = int(np.argmax(row))
+    assert_rows_of_greedy_decodes(rows, slow, 7)
     assert fast.cache.length == slow.cache.length
     assert fast.cache.k.tobytes() == slow.cache.k.tobytes()
 
@@ -105,11 +109,7 @@ def test_decode_greedy_goes_through_an_overridden_decode():
     for m in (fast, slow, plain):
         m.prefill(PROMPT)
     rows = fast.decode_greedy(2, 6)
-    token = 2
-    for i in range(6):
-        row = slow.decode(token)
-        assert row.tobytes() == rows[i].tobytes()
-        token = int(np.argmax(row))
+    assert_rows_of_greedy_decodes(rows, slow, 2)
     assert plain.decode_greedy(2, 6).tobytes() != rows.tobytes()  # control: the lossy cache changes them
 
 
