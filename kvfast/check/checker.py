@@ -137,6 +137,7 @@ def _check(model, prompt, options: CheckOptions) -> CheckReport:
     subject = resolve(model, prompt, options)
     judge = judge_for(options)
     prepared = subject.calls.prepare(options)  # the model's own set-up for this check (its notes head the report's)
+    subject.calls.plan(subject.prompt, subject.split, subject.steps, options.scenarios)  # what it will ask
     lossy = lossy_format(subject.calls)  # a quantized cache (kvfast.check.lossy), its declaration read before any work
     prompt_rows, fmt = subject.calls.recompute_with_format(subject.prompt, "of the prompt")
     formats = formats_of(subject.calls.model, fmt)  # the noise model's formats: declared, measured or assumed

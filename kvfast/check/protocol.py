@@ -72,6 +72,11 @@ A model under test is any object with these methods (tokens are passed as a
     computes one way for exact mode and another for control mode sets itself up here (vLLM pins its GEMMs'
     row count in exact mode where it changes their arithmetic). The notes it returns (strings) head the
     report's notes: what it chose and why.
+``plan_check(prompt, split, steps, scenarios)`` (optional)
+    Called once after ``prepare_check`` with what the check will ask: the prompt (``numpy.int64``), the resume
+    scenario's split, the decode steps and the scenarios asked for. A model may start work ahead here (vLLM
+    runs the resume scenario's requests in flight with the decode scenario's); every call must then return
+    what it would have returned without the plan, bit for bit. Returns nothing.
 ``max_positions`` (optional attribute, int)
     The most positions the model can take; a longer check is bad input before any work.
 ``vocab_size`` (optional attribute, int)
@@ -99,6 +104,7 @@ REQUIRED = ("recompute", "prefill", "decode")
 OPTIONAL = (
     "extend", "decode_greedy", "recompute_variants", "promote", "crop", "snapshot", "restore", "lossless",
     "prefill_beams", "decode_beams", "reorder", "prefill_padded", "decode_padded", "prepare_check",
+    "plan_check",
 )  # fmt: skip
 PROTOCOL_METHODS = frozenset(REQUIRED + OPTIONAL)
 PROTOCOL = "an object with recompute(tokens), prefill(tokens), decode(token) and optionally extend(tokens)"
@@ -398,6 +404,11 @@ class ModelCalls:
                 f"model.prepare_check: {type(notes).__name__} is not allowed; allowed: None or a list of str (notes)"
             )
         return list(notes)
+
+    def plan(self, prompt: np.ndarray, split: int, steps: int, scenarios) -> None:
+        """``plan_check(prompt, split, steps, scenarios)`` (optional; absent: nothing to do)."""
+        if self.has("plan_check"):
+            self.model.plan_check(prompt.copy(), int(split), int(steps), tuple(scenarios))
 
     def recompute(self, tokens: np.ndarray, where: str | None = None) -> np.ndarray:
         """``recompute(tokens)``: ``(len(tokens), V)``; ``where`` defaults to ``of the first N tokens``."""

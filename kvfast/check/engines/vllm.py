@@ -84,6 +84,9 @@ BLOCK = 32
 BATCH_OTHER = BLOCK
 MODEL = "a model directory vLLM can load (config.json and weights) or a vllm.LLM"
 
+#: The longest prompt whose decode and resume scenarios run in flight together (:meth:`VLLMModel.plan_check`);
+#: a longer one runs them one after the other, as vLLM's long-context rows were measured (docs/engines.md).
+TOGETHER_MAX = 1024
 #: The ids of the adapters' own requests: integers, as ``LLM.generate``'s (it sorts its outputs by them), far
 #: above them, one sequence for every adapter in the process.
 _REQUEST_IDS = itertools.count(10**15)
@@ -168,7 +171,7 @@ def _patch_preemption() -> None:
 
 
 def _patch_sampling() -> None:
-    """Hand the active adapter its cached-path request's raw logits row at every sampling step (once): the row
+    """Hand the active adapter its cached-path requests' raw logits rows at every sampling step (once): the row
     vLLM's ``raw_logits`` logprobs mode reports (the sampler's input, widened to float32), without the logprobs
     machinery (measured here: asking vLLM for a full-vocabulary row on every decode step cost about 40% of a
     plain generation)."""
@@ -180,11 +183,12 @@ def _patch_sampling() -> None:
     sample = GPUModelRunner._sample
 
     def captured(self, logits, spec_decode_metadata):
-        live = None if _ACTIVE is None else _ACTIVE._live
-        if live is not None and logits is not None and spec_decode_metadata is None:
+        tracked = () if _ACTIVE is None else _ACTIVE._tracked()
+        if tracked and logits is not None and spec_decode_metadata is None:
             for i, request in enumerate(self.input_batch.req_ids[: logits.shape[0]]):
-                if request is not None and request.rpartition("-")[0] == live:  # the engine core's id: ours + "-..."
-                    _ACTIVE._logits = logits[i].to(torch.float32).numpy().copy()
+                ours = None if request is None else request.rpartition("-")[0]  # the engine core's id: ours + "-..."
+                if ours in tracked:
+                    _ACTIVE._captured[ours] = logits[i].to(torch.float32).numpy().copy()
         return sample(self, logits, spec_decode_metadata)
 
     captured._kvfast = True
@@ -236,6 +240,32 @@ def _flat_appends():
         yield
     finally:
         FlatLogprobs.append_fast = saved
+
+
+class _Together:
+    """The resume scenario's requests run with the decode scenario's (:meth:`VLLMModel._start_together`): the
+    planned ``prompt`` and ``split``, the first chunk's ``history`` (its prefix-cache salt) and rows, and the
+    resume request (``request``: its id) as it ran: its first output (the prompt's rows), the row of its last
+    prompt position, and each (token fed, row) it decoded, as :meth:`VLLMModel._run_to_end` keeps them."""
+
+    def __init__(self, prompt: tuple[int, ...], split: int, history: str, first_rows: np.ndarray):
+        self.prompt, self.split, self.history, self.first_rows = prompt, split, history, first_rows
+        self.request = str(next(_REQUEST_IDS))
+        self.out = None
+        self.first_row: np.ndarray | None = None
+        self.sampled = -1
+        self.ahead: list[tuple[int, np.ndarray]] = []
+        self.done = False  # ended (or aborted): no longer stepped
+        self.first_served = False  # the resume's prefill of the first chunk was served
+
+    def take(self, out, row: np.ndarray) -> None:
+        """The request's output ``out`` of one step (a new token) and the row that chose it."""
+        if self.out is None:
+            self.out, self.first_row = out, row
+        else:
+            self.ahead.append((self.sampled, row))
+        self.sampled = int(out.outputs[0].token_ids[-1])
+        self.done = self.done or bool(out.finished)
 
 
 def is_vllm_llm(model: object) -> bool:
@@ -336,7 +366,9 @@ class VLLMModel:
         self._others: list[str] = []  # the companions running with it
         self.preemptions = 0  # times the scheduler preempted a cached-path request
         self._sampled = -1  # the token the live request chose last (fed by the next decode)
-        self._logits: np.ndarray | None = None  # the live request's last raw logits row (_patch_sampling)
+        self._captured: dict[str, np.ndarray] = {}  # each tracked request's last raw logits row (_patch_sampling)
+        self._plan: tuple[tuple[int, ...], int, int] | None = None  # plan_check's (prompt, split, steps), unused yet
+        self._together: _Together | None = None  # the resume scenario's requests, run with the decode scenario's
         self._row: np.ndarray | None = None  # the row that chose _sampled
         self._ahead: list[tuple[int, np.ndarray]] = []  # decoded (token fed, its row) kept when it stopped
         self.requests = 0  # requests sent to the engine
@@ -416,11 +448,13 @@ class VLLMModel:
         last = self._flat_rows(output.outputs[0].logprobs, [0])[0] if last is None else last
         return np.concatenate([rows, last[None]]).astype(np.float32)
 
-    def _start(self, tokens: list[int], first: int, read_cache: bool) -> np.ndarray:
+    def _start(self, tokens: list[int], first: int, read_cache: bool, together: _Together | None = None) -> np.ndarray:
         """A cached-path request over ``tokens`` decoding up to ``speculate`` tokens, stepped only through its
         prefill: its rows from ``first`` (the last chose the token a decode is fed next). The first
         :meth:`decode` (or another request) steps it to its end; a prefill or extend before that ends it (no
-        decode step is spent on a sequence no decode continues)."""
+        decode step is spent on a sequence no decode continues). ``together``: the resume scenario's request,
+        sent right after it with the same parameters (reading the prefix cache), stepped with it
+        (:meth:`_start_together`)."""
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
@@ -447,42 +481,72 @@ class VLLMModel:
             )
         prompt = TokensPrompt(prompt_token_ids=tokens, cache_salt=self._history)
         self.llm.llm_engine.add_request(self._live, prompt, params)
+        if together is not None:
+            resume = self._params(params.max_tokens, True, True)
+            resume.output_kind, resume.logprobs = RequestOutputKind.DELTA, None
+            together_prompt = TokensPrompt(prompt_token_ids=list(together.prompt), cache_salt=together.history)
+            self._together = together
+            self.llm.llm_engine.add_request(together.request, together_prompt, resume)
         out = self._step()
         self.last_hit = int(out.num_cached_tokens or 0)
         self.tokens = list(tokens)
         return self._rows_of(out, first, self._row)
 
+    def _tracked(self) -> tuple[str, ...]:
+        """The cached-path requests whose raw logits rows :func:`_patch_sampling`'s hook keeps: the live one, and
+        the resume scenario's request running with it (:meth:`_start_together`)."""
+        shadow = self._together.request if self._together is not None and not self._together.done else None
+        return tuple(r for r in (self._live, shadow) if r is not None)
+
     def _step(self):
         """Step the engine until the live request outputs its next token: that output (``DELTA``: the new
-        token, and after the prefill the prompt's rows); the row that chose the token in :attr:`_row`."""
+        token, and after the prefill the prompt's rows); the row that chose the token in :attr:`_row`. The
+        resume scenario's request running with it (:meth:`_start_together`) is recorded on the way."""
         engine = self.llm.llm_engine
         budget = self._token_budget(self.prefill_chunk) if self.prefill_chunk else contextlib.nullcontext()
-        self._logits = None
+        self._captured = {}
         with self._engine(cached_path=True), budget:
             while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.request_id == self._live and out.outputs and out.outputs[0].token_ids:
-                        if self._logits is None:
-                            raise RuntimeError("vLLM sampled a token of the cached path without handing its logits")
-                        self._row, self._sampled = self._logits, int(out.outputs[0].token_ids[-1])
-                        if out.finished:
-                            self._live = None
-                            self._end_others()
-                        return out
+                found = None
+                for out in engine.step():  # every output of the step read: the shadow's may follow the live one's
+                    if not (out.outputs and out.outputs[0].token_ids):
+                        continue
+                    if out.request_id == self._live:
+                        found = out
+                    elif self._together is not None and out.request_id == self._together.request:
+                        self._together.take(out, self._row_captured(out.request_id))
+                if found is not None:
+                    self._row, self._sampled = self._row_captured(self._live), int(found.outputs[0].token_ids[-1])
+                    if found.finished:
+                        self._live = None
+                        self._end_others()
+                    return found
         raise RuntimeError("vLLM finished the request without a token")
 
+    def _row_captured(self, request: str) -> np.ndarray:
+        row = self._captured.pop(request, None)
+        if row is None:
+            raise RuntimeError("vLLM sampled a token of the cached path without handing its logits")
+        return row
+
     def _run_to_end(self) -> None:
-        """Step the live request to its end, keeping each (token fed, its row) for :meth:`decode`."""
+        """Step the live request to its end, keeping each (token fed, its row) for :meth:`decode` (the resume
+        scenario's request running with it ends in the same step: the same number of tokens)."""
         while self._live is not None:
             token = self._sampled
             self._step()
             self._ahead.append((token, self._row))
+        self._stop()  # a request running with it that has not ended (none, in a check) is not stepped alone
 
     def _stop(self) -> None:
-        """End the live request (not yet decoded: nothing of it is kept) before another request runs."""
+        """End the live request (not yet decoded: nothing of it is kept) before another request runs, and the
+        resume scenario's request running with it (what it decoded so far is kept)."""
         if self._live is not None:
             self.llm.llm_engine.abort_request([self._live])
             self._live = None
+        if self._together is not None and not self._together.done:
+            self.llm.llm_engine.abort_request([self._together.request])
+            self._together.done = True
         self._end_others()
 
     def _end_others(self) -> None:
@@ -590,14 +654,74 @@ class VLLMModel:
         return self._rows_of(out, 0)
 
     def prefill(self, tokens):
-        """A fresh request over ``tokens`` (no prefix cache read); ``(T, V)``; decodes continue it."""
-        return self._start([int(t) for t in np.asarray(tokens).reshape(-1)], 0, read_cache=False)
+        """A fresh request over ``tokens`` (no prefix cache read); ``(T, V)``; decodes continue it. The planned
+        check's prompt (:meth:`plan_check`) starts the resume scenario's requests too (:meth:`_start_together`);
+        the resume's first chunk is then served from what its request returned."""
+        tokens = [int(t) for t in np.asarray(tokens).reshape(-1)]
+        if self._plan is not None and tuple(tokens) == self._plan[0]:
+            return self._start_together(tokens)
+        together = self._together
+        if together is not None and not together.first_served and tuple(tokens) == together.prompt[: together.split]:
+            self._stop()
+            self._ahead = []
+            self._history, self.tokens, together.first_served = together.history, tokens, True
+            return together.first_rows.copy()
+        return self._start(tokens, 0, read_cache=False)
 
     def extend(self, tokens):
-        """A new request over the sequence and ``tokens``, reading the prefix cache: ``(n, V)``."""
+        """A new request over the sequence and ``tokens``, reading the prefix cache: ``(n, V)`` (the resume
+        scenario's request run with the decode scenario's, :meth:`_start_together`, where it is that request)."""
         self._require()
         first = len(self.tokens)
-        return self._start(self.tokens + [int(t) for t in np.asarray(tokens).reshape(-1)], first, True)
+        tokens = self.tokens + [int(t) for t in np.asarray(tokens).reshape(-1)]
+        together = self._together
+        if (
+            together is not None and together.first_served and together.out is not None and self._live is None
+            and self._history == together.history and tuple(tokens) == together.prompt and first == together.split
+        ):  # fmt: skip
+            self._together = None
+            self._stop()
+            self._ahead = list(together.ahead)  # its decoded (token fed, row), as _run_to_end keeps them
+            self.tokens, self.last_hit = tokens, int(together.out.num_cached_tokens or 0)
+            return self._rows_of(together.out, first, together.first_row)
+        return self._start(tokens, first, True)
+
+    def plan_check(self, prompt, split: int, steps: int, scenarios) -> None:
+        """The checker's plan before its first model call (protocol hook): where a check runs the decode and the
+        resume scenarios on a prompt of at most :data:`TOGETHER_MAX` tokens (no ``companions``, no
+        ``prefill_chunk``), the decode scenario's ``prefill(prompt)`` also runs the resume scenario's first chunk
+        (a request over ``prompt[:split]``, its own history) and then sends the resume request (the whole prompt,
+        reading that chunk's blocks) with the decode request, so the two decode in flight together: one vLLM
+        batch, two rows a step. vLLM's rows do not depend on another request in the batch here (float32;
+        bfloat16 up to 4 requests: the batch-invariance table of docs/engines.md), and
+        ``tests/test_engines_vllm.py`` asserts that every row so returned equals, bit for bit, the row of the
+        requests run one after the other. The resume scenario's ``prefill`` and ``extend`` are then served from
+        those requests (its decodes as usual: from the rows kept while the token is the one vLLM decoded, else a
+        new request over the prefix cache). Any other call order runs as without a plan."""
+        prompt = tuple(int(t) for t in np.asarray(prompt).reshape(-1))
+        self._plan, self._together = None, None
+        if (
+            "decode" in scenarios and "resume" in scenarios and self.companions == 0 and self.prefill_chunk is None
+            and 0 < split < len(prompt) <= TOGETHER_MAX and 2 * len(prompt) <= self._scheduled_tokens()
+        ):  # fmt: skip
+            self._plan = (prompt, int(split), int(steps))
+
+    def _start_together(self, tokens: list[int]) -> np.ndarray:
+        """The decode scenario's prefill of the planned prompt (:meth:`plan_check`), the resume scenario's
+        requests with it: the first chunk's request through its prefill (as the resume's ``prefill`` runs it),
+        then the decode request and the resume request (reading the first chunk's blocks) sent together, both
+        prefilled in one step and decoding in the same steps (the same number of tokens)."""
+        prompt, split, _ = self._plan
+        self._plan = None
+        first_rows = self._start(list(prompt[:split]), 0, read_cache=False)
+        together = _Together(prompt, split, self._history, first_rows)
+        self.requests += 1
+        return self._start(tokens, 0, read_cache=False, together=together)
+
+    def _scheduled_tokens(self) -> int:
+        """The scheduler's tokens per step (0 where the scheduler is not in this process)."""
+        core = getattr(self.llm.llm_engine.engine_core, "engine_core", None)
+        return int(getattr(getattr(core, "scheduler", None), "max_num_scheduled_tokens", 0) or 0)
 
     def decode(self, token):
         """The row after ``token``: from the running request while ``token`` is the one vLLM decoded, else a
