@@ -98,6 +98,69 @@ def test_an_llm_object_is_accepted_and_a_bad_path_is_refused(engine, tmp_path):
             VLLMModel(engine.llm, gemm_rows=bad)
 
 
+class _OneAfterTheOther(VLLMModel):
+    """The adapter with the checker's plan ignored: the decode and resume scenarios' requests one after the other."""
+
+    def plan_check(self, prompt, split, steps, scenarios):
+        pass
+
+
+def _scenario_calls(model, plan: bool):
+    """A check's cache-path calls on LONG (decode, then resume, each fed vLLM's own greedy tokens), with or without
+    the checker's plan; every row returned, and the engine steps they took."""
+    split = len(LONG) // 2
+    engine, steps = model.llm.llm_engine, []
+    step = engine.step
+    engine.step = lambda: steps.append(1) or step()
+    try:
+        if plan:
+            model.plan_check(np.array(LONG), split, STEPS, ("decode", "resume"))
+        rows, hits = [], []
+        decode = lambda: [model.prefill(LONG)]  # noqa: E731
+        resume = lambda: [model.prefill(LONG[:split]), model.extend(LONG[split:])]  # noqa: E731
+        for scenario in (decode, resume):  # each run in turn, its decodes before the next scenario
+            first = scenario()
+            rows += first
+            hits.append(model.last_hit)
+            last = first[-1][-1]
+            for _ in range(STEPS):
+                rows.append(model.decode(int(np.argmax(last))))
+                last = rows[-1]
+    finally:
+        engine.step = step
+    return rows, len(steps), hits
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("gemm_rows", [None, 1])
+def test_the_scenarios_in_flight_together_return_the_rows_of_requests_run_one_after_the_other(
+    engine, engine_bf16, dtype, gemm_rows
+):
+    llm = (engine if dtype == "float32" else engine_bf16).llm
+    together, steps, hit = _scenario_calls(VLLMModel(llm, gemm_rows=gemm_rows), plan=True)
+    alone, steps_alone, hit_alone = _scenario_calls(VLLMModel(llm, gemm_rows=gemm_rows), plan=False)
+    assert len(together) == len(alone) == 3 + 2 * STEPS
+    for k, (a, b) in enumerate(zip(together, alone, strict=True)):
+        assert np.array_equal(a, b), k  # bit for bit, every row
+    assert hit == hit_alone == [0, len(LONG) // 2 // BLOCK * BLOCK]  # the resume read a real prefix-cache hit
+    assert steps <= steps_alone - STEPS  # the two decoded in the same engine steps
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("mode", ["exact", "control"])
+def test_a_check_with_the_scenarios_together_reports_what_it_reports_one_after_the_other(engine, mode):
+    for bug in (None, "evict", "hitpos"):
+        reports = [
+            check_cache(inject_vllm_bug(cls(engine.llm), bug), LONG, STEPS, mode=mode, keep_logits=True)
+            for cls in (VLLMModel, _OneAfterTheOther)
+        ]
+        assert reports[0].verdict == reports[1].verdict and reports[0].notes == reports[1].notes, bug
+        for name, scenario in reports[0].scenarios.items():
+            other = reports[1].scenarios[name]
+            assert np.array_equal(scenario.cache_logits, other.cache_logits), (bug, name)
+            assert np.array_equal(scenario.deviation, other.deviation), (bug, name)
+
+
 def test_chunked_prefill_is_checked_against_the_unchunked_recompute(engine):
     chunked = VLLMModel(engine.llm, prefill_chunk=16)  # the cached path's prefills 16 tokens a step
     assert check_cache(chunked, LONG, STEPS).verdict == "exact"
