@@ -75,3 +75,14 @@ def test_the_hook_raising_is_the_models_error():
     model.prepare_check = fails
     with pytest.raises(ModelUnderTestError, match="prepare_check"):
         check_cache(model, PROMPT, 4)
+
+
+def test_plan_check_runs_after_prepare_check_with_the_prompt_split_steps_and_scenarios():
+    class Planned(RowCountToy):
+        def plan_check(self, prompt, split, steps, scenarios):
+            self.calls.append(("plan_check", (prompt.tolist(), split, steps, scenarios)))
+
+    model = Planned()
+    check_cache(model, PROMPT, 6, mode="exact", split=3)
+    assert [c for c, _ in model.calls][:3] == ["prepare_check", "plan_check", "recompute"]
+    assert model.calls[1][1] == (PROMPT, 3, 6, ("decode", "resume"))

@@ -127,7 +127,8 @@ def _scenario_calls(model, plan: bool):
                 rows.append(model.decode(int(np.argmax(last))))
                 last = rows[-1]
     finally:
-        engine.step = step
+        del engine.step  # the class's method again (an instance attribute holding a bound method is a cycle that
+        # keeps the engine alive until a later garbage collection, whose vLLM teardown breaks the next file's engine)
     return rows, len(steps), hits
 
 
