@@ -8,7 +8,9 @@ the check needs), then, in this run (``--only``: some; ``long`` only when asked)
 
 - **cost**: the median wall time of a check (exact mode, both scenarios; control mode, both scenarios) against a
   plain vLLM generation of the same tokens (one fresh request: its own prefix-cache salt, so no repeat reads the
-  cache an earlier one left; ``steps`` greedy tokens, no logprobs), and the ratios;
+  cache an earlier one left; ``steps`` greedy tokens, no logprobs), and the ratios; where exact mode runs the GEMMs
+  as vLLM does (the row-count probe finds nothing on this CPU), also an exact check with them pinned to one row
+  (``gemm_rows=1``: what exact mode runs by default on a CPU whose GEMMs change with the row count);
 - **bugs**: each bug of :data:`kvfast.bugs.engines.VLLM_BUGS` in exact mode (its first divergent step per
   scenario against the step where it first acts) and in control mode (the verdict);
 - **batch invariance**: the prompt's ``steps`` decoded rows when it decodes together with other requests (1 to 7
@@ -63,6 +65,7 @@ def cost(engine, prompt: list[int], args) -> None:
     from vllm.inputs import TokensPrompt
 
     from kvfast.check import check_cache
+    from kvfast.check.engines.vllm import VLLMModel
 
     plain = SamplingParams(max_tokens=args.steps, temperature=0.0, detokenize=False, ignore_eos=True)
     salts = iter(range(10**9))
@@ -76,6 +79,9 @@ def cost(engine, prompt: list[int], args) -> None:
         "check, exact": lambda: check_cache(engine, prompt, args.steps, mode="exact"),
         "check, control": lambda: check_cache(engine, prompt, args.steps, mode="control"),
     }
+    if _pinned(engine, prompt) == "as vLLM runs them":  # what exact mode costs where the probe pins the GEMMs
+        pinned = VLLMModel(engine.llm, gemm_rows=1)
+        runs["check, exact, gemm_rows=1"] = lambda: check_cache(pinned, prompt, args.steps, mode="exact")
     for run in runs.values():  # warm-up
         run()
     times = {name: [] for name in runs}
