@@ -132,8 +132,7 @@ def _scenario_calls(model, plan: bool):
     return rows, len(steps), hits
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("gemm_rows", [None, 1])
+@pytest.mark.parametrize(("dtype", "gemm_rows"), [("float32", None), ("bfloat16", None), ("bfloat16", 1)])
 def test_the_scenarios_in_flight_together_return_the_rows_of_requests_run_one_after_the_other(
     engine, engine_bf16, dtype, gemm_rows
 ):
@@ -150,7 +149,7 @@ def test_the_scenarios_in_flight_together_return_the_rows_of_requests_run_one_af
 
 @pytest.mark.parametrize("mode", ["exact", "control"])
 def test_a_check_with_the_scenarios_together_reports_what_it_reports_one_after_the_other(engine, mode):
-    for bug in (None, "evict", "hitpos"):
+    for bug in (None, "hitpos"):  # hitpos acts on the resume request, the one that runs with the decode request
         reports = [
             check_cache(inject_vllm_bug(cls(engine.llm), bug), LONG, STEPS, mode=mode, keep_logits=True)
             for cls in (VLLMModel, _OneAfterTheOther)
@@ -201,8 +200,14 @@ def test_bfloat16_decode_equals_the_prefill_run_with_decode_shaped_gemms_bit_for
         seq.append(int(np.argmax(decoded[-1])))
         decoded.append(engine_bf16.decode(seq[-1]))
     variants = engine_bf16.recompute_variants(seq)
-    assert engine_bf16.skipped_variants == {} and set(variants) == {"batch", "chunk", "rows"}
-    assert np.array_equal(np.stack(decoded), variants["rows"][len(PROMPT) - 1 :])
+    assert set(variants) | set(engine_bf16.skipped_variants) == {"batch", "chunk", "rows"}
+    rows = variants.get("rows")
+    if rows is None:  # a CPU whose GEMMs do not change with the row count (no AMX): the variant is left out, and
+        # the one-row prefill it would run equals the recompute
+        assert list(engine_bf16.skipped_variants) == ["rows"] and engine_bf16.row_count_effect() == 0
+        rows = engine_bf16._rows(seq)
+        assert np.array_equal(rows, engine_bf16.recompute(seq))
+    assert np.array_equal(np.stack(decoded), rows[len(PROMPT) - 1 :])
 
 
 def test_bfloat16_row_count_probe_pins_exact_mode_only_and_says_so(engine_bf16):
