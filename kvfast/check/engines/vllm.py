@@ -698,10 +698,14 @@ class VLLMModel:
         requests run one after the other. The resume scenario's ``prefill`` and ``extend`` are then served from
         those requests (its decodes as usual: from the rows kept while the token is the one vLLM decoded, else a
         new request over the prefix cache). Any other call order runs as without a plan."""
+        from kvfast.check.scenarios.decode import Decode
+        from kvfast.check.scenarios.resume import Resume
+
         prompt = tuple(int(t) for t in np.asarray(prompt).reshape(-1))
         self._plan, self._together = None, None
         if (
-            "decode" in scenarios and "resume" in scenarios and self.companions == 0 and self.prefill_chunk is None
+            Decode.name in scenarios and Resume.name in scenarios and self.companions == 0
+            and self.prefill_chunk is None
             and 0 < split < len(prompt) <= TOGETHER_MAX and 2 * len(prompt) <= self._scheduled_tokens()
         ):  # fmt: skip
             self._plan = (prompt, int(split), int(steps))
