@@ -22,6 +22,12 @@ vocabulary as raw logits: ``prompt_logprobs=-1`` for a prompt's rows, ``logprobs
   prefix cache: the resumed chunk is computed over a real prefix-cache hit (the full blocks of the earlier
   request; a first chunk shorter than a block, :data:`BLOCK` tokens, leaves none: the whole sequence is then
   prefilled).
+- ``plan_check(prompt, split, steps, scenarios)`` (the checker's plan, before its first call): a check of both the
+  decode and the resume scenarios on a prompt of at most :data:`TOGETHER_MAX` tokens runs their requests in flight
+  together (:meth:`VLLMModel.plan_check`): the decode scenario's ``prefill`` also runs the resume's first chunk, then
+  sends the decode and resume requests in one batch, so their decode steps cost about one generation; the resume
+  scenario's ``prefill`` and ``extend`` are served from those requests, every row bit for bit what the requests run
+  one after the other return (asserted in ``tests/test_engines_vllm.py``).
 - ``recompute_variants`` (control mode's order noise, each from vLLM itself): ``"batch"`` (the sequence recomputed
   in one step together with another request of :data:`BATCH_OTHER` tokens: other GEMM shapes), ``"chunk"`` (the
   sequence recomputed as a chunked prefill of :data:`CHUNKS` chunks: other shapes, attention over cached keys) and
