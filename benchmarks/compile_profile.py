@@ -20,9 +20,18 @@ most 20 s" target. CPU time
 
 ``--warm-check``: a warm start instead (kvfast's own Numba cache, filled by a first run): the whole
 command ``kvfast check kvfast.studies.check:kvfast_model ...`` (a 1-layer model, a 4-token prompt, 8
-decode steps, the decode scenario) in a fresh process, CPU (user + system, the process and its children)
-and wall from start to exit, median of ``--repeats``; and, for scale, a fresh process that only imports
-``kvfast.cli``. The figure of the "at most 0.5 s to its first run" target.
+decode steps, the decode scenario) in a fresh process, ``--repeats`` times. Its timeline: the command's
+processes append time marks to a file (``KVFAST_TIMELINE``, :func:`kvfast.runtime.child.mark`), printed
+as seconds from the command's start (just before this script starts its process; the exit: when it has
+been reaped), medians over the repeats: the parent's start, the child spawned, the parent's arguments
+checked, the child's kvfast imported (NumPy, Numba, the checker), its request read, the model built
+(parameters drawn, weights prepared: Numba's CPU target set up and the first cached kernels loaded), the
+first model call and its return (the forward's cached kernels loaded), the verdict, the report printed,
+the exit. "To its first run" is the first model call's start (the figure of the "at most 0.5 s"
+target), and its return is printed next to it. Then CPU (user + system, the process and its children)
+and wall of the whole command, and, for scale, fresh processes that only start Python, import NumPy,
+import Numba, import ``kvfast.cli``, or import the child's modules (``kvfast.check.checker``), interleaved
+with the command's rounds.
 """
 
 from __future__ import annotations
@@ -45,28 +54,82 @@ CHECK = [
 ]  # fmt: skip
 
 
-def _timed(args: list[str]) -> tuple[float, float]:
-    """CPU seconds (user + system of the child and its children) and wall seconds of ``python ARGS``."""
+def _env() -> dict:
     env = {**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH") or str(Path(__file__).resolve().parents[1])}
     env.pop("NUMBA_CACHE_DIR", None)  # kvfast's own cache directory
+    env.pop("KVFAST_TIMELINE", None)
+    return env
+
+
+def _timed(args: list[str], timeline: str | None = None) -> tuple[float, float, dict[str, float]]:
+    """CPU seconds (user + system of the child and its children) and wall seconds of ``python ARGS``, and
+    with ``timeline`` (a file path) its marks as seconds from the start (a label seen twice: its first)."""
+    env = _env()
+    if timeline is not None:
+        env["KVFAST_TIMELINE"] = timeline
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.time()
     w0 = time.perf_counter()
     subprocess.run([sys.executable, *args], env=env, check=True, capture_output=True)
     wall = time.perf_counter() - w0
+    t_exit = time.time()
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), wall
+    marks: dict[str, float] = {}
+    if timeline is not None:
+        with open(timeline) as f:
+            for line in f:
+                stamp, _pid, label = line.rstrip("\n").split(" ", 2)
+                if label.startswith(FIRST_RUN + " ("):  # "... (recompute)": the method called first
+                    label = FIRST_RUN
+                marks.setdefault(label, float(stamp) - t0)
+        os.unlink(timeline)
+        marks["exit (reaped)"] = t_exit - t0
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), wall, marks
+
+
+SCALE = {
+    "python -c pass": ["-c", "pass"],
+    "python -c 'import numpy'": ["-c", "import numpy"],
+    "python -c 'import numba'": ["-c", "import numba"],
+    "python -c 'import kvfast.cli'": ["-c", "import kvfast.cli"],
+    "python -c 'import kvfast.check.checker' (the child's imports)": ["-c", "import kvfast.check.checker"],
+}
+FIRST_RUN = "child: first model call"
 
 
 def warm_check(repeats: int) -> None:
     """Print the warm ``kvfast check`` figures (see the module doc)."""
     _timed(CHECK)  # fills the cache if it is cold
-    for name, args in (("kvfast check of kvfast's model (whole command)", CHECK),
-                       ("python -c 'import kvfast.cli' (for scale)", ["-c", "import kvfast.cli"])):  # fmt: skip
-        samples = [_timed(args) for _ in range(repeats)]
-        cpu = statistics.median(s[0] for s in samples)
-        wall = statistics.median(s[1] for s in samples)
-        print(f"{name}: {cpu:.3f} s CPU, {wall:.3f} s wall (median of {repeats}, warm Numba cache)")
-    print(f"load average {os.getloadavg()[0]:.2f}")
+    timeline = os.path.join(tempfile.mkdtemp(prefix="kvfast-timeline-"), "marks")
+    rounds: list[tuple[float, float, dict[str, float]]] = []
+    scale: dict[str, list[float]] = {name: [] for name in SCALE}
+    loads = []
+    for _ in range(repeats):  # interleaved: the command, then each process for scale
+        rounds.append(_timed(CHECK, timeline))
+        for name, args in SCALE.items():
+            scale[name].append(_timed(args)[1])
+        loads.append(os.getloadavg()[0])
+    labels = list(dict.fromkeys(label for _, _, marks in rounds for label in marks))
+    labels = ["command start", *sorted(labels, key=lambda k: statistics.median(m[k] for _, _, m in rounds if k in m))]
+    print(f"warm kvfast check of kvfast's model, timeline (s from the command's start; median, min, max of {repeats}):")
+    previous = 0.0
+    for label in labels:
+        values = [0.0] if label == "command start" else [marks[label] for _, _, marks in rounds if label in marks]
+        med = statistics.median(values)
+        note = "" if label == "command start" or len(values) == repeats else f"  (in {len(values)} of {repeats})"
+        print(f"  {label:<36} {med:6.3f}  (+{med - previous:5.3f})  [{min(values):.3f}, {max(values):.3f}]{note}")
+        previous = med
+    first = statistics.median(marks[FIRST_RUN] for _, _, marks in rounds)
+    returned = statistics.median(marks[FIRST_RUN + " returned"] for _, _, marks in rounds)
+    print(f"to its first run (first model call starts): {first:.3f} s; returned: {returned:.3f} s (target 0.5 s)")
+    cpu = statistics.median(r[0] for r in rounds)
+    wall = statistics.median(r[1] for r in rounds)
+    print(f"kvfast check of kvfast's model (whole command): {cpu:.3f} s CPU, {wall:.3f} s wall "
+          f"(median of {repeats}, warm Numba cache)")  # fmt: skip
+    print("for scale, fresh processes (wall s, median):")
+    for name, walls in scale.items():
+        print(f"  {name:<62} {statistics.median(walls):.3f}")
+    print(f"load average (1 min) over the rounds: {min(loads):.2f}-{max(loads):.2f}")
 
 
 def main() -> int:
