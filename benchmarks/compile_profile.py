@@ -31,7 +31,8 @@ the exit. "To its first run" is the first model call's start (the figure of the 
 target), and its return is printed next to it. Then CPU (user + system, the process and its children)
 and wall of the whole command, and, for scale, fresh processes that only start Python, import NumPy,
 import Numba, import ``kvfast.cli``, or import the child's modules (``kvfast.check.checker``), interleaved
-with the command's rounds.
+with the command's rounds. ``--baseline DIR``: the same command on another kvfast source tree (a
+``git archive`` of an earlier commit; ``PYTHONPATH=DIR``), interleaved, and the ratio of the medians.
 """
 
 from __future__ import annotations
@@ -54,23 +55,28 @@ CHECK = [
 ]  # fmt: skip
 
 
-def _env() -> dict:
-    env = {**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH") or str(Path(__file__).resolve().parents[1])}
+def _env(pythonpath: str | None = None) -> dict:
+    here = os.environ.get("PYTHONPATH") or str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": pythonpath or here}
     env.pop("NUMBA_CACHE_DIR", None)  # kvfast's own cache directory
     env.pop("KVFAST_TIMELINE", None)
     return env
 
 
-def _timed(args: list[str], timeline: str | None = None) -> tuple[float, float, dict[str, float]]:
+def _timed(
+    args: list[str], timeline: str | None = None, pythonpath: str | None = None
+) -> tuple[float, float, dict[str, float]]:
     """CPU seconds (user + system of the child and its children) and wall seconds of ``python ARGS``, and
-    with ``timeline`` (a file path) its marks as seconds from the start (a label seen twice: its first)."""
-    env = _env()
+    with ``timeline`` (a file path) its marks as seconds from the start (a label seen twice: its first);
+    ``pythonpath``: another kvfast source tree (``--baseline``)."""
+    env = _env(pythonpath)
     if timeline is not None:
         env["KVFAST_TIMELINE"] = timeline
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.time()
     w0 = time.perf_counter()
-    subprocess.run([sys.executable, *args], env=env, check=True, capture_output=True)
+    # from the tree's root: ``python -m`` puts the working directory first on sys.path
+    subprocess.run([sys.executable, *args], env=env, check=True, capture_output=True, cwd=env["PYTHONPATH"])
     wall = time.perf_counter() - w0
     t_exit = time.time()
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -97,15 +103,20 @@ SCALE = {
 FIRST_RUN = "child: first model call"
 
 
-def warm_check(repeats: int) -> None:
+def warm_check(repeats: int, baseline: str | None = None) -> None:
     """Print the warm ``kvfast check`` figures (see the module doc)."""
     _timed(CHECK)  # fills the cache if it is cold
+    base: list[tuple[float, float, dict[str, float]]] = []
+    if baseline:
+        _timed(CHECK, pythonpath=baseline)
     timeline = os.path.join(tempfile.mkdtemp(prefix="kvfast-timeline-"), "marks")
     rounds: list[tuple[float, float, dict[str, float]]] = []
     scale: dict[str, list[float]] = {name: [] for name in SCALE}
     loads = []
     for _ in range(repeats):  # interleaved: the command, then each process for scale
         rounds.append(_timed(CHECK, timeline))
+        if baseline:
+            base.append(_timed(CHECK, pythonpath=baseline))
         for name, args in SCALE.items():
             scale[name].append(_timed(args)[1])
         loads.append(os.getloadavg()[0])
@@ -126,6 +137,11 @@ def warm_check(repeats: int) -> None:
     wall = statistics.median(r[1] for r in rounds)
     print(f"kvfast check of kvfast's model (whole command): {cpu:.3f} s CPU, {wall:.3f} s wall "
           f"(median of {repeats}, warm Numba cache)")  # fmt: skip
+    if baseline:
+        b_cpu = statistics.median(r[0] for r in base)
+        b_wall = statistics.median(r[1] for r in base)
+        print(f"the same command on the baseline tree {baseline}: {b_cpu:.3f} s CPU, {b_wall:.3f} s wall")
+        print(f"baseline / this tree: {b_cpu / cpu:.2f}x CPU, {b_wall / wall:.2f}x wall (medians, interleaved)")
     print("for scale, fresh processes (wall s, median):")
     for name, walls in scale.items():
         print(f"  {name:<62} {statistics.median(walls):.3f}")
@@ -139,9 +155,14 @@ def main() -> int:
     parser.add_argument("--reproduce", action="store_true", help="every format kvfast reproduce runs, timed by step")
     parser.add_argument("--warm-check", action="store_true", help="a warm kvfast check of kvfast's model, whole")
     parser.add_argument("--repeats", type=int, default=5, help="--warm-check: fresh processes timed (median)")
+    parser.add_argument(
+        "--baseline", default=None, metavar="DIR",
+        help="--warm-check: also time the command on the kvfast source tree DIR (e.g. `git archive` of main), "
+        "interleaved",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.warm_check:
-        warm_check(args.repeats)
+        warm_check(args.repeats, args.baseline)
         return 0
     os.environ["NUMBA_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvfast-numba-")
     c0 = time.process_time()

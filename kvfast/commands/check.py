@@ -7,7 +7,8 @@ as strings) to build a model under test (:mod:`kvfast.check.protocol`) or a
 Hugging Face causal LM, and runs :func:`kvfast.check_cache` on it. Prints the
 report. The check's flags are the fields of :class:`kvfast.check.CheckOptions`
 (each declares its flag: :func:`add_option_flags`), validated by it in this
-process before the child starts.
+process before the child is handed any work (the child process itself starts
+first: see Start-up).
 
 Exit codes (:data:`EXIT_CODES`): 0 only when a report was printed and says
 pass; 1 when it finds a divergence (exact) or a bug (control, or the float64
@@ -261,7 +262,7 @@ def require_model_under_test(model: object, call: str) -> None:
 
 
 def check_args(args) -> None:
-    """Every check of the arguments before the child starts (bad input before any work): the prompt, the
+    """Every check of the arguments before the child gets its request (bad input before any work): the prompt, the
     factory's spec and arguments, and the options (:func:`check_options`)."""
     from kvfast.runtime import split_ref
     from kvfast.validation import not_allowed

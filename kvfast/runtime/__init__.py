@@ -41,7 +41,12 @@ _EXPORTS = {
 
 def __getattr__(name: str):
     module = _EXPORTS.get(name)
-    if module is None:
+    if module is None:  # a submodule not imported yet (``import kvfast.runtime`` once imported them all)
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise
         raise AttributeError(f"module 'kvfast.runtime' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
