@@ -31,13 +31,17 @@ the exit. "To its first run" is the first model call's start (the figure of the 
 target), and its return is printed next to it. Then CPU (user + system, the process and its children)
 and wall of the whole command, and, for scale, fresh processes that only start Python, import NumPy,
 import Numba, import ``kvfast.cli``, or import the child's modules (``kvfast.check.checker``), interleaved
-with the command's rounds. ``--baseline DIR``: the same command on another kvfast source tree (a
+with the command's rounds, and the child's work step by step in one fresh process (Python's start,
+NumPy, Numba, the rest of the checker's imports, Numba's CPU target set up, the model built, its first
+call): the floor of the first run, which no arrangement of the command's two processes goes below.
+``--baseline DIR``: the same command on another kvfast source tree (a
 ``git archive`` of an earlier commit; ``PYTHONPATH=DIR``), interleaved, and the ratio of the medians.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import statistics
@@ -101,6 +105,40 @@ SCALE = {
     "python -c 'import kvfast.check.checker' (the child's imports)": ["-c", "import kvfast.check.checker"],
 }
 FIRST_RUN = "child: first model call"
+#: the child's work in one fresh process, step by step: where its time to the first run goes
+STEPS = r"""
+import json, sys, time
+marks = [("Python started (its site)", time.time() - float(sys.argv[1]))]
+t = time.perf_counter()
+def step(label):
+    global t
+    marks.append((label, time.perf_counter() - t))
+    t = time.perf_counter()
+import numpy
+step("import numpy")
+import numba
+step("import numba")
+import kvfast.check.checker
+step("import kvfast.check.checker (the rest of the child's imports)")
+from numba.core.registry import cpu_target
+cpu_target.target_context.refresh()
+step("Numba's CPU target set up (its first dispatch does it)")
+from kvfast.check.adapters import kvfast_model
+model = kvfast_model(0, 1, 2, 16, 32, 32, "f64", "sequential", "standard", "none")
+step("kvfast_model(...): parameters, weights (their cached kernels loaded)")
+model.recompute([1, 2, 3, 4])
+step("first recompute (the forward's cached kernels loaded)")
+print(json.dumps(marks))
+"""
+
+
+def _steps() -> list[tuple[str, float]]:
+    """:data:`STEPS` in a fresh process: ``(step, seconds)``."""
+    env = _env()
+    out = subprocess.run(
+        [sys.executable, "-c", STEPS, repr(time.time())], env=env, check=True, capture_output=True, text=True
+    )
+    return [tuple(m) for m in json.loads(out.stdout.splitlines()[-1])]
 
 
 def warm_check(repeats: int, baseline: str | None = None) -> None:
@@ -113,8 +151,10 @@ def warm_check(repeats: int, baseline: str | None = None) -> None:
     rounds: list[tuple[float, float, dict[str, float]]] = []
     scale: dict[str, list[float]] = {name: [] for name in SCALE}
     loads = []
+    steps: list[list[tuple[str, float]]] = []
     for _ in range(repeats):  # interleaved: the command, then each process for scale
         rounds.append(_timed(CHECK, timeline))
+        steps.append(_steps())
         if baseline:
             base.append(_timed(CHECK, pythonpath=baseline))
         for name, args in SCALE.items():
@@ -142,6 +182,10 @@ def warm_check(repeats: int, baseline: str | None = None) -> None:
         b_wall = statistics.median(r[1] for r in base)
         print(f"the same command on the baseline tree {baseline}: {b_cpu:.3f} s CPU, {b_wall:.3f} s wall")
         print(f"baseline / this tree: {b_cpu / cpu:.2f}x CPU, {b_wall / wall:.2f}x wall (medians, interleaved)")
+    print("the child's work in one fresh process, step by step (s, median):")
+    for i, (label, _) in enumerate(steps[0]):
+        print(f"  {label:<70} {statistics.median(r[i][1] for r in steps):.3f}")
+    print(f"  {'sum':<70} {statistics.median(sum(v for _, v in r) for r in steps):.3f}")
     print("for scale, fresh processes (wall s, median):")
     for name, walls in scale.items():
         print(f"  {name:<62} {statistics.median(walls):.3f}")
