@@ -52,7 +52,6 @@ Built in: ``kvfast.check.hf:tiny_model`` (a tiny random Hugging Face model;
 from __future__ import annotations
 
 import argparse
-import ast
 import os
 import sys
 
@@ -183,6 +182,8 @@ def parse_prompt(text: str, flag: str = "--prompt") -> list[int]:
 
 def parse_factory_args(items: list[str]) -> dict[str, object]:
     """``["seed=1", "family=gpt2"]`` -> ``{"seed": 1, "family": "gpt2"}`` (Python literals where they parse)."""
+    import ast
+
     from kvfast.validation import not_allowed
 
     out: dict[str, object] = {}

@@ -36,14 +36,16 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
-from typing import NoReturn
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from typing import NoReturn
 
 
-@dataclass(frozen=True)
-class ChildOutcome:
+class ChildOutcome(NamedTuple):
     """How a child ended: ``result`` (its report, ``None`` if it wrote none), its ``returncode``, and
-    whether it was killed at its ``timeout`` (``timed_out``)."""
+    whether it was killed at its ``timeout`` (``timed_out``). (A named tuple, not a dataclass: this
+    module is imported before the child starts, and ``dataclasses`` imports ``inspect``.)"""
 
     result: dict | None
     returncode: int
