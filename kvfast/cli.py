@@ -101,7 +101,10 @@ def _start_early(argv: list[str]) -> None:
     if argv and argv[0] in EARLY:
         import importlib
 
-        importlib.import_module(EARLY[argv[0]]).start_early(list(argv[1:]))
+        try:
+            importlib.import_module(EARLY[argv[0]]).start_early(list(argv[1:]))
+        except Exception:  # noqa: BLE001, S110 - only a head start: the command then starts its work as it would have
+            pass
 
 
 def _discard_early() -> None:

@@ -136,3 +136,18 @@ def test_a_child_never_sent_a_request_exits_by_itself():
         assert not os.path.exists(child.result_path)
     finally:
         child.discard()
+
+
+def test_a_failed_early_start_falls_back_to_the_usual_start(monkeypatch, capsys):
+    """The early start is only a head start: if it fails, the command starts its child when it runs."""
+    calls = []
+
+    def start(boot):
+        calls.append(boot)
+        if len(calls) == 1:
+            raise OSError("no early start")
+        return child_runtime.Child(boot)
+
+    monkeypatch.setattr(child_runtime, "start_child", start)
+    assert main(KVFAST_MODEL) == 0
+    assert len(calls) == 2 and "EXACT" in capsys.readouterr().out
