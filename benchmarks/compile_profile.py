@@ -123,9 +123,9 @@ step("import kvfast.check.checker (the rest of the child's imports)")
 from numba.core.registry import cpu_target
 cpu_target.target_context.refresh()
 step("Numba's CPU target set up (its first dispatch does it)")
-from kvfast.check.adapters import kvfast_model
+from kvfast.bugs.kvfast_model import kvfast_model
 model = kvfast_model(0, 1, 2, 16, 32, 32, "f64", "sequential", "standard", "none")
-step("kvfast_model(...): parameters, weights (their cached kernels loaded)")
+step("the factory imported, kvfast_model(...): parameters, weights (their kernels loaded)")
 model.recompute([1, 2, 3, 4])
 step("first recompute (the forward's cached kernels loaded)")
 print(json.dumps(marks))

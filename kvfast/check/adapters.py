@@ -9,7 +9,7 @@ import numpy as np
 
 from kvfast.model import bugs as B
 from kvfast.model.cache import KVCache
-from kvfast.model.config import ModelConfig, init_params
+from kvfast.model.config import ModelConfig
 from kvfast.model.decode import decode_prepared
 from kvfast.model.transformer import Weights, forward_prepared
 from kvfast.model.validate import require_config, require_numerics, require_token, require_tokens
@@ -208,25 +208,3 @@ def clear_prepared_weights() -> None:
     """Forget every parameter set :func:`prepared_weights` keeps (a fresh process's state, for benchmarks)."""
     with _PREPARED_LOCK:
         _PREPARED.clear()
-
-
-def kvfast_model(
-    seed: int,
-    n_layer: int,
-    n_head: int,
-    d_model: int,
-    d_ff: int,
-    vocab: int,
-    preset: str,
-    order: str,
-    attention: str,
-    bug: str,
-    max_pos: int = 256,
-) -> KvfastModel:
-    """kvfast's transformer with random parameters from ``seed``, in ``preset``/``order``/``attention``,
-    with catalogue bug ``bug`` (``"none"``: clean). The built-in ``check`` study's default factory
-    (``kvfast.studies.check:kvfast_model``, which re-exports it; it lives here so that ``kvfast check``
-    builds kvfast's model without importing the studies)."""
-    cfg = ModelConfig(vocab=vocab, d_model=d_model, n_head=n_head, n_layer=n_layer, d_ff=d_ff, max_pos=max_pos)
-    numerics = Numerics.preset(preset, order, attention)
-    return KvfastModel(cfg, init_params(cfg, seed), numerics, bug=None if bug == "none" else bug)

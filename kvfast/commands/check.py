@@ -86,7 +86,7 @@ GRACE_S = 1.5  # after --timeout, the child's own timer has had this long to rep
 #: ``kvfast_model`` for its grids, and importing it imports every study, the sweep engine and pandas (about
 #: 1.4 s); the child loads the same function from its home (``tests/test_check_startup.py`` pins that it is
 #: the same object)
-OWN_FACTORIES = {"kvfast.studies.check:kvfast_model": "kvfast.check.adapters:kvfast_model"}
+OWN_FACTORIES = {"kvfast.studies.check:kvfast_model": "kvfast.bugs.kvfast_model:kvfast_model"}
 
 
 def add_parser(sub) -> None:
@@ -437,13 +437,13 @@ def child(boot: dict) -> None:
     child_done(boot, result)
 
 
-_EARLY: list = []  # the child start_early started, until run takes it (or discard_early ends it)
+_EARLY: list = []  # the child start_early started, until discard_early (run uses it meanwhile)
 
 
 def start_early(argv: list[str]) -> None:
     """``kvfast check ARGV``, before any parsing (:func:`kvfast.cli.main`): start the check's child now, so
     that its interpreter and kvfast's imports overlap this process's parsing and validation (not for
-    ``--help``). :func:`run` takes it; :func:`discard_early` ends it if nothing does."""
+    ``--help``). :func:`run` uses it; :func:`discard_early` ends it (a no-op after :func:`run`)."""
     from kvfast.runtime.child import mark, start_child
 
     mark("parent: kvfast check started")
@@ -453,7 +453,7 @@ def start_early(argv: list[str]) -> None:
 
 
 def discard_early() -> None:
-    """End the child :func:`start_early` started, if :func:`run` did not take it (bad input, a parse error)."""
+    """End the child :func:`start_early` started, if it still runs (bad input, a parse error, a Ctrl-C)."""
     while _EARLY:
         _EARLY.pop().discard()
 
@@ -465,7 +465,7 @@ def run(args) -> int:
     check_args(args)
     request = {"args": {k: v for k, v in vars(args).items() if k != "func"}}
     request["args"]["command_line"] = " ".join(["kvfast", *sys.argv[1:]])
-    early = _EARLY.pop() if _EARLY else None
+    early = _EARLY[-1] if _EARLY else None  # left there: discard_early ends it too, even on a Ctrl-C right here
     mark("parent: arguments checked")
     try:
         outcome = run_in_child(BOOT, request, args.timeout, GRACE_S, child=early)

@@ -35,8 +35,8 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from kvfast.bugs.kvfast_model import kvfast_model  # noqa: F401 - the built-in study's factory (defined there)
 from kvfast.check import CheckOptions, check_cache_with
-from kvfast.check.adapters import kvfast_model  # noqa: F401 - the built-in study's factory (defined there)
 from kvfast.check.checker import as_model_under_test
 from kvfast.check.options import MODES
 from kvfast.check.protocol import vocab_of
