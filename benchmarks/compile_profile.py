@@ -125,7 +125,7 @@ cpu_target.target_context.refresh()
 step("Numba's CPU target set up (its first dispatch does it)")
 from kvfast.bugs.kvfast_model import kvfast_model
 model = kvfast_model(0, 1, 2, 16, 32, 32, "f64", "sequential", "standard", "none")
-step("the factory imported, kvfast_model(...): parameters, weights (their kernels loaded)")
+step("kvfast_model(...): its module, parameters, weights (kernels loaded)")
 model.recompute([1, 2, 3, 4])
 step("first recompute (the forward's cached kernels loaded)")
 print(json.dumps(marks))
