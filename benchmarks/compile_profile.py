@@ -20,14 +20,28 @@ most 20 s" target. CPU time
 
 ``--warm-check``: a warm start instead (kvfast's own Numba cache, filled by a first run): the whole
 command ``kvfast check kvfast.studies.check:kvfast_model ...`` (a 1-layer model, a 4-token prompt, 8
-decode steps, the decode scenario) in a fresh process, CPU (user + system, the process and its children)
-and wall from start to exit, median of ``--repeats``; and, for scale, a fresh process that only imports
-``kvfast.cli``. The figure of the "at most 0.5 s to its first run" target.
+decode steps, the decode scenario) in a fresh process, ``--repeats`` times. Its timeline: the command's
+processes append time marks to a file (``KVFAST_TIMELINE``, :func:`kvfast.runtime.child.mark`), printed
+as seconds from the command's start (just before this script starts its process; the exit: when it has
+been reaped), medians over the repeats: the parent's start, the child spawned, the parent's arguments
+checked, the child's kvfast imported (NumPy, Numba, the checker), its request read, the model built
+(parameters drawn, weights prepared: Numba's CPU target set up and the first cached kernels loaded), the
+first model call and its return (the forward's cached kernels loaded), the verdict, the report printed,
+the exit. "To its first run" is the first model call's start (the figure of the "at most 0.5 s"
+target), and its return is printed next to it. Then CPU (user + system, the process and its children)
+and wall of the whole command, and, for scale, fresh processes that only start Python, import NumPy,
+import Numba, import ``kvfast.cli``, or import the child's modules (``kvfast.check.checker``), interleaved
+with the command's rounds, and the child's work step by step in one fresh process (Python's start,
+NumPy, Numba, the rest of the checker's imports, Numba's CPU target set up, the model built, its first
+call): the floor of the first run, which no arrangement of the command's two processes goes below.
+``--baseline DIR``: the same command on another kvfast source tree (a
+``git archive`` of an earlier commit; ``PYTHONPATH=DIR``), interleaved, and the ratio of the medians.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import statistics
@@ -45,28 +59,137 @@ CHECK = [
 ]  # fmt: skip
 
 
-def _timed(args: list[str]) -> tuple[float, float]:
-    """CPU seconds (user + system of the child and its children) and wall seconds of ``python ARGS``."""
-    env = {**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH") or str(Path(__file__).resolve().parents[1])}
+def _env(pythonpath: str | None = None) -> dict:
+    here = os.environ.get("PYTHONPATH") or str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": pythonpath or here}
     env.pop("NUMBA_CACHE_DIR", None)  # kvfast's own cache directory
+    env.pop("KVFAST_TIMELINE", None)
+    return env
+
+
+def _timed(
+    args: list[str], timeline: str | None = None, pythonpath: str | None = None
+) -> tuple[float, float, dict[str, float]]:
+    """CPU seconds (user + system of the child and its children) and wall seconds of ``python ARGS``, and
+    with ``timeline`` (a file path) its marks as seconds from the start (a label seen twice: its first);
+    ``pythonpath``: another kvfast source tree (``--baseline``)."""
+    env = _env(pythonpath)
+    if timeline is not None:
+        env["KVFAST_TIMELINE"] = timeline
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.time()
     w0 = time.perf_counter()
-    subprocess.run([sys.executable, *args], env=env, check=True, capture_output=True)
+    # from the tree's root: ``python -m`` puts the working directory first on sys.path
+    subprocess.run([sys.executable, *args], env=env, check=True, capture_output=True, cwd=env["PYTHONPATH"])
     wall = time.perf_counter() - w0
+    t_exit = time.time()
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), wall
+    marks: dict[str, float] = {}
+    if timeline is not None:
+        with open(timeline) as f:
+            for line in f:
+                stamp, _pid, label = line.rstrip("\n").split(" ", 2)
+                if label.startswith(FIRST_RUN + " ("):  # "... (recompute)": the method called first
+                    label = FIRST_RUN
+                marks.setdefault(label, float(stamp) - t0)
+        os.unlink(timeline)
+        marks["exit (reaped)"] = t_exit - t0
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), wall, marks
 
 
-def warm_check(repeats: int) -> None:
+SCALE = {
+    "python -c pass": ["-c", "pass"],
+    "python -c 'import numpy'": ["-c", "import numpy"],
+    "python -c 'import numba'": ["-c", "import numba"],
+    "python -c 'import kvfast.cli'": ["-c", "import kvfast.cli"],
+    "python -c 'import kvfast.check.checker' (the child's imports)": ["-c", "import kvfast.check.checker"],
+}
+FIRST_RUN = "child: first model call"
+#: the child's work in one fresh process, step by step: where its time to the first run goes
+STEPS = r"""
+import json, sys, time
+marks = [("Python started (its site)", time.time() - float(sys.argv[1]))]
+t = time.perf_counter()
+def step(label):
+    global t
+    marks.append((label, time.perf_counter() - t))
+    t = time.perf_counter()
+import numpy
+step("import numpy")
+import numba
+step("import numba")
+import kvfast.check.checker
+step("import kvfast.check.checker (the rest of the child's imports)")
+from numba.core.registry import cpu_target
+cpu_target.target_context.refresh()
+step("Numba's CPU target set up (its first dispatch does it)")
+from kvfast.bugs.kvfast_model import kvfast_model
+model = kvfast_model(0, 1, 2, 16, 32, 32, "f64", "sequential", "standard", "none")
+step("kvfast_model(...): its module, parameters, weights (kernels loaded)")
+model.recompute([1, 2, 3, 4])
+step("first recompute (the forward's cached kernels loaded)")
+print(json.dumps(marks))
+"""
+
+
+def _steps() -> list[tuple[str, float]]:
+    """:data:`STEPS` in a fresh process: ``(step, seconds)``."""
+    env = _env()
+    out = subprocess.run(
+        [sys.executable, "-c", STEPS, repr(time.time())], env=env, check=True, capture_output=True, text=True
+    )
+    return [tuple(m) for m in json.loads(out.stdout.splitlines()[-1])]
+
+
+def warm_check(repeats: int, baseline: str | None = None) -> None:
     """Print the warm ``kvfast check`` figures (see the module doc)."""
     _timed(CHECK)  # fills the cache if it is cold
-    for name, args in (("kvfast check of kvfast's model (whole command)", CHECK),
-                       ("python -c 'import kvfast.cli' (for scale)", ["-c", "import kvfast.cli"])):  # fmt: skip
-        samples = [_timed(args) for _ in range(repeats)]
-        cpu = statistics.median(s[0] for s in samples)
-        wall = statistics.median(s[1] for s in samples)
-        print(f"{name}: {cpu:.3f} s CPU, {wall:.3f} s wall (median of {repeats}, warm Numba cache)")
-    print(f"load average {os.getloadavg()[0]:.2f}")
+    base: list[tuple[float, float, dict[str, float]]] = []
+    if baseline:
+        _timed(CHECK, pythonpath=baseline)
+    timeline = os.path.join(tempfile.mkdtemp(prefix="kvfast-timeline-"), "marks")
+    rounds: list[tuple[float, float, dict[str, float]]] = []
+    scale: dict[str, list[float]] = {name: [] for name in SCALE}
+    loads = []
+    steps: list[list[tuple[str, float]]] = []
+    for _ in range(repeats):  # interleaved: the command, then each process for scale
+        rounds.append(_timed(CHECK, timeline))
+        steps.append(_steps())
+        if baseline:
+            base.append(_timed(CHECK, pythonpath=baseline))
+        for name, args in SCALE.items():
+            scale[name].append(_timed(args)[1])
+        loads.append(os.getloadavg()[0])
+    labels = list(dict.fromkeys(label for _, _, marks in rounds for label in marks))
+    labels = ["command start", *sorted(labels, key=lambda k: statistics.median(m[k] for _, _, m in rounds if k in m))]
+    print(f"warm kvfast check of kvfast's model, timeline (s from the command's start; median, min, max of {repeats}):")
+    previous = 0.0
+    for label in labels:
+        values = [0.0] if label == "command start" else [marks[label] for _, _, marks in rounds if label in marks]
+        med = statistics.median(values)
+        note = "" if label == "command start" or len(values) == repeats else f"  (in {len(values)} of {repeats})"
+        print(f"  {label:<36} {med:6.3f}  (+{med - previous:5.3f})  [{min(values):.3f}, {max(values):.3f}]{note}")
+        previous = med
+    first = statistics.median(marks[FIRST_RUN] for _, _, marks in rounds)
+    returned = statistics.median(marks[FIRST_RUN + " returned"] for _, _, marks in rounds)
+    print(f"to its first run (first model call starts): {first:.3f} s; returned: {returned:.3f} s (target 0.5 s)")
+    cpu = statistics.median(r[0] for r in rounds)
+    wall = statistics.median(r[1] for r in rounds)
+    print(f"kvfast check of kvfast's model (whole command): {cpu:.3f} s CPU, {wall:.3f} s wall "
+          f"(median of {repeats}, warm Numba cache)")  # fmt: skip
+    if baseline:
+        b_cpu = statistics.median(r[0] for r in base)
+        b_wall = statistics.median(r[1] for r in base)
+        print(f"the same command on the baseline tree {baseline}: {b_cpu:.3f} s CPU, {b_wall:.3f} s wall")
+        print(f"baseline / this tree: {b_cpu / cpu:.2f}x CPU, {b_wall / wall:.2f}x wall (medians, interleaved)")
+    print("the child's work in one fresh process, step by step (s, median):")
+    for i, (label, _) in enumerate(steps[0]):
+        print(f"  {label:<70} {statistics.median(r[i][1] for r in steps):.3f}")
+    print(f"  {'sum':<70} {statistics.median(sum(v for _, v in r) for r in steps):.3f}")
+    print("for scale, fresh processes (wall s, median):")
+    for name, walls in scale.items():
+        print(f"  {name:<62} {statistics.median(walls):.3f}")
+    print(f"load average (1 min) over the rounds: {min(loads):.2f}-{max(loads):.2f}")
 
 
 def main() -> int:
@@ -76,9 +199,14 @@ def main() -> int:
     parser.add_argument("--reproduce", action="store_true", help="every format kvfast reproduce runs, timed by step")
     parser.add_argument("--warm-check", action="store_true", help="a warm kvfast check of kvfast's model, whole")
     parser.add_argument("--repeats", type=int, default=5, help="--warm-check: fresh processes timed (median)")
+    parser.add_argument(
+        "--baseline", default=None, metavar="DIR",
+        help="--warm-check: also time the command on the kvfast source tree DIR (e.g. `git archive` of main), "
+        "interleaved",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.warm_check:
-        warm_check(args.repeats)
+        warm_check(args.repeats, args.baseline)
         return 0
     os.environ["NUMBA_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvfast-numba-")
     c0 = time.process_time()

@@ -4,7 +4,8 @@ Each is one changed line of the model's decode kernel (:mod:`kvfast.model.decode
 (``KvfastModel(..., bug=NAME)``); this module gives them the catalogue's shape (:class:`~kvfast.bugs.bug.Bug`):
 where each first acts in the ``decode`` scenario (a prompt then greedy decode steps) and how it is injected.
 The model's own tables (:data:`BUGS`: descriptions, :data:`VISIBLE_AT_STEP_1`, :data:`EVICT_WINDOW`) are
-re-exported here, so the studies read every catalogue from :mod:`kvfast.bugs`.
+re-exported here, so the studies read every catalogue from :mod:`kvfast.bugs`. :func:`kvfast_model` builds
+kvfast's model clean or with one of them: the built-in ``check`` study's factory.
 """
 
 from __future__ import annotations
@@ -12,9 +13,13 @@ from __future__ import annotations
 from kvfast.bugs.bug import Bug, catalogue
 from kvfast.check.adapters import KvfastModel
 from kvfast.model.bugs import BUGS, EVICT_WINDOW, VISIBLE_AT_STEP_1, bug_code
+from kvfast.model.config import ModelConfig, init_params
+from kvfast.numerics import Numerics
 from kvfast.validation import not_allowed, require_int
 
-__all__ = ["BUGS", "EVICT_WINDOW", "KVFAST_BUGS", "VISIBLE_AT_STEP_1", "first_acting_step"]
+__all__ = ["BUGS", "EVICT_WINDOW", "KVFAST_BUGS", "NO_BUG", "VISIBLE_AT_STEP_1", "first_acting_step", "kvfast_model"]
+
+NO_BUG = "none"  # kvfast_model's (and the studies' grids') name for a clean model
 
 
 def first_acting_step(bug: str, scenario: str, prompt_len: int) -> int:
@@ -50,3 +55,25 @@ def _entry(name: str) -> Bug:
 
 #: kvfast's own model's bugs, in :data:`kvfast.model.bugs.BUGS`' order.
 KVFAST_BUGS: dict[str, Bug] = catalogue(*(_entry(name) for name in BUGS))
+
+
+def kvfast_model(
+    seed: int,
+    n_layer: int,
+    n_head: int,
+    d_model: int,
+    d_ff: int,
+    vocab: int,
+    preset: str,
+    order: str,
+    attention: str,
+    bug: str,
+    max_pos: int = 256,
+) -> KvfastModel:
+    """kvfast's transformer with random parameters from ``seed``, in ``preset``/``order``/``attention``,
+    with catalogue bug ``bug`` (:data:`NO_BUG`, ``"none"``: clean). The built-in ``check`` study's default
+    factory: ``kvfast.studies.check:kvfast_model`` re-exports it; it lives here so that ``kvfast check`` builds
+    kvfast's model without importing the studies (the sweep engine, pandas)."""
+    cfg = ModelConfig(vocab=vocab, d_model=d_model, n_head=n_head, n_layer=n_layer, d_ff=d_ff, max_pos=max_pos)
+    numerics = Numerics.preset(preset, order, attention)
+    return KvfastModel(cfg, init_params(cfg, seed), numerics, bug=None if bug == NO_BUG else bug)

@@ -28,27 +28,44 @@ The product only: the bug catalogues kvfast tests it against, and detector scori
 
 from __future__ import annotations
 
-from kvfast.check.adapters import KvfastModel
-from kvfast.check.checker import (
-    MODES,
-    SCENARIOS,
-    CheckReport,
-    ScenarioReport,
-    assert_cache_exact,
-    check_cache,
-    check_cache_with,
-)
-from kvfast.check.numpy_model import NumpyModel
-from kvfast.check.options import CheckOptions
-from kvfast.check.protocol import CheckTimeout, ModelUnderTestError
+import importlib
+
+# public name -> the module that defines it: imported on first use, so that importing one of this package's
+# modules (``kvfast.check.options``: the command line's flags and their validation) does not load the checker,
+# kvfast's model and Numba
+_EXPORTS = {
+    "KvfastModel": "kvfast.check.adapters",
+    "MODES": "kvfast.check.checker",
+    "SCENARIOS": "kvfast.check.checker",
+    "CheckReport": "kvfast.check.checker",
+    "ScenarioReport": "kvfast.check.checker",
+    "assert_cache_exact": "kvfast.check.checker",
+    "check_cache": "kvfast.check.checker",
+    "check_cache_with": "kvfast.check.checker",
+    "NumpyModel": "kvfast.check.numpy_model",
+    "CheckOptions": "kvfast.check.options",
+    "CheckTimeout": "kvfast.check.protocol",
+    "ModelUnderTestError": "kvfast.check.protocol",
+    "HFModel": "kvfast.check.hf",
+}
 
 
 def __getattr__(name: str):
-    if name == "HFModel":
-        from kvfast.check.hf import HFModel
+    module = _EXPORTS.get(name)
+    if module is None:  # a submodule not imported yet (``import kvfast.check`` once imported them all)
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise
+        raise AttributeError(f"module 'kvfast.check' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
-        return HFModel
-    raise AttributeError(f"module 'kvfast.check' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
 
 
 __all__ = [

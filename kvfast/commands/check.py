@@ -7,7 +7,8 @@ as strings) to build a model under test (:mod:`kvfast.check.protocol`) or a
 Hugging Face causal LM, and runs :func:`kvfast.check_cache` on it. Prints the
 report. The check's flags are the fields of :class:`kvfast.check.CheckOptions`
 (each declares its flag: :func:`add_option_flags`), validated by it in this
-process before the child starts.
+process before the child is handed any work (the child process itself starts
+first: see Start-up).
 
 Exit codes (:data:`EXIT_CODES`): 0 only when a report was printed and says
 pass; 1 when it finds a divergence (exact) or a bug (control, or the float64
@@ -35,6 +36,15 @@ the child kills its group when this process dies, so no process outlives the
 check (the mechanics: :mod:`kvfast.runtime.child`; the factory is loaded by
 :func:`kvfast.runtime.load_object`'s rules).
 
+Start-up. :func:`kvfast.cli.main` calls :func:`start_early` before it parses anything: the child starts
+at once and imports kvfast's checker while this process parses and validates the arguments (it imports
+neither Numba nor the checker), then waits for its request; bad input kills it before it runs any code
+of the user's. kvfast's own factory ``kvfast.studies.check:kvfast_model`` is loaded from the module that
+defines it (:data:`OWN_FACTORIES`), not through the studies (the sweep engine, pandas). With
+``KVFAST_TIMELINE=FILE`` both processes append time marks to FILE (:func:`kvfast.runtime.child.mark`:
+the child spawned, kvfast imported, the request read, the model built, its first call and return, the
+verdict): ``benchmarks/compile_profile.py --warm-check`` prints them.
+
 Built in: ``kvfast.check.hf:tiny_model`` (a tiny random Hugging Face model;
 ``--factory-arg family=gpt2 --factory-arg dtype=bfloat16``).
 """
@@ -42,15 +52,10 @@ Built in: ``kvfast.check.hf:tiny_model`` (a tiny random Hugging Face model;
 from __future__ import annotations
 
 import argparse
-import ast
-import inspect
+import os
 import sys
-import traceback
-from dataclasses import replace
 
 from kvfast.commands import EXIT_KVFAST_BUG, bug_line
-from kvfast.runtime import split_ref
-from kvfast.validation import not_allowed, one_line
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_INCONCLUSIVE, EXIT_MODEL, EXIT_TIMEOUT = 0, 1, 2, 3, 4, 5
 EXIT_LENGTH_DEPENDENT = 6
@@ -77,6 +82,11 @@ EXIT_CODES = {
 ENGINES = {"ort": "kvfast.check.engines.ort:ORTModel", "llamacpp": "kvfast.check.engines.llamacpp:LlamaCppModel",
            "vllm": "kvfast.check.engines.vllm:VLLMModel"}  # fmt: skip
 GRACE_S = 1.5  # after --timeout, the child's own timer has had this long to report before it is killed
+#: kvfast's own factories, by the module that defines them: ``kvfast.studies.check`` re-exports
+#: ``kvfast_model`` for its grids, and importing it imports every study, the sweep engine and pandas (about
+#: 1.4 s); the child loads the same function from its home (``tests/test_check_startup.py`` pins that it is
+#: the same object)
+OWN_FACTORIES = {"kvfast.studies.check:kvfast_model": "kvfast.bugs.kvfast_model:kvfast_model"}
 
 
 def add_parser(sub) -> None:
@@ -172,6 +182,10 @@ def parse_prompt(text: str, flag: str = "--prompt") -> list[int]:
 
 def parse_factory_args(items: list[str]) -> dict[str, object]:
     """``["seed=1", "family=gpt2"]`` -> ``{"seed": 1, "family": "gpt2"}`` (Python literals where they parse)."""
+    import ast
+
+    from kvfast.validation import not_allowed
+
     out: dict[str, object] = {}
     for item in items:
         key, sep, text = item.partition("=")
@@ -195,7 +209,7 @@ def load_factory(spec: str):
     from kvfast.runtime import load_object
 
     return load_object(
-        spec,
+        OWN_FACTORIES.get(spec, spec),
         "factory",
         accept=callable,
         allowed="a callable (a function or class) that returns a model under test",
@@ -208,7 +222,10 @@ def build_model(spec: str, factory_args: dict[str, object]):
     """``FACTORY(**factory_args)`` for ``spec``; ``ValueError`` (bad input) if the arguments do not fit its
     signature or the factory raises ``ValueError`` (its verdict on them), else
     :class:`~kvfast.check.protocol.ModelUnderTestError` if the factory (or its module) raises or exits."""
+    import inspect
+
     from kvfast.check.protocol import call_model
+    from kvfast.validation import not_allowed
 
     factory = load_factory(spec)
     try:
@@ -246,8 +263,11 @@ def require_model_under_test(model: object, call: str) -> None:
 
 
 def check_args(args) -> None:
-    """Every check of the arguments before the child starts (bad input before any work): the prompt, the
+    """Every check of the arguments before the child gets its request (bad input before any work): the prompt, the
     factory's spec and arguments, and the options (:func:`check_options`)."""
+    from kvfast.runtime import split_ref
+    from kvfast.validation import not_allowed
+
     parse_prompt(args.prompt)
     parse_factory_args(args.factory_arg)
     check_options(args)
@@ -282,9 +302,12 @@ def check_options(args):
 
 def run_check(args, started: float | None = None) -> dict:
     """The check itself (in the child): ``{"kind": ..., ...}`` for the parent (see :func:`child`)."""
+    from dataclasses import replace
+
     from kvfast.check.checker import check_cache_with
     from kvfast.check.protocol import CheckTimeout, ModelUnderTestError, watched
     from kvfast.check.report import UNCHECKED
+    from kvfast.runtime.child import TIMELINE, mark
 
     try:
         options = replace(check_options(args), timeout=None)  # --timeout is this process's watch (below)
@@ -294,7 +317,11 @@ def run_check(args, started: float | None = None) -> dict:
                 if getattr(args, "engine", None)
                 else build_model(args.factory, parse_factory_args(args.factory_arg))
             )
+            if os.environ.get(TIMELINE):
+                mark("child: model built")
+                _mark_first_call(model)
             report = check_cache_with(model, parse_prompt(args.prompt), options)
+            mark("child: verdict")
     except ValueError as exc:
         return {"kind": "bad input", "line": str(exc)}
     except ModelUnderTestError as exc:
@@ -316,6 +343,40 @@ def run_check(args, started: float | None = None) -> dict:
     return {"kind": "report", "text": text, "code": code}
 
 
+def _mark_first_call(model) -> None:
+    """``KVFAST_TIMELINE`` only: the first call of any of ``model``'s methods the checker runs is marked when it
+    starts and when it returns (a wrapper set on the instance, removed at that first call)."""
+    from kvfast.runtime.child import mark
+
+    names = [
+        n for n in ("recompute", "prefill", "extend", "decode", "decode_greedy") if callable(getattr(model, n, None))
+    ]
+    originals = {n: getattr(model, n) for n in names}
+    called: list[bool] = []
+
+    def first(name):
+        def call(*a, **k):
+            if called:  # a wrapper the checker kept: the plain call
+                return originals[name](*a, **k)
+            called.append(True)
+            for n in names:
+                vars(model).pop(n, None)
+            mark(f"child: first model call ({name})")
+            try:
+                return originals[name](*a, **k)
+            finally:
+                mark("child: first model call returned")
+
+        return call
+
+    try:
+        for n in names:
+            setattr(model, n, first(n))
+    except (AttributeError, TypeError):  # an instance without a __dict__: no marks
+        for n in names:
+            getattr(model, "__dict__", {}).pop(n, None)
+
+
 def _reproducers(args, model, report) -> str:
     """``--repro DIR``: a reproducer per failing scenario (:func:`kvfast.repro.findings.reproduce_report`), as
     lines for the report."""
@@ -335,47 +396,79 @@ def _reproducers(args, model, report) -> str:
 
 BOOT = (
     "import json, sys\n"
-    "with open(sys.argv[1]) as f:\n"
-    "    request = json.load(f)\n"
-    "sys.path[:] = request['path']\n"
+    "boot = json.loads(sys.argv[1])\n"
+    "sys.path[:] = boot['path']\n"
     "from kvfast.commands.check import child\n"
-    "child(request)\n"
+    "child(boot)\n"
 )
 
 
-def child(request: dict) -> None:
-    """The child process (:func:`kvfast.runtime.child.run_in_child`): run the check, write
-    ``{"kind": ...}`` for the parent, exit 0.
+def child(boot: dict) -> None:
+    """The child process (:func:`kvfast.runtime.child.start_child`): import kvfast's checker, read the request,
+    run the check, write ``{"kind": ...}`` for the parent, exit 0 (no request: exit 0 at once).
 
     Kinds: ``report`` (``text``, ``code``), ``bad input``, ``model``, ``timeout`` (``line``), ``bug``
     (``traceback``). ``--timeout`` counts from the moment kvfast itself is imported here: the deadline is
     for the user's code, so a slow start of the interpreter and of kvfast on a loaded machine can never
     be blamed on the model or its module.
     """
-    from kvfast.runtime.child import child_done, child_ready, child_started
+    import os
 
-    child_started(request)
+    from kvfast.runtime.child import child_done, child_ready, child_started, mark, read_request
+
+    child_started(boot)
     import kvfast.check.checker  # noqa: F401 - kvfast's own start-up, before the deadline starts
 
-    started = child_ready(request)
+    mark("child: kvfast imported")
+    request = read_request(boot)
+    if request is None:  # discarded (bad input, --help) before any work
+        os._exit(0)
+    mark("child: request read")
+    started = child_ready(boot)
     args = argparse.Namespace(**request["args"])
     try:
         result = run_check(args, started)
     except KeyboardInterrupt as exc:  # nobody else signals this process (its own session): the model did
         result = {"kind": "model", "line": f"the model under test failed: its process got {exc!r}"}
     except BaseException:  # noqa: BLE001 - anything else is kvfast's own bug, reported with its traceback
+        import traceback
+
         result = {"kind": "bug", "traceback": traceback.format_exc()}
-    child_done(request, result)
+    child_done(boot, result)
+
+
+_EARLY: list = []  # the child start_early started, until discard_early (run uses it meanwhile)
+
+
+def start_early(argv: list[str]) -> None:
+    """``kvfast check ARGV``, before any parsing (:func:`kvfast.cli.main`): start the check's child now, so
+    that its interpreter and kvfast's imports overlap this process's parsing and validation (not for
+    ``--help``). :func:`run` uses it; :func:`discard_early` ends it (a no-op after :func:`run`)."""
+    from kvfast.runtime.child import mark, start_child
+
+    mark("parent: kvfast check started")
+    discard_early()
+    if not any(a in ("-h", "--help") for a in argv):
+        _EARLY.append(start_child(BOOT))
+
+
+def discard_early() -> None:
+    """End the child :func:`start_early` started, if it still runs (bad input, a parse error, a Ctrl-C)."""
+    while _EARLY:
+        _EARLY.pop().discard()
 
 
 def run(args) -> int:
-    from kvfast.runtime.child import run_in_child
+    from kvfast.runtime.child import mark, run_in_child
+    from kvfast.validation import one_line
 
     check_args(args)
     request = {"args": {k: v for k, v in vars(args).items() if k != "func"}}
     request["args"]["command_line"] = " ".join(["kvfast", *sys.argv[1:]])
+    early = _EARLY[-1] if _EARLY else None  # left there: discard_early ends it too, even on a Ctrl-C right here
+    mark("parent: arguments checked")
     try:
-        outcome = run_in_child(BOOT, request, args.timeout, GRACE_S)
+        outcome = run_in_child(BOOT, request, args.timeout, GRACE_S, child=early)
     except KeyboardInterrupt:
         print("kvfast: interrupted; the check's processes were killed", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -397,6 +490,7 @@ def run(args) -> int:
     kind = result["kind"]
     if kind == "report":
         print(result["text"])
+        mark("parent: report printed")
         return int(result["code"])
     if kind == "bug":
         print(result["traceback"], end="", file=sys.stderr)

@@ -22,10 +22,12 @@ import argparse
 import sys
 import time
 from pathlib import Path
-
-import pandas as pd
+from typing import TYPE_CHECKING
 
 from kvfast.validation import one_line
+
+if TYPE_CHECKING:  # pandas is imported where a table is printed: building the parsers never loads it
+    import pandas as pd
 
 EXIT_FAILED = 1
 EXIT_LOST = 3
@@ -153,6 +155,8 @@ def add_exec_options(p: argparse.ArgumentParser) -> None:
 def _table(df: pd.DataFrame) -> str:
     if df is None or len(df) == 0:
         return "(no rows)"
+    import pandas as pd
+
     with pd.option_context("display.width", 200, "display.max_columns", 50, "display.max_colwidth", 80):
         return df.to_string(index=False)
 
@@ -170,6 +174,8 @@ def cmd_grids(args) -> int:
             )
         except ValueError as exc:
             rows.append({"grid": name, "study": "?", "runs": "invalid", "description": str(exc)})
+    import pandas as pd
+
     print(_table(pd.DataFrame(rows)))
     return 0
 

@@ -17,10 +17,45 @@ the commands alike.
   (:func:`run_in_child`; ``kvfast check``'s isolation).
 """
 
-from kvfast.runtime.deadline import CheckTimeout, check_timeout, watched
-from kvfast.runtime.interrupt import INTERRUPTED, ctrl_c_noted, on_sigint
-from kvfast.runtime.load import load_object, probing_imports, split_ref, working_dir_on_path
-from kvfast.runtime.user import ProcessEnded, UserCodeError, call_user, describe
+import importlib
+
+# public name -> the module that defines it, imported on first use: the command line imports
+# :mod:`kvfast.runtime.child` before anything heavy (``kvfast.validation`` loads NumPy)
+_EXPORTS = {
+    "CheckTimeout": "kvfast.runtime.deadline",
+    "check_timeout": "kvfast.runtime.deadline",
+    "watched": "kvfast.runtime.deadline",
+    "INTERRUPTED": "kvfast.runtime.interrupt",
+    "ctrl_c_noted": "kvfast.runtime.interrupt",
+    "on_sigint": "kvfast.runtime.interrupt",
+    "load_object": "kvfast.runtime.load",
+    "probing_imports": "kvfast.runtime.load",
+    "split_ref": "kvfast.runtime.load",
+    "working_dir_on_path": "kvfast.runtime.load",
+    "ProcessEnded": "kvfast.runtime.user",
+    "UserCodeError": "kvfast.runtime.user",
+    "call_user": "kvfast.runtime.user",
+    "describe": "kvfast.runtime.user",
+}
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:  # a submodule not imported yet (``import kvfast.runtime`` once imported them all)
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise
+        raise AttributeError(f"module 'kvfast.runtime' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
 
 __all__ = [
     "INTERRUPTED",

@@ -1,18 +1,27 @@
 """The user's code in a child process that this one survives: ``kvfast check``'s isolation.
 
-:func:`run_in_child` starts ``python -c BOOT REQUEST.json`` (the same interpreter and ``sys.path``, its
-own session and process group) and waits for it; the child reports back through a file. A child that
-ends without a report (``os._exit``, a crash, a signal) can never read as a success; a child past its
+:func:`run_in_child` starts ``python -c BOOT`` (the same interpreter and ``sys.path``, its own session and
+process group), hands it a request and waits for it; the child reports back through a file. Starting it
+and sending the request are two steps (:func:`start_child`, :meth:`Child.send`), so that a caller can
+start the child before it has its request: the child's interpreter and kvfast's imports then run while
+the caller parses and validates its arguments (``kvfast check``). A child never sent a request runs
+nothing but kvfast's imports and ends (:meth:`Child.discard`, or its caller's death). A child that ends
+without a report (``os._exit``, a crash, a signal) can never read as a success; a child past its
 ``timeout`` (plus ``grace``, the time its own in-process timer has to report) is killed with its whole
 process group, as it is on Ctrl-C and at the end in any case, so nothing the user's code started
-outlives it. The child, for its part (:func:`child_started`, :func:`child_ready`, :func:`child_done`):
+outlives it. The child, for its part (:func:`child_started`, :func:`read_request`, :func:`child_ready`,
+:func:`child_done`):
 
 - kills its own process group when the parent dies (a watchdog thread reads a pipe the parent holds);
-- writes a byte on the ready pipe once kvfast itself is imported: the parent's ``timeout`` counts from
-  then, so a slow start of the interpreter and of kvfast on a loaded machine is never blamed on the
-  user's code (the child's own timer counts from the same moment: :func:`child_ready`'s time);
+- reads its request once kvfast itself is imported (it waits until the parent sends it), then writes a
+  byte on the ready pipe: the parent's ``timeout`` counts from then, so a slow start of the interpreter
+  and of kvfast on a loaded machine, or the parent's own checks of its arguments, are never blamed on
+  the user's code (the child's own timer counts from the same moment: :func:`child_ready`'s time);
 - writes its result (a JSON object) atomically and ends with ``os._exit(0)``, so no ``atexit`` hook or
   finalizer of the user's code runs after the report.
+
+:func:`mark`: with ``KVFAST_TIMELINE=FILE`` in the environment, each process appends its time marks to
+FILE (the warm check's timeline: ``benchmarks/compile_profile.py --warm-check``); without it, nothing.
 """
 
 from __future__ import annotations
@@ -20,20 +29,23 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
-from typing import NoReturn
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from typing import NoReturn
 
 
-@dataclass(frozen=True)
-class ChildOutcome:
+class ChildOutcome(NamedTuple):
     """How a child ended: ``result`` (its report, ``None`` if it wrote none), its ``returncode``, and
-    whether it was killed at its ``timeout`` (``timed_out``)."""
+    whether it was killed at its ``timeout`` (``timed_out``). (A named tuple, not a dataclass: this
+    module is imported before the child starts, and ``dataclasses`` imports ``inspect``.)"""
 
     result: dict | None
     returncode: int
@@ -67,38 +79,76 @@ def _wait_until_ready(proc: subprocess.Popen, ready_fd: int) -> None:
             return
 
 
-def run_in_child(boot: str, request: dict, timeout: float | None = None, grace: float = 1.5) -> ChildOutcome:
-    """Run ``python -c boot REQUEST`` (see the module doc) and wait for it; its :class:`ChildOutcome`.
+TIMELINE = "KVFAST_TIMELINE"  # the environment variable naming the file :func:`mark` appends to
 
-    ``request`` (JSON) reaches the child with ``path`` (this ``sys.path``), ``result`` (the file to
-    write), ``watch_fd`` and ``ready_fd`` added. ``timeout``: seconds from the child's ready byte after
-    which (plus ``grace``) it is killed. A ``KeyboardInterrupt`` here kills the child's group and is
-    raised again.
-    """
-    with tempfile.TemporaryDirectory(prefix="kvfast-child-") as tmp:
-        watch_read, watch_write = os.pipe()
-        ready_read, ready_write = os.pipe()
-        request = {
-            **request,
+
+def mark(label: str) -> None:
+    """Append ``TIME PID LABEL`` (``time.time()``, this process's id) to the file ``$KVFAST_TIMELINE`` names;
+    nothing when it is not set. One ``write`` per line on a file opened to append, so the lines of the
+    processes of one command never mix."""
+    path = os.environ.get(TIMELINE)
+    if not path:
+        return
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, f"{time.time():.6f} {os.getpid()} {label}\n".encode())
+    finally:
+        os.close(fd)
+
+
+class Child:
+    """A child process started by :func:`start_child`, waiting for its request: :meth:`send` it, then
+    :meth:`wait`; :meth:`discard` ends it (always call it: after :meth:`wait` it kills whatever the user's
+    code left running in the child's session and removes the child's files)."""
+
+    def __init__(self, boot: str) -> None:
+        self._tmp = tempfile.mkdtemp(prefix="kvfast-child-")
+        watch_read, self._watch_write = os.pipe()
+        request_read, self._request_write = os.pipe()
+        self._ready_read, ready_write = os.pipe()
+        self.result_path = os.path.join(self._tmp, "result.json")
+        self._request_path = os.path.join(self._tmp, "request.json")
+        boot_info = {
             "path": [str(p) for p in sys.path],
-            "result": os.path.join(tmp, "result.json"),
+            "result": self.result_path,
+            "request": self._request_path,
+            "request_fd": request_read,
             "watch_fd": watch_read,
             "ready_fd": ready_write,
         }
-        with open(os.path.join(tmp, "request.json"), "w") as f:
-            json.dump(request, f)
         try:
-            proc = subprocess.Popen(
-                [sys.executable, "-c", boot, os.path.join(tmp, "request.json")],
-                pass_fds=(watch_read, ready_write),
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", boot, json.dumps(boot_info)],
+                pass_fds=(watch_read, request_read, ready_write),
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
+        except BaseException:
+            for fd in (self._watch_write, self._request_write, self._ready_read):
+                os.close(fd)
+            os.rmdir(self._tmp)
+            raise
         finally:
-            os.close(watch_read)
-            os.close(ready_write)
+            for fd in (watch_read, request_read, ready_write):
+                os.close(fd)
+        self._sent = False
+        self._closed = False
+        mark("parent: child spawned")
+
+    def send(self, request: dict) -> None:
+        """Hand the child its request (JSON): written to a file, then the request pipe closed (never blocks)."""
+        with open(self._request_path + ".part", "w") as f:
+            json.dump(request, f)
+        os.replace(self._request_path + ".part", self._request_path)
+        os.close(self._request_write)
+        self._sent = True
+
+    def wait(self, timeout: float | None = None, grace: float = 1.5) -> ChildOutcome:
+        """Wait for the child (see :func:`run_in_child`); its :class:`ChildOutcome`. A ``KeyboardInterrupt``
+        here kills the child's group and is raised again."""
+        proc = self.proc
         try:
-            _wait_until_ready(proc, ready_read)
+            _wait_until_ready(proc, self._ready_read)
             # the child's own timer fires at timeout from here; this one only ends code it cannot interrupt
             proc.wait(timeout=None if timeout is None else timeout + grace)
         except subprocess.TimeoutExpired:
@@ -111,13 +161,49 @@ def run_in_child(boot: str, request: dict, timeout: float | None = None, grace: 
             raise
         finally:
             kill_group(proc.pid)  # whatever the user's code left running in the child's session
-            os.close(watch_write)
-            os.close(ready_read)
         try:
-            with open(request["result"]) as f:
+            with open(self.result_path) as f:
                 return ChildOutcome(json.load(f), proc.returncode)
         except FileNotFoundError:
             return ChildOutcome(None, proc.returncode)
+
+    def discard(self) -> None:
+        """End the child's process group (if it still runs), close this side's pipes, remove the child's files.
+        Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        kill_group(self.proc.pid)
+        self.proc.wait()
+        os.close(self._watch_write)
+        os.close(self._ready_read)
+        if not self._sent:
+            os.close(self._request_write)
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def start_child(boot: str) -> Child:
+    """Start ``python -c boot BOOT_INFO`` (see the module doc); it waits for :meth:`Child.send`.
+
+    ``BOOT_INFO`` (JSON, the child's ``sys.argv[1]``): ``path`` (this ``sys.path``), ``result`` (the file to
+    write), ``request`` (the file :func:`read_request` reads), ``request_fd``, ``watch_fd`` and ``ready_fd``.
+    """
+    return Child(boot)
+
+
+def run_in_child(
+    boot: str, request: dict, timeout: float | None = None, grace: float = 1.5, child: Child | None = None
+) -> ChildOutcome:
+    """Run ``request`` in a child (``child``, started by :func:`start_child`, or a new one of ``boot``) and wait
+    for it; its :class:`ChildOutcome`. ``timeout``: seconds from the child's ready byte after which (plus
+    ``grace``) it is killed. A ``KeyboardInterrupt`` here kills the child's group and is raised again."""
+    if child is None:
+        child = start_child(boot)
+    try:
+        child.send(request)
+        return child.wait(timeout, grace)
+    finally:
+        child.discard()
 
 
 def child_started(request: dict) -> None:
@@ -131,9 +217,23 @@ def child_started(request: dict) -> None:
     threading.Thread(target=watchdog, args=(request["watch_fd"],), daemon=True).start()
 
 
+def read_request(boot: dict) -> dict | None:
+    """In the child, once kvfast is imported: its request, when the parent sends it (:meth:`Child.send`);
+    ``None`` if the parent closed the pipe without one (it discarded this child, or it died)."""
+    fd = boot["request_fd"]
+    while os.read(fd, 4096):  # the parent only closes it: EOF
+        pass
+    os.close(fd)
+    try:
+        with open(boot["request"]) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
 def child_ready(request: dict) -> float:
-    """In the child, once kvfast is imported: tell the parent (its timeout counts from now); the
-    ``time.time()`` the child's own deadline counts from."""
+    """In the child, once kvfast is imported and its request read: tell the parent (its timeout counts from
+    now); the ``time.time()`` the child's own deadline counts from."""
     started = time.time()
     os.write(request["ready_fd"], b"r")
     os.close(request["ready_fd"])
@@ -146,6 +246,7 @@ def child_done(request: dict, result: dict) -> NoReturn:
     with open(part, "w") as f:
         json.dump(result, f)
     os.replace(part, request["result"])
+    mark("child: result written")
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # no atexit hook or finalizer of the user's code runs after the report

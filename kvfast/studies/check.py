@@ -35,14 +35,14 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from kvfast.check import CheckOptions, KvfastModel, check_cache_with
+from kvfast.bugs.kvfast_model import kvfast_model  # noqa: F401 - the built-in study's factory (defined there)
+from kvfast.check import CheckOptions, check_cache_with
 from kvfast.check.checker import as_model_under_test
 from kvfast.check.options import MODES
 from kvfast.check.protocol import vocab_of
 from kvfast.kernels.attention import ATTENTION_CODES
 from kvfast.kernels.reduce import ORDER_CODES
-from kvfast.model.config import ModelConfig, init_params
-from kvfast.numerics import PRESETS, Numerics
+from kvfast.numerics import PRESETS
 from kvfast.runtime import load_object
 from kvfast.studies.base import Claim, Figure, Study
 from kvfast.studies.common import MODEL_SHAPE_FIELDS, NO_BUG, ok_rows, require_config_choice
@@ -74,26 +74,6 @@ RESULT_FIELDS: dict[str, pa.DataType] = {
     "worst_scenario": pa.string(),
     "tokens": pa.string(),
 }
-
-
-def kvfast_model(
-    seed: int,
-    n_layer: int,
-    n_head: int,
-    d_model: int,
-    d_ff: int,
-    vocab: int,
-    preset: str,
-    order: str,
-    attention: str,
-    bug: str,
-    max_pos: int = 256,
-) -> KvfastModel:
-    """kvfast's transformer with random parameters from ``seed``, in ``preset``/``order``/``attention``,
-    with catalogue bug ``bug`` (``"none"``: clean). The built-in ``check`` study's default factory."""
-    cfg = ModelConfig(vocab=vocab, d_model=d_model, n_head=n_head, n_layer=n_layer, d_ff=d_ff, max_pos=max_pos)
-    numerics = Numerics.preset(preset, order, attention)
-    return KvfastModel(cfg, init_params(cfg, seed), numerics, bug=None if bug == NO_BUG else bug)
 
 
 @functools.lru_cache(maxsize=64)
