@@ -113,6 +113,7 @@ def render(case: Case) -> str:
         "FOUND_ON": str(case.versions.get("transformers")),
         "CALLS": repr(case.calls),
         "THRESHOLD": repr([float(t) for t in case.threshold]),
+        "THREADS": repr(_torch_threads()),
         "FOUND_VERSIONS": _versions_text(case),
         "PATCH": patch_for(case.bug),
     }
@@ -120,6 +121,14 @@ def render(case: Case) -> str:
     for key, value in fields.items():
         text = text.replace(f"@{key}@", value)
     return text
+
+
+def _torch_threads() -> int:
+    """torch's intra-op thread count in this process (where the case was checked), 1 without torch."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    return int(torch.get_num_threads()) if torch is not None else 1
 
 
 def _reorder_points(case: Case) -> list[int]:

@@ -53,6 +53,9 @@ REORDER_AT = @REORDER_AT@  # reorder: the decode steps before which the two beam
 # model builds its own cache (or which cache class it is given), whether an attention mask is passed (per call
 # kind), position_ids, cache_position, and whether the cache records its past before a rollback.
 CALLS = @CALLS@
+# torch's intra-op threads when kvfast found it: some kernels (Mamba's reference scan among them) add in another
+# order with another thread count, which moves a real bug's per-step difference in its third digit.
+THREADS = @THREADS@
 # The largest |cached - recompute| each step may show (step 0 first); see the docstring for where it comes from.
 THRESHOLD = @THRESHOLD@
 
@@ -308,6 +311,7 @@ def main():
     if PROMOTE is not None:
         print(f"run in {PROMOTE}: the model's weights are {DTYPE}'s, its arithmetic {PROMOTE}'s (in {DTYPE} the "
               f"difference hides in {DTYPE}'s rounding; in {PROMOTE} it stands above it)")
+    torch.set_num_threads(THREADS)
     model = build_model()
     prompt, tokens = (BRANCH_PROMPT, BRANCH_TOKENS) if JUDGED == "branch" else (PROMPT, TOKENS)
     if JUDGED == "branch":
