@@ -7,6 +7,10 @@ check (:func:`ctrl_c_noted`) and a sweep install; :func:`kvfast.runtime.user.cal
 
 from __future__ import annotations
 
+# _signal: the C functions under signal.signal / signal.getsignal, the same calls without the wrappers' enum
+# conversions (each wrapper call tries Handlers(value), which raises and catches a ValueError for a Python
+# handler: about 5 us, three times per watched check)
+import _signal
 import signal
 import threading
 from collections.abc import Iterator
@@ -27,12 +31,16 @@ def ctrl_c_noted() -> Iterator[None]:
     (main thread only; restored afterwards; :data:`INTERRUPTED` cleared first). Any other handler
     (a sweep's, a test runner's) is left alone."""
     main = threading.current_thread() is threading.main_thread()
-    if not main or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+    if not main or _signal.getsignal(_SIGINT) is not _DEFAULT:
         yield
         return
     INTERRUPTED.clear()
-    signal.signal(signal.SIGINT, on_sigint)
+    _signal.signal(_SIGINT, on_sigint)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        _signal.signal(_SIGINT, _DEFAULT)
+
+
+_SIGINT = int(signal.SIGINT)
+_DEFAULT = signal.default_int_handler
