@@ -85,6 +85,7 @@ both exact). A leading batch axis of size 1 is dropped. Logits must be finite.
 
 from __future__ import annotations
 
+import math
 import types
 from collections.abc import Callable, Mapping
 from typing import NoReturn
@@ -195,8 +196,10 @@ def check_logits(value: object, method: str, rows: int | None, vocab: int | None
         expected = f"({v},)" if rows is None else f"({rows}, {v})"
         raise ValueError(f"model.{method}{_at(where)}: logits of shape {shape} are not allowed; allowed: {expected}")
     arr = arr.astype(np.float64, copy=True)  # the checker's own copy: a model may reuse its output buffer
-    finite = np.isfinite(arr)
-    if not np.logical_and.reduce(finite, axis=None):  # ndarray.all() without its Python wrapper
+    # a finite sum proves every value finite (an inf or a NaN makes the sum inf or NaN): one reduction; a sum that
+    # is not finite (a non-finite value, or finite ones whose sum overflows) is looked at value by value
+    if not math.isfinite(_SUM(arr, axis=None)) and not np.logical_and.reduce(np.isfinite(arr), axis=None):
+        finite = np.isfinite(arr)
         idx = np.argwhere(~finite)[0]
         bad = arr[tuple(idx)]
         raise ValueError(
@@ -204,6 +207,9 @@ def check_logits(value: object, method: str, rows: int | None, vocab: int | None
             "allowed: finite numbers"
         )
     return arr
+
+
+_SUM = np.add.reduce
 
 
 def _at(where: str) -> str:
@@ -217,15 +223,15 @@ def check_prompt(prompt: object) -> np.ndarray:
         raise ValueError(f"prompt: shape {arr.shape} is not allowed; allowed: a non-empty 1-D sequence of token ids")
     if arr.dtype.kind not in "iu":
         raise ValueError(f"prompt: dtype {arr.dtype} is not allowed; allowed: integer token ids")
-    if (arr < 0).any():
+    if arr.min() < 0:
         raise ValueError(f"prompt: token {int(arr[arr < 0][0])} is out of range; allowed: integers >= 0")
     return arr.astype(np.int64)
 
 
 def check_range(prompt: np.ndarray, vocab: int, field: str = "prompt") -> None:
     """Raise ``ValueError`` if a token of ``field`` is not in ``[0, vocab)``."""
-    bad = prompt >= vocab
-    if bad.any():
+    if prompt.size and prompt.max() >= vocab:
+        bad = prompt >= vocab
         raise ValueError(f"{field}: token {int(prompt[bad][0])} is out of range; allowed: integers in [0, {vocab})")
 
 
