@@ -209,7 +209,7 @@ def check_logits(value: object, method: str, rows: int | None, vocab: int | None
     return arr
 
 
-_SUM = np.add.reduce
+_SUM, _MIN, _MAX = np.add.reduce, np.minimum.reduce, np.maximum.reduce
 
 
 def _at(where: str) -> str:
@@ -223,14 +223,14 @@ def check_prompt(prompt: object) -> np.ndarray:
         raise ValueError(f"prompt: shape {arr.shape} is not allowed; allowed: a non-empty 1-D sequence of token ids")
     if arr.dtype.kind not in "iu":
         raise ValueError(f"prompt: dtype {arr.dtype} is not allowed; allowed: integer token ids")
-    if arr.min() < 0:
+    if _MIN(arr) < 0:
         raise ValueError(f"prompt: token {int(arr[arr < 0][0])} is out of range; allowed: integers >= 0")
     return arr.astype(np.int64)
 
 
 def check_range(prompt: np.ndarray, vocab: int, field: str = "prompt") -> None:
     """Raise ``ValueError`` if a token of ``field`` is not in ``[0, vocab)``."""
-    if prompt.size and prompt.max() >= vocab:
+    if prompt.size and _MAX(prompt) >= vocab:
         bad = prompt >= vocab
         raise ValueError(f"{field}: token {int(prompt[bad][0])} is out of range; allowed: integers in [0, {vocab})")
 
