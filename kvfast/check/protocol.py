@@ -407,7 +407,9 @@ class ModelCalls:
 
     def recompute(self, tokens: np.ndarray, where: str | None = None) -> np.ndarray:
         """``recompute(tokens)``: ``(len(tokens), V)``; ``where`` defaults to ``of the first N tokens``."""
-        return self.recompute_with_format(tokens, where)[0]
+        n = tokens.shape[0]
+        raw = self.model.recompute(tokens.copy())
+        return check_logits(raw, "recompute", n, self.vocab, f"of the first {n} tokens" if where is None else where)
 
     def recompute_with_format(self, tokens: np.ndarray, where: str | None = None) -> tuple[np.ndarray, str]:
         """``recompute(tokens)`` and the format its logits came in (:func:`kvfast.check.protocol.logits_format`)."""
