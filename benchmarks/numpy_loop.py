@@ -21,6 +21,8 @@ Three ways to do the same 216 runs, timed on one core (BLAS limited to one threa
   runs: the per-run work without the engine (planning, chunking, rows, Parquet).
 - **the engine alone** (:func:`lookup_grid`): the engine on the grid with the study's run replaced by a lookup
   of its rows: the engine's own time per run (printed, not a candidate).
+- **the study's models** (:func:`time_study_models`): building the parameter sets and their prepared weights
+  from a fresh state, per run (part of every kvfast candidate; printed, not a candidate).
 - **kvfast's model calls alone** (:func:`model_calls`): the calls a run's check makes to kvfast's
   model, without the checker (nothing validated or compared): the ceiling the checker's Python works
   under, and ``1 - model / loop`` its share.
@@ -300,6 +302,23 @@ def model_calls(config: dict) -> None:
         model.recompute(final[:q])
 
 
+def time_study_models(configs: list[dict]) -> tuple[Clock, Clock]:
+    """What building the study's models costs in a run from a fresh state: its parameter sets
+    (``exactness.model_for`` of every run) and their prepared weights (``prepared_weights``, what each run's
+    ``KvfastModel`` does first)."""
+    from kvfast.check.adapters import prepared_weights
+    from kvfast.numerics import Numerics
+    from kvfast.studies import exactness
+
+    fresh_state()
+    with Clock() as sets:
+        models = [exactness.model_for(c) for c in configs]
+    with Clock() as prepared:
+        for c, (cfg, params) in zip(configs, models, strict=True):
+            prepared_weights(cfg, params, Numerics.preset(c["preset"], c["order"]))
+    return sets, prepared
+
+
 def time_model_calls(configs: list[dict]) -> Clock:
     fresh_state()
     with Clock() as clock:
@@ -376,12 +395,15 @@ def main(argv: list[str] | None = None) -> int:
               f"deviation {worst:.2e} (tolerance 1e-12: {'ok' if worst <= 1e-12 else 'EXCEEDED'}); "
               f"token strings equal to kvfast's: {same_tokens}/{len(configs)}")  # fmt: skip
         alone = lookup_grid(grid)
-        times: dict[str, list[Clock]] = {"numpy": [], "loop": [], "engine": [], "model": [], "init": [], "alone": []}
+        times: dict[str, list[Clock]] = {
+            "numpy": [], "loop": [], "engine": [], "model": [], "init": [], "alone": [], "sets": [], "prepared": []
+        }  # fmt: skip
         for i in range(args.repeats + 1):  # round 0 warms up (Numba cache load, lru caches, BLAS)
             clocks = {"numpy": time_numpy(configs), "loop": time_kvfast_loop(grid), "engine": time_engine(grid, tmp, i)}
             clocks["model"] = time_model_calls(configs)
             clocks["init"] = time_init(configs)
             clocks["alone"] = time_engine(alone, tmp, f"alone{i}")
+            clocks["sets"], clocks["prepared"] = time_study_models(configs)
             if i:
                 for key, clock in clocks.items():
                     times[key].append(clock)
@@ -410,6 +432,9 @@ def main(argv: list[str] | None = None) -> int:
               f"engine's wall; the checker's own (study run in a loop - model calls alone): "
               f"{(med['loop'] - med['model']) / n * 1e6:.0f} us wall, {(cpu['loop'] - cpu['model']) / n * 1e6:.0f} us "
               "CPU per run")  # fmt: skip
+        print(f"the study's models from a fresh state (in the model calls above): parameter sets "
+              f"{med['sets'] / n * 1e6:.0f} us wall, their prepared weights {med['prepared'] / n * 1e6:.0f} us wall "
+              "per run")  # fmt: skip
         sets, seeds = shared_parameter_sets(configs)
         print(f"model building alone (init_params once per run, as the NumPy loop does): {med['init']:.3f} s wall, "
               f"{med['init'] / med['numpy']:.0%} of the NumPy loop's; kvfast's study builds {sets} parameter sets "

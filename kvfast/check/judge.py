@@ -54,11 +54,17 @@ def deviations(run: CachePath, rows: np.ndarray, start: int = 0) -> tuple[np.nda
     first, outs = run.prompt_rows, run.decoded
     T = first.shape[0]
     dev = np.empty(outs.shape[0] + 1)
-    diff0 = np.abs(first[start:] - rows[start:T]).max(axis=1)
-    dev[0] = diff0.max()
-    dev[1:] = np.abs(outs - rows[T:]).max(axis=1)
-    bad_rows = np.nonzero(diff0 > 0)[0]
-    return dev, (start + int(bad_rows[0]) if bad_rows.size else None)
+    diff = first[start:] - rows[start:T]
+    diff0 = _MAX(np.abs(diff, out=diff), axis=1)
+    dev[0] = _MAX(diff0, axis=None)
+    diff = outs - rows[T:]
+    _MAX(np.abs(diff, out=diff), axis=1, out=dev[1:])
+    if not dev[0] > 0:  # (dev[0] is 0 or more: no prompt row differs)
+        return dev, None
+    return dev, start + int(np.nonzero(diff0 > 0)[0][0])
+
+
+_MAX = np.maximum.reduce
 
 
 @dataclass(frozen=True)
@@ -91,9 +97,9 @@ class ExactJudge(Judge):
 
     def judge(self, part: Part, fmt: str) -> ScenarioReport:
         dev, bad_row = deviations(part.path, part.rows, part.split or 0)
-        differs = np.nonzero(dev > 0)[0]
-        first = int(differs[0]) if differs.size else None
-        verdicts = tuple("divergent" if d else "exact" for d in (dev > 0).tolist())
+        differs = (dev > 0).tolist()
+        first = differs.index(True) if True in differs else None
+        verdicts = tuple("divergent" if d else "exact" for d in differs)
         return ScenarioReport(
             part.name, self.mode, part.prompt, part.path.fed, dev, verdicts,
             "divergent" if first is not None else "exact", first, bad_row, split=part.split, notes=part.notes,

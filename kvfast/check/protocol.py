@@ -212,6 +212,9 @@ def check_logits(value: object, method: str, rows: int | None, vocab: int | None
     return arr
 
 
+_MIN, _MAX = np.minimum.reduce, np.maximum.reduce
+
+
 def _at(where: str) -> str:
     return f" {where}" if where else ""
 
@@ -223,15 +226,15 @@ def check_prompt(prompt: object) -> np.ndarray:
         raise ValueError(f"prompt: shape {arr.shape} is not allowed; allowed: a non-empty 1-D sequence of token ids")
     if arr.dtype.kind not in "iu":
         raise ValueError(f"prompt: dtype {arr.dtype} is not allowed; allowed: integer token ids")
-    if (arr < 0).any():
+    if _MIN(arr) < 0:
         raise ValueError(f"prompt: token {int(arr[arr < 0][0])} is out of range; allowed: integers >= 0")
     return arr.astype(np.int64)
 
 
 def check_range(prompt: np.ndarray, vocab: int, field: str = "prompt") -> None:
     """Raise ``ValueError`` if a token of ``field`` is not in ``[0, vocab)``."""
-    bad = prompt >= vocab
-    if bad.any():
+    if prompt.size and _MAX(prompt) >= vocab:
+        bad = prompt >= vocab
         raise ValueError(f"{field}: token {int(prompt[bad][0])} is out of range; allowed: integers in [0, {vocab})")
 
 
@@ -412,7 +415,9 @@ class ModelCalls:
 
     def recompute(self, tokens: np.ndarray, where: str | None = None) -> np.ndarray:
         """``recompute(tokens)``: ``(len(tokens), V)``; ``where`` defaults to ``of the first N tokens``."""
-        return self.recompute_with_format(tokens, where)[0]
+        n = tokens.shape[0]
+        raw = self.model.recompute(tokens.copy())
+        return check_logits(raw, "recompute", n, self.vocab, f"of the first {n} tokens" if where is None else where)
 
     def recompute_with_format(self, tokens: np.ndarray, where: str | None = None) -> tuple[np.ndarray, str]:
         """``recompute(tokens)`` and the format its logits came in (:func:`kvfast.check.protocol.logits_format`)."""

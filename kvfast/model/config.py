@@ -107,7 +107,8 @@ def _cut(shapes: dict[str, tuple[int, ...]], draws: np.ndarray) -> dict[str, np.
     for name, shape in shapes.items():
         short = _short(name)
         if short in GAINS:
-            params[name] = np.ones(shape)
+            params[name] = gain = np.empty(shape)  # np.ones, without its Python wrapper (a third of the time)
+            gain.fill(1.0)
             continue
         block = draws[at : at + math.prod(shape)].reshape(shape)
         at += block.size

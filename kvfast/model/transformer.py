@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvfast.kernels.precision import round_array
+from kvfast.kernels.precision import F64, round_array
 from kvfast.model import layers as L
 from kvfast.model.addresses import kernels
 from kvfast.model.cache import KVCache
@@ -69,18 +69,39 @@ class Weights:
         """Validate ``params`` against ``config`` and round them to ``numerics.storage``."""
         checked = require_params(config, params)
         storage = numerics.codes[0]
-        # a read-only array (frozen by `cached`) is copied first: Numba would compile round_array
-        # once more for read-only arrays, a type of their own. f64 goes through round_array too (the
-        # identity, a copy with the same bits), so a sweep's warm-up run in any format compiles it and
-        # forked workers running other formats compile nothing (benchmarks/sweep.py counts it)
-        named = {name: round_array(a if a.flags.writeable else a.copy(), storage) for name, a in checked.items()}
-
-        def stacked(short: str) -> np.ndarray:
-            if short in named:  # not per layer
-                return named[short]
-            return np.ascontiguousarray(np.stack([named[f"h{i}.{short}"] for i in range(config.n_layer)]))
-
-        return cls(named, StackedWeights(*(stacked(short) for short in StackedWeights._fields)))
+        n_layer = config.n_layer
+        # Each per-layer tensor is stacked first (a copy), then rounded in one call: rounding is elementwise, so
+        # these are the bits of rounding each layer's array, in 12 calls instead of 4 + 9 per layer; `named`
+        # holds views of the stacked arrays. round_array only ever sees writable C-contiguous 1-D and 2-D arrays
+        # (a layer stack as 2-D rows): a read-only array (frozen by `cached`) is copied first, since Numba would
+        # compile round_array once more for read-only arrays (a type of their own), and a 3-D stack would be
+        # another. f64 storage is the identity (rnd returns its argument): its copy is the rounded array, bit for
+        # bit, without round_array's per-element loop (most of preparing a model). Yet f64 rounds gf and w_out
+        # through round_array (its 1-D and 2-D types), so that a sweep's warm-up run in any format compiles it
+        # and forked workers running other formats compile nothing (benchmarks/sweep.py counts it).
+        copy_only = storage == F64
+        named: dict[str, np.ndarray] = {}
+        fields = []
+        for short in StackedWeights._fields:
+            a = checked.get(short)
+            if a is not None:  # not per layer
+                if copy_only and short not in ("gf", "w_out"):
+                    out = a.copy()
+                else:
+                    out = round_array(a if a.flags.writeable else a.copy(), storage)
+                named[short] = out
+            else:
+                shape = checked[f"h0.{short}"].shape
+                out = np.empty((n_layer, *shape))
+                for i in range(n_layer):
+                    out[i] = checked[f"h{i}.{short}"]
+                if not copy_only:
+                    rows = out.reshape(n_layer, -1) if len(shape) == 1 else out.reshape(-1, shape[-1])
+                    out = round_array(rows, storage).reshape(out.shape)
+                for i in range(n_layer):
+                    named[f"h{i}.{short}"] = out[i]
+            fields.append(out)
+        return cls({name: named[name] for name in checked}, StackedWeights(*fields))
 
     @classmethod
     def cached(cls, config: ModelConfig, params: dict, numerics: Numerics) -> Weights:

@@ -17,9 +17,9 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
-from kvfast.runtime.interrupt import ctrl_c_noted
+from kvfast.runtime.interrupt import ctrl_c_noted, note_ctrl_c, unnote_ctrl_c
 from kvfast.validation import not_allowed
 
 
@@ -66,8 +66,7 @@ def check_timeout(timeout: object) -> float | None:
     return float(timeout)
 
 
-@contextmanager
-def watched(timeout: float | None, started: float | None = None) -> Iterator[None]:
+def watched(timeout: float | None, started: float | None = None) -> AbstractContextManager[None]:
     """Run the body as one watched call of the user's code (see the module doc).
 
     The deadline is a ``SIGALRM`` interval timer (it re-fires every 0.25 s until a guarded call sees it, so
@@ -75,8 +74,48 @@ def watched(timeout: float | None, started: float | None = None) -> Iterator[Non
     started. Nested calls (the logic check's inner check) share the outer watch. Previous handlers and a
     pending timer (e.g. pytest-timeout's) are restored afterwards. ``started``: a ``time.time()`` the
     deadline counts from (default now; ``kvfast check``'s child process counts from the end of kvfast's
-    own start-up). ``ValueError`` for a bad ``timeout``, or one outside the main thread.
+    own start-up). ``ValueError`` for a bad ``timeout``, or one outside the main thread (on entering).
+
+    Without a ``timeout`` (the common case: a sweep's runs, ``check_cache`` without one) the watch is a small
+    object (:class:`_Unlimited`) doing the same without a generator.
     """
+    if timeout is None:
+        return _Unlimited()
+    return _watched(timeout, started)
+
+
+class _Unlimited:
+    """``watched(None)``: the watch without a deadline, as :func:`_watched` runs it for ``None`` (outermost in
+    the main thread: the user's Ctrl-C noted as :func:`~kvfast.runtime.interrupt.ctrl_c_noted` does, and the
+    watch set for guarded calls; nested, or in another thread: nothing)."""
+
+    __slots__ = ("noted", "watch")
+
+    def __enter__(self) -> None:
+        global _watch
+        self.watch = None
+        if _watch is not None or threading.current_thread() is not threading.main_thread():
+            return
+        self.noted = note_ctrl_c()
+        self.watch = _watch = _Watch(None)
+
+    def __exit__(self, kind, error, tb) -> bool:
+        global _watch
+        watch = self.watch
+        if watch is None:
+            return False
+        watch.done = True
+        _watch = None
+        if self.noted:
+            unnote_ctrl_c()
+        if kind is Deadline:  # (no timer of this watch raises it)
+            raise CheckTimeout(0.0, "kvfast's comparison between model calls") from None
+        return False
+
+
+@contextmanager
+def _watched(timeout: float | None, started: float | None = None) -> Iterator[None]:
+    """:func:`watched` as a generator (any ``timeout``)."""
     global _watch
     timeout = check_timeout(timeout)
     main = threading.current_thread() is threading.main_thread()

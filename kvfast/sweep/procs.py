@@ -102,9 +102,10 @@ class RunTree:
 
     def __init__(self, reap: bool) -> None:
         self.reap = reap and LINUX
-        self.before = _run_children() if self.reap and not in_worker() else set(_KEEPER)  # a worker's own: its keeper
+        alone = self.reap and not in_worker()
+        self.before = _run_children() if alone else set(_KEEPER)  # a worker's own: its keeper
         self.was: int | None = None
-        if self.reap and not in_worker():
+        if alone:
             flag = ctypes.c_int(0)
             prctl(PR_SET_CHILD_SUBREAPER + 1, ctypes.byref(flag))  # PR_GET_CHILD_SUBREAPER
             self.was = flag.value
@@ -120,6 +121,10 @@ class RunTree:
         the worker's keeper kills when the worker ends.
         """
         if not self.reap:
+            return
+        if _run_children() <= self.before:  # (the common case: no child left; psutil not needed)
+            if self.was is not None:
+                prctl(PR_SET_CHILD_SUBREAPER, self.was)
             return
         import psutil
 

@@ -69,13 +69,11 @@ def run_one(study: Study, run: Run, limits: Limits = None) -> dict:
     reap = in_worker() or bool(limits and len(limits) > 2 and limits[2])
     pid, tree = os.getpid(), RunTree(reap)
     try:
-        with deadline(seconds, run.run_id, marker_dir):
-            try:
-                result = study.run(dict(run.config))
-            finally:
-                if os.getpid() != pid:  # a child the run forked returned (or raised) into kvfast's loop
-                    os._exit(0)
-                tree.end()
+        if seconds:
+            with deadline(seconds, run.run_id, marker_dir):
+                result = _run(study, run, pid, tree)
+        else:  # (no deadline: the same without entering one)
+            result = _run(study, run, pid, tree)
         if type(result) is not dict or result.keys() != study.result_fields.keys():
             _wrong_result(study, result)
         row = dict(result)
@@ -92,6 +90,17 @@ def run_one(study: Study, run: Run, limits: Limits = None) -> dict:
         row = _empty_row(study, run, "error", f"{type(exc).__name__}: {exc}{where}")
     row["wall_s"] = clock() - t0
     return row
+
+
+def _run(study: Study, run: Run, pid: int, tree: RunTree):
+    """The run itself (in :func:`run_one`'s deadline): ``study.run`` of a copy of its config, then the processes it
+    left ended; a process it forked that returns here exits at once."""
+    try:
+        return study.run(dict(run.config))
+    finally:
+        if os.getpid() != pid:  # a child the run forked returned (or raised) into kvfast's loop
+            os._exit(0)
+        tree.end()
 
 
 def run_chunk(study: Study, chunk: tuple[int, list[Run]], limits: Limits = None) -> tuple[int, list[dict]]:
