@@ -1,13 +1,13 @@
 """Issue 18, rule 5: no alarm on a correct model whose prefill is batched and whose decode is row by row.
 
 The model (examples/batched_prefill_model.py) offers the plain protocol only (no ``recompute_variants``, no
-``promote``), in float32 and bfloat16, with ``extend``. Control mode must call it ``rounding`` in both
-scenarios: over the example's grid, 0 ``bug`` and 0 ``inconclusive`` (20 runs by default, 200 with
-``-m slow``). Before the method of :mod:`kvfast.check.control` (odd prefix lengths and the steps factor) the
-grid's run 2 (a prompt of 16 tokens, 32 steps: every prefix length a multiple of 8, so the recompute looked
-append-invariant and no noise was measured) was ``inconclusive`` at 8x a one-ulp bound (OpenBLAS's kernels on an Intel CPU; the test pads the recompute to
-make that premise hold on every CPU); the tests below rebuild that old statistic and see it fail, and see a cache bug in the same model still found at the step
-where it first acts.
+``promote``), in float32 and bfloat16, with ``extend``. Control mode must call it ``rounding`` in both scenarios:
+over the example's grid, 0 ``bug`` and 0 ``inconclusive`` (20 runs by default, 200 with ``-m slow``). Before the
+method of :mod:`kvfast.check.control` (odd prefix lengths and the steps factor) the grid's run 2 (a prompt of 16
+tokens, 32 steps: every prefix length a multiple of 8, so the recompute looked append-invariant and no noise was
+measured) was ``inconclusive`` at 8x a one-ulp bound (OpenBLAS's kernels on an Intel CPU; the test pads the
+recompute to make that premise hold on every CPU); the tests below rebuild that old statistic and see it fail, and
+see a cache bug in the same model still found at the step where it first acts.
 """
 
 from __future__ import annotations
