@@ -66,9 +66,9 @@ import numba as nb
 import numpy as np
 from numba import types
 
+from kvfast.kernels.bodies import MAC, MUL, specialise
 from kvfast.kernels.indirect import address, through_address
 from kvfast.kernels.jit import JIT_OPTIONS as _JIT
-from kvfast.kernels.matmul import _mac, _mul
 from kvfast.kernels.precision import BF16, F32, F64, rnd
 from kvfast.kernels.reduce import SEQUENTIAL, STACK_DEPTH, new_stack, ordered_dot, ordered_sum, weighted_rows_sum
 
@@ -84,44 +84,41 @@ _I, _F = types.int64, types.float64
 _A1, _A2, _A3 = (types.Array(types.float64, n, "C") for n in (1, 2, 3))
 
 
-@nb.njit(**_JIT)
-def _dots_sequential(qrow, c0, kbuf, lo, nk, hd, out, acc):
-    """``out[j] = ordered_dot(qrow[c0:], kbuf[lo + j, c0:], hd)`` in sequential order for j < nk, with
-    ``acc`` a literal format: four keys at a time, so four independent sums (each still left to right
-    over the head's columns) are in flight instead of one."""
+def _dots_sequential_template(qrow, c0, kbuf, lo, nk, hd, out):
+    """``out[j] = ordered_dot(qrow[c0:], kbuf[lo + j, c0:], hd)`` in sequential order for j < nk, products
+    and sums rounded to the body's accumulator format (:mod:`kvfast.kernels.bodies`): four keys at a time,
+    so four independent sums (each still left to right over the head's columns) are in flight instead of
+    one; ``hd`` >= 1."""
     j = 0
     while j + 4 <= nk:
         k0, k1, k2, k3 = kbuf[lo + j], kbuf[lo + j + 1], kbuf[lo + j + 2], kbuf[lo + j + 3]
         a = qrow[c0]
-        s0, s1, s2, s3 = _mul(a, k0[c0], acc), _mul(a, k1[c0], acc), _mul(a, k2[c0], acc), _mul(a, k3[c0], acc)
+        s0, s1, s2, s3 = MUL(a, k0[c0]), MUL(a, k1[c0]), MUL(a, k2[c0]), MUL(a, k3[c0])
         for c in range(c0 + 1, c0 + hd):
             a = qrow[c]
-            s0 = _mac(s0, a, k0[c], acc)
-            s1 = _mac(s1, a, k1[c], acc)
-            s2 = _mac(s2, a, k2[c], acc)
-            s3 = _mac(s3, a, k3[c], acc)
+            s0 = MAC(s0, a, k0[c])
+            s1 = MAC(s1, a, k1[c])
+            s2 = MAC(s2, a, k2[c])
+            s3 = MAC(s3, a, k3[c])
         out[j], out[j + 1], out[j + 2], out[j + 3] = s0, s1, s2, s3
         j += 4
     while j < nk:
         k0 = kbuf[lo + j]
-        s0 = _mul(qrow[c0], k0[c0], acc)
+        s0 = MUL(qrow[c0], k0[c0])
         for c in range(c0 + 1, c0 + hd):
-            s0 = _mac(s0, qrow[c], k0[c], acc)
+            s0 = MAC(s0, qrow[c], k0[c])
         out[j] = s0
         j += 1
 
 
-def _dots_body(acc: int) -> tuple:
-    """The signature :func:`_dots_sequential` is compiled for, for the (literal) format ``acc``."""
-    return (_A1, _I, _A2, _I, _I, _I, _A1, types.IntegerLiteral(acc))
+DOT_KERNELS = tuple(specialise(_dots_sequential_template, acc, False) for acc in (F64, F32, BF16))
+"""The sequential score-dot bodies (float64 data), one per accumulator format, in the order of a
+:func:`dot_bodies` tuple."""
 
+DOT_BODY = (_A1, _I, _A2, _I, _I, _I, _A1)
+"""The signature every :data:`DOT_KERNELS` body is compiled for."""
 
-DOT_BODIES = (_dots_body(F64), _dots_body(F32), _dots_body(BF16))
-"""The sequential score-dot bodies, one per accumulator format, in the order of a :func:`dot_bodies` tuple."""
-
-_dots_f64 = through_address(DOT_BODIES[0])
-_dots_f32 = through_address(DOT_BODIES[1])
-_dots_bf16 = through_address(DOT_BODIES[2])
+_dots_at = through_address(DOT_BODY)
 
 
 _DOT_TABLES: dict[int, np.ndarray] = {}
@@ -135,7 +132,7 @@ def dot_bodies(acc: int) -> np.ndarray:
     if table is None:
         if acc not in (F64, F32, BF16):
             raise ValueError(f"acc: {acc!r} is not allowed; allowed: {F64}, {F32}, {BF16}")
-        table = np.array([address(_dots_sequential, DOT_BODIES[i]) if i == acc else 0 for i in range(3)], np.int64)
+        table = np.array([address(DOT_KERNELS[i], DOT_BODY) if i == acc else 0 for i in range(3)], np.int64)
         _DOT_TABLES[acc] = table
     return table
 
@@ -147,12 +144,7 @@ def score_dots(qrow, c0, kbuf, lo, nk, hd, acc, order, sstack, out, dots):
     ``dots``: :func:`dot_bodies` of ``acc``; the sequential order runs that format's body, called through
     its address (each format's body compiled once, on first use, and not again in every row kernel)."""
     if order == SEQUENTIAL and hd > 0:
-        if acc == F64:
-            _dots_f64(dots[0], (qrow, c0, kbuf, lo, nk, hd, out))
-        elif acc == F32:
-            _dots_f32(dots[1], (qrow, c0, kbuf, lo, nk, hd, out))
-        else:
-            _dots_bf16(dots[2], (qrow, c0, kbuf, lo, nk, hd, out))
+        _dots_at(dots[acc], (qrow, c0, kbuf, lo, nk, hd, out))  # the one body of acc (F64, F32, BF16: 0, 1, 2)
     else:
         for j in range(nk):
             out[j] = ordered_dot(qrow, c0, kbuf[lo + j], c0, hd, acc, order, sstack)

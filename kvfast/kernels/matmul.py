@@ -54,213 +54,135 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 from numba import types
-from numba.extending import overload
 
+from kvfast.kernels.bodies import ADD, MAC, MUL, specialise
 from kvfast.kernels.indirect import address, through_address
 from kvfast.kernels.jit import JIT_OPTIONS as _JIT
-from kvfast.kernels.precision import BF16, F32, F64, _rbf, bf16_round_f32, bf16_round_f32_not_nan, f32_as_u32, rnd
+from kvfast.kernels.precision import BF16, F32, F64, f32_as_u32, rnd
 from kvfast.kernels.reduce import SEQUENTIAL
 
-
-def _round(v, fmt):
-    """``rnd(v, fmt)`` for a format known when compiling (a literal): see the overload below."""
-    raise NotImplementedError("only callable from jitted code, with a literal format")
-
-
-@overload(_round, jit_options=_JIT, prefer_literal=True)
-def _round_overload(v, fmt):
-    """The rounding of ``v`` to format ``fmt``, chosen while compiling, so no branch is left.
-
-    ``fmt`` must be a literal F64, F32 or BF16. float64 data: no rounding,
-    ``float64(float32(v))``, :func:`_rbf`; float32 data (F32 or BF16 only): no
-    rounding, :func:`kvfast.kernels.precision.bf16_round_f32`.
-    """
-    if not isinstance(fmt, types.IntegerLiteral) or not isinstance(v, types.Float):
-        return None
-    code = fmt.literal_value
-    if code == F64 or (code == F32 and v.bitwidth == 32):
-        return lambda v, fmt: v
-    if code == F32:
-        return lambda v, fmt: np.float64(np.float32(v))
-    if code == BF16 and v.bitwidth == 32:
-        return lambda v, fmt: bf16_round_f32(v)
-    if code == BF16:
-        return lambda v, fmt: _rbf(v)
-    return None
-
-
-def _round_product(v, fmt):
-    """``rnd(v, fmt)`` of a product, for a literal format: see the overload below."""
-    raise NotImplementedError("only callable from jitted code, with a literal format")
-
-
-@overload(_round_product, jit_options=_JIT, prefer_literal=True)
-def _round_product_overload(v, fmt):
-    """:func:`_round`, except on float32 data with a BF16 accumulator: there the inputs are finite
-    bfloat16s (:func:`matmul_into` sends NaN and inf inputs down the float64 lanes), so a product
-    is never NaN and its rounding needs no NaN select. (A sum can be NaN: inf + -inf.)"""
-    if not isinstance(fmt, types.IntegerLiteral) or not isinstance(v, types.Float):
-        return None
-    if fmt.literal_value == BF16 and v.bitwidth == 32:
-        return lambda v, fmt: bf16_round_f32_not_nan(v)
-    return lambda v, fmt: _round(v, fmt)
-
-
-@nb.njit(**_JIT)
-def _mul(a, b, acc):
-    """A product in the accumulator format: ``rnd(a * b, acc)`` (``acc`` a literal)."""
-    return _round_product(a * b, acc)
-
-
-@nb.njit(**_JIT)
-def _add(a, b, acc):
-    """A sum in the accumulator format: ``rnd(a + b, acc)`` (``acc`` a literal)."""
-    return _round(a + b, acc)
-
-
-@nb.njit(**_JIT)
-def _mac(s, a, b, acc):
-    """One sequential step ``rnd(s + rnd(a * b, acc), acc)``: two roundings, never fused."""
-    return _round(s + _round_product(a * b, acc), acc)
-
-
-# --- kernels, one body per accumulator format and data type ---------------------------------------
+# --- the product, one body per accumulator format and data type -----------------------------------
 #
-# ``x``, ``w``, ``y``: float64 arrays, or float32 arrays for an F32 or BF16 accumulator (see
-# matmul_into); ``acc`` is a literal format, so each body is compiled with its own rounding.
+# ``_product_template`` is never compiled itself: kvfast.kernels.bodies writes its MUL/ADD/MAC out for
+# each format and data type (``x``, ``w``, ``y``: float64 arrays, or float32 arrays for an F32 or BF16
+# accumulator: see matmul_into), so each body's loops carry its own rounding and no format branch.
 
 
-@nb.njit(**_JIT, inline="always")
-def _seq_rows4(x, w, t, y, acc):
-    """``y[t:t+4] = x[t:t+4] @ w``, each element summed over k left to right; ``x`` has >= 1 column."""
-    n = x.shape[1]
-    m = w.shape[1]
-    for j in range(m):
-        y[t, j] = -0.0
-        y[t + 1, j] = -0.0
-        y[t + 2, j] = -0.0
-        y[t + 3, j] = -0.0
-    k = 0
-    while k + 4 <= n:
-        a00, a01, a02, a03 = x[t, k], x[t, k + 1], x[t, k + 2], x[t, k + 3]
-        a10, a11, a12, a13 = x[t + 1, k], x[t + 1, k + 1], x[t + 1, k + 2], x[t + 1, k + 3]
-        a20, a21, a22, a23 = x[t + 2, k], x[t + 2, k + 1], x[t + 2, k + 2], x[t + 2, k + 3]
-        a30, a31, a32, a33 = x[t + 3, k], x[t + 3, k + 1], x[t + 3, k + 2], x[t + 3, k + 3]
-        for j in range(m):
-            w0, w1, w2, w3 = w[k, j], w[k + 1, j], w[k + 2, j], w[k + 3, j]
-            y[t, j] = _mac(_mac(_mac(_mac(y[t, j], a00, w0, acc), a01, w1, acc), a02, w2, acc), a03, w3, acc)
-            y[t + 1, j] = _mac(_mac(_mac(_mac(y[t + 1, j], a10, w0, acc), a11, w1, acc), a12, w2, acc), a13, w3, acc)
-            y[t + 2, j] = _mac(_mac(_mac(_mac(y[t + 2, j], a20, w0, acc), a21, w1, acc), a22, w2, acc), a23, w3, acc)
-            y[t + 3, j] = _mac(_mac(_mac(_mac(y[t + 3, j], a30, w0, acc), a31, w1, acc), a32, w2, acc), a33, w3, acc)
-        k += 4
-    while k < n:
-        a00, a10, a20, a30 = x[t, k], x[t + 1, k], x[t + 2, k], x[t + 3, k]
-        for j in range(m):
-            w0 = w[k, j]
-            y[t, j] = _mac(y[t, j], a00, w0, acc)
-            y[t + 1, j] = _mac(y[t + 1, j], a10, w0, acc)
-            y[t + 2, j] = _mac(y[t + 2, j], a20, w0, acc)
-            y[t + 3, j] = _mac(y[t + 3, j], a30, w0, acc)
-        k += 1
+def _product_template(x, w, order, y):
+    """``y = x @ w`` in ``order``, products and sums rounded to the body's accumulator format, without
+    the storage rounding; ``x`` has >= 1 column.
 
-
-@nb.njit(**_JIT, inline="always")
-def _seq_rows1(x, w, t, y, acc):
-    """``y[t] = x[t] @ w``, each element summed over k left to right; ``x`` has >= 1 column."""
-    n = x.shape[1]
-    m = w.shape[1]
-    for j in range(m):
-        y[t, j] = -0.0
-    k = 0
-    while k + 4 <= n:
-        a0, a1, a2, a3 = x[t, k], x[t, k + 1], x[t, k + 2], x[t, k + 3]
-        for j in range(m):
-            w0, w1, w2, w3 = w[k, j], w[k + 1, j], w[k + 2, j], w[k + 3, j]
-            y[t, j] = _mac(_mac(_mac(_mac(y[t, j], a0, w0, acc), a1, w1, acc), a2, w2, acc), a3, w3, acc)
-        k += 4
-    while k < n:
-        a0 = x[t, k]
-        for j in range(m):
-            y[t, j] = _mac(y[t, j], a0, w[k, j], acc)
-        k += 1
-
-
-@nb.njit(**_JIT, inline="always")
-def _pair_rows(x, w, t, rows, y, stack, acc):
-    """``y[t:t+rows] = x[t:t+rows] @ w``, each element summed over k in the pairwise order.
-
-    The order of :mod:`kvfast.kernels.reduce` (``PAIRWISE``) with n = 8q + r:
-    the q aligned blocks of eight k are each summed as a tree in registers and
-    merged by a binary counter (``stack[level, row]`` holds one partial row
-    per level), which builds every larger aligned block from its halves; the
-    r < 8 last terms go through the same counter one at a time, which forms
-    the aligned blocks of 4, 2 and 1 that the binary decomposition of n gives;
-    the blocks are then added left to right.
-    ``stack`` is (>= bit_length(q) + 3, >= rows, m); ``x`` has >= 1 column.
+    Sequential: four rows at a time (each ``w`` load serves four rows) and four k per pass over a row
+    (``y + a0*w0 + a1*w1 + ...`` left to right, ``y`` loaded and stored once per pass), then one row at a
+    time. Pairwise, four rows at a time: the order of :mod:`kvfast.kernels.reduce` (``PAIRWISE``) with
+    n = 8q + r: the q aligned blocks of eight k are each summed as a tree in registers and merged by a
+    binary counter (``stack[level, row]`` holds one partial row per level), which builds every larger
+    aligned block from its halves; the r < 8 last terms go through the same counter one at a time, which
+    forms the aligned blocks of 4, 2 and 1 that the binary decomposition of n gives; the blocks are then
+    added left to right.
     """
-    n = x.shape[1]
-    m = w.shape[1]
-    sp = 0
-    for b in range(n // 8):
-        k = 8 * b
-        for r in range(rows):
-            a0, a1, a2, a3 = x[t + r, k], x[t + r, k + 1], x[t + r, k + 2], x[t + r, k + 3]
-            a4, a5, a6, a7 = x[t + r, k + 4], x[t + r, k + 5], x[t + r, k + 6], x[t + r, k + 7]
-            for j in range(m):
-                s01 = _add(_mul(a0, w[k, j], acc), _mul(a1, w[k + 1, j], acc), acc)
-                s23 = _add(_mul(a2, w[k + 2, j], acc), _mul(a3, w[k + 3, j], acc), acc)
-                s45 = _add(_mul(a4, w[k + 4, j], acc), _mul(a5, w[k + 5, j], acc), acc)
-                s67 = _add(_mul(a6, w[k + 6, j], acc), _mul(a7, w[k + 7, j], acc), acc)
-                stack[sp, r, j] = _add(_add(s01, s23, acc), _add(s45, s67, acc), acc)
-        count = b + 1
-        while (count & 1) == 0:  # merge equal blocks, as a binary counter carries
-            for r in range(rows):
-                for j in range(m):
-                    stack[sp - 1, r, j] = _add(stack[sp - 1, r, j], stack[sp, r, j], acc)
-            sp -= 1
-            count >>= 1
-        sp += 1
-    k0 = n - n % 8
-    for i in range(n % 8):  # the last terms, one by one: the same counter, restarted at k0 (a multiple
-        k = k0 + i  # of 8, so aligned for every block size below 8), builds their blocks of 4, 2 and 1
-        for r in range(rows):
-            a0 = x[t + r, k]
-            for j in range(m):
-                stack[sp, r, j] = _mul(a0, w[k, j], acc)
-        count = i + 1
-        while (count & 1) == 0:
-            for r in range(rows):
-                for j in range(m):
-                    stack[sp - 1, r, j] = _add(stack[sp - 1, r, j], stack[sp, r, j], acc)
-            sp -= 1
-            count >>= 1
-        sp += 1
-    for r in range(rows):
-        for j in range(m):
-            y[t + r, j] = stack[0, r, j]
-        for level in range(1, sp):
-            for j in range(m):
-                y[t + r, j] = _add(y[t + r, j], stack[level, r, j], acc)
-
-
-@nb.njit(**_JIT)
-def _product(x, w, order, y, acc):
-    """``y = x @ w`` in ``order`` in the (literal) accumulator format ``acc``, without the storage
-    rounding; ``x`` has >= 1 column."""
     T, n = x.shape
+    m = w.shape[1]
     if order == SEQUENTIAL:
         whole = T - T % 4
-        for t in range(0, whole, 4):  # range: t is an int64, never the literal 0 (one compile, not two)
-            _seq_rows4(x, w, t, y, acc)
-        for t in range(whole, T):
-            _seq_rows1(x, w, t, y, acc)
+        for t in range(0, whole, 4):  # y[t:t+4] = x[t:t+4] @ w
+            for j in range(m):
+                y[t, j] = -0.0
+                y[t + 1, j] = -0.0
+                y[t + 2, j] = -0.0
+                y[t + 3, j] = -0.0
+            k = 0
+            while k + 4 <= n:
+                a00, a01, a02, a03 = x[t, k], x[t, k + 1], x[t, k + 2], x[t, k + 3]
+                a10, a11, a12, a13 = x[t + 1, k], x[t + 1, k + 1], x[t + 1, k + 2], x[t + 1, k + 3]
+                a20, a21, a22, a23 = x[t + 2, k], x[t + 2, k + 1], x[t + 2, k + 2], x[t + 2, k + 3]
+                a30, a31, a32, a33 = x[t + 3, k], x[t + 3, k + 1], x[t + 3, k + 2], x[t + 3, k + 3]
+                for j in range(m):
+                    w0, w1, w2, w3 = w[k, j], w[k + 1, j], w[k + 2, j], w[k + 3, j]
+                    y[t, j] = MAC(MAC(MAC(MAC(y[t, j], a00, w0), a01, w1), a02, w2), a03, w3)
+                    y[t + 1, j] = MAC(MAC(MAC(MAC(y[t + 1, j], a10, w0), a11, w1), a12, w2), a13, w3)
+                    y[t + 2, j] = MAC(MAC(MAC(MAC(y[t + 2, j], a20, w0), a21, w1), a22, w2), a23, w3)
+                    y[t + 3, j] = MAC(MAC(MAC(MAC(y[t + 3, j], a30, w0), a31, w1), a32, w2), a33, w3)
+                k += 4
+            while k < n:
+                a00, a10, a20, a30 = x[t, k], x[t + 1, k], x[t + 2, k], x[t + 3, k]
+                for j in range(m):
+                    w0 = w[k, j]
+                    y[t, j] = MAC(y[t, j], a00, w0)
+                    y[t + 1, j] = MAC(y[t + 1, j], a10, w0)
+                    y[t + 2, j] = MAC(y[t + 2, j], a20, w0)
+                    y[t + 3, j] = MAC(y[t + 3, j], a30, w0)
+                k += 1
+        for t in range(whole, T):  # y[t] = x[t] @ w
+            for j in range(m):
+                y[t, j] = -0.0
+            k = 0
+            while k + 4 <= n:
+                a0, a1, a2, a3 = x[t, k], x[t, k + 1], x[t, k + 2], x[t, k + 3]
+                for j in range(m):
+                    w0, w1, w2, w3 = w[k, j], w[k + 1, j], w[k + 2, j], w[k + 3, j]
+                    y[t, j] = MAC(MAC(MAC(MAC(y[t, j], a0, w0), a1, w1), a2, w2), a3, w3)
+                k += 4
+            while k < n:
+                a0 = x[t, k]
+                for j in range(m):
+                    y[t, j] = MAC(y[t, j], a0, w[k, j])
+                k += 1
     else:
         levels = 3
         while (8 << (levels - 3)) <= n:
             levels += 1
-        stack = np.empty((levels, min(T, 4), w.shape[1]), dtype=y.dtype)
-        for t in range(0, T, 4):
-            _pair_rows(x, w, t, min(T - t, 4), y, stack, acc)
+        stack = np.empty((levels, min(T, 4), m), dtype=y.dtype)  # (>= bit_length(q) + 3, rows, m)
+        for t in range(0, T, 4):  # y[t:t+rows] = x[t:t+rows] @ w
+            rows = min(T - t, 4)
+            sp = 0
+            for b in range(n // 8):
+                k = 8 * b
+                for r in range(rows):
+                    a0, a1, a2, a3 = x[t + r, k], x[t + r, k + 1], x[t + r, k + 2], x[t + r, k + 3]
+                    a4, a5, a6, a7 = x[t + r, k + 4], x[t + r, k + 5], x[t + r, k + 6], x[t + r, k + 7]
+                    for j in range(m):
+                        s01 = ADD(MUL(a0, w[k, j]), MUL(a1, w[k + 1, j]))
+                        s23 = ADD(MUL(a2, w[k + 2, j]), MUL(a3, w[k + 3, j]))
+                        s45 = ADD(MUL(a4, w[k + 4, j]), MUL(a5, w[k + 5, j]))
+                        s67 = ADD(MUL(a6, w[k + 6, j]), MUL(a7, w[k + 7, j]))
+                        stack[sp, r, j] = ADD(ADD(s01, s23), ADD(s45, s67))
+                count = b + 1
+                while (count & 1) == 0:  # merge equal blocks, as a binary counter carries
+                    for r in range(rows):
+                        for j in range(m):
+                            stack[sp - 1, r, j] = ADD(stack[sp - 1, r, j], stack[sp, r, j])
+                    sp -= 1
+                    count >>= 1
+                sp += 1
+            k0 = n - n % 8
+            for i in range(n % 8):  # the last terms, one by one: the same counter, restarted at k0 (a
+                k = k0 + i  # multiple of 8, so aligned for every block size below 8), builds their blocks of 4, 2, 1
+                for r in range(rows):
+                    a0 = x[t + r, k]
+                    for j in range(m):
+                        stack[sp, r, j] = MUL(a0, w[k, j])
+                count = i + 1
+                while (count & 1) == 0:
+                    for r in range(rows):
+                        for j in range(m):
+                            stack[sp - 1, r, j] = ADD(stack[sp - 1, r, j], stack[sp, r, j])
+                    sp -= 1
+                    count >>= 1
+                sp += 1
+            for r in range(rows):
+                for j in range(m):
+                    y[t + r, j] = stack[0, r, j]
+                for level in range(1, sp):
+                    for j in range(m):
+                        y[t + r, j] = ADD(y[t + r, j], stack[level, r, j])
+
+
+_product_f64 = specialise(_product_template, F64, False)
+_product_f32_on_f32 = specialise(_product_template, F32, True)
+_product_f32 = specialise(_product_template, F32, False)
+_product_bf16_on_f32 = specialise(_product_template, BF16, True)
+_product_bf16 = specialise(_product_template, BF16, False)
 
 
 _BF16_LOW = np.uint32(0xFFFF)
@@ -291,7 +213,7 @@ much as a one-row product); the bf16 accumulator always does, when its inputs al
 
 # --- the product bodies, called by address ---------------------------------------------------------
 #
-# Each body (``_product`` for one literal format and data type) is compiled on its own, once, when a
+# Each body (``_product_template`` for one format and data type) is compiled on its own, once, when a
 # process first multiplies in its format, and called through its address (kvfast.kernels.indirect).
 # Linked, its code was optimised and emitted again in every function above it (the format dispatch,
 # matmul_into, the compiled forward, the decode).
@@ -299,21 +221,12 @@ much as a one-row product); the bf16 accumulator always does, when its inputs al
 _F64_2D = types.Array(types.float64, 2, "C")
 _F32_2D = types.Array(types.float32, 2, "C")
 
-
-def _body(data: types.Array, acc: int) -> tuple:
-    """The signature of the body of accumulator ``acc`` on ``data`` (float64 or float32 C arrays)."""
-    return (data, data, types.int64, data, types.IntegerLiteral(acc))
-
-
-PRODUCT_BODIES = (
-    _body(_F64_2D, F64),
-    _body(_F32_2D, F32),
-    _body(_F64_2D, F32),
-    _body(_F32_2D, BF16),
-    _body(_F64_2D, BF16),
-)
+PRODUCT_KERNELS = (_product_f64, _product_f32_on_f32, _product_f32, _product_bf16_on_f32, _product_bf16)
 """The five bodies, in the order of a :func:`product_bodies` tuple: f64; f32 on float32 copies, f32 on
 float64 data; bf16 on float32 copies, bf16 on float64 data."""
+
+PRODUCT_BODIES = tuple((data, data, types.int64, data) for data in (_F64_2D, _F32_2D, _F64_2D, _F32_2D, _F64_2D))
+"""The signatures of :data:`PRODUCT_KERNELS`: ``(x, w, order, y)``."""
 
 _NARROWED = tuple(
     (_F64_2D, _F64_2D, types.int64, _F64_2D, types.int64, types.int64, types.BooleanLiteral(bf16))
@@ -344,7 +257,7 @@ def product_bodies(acc: int) -> np.ndarray:
         wanted = _BODIES_OF.get(acc)
         if wanted is None:
             raise ValueError(f"acc: {acc!r} is not allowed; allowed: {F64}, {F32}, {BF16}")
-        kernels = [(_product, sig) for sig in PRODUCT_BODIES] + [(_narrowed, sig) for sig in _NARROWED]
+        kernels = list(zip(PRODUCT_KERNELS, PRODUCT_BODIES, strict=True)) + [(_narrowed, sig) for sig in _NARROWED]
         table = np.array([address(*kernels[i]) if i in wanted else 0 for i in range(7)], dtype=np.int64)
         _PRODUCT_TABLES[acc] = table
     return table
