@@ -123,16 +123,26 @@ _dots_at = through_address(DOT_BODY)
 
 _DOT_TABLES: dict[int, np.ndarray] = {}
 
+SCORE_DOTS, ORDERED_SUM, ROWS_SUM = 3, 4, 5
+"""Slots of a :func:`dot_bodies` table after the three score-dot bodies: :func:`score_dots`,
+:func:`kvfast.kernels.reduce.ordered_sum`, :func:`kvfast.kernels.reduce.weighted_rows_sum` (what the row
+kernels call by address)."""
+
 
 def dot_bodies(acc: int) -> np.ndarray:
-    """The address of the sequential score-dot body of accumulator ``acc`` in its slot (compiled, or loaded
-    from the cache, on first use), 0 in the others' (:func:`score_dots` never calls them with this ``acc``):
-    an int64 array of 3, one per format and process (do not write it)."""
+    """What the row kernels call by address for accumulator ``acc`` (compiled, or loaded from the cache, on
+    first use), an int64 array of 6, one per format and process (do not write it): the sequential score-dot
+    body of ``acc`` in its slot (0, 1, 2 for F64, F32, BF16), 0 in the others' (:func:`score_dots` never calls
+    them with this ``acc``), then the reductions of every format (slots ``SCORE_DOTS``, ``ORDERED_SUM``,
+    ``ROWS_SUM``: run-time formats; called by address, each is compiled once, not again inside
+    :func:`attend_row` and :func:`attend_row_blocked`)."""
     table = _DOT_TABLES.get(acc)
     if table is None:
         if acc not in (F64, F32, BF16):
             raise ValueError(f"acc: {acc!r} is not allowed; allowed: {F64}, {F32}, {BF16}")
-        table = np.array([address(DOT_KERNELS[i], DOT_BODY) if i == acc else 0 for i in range(3)], np.int64)
+        bodies = [address(DOT_KERNELS[i], DOT_BODY) if i == acc else 0 for i in range(3)]
+        shared = [address(score_dots, SCORE), address(ordered_sum, SUM), address(weighted_rows_sum, ROWS)]
+        table = np.array(bodies + shared, np.int64)
         _DOT_TABLES[acc] = table
     return table
 
@@ -148,6 +158,19 @@ def score_dots(qrow, c0, kbuf, lo, nk, hd, acc, order, sstack, out, dots):
     else:
         for j in range(nk):
             out[j] = ordered_dot(qrow, c0, kbuf[lo + j], c0, hd, acc, order, sstack)
+
+
+_DOTS = types.Array(types.int64, 1, "C")
+SCORE = (_A1, _I, _A2, _I, _I, _I, _I, _I, _A1, _A1, _DOTS)
+"""The argument types :func:`score_dots` is compiled for, and called with by address (the row kernels)."""
+SUM = (_A1, _I, _I, _I, _I, _A1)
+"""``ordered_sum(t, lo, n, acc, order, stack)`` as the row kernels call it by address."""
+ROWS = (_A1, _I, _A2, _I, _I, _I, _I, _I, _I, _A1, _A2)
+"""``weighted_rows_sum(coef, c0, rows, r0, n, col0, m, acc, order, out, stack)`` as the row kernels call it."""
+
+_score_at = through_address(SCORE)
+_sum_at = through_address(SUM, types.float64)
+_rows_sum_at = through_address(ROWS)
 
 
 @nb.njit(**_JIT, inline="always")
@@ -184,7 +207,7 @@ def attend_row(
     for h in range(n_head):
         c0 = h * hd
         smax = -np.inf
-        score_dots(qrow, c0, kbuf, lo, nk, hd, acc, order, sstack, scores, dots)
+        _score_at(dots[SCORE_DOTS], (qrow, c0, kbuf, lo, nk, hd, acc, order, sstack, scores, dots))
         for j in range(nk):
             s = rnd(scores[j] * scale, storage)
             scores[j] = s
@@ -192,13 +215,13 @@ def attend_row(
                 smax = s
         for j in range(nk):
             expd[j] = rnd(math.exp(scores[j] - smax), storage)
-        z = ordered_sum(expd, np.int64(0), nk, acc, order, sstack)  # int64: see attention_into
+        z = _sum_at(dots[ORDERED_SUM], (expd, np.int64(0), nk, acc, order, sstack))
         for j in range(nk):
             expd[j] = rnd(expd[j] / z, storage)
         if probs.shape[0] > 0:
             for j in range(nk):
                 probs[h, pr, lo + j] = expd[j]
-        weighted_rows_sum(expd, np.int64(0), vbuf, lo, nk, c0, hd, acc, order, orow[c0 : c0 + hd], vstack)
+        _rows_sum_at(dots[ROWS_SUM], (expd, np.int64(0), vbuf, lo, nk, c0, hd, acc, order, orow[c0 : c0 + hd], vstack))
         for c in range(c0, c0 + hd):
             orow[c] = rnd(orow[c], storage)
 
@@ -254,7 +277,7 @@ def attend_row_blocked(
     part_lse = np.empty(max(nb_, 1))
     for h in range(n_head):
         c0 = h * hd
-        score_dots(qrow, c0, kbuf, lo, nk, hd, acc, order, sstack, scores, dots)
+        _score_at(dots[SCORE_DOTS], (qrow, c0, kbuf, lo, nk, hd, acc, order, sstack, scores, dots))
         for j in range(nk):
             scores[j] = rnd(scores[j] * scale, storage)
         if mode == ONLINE:
@@ -270,9 +293,9 @@ def attend_row_blocked(
                 alpha = rnd(math.exp(m - mnew), acc)
                 for j in range(a0, a0 + n):
                     expd[j] = rnd(math.exp(scores[j] - mnew), storage)
-                bsum = ordered_sum(expd, a0, n, acc, order, sstack)
+                bsum = _sum_at(dots[ORDERED_SUM], (expd, a0, n, acc, order, sstack))
                 lsum = rnd(rnd(alpha * lsum, acc) + bsum, acc)
-                weighted_rows_sum(expd, a0, vbuf, lo + a0, n, c0, hd, acc, order, tmp, vstack)
+                _rows_sum_at(dots[ROWS_SUM], (expd, a0, vbuf, lo + a0, n, c0, hd, acc, order, tmp, vstack))
                 for c in range(hd):
                     acc_o[c] = rnd(rnd(alpha * acc_o[c], acc) + tmp[c], acc)
                 m = mnew
@@ -286,8 +309,8 @@ def attend_row_blocked(
                 mb = _max_of(scores, a0, n)
                 for j in range(a0, a0 + n):
                     expd[j] = rnd(math.exp(scores[j] - mb), storage)
-                lb = ordered_sum(expd, a0, n, acc, order, sstack)
-                weighted_rows_sum(expd, a0, vbuf, lo + a0, n, c0, hd, acc, order, tmp, vstack)
+                lb = _sum_at(dots[ORDERED_SUM], (expd, a0, n, acc, order, sstack))
+                _rows_sum_at(dots[ROWS_SUM], (expd, a0, vbuf, lo + a0, n, c0, hd, acc, order, tmp, vstack))
                 for c in range(hd):
                     part_o[b, c] = rnd(tmp[c] / lb, acc)
                 lse = rnd(mb + rnd(math.log(lb), acc), acc)
@@ -308,7 +331,6 @@ def attend_row_blocked(
                 orow[c0 + c] = rnd(acc_o[c], storage)
 
 
-_DOTS = types.Array(types.int64, 1, "C")
 ROW = (_A2, _I, _A2, _A2, _I, _I, _I, _F, _I, _I, _I, _A2, _I, _A3, _I, _A1, _A1, _A2, _DOTS)
 """The argument types :func:`attend_row` is compiled for, and called with by address (the forward and the decode)."""
 BLOCKED = (_A2, _I, _A2, _A2, _I, _I, _I, _I, _I, _F, _I, _I, _I, _I, _I, _A2, _I, _A1, _A1, _A2, _DOTS)

@@ -228,20 +228,14 @@ float64 data; bf16 on float32 copies, bf16 on float64 data."""
 PRODUCT_BODIES = tuple((data, data, types.int64, data) for data in (_F64_2D, _F32_2D, _F64_2D, _F32_2D, _F64_2D))
 """The signatures of :data:`PRODUCT_KERNELS`: ``(x, w, order, y)``."""
 
-_NARROWED = tuple(
-    (_F64_2D, _F64_2D, types.int64, _F64_2D, types.int64, types.int64, types.BooleanLiteral(bf16))
-    for bf16 in (False, True)
-)
-"""The signatures of :func:`_narrowed` for the f32 and the bf16 accumulator (slots 5 and 6 of a
-:func:`product_bodies` tuple)."""
+_NARROWED = (_F64_2D, _F64_2D, types.int64, _F64_2D, types.int64, types.int64, types.boolean)
+"""The signature of :func:`_narrowed` (slots 5 and 6 of a :func:`product_bodies` tuple, f32 and bf16: one
+compiled function, the format a run-time flag: it only copies and checks, its loops are not the product's)."""
 
 _BODIES_OF = {F64: (0,), F32: (1, 2, 5), BF16: (3, 4, 6)}
 
-_call_f64 = through_address(PRODUCT_BODIES[0])
-_call_f32_narrow = through_address(PRODUCT_BODIES[1])
-_call_f32_wide = through_address(PRODUCT_BODIES[2])
-_call_bf16_narrow = through_address(PRODUCT_BODIES[3])
-_call_bf16_wide = through_address(PRODUCT_BODIES[4])
+_call_on_f64 = through_address(PRODUCT_BODIES[0])  # f64, f32 and bf16 on float64 data: one signature
+_call_on_f32 = through_address(PRODUCT_BODIES[1])  # f32 and bf16 on float32 copies
 
 
 _PRODUCT_TABLES: dict[int, np.ndarray] = {}
@@ -250,14 +244,14 @@ _PRODUCT_TABLES: dict[int, np.ndarray] = {}
 def product_bodies(acc: int) -> np.ndarray:
     """The addresses of what accumulator ``acc`` runs (compiled, or loaded from the cache, on first use), an
     int64 array (an array, not a tuple: Numba types an array argument in its fast path): the five product
-    bodies (:data:`PRODUCT_BODIES`), then :func:`_narrowed` for f32 and for bf16; 0 for the other formats'
+    bodies (:data:`PRODUCT_KERNELS`), then :func:`_narrowed` for f32 and for bf16; 0 for the other formats'
     (which ``matmul_with`` never calls with this ``acc``). One array per format and process: do not write it."""
     table = _PRODUCT_TABLES.get(acc)
     if table is None:
         wanted = _BODIES_OF.get(acc)
         if wanted is None:
             raise ValueError(f"acc: {acc!r} is not allowed; allowed: {F64}, {F32}, {BF16}")
-        kernels = list(zip(PRODUCT_KERNELS, PRODUCT_BODIES, strict=True)) + [(_narrowed, sig) for sig in _NARROWED]
+        kernels = [*zip(PRODUCT_KERNELS, PRODUCT_BODIES, strict=True), (_narrowed, _NARROWED), (_narrowed, _NARROWED)]
         table = np.array([address(*kernels[i]) if i in wanted else 0 for i in range(7)], dtype=np.int64)
         _PRODUCT_TABLES[acc] = table
     return table
@@ -278,21 +272,15 @@ def _narrowed(x, w, order, y, narrow_body, wide_body, bf16):
         narrow = _as_f32(x, x32, bf16) and _as_f32(w, w32, bf16)
     if narrow:
         y32 = np.empty((T, m), dtype=np.float32)
-        if bf16:
-            _call_bf16_narrow(narrow_body, (x32, w32, order, y32))
-        else:
-            _call_f32_narrow(narrow_body, (x32, w32, order, y32))
+        _call_on_f32(narrow_body, (x32, w32, order, y32))
         for r in range(T):
             for j in range(m):
                 y[r, j] = np.float64(y32[r, j])
-    elif bf16:
-        _call_bf16_wide(wide_body, (x, w, order, y))
     else:
-        _call_f32_wide(wide_body, (x, w, order, y))
+        _call_on_f64(wide_body, (x, w, order, y))
 
 
-_call_narrowed_f32 = through_address(_NARROWED[0])
-_call_narrowed_bf16 = through_address(_NARROWED[1])
+_call_narrowed = through_address(_NARROWED)
 
 
 @nb.njit(**_JIT)
@@ -309,11 +297,11 @@ def matmul_with(x, w, storage, acc, order, y, bodies) -> None:
     # the one format dispatch: each branch runs the bodies compiled for its format (their loops carry
     # no format branch)
     if acc == F64:
-        _call_f64(bodies[0], (x, w, order, y))
+        _call_on_f64(bodies[0], (x, w, order, y))
     elif acc == F32:
-        _call_narrowed_f32(bodies[5], (x, w, order, y, bodies[1], bodies[2]))
+        _call_narrowed(bodies[5], (x, w, order, y, bodies[1], bodies[2], False))
     else:
-        _call_narrowed_bf16(bodies[6], (x, w, order, y, bodies[3], bodies[4]))
+        _call_narrowed(bodies[6], (x, w, order, y, bodies[3], bodies[4], True))
     if storage != F64:
         for r in range(T):
             for j in range(m):
