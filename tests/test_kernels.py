@@ -607,16 +607,10 @@ def test_no_fused_multiply_add_in_the_machine_code(machine_code):
             assert not fused, (name, fused[:5])
     # the multiplying kernels really multiply (in scalar or vector form); the compiled forward and decode
     # call them by address (kvfast.model.addresses), so their own code need not
-    for name in (
-        "ordered_dot",
-        "_all_products",
-        *PRODUCT_BODY_NAMES,
-        "_dots_sequential_f64",
-        "attend_row",
-        "attend_row_blocked",
-        "rmsnorm_row",
-    ):
-        assert any(re.search(r"\bvmul[sp]d\b", asm) for asm in machine_code[name]), name
+    for name in ("ordered_dot", "_all_products", "_dots_sequential_f64", "attend_row", "attend_row_blocked",
+                 "rmsnorm_row", *PRODUCT_BODY_NAMES):  # fmt: skip
+        precision = "[sd]" if name.endswith("_on_f32") else "d"  # float32 data multiplies in single precision
+        assert any(re.search(rf"\bvmul[sp]{precision}\b", asm) for asm in machine_code[name]), name
     # matmul runs float32 lanes (f32 and bf16 accumulators) with the bf16 rounding in integer lanes
     for names in (["_all_products"], ["_product_f32_on_f32", "_product_bf16_on_f32"]):
         asm = "".join("".join(machine_code[name]) for name in names)
