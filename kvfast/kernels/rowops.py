@@ -16,12 +16,14 @@ from kvfast.kernels.precision import rnd
 from kvfast.kernels.reduce import ordered_dot
 
 
-@nb.njit(**_JIT)
+@nb.njit(**_JIT, inline="always")
 def rmsnorm_row(x, xr, g, eps, storage, acc, order, out, outr, stack):
     """``out[outr] = round_s(x[xr] * inv * g)`` with ``inv = round_s(1/sqrt(mean(x^2) + eps))``.
 
     Returns ``inv``. ``mean(x^2)`` is an ordered sum of squares in the
     accumulator format, divided by d and rounded to the accumulator format.
+    Inlined into :func:`rmsnorm_into` in Numba IR (not compiled, optimised and emitted once more on its
+    own there); called from Python it compiles as usual.
     """
     d = x.shape[1]
     row = x[xr]
