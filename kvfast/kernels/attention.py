@@ -23,7 +23,12 @@ Compile cost (a cold start): the row kernels (:func:`attend_row`,
 the decode step, so each is compiled, and its machine code generated, once
 (inlined or linked, it was generated again in each caller); :func:`score_dots`
 calls the sequential body of its accumulator format by address too, compiled
-on the first use of that format (:func:`dot_bodies`).
+on the first use of that format (:func:`dot_bodies`; the bodies are written
+once, as a template, and written out per format: :mod:`kvfast.kernels.bodies`),
+and the row kernels call :func:`score_dots` and the reductions
+(:func:`kvfast.kernels.reduce.ordered_sum`,
+:func:`kvfast.kernels.reduce.weighted_rows_sum`) by address, so these are not
+optimised again inside both row kernels.
 
 Real kernels' orders (``mode``, with an integer ``param``), per head, over the
 scores ``s_j`` above (computed exactly as in the standard mode):

@@ -32,14 +32,15 @@ Speed (none of it changes any element's order of addition or its rounding):
   (:func:`kvfast.kernels.precision.bf16_round_f32`; a product of finite
   inputs is never NaN, so its rounding skips the NaN select);
 - one compiled body per accumulator format and data type, chosen once per
-  call: the format reaches the kernels as a literal, so the rounding
-  (:func:`_round`) is picked while compiling and the inner loops carry no
-  format branch. The row kernels are inlined into ``_product`` in Numba IR
-  (``inline="always"``), so they are compiled there only, not once more on
-  their own (a shorter cold start). Each body is compiled on its own when a
-  process first runs its format and is called through its address
-  (:mod:`kvfast.kernels.indirect`), so its machine code is generated once,
-  not again in every function that calls ``matmul``.
+  call: the body is written once (``_product_template``) and written out for
+  each format and data type with its rounding in place of every product and
+  sum (:mod:`kvfast.kernels.bodies`), so the inner loops carry no format
+  branch, and Numba types and lowers plain arithmetic (not a jitted helper
+  call per operation, nor helpers inlined in Numba IR: a shorter cold start).
+  Each body is compiled on its own when a process first runs its format and
+  is called through its address (:mod:`kvfast.kernels.indirect`), so its
+  machine code is generated once, not again in every function that calls
+  ``matmul``.
 
 Each sequential sum starts from ``-0.0``: ``-0.0 + p == p`` for every p
 (including ``+0.0`` and ``-0.0``) and rounding is idempotent, so the first step
@@ -315,7 +316,7 @@ def matmul_into(x: np.ndarray, w: np.ndarray, storage: int, acc: int, order: int
     (:mod:`kvfast.kernels.reduce`), products and adds rounded to ``acc``, the
     result rounded to ``storage``; an empty sum (n = 0) is ``0.0``. ``y`` must
     not overlap ``x`` or ``w``. One branch over the three formats picks the bodies
-    compiled for that format (:func:`_product`), so the loops carry no format
+    compiled for that format (:data:`PRODUCT_KERNELS`), so the loops carry no format
     branch; a process compiles (or loads) the bodies of the formats it runs, on
     first use. Jitted code calls :func:`matmul_with` with :func:`product_bodies`.
     """

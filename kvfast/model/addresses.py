@@ -2,7 +2,8 @@
 
 The compiled entries (:func:`kvfast.model.compiled.forward_kernel`,
 :func:`kvfast.model.decode.decode_kernel`) call the large kernels (the product bodies under
-``matmul_with`` itself, ``rmsnorm_into``, the attention's row kernels) through their addresses
+``matmul_with`` itself, ``rmsnorm_into``, the attention's row kernels, the block's three functions:
+:mod:`kvfast.model.compiled`) through their addresses
 (:mod:`kvfast.kernels.indirect`), so each kernel's machine code is generated once, on its own, and
 not again inside each entry. Python passes the addresses in a table (:func:`kernels`), built once per
 process for what a call needs (:func:`kernels`: the product bodies of

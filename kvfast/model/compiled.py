@@ -10,7 +10,9 @@ same; it saves one trip through Python per kernel per layer.
 forward and the decode (:func:`kvfast.model.decode.decode_kernel`) as run-time
 integers, as they reach the layer functions called from Python, so one
 compiled forward and one decode serve every format a process runs, and the
-kernels below them (the product bodies, attention, the norms) are compiled once,
+kernels below them (the product bodies, attention, the norms, and the block's
+three functions: :func:`call_attention_input`, :func:`call_block_output`,
+:func:`call_head`) are compiled once,
 with the signature the layer-by-layer forward and the training use too, and
 called through their addresses (:mod:`kvfast.model.addresses`): their machine
 code is not emitted again inside the forward and the decode. The
