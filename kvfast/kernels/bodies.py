@@ -110,14 +110,14 @@ class _WriteOut(ast.NodeTransformer):
         return node
 
 
-def body_name(template, acc: int, data32: bool) -> str:
+def body_name(template, acc: int, data32: bool, base: str | None = None) -> str:
     """The name :func:`specialise` gives the body of ``template`` for ``acc`` on float32 (``data32``) or
-    float64 data."""
-    base = template.__name__.removesuffix("_template")
+    float64 data: ``base`` (default: the template's name less ``_template``), the format, ``_on_f32``."""
+    base = base or template.__name__.removesuffix("_template")
     return f"{base}_{FORMAT_NAMES[acc]}" + ("_on_f32" if data32 else "")
 
 
-def specialise(template, acc: int, data32: bool):
+def specialise(template, acc: int, data32: bool, base: str | None = None):
     """``template`` (a plain Python function using :func:`MUL`, :func:`ADD`, :func:`MAC`) with every macro
     written out for accumulator ``acc`` on float32 (``data32``) or float64 data, defined in the template's
     module as :func:`body_name` and jitted with ``JIT_OPTIONS`` (compiled on its first call or
@@ -129,7 +129,7 @@ def specialise(template, acc: int, data32: bool):
     lines, first = inspect.getsourcelines(template)
     tree = ast.parse(textwrap.dedent("".join(lines)))
     (fn,) = tree.body
-    fn.name = body_name(template, acc, data32)
+    fn.name = body_name(template, acc, data32, base)
     fn.decorator_list = []
     tree = ast.fix_missing_locations(_WriteOut(*rounding).visit(tree))
     ast.increment_lineno(tree, first - 1)

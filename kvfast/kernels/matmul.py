@@ -179,11 +179,57 @@ def _product_template(x, w, order, y):
                         y[t + r, j] = ADD(y[t + r, j], stack[level, r, j])
 
 
+def _product_plain_template(x, w, order, y):
+    """:func:`_product_template` without its unrolling, for the bf16 accumulator: one row and one k per
+    pass, each element's terms in k order; pairwise, each row's terms go through the binary counter one at
+    a time (the order of :mod:`kvfast.kernels.reduce`, ``PAIRWISE``: every aligned block of 2**k terms the
+    sum of its halves, the blocks of the binary decomposition of n added left to right); ``x`` has >= 1
+    column.
+
+    Why plain: the bf16 rounding is most of the work of a bf16 product, so the unrolled form is no faster
+    (on float32 lanes it was 10-15% slower, on float64 data no faster: ``benchmarks/README.md``, "Issue
+    30, fourth pass") and it cost four to six times the compile time (about 3.5 s a body against 0.6-0.9).
+    """
+    T, n = x.shape
+    m = w.shape[1]
+    if order == SEQUENTIAL:
+        for t in range(T):
+            for j in range(m):
+                y[t, j] = -0.0
+            for k in range(n):
+                a0 = x[t, k]
+                for j in range(m):
+                    y[t, j] = MAC(y[t, j], a0, w[k, j])
+    else:
+        levels = 3
+        while (8 << (levels - 3)) <= n:
+            levels += 1
+        stack = np.empty((levels, m), dtype=y.dtype)  # at most bit_length(n) blocks, one partial row each
+        for t in range(T):
+            sp = 0
+            for k in range(n):
+                a0 = x[t, k]
+                for j in range(m):
+                    stack[sp, j] = MUL(a0, w[k, j])
+                count = k + 1
+                while (count & 1) == 0:  # merge equal blocks, as a binary counter carries
+                    for j in range(m):
+                        stack[sp - 1, j] = ADD(stack[sp - 1, j], stack[sp, j])
+                    sp -= 1
+                    count >>= 1
+                sp += 1
+            for j in range(m):
+                y[t, j] = stack[0, j]
+            for level in range(1, sp):
+                for j in range(m):
+                    y[t, j] = ADD(y[t, j], stack[level, j])
+
+
 _product_f64 = specialise(_product_template, F64, False)
 _product_f32_on_f32 = specialise(_product_template, F32, True)
 _product_f32 = specialise(_product_template, F32, False)
-_product_bf16_on_f32 = specialise(_product_template, BF16, True)
-_product_bf16 = specialise(_product_template, BF16, False)
+_product_bf16_on_f32 = specialise(_product_plain_template, BF16, True, base="_product")
+_product_bf16 = specialise(_product_plain_template, BF16, False, base="_product")
 
 
 _BF16_LOW = np.uint32(0xFFFF)
