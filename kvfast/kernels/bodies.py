@@ -35,7 +35,7 @@ line numbers, so Numba's disk cache and error messages point at the template's s
 from __future__ import annotations
 
 import ast
-import inspect
+import functools
 import textwrap
 
 import numba as nb
@@ -52,15 +52,16 @@ _HELPERS = {
 }
 """The names the written-out roundings use, put into the template's module (prefixed, so no clash)."""
 
-_F32_ROUND = "_kvfast_np.float64(_kvfast_np.float32(V))"
+_F32_ROUND = ("_kvfast_np.float64", "_kvfast_np.float32")
 ROUNDINGS = {
-    (F64, False): ("V", "V"),
-    (F32, True): ("V", "V"),
+    (F64, False): ((), ()),
+    (F32, True): ((), ()),
     (F32, False): (_F32_ROUND, _F32_ROUND),
-    (BF16, True): ("_kvfast_bf16_round_f32_not_nan(V)", "_kvfast_bf16_round_f32(V)"),
-    (BF16, False): ("_kvfast_rbf(V)", "_kvfast_rbf(V)"),
+    (BF16, True): (("_kvfast_bf16_round_f32_not_nan",), ("_kvfast_bf16_round_f32",)),
+    (BF16, False): (("_kvfast_rbf",), ("_kvfast_rbf",)),
 }
-"""``(acc, float32 data) -> (product rounding, sum rounding)``, each an expression of the exact result ``V``."""
+"""``(acc, float32 data) -> (product rounding, sum rounding)``, each the functions applied to the exact result,
+outermost first (``()``: none; f32 on float64 data: ``float64(float32(v))``)."""
 
 
 def MUL(a, b):  # noqa: N802 - a macro, named so
@@ -78,22 +79,33 @@ def MAC(s, a, b):  # noqa: N802
     raise NotImplementedError("a template macro: only meaningful in a template given to specialise()")
 
 
+def _located(node: ast.AST, where: ast.AST) -> ast.AST:
+    """``node`` at ``where``'s place in the source (for error messages; a new node has none)."""
+    for field in ("lineno", "col_offset", "end_lineno", "end_col_offset"):
+        setattr(node, field, getattr(where, field))
+    return node
+
+
 class _WriteOut(ast.NodeTransformer):
-    """Replace every ``MUL``/``ADD``/``MAC`` call by its operation and rounding."""
+    """Replace every ``MUL``/``ADD``/``MAC`` call by its operation and rounding (built as nodes, not parsed:
+    this runs at import, for every body)."""
 
-    def __init__(self, mul: str, add: str):
-        self.rounding = {"MUL": (ast.Mult(), mul), "ADD": (ast.Add(), add)}
+    def __init__(self, mul: tuple[str, ...], add: tuple[str, ...]):
+        self.rounding = {"MUL": (ast.Mult, mul), "ADD": (ast.Add, add)}
 
-    def _rounded(self, op_name: str, a: ast.expr, b: ast.expr) -> ast.expr:
-        op, text = self.rounding[op_name]
-        exact = ast.BinOp(left=a, op=op, right=b)
-        template = ast.parse(text, mode="eval").body
+    def _function(self, dotted: str, where: ast.AST) -> ast.expr:
+        head, *rest = dotted.split(".")
+        node = _located(ast.Name(id=head, ctx=ast.Load()), where)
+        for attr in rest:
+            node = _located(ast.Attribute(value=node, attr=attr, ctx=ast.Load()), where)
+        return node
 
-        class Put(ast.NodeTransformer):
-            def visit_Name(self, node):  # noqa: N802
-                return exact if node.id == "V" else node
-
-        return Put().visit(template)
+    def _rounded(self, op_name: str, a: ast.expr, b: ast.expr, where: ast.AST) -> ast.expr:
+        op, chain = self.rounding[op_name]
+        value = _located(ast.BinOp(left=a, op=op(), right=b), where)
+        for dotted in reversed(chain):  # the innermost function first
+            value = _located(ast.Call(func=self._function(dotted, where), args=[value], keywords=[]), where)
+        return value
 
     def visit_Call(self, node):  # noqa: N802
         self.generic_visit(node)
@@ -101,13 +113,31 @@ class _WriteOut(ast.NodeTransformer):
         if name in ("MUL", "ADD"):
             if len(node.args) != 2 or node.keywords:
                 raise ValueError(f"{name}: takes two arguments")
-            return self._rounded(name, *node.args)
+            return self._rounded(name, *node.args, node)
         if name == "MAC":
             if len(node.args) != 3 or node.keywords:
                 raise ValueError("MAC: takes three arguments")
             s, a, b = node.args
-            return self._rounded("ADD", s, self._rounded("MUL", a, b))
+            return self._rounded("ADD", s, self._rounded("MUL", a, b, node), node)
         return node
+
+
+@functools.cache
+def _module_functions(filename: str) -> tuple[list[str], dict[int, ast.FunctionDef]]:
+    """The lines of a source file and its top-level functions by first line (parsed once per file: the
+    C parser is faster than ``inspect.getsourcelines``'s tokenizer, and this runs at import)."""
+    with open(filename, encoding="utf-8") as fh:
+        text = fh.read()
+    nodes = {n.lineno: n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef) and not n.decorator_list}
+    return text.splitlines(keepends=True), nodes
+
+
+def _template_source(template) -> tuple[str, int, str]:
+    """The template's source, its first line number and its file."""
+    filename = template.__code__.co_filename
+    lines, nodes = _module_functions(filename)
+    node = nodes[template.__code__.co_firstlineno]  # a module-level function without decorators
+    return textwrap.dedent("".join(lines[node.lineno - 1 : node.end_lineno])), node.lineno, filename
 
 
 def body_name(template, acc: int, data32: bool, base: str | None = None) -> str:
@@ -126,15 +156,14 @@ def specialise(template, acc: int, data32: bool, base: str | None = None):
     if rounding is None:
         raise ValueError(f"acc: {acc!r} on {'float32' if data32 else 'float64'} data is not allowed; allowed: "
                          f"{sorted(ROUNDINGS)}")  # fmt: skip
-    lines, first = inspect.getsourcelines(template)
-    tree = ast.parse(textwrap.dedent("".join(lines)))
+    source, first, filename = _template_source(template)
+    tree = ast.parse("\n" * (first - 1) + source)  # at the template's own line numbers
     (fn,) = tree.body
     fn.name = body_name(template, acc, data32, base)
     fn.decorator_list = []
-    tree = ast.fix_missing_locations(_WriteOut(*rounding).visit(tree))
-    ast.increment_lineno(tree, first - 1)
+    tree = _WriteOut(*rounding).visit(tree)
     namespace = template.__globals__
     namespace.update(_HELPERS)
-    exec(compile(tree, inspect.getsourcefile(template), "exec"), namespace)  # noqa: S102 - our own source
+    exec(compile(tree, filename, "exec"), namespace)  # noqa: S102 - our own source
     namespace[fn.name] = jitted = nb.njit(**JIT_OPTIONS)(namespace[fn.name])
     return jitted
