@@ -435,11 +435,12 @@ def test_orders_differ_on_a_constructed_input():
 # library Numba loads from its cache (or compiles) while the model's kernels are called, and
 # objdump disassembles it. (A kernel loaded from Numba's cache cannot be inspected in-process.)
 
-PRODUCT_BODY_NAMES = tuple(k.__name__ for k in matmul.PRODUCT_KERNELS)
+PRODUCT_BODY_NAMES = tuple(k.__name__ for k in matmul.PRODUCT_KERNELS)  # generated on first use: here
+DOT_BODY_NAMES = tuple(k.__name__ for k in attention.DOT_KERNELS)
 FMA_ASM = re.compile(r"\bv?f(?:n)?m(?:add|sub|addsub|subadd)\d*\w*", re.IGNORECASE)
 ORDER_SENSITIVE = (
     "ordered_sum", "ordered_dot", "weighted_rows_sum", "matmul_with", *PRODUCT_BODY_NAMES, "_all_products",
-    "score_dots", "_dots_sequential_f64", "_dots_sequential_f32", "_dots_sequential_bf16",
+    "score_dots", *DOT_BODY_NAMES,
     "attend_row", "attend_row_blocked", "attention_with", "rmsnorm_row", "rmsnorm_into", "silu_into", "rnd",
     "_round_flat", "forward_kernel", "decode_kernel",
 )  # fmt: skip

@@ -71,7 +71,7 @@ import numba as nb
 import numpy as np
 from numba import types
 
-from kvfast.kernels.bodies import MAC, MUL, specialise
+from kvfast.kernels.bodies import MAC, MUL, body_name, specialise
 from kvfast.kernels.indirect import address, through_address
 from kvfast.kernels.jit import JIT_OPTIONS as _JIT
 from kvfast.kernels.precision import BF16, F32, F64, rnd
@@ -116,12 +116,20 @@ def _dots_sequential_template(qrow, c0, kbuf, lo, nk, hd, out):
         j += 1
 
 
-DOT_KERNELS = tuple(specialise(_dots_sequential_template, acc, False) for acc in (F64, F32, BF16))
-"""The sequential score-dot bodies (float64 data), one per accumulator format, in the order of a
-:func:`dot_bodies` tuple."""
+def _dot_kernel(acc: int):
+    """The sequential score-dot body of ``acc`` (float64 data), generated (not compiled) on the first request."""
+    kernel = globals().get(body_name(_dots_sequential_template, acc, False))
+    return kernel if kernel is not None else specialise(_dots_sequential_template, acc, False)
+
+
+def __getattr__(name: str):
+    if name == "DOT_KERNELS":  # the three bodies, in the order of a dot_bodies table (generated on first use)
+        return tuple(_dot_kernel(acc) for acc in (F64, F32, BF16))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 DOT_BODY = (_A1, _I, _A2, _I, _I, _I, _A1)
-"""The signature every :data:`DOT_KERNELS` body is compiled for."""
+"""The signature every ``DOT_KERNELS`` body is compiled for."""
 
 _dots_at = through_address(DOT_BODY)
 
@@ -145,7 +153,7 @@ def dot_bodies(acc: int) -> np.ndarray:
     if table is None:
         if acc not in (F64, F32, BF16):
             raise ValueError(f"acc: {acc!r} is not allowed; allowed: {F64}, {F32}, {BF16}")
-        bodies = [address(DOT_KERNELS[i], DOT_BODY) if i == acc else 0 for i in range(3)]
+        bodies = [address(_dot_kernel(i), DOT_BODY) if i == acc else 0 for i in range(3)]
         shared = [address(score_dots, SCORE), address(ordered_sum, SUM), address(weighted_rows_sum, ROWS)]
         table = np.array(bodies + shared, np.int64)
         _DOT_TABLES[acc] = table

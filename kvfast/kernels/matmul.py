@@ -225,11 +225,33 @@ def _product_plain_template(x, w, order, y):
                     y[t, j] = ADD(y[t, j], stack[level, j])
 
 
-_product_f64 = specialise(_product_template, F64, False)
-_product_f32_on_f32 = specialise(_product_template, F32, True)
-_product_f32 = specialise(_product_template, F32, False)
-_product_bf16_on_f32 = specialise(_product_plain_template, BF16, True, base="_product")
-_product_bf16 = specialise(_product_plain_template, BF16, False, base="_product")
+_PRODUCT_SPECS = {
+    "_product_f64": (_product_template, F64, False),
+    "_product_f32_on_f32": (_product_template, F32, True),
+    "_product_f32": (_product_template, F32, False),
+    "_product_bf16_on_f32": (_product_plain_template, BF16, True),
+    "_product_bf16": (_product_plain_template, BF16, False),
+}
+"""The five bodies (names as in :data:`PRODUCT_KERNELS`' order), each written out on first use: a module
+attribute of that name (``matmul._product_f64``) generates it (a few ms of import each, saved where a
+process never runs the format)."""
+
+
+def _product_kernel(name: str):
+    """The body ``name`` of :data:`_PRODUCT_SPECS`, generated (not compiled) on the first request."""
+    kernel = globals().get(name)
+    if kernel is None:
+        template, acc, data32 = _PRODUCT_SPECS[name]
+        kernel = specialise(template, acc, data32, base="_product")
+    return kernel
+
+
+def __getattr__(name: str):
+    if name in _PRODUCT_SPECS:
+        return _product_kernel(name)
+    if name == "PRODUCT_KERNELS":
+        return tuple(_product_kernel(n) for n in _PRODUCT_SPECS)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 _BF16_LOW = np.uint32(0xFFFF)
@@ -268,12 +290,11 @@ much as a one-row product); the bf16 accumulator always does, when its inputs al
 _F64_2D = types.Array(types.float64, 2, "C")
 _F32_2D = types.Array(types.float32, 2, "C")
 
-PRODUCT_KERNELS = (_product_f64, _product_f32_on_f32, _product_f32, _product_bf16_on_f32, _product_bf16)
-"""The five bodies, in the order of a :func:`product_bodies` tuple: f64; f32 on float32 copies, f32 on
-float64 data; bf16 on float32 copies, bf16 on float64 data."""
+# PRODUCT_KERNELS (a module attribute, by __getattr__): the five bodies, in the order of a product_bodies
+# tuple: f64; f32 on float32 copies, f32 on float64 data; bf16 on float32 copies, bf16 on float64 data.
 
 PRODUCT_BODIES = tuple((data, data, types.int64, data) for data in (_F64_2D, _F32_2D, _F64_2D, _F32_2D, _F64_2D))
-"""The signatures of :data:`PRODUCT_KERNELS`: ``(x, w, order, y)``."""
+"""The signatures of ``PRODUCT_KERNELS``: ``(x, w, order, y)``."""
 
 _NARROWED = (_F64_2D, _F64_2D, types.int64, _F64_2D, types.int64, types.int64, types.boolean)
 """The signature of :func:`_narrowed` (slots 5 and 6 of a :func:`product_bodies` tuple, f32 and bf16: one
@@ -291,15 +312,19 @@ _PRODUCT_TABLES: dict[int, np.ndarray] = {}
 def product_bodies(acc: int) -> np.ndarray:
     """The addresses of what accumulator ``acc`` runs (compiled, or loaded from the cache, on first use), an
     int64 array (an array, not a tuple: Numba types an array argument in its fast path): the five product
-    bodies (:data:`PRODUCT_KERNELS`), then :func:`_narrowed` for f32 and for bf16; 0 for the other formats'
+    bodies (``PRODUCT_KERNELS``), then :func:`_narrowed` for f32 and for bf16; 0 for the other formats'
     (which ``matmul_with`` never calls with this ``acc``). One array per format and process: do not write it."""
     table = _PRODUCT_TABLES.get(acc)
     if table is None:
         wanted = _BODIES_OF.get(acc)
         if wanted is None:
             raise ValueError(f"acc: {acc!r} is not allowed; allowed: {F64}, {F32}, {BF16}")
-        kernels = [*zip(PRODUCT_KERNELS, PRODUCT_BODIES, strict=True), (_narrowed, _NARROWED), (_narrowed, _NARROWED)]
-        table = np.array([address(*kernels[i]) if i in wanted else 0 for i in range(7)], dtype=np.int64)
+        names, signatures = list(_PRODUCT_SPECS), [*PRODUCT_BODIES, _NARROWED, _NARROWED]
+
+        def kernel(i: int):
+            return _product_kernel(names[i]) if i < len(names) else _narrowed
+
+        table = np.array([address(kernel(i), signatures[i]) if i in wanted else 0 for i in range(7)], np.int64)
         _PRODUCT_TABLES[acc] = table
     return table
 
@@ -362,7 +387,7 @@ def matmul_into(x: np.ndarray, w: np.ndarray, storage: int, acc: int, order: int
     (:mod:`kvfast.kernels.reduce`), products and adds rounded to ``acc``, the
     result rounded to ``storage``; an empty sum (n = 0) is ``0.0``. ``y`` must
     not overlap ``x`` or ``w``. One branch over the three formats picks the bodies
-    compiled for that format (:data:`PRODUCT_KERNELS`), so the loops carry no format
+    compiled for that format (``PRODUCT_KERNELS``), so the loops carry no format
     branch; a process compiles (or loads) the bodies of the formats it runs, on
     first use. Jitted code calls :func:`matmul_with` with :func:`product_bodies`.
     """
