@@ -102,17 +102,17 @@ signature = matmul.PRODUCT_BODIES[0]
 while time.time() < float(sys.argv[2]):  # both processes start compiling at the same moment
     time.sleep(0.005)
 if sys.argv[1] == "address":
-    indirect.address(matmul._product, signature)
+    indirect.address(matmul.PRODUCT_KERNELS[0], signature)
 else:  # control: Numba's own compile, no lock
-    matmul._product.compile(signature)
-stats = matmul._product.stats
+    matmul.PRODUCT_KERNELS[0].compile(signature)
+stats = matmul.PRODUCT_KERNELS[0].stats
 print(json.dumps([sum(stats.cache_hits.values()), sum(stats.cache_misses.values())]))
 """
 
 
 def _compiled_and_loaded(how: str, cache: Path) -> list[list[int]]:
     """Two processes that need the same product body at the same moment, sharing an empty cache: each one's
-    [cache hits, cache misses] of ``_product`` (a miss is a compile)."""
+    [cache hits, cache misses] of ``_product_f64`` (a miss is a compile)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "NUMBA_CACHE_DIR": str(cache)}
     start = f"{__import__('time').time() + 3.0}"  # after both have imported kvfast and numba
     procs = [

@@ -242,11 +242,11 @@ def _products_both_lanes(x, w, order, acc_is_bf16):
     y32 = np.empty((x.shape[0], w.shape[1]), dtype=np.float32)
     x32, w32 = x.astype(np.float32), w.astype(np.float32)
     if acc_is_bf16:
-        matmul._product(x, w, order, y64, BF16)
-        matmul._product(x32, w32, order, y32, BF16)
+        matmul._product_bf16(x, w, order, y64)
+        matmul._product_bf16_on_f32(x32, w32, order, y32)
     else:
-        matmul._product(x, w, order, y64, F32)
-        matmul._product(x32, w32, order, y32, F32)
+        matmul._product_f32(x, w, order, y64)
+        matmul._product_f32_on_f32(x32, w32, order, y32)
     return y64, y32.astype(np.float64)
 
 
@@ -435,16 +435,18 @@ def test_orders_differ_on_a_constructed_input():
 # library Numba loads from its cache (or compiles) while the model's kernels are called, and
 # objdump disassembles it. (A kernel loaded from Numba's cache cannot be inspected in-process.)
 
+PRODUCT_BODY_NAMES = tuple(k.__name__ for k in matmul.PRODUCT_KERNELS)  # generated on first use: here
+DOT_BODY_NAMES = tuple(k.__name__ for k in attention.DOT_KERNELS)
 FMA_ASM = re.compile(r"\bv?f(?:n)?m(?:add|sub|addsub|subadd)\d*\w*", re.IGNORECASE)
 ORDER_SENSITIVE = (
-    "ordered_sum", "ordered_dot", "weighted_rows_sum", "matmul_with", "_product", "_all_products",
-    "score_dots", "_dots_sequential",
+    "ordered_sum", "ordered_dot", "weighted_rows_sum", "matmul_with", *PRODUCT_BODY_NAMES, "_all_products",
+    "score_dots", *DOT_BODY_NAMES,
     "attend_row", "attend_row_blocked", "attention_with", "rmsnorm_row", "rmsnorm_into", "silu_into", "rnd",
-    "round_array", "forward_kernel", "decode_kernel",
+    "_round_flat", "forward_kernel", "decode_kernel",
 )  # fmt: skip
 # forward_kernel / decode_kernel: the model's compiled entries (kvfast/model/compiled.py, decode.py), into
-# which the block is inlined; matmul_with / _product: the format dispatch and the product bodies it calls by
-# address
+# which the block is inlined; matmul_with / _product_*: the format dispatch and the product bodies it calls by
+# address (one per format and data type, written out from one template: kvfast.kernels.bodies)
 
 PROBE = r"""
 import json, os, sys
@@ -508,16 +510,15 @@ def _dot(a, b):
 
 @nb.njit(fastmath=False)
 def _all_products(x, w, y, x32, w32, y32):
-    """matmul's product kernels (``_product`` -> ``_seq_rows4``, ``_seq_rows1``, ``_pair_rows`` ->
-    ``_mac``/``_mul``/``_add``) in every accumulator format, data type and order, linked into one
-    library (they take the format as a literal, so Python cannot call them directly)."""
+    """matmul's product bodies (``_product_template`` written out for each format and data type) in every
+    accumulator format, data type and order, linked into one library."""
     for order in (SEQUENTIAL, PAIRWISE):
         for rows in (4, 1):
-            matmul._product(x[:rows], w, order, y[:rows], F64)
-            matmul._product(x[:rows], w, order, y[:rows], F32)
-            matmul._product(x[:rows], w, order, y[:rows], BF16)
-            matmul._product(x32[:rows], w32, order, y32[:rows], F32)
-            matmul._product(x32[:rows], w32, order, y32[:rows], BF16)
+            matmul._product_f64(x[:rows], w, order, y[:rows])
+            matmul._product_f32(x[:rows], w, order, y[:rows])
+            matmul._product_bf16(x[:rows], w, order, y[:rows])
+            matmul._product_f32_on_f32(x32[:rows], w32, order, y32[:rows])
+            matmul._product_bf16_on_f32(x32[:rows], w32, order, y32[:rows])
 
 
 def _representative_calls():
@@ -607,12 +608,14 @@ def test_no_fused_multiply_add_in_the_machine_code(machine_code):
             assert not fused, (name, fused[:5])
     # the multiplying kernels really multiply (in scalar or vector form); the compiled forward and decode
     # call them by address (kvfast.model.addresses), so their own code need not
-    for name in ("ordered_dot", "_all_products", "_product", "attend_row", "attend_row_blocked", "rmsnorm_row"):
-        assert any(re.search(r"\bvmul[sp]d\b", asm) for asm in machine_code[name]), name
+    for name in ("ordered_dot", "_all_products", "_dots_sequential_f64", "attend_row", "attend_row_blocked",
+                 "rmsnorm_row", *PRODUCT_BODY_NAMES):  # fmt: skip
+        precision = "[sd]" if name.endswith("_on_f32") else "d"  # float32 data multiplies in single precision
+        assert any(re.search(rf"\bvmul[sp]{precision}\b", asm) for asm in machine_code[name]), name
     # matmul runs float32 lanes (f32 and bf16 accumulators) with the bf16 rounding in integer lanes
-    for name in ("_all_products", "_product"):
-        asm = "".join(machine_code[name])
-        assert re.search(r"\bvmulps\b", asm) and re.search(r"\bvpaddd\b", asm), name
+    for names in (["_all_products"], ["_product_f32_on_f32", "_product_bf16_on_f32"]):
+        asm = "".join("".join(machine_code[name]) for name in names)
+        assert re.search(r"\bvmulps\b", asm) and re.search(r"\bvpaddd\b", asm), names
 
 
 @pytest.mark.skipif(not llvm.get_host_cpu_features().get("fma", False), reason="this CPU has no FMA")

@@ -186,3 +186,18 @@ def test_the_compiled_forward_is_not_the_layer_by_layer_code_path():
         assert len(calls) == cfg.n_layer
     finally:
         layers.attention_forward = original
+
+
+def test_prepared_weights_have_the_type_the_block_is_compiled_for_by_address():
+    """The compiled forward and the decode call the block's functions by address only when the weights
+    have the type those are compiled for (``kvfast.model.compiled``; otherwise they link them, as before):
+    the prepared weights, fresh or cached (the caller's parameters frozen), always have it."""
+    from kvfast.model import compiled
+
+    cfg = ModelConfig(vocab=7, d_model=8, n_head=2, n_layer=2, d_ff=12, max_pos=8)
+    params = init_params(cfg, 0)
+    for weights in (Weights.prepare(cfg, params, Numerics()), Weights.cached(cfg, params, Numerics("bf16"))):
+        assert nb.typeof(weights.stacked) == compiled._block_signatures()["input"][1]
+    signature = compiled._block_signatures()["head"]
+    assert compiled._by_address("head", signature) is not None
+    assert compiled._by_address("head", (nb.types.int32, *signature[1:])) is None  # another type: linked

@@ -337,8 +337,7 @@ def test_matmul_branch_free_bf16_round_equals_round_bf16_f64():
     signed zeros, infinities and NaNs of both signs."""
     import numba as nb
 
-    from kvfast.kernels.matmul import _rbf
-    from kvfast.kernels.precision import round_bf16_f64
+    from kvfast.kernels.precision import _rbf, round_bf16_f64
 
     @nb.njit
     def both(xs):

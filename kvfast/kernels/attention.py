@@ -23,7 +23,12 @@ Compile cost (a cold start): the row kernels (:func:`attend_row`,
 the decode step, so each is compiled, and its machine code generated, once
 (inlined or linked, it was generated again in each caller); :func:`score_dots`
 calls the sequential body of its accumulator format by address too, compiled
-on the first use of that format (:func:`dot_bodies`).
+on the first use of that format (:func:`dot_bodies`; the bodies are written
+once, as a template, and written out per format: :mod:`kvfast.kernels.bodies`),
+and the row kernels call :func:`score_dots` and the reductions
+(:func:`kvfast.kernels.reduce.ordered_sum`,
+:func:`kvfast.kernels.reduce.weighted_rows_sum`) by address, so these are not
+optimised again inside both row kernels.
 
 Real kernels' orders (``mode``, with an integer ``param``), per head, over the
 scores ``s_j`` above (computed exactly as in the standard mode):
@@ -66,9 +71,9 @@ import numba as nb
 import numpy as np
 from numba import types
 
+from kvfast.kernels.bodies import MAC, MUL, body_name, specialise
 from kvfast.kernels.indirect import address, through_address
 from kvfast.kernels.jit import JIT_OPTIONS as _JIT
-from kvfast.kernels.matmul import _mac, _mul
 from kvfast.kernels.precision import BF16, F32, F64, rnd
 from kvfast.kernels.reduce import SEQUENTIAL, STACK_DEPTH, new_stack, ordered_dot, ordered_sum, weighted_rows_sum
 
@@ -84,58 +89,73 @@ _I, _F = types.int64, types.float64
 _A1, _A2, _A3 = (types.Array(types.float64, n, "C") for n in (1, 2, 3))
 
 
-@nb.njit(**_JIT)
-def _dots_sequential(qrow, c0, kbuf, lo, nk, hd, out, acc):
-    """``out[j] = ordered_dot(qrow[c0:], kbuf[lo + j, c0:], hd)`` in sequential order for j < nk, with
-    ``acc`` a literal format: four keys at a time, so four independent sums (each still left to right
-    over the head's columns) are in flight instead of one."""
+def _dots_sequential_template(qrow, c0, kbuf, lo, nk, hd, out):
+    """``out[j] = ordered_dot(qrow[c0:], kbuf[lo + j, c0:], hd)`` in sequential order for j < nk, products
+    and sums rounded to the body's accumulator format (:mod:`kvfast.kernels.bodies`): four keys at a time,
+    so four independent sums (each still left to right over the head's columns) are in flight instead of
+    one; ``hd`` >= 1."""
     j = 0
     while j + 4 <= nk:
         k0, k1, k2, k3 = kbuf[lo + j], kbuf[lo + j + 1], kbuf[lo + j + 2], kbuf[lo + j + 3]
         a = qrow[c0]
-        s0, s1, s2, s3 = _mul(a, k0[c0], acc), _mul(a, k1[c0], acc), _mul(a, k2[c0], acc), _mul(a, k3[c0], acc)
+        s0, s1, s2, s3 = MUL(a, k0[c0]), MUL(a, k1[c0]), MUL(a, k2[c0]), MUL(a, k3[c0])
         for c in range(c0 + 1, c0 + hd):
             a = qrow[c]
-            s0 = _mac(s0, a, k0[c], acc)
-            s1 = _mac(s1, a, k1[c], acc)
-            s2 = _mac(s2, a, k2[c], acc)
-            s3 = _mac(s3, a, k3[c], acc)
+            s0 = MAC(s0, a, k0[c])
+            s1 = MAC(s1, a, k1[c])
+            s2 = MAC(s2, a, k2[c])
+            s3 = MAC(s3, a, k3[c])
         out[j], out[j + 1], out[j + 2], out[j + 3] = s0, s1, s2, s3
         j += 4
     while j < nk:
         k0 = kbuf[lo + j]
-        s0 = _mul(qrow[c0], k0[c0], acc)
+        s0 = MUL(qrow[c0], k0[c0])
         for c in range(c0 + 1, c0 + hd):
-            s0 = _mac(s0, qrow[c], k0[c], acc)
+            s0 = MAC(s0, qrow[c], k0[c])
         out[j] = s0
         j += 1
 
 
-def _dots_body(acc: int) -> tuple:
-    """The signature :func:`_dots_sequential` is compiled for, for the (literal) format ``acc``."""
-    return (_A1, _I, _A2, _I, _I, _I, _A1, types.IntegerLiteral(acc))
+def _dot_kernel(acc: int):
+    """The sequential score-dot body of ``acc`` (float64 data), generated (not compiled) on the first request."""
+    kernel = globals().get(body_name(_dots_sequential_template, acc, False))
+    return kernel if kernel is not None else specialise(_dots_sequential_template, acc, False)
 
 
-DOT_BODIES = (_dots_body(F64), _dots_body(F32), _dots_body(BF16))
-"""The sequential score-dot bodies, one per accumulator format, in the order of a :func:`dot_bodies` tuple."""
+def __getattr__(name: str):
+    if name == "DOT_KERNELS":  # the three bodies, in the order of a dot_bodies table (generated on first use)
+        return tuple(_dot_kernel(acc) for acc in (F64, F32, BF16))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-_dots_f64 = through_address(DOT_BODIES[0])
-_dots_f32 = through_address(DOT_BODIES[1])
-_dots_bf16 = through_address(DOT_BODIES[2])
+
+DOT_BODY = (_A1, _I, _A2, _I, _I, _I, _A1)
+"""The signature every ``DOT_KERNELS`` body is compiled for."""
+
+_dots_at = through_address(DOT_BODY)
 
 
 _DOT_TABLES: dict[int, np.ndarray] = {}
 
+SCORE_DOTS, ORDERED_SUM, ROWS_SUM = 3, 4, 5
+"""Slots of a :func:`dot_bodies` table after the three score-dot bodies: :func:`score_dots`,
+:func:`kvfast.kernels.reduce.ordered_sum`, :func:`kvfast.kernels.reduce.weighted_rows_sum` (what the row
+kernels call by address)."""
+
 
 def dot_bodies(acc: int) -> np.ndarray:
-    """The address of the sequential score-dot body of accumulator ``acc`` in its slot (compiled, or loaded
-    from the cache, on first use), 0 in the others' (:func:`score_dots` never calls them with this ``acc``):
-    an int64 array of 3, one per format and process (do not write it)."""
+    """What the row kernels call by address for accumulator ``acc`` (compiled, or loaded from the cache, on
+    first use), an int64 array of 6, one per format and process (do not write it): the sequential score-dot
+    body of ``acc`` in its slot (0, 1, 2 for F64, F32, BF16), 0 in the others' (:func:`score_dots` never calls
+    them with this ``acc``), then the reductions of every format (slots ``SCORE_DOTS``, ``ORDERED_SUM``,
+    ``ROWS_SUM``: run-time formats; called by address, each is compiled once, not again inside
+    :func:`attend_row` and :func:`attend_row_blocked`)."""
     table = _DOT_TABLES.get(acc)
     if table is None:
         if acc not in (F64, F32, BF16):
             raise ValueError(f"acc: {acc!r} is not allowed; allowed: {F64}, {F32}, {BF16}")
-        table = np.array([address(_dots_sequential, DOT_BODIES[i]) if i == acc else 0 for i in range(3)], np.int64)
+        bodies = [address(_dot_kernel(i), DOT_BODY) if i == acc else 0 for i in range(3)]
+        shared = [address(score_dots, SCORE), address(ordered_sum, SUM), address(weighted_rows_sum, ROWS)]
+        table = np.array(bodies + shared, np.int64)
         _DOT_TABLES[acc] = table
     return table
 
@@ -147,15 +167,23 @@ def score_dots(qrow, c0, kbuf, lo, nk, hd, acc, order, sstack, out, dots):
     ``dots``: :func:`dot_bodies` of ``acc``; the sequential order runs that format's body, called through
     its address (each format's body compiled once, on first use, and not again in every row kernel)."""
     if order == SEQUENTIAL and hd > 0:
-        if acc == F64:
-            _dots_f64(dots[0], (qrow, c0, kbuf, lo, nk, hd, out))
-        elif acc == F32:
-            _dots_f32(dots[1], (qrow, c0, kbuf, lo, nk, hd, out))
-        else:
-            _dots_bf16(dots[2], (qrow, c0, kbuf, lo, nk, hd, out))
+        _dots_at(dots[acc], (qrow, c0, kbuf, lo, nk, hd, out))  # the one body of acc (F64, F32, BF16: 0, 1, 2)
     else:
         for j in range(nk):
             out[j] = ordered_dot(qrow, c0, kbuf[lo + j], c0, hd, acc, order, sstack)
+
+
+_DOTS = types.Array(types.int64, 1, "C")
+SCORE = (_A1, _I, _A2, _I, _I, _I, _I, _I, _A1, _A1, _DOTS)
+"""The argument types :func:`score_dots` is compiled for, and called with by address (the row kernels)."""
+SUM = (_A1, _I, _I, _I, _I, _A1)
+"""``ordered_sum(t, lo, n, acc, order, stack)`` as the row kernels call it by address."""
+ROWS = (_A1, _I, _A2, _I, _I, _I, _I, _I, _I, _A1, _A2)
+"""``weighted_rows_sum(coef, c0, rows, r0, n, col0, m, acc, order, out, stack)`` as the row kernels call it."""
+
+_score_at = through_address(SCORE)
+_sum_at = through_address(SUM, types.float64)
+_rows_sum_at = through_address(ROWS)
 
 
 @nb.njit(**_JIT, inline="always")
@@ -192,7 +220,7 @@ def attend_row(
     for h in range(n_head):
         c0 = h * hd
         smax = -np.inf
-        score_dots(qrow, c0, kbuf, lo, nk, hd, acc, order, sstack, scores, dots)
+        _score_at(dots[SCORE_DOTS], (qrow, c0, kbuf, lo, nk, hd, acc, order, sstack, scores, dots))
         for j in range(nk):
             s = rnd(scores[j] * scale, storage)
             scores[j] = s
@@ -200,13 +228,13 @@ def attend_row(
                 smax = s
         for j in range(nk):
             expd[j] = rnd(math.exp(scores[j] - smax), storage)
-        z = ordered_sum(expd, np.int64(0), nk, acc, order, sstack)  # int64: see attention_into
+        z = _sum_at(dots[ORDERED_SUM], (expd, np.int64(0), nk, acc, order, sstack))
         for j in range(nk):
             expd[j] = rnd(expd[j] / z, storage)
         if probs.shape[0] > 0:
             for j in range(nk):
                 probs[h, pr, lo + j] = expd[j]
-        weighted_rows_sum(expd, np.int64(0), vbuf, lo, nk, c0, hd, acc, order, orow[c0 : c0 + hd], vstack)
+        _rows_sum_at(dots[ROWS_SUM], (expd, np.int64(0), vbuf, lo, nk, c0, hd, acc, order, orow[c0 : c0 + hd], vstack))
         for c in range(c0, c0 + hd):
             orow[c] = rnd(orow[c], storage)
 
@@ -262,7 +290,7 @@ def attend_row_blocked(
     part_lse = np.empty(max(nb_, 1))
     for h in range(n_head):
         c0 = h * hd
-        score_dots(qrow, c0, kbuf, lo, nk, hd, acc, order, sstack, scores, dots)
+        _score_at(dots[SCORE_DOTS], (qrow, c0, kbuf, lo, nk, hd, acc, order, sstack, scores, dots))
         for j in range(nk):
             scores[j] = rnd(scores[j] * scale, storage)
         if mode == ONLINE:
@@ -278,9 +306,9 @@ def attend_row_blocked(
                 alpha = rnd(math.exp(m - mnew), acc)
                 for j in range(a0, a0 + n):
                     expd[j] = rnd(math.exp(scores[j] - mnew), storage)
-                bsum = ordered_sum(expd, a0, n, acc, order, sstack)
+                bsum = _sum_at(dots[ORDERED_SUM], (expd, a0, n, acc, order, sstack))
                 lsum = rnd(rnd(alpha * lsum, acc) + bsum, acc)
-                weighted_rows_sum(expd, a0, vbuf, lo + a0, n, c0, hd, acc, order, tmp, vstack)
+                _rows_sum_at(dots[ROWS_SUM], (expd, a0, vbuf, lo + a0, n, c0, hd, acc, order, tmp, vstack))
                 for c in range(hd):
                     acc_o[c] = rnd(rnd(alpha * acc_o[c], acc) + tmp[c], acc)
                 m = mnew
@@ -294,8 +322,8 @@ def attend_row_blocked(
                 mb = _max_of(scores, a0, n)
                 for j in range(a0, a0 + n):
                     expd[j] = rnd(math.exp(scores[j] - mb), storage)
-                lb = ordered_sum(expd, a0, n, acc, order, sstack)
-                weighted_rows_sum(expd, a0, vbuf, lo + a0, n, c0, hd, acc, order, tmp, vstack)
+                lb = _sum_at(dots[ORDERED_SUM], (expd, a0, n, acc, order, sstack))
+                _rows_sum_at(dots[ROWS_SUM], (expd, a0, vbuf, lo + a0, n, c0, hd, acc, order, tmp, vstack))
                 for c in range(hd):
                     part_o[b, c] = rnd(tmp[c] / lb, acc)
                 lse = rnd(mb + rnd(math.log(lb), acc), acc)
@@ -316,7 +344,6 @@ def attend_row_blocked(
                 orow[c0 + c] = rnd(acc_o[c], storage)
 
 
-_DOTS = types.Array(types.int64, 1, "C")
 ROW = (_A2, _I, _A2, _A2, _I, _I, _I, _F, _I, _I, _I, _A2, _I, _A3, _I, _A1, _A1, _A2, _DOTS)
 """The argument types :func:`attend_row` is compiled for, and called with by address (the forward and the decode)."""
 BLOCKED = (_A2, _I, _A2, _A2, _I, _I, _I, _I, _I, _F, _I, _I, _I, _I, _I, _A2, _I, _A1, _A1, _A2, _DOTS)

@@ -32,14 +32,15 @@ Speed (none of it changes any element's order of addition or its rounding):
   (:func:`kvfast.kernels.precision.bf16_round_f32`; a product of finite
   inputs is never NaN, so its rounding skips the NaN select);
 - one compiled body per accumulator format and data type, chosen once per
-  call: the format reaches the kernels as a literal, so the rounding
-  (:func:`_round`) is picked while compiling and the inner loops carry no
-  format branch. The row kernels are inlined into ``_product`` in Numba IR
-  (``inline="always"``), so they are compiled there only, not once more on
-  their own (a shorter cold start). Each body is compiled on its own when a
-  process first runs its format and is called through its address
-  (:mod:`kvfast.kernels.indirect`), so its machine code is generated once,
-  not again in every function that calls ``matmul``.
+  call: the body is written once (``_product_template``) and written out for
+  each format and data type with its rounding in place of every product and
+  sum (:mod:`kvfast.kernels.bodies`), so the inner loops carry no format
+  branch, and Numba types and lowers plain arithmetic (not a jitted helper
+  call per operation, nor helpers inlined in Numba IR: a shorter cold start).
+  Each body is compiled on its own when a process first runs its format and
+  is called through its address (:mod:`kvfast.kernels.indirect`), so its
+  machine code is generated once, not again in every function that calls
+  ``matmul``.
 
 Each sequential sum starts from ``-0.0``: ``-0.0 + p == p`` for every p
 (including ``+0.0`` and ``-0.0``) and rounding is idempotent, so the first step
@@ -54,213 +55,203 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 from numba import types
-from numba.extending import overload
 
+from kvfast.kernels.bodies import ADD, MAC, MUL, specialise
 from kvfast.kernels.indirect import address, through_address
 from kvfast.kernels.jit import JIT_OPTIONS as _JIT
-from kvfast.kernels.precision import BF16, F32, F64, _rbf, bf16_round_f32, bf16_round_f32_not_nan, f32_as_u32, rnd
+from kvfast.kernels.precision import BF16, F32, F64, f32_as_u32, rnd
 from kvfast.kernels.reduce import SEQUENTIAL
 
-
-def _round(v, fmt):
-    """``rnd(v, fmt)`` for a format known when compiling (a literal): see the overload below."""
-    raise NotImplementedError("only callable from jitted code, with a literal format")
-
-
-@overload(_round, jit_options=_JIT, prefer_literal=True)
-def _round_overload(v, fmt):
-    """The rounding of ``v`` to format ``fmt``, chosen while compiling, so no branch is left.
-
-    ``fmt`` must be a literal F64, F32 or BF16. float64 data: no rounding,
-    ``float64(float32(v))``, :func:`_rbf`; float32 data (F32 or BF16 only): no
-    rounding, :func:`kvfast.kernels.precision.bf16_round_f32`.
-    """
-    if not isinstance(fmt, types.IntegerLiteral) or not isinstance(v, types.Float):
-        return None
-    code = fmt.literal_value
-    if code == F64 or (code == F32 and v.bitwidth == 32):
-        return lambda v, fmt: v
-    if code == F32:
-        return lambda v, fmt: np.float64(np.float32(v))
-    if code == BF16 and v.bitwidth == 32:
-        return lambda v, fmt: bf16_round_f32(v)
-    if code == BF16:
-        return lambda v, fmt: _rbf(v)
-    return None
-
-
-def _round_product(v, fmt):
-    """``rnd(v, fmt)`` of a product, for a literal format: see the overload below."""
-    raise NotImplementedError("only callable from jitted code, with a literal format")
-
-
-@overload(_round_product, jit_options=_JIT, prefer_literal=True)
-def _round_product_overload(v, fmt):
-    """:func:`_round`, except on float32 data with a BF16 accumulator: there the inputs are finite
-    bfloat16s (:func:`matmul_into` sends NaN and inf inputs down the float64 lanes), so a product
-    is never NaN and its rounding needs no NaN select. (A sum can be NaN: inf + -inf.)"""
-    if not isinstance(fmt, types.IntegerLiteral) or not isinstance(v, types.Float):
-        return None
-    if fmt.literal_value == BF16 and v.bitwidth == 32:
-        return lambda v, fmt: bf16_round_f32_not_nan(v)
-    return lambda v, fmt: _round(v, fmt)
-
-
-@nb.njit(**_JIT)
-def _mul(a, b, acc):
-    """A product in the accumulator format: ``rnd(a * b, acc)`` (``acc`` a literal)."""
-    return _round_product(a * b, acc)
-
-
-@nb.njit(**_JIT)
-def _add(a, b, acc):
-    """A sum in the accumulator format: ``rnd(a + b, acc)`` (``acc`` a literal)."""
-    return _round(a + b, acc)
-
-
-@nb.njit(**_JIT)
-def _mac(s, a, b, acc):
-    """One sequential step ``rnd(s + rnd(a * b, acc), acc)``: two roundings, never fused."""
-    return _round(s + _round_product(a * b, acc), acc)
-
-
-# --- kernels, one body per accumulator format and data type ---------------------------------------
+# --- the product, one body per accumulator format and data type -----------------------------------
 #
-# ``x``, ``w``, ``y``: float64 arrays, or float32 arrays for an F32 or BF16 accumulator (see
-# matmul_into); ``acc`` is a literal format, so each body is compiled with its own rounding.
+# ``_product_template`` is never compiled itself: kvfast.kernels.bodies writes its MUL/ADD/MAC out for
+# each format and data type (``x``, ``w``, ``y``: float64 arrays, or float32 arrays for an F32 or BF16
+# accumulator: see matmul_into), so each body's loops carry its own rounding and no format branch.
 
 
-@nb.njit(**_JIT, inline="always")
-def _seq_rows4(x, w, t, y, acc):
-    """``y[t:t+4] = x[t:t+4] @ w``, each element summed over k left to right; ``x`` has >= 1 column."""
-    n = x.shape[1]
-    m = w.shape[1]
-    for j in range(m):
-        y[t, j] = -0.0
-        y[t + 1, j] = -0.0
-        y[t + 2, j] = -0.0
-        y[t + 3, j] = -0.0
-    k = 0
-    while k + 4 <= n:
-        a00, a01, a02, a03 = x[t, k], x[t, k + 1], x[t, k + 2], x[t, k + 3]
-        a10, a11, a12, a13 = x[t + 1, k], x[t + 1, k + 1], x[t + 1, k + 2], x[t + 1, k + 3]
-        a20, a21, a22, a23 = x[t + 2, k], x[t + 2, k + 1], x[t + 2, k + 2], x[t + 2, k + 3]
-        a30, a31, a32, a33 = x[t + 3, k], x[t + 3, k + 1], x[t + 3, k + 2], x[t + 3, k + 3]
-        for j in range(m):
-            w0, w1, w2, w3 = w[k, j], w[k + 1, j], w[k + 2, j], w[k + 3, j]
-            y[t, j] = _mac(_mac(_mac(_mac(y[t, j], a00, w0, acc), a01, w1, acc), a02, w2, acc), a03, w3, acc)
-            y[t + 1, j] = _mac(_mac(_mac(_mac(y[t + 1, j], a10, w0, acc), a11, w1, acc), a12, w2, acc), a13, w3, acc)
-            y[t + 2, j] = _mac(_mac(_mac(_mac(y[t + 2, j], a20, w0, acc), a21, w1, acc), a22, w2, acc), a23, w3, acc)
-            y[t + 3, j] = _mac(_mac(_mac(_mac(y[t + 3, j], a30, w0, acc), a31, w1, acc), a32, w2, acc), a33, w3, acc)
-        k += 4
-    while k < n:
-        a00, a10, a20, a30 = x[t, k], x[t + 1, k], x[t + 2, k], x[t + 3, k]
-        for j in range(m):
-            w0 = w[k, j]
-            y[t, j] = _mac(y[t, j], a00, w0, acc)
-            y[t + 1, j] = _mac(y[t + 1, j], a10, w0, acc)
-            y[t + 2, j] = _mac(y[t + 2, j], a20, w0, acc)
-            y[t + 3, j] = _mac(y[t + 3, j], a30, w0, acc)
-        k += 1
+def _product_template(x, w, order, y):
+    """``y = x @ w`` in ``order``, products and sums rounded to the body's accumulator format, without
+    the storage rounding; ``x`` has >= 1 column.
 
-
-@nb.njit(**_JIT, inline="always")
-def _seq_rows1(x, w, t, y, acc):
-    """``y[t] = x[t] @ w``, each element summed over k left to right; ``x`` has >= 1 column."""
-    n = x.shape[1]
-    m = w.shape[1]
-    for j in range(m):
-        y[t, j] = -0.0
-    k = 0
-    while k + 4 <= n:
-        a0, a1, a2, a3 = x[t, k], x[t, k + 1], x[t, k + 2], x[t, k + 3]
-        for j in range(m):
-            w0, w1, w2, w3 = w[k, j], w[k + 1, j], w[k + 2, j], w[k + 3, j]
-            y[t, j] = _mac(_mac(_mac(_mac(y[t, j], a0, w0, acc), a1, w1, acc), a2, w2, acc), a3, w3, acc)
-        k += 4
-    while k < n:
-        a0 = x[t, k]
-        for j in range(m):
-            y[t, j] = _mac(y[t, j], a0, w[k, j], acc)
-        k += 1
-
-
-@nb.njit(**_JIT, inline="always")
-def _pair_rows(x, w, t, rows, y, stack, acc):
-    """``y[t:t+rows] = x[t:t+rows] @ w``, each element summed over k in the pairwise order.
-
-    The order of :mod:`kvfast.kernels.reduce` (``PAIRWISE``) with n = 8q + r:
-    the q aligned blocks of eight k are each summed as a tree in registers and
-    merged by a binary counter (``stack[level, row]`` holds one partial row
-    per level), which builds every larger aligned block from its halves; the
-    r < 8 last terms go through the same counter one at a time, which forms
-    the aligned blocks of 4, 2 and 1 that the binary decomposition of n gives;
-    the blocks are then added left to right.
-    ``stack`` is (>= bit_length(q) + 3, >= rows, m); ``x`` has >= 1 column.
+    Sequential: four rows at a time (each ``w`` load serves four rows) and four k per pass over a row
+    (``y + a0*w0 + a1*w1 + ...`` left to right, ``y`` loaded and stored once per pass), then one row at a
+    time. Pairwise, four rows at a time: the order of :mod:`kvfast.kernels.reduce` (``PAIRWISE``) with
+    n = 8q + r: the q aligned blocks of eight k are each summed as a tree in registers and merged by a
+    binary counter (``stack[level, row]`` holds one partial row per level), which builds every larger
+    aligned block from its halves; the r < 8 last terms go through the same counter one at a time, which
+    forms the aligned blocks of 4, 2 and 1 that the binary decomposition of n gives; the blocks are then
+    added left to right.
     """
-    n = x.shape[1]
-    m = w.shape[1]
-    sp = 0
-    for b in range(n // 8):
-        k = 8 * b
-        for r in range(rows):
-            a0, a1, a2, a3 = x[t + r, k], x[t + r, k + 1], x[t + r, k + 2], x[t + r, k + 3]
-            a4, a5, a6, a7 = x[t + r, k + 4], x[t + r, k + 5], x[t + r, k + 6], x[t + r, k + 7]
-            for j in range(m):
-                s01 = _add(_mul(a0, w[k, j], acc), _mul(a1, w[k + 1, j], acc), acc)
-                s23 = _add(_mul(a2, w[k + 2, j], acc), _mul(a3, w[k + 3, j], acc), acc)
-                s45 = _add(_mul(a4, w[k + 4, j], acc), _mul(a5, w[k + 5, j], acc), acc)
-                s67 = _add(_mul(a6, w[k + 6, j], acc), _mul(a7, w[k + 7, j], acc), acc)
-                stack[sp, r, j] = _add(_add(s01, s23, acc), _add(s45, s67, acc), acc)
-        count = b + 1
-        while (count & 1) == 0:  # merge equal blocks, as a binary counter carries
-            for r in range(rows):
-                for j in range(m):
-                    stack[sp - 1, r, j] = _add(stack[sp - 1, r, j], stack[sp, r, j], acc)
-            sp -= 1
-            count >>= 1
-        sp += 1
-    k0 = n - n % 8
-    for i in range(n % 8):  # the last terms, one by one: the same counter, restarted at k0 (a multiple
-        k = k0 + i  # of 8, so aligned for every block size below 8), builds their blocks of 4, 2 and 1
-        for r in range(rows):
-            a0 = x[t + r, k]
-            for j in range(m):
-                stack[sp, r, j] = _mul(a0, w[k, j], acc)
-        count = i + 1
-        while (count & 1) == 0:
-            for r in range(rows):
-                for j in range(m):
-                    stack[sp - 1, r, j] = _add(stack[sp - 1, r, j], stack[sp, r, j], acc)
-            sp -= 1
-            count >>= 1
-        sp += 1
-    for r in range(rows):
-        for j in range(m):
-            y[t + r, j] = stack[0, r, j]
-        for level in range(1, sp):
-            for j in range(m):
-                y[t + r, j] = _add(y[t + r, j], stack[level, r, j], acc)
-
-
-@nb.njit(**_JIT)
-def _product(x, w, order, y, acc):
-    """``y = x @ w`` in ``order`` in the (literal) accumulator format ``acc``, without the storage
-    rounding; ``x`` has >= 1 column."""
     T, n = x.shape
+    m = w.shape[1]
     if order == SEQUENTIAL:
         whole = T - T % 4
-        for t in range(0, whole, 4):  # range: t is an int64, never the literal 0 (one compile, not two)
-            _seq_rows4(x, w, t, y, acc)
-        for t in range(whole, T):
-            _seq_rows1(x, w, t, y, acc)
+        for t in range(0, whole, 4):  # y[t:t+4] = x[t:t+4] @ w
+            for j in range(m):
+                y[t, j] = -0.0
+                y[t + 1, j] = -0.0
+                y[t + 2, j] = -0.0
+                y[t + 3, j] = -0.0
+            k = 0
+            while k + 4 <= n:
+                a00, a01, a02, a03 = x[t, k], x[t, k + 1], x[t, k + 2], x[t, k + 3]
+                a10, a11, a12, a13 = x[t + 1, k], x[t + 1, k + 1], x[t + 1, k + 2], x[t + 1, k + 3]
+                a20, a21, a22, a23 = x[t + 2, k], x[t + 2, k + 1], x[t + 2, k + 2], x[t + 2, k + 3]
+                a30, a31, a32, a33 = x[t + 3, k], x[t + 3, k + 1], x[t + 3, k + 2], x[t + 3, k + 3]
+                for j in range(m):
+                    w0, w1, w2, w3 = w[k, j], w[k + 1, j], w[k + 2, j], w[k + 3, j]
+                    y[t, j] = MAC(MAC(MAC(MAC(y[t, j], a00, w0), a01, w1), a02, w2), a03, w3)
+                    y[t + 1, j] = MAC(MAC(MAC(MAC(y[t + 1, j], a10, w0), a11, w1), a12, w2), a13, w3)
+                    y[t + 2, j] = MAC(MAC(MAC(MAC(y[t + 2, j], a20, w0), a21, w1), a22, w2), a23, w3)
+                    y[t + 3, j] = MAC(MAC(MAC(MAC(y[t + 3, j], a30, w0), a31, w1), a32, w2), a33, w3)
+                k += 4
+            while k < n:
+                a00, a10, a20, a30 = x[t, k], x[t + 1, k], x[t + 2, k], x[t + 3, k]
+                for j in range(m):
+                    w0 = w[k, j]
+                    y[t, j] = MAC(y[t, j], a00, w0)
+                    y[t + 1, j] = MAC(y[t + 1, j], a10, w0)
+                    y[t + 2, j] = MAC(y[t + 2, j], a20, w0)
+                    y[t + 3, j] = MAC(y[t + 3, j], a30, w0)
+                k += 1
+        for t in range(whole, T):  # y[t] = x[t] @ w
+            for j in range(m):
+                y[t, j] = -0.0
+            k = 0
+            while k + 4 <= n:
+                a0, a1, a2, a3 = x[t, k], x[t, k + 1], x[t, k + 2], x[t, k + 3]
+                for j in range(m):
+                    w0, w1, w2, w3 = w[k, j], w[k + 1, j], w[k + 2, j], w[k + 3, j]
+                    y[t, j] = MAC(MAC(MAC(MAC(y[t, j], a0, w0), a1, w1), a2, w2), a3, w3)
+                k += 4
+            while k < n:
+                a0 = x[t, k]
+                for j in range(m):
+                    y[t, j] = MAC(y[t, j], a0, w[k, j])
+                k += 1
     else:
         levels = 3
         while (8 << (levels - 3)) <= n:
             levels += 1
-        stack = np.empty((levels, min(T, 4), w.shape[1]), dtype=y.dtype)
-        for t in range(0, T, 4):
-            _pair_rows(x, w, t, min(T - t, 4), y, stack, acc)
+        stack = np.empty((levels, min(T, 4), m), dtype=y.dtype)  # (>= bit_length(q) + 3, rows, m)
+        for t in range(0, T, 4):  # y[t:t+rows] = x[t:t+rows] @ w
+            rows = min(T - t, 4)
+            sp = 0
+            for b in range(n // 8):
+                k = 8 * b
+                for r in range(rows):
+                    a0, a1, a2, a3 = x[t + r, k], x[t + r, k + 1], x[t + r, k + 2], x[t + r, k + 3]
+                    a4, a5, a6, a7 = x[t + r, k + 4], x[t + r, k + 5], x[t + r, k + 6], x[t + r, k + 7]
+                    for j in range(m):
+                        s01 = ADD(MUL(a0, w[k, j]), MUL(a1, w[k + 1, j]))
+                        s23 = ADD(MUL(a2, w[k + 2, j]), MUL(a3, w[k + 3, j]))
+                        s45 = ADD(MUL(a4, w[k + 4, j]), MUL(a5, w[k + 5, j]))
+                        s67 = ADD(MUL(a6, w[k + 6, j]), MUL(a7, w[k + 7, j]))
+                        stack[sp, r, j] = ADD(ADD(s01, s23), ADD(s45, s67))
+                count = b + 1
+                while (count & 1) == 0:  # merge equal blocks, as a binary counter carries
+                    for r in range(rows):
+                        for j in range(m):
+                            stack[sp - 1, r, j] = ADD(stack[sp - 1, r, j], stack[sp, r, j])
+                    sp -= 1
+                    count >>= 1
+                sp += 1
+            k0 = n - n % 8
+            for i in range(n % 8):  # the last terms, one by one: the same counter, restarted at k0 (a
+                k = k0 + i  # multiple of 8, so aligned for every block size below 8), builds their blocks of 4, 2, 1
+                for r in range(rows):
+                    a0 = x[t + r, k]
+                    for j in range(m):
+                        stack[sp, r, j] = MUL(a0, w[k, j])
+                count = i + 1
+                while (count & 1) == 0:
+                    for r in range(rows):
+                        for j in range(m):
+                            stack[sp - 1, r, j] = ADD(stack[sp - 1, r, j], stack[sp, r, j])
+                    sp -= 1
+                    count >>= 1
+                sp += 1
+            for r in range(rows):
+                for j in range(m):
+                    y[t + r, j] = stack[0, r, j]
+                for level in range(1, sp):
+                    for j in range(m):
+                        y[t + r, j] = ADD(y[t + r, j], stack[level, r, j])
+
+
+def _product_plain_template(x, w, order, y):
+    """:func:`_product_template` without its unrolling, for the bf16 accumulator: one row and one k per
+    pass, each element's terms in k order; pairwise, each row's terms go through the binary counter one at
+    a time (the order of :mod:`kvfast.kernels.reduce`, ``PAIRWISE``: every aligned block of 2**k terms the
+    sum of its halves, the blocks of the binary decomposition of n added left to right); ``x`` has >= 1
+    column.
+
+    Why plain: the bf16 rounding is most of the work of a bf16 product, so the unrolled form is no faster
+    (on float32 lanes it was 10-15% slower, on float64 data no faster: ``benchmarks/README.md``, "Issue
+    30, fourth pass") and it cost four to six times the compile time (about 3.5 s a body against 0.6-0.9).
+    """
+    T, n = x.shape
+    m = w.shape[1]
+    if order == SEQUENTIAL:
+        for t in range(T):
+            for j in range(m):
+                y[t, j] = -0.0
+            for k in range(n):
+                a0 = x[t, k]
+                for j in range(m):
+                    y[t, j] = MAC(y[t, j], a0, w[k, j])
+    else:
+        levels = 3
+        while (8 << (levels - 3)) <= n:
+            levels += 1
+        stack = np.empty((levels, m), dtype=y.dtype)  # at most bit_length(n) blocks, one partial row each
+        for t in range(T):
+            sp = 0
+            for k in range(n):
+                a0 = x[t, k]
+                for j in range(m):
+                    stack[sp, j] = MUL(a0, w[k, j])
+                count = k + 1
+                while (count & 1) == 0:  # merge equal blocks, as a binary counter carries
+                    for j in range(m):
+                        stack[sp - 1, j] = ADD(stack[sp - 1, j], stack[sp, j])
+                    sp -= 1
+                    count >>= 1
+                sp += 1
+            for j in range(m):
+                y[t, j] = stack[0, j]
+            for level in range(1, sp):
+                for j in range(m):
+                    y[t, j] = ADD(y[t, j], stack[level, j])
+
+
+_PRODUCT_SPECS = {
+    "_product_f64": (_product_template, F64, False),
+    "_product_f32_on_f32": (_product_template, F32, True),
+    "_product_f32": (_product_template, F32, False),
+    "_product_bf16_on_f32": (_product_plain_template, BF16, True),
+    "_product_bf16": (_product_plain_template, BF16, False),
+}
+"""The five bodies (names as in :data:`PRODUCT_KERNELS`' order), each written out on first use: a module
+attribute of that name (``matmul._product_f64``) generates it (a few ms of import each, saved where a
+process never runs the format)."""
+
+
+def _product_kernel(name: str):
+    """The body ``name`` of :data:`_PRODUCT_SPECS`, generated (not compiled) on the first request."""
+    kernel = globals().get(name)
+    if kernel is None:
+        template, acc, data32 = _PRODUCT_SPECS[name]
+        kernel = specialise(template, acc, data32, base="_product")
+    return kernel
+
+
+def __getattr__(name: str):
+    if name in _PRODUCT_SPECS:
+        return _product_kernel(name)
+    if name == "PRODUCT_KERNELS":
+        return tuple(_product_kernel(n) for n in _PRODUCT_SPECS)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 _BF16_LOW = np.uint32(0xFFFF)
@@ -291,7 +282,7 @@ much as a one-row product); the bf16 accumulator always does, when its inputs al
 
 # --- the product bodies, called by address ---------------------------------------------------------
 #
-# Each body (``_product`` for one literal format and data type) is compiled on its own, once, when a
+# Each body (``_product_template`` for one format and data type) is compiled on its own, once, when a
 # process first multiplies in its format, and called through its address (kvfast.kernels.indirect).
 # Linked, its code was optimised and emitted again in every function above it (the format dispatch,
 # matmul_into, the compiled forward, the decode).
@@ -299,36 +290,20 @@ much as a one-row product); the bf16 accumulator always does, when its inputs al
 _F64_2D = types.Array(types.float64, 2, "C")
 _F32_2D = types.Array(types.float32, 2, "C")
 
+# PRODUCT_KERNELS (a module attribute, by __getattr__): the five bodies, in the order of a product_bodies
+# tuple: f64; f32 on float32 copies, f32 on float64 data; bf16 on float32 copies, bf16 on float64 data.
 
-def _body(data: types.Array, acc: int) -> tuple:
-    """The signature of the body of accumulator ``acc`` on ``data`` (float64 or float32 C arrays)."""
-    return (data, data, types.int64, data, types.IntegerLiteral(acc))
+PRODUCT_BODIES = tuple((data, data, types.int64, data) for data in (_F64_2D, _F32_2D, _F64_2D, _F32_2D, _F64_2D))
+"""The signatures of ``PRODUCT_KERNELS``: ``(x, w, order, y)``."""
 
-
-PRODUCT_BODIES = (
-    _body(_F64_2D, F64),
-    _body(_F32_2D, F32),
-    _body(_F64_2D, F32),
-    _body(_F32_2D, BF16),
-    _body(_F64_2D, BF16),
-)
-"""The five bodies, in the order of a :func:`product_bodies` tuple: f64; f32 on float32 copies, f32 on
-float64 data; bf16 on float32 copies, bf16 on float64 data."""
-
-_NARROWED = tuple(
-    (_F64_2D, _F64_2D, types.int64, _F64_2D, types.int64, types.int64, types.BooleanLiteral(bf16))
-    for bf16 in (False, True)
-)
-"""The signatures of :func:`_narrowed` for the f32 and the bf16 accumulator (slots 5 and 6 of a
-:func:`product_bodies` tuple)."""
+_NARROWED = (_F64_2D, _F64_2D, types.int64, _F64_2D, types.int64, types.int64, types.boolean)
+"""The signature of :func:`_narrowed` (slots 5 and 6 of a :func:`product_bodies` tuple, f32 and bf16: one
+compiled function, the format a run-time flag: it only copies and checks, its loops are not the product's)."""
 
 _BODIES_OF = {F64: (0,), F32: (1, 2, 5), BF16: (3, 4, 6)}
 
-_call_f64 = through_address(PRODUCT_BODIES[0])
-_call_f32_narrow = through_address(PRODUCT_BODIES[1])
-_call_f32_wide = through_address(PRODUCT_BODIES[2])
-_call_bf16_narrow = through_address(PRODUCT_BODIES[3])
-_call_bf16_wide = through_address(PRODUCT_BODIES[4])
+_call_on_f64 = through_address(PRODUCT_BODIES[0])  # f64, f32 and bf16 on float64 data: one signature
+_call_on_f32 = through_address(PRODUCT_BODIES[1])  # f32 and bf16 on float32 copies
 
 
 _PRODUCT_TABLES: dict[int, np.ndarray] = {}
@@ -337,15 +312,19 @@ _PRODUCT_TABLES: dict[int, np.ndarray] = {}
 def product_bodies(acc: int) -> np.ndarray:
     """The addresses of what accumulator ``acc`` runs (compiled, or loaded from the cache, on first use), an
     int64 array (an array, not a tuple: Numba types an array argument in its fast path): the five product
-    bodies (:data:`PRODUCT_BODIES`), then :func:`_narrowed` for f32 and for bf16; 0 for the other formats'
+    bodies (``PRODUCT_KERNELS``), then :func:`_narrowed` for f32 and for bf16; 0 for the other formats'
     (which ``matmul_with`` never calls with this ``acc``). One array per format and process: do not write it."""
     table = _PRODUCT_TABLES.get(acc)
     if table is None:
         wanted = _BODIES_OF.get(acc)
         if wanted is None:
             raise ValueError(f"acc: {acc!r} is not allowed; allowed: {F64}, {F32}, {BF16}")
-        kernels = [(_product, sig) for sig in PRODUCT_BODIES] + [(_narrowed, sig) for sig in _NARROWED]
-        table = np.array([address(*kernels[i]) if i in wanted else 0 for i in range(7)], dtype=np.int64)
+        names, signatures = list(_PRODUCT_SPECS), [*PRODUCT_BODIES, _NARROWED, _NARROWED]
+
+        def kernel(i: int):
+            return _product_kernel(names[i]) if i < len(names) else _narrowed
+
+        table = np.array([address(kernel(i), signatures[i]) if i in wanted else 0 for i in range(7)], np.int64)
         _PRODUCT_TABLES[acc] = table
     return table
 
@@ -365,21 +344,15 @@ def _narrowed(x, w, order, y, narrow_body, wide_body, bf16):
         narrow = _as_f32(x, x32, bf16) and _as_f32(w, w32, bf16)
     if narrow:
         y32 = np.empty((T, m), dtype=np.float32)
-        if bf16:
-            _call_bf16_narrow(narrow_body, (x32, w32, order, y32))
-        else:
-            _call_f32_narrow(narrow_body, (x32, w32, order, y32))
+        _call_on_f32(narrow_body, (x32, w32, order, y32))
         for r in range(T):
             for j in range(m):
                 y[r, j] = np.float64(y32[r, j])
-    elif bf16:
-        _call_bf16_wide(wide_body, (x, w, order, y))
     else:
-        _call_f32_wide(wide_body, (x, w, order, y))
+        _call_on_f64(wide_body, (x, w, order, y))
 
 
-_call_narrowed_f32 = through_address(_NARROWED[0])
-_call_narrowed_bf16 = through_address(_NARROWED[1])
+_call_narrowed = through_address(_NARROWED)
 
 
 @nb.njit(**_JIT)
@@ -396,11 +369,11 @@ def matmul_with(x, w, storage, acc, order, y, bodies) -> None:
     # the one format dispatch: each branch runs the bodies compiled for its format (their loops carry
     # no format branch)
     if acc == F64:
-        _call_f64(bodies[0], (x, w, order, y))
+        _call_on_f64(bodies[0], (x, w, order, y))
     elif acc == F32:
-        _call_narrowed_f32(bodies[5], (x, w, order, y, bodies[1], bodies[2]))
+        _call_narrowed(bodies[5], (x, w, order, y, bodies[1], bodies[2], False))
     else:
-        _call_narrowed_bf16(bodies[6], (x, w, order, y, bodies[3], bodies[4]))
+        _call_narrowed(bodies[6], (x, w, order, y, bodies[3], bodies[4], True))
     if storage != F64:
         for r in range(T):
             for j in range(m):
@@ -414,7 +387,7 @@ def matmul_into(x: np.ndarray, w: np.ndarray, storage: int, acc: int, order: int
     (:mod:`kvfast.kernels.reduce`), products and adds rounded to ``acc``, the
     result rounded to ``storage``; an empty sum (n = 0) is ``0.0``. ``y`` must
     not overlap ``x`` or ``w``. One branch over the three formats picks the bodies
-    compiled for that format (:func:`_product`), so the loops carry no format
+    compiled for that format (``PRODUCT_KERNELS``), so the loops carry no format
     branch; a process compiles (or loads) the bodies of the formats it runs, on
     first use. Jitted code calls :func:`matmul_with` with :func:`product_bodies`.
     """

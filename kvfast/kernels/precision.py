@@ -221,13 +221,24 @@ def rnd(x: float, fmt: int) -> float:
 
 
 @nb.njit(**_JIT)
-def round_array(x: np.ndarray, fmt: int) -> np.ndarray:
-    """A float64 copy of ``x`` rounded onto format ``fmt``."""
-    flat = x.ravel()
-    out = np.empty(flat.size, dtype=np.float64)
+def _round_flat(flat: np.ndarray, fmt: int, out: np.ndarray) -> None:
+    """``out[i] = rnd(flat[i], fmt)`` for the 1-D float64 arrays of :func:`round_array`."""
     for i in range(flat.size):
         out[i] = rnd(flat[i], fmt)
-    return out.reshape(x.shape)
+
+
+def round_array(x: np.ndarray, fmt: int) -> np.ndarray:
+    """A float64 copy of ``x`` (an array of any shape, converted to float64) rounded onto format ``fmt``.
+
+    One compiled kernel for every shape (:func:`_round_flat`, 1-D; a jitted ``round_array`` compiled a
+    specialisation per number of dimensions, about 1 s each, and another per read-only input)."""
+    arr = np.asarray(x, dtype=np.float64)
+    flat = np.ascontiguousarray(arr).reshape(-1)
+    if not flat.flags.writeable:  # the same array type as a writable one: one compile
+        flat = flat.copy()
+    out = np.empty(flat.size, dtype=np.float64)
+    _round_flat(flat, int(fmt), out)
+    return out.reshape(arr.shape)
 
 
 @nb.njit(**_JIT)

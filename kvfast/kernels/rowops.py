@@ -16,12 +16,14 @@ from kvfast.kernels.precision import rnd
 from kvfast.kernels.reduce import ordered_dot
 
 
-@nb.njit(**_JIT)
+@nb.njit(**_JIT, inline="always")
 def rmsnorm_row(x, xr, g, eps, storage, acc, order, out, outr, stack):
     """``out[outr] = round_s(x[xr] * inv * g)`` with ``inv = round_s(1/sqrt(mean(x^2) + eps))``.
 
     Returns ``inv``. ``mean(x^2)`` is an ordered sum of squares in the
     accumulator format, divided by d and rounded to the accumulator format.
+    Inlined into :func:`rmsnorm_into` in Numba IR (not compiled, optimised and emitted once more on its
+    own there); called from Python it compiles as usual.
     """
     d = x.shape[1]
     row = x[xr]
@@ -73,22 +75,35 @@ def embed_into(wte, wpe, tokens, positions, storage, out):
 
 
 @nb.njit(**_JIT)
+def _exp_or_log_flat(flat: np.ndarray, log: bool, out: np.ndarray) -> None:
+    """``out[i] = math.log(flat[i])`` if ``log`` else ``math.exp(flat[i])`` (1-D float64 arrays): one
+    compiled kernel for :func:`exp_array` and :func:`log_array`, every shape."""
+    if log:
+        for i in range(flat.size):
+            out[i] = math.log(flat[i])
+    else:
+        for i in range(flat.size):
+            out[i] = math.exp(flat[i])
+
+
+def _exp_or_log(x: np.ndarray, log: bool) -> np.ndarray:
+    arr = np.asarray(x, dtype=np.float64)
+    flat = np.ascontiguousarray(arr).reshape(-1)
+    if not flat.flags.writeable:  # the same array type as a writable one: one compile
+        flat = flat.copy()
+    out = np.empty(flat.size, dtype=np.float64)
+    _exp_or_log_flat(flat, log, out)
+    return out.reshape(arr.shape)
+
+
 def exp_array(x: np.ndarray) -> np.ndarray:
     """The kernels' own ``exp`` (the C library's) elementwise, for references (``np.exp`` depends on the CPU's
-    SIMD features, like ``np.log``: see :func:`log_array`)."""
-    flat = x.ravel()
-    out = np.empty(flat.size, dtype=np.float64)
-    for i in range(flat.size):
-        out[i] = math.exp(flat[i])
-    return out.reshape(x.shape)
+    SIMD features, like ``np.log``: see :func:`log_array`); float64 out, the shape of ``x``."""
+    return _exp_or_log(x, False)
 
 
-@nb.njit(**_JIT)
 def log_array(x: np.ndarray) -> np.ndarray:
     """The kernels' own ``log`` (the C library's) elementwise, for references: NumPy's ``np.log`` picks its
-    code by the CPU's SIMD features (AVX-512 or not), so its last bits depend on the machine."""
-    flat = x.ravel()
-    out = np.empty(flat.size, dtype=np.float64)
-    for i in range(flat.size):
-        out[i] = math.log(flat[i])
-    return out.reshape(x.shape)
+    code by the CPU's SIMD features (AVX-512 or not), so its last bits depend on the machine; float64 out,
+    the shape of ``x``."""
+    return _exp_or_log(x, True)

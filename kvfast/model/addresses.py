@@ -2,7 +2,8 @@
 
 The compiled entries (:func:`kvfast.model.compiled.forward_kernel`,
 :func:`kvfast.model.decode.decode_kernel`) call the large kernels (the product bodies under
-``matmul_with`` itself, ``rmsnorm_into``, the attention's row kernels) through their addresses
+``matmul_with`` itself, ``rmsnorm_into``, the attention's row kernels, the block's three functions:
+:mod:`kvfast.model.compiled`) through their addresses
 (:mod:`kvfast.kernels.indirect`), so each kernel's machine code is generated once, on its own, and
 not again inside each entry. Python passes the addresses in a table (:func:`kernels`), built once per
 process for what a call needs (:func:`kernels`: the product bodies of
@@ -39,11 +40,12 @@ row_at = through_address(ROW)
 blocked_at = through_address(BLOCKED)
 
 
-PRODUCTS, MATMUL_AT, RMSNORM_AT, ROW_AT, BLOCKED_AT, DOTS = 0, 7, 8, 9, 10, 11
+PRODUCTS, MATMUL_AT, RMSNORM_AT, ROW_AT, BLOCKED_AT, INPUT_AT, OUTPUT_AT, HEAD_AT, DOTS = 0, 7, 8, 9, 10, 11, 12, 13, 14
 """The slots of a :func:`kernels` table: the product bodies (7, :func:`kvfast.kernels.matmul.product_bodies`)
 from ``PRODUCTS``, then ``matmul_with``, ``rmsnorm_into``, ``attend_row`` (standard attention),
-``attend_row_blocked`` (a real kernel's order), then the score-dot bodies (3,
-:func:`kvfast.kernels.attention.dot_bodies`) from ``DOTS``; 0: a kernel the call cannot reach."""
+``attend_row_blocked`` (a real kernel's order), the block's ``attention_input_into``, ``block_output_into``
+and ``head_into`` (:func:`kvfast.model.compiled.block_addresses`), then what the row kernels call by
+address (:func:`kvfast.kernels.attention.dot_bodies`) from ``DOTS``; 0: a kernel the call cannot reach."""
 
 _TABLES: dict[tuple, np.ndarray] = {}
 
@@ -56,10 +58,13 @@ def kernels(acc: int, attn: int) -> np.ndarray:
     key = (acc, attn == 0)
     table = _TABLES.get(key)
     if table is None:
+        from kvfast.model.compiled import block_addresses  # imports this module: not at the top
+
         table = np.concatenate(
             [
                 product_bodies(acc),
                 [address(matmul_with, MATMUL), address(rmsnorm_into, RMSNORM), *row_kernels(attn)],
+                block_addresses(),
                 dot_bodies(acc),
             ]
         ).astype(np.int64)

@@ -10,7 +10,9 @@ same; it saves one trip through Python per kernel per layer.
 forward and the decode (:func:`kvfast.model.decode.decode_kernel`) as run-time
 integers, as they reach the layer functions called from Python, so one
 compiled forward and one decode serve every format a process runs, and the
-kernels below them (the product bodies, attention, the norms) are compiled once,
+kernels below them (the product bodies, attention, the norms, and the block's
+three functions: :func:`call_attention_input`, :func:`call_block_output`,
+:func:`call_head`) are compiled once,
 with the signature the layer-by-layer forward and the training use too, and
 called through their addresses (:mod:`kvfast.model.addresses`): their machine
 code is not emitted again inside the forward and the decode. The
@@ -32,11 +34,14 @@ import sys
 
 import numba as nb
 import numpy as np
+from numba import types
+from numba.extending import overload
 
 from kvfast.kernels.attention import attention_with
+from kvfast.kernels.indirect import address, through_address
 from kvfast.kernels.jit import JIT_OPTIONS
 from kvfast.kernels.rowops import embed_into
-from kvfast.model.addresses import BLOCKED_AT, DOTS, ROW_AT
+from kvfast.model.addresses import BLOCKED_AT, DOTS, HEAD_AT, INPUT_AT, OUTPUT_AT, ROW_AT
 from kvfast.model.block import attention_input_into, block_output_into, head_into
 
 
@@ -77,6 +82,109 @@ def _numba_blas_probe_without_importing_scipy() -> None:
 _numba_blas_probe_without_importing_scipy()
 
 
+# --- the block's three functions, called by address from the compiled forward and the decode -------------
+#
+# Linked, each was optimised and its machine code emitted again inside forward_kernel and again inside
+# decode_kernel (with every elementwise kernel it links); by address each is compiled once, on its own.
+
+_I, _F = types.int64, types.float64
+_A1, _A2 = (types.Array(types.float64, n, "C") for n in (1, 2))
+_KERN = types.Array(types.int64, 1, "C")
+_STACKED_DIMS = (2, 2, 2, 3, 3, 3, 3, 2, 3, 3, 1, 2)  # StackedWeights' fields, in order
+
+
+def _block_signatures() -> dict[str, tuple]:
+    """The argument types the block's functions are compiled for and called with by address: the compiled
+    forward's and the decode's (C-contiguous writable float64 arrays, the prepared weights' type)."""
+    from kvfast.model.transformer import StackedWeights  # imports this module: not at the top
+
+    w = types.NamedTuple([types.Array(types.float64, n, "C") for n in _STACKED_DIMS], StackedWeights)
+    return {
+        "input": (_KERN, w, _I, _A2, _F, _I, _I, _I, _A2, _A1, _A2, _A2, _A2),
+        "output": (_KERN, w, _I, _A2, _A2, _F, _I, _I, _I, _A2, _A2, _A1, _A2, _A2, _A2),
+        "head": (_KERN, w, _A2, _F, _I, _I, _I, _A2, _A1, _A2),
+    }
+
+
+_BLOCK = {"input": attention_input_into, "output": block_output_into, "head": head_into}
+_CALLERS: dict[str, object] = {}
+
+
+def block_addresses() -> list[int]:
+    """The addresses of ``attention_input_into``, ``block_output_into``, ``head_into`` (slots ``INPUT_AT``,
+    ``OUTPUT_AT``, ``HEAD_AT`` of :func:`kvfast.model.addresses.kernels`), compiled or loaded on first use."""
+    signatures = _block_signatures()
+    return [address(_BLOCK[name], signatures[name]) for name in ("input", "output", "head")]
+
+
+def _by_address(name: str, given: tuple):
+    """The jitted caller of block function ``name`` by address if ``given`` (the argument types at a jitted
+    call) are those it is compiled for, else None (the call links the function, as before)."""
+    signature = _block_signatures()[name]
+    if tuple(types.unliteral(t) for t in given) != signature:
+        return None
+    if name not in _CALLERS:
+        _CALLERS[name] = through_address(signature)
+    return _CALLERS[name]
+
+
+def call_attention_input(kern, w, layer, x, eps, storage, acc, order, h, inv1, q, k, v) -> None:
+    """``attention_input_into(...)``; jitted, through ``kern``'s address of it (``INPUT_AT``)."""
+    attention_input_into(kern, w, layer, x, eps, storage, acc, order, h, inv1, q, k, v)
+
+
+@overload(call_attention_input, jit_options=JIT_OPTIONS)
+def _call_attention_input_jitted(kern, w, layer, x, eps, storage, acc, order, h, inv1, q, k, v):
+    at = _by_address("input", (kern, w, layer, x, eps, storage, acc, order, h, inv1, q, k, v))
+    if at is None:
+        return lambda kern, w, layer, x, eps, storage, acc, order, h, inv1, q, k, v: attention_input_into(
+            kern, w, layer, x, eps, storage, acc, order, h, inv1, q, k, v
+        )
+
+    def impl(kern, w, layer, x, eps, storage, acc, order, h, inv1, q, k, v):
+        at(kern[INPUT_AT], (kern, w, layer, x, eps, storage, acc, order, h, inv1, q, k, v))
+
+    return impl
+
+
+def call_block_output(kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv2, u, a, x_out) -> None:
+    """``block_output_into(...)``; jitted, through ``kern``'s address of it (``OUTPUT_AT``)."""
+    block_output_into(kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv2, u, a, x_out)
+
+
+@overload(call_block_output, jit_options=JIT_OPTIONS)
+def _call_block_output_jitted(kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv2, u, a, x_out):
+    at = _by_address("output", (kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv2, u, a, x_out))
+    if at is None:
+        return lambda kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv2, u, a, x_out: block_output_into(
+            kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv2, u, a, x_out
+        )
+
+    def impl(kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv2, u, a, x_out):
+        at(kern[OUTPUT_AT], (kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv2, u, a, x_out))
+
+    return impl
+
+
+def call_head(kern, w, x, eps, storage, acc, order, hf, invf, logits) -> None:
+    """``head_into(...)``; jitted, through ``kern``'s address of it (``HEAD_AT``)."""
+    head_into(kern, w, x, eps, storage, acc, order, hf, invf, logits)
+
+
+@overload(call_head, jit_options=JIT_OPTIONS)
+def _call_head_jitted(kern, w, x, eps, storage, acc, order, hf, invf, logits):
+    at = _by_address("head", (kern, w, x, eps, storage, acc, order, hf, invf, logits))
+    if at is None:
+        return lambda kern, w, x, eps, storage, acc, order, hf, invf, logits: head_into(
+            kern, w, x, eps, storage, acc, order, hf, invf, logits
+        )
+
+    def impl(kern, w, x, eps, storage, acc, order, hf, invf, logits):
+        at(kern[HEAD_AT], (kern, w, x, eps, storage, acc, order, hf, invf, logits))
+
+    return impl
+
+
 @nb.njit(**JIT_OPTIONS)
 def _store_rows(buf, start, rows):
     """``buf[start : start + T] = rows`` (T, d), element by element (an array assignment would compile
@@ -106,29 +214,32 @@ def forward_kernel(
     d = w.wte.shape[1]
     n_layer = w.g1.shape[0]
     f = w.w1.shape[2]
-    positions = np.arange(pos0, pos0 + T)  # (T,) int64
+    positions = np.empty(T, dtype=np.int64)  # (T,) pos0, pos0 + 1, ... (a loop: np.arange compiles more)
+    for t in range(T):
+        positions[t] = pos0 + t
     n_keys = pos0 + T if causal else kc.shape[1]
     scale = 1.0 / math.sqrt(d // n_head)
     no_att = np.empty((0, 0, 0))
     keep = resid.shape[0] > 0
     x = np.empty((T, d))  # the residual stream, updated in place by each layer
     embed_into(w.wte, w.wpe, tokens, positions, storage, x)
+    first = np.int64(0)  # not the literal 0: _store_rows is compiled once, for int64 rows
     if keep:
-        _store_rows(resid[0], 0, x)
+        _store_rows(resid[0], first, x)
     h, q, k, v, y = np.empty((T, d)), np.empty((T, d)), np.empty((T, d)), np.empty((T, d)), np.empty((T, d))
     x_mid, h2 = np.empty((T, d)), np.empty((T, d))
     u, a = np.empty((T, f)), np.empty((T, f))
     inv = np.empty(T)  # 1/rms of each row (inv1, inv2, invf: none is kept)
     for layer in range(n_layer):
-        attention_input_into(kern, w, layer, x, eps, storage, acc, order, h, inv, q, k, v)
+        call_attention_input(kern, w, layer, x, eps, storage, acc, order, h, inv, q, k, v)
         _store_rows(kc[layer], pos0, k)
         _store_rows(vc[layer], pos0, v)
         attention_with(
             q, kc[layer], vc[layer], pos0, n_keys, causal, n_head, scale, storage, acc, order, y, no_att, attn,
             attn_block, kern[ROW_AT], kern[BLOCKED_AT], kern[DOTS:],
         )  # fmt: skip
-        block_output_into(kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv, u, a, x)
+        call_block_output(kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv, u, a, x)
         if keep:
-            _store_rows(resid[layer + 1], 0, x)
+            _store_rows(resid[layer + 1], first, x)
     hf = np.empty((T, d))
-    head_into(kern, w, x, eps, storage, acc, order, hf, inv, logits)
+    call_head(kern, w, x, eps, storage, acc, order, hf, inv, logits)
