@@ -7,8 +7,7 @@ until a kernel is needed.
 
 from __future__ import annotations
 
-import importlib
-
+from kvfast._lazy import lazy_exports
 from kvfast._version import __version__
 
 # public name -> module that defines it
@@ -43,14 +42,4 @@ _EXPORTS = {
 __all__ = ["__version__", *sorted(_EXPORTS)]
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvfast' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

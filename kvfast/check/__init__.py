@@ -28,7 +28,7 @@ The product only: the bug catalogues kvfast tests it against, and detector scori
 
 from __future__ import annotations
 
-import importlib
+from kvfast._lazy import lazy_exports
 
 # public name -> the module that defines it: imported on first use, so that importing one of this package's
 # modules (``kvfast.check.options``: the command line's flags and their validation) does not load the checker,
@@ -50,22 +50,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:  # a submodule not imported yet (``import kvfast.check`` once imported them all)
-        try:
-            return importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{__name__}.{name}":
-                raise
-        raise AttributeError(f"module 'kvfast.check' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, submodules=True)
 
 
 __all__ = [

@@ -8,8 +8,8 @@ from dataclasses import replace
 import numpy as np
 
 from kvfast.model import bugs as B
-from kvfast.model.addresses import kernels
 from kvfast.model.cache import KVCache
+from kvfast.model.compiled import kernels
 from kvfast.model.config import ModelConfig
 from kvfast.model.decode import decode_kernel, decode_prepared
 from kvfast.model.transformer import Weights, forward_prepared

@@ -1,12 +1,13 @@
-"""The kernels the compiled forward and decode call by address, and the table of their addresses.
+"""The kernels the compiled forward and decode call by address, and the slots of the table of their addresses.
 
 The compiled entries (:func:`kvfast.model.compiled.forward_kernel`,
 :func:`kvfast.model.decode.decode_kernel`) call the large kernels (the product bodies under
 ``matmul_with`` itself, ``rmsnorm_into``, the attention's row kernels, the block's three functions:
 :mod:`kvfast.model.compiled`) through their addresses
 (:mod:`kvfast.kernels.indirect`), so each kernel's machine code is generated once, on its own, and
-not again inside each entry. Python passes the addresses in a table (:func:`kernels`), built once per
-process for what a call needs (:func:`kernels`: the product bodies of
+not again inside each entry. Python passes the addresses in a table
+(:func:`kvfast.model.compiled.kernels`: it needs the block's addresses, so it is built above the block), once
+per process for what a call needs (the product bodies of
 its accumulator only, the attention row kernel of its kind only; the slots it cannot reach are 0).
 
 :func:`call_matmul` and :func:`call_rmsnorm` are what the block (:mod:`kvfast.model.block`) calls: from
@@ -16,14 +17,13 @@ no table) the kernels themselves. Either way the same machine code runs, so the 
 
 from __future__ import annotations
 
-import numpy as np
 from numba import types
 from numba.extending import overload
 
-from kvfast.kernels.attention import BLOCKED, ROW, dot_bodies, row_kernels
-from kvfast.kernels.indirect import address, through_address
+from kvfast.kernels.attention import BLOCKED, ROW
+from kvfast.kernels.indirect import through_address
 from kvfast.kernels.jit import JIT_OPTIONS
-from kvfast.kernels.matmul import matmul_into, matmul_with, product_bodies
+from kvfast.kernels.matmul import matmul_into
 from kvfast.kernels.rowops import rmsnorm_into
 
 _I, _F = types.int64, types.float64
@@ -41,35 +41,12 @@ blocked_at = through_address(BLOCKED)
 
 
 PRODUCTS, MATMUL_AT, RMSNORM_AT, ROW_AT, BLOCKED_AT, INPUT_AT, OUTPUT_AT, HEAD_AT, DOTS = 0, 7, 8, 9, 10, 11, 12, 13, 14
-"""The slots of a :func:`kernels` table: the product bodies (7, :func:`kvfast.kernels.matmul.product_bodies`)
-from ``PRODUCTS``, then ``matmul_with``, ``rmsnorm_into``, ``attend_row`` (standard attention),
-``attend_row_blocked`` (a real kernel's order), the block's ``attention_input_into``, ``block_output_into``
-and ``head_into`` (:func:`kvfast.model.compiled.block_addresses`), then what the row kernels call by
-address (:func:`kvfast.kernels.attention.dot_bodies`) from ``DOTS``; 0: a kernel the call cannot reach."""
-
-_TABLES: dict[tuple, np.ndarray] = {}
-
-
-def kernels(acc: int, attn: int) -> np.ndarray:
-    """The table of the compiled forward and decode in accumulator ``acc`` with attention kind ``attn`` (a
-    code): the kernels' addresses (compiled, or loaded from the cache, on first use) in an int64 array (an
-    array, not a named tuple: Numba types an array argument in its fast path, on every call). One array
-    per table and process: do not write it."""
-    key = (acc, attn == 0)
-    table = _TABLES.get(key)
-    if table is None:
-        from kvfast.model.compiled import block_addresses  # imports this module: not at the top
-
-        table = np.concatenate(
-            [
-                product_bodies(acc),
-                [address(matmul_with, MATMUL), address(rmsnorm_into, RMSNORM), *row_kernels(attn)],
-                block_addresses(),
-                dot_bodies(acc),
-            ]
-        ).astype(np.int64)
-        _TABLES[key] = table
-    return table
+"""The slots of a :func:`kvfast.model.compiled.kernels` table: the product bodies (7,
+:func:`kvfast.kernels.matmul.product_bodies`) from ``PRODUCTS``, then ``matmul_with``, ``rmsnorm_into``,
+``attend_row`` (standard attention), ``attend_row_blocked`` (a real kernel's order), the block's
+``attention_input_into``, ``block_output_into`` and ``head_into`` (:func:`kvfast.model.compiled.block_addresses`),
+then what the row kernels call by address (:func:`kvfast.kernels.attention.dot_bodies`) from ``DOTS``; 0: a kernel
+the call cannot reach."""
 
 
 def call_matmul(kern, x, w, storage, acc, order, y) -> None:

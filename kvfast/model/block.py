@@ -29,6 +29,8 @@ Every value is rounded as in the kernels; nothing here changes an order.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numba as nb
 import numpy as np
 
@@ -37,11 +39,30 @@ from kvfast.kernels.rowops import add_into, silu_into
 from kvfast.model.addresses import call_matmul, call_rmsnorm
 
 
+class StackedWeights(NamedTuple):
+    """The parameters as the block (:mod:`kvfast.model.block`), the compiled forward and the decode take
+    them: each per-layer tensor stacked on a leading layer axis. Fields are the parameters' short names
+    (``h{l}.wq`` -> ``wq[l]``)."""
+
+    wte: np.ndarray  # (vocab, d) token embeddings
+    wpe: np.ndarray  # (max_pos, d) position embeddings
+    g1: np.ndarray  # (n_layer, d) pre-attention RMSNorm gains
+    wq: np.ndarray  # (n_layer, d, d)
+    wk: np.ndarray  # (n_layer, d, d)
+    wv: np.ndarray  # (n_layer, d, d)
+    wo: np.ndarray  # (n_layer, d, d) attention output projection
+    g2: np.ndarray  # (n_layer, d) pre-MLP RMSNorm gains
+    w1: np.ndarray  # (n_layer, d, f) MLP in
+    w2: np.ndarray  # (n_layer, f, d) MLP out
+    gf: np.ndarray  # (d,) final RMSNorm gains
+    w_out: np.ndarray  # (d, vocab) unembedding
+
+
 @nb.njit(**JIT_OPTIONS)
 def attention_input_into(kern, w, layer, x, eps, storage, acc, order, h, inv1, q, k, v) -> None:
     """``h = rmsnorm(x) * g1`` (``inv1``: each row's 1/rms) and ``q, k, v = h @ wq, h @ wk, h @ wv``.
 
-    ``w``: :class:`~kvfast.model.transformer.StackedWeights`, read at ``layer``.
+    ``w``: :class:`~kvfast.model.block.StackedWeights`, read at ``layer``.
     Writes ``h``, ``inv1``, ``q``, ``k``, ``v``; none may overlap ``x``.
     """
     # x, h, q, k, v: (T, d); inv1: (T,)

@@ -37,12 +37,13 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
-from kvfast.kernels.attention import attention_with
+from kvfast.kernels.attention import attention_with, dot_bodies, row_kernels
 from kvfast.kernels.indirect import address, through_address
 from kvfast.kernels.jit import JIT_OPTIONS
-from kvfast.kernels.rowops import embed_into
-from kvfast.model.addresses import BLOCKED_AT, DOTS, HEAD_AT, INPUT_AT, OUTPUT_AT, ROW_AT
-from kvfast.model.block import attention_input_into, block_output_into, head_into
+from kvfast.kernels.matmul import matmul_with, product_bodies
+from kvfast.kernels.rowops import embed_into, rmsnorm_into
+from kvfast.model.addresses import BLOCKED_AT, DOTS, HEAD_AT, INPUT_AT, MATMUL, OUTPUT_AT, RMSNORM, ROW_AT
+from kvfast.model.block import StackedWeights, attention_input_into, block_output_into, head_into
 
 
 def _numba_blas_probe_without_importing_scipy() -> None:
@@ -96,8 +97,6 @@ _STACKED_DIMS = (2, 2, 2, 3, 3, 3, 3, 2, 3, 3, 1, 2)  # StackedWeights' fields, 
 def _block_signatures() -> dict[str, tuple]:
     """The argument types the block's functions are compiled for and called with by address: the compiled
     forward's and the decode's (C-contiguous writable float64 arrays, the prepared weights' type)."""
-    from kvfast.model.transformer import StackedWeights  # imports this module: not at the top
-
     w = types.NamedTuple([types.Array(types.float64, n, "C") for n in _STACKED_DIMS], StackedWeights)
     return {
         "input": (_KERN, w, _I, _A2, _F, _I, _I, _I, _A2, _A1, _A2, _A2, _A2),
@@ -112,9 +111,32 @@ _CALLERS: dict[str, object] = {}
 
 def block_addresses() -> list[int]:
     """The addresses of ``attention_input_into``, ``block_output_into``, ``head_into`` (slots ``INPUT_AT``,
-    ``OUTPUT_AT``, ``HEAD_AT`` of :func:`kvfast.model.addresses.kernels`), compiled or loaded on first use."""
+    ``OUTPUT_AT``, ``HEAD_AT`` of :func:`kvfast.model.compiled.kernels`), compiled or loaded on first use."""
     signatures = _block_signatures()
     return [address(_BLOCK[name], signatures[name]) for name in ("input", "output", "head")]
+
+
+_TABLES: dict[tuple, np.ndarray] = {}
+
+
+def kernels(acc: int, attn: int) -> np.ndarray:
+    """The table of the compiled forward and decode in accumulator ``acc`` with attention kind ``attn`` (a
+    code): the kernels' addresses (compiled, or loaded from the cache, on first use) in an int64 array (an
+    array, not a named tuple: Numba types an array argument in its fast path, on every call). One array
+    per table and process: do not write it."""
+    key = (acc, attn == 0)
+    table = _TABLES.get(key)
+    if table is None:
+        table = np.concatenate(
+            [
+                product_bodies(acc),
+                [address(matmul_with, MATMUL), address(rmsnorm_into, RMSNORM), *row_kernels(attn)],
+                block_addresses(),
+                dot_bodies(acc),
+            ]
+        ).astype(np.int64)
+        _TABLES[key] = table
+    return table
 
 
 def _by_address(name: str, given: tuple):
@@ -200,8 +222,8 @@ def forward_kernel(
 ):
     """The forward of ``tokens`` at positions ``pos0 ..`` over all layers; writes ``logits`` (T, vocab).
 
-    ``kern``: :func:`kvfast.model.addresses.kernels` (the kernels it calls by address);
-    ``w``: :class:`~kvfast.model.transformer.StackedWeights`; ``kc``, ``vc``
+    ``kern``: :func:`kvfast.model.compiled.kernels` (the kernels it calls by address);
+    ``w``: :class:`~kvfast.model.block.StackedWeights`; ``kc``, ``vc``
     (n_layer, S, d): the key/value buffers, rows ``pos0 .. pos0+T-1`` of each
     layer are written here and attention reads rows ``0 ..`` (a cache's
     buffers, or fresh (n_layer, T, d) ones without a cache, pos0 = 0).

@@ -18,9 +18,9 @@ from kvfast.kernels.jit import JIT_OPTIONS
 from kvfast.kernels.reduce import STACK_DEPTH, new_stack
 from kvfast.kernels.rowops import embed_into
 from kvfast.model import bugs as B
-from kvfast.model.addresses import BLOCKED_AT, DOTS, ROW_AT, blocked_at, kernels, row_at
+from kvfast.model.addresses import BLOCKED_AT, DOTS, ROW_AT, blocked_at, row_at
 from kvfast.model.cache import KVCache
-from kvfast.model.compiled import _store_rows, call_attention_input, call_block_output, call_head
+from kvfast.model.compiled import _store_rows, call_attention_input, call_block_output, call_head, kernels
 from kvfast.model.config import ModelConfig
 from kvfast.model.transformer import StackedWeights, Weights, forward_prepared
 from kvfast.model.validate import require_config, require_numerics, require_token, require_tokens
@@ -35,7 +35,7 @@ def decode_kernel(
 ):  # fmt: skip
     """One decode step: writes ``logits`` (1, vocab), stores K/V, returns the new cache length.
 
-    ``kern``: :func:`kvfast.model.addresses.kernels` (the kernels it calls by address);
+    ``kern``: :func:`kvfast.model.compiled.kernels` (the kernels it calls by address);
     ``w``: the stacked weights; kc, vc: the cache's (n_layer, capacity, d)
     buffers, written in place at row ``slot``. The block is the forward's
     (:mod:`kvfast.model.block`) on one row; every line a catalogue bug changes

@@ -30,31 +30,12 @@ import numpy as np
 
 from kvfast.kernels.precision import F64, round_array
 from kvfast.model import layers as L
-from kvfast.model.addresses import kernels
+from kvfast.model.block import StackedWeights
 from kvfast.model.cache import KVCache
-from kvfast.model.compiled import forward_kernel
+from kvfast.model.compiled import forward_kernel, kernels
 from kvfast.model.config import ModelConfig, require_params
 from kvfast.model.validate import require_config, require_numerics, require_tokens
 from kvfast.numerics import Numerics
-
-
-class StackedWeights(NamedTuple):
-    """The parameters as the block (:mod:`kvfast.model.block`), the compiled forward and the decode take
-    them: each per-layer tensor stacked on a leading layer axis. Fields are the parameters' short names
-    (``h{l}.wq`` -> ``wq[l]``)."""
-
-    wte: np.ndarray  # (vocab, d) token embeddings
-    wpe: np.ndarray  # (max_pos, d) position embeddings
-    g1: np.ndarray  # (n_layer, d) pre-attention RMSNorm gains
-    wq: np.ndarray  # (n_layer, d, d)
-    wk: np.ndarray  # (n_layer, d, d)
-    wv: np.ndarray  # (n_layer, d, d)
-    wo: np.ndarray  # (n_layer, d, d) attention output projection
-    g2: np.ndarray  # (n_layer, d) pre-MLP RMSNorm gains
-    w1: np.ndarray  # (n_layer, d, f) MLP in
-    w2: np.ndarray  # (n_layer, f, d) MLP out
-    gf: np.ndarray  # (d,) final RMSNorm gains
-    w_out: np.ndarray  # (d, vocab) unembedding
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ the commands alike.
   (:func:`run_in_child`; ``kvfast check``'s isolation).
 """
 
-import importlib
+from kvfast._lazy import lazy_exports
 
 # public name -> the module that defines it, imported on first use: the command line imports
 # :mod:`kvfast.runtime.child` before anything heavy (``kvfast.validation`` loads NumPy)
@@ -39,22 +39,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:  # a submodule not imported yet (``import kvfast.runtime`` once imported them all)
-        try:
-            return importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"{__name__}.{name}":
-                raise
-        raise AttributeError(f"module 'kvfast.runtime' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, submodules=True)
 
 
 __all__ = [
