@@ -114,8 +114,8 @@ class _Unlimited:
 
 
 @contextmanager
-def _watched(timeout: float | None, started: float | None = None) -> Iterator[None]:
-    """:func:`watched` as a generator (any ``timeout``)."""
+def _watched(timeout: float, started: float | None = None) -> Iterator[None]:
+    """:func:`watched` with a deadline (``timeout`` not ``None``: :class:`_Unlimited` runs the watch without one)."""
     global _watch
     timeout = check_timeout(timeout)
     main = threading.current_thread() is threading.main_thread()
@@ -123,24 +123,20 @@ def _watched(timeout: float | None, started: float | None = None) -> Iterator[No
         yield
         return
     if not main:
-        if timeout is not None:
-            raise not_allowed("timeout", timeout, "None outside the main thread (the deadline is a SIGALRM timer)")
-        yield
-        return
-    if timeout is not None and not hasattr(signal, "setitimer"):
+        raise not_allowed("timeout", timeout, "None outside the main thread (the deadline is a SIGALRM timer)")
+    if not hasattr(signal, "setitimer"):
         raise not_allowed("timeout", timeout, "None on this platform (it has no signal.setitimer)")
     watch = _Watch(timeout)
     with ctrl_c_noted():
-        if timeout is not None:
 
-            def on_alarm(signum, frame):
-                if not watch.done:
-                    raise Deadline
+        def on_alarm(signum, frame):
+            if not watch.done:
+                raise Deadline
 
-            old_alarm = signal.signal(signal.SIGALRM, on_alarm)
-            first = timeout if started is None else max(timeout - (time.time() - started), 1e-3)
-            old_timer = signal.setitimer(signal.ITIMER_REAL, first, 0.25)
-            started = time.monotonic()
+        old_alarm = signal.signal(signal.SIGALRM, on_alarm)
+        first = timeout if started is None else max(timeout - (time.time() - started), 1e-3)
+        old_timer = signal.setitimer(signal.ITIMER_REAL, first, 0.25)
+        started = time.monotonic()
         _watch = watch
         try:
             yield
@@ -150,9 +146,8 @@ def _watched(timeout: float | None, started: float | None = None) -> Iterator[No
         finally:
             watch.done = True
             _watch = None
-            if timeout is not None:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-                signal.signal(signal.SIGALRM, old_alarm)
-                if old_timer[0] > 0:  # someone else's pending timer: give back what is left of it
-                    left = max(old_timer[0] - (time.monotonic() - started), 1e-3)
-                    signal.setitimer(signal.ITIMER_REAL, left, old_timer[1])
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old_alarm)
+            if old_timer[0] > 0:  # someone else's pending timer: give back what is left of it
+                left = max(old_timer[0] - (time.monotonic() - started), 1e-3)
+                signal.setitimer(signal.ITIMER_REAL, left, old_timer[1])
