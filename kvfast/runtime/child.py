@@ -44,15 +44,20 @@ if TYPE_CHECKING:
 
 class ChildOutcome(NamedTuple):
     """How a child ended: ``result`` (its report, ``None`` if it wrote none), its ``returncode``, and
-    whether it was killed at its ``timeout`` (``timed_out``). (A named tuple, not a dataclass: this
+    whether it was killed at its ``timeout`` (``timed_out``), or with the ``kvfast serve`` process that forked it,
+    which ended first (``server_lost``: no report, whatever the child wrote). (A named tuple, not a dataclass: this
     module is imported before the child starts, and ``dataclasses`` imports ``inspect``.)"""
 
     result: dict | None
     returncode: int
     timed_out: bool = False
+    server_lost: bool = False
 
     def ended(self) -> str:
-        """How the process ended, in words (``exit status 0``, ``killed by signal SIGSEGV``)."""
+        """How the process ended, in words (``exit status 0``, ``killed by signal SIGSEGV``, ``killed: the kvfast
+        serve process that forked it ended``)."""
+        if self.server_lost:
+            return "killed: the kvfast serve process that forked it ended during the check"
         code = self.returncode
         if code < 0:
             try:
@@ -231,11 +236,12 @@ def read_request(boot: dict) -> dict | None:
         return None
 
 
-def child_ready(request: dict) -> float:
+def child_ready(request: dict, info: dict | None = None) -> float:
     """In the child, once kvfast is imported and its request read: tell the parent (its timeout counts from
-    now); the ``time.time()`` the child's own deadline counts from."""
+    now; ``info``, JSON after the byte, for a parent that reads it: the served child's ``timeout``); the
+    ``time.time()`` the child's own deadline counts from."""
     started = time.time()
-    os.write(request["ready_fd"], b"r")
+    os.write(request["ready_fd"], b"r" + (json.dumps(info).encode() if info else b""))
     os.close(request["ready_fd"])
     return started
 
