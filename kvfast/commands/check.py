@@ -413,9 +413,11 @@ def child(boot: dict) -> None:
     The request is ``{"args": ...}`` (the parent's parsed and checked arguments, :func:`run`), or, from a
     served child's parent (:func:`run_served`), ``{"argv": [...], "command_line": ...}``: then this process
     parses and checks the arguments itself (the same parser and checks, :func:`check_args`, before any of the
-    user's code), and sends their ``--timeout`` after its ready byte. ``--timeout`` counts from the moment kvfast itself is imported here: the deadline is
-    for the user's code, so a slow start of the interpreter and of kvfast on a loaded machine can never
-    be blamed on the model or its module.
+    user's code), and sends their ``--timeout`` after its ready byte.
+
+    ``--timeout`` counts from the moment kvfast itself is imported here (and the request read): the
+    deadline is for the user's code, so a slow start of the interpreter and of kvfast on a loaded machine
+    can never be blamed on the model or its module.
     """
     import os
 
@@ -457,7 +459,8 @@ def start_early(argv: list[str]) -> None:
     ``--help``). :func:`run` uses it; :func:`discard_early` ends it (a no-op after :func:`run`).
 
     A running ``kvfast serve`` of this process's key (:func:`kvfast.runtime.serve.served_child`) forks the child
-    instead, its imports done: then this process parses nothing (:func:`taken_early`, :func:`run_served`). Without one, a fresh ``python -c BOOT`` (a timeline mark says which)."""
+    instead, its imports done: then this process parses nothing (:func:`taken_early`, :func:`run_served`).
+    Without one, a fresh ``python -c BOOT`` (a timeline mark says which)."""
     from kvfast.runtime.child import mark, start_child
 
     mark("parent: kvfast check started")

@@ -76,10 +76,16 @@ def warm_up() -> None:
 
 def run(args) -> int:
     from kvfast.commands.check import child
-    from kvfast.runtime.serve import key, serve
+    from kvfast.runtime.serve import key, listen, serve
 
     own, env = key(), dict(os.environ)  # before the warm-up: the key a client computes before its imports
-    warm_up()
+    listener, path = listen(own, args.socket)
+    try:
+        warm_up()
+    except BaseException:
+        listener.close()
+        path.unlink()
+        raise
 
     def announce(path) -> None:
         print(
@@ -88,7 +94,7 @@ def run(args) -> int:
             flush=True,
         )
 
-    serve(child, own, env, path=args.socket, idle=args.idle, announce=announce)
+    serve(child, own, env, listener, path, idle=args.idle, announce=announce)
     print("kvfast serve: stopped", flush=True)
     sys.stdout.flush()
     return 0

@@ -136,8 +136,8 @@ def private_dir(path: Path) -> Path:
     st = path.stat()
     if st.st_uid != os.getuid() or st.st_mode & 0o077:
         raise ValueError(
-            f"the socket's directory: {str(path)!r} is not allowed; allowed: a directory of this user's that nobody else can "
-            f"read or enter (it has mode {st.st_mode & 0o777:o}, owner uid {st.st_uid})"
+            f"the socket's directory: {str(path)!r} is not allowed; allowed: a directory of this user's that nobody "
+            f"else can read or enter (it has mode {st.st_mode & 0o777:o}, owner uid {st.st_uid})"
         )
     return path
 
@@ -352,18 +352,10 @@ class _Stop(Exception):
     pass
 
 
-def serve(entry, own: dict, env: dict[str, str], path: Path | None = None, idle: float = 600.0, announce=None) -> int:
-    """Listen on ``path`` (default :func:`socket_path` of key ``own``) and fork ``entry(boot)`` for each client
-    whose key is ``own``, until ``idle`` seconds pass without a request (and no child runs), a
-    ``SIGTERM`` or a ``SIGINT``; the socket is removed. ``announce(path)`` once it listens. ``ValueError`` (bad
-    input: a private directory that is not, a live server already on ``path``); ``RuntimeError`` if this process
-    runs a second thread (forking it would not be safe). Exit status 0.
-
-    ``own`` and ``env``: this process's :func:`key` and ``os.environ`` taken before its warm-up; what the warm-up
-    changed in ``os.environ`` (kvfast's import sets ``NUMBA_CACHE_DIR``, as a fresh child's does) is changed in
-    each child's environment, the client's, too."""
-    if threading.active_count() != 1:
-        raise RuntimeError(f"kvfast serve: {threading.active_count()} threads; it forks, so it must run only one")
+def listen(own: dict, path: Path | str | None = None) -> tuple[socket.socket, Path]:
+    """A listening socket on ``path`` (default :func:`socket_path` of key ``own``, its directory made private),
+    replacing a stale socket file there (a server killed without its cleanup); ``ValueError`` (bad input) if
+    a server listens there, or the path is taken by something else."""
     if path is None:
         path = socket_path(own)
         if not os.environ.get(SOCKET_ENV):
@@ -385,10 +377,33 @@ def serve(entry, own: dict, env: dict[str, str], path: Path | None = None, idle:
     old_umask = os.umask(0o177)  # the socket 0600
     try:
         listener.bind(str(path))
+    except OSError as exc:
+        listener.close()
+        raise ValueError(
+            f"--socket: {str(path)!r} is not allowed; allowed: a path to bind a socket on ({exc})"
+        ) from None
     finally:
         os.umask(old_umask)
-    inode = path.stat().st_ino
     listener.listen(64)
+    return listener, path
+
+
+def serve(
+    entry, own: dict, env: dict[str, str], listener: socket.socket, path: Path, idle: float = 600.0, announce=None
+) -> int:
+    """Fork ``entry(boot)`` for each client of ``listener`` (:func:`listen`, on ``path``) whose key is ``own``,
+    until ``idle`` seconds pass without a request (and no child runs), a ``SIGTERM`` or a ``SIGINT``; the
+    socket is removed. ``announce(path)`` once it serves. ``RuntimeError`` if this process runs a second
+    thread (forking it would not be safe). Exit status 0.
+
+    ``own`` and ``env``: this process's :func:`key` and ``os.environ`` taken before its warm-up; what the warm-up
+    changed in ``os.environ`` (kvfast's import sets ``NUMBA_CACHE_DIR``, as a fresh child's does) is changed in
+    each child's environment, the client's, too."""
+    inode = path.stat().st_ino
+    if threading.active_count() != 1:
+        path.unlink()
+        listener.close()
+        raise RuntimeError(f"kvfast serve: {threading.active_count()} threads; it forks, so it must run only one")
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
     os.set_blocking(wake_read, False)
