@@ -153,12 +153,13 @@ def _timeline(title: str, rounds: list[tuple[float, float, dict[str, float]]]) -
     labels = list(dict.fromkeys(label for _, _, marks in rounds for label in marks))
     labels = ["command start", *sorted(labels, key=lambda k: statistics.median(m[k] for _, _, m in rounds if k in m))]
     print(f"{title}, timeline (s from the command's start; median, min, max of {repeats}):")
+    width = max(36, *map(len, labels))
     previous = 0.0
     for label in labels:
         values = [0.0] if label == "command start" else [marks[label] for _, _, marks in rounds if label in marks]
         med = statistics.median(values)
         note = "" if label == "command start" or len(values) == repeats else f"  (in {len(values)} of {repeats})"
-        print(f"  {label:<36} {med:6.3f}  (+{med - previous:5.3f})  [{min(values):.3f}, {max(values):.3f}]{note}")
+        print(f"  {label:<{width}} {med:6.3f}  (+{med - previous:5.3f})  [{min(values):.3f}, {max(values):.3f}]{note}")
         previous = med
     first = statistics.median(marks[FIRST_RUN] for _, _, marks in rounds)
     returned = statistics.median(marks[FIRST_RUN + " returned"] for _, _, marks in rounds)
