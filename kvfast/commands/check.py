@@ -43,7 +43,9 @@ of the user's. kvfast's own factory ``kvfast.studies.check:kvfast_model`` is loa
 defines it (:data:`OWN_FACTORIES`), not through the studies (the sweep engine, pandas). With
 ``KVFAST_TIMELINE=FILE`` both processes append time marks to FILE (:func:`kvfast.runtime.child.mark`:
 the child spawned, kvfast imported, the request read, the model built, its first call and return, the
-verdict): ``benchmarks/compile_profile.py --warm-check`` prints them.
+verdict): ``benchmarks/compile_profile.py --warm-check`` prints them. With ``kvfast serve`` running
+(:mod:`kvfast.commands.serve`, opt-in) the child is forked from that warm server instead, its imports done,
+and this process parses nothing: the child parses and checks the arguments (:func:`taken_early`).
 
 Built in: ``kvfast.check.hf:tiny_model`` (a tiny random Hugging Face model;
 ``--factory-arg family=gpt2 --factory-arg dtype=bfloat16``).
