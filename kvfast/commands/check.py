@@ -463,14 +463,17 @@ def start_early(argv: list[str]) -> None:
     A running ``kvfast serve`` of this process's key (:func:`kvfast.runtime.serve.served_child`) forks the child
     instead, its imports done: then this process parses nothing (:func:`taken_early`, :func:`run_served`).
     Without one, a fresh ``python -c BOOT`` (a timeline mark says which)."""
-    from kvfast.runtime.child import mark, start_child
+    from kvfast.runtime.child import mark, may_be_served, start_child
 
     mark("parent: kvfast check started")
     discard_early()
     if not any(a in ("-h", "--help") for a in argv):
-        from kvfast.runtime.serve import served_child
+        child = None
+        if may_be_served():  # (else kvfast.runtime.serve is not even imported)
+            from kvfast.runtime.serve import served_child
 
-        _EARLY.append(served_child() or start_child(BOOT))
+            child = served_child()
+        _EARLY.append(child or start_child(BOOT))
 
 
 def discard_early() -> None:

@@ -85,6 +85,36 @@ def _wait_until_ready(proc: subprocess.Popen, ready_fd: int) -> None:
 
 
 TIMELINE = "KVFAST_TIMELINE"  # the environment variable naming the file :func:`mark` appends to
+SOCKET_ENV = "KVFAST_SERVE_SOCKET"  # a ``kvfast serve``'s socket, instead of the key's default path
+SWITCH_ENV = "KVFAST_SERVE"  # "0": never use a server
+
+
+def socket_dir() -> str:
+    """The per-user directory of ``kvfast serve``'s sockets (:mod:`kvfast.runtime.serve`):
+    ``$XDG_RUNTIME_DIR/kvfast`` if that variable names a directory, else ``~/.cache/kvfast/serve``."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime):
+        return os.path.join(runtime, "kvfast")
+    return os.path.join(os.path.expanduser("~"), ".cache", "kvfast", "serve")
+
+
+def may_be_served() -> bool:
+    """Whether a ``kvfast serve`` may serve this process (``KVFAST_SERVE_SOCKET`` is set, or the socket
+    directory holds a socket), cheaply: without one, :mod:`kvfast.runtime.serve` (its imports, the key) is
+    never loaded and the check starts its fresh child at once. ``KVFAST_SERVE=0``: never."""
+    if os.environ.get(SWITCH_ENV) == "0":
+        mark("parent: kvfast serve not used (KVFAST_SERVE=0)")
+        return False
+    if os.environ.get(SOCKET_ENV):
+        return True
+    try:
+        with os.scandir(socket_dir()) as entries:
+            if any(e.name.endswith(".sock") for e in entries):
+                return True
+    except OSError:
+        pass
+    mark(f"parent: no kvfast serve (no socket in {socket_dir()})")
+    return False
 
 
 def mark(label: str) -> None:

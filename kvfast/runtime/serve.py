@@ -54,15 +54,14 @@ import threading
 import time
 from pathlib import Path
 
-from kvfast.runtime.child import ChildOutcome, kill_group, mark
+from kvfast.runtime.child import SOCKET_ENV, ChildOutcome, kill_group, mark, may_be_served
+from kvfast.runtime.child import socket_dir as _socket_dir
 
 #: environment variables that do not make a fresh child differ (shells' bookkeeping, kvfast's own timeline and
 #: server switches, pytest's per-test note): the rest are part of the key
 IGNORED_ENV = frozenset(
     {"PWD", "OLDPWD", "_", "SHLVL", "KVFAST_TIMELINE", "KVFAST_SERVE_SOCKET", "KVFAST_SERVE", "PYTEST_CURRENT_TEST"}
 )
-SOCKET_ENV = "KVFAST_SERVE_SOCKET"  # the server's socket, instead of the key's default path
-SWITCH_ENV = "KVFAST_SERVE"  # "0": never use a server
 REPLY_S = 5.0  # how long a client waits for the server's answer (the child's pid) before it starts its own
 HEADER = struct.Struct("!I")  # the length of a message's JSON, before it
 KVFAST_DIR = Path(__file__).resolve().parents[1]
@@ -117,10 +116,7 @@ def digest(k: dict) -> str:
 def socket_dir() -> Path:
     """The per-user directory of the servers' sockets: ``$XDG_RUNTIME_DIR/kvfast`` if that variable names a
     directory, else ``~/.cache/kvfast/serve``."""
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime and os.path.isdir(runtime):
-        return Path(runtime) / "kvfast"
-    return Path.home() / ".cache" / "kvfast" / "serve"
+    return Path(_socket_dir())
 
 
 def socket_path(k: dict) -> Path:
@@ -180,8 +176,7 @@ def served_child() -> ServedChild | None:
     """A child forked by the server of this process's key (:func:`kvfast.commands.check.child` waiting for its
     request), or ``None`` (no server, a stale socket, a key that differs, ``KVFAST_SERVE=0``): the caller starts
     a fresh one. A timeline mark says which."""
-    if os.environ.get(SWITCH_ENV) == "0":
-        mark("parent: kvfast serve not used (KVFAST_SERVE=0)")
+    if not may_be_served():
         return None
     k = key()
     path = socket_path(k)
