@@ -427,36 +427,10 @@ def serve(
                 break
             readable, _, _ = select.select([listener, wake_read, *clients], [], [], timeout)
             if wake_read in readable:
-                while True:
-                    try:
-                        if not os.read(wake_read, 512):
-                            break
-                    except BlockingIOError:
-                        break
-            while children:  # reap
-                try:
-                    pid, status = os.waitpid(-1, os.WNOHANG)
-                except ChildProcessError:
-                    break
-                if pid == 0:
-                    break
-                conn = children.pop(pid, None)
+                _drain(wake_read)
+            if _reap(children, clients):
                 last = time.monotonic()
-                if conn is not None:
-                    clients.pop(conn, None)
-                    try:
-                        _send(conn, {"status": os.waitstatus_to_exitcode(status)})
-                    except OSError:
-                        pass
-                    conn.close()
-            for conn in [c for c in readable if c in clients]:  # a client went away (or wrote): forget it
-                try:
-                    gone = not conn.recv(1)
-                except OSError:
-                    gone = True
-                if gone:
-                    children[clients.pop(conn)] = None
-                    conn.close()
+            _forget_gone([c for c in readable if c in clients], clients, children)
             if listener in readable and not stop:
                 try:
                     conn, _ = listener.accept()
@@ -484,6 +458,47 @@ def serve(
         os.close(wake_read)
         os.close(wake_write)
     return 0
+
+
+def _drain(fd: int) -> None:
+    """Read the self-pipe empty (the signals' bytes: the loop looks at what they mean itself)."""
+    while True:
+        try:
+            if not os.read(fd, 512):
+                return
+        except BlockingIOError:
+            return
+
+
+def _reap(children: dict, clients: dict) -> bool:
+    """Reap the children that ended and send each one's exit status to its client; whether any ended."""
+    reaped = False
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid == 0:
+            break
+        reaped = True
+        conn = children.pop(pid, None)
+        if conn is not None:
+            clients.pop(conn, None)
+            try:
+                _send(conn, {"status": os.waitstatus_to_exitcode(status)})
+            except OSError:
+                pass
+            conn.close()
+    return reaped
+
+
+def _forget_gone(readable: list, clients: dict, children: dict) -> None:
+    """Clients whose connection is readable have gone away (a client writes nothing after its request; one that
+    does is dropped too): their children are reaped without a report (a child whose client is gone kills its
+    group: its watch pipe ends)."""
+    for conn in readable:
+        children[clients.pop(conn)] = None
+        conn.close()
 
 
 def _fork_for(conn: socket.socket, own: dict, entry, server) -> int | None:
