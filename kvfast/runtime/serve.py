@@ -263,7 +263,7 @@ class ServedChild:
 
     def _status(self, timeout: float | None) -> bool:
         """Read the server's report of the child's end if it comes within ``timeout`` seconds (``None``: wait);
-        whether the child has ended (its ``returncode`` set; the server gone: :data:`LOST`)."""
+        whether the child has ended (its ``returncode`` set; the server gone first: the child killed, ``_lost``)."""
         if self.returncode is not None:
             return True
         readable, _, _ = select.select([self._sock], [], [], timeout)
@@ -308,7 +308,8 @@ class ServedChild:
             timeout = self.ready_info.get("timeout", timeout)
             if not self._status(None if timeout is None else timeout + grace):
                 self._kill()
-                self._status(None)
+                if not self._status(REPLY_S):  # a server that cannot even report it (stopped): killed all the same
+                    self.returncode = -signal.SIGKILL
                 return ChildOutcome(None, self.returncode, timed_out=True)
         except KeyboardInterrupt:
             self._kill()
@@ -527,8 +528,11 @@ def _fork_for(conn: socket.socket, own: dict, entry, server) -> int | None:
                 traceback.print_exc()
             finally:
                 os._exit(70)
-        _send(conn, {"pid": pid})
-        conn.settimeout(None)
+        try:
+            _send(conn, {"pid": pid})
+            conn.settimeout(None)
+        except OSError:  # the client is gone: its child ends by itself (its pipes closed), reaped as any other
+            pass
         return pid
     except (OSError, ValueError, KeyError, TypeError):
         return None
