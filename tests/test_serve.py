@@ -126,6 +126,7 @@ def test_the_served_child_is_the_servers_and_runs_once(server, workdir, env):
         ["faults:osexit_model", "--prompt", "1,2,3", "--steps", "4"],  # os._exit(0): no report
         ["faults:killself_model", "--prompt", "1,2,3", "--steps", "4"],  # SIGKILL
         ["faults:boom_model", "--prompt", "1,2,3", "--steps", "4"],  # raises
+        ["faults:hang_decode", "--prompt", "1,2,3", "--timeout", "1"],  # the child's own timer: exit 5
         ["faults:osexit_model", "--prompt", "1,x"],  # bad input: before any of the user's code
         ["nomodule_kv:f", "--prompt", "1,2"],  # a module that cannot be imported
         ["faults:osexit_model", "--steps", "3"],  # a parse error (--prompt missing): usage and one line
@@ -134,7 +135,38 @@ def test_the_served_child_is_the_servers_and_runs_once(server, workdir, env):
 )
 def test_a_model_that_ends_its_process_and_bad_input_read_as_without_the_server(server, workdir, env, argv):
     code, out, err = served_and_fresh(workdir, env, *argv)
-    assert code in (2, 4) and out == "" and "Traceback" not in err
+    assert code in (2, 4, 5) and out == "" and "Traceback" not in err
+
+
+def test_the_served_parent_imports_neither_numpy_nor_the_checker(server, workdir, env):
+    """``python -c`` in the server's directory has its ``sys.path`` (``''`` is the working directory)."""
+    code = (
+        "import sys; from kvfast.cli import main\n"
+        f"code = main({['check', *MODEL, '--factory-arg=bug=none']!r})\n"
+        "print(code, *(m in sys.modules for m in ('numpy', 'numba', 'kvfast.check', 'kvfast.validation')))"
+    )
+    marks = workdir / "marks-imports"
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=workdir, env={**env, "KVFAST_TIMELINE": str(marks)},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.stdout.splitlines()[-1].split() == ["0", "False", "False", "False", "False"], out.stderr
+    assert SERVED in marks.read_text()
+
+
+def test_ctrl_c_kills_the_served_child_exit_130(server, workdir, env):
+    pids = workdir / "pids"
+    pids.unlink(missing_ok=True)
+    check = subprocess.Popen(
+        [sys.executable, "-m", "kvfast.cli", "check", "faults:hang_decode", "--prompt", "1,2,3"],
+        cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    (child,) = read_pids(pids)
+    check.send_signal(signal.SIGINT)
+    out, err = check.communicate(timeout=60)
+    assert check.returncode == 130 and out == ""
+    assert err == "kvfast: interrupted; the check's processes were killed\n"
+    assert gone(child)
 
 
 def test_a_timeout_kill_reads_as_without_the_server_and_leaves_nothing_running(server, workdir, env):
