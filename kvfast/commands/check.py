@@ -528,13 +528,15 @@ def run_served(argv: list[str]) -> int:
 
 def _parse_served(request: dict):
     """In a served child: ``(args, None)``, the request's arguments parsed and checked as :func:`kvfast.cli.main`
-    and :func:`run` would; or ``(None, result)``: a parse error (``exit``, argparse printed it) or bad input."""
+    and :func:`run` would; or ``(None, result)``: a parse error or an abbreviated ``--help`` (``exit``, argparse
+    printed it) or bad input."""
     from kvfast.cli import build_parser
 
     try:
         args = build_parser().parse_args(["check", *request["argv"]])
     except SystemExit as exc:
-        return None, {"kind": "exit", "code": exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT}
+        code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1  # as Python's own exit
+        return None, {"kind": "exit", "code": code}
     try:
         check_args(args)
     except ValueError as exc:
