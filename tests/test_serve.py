@@ -259,6 +259,6 @@ def test_a_server_killed_mid_check_never_reads_as_success_and_its_stale_socket_i
     code, again, _, marks = kvfast_check(workdir, env, *MODEL, "--factory-arg=bug=none")
     assert code == 0 and SERVED in marks and again == out
     assert proc.wait(timeout=60) == 0  # idle
-    assert proc.stdout.read() == "kvfast serve: stopped\n"
+    assert proc.stdout.read() == f"kvfast serve: stopped (idle for 3 s); {path} removed\n"
     stop(proc)
     assert not path.exists()

@@ -11,8 +11,10 @@ and ``parent: child spawned``). A check whose key differs (another virtual envir
 environment variable, an edited kvfast source) does not find it and starts its own child, as without a
 server; so does every check with ``KVFAST_SERVE=0``.
 
-It exits after ``--idle`` seconds (default 600) without a check (never while a check runs), on SIGTERM
-or Ctrl-C, removing its socket. The socket: ``$XDG_RUNTIME_DIR/kvfast/KEY.sock`` (else
+It exits after ``--idle`` seconds (default 600) without a check (never while a check runs), on SIGTERM,
+Ctrl-C or SIGHUP (its terminal closed), removing its socket, with a line saying why (exit status 0). Its
+warm-up takes seconds with a warm Numba cache (a cold one compiles the kernels first); its line is printed
+when it is ready. The socket: ``$XDG_RUNTIME_DIR/kvfast/KEY.sock`` (else
 ``~/.cache/kvfast/serve/KEY.sock``; the directory made 0700), or ``--socket PATH`` (then a check finds it
 with ``KVFAST_SERVE_SOCKET=PATH``). A stale socket (its server killed with SIGKILL) is replaced; a live
 server on the same path is bad input (exit 2), as are bad flags.
@@ -22,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 DEFAULT_IDLE_S = 600.0
 #: kvfast's model for the warm-up: the benchmark's and the tests' size (any size loads the same kernels)
@@ -94,7 +95,6 @@ def run(args) -> int:
             flush=True,
         )
 
-    serve(child, own, env, listener, path, idle=args.idle, announce=announce)
-    print("kvfast serve: stopped", flush=True)
-    sys.stdout.flush()
+    why = serve(child, own, env, listener, path, idle=args.idle, announce=announce)
+    print(f"kvfast serve: stopped ({why}); {path} removed", flush=True)
     return 0

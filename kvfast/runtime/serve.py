@@ -27,9 +27,9 @@ success.
 
 **The server** (:func:`serve`) is single-threaded (it refuses to start with a second Python thread: a lock
 another thread holds, the import lock say, would deadlock every forked child): one ``select`` loop over its
-socket, its clients and a self-pipe that ``SIGCHLD``, ``SIGTERM`` and ``SIGINT`` write to
+socket, its clients and a self-pipe that ``SIGCHLD``, ``SIGTERM``, ``SIGINT`` and ``SIGHUP`` write to
 (``signal.set_wakeup_fd``); children are reaped with ``waitpid(WNOHANG)``. It exits after ``idle`` seconds
-without a request (while no child runs) and on ``SIGTERM`` or Ctrl-C, removing its socket. The forked child
+without a request (while no child runs) and on ``SIGTERM``, Ctrl-C or ``SIGHUP``, removing its socket. The forked child
 (:func:`_become_child`) starts its own session, closes the server's sockets, restores the default signal
 handlers, takes the client's descriptors as 0/1/2 (new ``sys.std*`` objects, buffered as a fresh
 interpreter's), its working directory, environment, umask, ``sys.path`` and ``sys.argv``, a fresh
@@ -388,9 +388,9 @@ def serve(
     entry, own: dict, env: dict[str, str], listener: socket.socket, path: Path, idle: float = 600.0, announce=None
 ) -> int:
     """Fork ``entry(boot)`` for each client of ``listener`` (:func:`listen`, on ``path``) whose key is ``own``,
-    until ``idle`` seconds pass without a request (and no child runs), a ``SIGTERM`` or a ``SIGINT``; the
-    socket is removed. ``announce(path)`` once it serves. ``RuntimeError`` if this process runs a second
-    thread (forking it would not be safe). Exit status 0.
+    until ``idle`` seconds pass without a request (and no child runs), a ``SIGTERM``, ``SIGINT`` or ``SIGHUP``;
+    the socket is removed. ``announce(path)`` once it serves. ``RuntimeError`` if this process runs a second
+    thread (forking it would not be safe). Why it stopped, in words (``idle for 600 s``, ``SIGTERM``).
 
     ``own`` and ``env``: this process's :func:`key` and ``os.environ`` taken before its warm-up; what the warm-up
     changed in ``os.environ`` (kvfast's import sets ``NUMBA_CACHE_DIR``, as a fresh child's does) is changed in
@@ -410,6 +410,7 @@ def serve(
             (signal.SIGCHLD, lambda *_: None),
             (signal.SIGTERM, lambda *_: stop.append("SIGTERM")),
             (signal.SIGINT, lambda *_: stop.append("SIGINT")),
+            (signal.SIGHUP, lambda *_: stop.append("SIGHUP")),  # its terminal closed
         )
     }
     previous_wakeup = signal.set_wakeup_fd(wake_write)
@@ -425,6 +426,7 @@ def serve(
         while not stop:
             timeout = None if children else last + idle - time.monotonic()
             if timeout is not None and timeout <= 0:
+                stop.append(f"idle for {idle:g} s")
                 break
             readable, _, _ = select.select([listener, wake_read, *clients], [], [], timeout)
             if wake_read in readable:
@@ -458,7 +460,7 @@ def serve(
             conn.close()
         os.close(wake_read)
         os.close(wake_write)
-    return 0
+    return stop[0]
 
 
 def _drain(fd: int) -> None:
@@ -549,6 +551,7 @@ def _become_child(conn: socket.socket, header: dict, fds: list[int], server) -> 
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for sock in (listener, conn, *clients):
         os.close(sock.detach())
