@@ -224,6 +224,32 @@ def test_a_live_server_on_the_path_is_exit_2(server, workdir, env):
     assert server.exists()
 
 
+def test_the_kvfast_script_is_served_from_any_directory(workdir, env, tmp_path):
+    """The ``kvfast`` script puts its own directory on ``sys.path``, not the working directory: a server started
+    anywhere serves its checks in any directory (the model found in the check's own directory)."""
+    script = Path(sys.executable).with_name("kvfast")
+    if not script.exists():
+        pytest.skip("no kvfast script next to this interpreter")
+    path = tmp_path / "kv.sock"
+    env = {**env, "KVFAST_SERVE_SOCKET": str(path)}
+    proc = subprocess.Popen(
+        [str(script), "serve", "--idle", "60", "--socket", str(path)],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout.readline().startswith("kvfast serve: listening on ")
+        marks = tmp_path / "marks"
+        argv = ["check", "faults:boom_model", "--prompt", "1,2,3"]
+        out = subprocess.run(
+            [str(script), *argv], cwd=workdir, env={**env, "KVFAST_TIMELINE": str(marks)}, capture_output=True,
+            text=True, timeout=120,
+        )  # fmt: skip
+        assert SERVED in marks.read_text()
+        assert out.returncode == 4 and "model.prefill(<3 tokens>) raised RuntimeError: boom" in out.stderr
+    finally:
+        stop(proc)
+
+
 def test_a_server_killed_mid_check_never_reads_as_success_and_its_stale_socket_is_replaced(workdir, env, tmp_path):
     """SIGKILL to the server while its child hangs: the check's process is killed, exit 4, one line; the socket
     file it left costs a check nothing (a fresh child) and a new server replaces it, then exits when idle,

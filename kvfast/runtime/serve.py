@@ -9,9 +9,9 @@ process group, killed with its group, the parent's watchdog pipe, the ready byte
 ``os._exit``.
 
 **The key.** A server is used only by a client whose fresh child would be the same process: the same
-``sys.executable``, ``sys.path`` (each entry made absolute), interpreter flags, environment (every variable
-but :data:`IGNORED_ENV`) and kvfast sources (each ``.py`` file's path, size and modification time:
-:func:`key`). The socket's name is the key's digest, in a per-user directory made 0700
+``sys.executable``, ``sys.path`` (``''`` and relative directories made absolute), interpreter flags,
+environment (every variable but :data:`IGNORED_ENV`) and kvfast sources (each ``.py`` file's path, size and
+modification time: :func:`key`). The socket's name is the key's digest, in a per-user directory made 0700
 (:func:`socket_dir`: ``$XDG_RUNTIME_DIR/kvfast``, else ``~/.cache/kvfast/serve``); the server also compares
 the whole key and the peer's uid (``SO_PEERCRED``) before it forks. ``KVFAST_SERVE_SOCKET=PATH``: look for
 the server at PATH (``kvfast serve --socket PATH``) instead; ``KVFAST_SERVE=0``: never look.
@@ -81,11 +81,19 @@ def sources_digest(root: Path = KVFAST_DIR) -> str:
     return h.hexdigest()
 
 
+def _path_entry(entry: str) -> str:
+    """A ``sys.path`` entry as the key has it: ``''`` and a relative directory made absolute (they are the working
+    directory's), anything else as it is (an absolute path, a path hook's name such as an editable install's)."""
+    if entry == "" or (not os.path.isabs(entry) and os.path.isdir(entry)):
+        return os.path.abspath(entry)
+    return entry
+
+
 def key() -> dict:
     """What makes this process's fresh child what it is (see the module doc)."""
     k = {
         "executable": sys.executable,
-        "path": [os.path.abspath(p) for p in sys.path],
+        "path": [_path_entry(p) for p in sys.path],
         "flags": list(sys.flags),
         "xoptions": sorted(f"{k}={v}" for k, v in sys._xoptions.items()),
         "warnoptions": list(sys.warnoptions),
