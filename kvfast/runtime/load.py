@@ -44,7 +44,15 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from kvfast.runtime.user import ProcessEnded, UserCodeError, call_user, describe
-from kvfast.validation import shown
+
+
+def shown(value: object) -> str:
+    """:func:`kvfast.validation.shown`, imported when a message needs it (it imports NumPy: ``kvfast check``'s
+    parent, served by ``kvfast serve``, imports this module and never NumPy)."""
+    from kvfast.validation import shown as quoted
+
+    return quoted(value)
+
 
 _PROBE: list[bool] = [False]
 
