@@ -84,7 +84,7 @@ def speed(shapes, repeats: int) -> None:
                     p.append(_sample(plain, x, w, order, y1, calls))
                     u.append(_sample(unrolled, x, w, order, y2, calls))
                 mp, mu = statistics.median(p) * 1e6, statistics.median(u) * 1e6
-                cls = "large" if matmul.size_class(n, m) else "small"
+                cls = "large" if matmul.size_class(T, n, m) else "small"
                 print(f"{label:<15} {order_name:<10} {T:>4} {n:>4} {m:>4} {n * m:>6} {cls:<8} {mp:>9.2f} {mu:>11.2f} "
                       f"{mp / mu:>14.2f}")  # fmt: skip
     print(f"load average (1, 5 min): {os.getloadavg()[0]:.2f}, {os.getloadavg()[1]:.2f}")

@@ -317,23 +317,22 @@ _call_on_f64 = through_address(PRODUCT_BODIES[0])  # f64, f32 and bf16 on float6
 _call_on_f32 = through_address(PRODUCT_BODIES[1])  # f32 and bf16 on float32 copies
 
 
-LARGE_MIN_SIZE = 65536
-"""The fewest elements ``n * m`` of the matrix of a product of the large size class (:func:`size_class`)."""
+LARGE_MIN_ROWS = 4
+LARGE_MIN_SIZE = 2048
+LARGE_ONE_ROW_SIZE = 65536
+"""The product size classes (:func:`size_class`): where the unrolled bodies start to beat the plain ones
+(``benchmarks/kernels_size_class.py``)."""
 
 
-def size_class(n: int, m: int) -> bool:
-    """The size class of a product by an ``(n, m)`` matrix: True (large) if ``n * m >= LARGE_MIN_SIZE`` (a
-    256 x 256 matrix), where the f64 and f32 products run the unrolled bodies (``PRODUCT_KERNELS``,
-    :func:`_product_template`), else the plain ones (:data:`PLAIN_PRODUCT_KERNELS`).
-
-    Both forms add in the same order with the same roundings, so the class never changes a bit: it picks
-    which bodies a process compiles. An unrolled body costs about five times a plain one's cold compile (3.5-4
-    s against 0.8-1.2 on a 2-core machine) and is 1.3-2.5x faster from 4 rows by a 32 x 64 matrix up, and at
-    one row from 256 x 256 (``benchmarks/kernels_size_class.py``); below this size that speed never paid for
-    the compile in what kvfast runs (the wide models of the precision grid, d_model 64 by d_ff 256: 144 runs,
-    well under a second of products saved, against about 12 s of compile for the three unrolled bodies), and
-    a process whose models are all below it compiles no unrolled body."""
-    return n * m >= LARGE_MIN_SIZE
+def size_class(T: int, n: int, m: int) -> bool:
+    """The size class of a product of ``T`` rows by an ``(n, m)`` matrix: True (large) where the unrolled f64
+    and f32 bodies (``PRODUCT_KERNELS``, :func:`_product_template`) are worth their cold compile, about five
+    times the plain ones' (:data:`PLAIN_PRODUCT_KERNELS`): at least ``LARGE_MIN_ROWS`` rows and
+    ``n * m >= LARGE_MIN_SIZE``, or ``n * m >= LARGE_ONE_ROW_SIZE``; False (small) elsewhere, where they were
+    at most 1.3x faster (``benchmarks/kernels_size_class.py``). Both forms add in the same order with the same
+    roundings, so the class never changes a bit: it only picks which bodies a process compiles and runs."""
+    size = n * m
+    return (T >= LARGE_MIN_ROWS and size >= LARGE_MIN_SIZE) or size >= LARGE_ONE_ROW_SIZE
 
 
 _PRODUCT_TABLES: dict[tuple[int, bool], np.ndarray] = {}
@@ -426,7 +425,8 @@ def matmul_into(x: np.ndarray, w: np.ndarray, storage: int, acc: int, order: int
     class (:func:`size_class`, from the shapes: the same bits either way). Jitted
     code calls :func:`matmul_with` with :func:`product_bodies`.
     """
-    large = size_class(x.shape[1], w.shape[1]) and acc != BF16
+    T, n = x.shape
+    large = size_class(T, n, w.shape[1]) and acc != BF16
     table = _PRODUCT_TABLES.get((acc, large))  # product_bodies(acc, large), one call less once it is built
     matmul_with(x, w, storage, acc, order, y, product_bodies(acc, large) if table is None else table)
 

@@ -119,13 +119,13 @@ def block_addresses() -> list[int]:
 _TABLES: dict[tuple, np.ndarray] = {}
 
 
-def model_size_class(config) -> bool:
-    """The product size class (:func:`kvfast.kernels.matmul.size_class`) of the model ``config`` (a
-    :class:`~kvfast.model.config.ModelConfig`): its largest product's (``d_model`` by the widest of ``d_model``,
-    ``d_ff``, ``vocab``). The compiled forward and decode run all the model's products in that class (one form
-    of the bodies per model; the class never changes a bit)."""
+def model_size_class(config, T: int) -> bool:
+    """The product size class (:func:`kvfast.kernels.matmul.size_class`) of a call of ``T`` rows of the model
+    ``config`` (a :class:`~kvfast.model.config.ModelConfig`): its largest product's (``d_model`` by the widest
+    of ``d_model``, ``d_ff``, ``vocab``). A forward runs all its products in that class: the class never
+    changes a bit, and where the largest product is small the others are too."""
     d = config.d_model
-    return size_class(d, max(d, config.d_ff, config.vocab))
+    return size_class(T, d, max(d, config.d_ff, config.vocab))
 
 
 def kernels(acc: int, attn: int, large: bool = False) -> np.ndarray:

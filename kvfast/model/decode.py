@@ -129,7 +129,7 @@ def decode_prepared(
     attn, attn_block = numerics.attention_codes
     logits = np.empty((1, config.vocab))
     new_length = decode_kernel(
-        kernels(acc, attn, model_size_class(config)), w.stacked, config.n_head, config.eps, cache.k, cache.v,
+        kernels(acc, attn, model_size_class(config, 1)), w.stacked, config.n_head, config.eps, cache.k, cache.v,
         cache.length, cache.prefill_len, token, cache.length, storage, acc, order, bug, B.EVICT_WINDOW, logits, attn,
         attn_block,
     )  # fmt: skip
