@@ -40,7 +40,13 @@ Speed (none of it changes any element's order of addition or its rounding):
   Each body is compiled on its own when a process first runs its format and
   is called through its address (:mod:`kvfast.kernels.indirect`), so its
   machine code is generated once, not again in every function that calls
-  ``matmul``.
+  ``matmul``;
+- two forms of the f64 and f32 bodies, by the product's size class
+  (:func:`size_class`): the unrolled form above for large products, a plain
+  one (one row, one k per pass: ``_product_plain_template``, the same order,
+  so the same bits) for small ones, where the unrolling gains little and its
+  cold compile (about four times the plain form's) is not worth paying; a
+  process compiles the form its products use, on first use.
 
 Each sequential sum starts from ``-0.0``: ``-0.0 + p == p`` for every p
 (including ``+0.0`` and ``-0.0``) and rounding is idempotent, so the first step
@@ -325,12 +331,18 @@ LARGE_ONE_ROW_SIZE = 65536
 
 
 def size_class(T: int, n: int, m: int) -> bool:
-    """The size class of a product of ``T`` rows by an ``(n, m)`` matrix: True (large) where the unrolled f64
-    and f32 bodies (``PRODUCT_KERNELS``, :func:`_product_template`) are worth their cold compile, about five
-    times the plain ones' (:data:`PLAIN_PRODUCT_KERNELS`): at least ``LARGE_MIN_ROWS`` rows and
-    ``n * m >= LARGE_MIN_SIZE``, or ``n * m >= LARGE_ONE_ROW_SIZE``; False (small) elsewhere, where they were
-    at most 1.3x faster (``benchmarks/kernels_size_class.py``). Both forms add in the same order with the same
-    roundings, so the class never changes a bit: it only picks which bodies a process compiles and runs."""
+    """The size class of a product of ``T`` rows by an ``(n, m)`` matrix: True (large) where the f64 and f32
+    products run the unrolled bodies (``PRODUCT_KERNELS``, :func:`_product_template`): at least
+    ``LARGE_MIN_ROWS`` rows and ``n * m >= LARGE_MIN_SIZE``, or ``n * m >= LARGE_ONE_ROW_SIZE``; False (small)
+    elsewhere, where they run the plain ones (:data:`PLAIN_PRODUCT_KERNELS`).
+
+    Both forms add in the same order with the same roundings, so the class never changes a bit: it picks
+    which bodies a process compiles (on first use) and runs. An unrolled body costs about four times a plain
+    one's cold compile (3.5-4.4 s against 0.9-1.5 on a 2-core machine); in the large class it was 1.3-2.5x
+    faster (4 rows by a 32 x 64 matrix and up; one row from 256 x 256), in the small one within 0.94-1.2x of
+    the plain body (``benchmarks/kernels_size_class.py``; README, "Issue 30, fifth pass"). What a
+    ``generate`` of a few tokens runs (a prefill under 4 rows, one-row decode steps, matrices under 256 x 256)
+    is all small: its process compiles no unrolled body."""
     size = n * m
     return (T >= LARGE_MIN_ROWS and size >= LARGE_MIN_SIZE) or size >= LARGE_ONE_ROW_SIZE
 
