@@ -305,7 +305,8 @@ def test_the_size_class_never_changes_a_value(acc, order):
     large)``), float64 and float32 lanes, every storage format: the same bits, and the per-element twin's;
     ``matmul_into`` picks the class from the shape (``size_class``) and gives them too."""
     rng = np.random.default_rng(17)
-    assert not matmul.size_class(3, 64, 64) and matmul.size_class(4, 64, 64) and matmul.size_class(1, 256, 256)
+    assert not matmul.size_class(3, 32, 64) and matmul.size_class(4, 32, 64) and matmul.size_class(1, 64, 64)
+    assert not matmul.size_class(1, 32, 64) and not matmul.size_class(64, 16, 32)
     for T, n, m in [(1, 9, 5), (3, 40, 17), (4, 64, 64), (6, 33, 70), (17, 16, 130)]:
         for storage in FORMATS:
             x = round_array(spread(rng, (T, n)), storage)
