@@ -266,6 +266,75 @@ def test_float32_lanes_equal_float64_lanes(acc, order):
             assert same_bits_or_nan(y64, y32), (T, n, m)
 
 
+# --- the product size classes: plain and unrolled bodies ------------------------------------------
+
+# (template form, accumulator, float32 data): the f64 and f32 bodies come in both forms
+_BOTH_FORMS = [
+    ("_product_plain_f64", "_product_f64", F64, False),
+    ("_product_plain_f32", "_product_f32", F32, False),
+    ("_product_plain_f32_on_f32", "_product_f32_on_f32", F32, True),
+]
+# shapes through every path of both templates: the 4-row blocks and the rows left over, the 4-k passes and the
+# k left over, every pairwise tail (n mod 8) and several merges of the binary counter
+_SHAPES = [(1, 1, 1), (1, 7, 3), (3, 9, 5), (4, 8, 3), (5, 13, 7), (8, 16, 9), (9, 33, 2), (13, 70, 11)]
+
+
+@pytest.mark.parametrize("plain, unrolled, acc, data32", _BOTH_FORMS)
+@pytest.mark.parametrize("order", ORDERS)
+def test_plain_and_unrolled_bodies_equal_the_reference(plain, unrolled, acc, data32, order):
+    """Both forms of the f64 and f32 product bodies (the small and the large size class,
+    ``matmul.size_class``) against the per-element naive twin, bit for bit, on the edge values of
+    ``edge_values`` (ties, overflow, subnormals, signed zeros, inf, NaN; finite ones on float32 data)."""
+    rng = np.random.default_rng(16)
+    dt = np.float32 if data32 else np.float64
+    for T, n, m in _SHAPES:
+        x, w = edge_values(rng, (T, n), acc), edge_values(rng, (n, m), acc)
+        if data32:  # _narrowed sends only float32 values down the float32 lanes
+            x[~np.isfinite(x)], w[~np.isfinite(w)] = 0.0, -0.0
+        want = kvref.ref_matmul(x, w, F64, acc, order)  # no storage rounding: the body's own result
+        for name in (plain, unrolled):
+            y = np.full((T, m), np.nan, dtype=dt)
+            getattr(matmul, name)(x.astype(dt), w.astype(dt), order, y)
+            assert same_bits_or_nan(y.astype(np.float64), want), (name, T, n, m)
+
+
+@pytest.mark.parametrize("acc", FORMATS)
+@pytest.mark.parametrize("order", ORDERS)
+def test_the_size_class_never_changes_a_value(acc, order):
+    """``matmul_with`` with the small class's bodies and with the large class's (``product_bodies(acc,
+    large)``), float64 and float32 lanes, every storage format: the same bits, and the per-element twin's;
+    ``matmul_into`` picks the class from the shape (``size_class``) and gives them too."""
+    rng = np.random.default_rng(17)
+    assert not matmul.size_class(3, 32, 64) and matmul.size_class(4, 32, 64) and matmul.size_class(1, 64, 64)
+    assert not matmul.size_class(1, 32, 64) and not matmul.size_class(64, 16, 32)
+    for T, n, m in [(1, 9, 5), (3, 40, 17), (4, 64, 64), (6, 33, 70), (17, 16, 130)]:
+        for storage in FORMATS:
+            x = round_array(spread(rng, (T, n)), storage)
+            w = round_array(spread(rng, (n, m)), storage)
+            want = kvref.ref_matmul(x, w, storage, acc, order)
+            for large in (False, True):
+                y = np.full((T, m), np.nan)
+                matmul.matmul_with(x, w, storage, acc, order, y, matmul.product_bodies(acc, large))
+                assert same_bits(y, want), (T, n, m, storage, large)
+            assert same_bits(kmatmul(x, w, storage, acc, order), want), (T, n, m, storage)
+
+
+def test_the_small_class_compiles_no_unrolled_body():
+    """``product_bodies(acc)`` (the small class) holds the plain bodies' addresses, the large class the
+    unrolled ones' (the bf16 bodies are plain in both: one table)."""
+    from kvfast.kernels.indirect import address
+
+    def addr(name, slot):
+        return address(getattr(matmul, name), matmul.PRODUCT_BODIES[slot])
+
+    assert matmul.product_bodies(F64)[0] == addr("_product_plain_f64", 0)
+    assert matmul.product_bodies(F64, True)[0] == addr("_product_f64", 0)
+    small, large = matmul.product_bodies(F32), matmul.product_bodies(F32, True)
+    assert (small[1], small[2]) == (addr("_product_plain_f32_on_f32", 1), addr("_product_plain_f32", 2))
+    assert (large[1], large[2]) == (addr("_product_f32_on_f32", 1), addr("_product_f32", 2))
+    assert matmul.product_bodies(BF16, True) is matmul.product_bodies(BF16)
+
+
 def test_bf16_round_f32_equals_ml_dtypes_and_the_scalar_rounding():
     """The branch-free 32-bit bfloat16 rounding is ml_dtypes' rounding of float32, bit for bit
     (random patterns, every bf16 midpoint +- 1 float32 ulp, overflow, subnormals, NaNs); so is the
@@ -435,7 +504,7 @@ def test_orders_differ_on_a_constructed_input():
 # library Numba loads from its cache (or compiles) while the model's kernels are called, and
 # objdump disassembles it. (A kernel loaded from Numba's cache cannot be inspected in-process.)
 
-PRODUCT_BODY_NAMES = tuple(k.__name__ for k in matmul.PRODUCT_KERNELS)  # generated on first use: here
+PRODUCT_BODY_NAMES = tuple(k.__name__ for k in (*matmul.PRODUCT_KERNELS, *matmul.PLAIN_PRODUCT_KERNELS))  # here
 DOT_BODY_NAMES = tuple(k.__name__ for k in attention.DOT_KERNELS)
 FMA_ASM = re.compile(r"\bv?f(?:n)?m(?:add|sub|addsub|subadd)\d*\w*", re.IGNORECASE)
 ORDER_SENSITIVE = (
@@ -539,6 +608,9 @@ def _representative_calls():
             kmatmul(round_array(m2, fmt), round_array(m2, fmt), fmt, fmt, order)  # float32 copies (bf16: any T)
             kmatmul(m2[:1], m2, fmt, fmt, order)  # float64 data (f32: fewer than 4 rows)
             kmatmul(m2, m2, F64, fmt, order)  # float64 data (values off the accumulator's grid)
+            big = rng.standard_normal((4, 64))  # the large size class: the unrolled bodies, through matmul
+            kmatmul(round_array(big, fmt), round_array(big.T @ big, fmt), fmt, fmt, order)
+            kmatmul(big, big.T @ big, F64, fmt, order)
     for fmt in FORMATS:
         attention.score_dots(v, 0, m2, 0, 8, 8, fmt, SEQUENTIAL, st_, out, attention.dot_bodies(fmt))
     m32 = m2.astype(np.float32)

@@ -201,3 +201,28 @@ def test_prepared_weights_have_the_type_the_block_is_compiled_for_by_address():
     signature = compiled._block_signatures()["head"]
     assert compiled._by_address("head", signature) is not None
     assert compiled._by_address("head", (nb.types.int32, *signature[1:])) is None  # another type: linked
+
+
+@pytest.mark.parametrize("preset", ["f64", "f32", "bf16"])
+@pytest.mark.parametrize("order", ["sequential", "pairwise"])
+def test_the_product_size_class_never_changes_the_model(preset, order, monkeypatch):
+    """The compiled forward and decode with the small class's product bodies (plain) and with the large
+    class's (unrolled; ``kvfast.model.compiled.model_size_class`` forced either way): the same logits, K/V
+    and cache, bit for bit; the class only picks which bodies a process compiles."""
+    from kvfast.model import decode, transformer
+
+    cfg = ModelConfig(vocab=37, d_model=16, n_head=2, n_layer=2, d_ff=40, max_pos=24)
+    nx = Numerics.preset(preset, order=order)
+    w = Weights.prepare(cfg, init_params(cfg, 3), nx)
+    tokens = np.random.default_rng(8).integers(0, cfg.vocab, size=9).astype(np.int64)
+    results = []
+    for large in (False, True):
+        monkeypatch.setattr(transformer, "model_size_class", lambda config, T, large=large: large)
+        monkeypatch.setattr(decode, "model_size_class", lambda config, T, large=large: large)
+        cache = KVCache.empty(cfg, nx, 20)
+        logits = [forward_prepared(cfg, w, tokens[:5], nx, cache)]
+        for t in tokens[5:]:
+            logits.append(decode.decode_prepared(cfg, w, cache, int(t), nx)[None])
+        results.append((np.concatenate(logits), cache.k.copy(), cache.v.copy()))
+    for got, want in zip(results[0], results[1], strict=True):
+        assert same_bits(got, want)

@@ -9,7 +9,7 @@ import numpy as np
 
 from kvfast.model import bugs as B
 from kvfast.model.cache import KVCache
-from kvfast.model.compiled import kernels
+from kvfast.model.compiled import kernels, model_size_class
 from kvfast.model.config import ModelConfig
 from kvfast.model.decode import decode_kernel, decode_prepared
 from kvfast.model.transformer import Weights, forward_prepared
@@ -170,7 +170,7 @@ def _decode_greedy_prepared(model: KvfastModel, cache: KVCache, token: int, n: i
     config, numerics = model.config, model.decode_numerics
     storage, acc, order = numerics.codes
     attn, attn_block = numerics.attention_codes
-    table, stacked, bug = kernels(acc, attn), model.weights.stacked, model.bug_code
+    table, stacked, bug = kernels(acc, attn, model_size_class(config, 1)), model.weights.stacked, model.bug_code
     n_head, eps = config.n_head, config.eps
     out = np.empty((n, config.vocab))
     for i in range(n):

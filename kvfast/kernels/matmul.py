@@ -40,7 +40,13 @@ Speed (none of it changes any element's order of addition or its rounding):
   Each body is compiled on its own when a process first runs its format and
   is called through its address (:mod:`kvfast.kernels.indirect`), so its
   machine code is generated once, not again in every function that calls
-  ``matmul``.
+  ``matmul``;
+- two forms of the f64 and f32 bodies, by the product's size class
+  (:func:`size_class`): the unrolled form above for large products, a plain
+  one (one row, one k per pass: ``_product_plain_template``, the same order,
+  so the same bits) for small ones, where the unrolling gains little and its
+  cold compile (about four times the plain form's) is not worth paying; a
+  process compiles the form its products use, on first use.
 
 Each sequential sum starts from ``-0.0``: ``-0.0 + p == p`` for every p
 (including ``+0.0`` and ``-0.0``) and rounding is idempotent, so the first step
@@ -189,6 +195,8 @@ def _product_plain_template(x, w, order, y):
     Why plain: the bf16 rounding is most of the work of a bf16 product, so the unrolled form is no faster
     (on float32 lanes it was 10-15% slower, on float64 data no faster: ``benchmarks/README.md``, "Issue
     30, fourth pass") and it cost four to six times the compile time (about 3.5 s a body against 0.6-0.9).
+    The f64 and f32 products run it too where they are small (:func:`size_class`): the same order, so the
+    same bits as :func:`_product_template`'s bodies, at a fifth of their cold compile.
     """
     T, n = x.shape
     m = w.shape[1]
@@ -231,10 +239,17 @@ _PRODUCT_SPECS = {
     "_product_f32": (_product_template, F32, False),
     "_product_bf16_on_f32": (_product_plain_template, BF16, True),
     "_product_bf16": (_product_plain_template, BF16, False),
+    "_product_plain_f64": (_product_plain_template, F64, False),
+    "_product_plain_f32_on_f32": (_product_plain_template, F32, True),
+    "_product_plain_f32": (_product_plain_template, F32, False),
 }
-"""The five bodies (names as in :data:`PRODUCT_KERNELS`' order), each written out on first use: a module
-attribute of that name (``matmul._product_f64``) generates it (a few ms of import each, saved where a
-process never runs the format)."""
+"""The eight bodies, each written out on first use: a module attribute of that name (``matmul._product_f64``)
+generates it (a few ms of import each, saved where a process never runs the format). The first five (names
+as in :data:`PRODUCT_KERNELS`' order) are the large size class's, the last three the plain f64 and f32
+bodies of the small class (:data:`PLAIN_PRODUCT_KERNELS`; the bf16 bodies are plain in both)."""
+
+_LARGE_NAMES = tuple(_PRODUCT_SPECS)[:5]
+_SMALL_NAMES = ("_product_plain_f64", "_product_plain_f32_on_f32", "_product_plain_f32", *_LARGE_NAMES[3:])
 
 
 def _product_kernel(name: str):
@@ -242,7 +257,7 @@ def _product_kernel(name: str):
     kernel = globals().get(name)
     if kernel is None:
         template, acc, data32 = _PRODUCT_SPECS[name]
-        kernel = specialise(template, acc, data32, base="_product")
+        kernel = specialise(template, acc, data32, base=name.removesuffix("_on_f32").rsplit("_", 1)[0])
     return kernel
 
 
@@ -250,7 +265,9 @@ def __getattr__(name: str):
     if name in _PRODUCT_SPECS:
         return _product_kernel(name)
     if name == "PRODUCT_KERNELS":
-        return tuple(_product_kernel(n) for n in _PRODUCT_SPECS)
+        return tuple(_product_kernel(n) for n in _LARGE_NAMES)
+    if name == "PLAIN_PRODUCT_KERNELS":
+        return tuple(_product_kernel(n) for n in _SMALL_NAMES[:3])
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -306,26 +323,53 @@ _call_on_f64 = through_address(PRODUCT_BODIES[0])  # f64, f32 and bf16 on float6
 _call_on_f32 = through_address(PRODUCT_BODIES[1])  # f32 and bf16 on float32 copies
 
 
-_PRODUCT_TABLES: dict[int, np.ndarray] = {}
+LARGE_MIN_ROWS = 4
+LARGE_MIN_SIZE = 2048
+LARGE_ONE_ROW_SIZE = 4096
+"""The product size classes (:func:`size_class`): where the unrolled bodies start to beat the plain ones
+(``benchmarks/kernels_size_class.py``)."""
 
 
-def product_bodies(acc: int) -> np.ndarray:
-    """The addresses of what accumulator ``acc`` runs (compiled, or loaded from the cache, on first use), an
-    int64 array (an array, not a tuple: Numba types an array argument in its fast path): the five product
-    bodies (``PRODUCT_KERNELS``), then :func:`_narrowed` for f32 and for bf16; 0 for the other formats'
-    (which ``matmul_with`` never calls with this ``acc``). One array per format and process: do not write it."""
-    table = _PRODUCT_TABLES.get(acc)
+def size_class(T: int, n: int, m: int) -> bool:
+    """The size class of a product of ``T`` rows by an ``(n, m)`` matrix: True (large) where the f64 and f32
+    products run the unrolled bodies (``PRODUCT_KERNELS``, :func:`_product_template`): at least
+    ``LARGE_MIN_ROWS`` rows and ``n * m >= LARGE_MIN_SIZE``, or ``n * m >= LARGE_ONE_ROW_SIZE``; False (small)
+    elsewhere, where they run the plain ones (:data:`PLAIN_PRODUCT_KERNELS`).
+
+    Both forms add in the same order with the same roundings, so the class never changes a bit: it picks
+    which bodies a process compiles (on first use) and runs. An unrolled body costs about four times a plain
+    one's cold compile (3.8-5.1 s against 0.9-1.1 on a 2-core machine); in the large class it was 1.0-2.8x
+    faster, in the small one (a few rows by a small matrix: the call costs about as much as the arithmetic)
+    0.95-1.9x, at most about 2 us a call (``benchmarks/kernels_size_class.py``; README, "Issue 30, fifth
+    pass"). A ``generate`` of a few tokens on a model of d_model 32 (a prefill under 4 rows, one-row decode
+    steps, matrices under 64 x 64) is all small: its process compiles no unrolled body."""
+    size = n * m
+    return (T >= LARGE_MIN_ROWS and size >= LARGE_MIN_SIZE) or size >= LARGE_ONE_ROW_SIZE
+
+
+_PRODUCT_TABLES: dict[tuple[int, bool], np.ndarray] = {}
+
+
+def product_bodies(acc: int, large: bool = False) -> np.ndarray:
+    """The addresses of what accumulator ``acc`` runs in size class ``large`` (:func:`size_class`; compiled, or
+    loaded from the cache, on first use), an int64 array (an array, not a tuple: Numba types an array argument
+    in its fast path): the five product bodies (f64; f32 on float32 copies, f32 on float64 data: the unrolled
+    ``PRODUCT_KERNELS`` if ``large``, else the plain ``PLAIN_PRODUCT_KERNELS``; bf16 on float32 copies, bf16 on
+    float64 data: plain in both), then :func:`_narrowed` for f32 and for bf16; 0 for the other formats' (which
+    ``matmul_with`` never calls with this ``acc``). One array per format, class and process: do not write it."""
+    large = bool(large) and acc != BF16  # the bf16 bodies are plain in both classes: one table
+    table = _PRODUCT_TABLES.get((acc, large))
     if table is None:
         wanted = _BODIES_OF.get(acc)
         if wanted is None:
             raise ValueError(f"acc: {acc!r} is not allowed; allowed: {F64}, {F32}, {BF16}")
-        names, signatures = list(_PRODUCT_SPECS), [*PRODUCT_BODIES, _NARROWED, _NARROWED]
+        names, signatures = _LARGE_NAMES if large else _SMALL_NAMES, [*PRODUCT_BODIES, _NARROWED, _NARROWED]
 
         def kernel(i: int):
             return _product_kernel(names[i]) if i < len(names) else _narrowed
 
         table = np.array([address(kernel(i), signatures[i]) if i in wanted else 0 for i in range(7)], np.int64)
-        _PRODUCT_TABLES[acc] = table
+        _PRODUCT_TABLES[(acc, large)] = table
     return table
 
 
@@ -389,10 +433,14 @@ def matmul_into(x: np.ndarray, w: np.ndarray, storage: int, acc: int, order: int
     not overlap ``x`` or ``w``. One branch over the three formats picks the bodies
     compiled for that format (``PRODUCT_KERNELS``), so the loops carry no format
     branch; a process compiles (or loads) the bodies of the formats it runs, on
-    first use. Jitted code calls :func:`matmul_with` with :func:`product_bodies`.
+    first use, the unrolled f64 and f32 bodies only for products of the large size
+    class (:func:`size_class`, from the shapes: the same bits either way). Jitted
+    code calls :func:`matmul_with` with :func:`product_bodies`.
     """
-    table = _PRODUCT_TABLES.get(acc)  # product_bodies(acc), one call less once it is built
-    matmul_with(x, w, storage, acc, order, y, product_bodies(acc) if table is None else table)
+    T, n = x.shape
+    large = size_class(T, n, w.shape[1]) and acc != BF16
+    table = _PRODUCT_TABLES.get((acc, large))  # product_bodies(acc, large), one call less once it is built
+    matmul_with(x, w, storage, acc, order, y, product_bodies(acc, large) if table is None else table)
 
 
 def matmul(x: np.ndarray, w: np.ndarray, storage: int, acc: int, order: int) -> np.ndarray:

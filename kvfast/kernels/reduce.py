@@ -87,7 +87,7 @@ def ordered_sum(t: np.ndarray, lo: int, n: int, acc: int, order: int, stack: np.
         for i in range(1, n):
             s = rnd(s + rnd(t[lo + i], acc), acc)
         return s
-    sp = 0
+    sp = np.int64(0)  # not the literal 0: _push_pairwise and _stack_total compiled once, for int64
     for i in range(n):
         sp = _push_pairwise(stack, sp, rnd(t[lo + i], acc), i, acc)
     return _stack_total(stack, sp, acc)
@@ -105,7 +105,7 @@ def ordered_dot(
         for i in range(1, n):
             s = rnd(s + rnd(a[a0 + i] * b[b0 + i], acc), acc)
         return s
-    sp = 0
+    sp = np.int64(0)  # not the literal 0 (as in ordered_sum)
     for i in range(n):
         sp = _push_pairwise(stack, sp, rnd(a[a0 + i] * b[b0 + i], acc), i, acc)
     return _stack_total(stack, sp, acc)

@@ -40,7 +40,7 @@ from numba.extending import overload
 from kvfast.kernels.attention import attention_with, dot_bodies, row_kernels
 from kvfast.kernels.indirect import address, through_address
 from kvfast.kernels.jit import JIT_OPTIONS
-from kvfast.kernels.matmul import matmul_with, product_bodies
+from kvfast.kernels.matmul import matmul_with, product_bodies, size_class
 from kvfast.kernels.rowops import embed_into, rmsnorm_into
 from kvfast.model.addresses import BLOCKED_AT, DOTS, HEAD_AT, INPUT_AT, MATMUL, OUTPUT_AT, RMSNORM, ROW_AT
 from kvfast.model.block import StackedWeights, attention_input_into, block_output_into, head_into
@@ -119,17 +119,26 @@ def block_addresses() -> list[int]:
 _TABLES: dict[tuple, np.ndarray] = {}
 
 
-def kernels(acc: int, attn: int) -> np.ndarray:
+def model_size_class(config, T: int) -> bool:
+    """The product size class (:func:`kvfast.kernels.matmul.size_class`) of a call of ``T`` rows of the model
+    ``config`` (a :class:`~kvfast.model.config.ModelConfig`): its largest product's (``d_model`` by the widest
+    of ``d_model``, ``d_ff``, ``vocab``). A forward runs all its products in that class: the class never
+    changes a bit, and where the largest product is small the others are too."""
+    d = config.d_model
+    return size_class(T, d, max(d, config.d_ff, config.vocab))
+
+
+def kernels(acc: int, attn: int, large: bool = False) -> np.ndarray:
     """The table of the compiled forward and decode in accumulator ``acc`` with attention kind ``attn`` (a
-    code): the kernels' addresses (compiled, or loaded from the cache, on first use) in an int64 array (an
-    array, not a named tuple: Numba types an array argument in its fast path, on every call). One array
-    per table and process: do not write it."""
-    key = (acc, attn == 0)
+    code) and product size class ``large`` (:func:`model_size_class`): the kernels' addresses (compiled, or
+    loaded from the cache, on first use) in an int64 array (an array, not a named tuple: Numba types an array
+    argument in its fast path, on every call). One array per table and process: do not write it."""
+    key = (acc, attn == 0, bool(large))
     table = _TABLES.get(key)
     if table is None:
         table = np.concatenate(
             [
-                product_bodies(acc),
+                product_bodies(acc, large),
                 [address(matmul_with, MATMUL), address(rmsnorm_into, RMSNORM), *row_kernels(attn)],
                 block_addresses(),
                 dot_bodies(acc),

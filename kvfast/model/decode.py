@@ -20,7 +20,14 @@ from kvfast.kernels.rowops import embed_into
 from kvfast.model import bugs as B
 from kvfast.model.addresses import BLOCKED_AT, DOTS, ROW_AT, blocked_at, row_at
 from kvfast.model.cache import KVCache
-from kvfast.model.compiled import _store_rows, call_attention_input, call_block_output, call_head, kernels
+from kvfast.model.compiled import (
+    _store_rows,
+    call_attention_input,
+    call_block_output,
+    call_head,
+    kernels,
+    model_size_class,
+)
 from kvfast.model.config import ModelConfig
 from kvfast.model.transformer import StackedWeights, Weights, forward_prepared
 from kvfast.model.validate import require_config, require_numerics, require_token, require_tokens
@@ -122,8 +129,9 @@ def decode_prepared(
     attn, attn_block = numerics.attention_codes
     logits = np.empty((1, config.vocab))
     new_length = decode_kernel(
-        kernels(acc, attn), w.stacked, config.n_head, config.eps, cache.k, cache.v, cache.length,
-        cache.prefill_len, token, cache.length, storage, acc, order, bug, B.EVICT_WINDOW, logits, attn, attn_block,
+        kernels(acc, attn, model_size_class(config, 1)), w.stacked, config.n_head, config.eps, cache.k, cache.v,
+        cache.length, cache.prefill_len, token, cache.length, storage, acc, order, bug, B.EVICT_WINDOW, logits, attn,
+        attn_block,
     )  # fmt: skip
     cache.advance(new_length - cache.length)
     return logits[0]

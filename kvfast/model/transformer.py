@@ -32,7 +32,7 @@ from kvfast.kernels.precision import F64, round_array
 from kvfast.model import layers as L
 from kvfast.model.block import StackedWeights
 from kvfast.model.cache import KVCache
-from kvfast.model.compiled import forward_kernel, kernels
+from kvfast.model.compiled import forward_kernel, kernels, model_size_class
 from kvfast.model.config import ModelConfig, require_params
 from kvfast.model.validate import require_config, require_numerics, require_tokens
 from kvfast.numerics import Numerics
@@ -262,8 +262,8 @@ def _forward_compiled(
     resid = np.empty((n_layer + 1, T, d)) if trace is not None else np.empty((0, 0, 0))
     logits = np.empty((T, config.vocab))
     forward_kernel(
-        kernels(acc, attn), w.stacked, config.n_head, config.eps, tokens, pos0, kc, vc, causal, storage, acc, order,
-        attn, attn_block, logits, resid,
+        kernels(acc, attn, model_size_class(config, T)), w.stacked, config.n_head, config.eps, tokens, pos0, kc, vc,
+        causal, storage, acc, order, attn, attn_block, logits, resid,
     )  # fmt: skip
     if trace is not None:
         trace["resid"] = list(resid)
