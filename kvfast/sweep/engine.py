@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import os
 import signal
 import sys
@@ -366,7 +367,15 @@ def _execute(
 
 
 def _warm_up(job: Job, runs: Iterator[Run], total: int, writer: Writer, crashed: set[str]) -> tuple[Iterator[Run], int]:
-    """Run one pending run in this process while the backend gets a head start; the runs left, and how many.
+    """Run the warm-up: one pending run in this process while the backend gets a head start; the runs left, and
+    how many.
+
+    With a study's ``compile_key`` and a backend that can (``fork``, several workers), the first run of each
+    other key (:func:`~kvfast.sweep.plan.split_warmup`) runs at the same time in helper processes forked
+    before this one compiles anything (:func:`kvfast.sweep.backends.pool.warm_up`), so that the compiles of
+    different code run in parallel; their rows are written once this process's run and theirs are done. The
+    pool for the rest is forked after, from this process (what the helpers compiled, its workers load from
+    Numba's cache).
 
     Never a run that has killed a process: one stored as crashed (or timeout), or one
     that killed this process during an earlier warm-up (its id is left in ``.warmup``).
@@ -375,15 +384,21 @@ def _warm_up(job: Job, runs: Iterator[Run], total: int, writer: Writer, crashed:
     """
     marker = writer.store.path / WARMUP
     avoid = crashed | {marker.read_text().strip() if marker.exists() else ""}
-    local, rest = split_warmup(runs, avoid)
+    module = backend_module(job.backend)
+    parallel = total > 1 and hasattr(module, "warms_up") and module.warms_up(job)
+    local, others, rest = split_warmup(runs, avoid, key=job.study.compile_key if parallel else None)
+    helpers = module.warm_up(job, others) if others else None
+    if others and helpers is None:  # none could start: the runs go back in front
+        rest = itertools.chain(others, rest)
+        others = []
     preheat, starting = None, False
     if total > 1 and job.backend == "loky":
         # loky workers start and import the study meanwhile (not its kernels: those load from the cache this
         # warm-up fills); started from this thread, which they die with (a helper thread would end first)
-        backend_module(job.backend).preheat(job)
+        module.preheat(job)
         starting = True
     elif total > 1 and job.client is not None:  # Dask workers import the study meanwhile
-        preheat = threading.Thread(target=backend_module(job.backend).preheat, args=(job,), daemon=True)
+        preheat = threading.Thread(target=module.preheat, args=(job,), daemon=True)
         preheat.start()
         starting = True
     limits = job.limits._replace(reap=not starting) if job.limits else None  # a starting pool's workers stay
@@ -391,12 +406,16 @@ def _warm_up(job: Job, runs: Iterator[Run], total: int, writer: Writer, crashed:
         for run in local:
             marker.write_text(run.run_id)
             writer([run], [run_one(job.study, run, limits)])
+        marker.unlink(missing_ok=True)
+        if helpers is not None:
+            writer(others, helpers.rows())
     finally:
+        if helpers is not None:
+            helpers.close()
         if preheat is not None:
             preheat.join()
-    marker.unlink(missing_ok=True)
     writer.recent.clear()
-    return rest, total - len(local)
+    return rest, total - len(local) - len(others)
 
 
 def _progress(total: int, desc: str, quiet: bool):

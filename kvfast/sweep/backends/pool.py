@@ -213,6 +213,63 @@ def preheat(job: Job) -> None:
         pass
 
 
+class WarmUps:
+    """Warm-up runs executing in forked helper processes while the sweep's process runs its own
+    (:func:`warm_up`): :meth:`rows` waits for them; :meth:`close` kills the helpers (idempotent)."""
+
+    def __init__(self, job: Job, runs: list[Run]) -> None:
+        self.job, self.runs = job, runs
+        _FORKED.append((job.study, job.limits))
+        try:
+            self.pool = _fork_pool(min(job.workers - 1, len(runs)))
+            # the first submit forks every helper, now, from this thread: before this process compiles anything
+            # (a fork while Numba compiles would copy its held lock); one run a task, in order
+            self.futures = [self.pool.submit(run_chunk_forked, (i, [run])) for i, run in enumerate(runs)]
+        finally:
+            _FORKED.pop()
+
+    def rows(self) -> list[dict]:
+        """Every run's row, in order, once all have finished. A run whose helper died (it, or another run of
+        the same helper) is run again alone in a new one-worker pool, as the runs of a chunk whose worker died
+        (``crashed`` if it kills that one too, ``timeout`` past its time limit)."""
+        rows: list[dict | None] = []
+        for future in self.futures:
+            try:
+                rows.append(future.result()[1][0])
+            except BrokenProcessPool:
+                rows.append(None)
+        self.close()
+        if any(row is None for row in rows):
+            backend = ForkBackend()
+            _FORKED.append((self.job.study, self.job.limits))
+            try:
+                rows = [
+                    row if row is not None else _alone(backend, self.job.study, run, self.job.limits)
+                    for run, row in zip(self.runs, rows, strict=True)
+                ]
+            finally:
+                _FORKED.pop()
+        return rows
+
+    def close(self) -> None:
+        shutdown(self.pool, kill=True)
+
+
+def warm_up(job: Job, runs: list[Run]) -> WarmUps | None:
+    """Start ``runs`` (warm-up runs of other compile keys than the sweep process's own) in ``job.workers - 1``
+    forked helper processes, at most one per run, before the sweep's process runs its warm-up: their compiles
+    and its own run at the same time (kernels they share are compiled once: a lock per kernel, and each loads
+    what another compiled). ``None`` (nothing started) for a backend other than ``fork``, one worker, or a
+    process that has imported a :data:`FORK_UNSAFE` library. Call it from the thread that runs the sweep."""
+    return WarmUps(job, runs) if runs and warms_up(job) else None
+
+
+def warms_up(job: Job) -> bool:
+    """Whether :func:`warm_up` starts helpers for ``job``: the ``fork`` backend, several workers, and no
+    :data:`FORK_UNSAFE` library imported."""
+    return job.backend == "fork" and job.workers > 1 and not fork_unsafe_modules()
+
+
 def supervised(job: Job) -> Monitor:
     """The sweep's watch over stopped workers (:class:`~kvfast.sweep.procs.Monitor`), a context manager the
     engine holds from before the warm-up (while the pool starts) until the backend is done."""
