@@ -9,7 +9,9 @@ here from keyword options), then:
 2. under the directory's lock: finds the pending runs (:mod:`kvfast.sweep.plan`),
    writes the manifest, runs one pending run here first (the warm-up: Numba
    compiles, or loads its cache, once, before workers start) while the backend
-   gets a head start, then hands the rest to the backend's ``execute``
+   gets a head start (with a study's ``compile_key`` and the ``fork`` backend, one
+   run of each other key warms up at the same time in a helper process, so that
+   different code compiles in parallel), then hands the rest to the backend's ``execute``
    (:mod:`kvfast.sweep.backends`): rows go to the writer (:mod:`kvfast.sweep.writer`);
 3. compacts the parts, records the sweep in the manifest's history, returns a :class:`SweepReport`.
 
