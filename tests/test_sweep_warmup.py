@@ -104,10 +104,14 @@ def _runs(kinds: str) -> list[Run]:
 
 def test_split_warmup_takes_one_run_per_key_and_keeps_every_other_run_in_order():
     runs = _runs("aabacbc")
-    first, others, rest = split_warmup(iter(runs), set(), key=_key)
+    first, others, rest = split_warmup(iter(runs), set(), key=_key, most=2)
     assert [r.run_id for r in first] == ["r0"]
     assert [r.run_id for r in others] == ["r2", "r4"]  # the first b, the first c
     assert [r.run_id for r in rest] == ["r1", "r3", "r5", "r6"]
+    # at most one other key per helper process (two workers: one)
+    first, others, rest = split_warmup(iter(runs), set(), key=_key, most=1)
+    assert [r.run_id for r in first + others] == ["r0", "r2"]
+    assert [r.run_id for r in rest] == ["r1", "r3", "r4", "r5", "r6"]
     # no key: one warm-up run, as before
     first, others, rest = split_warmup(iter(runs), set())
     assert [r.run_id for r in first] == ["r0"] and others == []
@@ -116,10 +120,10 @@ def test_split_warmup_takes_one_run_per_key_and_keeps_every_other_run_in_order()
 
 def test_split_warmup_never_takes_a_run_that_killed_a_process_and_looks_only_so_far():
     runs = _runs("abcab")
-    first, others, rest = split_warmup(iter(runs), {"r0", "r2"}, key=_key)
+    first, others, rest = split_warmup(iter(runs), {"r0", "r2"}, key=_key, most=2)
     assert [r.run_id for r in first] == ["r1"] and [r.run_id for r in others] == ["r3"]
     assert [r.run_id for r in rest] == ["r0", "r2", "r4"]
-    first, others, rest = split_warmup(iter(runs), set(), look=2, key=_key)
+    first, others, rest = split_warmup(iter(runs), set(), look=2, key=_key, most=2)
     assert [r.run_id for r in first + others] == ["r0", "r1"]
     assert [r.run_id for r in rest] == ["r2", "r3", "r4"]
 

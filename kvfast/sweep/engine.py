@@ -373,7 +373,8 @@ def _warm_up(job: Job, runs: Iterator[Run], total: int, writer: Writer, crashed:
     how many.
 
     With a study's ``compile_key`` and a backend that can (``fork``, several workers), the first run of each
-    other key (:func:`~kvfast.sweep.plan.split_warmup`) runs at the same time in helper processes forked
+    other key, up to one per worker but one (:func:`~kvfast.sweep.plan.split_warmup`; any further key's first
+    run goes to the pool with the rest), runs at the same time in helper processes, one run each, forked
     before this one compiles anything (:func:`kvfast.sweep.backends.pool.warm_up`), so that the compiles of
     different code run in parallel; their rows are written once this process's run and theirs are done. The
     pool for the rest is forked after, from this process (what the helpers compiled, its workers load from
@@ -388,7 +389,8 @@ def _warm_up(job: Job, runs: Iterator[Run], total: int, writer: Writer, crashed:
     avoid = crashed | {marker.read_text().strip() if marker.exists() else ""}
     module = backend_module(job.backend)
     parallel = total > 1 and hasattr(module, "warms_up") and module.warms_up(job)
-    local, others, rest = split_warmup(runs, avoid, key=job.study.compile_key if parallel else None)
+    key = job.study.compile_key if parallel else None
+    local, others, rest = split_warmup(runs, avoid, key=key, most=job.workers - 1)
     helpers = module.warm_up(job, others) if others else None
     if others and helpers is None:  # none could start: the runs go back in front
         rest = itertools.chain(others, rest)

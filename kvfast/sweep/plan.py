@@ -137,16 +137,20 @@ LOOK = 256
 
 
 def split_warmup(
-    pending: Iterator[Run], avoid: set[str], look: int = LOOK, key: Callable[[dict], Hashable] | None = None
+    pending: Iterator[Run],
+    avoid: set[str],
+    look: int = LOOK,
+    key: Callable[[dict], Hashable] | None = None,
+    most: int = 1,
 ) -> tuple[list[Run], list[Run], Iterator[Run]]:
     """The warm-up runs and every other pending run, in order: ``(first, others, rest)``.
 
     ``first`` (a list of at most one) is the first pending run whose id is not in ``avoid`` (runs
     that killed a process), among the first ``look`` runs; none if all of those are avoided.
-    ``others``: with a ``key`` (a study's ``compile_key``), the first such run of every other key
-    among the first ``look`` runs, in order (one run per key in all); without one, none. ``rest``:
-    every pending run not in ``first`` or ``others``, in order. A key that raises or is not hashable
-    is a ``ValueError`` naming ``compile_key`` (before any run runs).
+    ``others``: with a ``key`` (a study's ``compile_key``), the first such run of each other key
+    among the first ``look`` runs, in order, at most ``most`` of them (one run per key); without
+    one, none. ``rest``: every pending run not in ``first`` or ``others``, in order. A key that
+    raises or is not hashable is a ``ValueError`` naming ``compile_key`` (before any run runs).
     """
     skipped: list[Run] = []
     first: list[Run] = []
@@ -167,6 +171,8 @@ def split_warmup(
             else:
                 keys.add(k)
                 (others if first else first).append(run)
+                if len(others) >= most:
+                    break
         if seen >= look:
             break
     return first, others, itertools.chain(skipped, pending)

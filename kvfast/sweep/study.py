@@ -101,10 +101,10 @@ class Study:
     ``compile_key(config) -> hashable`` (optional): which compiled code a run needs, as far as the study
     knows (kvfast's own studies: the storage and accumulator formats and the attention variant). Runs
     with equal keys compile the same code; runs with different keys may compile different code. A
-    sweep with several workers warms up one run per key (among the first
-    :data:`~kvfast.sweep.plan.LOOK` pending runs) at the same time, each in its own process (the
-    ``fork`` backend; the others warm up one run, as without a key), before the rest of the grid, so
-    that the compiles run in parallel. It is called in the sweep's process, on validated configs, and
+    sweep with ``jobs`` workers warms up one run of each of the first ``jobs`` keys it finds (among
+    the first :data:`~kvfast.sweep.plan.LOOK` pending runs) at the same time, each in its own process
+    (the ``fork`` backend; the others warm up one run, as without a key), before the rest of the
+    grid, so that the compiles run in parallel. It is called in the sweep's process, on validated configs, and
     must be cheap and deterministic; it never changes a run's numbers (a run's numbers depend only on
     its config), only which runs warm up. Its value must be hashable, else the sweep raises a
     ``ValueError`` naming ``compile_key`` before any run. ``None`` (the default): one key for every
