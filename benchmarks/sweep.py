@@ -22,7 +22,8 @@ directory, and prints one JSON line; this script prints a Markdown table of:
   are every other process: the warm-up helpers (one run per compile key, side by side with the
   main process's) and the pool's workers; a function compiled (same signature) in more than one
   process, which the kernels' compile locks should prevent, is named on its own line (compiled for
-  itself: not an overload's body compiled while typing another function, which each process types).
+  itself: not an overload's body compiled while typing another function, which each process types);
+  and the cold sweep's timeline: when each process compiled, from the sweep's start.
 """
 
 from __future__ import annotations
@@ -48,17 +49,23 @@ class CompileLog(event.Listener):  # inherited by forked workers: every process 
     depth = 0  # compiles in progress in this process (a nested one: an overload's body typed inside another)
     def on_start(self, ev):
         with open(compile_log, "a") as f:
-            f.write(f"{os.getpid()}\t{ev.data['dispatcher'].py_func.__qualname__}\t{ev.data['args']}\t{self.depth}\n")
+            name, args = ev.data['dispatcher'].py_func.__qualname__, ev.data['args']
+            f.write(f"S\t{os.getpid()}\t{name}\t{args}\t{self.depth}\t{time.time()}\n")
         self.depth += 1
     def on_end(self, ev):
         self.depth -= 1
+        if not self.depth:
+            with open(compile_log, "a") as f:
+                f.write(f"E\t{os.getpid()}\t\t\t0\t{time.time()}\n")
 event.register("numba:compile", CompileLog())
 import kvfast.studies  # noqa: F401 - registers the built-in studies into the sweep's registry
 from kvfast.sweep import load, load_grid, run_sweep
 grid = load_grid(sys.argv[1])
 jobs = int(sys.argv[3])
 backend = sys.argv[4]
+t_sweep = time.time()
 report = run_sweep(grid, sys.argv[2], jobs=jobs, backend=backend, quiet=True)
+t_end = time.time()
 df = load(sys.argv[2])
 first = df.set_index("run_id").loc[grid.runs[0].run_id, "wall_s"]
 workers_kb = []
@@ -71,7 +78,8 @@ for stat in __import__("glob").glob("/proc/[0-9]*/stat"):
                     workers_kb.append(int(line.split()[1]))
     except (OSError, IndexError, ValueError):
         pass
-log = [line.split("\t") for line in open(compile_log).read().splitlines()] if os.path.exists(compile_log) else []
+events = [line.split("\t") for line in open(compile_log).read().splitlines()] if os.path.exists(compile_log) else []
+log = [e[1:5] for e in events if e[0] == "S"]
 main_compiles = sum(pid == str(main_pid) for pid, _, _, _ in log)
 worker_compiles = len(log) - main_compiles
 worker_compiled = sorted({name for pid, name, _, _ in log if pid != str(main_pid)})
@@ -80,6 +88,17 @@ for pid, name, args, depth in log:
     if depth == "0":  # a function compiled for itself (what a nested one is part of differs between processes)
         processes_of.setdefault((name, args), set()).add(pid)
 compiled_twice = sorted({name for (name, _), pids in processes_of.items() if len(pids) > 1})
+# per process, from the sweep's start: [first compile's start, last compile's end, seconds compiling (top level)]
+timeline, started = {}, {}
+for kind, pid, _, _, depth, t in events:
+    who = "main" if pid == str(main_pid) else pid
+    t = float(t) - t_sweep
+    if depth == "0" and kind == "S":
+        started[pid] = t
+        timeline.setdefault(who, [t, t, 0.0])
+    elif kind == "E" and pid in started:
+        span = timeline[who]
+        span[1], span[2] = t, span[2] + t - started.pop(pid)
 # same process: the pool is warm
 again = run_sweep(grid, sys.argv[2] + "-again", jobs=jobs, backend=backend, quiet=True)
 print(json.dumps({
@@ -90,7 +109,7 @@ print(json.dumps({
     "worker_peak_mb": max(workers_kb) / 1024 if workers_kb else None,
     "again_wall_s": again.wall_s, "again_compute_s": again.compute_s,
     "main_compiles": main_compiles, "worker_compiles": worker_compiles, "worker_compiled": worker_compiled,
-    "compiled_twice": compiled_twice,
+    "compiled_twice": compiled_twice, "timeline": timeline, "sweep_s": t_end - t_sweep,
 }))
 """
 
@@ -149,6 +168,11 @@ def compile_table(args, cold: dict, warm: dict) -> None:
             print(f"compiled outside the main process ({name}): {', '.join(r['worker_compiled'])}")
         twice = ", ".join(r["compiled_twice"]) or "none"
         print(f"compiled in more than one process, same signature ({name}): {twice}")
+    spans = "; ".join(
+        f"{'main process' if who == 'main' else 'process ' + str(i)} {a:.1f}-{b:.1f} ({busy:.1f} s compiling)"
+        for i, (who, (a, b, busy)) in enumerate(sorted(cold["timeline"].items(), key=lambda kv: kv[1][0]))
+    )
+    print(f"cold sweep, s from its start: compiles (first start-last end) {spans or 'none'}; end {cold['sweep_s']:.1f}")
     print(
         "(cold and warm: one sweep each, a fresh process each, the cold one first; compiling is a one-off, "
         "so these are single samples, not medians)"
