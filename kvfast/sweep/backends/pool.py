@@ -224,7 +224,7 @@ class WarmUps:
             self.pool = _fork_pool(min(job.workers - 1, len(runs)))
             # the first submit forks every helper, now, from this thread: before this process compiles anything
             # (a fork while Numba compiles would copy its held lock); one run a task, in order
-            self.futures = [self.pool.submit(run_chunk_forked, (i, [run])) for i, run in enumerate(runs)]
+            self.futures = [self.pool.submit(warm_up_forked, (i, [run])) for i, run in enumerate(runs)]
         finally:
             _FORKED.pop()
 
@@ -253,6 +253,25 @@ class WarmUps:
 
     def close(self) -> None:
         shutdown(self.pool, kill=True)
+
+
+HELPER_NICE = 5
+"""How much lower a warm-up helper's priority is than the sweep process's (``os.nice``): on a machine whose
+other work leaves no core free, the sweep's own warm-up (which the rest waits for) compiles first and the
+helpers fill what is left (as without them); with a free core, each runs on its own. Moderate, not 19: a helper
+may hold a kernel's compile lock the sweep's process waits for."""
+
+
+def warm_up_forked(chunk: tuple[int, list[Run]]) -> tuple[int, list[dict]]:
+    """A warm-up helper's task: :func:`run_chunk_forked` at :data:`HELPER_NICE` (set once per helper)."""
+    if not _NICED:
+        _NICED.append(True)
+        with contextlib.suppress(OSError):
+            os.nice(HELPER_NICE)
+    return run_chunk_forked(chunk)
+
+
+_NICED: list = []  # [True] in a helper whose priority is lowered
 
 
 def warm_up(job: Job, runs: list[Run]) -> WarmUps | None:
