@@ -168,9 +168,10 @@ def compile_table(args, cold: dict, warm: dict) -> None:
             print(f"compiled outside the main process ({name}): {', '.join(r['worker_compiled'])}")
         twice = ", ".join(r["compiled_twice"]) or "none"
         print(f"compiled in more than one process, same signature ({name}): {twice}")
+    others = iter(range(1, len(cold["timeline"]) + 1))
     spans = "; ".join(
-        f"{'main process' if who == 'main' else 'process ' + str(i)} {a:.1f}-{b:.1f} ({busy:.1f} s compiling)"
-        for i, (who, (a, b, busy)) in enumerate(sorted(cold["timeline"].items(), key=lambda kv: kv[1][0]))
+        f"{'main process' if who == 'main' else f'process {next(others)}'} {a:.1f}-{b:.1f} ({busy:.1f} s compiling)"
+        for who, (a, b, busy) in sorted(cold["timeline"].items(), key=lambda kv: (kv[0] != "main", kv[1][0]))
     )
     print(f"cold sweep, s from its start: compiles (first start-last end) {spans or 'none'}; end {cold['sweep_s']:.1f}")
     print(
