@@ -71,6 +71,28 @@ STUDY = Study(
 )
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+SWEEP = r"""
+import json, sys
+import kvfast.studies
+from kvfast.sweep import grid_from_spec, run_sweep
+report = run_sweep(grid_from_spec(json.loads(sys.argv[1])), sys.argv[2], jobs=2, backend="fork", quiet=True)
+print(json.dumps({"ran": report.ran, "ok": report.ok, "counts": report.counts}))
+"""
+
+
+def sweep_in_a_fresh_process(spec: dict, out: Path) -> dict:
+    """A 2-worker fork sweep of ``spec`` in a fresh interpreter: helpers fork only where no fork-unsafe library
+    (torch, imported by other test modules of a session) is loaded. Its report's ran, ok and counts."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    proc = subprocess.run(
+        [sys.executable, "-c", SWEEP, json.dumps(spec), str(out)], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 @pytest.fixture
 def study(monkeypatch, tmp_path):
     monkeypatch.setitem(STUDIES, "warmuptest", STUDY)
@@ -81,7 +103,7 @@ def study(monkeypatch, tmp_path):
 
 
 def _spec(union: list[dict]) -> dict:
-    return {"study": "warmuptest", "union": union}
+    return {"study": "test_sweep_warmup:STUDY", "union": union}
 
 
 def _one(x: int, kind: str, mode: str = "ok") -> dict:
@@ -142,9 +164,10 @@ def test_a_bad_key_is_a_value_error_naming_compile_key(key, message):
 
 def test_a_bad_key_stops_the_sweep_before_any_run(tmp_path, study, monkeypatch):
     monkeypatch.setitem(STUDIES, "warmuptest", dataclasses.replace(study, compile_key=lambda c: {c["kind"]}))
-    grid = grid_from_spec(_spec([{"axes": {"x": [1, 2], "kind": ["a", "b"], "mode": ["ok"]}}]))
-    with pytest.raises(ValueError, match=r"^compile_key: \{'a'\} \(for run \w+\) is not allowed"):
-        run_sweep(grid, tmp_path / "bad", jobs=2, backend="fork", quiet=True)
+    grid = grid_from_spec({"study": "warmuptest", "axes": {"x": [1, 2], "kind": ["a", "b"], "mode": ["ok"]}})
+    for jobs in (1, 2):  # whatever the worker count and backend
+        with pytest.raises(ValueError, match=r"^compile_key: \{'a'\} \(for run \w+\) is not allowed"):
+            run_sweep(grid, tmp_path / "bad", jobs=jobs, backend="fork", quiet=True)
     assert not list((tmp_path / "marks").iterdir())  # no run ran (a b run marks its start)
     assert len(ResultsDir(tmp_path / "bad").stored_index()) == 0
     assert not (tmp_path / "bad" / ".warmup").exists()
@@ -157,19 +180,19 @@ def test_the_warm_ups_of_different_keys_run_at_the_same_time_in_different_proces
     """The first run (kind a) waits for the first b run to start: it sees it only if that run's warm-up runs
     alongside (without a key, the b run would start after the first run returned: ``seen`` False after 60 s)."""
     grid = grid_from_spec(_spec([_one(0, "a", "wait"), _one(1, "a"), _one(2, "b"), _one(3, "c")]))
-    report = run_sweep(grid, tmp_path / "w", jobs=2, backend="fork", quiet=True)
-    assert report.ok and report.ran == 4
+    assert len(grid) == 4
+    report = sweep_in_a_fresh_process(grid.spec, tmp_path / "w")
+    assert report["ok"] and report["ran"] == 4
     df = load(tmp_path / "w").set_index("x")
-    here = os.getpid()
-    assert df.loc[0, "pid"] == here and df.loc[0, "seen"]  # the sweep's own warm-up, which saw b's start
-    assert df.loc[2, "pid"] != here  # b's warm-up: a helper process
+    assert df.loc[0, "seen"]  # the sweep's own warm-up, which saw b's start
+    assert df.loc[2, "pid"] != df.loc[0, "pid"]  # b's warm-up: a helper process
     assert len(list((tmp_path / "marks").glob("b-*"))) == 1  # b ran once
 
 
 def test_a_helper_warm_up_that_kills_its_process_is_a_crashed_row_and_the_sweep_goes_on(tmp_path, study):
     grid = grid_from_spec(_spec([_one(0, "a"), _one(1, "b", "crash"), _one(2, "a"), _one(3, "b"), _one(4, "c")]))
-    report = run_sweep(grid, tmp_path / "c", jobs=2, backend="fork", quiet=True)
-    assert report.counts == {"ok": 4, "error": 0, "crashed": 1, "timeout": 0}
+    report = sweep_in_a_fresh_process(grid.spec, tmp_path / "c")
+    assert report["counts"] == {"ok": 4, "error": 0, "crashed": 1, "timeout": 0}
     df = load(tmp_path / "c").set_index("x")
     assert df.loc[1, "status"] == "crashed" and (df.drop(index=1)["status"] == "ok").all()
     # a rerun does not warm up on the crashed run (it is avoided), nor run it again without --retry-errors
@@ -178,7 +201,7 @@ def test_a_helper_warm_up_that_kills_its_process_is_a_crashed_row_and_the_sweep_
 
 @pytest.mark.parametrize("backend", ["loky", "threading"])
 def test_other_backends_warm_up_one_run_as_without_a_key(tmp_path, study, backend):
-    grid = grid_from_spec(_spec([{"axes": {"x": [1, 2, 3], "kind": ["a", "b"], "mode": ["ok"]}}]))
+    grid = grid_from_spec({"study": "warmuptest", "axes": {"x": [1, 2, 3], "kind": ["a", "b"], "mode": ["ok"]}})
     report = run_sweep(grid, tmp_path / backend, jobs=2, backend=backend, quiet=True)
     assert report.ok and report.ran == 6
 
@@ -207,11 +230,11 @@ def test_two_workers_on_runs_that_compile_different_code_give_one_workers_bits(t
     grid = grid_from_spec(spec)
     keys = {grid.study.compile_key(r.config) for r in grid.runs}
     assert keys == {("f64", "f64", "standard"), ("f32", "f32", "standard"), ("bf16", "f32", "standard")}
-    frames = []
-    for name, kwargs in (("one", dict(jobs=1)), ("two", dict(jobs=2, backend="fork"))):
-        report = run_sweep(grid, tmp_path / name, quiet=True, **kwargs)
-        assert report.ok and report.ran == len(grid) == 24
-        frames.append(_numbers(load(tmp_path / name)))
+    report = run_sweep(grid, tmp_path / "one", jobs=1, quiet=True)
+    assert report.ok and report.ran == len(grid) == 24
+    two = sweep_in_a_fresh_process(spec, tmp_path / "two")
+    assert two["ok"] and two["ran"] == 24
+    frames = [_numbers(load(tmp_path / name)) for name in ("one", "two")]
     pd.testing.assert_frame_equal(frames[0], frames[1], check_exact=True)
     assert frames[0]["tokens"].nunique() > 1
 

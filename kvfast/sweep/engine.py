@@ -57,7 +57,7 @@ from kvfast.sweep.backends.inline import CHUNK as INLINE_CHUNK
 from kvfast.sweep.grid import Grid, Run
 from kvfast.sweep.limits import check_disk, check_memory
 from kvfast.sweep.options import BACKENDS, SweepOptions
-from kvfast.sweep.plan import Pending, find_pending, pending_runs, split_warmup
+from kvfast.sweep.plan import Pending, checked_key, find_pending, pending_runs, split_warmup
 from kvfast.sweep.rows import RunLimits, run_one
 from kvfast.sweep.store import (
     FORMAT,
@@ -352,7 +352,7 @@ def _execute(
         stall_s=options.stall_s,
         client=client,
     )
-    runs, total = pending_runs(grid, pending), pending.total
+    runs, total = checked_key(grid.study.compile_key, pending_runs(grid, pending)), pending.total
     if inline:
         execute(job, runs, total)
         report.chunk_size = options.chunk_size or INLINE_CHUNK

@@ -178,6 +178,19 @@ def split_warmup(
     return first, others, itertools.chain(skipped, pending)
 
 
+def checked_key(key: Callable[[dict], Hashable] | None, runs: Iterator[Run]) -> Iterator[Run]:
+    """``runs``, unchanged, once ``key`` (a study's ``compile_key``, if any) has been checked on the first: a
+    ``ValueError`` naming ``compile_key`` before any run when it raises or is not hashable there, whatever the
+    backend and worker count (:func:`split_warmup` checks the key of every run it looks at)."""
+    if key is None:
+        return runs
+    first = next(runs, None)
+    if first is None:
+        return iter(())
+    _compile_key(key, first)
+    return itertools.chain([first], runs)
+
+
 def _compile_key(key: Callable[[dict], Hashable], run: Run) -> Hashable:
     """``key(run.config)``, checked: ``ValueError`` naming ``compile_key`` when it raises or is not hashable."""
     try:
