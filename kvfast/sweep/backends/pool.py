@@ -13,6 +13,11 @@ unordered, as they finish):
 - ``loky``: loky's reusable pool of fresh interpreters (started, and the study
   imported in every worker, by :func:`preheat` while the warm-up runs).
 
+With a study's ``compile_key``, ``fork`` also runs the warm-up runs of other keys
+(:func:`warm_up`): in helper processes forked before the sweep's process compiles
+anything, one run each, at the same time as the sweep's own warm-up; they are
+killed once their rows are in, before the pool for the rest is forked.
+
 Workers are set up by :func:`kvfast.sweep.procs.worker_setup` (they die with the
 sweep, ignore SIGINT, lead their own process group and end the processes each run
 leaves); one whose run is past its time limit and its grace ends itself
