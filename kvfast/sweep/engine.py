@@ -52,7 +52,7 @@ from pathlib import Path
 import numpy as np
 
 from kvfast.runtime import INTERRUPTED, on_sigint
-from kvfast.sweep.backends import Job, Outcome, backend_module, execute, supervised
+from kvfast.sweep.backends import NOTHING_LOST, Job, Outcome, backend_module, execute, supervised
 from kvfast.sweep.backends.inline import CHUNK as INLINE_CHUNK
 from kvfast.sweep.grid import Grid, Run
 from kvfast.sweep.limits import check_disk, check_memory
@@ -358,27 +358,34 @@ def _execute(
         report.chunk_size = options.chunk_size or INLINE_CHUNK
         return
     with supervised(job):  # from before the warm-up: a worker may stop while its pool starts
-        runs, total = _warm_up(job, runs, total, writer, crashed)
+        runs, total, helpers = _warm_up(job, runs, total, writer, crashed)
+        try:
+            outcome: Outcome = execute(job, runs, total) if total else NOTHING_LOST
+            if helpers is not None:  # their rows once the rest is done: the helpers ran on meanwhile if need be
+                writer(helpers.runs, helpers.rows())
+        finally:
+            if helpers is not None:
+                helpers.close()
         if not total:
             return
-        outcome: Outcome = execute(job, runs, total)
     report.lost, report.lost_reason = list(outcome.lost), outcome.reason
     report.worker_versions = dict(job.worker_versions)
     report.workers = job.workers
     report.chunk_size = job.largest_chunk  # the steady-state size
 
 
-def _warm_up(job: Job, runs: Iterator[Run], total: int, writer: Writer, crashed: set[str]) -> tuple[Iterator[Run], int]:
-    """Run the warm-up: one pending run in this process while the backend gets a head start; the runs left, and
-    how many.
+def _warm_up(job: Job, runs: Iterator[Run], total: int, writer: Writer, crashed: set[str]) -> tuple:
+    """Run the warm-up: one pending run in this process while the backend gets a head start; ``(runs left, how
+    many, helpers)``.
 
     With a study's ``compile_key`` and a backend that can (``fork``, several workers), the first run of each
     other key, up to one per worker but one (:func:`~kvfast.sweep.plan.split_warmup`; any further key's first
     run goes to the pool with the rest), runs at the same time in helper processes, one run each, forked
     before this one compiles anything (:func:`kvfast.sweep.backends.pool.warm_up`), so that the compiles of
-    different code run in parallel; their rows are written once this process's run and theirs are done. The
-    pool for the rest is forked after, from this process (what the helpers compiled, its workers load from
-    Numba's cache).
+    different code run in parallel. ``helpers`` (``None`` if none started) may still be running when this
+    returns: the pool for the rest is forked then, from this process, without waiting for them (what they
+    compiled, its workers load from Numba's cache, or wait for under the kernels' locks); the caller writes
+    ``helpers.rows()`` and closes them. They are closed here if this process's warm-up raises.
 
     Never a run that has killed a process: one stored as crashed (or timeout), or one
     that killed this process during an earlier warm-up (its id is left in ``.warmup``).
@@ -411,15 +418,15 @@ def _warm_up(job: Job, runs: Iterator[Run], total: int, writer: Writer, crashed:
             marker.write_text(run.run_id)
             writer([run], [run_one(job.study, run, limits)])
         marker.unlink(missing_ok=True)
-        if helpers is not None:
-            writer(others, helpers.rows())
-    finally:
+    except BaseException:
         if helpers is not None:
             helpers.close()
+        raise
+    finally:
         if preheat is not None:
             preheat.join()
     writer.recent.clear()
-    return rest, total - len(local) - len(others)
+    return rest, total - len(local) - len(others), helpers
 
 
 def _progress(total: int, desc: str, quiet: bool):
