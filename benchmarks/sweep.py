@@ -1,6 +1,6 @@
 """Sweep-engine benchmark on the built-in 1,296-run exactness grid.
 
-    .venv/bin/python benchmarks/sweep.py [--grid exactness] [--repeats 3] [--jobs 2] [--backend fork]
+    .venv/bin/python benchmarks/sweep.py [--grid exactness] [--repeats 3] [--jobs 2] [--backend fork] [--cold-only]
 
 Every measurement runs in a fresh child process (as `kvfast run` would), into a fresh results
 directory, and prints one JSON line; this script prints a Markdown table of:
@@ -18,7 +18,12 @@ directory, and prints one JSON line; this script prints a Markdown table of:
   (one sample each: compiling is a one-off), and how many functions the main process and the workers
   compiled (Numba's ``numba:compile`` events, which a load from the cache does not raise here; a
   forked worker inherits the listener, so 0 there means the workers ran on what the warm-up
-  compiled; the names are printed when not; other backends' workers are not counted).
+  compiled; the names are printed when not; other backends' workers are not counted). "Workers"
+  are every other process: the warm-up helpers (one run per compile key, side by side with the
+  main process's) and the pool's workers; a function compiled (same signature) in more than one
+  process, which the kernels' compile locks should prevent, is named on its own line (compiled for
+  itself: not an overload's body compiled while typing another function, which each process types);
+  and the cold sweep's timeline: when each process compiled, from the sweep's start.
 """
 
 from __future__ import annotations
@@ -40,19 +45,27 @@ t0 = time.perf_counter()
 from numba.core import event
 main_pid = os.getpid()
 compile_log = sys.argv[2] + ".compiles"
-class CompileLog(event.Listener):  # inherited by forked workers: every process appends what it compiles or loads
+class CompileLog(event.Listener):  # inherited by forked workers: every process appends what it compiles
+    depth = 0  # compiles in progress in this process (a nested one: an overload's body typed inside another)
     def on_start(self, ev):
         with open(compile_log, "a") as f:
-            f.write(f"{os.getpid()} {ev.data['dispatcher'].py_func.__qualname__}\n")
+            name, args = ev.data['dispatcher'].py_func.__qualname__, ev.data['args']
+            f.write(f"S\t{os.getpid()}\t{name}\t{args}\t{self.depth}\t{time.time()}\n")
+        self.depth += 1
     def on_end(self, ev):
-        pass
+        self.depth -= 1
+        if not self.depth:
+            with open(compile_log, "a") as f:
+                f.write(f"E\t{os.getpid()}\t\t\t0\t{time.time()}\n")
 event.register("numba:compile", CompileLog())
 import kvfast.studies  # noqa: F401 - registers the built-in studies into the sweep's registry
 from kvfast.sweep import load, load_grid, run_sweep
 grid = load_grid(sys.argv[1])
 jobs = int(sys.argv[3])
 backend = sys.argv[4]
+t_sweep = time.time()
 report = run_sweep(grid, sys.argv[2], jobs=jobs, backend=backend, quiet=True)
+t_end = time.time()
 df = load(sys.argv[2])
 first = df.set_index("run_id").loc[grid.runs[0].run_id, "wall_s"]
 workers_kb = []
@@ -65,11 +78,27 @@ for stat in __import__("glob").glob("/proc/[0-9]*/stat"):
                     workers_kb.append(int(line.split()[1]))
     except (OSError, IndexError, ValueError):
         pass
-log = open(compile_log).read().split() if os.path.exists(compile_log) else []
-pids = log[0::2]
-main_compiles = sum(p == str(main_pid) for p in pids)
-worker_compiles = len(pids) - main_compiles
-worker_compiled = sorted({name for pid, name in zip(pids, log[1::2]) if pid != str(main_pid)})
+events = [line.split("\t") for line in open(compile_log).read().splitlines()] if os.path.exists(compile_log) else []
+log = [e[1:5] for e in events if e[0] == "S"]
+main_compiles = sum(pid == str(main_pid) for pid, _, _, _ in log)
+worker_compiles = len(log) - main_compiles
+worker_compiled = sorted({name for pid, name, _, _ in log if pid != str(main_pid)})
+processes_of = {}
+for pid, name, args, depth in log:
+    if depth == "0":  # a function compiled for itself (what a nested one is part of differs between processes)
+        processes_of.setdefault((name, args), set()).add(pid)
+compiled_twice = sorted({name for (name, _), pids in processes_of.items() if len(pids) > 1})
+# per process, from the sweep's start: [first compile's start, last compile's end, seconds compiling (top level)]
+timeline, started = {}, {}
+for kind, pid, _, _, depth, t in events:
+    who = "main" if pid == str(main_pid) else pid
+    t = float(t) - t_sweep
+    if depth == "0" and kind == "S":
+        started[pid] = t
+        timeline.setdefault(who, [t, t, 0.0])
+    elif kind == "E" and pid in started:
+        span = timeline[who]
+        span[1], span[2] = t, span[2] + t - started.pop(pid)
 # same process: the pool is warm
 again = run_sweep(grid, sys.argv[2] + "-again", jobs=jobs, backend=backend, quiet=True)
 print(json.dumps({
@@ -80,6 +109,7 @@ print(json.dumps({
     "worker_peak_mb": max(workers_kb) / 1024 if workers_kb else None,
     "again_wall_s": again.wall_s, "again_compute_s": again.compute_s,
     "main_compiles": main_compiles, "worker_compiles": worker_compiles, "worker_compiled": worker_compiled,
+    "compiled_twice": compiled_twice, "timeline": timeline, "sweep_s": t_end - t_sweep,
 }))
 """
 
@@ -118,12 +148,57 @@ def overhead(r: dict) -> float:
     return 1.0 - (r["compute_s"] / r["jobs"]) / r["wall_s"]
 
 
+def compile_table(args, cold: dict, warm: dict) -> None:
+    """The cold / warm compile table, and what was compiled outside the main process."""
+    print(
+        f"| compile | first run s (main process) | {args.jobs}-worker sweep wall s | "
+        "process CPU s (main + workers) | functions compiled: main / workers |\n|---|---|---|---|---|"
+    )
+    for name, r, digits in (("cold (empty Numba cache)", cold, 2), ("warm (cache filled)", warm, 3)):
+        print(
+            f"| {name} | {r['first_run_s']:.{digits}f} | {r['wall_s']:.2f} | {r['cpu_s']:.1f} | "
+            f"{r['main_compiles']} / {r['worker_compiles']} |"
+        )
+    print(
+        f"| cold / warm (same run) | {cold['first_run_s'] / warm['first_run_s']:.0f}x | "
+        f"{cold['wall_s'] / warm['wall_s']:.1f}x | {cold['cpu_s'] / warm['cpu_s']:.1f}x | |"
+    )
+    for name, r in (("cold", cold), ("warm", warm)):
+        if r["worker_compiled"]:
+            print(f"compiled outside the main process ({name}): {', '.join(r['worker_compiled'])}")
+        twice = ", ".join(r["compiled_twice"]) or "none"
+        print(f"compiled in more than one process, same signature ({name}): {twice}")
+    others = iter(range(1, len(cold["timeline"]) + 1))
+    spans = "; ".join(
+        f"{'main process' if who == 'main' else f'process {next(others)}'} {a:.1f}-{b:.1f} ({busy:.1f} s compiling)"
+        for who, (a, b, busy) in sorted(cold["timeline"].items(), key=lambda kv: (kv[0] != "main", kv[1][0]))
+    )
+    print(f"cold sweep, s from its start: compiles (first start-last end) {spans or 'none'}; end {cold['sweep_s']:.1f}")
+    print(
+        "(cold and warm: one sweep each, a fresh process each, the cold one first; compiling is a one-off, "
+        "so these are single samples, not medians)"
+    )
+
+
+def print_load(load_before, pressure_before: str, t0: float) -> None:
+    print()
+    load_after = os.getloadavg()
+    print(
+        f"cpu_count {os.cpu_count()}, load average before {load_before[0]:.2f} after {load_after[0]:.2f}, "
+        f"CPU pressure (some avg60) before {pressure_before} after {cpu_pressure()}, "
+        f"benchmark took {time.perf_counter() - t0:.0f} s"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--grid", default="exactness")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--jobs", type=int, default=2, help="the parallel worker count to compare with 1")
     parser.add_argument("--backend", default="fork", help="fork, loky, threading or dask (default fork)")
+    parser.add_argument(
+        "--cold-only", action="store_true", help="only the cold and warm compile figures (no 1 vs N worker table)"
+    )
     args = parser.parse_args(argv)
 
     load_before = os.getloadavg()
@@ -132,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvfast-numba-cold-") as cache:
         cold = child(args.grid, args.jobs, {"NUMBA_CACHE_DIR": cache}, args.backend)
         warm = child(args.grid, args.jobs, {"NUMBA_CACHE_DIR": cache}, args.backend)
+    if args.cold_only:
+        compile_table(args, cold, warm)
+        print_load(load_before, pressure_before, t0)
+        return 0
     runs = {1: [], args.jobs: []}
     for _ in range(args.repeats):
         for jobs in runs:
@@ -169,33 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, a, b in rows:
         print(f"| {name} | {a} | {b} |")
     print()
-    print(
-        f"| compile | first run s (main process) | {args.jobs}-worker sweep wall s | "
-        "process CPU s (main + workers) | functions compiled: main / workers |\n|---|---|---|---|---|"
-    )
-    for name, r, digits in (("cold (empty Numba cache)", cold, 2), ("warm (cache filled)", warm, 3)):
-        print(
-            f"| {name} | {r['first_run_s']:.{digits}f} | {r['wall_s']:.2f} | {r['cpu_s']:.1f} | "
-            f"{r['main_compiles']} / {r['worker_compiles']} |"
-        )
-    print(
-        f"| cold / warm (same run) | {cold['first_run_s'] / warm['first_run_s']:.0f}x | "
-        f"{cold['wall_s'] / warm['wall_s']:.1f}x | {cold['cpu_s'] / warm['cpu_s']:.1f}x | |"
-    )
-    for name, r in (("cold", cold), ("warm", warm)):
-        if r["worker_compiled"]:
-            print(f"compiled in the workers ({name}): {', '.join(r['worker_compiled'])}")
-    print(
-        "(cold and warm: one sweep each, a fresh process each, the cold one first; compiling is a one-off, "
-        "so these are single samples, not medians)"
-    )
-    print()
-    load_after = os.getloadavg()
-    print(
-        f"cpu_count {os.cpu_count()}, load average before {load_before[0]:.2f} after {load_after[0]:.2f}, "
-        f"CPU pressure (some avg60) before {pressure_before} after {cpu_pressure()}, "
-        f"benchmark took {time.perf_counter() - t0:.0f} s"
-    )
+    compile_table(args, cold, warm)
+    print_load(load_before, pressure_before, t0)
     return 0
 
 

@@ -11,6 +11,8 @@ Numba's cache) once, on its own, for one fixed signature, and a caller holds onl
   cache directory compile a kernel one at a time (a lock file per kernel and signature beside the cache):
   sweep workers that need a kernel the warm-up did not compile wait for the first one's compile and
   load it from the cache, instead of each compiling it again.
+- :func:`one_compile_at_a_time`: the same lock for a kernel compiled when it is called (not by address):
+  each new signature of it is compiled, or loaded from the cache, under the lock.
 - :func:`through_address`: a jitted ``call(addr, args)`` for one signature; ``args`` is the tuple of
   the arguments (without those the signature fixes as literals). Its typing refuses any other argument
   types, so the code at an address is never called with arguments of another layout.
@@ -73,6 +75,23 @@ def address(kernel, signature: tuple) -> int:
             raise RuntimeError(f"{kernel.__name__}{signature}: no machine code")
         _ADDRESSES[key] = found
     return found
+
+
+def one_compile_at_a_time(kernel):
+    """``kernel`` (a Numba dispatcher called from Python), made to compile each new signature under the lock
+    :func:`address` takes: processes sharing a cache directory (sweep workers, warm-ups running side by side)
+    compile it once, and the others wait and load it from the cache instead of compiling it again. The same
+    dispatcher, returned (a decorator above ``@nb.njit``); its calls once compiled are untouched."""
+    plain = kernel.compile
+
+    def compile(sig):
+        if tuple(sig) in kernel.overloads:
+            return plain(sig)
+        with _one_compile_at_a_time(kernel, tuple(sig)):
+            return plain(sig)  # loads what another process compiled meanwhile
+
+    kernel.compile = compile
+    return kernel
 
 
 def through_address(signature: tuple, restype=types.none):

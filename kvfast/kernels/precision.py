@@ -18,6 +18,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
+from kvfast.kernels.indirect import one_compile_at_a_time
 from kvfast.kernels.jit import JIT_OPTIONS as _JIT
 
 F64 = 0
@@ -220,6 +221,7 @@ def rnd(x: float, fmt: int) -> float:
     return _rbf(x)  # round_bf16_f64 without branches (equal bit for bit; tests/test_precision.py)
 
 
+@one_compile_at_a_time
 @nb.njit(**_JIT)
 def _round_flat(flat: np.ndarray, fmt: int, out: np.ndarray) -> None:
     """``out[i] = rnd(flat[i], fmt)`` for the 1-D float64 arrays of :func:`round_array`."""

@@ -38,7 +38,7 @@ from numba import types
 from numba.extending import overload
 
 from kvfast.kernels.attention import attention_with, dot_bodies, row_kernels
-from kvfast.kernels.indirect import address, through_address
+from kvfast.kernels.indirect import address, one_compile_at_a_time, through_address
 from kvfast.kernels.jit import JIT_OPTIONS
 from kvfast.kernels.matmul import matmul_with, product_bodies, size_class
 from kvfast.kernels.rowops import embed_into, rmsnorm_into
@@ -225,6 +225,7 @@ def _store_rows(buf, start, rows):
             buf[start + t, j] = rows[t, j]
 
 
+@one_compile_at_a_time
 @nb.njit(**JIT_OPTIONS)
 def forward_kernel(
     kern, w, n_head, eps, tokens, pos0, kc, vc, causal, storage, acc, order, attn, attn_block, logits, resid

@@ -14,6 +14,7 @@ import numba as nb
 import numpy as np
 
 from kvfast.kernels.attention import STANDARD
+from kvfast.kernels.indirect import one_compile_at_a_time
 from kvfast.kernels.jit import JIT_OPTIONS
 from kvfast.kernels.reduce import STACK_DEPTH, new_stack
 from kvfast.kernels.rowops import embed_into
@@ -35,6 +36,7 @@ from kvfast.numerics import Numerics
 from kvfast.validation import require_int
 
 
+@one_compile_at_a_time
 @nb.njit(**JIT_OPTIONS)
 def decode_kernel(
     kern, w: StackedWeights, n_head, eps, kc, vc, length, prefill_len, token, pos,

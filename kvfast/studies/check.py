@@ -45,7 +45,7 @@ from kvfast.kernels.reduce import ORDER_CODES
 from kvfast.numerics import PRESETS
 from kvfast.runtime import load_object
 from kvfast.studies.base import Claim, Figure, Study
-from kvfast.studies.common import MODEL_SHAPE_FIELDS, NO_BUG, ok_rows, require_config_choice
+from kvfast.studies.common import MODEL_SHAPE_FIELDS, NO_BUG, formats_compile_key, ok_rows, require_config_choice
 from kvfast.studies.criteria import EXACT, judged
 from kvfast.studies.plotting import SYMLOG_FLOOR, pyplot
 from kvfast.validation import require_int
@@ -343,7 +343,17 @@ STUDY = check_study(
     arg_groups=(("d_model", "n_head"),),
     description="kvfast's model factory over shape/format/kernel/bug, each configuration through check_cache",
 )
-STUDY = dataclasses.replace(STUDY, figures=FIGURES, rank=90)  # the built-in study's place in the report
+
+
+def _kvfast_compile_key(config: dict) -> tuple:
+    """The factory, and for kvfast's own model the formats of its preset and its attention kind: which compiled
+    kernels a run of the built-in study runs (:func:`~kvfast.studies.common.formats_compile_key`)."""
+    storage, accum = PRESETS.get(config.get("preset"), ("", ""))
+    return (config.get("factory"), *formats_compile_key(storage, accum, str(config.get("attention") or "standard")))
+
+
+# the built-in study's place in the report, and its runs' compile keys
+STUDY = dataclasses.replace(STUDY, figures=FIGURES, rank=90, compile_key=_kvfast_compile_key)
 
 
 __all__ = ["STUDY", "check_one", "check_options", "check_study", "kvfast_model", "load_factory"]

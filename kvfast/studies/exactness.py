@@ -28,7 +28,14 @@ from kvfast.kernels.reduce import ORDER_CODES
 from kvfast.model.config import ModelConfig, SeedDraws
 from kvfast.numerics import PRESETS, Numerics
 from kvfast.studies.base import Claim, Figure, Study
-from kvfast.studies.common import MODEL_SHAPE_FIELDS, model_config, ok_rows, require_config_choice, require_model_shape
+from kvfast.studies.common import (
+    MODEL_SHAPE_FIELDS,
+    formats_compile_key,
+    model_config,
+    ok_rows,
+    require_config_choice,
+    require_model_shape,
+)
 from kvfast.studies.criteria import EXACT, judged
 from kvfast.studies.plotting import pyplot
 from kvfast.validation import require_int
@@ -152,6 +159,12 @@ def run(config: dict) -> dict:
     }
 
 
+def compile_key(config: dict) -> tuple[str, str, str]:
+    """The formats of the run's preset (standard attention): which compiled kernels it runs
+    (:func:`~kvfast.studies.common.formats_compile_key`)."""
+    return formats_compile_key(*PRESETS[config["preset"]])
+
+
 def summarize(df: pd.DataFrame) -> pd.DataFrame:
     """Per preset: runs, the worst deviation and the share of runs whose tokens are equal."""
     ok = ok_rows(df)
@@ -245,4 +258,5 @@ STUDY = Study(
     validate_groups=(("d_model", "n_head"),),  # d_model % n_head; every other field is checked alone
     figures=FIGURES,
     rank=60,
+    compile_key=compile_key,
 )

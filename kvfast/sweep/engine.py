@@ -9,7 +9,9 @@ here from keyword options), then:
 2. under the directory's lock: finds the pending runs (:mod:`kvfast.sweep.plan`),
    writes the manifest, runs one pending run here first (the warm-up: Numba
    compiles, or loads its cache, once, before workers start) while the backend
-   gets a head start, then hands the rest to the backend's ``execute``
+   gets a head start (with a study's ``compile_key`` and the ``fork`` backend, one
+   run of each other key warms up at the same time in a helper process, so that
+   different code compiles in parallel), then hands the rest to the backend's ``execute``
    (:mod:`kvfast.sweep.backends`): rows go to the writer (:mod:`kvfast.sweep.writer`);
 3. compacts the parts, records the sweep in the manifest's history, returns a :class:`SweepReport`.
 
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import os
 import signal
 import sys
@@ -49,12 +52,12 @@ from pathlib import Path
 import numpy as np
 
 from kvfast.runtime import INTERRUPTED, on_sigint
-from kvfast.sweep.backends import Job, Outcome, backend_module, execute, supervised
+from kvfast.sweep.backends import NOTHING_LOST, Job, Outcome, backend_module, execute, supervised
 from kvfast.sweep.backends.inline import CHUNK as INLINE_CHUNK
 from kvfast.sweep.grid import Grid, Run
 from kvfast.sweep.limits import check_disk, check_memory
 from kvfast.sweep.options import BACKENDS, SweepOptions
-from kvfast.sweep.plan import Pending, find_pending, pending_runs, split_warmup
+from kvfast.sweep.plan import Pending, checked_key, find_pending, pending_runs, split_warmup
 from kvfast.sweep.rows import RunLimits, run_one
 from kvfast.sweep.store import (
     FORMAT,
@@ -349,24 +352,40 @@ def _execute(
         stall_s=options.stall_s,
         client=client,
     )
-    runs, total = pending_runs(grid, pending), pending.total
+    runs, total = checked_key(grid.study.compile_key, pending_runs(grid, pending)), pending.total
     if inline:
         execute(job, runs, total)
         report.chunk_size = options.chunk_size or INLINE_CHUNK
         return
     with supervised(job):  # from before the warm-up: a worker may stop while its pool starts
-        runs, total = _warm_up(job, runs, total, writer, crashed)
+        runs, total, helpers = _warm_up(job, runs, total, writer, crashed)
+        try:
+            outcome: Outcome = execute(job, runs, total) if total else NOTHING_LOST
+            if helpers is not None:  # their rows once the rest is done: the helpers ran on meanwhile if need be
+                writer(helpers.runs, helpers.rows())
+        finally:
+            if helpers is not None:
+                helpers.close()
         if not total:
             return
-        outcome: Outcome = execute(job, runs, total)
     report.lost, report.lost_reason = list(outcome.lost), outcome.reason
     report.worker_versions = dict(job.worker_versions)
     report.workers = job.workers
     report.chunk_size = job.largest_chunk  # the steady-state size
 
 
-def _warm_up(job: Job, runs: Iterator[Run], total: int, writer: Writer, crashed: set[str]) -> tuple[Iterator[Run], int]:
-    """Run one pending run in this process while the backend gets a head start; the runs left, and how many.
+def _warm_up(job: Job, runs: Iterator[Run], total: int, writer: Writer, crashed: set[str]) -> tuple:
+    """Run the warm-up: one pending run in this process while the backend gets a head start; ``(runs left, how
+    many, helpers)``.
+
+    With a study's ``compile_key`` and a backend that can (``fork``, several workers), the first run of each
+    other key, up to one per worker but one (:func:`~kvfast.sweep.plan.split_warmup`; any further key's first
+    run goes to the pool with the rest), runs at the same time in helper processes, one run each, forked
+    before this one compiles anything (:func:`kvfast.sweep.backends.pool.warm_up`), so that the compiles of
+    different code run in parallel. ``helpers`` (``None`` if none started) may still be running when this
+    returns: the pool for the rest is forked then, from this process, without waiting for them (what they
+    compiled, its workers load from Numba's cache, or wait for under the kernels' locks); the caller writes
+    ``helpers.rows()`` and closes them. They are closed here if this process's warm-up raises.
 
     Never a run that has killed a process: one stored as crashed (or timeout), or one
     that killed this process during an earlier warm-up (its id is left in ``.warmup``).
@@ -375,15 +394,22 @@ def _warm_up(job: Job, runs: Iterator[Run], total: int, writer: Writer, crashed:
     """
     marker = writer.store.path / WARMUP
     avoid = crashed | {marker.read_text().strip() if marker.exists() else ""}
-    local, rest = split_warmup(runs, avoid)
+    module = backend_module(job.backend)
+    parallel = total > 1 and hasattr(module, "warms_up") and module.warms_up(job)
+    key = job.study.compile_key if parallel else None
+    local, others, rest = split_warmup(runs, avoid, key=key, most=job.workers - 1)
+    helpers = module.warm_up(job, others) if others else None
+    if others and helpers is None:  # none could start: the runs go back in front
+        rest = itertools.chain(others, rest)
+        others = []
     preheat, starting = None, False
     if total > 1 and job.backend == "loky":
         # loky workers start and import the study meanwhile (not its kernels: those load from the cache this
         # warm-up fills); started from this thread, which they die with (a helper thread would end first)
-        backend_module(job.backend).preheat(job)
+        module.preheat(job)
         starting = True
     elif total > 1 and job.client is not None:  # Dask workers import the study meanwhile
-        preheat = threading.Thread(target=backend_module(job.backend).preheat, args=(job,), daemon=True)
+        preheat = threading.Thread(target=module.preheat, args=(job,), daemon=True)
         preheat.start()
         starting = True
     limits = job.limits._replace(reap=not starting) if job.limits else None  # a starting pool's workers stay
@@ -391,12 +417,16 @@ def _warm_up(job: Job, runs: Iterator[Run], total: int, writer: Writer, crashed:
         for run in local:
             marker.write_text(run.run_id)
             writer([run], [run_one(job.study, run, limits)])
+        marker.unlink(missing_ok=True)
+    except BaseException:
+        if helpers is not None:
+            helpers.close()
+        raise
     finally:
         if preheat is not None:
             preheat.join()
-    marker.unlink(missing_ok=True)
     writer.recent.clear()
-    return rest, total - len(local)
+    return rest, total - len(local) - len(others), helpers
 
 
 def _progress(total: int, desc: str, quiet: bool):

@@ -4,7 +4,8 @@
   in the stored ids: a flag per run, and the stored statuses of the others.
 - :func:`pending_runs`: the pending runs, generated lazily in expansion order.
 - :func:`split_warmup`: the run that executes in the sweep's own process first
-  (never one that has killed a process), and the runs left for the workers.
+  (never one that has killed a process), with a study's ``compile_key`` one more
+  run per other key (warmed up at the same time elsewhere), and the runs left.
 - :class:`Planner`: cuts runs into chunks lazily, as workers ask for work.
 
 Nothing here runs a run or touches the store; the grid is never materialised.
@@ -16,7 +17,7 @@ import itertools
 import math
 import statistics
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import NamedTuple
 
 import numpy as np
@@ -131,20 +132,79 @@ class Planner:
         return self.runs, self.total - self.taken
 
 
-def split_warmup(pending: Iterator[Run], avoid: set[str], look: int = 64) -> tuple[list[Run], Iterator[Run]]:
-    """The warm-up run (a list of at most one) and every other pending run, in order.
+LOOK = 256
+"""How many pending runs, from the first, :func:`split_warmup` looks at for warm-up runs."""
 
-    The warm-up is the first pending run whose id is not in ``avoid`` (runs that
-    killed a process), among the first ``look`` runs; none if all of those are avoided.
+
+def split_warmup(
+    pending: Iterator[Run],
+    avoid: set[str],
+    look: int = LOOK,
+    key: Callable[[dict], Hashable] | None = None,
+    most: int = 1,
+) -> tuple[list[Run], list[Run], Iterator[Run]]:
+    """The warm-up runs and every other pending run, in order: ``(first, others, rest)``.
+
+    ``first`` (a list of at most one) is the first pending run whose id is not in ``avoid`` (runs
+    that killed a process), among the first ``look`` runs; none if all of those are avoided.
+    ``others``: with a ``key`` (a study's ``compile_key``), the first such run of each other key
+    among the first ``look`` runs, in order, at most ``most`` of them (one run per key); without
+    one, none. ``rest``: every pending run not in ``first`` or ``others``, in order. A key that
+    raises or is not hashable is a ``ValueError`` naming ``compile_key`` (before any run runs).
     """
     skipped: list[Run] = []
-    local: list[Run] = []
+    first: list[Run] = []
+    others: list[Run] = []
+    keys: set = set()
+    seen = 0
     for run in pending:
+        seen += 1
         if run.run_id in avoid:
             skipped.append(run)
-            if len(skipped) < look:
-                continue
+        elif key is None:
+            first.append(run)
+            break
         else:
-            local.append(run)
-        break
-    return local, itertools.chain(skipped, pending)
+            k = _compile_key(key, run)
+            if k in keys:
+                skipped.append(run)
+            else:
+                keys.add(k)
+                (others if first else first).append(run)
+                if len(others) >= most:
+                    break
+        if seen >= look:
+            break
+    return first, others, itertools.chain(skipped, pending)
+
+
+def checked_key(key: Callable[[dict], Hashable] | None, runs: Iterator[Run]) -> Iterator[Run]:
+    """``runs``, unchanged, once ``key`` (a study's ``compile_key``, if any) has been checked on the first: a
+    ``ValueError`` naming ``compile_key`` before any run when it raises or is not hashable there, whatever the
+    backend and worker count (:func:`split_warmup` checks the key of every run it looks at)."""
+    if key is None:
+        return runs
+    first = next(runs, None)
+    if first is None:
+        return iter(())
+    _compile_key(key, first)
+    return itertools.chain([first], runs)
+
+
+def _compile_key(key: Callable[[dict], Hashable], run: Run) -> Hashable:
+    """``key(run.config)``, checked: ``ValueError`` naming ``compile_key`` when it raises or is not hashable."""
+    try:
+        k = key(run.config)
+    except Exception as exc:  # noqa: BLE001 - any failure of the study's hook is reported as the field's
+        raise ValueError(
+            f"compile_key: raised {type(exc).__name__}: {exc} for run {run.run_id}; allowed: a function that "
+            "returns a hashable value for every config of the grid"
+        ) from exc
+    try:
+        hash(k)
+    except TypeError:
+        raise ValueError(
+            f"compile_key: {k!r} (for run {run.run_id}) is not allowed; allowed: a hashable value "
+            "(e.g. a tuple of strings)"
+        ) from None
+    return k

@@ -7,6 +7,9 @@ Every backend module has
   the workers); it never raises;
 - ``supervised(job)`` (optional): a context manager held from before the warm-up run
   until ``execute`` returns (the pool backends' watch over their worker processes);
+- ``warms_up(job) -> bool`` and ``warm_up(job, runs)`` (optional, the ``fork`` backend): warm-up runs of
+  other compile keys (:attr:`kvfast.sweep.study.Study.compile_key`) started in helper processes before
+  the sweep's process runs its own; the handle's ``rows()`` waits for their rows, ``close()`` ends them;
 - ``execute(job, runs, total) -> Outcome``: run ``total`` runs from the iterator
   ``runs`` (cut into chunks by ``job.plan``) and hand every finished chunk's rows
   to ``job.write(runs, rows)``, from the calling thread. Each run's row is made by

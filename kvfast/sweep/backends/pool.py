@@ -13,6 +13,11 @@ unordered, as they finish):
 - ``loky``: loky's reusable pool of fresh interpreters (started, and the study
   imported in every worker, by :func:`preheat` while the warm-up runs).
 
+With a study's ``compile_key``, ``fork`` also runs the warm-up runs of other keys
+(:func:`warm_up`): in helper processes forked before the sweep's process compiles
+anything, one run each, at the same time as the sweep's own warm-up; they are
+killed once their rows are in, before the pool for the rest is forked.
+
 Workers are set up by :func:`kvfast.sweep.procs.worker_setup` (they die with the
 sweep, ignore SIGINT, lead their own process group and end the processes each run
 leaves); one whose run is past its time limit and its grace ends itself
@@ -211,6 +216,82 @@ def preheat(job: Job) -> None:
             pool.submit(run_chunk_in_worker, job.study, (0, []))  # no run: it imports the study
     except Exception:  # noqa: BLE001 - only a head start; the sweep itself reports any failure
         pass
+
+
+class WarmUps:
+    """Warm-up runs executing in forked helper processes while the sweep's process runs its own
+    (:func:`warm_up`): :meth:`rows` waits for them; :meth:`close` kills the helpers (idempotent)."""
+
+    def __init__(self, job: Job, runs: list[Run]) -> None:
+        self.job, self.runs = job, runs
+        _FORKED.append((job.study, job.limits))
+        try:
+            self.pool = _fork_pool(min(job.workers - 1, len(runs)))
+            # the first submit forks every helper, now, from this thread: before this process compiles anything
+            # (a fork while Numba compiles would copy its held lock); one run a task, in order
+            self.futures = [self.pool.submit(warm_up_forked, (i, [run])) for i, run in enumerate(runs)]
+        finally:
+            _FORKED.pop()
+
+    def rows(self) -> list[dict]:
+        """Every run's row, in order, once all have finished. A run whose helper died (it, or another run of
+        the same helper) is run again alone in a new one-worker pool, as the runs of a chunk whose worker died
+        (``crashed`` if it kills that one too, ``timeout`` past its time limit)."""
+        rows: list[dict | None] = []
+        for future in self.futures:
+            try:
+                rows.append(future.result()[1][0])
+            except BrokenProcessPool:
+                rows.append(None)
+        self.close()
+        if any(row is None for row in rows):
+            backend = ForkBackend()
+            _FORKED.append((self.job.study, self.job.limits))
+            try:
+                rows = [
+                    row if row is not None else _alone(backend, self.job.study, run, self.job.limits)
+                    for run, row in zip(self.runs, rows, strict=True)
+                ]
+            finally:
+                _FORKED.pop()
+        return rows
+
+    def close(self) -> None:
+        shutdown(self.pool, kill=True)
+
+
+HELPER_NICE = 5
+"""How much lower a warm-up helper's priority is than the sweep process's (``os.nice``): on a machine whose
+other work leaves no core free, the sweep's own warm-up (which the rest waits for) compiles first and the
+helpers fill what is left (as without them); with a free core, each runs on its own. Moderate, not 19: a helper
+may hold a kernel's compile lock the sweep's process waits for."""
+
+
+def warm_up_forked(chunk: tuple[int, list[Run]]) -> tuple[int, list[dict]]:
+    """A warm-up helper's task: :func:`run_chunk_forked` at :data:`HELPER_NICE` (set once per helper)."""
+    if not _NICED:
+        _NICED.append(True)
+        with contextlib.suppress(OSError):
+            os.nice(HELPER_NICE)
+    return run_chunk_forked(chunk)
+
+
+_NICED: list = []  # [True] in a helper whose priority is lowered
+
+
+def warm_up(job: Job, runs: list[Run]) -> WarmUps | None:
+    """Start ``runs`` (warm-up runs of other compile keys than the sweep process's own) in ``job.workers - 1``
+    forked helper processes, at most one per run, before the sweep's process runs its warm-up: their compiles
+    and its own run at the same time (kernels they share are compiled once: a lock per kernel, and each loads
+    what another compiled). ``None`` (nothing started) for a backend other than ``fork``, one worker, or a
+    process that has imported a :data:`FORK_UNSAFE` library. Call it from the thread that runs the sweep."""
+    return WarmUps(job, runs) if runs and warms_up(job) else None
+
+
+def warms_up(job: Job) -> bool:
+    """Whether :func:`warm_up` starts helpers for ``job``: the ``fork`` backend, several workers, and no
+    :data:`FORK_UNSAFE` library imported."""
+    return job.backend == "fork" and job.workers > 1 and not fork_unsafe_modules()
 
 
 def supervised(job: Job) -> Monitor:
