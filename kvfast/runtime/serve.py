@@ -54,7 +54,7 @@ import threading
 import time
 from pathlib import Path
 
-from kvfast.runtime.child import SOCKET_ENV, ChildOutcome, kill_group, mark, may_be_served
+from kvfast.runtime.child import SOCKET_ENV, Child, ChildOutcome, kill_group, mark, may_be_served
 from kvfast.runtime.child import socket_dir as _socket_dir
 
 #: environment variables that do not make a fresh child differ (shells' bookkeeping, kvfast's own timeline and
@@ -261,13 +261,7 @@ class ServedChild:
         self._sent = False
         self._closed = False
 
-    def send(self, request: dict) -> None:
-        """As :meth:`Child.send <kvfast.runtime.child.Child.send>`."""
-        with open(self._request_path + ".part", "w") as f:
-            json.dump(request, f)
-        os.replace(self._request_path + ".part", self._request_path)
-        os.close(self._request_write)
-        self._sent = True
+    send = Child.send  # the same request file and pipe (the same attribute names)
 
     def _status(self, timeout: float | None) -> bool:
         """Read the server's report of the child's end if it comes within ``timeout`` seconds (``None``: wait);
