@@ -38,6 +38,7 @@ import contextlib
 import multiprocessing
 import os
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -109,6 +110,14 @@ def shutdown(pool, kill: bool) -> None:
             pool.shutdown(wait=not kill, kill_workers=kill)
         else:
             pool.shutdown(wait=not kill, cancel_futures=True)
+    if kill:
+        # Let the pool's manager thread finish closing its wake-up pipe now (its workers are dead: it ends
+        # at once). Otherwise, when this process exits right after (a Ctrl-C), Python 3.11's exit hook for
+        # process pools can write to that pipe while the thread closes it and print an OSError traceback.
+        manager = getattr(pool, "_executor_manager_thread", None)
+        if manager is not None and manager is not threading.current_thread():
+            with contextlib.suppress(Exception):
+                manager.join(timeout=5.0)
 
 
 class ProcessPoolBackend(ParallelBackendBase):
