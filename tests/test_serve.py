@@ -154,7 +154,9 @@ def test_the_served_parent_imports_neither_numpy_nor_the_checker(server, workdir
     assert SERVED in marks.read_text()
 
 
-def test_ctrl_c_kills_the_served_child_exit_130(server, workdir, env):
+def start_hanging_check(workdir, env):
+    """``kvfast check`` of a model whose decode hangs, started; ``(the command's process, its child's pid)``
+    once the child runs the model."""
     pids = workdir / "pids"
     pids.unlink(missing_ok=True)
     check = subprocess.Popen(
@@ -162,6 +164,11 @@ def test_ctrl_c_kills_the_served_child_exit_130(server, workdir, env):
         cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     (child,) = read_pids(pids)
+    return check, child
+
+
+def test_ctrl_c_kills_the_served_child_exit_130(server, workdir, env):
+    check, child = start_hanging_check(workdir, env)
     check.send_signal(signal.SIGINT)
     out, err = check.communicate(timeout=60)
     assert check.returncode == 130 and out == ""
@@ -258,13 +265,7 @@ def test_a_server_killed_mid_check_never_reads_as_success_and_its_stale_socket_i
     env = {**env, "KVFAST_SERVE_SOCKET": str(path)}
     proc, listening = start_server(workdir, env, "--idle", "60", "--socket", str(path))
     assert listening == path
-    pids = workdir / "pids"
-    pids.unlink(missing_ok=True)
-    check = subprocess.Popen(
-        [sys.executable, "-m", "kvfast.cli", "check", "faults:hang_decode", "--prompt", "1,2,3"],
-        cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    (child,) = read_pids(pids)
+    check, child = start_hanging_check(workdir, env)
     proc.kill()
     out, err = check.communicate(timeout=60)
     stop(proc)
