@@ -170,7 +170,7 @@ def _decode_greedy_prepared(model: KvfastModel, cache: KVCache, token: int, n: i
     config, numerics = model.config, model.decode_numerics
     storage, acc, order = numerics.codes
     attn, attn_block = numerics.attention_codes
-    table, stacked, bug = kernels(acc, attn, model_size_class(config, 1)), model.weights.stacked, model.bug_code
+    table, stacked, bug = kernels(acc, attn, model_size_class(config, 1, acc)), model.weights.stacked, model.bug_code
     n_head, eps = config.n_head, config.eps
     out = np.empty((n, config.vocab))
     for i in range(n):

@@ -186,7 +186,7 @@ _sum_at = through_address(SUM, types.float64)
 _rows_sum_at = through_address(ROWS)
 
 
-@nb.njit(**_JIT, inline="always")
+@nb.njit(**_JIT)
 def _row_views(q, qr, out, outr, n_head, lo, hi, scratch):
     """What a row's attention works in: the head width, the number of keys ``lo..hi-1``, the scores and the
     exponentials (the two halves of ``scratch``), the query row and the output row."""
@@ -195,7 +195,7 @@ def _row_views(q, qr, out, outr, n_head, lo, hi, scratch):
     return hd, nk, scratch[:nk], scratch[nk : 2 * nk], q[qr], out[outr]
 
 
-@nb.njit(**_JIT, inline="always")
+@nb.njit(**_JIT)
 def _max_of(x, a0, n):
     """``max(x[a0:a0+n])`` by a left-to-right scan from ``-inf`` (``-inf`` when ``n == 0``)."""
     m = -np.inf

@@ -326,15 +326,21 @@ _call_on_f32 = through_address(PRODUCT_BODIES[1])  # f32 and bf16 on float32 cop
 LARGE_MIN_ROWS = 4
 LARGE_MIN_SIZE = 2048
 LARGE_ONE_ROW_SIZE = 4096
-"""The product size classes (:func:`size_class`): where the unrolled bodies start to beat the plain ones
+"""The f64 products' size classes (:func:`size_class`): where the unrolled bodies start to beat the plain ones
 (``benchmarks/kernels_size_class.py``)."""
+F32_LARGE_MIN_SIZE = 65536
+"""The f32 products' large class (:func:`size_class`): at least ``LARGE_MIN_ROWS`` rows by a matrix of at least
+this many elements (256 x 256)."""
 
 
-def size_class(T: int, n: int, m: int) -> bool:
-    """The size class of a product of ``T`` rows by an ``(n, m)`` matrix: True (large) where the f64 and f32
-    products run the unrolled bodies (``PRODUCT_KERNELS``, :func:`_product_template`): at least
-    ``LARGE_MIN_ROWS`` rows and ``n * m >= LARGE_MIN_SIZE``, or ``n * m >= LARGE_ONE_ROW_SIZE``; False (small)
-    elsewhere, where they run the plain ones (:data:`PLAIN_PRODUCT_KERNELS`).
+def size_class(T: int, n: int, m: int, acc: int = F64) -> bool:
+    """The size class of a product of ``T`` rows by an ``(n, m)`` matrix in accumulator ``acc``: True (large)
+    where the product runs the unrolled bodies (``PRODUCT_KERNELS``, :func:`_product_template`), False (small)
+    where it runs the plain ones (:data:`PLAIN_PRODUCT_KERNELS`).
+
+    - f64: at least ``LARGE_MIN_ROWS`` rows and ``n * m >= LARGE_MIN_SIZE``, or ``n * m >= LARGE_ONE_ROW_SIZE``;
+    - f32: at least ``LARGE_MIN_ROWS`` rows and ``n * m >= F32_LARGE_MIN_SIZE``;
+    - bf16: never (its bodies are plain in both classes: the rounding is most of the work).
 
     Both forms add in the same order with the same roundings, so the class never changes a bit: it picks
     which bodies a process compiles (on first use) and runs. An unrolled body costs about four times a plain
@@ -342,9 +348,18 @@ def size_class(T: int, n: int, m: int) -> bool:
     faster, in the small one (a few rows by a small matrix: the call costs about as much as the arithmetic)
     0.95-1.9x, at most about 2 us a call (``benchmarks/kernels_size_class.py``; README, "Issue 30, fifth
     pass"). A ``generate`` of a few tokens on a model of d_model 32 (a prefill under 4 rows, one-row decode
-    steps, matrices under 64 x 64) is all small: its process compiles no unrolled body."""
+    steps, matrices under 64 x 64) is all small: its process compiles no unrolled body.
+
+    Why f32 unrolls only from 256 x 256: the float64 products are the exactness grid's (the per-run speed of
+    ``benchmarks/numpy_loop.py``), the f32 ones only the precision grid's few runs on its wide models (d_model
+    64, d_ff 256: 1.5-2x faster unrolled, some milliseconds a run), against two unrolled bodies' cold compile
+    (float32 lanes and float64 data: about 8 s of the cold start of ``kvfast reproduce``,
+    ``benchmarks/compile_profile.py --reproduce``); from 256 x 256 a product takes milliseconds and the
+    unrolling pays for its compile."""
     size = n * m
-    return (T >= LARGE_MIN_ROWS and size >= LARGE_MIN_SIZE) or size >= LARGE_ONE_ROW_SIZE
+    if acc == F64:
+        return (T >= LARGE_MIN_ROWS and size >= LARGE_MIN_SIZE) or size >= LARGE_ONE_ROW_SIZE
+    return acc == F32 and T >= LARGE_MIN_ROWS and size >= F32_LARGE_MIN_SIZE
 
 
 _PRODUCT_TABLES: dict[tuple[int, bool], np.ndarray] = {}
@@ -438,7 +453,7 @@ def matmul_into(x: np.ndarray, w: np.ndarray, storage: int, acc: int, order: int
     code calls :func:`matmul_with` with :func:`product_bodies`.
     """
     T, n = x.shape
-    large = size_class(T, n, w.shape[1]) and acc != BF16
+    large = size_class(T, n, w.shape[1], acc)
     table = _PRODUCT_TABLES.get((acc, large))  # product_bodies(acc, large), one call less once it is built
     matmul_with(x, w, storage, acc, order, y, product_bodies(acc, large) if table is None else table)
 

@@ -119,13 +119,13 @@ def block_addresses() -> list[int]:
 _TABLES: dict[tuple, np.ndarray] = {}
 
 
-def model_size_class(config, T: int) -> bool:
+def model_size_class(config, T: int, acc: int) -> bool:
     """The product size class (:func:`kvfast.kernels.matmul.size_class`) of a call of ``T`` rows of the model
-    ``config`` (a :class:`~kvfast.model.config.ModelConfig`): its largest product's (``d_model`` by the widest
-    of ``d_model``, ``d_ff``, ``vocab``). A forward runs all its products in that class: the class never
-    changes a bit, and where the largest product is small the others are too."""
+    ``config`` (a :class:`~kvfast.model.config.ModelConfig`) in accumulator ``acc``: its largest product's
+    (``d_model`` by the widest of ``d_model``, ``d_ff``, ``vocab``). A forward runs all its products in that
+    class: the class never changes a bit, and where the largest product is small the others are too."""
     d = config.d_model
-    return size_class(T, d, max(d, config.d_ff, config.vocab))
+    return size_class(T, d, max(d, config.d_ff, config.vocab), acc)
 
 
 def kernels(acc: int, attn: int, large: bool = False) -> np.ndarray:
@@ -139,7 +139,9 @@ def kernels(acc: int, attn: int, large: bool = False) -> np.ndarray:
         table = np.concatenate(
             [
                 product_bodies(acc, large),
-                [address(matmul_with, MATMUL), address(rmsnorm_into, RMSNORM), *row_kernels(attn)],
+                # matmul_with and rmsnorm_into themselves: the layer-by-layer forward calls them from Python too
+                [address(matmul_with, MATMUL, twin=False), address(rmsnorm_into, RMSNORM, twin=False)],
+                row_kernels(attn),
                 block_addresses(),
                 dot_bodies(acc),
             ]

@@ -77,7 +77,11 @@ def decode_kernel(
     if bug == B.NOSCALE:
         scale = 1.0  # noscale
     x = np.empty((1, d))  # the residual stream, updated in place by each layer
-    embed_into(w.wte, w.wpe, np.full(1, token), np.full(1, p), storage, x)
+    tokens = np.empty(1, dtype=np.int64)  # (not np.full: one more function to compile)
+    tokens[0] = token
+    positions = np.empty(1, dtype=np.int64)
+    positions[0] = p
+    embed_into(w.wte, w.wpe, tokens, positions, storage, x)
     h, q, k, v, y = np.empty((1, d)), np.empty((1, d)), np.empty((1, d)), np.empty((1, d)), np.empty((1, d))
     x_mid, h2 = np.empty((1, d)), np.empty((1, d))
     u, a = np.empty((1, f)), np.empty((1, f))
@@ -131,7 +135,7 @@ def decode_prepared(
     attn, attn_block = numerics.attention_codes
     logits = np.empty((1, config.vocab))
     new_length = decode_kernel(
-        kernels(acc, attn, model_size_class(config, 1)), w.stacked, config.n_head, config.eps, cache.k, cache.v,
+        kernels(acc, attn, model_size_class(config, 1, acc)), w.stacked, config.n_head, config.eps, cache.k, cache.v,
         cache.length, cache.prefill_len, token, cache.length, storage, acc, order, bug, B.EVICT_WINDOW, logits, attn,
         attn_block,
     )  # fmt: skip

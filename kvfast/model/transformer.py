@@ -262,7 +262,7 @@ def _forward_compiled(
     resid = np.empty((n_layer + 1, T, d)) if trace is not None else np.empty((0, 0, 0))
     logits = np.empty((T, config.vocab))
     forward_kernel(
-        kernels(acc, attn, model_size_class(config, T)), w.stacked, config.n_head, config.eps, tokens, pos0, kc, vc,
+        kernels(acc, attn, model_size_class(config, T, acc)), w.stacked, config.n_head, config.eps, tokens, pos0, kc, vc,
         causal, storage, acc, order, attn, attn_block, logits, resid,
     )  # fmt: skip
     if trace is not None:
