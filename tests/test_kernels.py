@@ -27,9 +27,9 @@ from hypothesis import strategies as st
 
 from kvfast.kernels import attention, matmul, precision, reduce, rowops
 from kvfast.kernels.attention import attend_row, attention_into
+from kvfast.kernels.indirect import BY_ADDRESS_SUFFIX
 from kvfast.kernels.matmul import matmul as kmatmul
 from kvfast.kernels.precision import BF16, F32, F64, round_array
-from kvfast.kernels.indirect import BY_ADDRESS_SUFFIX
 from kvfast.kernels.reduce import (
     PAIRWISE,
     SEQUENTIAL,
