@@ -103,9 +103,10 @@ while time.time() < float(sys.argv[2]):  # both processes start compiling at the
     time.sleep(0.005)
 if sys.argv[1] == "address":
     indirect.address(matmul.PRODUCT_KERNELS[0], signature)
+    stats = indirect.by_address(matmul.PRODUCT_KERNELS[0]).stats  # what address() compiles: the twin
 else:  # control: Numba's own compile, no lock
     matmul.PRODUCT_KERNELS[0].compile(signature)
-stats = matmul.PRODUCT_KERNELS[0].stats
+    stats = matmul.PRODUCT_KERNELS[0].stats
 print(json.dumps([sum(stats.cache_hits.values()), sum(stats.cache_misses.values())]))
 """
 
@@ -131,3 +132,53 @@ def test_two_processes_needing_one_kernel_compile_it_once(tmp_path):
 def test_the_two_process_control_sees_two_compiles(tmp_path):
     """Control: without the lock both processes compile the kernel (two misses), so the check above can fail."""
     assert _compiled_and_loaded("compile", tmp_path / "unlocked") == [[0, 1], [0, 1]]
+
+
+TWIN_THEN_PYTHON = r"""
+import sys
+import numpy as np
+from numba import types
+from kvfast.kernels import indirect, reduce
+if sys.argv[1] == "control":  # a twin under the kernel's own name: its cache entry is the kernel's
+    indirect.BY_ADDRESS_SUFFIX = ""
+signature = (types.Array(types.float64, 1, "C"), types.int64, types.int64, types.int64, types.int64,
+             types.Array(types.float64, 1, "C"))
+if sys.argv[2] == "address":
+    assert indirect.address(reduce.ordered_sum, signature)
+else:  # a later process calls the kernel itself from Python, with the same cache
+    print(reduce.ordered_sum(np.arange(4.0), 0, 4, 0, 0, np.empty(reduce.STACK_DEPTH)))
+"""
+
+
+def _twin_then_python(how: str, cache: Path) -> subprocess.CompletedProcess:
+    """A process compiles ``ordered_sum``'s twin for calls by address (into an empty cache), then another calls
+    ``ordered_sum`` from Python with the same cache; the second's result."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NUMBA_CACHE_DIR": str(cache)}
+    for step in ("address", "python"):
+        run = subprocess.run(
+            [sys.executable, "-c", TWIN_THEN_PYTHON, how, step], env=env, capture_output=True, text=True
+        )
+    return run
+
+
+def test_a_twin_for_calls_by_address_keeps_its_own_cache_entry(tmp_path):
+    """``indirect.address`` compiles a kernel's twin without the CPython wrapper (``by_address``); the twin is
+    cached under its own name, so a later process that calls the kernel from Python never loads the twin's entry
+    (which has no CPython entry point) but compiles or loads the kernel's own."""
+    run = _twin_then_python("twin", tmp_path / "cache")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "6.0"
+    from kvfast.kernels import indirect, reduce
+
+    twin = indirect.by_address(reduce.ordered_sum)
+    assert twin.py_func.__qualname__ == "ordered_sum" + indirect.BY_ADDRESS_SUFFIX
+    assert twin.targetoptions["no_cpython_wrapper"] and twin.targetoptions["no_cfunc_wrapper"]
+    same = {k: v for k, v in twin.targetoptions.items() if k not in ("no_cpython_wrapper", "no_cfunc_wrapper")}
+    assert same == reduce.ordered_sum.targetoptions
+
+
+def test_the_twin_cache_control_fails_under_the_kernels_own_name(tmp_path):
+    """Control: a twin cached under the kernel's own name is loaded by the kernel's Python call, which then
+    fails (no CPython entry point), so the check above can fail."""
+    run = _twin_then_python("control", tmp_path / "cache")
+    assert run.returncode != 0 and run.stdout.strip() != "6.0"

@@ -308,6 +308,10 @@ def test_the_size_class_never_changes_a_value(acc, order):
     rng = np.random.default_rng(17)
     assert not matmul.size_class(3, 32, 64) and matmul.size_class(4, 32, 64) and matmul.size_class(1, 64, 64)
     assert not matmul.size_class(1, 32, 64) and not matmul.size_class(64, 16, 32)
+    # f32 unrolls only from 4 rows by 256 x 256 (the precision grid's wide models stay plain), bf16 never
+    assert matmul.size_class(4, 256, 256, F32) and not matmul.size_class(3, 256, 256, F32)
+    assert not matmul.size_class(32, 64, 256, F32) and not matmul.size_class(1, 256, 1024, F32)
+    assert matmul.size_class(32, 64, 256, F64) and not matmul.size_class(256, 256, 256, BF16)
     for T, n, m in [(1, 9, 5), (3, 40, 17), (4, 64, 64), (6, 33, 70), (17, 16, 130)]:
         for storage in FORMATS:
             x = round_array(spread(rng, (T, n)), storage)

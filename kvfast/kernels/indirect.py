@@ -81,7 +81,9 @@ def by_address(kernel):
         g.__qualname__ = f.__qualname__ + BY_ADDRESS_SUFFIX
         g.__module__, g.__doc__, g.__kwdefaults__ = f.__module__, f.__doc__, f.__kwdefaults__
         options = {k: v for k, v in kernel.targetoptions.items() if k != "nopython"}  # njit's own
-        twin = _BY_ADDRESS[kernel] = nb.njit(**options, no_cpython_wrapper=True, no_cfunc_wrapper=True)(g)
+        # cache: not a target option (every kvfast kernel is cached: JIT_OPTIONS)
+        twin = nb.njit(**options, cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True)(g)
+        _BY_ADDRESS[kernel] = twin
     return twin
 
 

@@ -11,8 +11,7 @@ forward and the decode (:func:`kvfast.model.decode.decode_kernel`) as run-time
 integers, as they reach the layer functions called from Python, so one
 compiled forward and one decode serve every format a process runs, and the
 kernels below them (the product bodies, attention, the norms, and the block's
-three functions: :func:`call_attention_input`, :func:`call_block_output`,
-:func:`call_head`) are compiled once,
+three functions, called through :data:`input_at`, :data:`output_at`, :data:`head_at`) are compiled once,
 with the signature the layer-by-layer forward and the training use too, and
 called through their addresses (:mod:`kvfast.model.addresses`): their machine
 code is not emitted again inside the forward and the decode. The
@@ -35,7 +34,6 @@ import sys
 import numba as nb
 import numpy as np
 from numba import types
-from numba.extending import overload
 
 from kvfast.kernels.attention import attention_with, dot_bodies, row_kernels
 from kvfast.kernels.indirect import address, one_compile_at_a_time, through_address
@@ -106,7 +104,6 @@ def _block_signatures() -> dict[str, tuple]:
 
 
 _BLOCK = {"input": attention_input_into, "output": block_output_into, "head": head_into}
-_CALLERS: dict[str, object] = {}
 
 
 def block_addresses() -> list[int]:
@@ -150,72 +147,17 @@ def kernels(acc: int, attn: int, large: bool = False) -> np.ndarray:
     return table
 
 
-def _by_address(name: str, given: tuple):
-    """The jitted caller of block function ``name`` by address if ``given`` (the argument types at a jitted
-    call) are those it is compiled for, else None (the call links the function, as before)."""
-    signature = _block_signatures()[name]
-    if tuple(types.unliteral(t) for t in given) != signature:
-        return None
-    if name not in _CALLERS:
-        _CALLERS[name] = through_address(signature)
-    return _CALLERS[name]
-
-
-def call_attention_input(kern, w, layer, x, eps, storage, acc, order, h, inv1, q, k, v) -> None:
-    """``attention_input_into(...)``; jitted, through ``kern``'s address of it (``INPUT_AT``)."""
-    attention_input_into(kern, w, layer, x, eps, storage, acc, order, h, inv1, q, k, v)
-
-
-@overload(call_attention_input, jit_options=JIT_OPTIONS)
-def _call_attention_input_jitted(kern, w, layer, x, eps, storage, acc, order, h, inv1, q, k, v):
-    at = _by_address("input", (kern, w, layer, x, eps, storage, acc, order, h, inv1, q, k, v))
-    if at is None:
-        return lambda kern, w, layer, x, eps, storage, acc, order, h, inv1, q, k, v: attention_input_into(
-            kern, w, layer, x, eps, storage, acc, order, h, inv1, q, k, v
-        )
-
-    def impl(kern, w, layer, x, eps, storage, acc, order, h, inv1, q, k, v):
-        at(kern[INPUT_AT], (kern, w, layer, x, eps, storage, acc, order, h, inv1, q, k, v))
-
-    return impl
-
-
-def call_block_output(kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv2, u, a, x_out) -> None:
-    """``block_output_into(...)``; jitted, through ``kern``'s address of it (``OUTPUT_AT``)."""
-    block_output_into(kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv2, u, a, x_out)
-
-
-@overload(call_block_output, jit_options=JIT_OPTIONS)
-def _call_block_output_jitted(kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv2, u, a, x_out):
-    at = _by_address("output", (kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv2, u, a, x_out))
-    if at is None:
-        return lambda kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv2, u, a, x_out: block_output_into(
-            kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv2, u, a, x_out
-        )
-
-    def impl(kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv2, u, a, x_out):
-        at(kern[OUTPUT_AT], (kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv2, u, a, x_out))
-
-    return impl
-
-
-def call_head(kern, w, x, eps, storage, acc, order, hf, invf, logits) -> None:
-    """``head_into(...)``; jitted, through ``kern``'s address of it (``HEAD_AT``)."""
-    head_into(kern, w, x, eps, storage, acc, order, hf, invf, logits)
-
-
-@overload(call_head, jit_options=JIT_OPTIONS)
-def _call_head_jitted(kern, w, x, eps, storage, acc, order, hf, invf, logits):
-    at = _by_address("head", (kern, w, x, eps, storage, acc, order, hf, invf, logits))
-    if at is None:
-        return lambda kern, w, x, eps, storage, acc, order, hf, invf, logits: head_into(
-            kern, w, x, eps, storage, acc, order, hf, invf, logits
-        )
-
-    def impl(kern, w, x, eps, storage, acc, order, hf, invf, logits):
-        at(kern[HEAD_AT], (kern, w, x, eps, storage, acc, order, hf, invf, logits))
-
-    return impl
+_SIGNATURES = _block_signatures()
+input_at = through_address(_SIGNATURES["input"])
+"""``input_at(kern[INPUT_AT], (kern, w, layer, x, eps, storage, acc, order, h, inv1, q, k, v))``: jitted,
+``attention_input_into`` through its address (its arguments' types exactly those of the signature it is compiled
+for: a typing error names them otherwise)."""
+output_at = through_address(_SIGNATURES["output"])
+"""``output_at(kern[OUTPUT_AT], (kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv2, u, a, x_out))``:
+``block_output_into`` through its address."""
+head_at = through_address(_SIGNATURES["head"])
+"""``head_at(kern[HEAD_AT], (kern, w, x, eps, storage, acc, order, hf, invf, logits))``: ``head_into`` through its
+address."""
 
 
 @nb.njit(**JIT_OPTIONS)
@@ -265,15 +207,15 @@ def forward_kernel(
     u, a = np.empty((T, f)), np.empty((T, f))
     inv = np.empty(T)  # 1/rms of each row (inv1, inv2, invf: none is kept)
     for layer in range(n_layer):
-        call_attention_input(kern, w, layer, x, eps, storage, acc, order, h, inv, q, k, v)
+        input_at(kern[INPUT_AT], (kern, w, layer, x, eps, storage, acc, order, h, inv, q, k, v))
         _store_rows(kc[layer], pos0, k)
         _store_rows(vc[layer], pos0, v)
         attention_with(
             q, kc[layer], vc[layer], pos0, n_keys, causal, n_head, scale, storage, acc, order, y, no_att, attn,
             attn_block, kern[ROW_AT], kern[BLOCKED_AT], kern[DOTS:],
         )  # fmt: skip
-        call_block_output(kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv, u, a, x)
+        output_at(kern[OUTPUT_AT], (kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv, u, a, x))
         if keep:
             _store_rows(resid[layer + 1], first, x)
     hf = np.empty((T, d))
-    call_head(kern, w, x, eps, storage, acc, order, hf, inv, logits)
+    head_at(kern[HEAD_AT], (kern, w, x, eps, storage, acc, order, hf, inv, logits))

@@ -19,16 +19,9 @@ from kvfast.kernels.jit import JIT_OPTIONS
 from kvfast.kernels.reduce import STACK_DEPTH, new_stack
 from kvfast.kernels.rowops import embed_into
 from kvfast.model import bugs as B
-from kvfast.model.addresses import BLOCKED_AT, DOTS, ROW_AT, blocked_at, row_at
+from kvfast.model.addresses import BLOCKED_AT, DOTS, HEAD_AT, INPUT_AT, OUTPUT_AT, ROW_AT, blocked_at, row_at
 from kvfast.model.cache import KVCache
-from kvfast.model.compiled import (
-    _store_rows,
-    call_attention_input,
-    call_block_output,
-    call_head,
-    kernels,
-    model_size_class,
-)
+from kvfast.model.compiled import _store_rows, head_at, input_at, kernels, model_size_class, output_at
 from kvfast.model.config import ModelConfig
 from kvfast.model.transformer import StackedWeights, Weights, forward_prepared
 from kvfast.model.validate import require_config, require_numerics, require_token, require_tokens
@@ -90,12 +83,12 @@ def decode_kernel(
     sstack = np.empty(STACK_DEPTH)
     vstack = new_stack(d // n_head)
     for layer in range(w.g1.shape[0]):
-        call_attention_input(kern, w, layer, x, eps, storage, acc, order, h, inv, q, k, v)
+        input_at(kern[INPUT_AT], (kern, w, layer, x, eps, storage, acc, order, h, inv, q, k, v))
         _decode_attention(kern, q, k, v, kc[layer], vc[layer], slot, lo, hi, n_head, scale, storage, acc, order, bug,
                           attn, attn_block, y, scratch, sstack, vstack)  # fmt: skip
-        call_block_output(kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv, u, a, x)
+        output_at(kern[OUTPUT_AT], (kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv, u, a, x))
     hf = np.empty((1, d))
-    call_head(kern, w, x, eps, storage, acc, order, hf, inv, logits)
+    head_at(kern[HEAD_AT], (kern, w, x, eps, storage, acc, order, hf, inv, logits))
     return new_length
 
 
