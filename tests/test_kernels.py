@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 from kvfast.kernels import attention, matmul, precision, reduce, rowops
 from kvfast.kernels.attention import attend_row, attention_into
+from kvfast.kernels.bodies import EMPTY, specialise
 from kvfast.kernels.indirect import BY_ADDRESS_SUFFIX
 from kvfast.kernels.matmul import matmul as kmatmul
 from kvfast.kernels.precision import BF16, F32, F64, round_array
@@ -702,3 +703,18 @@ def test_fma_detector_can_fail(machine_code):
     assert not FMA_ASM.findall(machine_code["control_plain"][0])
     assert FMA_ASM.findall(machine_code["control_fast"][0])
     assert FMA_ASM.findall(machine_code["control_contract"][0])
+
+
+def _empty_template(n):
+    return EMPTY((n, 2))
+
+
+def test_the_empty_macro_allocates_the_bodys_data_type():
+    """A template's ``EMPTY(shape)`` is ``np.empty(shape)`` in a body on float64 data (the form the other
+    kernels allocate with: ``np.empty`` compiled once for all) and float32 in a body on float32 data."""
+    wide = specialise(_empty_template, F64, False, base="_test_empty")
+    narrow = specialise(_empty_template, F32, True, base="_test_empty")
+    assert wide(3).dtype == np.float64 and wide(3).shape == (3, 2)
+    assert narrow(3).dtype == np.float32 and narrow(3).shape == (3, 2)
+    with pytest.raises(NotImplementedError):
+        _empty_template(1)  # never meaningful unwritten

@@ -387,8 +387,8 @@ def attention_with(
     (small, so linking it costs little; the row kernels are not linked)."""
     T = q.shape[0]
     d = q.shape[1]
-    scratch = np.empty(2 * max(n_keys, 1), dtype=np.float64)
-    sstack = np.empty(STACK_DEPTH, dtype=np.float64)
+    scratch = np.empty(2 * max(n_keys, 1))
+    sstack = np.empty(STACK_DEPTH)
     vstack = new_stack(d // n_head)
     first = np.int64(0)
     for t in range(T):

@@ -1,15 +1,15 @@
 """Kernel bodies written once, compiled once per accumulator format with the rounding written out.
 
 A hot kernel whose arithmetic depends on the accumulator format (the product bodies of
-:mod:`kvfast.kernels.matmul`, the score dots of :mod:`kvfast.kernels.attention`) is written once, as a
-plain Python *template* whose products and sums are the macros :func:`MUL`, :func:`ADD` and
-:func:`MAC`; :func:`specialise` rewrites the template's syntax tree for one format, each macro becoming
-the operation and its rounding written out (``MAC(s, a, b)`` for the f32 accumulator on float64 data:
-``np.float64(np.float32(s + np.float64(np.float32(a * b))))``), and compiles the result with
-:data:`kvfast.kernels.jit.JIT_OPTIONS`. The loops carry no format branch, and Numba types and lowers
-plain arithmetic, not a call to a jitted helper per operation nor an ``@overload`` chosen by a literal
-format per call, nor a copy of helper functions inlined in Numba IR (the former form, which cost about
-two thirds of each body's cold compile: ``benchmarks/README.md``, "Issue 30, fourth pass").
+:mod:`kvfast.kernels.matmul`, the score dots of :mod:`kvfast.kernels.attention`) is written once, as a plain
+Python *template* whose products and sums are the macros :func:`MUL`, :func:`ADD` and :func:`MAC` (its scratch
+arrays :func:`EMPTY`, of the body's data type); :func:`specialise` rewrites the template's syntax tree for one
+format, each macro becoming the operation and its rounding written out (``MAC(s, a, b)`` for the f32
+accumulator on float64 data: ``np.float64(np.float32(s + np.float64(np.float32(a * b))))``), and compiles the
+result with :data:`kvfast.kernels.jit.JIT_OPTIONS`. The loops carry no format branch, and Numba types and
+lowers plain arithmetic, not a call to a jitted helper per operation nor an ``@overload`` chosen by a literal
+format per call, nor a copy of helper functions inlined in Numba IR (the former form, which cost about two
+thirds of each body's cold compile: ``benchmarks/README.md``, "Issue 30, fourth pass").
 
 The roundings (the operation in float64, or in float32 on float32 data, then):
 
@@ -74,6 +74,12 @@ def ADD(a, b):  # noqa: N802
     raise NotImplementedError("a template macro: only meaningful in a template given to specialise()")
 
 
+def EMPTY(shape):  # noqa: N802
+    """``np.empty(shape)`` of the body's data type: float64 (the form kvfast's other kernels allocate with, so
+    Numba compiles ``np.empty`` once for both) or float32 (a macro of a template: :func:`specialise`)."""
+    raise NotImplementedError("a template macro: only meaningful in a template given to specialise()")
+
+
 def MAC(s, a, b):  # noqa: N802
     """``ADD(s, MUL(a, b))``: two roundings, never fused (a macro of a template: :func:`specialise`)."""
     raise NotImplementedError("a template macro: only meaningful in a template given to specialise()")
@@ -87,11 +93,12 @@ def _located(node: ast.AST, where: ast.AST) -> ast.AST:
 
 
 class _WriteOut(ast.NodeTransformer):
-    """Replace every ``MUL``/``ADD``/``MAC`` call by its operation and rounding (built as nodes, not parsed:
-    this runs at import, for every body)."""
+    """Replace every ``MUL``/``ADD``/``MAC`` call by its operation and rounding, and ``EMPTY`` by ``np.empty`` of
+    the data type (built as nodes, not parsed: this runs at import, for every body)."""
 
-    def __init__(self, mul: tuple[str, ...], add: tuple[str, ...]):
+    def __init__(self, mul: tuple[str, ...], add: tuple[str, ...], data32: bool):
         self.rounding = {"MUL": (ast.Mult, mul), "ADD": (ast.Add, add)}
+        self.data32 = data32
 
     def _function(self, dotted: str, where: ast.AST) -> ast.expr:
         head, *rest = dotted.split(".")
@@ -114,6 +121,13 @@ class _WriteOut(ast.NodeTransformer):
             if len(node.args) != 2 or node.keywords:
                 raise ValueError(f"{name}: takes two arguments")
             return self._rounded(name, *node.args, node)
+        if name == "EMPTY":
+            if len(node.args) != 1 or node.keywords:
+                raise ValueError("EMPTY: takes one argument")
+            f32 = [_located(ast.keyword(arg="dtype", value=self._function("_kvfast_np.float32", node)), node)]
+            f32 = f32 if self.data32 else []
+            empty = ast.Call(func=self._function("_kvfast_np.empty", node), args=node.args, keywords=f32)
+            return _located(empty, node)
         if name == "MAC":
             if len(node.args) != 3 or node.keywords:
                 raise ValueError("MAC: takes three arguments")
@@ -161,7 +175,7 @@ def specialise(template, acc: int, data32: bool, base: str | None = None):
     (fn,) = tree.body
     fn.name = body_name(template, acc, data32, base)
     fn.decorator_list = []
-    tree = _WriteOut(*rounding).visit(tree)
+    tree = _WriteOut(*rounding, bool(data32)).visit(tree)
     namespace = template.__globals__
     namespace.update(_HELPERS)
     exec(compile(tree, filename, "exec"), namespace)  # noqa: S102 - our own source

@@ -62,7 +62,7 @@ import numba as nb
 import numpy as np
 from numba import types
 
-from kvfast.kernels.bodies import ADD, MAC, MUL, specialise
+from kvfast.kernels.bodies import ADD, EMPTY, MAC, MUL, specialise
 from kvfast.kernels.indirect import address, through_address
 from kvfast.kernels.jit import JIT_OPTIONS as _JIT
 from kvfast.kernels.precision import BF16, F32, F64, f32_as_u32, rnd
@@ -139,7 +139,7 @@ def _product_template(x, w, order, y):
         levels = 3
         while (8 << (levels - 3)) <= n:
             levels += 1
-        stack = np.empty((levels, min(T, 4), m), dtype=y.dtype)  # (>= bit_length(q) + 3, rows, m)
+        stack = EMPTY((levels, min(T, 4), m))  # (>= bit_length(q) + 3, rows, m)
         for t in range(0, T, 4):  # y[t:t+rows] = x[t:t+rows] @ w
             rows = min(T - t, 4)
             sp = 0
@@ -212,7 +212,7 @@ def _product_plain_template(x, w, order, y):
         levels = 3
         while (8 << (levels - 3)) <= n:
             levels += 1
-        stack = np.empty((levels, m), dtype=y.dtype)  # at most bit_length(n) blocks, one partial row each
+        stack = EMPTY((levels, m))  # at most bit_length(n) blocks, one partial row each
         for t in range(T):
             sp = 0
             for k in range(n):

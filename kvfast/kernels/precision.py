@@ -238,7 +238,7 @@ def round_array(x: np.ndarray, fmt: int) -> np.ndarray:
     flat = np.ascontiguousarray(arr).reshape(-1)
     if not flat.flags.writeable:  # the same array type as a writable one: one compile
         flat = flat.copy()
-    out = np.empty(flat.size, dtype=np.float64)
+    out = np.empty(flat.size)
     _round_flat(flat, int(fmt), out)
     return out.reshape(arr.shape)
 
@@ -247,7 +247,7 @@ def round_array(x: np.ndarray, fmt: int) -> np.ndarray:
 def round_bf16_f64_array(x: np.ndarray, through_f32: bool) -> np.ndarray:
     """Round a float64 array to bfloat16 (float64 out), directly or via float32."""
     flat = x.ravel()
-    out = np.empty(flat.size, dtype=np.float64)
+    out = np.empty(flat.size)
     for i in range(flat.size):
         if through_f32:
             out[i] = round_bf16_f64_via_f32(flat[i])

@@ -46,7 +46,7 @@ STACK_DEPTH = 64
 @nb.njit(**_JIT)
 def new_stack(width: int) -> np.ndarray:
     """Scratch for pairwise vector sums: ``STACK_DEPTH`` partial rows of ``width``."""
-    return np.empty((STACK_DEPTH, max(width, 1)), dtype=np.float64)
+    return np.empty((STACK_DEPTH, max(width, 1)))
 
 
 @nb.njit(**_JIT)

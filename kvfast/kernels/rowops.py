@@ -39,7 +39,7 @@ def rmsnorm_row(x, xr, g, eps, storage, acc, order, out, outr, stack):
 @nb.njit(**_JIT)
 def rmsnorm_into(x, g, eps, storage, acc, order, out, inv):
     """RMSNorm of every row of ``x`` (T, d) into ``out``; ``inv`` (T,) gets each row's scale."""
-    stack = np.empty(64, dtype=np.float64)
+    stack = np.empty(64)
     for t in range(x.shape[0]):
         inv[t] = rmsnorm_row(x, t, g, eps, storage, acc, order, out, t, stack)
 
@@ -91,7 +91,7 @@ def _exp_or_log(x: np.ndarray, log: bool) -> np.ndarray:
     flat = np.ascontiguousarray(arr).reshape(-1)
     if not flat.flags.writeable:  # the same array type as a writable one: one compile
         flat = flat.copy()
-    out = np.empty(flat.size, dtype=np.float64)
+    out = np.empty(flat.size)
     _exp_or_log_flat(flat, log, out)
     return out.reshape(arr.shape)
 
