@@ -349,6 +349,9 @@ ROW = (_A2, _I, _A2, _A2, _I, _I, _I, _F, _I, _I, _I, _A2, _I, _A3, _I, _A1, _A1
 BLOCKED = (_A2, _I, _A2, _A2, _I, _I, _I, _I, _I, _F, _I, _I, _I, _I, _I, _A2, _I, _A1, _A1, _A2, _DOTS)
 """The argument types :func:`attend_row_blocked` is compiled for, and called with by address."""
 
+ATTENTION = (_A2, _A2, _A2, _I, _I, types.boolean, _I, _F, _I, _I, _I, _A2, _A3, _I, _I, _I, _I, _DOTS)
+"""The argument types :func:`attention_with` is called with by address (the compiled forward)."""
+
 _row_at = through_address(ROW)
 _blocked_at = through_address(BLOCKED)
 

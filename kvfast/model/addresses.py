@@ -20,7 +20,7 @@ from __future__ import annotations
 from numba import types
 from numba.extending import overload
 
-from kvfast.kernels.attention import BLOCKED, ROW
+from kvfast.kernels.attention import ATTENTION, BLOCKED, ROW
 from kvfast.kernels.indirect import through_address
 from kvfast.kernels.jit import JIT_OPTIONS
 from kvfast.kernels.matmul import matmul_into
@@ -38,15 +38,18 @@ rmsnorm_at = through_address(RMSNORM)
 matmul_at = through_address(MATMUL)
 row_at = through_address(ROW)
 blocked_at = through_address(BLOCKED)
+attention_at = through_address(ATTENTION)
 
 
-PRODUCTS, MATMUL_AT, RMSNORM_AT, ROW_AT, BLOCKED_AT, INPUT_AT, OUTPUT_AT, HEAD_AT, DOTS = 0, 7, 8, 9, 10, 11, 12, 13, 14
+PRODUCTS, MATMUL_AT, RMSNORM_AT, ROW_AT, BLOCKED_AT, INPUT_AT, OUTPUT_AT, HEAD_AT, ATTENTION_AT, DOTS = (
+    0, 7, 8, 9, 10, 11, 12, 13, 14, 15,
+)  # fmt: skip
 """The slots of a :func:`kvfast.model.compiled.kernels` table: the product bodies (7,
 :func:`kvfast.kernels.matmul.product_bodies`) from ``PRODUCTS``, then ``matmul_with``, ``rmsnorm_into``,
 ``attend_row`` (standard attention), ``attend_row_blocked`` (a real kernel's order), the block's
 ``attention_input_into``, ``block_output_into`` and ``head_into`` (:func:`kvfast.model.compiled.block_addresses`),
-then what the row kernels call by address (:func:`kvfast.kernels.attention.dot_bodies`) from ``DOTS``; 0: a kernel
-the call cannot reach."""
+``attention_with`` (the compiled forward's attention over its rows), then what the row kernels call by address
+(:func:`kvfast.kernels.attention.dot_bodies`) from ``DOTS``; 0: a kernel the call cannot reach."""
 
 
 def call_matmul(kern, x, w, storage, acc, order, y) -> None:

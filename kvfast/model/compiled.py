@@ -35,12 +35,23 @@ import numba as nb
 import numpy as np
 from numba import types
 
-from kvfast.kernels.attention import attention_with, dot_bodies, row_kernels
+from kvfast.kernels.attention import ATTENTION, attention_with, dot_bodies, row_kernels
 from kvfast.kernels.indirect import address, one_compile_at_a_time, through_address
 from kvfast.kernels.jit import JIT_OPTIONS
 from kvfast.kernels.matmul import matmul_with, product_bodies, size_class
 from kvfast.kernels.rowops import embed_into, rmsnorm_into
-from kvfast.model.addresses import BLOCKED_AT, DOTS, HEAD_AT, INPUT_AT, MATMUL, OUTPUT_AT, RMSNORM, ROW_AT
+from kvfast.model.addresses import (
+    ATTENTION_AT,
+    BLOCKED_AT,
+    DOTS,
+    HEAD_AT,
+    INPUT_AT,
+    MATMUL,
+    OUTPUT_AT,
+    RMSNORM,
+    ROW_AT,
+    attention_at,
+)
 from kvfast.model.block import StackedWeights, attention_input_into, block_output_into, head_into
 
 
@@ -140,6 +151,7 @@ def kernels(acc: int, attn: int, large: bool = False) -> np.ndarray:
                 [address(matmul_with, MATMUL, twin=False), address(rmsnorm_into, RMSNORM, twin=False)],
                 row_kernels(attn),
                 block_addresses(),
+                [address(attention_with, ATTENTION, twin=False)],  # attention_into calls it from Python too
                 dot_bodies(acc),
             ]
         ).astype(np.int64)
@@ -210,10 +222,10 @@ def forward_kernel(
         input_at(kern[INPUT_AT], (kern, w, layer, x, eps, storage, acc, order, h, inv, q, k, v))
         _store_rows(kc[layer], pos0, k)
         _store_rows(vc[layer], pos0, v)
-        attention_with(
+        attention_at(kern[ATTENTION_AT], (
             q, kc[layer], vc[layer], pos0, n_keys, causal, n_head, scale, storage, acc, order, y, no_att, attn,
             attn_block, kern[ROW_AT], kern[BLOCKED_AT], kern[DOTS:],
-        )  # fmt: skip
+        ))  # fmt: skip
         output_at(kern[OUTPUT_AT], (kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv, u, a, x))
         if keep:
             _store_rows(resid[layer + 1], first, x)
