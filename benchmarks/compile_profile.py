@@ -12,8 +12,8 @@ argument types (e.g. ``Literal[int](0)`` against ``int64``) was compiled twice.
 ``--reproduce``: what ``kvfast reproduce``'s grids run, instead of one preset: ``generate`` (a
 prefill and decode steps) in every storage/accumulator pair of the precision grid (the other grids'
 pairs are among them; order and attention kernel are run-time arguments, so one of each), ``generate`` on
-the precision grid's wide model in the f64 and f32 accumulators (its products are of the large size class:
-the unrolled product bodies, :func:`kvfast.kernels.matmul.size_class`), the forward
+the precision grid's wide model in the f64 and f32 accumulators (its f64 products are of the large size class:
+the unrolled product bodies, :func:`kvfast.kernels.matmul.size_class`; its f32 ones are not), the forward
 with a tape and its gradients (``loss_and_grads``: training, gradcheck) and the forward's trace;
 and ``generate`` with a real kernel's attention order (the precision grid's flash-attention kinds: their row
 kernel is compiled on first use); prints the CPU seconds of each step and the total, the figure of the "at
@@ -301,9 +301,9 @@ def main() -> int:
             c = time.process_time()
             kvfast.generate(cfg, params, [1, 2, 3], 4, kvfast.Numerics(storage, accum))
             print(f"generate, storage {storage}, accumulator {accum}: {time.process_time() - c:.2f} s CPU")
-        # the precision grid's wide models (d_model 64, d_ff 256, a 16-token prompt): their products are of the
-        # large size class (kvfast.kernels.matmul.size_class), so kvfast reproduce compiles the unrolled f64 and
-        # f32 bodies for them (f64 data, float32 lanes, f32 on float64 data); the bf16 bodies are plain in both
+        # the precision grid's wide models (d_model 64, d_ff 256, a 16-token prompt): their f64 products are of the
+        # large size class (kvfast.kernels.matmul.size_class), so kvfast reproduce compiles the unrolled f64 body for
+        # them; the f32 products unroll only from 256 x 256, the bf16 ones never (the f32 runs here show it)
         wide = kvfast.ModelConfig(vocab=32, d_model=64, n_head=4, n_layer=2, d_ff=256, max_pos=32)
         wide_params = kvfast.init_params(wide, 0)
         c = time.process_time()

@@ -42,11 +42,11 @@ Speed (none of it changes any element's order of addition or its rounding):
   machine code is generated once, not again in every function that calls
   ``matmul``;
 - two forms of the f64 and f32 bodies, by the product's size class
-  (:func:`size_class`): the unrolled form above for large products, a plain
-  one (one row, one k per pass: ``_product_plain_template``, the same order,
-  so the same bits) for small ones, where the unrolling gains little and its
-  cold compile (about four times the plain form's) is not worth paying; a
-  process compiles the form its products use, on first use.
+  (:func:`size_class`, per accumulator): the unrolled form above for large
+  products, a plain one (one row, one k per pass: ``_product_plain_template``,
+  the same order, so the same bits) for small ones, where the unrolling gains
+  little and its cold compile (about four times the plain form's) is not worth
+  paying; a process compiles the form its products use, on first use.
 
 Each sequential sum starts from ``-0.0``: ``-0.0 + p == p`` for every p
 (including ``+0.0`` and ``-0.0``) and rounding is idempotent, so the first step
@@ -449,7 +449,7 @@ def matmul_into(x: np.ndarray, w: np.ndarray, storage: int, acc: int, order: int
     compiled for that format (``PRODUCT_KERNELS``), so the loops carry no format
     branch; a process compiles (or loads) the bodies of the formats it runs, on
     first use, the unrolled f64 and f32 bodies only for products of the large size
-    class (:func:`size_class`, from the shapes: the same bits either way). Jitted
+    class (:func:`size_class`, from the shapes and ``acc``: the same bits either way). Jitted
     code calls :func:`matmul_with` with :func:`product_bodies`.
     """
     T, n = x.shape
