@@ -110,14 +110,25 @@ def shutdown(pool, kill: bool) -> None:
             pool.shutdown(wait=not kill, kill_workers=kill)
         else:
             pool.shutdown(wait=not kill, cancel_futures=True)
-    if kill:
-        # Let the pool's manager thread finish closing its wake-up pipe now (its workers are dead: it ends
-        # at once). Otherwise, when this process exits right after (a Ctrl-C), Python 3.11's exit hook for
-        # process pools can write to that pipe while the thread closes it and print an OSError traceback.
-        manager = getattr(pool, "_executor_manager_thread", None)
-        if manager is not None and manager is not threading.current_thread():
+    # Let the pool's manager thread finish closing its wake-up pipe now (with ``kill`` its workers are dead: it
+    # ends at once; without, ``shutdown(wait=True)`` joined it already). Python 3.11's exit hook for process pools
+    # (``concurrent.futures.process._python_exit``) writes to the wake-up pipe of every pool whose manager thread
+    # is registered, without the pool's lock: if the thread is closing that pipe at the same moment (this process
+    # exiting right after a sweep, or a Ctrl-C), the hook prints an OSError traceback. A thread still alive after
+    # the wait is unregistered, so the hook never writes to its pipe.
+    manager = getattr(pool, "_executor_manager_thread", None)
+    if manager is not None and manager is not threading.current_thread():
+        with contextlib.suppress(Exception):
+            manager.join(timeout=MANAGER_JOIN_SECONDS)
+        if manager.is_alive():
             with contextlib.suppress(Exception):
-                manager.join(timeout=5.0)
+                from concurrent.futures import process
+
+                process._threads_wakeups.pop(manager, None)
+
+
+MANAGER_JOIN_SECONDS = 5.0
+"""How long :func:`shutdown` waits for a pool's manager thread to end."""
 
 
 class ProcessPoolBackend(ParallelBackendBase):
