@@ -1,6 +1,7 @@
 """Where a cold start's compile time goes: CPU seconds per compiled kernel specialisation.
 
-    PYTHONPATH=$PWD python benchmarks/compile_profile.py [--preset f64] [--all] [--reproduce] [--warm-check [--serve]]
+    PYTHONPATH=$PWD python benchmarks/compile_profile.py [--preset f64] [--all]
+        [--reproduce [--repeats N] [--baseline DIR]] [--warm-check [--serve] [--repeats N] [--baseline DIR]]
 
 Points Numba's cache at an empty temporary directory, then imports kvfast and runs the same
 ``generate`` as the cold start of ``kvfast bench kernels`` in this process, recording every
@@ -19,6 +20,17 @@ and ``generate`` with a real kernel's attention order (the precision grid's flas
 kernel is compiled on first use); prints the CPU seconds of each step and the total, the figure of the "at
 most 20 s" target. CPU time
 (``time.process_time``), not wall: the machine may be shared.
+
+``--reproduce --repeats N``: the same in ``N`` fresh processes (each with its own empty Numba cache), the median;
+with ``--baseline DIR`` also on another kvfast source tree (a ``git archive`` of an earlier commit, run with
+``PYTHONPATH=DIR``), the two interleaved, and the ratio of the medians: the machine's speed drifts through the day
+(the same tree's cold start moved by 1.4x between hours on the development VM), so a figure is worth quoting only
+beside a baseline measured in the same minutes.
+
+``--reproduce --same-entries-as DIR``: after the profile, compare the Numba cache entries it wrote (each cached
+function's name and signature, from Numba's index files) with those in ``DIR``, the ``NUMBA_CACHE_DIR`` of a real
+``kvfast reproduce`` started with an empty one: the same set means the profile compiles what ``kvfast reproduce``
+compiles, no more, no less (exit 1 if not, with the difference).
 
 ``--warm-check``: a warm start instead (kvfast's own Numba cache, filled by a first run): the whole
 command ``kvfast check kvfast.studies.check:kvfast_model ...`` (a 1-layer model, a 4-token prompt, 8
@@ -48,7 +60,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -249,13 +263,83 @@ def warm_check(repeats: int, baseline: str | None = None, serve: bool = False) -
     print(f"load average (1 min) over the rounds: {min(loads):.2f}-{max(loads):.2f}")
 
 
+TOTAL = "cold start (import kvfast, every format kvfast reproduce runs): "
+
+
+def _reproduce_cold(tree: str | None) -> float:
+    """This script's ``--reproduce`` in a fresh process on kvfast source tree ``tree`` (None: this one): its total."""
+    env = _env(tree)
+    out = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--reproduce"],
+        env=env, check=True, capture_output=True, text=True, cwd=env["PYTHONPATH"],
+    )  # fmt: skip
+    line = next(line for line in out.stdout.splitlines() if line.startswith(TOTAL))
+    return float(line.removeprefix(TOTAL).split()[0])
+
+
+def reproduce_repeated(repeats: int, baseline: str | None) -> None:
+    """``--reproduce`` ``repeats`` times in fresh processes, interleaved with ``baseline``'s if given: each run's
+    total, the medians and (with a baseline) their ratio."""
+    here = str(Path(__file__).resolve().parents[1])
+    trees = [("this tree", here)] + ([(f"baseline {baseline}", baseline)] if baseline else [])
+    runs: dict[str, list[float]] = {name: [] for name, _ in trees}
+    loads = []
+    for _ in range(repeats):
+        for name, tree in trees:
+            runs[name].append(_reproduce_cold(tree))
+            loads.append(os.getloadavg()[0])
+    print(f"cold start of everything kvfast reproduce runs, CPU s, {repeats} fresh processes each (empty Numba "
+          f"caches{', interleaved' if baseline else ''}):")  # fmt: skip
+    print("| tree | runs | median |")
+    print("|---|---|---|")
+    for name, values in runs.items():
+        print(f"| {name} | {', '.join(f'{v:.2f}' for v in values)} | {statistics.median(values):.2f} |")
+    med = statistics.median(runs["this tree"])
+    if baseline:
+        ratio = med / statistics.median(runs[trees[1][0]])
+        print(f"this tree / baseline: {ratio:.2f} (medians)")
+    print(f"this tree: {med:.2f} s CPU (target 20 s: {'met' if med <= 20 else 'NOT met'})")
+    print(f"load average (1 min) over the runs: {min(loads):.2f}-{max(loads):.2f}")
+
+
+def cache_entries(cache_dir: str) -> set[str]:
+    """Every entry of a Numba cache directory: ``"INDEX-FILE SIGNATURE TARGET"``, from Numba's index files (a
+    pickled format version, then the pickled ``(stamp, overloads)``, keyed by signature and target first)."""
+    entries = set()
+    for index in Path(cache_dir).rglob("*.nbi"):
+        with open(index, "rb") as f:
+            pickle.load(f)  # Numba's version
+            _stamp, overloads = pickle.loads(f.read())
+        entries.update(f"{index.name} {key[0]} {key[1]}" for key in overloads)
+    return entries
+
+
+def same_entries(profiled: str, reproduced: str) -> int:
+    """Print whether the profile's cache entries (``profiled``) are those of a real ``kvfast reproduce``
+    (``reproduced``); 0 if they are, else 1."""
+    ours, theirs = cache_entries(profiled), cache_entries(reproduced)
+    if not theirs:
+        print(f"no Numba cache entries in {reproduced}")
+        return 1
+    print(f"Numba cache entries: this profile {len(ours)}, kvfast reproduce ({reproduced}) {len(theirs)}, "
+          f"the same set: {'yes' if ours == theirs else 'NO'}")  # fmt: skip
+    for label, extra in (("only in this profile", ours - theirs), ("only in kvfast reproduce", theirs - ours)):
+        for entry in sorted(extra):
+            print(f"  {label}: {entry[:200]}")
+    return 0 if ours == theirs else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="f64", choices=["f64", "f32", "bf16"])
     parser.add_argument("--all", action="store_true", help="also list nested compilations")
     parser.add_argument("--reproduce", action="store_true", help="every format kvfast reproduce runs, timed by step")
     parser.add_argument("--warm-check", action="store_true", help="a warm kvfast check of kvfast's model, whole")
-    parser.add_argument("--repeats", type=int, default=5, help="--warm-check: fresh processes timed (median)")
+    parser.add_argument(
+        "--repeats", type=int, default=None,
+        help="--warm-check (default 5), --reproduce (default: one run in this process; 5 with --baseline): fresh "
+        "processes timed (median)",
+    )  # fmt: skip
     parser.add_argument(
         "--serve", action="store_true",
         help="--warm-check: also time the check with `kvfast serve` running (interleaved; the fresh rounds with "
@@ -263,14 +347,30 @@ def main() -> int:
     )  # fmt: skip
     parser.add_argument(
         "--baseline", default=None, metavar="DIR",
-        help="--warm-check: also time the command on the kvfast source tree DIR (e.g. `git archive` of main), "
-        "interleaved",
+        help="--warm-check, --reproduce: also time the command on the kvfast source tree DIR (e.g. `git archive` "
+        "of main), interleaved",
+    )  # fmt: skip
+    parser.add_argument(
+        "--same-entries-as", default=None, metavar="DIR",
+        help="--reproduce: compare the cache entries written with those of a real kvfast reproduce in cache DIR",
     )  # fmt: skip
     args = parser.parse_args()
+    if args.same_entries_as is not None and not args.reproduce:
+        parser.error("--same-entries-as needs --reproduce")
+    if args.same_entries_as is not None and not Path(args.same_entries_as).is_dir():
+        parser.error(f"--same-entries-as: {args.same_entries_as} is not a directory")
+    if args.repeats is not None and args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    if args.baseline is not None and not (Path(args.baseline) / "kvfast" / "__init__.py").is_file():
+        parser.error(f"--baseline: {args.baseline} is not a kvfast source tree (no kvfast/__init__.py)")
     if args.warm_check:
-        warm_check(args.repeats, args.baseline, args.serve)
+        warm_check(args.repeats or 5, args.baseline, args.serve)
         return 0
-    os.environ["NUMBA_CACHE_DIR"] = tempfile.mkdtemp(prefix="kvfast-numba-")
+    if args.reproduce and (args.repeats is not None or args.baseline is not None):
+        reproduce_repeated(args.repeats or 5, args.baseline)
+        return 0
+    cache_dir = tempfile.mkdtemp(prefix="kvfast-numba-")
+    os.environ["NUMBA_CACHE_DIR"] = cache_dir
     c0 = time.process_time()
     from numba.core import event
 
@@ -327,7 +427,9 @@ def main() -> int:
     for seconds, depth, name, types in records:
         if depth == 0 or args.all:
             print(f"{seconds:7.2f}  {'  ' * depth}{name} {types[:150]}")
-    return 0
+    status = 0 if args.same_entries_as is None else same_entries(cache_dir, args.same_entries_as)
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    return status
 
 
 if __name__ == "__main__":
