@@ -182,3 +182,44 @@ def test_the_twin_cache_control_fails_under_the_kernels_own_name(tmp_path):
     fails (no CPython entry point), so the check above can fail."""
     run = _twin_then_python("control", tmp_path / "cache")
     assert run.returncode != 0 and run.stdout.strip() != "6.0"
+
+
+HITS = r"""
+import numpy as np
+from kvfast.kernels import reduce
+total = reduce.ordered_sum(np.arange(4.0), 0, 4, 0, 0, np.empty(reduce.STACK_DEPTH))
+print(total, sum(reduce.ordered_sum.stats.cache_hits.values()))
+"""
+
+
+def _hits_after_an_edit(tmp_path: Path, edited: str) -> list[str]:
+    """A copy of kvfast with a user-chosen ``NUMBA_CACHE_DIR``: ``ordered_sum`` (kvfast/kernels/reduce.py) called
+    in one process, the file ``edited`` (not reduce.py) changed by a comment, then called in another; each
+    process's result and its cache hits."""
+    import shutil
+
+    tree = tmp_path / "tree"
+    shutil.copytree(ROOT / "kvfast", tree / "kvfast", ignore=shutil.ignore_patterns("__pycache__"))
+    env = {**os.environ, "PYTHONPATH": str(tree), "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    outs = []
+    for step in range(2):
+        if step == 1:
+            with open(tree / "kvfast" / edited, "a") as f:
+                f.write("\n# edited\n")
+        run = subprocess.run([sys.executable, "-c", HITS], env=env, capture_output=True, text=True, cwd=tmp_path)
+        assert run.returncode == 0, run.stderr
+        outs.append(run.stdout.strip())
+    return outs
+
+
+def test_a_kernel_is_compiled_again_after_another_kvfast_numba_source_changes(tmp_path):
+    """In a cache directory the user chose, a kvfast kernel's entry is stamped with the hash of every kvfast Numba
+    source (``cache_guard.key_entries``): a changed constant in kvfast/model/bugs.py (read by kernels in other
+    files) makes an unchanged file's kernel a cache miss, never stale machine code."""
+    assert _hits_after_an_edit(tmp_path, "model/bugs.py") == ["6.0 0", "6.0 0"]
+
+
+def test_the_keyed_cache_control_hits_after_an_edit_outside_the_key(tmp_path):
+    """Control: an edit to a file outside the key (kvfast/validation.py uses no Numba) leaves the entry fresh: the
+    second process loads it (one hit), so the check above can fail."""
+    assert _hits_after_an_edit(tmp_path, "validation.py") == ["6.0 0", "6.0 1"]

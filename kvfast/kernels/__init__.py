@@ -6,7 +6,8 @@ module constant it reads (``kvfast/model/bugs.py``). A bit-exactness tool must
 never run stale machine code, so before any kernel is compiled or loaded this
 package points Numba's cache at a directory keyed by a hash of every kvfast
 source file that uses Numba (under ``$XDG_CACHE_HOME/kvfast/numba/`` or
-``~/.cache/kvfast/numba/``). Set ``NUMBA_CACHE_DIR`` yourself to override it.
+``~/.cache/kvfast/numba/``). Set ``NUMBA_CACHE_DIR`` yourself to override it: the same hash is then in
+every kvfast entry's freshness stamp, so an entry another kvfast version wrote there is compiled again.
 Child processes (sweep workers) inherit the choice through the environment.
 A damaged cache file is compiled again instead of failing the caller, and a directory
 that cannot be written is replaced by a private one, each said in one line on stderr
@@ -36,15 +37,15 @@ def source_key() -> str:
     return digest.hexdigest()[:16]
 
 
-def _default_cache_dir() -> Path:
+def _default_cache_dir(key: str) -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "kvfast" / "numba" / source_key()
+    return Path(base) / "kvfast" / "numba" / key
 
 
-def _choose_cache_dir() -> None:
+def _choose_cache_dir(key: str) -> None:
     """Point Numba at kvfast's cache directory (or the user's ``NUMBA_CACHE_DIR``), if it can be
     written; see :mod:`kvfast.kernels.cache_guard` for what happens when it cannot."""
-    wanted = Path(os.environ.get("NUMBA_CACHE_DIR") or _default_cache_dir())
+    wanted = Path(os.environ.get("NUMBA_CACHE_DIR") or _default_cache_dir(key))
     chosen = str(cache_guard.usable_cache_dir(wanted, wanted.name))
     if os.environ.get("NUMBA_CACHE_DIR") != chosen:
         os.environ["NUMBA_CACHE_DIR"] = chosen
@@ -52,5 +53,7 @@ def _choose_cache_dir() -> None:
             sys.modules["numba"].config.CACHE_DIR = chosen
 
 
-_choose_cache_dir()
+_KEY = source_key()  # (about 10 ms: read once)
+_choose_cache_dir(_KEY)
 cache_guard.install()
+cache_guard.key_entries(_PACKAGE, _KEY)

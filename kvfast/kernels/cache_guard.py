@@ -9,6 +9,12 @@ sweep stores every run as the model's error, again on every retry.
 :func:`install` wraps the two readers of ``numba.core.caching.IndexDataCacheFile``: a file that cannot
 be read back is treated as absent (the kernel is compiled again and its entry rewritten, which repairs
 the cache), and one line on stderr names the file and the directory to delete.
+:func:`key_entries` makes every cache entry of kvfast's own kernels depend on all of kvfast's Numba sources,
+not only the file that defines the kernel: Numba's freshness stamp of a cached function is its own file's
+hash, so a kernel whose file did not change but which reads a constant or calls a kernel from a changed file
+would load stale machine code from a cache directory the user chose (``NUMBA_CACHE_DIR``; kvfast's default
+directory is keyed by the same hash in its path). An entry written by another kvfast version is then a miss:
+compiled again and rewritten.
 :func:`usable_cache_dir` finds out, before any kernel is compiled, whether the cache directory can be
 written, and otherwise names it and falls back to a private directory under the system's temporary
 directory (Numba would otherwise compile every kernel again in every process, minutes each time).
@@ -71,6 +77,37 @@ def install() -> bool:
     IndexDataCacheFile._load_index = guarded_load_index
     IndexDataCacheFile._load_data = guarded_load_data
     IndexDataCacheFile._kvfast_guarded = True
+    return True
+
+
+def key_entries(package: Path, key: str) -> bool:
+    """Stamp the cache entries of the functions defined under ``package`` with ``key`` besides Numba's own
+    stamp of their file (once per process; a later call's ``key`` is ignored); False if this Numba has no such
+    locator classes."""
+    try:
+        from numba.core.caching import CacheImpl, UserProvidedCacheLocator
+    except ImportError:  # pragma: no cover - another Numba's internals
+        return False
+    if any(getattr(cls, "_kvfast_keyed", False) for cls in CacheImpl._locator_classes):
+        return True
+    root = str(package.resolve()) + os.sep
+
+    class KeyedLocator(UserProvidedCacheLocator):
+        """Numba's locator for a user-provided cache directory (kvfast always sets one), for kvfast's own
+        files only, with ``key`` in the freshness stamp."""
+
+        _kvfast_keyed = True
+
+        @classmethod
+        def from_function(cls, py_func, py_file):
+            if not os.path.realpath(py_file).startswith(root):
+                return None  # the user's own kernels: Numba's locators, as without kvfast
+            return super().from_function(py_func, py_file)
+
+        def get_source_stamp(self):
+            return (super().get_source_stamp(), key)
+
+    CacheImpl._locator_classes = [KeyedLocator, *CacheImpl._locator_classes]
     return True
 
 
