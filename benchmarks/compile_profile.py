@@ -357,6 +357,10 @@ def main() -> int:
     args = parser.parse_args()
     if args.same_entries_as is not None and not args.reproduce:
         parser.error("--same-entries-as needs --reproduce")
+    if args.same_entries_as is not None and (args.repeats is not None or args.baseline is not None):
+        parser.error("--same-entries-as: one profile in this process; not allowed with --repeats or --baseline")
+    if (args.repeats is not None or args.baseline is not None) and not (args.reproduce or args.warm_check):
+        parser.error("--repeats and --baseline need --reproduce or --warm-check")
     if args.same_entries_as is not None and not Path(args.same_entries_as).is_dir():
         parser.error(f"--same-entries-as: {args.same_entries_as} is not a directory")
     if args.repeats is not None and args.repeats < 1:

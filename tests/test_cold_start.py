@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -196,8 +197,6 @@ def _hits_after_an_edit(tmp_path: Path, edited: str) -> list[str]:
     """A copy of kvfast with a user-chosen ``NUMBA_CACHE_DIR``: ``ordered_sum`` (kvfast/kernels/reduce.py) called
     in one process, the file ``edited`` (not reduce.py) changed by a comment, then called in another; each
     process's result and its cache hits."""
-    import shutil
-
     tree = tmp_path / "tree"
     shutil.copytree(ROOT / "kvfast", tree / "kvfast", ignore=shutil.ignore_patterns("__pycache__"))
     env = {**os.environ, "PYTHONPATH": str(tree), "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
