@@ -24,7 +24,7 @@ else:
 
 from kvfast.bugs.hf import inject_hf_bug  # noqa: E402
 from kvfast.bugs.operations import OP_BUGS, WINDOW_BUG, inject_op_bug, op_first_acting_step  # noqa: E402
-from kvfast.check import check_cache, hf_ops  # noqa: E402
+from kvfast.check import check_cache  # noqa: E402
 from kvfast.check.hf import MISTRAL_WINDOW, HFModel, tiny_model  # noqa: E402
 from kvfast.check.scenarios import BRANCH  # noqa: E402
 from kvfast.studies.hf_common import prompt_and_continuation  # noqa: E402
@@ -42,10 +42,12 @@ LONG_PROMPT = list(range(3, 3 + MISTRAL_WINDOW + 4))  # longer than Mistral's wi
 #: before, the rollback of a static cache is skipped with a note (tests/test_check_hf_releases.py)
 STATIC_CROPS = callable(getattr(transformers.cache_utils.StaticLayer, "crop", None))
 NO_STATIC_CROP = "this transformers release's StaticLayer has no crop(): a static rollback is skipped (5.24 on: runs)"
-NO_RECORDING = (
-    "a sliding-window layer keeps its past for a rollback from transformers 5.18 on; before, the "
-    "rollback past the window is skipped with a note (tests/test_check_hf_releases.py)"
+#: Whether the installed release offers past recording (5.15 on), which lets a sliding-window layer roll back past
+#: its window; before, that rollback is skipped with a note (tests/test_check_hf_releases.py)
+RECORDS_PAST = callable(
+    getattr(getattr(transformers.cache_utils, "DynamicSlidingWindowLayer", None), "activate_past_recording", None)
 )
+NO_RECORDING = "this transformers release has no past recording: a rollback past the window is skipped"
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -85,7 +87,7 @@ def test_clean_models_are_never_a_bug_nor_inconclusive(family, dtype):
         _assert_clean(report)
 
 
-@pytest.mark.skipif(not hf_ops.records_past_across_calls(), reason=NO_RECORDING)
+@pytest.mark.skipif(not RECORDS_PAST, reason=NO_RECORDING)
 def test_mistral_rolls_back_past_its_window():
     model = tiny_model("mistral", "float32", "sdpa", 0)
     report = check_cache(model, LONG_PROMPT, 12, mode="control", scenarios=OPS)
@@ -237,7 +239,7 @@ def tiny_hybrid(kind: str, dtype: str = "float32", seed: int = 0):
 ALL_OPS = ("decode", "resume", *OPS)
 
 
-@pytest.mark.skipif(not hf_ops.records_past_across_calls(), reason=NO_RECORDING)
+@pytest.mark.skipif(not RECORDS_PAST, reason=NO_RECORDING)
 def test_a_hybrid_cache_through_every_scenario():
     model = tiny_hybrid("gemma3")
     report = check_cache(model, list(range(3, 15)), 16, mode="control", scenarios=ALL_OPS)
@@ -289,8 +291,8 @@ def test_a_window_that_evicts_one_too_many_is_found_where_it_first_acts(kind, pr
     clean = check_cache(HFModel(model, new_cache=new_cache), prompt, 16, mode="control", scenarios=ALL_OPS)
     assert bad.verdict == "bug" and clean.verdict == "rounding", clean.format()
     for name, report in bad.scenarios.items():
-        if report.verdict == "skipped":  # a static window cannot roll back (nor, before 5.18, a dynamic one)
-            assert name == "rollback" and (static_cache or not hf_ops.records_past_across_calls())
+        if report.verdict == "skipped":  # a static window cannot roll back (nor, before 5.15, a dynamic one)
+            assert name == "rollback" and (static_cache or not RECORDS_PAST)
             continue
         want = op_first_acting_step(WINDOW_BUG, name, 16, prompt_len, window)
         assert want is not None and report.first_bug_step == want, bad.format()

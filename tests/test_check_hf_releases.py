@@ -32,6 +32,7 @@ from packaging.version import Version  # noqa: E402 (a dependency of transformer
 from kvfast.check import check_cache, hf_ops  # noqa: E402
 from kvfast.check.hf import MISTRAL_WINDOW, HFModel, tiny_model  # noqa: E402
 from kvfast.check.options import ALL_SCENARIOS  # noqa: E402
+from kvfast.check.protocol import ModelUnderTestError  # noqa: E402
 
 RELEASE = Version(transformers.__version__)
 PROMPT = list(range(3, 3 + MISTRAL_WINDOW + 4))  # longer than Mistral's window
@@ -58,9 +59,18 @@ def adapter(family: str, cache: str, dtype: str, attention: str) -> HFModel:
     return HFModel(model)
 
 
-def _assert_ran_or_skipped_with_reason(report, allowed: tuple[str, ...]) -> None:
+def declares_croppable(model, prompt) -> bool:
+    """Whether the installed release declares the model's prefilled cache croppable (``Cache.is_croppable``, from
+    5.24 on): its rollback must then run, never be skipped (5.25: static caches, Mamba and Mamba-2 too)."""
+    hf = model if isinstance(model, HFModel) else HFModel(model)
+    hf.prefill(prompt)
+    return getattr(hf.cache, "is_croppable", False) is True
+
+
+def _assert_ran_or_skipped_with_reason(report, allowed: tuple[str, ...], croppable: bool = False) -> None:
     for name, scenario in report.scenarios.items():
         if scenario.verdict == "skipped":
+            assert not (croppable and name == "rollback"), report.format()
             assert scenario.notes, report.format()
             assert f"transformers {transformers.__version__}" in scenario.notes[0], (name, scenario.notes)
         else:
@@ -70,16 +80,20 @@ def _assert_ran_or_skipped_with_reason(report, allowed: tuple[str, ...]) -> None
 @pytest.mark.parametrize("scenario", ALL_SCENARIOS)
 @pytest.mark.parametrize(("family", "cache"), MODELS)
 def test_control_mode_finds_no_bug_in_a_clean_model(family, cache, scenario):
-    report = check_cache(adapter(family, cache, "float32", "sdpa"), PROMPT, STEPS, mode="control", scenarios=scenario)
-    _assert_ran_or_skipped_with_reason(report, ("rounding",))
+    model = adapter(family, cache, "float32", "sdpa")
+    croppable = declares_croppable(model, PROMPT)
+    report = check_cache(model, PROMPT, STEPS, mode="control", scenarios=scenario)
+    _assert_ran_or_skipped_with_reason(report, ("rounding",), croppable)
 
 
 @pytest.mark.parametrize("scenario", ALL_SCENARIOS)
 @pytest.mark.parametrize(("family", "cache"), MODELS)
 def test_exact_mode_finds_a_bit_exact_model_exact(family, cache, scenario):
     """bfloat16 eager attention: cache and recompute agree bit for bit (docs/check.md), in every release."""
-    report = check_cache(adapter(family, cache, "bfloat16", "eager"), PROMPT, STEPS, mode="exact", scenarios=scenario)
-    _assert_ran_or_skipped_with_reason(report, ("exact",))
+    model = adapter(family, cache, "bfloat16", "eager")
+    croppable = declares_croppable(model, PROMPT)
+    report = check_cache(model, PROMPT, STEPS, mode="exact", scenarios=scenario)
+    _assert_ran_or_skipped_with_reason(report, ("exact",), croppable)
 
 
 @pytest.mark.parametrize("prompt", [PROMPT, SHORT_PROMPT], ids=["long", "short"])
@@ -95,15 +109,14 @@ def test_a_state_space_model_is_checked_on_every_release(architecture, scenario,
     model = tiny_architecture(architecture, "float32", "auto", 0)
     if scenario == "resume" and architecture == "mamba" and HFModel(model).cache_arg != "cache_params":
         pytest.skip("Mamba's multi-token continuation restarts its state: a real finding (docs/check.md)")
+    croppable = declares_croppable(model, prompt)
     report = check_cache(model, prompt, STEPS, mode="control", scenarios=scenario)
-    _assert_ran_or_skipped_with_reason(report, ("rounding",))
+    _assert_ran_or_skipped_with_reason(report, ("rounding",), croppable)
 
 
 def test_crop_zero_is_asked_of_the_release():
-    """The installed release says what ``crop(0)`` does, and whether its past recording survives several forwards
-    without a crop; its answers are those its sources give (5.14 and 5.18)."""
+    """The installed release says what ``crop(0)`` does; its answer is the one its sources give (5.14)."""
     assert hf_ops.crop_zero_removes_nothing() is (RELEASE >= Version("5.14"))
-    assert hf_ops.records_past_across_calls() is (RELEASE >= Version("5.18"))
     assert hf_ops.crop_argument(None, 3) == -3
     assert hf_ops.crop_argument(None, 0) == (0 if RELEASE >= Version("5.14") else None)
 
@@ -143,3 +156,46 @@ def test_a_cache_without_reorder_is_skipped_with_the_release_named():
     hf.cache = NoReorder()
     with pytest.raises(NotImplementedError, match=rf"transformers {transformers.__version__}: NoReorder has no"):
         hf.reorder(np.array([1, 0]))
+
+
+class RefusingCache(transformers.DynamicCache):
+    """A release that refuses to roll back or reorder: its own call raises."""
+
+    def crop(self, tokens_to_remove):
+        raise RuntimeError("this release cannot crop\nsecond line")
+
+    def reorder_cache(self, beam_idx):
+        raise RuntimeError("this release cannot reorder")
+
+
+class BreakingCache(transformers.DynamicCache):
+    """A release that accepts a rollback and leaves the cache broken: the next forward raises."""
+
+    def crop(self, tokens_to_remove):
+        super().crop(tokens_to_remove)
+        if tokens_to_remove:
+            for layer in self.layers:
+                layer.keys = layer.keys[..., :1]  # a head dimension of 1: the next update cannot concatenate
+
+
+def _llama_over(cache_class) -> HFModel:
+    return HFModel(tiny_model("llama", "float32", "sdpa"), new_cache=cache_class)
+
+
+def test_an_operation_the_release_refuses_is_skipped_naming_the_release_and_the_refusal():
+    report = check_cache(_llama_over(RefusingCache), PROMPT, STEPS, mode="control", scenarios=["rollback", "reorder"])
+    for name, call in (("rollback", "crop(0)" if hf_ops.crop_argument(None, 0) == 0 else "crop(-1)"),
+                       ("reorder", "reorder_cache()")):  # fmt: skip
+        scenario = report.scenarios[name]
+        assert scenario.verdict == "skipped", report.format()
+        want = f"transformers {transformers.__version__} refuses RefusingCache.{call}: RuntimeError: this release"
+        assert want in scenario.notes[0] and "second line" not in scenario.notes[0], scenario.notes
+    control = check_cache(_llama_over(transformers.DynamicCache), PROMPT, STEPS, mode="control",
+                          scenarios=["rollback", "reorder"])  # fmt: skip
+    assert {s.verdict for s in control.scenarios.values()} == {"rounding"}, control.format()
+
+
+def test_a_rollback_the_release_accepts_and_then_breaks_is_the_models_failure():
+    with pytest.raises(ModelUnderTestError, match=r"model\.decode\(\d+\) raised RuntimeError") as failed:
+        check_cache(_llama_over(BreakingCache), PROMPT, STEPS, mode="control", scenarios="rollback")
+    assert "transformers" not in str(failed.value).split(" raised ")[0]

@@ -7,13 +7,16 @@
   records its past back to its window), but keeps 0 positions, i.e. empties the cache, before 5.14, where a
   rollback of nothing is therefore no call at all. As ``generate`` does for a cache it may roll back, the
   first crop (the rollback scenario calls ``crop(length)`` right after the prefill, a rollback of nothing)
-  activates the cache's past recording (``activate_past_recording``), so that a sliding-window layer keeps
-  the positions a later rollback needs: from 5.18 on only (:func:`records_past_across_calls`; 5.15 to 5.17
-  need a crop after every forward, which one-token draft calls cannot give). A cache the release cannot
-  roll back (:func:`cannot_crop`: a tuple cache, a layer with no ``crop`` such as 5.0's ``StaticLayer``, a
-  layer transformers marks not croppable, a linear-attention layer that records no past, a sliding-window
-  layer past its window that recorded no past, as before 5.18) raises ``NotImplementedError`` naming the
-  release and the reason, before the cache is changed: the scenario is skipped with a note.
+  activates the cache's past recording (``activate_past_recording``, once per cache: a second call forgets
+  what was recorded), wherever the release offers it, so that sliding-window and linear-attention layers keep
+  the positions and states a later rollback needs.
+- Skipped, never the model's error: a cache the release cannot roll back (:func:`cannot_crop`: a tuple cache,
+  a layer with no ``crop`` such as 5.0's ``StaticLayer``, a layer transformers marks not croppable, a
+  linear-attention layer with no past recording, a sliding-window layer past its window with no past
+  recording) raises ``NotImplementedError`` naming the release and the reason before the cache is changed;
+  so does a crop, reorder or recording call that the release itself refuses by raising (:func:`refused`).
+  What goes wrong after the release accepted the call (the next forward raises, or its logits differ) is
+  the model's failure, reported as any other: a release's wrong behaviour is a finding.
 - ``snapshot()``: a ``copy.deepcopy`` of the cache and of the adapter's bookkeeping (length, decode
   count); ``restore(state)``: a fresh deep copy of it (a state may be restored again), with the adapter's
   ``_wrap_cache`` hook run on the copy.
@@ -91,32 +94,6 @@ def crop_argument(cache, remove: int) -> int | None:
     return 0
 
 
-@functools.cache
-def records_past_across_calls() -> bool:
-    """Whether the installed release's past recording (``activate_past_recording``) lets several forwards run
-    without a crop between them (5.18 on: a recording sliding-window layer hands the attention only the
-    positions its mask covers). From 5.15 to 5.17 a recording layer hands it every position recorded, and a
-    second forward without a crop raises in the attention (the mask covers the window only), so kvfast
-    records nothing there (the rollback scenario decodes one draft token per call): a sliding-window layer
-    then cannot roll back past its window, and the scenario is skipped. Asked of the release: a recording
-    ``DynamicSlidingWindowLayer`` of window 2, updated three times by one position, must return 2."""
-    import torch
-
-    try:
-        from transformers.cache_utils import DynamicSlidingWindowLayer
-
-        layer = DynamicSlidingWindowLayer(sliding_window=2)
-        if not callable(getattr(layer, "activate_past_recording", None)):
-            return False
-        layer.activate_past_recording()
-        kv = torch.zeros(1, 1, 1, 1)
-        for _ in range(3):
-            keys, _ = layer.update(kv, kv)
-        return int(keys.shape[-2]) == 2
-    except Exception:  # noqa: BLE001 - a release that cannot be asked: record nothing
-        return False
-
-
 def _is_linear_attention(layer) -> bool:
     return any(k.__name__ == "LinearAttentionCacheLayerMixin" for k in type(layer).__mro__)
 
@@ -144,21 +121,31 @@ def cannot_crop(cache, remove: int) -> str | None:
             return f"transformers marks the cache's {name} layers not croppable"
         if _is_linear_attention(layer) and not callable(getattr(layer, "activate_past_recording", None)):
             return f"its {name} layers' crop() leaves their states as they are (no past recording before 5.14)"
-        if _is_linear_attention(layer) and not records_past_across_calls():
-            return f"its {name} layers keep their states for a crop only with a past recording ({_NO_RECORDING})"
         if remove > 0 and _past_window(layer):
             return (
                 f"its {name} layers have seen their window of {layer.sliding_window} positions and kept no past, so "
-                f"they cannot be cropped past it (a past recording: {_NO_RECORDING})"
+                "they cannot be cropped past it (no past recording before 5.15)"
             )
     return None
 
 
-#: Why kvfast records no past on a release (:func:`records_past_across_calls` is false), as notes say it.
-_NO_RECORDING = (
-    "kvfast records a cache's past from transformers 5.18 on; before, a recording cache needs a crop after every "
-    "forward, and the rollback scenario decodes one draft token per call"
-)
+def _records_past(cache) -> bool:
+    return any(getattr(layer, "record_past", False) is True for layer in _layers(cache))
+
+
+def refused(cache, operation: str, call, *args) -> None:
+    """``call(*args)``, the installed release's own cache operation (``cache.crop(-r)``, ``reorder_cache``,
+    ``activate_past_recording``): whatever it raises is the release refusing the operation, not the model's
+    error, and becomes ``NotImplementedError`` naming the release, the call and the refusal (the scenario is
+    skipped with that note). A call that returns is accepted: what goes wrong after it (the next forward) is
+    reported as the model's, as any other failure."""
+    try:
+        call(*args)
+    except Exception as exc:  # noqa: BLE001 - any refusal of the release's own operation
+        reason = (str(exc).strip().splitlines() or [""])[0]
+        raise NotImplementedError(
+            f"{release()} refuses {type(cache).__name__}.{operation}: {type(exc).__name__}: {reason}"
+        ) from exc
 
 
 def crop(adapter, n: int) -> None:
@@ -171,12 +158,13 @@ def crop(adapter, n: int) -> None:
     why = cannot_crop(cache, adapter.length - n)
     if why is not None:
         raise NotImplementedError(f"{release()}: {why}")
-    if records_past_across_calls() and callable(getattr(cache, "activate_past_recording", None)):
-        cache.activate_past_recording()  # idempotent; generate does it before it may roll back
+    if callable(getattr(cache, "activate_past_recording", None)) and not _records_past(cache):
+        # once per cache, as generate does after its prefill: a second call forgets the states already recorded
+        refused(cache, "activate_past_recording()", cache.activate_past_recording)
     n = adapter._crop_keep(n, adapter.length)
     argument = crop_argument(cache, adapter.length - n)
     if argument is not None:
-        cache.crop(argument)
+        refused(cache, f"crop({argument})", cache.crop, argument)
     adapter.length = n
     adapter.decoded = max(0, n - adapter.prefill_len)
 
@@ -363,7 +351,7 @@ def reorder(adapter, index) -> None:
     if stuck:
         raise NotImplementedError(f"{release()}: its {stuck[0]} layers have no reorder_cache()")
     idx = torch.as_tensor(np.asarray(index, dtype=np.int64))
-    adapter._reorder_cache(cache, idx)
+    refused(cache, "reorder_cache()", adapter._reorder_cache, cache, idx)
 
 
 # --- a left-padded batch (the padded scenario, kvfast.check.scenarios) ------------------------------------

@@ -45,7 +45,7 @@ class Case:
       away); ``branch_prompt`` and ``branch_tokens``: the second sequence of fork, reorder and padded (run in every
       case of them; judged in ``fork-branch``, ``reorder-beam``, ``padded-row``).
     - ``calls``: how ``generate`` calls the model (``cache_arg``, ``own_cache``, ``mask`` per call kind
-      ``prefill``/``chunk``/``decode``, ``positions``, ``cache_position``, ``record_past``, ``takes_mask``,
+      ``prefill``/``chunk``/``decode``, ``positions``, ``cache_position``, ``takes_mask``,
       ``takes_position_ids``; ``cache_class`` and ``max_cache_len`` where the model is given a
       :data:`SCRIPT_CACHES` cache).
     - ``bug``: ``(catalogue, name)`` of an injected catalogue bug (the script then carries it), ``None`` for a
@@ -181,7 +181,6 @@ def _injected(adapter) -> tuple[str, str] | None:
 
 def _calls(adapter) -> dict:
     """How ``generate`` calls the model, as ``adapter`` measured it (its answers after a check)."""
-    from kvfast.check import hf_ops
 
     mask = {"prefill": True, "chunk": True, "decode": True}
     for (first, n, _cache_type), passes in adapter._mask_as_generate.items():
@@ -193,7 +192,6 @@ def _calls(adapter) -> dict:
         "mask": mask if adapter.takes_mask else {k: False for k in mask},
         "positions": bool(adapter._generate_positions()),
         "cache_position": bool(adapter.takes_cache_position),
-        "record_past": bool(hf_ops.records_past_across_calls()),
         "takes_mask": bool(adapter.takes_mask),
         "takes_position_ids": bool(adapter.takes_position_ids),
     }

@@ -153,8 +153,11 @@ class CachedPath:
 
     def crop(self, n):
         """Keep the first n positions (a rollback): cache.crop(-r) removes r positions in every release."""
-        if CALLS["record_past"] and callable(getattr(self.cache, "activate_past_recording", None)):
-            self.cache.activate_past_recording()
+        layers = getattr(self.cache, "layers", None) or []
+        if callable(getattr(self.cache, "activate_past_recording", None)) and not any(
+            getattr(layer, "record_past", False) is True for layer in layers
+        ):
+            self.cache.activate_past_recording()  # once, as generate does: a second call forgets what was recorded
         n = self.crop_keep(n, self.length)
         if self.length > n:
             self.cache.crop(n - self.length)
