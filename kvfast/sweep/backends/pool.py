@@ -105,30 +105,41 @@ def shutdown(pool, kill: bool) -> None:
         for proc in list((getattr(pool, "_processes", None) or {}).values()):
             with contextlib.suppress(Exception):
                 kill_worker(proc.pid)
-    with contextlib.suppress(Exception):
-        if hasattr(pool, "_flags"):  # loky's executor
-            pool.shutdown(wait=not kill, kill_workers=kill)
-        else:
-            pool.shutdown(wait=not kill, cancel_futures=True)
-    # Let the pool's manager thread finish closing its wake-up pipe now (with ``kill`` its workers are dead: it
-    # ends at once; without, ``shutdown(wait=True)`` joined it already). Python 3.11's exit hook for process pools
-    # (``concurrent.futures.process._python_exit``) writes to the wake-up pipe of every pool whose manager thread
-    # is registered, without the pool's lock: if the thread is closing that pipe at the same moment (this process
-    # exiting right after a sweep, or a Ctrl-C), the hook prints an OSError traceback. A thread still alive after
-    # the wait is unregistered, so the hook never writes to its pipe.
-    manager = getattr(pool, "_executor_manager_thread", None)
-    if manager is not None and manager is not threading.current_thread():
+    if hasattr(pool, "_flags"):  # loky's executor (its exit hook wakes a manager thread under the pool's lock)
         with contextlib.suppress(Exception):
-            manager.join(timeout=MANAGER_JOIN_SECONDS)
-        if manager.is_alive():
-            with contextlib.suppress(Exception):
-                from concurrent.futures import process
+            pool.shutdown(wait=not kill, kill_workers=kill)
+        return
+    with _manager_thread_ended(pool), contextlib.suppress(Exception):
+        pool.shutdown(wait=not kill, cancel_futures=True)
 
-                process._threads_wakeups.pop(manager, None)
+
+@contextlib.contextmanager
+def _manager_thread_ended(pool: ProcessPoolExecutor) -> Iterator[None]:
+    """Wrapped around ``pool.shutdown``: after it, wait (at most :data:`MANAGER_JOIN_SECONDS`) for the pool's
+    manager thread to end; one still alive is taken off the list of Python's exit hook for process pools.
+
+    Written for CPython 3.11 (3.11.7; no 3.11 release has the fix), 3.12 before 3.12.8 and 3.13.0. Their exit hook
+    (``concurrent.futures.process._python_exit``) writes to the wake-up pipe of every manager thread listed in
+    ``_threads_wakeups`` without a lock, while the thread may be closing that pipe (``join_executor_internals``):
+    ``OSError: [Errno 9] Bad file descriptor`` printed at exit after a sweep that succeeded. 3.12.8 and 3.13.1 give
+    the pipe a lock of its own (gh-125451); there this is only a wait. CPython private names, read with defaults
+    (gone: nothing done, and tests/test_sweep_pool_exit.py fails): the pool's ``_executor_manager_thread``, read
+    before ``shutdown`` since ``shutdown(wait=False)`` (every ``kill``) sets it to None, and ``_threads_wakeups``.
+    """
+    manager = getattr(pool, "_executor_manager_thread", None)
+    yield
+    if manager is None or manager is threading.current_thread():  # a future's done-callback runs in that thread
+        return
+    manager.join(timeout=MANAGER_JOIN_SECONDS)
+    if manager.is_alive():
+        from concurrent.futures import process
+
+        getattr(process, "_threads_wakeups", {}).pop(manager, None)
 
 
 MANAGER_JOIN_SECONDS = 5.0
-"""How long :func:`shutdown` waits for a pool's manager thread to end."""
+"""How long :func:`shutdown` waits for a pool's manager thread to end (with ``kill`` its workers are dead: it ends
+at once; without, ``shutdown(wait=True)`` joined it already)."""
 
 
 class ProcessPoolBackend(ParallelBackendBase):
