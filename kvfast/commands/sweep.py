@@ -149,7 +149,7 @@ def add_exec_options(p: argparse.ArgumentParser) -> None:
     """``--jobs N`` (validated: an integer >= 1) and ``--quiet``: how a grid runs (``kvfast run``, ``reproduce``,
     ``scan``)."""
     p.add_argument("--jobs", type=_jobs, default=None, metavar="N", help="worker processes (default: all cores)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress (a bar, or a line every few seconds)")
 
 
 def _table(df: pd.DataFrame) -> str:

@@ -49,8 +49,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from kvfast.runtime import INTERRUPTED, on_sigint
 from kvfast.sweep.backends import NOTHING_LOST, Job, Outcome, backend_module, execute, supervised
 from kvfast.sweep.backends.inline import CHUNK as INLINE_CHUNK
@@ -58,6 +56,7 @@ from kvfast.sweep.grid import Grid, Run
 from kvfast.sweep.limits import check_disk, check_memory
 from kvfast.sweep.options import BACKENDS, SweepOptions
 from kvfast.sweep.plan import Pending, checked_key, find_pending, pending_runs, split_warmup
+from kvfast.sweep.progress import meter, runs_per_second
 from kvfast.sweep.rows import RunLimits, run_one
 from kvfast.sweep.store import (
     FORMAT,
@@ -98,17 +97,6 @@ def _dask_client(n_jobs: int, scheduler: str | None):
     from kvfast.sweep.backends.dask import dask_client
 
     return dask_client(n_jobs, scheduler)
-
-
-def runs_per_second(runs: int, seconds: float) -> str:
-    """``runs / seconds`` as printed: whole numbers from 100 up (``1,234``), else two significant digits (``0.49``,
-    ``3.5``, ``12``), never rounded to ``0``; ``0`` when nothing ran, ``-`` with no time measured."""
-    if seconds <= 0:
-        return "0" if runs == 0 else "-"
-    rate = runs / seconds
-    if rate >= 100 or rate == 0:
-        return f"{rate:,.0f}"
-    return np.format_float_positional(rate, precision=2, unique=False, fractional=False, trim="-")
 
 
 @dataclass
@@ -272,7 +260,7 @@ def _sweep_locked(grid: Grid, store: ResultsDir, options: SweepOptions, client, 
     study = grid.study
     manifest, stored, pending = _start(grid, store, options)
     report = SweepReport(study.name, store.path, len(grid), len(grid) - pending.total, workers=options.jobs)
-    progress = _progress(pending.total, study.name, options.quiet)
+    progress = meter(len(grid), report.skipped, study.name, options.quiet)
     writer = Writer(store, study, progress)
     writer.watch = pending.retried
     try:
@@ -427,10 +415,3 @@ def _warm_up(job: Job, runs: Iterator[Run], total: int, writer: Writer, crashed:
             preheat.join()
     writer.recent.clear()
     return rest, total - len(local) - len(others), helpers
-
-
-def _progress(total: int, desc: str, quiet: bool):
-    from tqdm import tqdm
-
-    disable = quiet or not sys.stderr.isatty()
-    return tqdm(total=total, desc=desc, unit="run", disable=disable, dynamic_ncols=True, smoothing=0.1)
