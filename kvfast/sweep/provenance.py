@@ -27,8 +27,6 @@ def provenance(grid: Grid) -> dict:
 
     The study's module: the one its grid names (``study = "package.module:STUDY"``), else the one that defines its
     run function. Unknown values are ``None``."""
-    import kvfast
-
     ref = grid.study_ref
     name = ref.split(":")[0] if isinstance(ref, str) and ":" in ref else getattr(grid.study.run, "__module__", None)
     file = getattr(sys.modules.get(name or ""), "__file__", None)
@@ -39,7 +37,7 @@ def provenance(grid: Grid) -> dict:
         except OSError:
             pass
         study.update(git_state(Path(file)))
-    return {"kvfast": git_state(Path(kvfast.__file__)), "study": study}
+    return {"kvfast": git_state(Path(__file__).resolve().parents[1] / "__init__.py"), "study": study}
 
 
 def git_state(path: Path) -> dict:
