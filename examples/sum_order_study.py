@@ -12,7 +12,7 @@ values, in float64 -- exact to the last bit of a double for these sizes). Result
 ``total`` (the float32 sum), ``abs_err`` (|total - exact|) and ``ulps`` (that error in float32 ulps
 of the exact sum).
 
-The :class:`~kvfast.studies.base.Study` contract, in this file's terms:
+The :class:`kvfast.sweep.Study` contract, in this file's terms:
 
 - ``config_fields`` / ``result_fields``: column name -> Arrow type; the grid must set every config
   field, and ``run`` must return exactly the result fields (else the run is an ``error`` row).
@@ -33,7 +33,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from kvfast.studies.base import Claim, Study
+from kvfast.sweep import Claim, Study
 from kvfast.validation import not_allowed, require_int
 
 ORDERS = ("sequential", "pairwise", "sorted")

@@ -28,7 +28,7 @@ import time
 import numpy as np
 import pyarrow as pa
 
-from kvfast.studies.base import Study
+from kvfast.sweep import Study
 
 MODES = (
     "ok",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 
 import numpy as np
 import pyarrow as pa
@@ -143,6 +144,9 @@ def test_run_id_of_a_grid_run_does_not_depend_on_how_the_grid_is_written():
         (lambda s: s["fixed"].update(seed=1), "key 'seed' is set twice"),
         (lambda s: s.update(tied=[{"n_layer": [1, 2], "n_head": [1]}]), "arrays have different lengths"),
         (lambda s: s["axes"].update(n_head=["2"]), "n_head: '2' is not allowed"),
+        (lambda s: s["axes"].update(seed={"range": [5, 5]}), r"axes.seed: \{'range': \[5, 5\]\} is empty"),
+        (lambda s: s["axes"].update(seed={"range": [5, 0]}), r"axes.seed: \{'range': \[5, 0\]\} is empty"),
+        (lambda s: s.update(tied=[{"n_layer": {"range": [1, 1]}, "n_head": [1]}]), r"tied\[0\].n_layer: .* is empty"),
     ],
 )
 def test_bad_grids_are_refused_naming_field_value_and_allowed(mutate, match):
@@ -152,6 +156,62 @@ def test_bad_grids_are_refused_naming_field_value_and_allowed(mutate, match):
     mutate(spec)
     with pytest.raises(ValueError, match=match):
         grid_from_spec(spec)
+
+
+def test_a_range_is_the_array_of_integers_it_names(tmp_path):
+    """``{range = [START, STOP(, STEP)]}`` gives the runs, ids and order of the array Python's ``range`` makes, as
+    an axis, in a tied group and in a union entry; read from TOML text."""
+    path = tmp_path / "r.toml"
+    head = 'study = "exactness"\n[fixed]\nvocab = 32\nd_model = 16\nd_ff = 32\nprompt_len = 3\norder = "sequential"\n'
+    path.write_text(
+        head + 'preset = "f64"\n[axes]\nseed = {range = [0, 100]}\nn_layer = {range = [3, 0, -2]}\n'
+        "[[tied]]\nn_head = {range = [1, 3]}\nsteps = [4, 8]\n"
+    )
+    listed = tmp_path / "l.toml"
+    listed.write_text(
+        head + 'preset = "f64"\n[axes]\nseed = ' + str(list(range(100))) + "\nn_layer = [3, 1]\n"
+        "[[tied]]\nn_head = [1, 2]\nsteps = [4, 8]\n"
+    )
+    ranged, written = load_grid(str(path)), load_grid(str(listed))
+    assert len(ranged) == 100 * 2 * 2
+    assert ranged.runs == written.runs
+    # a control: another range is another grid
+    path.write_text(path.read_text().replace("[0, 100]", "[0, 100, 5]"))
+    stepped = load_grid(str(path))
+    assert [r.config["seed"] for r in stepped.runs[::4]] == list(range(0, 100, 5))
+    assert len(stepped) == 20 * 2 * 2 and stepped.runs != written.runs
+    union = exact_spec()
+    union["union"] = [{"axes": {"seed": {"range": [0, 3]}}}, {"axes": {"seed": {"range": [2, 5]}}}]
+    assert [r.config["seed"] for r in grid_from_spec(union).runs] == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"range": [0, 9, 0]},
+        {"range": [0.0, 9]},
+        {"range": [True, 9]},
+        {"range": [9]},
+        {"range": [0, 9, 1, 1]},
+        {"range": [0, 9], "step": 2},
+        {"range": "0..9"},
+        {"start": 0, "stop": 9},
+    ],
+)
+def test_a_range_of_another_form_is_refused_naming_the_axis_and_the_form(bad):
+    form = r"allowed: an array of values, or \{range = \[START, STOP\]\} or \{range = \[START, STOP, STEP\]\}"
+    with pytest.raises(ValueError, match=rf"^<grid>: axes.seed: {re.escape(repr(bad))} is not allowed; {form}"):
+        grid_from_spec(exact_spec(seed=bad))
+    assert len(grid_from_spec(exact_spec(seed={"range": [0, 9, 2]}))) == 5  # a control: the form allowed
+
+
+def test_a_range_longer_than_the_run_limit_is_refused_before_it_is_expanded():
+    spec = exact_spec(seed={"range": [0, 10**15]})
+    with pytest.raises(ValueError, match=r"axes.seed: .* is 1,000,000,000,000,000 values; allowed: at most 10,000,000"):
+        grid_from_spec(spec)  # expanded, this range would not fit in memory: refused at once
+    assert len(grid_from_spec(exact_spec(seed={"range": [0, 5]}), max_runs=5)) == 5  # a control: at the limit
+    with pytest.raises(ValueError, match=r"axes.seed: .* is 6 values; allowed: at most 5, the most runs"):
+        grid_from_spec(exact_spec(seed={"range": [0, 6]}), max_runs=5)
 
 
 def test_toml_errors_and_unknown_grid(tmp_path):
@@ -179,14 +239,13 @@ def test_schema_is_explicit():
 
 
 def test_the_toml_examples_in_docs_are_valid_grids():
-    import re
     import tomllib
     from pathlib import Path
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "sweep.md").read_text()
     blocks = re.findall(r"```toml\n(.*?)```", text, flags=re.S)
     sizes = [len(grid_from_spec(tomllib.loads(b))) for b in blocks]
-    assert sizes == [432, 2 * (2 + 3)]
+    assert sizes == [432, 2 * (2 + 3), 100 * 3]
 
 
 def test_configs_go_through_the_same_pipeline_as_a_toml_grid():

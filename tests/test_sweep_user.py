@@ -95,3 +95,22 @@ def test_a_run_that_raises_in_a_user_study_is_an_error_row_not_a_crash(tmp_path)
     report = run_sweep(g, tmp_path / "o", jobs=1, quiet=True)
     assert report.counts["error"] == 2
     assert load(tmp_path / "o")["error"].str.contains("RuntimeError: user bug").all()
+
+
+def test_the_model_functions_example_in_the_docs_is_a_study_that_sweeps(tmp_path, monkeypatch):
+    """docs/sweep.md, "The model functions a study calls": its study, as a user's module, swept through a grid."""
+    import re
+
+    from kvfast.sweep import run_inline
+
+    text = (ROOT / "docs" / "sweep.md").read_text()
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if "cache_vs_recompute" in b]
+    (tmp_path / "cache_study.py").write_text(block)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    axes = {"seed": {"range": [0, 3]}, "n_layer": [1, 2], "preset": ["f64", "f32", "bf16"]}
+    df = run_inline({"study": "cache_study:STUDY", "axes": axes})
+    assert len(df) == 18 and (df["status"] == "ok").all()
+    assert df["same_tokens"].all() and (df["max_dev"] == 0.0).all()  # kvfast's cache is exact in every preset
+    for field, bad in (("preset", "f16"), ("n_layer", 0), ("seed", -1)):
+        with pytest.raises(ValueError, match=rf"{field}: .* is not allowed"):
+            run_inline({"study": "cache_study:STUDY", "axes": dict(axes, **{field: [bad]})})

@@ -149,7 +149,7 @@ def add_exec_options(p: argparse.ArgumentParser) -> None:
     """``--jobs N`` (validated: an integer >= 1) and ``--quiet``: how a grid runs (``kvfast run``, ``reproduce``,
     ``scan``)."""
     p.add_argument("--jobs", type=_jobs, default=None, metavar="N", help="worker processes (default: all cores)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress (a bar, or a line every few seconds)")
 
 
 def _table(df: pd.DataFrame) -> str:
@@ -276,6 +276,7 @@ def cmd_repair(args) -> int:
 
 def cmd_show(args) -> int:
     from kvfast.studies import STUDIES
+    from kvfast.sweep.provenance import lines
     from kvfast.sweep.store import ResultsDir, load
 
     store = ResultsDir(args.dir)
@@ -292,6 +293,8 @@ def cmd_show(args) -> int:
         f"({manifest.get('grid_runs') or 0:,} runs); {len(df):,} runs stored: "
         + ", ".join(f"{k} {v:,}" for k, v in sorted(counts.items()))
     )
+    for line in lines(manifest.get("provenance")):
+        print(line)
     bad = df[df["status"] != "ok"] if len(df) else df
     if len(bad):
         print("failed runs (first 10):")

@@ -1,6 +1,7 @@
 """The sweep engine: grids (TOML), parallel runs (joblib, Dask), Parquet results, resume; in-process runs.
 
-See ``docs/sweep.md`` for the grid format and the results schema. The in-process
+See ``docs/sweep.md`` for the grid format and the results schema. A study's contract is imported from here:
+``from kvfast.sweep import Study, Claim`` (and ``Fact``, ``Figure`` for the report). The in-process
 runner (:mod:`kvfast.sweep.inline`: ``run_inline``) is imported on first use, so that importing the
 engine (``kvfast.load``) does not load the checker and its Numba kernels.
 """
@@ -20,11 +21,14 @@ from kvfast.sweep.grid import (
 )
 from kvfast.sweep.ids import canonical_json, run_id
 from kvfast.sweep.store import MANIFEST, ResultsDir, list_parts, load, schema_for
-from kvfast.sweep.study import REGISTERED, Study, StudyRegistry
+from kvfast.sweep.study import REGISTERED, Claim, Fact, Figure, Study, StudyRegistry
 
 __all__ = [
     "BACKENDS",
     "DEFAULT_MAX_RUNS",
+    "Claim",
+    "Fact",
+    "Figure",
     "MANIFEST",
     "REGISTERED",
     "Grid",

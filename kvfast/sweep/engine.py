@@ -49,8 +49,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from kvfast.runtime import INTERRUPTED, on_sigint
 from kvfast.sweep.backends import NOTHING_LOST, Job, Outcome, backend_module, execute, supervised
 from kvfast.sweep.backends.inline import CHUNK as INLINE_CHUNK
@@ -58,6 +56,8 @@ from kvfast.sweep.grid import Grid, Run
 from kvfast.sweep.limits import check_disk, check_memory
 from kvfast.sweep.options import BACKENDS, SweepOptions
 from kvfast.sweep.plan import Pending, checked_key, find_pending, pending_runs, split_warmup
+from kvfast.sweep.progress import meter, runs_per_second
+from kvfast.sweep.provenance import changes, provenance
 from kvfast.sweep.rows import RunLimits, run_one
 from kvfast.sweep.store import (
     FORMAT,
@@ -98,17 +98,6 @@ def _dask_client(n_jobs: int, scheduler: str | None):
     from kvfast.sweep.backends.dask import dask_client
 
     return dask_client(n_jobs, scheduler)
-
-
-def runs_per_second(runs: int, seconds: float) -> str:
-    """``runs / seconds`` as printed: whole numbers from 100 up (``1,234``), else two significant digits (``0.49``,
-    ``3.5``, ``12``), never rounded to ``0``; ``0`` when nothing ran, ``-`` with no time measured."""
-    if seconds <= 0:
-        return "0" if runs == 0 else "-"
-    rate = runs / seconds
-    if rate >= 100 or rate == 0:
-        return f"{rate:,.0f}"
-    return np.format_float_positional(rate, precision=2, unique=False, fractional=False, trim="-")
 
 
 @dataclass
@@ -219,17 +208,19 @@ def _storage_errors(store: ResultsDir) -> Iterator[None]:
         ) from None
 
 
-def _warn_versions(store: ResultsDir, old: dict | None, stored: int) -> None:
-    """Warn when stored rows were written under other versions of kvfast, NumPy or Numba."""
+def _warn_changes(store: ResultsDir, old: dict | None, stored: int, provenance_now: dict) -> None:
+    """Warn when stored rows were written under other versions of kvfast, NumPy or Numba, or by other code (kvfast's
+    commit, the study module's file or commit: :func:`kvfast.sweep.provenance.changes`). Never refuses."""
     if not old or not stored:
         return
     now = versions()
     was = old.get("versions") if isinstance(old.get("versions"), dict) else {}
     changed = [f"{k} {was.get(k)} -> {now[k]}" for k in ("kvfast", "numpy", "numba") if was.get(k) != now.get(k)]
+    changed += changes(old.get("provenance"), provenance_now)
     if changed:
         print(
-            f"warning: {store.path}: {stored:,} stored runs were written under other versions "
-            f"({', '.join(changed)}); the manifest's history keeps each sweep's versions",
+            f"warning: {store.path}: {stored:,} stored runs were written under other versions or code "
+            f"({', '.join(changed)}); the manifest's history keeps each sweep's versions and provenance",
             file=sys.stderr,
         )
 
@@ -257,12 +248,18 @@ def _start(grid: Grid, store: ResultsDir, options: SweepOptions) -> tuple[dict, 
         store.clear()
     old = store.manifest()
     stored = store.stored_index()
-    _warn_versions(store, old, len(stored))
+    code = provenance(grid)
+    _warn_changes(store, old, len(stored), code)
     store.part_metadata = _part_metadata(grid)
     pending = find_pending(grid, stored, options.redo)
     manifest = new_manifest(grid.study, old)
     manifest.update(
-        grid=grid.spec, grid_name=grid.name, grid_hash=grid.spec_hash, grid_runs=len(grid), study_ref=grid.study_ref
+        grid=grid.spec,
+        grid_name=grid.name,
+        grid_hash=grid.spec_hash,
+        grid_runs=len(grid),
+        study_ref=grid.study_ref,
+        provenance=code,
     )
     store.write_manifest(manifest)
     return manifest, stored, pending
@@ -272,7 +269,7 @@ def _sweep_locked(grid: Grid, store: ResultsDir, options: SweepOptions, client, 
     study = grid.study
     manifest, stored, pending = _start(grid, store, options)
     report = SweepReport(study.name, store.path, len(grid), len(grid) - pending.total, workers=options.jobs)
-    progress = _progress(pending.total, study.name, options.quiet)
+    progress = meter(len(grid), report.skipped, study.name, options.quiet)
     writer = Writer(store, study, progress)
     writer.watch = pending.retried
     try:
@@ -292,7 +289,7 @@ def _sweep_locked(grid: Grid, store: ResultsDir, options: SweepOptions, client, 
     report.ran = writer.ran
     report.compute_s = writer.compute_s
     report.wall_s = time.perf_counter() - t_start
-    manifest["history"].append(_history(grid, report, options, manifest["versions"]))
+    manifest["history"].append(_history(grid, report, options, manifest["versions"], manifest["provenance"]))
     store.write_manifest(manifest)
     return report
 
@@ -308,7 +305,7 @@ def _counts(pending: Pending, writer: Writer, stored: StoredIndex) -> dict[str, 
     return counts
 
 
-def _history(grid: Grid, report: SweepReport, options: SweepOptions, versions_now: dict) -> dict:
+def _history(grid: Grid, report: SweepReport, options: SweepOptions, versions_now: dict, provenance_now: dict) -> dict:
     """The manifest's history entry of this sweep."""
     return {
         "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -322,6 +319,7 @@ def _history(grid: Grid, report: SweepReport, options: SweepOptions, versions_no
         "counts": report.counts,
         "lost": len(report.lost),
         "versions": versions_now,
+        "provenance": provenance_now,
         "interrupted": report.interrupted,
         **({"worker_versions": report.worker_versions} if report.worker_versions else {}),
     }
@@ -427,10 +425,3 @@ def _warm_up(job: Job, runs: Iterator[Run], total: int, writer: Writer, crashed:
             preheat.join()
     writer.recent.clear()
     return rest, total - len(local) - len(others), helpers
-
-
-def _progress(total: int, desc: str, quiet: bool):
-    from tqdm import tqdm
-
-    disable = quiet or not sys.stderr.isatty()
-    return tqdm(total=total, desc=desc, unit="run", disable=disable, dynamic_ncols=True, smoothing=0.1)

@@ -9,7 +9,7 @@ The TOML form (see ``docs/sweep.md``)::
     vocab = 32
 
     [axes]                       # cartesian product, first axis outermost
-    seed = [0, 1, 2]
+    seed = [0, 1, 2]             # or {range = [0, 3]}: 0, 1, 2 (and {range = [START, STOP, STEP]})
     preset = ["f64", "f32", "bf16"]
 
     [[tied]]                     # values that vary together (zipped), crossed with the axes
@@ -276,8 +276,11 @@ def resolve_study(ref: Any, studies: Mapping[str, Study] | None = None) -> Study
         raise ValueError(f"study: {shown(ref)}: {exc}") from None
 
 
-def _level(table: Any, where: str, allowed: tuple[str, ...]) -> tuple[list[str], list[tuple[tuple, list[tuple]]]]:
-    """The keys a (sub-)grid sets and its factors: ``(keys, rows of canonical values)`` to cross."""
+def _level(
+    table: Any, where: str, allowed: tuple[str, ...], limit: int
+) -> tuple[list[str], list[tuple[tuple, list[tuple]]]]:
+    """The keys a (sub-)grid sets and its factors: ``(keys, rows of canonical values)`` to cross; ``limit``: the
+    most runs the grid may have (no range of more values is expanded)."""
     if not isinstance(table, dict):
         raise ValueError(f"{where}: {table!r} is not a table")
     for key in table:
@@ -302,10 +305,7 @@ def _level(table: Any, where: str, allowed: tuple[str, ...]) -> tuple[list[str],
         raise ValueError(f"{where}axes: {axes!r} is not a table")
     for key, values in axes.items():
         claim(key, "[axes]")
-        if not isinstance(values, list):
-            raise ValueError(f"axes.{key}: {values!r} is not an array; allowed: an array of values, e.g. [{values!r}]")
-        if not values:
-            raise ValueError(f"axes.{key}: [] is empty; allowed: an array of at least one value")
+        values = _array(values, f"{where}axes.{key}", limit)
         factors.append(((key,), [(canonical(v, f"axes.{key}"),) for v in _distinct(values)]))
     tied = table.get("tied", [])
     if not isinstance(tied, list):
@@ -313,21 +313,58 @@ def _level(table: Any, where: str, allowed: tuple[str, ...]) -> tuple[list[str],
     for i, group in enumerate(tied):
         if not isinstance(group, dict) or not group:
             raise ValueError(f"tied[{i}]: {group!r} is not allowed; allowed: a non-empty table of equal-length arrays")
-        lengths = {}
+        arrays = {}
         for key, values in group.items():
             claim(key, f"[[tied]] #{i + 1}")
-            if not isinstance(values, list) or not values:
-                raise ValueError(f"tied[{i}].{key}: {values!r} is not allowed; allowed: a non-empty array")
-            lengths[key] = len(values)
+            arrays[key] = _array(values, f"{where}tied[{i}].{key}", limit)
+        lengths = {key: len(values) for key, values in arrays.items()}
         if len(set(lengths.values())) > 1:
             sizes = ", ".join(f"{k}={n}" for k, n in lengths.items())
             raise ValueError(f"tied[{i}]: arrays have different lengths ({sizes}); allowed: equal lengths")
         keys = tuple(group)
-        rows = zip(*(group[k] for k in keys), strict=True)
+        rows = zip(*(arrays[k] for k in keys), strict=True)
         factors.append(
             (keys, [tuple(canonical(v, f"tied.{k}") for k, v in zip(keys, row, strict=True)) for row in rows])
         )
     return list(seen), factors
+
+
+ARRAY_FORM = (
+    "an array of values, or {range = [START, STOP]} or {range = [START, STOP, STEP]} "
+    "(integers, STOP excluded, STEP not 0; as Python's range)"
+)
+
+
+def _array(values: Any, where: str, limit: int) -> list | range:
+    """An axis's (or a tied key's) values: an array as written, or the integers a ``{range = [...]}`` table names.
+
+    ``ValueError`` naming ``where`` and :data:`ARRAY_FORM` for anything else, for an empty array or range, and
+    for a range of more than ``limit`` values (refused before it is expanded).
+    """
+    if isinstance(values, list):
+        if not values:
+            raise ValueError(f"{where}: [] is empty; allowed: {ARRAY_FORM}, of at least one value")
+        return values
+    if not isinstance(values, dict):
+        raise ValueError(f"{where}: {shown(values)} is not an array; allowed: {ARRAY_FORM}")
+    bounds = values.get("range")
+    if (
+        list(values) != ["range"]
+        or not isinstance(bounds, list)
+        or len(bounds) not in (2, 3)
+        or not all(type(b) is int for b in bounds)
+        or bounds[2:] == [0]
+    ):
+        raise ValueError(f"{where}: {shown(values)} is not allowed; allowed: {ARRAY_FORM}")
+    out = range(*bounds)
+    if not out:
+        raise ValueError(f"{where}: {shown(values)} is empty; allowed: a range of at least one value")
+    if len(out) > limit:
+        raise ValueError(
+            f"{where}: {shown(values)} is {len(out):,} values; allowed: at most {limit:,}, the most runs a grid may "
+            "have (raise the limit with --max-runs N, or max_runs=N)"
+        )
+    return out
 
 
 def _distinct(values: list) -> list:
@@ -335,7 +372,7 @@ def _distinct(values: list) -> list:
     hashing, so that an axis of two million copies of one value plans as fast as an axis of one.
     ``1``, ``1.0`` and ``True`` stay apart (their types differ), as do ``0.0`` and ``-0.0``; anything
     else (arrays, tables) is kept for :func:`_factor`'s de-duplication by canonical text."""
-    if not all(type(v) in (str, int, float, bool) for v in values):
+    if isinstance(values, range) or not all(type(v) in (str, int, float, bool) for v in values):
         return values
     keys = dict.fromkeys((type(v), v, math.copysign(1.0, v) if type(v) is float else 0.0) for v in values)
     return [key[1] for key in keys] if len(keys) < len(values) else values
@@ -478,11 +515,11 @@ def grid_from_spec(
     """
     if not isinstance(spec, dict):
         raise ValueError(f"{name}: the grid is not a table")
-    study_ref = spec.get("study")
-    study = _grid_study(study_ref, name, studies)
-    raw_entries = _raw_entries(spec, study, name)
     if isinstance(max_runs, bool) or not isinstance(max_runs, int) or max_runs < 1:
         raise ValueError(f"--max-runs: {max_runs!r} is not allowed; allowed: an integer >= 1")
+    study_ref = spec.get("study")
+    study = _grid_study(study_ref, name, studies)
+    raw_entries = _raw_entries(spec, study, name, max_runs)
     raw = sum(math.prod(len(rows) for _, rows in factors) for _, factors in raw_entries)
     if raw > max_runs:
         raise ValueError(
@@ -528,11 +565,12 @@ def _grid_study(study_ref: Any, name: str, studies: Mapping[str, Study] | None) 
         raise ValueError(f"{name}: {exc}") from None
 
 
-def _raw_entries(spec: dict, study: Study, name: str) -> list[tuple[str, list]]:
+def _raw_entries(spec: dict, study: Study, name: str, limit: int) -> list[tuple[str, list]]:
     """Per sub-grid (``[[union]]`` entry, or the grid itself): ``(where, factors)`` before coercion, the
-    sub-grid's keys replacing top-level keys of the same name; every config field set, none unknown."""
+    sub-grid's keys replacing top-level keys of the same name; every config field set, none unknown. ``limit``:
+    the most runs allowed (see :func:`_array`)."""
     try:
-        top_keys, top_factors = _level(spec, "", TOP_KEYS)
+        top_keys, top_factors = _level(spec, "", TOP_KEYS, limit)
     except ValueError as exc:
         raise ValueError(f"{name}: {exc}") from None
     top_keys = [k for k in top_keys if k not in ("study", "description")]
@@ -544,7 +582,7 @@ def _raw_entries(spec: dict, study: Study, name: str) -> list[tuple[str, list]]:
     for i, sub in enumerate(union):
         where = f"union[{i}]." if "union" in spec else ""
         try:
-            sub_keys, sub_factors = _level(sub, where, SUB_KEYS)
+            sub_keys, sub_factors = _level(sub, where, SUB_KEYS, limit)
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from None
         kept = [f for f in top_factors if not (set(f[0]) & set(sub_keys))]

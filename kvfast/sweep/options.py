@@ -28,7 +28,7 @@ class SweepOptions:
     ``jobs``: workers; ``backend``: one of :data:`BACKENDS`; ``scheduler``: a Dask
     scheduler address (``backend="dask"`` only); ``retry_errors``: also re-run
     runs stored as ``error``, ``crashed`` or ``timeout``; ``fresh``: delete stored
-    results first; ``quiet``: no progress bar; ``chunk_s``: seconds of work per
+    results first; ``quiet``: no progress (bar or lines); ``chunk_s``: seconds of work per
     chunk; ``chunk_size``: a fixed chunk size instead; ``stall_s``: Dask gives up
     when nothing finishes for that long, fork and loky kill a worker stopped that
     long; ``run_timeout``: seconds a run may take;

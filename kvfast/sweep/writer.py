@@ -85,8 +85,8 @@ class Writer:
         if self.buffered >= PART_ROWS or time.monotonic() - self.last_flush >= self.flush_s:
             self.flush()
         if self.progress is not None:
-            self.progress.update(len(rows))
             self.progress.set_postfix(errors=self.errors, refresh=False)
+            self.progress.update(len(rows))
 
     def flush(self) -> None:
         """Write the buffered rows as one part."""
