@@ -1,19 +1,21 @@
 """Clean tiny models through every scenario on several transformers releases: a verdict count per release.
 
-    python benchmarks/scan_releases.py --releases 4.57.6 5.0.0 5.10.4 5.15.1 5.24.0 [--envs DIR] [--venv PATH ...]
+    python benchmarks/scan_releases.py --releases 4.57.6 5.0.0 5.10.4 5.15.1 5.24.0 5.25.0 [--envs DIR]
+    python benchmarks/scan_releases.py --venv PATH [--venv PATH ...]
 
-Per release: an environment (``--venv PATH``: a virtual environment, run with its own python; ``--releases X``:
-a folder made once with ``pip install --target ENVS/transformers-X transformers==X``, ``huggingface_hub<1.0``
-beside a 4.x release, the numpy and torch pip puts there removed, so the release runs on this environment's CPU
-torch and numpy; the release installed here runs without a folder). In each, a child process imports this
-checkout's kvfast and checks the clean tiny models (:data:`MODELS`: every family of
-:data:`kvfast.check.hf.FAMILIES`, Llama over a ``StaticCache``, Mamba and Mamba-2 from
-:func:`kvfast.studies.architectures.tiny_architecture`) in every scenario, on a prompt longer than Mistral's
-window and one shorter, 10 decode steps: control mode in float32 with sdpa, and exact mode in bfloat16 with
-eager attention (where cache and recompute agree bit for bit, so any ``divergent`` is false), the attention
-families only. It prints a markdown table, one row per release: models, scenario reports, and how many are
-``bug``, ``inconclusive``, ``divergent`` (exact mode), ``skipped`` (reasons summarised), an error of the
-model's, and ``rounding`` / ``exact``. On a clean model every ``bug`` and every ``divergent`` is a false one.
+Per release: an environment (``--venv PATH``: a virtual environment, run with its own python; ``--releases X``: a
+folder made once with ``pip install --target ENVS/transformers-X transformers==X``, ``huggingface_hub<1.0`` beside
+a 4.x release, the numpy and torch pip puts there removed, so the release runs on this environment's CPU torch and
+numpy, and this environment's :data:`HIDDEN` packages hidden from it; the release installed here runs without a
+folder). In each, a child process imports this checkout's kvfast and checks the clean tiny models (:data:`MODELS`:
+every family of :data:`kvfast.check.hf.FAMILIES`, Llama over a ``StaticCache``, Mamba and Mamba-2 from
+:func:`kvfast.studies.architectures.tiny_architecture`) in every scenario, on a prompt longer than Mistral's window
+and one shorter, 10 decode steps: control mode in float32 with sdpa, and exact mode in bfloat16 with eager
+attention (where cache and recompute agree bit for bit, so any ``divergent`` is false), the attention families
+only. It prints a markdown table, one row per release: models, scenario reports, and how many are ``bug``,
+``inconclusive``, ``divergent`` (exact mode), ``skipped`` (reasons summarised), an error of the model's, and
+``rounding`` / ``exact``. On a clean model a ``bug`` or ``divergent`` is a false alarm unless the release's own
+cache is at fault (docs/check.md, "Transformers releases", names each such finding).
 
 ``--scan`` instead runs ``kvfast scan`` per release (``--families``, ``--dtypes``, ...) into ``OUT/release``
 and merges the runs into ``OUT/merged.parquet`` with a ``transformers_version`` column, printing the worst
@@ -37,7 +39,7 @@ from pathlib import Path
 import pandas as pd
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_RELEASES = ("4.57.6", "5.0.0", "5.10.4", "5.15.1", "5.24.0")
+DEFAULT_RELEASES = ("4.57.6", "5.0.0", "5.10.4", "5.15.1", "5.24.0", "5.25.0")
 DEFAULT_FAMILIES = (
     "llama",
     "gpt2",
@@ -81,9 +83,17 @@ def environment(release: str, envs: Path) -> Path | None:
     return target
 
 
+#: Packages of this environment a release folder's child must not see: transformers imports the hub's ``kernels``
+#: wherever it finds it, and the one the newest transformers brings fails with an older release (its
+#: huggingface_hub lacks names; an older ``kernels`` asks for a GPU build of torch). Every release runs its reference
+#: code without it, as on any machine without ``kernels``.
+HIDDEN = ("kernels",)
+
+
 def child_env(target: Path | None) -> dict:
     path = [str(p) for p in (target, ROOT) if p is not None]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": "1"}
+    hidden = ",".join(HIDDEN) if target is not None else ""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": "1", "KVFAST_SCAN_HIDDEN": hidden}
 
 
 def release_types(target: Path | None) -> list[str]:
@@ -174,6 +184,8 @@ def _model(name: str, how: str, dtype: str, attention: str):
 
 def child() -> None:
     """In a release's environment: every model, mode and scenario; one JSON line per scenario report."""
+    for name in filter(None, os.environ.get("KVFAST_SCAN_HIDDEN", "").split(",")):
+        sys.modules[name] = None  # find_spec() then answers None and an import raises ImportError
     import torch
     import transformers
 
@@ -246,7 +258,8 @@ def markdown(results: dict[str, list[dict]]) -> str:
 
 def run_child(python: str, env: dict) -> list[dict]:
     """The child's rows (this file run with ``--child`` by ``python`` in ``env``)."""
-    done = subprocess.run([python, __file__, "--child"], capture_output=True, text=True, env=env, cwd=ROOT)
+    # -P: benchmarks/ is not put on sys.path (its kernels.py would shadow the `kernels` package transformers imports)
+    done = subprocess.run([python, "-P", __file__, "--child"], capture_output=True, text=True, env=env, cwd=ROOT)
     if done.returncode:
         raise RuntimeError(f"the child exited {done.returncode}: {done.stderr.strip().splitlines()[-1:]}")
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]

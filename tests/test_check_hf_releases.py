@@ -5,7 +5,7 @@ GPT-2, Mistral with its sliding window, Llama over a ``StaticCache``; Mamba, Mam
 a scenario the release cannot run is ``skipped`` with a note naming the release and the reason.
 
 Run on the lowest release (``python3 dev.py test-lowest-hf``, in CI) and on the newest (``python3 dev.py
-test``); ``benchmarks/scan_releases.py`` runs the same models on 4.57, 5.0, 5.10, 5.15 and the newest
+test``); ``benchmarks/scan_releases.py`` runs the same models on 4.57, 5.0, 5.10, 5.15, 5.24 and 5.25
 (docs/check.md, "Transformers releases"). About 40 s on one core.
 
 The crop: before 5.14 ``cache.crop(m)`` keeps ``m`` positions for ``m >= 0`` (``crop(0)`` empties the
