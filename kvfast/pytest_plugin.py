@@ -3,18 +3,21 @@
 Installing kvfast is enough; in a test::
 
     def test_my_cache(kv_check):
-        kv_check(MyModel(), prompt=[1, 2, 3], steps=64)                 # exact at every step
-        kv_check(MyModel(), prompt=[1, 2, 3], steps=64, mode="control")  # rounding or bug
+        kv_check(MyModel(), prompt=[1, 2, 3], steps=64)  # exact, or rounding; a bug fails the test
 
-``kv_check(model, prompt, steps=64, mode="exact", **options)`` runs
+``kv_check(model, prompt, steps=64, mode="auto", **options)`` runs
 :func:`kvfast.check_cache` (options: the fields of
 :class:`kvfast.check.CheckOptions`: ``scenarios``, ``fast``, ``split``,
 ``margin``, ``decisive``, ``continuation``, ``promote``, ``follow``,
 ``keep_logits``, ``timeout``, ``strict``) and returns the report. ``model`` may be a Hugging Face causal LM (wrapped in
-:class:`kvfast.check.hf.HFModel`). When the check fails (a divergence, a bug,
-or an ``inconclusive`` control verdict that no float64 logic check cleared)
-the test fails with the report: which scenario failed first, at which step,
-by how much, the context tokens and a short per-step table. Every other
+:class:`kvfast.check.hf.HFModel`). In the default mode (``auto``) a cache that
+equals the recompute bit for bit is ``exact``; otherwise each step is judged
+against the model's measured order noise (``rounding``, ``inconclusive`` or
+``bug``); ``mode="exact"`` asks for ``==`` at every step. When the check fails
+(a bug, a divergence in exact mode, or an ``inconclusive`` verdict that no
+float64 logic check cleared) the test fails with the report: its first line
+says the verdict, the scenario and the step; then by how much, the context
+tokens and a short per-step table. Every other
 failure fails the test with one line and no traceback:
 
 - bad input (a model without a required method, bad logits, a bad prompt,
@@ -47,10 +50,10 @@ import pytest
 
 @pytest.fixture
 def kv_check() -> Callable:
-    """A function ``kv_check(model, prompt, steps=64, mode="exact", **options) -> CheckReport``; see the module
+    """A function ``kv_check(model, prompt, steps=64, mode="auto", **options) -> CheckReport``; see the module
     (``steps`` defaults to the continuation's length when one is given)."""
 
-    def run(model, prompt, steps: int | None = None, mode: str = "exact", **options):
+    def run(model, prompt, steps: int | None = None, mode: str = "auto", **options):
         from kvfast.check.checker import check_cache_with
         from kvfast.check.options import CheckOptions
         from kvfast.check.protocol import CheckTimeout, ModelUnderTestError

@@ -74,7 +74,7 @@ def test_greedy_tokens_come_from_the_recompute(params):
 
 @pytest.mark.parametrize("bug", list(BUGS))
 def test_catalogue_bug_flagged_at_its_signature_step(params, bug):
-    report = check_cache(KvfastModel(CFG, params, bug=bug), PROMPT, STEPS)
+    report = check_cache(KvfastModel(CFG, params, bug=bug), PROMPT, STEPS, mode="exact")
     assert report.verdict == "divergent" and not report.passed
     for s in report.scenarios.values():
         assert s.deviation[0] == 0.0  # the prefill is never touched by a decode bug
@@ -83,7 +83,7 @@ def test_catalogue_bug_flagged_at_its_signature_step(params, bug):
         else:
             assert s.deviation[1] == 0.0 and s.first_divergent_step >= 2
     # the first step is the same whichever reference path computed it, and so is every deviation
-    slow = check_cache(KvfastModel(CFG, params, bug=bug), PROMPT, STEPS, fast=False)
+    slow = check_cache(KvfastModel(CFG, params, bug=bug), PROMPT, STEPS, fast=False, mode="exact")
     assert slow.path == "per-step"
     for name, s in report.scenarios.items():
         assert np.array_equal(s.deviation, slow.scenarios[name].deviation)
@@ -110,9 +110,9 @@ def test_clean_path_with_bug_none_is_exact_and_not_the_bugged_one(params):
 @pytest.mark.parametrize("bug", list(RESUME_BUGS))
 def test_resume_scenario_catches_offset_bugs_plain_decoding_misses(npz, bug):
     model = NumpyModel.from_npz(npz, bug=bug)
-    plain = check_cache(model, PROMPT, STEPS, scenarios="decode")
+    plain = check_cache(model, PROMPT, STEPS, scenarios="decode", mode="exact")
     assert plain.verdict == "exact"
-    resumed = check_cache(model, PROMPT, STEPS, scenarios="resume")
+    resumed = check_cache(model, PROMPT, STEPS, scenarios="resume", mode="exact")
     assert resumed.verdict == "divergent"
     assert resumed.scenarios["resume"].split == len(PROMPT) // 2
 
@@ -147,7 +147,7 @@ def test_split_chooses_the_chunks(npz):
 
 def test_fast_path_falls_back_when_recompute_is_not_append_invariant(npz):
     model = NumpyModel.from_npz(npz, dtype="float32", batching="matrix")
-    report = check_cache(model, PROMPT, 6)
+    report = check_cache(model, PROMPT, 6, mode="exact")
     assert report.path == "per-step"
     assert any("not append-invariant" in n for n in report.notes)
 

@@ -40,7 +40,7 @@ def test_kvfast_with_prefill_order_not_decode_order(params, name):
     prefill_nx, decode_nx = _pair(name)
     clean = check_cache(KvfastModel(CFG, params, prefill_nx, decode_numerics=decode_nx), PROMPT, STEPS, mode="control")
     assert clean.verdict == "rounding" and clean.passed
-    exact = check_cache(KvfastModel(CFG, params, prefill_nx, decode_numerics=decode_nx), PROMPT, STEPS)
+    exact = check_cache(KvfastModel(CFG, params, prefill_nx, decode_numerics=decode_nx), PROMPT, STEPS, mode="exact")
     if name != "bf16":
         # the orders really differ here, so an exact check flags the clean cache: control mode is needed
         assert exact.verdict == "divergent" and clean.max_deviation > 0
@@ -51,7 +51,9 @@ def test_kvfast_with_prefill_order_not_decode_order(params, name):
         model = KvfastModel(CFG, params, prefill_nx, bug=bug, decode_numerics=decode_nx)
         report = check_cache(model, PROMPT, STEPS, mode="control", promote="float64")
         assert report.max_deviation > 0 and np.isfinite(report.max_ratio)
-        same_order = check_cache(KvfastModel(CFG, params, decode_nx, bug=bug), PROMPT, STEPS, scenarios="decode")
+        same_order = check_cache(
+            KvfastModel(CFG, params, decode_nx, bug=bug), PROMPT, STEPS, scenarios="decode", mode="exact"
+        )
         acts = same_order.first_divergent_step
         if name == "bf16-acc":
             # a bfloat16 accumulator's own noise hides part of the effect: never "rounding", and the
@@ -68,7 +70,7 @@ def test_split_kv_decode_against_standard_prefill_is_rounding(params):
     prefill_nx = Numerics("f32", "f32", "sequential")
     decode_nx = Numerics("f32", "f32", "sequential", attention="splitcount", attn_block=3)
     model = KvfastModel(CFG, params, prefill_nx, decode_numerics=decode_nx)
-    assert check_cache(model, PROMPT, STEPS).verdict == "divergent"
+    assert check_cache(model, PROMPT, STEPS, mode="exact").verdict == "divergent"
     assert check_cache(model, PROMPT, STEPS, mode="control").verdict == "rounding"
 
 
@@ -211,7 +213,7 @@ class MatrixVsRowModel:
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_independent_numpy_model_is_rounding_in_float32(seed):
     params = init_params(CFG, seed)
-    exact = check_cache(MatrixVsRowModel(params, CFG.n_head), PROMPT, 30, scenarios="decode")
+    exact = check_cache(MatrixVsRowModel(params, CFG.n_head), PROMPT, 30, scenarios="decode", mode="exact")
     assert exact.verdict == "divergent"  # whole-matrix and one-row products really add up differently
     assert exact.max_deviation < 1e-4
     for hook in (True, False):

@@ -76,7 +76,7 @@ def test_kvfasts_own_lossy_cache_is_lossy_never_exact_or_rounding(fmt, mode):
 def test_a_cache_worse_than_its_format_is_a_bug_at_step_1():
     report = check_cache(lossy(lossy_bug="int4"), PROMPT, 16, mode="control", scenarios=("decode", "resume"))
     assert report.verdict == "bug" and report.scenarios["decode"].first_bug_step == 1, report.format()
-    exact = check_cache(lossy(lossy_bug="int4"), PROMPT, 16, scenarios="decode")
+    exact = check_cache(lossy(lossy_bug="int4"), PROMPT, 16, scenarios="decode", mode="exact")
     assert exact.verdict == "divergent"
 
 
@@ -118,7 +118,7 @@ def test_transformers_fp8_quantized_cache_is_lossy(family):
 def test_assert_cache_exact_fails_on_a_lossy_cache():
     from kvfast.check import assert_cache_exact
 
-    with pytest.raises(AssertionError, match="LOSSY"):
+    with pytest.raises(AssertionError, match="FAIL: LOSSY"):
         assert_cache_exact(lossy(), PROMPT, 8, scenarios="decode")
 
 
@@ -204,5 +204,5 @@ def test_an_int8_cache_declared_as_an_internal_format_gets_a_note():
     assert len(notes) == 1 and "lossy_cache = 'int8' with lossless()" in notes[0], report.format()
     activations = check_cache(LowFormatToy("int8"), [1, 2, 3, 4], 4, mode="control", scenarios="decode")
     assert not any("puts the KV cache" in n for n in activations.notes)
-    exact = check_cache(model, [1, 2, 3, 4], 4, scenarios="decode")  # judged with ==: no noise model, no note
+    exact = check_cache(model, [1, 2, 3, 4], 4, scenarios="decode", mode="exact")  # judged with ==: no noise, no note
     assert not any("puts the KV cache" in n for n in exact.notes)

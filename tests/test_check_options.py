@@ -486,7 +486,7 @@ def test_every_kv_check_failure_but_a_report_is_one_line(pytester):
     }
     for name, start in expected.items():
         assert len(sections[name]) == 1 and sections[name][0].startswith(start), sections[name]
-    assert len(sections["test_report"]) > 3 and "first divergent step" in "\n".join(sections["test_report"])
+    assert len(sections["test_report"]) > 3 and "first bug step" in "\n".join(sections["test_report"])
 
 
 def failure_sections(lines: list[str]) -> dict[str, list[str]]:

@@ -53,13 +53,13 @@ def test_a_check_where_no_requested_scenario_ran_is_unchecked_and_fails(mode, bu
     assert report.ran == [] and set(report.skipped) == {"reorder"}
     text = report.format()  # no crash on a report with nothing to tabulate (it raised IndexError)
     lines = text.splitlines()
-    assert lines[0].endswith("UNCHECKED")
+    assert lines[0].startswith("kvfast check: FAIL: UNCHECKED (")
     assert lines[1].startswith("no requested scenario ran") and "reorder (the model has no prefill_beams()" in lines[1]
     assert np.isnan(report.max_deviation) and report.deviation.shape == (0,)
 
 
 def test_assert_cache_exact_fails_when_nothing_ran():
-    with pytest.raises(AssertionError, match="UNCHECKED"):
+    with pytest.raises(AssertionError, match="FAIL: UNCHECKED"):
         assert_cache_exact(model("posfrozen"), PROMPT, 8, scenarios=("reorder", "padded"))
 
 
@@ -76,7 +76,7 @@ def test_some_ran_passes_on_what_ran_and_says_what_was_skipped_in_its_first_line
     assert second.startswith("skipped (not checked; the verdict covers only decode): reorder (the model has no")
     # the bug is still found by what ran
     bugged = check_cache(model("posfrozen"), PROMPT, 8, scenarios=("decode", "reorder"))
-    assert bugged.verdict == "divergent" and not bugged.passed
+    assert bugged.verdict == "bug" and not bugged.passed
 
 
 @pytest.mark.parametrize("mode", ["exact", "control"])
@@ -104,7 +104,7 @@ def test_kv_check_fails_when_nothing_ran(pytester):
     )
     result = pytester.runpytest("-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*UNCHECKED*", "*no requested scenario ran*reorder*padded*"])
+    result.stdout.fnmatch_lines(["*FAIL: UNCHECKED*", "*no requested scenario ran*reorder*padded*"])
 
 
 def test_the_check_study_row_of_an_unchecked_check_is_not_passed(tmp_path):
@@ -126,7 +126,9 @@ def test_kvfast_check_exits_7_with_the_scenarios_and_why(capsys):
     rc = main(["check", "tests.toymodels:posfrozen", "--prompt", "1,2,3", "--steps", "6", "--scenarios", "reorder"])
     out = capsys.readouterr().out.strip().splitlines()
     assert rc == 7, out
-    assert out[0].endswith("UNCHECKED") and re.match(r"no requested scenario ran.*reorder \(the model has no", out[1])
+    assert out[0].startswith("kvfast check: FAIL: UNCHECKED (") and re.match(
+        r"no requested scenario ran.*reorder \(the model has no", out[1]
+    )
 
 
 def test_kvfast_check_strict_exits_7_where_the_plain_check_passes(capsys):

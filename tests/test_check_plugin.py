@@ -37,7 +37,7 @@ def test_kv_check_passes_a_correct_model_and_fails_a_bugged_one(pytester):
     result = pytester.runpytest("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, failed=2)
     out = result.stdout.str()
-    assert "first divergent step 2 (position 4)" in out
+    assert "first bug step 2 (position 4)" in out
     assert "per-step table" in out and "<- first" in out
     assert "kv_check: bad input: prompt: shape (0,) is not allowed" in out
     # without the entry point's plugin (named "kvfast") the fixture does not exist
@@ -69,7 +69,7 @@ def test_cli_exit_codes(toymodule, capsys):
     assert main(["check", f"{toymodule}:clean", "--prompt", "1,2,3", "--steps", "8"]) == 0
     assert "EXACT" in capsys.readouterr().out
     assert main(["check", f"{toymodule}:posfrozen", "--prompt", "1,2,3", "--steps", "8"]) == 1
-    assert "first divergent step 2" in capsys.readouterr().out
+    assert "first bug step 2" in capsys.readouterr().out
     assert main(["check", f"{toymodule}:clean", "--prompt", "1,2,3", "--steps", "8", "--mode", "control"]) == 0
     assert main(["check", f"{toymodule}:posfrozen", "--prompt", "1,2,3", "--steps", "4", "--per-step"]) == 1
 

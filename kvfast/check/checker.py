@@ -73,7 +73,7 @@ from kvfast.check.lossy import lossy_format, rejudge
 from kvfast.check.options import MODES, SCENARIOS, CheckOptions
 from kvfast.check.protocol import ModelUnderTestError, watched
 from kvfast.check.reference import OwnReference, Reference, SharedReference, per_step_rows
-from kvfast.check.report import LENGTH_DEPENDENT, UNCHECKED, CheckReport, ScenarioReport, skipped
+from kvfast.check.report import LENGTH_DEPENDENT, UNCHECKED, CheckReport, ScenarioReport, deciding, skipped
 from kvfast.check.scenarios import REGISTRY, Run, Scenario, Unsupported
 from kvfast.check.subject import CheckSubject, as_model_under_test, resolve
 
@@ -82,7 +82,7 @@ def check_cache(
     model,
     prompt,
     steps: int | None = None,
-    mode: str = "exact",
+    mode: str = "auto",
     scenarios: Sequence[str] | str = SCENARIOS,
     *,
     fast: bool = True,
@@ -143,10 +143,15 @@ def _check(model, prompt, options: CheckOptions) -> CheckReport:
     formats = formats_of(subject.calls.model, fmt)  # the noise model's formats: declared, measured or assumed
     if options.follow == "cache":
         reference = OwnReference(subject, prompt_rows, fmt, formats)
-    else:
-        reference = SharedReference.build(subject, prompt_rows, fmt, formats, judge.measures_noise)
+    else:  # auto: built as for control mode, its noise measured only if the judge settles on control
+        measure = not judge.defers_noise
+        reference = SharedReference.build(subject, prompt_rows, fmt, formats, judge.measures_noise, measure)
+    parts = run_scenarios(subject, reference)
+    asked, judge = judge, judge.settled([p for found in parts.values() if isinstance(found, list) for p in found])
+    if judge.measures_noise and reference.noise is None:
+        reference.measure_noise()
     formats = formats.after_probe(reference.noise)  # a measured rounding probe replaces the lowest format's ulp
-    reports = run_scenarios(subject, reference, judge, formats.floor)  # every bound >= 1 ulp of the floor format
+    reports = judge_parts(parts, judge, reference.noise, formats.floor)  # every bound >= 1 ulp of the floor format
     if lossy is not None:  # judged as a lossy cache's: verdict "lossy"
         reports = rejudge(subject, reference, reports, formats.floor, judge, lossy)
     ran = [r for r in reports.values() if r.verdict != "skipped"]
@@ -158,8 +163,9 @@ def _check(model, prompt, options: CheckOptions) -> CheckReport:
     promoted = None
     if options.promote is not None and options.follow == "recompute" and ran:  # follow="cache": no logic check
         inner = replace(
-            options, mode="control", continuation=tuple(reference.tokens.tolist()), promote=None,
-            follow="recompute", keep_logits=False, timeout=None, split=subject.split,
+            options, mode=asked.logic_check_mode,
+            continuation=tuple(reference.tokens.tolist()), promote=None, follow="recompute", keep_logits=False,
+            timeout=None, split=subject.split, strict=False,
         )  # fmt: skip
         promoted, skipped_note = _logic_check(subject, inner)
         if promoted is None:
@@ -173,22 +179,24 @@ def _check(model, prompt, options: CheckOptions) -> CheckReport:
             length = replace(promoted.length_dependence, by=f"the logic check in {options.promote}")
     else:
         notes += _format_notes(judge, options, verdict, fmt)
+    native = verdict
+    verdict = deciding(native, promoted)
     if length is not None and ran:
-        verdict = LENGTH_DEPENDENT
+        native = verdict = LENGTH_DEPENDENT
     report = CheckReport(
         options.mode, subject.prompt, reference.tokens, reports, verdict, reference.path, tuple(notes), fmt, promoted,
-        length, formats, strict=options.strict,
+        length, formats, strict=options.strict, native=None if native == verdict else native,
     )  # fmt: skip
     if options.strict and report.skipped and report.passed:  # strict: a pass on part of what was asked is none
         report = replace(report, verdict=UNCHECKED)  # (a failure stays the failure it found)
     return report
 
 
-def run_scenarios(subject: CheckSubject, reference: Reference, judge: Judge, fmt: str) -> dict[str, ScenarioReport]:
-    """Each of the subject's scenarios run and judged against ``reference`` by ``judge`` (``fmt``: the format
-    whose 1 ulp is the least bound of a step): ``{report name: report}``; a scenario that cannot run on this
-    model is reported ``skipped`` with the reason."""
-    reports: dict[str, ScenarioReport] = {}
+def run_scenarios(subject: CheckSubject, reference: Reference) -> dict[str, list[Part] | ScenarioReport]:
+    """Each of the subject's scenarios run against ``reference``: ``{scenario: its parts}`` to judge (its path
+    against the reference rows, and a second path's, :func:`_parts`), or its ``skipped`` report with the reason
+    when it cannot run on this model."""
+    found: dict[str, list[Part] | ScenarioReport] = {}
     for name in subject.options.scenarios:
         scenario = REGISTRY[name]
         why = scenario.skip_reason(subject.calls, subject.prompt)
@@ -198,29 +206,50 @@ def run_scenarios(subject: CheckSubject, reference: Reference, judge: Judge, fmt
             except Unsupported as exc:
                 why = str(exc)
         if why is not None:
-            reports[name] = skipped(name, subject.options.mode, subject.prompt, reference.skipped_tokens, why)
+            found[name] = skipped(name, subject.options.mode, subject.prompt, reference.skipped_tokens, why)
+        else:
+            found[name] = _parts(subject, reference, scenario, run)
+    return found
+
+
+def judge_parts(
+    found: dict[str, list[Part] | ScenarioReport], judge: Judge, noise: dict[str, np.ndarray] | None, fmt: str
+) -> dict[str, ScenarioReport]:
+    """``{report name: report}``: every part of :func:`run_scenarios` judged by ``judge``, with the order
+    ``noise`` around the reference rows (``None``: not measured) and ``fmt``, the format whose 1 ulp is the
+    least bound of a step; a second path's noise is the run's pooled relative noise at its magnitudes."""
+    reports: dict[str, ScenarioReport] = {}
+    for name, parts in found.items():
+        if isinstance(parts, ScenarioReport):
+            reports[name] = parts
             continue
-        for part in _parts(subject, reference, scenario, run):
-            reports[part.name] = judge.judge(part, fmt)
+        main, *branches = parts
+        reports[main.name] = judge.judge(replace(main, noise=noise), fmt)
+        for part in branches:
+            branch_noise = _pooled_noise_for(noise, main.rows, part.rows)
+            if branch_noise is not None:
+                note = (
+                    part.notes[0] + "; its order noise is the run's pooled relative noise at this branch's magnitudes"
+                )
+                part = replace(part, notes=(note, *part.notes[1:]))
+            reports[part.name] = judge.judge(replace(part, noise=branch_noise), fmt)
     return reports
 
 
 def _parts(subject: CheckSubject, reference: Reference, scenario: Scenario, run: Run) -> list[Part]:
     """What ``scenario``'s ``run`` is judged as: its path against the reference rows, and its second path
-    (:attr:`~kvfast.check.scenarios.Scenario.branch`) against the recompute of its own sequence."""
+    (:attr:`~kvfast.check.scenarios.Scenario.branch`) against the recompute of its own sequence (their order
+    noise is set when they are judged: :func:`judge_parts`)."""
     split = scenario.first_row(subject.split) or None
     notes = scenario.judged_notes(subject.calls, subject.prompt, subject.split) + run.notes
     rows = reference.rows_for(scenario.name, run)
     keep = subject.options.keep_logits
-    parts = [Part(scenario.name, subject.prompt, run.path, rows, reference.noise, split, notes, keep)]
+    parts = [Part(scenario.name, subject.prompt, run.path, rows, None, split, notes, keep)]
     if run.branch is not None:
         prompt = scenario.branch_prompt(subject.prompt, subject.vocab)
         rows_b = _branch_rows(subject, prompt, reference, run.branch)
-        noise_b = _pooled_noise_for(reference.noise, rows, rows_b)
         note = scenario.branch_note(run)
-        if noise_b is not None:
-            note += "; its order noise is the run's pooled relative noise at this branch's magnitudes"
-        parts.append(Part(scenario.branch, prompt, run.branch, rows_b, noise_b, None, (note,), keep))
+        parts.append(Part(scenario.branch, prompt, run.branch, rows_b, None, None, (note,), keep))
     return parts
 
 
@@ -259,10 +288,14 @@ def _logic_check(subject, inner: CheckOptions) -> tuple[CheckReport | None, str]
     dtype = subject.options.promote
     promoted = subject.calls.model.promote(dtype)
     try:
-        return _check(promoted, subject.prompt, inner), ""
+        report = _check(promoted, subject.prompt, inner)
     except (ModelUnderTestError, ValueError) as exc:
         why = " ".join(str(exc).split())
         return None, f"the logic check in {dtype} was skipped: the promoted model cannot run in {dtype} ({why})"
+    if report.verdict == UNCHECKED:  # the promoted model declines every scenario: nothing to judge by
+        why = "; ".join(f"{name}: {reason}" for name, reason in report.skipped.items())
+        return None, f"the logic check in {dtype} was skipped: the promoted model ran no scenario ({why})"
+    return report, ""
 
 
 def _format_notes(judge: Judge, options: CheckOptions, verdict: str, fmt: str) -> list[str]:

@@ -5,6 +5,9 @@ judged against its reference rows, and how the scenarios' verdicts make the chec
   no tolerance anywhere. Verdicts ``exact`` / ``divergent``.
 - :class:`ControlJudge` (``mode="control"``): each step against the model's measured order noise
   (:mod:`kvfast.check.control`). Verdicts ``rounding`` / ``inconclusive`` / ``bug``.
+- :class:`AutoJudge` (``mode="auto"``, the default): settles on one of the two once the scenarios have run
+  (:meth:`Judge.settled`): the exact judge when every compared row is bit-equal, else the control judge, the
+  order noise measured only then (a bit-exact model costs what exact mode costs).
 
 A lossy cache (:mod:`kvfast.check.lossy`) is judged by the same judge first, then re-judged as a lossy
 cache's. The judge is the one place that knows the mode: the reference asks it whether to measure order
@@ -19,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvfast.check import control as C
+from kvfast.check import formats as F
 from kvfast.check.report import ScenarioReport
 from kvfast.check.scenarios import CachePath
 
@@ -71,12 +75,20 @@ _MAX = np.maximum.reduce
 class Judge:
     """How a check judges (see the module doc). ``mode``: the option it was chosen from; ``measures_noise``:
     whether the reference must measure the model's order noise for it; ``margin`` and ``decisive``: the ratios
-    up to which a step is rounding (a lossy cache's step: ``lossy``) and beyond which it is a bug."""
+    up to which a step is rounding (a lossy cache's step: ``lossy``) and beyond which it is a bug;
+    ``defers_noise``: the noise is measured only if :meth:`settled` is a judge that needs it."""
 
     margin: float = C.DEFAULT_MARGIN
     decisive: float = C.DEFAULT_DECISIVE
     mode = ""
     measures_noise = False
+    defers_noise = False  # the noise is measured only once the judge has settled (auto)
+    logic_check_mode = "auto"  # the mode of the float64 logic check (promote) of a check judged so
+
+    def settled(self, parts: list[Part]) -> Judge:
+        """The judge that decides once ``parts`` (every comparison of the check) are known: itself, except
+        :class:`AutoJudge`'s."""
+        return self
 
     def judge(self, part: Part, fmt: str) -> ScenarioReport:
         """``part``'s report; ``fmt``: the format whose 1 ulp is the least bound of a step (control)."""
@@ -100,10 +112,13 @@ class ExactJudge(Judge):
         differs = (dev > 0).tolist()
         first = differs.index(True) if True in differs else None
         verdicts = tuple("divergent" if d else "exact" for d in differs)
+        T, start = part.prompt.shape[0], part.split or 0
+        magnitude = np.abs(part.rows).max(axis=1)
+        scale = np.concatenate([[magnitude[start:T].max()], magnitude[T:]])
         return ScenarioReport(
             part.name, self.mode, part.prompt, part.path.fed, dev, verdicts,
             "divergent" if first is not None else "exact", first, bad_row, split=part.split, notes=part.notes,
-            **part.kept(),
+            ulps=dev / F.ulp(fmt, scale), **part.kept(),
         )  # fmt: skip
 
     def overall(self, reports: list[ScenarioReport]) -> str:
@@ -121,6 +136,7 @@ class ControlJudge(Judge):
 
     mode = "control"
     measures_noise = True
+    logic_check_mode = "control"
 
     def judge(self, part: Part, fmt: str) -> ScenarioReport:
         rows, noise = part.rows, part.noise
@@ -156,7 +172,24 @@ class ControlJudge(Judge):
         return ["lossy" if r <= self.margin else "bug" if r > self.decisive else "inconclusive" for r in ratio]
 
 
+@dataclass(frozen=True)
+class AutoJudge(ControlJudge):
+    """``mode="auto"``: the reference is built as for control mode (its noise measured only if needed); the
+    check is then judged by :class:`ExactJudge` when every compared row equals its reference (``==``), else by
+    :class:`ControlJudge`."""
+
+    mode = "auto"
+    defers_noise = True
+    logic_check_mode = "auto"
+
+    def settled(self, parts: list[Part]) -> Judge:
+        equal = all(not deviations(p.path, p.rows, p.split or 0)[0].any() for p in parts)
+        return (ExactJudge if equal else ControlJudge)(self.margin, self.decisive)
+
+
 def judge_for(options: CheckOptions) -> Judge:
-    """The judge ``options`` ask for: the one place a check's mode is decided."""
-    kind = {"exact": ExactJudge, "control": ControlJudge}[options.mode]
+    """The judge ``options`` ask for: the one place a check's mode is decided (``follow="cache"`` compares each
+    scenario with its own sequence's recompute, which has no order noise measured: judged exactly in ``auto``)."""
+    mode = "exact" if options.mode == "auto" and options.follow == "cache" else options.mode
+    kind = {"auto": AutoJudge, "exact": ExactJudge, "control": ControlJudge}[mode]
     return kind(options.margin, options.decisive)

@@ -24,7 +24,9 @@ from kvfast.check.protocol import check_prompt, check_timeout
 from kvfast.check.scenarios import all_scenarios, default_scenarios
 from kvfast.validation import not_allowed, require_choice, require_int
 
-MODES = ("exact", "control")
+#: ``auto`` (the default): ``exact`` when every compared row is bit-equal, else judged as ``control`` judges, the
+#: order noise measured only then; ``exact``: ``==`` at every step; ``control``: always against the order noise.
+MODES = ("auto", "exact", "control")
 SCENARIOS = default_scenarios()  # the default scenarios (decode, resume)
 #: Every registered scenario (:data:`kvfast.check.scenarios.REGISTRY`); those not in :data:`SCENARIOS`, the cache
 #: operations, are asked for by name.
@@ -84,7 +86,10 @@ class CheckOptions:
     - ``steps``: decode steps to check (>= 1); the model sees ``len(prompt) + steps``
       positions. Optional with ``continuation`` (then its length); after
       construction always an ``int``.
-    - ``mode``: ``"exact"`` (``==`` at every step) or ``"control"`` (rounding,
+    - ``mode``: ``"auto"`` (the default: ``exact`` when every compared row is
+      bit-equal to the recompute, else judged as ``"control"`` judges, the order
+      noise measured only then), ``"exact"`` (``==`` at every step: for a cache
+      that promises one summation order) or ``"control"`` (rounding,
       inconclusive or bug against the model's order noise; ``margin`` and
       ``decisive`` as documented in :mod:`kvfast.check.control`).
     - ``scenarios``: ``"decode"`` (prefill the prompt, then decode) and/or
@@ -103,8 +108,8 @@ class CheckOptions:
     - ``continuation``: the tokens to feed ``decode`` (at least ``steps``)
       instead of greedy ones (random-weight models repeat one token greedily);
       kept as a tuple of its first ``steps`` token ids.
-    - ``promote``: ``"float64"`` adds the logic check: the same check in control
-      mode on the model promoted to float64 (its ``promote`` method; built in for
+    - ``promote``: ``"float64"`` adds the logic check: the same check (``auto``
+      unless the mode is ``control``) on the model promoted to float64 (its ``promote`` method; built in for
       Hugging Face models), on the same tokens, reported in ``report.promoted``.
     - ``fast``: use one recompute of the final sequence as the reference
       (exact mode: after verifying append-invariance; control mode: also when
@@ -113,7 +118,8 @@ class CheckOptions:
     - ``follow``: whose greedy tokens are fed to ``decode``: ``"recompute"``
       (the default: the recompute path's, one sequence for every scenario) or
       ``"cache"`` (each scenario's own cache path's, compared with the
-      recompute of that same sequence; exact mode only). See :mod:`kvfast.check.checker`.
+      recompute of that same sequence; judged exactly: mode ``exact``, or ``auto``,
+      which then judges as ``exact`` does). See :mod:`kvfast.check.checker`.
     - ``keep_logits``: keep each scenario's cache logits and reference rows in
       its report (``cache_logits``, ``reference``).
     - ``timeout``: seconds the whole check may take (``None``: no limit); a
@@ -129,7 +135,14 @@ class CheckOptions:
         None, Flag("--steps", "decode steps to check (default 64, or the continuation's length)", int, metavar="N")
     )
     mode: str = option(
-        "exact", Flag("--mode", "exact (== at every step) or control (rounding, inconclusive or bug)", choices=MODES)
+        "auto",
+        Flag(
+            "--mode",
+            "auto (the default: exact where every step equals the recompute bit for bit, else rounding, "
+            "inconclusive or bug against the model's order noise), exact (== at every step) or control (always "
+            "against the order noise)",
+            choices=MODES,
+        ),
     )
     scenarios: Sequence[str] | str = option(
         SCENARIOS,
@@ -166,7 +179,7 @@ class CheckOptions:
         None,
         Flag(
             "--promote",
-            f"add the logic check: the same model in {PROMOTE[0]} (control mode); --promote alone is "
+            f"add the logic check: the same model in {PROMOTE[0]}, on the same tokens; --promote alone is "
             f"--promote {PROMOTE[0]}",
             choices=PROMOTE,
             bare=PROMOTE[0],
@@ -203,8 +216,8 @@ class CheckOptions:
                 raise not_allowed(name, getattr(self, name), "True or False")
         if self.follow not in FOLLOW:
             raise not_allowed("follow", self.follow, ", ".join(FOLLOW))
-        if self.follow == "cache" and mode != "exact":
-            raise ValueError(f"follow: 'cache' is not allowed with mode={mode!r}; allowed: mode='exact'")
+        if self.follow == "cache" and mode == "control":
+            raise ValueError("follow: 'cache' is not allowed with mode='control'; allowed: mode='exact' or 'auto'")
         if self.follow == "cache" and given is not None:
             raise ValueError("follow: 'cache' is not allowed with a continuation; allowed: follow='recompute'")
         if self.promote is not None:

@@ -242,10 +242,12 @@ class SharedReference(Reference):
         fmt: str = "float64",
         formats: F.NoiseFormats | None = None,
         noisy: bool = False,
+        measure: bool = True,
     ) -> SharedReference:
         """The reference for ``subject`` whose ``recompute(prompt)`` is ``prompt_rows`` (``fmt``: the format
         of the model's logits; ``formats``: the model's internal formats, :mod:`kvfast.check.formats`, assumed
-        from ``fmt`` when ``None``; ``noisy``: measure the order noise (control mode); see the module doc)."""
+        from ``fmt`` when ``None``; ``noisy``: the judge may need the order noise (control and auto mode);
+        ``measure``: measure it now, else only when :meth:`measure_noise` is called; see the module doc)."""
         ref = cls(subject, prompt_rows, fmt, formats, noisy)
         T, steps = subject.T, subject.steps
         if subject.options.fast:
@@ -258,8 +260,8 @@ class SharedReference(Reference):
             if ref.length is None:
                 lengths = per_step_lengths(T, T + steps)
                 ref.length = length_dependence({T + steps: ref.rows}, ref.full, ref.formats, lengths)
-        if noisy:
-            ref._measure_noise()
+        if noisy and measure:
+            ref.measure_noise()
         return ref
 
     @property
@@ -339,9 +341,9 @@ class SharedReference(Reference):
                 "continues per step from there and the scenarios ran again on the recompute's tokens"
             )
 
-    def _measure_noise(self) -> None:
-        """Control mode: the order noise around the reference rows (batch shape on the per-step path: the
-        whole-sequence recompute against them), and notes naming its sources."""
+    def measure_noise(self) -> None:
+        """The order noise around the reference rows (batch shape on the per-step path: the whole-sequence
+        recompute against them), and notes naming its sources: :attr:`noise`, for the control judge."""
         s = self.subject
         final = np.concatenate([s.prompt, self.tokens])
         batch_shape = self.batch_shape

@@ -61,6 +61,8 @@ class ScenarioReport:
       ``bound[t]`` (what the step is judged against), ``ratio[t]`` =
       ``deviation / bound`` (always finite), ``floor_source[t]`` (what set the
       bound), ``first_bug_step`` and ``first_inconclusive_step``.
+    - exact mode only: ``ulps[t]``, the deviation in units in the last place of the logits' format at the
+      step's magnitude (a divergence of a few is the size of order noise, not of a logic bug).
     - ``step_verdicts[t]``: ``exact``/``divergent`` or ``rounding``/``inconclusive``/``bug``;
       ``verdict``: the scenario's (its worst step's, or ``skipped`` with the reason in ``notes``).
     - ``keep_logits=True`` only: ``cache_logits`` ``(T + steps, V)``, the cache
@@ -90,6 +92,7 @@ class ScenarioReport:
     floor_source: tuple[str, ...] | None = None
     first_inconclusive_step: int | None = None
     decisive: float | None = None
+    ulps: np.ndarray | None = None
 
     @property
     def passed(self) -> bool:
@@ -242,6 +245,19 @@ class CheckReport:
     length_dependence: LengthDependence | None = None
     formats: NoiseFormats | None = None
     strict: bool = False
+    native: str | None = None
+
+    @property
+    def native_verdict(self) -> str:
+        """The verdict in the model's own format (``verdict`` is the deciding one: a logic check's where it found
+        what the native format could not see)."""
+        return self.verdict if self.native is None else self.native
+
+    @property
+    def judged(self) -> str:
+        """How the check was judged: ``exact`` or ``control`` (``auto`` settles on one of them)."""
+        ran = self.ran
+        return ran[0].mode if ran else self.mode
 
     @property
     def ran(self) -> list[ScenarioReport]:
@@ -255,14 +271,11 @@ class CheckReport:
 
     @property
     def passed(self) -> bool:
-        if self.verdict == UNCHECKED or self.length_dependence is not None:
+        """Whether the deciding verdict passes: ``exact``, ``rounding``, or ``lossy`` where not judged exactly (exact
+        mode promises ``==``, which no lossy cache can keep); never with a length dependence."""
+        if self.length_dependence is not None:
             return False
-        lossy = ("lossy",) if self.mode == "control" else ()  # exact mode promises ==: never a lossy cache
-        if self.promoted is not None:
-            if not self.promoted.passed:
-                return False
-            return self.verdict in ("exact", "rounding", "inconclusive", *lossy)
-        return self.verdict in ("exact", "rounding", *lossy)
+        return self.verdict in ("exact", "rounding") or (self.verdict == "lossy" and self.judged != "exact")
 
     @property
     def steps(self) -> int:
@@ -333,44 +346,124 @@ class CheckReport:
         first = self.worst if not self.worst.passed else min(failing, key=lambda s: s.focus_step())
         return f"first in scenario {first.name!r}, step {first.where(first.focus_step())}; " + "; ".join(parts)
 
-    def format(self) -> str:
-        """The full readable report: a verdict line, each scenario's summary, the worst scenario's table."""
-        names = ", ".join(self.scenarios)
-        lines = [
-            f"kvfast check ({self.mode} mode, {self.path} reference, {self.steps} decode steps, "
-            f"prompt of {self.prompt.shape[0]} tokens, {self.logits_format} logits{self._lowest()}, "
-            f"scenarios: {names}): "
-            f"{self.verdict.upper()}",
-            self.headline(),
-        ]
+    def decider(self) -> CheckReport:
+        """The report whose verdict decides: the logic check's where it overrode the native verdict, else this."""
+        return self if self.native is None or self.promoted is None else self.promoted
+
+    def verdict_line(self) -> str:
+        """Line 1, the whole truth: pass or fail, the deciding verdict, where it was found (scenario and step), and
+        the native verdict beside a logic check's."""
+        line = f"kvfast check: {'PASS' if self.passed else 'FAIL'}: {self.verdict.upper()}"
+        if self.verdict == LENGTH_DEPENDENT:
+            return line + " (the recompute itself changes with the sequence's length: no cache can equal it)"
+        if self.verdict == UNCHECKED:
+            return line + (" (strict: a requested scenario was skipped)" if self.ran else " (nothing was checked)")
+        decider = self.decider()
+        worst = decider.worst
+        step = None if worst is None or worst.passed else worst.focus_step()
+        if step is not None:
+            line += f" in scenario {worst.name!r} at step {worst.where(step)}"
+        if decider is not self:
+            line += (
+                f" ({decider.logits_format} logic check); native {self.logits_format}: {self.native_verdict.upper()}"
+            )
+        elif step is not None and worst.ulps is not None and worst.ulps[step] <= FEW_ULPS:
+            line += (
+                f", {worst.ulps[step]:.3g} units in the last place of its {self.logits_format} logits: the size of "
+                "order noise (two paths adding in different orders), not of a logic bug; --mode auto (the default) "
+                "tells rounding from bugs"
+            )
+        return line
+
+    def detail_lines(self) -> list[str]:
+        """Lines 2-3 in plain words: how large the deciding deviation is against what, and what was checked."""
+        decider = self.decider()
+        worst = decider.worst
+        lines = []
         if self.length_dependence is not None:
-            lines.insert(1, self.length_dependence.line())
+            lines.append(self.length_dependence.line())
+        if worst is not None:
+            lines.append(decider.size_line())
+        how = {"exact": "bit for bit", "control": "against the model's measured order noise"}[self.judged]
+        if self.mode == "auto":
+            how += " (auto: every step bit-identical)" if self.judged == "exact" else " (auto: not bit-identical)"
+        names = ", ".join(self.scenarios)
+        lines.append(
+            f"checked {how}: {self.steps} decode steps after a prompt of {self.prompt.shape[0]} tokens, "
+            f"{self.logits_format} logits, {self.path} reference; scenarios: {names}"
+        )
+        return lines
+
+    def size_line(self) -> str:
+        """How far the cache is from the recompute, in plain words: at the first failing step of the worst scenario,
+        against the bound that decides; on a pass, the largest deviation (and ratio) over every step."""
+        worst = self.worst
+        step = None if worst.passed else worst.focus_step()
+        if step is None:
+            if self.judged == "exact" or not self.max_deviation > 0:
+                return "every compared step equals the recompute bit for bit"
+            return (
+                f"largest deviation {self.max_deviation:.4g}, at most {self.max_ratio:.3g}x the bound that rounding "
+                f"can reach (rounding up to {worst.margin:g}x)"
+            )
+        line = (
+            f"scenario {worst.name!r}, step {worst.where(step)}: the cached logits differ from the full recompute by "
+            f"{worst.deviation[step]:.4g}"
+        )
+        if worst.ratio is not None:
+            return line + (
+                f", {worst.ratio[step]:.4g}x the bound {worst.bound[step]:.4g} that rounding can reach (rounding up to "
+                f"{worst.margin:g}x, a bug beyond {worst.decisive:g}x)"
+            )
+        if worst.ulps is not None:
+            line += f", {worst.ulps[step]:.4g} units in the last place of the {self.logits_format} logits"
+        return line
+
+    def format(self) -> str:
+        """The full readable report: the verdict line, two lines of what it means, each scenario's summary, the
+        notes, the worst scenario's table and the logic check's report."""
+        lines = [self.verdict_line()]
         if self.skipped_line() is not None:
-            lines.insert(1, self.skipped_line())
+            lines.append(self.skipped_line())
         if not self.ran:  # nothing was checked: the verdict line and the line naming the scenarios and why
-            return "\n".join(lines[:2])
+            return "\n".join(lines)
+        lines += self.detail_lines()
+        lines.append(self.headline())
         lines += [s.summary() for s in self.scenarios.values()]
         lines += [f"note: {n}" for n in self.notes]
         worst = self.worst
         lines.append(f"per-step table ({worst.name!r}):")
         lines.append(worst.table())
+        if (
+            self.judged == "control"
+            and self.formats is not None
+            and (self.formats.source != "assumed" or not self.passed)
+        ):
+            lines.append(f"the bounds' floor is set by the lowest internal format {self.formats.line()}")
         if self.promoted is not None:
             ran = self.promoted.logits_format  # the format it actually ran in, never a claim of float64
-            low = self.promoted.formats
-            lowest = "" if low is None else f" (lowest internal format {low.line()})"
-            lines.append(f"logic check in {ran} (same tokens): {self.promoted.verdict.upper()}{lowest}")
+            lines.append(f"logic check in {ran} (same tokens): {self.promoted.verdict.upper()}")
             lines += ["  " + line for line in self.promoted.format().splitlines()[1:]]
         return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.format()
 
-    def _lowest(self) -> str:
-        """Control mode: the lowest internal format and where it came from (``, lowest internal format float32
-        (measured: softmax)``)."""
-        if self.mode != "control" or self.formats is None:
-            return ""
-        return f", lowest internal format {self.formats.line()}"
+
+#: A divergence of at most this many units in the last place of the logits' format is the size of order noise; an
+#: exact-mode failure that small says so on its first line.
+FEW_ULPS = 4.0
+
+
+def deciding(native: str, promoted: CheckReport | None) -> str:
+    """The verdict that decides a check whose native verdict is ``native``: the logic check's (``promoted``) where
+    it fails (it found what the native format could not resolve) or where it settles a native ``inconclusive``;
+    else ``native``."""
+    if promoted is None or native in (UNCHECKED, LENGTH_DEPENDENT):
+        return native
+    if not promoted.passed or native == "inconclusive":
+        return promoted.verdict
+    return native
 
 
 def skipped(name: str, mode: str, prompt: np.ndarray, tokens: np.ndarray, why: str) -> ScenarioReport:

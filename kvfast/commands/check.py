@@ -1,4 +1,4 @@
-"""``kvfast check PACKAGE.MODULE:FACTORY --prompt 1,2,3 --steps 64 [--mode exact|control] [options]``.
+"""``kvfast check PACKAGE.MODULE:FACTORY --prompt 1,2,3 --steps 64 [--mode auto|exact|control] [options]``.
 
 Imports ``PACKAGE.MODULE`` (the current directory is searched first), calls
 ``FACTORY(**factory_args)`` (any callable, a class included; ``--factory-arg
@@ -11,11 +11,11 @@ process before the child is handed any work (the child process itself starts
 first: see Start-up).
 
 Exit codes (:data:`EXIT_CODES`): 0 only when a report was printed and says
-pass; 1 when it finds a divergence (exact) or a bug (control, or the float64
-logic check of ``--promote``); 2 for bad input (a bad spec or argument, a
+pass; 1 when it finds a bug (or the float64 logic check of ``--promote``
+does), or a divergence in exact mode; 2 for bad input (a bad spec or argument, a
 module or factory that cannot be found, a factory that returns no model under
 test, a model missing a method, bad logits, a bad prompt), one line; 3 when
-the control verdict is inconclusive (and no logic check cleared it); 4 when
+the verdict is inconclusive (and no logic check cleared it); 4 when
 the model under test, its factory or its module raised or exited
 (``SystemExit``, ``sys.exit(0)`` included, ``KeyboardInterrupt``, any other
 exception, ``os._exit``, a crash or a signal), one line naming the call and
@@ -64,11 +64,11 @@ EXIT_LENGTH_DEPENDENT = 6
 EXIT_UNCHECKED = 7
 EXIT_INTERRUPTED = 130
 EXIT_CODES = {
-    EXIT_PASS: "pass: a report was printed and its verdict passes (`exact`; `rounding` in control mode)",
-    EXIT_FAIL: "a divergence (exact mode) or a `bug` (control mode, or the float64 logic check of `--promote`)",
+    EXIT_PASS: "pass: a report was printed and its verdict passes (`exact`, `rounding`)",
+    EXIT_FAIL: "a `bug` (the float64 logic check of `--promote` included), or a divergence in `--mode exact`",
     EXIT_BAD_INPUT: "bad input, one line: an argument, the factory spec, a module that cannot be imported, "
     "a factory that rejects its arguments or returns no model under test, bad logits, a bad prompt",
-    EXIT_INCONCLUSIVE: "control mode: `inconclusive`, and no float64 logic check cleared it",
+    EXIT_INCONCLUSIVE: "`inconclusive` (between rounding and a bug), and no float64 logic check cleared it",
     EXIT_MODEL: "the model under test, its factory or its module raised or exited, one line naming the call "
     "and the exception: `SystemExit` (`sys.exit(0)` too), `KeyboardInterrupt`, any exception, `os._exit`, a crash",
     EXIT_TIMEOUT: "the check did not finish within `--timeout S` seconds, one line naming the call that hung",
@@ -337,8 +337,7 @@ def run_check(args, started: float | None = None) -> dict:
     elif report.passed:
         code = EXIT_PASS
     else:
-        bug = report.verdict in ("bug", "divergent") or (report.promoted is not None and not report.promoted.passed)
-        code = EXIT_FAIL if bug else EXIT_INCONCLUSIVE
+        code = EXIT_INCONCLUSIVE if report.verdict == "inconclusive" else EXIT_FAIL  # bug, divergent, lossy (exact)
     text = report.format()
     if code == EXIT_FAIL and getattr(args, "repro", None):
         text += "\n" + _reproducers(args, model, report)

@@ -2,16 +2,17 @@
 :func:`kvfast.check.check_cache`, one row per check.
 
 A run calls ``factory(**args)`` -- ``factory`` is a config field naming a callable as
-``"package.module:NAME"``, ``args`` are the study's factory-argument fields -- then checks the
-model's cache against its full recompute on a random prompt (``prompt_len`` tokens drawn from
-``prompt_seed``) for ``steps`` decode steps in ``mode`` (``exact``: ``==`` at every step;
-``control``: against the model's order-noise floor), over ``scenarios`` (``decode``,
-``resume`` or ``both``; the cache operations ``rollback``, ``fork``, ``reorder``, ``padded``, or
-``operations``: decode and all four, those a model has no hooks for reported as skipped).
-Result columns: ``verdict`` and ``passed`` (the report's),
-``first_divergent_step`` (-1 if none), ``worst_deviation`` (largest \\|cache - recompute\\|
-logit over every step and scenario), ``ratio`` (control mode: the worst step's deviation over its
-floor bound; null in exact mode), ``worst_scenario`` and ``tokens`` (the checked token ids).
+``"package.module:NAME"``, ``args`` are the study's factory-argument fields -- then checks the model's cache
+against its full recompute on a random prompt (``prompt_len`` tokens drawn from ``prompt_seed``) for ``steps``
+decode steps in ``mode`` (``exact``: ``==`` at every step; ``control``: against the model's order-noise
+floor), over ``scenarios`` (``decode``, ``resume`` or ``both``; the cache operations ``rollback``, ``fork``,
+``reorder``, ``padded``, or ``operations``: decode and all four, those a model has no hooks for reported as
+skipped). Result columns: ``verdict`` and ``passed`` (the report's), ``failed_scenario`` and ``failed_step``
+(where the check failed: the scenario and step of the first bug, or of the first divergence or inconclusive
+step where none is a bug; ``""`` and -1 when it passed), ``first_divergent_step`` (the first step whose logits
+are not bit-equal, rounding included; -1 if none), ``worst_deviation`` (largest \\|cache - recompute\\| logit
+over every step and scenario), ``ratio`` (control mode: the worst step's deviation over its floor bound; null
+in exact mode), ``worst_scenario`` and ``tokens`` (the checked token ids).
 
 The built-in ``check`` study's factory arguments are those of :func:`kvfast_model` (kvfast's own
 transformer: shape, seed, preset, order, attention kernel, catalogue bug). A package sweeps its own
@@ -50,7 +51,7 @@ from kvfast.studies.criteria import EXACT, judged
 from kvfast.studies.plotting import SYMLOG_FLOOR, pyplot
 from kvfast.validation import require_int
 
-VERSION = "1"
+VERSION = "2"  # 2: failed_scenario and failed_step
 SCENARIO_CHOICES = {
     "decode": ("decode",), "resume": ("resume",), "both": ("decode", "resume"),
     # the cache operations (kvfast.check.scenarios): a grid axis value each, or all with decode
@@ -73,6 +74,8 @@ RESULT_FIELDS: dict[str, pa.DataType] = {
     "ratio": pa.float64(),
     "worst_scenario": pa.string(),
     "tokens": pa.string(),
+    "failed_scenario": pa.string(),
+    "failed_step": pa.int64(),
 }
 
 
@@ -131,7 +134,6 @@ def check_study(
         result_fields=RESULT_FIELDS,
         validate_config=validate,
         summarize=summarize,
-        claims=claims,
         validate_groups=arg_groups,
     )
 
@@ -152,6 +154,8 @@ def check_one(model, config: dict) -> dict:
     worst = scenarios.get(worst_name)
     ratios = [float(np.max(s.ratio)) for s in scenarios.values() if s.ratio is not None and len(s.ratio)]
     first = report.first_divergent_step
+    failed = report.decider().worst
+    failed_step = None if failed is None or failed.passed else failed.focus_step()
     return {
         "verdict": report.verdict,
         "passed": bool(report.passed),
@@ -160,6 +164,8 @@ def check_one(model, config: dict) -> dict:
         "ratio": max(ratios) if ratios else None,
         "worst_scenario": worst_name,
         "tokens": ",".join(map(str, report.tokens)),
+        "failed_scenario": "" if failed_step is None else failed.name,
+        "failed_step": -1 if failed_step is None else int(failed_step),
     }
 
 
@@ -352,8 +358,9 @@ def _kvfast_compile_key(config: dict) -> tuple:
     return (config.get("factory"), *formats_compile_key(storage, accum, str(config.get("attention") or "standard")))
 
 
-# the built-in study's place in the report, and its runs' compile keys
-STUDY = dataclasses.replace(STUDY, figures=FIGURES, rank=90, compile_key=_kvfast_compile_key)
+# the built-in study's claims (about kvfast's own model and its bug catalogue: no user study has them), its place in
+# the report, and its runs' compile keys
+STUDY = dataclasses.replace(STUDY, claims=claims, figures=FIGURES, rank=90, compile_key=_kvfast_compile_key)
 
 
 __all__ = ["STUDY", "check_one", "check_options", "check_study", "kvfast_model", "load_factory"]
