@@ -370,9 +370,13 @@ class CheckReport:
         elif step is not None and worst.ulps is not None and worst.ulps[step] <= FEW_ULPS:
             line += (
                 f", {worst.ulps[step]:.3g} units in the last place of its {self.logits_format} logits: the size of "
-                "order noise (two paths adding in different orders), not of a logic bug; --mode auto (the default) "
-                "tells rounding from bugs"
+                "order noise (two paths adding in different orders), not of a logic bug"
             )
+            far = max(self.ran, key=lambda s: s.ulps.max() if s.ulps is not None else 0.0)
+            if far.ulps is not None and far.ulps.max() > MANY_ULPS:
+                t = int(far.ulps.argmax())
+                line += f"; but step {t} of {far.name!r} is {far.ulps[t]:.3g} units off, far beyond it"
+            line += "; --mode auto (the default) tells rounding from bugs"
         return line
 
     def detail_lines(self) -> list[str]:
@@ -453,6 +457,8 @@ class CheckReport:
 #: A divergence of at most this many units in the last place of the logits' format is the size of order noise; an
 #: exact-mode failure that small says so on its first line.
 FEW_ULPS = 4.0
+#: ... and a step this many units off, beside it, is far beyond any order noise (the admission ceiling of order noise).
+MANY_ULPS = 64.0
 
 
 def deciding(native: str, promoted: CheckReport | None) -> str:
