@@ -65,7 +65,7 @@ def test_the_model_is_plain_and_its_paths_really_differ(example):
     model = example.BatchedPrefillModel(0, "float32")
     assert not hasattr(model, "recompute_variants") and not hasattr(model, "promote")
     _, prompt, continuation = list(example.grid(3))[2]
-    exact = check_cache(model, prompt, continuation=continuation)
+    exact = check_cache(model, prompt, continuation=continuation, mode="exact")
     assert exact.verdict == "divergent" and exact.max_deviation > 0  # a whole-matrix row is not a one-row product
     bf16 = check_cache(example.BatchedPrefillModel(0, "bfloat16"), prompt, continuation=continuation, mode="control")
     assert bf16.logits_format == "bfloat16"  # an ml_dtypes bfloat16 array: kvfast knows the format

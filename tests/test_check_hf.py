@@ -226,10 +226,10 @@ def test_variants_are_deep_copies_and_differ_only_in_order(family):
 def test_exact_mode_on_stock_models():
     prompt = [3, 1, 4, 1, 5]
     # eager attention in bfloat16: the cache path is bit-identical to the recompute
-    assert check_cache(tiny_model("llama", "bfloat16", "eager"), prompt, 8).verdict == "exact"
+    assert check_cache(tiny_model("llama", "bfloat16", "eager"), prompt, 8, mode="exact").verdict == "exact"
     # sdpa in float32: order noise only, which exact mode flags and control mode calls rounding
     model = tiny_model("llama", "float32", "sdpa")
-    exact = check_cache(model, prompt, 8)
+    exact = check_cache(model, prompt, 8, mode="exact")
     assert exact.verdict == "divergent" and exact.max_deviation < 1e-5
     assert check_cache(model, prompt, 8, mode="control").verdict == "rounding"
 
