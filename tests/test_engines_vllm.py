@@ -163,20 +163,22 @@ def test_a_check_with_the_scenarios_together_reports_what_it_reports_one_after_t
 
 def test_chunked_prefill_is_checked_against_the_unchunked_recompute(engine):
     chunked = VLLMModel(engine.llm, prefill_chunk=16)  # the cached path's prefills 16 tokens a step
-    assert check_cache(chunked, LONG, STEPS).verdict == "exact"
+    assert check_cache(chunked, LONG, STEPS, mode="exact").verdict == "exact"
     # a chunk over cached chunks placed one position early: the decode scenario's own prefill now has such chunks,
     # and the unchunked reference does not share the bug, so it is seen at the prefill (step 0) in both scenarios
-    report = check_cache(inject_vllm_bug(VLLMModel(engine.llm, prefill_chunk=16), "hitpos"), LONG, STEPS, fast=False)
+    report = check_cache(
+        inject_vllm_bug(VLLMModel(engine.llm, prefill_chunk=16), "hitpos"), LONG, STEPS, fast=False, mode="exact"
+    )
     assert {k: v.first_divergent_step for k, v in report.scenarios.items()} == {"decode": 0, "resume": 0}
 
 
 def test_requests_in_flight_together_and_forced_preemptions(small_cache):
     busy = VLLMModel(small_cache.llm, companions=3)  # three other requests in the same steps, sent first
-    report = check_cache(busy, LONG, STEPS)
+    report = check_cache(busy, LONG, STEPS, mode="exact")
     assert report.verdict == "exact", report.format()
     assert busy.preemptions > 0  # the block budget preempted the cached path's request; its rows stay exact
     buggy = inject_vllm_bug(VLLMModel(small_cache.llm, companions=3), "evict")
-    report = check_cache(buggy, LONG, STEPS, fast=False)
+    report = check_cache(buggy, LONG, STEPS, fast=False, mode="exact")
     assert {k: v.first_divergent_step for k, v in report.scenarios.items()} == {"decode": 1, "resume": 1}
 
 
@@ -247,7 +249,7 @@ def test_a_catalogue_bug_is_found_in_bfloat16_exact_mode_with_the_pin_and_is_no_
 def test_the_command_line_checks_a_bfloat16_engine_exactly(model_dir):
     prompt = ",".join(map(str, PROMPT))
     cmd = [sys.executable, "-m", "kvfast.cli", "check", "--engine", "vllm", str(model_dir), "--prompt", prompt,
-           "--steps", str(STEPS), "--factory-arg", "dtype=bfloat16"]  # fmt: skip
+           "--steps", str(STEPS), "--factory-arg", "dtype=bfloat16", "--mode", "exact"]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "EXACT" in done.stdout.splitlines()[0]

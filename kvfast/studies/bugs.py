@@ -145,7 +145,7 @@ def check_run(
     ``(steps, V)`` (row 0 the prompt's last, row ``i`` decode step ``i``), the check's per-step deviation
     ``(steps,)`` and its first divergent step (``-1`` if none)."""
     model = KvfastModel(cfg, params, numerics, bug=bug)
-    report = check_cache(model, prompt, steps - 1, scenarios="decode", follow="cache", keep_logits=True)
+    report = check_cache(model, prompt, steps - 1, mode="exact", scenarios="decode", follow="cache", keep_logits=True)
     scen = report.scenarios["decode"]
     logits = scen.cache_logits[prompt.shape[0] - 1 :]
     first = scen.first_divergent_step

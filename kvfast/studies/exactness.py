@@ -128,7 +128,7 @@ def _numerics(preset: str, order: str) -> Numerics:
 @functools.lru_cache(maxsize=64)
 def _options(steps: int) -> CheckOptions:
     """The check a run of ``steps`` tokens makes (options are immutable: one object per step count)."""
-    return CheckOptions(max(1, steps - 1), scenarios="decode", follow="cache", keep_logits=True)
+    return CheckOptions(max(1, steps - 1), "exact", scenarios="decode", follow="cache", keep_logits=True)
 
 
 def clear_caches() -> None:

@@ -138,7 +138,7 @@ def hf_logits_and_ids(model: HFModel, case: HFCase) -> Detection:
 
 def kvfast_exact(model: HFModel, case: HFCase) -> Detection:
     """:func:`kvfast.check_cache` in exact mode over both scenarios; score: the largest deviation."""
-    report = check_cache(model, case.prompt, continuation=case.continuation)
+    report = check_cache(model, case.prompt, mode="exact", continuation=case.continuation)
     return Detection(not report.passed, report.max_deviation, report.first_divergent_step)
 
 
