@@ -10,8 +10,9 @@ source file that uses Numba (under ``$XDG_CACHE_HOME/kvfast/numba/`` or
 every kvfast entry's freshness stamp, so an entry another kvfast version wrote there is compiled again.
 Child processes (sweep workers) inherit the choice through the environment.
 A damaged cache file is compiled again instead of failing the caller. kvfast's kernels are not cached at all
-(:data:`CACHED`), said in one line on stderr, where the directory cannot be written or where kvfast's own
-directory is not this user's alone: :mod:`kvfast.kernels.cache_guard`.
+(:data:`CACHED`), said in one line on stderr, where the directory cannot be written, where kvfast's own
+directory is not this user's alone, or where ``NUMBA_CACHE_LOCATOR_CLASSES`` is set (the hash cannot be put in
+the stamp): :mod:`kvfast.kernels.cache_guard`.
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ compiled again and rewritten.
 :func:`own_cache_dir` and :func:`writable` find out, before any kernel is compiled, whether the cache directory
 can be used: kvfast's own directory only if this user owns every level kvfast makes and nobody else can write
 them (Numba loads its index files with :mod:`pickle`: whoever can write there can run code as this user), the
-user's ``NUMBA_CACHE_DIR`` if it can be written. Where it cannot, one line on stderr says so and kvfast's
-kernels are compiled afresh in each process, not cached (``JIT_OPTIONS``).
+user's ``NUMBA_CACHE_DIR`` if it can be written. Where it cannot, or where the entries cannot be keyed, one line
+on stderr says so and kvfast's kernels are compiled afresh in each process, not cached (``JIT_OPTIONS``).
 """
 
 from __future__ import annotations
@@ -86,11 +86,28 @@ def install() -> bool:
 
 def key_entries(package: Path, key: str) -> bool:
     """Stamp the cache entries of the functions defined under ``package`` with ``key`` besides Numba's own
-    stamp of their file (once per process; a later call's ``key`` is ignored); False if this Numba has no such
-    locator classes (the caller must then not cache them)."""
+    stamp of their file (once per process; a later call's ``key`` is ignored); False, with one line on stderr,
+    where it cannot: the caller must then not cache them.
+
+    Numba's one public way to choose its locators is ``NUMBA_CACHE_LOCATOR_CLASSES``, and where it is set
+    Numba uses the locators it names and never the keyed one below. kvfast does not rewrite it: every child
+    process inherits the variable, and one without kvfast (another environment, another tool) would fail to
+    import kvfast's locator on its first cached function; setting Numba's configuration alone is undone when
+    Numba reloads it from the environment."""
+    from numba.core import config
+
+    config.reload_config()  # as Numba's compiler does: the variable as it is now
+    if config.CACHE_LOCATOR_CLASSES:
+        _note(
+            f"NUMBA_CACHE_LOCATOR_CLASSES is set ({config.CACHE_LOCATOR_CLASSES}): kvfast cannot stamp its kernels' "
+            "cache entries with the hash of its sources under those locators, so its kernels are compiled afresh "
+            "in every process, not cached (unset it to cache them)"
+        )
+        return False
     try:
         from numba.core.caching import CacheImpl, UserProvidedCacheLocator
     except ImportError:  # pragma: no cover - another Numba's internals
+        _note("this Numba has no cache locators kvfast can key: its kernels are compiled afresh, not cached")
         return False
     if any(getattr(cls, "_kvfast_keyed", False) for cls in CacheImpl._locator_classes):
         return True
