@@ -199,21 +199,24 @@ def _plant(shared: Path, dest: Path) -> Path:
     return mark
 
 
-def test_kvfasts_cache_directory_made_by_another_user_is_never_loaded(other_user):
+@pytest.mark.parametrize("inherited", [False, True], ids=["found", "inherited"])
+def test_kvfasts_cache_directory_made_by_another_user_is_never_loaded(other_user, inherited):
     """``XDG_CACHE_HOME`` in a shared directory: the other user made ``kvfast/numba/KEY`` there first, planted.
-    kvfast refuses it (one line naming the owner) and compiles afresh: the payload never runs. Control: the same
-    tree made this user's, mode 0700, is used: the payload runs, as this user."""
+    kvfast refuses it (one line naming the owner) and compiles afresh: the payload never runs; so does a child
+    process that inherits the path as ``NUMBA_CACHE_DIR`` (``inherited``). Control: the same tree made this
+    user's, mode 0700, is used: the payload runs, as this user."""
     from kvfast.kernels import source_key
 
     uid, shared = other_user
-    mark = _plant(shared, shared / "kvfast" / "numba" / source_key())
-    run = _python(BF16_ONCE, {"XDG_CACHE_HOME": str(shared), "NUMBA_CACHE_DIR": None})
+    key_dir = shared / "kvfast" / "numba" / source_key()
+    mark = _plant(shared, key_dir)
+    run = _python(BF16_ONCE, {"XDG_CACHE_HOME": str(shared), "NUMBA_CACHE_DIR": str(key_dir) if inherited else None})
     assert run.returncode == 0 and run.stdout == "1.0078125\n", run.stderr
     (line,) = run.stderr.splitlines()
     assert line.startswith(f"kvfast: not caching kernels in {shared / 'kvfast'}: it is owned by uid {uid}, not this")
     assert not mark.exists()
     subprocess.run(["chown", "-R", f"{os.getuid()}:{os.getgid()}", str(shared / "kvfast")], check=True)
-    for level in (shared / "kvfast", shared / "kvfast" / "numba", shared / "kvfast" / "numba" / source_key()):
+    for level in (key_dir.parent.parent, key_dir.parent, key_dir):
         level.chmod(0o700)
     control = _python(BF16_ONCE, {"XDG_CACHE_HOME": str(shared), "NUMBA_CACHE_DIR": None})
     assert control.returncode == 0 and control.stderr == "", control.stderr

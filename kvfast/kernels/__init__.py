@@ -40,12 +40,13 @@ def source_key() -> str:
 
 def _choose_cache_dir(key: str) -> bool:
     """Point Numba at kvfast's cache directory (or the user's ``NUMBA_CACHE_DIR``), if it can be used; False if
-    not (said on stderr: :mod:`kvfast.kernels.cache_guard`)."""
+    not (said on stderr: :mod:`kvfast.kernels.cache_guard`). kvfast's own directory is checked in every process,
+    a child's too (it inherits it as ``NUMBA_CACHE_DIR``)."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"))
     user = os.environ.get("NUMBA_CACHE_DIR")
-    if user:
+    if user and Path(user) != base / "kvfast" / "numba" / key:
         return cache_guard.writable(Path(user))
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    chosen = cache_guard.own_cache_dir(Path(base), ("kvfast", "numba", key))
+    chosen = cache_guard.own_cache_dir(base, ("kvfast", "numba", key))
     if chosen is None:
         return False
     os.environ["NUMBA_CACHE_DIR"] = str(chosen)
