@@ -1,7 +1,7 @@
 """Where a cold start's compile time goes: CPU seconds per compiled kernel specialisation.
 
     PYTHONPATH=$PWD python benchmarks/compile_profile.py [--preset f64] [--all]
-        [--reproduce [--repeats N] [--baseline DIR]] [--warm-check [--serve] [--repeats N] [--baseline DIR]]
+        [--reproduce [--repeats N] [--baseline DIR]] [--warm-check [--repeats N] [--baseline DIR]]
 
 Points Numba's cache at an empty temporary directory, then imports kvfast and runs the same
 ``generate`` as the cold start of ``kvfast bench kernels`` in this process, recording every
@@ -50,9 +50,6 @@ NumPy, Numba, the rest of the checker's imports, Numba's CPU target set up, the 
 call): the floor of the first run, which no arrangement of the command's two processes goes below.
 ``--baseline DIR``: the same command on another kvfast source tree (a
 ``git archive`` of an earlier commit; ``PYTHONPATH=DIR``), interleaved, and the ratio of the medians.
-``--serve``: ``kvfast serve`` started first (its warm-up not timed), and each round also runs the command with
-its child forked by the server (its timeline, the first run's start, CPU and wall), then both side by side; the
-rounds without it set ``KVFAST_SERVE=0``.
 """
 
 from __future__ import annotations
@@ -87,12 +84,12 @@ def _env(pythonpath: str | None = None) -> dict:
 
 
 def _timed(
-    args: list[str], timeline: str | None = None, pythonpath: str | None = None, extra: dict | None = None
+    args: list[str], timeline: str | None = None, pythonpath: str | None = None
 ) -> tuple[float, float, dict[str, float]]:
     """CPU seconds (user + system of the child and its children) and wall seconds of ``python ARGS``, and
     with ``timeline`` (a file path) its marks as seconds from the start (a label seen twice: its first);
-    ``pythonpath``: another kvfast source tree (``--baseline``); ``extra``: more environment variables."""
-    env = {**_env(pythonpath), **(extra or {})}
+    ``pythonpath``: another kvfast source tree (``--baseline``)."""
+    env = _env(pythonpath)
     if timeline is not None:
         env["KVFAST_TIMELINE"] = timeline
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -160,11 +157,8 @@ def _steps() -> list[tuple[str, float]]:
     return [tuple(m) for m in json.loads(out.stdout.splitlines()[-1])]
 
 
-SERVED = "parent: child forked by kvfast serve"  # the timeline's mark of a child from kvfast serve
-
-
-def _timeline(title: str, rounds: list[tuple[float, float, dict[str, float]]]) -> tuple[float, float]:
-    """Print the rounds' timeline (medians); the median first model call's start and return."""
+def _timeline(title: str, rounds: list[tuple[float, float, dict[str, float]]]) -> None:
+    """Print the rounds' timeline (medians) and the median first model call's start and return."""
     repeats = len(rounds)
     labels = list(dict.fromkeys(label for _, _, marks in rounds for label in marks))
     labels = ["command start", *sorted(labels, key=lambda k: statistics.median(m[k] for _, _, m in rounds if k in m))]
@@ -180,74 +174,32 @@ def _timeline(title: str, rounds: list[tuple[float, float, dict[str, float]]]) -
     first = statistics.median(marks[FIRST_RUN] for _, _, marks in rounds)
     returned = statistics.median(marks[FIRST_RUN + " returned"] for _, _, marks in rounds)
     print(f"to its first run (first model call starts): {first:.3f} s; returned: {returned:.3f} s (target 0.5 s)")
-    return first, returned
 
 
-def _start_server() -> subprocess.Popen:
-    """``kvfast serve`` in this tree, as the command's rounds run (the same environment and working directory:
-    its key is theirs), once it listens."""
-    env = _env()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvfast.cli", "serve", "--idle", "600"],
-        env=env, cwd=env["PYTHONPATH"], stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    line = proc.stdout.readline()
-    if not line.startswith("kvfast serve: listening on "):
-        raise SystemExit(f"kvfast serve did not start: {line!r}")
-    return proc
-
-
-def warm_check(repeats: int, baseline: str | None = None, serve: bool = False) -> None:
+def warm_check(repeats: int, baseline: str | None = None) -> None:
     """Print the warm ``kvfast check`` figures (see the module doc)."""
-    fresh = {"KVFAST_SERVE": "0"} if serve else None  # the rounds without the server never use it
-    _timed(CHECK, extra=fresh)  # fills the cache if it is cold
+    _timed(CHECK)  # fills the cache if it is cold
     base: list[tuple[float, float, dict[str, float]]] = []
     if baseline:
         _timed(CHECK, pythonpath=baseline)
-    server = _start_server() if serve else None
     timeline = os.path.join(tempfile.mkdtemp(prefix="kvfast-timeline-"), "marks")
     rounds: list[tuple[float, float, dict[str, float]]] = []
-    served: list[tuple[float, float, dict[str, float]]] = []
     scale: dict[str, list[float]] = {name: [] for name in SCALE}
     loads = []
     steps: list[list[tuple[str, float]]] = []
-    try:
-        for _ in range(repeats):  # interleaved: the command, then each process for scale
-            rounds.append(_timed(CHECK, timeline, extra=fresh))
-            if serve:
-                served.append(_timed(CHECK, timeline))
-                if SERVED not in served[-1][2]:
-                    raise SystemExit(f"the check was not served by kvfast serve: {sorted(served[-1][2])}")
-            steps.append(_steps())
-            if baseline:
-                base.append(_timed(CHECK, pythonpath=baseline))
-            for name, args in SCALE.items():
-                scale[name].append(_timed(args)[1])
-            loads.append(os.getloadavg()[0])
-    finally:
-        if server is not None:
-            server.terminate()
-            server.wait()
-    first, _ = _timeline("warm kvfast check of kvfast's model", rounds)
+    for _ in range(repeats):  # interleaved: the command, then each process for scale
+        rounds.append(_timed(CHECK, timeline))
+        steps.append(_steps())
+        if baseline:
+            base.append(_timed(CHECK, pythonpath=baseline))
+        for name, args in SCALE.items():
+            scale[name].append(_timed(args)[1])
+        loads.append(os.getloadavg()[0])
+    _timeline("warm kvfast check of kvfast's model", rounds)
     cpu = statistics.median(r[0] for r in rounds)
     wall = statistics.median(r[1] for r in rounds)
     print(f"kvfast check of kvfast's model (whole command): {cpu:.3f} s CPU, {wall:.3f} s wall "
           f"(median of {repeats}, warm Numba cache)")  # fmt: skip
-    if serve:
-        s_first, _ = _timeline("the same check with kvfast serve running (its child forked by the server)", served)
-        s_cpu = statistics.median(r[0] for r in served)
-        s_wall = statistics.median(r[1] for r in served)
-        print(f"with kvfast serve (whole command): {s_cpu:.3f} s CPU, {s_wall:.3f} s wall (median of {repeats}; "
-              "the server's own CPU not counted)")  # fmt: skip
-        print("side by side (medians, interleaved rounds):")
-        print("  | child | to its first run (s) | whole command, wall (s) | CPU (s) |")
-        print("  |---|---|---|---|")
-        print(f"  | fresh (python -c BOOT) | {first:.3f} | {wall:.3f} | {cpu:.3f} |")
-        print(f"  | forked by kvfast serve | {s_first:.3f} | {s_wall:.3f} | {s_cpu:.3f} |")
-        print(f"  | fresh / served | {first / s_first:.1f}x | {wall / s_wall:.1f}x | {cpu / s_cpu:.1f}x |")
-        print(
-            f"  first run with kvfast serve: {s_first:.3f} s (target 0.5 s: {'met' if s_first <= 0.5 else 'NOT met'})"
-        )
     if baseline:
         b_cpu = statistics.median(r[0] for r in base)
         b_wall = statistics.median(r[1] for r in base)
@@ -341,11 +293,6 @@ def main() -> int:
         "processes timed (median)",
     )  # fmt: skip
     parser.add_argument(
-        "--serve", action="store_true",
-        help="--warm-check: also time the check with `kvfast serve` running (interleaved; the fresh rounds with "
-        "KVFAST_SERVE=0)",
-    )  # fmt: skip
-    parser.add_argument(
         "--baseline", default=None, metavar="DIR",
         help="--warm-check, --reproduce: also time the command on the kvfast source tree DIR (e.g. `git archive` "
         "of main), interleaved",
@@ -368,7 +315,7 @@ def main() -> int:
     if args.baseline is not None and not (Path(args.baseline) / "kvfast" / "__init__.py").is_file():
         parser.error(f"--baseline: {args.baseline} is not a kvfast source tree (no kvfast/__init__.py)")
     if args.warm_check:
-        warm_check(args.repeats or 5, args.baseline, args.serve)
+        warm_check(args.repeats or 5, args.baseline)
         return 0
     if args.reproduce and (args.repeats is not None or args.baseline is not None):
         reproduce_repeated(args.repeats or 5, args.baseline)

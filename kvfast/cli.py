@@ -16,9 +16,7 @@ handler before it imports anything else.
 Start-up: the command modules import nothing heavy at their top (their parsers are built without NumPy,
 pandas, Numba or the sweep engine), and a command listed in :data:`EARLY` starts its work before the
 arguments are parsed: ``kvfast check`` starts its child process first
-(:func:`kvfast.commands.check.start_early`), which :func:`main` ends if the command does not take it; a child
-forked by ``kvfast serve`` parses the arguments itself, and this process builds no parser
-(:func:`kvfast.commands.check.taken_early`).
+(:func:`kvfast.commands.check.start_early`), which :func:`main` ends if the command does not take it.
 """
 
 from __future__ import annotations
@@ -47,8 +45,8 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-#: command -> its module, for the commands that start work before the arguments are parsed (``start_early(argv)``,
-#: ``discard_early()``, and ``taken_early(argv)``: the command itself when the early start does all its work)
+#: command -> its module, for the commands that start work before the arguments are parsed (``start_early(argv)``
+#: and ``discard_early()``)
 EARLY = {"check": "kvfast.commands.check"}
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT
@@ -109,13 +107,6 @@ def _start_early(argv: list[str]) -> None:
             pass
 
 
-def _taken_early(argv: list[str]):
-    """The command, if the early start of the command ``argv`` names does all its work without this process's
-    parser (``taken_early(argv)``: ``kvfast check`` served by ``kvfast serve``); else ``None``."""
-    module = sys.modules.get(EARLY[argv[0]]) if argv and argv[0] in EARLY else None
-    return None if module is None else module.taken_early(list(argv[1:]))
-
-
 def _discard_early() -> None:
     """End whatever an early start began and its command did not take (bad input, ``--help``, Ctrl-C)."""
     for name in EARLY.values():
@@ -125,27 +116,22 @@ def _discard_early() -> None:
 
 
 def _main(argv: list[str] | None) -> int:
-    import functools
     import os
     import traceback
 
     from kvfast.commands import EXIT_KVFAST_BUG, bug_line
     from kvfast.runtime import UserCodeError, ctrl_c_noted, probing_imports
+    from kvfast.validation import one_line
 
-    command = _taken_early(sys.argv[1:] if argv is None else argv)
-    if command is None:
-        parser = build_parser()
-        args = parser.parse_args(argv)
-        if not getattr(args, "func", None):
-            parser.print_help()
-            return 2
-        command = functools.partial(args.func, args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
     try:
         with ctrl_c_noted(), probing_imports():
-            return int(command() or 0)
+            return int(args.func(args) or 0)
     except (ValueError, UserCodeError) as exc:  # bad input; the user's code (a study module, say) failed
-        from kvfast.validation import one_line  # (NumPy: not imported before it is needed)
-
         print(f"kvfast: error: {one_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # only a real Ctrl-C gets here: the user's own became UserCodeError

@@ -66,16 +66,12 @@ def test_the_child_imports_neither_the_studies_nor_pandas():
 def test_the_timeline_marks_each_step_in_order(tmp_path):
     marks = tmp_path / "marks"
     out = _python(
-        f"import sys; from kvfast.cli import main; sys.exit(main({KVFAST_MODEL!r}))",
-        KVFAST_TIMELINE=str(marks),
-        XDG_RUNTIME_DIR=str(tmp_path),  # no kvfast serve's socket there: a fresh child, whatever runs elsewhere
+        f"import sys; from kvfast.cli import main; sys.exit(main({KVFAST_MODEL!r}))", KVFAST_TIMELINE=str(marks)
     )
     assert out.returncode == 0, out.stderr
     lines = [line.split(" ", 2) for line in marks.read_text().splitlines()]
     labels = [label for _, _, label in lines]
-    assert labels[0] == "parent: kvfast check started"
-    assert labels[1] == f"parent: no kvfast serve (no socket in {tmp_path / 'kvfast'})"
-    assert labels[2] == "parent: child spawned"
+    assert labels[:2] == ["parent: kvfast check started", "parent: child spawned"]
     child = [label for _, _, label in lines if label.startswith("child: ")]
     assert child == [
         "child: kvfast imported", "child: request read", "child: model built", "child: first model call (recompute)",

@@ -193,14 +193,15 @@ print(total, sum(reduce.ordered_sum.stats.cache_hits.values()))
 """
 
 
-def _hits_after_an_edit(tmp_path: Path, edited: str) -> list[str]:
-    """A copy of kvfast with a user-chosen ``NUMBA_CACHE_DIR``: ``ordered_sum`` (kvfast/kernels/reduce.py) called
-    in one process, the file ``edited`` (not reduce.py) changed by a comment, then called in another; each
-    process's result and its cache hits."""
+def _hits_after_an_edit(tmp_path: Path, edited: str, **extra: str) -> tuple[list[str], list[str]]:
+    """A copy of kvfast with a user-chosen ``NUMBA_CACHE_DIR`` (and the environment variables ``extra``):
+    ``ordered_sum`` (kvfast/kernels/reduce.py) called in one process, the file ``edited`` (not reduce.py) changed by
+    a comment, then called in another; each process's result and its cache hits, and the two processes' stderr
+    lines."""
     tree = tmp_path / "tree"
     shutil.copytree(ROOT / "kvfast", tree / "kvfast", ignore=shutil.ignore_patterns("__pycache__"))
-    env = {**os.environ, "PYTHONPATH": str(tree), "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
-    outs = []
+    env = {**os.environ, "PYTHONPATH": str(tree), "NUMBA_CACHE_DIR": str(tmp_path / "cache"), **extra}
+    outs, err = [], []
     for step in range(2):
         if step == 1:
             with open(tree / "kvfast" / edited, "a") as f:
@@ -208,17 +209,33 @@ def _hits_after_an_edit(tmp_path: Path, edited: str) -> list[str]:
         run = subprocess.run([sys.executable, "-c", HITS], env=env, capture_output=True, text=True, cwd=tmp_path)
         assert run.returncode == 0, run.stderr
         outs.append(run.stdout.strip())
-    return outs
+        err += run.stderr.splitlines()
+    return outs, err
 
 
 def test_a_kernel_is_compiled_again_after_another_kvfast_numba_source_changes(tmp_path):
     """In a cache directory the user chose, a kvfast kernel's entry is stamped with the hash of every kvfast Numba
     source (``cache_guard.key_entries``): a changed constant in kvfast/model/bugs.py (read by kernels in other
     files) makes an unchanged file's kernel a cache miss, never stale machine code."""
-    assert _hits_after_an_edit(tmp_path, "model/bugs.py") == ["6.0 0", "6.0 0"]
+    assert _hits_after_an_edit(tmp_path, "model/bugs.py") == (["6.0 0", "6.0 0"], [])
 
 
 def test_the_keyed_cache_control_hits_after_an_edit_outside_the_key(tmp_path):
     """Control: an edit to a file outside the key (kvfast/validation.py uses no Numba) leaves the entry fresh: the
     second process loads it (one hit), so the check above can fail."""
-    assert _hits_after_an_edit(tmp_path, "validation.py") == ["6.0 0", "6.0 1"]
+    assert _hits_after_an_edit(tmp_path, "validation.py") == (["6.0 0", "6.0 1"], [])
+
+
+def test_with_numba_cache_locator_classes_set_kvfast_caches_no_kernel_and_says_so(tmp_path):
+    """Issue 42: with ``NUMBA_CACHE_LOCATOR_CLASSES`` set Numba uses the locators it names, never kvfast's keyed
+    one, so an edit of kvfast/model/bugs.py left reduce.py's entry fresh (a hit: stale machine code). kvfast then
+    caches none of its kernels and says why in one line per process. Control: without the variable, the test
+    above, where the same harness hits after an edit outside the key."""
+    outs, err = _hits_after_an_edit(tmp_path, "model/bugs.py", NUMBA_CACHE_LOCATOR_CLASSES="UserProvidedCacheLocator")
+    assert outs == ["6.0 0", "6.0 0"]
+    assert len(err) == 2, err
+    assert all(
+        line.startswith("kvfast: NUMBA_CACHE_LOCATOR_CLASSES is set (UserProvidedCacheLocator): ") for line in err
+    )
+    assert "compiled afresh in every process, not cached" in err[0]
+    assert not list((tmp_path / "cache").rglob("*.nbi"))  # nothing written where that locator would have cached

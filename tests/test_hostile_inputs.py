@@ -4,8 +4,12 @@ no traceback, and nothing lost."""
 from __future__ import annotations
 
 import os
+import pickle
+import pwd
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -116,7 +120,8 @@ BF16_ONCE = "import numpy as np, kvfast; print(kvfast.to_bfloat16(np.array([1.0 
 
 
 def _python(code: str, env: dict) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), **env)
+    """``python -c code`` with ``env`` over this process's environment (a ``None`` value: the variable unset)."""
+    env = {k: v for k, v in {**os.environ, "PYTHONPATH": str(ROOT), **env}.items() if v is not None}
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -137,15 +142,123 @@ def test_a_damaged_numba_cache_is_compiled_again_and_named_in_one_line(tmp_path)
     assert third.returncode == 0 and third.stdout == "1.0078125\n" and third.stderr == "", third.stderr
 
 
-def test_an_unwritable_numba_cache_dir_falls_back_to_a_private_one_and_says_so(tmp_path):
+def test_an_unwritable_numba_cache_dir_is_one_line_and_no_cache(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
     wanted = blocker / "numba"  # cannot be created, even by root
     run = _python(BF16_ONCE, {"NUMBA_CACHE_DIR": str(wanted), "TMPDIR": str(tmp_path)})
     assert run.returncode == 0 and run.stdout == "1.0078125\n"
     (line,) = run.stderr.splitlines()
-    assert line.startswith(f"kvfast: the Numba cache directory {wanted} cannot be written; caching kernels in ")
-    assert list((tmp_path / f"kvfast-numba-{os.getuid()}").rglob("*.nbi"))  # the fallback holds the kernels
+    assert line.startswith(f"kvfast: the Numba cache directory {wanted} cannot be written (Not a directory); ")
+    assert "compiled afresh in every process, not cached" in line
+    assert list(tmp_path.iterdir()) == [blocker]  # no fallback directory anywhere
+
+
+# --- issue 42: no cache directory kvfast did not make for this user ------------------------------------
+# Numba loads its index files with pickle: whoever can write a cache directory kvfast uses runs code as the
+# kvfast user. A second local user (created here; root only) plants index files whose loading writes the loading
+# process's uid to a file.
+
+OTHER_USER = "kvfast-w42-other"
+
+
+class _Payload:
+    def __init__(self, mark: Path):
+        self.mark = mark
+
+    def __reduce__(self):
+        return os.system, (f"id -u > {self.mark}",)
+
+
+@pytest.fixture
+def other_user():
+    """A second local user (``useradd``), and a shared directory like ``/tmp`` (mode 1777) both can reach."""
+    if os.geteuid() != 0 or not (shutil.which("useradd") and shutil.which("runuser")):
+        pytest.skip("needs root, useradd and runuser: a second local user plants the files")
+    if subprocess.run(["id", OTHER_USER], capture_output=True).returncode != 0:
+        subprocess.run(["useradd", "--no-create-home", OTHER_USER], check=True)
+    shared = Path(tempfile.mkdtemp(prefix="kvfast-shared-", dir="/tmp"))
+    shared.chmod(0o1777)
+    yield pwd.getpwnam(OTHER_USER).pw_uid, shared
+    shutil.rmtree(shared)
+
+
+def _plant(shared: Path, dest: Path) -> Path:
+    """``dest`` made by the other user, holding kvfast's kernel cache for :data:`BF16_ONCE` with every index file
+    replaced by a :class:`_Payload`; the file the payload writes."""
+    scratch = shared / "scratch"
+    first = _python(BF16_ONCE, {"NUMBA_CACHE_DIR": str(scratch)})  # the file names Numba looks for
+    assert first.returncode == 0 and first.stderr == "", first.stderr
+    mark = shared / "ran-as-uid"
+    for index in scratch.rglob("*.nbi"):
+        index.write_bytes(pickle.dumps(_Payload(mark)))
+    subprocess.run(["chmod", "-R", "a+rX", str(scratch)], check=True)
+    script = 'mkdir -p "$1" && cp -r "$2"/. "$1"/'
+    subprocess.run(["runuser", "-u", OTHER_USER, "--", "sh", "-c", script, "sh", str(dest), str(scratch)], check=True)
+    shutil.rmtree(scratch)
+    return mark
+
+
+@pytest.mark.parametrize("inherited", [False, True], ids=["found", "inherited"])
+def test_kvfasts_cache_directory_made_by_another_user_is_never_loaded(other_user, inherited):
+    """``XDG_CACHE_HOME`` in a shared directory: the other user made ``kvfast/numba/KEY`` there first, planted.
+    kvfast refuses it (one line naming the owner) and compiles afresh: the payload never runs; so does a child
+    process that inherits the path as ``NUMBA_CACHE_DIR`` (``inherited``). Control: the same tree made this
+    user's, mode 0700, is used: the payload runs, as this user."""
+    from kvfast.kernels import source_key
+
+    uid, shared = other_user
+    key_dir = shared / "kvfast" / "numba" / source_key()
+    mark = _plant(shared, key_dir)
+    run = _python(BF16_ONCE, {"XDG_CACHE_HOME": str(shared), "NUMBA_CACHE_DIR": str(key_dir) if inherited else None})
+    assert run.returncode == 0 and run.stdout == "1.0078125\n", run.stderr
+    (line,) = run.stderr.splitlines()
+    assert line.startswith(f"kvfast: not caching kernels in {shared / 'kvfast'}: it is owned by uid {uid}, not this")
+    assert not mark.exists()
+    subprocess.run(["chown", "-R", f"{os.getuid()}:{os.getgid()}", str(shared / "kvfast")], check=True)
+    for level in (key_dir.parent.parent, key_dir.parent, key_dir):
+        level.chmod(0o700)
+    control = _python(BF16_ONCE, {"XDG_CACHE_HOME": str(shared), "NUMBA_CACHE_DIR": None})
+    assert control.returncode == 0 and control.stderr == "", control.stderr
+    assert mark.read_text().split() == [str(os.getuid())]
+
+
+@pytest.mark.parametrize("mode", [0o770, 0o707], ids=["group", "others"])
+def test_kvfasts_cache_directory_others_can_write_is_refused(other_user, mode):
+    """This user's own ``kvfast/numba/KEY``, but its group or others can write it (where another user could have
+    planted files): refused, one line naming the mode, the payload never runs."""
+    from kvfast.kernels import source_key
+
+    _, shared = other_user
+    key_dir = shared / "kvfast" / "numba" / source_key()
+    mark = _plant(shared, key_dir)
+    subprocess.run(["chown", "-R", f"{os.getuid()}:{os.getgid()}", str(shared / "kvfast")], check=True)
+    key_dir.chmod(mode)
+    run = _python(BF16_ONCE, {"XDG_CACHE_HOME": str(shared), "NUMBA_CACHE_DIR": None})
+    assert run.returncode == 0 and run.stdout == "1.0078125\n", run.stderr
+    (line,) = run.stderr.splitlines()
+    assert line.startswith(
+        f"kvfast: not caching kernels in {key_dir}: its group or others can write it (mode {mode:o})"
+    )
+    assert not mark.exists()
+
+
+def test_an_unwritable_numba_cache_dir_never_falls_back_to_a_folder_another_user_made(other_user, tmp_path):
+    """The attack on the old fallback: with ``NUMBA_CACHE_DIR`` unwritable, kvfast cached in
+    ``$TMPDIR/kvfast-numba-UID/NAME`` whoever made it. The other user makes it first, planted: kvfast no longer
+    looks there (no cache, one line). Control: the planted folder, once used as a cache, runs the payload."""
+    _, shared = other_user
+    planted = shared / f"kvfast-numba-{os.getuid()}" / "numba"
+    mark = _plant(shared, planted)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    run = _python(BF16_ONCE, {"NUMBA_CACHE_DIR": str(blocker / "numba"), "TMPDIR": str(shared)})
+    assert run.returncode == 0 and run.stdout == "1.0078125\n", run.stderr
+    assert len(run.stderr.splitlines()) == 1 and "cannot be written" in run.stderr
+    assert not mark.exists()
+    control = _python(BF16_ONCE, {"NUMBA_CACHE_DIR": str(planted)})  # the user's own choice: used as it is
+    assert control.returncode == 0 and control.stdout == "1.0078125\n", control.stderr
+    assert mark.read_text().split() == [str(os.getuid())]
 
 
 # --- finding 8: nesting too deep; planning: duplicate axis values -------------------------------------

@@ -43,9 +43,7 @@ of the user's. kvfast's own factory ``kvfast.studies.check:kvfast_model`` is loa
 defines it (:data:`OWN_FACTORIES`), not through the studies (the sweep engine, pandas). With
 ``KVFAST_TIMELINE=FILE`` both processes append time marks to FILE (:func:`kvfast.runtime.child.mark`:
 the child spawned, kvfast imported, the request read, the model built, its first call and return, the
-verdict): ``benchmarks/compile_profile.py --warm-check`` prints them. With ``kvfast serve`` running
-(:mod:`kvfast.commands.serve`, opt-in) the child is forked from that warm server instead, its imports done,
-and this process parses nothing: the child parses and checks the arguments (:func:`taken_early`).
+verdict): ``benchmarks/compile_profile.py --warm-check`` prints them.
 
 Built in: ``kvfast.check.hf:tiny_model`` (a tiny random Hugging Face model;
 ``--factory-arg family=gpt2 --factory-arg dtype=bfloat16``).
@@ -409,12 +407,7 @@ def child(boot: dict) -> None:
     run the check, write ``{"kind": ...}`` for the parent, exit 0 (no request: exit 0 at once).
 
     Kinds: ``report`` (``text``, ``code``), ``bad input``, ``model``, ``timeout`` (``line``), ``bug``
-    (``traceback``), ``exit`` (``code``: the arguments did not parse; argparse has printed why).
-
-    The request is ``{"args": ...}`` (the parent's parsed and checked arguments, :func:`run`), or, from a
-    served child's parent (:func:`run_served`), ``{"argv": [...], "command_line": ...}``: then this process
-    parses and checks the arguments itself (the same parser and checks, :func:`check_args`, before any of the
-    user's code), and sends their ``--timeout`` after its ready byte.
+    (``traceback``). The request is ``{"args": ...}``, the parent's parsed and checked arguments (:func:`run`).
 
     ``--timeout`` counts from the moment kvfast itself is imported here (and the request read): the
     deadline is for the user's code, so a slow start of the interpreter and of kvfast on a loaded machine
@@ -432,16 +425,9 @@ def child(boot: dict) -> None:
     if request is None:  # discarded (bad input, --help) before any work
         os._exit(0)
     mark("child: request read")
+    started = child_ready(boot)
     try:
-        if "argv" in request:  # served: the parent parsed nothing (run_served)
-            args, result = _parse_served(request)
-            if result is None:
-                result = run_check(args, child_ready(boot, {"timeout": args.timeout}))
-            if "line" in result:
-                result["line"] = _one_line(result["line"])  # the parent prints it as it is (it imports no NumPy)
-        else:
-            started = child_ready(boot)
-            result = run_check(argparse.Namespace(**request["args"]), started)
+        result = run_check(argparse.Namespace(**request["args"]), started)
     except KeyboardInterrupt as exc:  # nobody else signals this process (its own session): the model did
         result = {"kind": "model", "line": f"the model under test failed: its process got {exc!r}"}
     except BaseException:  # noqa: BLE001 - anything else is kvfast's own bug, reported with its traceback
@@ -457,22 +443,13 @@ _EARLY: list = []  # the child start_early started, until discard_early (run use
 def start_early(argv: list[str]) -> None:
     """``kvfast check ARGV``, before any parsing (:func:`kvfast.cli.main`): start the check's child now, so
     that its interpreter and kvfast's imports overlap this process's parsing and validation (not for
-    ``--help``). :func:`run` uses it; :func:`discard_early` ends it (a no-op after :func:`run`).
-
-    A running ``kvfast serve`` of this process's key (:func:`kvfast.runtime.serve.served_child`) forks the child
-    instead, its imports done: then this process parses nothing (:func:`taken_early`, :func:`run_served`).
-    Without one, a fresh ``python -c BOOT`` (a timeline mark says which)."""
-    from kvfast.runtime.child import mark, may_be_served, start_child
+    ``--help``). :func:`run` uses it; :func:`discard_early` ends it (a no-op after :func:`run`)."""
+    from kvfast.runtime.child import mark, start_child
 
     mark("parent: kvfast check started")
     discard_early()
     if not any(a in ("-h", "--help") for a in argv):
-        child = None
-        if may_be_served():  # (else kvfast.runtime.serve is not even imported)
-            from kvfast.runtime.serve import served_child
-
-            child = served_child()
-        _EARLY.append(child or start_child(BOOT))
+        _EARLY.append(start_child(BOOT))
 
 
 def discard_early() -> None:
@@ -495,81 +472,14 @@ def run(args) -> int:
     except KeyboardInterrupt:
         print("kvfast: interrupted; the check's processes were killed", file=sys.stderr)
         return EXIT_INTERRUPTED
-    return _finish(outcome, args.timeout, one_line)
-
-
-def taken_early(argv: list[str]):
-    """:func:`kvfast.cli.main`, before it builds its parser: when :func:`start_early` got a child from ``kvfast
-    serve``, the command (a callable, :func:`run_served` of ``argv``, the words after ``check``): this process
-    then parses nothing (the served child does, with the same parser); else ``None``."""
-    if _EARLY and getattr(_EARLY[-1], "served", False):
-        return lambda: run_served(list(argv))
-    return None
-
-
-def run_served(argv: list[str]) -> int:
-    """``kvfast check ARGV`` with a child from ``kvfast serve`` (:func:`start_early`): this process sends the
-    arguments as given and prints what the child reports; the child parses and checks them (:func:`child`).
-    The same output and exit code as :func:`run`'s, without building the command line's parser or importing
-    NumPy here."""
-    from kvfast.runtime.child import mark, run_in_child
-
-    child = _EARLY[-1]
-    request = {"argv": argv, "command_line": " ".join(["kvfast", *sys.argv[1:]])}
-    mark("parent: arguments sent")
-    try:
-        outcome = run_in_child(BOOT, request, None, GRACE_S, child=child)
-    except KeyboardInterrupt:
-        print("kvfast: interrupted; the check's processes were killed", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    return _finish(outcome, child.ready_info.get("timeout"), lambda line: line)
-
-
-def _parse_served(request: dict):
-    """In a served child: ``(args, None)``, the request's arguments parsed and checked as :func:`kvfast.cli.main`
-    and :func:`run` would; or ``(None, result)``: a parse error or an abbreviated ``--help`` (``exit``, argparse
-    printed it) or bad input."""
-    from kvfast.cli import build_parser
-
-    try:
-        args = build_parser().parse_args(["check", *request["argv"]])
-    except SystemExit as exc:
-        code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1  # as Python's own exit
-        return None, {"kind": "exit", "code": code}
-    try:
-        check_args(args)
-    except ValueError as exc:
-        return None, {"kind": "bad input", "line": str(exc)}
-    args.command_line = request["command_line"]
-    del args.func
-    return args, None
-
-
-def _one_line(line: str) -> str:
-    from kvfast.validation import one_line
-
-    return one_line(line)
-
-
-def _finish(outcome, timeout: float | None, one_line) -> int:
-    """Print the child's outcome (:func:`run`, :func:`run_served`); the exit code."""
-    from kvfast.runtime.child import mark
-
     if outcome.timed_out:
         print(
-            f"kvfast: error: the check did not finish within {timeout:g} s and could not be interrupted "
+            f"kvfast: error: the check did not finish within {args.timeout:g} s and could not be interrupted "
             "(the model under test is stuck outside Python); its processes were killed",
             file=sys.stderr,
         )
         return EXIT_TIMEOUT
     result = outcome.result
-    if outcome.server_lost:
-        print(
-            "kvfast: error: the check's process was killed: the kvfast serve process that forked it ended during "
-            "the check; nothing was checked to the end",
-            file=sys.stderr,
-        )
-        return EXIT_MODEL
     if result is None:
         print(
             f"kvfast: error: the model under test ended the check's process without a report "
@@ -578,8 +488,6 @@ def _finish(outcome, timeout: float | None, one_line) -> int:
         )
         return EXIT_MODEL
     kind = result["kind"]
-    if kind == "exit":
-        return int(result["code"])
     if kind == "report":
         print(result["text"])
         mark("parent: report printed")

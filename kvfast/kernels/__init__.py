@@ -9,9 +9,10 @@ source file that uses Numba (under ``$XDG_CACHE_HOME/kvfast/numba/`` or
 ``~/.cache/kvfast/numba/``). Set ``NUMBA_CACHE_DIR`` yourself to override it: the same hash is then in
 every kvfast entry's freshness stamp, so an entry another kvfast version wrote there is compiled again.
 Child processes (sweep workers) inherit the choice through the environment.
-A damaged cache file is compiled again instead of failing the caller, and a directory
-that cannot be written is replaced by a private one, each said in one line on stderr
-(:mod:`kvfast.kernels.cache_guard`).
+A damaged cache file is compiled again instead of failing the caller. kvfast's kernels are not cached at all
+(:data:`CACHED`), said in one line on stderr, where the directory cannot be written, where kvfast's own
+directory is not this user's alone, or where ``NUMBA_CACHE_LOCATOR_CLASSES`` is set (the hash cannot be put in
+the stamp): :mod:`kvfast.kernels.cache_guard`.
 """
 
 from __future__ import annotations
@@ -37,23 +38,25 @@ def source_key() -> str:
     return digest.hexdigest()[:16]
 
 
-def _default_cache_dir(key: str) -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "kvfast" / "numba" / key
-
-
-def _choose_cache_dir(key: str) -> None:
-    """Point Numba at kvfast's cache directory (or the user's ``NUMBA_CACHE_DIR``), if it can be
-    written; see :mod:`kvfast.kernels.cache_guard` for what happens when it cannot."""
-    wanted = Path(os.environ.get("NUMBA_CACHE_DIR") or _default_cache_dir(key))
-    chosen = str(cache_guard.usable_cache_dir(wanted, wanted.name))
-    if os.environ.get("NUMBA_CACHE_DIR") != chosen:
-        os.environ["NUMBA_CACHE_DIR"] = chosen
-        if "numba" in sys.modules:  # numba read its config already: tell it too
-            sys.modules["numba"].config.CACHE_DIR = chosen
+def _choose_cache_dir(key: str) -> bool:
+    """Point Numba at kvfast's cache directory (or the user's ``NUMBA_CACHE_DIR``), if it can be used; False if
+    not (said on stderr: :mod:`kvfast.kernels.cache_guard`). kvfast's own directory is checked in every process,
+    a child's too (it inherits it as ``NUMBA_CACHE_DIR``)."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"))
+    user = os.environ.get("NUMBA_CACHE_DIR")
+    if user and Path(user) != base / "kvfast" / "numba" / key:
+        return cache_guard.writable(Path(user))
+    chosen = cache_guard.own_cache_dir(base, ("kvfast", "numba", key))
+    if chosen is None:
+        return False
+    os.environ["NUMBA_CACHE_DIR"] = str(chosen)
+    if "numba" in sys.modules:  # numba read its config already: tell it too
+        sys.modules["numba"].config.CACHE_DIR = str(chosen)
+    return True
 
 
 _KEY = source_key()  # (about 10 ms: read once)
-_choose_cache_dir(_KEY)
+_CACHE_USABLE = _choose_cache_dir(_KEY)
 cache_guard.install()
-cache_guard.key_entries(_PACKAGE, _KEY)
+#: whether kvfast's kernels are cached on disk (``JIT_OPTIONS["cache"]``)
+CACHED = _CACHE_USABLE and cache_guard.key_entries(_PACKAGE, _KEY)

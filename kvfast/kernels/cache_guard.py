@@ -15,14 +15,18 @@ hash, so a kernel whose file did not change but which reads a constant or calls 
 would load stale machine code from a cache directory the user chose (``NUMBA_CACHE_DIR``; kvfast's default
 directory is keyed by the same hash in its path). An entry written by another kvfast version is then a miss:
 compiled again and rewritten.
-:func:`usable_cache_dir` finds out, before any kernel is compiled, whether the cache directory can be
-written, and otherwise names it and falls back to a private directory under the system's temporary
-directory (Numba would otherwise compile every kernel again in every process, minutes each time).
+:func:`own_cache_dir` and :func:`writable` find out, before any kernel is compiled, whether the cache directory
+can be used: kvfast's own directory only if this user owns every level kvfast makes and nobody else can write
+them (Numba loads its index files with :mod:`pickle`: whoever can write there can run code as this user), the
+user's ``NUMBA_CACHE_DIR`` if it can be written. Where it cannot, or where the entries cannot be keyed, one line
+on stderr says so and kvfast's kernels are compiled afresh in each process, not cached (``JIT_OPTIONS``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -82,11 +86,28 @@ def install() -> bool:
 
 def key_entries(package: Path, key: str) -> bool:
     """Stamp the cache entries of the functions defined under ``package`` with ``key`` besides Numba's own
-    stamp of their file (once per process; a later call's ``key`` is ignored); False if this Numba has no such
-    locator classes."""
+    stamp of their file (once per process; a later call's ``key`` is ignored); False, with one line on stderr,
+    where it cannot: the caller must then not cache them.
+
+    Numba's one public way to choose its locators is ``NUMBA_CACHE_LOCATOR_CLASSES``, and where it is set
+    Numba uses the locators it names and never the keyed one below. kvfast does not rewrite it: every child
+    process inherits the variable, and one without kvfast (another environment, another tool) would fail to
+    import kvfast's locator on its first cached function; setting Numba's configuration alone is undone when
+    Numba reloads it from the environment."""
+    from numba.core import config
+
+    config.reload_config()  # as Numba's compiler does: the variable as it is now
+    if config.CACHE_LOCATOR_CLASSES:
+        _note(
+            f"NUMBA_CACHE_LOCATOR_CLASSES is set ({config.CACHE_LOCATOR_CLASSES}): kvfast cannot stamp its kernels' "
+            "cache entries with the hash of its sources under those locators, so its kernels are compiled afresh "
+            "in every process, not cached (unset it to cache them)"
+        )
+        return False
     try:
         from numba.core.caching import CacheImpl, UserProvidedCacheLocator
     except ImportError:  # pragma: no cover - another Numba's internals
+        _note("this Numba has no cache locators kvfast can key: its kernels are compiled afresh, not cached")
         return False
     if any(getattr(cls, "_kvfast_keyed", False) for cls in CacheImpl._locator_classes):
         return True
@@ -111,36 +132,69 @@ def key_entries(package: Path, key: str) -> bool:
     return True
 
 
+def _note(line: str) -> None:
+    print(f"kvfast: {line}", file=sys.stderr, flush=True)
+
+
 def writable(directory: Path) -> bool:
-    """Whether kernels can be cached in ``directory`` (created if missing)."""
+    """Whether kernels can be cached in ``directory`` (created if missing); else one line on stderr."""
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=directory):
             pass
-    except OSError:
+    except OSError as exc:
+        _note(
+            f"the Numba cache directory {directory} cannot be written ({exc.strerror}); kvfast's kernels are "
+            "compiled afresh in every process, not cached; set NUMBA_CACHE_DIR to a writable directory"
+        )
         return False
     return True
 
 
-def usable_cache_dir(wanted: Path, fallback_key: str) -> Path:
-    """``wanted`` if it can be written; else a private directory under the temporary directory, with
-    one line on stderr saying so (the next start reuses it, instead of compiling for minutes again)."""
-    if writable(wanted):
-        return wanted
-    uid = os.getuid() if hasattr(os, "getuid") else "user"
-    fallback = Path(tempfile.gettempdir()) / f"kvfast-numba-{uid}" / fallback_key
-    if writable(fallback):
-        print(
-            f"kvfast: the Numba cache directory {wanted} cannot be written; caching kernels in {fallback} "
-            "instead (set NUMBA_CACHE_DIR to a writable directory to choose)",
-            file=sys.stderr,
-            flush=True,
+def _not_private(path: Path) -> str | None:
+    """Why ``path`` may not hold this user's cache (``None``: it may): Numba loads its index files with pickle,
+    so whoever else can write there can run code as this user. The entry itself (``lstat``: a symbolic link is
+    its maker's) and what it names must be this user's, and what it names a directory nobody else can write."""
+    uid = os.getuid()
+    entry, target = path.lstat(), path.stat()
+    if entry.st_uid != uid or target.st_uid != uid:
+        return f"it is owned by uid {entry.st_uid if entry.st_uid != uid else target.st_uid}, not this user ({uid})"
+    if not stat.S_ISDIR(target.st_mode):
+        return "it is not a directory"
+    if target.st_mode & 0o022:
+        return f"its group or others can write it (mode {stat.S_IMODE(target.st_mode):o})"
+    return None
+
+
+def own_cache_dir(base: Path, names: tuple[str, ...]) -> Path | None:
+    """kvfast's own cache directory ``base/NAME/...``: each level of ``names`` made by this user, mode 0700, if
+    missing, and each (made now or found) used only if it is this user's and nobody else can write it
+    (:func:`_not_private`), the last one writable; else ``None``, with one line on stderr saying why (kvfast's
+    kernels are then not cached).
+
+    Where it cannot be used, there is no fallback directory: one under the shared temporary directory would have
+    a name the next process can find, which is a name another user can create first, planted with index files;
+    a private ``tempfile.mkdtemp`` per process would be compiled into once and removed, costing what no cache
+    costs (every process compiles the kernels it runs), with a directory to make, check and remove besides."""
+    path = base
+    try:
+        base.mkdir(exist_ok=True)  # ~/.cache, say: not a missing home
+        for name in names:
+            path = path / name
+            with contextlib.suppress(FileExistsError):
+                path.mkdir(mode=0o700)
+            why = _not_private(path)
+            if why is not None:
+                _note(
+                    f"not caching kernels in {path}: {why}; kvfast's kernels are compiled afresh in every "
+                    f"process; remove {path} (kvfast makes it again, 0700) or set NUMBA_CACHE_DIR to a directory "
+                    "of yours"
+                )
+                return None
+    except OSError as exc:
+        _note(
+            f"the Numba cache directory {path} cannot be made ({exc.strerror}); kvfast's kernels are compiled "
+            "afresh in every process, not cached; set NUMBA_CACHE_DIR to a writable directory"
         )
-        return fallback
-    print(
-        f"kvfast: the Numba cache directory {wanted} cannot be written, nor {fallback}; every process "
-        "compiles its kernels again (minutes); set NUMBA_CACHE_DIR to a writable directory",
-        file=sys.stderr,
-        flush=True,
-    )
-    return wanted
+        return None
+    return path if writable(path) else None

@@ -35,16 +35,22 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from kvfast.kernels.jit import JIT_OPTIONS
+
 _ADDRESSES: dict[tuple, int] = {}
 
 
 @contextlib.contextmanager
 def _one_compile_at_a_time(kernel, signature: tuple):
     """Hold an exclusive lock on a file named after ``kernel`` and ``signature`` in Numba's cache directory
-    (released by the system if the process dies); no lock where none can be taken."""
+    (released by the system if the process dies); no lock where none can be taken, nor where kvfast's kernels
+    are not cached (each process compiles its own)."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - not a POSIX system
+        yield
+        return
+    if not JIT_OPTIONS["cache"]:
         yield
         return
     key = hashlib.sha256(f"{kernel.py_func.__module__}.{kernel.__qualname__}{signature}".encode()).hexdigest()[:24]
@@ -81,8 +87,8 @@ def by_address(kernel):
         g.__qualname__ = f.__qualname__ + BY_ADDRESS_SUFFIX
         g.__module__, g.__doc__, g.__kwdefaults__ = f.__module__, f.__doc__, f.__kwdefaults__
         options = {k: v for k, v in kernel.targetoptions.items() if k != "nopython"}  # njit's own
-        # cache: not a target option (every kvfast kernel is cached: JIT_OPTIONS)
-        twin = nb.njit(**options, cache=True, no_cpython_wrapper=True, no_cfunc_wrapper=True)(g)
+        # cache: not a target option (kvfast's kernels are all cached or none: JIT_OPTIONS)
+        twin = nb.njit(**options, cache=JIT_OPTIONS["cache"], no_cpython_wrapper=True, no_cfunc_wrapper=True)(g)
         _BY_ADDRESS[kernel] = twin
     return twin
 

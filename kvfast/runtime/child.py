@@ -44,20 +44,15 @@ if TYPE_CHECKING:
 
 class ChildOutcome(NamedTuple):
     """How a child ended: ``result`` (its report, ``None`` if it wrote none), its ``returncode``, and
-    whether it was killed at its ``timeout`` (``timed_out``), or with the ``kvfast serve`` process that forked it,
-    which ended first (``server_lost``: no report, whatever the child wrote). (A named tuple, not a dataclass: this
+    whether it was killed at its ``timeout`` (``timed_out``). (A named tuple, not a dataclass: this
     module is imported before the child starts, and ``dataclasses`` imports ``inspect``.)"""
 
     result: dict | None
     returncode: int
     timed_out: bool = False
-    server_lost: bool = False
 
     def ended(self) -> str:
-        """How the process ended, in words (``exit status 0``, ``killed by signal SIGSEGV``, ``killed: the kvfast
-        serve process that forked it ended``)."""
-        if self.server_lost:
-            return "killed: the kvfast serve process that forked it ended during the check"
+        """How the process ended, in words (``exit status 0``, ``killed by signal SIGSEGV``)."""
         code = self.returncode
         if code < 0:
             try:
@@ -85,36 +80,6 @@ def _wait_until_ready(proc: subprocess.Popen, ready_fd: int) -> None:
 
 
 TIMELINE = "KVFAST_TIMELINE"  # the environment variable naming the file :func:`mark` appends to
-SOCKET_ENV = "KVFAST_SERVE_SOCKET"  # a ``kvfast serve``'s socket, instead of the key's default path
-SWITCH_ENV = "KVFAST_SERVE"  # "0": never use a server
-
-
-def socket_dir() -> str:
-    """The per-user directory of ``kvfast serve``'s sockets (:mod:`kvfast.runtime.serve`):
-    ``$XDG_RUNTIME_DIR/kvfast`` if that variable names a directory, else ``~/.cache/kvfast/serve``."""
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime and os.path.isdir(runtime):
-        return os.path.join(runtime, "kvfast")
-    return os.path.join(os.path.expanduser("~"), ".cache", "kvfast", "serve")
-
-
-def may_be_served() -> bool:
-    """Whether a ``kvfast serve`` may serve this process (``KVFAST_SERVE_SOCKET`` is set, or the socket
-    directory holds a socket), cheaply: without one, :mod:`kvfast.runtime.serve` (its imports, the key) is
-    never loaded and the check starts its fresh child at once. ``KVFAST_SERVE=0``: never."""
-    if os.environ.get(SWITCH_ENV) == "0":
-        mark("parent: kvfast serve not used (KVFAST_SERVE=0)")
-        return False
-    if os.environ.get(SOCKET_ENV):
-        return True
-    try:
-        with os.scandir(socket_dir()) as entries:
-            if any(e.name.endswith(".sock") for e in entries):
-                return True
-    except OSError:
-        pass
-    mark(f"parent: no kvfast serve (no socket in {socket_dir()})")
-    return False
 
 
 def mark(label: str) -> None:
@@ -266,12 +231,11 @@ def read_request(boot: dict) -> dict | None:
         return None
 
 
-def child_ready(request: dict, info: dict | None = None) -> float:
+def child_ready(request: dict) -> float:
     """In the child, once kvfast is imported and its request read: tell the parent (its timeout counts from
-    now; ``info``, JSON after the byte, for a parent that reads it: the served child's ``timeout``); the
-    ``time.time()`` the child's own deadline counts from."""
+    now); the ``time.time()`` the child's own deadline counts from."""
     started = time.time()
-    os.write(request["ready_fd"], b"r" + (json.dumps(info).encode() if info else b""))
+    os.write(request["ready_fd"], b"r")
     os.close(request["ready_fd"])
     return started
 

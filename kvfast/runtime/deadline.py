@@ -20,14 +20,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 
 from kvfast.runtime.interrupt import ctrl_c_noted, note_ctrl_c, unnote_ctrl_c
-
-
-def not_allowed(field: str, value: object, allowed: str) -> ValueError:
-    """:func:`kvfast.validation.not_allowed`, imported when a message needs it (it imports NumPy, which
-    ``kvfast check``'s parent, served by ``kvfast serve``, never does)."""
-    from kvfast.validation import not_allowed as message
-
-    return message(field, value, allowed)
+from kvfast.validation import not_allowed
 
 
 class CheckTimeout(TimeoutError):

@@ -44,15 +44,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from kvfast.runtime.user import ProcessEnded, UserCodeError, call_user, describe
-
-
-def shown(value: object) -> str:
-    """:func:`kvfast.validation.shown`, imported when a message needs it (it imports NumPy: ``kvfast check``'s
-    parent, served by ``kvfast serve``, imports this module and never NumPy)."""
-    from kvfast.validation import shown as quoted
-
-    return quoted(value)
-
+from kvfast.validation import shown
 
 _PROBE: list[bool] = [False]
 
