@@ -10,7 +10,6 @@ where it first acts (:func:`op_first_acting_step`); a model without the hooks, o
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from kvfast import ModelConfig, init_params
@@ -18,7 +17,7 @@ from kvfast.bugs.operations import OP_BUGS, inject_op_bug, op_first_acting_step
 from kvfast.check import CheckOptions, KvfastModel, ModelUnderTestError, check_cache
 from kvfast.check.options import ALL_SCENARIOS, SCENARIOS
 from kvfast.check.scenarios import BRANCH, rollback_points
-from tests.toymodels import Toy
+from tests.toymodels import Toy, ToyOps
 
 pytest_plugins = ["pytester"]
 
@@ -30,30 +29,6 @@ OPS = ("rollback", "fork")
 
 def kvfast_model(bug: str | None = None, numerics: str = "f64") -> KvfastModel:
     return inject_op_bug(KvfastModel(CFG, init_params(CFG, 0), numerics), bug)
-
-
-class ToyOps(Toy):
-    """The protocol's toy with the operation hooks: its cache is the running sum at every position."""
-
-    def prefill(self, tokens):
-        out = super().prefill(tokens)
-        self.sums = list(np.cumsum(self.E[np.asarray(tokens)], axis=0))
-        return out
-
-    def decode(self, token):
-        self.s = self.sums[-1] + self.E[token]
-        self.sums.append(self.s)
-        self.n = len(self.sums)
-        return np.tanh(self.s) + self.P[self.n - 1]
-
-    def crop(self, n):
-        del self.sums[n:]
-
-    def snapshot(self):
-        return list(self.sums)
-
-    def restore(self, state):
-        self.sums = list(state)
 
 
 # --- kvfast's own model: bit-exact -------------------------------------------------------------------

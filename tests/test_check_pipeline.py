@@ -22,7 +22,7 @@ from kvfast.check.report import UNCHECKED
 from kvfast.check.scenarios import REGISTRY, Run, Scenario
 from kvfast.check.scenarios.base import decode_steps
 from kvfast.cli import main
-from tests.toymodels import Toy
+from tests.toymodels import Toy, ToyOps
 
 pytest_plugins = ["pytester"]
 
@@ -230,3 +230,19 @@ def test_the_scenario_finder_finds_a_name():
     """The finder above is not blind: a module that names a scenario in code is found, in a docstring it is not."""
     assert "resume" in _code_strings('"""The resume scenario."""\nif name == "resume":\n    pass\n')
     assert "resume" not in _code_strings('"""resume"""\ndef f():\n    """resume"""\n')
+
+
+def test_a_logic_check_that_runs_no_scenario_is_skipped_and_the_native_verdict_stands():
+    """Issue 42: a promoted model without the hooks a scenario needs ran nothing; the check exited 1 while its report
+    said ROUNDING. Now the logic check is skipped with a note naming why and the native verdict decides."""
+
+    class Promotable(ToyOps):
+        def promote(self, dtype):
+            return Toy()  # the plain toy: no crop, no snapshot
+
+    report = check_cache(Promotable(), PROMPT, 8, scenarios="rollback", promote="float64")
+    assert report.passed and report.verdict == "exact" and report.promoted is None, report.format()
+    assert any(n.startswith("the logic check in float64 was skipped: the promoted model ran no scenario") for n in
+               report.notes), report.notes  # fmt: skip
+    both = check_cache(Promotable(), PROMPT, 8, scenarios=("decode", "rollback"), promote="float64")  # the control
+    assert both.passed and both.promoted is not None and "rollback" in both.promoted.skipped

@@ -133,3 +133,27 @@ class LowFormatToy:
         self._store(k[None], v[None])
         a = self._attend(q[None], self.K, self.V, n)[0]
         return self._out(x, a)
+
+
+class ToyOps(Toy):
+    """The protocol's toy with the operation hooks: its cache is the running sum at every position."""
+
+    def prefill(self, tokens):
+        out = super().prefill(tokens)
+        self.sums = list(np.cumsum(self.E[np.asarray(tokens)], axis=0))
+        return out
+
+    def decode(self, token):
+        self.s = self.sums[-1] + self.E[token]
+        self.sums.append(self.s)
+        self.n = len(self.sums)
+        return np.tanh(self.s) + self.P[self.n - 1]
+
+    def crop(self, n):
+        del self.sums[n:]
+
+    def snapshot(self):
+        return list(self.sums)
+
+    def restore(self, state):
+        self.sums = list(state)
