@@ -5,6 +5,10 @@ Grids name it ``study = "faultstudy:STUDY"`` (tests/ on ``PYTHONPATH``). Modes:
 (``SystemExit``), ``kbint`` (``KeyboardInterrupt``), ``hang`` (sleeps an hour:
 interruptible), ``spin`` (an hour of Python loop), ``stuck`` (an hour with SIGALRM blocked, as a C call that never
 checks for signals), ``gil`` (``stuck``, holding the GIL all along: no other thread of the process runs),
+``watchdog`` (``gil``, after arming the run's own ``faulthandler.dump_traceback_later`` watchdog for an hour, as
+long jobs do to debug hangs: a process has one such timer, so this replaces any other), ``renamed`` (an hour
+of renaming its process every 0.2 s, as a job that shows its progress with ``setproctitle``, catching every
+exception: the time limit's too),
 ``die`` (``os._exit``), ``segv`` (SIGSEGV), ``big`` (ok, with a 256 KiB incompressible ``blob``), ``forkret``
 (forks; the child returns a result instead of exiting), ``orphan`` (leaves a ``sleep`` child and a detached
 daemon grandchild running, ok),
@@ -40,6 +44,8 @@ MODES = (
     "hang",
     "stuck",
     "gil",
+    "watchdog",
+    "renamed",
     "die",
     "segv",
     "big",
@@ -133,8 +139,22 @@ def run(config: dict) -> dict:
             time.sleep(3600)
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGALRM})
-    elif mode == "gil":
+    elif mode == "renamed":
         import ctypes
+
+        for step in range(18000):
+            try:
+                ctypes.CDLL(None).prctl(15, f"step {step}".encode(), 0, 0, 0)  # PR_SET_NAME
+                time.sleep(0.2)
+            except BaseException:  # noqa: BLE001, S110 - the point of the mode
+                pass
+    elif mode in ("gil", "watchdog"):
+        import ctypes
+
+        if mode == "watchdog":
+            import faulthandler
+
+            faulthandler.dump_traceback_later(3600, exit=True)
 
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
         ctypes.PyDLL(None).sleep(3600)  # PyDLL: the GIL stays held during the call

@@ -524,6 +524,59 @@ def test_a_truncated_part_is_one_line_then_repair_quarantines_it_and_a_rerun_rer
     assert stored(out).equals(reference(tmp_path, toml))
 
 
+def _flip_a_bit_of_y(part: Path, y: float) -> None:
+    """Change one bit of the stored value ``y`` inside the ``y`` column chunk of ``part`` (its dictionary page:
+    the value's 8 bytes as written), so that the chunk still decodes, to another number."""
+    import struct
+
+    import pyarrow.parquet as pq
+
+    meta = pq.ParquetFile(part).metadata
+    chunk = meta.row_group(0).column(meta.schema.names.index("y"))
+    start = chunk.dictionary_page_offset or chunk.data_page_offset
+    data = bytearray(part.read_bytes())
+    at = data.find(struct.pack("<d", y), start, start + chunk.total_compressed_size)
+    assert at >= 0, "the value's bytes are not in the y column chunk as written"
+    data[at + 6] ^= 0x01  # a bit of the mantissa's top byte: 10.5 reads as 10.0
+    part.write_bytes(bytes(data))
+
+
+def test_a_damaged_part_is_one_line_then_repair_quarantines_it_and_a_rerun_reruns_its_runs(tmp_path):
+    """Issue 42: bytes overwritten inside a part's column chunk were read back as other numbers (no checksums),
+    and `kvfast run` resumed with exit 0. Parts carry page checksums now, verified on every read."""
+    import pyarrow.parquet as pq
+
+    toml = grid_toml(tmp_path / "g.toml", ([0, 1, 2, 3, 4, 5, 6, 7], "ok"))
+    out = tmp_path / "o"
+    assert kvfast("run", toml, "--out", out, "--jobs", "1", "--quiet").returncode == 0
+    (part,) = list_parts(out)
+    assert stored(out).equals(reference(tmp_path, toml))  # control: the intact part reads
+    # the reason for the feature: a part written without checksums (as before issue 42) reads, and damaged the
+    # same way it reads back changed, silently
+    old = tmp_path / "old" / part.name
+    old.parent.mkdir()
+    pq.write_table(pq.read_table(part), old, write_page_checksum=False)
+    assert stored(old.parent).equals(reference(tmp_path, toml))
+    _flip_a_bit_of_y(old, 10.5)
+    assert load(old.parent).set_index("x").loc[7, "y"] == 10.0
+
+    _flip_a_bit_of_y(part, 10.5)
+    with pytest.raises(ValueError, match="CRC checksum verification failed.*kvfast repair"):
+        load(out)
+    for command in (["run", toml, "--out", out, "--jobs", "1", "--quiet"], ["show", out]):
+        proc = kvfast(*command)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert proc.stderr.count("\n") == 1
+        one_line(proc, str(part), "checksum", f"kvfast repair {out}")
+    fixed = kvfast("repair", out)
+    assert fixed.returncode == 0, fixed.stderr
+    assert f"moved unreadable {part.name} into {QUARANTINE}/ (could not verify page integrity" in fixed.stdout
+    assert (out / QUARANTINE / part.name).exists() and not list_parts(out)
+    again = kvfast("run", toml, "--out", out, "--jobs", "1", "--quiet")
+    assert again.returncode == 0 and "0 already stored, 8 run now" in again.stdout, again.stdout + again.stderr
+    assert stored(out).equals(reference(tmp_path, toml))
+
+
 @pytest.mark.parametrize("command", ["run", "show", "repair"])
 def test_a_path_over_255_characters_is_one_line(tmp_path, capsys, command):
     toml = grid_toml(tmp_path / "g.toml", ([0], "ok"))

@@ -1,6 +1,8 @@
-"""The pool's supervision (issue 29): a run past ``--run-timeout`` is a ``timeout`` row however its worker
-is held, here by C code that keeps the GIL (the worker's own watchdog thread cannot run; a C thread,
-``faulthandler``'s, ends the worker, and the run re-run alone is timed by the sweep itself).
+"""The pool's supervision (issues 29, 42): a run past ``--run-timeout`` is a ``timeout`` row however its worker
+is held: by C code that keeps the GIL (no thread of the worker runs), after arming its own ``faulthandler``
+watchdog (which replaced the one kvfast armed in the worker before issue 42: a process has one), or with
+SIGALRM blocked while it renames its process over and over. The sweep process kills the worker, timing the
+run by the worker's process name.
 
 Through the real command line, on tests/faultstudy.py (see tests/test_sweep_faults.py).
 """
@@ -17,19 +19,30 @@ from test_sweep_faults import ENV, ROOT, grid_toml, kvfast, marks_env, one_line,
 from kvfast.commands.sweep import EXIT_FAILED
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="libc sleep through ctypes.PyDLL")
-@pytest.mark.parametrize("backend", ["fork", pytest.param("loky", marks=pytest.mark.slow)])
-def test_a_run_holding_the_gil_past_its_time_limit_is_a_timeout_row(tmp_path, backend):
-    toml = grid_toml(tmp_path / "g.toml", ([0, 1, 2, 3], "ok"), ([80], "gil"), ([4, 5, 6, 7], "ok"))
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="libc sleep through ctypes.PyDLL, PR_SET_NAME")
+@pytest.mark.parametrize(
+    "backend, mode",
+    [
+        ("fork", "gil"),
+        pytest.param("loky", "gil", marks=pytest.mark.slow),
+        ("fork", "watchdog"),
+        ("loky", "watchdog"),
+        ("fork", "renamed"),
+    ],
+)
+def test_a_run_holding_the_gil_past_its_time_limit_is_a_timeout_row(tmp_path, backend, mode):
+    """Issue 42: a `watchdog` run (its own faulthandler watchdog, then the GIL held) hung the sweep for ever: the
+    worker's backstop was faulthandler's timer, which the run had replaced."""
+    toml = grid_toml(tmp_path / "g.toml", ([0, 1, 2, 3], "ok"), ([80], mode), ([4, 5, 6, 7], "ok"))
     out = tmp_path / "o"
-    args = ["--jobs", "2", "--backend", backend, "--run-timeout", "1", "--quiet"]
+    args = ["--jobs", "2", "--backend", backend, "--run-timeout", "2", "--quiet"]
     t0 = time.monotonic()
     proc = kvfast("run", toml, "--out", out, *args, timeout=150)  # a hang fails here
     assert time.monotonic() - t0 < 100
     assert proc.returncode == EXIT_FAILED, proc.stdout + proc.stderr
     one_line(proc, "1 runs stored as error, crashed or timeout")
     df = stored(out).set_index("x")
-    assert df.loc[80, "status"] == "timeout" and "--run-timeout 1 s" in df.loc[80, "error"]
+    assert df.loc[80, "status"] == "timeout" and "--run-timeout 2 s" in df.loc[80, "error"]
     ok = df.drop(index=80)
     assert len(ok) == 8 and (ok["status"] == "ok").all() and (ok["y"] == 1.5 * ok.index).all()
     again = kvfast("run", toml, "--out", out, *args)

@@ -27,6 +27,7 @@ def test_build_resolves_defaults_and_checks_every_option(capsys):
         (dict(jobs=0), "--jobs: 0 is not allowed"),
         (dict(jobs=True), "--jobs: True is not allowed"),
         (dict(run_timeout=0), "--run-timeout: 0 is not allowed"),
+        (dict(run_timeout=1e10), r"--run-timeout: 10000000000\.0 is not allowed; allowed: .* <= 1e\+09$"),
         (dict(scheduler="tcp://x:1", backend="loky"), "needs --backend dask"),
         (dict(chunk_size=0), "chunk_size: 0 is not allowed"),
     ]

@@ -63,6 +63,7 @@ class KvfastModel:
         self.weights = prepared_weights(self.config, params, self.numerics)
         self.cache: KVCache | None = None
         self.vocab_size = self.config.vocab
+        self.max_positions = self.config.max_pos  # a check needing more is bad input before any work
 
     def __repr__(self) -> str:
         dec = "" if self.decode_numerics == self.numerics else f", decode={self.decode_numerics.name}"

@@ -122,7 +122,7 @@ class CheckOptions:
       which then judges as ``exact`` does). See :mod:`kvfast.check.checker`.
     - ``keep_logits``: keep each scenario's cache logits and reference rows in
       its report (``cache_logits``, ``reference``).
-    - ``timeout``: seconds the whole check may take (``None``: no limit); a
+    - ``timeout``: seconds the whole check may take (``None``: no limit; at most 1e9); a
       model call still running then ends with :class:`~kvfast.check.CheckTimeout`
       naming it (a ``SIGALRM`` timer: main thread only; see
       :func:`kvfast.check.protocol.watched`). On the command line ``--timeout``

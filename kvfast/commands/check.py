@@ -65,7 +65,9 @@ EXIT_CODES = {
     EXIT_PASS: "pass: a report was printed and its verdict passes (`exact`, `rounding`)",
     EXIT_FAIL: "a `bug` (the float64 logic check of `--promote` included), or a divergence in `--mode exact`",
     EXIT_BAD_INPUT: "bad input, one line: an argument, the factory spec, a module that cannot be imported, "
-    "a factory that rejects its arguments or returns no model under test, bad logits, a bad prompt",
+    "a factory that rejects its arguments or returns no model under test, bad logits, a bad prompt, more steps "
+    "than the model has positions, a missing optional extra (the pip command that installs it), a working "
+    "directory that no longer exists",
     EXIT_INCONCLUSIVE: "`inconclusive` (between rounding and a bug), and no float64 logic check cleared it",
     EXIT_MODEL: "the model under test, its factory or its module raised or exited, one line naming the call "
     "and the exception: `SystemExit` (`sys.exit(0)` too), `KeyboardInterrupt`, any exception, `os._exit`, a crash",

@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 
 from kvfast.studies import STUDIES
-from kvfast.sweep.store import MANIFEST, load
+from kvfast.sweep.store import MANIFEST, ResultsDir, load
 
 
 def study_dirs(root: str | os.PathLike) -> dict[str, Path]:
@@ -24,7 +24,7 @@ def study_dirs(root: str | os.PathLike) -> dict[str, Path]:
         manifest = path / MANIFEST
         if not manifest.is_file():
             continue
-        name = json.loads(manifest.read_text()).get("study", "")
+        name = _study_of(path)
         if name in STUDIES:
             found[name] = path
     if not found:
@@ -33,6 +33,20 @@ def study_dirs(root: str | os.PathLike) -> dict[str, Path]:
             f"(each with {MANIFEST}, as `kvfast reproduce --out DIR` writes), of the studies {', '.join(STUDIES)}"
         )
     return dict(sorted(found.items()))
+
+
+def _study_of(path: Path) -> str:
+    """The study ``path``'s manifest names (``""`` for none); ``ValueError`` naming the file and the remedy when
+    it is not a JSON object (truncated, a list)."""
+    manifest = path / MANIFEST
+    try:
+        data = json.loads(manifest.read_bytes())
+    except (OSError, ValueError) as exc:
+        data = exc
+    if not isinstance(data, dict):
+        why = str(data).splitlines()[0] if isinstance(data, Exception) else f"a JSON {type(data).__name__}"
+        raise ValueError(f"{manifest}: not a kvfast manifest ({why}); {ResultsDir(path).remedy()}")
+    return str(data.get("study", ""))
 
 
 def load_results(root: str | os.PathLike) -> dict[str, pd.DataFrame]:

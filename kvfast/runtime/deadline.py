@@ -12,7 +12,6 @@ or that catches every ``BaseException`` forever cannot be stopped this way: run 
 
 from __future__ import annotations
 
-import math
 import signal
 import threading
 import time
@@ -56,13 +55,21 @@ def timed_out(where: str) -> CheckTimeout:
     return CheckTimeout(_watch.seconds if _watch else 0.0, where)
 
 
+MAX_TIMEOUT = 1e9
+"""The longest ``timeout`` (seconds, about 31 years): the interval timer takes at most about 9.2e9 (its
+nanoseconds must fit in 64 bits; above, ``signal.setitimer`` raises ``OverflowError``)."""
+
+
 def check_timeout(timeout: object) -> float | None:
-    """``timeout`` validated: ``None`` or a finite number of seconds > 0 (``ValueError`` naming the field)."""
+    """``timeout`` validated: ``None`` or a number of seconds in ``(0, MAX_TIMEOUT]`` (``ValueError`` naming the
+    field and the range)."""
     if timeout is None:
         return None
-    ok = isinstance(timeout, int | float) and not isinstance(timeout, bool) and math.isfinite(timeout) and timeout > 0
+    ok = isinstance(timeout, int | float) and not isinstance(timeout, bool) and 0 < timeout <= MAX_TIMEOUT
     if not ok:
-        raise ValueError(f"timeout: {timeout!r} is not allowed; allowed: None or a number of seconds > 0")
+        raise ValueError(
+            f"timeout: {timeout!r} is not allowed; allowed: None or a number of seconds > 0 and <= {MAX_TIMEOUT:.0e}"
+        )
     return float(timeout)
 
 

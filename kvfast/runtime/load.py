@@ -72,8 +72,15 @@ def split_ref(ref: object, field: str, form: str = "package.module:NAME") -> tup
 
 
 def working_dir_on_path() -> None:
-    """Put the working directory first on ``sys.path`` unless it is already there (as ``python -m`` does)."""
-    cwd = os.getcwd()
+    """Put the working directory first on ``sys.path`` unless it is already there (as ``python -m`` does);
+    ``ValueError`` when it no longer exists (deleted while the shell was in it)."""
+    try:
+        cwd = os.getcwd()
+    except FileNotFoundError:
+        raise ValueError(
+            f"working directory: {os.environ.get('PWD', '?')!r} no longer exists (deleted); "
+            "allowed: an existing directory (cd to one and run again)"
+        ) from None
     if cwd not in sys.path:
         sys.path.insert(0, cwd)
 

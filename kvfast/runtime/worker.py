@@ -14,15 +14,19 @@
   calls; in another thread asynchronously (a ``threading.Timer``), which only
   interrupts Python code. If the run has not returned ``grace`` seconds later (a
   Numba kernel or C call that never checks for signals), a worker process ends:
-  in its main thread by ``faulthandler.dump_traceback_later(exit=True)``, a C
-  thread that needs no GIL, so C code holding the GIL cannot stop it (the sweep
-  sees the dead worker and re-runs the run alone, timed by itself); in another
-  thread (Dask) by a second timer that first writes the run's id into the marker
-  folder (the sweep finds it and stores a ``timeout`` row). While a pool worker's
-  run has a time limit, the worker's process name (``PR_SET_NAME``) is the first
-  15 digits of the run's id: the sweep reads it when it kills a stopped worker. The sweep process
-  itself (one job, or the threading backend) is never ended: there a run stuck in
-  C code runs on until it returns.
+  a pool worker (its runs in its main thread) is killed by the sweep process
+  (:class:`kvfast.sweep.procs.Monitor`), which nothing the run does in its own
+  process can switch off (C code holding the GIL, the run's own ``faulthandler``
+  watchdog, which replaced the one kvfast armed here before issue 42: a process has
+  one); a run in another thread (Dask) by a second timer that first writes the run's
+  id into the marker folder (the sweep finds it and stores a ``timeout`` row). While
+  a pool worker's run has a time limit, the name of the worker's thread that watches
+  its parent (``/proc/self/task/TID/comm``, Linux) is the first 15 digits of the
+  run's id (else :data:`WORKER_NAME`): the sweep reads it to time the run and to name
+  the run of a worker it kills. Not the process's name (its main thread's), which a
+  run may set itself (``setproctitle``). The sweep process itself (one job, or the
+  threading backend) is never ended: there a run stuck in C code runs on until it
+  returns.
 - :data:`INTERRUPTED` (:mod:`kvfast.runtime.interrupt`'s): set by the sweep process's
   SIGINT handler :func:`on_sigint`, so that a ``KeyboardInterrupt`` raised by a
   run's own code (an ``error`` row) is told apart from the user's Ctrl-C (which
@@ -45,13 +49,12 @@ from pathlib import Path
 
 from kvfast.runtime.interrupt import INTERRUPTED, on_sigint
 
-__all__ = ["INTERRUPTED", "RunTimeout", "deadline", "grace", "on_sigint", "prctl", "worker_start"]
+__all__ = ["INTERRUPTED", "RunTimeout", "deadline", "grace", "name_worker", "on_sigint", "prctl", "worker_start"]
 
 _STARTED: list[int] = []
-PR_SET_NAME = 15
-WORKER_NAME = b"kvfast-worker"  # a pool worker's process name between runs (during one: the run id's first 15 digits)
+WORKER_NAME = b"kvfast-worker"  # a pool worker's watch thread's name between runs (in one: the run's id, 15 digits)
 _LIBC: list = []
-_DEVNULL: list = []  # where the faulthandler backstop writes its (unwanted) traceback
+_NAME: list[int] = []  # [fd] of the comm file of a pool worker's watch thread (Linux), written as each run starts/ends
 
 
 class RunTimeout(BaseException):  # noqa: N818 - a BaseException, so that a run's `except Exception` cannot hide it
@@ -69,7 +72,8 @@ def prctl(option: int, value) -> int:
 
 
 def grace(seconds: float) -> float:
-    """How long a run past its time limit of ``seconds`` may take to return before its worker ends."""
+    """How long a run past its time limit of ``seconds`` may take to return before its worker ends (the sweep
+    kills a pool worker whose run has not returned ``seconds + grace(seconds)`` after it started)."""
     return min(30.0, 1.0 + 0.25 * seconds)
 
 
@@ -93,7 +97,18 @@ def worker_start(parent: int | None = None) -> None:
             time.sleep(1.0)
         os._exit(0)
 
-    threading.Thread(target=watch, name="kvfast-watch-parent", daemon=True).start()
+    thread = threading.Thread(target=watch, name="kvfast-watch-parent", daemon=True)
+    thread.start()
+    with contextlib.suppress(OSError):  # (not Linux: no such file; the sweep's watch is Linux's too)
+        _NAME[:] = [os.open(f"/proc/self/task/{thread.native_id}/comm", os.O_WRONLY)]
+        name_worker(WORKER_NAME)
+
+
+def name_worker(name: bytes) -> None:
+    """Name this pool worker's watch thread (see the module doc): the sweep reads it, a run does not set it."""
+    if _NAME:
+        with contextlib.suppress(OSError):
+            os.write(_NAME[0], name)
 
 
 _ARMED: dict[int, bool] = {}  # thread ident -> its run's deadline is armed (may still interrupt it)
@@ -128,16 +143,14 @@ def deadline(seconds: float | None, run_id: str, marker_dir: Path | None) -> Ite
         yield
         return
     ident, main = threading.get_ident(), threading.current_thread() is threading.main_thread()
-    hard = bool(_STARTED) and _STARTED[0] == os.getpid()  # only a pool worker may end itself
+    hard = bool(_STARTED) and _STARTED[0] == os.getpid()  # only a pool worker may be ended
     _ARMED[ident] = True
     timers = [] if main else [threading.Timer(seconds, _interrupt, (ident,))]
     if main:
         previous = signal.signal(signal.SIGALRM, _on_alarm)
         signal.setitimer(signal.ITIMER_REAL, seconds)
         if hard:
-            prctl(PR_SET_NAME, run_id[:15].encode())  # the process's name: what the sweep reads if it stops
-            _DEVNULL[:] = _DEVNULL or [open(os.devnull, "w")]  # noqa: SIM115 - kept open for faulthandler
-            faulthandler.dump_traceback_later(seconds + grace(seconds), exit=True, file=_DEVNULL[0])
+            name_worker(run_id[:15].encode())  # the sweep times the run by it
     elif hard:
         timers.append(threading.Timer(seconds + grace(seconds), _end_worker, (marker_dir, run_id)))
     for timer in timers:
@@ -153,6 +166,5 @@ def deadline(seconds: float | None, run_id: str, marker_dir: Path | None) -> Ite
         if main:
             signal.setitimer(signal.ITIMER_REAL, 0)
             if hard:
-                faulthandler.cancel_dump_traceback_later()
-                prctl(PR_SET_NAME, WORKER_NAME)
+                name_worker(WORKER_NAME)
             signal.signal(signal.SIGALRM, previous)

@@ -18,6 +18,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+from kvfast.runtime.deadline import MAX_TIMEOUT
+
 BACKENDS = ("fork", "loky", "threading", "dask")
 
 
@@ -50,8 +52,13 @@ class SweepOptions:
     def __post_init__(self) -> None:
         _check_backend(self.backend)
         _check_jobs(self.jobs)
-        if self.run_timeout is not None and (isinstance(self.run_timeout, bool) or not self.run_timeout > 0):
-            raise ValueError(f"--run-timeout: {self.run_timeout!r} is not allowed; allowed: a number of seconds > 0")
+        if self.run_timeout is not None and (
+            isinstance(self.run_timeout, bool) or not 0 < self.run_timeout <= MAX_TIMEOUT
+        ):  # above MAX_TIMEOUT the runs' interval timer overflows: every run an error row
+            raise ValueError(
+                f"--run-timeout: {self.run_timeout!r} is not allowed; allowed: a number of seconds > 0 and <= "
+                f"{MAX_TIMEOUT:.0e}"
+            )
         if self.scheduler and self.backend != "dask":
             raise ValueError(f"--scheduler: {self.scheduler!r} needs --backend dask (backend is {self.backend!r})")
         if self.chunk_size is not None and (not isinstance(self.chunk_size, int) or self.chunk_size < 1):

@@ -12,14 +12,17 @@ Worker side (Linux; elsewhere these are no-ops):
   not there before the run, and all their descendants) is killed.
 
 Sweep side: :class:`Monitor`, a thread of the sweep process while a pool backend works (its
-warm-up, while the pool starts, included). Twice a second it reads the state of every child
-process of the sweep (psutil); a child stopped (``SIGSTOP``: state ``T``), whatever it was doing
-(a run, nothing, starting up), is killed with its process group once stopped for ``stop_s`` (the
-run it was in, named by the worker's process name, is past its time limit when that was as long:
-:data:`OVERDUE`); when the pool is done, a child still stopped is killed at once. The pool sees a dead worker (see
-:mod:`kvfast.sweep.backends.pool` for what becomes of its runs). Only the sweep's own child
-processes are ever killed. A worker that runs past a time limit without being stopped ends
-itself (:mod:`kvfast.runtime.worker`).
+warm-up, while the pool starts, included). Twice a second it reads the state of every child process
+of the sweep (psutil) and the name of a worker's watch thread, which a run with a time limit bears
+(:mod:`kvfast.runtime.worker`). A child stopped (``SIGSTOP``: state ``T``), whatever it was doing (a
+run, nothing, starting up), is killed with its process group once stopped for ``stop_s`` (the run it
+was in is past its time limit when that was as long: :data:`OVERDUE`); when the pool is done, a
+child still stopped is killed at once. A worker whose thread has borne the same run's name for the
+limit plus its grace (:func:`~kvfast.runtime.worker.grace`) is past it, however the run holds it (C
+code that keeps the GIL, the run's own ``faulthandler`` watchdog, a name it gives its process: nothing
+the run does in its worker switches the sweep's watch off), and is killed too (:data:`OVERDUE`). The
+pool sees a dead worker (see :mod:`kvfast.sweep.backends.pool` for what becomes of its runs). Only
+the sweep's own child processes are ever killed.
 """
 
 from __future__ import annotations
@@ -27,12 +30,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import signal
 import sys
 import threading
 import time
 
-from kvfast.runtime.worker import prctl, worker_start
+from kvfast.runtime.worker import WORKER_NAME, grace, prctl, worker_start
 
 LINUX = sys.platform.startswith("linux")
 PR_SET_PDEATHSIG = 1
@@ -182,20 +186,34 @@ def kill_worker(pid: int) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-OVERDUE: set[str] = set()  # process names (run id prefixes) of workers the Monitor killed stopped past a run's limit
+OVERDUE: set[str] = set()  # run id prefixes of the runs whose workers the Monitor killed past the run's limit
+RUN_NAME = re.compile(rb"[0-9a-f]{15}")  # a pool worker's watch thread's name in a run with a time limit
+
+
+def worker_name(pid: int, tid: int) -> bytes | None:
+    """The name of thread ``tid`` of process ``pid`` if it is a pool worker's watch thread (a run's name or
+    :data:`~kvfast.runtime.worker.WORKER_NAME`); ``None`` for another thread, or one that is gone."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/comm", "rb") as f:
+            name = f.read().rstrip(b"\n")
+    except OSError:
+        return None
+    return name if name == WORKER_NAME or RUN_NAME.fullmatch(name) else None
 
 
 class Monitor:
-    """The sweep process's watch over stopped child processes (see the module docstring); a context manager.
+    """The sweep process's watch over its workers (see the module docstring); a context manager.
 
-    ``seconds``: the runs' time limit; a worker killed after being stopped that long is in a run past it: its
-    process name, the run id's first 15 digits while a run with a limit runs (:mod:`kvfast.runtime.worker`),
-    goes into :data:`OVERDUE`."""
+    ``seconds``: the runs' time limit; a worker killed after being stopped that long, or whose watch thread has
+    borne the same run's name for ``seconds`` plus its grace, is in a run past it: that name, the run id's first
+    15 digits, goes into :data:`OVERDUE`."""
 
     def __init__(self, stop_s: float, seconds: float | None = None) -> None:
         self.stop_s, self.seconds = stop_s, seconds
         self.done = threading.Event()
         self.stopped_since: dict[int, float] = {}
+        self.threads: dict[int, int] = {}  # a pool worker's pid -> its watch thread's id
+        self.runs: dict[int, tuple[str, float]] = {}  # a pool worker's pid -> (its run's name, when first seen)
         self.thread = threading.Thread(target=self.loop, name="kvfast-monitor", daemon=True)
 
     def __enter__(self) -> Monitor:
@@ -217,14 +235,43 @@ class Monitor:
                 self.check(time.monotonic())
 
     def check(self, now: float, final: bool = False) -> None:
-        """One look at every child: kill those stopped for ``stop_s`` (``final``: every stopped one)."""
+        """One look at every child: kill those stopped for ``stop_s`` (``final``: every stopped one) and the
+        workers in a run past its limit and grace."""
         import psutil
 
-        for proc in psutil.Process().children():
+        children = psutil.Process().children()
+        for gone in set(self.threads) - {proc.pid for proc in children}:
+            self.threads.pop(gone)  # (its pid may come back as another child's)
+            self.runs.pop(gone, None)
+        for proc in children:
+            run = self.in_run(proc.pid, now)
             if _suppressed(proc.status) not in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
                 self.stopped_since.pop(proc.pid, None)
-            elif final or now - self.stopped_since.setdefault(proc.pid, now) > self.stop_s:
-                if self.seconds and now - self.stopped_since[proc.pid] >= self.seconds:
-                    OVERDUE.add(_suppressed(proc.name) or "")
-                kill_worker(proc.pid)
-                self.stopped_since.pop(proc.pid, None)
+                if run is None or not self.seconds or now - run[1] <= self.seconds + grace(self.seconds):
+                    continue
+            elif not final and now - self.stopped_since.setdefault(proc.pid, now) <= self.stop_s:
+                continue
+            elif not self.seconds or now - self.stopped_since[proc.pid] < self.seconds:
+                run = None  # stopped, but not for as long as a run's limit
+            if run is not None:
+                OVERDUE.add(run[0])
+            kill_worker(proc.pid)
+            self.stopped_since.pop(proc.pid, None)
+            self.runs.pop(proc.pid, None)
+
+    def in_run(self, pid: int, now: float) -> tuple[str, float] | None:
+        """The run pool worker ``pid`` is in: its name and when this watch first saw it; ``None`` between runs,
+        and for a child that is not a pool worker (no thread that kvfast names)."""
+        name = worker_name(pid, self.threads[pid]) if pid in self.threads else None
+        if name is None:  # not found yet (or gone): look at every thread of the process
+            with contextlib.suppress(OSError):
+                for tid in map(int, os.listdir(f"/proc/{pid}/task")):
+                    if tid != pid and (name := worker_name(pid, tid)) is not None:
+                        self.threads[pid] = tid
+                        break
+        if name is None or name == WORKER_NAME:
+            self.runs.pop(pid, None)
+            return None
+        if self.runs.get(pid, ("",))[0] != name.decode():
+            self.runs[pid] = (name.decode(), now)
+        return self.runs[pid]

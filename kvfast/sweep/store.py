@@ -7,7 +7,9 @@ Layout of ``DIR``:
   that Parquet readers (``pd.read_parquet(DIR)``) skip it.
 - ``part-NNNNNNNN-XXXXXXXX.parquet`` -- parts, several runs each, numbered in
   write order. Each is written to a hidden ``.part-*.tmp`` name and renamed
-  into place when complete, so a reader never sees a half-written part.
+  into place when complete, so a reader never sees a half-written part. Every page
+  carries a checksum (Parquet's CRC-32), verified on every read (:meth:`ResultsDir.read_part`):
+  bytes changed on disk are an error naming the part, never other numbers.
 - ``.lock`` -- held (``flock``) by the sweep writing here; released by the OS
   when that process ends, however it ends.
 
@@ -217,14 +219,16 @@ class ResultsDir:
         return f"run `kvfast repair {self.path}` to rebuild it from the stored parts, or use another --out"
 
     def read_part(self, part: Path, **kwargs) -> pa.Table:
-        """One part (``pq.read_table`` arguments); ``ValueError`` naming it and the remedy if it is unreadable."""
+        """One part (``pq.read_table`` arguments), the checksum of every page it reads verified; ``ValueError``
+        naming it and the remedy if it is unreadable or damaged (a page whose bytes changed after it was written).
+        Parts written before kvfast wrote checksums have none: they read as before, unverified."""
         try:
-            return pq.read_table(part, **kwargs)
+            return pq.read_table(part, page_checksum_verification=True, **kwargs)
         except FileNotFoundError:
             raise
         except (OSError, pa.ArrowException) as exc:
             raise ValueError(
-                f"{part}: not a readable Parquet part ({str(exc).splitlines()[0][:120]}); "
+                f"{part}: not a readable Parquet part ({_why(exc)}); "
                 f"run `kvfast repair {self.path}` to move it aside (its runs run again on the next `kvfast run`)"
             ) from None
 
@@ -296,7 +300,8 @@ class ResultsDir:
         parts = self.parts()
         if not parts:
             return StoredIndex.build(np.empty(0, "S32"), np.empty(0, np.int8))
-        tables = [self.read_part(p, columns=["run_id", "status"]) for p in parts]
+        # every column is read, to verify its pages: a damaged result is found here, before a run is skipped
+        tables = [self.read_part(p).select(["run_id", "status"]) for p in parts]
         table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
         if len(tables) > 1 or not _sorted_unique(table.column("run_id")):
             table = _latest(table)
@@ -376,7 +381,7 @@ class ResultsDir:
         # each write_table call has a fixed cost: a 216-run sweep's 4 chunks took twice the time of one table)
         table = tables[0] if len(tables) == 1 else pa.concat_tables(tables)
         try:
-            with pq.ParquetWriter(tmp, table.schema) as writer:
+            with pq.ParquetWriter(tmp, table.schema, write_page_checksum=True) as writer:
                 writer.write_table(table, row_group_size=ROW_GROUP_ROWS)
         except BaseException:  # an interrupt mid-write leaves no temporary behind
             tmp.unlink(missing_ok=True)
@@ -499,6 +504,11 @@ class StoredIndex(NamedTuple):
         """The run ids (hex) stored with status ``code``."""
         mask = self.codes == code
         return {f"{h:016x}{v:016x}" for h, v in zip(self.hi[mask].tolist(), self.lo[mask].tolist(), strict=True)}
+
+
+def _why(exc: BaseException) -> str:
+    """Why pyarrow could not read a part, in a few words (its first line, shortened)."""
+    return (str(exc).splitlines() or [type(exc).__name__])[0][:120]
 
 
 def _fixed_ids(column: pa.ChunkedArray) -> np.ndarray:
@@ -629,8 +639,8 @@ else:
 def repair(path: str | os.PathLike) -> str:
     """Make a broken results directory usable again; returns one line saying what was done.
 
-    Unreadable parts (truncated, corrupt) are moved into ``DIR/_quarantine/`` (their
-    runs are then not stored: the next sweep runs them). A missing or broken
+    Unreadable parts (truncated, corrupt, or damaged: a page whose checksum differs) are moved
+    into ``DIR/_quarantine/`` (their runs are then not stored: the next sweep runs them). A missing or broken
     manifest is rebuilt from the metadata each part carries (study, version,
     schema, grid, versions; the broken one is moved into the quarantine folder
     too). ``ValueError`` if ``path`` is not a directory, is in use by a sweep,
@@ -646,12 +656,11 @@ def repair(path: str | os.PathLike) -> str:
         good: list[tuple[Path, pa.Schema]] = []
         for part in store.parts():
             try:
-                table = pq.read_table(part)
-                good.append((part, table.schema))
-            except (OSError, pa.ArrowException):
+                good.append((part, pq.read_table(part, page_checksum_verification=True).schema))
+            except (OSError, pa.ArrowException) as exc:  # unreadable, or damaged (a page checksum that differs)
                 quarantine.mkdir(exist_ok=True)
                 os.replace(part, quarantine / part.name)
-                done.append(f"moved unreadable {part.name} into {QUARANTINE}/")
+                done.append(f"moved unreadable {part.name} into {QUARANTINE}/ ({_why(exc)})")
         try:
             manifest = store.manifest()
             broken = None

@@ -53,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import sys
 import weakref
 from pathlib import Path
 
@@ -130,9 +131,11 @@ def _set_threads() -> None:
     """torch's intra-op threads set to ``OMP_NUM_THREADS`` before vLLM's CPU worker forbids setting them: torch,
     once imported (kvfast may import it first), no longer reads the variable, and vLLM's worker then keeps
     torch's default (one thread per core). Measured here on 2 shared cores: with 2 threads every small kernel
-    waited for the other thread (a 128 x 128 GEMM row 14-24 ms instead of microseconds)."""
-    import torch
-
+    waited for the other thread (a 128 x 128 GEMM row 14-24 ms instead of microseconds). Not imported yet (or not
+    installed): nothing to do, torch reads the variable when vLLM imports it."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
     if not getattr(torch.set_num_threads, "__name__", "").startswith("skip"):  # vLLM's worker has not replaced it
         threads = os.environ["OMP_NUM_THREADS"]
         if threads.isdigit() and int(threads) > 0:

@@ -20,9 +20,8 @@ killed once their rows are in, before the pool for the rest is forked.
 
 Workers are set up by :func:`kvfast.sweep.procs.worker_setup` (they die with the
 sweep, ignore SIGINT, lead their own process group and end the processes each run
-leaves); one whose run is past its time limit and its grace ends itself
-(:mod:`kvfast.runtime.worker`); one stopped (``SIGSTOP``) is killed by the sweep's
-:class:`kvfast.sweep.procs.Monitor` (:func:`supervised`). A dead worker breaks its
+leaves); one whose run is past its time limit and its grace, or stopped (``SIGSTOP``), is
+killed by the sweep's :class:`kvfast.sweep.procs.Monitor` (:func:`supervised`). A dead worker breaks its
 pool: joblib aborts the call (the backend kills the other workers), the runs not yet
 handed out go on in a new pool, and those of the chunks in flight are re-run one at
 a time, each alone in a new one-worker pool (:meth:`ProcessPoolBackend.run_alone`:
