@@ -258,8 +258,7 @@ def markdown(results: dict[str, list[dict]]) -> str:
 
 def run_child(python: str, env: dict) -> list[dict]:
     """The child's rows (this file run with ``--child`` by ``python`` in ``env``)."""
-    # -P: benchmarks/ is not put on sys.path (its kernels.py would shadow the `kernels` package transformers imports)
-    done = subprocess.run([python, "-P", __file__, "--child"], capture_output=True, text=True, env=env, cwd=ROOT)
+    done = subprocess.run([python, __file__, "--child"], capture_output=True, text=True, env=env, cwd=ROOT)
     if done.returncode:
         raise RuntimeError(f"the child exited {done.returncode}: {done.stderr.strip().splitlines()[-1:]}")
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]

@@ -1,6 +1,6 @@
 """Benchmark: explicit-order kernels against BLAS, decode step against forward, cold against warm start.
 
-    .venv/bin/python benchmarks/kernels.py [--repeats 5]
+    .venv/bin/python benchmarks/kernel_speed.py [--repeats 5]
 
 The same as ``kvfast bench kernels``; see :mod:`kvfast.bench.kernels` for what
 is timed and how. Prints Markdown tables (figures recorded in benchmarks/README.md).
