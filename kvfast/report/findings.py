@@ -23,15 +23,23 @@ SHOWN = ("label", "architecture", "dtype", "scenario", "bug", "step", "reproduce
 LABEL_COLOURS = {"new": "#fbe3e3", "known": "#fff3cc", "injected": "#e6eefc"}
 
 
-def scan_findings(results_root: str | os.PathLike) -> pd.DataFrame | None:
+def scan_findings(results_root: str | os.PathLike, unread: list[str] | None = None) -> pd.DataFrame | None:
     """The findings listed beside every results directory under ``results_root`` (one, or a folder of them)
     that has them (a scan's, ``kvfast scan --repro``), new first; ``None`` where none has. The report names no
-    study: whichever wrote a listing is read."""
+    study: whichever wrote a listing is read. A listing that cannot be read (a damaged ``findings.csv``) is left
+    out, its one-line reason (naming the file) appended to ``unread`` where given, else raised (``ValueError``)."""
     from kvfast.report.results import study_dirs
     from kvfast.repro.findings import ordered, read_findings
     from kvfast.studies.scan_repro import repro_dir
 
-    tables = [read_findings(repro_dir(path)) for path in study_dirs(results_root).values()]
+    tables = []
+    for path in study_dirs(results_root).values():
+        try:
+            tables.append(read_findings(repro_dir(path)))
+        except ValueError as exc:
+            if unread is None:
+                raise
+            unread.append(str(exc))
     tables = [table for table in tables if table is not None]
     return ordered(pd.concat(tables, ignore_index=True)) if tables else None
 

@@ -70,13 +70,20 @@ def write_findings(table, directory) -> Path:
 
 def read_findings(directory):
     """The listing kept in ``directory`` (:data:`FINDINGS_CSV`), new first, empty cells as ``""`` (the step
-    an integer or ``<NA>``); ``None`` where there is none."""
+    an integer or ``<NA>``); ``None`` where there is none; ``ValueError`` naming the file where it cannot be read
+    as one (not CSV, not UTF-8, a step that is not an integer)."""
     import pandas as pd
 
     path = Path(directory) / FINDINGS_CSV
     if not path.is_file():
         return None
-    table = pd.read_csv(path, dtype={"step": "Int64"}).reindex(columns=list(COLUMNS))
+    try:
+        table = pd.read_csv(path, dtype={"step": "Int64"}, encoding="utf-8").reindex(columns=list(COLUMNS))
+    except (ValueError, TypeError, UnicodeDecodeError, pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
+        from kvfast.validation import one_line
+
+        why = one_line(f"{type(exc).__name__}: {exc}")[:300]
+        raise ValueError(f"findings: {str(path)!r} cannot be read as a listing of findings ({why})") from None
     text = [c for c in COLUMNS if c != "step"]
     table[text] = table[text].astype(object).where(table[text].notna(), "")
     return ordered(table)
