@@ -251,14 +251,33 @@ def issue_text(case: Case) -> str:
 
 def write_reproducer(case: Case, directory) -> Path:
     """``reproduce.py``, ``ISSUE.md`` and ``case.json`` (and ``weights.pt`` where the case carries its weights)
-    written into ``directory`` (made if missing); the script's path."""
+    written into ``directory``, a folder of their own (made if missing); the script's path. A reproducer is never
+    overwritten: ``ValueError`` naming ``directory`` where it is a file or a folder that holds anything. A write
+    that fails (a full disk, a read-only folder) removes what it wrote and raises its ``OSError``."""
     out = Path(directory)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        what = "a file" if not out.is_dir() else "a folder that holds files"
+        raise ValueError(
+            f"directory: {str(out)!r} ({what}) is not allowed; allowed: a folder that does not exist or is empty "
+            "(kvfast never overwrites a reproducer)"
+        )
+    texts = {SCRIPT: render(case), ISSUE: issue_text(case), CASE: case.to_json() + "\n"}
+    made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    (out / SCRIPT).write_text(render(case), encoding="utf-8")
-    (out / ISSUE).write_text(issue_text(case), encoding="utf-8")
-    (out / CASE).write_text(case.to_json() + "\n", encoding="utf-8")
-    if case.weights is not None:
-        import torch
+    written: list[Path] = []
+    try:
+        for name, text in texts.items():
+            written.append(out / name)
+            (out / name).write_text(text, encoding="utf-8")
+        if case.weights is not None:
+            import torch
 
-        torch.save(case.weights, out / WEIGHTS)
+            written.append(out / WEIGHTS)
+            torch.save(case.weights, out / WEIGHTS)
+    except BaseException:
+        for path in written:
+            path.unlink(missing_ok=True)
+        if made:
+            out.rmdir()
+        raise
     return out / SCRIPT
