@@ -36,6 +36,13 @@ def one_line(message: object) -> str:
     return shorten(" ".join(str(message).split()), LINE_CHARS)
 
 
+def printable(text: object, keep: str = "") -> str:
+    """``text`` with every character that is not printable (control characters, escape sequences, line and
+    paragraph separators, lone surrogates) written as its Python escape (``\\x1b``, ``\\u2028``), except those in
+    ``keep`` (``"\\n"``): what a terminal, a Markdown or HTML file shows as text, never acts on."""
+    return "".join(c if c.isprintable() or c in keep else repr(c)[1:-1] for c in str(text))
+
+
 def not_allowed(field: str, value: object, allowed: str) -> ValueError:
     """The one form of kvfast's argument errors (to ``raise``); the value is quoted shortened."""
     return ValueError(f"{field}: {shown(value)} is not allowed; allowed: {allowed}")

@@ -99,3 +99,51 @@ def test_a_scan_with_repro_lists_its_findings_in_the_scoreboard_and_the_report(t
     md = subprocess.run([sys.executable, "-m", "kvfast.cli", "report", str(out), "--markdown", "findings"],
                         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)  # fmt: skip
     assert md.returncode == 0 and "| known | mamba | float32 | resume | none | 0 |" in md.stdout
+
+
+EXACTNESS = """study = "exactness"
+[fixed]
+vocab = 11
+d_model = 8
+d_ff = 12
+n_layer = 1
+n_head = 2
+prompt_len = 3
+steps = 4
+order = "sequential"
+[axes]
+seed = [0]
+preset = ["f64"]
+"""
+
+
+def test_a_damaged_listing_is_one_line_naming_it_and_the_rest_of_the_report_is_written(tmp_path):
+    """``kvfast report`` of results whose listing is damaged (not UTF-8): one warning line names the file, on
+    stderr and on the page; the page and its tables are written (exit 0). The control: the same listing whole is
+    read and shown."""
+    from kvfast.cli import main
+
+    results = tmp_path / "exactness"
+    (tmp_path / "grid.toml").write_text(EXACTNESS)
+    assert main(["run", str(tmp_path / "grid.toml"), "--out", str(results), "--jobs", "1", "--quiet"]) == 0
+    (tmp_path / "exactness.repro").mkdir()
+    listing = tmp_path / "exactness.repro" / FINDINGS_CSV
+    rows = [_row("new", "arch-a", str(tmp_path / "exactness.repro" / "x" / "reproduce.py"))]
+    pd.DataFrame(rows, columns=list(COLUMNS)).to_csv(listing, index=False)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def report():
+        done = subprocess.run([sys.executable, "-m", "kvfast.cli", "report", str(results)], capture_output=True,
+                              text=True, env=env, timeout=600)  # fmt: skip
+        return done, (tmp_path / "exactness.report" / "report.html").read_text()
+
+    done, page = report()
+    assert done.returncode == 0 and not done.stderr and "arch-a" in page and "arch-a" in done.stdout  # the control
+    listing.write_bytes(b"\xff\xfe" + listing.read_bytes())
+    (tmp_path / "exactness.report" / "claims.csv").unlink()
+    done, page = report()
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("\n") == 1 and f"kvfast: warning: findings: {str(listing)!r} cannot be read" in done.stderr
+    assert "UnicodeDecodeError" in done.stderr and done.stderr.rstrip().endswith("the report leaves it out")
+    assert "arch-a" not in page and "cannot be read as a listing" in page and "arch-a" not in done.stdout
+    assert (tmp_path / "exactness.report" / "claims.csv").is_file() and "report: " in done.stdout

@@ -36,6 +36,14 @@ the child kills its group when this process dies, so no process outlives the
 check (the mechanics: :mod:`kvfast.runtime.child`; the factory is loaded by
 :func:`kvfast.runtime.load_object`'s rules).
 
+``--repro DIR``: a bug found is reported first. The child sends the report as soon as the check ends
+(:func:`kvfast.runtime.child.child_report`); this process prints it, and its exit code is final. Then the
+child writes a reproducer per failing scenario (:func:`kvfast.repro.findings.reproduce_report`; each shrunk in
+a process of its own, killed at its bound: :func:`kvfast.repro.shrink.shrink_apart`) and this process prints
+their lines, or one line on stderr where they did not finish within their bound
+(:func:`kvfast.repro.findings.bound_seconds`) or their process died; a reproducer that cannot be written is a
+line too. DIR is checked before the check (exit 2): it must not exist yet or be empty.
+
 Start-up. :func:`kvfast.cli.main` calls :func:`start_early` before it parses anything: the child starts
 at once and imports kvfast's checker while this process parses and validates the arguments (it imports
 neither Numba nor the checker), then waits for its request; bad input kills it before it runs any code
@@ -67,7 +75,8 @@ EXIT_CODES = {
     EXIT_BAD_INPUT: "bad input, one line: an argument, the factory spec, a module that cannot be imported, "
     "a factory that rejects its arguments or returns no model under test, bad logits, a bad prompt, more steps "
     "than the model has positions, a missing optional extra (the pip command that installs it), a working "
-    "directory that no longer exists",
+    "directory that no longer exists, a `--repro` folder that is a file, holds files, cannot be written or is not "
+    "named in UTF-8 (before the check)",
     EXIT_INCONCLUSIVE: "`inconclusive` (between rounding and a bug), and no float64 logic check cleared it",
     EXIT_MODEL: "the model under test, its factory or its module raised or exited, one line naming the call "
     "and the exception: `SystemExit` (`sys.exit(0)` too), `KeyboardInterrupt`, any exception, `os._exit`, a crash",
@@ -112,11 +121,13 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt", required=True, help="comma-separated token ids, e.g. 1,2,3")
     p.add_argument(
         "--repro", default=None, metavar="DIR",
-        help="on a bug: a shrunk standalone reproducer per failing scenario in DIR/SCENARIO/ (kvfast.repro)",
+        help="on a bug: a shrunk standalone reproducer per failing scenario in DIR/SCENARIO/ (kvfast.repro), written "
+        "after the report; DIR must not exist yet or be empty (a reproducer is never overwritten)",
     )  # fmt: skip
     p.add_argument(
-        "--repro-seconds", type=int, default=60, metavar="S", help="the time budget of shrinking each one (default 60)"
-    )
+        "--repro-seconds", type=int, default=60, metavar="S",
+        help="the time budget of shrinking each one (default 60); its process is killed 30 s after it",
+    )  # fmt: skip
     add_option_flags_on_use(p)
     p.set_defaults(func=run)
 
@@ -273,8 +284,12 @@ def check_args(args) -> None:
     parse_prompt(args.prompt)
     parse_factory_args(args.factory_arg)
     check_options(args)
-    if getattr(args, "repro", None) is not None and getattr(args, "repro_seconds", 60) < 1:
-        raise not_allowed("--repro-seconds", args.repro_seconds, "an integer >= 1")
+    if getattr(args, "repro", None) is not None:
+        from kvfast.repro.findings import require_repro_dir
+
+        if getattr(args, "repro_seconds", 60) < 1:
+            raise not_allowed("--repro-seconds", args.repro_seconds, "an integer >= 1")
+        require_repro_dir(args.repro, "--repro")
     if getattr(args, "engine", None) is not None:
         if "path" in parse_factory_args(args.factory_arg):
             raise not_allowed("--factory-arg", "path=...", "no path: with --engine the path is the positional argument")
@@ -338,10 +353,10 @@ def run_check(args, started: float | None = None) -> dict:
         code = EXIT_PASS
     else:
         code = EXIT_INCONCLUSIVE if report.verdict == "inconclusive" else EXIT_FAIL  # bug, divergent, lossy (exact)
-    text = report.format()
+    result = {"kind": "report", "text": report.format(), "code": code}
     if code == EXIT_FAIL and getattr(args, "repro", None):
-        text += "\n" + _reproducers(args, model, report)
-    return {"kind": "report", "text": text, "code": code}
+        return _reproducers(args, model, report, result)
+    return result
 
 
 def _mark_first_call(model) -> None:
@@ -378,21 +393,59 @@ def _mark_first_call(model) -> None:
             getattr(model, "__dict__", {}).pop(n, None)
 
 
-def _reproducers(args, model, report) -> str:
-    """``--repro DIR``: a reproducer per failing scenario (:func:`kvfast.repro.findings.reproduce_report`), as
-    lines for the report."""
-    from kvfast.repro.findings import reproduce_report
+def _reproducers(args, model, report, result: dict) -> dict:
+    """``--repro DIR``: the check's ``result`` sent to the parent first (printed at once, its exit code final;
+    with the seconds the reproducers get after it, :func:`kvfast.repro.findings.bound_seconds`), then a
+    reproducer per failing scenario (:func:`kvfast.repro.findings.reproduce_report`), as lines after it:
+    ``{"kind": "reproducers", "text": ...}``. Whatever fails here is a line, never the report's end."""
+    from kvfast.repro.findings import bound_seconds, reproduce_report
+    from kvfast.runtime.child import child_report
+    from kvfast.validation import one_line, printable
 
+    failing = [name for name, s in report.scenarios.items() if s.verdict in ("bug", "divergent")]
+    sent = child_report({**result, "bound": bound_seconds(max(1, len(failing)), args.repro_seconds)})
     seed = parse_factory_args(args.factory_arg).get("seed", 0)
-    found = reproduce_report(
-        model, parse_prompt(args.prompt), report, args.repro, seconds=args.repro_seconds,
-        seed=seed if isinstance(seed, int) else 0, command=getattr(args, "command_line", "kvfast check"),
-    )  # fmt: skip
     lines = []
-    for f in found:
-        label = f" ({f.label}{': ' + f.reference if f.reference else ''})" if f.label else ""
-        lines.append(f"reproducer, {f.scenario}: {f.reproducer or f.note}{label}")
-    return "\n".join(lines)
+    try:
+        found = reproduce_report(
+            model, parse_prompt(args.prompt), report, args.repro, seconds=args.repro_seconds,
+            seed=seed if isinstance(seed, int) else 0, command=getattr(args, "command_line", "kvfast check"),
+        )  # fmt: skip
+        for f in found:
+            label = f" ({f.label}{': ' + f.reference if f.reference else ''})" if f.label else ""
+            lines.append(f"reproducer, {f.scenario}: {f.reproducer or f.note}{label}")
+            if f.stopped:
+                lines.append(f"reproducer, {f.scenario}: not shrunk ({f.stopped}): it is the case as found")
+    except Exception as exc:  # noqa: BLE001 - a bug in kvfast's reproducers: one line, the report stands
+        lines.append(f"reproducers: none written: {type(exc).__name__}: {one_line(exc)} (a bug in kvfast)")
+    text = "\n".join(printable(line) for line in lines)
+    return {"kind": "reproducers", "text": text} if sent else {**result, "text": f"{result['text']}\n{text}"}
+
+
+def _print_report(result: dict) -> float | None:
+    """``--repro``: the check's report, printed as soon as the child sends it (before any reproducer is
+    written); the seconds the child gets after it."""
+    print(result["text"], flush=True)
+    return result.get("bound")
+
+
+def _after_report(outcome, one_line) -> int:
+    """``--repro``, the report printed: the reproducers' lines, or one line saying why there are none (their
+    process killed at its bound, crashed, or failed); the report's exit code, whatever happened after it."""
+    report, result = outcome.report, outcome.result
+    if result is not None and result["kind"] == "reproducers":
+        if result["text"]:
+            print(result["text"])
+        return int(report["code"])
+    if outcome.timed_out:
+        why = f"not finished within {report['bound']:g} s after the report; their processes were killed"
+    elif result is None:
+        why = f"their process ended without writing them all ({outcome.ended()})"
+    else:
+        print(result.get("traceback", ""), end="", file=sys.stderr)
+        why = f"their process failed ({one_line(result.get('line', result['kind']))})"
+    print(f"kvfast: error: --repro: reproducers {why}; the report above stands", file=sys.stderr)
+    return int(report["code"])
 
 
 BOOT = (
@@ -470,10 +523,14 @@ def run(args) -> int:
     early = _EARLY[-1] if _EARLY else None  # left there: discard_early ends it too, even on a Ctrl-C right here
     mark("parent: arguments checked")
     try:
-        outcome = run_in_child(BOOT, request, args.timeout, GRACE_S, child=early)
+        outcome = run_in_child(
+            BOOT, request, args.timeout, GRACE_S, child=early, on_report=_print_report if args.repro else None
+        )
     except KeyboardInterrupt:
         print("kvfast: interrupted; the check's processes were killed", file=sys.stderr)
         return EXIT_INTERRUPTED
+    if outcome.report is not None:  # --repro: the report is printed, its exit code final
+        return _after_report(outcome, one_line)
     if outcome.timed_out:
         print(
             f"kvfast: error: the check did not finish within {args.timeout:g} s and could not be interrupted "

@@ -11,7 +11,8 @@ every study's summary table (what docs/studies.md pastes), or a scan's findings.
 
 A scan whose reproducers were written (``kvfast scan --repro``) has its findings listed, new first, each with
 its label, reference and reproducer's path: at the head of the page and printed after its path
-(:mod:`kvfast.report.findings`).
+(:mod:`kvfast.report.findings`). A listing that cannot be read (a damaged ``findings.csv``) is one warning line
+naming the file, on stderr and on the page, and the rest of the report is written (exit code 0).
 """
 
 from __future__ import annotations
@@ -65,8 +66,10 @@ def cmd_report(args) -> int:
     from kvfast.report.page import report_path, writing_report
     from kvfast.sweep.store import StorageError
 
+    unread: list[str] = []
     if args.markdown == "findings":
-        found = scan_findings(args.results)
+        found = scan_findings(args.results, unread)
+        _warn(unread)
         print("(no findings: no kvfast scan --repro wrote reproducers beside these results)" if found is None
               else findings_text(found, as_markdown=True))  # fmt: skip
         return 0
@@ -86,7 +89,14 @@ def cmd_report(args) -> int:
         print(f"kvfast: error: {one_line(exc)}", file=sys.stderr)
         return EXIT_STORAGE
     print(f"report: {page}")
-    found = scan_findings(args.results)
+    found = scan_findings(args.results, unread)
+    _warn(unread)
     if found is not None:
         print(f"\nfindings, new first: {findings_text(found)}")
     return 0
+
+
+def _warn(unread: list[str]) -> None:
+    """One line on stderr per listing of findings that could not be read (the rest of the report stands)."""
+    for line in unread:
+        print(f"kvfast: warning: {one_line(line)}; the report leaves it out", file=sys.stderr)

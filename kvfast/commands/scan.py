@@ -5,9 +5,10 @@ Runs :func:`kvfast.studies.scan.scan_spec`'s grid on the sweep engine (parallel,
 what is not stored), then prints the scoreboard (:func:`kvfast.studies.scan.scoreboard`) and the skipped
 architectures with their reasons, and writes both, as CSV and Markdown, to ``DIR.report/`` (beside the results,
 never inside them). ``--markdown`` prints them as Markdown (what docs/check.md pastes); ``kvfast report DIR``
-draws the heatmap. Bad input (an unknown family, dtype or scenario) is one line naming the allowed values,
-exit 2. Exit codes as ``kvfast run`` (:data:`kvfast.commands.sweep.EXIT_CODES`): a skipped architecture is a
-stored ``ok`` run whose verdict is ``skipped``, not a failure.
+draws the heatmap. Bad input (an unknown family, dtype or scenario; with ``--repro``, a ``DIR.repro`` that is a
+file, holds files already, or cannot be written) is one line naming the allowed values, exit 2, before any run.
+Exit codes as ``kvfast run`` (:data:`kvfast.commands.sweep.EXIT_CODES`): a skipped architecture is a stored
+``ok`` run whose verdict is ``skipped``, not a failure.
 """
 
 from __future__ import annotations
@@ -120,6 +121,11 @@ def cmd_scan(args) -> int:
 
     out = Path(args.out).absolute()
     grid = build_grid(args)
+    if args.repro:  # before any run: where the reproducers go (never over earlier ones)
+        from kvfast.repro.findings import require_repro_dir
+        from kvfast.studies.scan_repro import repro_dir
+
+        require_repro_dir(repro_dir(out), "--repro")
     options = SweepOptions.build(jobs=args.jobs, quiet=args.quiet, fresh=args.fresh, retry_errors=args.retry_errors)
     report = _sweep(grid, out, options)
     if isinstance(report, int):

@@ -10,10 +10,12 @@ from __future__ import annotations
 import html
 import os
 from pathlib import Path
+from urllib.parse import quote
 
 import pandas as pd
 
 from kvfast.report.claims import markdown
+from kvfast.validation import printable
 
 #: The columns the listing shows, in order (``note`` only in the files: why a row has no reproducer).
 SHOWN = ("label", "architecture", "dtype", "scenario", "bug", "step", "reproducer", "reference")
@@ -21,15 +23,23 @@ SHOWN = ("label", "architecture", "dtype", "scenario", "bug", "step", "reproduce
 LABEL_COLOURS = {"new": "#fbe3e3", "known": "#fff3cc", "injected": "#e6eefc"}
 
 
-def scan_findings(results_root: str | os.PathLike) -> pd.DataFrame | None:
+def scan_findings(results_root: str | os.PathLike, unread: list[str] | None = None) -> pd.DataFrame | None:
     """The findings listed beside every results directory under ``results_root`` (one, or a folder of them)
     that has them (a scan's, ``kvfast scan --repro``), new first; ``None`` where none has. The report names no
-    study: whichever wrote a listing is read."""
+    study: whichever wrote a listing is read. A listing that cannot be read (a damaged ``findings.csv``) is left
+    out, its one-line reason (naming the file) appended to ``unread`` where given, else raised (``ValueError``)."""
     from kvfast.report.results import study_dirs
     from kvfast.repro.findings import ordered, read_findings
     from kvfast.studies.scan_repro import repro_dir
 
-    tables = [read_findings(repro_dir(path)) for path in study_dirs(results_root).values()]
+    tables = []
+    for path in study_dirs(results_root).values():
+        try:
+            tables.append(read_findings(repro_dir(path)))
+        except ValueError as exc:
+            if unread is None:
+                raise
+            unread.append(str(exc))
     tables = [table for table in tables if table is not None]
     return ordered(pd.concat(tables, ignore_index=True)) if tables else None
 
@@ -42,19 +52,35 @@ def counts_line(table: pd.DataFrame) -> str:
     return f"{len(table)} findings: {', '.join(parts) or 'none labelled'}; {with_script} with a reproducer"
 
 
-def findings_text(table: pd.DataFrame, as_markdown: bool = False) -> str:
-    """The listing (:data:`SHOWN`, new first) after its counts line, as plain text or Markdown."""
-    if as_markdown:
-        return f"{counts_line(table)}\n\n{markdown(table, list(SHOWN))}"
+def _shown(table: pd.DataFrame) -> pd.DataFrame:
+    """The listing's :data:`SHOWN` columns as text a terminal shows and never acts on (each character that is not
+    printable written as its escape: a cell's escape sequences are not run)."""
     shown = table[list(SHOWN)].astype(str).replace({"<NA>": ""})
-    return f"{counts_line(table)}\n\n{shown.to_string(index=False)}"
+    return shown.map(printable)
+
+
+def findings_text(table: pd.DataFrame, as_markdown: bool = False) -> str:
+    """The listing (:data:`SHOWN`, new first) after its counts line, as plain text or Markdown; a cell's
+    characters that are not printable are shown as their escapes."""
+    if as_markdown:
+        return f"{counts_line(table)}\n\n{markdown(_shown(table))}"
+    return f"{counts_line(table)}\n\n{_shown(table).to_string(index=False)}"
 
 
 def _link(path: str, page_dir: Path, text: str) -> str:
-    if not path:
-        return ""
-    href = Path(os.path.relpath(Path(path).absolute(), page_dir.absolute())).as_posix()
+    """A link to the file ``path`` from the page in ``page_dir``: a relative path, each of its segments
+    percent-encoded, so that no scheme (``javascript:``), query or fragment can appear in it."""
+    rel = Path(os.path.relpath(Path(path).absolute(), page_dir.absolute())).as_posix()
+    href = "/".join(quote(segment, safe="") for segment in rel.split("/"))
     return f'<a href="{html.escape(href)}">{html.escape(text)}</a>'
+
+
+def linked(path: str) -> bool:
+    """Whether the page links the reproducer ``path`` (a listing's cell): a file named ``reproduce.py``, its name
+    free of characters that are not printable; any other cell is shown as text."""
+    from kvfast.repro.script import SCRIPT
+
+    return bool(path) and Path(path).name == SCRIPT and printable(path) == path
 
 
 def findings_html(table: pd.DataFrame, page_dir: str | os.PathLike) -> str:
@@ -82,12 +108,11 @@ def findings_html(table: pd.DataFrame, page_dir: str | os.PathLike) -> str:
             what += f" (injected {row['bug']})"
         script = str(row["reproducer"] or "")
         issue = str(Path(script).with_name("ISSUE.md")) if script else ""
-        links = (
-            f"{_link(script, where, 'reproduce.py')} · {_link(issue, where, 'ISSUE.md')}"
-            f"<br><small>{html.escape(script)}</small>"
-            if script
-            else "none"
-        )
+        shown = f"<small>{html.escape(printable(script))}</small>"
+        if linked(script):
+            links = f"{_link(script, where, 'reproduce.py')} · {_link(issue, where, 'ISSUE.md')}<br>{shown}"
+        else:
+            links = shown if script else "none"
         step = "" if pd.isna(row["step"]) else str(int(row["step"]))
         ref = html.escape(str(row["reference"] or ""))
         if row["note"]:

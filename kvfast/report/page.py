@@ -28,6 +28,7 @@ from kvfast.report.findings import findings_html, scan_findings
 from kvfast.report.results import load_results
 from kvfast.studies import STUDIES
 from kvfast.sweep.store import MANIFEST, StorageError
+from kvfast.validation import printable
 
 REPORT = "report.html"
 NO_MATPLOTLIB = (
@@ -116,10 +117,11 @@ def render(
     plots: bool | None = None,
     findings: pd.DataFrame | None = None,
     page_dir: str | os.PathLike = ".",
+    unread: list[str] = (),
 ) -> str:
     """The report page for ``results`` (study name -> stored runs) as one HTML string; ``findings`` (a scan's
     listing, :func:`kvfast.report.findings.scan_findings`) first where given, its links relative to
-    ``page_dir``."""
+    ``page_dir``; ``unread``: why a listing was left out (a damaged ``findings.csv``), a note each."""
     plots = matplotlib_available() if plots is None else plots
     table = claims_mod.claims_table(results)
     count = claims_mod.counts(table)
@@ -130,6 +132,7 @@ def render(
         f"({html.escape(', '.join(results))}). Every number on this page is computed from the stored Parquet "
         "by <code>kvfast report</code>.</p>",
         *([] if findings is None else [findings_html(findings, page_dir)]),
+        *(f'<p class="note">{html.escape(printable(line))}; this page leaves it out</p>' for line in unread),
         '<h2 id="claims">Claims</h2>',
         f"<p><b>{count['claims_hold']} of {count['claims']} claims hold.</b> Verifier: {count['conditions_hold']} "
         f"of {count['conditions']} assertions (the claims' conditions) hold. The criterion column says how each "
@@ -256,12 +259,15 @@ def report_dir(results_dir: str | os.PathLike, out: str | os.PathLike | None = N
 def write_report(results_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
     """Read every study's runs under ``results_dir`` and write ``OUT/report.html`` plus its tables
     (:func:`write_tables`); ``out``: see :func:`report_dir` (default ``RESULTS_DIR.report``). A scan's findings
-    (``kvfast scan --repro``: :func:`~kvfast.report.findings.scan_findings`) head the page.
+    (``kvfast scan --repro``: :func:`~kvfast.report.findings.scan_findings`) head the page; a listing that cannot
+    be read is a note there, and the rest of the page is written.
     Returns the page's path."""
     results = load_results(results_dir)
     root = report_dir(results_dir, out)
     _writable(root)
     write_tables(results, root)
     page = root / REPORT
-    page.write_text(render(results, findings=scan_findings(results_dir), page_dir=root), encoding="utf-8")
+    unread: list[str] = []
+    findings = scan_findings(results_dir, unread)
+    page.write_text(render(results, findings=findings, page_dir=root, unread=unread), encoding="utf-8")
     return page

@@ -7,13 +7,19 @@ scan's scoreboard list them).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvfast.repro.case import SCRIPT_SCENARIOS, base_scenario, find_case
 from kvfast.repro.known import LABELS
 from kvfast.repro.script import finding_label, write_reproducer
-from kvfast.repro.shrink import DEFAULT_SECONDS, shrink_case
+from kvfast.repro.shrink import DEFAULT_SECONDS, GRACE_S, shrink_apart
+from kvfast.validation import shown
+
+#: What one reproducer may take beyond its shrinking's budget and :data:`~kvfast.repro.shrink.GRACE_S`: its case
+#: found on the model (kvfast's control check of one scenario), the shrinking process's start, the files written.
+SLACK_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -21,7 +27,9 @@ class Finding:
     """One finding and its reproducer: what (``architecture``, ``dtype``, ``scenario``, ``bug``: an injected
     catalogue bug or ``"none"``), its ``label`` (new, known, injected) and ``reference``, the first bug
     ``step`` of the shrunk case, its ``reproducer`` path (or ``None``) and a ``note`` (why there is none, what
-    did not shrink)."""
+    did not shrink); ``stopped``: why its shrinking stopped before its result (:attr:`Shrunk.stopped
+    <kvfast.repro.shrink.Shrunk.stopped>`: the reproducer is then the case as found), not a column of the
+    listing."""
 
     architecture: str
     dtype: str
@@ -32,6 +40,7 @@ class Finding:
     step: int | None
     reproducer: str | None
     note: str = ""
+    stopped: str = ""
 
 
 #: The listing's columns, in order.
@@ -70,33 +79,92 @@ def write_findings(table, directory) -> Path:
 
 def read_findings(directory):
     """The listing kept in ``directory`` (:data:`FINDINGS_CSV`), new first, empty cells as ``""`` (the step
-    an integer or ``<NA>``); ``None`` where there is none."""
+    an integer or ``<NA>``); ``None`` where there is none; ``ValueError`` naming the file where it cannot be read
+    as one (not CSV, not UTF-8, a step that is not an integer)."""
     import pandas as pd
 
     path = Path(directory) / FINDINGS_CSV
     if not path.is_file():
         return None
-    table = pd.read_csv(path, dtype={"step": "Int64"}).reindex(columns=list(COLUMNS))
+    try:
+        table = pd.read_csv(path, dtype={"step": "Int64"}, encoding="utf-8").reindex(columns=list(COLUMNS))
+    except (ValueError, TypeError, UnicodeDecodeError, pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
+        from kvfast.validation import one_line
+
+        why = one_line(f"{type(exc).__name__}: {exc}")[:300]
+        raise ValueError(f"findings: {str(path)!r} cannot be read as a listing of findings ({why})") from None
     text = [c for c in COLUMNS if c != "step"]
     table[text] = table[text].astype(object).where(table[text].notna(), "")
     return ordered(table)
 
 
+def bound_seconds(count: int, seconds: float = DEFAULT_SECONDS) -> float:
+    """The most ``count`` reproducers may take, each shrunk within ``seconds``: what ``kvfast check --repro``
+    gives them after its report before it ends them."""
+    return count * (seconds + GRACE_S + SLACK_S)
+
+
+def require_repro_dir(path, field: str = "--repro") -> Path:
+    """``path`` as the folder reproducers are written into, checked before any work: ``ValueError`` naming
+    ``field`` unless it is a folder that does not exist yet or is empty (kvfast never overwrites a reproducer),
+    named in UTF-8, that this user can make and write into."""
+    text = os.fspath(path)
+    allowed = "a folder that does not exist yet or is empty, which this user can write"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{field}: {shown(text)} (a name that is not UTF-8) is not allowed; allowed: {allowed}, "
+                         "named in UTF-8") from None  # fmt: skip
+    folder = Path(text)
+    try:
+        if folder.exists() or folder.is_symlink():
+            if not folder.is_dir():
+                raise ValueError(f"{field}: {shown(text)} (a file) is not allowed; allowed: {allowed}")
+            if any(folder.iterdir()):
+                raise ValueError(
+                    f"{field}: {shown(text)} (a folder that holds files: kvfast never overwrites a reproducer) is "
+                    f"not allowed; allowed: {allowed} (move or delete it, or name another)"
+                )
+            probe = folder
+        else:
+            probe = next(p for p in folder.absolute().parents if p.exists())
+            if not probe.is_dir():
+                raise ValueError(
+                    f"{field}: {shown(text)} ({str(probe)!r} is a file) is not allowed; allowed: {allowed}"
+                )
+        import tempfile
+
+        os.rmdir(tempfile.mkdtemp(prefix=".kvfast-probe-", dir=probe))
+    except OSError as exc:
+        where = exc.filename or text
+        raise ValueError(
+            f"{field}: {shown(text)} ({exc.strerror or type(exc).__name__}: {where}) is not allowed; allowed: {allowed}"
+        ) from None
+    return folder
+
+
 def write_case(case, directory, seconds: float = DEFAULT_SECONDS) -> Finding:
-    """``case`` shrunk (within ``seconds``; ``0``: not shrunk) and written into ``directory``: its finding."""
-    notes = []
+    """``case`` shrunk (within ``seconds``, in a process of its own: :func:`~kvfast.repro.shrink.shrink_apart`;
+    ``0``: not shrunk) and written into ``directory`` (:func:`~kvfast.repro.script.write_reproducer`: a folder of
+    its own, never overwritten): its finding."""
+    notes, stopped = [], ""
     if seconds and case.verdict == "bug":
-        shrunk = shrink_case(case, seconds)
-        case = shrunk.case
-        notes = list(shrunk.lines())
+        shrunk = shrink_apart(case, seconds)
+        case, notes, stopped = shrunk.case, list(shrunk.lines()), shrunk.stopped
     path = write_reproducer(case, directory)
     if notes:
-        (Path(directory) / "SHRINK.txt").write_text("\n".join(notes) + "\n")
+        try:
+            (Path(directory) / "SHRINK.txt").write_text("\n".join(notes) + "\n", encoding="utf-8")
+        except OSError:  # (a full disk) no reproducer without its notes: the folder, made for it, goes
+            import shutil
+
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
     tag, reference = finding_label(case)
     bug = "none" if case.bug is None else f"{case.bug[0]}:{case.bug[1]}"
     return Finding(
         case.architecture, case.dtype, case.scenario, bug, tag, reference, case.first_bug_step, str(path),
-        "; ".join(notes[1:-1]),
+        "; ".join(notes[1:-1]), stopped,
     )  # fmt: skip
 
 
@@ -105,7 +173,8 @@ def reproduce_report(
 ) -> list[Finding]:
     """A reproducer for every scenario of ``report`` called ``bug`` (a check of ``model``, a transformers causal
     LM or an :class:`~kvfast.check.hf.HFModel`, on ``prompt``), each in ``directory/SCENARIO/``, shrunk within
-    ``seconds``. A scenario no script replays, or a model that is not a Hugging Face one, gets a finding with no
+    ``seconds``. A scenario no script replays, a model that is not a Hugging Face one, or a reproducer that
+    cannot be written (its folder there already, a full disk, a read-only folder) gets a finding with no
     reproducer and the reason."""
     from kvfast.check.hf import HFModel, is_hf_model
 
@@ -128,8 +197,11 @@ def reproduce_report(
             elif case.verdict != "bug":
                 why = f"no reproducer: kvfast's control check of {name!r} alone says {case.verdict!r}"
             else:
-                out.append(write_case(case, Path(directory) / name, seconds))
-                continue
+                try:
+                    out.append(write_case(case, Path(directory) / name, seconds))
+                    continue
+                except (OSError, ValueError) as exc:
+                    why = f"no reproducer: {' '.join(str(exc).split())}"
         arch = str(getattr(getattr(getattr(model, "model", model), "config", None), "model_type", "?"))
         out.append(Finding(arch, "", name, "", "", None, s.first_bug_step, None, why))
     return out

@@ -7,12 +7,14 @@ weights where the case carries them, into one folder).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from kvfast.repro.case import Case
 from kvfast.repro.known import label
 from kvfast.repro.patches import patch_for
-from kvfast.repro.template import TEMPLATE
+from kvfast.repro.template import DOCSTRING, TEMPLATE
+from kvfast.validation import printable
 
 SCRIPT = "reproduce.py"
 ISSUE = "ISSUE.md"
@@ -54,19 +56,20 @@ def _versions_text(case: Case) -> str:
 
 
 def _promote_text(case: Case) -> str:
+    dtype, promote = md_text(case.dtype), md_text(case.promote)
     return (
-        f"- precision: a finding of kvfast's logic check. In {case.dtype} the two paths differ by no more than "
-        f"{case.dtype}'s rounding lets kvfast tell apart (its {case.dtype} verdict is not `bug`), so the script "
-        f"builds the model in {case.dtype} (its weights rounded to {case.dtype}) and runs both paths in "
-        f"{case.promote}, where the cache's difference stands far above the {case.promote} rounding. A maintainer "
-        f"who runs the model in {case.dtype} sees the same cause as a drift within {case.dtype}'s rounding."
+        f"- precision: a finding of kvfast's logic check. In {dtype} the two paths differ by no more than "
+        f"{dtype}'s rounding lets kvfast tell apart (its {dtype} verdict is not `bug`), so the script "
+        f"builds the model in {dtype} (its weights rounded to {dtype}) and runs both paths in "
+        f"{promote}, where the cache's difference stands far above the {promote} rounding. A maintainer "
+        f"who runs the model in {dtype} sees the same cause as a drift within {dtype}'s rounding."
     )
 
 
 def _cache_text(case: Case) -> str:
     calls = case.calls
     if calls.get("cache_class"):
-        return f"`transformers.{calls['cache_class']}(config=..., max_cache_len={calls.get('max_cache_len')})`"
+        return md_code(f"transformers.{calls['cache_class']}(config=..., max_cache_len={calls.get('max_cache_len')})")
     if calls.get("own_cache") or calls.get("cache_arg") == "cache_params":
         return "the model's own (no cache object given, as generate lets it)"
     return "a fresh `transformers.DynamicCache(config=...)`"
@@ -80,6 +83,22 @@ def title(case: Case) -> str:
     return f"{case.model_class} ({case.architecture}), {dtype}, {case.scenario}: {what}{bug}"
 
 
+def py_text(text: str) -> str:
+    """A Python string literal that evaluates to exactly ``text``: triple-quoted, so that lines stay lines; as
+    written where that is exact (no backslash, no three quotes, no closing quote last, every character printable),
+    else with every backslash and double quote escaped and every character that is not printable (but a newline)
+    written as its escape."""
+    if "\\" not in text and '"""' not in text and not text.endswith('"') and printable(text, "\n") == text:
+        return f'"""{text}"""'
+    return '"""' + printable(text.replace("\\", "\\\\").replace('"', '\\"'), "\n") + '"""'
+
+
+def _fill(template: str, fields: dict[str, str]) -> str:
+    """``template`` with each ``@NAME@`` of ``fields`` replaced, in one pass (a value is never read again)."""
+    pattern = re.compile("@(" + "|".join(map(re.escape, fields)) + ")@")
+    return pattern.sub(lambda m: fields[m.group(1)], template)
+
+
 def render(case: Case) -> str:
     """The standalone script of ``case`` (see :mod:`kvfast.repro.template`)."""
     weights = (
@@ -87,15 +106,18 @@ def render(case: Case) -> str:
         if case.seed is not None
         else f"weights from {WEIGHTS} beside it"
     )
-    fields = {
+    doc = {
         "TITLE": title(case),
         "MODEL_CLASS": case.model_class,
         "WEIGHTS_TEXT": weights,
         "SCENARIO_TEXT": scenario_text(case),
         "THRESHOLD_ORIGIN": case.threshold_origin,
         "COMMAND": case.command or "kvfast.repro (Python)",
+    }
+    fields = {
+        "DOCSTRING": py_text(_fill(DOCSTRING, doc)),
         "MODEL_CLASS_REPR": repr(case.model_class),
-        "CONFIG_JSON": json.dumps(case.config, indent=1, sort_keys=True),
+        "CONFIG_JSON": py_text(json.dumps(case.config, indent=1, sort_keys=True)),
         "SEED": repr(case.seed),
         "WEIGHTS": repr(None if case.seed is not None else WEIGHTS),
         "DTYPE": repr(case.dtype),
@@ -110,17 +132,14 @@ def render(case: Case) -> str:
         "TOKENS": repr(list(case.tokens)),
         "SPLIT": repr(case.split),
         "DRAFTS": repr({int(k): list(v) for k, v in case.drafts.items()}),
-        "FOUND_ON": str(case.versions.get("transformers")),
+        "FOUND_ON": repr(str(case.versions.get("transformers"))),
         "CALLS": repr(case.calls),
         "THRESHOLD": repr([float(t) for t in case.threshold]),
         "THREADS": repr(_torch_threads()),
-        "FOUND_VERSIONS": _versions_text(case),
+        "FOUND_VERSIONS": repr(_versions_text(case)),
         "PATCH": patch_for(case.bug),
     }
-    text = TEMPLATE
-    for key, value in fields.items():
-        text = text.replace(f"@{key}@", value)
-    return text
+    return _fill(TEMPLATE, fields)
 
 
 def _torch_threads() -> int:
@@ -145,8 +164,41 @@ def finding_label(case: Case) -> tuple[str, str | None]:
     return label(case.library, version, case.architecture, case.scenario, injected=case.bug is not None)
 
 
+#: The characters Markdown may act on inside a line (emphasis, code, links, images, raw HTML, entities, tables).
+MARKDOWN_ACTIVE = "\\`*_[]<>&|~!"
+
+
+def md_text(text: object) -> str:
+    """``text`` as Markdown that shows it and does nothing else: every character Markdown could act on
+    (:data:`MARKDOWN_ACTIVE`) backslash-escaped, every character that is not printable written as its escape
+    (one line)."""
+    return "".join("\\" + c if c in MARKDOWN_ACTIVE else c for c in printable(text))
+
+
+def md_code(text: object) -> str:
+    """``text`` as one Markdown code span that its content cannot close: fenced by one backtick more than its
+    longest run of backticks (padded with a space where it starts or ends with one), every character that is
+    not printable written as its escape (one line)."""
+    text = printable(text)
+    if not text:
+        return ""
+    fence = "`" * (max(map(len, re.findall("`+", text)), default=0) + 1)
+    pad = " " if text[0] in "` " or text[-1] in "` " else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
+def md_block(text: str, info: str = "") -> list[str]:
+    """``text`` as a fenced Markdown code block that its content cannot close (a fence of backticks longer than
+    any run of them in it, at least three); its lines, each character that is not printable (but a newline)
+    written as its escape."""
+    text = printable(text, "\n")
+    fence = "`" * max(3, max(map(len, re.findall("`+", text)), default=0) + 1)
+    return [fence + info, *text.split("\n"), fence]
+
+
 def issue_text(case: Case) -> str:
-    """ISSUE.md: the three lines a maintainer reads first, then the details."""
+    """ISSUE.md: the three lines a maintainer reads first, then the details. What the case holds is shown as text
+    (:func:`md_text`) or code (:func:`md_code`, :func:`md_block`), never as Markdown of its own."""
     tag, reference = finding_label(case)
     step = case.first_bug_step
     dev = case.deviation[step] if step is not None and step < len(case.deviation) else None
@@ -157,12 +209,14 @@ def issue_text(case: Case) -> str:
         judged = case.branch_prompt if case.judged == "branch" else case.prompt
         where = "the prompt's rows" if step == 0 else f"decode step {step} (position {len(judged) + step - 1})"
     size = "" if dev is None else f" by {dev:.4g} (threshold {thr:.3g}, {dev / thr:.3g}x)" if thr else f" by {dev:.4g}"
+    versions = md_text(_versions_text(case))
+    dtype = md_text(case.dtype)
     lines = [
-        f"# {title(case)}",
+        f"# {md_text(title(case))}",
         "",
-        f"1. **What**: with a tiny random {case.model_class}, the logits of `generate`'s cached path differ from a "
-        f"full recompute of the same tokens at {where}{size}.",
-        f"2. **Where**: scenario `{case.scenario}` ({scenario_text(case)}); {_versions_text(case)}.",
+        f"1. **What**: with a tiny random {md_text(case.model_class)}, the logits of `generate`'s cached path differ "
+        f"from a full recompute of the same tokens at {where}{size}.",
+        f"2. **Where**: scenario {md_code(case.scenario)} ({md_text(scenario_text(case))}); {versions}.",
         f"3. **Run**: `python {SCRIPT}` (torch and transformers only): exits 1 while the bug is present, 0 once the "
         "two paths agree within the threshold it states.",
         "",
@@ -170,27 +224,26 @@ def issue_text(case: Case) -> str:
         "",
         "## Details",
         "",
-        f"- versions: {_versions_text(case)}",
-        f"- model: `{case.model_class}`, model type `{case.architecture}`, {case.dtype}, {case.attention} attention, "
+        f"- versions: {versions}",
+        f"- model: {md_code(case.model_class)}, model type {md_code(case.architecture)}, {dtype}, "
+        f"{md_text(case.attention)} attention, "
         + (f"weights `torch.manual_seed({case.seed})`" if case.seed is not None else f"weights in `{WEIGHTS}`"),
         f"- size: {len(case.prompt)}-token prompt, {case.steps} decode steps"
         + (f", resume split {case.split}" if case.split else "")
         + (f"; second sequence: {len(case.branch_prompt)}-token prompt, {len(case.branch_tokens)} steps"
            if case.branch_prompt else ""),
         f"- cache: {_cache_text(case)}",
-        f"- first step over the threshold: {step}; kvfast's verdict: `{case.verdict}`"
-        + (f" (of its logic check: the {case.dtype} model promoted to {case.promote})" if case.promote else ""),
+        f"- first step over the threshold: {step}; kvfast's verdict: {md_code(case.verdict)}"
+        + (f" (of its logic check: the {dtype} model promoted to {md_text(case.promote)})" if case.promote else ""),
         *([_promote_text(case)] if case.promote else []),
-        f"- threshold: {case.threshold_origin}",
-        f"- how it was found: `{case.command or 'kvfast.repro (Python)'}`",
-        f"- injected bug: `{case.bug[0]}:{case.bug[1]}` (carried by the script itself)" if case.bug else
+        f"- threshold: {md_text(case.threshold_origin)}",
+        f"- how it was found: {md_code(case.command or 'kvfast.repro (Python)')}",
+        f"- injected bug: {md_code(f'{case.bug[0]}:{case.bug[1]}')} (carried by the script itself)" if case.bug else
         "- injected bug: none (a finding about the library)",
         "",
         "Config (`AutoConfig.for_model(**config)`):",
         "",
-        "```json",
-        json.dumps(case.config, indent=1, sort_keys=True),
-        "```",
+        *md_block(json.dumps(case.config, indent=1, sort_keys=True), "json"),
         "",
     ]  # fmt: skip
     return "\n".join(lines)
@@ -198,14 +251,33 @@ def issue_text(case: Case) -> str:
 
 def write_reproducer(case: Case, directory) -> Path:
     """``reproduce.py``, ``ISSUE.md`` and ``case.json`` (and ``weights.pt`` where the case carries its weights)
-    written into ``directory`` (made if missing); the script's path."""
+    written into ``directory``, a folder of their own (made if missing); the script's path. A reproducer is never
+    overwritten: ``ValueError`` naming ``directory`` where it is a file or a folder that holds anything. A write
+    that fails (a full disk, a read-only folder) removes what it wrote and raises its ``OSError``."""
     out = Path(directory)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        what = "a file" if not out.is_dir() else "a folder that holds files"
+        raise ValueError(
+            f"directory: {str(out)!r} ({what}) is not allowed; allowed: a folder that does not exist or is empty "
+            "(kvfast never overwrites a reproducer)"
+        )
+    texts = {SCRIPT: render(case), ISSUE: issue_text(case), CASE: case.to_json() + "\n"}
+    made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    (out / SCRIPT).write_text(render(case))
-    (out / ISSUE).write_text(issue_text(case))
-    (out / CASE).write_text(case.to_json() + "\n")
-    if case.weights is not None:
-        import torch
+    written: list[Path] = []
+    try:
+        for name, text in texts.items():
+            written.append(out / name)
+            (out / name).write_text(text, encoding="utf-8")
+        if case.weights is not None:
+            import torch
 
-        torch.save(case.weights, out / WEIGHTS)
+            written.append(out / WEIGHTS)
+            torch.save(case.weights, out / WEIGHTS)
+    except BaseException:
+        for path in written:
+            path.unlink(missing_ok=True)
+        if made:
+            out.rmdir()
+        raise
     return out / SCRIPT

@@ -12,12 +12,20 @@ A candidate is kept only when kvfast's control check of it (:func:`kvfast.repro.
 bug injected again) says ``bug`` in the case's scenario. The case has one scenario and the plainest cache the
 model takes already (a ``DynamicCache``, or the model's own). A case whose weights travel as a file (not a seed)
 keeps its model. :class:`Shrunk` says what shrank, what could not, and why.
+
+:func:`shrink_apart` runs the search in a child process of its own (:mod:`kvfast.runtime.child`), killed
+:data:`GRACE_S` after its budget: a candidate that hangs, or crashes its process (transformers on a config it
+does not take), ends that process only, and the case is then kept as it was, with why. (A process per candidate
+would pay torch's and transformers' imports, seconds each, for every candidate; one forked from a process that
+has run torch deadlocks in OpenMP. The one process checks them in a row, as before.)
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from kvfast.repro.case import Case, case_adapter, check_case, find_case
 from kvfast.validation import require_int
@@ -31,13 +39,17 @@ KV_KEYS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads")
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
 SMALLEST_HIDDEN = 8
 SMALLEST_VOCAB = 16
+#: :func:`shrink_apart`: the seconds its process has after its budget (the candidate in flight, the kept case
+#: measured again) before it is killed.
+GRACE_S = 30.0
 
 
 @dataclass(frozen=True)
 class Shrunk:
     """What :func:`shrink_case` found: the smallest ``case`` kept (kvfast calls it ``bug``), the steps that
     shrank it (``"layers 2 -> 1"``), the dimensions it could not shrink with the reason, the candidates checked,
-    the seconds spent and whether the budget ran out first."""
+    the seconds spent and whether the budget ran out first; ``stopped``: why the search's process ended before
+    its result (:func:`shrink_apart`: a candidate hung or crashed it), the case then the one it was given."""
 
     case: Case
     shrank: tuple[str, ...]
@@ -45,9 +57,11 @@ class Shrunk:
     tried: int
     seconds: float
     out_of_time: bool
+    stopped: str = ""
 
     def lines(self) -> list[str]:
         out = [f"shrank: {'; '.join(self.shrank) or 'nothing'}"]
+        out += [f"not shrunk: {self.stopped}"] if self.stopped else []
         out += [f"not shrunk: {why}" for why in self.not_shrunk]
         budget = " (the time budget ran out)" if self.out_of_time else ""
         out.append(f"{self.tried} candidates checked in {self.seconds:.1f} s{budget}")
@@ -178,9 +192,10 @@ def _verdict(case: Case):
     return (adapter, report), None
 
 
-def shrink_case(case: Case, seconds: float = DEFAULT_SECONDS) -> Shrunk:
+def shrink_case(case: Case, seconds: float = DEFAULT_SECONDS, trying=None) -> Shrunk:
     """The smallest case kvfast still calls ``bug`` that the greedy search finds within ``seconds`` (see the
-    module doc); ``ValueError`` for a case that is not a ``bug`` to begin with."""
+    module doc); ``ValueError`` for a case that is not a ``bug`` to begin with. ``trying``: called with each
+    candidate, in words (``"layers 2 -> 1"``), before it is checked."""
     if case.verdict != "bug":
         raise ValueError(f"case: verdict {case.verdict!r} is not allowed; allowed: a case kvfast calls 'bug'")
     if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds > 0:
@@ -203,6 +218,8 @@ def shrink_case(case: Case, seconds: float = DEFAULT_SECONDS) -> Shrunk:
                 if candidate is None:
                     break
                 tried += 1
+                if trying is not None:
+                    trying(f"{dim} {_size(kept, dim)} -> {_size(candidate, dim)}")
                 result, reason = _verdict(candidate)
                 if result is None:
                     why[dim] = f"{dim} {_size(kept, dim)} -> {_size(candidate, dim)}: {reason}"
@@ -237,3 +254,99 @@ def shrink_case(case: Case, seconds: float = DEFAULT_SECONDS) -> Shrunk:
 def shrink_seconds(value) -> float:
     """``--repro-seconds``'s value checked (``ValueError`` naming it)."""
     return float(require_int(value, "--repro-seconds", 1))
+
+
+BOOT = (
+    "import json, sys\n"
+    "boot = json.loads(sys.argv[1])\n"
+    "sys.path[:] = boot['path']\n"
+    "from kvfast.repro.shrink import shrink_child\n"
+    "shrink_child(boot)\n"
+)
+
+
+def shrink_apart(case: Case, seconds: float = DEFAULT_SECONDS) -> Shrunk:
+    """:func:`shrink_case` of ``case`` in a child process of its own (see the module doc), killed ``GRACE_S``
+    after ``seconds`` (its imports not counted). Where that process hangs, crashes or fails, the result is
+    ``case`` itself, its :attr:`Shrunk.stopped` saying why and which candidate it was checking."""
+    import tempfile
+
+    from kvfast.runtime.child import run_in_child
+
+    if case.verdict != "bug":
+        raise ValueError(f"case: verdict {case.verdict!r} is not allowed; allowed: a case kvfast calls 'bug'")
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="kvfast-shrink-") as tmp:
+        weights = None
+        if case.weights is not None:
+            import torch
+
+            weights = os.path.join(tmp, "weights.pt")
+            torch.save(case.weights, weights)
+        progress = os.path.join(tmp, "trying.txt")
+        request = {"case": case.to_json(), "weights": weights, "seconds": seconds, "progress": progress,
+                   "threads": _threads()}  # fmt: skip
+        outcome = run_in_child(BOOT, request, seconds + GRACE_S, grace=0.0)
+        tried = Path(progress).read_text().splitlines() if os.path.exists(progress) else []
+    result = outcome.result or {}
+    if result.get("kind") == "shrunk":
+        kept = Case.from_json(result["case"])
+        kept = replace(kept, weights=case.weights) if kept.seed is None else kept
+        return Shrunk(kept, tuple(result["shrank"]), tuple(result["not_shrunk"]), result["tried"],
+                      result["seconds"], result["out_of_time"])  # fmt: skip
+    at = f" while checking the candidate {tried[-1]}" if tried else ""
+    if outcome.timed_out:
+        why = f"its process was still running {seconds + GRACE_S:g} s after it started{at}, and was killed"
+    elif result.get("kind") == "error":
+        why = f"its process failed{at}: {result['line']}"
+    else:
+        why = f"its process ended without a result ({outcome.ended()}){at}"
+    return Shrunk(case, (), (), len(tried), time.monotonic() - start, outcome.timed_out, f"the search stopped: {why}")
+
+
+def _threads() -> int:
+    """torch's intra-op thread count in this process (1 without torch): the child checks candidates with it."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    return int(torch.get_num_threads()) if torch is not None else 1
+
+
+def shrink_child(boot: dict) -> None:
+    """The child process of :func:`shrink_apart`: torch, transformers and kvfast's checker imported before its
+    clock starts, then :func:`shrink_case` of the request's case (each candidate appended to the request's
+    ``progress`` file before it is checked); writes ``{"kind": "shrunk", ...}`` or ``{"kind": "error", "line"}``."""
+    from kvfast.runtime.child import child_done, child_ready, child_started, read_request
+
+    child_started(boot)
+    import torch
+    import transformers
+
+    import kvfast.check.checker  # noqa: F401 - imported before the clock starts
+
+    request = read_request(boot)
+    if request is None:
+        os._exit(0)
+    case = Case.from_json(request["case"])
+    try:
+        getattr(transformers, case.model_class)  # its module's import, before the clock starts too
+    except Exception:  # noqa: BLE001, S110 - the first candidate then says why
+        pass
+    child_ready(boot)
+    try:
+        torch.set_num_threads(request["threads"])
+        if request["weights"] is not None:
+            case = replace(case, weights=torch.load(request["weights"], weights_only=True))
+        with open(request["progress"], "a") as log:
+
+            def trying(candidate: str) -> None:
+                log.write(candidate + "\n")
+                log.flush()
+
+            shrunk = shrink_case(case, request["seconds"], trying)
+        result = {"kind": "shrunk", "case": shrunk.case.to_json(), "shrank": list(shrunk.shrank),
+                  "not_shrunk": list(shrunk.not_shrunk), "tried": shrunk.tried, "seconds": shrunk.seconds,
+                  "out_of_time": shrunk.out_of_time}  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - one line for the parent, which keeps the case unshrunk
+        result = {"kind": "error", "line": " ".join(f"{type(exc).__name__}: {exc}".split())[:300]}
+    child_done(boot, result)

@@ -8,10 +8,15 @@ copies, two beams and ``reorder_cache``, a left-padded batch with ``generate``'s
 catalogue bug is a subclass of it placed after it (:mod:`kvfast.repro.patches`). The sequence judged is the
 scenario's main one (``PROMPT`` then ``TOKENS``) or, for ``fork-branch``, ``reorder-beam`` and ``padded-row``,
 its second one (``BRANCH_PROMPT`` then ``BRANCH_TOKENS``).
+
+What a case holds is data in the script, never code: the docstring (with the case's title and the command that
+found it) is written as one Python string literal that evaluates to exactly its text
+(:func:`kvfast.repro.script.py_text`), every other value as its ``repr``, and the fields are filled in one pass
+(a value holding ``@NAME@`` stays as it is).
 """
 
-TEMPLATE = r'''#!/usr/bin/env python3
-"""@TITLE@
+#: The script's docstring (its fields filled in, then the whole written as one Python string literal).
+DOCSTRING = """@TITLE@
 
 A standalone reproducer: it needs only torch and transformers. It builds a tiny random @MODEL_CLASS@ from the
 config below (@WEIGHTS_TEXT@), runs the cached path the way `generate` calls the model (@SCENARIO_TEXT@) and the
@@ -23,6 +28,9 @@ Threshold: @THRESHOLD_ORIGIN@.
 Found by: @COMMAND@
 """
 
+TEMPLATE = r'''#!/usr/bin/env python3
+@DOCSTRING@
+
 import copy
 import json
 import platform
@@ -32,7 +40,7 @@ import torch
 import transformers
 
 MODEL_CLASS = @MODEL_CLASS_REPR@
-CONFIG = json.loads(r"""@CONFIG_JSON@""")
+CONFIG = json.loads(@CONFIG_JSON@)
 SEED = @SEED@
 WEIGHTS = @WEIGHTS@  # a state dict beside this script, or None: the weights of torch.manual_seed(SEED)
 DTYPE = @DTYPE@
@@ -49,10 +57,12 @@ DRAFTS = @DRAFTS@  # rollback: before step t the cache takes these draft tokens,
 BRANCH_PROMPT = @BRANCH_PROMPT@
 BRANCH_TOKENS = @BRANCH_TOKENS@
 REORDER_AT = @REORDER_AT@  # reorder: the decode steps before which the two beams swap slots (reorder_cache([1, 0]))
-# How `generate` calls this model (measured on transformers @FOUND_ON@): the cache argument's name, whether the
-# model builds its own cache (or which cache class it is given), whether an attention mask is passed (per call
-# kind), position_ids, cache_position, and whether the cache records its past before a rollback.
+# How `generate` calls this model (measured on the transformers release FOUND_ON): the cache argument's name,
+# whether the model builds its own cache (or which cache class it is given), whether an attention mask is passed
+# (per call kind), position_ids, cache_position, and whether the cache records its past before a rollback.
 CALLS = @CALLS@
+FOUND_ON = @FOUND_ON@
+FOUND_VERSIONS = @FOUND_VERSIONS@  # where kvfast found it
 # torch's intra-op threads when kvfast found it: some kernels (Mamba's reference scan among them) add in another
 # order with another thread count, which moves a real bug's per-step difference in its third digit.
 THREADS = @THREADS@
@@ -308,7 +318,7 @@ def padded_rows(path):
 
 def main():
     print(f"versions: python {platform.python_version()}, torch {torch.__version__}, "
-          f"transformers {transformers.__version__} (found on @FOUND_VERSIONS@)")
+          f"transformers {transformers.__version__} (found on {FOUND_VERSIONS})")
     print(f"model: {MODEL_CLASS}, {DTYPE}, {ATTENTION} attention; scenario {SCENARIO}; prompt of {len(PROMPT)} "
           f"tokens, {len(TOKENS)} decode steps")
     if PROMOTE is not None:

@@ -18,7 +18,10 @@ outlives it. The child, for its part (:func:`child_started`, :func:`read_request
   and of kvfast on a loaded machine, or the parent's own checks of its arguments, are never blamed on
   the user's code (the child's own timer counts from the same moment: :func:`child_ready`'s time);
 - writes its result (a JSON object) atomically and ends with ``os._exit(0)``, so no ``atexit`` hook or
-  finalizer of the user's code runs after the report.
+  finalizer of the user's code runs after the report;
+- may send a report before its end (:func:`child_report`: ``kvfast check --repro`` sends the check's report, then
+  writes the reproducers): the parent hands it to its ``on_report`` at once, and from then on gives the child
+  only the seconds ``on_report`` returns (:meth:`Child.wait`).
 
 :func:`mark`: with ``KVFAST_TIMELINE=FILE`` in the environment, each process appends its time marks to
 FILE (the warm check's timeline: ``benchmarks/compile_profile.py --warm-check``); without it, nothing.
@@ -44,12 +47,14 @@ if TYPE_CHECKING:
 
 class ChildOutcome(NamedTuple):
     """How a child ended: ``result`` (its report, ``None`` if it wrote none), its ``returncode``, and
-    whether it was killed at its ``timeout`` (``timed_out``). (A named tuple, not a dataclass: this
-    module is imported before the child starts, and ``dataclasses`` imports ``inspect``.)"""
+    whether it was killed at its ``timeout`` (``timed_out``: with a ``report`` sent before, at the bound that
+    followed it); ``report``: what it sent before its end (:func:`child_report`). (A named tuple, not a
+    dataclass: this module is imported before the child starts, and ``dataclasses`` imports ``inspect``.)"""
 
     result: dict | None
     returncode: int
     timed_out: bool = False
+    report: dict | None = None  # what the child sent before its end (child_report), if it sent anything
 
     def ended(self) -> str:
         """How the process ended, in words (``exit status 0``, ``killed by signal SIGSEGV``)."""
@@ -107,10 +112,12 @@ class Child:
         request_read, self._request_write = os.pipe()
         self._ready_read, ready_write = os.pipe()
         self.result_path = os.path.join(self._tmp, "result.json")
+        self.report_path = os.path.join(self._tmp, "report.json")
         self._request_path = os.path.join(self._tmp, "request.json")
         boot_info = {
             "path": [str(p) for p in sys.path],
             "result": self.result_path,
+            "report": self.report_path,
             "request": self._request_path,
             "request_fd": request_read,
             "watch_fd": watch_read,
@@ -143,18 +150,24 @@ class Child:
         os.close(self._request_write)
         self._sent = True
 
-    def wait(self, timeout: float | None = None, grace: float = 1.5) -> ChildOutcome:
+    def wait(self, timeout: float | None = None, grace: float = 1.5, on_report=None) -> ChildOutcome:
         """Wait for the child (see :func:`run_in_child`); its :class:`ChildOutcome`. A ``KeyboardInterrupt``
-        here kills the child's group and is raised again."""
+        here kills the child's group and is raised again. ``on_report``: called with the report the child sends
+        before its end (:func:`child_report`) as soon as it is there; it returns the seconds the child may run
+        after it (``None``: no bound), and the child is killed at them instead of at ``timeout``."""
         proc = self.proc
+        report = None
         try:
             _wait_until_ready(proc, self._ready_read)
             # the child's own timer fires at timeout from here; this one only ends code it cannot interrupt
-            proc.wait(timeout=None if timeout is None else timeout + grace)
+            limit = None if timeout is None else timeout + grace
+            if on_report is not None:
+                report, limit = self._wait_for_report(limit, on_report)
+            proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:
             kill_group(proc.pid)
             proc.wait()
-            return ChildOutcome(None, proc.returncode, timed_out=True)
+            return ChildOutcome(None, proc.returncode, timed_out=True, report=report)
         except KeyboardInterrupt:
             kill_group(proc.pid)
             proc.wait()
@@ -163,9 +176,25 @@ class Child:
             kill_group(proc.pid)  # whatever the user's code left running in the child's session
         try:
             with open(self.result_path) as f:
-                return ChildOutcome(json.load(f), proc.returncode)
+                return ChildOutcome(json.load(f), proc.returncode, report=report)
         except FileNotFoundError:
-            return ChildOutcome(None, proc.returncode)
+            return ChildOutcome(None, proc.returncode, report=report)
+
+    def _wait_for_report(self, limit: float | None, on_report) -> tuple[dict | None, float | None]:
+        """Until the child sends its report (``on_report`` is called with it) or ends; the report (or ``None``)
+        and the seconds left to wait for the child's end. Looks every 0.1 s (only where a report is awaited)."""
+        end = None if limit is None else time.monotonic() + limit
+        while True:
+            ended = self.proc.poll() is not None
+            if os.path.exists(self.report_path):
+                with open(self.report_path) as f:
+                    report = json.load(f)
+                return report, on_report(report)
+            if ended:
+                return None, None
+            if end is not None and time.monotonic() >= end:
+                raise subprocess.TimeoutExpired(self.proc.args, limit)
+            time.sleep(0.1)
 
     def discard(self) -> None:
         """End the child's process group (if it still runs), close this side's pipes, remove the child's files.
@@ -192,22 +221,32 @@ def start_child(boot: str) -> Child:
 
 
 def run_in_child(
-    boot: str, request: dict, timeout: float | None = None, grace: float = 1.5, child: Child | None = None
+    boot: str,
+    request: dict,
+    timeout: float | None = None,
+    grace: float = 1.5,
+    child: Child | None = None,
+    on_report=None,
 ) -> ChildOutcome:
     """Run ``request`` in a child (``child``, started by :func:`start_child`, or a new one of ``boot``) and wait
     for it; its :class:`ChildOutcome`. ``timeout``: seconds from the child's ready byte after which (plus
-    ``grace``) it is killed. A ``KeyboardInterrupt`` here kills the child's group and is raised again."""
+    ``grace``) it is killed; ``on_report``: see :meth:`Child.wait`. A ``KeyboardInterrupt`` here kills the
+    child's group and is raised again."""
     if child is None:
         child = start_child(boot)
     try:
         child.send(request)
-        return child.wait(timeout, grace)
+        return child.wait(timeout, grace) if on_report is None else child.wait(timeout, grace, on_report)
     finally:
         child.discard()
 
 
+_STARTED: dict = {}  # in a child, the boot information child_started was given (child_report reads it)
+
+
 def child_started(request: dict) -> None:
     """In the child, first: kill this process group when the parent dies (a thread reads its pipe)."""
+    _STARTED.update(request)
 
     def watchdog(fd: int) -> None:
         while os.read(fd, 1):
@@ -238,6 +277,20 @@ def child_ready(request: dict) -> float:
     os.write(request["ready_fd"], b"r")
     os.close(request["ready_fd"])
     return started
+
+
+def child_report(report: dict) -> bool:
+    """In the child, before its end: send ``report`` (JSON) to the parent now, written atomically (the parent's
+    ``on_report`` gets it, :meth:`Child.wait`); ``False`` where this process has no place for one (not a child
+    :func:`child_started` started): the caller then puts it in its result."""
+    path = _STARTED.get("report")
+    if not path:
+        return False
+    with open(path + ".part", "w") as f:
+        json.dump(report, f)
+    os.replace(path + ".part", path)
+    mark("child: report sent")
+    return True
 
 
 def child_done(request: dict, result: dict) -> NoReturn:
