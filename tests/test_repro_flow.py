@@ -84,7 +84,7 @@ def test_a_hanging_and_a_crashing_candidate_cost_only_their_shrinking_and_the_re
     stderr = proc.stderr.read()
     assert proc.wait(timeout=900) == 1, stderr
     end = time.monotonic() - start
-    report_at = next(t for t, line in lines if line.startswith("kvfast check ("))
+    report_at = next(t for t, line in lines if line.startswith("kvfast check: "))
     text = "\n".join(line for _, line in lines)
     assert "BUG" in lines[0][1] and end - report_at > 30, (report_at, end)  # printed before the 31 s hang ended
     assert "scenario 'decode' (control): bug" in text and "scenario 'resume' (control): bug" in text
