@@ -1,6 +1,6 @@
-"""The reference results in data/ (from a full ``kvfast reproduce``), and the README and docs tables made from them.
+"""The reference results in data/ (from a full ``kvfast reproduce``), and the docs' tables made from them.
 
-- fast: the README's claims table is exactly ``kvfast report --markdown`` of the reference (the same rows,
+- fast: docs/claims.md's claims table is exactly ``kvfast report --markdown`` of the reference (the same rows,
   figures, verdicts, criteria and count), and docs/studies.md's generated tables are those of data/summaries;
 - slow: rerunning every study gives tables equal to data/ byte for byte (a run's numbers depend only on its
   config; the CSVs hold every float in full).
@@ -36,8 +36,15 @@ def block(path: Path, begin: str, end: str) -> str:
     return text.split(begin)[1].split(end)[0].strip()
 
 
-def test_readme_claims_table_is_the_generated_one():
-    assert block(ROOT / "README.md", CLAIMS_BEGIN, CLAIMS_END) == claims_markdown(reference_claims())
+def test_claims_doc_table_is_the_generated_one():
+    assert block(ROOT / "docs" / "claims.md", CLAIMS_BEGIN, CLAIMS_END) == claims_markdown(reference_claims())
+
+
+def test_an_edited_claims_table_fails_the_check(tmp_path):
+    """The control: one figure changed in a copy of docs/claims.md is no longer the generated table."""
+    copy = tmp_path / "claims.md"
+    copy.write_text((ROOT / "docs" / "claims.md").read_text().replace("24 of 31 claims hold", "25 of 31 claims hold"))
+    assert block(copy, CLAIMS_BEGIN, CLAIMS_END) != claims_markdown(reference_claims())
 
 
 def test_claims_json_and_csv_agree_and_count():

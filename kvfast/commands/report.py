@@ -6,7 +6,7 @@ and its tables (``claims.csv``, ``claims.json``, ``facts.csv``,
 They go into ``--out``, by default ``RESULTS_DIR.report`` beside it: never inside
 a results directory, which stays a readable Parquet dataset.
 ``--markdown`` prints a table as Markdown instead of writing anything: the
-claims table with its count (what the README pastes), the quoted figures, or
+claims table with its count (what docs/claims.md pastes), the quoted figures, or
 every study's summary table (what docs/studies.md pastes), or a scan's findings.
 
 A scan whose reproducers were written (``kvfast scan --repro``) has its findings listed, new first, each with

@@ -346,7 +346,7 @@ def size_class(T: int, n: int, m: int, acc: int = F64) -> bool:
     which bodies a process compiles (on first use) and runs. An unrolled body costs about four times a plain
     one's cold compile (3.8-5.1 s against 0.9-1.1 on a 2-core machine); in the large class it was 1.0-2.8x
     faster, in the small one (a few rows by a small matrix: the call costs about as much as the arithmetic)
-    0.95-1.9x, at most about 2 us a call (``benchmarks/kernels_size_class.py``; README, "Issue 30, fifth
+    0.95-1.9x, at most about 2 us a call (``benchmarks/kernels_size_class.py``; benchmarks/README.md, "Issue 30, fifth
     pass"). A ``generate`` of a few tokens on a model of d_model 32 (a prefill under 4 rows, one-row decode
     steps, matrices under 64 x 64) is all small: its process compiles no unrolled body.
 

@@ -22,7 +22,7 @@ at the top of each call. Numba's compile time grows with every specialisation
 machine code of all it calls once more), so per-format entries, each with its
 own copy of every kernel below it, cost several times more for the three
 presets and the nine storage/accumulator pairs of ``kvfast reproduce``
-(``benchmarks/compile_profile.py``; the README's figures).
+(``benchmarks/compile_profile.py``; docs/development.md, "Numba's compile cache").
 """
 
 from __future__ import annotations

@@ -106,5 +106,5 @@ def markdown(df: pd.DataFrame, columns: list[str] | None = None) -> str:
 
 
 def claims_markdown(table: pd.DataFrame) -> str:
-    """The claims table as Markdown, then its count line (what the README pastes)."""
+    """The claims table as Markdown, then its count line (what docs/claims.md pastes)."""
     return markdown(table, COLUMNS) + "\n\n" + count_line(table)

@@ -1,4 +1,4 @@
-"""Figures the README and docs quote beside the claims, each computed from the stored runs.
+"""Figures docs/claims.md and the other docs quote beside the claims, each computed from the stored runs.
 
 :func:`facts` returns one row per figure: a key, the figure in words, its value
 and the study whose runs it comes from. Each study declares its own

@@ -138,7 +138,7 @@ def render(
         f"of {count['conditions']} assertions (the claims' conditions) hold. The criterion column says how each "
         "verdict is reached; its first word is its kind (exact, vs seed, direction only, test, bound).</p>",
         _html_table(table[claims_mod.COLUMNS], holds_col="holds"),
-        '<h2 id="facts">Other figures quoted in the README</h2>',
+        '<h2 id="facts">Other figures quoted in docs/claims.md</h2>',
         _html_table(facts(results)),
     ]
     if not plots:

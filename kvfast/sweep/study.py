@@ -45,7 +45,7 @@ class Claim:
 
 
 class Fact(NamedTuple):
-    """One figure the README and docs quote, computed from a study's stored runs: a unique ``key``, the
+    """One figure the docs quote, computed from a study's stored runs: a unique ``key``, the
     ``figure`` in words and its ``value`` as text (``kvfast report DIR --markdown facts`` prints them)."""
 
     key: str
@@ -90,7 +90,7 @@ class Study:
     How the report shows it (all optional; a study declares them next to its run function):
 
     - ``figures``: its :class:`Figure` s, in page order.
-    - ``facts(df) -> list[Fact]``: the figures the README quotes (``(key, figure, value)`` tuples).
+    - ``facts(df) -> list[Fact]``: the figures the docs quote (``(key, figure, value)`` tuples).
     - ``tables``: more summary tables, ``(name, function of the runs)`` pairs: written as
       ``summaries/NAME.csv`` after the study's own and printed by ``--markdown tables``.
     - ``rank``: where its figures go on the page: lower first, ties in registry (name) order.
