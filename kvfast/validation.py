@@ -66,10 +66,29 @@ def require_choice(value: object, field: str, allowed: Collection[str]) -> str:
     return value
 
 
+class MissingExtra(ValueError):
+    """Bad input of one kind: something needs an optional extra of kvfast that is not installed. ``extra``
+    names it as pip does (``"hf"``, or ``"llamacpp,hf"`` for two), so that a caller can say
+    ``needs kvfast[hf]`` (``kvfast grids``) where another refusal says ``invalid``."""
+
+    def __init__(self, message: str, extra: str):
+        super().__init__(message)
+        self.extra = extra
+
+
+def prefixed(exc: ValueError, prefix: str) -> ValueError:
+    """``exc``'s message after ``prefix: ``, as the same kind of refusal (a :class:`MissingExtra` keeps its
+    extra)."""
+    if isinstance(exc, MissingExtra):
+        return MissingExtra(f"{prefix}: {exc}", exc.extra)
+    return ValueError(f"{prefix}: {exc}")
+
+
 def import_extra(module: str, what: str, extra: str, field: str = "model") -> ModuleType:
-    """The module ``module``, imported, or ``ValueError`` naming ``field`` when it cannot be: ``what`` (in
-    words, e.g. ``"a llama.cpp model"``) needs it, and the optional extra ``extra`` of kvfast installs it."""
+    """The module ``module``, imported, or :class:`MissingExtra` (a ``ValueError``) naming ``field`` when it
+    cannot be: ``what`` (in words, e.g. ``"a llama.cpp model"``) needs it, and the optional extra ``extra`` of
+    kvfast installs it."""
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        raise ValueError(f"{field}: {what} needs {module}; allowed: pip install 'kvfast[{extra}]'") from exc
+        raise MissingExtra(f"{field}: {what} needs {module}; allowed: pip install 'kvfast[{extra}]'", extra) from exc

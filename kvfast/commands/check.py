@@ -104,7 +104,12 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "check",
         help="check a model's KV cache against its recompute at every step",
-        description="Check a model's KV cache against its full recompute at every decode step.",
+        description="Check a model's KV cache against its full recompute at every decode step. FACTORY is an "
+        "importable callable (package.module:callable, looked up from the current directory first) that returns "
+        "a model under test or a Hugging Face causal LM; with --engine, the path of an engine's model. The "
+        "report's first line is the verdict (kvfast check: PASS: EXACT, PASS: ROUNDING, FAIL: BUG in scenario "
+        "... at step ...), and the exit code says the same: 0 pass, 1 bug, 2 bad input, 3 inconclusive, 4 the "
+        "model failed, 5 timeout, 6 length-dependent, 7 unchecked, 70 a bug in kvfast.",
     )
     p.add_argument(
         "factory", metavar="PACKAGE.MODULE:FACTORY",

@@ -25,7 +25,13 @@ MARKDOWN = ("claims", "facts", "tables", "findings")
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("report", help="an HTML report (claims table, plots) of stored results, or Markdown tables")
+    p = sub.add_parser(
+        "report",
+        help="an HTML report (claims table, plots) of stored results, or Markdown tables",
+        description="Write an HTML report of stored results (the claims table, the quoted figures, every study's "
+        "plots; one page that opens from disk) and its CSV/JSON tables, or print one of its tables as Markdown. "
+        "It reads only the stored Parquet: nothing is rerun.",
+    )
     p.add_argument("results", metavar="RESULTS_DIR", help="a folder of results directories (kvfast reproduce --out)")
     p.add_argument(
         "--out",

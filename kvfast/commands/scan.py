@@ -30,7 +30,14 @@ def _names(values: list[str] | None) -> list[str]:
 def add_parser(sub) -> None:
     from kvfast.commands.sweep import add_exec_options, add_resume_options
 
-    p = sub.add_parser("scan", help="check every causal-LM architecture of the installed transformers; a scoreboard")
+    p = sub.add_parser(
+        "scan",
+        help="check every causal-LM architecture of the installed transformers; a scoreboard",
+        description="Check every causal-LM architecture of the installed transformers (needs kvfast[hf]): a tiny "
+        "random model of each model type, in each scenario, clean and with the Hugging Face bug catalogue "
+        "injected, run on the sweep engine (parallel, resumable), then a scoreboard of architecture x dtype x "
+        "scenario. Exit codes are kvfast run's.",
+    )
     p.add_argument("--families", nargs="+", metavar="TYPE", help="model types (default: every causal-LM type)")
     p.add_argument(
         "--dtypes", nargs="+", metavar="DTYPE", help="default: float32 bfloat16 (bfloat16 with the logic check)"

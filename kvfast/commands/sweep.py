@@ -68,10 +68,23 @@ def _positive(text: str) -> float:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("grids", help="list the built-in grids and their run counts")
+    p = sub.add_parser(
+        "grids",
+        help="list the built-in grids and their run counts",
+        description="List the built-in grids: each one's study, number of runs and description. A grid whose "
+        "study needs an optional extra that is not installed says which (needs kvfast[hf]).",
+    )
     p.set_defaults(func=cmd_grids)
 
-    p = sub.add_parser("run", help="run a grid (built-in name or TOML file) into a results directory")
+    p = sub.add_parser(
+        "run",
+        help="run a grid (built-in name or TOML file) into a results directory",
+        description="Run a grid into a results directory, one Parquet row per run, on every core by default. A "
+        "grid is a built-in one (kvfast grids) or a TOML file naming a study and its axes. Rerunning into the "
+        "same directory runs only what is missing. Exit codes: 0 every run stored ok, 1 runs stored as error, "
+        "crashed or timeout, 2 bad input (before any run), 3 runs lost (a plain rerun runs them), 74 results "
+        "could not be written, 130 interrupted (rerun to resume).",
+    )
     p.add_argument("grid", metavar="GRID_OR_TOML", help="a built-in grid name (see `kvfast grids`) or a .toml file")
     p.add_argument("--out", required=True, metavar="DIR", help="results directory (created; resumed if it exists)")
     add_exec_options(p)
@@ -115,23 +128,44 @@ def add_parser(sub) -> None:
     )
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("show", help="summary table of a results directory")
-    p.add_argument("dir", metavar="DIR")
+    p = sub.add_parser(
+        "show",
+        help="summary table of a results directory",
+        description="Print what a results directory holds: status counts, provenance, the failed runs, and its "
+        "study's summary table and claims.",
+    )
+    p.add_argument("dir", metavar="DIR", help="a results directory (kvfast run --out)")
     p.set_defaults(func=cmd_show)
 
-    p = sub.add_parser("repair", help="rebuild a missing or broken manifest from the parts; quarantine bad parts")
-    p.add_argument("dir", metavar="DIR")
+    p = sub.add_parser(
+        "repair",
+        help="rebuild a missing or broken manifest from the parts; quarantine bad parts",
+        description="Repair a results directory: rebuild its manifest (_sweep.json) from its Parquet parts and move "
+        "parts that cannot be read into DIR/_quarantine/. The next kvfast run into DIR reruns their runs.",
+    )
+    p.add_argument("dir", metavar="DIR", help="a results directory (kvfast run --out)")
     p.set_defaults(func=cmd_repair)
 
-    p = sub.add_parser("study", help="run a study's built-in grid and print its summary")
-    p.add_argument("name", metavar="NAME")
+    p = sub.add_parser(
+        "study",
+        help="run a study's built-in grid and print its summary",
+        description="Run a study's built-in grid (into results/NAME unless --out says otherwise; resumed if it "
+        "exists) and print the study's summary table. Exit codes are kvfast run's.",
+    )
+    p.add_argument("name", metavar="NAME", help="a built-in grid named after its study (kvfast grids lists them)")
     p.add_argument("--out", metavar="DIR", help="results directory (default: results/NAME)")
     p.add_argument("--fresh", action="store_true", help="replace results of another study or version in DIR")
     add_exec_options(p)
     p.set_defaults(func=cmd_study)
 
     p = sub.add_parser(
-        "reproduce", help="run every study's built-in grid, print the seed's claims table and write the report"
+        "reproduce",
+        help="run every study's built-in grid, print the write-up's claims table and write the report",
+        description="Reproduce the claims of the write-up kvfast started from: run every built-in study that is "
+        "part of the reproduction, print each study's summary and the claims table (each claim with the "
+        "write-up's figure, kvfast's figure, whether it holds and the criterion that decides it), and write an HTML "
+        "report beside the results. Exit codes are kvfast run's: 1 means a run failed, not that a claim does not "
+        "hold.",
     )
     p.add_argument("--out", default="results/reproduce", metavar="DIR", help="default: results/reproduce")
     add_exec_options(p)
@@ -141,7 +175,7 @@ def add_parser(sub) -> None:
 def add_resume_options(p: argparse.ArgumentParser) -> None:
     """``--retry-errors`` and ``--fresh``: what a rerun into a results directory that exists does (``kvfast
     run``, ``kvfast scan``)."""
-    p.add_argument("--retry-errors", action="store_true", help="also re-run runs stored as error or crashed")
+    p.add_argument("--retry-errors", action="store_true", help="also re-run runs stored as error, crashed or timeout")
     p.add_argument("--fresh", action="store_true", help="delete stored results in DIR first")
 
 
@@ -162,8 +196,11 @@ def _table(df: pd.DataFrame) -> str:
 
 
 def cmd_grids(args) -> int:
+    import tomllib
+
     from kvfast.studies import STUDIES
     from kvfast.sweep.grid import builtin_grids, load_grid
+    from kvfast.validation import MissingExtra
 
     rows = []
     for name, path in builtin_grids().items():
@@ -171,6 +208,12 @@ def cmd_grids(args) -> int:
             g = load_grid(str(path), studies=STUDIES)
             rows.append(
                 {"grid": name, "study": g.study.name, "runs": len(g), "description": g.spec.get("description", "")}
+            )
+        except MissingExtra as exc:  # a valid grid whose study needs what is not installed: say what
+            spec = tomllib.loads(path.read_text())
+            study, description = spec.get("study", "?"), spec.get("description", "")
+            rows.append(
+                {"grid": name, "study": study, "runs": f"needs kvfast[{exc.extra}]", "description": description}
             )
         except ValueError as exc:
             rows.append({"grid": name, "study": "?", "runs": "invalid", "description": str(exc)})

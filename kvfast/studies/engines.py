@@ -34,10 +34,12 @@ import pyarrow as pa
 from kvfast.studies.base import Figure, Study
 from kvfast.studies.common import ok_rows, require_config_choice
 from kvfast.studies.plotting import ratio_bars
-from kvfast.validation import require_int
+from kvfast.validation import MissingExtra, require_int
 
 VERSION = "1"
 ENGINES = {"transformers": "transformers", "ort": "onnxruntime_genai", "llamacpp": "llama_cpp"}
+#: the optional extra of kvfast that installs each engine's package (torch: ``hf``)
+ENGINE_EXTRAS = {"transformers": "hf", "ort": "ort", "llamacpp": "llamacpp"}
 WEIGHTS = ("f32", "f16", "int8")
 #: The weights each engine is built with (``ort``'s ``int8``: ``tiny_ort_model(..., precision="int8")``).
 ENGINE_WEIGHTS = {"transformers": ("f32",), "ort": ("f32", "int8"), "llamacpp": ("f32", "f16")}
@@ -73,9 +75,13 @@ def validate_config(config: dict) -> None:
     """``ValueError`` naming the field (or the engine's missing package) before any run."""
     require_config_choice(config, "engine", tuple(ENGINES))
     engine = config["engine"]
-    if importlib.util.find_spec(ENGINES[engine]) is None or importlib.util.find_spec("torch") is None:
-        raise ValueError(
-            f"engine: {engine!r} needs {ENGINES[engine]} and torch; allowed: an installed engine (docs/engines.md)"
+    missing = [m for m in (ENGINES[engine], "torch") if importlib.util.find_spec(m) is None]
+    if missing:
+        extras = ",".join(dict.fromkeys(ENGINE_EXTRAS[engine] if m == ENGINES[engine] else "hf" for m in missing))
+        raise MissingExtra(
+            f"engine: {engine!r} needs {ENGINES[engine]} and torch; allowed: an installed engine "
+            f"(pip install 'kvfast[{extras}]'; docs/engines.md)",
+            extras,
         )
     require_config_choice(config, "weights", WEIGHTS)
     require_config_choice(config, "cache", CACHES)

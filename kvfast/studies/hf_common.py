@@ -22,7 +22,7 @@ import pyarrow as pa
 from kvfast.bugs.hf import HF_BUGS
 from kvfast.check.hf import ATTENTION, DTYPES, FAMILIES, TINY_VOCAB
 from kvfast.studies.common import NO_BUG, ok_rows, require_config_choice
-from kvfast.validation import require_int
+from kvfast.validation import MissingExtra, require_int
 
 #: The model a run checks: a tiny random causal LM (:func:`kvfast.check.hf.tiny_model`) and its weight seed.
 MODEL_FIELDS: dict[str, pa.DataType] = {
@@ -39,8 +39,8 @@ def require_torch(study: str) -> None:
     """``ValueError`` (one line) unless torch and transformers can be imported: the study needs them."""
     missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
     if missing:
-        raise ValueError(
-            f"study {study}: needs {' and '.join(missing)}; allowed: install kvfast[hf] (torch and transformers)"
+        raise MissingExtra(
+            f"study {study}: needs {' and '.join(missing)}; allowed: install kvfast[hf] (torch and transformers)", "hf"
         )
 
 

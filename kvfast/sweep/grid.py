@@ -56,7 +56,7 @@ import pyarrow as pa
 from kvfast.runtime import UserCodeError, call_user, load_object
 from kvfast.runtime.load import entry_points_of
 from kvfast.sweep.ids import MAX_DEPTH, canonical, spec_hash
-from kvfast.validation import shown
+from kvfast.validation import prefixed, shown
 
 if TYPE_CHECKING:
     from kvfast.sweep.study import Study
@@ -460,8 +460,8 @@ def _validate_entry(study: Study, name: str, entry: _Entry, groups: list[tuple[s
         try:
             where = f"study {study.name!r}: validate_config"
             call_user(where, study.validate_config, dict(config), passthrough=(ValueError,))
-        except ValueError as exc:
-            raise ValueError(f"{name}: {exc}") from None
+        except ValueError as exc:  # a missing extra stays one (kvfast grids says which)
+            raise prefixed(exc, name) from None
         except UserCodeError as exc:  # not the ValueError of its contract: one line naming the config
             raise ValueError(f"{name}: {exc} (config {shown(config)})") from None
         done.add(token)
