@@ -252,7 +252,8 @@ def resolve_study(ref: Any, studies: Mapping[str, Study] | None = None) -> Study
     """The study a grid's ``study`` names: a name in ``studies`` (a registry: the command line passes
     ``kvfast.studies.STUDIES``; default :data:`~kvfast.sweep.study.REGISTERED`, which importing
     ``kvfast.studies`` fills with the built-in studies), a name
-    registered by an installed package in the ``kvfast.studies`` entry-point group, or
+    registered by an installed package in the ``kvfast.studies`` entry-point group (kvfast's own built-in
+    studies are there too, so a grid naming one loads without importing ``kvfast.studies`` first), or
     ``"package.module:ATTR"`` (a :class:`~kvfast.sweep.study.Study` object), loaded by
     :func:`kvfast.runtime.load_object`'s rules. ``ValueError`` otherwise, one line: also when the study's
     module raises or exits at import (``SystemExit`` of any code, ``KeyboardInterrupt`` from the module,
@@ -546,10 +547,15 @@ def grid_from_spec(
 
 
 def _registered_names(studies: Mapping[str, Study]) -> str:
-    """The registered study names, for a refusal (what to do when there are none)."""
-    if studies:
-        return ", ".join(sorted(studies))
-    return "a registered name (none is: `import kvfast.studies` registers the built-in ones)"
+    """The study names a grid may use, for a refusal: the registry's and the installed entry points' (the built-in
+    studies are entry points of kvfast itself), or what to do when there are none."""
+    names = set(studies) | set(_entry_point_studies())
+    if names:
+        return ", ".join(sorted(names))
+    return (
+        "a registered name (none is found: an installation older than the built-in studies' entry points needs "
+        "`pip install -e .` again, or `import kvfast.studies` registers them)"
+    )
 
 
 def _grid_study(study_ref: Any, name: str, studies: Mapping[str, Study] | None) -> Study:
