@@ -1,7 +1,10 @@
-"""Factories for ``kvfast check``: kvfast's own model, clean and with a catalogue bug.
+"""Factories for ``kvfast check``: kvfast's own model, clean and with a catalogue bug; a template for your own.
 
+From the repository's root (the current directory is searched first for the module):
 ``kvfast check examples.tiny_model:clean --prompt 1,2,3 --steps 64`` passes (exit 0);
 ``kvfast check examples.tiny_model:posfrozen --prompt 1,2,3 --steps 64`` finds the bug (exit 1).
+From anywhere, the same model is built in: ``kvfast check kvfast.check.adapters:tiny_model [--factory-arg
+bug=posfrozen] ...``.
 """
 
 from __future__ import annotations
