@@ -76,6 +76,54 @@ def add_parser(sub) -> None:
     )
     p.set_defaults(func=cmd_grids)
 
+    add_run_parser(sub)
+
+    p = sub.add_parser(
+        "show",
+        help="summary table of a results directory",
+        description="Print what a results directory holds: status counts, provenance, the failed runs, and its "
+        "study's summary table and claims.",
+    )
+    p.add_argument("dir", metavar="DIR", help="a results directory (kvfast run --out)")
+    p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser(
+        "repair",
+        help="rebuild a missing or broken manifest from the parts; quarantine bad parts",
+        description="Repair a results directory: rebuild its manifest (_sweep.json) from its Parquet parts and move "
+        "parts that cannot be read into DIR/_quarantine/. The next kvfast run into DIR reruns their runs.",
+    )
+    p.add_argument("dir", metavar="DIR", help="a results directory (kvfast run --out)")
+    p.set_defaults(func=cmd_repair)
+
+    p = sub.add_parser(
+        "study",
+        help="run a study's built-in grid and print its summary",
+        description="Run a study's built-in grid (into results/NAME unless --out says otherwise; resumed if it "
+        "exists) and print the study's summary table. Exit codes are kvfast run's.",
+    )
+    p.add_argument("name", metavar="NAME", help="a built-in grid named after its study (kvfast grids lists them)")
+    p.add_argument("--out", metavar="DIR", help="results directory (default: results/NAME)")
+    p.add_argument("--fresh", action="store_true", help="replace results of another study or version in DIR")
+    add_exec_options(p)
+    p.set_defaults(func=cmd_study)
+
+    p = sub.add_parser(
+        "reproduce",
+        help="run every study's built-in grid, print the write-up's claims table and write the report",
+        description="Reproduce the claims of the write-up kvfast started from: run every built-in study that is "
+        "part of the reproduction, print each study's summary and the claims table (each claim with the "
+        "write-up's figure, kvfast's figure, whether it holds and the criterion that decides it), and write an HTML "
+        "report beside the results. Exit codes are kvfast run's: 1 means a run failed, not that a claim does not "
+        "hold.",
+    )
+    p.add_argument("--out", default="results/reproduce", metavar="DIR", help="default: results/reproduce")
+    add_exec_options(p)
+    p.set_defaults(func=cmd_reproduce)
+
+
+def add_run_parser(sub) -> None:
+    """``kvfast run``: its parser, the grid and the execution options."""
     p = sub.add_parser(
         "run",
         help="run a grid (built-in name or TOML file) into a results directory",
@@ -127,49 +175,6 @@ def add_parser(sub) -> None:
         "(default 300)",
     )
     p.set_defaults(func=cmd_run)
-
-    p = sub.add_parser(
-        "show",
-        help="summary table of a results directory",
-        description="Print what a results directory holds: status counts, provenance, the failed runs, and its "
-        "study's summary table and claims.",
-    )
-    p.add_argument("dir", metavar="DIR", help="a results directory (kvfast run --out)")
-    p.set_defaults(func=cmd_show)
-
-    p = sub.add_parser(
-        "repair",
-        help="rebuild a missing or broken manifest from the parts; quarantine bad parts",
-        description="Repair a results directory: rebuild its manifest (_sweep.json) from its Parquet parts and move "
-        "parts that cannot be read into DIR/_quarantine/. The next kvfast run into DIR reruns their runs.",
-    )
-    p.add_argument("dir", metavar="DIR", help="a results directory (kvfast run --out)")
-    p.set_defaults(func=cmd_repair)
-
-    p = sub.add_parser(
-        "study",
-        help="run a study's built-in grid and print its summary",
-        description="Run a study's built-in grid (into results/NAME unless --out says otherwise; resumed if it "
-        "exists) and print the study's summary table. Exit codes are kvfast run's.",
-    )
-    p.add_argument("name", metavar="NAME", help="a built-in grid named after its study (kvfast grids lists them)")
-    p.add_argument("--out", metavar="DIR", help="results directory (default: results/NAME)")
-    p.add_argument("--fresh", action="store_true", help="replace results of another study or version in DIR")
-    add_exec_options(p)
-    p.set_defaults(func=cmd_study)
-
-    p = sub.add_parser(
-        "reproduce",
-        help="run every study's built-in grid, print the write-up's claims table and write the report",
-        description="Reproduce the claims of the write-up kvfast started from: run every built-in study that is "
-        "part of the reproduction, print each study's summary and the claims table (each claim with the "
-        "write-up's figure, kvfast's figure, whether it holds and the criterion that decides it), and write an HTML "
-        "report beside the results. Exit codes are kvfast run's: 1 means a run failed, not that a claim does not "
-        "hold.",
-    )
-    p.add_argument("--out", default="results/reproduce", metavar="DIR", help="default: results/reproduce")
-    add_exec_options(p)
-    p.set_defaults(func=cmd_reproduce)
 
 
 def add_resume_options(p: argparse.ArgumentParser) -> None:
