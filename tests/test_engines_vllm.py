@@ -60,7 +60,7 @@ def small_cache(model_dir):
 
 @pytest.fixture(scope="module")
 def engine_bf16(model_dir):
-    return VLLMModel(vllm_engine(model_dir, dtype="bfloat16"))  # a user's own engine, built the public way
+    return VLLMModel(vllm_engine(model_dir, dtype="bfloat16", block_size=BLOCK))  # a user's own engine, the public way
 
 
 def test_decode_is_one_request_of_vllm_and_equals_its_own_prefill_bit_for_bit(engine):
