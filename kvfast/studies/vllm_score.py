@@ -253,10 +253,10 @@ def vllm_logprobs(model: VLLMModel, case: VLLMCase) -> Detection:
 
 
 def kvfast_exact(model: VLLMModel, case: VLLMCase) -> Detection:
-    """:func:`kvfast.check_cache`, exact mode, the case's scenario (``bfloat16``: ``gemm_rows=1``); score: the
-    largest deviation."""
-    if case.config["dtype"] == "bfloat16":
-        model = case.model(gemm_rows=1)
+    """:func:`kvfast.check_cache`, exact mode, the case's scenario, on one thread (``threads=1``: vLLM's split-KV
+    decode attention, on more threads, sums in another order than its prefill; exact mode judges the cache) and in
+    ``bfloat16`` with ``gemm_rows=1``; score: the largest deviation."""
+    model = case.model(threads=1, **({"gemm_rows": 1} if case.config["dtype"] == "bfloat16" else {}))
     report = check_cache(model, case.prompt, case.steps, mode="exact", scenarios=(case.checker_scenario,))
     return Detection(not report.passed, report.max_deviation, report.first_divergent_step)
 

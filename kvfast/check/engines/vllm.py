@@ -22,25 +22,24 @@ vocabulary as raw logits: ``prompt_logprobs=-1`` for a prompt's rows, ``logprobs
   prefix cache: the resumed chunk is computed over a real prefix-cache hit (the full blocks of the earlier
   request; a first chunk shorter than a block, :data:`BLOCK` tokens, leaves none: the whole sequence is then
   prefilled).
-- ``plan_check(prompt, split, steps, scenarios)`` (the checker's plan, before its first call): a check of both the
-  decode and the resume scenarios on a prompt of at most :data:`TOGETHER_MAX` tokens runs their requests in flight
-  together (:meth:`VLLMModel.plan_check`): the decode scenario's ``prefill`` also runs the resume's first chunk, then
-  sends the decode and resume requests in one batch, so their decode steps cost about one generation; the resume
-  scenario's ``prefill`` and ``extend`` are served from those requests, every row bit for bit what the requests run
-  one after the other return (asserted in ``tests/test_engines_vllm.py``).
-- ``recompute_variants`` (control mode's order noise, each from vLLM itself): ``"batch"`` (the sequence recomputed
-  in one step together with another request of :data:`BATCH_OTHER` tokens: other GEMM shapes), ``"chunk"`` (the
-  sequence recomputed as a chunked prefill of :data:`CHUNKS` chunks: other shapes, attention over cached keys) and
-  ``"rows"`` (the recompute with every linear layer run on :data:`ROWS` row at a time: the GEMM kernel a decode step
-  runs, the prefill's attention). vLLM's CPU GEMMs depend on their row count: in bfloat16 on a CPU with AMX, a
-  linear layer whose weight is under 1 MiB runs sgl-kernel's ``weight_packed_linear``, an AVX-512 kernel for up to 4
-  rows and an AMX one above, which add up in another order; measured on the tiny test model, a decode row then
-  differs from vLLM's own prefill of the same tokens by up to 1 bfloat16 unit of the logits (control mode:
-  ``rounding``, the ``"rows"`` variant measuring that noise). Exact mode judges the cache, like with like:
+- ``recompute_variants`` (control mode's order noise, each from vLLM itself, never the cached path's requests):
+  ``"decode"`` (the sequence's last :data:`DECODE_ROWS` positions computed one token a scheduler step over the
+  cached keys of the rest: the attention a decode step runs, split-KV and the thread count as the engine runs them),
+  ``"chunk"`` (the sequence recomputed as a chunked prefill of :data:`CHUNKS` chunks: other shapes, attention over
+  cached keys) and ``"rows"`` (the recompute with every linear layer run on :data:`ROWS` row at a time: the GEMM
+  kernel a decode step runs, the prefill's attention). vLLM's CPU GEMMs depend on their row count: in bfloat16 on a
+  CPU with AMX, a linear layer whose weight is under 1 MiB runs sgl-kernel's ``weight_packed_linear``, an AVX-512
+  kernel for up to 4 rows and an AMX one above, which add up in another order; measured on the tiny test model, a
+  decode row then differs from vLLM's own prefill of the same tokens by up to 1 bfloat16 unit of the logits (control
+  mode: ``rounding``, the ``"rows"`` variant measuring that noise). Exact mode judges the cache, like with like:
   :meth:`VLLMModel.prepare_check` probes the engine once (:meth:`VLLMModel.row_count_effect`: the same rows through
   every linear layer alone and among :data:`PROBE_ROWS`) and, where the row count changes the GEMMs' arithmetic,
   runs every GEMM one row at a time on both paths for an exact check (``gemm_rows="auto"``, the default), saying so
   in the report with the size measured; control mode keeps vLLM's own arithmetic.
+- How vLLM runs: as it serves, its own thread count and attention kernels (split-KV decode attention, vLLM's
+  default). Exact mode then compares a split decode with an unsplit prefill and says so in a note
+  (:meth:`VLLMModel.prepare_check`); control and auto modes measure that order with the ``"decode"`` variant. One
+  thread (``threads=1``) or ``VLLM_CPU_ATTN_SPLIT_KV=0`` (vLLM's, in the environment) are the user's to ask for.
 - ``internal_formats``: the model's dtype for the KV cache and the compute (``{"kv cache": "bfloat16",
   "compute": "bfloat16"}``); no ``promote``: vLLM's CPU backend has no float64.
 
@@ -53,7 +52,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import sys
+import warnings
 import weakref
 from pathlib import Path
 
@@ -61,15 +60,24 @@ import numpy as np
 
 from kvfast.validation import import_extra, not_allowed, require_choice, require_int
 
-#: How vLLM is run: the engine core in this process (the adapter reads its rows and hooks its attention), a
-#: 1 GiB KV cache, one thread (one summation order whatever the machine), and decode attention without split-KV
-#: partitions (vLLM's CPU default splits the keys of a long decode into partitions summed apart: measured here,
-#: decode past 96 positions then differs from the prefill by a few float32 units, which exact mode reports and
-#: control mode calls rounding). Set before vLLM is imported, each unless the environment already sets it.
-ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
-              "VLLM_CPU_ATTN_SPLIT_KV": "0", "VLLM_LOGGING_LEVEL": "ERROR"}  # fmt: skip
+#: How vLLM is run: the engine core in this process (the adapter reads its rows and hooks its attention) and a
+#: 1 GiB KV cache, set before vLLM is imported, each unless the environment already sets it. Nothing else: the
+#: thread count and the attention kernels are vLLM's own (split-KV decode attention as vLLM defaults it), as it
+#: serves; ``threads`` (an adapter option) and ``VLLM_CPU_ATTN_SPLIT_KV=0`` (vLLM's, in the environment) are the
+#: user's to set.
+ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "ERROR"}
+#: The vllm-cpu releases the adapter is written for and tested on (``python3 dev.py test-vllm``): its hooks
+#: reach into vLLM's engine (the model runner's ``_sample``, the scheduler's ``_preempt_request``, the CPU
+#: attention's metadata builder, ``FlatLogprobs.append_fast``); outside them :func:`check_release` warns.
+RELEASES = ("0.32",)
 DTYPES = ("float32", "bfloat16")
-VARIANTS = ("batch", "chunk", "rows")
+VARIANTS = ("decode", "chunk", "rows")
+#: The ``decode`` variant's positions computed one token a step (the decode steps of a check of 32 steps): vLLM's
+#: CPU attention splits the keys of a one-token query into partitions summed apart (split-KV, its default, on
+#: more than one thread), which a prefill, and a chunk of 4 tokens, never does. Measured on the tiny test model
+#: (float32, prompt 70, 2 threads): the decode rows differ from the prefill's by up to 5.6e-7 relative on 5 of 32
+#: steps, and this variant's rows equal the decode's bit for bit (chunks of 2 tokens: 1 row differs; of 4: none).
+DECODE_ROWS = 32
 #: The chunks of the ``chunk`` variant's prefill (the sequence's first half, then the rest over its cached keys).
 #: Measured (``benchmarks/engines_vllm.py --only variants``): on a prompt of 70 tokens it measures no noise (16
 #: tokens a chunk neither), yet on 3,500 tokens it is the one source of the resumed chunk's noise (up to 9.8e-7
@@ -87,13 +95,8 @@ PROBE_ROWS = 8
 PROBE_TOKENS = 2 * PROBE_ROWS
 #: vLLM's CPU attention: block sizes a multiple of 32, head size at least 32.
 BLOCK = 32
-#: The ``batch`` variant's other request: this many tokens (other GEMM shapes for a fraction of a recompute).
-BATCH_OTHER = BLOCK
 MODEL = "a model directory vLLM can load (config.json and weights) or a vllm.LLM"
 
-#: The longest prompt whose decode and resume scenarios run in flight together (:meth:`VLLMModel.plan_check`);
-#: a longer one runs them one after the other, as vLLM's long-context rows were measured (docs/engines.md).
-TOGETHER_MAX = 1024
 #: The ids of the adapters' own requests: integers, as ``LLM.generate``'s (it sorts its outputs by them), far
 #: above them, one sequence for every adapter in the process.
 _REQUEST_IDS = itertools.count(10**15)
@@ -118,8 +121,9 @@ def _vllm():
     for key, value in ENGINE_ENV.items():
         os.environ.setdefault(key, value)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    _set_threads()
-    vllm = import_extra("vllm", "a vLLM model", "vllm")
+    vllm = import_extra("vllm", "a vLLM model", "vllm")  # first: without torch, the missing extra, in one line
+    _keep_set_threads()  # (vLLM's engine replaces torch's set_num_threads when it starts, not when imported)
+    check_release(vllm.__version__)
     _patch_kernel_scan()
     _patch_attention_metadata()
     _patch_preemption()
@@ -127,19 +131,58 @@ def _vllm():
     return vllm
 
 
-def _set_threads() -> None:
-    """torch's intra-op threads set to ``OMP_NUM_THREADS`` before vLLM's CPU worker forbids setting them: torch,
-    once imported (kvfast may import it first), no longer reads the variable, and vLLM's worker then keeps
-    torch's default (one thread per core). Measured here on 2 shared cores: with 2 threads every small kernel
-    waited for the other thread (a 128 x 128 GEMM row 14-24 ms instead of microseconds). Not imported yet (or not
-    installed): nothing to do, torch reads the variable when vLLM imports it."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return
-    if not getattr(torch.set_num_threads, "__name__", "").startswith("skip"):  # vLLM's worker has not replaced it
-        threads = os.environ["OMP_NUM_THREADS"]
-        if threads.isdigit() and int(threads) > 0:
-            torch.set_num_threads(int(threads))
+def check_release(version: str) -> bool:
+    """Whether ``version`` (vLLM's) is one of :data:`RELEASES`; a one-line warning (once) where it is not."""
+    if version.startswith(tuple(f"{r}." for r in RELEASES)):
+        return True
+    if version not in _WARNED:
+        _WARNED.add(version)
+        warnings.warn(
+            f"kvfast's vLLM adapter supports vllm-cpu {', '.join(f'{r}.x' for r in RELEASES)}; this is vLLM {version}: "
+            "the adapter's hooks into vLLM may not fit it (a hook that no longer finds its place fails, naming it)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return False
+
+
+_WARNED: set[str] = set()
+
+
+def split_kv() -> bool:
+    """Whether this process's vLLM splits the keys of a decode step's attention (``VLLM_CPU_ATTN_SPLIT_KV``, read
+    by vLLM once per process; on by default)."""
+    from vllm import envs
+
+    return bool(envs.VLLM_CPU_ATTN_SPLIT_KV)
+
+
+#: torch's own ``set_num_threads``, kept before vLLM's CPU worker replaces it with one that refuses (``threads``).
+_SET_THREADS = None
+
+
+def _keep_set_threads() -> None:
+    global _SET_THREADS
+    import torch
+
+    if _SET_THREADS is None and getattr(torch.set_num_threads, "__module__", "") == "torch":
+        _SET_THREADS = torch.set_num_threads
+
+
+@contextlib.contextmanager
+def _threads(n: int | None):
+    """torch's intra-op threads (vLLM's CPU kernels run on them) set to ``n`` for the duration (``None``: as they
+    are)."""
+    import torch
+
+    saved = torch.get_num_threads()
+    if n is not None and n != saved:
+        _SET_THREADS(n)
+    try:
+        yield
+    finally:
+        if n is not None and n != saved:
+            _SET_THREADS(saved)
 
 
 def _patch_kernel_scan() -> None:
@@ -161,10 +204,27 @@ def _patch_kernel_scan() -> None:
     dispatcher.vars = instance_dict
 
 
+def _hook_target(module: str, name: str, attr: str):
+    """``module.name``, the class whose ``attr`` one of the adapter's hooks replaces (vLLM's internals: no public
+    way exists), or ``RuntimeError`` naming it and the releases the hook was written for, where vLLM moved it."""
+    import importlib
+
+    try:
+        found = getattr(importlib.import_module(module), name)
+        getattr(found, attr)
+    except (ImportError, AttributeError) as exc:
+        import vllm
+
+        raise RuntimeError(
+            f"kvfast's vLLM adapter hooks {module}.{name}.{attr}, which vLLM {vllm.__version__} does not have "
+            f"({type(exc).__name__}: {exc}); the hook was written for vllm-cpu {', '.join(RELEASES)}"
+        ) from None
+    return found
+
+
 def _patch_preemption() -> None:
     """Count the scheduler's preemptions of the active adapter's cached-path request (once)."""
-    from vllm.v1.core.sched.scheduler import Scheduler
-
+    Scheduler = _hook_target("vllm.v1.core.sched.scheduler", "Scheduler", "_preempt_request")
     if getattr(Scheduler._preempt_request, "_kvfast", False):
         return
     preempt = Scheduler._preempt_request
@@ -185,19 +245,18 @@ def _patch_sampling() -> None:
     machinery (measured here: asking vLLM for a full-vocabulary row on every decode step cost about 40% of a
     plain generation)."""
     import torch
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    GPUModelRunner = _hook_target("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_sample")
     if getattr(GPUModelRunner._sample, "_kvfast", False):
         return
     sample = GPUModelRunner._sample
 
     def captured(self, logits, spec_decode_metadata):
-        tracked = () if _ACTIVE is None else _ACTIVE._tracked()
-        if tracked and logits is not None and spec_decode_metadata is None:
+        live = None if _ACTIVE is None else _ACTIVE._live
+        if live is not None and logits is not None and spec_decode_metadata is None:
             for i, request in enumerate(self.input_batch.req_ids[: logits.shape[0]]):
-                ours = None if request is None else request.rpartition("-")[0]  # the engine core's id: ours + "-..."
-                if ours in tracked:
-                    _ACTIVE._captured[ours] = logits[i].to(torch.float32).numpy().copy()
+                if request is not None and request.rpartition("-")[0] == live:  # the engine core's id: ours + "-..."
+                    _ACTIVE._captured[live] = logits[i].to(torch.float32).numpy().copy()
         return sample(self, logits, spec_decode_metadata)
 
     captured._kvfast = True
@@ -207,9 +266,7 @@ def _patch_sampling() -> None:
 def _patch_attention_metadata() -> None:
     """Route every CPU attention metadata build through the active adapter's :meth:`VLLMModel._attention_metadata`
     (once; a no-op while no cached path runs)."""
-    from vllm.v1.attention.backends import cpu_attn
-
-    builder = cpu_attn.CPUAttentionMetadataBuilder
+    builder = _hook_target("vllm.v1.attention.backends.cpu_attn", "CPUAttentionMetadataBuilder", "build")
     if getattr(builder.build, "_kvfast", False):
         return
     build = builder.build
@@ -241,8 +298,7 @@ def _append_fast(self, token_ids, logprobs, ranks, decoded_tokens) -> None:
 def _flat_appends():
     """:func:`_append_fast` in place of vLLM's own for the duration (the adapter's rows are the full
     vocabulary: measured here, vLLM's loop was most of a check's time)."""
-    from vllm.logprobs import FlatLogprobs
-
+    FlatLogprobs = _hook_target("vllm.logprobs", "FlatLogprobs", "append_fast")
     saved = FlatLogprobs.append_fast
     FlatLogprobs.append_fast = _append_fast
     try:
@@ -251,30 +307,29 @@ def _flat_appends():
         FlatLogprobs.append_fast = saved
 
 
-class _Together:
-    """The resume scenario's requests run with the decode scenario's (:meth:`VLLMModel._start_together`): the
-    planned ``prompt`` and ``split``, the first chunk's ``history`` (its prefix-cache salt) and rows, and the
-    resume request (``request``: its id) as it ran: its first output (the prompt's rows), the row of its last
-    prompt position, and each (token fed, row) it decoded, as :meth:`VLLMModel._run_to_end` keeps them."""
+#: What the adapter needs of an engine: every row's raw logits over the full vocabulary.
+REQUIRED_ARGS = {"logprobs_mode": "raw_logits", "max_logprobs": -1}
+#: What :func:`vllm_engine` builds unless told otherwise: eager (no compile step; the tiny test model builds in
+#: seconds) and no tokenizer (the adapter feeds token ids).
+DEFAULT_ARGS = {"enforce_eager": True, "skip_tokenizer_init": True}
 
-    def __init__(self, prompt: tuple[int, ...], split: int, history: str, first_rows: np.ndarray):
-        self.prompt, self.split, self.history, self.first_rows = prompt, split, history, first_rows
-        self.request = str(next(_REQUEST_IDS))
-        self.out = None
-        self.first_row: np.ndarray | None = None
-        self.sampled = -1
-        self.ahead: list[tuple[int, np.ndarray]] = []
-        self.done = False  # ended (or aborted): no longer stepped
-        self.first_served = False  # the resume's prefill of the first chunk was served
 
-    def take(self, out, row: np.ndarray) -> None:
-        """The request's output ``out`` of one step (a new token) and the row that chose it."""
-        if self.out is None:
-            self.out, self.first_row = out, row
-        else:
-            self.ahead.append((self.sampled, row))
-        self.sampled = int(out.outputs[0].token_ids[-1])
-        self.done = self.done or bool(out.finished)
+def vllm_engine(model, **engine_args):
+    """A ``vllm.LLM`` over ``model`` (a model directory) built as :class:`VLLMModel` needs it, the public way to
+    build one's own engine for the adapter: its engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+    set here before the engine is built), :data:`REQUIRED_ARGS`, :data:`DEFAULT_ARGS` unless given, and any other
+    of vLLM's engine arguments (``vllm.EngineArgs``' fields) as given. ``ValueError`` naming the argument for one
+    that is not an engine argument, or that changes :data:`REQUIRED_ARGS`."""
+    import dataclasses
+
+    vllm = _vllm()
+    allowed = {f.name for f in dataclasses.fields(vllm.EngineArgs)} - {"model"}
+    for key, value in engine_args.items():
+        if key not in allowed:
+            raise not_allowed(key, value, "one of vLLM's engine arguments (the fields of vllm.EngineArgs but model)")
+        if key in REQUIRED_ARGS and value != REQUIRED_ARGS[key]:
+            raise not_allowed(key, value, f"{REQUIRED_ARGS[key]!r} (the adapter reads every row's raw logits)")
+    return vllm.LLM(model=str(model), **{**DEFAULT_ARGS, **engine_args, **REQUIRED_ARGS})
 
 
 def is_vllm_llm(model: object) -> bool:
@@ -304,6 +359,11 @@ class VLLMModel:
       same steps as each cached-path request: requests in flight together (batch invariance).
     - ``kv_blocks``: the KV cache's blocks (a model directory only; vLLM's ``num_gpu_blocks_override``): a small
       budget with ``companions`` forces preemptions (:attr:`preemptions` counts those of the cached path's).
+    - ``threads``: every engine call of the adapter runs on ``n`` threads (torch's intra-op threads, which vLLM's
+      CPU kernels run on); ``None`` (the default): the engine's own, as it serves.
+    - ``**engine_args``: any other of vLLM's engine arguments (``vllm.EngineArgs``' fields, e.g.
+      ``disable_hybrid_kv_cache_manager=True``), passed to ``vllm.LLM`` (a model directory only:
+      :func:`vllm_engine`).
     """
 
     def __init__(
@@ -321,8 +381,10 @@ class VLLMModel:
         prefill_chunk: int | None = None,
         companions: int = 0,
         kv_blocks: int | None = None,
+        threads: int | None = None,
+        **engine_args,
     ) -> None:
-        vllm = _vllm()
+        _vllm()
         if gemm_rows is not None and gemm_rows != AUTO:
             try:
                 gemm_rows = require_int(gemm_rows, "gemm_rows", 1)
@@ -337,7 +399,16 @@ class VLLMModel:
             variants = (variants,)
         self.variants = tuple(require_choice(v, "variants", VARIANTS) for v in variants)
         self.speculate = require_int(speculate, "speculate", 1)
+        self.threads = None if threads is None else require_int(threads, "threads", 1)
+        if self.threads is not None and _SET_THREADS is None:
+            raise not_allowed(
+                "threads", threads, "None here: vLLM's CPU worker was built before kvfast's adapter was imported, "
+                "and it refuses torch.set_num_threads (set OMP_NUM_THREADS in the environment instead)"
+            )  # fmt: skip
         if is_vllm_llm(path):
+            if engine_args:
+                key = sorted(engine_args)[0]
+                raise not_allowed(key, engine_args[key], "no engine argument with a vllm.LLM (it is built)")
             self.llm, self.path = path, None
         else:
             if not isinstance(path, str | os.PathLike) or not (Path(path) / "config.json").is_file():
@@ -348,15 +419,24 @@ class VLLMModel:
                 raise not_allowed("block_size", block_size, f"a multiple of {BLOCK} (vLLM's CPU attention)")
             self.path = Path(path)
             kwargs = dict(
-                model=str(self.path), dtype=dtype, enforce_eager=True, skip_tokenizer_init=True,
-                max_logprobs=-1, logprobs_mode="raw_logits", enable_prefix_caching=bool(prefix_caching),
-                block_size=block_size, seed=require_int(seed, "seed", 0),
+                dtype=dtype, enable_prefix_caching=bool(prefix_caching), block_size=block_size,
+                seed=require_int(seed, "seed", 0),
             )  # fmt: skip
             if max_model_len is not None:
                 kwargs["max_model_len"] = require_int(max_model_len, "max_model_len", 1)
             if kv_blocks is not None:
                 kwargs["num_gpu_blocks_override"] = require_int(kv_blocks, "kv_blocks", 1)
-            self.llm = vllm.LLM(**kwargs)
+            for key in engine_args:
+                if key in kwargs or key in ("enable_prefix_caching", "num_gpu_blocks_override"):
+                    own = "the adapter's own option (dtype, prefix_caching, block_size, max_model_len, seed, kv_blocks)"
+                    raise not_allowed(key, engine_args[key], own)
+            with _threads(self.threads):
+                self.llm = vllm_engine(self.path, **kwargs, **engine_args)
+        if getattr(self.llm.llm_engine.engine_core, "engine_core", None) is None:
+            raise not_allowed(
+                "path", "a vllm.LLM whose engine core runs in another process",
+                "one built in this process with VLLM_ENABLE_V1_MULTIPROCESSING=0 set before (vllm_engine() sets it)",
+            )  # fmt: skip
         config = self.llm.llm_engine.vllm_config
         if str(config.model_config.logprobs_mode) not in ("raw_logits", "LogprobsMode.RAW_LOGITS"):
             raise not_allowed("model.logprobs_mode", config.model_config.logprobs_mode, "raw_logits")
@@ -376,8 +456,6 @@ class VLLMModel:
         self.preemptions = 0  # times the scheduler preempted a cached-path request
         self._sampled = -1  # the token the live request chose last (fed by the next decode)
         self._captured: dict[str, np.ndarray] = {}  # each tracked request's last raw logits row (_patch_sampling)
-        self._plan: tuple[tuple[int, ...], int, int] | None = None  # plan_check's (prompt, split, steps), unused yet
-        self._together: _Together | None = None  # the resume scenario's requests, run with the decode scenario's
         self._row: np.ndarray | None = None  # the row that chose _sampled
         self._ahead: list[tuple[int, np.ndarray]] = []  # decoded (token fed, its row) kept when it stopped
         self.requests = 0  # requests sent to the engine
@@ -387,7 +465,8 @@ class VLLMModel:
 
     def __repr__(self) -> str:
         rows = "" if self.gemm_rows == AUTO else f", gemm_rows={self.gemm_rows}"
-        return f"VLLMModel({str(self.path) if self.path else 'LLM'!r}{rows})"
+        threads = "" if self.threads is None else f", threads={self.threads}"
+        return f"VLLMModel({str(self.path) if self.path else 'LLM'!r}{rows}{threads})"
 
     # --- requests ---------------------------------------------------------------------------------------------
 
@@ -402,12 +481,12 @@ class VLLMModel:
     @contextlib.contextmanager
     def _engine(self, cached_path: bool):
         """What every engine call of the adapter runs under: the bug hook live on the cached path only, the
-        GEMMs split into rows (``gemm_rows``), vLLM's flat logprobs appended fast."""
+        GEMMs split into rows (``gemm_rows``), ``threads``, vLLM's flat logprobs appended fast."""
         global _ACTIVE
         previous, _ACTIVE = _ACTIVE, (self if cached_path else None)
         rows = self._gemm_rows(self.rows_pinned) if self.rows_pinned else contextlib.nullcontext()
         try:
-            with rows, _flat_appends():
+            with rows, _threads(self.threads), _flat_appends():
                 yield
         finally:
             _ACTIVE = previous
@@ -457,13 +536,11 @@ class VLLMModel:
         last = self._flat_rows(output.outputs[0].logprobs, [0])[0] if last is None else last
         return np.concatenate([rows, last[None]]).astype(np.float32)
 
-    def _start(self, tokens: list[int], first: int, read_cache: bool, together: _Together | None = None) -> np.ndarray:
+    def _start(self, tokens: list[int], first: int, read_cache: bool) -> np.ndarray:
         """A cached-path request over ``tokens`` decoding up to ``speculate`` tokens, stepped only through its
         prefill: its rows from ``first`` (the last chose the token a decode is fed next). The first
         :meth:`decode` (or another request) steps it to its end; a prefill or extend before that ends it (no
-        decode step is spent on a sequence no decode continues). ``together``: the resume scenario's request,
-        sent right after it with the same parameters (reading the prefix cache), stepped with it
-        (:meth:`_start_together`)."""
+        decode step is spent on a sequence no decode continues)."""
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
@@ -490,40 +567,23 @@ class VLLMModel:
             )
         prompt = TokensPrompt(prompt_token_ids=tokens, cache_salt=self._history)
         self.llm.llm_engine.add_request(self._live, prompt, params)
-        if together is not None:
-            resume = self._params(params.max_tokens, True, True)
-            resume.output_kind, resume.logprobs = RequestOutputKind.DELTA, None
-            together_prompt = TokensPrompt(prompt_token_ids=list(together.prompt), cache_salt=together.history)
-            self._together = together
-            self.llm.llm_engine.add_request(together.request, together_prompt, resume)
         out = self._step()
         self.last_hit = int(out.num_cached_tokens or 0)
         self.tokens = list(tokens)
         return self._rows_of(out, first, self._row)
 
-    def _tracked(self) -> tuple[str, ...]:
-        """The cached-path requests whose raw logits rows :func:`_patch_sampling`'s hook keeps: the live one, and
-        the resume scenario's request running with it (:meth:`_start_together`)."""
-        shadow = self._together.request if self._together is not None and not self._together.done else None
-        return tuple(r for r in (self._live, shadow) if r is not None)
-
     def _step(self):
         """Step the engine until the live request outputs its next token: that output (``DELTA``: the new
-        token, and after the prefill the prompt's rows); the row that chose the token in :attr:`_row`. The
-        resume scenario's request running with it (:meth:`_start_together`) is recorded on the way."""
+        token, and after the prefill the prompt's rows); the row that chose the token in :attr:`_row`."""
         engine = self.llm.llm_engine
         budget = self._token_budget(self.prefill_chunk) if self.prefill_chunk else contextlib.nullcontext()
         self._captured = {}
         with self._engine(cached_path=True), budget:
             while engine.has_unfinished_requests():
                 found = None
-                for out in engine.step():  # every output of the step read: the shadow's may follow the live one's
-                    if not (out.outputs and out.outputs[0].token_ids):
-                        continue
-                    if out.request_id == self._live:
+                for out in engine.step():
+                    if out.request_id == self._live and out.outputs and out.outputs[0].token_ids:
                         found = out
-                    elif self._together is not None and out.request_id == self._together.request:
-                        self._together.take(out, self._row_captured(out.request_id))
                 if found is not None:
                     self._row, self._sampled = self._row_captured(self._live), int(found.outputs[0].token_ids[-1])
                     if found.finished:
@@ -539,23 +599,18 @@ class VLLMModel:
         return row
 
     def _run_to_end(self) -> None:
-        """Step the live request to its end, keeping each (token fed, its row) for :meth:`decode` (the resume
-        scenario's request running with it ends in the same step: the same number of tokens)."""
+        """Step the live request to its end, keeping each (token fed, its row) for :meth:`decode`."""
         while self._live is not None:
             token = self._sampled
             self._step()
             self._ahead.append((token, self._row))
-        self._stop()  # a request running with it that has not ended (none, in a check) is not stepped alone
+        self._end_others()
 
     def _stop(self) -> None:
-        """End the live request (not yet decoded: nothing of it is kept) before another request runs, and the
-        resume scenario's request running with it (what it decoded so far is kept)."""
+        """End the live request (not yet decoded: nothing of it is kept) before another request runs."""
         if self._live is not None:
             self.llm.llm_engine.abort_request([self._live])
             self._live = None
-        if self._together is not None and not self._together.done:
-            self.llm.llm_engine.abort_request([self._together.request])
-            self._together.done = True
         self._end_others()
 
     def _end_others(self) -> None:
@@ -578,18 +633,20 @@ class VLLMModel:
         """The checker's hook before a check (``options``: its :class:`~kvfast.check.options.CheckOptions`):
         ``gemm_rows`` resolved for its mode (:attr:`rows_pinned`), and notes saying how the GEMMs ran when the
         row count changes them on this CPU (:meth:`row_count_effect`) or ``gemm_rows`` is the user's."""
+        from kvfast.check.judge import judge_for
+
+        exact = not judge_for(options).measures_noise  # else vLLM's own arithmetic, the variants its noise
+        notes = self._split_note() if exact else []
         if isinstance(self.gemm_rows, int):
             self.rows_pinned = self.gemm_rows
             n = self.gemm_rows
             return [f"every GEMM of vLLM ran {n} row{'s' if n > 1 else ''} at a time on both paths (gemm_rows={n})"]
-        from kvfast.check.judge import judge_for
-
         self.rows_pinned = None
-        if judge_for(options).measures_noise:  # control mode: vLLM's own arithmetic, the "rows" variant its noise
+        if not exact:
             return []
         units = self.row_count_effect()
         if units == 0:
-            return []
+            return notes
         fmt = self.internal_formats["compute"]
         effect = (
             f"vLLM's {fmt} GEMMs on this CPU change with the row count by up to {units:g} {fmt} "
@@ -597,16 +654,31 @@ class VLLMModel:
             f"and among {PROBE_ROWS})"
         )
         if self.gemm_rows is None:
-            return [
+            return notes + [
                 f"{effect}; exact mode ran them as vLLM does (gemm_rows=None), so a decode step (one row) can differ "
                 "from the prefill of the same tokens by that much whatever the cache does; the default "
                 "(gemm_rows='auto') runs them one row at a time on both paths, and control mode judges vLLM's "
                 "default arithmetic"
             ]
         self.rows_pinned = 1
-        return [
+        return notes + [
             f"{effect}; exact mode ran them one row at a time on both paths (gemm_rows=1); control mode checks "
             "vLLM's default arithmetic"
+        ]
+
+    def _split_note(self) -> list[str]:
+        """Exact mode's note where vLLM splits a decode step's attention (:func:`split_kv`)."""
+        import torch
+
+        if not split_kv():
+            return []
+        n = self.threads or torch.get_num_threads()
+        return [
+            f"vLLM's decode attention splits the keys into partitions summed apart (split-KV, vLLM's default; {n} "
+            f"thread{'s' if n > 1 else ''}), its prefill does not: exact mode compares the two orders, so a decode "
+            "step can differ from the prefill of the same tokens by rounding whatever the cache does; control and "
+            "auto modes measure that order (the 'decode' variant); threads=1 or VLLM_CPU_ATTN_SPLIT_KV=0 check "
+            "another configuration than vLLM serves with"
         ]
 
     def row_count_effect(self) -> float:
@@ -663,78 +735,16 @@ class VLLMModel:
         return self._rows_of(out, 0)
 
     def prefill(self, tokens):
-        """A fresh request over ``tokens`` (no prefix cache read); ``(T, V)``; decodes continue it. The planned
-        check's prompt (:meth:`plan_check`) starts the resume scenario's requests too (:meth:`_start_together`);
-        the resume's first chunk is then served from what its request returned."""
+        """A fresh request over ``tokens`` (no prefix cache read); ``(T, V)``; decodes continue it."""
         tokens = [int(t) for t in np.asarray(tokens).reshape(-1)]
-        if self._plan is not None and tuple(tokens) == self._plan[0]:
-            return self._start_together(tokens)
-        together = self._together
-        if together is not None and not together.first_served and tuple(tokens) == together.prompt[: together.split]:
-            self._stop()
-            self._ahead = []
-            self._history, self.tokens, together.first_served = together.history, tokens, True
-            return together.first_rows.copy()
         return self._start(tokens, 0, read_cache=False)
 
     def extend(self, tokens):
-        """A new request over the sequence and ``tokens``, reading the prefix cache: ``(n, V)`` (the resume
-        scenario's request run with the decode scenario's, :meth:`_start_together`, where it is that request)."""
+        """A new request over the sequence and ``tokens``, reading the prefix cache: ``(n, V)``."""
         self._require()
         first = len(self.tokens)
         tokens = self.tokens + [int(t) for t in np.asarray(tokens).reshape(-1)]
-        together = self._together
-        if (
-            together is not None and together.first_served and together.out is not None and self._live is None
-            and self._history == together.history and tuple(tokens) == together.prompt and first == together.split
-        ):  # fmt: skip
-            self._together = None
-            self._stop()
-            self._ahead = list(together.ahead)  # its decoded (token fed, row), as _run_to_end keeps them
-            self.tokens, self.last_hit = tokens, int(together.out.num_cached_tokens or 0)
-            return self._rows_of(together.out, first, together.first_row)
         return self._start(tokens, first, True)
-
-    def plan_check(self, prompt, split: int, steps: int, scenarios) -> None:
-        """The checker's plan before its first model call (protocol hook): where a check runs the decode and the
-        resume scenarios on a prompt of at most :data:`TOGETHER_MAX` tokens (no ``companions``, no
-        ``prefill_chunk``), the decode scenario's ``prefill(prompt)`` also runs the resume scenario's first chunk
-        (a request over ``prompt[:split]``, its own history) and then sends the resume request (the whole prompt,
-        reading that chunk's blocks) with the decode request, so the two decode in flight together: one vLLM
-        batch, two rows a step. vLLM's rows do not depend on another request in the batch here (float32;
-        bfloat16 up to 4 requests: the batch-invariance table of docs/engines.md), and
-        ``tests/test_engines_vllm.py`` asserts that every row so returned equals, bit for bit, the row of the
-        requests run one after the other. The resume scenario's ``prefill`` and ``extend`` are then served from
-        those requests (its decodes as usual: from the rows kept while the token is the one vLLM decoded, else a
-        new request over the prefix cache). Any other call order runs as without a plan."""
-        from kvfast.check.scenarios.decode import Decode
-        from kvfast.check.scenarios.resume import Resume
-
-        prompt = tuple(int(t) for t in np.asarray(prompt).reshape(-1))
-        self._plan, self._together = None, None
-        if (
-            Decode.name in scenarios and Resume.name in scenarios and self.companions == 0
-            and self.prefill_chunk is None
-            and 0 < split < len(prompt) <= TOGETHER_MAX and 2 * len(prompt) <= self._scheduled_tokens()
-        ):  # fmt: skip
-            self._plan = (prompt, int(split), int(steps))
-
-    def _start_together(self, tokens: list[int]) -> np.ndarray:
-        """The decode scenario's prefill of the planned prompt (:meth:`plan_check`), the resume scenario's
-        requests with it: the first chunk's request through its prefill (as the resume's ``prefill`` runs it),
-        then the decode request and the resume request (reading the first chunk's blocks) sent together, both
-        prefilled in one step and decoding in the same steps (the same number of tokens)."""
-        prompt, split, _ = self._plan
-        self._plan = None
-        first_rows = self._start(list(prompt[:split]), 0, read_cache=False)
-        together = _Together(prompt, split, self._history, first_rows)
-        self.requests += 1
-        return self._start(tokens, 0, read_cache=False, together=together)
-
-    def _scheduled_tokens(self) -> int:
-        """The scheduler's tokens per step (0 where the scheduler is not in this process)."""
-        core = getattr(self.llm.llm_engine.engine_core, "engine_core", None)
-        return int(getattr(getattr(core, "scheduler", None), "max_num_scheduled_tokens", 0) or 0)
 
     def decode(self, token):
         """The row after ``token``: from the running request while ``token`` is the one vLLM decoded, else a
@@ -772,19 +782,34 @@ class VLLMModel:
                     f"vLLM's GEMMs on this CPU do not change with the row count (the same rows through every linear "
                     f"layer alone and among {PROBE_ROWS} agree bit for bit): the variant would equal the recompute"
                 )
+            if name == "decode" and "decode" not in self.skipped_variants and not split_kv():
+                self.skipped_variants["decode"] = (
+                    "vLLM's split-KV attention is off (VLLM_CPU_ATTN_SPLIT_KV=0): a decode step's attention adds up "
+                    "as the prefill's, and the variant would equal the recompute"
+                )
             if name in self.skipped_variants:
                 continue
             try:
-                out[name] = {"batch": self._batch, "chunk": self._chunked, "rows": self._rows}[name](tokens)
+                out[name] = {"decode": self._decode, "chunk": self._chunked, "rows": self._rows}[name](tokens)
             except Exception as exc:  # noqa: BLE001 - a variant is order noise: losing one must not lose the check
                 self.skipped_variants[name] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
         return out
 
-    def _batch(self, tokens: list[int]) -> np.ndarray:
-        other = tokens[::-1][:BATCH_OTHER]  # another request in the same step: the GEMMs run over both
-        quiet = self._params(1, False, False)  # its rows are not read: no logprobs asked of it
-        quiet.logprobs = None
-        return self._rows_of(self._generate([tokens, other], [self._params(1, True, False), quiet], False)[0], 0)
+    def _decode(self, tokens: list[int]) -> np.ndarray:
+        from vllm.inputs import TokensPrompt
+
+        self._check_length(tokens)
+        self._run_to_end()
+        self.requests += 1
+        request, engine, found = str(next(_REQUEST_IDS)), self.llm.llm_engine, None
+        prompt = TokensPrompt(prompt_token_ids=tokens, cache_salt=_salt())
+        with self._engine(cached_path=False), self._token_budget(len(tokens) - min(DECODE_ROWS, len(tokens) - 1)):
+            engine.add_request(request, prompt, self._params(1, True, False))
+            scheduler = self._scheduler()
+            while engine.has_unfinished_requests():
+                found = next((o for o in engine.step() if o.request_id == request and o.finished), found)
+                scheduler.max_num_scheduled_tokens = 1  # the rest one token a step (the budget is restored after)
+        return self._rows_of(found, 0)
 
     def _chunked(self, tokens: list[int]) -> np.ndarray:
         with self._token_budget(-(-len(tokens) // CHUNKS)):
@@ -840,13 +865,17 @@ class VLLMModel:
             for layer, linear in zip(layers, saved, strict=True):
                 layer.cpu_linear = linear
 
-    @contextlib.contextmanager
-    def _token_budget(self, n: int):
-        """The scheduler's tokens per step set to ``n`` for the duration (a chunked prefill)."""
+    def _scheduler(self):
         core = getattr(self.llm.llm_engine.engine_core, "engine_core", None)
         scheduler = getattr(core, "scheduler", None)
         if scheduler is None or not hasattr(scheduler, "max_num_scheduled_tokens"):
             raise NotImplementedError("the engine's scheduler is not in this process")
+        return scheduler
+
+    @contextlib.contextmanager
+    def _token_budget(self, n: int):
+        """The scheduler's tokens per step set to ``n`` for the duration (a chunked prefill)."""
+        scheduler = self._scheduler()
         saved = scheduler.max_num_scheduled_tokens
         scheduler.max_num_scheduled_tokens = n
         try:
