@@ -337,6 +337,30 @@ def is_vllm_llm(model: object) -> bool:
     return type(model).__name__ == "LLM" and type(model).__module__.startswith("vllm")
 
 
+def _built_engine(path, own: dict, engine_args: dict):
+    """The ``vllm.LLM`` a :class:`VLLMModel` builds from a model directory: the adapter's ``own`` options
+    validated and named as vLLM names them, then any other engine argument as it is."""
+    if not isinstance(path, str | os.PathLike) or not (Path(path) / "config.json").is_file():
+        raise not_allowed("path", path, MODEL)
+    require_choice(own["dtype"], "dtype", DTYPES)
+    block_size = require_int(own["block_size"], "block_size", BLOCK)
+    if block_size % BLOCK:
+        raise not_allowed("block_size", block_size, f"a multiple of {BLOCK} (vLLM's CPU attention)")
+    kwargs = dict(
+        dtype=own["dtype"], enable_prefix_caching=bool(own["prefix_caching"]), block_size=block_size,
+        seed=require_int(own["seed"], "seed", 0),
+    )  # fmt: skip
+    if own["max_model_len"] is not None:
+        kwargs["max_model_len"] = require_int(own["max_model_len"], "max_model_len", 1)
+    if own["kv_blocks"] is not None:
+        kwargs["num_gpu_blocks_override"] = require_int(own["kv_blocks"], "kv_blocks", 1)
+    for key in engine_args:
+        if key in kwargs or key in ("enable_prefix_caching", "num_gpu_blocks_override"):
+            mine = "the adapter's own option (dtype, prefix_caching, block_size, max_model_len, seed, kv_blocks)"
+            raise not_allowed(key, engine_args[key], mine)
+    return vllm_engine(Path(path), **kwargs, **engine_args)
+
+
 class VLLMModel:
     """A vLLM engine behind the check protocol (see the module doc).
 
@@ -411,27 +435,11 @@ class VLLMModel:
                 raise not_allowed(key, engine_args[key], "no engine argument with a vllm.LLM (it is built)")
             self.llm, self.path = path, None
         else:
-            if not isinstance(path, str | os.PathLike) or not (Path(path) / "config.json").is_file():
-                raise not_allowed("path", path, MODEL)
-            require_choice(dtype, "dtype", DTYPES)
-            block_size = require_int(block_size, "block_size", BLOCK)
-            if block_size % BLOCK:
-                raise not_allowed("block_size", block_size, f"a multiple of {BLOCK} (vLLM's CPU attention)")
-            self.path = Path(path)
-            kwargs = dict(
-                dtype=dtype, enable_prefix_caching=bool(prefix_caching), block_size=block_size,
-                seed=require_int(seed, "seed", 0),
-            )  # fmt: skip
-            if max_model_len is not None:
-                kwargs["max_model_len"] = require_int(max_model_len, "max_model_len", 1)
-            if kv_blocks is not None:
-                kwargs["num_gpu_blocks_override"] = require_int(kv_blocks, "kv_blocks", 1)
-            for key in engine_args:
-                if key in kwargs or key in ("enable_prefix_caching", "num_gpu_blocks_override"):
-                    own = "the adapter's own option (dtype, prefix_caching, block_size, max_model_len, seed, kv_blocks)"
-                    raise not_allowed(key, engine_args[key], own)
+            self.path = Path(path) if isinstance(path, str | os.PathLike) else path
+            own = dict(dtype=dtype, prefix_caching=prefix_caching, block_size=block_size, max_model_len=max_model_len,
+                       seed=seed, kv_blocks=kv_blocks)  # fmt: skip
             with _threads(self.threads):
-                self.llm = vllm_engine(self.path, **kwargs, **engine_args)
+                self.llm = _built_engine(path, own, engine_args)
         if getattr(self.llm.llm_engine.engine_core, "engine_core", None) is None:
             raise not_allowed(
                 "path", "a vllm.LLM whose engine core runs in another process",
