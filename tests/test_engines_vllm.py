@@ -126,7 +126,7 @@ def test_vllm_runs_as_it_serves_and_a_correct_engine_is_rounding_because_the_dec
     for mode in ("auto", "control"):
         report = check_cache(served, LONG, STEPS, mode=mode)
         assert report.verdict == "rounding", report.format()
-        assert re.search(r"variant 'decode' \(up to [1-9]", " ".join(report.notes)), report.notes
+        assert re.search(r"variant 'stepwise' \(up to [1-9]", " ".join(report.notes)), report.notes
     # the control: without the decode variant nothing measures split-KV's order, and the same engine is not rounding
     blind = check_cache(VLLMModel(served.llm, variants=("chunk", "rows")), LONG, STEPS, mode="control")
     assert blind.verdict != "rounding", blind.format()
@@ -140,10 +140,10 @@ def test_the_decode_variant_is_vllms_decode_off_the_cached_path(served):
     for _ in range(STEPS):
         seq.append(int(np.argmax(decoded[-1])))
         decoded.append(served.decode(seq[-1]))
-    variant = served._decode(seq)
+    variant = served._stepwise(seq)
     assert np.array_equal(np.stack(decoded), variant[len(LONG) - 1 :])
     buggy = inject_vllm_bug(VLLMModel(served.llm), "short")
-    assert np.array_equal(buggy._decode(seq), variant)
+    assert np.array_equal(buggy._stepwise(seq), variant)
 
 
 def test_engine_arguments_reach_vllm_and_bad_ones_are_refused_naming_them(small_cache, served, model_dir):
@@ -221,7 +221,7 @@ def test_bfloat16_decode_equals_the_prefill_run_with_decode_shaped_gemms_bit_for
         seq.append(int(np.argmax(decoded[-1])))
         decoded.append(engine_bf16.decode(seq[-1]))
     variants = engine_bf16.recompute_variants(seq)
-    assert set(variants) | set(engine_bf16.skipped_variants) == {"decode", "chunk", "rows"}
+    assert set(variants) | set(engine_bf16.skipped_variants) == {"stepwise", "chunk", "rows"}
     rows = variants.get("rows")
     if rows is None:  # a CPU whose GEMMs do not change with the row count (no AMX): the variant is left out, and
         # the one-row prefill it would run equals the recompute

@@ -23,7 +23,7 @@ vocabulary as raw logits: ``prompt_logprobs=-1`` for a prompt's rows, ``logprobs
   request; a first chunk shorter than a block, :data:`BLOCK` tokens, leaves none: the whole sequence is then
   prefilled).
 - ``recompute_variants`` (control mode's order noise, each from vLLM itself, never the cached path's requests):
-  ``"decode"`` (the sequence's last :data:`DECODE_ROWS` positions computed one token a scheduler step over the
+  ``"stepwise"`` (the sequence's last :data:`DECODE_ROWS` positions computed one token a scheduler step over the
   cached keys of the rest: the attention a decode step runs, split-KV and the thread count as the engine runs them),
   ``"chunk"`` (the sequence recomputed as a chunked prefill of :data:`CHUNKS` chunks: other shapes, attention over
   cached keys) and ``"rows"`` (the recompute with every linear layer run on :data:`ROWS` row at a time: the GEMM
@@ -38,7 +38,7 @@ vocabulary as raw logits: ``prompt_logprobs=-1`` for a prompt's rows, ``logprobs
   in the report with the size measured; control mode keeps vLLM's own arithmetic.
 - How vLLM runs: as it serves, its own thread count and attention kernels (split-KV decode attention, vLLM's
   default). Exact mode then compares a split decode with an unsplit prefill and says so in a note
-  (:meth:`VLLMModel.prepare_check`); control and auto modes measure that order with the ``"decode"`` variant. One
+  (:meth:`VLLMModel.prepare_check`); control and auto modes measure that order with the ``"stepwise"`` variant. One
   thread (``threads=1``) or ``VLLM_CPU_ATTN_SPLIT_KV=0`` (vLLM's, in the environment) are the user's to ask for.
 - ``internal_formats``: the model's dtype for the KV cache and the compute (``{"kv cache": "bfloat16",
   "compute": "bfloat16"}``); no ``promote``: vLLM's CPU backend has no float64.
@@ -71,7 +71,7 @@ ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "
 #: attention's metadata builder, ``FlatLogprobs.append_fast``); outside them :func:`check_release` warns.
 RELEASES = ("0.32",)
 DTYPES = ("float32", "bfloat16")
-VARIANTS = ("decode", "chunk", "rows")
+VARIANTS = ("stepwise", "chunk", "rows")
 #: The ``decode`` variant's positions computed one token a step (the decode steps of a check of 32 steps): vLLM's
 #: CPU attention splits the keys of a one-token query into partitions summed apart (split-KV, its default, on
 #: more than one thread), which a prefill, and a chunk of 4 tokens, never does. Measured on the tiny test model
@@ -685,7 +685,7 @@ class VLLMModel:
             f"vLLM's decode attention splits the keys into partitions summed apart (split-KV, vLLM's default; {n} "
             f"thread{'s' if n > 1 else ''}), its prefill does not: exact mode compares the two orders, so a decode "
             "step can differ from the prefill of the same tokens by rounding whatever the cache does; control and "
-            "auto modes measure that order (the 'decode' variant); threads=1 or VLLM_CPU_ATTN_SPLIT_KV=0 check "
+            "auto modes measure that order (the 'stepwise' variant); threads=1 or VLLM_CPU_ATTN_SPLIT_KV=0 check "
             "another configuration than vLLM serves with"
         ]
 
@@ -790,20 +790,20 @@ class VLLMModel:
                     f"vLLM's GEMMs on this CPU do not change with the row count (the same rows through every linear "
                     f"layer alone and among {PROBE_ROWS} agree bit for bit): the variant would equal the recompute"
                 )
-            if name == "decode" and "decode" not in self.skipped_variants and not split_kv():
-                self.skipped_variants["decode"] = (
+            if name == "stepwise" and "stepwise" not in self.skipped_variants and not split_kv():
+                self.skipped_variants["stepwise"] = (
                     "vLLM's split-KV attention is off (VLLM_CPU_ATTN_SPLIT_KV=0): a decode step's attention adds up "
                     "as the prefill's, and the variant would equal the recompute"
                 )
             if name in self.skipped_variants:
                 continue
             try:
-                out[name] = {"decode": self._decode, "chunk": self._chunked, "rows": self._rows}[name](tokens)
+                out[name] = {"stepwise": self._stepwise, "chunk": self._chunked, "rows": self._rows}[name](tokens)
             except Exception as exc:  # noqa: BLE001 - a variant is order noise: losing one must not lose the check
                 self.skipped_variants[name] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
         return out
 
-    def _decode(self, tokens: list[int]) -> np.ndarray:
+    def _stepwise(self, tokens: list[int]) -> np.ndarray:
         from vllm.inputs import TokensPrompt
 
         self._check_length(tokens)
