@@ -27,3 +27,16 @@ def small_config():
     from kvfast import ModelConfig
 
     return ModelConfig(vocab=13, d_model=8, n_head=2, n_layer=2, d_ff=12, max_pos=16)
+
+
+@pytest.fixture(scope="module")
+def torch_one_thread():
+    """torch on one intra-op thread for a module's tests (the machine is shared; the checks' order noise must not
+    depend on a thread count), put back after them. A module uses it with
+    ``pytestmark = pytest.mark.usefixtures("torch_one_thread")``."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

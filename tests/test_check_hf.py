@@ -42,12 +42,7 @@ CASES = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 CASE_IDS = ("seed0-prompt5", "seed1-prompt4")  # CASES[1] and CASES[2]: a 5-token and a 4-token prompt

@@ -50,12 +50,7 @@ RECORDS_PAST = callable(
 NO_RECORDING = "this transformers release has no past recording: a rollback past the window is skipped"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 def static(model, length: int = 64):

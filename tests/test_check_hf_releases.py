@@ -44,12 +44,7 @@ STEPS = 10
 MODELS = [("llama", "dynamic"), ("gpt2", "dynamic"), ("mistral", "dynamic"), ("llama", "static")]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 def adapter(family: str, cache: str, dtype: str, attention: str) -> HFModel:

@@ -173,14 +173,14 @@ class ControlJudge(Judge):
 
 
 @dataclass(frozen=True)
-class AutoJudge(ControlJudge):
+class AutoJudge(Judge):
     """``mode="auto"``: the reference is built as for control mode (its noise measured only if needed); the
     check is then judged by :class:`ExactJudge` when every compared row equals its reference (``==``), else by
-    :class:`ControlJudge`."""
+    :class:`ControlJudge`. It judges nothing itself: the pipeline asks it to settle first."""
 
     mode = "auto"
+    measures_noise = True
     defers_noise = True
-    logic_check_mode = "auto"
 
     def settled(self, parts: list[Part]) -> Judge:
         equal = all(not deviations(p.path, p.rows, p.split or 0)[0].any() for p in parts)
