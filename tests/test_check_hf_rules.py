@@ -23,7 +23,7 @@ else:
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
 
-from test_check_hf import one_thread  # noqa: E402, F401 - torch on one thread for this module too
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 from kvfast.check import ModelUnderTestError, check_cache  # noqa: E402
 from kvfast.check.hf import tiny_model  # noqa: E402

@@ -139,7 +139,7 @@ else:
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
 
-from test_check_hf import one_thread  # noqa: E402, F401 - torch on one thread for this module too
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 from kvfast.bugs.hf import HF_BUGS, first_acting_step, inject_hf_bug  # noqa: E402
 from kvfast.check.hf import HFModel, measure_internal_formats, tiny_model  # noqa: E402

@@ -97,9 +97,10 @@ def key_entries(package: Path, key: str) -> bool:
     from numba.core import config
 
     config.reload_config()  # as Numba's compiler does: the variable as it is now
-    if config.CACHE_LOCATOR_CLASSES:
+    locators = getattr(config, "CACHE_LOCATOR_CLASSES", None)  # read by Numba from 0.61 on (0.60 has no such option)
+    if locators:
         _note(
-            f"NUMBA_CACHE_LOCATOR_CLASSES is set ({config.CACHE_LOCATOR_CLASSES}): kvfast cannot stamp its kernels' "
+            f"NUMBA_CACHE_LOCATOR_CLASSES is set ({locators}): kvfast cannot stamp its kernels' "
             "cache entries with the hash of its sources under those locators, so its kernels are compiled afresh "
             "in every process, not cached (unset it to cache them)"
         )
