@@ -42,6 +42,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -109,7 +110,7 @@ def model_from_config(path, seed: int = 0, weights=None):
     if "dtype" in fields:
         fields["dtype"] = getattr(torch, require_choice(fields["dtype"], f"{path}: dtype", DTYPES))
     cfg = tl.HookedTransformerConfig(**{**fields, "seed": require_int(seed, "seed")})
-    model = tl.HookedTransformer(cfg)
+    model = _hooked_transformer(cfg)
     if weights is not None:
         if not isinstance(weights, str | os.PathLike) or not Path(weights).is_file():
             raise not_allowed("weights", weights, "a state dict file saved by torch.save(model.state_dict(), path)")
@@ -181,15 +182,20 @@ class TLModel:
         ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64).reshape(1, -1), device=model.cfg.device)
         saved = model.tokenizer
         model.tokenizer = NO_PADS
-        for block in model.blocks:
-            if getattr(block.attn, "alibi", None) is not None:
-                block.attn.alibi = None
+        self._reset_alibi()
         try:
             with torch.no_grad():
                 logits = model(ids) if cache is None else model(ids, past_kv_cache=cache)
         finally:
             model.tokenizer = saved
         return logits[0]
+
+    def _reset_alibi(self) -> None:
+        """Every attention layer's ALiBi bias matrix dropped: the call rebuilds it for its own length (the module
+        doc)."""
+        for block in self.model.blocks:
+            if getattr(block.attn, "alibi", None) is not None:
+                block.attn.alibi = None
 
     def _new_cache(self):
         return cache_class().init_cache(self.model.cfg, self.model.cfg.device, 1)
@@ -269,4 +275,11 @@ def tiny_tl_model(positional: str = "standard", dtype: str = "float32", seed: in
     torch, tl = _torch(), _tl()
     fields = tiny_tl_config(positional, dtype)
     fields["dtype"] = getattr(torch, fields["dtype"])
-    return tl.HookedTransformer(tl.HookedTransformerConfig(**fields, seed=require_int(seed, "seed"))).eval()
+    return _hooked_transformer(tl.HookedTransformerConfig(**fields, seed=require_int(seed, "seed"))).eval()
+
+
+def _hooked_transformer(cfg):
+    """``HookedTransformer(cfg)``, without 3.x's warning that the class goes in 4.0 (kvfast, not the user, built it)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "HookedTransformer is deprecated", DeprecationWarning)
+        return _tl().HookedTransformer(cfg)
