@@ -192,7 +192,7 @@ def main(argv: list[str]) -> int:
         return subprocess.call(cmd, cwd=ROOT, env=env)
     if command == "test-tl":
         env = {**os.environ, "KVFAST_REQUIRE_TL": "1"}
-        files_given = any(not arg.startswith("-") for arg in rest)  # test files named: those instead of TL_TESTS
+        files_given = any(arg.split("::")[0].endswith(".py") for arg in rest)  # test files named: those instead
         cmd = [str(ensure_tl_env() / "python"), "-m", "pytest", *(() if files_given else TL_TESTS), *rest]
         return subprocess.call(cmd, cwd=ROOT, env=env)
     if command == "test-lowest":
