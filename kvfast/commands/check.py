@@ -81,7 +81,7 @@ EXIT_CODES = {
 #: ``--engine NAME PATH``: the factory that builds NAME's model under test from ``path=PATH``.
 ENGINES = {"ort": "kvfast.check.engines.ort:ORTModel", "llamacpp": "kvfast.check.engines.llamacpp:LlamaCppModel",
            "vllm": "kvfast.check.engines.vllm:VLLMModel",
-           "transformer_lens": "kvfast.check.engines.transformer_lens:TLModel"}  # fmt: skip
+           "transformer_lens": "kvfast.check.engines.transformer_lens:engine_model"}  # fmt: skip
 GRACE_S = 1.5  # after --timeout, the child's own timer has had this long to report before it is killed
 #: kvfast's own factories, by the module that defines them: ``kvfast.studies.check`` re-exports
 #: ``kvfast_model`` for its grids, and importing it imports every study, the sweep engine and pandas (about
@@ -104,7 +104,7 @@ def add_parser(sub) -> None:
         "--engine", choices=sorted(ENGINES), default=None,
         help="check an inference engine's model: FACTORY is then its path (ort: an onnxruntime-genai model directory; "
         "llamacpp: a GGUF file; vllm: a model directory; transformer_lens: a JSON file of HookedTransformerConfig "
-        "fields)",
+        "fields, or a transformers model directory for a TransformerBridge)",
     )  # fmt: skip
     p.add_argument(
         "--factory-arg", action="append", default=[], metavar="KEY=VALUE", help="an argument for FACTORY (repeatable)"

@@ -29,17 +29,24 @@ What the adapter does (every call under ``torch.no_grad()``, the model in eval m
   (:class:`OneRowProducts`), the order of a decode step's products, which take one position. TransformerLens
   calls no ``nn.Linear``, so a variant that runs linear layers row by row changes nothing: without this one a
   correct float64 model measured no order noise and was ``inconclusive``.
-- ``internal_formats``: ``{"kv cache": the model's dtype}`` (TransformerLens stores keys and values in
-  ``cfg.dtype``).
+- ``internal_formats``: the formats of the model's order-sensitive ops, measured on a few tokens as for a Hugging
+  Face model (:func:`kvfast.check.hf.measure_internal_formats`): a bridge over an eager Llama computes its softmax
+  in float32 even in float64.
 - ``promote("float64")``: the same adapter (its bug included) over a deep copy of the model in float64.
 
-Bugs for kvfast's tests are injected by subclassing this adapter (:data:`kvfast.bugs.engines.TL_BUGS`, over
+``TLBridgeModel(bridge)``: a ``TransformerBridge`` (TransformerLens 3.x and 4.x, over a transformers model) through its
+own manual KV-cache entry point: ``prefill`` is ``bridge(tokens, return_type="logits_and_cache")``, ``extend`` and
+``decode`` hand the returned transformers cache back (``past_key_values=cache``), the recompute is ``bridge(tokens)``;
+the same ``"rows"`` variant, internal formats and promotion.
+
+Bugs for kvfast's tests are injected by subclassing these adapters (:data:`kvfast.bugs.engines.TL_BUGS`, over
 ``decode``, ``extend`` and the cache itself: :attr:`TLModel.cache`).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import warnings
@@ -52,6 +59,7 @@ from kvfast.validation import import_extra, not_allowed, require_choice, require
 #: The order-noise variants built by default.
 VARIANTS = ("rows",)
 MODEL = "a transformer_lens.HookedTransformer or a JSON file of HookedTransformerConfig fields"
+BRIDGE = "a transformer_lens TransformerBridge or a transformers model directory (with its tokenizer)"
 #: torch dtypes by name (a config file's ``dtype``, :func:`tiny_tl_model`'s).
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 #: TransformerLens's positional kinds the tests build (``positional_embedding_type``).
@@ -64,6 +72,23 @@ def is_hooked_transformer(model: object) -> bool:
         cls.__name__ == "HookedTransformer" and cls.__module__.startswith("transformer_lens")
         for cls in type(model).__mro__
     )
+
+
+def is_transformer_bridge(model: object) -> bool:
+    """Whether ``model`` is a TransformerLens ``TransformerBridge`` (a subclass included; imports nothing)."""
+    return any(
+        cls.__name__ == "TransformerBridge" and cls.__module__.startswith("transformer_lens")
+        for cls in type(model).__mro__
+    )
+
+
+def engine_model(path, **kwargs):
+    """``kvfast check --engine transformer_lens PATH``: a directory is a transformers model booted into a
+    ``TransformerBridge`` (:class:`TLBridgeModel`), a file a ``HookedTransformerConfig`` (:class:`TLModel`); ``kwargs``
+    go to that adapter."""
+    if isinstance(path, str | os.PathLike) and Path(path).is_dir():
+        return TLBridgeModel(path, **kwargs)
+    return TLModel(path, **kwargs)
 
 
 class _NoPads:
@@ -165,7 +190,6 @@ class TLModel:
         cfg = model.cfg
         self.vocab_size = int(cfg.d_vocab_out)
         self.max_positions = int(cfg.n_ctx)
-        self.internal_formats = {"kv cache": str(model.W_E.dtype).removeprefix("torch.")}
         self.cache = None
         self.tokens: list[int] = []
 
@@ -230,6 +254,16 @@ class TLModel:
         """The positions the cache under test holds."""
         return 0 if self.cache is None else int(self.cache.entries[0].past_keys.shape[1])
 
+    #: where :attr:`internal_formats` comes from (the protocol's optional attribute)
+    internal_formats_source = "measured"
+
+    @functools.cached_property
+    def internal_formats(self) -> dict[str, str]:
+        """``{what: format}`` of the order-sensitive ops of a recompute of 4 tokens (measured once)."""
+        from kvfast.check.hf import measure_internal_formats
+
+        return measure_internal_formats(self.model, np.arange(4) % self.vocab_size, run=self._forward)
+
     def _require(self) -> None:
         if self.cache is None:
             raise ValueError("cache: empty; allowed: call prefill(tokens) first")
@@ -245,6 +279,98 @@ class TLModel:
     def promote(self, dtype: str = "float64") -> TLModel:
         """The same adapter (an injected bug included: the same class) over a deep copy of the model in ``dtype``
         (the model under test is not changed)."""
+        require_choice(dtype, "dtype", ("float64",))
+        promoted = copy.deepcopy(self.model)
+        promoted.to(getattr(_torch(), dtype), print_details=False)
+        return type(self)(promoted, variants=self.variants)
+
+
+class TLBridgeModel:
+    """A TransformerLens ``TransformerBridge`` behind the check protocol, through the transformers cache it hands
+    back (see the module doc).
+
+    - ``path``: a ``TransformerBridge``, or a transformers model directory with its tokenizer
+      (``TransformerBridge.boot_transformers(path)``).
+    - ``variants``: the order-noise variants to build, of :data:`VARIANTS`.
+    """
+
+    def __init__(self, path, *, variants=VARIANTS):
+        bridge = path
+        if isinstance(path, str | os.PathLike):
+            if not Path(path).is_dir():
+                raise not_allowed("path", str(path), BRIDGE)
+            from transformer_lens.model_bridge import TransformerBridge
+
+            bridge = TransformerBridge.boot_transformers(str(path))
+        if not is_transformer_bridge(bridge):
+            raise not_allowed("path", type(bridge).__name__, BRIDGE)
+        for name in variants:
+            require_choice(name, "variants", VARIANTS)
+        self.model = bridge.eval()
+        self.variants = tuple(variants)
+        self.vocab_size = int(bridge.cfg.d_vocab)
+        self.cache = None
+        self.tokens: list[int] = []
+
+    def __repr__(self) -> str:
+        dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+        return f"TLBridgeModel({type(self.model.original_model).__name__}, {dtype})"
+
+    def _forward(self, tokens, cache=None, cached: bool = False):
+        """``bridge(tokens)``'s logits ``(n, V)``; ``cached``: ``(logits, cache)`` of ``return_type="logits_and_cache"``
+        over ``cache`` (``None``: a fresh one)."""
+        torch, bridge = _torch(), self.model
+        ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64).reshape(1, -1), device=bridge.cfg.device)
+        with torch.no_grad():
+            if not cached:
+                return bridge(ids)[0]
+            past = {} if cache is None else {"past_key_values": cache}
+            logits, cache = bridge(ids, return_type="logits_and_cache", **past)
+        return logits[0], cache
+
+    def _new_cache(self):
+        return None  # the bridge's transformers model makes a fresh cache
+
+    def recompute(self, tokens):
+        """``bridge(tokens)``: logits ``(T, V)`` with no cache."""
+        return self._forward(tokens)
+
+    def prefill(self, tokens):
+        """``bridge(tokens, return_type="logits_and_cache")``: logits ``(T, V)``; the cache it returns kept."""
+        self.tokens = [int(t) for t in np.asarray(tokens).reshape(-1)]
+        logits, self.cache = self._forward(tokens, self._new_cache(), cached=True)
+        return logits
+
+    def extend(self, tokens):
+        """``bridge(tokens, past_key_values=cache, return_type="logits_and_cache")``: logits ``(n, V)``."""
+        self._require()
+        self.tokens += [int(t) for t in np.asarray(tokens).reshape(-1)]
+        logits, self.cache = self._forward(tokens, self.cache, cached=True)
+        return logits
+
+    def decode(self, token):
+        """``bridge([token], past_key_values=cache, return_type="logits_and_cache")``: logits ``(V,)``."""
+        self._require()
+        token = require_int(token, "token", 0, self.vocab_size - 1)
+        self.tokens.append(token)
+        logits, self.cache = self._forward([token], self.cache, cached=True)
+        return logits[0]
+
+    @property
+    def length(self) -> int:
+        """The positions the cache under test holds (what the transformers cache says it holds)."""
+        return 0 if self.cache is None else int(self.cache.get_seq_length())
+
+    def _require(self) -> None:
+        if not self.tokens:
+            raise ValueError("cache: empty; allowed: call prefill(tokens) first")
+
+    recompute_variants = TLModel.recompute_variants
+    internal_formats = TLModel.internal_formats
+    internal_formats_source = TLModel.internal_formats_source
+
+    def promote(self, dtype: str = "float64") -> TLBridgeModel:
+        """The same adapter (an injected bug included) over a deep copy of the bridge in ``dtype``."""
         require_choice(dtype, "dtype", ("float64",))
         promoted = copy.deepcopy(self.model)
         promoted.to(getattr(_torch(), dtype), print_details=False)
