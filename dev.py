@@ -37,6 +37,10 @@ VLLM_TESTS = ("tests/test_engines_vllm.py", "tests/test_vllm_score.py")
 VLLM_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
 TL_VENV = ROOT / ".venv-tl"
 TL = "transformer-lens==3.9.0"  # the newest release with HookedTransformer (4.x has only TransformerBridge)
+#: transformers 5.24 renamed the cache argument its layers hand their attention (past_key_values -> cache), which
+#: TransformerLens's TransformerBridge (3.9.0, 4.3.0) does not read: from 5.24 on the bridge stores no keys and values
+#: and its cached decode is wrong (docs/engines.md, "TransformerLens"); the bridge's tests run on the release before
+TL_TRANSFORMERS = "transformers==5.23.0"
 #: the test files `test-tl` runs
 TL_TESTS = ("tests/test_engines_transformer_lens.py",)
 LOWEST = ROOT / ".ci" / "lowest.txt"  # every dependency pinned to its lower bound (test-lowest)
@@ -155,13 +159,14 @@ def _uv_or_pip(bin_dir: Path, venv_name: str) -> tuple[list[str], str]:
 
 
 def ensure_tl_env() -> Path:
-    """``.venv-tl``: torch's CPU build (no dependencies pulled), then :data:`TL` with torch held to that build,
-    then kvfast (editable, with pytest) without letting the installer change torch or transformers; returns the
-    venv's bin folder. Reinstalled when pyproject.toml or the pins change. Its own venv: TransformerLens brings
-    wandb, datasets and accelerate, which the main suite never needs, and its releases pin transformers
-    (3.x: >= 5.9; 2.x: 4.x) apart from the lowest Hugging Face run's."""
+    """``.venv-tl``: torch's CPU build (no dependencies pulled), then :data:`TL` and :data:`TL_TRANSFORMERS` with
+    torch held to that build, then kvfast (editable, with pytest) with those pins held again; returns the venv's bin
+    folder. Reinstalled when pyproject.toml or the pins change. Its own venv: TransformerLens brings wandb, datasets
+    and accelerate, which the main suite never needs, and its releases pin transformers (3.x: >= 5.9; 2.x before
+    2.16: 4.x) apart from the lowest Hugging Face run's."""
     bin_dir, stamp = _bin(TL_VENV), TL_VENV / ".kvfast-installed"
-    project = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + (TORCH_CPU + TL).encode()).hexdigest()
+    project = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + (TORCH_CPU + TL + TL_TRANSFORMERS).encode())
+    project = project.hexdigest()
     if stamp.exists() and stamp.read_text() == project:
         return bin_dir
     if not (bin_dir / "python").exists():
@@ -172,9 +177,10 @@ def ensure_tl_env() -> Path:
     install, tool = _uv_or_pip(bin_dir, TL_VENV.name)
     print(f"installing {TL} into {TL_VENV.name} ({tool}) ...", flush=True)
     torch_deps = ["filelock", "sympy", "networkx", "jinja2", "fsspec", "typing-extensions"]
-    subprocess.run([*install, *torch_deps, TL, TORCH_CPU], check=True)
+    subprocess.run([*install, *torch_deps, TL, TL_TRANSFORMERS, TORCH_CPU], check=True)
     # kvfast (its own dependencies) and what the tests import, the pins held again so nothing moves
-    subprocess.run([*install, "-e", str(ROOT), "pytest>=8", "hypothesis>=6.100", TL, TORCH_CPU], check=True)
+    pins = [TL, TL_TRANSFORMERS, TORCH_CPU]
+    subprocess.run([*install, "-e", str(ROOT), "pytest>=8", "hypothesis>=6.100", *pins], check=True)
     stamp.write_text(project)
     return bin_dir
 
