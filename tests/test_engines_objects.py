@@ -42,6 +42,7 @@ def _llama(type_k: int = 1, path: str = "/models/tiny.gguf"):
         (_stand_in("vllm.entrypoints.llm", "LLM"), "kvfast.check.engines.vllm.VLLMModel"),
         (_stand_in("transformer_lens.HookedTransformer", "HookedTransformer"), _TL),
         (_subclass_of(_stand_in("transformer_lens.HookedTransformer", "HookedTransformer")), _TL),  # a user's own
+        (_stand_in("transformer_lens.model_bridge.bridge", "TransformerBridge"), f"{_TL[:-7]}TLBridgeModel"),
     ],
 )
 def test_each_engine_object_finds_its_adapter(obj, adapter):
@@ -51,7 +52,7 @@ def test_each_engine_object_finds_its_adapter(obj, adapter):
 
 def test_other_objects_of_the_same_class_names_are_no_engine():
     for obj in (_stand_in("mypackage", "Model"), _stand_in("mypackage", "Llama"), _stand_in("mypackage", "LLM"), 3,
-                _stand_in("mypackage", "HookedTransformer")):  # fmt: skip
+                _stand_in("mypackage", "HookedTransformer"), _stand_in("mypackage", "TransformerBridge")):  # fmt: skip
         assert engine_adapter(obj) is None
 
 

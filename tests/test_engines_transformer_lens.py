@@ -25,11 +25,14 @@ torch = pytest.importorskip("torch")
 
 from kvfast.bugs.engines import TL_BUGS, TL_WINDOW, inject_tl_bug  # noqa: E402
 from kvfast.check import check_cache  # noqa: E402
+from kvfast.check.engines.tiny import tiny_llama  # noqa: E402
 from kvfast.check.engines.transformer_lens import (  # noqa: E402
     NO_PADS,
     POSITIONALS,
+    TLBridgeModel,
     TLModel,
     cache_class,
+    engine_model,
     tiny_tl_config,
     tiny_tl_model,
 )
@@ -144,8 +147,8 @@ def test_promote_is_the_same_adapter_over_a_float64_copy():
     adapter = inject_tl_bug(TLModel(tl), "freeze")
     promoted = adapter.promote("float64")
     assert type(promoted) is type(adapter) and promoted.model is not tl
-    assert promoted.model.cfg.dtype == torch.float64 and promoted.internal_formats == {"kv cache": "float64"}
-    assert tl.cfg.dtype == torch.bfloat16 and adapter.internal_formats == {"kv cache": "bfloat16"}
+    assert promoted.model.cfg.dtype == torch.float64 and set(promoted.internal_formats.values()) == {"float64"}
+    assert tl.cfg.dtype == torch.bfloat16 and "bfloat16" in adapter.internal_formats.values()
 
 
 def test_bad_input_is_one_clear_error(tmp_path):
@@ -194,3 +197,59 @@ def test_kvfast_check_engine_transformer_lens_and_a_factory_that_returns_a_hooke
     assert type(built).__name__ == "HookedTransformer"  # as a factory returns it: check_cache wraps it
     with pytest.raises(ValueError, match="returns no model under test"):  # the control: another torch module
         build_model("torch.nn:Identity", {})
+
+
+# --- the TransformerBridge (3.x, 4.x) over a transformers model ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bridge(tmp_path_factory):
+    from transformer_lens.model_bridge import TransformerBridge
+
+    directory = tmp_path_factory.mktemp("bridge")
+    tiny_llama(directory, seed=1)  # the tiny Llama and a word-level tokenizer (no download)
+    return TransformerBridge.boot_transformers(str(directory))
+
+
+def test_a_clean_transformer_bridge_passes_as_the_user_has_it(bridge):
+    report = check_cache(bridge, PROMPT, 16, continuation=CONTINUATION[:16], promote="float64")
+    assert report.verdict in PASSING and report.promoted.verdict in PASSING, report.format()
+
+
+@pytest.mark.parametrize("bug", sorted(TL_BUGS))
+def test_each_bug_in_the_bridges_cache_is_a_bug_at_the_step_where_it_first_acts(bridge, bug):
+    report = check_cache(inject_tl_bug(TLBridgeModel(bridge), bug), SHORT, 16, continuation=CONTINUATION[:16])
+    assert report.verdict == "bug", report.format()
+    for name, scenario in report.scenarios.items():
+        acts = TL_BUGS[bug].first_acting_step(name, len(SHORT))
+        if acts is None:  # the control: a scenario the bug never reaches stays clean
+            assert scenario.verdict in PASSING, report.format()
+        else:
+            assert scenario.verdict == "bug" and scenario.first_bug_step == acts, report.format()
+
+
+class _DeclaresFloat64(TLBridgeModel):
+    """The control: the bridge adapter declaring its promoted model float64 throughout."""
+
+    internal_formats = {"softmax": "float64"}
+
+
+@pytest.mark.parametrize(
+    ("adapter_class", "verdict"), [(TLBridgeModel, "rounding"), (_DeclaresFloat64, "length-dependent")]
+)
+def test_the_bridges_float32_softmax_is_measured_so_its_float64_logic_check_passes(bridge, adapter_class, verdict):
+    adapter = adapter_class(bridge)
+    report = check_cache(adapter, PROMPT, 16, continuation=CONTINUATION[:16], promote="float64")
+    assert report.promoted.verdict == verdict, report.format()
+    if adapter_class is TLBridgeModel:  # eager attention: transformers' softmax in float32 even in a float64 model
+        assert adapter.promote("float64").internal_formats["softmax"] == "float32"
+
+
+def test_the_engine_opens_a_model_directory_as_a_bridge_and_a_file_as_a_config(tmp_path):
+    directory = tmp_path / "llama"
+    tiny_llama(directory, seed=2)
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps(tiny_tl_config()))
+    assert type(engine_model(str(directory))) is TLBridgeModel and type(engine_model(config, seed=1)) is TLModel
+    with pytest.raises(ValueError, match=r"^path: 'HookedTransformer' is not allowed; allowed: a transformer_lens Tr"):
+        TLBridgeModel(model("standard"))
