@@ -82,3 +82,23 @@ def test_check_cache_hands_a_llama_object_to_its_adapter(tmp_path, monkeypatch):
         check_cache(_llama(path=str(gguf)), [1, 2, 3], 4)
     with pytest.raises(ValueError, match=r"^path: .* is not allowed; allowed: a GGUF file"):
         check_cache(_llama(path=str(tmp_path / "missing.gguf")), [1, 2, 3], 4)
+
+
+def test_a_config_on_transformer_lens_4_is_one_clear_error(tmp_path, monkeypatch):
+    """TransformerLens 4.0 removed HookedTransformer: its module raises ImportError for the name (as here)."""
+    pytest.importorskip("torch")
+    from kvfast.check.engines.transformer_lens import TLModel
+
+    def removed(name):
+        raise ImportError(f"{name!r} was removed in TransformerLens 4.0.")
+
+    four = types.ModuleType("transformer_lens")
+    four.__getattr__ = removed
+    monkeypatch.setitem(sys.modules, "transformer_lens", four)
+    config = tmp_path / "tiny.json"
+    config.write_text('{"n_layers": 1}')
+    with pytest.raises(ValueError, match=r"^path: .* allowed: a TransformerLens release with HookedTransformer"):
+        TLModel(config)
+    monkeypatch.setitem(sys.modules, "transformer_lens", None)  # none installed: what to install
+    with pytest.raises(ValueError, match=r"^model: a TransformerLens model needs transformer_lens; allowed: pip"):
+        TLModel(config)

@@ -114,6 +114,20 @@ def _torch():
     return import_extra("torch", "a TransformerLens model", "transformer_lens")
 
 
+def _hooked(name: str):
+    """TransformerLens's ``HookedTransformer`` or ``HookedTransformerConfig``; ``ValueError`` on a release without
+    them (4.0 removed them: its import raises ``ImportError``)."""
+    try:
+        return getattr(_tl(), name)
+    except (AttributeError, ImportError):
+        raise not_allowed(
+            "path",
+            "a HookedTransformerConfig",
+            "a TransformerLens release with HookedTransformer (2.x, 3.x; 4.0 "
+            "removed it): pip install 'transformer-lens<4', or check a TransformerBridge",
+        ) from None
+
+
 def cache_class():
     """TransformerLens's KV cache class: ``TransformerLensKeyValueCache`` (3.x), else
     ``HookedTransformerKeyValueCache`` (2.x)."""
@@ -125,7 +139,7 @@ def model_from_config(path, seed: int = 0, weights=None):
     """A ``HookedTransformer`` built from a JSON file of ``HookedTransformerConfig`` fields (``dtype`` by name:
     :data:`DTYPES`), random weights from ``seed`` or, with ``weights``, a state dict saved by
     ``torch.save(model.state_dict(), weights)``."""
-    torch, tl = _torch(), _tl()
+    torch = _torch()
     try:
         fields = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
@@ -134,7 +148,7 @@ def model_from_config(path, seed: int = 0, weights=None):
         raise not_allowed("path", str(path), f"{MODEL} (a JSON object)")
     if "dtype" in fields:
         fields["dtype"] = getattr(torch, require_choice(fields["dtype"], f"{path}: dtype", DTYPES))
-    cfg = tl.HookedTransformerConfig(**{**fields, "seed": require_int(seed, "seed")})
+    cfg = _hooked("HookedTransformerConfig")(**{**fields, "seed": require_int(seed, "seed")})
     model = _hooked_transformer(cfg)
     if weights is not None:
         if not isinstance(weights, str | os.PathLike) or not Path(weights).is_file():
@@ -398,14 +412,14 @@ def tiny_tl_config(positional: str = "standard", dtype: str = "float32") -> dict
 
 def tiny_tl_model(positional: str = "standard", dtype: str = "float32", seed: int = 0):
     """A tiny random ``HookedTransformer`` (:func:`tiny_tl_config`), weights from ``seed``."""
-    torch, tl = _torch(), _tl()
+    torch = _torch()
     fields = tiny_tl_config(positional, dtype)
     fields["dtype"] = getattr(torch, fields["dtype"])
-    return _hooked_transformer(tl.HookedTransformerConfig(**fields, seed=require_int(seed, "seed"))).eval()
+    return _hooked_transformer(_hooked("HookedTransformerConfig")(**fields, seed=require_int(seed, "seed"))).eval()
 
 
 def _hooked_transformer(cfg):
     """``HookedTransformer(cfg)``, without 3.x's warning that the class goes in 4.0 (kvfast, not the user, built it)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "HookedTransformer is deprecated", DeprecationWarning)
-        return _tl().HookedTransformer(cfg)
+        return _hooked("HookedTransformer")(cfg)
