@@ -90,14 +90,16 @@ def test_a_config_on_transformer_lens_4_is_one_clear_error(tmp_path, monkeypatch
     from kvfast.check.engines.transformer_lens import TLModel
 
     def removed(name):
-        raise ImportError(f"{name!r} was removed in TransformerLens 4.0.")
+        if name in ("HookedTransformer", "HookedTransformerConfig"):
+            raise ImportError(f"{name!r} was removed in TransformerLens 4.0.")
+        raise AttributeError(name)
 
     four = types.ModuleType("transformer_lens")
     four.__getattr__ = removed
     monkeypatch.setitem(sys.modules, "transformer_lens", four)
     config = tmp_path / "tiny.json"
     config.write_text('{"n_layers": 1}')
-    with pytest.raises(ValueError, match=r"^path: .* allowed: a TransformerLens release with HookedTransformer"):
+    with pytest.raises(ValueError, match=r"^transformer_lens: '.*' is not allowed; allowed: a release with HookedTr"):
         TLModel(config)
     monkeypatch.setitem(sys.modules, "transformer_lens", None)  # none installed: what to install
     with pytest.raises(ValueError, match=r"^model: a TransformerLens model needs transformer_lens; allowed: pip"):

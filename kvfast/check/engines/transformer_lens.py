@@ -26,9 +26,9 @@ What the adapter does (every call under ``torch.no_grad()``, the model in eval m
   freshly built model's first call (the bias of the true positions).
 - ``recompute_variants`` (control mode's order noise): ``"rows"``, the recompute with every matrix product
   (``mm``, ``addmm``, ``bmm``: TransformerLens's ``F.linear``, ``addmm`` and 4-D ``@``) computed one row at a time
-  (:class:`OneRowProducts`), the order of a decode step's products, which take one position. TransformerLens
-  calls no ``nn.Linear``, so a variant that runs linear layers row by row changes nothing: without this one a
-  correct float64 model measured no order noise and was ``inconclusive``.
+  (:func:`_one_row_products`), the order of a decode step's products, which take one position. TransformerLens
+  calls no ``nn.Linear``, so a variant that runs linear layers row by row (the Hugging Face adapter's) changes
+  nothing.
 - ``internal_formats``: the formats of the model's order-sensitive ops, measured on a few tokens as for a Hugging
   Face model (:func:`kvfast.check.hf.measure_internal_formats`): a bridge over an eager Llama computes its softmax
   in float32 even in float64.
@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib.metadata
 import json
 import os
 import warnings
@@ -117,15 +118,16 @@ def _torch():
 def _hooked(name: str):
     """TransformerLens's ``HookedTransformer`` or ``HookedTransformerConfig``; ``ValueError`` on a release without
     them (4.0 removed them: its import raises ``ImportError``)."""
+    tl = _tl()
     try:
-        return getattr(_tl(), name)
+        return getattr(tl, name)
     except (AttributeError, ImportError):
-        raise not_allowed(
-            "path",
-            "a HookedTransformerConfig",
-            "a TransformerLens release with HookedTransformer (2.x, 3.x; 4.0 "
-            "removed it): pip install 'transformer-lens<4', or check a TransformerBridge",
-        ) from None
+        try:
+            release = importlib.metadata.version("transformer-lens")
+        except importlib.metadata.PackageNotFoundError:
+            release = "this release"
+        allowed = "a release with HookedTransformer (2.x, 3.x; 4.0 removed it): pip install 'transformer-lens<4'"
+        raise not_allowed("transformer_lens", release, f"{allowed}, or check a TransformerBridge") from None
 
 
 def cache_class():
@@ -323,6 +325,7 @@ class TLBridgeModel:
         self.model = bridge.eval()
         self.variants = tuple(variants)
         self.vocab_size = int(bridge.cfg.d_vocab)
+        self.max_positions = int(bridge.cfg.n_ctx)
         self.cache = None
         self.tokens: list[int] = []
 
