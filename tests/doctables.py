@@ -32,6 +32,8 @@ EXTRA_USES = {
     "ort": "onnxruntime-genai models (`kvfast check --engine ort`); building its tiny test model also needs `hf`",
     "llamacpp": "llama.cpp models through llama-cpp-python (`--engine llamacpp`; a source build of about 40 minutes)",
     "vllm": 'vLLM\'s CPU build (`--engine vllm`), in an environment of its own (docs/engines.md, "vLLM")',
+    "transformer_lens": "TransformerLens's `HookedTransformer` (`--engine transformer_lens`); 4.x bridges: install "
+    "TransformerLens directly (docs/engines.md, \"TransformerLens\")",
     "test": "the test suite's own needs (pytest, hypothesis, scikit-learn, ruff, Dask, DuckDB, CTranslate2, ...)",
 }
 
@@ -81,6 +83,7 @@ def dev_commands() -> str:
         "newest": "the newest releases pyproject.toml allows",
         "lowest": "every dependency at its lower bound (`.ci/lowest.txt`)",
         "vllm": f"`{dev.TORCH_CPU}`, `{dev.VLLM}`, then kvfast and its own dependencies",
+        "transformer_lens": f"`{dev.TORCH_CPU}`, `{dev.TL}`, `{dev.TL_TRANSFORMERS}`, then kvfast",
     }
     rows = []
     for name, (what, venv, extras, chosen) in dev.COMMANDS.items():

@@ -65,10 +65,10 @@ def first_acting_in(bugs: dict[str, Bug], bug: str, scenario: str, prompt_len: i
     return bugs[bug].first_acting_step(scenario, prompt_len)
 
 
-def mixin_injector(adapter: type, allowed: str) -> Callable[[type], Callable[[object], object]]:
-    """``injector(mixin)`` for a catalogue of ``adapter``'s bugs: it gives ``inject(model)``, which turns an
-    ``adapter`` into one with ``mixin`` in front (:func:`subclass_with`) and refuses anything else
-    (``ValueError`` naming ``model`` and ``allowed``)."""
+def mixin_injector(adapter: type | tuple[type, ...], allowed: str) -> Callable[[type], Callable[[object], object]]:
+    """``injector(mixin)`` for a catalogue of ``adapter``'s bugs (a class, or a tuple of classes that share the
+    hooks): it gives ``inject(model)``, which turns an ``adapter`` into one with ``mixin`` in front
+    (:func:`subclass_with`) and refuses anything else (``ValueError`` naming ``model`` and ``allowed``)."""
 
     def injector(mixin: type) -> Callable[[object], object]:
         def inject(model: object) -> object:

@@ -1,7 +1,8 @@
 """Cache bugs injected into an inference engine's cached path: :data:`VLLM_BUGS` (vLLM,
 :class:`~kvfast.check.engines.vllm.VLLMModel`), :data:`ORT_BUGS` (onnxruntime-genai,
-:class:`~kvfast.check.engines.ort.ORTModel`) and :data:`LLAMACPP_BUGS` (llama.cpp,
-:class:`~kvfast.check.engines.llamacpp.LlamaCppModel`).
+:class:`~kvfast.check.engines.ort.ORTModel`), :data:`LLAMACPP_BUGS` (llama.cpp,
+:class:`~kvfast.check.engines.llamacpp.LlamaCppModel`) and :data:`TL_BUGS` (TransformerLens,
+:class:`~kvfast.check.engines.transformer_lens.TLModel`).
 
 Each vLLM bug is a mixin over :meth:`VLLMModel._attention_metadata`, the hook every CPU attention step of the
 cached path passes its ``CommonAttentionMetadata`` through (the recompute's and the variants' never do): the bug
@@ -17,6 +18,7 @@ import dataclasses
 from kvfast.bugs.bug import Bug, catalogue, first_acting_in, inject_from, mixin_injector
 from kvfast.check.engines.llamacpp import LlamaCppModel
 from kvfast.check.engines.ort import ORTModel
+from kvfast.check.engines.transformer_lens import TLBridgeModel, TLModel
 from kvfast.check.engines.vllm import BLOCK, VLLMModel
 
 #: The ``evict`` bug's window in blocks: decode drops the sequence's first block once it holds more.
@@ -192,3 +194,97 @@ def inject_llamacpp_bug(adapter: LlamaCppModel, bug: str | None) -> LlamaCppMode
     """``adapter`` with cache bug ``bug`` of :data:`LLAMACPP_BUGS` (``None``: clean, unchanged), in place and
     returned."""
     return inject_from(LLAMACPP_BUGS, adapter, bug)
+
+
+# --- TransformerLens ---------------------------------------------------------------------------------------------
+# Each bug is a mixin over ``decode`` or ``extend`` of TLModel (TransformerLens's own cache object: the per-layer
+# ``past_keys``/``past_values`` and its ``previous_attention_mask``, the same fields in 2.x and 3.x) or TLBridgeModel
+# (the transformers cache the bridge hands back: its ``layers``' ``keys``/``values``); the recompute and the
+# order-noise variant never pass through them.
+
+#: The TransformerLens ``evict`` bug's window: decode drops the oldest position once the cache holds this many.
+TL_WINDOW = 8
+
+
+def _keep_positions(cache, index) -> None:
+    """The cache cut to the positions ``index`` (a slice or a list) in every layer (and TransformerLens's mask)."""
+    if hasattr(cache, "entries"):  # TransformerLens's own cache: [batch, position, head, d_head], and its mask
+        for entry in cache.entries:
+            entry.past_keys, entry.past_values = entry.past_keys[:, index], entry.past_values[:, index]
+        cache.previous_attention_mask = cache.previous_attention_mask[:, index]
+    else:  # a transformers cache (the bridge's): [batch, head, position, d_head]
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys[:, :, index], layer.values[:, :, index]
+
+
+class _TLEvict(_EngineBug):
+    bug = "evict"
+
+    def decode(self, token):
+        if self.length >= TL_WINDOW:  # the oldest position dropped from every layer (and the mask)
+            _keep_positions(self.cache, slice(1, None))
+        return super().decode(token)
+
+
+class _TLFreeze(_EngineBug):
+    bug = "freeze"
+
+    def decode(self, token):
+        logits = super().decode(token)
+        _keep_positions(self.cache, slice(0, self.length - 1))  # as over a frozen cache: the token's K/V not kept
+        return logits
+
+
+class _TLReplay(_EngineBug):
+    bug = "replay"
+
+    def decode(self, token):
+        logits = super().decode(token)
+        last = self.length - 1  # the decoded token's keys and values stored a second time
+        _keep_positions(self.cache, [*range(self.length), last])
+        return logits
+
+
+class _TLRestart(_EngineBug):
+    bug = "restart"
+
+    def extend(self, tokens):
+        self.cache = self._new_cache()  # the resumed chunk computed over a new cache: the session's start forgotten
+        return super().extend(tokens)
+
+
+def _tl_evict_acts(scenario, prompt_len, steps, window):
+    return max(1, TL_WINDOW - prompt_len + 1) if scenario in ("decode", "resume") else None
+
+
+def _tl_after_first_decode(scenario, prompt_len, steps, window):
+    return 2 if scenario in ("decode", "resume") else None  # the first decode's own row is right; the next is not
+
+
+def _tl_restart_acts(scenario, prompt_len, steps, window):
+    return 0 if scenario == "resume" else None
+
+
+_tl_injector = mixin_injector(
+    (TLModel, TLBridgeModel), "a TLModel or TLBridgeModel (kvfast.check.engines.transformer_lens)"
+)
+
+#: TransformerLens's cache bugs, in the cache under test (:class:`~kvfast.check.engines.transformer_lens.TLModel`,
+#: :class:`~kvfast.check.engines.transformer_lens.TLBridgeModel`).
+TL_BUGS: dict[str, Bug] = catalogue(
+    Bug("evict", f"decode drops the oldest position once the cache holds {TL_WINDOW} (every layer's keys and "
+        "values)", _tl_evict_acts, _tl_injector(_TLEvict)),
+    Bug("freeze", "decode does not keep the decoded token's keys and values (as over TransformerLens's frozen "
+        "cache)", _tl_after_first_decode, _tl_injector(_TLFreeze)),
+    Bug("replay", "decode stores the decoded token's keys and values twice", _tl_after_first_decode,
+        _tl_injector(_TLReplay)),
+    Bug("restart", "a resumed chunk is computed over a new cache (the session's start forgotten)", _tl_restart_acts,
+        _tl_injector(_TLRestart)),
+)  # fmt: skip
+
+
+def inject_tl_bug(adapter, bug: str | None):
+    """``adapter`` (a :class:`~kvfast.check.engines.transformer_lens.TLModel` or
+    :class:`~kvfast.check.engines.transformer_lens.TLBridgeModel`) with cache bug ``bug`` of :data:`TL_BUGS`
+    (``None``: clean, unchanged), in place and returned."""
+    return inject_from(TL_BUGS, adapter, bug)

@@ -184,11 +184,12 @@ def _order_op(func, args, out) -> tuple[str, str] | None:
     return (what, lowest(fmts)) if fmts else None
 
 
-def measure_internal_formats(model, tokens) -> dict[str, str]:
+def measure_internal_formats(model, tokens, run=None) -> dict[str, str]:
     """The formats a transformers ``model`` computes its order-sensitive ops in (``{what: format}``, ``what``:
     ``matrix products``, ``softmax``, ``attention``), from one forward of ``tokens`` (no cache) under a
     ``TorchDispatchMode`` that records every aten call (:data:`ORDER_OPS`; the lowest format per kind).
-    Llama float64 sdpa: every op float64; Llama and Bloom float64 eager: a float32 softmax."""
+    Llama float64 sdpa: every op float64; Llama and Bloom float64 eager: a float32 softmax. ``run(ids)`` (``ids``:
+    ``(1, T)`` int64) runs a model that is called otherwise (TransformerLens's)."""
     torch = _torch()
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -205,7 +206,7 @@ def measure_internal_formats(model, tokens) -> dict[str, str]:
 
     ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64))[None, :]
     with torch.no_grad(), Record():
-        model(input_ids=ids, use_cache=False)
+        model(input_ids=ids, use_cache=False) if run is None else run(ids)
     return seen
 
 

@@ -92,7 +92,8 @@ EXIT_CODES = {
 }
 #: ``--engine NAME PATH``: the factory that builds NAME's model under test from ``path=PATH``.
 ENGINES = {"ort": "kvfast.check.engines.ort:ORTModel", "llamacpp": "kvfast.check.engines.llamacpp:LlamaCppModel",
-           "vllm": "kvfast.check.engines.vllm:VLLMModel"}  # fmt: skip
+           "vllm": "kvfast.check.engines.vllm:VLLMModel",
+           "transformer_lens": "kvfast.check.engines.transformer_lens:engine_model"}  # fmt: skip
 GRACE_S = 1.5  # after --timeout, the child's own timer has had this long to report before it is killed
 #: kvfast's own factories, by the module that defines them: ``kvfast.studies.check`` re-exports
 #: ``kvfast_model`` for its grids, and importing it imports every study, the sweep engine and pandas (about
@@ -119,7 +120,8 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--engine", choices=sorted(ENGINES), default=None,
         help="check an inference engine's model: FACTORY is then its path (ort: an onnxruntime-genai model directory; "
-        "llamacpp: a GGUF file)",
+        "llamacpp: a GGUF file; vllm: a model directory; transformer_lens: a JSON file of HookedTransformerConfig "
+        "fields, or a transformers model directory for a TransformerBridge)",
     )  # fmt: skip
     p.add_argument(
         "--factory-arg", action="append", default=[], metavar="KEY=VALUE", help="an argument for FACTORY (repeatable)"
@@ -269,12 +271,15 @@ def build_engine(args):
 
 def require_model_under_test(model: object, call: str) -> None:
     """``ValueError`` (bad input: ``the factory CALL returns no model under test: ...``) unless ``model`` is a
-    model under test or a Hugging Face model: a class instead of an instance, ``None``, anything else."""
+    model under test, a Hugging Face model or an engine's object kvfast wraps by itself
+    (:func:`kvfast.check.engines.engine_adapter`: a ``HookedTransformer``, a ``vllm.LLM``, ...): a class instead
+    of an instance, ``None``, anything else."""
+    from kvfast.check.engines import engine_adapter
     from kvfast.check.hf import is_hf_model
     from kvfast.check.protocol import require_model
 
     try:
-        if not isinstance(model, type) and is_hf_model(model):
+        if not isinstance(model, type) and (is_hf_model(model) or engine_adapter(model) is not None):
             return
         require_model(model)
     except ValueError as exc:

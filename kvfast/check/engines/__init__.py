@@ -1,6 +1,8 @@
 """Inference engines as models under test (each an optional extra): :mod:`kvfast.check.engines.ort`
 (onnxruntime-genai, ``kvfast[ort]``), :mod:`kvfast.check.engines.llamacpp` (llama.cpp through
-llama-cpp-python, ``kvfast[llamacpp]``), :mod:`kvfast.check.engines.vllm` (vLLM, ``kvfast[vllm]``).
+llama-cpp-python, ``kvfast[llamacpp]``), :mod:`kvfast.check.engines.vllm` (vLLM, ``kvfast[vllm]``),
+:mod:`kvfast.check.engines.transformer_lens` (a TransformerLens ``HookedTransformer`` or ``TransformerBridge``,
+``kvfast[transformer_lens]``).
 
 :func:`engine_adapter` is where an engine's own object (or an onnxruntime-genai model directory) given to
 ``check_cache`` finds its adapter: the one table of what kvfast wraps by itself.
@@ -19,6 +21,8 @@ ENGINE_OBJECTS = (
     ("kvfast.check.engines.ort", "is_og_model", "ORTModel"),  # an onnxruntime_genai.Model
     ("kvfast.check.engines.llamacpp", "is_llama", "LlamaCppModel"),  # a llama_cpp.Llama
     ("kvfast.check.engines.vllm", "is_vllm_llm", "VLLMModel"),  # a vllm.LLM
+    ("kvfast.check.engines.transformer_lens", "is_hooked_transformer", "TLModel"),  # a HookedTransformer
+    ("kvfast.check.engines.transformer_lens", "is_transformer_bridge", "TLBridgeModel"),  # a TransformerBridge
 )
 
 

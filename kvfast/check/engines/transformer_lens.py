@@ -1,0 +1,428 @@
+"""TransformerLens models as models under test: ``TLModel(model)`` over a ``HookedTransformer`` and its own KV cache
+(extra ``kvfast[transformer_lens]``; docs/engines.md, "TransformerLens").
+
+A ``HookedTransformer`` (TransformerLens 2.x and 3.x) behind the check protocol (:mod:`kvfast.check.protocol`)::
+
+    report = kvfast.check_cache(model, [1, 2, 3], 64)  # a HookedTransformer as it is: wrapped in TLModel
+
+What the adapter does (every call under ``torch.no_grad()``, the model in eval mode):
+
+- ``prefill(tokens)``: a fresh TransformerLens cache (``TransformerLensKeyValueCache`` in 3.x,
+  ``HookedTransformerKeyValueCache`` in 2.x: ``init_cache(cfg, device, 1)``), then ``model(tokens,
+  past_kv_cache=cache)``; ``extend(tokens)`` and ``decode(token)``: ``model(tokens, past_kv_cache=cache)`` over
+  it. That is what ``model.generate`` runs.
+- ``recompute(tokens)``: ``model(tokens)``, no cache.
+- **The attention mask**: a cached forward builds its mask from ``model.tokenizer`` (``pad_token_id``), and without a
+  tokenizer fails (3.x: ``Cannot compute attention mask without a tokenizer``; 2.7: ``'NoneType' object has no
+  attribute 'pad_token_id'``). Passing ``attention_mask`` instead is release-dependent: 3.x appends it to the
+  cache's mask, 2.7 takes it as the whole mask and a multi-token chunk over a cache fails (``The size of tensor a
+  (2) must match the size of tensor b (0)``). So during each of kvfast's calls ``model.tokenizer`` is
+  :data:`NO_PADS`, a stand-in whose pad id is no token: every position is attended, on every release, and the
+  model's own tokenizer (or ``None``) is put back after the call.
+- **ALiBi**: each attention layer keeps its bias matrix (``attn.alibi``) and rebuilds it only for a longer
+  sequence than it holds; a call over a shorter one reads the bottom rows of the larger matrix, a constant shift
+  of each query's scores that changes their rounding. A recompute of the whole sequence would so change what a
+  later cached call computes; kvfast sets ``attn.alibi = None`` before each call, so every call computes as a
+  freshly built model's first call (the bias of the true positions).
+- ``recompute_variants`` (control mode's order noise): ``"rows"``, the recompute with every matrix product
+  (``mm``, ``addmm``, ``bmm``: TransformerLens's ``F.linear``, ``addmm`` and 4-D ``@``) computed one row at a time
+  (:func:`_one_row_products`), the order of a decode step's products, which take one position. TransformerLens
+  calls no ``nn.Linear``, so a variant that runs linear layers row by row (the Hugging Face adapter's) changes
+  nothing.
+- ``internal_formats``: the formats of the model's order-sensitive ops, measured on a few tokens as for a Hugging
+  Face model (:func:`kvfast.check.hf.measure_internal_formats`): a bridge over an eager Llama computes its softmax
+  in float32 even in float64.
+- ``promote("float64")``: the same adapter (its bug included) over a deep copy of the model in float64.
+
+``TLBridgeModel(bridge)``: a ``TransformerBridge`` (TransformerLens 3.x and 4.x, over a transformers model) through its
+own manual KV-cache entry point: ``prefill`` is ``bridge(tokens, return_type="logits_and_cache")``, ``extend`` and
+``decode`` hand the returned transformers cache back (``past_key_values=cache``), the recompute is ``bridge(tokens)``;
+the same ``"rows"`` variant, internal formats and promotion.
+
+Bugs for kvfast's tests are injected by subclassing these adapters (:data:`kvfast.bugs.engines.TL_BUGS`, over
+``decode``, ``extend`` and the cache itself: :attr:`TLModel.cache`).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib.metadata
+import json
+import os
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from kvfast.validation import import_extra, not_allowed, require_choice, require_int
+
+#: The order-noise variants built by default.
+VARIANTS = ("rows",)
+MODEL = "a transformer_lens.HookedTransformer or a JSON file of HookedTransformerConfig fields"
+BRIDGE = "a transformer_lens TransformerBridge or a transformers model directory (with its tokenizer)"
+#: torch dtypes by name (a config file's ``dtype``, :func:`tiny_tl_model`'s).
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+#: TransformerLens's positional kinds the tests build (``positional_embedding_type``).
+POSITIONALS = ("standard", "rotary", "alibi")
+
+
+def is_hooked_transformer(model: object) -> bool:
+    """Whether ``model`` is a ``transformer_lens.HookedTransformer`` (a subclass included; imports nothing)."""
+    return any(
+        cls.__name__ == "HookedTransformer" and cls.__module__.startswith("transformer_lens")
+        for cls in type(model).__mro__
+    )
+
+
+def is_transformer_bridge(model: object) -> bool:
+    """Whether ``model`` is a TransformerLens ``TransformerBridge`` (a subclass included; imports nothing)."""
+    return any(
+        cls.__name__ == "TransformerBridge" and cls.__module__.startswith("transformer_lens")
+        for cls in type(model).__mro__
+    )
+
+
+def engine_model(path, **kwargs):
+    """``kvfast check --engine transformer_lens PATH``: a directory is a transformers model booted into a
+    ``TransformerBridge`` (:class:`TLBridgeModel`), a file a ``HookedTransformerConfig`` (:class:`TLModel`); ``kwargs``
+    go to that adapter."""
+    if isinstance(path, str | os.PathLike) and Path(path).is_dir():
+        return TLBridgeModel(path, **kwargs)
+    return TLModel(path, **kwargs)
+
+
+class _NoPads:
+    """A stand-in tokenizer for the length of kvfast's calls: TransformerLens builds a cached forward's attention
+    mask from it, and no token is its pad (every position attended)."""
+
+    pad_token_id = -1
+    bos_token_id = None
+    padding_side = "right"
+
+    def __repr__(self) -> str:
+        return "NO_PADS"
+
+
+NO_PADS = _NoPads()
+
+
+def _tl():
+    return import_extra("transformer_lens", "a TransformerLens model", "transformer_lens")
+
+
+def _torch():
+    return import_extra("torch", "a TransformerLens model", "transformer_lens")
+
+
+def _hooked(name: str):
+    """TransformerLens's ``HookedTransformer`` or ``HookedTransformerConfig``; ``ValueError`` on a release without
+    them (4.0 removed them: its import raises ``ImportError``)."""
+    tl = _tl()
+    try:
+        return getattr(tl, name)
+    except (AttributeError, ImportError):
+        try:
+            release = importlib.metadata.version("transformer-lens")
+        except importlib.metadata.PackageNotFoundError:
+            release = "this release"
+        allowed = "a release with HookedTransformer (2.x, 3.x; 4.0 removed it): pip install 'transformer-lens<4'"
+        raise not_allowed("transformer_lens", release, f"{allowed}, or check a TransformerBridge") from None
+
+
+def cache_class():
+    """TransformerLens's KV cache class: ``TransformerLensKeyValueCache`` (3.x), else
+    ``HookedTransformerKeyValueCache`` (2.x)."""
+    tl = _tl()
+    return getattr(tl, "TransformerLensKeyValueCache", None) or tl.HookedTransformerKeyValueCache
+
+
+def model_from_config(path, seed: int = 0, weights=None):
+    """A ``HookedTransformer`` built from a JSON file of ``HookedTransformerConfig`` fields (``dtype`` by name:
+    :data:`DTYPES`), random weights from ``seed`` or, with ``weights``, a state dict saved by
+    ``torch.save(model.state_dict(), weights)``."""
+    torch = _torch()
+    try:
+        fields = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise not_allowed("path", str(path), f"{MODEL} ({type(exc).__name__}: {exc})") from None
+    if not isinstance(fields, dict):
+        raise not_allowed("path", str(path), f"{MODEL} (a JSON object)")
+    if "dtype" in fields:
+        fields["dtype"] = getattr(torch, require_choice(fields["dtype"], f"{path}: dtype", DTYPES))
+    cfg = _hooked("HookedTransformerConfig")(**{**fields, "seed": require_int(seed, "seed")})
+    model = _hooked_transformer(cfg)
+    if weights is not None:
+        if not isinstance(weights, str | os.PathLike) or not Path(weights).is_file():
+            raise not_allowed("weights", weights, "a state dict file saved by torch.save(model.state_dict(), path)")
+        model.load_state_dict(torch.load(weights, map_location=cfg.device, weights_only=True))
+    return model
+
+
+def _one_row_products():
+    """A ``TorchDispatchMode`` under which every matrix product (``mm``, ``addmm``, ``bmm``) is computed one row
+    of its left operand at a time: the order of a decode step, whose products take one position."""
+    torch = _torch()
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+    left = {aten.mm.default: 0, aten.addmm.default: 1, aten.bmm.default: 0}
+
+    class OneRowProducts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            i = left.get(func)
+            if i is None or args[i].shape[-2] <= 1:
+                return func(*args, **kwargs)
+            a, rows = args[i], args[i].shape[-2]
+            parts = [func(*args[:i], a[..., r : r + 1, :], *args[i + 1 :], **kwargs) for r in range(rows)]
+            return torch.cat(parts, dim=-2)
+
+    return OneRowProducts()
+
+
+class TLModel:
+    """A TransformerLens ``HookedTransformer`` behind the check protocol, through its own KV cache (see the module
+    doc).
+
+    - ``path``: a ``HookedTransformer`` (checked as it is: its tokenizer and ALiBi buffers are set aside only
+      during kvfast's calls), or a JSON file of ``HookedTransformerConfig`` fields (:func:`model_from_config`,
+      with ``seed`` and ``weights``): what ``kvfast check --engine transformer_lens CONFIG.json`` builds.
+    - ``variants``: the order-noise variants to build, of :data:`VARIANTS`.
+    """
+
+    def __init__(self, path, *, variants=VARIANTS, seed: int = 0, weights=None):
+        model = path
+        if isinstance(path, str | os.PathLike):
+            if not Path(path).is_file():
+                raise not_allowed("path", str(path), MODEL)
+            model = model_from_config(path, seed, weights)
+        if not is_hooked_transformer(model):
+            raise not_allowed("path", type(model).__name__, MODEL)
+        for name in variants:
+            require_choice(name, "variants", VARIANTS)
+        self.model = model.eval()
+        self.variants = tuple(variants)
+        cfg = model.cfg
+        self.vocab_size = int(cfg.d_vocab_out)
+        self.max_positions = int(cfg.n_ctx)
+        self.cache = None
+        self.tokens: list[int] = []
+
+    def __repr__(self) -> str:
+        cfg = self.model.cfg
+        return f"TLModel({cfg.positional_embedding_type}, {str(cfg.dtype).removeprefix('torch.')})"
+
+    # --- one forward, as every call of kvfast's runs it -------------------------------------------------------
+
+    def _forward(self, tokens, cache=None):
+        """``model(tokens, past_kv_cache=cache)``'s logits ``(n, V)``: under ``no_grad``, with :data:`NO_PADS` as
+        the tokenizer and every ALiBi buffer reset (the module doc), the model's tokenizer put back after."""
+        torch, model = _torch(), self.model
+        ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64).reshape(1, -1), device=model.cfg.device)
+        saved = model.tokenizer
+        model.tokenizer = NO_PADS
+        self._reset_alibi()
+        try:
+            with torch.no_grad():
+                logits = model(ids) if cache is None else model(ids, past_kv_cache=cache)
+        finally:
+            model.tokenizer = saved
+        return logits[0]
+
+    def _reset_alibi(self) -> None:
+        """Every attention layer's ALiBi bias matrix dropped: the call rebuilds it for its own length (the module
+        doc)."""
+        for block in self.model.blocks:
+            if getattr(block.attn, "alibi", None) is not None:
+                block.attn.alibi = None
+
+    def _new_cache(self):
+        return cache_class().init_cache(self.model.cfg, self.model.cfg.device, 1)
+
+    # --- the protocol ----------------------------------------------------------------------------------------
+
+    def recompute(self, tokens):
+        """``model(tokens)``: logits ``(T, V)`` with no cache."""
+        return self._forward(tokens)
+
+    def prefill(self, tokens):
+        """A fresh TransformerLens cache, then ``model(tokens, past_kv_cache=cache)``: logits ``(T, V)``."""
+        self.cache = self._new_cache()
+        self.tokens = [int(t) for t in np.asarray(tokens).reshape(-1)]
+        return self._forward(tokens, self.cache)
+
+    def extend(self, tokens):
+        """``model(tokens, past_kv_cache=cache)`` on top of the cache: logits ``(n, V)``."""
+        self._require()
+        self.tokens += [int(t) for t in np.asarray(tokens).reshape(-1)]
+        return self._forward(tokens, self.cache)
+
+    def decode(self, token):
+        """``model([token], past_kv_cache=cache)``: logits ``(V,)``."""
+        self._require()
+        token = require_int(token, "token", 0, self.vocab_size - 1)
+        self.tokens.append(token)
+        return self._forward([token], self.cache)[0]
+
+    @property
+    def length(self) -> int:
+        """The positions the cache under test holds."""
+        return 0 if self.cache is None else int(self.cache.entries[0].past_keys.shape[1])
+
+    #: where :attr:`internal_formats` comes from (the protocol's optional attribute)
+    internal_formats_source = "measured"
+
+    @functools.cached_property
+    def internal_formats(self) -> dict[str, str]:
+        """``{what: format}`` of the order-sensitive ops of a recompute of 4 tokens (measured once)."""
+        from kvfast.check.hf import measure_internal_formats
+
+        return measure_internal_formats(self.model, np.arange(4) % self.vocab_size, run=self._forward)
+
+    def _require(self) -> None:
+        if self.cache is None:
+            raise ValueError("cache: empty; allowed: call prefill(tokens) first")
+
+    def recompute_variants(self, tokens) -> dict:
+        """The recompute of ``tokens`` in another order of additions (:data:`VARIANTS`; the module doc)."""
+        out = {}
+        if "rows" in self.variants:
+            with _one_row_products():
+                out["rows"] = self._forward(tokens)
+        return out
+
+    def promote(self, dtype: str = "float64") -> TLModel:
+        """The same adapter (an injected bug included: the same class) over a deep copy of the model in ``dtype``
+        (the model under test is not changed)."""
+        require_choice(dtype, "dtype", ("float64",))
+        promoted = copy.deepcopy(self.model)
+        promoted.to(getattr(_torch(), dtype), print_details=False)
+        return type(self)(promoted, variants=self.variants)
+
+
+class TLBridgeModel:
+    """A TransformerLens ``TransformerBridge`` behind the check protocol, through the transformers cache it hands
+    back (see the module doc).
+
+    - ``path``: a ``TransformerBridge``, or a transformers model directory with its tokenizer
+      (``TransformerBridge.boot_transformers(path)``).
+    - ``variants``: the order-noise variants to build, of :data:`VARIANTS`.
+    """
+
+    def __init__(self, path, *, variants=VARIANTS):
+        bridge = path
+        if isinstance(path, str | os.PathLike):
+            if not Path(path).is_dir():
+                raise not_allowed("path", str(path), BRIDGE)
+            from transformer_lens.model_bridge import TransformerBridge
+
+            bridge = TransformerBridge.boot_transformers(str(path))
+        if not is_transformer_bridge(bridge):
+            raise not_allowed("path", type(bridge).__name__, BRIDGE)
+        for name in variants:
+            require_choice(name, "variants", VARIANTS)
+        self.model = bridge.eval()
+        self.variants = tuple(variants)
+        self.vocab_size = int(bridge.cfg.d_vocab)
+        self.max_positions = int(bridge.cfg.n_ctx)
+        self.cache = None
+        self.tokens: list[int] = []
+
+    def __repr__(self) -> str:
+        dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+        return f"TLBridgeModel({type(self.model.original_model).__name__}, {dtype})"
+
+    def _forward(self, tokens, cache=None, cached: bool = False):
+        """``bridge(tokens)``'s logits ``(n, V)``; ``cached``: ``(logits, cache)`` of ``return_type="logits_and_cache"``
+        over ``cache`` (``None``: a fresh one)."""
+        torch, bridge = _torch(), self.model
+        ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64).reshape(1, -1), device=bridge.cfg.device)
+        with torch.no_grad():
+            if not cached:
+                return bridge(ids)[0]
+            past = {} if cache is None else {"past_key_values": cache}
+            logits, cache = bridge(ids, return_type="logits_and_cache", **past)
+        return logits[0], cache
+
+    def _new_cache(self):
+        return None  # the bridge's transformers model makes a fresh cache
+
+    def recompute(self, tokens):
+        """``bridge(tokens)``: logits ``(T, V)`` with no cache."""
+        return self._forward(tokens)
+
+    def prefill(self, tokens):
+        """``bridge(tokens, return_type="logits_and_cache")``: logits ``(T, V)``; the cache it returns kept."""
+        self.tokens = [int(t) for t in np.asarray(tokens).reshape(-1)]
+        logits, self.cache = self._forward(tokens, self._new_cache(), cached=True)
+        return logits
+
+    def extend(self, tokens):
+        """``bridge(tokens, past_key_values=cache, return_type="logits_and_cache")``: logits ``(n, V)``."""
+        self._require()
+        self.tokens += [int(t) for t in np.asarray(tokens).reshape(-1)]
+        logits, self.cache = self._forward(tokens, self.cache, cached=True)
+        return logits
+
+    def decode(self, token):
+        """``bridge([token], past_key_values=cache, return_type="logits_and_cache")``: logits ``(V,)``."""
+        self._require()
+        token = require_int(token, "token", 0, self.vocab_size - 1)
+        self.tokens.append(token)
+        logits, self.cache = self._forward([token], self.cache, cached=True)
+        return logits[0]
+
+    @property
+    def length(self) -> int:
+        """The positions the cache under test holds (what the transformers cache says it holds)."""
+        return 0 if self.cache is None else int(self.cache.get_seq_length())
+
+    def _require(self) -> None:
+        if not self.tokens:
+            raise ValueError("cache: empty; allowed: call prefill(tokens) first")
+
+    recompute_variants = TLModel.recompute_variants
+    internal_formats = TLModel.internal_formats
+    internal_formats_source = TLModel.internal_formats_source
+
+    def promote(self, dtype: str = "float64") -> TLBridgeModel:
+        """The same adapter (an injected bug included) over a deep copy of the bridge in ``dtype``."""
+        require_choice(dtype, "dtype", ("float64",))
+        promoted = copy.deepcopy(self.model)
+        promoted.to(getattr(_torch(), dtype), print_details=False)
+        return type(self)(promoted, variants=self.variants)
+
+
+# --- tiny random models (no download) ----------------------------------------------------------------------------
+
+#: A tiny TransformerLens config (fields of ``HookedTransformerConfig``; ``positional_embedding_type`` and ``dtype``
+#: added by :func:`tiny_tl_config`).
+TINY_TL = {
+    "n_layers": 2, "d_model": 32, "n_ctx": 96, "d_head": 8, "n_heads": 4, "d_mlp": 64, "d_vocab": 61,
+    "act_fn": "gelu_new", "normalization_type": "LN",
+}  # fmt: skip
+
+
+def tiny_tl_config(positional: str = "standard", dtype: str = "float32") -> dict:
+    """:data:`TINY_TL` with ``positional`` (:data:`POSITIONALS`; rotary over every head dimension) and ``dtype`` (by
+    name), as a config file holds it."""
+    require_choice(positional, "positional", POSITIONALS)
+    require_choice(dtype, "dtype", DTYPES)
+    rotary = {"rotary_dim": TINY_TL["d_head"]} if positional == "rotary" else {}
+    return {**TINY_TL, "positional_embedding_type": positional, "dtype": dtype, **rotary}
+
+
+def tiny_tl_model(positional: str = "standard", dtype: str = "float32", seed: int = 0):
+    """A tiny random ``HookedTransformer`` (:func:`tiny_tl_config`), weights from ``seed``."""
+    torch = _torch()
+    fields = tiny_tl_config(positional, dtype)
+    fields["dtype"] = getattr(torch, fields["dtype"])
+    return _hooked_transformer(_hooked("HookedTransformerConfig")(**fields, seed=require_int(seed, "seed"))).eval()
+
+
+def _hooked_transformer(cfg):
+    """``HookedTransformer(cfg)``, without 3.x's warning that the class goes in 4.0 (kvfast, not the user, built it)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "HookedTransformer is deprecated", DeprecationWarning)
+        return _hooked("HookedTransformer")(cfg)
