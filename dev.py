@@ -61,7 +61,7 @@ COMMANDS = {
     "test-lowest": ("`pytest ARGS`", ".venv-lowest", "test,hf,ort,plot", "lowest"),
     "test-lowest-hf": ("the Hugging Face tests (or the test files in ARGS)", ".venv-lowest", "test,hf", "lowest"),
     "test-vllm": ("`pytest -m 'vllm and not slow'` on the vLLM tests", ".venv-vllm", "", "vllm"),
-    "test-tl": ("`pytest` on the TransformerLens tests (or the test files in ARGS)", ".venv-tl", "", "transformer_lens"),
+    "test-tl": ("`pytest` on the TransformerLens tests (or the test files in ARGS)", ".venv-tl", "", "tl"),
     "kvfast": ("`kvfast ARGS`, any kvfast command", ".venv", "test,hf,ort,plot", "newest"),
 }
 

@@ -83,7 +83,7 @@ def dev_commands() -> str:
         "newest": "the newest releases pyproject.toml allows",
         "lowest": "every dependency at its lower bound (`.ci/lowest.txt`)",
         "vllm": f"`{dev.TORCH_CPU}`, `{dev.VLLM}`, then kvfast and its own dependencies",
-        "transformer_lens": f"`{dev.TORCH_CPU}`, `{dev.TL}`, `{dev.TL_TRANSFORMERS}`, then kvfast",
+        "tl": f"`{dev.TORCH_CPU}`, `{dev.TL}`, `{dev.TL_TRANSFORMERS}`, then kvfast",
     }
     rows = []
     for name, (what, venv, extras, chosen) in dev.COMMANDS.items():
