@@ -3,7 +3,7 @@
 From the repository's root (the current directory is searched first for the module):
 ``kvfast check examples.tiny_model:clean --prompt 1,2,3 --steps 64`` passes (exit 0);
 ``kvfast check examples.tiny_model:posfrozen --prompt 1,2,3 --steps 64`` finds the bug (exit 1).
-From anywhere, the same model is built in: ``kvfast check kvfast.check.adapters:tiny_model [--factory-arg
+From anywhere, the same model is built in: ``kvfast check kvfast.bugs.kvfast_model:tiny_model [--factory-arg
 bug=posfrozen] ...``.
 """
 

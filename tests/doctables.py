@@ -33,7 +33,7 @@ EXTRA_USES = {
     "llamacpp": "llama.cpp models through llama-cpp-python (`--engine llamacpp`; a source build of about 40 minutes)",
     "vllm": 'vLLM\'s CPU build (`--engine vllm`), in an environment of its own (docs/engines.md, "vLLM")',
     "transformer_lens": "TransformerLens's `HookedTransformer` (`--engine transformer_lens`); 4.x bridges: install "
-    "TransformerLens directly (docs/engines.md, \"TransformerLens\")",
+    'TransformerLens directly (docs/engines.md, "TransformerLens")',
     "test": "the test suite's own needs (pytest, hypothesis, scikit-learn, ruff, Dask, DuckDB, CTranslate2, ...)",
 }
 

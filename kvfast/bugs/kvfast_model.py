@@ -17,7 +17,10 @@ from kvfast.model.config import ModelConfig, init_params
 from kvfast.numerics import Numerics
 from kvfast.validation import not_allowed, require_int
 
-__all__ = ["BUGS", "EVICT_WINDOW", "KVFAST_BUGS", "NO_BUG", "VISIBLE_AT_STEP_1", "first_acting_step", "kvfast_model"]
+__all__ = [
+    "BUGS", "EVICT_WINDOW", "KVFAST_BUGS", "NO_BUG", "VISIBLE_AT_STEP_1", "first_acting_step", "kvfast_model",
+    "tiny_model",
+]  # fmt: skip
 
 NO_BUG = "none"  # kvfast_model's (and the studies' grids') name for a clean model
 
@@ -77,3 +80,20 @@ def kvfast_model(
     cfg = ModelConfig(vocab=vocab, d_model=d_model, n_head=n_head, n_layer=n_layer, d_ff=d_ff, max_pos=max_pos)
     numerics = Numerics.preset(preset, order, attention)
     return KvfastModel(cfg, init_params(cfg, seed), numerics, bug=None if bug == NO_BUG else bug)
+
+
+#: :func:`tiny_model`'s architecture: kvfast's model small enough to check in a second
+TINY_CONFIG = ModelConfig(vocab=32, d_model=16, n_head=2, n_layer=2, d_ff=32, max_pos=128)
+
+
+def tiny_model(bug: str | None = None, numerics: str = "f32", seed: int = 0) -> KvfastModel:
+    """A random 2-layer kvfast model (:data:`TINY_CONFIG`, parameters from ``seed``) on its real decode path, in
+    the preset ``numerics``, with the catalogue bug ``bug`` (:data:`kvfast.BUGS`; ``None`` or ``"none"``:
+    clean). A factory for ``kvfast check`` that works from any directory::
+
+        kvfast check kvfast.bugs.kvfast_model:tiny_model --prompt 1,2,3 --steps 64
+        kvfast check kvfast.bugs.kvfast_model:tiny_model --factory-arg bug=posfrozen --prompt 1,2,3 --steps 64
+
+    Bad arguments raise ``ValueError`` naming the field (``kvfast check``: exit 2)."""
+    params = init_params(TINY_CONFIG, seed=require_int(seed, "seed", 0))
+    return KvfastModel(TINY_CONFIG, params, numerics, bug=None if bug in (None, NO_BUG) else bug)

@@ -227,22 +227,3 @@ def clear_prepared_weights() -> None:
     """Forget every parameter set :func:`prepared_weights` keeps (a fresh process's state, for benchmarks)."""
     with _PREPARED_LOCK:
         _PREPARED.clear()
-
-
-#: :func:`tiny_model`'s architecture: kvfast's model small enough to check in a second
-TINY_CONFIG = ModelConfig(vocab=32, d_model=16, n_head=2, n_layer=2, d_ff=32, max_pos=128)
-
-
-def tiny_model(bug: str | None = None, numerics: str = "f32", seed: int = 0) -> KvfastModel:
-    """A random 2-layer kvfast model (:data:`TINY_CONFIG`, parameters from ``seed``) on its real decode path, in
-    the preset ``numerics``, with the catalogue bug ``bug`` (:data:`kvfast.BUGS`; ``None`` or ``"none"``:
-    clean). A factory for ``kvfast check`` that works from any directory::
-
-        kvfast check kvfast.check.adapters:tiny_model --prompt 1,2,3 --steps 64
-        kvfast check kvfast.check.adapters:tiny_model --factory-arg bug=posfrozen --prompt 1,2,3 --steps 64
-
-    Bad arguments raise ``ValueError`` naming the field (``kvfast check``: exit 2)."""
-    from kvfast.model.config import init_params
-
-    params = init_params(TINY_CONFIG, seed=require_int(seed, "seed", 0))
-    return KvfastModel(TINY_CONFIG, params, numerics, bug=None if bug in (None, "none") else bug)

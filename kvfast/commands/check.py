@@ -53,7 +53,7 @@ defines it (:data:`OWN_FACTORIES`), not through the studies (the sweep engine, p
 the child spawned, kvfast imported, the request read, the model built, its first call and return, the
 verdict): ``benchmarks/compile_profile.py --warm-check`` prints them.
 
-Built in: ``kvfast.check.adapters:tiny_model`` (kvfast's own small model; ``--factory-arg bug=posfrozen``) and
+Built in: ``kvfast.bugs.kvfast_model:tiny_model`` (kvfast's own small model; ``--factory-arg bug=posfrozen``) and
 ``kvfast.check.hf:tiny_model`` (a tiny random Hugging Face model; ``--factory-arg family=gpt2 --factory-arg
 dtype=bfloat16``).
 """
