@@ -60,10 +60,9 @@ def test_a_clean_hooked_transformer_passes_as_the_user_has_it(positional, dtype)
     assert tl.cfg.dtype == getattr(torch, dtype) and tl.W_E.dtype == getattr(torch, dtype)  # promoted on a copy
 
 
-@pytest.mark.parametrize("bug", sorted(TL_BUGS))
-@pytest.mark.parametrize("positional", POSITIONALS)
-def test_each_bug_is_a_bug_at_the_step_where_it_first_acts(positional, bug):
-    report = check_cache(inject_tl_bug(TLModel(model(positional)), bug), SHORT, 16, continuation=CONTINUATION[:16])
+def _assert_found_where_it_first_acts(report, bug: str) -> None:
+    """``bug`` is the check's verdict, in each scenario at the step where it first acts; a scenario it never reaches
+    passes (the control)."""
     assert report.verdict == "bug", report.format()
     for name, scenario in report.scenarios.items():
         acts = TL_BUGS[bug].first_acting_step(name, len(SHORT))
@@ -71,6 +70,13 @@ def test_each_bug_is_a_bug_at_the_step_where_it_first_acts(positional, bug):
             assert scenario.verdict in PASSING, report.format()
         else:
             assert scenario.verdict == "bug" and scenario.first_bug_step == acts, report.format()
+
+
+@pytest.mark.parametrize("bug", sorted(TL_BUGS))
+@pytest.mark.parametrize("positional", POSITIONALS)
+def test_each_bug_is_a_bug_at_the_step_where_it_first_acts(positional, bug):
+    report = check_cache(inject_tl_bug(TLModel(model(positional)), bug), SHORT, 16, continuation=CONTINUATION[:16])
+    _assert_found_where_it_first_acts(report, bug)
 
 
 @pytest.mark.parametrize("bug", sorted(TL_BUGS))
@@ -228,13 +234,7 @@ def test_a_clean_transformer_bridge_passes_as_the_user_has_it(bridge):
 @pytest.mark.parametrize("bug", sorted(TL_BUGS))
 def test_each_bug_in_the_bridges_cache_is_a_bug_at_the_step_where_it_first_acts(bridge, bug):
     report = check_cache(inject_tl_bug(TLBridgeModel(bridge), bug), SHORT, 16, continuation=CONTINUATION[:16])
-    assert report.verdict == "bug", report.format()
-    for name, scenario in report.scenarios.items():
-        acts = TL_BUGS[bug].first_acting_step(name, len(SHORT))
-        if acts is None:  # the control: a scenario the bug never reaches stays clean
-            assert scenario.verdict in PASSING, report.format()
-        else:
-            assert scenario.verdict == "bug" and scenario.first_bug_step == acts, report.format()
+    _assert_found_where_it_first_acts(report, bug)
 
 
 class _DeclaresFloat64(TLBridgeModel):

@@ -112,13 +112,10 @@ class ExactJudge(Judge):
         differs = (dev > 0).tolist()
         first = differs.index(True) if True in differs else None
         verdicts = tuple("divergent" if d else "exact" for d in differs)
-        T, start = part.prompt.shape[0], part.split or 0
-        magnitude = np.abs(part.rows).max(axis=1)
-        scale = np.concatenate([[magnitude[start:T].max()], magnitude[T:]])
         return ScenarioReport(
             part.name, self.mode, part.prompt, part.path.fed, dev, verdicts,
             "divergent" if first is not None else "exact", first, bad_row, split=part.split, notes=part.notes,
-            ulps=dev / F.ulp(fmt, scale), **part.kept(),
+            ulps=None if first is None else _in_ulps(dev, part, fmt), **part.kept(),
         )  # fmt: skip
 
     def overall(self, reports: list[ScenarioReport]) -> str:
@@ -128,6 +125,14 @@ class ExactJudge(Judge):
 
     def lossy_verdicts(self, ratio: np.ndarray) -> list[str]:
         return ["lossy" if r <= self.margin else "divergent" for r in ratio]
+
+
+def _in_ulps(dev: np.ndarray, part: Part, fmt: str) -> np.ndarray:
+    """Each step's deviation in units in the last place of ``fmt`` at the step's magnitude (a divergence only: a
+    bit-exact run, as the sweeps' are, pays nothing)."""
+    T, start = part.prompt.shape[0], part.split or 0
+    magnitude = np.abs(part.rows).max(axis=1)
+    return dev / F.ulp(fmt, np.concatenate([[magnitude[start:T].max()], magnitude[T:]]))
 
 
 @dataclass(frozen=True)

@@ -61,8 +61,8 @@ class ScenarioReport:
       ``bound[t]`` (what the step is judged against), ``ratio[t]`` =
       ``deviation / bound`` (always finite), ``floor_source[t]`` (what set the
       bound), ``first_bug_step`` and ``first_inconclusive_step``.
-    - exact mode only: ``ulps[t]``, the deviation in units in the last place of the logits' format at the
-      step's magnitude (a divergence of a few is the size of order noise, not of a logic bug).
+    - exact mode, where a step diverged: ``ulps[t]``, the deviation in units in the last place of the logits'
+      format at the step's magnitude (a divergence of a few is the size of order noise, not of a logic bug).
     - ``step_verdicts[t]``: ``exact``/``divergent`` or ``rounding``/``inconclusive``/``bug``;
       ``verdict``: the scenario's (its worst step's, or ``skipped`` with the reason in ``notes``).
     - ``keep_logits=True`` only: ``cache_logits`` ``(T + steps, V)``, the cache
