@@ -145,7 +145,7 @@ def numpy_generate(config: dict, params: dict | None = None) -> dict:
     T0, steps = config["prompt_len"], config["steps"]
     if params is None:
         cfg = ModelConfig(config["vocab"], d, n_head, n_layer, config["d_ff"], T0 + steps)
-        params = init_params(cfg, config["seed"])
+        params = init_params(cfg, config["seed"], positions_last=True)  # the study's model (exactness.model_for)
     rng = np.random.default_rng([config["seed"], T0, 7])  # the exactness study's prompt
     tokens = list(rng.integers(0, config["vocab"], size=T0))
     cache = [[np.empty((T0 + steps, d)), np.empty((T0 + steps, d)), 0] for _ in range(n_layer)]
@@ -187,7 +187,8 @@ def kvfast_logits(config: dict, tokens: list[int]) -> np.ndarray:
         config["vocab"], config["d_model"], config["n_head"], config["n_layer"], config["d_ff"],
         config["prompt_len"] + config["steps"],
     )  # fmt: skip
-    return forward(cfg, init_params(cfg, config["seed"]), np.array(tokens), Numerics.preset("f64", config["order"]))
+    params = init_params(cfg, config["seed"], positions_last=True)
+    return forward(cfg, params, np.array(tokens), Numerics.preset("f64", config["order"]))
 
 
 def agreement(config: dict) -> tuple[float, bool]:
@@ -241,18 +242,18 @@ def time_init(configs: list[dict]) -> Clock:
     with Clock() as clock:
         for c in configs:
             shape = (c["vocab"], c["d_model"], c["n_head"], c["n_layer"], c["d_ff"], c["prompt_len"] + c["steps"])
-            init_params(ModelConfig(*shape), c["seed"])
+            init_params(ModelConfig(*shape), c["seed"], positions_last=True)
     return clock
 
 
-def shared_parameter_sets(configs: list[dict]) -> tuple[int, int]:
-    """How many parameter sets the exactness study builds for ``configs``, and from how many seeds' draws."""
+def shared_parameter_sets(configs: list[dict]) -> int:
+    """How many parameter sets the exactness study builds for ``configs``."""
     from kvfast.studies import exactness
 
     fresh_state()
     for c in configs:
         exactness.model_for(c)
-    return exactness._params.cache_info().misses, exactness._draws.cache_info().misses
+    return exactness._params.cache_info().misses
 
 
 def time_numpy_model(configs: list[dict], batching: str) -> float:
@@ -435,10 +436,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"the study's models from a fresh state (in the model calls above): parameter sets "
               f"{med['sets'] / n * 1e6:.0f} us wall, their prepared weights {med['prepared'] / n * 1e6:.0f} us wall "
               "per run")  # fmt: skip
-        sets, seeds = shared_parameter_sets(configs)
+        sets = shared_parameter_sets(configs)
         print(f"model building alone (init_params once per run, as the NumPy loop does): {med['init']:.3f} s wall, "
               f"{med['init'] / med['numpy']:.0%} of the NumPy loop's; kvfast's study builds {sets} parameter sets "
-              f"for the {n} runs (shared across head counts), cut from the draws of {seeds} seeds")  # fmt: skip
+              f"for the {n} runs (one per seed and shape)")  # fmt: skip
         load1 = os.getloadavg()
         print(f"cpu_count {os.cpu_count()}, load average (1 min) before {load0[0]:.2f}, after {load1[0]:.2f}")
         if args.numpy_model:
