@@ -234,3 +234,20 @@ def test_the_product_size_class_never_changes_the_model(preset, order, monkeypat
         results.append((np.concatenate(logits), cache.k.copy(), cache.v.copy()))
     for got, want in zip(results[0], results[1], strict=True):
         assert same_bits(got, want)
+
+
+def test_first_max_is_numpys_argmax():
+    """The token the compiled greedy decode feeds: the first maximum, or the first NaN (NumPy's argmax)."""
+    from kvfast.model.decode import first_max
+
+    rng = np.random.default_rng(5)
+    rows = [
+        np.array([1.0, 3.0, 3.0, 2.0]), np.array([-0.0, 0.0]), np.array([0.0, -0.0]), np.array([np.nan, 1.0]),
+        np.array([1.0, np.nan, 5.0, np.nan]), np.array([-np.inf, -np.inf]), np.array([1.0, np.inf, np.inf]),
+        np.array([7.0]), *(rng.integers(0, 4, size=9).astype(np.float64) for _ in range(50)),
+    ]  # fmt: skip
+    for row in rows:
+        assert first_max(row) == int(np.argmax(row)), row
+    # control: the rows tell the first maximum from the last, and a NaN from the largest number
+    assert any(len(row) - 1 - int(np.argmax(row[::-1])) != int(np.argmax(row)) for row in rows)
+    assert any(int(np.nanargmax(row)) != int(np.argmax(row)) for row in rows)

@@ -75,7 +75,16 @@ from kvfast.kernels.bodies import MAC, MUL, body_name, specialise
 from kvfast.kernels.indirect import address, through_address
 from kvfast.kernels.jit import JIT_OPTIONS as _JIT
 from kvfast.kernels.precision import BF16, F32, F64, rnd
-from kvfast.kernels.reduce import SEQUENTIAL, STACK_DEPTH, new_stack, ordered_dot, ordered_sum, weighted_rows_sum
+from kvfast.kernels.reduce import (
+    SEQUENTIAL,
+    STACK_DEPTH,
+    new_stack,
+    ordered_dot,
+    ordered_sum,
+    sequential_rows_sum,
+    sequential_sum,
+    weighted_rows_sum,
+)
 
 STANDARD = 0
 ONLINE = 1
@@ -93,25 +102,25 @@ def _dots_sequential_template(qrow, c0, kbuf, lo, nk, hd, out):
     """``out[j] = ordered_dot(qrow[c0:], kbuf[lo + j, c0:], hd)`` in sequential order for j < nk, products
     and sums rounded to the body's accumulator format (:mod:`kvfast.kernels.bodies`): four keys at a time,
     so four independent sums (each still left to right over the head's columns) are in flight instead of
-    one; ``hd`` >= 1."""
+    one; ``hd`` >= 1. Keys are indexed in place (a row view costs a reference count each)."""
     j = 0
     while j + 4 <= nk:
-        k0, k1, k2, k3 = kbuf[lo + j], kbuf[lo + j + 1], kbuf[lo + j + 2], kbuf[lo + j + 3]
+        r = lo + j
         a = qrow[c0]
-        s0, s1, s2, s3 = MUL(a, k0[c0]), MUL(a, k1[c0]), MUL(a, k2[c0]), MUL(a, k3[c0])
+        s0, s1, s2, s3 = MUL(a, kbuf[r, c0]), MUL(a, kbuf[r + 1, c0]), MUL(a, kbuf[r + 2, c0]), MUL(a, kbuf[r + 3, c0])
         for c in range(c0 + 1, c0 + hd):
             a = qrow[c]
-            s0 = MAC(s0, a, k0[c])
-            s1 = MAC(s1, a, k1[c])
-            s2 = MAC(s2, a, k2[c])
-            s3 = MAC(s3, a, k3[c])
+            s0 = MAC(s0, a, kbuf[r, c])
+            s1 = MAC(s1, a, kbuf[r + 1, c])
+            s2 = MAC(s2, a, kbuf[r + 2, c])
+            s3 = MAC(s3, a, kbuf[r + 3, c])
         out[j], out[j + 1], out[j + 2], out[j + 3] = s0, s1, s2, s3
         j += 4
     while j < nk:
-        k0 = kbuf[lo + j]
-        s0 = MUL(qrow[c0], k0[c0])
+        r = lo + j
+        s0 = MUL(qrow[c0], kbuf[r, c0])
         for c in range(c0 + 1, c0 + hd):
-            s0 = MAC(s0, qrow[c], k0[c])
+            s0 = MAC(s0, qrow[c], kbuf[r, c])
         out[j] = s0
         j += 1
 
@@ -217,10 +226,14 @@ def attend_row(
     scratch for pairwise sums; ``dots``: :func:`dot_bodies` of ``acc``.
     """
     hd, nk, scores, expd, qrow, orow = _row_views(q, qr, out, outr, n_head, lo, hi, scratch)
+    linked = order == SEQUENTIAL and nk > 0  # the sequential sums, linked; else each sum called by address
     for h in range(n_head):
         c0 = h * hd
         smax = -np.inf
-        _score_at(dots[SCORE_DOTS], (qrow, c0, kbuf, lo, nk, hd, acc, order, sstack, scores, dots))
+        if linked and hd > 0:  # s_j = q_h . k_jh: the accumulator's own sequential body
+            _dots_at(dots[acc], (qrow, c0, kbuf, lo, nk, hd, scores))
+        else:
+            _score_at(dots[SCORE_DOTS], (qrow, c0, kbuf, lo, nk, hd, acc, order, sstack, scores, dots))
         for j in range(nk):
             s = rnd(scores[j] * scale, storage)
             scores[j] = s
@@ -228,13 +241,20 @@ def attend_row(
                 smax = s
         for j in range(nk):
             expd[j] = rnd(math.exp(scores[j] - smax), storage)
-        z = _sum_at(dots[ORDERED_SUM], (expd, np.int64(0), nk, acc, order, sstack))
+        if linked:  # z = sum_j e_j
+            z = sequential_sum(expd, np.int64(0), nk, acc)
+        else:
+            z = _sum_at(dots[ORDERED_SUM], (expd, np.int64(0), nk, acc, order, sstack))
         for j in range(nk):
             expd[j] = rnd(expd[j] / z, storage)
         if probs.shape[0] > 0:
             for j in range(nk):
                 probs[h, pr, lo + j] = expd[j]
-        _rows_sum_at(dots[ROWS_SUM], (expd, np.int64(0), vbuf, lo, nk, c0, hd, acc, order, orow[c0 : c0 + hd], vstack))
+        if linked:  # out_h = sum_j p_j v_jh
+            sequential_rows_sum(expd, np.int64(0), vbuf, lo, nk, c0, hd, acc, orow, c0)
+        else:
+            _rows_sum_at(dots[ROWS_SUM], (expd, np.int64(0), vbuf, lo, nk, c0, hd, acc, order, orow[c0 : c0 + hd],
+                                          vstack))  # fmt: skip
         for c in range(c0, c0 + hd):
             orow[c] = rnd(orow[c], storage)
 

@@ -32,11 +32,14 @@ from kvfast.validation import require_int
 @one_compile_at_a_time
 @nb.njit(**JIT_OPTIONS)
 def decode_kernel(
-    kern, w: StackedWeights, n_head, eps, kc, vc, length, prefill_len, token, pos,
+    kern, w: StackedWeights, n_head, eps, kc, vc, length, prefill_len, token,
     storage, acc, order, bug, window, logits, attn=0, attn_block=0,
 ):  # fmt: skip
-    """One decode step: writes ``logits`` (1, vocab), stores K/V, returns the new cache length.
+    """``n = logits.shape[0]`` greedy decode steps: writes ``logits`` (n, vocab), stores K/V, returns the new
+    cache length.
 
+    Step ``i`` feeds ``token`` (``i = 0``) or the argmax of step ``i - 1``'s logits (:func:`first_max`, NumPy's
+    ``argmax``) at the cache's next position; one step is ``n = 1``.
     ``kern``: :func:`kvfast.model.compiled.kernels` (the kernels it calls by address);
     ``w``: the stacked weights; kc, vc: the cache's (n_layer, capacity, d)
     buffers, written in place at row ``slot``. The block is the forward's
@@ -45,51 +48,72 @@ def decode_kernel(
     ``Numerics.attention_codes`` (a real kernel's attention order; for
     splitcount the call's key range is the row's own ``lo..hi-1``).
     """
-    # x, h, q, k, v, y, x_mid, h2, hf: (1, d); u, a: (1, f); logits: (1, vocab)
+    # x, h, q, k, v, y, x_mid, h2, hf: (1, d); u, a: (1, f); logits: (n, vocab)
     d = w.wte.shape[1]
     f = w.w1.shape[2]
-    scale = 1.0 / math.sqrt(d // n_head)
-    p = pos
-    slot = length
-    new_length = length + 1
-    if bug == B.POSOFF:
-        p = pos - 1  # posoff
-    elif bug == B.POSFROZEN:
-        p = prefill_len  # posfrozen
-    if bug == B.FREEZE and length > prefill_len:
-        slot = length - 1  # freeze
-        new_length = length
-    lo = 0
-    hi = slot + 1
-    if bug == B.STALE:
-        hi = slot  # stale
-    elif bug == B.EVICT:
-        lo = max(0, hi - window)  # evict
-    elif bug == B.MASKFROZEN:
-        hi = prefill_len + 1  # maskfrozen
-    if bug == B.NOSCALE:
-        scale = 1.0  # noscale
     x = np.empty((1, d))  # the residual stream, updated in place by each layer
     tokens = np.empty(1, dtype=np.int64)  # (not np.full: one more function to compile)
-    tokens[0] = token
     positions = np.empty(1, dtype=np.int64)
-    positions[0] = p
-    embed_into(w.wte, w.wpe, tokens, positions, storage, x)
     h, q, k, v, y = np.empty((1, d)), np.empty((1, d)), np.empty((1, d)), np.empty((1, d)), np.empty((1, d))
-    x_mid, h2 = np.empty((1, d)), np.empty((1, d))
+    x_mid, h2, hf = np.empty((1, d)), np.empty((1, d)), np.empty((1, d))
     u, a = np.empty((1, f)), np.empty((1, f))
     inv = np.empty(1)  # 1/rms (inv1, inv2, invf: none is kept)
-    scratch = np.empty(2 * max(hi - lo, 1))  # attention's scratch, for every layer
+    scratch = np.empty(2 * max(kc.shape[1], 1))  # attention's scratch, for every layer and step
     sstack = np.empty(STACK_DEPTH)
     vstack = new_stack(d // n_head)
-    for layer in range(w.g1.shape[0]):
-        input_at(kern[INPUT_AT], (kern, w, layer, x, eps, storage, acc, order, h, inv, q, k, v))
-        _decode_attention(kern, q, k, v, kc[layer], vc[layer], slot, lo, hi, n_head, scale, storage, acc, order, bug,
-                          attn, attn_block, y, scratch, sstack, vstack)  # fmt: skip
-        output_at(kern[OUTPUT_AT], (kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv, u, a, x))
-    hf = np.empty((1, d))
-    head_at(kern[HEAD_AT], (kern, w, x, eps, storage, acc, order, hf, inv, logits))
-    return new_length
+    for i in range(logits.shape[0]):
+        if i > 0:
+            token = first_max(logits[i - 1])
+        scale = 1.0 / math.sqrt(d // n_head)
+        p = length
+        slot = length
+        new_length = length + 1
+        if bug == B.POSOFF:
+            p = length - 1  # posoff
+        elif bug == B.POSFROZEN:
+            p = prefill_len  # posfrozen
+        if bug == B.FREEZE and length > prefill_len:
+            slot = length - 1  # freeze
+            new_length = length
+        lo = 0
+        hi = slot + 1
+        if bug == B.STALE:
+            hi = slot  # stale
+        elif bug == B.EVICT:
+            lo = max(0, hi - window)  # evict
+        elif bug == B.MASKFROZEN:
+            hi = prefill_len + 1  # maskfrozen
+        if bug == B.NOSCALE:
+            scale = 1.0  # noscale
+        tokens[0] = token
+        positions[0] = p
+        embed_into(w.wte, w.wpe, tokens, positions, storage, x)
+        for layer in range(w.g1.shape[0]):
+            input_at(kern[INPUT_AT], (kern, w, layer, x, eps, storage, acc, order, h, inv, q, k, v))
+            _decode_attention(kern, q, k, v, kc[layer], vc[layer], slot, lo, hi, n_head, scale, storage, acc, order,
+                              bug, attn, attn_block, y, scratch, sstack, vstack)  # fmt: skip
+            output_at(kern[OUTPUT_AT], (kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv, u, a, x))
+        head_at(kern[HEAD_AT], (kern, w, x, eps, storage, acc, order, hf, inv, logits[i : i + 1]))
+        length = new_length
+    return length
+
+
+@nb.njit(**JIT_OPTIONS)
+def first_max(row) -> int:
+    """The index of ``row``'s first maximum, or of its first NaN: ``numpy.argmax``, the token a greedy step
+    feeds (NumPy's own loop: a value not ``<=`` the best so far replaces it, and a NaN ends the scan)."""
+    best = row[0]
+    at = 0
+    if best != best:
+        return 0
+    for j in range(1, row.shape[0]):
+        value = row[j]
+        if not value <= best:
+            best = value
+            at = j
+            if value != value:
+                break
+    return at
 
 
 @nb.njit(**JIT_OPTIONS, inline="always")
@@ -124,16 +148,25 @@ def decode_prepared(
     config: ModelConfig, w: Weights, cache: KVCache, token: int, numerics: Numerics, bug: int = B.NONE
 ) -> np.ndarray:
     """One decode step on prepared weights (no validation here); returns logits (vocab,)."""
+    return decode_greedy_prepared(config, w, cache, token, 1, numerics, bug)[0]
+
+
+def decode_greedy_prepared(
+    config: ModelConfig, w: Weights, cache: KVCache, token: int, n: int, numerics: Numerics, bug: int = B.NONE
+) -> np.ndarray:
+    """``n`` greedy decode steps on prepared weights (no validation here; the cache has room for ``n``), in one
+    compiled call: the first fed ``token``, each next the argmax (first maximum) of the step before's logits.
+    Returns their logits ``(n, vocab)``, the rows :func:`decode_prepared` returns step by step."""
     storage, acc, order = numerics.codes
     attn, attn_block = numerics.attention_codes
-    logits = np.empty((1, config.vocab))
+    logits = np.empty((n, config.vocab))
+    length = cache.length
     new_length = decode_kernel(
         kernels(acc, attn, model_size_class(config, 1, acc)), w.stacked, config.n_head, config.eps, cache.k, cache.v,
-        cache.length, cache.prefill_len, token, cache.length, storage, acc, order, bug, B.EVICT_WINDOW, logits, attn,
-        attn_block,
+        length, cache.prefill_len, token, storage, acc, order, bug, B.EVICT_WINDOW, logits, attn, attn_block,
     )  # fmt: skip
-    cache.advance(new_length - cache.length)
-    return logits[0]
+    cache.advance(new_length - length)
+    return logits
 
 
 def decode_step(
