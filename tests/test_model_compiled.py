@@ -225,8 +225,8 @@ def test_the_product_size_class_never_changes_the_model(preset, order, monkeypat
     tokens = np.random.default_rng(8).integers(0, cfg.vocab, size=9).astype(np.int64)
     results = []
     for large in (False, True):
-        monkeypatch.setattr(transformer, "model_size_class", lambda config, T, acc, large=large: large)
-        monkeypatch.setattr(decode, "model_size_class", lambda config, T, acc, large=large: large)
+        monkeypatch.setattr(transformer, "model_size_class", lambda config, acc, large=large: large)
+        monkeypatch.setattr(decode, "model_size_class", lambda config, acc, large=large: large)
         cache = KVCache.empty(cfg, nx, 20)
         logits = [forward_prepared(cfg, w, tokens[:5], nx, cache)]
         for t in tokens[5:]:

@@ -176,7 +176,7 @@ def score_dots(qrow, c0, kbuf, lo, nk, hd, acc, order, sstack, out, dots):
     ``dots``: :func:`dot_bodies` of ``acc``; the sequential order runs that format's body, called through
     its address (each format's body compiled once, on first use, and not again in every row kernel)."""
     if order == SEQUENTIAL and hd > 0:
-        _dots_at(dots[acc], (qrow, c0, kbuf, lo, nk, hd, out))  # the one body of acc (F64, F32, BF16: 0, 1, 2)
+        _dots_at(dots[acc], qrow, c0, kbuf, lo, nk, hd, out)  # the one body of acc (F64, F32, BF16: 0, 1, 2)
     else:
         for j in range(nk):
             out[j] = ordered_dot(qrow, c0, kbuf[lo + j], c0, hd, acc, order, sstack)
@@ -231,9 +231,9 @@ def attend_row(
         c0 = h * hd
         smax = -np.inf
         if linked and hd > 0:  # s_j = q_h . k_jh: the accumulator's own sequential body
-            _dots_at(dots[acc], (qrow, c0, kbuf, lo, nk, hd, scores))
+            _dots_at(dots[acc], qrow, c0, kbuf, lo, nk, hd, scores)
         else:
-            _score_at(dots[SCORE_DOTS], (qrow, c0, kbuf, lo, nk, hd, acc, order, sstack, scores, dots))
+            _score_at(dots[SCORE_DOTS], qrow, c0, kbuf, lo, nk, hd, acc, order, sstack, scores, dots)
         for j in range(nk):
             s = rnd(scores[j] * scale, storage)
             scores[j] = s
@@ -244,7 +244,7 @@ def attend_row(
         if linked:  # z = sum_j e_j
             z = sequential_sum(expd, np.int64(0), nk, acc)
         else:
-            z = _sum_at(dots[ORDERED_SUM], (expd, np.int64(0), nk, acc, order, sstack))
+            z = _sum_at(dots[ORDERED_SUM], expd, np.int64(0), nk, acc, order, sstack)
         for j in range(nk):
             expd[j] = rnd(expd[j] / z, storage)
         if probs.shape[0] > 0:
@@ -253,8 +253,8 @@ def attend_row(
         if linked:  # out_h = sum_j p_j v_jh
             sequential_rows_sum(expd, np.int64(0), vbuf, lo, nk, c0, hd, acc, orow, c0)
         else:
-            _rows_sum_at(dots[ROWS_SUM], (expd, np.int64(0), vbuf, lo, nk, c0, hd, acc, order, orow[c0 : c0 + hd],
-                                          vstack))  # fmt: skip
+            _rows_sum_at(dots[ROWS_SUM], expd, np.int64(0), vbuf, lo, nk, c0, hd, acc, order, orow[c0 : c0 + hd],
+                                          vstack)  # fmt: skip
         for c in range(c0, c0 + hd):
             orow[c] = rnd(orow[c], storage)
 
@@ -310,7 +310,7 @@ def attend_row_blocked(
     part_lse = np.empty(max(nb_, 1))
     for h in range(n_head):
         c0 = h * hd
-        _score_at(dots[SCORE_DOTS], (qrow, c0, kbuf, lo, nk, hd, acc, order, sstack, scores, dots))
+        _score_at(dots[SCORE_DOTS], qrow, c0, kbuf, lo, nk, hd, acc, order, sstack, scores, dots)
         for j in range(nk):
             scores[j] = rnd(scores[j] * scale, storage)
         if mode == ONLINE:
@@ -326,9 +326,9 @@ def attend_row_blocked(
                 alpha = rnd(math.exp(m - mnew), acc)
                 for j in range(a0, a0 + n):
                     expd[j] = rnd(math.exp(scores[j] - mnew), storage)
-                bsum = _sum_at(dots[ORDERED_SUM], (expd, a0, n, acc, order, sstack))
+                bsum = _sum_at(dots[ORDERED_SUM], expd, a0, n, acc, order, sstack)
                 lsum = rnd(rnd(alpha * lsum, acc) + bsum, acc)
-                _rows_sum_at(dots[ROWS_SUM], (expd, a0, vbuf, lo + a0, n, c0, hd, acc, order, tmp, vstack))
+                _rows_sum_at(dots[ROWS_SUM], expd, a0, vbuf, lo + a0, n, c0, hd, acc, order, tmp, vstack)
                 for c in range(hd):
                     acc_o[c] = rnd(rnd(alpha * acc_o[c], acc) + tmp[c], acc)
                 m = mnew
@@ -342,8 +342,8 @@ def attend_row_blocked(
                 mb = _max_of(scores, a0, n)
                 for j in range(a0, a0 + n):
                     expd[j] = rnd(math.exp(scores[j] - mb), storage)
-                lb = _sum_at(dots[ORDERED_SUM], (expd, a0, n, acc, order, sstack))
-                _rows_sum_at(dots[ROWS_SUM], (expd, a0, vbuf, lo + a0, n, c0, hd, acc, order, tmp, vstack))
+                lb = _sum_at(dots[ORDERED_SUM], expd, a0, n, acc, order, sstack)
+                _rows_sum_at(dots[ROWS_SUM], expd, a0, vbuf, lo + a0, n, c0, hd, acc, order, tmp, vstack)
                 for c in range(hd):
                     part_o[b, c] = rnd(tmp[c] / lb, acc)
                 lse = rnd(mb + rnd(math.log(lb), acc), acc)
@@ -418,15 +418,13 @@ def attention_with(
         hi = pos0 + t + 1 if causal else n_keys
         if mode == STANDARD:
             _row_at(
-                row,
-                (q, t, kbuf, vbuf, first, hi, n_head, scale, storage, acc, order, out, t, probs, t, scratch, sstack,
-                 vstack, dots),
+                row, q, t, kbuf, vbuf, first, hi, n_head, scale, storage, acc, order, out, t, probs, t, scratch, sstack,
+                vstack, dots,
             )  # fmt: skip
         else:
             _blocked_at(
-                blocked,
-                (q, t, kbuf, vbuf, first, hi, first, n_keys, n_head, scale, storage, acc, order, mode, param, out, t,
-                 scratch, sstack, vstack, dots),
+                blocked, q, t, kbuf, vbuf, first, hi, first, n_keys, n_head, scale, storage, acc, order, mode, param,
+                out, t, scratch, sstack, vstack, dots,
             )  # fmt: skip
 
 

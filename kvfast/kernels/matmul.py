@@ -347,8 +347,9 @@ def size_class(T: int, n: int, m: int, acc: int = F64) -> bool:
     one's cold compile (3.8-5.1 s against 0.9-1.1 on a 2-core machine); in the large class it was 1.0-2.8x
     faster, in the small one (a few rows by a small matrix: the call costs about as much as the arithmetic)
     0.95-1.9x, at most about 2 us a call (``benchmarks/kernels_size_class.py``; benchmarks/README.md, "Issue 30, fifth
-    pass"). A ``generate`` of a few tokens on a model of d_model 32 (a prefill under 4 rows, one-row decode
-    steps, matrices under 64 x 64) is all small: its process compiles no unrolled body.
+    pass"). The model picks one class for all its products, one-row decode steps included
+    (:func:`kvfast.model.compiled.model_size_class`): a model of d_model 16 (matrices under 2048 elements) is
+    all small, and its process compiles no unrolled body.
 
     Why f32 unrolls only from 256 x 256: the float64 products are the exactness grid's (the per-run speed of
     ``benchmarks/numpy_loop.py``), the f32 ones only the precision grid's few runs on its wide models (d_model
@@ -403,12 +404,12 @@ def _narrowed(x, w, order, y, narrow_body, wide_body, bf16):
         narrow = _as_f32(x, x32, bf16) and _as_f32(w, w32, bf16)
     if narrow:
         y32 = np.empty((T, m), dtype=np.float32)
-        _call_on_f32(narrow_body, (x32, w32, order, y32))
+        _call_on_f32(narrow_body, x32, w32, order, y32)
         for r in range(T):
             for j in range(m):
                 y[r, j] = np.float64(y32[r, j])
     else:
-        _call_on_f64(wide_body, (x, w, order, y))
+        _call_on_f64(wide_body, x, w, order, y)
 
 
 _call_narrowed = through_address(_NARROWED)
@@ -428,11 +429,11 @@ def matmul_with(x, w, storage, acc, order, y, bodies) -> None:
     # the one format dispatch: each branch runs the bodies compiled for its format (their loops carry
     # no format branch)
     if acc == F64:
-        _call_on_f64(bodies[0], (x, w, order, y))
+        _call_on_f64(bodies[0], x, w, order, y)
     elif acc == F32:
-        _call_narrowed(bodies[5], (x, w, order, y, bodies[1], bodies[2], False))
+        _call_narrowed(bodies[5], x, w, order, y, bodies[1], bodies[2], False)
     else:
-        _call_narrowed(bodies[6], (x, w, order, y, bodies[3], bodies[4], True))
+        _call_narrowed(bodies[6], x, w, order, y, bodies[3], bodies[4], True)
     if storage != F64:
         for r in range(T):
             for j in range(m):

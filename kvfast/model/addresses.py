@@ -61,7 +61,7 @@ def call_matmul(kern, x, w, storage, acc, order, y) -> None:
 @overload(call_matmul, jit_options=JIT_OPTIONS)
 def _call_matmul_jitted(kern, x, w, storage, acc, order, y):
     def impl(kern, x, w, storage, acc, order, y):
-        matmul_at(kern[MATMUL_AT], (x, w, storage, acc, order, y, kern[PRODUCTS:MATMUL_AT]))
+        matmul_at(kern[MATMUL_AT], x, w, storage, acc, order, y, kern[PRODUCTS:MATMUL_AT])
 
     return impl
 
@@ -74,6 +74,6 @@ def call_rmsnorm(kern, x, g, eps, storage, acc, order, out, inv) -> None:
 @overload(call_rmsnorm, jit_options=JIT_OPTIONS)
 def _call_rmsnorm_jitted(kern, x, g, eps, storage, acc, order, out, inv):
     def impl(kern, x, g, eps, storage, acc, order, out, inv):
-        rmsnorm_at(kern[RMSNORM_AT], (x, g, eps, storage, acc, order, out, inv))
+        rmsnorm_at(kern[RMSNORM_AT], x, g, eps, storage, acc, order, out, inv)
 
     return impl

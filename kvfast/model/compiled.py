@@ -38,7 +38,7 @@ from numba import types
 from kvfast.kernels.attention import ATTENTION, attention_with, dot_bodies, row_kernels
 from kvfast.kernels.indirect import address, one_compile_at_a_time, through_address
 from kvfast.kernels.jit import JIT_OPTIONS
-from kvfast.kernels.matmul import matmul_with, product_bodies, size_class
+from kvfast.kernels.matmul import LARGE_MIN_ROWS, matmul_with, product_bodies, size_class
 from kvfast.kernels.rowops import embed_into, rmsnorm_into
 from kvfast.model.addresses import (
     ATTENTION_AT,
@@ -127,13 +127,15 @@ def block_addresses() -> list[int]:
 _TABLES: dict[tuple, np.ndarray] = {}
 
 
-def model_size_class(config, T: int, acc: int) -> bool:
-    """The product size class (:func:`kvfast.kernels.matmul.size_class`) of a call of ``T`` rows of the model
-    ``config`` (a :class:`~kvfast.model.config.ModelConfig`) in accumulator ``acc``: its largest product's
-    (``d_model`` by the widest of ``d_model``, ``d_ff``, ``vocab``). A forward runs all its products in that
-    class: the class never changes a bit, and where the largest product is small the others are too."""
+def model_size_class(config, acc: int) -> bool:
+    """The product size class (:func:`kvfast.kernels.matmul.size_class`) of the model ``config`` (a
+    :class:`~kvfast.model.config.ModelConfig`) in accumulator ``acc``: its largest product's (``d_model`` by the
+    widest of ``d_model``, ``d_ff``, ``vocab``) in a batch of rows. Every call of the model runs all its products
+    in that class, a one-row decode step too: the class never changes a bit; per model, not per call, a process
+    compiles one form of the product bodies per model, and a model of the large class runs its one-row steps on
+    the unrolled bodies, faster there too (the shape ``(1, 32, 64)`` of ``benchmarks/kernels_size_class.py``)."""
     d = config.d_model
-    return size_class(T, d, max(d, config.d_ff, config.vocab), acc)
+    return size_class(LARGE_MIN_ROWS, d, max(d, config.d_ff, config.vocab), acc)
 
 
 def kernels(acc: int, attn: int, large: bool = False) -> np.ndarray:
@@ -161,14 +163,14 @@ def kernels(acc: int, attn: int, large: bool = False) -> np.ndarray:
 
 _SIGNATURES = _block_signatures()
 input_at = through_address(_SIGNATURES["input"])
-"""``input_at(kern[INPUT_AT], (kern, w, layer, x, eps, storage, acc, order, h, inv1, q, k, v))``: jitted,
+"""``input_at(kern[INPUT_AT], kern, w, layer, x, eps, storage, acc, order, h, inv1, q, k, v)``: jitted,
 ``attention_input_into`` through its address (its arguments' types exactly those of the signature it is compiled
 for: a typing error names them otherwise)."""
 output_at = through_address(_SIGNATURES["output"])
-"""``output_at(kern[OUTPUT_AT], (kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv2, u, a, x_out))``:
+"""``output_at(kern[OUTPUT_AT], kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv2, u, a, x_out)``:
 ``block_output_into`` through its address."""
 head_at = through_address(_SIGNATURES["head"])
-"""``head_at(kern[HEAD_AT], (kern, w, x, eps, storage, acc, order, hf, invf, logits))``: ``head_into`` through its
+"""``head_at(kern[HEAD_AT], kern, w, x, eps, storage, acc, order, hf, invf, logits)``: ``head_into`` through its
 address."""
 
 
@@ -219,15 +221,15 @@ def forward_kernel(
     u, a = np.empty((T, f)), np.empty((T, f))
     inv = np.empty(T)  # 1/rms of each row (inv1, inv2, invf: none is kept)
     for layer in range(n_layer):
-        input_at(kern[INPUT_AT], (kern, w, layer, x, eps, storage, acc, order, h, inv, q, k, v))
+        input_at(kern[INPUT_AT], kern, w, layer, x, eps, storage, acc, order, h, inv, q, k, v)
         _store_rows(kc[layer], pos0, k)
         _store_rows(vc[layer], pos0, v)
-        attention_at(kern[ATTENTION_AT], (
-            q, kc[layer], vc[layer], pos0, n_keys, causal, n_head, scale, storage, acc, order, y, no_att, attn,
-            attn_block, kern[ROW_AT], kern[BLOCKED_AT], kern[DOTS:],
-        ))  # fmt: skip
-        output_at(kern[OUTPUT_AT], (kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv, u, a, x))
+        attention_at(
+            kern[ATTENTION_AT], q, kc[layer], vc[layer], pos0, n_keys, causal, n_head, scale, storage, acc, order, y,
+            no_att, attn, attn_block, kern[ROW_AT], kern[BLOCKED_AT], kern[DOTS:],
+        )  # fmt: skip
+        output_at(kern[OUTPUT_AT], kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv, u, a, x)
         if keep:
             _store_rows(resid[layer + 1], first, x)
     hf = np.empty((T, d))
-    head_at(kern[HEAD_AT], (kern, w, x, eps, storage, acc, order, hf, inv, logits))
+    head_at(kern[HEAD_AT], kern, w, x, eps, storage, acc, order, hf, inv, logits)

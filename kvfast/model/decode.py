@@ -89,11 +89,11 @@ def decode_kernel(
         positions[0] = p
         embed_into(w.wte, w.wpe, tokens, positions, storage, x)
         for layer in range(w.g1.shape[0]):
-            input_at(kern[INPUT_AT], (kern, w, layer, x, eps, storage, acc, order, h, inv, q, k, v))
+            input_at(kern[INPUT_AT], kern, w, layer, x, eps, storage, acc, order, h, inv, q, k, v)
             _decode_attention(kern, q, k, v, kc[layer], vc[layer], slot, lo, hi, n_head, scale, storage, acc, order,
                               bug, attn, attn_block, y, scratch, sstack, vstack)  # fmt: skip
-            output_at(kern[OUTPUT_AT], (kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv, u, a, x))
-        head_at(kern[HEAD_AT], (kern, w, x, eps, storage, acc, order, hf, inv, logits[i : i + 1]))
+            output_at(kern[OUTPUT_AT], kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv, u, a, x)
+        head_at(kern[HEAD_AT], kern, w, x, eps, storage, acc, order, hf, inv, logits[i : i + 1])
         length = new_length
     return length
 
@@ -133,15 +133,15 @@ def _decode_attention(
         _store_rows(vbuf, slot, v)
     row = np.int64(0)  # not the literal 0: the row kernels are compiled once, for the forward's int64 rows too
     if attn == STANDARD:
-        row_at(kern[ROW_AT], (
-            q, row, kbuf, vbuf, lo, hi, n_head, scale, storage, acc, order,
-            y, row, np.empty((0, 0, 0)), row, scratch, sstack, vstack, kern[DOTS:],
-        ))  # fmt: skip
+        row_at(
+            kern[ROW_AT], q, row, kbuf, vbuf, lo, hi, n_head, scale, storage, acc, order, y, row,
+            np.empty((0, 0, 0)), row, scratch, sstack, vstack, kern[DOTS:],
+        )  # fmt: skip
     else:
-        blocked_at(kern[BLOCKED_AT], (
-            q, row, kbuf, vbuf, lo, hi, lo, hi, n_head, scale, storage, acc, order, attn, attn_block,
-            y, row, scratch, sstack, vstack, kern[DOTS:],
-        ))  # fmt: skip
+        blocked_at(
+            kern[BLOCKED_AT], q, row, kbuf, vbuf, lo, hi, lo, hi, n_head, scale, storage, acc, order, attn,
+            attn_block, y, row, scratch, sstack, vstack, kern[DOTS:],
+        )  # fmt: skip
 
 
 def decode_prepared(
@@ -162,7 +162,7 @@ def decode_greedy_prepared(
     logits = np.empty((n, config.vocab))
     length = cache.length
     new_length = decode_kernel(
-        kernels(acc, attn, model_size_class(config, 1, acc)), w.stacked, config.n_head, config.eps, cache.k, cache.v,
+        kernels(acc, attn, model_size_class(config, acc)), w.stacked, config.n_head, config.eps, cache.k, cache.v,
         length, cache.prefill_len, token, storage, acc, order, bug, B.EVICT_WINDOW, logits, attn, attn_block,
     )  # fmt: skip
     cache.advance(new_length - length)

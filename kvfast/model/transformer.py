@@ -261,7 +261,7 @@ def _forward_compiled(
         pos0, kc, vc = 0, np.empty((n_layer, T, d)), np.empty((n_layer, T, d))
     resid = np.empty((n_layer + 1, T, d)) if trace is not None else np.empty((0, 0, 0))
     logits = np.empty((T, config.vocab))
-    table = kernels(acc, attn, model_size_class(config, T, acc))
+    table = kernels(acc, attn, model_size_class(config, acc))
     forward_kernel(
         table, w.stacked, config.n_head, config.eps, tokens, pos0, kc, vc, causal, storage, acc, order, attn,
         attn_block, logits, resid,
