@@ -190,25 +190,31 @@ def test_the_compiled_forward_is_not_the_layer_by_layer_code_path():
 
 def test_prepared_weights_have_the_type_the_block_is_compiled_for_by_address():
     """The compiled forward and the decode call the block's functions by address (``kvfast.model.compiled``:
-    ``input_at``, ``output_at``, ``head_at``), which type only the argument types they are compiled for: the
-    prepared weights, fresh or cached (the caller's parameters frozen), always have them; weights of another
-    type are a typing error, never a call of code compiled for another layout."""
+    ``block_input_at``, ``block_output_at``, ``head_at``), which type only the argument types they are compiled
+    for: the prepared weights, fresh or cached (the caller's parameters frozen), always have them; weights of
+    another type are a typing error, never a call of code compiled for another layout."""
+    from kvfast.kernels.precision import Formats
     from kvfast.model import compiled
 
     cfg = ModelConfig(vocab=7, d_model=8, n_head=2, n_layer=2, d_ff=12, max_pos=8)
     params = init_params(cfg, 0)
     for weights in (Weights.prepare(cfg, params, Numerics()), Weights.cached(cfg, params, Numerics("bf16"))):
-        assert nb.typeof(weights.stacked) == compiled._block_signatures()["input"][1]
+        assert nb.typeof(weights.stacked) == compiled.WEIGHTS
 
     @nb.njit
     def head(kern, w, x, logits):
-        compiled.head_at(kern[0], (kern, w, x, 1e-5, 0, 0, 0, np.empty_like(x), np.empty(x.shape[0]), logits))
+        kern, w, fmt = compiled.named(kern, w, (0, 0, 0))
+        compiled.head_at(kern.head, kern, w, 1e-5, fmt, x, np.empty_like(x), np.empty(x.shape[0]), logits)
 
     w = Weights.prepare(cfg, params, Numerics()).stacked
     x = np.zeros((1, cfg.d_model))
+    kern = compiled.kernels(0, 0)
+    logits = np.empty((1, cfg.vocab))
+    head(kern, tuple(w), x, logits)  # the layout it is compiled for: a call
+    assert compiled.named.py_func(kern, w, (0, 0, 0))[2] == Formats(0, 0, 0)
     other = w._replace(wte=np.asfortranarray(w.wte))  # the same values in another layout
     with pytest.raises(nb.core.errors.TypingError):
-        head(np.zeros(1, dtype=np.int64), other, x, np.empty((1, cfg.vocab)))
+        head(kern, tuple(other), x, logits)
 
 
 @pytest.mark.parametrize("preset", ["f64", "f32", "bf16"])

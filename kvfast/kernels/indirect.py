@@ -11,6 +11,8 @@ Numba's cache) once, on its own, for one fixed signature, and a caller holds onl
   cache directory compile a kernel one at a time (a lock file per kernel and signature beside the cache):
   sweep workers that need a kernel the warm-up did not compile wait for the first one's compile and
   load it from the cache, instead of each compiling it again.
+- :class:`Kernel`, :func:`table`: a table of kernels called by address is a named tuple of addresses (a field
+  per kernel, read by name in jitted code), made from a list of entries (name, kernel, signature).
 - :func:`one_compile_at_a_time`: the same lock for a kernel compiled when it is called (not by address):
   each new signature of it is compiled, or loaded from the cache, under the lock.
 - :func:`through_address`: a jitted ``call(addr, *args)`` for one signature (the arguments without those the
@@ -29,6 +31,8 @@ import contextlib
 import hashlib
 import os
 import types as pytypes
+from collections.abc import Collection, Sequence
+from typing import NamedTuple
 
 import numba as nb
 from numba import types
@@ -112,6 +116,28 @@ def address(kernel, signature: tuple, twin: bool = True) -> int:
             raise RuntimeError(f"{kernel.__name__}{signature}: no machine code")
         _ADDRESSES[key] = found
     return found
+
+
+class Kernel(NamedTuple):
+    """One entry of a table of kernels called by address (:func:`table`): the record field it fills
+    (``name``), the jitted ``function`` (or a function of no argument that returns it, for a kernel written
+    out on first use), the argument types it is compiled for (``signature``) and ``twin`` (:func:`address`)."""
+
+    name: str
+    function: object
+    signature: tuple
+    twin: bool = True
+
+
+def table(entries: Sequence[Kernel], reached: Collection[str]) -> dict[str, int]:
+    """``{name: address}`` of every entry: the address of each entry named in ``reached`` (compiled, or loaded from
+    the cache, on first use), 0 for the others (the kernels a call cannot reach are never compiled). A table's
+    record (a named tuple with one ``int`` field per entry) is made from it by name."""
+    return {
+        e.name: address(e.function if hasattr(e.function, "py_func") else e.function(), e.signature, e.twin)
+        if e.name in reached else 0
+        for e in entries
+    }  # fmt: skip
 
 
 def one_compile_at_a_time(kernel):
