@@ -86,7 +86,7 @@ def test_check_cache_with_options_is_check_cache(params):
     b = check_cache_with(model, PROMPT, CheckOptions(**fields))
     assert a.format() == b.format() and a.verdict == b.verdict == "bug"
     for name in a.scenarios:
-        assert np.array_equal(a.scenarios[name].ratio, b.scenarios[name].ratio)
+        assert np.array_equal(a.scenarios[name].bounds.ratio, b.scenarios[name].bounds.ratio)
         assert np.array_equal(a.scenarios[name].cache_logits, b.scenarios[name].cache_logits)
     with pytest.raises(ValueError, match="options: dict is not allowed; allowed: a CheckOptions"):
         check_cache_with(model, PROMPT, fields)  # type: ignore[arg-type]

@@ -152,7 +152,6 @@ def check_one(model, config: dict) -> dict:
     scenarios = {k: s for k, s in report.scenarios.items() if len(s.deviation)}
     worst_name = max(scenarios, key=lambda k: float(np.max(scenarios[k].deviation)), default="")
     worst = scenarios.get(worst_name)
-    ratios = [float(np.max(s.ratio)) for s in scenarios.values() if s.ratio is not None and len(s.ratio)]
     first = report.first_divergent_step
     failed = report.decider().worst
     failed_step = None if failed is None or failed.passed else failed.focus_step()
@@ -161,7 +160,7 @@ def check_one(model, config: dict) -> dict:
         "passed": bool(report.passed),
         "first_divergent_step": -1 if first is None else int(first),
         "worst_deviation": float(np.max(worst.deviation)) if worst is not None else 0.0,
-        "ratio": max(ratios) if ratios else None,
+        "ratio": report.max_ratio,
         "worst_scenario": worst_name,
         "tokens": ",".join(map(str, report.tokens)),
         "failed_scenario": "" if failed_step is None else failed.name,

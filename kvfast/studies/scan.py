@@ -138,10 +138,10 @@ def _version() -> str:
 
 
 def _worst_source(report) -> str | None:
-    s = next(iter(report.scenarios.values()))
-    if s.ratio is None or s.floor_source is None or not len(s.ratio):
+    b = next(iter(report.scenarios.values())).bounds
+    if b is None or not len(b.ratio):
         return None
-    return str(s.floor_source[int(np.nanargmax(s.ratio))])
+    return str(b.floor_source[int(np.nanargmax(b.ratio))])
 
 
 def _step(report) -> int:
