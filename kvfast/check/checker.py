@@ -178,7 +178,7 @@ def _judged(subject: CheckSubject, judge: Judge) -> tuple[CheckReport, list[str]
     notes = prepared + reference.notes + judge.noise_notes(formats)
     report = CheckReport(
         options.mode, subject.prompt, reference.tokens, reports, verdict, reference.path, tuple(notes), fmt,
-        length_dependence=reference.length, formats=formats, strict=options.strict,
+        length_dependence=reference.length, formats=formats, strict=options.strict, how=judge.how,
     )  # fmt: skip
     return report, judge.advice(verdict, fmt)
 

@@ -19,8 +19,8 @@ which renders what only that judge measured.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -29,9 +29,14 @@ from kvfast.check import formats as F
 from kvfast.check.report import ControlDetail, Detail, ExactDetail, LossyExactDetail, ScenarioReport
 from kvfast.check.scenarios import CachePath
 
-if TYPE_CHECKING:  # the options are read, never built or validated here; the reference is asked, never built
+if TYPE_CHECKING:  # the options are read, never built or validated here
     from kvfast.check.options import CheckOptions
-    from kvfast.check.reference import Reference
+
+
+class NoiseSource(Protocol):
+    """What a judge asks for the order noise: the reference (:class:`kvfast.check.reference.SharedReference`)."""
+
+    def order_noise(self) -> dict[str, np.ndarray]: ...
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,7 @@ class Judge:
 
     margin: float = C.DEFAULT_MARGIN
     decisive: float = C.DEFAULT_DECISIVE
+    how: str = ""  # how it judges, in the words of a report's "checked ..." line
     mode = ""
     measures_noise = False
     logic_check_mode = "auto"  # the mode of the float64 logic check (promote) of a check judged so
@@ -94,7 +100,7 @@ class Judge:
         :class:`AutoJudge`'s."""
         return self
 
-    def noise(self, reference: Reference) -> dict[str, np.ndarray] | None:
+    def noise(self, reference: NoiseSource) -> dict[str, np.ndarray] | None:
         """The order noise this judge judges against (``reference``'s, measured now; ``None``: it needs none)."""
         return None
 
@@ -126,6 +132,7 @@ class Judge:
 
 @dataclass(frozen=True)
 class ExactJudge(Judge):
+    how: str = "bit for bit"
     mode = "exact"
 
     def judge(self, part: Part, fmt: str) -> ScenarioReport:
@@ -163,6 +170,7 @@ def _in_ulps(dev: np.ndarray, part: Part, fmt: str) -> np.ndarray:
 class ControlJudge(Judge):
     """Control mode with rounding up to ``margin`` times a step's bound and a bug beyond ``decisive`` times."""
 
+    how: str = "against the model's measured order noise"
     mode = "control"
     measures_noise = True
     logic_check_mode = "control"
@@ -191,7 +199,7 @@ class ControlJudge(Judge):
             part.split, part.notes, **part.kept(),
         )  # fmt: skip
 
-    def noise(self, reference: Reference) -> dict[str, np.ndarray] | None:
+    def noise(self, reference: NoiseSource) -> dict[str, np.ndarray] | None:
         return reference.order_noise()
 
     def noise_notes(self, formats: F.NoiseFormats) -> list[str]:
@@ -232,7 +240,8 @@ class AutoJudge(Judge):
 
     def settled(self, parts: list[Part]) -> Judge:
         equal = all(not deviations(p.path, p.rows, p.split or 0)[0].any() for p in parts)
-        return (ExactJudge if equal else ControlJudge)(self.margin, self.decisive)
+        settled = (ExactJudge if equal else ControlJudge)(self.margin, self.decisive)
+        return replace(settled, how=f"{settled.how} (auto: {'every step' if equal else 'not'} bit-identical)")
 
 
 def judge_for(options: CheckOptions) -> Judge:

@@ -55,8 +55,6 @@ class ExactDetail:
 
     ulps: np.ndarray | None = None
     mode = "exact"
-    how = "bit for bit"
-    auto_how = " (auto: every step bit-identical)"
     bounds = None  # (exact mode judges no step against a bound)
 
     def passes(self, verdict: str) -> bool:
@@ -114,6 +112,11 @@ class ExactDetail:
         """The least bound the order noise sets on each step (a lossy cache's bound is at least it): none."""
         return 0.0
 
+    def threshold(self, steps: int) -> tuple[tuple[float, ...], str]:
+        """Per step (``steps`` + 1 of them), the deviation beyond which the step fails, and where it comes from
+        (in a reproducer's words)."""
+        return (0.0,) * (steps + 1), "exact equality (kvfast's exact mode: the paths must be bit-equal)"
+
 
 @dataclass(frozen=True)
 class ControlDetail:
@@ -130,8 +133,6 @@ class ControlDetail:
     margin: float
     decisive: float
     mode = "control"
-    how = "against the model's measured order noise"
-    auto_how = " (auto: not bit-identical)"
 
     @property
     def bounds(self) -> ControlDetail:
@@ -158,7 +159,10 @@ class ControlDetail:
 
     def passing(self, s: ScenarioReport, head: str) -> str:
         worst, most = float(s.deviation.max()), float(self.ratio.max())
-        return f"{head}; every step within {self.margin:g}x its bound (worst deviation {worst:.4g}, largest ratio {most:.3g})"
+        return (
+            f"{head}; every step within {self.margin:g}x its bound (worst deviation {worst:.4g}, largest ratio "
+            f"{most:.3g})"
+        )
 
     def failing(self, s: ScenarioReport, focus: int, head: str) -> str:
         what = "first bug step" if s.first_bug_step is not None else "first inconclusive step"
@@ -197,6 +201,12 @@ class ControlDetail:
 
     def noise_bound(self) -> np.ndarray | float:
         return self.bound
+
+    def threshold(self, steps: int) -> tuple[tuple[float, ...], str]:
+        return tuple(float(b) * float(self.decisive) for b in self.bound), (
+            f"kvfast's control-mode bug threshold at each step: {self.decisive:g} x the step's bound (the order noise "
+            "kvfast measured for this model at that step, from recomputes that differ only in how they add up)"
+        )
 
 
 @dataclass(frozen=True)
@@ -391,6 +401,7 @@ class CheckReport:
     it). ``logits_format``: the format the model's logits came in; ``formats``: the noise model's formats
     (:class:`~kvfast.check.formats.NoiseFormats`: the lowest internal format, which sets the floor of every
     bound and the admission ceiling of order noise, and whether it was declared, measured or assumed).
+    ``how``: how the judge judged, in words (``bit for bit (auto: every step bit-identical)``).
     """
 
     mode: str
@@ -406,6 +417,7 @@ class CheckReport:
     formats: NoiseFormats | None = None
     strict: bool = False
     native: str | None = None
+    how: str = ""
 
     @property
     def native_verdict(self) -> str:
@@ -542,11 +554,9 @@ class CheckReport:
             lines.append(self.length_dependence.line())
         if worst is not None:
             lines.append(decider.size_line())
-        judged = self.ran[0].detail if self.ran else ExactDetail()
-        how = judged.how + (judged.auto_how if self.mode == "auto" else "")
         names = ", ".join(self.scenarios)
         lines.append(
-            f"checked {how}: {self.steps} decode steps after a prompt of {self.prompt.shape[0]} tokens, "
+            f"checked {self.how}: {self.steps} decode steps after a prompt of {self.prompt.shape[0]} tokens, "
             f"{self.logits_format} logits, {self.path} reference; scenarios: {names}"
         )
         return lines
