@@ -3,9 +3,9 @@
 
 One run is one :func:`kvfast.check_cache` in ``mode`` (``auto``, the default: ``exact`` where every step is
 bit-equal, else judged against the model's order noise; or ``exact``, ``control``) of one scenario on a tiny
-random model of one architecture (:func:`kvfast.studies.architectures.tiny_architecture`: ``architecture`` is a model type of
-transformers' own ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``; ``dtype``; ``attention``, ``auto`` for the class's
-default; weight ``seed``), on the ``prompt``-th random prompt of the seed's stream (4 to 7 tokens,
+random model of one architecture (:func:`kvfast.studies.architectures.tiny_architecture`: ``architecture`` is a
+model type of transformers' own ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``; ``dtype``; ``attention``, ``auto`` for the
+class's default; weight ``seed``), on the ``prompt``-th random prompt of the seed's stream (4 to 7 tokens,
 ``default_rng(3000 + seed)``) with a random continuation of ``steps`` tokens; ``bug``: ``"none"`` (clean) or a
 bug of :data:`kvfast.bugs.hf.HF_BUGS` injected into the cache path; ``promote``: ``"float64"`` adds the
 logic check.
@@ -250,10 +250,10 @@ def scan_spec(
     mode: str = "auto",
 ) -> dict:
     """The grid spec of a scan (the form of ``hf_scan.toml``): ``families`` x ``scenario_names`` (default: every
-    scenario), each check in ``mode``; clean runs in every dtype (bfloat16 with the logic check: :func:`logic_check_for`) x ``seeds`` x
-    ``prompts``; each of ``bugs`` (default: every injected bug; ``[]``: none) in the first dtype, seed 0,
-    prompt 0, in the scenarios where
-    it acts (:func:`kvfast.bugs.hf.first_acting_step`)."""
+    scenario), each check in ``mode``; clean runs in every dtype (bfloat16 with the logic check:
+    :func:`logic_check_for`) x ``seeds`` x ``prompts``; each of ``bugs`` (default: every injected bug; ``[]``:
+    none) in the first dtype, seed 0, prompt 0, in the scenarios where it acts
+    (:func:`kvfast.bugs.hf.first_acting_step`)."""
     from kvfast.bugs.hf import HF_BUGS, first_acting_step
 
     names = list(scenario_names or scenarios())
@@ -493,9 +493,9 @@ FIGURES = (
         "hf_scan",
         "Every causal-LM architecture of transformers: clean verdicts",
         "Tiny random models of every model type in transformers' causal-LM auto mapping, checked per scenario "
-        "(decode, resume) in the default mode. Each cell is the worst verdict over its clean runs: green is exact or "
-        "rounding, red a bug called on a correct model, grey an architecture transformers cannot build or run here (the "
-        "table hf_scan_skipped gives the reasons). The summary table adds, per architecture, how many injected "
+        "(decode, resume) in the default mode. Each cell is the worst verdict over its clean runs: green is exact "
+        "or rounding, red a bug called on a correct model, grey an architecture transformers cannot build or run here "
+        "(the table hf_scan_skipped gives the reasons). The summary table adds, per architecture, how many injected "
         "cache bugs were found.",
         heatmap_table,
         _draw_heatmap,
