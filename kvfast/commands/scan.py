@@ -103,9 +103,7 @@ def build_grid(args):
     require_int(getattr(args, "repro_seconds", 60), "--repro-seconds", 1)
     if args.jobs is not None:
         require_int(args.jobs, "--jobs", 1)
-    spec = scan.scan_spec(
-        families, dtypes, scenarios, args.seeds, args.prompts, args.steps, args.attention, bugs, mode
-    )
+    spec = scan.scan_spec(families, dtypes, scenarios, args.seeds, args.prompts, args.steps, args.attention, bugs, mode)
     return grid_from_spec(spec, name="hf_scan", source="kvfast scan", studies=STUDIES)
 
 
