@@ -95,8 +95,10 @@ def test_check_cache_with_options_is_check_cache(params):
 def test_the_check_study_builds_its_options_from_the_config():
     from kvfast.studies.check import check_options
 
-    options = check_options({"steps": 6, "mode": "control", "scenarios": "both"})
+    options = check_options({"steps": 6, "mode": "control", "scenarios": "both", "promote": "none"})
     assert options == CheckOptions(6, "control", ("decode", "resume"))
+    logic = check_options({"steps": 6, "mode": "auto", "scenarios": "decode", "promote": "float64"})
+    assert logic == CheckOptions(6, "auto", ("decode",), promote="float64")
 
 
 # --- layout -----------------------------------------------------------------------------------
