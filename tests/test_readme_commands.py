@@ -42,10 +42,11 @@ RULES = [
     (r"kvfast run my_grid\.toml ", "not run: my_grid.toml is a placeholder for your own grid"),
     (r"kvfast run examples/sum_order\.toml ", "slow"),
     (r"kvfast run check ", "slow"),
-    (r"kvfast show results/", "slow"),
+    (r"kvfast show results/(?!mine$)", "slow"),
+    (r"kvfast show results/mine$", "not run: the results of my_grid.toml, a placeholder for your own grid"),
     (r"kvfast study (precision|neartied|training)$", "slow"),
     (r"kvfast scan --families mamba ", "slow", ("torch", "transformers")),
-    (r"kvfast reproduce ", "not run: every study of the write-up; tests/test_reference_data.py reruns them (slow)"),
+    (r"kvfast reproduce( |$)", "not run: every study of the write-up; tests/test_reference_data.py reruns them (slow)"),
 ]
 
 
