@@ -31,9 +31,9 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from kvfast.studies.base import Figure, Study
 from kvfast.studies.common import ok_rows, require_config_choice
 from kvfast.studies.plotting import ratio_bars
+from kvfast.sweep.study import Figure, Study
 from kvfast.validation import MissingExtra, require_int
 
 VERSION = "1"
