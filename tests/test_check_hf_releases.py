@@ -30,9 +30,10 @@ else:
 from packaging.version import Version  # noqa: E402 (a dependency of transformers)
 
 from kvfast.check import check_cache, hf_path  # noqa: E402
-from kvfast.check.hf import MISTRAL_WINDOW, HFModel, tiny_model  # noqa: E402
+from kvfast.check.hf import HFModel  # noqa: E402
 from kvfast.check.options import ALL_SCENARIOS  # noqa: E402
 from kvfast.check.protocol import ModelUnderTestError  # noqa: E402
+from kvfast.testing import MISTRAL_WINDOW, tiny_model  # noqa: E402
 
 RELEASE = Version(transformers.__version__)
 PROMPT = list(range(3, 3 + MISTRAL_WINDOW + 4))  # longer than Mistral's window

@@ -101,7 +101,8 @@ def test_a_lossy_cache_without_lossless_is_bad_input():
 def test_transformers_fp8_quantized_cache_is_lossy(family):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from kvfast.check.hf import HFModel, tiny_model
+    from kvfast.check.hf import HFModel
+    from kvfast.testing import tiny_model
 
     torch.set_num_threads(1)
     model = tiny_model(family, "float32", "sdpa", 0)
@@ -142,7 +143,8 @@ def test_quanto_and_hqq_quantized_caches_are_lossy_never_rounding(backend, monke
     pytest.importorskip(module)
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from kvfast.check.hf import HFModel, tiny_model
+    from kvfast.check.hf import HFModel
+    from kvfast.testing import tiny_model
 
     torch.set_num_threads(1)
     model = tiny_model("llama", "float32", "sdpa", 0)

@@ -29,7 +29,7 @@ RULES = [
     (r"pip install ", "not run: installs packages"),
     (r"python3 dev\.py ", "not run: the test suite itself, or a whole environment"),
     (r"kvfast check kvfast\.bugs\.kvfast_model:tiny_model ", "run"),
-    (r"kvfast check kvfast\.check\.hf:tiny_model ", "slow"),
+    (r"kvfast check kvfast\.testing:tiny_model ", "slow"),
     (r"kvfast check --engine ", "not run: MODEL_DIR and HF_DIR are placeholders for an engine's model"),
     (r"kvfast grids$", "run"),
     (r"kvfast run exactness ", "slow"),

@@ -14,10 +14,11 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from kvfast.bugs import CATALOGUES  # noqa: E402
-from kvfast.check.hf import HFModel, tiny_model  # noqa: E402
+from kvfast.check.hf import HFModel  # noqa: E402
 from kvfast.repro import check_case, find_case, write_reproducer  # noqa: E402
 from kvfast.repro.patches import PATCHES, patch_for  # noqa: E402
 from kvfast.repro.shrink import shrink_case  # noqa: E402
+from kvfast.testing import tiny_model  # noqa: E402
 
 #: Runs scripts in one interpreter with kvfast made unimportable (``sys.modules['kvfast'] = None``), in isolated
 #: mode (no PYTHONPATH, no current directory on sys.path): what they import must be torch and transformers only.
@@ -192,7 +193,8 @@ def test_the_findings_list_new_first():
 
 BUGGY = """
 from kvfast.bugs.hf import inject_hf_bug
-from kvfast.check.hf import HFModel, tiny_model
+from kvfast.check.hf import HFModel
+from kvfast.testing import tiny_model
 
 
 def buggy(seed=0):
@@ -357,7 +359,8 @@ FROM_COPY = """
 import sys
 import numpy as np
 import kvfast
-from kvfast.check.hf import HFModel, tiny_model
+from kvfast.check.hf import HFModel
+from kvfast.testing import tiny_model
 from kvfast.repro import find_case, write_reproducer
 
 assert kvfast.__file__.startswith(sys.argv[1]), kvfast.__file__
