@@ -41,7 +41,7 @@ def bloom(dtype: str, seed: int):
 
 
 def build(family: str, dtype: str, attention: str, seed: int):
-    from kvfast.check.hf import tiny_model
+    from kvfast.testing import tiny_model
 
     return bloom(dtype, seed) if family == "bloom" else tiny_model(family, dtype, attention, seed)
 

@@ -32,7 +32,7 @@ RULES = [
     (r"python3 dev\.py ", "not run: the test suite itself, or a whole environment"),
     (r"python benchmarks/scan_releases\.py ", "not run: installs one transformers release per environment"),
     (r"kvfast check kvfast\.bugs\.kvfast_model:tiny_model ", "run"),
-    (r"kvfast check kvfast\.check\.hf:tiny_model ", "slow", ("torch", "transformers")),
+    (r"kvfast check kvfast\.testing:tiny_model ", "slow", ("torch", "transformers")),
     (r"kvfast check --engine ", "not run: MODEL_DIR, HF_DIR, tiny/onnx and tiny.json are placeholders for a model"),
     (r"kvfast check mymodels:", "not run: mymodels is a placeholder for your own factory"),
     (r"kvfast grids$", "run"),

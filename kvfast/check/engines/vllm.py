@@ -894,12 +894,12 @@ class VLLMModel:
 
 
 def tiny_vllm_model(out, seed: int = 0, positions: int | None = None) -> Path:
-    """A tiny random Llama (:func:`kvfast.check.engines.tiny.tiny_llama`: hidden 128, 4 heads of 32, which vLLM's
+    """A tiny random Llama (:func:`kvfast.testing.tiny_llama`: hidden 128, 4 heads of 32, which vLLM's
     CPU attention takes) written to ``out``, with ``positions`` positions if given (its config's
     ``max_position_embeddings``: a long-context model, the same weights); returns ``out``."""
     import json
 
-    from kvfast.check.engines.tiny import tiny_llama
+    from kvfast.testing import tiny_llama
 
     tiny_llama(out, seed)
     if positions is not None:
