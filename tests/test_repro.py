@@ -306,7 +306,7 @@ def test_a_finding_only_the_logic_check_shows_reproduces_in_float64(tmp_path):
     native = check_cache(
         HFModel(model), PROMPT, mode="control", scenarios=("resume",), continuation=CONTINUATION[:4], promote="float64"
     )
-    assert native.verdict != "bug" and native.promoted.verdict == "bug"
+    assert native.native_verdict != "bug" and native.promoted.verdict == "bug" and native.verdict == "bug"
     case = find_case(model, PROMPT, "resume", continuation=CONTINUATION[:4], promote="float64")
     assert case.verdict == "bug" and case.dtype == "bfloat16" and case.promote == "float64" and case.weights is None
     assert check_case(case).scenarios["resume"].verdict == "bug"
