@@ -40,8 +40,8 @@ def digest(run) -> str:
     h.update(report.format().encode())
     for name, s in report.scenarios.items():
         h.update(name.encode() + repr(s.step_verdicts).encode())
-        for field in ("deviation", "ratio", "bound", "floor", "tokens"):
-            value = getattr(s, field)
+        b = s.bounds  # (None: judged bit for bit, no bound, ratio or floor)
+        for value in (s.deviation, *((None,) * 3 if b is None else (b.ratio, b.bound, b.floor)), s.tokens):
             h.update(b"-" if value is None else np.ascontiguousarray(value).tobytes())
     if report.promoted is not None:
         h.update(report.promoted.format().encode())
@@ -91,7 +91,8 @@ def cases():
         import torch
 
         from kvfast.bugs.hf import inject_hf_bug
-        from kvfast.check.hf import HFModel, tiny_model
+        from kvfast.check.hf import HFModel
+        from kvfast.testing import tiny_model
     except ImportError:
         print("# Hugging Face cases left out: torch or transformers is not installed", file=sys.stderr)
         return

@@ -51,11 +51,11 @@ class Group:
 
     def add_clean(self, report) -> None:
         self.runs += 1
-        self.clean.append(max(float(s.ratio.max()) for s in report.scenarios.values() if s.ratio is not None))
+        self.clean.append(max(float(s.bounds.ratio.max()) for s in report.scenarios.values() if s.bounds is not None))
 
     def add_bug(self, scenario, step: int) -> None:
         self.runs += 1
-        self.bugs.append(float(scenario.ratio[step]))
+        self.bugs.append(float(scenario.bounds.ratio[step]))
         self.missed += scenario.step_verdicts[step] != "bug"
 
     def row(self) -> str:
@@ -109,9 +109,10 @@ def hugging_face(prompts: int) -> list[Group]:
     import torch
 
     from kvfast.bugs.hf import HF_BUGS, first_acting_step, inject_hf_bug
-    from kvfast.check.hf import FAMILIES, HFModel, tiny_model
+    from kvfast.check.hf import HFModel
     from kvfast.studies.hf_common import prompt_and_continuation
     from kvfast.studies.hf_matrix import PROMPT_LENGTHS, PROMPT_STREAM
+    from kvfast.testing import FAMILIES, tiny_model
 
     torch.set_num_threads(1)
     groups = {k: Group(k) for k in ("HF float32", "HF float64", "HF bfloat16 logic")}

@@ -11,7 +11,8 @@ left. The layers, left to right:
 1. **kernels**: ``kvfast.kernels.*`` and ``kvfast.numerics`` (the validated names of the kernels'
    format, order and attention codes).
 2. **model**: ``kvfast.model.*``.
-3. **check**: ``kvfast.check.*``, the product (``kvfast.check.metrics`` imports nothing from kvfast).
+3. **check**: ``kvfast.check.*``, the product (``kvfast.check.metrics`` imports nothing from kvfast), and
+   ``kvfast.testing`` (tiny random models for tests and examples; the engines' and the studies' too).
 4. **bugs**: ``kvfast.bugs.*``, test tooling: the bug catalogues (they subclass the checker's adapters) and
    detector scoring. The checker never imports them.
 4a. **repro**: ``kvfast.repro.*``, a finding as an upstream-ready reproducer (it reads reports and
@@ -44,7 +45,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("leaf", ("kvfast._version", "kvfast._lazy", "kvfast.validation", "kvfast.runtime")),
     ("kernels", ("kvfast.kernels", "kvfast.numerics")),
     ("model", ("kvfast.model",)),
-    ("check", ("kvfast.check",)),
+    ("check", ("kvfast.check", "kvfast.testing")),
     ("bugs", ("kvfast.bugs",)),
     ("repro", ("kvfast.repro",)),
     ("sweep", ("kvfast.sweep",)),
@@ -205,9 +206,9 @@ def test_the_checks_fail_on_a_right_to_left_edge_and_on_a_cycle(graph):
     found = cycles(fake)
     assert len(found) == 1 and {"kvfast.bugs.score", "kvfast.studies.detector"} <= set(found[0])
     fake = {name: set(targets) for name, targets in graph.items()}
-    fake["kvfast.check.hf_ops"].add("kvfast.bugs.operations")
-    assert right_to_left(fake) == ["kvfast.check.hf_ops (check) imports kvfast.bugs.operations (bugs)"]
-    assert any({"kvfast.check.hf_ops", "kvfast.bugs.operations"} <= set(group) for group in cycles(fake))
+    fake["kvfast.check.hf_path"].add("kvfast.bugs.operations")
+    assert right_to_left(fake) == ["kvfast.check.hf_path (check) imports kvfast.bugs.operations (bugs)"]
+    assert any({"kvfast.check.hf_path", "kvfast.bugs.operations"} <= set(group) for group in cycles(fake))
     with pytest.raises(ValueError, match="in no layer"):
         layer_of("kvfast.newthing")
 
@@ -240,3 +241,51 @@ def test_the_sweep_imports_nothing_from_the_studies(graph):
     fake["kvfast.sweep.grid"].add("kvfast.studies")
     assert right_to_left(fake) == ["kvfast.sweep.grid (sweep) imports kvfast.studies (studies)"]
     assert any({"kvfast.sweep.grid", "kvfast.studies"} <= set(group) for group in cycles(fake))
+
+
+#: What the engine adapters (``kvfast.check.engines``) never reach, directly or through another module: the judge,
+#: the scenarios, the options, and the pipeline that holds them. An adapter receives a plain record of what a check
+#: will do (:class:`kvfast.check.protocol.CheckPlan`) and sits at the ground of ``kvfast.check``.
+ABOVE_THE_ENGINES = (
+    "kvfast.check.judge",
+    "kvfast.check.scenarios",
+    "kvfast.check.options",
+    "kvfast.check.checker",
+    "kvfast.check.reference",
+)
+
+
+def reached(graph: dict[str, set[str]], name: str) -> set[str]:
+    """Every kvfast module importing ``name`` runs, directly or through another."""
+    seen: set[str] = set()
+    todo = [name]
+    while todo:
+        for target in graph.get(todo.pop(), ()):
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def engines_above(graph: dict[str, set[str]]) -> list[str]:
+    """Each engine adapter module that reaches a module of :data:`ABOVE_THE_ENGINES`, as readable lines."""
+    bad = []
+    for name in sorted(graph):
+        if name == "kvfast.check.engines" or name.startswith("kvfast.check.engines."):
+            for target in sorted(reached(graph, name)):
+                if any(target == p or target.startswith(p + ".") for p in ABOVE_THE_ENGINES):
+                    bad.append(f"{name} reaches {target}")
+    return bad
+
+
+def test_the_engine_adapters_import_nothing_from_the_judge_the_scenarios_or_the_options(graph):
+    """Issue 41: the vLLM adapter called ``judge_for`` itself; now every adapter reads the plan it is given. The
+    rule, and two controls: a direct fake edge, and one through a module an adapter reaches (``formats``)."""
+    assert engines_above(graph) == []
+    assert "kvfast.check.formats" in reached(graph, "kvfast.check.engines.vllm")  # the walk follows the edges
+    fake = {name: set(targets) for name, targets in graph.items()}
+    fake["kvfast.check.engines.vllm"].add("kvfast.check.judge")
+    assert "kvfast.check.engines.vllm reaches kvfast.check.judge" in engines_above(fake)
+    fake = {name: set(targets) for name, targets in graph.items()}
+    fake["kvfast.check.formats"].add("kvfast.check.scenarios.decode")
+    assert "kvfast.check.engines.vllm reaches kvfast.check.scenarios.decode" in engines_above(fake)

@@ -160,11 +160,21 @@ class CheckOptions:
     )
     margin: float = option(
         DEFAULT_MARGIN,
-        Flag("--margin", f"control: rounding up to this ratio (default {DEFAULT_MARGIN:g})", float, metavar="X"),
+        Flag(
+            "--margin",
+            f"rounding up to X times the order noise (auto, control; default {DEFAULT_MARGIN:g})",
+            float,
+            metavar="X",
+        ),
     )
     decisive: float = option(
         DEFAULT_DECISIVE,
-        Flag("--decisive", f"control: bug beyond this ratio (default {DEFAULT_DECISIVE:g})", float, metavar="X"),
+        Flag(
+            "--decisive",
+            f"bug beyond X times the order noise (auto, control; default {DEFAULT_DECISIVE:g})",
+            float,
+            metavar="X",
+        ),
     )
     continuation: Sequence[int] | None = option(
         None,
@@ -244,6 +254,15 @@ class CheckOptions:
         if steps is None and given.get("continuation") is None:
             steps = DEFAULT_STEPS
         return cls(steps, **given)
+
+    def logic_check(self, mode: str, tokens: np.ndarray, split: int) -> CheckOptions:
+        """The options of this check's logic check (``promote``): the same scenarios, path and ratios in ``mode``, on
+        ``tokens`` (the check's) with the resume scenario's ``split`` (the check's, resolved); nothing else is
+        carried (no logic check of its own, no timeout of its own: the check's watches it)."""
+        return CheckOptions(
+            self.steps, mode, self.scenarios, fast=self.fast, split=split, margin=self.margin, decisive=self.decisive,
+            continuation=tuple(tokens.tolist()),
+        )  # fmt: skip
 
     def given_tokens(self) -> np.ndarray | None:
         """The continuation as an ``int64`` array of ``steps`` tokens (``None``: greedy tokens)."""

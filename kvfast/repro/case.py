@@ -46,8 +46,9 @@ class Case:
       case of them; judged in ``fork-branch``, ``reorder-beam``, ``padded-row``).
     - ``calls``: how ``generate`` calls the model (``cache_arg``, ``own_cache``, ``mask`` per call kind
       ``prefill``/``chunk``/``decode``, ``positions``, ``cache_position``, ``takes_mask``,
-      ``takes_position_ids``; ``cache_class`` and ``max_cache_len`` where the model is given a
-      :data:`SCRIPT_CACHES` cache).
+      ``takes_position_ids``; ``prefill_positions`` where a ``cache_params`` model's ``generate`` numbers its
+      prefill otherwise (:meth:`~kvfast.check.hf.HFModel.cache_positions`); ``cache_class`` and ``max_cache_len``
+      where the model is given a :data:`SCRIPT_CACHES` cache).
     - ``bug``: ``(catalogue, name)`` of an injected catalogue bug (the script then carries it), ``None`` for a
       finding about the library itself.
     - ``promote``: ``"float64"`` for a finding kvfast's logic check shows (a bfloat16 model, its weights rounded
@@ -195,6 +196,8 @@ def _calls(adapter) -> dict:
         "takes_mask": bool(adapter.takes_mask),
         "takes_position_ids": bool(adapter.takes_position_ids),
     }
+    if adapter._generate_prefill_positions:  # asked of a cache_params model's generate (cache_positions)
+        out["prefill_positions"] = adapter._generate_prefill_positions
     if type(made).__name__ == "StaticCache":
         out.update(cache_class="StaticCache", max_cache_len=int(made.layers[0].max_cache_len))
     return out
@@ -262,18 +265,6 @@ def inject(adapter, bug: tuple[str, str] | None):
     return CATALOGUES[catalogue][name].inject(adapter)
 
 
-def _threshold(s) -> tuple[tuple[float, ...], str]:
-    if s.mode == "exact" or s.bound is None:
-        return tuple(0.0 for _ in s.deviation), "exact equality (kvfast's exact mode: the paths must be bit-equal)"
-    thr = tuple(float(b) * float(s.decisive) for b in s.bound)
-    if s.verdict == "exact":
-        return tuple(0.0 for _ in s.deviation), "exact equality (kvfast found the two paths bit-equal at every step)"
-    return thr, (
-        f"kvfast's control-mode bug threshold at each step: {s.decisive:g} x the step's bound (the order noise "
-        "kvfast measured for this model at that step, from recomputes that differ only in how they add up)"
-    )
-
-
 def find_case(
     model,
     prompt,
@@ -316,7 +307,7 @@ def find_case(
     s, main = report.scenarios[scenario], report.scenarios[base]
     branch = next((report.scenarios[b] for b, op in _branches().items() if op == base and b in report.scenarios), None)
     hf = adapter.model
-    threshold, origin = _threshold(s)
+    threshold, origin = s.detail.threshold(s.steps)
     case = Case(
         model_class=type(hf).__name__,
         config=config_dict(hf.config),
@@ -331,7 +322,7 @@ def find_case(
         drafts=_drafts(base, main.tokens, adapter.vocab_size),
         bug=_injected(adapter),
         verdict=s.verdict,
-        first_bug_step=s.first_bug_step if s.mode == "control" else s.first_divergent_step,
+        first_bug_step=s.first_bug_step,  # (a report judged bit for bit has none: its verdict is exact)
         deviation=tuple(float(d) for d in s.deviation),
         threshold=threshold,
         threshold_origin=origin,

@@ -31,10 +31,8 @@ from kvfast.check import CheckOptions, KvfastModel, check_cache_with
 from kvfast.kernels.reduce import ORDER_CODES
 from kvfast.model.config import ModelConfig, init_params
 from kvfast.numerics import PRESETS, Numerics
-from kvfast.studies.base import Claim, Figure, Study
 from kvfast.studies.common import (
     MODEL_SHAPE_FIELDS,
-    formats_compile_key,
     model_config,
     ok_rows,
     require_config_choice,
@@ -42,6 +40,7 @@ from kvfast.studies.common import (
 )
 from kvfast.studies.criteria import EXACT, judged
 from kvfast.studies.plotting import pyplot
+from kvfast.sweep.study import Claim, Figure, Study
 from kvfast.validation import require_int
 
 VERSION = "2"
@@ -166,12 +165,6 @@ def run(config: dict) -> dict:
     }
 
 
-def compile_key(config: dict) -> tuple[str, str, str]:
-    """The formats of the run's preset (standard attention): which compiled kernels it runs
-    (:func:`~kvfast.studies.common.formats_compile_key`)."""
-    return formats_compile_key(*PRESETS[config["preset"]])
-
-
 def summarize(df: pd.DataFrame) -> pd.DataFrame:
     """Per preset: runs, the worst deviation and the share of runs whose tokens are equal."""
     ok = ok_rows(df)
@@ -265,5 +258,4 @@ STUDY = Study(
     validate_groups=(("d_model", "n_head"),),  # d_model % n_head; every other field is checked alone
     figures=FIGURES,
     rank=60,
-    compile_key=compile_key,
 )
