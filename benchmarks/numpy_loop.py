@@ -1,4 +1,4 @@
-"""kvfast against a plain NumPy user's loop on a d_model-32 exactness grid (issue 12: "at least 30x").
+"""kvfast against a plain NumPy user's loop on a d_model-32 exactness grid, and against the machine's limit.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/numpy_loop.py [--repeats 5] [--profile]
 
@@ -10,11 +10,12 @@ The grid (216 runs, float64): the built-in exactness grid's axes at d_model 32,
 Three ways to do the same 216 runs, timed on one core (BLAS limited to one thread):
 
 - **NumPy loop** (:func:`numpy_run`): what a competent NumPy user writes for the job. Per run: the
-  same model (``kvfast.init_params``, so the weights are identical) and the same prompt; greedy
-  generation of ``steps`` tokens with a KV cache (a prefill, then ``steps - 1`` one-token decodes,
-  ``np.matmul`` / BLAS products and a NumPy softmax in float64); at every step a full recompute of
-  the sequence so far without the cache, its logits compared with the cached ones (worst absolute
-  deviation, first step with a difference, whether the greedy tokens agree). No kvfast kernel is used.
+  same model (``kvfast.init_params(..., positions_last=True)``, the exactness study's: the weights are
+  identical) and the same prompt; greedy generation of ``steps`` tokens with a KV cache (a prefill,
+  then ``steps - 1`` one-token decodes, ``np.matmul`` / BLAS products and a NumPy softmax in
+  float64); at every step a full recompute of the sequence so far without the cache, its logits
+  compared with the cached ones (worst absolute deviation, first step with a difference, whether the
+  greedy tokens agree). No kvfast kernel is used.
 - **kvfast, engine**: ``kvfast.sweep.run_sweep`` on the grid (written as a TOML file, loaded with
   ``load_grid``), ``jobs=1``, into a fresh results directory (Parquet) each repeat.
 - **kvfast, loop**: the exactness study's run function called in a plain Python loop over the same
@@ -36,15 +37,18 @@ while kvfast's check recomputes only the final sequence (its rows are every step
 checking that appending a token moves no earlier row): both answer the same question.
 
 Timing: ``--repeats`` rounds, the three candidates interleaved in each round, after one warm-up
-round; each kvfast candidate starts from a fresh process's state (the study's kept parameter sets,
-draws and prompts and the prepared weights forgotten; compiled kernels kept). Wall time
+round; each kvfast candidate starts from a fresh process's state (the study's kept parameter sets
+and prompts and the prepared weights forgotten; compiled kernels kept). Wall time
 (``time.perf_counter``) and this process's CPU time (``time.process_time``, less sensitive to other
 processes on a shared machine) of the whole grid; medians. Printed for each: runs/s, the ratio
 kvfast / NumPy loop (engine and loop, and per round), the engine overhead ``1 - loop / engine``;
-then the load average (the machine is shared), and the time of the model building alone
-(``init_params`` for every run, as the NumPy loop does, timed in the same rounds; kvfast's study
-builds one parameter set per seed, shapes and length, shared across head counts, orders and presets,
-cut from one sequence of draws per seed: the line says how many of each).
+then the time of the model building alone (``init_params`` for every run, as the NumPy loop does,
+timed in the same rounds; kvfast's study builds one parameter set per seed and shape, shared by every
+length, head count, order and preset: the line says how many), the machine limit (:func:`product_rate`:
+the grid's own matrix products, every one of every run, timed in compiled loops of the f64 product
+bodies, no Python between them; the grid's FLOPs per run, products and attention, :func:`run_products`;
+their quotient, the runs/s one core could reach if every FLOP ran at that rate, against the engine's),
+and the load average (the machine is shared).
 ``--numpy-model`` adds kvfast's own NumPy reference model (:class:`kvfast.NumpyModel`, one row at a
 time and whole-matrix) through ``check_cache``, timed after the rounds: another NumPy baseline.
 ``--profile`` adds a cProfile of the kvfast loop (top entries by cumulative and by internal time).
@@ -145,7 +149,7 @@ def numpy_generate(config: dict, params: dict | None = None) -> dict:
     T0, steps = config["prompt_len"], config["steps"]
     if params is None:
         cfg = ModelConfig(config["vocab"], d, n_head, n_layer, config["d_ff"], T0 + steps)
-        params = init_params(cfg, config["seed"])
+        params = init_params(cfg, config["seed"], positions_last=True)  # the study's model (exactness.model_for)
     rng = np.random.default_rng([config["seed"], T0, 7])  # the exactness study's prompt
     tokens = list(rng.integers(0, config["vocab"], size=T0))
     cache = [[np.empty((T0 + steps, d)), np.empty((T0 + steps, d)), 0] for _ in range(n_layer)]
@@ -187,7 +191,8 @@ def kvfast_logits(config: dict, tokens: list[int]) -> np.ndarray:
         config["vocab"], config["d_model"], config["n_head"], config["n_layer"], config["d_ff"],
         config["prompt_len"] + config["steps"],
     )  # fmt: skip
-    return forward(cfg, init_params(cfg, config["seed"]), np.array(tokens), Numerics.preset("f64", config["order"]))
+    params = init_params(cfg, config["seed"], positions_last=True)
+    return forward(cfg, params, np.array(tokens), Numerics.preset("f64", config["order"]))
 
 
 def agreement(config: dict) -> tuple[float, bool]:
@@ -241,18 +246,18 @@ def time_init(configs: list[dict]) -> Clock:
     with Clock() as clock:
         for c in configs:
             shape = (c["vocab"], c["d_model"], c["n_head"], c["n_layer"], c["d_ff"], c["prompt_len"] + c["steps"])
-            init_params(ModelConfig(*shape), c["seed"])
+            init_params(ModelConfig(*shape), c["seed"], positions_last=True)
     return clock
 
 
-def shared_parameter_sets(configs: list[dict]) -> tuple[int, int]:
-    """How many parameter sets the exactness study builds for ``configs``, and from how many seeds' draws."""
+def shared_parameter_sets(configs: list[dict]) -> int:
+    """How many parameter sets the exactness study builds for ``configs``."""
     from kvfast.studies import exactness
 
     fresh_state()
     for c in configs:
         exactness.model_for(c)
-    return exactness._params.cache_info().misses, exactness._draws.cache_info().misses
+    return exactness._params.cache_info().misses
 
 
 def time_numpy_model(configs: list[dict], batching: str) -> float:
@@ -345,6 +350,70 @@ def time_engine(grid, tmp: str, i: int | str) -> Clock:
     return clock
 
 
+def run_products(config: dict) -> tuple[list[tuple[int, int, int, bool]], int]:
+    """The matrix products of one run's model calls (those of :func:`model_calls`: the prompt's recompute, the
+    prefill, the decode steps, the final sequence's and the prefix's recomputes), each ``(rows, n, m, large)``
+    (``large``: the model's product size class, :func:`kvfast.model.compiled.model_size_class`), and the
+    run's FLOPs (2 per multiply-add: the products and attention's score and value sums)."""
+    from kvfast.check.control import prefix_length
+    from kvfast.kernels.matmul import LARGE_MIN_ROWS, size_class
+
+    d, f, vocab, layers = config["d_model"], config["d_ff"], config["vocab"], config["n_layer"]
+    T0, steps = config["prompt_len"], max(1, config["steps"] - 1)
+    products, macs = [], 0
+
+    def forward(rows: int, pos0: int) -> None:
+        nonlocal macs
+        large = size_class(LARGE_MIN_ROWS, d, max(d, f, vocab))  # the model's (model_size_class)
+        for _ in range(layers):
+            products.extend([(rows, d, d, large)] * 4 + [(rows, d, f, large), (rows, f, d, large)])
+        products.append((rows, d, vocab, large))
+        keys = sum(pos0 + t + 1 for t in range(rows))  # causal: row t attends pos0 + t + 1 keys
+        macs += rows * (layers * (4 * d * d + 2 * d * f) + d * vocab) + layers * 2 * keys * d
+
+    forward(T0, 0)  # recompute of the prompt
+    forward(T0, 0)  # prefill
+    for i in range(steps):
+        forward(1, T0 + i)  # decode step i + 1
+    forward(T0 + steps, 0)  # recompute of the final sequence
+    q = prefix_length(T0 + max(1, steps // 4))
+    if q < T0 + steps:
+        forward(q, 0)  # the prefix recompute of the append-invariance check
+    return products, 2 * macs
+
+
+def product_rate(configs: list[dict], repeats: int = 3) -> tuple[float, int]:
+    """The compiled f64 product bodies' rate on the grid's own products: every product of every run
+    (:func:`run_products`), each shape timed in one compiled loop of ``matmul_with`` (no Python between
+    products), best of ``repeats``; ``(FLOP/s, number of products)``."""
+    import collections
+
+    import numba as nb
+
+    from kvfast.kernels.matmul import matmul_with, product_bodies
+
+    @nb.njit(cache=False, fastmath=False, error_model="numpy")
+    def loop(x, w, y, bodies, n):
+        for _ in range(n):
+            matmul_with(x, w, 0, 0, 0, y, bodies)  # f64 storage and accumulator, sequential order
+
+    shapes = collections.Counter(p for c in configs for p in run_products(c)[0])
+    rng = np.random.default_rng(0)
+    seconds = flops = 0.0
+    for (rows, n, m, large), count in shapes.items():
+        x, w, y = rng.standard_normal((rows, n)), rng.standard_normal((n, m)), np.empty((rows, m))
+        bodies = product_bodies(0, large)
+        loop(x, w, y, bodies, 1)
+        best = math.inf
+        for _ in range(repeats):
+            start = time.perf_counter()
+            loop(x, w, y, bodies, count)
+            best = min(best, time.perf_counter() - start)
+        seconds += best
+        flops += 2.0 * rows * n * m * count
+    return flops / seconds, sum(shapes.values())
+
+
 def lookup_grid(grid):
     """``grid`` with its study's run replaced by a lookup of the rows it returns (computed here, once): swept, it
     times the engine's own work (planning, each run's guards, the rows, the writer, Parquet parts, the manifest)."""
@@ -420,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
                 ratios = [getattr(a, kind) / getattr(b, kind) for a, b in zip(times["numpy"], times[key], strict=True)]
                 print(f"\nNumPy loop / kvfast {label}, {kind} time, per round (both measured in the same round): "
                       f"{', '.join(f'{r:.1f}' for r in ratios)} (median {statistics.median(ratios):.1f}x; "
-                      "target 5x, issue 30)")  # fmt: skip
+                      "target 12x, issue 46)")  # fmt: skip
             print(
                 f"engine overhead 1 - loop / engine ({kind}): {1 - med['loop'] / med['engine']:.3f}; "
                 f"the checker's share of the loop 1 - model calls / loop: {1 - med['model'] / med['loop']:.3f}"
@@ -435,10 +504,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"the study's models from a fresh state (in the model calls above): parameter sets "
               f"{med['sets'] / n * 1e6:.0f} us wall, their prepared weights {med['prepared'] / n * 1e6:.0f} us wall "
               "per run")  # fmt: skip
-        sets, seeds = shared_parameter_sets(configs)
+        sets = shared_parameter_sets(configs)
         print(f"model building alone (init_params once per run, as the NumPy loop does): {med['init']:.3f} s wall, "
               f"{med['init'] / med['numpy']:.0%} of the NumPy loop's; kvfast's study builds {sets} parameter sets "
-              f"for the {n} runs (shared across head counts), cut from the draws of {seeds} seeds")  # fmt: skip
+              f"for the {n} runs (one per seed and shape)")  # fmt: skip
+        rate, n_products = product_rate(configs)
+        flops = sum(run_products(c)[1] for c in configs) / n
+        limit = rate / flops
+        engine = n / med["engine"]
+        print(f"machine limit (one core): the grid's {n_products:,} products run at {rate / 1e9:.1f} GFLOP/s in "
+              f"compiled loops; a run is {flops / 1e6:.2f} MFLOP (products and attention), so at most {limit:,.0f} "
+              f"runs/s; the engine runs {engine:,.0f} runs/s (wall), {engine / limit:.0%} of that")  # fmt: skip
         load1 = os.getloadavg()
         print(f"cpu_count {os.cpu_count()}, load average (1 min) before {load0[0]:.2f}, after {load1[0]:.2f}")
         if args.numpy_model:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvfast.kernels.attention import ATTENTION_CODES
-from kvfast.kernels.precision import FORMAT_CODES
+from kvfast.kernels.precision import FORMAT_CODES, Formats
 from kvfast.kernels.reduce import ORDER_CODES
 from kvfast.validation import require_choice, require_int
 
@@ -73,9 +73,9 @@ class Numerics:
         return cls(storage=storage, accum=accum, order=order, attention=attention, attn_block=attn_block)
 
     @property
-    def codes(self) -> tuple[int, int, int]:
+    def codes(self) -> Formats:
         """``(storage, accum, order)`` as kernel codes."""
-        return FORMAT_CODES[self.storage], FORMAT_CODES[self.accum], ORDER_CODES[self.order]
+        return Formats(FORMAT_CODES[self.storage], FORMAT_CODES[self.accum], ORDER_CODES[self.order])
 
     @property
     def attention_codes(self) -> tuple[int, int]:

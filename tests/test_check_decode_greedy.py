@@ -9,6 +9,7 @@ import torch
 
 from kvfast.check import KvfastModel, ModelUnderTestError, check_cache
 from kvfast.check.lossy import LossyKvfastModel
+from kvfast.model.bugs import BUGS
 from kvfast.model.config import ModelConfig, init_params
 
 torch.set_num_threads(1)
@@ -94,7 +95,7 @@ def assert_rows_of_greedy_decodes(rows: np.ndarray, model, token: int) -> None:
         token = int(np.argmax(row))
 
 
-@pytest.mark.parametrize("bug", [None, "stale", "freeze", "posoff"])
+@pytest.mark.parametrize("bug", [None, *BUGS])
 @pytest.mark.parametrize("numerics", ["f64", "bf16"])
 def test_decode_greedy_returns_the_rows_of_one_decode_per_step_fed_greedily(bug, numerics):
     fast, slow = KvfastModel(CFG, PARAMS, numerics, bug), KvfastModel(CFG, PARAMS, numerics, bug)

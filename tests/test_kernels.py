@@ -30,7 +30,7 @@ from kvfast.kernels.attention import attend_row, attention_into
 from kvfast.kernels.bodies import EMPTY, specialise
 from kvfast.kernels.indirect import BY_ADDRESS_SUFFIX
 from kvfast.kernels.matmul import matmul as kmatmul
-from kvfast.kernels.precision import BF16, F32, F64, round_array
+from kvfast.kernels.precision import BF16, F32, F64, Formats, round_array
 from kvfast.kernels.reduce import (
     PAIRWISE,
     SEQUENTIAL,
@@ -330,14 +330,15 @@ def test_the_small_class_compiles_no_unrolled_body():
     unrolled ones' (the bf16 bodies are plain in both: one table)."""
     from kvfast.kernels.indirect import address
 
-    def addr(name, slot):
-        return address(getattr(matmul, name), matmul.PRODUCT_BODIES[slot])
+    def addr(name):
+        return address(getattr(matmul, name), matmul.BODY_ON_F32 if name.endswith("_on_f32") else matmul.BODY)
 
-    assert matmul.product_bodies(F64)[0] == addr("_product_plain_f64", 0)
-    assert matmul.product_bodies(F64, True)[0] == addr("_product_f64", 0)
+    assert matmul.product_bodies(F64).f64 == addr("_product_plain_f64")
+    assert matmul.product_bodies(F64, True).f64 == addr("_product_f64")
     small, large = matmul.product_bodies(F32), matmul.product_bodies(F32, True)
-    assert (small[1], small[2]) == (addr("_product_plain_f32_on_f32", 1), addr("_product_plain_f32", 2))
-    assert (large[1], large[2]) == (addr("_product_f32_on_f32", 1), addr("_product_f32", 2))
+    assert (small.f32_on_f32, small.f32) == (addr("_product_plain_f32_on_f32"), addr("_product_plain_f32"))
+    assert (large.f32_on_f32, large.f32) == (addr("_product_f32_on_f32"), addr("_product_f32"))
+    assert small.f64 == 0 and small.narrowed != 0  # the f64 body is never reached in the f32 accumulator
     assert matmul.product_bodies(BF16, True) is matmul.product_bodies(BF16)
 
 
@@ -414,8 +415,8 @@ def test_attend_row_over_a_window_equals_reference(order):
             out = np.empty((1, d))
             probs = np.zeros((H, 1, S))
             attend_row(
-                q, 0, kb, vb, lo, hi, H, 0.5, storage, acc, order, out, 0, probs, 0,
-                np.empty(2 * S), np.empty(STACK_DEPTH), new_stack(d // H), attention.dot_bodies(acc),
+                q, out, probs, 0, attention.Keys(kb, vb, lo, hi), attention.Heads(H, 0.5), Formats(storage, acc, order),
+                attention.new_scratch(S, d // H), attention.attention_kernels(acc),
             )  # fmt: skip
             want = kvref.ref_attend_row(q[0], kb, vb, lo, hi, H, 0.5, storage, acc, order, exp_array)
             assert same_bits(out[0], want)
@@ -618,16 +619,17 @@ def _representative_calls():
             kmatmul(round_array(big, fmt), round_array(big.T @ big, fmt), fmt, fmt, order)
             kmatmul(big, big.T @ big, F64, fmt, order)
     for fmt in FORMATS:
-        attention.score_dots(v, 0, m2, 0, 8, 8, fmt, SEQUENTIAL, st_, out, attention.dot_bodies(fmt))
+        attention.score_dots(v, 0, m2, 0, 8, 8, fmt, SEQUENTIAL, st_, out, attention.attention_kernels(fmt))
     m32 = m2.astype(np.float32)
     _all_products(m2, m2, y, m32, m32, np.empty((8, 8), dtype=np.float32))
     attention_into(m2, m2, m2, 0, 8, True, 2, 0.5, F64, F64, SEQUENTIAL, y, np.empty((0, 0, 0)))
-    attend_row(m2, 0, m2, m2, 0, 8, 2, 0.5, F64, F64, SEQUENTIAL, y, 0, np.empty((0, 0, 0)), 0,
-               np.empty(16), st_, new_stack(4), attention.dot_bodies(F64))  # fmt: skip
+    keys, heads, work = attention.Keys(m2, m2, 0, 8), attention.Heads(2, 0.5), attention.new_scratch(8, 4)
+    fmt64 = Formats(F64, F64, SEQUENTIAL)
+    attend_row(m2, y, np.empty((0, 0, 0)), 0, keys, heads, fmt64, work, attention.attention_kernels(F64))
     for mode in (attention.ONLINE, attention.SPLITKV):
         attention_into(m2, m2, m2, 0, 8, True, 2, 0.5, F64, F64, SEQUENTIAL, y, np.empty((0, 0, 0)), mode, 4)
-        attention.attend_row_blocked(m2, 0, m2, m2, 0, 8, 0, 8, 2, 0.5, F64, F64, SEQUENTIAL, mode, 3, y, 0,
-                                     np.empty(16), st_, new_stack(4), attention.dot_bodies(F64))  # fmt: skip
+        attention.attend_row_blocked(m2, y, 0, keys, heads, fmt64, attention.Blocks(mode, 3, 0, 8), work,
+                                     attention.attention_kernels(F64, mode))  # fmt: skip
     rmsnorm_into(m2, v, 1e-5, F64, F64, SEQUENTIAL, y, np.empty(8))
     rmsnorm_row(m2, 0, v, 1e-5, F64, F64, SEQUENTIAL, y, 0, st_)
     silu_into(m2, F64, y)
@@ -686,7 +688,7 @@ def test_no_fused_multiply_add_in_the_machine_code(machine_code):
             fused = sorted(set(FMA_ASM.findall(asm)))
             assert not fused, (name, fused[:5])
     # the multiplying kernels really multiply (in scalar or vector form); the compiled forward and decode
-    # call them by address (kvfast.model.addresses), so their own code need not
+    # call them by address (kvfast.model.compiled.Kernels), so their own code need not
     for name in ("ordered_dot", "_all_products", "_dots_sequential_f64", "attend_row", "attend_row_blocked",
                  "rmsnorm_row", *PRODUCT_BODY_NAMES):  # fmt: skip
         precision = "[sd]" if name.endswith("_on_f32") else "d"  # float32 data multiplies in single precision

@@ -190,25 +190,31 @@ def test_the_compiled_forward_is_not_the_layer_by_layer_code_path():
 
 def test_prepared_weights_have_the_type_the_block_is_compiled_for_by_address():
     """The compiled forward and the decode call the block's functions by address (``kvfast.model.compiled``:
-    ``input_at``, ``output_at``, ``head_at``), which type only the argument types they are compiled for: the
-    prepared weights, fresh or cached (the caller's parameters frozen), always have them; weights of another
-    type are a typing error, never a call of code compiled for another layout."""
+    ``block_input_at``, ``block_output_at``, ``head_at``), which type only the argument types they are compiled
+    for: the prepared weights, fresh or cached (the caller's parameters frozen), always have them; weights of
+    another type are a typing error, never a call of code compiled for another layout."""
+    from kvfast.kernels.precision import Formats
     from kvfast.model import compiled
 
     cfg = ModelConfig(vocab=7, d_model=8, n_head=2, n_layer=2, d_ff=12, max_pos=8)
     params = init_params(cfg, 0)
     for weights in (Weights.prepare(cfg, params, Numerics()), Weights.cached(cfg, params, Numerics("bf16"))):
-        assert nb.typeof(weights.stacked) == compiled._block_signatures()["input"][1]
+        assert nb.typeof(weights.stacked) == compiled.WEIGHTS
 
     @nb.njit
     def head(kern, w, x, logits):
-        compiled.head_at(kern[0], (kern, w, x, 1e-5, 0, 0, 0, np.empty_like(x), np.empty(x.shape[0]), logits))
+        kern, w, fmt = compiled.named(kern, w, (0, 0, 0))
+        compiled.head_at(kern.head, kern, w, 1e-5, fmt, x, np.empty_like(x), np.empty(x.shape[0]), logits)
 
     w = Weights.prepare(cfg, params, Numerics()).stacked
     x = np.zeros((1, cfg.d_model))
+    kern = compiled.kernels(0, 0)
+    logits = np.empty((1, cfg.vocab))
+    head(kern, tuple(w), x, logits)  # the layout it is compiled for: a call
+    assert compiled.named.py_func(kern, w, (0, 0, 0))[2] == Formats(0, 0, 0)
     other = w._replace(wte=np.asfortranarray(w.wte))  # the same values in another layout
     with pytest.raises(nb.core.errors.TypingError):
-        head(np.zeros(1, dtype=np.int64), other, x, np.empty((1, cfg.vocab)))
+        head(kern, tuple(other), x, logits)
 
 
 @pytest.mark.parametrize("preset", ["f64", "f32", "bf16"])
@@ -225,8 +231,8 @@ def test_the_product_size_class_never_changes_the_model(preset, order, monkeypat
     tokens = np.random.default_rng(8).integers(0, cfg.vocab, size=9).astype(np.int64)
     results = []
     for large in (False, True):
-        monkeypatch.setattr(transformer, "model_size_class", lambda config, T, acc, large=large: large)
-        monkeypatch.setattr(decode, "model_size_class", lambda config, T, acc, large=large: large)
+        monkeypatch.setattr(transformer, "model_size_class", lambda config, acc, large=large: large)
+        monkeypatch.setattr(decode, "model_size_class", lambda config, acc, large=large: large)
         cache = KVCache.empty(cfg, nx, 20)
         logits = [forward_prepared(cfg, w, tokens[:5], nx, cache)]
         for t in tokens[5:]:
@@ -234,3 +240,20 @@ def test_the_product_size_class_never_changes_the_model(preset, order, monkeypat
         results.append((np.concatenate(logits), cache.k.copy(), cache.v.copy()))
     for got, want in zip(results[0], results[1], strict=True):
         assert same_bits(got, want)
+
+
+def test_first_max_is_numpys_argmax():
+    """The token the compiled greedy decode feeds: the first maximum, or the first NaN (NumPy's argmax)."""
+    from kvfast.model.decode import first_max
+
+    rng = np.random.default_rng(5)
+    rows = [
+        np.array([1.0, 3.0, 3.0, 2.0]), np.array([-0.0, 0.0]), np.array([0.0, -0.0]), np.array([np.nan, 1.0]),
+        np.array([1.0, np.nan, 5.0, np.nan]), np.array([-np.inf, -np.inf]), np.array([1.0, np.inf, np.inf]),
+        np.array([7.0]), *(rng.integers(0, 4, size=9).astype(np.float64) for _ in range(50)),
+    ]  # fmt: skip
+    for row in rows:
+        assert first_max(row) == int(np.argmax(row)), row
+    # control: the rows tell the first maximum from the last, and a NaN from the largest number
+    assert any(len(row) - 1 - int(np.argmax(row[::-1])) != int(np.argmax(row)) for row in rows)
+    assert any(int(np.nanargmax(row)) != int(np.argmax(row)) for row in rows)

@@ -10,7 +10,7 @@ import torch
 from kvfast.check import KvfastModel, ModelUnderTestError, check_cache
 from kvfast.check.adapters import prepared_weights
 from kvfast.check.protocol import check_logits, logits_format, read_attribute
-from kvfast.model.config import ModelConfig, SeedDraws, draw_count, init_params, param_shapes, params_from_draws
+from kvfast.model.config import ModelConfig, init_params, param_shapes
 from kvfast.model.transformer import Weights
 from kvfast.numerics import Numerics
 from kvfast.studies import exactness
@@ -40,11 +40,16 @@ def test_init_params_does_not_depend_on_n_head_but_on_every_shape_and_the_seed()
     assert not np.array_equal(longer["h0.wq"], base["h0.wq"])
 
 
-def _drawn_one_by_one(config: ModelConfig, seed: int) -> dict:
-    """The parameters as init_params drew them before issue 30: one draw call per parameter, in order."""
+def _drawn_one_by_one(config: ModelConfig, seed: int, positions_last: bool = False) -> dict:
+    """The parameters as init_params drew them before issue 30: one draw call per parameter, in order (with
+    ``positions_last``, wpe's draw moved to the end)."""
     rng = np.random.default_rng(seed)
+    names = list(param_shapes(config))
+    if positions_last:
+        names = [n for n in names if n != "wpe"] + ["wpe"]
     params = {}
-    for name, shape in param_shapes(config).items():
+    for name in names:
+        shape = param_shapes(config)[name]
         short = name.split(".")[-1]
         if short in ("g1", "g2", "gf"):
             params[name] = np.ones(shape)
@@ -52,7 +57,7 @@ def _drawn_one_by_one(config: ModelConfig, seed: int) -> dict:
             params[name] = rng.standard_normal(shape)
         else:
             params[name] = rng.standard_normal(shape) / np.sqrt(shape[0])
-    return params
+    return {name: params[name] for name in param_shapes(config)}
 
 
 def _same_bits(a: dict, b: dict) -> bool:
@@ -68,34 +73,32 @@ CONFIGS = [ModelConfig(32, 16, 1, n_layer, 32, max_pos) for n_layer in (1, 3) fo
 
 
 @pytest.mark.parametrize("seed", [0, 5])
-def test_init_params_and_seed_draws_cut_the_same_bits_as_one_draw_per_parameter(seed):
-    """One draw for every parameter (init_params) or draws kept across configs of one seed (SeedDraws, in an order
-    where later configs need fewer and more draws): the bits of one draw call per parameter."""
-    draws = SeedDraws(seed)
+@pytest.mark.parametrize("positions_last", [False, True])
+def test_init_params_cuts_the_same_bits_as_one_draw_per_parameter(seed, positions_last):
+    """One draw for every parameter (init_params, in either layout): the bits of one draw call per parameter,
+    each array its own."""
     for config in CONFIGS:
-        want = _drawn_one_by_one(config, seed)
-        got = draws.params(config)
-        assert _same_bits(init_params(config, seed), want)
-        assert _same_bits(got, want)
-        assert all(a.base is None for a in got.values())  # no view of the kept draws
-    # control: the comparison sees one ulp, another seed, and the draws of another config
+        got = init_params(config, seed, positions_last)
+        assert _same_bits(got, _drawn_one_by_one(config, seed, positions_last))
+        assert all(a.base is None for a in got.values())  # no view of the draws
+    # control: the comparison sees one ulp, another seed, and the other layout
     config = CONFIGS[0]
-    nudged = _drawn_one_by_one(config, seed)
+    nudged = _drawn_one_by_one(config, seed, positions_last)
     nudged["h0.wk"][1, 2] = np.nextafter(nudged["h0.wk"][1, 2], np.inf)
-    assert not _same_bits(draws.params(config), nudged)
-    assert not _same_bits(SeedDraws(seed + 1).params(config), _drawn_one_by_one(config, seed))
-    shorter = params_from_draws(CONFIGS[1], draws.first(draw_count(CONFIGS[0])))
-    assert not _same_bits(shorter, _drawn_one_by_one(CONFIGS[0], seed))
+    assert not _same_bits(init_params(config, seed, positions_last), nudged)
+    want = _drawn_one_by_one(config, seed, positions_last)
+    assert not _same_bits(init_params(config, seed + 1, positions_last), want)
+    assert not _same_bits(init_params(config, seed, not positions_last), want)
 
 
-def test_params_from_draws_refuses_too_few_draws():
-    config = CONFIGS[0]
-    need = draw_count(config)
-    with pytest.raises(ValueError, match=rf"^draws: .* is not allowed; allowed: a 1-D array of at least {need} draws"):
-        params_from_draws(config, np.zeros(need - 1))
-    with pytest.raises(ValueError, match="^draws: "):
-        params_from_draws(config, np.zeros((need, 1)))
-    assert _same_bits(params_from_draws(config, SeedDraws(3).first(need)), init_params(config, 3))
+def test_positions_last_makes_every_weight_independent_of_max_pos():
+    """What lets the exactness study run every length on one model: with positions_last, a longer model's
+    parameters are a shorter one's, wpe extended by rows; without it (control), every matrix changes."""
+    short, long = (init_params(ModelConfig(32, 16, 2, 2, 32, m), 3, positions_last=True) for m in (8, 26))
+    assert all(np.array_equal(short[k], long[k]) for k in short if k != "wpe")
+    assert np.array_equal(long["wpe"][:8], short["wpe"]) and long["wpe"].shape == (26, 16)
+    short, long = (init_params(ModelConfig(32, 16, 2, 2, 32, m), 3) for m in (8, 26))
+    assert not np.array_equal(short["h0.wq"], long["h0.wq"]) and not np.array_equal(short["w_out"], long["w_out"])
 
 
 def _frozen(params: dict) -> dict:
@@ -137,9 +140,22 @@ def test_writable_or_view_parameters_are_prepared_every_time_and_never_frozen():
 def test_model_for_gives_the_params_init_params_draws(n_head):
     config = {**CONFIG, "n_head": n_head}
     cfg, params = exactness.model_for(config)
-    assert cfg.n_head == n_head and cfg.max_pos == config["prompt_len"] + config["steps"]
-    assert _same_params(params, init_params(cfg, config["seed"]))
-    assert not _same_params(params, init_params(cfg, config["seed"] + 1))  # control: another seed differs
+    assert cfg.n_head == n_head and cfg.max_pos == exactness.MIN_POSITIONS
+    assert _same_params(params, init_params(cfg, config["seed"], positions_last=True))
+    assert not _same_params(params, init_params(cfg, config["seed"] + 1, positions_last=True))  # control: seed
+    # one parameter set for every length and head count of a seed and shape
+    for other in ({"steps": 16}, {"prompt_len": 10, "n_head": 1}):
+        assert exactness.model_for({**config, **other})[1] is params
+    assert exactness.model_for({**config, "n_layer": 3})[1] is not params  # control: another shape
+
+
+def test_positions_hold_the_run_in_a_power_of_two():
+    assert [exactness.positions(n) for n in (1, 26, 32, 33, 64, 65, 1000)] == [32, 32, 32, 64, 64, 128, 1024]
+    cfg, params = exactness.model_for({**CONFIG, "prompt_len": 30, "steps": 5})
+    assert cfg.max_pos == 64 and params["wpe"].shape == (64, CONFIG["d_model"])
+    short = exactness.model_for(CONFIG)[1]
+    assert all(np.array_equal(short[k], params[k]) for k in short if k != "wpe")
+    assert np.array_equal(params["wpe"][:32], short["wpe"])
 
 
 def test_prompt_for_is_the_seeded_draw_and_read_only():
@@ -154,20 +170,22 @@ def test_prompt_for_is_the_seeded_draw_and_read_only():
 
 @pytest.mark.parametrize("n_head", [1, 2])
 def test_a_run_equals_the_check_of_a_freshly_built_model(n_head):
-    """The study's run (shared parameters, shared prompt) against everything built anew for it."""
+    """The study's run (shared parameters, shared prompt, ``max_pos`` a power of two) against everything built anew
+    for it (``max_pos`` the run's length: the rows past it change nothing)."""
     config = {**CONFIG, "n_head": n_head}
     row = exactness.run(config)
     cfg = ModelConfig(32, 16, n_head, 2, 32, config["prompt_len"] + config["steps"])
     rng = np.random.default_rng([config["seed"], config["prompt_len"], 7])
     prompt = rng.integers(0, 32, size=config["prompt_len"]).astype(np.int64)
+    params = init_params(cfg, config["seed"], positions_last=True)
     report = check_cache(
-        KvfastModel(cfg, init_params(cfg, config["seed"]), "f64"), prompt, config["steps"] - 1, scenarios="decode",
-        follow="cache", keep_logits=True,
+        KvfastModel(cfg, params, "f64"), prompt, config["steps"] - 1, scenarios="decode", follow="cache",
+        keep_logits=True,
     ).scenarios["decode"]  # fmt: skip
     tokens = np.argmax(report.cache_logits[config["prompt_len"] - 1 :], axis=1)
     assert row["tokens"] == ",".join(map(str, tokens))
     assert row["max_abs_dev"] == float(report.deviation.max()) == 0.0
-    other = KvfastModel(cfg, init_params(cfg, config["seed"] + 1), "f64")  # control: another model's tokens differ
+    other = KvfastModel(cfg, init_params(cfg, config["seed"]), "f64")  # control: version 1's model's tokens differ
     shown = check_cache(other, prompt, config["steps"] - 1, scenarios="decode", follow="cache").scenarios["decode"]
     assert ",".join(map(str, shown.tokens)) != ",".join(map(str, tokens[1:]))
 

@@ -9,9 +9,8 @@ import numpy as np
 
 from kvfast.model import bugs as B
 from kvfast.model.cache import KVCache
-from kvfast.model.compiled import kernels, model_size_class
 from kvfast.model.config import ModelConfig
-from kvfast.model.decode import decode_kernel, decode_prepared
+from kvfast.model.decode import decode_greedy_prepared, decode_prepared
 from kvfast.model.transformer import Weights, forward_prepared
 from kvfast.model.validate import require_config, require_numerics, require_token, require_tokens
 from kvfast.numerics import Numerics
@@ -125,7 +124,10 @@ class KvfastModel:
             raise NotImplementedError(f"{n} steps from position {cache.length} pass the cache's {cache.capacity}")
         if type(self).decode is KvfastModel.decode:  # the kernel itself: decode's checks hold at every step
             # (room: checked above; every token after the first: an argmax)
-            return _decode_greedy_prepared(self, cache, require_token(self.config, token), n)
+            return decode_greedy_prepared(
+                self.config, self.weights, cache, require_token(self.config, token), n, self.decode_numerics,
+                self.bug_code,
+            )  # fmt: skip
         out = np.empty((n, self.vocab_size))
         for i in range(n):
             out[i] = self.decode(token)
@@ -162,27 +164,6 @@ class KvfastModel:
         if self.cache is None:
             raise ValueError("cache: empty; allowed: call prefill(tokens) first")
         return self.cache
-
-
-def _decode_greedy_prepared(model: KvfastModel, cache: KVCache, token: int, n: int) -> np.ndarray:
-    """``n`` greedy steps of :func:`~kvfast.model.decode.decode_prepared` (what :meth:`KvfastModel.decode` runs)
-    from ``token``: the same kernel call per step, its logits written straight into row ``i`` of the result (a
-    ``(1, V)`` C-contiguous view: the type of ``decode_prepared``'s own buffer), the call's constants read once."""
-    config, numerics = model.config, model.decode_numerics
-    storage, acc, order = numerics.codes
-    attn, attn_block = numerics.attention_codes
-    table, stacked, bug = kernels(acc, attn, model_size_class(config, 1, acc)), model.weights.stacked, model.bug_code
-    n_head, eps = config.n_head, config.eps
-    out = np.empty((n, config.vocab))
-    for i in range(n):
-        length = cache.length
-        new_length = decode_kernel(
-            table, stacked, n_head, eps, cache.k, cache.v, length, cache.prefill_len, token, length, storage, acc,
-            order, bug, B.EVICT_WINDOW, out[i : i + 1], attn, attn_block,
-        )  # fmt: skip
-        cache.advance(new_length - length)
-        token = int(out[i].argmax())
-    return out
 
 
 def prepared_weights(config: ModelConfig, params: dict, numerics: Numerics) -> Weights:

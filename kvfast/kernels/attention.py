@@ -21,14 +21,16 @@ Compile cost (a cold start): the row kernels (:func:`attend_row`,
 :func:`attend_row_blocked`) are called through their addresses
 (:mod:`kvfast.kernels.indirect`) by :func:`attention_with` (the forward's) and
 the decode step, so each is compiled, and its machine code generated, once
-(inlined or linked, it was generated again in each caller); :func:`score_dots`
-calls the sequential body of its accumulator format by address too, compiled
-on the first use of that format (:func:`dot_bodies`; the bodies are written
-once, as a template, and written out per format: :mod:`kvfast.kernels.bodies`),
-and the row kernels call :func:`score_dots` and the reductions
-(:func:`kvfast.kernels.reduce.ordered_sum`,
-:func:`kvfast.kernels.reduce.weighted_rows_sum`) by address, so these are not
-optimised again inside both row kernels.
+(inlined or linked, it was generated again in each caller); the row kernels
+call the sequential score-dot body of their accumulator format by address too,
+compiled on the first use of that format (the bodies are written once, as a
+template, and written out per format: :mod:`kvfast.kernels.bodies`), and
+:func:`score_dots` and the reductions (:func:`kvfast.kernels.reduce.ordered_sum`,
+:func:`kvfast.kernels.reduce.weighted_rows_sum`) of the pairwise order by
+address, so these are not optimised again inside both row kernels. What they
+call is one table, :func:`attention_kernels` (:class:`AttentionKernels`, read
+by name); their arguments come in records (:class:`Keys`, :class:`Heads`,
+:class:`Blocks`, :class:`Scratch`, :class:`~kvfast.kernels.precision.Formats`).
 
 Real kernels' orders (``mode``, with an integer ``param``), per head, over the
 scores ``s_j`` above (computed exactly as in the standard mode):
@@ -65,17 +67,28 @@ of a row intersected with each block; empty intersections are skipped.
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import NamedTuple
 
 import numba as nb
 import numpy as np
 from numba import types
 
 from kvfast.kernels.bodies import MAC, MUL, body_name, specialise
-from kvfast.kernels.indirect import address, through_address
+from kvfast.kernels.indirect import Kernel, table, through_address
 from kvfast.kernels.jit import JIT_OPTIONS as _JIT
-from kvfast.kernels.precision import BF16, F32, F64, rnd
-from kvfast.kernels.reduce import SEQUENTIAL, STACK_DEPTH, new_stack, ordered_dot, ordered_sum, weighted_rows_sum
+from kvfast.kernels.precision import BF16, F32, F64, FORMATS, Formats, rnd
+from kvfast.kernels.reduce import (
+    SEQUENTIAL,
+    STACK_DEPTH,
+    new_stack,
+    ordered_dot,
+    ordered_sum,
+    sequential_rows_sum,
+    sequential_sum,
+    weighted_rows_sum,
+)
 
 STANDARD = 0
 ONLINE = 1
@@ -93,25 +106,25 @@ def _dots_sequential_template(qrow, c0, kbuf, lo, nk, hd, out):
     """``out[j] = ordered_dot(qrow[c0:], kbuf[lo + j, c0:], hd)`` in sequential order for j < nk, products
     and sums rounded to the body's accumulator format (:mod:`kvfast.kernels.bodies`): four keys at a time,
     so four independent sums (each still left to right over the head's columns) are in flight instead of
-    one; ``hd`` >= 1."""
+    one; ``hd`` >= 1. Keys are indexed in place (a row view costs a reference count each)."""
     j = 0
     while j + 4 <= nk:
-        k0, k1, k2, k3 = kbuf[lo + j], kbuf[lo + j + 1], kbuf[lo + j + 2], kbuf[lo + j + 3]
+        r = lo + j
         a = qrow[c0]
-        s0, s1, s2, s3 = MUL(a, k0[c0]), MUL(a, k1[c0]), MUL(a, k2[c0]), MUL(a, k3[c0])
+        s0, s1, s2, s3 = MUL(a, kbuf[r, c0]), MUL(a, kbuf[r + 1, c0]), MUL(a, kbuf[r + 2, c0]), MUL(a, kbuf[r + 3, c0])
         for c in range(c0 + 1, c0 + hd):
             a = qrow[c]
-            s0 = MAC(s0, a, k0[c])
-            s1 = MAC(s1, a, k1[c])
-            s2 = MAC(s2, a, k2[c])
-            s3 = MAC(s3, a, k3[c])
+            s0 = MAC(s0, a, kbuf[r, c])
+            s1 = MAC(s1, a, kbuf[r + 1, c])
+            s2 = MAC(s2, a, kbuf[r + 2, c])
+            s3 = MAC(s3, a, kbuf[r + 3, c])
         out[j], out[j + 1], out[j + 2], out[j + 3] = s0, s1, s2, s3
         j += 4
     while j < nk:
-        k0 = kbuf[lo + j]
-        s0 = MUL(qrow[c0], k0[c0])
+        r = lo + j
+        s0 = MUL(qrow[c0], kbuf[r, c0])
         for c in range(c0 + 1, c0 + hd):
-            s0 = MAC(s0, qrow[c], k0[c])
+            s0 = MAC(s0, qrow[c], kbuf[r, c])
         out[j] = s0
         j += 1
 
@@ -123,7 +136,7 @@ def _dot_kernel(acc: int):
 
 
 def __getattr__(name: str):
-    if name == "DOT_KERNELS":  # the three bodies, in the order of a dot_bodies table (generated on first use)
+    if name == "DOT_KERNELS":  # the three bodies, f64, f32, bf16 (generated on first use)
         return tuple(_dot_kernel(acc) for acc in (F64, F32, BF16))
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
@@ -134,65 +147,123 @@ DOT_BODY = (_A1, _I, _A2, _I, _I, _I, _A1)
 _dots_at = through_address(DOT_BODY)
 
 
-_DOT_TABLES: dict[int, np.ndarray] = {}
+class AttentionKernels(NamedTuple):
+    """What attention calls by address (:func:`attention_kernels`): their addresses, 0 for those a call never
+    reaches (another accumulator's score-dot body, the other kind of row)."""
 
-SCORE_DOTS, ORDERED_SUM, ROWS_SUM = 3, 4, 5
-"""Slots of a :func:`dot_bodies` table after the three score-dot bodies: :func:`score_dots`,
-:func:`kvfast.kernels.reduce.ordered_sum`, :func:`kvfast.kernels.reduce.weighted_rows_sum` (what the row
-kernels call by address)."""
-
-
-def dot_bodies(acc: int) -> np.ndarray:
-    """What the row kernels call by address for accumulator ``acc`` (compiled, or loaded from the cache, on
-    first use), an int64 array of 6, one per format and process (do not write it): the sequential score-dot
-    body of ``acc`` in its slot (0, 1, 2 for F64, F32, BF16), 0 in the others' (:func:`score_dots` never calls
-    them with this ``acc``), then the reductions of every format (slots ``SCORE_DOTS``, ``ORDERED_SUM``,
-    ``ROWS_SUM``: run-time formats; called by address, each is compiled once, not again inside
-    :func:`attend_row` and :func:`attend_row_blocked`)."""
-    table = _DOT_TABLES.get(acc)
-    if table is None:
-        if acc not in (F64, F32, BF16):
-            raise ValueError(f"acc: {acc!r} is not allowed; allowed: {F64}, {F32}, {BF16}")
-        bodies = [address(_dot_kernel(i), DOT_BODY) if i == acc else 0 for i in range(3)]
-        shared = [address(score_dots, SCORE), address(ordered_sum, SUM), address(weighted_rows_sum, ROWS)]
-        table = np.array(bodies + shared, np.int64)
-        _DOT_TABLES[acc] = table
-    return table
+    dots: int  # the accumulator's sequential score-dot body: s_j = q_h . k_jh, left to right over the head
+    score_dots: int  # score_dots: every s_j of a head, in any order
+    ordered_sum: int  # kvfast.kernels.reduce.ordered_sum: z = sum_j e_j
+    rows_sum: int  # kvfast.kernels.reduce.weighted_rows_sum: out_h = sum_j p_j v_jh
+    row: int  # attend_row: a row in the standard order
+    blocked: int  # attend_row_blocked: a row in a real kernel's order
 
 
-@nb.njit(**_JIT)
-def score_dots(qrow, c0, kbuf, lo, nk, hd, acc, order, sstack, out, dots):
-    """``out[j] = ordered_dot(qrow, c0, kbuf[lo + j], c0, hd, acc, order, sstack)`` for j < nk.
+class Heads(NamedTuple):
+    """How a row is split: ``n`` heads of width ``d // n``, their scores scaled by ``scale`` (1 / sqrt(d // n))."""
 
-    ``dots``: :func:`dot_bodies` of ``acc``; the sequential order runs that format's body, called through
-    its address (each format's body compiled once, on first use, and not again in every row kernel)."""
-    if order == SEQUENTIAL and hd > 0:
-        _dots_at(dots[acc], (qrow, c0, kbuf, lo, nk, hd, out))  # the one body of acc (F64, F32, BF16: 0, 1, 2)
-    else:
-        for j in range(nk):
-            out[j] = ordered_dot(qrow, c0, kbuf[lo + j], c0, hd, acc, order, sstack)
+    n: int
+    scale: float
 
 
-_DOTS = types.Array(types.int64, 1, "C")
-SCORE = (_A1, _I, _A2, _I, _I, _I, _I, _I, _A1, _A1, _DOTS)
-"""The argument types :func:`score_dots` is compiled for, and called with by address (the row kernels)."""
+class Keys(NamedTuple):
+    """The keys a row attends: rows ``lo .. hi - 1`` of the key and value buffers ``k``, ``v`` (S, d)."""
+
+    k: np.ndarray
+    v: np.ndarray
+    lo: int
+    hi: int
+
+
+class Blocks(NamedTuple):
+    """A real kernel's order (module doc): ``mode`` (``ONLINE``, ``SPLITKV``, ``SPLITCOUNT``; ``STANDARD``: none)
+    and ``param`` (the block size, or the number of splits); SPLITCOUNT cuts the call's key range
+    ``span_lo .. span_hi - 1``."""
+
+    mode: int
+    param: int
+    span_lo: int
+    span_hi: int
+
+
+class Scratch(NamedTuple):
+    """Work arrays of an attention call, reused by every row (:func:`new_scratch`)."""
+
+    scores: np.ndarray  # (>= 2 * keys,) a row's scores s_j, then its exponentials e_j
+    sums: np.ndarray  # (STACK_DEPTH,) a pairwise sum's partial sums
+    rows: np.ndarray  # (STACK_DEPTH, >= head_dim) a pairwise weighted sum's partial rows
+
+
+@nb.njit(**_JIT, inline="always")
+def new_scratch(n_keys: int, head_dim: int) -> Scratch:
+    """The :class:`Scratch` of a call whose rows attend at most ``n_keys`` keys, heads of ``head_dim``."""
+    return Scratch(np.empty(2 * max(n_keys, 1)), np.empty(STACK_DEPTH), new_stack(head_dim))
+
+
+_AK = types.NamedUniTuple(_I, len(AttentionKernels._fields), AttentionKernels)
+HEADS = types.NamedTuple((_I, _F), Heads)
+KEYS = types.NamedTuple((_A2, _A2, _I, _I), Keys)
+BLOCKS = types.NamedUniTuple(_I, len(Blocks._fields), Blocks)
+SCRATCH = types.NamedTuple((_A1, _A1, _A2), Scratch)
+"""The Numba types of the records (the signatures below are made of them)."""
+
+SCORE = (_A1, _I, _A2, _I, _I, _I, _I, _I, _A1, _A1, _AK)
+"""``score_dots(qrow, c0, kbuf, lo, nk, hd, acc, order, sstack, out, kern)`` as the row kernels call it."""
 SUM = (_A1, _I, _I, _I, _I, _A1)
 """``ordered_sum(t, lo, n, acc, order, stack)`` as the row kernels call it by address."""
 ROWS = (_A1, _I, _A2, _I, _I, _I, _I, _I, _I, _A1, _A2)
 """``weighted_rows_sum(coef, c0, rows, r0, n, col0, m, acc, order, out, stack)`` as the row kernels call it."""
+ROW = (_A2, _A2, _A3, _I, KEYS, HEADS, FORMATS, SCRATCH, _AK)
+"""``attend_row(q, out, probs, row, keys, heads, fmt, work, kern)`` as the forward and the decode call it."""
+BLOCKED = (_A2, _A2, _I, KEYS, HEADS, FORMATS, BLOCKS, SCRATCH, _AK)
+"""``attend_row_blocked(q, out, row, keys, heads, fmt, blocks, work, kern)`` as they call it."""
+ATTENTION = (_A2, _A2, _A2, _A2, _A3, _I, types.boolean, HEADS, FORMATS, BLOCKS, _AK)
+"""``attention_with(q, k, v, out, probs, pos0, causal, heads, fmt, blocks, kern)`` as the compiled forward calls
+it."""
 
 _score_at = through_address(SCORE)
 _sum_at = through_address(SUM, types.float64)
 _rows_sum_at = through_address(ROWS)
+_row_at = through_address(ROW)
+_blocked_at = through_address(BLOCKED)
+
+_ATTENTION_TABLES: dict[tuple[int, bool], AttentionKernels] = {}
+
+
+def attention_kernels(acc: int, mode: int = STANDARD) -> AttentionKernels:
+    """What attention of kind ``mode`` in accumulator ``acc`` calls by address, compiled (or loaded from the cache)
+    on first use: the accumulator's score-dot body, the reductions (run-time formats: each compiled once, not
+    again inside both row kernels) and the row kernel of ``mode``'s kind. One table per format, kind and
+    process."""
+    key = (acc, mode == STANDARD)
+    found = _ATTENTION_TABLES.get(key)
+    if found is None:
+        if acc not in (F64, F32, BF16):
+            raise ValueError(f"acc: {acc!r} is not allowed; allowed: {F64}, {F32}, {BF16}")
+        entries = [
+            Kernel("dots", functools.partial(_dot_kernel, acc), DOT_BODY),
+            Kernel("score_dots", score_dots, SCORE),
+            Kernel("ordered_sum", ordered_sum, SUM),
+            Kernel("rows_sum", weighted_rows_sum, ROWS),
+            Kernel("row", attend_row, ROW),
+            Kernel("blocked", attend_row_blocked, BLOCKED),
+        ]
+        reached = ("dots", "score_dots", "ordered_sum", "rows_sum", "row" if mode == STANDARD else "blocked")
+        found = _ATTENTION_TABLES[key] = AttentionKernels(**table(entries, reached))
+    return found
 
 
 @nb.njit(**_JIT)
-def _row_views(q, qr, out, outr, n_head, lo, hi, scratch):
-    """What a row's attention works in: the head width, the number of keys ``lo..hi-1``, the scores and the
-    exponentials (the two halves of ``scratch``), the query row and the output row."""
-    hd = q.shape[1] // n_head
-    nk = hi - lo
-    return hd, nk, scratch[:nk], scratch[nk : 2 * nk], q[qr], out[outr]
+def score_dots(qrow, c0, kbuf, lo, nk, hd, acc, order, sstack, out, kern):
+    """``out[j] = ordered_dot(qrow, c0, kbuf[lo + j], c0, hd, acc, order, sstack)`` for j < nk.
+
+    ``kern``: :func:`attention_kernels` of ``acc``; the sequential order runs that format's body, called through
+    its address (each format's body compiled once, on first use, and not again in every row kernel)."""
+    if order == SEQUENTIAL and hd > 0:
+        _dots_at(kern.dots, qrow, c0, kbuf, lo, nk, hd, out)
+    else:
+        for j in range(nk):
+            out[j] = ordered_dot(qrow, c0, kbuf[lo + j], c0, hd, acc, order, sstack)
 
 
 @nb.njit(**_JIT)
@@ -206,35 +277,50 @@ def _max_of(x, a0, n):
 
 
 @nb.njit(**_JIT)
-def attend_row(
-    q, qr, kbuf, vbuf, lo, hi, n_head, scale, storage, acc, order, out, outr, probs, pr, scratch, sstack, vstack, dots
-):
-    """Attention of ``q[qr]`` over keys ``lo..hi-1``; writes ``out[outr]``.
-
-    ``probs`` (H, rows, keys) receives the probabilities at ``probs[h, pr, j]``
-    when it has rows (for the backward pass); ``scratch`` holds >= 2*(hi-lo)
-    floats; ``sstack`` is (STACK_DEPTH,) and ``vstack`` (STACK_DEPTH, >= head_dim)
-    scratch for pairwise sums; ``dots``: :func:`dot_bodies` of ``acc``.
-    """
-    hd, nk, scores, expd, qrow, orow = _row_views(q, qr, out, outr, n_head, lo, hi, scratch)
-    for h in range(n_head):
+def attend_row(q, out, probs, row, keys, heads, fmt, work, kern):
+    """Row ``row`` of ``out`` (T, d): the attention of the same row of ``q`` over ``keys`` (:class:`Keys`), head by
+    head, in the standard order (the module doc's formulas); ``probs`` (H, T, S) receives p_j at
+    ``[h, row, j]`` when it has rows (the tape's). ``heads``: :class:`Heads`; ``fmt``:
+    :class:`~kvfast.kernels.precision.Formats`; ``work``: :class:`Scratch`; ``kern``: :func:`attention_kernels`.
+    The sequential sums are linked (small); the pairwise ones, and the score dots of either order, are called by
+    address."""
+    storage, acc, order = fmt
+    kbuf, vbuf, lo, hi = keys
+    hd = q.shape[1] // heads.n
+    nk = hi - lo
+    scores, expd, sstack, vstack = work.scores[:nk], work.scores[nk : 2 * nk], work.sums, work.rows
+    qrow, orow = q[row], out[row]
+    linked = order == SEQUENTIAL and nk > 0
+    for h in range(heads.n):
         c0 = h * hd
+        # s_j = round_s(dot(q_h, k_jh) * scale), m = max_j s_j
+        if linked and hd > 0:
+            _dots_at(kern.dots, qrow, c0, kbuf, lo, nk, hd, scores)
+        else:
+            _score_at(kern.score_dots, qrow, c0, kbuf, lo, nk, hd, acc, order, sstack, scores, kern)
         smax = -np.inf
-        _score_at(dots[SCORE_DOTS], (qrow, c0, kbuf, lo, nk, hd, acc, order, sstack, scores, dots))
         for j in range(nk):
-            s = rnd(scores[j] * scale, storage)
+            s = rnd(scores[j] * heads.scale, storage)
             scores[j] = s
             if s > smax:
                 smax = s
+        # e_j = round_s(exp(s_j - m)), z = sum_j e_j, p_j = round_s(e_j / z)
         for j in range(nk):
             expd[j] = rnd(math.exp(scores[j] - smax), storage)
-        z = _sum_at(dots[ORDERED_SUM], (expd, np.int64(0), nk, acc, order, sstack))
+        if linked:
+            z = sequential_sum(expd, np.int64(0), nk, acc)
+        else:
+            z = _sum_at(kern.ordered_sum, expd, np.int64(0), nk, acc, order, sstack)
         for j in range(nk):
             expd[j] = rnd(expd[j] / z, storage)
         if probs.shape[0] > 0:
             for j in range(nk):
-                probs[h, pr, lo + j] = expd[j]
-        _rows_sum_at(dots[ROWS_SUM], (expd, np.int64(0), vbuf, lo, nk, c0, hd, acc, order, orow[c0 : c0 + hd], vstack))
+                probs[h, row, lo + j] = expd[j]
+        # out_h = round_s(sum_j p_j v_jh), per column
+        if linked:
+            sequential_rows_sum(expd, np.int64(0), vbuf, lo, nk, c0, hd, acc, orow, c0)
+        else:
+            _rows_sum_at(kern.rows_sum, expd, np.int64(0), vbuf, lo, nk, c0, hd, acc, order, orow[c0 : c0 + hd], vstack)
         for c in range(c0, c0 + hd):
             orow[c] = rnd(orow[c], storage)
 
@@ -271,28 +357,29 @@ def block_edges(lo, hi, span_lo, span_hi, mode, param):
 
 
 @nb.njit(**_JIT)
-def attend_row_blocked(
-    q, qr, kbuf, vbuf, lo, hi, span_lo, span_hi, n_head, scale, storage, acc, order, mode, param,
-    out, outr, scratch, sstack, vstack, dots,
-):  # fmt: skip
-    """:func:`attend_row` in a real kernel's order (ONLINE, SPLITKV or SPLITCOUNT; see the module doc).
+def attend_row_blocked(q, out, row, keys, heads, fmt, blocks, work, kern):
+    """:func:`attend_row` in a real kernel's order (:class:`Blocks`: ONLINE, SPLITKV or SPLITCOUNT; the module doc).
 
-    ``span_lo, span_hi``: the key range of the whole call (used by SPLITCOUNT
-    only). Scores are computed as in :func:`attend_row`; ``scratch`` holds
-    >= 2*(hi-lo) floats. No probabilities are kept (no backward in these modes).
+    Scores are computed as in :func:`attend_row`. No probabilities are kept (no backward in these modes).
     """
-    hd, nk, scores, expd, qrow, orow = _row_views(q, qr, out, outr, n_head, lo, hi, scratch)
-    edges = block_edges(lo, hi, span_lo, span_hi, mode, param)
+    storage, acc, order = fmt
+    kbuf, vbuf, lo, hi = keys
+    mode = blocks.mode
+    hd = q.shape[1] // heads.n
+    nk = hi - lo
+    scores, expd, sstack, vstack = work.scores[:nk], work.scores[nk : 2 * nk], work.sums, work.rows
+    qrow, orow = q[row], out[row]
+    edges = block_edges(lo, hi, blocks.span_lo, blocks.span_hi, mode, blocks.param)
     nb_ = edges.shape[0] - 1
     tmp = np.empty(hd)
     acc_o = np.empty(hd)
     part_o = np.empty((max(nb_, 1), hd))
     part_lse = np.empty(max(nb_, 1))
-    for h in range(n_head):
+    for h in range(heads.n):
         c0 = h * hd
-        _score_at(dots[SCORE_DOTS], (qrow, c0, kbuf, lo, nk, hd, acc, order, sstack, scores, dots))
+        _score_at(kern.score_dots, qrow, c0, kbuf, lo, nk, hd, acc, order, sstack, scores, kern)
         for j in range(nk):
-            scores[j] = rnd(scores[j] * scale, storage)
+            scores[j] = rnd(scores[j] * heads.scale, storage)
         if mode == ONLINE:
             m = -np.inf
             lsum = 0.0
@@ -306,9 +393,9 @@ def attend_row_blocked(
                 alpha = rnd(math.exp(m - mnew), acc)
                 for j in range(a0, a0 + n):
                     expd[j] = rnd(math.exp(scores[j] - mnew), storage)
-                bsum = _sum_at(dots[ORDERED_SUM], (expd, a0, n, acc, order, sstack))
+                bsum = _sum_at(kern.ordered_sum, expd, a0, n, acc, order, sstack)
                 lsum = rnd(rnd(alpha * lsum, acc) + bsum, acc)
-                _rows_sum_at(dots[ROWS_SUM], (expd, a0, vbuf, lo + a0, n, c0, hd, acc, order, tmp, vstack))
+                _rows_sum_at(kern.rows_sum, expd, a0, vbuf, lo + a0, n, c0, hd, acc, order, tmp, vstack)
                 for c in range(hd):
                     acc_o[c] = rnd(rnd(alpha * acc_o[c], acc) + tmp[c], acc)
                 m = mnew
@@ -322,8 +409,8 @@ def attend_row_blocked(
                 mb = _max_of(scores, a0, n)
                 for j in range(a0, a0 + n):
                     expd[j] = rnd(math.exp(scores[j] - mb), storage)
-                lb = _sum_at(dots[ORDERED_SUM], (expd, a0, n, acc, order, sstack))
-                _rows_sum_at(dots[ROWS_SUM], (expd, a0, vbuf, lo + a0, n, c0, hd, acc, order, tmp, vstack))
+                lb = _sum_at(kern.ordered_sum, expd, a0, n, acc, order, sstack)
+                _rows_sum_at(kern.rows_sum, expd, a0, vbuf, lo + a0, n, c0, hd, acc, order, tmp, vstack)
                 for c in range(hd):
                     part_o[b, c] = rnd(tmp[c] / lb, acc)
                 lse = rnd(mb + rnd(math.log(lb), acc), acc)
@@ -344,70 +431,21 @@ def attend_row_blocked(
                 orow[c0 + c] = rnd(acc_o[c], storage)
 
 
-ROW = (_A2, _I, _A2, _A2, _I, _I, _I, _F, _I, _I, _I, _A2, _I, _A3, _I, _A1, _A1, _A2, _DOTS)
-"""The argument types :func:`attend_row` is compiled for, and called with by address (the forward and the decode)."""
-BLOCKED = (_A2, _I, _A2, _A2, _I, _I, _I, _I, _I, _F, _I, _I, _I, _I, _I, _A2, _I, _A1, _A1, _A2, _DOTS)
-"""The argument types :func:`attend_row_blocked` is compiled for, and called with by address."""
-
-ATTENTION = (_A2, _A2, _A2, _I, _I, types.boolean, _I, _F, _I, _I, _I, _A2, _A3, _I, _I, _I, _I, _DOTS)
-"""The argument types :func:`attention_with` is called with by address (the compiled forward)."""
-
-_row_at = through_address(ROW)
-_blocked_at = through_address(BLOCKED)
-
-
-def row_kernels(mode: int) -> tuple[int, int]:
-    """``(row, blocked)``: the address of :func:`attend_row` for the standard ``mode``, else of
-    :func:`attend_row_blocked` (compiled or loaded on first use); 0 for the one ``mode`` never runs."""
-    if mode == STANDARD:
-        return address(attend_row, ROW), 0
-    return 0, address(attend_row_blocked, BLOCKED)
-
-
 @nb.njit(**_JIT)
-def attention_with(
-    q,
-    kbuf,
-    vbuf,
-    pos0,
-    n_keys,
-    causal,
-    n_head,
-    scale,
-    storage,
-    acc,
-    order,
-    out,
-    probs,
-    mode,
-    param,
-    row,
-    blocked,
-    dots,
-):
-    """:func:`attention_into` given the row kernels' addresses ``row``, ``blocked`` (:func:`row_kernels` of
-    ``mode``) and the score-dot bodies' ``dots`` (:func:`dot_bodies` of ``acc``): the form jitted code calls
-    (small, so linking it costs little; the row kernels are not linked)."""
-    T = q.shape[0]
-    d = q.shape[1]
-    scratch = np.empty(2 * max(n_keys, 1))
-    sstack = np.empty(STACK_DEPTH)
-    vstack = new_stack(d // n_head)
+def attention_with(q, k, v, out, probs, pos0, causal, heads, fmt, blocks, kern):
+    """:func:`attention_into` given its tables: row ``t`` of ``q`` at position ``pos0 + t`` attends keys
+    ``0 .. pos0 + t`` (``causal``) or ``0 .. blocks.span_hi - 1`` (every key of the call); ``blocks``:
+    :class:`Blocks` (mode ``STANDARD``: :func:`attend_row`); ``kern``: :func:`attention_kernels`. The form jitted
+    code calls, by address; the row kernels are called by address."""
+    n_keys = blocks.span_hi
+    work = new_scratch(n_keys, q.shape[1] // heads.n)
     first = np.int64(0)
-    for t in range(T):
-        hi = pos0 + t + 1 if causal else n_keys
-        if mode == STANDARD:
-            _row_at(
-                row,
-                (q, t, kbuf, vbuf, first, hi, n_head, scale, storage, acc, order, out, t, probs, t, scratch, sstack,
-                 vstack, dots),
-            )  # fmt: skip
+    for t in range(q.shape[0]):
+        keys = Keys(k, v, first, pos0 + t + 1 if causal else n_keys)
+        if blocks.mode == STANDARD:
+            _row_at(kern.row, q, out, probs, t, keys, heads, fmt, work, kern)
         else:
-            _blocked_at(
-                blocked,
-                (q, t, kbuf, vbuf, first, hi, first, n_keys, n_head, scale, storage, acc, order, mode, param, out, t,
-                 scratch, sstack, vstack, dots),
-            )  # fmt: skip
+            _blocked_at(kern.blocked, q, out, t, keys, heads, fmt, blocks, work, kern)
 
 
 def _c_array(a, name: str, ndim: int, written: bool) -> np.ndarray:
@@ -433,11 +471,11 @@ def attention_into(
     SPLITCOUNT the call's key range is ``0 .. n_keys-1``. ``probs`` is filled in
     the standard mode only. ``out`` and ``probs`` (H, T, keys), or (0, 0, 0)
     for none, are written in place: C-contiguous float64 arrays. The row kernel
-    runs through its address (:func:`attention_with`, :func:`row_kernels`).
+    runs through its address (:func:`attention_with`, :func:`attention_kernels`).
     """
     attention_with(
-        _c_array(q, "q", 2, False), _c_array(kbuf, "kbuf", 2, False), _c_array(vbuf, "vbuf", 2, False), int(pos0),
-        int(n_keys), bool(causal), int(n_head), float(scale), int(storage), int(acc), int(order),
-        _c_array(out, "out", 2, True), _c_array(probs, "probs", 3, True), int(mode), int(param), *row_kernels(mode),
-        dot_bodies(int(acc)),
+        _c_array(q, "q", 2, False), _c_array(kbuf, "kbuf", 2, False), _c_array(vbuf, "vbuf", 2, False),
+        _c_array(out, "out", 2, True), _c_array(probs, "probs", 3, True), int(pos0), bool(causal),
+        Heads(int(n_head), float(scale)), Formats(int(storage), int(acc), int(order)),
+        Blocks(int(mode), int(param), 0, int(n_keys)), attention_kernels(int(acc), int(mode)),
     )  # fmt: skip

@@ -11,11 +11,13 @@ Numba's cache) once, on its own, for one fixed signature, and a caller holds onl
   cache directory compile a kernel one at a time (a lock file per kernel and signature beside the cache):
   sweep workers that need a kernel the warm-up did not compile wait for the first one's compile and
   load it from the cache, instead of each compiling it again.
+- :class:`Kernel`, :func:`table`: a table of kernels called by address is a named tuple of addresses (a field
+  per kernel, read by name in jitted code), made from a list of entries (name, kernel, signature).
 - :func:`one_compile_at_a_time`: the same lock for a kernel compiled when it is called (not by address):
   each new signature of it is compiled, or loaded from the cache, under the lock.
-- :func:`through_address`: a jitted ``call(addr, args)`` for one signature; ``args`` is the tuple of
-  the arguments (without those the signature fixes as literals). Its typing refuses any other argument
-  types, so the code at an address is never called with arguments of another layout.
+- :func:`through_address`: a jitted ``call(addr, *args)`` for one signature (the arguments without those the
+  signature fixes as literals). Its typing refuses any other argument types, so the code at an address is
+  never called with arguments of another layout.
 
 Addresses are run-time values, never constants in compiled code: Numba's on-disk cache stays valid in
 every process (the caller receives the address as an argument from Python). The callee runs with
@@ -29,6 +31,8 @@ import contextlib
 import hashlib
 import os
 import types as pytypes
+from collections.abc import Collection, Sequence
+from typing import NamedTuple
 
 import numba as nb
 from numba import types
@@ -114,6 +118,28 @@ def address(kernel, signature: tuple, twin: bool = True) -> int:
     return found
 
 
+class Kernel(NamedTuple):
+    """One entry of a table of kernels called by address (:func:`table`): the record field it fills
+    (``name``), the jitted ``function`` (or a function of no argument that returns it, for a kernel written
+    out on first use), the argument types it is compiled for (``signature``) and ``twin`` (:func:`address`)."""
+
+    name: str
+    function: object
+    signature: tuple
+    twin: bool = True
+
+
+def table(entries: Sequence[Kernel], reached: Collection[str]) -> dict[str, int]:
+    """``{name: address}`` of every entry: the address of each entry named in ``reached`` (compiled, or loaded from
+    the cache, on first use), 0 for the others (the kernels a call cannot reach are never compiled). A table's
+    record (a named tuple with one ``int`` field per entry) is made from it by name."""
+    return {
+        e.name: address(e.function if hasattr(e.function, "py_func") else e.function(), e.signature, e.twin)
+        if e.name in reached else 0
+        for e in entries
+    }  # fmt: skip
+
+
 def one_compile_at_a_time(kernel):
     """``kernel`` (a Numba dispatcher called from Python), made to compile each new signature under the lock
     :func:`address` takes: processes sharing a cache directory (sweep workers, warm-ups running side by side)
@@ -132,19 +158,20 @@ def one_compile_at_a_time(kernel):
 
 
 def through_address(signature: tuple, restype=types.none):
-    """A jitted ``call(addr, args)`` of the kernel at ``addr`` compiled for ``signature``.
+    """A jitted ``call(addr, *args)`` of the kernel at ``addr`` compiled for ``signature``.
 
-    ``args``: a tuple of the arguments whose type in ``signature`` is not a literal, in order, each of
-    exactly that type (an integer literal at the call site counts as its integer type); a literal of
-    ``signature`` is passed as its value. Returns the kernel's result (of type ``restype``).
+    ``args``: the arguments whose type in ``signature`` is not a literal, in order, each of exactly that type
+    (an integer literal at the call site counts as its integer type); a literal of ``signature`` is passed as
+    its value. Returns the kernel's result (of type ``restype``). The arguments reach the call as Numba passes
+    a ``*args`` (borrowed: no reference count taken per call, unlike a tuple built at the call site).
     """
     passed = tuple(t for t in signature if not isinstance(t, types.Literal))
 
     @intrinsic
-    def call(typingctx, addr, args):
-        if not isinstance(addr, types.Integer) or not isinstance(args, types.BaseTuple):
-            return None
-        if tuple(types.unliteral(t) for t in args.types) != passed:
+    def call(typingctx, addr, *args):
+        if len(args) == 1 and isinstance(args[0], types.StarArgTuple):
+            args = args[0].types
+        if not isinstance(addr, types.Integer) or tuple(types.unliteral(t) for t in args) != passed:
             return None  # another layout: no call (a typing error names the arguments)
 
         def codegen(context, builder, sig, llargs):
@@ -162,6 +189,6 @@ def through_address(signature: tuple, restype=types.none):
                 context.call_conv.return_status_propagate(builder, status)
             return result
 
-        return restype(addr, args), codegen
+        return restype(addr, types.StarArgTuple.from_types(args)), codegen
 
     return call

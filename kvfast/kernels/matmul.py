@@ -58,12 +58,15 @@ LLVM neither reassociates nor contracts ``a*b + c`` into an FMA.
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import numba as nb
 import numpy as np
 from numba import types
 
 from kvfast.kernels.bodies import ADD, EMPTY, MAC, MUL, specialise
-from kvfast.kernels.indirect import address, through_address
+from kvfast.kernels.indirect import Kernel, table, through_address
 from kvfast.kernels.jit import JIT_OPTIONS as _JIT
 from kvfast.kernels.precision import BF16, F32, F64, f32_as_u32, rnd
 from kvfast.kernels.reduce import SEQUENTIAL
@@ -307,20 +310,33 @@ much as a one-row product); the bf16 accumulator always does, when its inputs al
 _F64_2D = types.Array(types.float64, 2, "C")
 _F32_2D = types.Array(types.float32, 2, "C")
 
-# PRODUCT_KERNELS (a module attribute, by __getattr__): the five bodies, in the order of a product_bodies
-# tuple: f64; f32 on float32 copies, f32 on float64 data; bf16 on float32 copies, bf16 on float64 data.
 
-PRODUCT_BODIES = tuple((data, data, types.int64, data) for data in (_F64_2D, _F32_2D, _F64_2D, _F32_2D, _F64_2D))
-"""The signatures of ``PRODUCT_KERNELS``: ``(x, w, order, y)``."""
+class Products(NamedTuple):
+    """Where :func:`matmul_with` finds the product bodies it calls (:func:`product_bodies`): their addresses, 0 for
+    those its accumulator never runs."""
 
+    f64: int  # y = x @ w in the f64 accumulator (float64 data)
+    f32_on_f32: int  # in the f32 accumulator, on float32 copies (native float32 operations)
+    f32: int  # in the f32 accumulator, on float64 data (each operation rounded to float32)
+    bf16_on_f32: int  # in the bf16 accumulator, on float32 copies
+    bf16: int  # in the bf16 accumulator, on float64 data
+    narrowed: int  # _narrowed: the f32 or bf16 product on float32 copies where every input allows, else on float64
+
+
+BODY = (_F64_2D, _F64_2D, types.int64, _F64_2D)
+"""A product body's signature, ``(x, w, order, y)``, on float64 data (``BODY_ON_F32``: on float32 copies)."""
+BODY_ON_F32 = (_F32_2D, _F32_2D, types.int64, _F32_2D)
 _NARROWED = (_F64_2D, _F64_2D, types.int64, _F64_2D, types.int64, types.int64, types.boolean)
-"""The signature of :func:`_narrowed` (slots 5 and 6 of a :func:`product_bodies` tuple, f32 and bf16: one
-compiled function, the format a run-time flag: it only copies and checks, its loops are not the product's)."""
+"""The signature of :func:`_narrowed` (f32 and bf16: one compiled function, the format a run-time flag: it only
+copies and checks, its loops are not the product's)."""
+PRODUCTS = types.NamedUniTuple(types.int64, len(Products._fields), Products)
+"""The Numba type of a :class:`Products` table (an argument of every caller of :func:`matmul_with`)."""
 
-_BODIES_OF = {F64: (0,), F32: (1, 2, 5), BF16: (3, 4, 6)}
+_REACHED = {F64: ("f64",), F32: ("f32_on_f32", "f32", "narrowed"), BF16: ("bf16_on_f32", "bf16", "narrowed")}
+"""The bodies each accumulator runs."""
 
-_call_on_f64 = through_address(PRODUCT_BODIES[0])  # f64, f32 and bf16 on float64 data: one signature
-_call_on_f32 = through_address(PRODUCT_BODIES[1])  # f32 and bf16 on float32 copies
+_call_on_f64 = through_address(BODY)  # f64, f32 and bf16 on float64 data: one signature
+_call_on_f32 = through_address(BODY_ON_F32)  # f32 and bf16 on float32 copies
 
 
 LARGE_MIN_ROWS = 4
@@ -347,8 +363,9 @@ def size_class(T: int, n: int, m: int, acc: int = F64) -> bool:
     one's cold compile (3.8-5.1 s against 0.9-1.1 on a 2-core machine); in the large class it was 1.0-2.8x
     faster, in the small one (a few rows by a small matrix: the call costs about as much as the arithmetic)
     0.95-1.9x, at most about 2 us a call (``benchmarks/kernels_size_class.py``; benchmarks/README.md, "Issue 30, fifth
-    pass"). A ``generate`` of a few tokens on a model of d_model 32 (a prefill under 4 rows, one-row decode
-    steps, matrices under 64 x 64) is all small: its process compiles no unrolled body.
+    pass"). The model picks one class for all its products, one-row decode steps included
+    (:func:`kvfast.model.compiled.model_size_class`): a model of d_model 16 (matrices under 2048 elements) is
+    all small, and its process compiles no unrolled body.
 
     Why f32 unrolls only from 256 x 256: the float64 products are the exactness grid's (the per-run speed of
     ``benchmarks/numpy_loop.py``), the f32 ones only the precision grid's few runs on its wide models (d_model
@@ -362,30 +379,29 @@ def size_class(T: int, n: int, m: int, acc: int = F64) -> bool:
     return acc == F32 and T >= LARGE_MIN_ROWS and size >= F32_LARGE_MIN_SIZE
 
 
-_PRODUCT_TABLES: dict[tuple[int, bool], np.ndarray] = {}
+_PRODUCT_TABLES: dict[tuple[int, bool], Products] = {}
 
 
-def product_bodies(acc: int, large: bool = False) -> np.ndarray:
-    """The addresses of what accumulator ``acc`` runs in size class ``large`` (:func:`size_class`; compiled, or
-    loaded from the cache, on first use), an int64 array (an array, not a tuple: Numba types an array argument
-    in its fast path): the five product bodies (f64; f32 on float32 copies, f32 on float64 data: the unrolled
-    ``PRODUCT_KERNELS`` if ``large``, else the plain ``PLAIN_PRODUCT_KERNELS``; bf16 on float32 copies, bf16 on
-    float64 data: plain in both), then :func:`_narrowed` for f32 and for bf16; 0 for the other formats' (which
-    ``matmul_with`` never calls with this ``acc``). One array per format, class and process: do not write it."""
+def product_bodies(acc: int, large: bool = False) -> Products:
+    """The product bodies accumulator ``acc`` runs in size class ``large`` (:func:`size_class`), compiled (or loaded
+    from the cache) on first use: the unrolled ``PRODUCT_KERNELS`` if ``large``, else the plain
+    ``PLAIN_PRODUCT_KERNELS`` (bf16: plain in both), and :func:`_narrowed` for f32 and bf16; 0 for the other
+    formats' (which ``matmul_with`` never calls with this ``acc``). One table per format, class and process."""
     large = bool(large) and acc != BF16  # the bf16 bodies are plain in both classes: one table
-    table = _PRODUCT_TABLES.get((acc, large))
-    if table is None:
-        wanted = _BODIES_OF.get(acc)
-        if wanted is None:
+    found = _PRODUCT_TABLES.get((acc, large))
+    if found is None:
+        reached = _REACHED.get(acc)
+        if reached is None:
             raise ValueError(f"acc: {acc!r} is not allowed; allowed: {F64}, {F32}, {BF16}")
-        names, signatures = _LARGE_NAMES if large else _SMALL_NAMES, [*PRODUCT_BODIES, _NARROWED, _NARROWED]
-
-        def kernel(i: int):
-            return _product_kernel(names[i]) if i < len(names) else _narrowed
-
-        table = np.array([address(kernel(i), signatures[i]) if i in wanted else 0 for i in range(7)], np.int64)
-        _PRODUCT_TABLES[(acc, large)] = table
-    return table
+        names = _LARGE_NAMES if large else _SMALL_NAMES
+        signatures = (BODY, BODY_ON_F32, BODY, BODY_ON_F32, BODY)
+        entries = [
+            *(Kernel(field, functools.partial(_product_kernel, name), signature)
+              for field, name, signature in zip(Products._fields, names, signatures, strict=False)),
+            Kernel("narrowed", _narrowed, _NARROWED),
+        ]  # fmt: skip
+        found = _PRODUCT_TABLES[(acc, large)] = Products(**table(entries, reached))
+    return found
 
 
 @nb.njit(**_JIT)
@@ -403,21 +419,24 @@ def _narrowed(x, w, order, y, narrow_body, wide_body, bf16):
         narrow = _as_f32(x, x32, bf16) and _as_f32(w, w32, bf16)
     if narrow:
         y32 = np.empty((T, m), dtype=np.float32)
-        _call_on_f32(narrow_body, (x32, w32, order, y32))
+        _call_on_f32(narrow_body, x32, w32, order, y32)
         for r in range(T):
             for j in range(m):
                 y[r, j] = np.float64(y32[r, j])
     else:
-        _call_on_f64(wide_body, (x, w, order, y))
+        _call_on_f64(wide_body, x, w, order, y)
 
 
 _call_narrowed = through_address(_NARROWED)
 
+MATMUL = (_F64_2D, _F64_2D, types.int64, types.int64, types.int64, _F64_2D, PRODUCTS)
+"""``matmul_with(x, w, storage, acc, order, y, bodies)`` as jitted code calls it by address."""
+
 
 @nb.njit(**_JIT)
 def matmul_with(x, w, storage, acc, order, y, bodies) -> None:
-    """:func:`matmul_into` given the product bodies' addresses ``bodies`` (:func:`product_bodies` of
-    ``acc``): the form jitted code calls (small, so linking it costs little; the bodies are not linked)."""
+    """:func:`matmul_into` given the product bodies ``bodies`` (a :class:`Products` table, :func:`product_bodies` of
+    ``acc``): the form jitted code calls, by address (:data:`MATMUL`)."""
     T, n = x.shape
     m = w.shape[1]
     if n == 0 or T == 0:
@@ -428,11 +447,11 @@ def matmul_with(x, w, storage, acc, order, y, bodies) -> None:
     # the one format dispatch: each branch runs the bodies compiled for its format (their loops carry
     # no format branch)
     if acc == F64:
-        _call_on_f64(bodies[0], (x, w, order, y))
+        _call_on_f64(bodies.f64, x, w, order, y)
     elif acc == F32:
-        _call_narrowed(bodies[5], (x, w, order, y, bodies[1], bodies[2], False))
+        _call_narrowed(bodies.narrowed, x, w, order, y, bodies.f32_on_f32, bodies.f32, False)
     else:
-        _call_narrowed(bodies[6], (x, w, order, y, bodies[3], bodies[4], True))
+        _call_narrowed(bodies.narrowed, x, w, order, y, bodies.bf16_on_f32, bodies.bf16, True)
     if storage != F64:
         for r in range(T):
             for j in range(m):

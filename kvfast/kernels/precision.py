@@ -12,6 +12,8 @@ serves every combination; LLVM hoists the branch out of inner loops.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numba as nb
 import numpy as np
 from llvmlite import ir
@@ -27,6 +29,20 @@ BF16 = 2
 
 FORMAT_CODES = {"f64": F64, "f32": F32, "bf16": BF16}
 FORMAT_NAMES = {code: name for name, code in FORMAT_CODES.items()}
+
+
+class Formats(NamedTuple):
+    """What a kernel computes in, as codes (:attr:`kvfast.numerics.Numerics.codes`): the format every stored value
+    is rounded to, the format running sums are held in (this module's codes) and the summation order
+    (:mod:`kvfast.kernels.reduce`'s)."""
+
+    storage: int
+    acc: int
+    order: int
+
+
+FORMATS = types.NamedUniTuple(types.int64, 3, Formats)
+"""The Numba type of a :class:`Formats` record."""
 
 
 def _bitcast(kind: type[types.Number], bits: int, target: types.Number, doc: str):

@@ -73,6 +73,16 @@ def _stack_total(stack: np.ndarray, sp: int, acc: int) -> float:
 
 
 @nb.njit(**_JIT)
+def sequential_sum(t: np.ndarray, lo: int, n: int, acc: int) -> float:
+    """:func:`ordered_sum` in the sequential order (``n >= 1``): ``((t0 + t1) + t2) + ...``, each term rounded to
+    ``acc`` as it enters, each add rounded to ``acc``. Small: callers link it (no call by address)."""
+    s = rnd(t[lo], acc)
+    for i in range(1, n):
+        s = rnd(s + rnd(t[lo + i], acc), acc)
+    return s
+
+
+@nb.njit(**_JIT)
 def ordered_sum(t: np.ndarray, lo: int, n: int, acc: int, order: int, stack: np.ndarray) -> float:
     """Sum ``t[lo:lo+n]`` in ``order``, in format ``acc``.
 
@@ -83,10 +93,7 @@ def ordered_sum(t: np.ndarray, lo: int, n: int, acc: int, order: int, stack: np.
     if n == 0:
         return 0.0
     if order == SEQUENTIAL:
-        s = rnd(t[lo], acc)
-        for i in range(1, n):
-            s = rnd(s + rnd(t[lo + i], acc), acc)
-        return s
+        return sequential_sum(t, lo, n, acc)
     sp = np.int64(0)  # not the literal 0: _push_pairwise and _stack_total compiled once, for int64
     for i in range(n):
         sp = _push_pairwise(stack, sp, rnd(t[lo + i], acc), i, acc)
@@ -109,6 +116,19 @@ def ordered_dot(
     for i in range(n):
         sp = _push_pairwise(stack, sp, rnd(a[a0 + i] * b[b0 + i], acc), i, acc)
     return _stack_total(stack, sp, acc)
+
+
+@nb.njit(**_JIT)
+def sequential_rows_sum(coef, c0, rows, r0, n, col0, m, acc, out, o0) -> None:
+    """:func:`weighted_rows_sum` in the sequential order (``n >= 1``), into ``out[o0 : o0 + m]``: each column's
+    terms left to right, the loop across columns. Small: callers link it (no call by address)."""
+    c = coef[c0]
+    for j in range(m):
+        out[o0 + j] = rnd(c * rows[r0, col0 + j], acc)
+    for i in range(1, n):
+        c = coef[c0 + i]
+        for j in range(m):
+            out[o0 + j] = rnd(out[o0 + j] + rnd(c * rows[r0 + i, col0 + j], acc), acc)
 
 
 @nb.njit(**_JIT)
@@ -136,13 +156,7 @@ def weighted_rows_sum(
             out[j] = 0.0
         return
     if order == SEQUENTIAL:
-        c = coef[c0]
-        for j in range(m):
-            out[j] = rnd(c * rows[r0, col0 + j], acc)
-        for i in range(1, n):
-            c = coef[c0 + i]
-            for j in range(m):
-                out[j] = rnd(out[j] + rnd(c * rows[r0 + i, col0 + j], acc), acc)
+        sequential_rows_sum(coef, c0, rows, r0, n, col0, m, acc, out, np.int64(0))
         return
     sp = 0
     for i in range(n):

@@ -10,6 +10,7 @@ import math
 
 import numba as nb
 import numpy as np
+from numba import types
 
 from kvfast.kernels.jit import JIT_OPTIONS as _JIT
 from kvfast.kernels.precision import rnd
@@ -42,6 +43,11 @@ def rmsnorm_into(x, g, eps, storage, acc, order, out, inv):
     stack = np.empty(64)
     for t in range(x.shape[0]):
         inv[t] = rmsnorm_row(x, t, g, eps, storage, acc, order, out, t, stack)
+
+
+_A1, _A2 = (types.Array(types.float64, n, "C") for n in (1, 2))
+RMSNORM = (_A2, _A1, types.float64, types.int64, types.int64, types.int64, _A2, _A1)
+"""``rmsnorm_into(x, g, eps, storage, acc, order, out, inv)`` as jitted code calls it by address."""
 
 
 @nb.njit(**_JIT)

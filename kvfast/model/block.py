@@ -18,13 +18,14 @@ two halves: the forward stores rows ``pos0 ..`` and attends every row
 probabilities for the tape), the decode stores one row and attends it over
 the cache's ``lo .. hi-1``, where the bug catalogue's marked lines act.
 
-The compiled forward and decode call them as ordinary jitted functions
-(compiled once, linked into both: small, since the large kernels below them
-are called by address, :mod:`kvfast.model.addresses`; inlined in Numba IR they
-were typed and lowered again in each entry); the layer-by-layer forward
-runs their Python source (``.py_func``), which calls the same compiled kernels.
-The formats are run-time integers either way.
-Every value is rounded as in the kernels; nothing here changes an order.
+The compiled forward and decode call the three functions through their
+addresses (each compiled once, on its own: :mod:`kvfast.model.compiled`), and
+they call the products and norms through theirs (:func:`call_matmul`,
+:func:`call_rmsnorm`: the kernels' table, :class:`kvfast.model.compiled.Kernels`);
+the layer-by-layer forward runs their Python source (``.py_func``), which calls
+the same compiled kernels. The formats are run-time integers either way
+(:class:`~kvfast.kernels.precision.Formats`). Every value is rounded as in the
+kernels; nothing here changes an order.
 """
 
 from __future__ import annotations
@@ -33,10 +34,12 @@ from typing import NamedTuple
 
 import numba as nb
 import numpy as np
+from numba.extending import overload
 
+from kvfast.kernels.indirect import through_address
 from kvfast.kernels.jit import JIT_OPTIONS
-from kvfast.kernels.rowops import add_into, silu_into
-from kvfast.model.addresses import call_matmul, call_rmsnorm
+from kvfast.kernels.matmul import MATMUL, matmul_into
+from kvfast.kernels.rowops import RMSNORM, add_into, rmsnorm_into, silu_into
 
 
 class StackedWeights(NamedTuple):
@@ -58,45 +61,107 @@ class StackedWeights(NamedTuple):
     w_out: np.ndarray  # (d, vocab) unembedding
 
 
+class Activations(NamedTuple):
+    """A block's tensors for T rows (the names of the module doc). ``x`` (and ``y``, attention's output) are the
+    block's inputs; the block functions write the others. The compiled forward and decode pass one record for
+    every layer (``x_out`` is ``x``: the residual stream updated in place; ``inv1``, ``inv2`` one array); the
+    layer-by-layer forward a fresh one per layer (its tape keeps them)."""
+
+    x: np.ndarray  # (T, d) the layer's input
+    h: np.ndarray  # (T, d) rmsnorm(x) * g1
+    inv1: np.ndarray  # (T,) 1 / rms of x
+    q: np.ndarray  # (T, d)
+    k: np.ndarray  # (T, d)
+    v: np.ndarray  # (T, d)
+    y: np.ndarray  # (T, d) attention's output, before wo
+    x_mid: np.ndarray  # (T, d) x + y @ wo
+    h2: np.ndarray  # (T, d) rmsnorm(x_mid) * g2
+    inv2: np.ndarray  # (T,) 1 / rms of x_mid
+    u: np.ndarray  # (T, f) h2 @ w1
+    a: np.ndarray  # (T, f) silu(u)
+    x_out: np.ndarray  # (T, d) x_mid + a @ w2
+
+
+@nb.njit(**JIT_OPTIONS, inline="always")
+def activations(T, d, f) -> Activations:
+    """The record the compiled forward and decode pass to every layer: fresh buffers of ``T`` rows, ``x_out`` the
+    same array as ``x`` and ``inv2`` as ``inv1`` (none of them is kept)."""
+    x, inv = np.empty((T, d)), np.empty(T)
+    h, q, k, v, y = np.empty((T, d)), np.empty((T, d)), np.empty((T, d)), np.empty((T, d)), np.empty((T, d))
+    x_mid, h2, u, a = np.empty((T, d)), np.empty((T, d)), np.empty((T, f)), np.empty((T, f))
+    return Activations(x, h, inv, q, k, v, y, x_mid, h2, inv, u, a, x)
+
+
 @nb.njit(**JIT_OPTIONS)
-def attention_input_into(kern, w, layer, x, eps, storage, acc, order, h, inv1, q, k, v) -> None:
+def attention_input_into(kern, w, layer, eps, fmt, acts) -> None:
     """``h = rmsnorm(x) * g1`` (``inv1``: each row's 1/rms) and ``q, k, v = h @ wq, h @ wk, h @ wv``.
 
-    ``w``: :class:`~kvfast.model.block.StackedWeights`, read at ``layer``.
-    Writes ``h``, ``inv1``, ``q``, ``k``, ``v``; none may overlap ``x``.
+    ``w``: :class:`StackedWeights`, read at ``layer``; ``acts``: :class:`Activations` (reads ``x``, writes ``h``,
+    ``inv1``, ``q``, ``k``, ``v``); ``fmt``: :class:`~kvfast.kernels.precision.Formats`.
     """
-    # x, h, q, k, v: (T, d); inv1: (T,)
-    call_rmsnorm(kern, x, w.g1[layer], eps, storage, acc, order, h, inv1)
-    call_matmul(kern, h, w.wq[layer], storage, acc, order, q)
-    call_matmul(kern, h, w.wk[layer], storage, acc, order, k)
-    call_matmul(kern, h, w.wv[layer], storage, acc, order, v)
+    call_rmsnorm(kern, acts.x, w.g1[layer], eps, fmt, acts.h, acts.inv1)
+    call_matmul(kern, acts.h, w.wq[layer], fmt, acts.q)
+    call_matmul(kern, acts.h, w.wk[layer], fmt, acts.k)
+    call_matmul(kern, acts.h, w.wv[layer], fmt, acts.v)
 
 
 @nb.njit(**JIT_OPTIONS)
-def block_output_into(kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv2, u, a, x_out) -> None:
+def block_output_into(kern, w, layer, eps, fmt, acts) -> None:
     """The rest of the block after attention: ``x_mid = x + y @ wo``, ``h2 = rmsnorm(x_mid) * g2``
     (``inv2``: 1/rms), ``u = h2 @ w1``, ``a = silu(u)``, ``x_out = x_mid + a @ w2``.
 
-    ``w``: the stacked weights, read at ``layer``. ``x_out`` may be ``x``
-    itself (``x`` is read only before ``x_out`` is written); no other output
-    may overlap an input.
+    ``w``: the stacked weights, read at ``layer``; ``acts``: :class:`Activations` (reads ``x``, ``y``). ``x_out``
+    may be ``x`` itself (``x`` is read only before ``x_out`` is written); no other output may overlap an input.
     """
-    # x, y, x_mid, h2, x_out: (T, d); inv2: (T,); u, a: (T, f)
-    T, d = x.shape
+    T, d = acts.x.shape
     o = np.empty((T, d))  # (T, d) y @ wo
-    call_matmul(kern, y, w.wo[layer], storage, acc, order, o)
-    add_into(x, o, storage, x_mid)
-    call_rmsnorm(kern, x_mid, w.g2[layer], eps, storage, acc, order, h2, inv2)
-    call_matmul(kern, h2, w.w1[layer], storage, acc, order, u)
-    silu_into(u, storage, a)
+    call_matmul(kern, acts.y, w.wo[layer], fmt, o)
+    add_into(acts.x, o, fmt.storage, acts.x_mid)
+    call_rmsnorm(kern, acts.x_mid, w.g2[layer], eps, fmt, acts.h2, acts.inv2)
+    call_matmul(kern, acts.h2, w.w1[layer], fmt, acts.u)
+    silu_into(acts.u, fmt.storage, acts.a)
     m = np.empty((T, d))  # (T, d) a @ w2
-    call_matmul(kern, a, w.w2[layer], storage, acc, order, m)
-    add_into(x_mid, m, storage, x_out)
+    call_matmul(kern, acts.a, w.w2[layer], fmt, m)
+    add_into(acts.x_mid, m, fmt.storage, acts.x_out)
 
 
 @nb.njit(**JIT_OPTIONS)
-def head_into(kern, w, x, eps, storage, acc, order, hf, invf, logits) -> None:
+def head_into(kern, w, eps, fmt, x, hf, invf, logits) -> None:
     """``hf = rmsnorm(x) * gf`` (``invf``: 1/rms) and ``logits = hf @ w_out`` (``w``: the stacked weights)."""
     # x, hf: (T, d); invf: (T,); logits: (T, vocab)
-    call_rmsnorm(kern, x, w.gf, eps, storage, acc, order, hf, invf)
-    call_matmul(kern, hf, w.w_out, storage, acc, order, logits)
+    call_rmsnorm(kern, x, w.gf, eps, fmt, hf, invf)
+    call_matmul(kern, hf, w.w_out, fmt, logits)
+
+
+# --- the products and norms the block calls: by address from jitted code, the kernels themselves from Python ------
+
+_matmul_at = through_address(MATMUL)
+_rmsnorm_at = through_address(RMSNORM)
+
+
+def call_matmul(kern, x, w, fmt, y) -> None:
+    """``y = x @ w`` (``matmul_into``) in ``fmt``; jitted, ``matmul_with`` through ``kern``'s address of it, with
+    ``kern``'s product bodies (called from every block function: linked, it was emitted again in each)."""
+    matmul_into(x, w, fmt.storage, fmt.acc, fmt.order, y)
+
+
+@overload(call_matmul, jit_options=JIT_OPTIONS)
+def _call_matmul_jitted(kern, x, w, fmt, y):
+    def impl(kern, x, w, fmt, y):
+        _matmul_at(kern.matmul, x, w, fmt.storage, fmt.acc, fmt.order, y, kern.products)
+
+    return impl
+
+
+def call_rmsnorm(kern, x, g, eps, fmt, out, inv) -> None:
+    """``out = rmsnorm(x) * g`` (``inv``: each row's 1/rms; ``rmsnorm_into``) in ``fmt``; jitted, through
+    ``kern``'s address of it."""
+    rmsnorm_into(x, g, eps, fmt.storage, fmt.acc, fmt.order, out, inv)
+
+
+@overload(call_rmsnorm, jit_options=JIT_OPTIONS)
+def _call_rmsnorm_jitted(kern, x, g, eps, fmt, out, inv):
+    def impl(kern, x, g, eps, fmt, out, inv):
+        _rmsnorm_at(kern.rmsnorm, x, g, eps, fmt.storage, fmt.acc, fmt.order, out, inv)
+
+    return impl

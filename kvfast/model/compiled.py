@@ -8,21 +8,30 @@ same; it saves one trip through Python per kernel per layer.
 
 **One entry for every format.** The storage and accumulator formats reach the
 forward and the decode (:func:`kvfast.model.decode.decode_kernel`) as run-time
-integers, as they reach the layer functions called from Python, so one
-compiled forward and one decode serve every format a process runs, and the
-kernels below them (the product bodies, attention, the norms, and the block's
-three functions, called through :data:`input_at`, :data:`output_at`, :data:`head_at`) are compiled once,
-with the signature the layer-by-layer forward and the training use too, and
-called through their addresses (:mod:`kvfast.model.addresses`): their machine
-code is not emitted again inside the forward and the decode. The
-hot loops still carry no format branch: ``matmul_with`` and the attention's
-score dots pick a body compiled for one format (the format a constant there)
-at the top of each call. Numba's compile time grows with every specialisation
-*and* with every level that links one in (each level optimises and emits the
-machine code of all it calls once more), so per-format entries, each with its
-own copy of every kernel below it, cost several times more for the three
-presets and the nine storage/accumulator pairs of ``kvfast reproduce``
-(``benchmarks/compile_profile.py``; docs/development.md, "Numba's compile cache").
+integers (:class:`~kvfast.kernels.precision.Formats`), as they reach the layer
+functions called from Python, so one compiled forward and one decode serve every
+format a process runs, and the kernels below them (the product bodies, attention,
+the norms, and the block's three functions) are compiled once, with the signature
+the layer-by-layer forward and the training use too, and called through their
+addresses (:mod:`kvfast.kernels.indirect`): their machine code is not emitted again
+inside the forward and the decode. The hot loops still carry no format branch:
+``matmul_with`` and the attention's score dots pick a body compiled for one format
+(the format a constant there) at the top of each call. Numba's compile time grows
+with every specialisation *and* with every level that links one in (each level
+optimises and emits the machine code of all it calls once more), so per-format
+entries, each with its own copy of every kernel below it, cost several times more
+for the three presets and the nine storage/accumulator pairs of ``kvfast
+reproduce`` (``benchmarks/compile_profile.py``; docs/development.md, "Numba's
+compile cache").
+
+**The table of kernels.** What the forward and the decode call by address is one
+record, :class:`Kernels` (read by name: ``kern.matmul``, ``kern.products.f64``),
+made by :func:`kernels` from the list :data:`KERNELS` (name, kernel, signature) and
+the kernels layer's own tables (:func:`~kvfast.kernels.matmul.product_bodies`,
+:func:`~kvfast.kernels.attention.attention_kernels`). Python passes it, and the
+weights, as plain tuples (:func:`plain`): Numba types a plain tuple argument in its
+fast path and a named one in a slow one (about 2 us a call); the entries name
+them again at once (:func:`named`); so are the formats.
 """
 
 from __future__ import annotations
@@ -30,29 +39,27 @@ from __future__ import annotations
 import importlib.util
 import math
 import sys
+from typing import NamedTuple
 
 import numba as nb
 import numpy as np
 from numba import types
 
-from kvfast.kernels.attention import ATTENTION, attention_with, dot_bodies, row_kernels
-from kvfast.kernels.indirect import address, one_compile_at_a_time, through_address
+from kvfast.kernels.attention import ATTENTION, AttentionKernels, Blocks, Heads, attention_kernels, attention_with
+from kvfast.kernels.indirect import Kernel, one_compile_at_a_time, table, through_address
 from kvfast.kernels.jit import JIT_OPTIONS
-from kvfast.kernels.matmul import matmul_with, product_bodies, size_class
-from kvfast.kernels.rowops import embed_into, rmsnorm_into
-from kvfast.model.addresses import (
-    ATTENTION_AT,
-    BLOCKED_AT,
-    DOTS,
-    HEAD_AT,
-    INPUT_AT,
-    MATMUL,
-    OUTPUT_AT,
-    RMSNORM,
-    ROW_AT,
-    attention_at,
+from kvfast.kernels.matmul import LARGE_MIN_ROWS, MATMUL, PRODUCTS, Products, matmul_with, product_bodies, size_class
+from kvfast.kernels.precision import FORMATS, Formats
+from kvfast.kernels.rowops import RMSNORM, embed_into, rmsnorm_into
+from kvfast.model.block import (
+    Activations,
+    StackedWeights,
+    activations,
+    attention_input_into,
+    block_output_into,
+    head_into,
 )
-from kvfast.model.block import StackedWeights, attention_input_into, block_output_into, head_into
+from kvfast.model.config import ModelConfig, param_shapes
 
 
 def _numba_blas_probe_without_importing_scipy() -> None:
@@ -92,84 +99,109 @@ def _numba_blas_probe_without_importing_scipy() -> None:
 _numba_blas_probe_without_importing_scipy()
 
 
-# --- the block's three functions, called by address from the compiled forward and the decode -------------
-#
-# Linked, each was optimised and its machine code emitted again inside forward_kernel and again inside
-# decode_kernel (with every elementwise kernel it links); by address each is compiled once, on its own.
+# --- the table of kernels the compiled forward and decode call by address ---------------------------------
+
+
+class Kernels(NamedTuple):
+    """What the compiled forward and decode call by address (:func:`kernels`): the kernels layer's two tables and
+    the addresses of six kernels, 0 for one a call never reaches."""
+
+    products: Products  # the product bodies matmul_with calls (kvfast.kernels.matmul.product_bodies)
+    attention: AttentionKernels  # what attention calls (kvfast.kernels.attention.attention_kernels)
+    matmul: int  # matmul_with: y = x @ w
+    rmsnorm: int  # rmsnorm_into: h = x / sqrt(mean(x^2) + eps) * g
+    attention_rows: int  # attention_with: y = attention(q, k, v) of every row of a forward
+    block_input: int  # attention_input_into: h = rmsnorm(x) * g1; q, k, v = h @ wq, h @ wk, h @ wv
+    block_output: int  # block_output_into: x_mid = x + y @ wo; ...; x_out = x_mid + silu(h2 @ w1) @ w2
+    head: int  # head_into: logits = (rmsnorm(x) * gf) @ w_out
+
 
 _I, _F = types.int64, types.float64
 _A1, _A2 = (types.Array(types.float64, n, "C") for n in (1, 2))
-_KERN = types.Array(types.int64, 1, "C")
-_STACKED_DIMS = (2, 2, 2, 3, 3, 3, 3, 2, 3, 3, 1, 2)  # StackedWeights' fields, in order
 
 
-def _block_signatures() -> dict[str, tuple]:
-    """The argument types the block's functions are compiled for and called with by address: the compiled
-    forward's and the decode's (C-contiguous writable float64 arrays, the prepared weights' type)."""
-    w = types.NamedTuple([types.Array(types.float64, n, "C") for n in _STACKED_DIMS], StackedWeights)
-    return {
-        "input": (_KERN, w, _I, _A2, _F, _I, _I, _I, _A2, _A1, _A2, _A2, _A2),
-        "output": (_KERN, w, _I, _A2, _A2, _F, _I, _I, _I, _A2, _A2, _A1, _A2, _A2, _A2),
-        "head": (_KERN, w, _A2, _F, _I, _I, _I, _A2, _A1, _A2),
-    }
+def _weights_type() -> types.NamedTuple:
+    """The Numba type of :class:`StackedWeights`: C-contiguous float64 arrays with the axes of each parameter,
+    plus the layer axis of a per-layer one (the prepared weights' type)."""
+    shapes = param_shapes(ModelConfig(1, 1, 1, 1, 1, 1))
+    ndim = {name.rsplit(".", 1)[-1]: len(shape) + name.startswith("h0.") for name, shape in shapes.items()}
+    return types.NamedTuple([types.Array(types.float64, ndim[f], "C") for f in StackedWeights._fields], StackedWeights)
 
 
-_BLOCK = {"input": attention_input_into, "output": block_output_into, "head": head_into}
+KERNELS = types.NamedTuple(
+    (PRODUCTS, types.NamedUniTuple(_I, len(AttentionKernels._fields), AttentionKernels), *[_I] * 6), Kernels
+)
+WEIGHTS = _weights_type()
+ACTIVATIONS = types.NamedTuple([types.Array(types.float64, 1 if f.startswith("inv") else 2, "C")
+                                for f in Activations._fields], Activations)  # fmt: skip
+"""The Numba types of the records the block's functions take."""
+
+BLOCK_INPUT = (KERNELS, WEIGHTS, _I, _F, FORMATS, ACTIVATIONS)
+"""``attention_input_into(kern, w, layer, eps, fmt, acts)`` as the forward and the decode call it."""
+BLOCK_OUTPUT = BLOCK_INPUT
+"""``block_output_into(kern, w, layer, eps, fmt, acts)``: the same types."""
+HEAD = (KERNELS, WEIGHTS, _F, FORMATS, _A2, _A2, _A1, _A2)
+"""``head_into(kern, w, eps, fmt, x, hf, invf, logits)``."""
+
+KERNEL_LIST = (
+    Kernel("matmul", matmul_with, MATMUL, twin=False),  # called from Python too (matmul_into)
+    Kernel("rmsnorm", rmsnorm_into, RMSNORM, twin=False),  # called from Python too (the layer-by-layer forward)
+    Kernel("attention_rows", attention_with, ATTENTION, twin=False),  # called from Python too (attention_into)
+    Kernel("block_input", attention_input_into, BLOCK_INPUT),
+    Kernel("block_output", block_output_into, BLOCK_OUTPUT),
+    Kernel("head", head_into, HEAD),
+)
+"""The model's own kernels in :class:`Kernels`, by name: each compiled on its own (``twin``: a copy for calls by
+address only, :func:`kvfast.kernels.indirect.address`)."""
+
+_TABLES: dict[tuple, tuple] = {}
 
 
-def block_addresses() -> list[int]:
-    """The addresses of ``attention_input_into``, ``block_output_into``, ``head_into`` (slots ``INPUT_AT``,
-    ``OUTPUT_AT``, ``HEAD_AT`` of :func:`kvfast.model.compiled.kernels`), compiled or loaded on first use."""
-    signatures = _block_signatures()
-    return [address(_BLOCK[name], signatures[name]) for name in ("input", "output", "head")]
-
-
-_TABLES: dict[tuple, np.ndarray] = {}
-
-
-def model_size_class(config, T: int, acc: int) -> bool:
-    """The product size class (:func:`kvfast.kernels.matmul.size_class`) of a call of ``T`` rows of the model
-    ``config`` (a :class:`~kvfast.model.config.ModelConfig`) in accumulator ``acc``: its largest product's
-    (``d_model`` by the widest of ``d_model``, ``d_ff``, ``vocab``). A forward runs all its products in that
-    class: the class never changes a bit, and where the largest product is small the others are too."""
+def model_size_class(config, acc: int) -> bool:
+    """The product size class (:func:`kvfast.kernels.matmul.size_class`) of the model ``config`` (a
+    :class:`~kvfast.model.config.ModelConfig`) in accumulator ``acc``: its largest product's (``d_model`` by the
+    widest of ``d_model``, ``d_ff``, ``vocab``) in a batch of rows. Every call of the model runs all its products
+    in that class, a one-row decode step too: the class never changes a bit; per model, not per call, a process
+    compiles one form of the product bodies per model, and a model of the large class runs its one-row steps on
+    the unrolled bodies, faster there too (the shape ``(1, 32, 64)`` of ``benchmarks/kernels_size_class.py``)."""
     d = config.d_model
-    return size_class(T, d, max(d, config.d_ff, config.vocab), acc)
+    return size_class(LARGE_MIN_ROWS, d, max(d, config.d_ff, config.vocab), acc)
 
 
-def kernels(acc: int, attn: int, large: bool = False) -> np.ndarray:
-    """The table of the compiled forward and decode in accumulator ``acc`` with attention kind ``attn`` (a
-    code) and product size class ``large`` (:func:`model_size_class`): the kernels' addresses (compiled, or
-    loaded from the cache, on first use) in an int64 array (an array, not a named tuple: Numba types an array
-    argument in its fast path, on every call). One array per table and process: do not write it."""
+def kernels(acc: int, attn: int, large: bool = False) -> tuple:
+    """The table of the compiled forward and decode in accumulator ``acc`` with attention kind ``attn`` (a code)
+    and product size class ``large`` (:func:`model_size_class`): a :class:`Kernels` record in plain tuples
+    (:func:`plain`: as the entries take it), each kernel compiled, or loaded from the cache, on first use (the
+    product bodies of ``acc`` only, the row kernel of ``attn``'s kind only). One table per key and process."""
     key = (acc, attn == 0, bool(large))
-    table = _TABLES.get(key)
-    if table is None:
-        table = np.concatenate(
-            [
-                product_bodies(acc, large),
-                # matmul_with and rmsnorm_into themselves: the layer-by-layer forward calls them from Python too
-                [address(matmul_with, MATMUL, twin=False), address(rmsnorm_into, RMSNORM, twin=False)],
-                row_kernels(attn),
-                block_addresses(),
-                [address(attention_with, ATTENTION, twin=False)],  # attention_into calls it from Python too
-                dot_bodies(acc),
-            ]
-        ).astype(np.int64)
-        _TABLES[key] = table
-    return table
+    found = _TABLES.get(key)
+    if found is None:
+        own = table(KERNEL_LIST, [k.name for k in KERNEL_LIST])
+        found = _TABLES[key] = plain(Kernels(product_bodies(acc, large), attention_kernels(acc, attn), **own))
+    return found
 
 
-_SIGNATURES = _block_signatures()
-input_at = through_address(_SIGNATURES["input"])
-"""``input_at(kern[INPUT_AT], (kern, w, layer, x, eps, storage, acc, order, h, inv1, q, k, v))``: jitted,
-``attention_input_into`` through its address (its arguments' types exactly those of the signature it is compiled
-for: a typing error names them otherwise)."""
-output_at = through_address(_SIGNATURES["output"])
-"""``output_at(kern[OUTPUT_AT], (kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv2, u, a, x_out))``:
-``block_output_into`` through its address."""
-head_at = through_address(_SIGNATURES["head"])
-"""``head_at(kern[HEAD_AT], (kern, w, x, eps, storage, acc, order, hf, invf, logits))``: ``head_into`` through its
-address."""
+def plain(record: tuple) -> tuple:
+    """A record (:class:`Kernels`, :class:`StackedWeights`, :class:`~kvfast.kernels.precision.Formats`) as Python
+    passes it to a compiled entry: the same values in plain tuples (Numba types them in its fast path), named
+    again there (:func:`named`)."""
+    return tuple(plain(v) if isinstance(v, tuple) else v for v in record)
+
+
+@nb.njit(**JIT_OPTIONS, inline="always")
+def named(kern, w, fmt) -> tuple[Kernels, StackedWeights, Formats]:
+    """The table of kernels, the weights and the formats as a compiled entry receives them from Python (plain
+    tuples: :func:`plain`), named again: :class:`Kernels`, :class:`StackedWeights`,
+    :class:`~kvfast.kernels.precision.Formats`."""
+    return Kernels(Products(*kern[0]), AttentionKernels(*kern[1]), *kern[2:]), StackedWeights(*w), Formats(*fmt)
+
+
+block_input_at = through_address(BLOCK_INPUT)
+block_output_at = through_address(BLOCK_OUTPUT)
+head_at = through_address(HEAD)
+attention_at = through_address(ATTENTION)
+"""Jitted calls of the block's functions and of the forward's attention through their addresses in the table
+(their arguments' types exactly those of the signature each is compiled for: a typing error names them otherwise)."""
 
 
 @nb.njit(**JIT_OPTIONS)
@@ -183,51 +215,44 @@ def _store_rows(buf, start, rows):
 
 @one_compile_at_a_time
 @nb.njit(**JIT_OPTIONS)
-def forward_kernel(
-    kern, w, n_head, eps, tokens, pos0, kc, vc, causal, storage, acc, order, attn, attn_block, logits, resid
-):
+def forward_kernel(kern, w, n_head, eps, fmt, attn, attn_block, tokens, pos0, kc, vc, causal, logits, resid):
     """The forward of ``tokens`` at positions ``pos0 ..`` over all layers; writes ``logits`` (T, vocab).
 
-    ``kern``: :func:`kvfast.model.compiled.kernels` (the kernels it calls by address);
-    ``w``: :class:`~kvfast.model.block.StackedWeights`; ``kc``, ``vc``
-    (n_layer, S, d): the key/value buffers, rows ``pos0 .. pos0+T-1`` of each
-    layer are written here and attention reads rows ``0 ..`` (a cache's
-    buffers, or fresh (n_layer, T, d) ones without a cache, pos0 = 0).
-    ``resid``: (n_layer+1, T, d) receives the residual stream after the
-    embedding and after each layer, or has no rows. ``attn``/``attn_block``:
-    ``Numerics.attention_codes``. Every step is the one of ``forward_prepared``.
+    ``kern``: :func:`kernels` (the kernels it calls by address); ``w``: the
+    :class:`~kvfast.model.block.StackedWeights` and ``fmt``, its
+    :class:`~kvfast.kernels.precision.Formats` (:func:`plain`); ``attn``/``attn_block``:
+    ``Numerics.attention_codes``; ``kc``, ``vc`` (n_layer, S, d): the key/value
+    buffers, rows ``pos0 .. pos0+T-1`` of each layer are written here and attention
+    reads rows ``0 ..`` (a cache's buffers, or fresh (n_layer, T, d) ones without a
+    cache, pos0 = 0). ``resid``: (n_layer+1, T, d) receives the residual stream after
+    the embedding and after each layer, or has no rows. Every step is the one of
+    ``forward_prepared``.
     """
-    # tokens: (T,); x, h, q, k, v, y, x_mid, h2, hf: (T, d); u, a: (T, f); logits: (T, vocab)
+    kern, w, fmt = named(kern, w, fmt)
     T = tokens.shape[0]
     d = w.wte.shape[1]
-    n_layer = w.g1.shape[0]
-    f = w.w1.shape[2]
     positions = np.empty(T, dtype=np.int64)  # (T,) pos0, pos0 + 1, ... (a loop: np.arange compiles more)
     for t in range(T):
         positions[t] = pos0 + t
     n_keys = pos0 + T if causal else kc.shape[1]
-    scale = 1.0 / math.sqrt(d // n_head)
+    heads = Heads(n_head, 1.0 / math.sqrt(d // n_head))
+    blocks = Blocks(attn, attn_block, np.int64(0), n_keys)  # a real kernel's split count cuts keys 0 .. n_keys - 1
     no_att = np.empty((0, 0, 0))
     keep = resid.shape[0] > 0
-    x = np.empty((T, d))  # the residual stream, updated in place by each layer
-    embed_into(w.wte, w.wpe, tokens, positions, storage, x)
+    acts = activations(T, d, w.w1.shape[2])  # acts.x: the residual stream, updated in place by each layer
+    embed_into(w.wte, w.wpe, tokens, positions, fmt.storage, acts.x)  # x = wte[tokens] + wpe[positions]
     first = np.int64(0)  # not the literal 0: _store_rows is compiled once, for int64 rows
     if keep:
-        _store_rows(resid[0], first, x)
-    h, q, k, v, y = np.empty((T, d)), np.empty((T, d)), np.empty((T, d)), np.empty((T, d)), np.empty((T, d))
-    x_mid, h2 = np.empty((T, d)), np.empty((T, d))
-    u, a = np.empty((T, f)), np.empty((T, f))
-    inv = np.empty(T)  # 1/rms of each row (inv1, inv2, invf: none is kept)
-    for layer in range(n_layer):
-        input_at(kern[INPUT_AT], (kern, w, layer, x, eps, storage, acc, order, h, inv, q, k, v))
-        _store_rows(kc[layer], pos0, k)
-        _store_rows(vc[layer], pos0, v)
-        attention_at(kern[ATTENTION_AT], (
-            q, kc[layer], vc[layer], pos0, n_keys, causal, n_head, scale, storage, acc, order, y, no_att, attn,
-            attn_block, kern[ROW_AT], kern[BLOCKED_AT], kern[DOTS:],
-        ))  # fmt: skip
-        output_at(kern[OUTPUT_AT], (kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv, u, a, x))
+        _store_rows(resid[0], first, acts.x)
+    for layer in range(w.g1.shape[0]):
+        block_input_at(kern.block_input, kern, w, layer, eps, fmt, acts)  # h = rmsnorm(x) * g1; q, k, v
+        _store_rows(kc[layer], pos0, acts.k)
+        _store_rows(vc[layer], pos0, acts.v)
+        # y = attention(q, k, v): row t over keys 0 .. pos0 + t (or every key of the buffer, not causal)
+        attention_at(kern.attention_rows, acts.q, kc[layer], vc[layer], acts.y, no_att, pos0, causal, heads, fmt,
+                     blocks, kern.attention)  # fmt: skip
+        block_output_at(kern.block_output, kern, w, layer, eps, fmt, acts)  # x = x_mid + silu(h2 @ w1) @ w2
         if keep:
-            _store_rows(resid[layer + 1], first, x)
+            _store_rows(resid[layer + 1], first, acts.x)
     hf = np.empty((T, d))
-    head_at(kern[HEAD_AT], (kern, w, x, eps, storage, acc, order, hf, inv, logits))
+    head_at(kern.head, kern, w, eps, fmt, acts.x, hf, acts.inv1, logits)  # logits = (rmsnorm(x) * gf) @ w_out

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -68,33 +67,21 @@ def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 GAINS = ("g1", "g2", "gf")
 
 
-def init_params(config: ModelConfig, seed: int) -> dict[str, np.ndarray]:
+def init_params(config: ModelConfig, seed: int, positions_last: bool = False) -> dict[str, np.ndarray]:
     """Random float64 parameters: embeddings N(0, 1), matrices N(0, 1/fan_in), gains 1.
 
     The drawn parameters take consecutive standard normal draws of ``numpy.random.default_rng(seed)``
-    in :func:`param_shapes`' order (:func:`params_from_draws`); the gains take none. Every config of
-    one seed therefore cuts its parameters from the same sequence of draws, which :class:`SeedDraws`
-    draws once for all of them.
+    in :func:`param_shapes`' order; the gains take none. ``positions_last``: the position embeddings
+    ``wpe`` take the last draws instead of the second, so that every other parameter is the same for
+    any ``max_pos`` and a model with more positions extends one with fewer (row ``p`` of ``wpe`` is the
+    same in both): a model of a seed and shape whose weights do not depend on how long a sequence it
+    runs (the exactness study's). The names are in :func:`param_shapes`' order either way.
     """
     rng = np.random.default_rng(require_int(seed, "seed", 0))
     shapes = param_shapes(config)
-    return _cut(shapes, rng.standard_normal(_count(shapes)))
-
-
-def draw_count(config: ModelConfig) -> int:
-    """How many standard normal draws :func:`init_params` takes for ``config``."""
-    return _count(param_shapes(config))
-
-
-def params_from_draws(config: ModelConfig, draws: np.ndarray) -> dict[str, np.ndarray]:
-    """``config``'s parameters cut from the standard normal ``draws`` (at least :func:`draw_count` of them),
-    in :func:`param_shapes`' order: embeddings as drawn, matrices divided by ``sqrt(fan_in)``, gains 1.
-    Every array is its own (no view of ``draws``)."""
-    shapes = param_shapes(config)
-    need = _count(shapes)
-    if not isinstance(draws, np.ndarray) or draws.ndim != 1 or draws.shape[0] < need:
-        raise ValueError(f"draws: {draws!r:.60} is not allowed; allowed: a 1-D array of at least {need} draws")
-    return _cut(shapes, draws)
+    drawn = ({n: s for n, s in shapes.items() if n != "wpe"} | {"wpe": shapes["wpe"]}) if positions_last else shapes
+    params = _cut(drawn, rng.standard_normal(_count(shapes)))
+    return {name: params[name] for name in shapes}
 
 
 def _count(shapes: dict[str, tuple[int, ...]]) -> int:
@@ -102,6 +89,7 @@ def _count(shapes: dict[str, tuple[int, ...]]) -> int:
 
 
 def _cut(shapes: dict[str, tuple[int, ...]], draws: np.ndarray) -> dict[str, np.ndarray]:
+    """The parameters of ``shapes`` cut from ``draws`` in that order (each array its own, no view of ``draws``)."""
     params = {}
     at = 0
     for name, shape in shapes.items():
@@ -119,37 +107,6 @@ def _cut(shapes: dict[str, tuple[int, ...]], draws: np.ndarray) -> dict[str, np.
 
 def _short(name: str) -> str:
     return name.rsplit(".", 1)[-1]
-
-
-class SeedDraws:
-    """The standard normal draws of one seed, drawn as far as asked and kept.
-
-    ``params(config)`` equals ``init_params(config, seed)`` for every ``config`` (a sequence of normal
-    draws does not depend on how many are drawn at a time), but draws only what no earlier call drew:
-    the configs of a grid that share a seed (other widths, depths, ``max_pos``) share their draws.
-    Thread-safe. Kept draws: the most any call asked for.
-    """
-
-    def __init__(self, seed: int) -> None:
-        self.seed = require_int(seed, "seed", 0)
-        self._rng = np.random.default_rng(self.seed)
-        self._draws = np.empty(0)
-        self._lock = threading.Lock()
-
-    def first(self, n: int) -> np.ndarray:
-        """The first ``n`` (or more) draws of the seed's sequence (read-only)."""
-        with self._lock:
-            have = self._draws.shape[0]
-            if have < n:
-                draws = np.concatenate([self._draws, self._rng.standard_normal(n - have)])
-                draws.flags.writeable = False
-                self._draws = draws
-            return self._draws
-
-    def params(self, config: ModelConfig) -> dict[str, np.ndarray]:
-        """``init_params(config, seed)``, cut from the kept draws."""
-        shapes = param_shapes(config)
-        return _cut(shapes, self.first(_count(shapes)))
 
 
 def require_params(config: ModelConfig, params: dict) -> dict[str, np.ndarray]:

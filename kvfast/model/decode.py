@@ -13,127 +13,152 @@ import math
 import numba as nb
 import numpy as np
 
-from kvfast.kernels.attention import STANDARD
-from kvfast.kernels.indirect import one_compile_at_a_time
+from kvfast.kernels.attention import BLOCKED, ROW, STANDARD, Blocks, Heads, Keys, new_scratch
+from kvfast.kernels.indirect import one_compile_at_a_time, through_address
 from kvfast.kernels.jit import JIT_OPTIONS
-from kvfast.kernels.reduce import STACK_DEPTH, new_stack
 from kvfast.kernels.rowops import embed_into
 from kvfast.model import bugs as B
-from kvfast.model.addresses import BLOCKED_AT, DOTS, HEAD_AT, INPUT_AT, OUTPUT_AT, ROW_AT, blocked_at, row_at
+from kvfast.model.block import activations
 from kvfast.model.cache import KVCache
-from kvfast.model.compiled import _store_rows, head_at, input_at, kernels, model_size_class, output_at
+from kvfast.model.compiled import (
+    _store_rows,
+    block_input_at,
+    block_output_at,
+    head_at,
+    kernels,
+    model_size_class,
+    named,
+)
 from kvfast.model.config import ModelConfig
-from kvfast.model.transformer import StackedWeights, Weights, forward_prepared
+from kvfast.model.transformer import Weights, forward_prepared
 from kvfast.model.validate import require_config, require_numerics, require_token, require_tokens
 from kvfast.numerics import Numerics
 from kvfast.validation import require_int
 
+row_at = through_address(ROW)
+blocked_at = through_address(BLOCKED)
+
 
 @one_compile_at_a_time
 @nb.njit(**JIT_OPTIONS)
-def decode_kernel(
-    kern, w: StackedWeights, n_head, eps, kc, vc, length, prefill_len, token, pos,
-    storage, acc, order, bug, window, logits, attn=0, attn_block=0,
-):  # fmt: skip
-    """One decode step: writes ``logits`` (1, vocab), stores K/V, returns the new cache length.
+def decode_kernel(kern, w, n_head, eps, fmt, attn, attn_block, kc, vc, length, prefill_len, token, bug, window, logits):
+    """``n = logits.shape[0]`` greedy decode steps: writes ``logits`` (n, vocab), stores K/V, returns the new
+    cache length.
 
-    ``kern``: :func:`kvfast.model.compiled.kernels` (the kernels it calls by address);
-    ``w``: the stacked weights; kc, vc: the cache's (n_layer, capacity, d)
-    buffers, written in place at row ``slot``. The block is the forward's
-    (:mod:`kvfast.model.block`) on one row; every line a catalogue bug changes
-    is marked (here and in :func:`_decode_attention`). ``attn``/``attn_block``:
-    ``Numerics.attention_codes`` (a real kernel's attention order; for
-    splitcount the call's key range is the row's own ``lo..hi-1``).
+    Step ``i`` feeds ``token`` (``i = 0``) or the argmax of step ``i - 1``'s logits (:func:`first_max`, NumPy's
+    ``argmax``) at the cache's next position; one step is ``n = 1``. ``kern``, ``w``, ``fmt``: the table of
+    kernels, the stacked weights and the formats as :func:`kvfast.model.compiled.forward_kernel` takes them;
+    ``kc``, ``vc``: the cache's (n_layer, capacity, d) buffers, written in place at row ``slot``. The block is
+    the forward's (:mod:`kvfast.model.block`) on one row; every line a catalogue bug changes is marked (here and
+    in :func:`_decode_attention`). ``attn``/``attn_block``: ``Numerics.attention_codes`` (a real kernel's
+    attention order; for splitcount the call's key range is the row's own ``lo..hi-1``).
     """
-    # x, h, q, k, v, y, x_mid, h2, hf: (1, d); u, a: (1, f); logits: (1, vocab)
+    kern, w, fmt = named(kern, w, fmt)
     d = w.wte.shape[1]
-    f = w.w1.shape[2]
-    scale = 1.0 / math.sqrt(d // n_head)
-    p = pos
-    slot = length
-    new_length = length + 1
-    if bug == B.POSOFF:
-        p = pos - 1  # posoff
-    elif bug == B.POSFROZEN:
-        p = prefill_len  # posfrozen
-    if bug == B.FREEZE and length > prefill_len:
-        slot = length - 1  # freeze
-        new_length = length
-    lo = 0
-    hi = slot + 1
-    if bug == B.STALE:
-        hi = slot  # stale
-    elif bug == B.EVICT:
-        lo = max(0, hi - window)  # evict
-    elif bug == B.MASKFROZEN:
-        hi = prefill_len + 1  # maskfrozen
-    if bug == B.NOSCALE:
-        scale = 1.0  # noscale
-    x = np.empty((1, d))  # the residual stream, updated in place by each layer
+    acts = activations(np.int64(1), d, w.w1.shape[2])  # acts.x: the residual stream, updated in place by each layer
     tokens = np.empty(1, dtype=np.int64)  # (not np.full: one more function to compile)
-    tokens[0] = token
     positions = np.empty(1, dtype=np.int64)
-    positions[0] = p
-    embed_into(w.wte, w.wpe, tokens, positions, storage, x)
-    h, q, k, v, y = np.empty((1, d)), np.empty((1, d)), np.empty((1, d)), np.empty((1, d)), np.empty((1, d))
-    x_mid, h2 = np.empty((1, d)), np.empty((1, d))
-    u, a = np.empty((1, f)), np.empty((1, f))
-    inv = np.empty(1)  # 1/rms (inv1, inv2, invf: none is kept)
-    scratch = np.empty(2 * max(hi - lo, 1))  # attention's scratch, for every layer
-    sstack = np.empty(STACK_DEPTH)
-    vstack = new_stack(d // n_head)
-    for layer in range(w.g1.shape[0]):
-        input_at(kern[INPUT_AT], (kern, w, layer, x, eps, storage, acc, order, h, inv, q, k, v))
-        _decode_attention(kern, q, k, v, kc[layer], vc[layer], slot, lo, hi, n_head, scale, storage, acc, order, bug,
-                          attn, attn_block, y, scratch, sstack, vstack)  # fmt: skip
-        output_at(kern[OUTPUT_AT], (kern, w, layer, x, y, eps, storage, acc, order, x_mid, h2, inv, u, a, x))
     hf = np.empty((1, d))
-    head_at(kern[HEAD_AT], (kern, w, x, eps, storage, acc, order, hf, inv, logits))
-    return new_length
+    work = new_scratch(kc.shape[1], d // n_head)  # attention's work arrays, for every layer and step
+    for i in range(logits.shape[0]):
+        if i > 0:
+            token = first_max(logits[i - 1])
+        scale = 1.0 / math.sqrt(d // n_head)
+        p = length
+        slot = length
+        new_length = length + 1
+        if bug == B.POSOFF:
+            p = length - 1  # posoff
+        elif bug == B.POSFROZEN:
+            p = prefill_len  # posfrozen
+        if bug == B.FREEZE and length > prefill_len:
+            slot = length - 1  # freeze
+            new_length = length
+        lo = 0
+        hi = slot + 1
+        if bug == B.STALE:
+            hi = slot  # stale
+        elif bug == B.EVICT:
+            lo = max(0, hi - window)  # evict
+        elif bug == B.MASKFROZEN:
+            hi = prefill_len + 1  # maskfrozen
+        if bug == B.NOSCALE:
+            scale = 1.0  # noscale
+        heads = Heads(n_head, scale)
+        tokens[0] = token
+        positions[0] = p
+        embed_into(w.wte, w.wpe, tokens, positions, fmt.storage, acts.x)  # x = wte[token] + wpe[p]
+        for layer in range(w.g1.shape[0]):
+            block_input_at(kern.block_input, kern, w, layer, eps, fmt, acts)  # h = rmsnorm(x) * g1; q, k, v
+            keys = Keys(kc[layer], vc[layer], lo, hi)
+            _decode_attention(kern.attention, acts, slot, keys, heads, fmt, bug, attn, attn_block, work)
+            block_output_at(kern.block_output, kern, w, layer, eps, fmt, acts)  # x = x_mid + silu(h2 @ w1) @ w2
+        head_at(kern.head, kern, w, eps, fmt, acts.x, hf, acts.inv1, logits[i : i + 1])  # (rmsnorm(x) * gf) @ w_out
+        length = new_length
+    return length
+
+
+@nb.njit(**JIT_OPTIONS)
+def first_max(row) -> int:
+    """The index of ``row``'s first maximum, or of its first NaN: ``numpy.argmax``, the token a greedy step
+    feeds (NumPy's own loop: a value not ``<=`` the best so far replaces it, and a NaN ends the scan)."""
+    best = row[0]
+    at = 0
+    if best != best:
+        return 0
+    for j in range(1, row.shape[0]):
+        value = row[j]
+        if not value <= best:
+            best = value
+            at = j
+            if value != value:
+                break
+    return at
 
 
 @nb.njit(**JIT_OPTIONS, inline="always")
-def _decode_attention(
-    kern, q, k, v, kbuf, vbuf, slot, lo, hi, n_head, scale, storage, acc, order, bug, attn, attn_block, y,
-    scratch, sstack, vstack,
-):  # fmt: skip
-    """Store the new row's ``k``, ``v`` at row ``slot`` of one layer's ``kbuf``, ``vbuf`` (capacity, d),
-    then attend ``q`` over keys ``lo .. hi-1`` into ``y``; the kvswap line is marked. ``scratch``,
-    ``sstack``, ``vstack``: as for :func:`kvfast.kernels.attention.attend_row`."""
-    # q, k, v, y: (1, d)
+def _decode_attention(kern, acts, slot, keys, heads, fmt, bug, attn, attn_block, work):
+    """Store the new row's ``k``, ``v`` (of ``acts``, :class:`~kvfast.model.block.Activations`) at row ``slot`` of
+    the layer's buffers ``keys.k``, ``keys.v``, then attend its ``q`` over ``keys`` into ``y``; the kvswap line is
+    marked. ``kern``: :func:`kvfast.kernels.attention.attention_kernels`; ``work``: its
+    :class:`~kvfast.kernels.attention.Scratch`."""
     if bug == B.KVSWAP:
-        _store_rows(kbuf, slot, v)  # kvswap
-        _store_rows(vbuf, slot, k)
+        _store_rows(keys.k, slot, acts.v)  # kvswap
+        _store_rows(keys.v, slot, acts.k)
     else:
-        _store_rows(kbuf, slot, k)
-        _store_rows(vbuf, slot, v)
+        _store_rows(keys.k, slot, acts.k)
+        _store_rows(keys.v, slot, acts.v)
     row = np.int64(0)  # not the literal 0: the row kernels are compiled once, for the forward's int64 rows too
     if attn == STANDARD:
-        row_at(kern[ROW_AT], (
-            q, row, kbuf, vbuf, lo, hi, n_head, scale, storage, acc, order,
-            y, row, np.empty((0, 0, 0)), row, scratch, sstack, vstack, kern[DOTS:],
-        ))  # fmt: skip
+        row_at(kern.row, acts.q, acts.y, np.empty((0, 0, 0)), row, keys, heads, fmt, work, kern)
     else:
-        blocked_at(kern[BLOCKED_AT], (
-            q, row, kbuf, vbuf, lo, hi, lo, hi, n_head, scale, storage, acc, order, attn, attn_block,
-            y, row, scratch, sstack, vstack, kern[DOTS:],
-        ))  # fmt: skip
+        blocks = Blocks(attn, attn_block, keys.lo, keys.hi)  # splitcount cuts the row's own keys
+        blocked_at(kern.blocked, acts.q, acts.y, row, keys, heads, fmt, blocks, work, kern)
 
 
 def decode_prepared(
     config: ModelConfig, w: Weights, cache: KVCache, token: int, numerics: Numerics, bug: int = B.NONE
 ) -> np.ndarray:
     """One decode step on prepared weights (no validation here); returns logits (vocab,)."""
-    storage, acc, order = numerics.codes
+    return decode_greedy_prepared(config, w, cache, token, 1, numerics, bug)[0]
+
+
+def decode_greedy_prepared(
+    config: ModelConfig, w: Weights, cache: KVCache, token: int, n: int, numerics: Numerics, bug: int = B.NONE
+) -> np.ndarray:
+    """``n`` greedy decode steps on prepared weights (no validation here; the cache has room for ``n``), in one
+    compiled call: the first fed ``token``, each next the argmax (first maximum) of the step before's logits.
+    Returns their logits ``(n, vocab)``, the rows :func:`decode_prepared` returns step by step."""
+    fmt = numerics.codes
     attn, attn_block = numerics.attention_codes
-    logits = np.empty((1, config.vocab))
+    logits = np.empty((n, config.vocab))
+    length = cache.length
     new_length = decode_kernel(
-        kernels(acc, attn, model_size_class(config, 1, acc)), w.stacked, config.n_head, config.eps, cache.k, cache.v,
-        cache.length, cache.prefill_len, token, cache.length, storage, acc, order, bug, B.EVICT_WINDOW, logits, attn,
-        attn_block,
+        kernels(fmt.acc, attn, model_size_class(config, fmt.acc)), tuple(w.stacked), config.n_head, config.eps,
+        tuple(fmt), attn, attn_block, cache.k, cache.v, length, cache.prefill_len, token, bug, B.EVICT_WINDOW, logits,
     )  # fmt: skip
-    cache.advance(new_length - cache.length)
-    return logits[0]
+    cache.advance(new_length - length)
+    return logits
 
 
 def decode_step(

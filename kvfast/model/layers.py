@@ -1,7 +1,7 @@
 """One function per layer and direction.
 
 Forward functions take the kernel codes of a :class:`~kvfast.numerics.Numerics`
-(``nx = (storage, accum, order)``) and run on the explicit-order kernels; the
+(``nx``: its :class:`~kvfast.kernels.precision.Formats`) and run on the explicit-order kernels; the
 norms, projections and MLP run in the block of :mod:`kvfast.model.block`, the
 very code of the compiled forward and the decode.
 Backward functions are float64: gradients are for training and the gradient
@@ -22,18 +22,15 @@ import numpy as np
 
 from kvfast.kernels.attention import attention_into
 from kvfast.kernels.matmul import matmul
-from kvfast.kernels.precision import F64
+from kvfast.kernels.precision import F64, Formats
 from kvfast.kernels.reduce import SEQUENTIAL
 from kvfast.kernels.rowops import embed_into, exp_array, log_array
-from kvfast.model.block import attention_input_into, block_output_into, head_into
-
-Codes = tuple[int, int, int]
-
+from kvfast.model.block import Activations, attention_input_into, block_output_into, head_into
 
 # --- embedding: x (T, d) = wte[tokens] + wpe[positions] -----------------------------------
 
 
-def embedding_forward(wte, wpe, tokens, positions, nx: Codes) -> np.ndarray:
+def embedding_forward(wte, wpe, tokens, positions, nx: Formats) -> np.ndarray:
     x = np.empty((tokens.shape[0], wte.shape[1]))
     embed_into(wte, wpe, tokens, positions, nx[0], x)
     return x
@@ -60,30 +57,38 @@ def embedding_backward(dx, tokens, positions, vocab: int, max_pos: int):
 # head_forward:            hf = rmsnorm(x) * gf; logits = hf @ w_out
 
 
-def attention_input_forward(w, layer: int, x, eps: float, nx: Codes):
+def attention_input_forward(w, layer: int, x, eps: float, nx: Formats):
     """Returns ``(h, inv1, q, k, v)``: (T, d), (T,), then (T, d) each (``w``: the stacked weights)."""
-    T, d = x.shape
-    h, inv1, q, k, v = np.empty((T, d)), np.empty(T), np.empty((T, d)), np.empty((T, d)), np.empty((T, d))
-    attention_input_into.py_func(None, w, layer, x, eps, nx[0], nx[1], nx[2], h, inv1, q, k, v)
-    return h, inv1, q, k, v
+    acts = _activations(x, None, w)
+    attention_input_into.py_func(None, w, layer, eps, nx, acts)
+    return acts.h, acts.inv1, acts.q, acts.k, acts.v
 
 
-def block_output_forward(w, layer: int, x, y, eps: float, nx: Codes):
+def block_output_forward(w, layer: int, x, y, eps: float, nx: Formats):
     """Returns ``(x_mid, h2, inv2, u, a, x_out)``: (T, d), (T, d), (T,), (T, f), (T, f), (T, d)."""
-    T, d = x.shape
-    f = w.w1.shape[2]
-    x_mid, h2, inv2 = np.empty((T, d)), np.empty((T, d)), np.empty(T)
-    u, a, x_out = np.empty((T, f)), np.empty((T, f)), np.empty((T, d))
-    block_output_into.py_func(None, w, layer, x, y, eps, nx[0], nx[1], nx[2], x_mid, h2, inv2, u, a, x_out)
-    return x_mid, h2, inv2, u, a, x_out
+    acts = _activations(x, y, w)
+    block_output_into.py_func(None, w, layer, eps, nx, acts)
+    return acts.x_mid, acts.h2, acts.inv2, acts.u, acts.a, acts.x_out
 
 
-def head_forward(w, x, eps: float, nx: Codes):
+def head_forward(w, x, eps: float, nx: Formats):
     """Returns ``(hf, invf, logits)``: (T, d), (T,), (T, vocab)."""
     T, d = x.shape
     hf, invf, logits = np.empty((T, d)), np.empty(T), np.empty((T, w.w_out.shape[1]))
-    head_into.py_func(None, w, x, eps, nx[0], nx[1], nx[2], hf, invf, logits)
+    head_into.py_func(None, w, eps, nx, x, hf, invf, logits)
     return hf, invf, logits
+
+
+def _activations(x, y, w) -> Activations:
+    """A fresh :class:`~kvfast.model.block.Activations` record around the layer's input ``x`` (and attention's
+    output ``y``): every other tensor its own new array, as the tape keeps them."""
+    T, d = x.shape
+    f = w.w1.shape[2]
+    rows, norms, wide = (lambda: np.empty((T, d))), (lambda: np.empty(T)), (lambda: np.empty((T, f)))
+    return Activations(
+        x, rows(), norms(), rows(), rows(), rows(), rows() if y is None else y, rows(), rows(), norms(), wide(), wide(),
+        rows(),
+    )  # fmt: skip
 
 
 # --- rmsnorm: h (T, d) = x / sqrt(mean(x^2) + eps) * g ----------------------------------------
@@ -119,7 +124,7 @@ def attention_forward(
     v,
     n_head: int,
     causal: bool,
-    nx: Codes,
+    nx: Formats,
     pos0: int = 0,
     keep_att: bool = False,
     attn: tuple[int, int] = (0, 0),

@@ -252,7 +252,7 @@ def _forward_compiled(
 ) -> np.ndarray:
     """:func:`forward_prepared` without a tape, in one compiled call
     (:func:`kvfast.model.compiled.forward_kernel`: the same kernels in the same order)."""
-    storage, acc, order = numerics.codes
+    fmt = numerics.codes
     attn, attn_block = numerics.attention_codes
     T, d, n_layer = tokens.shape[0], config.d_model, config.n_layer
     if cache is not None:
@@ -261,10 +261,9 @@ def _forward_compiled(
         pos0, kc, vc = 0, np.empty((n_layer, T, d)), np.empty((n_layer, T, d))
     resid = np.empty((n_layer + 1, T, d)) if trace is not None else np.empty((0, 0, 0))
     logits = np.empty((T, config.vocab))
-    table = kernels(acc, attn, model_size_class(config, T, acc))
     forward_kernel(
-        table, w.stacked, config.n_head, config.eps, tokens, pos0, kc, vc, causal, storage, acc, order, attn,
-        attn_block, logits, resid,
+        kernels(fmt.acc, attn, model_size_class(config, fmt.acc)), tuple(w.stacked), config.n_head, config.eps,
+        tuple(fmt), attn, attn_block, tokens, pos0, kc, vc, causal, logits, resid,
     )  # fmt: skip
     if trace is not None:
         trace["resid"] = list(resid)

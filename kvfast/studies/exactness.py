@@ -13,6 +13,10 @@ recompute's greedy choice equals the cache's at every step, which is exactly
 their first differing token, so the first differing token is the same in
 both views). A one-token generation (``steps = 1``) has no decode step; the
 check then runs one (``max_pos`` has room) and the run keeps step 0 only.
+
+Version 2: a run's model is its seed's and shape's whatever its length (the position embeddings are
+drawn after every other parameter, :func:`model_for`); version 1 drew them second, so every length
+had a model of its own.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import pyarrow as pa
 
 from kvfast.check import CheckOptions, KvfastModel, check_cache_with
 from kvfast.kernels.reduce import ORDER_CODES
-from kvfast.model.config import ModelConfig, SeedDraws
+from kvfast.model.config import ModelConfig, init_params
 from kvfast.numerics import PRESETS, Numerics
 from kvfast.studies.common import (
     MODEL_SHAPE_FIELDS,
@@ -39,7 +43,7 @@ from kvfast.studies.plotting import pyplot
 from kvfast.sweep.study import Claim, Figure, Study
 from kvfast.validation import require_int
 
-VERSION = "1"
+VERSION = "2"
 
 CONFIG_FIELDS = {
     "seed": pa.int64(),
@@ -69,40 +73,43 @@ def validate_config(config: dict) -> None:
 
 
 def model_for(config: dict) -> tuple[ModelConfig, dict]:
-    """The model a run's config names; parameters and prompt seeds derive from ``seed``.
+    """The model a run's config names: one per seed and shape, whatever the run's length.
 
-    Runs that differ only in ``order``, ``preset`` or ``n_head`` (neighbours in the built-in grid)
-    share one parameter set: :func:`~kvfast.model.config.init_params` draws from the parameters'
-    shapes and the seed, and no shape depends on ``n_head`` (tests/test_studies_exactness_fast.py
-    pins both). It is drawn once per process and reused (never written to: the model rounds a copy
-    of it). Validation happened when the grid was planned.
+    Its parameters are :func:`~kvfast.model.config.init_params` of the seed with the position embeddings
+    drawn last (``positions_last``), so no weight depends on ``max_pos``: a run of any length sees the same
+    model, row ``p`` of ``wpe`` included. Its ``max_pos`` is :func:`positions` of the run's length, so the
+    runs of a seed and shape share one parameter set (no shape depends on ``n_head`` either), drawn once per
+    process and never written to (read-only: every run's :class:`~kvfast.check.KvfastModel` reuses its
+    prepared weights, :func:`kvfast.check.adapters.prepared_weights`). Validation happened when the grid
+    was planned.
     """
     shape = tuple(config[k] for k in MODEL_SHAPE_FIELDS)
-    return _model(config["seed"], shape, config["prompt_len"] + config["steps"])
+    return _model(config["seed"], shape, positions(config["prompt_len"] + config["steps"]))
 
 
-@functools.lru_cache(maxsize=16)
+MIN_POSITIONS = 32
+
+
+def positions(length: int) -> int:
+    """The ``max_pos`` of a run of ``length`` tokens: the smallest power of two that holds them, at least
+    :data:`MIN_POSITIONS` (every run of the built-in grid: one model per seed and shape). The model's rows
+    past the run's length are never read: they change no result."""
+    return max(MIN_POSITIONS, 1 << (length - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=256)
 def _model(seed: int, shape: tuple[int, ...], max_pos: int) -> tuple[ModelConfig, dict]:
     cfg = model_config(dict(zip(MODEL_SHAPE_FIELDS, shape, strict=True)), max_pos)
     return cfg, _params(seed, cfg.vocab, cfg.d_model, cfg.n_layer, cfg.d_ff, max_pos)
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=64)
 def _params(seed: int, vocab: int, d_model: int, n_layer: int, d_ff: int, max_pos: int) -> dict:
-    """``init_params(cfg, seed)`` for the config of these sizes (any ``n_head``: one stands for all), once per
-    process, cut from the seed's draws (:class:`~kvfast.model.config.SeedDraws`: the shapes and lengths of one
-    seed share them); read-only arrays, so that every run's :class:`~kvfast.check.KvfastModel` reuses their
-    prepared weights (:func:`kvfast.check.adapters.prepared_weights`)."""
-    params = _draws(seed).params(ModelConfig(vocab, d_model, 1, n_layer, d_ff, max_pos))
+    """The parameters of these sizes (any ``n_head``: one stands for all), once per process; read-only arrays."""
+    params = init_params(ModelConfig(vocab, d_model, 1, n_layer, d_ff, max_pos), seed, positions_last=True)
     for array in params.values():
         array.flags.writeable = False
     return params
-
-
-@functools.lru_cache(maxsize=4)
-def _draws(seed: int) -> SeedDraws:
-    """The seed's standard normal draws, kept for every parameter set of that seed."""
-    return SeedDraws(seed)
 
 
 def prompt_for(config: dict) -> np.ndarray:
@@ -131,9 +138,9 @@ def _options(steps: int) -> CheckOptions:
 
 
 def clear_caches() -> None:
-    """Forget what the study keeps between runs in this process (parameter sets and their draws, prompts,
+    """Forget what the study keeps between runs in this process (models and their parameter sets, prompts,
     numerics, check options): a fresh process's state (the benchmarks time runs from it)."""
-    for cached in (_model, _params, _draws, _prompt, _numerics, _options):
+    for cached in (_model, _params, _prompt, _numerics, _options):
         cached.cache_clear()
 
 

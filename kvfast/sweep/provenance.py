@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,39 +32,79 @@ def provenance(grid: Grid) -> dict:
     name = ref.split(":")[0] if isinstance(ref, str) and ":" in ref else getattr(grid.study.run, "__module__", None)
     file = getattr(sys.modules.get(name or ""), "__file__", None)
     study = {"module": name, "sha256": None, "commit": None, "dirty": None}
+    files = [Path(__file__).resolve().parents[1] / "__init__.py"]
     if file:
         try:
             study["sha256"] = hashlib.sha256(Path(file).read_bytes()).hexdigest()
         except OSError:
             pass
-        study.update(git_state(Path(file)))
-    return {"kvfast": git_state(Path(__file__).resolve().parents[1] / "__init__.py"), "study": study}
+        files.append(Path(file))
+    states = git_states(files)
+    if file:
+        study.update(states[1])
+    return {"kvfast": states[0], "study": study}
 
 
 def git_state(path: Path) -> dict:
     """``{"commit": HEAD's hash, "dirty": bool}`` of the git repository tracking the file ``path``; ``None`` values
     when none does, or git cannot say."""
-    folder = path.parent
-    if _git(folder, "ls-files", "--error-unmatch", "--", path.name) is None:
-        return {"commit": None, "dirty": None}
-    commit = _git(folder, "rev-parse", "--verify", "HEAD")
-    status = _git(folder, "status", "--porcelain", "--untracked-files=no")
-    return {"commit": commit.strip() if commit else None, "dirty": None if status is None else bool(status.strip())}
+    return git_states([path])[0]
 
 
-def _git(folder: Path, *args: str) -> str | None:
-    """``git`` 's output in ``folder``, or ``None`` if it is absent, fails or takes longer than GIT_TIMEOUT_S."""
+def git_states(paths: list[Path]) -> list[dict]:
+    """:func:`git_state` of each file of ``paths``, its git processes run side by side (a sweep's start waits for
+    the slowest, not for their sum), one ``status`` per repository."""
+    deadline = time.monotonic() + GIT_TIMEOUT_S
+    asked = [(_git_start(p.parent, "ls-files", "--error-unmatch", "--", p.name),
+              _git_start(p.parent, "rev-parse", "--show-toplevel", "HEAD")) for p in paths]  # fmt: skip
+    found = [(_git_end(tracked, deadline), _git_end(head, deadline)) for tracked, head in asked]
+    statuses: dict[str, subprocess.Popen | None] = {}
+    for path, (tracked, head) in zip(paths, found, strict=True):
+        if tracked is not None:
+            top = head.split("\n")[0] if head else str(path.parent)
+            if top not in statuses:
+                statuses[top] = _git_start(Path(top), "status", "--porcelain", "--untracked-files=no")
+    dirty = {top: _git_end(proc, deadline) for top, proc in statuses.items()}
+    states = []
+    for path, (tracked, head) in zip(paths, found, strict=True):
+        if tracked is None:
+            states.append({"commit": None, "dirty": None})
+            continue
+        lines = head.split("\n") if head else []
+        status = dirty[lines[0] if lines else str(path.parent)]
+        states.append({
+            "commit": lines[1].strip() if len(lines) > 1 and lines[1].strip() else None,
+            "dirty": None if status is None else bool(status.strip()),
+        })  # fmt: skip
+    return states
+
+
+def _git_start(folder: Path, *args: str) -> subprocess.Popen | None:
+    """``git ARGS`` started in ``folder`` (``None`` if it cannot start)."""
     try:
-        proc = subprocess.run(
+        return subprocess.Popen(
             ["git", "--no-optional-locks", "-C", str(folder), *args],
             stdin=subprocess.DEVNULL,
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
             text=True,
-            timeout=GIT_TIMEOUT_S,
         )
     except (OSError, subprocess.SubprocessError):
         return None
-    return proc.stdout if proc.returncode == 0 else None
+
+
+def _git_end(proc: subprocess.Popen | None, deadline: float) -> str | None:
+    """The output of a :func:`_git_start` process, or ``None`` if it failed or is still running at ``deadline``
+    (then killed)."""
+    if proc is None:
+        return None
+    try:
+        out, _ = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return None
+    return out if proc.returncode == 0 else None
 
 
 def changes(was: dict | None, now: dict) -> list[str]:
