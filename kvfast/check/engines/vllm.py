@@ -78,6 +78,12 @@ VARIANTS = ("stepwise", "chunk", "rows")
 #: (float32, prompt 70, 2 threads): the decode rows differ from the prefill's by up to 5.6e-7 relative on 5 of 32
 #: steps, and this variant's rows equal the decode's bit for bit (chunks of 2 tokens: 1 row differs; of 4: none).
 DECODE_ROWS = 32
+#: The ``stepwise`` variant is admitted as order noise only within this many times what one unit in the last place
+#: of every attention output does to the logits (:meth:`VLLMModel._split_beyond_rounding`). Measured on a tiny
+#: Gemma-3-style model (a window of 128 in one layer of two, prompt 200, 2 threads): a correct vLLM (0.28) at 1.04x
+#: (float32) and 0.31x (bfloat16); vLLM 0.27, whose split decode attention drops the keys before the window in the
+#: full-attention layers, at 2.3e5x and 11x.
+SPLIT_MARGIN = 4
 #: The chunks of the ``chunk`` variant's prefill (the sequence's first half, then the rest over its cached keys).
 #: Measured (``benchmarks/engines_vllm.py --only variants``): on a prompt of 70 tokens it measures no noise (16
 #: tokens a chunk neither), yet on 3,500 tokens it is the one source of the resumed chunk's noise (up to 9.8e-7
@@ -798,10 +804,61 @@ class VLLMModel:
             if name in self.skipped_variants:
                 continue
             try:
-                out[name] = {"stepwise": self._stepwise, "chunk": self._chunked, "rows": self._rows}[name](tokens)
+                rows = {"stepwise": self._stepwise, "chunk": self._chunked, "rows": self._rows}[name](tokens)
             except Exception as exc:  # noqa: BLE001 - a variant is order noise: losing one must not lose the check
                 self.skipped_variants[name] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+                continue
+            refused = self._split_beyond_rounding(tokens, rows) if name == "stepwise" else None
+            if refused:
+                self.skipped_variants[name] = refused
+            else:
+                out[name] = rows
         return out
+
+    def _split_beyond_rounding(self, tokens: list[int], stepwise: np.ndarray) -> str | None:
+        """Why the ``stepwise`` variant's rows are not order noise, else ``None``. The variant runs vLLM's split
+        decode attention itself, so whatever that path computes wrong it shares with the cached path; it is
+        admitted only within :data:`SPLIT_MARGIN` times what one unit in the last place of every attention output
+        does to the same rows (:meth:`_attention_ulp`, a recompute that never runs the decode attention): split-KV
+        adds the same terms in float32 in another order, so it can move an attention output by about one unit."""
+        n = min(DECODE_ROWS, len(tokens) - 1)
+        reference = self.recompute(tokens)[-n:]
+        split = float(np.abs(stepwise[-n:] - reference).max())
+        unit = float(np.abs(self._attention_ulp(tokens)[-n:] - reference).max())
+        if split <= SPLIT_MARGIN * unit:
+            return None
+        ratio = split / unit if unit else float("inf")
+        return (
+            f"vLLM's split decode attention (one token a step over cached keys) moved the logits by {split:.3g}, "
+            f"{ratio:.3g}x what one unit in the last place of every attention output moves them ({unit:.3g}), "
+            f"more than the {SPLIT_MARGIN}x that adding the same terms in another order can explain: its decode "
+            "attention differs from its prefill's in logic, not order, and the variant measures no order noise"
+        )
+
+    def _attention_ulp(self, tokens: list[int]) -> np.ndarray:
+        """:meth:`recompute` with every attention layer's output moved one unit in its last place (up and down in
+        turn), the size of a rounding of each: vLLM's prefill attention, never a decode step's."""
+        import torch
+
+        layers = self._attention_layers()
+
+        def moved(forward):
+            def run(*args, **kwargs):
+                out = forward(*args, **kwargs)
+                flat = out.reshape(-1)
+                away = torch.full_like(flat, float("inf"))
+                away[1::2] = -float("inf")
+                return torch.nextafter(flat, away).reshape(out.shape)
+
+            return run
+
+        for layer in layers:
+            layer.forward = moved(layer.forward)  # an instance attribute: the class's forward stays as it is
+        try:
+            return self.recompute(tokens)
+        finally:
+            for layer in layers:
+                del layer.forward
 
     def _stepwise(self, tokens: list[int]) -> np.ndarray:
         from vllm.inputs import TokensPrompt
@@ -829,18 +886,30 @@ class VLLMModel:
             out = self._generate([tokens], [self._params(1, True, False)], cached_path=False)[0]
         return self._rows_of(out, 0)
 
-    def _layers(self) -> list:
-        """The model's linear layers that run vLLM's CPU GEMM dispatch (``cpu_linear``), in this process (found
-        once per engine: a pinned check asks at every step)."""
-        if self.llm in _LAYERS:
-            return _LAYERS[self.llm]
+    def _model(self):
+        """The engine's model (a torch module) in this process, else ``NotImplementedError``."""
         core = getattr(self.llm.llm_engine.engine_core, "engine_core", None)
         executor = getattr(core, "model_executor", None)
         worker = getattr(getattr(executor, "driver_worker", None), "worker", None)
         model = getattr(getattr(worker, "model_runner", None), "model", None)
         if model is None:
             raise NotImplementedError("the engine's model is not in this process")
-        layers = [m for m in model.modules() if callable(getattr(m, "cpu_linear", None))]
+        return model
+
+    def _attention_layers(self) -> list:
+        """The model's attention layers (vLLM's ``Attention`` modules)."""
+        Attention = _hook_target("vllm.model_executor.layers.attention", "Attention", "forward")
+        layers = [m for m in self._model().modules() if isinstance(m, Attention)]
+        if not layers:
+            raise NotImplementedError("the model has no vLLM Attention layer")
+        return layers
+
+    def _layers(self) -> list:
+        """The model's linear layers that run vLLM's CPU GEMM dispatch (``cpu_linear``), in this process (found
+        once per engine: a pinned check asks at every step)."""
+        if self.llm in _LAYERS:
+            return _LAYERS[self.llm]
+        layers = [m for m in self._model().modules() if callable(getattr(m, "cpu_linear", None))]
         if not layers:
             raise NotImplementedError("no linear layer of the model runs vLLM's CPU GEMM dispatch (cpu_linear)")
         _LAYERS[self.llm] = layers
