@@ -40,8 +40,8 @@ def digest(run) -> str:
     h.update(report.format().encode())
     for name, s in report.scenarios.items():
         h.update(name.encode() + repr(s.step_verdicts).encode())
-        for field in ("deviation", "ratio", "bound", "floor", "tokens"):
-            value = getattr(s, field)
+        b = s.bounds  # (None: judged bit for bit, no bound, ratio or floor)
+        for value in (s.deviation, *((None,) * 3 if b is None else (b.ratio, b.bound, b.floor)), s.tokens):
             h.update(b"-" if value is None else np.ascontiguousarray(value).tobytes())
     if report.promoted is not None:
         h.update(report.promoted.format().encode())

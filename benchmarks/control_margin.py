@@ -51,11 +51,11 @@ class Group:
 
     def add_clean(self, report) -> None:
         self.runs += 1
-        self.clean.append(max(float(s.ratio.max()) for s in report.scenarios.values() if s.ratio is not None))
+        self.clean.append(max(float(s.bounds.ratio.max()) for s in report.scenarios.values() if s.bounds is not None))
 
     def add_bug(self, scenario, step: int) -> None:
         self.runs += 1
-        self.bugs.append(float(scenario.ratio[step]))
+        self.bugs.append(float(scenario.bounds.ratio[step]))
         self.missed += scenario.step_verdicts[step] != "bug"
 
     def row(self) -> str:

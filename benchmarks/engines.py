@@ -90,7 +90,7 @@ def ort_verdicts(builds: dict[str, list[tuple[Path, Path]]], steps: int) -> None
                 relative = max(relative, largest_relative_deviation(model, report))
                 for scenario in report.scenarios.values():
                     counts[scenario.verdict] += 1
-                    largest = max(largest, float(np.max(scenario.ratio)))
+                    largest = max(largest, float(np.max(scenario.bounds.ratio)))
         runs = sum(counts.values())
         shown = ", ".join(f"{k} {v}" for k, v in model.internal_formats.items())
         print(
@@ -114,7 +114,7 @@ def ort_verdicts(builds: dict[str, list[tuple[Path, Path]]], steps: int) -> None
                 acts = ORT_BUGS[bug].first_acting_step(scenario, len(prompt))
                 runs += 1
                 hits += found.first_bug_step == acts
-                smallest = min(smallest, float(found.ratio[acts]))
+                smallest = min(smallest, float(found.bounds.ratio[acts]))
         print(f"| {precision} | {bug} | {scenario} | {label} | {runs} | {hits} of {runs} | {smallest:.3g} |")
 
 
@@ -135,7 +135,7 @@ def ort_own_sweep(root: Path, seeds: int, prompts: int, steps: int) -> None:
             prompt = rng.integers(3, model.vocab_size, int(rng.integers(2, 40)))
             for found in check_cache(model, prompt, steps, mode="control", scenarios=scenarios).scenarios.values():
                 clean[found.verdict] = clean.get(found.verdict, 0) + 1
-                largest = max(largest, float(np.max(found.ratio)))
+                largest = max(largest, float(np.max(found.bounds.ratio)))
             for name, bug in ORT_BUGS.items():
                 acting = {s: bug.first_acting_step(s, len(prompt)) for s in scenarios}
                 acting = {s: step for s, step in acting.items() if step is not None}
@@ -143,7 +143,7 @@ def ort_own_sweep(root: Path, seeds: int, prompts: int, steps: int) -> None:
                 for s, found in report.scenarios.items():
                     key = f"{found.verdict}{' at its first acting step' if found.first_bug_step == acting[s] else ''}"
                     bugs[name][key] = bugs[name].get(key, 0) + 1
-                    smallest[name] = min(smallest[name], float(found.ratio[acting[s]]))
+                    smallest[name] = min(smallest[name], float(found.bounds.ratio[acting[s]]))
     print(f"\n### onnxruntime-genai fp32, the engine's own variants only ({seeds} seeds x {prompts} random prompts x "
           f"{steps} steps; {', '.join(scenarios)})")  # fmt: skip
     print("| model | scenario runs | verdicts | largest clean ratio / smallest bug ratio |")

@@ -103,11 +103,13 @@ def cost(engine, prompt: list[int], args) -> None:
 
 def _pinned(engine, prompt: list[int]) -> str:
     """How an exact check ran vLLM's GEMMs (the adapter's ``gemm_rows`` resolved by ``prepare_check``)."""
-    from kvfast.check import CheckOptions
+    import numpy as np
+
     from kvfast.check.engines.vllm import VLLMModel
+    from kvfast.check.protocol import CheckPlan
 
     probe = VLLMModel(engine.llm)
-    probe.prepare_check(CheckOptions(1))
+    probe.prepare_check(CheckPlan(np.asarray(prompt, dtype=np.int64), len(prompt) // 2, 1, ("decode",), False))
     return "as vLLM runs them" if probe.rows_pinned is None else f"{probe.rows_pinned} row(s) at a time"
 
 
@@ -151,7 +153,7 @@ def variants(engine, prompt: list[int], args) -> None:
                 model = VLLMModel(engine.llm, variants=names)
                 model = model if case is None else inject_vllm_bug(model, case)
                 report = check_cache(model, tokens, args.steps, mode="control")
-                ratio = max(float(np.nanmax(r.ratio)) for r in report.scenarios.values())
+                ratio = max(float(np.nanmax(r.bounds.ratio)) for r in report.scenarios.values())
                 cells.append(f"{report.verdict}, {ratio:.3g}")
             final = np.concatenate([tokens, report.tokens])
             ref = engine.recompute(final)

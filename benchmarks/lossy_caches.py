@@ -45,7 +45,7 @@ def row(name: str, model, prompt, steps: int, scenarios: tuple[str, ...] = SCENA
     report = check_cache(model, prompt, steps, mode="control", scenarios=scenarios)
     ran = list(report.scenarios.values())
     measured = max(float(s.deviation.max()) for s in ran)
-    expected = max(float(s.floor.max()) for s in ran)
+    expected = max(float(s.bounds.floor.max()) for s in ran)
     return f"| {name} | {report.verdict} | {measured:.3g} | {expected:.3g} | {report.max_ratio:.3g} |"
 
 

@@ -3,6 +3,8 @@
 Each table is made from what the code or the project's metadata holds:
 
 - ``check-exit-codes``: ``kvfast.commands.check.EXIT_CODES``;
+- ``check-options``: the fields of ``kvfast.check.options.CheckOptions`` (default, flag and its help;
+  a field without a flag: :data:`PYTHON_ONLY`);
 - ``sweep-exit-codes``: ``kvfast.commands.sweep.EXIT_CODES``;
 - ``extras``: the optional dependencies of ``pyproject.toml`` (what each is for: :data:`EXTRA_USES`);
 - ``dev-commands``: ``dev.py``'s :data:`COMMANDS` (the environment and extras each command installs).
@@ -36,6 +38,33 @@ EXTRA_USES = {
     'TransformerLens directly (docs/engines.md, "TransformerLens")',
     "test": "the test suite's own needs (pytest, hypothesis, scikit-learn, ruff, Dask, DuckDB, CTranslate2, ...)",
 }
+
+
+#: what each CheckOptions field without a flag does (a new flagless field without a line here fails the test)
+PYTHON_ONLY = {"keep_logits": "Python only: keep each scenario's cache logits and reference rows in its report"}
+
+
+def check_options() -> str:
+    """One row per ``CheckOptions`` field, in its order: the field, its default, its flag and what it does (the
+    flag's help: the one text ``kvfast check --help`` prints)."""
+    from dataclasses import fields
+
+    from kvfast.check.options import CheckOptions
+
+    rows = []
+    for f in fields(CheckOptions):
+        flag = f.metadata.get("flag")
+        if flag is None and f.name not in PYTHON_ONLY:
+            raise ValueError(f"PYTHON_ONLY (tests/doctables.py): describe the field {f.name!r}, which has no flag")
+        default = ", ".join(f.default) if isinstance(f.default, tuple) else f.default
+        if flag is None:
+            cli, what = "-", PYTHON_ONLY[f.name]
+        else:
+            choices = None if flag.choices is None else "{" + ",".join(flag.choices) + "}"
+            value = "" if flag.bare is not None and choices is None else f" {flag.metavar or choices}"
+            cli, what = f"`{flag.name}{value}`", flag.help
+        rows.append(f"| `{f.name}` | `{default}` | {cli} | {what} |")
+    return "\n".join(["| option | default | flag | what it does |", "|---|---|---|---|", *rows])
 
 
 def _exit_code_table(header: str, codes: dict[int, str]) -> str:
@@ -96,6 +125,7 @@ def dev_commands() -> str:
 #: table name -> (its source in words, the function that generates it)
 TABLES: dict[str, tuple[str, Callable[[], str]]] = {
     "check-exit-codes": ("kvfast.commands.check.EXIT_CODES", check_exit_codes),
+    "check-options": ("kvfast.check.options.CheckOptions", check_options),
     "sweep-exit-codes": ("kvfast.commands.sweep.EXIT_CODES", sweep_exit_codes),
     "extras": ("pyproject.toml's optional-dependencies", extras),
     "dev-commands": ("dev.py's COMMANDS", dev_commands),
@@ -104,7 +134,7 @@ TABLES: dict[str, tuple[str, Callable[[], str]]] = {
 #: document (relative to the repository) -> the tables it holds a copy of
 PLACES: dict[str, tuple[str, ...]] = {
     "README.md": ("extras",),
-    "docs/check.md": ("check-exit-codes",),
+    "docs/check.md": ("check-options", "check-exit-codes"),
     "docs/sweep.md": ("sweep-exit-codes",),
     "docs/development.md": ("dev-commands", "extras"),
 }

@@ -101,7 +101,7 @@ def test_the_old_statistic_fails_this_model(example, monkeypatch):
     monkeypatch.setattr(C, "steps_factor", lambda compared, draws: 1.0)
     old = check_cache(padded(seed), prompt, continuation=continuation, mode="control")
     assert old.verdict == "inconclusive" and old.path == "fast"
-    assert old.scenarios["decode"].floor_source[1] == "float32 resolution (1 ulp)"  # nothing was measured
+    assert old.scenarios["decode"].bounds.floor_source[1] == "float32 resolution (1 ulp)"  # nothing was measured
 
 
 FIRST_STEP = {"posoff": {"decode": 1, "resume": 1}, "freeze": {"decode": 2, "resume": 2},

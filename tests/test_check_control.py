@@ -77,10 +77,10 @@ def test_split_kv_decode_against_standard_prefill_is_rounding(params):
 def test_without_any_noise_source_the_bound_is_the_formats_resolution(params):
     report = check_cache(KvfastModel(CFG, params, "f64", bug="posoff"), PROMPT, 4, mode="control", keep_logits=True)
     s = report.scenarios["decode"]
-    assert s.bound[1] == ulp("float64", np.abs(s.reference[len(PROMPT)]).max())
-    assert report.verdict == "bug" and np.isfinite(s.ratio).all() and (s.bound > 0).all()
+    assert s.bounds.bound[1] == ulp("float64", np.abs(s.reference[len(PROMPT)]).max())
+    assert report.verdict == "bug" and np.isfinite(s.bounds.ratio).all() and (s.bounds.bound > 0).all()
     assert any("format resolution alone" in n for n in report.notes)
-    assert s.floor_source[1] == "float64 resolution (1 ulp)"
+    assert s.bounds.floor_source[1] == "float64 resolution (1 ulp)"
     clean = check_cache(KvfastModel(CFG, params, "f64"), PROMPT, 4, mode="control")
     assert clean.verdict == "rounding" and clean.max_deviation == 0 and clean.max_ratio == 0
 

@@ -73,8 +73,12 @@ def _same_report(a, b) -> bool:
         return False
     for name, s in a.scenarios.items():
         t = b.scenarios[name]
-        for field in ("deviation", "tokens", "cache_logits", "reference", "ratio", "bound"):
-            x, y = getattr(s, field), getattr(t, field)
+        if (s.bounds is None) != (t.bounds is None):
+            return False
+        pairs = [(getattr(s, f), getattr(t, f)) for f in ("deviation", "tokens", "cache_logits", "reference")]
+        if s.bounds is not None:
+            pairs += [(s.bounds.ratio, t.bounds.ratio), (s.bounds.bound, t.bounds.bound)]
+        for x, y in pairs:
             if (x is None) != (y is None) or (x is not None and np.asarray(x).tobytes() != np.asarray(y).tobytes()):
                 return False
         if s.step_verdicts != t.step_verdicts:

@@ -68,7 +68,8 @@ def test_kvfasts_own_lossy_cache_is_lossy_never_exact_or_rounding(fmt, mode):
     assert report.passed == (mode == "control")  # exact mode promises ==, which no lossy cache keeps
     for s in report.scenarios.values():
         assert set(s.step_verdicts) == {"lossy"} and s.passed == (mode == "control")
-        assert (s.deviation == s.floor).all() and (s.ratio <= 1).all()  # measured IS the format's expected error
+        b = s.bounds  # measured IS the format's expected error
+        assert (s.deviation == b.floor).all() and (b.ratio <= 1).all()
         assert s.deviation[1:].max() > 0
     assert "a lossy cache (" + fmt + ")" in report.format()
 
@@ -109,7 +110,7 @@ def test_transformers_fp8_quantized_cache_is_lossy(family):
     report = check_cache(adapter, list(range(3, 19)), 16, mode="control", scenarios=("decode", "resume", "fork"))
     assert report.verdict == "lossy", report.format()
     assert all(v == "lossy" for s in report.scenarios.values() for v in s.step_verdicts)
-    assert report.scenarios["decode"].floor[1:].min() > 0  # the format's expected error was measured
+    assert report.scenarios["decode"].bounds.floor[1:].min() > 0  # the format's expected error was measured
     # transformers' fp8 cache is kvfast's per-tensor fp8 emulation up to its float32 scale (measured: ratio
     # 0.99-1.00005 on these models; kvfast divides in float64)
     assert report.max_ratio <= 1.001
@@ -153,7 +154,7 @@ def test_quanto_and_hqq_quantized_caches_are_lossy_never_rounding(backend, monke
     assert report.verdict == "lossy" and report.passed, report.format()
     for s in report.scenarios.values():
         assert set(s.step_verdicts) == {"lossy"}, report.format()
-        assert s.deviation[1:].min() > 0 and s.floor[1:].min() > 0  # measured and expected, at every step
+        assert s.deviation[1:].min() > 0 and s.bounds.floor[1:].min() > 0  # measured and expected, at every step
     assert "a lossy cache (int4)" in report.format()
 
     two_bits = {**kwargs, "nbits": 2}

@@ -48,7 +48,7 @@ def test_control_mode_and_the_same_table():
     report = check_cache(kvfast_model(), PROMPT, STEPS, mode="control", scenarios=OPS)
     assert report.verdict == "rounding"
     rollback = report.scenarios["rollback"]
-    assert rollback.deviation.shape == (STEPS + 1,) and rollback.ratio.shape == (STEPS + 1,)
+    assert rollback.deviation.shape == (STEPS + 1,) and rollback.bounds.ratio.shape == (STEPS + 1,)
     assert any("rollbacks: before steps 1, 5, 9" in n for n in rollback.notes)
     assert "verdict" in rollback.table()
 

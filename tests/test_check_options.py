@@ -86,7 +86,7 @@ def test_check_cache_with_options_is_check_cache(params):
     b = check_cache_with(model, PROMPT, CheckOptions(**fields))
     assert a.format() == b.format() and a.verdict == b.verdict == "bug"
     for name in a.scenarios:
-        assert np.array_equal(a.scenarios[name].ratio, b.scenarios[name].ratio)
+        assert np.array_equal(a.scenarios[name].bounds.ratio, b.scenarios[name].bounds.ratio)
         assert np.array_equal(a.scenarios[name].cache_logits, b.scenarios[name].cache_logits)
     with pytest.raises(ValueError, match="options: dict is not allowed; allowed: a CheckOptions"):
         check_cache_with(model, PROMPT, fields)  # type: ignore[arg-type]
@@ -95,8 +95,10 @@ def test_check_cache_with_options_is_check_cache(params):
 def test_the_check_study_builds_its_options_from_the_config():
     from kvfast.studies.check import check_options
 
-    options = check_options({"steps": 6, "mode": "control", "scenarios": "both"})
+    options = check_options({"steps": 6, "mode": "control", "scenarios": "both", "promote": "none"})
     assert options == CheckOptions(6, "control", ("decode", "resume"))
+    logic = check_options({"steps": 6, "mode": "auto", "scenarios": "decode", "promote": "float64"})
+    assert logic == CheckOptions(6, "auto", ("decode",), promote="float64")
 
 
 # --- layout -----------------------------------------------------------------------------------

@@ -113,7 +113,7 @@ def test_the_check_study_row_of_an_unchecked_check_is_not_passed(tmp_path):
     config = {
         "seed": 0, "n_layer": 1, "n_head": 2, "d_model": 16, "d_ff": 32, "vocab": 32, "preset": "f64",
         "order": "sequential", "attention": "standard", "prompt_seed": 0, "prompt_len": 5, "steps": 6,
-        "mode": "exact", "scenarios": "reorder",
+        "mode": "exact", "scenarios": "reorder", "promote": "none",
     }  # fmt: skip
     for bug in ("none", "posfrozen", "stale"):
         built = kvfast_model(**{k: config[k] for k in ("seed", "n_layer", "n_head", "d_model", "d_ff", "vocab",

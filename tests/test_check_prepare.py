@@ -1,6 +1,7 @@
-"""The ``prepare_check(options)`` hook (:mod:`kvfast.check.protocol`): the checker calls it once before any other
-call of a check, with the check's options, and its notes head the report's (vLLM pins its GEMMs' row count there
-in exact mode: tests/test_engines_vllm.py).
+"""The ``prepare_check(plan)`` hook (:mod:`kvfast.check.protocol`): the checker calls it once before any other
+call of a check, with a plain record of what the check will do (:class:`~kvfast.check.protocol.CheckPlan`), and
+its notes head the report's (vLLM pins its GEMMs' row count there for a bit-for-bit check:
+tests/test_engines_vllm.py).
 """
 
 from __future__ import annotations
@@ -8,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvfast.check import CheckOptions, check_cache
-from kvfast.check.protocol import ModelUnderTestError
+from kvfast.check import check_cache
+from kvfast.check.protocol import CheckPlan, ModelUnderTestError
 from tests.toymodels import Toy
 
 PROMPT = [1, 2, 3, 4]
@@ -25,9 +26,9 @@ class RowCountToy(Toy):
         self.pinned = False
         self.calls: list[tuple[str, object]] = []
 
-    def prepare_check(self, options):
-        self.calls.append(("prepare_check", options))
-        self.pinned = options.mode == "exact"
+    def prepare_check(self, plan):
+        self.calls.append(("prepare_check", plan))
+        self.pinned = not plan.measures_noise
         return [NOTE] if self.pinned else []
 
     def recompute(self, tokens):
@@ -39,16 +40,20 @@ class RowCountToy(Toy):
         return out if self.pinned else np.nextafter(out, np.inf)
 
 
-def test_the_hook_runs_first_with_the_options_and_its_notes_head_the_report():
+def test_the_hook_runs_first_with_the_plan_and_its_notes_head_the_report():
     model = RowCountToy()
-    report = check_cache(model, PROMPT, 6, mode="exact")
+    report = check_cache(model, PROMPT, 6, mode="exact", split=3)
     assert report.verdict == "exact", report.format()  # unpinned, every decode step would differ by one unit
     assert report.notes[0] == NOTE
-    assert model.calls[0][0] == "prepare_check" and isinstance(model.calls[0][1], CheckOptions)
-    assert model.calls[0][1].mode == "exact" and [c for c, _ in model.calls].count("prepare_check") == 1
-    control = check_cache(model, PROMPT, 6, mode="control")
-    assert not model.pinned and NOTE not in control.notes
-    assert control.verdict == "rounding", control.format()
+    assert [c for c, _ in model.calls][:2] == ["prepare_check", "recompute"]
+    plan = model.calls[0][1]
+    assert isinstance(plan, CheckPlan) and [c for c, _ in model.calls].count("prepare_check") == 1
+    assert (plan.prompt.tolist(), plan.split, plan.steps, plan.scenarios) == (PROMPT, 3, 6, ("decode", "resume"))
+    assert plan.measures_noise is False
+    for mode in ("control", "auto"):  # both judge against the model's order noise: it runs its own arithmetic
+        judged = check_cache(model, PROMPT, 6, mode=mode)
+        assert not model.pinned and NOTE not in judged.notes
+        assert judged.verdict == "rounding", judged.format()
 
 
 def test_without_the_hook_the_same_model_is_divergent_in_exact_mode():
@@ -75,14 +80,3 @@ def test_the_hook_raising_is_the_models_error():
     model.prepare_check = fails
     with pytest.raises(ModelUnderTestError, match="prepare_check"):
         check_cache(model, PROMPT, 4)
-
-
-def test_plan_check_runs_after_prepare_check_with_the_prompt_split_steps_and_scenarios():
-    class Planned(RowCountToy):
-        def plan_check(self, prompt, split, steps, scenarios):
-            self.calls.append(("plan_check", (prompt.tolist(), split, steps, scenarios)))
-
-    model = Planned()
-    check_cache(model, PROMPT, 6, mode="exact", split=3)
-    assert [c for c, _ in model.calls][:3] == ["prepare_check", "plan_check", "recompute"]
-    assert model.calls[1][1] == (PROMPT, 3, 6, ("decode", "resume"))

@@ -31,6 +31,7 @@ def test_every_table_has_a_place():
     "doc, edit, problem",
     [
         ("docs/check.md", ("| 5 | the check did not finish", "| 5 | the check never finished"), "differs"),
+        ("docs/check.md", ("| `strict` | `False` |", "| `strict` | `True` |"), "differs"),
         ("docs/sweep.md", ("| 3 | runs lost", "| 1 | runs lost"), "differs"),
         ("README.md", ("`matplotlib>=3.8` |", "`matplotlib>=3.9` |"), "differs"),
         ("docs/development.md", ("| `python3 dev.py test` |", "| `python3 dev.py tests` |"), "differs"),
@@ -56,6 +57,12 @@ def test_rewrite_restores_an_edited_copy():
     text = (ROOT / "docs" / "sweep.md").read_text()
     edited = text.replace("| 3 | runs lost", "| 1 | runs lost", 1)
     assert doctables.rewrite(edited, ("sweep-exit-codes",)) == text
+
+
+def test_a_flagless_option_without_a_description_is_refused(monkeypatch):
+    monkeypatch.setattr(doctables, "PYTHON_ONLY", {})
+    with pytest.raises(ValueError, match="describe the field 'keep_logits'"):
+        doctables.check_options()
 
 
 def test_an_extra_without_a_description_is_refused(tmp_path):
@@ -114,7 +121,7 @@ def anchors(markdown: str) -> set[str]:
 
 def broken_links(path: Path) -> list[str]:
     """The relative links of a Markdown file whose file, or anchor, does not exist."""
-    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    text = re.sub(r"`[^`\n]*`", "", re.sub(r"```.*?```", "", path.read_text(), flags=re.S))  # code is no link
     broken = []
     for target in re.findall(r"\]\(([^)\s]+)\)", text):
         if re.match(r"[a-z]+:", target):
@@ -128,7 +135,7 @@ def broken_links(path: Path) -> list[str]:
     return broken
 
 
-DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
+DOCS = ["README.md", "benchmarks/README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
 
 
 @pytest.mark.parametrize("doc", DOCS)
@@ -138,5 +145,7 @@ def test_every_relative_link_resolves(doc):
 
 def test_a_broken_link_is_found(tmp_path):
     """The control: a link to a missing file and one to a missing anchor are both reported."""
-    (tmp_path / "a.md").write_text("# Title\n\n## Exit codes\n\n[ok](#exit-codes) [gone](b.md) [bad](#exit-code)\n")
+    (tmp_path / "a.md").write_text(
+        "# Title\n\n## Exit codes\n\n[ok](#exit-codes) [gone](b.md) [bad](#exit-code) `code[x](0)`\n"
+    )
     assert broken_links(tmp_path / "a.md") == ["b.md", "#exit-code"]

@@ -240,3 +240,51 @@ def test_the_sweep_imports_nothing_from_the_studies(graph):
     fake["kvfast.sweep.grid"].add("kvfast.studies")
     assert right_to_left(fake) == ["kvfast.sweep.grid (sweep) imports kvfast.studies (studies)"]
     assert any({"kvfast.sweep.grid", "kvfast.studies"} <= set(group) for group in cycles(fake))
+
+
+#: What the engine adapters (``kvfast.check.engines``) never reach, directly or through another module: the judge,
+#: the scenarios, the options, and the pipeline that holds them. An adapter receives a plain record of what a check
+#: will do (:class:`kvfast.check.protocol.CheckPlan`) and sits at the ground of ``kvfast.check``.
+ABOVE_THE_ENGINES = (
+    "kvfast.check.judge",
+    "kvfast.check.scenarios",
+    "kvfast.check.options",
+    "kvfast.check.checker",
+    "kvfast.check.reference",
+)
+
+
+def reached(graph: dict[str, set[str]], name: str) -> set[str]:
+    """Every kvfast module importing ``name`` runs, directly or through another."""
+    seen: set[str] = set()
+    todo = [name]
+    while todo:
+        for target in graph.get(todo.pop(), ()):
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def engines_above(graph: dict[str, set[str]]) -> list[str]:
+    """Each engine adapter module that reaches a module of :data:`ABOVE_THE_ENGINES`, as readable lines."""
+    bad = []
+    for name in sorted(graph):
+        if name == "kvfast.check.engines" or name.startswith("kvfast.check.engines."):
+            for target in sorted(reached(graph, name)):
+                if any(target == p or target.startswith(p + ".") for p in ABOVE_THE_ENGINES):
+                    bad.append(f"{name} reaches {target}")
+    return bad
+
+
+def test_the_engine_adapters_import_nothing_from_the_judge_the_scenarios_or_the_options(graph):
+    """Issue 41: the vLLM adapter called ``judge_for`` itself; now every adapter reads the plan it is given. The
+    rule, and two controls: a direct fake edge, and one through a module an adapter reaches (``formats``)."""
+    assert engines_above(graph) == []
+    assert "kvfast.check.formats" in reached(graph, "kvfast.check.engines.vllm")  # the walk follows the edges
+    fake = {name: set(targets) for name, targets in graph.items()}
+    fake["kvfast.check.engines.vllm"].add("kvfast.check.judge")
+    assert "kvfast.check.engines.vllm reaches kvfast.check.judge" in engines_above(fake)
+    fake = {name: set(targets) for name, targets in graph.items()}
+    fake["kvfast.check.formats"].add("kvfast.check.scenarios.decode")
+    assert "kvfast.check.engines.vllm reaches kvfast.check.scenarios.decode" in engines_above(fake)

@@ -1,12 +1,14 @@
-"""The README's shell blocks run as written and print what their comments say.
+"""The shell blocks of the README and of docs/*.md run as written and print what their comments say.
 
-Every command line of the README's shell blocks (fenced blocks without a language) is classified in
-:data:`RULES`: run by the default suite (fast), run under the ``slow`` marker (a whole grid, a Hugging Face
-model), or not run, with the reason (an install, a placeholder path, the test suite itself). A command no rule
-covers fails the suite, so a new README command is classified when it is written. A command run here runs
-from a scratch directory (not the repository's root: a user's shell is anywhere), with ``kvfast`` as
-``python -m kvfast.cli`` of this tree; its exit code must be 0, or the one its comment states, and a comment
-quoting ``kvfast check: ...`` must be the report's first line.
+Every command line of their shell blocks (fenced blocks without a language; a line ending in a backslash goes on
+in the next; output and synopses are fenced as ``text``) is classified in :data:`RULES`: run by the default suite
+(fast), run under the ``slow`` marker (a whole grid, a Hugging Face model), or not run, with the reason (an
+install, a placeholder path, the test suite itself); a rule may name the modules it needs (an optional extra),
+and where one is missing the command is skipped. A command no rule covers fails the suite, so a new command is
+classified when it is written. A command run here runs from a scratch directory (not the repository's root: a
+user's shell is anywhere; a command that names ``examples/`` finds the clone's examples there, as from a clone's
+root), with ``kvfast`` as ``python -m kvfast.cli`` of this tree; its exit code must be 0, or the one its comment
+states, and a comment quoting ``kvfast check: ...`` must be the report's first line.
 """
 
 from __future__ import annotations
@@ -23,51 +25,86 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-#: (a regular expression a README command matches, how it is tested: "run", "slow", or "not run: WHY")
+#: (a regular expression a command matches, how it is tested: "run", "slow", or "not run: WHY"[, modules it needs])
 RULES = [
     (r"git clone ", "not run: clones a placeholder URL"),
     (r"pip install ", "not run: installs packages"),
     (r"python3 dev\.py ", "not run: the test suite itself, or a whole environment"),
+    (r"python benchmarks/scan_releases\.py ", "not run: installs one transformers release per environment"),
     (r"kvfast check kvfast\.bugs\.kvfast_model:tiny_model ", "run"),
-    (r"kvfast check kvfast\.check\.hf:tiny_model ", "slow"),
-    (r"kvfast check --engine ", "not run: MODEL_DIR and HF_DIR are placeholders for an engine's model"),
+    (r"kvfast check kvfast\.check\.hf:tiny_model ", "slow", ("torch", "transformers")),
+    (r"kvfast check --engine ", "not run: MODEL_DIR, HF_DIR, tiny/onnx and tiny.json are placeholders for a model"),
+    (r"kvfast check mymodels:", "not run: mymodels is a placeholder for your own factory"),
     (r"kvfast grids$", "run"),
-    (r"kvfast run exactness ", "slow"),
-    (r"kvfast show results/exact$", "slow"),
+    (r"kvfast run exactness --out results/ex(act)?$", "slow"),
+    (r"kvfast run exactness --out results/ex --backend dask$", "slow", ("dask", "distributed")),
+    (r"kvfast run exactness .*--scheduler ", "not run: the address of a Dask scheduler of your own"),
+    (r"kvfast run my_grid\.toml ", "not run: my_grid.toml is a placeholder for your own grid"),
+    (r"kvfast run examples/sum_order\.toml ", "slow"),
     (r"kvfast run check ", "slow"),
+    (r"kvfast show results/", "slow"),
+    (r"kvfast study (precision|neartied|training)$", "slow"),
+    (r"kvfast scan --families mamba ", "slow", ("torch", "transformers")),
+    (r"kvfast reproduce ", "not run: every study of the write-up; tests/test_reference_data.py reruns them (slow)"),
 ]
-HF = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
 
 
 def commands(text: str) -> list[tuple[str, str]]:
-    """(command, comment) for every line of every shell block of ``text``, in order."""
-    out, fence = [], None  # fence: the open block's language ("" for a shell block), None outside blocks
+    """(command, comment) for every line of every shell block of ``text``, in order (a line ending in a
+    backslash joined with the next)."""
+    out, fence, pending = [], None, ""  # fence: the open block's language ("" for a shell block), None outside
     for line in text.splitlines():
         if line.startswith("```"):
             fence = line[3:].strip() if fence is None else None
         elif fence == "" and line.strip():
-            parts = re.split(r"\s+#\s", line, maxsplit=1)
+            if line.rstrip().endswith("\\"):
+                pending += line.rstrip()[:-1].strip() + " "
+                continue
+            parts = re.split(r"\s+#\s", pending + line.strip(), maxsplit=1)
+            pending = ""
             out.append((parts[0].strip(), parts[1].strip() if len(parts) > 1 else ""))
     return out
 
 
-def how(command: str) -> str | None:
-    """The rule's verdict for ``command`` (``None``: no rule covers it)."""
-    found = [verdict for pattern, verdict in RULES if re.match(pattern, command)]
+def rule(command: str) -> tuple | None:
+    """The one rule that covers ``command`` (``None``: no rule, or more than one)."""
+    found = [r for r in RULES if re.match(r[0], command)]
     return found[0] if len(found) == 1 else None
 
 
-README = commands((ROOT / "README.md").read_text())
+def how(command: str) -> str | None:
+    """The rule's verdict for ``command`` (``None``: no rule covers it)."""
+    found = rule(command)
+    return None if found is None else found[1]
 
 
-def test_every_readme_command_is_classified():
-    assert [command for command, _ in README if how(command) is None] == []
+def missing(command: str) -> list[str]:
+    """The modules the command's rule needs that are not installed."""
+    needs = rule(command)[2] if len(rule(command)) > 2 else ()
+    return [m for m in needs if importlib.util.find_spec(m) is None]
+
+
+DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
+COMMANDS = {doc: commands((ROOT / doc).read_text()) for doc in DOCS}
+README = COMMANDS["README.md"]
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_command_is_classified(doc):
+    assert [command for command, _ in COMMANDS[doc] if how(command) is None] == []
 
 
 def test_an_unclassified_command_is_found():
     """The control: a new command in a shell block is reported until a rule covers it."""
     text = (ROOT / "README.md").read_text().replace("kvfast grids ", "kvfast grids\nkvfast repair results/x ", 1)
     assert [c for c, _ in commands(text) if how(c) is None] == ["kvfast repair results/x"]
+
+
+def test_a_continued_line_is_one_command():
+    text = (
+        "```\nkvfast scan --families llama \\\n    --dtypes float32   # a comment\n```\n```text\nnot a command\n```\n"
+    )
+    assert commands(text) == [("kvfast scan --families llama --dtypes float32", "a comment")]
 
 
 def expected(comment: str) -> tuple[str | None, int]:
@@ -91,6 +128,8 @@ def problems(result: subprocess.CompletedProcess, comment: str) -> list[str]:
 def run(command: str, cwd: Path) -> subprocess.CompletedProcess:
     argv = shlex.split(command)
     assert argv[0] == "kvfast"
+    if "examples/" in command and not (cwd / "examples").exists():
+        (cwd / "examples").symlink_to(ROOT / "examples")  # as from a clone's root
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run(
         [sys.executable, "-m", "kvfast.cli", *argv[1:]], cwd=cwd, env=env, capture_output=True, text=True, timeout=1800
@@ -106,11 +145,11 @@ def result_of(command: str, cwd: Path) -> subprocess.CompletedProcess:
     return _RESULTS[command]
 
 
-FAST = [(c, comment) for c, comment in README if how(c) == "run"]
+FAST = list(dict.fromkeys((c, m) for doc in DOCS for c, m in COMMANDS[doc] if how(c) == "run"))
 
 
 @pytest.mark.parametrize("command, comment", FAST, ids=[c for c, _ in FAST])
-def test_a_fast_readme_command_does_what_its_comment_says(command, comment, tmp_path):
+def test_a_fast_command_does_what_its_comment_says(command, comment, tmp_path):
     assert problems(result_of(command, tmp_path), comment) == []
 
 
@@ -124,11 +163,10 @@ def test_a_comment_that_the_output_contradicts_is_found(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_slow_readme_commands_in_order(tmp_path):
-    """The grids and the Hugging Face check, in the README's order, in one scratch directory."""
-    for command, comment in README:
-        if how(command) != "slow":
-            continue
-        if "kvfast.check.hf" in command and not HF:
-            continue
-        assert problems(run(command, tmp_path), comment) == [], command
+@pytest.mark.parametrize("doc", [doc for doc in DOCS if any(how(c) == "slow" for c, _ in COMMANDS[doc])])
+def test_the_slow_commands_of_a_document_in_order(doc, tmp_path):
+    """A document's grids, studies and Hugging Face checks, in its order, in one scratch directory (a later
+    command reads what an earlier one stored); a command whose extra is missing is left out."""
+    for command, comment in COMMANDS[doc]:
+        if how(command) == "slow" and not missing(command):
+            assert problems(run(command, tmp_path), comment) == [], command

@@ -151,6 +151,7 @@ prompt_seed = 0
 prompt_len = 3
 steps = 3
 scenarios = "decode"
+promote = "none"
 seed = 0
 [axes]
 bug = ["none", "posfrozen"]
@@ -168,6 +169,7 @@ architecture = "llama"
 scenario = "decode"
 dtype = "float32"
 promote = "none"
+mode = "auto"
 attention = "auto"
 seed = 0
 prompt = 0

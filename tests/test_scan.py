@@ -208,6 +208,7 @@ def _args(**kw) -> argparse.Namespace:
         ({"scenarios": ["decode,rewind"]}, "--scenarios: 'rewind' is not allowed; allowed: decode, resume"),
         ({"bugs": ["typo"]}, "--bugs: 'typo' is not allowed; allowed: window, posoff, freeze, f16, restart, replay"),
         ({"attention": "flash"}, "--attention: 'flash' is not allowed; allowed: auto, sdpa, eager"),
+        ({"mode": "strict"}, "--mode: 'strict' is not allowed; allowed: auto, exact, control"),
         ({"steps": 0}, "--steps: 0 is not allowed; allowed: "),
         ({"jobs": 0}, "--jobs: 0 is not allowed; allowed: "),
     ],
@@ -330,7 +331,7 @@ def test_derived_fields_get_the_value_their_none_stands_for():
 
 def _scan_run(arch: str, scenario: str = "decode", bug: str = "none") -> dict:
     c = {"architecture": arch, "dtype": "float32", "attention": "auto", "scenario": scenario, "seed": 0,
-         "prompt": 0, "steps": 8, "bug": bug, "promote": "none"}  # fmt: skip
+         "prompt": 0, "steps": 8, "bug": bug, "promote": "none", "mode": "auto"}  # fmt: skip
     return scan.run(c)
 
 

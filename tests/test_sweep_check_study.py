@@ -6,6 +6,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
+from kvfast.check.report import PASSING
 from kvfast.cli import main
 from kvfast.studies.check import STUDY, check_study, kvfast_model
 from kvfast.sweep import grid_from_spec, load, load_grid, run_sweep
@@ -22,6 +23,7 @@ BASE = {
     "prompt_len": 5,
     "steps": 6,
     "scenarios": "both",
+    "promote": "none",
     "seed": 0,
     "n_layer": 2,
     "preset": "f32",
@@ -65,7 +67,14 @@ def test_users_factories_through_check_study(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "tinycheck_study", module)
     spec = {
         "study": "tinycheck_study:STUDY",
-        "fixed": {"prompt_seed": 1, "prompt_len": 3, "steps": 8, "mode": "exact", "scenarios": "decode"},
+        "fixed": {
+            "prompt_seed": 1,
+            "prompt_len": 3,
+            "steps": 8,
+            "mode": "exact",
+            "scenarios": "decode",
+            "promote": "none",
+        },
         "axes": {"factory": ["examples.tiny_model:clean", "examples.tiny_model:posfrozen"]},
     }
     out = tmp_path / "t"
@@ -97,3 +106,39 @@ def test_an_unimportable_factory_is_refused_before_any_run(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
     with pytest.raises(ValueError, match="bug: 'nobug' is not allowed"):
         grid_from_spec({"study": "check", "fixed": dict(BASE, bug="nobug", mode="exact")})
+
+
+def test_a_row_says_where_the_check_failed_and_the_native_verdict_beside_the_logic_checks():
+    """A bfloat16 Llama with the ``posoff`` bug: its own format sees rounding, the float64 logic check a bug at decode
+    step 1; the row's verdict is the deciding one, both stand beside it, and the failure is the logic check's."""
+    torch = pytest.importorskip("torch")
+    from kvfast.bugs.hf import inject_hf_bug
+    from kvfast.check.hf import HFModel, tiny_model
+    from kvfast.studies.check import check_one
+
+    torch.set_num_threads(1)
+    config = {"prompt_seed": 0, "prompt_len": 6, "steps": 8, "mode": "auto", "scenarios": "both"}
+    model = lambda bug: inject_hf_bug(HFModel(tiny_model("llama", "bfloat16")), bug)  # noqa: E731
+    rows = {
+        (bug, promote): check_one(model(bug), {**config, "promote": promote})
+        for bug in (None, "posoff") for promote in ("none", "float64")
+    }  # fmt: skip
+    found = rows[("posoff", "float64")]
+    assert (found["verdict"], found["native_verdict"], found["logic_verdict"]) == ("bug", "rounding", "bug")
+    assert not found["passed"] and (found["failed_scenario"], found["failed_step"]) == ("decode", 1)
+    native = rows[("posoff", "none")]  # the control: without the logic check the bug hides below bfloat16's digits
+    assert (native["verdict"], native["native_verdict"], native["logic_verdict"]) == ("rounding", "rounding", None)
+    assert native["passed"] and (native["failed_scenario"], native["failed_step"]) == ("", -1)
+    clean = rows[(None, "float64")]
+    assert clean["passed"] and clean["native_verdict"] == clean["verdict"] and clean["logic_verdict"] in PASSING
+
+
+def test_the_builtin_claims_are_about_the_builtin_factory_only():
+    """``kvfast show`` of a user's factory swept through the built-in study prints no claim about kvfast's model
+    (it read "0 of 0 bugged exact checks fail ... False"); the same rows under the built-in factory do."""
+    import pandas as pd
+
+    rows = [dict(BASE, bug=bug, mode="exact", status="ok", passed=bug == "none") for bug in ("none", "posfrozen")]
+    own = pd.DataFrame(rows)
+    assert [c.holds for c in STUDY.claims(own)] == [True]
+    assert STUDY.claims(own.assign(factory="mypkg.models:make")) == []

@@ -71,8 +71,8 @@ from kvfast.check.formats import formats_of
 from kvfast.check.judge import Judge, Part, judge_for
 from kvfast.check.lossy import lossy_format, rejudge
 from kvfast.check.options import MODES, SCENARIOS, CheckOptions
-from kvfast.check.protocol import ModelUnderTestError, watched
-from kvfast.check.reference import OwnReference, Reference, SharedReference, per_step_rows
+from kvfast.check.protocol import CheckPlan, ModelUnderTestError, watched
+from kvfast.check.reference import OwnReference, Reference, SharedReference
 from kvfast.check.report import LENGTH_DEPENDENT, UNCHECKED, CheckReport, ScenarioReport, deciding, skipped
 from kvfast.check.scenarios import REGISTRY, Run, Scenario, Unsupported
 from kvfast.check.subject import CheckSubject, as_model_under_test, resolve
@@ -133,59 +133,70 @@ def check_cache_with(model, prompt, options: CheckOptions) -> CheckReport:
 
 
 def _check(model, prompt, options: CheckOptions) -> CheckReport:
-    """:func:`check_cache_with`'s work (inside its watch): the reference, the scenarios, the logic check."""
+    """:func:`check_cache_with`'s work (inside its watch): the check of the model, and with ``promote`` the logic
+    check, a second check of the promoted model on the same tokens, joined to it (:func:`_joined`)."""
     subject = resolve(model, prompt, options)
     judge = judge_for(options)
-    prepared = subject.calls.prepare(options)  # the model's own set-up for this check (its notes head the report's)
-    subject.calls.plan(subject.prompt, subject.split, subject.steps, options.scenarios)  # what it will ask
+    native, advice = _judged(subject, judge)
+    if options.promote is None or options.follow == "cache" or not native.ran:  # follow="cache": no logic check
+        return _joined(native, None, advice, options)
+    inner = options.logic_check(judge.logic_check_mode, native.tokens, subject.split)
+    promoted, skipped_note = _logic_check(subject, inner)
+    if promoted is None:
+        return _joined(native, None, [skipped_note, *advice], options)
+    notes = []
+    if promoted.logits_format != options.promote:
+        notes.append(
+            f"the model promoted to {options.promote} returned {promoted.logits_format} logits: the logic check "
+            f"ran in {promoted.logits_format}, with {promoted.logits_format}'s resolution"
+        )
+    return _joined(native, promoted, notes, options)
+
+
+def _judged(subject: CheckSubject, judge: Judge) -> tuple[CheckReport, list[str]]:
+    """The check of ``subject`` as ``judge`` judges (the reference, the scenarios, their reports), and the advice
+    its verdict gives where no logic check follows (:meth:`~kvfast.check.judge.Judge.advice`)."""
+    options = subject.options
+    plan = CheckPlan(subject.prompt.copy(), subject.split, subject.steps, options.scenarios, judge.measures_noise)
+    prepared = subject.calls.prepare(plan)  # the model's own set-up for this check (its notes head the report's)
     lossy = lossy_format(subject.calls)  # a quantized cache (kvfast.check.lossy), its declaration read before any work
     prompt_rows, fmt = subject.calls.recompute_with_format(subject.prompt, "of the prompt")
     formats = formats_of(subject.calls.model, fmt)  # the noise model's formats: declared, measured or assumed
     if options.follow == "cache":
-        reference = OwnReference(subject, prompt_rows, fmt, formats)
-    else:  # auto: built as for control mode, its noise measured only if the judge settles on control
-        measure = not judge.defers_noise
-        reference = SharedReference.build(subject, prompt_rows, fmt, formats, judge.measures_noise, measure)
+        reference = OwnReference(subject, judge, prompt_rows, fmt, formats)
+    else:
+        reference = SharedReference.build(subject, judge, prompt_rows, fmt, formats)
     parts = run_scenarios(subject, reference)
-    asked, judge = judge, judge.settled([p for found in parts.values() if isinstance(found, list) for p in found])
-    if judge.measures_noise and reference.noise is None:
-        reference.measure_noise()
-    formats = formats.after_probe(reference.noise)  # a measured rounding probe replaces the lowest format's ulp
-    reports = judge_parts(parts, judge, reference.noise, formats.floor)  # every bound >= 1 ulp of the floor format
+    judge = judge.settled([p for found in parts.values() if isinstance(found, list) for p in found])
+    noise = judge.noise(reference)  # measured now, where the judge needs it (auto: only if not bit-exact)
+    formats = formats.after_probe(noise)  # a measured rounding probe replaces the lowest format's ulp
+    reports = judge_parts(parts, judge, noise, formats.floor)  # every bound >= 1 ulp of the floor format
     if lossy is not None:  # judged as a lossy cache's: verdict "lossy"
         reports = rejudge(subject, reference, reports, formats.floor, judge, lossy)
     ran = [r for r in reports.values() if r.verdict != "skipped"]
     verdict = judge.overall(ran) if ran else UNCHECKED
-    length = reference.length
-    notes = prepared + reference.notes
-    if judge.measures_noise:
-        notes += [n for n in (formats.note(), formats.cache_note()) if n is not None]
-    promoted = None
-    if options.promote is not None and options.follow == "recompute" and ran:  # follow="cache": no logic check
-        inner = replace(
-            options, mode=asked.logic_check_mode,
-            continuation=tuple(reference.tokens.tolist()), promote=None, follow="recompute", keep_logits=False,
-            timeout=None, split=subject.split, strict=False,
-        )  # fmt: skip
-        promoted, skipped_note = _logic_check(subject, inner)
-        if promoted is None:
-            notes += [skipped_note] + _format_notes(judge, options, verdict, fmt)
-        elif promoted.logits_format != options.promote:
-            notes.append(
-                f"the model promoted to {options.promote} returned {promoted.logits_format} logits: the logic check "
-                f"ran in {promoted.logits_format}, with {promoted.logits_format}'s resolution"
-            )
-        if promoted is not None and length is None and promoted.length_dependence is not None:
-            length = replace(promoted.length_dependence, by=f"the logic check in {options.promote}")
-    else:
-        notes += _format_notes(judge, options, verdict, fmt)
-    native = verdict
-    verdict = deciding(native, promoted)
-    if length is not None and ran:
-        native = verdict = LENGTH_DEPENDENT
+    notes = prepared + reference.notes + judge.noise_notes(formats)
     report = CheckReport(
-        options.mode, subject.prompt, reference.tokens, reports, verdict, reference.path, tuple(notes), fmt, promoted,
-        length, formats, strict=options.strict, native=None if native == verdict else native,
+        options.mode, subject.prompt, reference.tokens, reports, verdict, reference.path, tuple(notes), fmt,
+        length_dependence=reference.length, formats=formats, strict=options.strict, how=judge.how,
+    )  # fmt: skip
+    return report, judge.advice(verdict, fmt)
+
+
+def _joined(report: CheckReport, promoted: CheckReport | None, notes: list[str], options: CheckOptions) -> CheckReport:
+    """``report`` with its logic check's report ``promoted`` (``None``: none ran) and ``notes`` joined: the deciding
+    verdict (:func:`~kvfast.check.report.deciding`), the native one beside it, a length dependence either found;
+    with ``strict``, a pass on part of what was asked is none."""
+    length = report.length_dependence
+    if promoted is not None and length is None and promoted.length_dependence is not None:
+        length = replace(promoted.length_dependence, by=f"the logic check in {options.promote}")
+    native = report.verdict
+    verdict = deciding(native, promoted)
+    if length is not None and report.ran:
+        native = verdict = LENGTH_DEPENDENT
+    report = replace(
+        report, verdict=verdict, notes=report.notes + tuple(notes), promoted=promoted, length_dependence=length,
+        native=None if native == verdict else native,
     )  # fmt: skip
     if options.strict and report.skipped and report.passed:  # strict: a pass on part of what was asked is none
         report = replace(report, verdict=UNCHECKED)  # (a failure stays the failure it found)
@@ -206,7 +217,7 @@ def run_scenarios(subject: CheckSubject, reference: Reference) -> dict[str, list
             except Unsupported as exc:
                 why = str(exc)
         if why is not None:
-            found[name] = skipped(name, subject.options.mode, subject.prompt, reference.skipped_tokens, why)
+            found[name] = skipped(name, subject.prompt, reference.skipped_tokens, why)
         else:
             found[name] = _parts(subject, reference, scenario, run)
     return found
@@ -247,25 +258,10 @@ def _parts(subject: CheckSubject, reference: Reference, scenario: Scenario, run:
     parts = [Part(scenario.name, subject.prompt, run.path, rows, None, split, notes, keep)]
     if run.branch is not None:
         prompt = scenario.branch_prompt(subject.prompt, subject.vocab)
-        rows_b = _branch_rows(subject, prompt, reference, run.branch)
+        rows_b = reference.branch_rows(prompt, run.branch)
         note = scenario.branch_note(run)
         parts.append(Part(scenario.branch, prompt, run.branch, rows_b, None, None, (note,), keep))
     return parts
-
-
-def _branch_rows(subject: CheckSubject, prompt: np.ndarray, reference: Reference, branch) -> np.ndarray:
-    """The reference rows of a second branch on ``prompt``: one recompute of its sequence, else one recompute per
-    step (exact mode, where the reference found the recompute not append-invariant or ``fast=False``)."""
-    calls = subject.calls
-    seq = np.concatenate([prompt, branch.fed])
-    per_step = not reference.noisy and (not subject.options.fast or reference.path == "per-step")
-    if not per_step:
-        return calls.recompute(seq, "of the fork's second branch")
-    T = prompt.shape[0]
-    rows = np.empty((seq.shape[0], subject.vocab))
-    rows[:T] = calls.recompute(prompt, "of the prompt")
-    per_step_rows(calls, prompt, rows, branch.fed.copy(), T, greedy=False)
-    return rows
 
 
 def _pooled_noise_for(
@@ -296,23 +292,6 @@ def _logic_check(subject, inner: CheckOptions) -> tuple[CheckReport | None, str]
         why = "; ".join(f"{name}: {reason}" for name, reason in report.skipped.items())
         return None, f"the logic check in {dtype} was skipped: the promoted model ran no scenario ({why})"
     return report, ""
-
-
-def _format_notes(judge: Judge, options: CheckOptions, verdict: str, fmt: str) -> list[str]:
-    """Control mode on bfloat16/float16 logits: what the verdict cannot see, and the logic check that can."""
-    if not judge.measures_noise or fmt not in ("bfloat16", "float16"):
-        return []
-    if verdict == "inconclusive":
-        return [
-            f"the {fmt} verdict is inconclusive: run the logic check in float64 (promote='float64', "
-            "--promote on the command line), where a cache logic bug stands far above rounding"
-        ]
-    if verdict == "rounding":
-        return [
-            f"{fmt} logits resolve only a few significant digits: a cache logic bug can hide below "
-            f"{options.margin:g} units in their last place; the logic check in float64 (promote='float64') rules it out"
-        ]
-    return []
 
 
 def assert_cache_exact(model, prompt, steps: int, **kwargs) -> CheckReport:

@@ -10,24 +10,33 @@ judged against its reference rows, and how the scenarios' verdicts make the chec
   order noise measured only then (a bit-exact model costs what exact mode costs).
 
 A lossy cache (:mod:`kvfast.check.lossy`) is judged by the same judge first, then re-judged as a lossy
-cache's. The judge is the one place that knows the mode: the reference asks it whether to measure order
-noise (:attr:`Judge.measures_noise`), the pipeline asks it for the scenarios' overall verdict.
+cache's. The judge is the one place that knows the mode, and carries it to the end: the reference asks it
+whether it may need the order noise (:attr:`Judge.measures_noise`), the pipeline asks it for the noise
+(:meth:`Judge.noise`), the scenarios' overall verdict and the notes only its mode makes, and each report holds
+its judge's detail (:class:`~kvfast.check.report.ExactDetail`, :class:`~kvfast.check.report.ControlDetail`),
+which renders what only that judge measured.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from kvfast.check import control as C
 from kvfast.check import formats as F
-from kvfast.check.report import ScenarioReport
+from kvfast.check.report import ControlDetail, Detail, ExactDetail, LossyExactDetail, ScenarioReport
 from kvfast.check.scenarios import CachePath
 
 if TYPE_CHECKING:  # the options are read, never built or validated here
     from kvfast.check.options import CheckOptions
+
+
+class NoiseSource(Protocol):
+    """What a judge asks for the order noise: the reference (:class:`kvfast.check.reference.SharedReference`)."""
+
+    def order_noise(self) -> dict[str, np.ndarray]: ...
 
 
 @dataclass(frozen=True)
@@ -74,21 +83,34 @@ _MAX = np.maximum.reduce
 @dataclass(frozen=True)
 class Judge:
     """How a check judges (see the module doc). ``mode``: the option it was chosen from; ``measures_noise``:
-    whether the reference must measure the model's order noise for it; ``margin`` and ``decisive``: the ratios
-    up to which a step is rounding (a lossy cache's step: ``lossy``) and beyond which it is a bug;
-    ``defers_noise``: the noise is measured only if :meth:`settled` is a judge that needs it."""
+    whether it may judge against the model's order noise (the reference is built for it: a recompute that is not
+    append-invariant keeps one recompute of the whole sequence, its batch-shape noise measured); ``margin`` and
+    ``decisive``: the ratios up to which a step is rounding (a lossy cache's step: ``lossy``) and beyond which
+    it is a bug."""
 
     margin: float = C.DEFAULT_MARGIN
     decisive: float = C.DEFAULT_DECISIVE
+    how: str = ""  # how it judges, in the words of a report's "checked ..." line
     mode = ""
     measures_noise = False
-    defers_noise = False  # the noise is measured only once the judge has settled (auto)
     logic_check_mode = "auto"  # the mode of the float64 logic check (promote) of a check judged so
 
     def settled(self, parts: list[Part]) -> Judge:
         """The judge that decides once ``parts`` (every comparison of the check) are known: itself, except
         :class:`AutoJudge`'s."""
         return self
+
+    def noise(self, reference: NoiseSource) -> dict[str, np.ndarray] | None:
+        """The order noise this judge judges against (``reference``'s, measured now; ``None``: it needs none)."""
+        return None
+
+    def noise_notes(self, formats: F.NoiseFormats) -> list[str]:
+        """The notes on the noise model's ``formats`` that limit this judge's bounds."""
+        return []
+
+    def advice(self, verdict: str, fmt: str) -> list[str]:
+        """What a ``verdict`` on ``fmt`` logits cannot see, and the logic check that can (a check without one)."""
+        return []
 
     def judge(self, part: Part, fmt: str) -> ScenarioReport:
         """``part``'s report; ``fmt``: the format whose 1 ulp is the least bound of a step (control)."""
@@ -102,9 +124,15 @@ class Judge:
         """A lossy cache's step verdicts from its ratios to the format's expected error (:mod:`kvfast.check.lossy`)."""
         raise NotImplementedError
 
+    def lossy_detail(self, bounds: ControlDetail, judged: Detail) -> Detail:
+        """A lossy cache's report's detail: its ``bounds`` (the format's expected error), judged as this judge
+        judges; ``judged``: the detail of the report before it was re-judged as a lossy cache's."""
+        return bounds
+
 
 @dataclass(frozen=True)
 class ExactJudge(Judge):
+    how: str = "bit for bit"
     mode = "exact"
 
     def judge(self, part: Part, fmt: str) -> ScenarioReport:
@@ -112,10 +140,10 @@ class ExactJudge(Judge):
         differs = (dev > 0).tolist()
         first = differs.index(True) if True in differs else None
         verdicts = tuple("divergent" if d else "exact" for d in differs)
+        detail = ExactDetail(None if first is None else _in_ulps(dev, part, fmt))
         return ScenarioReport(
-            part.name, self.mode, part.prompt, part.path.fed, dev, verdicts,
-            "divergent" if first is not None else "exact", first, bad_row, split=part.split, notes=part.notes,
-            ulps=None if first is None else _in_ulps(dev, part, fmt), **part.kept(),
+            part.name, part.prompt, part.path.fed, dev, verdicts, "divergent" if first is not None else "exact",
+            first, bad_row, detail, part.split, part.notes, **part.kept(),
         )  # fmt: skip
 
     def overall(self, reports: list[ScenarioReport]) -> str:
@@ -125,6 +153,9 @@ class ExactJudge(Judge):
 
     def lossy_verdicts(self, ratio: np.ndarray) -> list[str]:
         return ["lossy" if r <= self.margin else "divergent" for r in ratio]
+
+    def lossy_detail(self, bounds: ControlDetail, judged: Detail) -> Detail:
+        return LossyExactDetail(judged.ulps, bounds=bounds)
 
 
 def _in_ulps(dev: np.ndarray, part: Part, fmt: str) -> np.ndarray:
@@ -139,6 +170,7 @@ def _in_ulps(dev: np.ndarray, part: Part, fmt: str) -> np.ndarray:
 class ControlJudge(Judge):
     """Control mode with rounding up to ``margin`` times a step's bound and a bug beyond ``decisive`` times."""
 
+    how: str = "against the model's measured order noise"
     mode = "control"
     measures_noise = True
     logic_check_mode = "control"
@@ -161,14 +193,33 @@ class ControlJudge(Judge):
         bound, ratio, verdicts, floor_source = C.judge(
             dev, scale, rel, where, fmt, self.margin, self.decisive, compared, C.noise_draws(noise)
         )
-        bugs = [t for t, v in enumerate(verdicts) if v == "bug"]
-        unsure = [t for t, v in enumerate(verdicts) if v == "inconclusive"]
+        detail = ControlDetail(floor, bound, ratio, floor_source, self.margin, self.decisive)
         return ScenarioReport(
-            part.name, self.mode, part.prompt, part.path.fed, dev, verdicts, C.worst(verdicts), first, bad_row,
-            floor=floor, bound=bound, ratio=ratio, first_bug_step=bugs[0] if bugs else None, margin=self.margin,
-            split=part.split, notes=part.notes, floor_source=floor_source,
-            first_inconclusive_step=unsure[0] if unsure else None, decisive=self.decisive, **part.kept(),
+            part.name, part.prompt, part.path.fed, dev, verdicts, C.worst(verdicts), first, bad_row, detail,
+            part.split, part.notes, **part.kept(),
         )  # fmt: skip
+
+    def noise(self, reference: NoiseSource) -> dict[str, np.ndarray] | None:
+        return reference.order_noise()
+
+    def noise_notes(self, formats: F.NoiseFormats) -> list[str]:
+        return [n for n in (formats.note(), formats.cache_note()) if n is not None]
+
+    def advice(self, verdict: str, fmt: str) -> list[str]:
+        if fmt not in ("bfloat16", "float16"):
+            return []
+        if verdict == "inconclusive":
+            return [
+                f"the {fmt} verdict is inconclusive: run the logic check in float64 (promote='float64', "
+                "--promote on the command line), where a cache logic bug stands far above rounding"
+            ]
+        if verdict == "rounding":
+            return [
+                f"{fmt} logits resolve only a few significant digits: a cache logic bug can hide below "
+                f"{self.margin:g} units in their last place; the logic check in float64 (promote='float64') rules "
+                "it out"
+            ]
+        return []
 
     def overall(self, reports: list[ScenarioReport]) -> str:
         return C.worst([r.verdict for r in reports])
@@ -181,15 +232,16 @@ class ControlJudge(Judge):
 class AutoJudge(Judge):
     """``mode="auto"``: the reference is built as for control mode (its noise measured only if needed); the
     check is then judged by :class:`ExactJudge` when every compared row equals its reference (``==``), else by
-    :class:`ControlJudge`. It judges nothing itself: the pipeline asks it to settle first."""
+    :class:`ControlJudge`, which measures the noise. It judges nothing itself: the pipeline asks it to settle
+    first."""
 
     mode = "auto"
     measures_noise = True
-    defers_noise = True
 
     def settled(self, parts: list[Part]) -> Judge:
         equal = all(not deviations(p.path, p.rows, p.split or 0)[0].any() for p in parts)
-        return (ExactJudge if equal else ControlJudge)(self.margin, self.decisive)
+        settled = (ExactJudge if equal else ControlJudge)(self.margin, self.decisive)
+        return replace(settled, how=f"{settled.how} (auto: {'every step' if equal else 'not'} bit-identical)")
 
 
 def judge_for(options: CheckOptions) -> Judge:

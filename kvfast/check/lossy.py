@@ -41,7 +41,7 @@ from kvfast.check.formats import ulp
 from kvfast.check.judge import Judge, Part
 from kvfast.check.lossy_formats import LOSSY_FORMATS, ROW_FORMATS, round_trip  # noqa: F401 - re-exported
 from kvfast.check.protocol import ModelCalls, read_attribute
-from kvfast.check.report import ScenarioReport
+from kvfast.check.report import ControlDetail, ScenarioReport
 from kvfast.check.scenarios import REGISTRY, branches
 from kvfast.check.subject import CheckSubject, as_model_under_test
 from kvfast.validation import not_allowed
@@ -177,8 +177,8 @@ def lossy_report(
     expected = _errors(runs["emulated"], runs["lossless"], first) if runs.get("emulated") else np.zeros_like(measured)
     scale = np.array([np.abs(r).max() for r in _step_rows(runs["lossless"], first)])
     bound = np.maximum(expected, ulp(fmt, scale))
-    if twin_report is not None and twin_report.bound is not None:
-        bound = np.maximum(bound, twin_report.bound)
+    if twin_report is not None:  # at least the twin's order-noise bound
+        bound = np.maximum(bound, twin_report.detail.noise_bound())
     ratio = measured / bound
     verdicts = judge.lossy_verdicts(ratio)
     if twin_report is not None:  # a logic bug of the lossless twin is the model's
@@ -187,8 +187,6 @@ def lossy_report(
         ]
     order = ("lossy", "inconclusive", "divergent", "bug")
     worst = max(verdicts, key=order.index)
-    bad = [t for t, v in enumerate(verdicts) if v in ("bug", "divergent")]
-    unsure = [t for t, v in enumerate(verdicts) if v == "inconclusive"]
     source = tuple(
         "expected error of the format" if e >= b else "order noise or resolution"
         for e, b in zip(expected, bound, strict=True)
@@ -201,10 +199,10 @@ def lossy_report(
     notes = report.notes + (note,)
     if runs.get("emulated") is None:
         notes += ("no expected error: the lossless twin has no with_lossy_cache(); judged against the noise alone",)
+    bounds = ControlDetail(expected, bound, ratio, source, judge.margin, judge.decisive)
     return replace(
-        report, deviation=measured, step_verdicts=tuple(verdicts), verdict=worst, floor=expected, bound=bound,
-        ratio=ratio, first_bug_step=bad[0] if bad else None, first_inconclusive_step=unsure[0] if unsure else None,
-        margin=judge.margin, decisive=judge.decisive, floor_source=source, notes=notes,
+        report, deviation=measured, step_verdicts=tuple(verdicts), verdict=worst,
+        detail=judge.lossy_detail(bounds, report.detail), notes=notes,
         first_divergent_step=int(np.nonzero(measured > 0)[0][0]) if (measured > 0).any() else None,
     )  # fmt: skip
 

@@ -245,6 +245,15 @@ class CheckOptions:
             steps = DEFAULT_STEPS
         return cls(steps, **given)
 
+    def logic_check(self, mode: str, tokens: np.ndarray, split: int) -> CheckOptions:
+        """The options of this check's logic check (``promote``): the same scenarios, path and ratios in ``mode``, on
+        ``tokens`` (the check's) with the resume scenario's ``split`` (the check's, resolved); nothing else is
+        carried (no logic check of its own, no timeout of its own: the check's watches it)."""
+        return CheckOptions(
+            self.steps, mode, self.scenarios, fast=self.fast, split=split, margin=self.margin, decisive=self.decisive,
+            continuation=tuple(tokens.tolist()),
+        )  # fmt: skip
+
     def given_tokens(self) -> np.ndarray | None:
         """The continuation as an ``int64`` array of ``steps`` tokens (``None``: greedy tokens)."""
         return None if self.continuation is None else np.asarray(self.continuation, dtype=np.int64)

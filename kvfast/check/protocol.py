@@ -66,17 +66,15 @@ A model under test is any object with these methods (tokens are passed as a
     every scenario is then judged as one (:mod:`kvfast.check.lossy`, verdict
     ``lossy``, never ``exact`` or ``rounding``) against ``lossless()``, the same
     model with its cache unquantized.
-``prepare_check(options) -> [note, ...] | None`` (optional)
-    Called once before any other call of a check with its
-    :class:`~kvfast.check.options.CheckOptions` (``options.mode``: ``exact`` or ``control``): a model that
-    computes one way for exact mode and another for control mode sets itself up here (vLLM pins its GEMMs'
-    row count in exact mode where it changes their arithmetic). The notes it returns (strings) head the
-    report's notes: what it chose and why.
-``plan_check(prompt, split, steps, scenarios)`` (optional)
-    Called once after ``prepare_check`` with what the check will ask: the prompt (``numpy.int64``), the resume
-    scenario's split, the decode steps and the scenarios asked for. A model may start work ahead here (vLLM
-    runs the resume scenario's requests in flight with the decode scenario's); every call must then return
-    what it would have returned without the plan, bit for bit. Returns nothing.
+``prepare_check(plan) -> [note, ...] | None`` (optional)
+    Called once before any other call of a check with a :class:`CheckPlan`, a plain record of what the check
+    will do: the prompt, the resume scenario's split, the decode steps, the scenarios asked for, and whether
+    it judges against the model's measured order noise (``measures_noise``: the default ``auto`` and
+    ``control`` modes) or bit for bit (``exact`` mode). A model that computes one way for a bit-for-bit check
+    and another for a noise-judged one sets itself up here (vLLM pins its GEMMs' row count for exact mode
+    where it changes their arithmetic); a model may start work ahead here too, every call then returning what
+    it would have returned without the plan, bit for bit. The notes it returns (strings) head the report's
+    notes: what it chose and why.
 ``max_positions`` (optional attribute, int)
     The most positions the model can take; a longer check is bad input before any work.
 ``vocab_size`` (optional attribute, int)
@@ -92,6 +90,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import NoReturn
 
 import numpy as np
@@ -104,7 +103,6 @@ REQUIRED = ("recompute", "prefill", "decode")
 OPTIONAL = (
     "extend", "decode_greedy", "recompute_variants", "promote", "crop", "snapshot", "restore", "lossless",
     "prefill_beams", "decode_beams", "reorder", "prefill_padded", "decode_padded", "prepare_check",
-    "plan_check",
 )  # fmt: skip
 PROTOCOL_METHODS = frozenset(REQUIRED + OPTIONAL)
 PROTOCOL = "an object with recompute(tokens), prefill(tokens), decode(token) and optionally extend(tokens)"
@@ -285,6 +283,20 @@ def variants_of(model: object, tokens: np.ndarray, vocab: int) -> dict[str, np.n
 # --- the model's own failures and the check's deadline (the machinery: kvfast.runtime) ------------
 
 
+@dataclass(frozen=True)
+class CheckPlan:
+    """What a check will do, the record a model's ``prepare_check(plan)`` receives (see the module doc):
+    ``prompt`` (``numpy.int64``, the model's own copy), ``split`` (the resume scenario's), ``steps`` (decode
+    steps), ``scenarios`` (the names asked for) and ``measures_noise`` (the check judges the cache against the
+    model's measured order noise, as the ``auto`` and ``control`` modes do; ``False``: bit for bit, ``exact``)."""
+
+    prompt: np.ndarray
+    split: int
+    steps: int
+    scenarios: tuple[str, ...]
+    measures_noise: bool
+
+
 class ModelUnderTestError(UserCodeError):
     """The model under test (or its factory, or its module) raised or exited instead of returning.
 
@@ -394,12 +406,12 @@ class ModelCalls:
         """Whether the model has the optional method ``name``."""
         return has(self.model, name)
 
-    def prepare(self, options: object) -> list[str]:
-        """``prepare_check(options)`` (optional; absent: nothing to do): the model set up for this check, and
+    def prepare(self, plan: CheckPlan) -> list[str]:
+        """``prepare_check(plan)`` (optional; absent: nothing to do): the model set up for this check, and
         its notes for the report. ``ValueError`` unless it returns ``None`` or a list or tuple of strings."""
         if not self.has("prepare_check"):
             return []
-        notes = self.model.prepare_check(options)
+        notes = self.model.prepare_check(plan)
         if notes is None:
             return []
         if not isinstance(notes, list | tuple) or not all(isinstance(n, str) for n in notes):
@@ -407,11 +419,6 @@ class ModelCalls:
                 f"model.prepare_check: {type(notes).__name__} is not allowed; allowed: None or a list of str (notes)"
             )
         return list(notes)
-
-    def plan(self, prompt: np.ndarray, split: int, steps: int, scenarios) -> None:
-        """``plan_check(prompt, split, steps, scenarios)`` (optional; absent: nothing to do)."""
-        if self.has("plan_check"):
-            self.model.plan_check(prompt.copy(), int(split), int(steps), tuple(scenarios))
 
     def recompute(self, tokens: np.ndarray, where: str | None = None) -> np.ndarray:
         """``recompute(tokens)``: ``(len(tokens), V)``; ``where`` defaults to ``of the first N tokens``."""

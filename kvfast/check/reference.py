@@ -1,4 +1,4 @@
-"""The reference a cache path is compared with, and (control mode) the order noise around it.
+"""The reference a cache path is compared with, and the order noise around it where the judge needs it.
 
 Two kinds, one per ``follow`` mode, each telling the pipeline (:mod:`kvfast.check.checker`)
 how to run a scenario's cache path and which recompute rows to compare it with:
@@ -7,9 +7,10 @@ how to run a scenario's cache path and which recompute rows to compare it with:
 - :class:`SharedReference` (``follow="recompute"``): one sequence for every scenario, the
   recompute's greedy choices (or the given continuation). Fast path: one recompute of the final
   sequence after verifying append-invariance, falling back to one recompute per step from the first
-  step where the cache's greedy token differs; control mode keeps the fast path on a recompute that
-  is not append-invariant and measures its batch-shape noise. Per-step path: one recompute per step.
-  Control mode then measures the order noise (:func:`order_noise`).
+  step where the cache's greedy token differs; a judge that measures noise (control and auto modes) keeps
+  the fast path on a recompute that is not append-invariant and measures its batch-shape noise. Per-step
+  path: one recompute per step. The order noise (:func:`order_noise`) is measured when the judge asks for
+  it (:meth:`SharedReference.order_noise`).
 - :class:`OwnReference` (``follow="cache"``, exact mode): each scenario decodes its own greedy
   tokens and is compared with the recompute of its own sequence (fast path after the same
   verification, else one recompute per step).
@@ -18,6 +19,8 @@ The method is in :mod:`kvfast.check.checker`'s module doc; the noise's use in :m
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -29,6 +32,9 @@ from kvfast.check.scenarios import REGISTRY, Run, Scenario, Unsupported
 from kvfast.check.scenarios.base import mark_greedy
 from kvfast.check.scenarios.decode import Decode
 from kvfast.check.subject import CheckSubject
+
+if TYPE_CHECKING:  # the judge is asked what noise it needs, never built here
+    from kvfast.check.judge import Judge
 
 
 def per_step_rows(
@@ -165,11 +171,11 @@ def refusal_reason(name: str, formats: F.NoiseFormats) -> str:
 class Reference:
     """What the scenario loop reads of a reference, in either ``follow`` mode.
 
-    ``subject``; ``prompt_rows``: ``recompute(prompt)``; ``fmt``: the format of the model's logits;
-    ``formats``: the model's internal formats (:mod:`kvfast.check.formats`), assumed from ``fmt`` when
-    ``None``; ``noisy``: whether the judge needs the model's order noise (control mode; :mod:`kvfast.check.judge`);
-    ``length`` (a :class:`~kvfast.check.report.LengthDependence` when the recompute changes with
-    the length by more than rounding, else ``None``); ``notes`` (how the reference was found). A kind adds
+    ``subject``; ``judge``: the check's (:mod:`kvfast.check.judge`), asked whether it may need the model's order
+    noise (:attr:`~kvfast.check.judge.Judge.measures_noise`); ``prompt_rows``: ``recompute(prompt)``; ``fmt``: the
+    format of the model's logits; ``formats``: the model's internal formats (:mod:`kvfast.check.formats`), assumed
+    from ``fmt`` when ``None``; ``length`` (a :class:`~kvfast.check.report.LengthDependence` when the recompute
+    changes with the length by more than rounding, else ``None``); ``notes`` (how the reference was found). A kind adds
     ``path``, ``noise``, ``tokens`` and ``skipped_tokens``, and says how a scenario runs
     (:meth:`cache_run`) and what it is compared with (:meth:`rows_for`).
     """
@@ -177,13 +183,13 @@ class Reference:
     def __init__(
         self,
         subject: CheckSubject,
+        judge: Judge,
         prompt_rows: np.ndarray,
         fmt: str = "float64",
         formats: F.NoiseFormats | None = None,
-        noisy: bool = False,
     ):
         self.subject = subject
-        self.noisy = noisy
+        self.noisy = judge.measures_noise  # the judge may need the order noise
         self.prompt_rows = prompt_rows
         self.fmt = fmt
         self.formats = formats or F.noise_formats(fmt, None)  # the noise model's formats (assumed when not given)
@@ -203,6 +209,20 @@ class Reference:
     def rows_for(self, scenario: str, run: Run) -> np.ndarray:
         """The recompute rows ``run`` (``scenario``'s cache path) is compared with."""
         raise NotImplementedError
+
+    def branch_rows(self, prompt: np.ndarray, branch) -> np.ndarray:
+        """The reference rows of a scenario's second branch on ``prompt``: one recompute of its sequence, else
+        (a judge that measures no noise, where this reference found the recompute not append-invariant or
+        ``fast=False``) one recompute per step."""
+        calls = self.subject.calls
+        seq = np.concatenate([prompt, branch.fed])
+        if self.noisy or self.path != "per-step":
+            return calls.recompute(seq, "of the fork's second branch")
+        T = prompt.shape[0]
+        rows = np.empty((seq.shape[0], self.subject.vocab))
+        rows[:T] = calls.recompute(prompt, "of the prompt")
+        per_step_rows(calls, prompt, rows, branch.fed.copy(), T, greedy=False)
+        return rows
 
 
 class SharedReference(Reference):
@@ -238,30 +258,27 @@ class SharedReference(Reference):
     def build(
         cls,
         subject: CheckSubject,
+        judge: Judge,
         prompt_rows: np.ndarray,
         fmt: str = "float64",
         formats: F.NoiseFormats | None = None,
-        noisy: bool = False,
-        measure: bool = True,
     ) -> SharedReference:
         """The reference for ``subject`` whose ``recompute(prompt)`` is ``prompt_rows`` (``fmt``: the format
         of the model's logits; ``formats``: the model's internal formats, :mod:`kvfast.check.formats`, assumed
-        from ``fmt`` when ``None``; ``noisy``: the judge may need the order noise (control and auto mode);
-        ``measure``: measure it now, else only when :meth:`measure_noise` is called; see the module doc)."""
-        ref = cls(subject, prompt_rows, fmt, formats, noisy)
+        from ``fmt`` when ``None``; ``judge``: the check's, asked what noise it may need; see the module doc).
+        The order noise is measured only when the judge asks for it (:meth:`order_noise`)."""
+        ref = cls(subject, judge, prompt_rows, fmt, formats)
         T, steps = subject.T, subject.steps
         if subject.options.fast:
             ref._take_fast_path()
         if ref.known < T + steps:
             per_step_rows(subject.calls, subject.prompt, ref.rows, ref.tokens, ref.known, subject.given is None)
-        if ref.path == "per-step" and (noisy or not subject.options.fast):
+        if ref.path == "per-step" and (ref.noisy or not subject.options.fast):
             final = np.concatenate([subject.prompt, ref.tokens])
             ref.full = subject.calls.recompute(final, "of the whole sequence")
             if ref.length is None:
                 lengths = per_step_lengths(T, T + steps)
                 ref.length = length_dependence({T + steps: ref.rows}, ref.full, ref.formats, lengths)
-        if noisy and measure:
-            ref.measure_noise()
         return ref
 
     @property
@@ -341,9 +358,15 @@ class SharedReference(Reference):
                 "continues per step from there and the scenarios ran again on the recompute's tokens"
             )
 
-    def measure_noise(self) -> None:
-        """The order noise around the reference rows (batch shape on the per-step path: the whole-sequence
-        recompute against them), and notes naming its sources: :attr:`noise`, for the control judge."""
+    def order_noise(self) -> dict[str, np.ndarray]:
+        """The order noise around the reference rows, per source and position (batch shape on the per-step
+        path: the whole-sequence recompute against them), measured on the first call (notes name its sources):
+        :attr:`noise`, what the control judge asks for."""
+        if self.noise is None:
+            self._measure_noise()
+        return self.noise
+
+    def _measure_noise(self) -> None:
         s = self.subject
         final = np.concatenate([s.prompt, self.tokens])
         batch_shape = self.batch_shape

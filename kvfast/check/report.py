@@ -48,6 +48,195 @@ class LengthDependence:
 
 
 @dataclass(frozen=True)
+class ExactDetail:
+    """Exact mode's detail of a scenario (the judge's, :mod:`kvfast.check.judge`): ``ulps[t]``, where a step
+    diverged, the deviation in units in the last place of the logits' format at the step's magnitude (a
+    divergence of a few is the size of order noise, not of a logic bug); ``None``: every step equal."""
+
+    ulps: np.ndarray | None = None
+    mode = "exact"
+    bounds = None  # (exact mode judges no step against a bound)
+
+    def passes(self, verdict: str) -> bool:
+        """Exact mode promises ``==``, which no lossy cache can keep."""
+        return verdict in PASSING and verdict != "lossy"
+
+    def focus(self, s: ScenarioReport) -> int | None:
+        return s.first_divergent_step
+
+    def first_bug(self, verdicts: tuple[str, ...]) -> int | None:
+        return None
+
+    def first_row(self, s: ScenarioReport) -> int | None:
+        """The first differing prompt row, the position a message about step 0 names."""
+        return s.first_divergent_position
+
+    def columns(self) -> str:
+        return ""
+
+    def cells(self, t: int) -> str:
+        return ""
+
+    def passing(self, s: ScenarioReport, head: str) -> str:
+        return f"{head}; all {s.deviation.shape[0]} steps bit-identical to the recompute"
+
+    def failing(self, s: ScenarioReport, focus: int, head: str) -> str:
+        return f"{head}; first divergent step {s.where(focus)}: max |cached - recompute| = {s.deviation[focus]:.6g}"
+
+    def size(self, step: int, fmt: str) -> str:
+        return "" if self.ulps is None else f", {self.ulps[step]:.4g} units in the last place of the {fmt} logits"
+
+    def pass_size(self, deviation: float, ratio: float | None) -> str:
+        """The size line of a pass: ``deviation`` and ``ratio``, the largest over every scenario."""
+        return "every compared step equals the recompute bit for bit"
+
+    def noise_line(self, step: int, fmt: str, ran: list[ScenarioReport]) -> str:
+        """The first line's note where the failing step is within a few units in the last place: the size of order
+        noise, and the mode that tells rounding from bugs (``""``: farther off)."""
+        if self.ulps is None or self.ulps[step] > FEW_ULPS:
+            return ""
+        line = (
+            f", {self.ulps[step]:.3g} units in the last place of its {fmt} logits: the size of "
+            "order noise (two paths adding in different orders), not of a logic bug"
+        )
+        far = max(ran, key=lambda s: s.detail.ulps.max() if s.detail.ulps is not None else 0.0)
+        if far.detail.ulps is not None and far.detail.ulps.max() > MANY_ULPS:
+            t = int(far.detail.ulps.argmax())
+            line += f"; but step {t} of {far.name!r} is {far.detail.ulps[t]:.3g} units off, far beyond it"
+        return line + "; --mode auto (the default) tells rounding from bugs"
+
+    def floor_line(self, formats: NoiseFormats | None, passed: bool) -> str | None:
+        return None
+
+    def noise_bound(self) -> np.ndarray | float:
+        """The least bound the order noise sets on each step (a lossy cache's bound is at least it): none."""
+        return 0.0
+
+    def threshold(self, steps: int) -> tuple[tuple[float, ...], str]:
+        """Per step (``steps`` + 1 of them), the deviation beyond which the step fails, and where it comes from
+        (in a reproducer's words)."""
+        return (0.0,) * (steps + 1), "exact equality (kvfast's exact mode: the paths must be bit-equal)"
+
+
+@dataclass(frozen=True)
+class ControlDetail:
+    """Control mode's detail of a scenario (:mod:`kvfast.check.control`), and a lossy cache's bounds in either
+    mode (:mod:`kvfast.check.lossy`): ``floor[t]`` (the order noise measured at step ``t``; a lossy cache's: the
+    expected error of its format), ``bound[t]`` (what the step is judged against), ``ratio[t]`` =
+    ``deviation / bound`` (always finite), ``floor_source[t]`` (what set the bound), ``margin`` and ``decisive``
+    (rounding up to ``margin`` times the bound, a bug beyond ``decisive`` times)."""
+
+    floor: np.ndarray
+    bound: np.ndarray
+    ratio: np.ndarray
+    floor_source: tuple[str, ...]
+    margin: float
+    decisive: float
+    mode = "control"
+
+    @property
+    def bounds(self) -> ControlDetail:
+        return self
+
+    def passes(self, verdict: str) -> bool:
+        return verdict in PASSING
+
+    def focus(self, s: ScenarioReport) -> int | None:
+        return s.first_bug_step if s.first_bug_step is not None else s.first_inconclusive_step
+
+    def first_bug(self, verdicts: tuple[str, ...]) -> int | None:
+        """The first step judged a bug (a lossy cache's: or divergent, its lossless twin's exact verdict)."""
+        return next((t for t, v in enumerate(verdicts) if v in ("bug", "divergent")), None)
+
+    def first_row(self, s: ScenarioReport) -> int | None:
+        return None
+
+    def columns(self) -> str:
+        return f" {'floor':>10} {'bound':>10} {'ratio':>9}"
+
+    def cells(self, t: int) -> str:
+        return f" {self.floor[t]:>10.4g} {self.bound[t]:>10.4g} {self.ratio[t]:>9.4g}"
+
+    def passing(self, s: ScenarioReport, head: str) -> str:
+        worst, most = float(s.deviation.max()), float(self.ratio.max())
+        return (
+            f"{head}; every step within {self.margin:g}x its bound (worst deviation {worst:.4g}, largest ratio "
+            f"{most:.3g})"
+        )
+
+    def failing(self, s: ScenarioReport, focus: int, head: str) -> str:
+        what = "first bug step" if s.first_bug_step is not None else "first inconclusive step"
+        msg = (
+            f"{head}; {what} {s.where(focus)}: max |cached - recompute| = {s.deviation[focus]:.6g}, "
+            f"{self.ratio[focus]:.4g}x its bound {self.bound[focus]:.4g} (rounding <= {self.margin:g}x, "
+            f"bug > {self.decisive:g}x; bound from {self.floor_source[focus]})"
+        )
+        if s.first_bug_step is not None and s.first_divergent_step is not None:
+            msg += f"; first nonzero deviation at step {s.first_divergent_step}"
+        return msg
+
+    def size(self, step: int, fmt: str) -> str:
+        return (
+            f", {self.ratio[step]:.4g}x the bound {self.bound[step]:.4g} that rounding can reach (rounding up to "
+            f"{self.margin:g}x, a bug beyond {self.decisive:g}x)"
+        )
+
+    def pass_size(self, deviation: float, ratio: float | None) -> str:
+        if not deviation > 0:
+            return "every compared step equals the recompute bit for bit"
+        return (
+            f"largest deviation {deviation:.4g}, at most {ratio:.3g}x the bound that rounding can reach (rounding up "
+            f"to {self.margin:g}x)"
+        )
+
+    def noise_line(self, step: int, fmt: str, ran: list[ScenarioReport]) -> str:
+        return ""
+
+    def floor_line(self, formats: NoiseFormats | None, passed: bool) -> str | None:
+        """Where the lowest internal format sets the bounds' floor and was not merely assumed (or the check
+        failed)."""
+        if formats is None or (formats.source == "assumed" and passed):
+            return None
+        return f"the bounds' floor is set by the lowest internal format {formats.line()}"
+
+    def noise_bound(self) -> np.ndarray | float:
+        return self.bound
+
+    def threshold(self, steps: int) -> tuple[tuple[float, ...], str]:
+        return tuple(float(b) * float(self.decisive) for b in self.bound), (
+            f"kvfast's control-mode bug threshold at each step: {self.decisive:g} x the step's bound (the order noise "
+            "kvfast measured for this model at that step, from recomputes that differ only in how they add up)"
+        )
+
+
+@dataclass(frozen=True)
+class LossyExactDetail(ExactDetail):
+    """Exact mode's detail of a lossy cache's scenario: judged as exact mode judges (a lossy cache never passes,
+    the first nonzero error is the first failure), shown with its ``bounds``, the format's expected error
+    (:mod:`kvfast.check.lossy`)."""
+
+    bounds: ControlDetail = field(kw_only=True)
+
+    def columns(self) -> str:
+        return self.bounds.columns()
+
+    def cells(self, t: int) -> str:
+        return self.bounds.cells(t)
+
+    def size(self, step: int, fmt: str) -> str:
+        return self.bounds.size(step, fmt)
+
+    def first_bug(self, verdicts: tuple[str, ...]) -> int | None:
+        return self.bounds.first_bug(verdicts)
+
+    def noise_bound(self) -> np.ndarray | float:
+        return self.bounds.bound
+
+
+Detail = ExactDetail | ControlDetail
+
+
+@dataclass(frozen=True)
 class ScenarioReport:
     """One scenario's comparison of the cache path against the recompute, step by step.
 
@@ -57,14 +246,11 @@ class ScenarioReport:
     - ``first_divergent_step``: the first step whose logits are not equal
       (``None``: none); ``first_divergent_position`` the position of its first
       differing row.
-    - control mode only: ``floor[t]`` (the order noise measured at step ``t``),
-      ``bound[t]`` (what the step is judged against), ``ratio[t]`` =
-      ``deviation / bound`` (always finite), ``floor_source[t]`` (what set the
-      bound), ``first_bug_step`` and ``first_inconclusive_step``.
-    - exact mode, where a step diverged: ``ulps[t]``, the deviation in units in the last place of the logits'
-      format at the step's magnitude (a divergence of a few is the size of order noise, not of a logic bug).
     - ``step_verdicts[t]``: ``exact``/``divergent`` or ``rounding``/``inconclusive``/``bug``;
       ``verdict``: the scenario's (its worst step's, or ``skipped`` with the reason in ``notes``).
+    - ``detail``: how the judge judged it, and what only that judge measures (``None``: skipped):
+      :class:`ExactDetail` (exact mode: each divergent step in units in the last place) or
+      :class:`ControlDetail` (control mode: each step's bound and ratio, :attr:`bounds`).
     - ``keep_logits=True`` only: ``cache_logits`` ``(T + steps, V)``, the cache
       path's logits (rows ``0..T-1`` the prompt's, row ``T + t - 1`` decode step
       ``t``'s), and ``reference``, the recompute rows they were compared with
@@ -72,7 +258,6 @@ class ScenarioReport:
     """
 
     name: str
-    mode: str
     prompt: np.ndarray
     tokens: np.ndarray
     deviation: np.ndarray
@@ -80,25 +265,33 @@ class ScenarioReport:
     verdict: str
     first_divergent_step: int | None
     first_divergent_position: int | None
-    floor: np.ndarray | None = None
-    bound: np.ndarray | None = None
-    ratio: np.ndarray | None = None
-    first_bug_step: int | None = None
-    margin: float | None = None
+    detail: Detail | None = None
     split: int | None = None
     notes: tuple[str, ...] = ()
     cache_logits: np.ndarray | None = field(default=None, repr=False)
     reference: np.ndarray | None = field(default=None, repr=False)
-    floor_source: tuple[str, ...] | None = None
-    first_inconclusive_step: int | None = None
-    decisive: float | None = None
-    ulps: np.ndarray | None = None
 
     @property
     def passed(self) -> bool:
-        """``True`` for ``exact``, ``rounding`` and ``skipped``, and ``lossy`` in control mode (exact mode
+        """``True`` for ``exact``, ``rounding`` and ``skipped``, and ``lossy`` where not judged exactly (exact mode
         promises ``==``, which no lossy cache can keep)."""
-        return self.verdict in PASSING and not (self.verdict == "lossy" and self.mode == "exact")
+        return self.verdict in PASSING if self.detail is None else self.detail.passes(self.verdict)
+
+    @property
+    def bounds(self) -> ControlDetail | None:
+        """Each step's bound, ratio and floor (control mode; a lossy cache's in either mode); ``None``: judged bit
+        for bit."""
+        return None if self.detail is None else self.detail.bounds
+
+    @property
+    def first_bug_step(self) -> int | None:
+        """The first step judged a bug (control mode, and a lossy cache's; ``None``: none, or judged bit for bit)."""
+        return None if self.detail is None else self.detail.first_bug(self.step_verdicts)
+
+    @property
+    def first_inconclusive_step(self) -> int | None:
+        """The first step judged ``inconclusive`` (``None``: none)."""
+        return next((t for t, v in enumerate(self.step_verdicts) if v == "inconclusive"), None)
 
     @property
     def steps(self) -> int:
@@ -117,9 +310,7 @@ class ScenarioReport:
     def focus_step(self) -> int | None:
         """The step a message is about: the first bug, else the first inconclusive step (control), or the
         first divergence (exact)."""
-        if self.mode == "control":
-            return self.first_bug_step if self.first_bug_step is not None else self.first_inconclusive_step
-        return self.first_divergent_step
+        return self.detail.focus(self)
 
     def table(self, max_rows: int = 12) -> str:
         """A short per-step table: the first steps, and the steps around the first failure."""
@@ -130,9 +321,7 @@ class ScenarioReport:
             show |= set(range(max(0, focus - 2), min(n, focus + 4)))
         show |= {n - 1}
         rows = sorted(show)[:max_rows]
-        head = f"{'step':>5} {'position':>9} {'fed token':>9} {'deviation':>11}"
-        if self.floor is not None:  # control mode, and a lossy cache in either mode (kvfast.check.lossy)
-            head += f" {'floor':>10} {'bound':>10} {'ratio':>9}"
+        head = f"{'step':>5} {'position':>9} {'fed token':>9} {'deviation':>11}" + self.detail.columns()
         lines = [head + "  verdict"]
         prev = -1
         for t in rows:
@@ -140,9 +329,7 @@ class ScenarioReport:
                 lines.append(f"{'...':>5}")
             prev = t
             tok = "-" if t == 0 else str(int(self.tokens[t - 1]))
-            line = f"{t:>5} {self.position(t):>9} {tok:>9} {self.deviation[t]:>11.4g}"
-            if self.floor is not None:
-                line += f" {self.floor[t]:>10.4g} {self.bound[t]:>10.4g} {self.ratio[t]:>9.4g}"
+            line = f"{t:>5} {self.position(t):>9} {tok:>9} {self.deviation[t]:>11.4g}" + self.detail.cells(t)
             mark = "  <- first" if t == focus else ""
             lines.append(f"{line}  {self.step_verdicts[t]}{mark}")
         return "\n".join(lines)
@@ -158,39 +345,23 @@ class ScenarioReport:
         """One paragraph: the verdict, the first divergent step, its deviation and the context tokens."""
         if self.verdict == "skipped":
             return f"scenario {self.name!r}: skipped ({'; '.join(self.notes)})"
+        mode = self.detail.mode
         if self.verdict == "lossy":  # a quantized cache within its format (kvfast.check.lossy)
             lossy = [n for n in self.notes if n.startswith("a lossy cache")]
+            b = self.bounds
             return (
-                f"scenario {self.name!r} ({self.mode}): lossy; every step within {self.margin:g}x its bound (largest "
+                f"scenario {self.name!r} ({mode}): lossy; every step within {b.margin:g}x its bound (largest "
                 f"error against the cache unquantized {float(self.deviation.max()):.4g}, largest ratio "
-                f"{float(self.ratio.max()):.3g}); " + "; ".join(lossy)
+                f"{float(b.ratio.max()):.3g}); " + "; ".join(lossy)
             )
         T = self.prompt.shape[0]
-        head = f"scenario {self.name!r} ({self.mode}): {self.verdict}"
+        head = f"scenario {self.name!r} ({mode}): {self.verdict}"
         if self.split is not None:
             head += f" (prompt split {self.split} + {T - self.split})"
         focus = self.focus_step()
         if focus is None:
-            worst = float(self.deviation.max())
-            if self.mode == "control":
-                most = float(self.ratio.max())
-                return (
-                    f"{head}; every step within {self.margin:g}x its bound (worst deviation {worst:.4g}, "
-                    f"largest ratio {most:.3g})"
-                )
-            return f"{head}; all {self.deviation.shape[0]} steps bit-identical to the recompute"
-        if self.mode == "control":
-            what = "first bug step" if self.first_bug_step is not None else "first inconclusive step"
-        else:
-            what = "first divergent step"
-        msg = f"{head}; {what} {self.where(focus)}: max |cached - recompute| = {self.deviation[focus]:.6g}"
-        if self.mode == "control":
-            msg += (
-                f", {self.ratio[focus]:.4g}x its bound {self.bound[focus]:.4g} (rounding <= {self.margin:g}x, "
-                f"bug > {self.decisive:g}x; bound from {self.floor_source[focus]})"
-            )
-            if self.first_bug_step is not None and self.first_divergent_step is not None:
-                msg += f"; first nonzero deviation at step {self.first_divergent_step}"
+            return self.detail.passing(self, head)
+        msg = self.detail.failing(self, focus, head)
         ctx = self.context(focus)
         shown = ", ".join(map(str, ctx[-24:]))
         more = f"... ({ctx.shape[0] - 24} earlier) " if ctx.shape[0] > 24 else ""
@@ -198,9 +369,8 @@ class ScenarioReport:
         return msg
 
     def _focus_position(self, step: int) -> str:
-        if step == 0 and self.first_divergent_position is not None and self.mode == "exact":
-            return str(self.first_divergent_position)
-        return self.position(step)
+        row = self.detail.first_row(self) if step == 0 else None
+        return self.position(step) if row is None else str(row)
 
     def context(self, step: int) -> np.ndarray:
         """The tokens the model had seen when step ``step``'s logits were computed."""
@@ -231,6 +401,7 @@ class CheckReport:
     it). ``logits_format``: the format the model's logits came in; ``formats``: the noise model's formats
     (:class:`~kvfast.check.formats.NoiseFormats`: the lowest internal format, which sets the floor of every
     bound and the admission ceiling of order noise, and whether it was declared, measured or assumed).
+    ``how``: how the judge judged, in words (``bit for bit (auto: every step bit-identical)``).
     """
 
     mode: str
@@ -246,6 +417,7 @@ class CheckReport:
     formats: NoiseFormats | None = None
     strict: bool = False
     native: str | None = None
+    how: str = ""
 
     @property
     def native_verdict(self) -> str:
@@ -257,7 +429,7 @@ class CheckReport:
     def judged(self) -> str:
         """How the check was judged: ``exact`` or ``control`` (``auto`` settles on one of them)."""
         ran = self.ran
-        return ran[0].mode if ran else self.mode
+        return ran[0].detail.mode if ran else self.mode
 
     @property
     def ran(self) -> list[ScenarioReport]:
@@ -275,7 +447,9 @@ class CheckReport:
         mode promises ``==``, which no lossy cache can keep); never with a length dependence."""
         if self.length_dependence is not None:
             return False
-        return self.verdict in ("exact", "rounding") or (self.verdict == "lossy" and self.judged != "exact")
+        return self.verdict in ("exact", "rounding") or (
+            self.verdict == "lossy" and all(s.passed for s in self.decider().ran)
+        )
 
     @property
     def steps(self) -> int:
@@ -319,7 +493,7 @@ class CheckReport:
     def max_ratio(self) -> float | None:
         """Control mode: the largest ratio over every step of every scenario that ran (``None``: no scenario has
         ratios, as in exact mode)."""
-        ratios = [float(s.ratio.max()) for s in self.scenarios.values() if s.ratio is not None and s.ratio.size]
+        ratios = [float(s.bounds.ratio.max()) for s in self.ran if s.bounds is not None and s.bounds.ratio.size]
         return max(ratios) if ratios else None
 
     def skipped_line(self) -> str | None:
@@ -367,16 +541,8 @@ class CheckReport:
             line += (
                 f" ({decider.logits_format} logic check); native {self.logits_format}: {self.native_verdict.upper()}"
             )
-        elif step is not None and worst.ulps is not None and worst.ulps[step] <= FEW_ULPS:
-            line += (
-                f", {worst.ulps[step]:.3g} units in the last place of its {self.logits_format} logits: the size of "
-                "order noise (two paths adding in different orders), not of a logic bug"
-            )
-            far = max(self.ran, key=lambda s: s.ulps.max() if s.ulps is not None else 0.0)
-            if far.ulps is not None and far.ulps.max() > MANY_ULPS:
-                t = int(far.ulps.argmax())
-                line += f"; but step {t} of {far.name!r} is {far.ulps[t]:.3g} units off, far beyond it"
-            line += "; --mode auto (the default) tells rounding from bugs"
+        elif step is not None:
+            line += worst.detail.noise_line(step, self.logits_format, self.ran)
         return line
 
     def detail_lines(self) -> list[str]:
@@ -388,12 +554,9 @@ class CheckReport:
             lines.append(self.length_dependence.line())
         if worst is not None:
             lines.append(decider.size_line())
-        how = {"exact": "bit for bit", "control": "against the model's measured order noise"}[self.judged]
-        if self.mode == "auto":
-            how += " (auto: every step bit-identical)" if self.judged == "exact" else " (auto: not bit-identical)"
         names = ", ".join(self.scenarios)
         lines.append(
-            f"checked {how}: {self.steps} decode steps after a prompt of {self.prompt.shape[0]} tokens, "
+            f"checked {self.how}: {self.steps} decode steps after a prompt of {self.prompt.shape[0]} tokens, "
             f"{self.logits_format} logits, {self.path} reference; scenarios: {names}"
         )
         return lines
@@ -404,24 +567,11 @@ class CheckReport:
         worst = self.worst
         step = None if worst.passed else worst.focus_step()
         if step is None:
-            if self.judged == "exact" or not self.max_deviation > 0:
-                return "every compared step equals the recompute bit for bit"
-            return (
-                f"largest deviation {self.max_deviation:.4g}, at most {self.max_ratio:.3g}x the bound that rounding "
-                f"can reach (rounding up to {worst.margin:g}x)"
-            )
-        line = (
+            return worst.detail.pass_size(self.max_deviation, self.max_ratio)
+        return (
             f"scenario {worst.name!r}, step {worst.where(step)}: the cached logits differ from the full recompute by "
             f"{worst.deviation[step]:.4g}"
-        )
-        if worst.ratio is not None:
-            return line + (
-                f", {worst.ratio[step]:.4g}x the bound {worst.bound[step]:.4g} that rounding can reach (rounding up to "
-                f"{worst.margin:g}x, a bug beyond {worst.decisive:g}x)"
-            )
-        if worst.ulps is not None:
-            line += f", {worst.ulps[step]:.4g} units in the last place of the {self.logits_format} logits"
-        return line
+        ) + worst.detail.size(step, self.logits_format)
 
     def format(self) -> str:
         """The full readable report: the verdict line, two lines of what it means, each scenario's summary, the
@@ -438,12 +588,9 @@ class CheckReport:
         worst = self.worst
         lines.append(f"per-step table ({worst.name!r}):")
         lines.append(worst.table())
-        if (
-            self.judged == "control"
-            and self.formats is not None
-            and (self.formats.source != "assumed" or not self.passed)
-        ):
-            lines.append(f"the bounds' floor is set by the lowest internal format {self.formats.line()}")
+        floor = worst.detail.floor_line(self.formats, self.passed)
+        if floor is not None:
+            lines.append(floor)
         if self.promoted is not None:
             ran = self.promoted.logits_format  # the format it actually ran in, never a claim of float64
             lines.append(f"logic check in {ran} (same tokens): {self.promoted.verdict.upper()}")
@@ -472,6 +619,6 @@ def deciding(native: str, promoted: CheckReport | None) -> str:
     return native
 
 
-def skipped(name: str, mode: str, prompt: np.ndarray, tokens: np.ndarray, why: str) -> ScenarioReport:
+def skipped(name: str, prompt: np.ndarray, tokens: np.ndarray, why: str) -> ScenarioReport:
     """Scenario ``name``'s report when it cannot run on this model: ``skipped``, ``why`` as its note."""
-    return ScenarioReport(name, mode, prompt, tokens, np.zeros(0), (), "skipped", None, None, notes=(why,))
+    return ScenarioReport(name, prompt, tokens, np.zeros(0), (), "skipped", None, None, notes=(why,))

@@ -1,11 +1,12 @@
-"""``kvfast scan [--families ...] [--dtypes ...] [--out DIR] [--jobs N] [--markdown]``: every causal-LM
-architecture of the installed transformers, checked and scored (the ``hf_scan`` study, extra ``kvfast[hf]``).
+"""``kvfast scan [--families ...] [--dtypes ...] [--mode MODE] [--out DIR] [--jobs N] [--markdown]``: every
+causal-LM architecture of the installed transformers, checked (in the default mode, ``auto``, unless ``--mode``
+says otherwise) and scored (the ``hf_scan`` study, extra ``kvfast[hf]``).
 
 Runs :func:`kvfast.studies.scan.scan_spec`'s grid on the sweep engine (parallel, resumable: a rerun runs only
 what is not stored), then prints the scoreboard (:func:`kvfast.studies.scan.scoreboard`) and the skipped
 architectures with their reasons, and writes both, as CSV and Markdown, to ``DIR.report/`` (beside the results,
 never inside them). ``--markdown`` prints them as Markdown (what docs/check.md pastes); ``kvfast report DIR``
-draws the heatmap. Bad input (an unknown family, dtype or scenario; with ``--repro``, a ``DIR.repro`` that is a
+draws the heatmap. Bad input (an unknown family, dtype, scenario or mode; with ``--repro``, a ``DIR.repro`` that is a
 file, holds files already, or cannot be written) is one line naming the allowed values, exit 2, before any run.
 Exit codes as ``kvfast run`` (:data:`kvfast.commands.sweep.EXIT_CODES`): a skipped architecture is a stored
 ``ok`` run whose verdict is ``skipped``, not a failure.
@@ -49,6 +50,11 @@ def add_parser(sub) -> None:
     p.add_argument("--attention", default="auto", metavar="IMPL", help="auto (the class's default), sdpa or eager")
     p.add_argument("--bugs", nargs="+", metavar="BUG", help="injected bugs (default: every bug of the catalogue; none)")
     p.add_argument(
+        "--mode", default="auto", metavar="MODE",
+        help="the check's mode: auto (the default: exact where bit-equal, else against the order noise), exact or "
+        "control",
+    )  # fmt: skip
+    p.add_argument(
         "--out", default="results/hf_scan", metavar="DIR", help="results directory (default: results/hf_scan)"
     )
     p.add_argument("--markdown", action="store_true", help="print the scoreboard and the skipped table as Markdown")
@@ -72,6 +78,7 @@ def _choose(values: list[str], allowed: tuple[str, ...], option: str) -> None:
 def build_grid(args):
     """The scan's grid from the command's arguments; ``ValueError`` (one line) for a bad one."""
     from kvfast.bugs.hf import HF_BUGS
+    from kvfast.check.options import MODES
     from kvfast.studies import STUDIES, scan
     from kvfast.studies.hf_common import require_torch
     from kvfast.sweep.grid import grid_from_spec
@@ -85,6 +92,8 @@ def build_grid(args):
     scenarios = _names(args.scenarios) or list(scan.scenarios())
     _choose(scenarios, scan.scenarios(), "--scenarios")
     _choose([args.attention], scan.ATTENTION, "--attention")
+    mode = getattr(args, "mode", "auto")
+    _choose([mode], MODES, "--mode")
     bugs = _names(args.bugs) or list(HF_BUGS)
     bugs = [] if bugs == ["none"] else bugs
     _choose(bugs, tuple(HF_BUGS), "--bugs")
@@ -94,7 +103,7 @@ def build_grid(args):
     require_int(getattr(args, "repro_seconds", 60), "--repro-seconds", 1)
     if args.jobs is not None:
         require_int(args.jobs, "--jobs", 1)
-    spec = scan.scan_spec(families, dtypes, scenarios, args.seeds, args.prompts, args.steps, args.attention, bugs)
+    spec = scan.scan_spec(families, dtypes, scenarios, args.seeds, args.prompts, args.steps, args.attention, bugs, mode)
     return grid_from_spec(spec, name="hf_scan", source="kvfast scan", studies=STUDIES)
 
 

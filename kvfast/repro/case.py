@@ -262,18 +262,6 @@ def inject(adapter, bug: tuple[str, str] | None):
     return CATALOGUES[catalogue][name].inject(adapter)
 
 
-def _threshold(s) -> tuple[tuple[float, ...], str]:
-    if s.mode == "exact" or s.bound is None:
-        return tuple(0.0 for _ in s.deviation), "exact equality (kvfast's exact mode: the paths must be bit-equal)"
-    thr = tuple(float(b) * float(s.decisive) for b in s.bound)
-    if s.verdict == "exact":
-        return tuple(0.0 for _ in s.deviation), "exact equality (kvfast found the two paths bit-equal at every step)"
-    return thr, (
-        f"kvfast's control-mode bug threshold at each step: {s.decisive:g} x the step's bound (the order noise "
-        "kvfast measured for this model at that step, from recomputes that differ only in how they add up)"
-    )
-
-
 def find_case(
     model,
     prompt,
@@ -316,7 +304,7 @@ def find_case(
     s, main = report.scenarios[scenario], report.scenarios[base]
     branch = next((report.scenarios[b] for b, op in _branches().items() if op == base and b in report.scenarios), None)
     hf = adapter.model
-    threshold, origin = _threshold(s)
+    threshold, origin = s.detail.threshold(s.steps)
     case = Case(
         model_class=type(hf).__name__,
         config=config_dict(hf.config),
@@ -331,7 +319,7 @@ def find_case(
         drafts=_drafts(base, main.tokens, adapter.vocab_size),
         bug=_injected(adapter),
         verdict=s.verdict,
-        first_bug_step=s.first_bug_step if s.mode == "control" else s.first_divergent_step,
+        first_bug_step=s.first_bug_step,  # (a report judged bit for bit has none: its verdict is exact)
         deviation=tuple(float(d) for d in s.deviation),
         threshold=threshold,
         threshold_origin=origin,

@@ -4,15 +4,19 @@
 A run calls ``factory(**args)`` -- ``factory`` is a config field naming a callable as
 ``"package.module:NAME"``, ``args`` are the study's factory-argument fields -- then checks the model's cache
 against its full recompute on a random prompt (``prompt_len`` tokens drawn from ``prompt_seed``) for ``steps``
-decode steps in ``mode`` (``exact``: ``==`` at every step; ``control``: against the model's order-noise
-floor), over ``scenarios`` (``decode``, ``resume`` or ``both``; the cache operations ``rollback``, ``fork``,
-``reorder``, ``padded``, or ``operations``: decode and all four, those a model has no hooks for reported as
-skipped). Result columns: ``verdict`` and ``passed`` (the report's), ``failed_scenario`` and ``failed_step``
-(where the check failed: the scenario and step of the first bug, or of the first divergence or inconclusive
-step where none is a bug; ``""`` and -1 when it passed), ``first_divergent_step`` (the first step whose logits
-are not bit-equal, rounding included; -1 if none), ``worst_deviation`` (largest \\|cache - recompute\\| logit
-over every step and scenario), ``ratio`` (control mode: the worst step's deviation over its floor bound; null
-in exact mode), ``worst_scenario`` and ``tokens`` (the checked token ids).
+decode steps in ``mode`` (``auto``: exact where every step is bit-equal, else against the model's order
+noise; ``exact``: ``==`` at every step; ``control``: against the model's order-noise floor), with ``promote``
+(``float64``: the float64 logic check; ``none``), over ``scenarios`` (``decode``, ``resume`` or ``both``; the
+cache operations ``rollback``, ``fork``, ``reorder``, ``padded``, or ``operations``: decode and all four,
+those a model has no hooks for reported as skipped). Result columns: ``verdict`` (the deciding verdict: a
+logic check's where it overrode the model's own format) and ``passed`` (the report's), ``native_verdict`` (the
+verdict in the model's own format) beside ``logic_verdict`` (the float64 logic check's; null where none ran),
+``failed_scenario`` and ``failed_step`` (where the check failed: the scenario and step of the first bug, or of
+the first divergence or inconclusive step where none is a bug, in the check that decided; ``""`` and -1 when it
+passed), ``first_divergent_step`` (the first step whose logits are not bit-equal, rounding included; -1 if
+none), ``worst_deviation`` (largest \\|cache - recompute\\| logit over every step and scenario), ``ratio``
+(the worst step's deviation over its bound where the check was judged against one; null where judged bit for
+bit), ``worst_scenario`` and ``tokens`` (the checked token ids).
 
 The built-in ``check`` study's factory arguments are those of :func:`kvfast_model` (kvfast's own
 transformer: shape, seed, preset, order, attention kernel, catalogue bug). A package sweeps its own
@@ -39,7 +43,7 @@ import pyarrow as pa
 from kvfast.bugs.kvfast_model import kvfast_model  # noqa: F401 - the built-in study's factory (defined there)
 from kvfast.check import CheckOptions, check_cache_with
 from kvfast.check.checker import as_model_under_test
-from kvfast.check.options import MODES
+from kvfast.check.options import MODES, PROMOTE
 from kvfast.check.protocol import vocab_of
 from kvfast.kernels.attention import ATTENTION_CODES
 from kvfast.kernels.reduce import ORDER_CODES
@@ -51,7 +55,7 @@ from kvfast.studies.criteria import EXACT, judged
 from kvfast.studies.plotting import SYMLOG_FLOOR, pyplot
 from kvfast.validation import require_int
 
-VERSION = "2"  # 2: failed_scenario and failed_step
+VERSION = "3"  # 2: failed_scenario and failed_step; 3: native_verdict and logic_verdict
 SCENARIO_CHOICES = {
     "decode": ("decode",), "resume": ("resume",), "both": ("decode", "resume"),
     # the cache operations (kvfast.check.scenarios): a grid axis value each, or all with decode
@@ -65,6 +69,7 @@ CHECK_FIELDS: dict[str, pa.DataType] = {
     "steps": pa.int64(),
     "mode": pa.string(),
     "scenarios": pa.string(),
+    "promote": pa.string(),
 }
 RESULT_FIELDS: dict[str, pa.DataType] = {
     "verdict": pa.string(),
@@ -76,6 +81,8 @@ RESULT_FIELDS: dict[str, pa.DataType] = {
     "tokens": pa.string(),
     "failed_scenario": pa.string(),
     "failed_step": pa.int64(),
+    "native_verdict": pa.string(),
+    "logic_verdict": pa.string(),
 }
 
 
@@ -93,6 +100,7 @@ def _validate_check(config: dict) -> None:
     require_int(config.get("steps"), "steps", 1, 4096)
     require_config_choice(config, "mode", MODES)
     require_config_choice(config, "scenarios", tuple(SCENARIO_CHOICES))
+    require_config_choice(config, "promote", ("none", *PROMOTE))  # "none": no logic check
     check_options(config)  # the checker's own validation of what the fields name, before any run
 
 
@@ -139,8 +147,9 @@ def check_study(
 
 
 def check_options(config: dict) -> CheckOptions:
-    """The checker's options a run's ``config`` names (``steps``, ``mode``, ``scenarios``)."""
-    return CheckOptions(config["steps"], config["mode"], SCENARIO_CHOICES[config["scenarios"]])
+    """The checker's options a run's ``config`` names (``steps``, ``mode``, ``scenarios``, ``promote``)."""
+    promote = None if config["promote"] == "none" else config["promote"]
+    return CheckOptions(config["steps"], config["mode"], SCENARIO_CHOICES[config["scenarios"]], promote=promote)
 
 
 def check_one(model, config: dict) -> dict:
@@ -152,7 +161,6 @@ def check_one(model, config: dict) -> dict:
     scenarios = {k: s for k, s in report.scenarios.items() if len(s.deviation)}
     worst_name = max(scenarios, key=lambda k: float(np.max(scenarios[k].deviation)), default="")
     worst = scenarios.get(worst_name)
-    ratios = [float(np.max(s.ratio)) for s in scenarios.values() if s.ratio is not None and len(s.ratio)]
     first = report.first_divergent_step
     failed = report.decider().worst
     failed_step = None if failed is None or failed.passed else failed.focus_step()
@@ -161,11 +169,13 @@ def check_one(model, config: dict) -> dict:
         "passed": bool(report.passed),
         "first_divergent_step": -1 if first is None else int(first),
         "worst_deviation": float(np.max(worst.deviation)) if worst is not None else 0.0,
-        "ratio": max(ratios) if ratios else None,
+        "ratio": report.max_ratio,
         "worst_scenario": worst_name,
         "tokens": ",".join(map(str, report.tokens)),
         "failed_scenario": "" if failed_step is None else failed.name,
         "failed_step": -1 if failed_step is None else int(failed_step),
+        "native_verdict": report.native_verdict,
+        "logic_verdict": None if report.promoted is None else report.promoted.verdict,
     }
 
 
@@ -194,10 +204,18 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
     return ok.groupby(keys).agg(checks=("run_id", "size"), worst_deviation=("worst_deviation", "max")).reset_index()
 
 
+#: The built-in study's factory (under both names a grid may give it): the claims are about its rows only.
+OWN_FACTORY = ("kvfast.studies.check:kvfast_model", "kvfast.bugs.kvfast_model:kvfast_model")
+
+
 def claims(df: pd.DataFrame) -> list[Claim]:
-    """Clean models pass every check; bugged ones fail every exact check (kvfast's own model)."""
+    """Clean models pass every check; bugged ones fail every exact check (kvfast's own model: the rows of the built-in
+    factory; a sweep of a user's own factory through this study has no claim)."""
+    if "bug" not in df.columns or "factory" not in df.columns:
+        return []
+    df = df[df["factory"].isin(OWN_FACTORY)]
     ok = ok_rows(df)
-    if "bug" not in ok.columns or not len(ok):
+    if not len(ok):
         return []
     clean = ok[ok["bug"] == NO_BUG]
     bugged = ok[(ok["bug"] != NO_BUG) & (ok["mode"] == "exact")]

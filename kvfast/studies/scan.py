@@ -1,10 +1,11 @@
 """The ``hf_scan`` study: every causal-LM architecture of the installed transformers, checked and scored (extra
 ``kvfast[hf]``; ``kvfast scan`` runs it).
 
-One run is one :func:`kvfast.check_cache` in control mode of one scenario on a tiny random model of one
-architecture (:func:`kvfast.studies.architectures.tiny_architecture`: ``architecture`` is a model type of
-transformers' own ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``; ``dtype``; ``attention``, ``auto`` for the class's
-default; weight ``seed``), on the ``prompt``-th random prompt of the seed's stream (4 to 7 tokens,
+One run is one :func:`kvfast.check_cache` in ``mode`` (``auto``, the default: ``exact`` where every step is
+bit-equal, else judged against the model's order noise; or ``exact``, ``control``) of one scenario on a tiny
+random model of one architecture (:func:`kvfast.studies.architectures.tiny_architecture`: ``architecture`` is a
+model type of transformers' own ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``; ``dtype``; ``attention``, ``auto`` for the
+class's default; weight ``seed``), on the ``prompt``-th random prompt of the seed's stream (4 to 7 tokens,
 ``default_rng(3000 + seed)``) with a random continuation of ``steps`` tokens; ``bug``: ``"none"`` (clean) or a
 bug of :data:`kvfast.bugs.hf.HF_BUGS` injected into the cache path; ``promote``: ``"float64"`` adds the
 logic check.
@@ -14,7 +15,8 @@ Result columns: ``verdict`` (the check's; or ``skipped``, with ``skip_kind`` and
 the check, ``adapter`` when kvfast refuses it as a model under test, e.g. no KV cache, or refuses to inject the
 bug, even inside a model call: :func:`kind_of`; ``scenario`` when the scenario cannot run on the model, a check
 that checked nothing and so never a pass), ``ratio``,
-``worst_deviation``, ``floor_source`` (what set the bound at the worst step), ``first_bug_step`` (-1: none),
+``worst_deviation``, ``floor_source`` (what set the bound at the worst step; null for a check judged bit for bit,
+as ``ratio``), ``first_bug_step`` (-1: none),
 ``acting_step`` (where the bug first acts, -1: it never acts in this scenario or the run is clean),
 ``right_step``, the logic check's ``logic_verdict``, ``logic_ratio``, ``logic_step``, the seconds to build the
 model (``build_s``, 0 when this worker had it already) and to check (``check_s``), the attention
@@ -41,7 +43,7 @@ from kvfast.studies.common import ok_rows, require_config_choice
 from kvfast.studies.plotting import pyplot
 from kvfast.validation import require_int
 
-VERSION = "1"
+VERSION = "2"  # 2: the mode field, auto by default
 PROMPT_STREAM = 3000
 PROMPT_LENGTHS = (4, 5, 6, 7)
 DTYPES = ("float32", "float64", "bfloat16")
@@ -60,6 +62,7 @@ CONFIG_FIELDS: dict[str, pa.DataType] = {
     "steps": pa.int64(),
     "bug": pa.string(),
     "promote": pa.string(),
+    "mode": pa.string(),
 }
 RESULT_FIELDS: dict[str, pa.DataType] = {
     "verdict": pa.string(),
@@ -98,7 +101,7 @@ def architectures() -> tuple[str, ...]:
 def validate_config(config: dict) -> None:
     """``ValueError`` naming the field (or the missing torch) before any run."""
     from kvfast.bugs.hf import HF_BUGS
-    from kvfast.check.options import PROMOTE
+    from kvfast.check.options import MODES, PROMOTE
 
     hf.require_torch("hf_scan")
     require_config_choice(config, "architecture", architectures())
@@ -110,6 +113,7 @@ def validate_config(config: dict) -> None:
     require_int(config.get("steps"), "steps", 1, 256)
     require_config_choice(config, "bug", (hf.NO_BUG, *HF_BUGS))
     require_config_choice(config, "promote", ("none", *PROMOTE))  # "none": promote=None
+    require_config_choice(config, "mode", MODES)
 
 
 @functools.lru_cache(maxsize=16)
@@ -138,10 +142,10 @@ def _version() -> str:
 
 
 def _worst_source(report) -> str | None:
-    s = next(iter(report.scenarios.values()))
-    if s.ratio is None or s.floor_source is None or not len(s.ratio):
+    b = next(iter(report.scenarios.values())).bounds
+    if b is None or not len(b.ratio):
         return None
-    return str(s.floor_source[int(np.nanargmax(s.ratio))])
+    return str(b.floor_source[int(np.nanargmax(b.ratio))])
 
 
 def _step(report) -> int:
@@ -173,7 +177,7 @@ def _check(config: dict, model):
     prompt, continuation = tokens(c, pad_token(model))
     promote = None if c["promote"] == "none" else c["promote"]
     report = check_cache(
-        adapter, prompt, mode="control", scenarios=(c["scenario"],), continuation=continuation, promote=promote
+        adapter, prompt, mode=c["mode"], scenarios=(c["scenario"],), continuation=continuation, promote=promote
     )
     return report, len(prompt)
 
@@ -243,12 +247,13 @@ def scan_spec(
     steps: int = 16,
     attention: str = "auto",
     bugs: list[str] | None = None,
+    mode: str = "auto",
 ) -> dict:
     """The grid spec of a scan (the form of ``hf_scan.toml``): ``families`` x ``scenario_names`` (default: every
-    scenario); clean runs in every dtype (bfloat16 with the logic check: :func:`logic_check_for`) x ``seeds`` x
-    ``prompts``; each of ``bugs`` (default: every injected bug; ``[]``: none) in the first dtype, seed 0,
-    prompt 0, in the scenarios where
-    it acts (:func:`kvfast.bugs.hf.first_acting_step`)."""
+    scenario), each check in ``mode``; clean runs in every dtype (bfloat16 with the logic check:
+    :func:`logic_check_for`) x ``seeds`` x ``prompts``; each of ``bugs`` (default: every injected bug; ``[]``:
+    none) in the first dtype, seed 0, prompt 0, in the scenarios where it acts
+    (:func:`kvfast.bugs.hf.first_acting_step`)."""
     from kvfast.bugs.hf import HF_BUGS, first_acting_step
 
     names = list(scenario_names or scenarios())
@@ -275,7 +280,7 @@ def scan_spec(
     return {
         "study": "hf_scan",
         "description": "kvfast scan",
-        "fixed": {"steps": steps, "attention": attention},
+        "fixed": {"steps": steps, "attention": attention, "mode": mode},
         "axes": {"architecture": list(families), "scenario": names},
         "union": union,
     }
@@ -487,10 +492,10 @@ FIGURES = (
     Figure(
         "hf_scan",
         "Every causal-LM architecture of transformers: clean verdicts",
-        "Tiny random models of every model type in transformers' causal-LM auto mapping, checked in control mode "
-        "per scenario (decode, resume). Each cell is the worst verdict over its clean runs: green is rounding, "
-        "red a bug called on a correct model, grey an architecture transformers cannot build or run here (the "
-        "table hf_scan_skipped gives the reasons). The summary table adds, per architecture, how many injected "
+        "Tiny random models of every model type in transformers' causal-LM auto mapping, checked per scenario "
+        "(decode, resume) in the default mode. Each cell is the worst verdict over its clean runs: green is exact "
+        "or rounding, red a bug called on a correct model, grey an architecture transformers cannot build or run here "
+        "(the table hf_scan_skipped gives the reasons). The summary table adds, per architecture, how many injected "
         "cache bugs were found.",
         heatmap_table,
         _draw_heatmap,

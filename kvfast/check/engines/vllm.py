@@ -643,13 +643,11 @@ class VLLMModel:
 
     # --- the check's set-up -----------------------------------------------------------------------------------
 
-    def prepare_check(self, options) -> list[str]:
-        """The checker's hook before a check (``options``: its :class:`~kvfast.check.options.CheckOptions`):
-        ``gemm_rows`` resolved for its mode (:attr:`rows_pinned`), and notes saying how the GEMMs ran when the
-        row count changes them on this CPU (:meth:`row_count_effect`) or ``gemm_rows`` is the user's."""
-        from kvfast.check.judge import judge_for
-
-        exact = not judge_for(options).measures_noise  # else vLLM's own arithmetic, the variants its noise
+    def prepare_check(self, plan) -> list[str]:
+        """The checker's hook before a check (``plan``: its :class:`~kvfast.check.protocol.CheckPlan`):
+        ``gemm_rows`` resolved for how it judges (:attr:`rows_pinned`), and notes saying how the GEMMs ran when
+        the row count changes them on this CPU (:meth:`row_count_effect`) or ``gemm_rows`` is the user's."""
+        exact = not plan.measures_noise  # bit for bit; else vLLM's own arithmetic, the variants its noise
         notes = self._split_note() if exact else []
         if isinstance(self.gemm_rows, int):
             self.rows_pinned = self.gemm_rows
