@@ -13,7 +13,7 @@ left. The layers, left to right:
 2. **model**: ``kvfast.model.*``.
 3. **check**: ``kvfast.check.*``, the product (``kvfast.check.metrics`` imports nothing from kvfast).
 4. **bugs**: ``kvfast.bugs.*``, test tooling: the bug catalogues (they subclass the checker's adapters) and
-   detector scoring. The checker never imports them.
+   detector scoring; and ``kvfast.testing``, the tiny test models. The checker never imports them.
 4a. **repro**: ``kvfast.repro.*``, a finding as an upstream-ready reproducer (it reads reports and
    re-injects catalogue bugs; the checker and the catalogues never import it).
 5. **sweep**: ``kvfast.sweep.*`` (grids, execution, Parquet, in-process runs; the ``Study`` contract and the
@@ -45,7 +45,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("kernels", ("kvfast.kernels", "kvfast.numerics")),
     ("model", ("kvfast.model",)),
     ("check", ("kvfast.check",)),
-    ("bugs", ("kvfast.bugs",)),
+    ("bugs", ("kvfast.bugs", "kvfast.testing")),
     ("repro", ("kvfast.repro",)),
     ("sweep", ("kvfast.sweep",)),
     ("studies", ("kvfast.studies",)),

