@@ -18,7 +18,7 @@ one warm-up run that compiles:
 
 Hugging Face models (when torch and transformers are installed; ``--hf-steps``,
 default 128): the tiny random Llama, GPT-2 and Mistral (a sliding window of 12, crossed by the prompt) of
-:func:`kvfast.check.hf.tiny_model` (float32, sdpa, one torch thread), a 16-token prompt:
+:func:`kvfast.testing.tiny_model` (float32, sdpa, one torch thread), a 16-token prompt:
 
 - plain: a cached greedy generation in torch (prefill, then one ``model(token,
   cache=...)`` per step);
@@ -113,7 +113,7 @@ def hf_benchmark(steps: int, repeats: int) -> None:
     try:
         import torch
 
-        from kvfast.check.hf import tiny_model
+        from kvfast.testing import tiny_model
     except ImportError:
         print("\nHugging Face benchmark skipped: torch/transformers not installed (pip install kvfast[hf])")
         return

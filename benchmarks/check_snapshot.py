@@ -91,7 +91,8 @@ def cases():
         import torch
 
         from kvfast.bugs.hf import inject_hf_bug
-        from kvfast.check.hf import HFModel, tiny_model
+        from kvfast.check.hf import HFModel
+        from kvfast.testing import tiny_model
     except ImportError:
         print("# Hugging Face cases left out: torch or transformers is not installed", file=sys.stderr)
         return

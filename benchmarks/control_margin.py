@@ -109,9 +109,10 @@ def hugging_face(prompts: int) -> list[Group]:
     import torch
 
     from kvfast.bugs.hf import HF_BUGS, first_acting_step, inject_hf_bug
-    from kvfast.check.hf import FAMILIES, HFModel, tiny_model
+    from kvfast.check.hf import HFModel
     from kvfast.studies.hf_common import prompt_and_continuation
     from kvfast.studies.hf_matrix import PROMPT_LENGTHS, PROMPT_STREAM
+    from kvfast.testing import FAMILIES, tiny_model
 
     torch.set_num_threads(1)
     groups = {k: Group(k) for k in ("HF float32", "HF float64", "HF bfloat16 logic")}

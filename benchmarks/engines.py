@@ -4,7 +4,7 @@
         [--sweep-seeds N] [--sweep-prompts 5]
 
 For onnxruntime-genai (``kvfast[ort]``), seeds ``0..seeds-1`` build a tiny random
-Llama and convert it (:func:`kvfast.check.engines.ort.tiny_ort_model`) at each of ``precisions`` (the
+Llama and convert it (:func:`kvfast.testing.tiny_ort_model`) at each of ``precisions`` (the
 builder's ``-p``), then:
 
 - **verdicts**, per build: clean runs in control mode over the seeds x two prompts x ``steps`` decode steps,
@@ -121,7 +121,8 @@ def ort_verdicts(builds: dict[str, list[tuple[Path, Path]]], steps: int) -> None
 def ort_own_sweep(root: Path, seeds: int, prompts: int, steps: int) -> None:
     from kvfast.bugs.engines import ORT_BUGS, inject_ort_bug
     from kvfast.check import check_cache
-    from kvfast.check.engines.ort import ORTModel, tiny_ort_model
+    from kvfast.check.engines.ort import ORTModel
+    from kvfast.testing import tiny_ort_model
 
     scenarios = ("decode", "resume", "rollback")
     clean: dict[str, int] = {}
@@ -192,7 +193,8 @@ def ort_cost(onnx: Path, hf: Path, steps: int, repeats: int, precision: str) -> 
 
 def llamacpp_cost(out: Path, steps: int, repeats: int) -> None:
     from kvfast.check import check_cache
-    from kvfast.check.engines.llamacpp import LlamaCppModel, tiny_gguf_model
+    from kvfast.check.engines.llamacpp import LlamaCppModel
+    from kvfast.testing import tiny_gguf_model
 
     gguf = tiny_gguf_model(out, seed=0, weights="f32")
     prompt = np.array(PROMPTS[1])
@@ -233,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         import onnxruntime_genai  # noqa: F401
         import torch
 
-        from kvfast.check.engines.ort import PRECISIONS, tiny_ort_model
+        from kvfast.testing import PRECISIONS, tiny_ort_model
     except ImportError:
         print("onnxruntime-genai not installed (pip install 'kvfast[ort,hf]'): nothing to measure")
         return 0

@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         import torch
         import transformers
 
-        from kvfast.check.hf import HFModel, tiny_model
+        from kvfast.check.hf import HFModel
+        from kvfast.testing import tiny_model
     except ImportError:
         return 0
     torch.set_num_threads(1)

@@ -1,4 +1,7 @@
-"""The figures of docs/check.md section 3, "The formats inside the model" (issue 18, rules 1, 3, 4).
+"""The noise model measured: the formats computed inside a model, the floor they set under the order-noise bound,
+the admission ceiling and the rounding probe, on correct models and on cache bugs (docs/check.md, section 3 "How a
+step is judged against order noise"; the tables: benchmarks/README.md, "The noise model: internal formats, the
+rounding probe").
 
     .venv/bin/python benchmarks/noise_model.py [--seeds 2]
 
@@ -38,7 +41,7 @@ def bloom(dtype: str, seed: int):
 
 
 def build(family: str, dtype: str, attention: str, seed: int):
-    from kvfast.check.hf import tiny_model
+    from kvfast.testing import tiny_model
 
     return bloom(dtype, seed) if family == "bloom" else tiny_model(family, dtype, attention, seed)
 

@@ -56,7 +56,7 @@ print(json.dumps({"runs": count, "s": time.perf_counter() - t0, "peak_mb": rss()
 
 TINY = r"""
 import numpy as np, pyarrow as pa
-from kvfast.studies.base import Study
+from kvfast.sweep.study import Study
 def _validate(config):
     from kvfast.validation import require_int
     require_int(config["x"], "x", 0)
@@ -129,7 +129,7 @@ import json, sys, tempfile, time
 import kvfast.studies
 kvfast.studies.STUDIES["tiny"] = TINY
 from kvfast.sweep import grid_from_spec, load, run_sweep
-from kvfast.sweep.engine import _dask_client
+from kvfast.sweep.backends.dask import dask_client
 if __name__ == "__main__":
     n = int(sys.argv[1])
     grid = grid_from_spec({"study": "tiny", "axes": {"x": list(range(n // 1000)), "k": list(range(1000))}})
@@ -142,7 +142,7 @@ if __name__ == "__main__":
             out[backend] = [n / first.wall_s, n / again.wall_s]
             frames[backend] = load(f"{tmp}/{backend}").drop(columns="wall_s")
         t0 = time.perf_counter()
-        client, cluster = _dask_client(2, None)
+        client, cluster = dask_client(2, None)
         start = time.perf_counter() - t0
         address = cluster.scheduler_address
         first = run_sweep(grid, f"{tmp}/dask", jobs=2, backend="dask", scheduler=address, quiet=True)
@@ -161,7 +161,7 @@ if __name__ == "__main__":
 
 RESUME_CHILD = r"""
 import io, json, sys, time, contextlib, argparse
-from kvfast.sweep.engine import _find_pending
+from kvfast.sweep.plan import find_pending
 from kvfast.sweep.store import ResultsDir, load
 from kvfast.sweep.grid import grid_from_spec, load_grid
 from kvfast.commands.sweep import cmd_show
@@ -171,7 +171,7 @@ spec["axes"] = dict(spec["axes"], seed=list(range(max(1, n // 432))))
 grid = grid_from_spec(spec, max_runs=10**9)
 t0 = time.perf_counter()
 store = ResultsDir(out)
-plan = _find_pending(grid, store.stored_index(), ())
+plan = find_pending(grid, store.stored_index(), ())
 t_resume = time.perf_counter() - t0
 t0 = time.perf_counter()
 df = load(out)

@@ -170,8 +170,9 @@ def _model(name: str, how: str, dtype: str, attention: str):
     """The clean model ``name`` as the child builds it (an ``HFModel`` or a transformers model)."""
     import transformers
 
-    from kvfast.check.hf import HFModel, tiny_model
+    from kvfast.check.hf import HFModel
     from kvfast.studies.architectures import tiny_architecture
+    from kvfast.testing import tiny_model
 
     if how == "architecture":
         return tiny_architecture(name, dtype, "auto", 0)

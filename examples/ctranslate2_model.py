@@ -79,7 +79,7 @@ def convert(hf_dir, out, quantization: str = "float32") -> Path:
 
 def main() -> int:
     import kvfast
-    from kvfast.check.engines.tiny import tiny_llama
+    from kvfast.testing import tiny_llama
 
     with tempfile.TemporaryDirectory() as tmp:
         tiny_llama(Path(tmp) / "hf", seed=0)

@@ -1,5 +1,5 @@
 """A check study over tiny Hugging Face models: each run builds one with
-:func:`kvfast.check.hf.tiny_model` and checks its KV cache with :func:`kvfast.check_cache`.
+:func:`kvfast.testing.tiny_model` and checks its KV cache with :func:`kvfast.check_cache`.
 
 Used by ``examples/hf_check.toml``; needs ``kvfast[hf]`` (torch and transformers). For your own
 stack, replace ``factory`` in the grid by your own ``module:function`` and ``ARGS`` by its arguments.

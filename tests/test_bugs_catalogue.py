@@ -97,7 +97,7 @@ def test_a_bug_subclasses_the_adapter_in_place_and_keeps_its_name(params):
 
 # --- the product holds no bug branch ----------------------------------------------------------------------------
 
-PRODUCT_ADAPTERS = ("check/hf.py", "check/hf_ops.py", "check/adapters.py", "check/lossy.py", "check/engines/ort.py",
+PRODUCT_ADAPTERS = ("check/hf.py", "check/hf_path.py", "check/adapters.py", "check/lossy.py", "check/engines/ort.py",
                     "check/engines/llamacpp.py", "check/engines/transformer_lens.py")  # fmt: skip
 BUG_ATTRIBUTES = {"bug", "op_bug", "lossy_bug"}
 

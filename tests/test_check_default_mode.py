@@ -26,7 +26,8 @@ import ropedecoder  # noqa: E402
 
 from kvfast.bugs.hf import first_acting_step, inject_hf_bug  # noqa: E402
 from kvfast.check import check_cache  # noqa: E402
-from kvfast.check.hf import HFModel, tiny_model  # noqa: E402
+from kvfast.check.hf import HFModel  # noqa: E402
+from kvfast.testing import tiny_model  # noqa: E402
 
 PROMPT = [5, 17, 3, 40, 22, 9]
 STEPS = 10

@@ -29,9 +29,10 @@ else:
 
 from kvfast.bugs.hf import HF_BUGS, HF_LOGIC_BUGS, first_acting_step, inject_hf_bug  # noqa: E402
 from kvfast.check import ModelUnderTestError, check_cache  # noqa: E402
-from kvfast.check.hf import ATTENTION, DTYPES, FAMILIES, MISTRAL_WINDOW, TINY_VOCAB, HFModel, tiny_model  # noqa: E402
+from kvfast.check.hf import HFModel  # noqa: E402
 from kvfast.studies.hf_common import prompt_and_continuation  # noqa: E402
 from kvfast.studies.hf_matrix import PROMPT_LENGTHS, PROMPT_STREAM  # noqa: E402
+from kvfast.testing import ATTENTION, DTYPES, FAMILIES, MISTRAL_WINDOW, TINY_VOCAB, tiny_model  # noqa: E402
 
 STEPS = 16
 # (seed, prompt id, prompt of 4 or 5 tokens, continuation): the hf_matrix study's first two prompts per seed
@@ -337,7 +338,8 @@ def test_kv_check_takes_a_hugging_face_model(pytester):
         test_hf="""
         import torch
         from kvfast.bugs.hf import inject_hf_bug
-        from kvfast.check.hf import HFModel, tiny_model
+        from kvfast.check.hf import HFModel
+        from kvfast.testing import tiny_model
 
         torch.set_num_threads(1)
 
@@ -356,7 +358,8 @@ def test_kv_check_takes_a_hugging_face_model(pytester):
 
 
 HF_BUGGED = (
-    "from kvfast.bugs.hf import inject_hf_bug\nfrom kvfast.check.hf import HFModel, tiny_model\n\n"
+    "from kvfast.bugs.hf import inject_hf_bug\nfrom kvfast.check.hf import HFModel\n"
+    "from kvfast.testing import tiny_model\n\n"
     "def make(bug, dtype='float32', family='llama'):\n"
     "    return inject_hf_bug(HFModel(tiny_model(family, dtype)), bug)\n"
 )
@@ -389,7 +392,7 @@ def test_cli_checks_a_hugging_face_model(capsys, tmp_path, monkeypatch):
     def in_process(*argv: str) -> dict:
         return run_check(build_parser().parse_args(list(argv)))
 
-    base = ["check", "kvfast.check.hf:tiny_model", "--prompt", "1,2,3,4", "--mode", "control"]
+    base = ["check", "kvfast.testing:tiny_model", "--prompt", "1,2,3,4", "--mode", "control"]
     clean = in_process(*base, "--steps", "4", "--factory-arg", "family=gpt2", "--factory-arg", "seed=1")
     assert clean["code"] == EXIT_PASS and "ROUNDING" in clean["text"]
     split = in_process(*bf16, "--factory-arg", "bug=replay", "--split", "1", "--margin", "2", "--decisive", "8")
@@ -409,11 +412,12 @@ def test_cli_checks_a_hugging_face_model_with_every_option(capsys, tmp_path, mon
     in one process)."""
     from kvfast.cli import main
 
-    base = ["check", "kvfast.check.hf:tiny_model", "--prompt", "1,2,3,4", "--mode", "control"]
+    base = ["check", "kvfast.testing:tiny_model", "--prompt", "1,2,3,4", "--mode", "control"]
     assert main([*base, "--steps", "4", "--factory-arg", "family=gpt2", "--factory-arg", "seed=1"]) == 0
     assert "ROUNDING" in capsys.readouterr().out
     (tmp_path / "hf_bugged.py").write_text(
-        "from kvfast.bugs.hf import inject_hf_bug\nfrom kvfast.check.hf import HFModel, tiny_model\n\n"
+        "from kvfast.bugs.hf import inject_hf_bug\nfrom kvfast.check.hf import HFModel\n"
+        "from kvfast.testing import tiny_model\n\n"
         "def make(bug, dtype='float32', family='llama'):\n"
         "    return inject_hf_bug(HFModel(tiny_model(family, dtype)), bug)\n"
     )
@@ -448,7 +452,7 @@ def test_no_deprecation_warning_from_transformers():
     code = (
         "import torch; torch.set_num_threads(1)\n"
         "from kvfast.check import check_cache\n"
-        "from kvfast.check.hf import tiny_model\n"
+        "from kvfast.testing import tiny_model\n"
         "for family in ('llama', 'gpt2'):\n"
         "    check_cache(tiny_model(family), [1, 2, 3, 4], 4, mode='control', promote='float64')\n"
         "    check_cache(tiny_model(family), [1, 2, 3, 4], 4)\n"

@@ -25,10 +25,11 @@ else:
 from kvfast.bugs.hf import inject_hf_bug  # noqa: E402
 from kvfast.bugs.operations import OP_BUGS, WINDOW_BUG, inject_op_bug, op_first_acting_step  # noqa: E402
 from kvfast.check import check_cache  # noqa: E402
-from kvfast.check.hf import MISTRAL_WINDOW, HFModel, tiny_model  # noqa: E402
+from kvfast.check.hf import HFModel  # noqa: E402
 from kvfast.check.scenarios import BRANCH  # noqa: E402
 from kvfast.studies.hf_common import prompt_and_continuation  # noqa: E402
 from kvfast.studies.hf_matrix import PROMPT_LENGTHS, PROMPT_STREAM  # noqa: E402
+from kvfast.testing import MISTRAL_WINDOW, tiny_model  # noqa: E402
 
 STEPS = 16
 OPS = ("rollback", "fork", "reorder", "padded")

@@ -10,7 +10,7 @@ test``); ``benchmarks/scan_releases.py`` runs the same models on 4.57, 5.0, 5.10
 
 The crop: before 5.14 ``cache.crop(m)`` keeps ``m`` positions for ``m >= 0`` (``crop(0)`` empties the
 cache), from 5.14 on ``crop(0)`` removes nothing; ``crop(-r)`` removes ``r`` in both
-(:func:`kvfast.check.hf_ops.crop_argument`).
+(:func:`kvfast.check.hf_path.crop_argument`).
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ else:
 
 from packaging.version import Version  # noqa: E402 (a dependency of transformers)
 
-from kvfast.check import check_cache, hf_ops  # noqa: E402
-from kvfast.check.hf import MISTRAL_WINDOW, HFModel, tiny_model  # noqa: E402
+from kvfast.check import check_cache, hf_path  # noqa: E402
+from kvfast.check.hf import HFModel  # noqa: E402
 from kvfast.check.options import ALL_SCENARIOS  # noqa: E402
 from kvfast.check.protocol import ModelUnderTestError  # noqa: E402
+from kvfast.testing import MISTRAL_WINDOW, tiny_model  # noqa: E402
 
 RELEASE = Version(transformers.__version__)
 PROMPT = list(range(3, 3 + MISTRAL_WINDOW + 4))  # longer than Mistral's window
@@ -111,9 +112,9 @@ def test_a_state_space_model_is_checked_on_every_release(architecture, scenario,
 
 def test_crop_zero_is_asked_of_the_release():
     """The installed release says what ``crop(0)`` does; its answer is the one its sources give (5.14)."""
-    assert hf_ops.crop_zero_removes_nothing() is (RELEASE >= Version("5.14"))
-    assert hf_ops.crop_argument(None, 3) == -3
-    assert hf_ops.crop_argument(None, 0) == (0 if RELEASE >= Version("5.14") else None)
+    assert hf_path.crop_zero_removes_nothing() is (RELEASE >= Version("5.14"))
+    assert hf_path.crop_argument(None, 3) == -3
+    assert hf_path.crop_argument(None, 0) == (0 if RELEASE >= Version("5.14") else None)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
@@ -179,7 +180,7 @@ def _llama_over(cache_class) -> HFModel:
 
 def test_an_operation_the_release_refuses_is_skipped_naming_the_release_and_the_refusal():
     report = check_cache(_llama_over(RefusingCache), PROMPT, STEPS, mode="control", scenarios=["rollback", "reorder"])
-    for name, call in (("rollback", "crop(0)" if hf_ops.crop_argument(None, 0) == 0 else "crop(-1)"),
+    for name, call in (("rollback", "crop(0)" if hf_path.crop_argument(None, 0) == 0 else "crop(-1)"),
                        ("reorder", "reorder_cache()")):  # fmt: skip
         scenario = report.scenarios[name]
         assert scenario.verdict == "skipped", report.format()

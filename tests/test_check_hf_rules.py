@@ -26,7 +26,7 @@ else:
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 from kvfast.check import ModelUnderTestError, check_cache  # noqa: E402
-from kvfast.check.hf import tiny_model  # noqa: E402
+from kvfast.testing import tiny_model  # noqa: E402
 
 LIMIT = 16
 PROMPT = list(range(1, 11))
@@ -127,7 +127,7 @@ def test_kvfast_check_exits_4_with_one_line_when_the_models_forward_fails(tmp_pa
     import kvfast
 
     (tmp_path / "lying.py").write_text(
-        "from kvfast.check.hf import tiny_model\n\n\ndef make():\n"
+        "from kvfast.testing import tiny_model\n\n\ndef make():\n"
         "    model = tiny_model('llama', 'float32', 'sdpa', 0)\n"
         "    model.config.vocab_size = 200  # the embedding holds 96\n    return model\n"
     )

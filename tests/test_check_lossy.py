@@ -101,7 +101,8 @@ def test_a_lossy_cache_without_lossless_is_bad_input():
 def test_transformers_fp8_quantized_cache_is_lossy(family):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from kvfast.check.hf import HFModel, tiny_model
+    from kvfast.check.hf import HFModel
+    from kvfast.testing import tiny_model
 
     torch.set_num_threads(1)
     model = tiny_model(family, "float32", "sdpa", 0)
@@ -142,8 +143,8 @@ def test_quanto_and_hqq_quantized_caches_are_lossy_never_rounding(backend, monke
     pytest.importorskip(module)
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from kvfast.check import hf_ops
-    from kvfast.check.hf import HFModel, tiny_model
+    from kvfast.check.hf import HFModel
+    from kvfast.testing import tiny_model
 
     torch.set_num_threads(1)
     model = tiny_model("llama", "float32", "sdpa", 0)
@@ -159,8 +160,8 @@ def test_quanto_and_hqq_quantized_caches_are_lossy_never_rounding(backend, monke
 
     two_bits = {**kwargs, "nbits": 2}
     adapter = HFModel(model, new_cache=lambda: transformers.QuantizedCache(backend, model.config, **two_bits))
-    original = hf_ops.lossy_format
-    monkeypatch.setattr(hf_ops, "lossy_format", lambda a: "int8" if original(a) == "int2" else original(a))
+    original = HFModel.lossy_cache.fget
+    monkeypatch.setattr(HFModel, "lossy_cache", property(lambda a: "int8" if original(a) == "int2" else original(a)))
     worse = check_cache(adapter, list(range(3, 11)), 12, mode="control", scenarios="decode")
     assert worse.verdict == "bug" and worse.scenarios["decode"].first_bug_step == 1, worse.format()
 

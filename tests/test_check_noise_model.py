@@ -142,7 +142,8 @@ else:
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 from kvfast.bugs.hf import HF_BUGS, first_acting_step, inject_hf_bug  # noqa: E402
-from kvfast.check.hf import HFModel, measure_internal_formats, tiny_model  # noqa: E402
+from kvfast.check.hf import HFModel, measure_internal_formats  # noqa: E402
+from kvfast.testing import tiny_model  # noqa: E402
 
 
 def bloom(dtype="float32", seed=0):

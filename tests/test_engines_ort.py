@@ -27,7 +27,8 @@ else:
 from kvfast.bugs.engines import ENGINE_WINDOW as ORT_WINDOW  # noqa: E402
 from kvfast.bugs.engines import ORT_BUGS, inject_ort_bug  # noqa: E402
 from kvfast.check import check_cache  # noqa: E402
-from kvfast.check.engines.ort import DEFAULT_VARIANTS, ORTModel, tiny_ort_model  # noqa: E402
+from kvfast.check.engines.ort import DEFAULT_VARIANTS, ORTModel  # noqa: E402
+from kvfast.testing import tiny_ort_model  # noqa: E402
 
 torch.set_num_threads(1)
 PROMPTS = ([3, 4, 5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1])
@@ -173,7 +174,7 @@ def test_the_engines_study_checks_one_model_in_transformers_and_onnxruntime_gena
 
 def test_other_weights_offered_as_the_transformers_variant_are_refused_not_taken_for_noise(built, tmp_path):
     onnx, _ = built
-    from kvfast.check.engines.tiny import tiny_llama
+    from kvfast.testing import tiny_llama
 
     tiny_llama(tmp_path / "other", seed=7)  # a wrong conversion looks like this: another function entirely
     model = ORTModel(onnx, variants=("batch", "transformers"), hf_model=tmp_path / "other")

@@ -25,17 +25,8 @@ torch = pytest.importorskip("torch")
 
 from kvfast.bugs.engines import TL_BUGS, TL_WINDOW, inject_tl_bug  # noqa: E402
 from kvfast.check import check_cache  # noqa: E402
-from kvfast.check.engines.tiny import tiny_llama  # noqa: E402
-from kvfast.check.engines.transformer_lens import (  # noqa: E402
-    NO_PADS,
-    POSITIONALS,
-    TLBridgeModel,
-    TLModel,
-    cache_class,
-    engine_model,
-    tiny_tl_config,
-    tiny_tl_model,
-)
+from kvfast.check.engines.transformer_lens import NO_PADS, TLBridgeModel, TLModel, cache_class, engine_model  # noqa: E402
+from kvfast.testing import POSITIONALS, tiny_llama, tiny_tl_config, tiny_tl_model  # noqa: E402
 
 pytestmark = pytest.mark.transformer_lens
 torch.set_num_threads(1)
@@ -199,7 +190,7 @@ def test_kvfast_check_engine_transformer_lens_and_a_factory_that_returns_a_hooke
     assert done.returncode == 0 and "PASS" in done.stdout, done.stdout + done.stderr
     from kvfast.commands.check import build_model
 
-    built = build_model("kvfast.check.engines.transformer_lens:tiny_tl_model", {"positional": "alibi"})
+    built = build_model("kvfast.testing:tiny_tl_model", {"positional": "alibi"})
     assert type(built).__name__ == "HookedTransformer"  # as a factory returns it: check_cache wraps it
     with pytest.raises(ValueError, match="returns no model under test"):  # the control: another torch module
         build_model("torch.nn:Identity", {})

@@ -13,7 +13,7 @@ pytest.importorskip("ctranslate2", reason="CTranslate2 is not installed (pip ins
 torch = pytest.importorskip("torch")
 
 from kvfast.check import check_cache  # noqa: E402
-from kvfast.check.engines.tiny import tiny_llama  # noqa: E402
+from kvfast.testing import tiny_llama  # noqa: E402
 
 torch.set_num_threads(1)
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "ctranslate2_model.py"

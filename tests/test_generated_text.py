@@ -104,8 +104,9 @@ def test_a_real_reproducer_found_by_an_injecting_command_runs_only_its_check(tmp
     import numpy as np
 
     from kvfast.bugs.hf import inject_hf_bug
-    from kvfast.check.hf import HFModel, tiny_model
+    from kvfast.check.hf import HFModel
     from kvfast.repro import find_case
+    from kvfast.testing import tiny_model
 
     adapter = inject_hf_bug(HFModel(tiny_model("llama")), "posoff")
     command = f"kvfast check buggy:model --repro {INJECTION} {BAD_ESCAPE} {BACKTICK}"

@@ -11,9 +11,10 @@ left. The layers, left to right:
 1. **kernels**: ``kvfast.kernels.*`` and ``kvfast.numerics`` (the validated names of the kernels'
    format, order and attention codes).
 2. **model**: ``kvfast.model.*``.
-3. **check**: ``kvfast.check.*``, the product (``kvfast.check.metrics`` imports nothing from kvfast).
+3. **check**: ``kvfast.check.*``, the product (``kvfast.check.metrics`` imports nothing from kvfast), and
+   ``kvfast.testing`` (tiny random models for tests and examples; the engines' and the studies' too).
 4. **bugs**: ``kvfast.bugs.*``, test tooling: the bug catalogues (they subclass the checker's adapters) and
-   detector scoring; and ``kvfast.testing``, the tiny test models. The checker never imports them.
+   detector scoring. The checker never imports them.
 4a. **repro**: ``kvfast.repro.*``, a finding as an upstream-ready reproducer (it reads reports and
    re-injects catalogue bugs; the checker and the catalogues never import it).
 5. **sweep**: ``kvfast.sweep.*`` (grids, execution, Parquet, in-process runs; the ``Study`` contract and the
@@ -44,8 +45,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("leaf", ("kvfast._version", "kvfast._lazy", "kvfast.validation", "kvfast.runtime")),
     ("kernels", ("kvfast.kernels", "kvfast.numerics")),
     ("model", ("kvfast.model",)),
-    ("check", ("kvfast.check",)),
-    ("bugs", ("kvfast.bugs", "kvfast.testing")),
+    ("check", ("kvfast.check", "kvfast.testing")),
+    ("bugs", ("kvfast.bugs",)),
     ("repro", ("kvfast.repro",)),
     ("sweep", ("kvfast.sweep",)),
     ("studies", ("kvfast.studies",)),
@@ -205,9 +206,9 @@ def test_the_checks_fail_on_a_right_to_left_edge_and_on_a_cycle(graph):
     found = cycles(fake)
     assert len(found) == 1 and {"kvfast.bugs.score", "kvfast.studies.detector"} <= set(found[0])
     fake = {name: set(targets) for name, targets in graph.items()}
-    fake["kvfast.check.hf_ops"].add("kvfast.bugs.operations")
-    assert right_to_left(fake) == ["kvfast.check.hf_ops (check) imports kvfast.bugs.operations (bugs)"]
-    assert any({"kvfast.check.hf_ops", "kvfast.bugs.operations"} <= set(group) for group in cycles(fake))
+    fake["kvfast.check.hf_path"].add("kvfast.bugs.operations")
+    assert right_to_left(fake) == ["kvfast.check.hf_path (check) imports kvfast.bugs.operations (bugs)"]
+    assert any({"kvfast.check.hf_path", "kvfast.bugs.operations"} <= set(group) for group in cycles(fake))
     with pytest.raises(ValueError, match="in no layer"):
         layer_of("kvfast.newthing")
 

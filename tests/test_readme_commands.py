@@ -32,7 +32,7 @@ RULES = [
     (r"python3 dev\.py ", "not run: the test suite itself, or a whole environment"),
     (r"python benchmarks/scan_releases\.py ", "not run: installs one transformers release per environment"),
     (r"kvfast check kvfast\.bugs\.kvfast_model:tiny_model ", "run"),
-    (r"kvfast check kvfast\.check\.hf:tiny_model ", "slow", ("torch", "transformers")),
+    (r"kvfast check kvfast\.testing:tiny_model ", "slow", ("torch", "transformers")),
     (r"kvfast check --engine ", "not run: MODEL_DIR, HF_DIR, tiny/onnx and tiny.json are placeholders for a model"),
     (r"kvfast check mymodels:", "not run: mymodels is a placeholder for your own factory"),
     (r"kvfast grids$", "run"),
@@ -42,10 +42,11 @@ RULES = [
     (r"kvfast run my_grid\.toml ", "not run: my_grid.toml is a placeholder for your own grid"),
     (r"kvfast run examples/sum_order\.toml ", "slow"),
     (r"kvfast run check ", "slow"),
-    (r"kvfast show results/", "slow"),
+    (r"kvfast show results/(?!mine$)", "slow"),
+    (r"kvfast show results/mine$", "not run: the results of my_grid.toml, a placeholder for your own grid"),
     (r"kvfast study (precision|neartied|training)$", "slow"),
     (r"kvfast scan --families mamba ", "slow", ("torch", "transformers")),
-    (r"kvfast reproduce ", "not run: every study of the write-up; tests/test_reference_data.py reruns them (slow)"),
+    (r"kvfast reproduce( |$)", "not run: every study of the write-up; tests/test_reference_data.py reruns them (slow)"),
 ]
 
 

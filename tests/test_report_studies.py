@@ -20,9 +20,9 @@ from kvfast.cli import main
 from kvfast.report import facts, load_results, render, summaries
 from kvfast.report.figures import matplotlib_available, ordered_studies, sections
 from kvfast.studies import STUDIES
-from kvfast.studies.base import Fact, Figure, Study
 from kvfast.studies.common import ok_rows
 from kvfast.studies.plotting import pyplot
+from kvfast.sweep.study import Fact, Figure, Study
 
 # --- a toy study: everything the report shows of it is declared here ----------------------------------------
 

@@ -14,10 +14,11 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from kvfast.bugs import CATALOGUES  # noqa: E402
-from kvfast.check.hf import HFModel, tiny_model  # noqa: E402
+from kvfast.check.hf import HFModel  # noqa: E402
 from kvfast.repro import check_case, find_case, write_reproducer  # noqa: E402
 from kvfast.repro.patches import PATCHES, patch_for  # noqa: E402
 from kvfast.repro.shrink import shrink_case  # noqa: E402
+from kvfast.testing import tiny_model  # noqa: E402
 
 #: Runs scripts in one interpreter with kvfast made unimportable (``sys.modules['kvfast'] = None``), in isolated
 #: mode (no PYTHONPATH, no current directory on sys.path): what they import must be torch and transformers only.
@@ -192,7 +193,8 @@ def test_the_findings_list_new_first():
 
 BUGGY = """
 from kvfast.bugs.hf import inject_hf_bug
-from kvfast.check.hf import HFModel, tiny_model
+from kvfast.check.hf import HFModel
+from kvfast.testing import tiny_model
 
 
 def buggy(seed=0):
@@ -304,7 +306,7 @@ def test_a_finding_only_the_logic_check_shows_reproduces_in_float64(tmp_path):
     native = check_cache(
         HFModel(model), PROMPT, mode="control", scenarios=("resume",), continuation=CONTINUATION[:4], promote="float64"
     )
-    assert native.verdict != "bug" and native.promoted.verdict == "bug"
+    assert native.native_verdict != "bug" and native.promoted.verdict == "bug" and native.verdict == "bug"
     case = find_case(model, PROMPT, "resume", continuation=CONTINUATION[:4], promote="float64")
     assert case.verdict == "bug" and case.dtype == "bfloat16" and case.promote == "float64" and case.weights is None
     assert check_case(case).scenarios["resume"].verdict == "bug"
@@ -349,3 +351,63 @@ def test_a_check_reproduces_a_second_branch_with_its_scenario_s_tokens(tmp_path)
         assert case["branch_tokens"] == report.scenarios["reorder-beam"].tokens.tolist()
         assert case["deviation"] == report.scenarios[name].deviation.tolist()
     assert "JUDGED = 'branch'" in (tmp_path / "reorder-beam" / "reproduce.py").read_text()
+
+
+#: A program run with a copy of kvfast first on its path: the decode of a clean tiny Llama's case, its reproducer
+#: written to argv[2] (its verdict printed).
+FROM_COPY = """
+import sys
+import numpy as np
+import kvfast
+from kvfast.check.hf import HFModel
+from kvfast.testing import tiny_model
+from kvfast.repro import find_case, write_reproducer
+
+assert kvfast.__file__.startswith(sys.argv[1]), kvfast.__file__
+case = find_case(HFModel(tiny_model("llama")), np.array([5, 17]), "decode", continuation=np.array([3]))
+write_reproducer(case, sys.argv[2])
+print(case.verdict, case.first_bug_step)
+"""
+#: An edit of the shared cached path (kvfast/check/hf_path.py): the decoded token's position_ids one ahead.
+EDIT = ("positions = self._decode_positions()", "positions = [self.length + 1]  # edited in a copy")
+
+
+def test_the_checker_and_a_reproducer_run_one_cached_path_source(tmp_path, capsys):
+    """The cached path is written once (kvfast.check.hf_path): edited in a copy of kvfast, both the checker's
+    HFModel (its verdict) and a reproducer written by that copy change with it; the controls, the unedited kvfast's
+    verdict and the same case rendered by it, are clean (the scripts run here: they import no kvfast)."""
+    import os
+    import runpy
+    import shutil
+    from pathlib import Path
+
+    import kvfast
+    from kvfast.check import check_cache
+    from kvfast.repro.case import Case
+    from kvfast.repro.script import render
+
+    copy = tmp_path / "copy"
+    shutil.copytree(Path(kvfast.__file__).parent, copy / "kvfast", ignore=shutil.ignore_patterns("__pycache__"))
+    shared = copy / "kvfast" / "check" / "hf_path.py"
+    assert shared.read_text().count(EDIT[0]) == 1
+    shared.write_text(shared.read_text().replace(*EDIT))
+    env = {**os.environ, "PYTHONPATH": str(copy)}
+    done = subprocess.run(
+        [sys.executable, "-c", FROM_COPY, str(copy), str(tmp_path / "edited")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0 and done.stdout.split() == ["bug", "1"], done.stdout + done.stderr
+    control = check_cache(HFModel(tiny_model("llama")), [5, 17], mode="control", scenarios="decode", continuation=[3])
+    assert control.verdict == "rounding", control.format()
+    edited = tmp_path / "edited" / "reproduce.py"
+    unedited = tmp_path / "unedited.py"
+    unedited.write_text(render(Case.from_json((tmp_path / "edited" / "case.json").read_text())))
+    assert EDIT[1] in edited.read_text() and EDIT[1] not in unedited.read_text()
+    runs = []
+    for script in (edited, unedited):
+        with pytest.raises(SystemExit) as exited:
+            runpy.run_path(str(script), run_name="__main__")
+        runs.append((exited.value.code, capsys.readouterr().out))
+    (code, out), (clean, clean_out) = runs
+    assert code == 1 and first_differing_step(out) == 1, out
+    assert clean == 0 and first_differing_step(clean_out) is None, clean_out

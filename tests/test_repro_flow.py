@@ -25,7 +25,8 @@ needs_hf = pytest.mark.skipif(not HF, reason="needs kvfast[hf]")
 
 BUGGY = """
 from kvfast.bugs.hf import inject_hf_bug
-from kvfast.check.hf import HFModel, tiny_model
+from kvfast.check.hf import HFModel
+from kvfast.testing import tiny_model
 
 
 def buggy(seed=0):

@@ -42,7 +42,7 @@ import os, sys, tempfile, time
 import pandas as pd
 import pyarrow as pa
 
-from kvfast.studies.base import Study
+from kvfast.sweep.study import Study
 
 FAULT = os.environ.get("KV_FAULT", "")
 if FAULT == "import-exit0":

@@ -113,8 +113,9 @@ def test_a_row_says_where_the_check_failed_and_the_native_verdict_beside_the_log
     step 1; the row's verdict is the deciding one, both stand beside it, and the failure is the logic check's."""
     torch = pytest.importorskip("torch")
     from kvfast.bugs.hf import inject_hf_bug
-    from kvfast.check.hf import HFModel, tiny_model
+    from kvfast.check.hf import HFModel
     from kvfast.studies.check import check_one
+    from kvfast.testing import tiny_model
 
     torch.set_num_threads(1)
     config = {"prompt_seed": 0, "prompt_len": 6, "steps": 8, "mode": "auto", "scenarios": "both"}

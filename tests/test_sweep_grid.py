@@ -245,7 +245,7 @@ def test_the_toml_examples_in_docs_are_valid_grids():
     text = (Path(__file__).resolve().parents[1] / "docs" / "sweep.md").read_text()
     blocks = re.findall(r"```toml\n(.*?)```", text, flags=re.S)
     sizes = [len(grid_from_spec(tomllib.loads(b))) for b in blocks]
-    assert sizes == [432, 2 * (2 + 3), 100 * 3]
+    assert sizes == [10 * 2 * 2 * 3, 432, 2 * 2 + 2 * 3]  # the quick start, the full form, the union
 
 
 def test_configs_go_through_the_same_pipeline_as_a_toml_grid():

@@ -1,4 +1,4 @@
-"""The sweep's options object, its joblib backends, and the size of the engine's functions (issue 17)."""
+"""The sweep's options object, its process pools, and the size of the engine's functions (issue 17)."""
 
 from __future__ import annotations
 
@@ -67,15 +67,18 @@ def _die(x: int) -> int:
     os._exit(7)
 
 
-@pytest.mark.parametrize("name", ["kvfast-fork", "kvfast-loky"])
-def test_the_process_pools_are_registered_joblib_backends(name):
+@pytest.mark.parametrize("kind", ["fork", "loky"])
+def test_the_process_pools_run_tasks_in_workers_and_a_dead_worker_breaks_the_pool(kind):
     from kvfast.sweep.backends import pool
 
-    assert joblib.parallel.BACKENDS[name] in (pool.ForkBackend, pool.LokyBackend)
-    out = joblib.Parallel(n_jobs=2, backend=name, batch_size=1)(joblib.delayed(_pid)(i) for i in range(6))
-    assert [x for x, _ in out] == list(range(6)) and os.getpid() not in {p for _, p in out}
-    with pytest.raises(BrokenProcessPool):  # a dead worker is BrokenProcessPool (loky: TerminatedWorkerError)
-        joblib.Parallel(n_jobs=2, backend=name, batch_size=1)(joblib.delayed(_die)(i) for i in range(4))
+    workers = pool.new_pool(kind, 2)
+    try:
+        out = [f.result() for f in [workers.submit(_pid, i) for i in range(6)]]
+        assert [x for x, _ in out] == list(range(6)) and os.getpid() not in {p for _, p in out}
+        with pytest.raises(BrokenProcessPool):  # a dead worker is BrokenProcessPool (loky: TerminatedWorkerError)
+            [f.result() for f in [workers.submit(_die, i) for i in range(4)]]
+    finally:
+        pool.shutdown(workers, kill=True)
 
 
 def test_a_pool_manager_thread_still_alive_after_shutdown_is_unregistered_from_the_exit_hook(monkeypatch):

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fo
 def busy_pool():
     """A kvfast fork pool whose one worker runs a task that does not end by itself, its manager thread, and its
     workers' pids."""
-    pool = pools._fork_pool(1)
+    pool = pools.new_pool("fork", 1)
     pool.submit(time.sleep, 600)
     return pool, pool._executor_manager_thread, [p.pid for p in pool._processes.values()]
 
@@ -45,6 +45,7 @@ def test_the_cpython_names_shutdown_relies_on_are_there():
     pool, manager, pids = busy_pool()
     try:
         assert isinstance(manager, threading.Thread) and manager.is_alive()
+        assert pids and all(pool._processes[pid].pid == pid for pid in pids)  # what shutdown(kill=True) kills
         assert isinstance(process._threads_wakeups[manager], process._ThreadWakeup)
         pool.shutdown(wait=False, cancel_futures=True)
         assert pool._executor_manager_thread is None
@@ -96,7 +97,7 @@ def slow_close(self):
     closed.set()
 
 process._ThreadWakeup.wakeup, process._ThreadWakeup.close = hook_wakeup, slow_close
-pool = pools._fork_pool(2)
+pool = pools.new_pool("fork", 2)
 assert pool.submit(abs, -1).result() == 1
 if sys.argv[1] == "kvfast":
     pools.shutdown(pool, kill=True)
@@ -117,3 +118,25 @@ def test_no_traceback_at_exit_after_a_pool_is_killed(how):
     else:
         assert proc.stdout == "the exit hook writes to an open pipe\n"
         assert "in _python_exit" in proc.stderr and "OSError" in proc.stderr, proc.stderr
+
+
+def test_loky_names_its_workers_as_shutdown_kills_them():
+    """``shutdown(pool, kill=True)`` kills loky's workers by the same private name, ``_processes`` (pid -> process);
+    the control: the worker was alive before, so the kill can be seen."""
+    import psutil
+
+    def alive(pid: int) -> bool:
+        return psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+
+    pool = pools.new_pool("loky", 1)
+    pool.submit(time.sleep, 600)
+    deadline = time.monotonic() + 60
+    while not pool._processes and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (pid,) = pool._processes
+    assert pool._processes[pid].pid == pid and alive(pid)
+    pools.shutdown(pool, kill=True)
+    deadline = time.monotonic() + 10
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(pid)

@@ -13,9 +13,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from kvfast.studies import STUDIES
-from kvfast.studies.base import Study
 from kvfast.studies.common import require_config_choice
 from kvfast.sweep import ResultsDir, grid_from_spec, load, run_sweep
+from kvfast.sweep.study import Study
 from kvfast.validation import require_int
 
 # -- a tiny test-only study ----------------------------------------------------------------------------

@@ -12,11 +12,11 @@ import pyarrow.dataset as ds
 import pytest
 
 from kvfast.studies import STUDIES
-from kvfast.studies.base import Study
 from kvfast.sweep import grid_from_spec, load, load_grid, run_id, run_sweep
 from kvfast.sweep.ids import canonical
-from kvfast.sweep.plan import find_pending as _find_pending
+from kvfast.sweep.plan import find_pending
 from kvfast.sweep.store import ResultsDir, StoredIndex
+from kvfast.sweep.study import Study
 
 CALLS: list[dict] = []
 
@@ -158,7 +158,7 @@ def test_resume_runs_exactly_the_missing_runs_in_grid_order(tmp_path, pieces):
     out = tmp_path / "r"
     assert run_sweep(part, out, jobs=1, quiet=True).ok
     stored = ResultsDir(out).stored_index()
-    plan = _find_pending(full, stored, ())
+    plan = find_pending(full, stored, ())
     stored_ids = set(load(out)["run_id"])
     expected = [r.run_id for r in full.runs if r.run_id not in stored_ids]
     assert plan.total == len(expected) and plan.skipped_counts == {"ok": len(stored_ids)}

@@ -1,13 +1,9 @@
-"""The warm-up with a study's ``compile_key``: one run per key, at the same time, in helper processes.
-
-The contract (:attr:`kvfast.sweep.study.Study.compile_key`): runs of different keys may compile different
-code, so a sweep with several workers (``fork``) warms up one run of each key side by side before the rest;
-a bad key is a ``ValueError`` naming ``compile_key``; the numbers never depend on it.
+"""The warm-up: one pending run in the sweep's own process before any worker starts (its compiles, which forked
+workers inherit), never a run that has killed a process; the numbers never depend on it or on the worker count.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -22,11 +18,11 @@ import pyarrow as pa
 import pytest
 
 from kvfast.studies import STUDIES
-from kvfast.studies.base import Study
 from kvfast.studies.common import require_config_choice
-from kvfast.sweep import ResultsDir, grid_from_spec, load, run_sweep
-from kvfast.sweep.grid import Run
+from kvfast.sweep import grid_from_spec, load, run_sweep
+from kvfast.sweep.grid import GridRun
 from kvfast.sweep.plan import split_warmup
+from kvfast.sweep.study import Study
 from kvfast.validation import require_int
 
 MARKS = "KVFAST_WARMUP_TEST_MARKS"
@@ -35,39 +31,28 @@ MARKS = "KVFAST_WARMUP_TEST_MARKS"
 def _validate(config: dict) -> None:
     require_int(config.get("x"), "x", 0)
     require_config_choice(config, "kind", ("a", "b", "c"))
-    require_config_choice(config, "mode", ("ok", "wait", "crash"))
+    require_config_choice(config, "mode", ("ok", "crash"))
 
 
 def _run(config: dict) -> dict:
-    """``wait``: wait (up to 60 s) for the first run of kind ``b`` to have started (``seen``: it had); every
-    ``b`` run marks its start. ``crash``: kills its process. Returns the pid it ran in."""
+    """Every ``b`` run marks its start. ``crash``: kills its process. Returns the pid it ran in."""
     folder = Path(os.environ[MARKS])
-    seen = True
     if config["kind"] == "b":
         (folder / f"b-{os.getpid()}").write_text("")
     if config["mode"] == "crash":
         os._exit(7)
-    if config["mode"] == "wait":
-        deadline = time.monotonic() + 60
-        while not (seen := any(folder.glob("b-*"))) and time.monotonic() < deadline:
-            time.sleep(0.01)
-    return {"pid": os.getpid(), "seen": seen, "y": float(np.sum(np.random.default_rng(config["x"]).random(5)))}
-
-
-def _key(config: dict):
-    return config["kind"]
+    return {"pid": os.getpid(), "seen": True, "y": float(np.sum(np.random.default_rng(config["x"]).random(5)))}
 
 
 STUDY = Study(
     name="warmuptest",
     version="1",
-    description="test-only study: runs of three compile keys",
+    description="test-only study: runs of three kinds",
     run=_run,
     config_fields={"x": pa.int64(), "kind": pa.string(), "mode": pa.string()},
     result_fields={"pid": pa.int64(), "seen": pa.bool_(), "y": pa.float64()},
     validate_config=_validate,
     summarize=lambda df: df.groupby("kind").size().reset_index(name="runs"),
-    compile_key=_key,
 )
 
 
@@ -83,7 +68,7 @@ print(json.dumps({"ran": report.ran, "ok": report.ok, "counts": report.counts}))
 
 
 def sweep_in_a_fresh_process(spec: dict, out: Path) -> dict:
-    """A 2-worker fork sweep of ``spec`` in a fresh interpreter: helpers fork only where no fork-unsafe library
+    """A 2-worker fork sweep of ``spec`` in a fresh interpreter: its workers fork only where no fork-unsafe library
     (torch, imported by other test modules of a session) is loaded. Its report's ran, ok and counts."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     proc = subprocess.run(
@@ -111,96 +96,39 @@ def _one(x: int, kind: str, mode: str = "ok") -> dict:
     return {"axes": {"x": [x], "kind": [kind], "mode": [mode]}}
 
 
-# -- the contract: the hook's value --------------------------------------------------------------------
+def _runs(kinds: str) -> list[GridRun]:
+    return [GridRun(f"r{i}", {"x": i, "kind": k}) for i, k in enumerate(kinds)]
 
 
-def test_compile_key_must_be_a_function_or_none():
-    with pytest.raises(ValueError, match=r"^compile_key: 3 is not allowed; allowed: None or a function"):
-        dataclasses.replace(STUDY, compile_key=3)
-    assert dataclasses.replace(STUDY, compile_key=None).compile_key is None
-
-
-def _runs(kinds: str) -> list[Run]:
-    return [Run(f"r{i}", {"x": i, "kind": k}) for i, k in enumerate(kinds)]
-
-
-def test_split_warmup_takes_one_run_per_key_and_keeps_every_other_run_in_order():
+def test_split_warmup_takes_the_first_run_and_keeps_every_other_run_in_order():
     runs = _runs("aabacbc")
-    first, others, rest = split_warmup(iter(runs), set(), key=_key, most=2)
+    first, rest = split_warmup(iter(runs), set())
     assert [r.run_id for r in first] == ["r0"]
-    assert [r.run_id for r in others] == ["r2", "r4"]  # the first b, the first c
-    assert [r.run_id for r in rest] == ["r1", "r3", "r5", "r6"]
-    # at most one other key per helper process (two workers: one)
-    first, others, rest = split_warmup(iter(runs), set(), key=_key, most=1)
-    assert [r.run_id for r in first + others] == ["r0", "r2"]
-    assert [r.run_id for r in rest] == ["r1", "r3", "r4", "r5", "r6"]
-    # no key: one warm-up run, as before
-    first, others, rest = split_warmup(iter(runs), set())
-    assert [r.run_id for r in first] == ["r0"] and others == []
     assert [r.run_id for r in rest] == [r.run_id for r in runs[1:]]
 
 
 def test_split_warmup_never_takes_a_run_that_killed_a_process_and_looks_only_so_far():
     runs = _runs("abcab")
-    first, others, rest = split_warmup(iter(runs), {"r0", "r2"}, key=_key, most=2)
-    assert [r.run_id for r in first] == ["r1"] and [r.run_id for r in others] == ["r3"]
-    assert [r.run_id for r in rest] == ["r0", "r2", "r4"]
-    first, others, rest = split_warmup(iter(runs), set(), look=2, key=_key, most=2)
-    assert [r.run_id for r in first + others] == ["r0", "r1"]
-    assert [r.run_id for r in rest] == ["r2", "r3", "r4"]
+    first, rest = split_warmup(iter(runs), {"r0", "r2"})
+    assert [r.run_id for r in first] == ["r1"]
+    assert [r.run_id for r in rest] == ["r0", "r2", "r3", "r4"]
+    first, rest = split_warmup(iter(runs), {"r0", "r1"}, look=2)
+    assert first == [] and [r.run_id for r in rest] == ["r0", "r1", "r2", "r3", "r4"]
 
 
-@pytest.mark.parametrize(
-    ("key", "message"),
-    [
-        (lambda c: [c["kind"]], r"^compile_key: \['a'\] \(for run r0\) is not allowed; allowed: a hashable value"),
-        (lambda c: c["missing"], r"^compile_key: raised KeyError: 'missing' for run r0; allowed: a function"),
-    ],
-)
-def test_a_bad_key_is_a_value_error_naming_compile_key(key, message):
-    with pytest.raises(ValueError, match=message):
-        split_warmup(iter(_runs("ab")), set(), key=key)
-
-
-def test_a_bad_key_stops_the_sweep_before_any_run(tmp_path, study, monkeypatch):
-    monkeypatch.setitem(STUDIES, "warmuptest", dataclasses.replace(study, compile_key=lambda c: {c["kind"]}))
-    grid = grid_from_spec({"study": "warmuptest", "axes": {"x": [1, 2], "kind": ["a", "b"], "mode": ["ok"]}})
-    for jobs in (1, 2):  # whatever the worker count and backend
-        with pytest.raises(ValueError, match=r"^compile_key: \{'a'\} \(for run \w+\) is not allowed"):
-            run_sweep(grid, tmp_path / "bad", jobs=jobs, backend="fork", quiet=True)
-    assert not list((tmp_path / "marks").iterdir())  # no run ran (a b run marks its start)
-    assert len(ResultsDir(tmp_path / "bad").stored_index()) == 0
-    assert not (tmp_path / "bad" / ".warmup").exists()
-
-
-# -- the warm-up: side by side -------------------------------------------------------------------------
-
-
-def test_the_warm_ups_of_different_keys_run_at_the_same_time_in_different_processes(tmp_path, study):
-    """The first run (kind a) waits for the first b run to start: it sees it only if that run's warm-up runs
-    alongside (without a key, the b run would start after the first run returned: ``seen`` False after 60 s)."""
-    grid = grid_from_spec(_spec([_one(0, "a", "wait"), _one(1, "a"), _one(2, "b"), _one(3, "c")]))
-    assert len(grid) == 4
-    report = sweep_in_a_fresh_process(grid.spec, tmp_path / "w")
-    assert report["ok"] and report["ran"] == 4
-    df = load(tmp_path / "w").set_index("x")
-    assert df.loc[0, "seen"]  # the sweep's own warm-up, which saw b's start
-    assert df.loc[2, "pid"] != df.loc[0, "pid"]  # b's warm-up: a helper process
-    assert len(list((tmp_path / "marks").glob("b-*"))) == 1  # b ran once
-
-
-def test_a_helper_warm_up_that_kills_its_process_is_a_crashed_row_and_the_sweep_goes_on(tmp_path, study):
+def test_a_run_that_kills_its_worker_is_a_crashed_row_and_the_sweep_goes_on(tmp_path, study):
     grid = grid_from_spec(_spec([_one(0, "a"), _one(1, "b", "crash"), _one(2, "a"), _one(3, "b"), _one(4, "c")]))
     report = sweep_in_a_fresh_process(grid.spec, tmp_path / "c")
     assert report["counts"] == {"ok": 4, "error": 0, "crashed": 1, "timeout": 0}
     df = load(tmp_path / "c").set_index("x")
     assert df.loc[1, "status"] == "crashed" and (df.drop(index=1)["status"] == "ok").all()
+    assert df.loc[0, "pid"] != df.loc[2, "pid"]  # the warm-up here, the rest in workers
     # a rerun does not warm up on the crashed run (it is avoided), nor run it again without --retry-errors
     assert run_sweep(grid, tmp_path / "c", jobs=2, quiet=True).ran == 0
 
 
 @pytest.mark.parametrize("backend", ["loky", "threading"])
-def test_other_backends_warm_up_one_run_as_without_a_key(tmp_path, study, backend):
+def test_other_backends_warm_up_one_run(tmp_path, study, backend):
     grid = grid_from_spec({"study": "warmuptest", "axes": {"x": [1, 2, 3], "kind": ["a", "b"], "mode": ["ok"]}})
     report = run_sweep(grid, tmp_path / backend, jobs=2, backend=backend, quiet=True)
     assert report.ok and report.ran == 6
@@ -215,8 +143,8 @@ def _numbers(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def test_two_workers_on_runs_that_compile_different_code_give_one_workers_bits(tmp_path):
-    """The exactness study keys its runs on their formats (f64, f32 and bf16 compile different kernels): two
-    workers warm up side by side, and every number is the one worker's, bit for bit."""
+    """f64, f32 and bf16 runs compile different kernels (the warm-up one format, the workers the others): every
+    number two workers store is the one worker's, bit for bit."""
     spec = {
         "study": "exactness",
         "fixed": {"vocab": 32, "d_model": 16, "d_ff": 32, "n_head": 2, "steps": 5, "prompt_len": 3},
@@ -228,8 +156,7 @@ def test_two_workers_on_runs_that_compile_different_code_give_one_workers_bits(t
         },
     }
     grid = grid_from_spec(spec)
-    keys = {grid.study.compile_key(r.config) for r in grid.runs}
-    assert keys == {("f64", "f64", "standard"), ("f32", "f32", "standard"), ("bf16", "f32", "standard")}
+    assert {r.config["preset"] for r in grid.runs} == {"f64", "f32", "bf16"}
     report = run_sweep(grid, tmp_path / "one", jobs=1, quiet=True)
     assert report.ok and report.ran == len(grid) == 24
     two = sweep_in_a_fresh_process(spec, tmp_path / "two")
@@ -274,7 +201,7 @@ print(json.dumps([sum(kernel.stats.cache_hits.values()), sum(kernel.stats.cache_
 
 
 def test_two_processes_calling_a_kernel_compiled_one_at_a_time_compile_it_once(tmp_path):
-    """Warm-ups side by side call the compiled forward and decode at about the same moment: the first
+    """Workers that meet a kernel the warm-up did not compile call it at about the same moment: the first
     compiles, the other waits and loads it (``kvfast.kernels.indirect.one_compile_at_a_time``); the control
     (no lock) compiles twice, so the check can fail."""
     (tmp_path / "twokernel.py").write_text(textwrap.dedent(KERNEL))

@@ -3,15 +3,16 @@
 and :class:`~kvfast.check.hf.HFModel`): the recompute always stays clean; every bug but the window bug acts in
 the operation hooks only (prefill and decode stay clean), the window bug in every cached call.
 
-Each is a mixin over the adapters' hooks: ``_crop_keep`` (both adapters), ``_copy_keys`` (kvfast's) and
-``_copy_cache`` (Hugging Face's), ``_reorder_cache``, ``_padded_positions`` and ``_cached_forward`` (Hugging
-Face's). :func:`op_first_acting_step` says where each first acts.
+Each is a mixin over the adapters' hooks (:mod:`kvfast.bugs.hf_mixins`, the source a reproducer carries):
+``_crop_keep`` (both adapters), ``_copy_keys`` (kvfast's) and ``_copy_cache`` (Hugging Face's), ``_reorder_cache``,
+``_padded_positions`` and ``_cached_forward`` (Hugging Face's). :func:`op_first_acting_step` says where each first acts.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from kvfast.bugs import hf_mixins as mix
 from kvfast.bugs.bug import Bug, catalogue, subclass_with
 from kvfast.check.adapters import KvfastModel
 from kvfast.check.hf import HFModel
@@ -21,62 +22,12 @@ from kvfast.validation import require_choice, require_int
 _BRANCH_OF = {op: b for b, op in branches().items()}  # each operation's second branch's report name
 
 #: The sliding-window operation bug's name (:data:`OP_BUGS`).
-WINDOW_BUG = "window_evicts_one_too_many"
+WINDOW_BUG = mix.WindowEvictsOneTooMany.bug
 
 
-def _layers(cache) -> list:
-    return list(getattr(cache, "layers", None) or [])
-
-
-class _CropShort:
-    def _crop_keep(self, n: int, length: int) -> int:
-        return n + 1 if n < length else n
-
-
-class _ForkSharedKeys:
+class _ForkSharedKeys(mix.ForkSharedKeys):
     def _copy_keys(self, k):  # kvfast's own cache: the snapshot keeps the live key buffer
         return k
-
-    def _copy_cache(self, cache):  # a Hugging Face cache: the copy's layers keep the original key tensors
-        clone = super()._copy_cache(cache)
-        for mine, theirs in zip(_layers(clone), _layers(cache), strict=True):
-            mine.keys = theirs.keys
-        return clone
-
-
-class _ReorderWrongIndex:
-    def _reorder_cache(self, cache, index) -> None:
-        return None  # the old order stays
-
-
-class _ReorderKeysOnly:
-    def _reorder_cache(self, cache, index) -> None:
-        for layer in _layers(cache):
-            layer.keys = layer.keys.index_select(0, index)
-
-
-class _PaddedPositionsFromStart:
-    def _padded_positions(self, mask, n: int):
-        import torch
-
-        width = mask.shape[1]
-        return torch.arange(width - n, width).repeat(mask.shape[0], 1)
-
-
-class _WindowEvictsOneTooMany:
-    """Every call of the cache path (prefill, chunks, decode, beams, padded batches; never the recompute) runs
-    with the model config's ``sliding_window`` one smaller: the masks the model builds then let each query
-    attend the last ``window - 1`` positions, as a cache that evicts one position too many leaves it, while the
-    cache layers, built with the true window, keep what they always keep."""
-
-    def _cached_forward(self, **kwargs):
-        config = self.model.config
-        window = config.sliding_window
-        config.sliding_window = window - 1
-        try:
-            return super()._cached_forward(**kwargs)
-        finally:
-            config.sliding_window = window
 
 
 def _adapter(model) -> object:
@@ -106,7 +57,7 @@ def _window_bug(model):
         raise ValueError(
             f"bug: {WINDOW_BUG!r} is not allowed here; allowed: an HFModel of a model with a sliding window"
         )
-    return subclass_with(model, _WindowEvictsOneTooMany)
+    return subclass_with(model, mix.WindowEvictsOneTooMany)
 
 
 def _window_acts(scenario, prompt_len, steps, window):
@@ -136,7 +87,7 @@ def _reorder_acts(scenario, prompt_len, steps, window):
 OP_BUGS: dict[str, Bug] = catalogue(
     Bug(
         "crop_short", "a rollback that crops one token too few: crop(n) keeps n + 1 positions",
-        lambda s, t, n, w: 1 if s == "rollback" else None, _injector(_CropShort),
+        lambda s, t, n, w: 1 if s == "rollback" else None, _injector(mix.CropShort),
     ),
     Bug(
         "fork_shared_keys", "a fork that shares the key tensor: snapshot() and restore() copy the values, not the keys",
@@ -144,17 +95,17 @@ OP_BUGS: dict[str, Bug] = catalogue(
     ),
     Bug(
         "reorder_wrong_index", "a beam reorder by the wrong index: the cache keeps its old order (HFModel only)",
-        _reorder_acts, _injector(_ReorderWrongIndex),
+        _reorder_acts, _injector(mix.ReorderWrongIndex),
     ),
     Bug(
         "reorder_keys_only", "a beam reorder of the keys only: the values stay in the old order (HFModel only)",
-        _reorder_acts, _injector(_ReorderKeysOnly),
+        _reorder_acts, _injector(mix.ReorderKeysOnly),
     ),
     Bug(
         "padded_positions_from_start", "a left-padded batch whose positions count from the padded start (HFModel "
         "only; invisible to rotary positions in exact arithmetic, a shift of every position of a row)",
         # absolute positions only (GPT-2): the padded (shorter) row
-        lambda s, t, n, w: 0 if s == _BRANCH_OF["padded"] else None, _injector(_PaddedPositionsFromStart),
+        lambda s, t, n, w: 0 if s == _BRANCH_OF["padded"] else None, _injector(mix.PaddedPositionsFromStart),
     ),
     Bug(
         "static_never_cleared", "a static cache never cleared between prompts: every prefill reuses the first "

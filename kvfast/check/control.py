@@ -91,7 +91,7 @@ The noise is measured in :mod:`kvfast.check.reference` (:func:`~kvfast.check.ref
 this module judges against it.
 
 Measured (the ``hf_matrix`` study, ``kvfast study hf_matrix``, gives the matrix and its rates): see
-docs/check.md, section "Rounding or bug?".
+docs/check.md, section 3 "The modes" (the method in words: "How a step is judged against order noise").
 
 Limits
 ------

@@ -54,8 +54,11 @@ the model's own ``forward`` raises is the model's: ``check_cache`` raises
 check``: exit 4), never "not allowed". A variant the model cannot build or run
 is skipped (:attr:`HFModel.skipped_variants`, named in the report).
 
-kvfast's own tests and scoring inject cache bugs by subclassing the adapter (:mod:`kvfast.bugs.hf`,
-:mod:`kvfast.bugs.operations`): the small methods marked *hook* below are where they act.
+The cached path (prefill, extend, decode) and the cache operations (crop, snapshot, restore, beams, a padded
+batch) are :class:`~kvfast.check.hf_path.CachedPath`'s, the one source a standalone reproducer carries too;
+this adapter answers how ``generate`` calls the model by measuring it, validates, and adds the recompute, its
+variants and the lossy caches. kvfast's own tests and scoring inject cache bugs by subclassing the adapter
+(:mod:`kvfast.bugs.hf_mixins`): ``CachedPath``'s methods marked *hook* are where they act.
 """
 
 from __future__ import annotations
@@ -66,14 +69,10 @@ import inspect
 import numpy as np
 
 from kvfast.check.formats import FORMATS, lowest
+from kvfast.check.hf_path import CACHE_ARGS, MODEL, CachedPath, cache_layers, new_dynamic_cache
 from kvfast.validation import import_extra, not_allowed, require_choice, require_int
 
 VARIANTS = ("attention", "batch", "rows")
-#: The names a model's ``forward`` may give its cache argument (and its output the cache), the first it takes
-#: used: ``cache`` (transformers 5.x), ``past_key_values`` (4.x), ``cache_params`` (4.x and early 5.x state-space
-#: models, whose own cache class the model builds itself).
-CACHE_ARGS = ("cache", "past_key_values", "cache_params")
-MODEL = "a transformers causal LM with a language-model head and a KV cache (e.g. AutoModelForCausalLM)"
 
 
 class ModelForwardError(RuntimeError):
@@ -248,8 +247,9 @@ def _rowwise(forward):
     return run
 
 
-class HFModel:
-    """A transformers causal LM behind the check protocol (see the module doc).
+class HFModel(CachedPath):
+    """A transformers causal LM behind the check protocol (see the module doc); its cached path and cache
+    operations are :class:`~kvfast.check.hf_path.CachedPath`'s, with how ``generate`` calls the model measured.
 
     - ``model``: a ``PreTrainedModel`` with a language-model head (``AutoModelForCausalLM``).
     - ``variants``: which order-noise recomputes :meth:`recompute_variants` offers
@@ -268,7 +268,7 @@ class HFModel:
         self.variants = tuple(require_choice(v, "variants", VARIANTS) for v in variants)
         if new_cache is not None and not callable(new_cache):
             raise not_allowed("new_cache", new_cache, "None or a callable returning a fresh cache")
-        self.model = model.eval()
+        super().__init__(model.eval())
         self.new_cache = new_cache
         self._mask_as_generate: dict[tuple, bool] = {}  # _generate_passes_mask's answers
         params = inspect.signature(model.forward).parameters
@@ -287,11 +287,6 @@ class HFModel:
         self._copies: dict[str, object] = {}
         self._formats: dict[str, str] | None = None  # measured on first use (internal_formats)
         self.skipped_variants: dict[str, str] = {}  # variants this model cannot build or run, with the reason
-        self.cache = None
-        self.length = 0
-        self.prefill_len = 0
-        self.decoded = 0
-        self.last_token: int | None = None
 
     def __repr__(self) -> str:
         return f"HFModel({type(self.model).__name__}, {self.dtype}, {self.attention})"
@@ -356,19 +351,10 @@ class HFModel:
         return torch.from_numpy(tokens.copy())[None, :]
 
     def _call(self, model, **kwargs):
-        torch = _torch()
         try:
-            with torch.no_grad():
-                out = model(**kwargs)
+            logits, cache = super()._call(model, **kwargs)
         except ValueError as exc:  # the model's own error, not kvfast's bad input (which ValueError means here)
             raise ModelForwardError(type(model).__name__, exc) from exc
-        if isinstance(out, tuple):
-            logits, cache = out[0], (out[1] if len(out) > 1 else None)
-        else:
-            logits = out.get("logits")
-            keys = list(out.keys())  # never read a deprecated name: transformers 5.x warns on past_key_values
-            name = next((k for k in CACHE_ARGS if k in keys), None)
-            cache = None if name is None else out[name]
         if logits is None:
             raise not_allowed("model", type(model).__name__, f"{MODEL}; it returned no logits")
         return logits, cache
@@ -385,69 +371,14 @@ class HFModel:
             return None
         if getattr(self.model, "_supports_cache_class", True) is False:  # 4.3x GPT-2 and others: tuples only
             return None
-        try:
-            from transformers import DynamicCache
-        except ImportError:  # pragma: no cover - releases without cache classes: the model returns tuples
-            return None
-        try:
-            cache = DynamicCache(config=self.model.config)
-        except TypeError:  # pragma: no cover - 4.x: no config argument
-            cache = DynamicCache()
-        return cache
-
-    def _cached(self, tokens, positions=None):
-        """``tokens`` on top of the cache (positions from ``self.length``); their logits ``(n, V)``."""
-        torch = _torch()
-        ids = self._ids(tokens, self.length)
-        n = ids.shape[1]
-        kwargs = {"input_ids": ids, "use_cache": True, self.cache_arg: self.cache}
-        if self.takes_mask:
-            mask = self._attention_mask(n)
-            if self._generate_passes_mask(ids, mask):
-                kwargs["attention_mask"] = mask
-        if self.takes_cache_position:
-            kwargs["cache_position"] = self.cache_positions(n)
-        if positions is None and self._generate_positions():
-            positions = list(range(self.length, self.length + n))
-        if positions is not None:
-            kwargs["position_ids"] = torch.as_tensor(positions, dtype=torch.long)[None, :]
-        logits, cache = self._cached_forward(**kwargs)
-        if cache is None:
-            raise not_allowed("model", type(self.model).__name__, f"{MODEL}; it returned no cache with use_cache=True")
-        self.cache = cache
-        self.length += n
-        self.last_token = int(np.asarray(tokens).reshape(-1)[-1])
-        return logits[0]
-
-    def _attention_mask(self, n: int):
-        """Hook: the attention mask of a cached call of ``n`` tokens, as ``generate`` builds it (all ones over
-        every position so far)."""
-        torch = _torch()
-        return torch.ones(1, self.length + n, dtype=torch.long)
-
-    def _cached_forward(self, **kwargs):
-        """Hook: the model's forward on the cache path (every cached call; never the recompute): ``(logits,
-        cache)``."""
-        return self._call(self.model, **kwargs)
+        return new_dynamic_cache(self.model.config)
 
     _generate_prefill_positions: int | None = None  # asked once of a cache_params model (cache_positions); 0: unknown
 
-    def cache_positions(self, n: int):
-        """The ``cache_position`` of the next ``n`` tokens, as ``generate`` numbers them: the positions after the
-        cache, except in a ``cache_params`` model (4.x Mamba, Mamba-2), whose ``generate`` gives the prefill
-        ``arange(conv_kernel)`` whatever the prompt's length and counts on from there: a shorter prefill's later
-        calls are numbered ``conv_kernel`` on (the state cache writes the new conv column at the clamped
-        position; measured on 4.57.6, Mamba continued after a prefill of 1 or 2 tokens numbered from the tokens
-        was off by about 1 from the recompute). Asked of the model's ``prepare_inputs_for_generation``."""
-        torch = _torch()
-        start = self.length
-        if self.cache_arg == "cache_params" and self.length > 0:
-            start += max(0, self._prefill_positions() - self.prefill_len)
-        return torch.arange(start, start + n)
-
     def _prefill_positions(self) -> int:
-        """How many ``cache_position`` entries the model's ``generate`` gives its prefill (``cache_params`` models;
-        the prompt's length where it cannot be asked)."""
+        """How many ``cache_position`` entries the model's ``generate`` gives its prefill (``cache_params`` models,
+        :meth:`~kvfast.check.hf_path.CachedPath.cache_positions`; the prompt's length where it cannot be asked):
+        asked of the model's ``prepare_inputs_for_generation``."""
         if self._generate_prefill_positions is None:
             torch = _torch()
             self._generate_prefill_positions = 0
@@ -529,43 +460,10 @@ class HFModel:
             return True
         return not isinstance(inputs, dict) or inputs.get("attention_mask", mask) is not None
 
-    def prefill(self, tokens):
-        """A fresh cache filled with ``tokens`` (positions ``0..T-1``); their logits ``(T, V)``."""
-        self.cache, self.length, self.decoded = self._fresh_cache(), 0, 0
-        self._wrap_cache()
-        out = self._cached(tokens)
-        self.prefill_len = self.length
-        return out
-
-    def extend(self, tokens):
-        """``tokens`` continuing the cache (a further prompt chunk); their logits ``(n, V)``. A ``cache_params``
-        model (:data:`CACHE_ARGS`) takes them one call per token, as its ``generate`` feeds it after the prefill
-        (its ``prepare_inputs_for_generation`` keeps the last token only): measured on 4.57.6, a chunk raises in
-        Mamba (IndexError) and is ``bug`` from its first row in Mamba-2."""
-        self._require_cache()
-        if self.cache_arg == "cache_params":
-            torch = _torch()
-            return torch.cat([self._cached([t]) for t in np.asarray(tokens, dtype=np.int64).reshape(-1)])
-        return self._cached(tokens)
-
     def decode(self, token):
         """One token at the cache's next position; logits ``(V,)``."""
         self._require_cache()
-        token = require_int(token, "token", 0, self.vocab_size - 1)
-        positions = self._decode_positions()
-        self.decoded += 1
-        return self._cached([token], positions)[0]
-
-    def _require_cache(self) -> None:
-        if self.cache is None and self.length == 0:
-            raise ValueError("cache: empty; allowed: call prefill(tokens) first")
-
-    def _decode_positions(self) -> list[int] | None:
-        """Hook: the ``position_ids`` of the next decoded token, ``None`` for the model's own (or ``generate``'s)."""
-        return None
-
-    def _wrap_cache(self) -> None:
-        """Hook: called on every fresh or restored cache (``self.cache``), where a subclass may wrap it."""
+        return super().decode(require_int(token, "token", 0, self.vocab_size - 1))
 
     # --- order noise and promotion -------------------------------------------------------------
 
@@ -627,148 +525,95 @@ class HFModel:
         new.cache, new.length = None, 0
         return new
 
-    # --- cache operations (the rollback and fork scenarios; kvfast.check.hf_ops) ----------------------
+    # --- cache operations (kvfast.check.hf_path), their arguments validated ------------------------------------
 
     def crop(self, n: int) -> None:
-        """Keep the first ``n`` positions of the cache (``cache.crop``; :func:`kvfast.check.hf_ops.crop`)."""
-        from kvfast.check import hf_ops
-
-        hf_ops.crop(self, n)
-
-    def _crop_keep(self, n: int, length: int) -> int:
-        """Hook: the positions a crop to ``n`` of a cache of ``length`` positions keeps (``n``)."""
-        return n
-
-    def _copy_cache(self, cache):
-        """Hook: the copy of ``cache`` a snapshot or restore takes (:func:`kvfast.check.hf_ops.copy_cache`)."""
-        from kvfast.check import hf_ops
-
-        return hf_ops.copy_cache(cache)
-
-    def _reorder_cache(self, cache, index) -> None:
-        """Hook: ``cache``'s beams reordered by ``index`` (a tensor; ``cache.reorder_cache``)."""
-        cache.reorder_cache(index)
-
-    def _padded_positions(self, mask, n: int):
-        """Hook: the positions of the last ``n`` columns of a left-padded batch's ``mask``
-        (:func:`kvfast.check.hf_ops.generate_positions`)."""
-        from kvfast.check import hf_ops
-
-        return hf_ops.generate_positions(mask, n)
-
-    def snapshot(self):
-        """A deep copy of the cache and its counters (:func:`kvfast.check.hf_ops.snapshot`)."""
-        from kvfast.check import hf_ops
-
-        return hf_ops.snapshot(self)
+        """Keep the first ``n`` positions of the cache (:meth:`~kvfast.check.hf_path.CachedPath.crop`)."""
+        self._require_cache()
+        super().crop(require_int(n, "n", 0, self.length))
 
     def restore(self, state) -> None:
-        """The cache set back to a copy of ``state`` (:func:`kvfast.check.hf_ops.restore`)."""
-        from kvfast.check import hf_ops
+        """The cache set back to a copy of ``state`` (:meth:`~kvfast.check.hf_path.CachedPath.restore`), kvfast's
+        lossy emulation wrapped again around the copy with its frozen scales."""
+        super().restore(state)
+        if self.lossy_emulation is not None:
+            frozen = dict(getattr(self.cache, "lossy_scales", {}))
+            wrap_round_trip(self.cache, self.lossy_emulation)
+            self.cache.lossy_scales.update(frozen)
 
-        hf_ops.restore(self, state)
-
-    # --- lossy caches (kvfast.check.lossy; kvfast.check.hf_ops) ------------------------------------------
+    # --- lossy caches (kvfast.check.lossy) ---------------------------------------------------------------------
 
     lossy_emulation: str | None = None  # set on with_lossy_cache's twin: kvfast's own round trip of the format
 
     @property
     def lossy_cache(self) -> str | None:
-        """The format of a lossy cache (a ``QuantizedCache`` from ``new_cache``), else ``None``."""
-        from kvfast.check import hf_ops
-
-        return hf_ops.lossy_format(self)
+        """The format of a lossy cache: kvfast's emulation's, else read from a fresh cache's layers (a
+        ``QuantizedCache``: ``fp8-tensor`` for its fp8 backend, ``int<nbits>`` for quanto and HQQ), else ``None``."""
+        if self.lossy_emulation is not None:
+            return self.lossy_emulation
+        if self.new_cache is None:
+            return None
+        key = id(self.new_cache)
+        if getattr(self, "_lossy_probe", (None,))[0] != key:
+            found = None
+            for layer in cache_layers(self.new_cache()):
+                name = type(layer).__name__
+                if name == "Fp8QuantizedLayer":
+                    found = "fp8-tensor"
+                elif "Quantized" in name:
+                    found = f"int{int(getattr(layer, 'nbits', 4))}"
+            self._lossy_probe = (key, found)
+        return self._lossy_probe[1]
 
     def lossless(self) -> HFModel:
-        """The same adapter over an unquantized ``DynamicCache``."""
-        from kvfast.check import hf_ops
-
-        return hf_ops.lossless(self)
+        """The same adapter (bugs included) over a fresh ``DynamicCache``: the cache unquantized."""
+        twin = copy.copy(self)
+        twin.new_cache, twin.lossy_emulation = None, None
+        twin.cache, twin.length = None, 0
+        return twin
 
     def with_lossy_cache(self, fmt: str) -> HFModel:
-        """The unquantized adapter with kvfast's own round trip of ``fmt`` (the format's expected error)."""
-        from kvfast.check import hf_ops
+        """The unquantized adapter with kvfast's own round trip of ``fmt`` on a ``DynamicCache`` (the format's
+        expected error)."""
+        twin = self.lossless()
+        config = self.model.config
 
-        return hf_ops.with_lossy_cache(self, fmt)
+        def make():
+            cache = new_dynamic_cache(config)
+            wrap_round_trip(cache, fmt)
+            return cache
 
-    # --- beams (the reorder scenario; kvfast.check.hf_ops) --------------------------------------------
-
-    def prefill_beams(self, tokens, n: int):
-        """A fresh cache of ``n`` beams of ``tokens``; logits ``(n, T, V)`` (see :mod:`kvfast.check.hf_ops`)."""
-        from kvfast.check import hf_ops
-
-        return hf_ops.prefill_beams(self, tokens, n)
-
-    def decode_beams(self, tokens):
-        """One token per beam; logits ``(n, V)`` (:func:`kvfast.check.hf_ops.decode_beams`)."""
-        from kvfast.check import hf_ops
-
-        return hf_ops.decode_beams(self, tokens)
-
-    def reorder(self, index) -> None:
-        """The beams reordered by ``index`` (``cache.reorder_cache``; :func:`kvfast.check.hf_ops.reorder`)."""
-        from kvfast.check import hf_ops
-
-        hf_ops.reorder(self, index)
-
-    # --- a left-padded batch (the padded scenario; kvfast.check.hf_ops) ---------------------------------
-
-    def prefill_padded(self, prompts) -> list:
-        """A fresh cache of ``prompts`` as one left-padded batch; each prompt's logits (:mod:`kvfast.check.hf_ops`)."""
-        from kvfast.check import hf_ops
-
-        return hf_ops.prefill_padded(self, prompts)
-
-    def decode_padded(self, tokens):
-        """One token per row of the padded batch; logits ``(n, V)``."""
-        from kvfast.check import hf_ops
-
-        return hf_ops.decode_padded(self, tokens)
+        twin.new_cache, twin.lossy_emulation = make, fmt
+        return twin
 
 
-# --- tiny random models from configs (tests, benchmarks, the measured matrix) ------------------------
-
-FAMILIES = ("llama", "gpt2", "mistral", "qwen2")
-DTYPES = ("float32", "float64", "bfloat16")
-ATTENTION = ("sdpa", "eager")
-TINY_VOCAB = 96
-TINY_POSITIONS = 512
-MISTRAL_WINDOW = 12
-
-
-def tiny_model(family: str = "llama", dtype: str = "float32", attention: str = "sdpa", seed: int = 0):
-    """A tiny random causal LM from a config (no download): 2 layers, hidden 32, vocab 96, in eval mode.
-
-    ``family``: :data:`FAMILIES` (``mistral`` has a sliding window of
-    :data:`MISTRAL_WINDOW` positions); ``dtype``: :data:`DTYPES`;
-    ``attention``: :data:`ATTENTION`; ``seed`` seeds the weights.
-    """
+def _round_trip_tensor(fmt: str, tensor, scale: float | None = None):
     torch = _torch()
-    import transformers
+    from kvfast.check.lossy_formats import round_trip
 
-    require_choice(family, "family", FAMILIES)
-    require_choice(dtype, "dtype", DTYPES)
-    require_choice(attention, "attention", ATTENTION)
-    seed = require_int(seed, "seed", 0)
-    common = dict(vocab_size=TINY_VOCAB, attn_implementation=attention)
-    llama_like = dict(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=TINY_POSITIONS, **common,
-    )  # fmt: skip
-    if family == "gpt2":
-        config = transformers.GPT2Config(
-            n_embd=32, n_layer=2, n_head=4, n_positions=TINY_POSITIONS, bos_token_id=0, eos_token_id=0, **common
-        )
-        cls = transformers.GPT2LMHeadModel
-    elif family == "mistral":
-        config = transformers.MistralConfig(sliding_window=MISTRAL_WINDOW, **llama_like)
-        cls = transformers.MistralForCausalLM
-    elif family == "qwen2":
-        config = transformers.Qwen2Config(**llama_like)
-        cls = transformers.Qwen2ForCausalLM
-    else:
-        config = transformers.LlamaConfig(**llama_like)
-        cls = transformers.LlamaForCausalLM
-    torch.manual_seed(seed)
-    model = cls(config).eval()
-    return model.to(getattr(torch, dtype))
+    out = round_trip(fmt, tensor.detach().double().numpy(), scale)
+    return torch.from_numpy(out).to(tensor.dtype)
+
+
+def wrap_round_trip(cache, fmt: str) -> None:
+    """Round-trip every key and value ``cache`` stores through ``fmt`` (kvfast's own emulation); a prefill
+    attends its fresh rows, every later call the stored ones (as transformers' quantized layers do).
+    ``fp8-tensor``: each layer's key and value scales are frozen at its first store."""
+    from kvfast.check.lossy_formats import FP8_MAX
+
+    update = cache.update
+    scales: dict[int, tuple] = {}
+
+    def lossy_update(key_states, value_states, layer_idx, *args, **kwargs):
+        n = key_states.shape[-2]
+        if fmt == "fp8-tensor" and layer_idx not in scales:
+            scales[layer_idx] = tuple(float(t.abs().amax().float()) / FP8_MAX for t in (key_states, value_states))
+        ks, vs = scales.get(layer_idx, (None, None))
+        kq, vq = _round_trip_tensor(fmt, key_states, ks), _round_trip_tensor(fmt, value_states, vs)
+        keys, values = update(kq, vq, layer_idx, *args, **kwargs)
+        if n > 1 and keys.shape[-2] == n:
+            return key_states, value_states
+        return keys, values
+
+    cache.update = lossy_update
+    cache.lossy_scales = scales  # a restored copy keeps the frozen scales (restore wraps the copy again)

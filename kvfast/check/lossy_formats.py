@@ -1,5 +1,5 @@
 """The lossy cache formats kvfast emulates (:mod:`kvfast.check.lossy`), NumPy only: a leaf module, so that
-both kvfast's own lossy cache and the Hugging Face adapter's emulation (:mod:`kvfast.check.hf_ops`) use
+both kvfast's own lossy cache and the Hugging Face adapter's emulation (:func:`kvfast.check.hf.wrap_round_trip`) use
 the one round trip."""
 
 from __future__ import annotations

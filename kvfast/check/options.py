@@ -160,11 +160,21 @@ class CheckOptions:
     )
     margin: float = option(
         DEFAULT_MARGIN,
-        Flag("--margin", f"control: rounding up to this ratio (default {DEFAULT_MARGIN:g})", float, metavar="X"),
+        Flag(
+            "--margin",
+            f"rounding up to X times the order noise (auto, control; default {DEFAULT_MARGIN:g})",
+            float,
+            metavar="X",
+        ),
     )
     decisive: float = option(
         DEFAULT_DECISIVE,
-        Flag("--decisive", f"control: bug beyond this ratio (default {DEFAULT_DECISIVE:g})", float, metavar="X"),
+        Flag(
+            "--decisive",
+            f"bug beyond X times the order noise (auto, control; default {DEFAULT_DECISIVE:g})",
+            float,
+            metavar="X",
+        ),
     )
     continuation: Sequence[int] | None = option(
         None,

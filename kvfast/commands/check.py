@@ -54,7 +54,7 @@ the child spawned, kvfast imported, the request read, the model built, its first
 verdict): ``benchmarks/compile_profile.py --warm-check`` prints them.
 
 Built in: ``kvfast.bugs.kvfast_model:tiny_model`` (kvfast's own small model; ``--factory-arg bug=posfrozen``) and
-``kvfast.check.hf:tiny_model`` (a tiny random Hugging Face model; ``--factory-arg family=gpt2 --factory-arg
+``kvfast.testing:tiny_model`` (a tiny random Hugging Face model; ``--factory-arg family=gpt2 --factory-arg
 dtype=bfloat16``).
 """
 

@@ -82,6 +82,7 @@ def build_grid(args):
     from kvfast.studies import STUDIES, scan
     from kvfast.studies.hf_common import require_torch
     from kvfast.sweep.grid import grid_from_spec
+    from kvfast.sweep.options import check_jobs
     from kvfast.validation import require_int
 
     require_torch("hf_scan")
@@ -102,7 +103,7 @@ def build_grid(args):
     require_int(args.steps, "--steps", 1, 256)
     require_int(getattr(args, "repro_seconds", 60), "--repro-seconds", 1)
     if args.jobs is not None:
-        require_int(args.jobs, "--jobs", 1)
+        check_jobs(args.jobs)
     spec = scan.scan_spec(families, dtypes, scenarios, args.seeds, args.prompts, args.steps, args.attention, bugs, mode)
     return grid_from_spec(spec, name="hf_scan", source="kvfast scan", studies=STUDIES)
 

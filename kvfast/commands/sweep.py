@@ -47,14 +47,13 @@ EXIT_CODES = {
 }
 
 
-def _jobs(text: str) -> int:
+def _jobs(text: str) -> int | str:
+    """``--jobs`` as typed: an integer where the text reads as one, else the text; checked once, with every other
+    option, by :class:`~kvfast.sweep.options.SweepOptions` (``--jobs: 'x' is not allowed; ...``)."""
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: an integer >= 1") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not allowed; allowed: an integer >= 1")
-    return value
+        return text
 
 
 def _positive(text: str) -> float:
@@ -185,7 +184,7 @@ def add_resume_options(p: argparse.ArgumentParser) -> None:
 
 
 def add_exec_options(p: argparse.ArgumentParser) -> None:
-    """``--jobs N`` (validated: an integer >= 1) and ``--quiet``: how a grid runs (``kvfast run``, ``reproduce``,
+    """``--jobs N`` and ``--quiet``: how a grid runs (``kvfast run``, ``reproduce``,
     ``scan``)."""
     p.add_argument("--jobs", type=_jobs, default=None, metavar="N", help="worker processes (default: all cores)")
     p.add_argument("--quiet", action="store_true", help="no progress (a bar, or a line every few seconds)")
@@ -234,7 +233,6 @@ def cmd_run(args) -> int:
     from kvfast.sweep.options import SweepOptions
 
     out = Path(args.out).absolute()  # before the study's module is imported: user code cannot move it
-    grid = load_grid(args.grid, max_runs=args.max_runs or DEFAULT_MAX_RUNS, studies=STUDIES)
     options = SweepOptions.build(
         jobs=args.jobs,
         backend=args.backend,
@@ -246,6 +244,7 @@ def cmd_run(args) -> int:
         run_timeout=args.run_timeout,
         max_memory=int(args.max_memory * 2**30) if args.max_memory else None,
     )
+    grid = load_grid(args.grid, max_runs=args.max_runs or DEFAULT_MAX_RUNS, studies=STUDIES)
     report = _sweep(grid, out, options)
     if isinstance(report, int):
         return report

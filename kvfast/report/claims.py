@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from kvfast.studies import STUDIES
-from kvfast.studies.base import Study
+from kvfast.sweep.study import Study
 
 COLUMNS = ["study", "claim", "seed", "kvfast", "holds", "criterion"]
 COUNT_COLUMNS = ["conditions", "conditions_hold"]

@@ -1,4 +1,4 @@
-"""The report's figures: every study's declared :class:`~kvfast.studies.base.Figure` s, computed from its runs.
+"""The report's figures: every study's declared :class:`~kvfast.sweep.study.Figure` s, computed from its runs.
 
 The report knows no study by name: it walks the registry
 (:data:`kvfast.studies.STUDIES`) in each study's declared ``rank`` (ties in
@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from kvfast.studies import STUDIES
-from kvfast.studies.base import Figure, Study
 from kvfast.studies.common import ok_rows
 from kvfast.studies.plotting import matplotlib_available
+from kvfast.sweep.study import Figure, Study
 
 __all__ = ["Section", "matplotlib_available", "ordered_studies", "section", "sections"]
 

@@ -46,8 +46,9 @@ class Case:
       case of them; judged in ``fork-branch``, ``reorder-beam``, ``padded-row``).
     - ``calls``: how ``generate`` calls the model (``cache_arg``, ``own_cache``, ``mask`` per call kind
       ``prefill``/``chunk``/``decode``, ``positions``, ``cache_position``, ``takes_mask``,
-      ``takes_position_ids``; ``cache_class`` and ``max_cache_len`` where the model is given a
-      :data:`SCRIPT_CACHES` cache).
+      ``takes_position_ids``; ``prefill_positions`` where a ``cache_params`` model's ``generate`` numbers its
+      prefill otherwise (:meth:`~kvfast.check.hf.HFModel.cache_positions`); ``cache_class`` and ``max_cache_len``
+      where the model is given a :data:`SCRIPT_CACHES` cache).
     - ``bug``: ``(catalogue, name)`` of an injected catalogue bug (the script then carries it), ``None`` for a
       finding about the library itself.
     - ``promote``: ``"float64"`` for a finding kvfast's logic check shows (a bfloat16 model, its weights rounded
@@ -195,6 +196,8 @@ def _calls(adapter) -> dict:
         "takes_mask": bool(adapter.takes_mask),
         "takes_position_ids": bool(adapter.takes_position_ids),
     }
+    if adapter._generate_prefill_positions:  # asked of a cache_params model's generate (cache_positions)
+        out["prefill_positions"] = adapter._generate_prefill_positions
     if type(made).__name__ == "StaticCache":
         out.update(cache_class="StaticCache", max_cache_len=int(made.layers[0].max_cache_len))
     return out

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from kvfast.repro.case import Case
 from kvfast.repro.known import label
-from kvfast.repro.patches import patch_for
+from kvfast.repro.patches import cached_path_source, patch_for
 from kvfast.repro.template import DOCSTRING, TEMPLATE
 from kvfast.validation import printable
 
@@ -137,6 +137,7 @@ def render(case: Case) -> str:
         "THRESHOLD": repr([float(t) for t in case.threshold]),
         "THREADS": repr(_torch_threads()),
         "FOUND_VERSIONS": repr(_versions_text(case)),
+        "CACHED_PATH": cached_path_source(),
         "PATCH": patch_for(case.bug),
     }
     return _fill(TEMPLATE, fields)

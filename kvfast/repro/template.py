@@ -2,12 +2,12 @@
 
 The script never imports kvfast: it builds the model, runs the scenario's cached calls as the model's own
 ``generate`` makes them (the ``CALLS`` it was measured to need) and one full recompute of the judged sequence,
-and compares them step by step against ``THRESHOLD``. Its ``CachedPath`` mirrors :class:`kvfast.check.hf.HFModel`'s
-cached calls and :mod:`kvfast.check.hf_ops`' cache operations (``crop``, a snapshot and its restore as deep
-copies, two beams and ``reorder_cache``, a left-padded batch with ``generate``'s mask and positions); an injected
-catalogue bug is a subclass of it placed after it (:mod:`kvfast.repro.patches`). The sequence judged is the
-scenario's main one (``PROMPT`` then ``TOKENS``) or, for ``fork-branch``, ``reorder-beam`` and ``padded-row``,
-its second one (``BRANCH_PROMPT`` then ``BRANCH_TOKENS``).
+and compares them step by step against ``THRESHOLD``. Its cached path is kvfast's own
+(:class:`kvfast.check.hf_path.CachedPath`, the source :class:`~kvfast.check.hf.HFModel` runs, carried verbatim:
+``@CACHED_PATH@``), answering how ``generate`` calls the model from ``CALLS``; an injected catalogue bug is
+kvfast's own mixin, carried verbatim and put in front of it (``@PATCH@``, :mod:`kvfast.repro.patches`). The
+sequence judged is the scenario's main one (``PROMPT`` then ``TOKENS``) or, for ``fork-branch``, ``reorder-beam``
+and ``padded-row``, its second one (``BRANCH_PROMPT`` then ``BRANCH_TOKENS``).
 
 What a case holds is data in the script, never code: the docstring (with the case's title and the command that
 found it) is written as one Python string literal that evaluates to exactly its text
@@ -31,7 +31,6 @@ Found by: @COMMAND@
 TEMPLATE = r'''#!/usr/bin/env python3
 @DOCSTRING@
 
-import copy
 import json
 import platform
 import sys
@@ -90,166 +89,40 @@ def build_model():
     return model
 
 
-class CachedPath:
-    """The cached calls as `generate` makes them: a fresh DynamicCache (or the model's own cache), an all-ones
-    attention mask over every position so far where `generate` passes one, position_ids after the cache."""
+# --- kvfast's cached path and cache operations (kvfast/check/hf_path.py), carried verbatim --------------------
+@CACHED_PATH@
 
-    def __init__(self, model):
-        self.model = model
-        self.cache, self.length, self.prefill_len, self.decoded, self.last_token = None, 0, 0, 0, None
+# --- how `generate` called this model where kvfast found it (CALLS) ------------------------------------------
 
-    def fresh_cache(self):
-        if CALLS["own_cache"] or CALLS["cache_arg"] == "cache_params":
+
+class GeneratePath(CachedPath):
+    """kvfast's CachedPath (above), called as `generate` called this model on FOUND_ON (CALLS)."""
+
+    cache_arg = CALLS["cache_arg"]
+    takes_mask = CALLS.get("takes_mask", True)
+    takes_position_ids = CALLS.get("takes_position_ids", False)
+    takes_cache_position = CALLS["cache_position"]
+
+    def _fresh_cache(self):
+        if CALLS["own_cache"] or self.cache_arg == "cache_params":
             return None
         if CALLS.get("cache_class") == "StaticCache":
             return transformers.StaticCache(config=self.model.config, max_cache_len=CALLS["max_cache_len"])
-        try:
-            return transformers.DynamicCache(config=self.model.config)
-        except TypeError:  # transformers 4.x: no config argument
-            return transformers.DynamicCache()
+        return new_dynamic_cache(self.model.config)
 
-    def wrap_cache(self):
-        """Called on every fresh cache (where an injected bug wraps it)."""
+    def _generate_passes_mask(self, ids, mask):
+        return CALLS["mask"]["prefill" if self.length == 0 else "decode" if ids.shape[1] == 1 else "chunk"]
 
-    def attention_mask(self, n):
-        return torch.ones(1, self.length + n, dtype=torch.long)
+    def _generate_positions(self):
+        return CALLS["positions"]
 
-    def decode_positions(self):
-        """The decoded token's position_ids (None: generate's, the positions after the cache)."""
-        return None
-
-    def crop_keep(self, n, length):
-        return n
-
-    def cached_forward(self, **kwargs):
-        with torch.no_grad():
-            return self.model(**kwargs)
-
-    def forward(self, tokens, positions=None):
-        n = len(tokens)
-        kind = "prefill" if self.length == 0 else "decode" if n == 1 else "chunk"
-        kwargs = {"input_ids": torch.tensor([tokens]), "use_cache": True, CALLS["cache_arg"]: self.cache}
-        if CALLS["mask"][kind]:
-            kwargs["attention_mask"] = self.attention_mask(n)
-        if CALLS["cache_position"]:
-            kwargs["cache_position"] = torch.arange(self.length, self.length + n)
-        if positions is None and CALLS["positions"]:
-            positions = list(range(self.length, self.length + n))
-        if positions is not None:
-            kwargs["position_ids"] = torch.tensor([positions])
-        out = self.cached_forward(**kwargs)
-        self.cache = next(out[k] for k in ("cache", "past_key_values", "cache_params") if k in out.keys())
-        self.length += n
-        self.last_token = tokens[-1]
-        return out.logits[0]
-
-    def prefill(self, tokens):
-        self.cache, self.length, self.decoded = self.fresh_cache(), 0, 0
-        if self.cache is not None:
-            self.wrap_cache()
-        out = self.forward(tokens)
-        self.prefill_len = self.length
-        return out
-
-    def extend(self, tokens):
-        if CALLS["cache_arg"] == "cache_params":  # generate feeds these models one token per call
-            return torch.cat([self.forward([t]) for t in tokens])
-        return self.forward(tokens)
-
-    def decode(self, token):
-        positions = self.decode_positions()
-        self.decoded += 1
-        return self.forward([token], positions)[0]
-
-    def crop(self, n):
-        """Keep the first n positions (a rollback): cache.crop(-r) removes r positions in every release."""
-        layers = getattr(self.cache, "layers", None) or []
-        if callable(getattr(self.cache, "activate_past_recording", None)) and not any(
-            getattr(layer, "record_past", False) is True for layer in layers
-        ):
-            self.cache.activate_past_recording()  # once, as generate does: a second call forgets what was recorded
-        n = self.crop_keep(n, self.length)
-        if self.length > n:
-            self.cache.crop(n - self.length)
-        self.length = n
-        self.decoded = max(0, n - self.prefill_len)
-
-    # --- fork: a snapshot and its restore are deep copies of the cache ---------------------------------------
-
-    def copy_cache(self, cache):
-        clone = copy.deepcopy(cache)
-        if hasattr(clone, "__dict__"):
-            clone.__dict__.pop("update", None)  # a wrapper of the original's update is not copied (re-wrapped)
-        return clone
-
-    def snapshot(self):
-        return self.copy_cache(self.cache), self.length, self.prefill_len, self.decoded, self.last_token
-
-    def restore(self, state):
-        cache, self.length, self.prefill_len, self.decoded, self.last_token = state
-        self.cache = self.copy_cache(cache)
-        if self.cache is not None:
-            self.wrap_cache()
-
-    # --- reorder and padded: a batch of two sequences ----------------------------------------------------------
-
-    def batch_forward(self, ids, mask, positions=None):
-        n = ids.shape[1]
-        kwargs = {"input_ids": ids, "use_cache": True, CALLS["cache_arg"]: self.cache}
-        if mask is not None and (self.length == 0 or CALLS["mask"]["decode"]):
-            kwargs["attention_mask"] = mask
-        if positions is not None:
-            kwargs["position_ids"] = positions
-        if CALLS["cache_position"]:
-            kwargs["cache_position"] = torch.arange(self.length, self.length + n)
-        out = self.cached_forward(**kwargs)
-        self.cache = next(out[k] for k in ("cache", "past_key_values", "cache_params") if k in out.keys())
-        self.length += n
-        return out.logits
-
-    def prefill_beams(self, tokens, n):
-        self.cache, self.length, self.decoded = self.fresh_cache(), 0, 0
-        ids = torch.tensor([tokens]).repeat(n, 1)
-        mask = torch.ones(n, len(tokens), dtype=torch.long) if CALLS.get("takes_mask", True) else None
-        return self.batch_forward(ids, mask)
-
-    def decode_beams(self, tokens):
-        ids = torch.tensor(tokens).reshape(-1, 1)
-        mask = torch.ones(ids.shape[0], self.length + 1, dtype=torch.long) if CALLS.get("takes_mask", True) else None
-        return self.batch_forward(ids, mask)[:, -1]
-
-    def reorder_cache(self, index):
-        self.cache.reorder_cache(index)
-
-    def padded_positions(self, mask, n):
-        """generate's positions of the last n columns: mask.cumsum(-1) - 1, pads at 1."""
-        positions = mask.cumsum(-1) - 1
-        positions.masked_fill_(mask == 0, 1)
-        return positions[:, -n:]
-
-    def padded_forward(self, ids, n):
-        positions = self.padded_positions(self.pad_mask, n) if CALLS.get("takes_position_ids") else None
-        return self.batch_forward(ids, self.pad_mask, positions)
-
-    def prefill_padded(self, prompts):
-        width = max(len(p) for p in prompts)
-        ids = torch.zeros(len(prompts), width, dtype=torch.long)
-        self.pad_mask = torch.zeros(len(prompts), width, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p)
-            self.pad_mask[i, width - len(p):] = 1
-        self.cache, self.length, self.decoded = self.fresh_cache(), 0, 0
-        logits = self.padded_forward(ids, width)
-        return [logits[i, width - len(p):] for i, p in enumerate(prompts)]
-
-    def decode_padded(self, tokens):
-        self.pad_mask = torch.cat([self.pad_mask, torch.ones(self.pad_mask.shape[0], 1, dtype=torch.long)], dim=1)
-        return self.padded_forward(torch.tensor(tokens).reshape(-1, 1), 1)[:, -1]
+    def _prefill_positions(self):
+        return CALLS.get("prefill_positions") or self.prefill_len
 @PATCH@
 
 def cached_rows(model):
     """The cached path's logits of the judged sequence: one row per prompt position, then one per decode step."""
-    path = CachedPath(model)
+    path = GeneratePath(model)
     if SCENARIO == "fork":
         return fork_rows(path)
     if SCENARIO == "reorder":
@@ -295,7 +168,7 @@ def reorder_rows(path):
     rows = [[first[0]], [first[1]]]
     for t, tokens in enumerate(zip(TOKENS, BRANCH_TOKENS), start=1):
         if t in REORDER_AT:
-            path.reorder_cache(torch.tensor([1, 0]))
+            path.reorder([1, 0])
             slot = [1 - s for s in slot]
         batch = [0, 0]
         batch[slot[0]], batch[slot[1]] = tokens

@@ -1,5 +1,5 @@
 """Studies: run functions over configs, each with its schema, summary, claims and report figures (see
-:mod:`kvfast.studies.base`).
+:mod:`kvfast.sweep.study`).
 
 Every module of this package that defines ``STUDY`` is registered in :data:`STUDIES`.
 """
@@ -9,8 +9,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from kvfast.studies.base import Claim, Fact, Figure, Study
-from kvfast.sweep.study import REGISTERED
+from kvfast.sweep.study import REGISTERED, Claim, Fact, Figure, Study
 
 
 def _discover() -> dict[str, Study]:

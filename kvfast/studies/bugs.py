@@ -44,7 +44,6 @@ from kvfast.bugs.kvfast_model import BUGS, EVICT_WINDOW, VISIBLE_AT_STEP_1
 from kvfast.check import KvfastModel, check_cache
 from kvfast.model.config import ModelConfig, init_params
 from kvfast.numerics import PRESETS, Numerics
-from kvfast.studies.base import Claim, Fact, Figure, Study
 from kvfast.studies.common import (
     MODEL_SHAPE_FIELDS,
     NO_BUG,
@@ -56,6 +55,7 @@ from kvfast.studies.common import (
 from kvfast.studies.criteria import EXACT, VS_SEED, judged
 from kvfast.studies.plotting import COLORS, SYMLOG_FLOOR, pyplot
 from kvfast.studies.toytask import CycleTask, train
+from kvfast.sweep.study import Claim, Fact, Figure, Study
 from kvfast.validation import require_int
 
 VERSION = "1"

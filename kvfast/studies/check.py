@@ -49,10 +49,10 @@ from kvfast.kernels.attention import ATTENTION_CODES
 from kvfast.kernels.reduce import ORDER_CODES
 from kvfast.numerics import PRESETS
 from kvfast.runtime import load_object
-from kvfast.studies.base import Claim, Figure, Study
-from kvfast.studies.common import MODEL_SHAPE_FIELDS, NO_BUG, formats_compile_key, ok_rows, require_config_choice
+from kvfast.studies.common import MODEL_SHAPE_FIELDS, NO_BUG, ok_rows, require_config_choice
 from kvfast.studies.criteria import EXACT, judged
 from kvfast.studies.plotting import SYMLOG_FLOOR, pyplot
+from kvfast.sweep.study import Claim, Figure, Study
 from kvfast.validation import require_int
 
 VERSION = "3"  # 2: failed_scenario and failed_step; 3: native_verdict and logic_verdict
@@ -369,16 +369,9 @@ STUDY = check_study(
 )
 
 
-def _kvfast_compile_key(config: dict) -> tuple:
-    """The factory, and for kvfast's own model the formats of its preset and its attention kind: which compiled
-    kernels a run of the built-in study runs (:func:`~kvfast.studies.common.formats_compile_key`)."""
-    storage, accum = PRESETS.get(config.get("preset"), ("", ""))
-    return (config.get("factory"), *formats_compile_key(storage, accum, str(config.get("attention") or "standard")))
-
-
-# the built-in study's claims (about kvfast's own model and its bug catalogue: no user study has them), its place in
-# the report, and its runs' compile keys
-STUDY = dataclasses.replace(STUDY, claims=claims, figures=FIGURES, rank=90, compile_key=_kvfast_compile_key)
+# the built-in study's claims (about kvfast's own model and its bug catalogue: no user study has them) and its place
+# in the report
+STUDY = dataclasses.replace(STUDY, claims=claims, figures=FIGURES, rank=90)
 
 
 __all__ = ["STUDY", "check_one", "check_options", "check_study", "kvfast_model", "load_factory"]

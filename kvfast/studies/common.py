@@ -56,13 +56,6 @@ def require_model_shape(config: dict, max_layers: int = 4096, max_width: int = 4
         raise ValueError(f"d_model: {d_model} is not allowed with n_head={n_head}; allowed: a multiple of n_head")
 
 
-def formats_compile_key(storage: str, accum: str, attention: str = "standard") -> tuple[str, str, str]:
-    """A run's :attr:`~kvfast.sweep.study.Study.compile_key` in a study of kvfast's own model: what selects
-    the compiled code it runs (the storage and accumulator formats, the attention variant). The summation
-    order is not in it: every order runs the same compiled kernels (a run-time argument)."""
-    return storage, accum, attention.split(":")[0]
-
-
 def model_config(config: dict, max_pos: int) -> ModelConfig:
     """The transformer a run's config names (``vocab``, ``d_model``, ``n_head``, ``n_layer``, ``d_ff``)."""
     return ModelConfig(

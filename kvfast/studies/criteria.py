@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from kvfast.studies.base import Claim
+from kvfast.sweep.study import Claim
 
 EXACT = "exact"
 VS_SEED = "vs seed"

@@ -47,10 +47,10 @@ from kvfast.bugs.score import confusion, detector_metrics
 from kvfast.check import KvfastModel
 from kvfast.numerics import Numerics
 from kvfast.studies import bugs as bugstudy
-from kvfast.studies.base import Claim, Fact, Figure, Study
 from kvfast.studies.common import ok_rows
 from kvfast.studies.criteria import EXACT, VS_SEED, judged, within
 from kvfast.studies.plotting import COLORS, pyplot
+from kvfast.sweep.study import Claim, Fact, Figure, Study
 
 VERSION = f"1.{bugstudy.VERSION}"  # its runs are bug-study runs
 

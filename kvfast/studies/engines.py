@@ -1,6 +1,6 @@
 """Study ``engines``: one tiny random Llama checked in transformers, onnxruntime-genai and llama.cpp.
 
-The same weights (:func:`kvfast.check.engines.tiny.tiny_llama` of the config's ``seed``) are checked through
+The same weights (:func:`kvfast.testing.tiny_llama` of the config's ``seed``) are checked through
 each engine's own cached path against its own recompute, in control mode, both scenarios, with the
 cross-implementation variant (the weights recomputed by transformers) for the engines:
 
@@ -31,9 +31,9 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from kvfast.studies.base import Figure, Study
 from kvfast.studies.common import ok_rows, require_config_choice
 from kvfast.studies.plotting import ratio_bars
+from kvfast.sweep.study import Figure, Study
 from kvfast.validation import MissingExtra, require_int
 
 VERSION = "1"
@@ -111,8 +111,7 @@ def model_dir(seed: int) -> Path:
 
 def _built(seed: int, engine: str, weights: str) -> Path:
     """The model file or folder of ``engine`` for ``seed`` (built once)."""
-    from kvfast.check.engines.llamacpp import tiny_gguf_model
-    from kvfast.check.engines.ort import tiny_ort_model
+    from kvfast.testing import tiny_gguf_model, tiny_ort_model
 
     final = model_dir(seed) / (f"{engine}-{weights}")
     if not final.exists():
@@ -123,7 +122,7 @@ def _built(seed: int, engine: str, weights: str) -> Path:
         elif engine == "llamacpp":
             tiny_gguf_model(work, seed, weights)
         else:
-            from kvfast.check.engines.tiny import tiny_llama
+            from kvfast.testing import tiny_llama
 
             tiny_llama(work / "hf", seed)
         try:

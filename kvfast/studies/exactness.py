@@ -27,10 +27,8 @@ from kvfast.check import CheckOptions, KvfastModel, check_cache_with
 from kvfast.kernels.reduce import ORDER_CODES
 from kvfast.model.config import ModelConfig, SeedDraws
 from kvfast.numerics import PRESETS, Numerics
-from kvfast.studies.base import Claim, Figure, Study
 from kvfast.studies.common import (
     MODEL_SHAPE_FIELDS,
-    formats_compile_key,
     model_config,
     ok_rows,
     require_config_choice,
@@ -38,6 +36,7 @@ from kvfast.studies.common import (
 )
 from kvfast.studies.criteria import EXACT, judged
 from kvfast.studies.plotting import pyplot
+from kvfast.sweep.study import Claim, Figure, Study
 from kvfast.validation import require_int
 
 VERSION = "1"
@@ -159,12 +158,6 @@ def run(config: dict) -> dict:
     }
 
 
-def compile_key(config: dict) -> tuple[str, str, str]:
-    """The formats of the run's preset (standard attention): which compiled kernels it runs
-    (:func:`~kvfast.studies.common.formats_compile_key`)."""
-    return formats_compile_key(*PRESETS[config["preset"]])
-
-
 def summarize(df: pd.DataFrame) -> pd.DataFrame:
     """Per preset: runs, the worst deviation and the share of runs whose tokens are equal."""
     ok = ok_rows(df)
@@ -258,5 +251,4 @@ STUDY = Study(
     validate_groups=(("d_model", "n_head"),),  # d_model % n_head; every other field is checked alone
     figures=FIGURES,
     rank=60,
-    compile_key=compile_key,
 )

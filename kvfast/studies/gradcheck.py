@@ -32,10 +32,10 @@ from kvfast.kernels.rowops import exp_array, log_array
 from kvfast.model.config import ModelConfig, init_params, param_shapes
 from kvfast.model.transformer import Weights, forward_prepared, loss_and_grads
 from kvfast.numerics import Numerics
-from kvfast.studies.base import Claim, Fact, Figure, Study
 from kvfast.studies.common import ok_rows, require_model_shape
 from kvfast.studies.criteria import BOUND, judged
 from kvfast.studies.plotting import pyplot
+from kvfast.sweep.study import Claim, Fact, Figure, Study
 from kvfast.validation import require_int
 
 VERSION = "1"

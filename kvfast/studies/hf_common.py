@@ -1,7 +1,7 @@
 """What the Hugging Face studies (``hf_matrix``, ``hf_score``) share: the model axes, the torch requirement,
 the case a run's config names (prompt and continuation, from its seed) and the tiny models.
 
-A run's model is :func:`kvfast.check.hf.tiny_model` of the config's ``family``, ``dtype``,
+A run's model is :func:`kvfast.testing.tiny_model` of the config's ``family``, ``dtype``,
 ``attention`` and ``seed`` (built once per worker and shared: the adapter never changes it). Adding an
 axis is adding a config field here (and its validation): the scan (issue 20) adds architectures to
 ``family`` and scenarios to the studies' ``scenarios``.
@@ -20,11 +20,11 @@ import pandas as pd
 import pyarrow as pa
 
 from kvfast.bugs.hf import HF_BUGS
-from kvfast.check.hf import ATTENTION, DTYPES, FAMILIES, TINY_VOCAB
 from kvfast.studies.common import NO_BUG, ok_rows, require_config_choice
+from kvfast.testing import ATTENTION, DTYPES, FAMILIES, TINY_VOCAB
 from kvfast.validation import MissingExtra, require_int
 
-#: The model a run checks: a tiny random causal LM (:func:`kvfast.check.hf.tiny_model`) and its weight seed.
+#: The model a run checks: a tiny random causal LM (:func:`kvfast.testing.tiny_model`) and its weight seed.
 MODEL_FIELDS: dict[str, pa.DataType] = {
     "family": pa.string(),
     "dtype": pa.string(),
@@ -76,7 +76,7 @@ def base_model(family: str, dtype: str, attention: str, seed: int):
     it); torch on one thread."""
     import torch
 
-    from kvfast.check.hf import tiny_model
+    from kvfast.testing import tiny_model
 
     torch.set_num_threads(1)
     return tiny_model(family, dtype, attention, seed)

@@ -42,11 +42,11 @@ from kvfast.check.checker import check_cache
 from kvfast.check.hf import HFModel
 from kvfast.check.options import PROMOTE as CHECK_PROMOTE
 from kvfast.studies import hf_common as hf
-from kvfast.studies.base import Claim, Fact, Figure, Study
 from kvfast.studies.check import MODES, SCENARIO_CHOICES
 from kvfast.studies.common import require_config_choice
 from kvfast.studies.criteria import EXACT, judged
 from kvfast.studies.plotting import ratio_bars
+from kvfast.sweep.study import Claim, Fact, Figure, Study
 
 VERSION = "1"
 PROMPT_STREAM = 1000

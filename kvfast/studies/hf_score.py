@@ -48,10 +48,10 @@ from kvfast.bugs.score import Detection, as_detection, score_rows, side_by_side
 from kvfast.check.checker import check_cache
 from kvfast.check.hf import HFModel
 from kvfast.studies import hf_common as hf
-from kvfast.studies.base import Claim, Fact, Figure, Study
 from kvfast.studies.common import ok_rows
 from kvfast.studies.criteria import EXACT, judged
 from kvfast.studies.plotting import pyplot
+from kvfast.sweep.study import Claim, Fact, Figure, Study
 
 VERSION = "1"
 ATOL = {"float32": 1e-5, "float64": 1e-5, "bfloat16": 1e-3}

@@ -28,10 +28,8 @@ import pyarrow as pa
 from kvfast.model.config import ModelConfig, init_params
 from kvfast.model.transformer import Weights, forward_prepared
 from kvfast.numerics import PRESETS, Numerics
-from kvfast.studies.base import Claim, Figure, Study
 from kvfast.studies.common import (
     MODEL_SHAPE_FIELDS,
-    formats_compile_key,
     model_config,
     ok_rows,
     require_config_choice,
@@ -39,6 +37,7 @@ from kvfast.studies.common import (
 )
 from kvfast.studies.criteria import EXACT, judged
 from kvfast.studies.plotting import SYMLOG_FLOOR, pyplot
+from kvfast.sweep.study import Claim, Figure, Study
 from kvfast.validation import require_int
 
 VERSION = "1"
@@ -282,12 +281,6 @@ FIGURES = (
 )
 
 
-def compile_key(config: dict) -> tuple[str, str, str]:
-    """The formats of the run's preset: which compiled kernels it runs
-    (:func:`~kvfast.studies.common.formats_compile_key`)."""
-    return formats_compile_key(*PRESETS[config["preset"]])
-
-
 STUDY = Study(
     name="invariance",
     version=VERSION,
@@ -300,5 +293,4 @@ STUDY = Study(
     claims=claims,
     figures=FIGURES,
     rank=75,
-    compile_key=compile_key,
 )

@@ -46,10 +46,10 @@ from kvfast.model.decode import generate_prepared
 from kvfast.model.transformer import Weights
 from kvfast.numerics import Numerics
 from kvfast.studies import bugs as bugstudy
-from kvfast.studies.base import Claim, Fact, Figure, Study
 from kvfast.studies.common import MODEL_SHAPE_FIELDS, model_config, ok_rows, require_config_choice, require_model_shape
 from kvfast.studies.criteria import EXACT, TEST, judged, mcnemar_exact_p
 from kvfast.studies.plotting import pyplot
+from kvfast.sweep.study import Claim, Fact, Figure, Study
 from kvfast.validation import require_int
 
 VERSION = "1"

@@ -7,7 +7,7 @@ of 512 positions (a cache that writes its keys in place, where a shared key tens
 study's first two prompts with their continuations, each with one bug of
 :data:`kvfast.bugs.operations.OP_BUGS` injected into the cache path (``inject_op_bug``) or clean. The
 sliding-window bug (``window_evicts_one_too_many``) needs a window: it is scored on Mistral (a window of
-:data:`kvfast.check.hf.MISTRAL_WINDOW`), which carries it and clean controls only; the other bugs on the
+:data:`kvfast.testing.MISTRAL_WINDOW`), which carries it and clean controls only; the other bugs on the
 three families without a window (:func:`bugs_of`).
 Detectors, each scored through the path of :func:`kvfast.bugs.score.score_detector` (``run_detector``
 then ``score_rows``: recall, median steps to detection, ROC AUC, false-positive rate on the clean cases),

@@ -1,7 +1,7 @@
 """What the studies' figures share: matplotlib on demand, the report's colours and its symlog floor.
 
 matplotlib is the optional ``plot`` extra: nothing here imports it at import
-time. A :class:`kvfast.studies.base.Figure`'s ``draw`` calls :func:`pyplot`
+time. A :class:`kvfast.sweep.study.Figure`'s ``draw`` calls :func:`pyplot`
 when the report draws; :func:`matplotlib_available` says whether it can.
 """
 

@@ -45,10 +45,8 @@ from kvfast.model.config import ModelConfig, init_params
 from kvfast.model.decode import decode_prepared
 from kvfast.model.transformer import Weights, forward_prepared
 from kvfast.numerics import Numerics
-from kvfast.studies.base import Claim, Fact, Figure, Study
 from kvfast.studies.common import (
     MODEL_SHAPE_FIELDS,
-    formats_compile_key,
     model_config,
     ok_rows,
     require_config_choice,
@@ -56,6 +54,7 @@ from kvfast.studies.common import (
 )
 from kvfast.studies.criteria import EXACT, judged
 from kvfast.studies.plotting import pyplot
+from kvfast.sweep.study import Claim, Fact, Figure, Study
 from kvfast.validation import require_int
 
 VERSION = "2"
@@ -488,16 +487,6 @@ FIGURES = (
 )
 
 
-def compile_key(config: dict) -> tuple[str, ...]:
-    """The run's formats and its prefill's and decode's attention kinds: which compiled kernels it runs
-    (:func:`~kvfast.studies.common.formats_compile_key`)."""
-    decode = config["decode_attention"]
-    return (
-        *formats_compile_key(config["storage"], config["accum"], config["attention"]),
-        formats_compile_key("", "", config["attention"] if decode == "same" else decode)[2],
-    )
-
-
 STUDY = Study(
     name="precision",
     version=VERSION,
@@ -511,5 +500,4 @@ STUDY = Study(
     figures=FIGURES,
     facts=facts,
     rank=30,
-    compile_key=compile_key,
 )

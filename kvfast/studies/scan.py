@@ -38,9 +38,9 @@ import pandas as pd
 import pyarrow as pa
 
 from kvfast.studies import hf_common as hf
-from kvfast.studies.base import Fact, Figure, Study
 from kvfast.studies.common import ok_rows, require_config_choice
 from kvfast.studies.plotting import pyplot
+from kvfast.sweep.study import Fact, Figure, Study
 from kvfast.validation import require_int
 
 VERSION = "2"  # 2: the mode field, auto by default

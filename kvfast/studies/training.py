@@ -58,11 +58,11 @@ from kvfast.model.cache import KVCache
 from kvfast.model.config import ModelConfig, init_params
 from kvfast.model.transformer import Weights, forward_prepared
 from kvfast.numerics import Numerics
-from kvfast.studies.base import Claim, Fact, Figure, Study
 from kvfast.studies.common import MODEL_SHAPE_FIELDS, model_config, ok_rows, require_model_shape
 from kvfast.studies.criteria import DIRECTION, VS_SEED, judged, within
 from kvfast.studies.plotting import pyplot
 from kvfast.studies.toytask import AdamState, adam_step, batch_loss_and_grads
+from kvfast.sweep.study import Claim, Fact, Figure, Study
 from kvfast.validation import not_allowed, require_int
 
 VERSION = "1"

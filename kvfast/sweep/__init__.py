@@ -12,7 +12,7 @@ from kvfast.sweep.engine import BACKENDS, SweepReport, run_sweep
 from kvfast.sweep.grid import (
     DEFAULT_MAX_RUNS,
     Grid,
-    Run,
+    GridRun,
     builtin_grids,
     grid_from_configs,
     grid_from_spec,
@@ -32,8 +32,8 @@ __all__ = [
     "MANIFEST",
     "REGISTERED",
     "Grid",
+    "GridRun",
     "ResultsDir",
-    "Run",
     "Study",
     "StudyRegistry",
     "SweepReport",

@@ -8,11 +8,9 @@ here from keyword options), then:
    results directory (:mod:`kvfast.sweep.store`), starts a Dask client if asked;
 2. under the directory's lock: finds the pending runs (:mod:`kvfast.sweep.plan`),
    writes the manifest, runs one pending run here first (the warm-up: Numba
-   compiles, or loads its cache, once, before workers start) while the backend
-   gets a head start (with a study's ``compile_key`` and the ``fork`` backend, one
-   run of each other key warms up at the same time in a helper process, so that
-   different code compiles in parallel), then hands the rest to the backend's ``execute``
-   (:mod:`kvfast.sweep.backends`): rows go to the writer (:mod:`kvfast.sweep.writer`);
+   compiles, or loads its cache, once, before workers start; forked workers inherit it),
+   then hands the rest to the backend's ``execute`` (:mod:`kvfast.sweep.backends`): rows go to
+   the writer (:mod:`kvfast.sweep.writer`);
 3. compacts the parts, records the sweep in the manifest's history, returns a :class:`SweepReport`.
 
 Contract of :func:`run_sweep`:
@@ -39,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import itertools
 import os
 import signal
 import sys
@@ -50,12 +47,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvfast.runtime import INTERRUPTED, on_sigint
-from kvfast.sweep.backends import NOTHING_LOST, Job, Outcome, backend_module, execute, supervised
-from kvfast.sweep.backends.inline import CHUNK as INLINE_CHUNK
-from kvfast.sweep.grid import Grid, Run
+from kvfast.sweep.backends import Job, execute
+from kvfast.sweep.grid import Grid, GridRun
 from kvfast.sweep.limits import check_disk, check_memory
 from kvfast.sweep.options import BACKENDS, SweepOptions
-from kvfast.sweep.plan import Pending, checked_key, find_pending, pending_runs, split_warmup
+from kvfast.sweep.plan import Pending, find_pending, pending_runs, split_warmup
 from kvfast.sweep.progress import meter, runs_per_second
 from kvfast.sweep.provenance import changes, provenance
 from kvfast.sweep.rows import RunLimits, run_one
@@ -79,25 +75,6 @@ __all__ = [
     "SweepReport",
     "run_sweep",
 ]
-
-
-def __getattr__(name: str):
-    """``FORK_UNSAFE`` and ``fork_unsafe_modules``, from :mod:`kvfast.sweep.backends.pool` (imports joblib)."""
-    if name in ("FORK_UNSAFE", "fork_unsafe_modules"):
-        return getattr(backend_module("fork"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _find_pending(grid: Grid, stored: StoredIndex, redo: tuple[str, ...]) -> Pending:
-    """Kept for callers of the old name: :func:`kvfast.sweep.plan.find_pending`."""
-    return find_pending(grid, stored, redo)
-
-
-def _dask_client(n_jobs: int, scheduler: str | None):
-    """Kept for callers of the old name: :func:`kvfast.sweep.backends.dask.dask_client`."""
-    from kvfast.sweep.backends.dask import dask_client
-
-    return dask_client(n_jobs, scheduler)
 
 
 @dataclass
@@ -171,7 +148,9 @@ def run_sweep(grid: Grid, out: str | os.PathLike, options: SweepOptions | None =
     t_start = time.perf_counter()
     client = cluster = None
     if options.backend == "dask" and (options.jobs > 1 or options.scheduler):
-        client, cluster = _dask_client(options.jobs, options.scheduler)
+        from kvfast.sweep.backends.dask import dask_client
+
+        client, cluster = dask_client(options.jobs, options.scheduler)
     on_main = threading.current_thread() is threading.main_thread()
     old_handler = signal.signal(signal.SIGINT, on_sigint) if on_main else None
     INTERRUPTED.clear()
@@ -314,7 +293,7 @@ def _history(grid: Grid, report: SweepReport, options: SweepOptions, versions_no
         "grid_runs": len(grid),
         "ran": report.ran,
         "backend": options.backend,
-        "workers": options.jobs,
+        "workers": report.workers,
         "wall_s": round(report.wall_s, 3),
         "counts": report.counts,
         "lost": len(report.lost),
@@ -335,55 +314,33 @@ def _execute(
     crashed: set[str],
 ) -> None:
     """Run the pending runs: in this process (one job), or a warm-up here and the rest on the backend."""
-    inline = options.jobs == 1 and client is None
-    path = writer.store.path
-    limits = RunLimits(options.run_timeout, path / TIMEOUTS, reap=inline)
+    serial = options.jobs == 1 and client is None
     job = Job(
         study=grid.study,
-        backend="inline" if inline else options.backend,
-        workers=options.jobs,
+        backend="serial" if serial else options.backend,
+        jobs=options.jobs,
         write=writer,
         recent=writer.recent,
-        limits=limits,
+        limits=RunLimits(options.run_timeout, writer.store.path / TIMEOUTS, reap=serial),
         chunk_s=options.chunk_s,
         chunk_size=options.chunk_size,
         stall_s=options.stall_s,
         client=client,
     )
-    runs, total = checked_key(grid.study.compile_key, pending_runs(grid, pending)), pending.total
-    if inline:
-        execute(job, runs, total)
-        report.chunk_size = options.chunk_size or INLINE_CHUNK
+    runs, total = pending_runs(grid, pending), pending.total
+    if not serial:
+        runs, total = _warm_up(job, runs, total, writer, crashed)
+    if not total:
         return
-    with supervised(job):  # from before the warm-up: a worker may stop while its pool starts
-        runs, total, helpers = _warm_up(job, runs, total, writer, crashed)
-        try:
-            outcome: Outcome = execute(job, runs, total) if total else NOTHING_LOST
-            if helpers is not None:  # their rows once the rest is done: the helpers ran on meanwhile if need be
-                writer(helpers.runs, helpers.rows())
-        finally:
-            if helpers is not None:
-                helpers.close()
-        if not total:
-            return
+    outcome = execute(job, runs, total)
     report.lost, report.lost_reason = list(outcome.lost), outcome.reason
-    report.worker_versions = dict(job.worker_versions)
-    report.workers = job.workers
-    report.chunk_size = job.largest_chunk  # the steady-state size
+    report.worker_versions = dict(outcome.worker_versions or {})
+    report.workers = outcome.workers
+    report.chunk_size = outcome.chunk_size  # the steady-state size
 
 
-def _warm_up(job: Job, runs: Iterator[Run], total: int, writer: Writer, crashed: set[str]) -> tuple:
-    """Run the warm-up: one pending run in this process while the backend gets a head start; ``(runs left, how
-    many, helpers)``.
-
-    With a study's ``compile_key`` and a backend that can (``fork``, several workers), the first run of each
-    other key, up to one per worker but one (:func:`~kvfast.sweep.plan.split_warmup`; any further key's first
-    run goes to the pool with the rest), runs at the same time in helper processes, one run each, forked
-    before this one compiles anything (:func:`kvfast.sweep.backends.pool.warm_up`), so that the compiles of
-    different code run in parallel. ``helpers`` (``None`` if none started) may still be running when this
-    returns: the pool for the rest is forked then, from this process, without waiting for them (what they
-    compiled, its workers load from Numba's cache, or wait for under the kernels' locks); the caller writes
-    ``helpers.rows()`` and closes them. They are closed here if this process's warm-up raises.
+def _warm_up(job: Job, runs: Iterator[GridRun], total: int, writer: Writer, crashed: set[str]) -> tuple:
+    """Run the warm-up: one pending run in this process, before any worker starts; ``(runs left, how many)``.
 
     Never a run that has killed a process: one stored as crashed (or timeout), or one
     that killed this process during an earlier warm-up (its id is left in ``.warmup``).
@@ -392,36 +349,11 @@ def _warm_up(job: Job, runs: Iterator[Run], total: int, writer: Writer, crashed:
     """
     marker = writer.store.path / WARMUP
     avoid = crashed | {marker.read_text().strip() if marker.exists() else ""}
-    module = backend_module(job.backend)
-    parallel = total > 1 and hasattr(module, "warms_up") and module.warms_up(job)
-    key = job.study.compile_key if parallel else None
-    local, others, rest = split_warmup(runs, avoid, key=key, most=job.workers - 1)
-    helpers = module.warm_up(job, others) if others else None
-    if others and helpers is None:  # none could start: the runs go back in front
-        rest = itertools.chain(others, rest)
-        others = []
-    preheat, starting = None, False
-    if total > 1 and job.backend == "loky":
-        # loky workers start and import the study meanwhile (not its kernels: those load from the cache this
-        # warm-up fills); started from this thread, which they die with (a helper thread would end first)
-        module.preheat(job)
-        starting = True
-    elif total > 1 and job.client is not None:  # Dask workers import the study meanwhile
-        preheat = threading.Thread(target=module.preheat, args=(job,), daemon=True)
-        preheat.start()
-        starting = True
-    limits = job.limits._replace(reap=not starting) if job.limits else None  # a starting pool's workers stay
-    try:
-        for run in local:
-            marker.write_text(run.run_id)
-            writer([run], [run_one(job.study, run, limits)])
-        marker.unlink(missing_ok=True)
-    except BaseException:
-        if helpers is not None:
-            helpers.close()
-        raise
-    finally:
-        if preheat is not None:
-            preheat.join()
+    local, rest = split_warmup(runs, avoid)
+    limits = job.limits._replace(reap=True)  # no pool has started: what the run leaves is its own
+    for run in local:
+        marker.write_text(run.run_id)
+        writer([run], [run_one(job.study, run, limits)])
+    marker.unlink(missing_ok=True)
     writer.recent.clear()
-    return rest, total - len(local) - len(others), helpers
+    return rest, total - len(local)

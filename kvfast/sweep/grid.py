@@ -68,7 +68,7 @@ DEFAULT_MAX_RUNS = 10_000_000
 _OVERLAP_CHECK_MAX = 64  # union entries compared pairwise for overlap; above this, every id is checked
 
 
-class Run(NamedTuple):
+class GridRun(NamedTuple):
     """One run of a grid: its id and its (normalised) config."""
 
     run_id: str
@@ -107,7 +107,7 @@ class _Entry:
         for combo in itertools.product(*(f.pieces for f in self.varying)):
             yield blake(fmt(*combo).encode(), digest_size=16).hexdigest()
 
-    def runs(self, select: Iterator[bool] | None = None, seen: set[str] | None = None) -> Iterator[Run]:
+    def runs(self, select: Iterator[bool] | None = None, seen: set[str] | None = None) -> Iterator[GridRun]:
         """The entry's runs; with ``select``, only those whose next flag is true (no id computed for the others).
 
         With ``seen`` (ids of runs generated before), runs already seen are skipped and
@@ -133,7 +133,7 @@ class _Entry:
             config = base.copy()
             for k, (row, _) in zip(keys, combo, strict=True):
                 config.update(zip(k, row, strict=True))
-            yield Run(rid, config)
+            yield GridRun(rid, config)
 
 
 @dataclass(frozen=True)
@@ -177,7 +177,7 @@ class Grid:
                     seen.add(rid)
                     yield rid
 
-    def iter_runs(self, select: Iterable[bool] | None = None) -> Iterator[Run]:
+    def iter_runs(self, select: Iterable[bool] | None = None) -> Iterator[GridRun]:
         """Every run (id and a fresh config dict), in expansion order, each once.
 
         ``select``: one flag per run (in the order of :meth:`iter_ids`); only runs flagged
@@ -189,7 +189,7 @@ class Grid:
             yield from entry.runs(flags, seen if i in self.overlapping else None)
 
     @functools.cached_property
-    def runs(self) -> tuple[Run, ...]:
+    def runs(self) -> tuple[GridRun, ...]:
         """Every run, materialised (for small grids; sweeps use :meth:`iter_runs`)."""
         return tuple(self.iter_runs())
 

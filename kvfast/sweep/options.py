@@ -1,16 +1,16 @@
 """How a sweep runs: one validated, immutable options object, built once.
 
 :meth:`SweepOptions.build` takes the options as ``kvfast run`` and
-:func:`kvfast.sweep.run_sweep` name them, checks every one (a ``ValueError`` of
-one line, ``--option: VALUE is not allowed; allowed: WHAT``, before anything
-runs or is touched) and resolves the defaults:
+:func:`kvfast.sweep.run_sweep` name them and resolves the defaults; the object checks every
+option as it is made (a ``ValueError`` of one line, ``--option: VALUE is not allowed; allowed:
+WHAT``, before anything runs or is touched) and resolves ``jobs`` once, into the one value
+every part of the sweep reads:
 
-- ``jobs=None`` is every core; more than the machine's cores is capped to it
-  with a warning (not with a Dask ``scheduler``: a cluster has its own);
+- ``jobs=None`` (through :meth:`~SweepOptions.build`) is every core; more than the machine's
+  cores is capped to it with a warning (not with a Dask ``scheduler``: a cluster has its own);
 - ``backend="fork"`` is ``loky`` where fork is unavailable or unsafe (not Linux).
 
-A :class:`SweepOptions` made directly is checked too (``__post_init__``) but
-not resolved: ``jobs`` must then be an integer.
+A :class:`SweepOptions` made directly is checked and capped too, but ``jobs`` must be an integer.
 """
 
 from __future__ import annotations
@@ -51,7 +51,11 @@ class SweepOptions:
 
     def __post_init__(self) -> None:
         _check_backend(self.backend)
-        _check_jobs(self.jobs)
+        check_jobs(self.jobs)
+        cores = _cores()
+        if self.jobs > cores and not (self.backend == "dask" and self.scheduler):
+            print(f"warning: --jobs {self.jobs} is more than the {cores} cores here; using {cores}", file=sys.stderr)
+            object.__setattr__(self, "jobs", cores)  # (frozen: set once, here)
         if self.run_timeout is not None and (
             isinstance(self.run_timeout, bool) or not 0 < self.run_timeout <= MAX_TIMEOUT
         ):  # above MAX_TIMEOUT the runs' interval timer overflows: every run an error row
@@ -66,20 +70,10 @@ class SweepOptions:
 
     @classmethod
     def build(cls, *, jobs: int | None = None, backend: str = "fork", **options) -> SweepOptions:
-        """Check ``options`` and resolve the defaults (see the module docstring); ``ValueError`` if one is bad."""
-        import joblib
-
-        _check_backend(backend)
+        """Resolve the defaults (see the module docstring) and make the options; ``ValueError`` if one is bad."""
         if backend == "fork" and not _fork_available():
             backend = "loky"
-        cores = joblib.cpu_count()
-        if jobs is None:
-            jobs = cores
-        _check_jobs(jobs)
-        if jobs > cores and not (backend == "dask" and options.get("scheduler")):
-            print(f"warning: --jobs {jobs} is more than the {cores} cores here; using {cores}", file=sys.stderr)
-            jobs = cores
-        return cls(jobs=jobs, backend=backend, **options)
+        return cls(jobs=_cores() if jobs is None else jobs, backend=backend, **options)
 
     @property
     def redo(self) -> tuple[str, ...]:
@@ -92,9 +86,17 @@ def _check_backend(backend: str) -> None:
         raise ValueError(f"--backend: {backend!r} is not allowed; allowed: {', '.join(BACKENDS)}")
 
 
-def _check_jobs(jobs) -> None:
+def check_jobs(jobs) -> None:
+    """The one check of ``--jobs``: an integer >= 1 (``ValueError`` naming it)."""
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"--jobs: {jobs!r} is not allowed; allowed: an integer >= 1")
+
+
+def _cores() -> int:
+    """This machine's cores as joblib counts them (the CPU affinity and a container's CPU quota included)."""
+    import joblib
+
+    return joblib.cpu_count()
 
 
 def _fork_available() -> bool:

@@ -4,8 +4,7 @@
   in the stored ids: a flag per run, and the stored statuses of the others.
 - :func:`pending_runs`: the pending runs, generated lazily in expansion order.
 - :func:`split_warmup`: the run that executes in the sweep's own process first
-  (never one that has killed a process), with a study's ``compile_key`` one more
-  run per other key (warmed up at the same time elsewhere), and the runs left.
+  (never one that has killed a process), and the runs left.
 - :class:`Planner`: cuts runs into chunks lazily, as workers ask for work.
 
 Nothing here runs a run or touches the store; the grid is never materialised.
@@ -17,12 +16,12 @@ import itertools
 import math
 import statistics
 from collections import deque
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import numpy as np
 
-from kvfast.sweep.grid import Grid, Run
+from kvfast.sweep.grid import Grid, GridRun
 from kvfast.sweep.store import STATUSES, StoredIndex
 
 
@@ -74,7 +73,7 @@ def _flags(mask: np.ndarray) -> Iterator[bool]:
         yield from mask[start : start + _BATCH].tolist()
 
 
-def pending_runs(grid: Grid, plan: Pending) -> Iterator[Run]:
+def pending_runs(grid: Grid, plan: Pending) -> Iterator[GridRun]:
     """The grid's pending runs, in expansion order, generated lazily (no id computed for the others)."""
     return grid.iter_runs(None if plan.mask is None else _flags(plan.mask))
 
@@ -90,7 +89,7 @@ class Planner:
     """
 
     def __init__(
-        self, runs: Iterator[Run], total: int, workers: int, chunk_s: float, fixed: int | None, recent: deque
+        self, runs: Iterator[GridRun], total: int, workers: int, chunk_s: float, fixed: int | None, recent: deque
     ) -> None:
         self.runs = iter(runs)
         self.total = total
@@ -99,7 +98,7 @@ class Planner:
         self.fixed = fixed
         self.recent = recent
         self.cap = max(1, math.ceil(total / (4 * workers)))
-        self.handed: dict[int, list[Run]] = {}
+        self.handed: dict[int, list[GridRun]] = {}
         self.count = 0
         self.largest = 0
 
@@ -111,7 +110,7 @@ class Planner:
             return 1
         return max(1, min(self.cap, round(self.chunk_s / max(statistics.median(times), 1e-6))))
 
-    def take(self) -> tuple[int, list[Run]] | None:
+    def take(self) -> tuple[int, list[GridRun]] | None:
         """The next chunk ``(index, runs)``, or ``None`` when every run has been handed out."""
         chunk = list(itertools.islice(self.runs, self.size()))
         if not chunk:
@@ -123,11 +122,11 @@ class Planner:
         self.largest = max(self.largest, len(chunk))
         return index, chunk
 
-    def returned(self, index: int) -> list[Run]:
+    def returned(self, index: int) -> list[GridRun]:
         """The runs of chunk ``index``, which came back."""
         return self.handed.pop(index)
 
-    def rest(self) -> tuple[Iterator[Run], int]:
+    def rest(self) -> tuple[Iterator[GridRun], int]:
         """Runs not handed out yet, and how many."""
         return self.runs, self.total - self.taken
 
@@ -137,74 +136,17 @@ LOOK = 256
 
 
 def split_warmup(
-    pending: Iterator[Run],
-    avoid: set[str],
-    look: int = LOOK,
-    key: Callable[[dict], Hashable] | None = None,
-    most: int = 1,
-) -> tuple[list[Run], list[Run], Iterator[Run]]:
-    """The warm-up runs and every other pending run, in order: ``(first, others, rest)``.
+    pending: Iterator[GridRun], avoid: set[str], look: int = LOOK
+) -> tuple[list[GridRun], Iterator[GridRun]]:
+    """The warm-up run and every other pending run, in order: ``(first, rest)``.
 
     ``first`` (a list of at most one) is the first pending run whose id is not in ``avoid`` (runs
     that killed a process), among the first ``look`` runs; none if all of those are avoided.
-    ``others``: with a ``key`` (a study's ``compile_key``), the first such run of each other key
-    among the first ``look`` runs, in order, at most ``most`` of them (one run per key); without
-    one, none. ``rest``: every pending run not in ``first`` or ``others``, in order. A key that
-    raises or is not hashable is a ``ValueError`` naming ``compile_key`` (before any run runs).
+    ``rest``: every pending run not in ``first``, in order.
     """
-    skipped: list[Run] = []
-    first: list[Run] = []
-    others: list[Run] = []
-    keys: set = set()
-    seen = 0
-    for run in pending:
-        seen += 1
-        if run.run_id in avoid:
-            skipped.append(run)
-        elif key is None:
-            first.append(run)
-            break
-        else:
-            k = _compile_key(key, run)
-            if k in keys:
-                skipped.append(run)
-            else:
-                keys.add(k)
-                (others if first else first).append(run)
-                if len(others) >= most:
-                    break
-        if seen >= look:
-            break
-    return first, others, itertools.chain(skipped, pending)
-
-
-def checked_key(key: Callable[[dict], Hashable] | None, runs: Iterator[Run]) -> Iterator[Run]:
-    """``runs``, unchanged, once ``key`` (a study's ``compile_key``, if any) has been checked on the first: a
-    ``ValueError`` naming ``compile_key`` before any run when it raises or is not hashable there, whatever the
-    backend and worker count (:func:`split_warmup` checks the key of every run it looks at)."""
-    if key is None:
-        return runs
-    first = next(runs, None)
-    if first is None:
-        return iter(())
-    _compile_key(key, first)
-    return itertools.chain([first], runs)
-
-
-def _compile_key(key: Callable[[dict], Hashable], run: Run) -> Hashable:
-    """``key(run.config)``, checked: ``ValueError`` naming ``compile_key`` when it raises or is not hashable."""
-    try:
-        k = key(run.config)
-    except Exception as exc:  # noqa: BLE001 - any failure of the study's hook is reported as the field's
-        raise ValueError(
-            f"compile_key: raised {type(exc).__name__}: {exc} for run {run.run_id}; allowed: a function that "
-            "returns a hashable value for every config of the grid"
-        ) from exc
-    try:
-        hash(k)
-    except TypeError:
-        raise ValueError(
-            f"compile_key: {k!r} (for run {run.run_id}) is not allowed; allowed: a hashable value "
-            "(e.g. a tuple of strings)"
-        ) from None
-    return k
+    skipped: list[GridRun] = []
+    for run in itertools.islice(pending, look):
+        if run.run_id not in avoid:
+            return [run], itertools.chain(skipped, pending)
+        skipped.append(run)
+    return [], itertools.chain(skipped, pending)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from kvfast.runtime.worker import INTERRUPTED, RunTimeout, deadline
-from kvfast.sweep.grid import Run
+from kvfast.sweep.grid import GridRun
 from kvfast.sweep.procs import RunTree, in_worker, worker_setup
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ class RunLimits(NamedTuple):
 Limits = RunLimits | tuple | None  # None: no time limit
 
 
-def run_one(study: Study, run: Run, limits: Limits = None) -> dict:
+def run_one(study: Study, run: GridRun, limits: Limits = None) -> dict:
     """One run as a row of result + bookkeeping columns (never raises for the run's own errors).
 
     ``SystemExit`` and ``KeyboardInterrupt`` raised by the run's code are ``error``
@@ -92,7 +92,7 @@ def run_one(study: Study, run: Run, limits: Limits = None) -> dict:
     return row
 
 
-def _run(study: Study, run: Run, pid: int, tree: RunTree):
+def _run(study: Study, run: GridRun, pid: int, tree: RunTree):
     """The run itself (in :func:`run_one`'s deadline): ``study.run`` of a copy of its config, then the processes it
     left ended; a process it forked that returns here exits at once."""
     try:
@@ -103,19 +103,21 @@ def _run(study: Study, run: Run, pid: int, tree: RunTree):
         tree.end()
 
 
-def run_chunk(study: Study, chunk: tuple[int, list[Run]], limits: Limits = None) -> tuple[int, list[dict]]:
+def run_chunk(study: Study, chunk: tuple[int, list[GridRun]], limits: Limits = None) -> tuple[int, list[dict]]:
     """A task: run every run of one chunk, in order; returns ``(chunk index, rows)``."""
     index, runs = chunk
     return index, [run_one(study, r, limits) for r in runs]
 
 
-def run_chunk_in_worker(study: Study, chunk: tuple[int, list[Run]], limits: Limits = None) -> tuple[int, list[dict]]:
+def run_chunk_in_worker(
+    study: Study, chunk: tuple[int, list[GridRun]], limits: Limits = None
+) -> tuple[int, list[dict]]:
     """:func:`run_chunk` in a pool worker: set the worker up first (see :func:`kvfast.sweep.procs.worker_setup`)."""
     worker_setup()
     return run_chunk(study, chunk, limits)
 
 
-def lost_worker_row(study: Study, run: Run, limits: Limits) -> dict:
+def lost_worker_row(study: Study, run: GridRun, limits: Limits) -> dict:
     """The row of a run whose worker died when it ran alone: ``timeout`` if the worker killed itself at
     the run's time limit (its marker is removed), else ``crashed`` (one line on stderr)."""
     if timed_out(limits, run):
@@ -124,12 +126,12 @@ def lost_worker_row(study: Study, run: Run, limits: Limits) -> dict:
     return _empty_row(study, run, "crashed", CRASH_MESSAGE, wall_s=None)
 
 
-def timeout_row(study: Study, run: Run, limits: Limits) -> dict:
+def timeout_row(study: Study, run: GridRun, limits: Limits) -> dict:
     """The row of a run whose worker killed itself at the run's time limit."""
     return _empty_row(study, run, "timeout", _timeout_message(limits[0] if limits else None), wall_s=None)
 
 
-def timed_out(limits: Limits, run: Run) -> bool:
+def timed_out(limits: Limits, run: GridRun) -> bool:
     """True when a worker killed itself at ``run``'s time limit (and left a marker; it is removed)."""
     markers = limits[1] if limits else None
     if markers is None:
@@ -141,7 +143,7 @@ def timed_out(limits: Limits, run: Run) -> bool:
     return False
 
 
-def _empty_row(study: Study, run: Run, status: str, error: str, **extra) -> dict:
+def _empty_row(study: Study, run: GridRun, status: str, error: str, **extra) -> dict:
     row = {f: None for f in study.result_fields}
     row.update(run_id=run.run_id, status=status, error=error, **extra)
     return row

@@ -17,7 +17,7 @@ above it (``tests/test_layering.py``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -97,18 +97,6 @@ class Study:
 
     ``reproduce``: whether ``kvfast reproduce`` runs its built-in grid (``False``: an experiment run by name,
     ``kvfast study NAME``, e.g. one that needs an optional extra or takes long).
-
-    ``compile_key(config) -> hashable`` (optional): which compiled code a run needs, as far as the study
-    knows (kvfast's own studies: the storage and accumulator formats and the attention variant). Runs
-    with equal keys compile the same code; runs with different keys may compile different code. A
-    sweep with ``jobs`` workers warms up one run of each of the first ``jobs`` keys it finds (among
-    the first :data:`~kvfast.sweep.plan.LOOK` pending runs) at the same time, each in its own process
-    (the ``fork`` backend; the others warm up one run, as without a key), before the rest of the
-    grid, so that the compiles run in parallel. It is called in the sweep's process, on validated configs, and
-    must be cheap and deterministic; it never changes a run's numbers (a run's numbers depend only on
-    its config), only which runs warm up. Its value must be hashable, else the sweep raises a
-    ``ValueError`` naming ``compile_key`` before any run. ``None`` (the default): one key for every
-    run, one warm-up run.
     """
 
     name: str
@@ -126,13 +114,6 @@ class Study:
     tables: tuple[tuple[str, Callable[[pd.DataFrame], pd.DataFrame]], ...] = ()
     rank: int = 1000
     reproduce: bool = True
-    compile_key: Callable[[dict], Hashable] | None = None
-
-    def __post_init__(self) -> None:
-        if self.compile_key is not None and not callable(self.compile_key):
-            raise ValueError(
-                f"compile_key: {self.compile_key!r} is not allowed; allowed: None or a function of a config"
-            )
 
 
 class StudyRegistry(dict):

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
-from kvfast.sweep.grid import Run
+from kvfast.sweep.grid import GridRun
 from kvfast.sweep.store import PART_ROWS, ResultsDir, schema_for
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ class Writer:
         self.compute_s = 0.0
         self.recent: deque = deque(maxlen=64)
 
-    def __call__(self, runs: Sequence[Run], rows: list[dict]) -> None:
+    def __call__(self, runs: Sequence[GridRun], rows: list[dict]) -> None:
         if not rows:
             return
         configs = {r.run_id: r.config for r in runs} if len(runs) != len(rows) else None

@@ -541,31 +541,3 @@ def dequantized_transformers(hf_model, onnx_file):
                 layer.register_forward_pre_hook(lambda _m, args, b=block: (fake_quantize_int8_blocks(args[0], b),))
     model._kvfast_dequantized = True
     return model
-
-
-# --- tiny random test models (no download) -------------------------------------------------------------
-
-PRECISIONS = ("fp32", "fp16", "int8", "int4")
-
-
-def tiny_ort_model(out, seed: int = 0, precision: str = "fp32") -> Path:
-    """Build a tiny random Llama (:func:`kvfast.check.engines.tiny.tiny_llama`) in ``out/hf`` and convert it
-    with onnxruntime-genai's model builder into ``out/onnx`` (``precision``: :data:`PRECISIONS`, CPU; int8 and
-    int4 are the builder's weight-only ``MatMulNBits`` quantization with its CPU defaults: symmetric, blocks of
-    32, ``accuracy_level`` 4); return ``out/onnx``. Nothing is downloaded; about 10 s."""
-    import subprocess
-    import sys
-
-    from kvfast.check.engines.tiny import tiny_llama
-
-    require_choice(precision, "precision", PRECISIONS)
-    out = Path(out)
-    hf, onnx = out / "hf", out / "onnx"
-    tiny_llama(hf, seed)
-    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", str(hf), "-i", str(hf), "-o", str(onnx),
-           "-p", precision, "-e", "cpu"]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        tail = " ".join(done.stderr.split()[-40:])
-        raise RuntimeError(f"onnxruntime-genai's model builder failed (exit {done.returncode}): {tail}")
-    return onnx

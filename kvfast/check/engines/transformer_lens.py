@@ -61,10 +61,8 @@ from kvfast.validation import import_extra, not_allowed, require_choice, require
 VARIANTS = ("rows",)
 MODEL = "a transformer_lens.HookedTransformer or a JSON file of HookedTransformerConfig fields"
 BRIDGE = "a transformer_lens TransformerBridge or a transformers model directory (with its tokenizer)"
-#: torch dtypes by name (a config file's ``dtype``, :func:`tiny_tl_model`'s).
+#: torch dtypes by name (a config file's ``dtype``, :func:`kvfast.testing.tiny_tl_model`'s).
 DTYPES = ("float32", "float64", "bfloat16", "float16")
-#: TransformerLens's positional kinds the tests build (``positional_embedding_type``).
-POSITIONALS = ("standard", "rotary", "alibi")
 
 
 def is_hooked_transformer(model: object) -> bool:
@@ -141,22 +139,27 @@ def model_from_config(path, seed: int = 0, weights=None):
     """A ``HookedTransformer`` built from a JSON file of ``HookedTransformerConfig`` fields (``dtype`` by name:
     :data:`DTYPES`), random weights from ``seed`` or, with ``weights``, a state dict saved by
     ``torch.save(model.state_dict(), weights)``."""
-    torch = _torch()
     try:
         fields = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
         raise not_allowed("path", str(path), f"{MODEL} ({type(exc).__name__}: {exc})") from None
     if not isinstance(fields, dict):
         raise not_allowed("path", str(path), f"{MODEL} (a JSON object)")
-    if "dtype" in fields:
-        fields["dtype"] = getattr(torch, require_choice(fields["dtype"], f"{path}: dtype", DTYPES))
-    cfg = _hooked("HookedTransformerConfig")(**{**fields, "seed": require_int(seed, "seed")})
-    model = _hooked_transformer(cfg)
+    model = model_from_fields(fields, seed, f"{path}: dtype")
     if weights is not None:
         if not isinstance(weights, str | os.PathLike) or not Path(weights).is_file():
             raise not_allowed("weights", weights, "a state dict file saved by torch.save(model.state_dict(), path)")
-        model.load_state_dict(torch.load(weights, map_location=cfg.device, weights_only=True))
+        model.load_state_dict(_torch().load(weights, map_location=model.cfg.device, weights_only=True))
     return model
+
+
+def model_from_fields(fields: dict, seed: int = 0, dtype_field: str = "dtype"):
+    """A ``HookedTransformer`` of ``HookedTransformerConfig`` fields (``dtype`` by name: :data:`DTYPES`, an
+    error naming ``dtype_field``), random weights from ``seed``."""
+    fields = dict(fields)
+    if "dtype" in fields:
+        fields["dtype"] = getattr(_torch(), require_choice(fields["dtype"], dtype_field, DTYPES))
+    return _hooked_transformer(_hooked("HookedTransformerConfig")(**{**fields, "seed": require_int(seed, "seed")}))
 
 
 def _one_row_products():
@@ -392,33 +395,6 @@ class TLBridgeModel:
         promoted = copy.deepcopy(self.model)
         promoted.to(getattr(_torch(), dtype), print_details=False)
         return type(self)(promoted, variants=self.variants)
-
-
-# --- tiny random models (no download) ----------------------------------------------------------------------------
-
-#: A tiny TransformerLens config (fields of ``HookedTransformerConfig``; ``positional_embedding_type`` and ``dtype``
-#: added by :func:`tiny_tl_config`).
-TINY_TL = {
-    "n_layers": 2, "d_model": 32, "n_ctx": 96, "d_head": 8, "n_heads": 4, "d_mlp": 64, "d_vocab": 61,
-    "act_fn": "gelu_new", "normalization_type": "LN",
-}  # fmt: skip
-
-
-def tiny_tl_config(positional: str = "standard", dtype: str = "float32") -> dict:
-    """:data:`TINY_TL` with ``positional`` (:data:`POSITIONALS`; rotary over every head dimension) and ``dtype`` (by
-    name), as a config file holds it."""
-    require_choice(positional, "positional", POSITIONALS)
-    require_choice(dtype, "dtype", DTYPES)
-    rotary = {"rotary_dim": TINY_TL["d_head"]} if positional == "rotary" else {}
-    return {**TINY_TL, "positional_embedding_type": positional, "dtype": dtype, **rotary}
-
-
-def tiny_tl_model(positional: str = "standard", dtype: str = "float32", seed: int = 0):
-    """A tiny random ``HookedTransformer`` (:func:`tiny_tl_config`), weights from ``seed``."""
-    torch = _torch()
-    fields = tiny_tl_config(positional, dtype)
-    fields["dtype"] = getattr(torch, fields["dtype"])
-    return _hooked_transformer(_hooked("HookedTransformerConfig")(**fields, seed=require_int(seed, "seed"))).eval()
 
 
 def _hooked_transformer(cfg):

@@ -31,8 +31,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from kvfast.runtime.worker import worker_start
-from kvfast.sweep.backends import NOTHING_LOST, Job, Outcome
-from kvfast.sweep.grid import Run
+from kvfast.sweep.backends import Job, Outcome
+from kvfast.sweep.grid import GridRun
 from kvfast.sweep.rows import lost_worker_row, run_chunk
 from kvfast.validation import import_extra
 
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from kvfast.sweep.study import Study
 
 
-def dask_client(n_jobs: int, scheduler: str | None):
+def dask_client(jobs: int, scheduler: str | None):
     """A connected ``distributed.Client`` (and the LocalCluster it owns, or ``None``); ``ValueError`` if none."""
     Client = import_extra("distributed", "'dask'", "dask", field="--backend").Client
     import logging
@@ -58,14 +58,14 @@ def dask_client(n_jobs: int, scheduler: str | None):
     # the cluster's processes inherit an ignored SIGINT: Ctrl-C is this process's to handle (it closes them)
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if on_main else None
     try:
-        cluster = _local_cluster(n_jobs)
+        cluster = _local_cluster(jobs)
     finally:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
     return Client(cluster), cluster
 
 
-def _local_cluster(n_jobs: int):
+def _local_cluster(jobs: int):
     import logging
 
     import dask
@@ -73,27 +73,13 @@ def _local_cluster(n_jobs: int):
 
     with dask.config.set({"distributed.scheduler.allowed-failures": 0}):
         cluster = LocalCluster(
-            n_workers=n_jobs,
+            n_workers=jobs,
             threads_per_worker=1,
             processes=True,
             dashboard_address=None,
             silence_logs=logging.CRITICAL,
         )
     return cluster
-
-
-def _loaded(study: Study) -> int:
-    """A worker's no-op task: unpickling ``study`` imported its module."""
-    worker_start()
-    return os.getpid()
-
-
-def preheat(job: Job) -> None:
-    """Dask workers import the engine and the study (never raises)."""
-    try:
-        job.client.run(_loaded, job.study)
-    except Exception:  # noqa: BLE001 - only a head start
-        pass
 
 
 def run_chunk_packed(study: Study, packed: bytes) -> bytes:
@@ -135,18 +121,18 @@ def worker_identity(study_module: str, study_name: str) -> dict:
     return found
 
 
-def check_workers(job: Job) -> list[str]:
-    """Ask every worker for its versions (:func:`worker_identity`); record them in ``job.worker_versions``; print
-    one line per worker that differs from this process; the addresses of the workers that match.
+def check_workers(job: Job) -> tuple[list[str], dict[str, dict]]:
+    """Ask every worker for its versions (:func:`worker_identity`); print one line per worker that differs from
+    this process; ``(the addresses of the workers that match, address -> versions and refused)``.
     ``ValueError`` (one line, before any chunk runs) when every worker was refused."""
     import kvfast._version
 
     study = job.study
     mine = {"kvfast": kvfast._version.__version__, "study_version": study.version}
     found = job.client.run(worker_identity, study.run.__module__, study.name)
-    good, refused = [], []
+    good, refused, versions = [], [], {}
     for address, theirs in sorted(found.items()):
-        job.worker_versions[address] = {**theirs, "refused": theirs != mine}
+        versions[address] = {**theirs, "refused": theirs != mine}
         if theirs == mine:
             good.append(address)
             continue
@@ -160,7 +146,7 @@ def check_workers(job: Job) -> list[str]:
         print(f"kvfast: {line}; no run goes to it", file=sys.stderr)
     if refused and not good:  # (no worker at all is not a refusal: the stall limit covers a cluster without any)
         raise ValueError(f"--scheduler: every worker was refused ({refused[0]}); nothing ran on the cluster")
-    return good
+    return good, versions
 
 
 def _scheduler_gone(client, fut=None, exc: BaseException | None = None) -> bool:
@@ -171,35 +157,39 @@ def _scheduler_gone(client, fut=None, exc: BaseException | None = None) -> bool:
 
 
 class _Driver:
-    """One sweep's futures: submits chunks, collects rows, and names what is lost."""
+    """One sweep's futures: submits chunks, collects rows, and names what is lost (``(run ids, why)``).
 
-    def __init__(self, job: Job, runs: Iterator[Run], total: int) -> None:
+    ``workers``: how many the cluster has for this sweep; ``only``: the workers chunks may go to (``None``: any;
+    set when one was refused)."""
+
+    def __init__(self, job: Job, runs: Iterator[GridRun], total: int, workers: int, only: list[str] | None) -> None:
         self.job = job
         self.client = job.client
         self.token = os.urandom(4).hex()
-        self.planner = job.plan(runs, total)
+        self.workers = workers
+        self.planner = job.planner(runs, total, workers)
         self.in_flight: dict = {}
-        self.suspects: list[Run] = []
-        self.only: list[str] | None = None  # the workers chunks may go to (None: any; set when one was refused)
+        self.suspects: list[GridRun] = []
+        self.only = only
 
-    def submit(self, chunk: tuple[int, list[Run]], key: str):
+    def submit(self, chunk: tuple[int, list[GridRun]], key: str):
         packed = pickle.dumps((chunk, self.job.limits), protocol=pickle.HIGHEST_PROTOCOL)
         where = {"workers": self.only, "allow_other_workers": False} if self.only else {}
         return self.client.submit(run_chunk_packed, self.job.study, packed, key=key, pure=False, **where)
 
     def top_up(self) -> None:
-        while len(self.in_flight) < 2 * self.job.workers and (chunk := self.planner.take()) is not None:
+        while len(self.in_flight) < 2 * self.workers and (chunk := self.planner.take()) is not None:
             self.in_flight[self.submit(chunk, f"kvfast-{self.token}-{chunk[0]}")] = chunk
 
-    def lost_all(self, reason: str) -> Outcome:
+    def lost_all(self, reason: str) -> tuple[list[str], str]:
         lost = [r.run_id for _, chunk in self.in_flight.values() for r in chunk]
         lost += [r.run_id for r in self.planner.rest()[0]]
         with contextlib.suppress(Exception):
             self.client.cancel(list(self.in_flight))
-        return Outcome(lost + [r.run_id for r in self.suspects], reason)
+        return lost + [r.run_id for r in self.suspects], reason
 
-    def run_chunks(self) -> Outcome | None:
-        """Every chunk once; a chunk whose worker died goes to ``suspects``. An :class:`Outcome` if it stopped."""
+    def run_chunks(self) -> tuple[list[str], str] | None:
+        """Every chunk once; a chunk whose worker died goes to ``suspects``. What is lost if it stopped."""
         from distributed import wait
 
         stall_s = self.job.stall_s
@@ -222,7 +212,7 @@ class _Driver:
             self.top_up()
         return None
 
-    def run_suspects(self) -> Outcome:
+    def run_suspects(self) -> tuple[list[str], str]:
         """Each run of a chunk whose worker died, alone."""
         from distributed import wait
 
@@ -235,7 +225,7 @@ class _Driver:
             except Exception as exc:  # noqa: BLE001
                 if _scheduler_gone(self.client, exc=exc):
                     why = f"the Dask scheduler was lost ({type(exc).__name__})"
-                    return Outcome(lost + [r.run_id for r in self.suspects[i:]], why)
+                    return lost + [r.run_id for r in self.suspects[i:]], why
                 raise
             rows = _rows(fut)
             if rows is not None:
@@ -243,12 +233,12 @@ class _Driver:
             elif fut.status == "error":  # the worker died again, or the task could not run
                 job.write([run], [lost_worker_row(job.study, run, job.limits)])
             elif _scheduler_gone(self.client, fut):
-                return Outcome(lost + [r.run_id for r in self.suspects[i:]], "the Dask scheduler was lost")
+                return lost + [r.run_id for r in self.suspects[i:]], "the Dask scheduler was lost"
             else:
                 with contextlib.suppress(Exception):
                     self.client.cancel([fut])
                 lost.append(run.run_id)
-        return Outcome(lost, f"no run finished for {stall_s:g} s (--stall-timeout)" if lost else "")
+        return lost, f"no run finished for {stall_s:g} s (--stall-timeout)" if lost else ""
 
 
 def workers(client, asked: int) -> int:
@@ -256,21 +246,21 @@ def workers(client, asked: int) -> int:
     return max(1, len(client.scheduler_info().get("workers", {})) or asked)
 
 
-def execute(job: Job, runs: Iterator[Run], total: int) -> Outcome:
+def execute(job: Job, runs: Iterator[GridRun], total: int) -> Outcome:
     """Drive Dask futures directly (see the module docstring); returns the runs lost and why."""
-    good = check_workers(job)
-    refused = any(v["refused"] for v in job.worker_versions.values())
-    job.workers = len(good) if refused else workers(job.client, job.workers)
-    driver = _Driver(job, runs, total)
-    driver.only = good if refused else None
+    good, versions = check_workers(job)
+    refused = any(v["refused"] for v in versions.values())
+    driver = _Driver(
+        job, runs, total, len(good) if refused else workers(job.client, job.jobs), good if refused else None
+    )
     try:
-        stopped = driver.run_chunks()
+        lost = driver.run_chunks()
     except KeyboardInterrupt:
         raise
     except Exception as exc:  # noqa: BLE001 - a lost scheduler shows as many exception types
-        if _scheduler_gone(job.client, exc=exc):
-            return driver.lost_all(f"the Dask scheduler was lost ({type(exc).__name__})")
-        raise
-    if stopped is not None:
-        return stopped
-    return driver.run_suspects() if driver.suspects else NOTHING_LOST
+        if not _scheduler_gone(job.client, exc=exc):
+            raise
+        lost = driver.lost_all(f"the Dask scheduler was lost ({type(exc).__name__})")
+    if lost is None:
+        lost = driver.run_suspects() if driver.suspects else ([], "")
+    return Outcome(driver.workers, driver.planner.largest, tuple(lost[0]), lost[1], versions)

@@ -10,28 +10,24 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 
-from kvfast.sweep.backends import NOTHING_LOST, Job, Outcome
-from kvfast.sweep.grid import Run
+from kvfast.sweep.backends import Job, Outcome
+from kvfast.sweep.grid import GridRun
 from kvfast.sweep.rows import run_chunk
 
 
-def preheat(job: Job) -> None:
-    """Nothing to start."""
-
-
-def execute(job: Job, runs: Iterator[Run], total: int) -> Outcome:
-    """Fan chunks out to ``job.workers`` threads, two chunks per thread dispatched ahead."""
+def execute(job: Job, runs: Iterator[GridRun], total: int) -> Outcome:
+    """Fan chunks out to ``job.jobs`` threads, two chunks per thread dispatched ahead."""
     from joblib import Parallel, delayed
 
-    planner = job.plan(runs, total)
+    planner = job.planner(runs, total)
 
     def tasks() -> Iterator:
         while (chunk := planner.take()) is not None:
             yield delayed(run_chunk)(job.study, chunk, job.limits)
 
-    parallel = Parallel(n_jobs=job.workers, backend="threading", batch_size=1, return_as="generator_unordered")
+    parallel = Parallel(n_jobs=job.jobs, backend="threading", batch_size=1, return_as="generator_unordered")
     with warnings.catch_warnings():  # joblib's note about tasks cancelled by an interrupt
         warnings.filterwarnings("ignore", message=".*tasks have been successfully executed")
         for index, rows in parallel(tasks()):
             job.write(planner.returned(index), rows)
-    return NOTHING_LOST
+    return Outcome(workers=job.jobs, chunk_size=planner.largest)

@@ -9,20 +9,16 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 
-from kvfast.sweep.backends import NOTHING_LOST, Job, Outcome
-from kvfast.sweep.grid import Run
+from kvfast.sweep.backends import Job, Outcome
+from kvfast.sweep.grid import GridRun
 from kvfast.sweep.rows import run_chunk
 
 CHUNK = 64
 
 
-def preheat(job: Job) -> None:
-    """Nothing to start."""
-
-
-def execute(job: Job, runs: Iterator[Run], total: int) -> Outcome:
+def execute(job: Job, runs: Iterator[GridRun], total: int) -> Outcome:
     """Run ``runs`` here in chunks of ``job.chunk_size`` (default 64), writing each chunk's rows."""
     size = job.chunk_size or CHUNK
     while chunk := list(itertools.islice(runs, size)):
         job.write(chunk, run_chunk(job.study, (0, chunk), job.limits)[1])
-    return NOTHING_LOST
+    return Outcome(workers=1, chunk_size=size)
