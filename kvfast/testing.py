@@ -1,12 +1,14 @@
 """Tiny random models for tests and examples, built from configs with random weights (nothing is downloaded):
 a Hugging Face causal LM (:func:`tiny_model`), the Llama every engine's test model is converted from
 (:func:`tiny_llama`) and that Llama as an onnxruntime-genai model (:func:`tiny_ort_model`) and a GGUF file
-(:func:`tiny_gguf_model`), and a TransformerLens ``HookedTransformer`` (:func:`tiny_tl_config`,
-:func:`tiny_tl_model`). Each factory imports its heavy packages itself.
+(:func:`tiny_gguf_model`) and a vLLM model directory (:func:`tiny_vllm_model`), a hybrid model of sliding-window
+and full-attention layers for vLLM (:func:`tiny_hybrid_model`), and a TransformerLens ``HookedTransformer``
+(:func:`tiny_tl_config`, :func:`tiny_tl_model`). Each factory imports its heavy packages itself.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -199,6 +201,54 @@ def tiny_gguf_model(out, seed: int = 0, weights: str = "f32") -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# --- vLLM's test models: the tiny Llama, and a hybrid of sliding-window and full-attention layers ---------------
+
+#: :func:`tiny_hybrid_model`'s kinds: the transformers config and model class of each.
+HYBRID_KINDS = {"gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM")}
+
+
+def tiny_vllm_model(out, seed: int = 0, positions: int | None = None) -> Path:
+    """The tiny random Llama (:func:`tiny_llama`: hidden 128, 4 query heads of 32 over 2 key-value heads, which
+    vLLM's CPU attention takes) written to ``out`` (a directory), with ``positions`` positions if given (its config's
+    ``max_position_embeddings``: a long-context model, the same weights); returns ``out``."""
+    tiny_llama(out, seed)
+    if positions is not None:
+        config = Path(out) / "config.json"
+        values = json.loads(config.read_text())
+        values["max_position_embeddings"] = require_int(positions, "positions", 1)
+        config.write_text(json.dumps(values, indent=2))
+    return Path(out)
+
+
+def tiny_hybrid_model(
+    out, kind: str = "gemma3", seed: int = 0, window: int = 128, kv_heads: int = 1, positions: int = 512
+) -> Path:
+    """A tiny random hybrid model written to ``out`` (a directory; weights only, no tokenizer); returns ``out``.
+
+    Two layers: the first attends a sliding window of ``window`` keys, the second every key (Gemma-3 interleaves
+    five sliding layers to one global, Gemma-2 one to one). Hidden 128, 4 query heads of 32 over ``kv_heads``
+    key-value heads (Gemma-3 1B has one), ``positions`` positions, vocabulary 256; ``kind`` one of
+    :data:`HYBRID_KINDS`. Norm weights drawn (Gemma scales by ``1 + weight``), so no two norms are alike."""
+    import torch
+    import transformers
+
+    config_class, model_class = HYBRID_KINDS[require_choice(kind, "kind", tuple(HYBRID_KINDS))]
+    config = getattr(transformers, config_class)(
+        vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=require_int(kv_heads, "kv_heads", 1), head_dim=32,
+        max_position_embeddings=require_int(positions, "positions", 1), sliding_window=require_int(window, "window", 1),
+        layer_types=["sliding_attention", "full_attention"], bos_token_id=0, eos_token_id=1, pad_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(require_int(seed, "seed", 0))
+    model = getattr(transformers, model_class)(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(0.1 * torch.randn_like(param))
+    model.save_pretrained(out)
+    return Path(out)
 
 
 # --- a tiny TransformerLens model ------------------------------------------------------------------------------

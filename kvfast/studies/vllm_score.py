@@ -6,7 +6,7 @@ Not a registered study (like :mod:`kvfast.studies.op_score`, a command that prin
 in-process vLLM engine, which lives in its own venv, and ``kvfast.studies`` imports this module in every venv, so
 vLLM is imported only when a case runs.
 
-Cases (:class:`VLLMCase`): the tiny random Llama (:func:`~kvfast.check.engines.vllm.tiny_vllm_model`, seed 1)
+Cases (:class:`VLLMCase`): the tiny random Llama (:func:`~kvfast.testing.tiny_vllm_model`, seed 1)
 in vLLM, per dtype (``float32``, ``bfloat16``), per prompt (:data:`PROMPT_LENGTHS`: 40 tokens, where ``evict``
 first acts at step 25 and ``hitpos`` never acts on a resume; 70 tokens, where each first acts at step 0 or 1),
 per scenario (:data:`SCENARIOS`, how the cached path runs) and per bug of
@@ -377,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated: float32, bfloat16")
     args = ap.parse_args(argv)
     dtypes = [require_choice(d.strip(), "dtypes", DTYPES) for d in args.dtypes.split(",")]
-    from kvfast.check.engines.vllm import tiny_vllm_model
+    from kvfast.testing import tiny_vllm_model
 
     with tempfile.TemporaryDirectory() as out:
         engines = Engines(tiny_vllm_model(out, seed=1))
