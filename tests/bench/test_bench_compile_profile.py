@@ -12,9 +12,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-SPEC = importlib.util.spec_from_file_location(
-    "bench_compile_profile", Path(__file__).resolve().parents[1] / "benchmarks" / "compile_profile.py"
-)
+from shared import ROOT
+
+SPEC = importlib.util.spec_from_file_location("bench_compile_profile", ROOT / "benchmarks" / "compile_profile.py")
 compile_profile = importlib.util.module_from_spec(SPEC)
 SPEC.loader.exec_module(compile_profile)
 

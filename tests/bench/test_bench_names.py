@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+from shared import ROOT
+
+BENCHMARKS = ROOT / "benchmarks"
 #: packages the benchmarks import, directly or through transformers (kernels), by these names
 IMPORTED = {"kernels", "torch", "transformers", "numpy", "numba", "pandas", "vllm", "onnx", "onnxruntime", "kvfast"}
 

@@ -7,15 +7,13 @@ relative (1e-12 of the largest logit), not ``==``.
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
 import numpy as np
+from shared import ROOT
 
 from kvfast.studies import exactness
 
-SPEC = importlib.util.spec_from_file_location(
-    "bench_numpy_loop", Path(__file__).resolve().parents[1] / "benchmarks" / "numpy_loop.py"
-)
+SPEC = importlib.util.spec_from_file_location("bench_numpy_loop", ROOT / "benchmarks" / "numpy_loop.py")
 numpy_loop = importlib.util.module_from_spec(SPEC)
 SPEC.loader.exec_module(numpy_loop)
 

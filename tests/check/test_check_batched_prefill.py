@@ -14,16 +14,16 @@ from __future__ import annotations
 
 import importlib.util
 from collections import Counter
-from pathlib import Path
 from statistics import NormalDist
 
 import numpy as np
 import pytest
+from shared import ROOT
 
 from kvfast.check import check_cache
 from kvfast.check import control as C
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "batched_prefill_model.py"
+EXAMPLE = ROOT / "examples" / "batched_prefill_model.py"
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -23,6 +22,7 @@ else:
     pytest.importorskip("transformers")
 
 import ropedecoder  # noqa: E402
+from shared import TESTS  # noqa: E402
 
 from kvfast.bugs.hf import first_acting_step, inject_hf_bug  # noqa: E402
 from kvfast.check import check_cache  # noqa: E402
@@ -62,7 +62,7 @@ def test_the_kv_check_fixture_and_kvfast_check_say_the_same(kv_check, name):
         with pytest.raises(pytest.fail.Exception) as failed:
             kv_check(getattr(ropedecoder, name)(), PROMPT, STEPS)
         assert str(failed.value).splitlines()[0] == DECODERS[name]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), *sys.path])}
     args = [f"ropedecoder:{name}", "--prompt", ",".join(map(str, PROMPT)), "--steps", str(STEPS)]
     cli = [sys.executable, "-m", "kvfast.cli", "check", *args]
     done = subprocess.run(cli, capture_output=True, text=True, env=env, timeout=300)

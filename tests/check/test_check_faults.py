@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from shared import ROOT, TESTS
 
 import kvfast.commands.check as check_command
 from kvfast.check import CheckTimeout, ModelUnderTestError, check_cache
@@ -27,8 +28,7 @@ from kvfast.commands import EXIT_KVFAST_BUG
 
 pytest_plugins = ["pytester"]
 
-ROOT = Path(__file__).resolve().parent.parent
-TOY = (Path(__file__).parent / "toymodels.py").read_text()
+TOY = (TESTS / "toymodels.py").read_text()
 
 FAULTS = '''
 import os, subprocess, sys, time
@@ -553,5 +553,5 @@ def test_a_factory_that_rejects_its_arguments_is_bad_input(workdir):
 
 
 def test_the_exit_code_tables_are_complete():
-    """Every code ``kvfast check`` uses; docs/check.md's copy of the table is tests/test_doc_tables.py's."""
+    """Every code ``kvfast check`` uses; docs/check.md's copy of the table is tests/docs/test_doc_tables.py's."""
     assert sorted(check_command.EXIT_CODES) == [0, 1, 2, 3, 4, 5, 6, 7, EXIT_KVFAST_BUG, 130]

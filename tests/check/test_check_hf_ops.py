@@ -39,11 +39,11 @@ CASES = [
 ]
 LONG_PROMPT = list(range(3, 3 + MISTRAL_WINDOW + 4))  # longer than Mistral's window
 #: Whether the installed release can crop a StaticCache (its StaticLayer has crop() from transformers 5.24 on);
-#: before, the rollback of a static cache is skipped with a note (tests/test_check_hf_releases.py)
+#: before, the rollback of a static cache is skipped with a note (tests/check/test_check_hf_releases.py)
 STATIC_CROPS = callable(getattr(transformers.cache_utils.StaticLayer, "crop", None))
 NO_STATIC_CROP = "this transformers release's StaticLayer has no crop(): a static rollback is skipped (5.24 on: runs)"
 #: Whether the installed release offers past recording (5.15 on), which lets a sliding-window layer roll back past
-#: its window; before, that rollback is skipped with a note (tests/test_check_hf_releases.py)
+#: its window; before, that rollback is skipped with a note (tests/check/test_check_hf_releases.py)
 RECORDS_PAST = callable(
     getattr(getattr(transformers.cache_utils, "DynamicSlidingWindowLayer", None), "activate_past_recording", None)
 )

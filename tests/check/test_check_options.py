@@ -9,13 +9,13 @@ import argparse
 import ast
 import dataclasses
 import json
-import pathlib
 import subprocess
 import sys
 from collections.abc import Mapping
 
 import numpy as np  # loaded before pytester's in-process runs, which drop modules first loaded inside them
 import pytest
+from shared import ROOT
 from toymodels import Toy
 
 from kvfast import ModelConfig, init_params
@@ -28,7 +28,6 @@ pytest_plugins = ["pytester"]
 
 CFG = ModelConfig(vocab=32, d_model=16, n_head=2, n_layer=2, d_ff=32, max_pos=48)
 PROMPT = [3, 1, 4, 1, 5, 9]
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")

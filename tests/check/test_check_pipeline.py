@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import ast
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
+from shared import ROOT
 
 from kvfast import ModelConfig, init_params
 from kvfast.check import KvfastModel, assert_cache_exact, check_cache
@@ -28,7 +28,7 @@ pytest_plugins = ["pytester"]
 
 CFG = ModelConfig(vocab=32, d_model=16, n_head=2, n_layer=1, d_ff=32, max_pos=64)
 PROMPT = [1, 2, 3, 4, 5]
-CHECK = Path(__file__).resolve().parents[1] / "kvfast" / "check"
+CHECK = ROOT / "kvfast" / "check"
 
 
 def model(bug: str | None = None) -> KvfastModel:

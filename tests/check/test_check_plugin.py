@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy  # noqa: F401 - loaded before pytester's in-process runs, which drop modules first loaded inside them
 import pytest
+from shared import TESTS
 
 from kvfast.cli import main
 
 pytest_plugins = ["pytester"]
 
-TOY = (Path(__file__).parent / "toymodels.py").read_text()
+TOY = (TESTS / "toymodels.py").read_text()
 
 
 def test_kv_check_passes_a_correct_model_and_fails_a_bugged_one(pytester):

@@ -1,7 +1,7 @@
 """The ``prepare_check(plan)`` hook (:mod:`kvfast.check.protocol`): the checker calls it once before any other
 call of a check, with a plain record of what the check will do (:class:`~kvfast.check.protocol.CheckPlan`), and
 its notes head the report's (vLLM pins its GEMMs' row count there for a bit-for-bit check:
-tests/test_engines_vllm.py).
+tests/engines/test_engines_vllm.py).
 """
 
 from __future__ import annotations

@@ -8,15 +8,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from shared import ROOT
 
 import kvfast.commands.check as check_command
 from kvfast.cli import main
 from kvfast.runtime import child as child_runtime
 
-ROOT = Path(__file__).resolve().parents[1]
 KVFAST_MODEL = [
     "check", "kvfast.studies.check:kvfast_model", "--prompt", "1,2,3,4", "--steps", "3", "--scenarios", "decode",
     *[f"--factory-arg={kv}" for kv in ("seed=0", "n_layer=1", "n_head=2", "d_model=16", "d_ff=32", "vocab=32",

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from pathlib import Path
 
 import numpy as np
 import pytest
+from shared import ROOT
 
 if os.environ.get("KVFAST_REQUIRE_HF") == "1":  # CI (.ci/run): run these, never skip them
     import torch
@@ -22,7 +22,7 @@ import kvfast  # noqa: E402
 from kvfast.check import KvfastModel, check_cache  # noqa: E402
 from kvfast.check.protocol import to_numpy  # noqa: E402
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "torch_model.py"
+EXAMPLE = ROOT / "examples" / "torch_model.py"
 CFG = kvfast.ModelConfig(vocab=32, d_model=16, n_head=2, n_layer=2, d_ff=32, max_pos=32)
 PROMPT = [3, 1, 4, 1]
 STEPS = 8

@@ -13,12 +13,10 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from shared import ROOT
 
 from kvfast.cli import main
 from kvfast.validation import LINE_CHARS, SHOWN_CHARS, import_extra, not_allowed, one_line, shorten, shown
-
-ROOT = Path(__file__).resolve().parents[1]
-
 
 # --- finding 9: a huge value is quoted shortened ------------------------------------------------------
 

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import doctables
 import pytest
+from shared import ROOT
 from test_layering import LAYERS
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("doc", sorted(doctables.PLACES))

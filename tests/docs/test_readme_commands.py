@@ -20,8 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
+from shared import ROOT
 
 #: (a regular expression a README command matches, how it is tested: "run", "slow", or "not run: WHY")
 RULES = [

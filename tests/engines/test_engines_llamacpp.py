@@ -1,6 +1,6 @@
 """llama.cpp built in (kvfast.check.engines.llamacpp), tested where llama-cpp-python is installed: it builds from
 source (~40 min on 2 cores), so CI does not install it; ``pip install 'kvfast[llamacpp]'`` then
-``pytest tests/test_engines_llamacpp.py`` runs these (docs/engines.md).
+``pytest tests/engines/test_engines_llamacpp.py`` runs these (docs/engines.md).
 
 A tiny random Llama written to GGUF here (no download) is checked through llama.cpp's own KV cache (float16, the
 default; float32; q8_0) against a fresh context's one-batch recompute: clean runs are ``rounding`` once the

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
+from shared import ROOT
 
 pytest.importorskip("ctranslate2", reason="CTranslate2 is not installed (pip install ctranslate2)")
 torch = pytest.importorskip("torch")
@@ -16,7 +16,7 @@ from kvfast.check import check_cache  # noqa: E402
 from kvfast.check.engines.tiny import tiny_llama  # noqa: E402
 
 torch.set_num_threads(1)
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "ctranslate2_model.py"
+EXAMPLE = ROOT / "examples" / "ctranslate2_model.py"
 
 
 def _example():

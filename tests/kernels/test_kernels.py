@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from shared import TESTS
 
 from kvfast.kernels import attention, matmul, precision, reduce, rowops
 from kvfast.kernels.attention import attend_row, attention_into
@@ -551,7 +552,7 @@ codegen.CPUCodeLibrary._object_compiled_hook = classmethod(_record_compiled)
 import numba as nb
 import numpy as np
 
-sys.path.insert(0, sys.argv[1])
+sys.path[:0] = sys.argv[1].split(os.pathsep)  # this folder and tests/ (kvref)
 import test_kernels
 
 test_kernels._representative_calls()
@@ -655,7 +656,7 @@ def machine_code(tmp_path_factory):
         pytest.skip("objdump is not installed")
     tmp = tmp_path_factory.mktemp("objects")
     run = subprocess.run(
-        [sys.executable, "-c", PROBE, str(Path(__file__).parent), str(tmp)],
+        [sys.executable, "-c", PROBE, os.pathsep.join([str(Path(__file__).parent), str(TESTS)]), str(tmp)],
         capture_output=True, text=True, check=True, env=os.environ.copy(),
     )  # fmt: skip
     found: dict[str, list[str]] = {}

@@ -13,11 +13,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numba as nb
 import numpy as np
 import pytest
+from shared import ROOT
 
 from kvfast import ModelConfig, Numerics, init_params
 from kvfast.kernels.matmul import matmul_into, matmul_with, product_bodies
@@ -27,7 +27,6 @@ from kvfast.model.cache import KVCache
 from kvfast.model.transformer import Weights, forward_layers, forward_prepared
 
 FORMATS = (F64, F32, BF16)
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def bits(x) -> np.ndarray:

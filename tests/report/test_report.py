@@ -162,7 +162,7 @@ mode = ["exact"]
 
 # The Hugging Face studies need kvfast[hf]: their small grids run where it is installed (always in CI).
 HF_GRIDS = {
-    **HF_SMALL_GRIDS,  # tests/test_studies_hf.py: 3 runs each
+    **HF_SMALL_GRIDS,  # tests/studies/test_studies_hf.py: 3 runs each
     "hf_scan": """
 [fixed]
 architecture = "llama"
@@ -263,7 +263,7 @@ def test_markdown_prints_the_claims_table_and_its_count(stored, capsys):
         assert main(["report", str(stored), "--markdown", what]) == 0
         out = capsys.readouterr().out
         assert out.startswith(("| figure |", "#### bugs"))
-        if HF and what == "facts":  # the Hugging Face studies' facts (their grids: tests/test_studies_hf.py)
+        if HF and what == "facts":  # the Hugging Face studies' facts (their grids: tests/studies/test_studies_hf.py)
             assert "hf_matrix study: clean runs" in out and "hf_score study, float32 sdpa" in out
 
 

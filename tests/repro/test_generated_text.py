@@ -20,11 +20,11 @@ import pandas as pd
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from shared import ROOT
 
 from kvfast.repro.case import Case
 from kvfast.repro.script import issue_text, md_block, md_code, md_text, py_text, render, write_reproducer
 
-ROOT = Path(__file__).resolve().parent.parent
 #: A legal folder name that closes a docstring and runs code (``--repro`` or a ``--factory-arg`` value).
 INJECTION = 'ri/x""";__import__("os").system("touch PWNED");"""'
 #: Text that a naive docstring paste turns into a SyntaxError (a truncated ``\x`` escape).

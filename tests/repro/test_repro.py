@@ -72,7 +72,7 @@ def _case(family, bug, scenario, tmp_path, seed=0, static=False):
     adapter = HFModel(model, new_cache=(lambda: StaticCache(config=model.config, max_cache_len=32)) if static else None)
     if bug is not None:
         adapter = CATALOGUES[bug[0]][bug[1]].inject(adapter)
-    case = find_case(adapter, PROMPT, scenario, continuation=CONTINUATION, seed=seed, command="tests/test_repro.py")
+    case = find_case(adapter, PROMPT, scenario, continuation=CONTINUATION, seed=seed, command="tests/repro/test_repro.py")
     return case, write_reproducer(case, tmp_path / "repro")
 
 

@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
+from shared import ROOT
 
 from kvfast.repro.findings import require_repro_dir
 
-ROOT = Path(__file__).resolve().parent.parent
 HF = all(__import__("importlib").util.find_spec(m) for m in ("torch", "transformers"))
 needs_hf = pytest.mark.skipif(not HF, reason="needs kvfast[hf]")
 

@@ -13,12 +13,11 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from shared import ROOT
 
 from kvfast.report.findings import findings_html, findings_text, scan_findings
 from kvfast.repro.findings import COLUMNS, FINDINGS_CSV, read_findings
 from kvfast.sweep.store import MANIFEST
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _row(label, arch, reproducer="", reference="", note="", step=1):

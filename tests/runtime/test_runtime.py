@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from shared import ROOT, TESTS
 
 from kvfast.commands.sweep import EXIT_CODES as SWEEP_EXIT_CODES
 from kvfast.runtime import (
@@ -32,8 +33,6 @@ from kvfast.runtime import (
     probing_imports,
 )
 from kvfast.sweep import load
-
-ROOT = Path(__file__).resolve().parents[1]
 
 # A user's study whose module, validate_config and run misbehave as the environment asks.
 STUDY = """
@@ -97,7 +96,7 @@ def workdir(tmp_path: Path) -> Path:
     """A temporary directory with the user's modules and a grid of 24 runs of ``userfaults``."""
     (tmp_path / "userfaults.py").write_text(STUDY)
     (tmp_path / "userfactory.py").write_text(FACTORY)
-    shutil.copy(Path(__file__).with_name("toymodels.py"), tmp_path / "toymodels.py")
+    shutil.copy(TESTS / "toymodels.py", tmp_path / "toymodels.py")
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "g.toml").write_text(
         'study = "userfaults:STUDY"\n[axes]\nx = [' + ", ".join(map(str, range(24))) + "]\n"

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from shared import ROOT
 
 from kvfast.commands import scan as scan_command
 from kvfast.studies import STUDIES, hf_common, scan
 from kvfast.studies import architectures as A
 
-ROOT = Path(__file__).resolve().parent.parent
 KVFAST = str(Path(sys.executable).with_name("kvfast"))
 HF = os.environ.get("KVFAST_REQUIRE_HF") == "1" or all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -265,8 +265,8 @@ def small_scan(out: Path) -> list[str]:
 @pytest.mark.skipif(not HF, reason="needs kvfast[hf] (torch and transformers)")
 def test_a_small_scan_end_to_end(tmp_path):
     """The scan itself; resumed and drawn by `kvfast report` (two more processes): the ``-m slow`` twin below
-    (the resume of any sweep: tests/test_sweep_cli.py; hf_scan's figure and skipped table in the report:
-    tests/test_report.py)."""
+    (the resume of any sweep: tests/sweep/test_sweep_cli.py; hf_scan's figure and skipped table in the report:
+    tests/report/test_report.py)."""
     small_scan(tmp_path / "hf_scan")
 
 

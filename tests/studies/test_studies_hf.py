@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from shared import ROOT
 
 from kvfast.studies import STUDIES
 
-ROOT = Path(__file__).resolve().parent.parent
 KVFAST = str(Path(sys.executable).with_name("kvfast"))
 # CI (.ci/run, KVFAST_REQUIRE_HF=1) runs the end-to-end test, never skips it
 HF = os.environ.get("KVFAST_REQUIRE_HF") == "1" or all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
@@ -115,8 +115,8 @@ def run_both_studies(root: Path, two_workers: bool) -> list[list[str]]:
 def test_both_studies_run(tmp_path):
     """The runs and their verdicts, in this process. On two workers through a real ``kvfast`` process, resumed,
     shown and drawn by `kvfast report`: the ``-m slow`` twin below (Hugging Face models checked on two workers
-    through ``kvfast run``: tests/test_sweep_check_hf.py; the resume and show of any sweep:
-    tests/test_sweep_cli.py; these studies' figures and facts in the report: tests/test_report.py)."""
+    through ``kvfast run``: tests/sweep/test_sweep_check_hf.py; the resume and show of any sweep:
+    tests/sweep/test_sweep_cli.py; these studies' figures and facts in the report: tests/report/test_report.py)."""
     run_both_studies(tmp_path / "results", two_workers=False)
 
 

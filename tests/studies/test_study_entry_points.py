@@ -17,8 +17,8 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from shared import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 GROUP = "kvfast.studies"
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from shared import ROOT
 
 if os.environ.get("KVFAST_REQUIRE_HF") == "1":  # CI (.ci/run): run these, never skip them
     import torch  # noqa: F401
@@ -21,7 +22,6 @@ else:
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parent.parent
 KVFAST = str(Path(sys.executable).with_name("kvfast"))
 
 

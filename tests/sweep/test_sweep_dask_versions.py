@@ -25,13 +25,13 @@ from pathlib import Path
 import pandas as pd
 import psutil
 import pytest
+from shared import ROOT
 
 from kvfast._version import __version__
 from kvfast.sweep import MANIFEST, load
 
 pytest.importorskip("distributed")
 
-ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
 
 

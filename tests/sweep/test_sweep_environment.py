@@ -8,7 +8,7 @@ exit code (``kvfast.commands.sweep.EXIT_CODES``), never 70 (a bug in kvfast).
 - a read-only place: 2 before any work (``--out`` of ``run`` and ``report``), 74 once writing has begun.
 
 A full disk is simulated by making every write under the report's folder fail with ``ENOSPC`` (the real one, on a
-small tmpfs, needs root and mount(8): tests/test_sweep_faults.py does it where it can).
+small tmpfs, needs root and mount(8): tests/sweep/test_sweep_faults.py does it where it can).
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from shared import ROOT
 
 from kvfast.cli import main
 from kvfast.commands.sweep import EXIT_CODES, EXIT_STORAGE
 
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # faultstudy
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
 

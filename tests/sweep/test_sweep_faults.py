@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from shared import ROOT
 
 import kvfast.studies  # noqa: F401 - registers the built-in studies (the sweep names none itself: issue 29)
 from kvfast.cli import main
@@ -27,7 +28,6 @@ from kvfast.commands.sweep import EXIT_CODES, EXIT_FAILED, EXIT_INTERRUPTED, EXI
 from kvfast.sweep import grid_from_spec, load, load_grid, run_sweep
 from kvfast.sweep.store import MANIFEST, QUARANTINE, list_parts
 
-ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
 ENV.pop("PYTHONFAULTHANDLER", None)
 COLUMNS = ["run_id", "x", "mode", "y", "blob", "status", "error"]
@@ -110,7 +110,7 @@ def reference(tmp_path: Path, toml: Path) -> pd.DataFrame:
 
 
 def test_exit_code_table_is_complete():
-    """Every code the sweep commands use; docs/sweep.md's copy of the table is tests/test_doc_tables.py's."""
+    """Every code the sweep commands use; docs/sweep.md's copy of the table is tests/docs/test_doc_tables.py's."""
     assert set(EXIT_CODES) == {0, 1, 2, 3, 70, 74, 130}
 
 

@@ -1,5 +1,5 @@
 """Issue 29, done-when: each environment problem is one line and a documented exit code. The case
-tests/test_sweep_environment.py leaves out: ``kvfast scan`` with a ``--out`` that is not valid UTF-8 (the issue
+tests/sweep/test_sweep_environment.py leaves out: ``kvfast scan`` with a ``--out`` that is not valid UTF-8 (the issue
 found ``run``, ``repair`` and ``scan`` failing on it; ``run``, ``repair`` and ``show`` are tested there)."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ watchdog (which replaced the one kvfast armed in the worker before issue 42: a p
 SIGALRM blocked while it renames its process over and over. The sweep process kills the worker, timing the
 run by the worker's process name.
 
-Through the real command line, on tests/faultstudy.py (see tests/test_sweep_faults.py).
+Through the real command line, on tests/faultstudy.py (see tests/sweep/test_sweep_faults.py).
 """
 
 from __future__ import annotations

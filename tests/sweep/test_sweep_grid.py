@@ -8,6 +8,7 @@ import re
 import numpy as np
 import pyarrow as pa
 import pytest
+from shared import ROOT
 
 from kvfast.studies import STUDIES
 from kvfast.sweep import builtin_grids, grid_from_configs, grid_from_spec, load_grid, run_id, schema_for
@@ -240,9 +241,8 @@ def test_schema_is_explicit():
 
 def test_the_toml_examples_in_docs_are_valid_grids():
     import tomllib
-    from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "docs" / "sweep.md").read_text()
+    text = (ROOT / "docs" / "sweep.md").read_text()
     blocks = re.findall(r"```toml\n(.*?)```", text, flags=re.S)
     sizes = [len(grid_from_spec(tomllib.loads(b))) for b in blocks]
     assert sizes == [432, 2 * (2 + 3), 100 * 3]

@@ -12,14 +12,13 @@ import sys
 import threading
 import time
 from concurrent.futures import process
-from pathlib import Path
 
 import pytest
+from shared import ROOT
 
 from kvfast.sweep.backends import pool as pools
 from kvfast.sweep.procs import kill_worker
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork pools")
 
 

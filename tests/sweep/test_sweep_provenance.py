@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from shared import ROOT
 
 from kvfast.sweep import MANIFEST
 
-ROOT = Path(__file__).resolve().parents[1]
 STUDY = """\
 import pyarrow as pa
 from kvfast.sweep import Study

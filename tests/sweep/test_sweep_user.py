@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from shared import ROOT
 
 from kvfast.cli import main
 from kvfast.sweep import grid, grid_from_spec, load
 
-ROOT = Path(__file__).resolve().parents[1]
 KVFAST = str(Path(sys.executable).with_name("kvfast"))
 
 

@@ -20,6 +20,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pytest
+from shared import ROOT
 
 from kvfast.studies import STUDIES
 from kvfast.studies.base import Study
@@ -70,8 +71,6 @@ STUDY = Study(
     compile_key=_key,
 )
 
-
-ROOT = Path(__file__).resolve().parents[1]
 
 SWEEP = r"""
 import json, sys
@@ -278,7 +277,7 @@ def test_two_processes_calling_a_kernel_compiled_one_at_a_time_compile_it_once(t
     compiles, the other waits and loads it (``kvfast.kernels.indirect.one_compile_at_a_time``); the control
     (no lock) compiles twice, so the check can fail."""
     (tmp_path / "twokernel.py").write_text(textwrap.dedent(KERNEL))
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     results = {}
     for name in ("locked", "unlocked"):
         env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{root}", "NUMBA_CACHE_DIR": str(tmp_path / name)}
