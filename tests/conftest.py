@@ -1,10 +1,13 @@
-"""Shared test setup.
+"""Shared test setup: Hypothesis's profile, torch on one thread, and the fixtures many folders use.
 
 Numba's cache directory is keyed by a hash of kvfast's Numba sources by
 ``kvfast.kernels`` itself, so the tests never run stale machine code.
+Plain helpers (the repository's paths, ``kvfast`` as a fresh process) are in :mod:`shared`.
 """
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -22,21 +25,17 @@ PRESETS = ("f64", "f32", "bf16")
 ORDERS = ("sequential", "pairwise")
 
 
+@pytest.fixture(autouse=True)
+def _torch_one_thread():
+    """torch, where a test module has loaded it, on one intra-op thread (the machine is shared; the checks' order
+    noise must not depend on a thread count). A test that imports torch itself sets it there."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
 @pytest.fixture
 def small_config():
     from kvfast import ModelConfig
 
     return ModelConfig(vocab=13, d_model=8, n_head=2, n_layer=2, d_ff=12, max_pos=16)
-
-
-@pytest.fixture(scope="module")
-def torch_one_thread():
-    """torch on one intra-op thread for a module's tests (the machine is shared; the checks' order noise must not
-    depend on a thread count), put back after them. A module uses it with
-    ``pytestmark = pytest.mark.usefixtures("torch_one_thread")``."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)

@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from kvfast.check import KvfastModel, ModelUnderTestError, check_cache
 from kvfast.check.lossy import LossyKvfastModel
 from kvfast.model.config import ModelConfig, init_params
-
-torch.set_num_threads(1)
 
 CFG = ModelConfig(vocab=32, d_model=16, n_head=2, n_layer=2, d_ff=32, max_pos=24)
 PARAMS = init_params(CFG, 3)

@@ -39,9 +39,6 @@ DECODERS = {
 }
 
 
-pytestmark = pytest.mark.usefixtures("torch_one_thread")
-
-
 @pytest.mark.parametrize("name", list(DECODERS))
 def test_a_hand_written_decoder_is_judged_right_by_default(name):
     report = check_cache(getattr(ropedecoder, name)(), PROMPT, STEPS)

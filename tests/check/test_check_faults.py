@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from shared import ROOT, TESTS
+from shared import ROOT, TESTS, environment, kvfast
 
 import kvfast.commands.check as check_command
 from kvfast.check import CheckTimeout, ModelUnderTestError, check_cache
@@ -172,11 +172,8 @@ def workdir(tmp_path):
 
 def kvfast_check(workdir: Path, *argv: str, pids: Path | None = None, wait: float = 120):
     """``kvfast check ARGV`` as a subprocess in ``workdir``: ``(returncode, stdout, stderr)``."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    if pids is not None:
-        env["KV_FAULT_PIDS"] = str(pids)
-    cmd = [sys.executable, "-m", "kvfast.cli", "check", *argv]
-    out = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=wait)
+    env = environment(**({} if pids is None else {"KV_FAULT_PIDS": str(pids)}))
+    out = kvfast("check", *argv, cwd=workdir, env=env, timeout=wait)
     return out.returncode, out.stdout, out.stderr
 
 

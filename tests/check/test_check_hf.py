@@ -42,9 +42,6 @@ CASES = [
 ]
 
 
-pytestmark = pytest.mark.usefixtures("torch_one_thread")
-
-
 CASE_IDS = ("seed0-prompt5", "seed1-prompt4")  # CASES[1] and CASES[2]: a 5-token and a 4-token prompt
 
 

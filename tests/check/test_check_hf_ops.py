@@ -50,9 +50,6 @@ RECORDS_PAST = callable(
 NO_RECORDING = "this transformers release has no past recording: a rollback past the window is skipped"
 
 
-pytestmark = pytest.mark.usefixtures("torch_one_thread")
-
-
 def static(model, length: int = 64):
     return lambda: transformers.StaticCache(config=model.config, max_cache_len=length)
 

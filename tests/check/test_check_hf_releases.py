@@ -44,9 +44,6 @@ STEPS = 10
 MODELS = [("llama", "dynamic"), ("gpt2", "dynamic"), ("mistral", "dynamic"), ("llama", "static")]
 
 
-pytestmark = pytest.mark.usefixtures("torch_one_thread")
-
-
 def adapter(family: str, cache: str, dtype: str, attention: str) -> HFModel:
     model = tiny_model(family, dtype, attention)
     if cache == "static":

@@ -23,8 +23,6 @@ else:
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
 
-pytestmark = pytest.mark.usefixtures("torch_one_thread")
-
 from kvfast.check import ModelUnderTestError, check_cache  # noqa: E402
 from kvfast.check.hf import tiny_model  # noqa: E402
 

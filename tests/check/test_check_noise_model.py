@@ -139,8 +139,6 @@ else:
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
 
-pytestmark = pytest.mark.usefixtures("torch_one_thread")
-
 from kvfast.bugs.hf import HF_BUGS, first_acting_step, inject_hf_bug  # noqa: E402
 from kvfast.check.hf import HFModel, measure_internal_formats, tiny_model  # noqa: E402
 

@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_sweep_faults import ENV, ROOT
+from shared import ROOT, TESTS, environment
+from shared import kvfast as run_kvfast
 
 import kvfast.studies  # noqa: F401 - registers the built-in studies
 from kvfast.commands.check import EXIT_BAD_INPUT, EXIT_PASS
@@ -29,13 +30,13 @@ KVFAST_MODEL = ["check", "kvfast.studies.check:kvfast_model", "--prompt", "1,2,3
 ]  # fmt: skip
 
 
+ENV = environment(TESTS)
+
+
 def kvfast(
     *argv: str, cwd: Path = ROOT, env: dict | None = None, shell_prefix: str = ""
 ) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "kvfast.cli", *map(str, argv)]
-    if shell_prefix:  # run through sh, after `shell_prefix` (which may leave the shell in a deleted directory)
-        command = ["sh", "-c", f'{shell_prefix} && exec "$0" "$@"', *command]
-    return subprocess.run(command, capture_output=True, text=True, env=env or ENV, cwd=cwd, timeout=300)
+    return run_kvfast(*argv, cwd=cwd, env=env or ENV, shell_prefix=shell_prefix)
 
 
 def one_line(proc: subprocess.CompletedProcess, code: int, *needles: str) -> str:

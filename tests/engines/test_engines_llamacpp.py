@@ -22,7 +22,6 @@ from kvfast.bugs.engines import inject_llamacpp_bug  # noqa: E402
 from kvfast.check import check_cache  # noqa: E402
 from kvfast.check.engines.llamacpp import LlamaCppModel, tiny_gguf_model  # noqa: E402
 
-torch.set_num_threads(1)
 PROMPTS = ([3, 4, 5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1])
 
 

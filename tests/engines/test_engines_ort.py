@@ -29,7 +29,6 @@ from kvfast.bugs.engines import ORT_BUGS, inject_ort_bug  # noqa: E402
 from kvfast.check import check_cache  # noqa: E402
 from kvfast.check.engines.ort import DEFAULT_VARIANTS, ORTModel, tiny_ort_model  # noqa: E402
 
-torch.set_num_threads(1)
 PROMPTS = ([3, 4, 5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1])
 
 

@@ -38,7 +38,6 @@ from kvfast.check.engines.transformer_lens import (  # noqa: E402
 )
 
 pytestmark = pytest.mark.transformer_lens
-torch.set_num_threads(1)
 PROMPT = [3, 4, 5, 6, 7, 8, 9, 10, 11]
 SHORT = [3, 4, 5]  # the evict bug then first acts at step 6
 CONTINUATION = list(range(20, 44))  # a random model's greedy tokens repeat one token: these exercise more positions

@@ -15,7 +15,6 @@ torch = pytest.importorskip("torch")
 from kvfast.check import check_cache  # noqa: E402
 from kvfast.check.engines.tiny import tiny_llama  # noqa: E402
 
-torch.set_num_threads(1)
 EXAMPLE = ROOT / "examples" / "ctranslate2_model.py"
 
 

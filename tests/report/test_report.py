@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pandas as pd
 import pytest
-from test_studies_hf import HF, HF_SMALL_GRIDS
+from shared import HF, HF_SMALL_GRIDS
 
 from kvfast.bugs.score import roc_auc
 from kvfast.cli import main

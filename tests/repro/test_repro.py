@@ -38,11 +38,6 @@ PROMPT = np.array([5, 17, 42, 8])
 CONTINUATION = np.array([3, 61, 9, 27, 33, 70, 12, 4, 88, 1, 50, 23])
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    torch.set_num_threads(1)
-
-
 def run_scripts(*paths) -> list[tuple[int, str]]:
     """``(exit code, output)`` of each script, run without kvfast (:data:`NO_KVFAST`)."""
     done = subprocess.run(
@@ -72,7 +67,9 @@ def _case(family, bug, scenario, tmp_path, seed=0, static=False):
     adapter = HFModel(model, new_cache=(lambda: StaticCache(config=model.config, max_cache_len=32)) if static else None)
     if bug is not None:
         adapter = CATALOGUES[bug[0]][bug[1]].inject(adapter)
-    case = find_case(adapter, PROMPT, scenario, continuation=CONTINUATION, seed=seed, command="tests/repro/test_repro.py")
+    case = find_case(
+        adapter, PROMPT, scenario, continuation=CONTINUATION, seed=seed, command="tests/repro/test_repro.py"
+    )
     return case, write_reproducer(case, tmp_path / "repro")
 
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from shared import ROOT
+from shared import ROOT, kvfast
 
 from kvfast.repro.findings import require_repro_dir
 
@@ -62,9 +62,8 @@ def _env(tmp_path: Path, **extra) -> dict:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(hooks)]), "OMP_NUM_THREADS": "1", **extra}
 
 
-def _kvfast(tmp_path, *args, env=None, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvfast.cli", *args], cwd=tmp_path, env=env or _env(tmp_path),
-                          capture_output=True, timeout=900, **kwargs)  # fmt: skip
+def _kvfast(tmp_path, *args, env=None, **popen) -> subprocess.CompletedProcess:
+    return kvfast(*args, cwd=tmp_path, env=env or _env(tmp_path), timeout=900, text=False, **popen)
 
 
 @needs_hf

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from shared import ROOT, TESTS
+from shared import ROOT, TESTS, environment
+from shared import kvfast as run_kvfast
 
 from kvfast.commands.sweep import EXIT_CODES as SWEEP_EXIT_CODES
 from kvfast.runtime import (
@@ -106,10 +107,8 @@ def workdir(tmp_path: Path) -> Path:
 
 def kvfast(workdir: Path, *argv: str, fault: str = "") -> subprocess.CompletedProcess:
     """``python -m kvfast.cli ARGV`` in ``workdir`` (the user's modules found there), ``KV_FAULT=fault``."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), KV_FAULT=fault, KV_ELSEWHERE=str(workdir / "elsewhere"))
-    return subprocess.run(
-        [sys.executable, "-m", "kvfast.cli", *argv], cwd=workdir, env=env, capture_output=True, text=True, timeout=300
-    )
+    env = environment(KV_FAULT=fault, KV_ELSEWHERE=str(workdir / "elsewhere"))
+    return run_kvfast(*argv, cwd=workdir, env=env)
 
 
 def one_line(err: str, *needles: str) -> str:

@@ -5,27 +5,24 @@ one transformers cannot run as a KV-cache model), resumed and drawn by the repor
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
-from shared import ROOT
+from shared import HF, environment
+from shared import kvfast as run_kvfast
 
 from kvfast.commands import scan as scan_command
 from kvfast.studies import STUDIES, hf_common, scan
 from kvfast.studies import architectures as A
 
-KVFAST = str(Path(sys.executable).with_name("kvfast"))
-HF = os.environ.get("KVFAST_REQUIRE_HF") == "1" or all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+ENV = environment(OMP_NUM_THREADS="1")
 
 
 def kvfast(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([KVFAST, *args], capture_output=True, text=True, timeout=600, cwd=ROOT, env=ENV)
+    return run_kvfast(*args, script=True, env=ENV, timeout=600)
 
 
 # --- shrinking a config -------------------------------------------------------------------------------------

@@ -15,8 +15,6 @@ from kvfast.model.transformer import Weights
 from kvfast.numerics import Numerics
 from kvfast.studies import exactness
 
-torch.set_num_threads(1)
-
 CONFIG = {
     "seed": 1, "vocab": 32, "d_model": 16, "n_head": 2, "n_layer": 2, "d_ff": 32, "prompt_len": 3, "steps": 5,
     "order": "sequential", "preset": "f64",

@@ -5,57 +5,16 @@ it, and a grid of them without it is refused in one line)."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
-from shared import ROOT
+from shared import HF, HF_SMALL_GRIDS, ROOT, environment
+from shared import kvfast as run_kvfast
 
 from kvfast.studies import STUDIES
-
-KVFAST = str(Path(sys.executable).with_name("kvfast"))
-# CI (.ci/run, KVFAST_REQUIRE_HF=1) runs the end-to-end test, never skips it
-HF = os.environ.get("KVFAST_REQUIRE_HF") == "1" or all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
-
-HF_SMALL_GRIDS = {
-    "hf_matrix": """
-[fixed]
-family = "llama"
-dtype = "float32"
-attention = "sdpa"
-seed = 0
-prompt = 0
-steps = 6
-mode = "control"
-scenarios = "both"
-variants = "builtin"
-[[union]]
-[union.fixed]
-bug = "none"
-feed = "given"
-promote = "none"
-[[union]]
-[union.fixed]
-feed = "given"
-promote = "float64"
-[union.axes]
-bug = ["posoff", "replay"]
-""",
-    "hf_score": """
-[fixed]
-family = "gpt2"
-dtype = "float32"
-attention = "sdpa"
-seed = 0
-prompt = 0
-steps = 6
-[axes]
-bug = ["none", "posoff", "freeze"]
-""",
-}
 
 
 def test_importing_the_studies_imports_no_torch():
@@ -65,7 +24,6 @@ def test_importing_the_studies_imports_no_torch():
 
 
 def test_without_torch_a_grid_is_refused_in_one_line(monkeypatch):
-    import importlib.util
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
@@ -82,8 +40,7 @@ def test_they_are_experiments_not_in_reproduce():
 
 
 def kvfast(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([KVFAST, *args], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    return run_kvfast(*args, script=True, env=environment(OMP_NUM_THREADS="1"))
 
 
 def run_both_studies(root: Path, two_workers: bool) -> list[list[str]]:

@@ -25,14 +25,14 @@ from pathlib import Path
 import pandas as pd
 import psutil
 import pytest
-from shared import ROOT
+from shared import ROOT, TESTS, environment
 
 from kvfast._version import __version__
 from kvfast.sweep import MANIFEST, load
 
 pytest.importorskip("distributed")
 
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+ENV = environment(TESTS)
 
 
 def start(*argv: str, env: dict) -> subprocess.Popen:

@@ -23,13 +23,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from shared import ROOT
+from shared import ROOT, TESTS, environment
 
 from kvfast.cli import main
 from kvfast.commands.sweep import EXIT_CODES, EXIT_STORAGE
 
 sys.path.insert(0, str(ROOT / "tests"))  # faultstudy
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+ENV = environment(TESTS)
 
 
 def cli(capsys, *argv) -> subprocess.CompletedProcess:

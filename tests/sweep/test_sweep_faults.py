@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from shared import ROOT
+from shared import ROOT, TESTS, environment
+from shared import kvfast as run_kvfast
 
 import kvfast.studies  # noqa: F401 - registers the built-in studies (the sweep names none itself: issue 29)
 from kvfast.cli import main
@@ -28,20 +29,12 @@ from kvfast.commands.sweep import EXIT_CODES, EXIT_FAILED, EXIT_INTERRUPTED, EXI
 from kvfast.sweep import grid_from_spec, load, load_grid, run_sweep
 from kvfast.sweep.store import MANIFEST, QUARANTINE, list_parts
 
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-ENV.pop("PYTHONFAULTHANDLER", None)
+ENV = environment(TESTS)  # faultstudy
 COLUMNS = ["run_id", "x", "mode", "y", "blob", "status", "error"]
 
 
 def kvfast(*argv: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "kvfast.cli", *map(str, argv)],
-        capture_output=True,
-        text=True,
-        env=env or ENV,
-        cwd=ROOT,
-        timeout=timeout,
-    )
+    return run_kvfast(*argv, env=env or ENV, timeout=timeout)
 
 
 def marks_env(folder: Path) -> dict:

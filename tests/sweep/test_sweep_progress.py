@@ -20,11 +20,11 @@ from pathlib import Path
 
 import joblib
 import pytest
-from shared import ROOT
+from shared import ROOT, TESTS, environment
 
 from kvfast.sweep.progress import EVERY
 
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+ENV = environment(TESTS)
 LINE = re.compile(r"kvfast: ([\d,]+) of ([\d,]+) runs \(([\d,]+) stored before\), [\d.,]+ runs/s, about \S+ \S+ left")
 SLOW = math.ceil(2 * 1.6 * EVERY / 0.3)  # faultstudy's `slow` runs sleep 0.3 s: 1.6 intervals of them on 2 workers
 

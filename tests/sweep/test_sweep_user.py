@@ -3,22 +3,12 @@ through the real command line (the worked example in examples/), resume, and pla
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pandas as pd
 import pytest
-from shared import ROOT
+from shared import ROOT, kvfast
 
 from kvfast.cli import main
 from kvfast.sweep import grid, grid_from_spec, load
-
-KVFAST = str(Path(sys.executable).with_name("kvfast"))
-
-
-def kvfast(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([KVFAST, *argv], capture_output=True, text=True, cwd=ROOT, timeout=300)
 
 
 def test_the_example_user_study_sweeps_resumes_and_lands_in_parquet(tmp_path):
