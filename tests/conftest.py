@@ -7,6 +7,7 @@ Plain helpers (the repository's paths, ``kvfast`` as a fresh process) are in :mo
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import pytest
@@ -32,6 +33,16 @@ def _torch_one_thread():
     torch = sys.modules.get("torch")
     if torch is not None and torch.get_num_threads() != 1:
         torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """``hf_model(family, dtype, attention, seed)``: :func:`kvfast.check.hf.tiny_model`'s model, built once per
+    session for the tests that only read it (checks wrap it in adapters, inject bugs into those, promote deep
+    copies). A test that changes its model (its config, its weights) builds its own with ``tiny_model``."""
+    from kvfast.check.hf import tiny_model
+
+    return functools.cache(tiny_model)
 
 
 @pytest.fixture

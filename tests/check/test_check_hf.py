@@ -81,9 +81,9 @@ def test_the_default_run_holds_every_pair_of_values_of_the_matrix():
 
 
 @pytest.mark.parametrize(("family", "dtype", "attention"), matrix())
-def test_clean_models_are_never_a_bug(family, dtype, attention):
+def test_clean_models_are_never_a_bug(family, dtype, attention, hf_model):
     for seed, k, prompt, continuation in CASES:
-        model = tiny_model(family, dtype, attention, seed)
+        model = hf_model(family, dtype, attention, seed)
         runs = [check_cache(model, prompt, mode="control", continuation=continuation)]
         if k == 0:
             runs.append(check_cache(model, prompt, STEPS, mode="control"))  # greedy tokens
@@ -109,9 +109,9 @@ def _assert_caught(report, bug: str, logic: bool) -> None:
 
 
 @pytest.mark.parametrize(("family", "dtype", "attention", "case"), matrix(CASE_IDS))
-def test_every_bug_is_caught_at_the_step_where_it_first_acts(family, dtype, attention, case):
+def test_every_bug_is_caught_at_the_step_where_it_first_acts(family, dtype, attention, case, hf_model):
     seed, _, prompt, continuation = CASES[1 + CASE_IDS.index(case)]
-    model = tiny_model(family, dtype, attention, seed)
+    model = hf_model(family, dtype, attention, seed)
     for bug in HF_BUGS:
         promote = "float64" if dtype != "float64" else None
         report = check_cache(
@@ -130,8 +130,8 @@ def test_every_bug_is_caught_at_the_step_where_it_first_acts(family, dtype, atte
             _assert_caught(report, bug, logic=True)
 
 
-def test_bfloat16_recommends_the_logic_check_when_inconclusive():
-    model = tiny_model("gpt2", "bfloat16", "sdpa", 0)
+def test_bfloat16_recommends_the_logic_check_when_inconclusive(hf_model):
+    model = hf_model("gpt2", "bfloat16", "sdpa", 0)
     seed, _, prompt, continuation = CASES[0]
     report = check_cache(inject_hf_bug(HFModel(model), "window"), prompt, mode="control", continuation=continuation)
     assert report.verdict == "inconclusive" and not report.passed
@@ -150,8 +150,8 @@ def test_bfloat16_recommends_the_logic_check_when_inconclusive():
 # --- the adapter ---------------------------------------------------------------------------------
 
 
-def test_the_cache_argument_follows_the_forward_signature():
-    model = tiny_model("llama", "float32", "sdpa", 0)
+def test_the_cache_argument_follows_the_forward_signature(hf_model):
+    model = hf_model("llama", "float32", "sdpa", 0)
     # transformers 5.x names it cache (past_key_values is deprecated there), 4.x past_key_values
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     assert HFModel(model).cache_arg == name
@@ -189,8 +189,8 @@ def test_the_cache_argument_follows_the_forward_signature():
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])  # nn.Linear and GPT-2's Conv1D
-def test_variants_are_deep_copies_and_differ_only_in_order(family):
-    model = tiny_model(family, "float32", "sdpa", 0)
+def test_variants_are_deep_copies_and_differ_only_in_order(family, hf_model):
+    model = hf_model(family, "float32", "sdpa", 0)
     before = {name: p.detach().clone() for name, p in model.state_dict().items()}
     adapter = HFModel(model)
     tokens = np.arange(20) % TINY_VOCAB
@@ -215,21 +215,21 @@ def test_variants_are_deep_copies_and_differ_only_in_order(family):
     assert any(not np.array_equal(v, reference) for v in variants.values())  # ... added up differently
 
 
-def test_exact_mode_on_stock_models():
+def test_exact_mode_on_stock_models(hf_model):
     prompt = [3, 1, 4, 1, 5]
     # eager attention in bfloat16: the cache path is bit-identical to the recompute
-    assert check_cache(tiny_model("llama", "bfloat16", "eager"), prompt, 8, mode="exact").verdict == "exact"
+    assert check_cache(hf_model("llama", "bfloat16", "eager"), prompt, 8, mode="exact").verdict == "exact"
     # sdpa in float32: order noise only, which exact mode flags and control mode calls rounding
-    model = tiny_model("llama", "float32", "sdpa")
+    model = hf_model("llama", "float32", "sdpa")
     exact = check_cache(model, prompt, 8, mode="exact")
     assert exact.verdict == "divergent" and exact.max_deviation < 1e-5
     assert check_cache(model, prompt, 8, mode="control").verdict == "rounding"
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_static_cache(family):
+def test_a_static_cache(family, hf_model):
     """A StaticCache (preallocated, updated in place) from new_cache: clean is rounding, bugs caught where they act."""
-    model = tiny_model(family, "float32", "sdpa", 0)
+    model = hf_model(family, "float32", "sdpa", 0)
     adapter = HFModel(model, new_cache=lambda: transformers.StaticCache(config=model.config, max_cache_len=64))
     prompt = [1, 2, 3, 4, 5, 6]
     report = check_cache(adapter, prompt, 20, mode="control")
@@ -242,11 +242,11 @@ def test_a_static_cache(family):
         _assert_caught(check_cache(bugged, prompt, 20, mode="control"), bug, logic=False)
 
 
-def test_a_sliding_window_model():
+def test_a_sliding_window_model(hf_model):
     """Mistral with a sliding window of MISTRAL_WINDOW positions, crossed by 6 + 20: the window is real (the
     same weights without it give other logits there), and the check follows it with a DynamicCache and a
     StaticCache."""
-    model = tiny_model("mistral", "float32", "sdpa", 0)
+    model = hf_model("mistral", "float32", "sdpa", 0)
     prompt, steps = [1, 2, 3, 4, 5, 6], 20
     assert model.config.sliding_window == MISTRAL_WINDOW < len(prompt) + steps
     tokens = np.arange(len(prompt) + steps) % TINY_VOCAB
@@ -263,8 +263,8 @@ def test_a_sliding_window_model():
         _assert_caught(check_cache(inject_hf_bug(HFModel(model), bug), prompt, steps, mode="control"), bug, logic=False)
 
 
-def test_continuation_is_what_decode_is_fed():
-    model = tiny_model("gpt2", "float32", "sdpa", 0)
+def test_continuation_is_what_decode_is_fed(hf_model):
+    model = hf_model("gpt2", "float32", "sdpa", 0)
     continuation = [9, 8, 7, 6, 5]
     report = check_cache(model, [1, 2, 3], mode="control", continuation=continuation)
     assert report.tokens.tolist() == continuation and report.steps == 5
@@ -275,8 +275,8 @@ def test_continuation_is_what_decode_is_fed():
         check_cache(model, [1, 2, 3], continuation=[1, 96])
 
 
-def test_mis_wrapped_models_raise_clear_value_errors():
-    model = tiny_model("llama", "float32", "sdpa", 0)
+def test_mis_wrapped_models_raise_clear_value_errors(hf_model):
+    model = hf_model("llama", "float32", "sdpa", 0)
     with pytest.raises(ValueError, match="model: 'str' is not allowed; allowed: a transformers causal LM"):
         HFModel("llama")
     with pytest.raises(ValueError, match="it returned no logits"):
@@ -303,8 +303,8 @@ def test_mis_wrapped_models_raise_clear_value_errors():
         adapter.decode(96)
 
 
-def test_promote_copies_the_model_and_keeps_the_bug():
-    model = tiny_model("llama", "bfloat16", "sdpa", 0)
+def test_promote_copies_the_model_and_keeps_the_bug(hf_model):
+    model = hf_model("llama", "bfloat16", "sdpa", 0)
     adapter = inject_hf_bug(HFModel(model), "freeze")
     promoted = adapter.promote("float64")
     assert promoted.bug == "freeze" and promoted.dtype == "float64" and adapter.dtype == "bfloat16"
@@ -313,8 +313,8 @@ def test_promote_copies_the_model_and_keeps_the_bug():
     assert torch.equal(promoted.recompute([1, 2, 3]), HFModel(again).recompute([1, 2, 3]))
 
 
-def test_the_report_says_which_scenario_failed_first():
-    model = tiny_model("llama", "float32", "sdpa", 0)
+def test_the_report_says_which_scenario_failed_first(hf_model):
+    model = hf_model("llama", "float32", "sdpa", 0)
     report = check_cache(inject_hf_bug(HFModel(model), "replay"), [1, 2, 3, 4, 5, 6], 6, mode="control")
     text = report.format()
     assert report.scenarios["decode"].verdict == "rounding"
@@ -469,7 +469,7 @@ def test_the_measured_matrix():
     assert ((native.verdict == "bug") & native.right_step).all()
 
 
-def test_the_padded_recompute_is_measured_not_kept():
+def test_the_padded_recompute_is_measured_not_kept(hf_model):
     """A left-padded recompute (the hf_matrix study with variants = "padded") is the same function on a deep copy,
     but it never lowered a clean run's largest ratio in the matrix, and in float64 eager attention its fully
     masked pad rows give NaN logits: it is not among the built-in variants."""
@@ -477,7 +477,7 @@ def test_the_padded_recompute_is_measured_not_kept():
     from kvfast.studies.hf_matrix import PaddedVariant
 
     assert "padded" not in VARIANTS
-    model = tiny_model("llama", "float32", "sdpa", 0)
+    model = hf_model("llama", "float32", "sdpa", 0)
     adapter = PaddedVariant(model)
     tokens = np.arange(20) % TINY_VOCAB
     reference = adapter.recompute(tokens)
@@ -485,4 +485,4 @@ def test_the_padded_recompute_is_measured_not_kept():
     assert (padded - reference).abs().max() < 1e-5 * reference.abs().max()
     assert adapter._copies["padded"] is not model and not any("forward" in vars(m) for m in model.modules())
     with pytest.raises(ValueError, match=r"recompute_variants \[.padded.\]: logits hold nan"):
-        check_cache(PaddedVariant(tiny_model("llama", "float64", "eager", 0)), [1, 2, 3, 4], 4, mode="control")
+        check_cache(PaddedVariant(hf_model("llama", "float64", "eager", 0)), [1, 2, 3, 4], 4, mode="control")
