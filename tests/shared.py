@@ -36,7 +36,7 @@ def kvfast(*argv: object, cwd: Path = ROOT, env: dict | None = None, timeout: fl
     command (which may, say, leave the shell in a deleted directory); ``popen``: more of ``subprocess.run``'s
     arguments."""
     command = [KVFAST_SCRIPT] if script else [sys.executable, "-m", "kvfast.cli"]
-    command += map(str, argv)
+    command += (a if isinstance(a, bytes) else str(a) for a in argv)  # bytes: a path that is not UTF-8
     if shell_prefix:
         command = ["sh", "-c", f'{shell_prefix} && exec "$0" "$@"', *command]
     env = environment() if env is None else env

@@ -12,7 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from shared import ROOT
+
+pytestmark = pytest.mark.subprocess  # every test here starts a Python process
 
 SPEC = importlib.util.spec_from_file_location("bench_compile_profile", ROOT / "benchmarks" / "compile_profile.py")
 compile_profile = importlib.util.module_from_spec(SPEC)

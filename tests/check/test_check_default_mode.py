@@ -51,6 +51,7 @@ def test_a_hand_written_decoder_is_judged_right_by_default(name):
     assert ("far beyond it" in first) is (not name.startswith("clean"))
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("name", list(DECODERS))
 def test_the_kv_check_fixture_and_kvfast_check_say_the_same(kv_check, name):
     if name.startswith("clean"):

@@ -208,6 +208,7 @@ def read_pids(path: Path, within: float = 60.0) -> list[int]:
 # --- the model or its factory raised or exited: exit 4, one line ----------------------------------
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(
     "factory, needle",
     [
@@ -234,6 +235,7 @@ def test_a_model_that_raises_or_exits_is_exit_4_never_a_pass(workdir, factory, n
     assert_one_line(err, needle)
 
 
+@pytest.mark.subprocess
 def test_a_raising_factory_with_arguments_is_named(workdir):
     code, out, err = kvfast_check(workdir, "faults:raising_factory", "--factory-arg", "seed=3", "--prompt", "1,2")
     assert code == 4
@@ -243,6 +245,7 @@ def test_a_raising_factory_with_arguments_is_named(workdir):
 # --- timeouts: exit 5, one line, nothing left running ----------------------------------------------
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(
     "factory, needle",
     [
@@ -260,6 +263,7 @@ def test_a_hang_ends_at_the_timeout_with_exit_5(workdir, factory, needle):
     assert_one_line(err, "kvfast: error: the check did not finish " + needle)
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(
     "factory, needle",
     [
@@ -280,6 +284,7 @@ def test_a_timeout_leaves_no_process_behind(workdir, tmp_path, factory, needle):
     assert gone(child) and gone(grandchild)
 
 
+@pytest.mark.subprocess
 def test_killing_kvfast_check_takes_the_model_along(workdir, tmp_path):
     """kill -9 of ``kvfast check`` (no timeout, a hanging model): its child and the model's own process exit."""
     pids = tmp_path / "pids"
@@ -294,6 +299,7 @@ def test_killing_kvfast_check_takes_the_model_along(workdir, tmp_path):
     assert gone(child) and gone(grandchild)
 
 
+@pytest.mark.subprocess
 def test_ctrl_c_is_exit_130_and_stops_the_model(workdir, tmp_path):
     pids = tmp_path / "pids"
     env = dict(os.environ, PYTHONPATH=str(ROOT), KV_FAULT_PIDS=str(pids))
@@ -313,6 +319,7 @@ def test_ctrl_c_is_exit_130_and_stops_the_model(workdir, tmp_path):
 # --- bad input: exit 2, one line, before any work ---------------------------------------------------
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(
     "argv, needle",
     [
@@ -337,6 +344,7 @@ def test_bad_input_is_one_line_and_exit_2(workdir, argv, needle):
 # --- a bug in kvfast: a traceback, the version, a line saying so, exit 70 ----------------------------
 
 
+@pytest.mark.subprocess
 def test_an_unexpected_error_in_the_check_is_a_traceback_and_exit_70(workdir, monkeypatch, capsys):
     """A real failure inside the check's child process (its ``run_check`` replaced by one that fails)."""
     monkeypatch.chdir(workdir)
@@ -356,6 +364,7 @@ def test_an_unexpected_error_in_the_check_is_a_traceback_and_exit_70(workdir, mo
     assert lines[-1].startswith("kvfast ") and "this is a bug in kvfast" in lines[-1]
 
 
+@pytest.mark.subprocess
 def test_an_unexpected_error_in_any_command_is_a_traceback_and_exit_70(monkeypatch, capsys):
     def broken(args):
         raise KeyError("injected")
@@ -367,6 +376,7 @@ def test_an_unexpected_error_in_any_command_is_a_traceback_and_exit_70(monkeypat
     assert err.splitlines()[-1].endswith("please report it with the traceback above")
 
 
+@pytest.mark.subprocess
 def test_only_a_passing_report_is_exit_0(workdir):
     code, out, err = kvfast_check(workdir, "toymodels:clean", "--prompt", "1,2,3", "--steps", "4", "--timeout", "60")
     assert (code, err) == (0, "")
@@ -537,6 +547,7 @@ def test_kv_check_fails_one_line_when_the_model_exits_raises_or_hangs(pytester):
     assert "Traceback" not in out and "sys.exit(0)" not in out and "raise ZeroDivisionError" not in out
 
 
+@pytest.mark.subprocess
 def test_a_factory_that_rejects_its_arguments_is_bad_input(workdir):
     """By convention a ``ValueError`` from the factory is its verdict on the arguments: exit 2, not 4."""
     (workdir / "picky.py").write_text(

@@ -359,6 +359,7 @@ HF_BUGGED = (
 )
 
 
+@pytest.mark.subprocess
 def test_cli_checks_a_hugging_face_model(capsys, tmp_path, monkeypatch):
     """``kvfast check`` of a Hugging Face factory: the verdicts that need the child (a bug found by the float64
     logic check: exit 1; inconclusive: exit 3) through it, the other flags in this process through the child's
@@ -437,6 +438,7 @@ def test_cli_checks_a_hugging_face_model_with_every_option(capsys, tmp_path, mon
     assert "--factory-arg:" in capsys.readouterr().err
 
 
+@pytest.mark.subprocess
 def test_no_deprecation_warning_from_transformers():
     """transformers 5.x warns once per process when past_key_values is passed or read; kvfast never does."""
     import subprocess

@@ -117,6 +117,7 @@ def test_a_value_error_of_the_models_own_forward_is_the_models():
         check_cache(model, [1, 2, 3], 4)
 
 
+@pytest.mark.subprocess
 def test_kvfast_check_exits_4_with_one_line_when_the_models_forward_fails(tmp_path):
     import subprocess
     import sys

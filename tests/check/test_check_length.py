@@ -110,6 +110,7 @@ def test_the_ceiling_sits_between_rounding_and_a_logical_difference():
     assert float(F.length_ceiling("float64", 1.0)) == ceiling
 
 
+@pytest.mark.subprocess
 def test_kvfast_check_exits_6_with_the_line(tmp_path):
     import inspect
     import os

@@ -144,6 +144,7 @@ def test_inject_op_bug_refuses_bad_input():
 # --- the command line, the fixture and the check study -----------------------------------------------
 
 
+@pytest.mark.subprocess
 def test_cli_takes_the_new_scenarios(capsys):
     from kvfast.cli import main
 

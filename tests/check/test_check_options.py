@@ -192,6 +192,7 @@ def test_every_field_but_keep_logits_has_a_flag_with_help(capsys):
         assert flag in text
 
 
+@pytest.mark.subprocess
 def test_only_the_check_command_reads_the_options_module():
     """The other commands never pay the checker's imports (numba): the flags are added when ``check`` is parsed."""
     code = (
@@ -236,6 +237,7 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(
     "argv, needle",
     [
@@ -415,6 +417,7 @@ def cli_models(tmp_path, monkeypatch):
     return "declaring"
 
 
+@pytest.mark.subprocess
 def test_kvfast_check_refuses_a_lossy_cache_of_8_with_exit_2(cli_models, capsys):
     code, err = run_cli(["check", f"{cli_models}:lossy_eight", "--prompt", "1,2,3", "--steps", "3"], capsys)
     assert code == 2
@@ -422,6 +425,7 @@ def test_kvfast_check_refuses_a_lossy_cache_of_8_with_exit_2(cli_models, capsys)
     assert err.count("\n") == 1, err
 
 
+@pytest.mark.subprocess
 def test_kvfast_check_calls_internal_formats_that_raise_the_models_failure(cli_models, capsys):
     """Before: exit 70, "a bug in kvfast", with a traceback."""
     argv = ["check", f"{cli_models}:broken_formats", "--prompt", "1,2,3", "--steps", "3", "--mode", "control"]

@@ -122,6 +122,7 @@ def test_the_check_study_row_of_an_unchecked_check_is_not_passed(tmp_path):
         assert row["verdict"] == UNCHECKED and row["passed"] is False
 
 
+@pytest.mark.subprocess
 def test_kvfast_check_exits_7_with_the_scenarios_and_why(capsys):
     rc = main(["check", "tests.toymodels:posfrozen", "--prompt", "1,2,3", "--steps", "6", "--scenarios", "reorder"])
     out = capsys.readouterr().out.strip().splitlines()
@@ -131,6 +132,7 @@ def test_kvfast_check_exits_7_with_the_scenarios_and_why(capsys):
     )
 
 
+@pytest.mark.subprocess
 def test_kvfast_check_strict_exits_7_where_the_plain_check_passes(capsys):
     args = ["check", "tests.toymodels:clean", "--prompt", "1,2,3", "--steps", "6", "--scenarios", "decode,fork"]
     assert main(args) == 0
@@ -165,6 +167,7 @@ class NoReset(Toy):
         return out
 
 
+@pytest.mark.subprocess
 def test_a_new_scenario_is_one_unit_and_one_registry_line(monkeypatch):
     monkeypatch.setitem(REGISTRY, "replay", Replay())  # the one line
     for mode, clean_verdict in (("exact", "exact"), ("control", "rounding")):

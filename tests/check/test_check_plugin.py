@@ -46,6 +46,7 @@ def test_kv_check_passes_a_correct_model_and_fails_a_bugged_one(pytester):
     assert "fixture 'kv_check' not found" in without.stdout.str()
 
 
+@pytest.mark.subprocess
 def test_plugin_module_imports_nothing_heavy():
     """Loading the plugin does not load kvfast's checker (it is imported when the fixture is first used)."""
     code = "import sys, kvfast.pytest_plugin as p; print('kvfast.check.checker' in sys.modules)"
@@ -65,6 +66,7 @@ def toymodule(tmp_path, monkeypatch):
     sys.modules.pop("toymodels_cli", None)
 
 
+@pytest.mark.subprocess
 def test_cli_exit_codes(toymodule, capsys):
     assert main(["check", f"{toymodule}:clean", "--prompt", "1,2,3", "--steps", "8"]) == 0
     assert "EXACT" in capsys.readouterr().out
@@ -74,6 +76,7 @@ def test_cli_exit_codes(toymodule, capsys):
     assert main(["check", f"{toymodule}:posfrozen", "--prompt", "1,2,3", "--steps", "4", "--per-step"]) == 1
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(
     "argv, needle",
     [
@@ -95,6 +98,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(toymodule, capsys, argv, needle):
     assert needle in err and err.count("\n") == 1
 
 
+@pytest.mark.subprocess
 def test_cli_rejects_a_bad_mode_with_exit_2(toymodule):
     with pytest.raises(SystemExit) as exc:
         main(["check", f"{toymodule}:clean", "--prompt", "1", "--mode", "loose"])

@@ -41,6 +41,7 @@ def test_the_studies_factory_is_loaded_from_its_home():
         assert load_object(home, "factory", accept=callable, allowed="a callable") is named
 
 
+@pytest.mark.subprocess
 def test_the_parent_imports_neither_numba_nor_pandas_nor_the_studies():
     code = (
         "import sys; from kvfast.cli import main\n"
@@ -51,6 +52,7 @@ def test_the_parent_imports_neither_numba_nor_pandas_nor_the_studies():
     assert out.stdout.splitlines()[-1].split() == ["0", "False", "False", "False", "False"], out.stderr
 
 
+@pytest.mark.subprocess
 def test_the_child_imports_neither_the_studies_nor_pandas():
     """``-X importtime`` of both processes (``PYTHONPROFILEIMPORTTIME``): Numba (the child's), no pandas, no study."""
     out = _python(
@@ -62,6 +64,7 @@ def test_the_child_imports_neither_the_studies_nor_pandas():
     assert not {m for m in imported if m == "pandas" or m.startswith(("kvfast.studies", "kvfast.sweep"))}
 
 
+@pytest.mark.subprocess
 def test_the_timeline_marks_each_step_in_order(tmp_path):
     marks = tmp_path / "marks"
     out = _python(
@@ -104,6 +107,7 @@ def started(monkeypatch):
     return children
 
 
+@pytest.mark.subprocess
 def test_bad_input_ends_the_early_child_before_any_work(started, capsys):
     assert main(["check", "no_module_kv:f", "--prompt", "1,x"]) == 2
     assert "--prompt" in capsys.readouterr().err
@@ -112,6 +116,7 @@ def test_bad_input_ends_the_early_child_before_any_work(started, capsys):
     assert not os.path.exists(child.result_path)
 
 
+@pytest.mark.subprocess
 def test_a_parse_error_ends_the_early_child(started, capsys):
     with pytest.raises(SystemExit):
         main(["check", "m:f"])  # --prompt missing
@@ -125,6 +130,7 @@ def test_help_starts_no_child(started, capsys):
     assert exc.value.code == 0 and started == []
 
 
+@pytest.mark.subprocess
 def test_a_child_never_sent_a_request_exits_by_itself():
     """Its request pipe closed without a request (the parent gone or done with it): exit 0, no result."""
     child = child_runtime.start_child(check_command.BOOT)
@@ -137,6 +143,7 @@ def test_a_child_never_sent_a_request_exits_by_itself():
         child.discard()
 
 
+@pytest.mark.subprocess
 def test_a_failed_early_start_falls_back_to_the_usual_start(monkeypatch, capsys):
     """The early start is only a head start: if it fails, the command starts its child when it runs."""
     calls = []

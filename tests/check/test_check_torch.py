@@ -81,6 +81,7 @@ def test_torch_tensors_are_read_exactly():
     assert to_numpy(torch.tensor([0.1], dtype=torch.float64)).tolist() == [0.1]
 
 
+@pytest.mark.subprocess
 def test_cli_on_the_torch_example(npz, monkeypatch, capsys):
     from kvfast.cli import main
 

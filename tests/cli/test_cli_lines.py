@@ -20,6 +20,8 @@ from kvfast.commands.check import EXIT_BAD_INPUT, EXIT_PASS
 from kvfast.sweep import grid_from_spec, run_sweep
 from kvfast.sweep.store import MANIFEST
 
+pytestmark = pytest.mark.subprocess  # every test here starts a Python process
+
 CHECK = ["check", "examples.tiny_model:clean", "--prompt", "1,2,3", "--steps", "4"]
 KVFAST_MODEL = ["check", "kvfast.studies.check:kvfast_model", "--prompt", "1,2,3"] + [
     f"--factory-arg={kv}"

@@ -73,6 +73,7 @@ def test_one_line_collapses_newlines_and_bounds_the_length():
     assert len(one_line("y" * 10**6)) <= LINE_CHARS
 
 
+@pytest.mark.subprocess
 def test_a_5_mb_axis_value_is_one_short_line_and_exit_2(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)  # the user study is examples.sum_order_study
     toml = tmp_path / "big.toml"
@@ -87,6 +88,7 @@ def test_a_5_mb_axis_value_is_one_short_line_and_exit_2(tmp_path, monkeypatch, c
     assert not (tmp_path / "out").exists()  # refused before any work
 
 
+@pytest.mark.subprocess
 def test_a_long_message_from_user_code_is_still_one_bounded_line(tmp_path, monkeypatch, capsys):
     """A user's own ValueError (not built with not_allowed), many lines and megabytes long."""
     (tmp_path / "loud_study.py").write_text(
@@ -123,6 +125,7 @@ def _python(code: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.subprocess
 def test_a_damaged_numba_cache_is_compiled_again_and_named_in_one_line(tmp_path):
     cache = tmp_path / "numba"
     first = _python(BF16_ONCE, {"NUMBA_CACHE_DIR": str(cache)})
@@ -140,6 +143,7 @@ def test_a_damaged_numba_cache_is_compiled_again_and_named_in_one_line(tmp_path)
     assert third.returncode == 0 and third.stdout == "1.0078125\n" and third.stderr == "", third.stderr
 
 
+@pytest.mark.subprocess
 def test_an_unwritable_numba_cache_dir_is_one_line_and_no_cache(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
@@ -197,6 +201,7 @@ def _plant(shared: Path, dest: Path) -> Path:
     return mark
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("inherited", [False, True], ids=["found", "inherited"])
 def test_kvfasts_cache_directory_made_by_another_user_is_never_loaded(other_user, inherited):
     """``XDG_CACHE_HOME`` in a shared directory: the other user made ``kvfast/numba/KEY`` there first, planted.
@@ -221,6 +226,7 @@ def test_kvfasts_cache_directory_made_by_another_user_is_never_loaded(other_user
     assert mark.read_text().split() == [str(os.getuid())]
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("mode", [0o770, 0o707], ids=["group", "others"])
 def test_kvfasts_cache_directory_others_can_write_is_refused(other_user, mode):
     """This user's own ``kvfast/numba/KEY``, but its group or others can write it (where another user could have
@@ -241,6 +247,7 @@ def test_kvfasts_cache_directory_others_can_write_is_refused(other_user, mode):
     assert not mark.exists()
 
 
+@pytest.mark.subprocess
 def test_an_unwritable_numba_cache_dir_never_falls_back_to_a_folder_another_user_made(other_user, tmp_path):
     """The attack on the old fallback: with ``NUMBA_CACHE_DIR`` unwritable, kvfast cached in
     ``$TMPDIR/kvfast-numba-UID/NAME`` whoever made it. The other user makes it first, planted: kvfast no longer

@@ -108,6 +108,7 @@ def result_of(command: str, cwd: Path) -> subprocess.CompletedProcess:
 FAST = [(c, comment) for c, comment in README if how(c) == "run"]
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("command, comment", FAST, ids=[c for c, _ in FAST])
 def test_a_fast_readme_command_does_what_its_comment_says(command, comment, tmp_path):
     assert problems(result_of(command, tmp_path), comment) == []

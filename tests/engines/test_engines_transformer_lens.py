@@ -188,6 +188,7 @@ def test_a_config_file_with_saved_weights_is_the_saved_model(tmp_path):
     assert not torch.equal(TLModel(config, seed=5).recompute(tokens), TLModel(tl).recompute(tokens))  # the control
 
 
+@pytest.mark.subprocess
 def test_kvfast_check_engine_transformer_lens_and_a_factory_that_returns_a_hooked_transformer(tmp_path):
     config = tmp_path / "tiny.json"
     config.write_text(json.dumps(tiny_tl_config("rotary", "float64")))

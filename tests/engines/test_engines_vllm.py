@@ -266,6 +266,7 @@ def test_a_catalogue_bug_is_found_in_bfloat16_exact_mode_with_the_pin_and_is_no_
     assert report.verdict in ("bug", "inconclusive"), report.format()
 
 
+@pytest.mark.subprocess
 def test_the_command_line_checks_a_bfloat16_engine_exactly_with_engine_arguments(model_dir):
     prompt = ",".join(map(str, PROMPT))
     cmd = [sys.executable, "-m", "kvfast.cli", "check", "--engine", "vllm", str(model_dir), "--prompt", prompt,

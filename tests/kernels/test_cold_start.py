@@ -15,7 +15,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from shared import ROOT
+
+pytestmark = pytest.mark.subprocess  # every test here starts a Python process
 
 COUNT = r"""
 import json, sys

@@ -679,6 +679,7 @@ def test_no_kernel_is_compiled_with_fastmath():
         assert k.targetoptions.get("fastmath", False) is False, k.__name__
 
 
+@pytest.mark.subprocess
 def test_no_fused_multiply_add_in_the_machine_code(machine_code):
     for name in ORDER_SENSITIVE:
         assert name in machine_code, f"{name}: no machine code recorded"

@@ -109,6 +109,7 @@ print(len(forward_kernel.signatures), len(decode_kernel.signatures))
 """
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("pairs", [["f64,f64"], ["f64,f64", "f32,f32", "bf16,f32", "f64,bf16", "bf16,bf16"]])
 def test_every_format_runs_one_compiled_forward_and_one_decode(pairs):
     """The formats reach the compiled entries as run-time values, so every storage/accumulator pair a

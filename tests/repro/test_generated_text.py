@@ -81,6 +81,7 @@ def test_py_text_is_a_literal_of_exactly_its_text(text):
     assert ast.literal_eval(literal) == text and len(ast.parse(literal).body) == 1
 
 
+@pytest.mark.subprocess
 def test_control_a_docstring_paste_runs_the_injection_and_breaks_on_an_escape(tmp_path):
     """The attacks are live: pasted into a docstring as the script used to, one runs a command, one is a
     SyntaxError; the same text through :func:`py_text` runs nothing and compiles."""
@@ -95,6 +96,7 @@ def test_control_a_docstring_paste_runs_the_injection_and_breaks_on_an_escape(tm
     compile(py_text(f"Found by: {BAD_ESCAPE}\n"), "encoded.py", "exec")
 
 
+@pytest.mark.subprocess
 def test_a_real_reproducer_found_by_an_injecting_command_runs_only_its_check(tmp_path):
     """A real finding (a tiny Llama with kvfast's posoff bug) whose command line holds the injection and a bad
     escape: its script, run as a maintainer runs it, shows the bug (exit 1), creates nothing and names the
@@ -284,6 +286,7 @@ def test_a_browser_click_on_a_tampered_reproducer_link_runs_nothing(tmp_path, mo
     assert _click_first_link(chromium, control, tmp_path) == "PWNED"
 
 
+@pytest.mark.subprocess
 def test_listing_cells_reach_the_terminal_as_text(tmp_path):
     """A tampered listing on the terminal: ``kvfast report --markdown findings`` (a real process) and the plain
     listing show its escape sequence as ``\\x1b``, never send it; the control is the raw cell, which holds the

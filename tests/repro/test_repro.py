@@ -53,6 +53,7 @@ def first_differing_step(out: str) -> int | None:
     return None if found is None else int(found.group(1))
 
 
+@pytest.mark.subprocess
 def test_the_guard_makes_kvfast_unimportable(tmp_path):
     script = tmp_path / "s.py"
     script.write_text("import kvfast\n")
@@ -73,6 +74,7 @@ def _case(family, bug, scenario, tmp_path, seed=0, static=False):
     return case, write_reproducer(case, tmp_path / "repro")
 
 
+@pytest.mark.subprocess
 def test_findings_reproduce_without_kvfast_and_a_clean_model_exits_0(tmp_path):  # the issue's proof: by default
     """An injected bug (the script carries it), a finding of the library itself (Mamba's resume: no patch) and
     a clean model asked for on purpose: exit 1, 1 and 0; the script's per-step deviations are kvfast's, digit
@@ -222,6 +224,7 @@ def test_kvfast_check_repro_writes_a_reproducer_per_failing_scenario(tmp_path):
     assert bad.returncode == 2 and "--repro-seconds: 0 is not allowed" in bad.stderr
 
 
+@pytest.mark.subprocess
 def test_a_scan_writes_its_bug_rows_reproducers_beside_the_results(tmp_path):
     import pandas as pd
 

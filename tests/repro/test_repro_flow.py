@@ -66,6 +66,7 @@ def _kvfast(tmp_path, *args, env=None, **popen) -> subprocess.CompletedProcess:
     return kvfast(*args, cwd=tmp_path, env=env or _env(tmp_path), timeout=900, text=False, **popen)
 
 
+@pytest.mark.subprocess
 @needs_hf
 def test_a_hanging_and_a_crashing_candidate_cost_only_their_shrinking_and_the_report_comes_first(tmp_path):
     """Two scenarios called bug: every shrinking candidate of decode hangs, every one of resume crashes its
@@ -99,6 +100,7 @@ def test_a_hanging_and_a_crashing_candidate_cost_only_their_shrinking_and_the_re
     assert not stderr.strip(), stderr
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("how", ["file", "holds files", "unwritable", "not UTF-8", "a file on the way"])
 def test_a_bad_repro_folder_is_one_line_and_exit_2_before_the_check(tmp_path, how):
     """Each bad ``--repro``: one line naming ``--repro`` and why, exit 2, before the check runs (no report) and
@@ -153,6 +155,7 @@ def test_control_a_missing_or_empty_folder_is_taken():
         assert require_repro_dir(tmp) == Path(tmp) and os.listdir(tmp) == []  # the probe leaves nothing
 
 
+@pytest.mark.subprocess
 @needs_hf
 def test_a_full_disk_is_one_line_after_the_report_and_nothing_half_written(tmp_path):
     """Files are limited to 8 KiB (``RLIMIT_FSIZE``: a write past it fails as on a full disk): the report is
@@ -172,6 +175,7 @@ def test_a_full_disk_is_one_line_after_the_report_and_nothing_half_written(tmp_p
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").rglob("*"))  # nothing half-written
 
 
+@pytest.mark.subprocess
 def test_a_scan_checks_its_repro_folder_before_any_run(tmp_path):
     """``kvfast scan --repro`` with ``DIR.repro`` a file, or holding an earlier scan's reproducers: one line, exit
     2, and no run stored (``DIR`` not made)."""

@@ -116,6 +116,7 @@ preset = ["f64"]
 """
 
 
+@pytest.mark.subprocess
 def test_a_damaged_listing_is_one_line_naming_it_and_the_rest_of_the_report_is_written(tmp_path):
     """``kvfast report`` of results whose listing is damaged (not UTF-8): one warning line names the file, on
     stderr and on the page; the page and its tables are written (exit 0). The control: the same listing whole is

@@ -92,9 +92,8 @@ def returns_none():
 """
 
 
-@pytest.fixture
-def workdir(tmp_path: Path) -> Path:
-    """A temporary directory with the user's modules and a grid of 24 runs of ``userfaults``."""
+def user_files(tmp_path: Path) -> Path:
+    """``tmp_path`` with the user's modules and a grid of 24 runs of ``userfaults``."""
     (tmp_path / "userfaults.py").write_text(STUDY)
     (tmp_path / "userfactory.py").write_text(FACTORY)
     shutil.copy(TESTS / "toymodels.py", tmp_path / "toymodels.py")
@@ -103,6 +102,21 @@ def workdir(tmp_path: Path) -> Path:
         'study = "userfaults:STUDY"\n[axes]\nx = [' + ", ".join(map(str, range(24))) + "]\n"
     )
     return tmp_path
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    """A temporary directory with the user's modules and a grid of 24 runs of ``userfaults``."""
+    return user_files(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def clean_store(tmp_path_factory) -> Path:
+    """The grid's 24 rows stored by a clean ``kvfast run``, once for the module (tests copy it)."""
+    home = user_files(tmp_path_factory.mktemp("clean"))
+    first = kvfast(home, "run", "g.toml", "--out", "o", "--jobs", "1", "--quiet")
+    assert first.returncode == 0, first.stderr
+    return home / "o"
 
 
 def kvfast(workdir: Path, *argv: str, fault: str = "") -> subprocess.CompletedProcess:
@@ -130,6 +144,7 @@ def stored(out: Path) -> pd.DataFrame:
 # --- finding 6: a study module that exits or raises at import ---------------------------------------------
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(
     "fault, needle",
     [
@@ -139,9 +154,8 @@ def stored(out: Path) -> pd.DataFrame:
         ("import-raise", "importing userfaults raised RuntimeError: no weights here (a second line)"),
     ],
 )
-def test_a_study_module_that_exits_or_raises_at_import_is_one_line_and_exit_2(workdir, fault, needle):
-    first = kvfast(workdir, "run", "g.toml", "--out", "o", "--jobs", "1", "--quiet")
-    assert first.returncode == 0, first.stderr
+def test_a_study_module_that_exits_or_raises_at_import_is_one_line_and_exit_2(workdir, clean_store, fault, needle):
+    shutil.copytree(clean_store, workdir / "o")  # what a clean run stored (one run for the four faults)
     before = stored(workdir / "o")
     proc = kvfast(workdir, "run", "g.toml", "--out", "o", "--jobs", "1", "--quiet", fault=fault)
     assert proc.returncode == 2 and proc.returncode in SWEEP_EXIT_CODES
@@ -152,6 +166,7 @@ def test_a_study_module_that_exits_or_raises_at_import_is_one_line_and_exit_2(wo
     assert fresh.returncode == 2 and not (workdir / "fresh").exists()  # nothing written before any run
 
 
+@pytest.mark.subprocess
 def test_only_a_real_ctrl_c_at_import_is_exit_130(workdir):
     mark = workdir / "importing"
     env = dict(os.environ, PYTHONPATH=str(ROOT), KV_FAULT="import-sleep", KV_MARK=str(mark))
@@ -175,6 +190,7 @@ def test_only_a_real_ctrl_c_at_import_is_exit_130(workdir):
 # --- finding 7: a validate_config that raises anything but ValueError, or exits ------------------------------
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(
     "fault, needle",
     [
@@ -194,6 +210,7 @@ def test_a_validate_config_that_raises_or_exits_is_one_line_and_exit_2(workdir, 
 # --- finding 5: a run that changes the working directory cannot move --out ----------------------------------
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("jobs", ["1", "2"])
 def test_a_run_that_changes_directory_stores_every_row_under_the_relative_out(workdir, jobs):
     proc = kvfast(workdir, "run", "g.toml", "--out", "o", "--jobs", jobs, "--quiet", fault="run-chdir")
@@ -227,6 +244,7 @@ def test_run_sweep_resolves_a_relative_out_before_any_run(workdir, monkeypatch):
 # --- finding 3: a factory that returns no model under test ------------------------------------------------
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(
     "factory, needle",
     [
@@ -294,6 +312,7 @@ def test_call_user_turns_every_exit_into_one_error_but_a_real_ctrl_c():
         INTERRUPTED.clear()
 
 
+@pytest.mark.subprocess
 def test_the_probe_survives_os_exit_at_import(tmp_path, monkeypatch):
     (tmp_path / "exits_at_import_kv.py").write_text("import os\nos._exit(0)\n")
     monkeypatch.chdir(tmp_path)
@@ -306,6 +325,7 @@ def test_the_probe_survives_os_exit_at_import(tmp_path, monkeypatch):
     assert "exits_at_import_kv" not in sys.modules
 
 
+@pytest.mark.subprocess
 def test_the_probe_forks_for_a_user_module_and_never_for_kvfast_own(tmp_path, monkeypatch):
     """kvfast's own modules are not user code: importing them in a probe would only import them twice."""
     import kvfast.runtime.load as load_module

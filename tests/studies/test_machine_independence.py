@@ -19,6 +19,8 @@ import sys
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.subprocess  # every test here starts a Python process
+
 SCRIPT = """
 import hashlib
 import numpy as np

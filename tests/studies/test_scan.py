@@ -181,6 +181,7 @@ def test_the_scan_spec_runs_each_bug_where_it_acts():
     assert scan.scan_spec(["llama"], bugs=[])["union"][1:] == []
 
 
+@pytest.mark.subprocess
 def test_the_study_is_registered_and_imports_no_torch():
     assert "hf_scan" in STUDIES and not STUDIES["hf_scan"].reproduce
     code = "import sys, kvfast.studies.scan, kvfast.commands.scan; print('torch' in sys.modules)"
@@ -224,6 +225,7 @@ def test_the_default_scan_covers_every_architecture_of_the_installed_transformer
     assert len(grid) == per_arch * len(A.causal_lm_types())
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(not HF, reason="needs kvfast[hf] (torch and transformers)")
 def test_bad_input_on_the_command_line_is_one_line_and_exit_2(tmp_path):
     out = kvfast("scan", "--families", "llama", "nope", "--out", str(tmp_path / "x"))
@@ -259,6 +261,7 @@ def small_scan(out: Path) -> list[str]:
     return cmd
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(not HF, reason="needs kvfast[hf] (torch and transformers)")
 def test_a_small_scan_end_to_end(tmp_path):
     """The scan itself; resumed and drawn by `kvfast report` (two more processes): the ``-m slow`` twin below

@@ -94,6 +94,7 @@ def test_users_factories_through_check_study(tmp_path, monkeypatch):
     assert load(tmp_path / "e")["error"].str.contains("TypeError").all()
 
 
+@pytest.mark.subprocess
 def test_an_unimportable_factory_is_refused_before_any_run(tmp_path, capsys):
     toml = tmp_path / "g.toml"
     fixed = dict(BASE, factory="no_such_pkg_xyz:make", bug="none", mode="exact")

@@ -17,6 +17,7 @@ from shared import kvfast as run_kvfast
 from kvfast.studies import STUDIES
 
 
+@pytest.mark.subprocess
 def test_importing_the_studies_imports_no_torch():
     code = "import sys, kvfast.studies.hf_matrix, kvfast.studies.hf_score; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)

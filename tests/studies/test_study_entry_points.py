@@ -92,6 +92,7 @@ print({k: v for k, v in report.counts.items() if v})
 """
 
 
+@pytest.mark.subprocess
 def test_a_grid_naming_a_builtin_study_loads_and_sweeps_without_importing_the_studies(tmp_path, env):
     (tmp_path / "g.toml").write_text(GRID)
     args = [sys.executable, "-c", SWEEP, str(tmp_path / "g.toml"), str(tmp_path / "out")]
@@ -100,6 +101,7 @@ def test_a_grid_naming_a_builtin_study_loads_and_sweeps_without_importing_the_st
     assert proc.stdout.strip() == "{'ok': 2}"
 
 
+@pytest.mark.subprocess
 def test_without_the_entry_points_the_name_is_refused(tmp_path, env):
     """The control: the same lookup with no entry point found refuses ``exactness`` in one line."""
     code = (

@@ -16,6 +16,8 @@ import pandas as pd
 import pytest
 from shared import ROOT
 
+pytestmark = pytest.mark.subprocess  # every test here starts a Python process
+
 if os.environ.get("KVFAST_REQUIRE_HF") == "1":  # CI (.ci/run): run these, never skip them
     import torch  # noqa: F401
 else:

@@ -171,6 +171,7 @@ def test_read_only_directory_is_refused(tmp_path, capsys):
         ro.chmod(0o700)
 
 
+@pytest.mark.subprocess
 def test_real_command_line_exit_codes(tmp_path, stored):
     bad = write(tmp_path, "bad.toml", SMALL.format(extra="").replace("[axes]", "[axes]\ncolour = [1]"))
     proc = subprocess.run([KVFAST, "run", bad, "--out", str(stored)], capture_output=True, text=True)
@@ -185,6 +186,7 @@ def test_real_command_line_exit_codes(tmp_path, stored):
     assert proc.returncode == 0 and "8 runs stored: ok 8" in proc.stdout
 
 
+@pytest.mark.subprocess
 def test_kill_9_then_resume_equals_an_uninterrupted_run(tmp_path):
     # the exactness grid with 24 seeds (10,368 runs, about 5 s on 2 workers): long enough to be killed
     # mid-way once the first part (parts are written about once a second) is on disk
@@ -245,6 +247,7 @@ def test_grids_lists_the_builtin_grids_with_their_run_counts(capsys):
     assert row.split()[2] == "1296"
 
 
+@pytest.mark.subprocess
 def test_a_closed_pipe_ends_a_command_quietly(tmp_path):
     """`kvfast grids | head -0`: the reader is gone before kvfast writes; no traceback, exit 141 (128 + SIGPIPE)."""
     proc = subprocess.Popen([KVFAST, "grids"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -30,6 +30,8 @@ from shared import ROOT, TESTS, environment
 from kvfast._version import __version__
 from kvfast.sweep import MANIFEST, load
 
+pytestmark = pytest.mark.subprocess  # every test here starts a Python process
+
 pytest.importorskip("distributed")
 
 ENV = environment(TESTS)

@@ -126,6 +126,7 @@ def test_report_into_a_read_only_place_is_one_line_naming_out(tmp_path, results,
 # --- kvfast run, repair, show: --out that is not UTF-8 -------------------------------------------------------
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a file system that takes any bytes in a name")
 @pytest.mark.parametrize("command", ["run", "repair", "show"])
 def test_an_out_that_is_not_utf8_is_one_line_naming_it(tmp_path, capsys, command):

@@ -110,6 +110,7 @@ def test_exit_code_table_is_complete():
 # --- 1. a run that exits is a row, never a silent exit -------------------------------------------
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("jobs", ["1", "2"])
 def test_system_exit_and_keyboard_interrupt_in_a_run_are_error_rows(tmp_path, jobs, capsys):
     toml = grid_toml(tmp_path / "g.toml", ([0, 1, 2], "ok"), ([10], "exit0"), ([11], "exit3"), ([12], "kbint"))
@@ -126,6 +127,7 @@ def test_system_exit_and_keyboard_interrupt_in_a_run_are_error_rows(tmp_path, jo
 # --- 4. time limits --------------------------------------------------------------------------------
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(
     "backend, modes",
     [
@@ -152,6 +154,7 @@ def test_run_timeout_stores_timeout_rows_and_replaces_the_worker(tmp_path, backe
     assert not (tmp_path / "o" / ".timeouts").exists() or not any((tmp_path / "o" / ".timeouts").iterdir())
 
 
+@pytest.mark.subprocess
 def test_run_timeout_refuses_nonsense():
     proc = kvfast("run", "gradcheck", "--out", "/tmp/never", "--run-timeout", "-1")
     assert proc.returncode == 2 and "--run-timeout" in proc.stderr and "Traceback" not in proc.stderr
@@ -175,6 +178,7 @@ def _group_alive(sid: int) -> list[int]:
     return pids
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize(
     "backend, delay",
@@ -206,6 +210,7 @@ def test_kill_9_of_the_sweep_leaves_no_worker_behind(tmp_path, backend, delay):
     assert stored(out).equals(reference(tmp_path, toml))
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_kill_9_of_the_sweep_ends_the_processes_its_runs_had_running(tmp_path):
     """A run's process tree ends with it when the sweep is killed too: each worker's keeper kills its group."""
@@ -231,6 +236,7 @@ def test_kill_9_of_the_sweep_ends_the_processes_its_runs_had_running(tmp_path):
 # --- 8. Ctrl-C and crashes: quiet --------------------------------------------------------------------
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(
     "backend, delay",
     [
@@ -265,6 +271,7 @@ def test_ctrl_c_is_exit_130_without_worker_tracebacks_and_resumes(tmp_path, back
 # --- issue 23: runs that fork, stop, or leave processes behind ---------------------------------------
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork")
 @pytest.mark.parametrize("args", [["--jobs", "1"], ["--jobs", "2", "--backend", "fork"]])
 def test_a_forked_child_that_returns_never_reaches_the_sweep(tmp_path, args):
@@ -283,6 +290,7 @@ def test_a_forked_child_that_returns_never_reaches_the_sweep(tmp_path, args):
     assert again.returncode == 0 and "11 already stored, 0 run now" in again.stdout
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIGSTOP, /proc")
 @pytest.mark.parametrize("backend", ["fork", pytest.param("loky", marks=pytest.mark.slow)])
 def test_a_stopped_worker_is_killed_by_the_sweep_and_its_run_is_a_timeout_row(tmp_path, backend):
@@ -307,6 +315,7 @@ def test_a_stopped_worker_is_killed_by_the_sweep_and_its_run_is_a_timeout_row(tm
     assert stored(out).equals(df.reset_index()[COLUMNS])
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIGSTOP, /proc")
 @pytest.mark.parametrize("backend", ["fork", "loky"])
 def test_a_worker_stopped_between_runs_is_killed_within_the_run_timeout(tmp_path, backend):
@@ -329,6 +338,7 @@ def test_a_worker_stopped_between_runs_is_killed_within_the_run_timeout(tmp_path
     assert again.returncode == EXIT_FAILED and "6 already stored, 0 run now" in again.stdout, again.stdout
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIGSTOP, /proc")
 def test_a_worker_stopped_for_the_stall_timeout_is_killed_and_its_run_crashed(tmp_path):
     """Without --run-timeout a stopped worker is killed after --stall-timeout; its run is retried alone
@@ -350,6 +360,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("args", [["--jobs", "1"], ["--jobs", "2", "--backend", "fork"]])
 def test_processes_a_run_leaves_behind_are_ended_with_the_run(tmp_path, args):
@@ -397,6 +408,7 @@ def test_ctrl_c_during_the_clis_start_up_is_one_line_and_130(monkeypatch, capsys
     assert signal.getsignal(signal.SIGINT) is not cli_module._on_ctrl_c  # main put the previous handler back
 
 
+@pytest.mark.subprocess
 def test_a_segfaulting_run_is_one_line_and_a_crashed_row(tmp_path):
     toml = grid_toml(tmp_path / "g.toml", ([0, 1, 2], "ok"), ([30], "segv"), ([3, 4], "ok"))
     proc = kvfast("run", toml, "--out", tmp_path / "o", "--jobs", "2", "--quiet")
@@ -410,6 +422,7 @@ def test_a_segfaulting_run_is_one_line_and_a_crashed_row(tmp_path):
 # --- 3. limits before work -------------------------------------------------------------------------
 
 
+@pytest.mark.subprocess
 def test_jobs_above_the_core_count_is_capped_with_a_warning(tmp_path, capsys):
     toml = grid_toml(tmp_path / "g.toml", ([0, 1, 2, 3], "ok"))
     proc = cli(capsys, "run", toml, "--out", tmp_path / "o", "--jobs", "100000", "--quiet")
@@ -473,6 +486,7 @@ def _manifest_breakers():
     }
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("shape", list(_manifest_breakers()))
 def test_every_broken_manifest_is_one_line_naming_it_and_repair_brings_it_back(tmp_path, shape, capsys):
     toml = grid_toml(tmp_path / "g.toml", ([0, 1, 2, 3, 4, 5], "ok"))
@@ -495,6 +509,7 @@ def test_every_broken_manifest_is_one_line_naming_it_and_repair_brings_it_back(t
     assert cli(capsys, "show", out).returncode == 0
 
 
+@pytest.mark.subprocess
 def test_a_truncated_part_is_one_line_then_repair_quarantines_it_and_a_rerun_reruns_its_runs(tmp_path, capsys):
     toml = grid_toml(tmp_path / "g.toml", ([0, 1, 2, 3, 4, 5, 6, 7], "ok"))
     out = tmp_path / "o"
@@ -532,6 +547,7 @@ def _flip_a_bit_of_y(part: Path, y: float) -> None:
     part.write_bytes(bytes(data))
 
 
+@pytest.mark.subprocess
 def test_a_damaged_part_is_one_line_then_repair_quarantines_it_and_a_rerun_reruns_its_runs(tmp_path):
     """Issue 42: bytes overwritten inside a part's column chunk were read back as other numbers (no checksums),
     and `kvfast run` resumed with exit 0. Parts carry page checksums now, verified on every read."""
@@ -593,6 +609,7 @@ def _can_mount_tmpfs(path: Path) -> str | None:
     return None if r.returncode == 0 else f"mount -t tmpfs failed here: {r.stderr.strip()}"
 
 
+@pytest.mark.subprocess
 def test_disk_full_is_one_line_with_what_is_stored_and_a_rerun_resumes(tmp_path):
     disk = tmp_path / "disk"
     why = _can_mount_tmpfs(disk)
@@ -630,6 +647,7 @@ def test_a_resume_under_other_versions_warns_and_the_history_keeps_both(tmp_path
     assert len(history) == 2 and all("numpy" in h["versions"] for h in history)
 
 
+@pytest.mark.subprocess
 def test_study_refuses_to_replace_another_studys_results_without_fresh(tmp_path, capsys):
     toml = grid_toml(tmp_path / "g.toml", ([0, 1, 2], "ok"))
     out = tmp_path / "o"
@@ -656,6 +674,7 @@ def test_config_values_are_canonical_before_hashing():
             grid_from_spec({**base, "axes": {"attention": [bad]}})
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("sweeps", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_load_never_fails_while_a_sweep_compacts(tmp_path, sweeps):
     """A reader loads the results while a sweep writes and compacts them: once in the default run, three times
@@ -694,6 +713,7 @@ def test_load_never_fails_while_a_sweep_compacts(tmp_path, sweeps):
 # --- 2. Dask: dead workers are rows, a lost scheduler is lost runs -----------------------------------
 
 
+@pytest.mark.subprocess
 def test_dask_killed_worker_is_a_crashed_row(tmp_path):
     pytest.importorskip("distributed")
     toml = grid_toml(tmp_path / "g.toml", ([0, 1, 2, 3], "ok"), ([40], "die"), ([4, 5, 6, 7], "ok"))

@@ -18,6 +18,8 @@ from test_sweep_faults import ENV, ROOT, grid_toml, kvfast, marks_env, one_line,
 
 from kvfast.commands.sweep import EXIT_FAILED
 
+pytestmark = pytest.mark.subprocess  # every test here starts a Python process
+
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="libc sleep through ctypes.PyDLL, PR_SET_NAME")
 @pytest.mark.parametrize(

@@ -67,6 +67,7 @@ def _die(x: int) -> int:
     os._exit(7)
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("name", ["kvfast-fork", "kvfast-loky"])
 def test_the_process_pools_are_registered_joblib_backends(name):
     from kvfast.sweep.backends import pool

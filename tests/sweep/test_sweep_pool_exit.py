@@ -19,7 +19,7 @@ from shared import ROOT
 from kvfast.sweep.backends import pool as pools
 from kvfast.sweep.procs import kill_worker
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork pools")
+pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork pools"), pytest.mark.subprocess]
 
 
 def busy_pool():

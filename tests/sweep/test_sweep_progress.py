@@ -24,6 +24,8 @@ from shared import ROOT, TESTS, environment
 
 from kvfast.sweep.progress import EVERY
 
+pytestmark = pytest.mark.subprocess  # every test here starts a Python process
+
 ENV = environment(TESTS)
 LINE = re.compile(r"kvfast: ([\d,]+) of ([\d,]+) runs \(([\d,]+) stored before\), [\d.,]+ runs/s, about \S+ \S+ left")
 SLOW = math.ceil(2 * 1.6 * EVERY / 0.3)  # faultstudy's `slow` runs sleep 0.3 s: 1.6 intervals of them on 2 workers

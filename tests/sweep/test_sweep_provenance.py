@@ -30,7 +30,7 @@ STUDY = Study(
 )
 """
 
-pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git")
+pytestmark = [pytest.mark.skipif(shutil.which("git") is None, reason="git"), pytest.mark.subprocess]
 
 
 def git(folder: Path, *args: str) -> str:

@@ -117,6 +117,7 @@ def numeric_frame(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+@pytest.mark.subprocess
 def test_identical_results_across_jobs_threading_and_dask(tmp_path, test_study, dask_address):
     exact = grid_from_spec(EXACT_SUB)
     mine = grid_from_spec(test_spec(range(12)))
@@ -168,6 +169,7 @@ def test_resume_skips_ok_runs_and_extending_a_grid_reuses_them(tmp_path, test_st
     assert fresh.ran == 8 and len(load(out)) == 8
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("backend", ["fork", "loky"])
 def test_error_rows_crash_rows_and_retry_errors(tmp_path, test_study, backend):
     # crash and raise configs come after the first run (which runs in this process as warm-up)
@@ -199,6 +201,7 @@ def test_error_rows_crash_rows_and_retry_errors(tmp_path, test_study, backend):
     assert run_sweep(grid, out, jobs=1, quiet=True).ran == 0
 
 
+@pytest.mark.subprocess
 def test_retry_errors_reruns_failed_runs_and_never_warms_up_on_a_crasher(tmp_path, test_study):
     out = tmp_path / "re"
     spec = {"study": "sweeptest", "fixed": {"scale": 1.0}, "axes": {"x": [1, 2, 3, 4, 5, 6], "mode": ["pid"]}}
@@ -218,6 +221,7 @@ def test_retry_errors_reruns_failed_runs_and_never_warms_up_on_a_crasher(tmp_pat
     assert df.loc[grid.runs[1].run_id, "y"] != here  # ... but never a run that has crashed
 
 
+@pytest.mark.subprocess
 def test_dask_worker_crash_is_recorded_and_never_hangs(tmp_path, test_study):
     spec = {
         "study": "sweeptest",

@@ -11,6 +11,7 @@ from kvfast.cli import main
 from kvfast.sweep import grid, grid_from_spec, load
 
 
+@pytest.mark.subprocess
 def test_the_example_user_study_sweeps_resumes_and_lands_in_parquet(tmp_path):
     out = tmp_path / "sum_order"
     first = kvfast("run", "examples/sum_order.toml", "--out", str(out), "--jobs", "2", "--quiet")
@@ -39,6 +40,7 @@ def test_the_example_user_study_sweeps_resumes_and_lands_in_parquet(tmp_path):
     assert shown.returncode == 0 and "median_ulps" in shown.stdout and "pairwise float32 sums" in shown.stdout
 
 
+@pytest.mark.subprocess
 def test_bad_study_references_are_refused_with_one_line_and_exit_2(tmp_path, capsys):
     for ref, match in [
         ("no_such_module_xyz:STUDY", "cannot be imported (ModuleNotFoundError"),

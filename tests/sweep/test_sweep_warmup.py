@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pytest
-from shared import ROOT
+from shared import ROOT, TESTS, environment
 
 from kvfast.studies import STUDIES
 from kvfast.studies.base import Study
@@ -84,7 +84,7 @@ print(json.dumps({"ran": report.ran, "ok": report.ok, "counts": report.counts}))
 def sweep_in_a_fresh_process(spec: dict, out: Path) -> dict:
     """A 2-worker fork sweep of ``spec`` in a fresh interpreter: helpers fork only where no fork-unsafe library
     (torch, imported by other test modules of a session) is loaded. Its report's ran, ok and counts."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    env = environment(TESTS, Path(__file__).parent)  # this module (whose STUDY the grid names) and what it imports
     proc = subprocess.run(
         [sys.executable, "-c", SWEEP, json.dumps(spec), str(out)], capture_output=True, text=True, env=env, timeout=600
     )
@@ -175,6 +175,7 @@ def test_a_bad_key_stops_the_sweep_before_any_run(tmp_path, study, monkeypatch):
 # -- the warm-up: side by side -------------------------------------------------------------------------
 
 
+@pytest.mark.subprocess
 def test_the_warm_ups_of_different_keys_run_at_the_same_time_in_different_processes(tmp_path, study):
     """The first run (kind a) waits for the first b run to start: it sees it only if that run's warm-up runs
     alongside (without a key, the b run would start after the first run returned: ``seen`` False after 60 s)."""
@@ -188,6 +189,7 @@ def test_the_warm_ups_of_different_keys_run_at_the_same_time_in_different_proces
     assert len(list((tmp_path / "marks").glob("b-*"))) == 1  # b ran once
 
 
+@pytest.mark.subprocess
 def test_a_helper_warm_up_that_kills_its_process_is_a_crashed_row_and_the_sweep_goes_on(tmp_path, study):
     grid = grid_from_spec(_spec([_one(0, "a"), _one(1, "b", "crash"), _one(2, "a"), _one(3, "b"), _one(4, "c")]))
     report = sweep_in_a_fresh_process(grid.spec, tmp_path / "c")
@@ -198,6 +200,7 @@ def test_a_helper_warm_up_that_kills_its_process_is_a_crashed_row_and_the_sweep_
     assert run_sweep(grid, tmp_path / "c", jobs=2, quiet=True).ran == 0
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("backend", ["loky", "threading"])
 def test_other_backends_warm_up_one_run_as_without_a_key(tmp_path, study, backend):
     grid = grid_from_spec({"study": "warmuptest", "axes": {"x": [1, 2, 3], "kind": ["a", "b"], "mode": ["ok"]}})
@@ -213,6 +216,7 @@ def _numbers(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+@pytest.mark.subprocess
 def test_two_workers_on_runs_that_compile_different_code_give_one_workers_bits(tmp_path):
     """The exactness study keys its runs on their formats (f64, f32 and bf16 compile different kernels): two
     workers warm up side by side, and every number is the one worker's, bit for bit."""
@@ -272,6 +276,7 @@ print(json.dumps([sum(kernel.stats.cache_hits.values()), sum(kernel.stats.cache_
 """
 
 
+@pytest.mark.subprocess
 def test_two_processes_calling_a_kernel_compiled_one_at_a_time_compile_it_once(tmp_path):
     """Warm-ups side by side call the compiled forward and decode at about the same moment: the first
     compiles, the other waits and loads it (``kvfast.kernels.indirect.one_compile_at_a_time``); the control
