@@ -114,6 +114,7 @@ def test_a_fast_readme_command_does_what_its_comment_says(command, comment, tmp_
     assert problems(result_of(command, tmp_path), comment) == []
 
 
+@pytest.mark.subprocess
 def test_a_comment_that_the_output_contradicts_is_found(tmp_path):
     """The control: the README's passing check with a comment claiming another verdict and exit code."""
     command, comment = next((c, m) for c, m in FAST if "PASS: EXACT" in m)

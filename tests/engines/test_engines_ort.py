@@ -29,6 +29,8 @@ from kvfast.bugs.engines import ORT_BUGS, inject_ort_bug  # noqa: E402
 from kvfast.check import check_cache  # noqa: E402
 from kvfast.check.engines.ort import DEFAULT_VARIANTS, ORTModel, tiny_ort_model  # noqa: E402
 
+#: the models are built by onnxruntime-genai's builder in a Python process (the module's fixtures)
+pytestmark = pytest.mark.subprocess
 PROMPTS = ([3, 4, 5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1])
 
 
@@ -50,7 +52,6 @@ def engine_models(onnx: Path) -> Path:
     return onnx.parents[2]
 
 
-@pytest.mark.subprocess
 def test_the_recompute_is_the_same_graph_as_the_prefill_and_the_same_function_as_transformers(built):
     onnx, hf = built
     import transformers
@@ -125,7 +126,6 @@ def test_bad_paths_and_options_are_one_clear_error(built, tmp_path):
     assert repr(model) == f"ORTModel({str(onnx)!r}, bug='evict')" and model.promote("float64") is model
 
 
-@pytest.mark.subprocess
 def test_kvfast_check_engine_ort_checks_a_model_directory_and_refuses_a_bad_one(built, tmp_path):
     onnx, hf = built
     cmd = [
@@ -394,7 +394,6 @@ def built_int8(tmp_path_factory):
     return tiny_ort_model(out, seed=1, precision="int8"), out / "hf"
 
 
-@pytest.mark.subprocess
 def test_an_int8_build_declares_int8_activations_read_from_its_graph(built_int8, built):
     from kvfast.check.engines.ort import quantized_matmuls
 

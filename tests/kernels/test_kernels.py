@@ -699,6 +699,7 @@ def test_no_fused_multiply_add_in_the_machine_code(machine_code):
         assert re.search(r"\bvmulps\b", asm) and re.search(r"\bvpaddd\b", asm), names
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(not llvm.get_host_cpu_features().get("fma", False), reason="this CPU has no FMA")
 def test_fma_detector_can_fail(machine_code):
     """Control: the same disassembly check finds the FMA that fastmath, or contraction alone, produces."""

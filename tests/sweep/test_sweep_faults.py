@@ -460,6 +460,7 @@ def test_a_grid_whose_results_would_not_fit_on_the_disk_is_refused_before_work(t
     assert "bytes a row" in line
 
 
+@pytest.mark.subprocess
 def test_max_runs_refuses_a_huge_grid_before_expanding_it(tmp_path, capsys):
     toml = tmp_path / "huge.toml"
     toml.write_text('study = "faultstudy:STUDY"\n[axes]\nx = ' + str(list(range(10_000))) + '\nmode = ["ok"]\n')
@@ -632,6 +633,7 @@ def test_disk_full_is_one_line_with_what_is_stored_and_a_rerun_resumes(tmp_path)
 # --- 7. provenance and safety ----------------------------------------------------------------------
 
 
+@pytest.mark.subprocess
 def test_a_resume_under_other_versions_warns_and_the_history_keeps_both(tmp_path, capsys):
     toml = grid_toml(tmp_path / "g.toml", ([0, 1, 2], "ok"))
     out = tmp_path / "o"

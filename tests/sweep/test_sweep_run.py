@@ -152,6 +152,7 @@ def test_identical_results_across_jobs_threading_and_dask(tmp_path, test_study, 
         assert row["y"] == expect["y"] and list(row["idx"]) == expect["idx"]
 
 
+@pytest.mark.subprocess
 def test_resume_skips_ok_runs_and_extending_a_grid_reuses_them(tmp_path, test_study):
     out = tmp_path / "r"
     small = grid_from_spec(test_spec(range(4)))
