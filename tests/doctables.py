@@ -10,7 +10,7 @@ Each table is made from what the code or the project's metadata holds:
 - ``dev-commands``: ``dev.py``'s :data:`COMMANDS` (the environment and extras each command installs).
 
 A document holds a copy between two markers (:func:`begin`, :func:`end`), placed where :data:`PLACES` says.
-``python tests/doctables.py`` rewrites every copy from its source; ``tests/test_doc_tables.py`` fails when a
+``python tests/doctables.py`` rewrites every copy from its source; ``tests/docs/test_doc_tables.py`` fails when a
 copy differs from what this module generates (or a marker is missing).
 """
 

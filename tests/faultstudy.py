@@ -1,4 +1,4 @@
-"""A study whose runs misbehave on request (``mode``), for tests/test_sweep_faults.py.
+"""A study whose runs misbehave on request (``mode``), for tests/sweep/test_sweep_faults.py.
 
 Grids name it ``study = "faultstudy:STUDY"`` (tests/ on ``PYTHONPATH``). Modes:
 ``ok`` (``y = 1.5 x``), ``slow`` (0.3 s, then ok), ``exit0`` / ``exit3``

@@ -26,7 +26,7 @@ round half to even) and ``fp8`` (float8 e4m3: 3 mantissa bits, scale ``absmax / 
 (one position of one head, or of the whole model for kvfast's own cache) with its own scale; and
 ``fp8-tensor`` (transformers' fp8 ``QuantizedCache``: one scale per layer's keys and values, frozen at
 the first store, so rows far below the tensor's largest value fall into fp8's subnormals). Measured on the tiny models
-(``tests/test_check_lossy.py``): kvfast's own int8 and fp8 caches are ``lossy`` at ratio 1 (they are the
+(``tests/check/test_check_lossy.py``): kvfast's own int8 and fp8 caches are ``lossy`` at ratio 1 (they are the
 format's emulation); an "int8" cache that stores 4 bits is ``bug``.
 """
 

@@ -97,7 +97,7 @@ ENGINES = {"ort": "kvfast.check.engines.ort:ORTModel", "llamacpp": "kvfast.check
 GRACE_S = 1.5  # after --timeout, the child's own timer has had this long to report before it is killed
 #: kvfast's own factories, by the module that defines them: ``kvfast.studies.check`` re-exports
 #: ``kvfast_model`` for its grids, and importing it imports every study, the sweep engine and pandas (about
-#: 1.4 s); the child loads the same function from its home (``tests/test_check_startup.py`` pins that it is
+#: 1.4 s); the child loads the same function from its home (``tests/check/test_check_startup.py`` pins that it is
 #: the same object)
 OWN_FACTORIES = {"kvfast.studies.check:kvfast_model": "kvfast.bugs.kvfast_model:kvfast_model"}
 

@@ -25,7 +25,7 @@ bf16       float64       ``_rbf(a * b)``                       ``_rbf(a + b)``
 
 (bf16 on float32 data: the product of two finite bfloat16s is never NaN, see
 :mod:`kvfast.kernels.matmul`.) These are exactly the roundings of :func:`kvfast.kernels.precision.rnd`
-per operation; the naive twins in ``tests/test_kernels.py`` check every body bit for bit.
+per operation; the naive twins in ``tests/kernels/test_kernels.py`` check every body bit for bit.
 
 The generated function is defined in the template's module (its name: the template's, less a trailing
 ``_template``, plus the format's suffix, e.g. ``_product_f32_on_f32``), with the template's file and

@@ -234,7 +234,7 @@ def rnd(x: float, fmt: int) -> float:
         return x
     if fmt == F32:
         return np.float64(np.float32(x))
-    return _rbf(x)  # round_bf16_f64 without branches (equal bit for bit; tests/test_precision.py)
+    return _rbf(x)  # round_bf16_f64 without branches (equal bit for bit; tests/kernels/test_precision.py)
 
 
 @one_compile_at_a_time

@@ -115,7 +115,7 @@ def _model(key: tuple) -> tuple:
 
 
 # The detector grid's random-model cases (``detector.toml``, ``model = "random"``), in its order;
-# tests/test_check_score.py asserts they are the grid's configs.
+# tests/bugs/test_bugs_score.py asserts they are the grid's configs.
 CASE_SHAPES = {"n_layer": (1, 2, 3), "n_head": (1, 2)}
 CASE_PROMPTS = ((10, 3), (11, 5), (12, 8), (13, 11), (14, 14))  # (seed, prompt_len), tied
 CASE_FIXED = {"model": "random", "d_model": 16, "d_ff": 32, "vocab": 32, "steps": 16, "preset": "f64"}

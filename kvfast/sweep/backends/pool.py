@@ -85,7 +85,7 @@ def shutdown(pool, kill: bool) -> None:
     Killing reads the executor's ``_processes`` (pid -> process), the one private name both executors share:
     neither has a public way to kill its workers at once (CPython's ``kill_workers`` arrived in 3.14; loky's
     ``shutdown(kill_workers=True)`` kills from its manager thread, later). Gone: nothing is killed, and
-    tests/test_sweep_pool_exit.py fails."""
+    tests/sweep/test_sweep_pool_exit.py fails."""
     if pool is None:
         return
     if kill:
@@ -110,7 +110,7 @@ def _manager_thread_ended(pool: ProcessPoolExecutor) -> Iterator[None]:
     ``_threads_wakeups`` without a lock, while the thread may be closing that pipe (``join_executor_internals``):
     ``OSError: [Errno 9] Bad file descriptor`` printed at exit after a sweep that succeeded. 3.12.8 and 3.13.1 give
     the pipe a lock of its own (gh-125451); there this is only a wait. CPython private names, read with defaults
-    (gone: nothing done, and tests/test_sweep_pool_exit.py fails): the pool's ``_executor_manager_thread``, read
+    (gone: nothing done, and tests/sweep/test_sweep_pool_exit.py fails): the pool's ``_executor_manager_thread``, read
     before ``shutdown`` since ``shutdown(wait=False)`` (every ``kill``) sets it to None, and ``_threads_wakeups``.
     """
     manager = getattr(pool, "_executor_manager_thread", None)
