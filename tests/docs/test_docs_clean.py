@@ -9,11 +9,10 @@ every measured figure names the command that prints it. The first four are text 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
-
 from shared import ROOT
+
 DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
 
 #: (what a user document must not hold, a pattern that finds it)

@@ -45,7 +45,7 @@ RULES = [
     (r"kvfast show results/mine$", "not run: the results of my_grid.toml, a placeholder for your own grid"),
     (r"kvfast study (precision|neartied|training)$", "slow"),
     (r"kvfast scan --families mamba ", "slow", ("torch", "transformers")),
-    (r"kvfast reproduce( |$)", "not run: every study of the write-up; tests/report/test_reference_data.py reruns them (slow)"),
+    (r"kvfast reproduce( |$)", "not run: every study of the write-up; tests/report/test_reference_data.py reruns them"),
 ]
 
 

@@ -85,8 +85,8 @@ def test_the_process_pools_run_tasks_in_workers_and_a_dead_worker_breaks_the_poo
 def test_a_pool_manager_thread_still_alive_after_shutdown_is_unregistered_from_the_exit_hook(monkeypatch):
     """Python 3.11's exit hook for process pools writes to the wake-up pipe of every registered manager thread
     without the pool's lock; one closing its pipe at that moment prints an OSError traceback at exit (seen once
-    in tests/sweep/test_sweep_faults.py under load). ``shutdown`` waits for the thread, and unregisters it if it is still
-    alive; a thread that ended stays as it was (its pipe is closed: the hook skips it)."""
+    in tests/sweep/test_sweep_faults.py under load). ``shutdown`` waits for the thread, and unregisters it if it
+    is still alive; a thread that ended stays as it was (its pipe is closed: the hook skips it)."""
     import threading
     from concurrent.futures import process
 
