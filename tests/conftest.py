@@ -37,10 +37,10 @@ def _torch_one_thread():
 
 @pytest.fixture(scope="session")
 def hf_model():
-    """``hf_model(family, dtype, attention, seed)``: :func:`kvfast.check.hf.tiny_model`'s model, built once per
+    """``hf_model(family, dtype, attention, seed)``: :func:`kvfast.testing.tiny_model`'s model, built once per
     session for the tests that only read it (checks wrap it in adapters, inject bugs into those, promote deep
     copies). A test that changes its model (its config, its weights) builds its own with ``tiny_model``."""
-    from kvfast.check.hf import tiny_model
+    from kvfast.testing import tiny_model
 
     return functools.cache(tiny_model)
 
