@@ -585,6 +585,7 @@ def test_a_damaged_part_is_one_line_then_repair_quarantines_it_and_a_rerun_rerun
     assert stored(out).equals(reference(tmp_path, toml))
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("command", ["run", "show", "repair"])
 def test_a_path_over_255_characters_is_one_line(tmp_path, capsys, command):
     toml = grid_toml(tmp_path / "g.toml", ([0], "ok"))

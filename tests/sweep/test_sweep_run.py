@@ -256,6 +256,7 @@ def test_dask_stall_stops_and_names_the_lost_runs(tmp_path, test_study):
     assert run_sweep(grid, tmp_path / "s", jobs=1, quiet=True).ran == 2
 
 
+@pytest.mark.subprocess
 def test_a_run_that_killed_the_parent_during_warmup_goes_to_a_worker(tmp_path, test_study):
     out = tmp_path / "w"
     grid = grid_from_spec({"study": "sweeptest", "fixed": {"scale": 1.0}, "axes": {"x": [1, 2, 3], "mode": ["pid"]}})
