@@ -56,7 +56,7 @@ STUDY = Study(
 )
 
 
-ROOT = Path(__file__).resolve().parents[1]
+from shared import ROOT, TESTS, environment  # noqa: E402
 
 SWEEP = r"""
 import json, sys
@@ -70,7 +70,7 @@ print(json.dumps({"ran": report.ran, "ok": report.ok, "counts": report.counts}))
 def sweep_in_a_fresh_process(spec: dict, out: Path) -> dict:
     """A 2-worker fork sweep of ``spec`` in a fresh interpreter: its workers fork only where no fork-unsafe library
     (torch, imported by other test modules of a session) is loaded. Its report's ran, ok and counts."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    env = environment(TESTS, Path(__file__).parent)  # this module (whose STUDY the grid names) and what it imports
     proc = subprocess.run(
         [sys.executable, "-c", SWEEP, json.dumps(spec), str(out)], capture_output=True, text=True, env=env, timeout=600
     )
@@ -208,7 +208,7 @@ def test_two_processes_calling_a_kernel_compiled_one_at_a_time_compile_it_once(t
     compiles, the other waits and loads it (``kvfast.kernels.indirect.one_compile_at_a_time``); the control
     (no lock) compiles twice, so the check can fail."""
     (tmp_path / "twokernel.py").write_text(textwrap.dedent(KERNEL))
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     results = {}
     for name in ("locked", "unlocked"):
         env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{root}", "NUMBA_CACHE_DIR": str(tmp_path / name)}
