@@ -1,4 +1,4 @@
-"""The rollback and fork scenarios on tiny random Hugging Face models (the cache operations of kvfast.check.hf_path), no downloads.
+"""The rollback and fork scenarios on tiny random Hugging Face models (hf_path's cache operations), no downloads.
 
 Clean models are never ``bug`` nor ``inconclusive`` in control mode (float32 and bfloat16, the float64
 logic check included; the whole matrix of 4 families x 2 dtypes x 2 seeds x 2 prompts is ``-m slow``,
