@@ -57,7 +57,7 @@ def write_scan_reproducers(df: pd.DataFrame, results_dir, which: str = "findings
     from kvfast.repro.case import SCRIPT_SCENARIOS, find_case, inject
     from kvfast.repro.findings import Finding, findings_table, write_case, write_findings
     from kvfast.studies.architectures import own_cache, pad_token
-    from kvfast.studies.scan import _model, tokens
+    from kvfast.studies.hf_scan import _model, tokens
 
     where = repro_dir(results_dir)
     found = []
