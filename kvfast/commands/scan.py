@@ -104,7 +104,9 @@ def build_grid(args):
     require_int(getattr(args, "repro_seconds", 60), "--repro-seconds", 1)
     if args.jobs is not None:
         check_jobs(args.jobs)
-    spec = hf_scan.scan_spec(families, dtypes, scenarios, args.seeds, args.prompts, args.steps, args.attention, bugs, mode)
+    spec = hf_scan.scan_spec(
+        families, dtypes, scenarios, args.seeds, args.prompts, args.steps, args.attention, bugs, mode
+    )
     return grid_from_spec(spec, name="hf_scan", source="kvfast scan", studies=STUDIES)
 
 
