@@ -51,11 +51,12 @@ from kvfast.studies.common import (
     ok_rows,
     require_config_choice,
     require_model_shape,
+    study_of,
 )
 from kvfast.studies.criteria import EXACT, VS_SEED, judged
 from kvfast.studies.plotting import COLORS, SYMLOG_FLOOR, pyplot
 from kvfast.studies.toytask import CycleTask, train
-from kvfast.sweep.study import Claim, Fact, Figure, Study
+from kvfast.sweep.study import Claim, Fact, Figure
 from kvfast.validation import require_int
 
 VERSION = "1"
@@ -396,17 +397,9 @@ FIGURES = (
 )
 
 
-STUDY = Study(
-    name="bugs",
-    version=VERSION,
-    description="each catalogue bug's logit deviation from a full recompute at step 1 and at every step",
-    run=run,
-    config_fields=CONFIG_FIELDS,
-    result_fields=RESULT_FIELDS,
-    validate_config=validate_config,
-    summarize=summarize,
-    claims=claims,
-    figures=FIGURES,
-    facts=facts,
+STUDY = study_of(
+    globals(),
+    "bugs",
+    "each catalogue bug's logit deviation from a full recompute at step 1 and at every step",
     rank=10,
 )

@@ -1,5 +1,6 @@
 """What the studies share: the model-shape config fields and their validation, a config's
-:class:`~kvfast.ModelConfig`, a choice among a study's values, and the ok rows of a results table.
+:class:`~kvfast.ModelConfig`, a choice among a study's values, the ok rows of a results table, and a study
+module's :class:`~kvfast.sweep.study.Study` from its conventional names (:func:`study_of`).
 
 Integers are validated with :func:`kvfast.validation.require_int` (a study's own
 fields: ``require_int(config.get(name), name, lo, hi)``), so every message has
@@ -14,6 +15,7 @@ import pandas as pd
 import pyarrow as pa
 
 from kvfast.model.config import ModelConfig
+from kvfast.sweep.study import Study
 from kvfast.validation import not_allowed, require_int
 
 #: The ``bug`` axis's value of a clean run (no bug injected), in every study with such an axis.
@@ -71,3 +73,24 @@ def model_config(config: dict, max_pos: int) -> ModelConfig:
 def ok_rows(df: pd.DataFrame) -> pd.DataFrame:
     """The runs of ``df`` stored with ``status == "ok"`` (all rows when there is no ``status`` column)."""
     return df[df["status"] == "ok"] if "status" in df.columns else df
+
+
+# Study field -> the name a study module gives it (study_of finds each that the module defines).
+MODULE_NAMES = {
+    "version": "VERSION",
+    "run": "run",
+    "config_fields": "CONFIG_FIELDS",
+    "result_fields": "RESULT_FIELDS",
+    "validate_config": "validate_config",
+    "summarize": "summarize",
+    "claims": "claims",
+    "figures": "FIGURES",
+    "facts": "facts",
+}
+
+
+def study_of(namespace: dict, name: str, description: str, **fields) -> Study:
+    """The :class:`Study` ``name`` of a study module: each field of :data:`MODULE_NAMES` that its ``namespace``
+    (``globals()``) defines, under that name; ``fields``: the others (``rank``, ``tables``, ...) and overrides."""
+    found = {field: namespace[attr] for field, attr in MODULE_NAMES.items() if attr in namespace}
+    return Study(name=name, description=description, **{**found, **fields})

@@ -47,10 +47,10 @@ from kvfast.bugs.score import confusion, detector_metrics
 from kvfast.check import KvfastModel
 from kvfast.numerics import Numerics
 from kvfast.studies import bugs as bugstudy
-from kvfast.studies.common import ok_rows
+from kvfast.studies.common import ok_rows, study_of
 from kvfast.studies.criteria import EXACT, VS_SEED, judged, within
 from kvfast.studies.plotting import COLORS, pyplot
-from kvfast.sweep.study import Claim, Fact, Figure, Study
+from kvfast.sweep.study import Claim, Fact, Figure
 
 VERSION = f"1.{bugstudy.VERSION}"  # its runs are bug-study runs
 
@@ -635,18 +635,14 @@ FIGURES = (
 )
 
 
-STUDY = Study(
-    name="detector",
-    version=VERSION,
-    description="one-step vs every-step exact cache checks as detectors: recall, precision, FPR, ROC AUC",
+STUDY = study_of(
+    globals(),
+    "detector",
+    "one-step vs every-step exact cache checks as detectors: recall, precision, FPR, ROC AUC",
     run=bugstudy.run,
     config_fields=bugstudy.CONFIG_FIELDS,
     result_fields=bugstudy.RESULT_FIELDS,
     validate_config=bugstudy.validate_config,
-    summarize=summarize,
-    claims=claims,
-    figures=FIGURES,
-    facts=facts,
     tables=(("detector_steps", steps_to_detection),),
     rank=20,
 )

@@ -31,9 +31,9 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from kvfast.studies.common import ok_rows, require_config_choice
+from kvfast.studies.common import ok_rows, require_config_choice, study_of
 from kvfast.studies.plotting import ratio_bars
-from kvfast.sweep.study import Figure, Study
+from kvfast.sweep.study import Figure
 from kvfast.validation import MissingExtra, require_int
 
 VERSION = "1"
@@ -238,17 +238,11 @@ FIGURES = (
     ),
 )
 
-STUDY = Study(
-    name="engines",
-    version=VERSION,
-    description="one tiny Llama checked in transformers, onnxruntime-genai and llama.cpp (needs the engines)",
-    run=run,
-    config_fields=CONFIG_FIELDS,
-    result_fields=RESULT_FIELDS,
-    validate_config=validate_config,
-    summarize=summarize,
+STUDY = study_of(
+    globals(),
+    "engines",
+    "one tiny Llama checked in transformers, onnxruntime-genai and llama.cpp (needs the engines)",
     claims=None,  # a comparison of engines, no claim of the seed's
-    figures=FIGURES,
     rank=120,
     reproduce=False,
 )

@@ -32,10 +32,10 @@ from kvfast.kernels.rowops import exp_array, log_array
 from kvfast.model.config import ModelConfig, init_params, param_shapes
 from kvfast.model.transformer import Weights, forward_prepared, loss_and_grads
 from kvfast.numerics import Numerics
-from kvfast.studies.common import ok_rows, require_model_shape
+from kvfast.studies.common import ok_rows, require_model_shape, study_of
 from kvfast.studies.criteria import BOUND, judged
 from kvfast.studies.plotting import pyplot
-from kvfast.sweep.study import Claim, Fact, Figure, Study
+from kvfast.sweep.study import Claim, Fact, Figure
 from kvfast.validation import require_int
 
 VERSION = "1"
@@ -257,17 +257,9 @@ FIGURES = (
 )
 
 
-STUDY = Study(
-    name="gradcheck",
-    version=VERSION,
-    description="hand-written backward vs central differences of an independent loss, every tensor",
-    run=run,
-    config_fields=CONFIG_FIELDS,
-    result_fields=RESULT_FIELDS,
-    validate_config=validate_config,
-    summarize=summarize,
-    claims=claims,
-    figures=FIGURES,
-    facts=facts,
+STUDY = study_of(
+    globals(),
+    "gradcheck",
+    "hand-written backward vs central differences of an independent loss, every tensor",
     rank=70,
 )

@@ -43,10 +43,10 @@ from kvfast.check.hf import HFModel
 from kvfast.check.options import PROMOTE as CHECK_PROMOTE
 from kvfast.studies import hf_common as hf
 from kvfast.studies.check import MODES, SCENARIO_CHOICES
-from kvfast.studies.common import require_config_choice
+from kvfast.studies.common import require_config_choice, study_of
 from kvfast.studies.criteria import EXACT, judged
 from kvfast.studies.plotting import ratio_bars
-from kvfast.sweep.study import Claim, Fact, Figure, Study
+from kvfast.sweep.study import Claim, Fact, Figure
 
 VERSION = "1"
 PROMPT_STREAM = 1000
@@ -324,18 +324,11 @@ FIGURES = (
     ),
 )
 
-STUDY = Study(
-    name="hf_matrix",
-    version=VERSION,
-    description="control mode on tiny Hugging Face models: false positives and misses (needs kvfast[hf])",
-    run=run,
-    config_fields=CONFIG_FIELDS,
-    result_fields=RESULT_FIELDS,
-    validate_config=validate_config,
+STUDY = study_of(
+    globals(),
+    "hf_matrix",
+    "control mode on tiny Hugging Face models: false positives and misses (needs kvfast[hf])",
     summarize=clean_table,
-    claims=claims,
-    figures=FIGURES,
-    facts=facts,
     tables=(("hf_matrix_bugs", bug_table),),
     rank=100,
     reproduce=False,

@@ -38,9 +38,9 @@ import pandas as pd
 import pyarrow as pa
 
 from kvfast.studies import hf_common as hf
-from kvfast.studies.common import ok_rows, require_config_choice
+from kvfast.studies.common import ok_rows, require_config_choice, study_of
 from kvfast.studies.plotting import pyplot
-from kvfast.sweep.study import Fact, Figure, Study
+from kvfast.sweep.study import Fact, Figure
 from kvfast.validation import require_int
 
 VERSION = "2"  # 2: the mode field, auto by default
@@ -502,18 +502,12 @@ FIGURES = (
     ),
 )
 
-STUDY = Study(
-    name="hf_scan",
-    version=VERSION,
-    description="every causal-LM architecture of the installed transformers, checked and scored (needs kvfast[hf])",
-    run=run,
-    config_fields=CONFIG_FIELDS,
-    result_fields=RESULT_FIELDS,
-    validate_config=validate_config,
+STUDY = study_of(
+    globals(),
+    "hf_scan",
+    "every causal-LM architecture of the installed transformers, checked and scored (needs kvfast[hf])",
     summarize=scoreboard,
     claims=None,  # a scoreboard, not a claim: the verdicts issue owns what clean runs must give
-    figures=FIGURES,
-    facts=facts,
     tables=(("hf_scan_skipped", skipped_table), ("hf_scan_bugs", bug_table)),
     validate_groups=(),
     rank=120,

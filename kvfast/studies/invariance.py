@@ -34,10 +34,11 @@ from kvfast.studies.common import (
     ok_rows,
     require_config_choice,
     require_model_shape,
+    study_of,
 )
 from kvfast.studies.criteria import EXACT, judged
 from kvfast.studies.plotting import SYMLOG_FLOOR, pyplot
-from kvfast.sweep.study import Claim, Figure, Study
+from kvfast.sweep.study import Claim, Figure
 from kvfast.validation import require_int
 
 VERSION = "1"
@@ -281,16 +282,9 @@ FIGURES = (
 )
 
 
-STUDY = Study(
-    name="invariance",
-    version=VERSION,
-    description="per layer, how much appending a token moves earlier positions' residual stream, K and V",
-    run=run,
-    config_fields=CONFIG_FIELDS,
-    result_fields=RESULT_FIELDS,
-    validate_config=validate_config,
-    summarize=summarize,
-    claims=claims,
-    figures=FIGURES,
+STUDY = study_of(
+    globals(),
+    "invariance",
+    "per layer, how much appending a token moves earlier positions' residual stream, K and V",
     rank=75,
 )

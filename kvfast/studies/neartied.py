@@ -46,10 +46,17 @@ from kvfast.model.decode import generate_prepared
 from kvfast.model.transformer import Weights
 from kvfast.numerics import Numerics
 from kvfast.studies import bugs as bugstudy
-from kvfast.studies.common import MODEL_SHAPE_FIELDS, model_config, ok_rows, require_config_choice, require_model_shape
+from kvfast.studies.common import (
+    MODEL_SHAPE_FIELDS,
+    model_config,
+    ok_rows,
+    require_config_choice,
+    require_model_shape,
+    study_of,
+)
 from kvfast.studies.criteria import EXACT, TEST, judged, mcnemar_exact_p
 from kvfast.studies.plotting import pyplot
-from kvfast.sweep.study import Claim, Fact, Figure, Study
+from kvfast.sweep.study import Claim, Fact, Figure
 from kvfast.validation import require_int
 
 VERSION = "1"
@@ -393,17 +400,9 @@ FIGURES = (
 )
 
 
-STUDY = Study(
-    name="neartied",
-    version=VERSION,
-    description="near-tied (twin-head) model: token flips of mixed-order cached runs vs a no-cache control",
-    run=run,
-    config_fields=CONFIG_FIELDS,
-    result_fields=RESULT_FIELDS,
-    validate_config=validate_config,
-    summarize=summarize,
-    claims=claims,
-    figures=FIGURES,
-    facts=facts,
+STUDY = study_of(
+    globals(),
+    "neartied",
+    "near-tied (twin-head) model: token flips of mixed-order cached runs vs a no-cache control",
     rank=40,
 )

@@ -51,10 +51,11 @@ from kvfast.studies.common import (
     ok_rows,
     require_config_choice,
     require_model_shape,
+    study_of,
 )
 from kvfast.studies.criteria import EXACT, judged
 from kvfast.studies.plotting import pyplot
-from kvfast.sweep.study import Claim, Fact, Figure, Study
+from kvfast.sweep.study import Claim, Fact, Figure
 from kvfast.validation import require_int
 
 VERSION = "2"
@@ -487,17 +488,9 @@ FIGURES = (
 )
 
 
-STUDY = Study(
-    name="precision",
-    version=VERSION,
-    description="summation order x storage x accumulator: bit agreement of forwards and of mixed-order cached paths",
-    run=run,
-    config_fields=CONFIG_FIELDS,
-    result_fields=RESULT_FIELDS,
-    validate_config=validate_config,
-    summarize=summarize,
-    claims=claims,
-    figures=FIGURES,
-    facts=facts,
+STUDY = study_of(
+    globals(),
+    "precision",
+    "summation order x storage x accumulator: bit agreement of forwards and of mixed-order cached paths",
     rank=30,
 )

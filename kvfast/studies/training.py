@@ -58,11 +58,11 @@ from kvfast.model.cache import KVCache
 from kvfast.model.config import ModelConfig, init_params
 from kvfast.model.transformer import Weights, forward_prepared
 from kvfast.numerics import Numerics
-from kvfast.studies.common import MODEL_SHAPE_FIELDS, model_config, ok_rows, require_model_shape
+from kvfast.studies.common import MODEL_SHAPE_FIELDS, model_config, ok_rows, require_model_shape, study_of
 from kvfast.studies.criteria import DIRECTION, VS_SEED, judged, within
 from kvfast.studies.plotting import pyplot
 from kvfast.studies.toytask import AdamState, adam_step, batch_loss_and_grads
-from kvfast.sweep.study import Claim, Fact, Figure, Study
+from kvfast.sweep.study import Claim, Fact, Figure
 from kvfast.validation import not_allowed, require_int
 
 VERSION = "1"
@@ -692,17 +692,9 @@ FIGURES = (
 )
 
 
-STUDY = Study(
-    name="training",
-    version=VERSION,
-    description="cached-prefix training (prefix K/V as constants) vs full training on a 12-token successor task",
-    run=run,
-    config_fields=CONFIG_FIELDS,
-    result_fields=RESULT_FIELDS,
-    validate_config=validate_config,
-    summarize=summarize,
-    claims=claims,
-    figures=FIGURES,
-    facts=facts,
+STUDY = study_of(
+    globals(),
+    "training",
+    "cached-prefix training (prefix K/V as constants) vs full training on a 12-token successor task",
     rank=50,
 )
