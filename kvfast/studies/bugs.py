@@ -47,6 +47,7 @@ from kvfast.numerics import PRESETS, Numerics
 from kvfast.studies.common import (
     MODEL_SHAPE_FIELDS,
     NO_BUG,
+    declared_order,
     model_config,
     ok_rows,
     require_config_choice,
@@ -197,7 +198,6 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
     """The seed's table per model kind and bug: max deviation at step 1 and over all steps, % of runs
     whose tokens changed, the first deviating step's range; the seed's figures beside them."""
     ok = ok_rows(df)
-    order = {b: i for i, b in enumerate(BUG_CHOICES)}
     rows = []
     for (model, bug), g in ok.groupby(["model", "bug"], sort=False):
         seed = SEED_BUG_TABLE.get(bug, (np.nan, np.nan, np.nan))
@@ -217,8 +217,7 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
     out = pd.DataFrame(rows)
     if out.empty:
         return out
-    out["_o"] = out["bug"].map(order)
-    return out.sort_values(["model", "_o"]).drop(columns="_o").reset_index(drop=True)
+    return out.sort_values(["model", "bug"], key=declared_order({"bug": BUG_CHOICES})).reset_index(drop=True)
 
 
 def _pct(x: float) -> str:

@@ -40,7 +40,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from kvfast.bugs.kvfast_model import kvfast_model  # noqa: F401 - the built-in study's factory (defined there)
+from kvfast.bugs.kvfast_model import BUGS, kvfast_model  # noqa: F401 - kvfast_model: the built-in study's factory
 from kvfast.check import CheckOptions, check_cache_with
 from kvfast.check.checker import as_model_under_test
 from kvfast.check.options import MODES, PROMOTE
@@ -49,7 +49,14 @@ from kvfast.kernels.attention import ATTENTION_CODES
 from kvfast.kernels.reduce import ORDER_CODES
 from kvfast.numerics import PRESETS
 from kvfast.runtime import load_object
-from kvfast.studies.common import MODEL_SHAPE_FIELDS, NO_BUG, ok_rows, require_config_choice
+from kvfast.studies.common import (
+    MODEL_SHAPE_FIELDS,
+    NO_BUG,
+    declared_order,
+    ok_rows,
+    require_config_choice,
+    require_model_shape,
+)
 from kvfast.studies.criteria import EXACT, judged
 from kvfast.studies.plotting import SYMLOG_FLOOR, pyplot
 from kvfast.sweep.study import Claim, Figure, Study
@@ -180,18 +187,10 @@ def check_one(model, config: dict) -> dict:
 
 
 def _validate_kvfast_args(config: dict) -> None:
-    for name in ("n_layer", "n_head", "d_model", "d_ff", "vocab"):
-        require_int(config.get(name), name, 1, 4096)
-    require_int(config.get("seed"), "seed", 0)
-    if config["d_model"] % config["n_head"]:
-        raise ValueError(
-            f"d_model: {config['d_model']} is not allowed with n_head={config['n_head']}; allowed: a multiple of n_head"
-        )
+    require_model_shape(config)
     require_config_choice(config, "preset", tuple(PRESETS))
     require_config_choice(config, "order", tuple(ORDER_CODES))
     require_config_choice(config, "attention", tuple(ATTENTION_CODES))
-    from kvfast.bugs.kvfast_model import BUGS
-
     require_config_choice(config, "bug", (NO_BUG, *BUGS))
 
 
@@ -279,15 +278,9 @@ def verdict_table(df: pd.DataFrame) -> pd.DataFrame:
             }
         )
     out = pd.DataFrame(rows, columns=[*keys, *VERDICT_COLUMNS])
-    return out.sort_values(keys, key=_in_catalogue_order, kind="stable").reset_index(drop=True) if keys else out
-
-
-def _in_catalogue_order(column: pd.Series) -> pd.Series:
-    """A sort key: bugs clean first then in catalogue order, modes and presets in their declared order."""
-    from kvfast.bugs.kvfast_model import BUGS
-
-    order = {"bug": (NO_BUG, *BUGS), "mode": MODES, "preset": tuple(PRESETS)}[column.name]
-    return column.map({v: i for i, v in enumerate(order)}).fillna(len(order))
+    # bugs clean first then in catalogue order, modes and presets in their declared order
+    rank = declared_order({"bug": (NO_BUG, *BUGS), "mode": MODES, "preset": tuple(PRESETS)})
+    return out.sort_values(keys, key=rank, kind="stable").reset_index(drop=True) if keys else out
 
 
 def _draw_verdicts(df: pd.DataFrame, table: pd.DataFrame):

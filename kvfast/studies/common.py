@@ -9,7 +9,7 @@ the form ``FIELD: VALUE is not allowed; allowed: WHAT``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import pandas as pd
 import pyarrow as pa
@@ -73,6 +73,17 @@ def model_config(config: dict, max_pos: int) -> ModelConfig:
 def ok_rows(df: pd.DataFrame) -> pd.DataFrame:
     """The runs of ``df`` stored with ``status == "ok"`` (all rows when there is no ``status`` column)."""
     return df[df["status"] == "ok"] if "status" in df.columns else df
+
+
+def declared_order(order: Mapping[str, Sequence]) -> Callable[[pd.Series], pd.Series]:
+    """A ``sort_values`` key: a column that ``order`` names ranks by its values' places there (values not
+    listed last); any other column sorts as it is."""
+
+    def rank(column: pd.Series) -> pd.Series:
+        values = order.get(column.name)
+        return column if values is None else column.map({v: i for i, v in enumerate(values)}).fillna(len(values))
+
+    return rank
 
 
 # Study field -> the name a study module gives it (study_of finds each that the module defines).

@@ -38,7 +38,7 @@ import pandas as pd
 import pyarrow as pa
 
 from kvfast.studies import hf_common as hf
-from kvfast.studies.common import ok_rows, require_config_choice, study_of
+from kvfast.studies.common import declared_order, ok_rows, require_config_choice, study_of
 from kvfast.studies.plotting import pyplot
 from kvfast.sweep.study import Fact, Figure
 from kvfast.validation import require_int
@@ -293,12 +293,7 @@ def _ordered(df: pd.DataFrame) -> pd.DataFrame:
     ok = ok_rows(df)
     if not len(ok):
         return ok
-    order = {"dtype": DTYPES, "scenario": scenarios()}
-
-    def rank(column: pd.Series) -> pd.Series:
-        values = order.get(column.name)
-        return column if values is None else column.map({v: i for i, v in enumerate(values)}).fillna(len(values))
-
+    rank = declared_order({"dtype": DTYPES, "scenario": scenarios()})
     return ok.sort_values(["architecture", "dtype", "scenario", "seed", "prompt"], key=rank, kind="stable")
 
 
