@@ -56,6 +56,7 @@ from kvfast.studies.common import (
     ok_rows,
     require_config_choice,
     require_model_shape,
+    step_range,
 )
 from kvfast.studies.criteria import EXACT, judged
 from kvfast.studies.plotting import SYMLOG_FLOOR, pyplot
@@ -259,12 +260,6 @@ def verdict_table(df: pd.DataFrame) -> pd.DataFrame:
     keys = [k for k in ("bug", "mode", "preset") if k in ok.columns]
     rows = []
     for key, g in ok.groupby(keys) if keys and len(ok) else ():
-        first = g.loc[g["first_divergent_step"] >= 0, "first_divergent_step"]
-        steps = (
-            "-"
-            if first.empty
-            else f"{int(first.min())}" + ("" if first.min() == first.max() else f"-{int(first.max())}")
-        )
         counts = g["verdict"].value_counts()
         rows.append(
             {
@@ -272,7 +267,7 @@ def verdict_table(df: pd.DataFrame) -> pd.DataFrame:
                 "checks": len(g),
                 "passed": int(g["passed"].astype(bool).sum()),
                 "verdicts": ", ".join(f"{v} {int(counts[v])}" for v in sorted(counts.index)),
-                "first_divergent_step": steps,
+                "first_divergent_step": step_range(g["first_divergent_step"], none="-"),
                 "worst_deviation": float(g["worst_deviation"].max()),
                 "ratio_max": float(g["ratio"].max()) if g["ratio"].notna().any() else np.nan,
             }
@@ -309,15 +304,11 @@ def _draw_verdicts(df: pd.DataFrame, table: pd.DataFrame):
     left.legend(fontsize=8, loc="upper left")
     verdicts = [v for v in VERDICT_COLORS if v in set(ok["verdict"])]
     labels = [f"{b}\n{m}" for b in bugs for m in modes]
+    counts = pd.crosstab([ok["bug"], ok["mode"]], ok["verdict"])
+    counts = counts.reindex(pd.MultiIndex.from_product([bugs, modes]), fill_value=0)
     bottom = np.zeros(len(labels))
     for verdict in verdicts:
-        n = np.array(
-            [
-                int(((ok["bug"] == b) & (ok["mode"] == m) & (ok["verdict"] == verdict)).sum())
-                for b in bugs
-                for m in modes
-            ]
-        )
+        n = counts[verdict].to_numpy()
         right.bar(range(len(labels)), n, bottom=bottom, color=VERDICT_COLORS[verdict], label=verdict)
         bottom += n
     right.set_xticks(range(len(labels)), labels, fontsize=8)

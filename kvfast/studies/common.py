@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 
@@ -73,6 +74,27 @@ def model_config(config: dict, max_pos: int) -> ModelConfig:
 def ok_rows(df: pd.DataFrame) -> pd.DataFrame:
     """The runs of ``df`` stored with ``status == "ok"`` (all rows when there is no ``status`` column)."""
     return df[df["status"] == "ok"] if "status" in df.columns else df
+
+
+def first_index(mask: np.ndarray) -> int:
+    """The index of the first true element of ``mask``, ``-1`` if none."""
+    idx = np.nonzero(mask)[0]
+    return int(idx[0]) if idx.size else -1
+
+
+def bits_equal(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Elementwise bit equality of two float64 arrays (their bit patterns: ``-0.0`` is not ``0.0``, NaN is NaN)."""
+    return np.ascontiguousarray(a).view(np.uint64) == np.ascontiguousarray(b).view(np.uint64)
+
+
+def step_range(steps: pd.Series, none: str = "never", median: bool = False) -> str:
+    """The steps ``>= 0`` of ``steps`` as ``LO`` or ``LO-HI`` (with `` (median M)`` where asked); ``none`` when there
+    are none."""
+    s = steps[steps >= 0]
+    if s.empty:
+        return none
+    lo, hi = int(s.min()), int(s.max())
+    return str(lo) if lo == hi else f"{lo}-{hi}" + (f" (median {float(s.median()):g})" if median else "")
 
 
 def declared_order(order: Mapping[str, Sequence]) -> Callable[[pd.Series], pd.Series]:

@@ -47,7 +47,7 @@ from kvfast.bugs.score import confusion, detector_metrics
 from kvfast.check import KvfastModel
 from kvfast.numerics import Numerics
 from kvfast.studies import bugs as bugstudy
-from kvfast.studies.common import ok_rows, study_of
+from kvfast.studies.common import ok_rows, step_range, study_of
 from kvfast.studies.criteria import EXACT, VS_SEED, judged, within
 from kvfast.studies.plotting import COLORS, pyplot
 from kvfast.sweep.study import Claim, Fact, Figure
@@ -190,14 +190,6 @@ def _population(s: pd.DataFrame, label: str) -> pd.DataFrame:
     return s[s["bug_present"]] if label == "output changed" else s
 
 
-def _steps(first: pd.Series) -> str:
-    f = first[first >= 0]
-    if f.empty:
-        return "never"
-    lo, hi, med = int(f.min()), int(f.max()), float(f.median())
-    return str(lo) if lo == hi else f"{lo}-{hi} (median {med:g})"
-
-
 def summarize(df: pd.DataFrame) -> pd.DataFrame:
     """Per model kind (``model``): headline rows (``scope = "all"``: each detector under each label) then per-bug
     rows (``scope`` = the bug, label "bug present": the share of its runs each detector flags and the steps it
@@ -233,14 +225,16 @@ def _summarize_model(s: pd.DataFrame) -> pd.DataFrame:
             continue
         y = pop[label.replace(" ", "_")].to_numpy(bool)
         m = detector_metrics(pop[f"{key}_flag"].to_numpy(bool), pop[f"{key}_score"].to_numpy(), y)
-        steps = _steps(pop.loc[pop[f"{key}_flag"], "steps_to_detection"]) if det == "every-step" else "1"
+        flagged = pop.loc[pop[f"{key}_flag"], "steps_to_detection"]
+        steps = step_range(flagged, median=True) if det == "every-step" else "1"
         rows.append(_metrics_row(det, "all", label, m, steps, SEED_FIGURES[det] if label == "output changed" else {}))
     for bug, det in itertools.product([*BUGS, bugstudy.CONTROL], DETECTORS):
         g, key = s[s["bug"] == bug], det.replace("-", "_")
         if g.empty:
             continue
         c = confusion(g[f"{key}_flag"].to_numpy(bool), g["bug_present"].to_numpy(bool)).as_dict()
-        rows.append(_metrics_row(det, bug, "bug present", c, _steps(g.loc[g[f"{key}_flag"], "steps_to_detection"]), {}))
+        flagged = g.loc[g[f"{key}_flag"], "steps_to_detection"]
+        rows.append(_metrics_row(det, bug, "bug present", c, step_range(flagged, median=True), {}))
     return pd.DataFrame(rows).rename(columns={"n": "cases"})
 
 
