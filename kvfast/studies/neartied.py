@@ -44,7 +44,7 @@ from kvfast.kernels.reduce import ORDER_CODES
 from kvfast.model.config import ModelConfig, init_params
 from kvfast.model.decode import generate_prepared
 from kvfast.model.transformer import Weights
-from kvfast.numerics import Numerics
+from kvfast.numerics import PRESETS, Numerics
 from kvfast.studies import bugs as bugstudy
 from kvfast.studies.common import (
     MODEL_SHAPE_FIELDS,
@@ -65,7 +65,6 @@ VERSION = "1"
 
 FORMATS = tuple(FORMAT_CODES)  # f64, f32, bf16
 ORDERS = tuple(ORDER_CODES)  # sequential, pairwise
-PRESET_PAIRS = (("f64", "f64"), ("f32", "f32"), ("bf16", "f32"))
 SAME_SIZE_LEVEL = 0.05  # "as often": the paired exact McNemar test does not reject at this level
 MODEL_KINDS = bugstudy.MODEL_KINDS  # random, trained
 CLAIMS_MODEL = "random"  # the seed's claims are judged on the random twin-head models; trained ones are reported beside
@@ -261,7 +260,7 @@ def claims(df: pd.DataFrame) -> list[Claim]:
                 [("no flip in any cached or control run", flips == 0)],
             )
         )
-    presets = ok[[(s, a) in PRESET_PAIRS for s, a in zip(ok["storage"], ok["accum"], strict=True)]]
+    presets = ok[[(s, a) in PRESETS.values() for s, a in zip(ok["storage"], ok["accum"], strict=True)]]
     if len(presets):
         out.append(
             judged(

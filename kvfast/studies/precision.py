@@ -44,7 +44,7 @@ from kvfast.model.cache import KVCache
 from kvfast.model.config import ModelConfig, init_params
 from kvfast.model.decode import decode_prepared
 from kvfast.model.transformer import Weights, forward_prepared
-from kvfast.numerics import Numerics
+from kvfast.numerics import PRESETS, Numerics
 from kvfast.studies.common import (
     MODEL_SHAPE_FIELDS,
     bits_equal,
@@ -337,11 +337,8 @@ def _kernel_claims(ok: pd.DataFrame) -> list[Claim]:
     aligned = same_kernel[same_kernel["attention"].str.split(":").str[0].isin(["standard", "online", "splitkv"])]
     counted = same_kernel[same_kernel["attention"].str.startswith("splitcount")]
     if len(aligned):
-        presets = aligned[
-            ((aligned["storage"] == "f64") & (aligned["accum"] == "f64"))
-            | ((aligned["storage"] == "f32") & (aligned["accum"] == "f32"))
-            | ((aligned["storage"] == "bf16") & (aligned["accum"] == "f32"))
-        ]
+        formats = zip(aligned["storage"], aligned["accum"], strict=True)
+        presets = aligned[[pair in PRESETS.values() for pair in formats]]
         out.append(
             judged(
                 "same order in prefill and decode: the cache is bit-exact (three presets; standard and "
