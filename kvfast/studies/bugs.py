@@ -303,11 +303,10 @@ def bug_deviation_table(df: pd.DataFrame) -> pd.DataFrame:
 
 def _draw_deviation_per_step(df: pd.DataFrame, table: pd.DataFrame):
     """Per bug, a panel of the max and median deviation per step, for each model kind."""
-    plt = pyplot()
     bugs = [b for b in BUGS if b in set(table["bug"])]
     ncol = 4
     nrow = (len(bugs) + ncol - 1) // ncol
-    fig, axes = plt.subplots(nrow, ncol, figsize=(13, 3.4 * nrow), sharex=True, sharey=True, squeeze=False)
+    fig, axes = pyplot().subplots(nrow, ncol, figsize=(13, 3.4 * nrow), sharex=True, sharey=True, squeeze=False)
     top = 2.0 * float(table["max_dev"].max()) if len(table) else 1.0
     for ax, bug in zip(axes.flat, bugs, strict=False):
         for model, g in table[table["bug"] == bug].groupby("model"):

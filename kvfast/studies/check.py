@@ -280,12 +280,11 @@ def verdict_table(df: pd.DataFrame) -> pd.DataFrame:
 
 def _draw_verdicts(df: pd.DataFrame, table: pd.DataFrame):
     """Left: the worst deviation per bug and preset; right: per bug and mode, the checks by verdict."""
-    plt = pyplot()
     ok = ok_rows(df)
     bugs = list(dict.fromkeys(table["bug"]))
     presets = list(dict.fromkeys(table["preset"]))
     modes = [m for m in MODES if m in set(table["mode"])]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.6))
+    fig, (left, right) = pyplot().subplots(1, 2, figsize=(13, 4.6))
     width = 0.8 / max(len(presets), 1)
     for i, preset in enumerate(presets):
         worst = [float(table[(table["bug"] == b) & (table["preset"] == preset)]["worst_deviation"].max()) for b in bugs]
@@ -312,8 +311,7 @@ def _draw_verdicts(df: pd.DataFrame, table: pd.DataFrame):
         right.bar(range(len(labels)), n, bottom=bottom, color=VERDICT_COLORS[verdict], label=verdict)
         bottom += n
     right.set_xticks(range(len(labels)), labels, fontsize=8)
-    right.set_ylabel("checks")
-    right.set_title("Checks by verdict, per model variant and mode")
+    right.set(ylabel="checks", title="Checks by verdict, per model variant and mode")
     right.legend(fontsize=8, loc="upper right", ncol=len(verdicts))
     right.set_ylim(0, 1.25 * float(bottom.max() or 1.0))
     fig.tight_layout()

@@ -434,8 +434,7 @@ def _draw_roc(df: pd.DataFrame, table: pd.DataFrame):
     """Per model kind (rows) and label (columns), each detector's ROC curve and its AUC."""
     s = scored(df)
     models = model_kinds(s)
-    plt = pyplot()
-    fig, axes = plt.subplots(len(models), 2, figsize=(11, 4.8 * len(models)), squeeze=False)
+    fig, axes = pyplot().subplots(len(models), 2, figsize=(11, 4.8 * len(models)), squeeze=False)
     for row, model in enumerate(models):
         m = s[s["model"] == model]
         for ax, label in zip(axes[row], LABELS, strict=True):
@@ -462,9 +461,8 @@ def _draw_steps_to_detection(df: pd.DataFrame, table: pd.DataFrame):
     """Per bug, the steps at which the every-step check first fires (marker area: runs); one-step flags beside."""
     s = scored(df)
     models = model_kinds(s)
-    plt = pyplot()
     bugs = [b for b in dict.fromkeys(table["bug"]) if b != "none"]
-    fig, ax = plt.subplots(figsize=(10.5, 0.55 * len(bugs) + 1.8))
+    fig, ax = pyplot().subplots(figsize=(10.5, 0.55 * len(bugs) + 1.8))
     offsets = np.linspace(-0.18, 0.18, len(models)) if len(models) > 1 else [0.0]
     for i, bug in enumerate(bugs):
         flagged = []

@@ -192,9 +192,8 @@ def gradcheck_table(df: pd.DataFrame) -> pd.DataFrame:
 
 def _draw_rel_err(df: pd.DataFrame, table: pd.DataFrame):
     """Per tensor of the two-layer model, the worst and median relative error against the seed and the bound."""
-    plt = pyplot()
     two = table[table["n_layer"] == (2 if (table["n_layer"] == 2).any() else table["n_layer"].max())]
-    fig, ax = plt.subplots(figsize=(10, 3.8))
+    fig, ax = pyplot().subplots(figsize=(10, 3.8))
     x = np.arange(len(two))
     ax.bar(x, two["worst"], color="#1f77b4", label="worst over runs")
     ax.plot(x, two["median"], "o", color="black", ms=4, label="median")

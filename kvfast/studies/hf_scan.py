@@ -469,10 +469,9 @@ def _draw_heatmap(df: pd.DataFrame, table: pd.DataFrame):
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
 
-    plt = pyplot()
     cells = table.set_index("architecture")
     codes = cells.apply(lambda col: col.map({v: i for i, v in enumerate(VERDICTS)})).to_numpy(dtype=float)
-    fig, ax = plt.subplots(figsize=(2.0 + 1.3 * cells.shape[1], 1.0 + 0.14 * cells.shape[0]))
+    fig, ax = pyplot().subplots(figsize=(2.0 + 1.3 * cells.shape[1], 1.0 + 0.14 * cells.shape[0]))
     ax.imshow(codes, aspect="auto", cmap=ListedColormap([COLOURS[v] for v in VERDICTS]), vmin=0, vmax=len(VERDICTS) - 1)
     ax.set_yticks(range(len(cells)), cells.index, fontsize=6)
     ax.set_xticks(range(cells.shape[1]), cells.columns, fontsize=8, rotation=30, ha="right")

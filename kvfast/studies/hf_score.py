@@ -257,9 +257,8 @@ def facts(df: pd.DataFrame) -> list[Fact]:
 
 def _draw_recall(df: pd.DataFrame, table: pd.DataFrame):
     """Per dtype/attention group: each detector's recall per bug (grouped bars)."""
-    plt = pyplot()
     groups = list(dict.fromkeys(zip(table["dtype"], table["attention"], strict=True)))
-    fig, axes = plt.subplots(1, len(groups), figsize=(6.5 * len(groups), 4.2), squeeze=False)
+    fig, axes = pyplot().subplots(1, len(groups), figsize=(6.5 * len(groups), 4.2), squeeze=False)
     width = 0.8 / len(DETECTORS)
     for ax, (dtype, attention) in zip(axes[0], groups, strict=True):
         part = table[(table["dtype"] == dtype) & (table["attention"] == attention)]

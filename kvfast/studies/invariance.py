@@ -225,9 +225,8 @@ def layer_table(df: pd.DataFrame) -> pd.DataFrame:
 
 def _draw_layers(df: pd.DataFrame, table: pd.DataFrame):
     """Per preset, the change of K and V per layer with the mask off (largest and smallest over runs) and on."""
-    plt = pyplot()
     presets = [p for p in PRESETS if p in set(table["preset"])]
-    fig, axes = plt.subplots(1, len(presets), figsize=(4.4 * len(presets), 4.2), sharey=True, squeeze=False)
+    fig, axes = pyplot().subplots(1, len(presets), figsize=(4.4 * len(presets), 4.2), sharey=True, squeeze=False)
     top = 20.0 * float(table[["k_max", "v_max"]].to_numpy().max()) if len(table) else 1.0
     for ax, preset in zip(axes[0], presets, strict=True):
         off = table[(table["preset"] == preset) & (table["mask"] == "off")]
@@ -249,8 +248,7 @@ def _draw_layers(df: pd.DataFrame, table: pd.DataFrame):
         ax.set_yscale("symlog", linthresh=SYMLOG_FLOOR)
         ax.set_ylim(0, top)
         ax.set_xticks(sorted(set(table["layer"])))
-        ax.set_xlabel("layer")
-        ax.set_title(f"preset {preset}")
+        ax.set(xlabel="layer", title=f"preset {preset}")
         ax.grid(alpha=0.3)
     axes[0, 0].set_ylabel("max |change| at earlier positions\n(symlog, 0 at bottom)")
     axes[0, -1].legend(loc="center right", fontsize=8)

@@ -300,8 +300,7 @@ def neartied_table(df: pd.DataFrame) -> pd.DataFrame:
 def _draw_flips(df: pd.DataFrame, table: pd.DataFrame):
     """Per model kind, flips of the cached run and of the control against the twin gap, per accumulator."""
     models = [m for m in ("random", "trained") if m in set(table["model"])]
-    plt = pyplot()
-    fig, axes = plt.subplots(1, len(models), figsize=(6.2 * len(models), 4.8), sharey=True, squeeze=False)
+    fig, axes = pyplot().subplots(1, len(models), figsize=(6.2 * len(models), 4.8), sharey=True, squeeze=False)
     styles = {"bf16": "-", "f32": "--", "f64": ":"}
     runs = int(table["runs"].max()) if len(table) else 0
     exps = sorted(set(table["twin_exp"]))

@@ -412,10 +412,9 @@ def precision_table(df: pd.DataFrame) -> pd.DataFrame:
 
 def _draw_agreement(df: pd.DataFrame, table: pd.DataFrame):
     """Heatmaps, storage x accumulator, of the share of positions agreeing, per d_model and comparison."""
-    plt = pyplot()
     dims = sorted(set(table["d_model"]))
     comps = list(dict.fromkeys(table["comparison"]))
-    fig, axes = plt.subplots(
+    fig, axes = pyplot().subplots(
         len(dims), len(comps), figsize=(4.3 * len(comps) + 1.2, 3.5 * len(dims) + 0.6), squeeze=False,
         layout="constrained",
     )  # fmt: skip

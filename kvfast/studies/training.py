@@ -447,8 +447,7 @@ def _columns(table, *names: str):
 def _draw_cosine(df: pd.DataFrame, table: pd.DataFrame):
     """The cosine at initialisation against the prefix length: each seed, and their mean."""
     ok = ok_rows(df)
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8, 4.4))
+    fig, ax = pyplot().subplots(figsize=(8, 4.4))
     main = table[table["train_steps"] == table["train_steps"].min()]
     runs = ok[ok["train_steps"] == table["train_steps"].min()]
     ax.scatter(runs["prefix_len"], runs["grad_cosine"], s=14, color="grey", alpha=0.6, label="one seed")
@@ -485,8 +484,7 @@ def _draw_cosine_curve(df: pd.DataFrame, table: pd.DataFrame):
             at, mean = mean_curve(g, f"curve_cosine_{variant}")
             ax.plot(at, mean, "-o", ms=4, color=color, label=f"along {variant} training (mean of {len(g)} seeds)")
         ax.axhline(SEED_COSINE, color="black", ls="--", lw=1, label=f"seed: {SEED_COSINE}")
-        ax.set_xlabel("training step (Adam)")
-        ax.set_title(f"{steps} training steps, prefix 6 of 12")
+        ax.set(xlabel="training step (Adam)", title=f"{steps} training steps, prefix 6 of 12")
         ax.grid(alpha=0.3)
     axes[0, 0].set_ylabel("gradient cosine, cached-prefix vs full")
     axes[0, 0].legend(loc="lower left", fontsize=9)
@@ -498,19 +496,17 @@ def _draw_cosine_curve(df: pd.DataFrame, table: pd.DataFrame):
 def _draw_tensor_cosine(df: pd.DataFrame, table: pd.DataFrame):
     """Per variant, a heatmap of the cosine per parameter tensor against the training step."""
     runs = _curve_runs(df)
-    plt = pyplot()
     g = runs[runs["train_steps"] == min(_budgets(runs))]
     names = list(g["tensor_names"].iloc[0])
     at = list(g["curve_steps"].iloc[0])
-    fig, axes = plt.subplots(1, 2, figsize=(12, 6.4), sharey=True, layout="constrained")
+    fig, axes = pyplot().subplots(1, 2, figsize=(12, 6.4), sharey=True, layout="constrained")
     for ax, variant in zip(axes, ("full", "cached"), strict=True):
         cube = np.array([np.asarray(list(c), dtype=np.float64) for c in g[f"curve_tensor_cosine_{variant}"]])
         grid = cube.mean(axis=0).T  # tensors x curve points
         im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
         ax.set_xticks(range(len(at)), [str(a) for a in at], fontsize=8)
         ax.set_yticks(range(len(names)), names, fontsize=8)
-        ax.set_xlabel("training step")
-        ax.set_title(f"along {variant} training")
+        ax.set(xlabel="training step", title=f"along {variant} training")
     axes[0].set_ylabel("parameter tensor (h0 = layer 1, h1 = layer 2)")
     fig.colorbar(im, ax=axes, shrink=0.8, label="gradient cosine, cached-prefix vs full (mean over seeds)")
     fig.suptitle(f"Gradient cosine per parameter tensor, prefix 6 of 12, {int(g['train_steps'].iloc[0])} steps")
@@ -519,8 +515,7 @@ def _draw_tensor_cosine(df: pd.DataFrame, table: pd.DataFrame):
 
 def _draw_suffix_loss(df: pd.DataFrame, table: pd.DataFrame):
     """The held-out suffix loss after each budget against the prefix length, full and cached."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8, 4.4))
+    fig, ax = pyplot().subplots(figsize=(8, 4.4))
     for steps, g in table.groupby("train_steps"):
         marker = "-o" if len(g) > 1 else "D"
         ax.plot(g["prefix_len"], g["suffix_loss_full"], marker, color="#2ca02c", label=f"full, {steps} steps")
