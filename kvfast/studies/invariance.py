@@ -101,26 +101,16 @@ def run(config: dict) -> dict:
 def per_layer(df: pd.DataFrame) -> pd.DataFrame:
     """One row per run and layer ``l``: ``resid_in`` (entering ``l``), ``k``, ``v``, ``resid_out`` (leaving ``l``)."""
     ok = ok_rows(df)
-    rows = []
-    for _, r in ok.iterrows():
-        resid = list(r["resid_dev"])
-        for i, (k, v) in enumerate(zip(r["k_dev"], r["v_dev"], strict=True)):
-            rows.append(
-                {
-                    "preset": r["preset"],
-                    "causal": bool(r["causal"]),
-                    "n_layer": int(r["n_layer"]),
-                    "prompt_len": int(r["prompt_len"]),
-                    "layer": i + 1,
-                    "resid_in": resid[i],
-                    "k": float(k),
-                    "v": float(v),
-                    "resid_out": resid[i + 1],
-                }
-            )
-    return pd.DataFrame(
-        rows, columns=["preset", "causal", "n_layer", "prompt_len", "layer", "resid_in", "k", "v", "resid_out"]
+    per_run = ok[["preset", "causal", "n_layer", "prompt_len"]].assign(
+        layer=[list(range(1, len(k) + 1)) for k in ok["k_dev"]],
+        resid_in=[list(r)[:-1] for r in ok["resid_dev"]],
+        k=[list(k) for k in ok["k_dev"]],
+        v=[list(v) for v in ok["v_dev"]],
+        resid_out=[list(r)[1:] for r in ok["resid_dev"]],
     )
+    long = per_run.explode(["layer", "resid_in", "k", "v", "resid_out"]).reset_index(drop=True)
+    floats = dict.fromkeys(("resid_in", "k", "v", "resid_out"), np.float64)
+    return long.astype({"causal": bool, "n_layer": np.int64, "prompt_len": np.int64, "layer": np.int64, **floats})
 
 
 def layer_stats(df: pd.DataFrame) -> pd.DataFrame:
