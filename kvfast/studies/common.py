@@ -87,6 +87,12 @@ def bits_equal(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a).view(np.uint64) == np.ascontiguousarray(b).view(np.uint64)
 
 
+def first_bug_step(report) -> int:
+    """The earliest step at which any scenario of a check ``report`` says ``bug``, ``-1`` if none does."""
+    steps = [s.first_bug_step for s in report.scenarios.values() if s.first_bug_step is not None]
+    return int(min(steps)) if steps else -1
+
+
 def step_range(steps: pd.Series, none: str = "never", median: bool = False) -> str:
     """The steps ``>= 0`` of ``steps`` as ``LO`` or ``LO-HI`` (with `` (median M)`` where asked); ``none`` when there
     are none."""

@@ -31,7 +31,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from kvfast.studies.common import ok_rows, require_config_choice, study_of
+from kvfast.studies.common import first_bug_step, ok_rows, require_config_choice, study_of
 from kvfast.studies.plotting import ratio_bars
 from kvfast.sweep.study import Figure
 from kvfast.validation import MissingExtra, require_int
@@ -179,14 +179,13 @@ def run(config: dict) -> dict:
     start = time.perf_counter()
     report = check_cache(model, prompt, config["steps"], mode="control")
     seconds = time.perf_counter() - start
-    steps = [s.first_bug_step for s in report.scenarios.values() if s.first_bug_step is not None]
     return {
         "verdict": report.verdict,
         "decode_verdict": report.scenarios["decode"].verdict,
         "resume_verdict": report.scenarios["resume"].verdict,
         "ratio": report.max_ratio,
         "worst_deviation": float(report.max_deviation),
-        "first_bug_step": min(steps) if steps else -1,
+        "first_bug_step": first_bug_step(report),
         "acts_at": -1 if config["bug"] == "none" else max(1, WINDOW + 1 - len(prompt)),
         "seconds": seconds,
     }
