@@ -124,7 +124,7 @@ def scan_release(release: str, args, envs: Path) -> Path:
 
 
 def worst(verdicts: pd.Series) -> str:
-    from kvfast.studies.scan import VERDICTS
+    from kvfast.studies.hf_scan import VERDICTS
 
     rank = {v: i for i, v in enumerate(VERDICTS)}
     return max(verdicts, key=lambda v: rank.get(v, len(VERDICTS)))

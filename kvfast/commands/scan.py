@@ -2,8 +2,8 @@
 causal-LM architecture of the installed transformers, checked (in the default mode, ``auto``, unless ``--mode``
 says otherwise) and scored (the ``hf_scan`` study, extra ``kvfast[hf]``).
 
-Runs :func:`kvfast.studies.scan.scan_spec`'s grid on the sweep engine (parallel, resumable: a rerun runs only
-what is not stored), then prints the scoreboard (:func:`kvfast.studies.scan.scoreboard`) and the skipped
+Runs :func:`kvfast.studies.hf_scan.scan_spec`'s grid on the sweep engine (parallel, resumable: a rerun runs only
+what is not stored), then prints the scoreboard (:func:`kvfast.studies.hf_scan.scoreboard`) and the skipped
 architectures with their reasons, and writes both, as CSV and Markdown, to ``DIR.report/`` (beside the results,
 never inside them). ``--markdown`` prints them as Markdown (what docs/check.md pastes); ``kvfast report DIR``
 draws the heatmap. Bad input (an unknown family, dtype, scenario or mode; with ``--repro``, a ``DIR.repro`` that is a
@@ -79,20 +79,20 @@ def build_grid(args):
     """The scan's grid from the command's arguments; ``ValueError`` (one line) for a bad one."""
     from kvfast.bugs.hf import HF_BUGS
     from kvfast.check.options import MODES
-    from kvfast.studies import STUDIES, scan
+    from kvfast.studies import STUDIES, hf_scan
     from kvfast.studies.hf_common import require_torch
     from kvfast.sweep.grid import grid_from_spec
     from kvfast.sweep.options import check_jobs
     from kvfast.validation import require_int
 
     require_torch("hf_scan")
-    families = _names(args.families) or list(scan.architectures())
-    _choose(families, scan.architectures(), "--families")
+    families = _names(args.families) or list(hf_scan.architectures())
+    _choose(families, hf_scan.architectures(), "--families")
     dtypes = _names(args.dtypes) or list(DEFAULT_DTYPES)
-    _choose(dtypes, scan.DTYPES, "--dtypes")
-    scenarios = _names(args.scenarios) or list(scan.scenarios())
-    _choose(scenarios, scan.scenarios(), "--scenarios")
-    _choose([args.attention], scan.ATTENTION, "--attention")
+    _choose(dtypes, hf_scan.DTYPES, "--dtypes")
+    scenarios = _names(args.scenarios) or list(hf_scan.scenarios())
+    _choose(scenarios, hf_scan.scenarios(), "--scenarios")
+    _choose([args.attention], hf_scan.ATTENTION, "--attention")
     mode = getattr(args, "mode", "auto")
     _choose([mode], MODES, "--mode")
     bugs = _names(args.bugs) or list(HF_BUGS)
@@ -104,7 +104,9 @@ def build_grid(args):
     require_int(getattr(args, "repro_seconds", 60), "--repro-seconds", 1)
     if args.jobs is not None:
         check_jobs(args.jobs)
-    spec = scan.scan_spec(families, dtypes, scenarios, args.seeds, args.prompts, args.steps, args.attention, bugs, mode)
+    spec = hf_scan.scan_spec(
+        families, dtypes, scenarios, args.seeds, args.prompts, args.steps, args.attention, bugs, mode
+    )
     return grid_from_spec(spec, name="hf_scan", source="kvfast scan", studies=STUDIES)
 
 
@@ -113,10 +115,10 @@ def scoreboard_text(df, markdown: bool, findings=None) -> str:
     Markdown; then ``findings`` (``--repro``'s listing, new first, each with its reproducer) where given."""
     from kvfast.commands.sweep import _table
     from kvfast.report import markdown as md
-    from kvfast.studies import scan
+    from kvfast.studies import hf_scan
 
-    board, skipped, bugs = scan.scoreboard(df), scan.skipped_table(df), scan.bug_table(df)
-    checked, total = scan.coverage(df)
+    board, skipped, bugs = hf_scan.scoreboard(df), hf_scan.skipped_table(df), hf_scan.bug_table(df)
+    checked, total = hf_scan.coverage(df)
     head = f"{checked} of {total} architectures checked; {len(skipped)} with skipped runs"
     show = md if markdown else _table
     text = f"{head}\n\n{show(board)}\n\ninjected bugs:\n\n{show(bugs)}\n\nskipped:\n\n{show(skipped)}"
@@ -131,7 +133,7 @@ def cmd_scan(args) -> int:
     from kvfast.commands.sweep import EXIT_STORAGE, _exit, _sweep
     from kvfast.report import report_dir
     from kvfast.report.page import report_path, writing_report
-    from kvfast.studies import scan
+    from kvfast.studies import hf_scan
     from kvfast.sweep.options import SweepOptions
     from kvfast.sweep.store import StorageError, load
     from kvfast.validation import one_line
@@ -157,8 +159,8 @@ def cmd_scan(args) -> int:
         with writing_report(where, stored, what="the scoreboard"):
             where = report_dir(out)
             where.mkdir(parents=True, exist_ok=True)
-            scan.scoreboard(df).to_csv(where / "scoreboard.csv", index=False, lineterminator="\n")
-            scan.skipped_table(df).to_csv(where / "skipped.csv", index=False, lineterminator="\n")
+            hf_scan.scoreboard(df).to_csv(where / "scoreboard.csv", index=False, lineterminator="\n")
+            hf_scan.skipped_table(df).to_csv(where / "skipped.csv", index=False, lineterminator="\n")
             (where / "scoreboard.md").write_text(scoreboard_text(df, True) + "\n")
     except StorageError as exc:
         print(f"kvfast: error: {one_line(exc)}", file=sys.stderr)

@@ -135,20 +135,11 @@ def causal_lm_types() -> dict[str, str]:
 def _layers_kept(types: list) -> list[int]:
     """Indices of the layers kept: the first layer of each distinct type, then the next layers, up to 2 (at most
     :data:`MAX_LAYERS`), in their original order."""
-    first = range(len(types))
-    seen, kept = set(), []
-    for i in first:
-        key = repr(types[i])
-        if key not in seen:
-            seen.add(key)
-            kept.append(i)
-    kept = kept[:MAX_LAYERS]
-    for i in first:
-        if len(kept) >= 2:
-            break
-        if i not in kept:
-            kept.append(i)
-    return sorted(kept)
+    firsts: dict[str, int] = {}
+    for i, kind in enumerate(types):
+        firsts.setdefault(repr(kind), i)
+    kept = list(firsts.values())[:MAX_LAYERS]
+    return sorted(kept + [i for i in range(len(types)) if i not in kept][: max(0, 2 - len(kept))])
 
 
 def _per_layer(table: dict, kept: list[int]) -> dict:
@@ -166,10 +157,7 @@ def _heads(d: dict) -> int | None:
 
 
 def _layer_count(d: dict) -> int | None:
-    for key in LAYER_KEYS:
-        if isinstance(d.get(key), int) and not isinstance(d.get(key), bool):
-            return d[key]
-    return None
+    return next((d[k] for k in LAYER_KEYS if isinstance(d.get(k), int) and not isinstance(d.get(k), bool)), None)
 
 
 def _plan(d: dict) -> tuple[int | None, list[int], int]:
@@ -304,11 +292,12 @@ def shrink(d: dict) -> dict:
     return {**out, **fix(d, out)} if fix else out
 
 
-def own_cache(model) -> bool:
-    """Whether ``model`` builds its own cache (:func:`kvfast.check.hf.builds_own_cache`, where it is decided)."""
-    from kvfast.check.hf import builds_own_cache
+def adapter_of(model):
+    """The :class:`kvfast.check.hf.HFModel` of ``model``: given no cache object where the model builds its own
+    (:func:`kvfast.check.hf.builds_own_cache`, where it is decided)."""
+    from kvfast.check.hf import HFModel, builds_own_cache
 
-    return builds_own_cache(model)
+    return HFModel(model, new_cache=(lambda: None) if builds_own_cache(model) else None)
 
 
 def pad_token(model) -> int | None:

@@ -47,15 +47,19 @@ from kvfast.numerics import PRESETS, Numerics
 from kvfast.studies.common import (
     MODEL_SHAPE_FIELDS,
     NO_BUG,
+    declared_order,
+    first_index,
     model_config,
     ok_rows,
     require_config_choice,
     require_model_shape,
+    step_range,
+    study_of,
 )
 from kvfast.studies.criteria import EXACT, VS_SEED, judged
 from kvfast.studies.plotting import COLORS, SYMLOG_FLOOR, pyplot
 from kvfast.studies.toytask import CycleTask, train
-from kvfast.sweep.study import Claim, Fact, Figure, Study
+from kvfast.sweep.study import Claim, Fact, Figure
 from kvfast.validation import require_int
 
 VERSION = "1"
@@ -132,11 +136,6 @@ def prompt_for(config: dict) -> np.ndarray:
     return task_for(config["vocab"]).complete(head, config["prompt_len"])
 
 
-def _first(mask: np.ndarray) -> int:
-    idx = np.nonzero(mask)[0]
-    return int(idx[0]) if idx.size else -1
-
-
 def check_run(
     cfg: ModelConfig, params: dict, numerics: Numerics, prompt: np.ndarray, steps: int, bug: str | None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
@@ -170,20 +169,12 @@ def run(config: dict) -> dict:
         "dev_per_step": [float(x) for x in dev],
         "first_bad_step": first_bad,
         "tokens_changed": bool((bug_t != clean_t).any()),
-        "first_changed_token": _first(bug_t != clean_t),
+        "first_changed_token": first_index(bug_t != clean_t),
         "clean_dev": float(clean_dev.max()),
         "clean_margin_min": float((top2[:, 1] - top2[:, 0]).min()),
         "tokens": ",".join(map(str, bug_t)),
         "clean_tokens": ",".join(map(str, clean_t)),
     }
-
-
-def _step_range(steps: pd.Series) -> str:
-    s = steps[steps >= 0]
-    if s.empty:
-        return "never"
-    lo, hi = int(s.min()), int(s.max())
-    return str(lo) if lo == hi else f"{lo}-{hi}"
 
 
 def bug_key(model: str, bug: str) -> dict[str, object]:
@@ -196,28 +187,23 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
     """The seed's table per model kind and bug: max deviation at step 1 and over all steps, % of runs
     whose tokens changed, the first deviating step's range; the seed's figures beside them."""
     ok = ok_rows(df)
-    order = {b: i for i, b in enumerate(BUG_CHOICES)}
-    rows = []
-    for (model, bug), g in ok.groupby(["model", "bug"], sort=False):
-        seed = SEED_BUG_TABLE.get(bug, (np.nan, np.nan, np.nan))
-        rows.append(
-            {
-                **bug_key(model, bug),
-                "cases": len(g),
-                "step_1": float(g["dev_step1"].max()),
-                "all_steps": float(g["dev_all"].max()),
-                "output_changed_pct": 100.0 * float(g["tokens_changed"].mean()),
-                "first_bad_step": _step_range(g["first_bad_step"]),
-                "seed_step_1": seed[0],
-                "seed_all_steps": seed[1],
-                "seed_output_changed_pct": seed[2],
-            }
+    if ok.empty:
+        return pd.DataFrame()
+    out = (
+        ok.groupby(["model", "bug"], sort=False)
+        .agg(
+            cases=("dev_step1", "size"),
+            step_1=("dev_step1", "max"),
+            all_steps=("dev_all", "max"),
+            output_changed_pct=("tokens_changed", lambda changed: 100.0 * float(changed.mean())),
+            first_bad_step=("first_bad_step", step_range),
         )
-    out = pd.DataFrame(rows)
-    if out.empty:
-        return out
-    out["_o"] = out["bug"].map(order)
-    return out.sort_values(["model", "_o"]).drop(columns="_o").reset_index(drop=True)
+        .reset_index()
+    )
+    out.insert(2, "visible_at_step_1", [VISIBLE_AT_STEP_1.get(bug, False) for bug in out["bug"]])
+    seed = [SEED_BUG_TABLE.get(bug, (np.nan, np.nan, np.nan)) for bug in out["bug"]]
+    out[["seed_step_1", "seed_all_steps", "seed_output_changed_pct"]] = np.array(seed, dtype=np.float64)
+    return out.sort_values(["model", "bug"], key=declared_order({"bug": BUG_CHOICES})).reset_index(drop=True)
 
 
 def _pct(x: float) -> str:
@@ -305,30 +291,22 @@ def claims(df: pd.DataFrame) -> list[Claim]:
 def bug_deviation_table(df: pd.DataFrame) -> pd.DataFrame:
     """Per model kind, bug and step: max and median over runs of the deviation at that step."""
     ok = ok_rows(df)
-    rows = []
+    parts = []
     for (model, bug), g in ok[ok["bug"] != "none"].groupby(["model", "bug"]):
         dev = np.array([np.asarray(d, dtype=np.float64) for d in g["dev_per_step"]])
-        for step in range(dev.shape[1]):
-            rows.append(
-                {
-                    "model": model,
-                    "bug": bug,
-                    "step": step,
-                    "runs": dev.shape[0],
-                    "max_dev": float(dev[:, step].max()),
-                    "median_dev": float(np.median(dev[:, step])),
-                }
-            )
-    return pd.DataFrame(rows, columns=["model", "bug", "step", "runs", "max_dev", "median_dev"])
+        steps = np.arange(dev.shape[1])
+        stats = {"max_dev": dev.max(axis=0), "median_dev": np.median(dev, axis=0)}
+        parts.append(pd.DataFrame({"model": model, "bug": bug, "step": steps, "runs": dev.shape[0], **stats}))
+    columns = ["model", "bug", "step", "runs", "max_dev", "median_dev"]
+    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=columns)
 
 
 def _draw_deviation_per_step(df: pd.DataFrame, table: pd.DataFrame):
     """Per bug, a panel of the max and median deviation per step, for each model kind."""
-    plt = pyplot()
     bugs = [b for b in BUGS if b in set(table["bug"])]
     ncol = 4
     nrow = (len(bugs) + ncol - 1) // ncol
-    fig, axes = plt.subplots(nrow, ncol, figsize=(13, 3.4 * nrow), sharex=True, sharey=True, squeeze=False)
+    fig, axes = pyplot().subplots(nrow, ncol, figsize=(13, 3.4 * nrow), sharex=True, sharey=True, squeeze=False)
     top = 2.0 * float(table["max_dev"].max()) if len(table) else 1.0
     for ax, bug in zip(axes.flat, bugs, strict=False):
         for model, g in table[table["bug"] == bug].groupby("model"):
@@ -396,17 +374,9 @@ FIGURES = (
 )
 
 
-STUDY = Study(
-    name="bugs",
-    version=VERSION,
-    description="each catalogue bug's logit deviation from a full recompute at step 1 and at every step",
-    run=run,
-    config_fields=CONFIG_FIELDS,
-    result_fields=RESULT_FIELDS,
-    validate_config=validate_config,
-    summarize=summarize,
-    claims=claims,
-    figures=FIGURES,
-    facts=facts,
+STUDY = study_of(
+    globals(),
+    "bugs",
+    "each catalogue bug's logit deviation from a full recompute at step 1 and at every step",
     rank=10,
 )

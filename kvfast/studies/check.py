@@ -40,7 +40,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from kvfast.bugs.kvfast_model import kvfast_model  # noqa: F401 - the built-in study's factory (defined there)
+from kvfast.bugs.kvfast_model import BUGS, kvfast_model  # noqa: F401 - kvfast_model: the built-in study's factory
 from kvfast.check import CheckOptions, check_cache_with
 from kvfast.check.checker import as_model_under_test
 from kvfast.check.options import MODES, PROMOTE
@@ -49,7 +49,15 @@ from kvfast.kernels.attention import ATTENTION_CODES
 from kvfast.kernels.reduce import ORDER_CODES
 from kvfast.numerics import PRESETS
 from kvfast.runtime import load_object
-from kvfast.studies.common import MODEL_SHAPE_FIELDS, NO_BUG, ok_rows, require_config_choice
+from kvfast.studies.common import (
+    MODEL_SHAPE_FIELDS,
+    NO_BUG,
+    declared_order,
+    ok_rows,
+    require_config_choice,
+    require_model_shape,
+    step_range,
+)
 from kvfast.studies.criteria import EXACT, judged
 from kvfast.studies.plotting import SYMLOG_FLOOR, pyplot
 from kvfast.sweep.study import Claim, Figure, Study
@@ -180,18 +188,10 @@ def check_one(model, config: dict) -> dict:
 
 
 def _validate_kvfast_args(config: dict) -> None:
-    for name in ("n_layer", "n_head", "d_model", "d_ff", "vocab"):
-        require_int(config.get(name), name, 1, 4096)
-    require_int(config.get("seed"), "seed", 0)
-    if config["d_model"] % config["n_head"]:
-        raise ValueError(
-            f"d_model: {config['d_model']} is not allowed with n_head={config['n_head']}; allowed: a multiple of n_head"
-        )
+    require_model_shape(config)
     require_config_choice(config, "preset", tuple(PRESETS))
     require_config_choice(config, "order", tuple(ORDER_CODES))
     require_config_choice(config, "attention", tuple(ATTENTION_CODES))
-    from kvfast.bugs.kvfast_model import BUGS
-
     require_config_choice(config, "bug", (NO_BUG, *BUGS))
 
 
@@ -260,12 +260,6 @@ def verdict_table(df: pd.DataFrame) -> pd.DataFrame:
     keys = [k for k in ("bug", "mode", "preset") if k in ok.columns]
     rows = []
     for key, g in ok.groupby(keys) if keys and len(ok) else ():
-        first = g.loc[g["first_divergent_step"] >= 0, "first_divergent_step"]
-        steps = (
-            "-"
-            if first.empty
-            else f"{int(first.min())}" + ("" if first.min() == first.max() else f"-{int(first.max())}")
-        )
         counts = g["verdict"].value_counts()
         rows.append(
             {
@@ -273,31 +267,24 @@ def verdict_table(df: pd.DataFrame) -> pd.DataFrame:
                 "checks": len(g),
                 "passed": int(g["passed"].astype(bool).sum()),
                 "verdicts": ", ".join(f"{v} {int(counts[v])}" for v in sorted(counts.index)),
-                "first_divergent_step": steps,
+                "first_divergent_step": step_range(g["first_divergent_step"], none="-"),
                 "worst_deviation": float(g["worst_deviation"].max()),
                 "ratio_max": float(g["ratio"].max()) if g["ratio"].notna().any() else np.nan,
             }
         )
     out = pd.DataFrame(rows, columns=[*keys, *VERDICT_COLUMNS])
-    return out.sort_values(keys, key=_in_catalogue_order, kind="stable").reset_index(drop=True) if keys else out
-
-
-def _in_catalogue_order(column: pd.Series) -> pd.Series:
-    """A sort key: bugs clean first then in catalogue order, modes and presets in their declared order."""
-    from kvfast.bugs.kvfast_model import BUGS
-
-    order = {"bug": (NO_BUG, *BUGS), "mode": MODES, "preset": tuple(PRESETS)}[column.name]
-    return column.map({v: i for i, v in enumerate(order)}).fillna(len(order))
+    # bugs clean first then in catalogue order, modes and presets in their declared order
+    rank = declared_order({"bug": (NO_BUG, *BUGS), "mode": MODES, "preset": tuple(PRESETS)})
+    return out.sort_values(keys, key=rank, kind="stable").reset_index(drop=True) if keys else out
 
 
 def _draw_verdicts(df: pd.DataFrame, table: pd.DataFrame):
     """Left: the worst deviation per bug and preset; right: per bug and mode, the checks by verdict."""
-    plt = pyplot()
     ok = ok_rows(df)
     bugs = list(dict.fromkeys(table["bug"]))
     presets = list(dict.fromkeys(table["preset"]))
     modes = [m for m in MODES if m in set(table["mode"])]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.6))
+    fig, (left, right) = pyplot().subplots(1, 2, figsize=(13, 4.6))
     width = 0.8 / max(len(presets), 1)
     for i, preset in enumerate(presets):
         worst = [float(table[(table["bug"] == b) & (table["preset"] == preset)]["worst_deviation"].max()) for b in bugs]
@@ -316,20 +303,15 @@ def _draw_verdicts(df: pd.DataFrame, table: pd.DataFrame):
     left.legend(fontsize=8, loc="upper left")
     verdicts = [v for v in VERDICT_COLORS if v in set(ok["verdict"])]
     labels = [f"{b}\n{m}" for b in bugs for m in modes]
+    counts = pd.crosstab([ok["bug"], ok["mode"]], ok["verdict"])
+    counts = counts.reindex(pd.MultiIndex.from_product([bugs, modes]), fill_value=0)
     bottom = np.zeros(len(labels))
     for verdict in verdicts:
-        n = np.array(
-            [
-                int(((ok["bug"] == b) & (ok["mode"] == m) & (ok["verdict"] == verdict)).sum())
-                for b in bugs
-                for m in modes
-            ]
-        )
+        n = counts[verdict].to_numpy()
         right.bar(range(len(labels)), n, bottom=bottom, color=VERDICT_COLORS[verdict], label=verdict)
         bottom += n
     right.set_xticks(range(len(labels)), labels, fontsize=8)
-    right.set_ylabel("checks")
-    right.set_title("Checks by verdict, per model variant and mode")
+    right.set(ylabel="checks", title="Checks by verdict, per model variant and mode")
     right.legend(fontsize=8, loc="upper right", ncol=len(verdicts))
     right.set_ylim(0, 1.25 * float(bottom.max() or 1.0))
     fig.tight_layout()

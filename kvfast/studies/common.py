@@ -1,5 +1,6 @@
 """What the studies share: the model-shape config fields and their validation, a config's
-:class:`~kvfast.ModelConfig`, a choice among a study's values, and the ok rows of a results table.
+:class:`~kvfast.ModelConfig`, a choice among a study's values, the ok rows of a results table, and a study
+module's :class:`~kvfast.sweep.study.Study` from its conventional names (:func:`study_of`).
 
 Integers are validated with :func:`kvfast.validation.require_int` (a study's own
 fields: ``require_int(config.get(name), name, lo, hi)``), so every message has
@@ -8,12 +9,14 @@ the form ``FIELD: VALUE is not allowed; allowed: WHAT``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 
 from kvfast.model.config import ModelConfig
+from kvfast.sweep.study import Study
 from kvfast.validation import not_allowed, require_int
 
 #: The ``bug`` axis's value of a clean run (no bug injected), in every study with such an axis.
@@ -71,3 +74,62 @@ def model_config(config: dict, max_pos: int) -> ModelConfig:
 def ok_rows(df: pd.DataFrame) -> pd.DataFrame:
     """The runs of ``df`` stored with ``status == "ok"`` (all rows when there is no ``status`` column)."""
     return df[df["status"] == "ok"] if "status" in df.columns else df
+
+
+def first_index(mask: np.ndarray) -> int:
+    """The index of the first true element of ``mask``, ``-1`` if none."""
+    idx = np.nonzero(mask)[0]
+    return int(idx[0]) if idx.size else -1
+
+
+def bits_equal(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Elementwise bit equality of two float64 arrays (their bit patterns: ``-0.0`` is not ``0.0``, NaN is NaN)."""
+    return np.ascontiguousarray(a).view(np.uint64) == np.ascontiguousarray(b).view(np.uint64)
+
+
+def first_bug_step(report) -> int:
+    """The earliest step at which any scenario of a check ``report`` says ``bug``, ``-1`` if none does."""
+    steps = [s.first_bug_step for s in report.scenarios.values() if s.first_bug_step is not None]
+    return int(min(steps)) if steps else -1
+
+
+def step_range(steps: pd.Series, none: str = "never", median: bool = False) -> str:
+    """The steps ``>= 0`` of ``steps`` as ``LO`` or ``LO-HI`` (with `` (median M)`` where asked); ``none`` when there
+    are none."""
+    s = steps[steps >= 0]
+    if s.empty:
+        return none
+    lo, hi = int(s.min()), int(s.max())
+    return str(lo) if lo == hi else f"{lo}-{hi}" + (f" (median {float(s.median()):g})" if median else "")
+
+
+def declared_order(order: Mapping[str, Sequence]) -> Callable[[pd.Series], pd.Series]:
+    """A ``sort_values`` key: a column that ``order`` names ranks by its values' places there (values not
+    listed last); any other column sorts as it is."""
+
+    def rank(column: pd.Series) -> pd.Series:
+        values = order.get(column.name)
+        return column if values is None else column.map({v: i for i, v in enumerate(values)}).fillna(len(values))
+
+    return rank
+
+
+# Study field -> the name a study module gives it (study_of finds each that the module defines).
+MODULE_NAMES = {
+    "version": "VERSION",
+    "run": "run",
+    "config_fields": "CONFIG_FIELDS",
+    "result_fields": "RESULT_FIELDS",
+    "validate_config": "validate_config",
+    "summarize": "summarize",
+    "claims": "claims",
+    "figures": "FIGURES",
+    "facts": "facts",
+}
+
+
+def study_of(namespace: dict, name: str, description: str, **fields) -> Study:
+    """The :class:`Study` ``name`` of a study module: each field of :data:`MODULE_NAMES` that its ``namespace``
+    (``globals()``) defines, under that name; ``fields``: the others (``rank``, ``tables``, ...) and overrides."""
+    found = {field: namespace[attr] for field, attr in MODULE_NAMES.items() if attr in namespace}
+    return Study(name=name, description=description, **{**found, **fields})

@@ -47,10 +47,10 @@ from kvfast.bugs.score import confusion, detector_metrics
 from kvfast.check import KvfastModel
 from kvfast.numerics import Numerics
 from kvfast.studies import bugs as bugstudy
-from kvfast.studies.common import ok_rows
+from kvfast.studies.common import ok_rows, step_range, study_of
 from kvfast.studies.criteria import EXACT, VS_SEED, judged, within
 from kvfast.studies.plotting import COLORS, pyplot
-from kvfast.sweep.study import Claim, Fact, Figure, Study
+from kvfast.sweep.study import Claim, Fact, Figure
 
 VERSION = f"1.{bugstudy.VERSION}"  # its runs are bug-study runs
 
@@ -190,14 +190,6 @@ def _population(s: pd.DataFrame, label: str) -> pd.DataFrame:
     return s[s["bug_present"]] if label == "output changed" else s
 
 
-def _steps(first: pd.Series) -> str:
-    f = first[first >= 0]
-    if f.empty:
-        return "never"
-    lo, hi, med = int(f.min()), int(f.max()), float(f.median())
-    return str(lo) if lo == hi else f"{lo}-{hi} (median {med:g})"
-
-
 def summarize(df: pd.DataFrame) -> pd.DataFrame:
     """Per model kind (``model``): headline rows (``scope = "all"``: each detector under each label) then per-bug
     rows (``scope`` = the bug, label "bug present": the share of its runs each detector flags and the steps it
@@ -210,61 +202,40 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
     return out[["model", *[c for c in out.columns if c != "model"]]]
 
 
+def _metrics_row(det: str, scope: str, label: str, metrics: dict, steps: str, seed: dict) -> dict:
+    """A summary row: a detector's metrics (``auc`` NaN where not measured) over one scope and label."""
+    counts = {k: metrics[k] for k in ("n", "positives", "flagged", "recall", "precision", "fpr")}
+    return {
+        "detector": det,
+        "scope": scope,
+        "label": label,
+        **counts,
+        "auc": metrics.get("auc", np.nan),
+        "steps_to_detection": steps,
+        "seed_recall": seed.get("recall", np.nan),
+        "seed_auc": seed.get("auc", np.nan),
+    }
+
+
 def _summarize_model(s: pd.DataFrame) -> pd.DataFrame:
     rows = []
-    for det in DETECTORS:
-        key = det.replace("-", "_")
-        for label in LABELS:
-            pop = _population(s, label)
-            if pop.empty:
-                continue
-            y = pop[label.replace(" ", "_")].to_numpy(bool)
-            m = detector_metrics(pop[f"{key}_flag"].to_numpy(bool), pop[f"{key}_score"].to_numpy(), y)
-            flagged = pop[pop[f"{key}_flag"]]
-            seed = SEED_FIGURES[det] if label == "output changed" else {}
-            rows.append(
-                {
-                    "detector": det,
-                    "scope": "all",
-                    "label": label,
-                    "cases": m["n"],
-                    "positives": m["positives"],
-                    "flagged": m["flagged"],
-                    "recall": m["recall"],
-                    "precision": m["precision"],
-                    "fpr": m["fpr"],
-                    "auc": m["auc"],
-                    "steps_to_detection": _steps(flagged["steps_to_detection"]) if det == "every-step" else "1",
-                    "seed_recall": seed.get("recall", np.nan),
-                    "seed_auc": seed.get("auc", np.nan),
-                }
-            )
-    for bug in [*BUGS, bugstudy.CONTROL]:
-        g = s[s["bug"] == bug]
+    for det, label in itertools.product(DETECTORS, LABELS):
+        pop, key = _population(s, label), det.replace("-", "_")
+        if pop.empty:
+            continue
+        y = pop[label.replace(" ", "_")].to_numpy(bool)
+        m = detector_metrics(pop[f"{key}_flag"].to_numpy(bool), pop[f"{key}_score"].to_numpy(), y)
+        flagged = pop.loc[pop[f"{key}_flag"], "steps_to_detection"]
+        steps = step_range(flagged, median=True) if det == "every-step" else "1"
+        rows.append(_metrics_row(det, "all", label, m, steps, SEED_FIGURES[det] if label == "output changed" else {}))
+    for bug, det in itertools.product([*BUGS, bugstudy.CONTROL], DETECTORS):
+        g, key = s[s["bug"] == bug], det.replace("-", "_")
         if g.empty:
             continue
-        for det in DETECTORS:
-            key = det.replace("-", "_")
-            c = confusion(g[f"{key}_flag"].to_numpy(bool), g["bug_present"].to_numpy(bool))
-            flagged = g[g[f"{key}_flag"]]
-            rows.append(
-                {
-                    "detector": det,
-                    "scope": bug,
-                    "label": "bug present",
-                    "cases": c.n,
-                    "positives": c.positives,
-                    "flagged": c.flagged,
-                    "recall": c.recall,
-                    "precision": c.precision,
-                    "fpr": c.fpr,
-                    "auc": np.nan,
-                    "steps_to_detection": _steps(flagged["steps_to_detection"]),
-                    "seed_recall": np.nan,
-                    "seed_auc": np.nan,
-                }
-            )
-    return pd.DataFrame(rows)
+        c = confusion(g[f"{key}_flag"].to_numpy(bool), g["bug_present"].to_numpy(bool)).as_dict()
+        flagged = g.loc[g[f"{key}_flag"], "steps_to_detection"]
+        rows.append(_metrics_row(det, bug, "bug present", c, step_range(flagged, median=True), {}))
+    return pd.DataFrame(rows).rename(columns={"n": "cases"})
 
 
 def steps_to_detection(df: pd.DataFrame) -> pd.DataFrame:
@@ -272,28 +243,28 @@ def steps_to_detection(df: pd.DataFrame) -> pd.DataFrame:
     median, max over the runs where it fires) and the share of runs the one-step check flags."""
     s = scored(df)
     rows = []
-    for model in model_kinds(s):
-        for bug in [*BUGS, bugstudy.CONTROL]:
-            g = s[(s["model"] == model) & (s["bug"] == bug)]
-            if g.empty:
-                continue
-            f = g.loc[g["every_step_flag"], "steps_to_detection"]
-            rows.append(
-                {
-                    **bugstudy.bug_key(model, bug),
-                    "runs": len(g),
-                    "output_changed": int(g["output_changed"].sum()),
-                    "one_step_flagged": int(g["one_step_flag"].sum()),
-                    "every_step_flagged": int(g["every_step_flag"].sum()),
-                    "steps_min": int(f.min()) if len(f) else -1,
-                    "steps_median": float(f.median()) if len(f) else np.nan,
-                    "steps_max": int(f.max()) if len(f) else -1,
-                }
-            )
+    for model, bug in itertools.product(model_kinds(s), [*BUGS, bugstudy.CONTROL]):
+        g = s[(s["model"] == model) & (s["bug"] == bug)]
+        if g.empty:
+            continue
+        f = g.loc[g["every_step_flag"], "steps_to_detection"]
+        rows.append(
+            {
+                **bugstudy.bug_key(model, bug),
+                "runs": len(g),
+                "output_changed": int(g["output_changed"].sum()),
+                "one_step_flagged": int(g["one_step_flag"].sum()),
+                "every_step_flagged": int(g["every_step_flag"].sum()),
+                "steps_min": int(f.min()) if len(f) else -1,
+                "steps_median": float(f.median()) if len(f) else np.nan,
+                "steps_max": int(f.max()) if len(f) else -1,
+            }
+        )
     return pd.DataFrame(rows)
 
 
 def _row(summary: pd.DataFrame, det: str, label: str, model: str = CLAIMS_MODEL) -> pd.Series | None:
+    """The summary row of detector ``det`` over every run of ``model`` under ``label`` (``None`` if absent)."""
     if summary.empty:
         return None
     r = summary[
@@ -444,42 +415,26 @@ def roc_table(df: pd.DataFrame) -> pd.DataFrame:
     """Per model kind, label and detector: the ROC curve's points (``fpr``, ``tpr``) and the AUC."""
     s = scored(df)
     summary = summarize(df)
-    rows = []
-    for model in model_kinds(s):
-        m = s[s["model"] == model]
-        for label in LABELS:
-            pop = m[m["bug_present"]] if label == "output changed" else m
-            y = pop[label.replace(" ", "_")].to_numpy(bool)
-            for name in DETECTORS:
-                key = name.replace("-", "_")
-                fpr, tpr = roc_points(pop[f"{key}_score"].to_numpy(), y)
-                auc = summary[
-                    (summary["model"] == model)
-                    & (summary["detector"] == name)
-                    & (summary["scope"] == "all")
-                    & (summary["label"] == label)
-                ]
-                for i, (a, b) in enumerate(zip(fpr, tpr, strict=True)):
-                    rows.append(
-                        {
-                            "model": model,
-                            "label": label,
-                            "detector": name,
-                            "point": i,
-                            "fpr": a,
-                            "tpr": b,
-                            "auc": float(auc["auc"].iloc[0]),
-                        }
-                    )
-    return pd.DataFrame(rows, columns=["model", "label", "detector", "point", "fpr", "tpr", "auc"])
+    parts = []
+    for model, label, name in itertools.product(model_kinds(s), LABELS, DETECTORS):
+        pop = _population(s[s["model"] == model], label)
+        fpr, tpr = roc_points(pop[f"{name.replace('-', '_')}_score"].to_numpy(), pop[label.replace(" ", "_")])
+        auc = float(_row(summary, name, label, model)["auc"])
+        point = np.arange(fpr.size)
+        parts.append(
+            pd.DataFrame(
+                {"model": model, "label": label, "detector": name, "point": point, "fpr": fpr, "tpr": tpr, "auc": auc}
+            )
+        )
+    columns = ["model", "label", "detector", "point", "fpr", "tpr", "auc"]
+    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=columns)
 
 
 def _draw_roc(df: pd.DataFrame, table: pd.DataFrame):
     """Per model kind (rows) and label (columns), each detector's ROC curve and its AUC."""
     s = scored(df)
     models = model_kinds(s)
-    plt = pyplot()
-    fig, axes = plt.subplots(len(models), 2, figsize=(11, 4.8 * len(models)), squeeze=False)
+    fig, axes = pyplot().subplots(len(models), 2, figsize=(11, 4.8 * len(models)), squeeze=False)
     for row, model in enumerate(models):
         m = s[s["model"] == model]
         for ax, label in zip(axes[row], LABELS, strict=True):
@@ -506,9 +461,8 @@ def _draw_steps_to_detection(df: pd.DataFrame, table: pd.DataFrame):
     """Per bug, the steps at which the every-step check first fires (marker area: runs); one-step flags beside."""
     s = scored(df)
     models = model_kinds(s)
-    plt = pyplot()
     bugs = [b for b in dict.fromkeys(table["bug"]) if b != "none"]
-    fig, ax = plt.subplots(figsize=(10.5, 0.55 * len(bugs) + 1.8))
+    fig, ax = pyplot().subplots(figsize=(10.5, 0.55 * len(bugs) + 1.8))
     offsets = np.linspace(-0.18, 0.18, len(models)) if len(models) > 1 else [0.0]
     for i, bug in enumerate(bugs):
         flagged = []
@@ -550,59 +504,52 @@ def facts(df: pd.DataFrame) -> list[Fact]:
         m = s[s["model"] == model]
         suffix = "" if model == CLAIMS_MODEL else f"_{model}"
         words = f"{model} models" if model == "random" else f"the {model} model"
+        about = f" ({words})" if suffix else ""
         bugged = m[m["bug_present"]]
         same = bugged[~bugged["output_changed"]]
         changed = bugged[bugged["output_changed"]]
         if len(same) and len(changed):
             hi = same.loc[same["every_step_score"].idxmax()]
             lo = changed.loc[changed["every_step_score"].idxmin()]
+            what = "all-steps deviation of a bugged run whose output"
             rows.append(
-                (
+                Fact(
                     f"largest_unchanged_dev{suffix}",
-                    "largest all-steps deviation of a bugged run whose output did not change"
-                    + (f" ({words})" if suffix else ""),
+                    f"largest {what} did not change{about}",
                     f"{hi['every_step_score']:.2g} ({hi['bug']})",
                 )
             )
             rows.append(
-                (
+                Fact(
                     f"smallest_changed_dev{suffix}",
-                    "smallest all-steps deviation of a bugged run whose output changed"
-                    + (f" ({words})" if suffix else ""),
+                    f"smallest {what} changed{about}",
                     f"{lo['every_step_score']:.2g} ({lo['bug']})",
                 )
             )
         rows.append(
-            (
+            Fact(
                 f"margin_median_detector{suffix}",
-                "detector runs"
-                + (f" ({words})" if suffix else "")
-                + ": median of the clean generation's smallest top-1 minus top-2 margin",
+                f"detector runs{about}: median of the clean generation's smallest top-1 minus top-2 margin",
                 f"{float(m['clean_margin_min'].median()):.3g} ({len(m)} runs)",
             )
         )
         if suffix:
             seed = SEED_FIGURES["one-step"]
-            one = summary[
-                (summary["model"] == model)
-                & (summary["detector"] == "one-step")
-                & (summary["scope"] == "all")
-                & (summary["label"] == "output changed")
-            ].iloc[0]
+            one = _row(summary, "one-step", "output changed", model)
             per_bug = ", ".join(
                 f"{bug} {int(bugged.loc[bugged['bug'] == bug, 'output_changed'].sum())}"
                 for bug in BUGS
                 if (bugged["bug"] == bug).any()
             )
             rows.append(
-                (
+                Fact(
                     f"detector_changed{suffix}",
                     f"detector study, {words}: bugged runs whose output changed (of 30 per bug)",
                     f"{len(changed)} of {len(bugged)} ({per_bug})",
                 )
             )
             rows.append(
-                (
+                Fact(
                     f"detector_one_step{suffix}",
                     f'detector study, {words}: one-step exact check on "output changed" (seed: recall '
                     f"{seed['recall']:.3f}, AUC {seed['auc']:.3f})",
@@ -635,18 +582,14 @@ FIGURES = (
 )
 
 
-STUDY = Study(
-    name="detector",
-    version=VERSION,
-    description="one-step vs every-step exact cache checks as detectors: recall, precision, FPR, ROC AUC",
+STUDY = study_of(
+    globals(),
+    "detector",
+    "one-step vs every-step exact cache checks as detectors: recall, precision, FPR, ROC AUC",
     run=bugstudy.run,
     config_fields=bugstudy.CONFIG_FIELDS,
     result_fields=bugstudy.RESULT_FIELDS,
     validate_config=bugstudy.validate_config,
-    summarize=summarize,
-    claims=claims,
-    figures=FIGURES,
-    facts=facts,
     tables=(("detector_steps", steps_to_detection),),
     rank=20,
 )

@@ -31,9 +31,9 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from kvfast.studies.common import ok_rows, require_config_choice
+from kvfast.studies.common import first_bug_step, ok_rows, require_config_choice, study_of
 from kvfast.studies.plotting import ratio_bars
-from kvfast.sweep.study import Figure, Study
+from kvfast.sweep.study import Figure
 from kvfast.validation import MissingExtra, require_int
 
 VERSION = "1"
@@ -179,14 +179,13 @@ def run(config: dict) -> dict:
     start = time.perf_counter()
     report = check_cache(model, prompt, config["steps"], mode="control")
     seconds = time.perf_counter() - start
-    steps = [s.first_bug_step for s in report.scenarios.values() if s.first_bug_step is not None]
     return {
         "verdict": report.verdict,
         "decode_verdict": report.scenarios["decode"].verdict,
         "resume_verdict": report.scenarios["resume"].verdict,
         "ratio": report.max_ratio,
         "worst_deviation": float(report.max_deviation),
-        "first_bug_step": min(steps) if steps else -1,
+        "first_bug_step": first_bug_step(report),
         "acts_at": -1 if config["bug"] == "none" else max(1, WINDOW + 1 - len(prompt)),
         "seconds": seconds,
     }
@@ -238,17 +237,11 @@ FIGURES = (
     ),
 )
 
-STUDY = Study(
-    name="engines",
-    version=VERSION,
-    description="one tiny Llama checked in transformers, onnxruntime-genai and llama.cpp (needs the engines)",
-    run=run,
-    config_fields=CONFIG_FIELDS,
-    result_fields=RESULT_FIELDS,
-    validate_config=validate_config,
-    summarize=summarize,
+STUDY = study_of(
+    globals(),
+    "engines",
+    "one tiny Llama checked in transformers, onnxruntime-genai and llama.cpp (needs the engines)",
     claims=None,  # a comparison of engines, no claim of the seed's
-    figures=FIGURES,
     rank=120,
     reproduce=False,
 )

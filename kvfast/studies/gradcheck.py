@@ -32,10 +32,10 @@ from kvfast.kernels.rowops import exp_array, log_array
 from kvfast.model.config import ModelConfig, init_params, param_shapes
 from kvfast.model.transformer import Weights, forward_prepared, loss_and_grads
 from kvfast.numerics import Numerics
-from kvfast.studies.common import ok_rows, require_model_shape
+from kvfast.studies.common import MODEL_SHAPE_FIELDS, model_config, ok_rows, require_model_shape, study_of
 from kvfast.studies.criteria import BOUND, judged
 from kvfast.studies.plotting import pyplot
-from kvfast.sweep.study import Claim, Fact, Figure, Study
+from kvfast.sweep.study import Claim, Fact, Figure
 from kvfast.validation import require_int
 
 VERSION = "1"
@@ -48,15 +48,7 @@ SEED_WORST = 3.2e-8
 SEED_TENSORS = 24
 F64 = Numerics()
 
-CONFIG_FIELDS = {
-    "seed": pa.int64(),
-    "n_layer": pa.int64(),
-    "n_head": pa.int64(),
-    "d_model": pa.int64(),
-    "d_ff": pa.int64(),
-    "vocab": pa.int64(),
-    "seq_len": pa.int64(),
-}
+CONFIG_FIELDS = {"seed": pa.int64(), **MODEL_SHAPE_FIELDS, "seq_len": pa.int64()}
 RESULT_FIELDS = {
     "tensors": pa.int64(),
     "tensor_names": pa.list_(pa.string()),
@@ -114,14 +106,7 @@ def relative_errors(analytic: dict[str, np.ndarray], numeric: dict[str, np.ndarr
 
 def model_for(config: dict) -> tuple[ModelConfig, dict, np.ndarray, np.ndarray]:
     """The run's model, parameters, tokens and targets (all from ``seed``)."""
-    cfg = ModelConfig(
-        vocab=config["vocab"],
-        d_model=config["d_model"],
-        n_head=config["n_head"],
-        n_layer=config["n_layer"],
-        d_ff=config["d_ff"],
-        max_pos=config["seq_len"],
-    )
+    cfg = model_config(config, config["seq_len"])
     params = init_params(cfg, config["seed"])
     rng = np.random.default_rng([config["seed"], config["seq_len"], 0x6C])
     tokens = rng.integers(0, cfg.vocab, size=config["seq_len"]).astype(np.int64)
@@ -153,20 +138,17 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
     ok = ok_rows(df)
     if not len(ok):
         return pd.DataFrame()
-    rows = []
-    for n_layer, g in ok.groupby("n_layer"):
-        w = g.loc[g["worst_rel_err"].idxmax()]
-        rows.append(
-            {
-                "n_layer": int(n_layer),
-                "runs": len(g),
-                "tensors": int(g["tensors"].max()),
-                "worst_rel_err": float(g["worst_rel_err"].max()),
-                "worst_tensor": w["worst_tensor"],
-                "median_rel_err": float(g["worst_rel_err"].median()),
-            }
+    return (
+        ok.groupby("n_layer")
+        .agg(
+            runs=("tensors", "size"),
+            tensors=("tensors", "max"),
+            worst_rel_err=("worst_rel_err", "max"),
+            worst_tensor=("worst_rel_err", lambda errors: ok.loc[errors.idxmax(), "worst_tensor"]),
+            median_rel_err=("worst_rel_err", "median"),
         )
-    return pd.DataFrame(rows)
+        .reset_index()
+    )
 
 
 def claims(df: pd.DataFrame) -> list[Claim]:
@@ -198,24 +180,20 @@ def claims(df: pd.DataFrame) -> list[Claim]:
 
 def gradcheck_table(df: pd.DataFrame) -> pd.DataFrame:
     """Per tensor name (over every run): runs, worst and median relative error."""
-    ok = ok_rows(df)
-    rows = []
-    for _, r in ok.iterrows():
-        for name, err in zip(r["tensor_names"], r["rel_err"], strict=True):
-            rows.append({"n_layer": int(r["n_layer"]), "tensor": name, "rel_err": float(err)})
-    long = pd.DataFrame(rows, columns=["n_layer", "tensor", "rel_err"])
+    long = ok_rows(df)[["n_layer", "tensor_names", "rel_err"]].explode(["tensor_names", "rel_err"])
     return (
-        long.groupby(["n_layer", "tensor"], sort=False)
+        long.astype({"rel_err": np.float64})
+        .groupby(["n_layer", "tensor_names"], sort=False)
         .agg(runs=("rel_err", "size"), worst=("rel_err", "max"), median=("rel_err", "median"))
         .reset_index()
+        .rename(columns={"tensor_names": "tensor"})
     )
 
 
 def _draw_rel_err(df: pd.DataFrame, table: pd.DataFrame):
     """Per tensor of the two-layer model, the worst and median relative error against the seed and the bound."""
-    plt = pyplot()
     two = table[table["n_layer"] == (2 if (table["n_layer"] == 2).any() else table["n_layer"].max())]
-    fig, ax = plt.subplots(figsize=(10, 3.8))
+    fig, ax = pyplot().subplots(figsize=(10, 3.8))
     x = np.arange(len(two))
     ax.bar(x, two["worst"], color="#1f77b4", label="worst over runs")
     ax.plot(x, two["median"], "o", color="black", ms=4, label="median")
@@ -257,17 +235,9 @@ FIGURES = (
 )
 
 
-STUDY = Study(
-    name="gradcheck",
-    version=VERSION,
-    description="hand-written backward vs central differences of an independent loss, every tensor",
-    run=run,
-    config_fields=CONFIG_FIELDS,
-    result_fields=RESULT_FIELDS,
-    validate_config=validate_config,
-    summarize=summarize,
-    claims=claims,
-    figures=FIGURES,
-    facts=facts,
+STUDY = study_of(
+    globals(),
+    "gradcheck",
+    "hand-written backward vs central differences of an independent loss, every tensor",
     rank=70,
 )

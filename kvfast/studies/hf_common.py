@@ -20,7 +20,7 @@ import pandas as pd
 import pyarrow as pa
 
 from kvfast.bugs.hf import HF_BUGS
-from kvfast.studies.common import NO_BUG, ok_rows, require_config_choice
+from kvfast.studies.common import NO_BUG, declared_order, ok_rows, require_config_choice
 from kvfast.testing import ATTENTION, DTYPES, FAMILIES, TINY_VOCAB
 from kvfast.validation import MissingExtra, require_int
 
@@ -95,11 +95,4 @@ def ordered_ok_rows(df: pd.DataFrame) -> pd.DataFrame:
     whatever order the sweep stored them in, so every table built by grouping them has one order."""
     ok = ok_rows(df)
     keys = [k for k in (*ORDER, "seed", "prompt") if k in ok.columns]
-    if not len(ok) or not keys:
-        return ok
-
-    def rank(column: pd.Series) -> pd.Series:
-        values = ORDER.get(column.name)
-        return column if values is None else column.map({v: i for i, v in enumerate(values)}).fillna(len(values))
-
-    return ok.sort_values(keys, key=rank, kind="stable")
+    return ok.sort_values(keys, key=declared_order(ORDER), kind="stable") if len(ok) and keys else ok

@@ -43,10 +43,10 @@ from kvfast.check.hf import HFModel
 from kvfast.check.options import PROMOTE as CHECK_PROMOTE
 from kvfast.studies import hf_common as hf
 from kvfast.studies.check import MODES, SCENARIO_CHOICES
-from kvfast.studies.common import require_config_choice
+from kvfast.studies.common import first_bug_step, require_config_choice, study_of
 from kvfast.studies.criteria import EXACT, judged
 from kvfast.studies.plotting import ratio_bars
-from kvfast.sweep.study import Claim, Fact, Figure, Study
+from kvfast.sweep.study import Claim, Fact, Figure
 
 VERSION = "1"
 PROMPT_STREAM = 1000
@@ -109,18 +109,18 @@ def validate_config(config: dict) -> None:
     require_config_choice(config, "variants", VARIANTS)
 
 
-def first_step(report, bug: str | None) -> tuple[int | None, bool | None]:
-    """The earliest first bug step over the scenarios, and (a bugged run) whether every scenario that says
-    ``bug`` says it where the bug first acts (``None`` for a clean run)."""
+def right_step(report, bug: str | None) -> bool | None:
+    """Whether every scenario that says ``bug`` says it where the (injected) ``bug`` first acts (``None`` for a
+    clean run)."""
+    if bug is None:
+        return None
     T = report.prompt.shape[0]
-    got, right = None, True
-    for name, s in report.scenarios.items():
-        if s.first_bug_step is not None and (got is None or s.first_bug_step < got):
-            got = s.first_bug_step
-        want = None if bug is None else first_acting_step(bug, name, T)
-        if want is not None and s.verdict == "bug" and s.first_bug_step != want:
-            right = False
-    return got, (right if bug is not None else None)
+    acting = {name: first_acting_step(bug, name, T) for name in report.scenarios}
+    return all(
+        s.first_bug_step == acting[name]
+        for name, s in report.scenarios.items()
+        if acting[name] is not None and s.verdict == "bug"
+    )
 
 
 def _check(config: dict):
@@ -147,24 +147,18 @@ def run(config: dict) -> dict:
             raise
         return {**dict.fromkeys(RESULT_FIELDS), "verdict": NAN_LOGITS, "first_step": -1}
     bug = hf.bug_of(config)
-    step, right = first_step(report, bug)
-    out = {
+    logic = report.promoted
+    return {
         "verdict": report.verdict,
         "ratio": report.max_ratio,
         "worst_deviation": float(report.max_deviation),
-        "first_step": -1 if step is None else int(step),
-        "right_step": right,
+        "first_step": first_bug_step(report),
+        "right_step": right_step(report, bug),
+        "logic_verdict": None if logic is None else logic.verdict,
+        "logic_ratio": None if logic is None else logic.max_ratio,
+        "logic_step": None if logic is None else first_bug_step(logic),
+        "logic_right_step": None if logic is None else right_step(logic, bug),
     }
-    logic = dict.fromkeys(("logic_verdict", "logic_ratio", "logic_step", "logic_right_step"))
-    if report.promoted is not None:
-        lstep, lright = first_step(report.promoted, bug)
-        logic = {
-            "logic_verdict": report.promoted.verdict,
-            "logic_ratio": report.promoted.max_ratio,
-            "logic_step": -1 if lstep is None else int(lstep),
-            "logic_right_step": lright,
-        }
-    return {**out, **logic}
 
 
 def clean_table(df: pd.DataFrame) -> pd.DataFrame:
@@ -324,18 +318,11 @@ FIGURES = (
     ),
 )
 
-STUDY = Study(
-    name="hf_matrix",
-    version=VERSION,
-    description="control mode on tiny Hugging Face models: false positives and misses (needs kvfast[hf])",
-    run=run,
-    config_fields=CONFIG_FIELDS,
-    result_fields=RESULT_FIELDS,
-    validate_config=validate_config,
+STUDY = study_of(
+    globals(),
+    "hf_matrix",
+    "control mode on tiny Hugging Face models: false positives and misses (needs kvfast[hf])",
     summarize=clean_table,
-    claims=claims,
-    figures=FIGURES,
-    facts=facts,
     tables=(("hf_matrix_bugs", bug_table),),
     rank=100,
     reproduce=False,

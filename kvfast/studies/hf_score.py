@@ -48,10 +48,10 @@ from kvfast.bugs.score import Detection, as_detection, score_rows, side_by_side
 from kvfast.check.checker import check_cache
 from kvfast.check.hf import HFModel
 from kvfast.studies import hf_common as hf
-from kvfast.studies.common import ok_rows
+from kvfast.studies.common import ok_rows, study_of
 from kvfast.studies.criteria import EXACT, judged
 from kvfast.studies.plotting import pyplot
-from kvfast.sweep.study import Claim, Fact, Figure, Study
+from kvfast.sweep.study import Claim, Fact, Figure
 
 VERSION = "1"
 ATOL = {"float32": 1e-5, "float64": 1e-5, "bfloat16": 1e-3}
@@ -257,9 +257,8 @@ def facts(df: pd.DataFrame) -> list[Fact]:
 
 def _draw_recall(df: pd.DataFrame, table: pd.DataFrame):
     """Per dtype/attention group: each detector's recall per bug (grouped bars)."""
-    plt = pyplot()
     groups = list(dict.fromkeys(zip(table["dtype"], table["attention"], strict=True)))
-    fig, axes = plt.subplots(1, len(groups), figsize=(6.5 * len(groups), 4.2), squeeze=False)
+    fig, axes = pyplot().subplots(1, len(groups), figsize=(6.5 * len(groups), 4.2), squeeze=False)
     width = 0.8 / len(DETECTORS)
     for ax, (dtype, attention) in zip(axes[0], groups, strict=True):
         part = table[(table["dtype"] == dtype) & (table["attention"] == attention)]
@@ -291,18 +290,11 @@ FIGURES = (
     ),
 )
 
-STUDY = Study(
-    name="hf_score",
-    version=VERSION,
-    description="cache tests scored on tiny Hugging Face models against injected cache bugs (needs kvfast[hf])",
-    run=run,
-    config_fields=CONFIG_FIELDS,
-    result_fields=RESULT_FIELDS,
-    validate_config=validate_config,
+STUDY = study_of(
+    globals(),
+    "hf_score",
+    "cache tests scored on tiny Hugging Face models against injected cache bugs (needs kvfast[hf])",
     summarize=score_table,
-    claims=claims,
-    figures=FIGURES,
-    facts=facts,
     rank=110,
     reproduce=False,
 )

@@ -34,10 +34,11 @@ from kvfast.studies.common import (
     ok_rows,
     require_config_choice,
     require_model_shape,
+    study_of,
 )
 from kvfast.studies.criteria import EXACT, judged
 from kvfast.studies.plotting import SYMLOG_FLOOR, pyplot
-from kvfast.sweep.study import Claim, Figure, Study
+from kvfast.sweep.study import Claim, Figure
 from kvfast.validation import require_int
 
 VERSION = "1"
@@ -100,26 +101,16 @@ def run(config: dict) -> dict:
 def per_layer(df: pd.DataFrame) -> pd.DataFrame:
     """One row per run and layer ``l``: ``resid_in`` (entering ``l``), ``k``, ``v``, ``resid_out`` (leaving ``l``)."""
     ok = ok_rows(df)
-    rows = []
-    for _, r in ok.iterrows():
-        resid = list(r["resid_dev"])
-        for i, (k, v) in enumerate(zip(r["k_dev"], r["v_dev"], strict=True)):
-            rows.append(
-                {
-                    "preset": r["preset"],
-                    "causal": bool(r["causal"]),
-                    "n_layer": int(r["n_layer"]),
-                    "prompt_len": int(r["prompt_len"]),
-                    "layer": i + 1,
-                    "resid_in": resid[i],
-                    "k": float(k),
-                    "v": float(v),
-                    "resid_out": resid[i + 1],
-                }
-            )
-    return pd.DataFrame(
-        rows, columns=["preset", "causal", "n_layer", "prompt_len", "layer", "resid_in", "k", "v", "resid_out"]
+    per_run = ok[["preset", "causal", "n_layer", "prompt_len"]].assign(
+        layer=[list(range(1, len(k) + 1)) for k in ok["k_dev"]],
+        resid_in=[list(r)[:-1] for r in ok["resid_dev"]],
+        k=[list(k) for k in ok["k_dev"]],
+        v=[list(v) for v in ok["v_dev"]],
+        resid_out=[list(r)[1:] for r in ok["resid_dev"]],
     )
+    long = per_run.explode(["layer", "resid_in", "k", "v", "resid_out"]).reset_index(drop=True)
+    floats = dict.fromkeys(("resid_in", "k", "v", "resid_out"), np.float64)
+    return long.astype({"causal": bool, "n_layer": np.int64, "prompt_len": np.int64, "layer": np.int64, **floats})
 
 
 def layer_stats(df: pd.DataFrame) -> pd.DataFrame:
@@ -224,9 +215,8 @@ def layer_table(df: pd.DataFrame) -> pd.DataFrame:
 
 def _draw_layers(df: pd.DataFrame, table: pd.DataFrame):
     """Per preset, the change of K and V per layer with the mask off (largest and smallest over runs) and on."""
-    plt = pyplot()
     presets = [p for p in PRESETS if p in set(table["preset"])]
-    fig, axes = plt.subplots(1, len(presets), figsize=(4.4 * len(presets), 4.2), sharey=True, squeeze=False)
+    fig, axes = pyplot().subplots(1, len(presets), figsize=(4.4 * len(presets), 4.2), sharey=True, squeeze=False)
     top = 20.0 * float(table[["k_max", "v_max"]].to_numpy().max()) if len(table) else 1.0
     for ax, preset in zip(axes[0], presets, strict=True):
         off = table[(table["preset"] == preset) & (table["mask"] == "off")]
@@ -248,8 +238,7 @@ def _draw_layers(df: pd.DataFrame, table: pd.DataFrame):
         ax.set_yscale("symlog", linthresh=SYMLOG_FLOOR)
         ax.set_ylim(0, top)
         ax.set_xticks(sorted(set(table["layer"])))
-        ax.set_xlabel("layer")
-        ax.set_title(f"preset {preset}")
+        ax.set(xlabel="layer", title=f"preset {preset}")
         ax.grid(alpha=0.3)
     axes[0, 0].set_ylabel("max |change| at earlier positions\n(symlog, 0 at bottom)")
     axes[0, -1].legend(loc="center right", fontsize=8)
@@ -281,16 +270,9 @@ FIGURES = (
 )
 
 
-STUDY = Study(
-    name="invariance",
-    version=VERSION,
-    description="per layer, how much appending a token moves earlier positions' residual stream, K and V",
-    run=run,
-    config_fields=CONFIG_FIELDS,
-    result_fields=RESULT_FIELDS,
-    validate_config=validate_config,
-    summarize=summarize,
-    claims=claims,
-    figures=FIGURES,
+STUDY = study_of(
+    globals(),
+    "invariance",
+    "per layer, how much appending a token moves earlier positions' residual stream, K and V",
     rank=75,
 )

@@ -44,19 +44,27 @@ from kvfast.kernels.reduce import ORDER_CODES
 from kvfast.model.config import ModelConfig, init_params
 from kvfast.model.decode import generate_prepared
 from kvfast.model.transformer import Weights
-from kvfast.numerics import Numerics
+from kvfast.numerics import PRESETS, Numerics
 from kvfast.studies import bugs as bugstudy
-from kvfast.studies.common import MODEL_SHAPE_FIELDS, model_config, ok_rows, require_config_choice, require_model_shape
+from kvfast.studies.common import (
+    MODEL_SHAPE_FIELDS,
+    bits_equal,
+    first_index,
+    model_config,
+    ok_rows,
+    require_config_choice,
+    require_model_shape,
+    study_of,
+)
 from kvfast.studies.criteria import EXACT, TEST, judged, mcnemar_exact_p
 from kvfast.studies.plotting import pyplot
-from kvfast.sweep.study import Claim, Fact, Figure, Study
+from kvfast.sweep.study import Claim, Fact, Figure
 from kvfast.validation import require_int
 
 VERSION = "1"
 
 FORMATS = tuple(FORMAT_CODES)  # f64, f32, bf16
 ORDERS = tuple(ORDER_CODES)  # sequential, pairwise
-PRESET_PAIRS = (("f64", "f64"), ("f32", "f32"), ("bf16", "f32"))
 SAME_SIZE_LEVEL = 0.05  # "as often": the paired exact McNemar test does not reject at this level
 MODEL_KINDS = bugstudy.MODEL_KINDS  # random, trained
 CLAIMS_MODEL = "random"  # the seed's claims are judged on the random twin-head models; trained ones are reported beside
@@ -130,15 +138,6 @@ def twin_head_model(config: dict) -> tuple[ModelConfig, dict, np.ndarray]:
     return cfg, params, prompt
 
 
-def _first_diff(a: np.ndarray, b: np.ndarray) -> int:
-    bad = np.nonzero(a != b)[0]
-    return int(bad[0]) if bad.size else -1
-
-
-def _bits_equal(a: np.ndarray, b: np.ndarray) -> bool:
-    return bool((np.ascontiguousarray(a).view(np.uint64) == np.ascontiguousarray(b).view(np.uint64)).all())
-
-
 def run(config: dict) -> dict:
     """One run (see the module docstring); returns :data:`RESULT_FIELDS`."""
     validate_config(config)
@@ -158,8 +157,8 @@ def run(config: dict) -> dict:
     margins = top2[:, 1] - top2[:, 0]
     order = np.argsort(-l_ref, axis=1, kind="stable")[:, :2]
     twins = (order[:, 0] // 2) == (order[:, 1] // 2)
-    first_mix = _first_diff(t_mix, t_ref)
-    first_ctl = _first_diff(t_ctl, t_ref)
+    first_mix = first_index(t_mix != t_ref)
+    first_ctl = first_index(t_ctl != t_ref)
     # logits are compared only up to the first flip (after it the two runs read different tokens)
     upto_mix = steps if first_mix < 0 else first_mix + 1
     upto_ctl = steps if first_ctl < 0 else first_ctl + 1
@@ -174,7 +173,7 @@ def run(config: dict) -> dict:
         "first_flip_control": first_ctl,
         "cached_max_diff": float(np.abs(l_mix[:upto_mix] - l_ref[:upto_mix]).max()),
         "control_max_diff": float(np.abs(l_ctl[:upto_ctl] - l_ref[:upto_ctl]).max()),
-        "same_exact": bool(_bits_equal(l_same, l_ref) and (t_same == t_ref).all()),
+        "same_exact": bool(bits_equal(l_same, l_ref).all() and (t_same == t_ref).all()),
         "same_max_diff": float(np.abs(l_same - l_ref).max()),
         "tokens": ",".join(map(str, t_ref)),
     }
@@ -261,7 +260,7 @@ def claims(df: pd.DataFrame) -> list[Claim]:
                 [("no flip in any cached or control run", flips == 0)],
             )
         )
-    presets = ok[[(s, a) in PRESET_PAIRS for s, a in zip(ok["storage"], ok["accum"], strict=True)]]
+    presets = ok[[(s, a) in PRESETS.values() for s, a in zip(ok["storage"], ok["accum"], strict=True)]]
     if len(presets):
         out.append(
             judged(
@@ -285,32 +284,23 @@ def claims(df: pd.DataFrame) -> list[Claim]:
 def neartied_table(df: pd.DataFrame) -> pd.DataFrame:
     """Per model kind, storage/accumulator pair and twin gap: runs, flips of the mixed-order cached run and of the
     control, and the median top-2 margin."""
-    ok = ok_rows(df)
-    rows = []
-    for (model, storage, accum, exp), g in ok.groupby(["model", "storage", "accum", "twin_exp"]):
-        rows.append(
-            {
-                "model": model,
-                "storage": storage,
-                "accum": accum,
-                "twin_exp": int(exp),
-                "runs": len(g),
-                "flips_cached": int(g["flip_cached"].sum()),
-                "flips_control": int(g["flip_control"].sum()),
-                "margin_median": float(g["margin_median"].median()),
-            }
+    return (
+        ok_rows(df)
+        .groupby(["model", "storage", "accum", "twin_exp"])
+        .agg(
+            runs=("flip_cached", "size"),
+            flips_cached=("flip_cached", "sum"),
+            flips_control=("flip_control", "sum"),
+            margin_median=("margin_median", "median"),
         )
-    return pd.DataFrame(
-        rows,
-        columns=["model", "storage", "accum", "twin_exp", "runs", "flips_cached", "flips_control", "margin_median"],
+        .reset_index()
     )
 
 
 def _draw_flips(df: pd.DataFrame, table: pd.DataFrame):
     """Per model kind, flips of the cached run and of the control against the twin gap, per accumulator."""
     models = [m for m in ("random", "trained") if m in set(table["model"])]
-    plt = pyplot()
-    fig, axes = plt.subplots(1, len(models), figsize=(6.2 * len(models), 4.8), sharey=True, squeeze=False)
+    fig, axes = pyplot().subplots(1, len(models), figsize=(6.2 * len(models), 4.8), sharey=True, squeeze=False)
     styles = {"bf16": "-", "f32": "--", "f64": ":"}
     runs = int(table["runs"].max()) if len(table) else 0
     exps = sorted(set(table["twin_exp"]))
@@ -347,32 +337,29 @@ def facts(df: pd.DataFrame) -> list[Fact]:
         if not len(b):
             continue
         suffix = "" if model == CLAIMS_MODEL else f"_{model}"
-        words = "" if not suffix else f" (twin head on the {model} model)"
+        about = f"near-tied model{f' (twin head on the {model} model)' if suffix else ''}"
         rows.append(
-            (
+            Fact(
                 f"neartied_bf16_logit_move{suffix}",
-                f"near-tied model{words}, bf16 accumulator: largest logit move of the mixed-order cached run "
-                "(to its first flip)",
+                f"{about}, bf16 accumulator: largest logit move of the mixed-order cached run (to its first flip)",
                 f"{float(b['cached_max_diff'].max()):.3g}",
             )
         )
         if suffix:
+            margins = runs[runs["storage"] == "f64"].groupby("twin_exp")["margin_median"].median()
             rows.append(
-                (
+                Fact(
                     f"neartied_flips{suffix}",
-                    f"near-tied model{words}, bf16 storage + bf16 accumulator, per twin gap: cached vs control "
-                    "flips (paired exact McNemar p)",
+                    f"{about}, bf16 storage + bf16 accumulator, per twin gap: cached vs control flips (paired "
+                    "exact McNemar p)",
                     flips_text(flips_per_gap(runs)),
                 )
             )
             rows.append(
-                (
+                Fact(
                     f"neartied_margin{suffix}",
-                    f"near-tied model{words}: median top-2 margin per twin gap (f64 preset)",
-                    "; ".join(
-                        f"2^-{int(e)}: {float(g['margin_median'].median()):.3g}"
-                        for e, g in runs[runs["storage"] == "f64"].groupby("twin_exp")
-                    ),
+                    f"{about}: median top-2 margin per twin gap (f64 preset)",
+                    "; ".join(f"2^-{int(e)}: {float(m):.3g}" for e, m in margins.items()),
                 )
             )
     return rows
@@ -393,17 +380,9 @@ FIGURES = (
 )
 
 
-STUDY = Study(
-    name="neartied",
-    version=VERSION,
-    description="near-tied (twin-head) model: token flips of mixed-order cached runs vs a no-cache control",
-    run=run,
-    config_fields=CONFIG_FIELDS,
-    result_fields=RESULT_FIELDS,
-    validate_config=validate_config,
-    summarize=summarize,
-    claims=claims,
-    figures=FIGURES,
-    facts=facts,
+STUDY = study_of(
+    globals(),
+    "neartied",
+    "near-tied (twin-head) model: token flips of mixed-order cached runs vs a no-cache control",
     rank=40,
 )

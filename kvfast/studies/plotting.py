@@ -50,16 +50,14 @@ def ratio_bars(
     (green) beside the smallest ``bugged`` one (red, ``bugged_label``), and a dashed line at ``line`` that
     clean runs stay under and bugs rise above. A missing ratio (``NaN``) and one below ``floor`` are drawn
     at ``floor``."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=figsize)
+    fig, ax = pyplot().subplots(figsize=figsize)
     x = np.arange(len(labels))
     ax.bar(x - 0.2, clean.fillna(0.0).clip(lower=floor), 0.4, label="largest clean ratio", color="#2ca02c")
     ax.bar(x + 0.2, bugged.fillna(0.0).clip(lower=floor), 0.4, label=bugged_label, color="#d62728")
     ax.axhline(line, color="black", lw=0.8, ls="--", label=line_label)
     ax.set_yscale("log")
     ax.set_xticks(x, labels, fontsize=8)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
+    ax.set(ylabel=ylabel, title=title)
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig

@@ -44,17 +44,19 @@ from kvfast.model.cache import KVCache
 from kvfast.model.config import ModelConfig, init_params
 from kvfast.model.decode import decode_prepared
 from kvfast.model.transformer import Weights, forward_prepared
-from kvfast.numerics import Numerics
+from kvfast.numerics import PRESETS, Numerics
 from kvfast.studies.common import (
     MODEL_SHAPE_FIELDS,
+    bits_equal,
     model_config,
     ok_rows,
     require_config_choice,
     require_model_shape,
+    study_of,
 )
 from kvfast.studies.criteria import EXACT, judged
 from kvfast.studies.plotting import pyplot
-from kvfast.sweep.study import Claim, Fact, Figure, Study
+from kvfast.sweep.study import Claim, Fact, Figure
 from kvfast.validation import require_int
 
 VERSION = "2"
@@ -163,11 +165,6 @@ def cached_trace(
     return {"logits": logits, "k": cache.k.copy(), "v": cache.v.copy()}
 
 
-def _same(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Elementwise bit equality (as float64 patterns)."""
-    return np.ascontiguousarray(a).view(np.uint64) == np.ascontiguousarray(b).view(np.uint64)
-
-
 def _max_diff(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a - b).max()) if a.size else 0.0
 
@@ -181,11 +178,11 @@ def _first_diff(ta: dict, tb: dict) -> str:
                 if kind != "resid" and layer == n_layer:
                     continue
                 a, b = ta[kind][layer, t], tb[kind][layer, t]
-                bad = np.nonzero(~_same(a, b))[0]
+                bad = np.nonzero(~bits_equal(a, b))[0]
                 if bad.size:
                     j = int(bad[0])
                     return f"{kind}[layer={layer}, pos={t}, col={j}]: {float(a[j])!r} vs {float(b[j])!r}"
-        bad = np.nonzero(~_same(ta["logits"][t], tb["logits"][t]))[0]
+        bad = np.nonzero(~bits_equal(ta["logits"][t], tb["logits"][t]))[0]
         if bad.size:
             j = int(bad[0])
             return f"logits[pos={t}, col={j}]: {float(ta['logits'][t, j])!r} vs {float(tb['logits'][t, j])!r}"
@@ -217,18 +214,18 @@ def run(config: dict) -> dict:
 
     ta = full_trace(cfg, w, tokens, nx_a)
     tb = full_trace(cfg, w, tokens, nx_b)
-    eq = {kind: _same(ta[kind], tb[kind]) for kind in ("resid", "k", "v", "logits")}
+    eq = {kind: bits_equal(ta[kind], tb[kind]) for kind in ("resid", "k", "v", "logits")}
     fwd_pos = _positions_agree([eq["resid"], eq["k"], eq["v"], eq["logits"]], [1, 1, 1, 0], n)
     fwd_max = max(_max_diff(ta[kind], tb[kind]) for kind in ("resid", "k", "v", "logits"))
 
     mixed = cached_trace(cfg, w, tokens, p, nx_a, dec_b)
-    ckv = [_same(mixed["k"], ta["k"]), _same(mixed["v"], ta["v"])]
-    clog = _same(mixed["logits"][p:], ta["logits"][p:])
+    ckv = [bits_equal(mixed["k"], ta["k"]), bits_equal(mixed["v"], ta["v"])]
+    clog = bits_equal(mixed["logits"][p:], ta["logits"][p:])
     cache_pos = _positions_agree([ckv[0][:, p:], ckv[1][:, p:], clog], [1, 1, 0], n - p)
     cache_max = max(_max_diff(mixed[kind], ta[kind]) for kind in ("k", "v", "logits"))
 
     same = cached_trace(cfg, w, tokens, p, nx_a, dec_a)
-    same_exact = all(_same(same[kind], ta[kind]).all() for kind in ("k", "v", "logits"))
+    same_exact = all(bits_equal(same[kind], ta[kind]).all() for kind in ("k", "v", "logits"))
     same_max = max(_max_diff(same[kind], ta[kind]) for kind in ("k", "v", "logits"))
 
     return {
@@ -340,11 +337,8 @@ def _kernel_claims(ok: pd.DataFrame) -> list[Claim]:
     aligned = same_kernel[same_kernel["attention"].str.split(":").str[0].isin(["standard", "online", "splitkv"])]
     counted = same_kernel[same_kernel["attention"].str.startswith("splitcount")]
     if len(aligned):
-        presets = aligned[
-            ((aligned["storage"] == "f64") & (aligned["accum"] == "f64"))
-            | ((aligned["storage"] == "f32") & (aligned["accum"] == "f32"))
-            | ((aligned["storage"] == "bf16") & (aligned["accum"] == "f32"))
-        ]
+        formats = zip(aligned["storage"], aligned["accum"], strict=True)
+        presets = aligned[[pair in PRESETS.values() for pair in formats]]
         out.append(
             judged(
                 "same order in prefill and decode: the cache is bit-exact (three presets; standard and "
@@ -418,10 +412,9 @@ def precision_table(df: pd.DataFrame) -> pd.DataFrame:
 
 def _draw_agreement(df: pd.DataFrame, table: pd.DataFrame):
     """Heatmaps, storage x accumulator, of the share of positions agreeing, per d_model and comparison."""
-    plt = pyplot()
     dims = sorted(set(table["d_model"]))
     comps = list(dict.fromkeys(table["comparison"]))
-    fig, axes = plt.subplots(
+    fig, axes = pyplot().subplots(
         len(dims), len(comps), figsize=(4.3 * len(comps) + 1.2, 3.5 * len(dims) + 0.6), squeeze=False,
         layout="constrained",
     )  # fmt: skip
@@ -487,17 +480,9 @@ FIGURES = (
 )
 
 
-STUDY = Study(
-    name="precision",
-    version=VERSION,
-    description="summation order x storage x accumulator: bit agreement of forwards and of mixed-order cached paths",
-    run=run,
-    config_fields=CONFIG_FIELDS,
-    result_fields=RESULT_FIELDS,
-    validate_config=validate_config,
-    summarize=summarize,
-    claims=claims,
-    figures=FIGURES,
-    facts=facts,
+STUDY = study_of(
+    globals(),
+    "precision",
+    "summation order x storage x accumulator: bit agreement of forwards and of mixed-order cached paths",
     rank=30,
 )

@@ -53,11 +53,10 @@ def bug_rows(df: pd.DataFrame, which: str = "findings") -> pd.DataFrame:
 
 def write_scan_reproducers(df: pd.DataFrame, results_dir, which: str = "findings", seconds: float = 60.0):
     """A reproducer for each of :func:`bug_rows` in ``DIR.repro/ARCH-DTYPE-SCENARIO-BUG/``; the findings table."""
-    from kvfast.check.hf import HFModel
     from kvfast.repro.case import SCRIPT_SCENARIOS, find_case, inject
     from kvfast.repro.findings import Finding, findings_table, write_case, write_findings
-    from kvfast.studies.architectures import own_cache, pad_token
-    from kvfast.studies.scan import _model, tokens
+    from kvfast.studies.architectures import adapter_of, pad_token
+    from kvfast.studies.hf_scan import _model, tokens
 
     where = repro_dir(results_dir)
     found = []
@@ -72,7 +71,7 @@ def write_scan_reproducers(df: pd.DataFrame, results_dir, which: str = "findings
             )
             continue
         model = _model(row["architecture"], row["dtype"], row["attention"], int(row["seed"]))
-        adapter = inject(HFModel(model, new_cache=(lambda: None) if own_cache(model) else None), bug)
+        adapter = inject(adapter_of(model), bug)
         prompt, continuation = tokens(row, pad_token(model))
         command = (
             f"kvfast scan --families {row['architecture']} --dtypes {row['dtype']} --scenarios {row['scenario']} "

@@ -58,11 +58,11 @@ from kvfast.model.cache import KVCache
 from kvfast.model.config import ModelConfig, init_params
 from kvfast.model.transformer import Weights, forward_prepared
 from kvfast.numerics import Numerics
-from kvfast.studies.common import MODEL_SHAPE_FIELDS, model_config, ok_rows, require_model_shape
+from kvfast.studies.common import MODEL_SHAPE_FIELDS, model_config, ok_rows, require_model_shape, study_of
 from kvfast.studies.criteria import DIRECTION, VS_SEED, judged, within
 from kvfast.studies.plotting import pyplot
 from kvfast.studies.toytask import AdamState, adam_step, batch_loss_and_grads
-from kvfast.sweep.study import Claim, Fact, Figure, Study
+from kvfast.sweep.study import Claim, Fact, Figure
 from kvfast.validation import not_allowed, require_int
 
 VERSION = "1"
@@ -387,40 +387,31 @@ def _curve_runs(df: pd.DataFrame) -> pd.DataFrame:
     return ok[ok["prefix_len"] == TASK_PREFIX]
 
 
+#: The curve table's columns: the mean over seeds of each curve column, per curve point.
+CURVE_TABLE_COLUMNS = {
+    "cosine_full_training": "curve_cosine_full",
+    "cosine_cached_training": "curve_cosine_cached",
+    "suffix_loss_full": "curve_suffix_loss_full",
+    "suffix_loss_cached": "curve_suffix_loss_cached",
+}
+
+
 def training_curve_table(df: pd.DataFrame) -> pd.DataFrame:
     """At prefix 6, per training budget and curve point: the step and the means over seeds of the gradient cosine
     along full and along cached training, and of the held-out suffix loss of each variant."""
-    runs = _curve_runs(df)
-    rows = []
-    for steps, g in runs.groupby("train_steps"):
-        at, cos_full = mean_curve(g, "curve_cosine_full")
-        _, cos_cached = mean_curve(g, "curve_cosine_cached")
-        _, loss_full = mean_curve(g, "curve_suffix_loss_full")
-        _, loss_cached = mean_curve(g, "curve_suffix_loss_cached")
-        for i, step in enumerate(at):
-            rows.append(
-                {
-                    "train_steps": int(steps),
-                    "step": int(step),
-                    "seeds": len(g),
-                    "cosine_full_training": float(cos_full[i]),
-                    "cosine_cached_training": float(cos_cached[i]),
-                    "suffix_loss_full": float(loss_full[i]),
-                    "suffix_loss_cached": float(loss_cached[i]),
-                }
-            )
-    return pd.DataFrame(
-        rows,
-        columns=[
-            "train_steps",
-            "step",
-            "seeds",
-            "cosine_full_training",
-            "cosine_cached_training",
-            "suffix_loss_full",
-            "suffix_loss_cached",
-        ],
-    )
+    parts = [
+        pd.DataFrame(
+            {
+                "train_steps": int(steps),
+                "step": np.asarray(g["curve_steps"].iloc[0], dtype=np.int64),
+                "seeds": len(g),
+                **{name: mean_curve(g, column)[1] for name, column in CURVE_TABLE_COLUMNS.items()},
+            }
+        )
+        for steps, g in _curve_runs(df).groupby("train_steps")
+    ]
+    columns = ["train_steps", "step", "seeds", *CURVE_TABLE_COLUMNS]
+    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=columns)
 
 
 def _budgets(runs: pd.DataFrame) -> list[int]:
@@ -448,28 +439,15 @@ def training_tensor_table(df: pd.DataFrame) -> pd.DataFrame:
     )
 
 
-def _cosine_table(df: pd.DataFrame) -> pd.DataFrame:
-    return training_table(df)[["train_steps", "prefix_len", "seeds", "cosine", "cosine_min", "cosine_max"]]
-
-
-def _loss_table(df: pd.DataFrame) -> pd.DataFrame:
-    return training_table(df)[["train_steps", "prefix_len", "seeds", "suffix_loss_full", "suffix_loss_cached"]]
-
-
-def _cosine_curve_table(df: pd.DataFrame) -> pd.DataFrame:
-    columns = ["train_steps", "step", "seeds", "cosine_full_training", "cosine_cached_training"]
-    return training_curve_table(df)[columns]
-
-
-def _loss_curve_table(df: pd.DataFrame) -> pd.DataFrame:
-    return training_curve_table(df)[["train_steps", "step", "seeds", "suffix_loss_full", "suffix_loss_cached"]]
+def _columns(table, *names: str):
+    """The figure table ``table`` (a function of the runs) cut to the columns ``names``."""
+    return lambda df: table(df)[list(names)]
 
 
 def _draw_cosine(df: pd.DataFrame, table: pd.DataFrame):
     """The cosine at initialisation against the prefix length: each seed, and their mean."""
     ok = ok_rows(df)
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8, 4.4))
+    fig, ax = pyplot().subplots(figsize=(8, 4.4))
     main = table[table["train_steps"] == table["train_steps"].min()]
     runs = ok[ok["train_steps"] == table["train_steps"].min()]
     ax.scatter(runs["prefix_len"], runs["grad_cosine"], s=14, color="grey", alpha=0.6, label="one seed")
@@ -506,8 +484,7 @@ def _draw_cosine_curve(df: pd.DataFrame, table: pd.DataFrame):
             at, mean = mean_curve(g, f"curve_cosine_{variant}")
             ax.plot(at, mean, "-o", ms=4, color=color, label=f"along {variant} training (mean of {len(g)} seeds)")
         ax.axhline(SEED_COSINE, color="black", ls="--", lw=1, label=f"seed: {SEED_COSINE}")
-        ax.set_xlabel("training step (Adam)")
-        ax.set_title(f"{steps} training steps, prefix 6 of 12")
+        ax.set(xlabel="training step (Adam)", title=f"{steps} training steps, prefix 6 of 12")
         ax.grid(alpha=0.3)
     axes[0, 0].set_ylabel("gradient cosine, cached-prefix vs full")
     axes[0, 0].legend(loc="lower left", fontsize=9)
@@ -519,19 +496,17 @@ def _draw_cosine_curve(df: pd.DataFrame, table: pd.DataFrame):
 def _draw_tensor_cosine(df: pd.DataFrame, table: pd.DataFrame):
     """Per variant, a heatmap of the cosine per parameter tensor against the training step."""
     runs = _curve_runs(df)
-    plt = pyplot()
     g = runs[runs["train_steps"] == min(_budgets(runs))]
     names = list(g["tensor_names"].iloc[0])
     at = list(g["curve_steps"].iloc[0])
-    fig, axes = plt.subplots(1, 2, figsize=(12, 6.4), sharey=True, layout="constrained")
+    fig, axes = pyplot().subplots(1, 2, figsize=(12, 6.4), sharey=True, layout="constrained")
     for ax, variant in zip(axes, ("full", "cached"), strict=True):
         cube = np.array([np.asarray(list(c), dtype=np.float64) for c in g[f"curve_tensor_cosine_{variant}"]])
         grid = cube.mean(axis=0).T  # tensors x curve points
         im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
         ax.set_xticks(range(len(at)), [str(a) for a in at], fontsize=8)
         ax.set_yticks(range(len(names)), names, fontsize=8)
-        ax.set_xlabel("training step")
-        ax.set_title(f"along {variant} training")
+        ax.set(xlabel="training step", title=f"along {variant} training")
     axes[0].set_ylabel("parameter tensor (h0 = layer 1, h1 = layer 2)")
     fig.colorbar(im, ax=axes, shrink=0.8, label="gradient cosine, cached-prefix vs full (mean over seeds)")
     fig.suptitle(f"Gradient cosine per parameter tensor, prefix 6 of 12, {int(g['train_steps'].iloc[0])} steps")
@@ -540,8 +515,7 @@ def _draw_tensor_cosine(df: pd.DataFrame, table: pd.DataFrame):
 
 def _draw_suffix_loss(df: pd.DataFrame, table: pd.DataFrame):
     """The held-out suffix loss after each budget against the prefix length, full and cached."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8, 4.4))
+    fig, ax = pyplot().subplots(figsize=(8, 4.4))
     for steps, g in table.groupby("train_steps"):
         marker = "-o" if len(g) > 1 else "D"
         ax.plot(g["prefix_len"], g["suffix_loss_full"], marker, color="#2ca02c", label=f"full, {steps} steps")
@@ -583,59 +557,48 @@ def _draw_loss_curve(df: pd.DataFrame, table: pd.DataFrame):
 
 def _per_seed_facts(df: pd.DataFrame) -> list[Fact]:
     ok = ok_rows(df)
-    rows = []
-    at = ok[ok["prefix_len"] == 6]
-    for steps, g in at.groupby("train_steps"):
-        g = g.sort_values("seed")
-        rows.append(
-            (
-                f"training_per_seed_{int(steps)}",
-                f"training at prefix 6 of 12, {int(steps)} steps, per seed: gradient cosine; suffix loss full / cached",
-                "; ".join(
-                    f"seed {int(r['seed'])}: {r['grad_cosine']:.3f}; {r['suffix_loss_full']:.3f} / "
-                    f"{r['suffix_loss_cached']:.3f}"
-                    for _, r in g.iterrows()
-                ),
-            )
+    return [
+        Fact(
+            f"training_per_seed_{int(steps)}",
+            f"training at prefix 6 of 12, {int(steps)} steps, per seed: gradient cosine; suffix loss full / cached",
+            "; ".join(
+                f"seed {int(r['seed'])}: {r['grad_cosine']:.3f}; {r['suffix_loss_full']:.3f} / "
+                f"{r['suffix_loss_cached']:.3f}"
+                for _, r in g.sort_values("seed").iterrows()
+            ),
         )
-    return rows
+        for steps, g in ok[ok["prefix_len"] == 6].groupby("train_steps")
+    ]
+
+
+# The curve facts: key, column, what is measured, unit, number format.
+CURVE_FACTS = (
+    ("cosine", "curve_cosine", "gradient cosine along {} training", "cosine", ".3f"),
+    ("loss", "curve_suffix_loss", "held-out suffix loss of {} training", "loss", ".3g"),
+)
 
 
 def _curve_facts(df: pd.DataFrame) -> list[Fact]:
-    ok = ok_rows(df)
-    if "curve_cosine_full" not in ok.columns:
+    at6 = _curve_runs(df)
+    if not len(at6):
         return []
-    at6 = ok[ok["prefix_len"] == 6]
-    rows = []
-    curves = (  # key, column, what is measured, unit, number format
-        ("cosine", "curve_cosine", "gradient cosine along {} training", "cosine", ".3f"),
-        ("loss", "curve_suffix_loss", "held-out suffix loss of {} training", "loss", ".3g"),
-    )
-    for steps, g in at6.groupby("train_steps"):
-        for key, column, what, unit, fmt in curves:
-            for variant in ("full", "cached"):
-                at, curve = mean_curve(g, f"{column}_{variant}")
-                rows.append(
-                    (
-                        f"training_{key}_curve_{variant}_{int(steps)}",
-                        f"training at prefix 6 of 12, {int(steps)} steps: {what.format(variant)} "
-                        f"(mean over seeds), step: {unit}",
-                        ", ".join(f"{int(a)}: {c:{fmt}}" for a, c in zip(at, curve, strict=True)),
-                    )
-                )
+    rows = [
+        Fact(
+            f"training_{key}_curve_{variant}_{int(steps)}",
+            f"training at prefix 6 of 12, {int(steps)} steps: {what.format(variant)} (mean over seeds), step: {unit}",
+            ", ".join(f"{int(a)}: {c:{fmt}}" for a, c in zip(*mean_curve(g, f"{column}_{variant}"), strict=True)),
+        )
+        for steps, g in at6.groupby("train_steps")
+        for key, column, what, unit, fmt in CURVE_FACTS
+        for variant in VARIANTS
+    ]
     main = at6[at6["train_steps"] == at6["train_steps"].min()]
     names = list(main["tensor_names"].iloc[0])
     init = np.array([np.asarray(list(c)[0], dtype=np.float64) for c in main["curve_tensor_cosine_full"]]).mean(axis=0)
     order = np.argsort(init, kind="stable")
-    rows.append(
-        (
-            "training_tensor_cosine_init",
-            "training at prefix 6 of 12: gradient cosine per parameter tensor at initialisation (mean over seeds), "
-            "lowest first",
-            ", ".join(f"{names[i]} {init[i]:.3f}" for i in order),
-        )
-    )
-    return rows
+    tensors = ", ".join(f"{names[i]} {init[i]:.3f}" for i in order)
+    what = "gradient cosine per parameter tensor at initialisation (mean over seeds), lowest first"
+    return [*rows, Fact("training_tensor_cosine_init", f"training at prefix 6 of 12: {what}", tensors)]
 
 
 def facts(df: pd.DataFrame) -> list[Fact]:
@@ -649,7 +612,7 @@ FIGURES = (
         "Training: gradient cosine against the cached prefix length",
         "The cosine between the full gradient and the cached-prefix gradient (prefix K/V treated as constants), "
         "at initialisation, on a fixed batch of 32 sequences.",
-        _cosine_table,
+        _columns(training_table, "train_steps", "prefix_len", "seeds", "cosine", "cosine_min", "cosine_max"),
         _draw_cosine,
     ),
     Figure(
@@ -659,7 +622,9 @@ FIGURES = (
         "parameters each variant has reached after that many Adam steps (step 0 is the cosine at initialisation). "
         "Along full training it dips while the model learns to attend back to the prefix, through the seed's "
         "0.857, and recovers once the task is learned; along cached training it keeps falling.",
-        _cosine_curve_table,
+        _columns(
+            training_curve_table, "train_steps", "step", "seeds", "cosine_full_training", "cosine_cached_training"
+        ),
         _draw_cosine_curve,
     ),
     Figure(
@@ -677,7 +642,7 @@ FIGURES = (
         "Training: held-out suffix loss, cached prefix vs full",
         "After the same Adam budget from the same initialisation: the held-out loss over the learnable suffix "
         "positions, full training against training with the prefix's K/V as constants.",
-        _loss_table,
+        _columns(training_table, "train_steps", "prefix_len", "seeds", "suffix_loss_full", "suffix_loss_cached"),
         _draw_suffix_loss,
     ),
     Figure(
@@ -686,23 +651,15 @@ FIGURES = (
         "Thin lines: each step's training-batch loss over positions 6..11 (what each variant minimises); markers: "
         "the held-out loss over the learnable suffix positions at the curve points (the last one is the figure of "
         "the claims table). Stars: the seed's final losses, drawn at the end of each budget.",
-        _loss_curve_table,
+        _columns(training_curve_table, "train_steps", "step", "seeds", "suffix_loss_full", "suffix_loss_cached"),
         _draw_loss_curve,
     ),
 )
 
 
-STUDY = Study(
-    name="training",
-    version=VERSION,
-    description="cached-prefix training (prefix K/V as constants) vs full training on a 12-token successor task",
-    run=run,
-    config_fields=CONFIG_FIELDS,
-    result_fields=RESULT_FIELDS,
-    validate_config=validate_config,
-    summarize=summarize,
-    claims=claims,
-    figures=FIGURES,
-    facts=facts,
+STUDY = study_of(
+    globals(),
+    "training",
+    "cached-prefix training (prefix K/V as constants) vs full training on a 12-token successor task",
     rank=50,
 )

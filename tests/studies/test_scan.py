@@ -15,7 +15,7 @@ from shared import HF, environment
 from shared import kvfast as run_kvfast
 
 from kvfast.commands import scan as scan_command
-from kvfast.studies import STUDIES, hf_common, scan
+from kvfast.studies import STUDIES, hf_common, hf_scan
 from kvfast.studies import architectures as A
 
 ENV = environment(OMP_NUM_THREADS="1")
@@ -63,9 +63,9 @@ def test_shrink_makes_sizes_tiny_and_keeps_what_matters_to_the_cache():
 
 def test_prompts_never_hold_the_padding_token():
     config = {"seed": 0, "prompt": 0, "steps": 200}
-    prompt, continuation = scan.tokens(config, None)
+    prompt, continuation = hf_scan.tokens(config, None)
     assert 1 in continuation  # the stream draws it ...
-    prompt, continuation = scan.tokens(config, 1)
+    prompt, continuation = hf_scan.tokens(config, 1)
     assert 1 not in prompt and 1 not in continuation  # ... and a model whose padding token it is never sees it
     assert A.VOCAB == hf_common.TINY_VOCAB
 
@@ -99,7 +99,7 @@ def test_shrink_makes_encoders_decoders_and_shrinks_sub_configs():
 def _row(arch, dtype="float32", scenario="decode", bug="none", verdict="rounding", **kw) -> dict:
     base = {
         "architecture": arch, "dtype": dtype, "attention": "auto", "scenario": scenario, "seed": 0, "prompt": 0,
-        "steps": 8, "bug": bug, "promote": "none", "status": "ok", **dict.fromkeys(scan.RESULT_FIELDS),
+        "steps": 8, "bug": bug, "promote": "none", "status": "ok", **dict.fromkeys(hf_scan.RESULT_FIELDS),
         "verdict": verdict, "acting_step": -1, "attention_used": "sdpa", "check_s": 0.1,
     }  # fmt: skip
     return {**base, **kw}
@@ -139,18 +139,18 @@ RUNS = pd.DataFrame(
 
 
 def test_scoreboard_counts_clean_verdicts_bugs_found_and_false_positives():
-    board = scan.scoreboard(RUNS).set_index("architecture")
+    board = hf_scan.scoreboard(RUNS).set_index("architecture")
     assert list(board.index) == ["a", "b"]  # c: every run skipped, listed apart
     assert board.loc["a", "float32/decode"] == "bug 1, rounding 1"
     assert (board.loc["a", "bugs_found"], board.loc["a", "at_right_step"], board.loc["a", "fpr"]) == ("1/2", 1, 0.5)
     assert board.loc["b", "bugs_found"] == "1/1" and board.loc["b", "fpr"] == 0.0  # found by the logic check
     assert board.loc["b", "steps_to_detect"] == 0.0
-    skipped = scan.skipped_table(RUNS)
+    skipped = hf_scan.skipped_table(RUNS)
     assert skipped.to_dict("records") == [
         {"architecture": "c", "skipped": "1/1", "kind": "adapter", "reason": "no KV cache"}
     ]
-    assert scan.coverage(RUNS) == (2, 3)
-    bugs = scan.bug_table(RUNS).set_index("bug")
+    assert hf_scan.coverage(RUNS) == (2, 3)
+    bugs = hf_scan.bug_table(RUNS).set_index("bug")
     assert bugs.loc["freeze", "missed_on"] == "a" and bugs.loc["posoff", "found"] == 2
     assert bugs.loc["freeze", "not_injectable_on"] == "b"  # b runs clean; c, skipped altogether, is not listed
     assert bugs.loc["posoff", "not_injectable_on"] == ""
@@ -158,33 +158,33 @@ def test_scoreboard_counts_clean_verdicts_bugs_found_and_false_positives():
 
 def test_a_refusal_of_kvfast_inside_a_model_call_is_the_adapters():
     refusal = "model.decode(1) raised ValueError: bug: 'posoff' is not allowed; allowed: x"
-    assert scan.kind_of("run", refusal) == "adapter"
-    assert scan.kind_of("run", "model.recompute(<4 tokens>) raised RuntimeError: shape mismatch") == "run"
-    assert scan.kind_of("config", "config: ValueError: x is not allowed; allowed: y") == "config"
+    assert hf_scan.kind_of("run", refusal) == "adapter"
+    assert hf_scan.kind_of("run", "model.recompute(<4 tokens>) raised RuntimeError: shape mismatch") == "run"
+    assert hf_scan.kind_of("config", "config: ValueError: x is not allowed; allowed: y") == "config"
 
 
 def test_heatmap_cells_are_the_worst_clean_verdict():
-    table = scan.heatmap_table(RUNS).set_index("architecture")
+    table = hf_scan.heatmap_table(RUNS).set_index("architecture")
     assert table.loc["a", "float32/decode"] == "bug"
     assert table.loc["b", "float32/resume"] == "rounding"
     assert table.loc["c", "float32/decode"] == "skipped"
 
 
 def test_the_scan_spec_runs_each_bug_where_it_acts():
-    spec = scan.scan_spec(["llama"], ["float32", "bfloat16"], ["decode", "resume"], bugs=["posoff", "replay"])
+    spec = hf_scan.scan_spec(["llama"], ["float32", "bfloat16"], ["decode", "resume"], bugs=["posoff", "replay"])
     clean, *bugs = spec["union"]
     assert clean["tied"] == [{"dtype": ["float32", "bfloat16"], "promote": ["none", "float64"]}]
     assert [(b["fixed"]["scenario"], b["axes"]["bug"]) for b in bugs] == [
         ("decode", ["posoff"]),
         ("resume", ["posoff", "replay"]),
     ]
-    assert scan.scan_spec(["llama"], bugs=[])["union"][1:] == []
+    assert hf_scan.scan_spec(["llama"], bugs=[])["union"][1:] == []
 
 
 @pytest.mark.subprocess
 def test_the_study_is_registered_and_imports_no_torch():
     assert "hf_scan" in STUDIES and not STUDIES["hf_scan"].reproduce
-    code = "import sys, kvfast.studies.scan, kvfast.commands.scan; print('torch' in sys.modules)"
+    code = "import sys, kvfast.studies.hf_scan, kvfast.commands.scan; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, check=True)
     assert out.stdout.strip() == "False"
 
@@ -332,7 +332,7 @@ def test_derived_fields_get_the_value_their_none_stands_for():
 def _scan_run(arch: str, scenario: str = "decode", bug: str = "none") -> dict:
     c = {"architecture": arch, "dtype": "float32", "attention": "auto", "scenario": scenario, "seed": 0,
          "prompt": 0, "steps": 8, "bug": bug, "promote": "none", "mode": "auto"}  # fmt: skip
-    return scan.run(c)
+    return hf_scan.run(c)
 
 
 @pytest.mark.skipif(not HF, reason="needs torch and transformers (kvfast[hf])")

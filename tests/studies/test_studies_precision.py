@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from kvfast.kernels.precision import to_bfloat16
+from kvfast.numerics import PRESETS
 from kvfast.studies import neartied, precision
 from kvfast.sweep.inline import run_inline
 
@@ -185,7 +186,7 @@ def test_neartied_flips_only_with_a_bf16_accumulator_and_same_order_cache_is_exa
     for accum in ("f64", "f32"):
         r = neartied.run(dict(base, storage="bf16", accum=accum))
         assert r["flip_cached"] is False and r["flip_control"] is False
-    for storage, accum in neartied.PRESET_PAIRS:
+    for storage, accum in PRESETS.values():
         r = neartied.run(dict(base, storage=storage, accum=accum))
         assert r["same_exact"] is True
         assert r["same_max_diff"] == 0.0

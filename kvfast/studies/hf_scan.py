@@ -38,9 +38,9 @@ import pandas as pd
 import pyarrow as pa
 
 from kvfast.studies import hf_common as hf
-from kvfast.studies.common import ok_rows, require_config_choice
+from kvfast.studies.common import declared_order, first_bug_step, ok_rows, require_config_choice, study_of
 from kvfast.studies.plotting import pyplot
-from kvfast.sweep.study import Fact, Figure, Study
+from kvfast.sweep.study import Fact, Figure
 from kvfast.validation import require_int
 
 VERSION = "2"  # 2: the mode field, auto by default
@@ -148,11 +148,6 @@ def _worst_source(report) -> str | None:
     return str(b.floor_source[int(np.nanargmax(b.ratio))])
 
 
-def _step(report) -> int:
-    steps = [s.first_bug_step for s in report.scenarios.values() if s.first_bug_step is not None]
-    return int(min(steps)) if steps else -1
-
-
 def tokens(config: dict, pad: int | None) -> tuple[np.ndarray, np.ndarray]:
     """The config's prompt and continuation, with the model's padding token ``pad`` replaced by the next id: a
     RoBERTa-style model gives a padding token no position (its position ids skip it), so a prompt holding one
@@ -169,11 +164,10 @@ def _check(config: dict, model):
     """The config's check of ``model`` (an adapter is made here, with the bug)."""
     from kvfast.bugs.hf import inject_hf_bug
     from kvfast.check.checker import check_cache
-    from kvfast.check.hf import HFModel
-    from kvfast.studies.architectures import own_cache, pad_token
+    from kvfast.studies.architectures import adapter_of, pad_token
 
     c = config
-    adapter = inject_hf_bug(HFModel(model, new_cache=(lambda: None) if own_cache(model) else None), hf.bug_of(c))
+    adapter = inject_hf_bug(adapter_of(model), hf.bug_of(c))
     prompt, continuation = tokens(c, pad_token(model))
     promote = None if c["promote"] == "none" else c["promote"]
     report = check_cache(
@@ -212,7 +206,7 @@ def run(config: dict) -> dict:
         return _skipped("scenario", " ".join(report.skipped_line().split())[:400], **extra)
     bug = hf.bug_of(c)
     acting = None if bug is None else first_acting_step(bug, c["scenario"], prompt_len)
-    step = _step(report)
+    step = first_bug_step(report)
     logic = report.promoted
     return {
         **extra,
@@ -227,7 +221,7 @@ def run(config: dict) -> dict:
         "right_step": None if acting is None else step == acting,
         "logic_verdict": None if logic is None else logic.verdict,
         "logic_ratio": None if logic is None else logic.max_ratio,
-        "logic_step": None if logic is None else _step(logic),
+        "logic_step": None if logic is None else first_bug_step(logic),
         "check_s": time.perf_counter() - t1,
     }
 
@@ -293,12 +287,7 @@ def _ordered(df: pd.DataFrame) -> pd.DataFrame:
     ok = ok_rows(df)
     if not len(ok):
         return ok
-    order = {"dtype": DTYPES, "scenario": scenarios()}
-
-    def rank(column: pd.Series) -> pd.Series:
-        values = order.get(column.name)
-        return column if values is None else column.map({v: i for i, v in enumerate(values)}).fillna(len(values))
-
+    rank = declared_order({"dtype": DTYPES, "scenario": scenarios()})
     return ok.sort_values(["architecture", "dtype", "scenario", "seed", "prompt"], key=rank, kind="stable")
 
 
@@ -474,10 +463,9 @@ def _draw_heatmap(df: pd.DataFrame, table: pd.DataFrame):
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
 
-    plt = pyplot()
     cells = table.set_index("architecture")
     codes = cells.apply(lambda col: col.map({v: i for i, v in enumerate(VERDICTS)})).to_numpy(dtype=float)
-    fig, ax = plt.subplots(figsize=(2.0 + 1.3 * cells.shape[1], 1.0 + 0.14 * cells.shape[0]))
+    fig, ax = pyplot().subplots(figsize=(2.0 + 1.3 * cells.shape[1], 1.0 + 0.14 * cells.shape[0]))
     ax.imshow(codes, aspect="auto", cmap=ListedColormap([COLOURS[v] for v in VERDICTS]), vmin=0, vmax=len(VERDICTS) - 1)
     ax.set_yticks(range(len(cells)), cells.index, fontsize=6)
     ax.set_xticks(range(cells.shape[1]), cells.columns, fontsize=8, rotation=30, ha="right")
@@ -502,18 +490,12 @@ FIGURES = (
     ),
 )
 
-STUDY = Study(
-    name="hf_scan",
-    version=VERSION,
-    description="every causal-LM architecture of the installed transformers, checked and scored (needs kvfast[hf])",
-    run=run,
-    config_fields=CONFIG_FIELDS,
-    result_fields=RESULT_FIELDS,
-    validate_config=validate_config,
+STUDY = study_of(
+    globals(),
+    "hf_scan",
+    "every causal-LM architecture of the installed transformers, checked and scored (needs kvfast[hf])",
     summarize=scoreboard,
     claims=None,  # a scoreboard, not a claim: the verdicts issue owns what clean runs must give
-    figures=FIGURES,
-    facts=facts,
     tables=(("hf_scan_skipped", skipped_table), ("hf_scan_bugs", bug_table)),
     validate_groups=(),
     rank=120,
