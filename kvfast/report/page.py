@@ -24,8 +24,8 @@ from kvfast._version import __version__
 from kvfast.report import claims as claims_mod
 from kvfast.report.facts import facts
 from kvfast.report.figures import Section, matplotlib_available, sections
-from kvfast.report.findings import findings_html, scan_findings
 from kvfast.report.results import load_results
+from kvfast.report.scan_findings import findings_html, scan_findings
 from kvfast.studies import STUDIES
 from kvfast.sweep.store import MANIFEST, StorageError
 from kvfast.validation import printable
@@ -120,7 +120,7 @@ def render(
     unread: list[str] = (),
 ) -> str:
     """The report page for ``results`` (study name -> stored runs) as one HTML string; ``findings`` (a scan's
-    listing, :func:`kvfast.report.findings.scan_findings`) first where given, its links relative to
+    listing, :func:`kvfast.report.scan_findings.scan_findings`) first where given, its links relative to
     ``page_dir``; ``unread``: why a listing was left out (a damaged ``findings.csv``), a note each."""
     plots = matplotlib_available() if plots is None else plots
     table = claims_mod.claims_table(results)
@@ -259,7 +259,7 @@ def report_dir(results_dir: str | os.PathLike, out: str | os.PathLike | None = N
 def write_report(results_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
     """Read every study's runs under ``results_dir`` and write ``OUT/report.html`` plus its tables
     (:func:`write_tables`); ``out``: see :func:`report_dir` (default ``RESULTS_DIR.report``). A scan's findings
-    (``kvfast scan --repro``: :func:`~kvfast.report.findings.scan_findings`) head the page; a listing that cannot
+    (``kvfast scan --repro``: :func:`~kvfast.report.scan_findings.scan_findings`) head the page; a listing that cannot
     be read is a note there, and the rest of the page is written.
     Returns the page's path."""
     results = load_results(results_dir)

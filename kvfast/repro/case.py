@@ -1,4 +1,4 @@
-"""One finding as data: :class:`Case` (the tiny model, the scenario, the tokens, how the model is called, the
+"""One finding as data: :class:`ReproCase` (the tiny model, the scenario, the tokens, how the model is called, the
 injected bug if any, and what kvfast measured), made from a Hugging Face model by :func:`find_case` and
 checked again by :func:`check_case`.
 
@@ -35,7 +35,7 @@ DROPPED_KEYS = ("transformers_version", "dtype", "torch_dtype")
 
 
 @dataclass(frozen=True)
-class Case:
+class ReproCase:
     """A finding of kvfast on a Hugging Face causal LM, as data (see the module doc).
 
     - ``model_class``, ``config`` (``to_dict()`` of the model's config, JSON-able), ``seed`` (``None``: the
@@ -109,13 +109,13 @@ class Case:
         return json.dumps(data, indent=1, sort_keys=True)
 
     @staticmethod
-    def from_json(text: str) -> Case:
+    def from_json(text: str) -> ReproCase:
         data = json.loads(text)
         data["drafts"] = {int(k): list(v) for k, v in data["drafts"].items()}
         for key in ("prompt", "tokens", "deviation", "threshold", "branch_prompt", "branch_tokens"):
             data[key] = tuple(data.get(key, ()))
         data["bug"] = None if data["bug"] is None else tuple(data["bug"])
-        return Case(**data)
+        return ReproCase(**data)
 
 
 def _branches() -> dict[str, str]:
@@ -145,7 +145,7 @@ def config_dict(config) -> dict:
     return json.loads(json.dumps(d, default=str))
 
 
-def build_model(case: Case):
+def build_model(case: ReproCase):
     """The case's model, built as its script builds it: ``torch.manual_seed(seed)``, the class's
     ``_from_config(AutoConfig.for_model(**config))`` (or the case's weights loaded), eval mode, cast to the dtype."""
     import torch
@@ -232,13 +232,13 @@ def adapter_for(model, *, own_cache: bool | None = None, calls: dict | None = No
     return HFModel(model, new_cache=(lambda: None) if own_cache else None)
 
 
-def case_adapter(case: Case):
+def case_adapter(case: ReproCase):
     """The adapter of ``case``: its model rebuilt (:func:`build_model`), its cache as the case names it, its
     injected bug injected again."""
     return inject(adapter_for(build_model(case), own_cache=case.calls.get("own_cache"), calls=case.calls), case.bug)
 
 
-def check_case(case: Case, adapter=None, promote: str | None = None):
+def check_case(case: ReproCase, adapter=None, promote: str | None = None):
     """kvfast's control-mode check of ``case`` (its model rebuilt, its bug injected again): the report."""
     from kvfast.check.checker import check_cache
 
@@ -277,8 +277,8 @@ def find_case(
     command: str = "",
     report=None,
     promote: str | None = None,
-) -> Case:
-    """The :class:`Case` of ``model`` (a transformers causal LM, or an :class:`~kvfast.check.hf.HFModel` over one,
+) -> ReproCase:
+    """The :class:`ReproCase` of ``model`` (a transformers causal LM, or an :class:`~kvfast.check.hf.HFModel` over one,
     with an injected catalogue bug or none) on ``prompt`` in ``scenario``: kvfast's control check is run (or
     ``report``, a check already run on this adapter, is read), and the case keeps its tokens, its per-step
     deviations and thresholds. ``seed``: the weight seed to try first; where ``torch.manual_seed(seed)`` and
@@ -308,7 +308,7 @@ def find_case(
     branch = next((report.scenarios[b] for b, op in _branches().items() if op == base and b in report.scenarios), None)
     hf = adapter.model
     threshold, origin = s.detail.threshold(s.steps)
-    case = Case(
+    case = ReproCase(
         model_class=type(hf).__name__,
         config=config_dict(hf.config),
         seed=seed,

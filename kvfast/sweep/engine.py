@@ -42,13 +42,15 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pandas as pd
+
 from kvfast.runtime import INTERRUPTED, on_sigint
 from kvfast.sweep.backends import Job, execute
-from kvfast.sweep.grid import Grid, GridRun
+from kvfast.sweep.grid import Grid, GridRun, as_grid
 from kvfast.sweep.limits import check_disk, check_memory
 from kvfast.sweep.options import BACKENDS, SweepOptions
 from kvfast.sweep.plan import Pending, find_pending, pending_runs, split_warmup
@@ -73,6 +75,7 @@ __all__ = [
     "BACKENDS",
     "SweepOptions",
     "SweepReport",
+    "run_inline",
     "run_sweep",
 ]
 
@@ -357,3 +360,16 @@ def _warm_up(job: Job, runs: Iterator[GridRun], total: int, writer: Writer, cras
     marker.unlink(missing_ok=True)
     writer.recent.clear()
     return rest, total - len(local)
+
+
+def run_inline(grid: Grid | str | os.PathLike | dict | Iterable[dict], study: str | None = None) -> pd.DataFrame:
+    """Run every run of ``grid`` (see :func:`~kvfast.sweep.grid.as_grid`) in this process, in grid order, storing
+    nothing (the same parsing, validation and run ids as ``kvfast run``); one row per run.
+
+    Columns: the study's config fields, its result fields, ``run_id`` and
+    ``status`` (``"ok"``), as :func:`kvfast.load` gives them for a sweep. A run
+    that raises stops the call with its exception.
+    """
+    g = as_grid(grid, study)
+    rows = [{**run.config, **g.study.run(dict(run.config)), "run_id": run.run_id, "status": "ok"} for run in g.runs]
+    return pd.DataFrame(rows, columns=[*g.study.config_fields, *g.study.result_fields, "run_id", "status"])

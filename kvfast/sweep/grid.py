@@ -43,6 +43,7 @@ import hashlib
 import itertools
 import json
 import math
+import os
 import re
 import tomllib
 from collections.abc import Iterable, Iterator, Mapping
@@ -677,6 +678,19 @@ def _validation_groups(study: Study) -> list[tuple[str, ...]]:
         return [tuple(fields)]
     named = {key for group in declared for key in group}
     return [tuple(g) for g in declared] + [(key,) for key in fields if key not in named]
+
+
+def as_grid(grid: Grid | str | os.PathLike | dict | Iterable[dict], study: str | None = None) -> Grid:
+    """A :class:`Grid` from a grid, a built-in grid name or TOML path, a parsed spec (dict), or configs of ``study``."""
+    if isinstance(grid, Grid):
+        return grid
+    if isinstance(grid, str | os.PathLike):
+        return load_grid(str(grid))
+    if isinstance(grid, dict):
+        return grid_from_spec(grid)
+    if study is None:
+        raise ValueError("study: None is not allowed with a list of configs; allowed: a study name")
+    return grid_from_configs(study, grid)
 
 
 def grid_from_configs(study: str, configs: Iterable[dict], name: str = "<configs>") -> Grid:

@@ -45,14 +45,9 @@ def provenance(grid: Grid) -> dict:
     return {"kvfast": states[0], "study": study}
 
 
-def git_state(path: Path) -> dict:
-    """``{"commit": HEAD's hash, "dirty": bool}`` of the git repository tracking the file ``path``; ``None`` values
-    when none does, or git cannot say."""
-    return git_states([path])[0]
-
-
 def git_states(paths: list[Path]) -> list[dict]:
-    """:func:`git_state` of each file of ``paths``, its git processes run side by side (a sweep's start waits for
+    """``{"commit": HEAD's hash, "dirty": bool}`` of the git repository tracking each file of ``paths`` (``None``
+    values where none does, or git cannot say), its git processes run side by side (a sweep's start waits for
     the slowest, not for their sum), one ``status`` per repository."""
     deadline = time.monotonic() + GIT_TIMEOUT_S
     asked = [(_git_start(p.parent, "ls-files", "--error-unmatch", "--", p.name),

@@ -289,12 +289,6 @@ class ResultsDir:
         """Complete parts, oldest first."""
         return list_parts(self.path) if self.path.is_dir() else []
 
-    def stored_status(self) -> dict[str, str]:
-        """run_id -> status of its latest stored row."""
-        index = self.stored_index()
-        ids = [f"{h:016x}{v:016x}" for h, v in zip(index.hi.tolist(), index.lo.tolist(), strict=True)]
-        return dict(zip(ids, [STATUSES[c] for c in index.codes], strict=True))
-
     def stored_index(self) -> StoredIndex:
         """The latest stored status of every run, as sorted NumPy arrays (read from the Parquet columns)."""
         parts = self.parts()

@@ -28,7 +28,6 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, wait
 from concurrent.futures.process import BrokenProcessPool, ProcessPoolExecutor
-from typing import TYPE_CHECKING
 
 from kvfast.runtime.worker import grace
 from kvfast.sweep.backends import Job, Outcome
@@ -36,9 +35,6 @@ from kvfast.sweep.grid import GridRun
 from kvfast.sweep.plan import Planner
 from kvfast.sweep.procs import OVERDUE, Monitor, kill_worker, worker_setup
 from kvfast.sweep.rows import lost_worker_row, run_chunk, run_chunk_in_worker, timeout_row
-
-if TYPE_CHECKING:
-    pass
 
 # Libraries whose native thread pools do not survive a fork: once the warm-up run has imported one
 # (a study that builds torch models), a forked worker blocks forever on a lock held by a thread that
