@@ -87,12 +87,11 @@ def count_line(table: pd.DataFrame) -> str:
     )
 
 
-def _cell(v) -> str:
+def cell_text(v) -> str:
+    """A table cell as the report shows it: booleans as yes/no, floats to 4 digits."""
     if isinstance(v, bool | np.bool_):
         return "yes" if v else "no"
-    if isinstance(v, float | np.floating):
-        return f"{v:.4g}"
-    return str(v).replace("|", "\\|").replace("\n", " ")
+    return f"{v:.4g}" if isinstance(v, float | np.floating) else str(v)
 
 
 def markdown(df: pd.DataFrame, columns: list[str] | None = None) -> str:
@@ -101,7 +100,9 @@ def markdown(df: pd.DataFrame, columns: list[str] | None = None) -> str:
         return "(no rows)"
     cols = list(df.columns) if columns is None else columns
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in df[cols].itertuples(index=False)]
+    escape = {ord("|"): "\\|", ord("\n"): " "}  # a cell's text stays in its cell
+    rows = df[cols].itertuples(index=False)
+    lines += ["| " + " | ".join(cell_text(v).translate(escape) for v in row) + " |" for row in rows]
     return "\n".join(lines)
 
 

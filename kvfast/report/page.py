@@ -17,7 +17,6 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
 from kvfast._version import __version__
@@ -27,7 +26,7 @@ from kvfast.report.figures import Section, matplotlib_available, sections
 from kvfast.report.results import load_results
 from kvfast.report.scan_findings import findings_html, scan_findings
 from kvfast.studies import STUDIES
-from kvfast.sweep.store import MANIFEST, StorageError
+from kvfast.sweep.store import MANIFEST, STORAGE_ERRNOS, StorageError
 from kvfast.validation import printable
 
 REPORT = "report.html"
@@ -50,14 +49,6 @@ img { max-width: 100%; border: 1px solid #eee; }
 """
 
 
-def _text(v) -> str:
-    if isinstance(v, bool | np.bool_):
-        return "yes" if v else "no"
-    if isinstance(v, float | np.floating):
-        return f"{v:.4g}"
-    return str(v)
-
-
 def _html_table(df: pd.DataFrame, holds_col: str | None = None, max_rows: int = 400) -> str:
     if df is None or not len(df):
         return "<p>(no rows)</p>"
@@ -66,7 +57,7 @@ def _html_table(df: pd.DataFrame, holds_col: str | None = None, max_rows: int = 
     for row in df.head(max_rows).itertuples(index=False):
         cells = []
         for c, v in zip(cols, row, strict=True):
-            text = _text(v)
+            text = claims_mod.cell_text(v)
             cls = f' class="{text}"' if c == holds_col else ""
             cells.append(f"<td{cls}>{html.escape(text)}</td>")
         out.append("<tr>" + "".join(cells) + "</tr>")
@@ -191,16 +182,7 @@ def write_tables(results: dict[str, pd.DataFrame], out: str | os.PathLike) -> li
 
 # what the place a report goes to can refuse mid-way: a full disk or quota, a file too big, an I/O error, a
 # read-only file system or folder, a name longer than the file system's limit
-_WRITE_ERRNOS = {
-    errno.ENOSPC,
-    errno.EDQUOT,
-    errno.EFBIG,
-    errno.EIO,
-    errno.EROFS,
-    errno.EACCES,
-    errno.EPERM,
-    errno.ENAMETOOLONG,
-}
+_WRITE_ERRNOS = STORAGE_ERRNOS | {errno.EACCES, errno.EPERM, errno.ENAMETOOLONG}
 
 
 @contextlib.contextmanager

@@ -118,15 +118,19 @@ class ReproCase:
         return ReproCase(**data)
 
 
-def _branches() -> dict[str, str]:
-    from kvfast.check.scenarios import branches
-
-    return branches()
-
-
 def base_scenario(report: str) -> str:
     """The scenario whose run gives ``report`` (a second branch's report name -> its scenario's)."""
-    return _branches().get(report, report)
+    from kvfast.check.scenarios import branches
+
+    return branches().get(report, report)
+
+
+def torch_threads() -> int:
+    """torch's intra-op thread count in this process (1 without torch): a script and a shrinking child use it."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    return int(torch.get_num_threads()) if torch is not None else 1
 
 
 def versions() -> dict[str, str]:
@@ -171,13 +175,6 @@ def _same_weights(a, b) -> bool:
 
     sa, sb = a.state_dict(), b.state_dict()
     return sa.keys() == sb.keys() and all(torch.equal(sa[k].cpu(), sb[k].cpu()) for k in sa)
-
-
-def _injected(adapter) -> tuple[str, str] | None:
-    """``(catalogue, name)`` of the catalogue bug injected into ``adapter`` (read from its mixins)."""
-    from kvfast.repro.patches import bug_of_adapter
-
-    return bug_of_adapter(adapter)
 
 
 def _calls(adapter) -> dict:
@@ -285,6 +282,9 @@ def find_case(
     ``_from_config`` do not give the model's weights, the case carries them (``weights``). ``promote``
     (``"float64"``): the case of kvfast's logic check (the model promoted, :meth:`~kvfast.check.hf.HFModel.promote`,
     and checked), for a finding the model's own dtype cannot resolve."""
+    from kvfast.check.scenarios import branches
+    from kvfast.repro.patches import bug_of_adapter
+
     require_choice(scenario, "scenario", SCRIPT_SCENARIOS)
     adapter = adapter_for(model, own_cache=own_cache)
     made = None if adapter.new_cache is None else adapter.new_cache()
@@ -305,7 +305,7 @@ def find_case(
     if scenario not in report.scenarios:
         raise not_allowed("scenario", scenario, f"a scenario the report holds ({', '.join(report.scenarios)})")
     s, main = report.scenarios[scenario], report.scenarios[base]
-    branch = next((report.scenarios[b] for b, op in _branches().items() if op == base and b in report.scenarios), None)
+    branch = next((report.scenarios[b] for b, op in branches().items() if op == base and b in report.scenarios), None)
     hf = adapter.model
     threshold, origin = s.detail.threshold(s.steps)
     case = ReproCase(
@@ -320,7 +320,7 @@ def find_case(
         calls=_calls(adapter),
         split=main.split if base == "resume" else None,
         drafts=_drafts(base, main.tokens, adapter.vocab_size),
-        bug=_injected(adapter),
+        bug=bug_of_adapter(adapter),
         verdict=s.verdict,
         first_bug_step=s.first_bug_step,  # (a report judged bit for bit has none: its verdict is exact)
         deviation=tuple(float(d) for d in s.deviation),

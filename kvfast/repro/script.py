@@ -10,7 +10,7 @@ import json
 import re
 from pathlib import Path
 
-from kvfast.repro.case import ReproCase
+from kvfast.repro.case import ReproCase, torch_threads
 from kvfast.repro.known import label
 from kvfast.repro.patches import cached_path_source, patch_for
 from kvfast.repro.template import DOCSTRING, TEMPLATE
@@ -135,20 +135,12 @@ def render(case: ReproCase) -> str:
         "FOUND_ON": repr(str(case.versions.get("transformers"))),
         "CALLS": repr(case.calls),
         "THRESHOLD": repr([float(t) for t in case.threshold]),
-        "THREADS": repr(_torch_threads()),
+        "THREADS": repr(torch_threads()),
         "FOUND_VERSIONS": repr(_versions_text(case)),
         "CACHED_PATH": cached_path_source(),
         "PATCH": patch_for(case.bug),
     }
     return _fill(TEMPLATE, fields)
-
-
-def _torch_threads() -> int:
-    """torch's intra-op thread count in this process (where the case was checked), 1 without torch."""
-    import sys
-
-    torch = sys.modules.get("torch")
-    return int(torch.get_num_threads()) if torch is not None else 1
 
 
 def _reorder_points(case: ReproCase) -> list[int]:

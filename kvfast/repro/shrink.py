@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from kvfast.repro.case import ReproCase, case_adapter, check_case, find_case
+from kvfast.repro.case import ReproCase, case_adapter, check_case, find_case, torch_threads
 
 DEFAULT_SECONDS = 60.0
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
@@ -279,7 +279,7 @@ def shrink_apart(case: ReproCase, seconds: float = DEFAULT_SECONDS) -> Shrunk:
             torch.save(case.weights, weights)
         progress = os.path.join(tmp, "trying.txt")
         request = {"case": case.to_json(), "weights": weights, "seconds": seconds, "progress": progress,
-                   "threads": _threads()}  # fmt: skip
+                   "threads": torch_threads()}  # fmt: skip
         outcome = run_in_child(BOOT, request, seconds + GRACE_S, grace=0.0)
         tried = Path(progress).read_text().splitlines() if os.path.exists(progress) else []
     result = outcome.result or {}
@@ -296,14 +296,6 @@ def shrink_apart(case: ReproCase, seconds: float = DEFAULT_SECONDS) -> Shrunk:
     else:
         why = f"its process ended without a result ({outcome.ended()}){at}"
     return Shrunk(case, (), (), len(tried), time.monotonic() - start, outcome.timed_out, f"the search stopped: {why}")
-
-
-def _threads() -> int:
-    """torch's intra-op thread count in this process (1 without torch): the child checks candidates with it."""
-    import sys
-
-    torch = sys.modules.get("torch")
-    return int(torch.get_num_threads()) if torch is not None else 1
 
 
 def shrink_child(boot: dict) -> None:

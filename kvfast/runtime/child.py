@@ -29,6 +29,7 @@ FILE (the warm check's timeline: ``benchmarks/compile_profile.py --warm-check``)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -68,11 +69,13 @@ class ChildOutcome(NamedTuple):
 
 
 def kill_group(pid: int) -> None:
-    """SIGKILL the process group ``pid`` leads (gone already: nothing)."""
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    """SIGKILL the process group ``pid`` leads (itself and what it started), or ``pid`` alone where it leads none
+    (gone already: nothing)."""
+    with contextlib.suppress(OSError):
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, signal.SIGKILL)
+        else:
+            os.kill(pid, signal.SIGKILL)
 
 
 def _wait_until_ready(proc: subprocess.Popen, ready_fd: int) -> None:
@@ -236,7 +239,7 @@ def run_in_child(
         child = start_child(boot)
     try:
         child.send(request)
-        return child.wait(timeout, grace) if on_report is None else child.wait(timeout, grace, on_report)
+        return child.wait(timeout, grace, on_report)
     finally:
         child.discard()
 

@@ -36,7 +36,6 @@ Contract of :func:`run_sweep`:
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import signal
 import sys
@@ -60,6 +59,7 @@ from kvfast.sweep.rows import RunLimits, run_one
 from kvfast.sweep.store import (
     FORMAT,
     STATUSES,
+    STORAGE_ERRNOS,
     TIMEOUTS,
     WARMUP,
     ResultsDir,
@@ -67,6 +67,7 @@ from kvfast.sweep.store import (
     StoredIndex,
     new_manifest,
     schema_for,
+    utc_now,
     versions,
 )
 from kvfast.sweep.writer import Writer
@@ -170,16 +171,13 @@ def run_sweep(grid: Grid, out: str | os.PathLike, options: SweepOptions | None =
                 cluster.close(timeout=5)
 
 
-_STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO}
-
-
 @contextlib.contextmanager
 def _storage_errors(store: ResultsDir) -> Iterator[None]:
     """Turn a failed write (disk full, quota, read-only file system) into one :class:`StorageError` line."""
     try:
         yield
     except OSError as exc:
-        if exc.errno not in _STORAGE_ERRNOS:
+        if exc.errno not in STORAGE_ERRNOS:
             raise
         try:
             stored = f"{len(store.stored_index()):,} runs are stored"
@@ -290,7 +288,7 @@ def _counts(pending: Pending, writer: Writer, stored: StoredIndex) -> dict[str, 
 def _history(grid: Grid, report: SweepReport, options: SweepOptions, versions_now: dict, provenance_now: dict) -> dict:
     """The manifest's history entry of this sweep."""
     return {
-        "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "finished": utc_now(),
         "grid_name": grid.name,
         "grid_hash": grid.spec_hash,
         "grid_runs": len(grid),

@@ -170,13 +170,10 @@ class Grid:
         """Every run id, in expansion order, each once."""
         seen: set[str] = set()
         for i, entry in enumerate(self.entries):
-            if i not in self.overlapping:
-                yield from entry.ids()
-                continue
-            for rid in entry.ids():
-                if rid not in seen:
-                    seen.add(rid)
-                    yield rid
+            ids = entry.ids()
+            if i in self.overlapping:  # each id once: the first time it is seen (set.add returns None)
+                ids = (rid for rid in ids if rid not in seen and not seen.add(rid))
+            yield from ids
 
     def iter_runs(self, select: Iterable[bool] | None = None) -> Iterator[GridRun]:
         """Every run (id and a fresh config dict), in expansion order, each once.
@@ -296,19 +293,14 @@ def _level(
         seen[key] = section
 
     factors: list[tuple[tuple, list[tuple]]] = []
-    fixed = table.get("fixed", {})
-    if not isinstance(fixed, dict):
-        raise ValueError(f"{where}fixed: {fixed!r} is not a table")
-    for key, value in fixed.items():
-        claim(key, "[fixed]")
-        factors.append(((key,), [(canonical(value, f"fixed.{key}"),)]))
-    axes = table.get("axes", {})
-    if not isinstance(axes, dict):
-        raise ValueError(f"{where}axes: {axes!r} is not a table")
-    for key, values in axes.items():
-        claim(key, "[axes]")
-        values = _array(values, f"{where}axes.{key}", limit)
-        factors.append(((key,), [(canonical(v, f"axes.{key}"),) for v in _distinct(values)]))
+    for section in ("fixed", "axes"):
+        part = table.get(section, {})
+        if not isinstance(part, dict):
+            raise ValueError(f"{where}{section}: {part!r} is not a table")
+        for key, value in part.items():
+            claim(key, f"[{section}]")
+            values = [value] if section == "fixed" else _distinct(_array(value, f"{where}axes.{key}", limit))
+            factors.append(((key,), [(canonical(v, f"{section}.{key}"),) for v in values]))
     tied = table.get("tied", [])
     if not isinstance(tied, list):
         raise ValueError(f"{where}tied: {tied!r} is not an array of tables; write [[tied]]")
@@ -541,8 +533,7 @@ def grid_from_spec(
         study_ref=study_ref,
     )
     size = sum(e.size for i, e in enumerate(entries) if i not in overlapping)
-    if overlapping:
-        size += sum(1 for _ in _overlap_ids(grid))
+    size += len(set(itertools.chain.from_iterable(entries[i].ids() for i in overlapping)))
     object.__setattr__(grid, "size", size)
     return grid
 
@@ -659,15 +650,6 @@ def _overlapping(entries: list[_Entry]) -> set[int]:
         if _may_overlap(entries[i], entries[j]):
             overlapping |= {i, j}
     return overlapping
-
-
-def _overlap_ids(grid: Grid) -> Iterator[str]:
-    seen: set[str] = set()
-    for i in sorted(grid.overlapping):
-        for rid in grid.entries[i].ids():
-            if rid not in seen:
-                seen.add(rid)
-                yield rid
 
 
 def _validation_groups(study: Study) -> list[tuple[str, ...]]:

@@ -50,7 +50,8 @@ class SweepOptions:
     max_memory: int | None = None
 
     def __post_init__(self) -> None:
-        _check_backend(self.backend)
+        if self.backend not in BACKENDS:
+            raise ValueError(f"--backend: {self.backend!r} is not allowed; allowed: {', '.join(BACKENDS)}")
         check_jobs(self.jobs)
         cores = _cores()
         if self.jobs > cores and not (self.backend == "dask" and self.scheduler):
@@ -79,11 +80,6 @@ class SweepOptions:
     def redo(self) -> tuple[str, ...]:
         """The stored statuses this sweep runs again."""
         return ("error", "crashed", "timeout") if self.retry_errors else ()
-
-
-def _check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"--backend: {backend!r} is not allowed; allowed: {', '.join(BACKENDS)}")
 
 
 def check_jobs(jobs) -> None:

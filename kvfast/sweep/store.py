@@ -32,6 +32,7 @@ part is sorted by ``run_id``, so a lookup by id reads one group).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import platform
@@ -146,13 +147,8 @@ def _atomic_write_text(path: Path, text: str) -> None:
 
 def list_parts(path: str | os.PathLike) -> list[Path]:
     """The complete parts of a results directory, in write order (oldest first)."""
-    folder = Path(path)
-    found = []
-    for p in folder.iterdir():
-        m = PART_RE.match(p.name)
-        if m:
-            found.append((int(m.group(1)), p.name, p))
-    return [p for _, _, p in sorted(found)]
+    found = sorted((int(m.group(1)), p.name, p) for p in Path(path).iterdir() if (m := PART_RE.match(p.name)))
+    return [p for *_, p in found]
 
 
 class ResultsDir:
@@ -338,8 +334,6 @@ class ResultsDir:
             if PART_RE.match(p.name) or (p.name.startswith(".part-") and p.name.endswith(".tmp")):
                 p.unlink()
         if self.manifest_path.is_dir() and not self.manifest_path.is_symlink():
-            import shutil
-
             shutil.rmtree(self.manifest_path)
         self.manifest_path.unlink(missing_ok=True)
 
@@ -424,24 +418,31 @@ class ResultsDir:
         _atomic_write_text(self.manifest_path, json.dumps(manifest, indent=2, sort_keys=False) + "\n")
 
 
+STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO}  # a refused write: disk full...
+
+
+def utc_now() -> str:
+    """Now, as the manifest writes times (``2026-12-07T12:00:00Z``)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _manifest(study: str, version: str | None, schema: pa.Schema, made_by: dict, **fields) -> dict:
+    """A manifest of ``study``'s results in this ``schema`` (``made_by``: the library versions), written now on this
+    machine; ``fields`` override."""
+    now = utc_now()
+    base = {"format": FORMAT, "study": study, "study_version": version, "schema": schema_text(schema), "created": now,
+            "updated": now, "versions": made_by, "machine": machine(), "grid": None, "grid_name": None,
+            "grid_hash": None, "grid_runs": None, "history": []}  # fmt: skip
+    return {**base, **fields}
+
+
 def new_manifest(study: Study, old: dict | None) -> dict:
-    """A manifest for ``study`` keeping ``old``'s history."""
-    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    return {
-        "format": FORMAT,
-        "study": study.name,
-        "study_version": study.version,
-        "schema": schema_text(schema_for(study)),
-        "created": (old or {}).get("created", now),
-        "updated": now,
-        "versions": versions(),
-        "machine": machine(),
-        "grid": None,
-        "grid_name": None,
-        "grid_hash": None,
-        "grid_runs": None,
-        "history": list((old or {}).get("history", [])),  # one entry per sweep, with the versions it ran under
-    }
+    """A manifest for ``study`` keeping ``old``'s creation time and history (one entry per sweep, with the
+    versions it ran under)."""
+    old = old or {}
+    fields = {"created": old["created"]} if "created" in old else {}
+    history = list(old.get("history", []))
+    return _manifest(study.name, study.version, schema_for(study), versions(), history=history, **fields)
 
 
 _HEX = np.zeros(256, np.uint64)
@@ -644,16 +645,19 @@ def repair(path: str | os.PathLike) -> str:
     if not store.path.is_dir():
         raise ValueError(f"DIR: {str(store.path)!r} is not a directory")
     done: list[str] = []
+
+    def quarantine(path: Path, name: str) -> None:
+        (store.path / QUARANTINE).mkdir(exist_ok=True)
+        os.replace(path, store.path / QUARANTINE / name)
+
     with store.locked():
         store.remove_temporaries()
-        quarantine = store.path / QUARANTINE
         good: list[tuple[Path, pa.Schema]] = []
         for part in store.parts():
             try:
                 good.append((part, pq.read_table(part, page_checksum_verification=True).schema))
             except (OSError, pa.ArrowException) as exc:  # unreadable, or damaged (a page checksum that differs)
-                quarantine.mkdir(exist_ok=True)
-                os.replace(part, quarantine / part.name)
+                quarantine(part, part.name)
                 done.append(f"moved unreadable {part.name} into {QUARANTINE}/ ({_why(exc)})")
         try:
             manifest = store.manifest()
@@ -668,15 +672,13 @@ def repair(path: str | os.PathLike) -> str:
                 )
         elif good:
             if store.manifest_path.exists():
-                quarantine.mkdir(exist_ok=True)
-                os.replace(store.manifest_path, quarantine / f"{MANIFEST}.broken-{secrets.token_hex(4)}")
+                quarantine(store.manifest_path, f"{MANIFEST}.broken-{secrets.token_hex(4)}")
             store.write_manifest(_manifest_from_parts(store, good))
             done.append(
                 f"rebuilt {MANIFEST} from {len(good):,} parts" + (f" ({broken.split(';')[0]})" if broken else "")
             )
         elif store.manifest_path.exists():
-            quarantine.mkdir(exist_ok=True)
-            os.replace(store.manifest_path, quarantine / f"{MANIFEST}.broken-{secrets.token_hex(4)}")
+            quarantine(store.manifest_path, f"{MANIFEST}.broken-{secrets.token_hex(4)}")
             done.append(
                 f"moved the broken {MANIFEST} into {QUARANTINE}/ (no readable part: the directory starts afresh)"
             )
@@ -694,26 +696,14 @@ def _manifest_from_parts(store: ResultsDir, parts: list[tuple[Path, pa.Schema]])
             f"{store.path}: its parts name studies {sorted(map(str, studies))}; cannot rebuild {MANIFEST}: move the "
             "parts of the other study away, or use another --out"
         )
-    schema = parts[-1][1]
-    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     grid, old_versions = None, {}
     with contextlib.suppress(ValueError):
         grid = json.loads(newest.get("kvfast.grid", "null"))
     with contextlib.suppress(ValueError):
         old_versions = json.loads(newest.get("kvfast.versions", "{}"))
-    return {
-        "format": FORMAT,
-        "study": newest["kvfast.study"],
-        "study_version": newest.get("kvfast.study_version"),
-        "schema": schema_text(schema.remove_metadata()),
-        "created": now,
-        "updated": now,
-        "versions": old_versions if isinstance(old_versions, dict) else {},
-        "machine": machine(),
-        "grid": grid,
-        "grid_name": newest.get("kvfast.grid_name"),
-        "grid_hash": None,
-        "grid_runs": None,
-        "study_ref": newest.get("kvfast.study_ref", newest["kvfast.study"]),
-        "history": [{"repaired": now, "from_parts": len(parts)}],
-    }
+    return _manifest(
+        newest["kvfast.study"], newest.get("kvfast.study_version"), parts[-1][1].remove_metadata(),
+        old_versions if isinstance(old_versions, dict) else {}, grid=grid,
+        grid_name=newest.get("kvfast.grid_name"), study_ref=newest.get("kvfast.study_ref", newest["kvfast.study"]),
+        history=[{"repaired": utc_now(), "from_parts": len(parts)}],
+    )  # fmt: skip

@@ -54,10 +54,8 @@ class Writer:
     def __call__(self, runs: Sequence[GridRun], rows: list[dict]) -> None:
         if not rows:
             return
-        configs = {r.run_id: r.config for r in runs} if len(runs) != len(rows) else None
-        if configs is None and any(r.run_id != row["run_id"] for r, row in zip(runs, rows, strict=True)):
-            configs = {r.run_id: r.config for r in runs}
-        ordered = [configs[row["run_id"]] for row in rows] if configs is not None else [r.config for r in runs]
+        configs = {r.run_id: r.config for r in runs}  # rows come in any order
+        ordered = [configs[row["run_id"]] for row in rows]
         columns = {"run_id": [row["run_id"] for row in rows]}
         for name in self.config_names:
             columns[name] = [c[name] for c in ordered]

@@ -29,11 +29,12 @@ from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, wait
 from concurrent.futures.process import BrokenProcessPool, ProcessPoolExecutor
 
+from kvfast.runtime.child import kill_group
 from kvfast.runtime.worker import grace
 from kvfast.sweep.backends import Job, Outcome
 from kvfast.sweep.grid import GridRun
 from kvfast.sweep.plan import Planner
-from kvfast.sweep.procs import OVERDUE, Monitor, kill_worker, worker_setup
+from kvfast.sweep.procs import OVERDUE, Monitor, worker_setup
 from kvfast.sweep.rows import lost_worker_row, run_chunk, run_chunk_in_worker, timeout_row
 
 # Libraries whose native thread pools do not survive a fork: once the warm-up run has imported one
@@ -87,7 +88,7 @@ def shutdown(pool, kill: bool) -> None:
     if kill:
         for proc in list((getattr(pool, "_processes", None) or {}).values()):
             with contextlib.suppress(Exception):
-                kill_worker(proc.pid)
+                kill_group(proc.pid)
     if hasattr(pool, "_flags"):  # loky's executor (its exit hook wakes a manager thread under the pool's lock)
         with contextlib.suppress(Exception):
             pool.shutdown(wait=not kill, kill_workers=kill)
