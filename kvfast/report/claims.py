@@ -30,33 +30,11 @@ def study_claims(study: str | Study, df: pd.DataFrame) -> pd.DataFrame:
     name = study.name
     if study.claims is None:
         return pd.DataFrame(columns=COLUMNS + COUNT_COLUMNS)
-    try:
-        rows = [
-            {
-                "study": name,
-                "claim": c.claim,
-                "seed": c.seed_figure,
-                "kvfast": c.kvfast_figure,
-                "holds": bool(c.holds),
-                "criterion": c.criterion,
-                "conditions": len(c.conditions),
-                "conditions_hold": sum(ok for _, ok in c.conditions),
-            }
-            for c in study.claims(df)
-        ]
+    try:  # one tuple per claim, in the order of COLUMNS + COUNT_COLUMNS
+        rows = [(name, c.claim, c.seed_figure, c.kvfast_figure, bool(c.holds), c.criterion, len(c.conditions),
+                 sum(ok for _, ok in c.conditions)) for c in study.claims(df)]  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - one study's failure must not hide the others
-        rows = [
-            {
-                "study": name,
-                "claim": f"(claims failed: {type(exc).__name__}: {exc})",
-                "seed": "",
-                "kvfast": "",
-                "holds": False,
-                "criterion": "",
-                "conditions": 1,
-                "conditions_hold": 0,
-            }
-        ]
+        rows = [(name, f"(claims failed: {type(exc).__name__}: {exc})", "", "", False, "", 1, 0)]
     return pd.DataFrame(rows, columns=COLUMNS + COUNT_COLUMNS)
 
 

@@ -396,11 +396,6 @@ def _coerce(value: Any, typ: pa.DataType, key: str = "value") -> Any:
     return value
 
 
-def _piece(key: str, value: Any) -> str:
-    """The canonical JSON text of one config entry, as :func:`kvfast.sweep.ids.canonical_json` writes it."""
-    return json.dumps(key) + ":" + json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=True)
-
-
 def _factor(keys: tuple, rows: list[tuple], fields: dict[str, pa.DataType], cache: dict) -> _Factor:
     """Coerce, type-check and de-duplicate one factor's rows (each distinct value once per field)."""
     out_rows: list[tuple] = []
@@ -413,7 +408,11 @@ def _factor(keys: tuple, rows: list[tuple], fields: dict[str, pa.DataType], cach
             hit = cache.get(token)
             if hit is None:
                 coerced = _coerce(value, fields[key], key)
-                hit = cache[token] = (coerced, _piece(key, coerced))
+                # the canonical JSON text of the entry, as kvfast.sweep.ids.canonical_json writes it
+                piece = (
+                    json.dumps(key) + ":" + json.dumps(coerced, sort_keys=True, separators=(",", ":"), allow_nan=True)
+                )
+                hit = cache[token] = (coerced, piece)
             values.append(hit[0])
             pieces.append(hit[1])
         pieces_t = tuple(pieces)
@@ -691,16 +690,20 @@ def grid_from_configs(study: str, configs: Iterable[dict], name: str = "<configs
     return grid_from_spec({"study": study, "union": union}, name=name, source=name)
 
 
-def _validate_column(name: str, field: str, typ: pa.DataType, values: list) -> None:
-    """``ValueError`` unless every value of a config column fits its Arrow type."""
+def fits(values: list, typ: pa.DataType) -> bool:
+    """Whether ``values`` make an Arrow array of type ``typ`` (a column of results)."""
     try:
         pa.array(values, type=typ)
-        return
     except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError, ValueError):
-        pass
+        return False
+    return True
+
+
+def _validate_column(name: str, field: str, typ: pa.DataType, values: list) -> None:
+    """``ValueError`` unless every value of a config column fits its Arrow type (naming the first that does not)."""
+    if fits(values, typ):
+        return
     for v in values:
-        try:
-            pa.array([v], type=typ)
-        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError, ValueError):
-            raise ValueError(f"{name}: {field}: {v!r} is not allowed; allowed: values of type {typ}") from None
+        if not fits([v], typ):
+            raise ValueError(f"{name}: {field}: {v!r} is not allowed; allowed: values of type {typ}")
     raise ValueError(f"{name}: {field}: values do not fit type {typ}")

@@ -15,6 +15,7 @@ A :class:`SweepOptions` made directly is checked and capped too, but ``jobs`` mu
 
 from __future__ import annotations
 
+import multiprocessing
 import sys
 from dataclasses import dataclass
 
@@ -72,7 +73,8 @@ class SweepOptions:
     @classmethod
     def build(cls, *, jobs: int | None = None, backend: str = "fork", **options) -> SweepOptions:
         """Resolve the defaults (see the module docstring) and make the options; ``ValueError`` if one is bad."""
-        if backend == "fork" and not _fork_available():
+        fork = sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods()
+        if backend == "fork" and not fork:  # Windows has no fork, and macOS system libraries are not fork-safe
             backend = "loky"
         return cls(jobs=_cores() if jobs is None else jobs, backend=backend, **options)
 
@@ -93,10 +95,3 @@ def _cores() -> int:
     import joblib
 
     return joblib.cpu_count()
-
-
-def _fork_available() -> bool:
-    """Linux only: Windows has no fork, and macOS system libraries are not fork-safe."""
-    import multiprocessing
-
-    return sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods()

@@ -36,7 +36,6 @@ import sys
 import threading
 import time
 
-from kvfast.runtime.child import kill_group
 from kvfast.runtime.worker import WORKER_NAME, grace, prctl, worker_start
 
 LINUX = sys.platform.startswith("linux")
@@ -178,6 +177,15 @@ def _run_children() -> set[int]:
     return found
 
 
+def kill_worker(pid: int) -> None:
+    """SIGKILL a worker's process group (itself and its runs' processes) if it leads one, else the worker."""
+    with contextlib.suppress(OSError):
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, signal.SIGKILL)
+        else:
+            os.kill(pid, signal.SIGKILL)
+
+
 OVERDUE: set[str] = set()  # run id prefixes of the runs whose workers the Monitor killed past the run's limit
 RUN_NAME = re.compile(rb"[0-9a-f]{15}")  # a pool worker's watch thread's name in a run with a time limit
 
@@ -247,7 +255,7 @@ class Monitor:
                 run = None  # stopped, but not for as long as a run's limit
             if run is not None:
                 OVERDUE.add(run[0])
-            kill_group(proc.pid)
+            kill_worker(proc.pid)
             self.stopped_since.pop(proc.pid, None)
             self.runs.pop(proc.pid, None)
 

@@ -93,9 +93,8 @@ def schema_for(study: Study) -> pa.Schema:
     if dupes:
         raise ValueError(f"study {study.name!r}: column {dupes[0]!r} appears twice in its schema")
     fields = [pa.field("run_id", pa.string(), nullable=False)]
-    fields += [pa.field(n, t) for n, t in study.config_fields.items()]
-    fields += [pa.field(n, t) for n, t in study.result_fields.items()]
-    fields += [pa.field(n, t) for n, t in BOOKKEEPING.items()]
+    columns = (study.config_fields, study.result_fields, BOOKKEEPING)
+    fields += [pa.field(n, t) for part in columns for n, t in part.items()]
     meta = {"kvfast.study": study.name, "kvfast.study_version": study.version}
     return pa.schema(fields, metadata=meta)
 
@@ -107,24 +106,13 @@ def schema_text(schema: pa.Schema) -> list[list[str]]:
 
 def versions() -> dict[str, str]:
     """Versions of kvfast and the libraries that make its numbers."""
-    import joblib
-    import numba
-    import numpy
+    import importlib
 
     from kvfast._version import __version__
 
-    out = {
-        "kvfast": __version__,
-        "python": platform.python_version(),
-        "numpy": numpy.__version__,
-        "numba": numba.__version__,
-        "pyarrow": pa.__version__,
-        "pandas": pd.__version__,
-        "joblib": joblib.__version__,
-    }
-    for mod in ("dask", "distributed"):
-        if mod in sys.modules:
-            out[mod] = sys.modules[mod].__version__
+    out = {"kvfast": __version__, "python": platform.python_version()}
+    out.update({m: importlib.import_module(m).__version__ for m in ("numpy", "numba", "pyarrow", "pandas", "joblib")})
+    out.update({m: sys.modules[m].__version__ for m in ("dask", "distributed") if m in sys.modules})  # if in use
     return out
 
 
@@ -137,12 +125,6 @@ def machine() -> dict:
         "processor": platform.processor(),
         "cpu_count": os.cpu_count(),
     }
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def list_parts(path: str | os.PathLike) -> list[Path]:
@@ -415,7 +397,9 @@ class ResultsDir:
             p.unlink()
 
     def write_manifest(self, manifest: dict) -> None:
-        _atomic_write_text(self.manifest_path, json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+        tmp = self.path / f".{MANIFEST}.{secrets.token_hex(4)}.tmp"  # written whole, then renamed into place
+        tmp.write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+        os.replace(tmp, self.manifest_path)
 
 
 STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO}  # a refused write: disk full...
@@ -445,60 +429,32 @@ def new_manifest(study: Study, old: dict | None) -> dict:
     return _manifest(study.name, study.version, schema_for(study), versions(), history=history, **fields)
 
 
-_HEX = np.zeros(256, np.uint64)
-_HEX[np.frombuffer(b"0123456789abcdef", np.uint8)] = np.arange(16, dtype=np.uint64)
-_HEX[np.frombuffer(b"ABCDEF", np.uint8)] = np.arange(10, 16, dtype=np.uint64)
-
-
-def id_keys(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``S32`` run ids (32 hex digits, 128 bits) as two ``uint64`` arrays: the first and last 16 digits."""
-    if not len(ids):
-        return np.empty(0, np.uint64), np.empty(0, np.uint64)
-    digits = _HEX[ids.view(np.uint8).reshape(len(ids), 32)]
-    shifts = np.arange(60, -1, -4, dtype=np.uint64)
-    return (
-        np.bitwise_or.reduce(digits[:, :16] << shifts, axis=1),
-        np.bitwise_or.reduce(digits[:, 16:] << shifts, axis=1),
-    )
-
-
 class StoredIndex(NamedTuple):
-    """Stored runs: each run id as two ``uint64`` halves (``hi``, ``lo``: 16 bytes, the whole id),
-    sorted, and its status ``codes`` (index into :data:`STATUSES`)."""
+    """Stored runs: each run id (``S32``: its 32 hex digits, the whole id), sorted, and its status ``codes``
+    (index into :data:`STATUSES`)."""
 
-    hi: np.ndarray
-    lo: np.ndarray
+    ids: np.ndarray
     codes: np.ndarray
 
     @classmethod
     def build(cls, ids: np.ndarray, codes: np.ndarray) -> StoredIndex:
-        hi, lo = id_keys(ids)
-        order = np.lexsort((lo, hi))
-        return cls(hi[order], lo[order], codes[order])
+        order = np.argsort(ids, kind="stable")  # (stored ids come sorted already: a cheap pass)
+        return cls(ids[order], codes[order])
 
     def __len__(self) -> int:
-        return len(self.hi)
+        return len(self.ids)
 
     def lookup(self, run_ids: list[str]) -> np.ndarray:
-        """The status code of each of ``run_ids``, -1 where none is stored (exact: all 128 bits compared)."""
-        if not len(self.hi):
+        """The status code of each of ``run_ids``, -1 where none is stored (exact: the whole id compared)."""
+        if not len(self.ids):
             return np.full(len(run_ids), -1, np.int8)
-        hi, lo = id_keys(np.array(run_ids, dtype="S32"))
-        order = np.lexsort((lo, hi))
-        at = np.empty(len(hi), np.int64)
-        # sorted needles: a narrowing search; then the first stored id >= (hi, lo) among equal highs
-        at[order] = np.searchsorted(self.hi, hi[order])
-        out = np.full(len(hi), -1, np.int8)
-        for step in range(4):  # ids sharing their first 64 bits: look at the next few (2^-64 per pair)
-            i = (at + step).clip(max=len(self.hi) - 1)
-            hit = (self.hi[i] == hi) & (self.lo[i] == lo) & (out < 0)
-            out[hit] = self.codes[i[hit]]
-        return out
+        needles = np.array(run_ids, dtype="S32")
+        at = np.searchsorted(self.ids, needles).clip(max=len(self.ids) - 1)
+        return np.where(self.ids[at] == needles, self.codes[at], -1).astype(np.int8)
 
     def ids_with(self, code: int) -> set[str]:
         """The run ids (hex) stored with status ``code``."""
-        mask = self.codes == code
-        return {f"{h:016x}{v:016x}" for h, v in zip(self.hi[mask].tolist(), self.lo[mask].tolist(), strict=True)}
+        return {i.decode() for i in self.ids[self.codes == code].tolist()}
 
 
 def _why(exc: BaseException) -> str:
@@ -507,20 +463,16 @@ def _why(exc: BaseException) -> str:
 
 
 def _fixed_ids(column: pa.ChunkedArray) -> np.ndarray:
-    """A column of 32-character run ids as a NumPy ``S32`` array (from the Arrow buffers, no Python strings)."""
-    out = []
-    for chunk in column.chunks:
-        binary = pc.cast(chunk, pa.binary())
-        offsets = np.frombuffer(binary.buffers()[1], np.int32)[binary.offset : binary.offset + len(binary) + 1]
-        if len(binary) and (binary.null_count or not (np.diff(offsets) == 32).all()):
-            out.append(np.array(chunk.to_pylist(), dtype="S32"))  # not kvfast's ids: the slow way
-            continue
-        data = binary.buffers()[2]
-        start = int(offsets[0]) if len(offsets) else 0
-        out.append(
-            np.frombuffer(data, dtype="S32", count=len(binary), offset=start) if len(binary) else np.empty(0, "S32")
-        )
-    return np.concatenate(out) if out else np.empty(0, "S32")
+    """A column of 32-character run ids as a NumPy ``S32`` array (Arrow's fixed-width buffer, no Python strings)."""
+    if not len(column):
+        return np.empty(0, "S32")
+    try:
+        fixed = pc.cast(column, pa.binary(32)).combine_chunks()
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):  # ids of other lengths (not kvfast's)
+        fixed = None
+    if fixed is None or fixed.null_count:  # not kvfast's ids: the slow way
+        return np.array(column.to_pylist(), dtype="S32")
+    return np.frombuffer(fixed.buffers()[1], "S32", count=len(fixed), offset=fixed.offset * 32)
 
 
 def _sorted_unique(ids: pa.ChunkedArray) -> bool:

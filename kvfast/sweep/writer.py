@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
-from kvfast.sweep.grid import GridRun
+from kvfast.sweep.grid import GridRun, fits
 from kvfast.sweep.store import PART_ROWS, ResultsDir, schema_for
 
 if TYPE_CHECKING:
@@ -98,13 +98,8 @@ class Writer:
             return pa.Table.from_pylist([row], schema=self.schema)
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError, ValueError):
             pass
-        bad = "?"
-        for name, typ in self.study.result_fields.items():
-            try:
-                pa.array([row[name]], type=typ)
-            except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError, ValueError):
-                bad = f"{name}: {row[name]!r} does not fit type {typ}"
-                break
+        fields = self.study.result_fields.items()
+        bad = next((f"{n}: {row[n]!r} does not fit type {t}" for n, t in fields if not fits([row[n]], t)), "?")
         fixed = dict(row, status="error", error=f"ResultTypeError: {bad}")
         fixed.update({f: None for f in self.study.result_fields})
         return pa.Table.from_pylist([fixed], schema=self.schema)

@@ -16,8 +16,8 @@ from concurrent.futures import process
 import pytest
 from shared import ROOT
 
-from kvfast.runtime.child import kill_group
 from kvfast.sweep.backends import pool as pools
+from kvfast.sweep.procs import kill_worker
 
 pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork pools"), pytest.mark.subprocess]
 
@@ -32,7 +32,7 @@ def busy_pool():
 
 def end(pool, manager: threading.Thread, pids: list[int]) -> None:
     for pid in pids:
-        kill_group(pid)
+        kill_worker(pid)
     pool.shutdown(wait=False)
     manager.join(timeout=60)
     assert not manager.is_alive()
@@ -77,7 +77,7 @@ EXIT = """
 import sys, threading
 from concurrent.futures import process
 from kvfast.sweep.backends import pool as pools
-from kvfast.runtime.child import kill_group
+from kvfast.sweep.procs import kill_worker
 
 checked, closed = threading.Event(), threading.Event()
 wakeup, close = process._ThreadWakeup.wakeup, process._ThreadWakeup.close
@@ -102,7 +102,7 @@ if sys.argv[1] == "kvfast":
     pools.shutdown(pool, kill=True)
 else:  # kvfast's kill before issue 40: the workers killed, shutdown without waiting
     for p in list(pool._processes.values()):
-        kill_group(p.pid)
+        kill_worker(p.pid)
     pool.shutdown(wait=False, cancel_futures=True)
 """
 
