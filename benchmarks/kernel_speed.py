@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/kernel_speed.py [--repeats 5]
 
-The same as ``kvfast bench kernels``; see :mod:`kvfast.bench.kernels` for what
+The same as ``kvfast bench kernels``; see :mod:`kvfast.kernel_bench` for what
 is timed and how. Prints Markdown tables (figures recorded in benchmarks/README.md).
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvfast.bench.kernels import main as bench_main
+from kvfast.kernel_bench import main as bench_main
 
 
 def main(argv: list[str] | None = None) -> int:

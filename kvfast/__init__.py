@@ -26,7 +26,7 @@ _EXPORTS = {
     "Numerics": "kvfast.numerics",
     "to_bfloat16": "kvfast.kernels.precision",
     "load": "kvfast.sweep.store",
-    "run_inline": "kvfast.sweep.inline",
+    "run_inline": "kvfast.sweep.engine",
     "compare_detectors": "kvfast.studies.detector",
     "score_detector": "kvfast.studies.detector",
     "CheckReport": "kvfast.check",

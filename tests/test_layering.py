@@ -22,7 +22,7 @@ left. The layers, left to right:
 6. **studies**: ``kvfast.studies.*``.
 7. **report**: ``kvfast.report.*`` (the claims table, quoted figures, plots and HTML page, from stored results).
 8. **commands**: ``kvfast`` itself (a facade that imports its public names on first use),
-   ``kvfast.cli``, ``kvfast.commands.*``, ``kvfast.bench.*``, ``kvfast.pytest_plugin`` and every
+   ``kvfast.cli``, ``kvfast.commands.*``, ``kvfast.kernel_bench``, ``kvfast.pytest_plugin`` and every
    ``__main__`` module (entry points: nothing imports them).
 
 Importing ``a.b.c`` also runs the package ``a.b``'s ``__init__``, so an edge to a
@@ -51,7 +51,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("sweep", ("kvfast.sweep",)),
     ("studies", ("kvfast.studies",)),
     ("report", ("kvfast.report",)),
-    ("commands", ("kvfast.cli", "kvfast.commands", "kvfast.bench", "kvfast.pytest_plugin")),
+    ("commands", ("kvfast.cli", "kvfast.commands", "kvfast.kernel_bench", "kvfast.pytest_plugin")),
 ]
 FACADE = "kvfast"
 

@@ -16,6 +16,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from kvfast.bench.kernels import main
+    from kvfast.kernel_bench import main
 
     return main(repeats=args.repeats)

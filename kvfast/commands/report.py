@@ -11,7 +11,7 @@ every study's summary table (what docs/studies.md pastes), or a scan's findings.
 
 A scan whose reproducers were written (``kvfast scan --repro``) has its findings listed, new first, each with
 its label, reference and reproducer's path: at the head of the page and printed after its path
-(:mod:`kvfast.report.findings`). A listing that cannot be read (a damaged ``findings.csv``) is one warning line
+(:mod:`kvfast.report.scan_findings`). A listing that cannot be read (a damaged ``findings.csv``) is one warning line
 naming the file, on stderr and on the page, and the rest of the report is written (exit code 0).
 """
 
@@ -68,8 +68,8 @@ def markdown_text(results: dict, what: str) -> str:
 def cmd_report(args) -> int:
     from kvfast.commands.sweep import EXIT_STORAGE
     from kvfast.report import load_results, report_dir, write_report, write_tables
-    from kvfast.report.findings import findings_text, scan_findings
     from kvfast.report.page import report_path, writing_report
+    from kvfast.report.scan_findings import findings_text, scan_findings
     from kvfast.sweep.store import StorageError
 
     unread: list[str] = []

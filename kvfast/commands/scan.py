@@ -124,7 +124,7 @@ def scoreboard_text(df, markdown: bool, findings=None) -> str:
     text = f"{head}\n\n{show(board)}\n\ninjected bugs:\n\n{show(bugs)}\n\nskipped:\n\n{show(skipped)}"
     if findings is None:
         return text
-    from kvfast.report.findings import findings_text
+    from kvfast.report.scan_findings import findings_text
 
     return f"{text}\n\nfindings, new first: {findings_text(findings, markdown) if len(findings) else 'none'}"
 
@@ -182,7 +182,7 @@ def _write_reproducers(df, out: Path, args):
     first (printed, and written as ``findings.md`` beside ``findings.csv``); the listing."""
     from kvfast.report import markdown as md
     from kvfast.report import report_dir
-    from kvfast.report.findings import findings_text
+    from kvfast.report.scan_findings import findings_text
     from kvfast.repro.findings import FINDINGS_MD
     from kvfast.studies.scan_repro import repro_dir, write_scan_reproducers
 

@@ -294,11 +294,18 @@ def _exit(report) -> int:
     return 0
 
 
-def _summary(study, df: pd.DataFrame) -> str:
+def _print_summary(study, df: pd.DataFrame, claims: bool = True) -> None:
+    """Print ``study``'s summary table of its runs ``df``, then (``claims``) its claims, if it makes any."""
     try:
-        return _table(study.summarize(df))
+        print(_table(study.summarize(df)))
     except Exception as exc:  # noqa: BLE001 - a study's summary bug must not hide the others
-        return f"(summary failed: {type(exc).__name__}: {exc})"
+        print(f"(summary failed: {type(exc).__name__}: {exc})")
+    if claims:
+        from kvfast.report.claims import COLUMNS, study_claims
+
+        table = study_claims(study, df)[COLUMNS]
+        if len(table):
+            print(_table(table))
 
 
 def _other_study(root: Path, grid) -> bool:
@@ -358,17 +365,8 @@ def cmd_show(args) -> int:
     if study is None:
         print(f"(study {name!r} is not registered in this kvfast; no summary)")
         return 0
-    print(_summary(study, df))
-    claims = _claims(study, df)
-    if len(claims):
-        print(_table(claims))
+    _print_summary(study, df)
     return 0
-
-
-def _claims(study, df: pd.DataFrame) -> pd.DataFrame:
-    from kvfast.report.claims import COLUMNS, study_claims
-
-    return study_claims(study, df)[COLUMNS]
 
 
 def _study_grid(name: str):
@@ -403,10 +401,7 @@ def cmd_study(args) -> int:
     report, df = _run_study(grid, out, args.jobs, args.quiet, fresh=args.fresh)
     if isinstance(report, int):
         return report
-    print(_summary(grid.study, df))
-    claims = _claims(grid.study, df)
-    if len(claims):
-        print(_table(claims))
+    _print_summary(grid.study, df)
     return _exit(report)
 
 
@@ -434,7 +429,7 @@ def cmd_reproduce(args) -> int:
         report, df = _run_study(grid, root / grid.study.name, args.jobs, args.quiet, fresh=_other_study(root, grid))
         if isinstance(report, int):
             return report
-        print(_summary(grid.study, df))
+        _print_summary(grid.study, df, claims=False)
         status = status or _exit(report)
         if report.interrupted:
             break

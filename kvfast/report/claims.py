@@ -30,33 +30,11 @@ def study_claims(study: str | Study, df: pd.DataFrame) -> pd.DataFrame:
     name = study.name
     if study.claims is None:
         return pd.DataFrame(columns=COLUMNS + COUNT_COLUMNS)
-    try:
-        rows = [
-            {
-                "study": name,
-                "claim": c.claim,
-                "seed": c.seed_figure,
-                "kvfast": c.kvfast_figure,
-                "holds": bool(c.holds),
-                "criterion": c.criterion,
-                "conditions": len(c.conditions),
-                "conditions_hold": sum(ok for _, ok in c.conditions),
-            }
-            for c in study.claims(df)
-        ]
+    try:  # one tuple per claim, in the order of COLUMNS + COUNT_COLUMNS
+        rows = [(name, c.claim, c.seed_figure, c.kvfast_figure, bool(c.holds), c.criterion, len(c.conditions),
+                 sum(ok for _, ok in c.conditions)) for c in study.claims(df)]  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - one study's failure must not hide the others
-        rows = [
-            {
-                "study": name,
-                "claim": f"(claims failed: {type(exc).__name__}: {exc})",
-                "seed": "",
-                "kvfast": "",
-                "holds": False,
-                "criterion": "",
-                "conditions": 1,
-                "conditions_hold": 0,
-            }
-        ]
+        rows = [(name, f"(claims failed: {type(exc).__name__}: {exc})", "", "", False, "", 1, 0)]
     return pd.DataFrame(rows, columns=COLUMNS + COUNT_COLUMNS)
 
 
@@ -87,12 +65,11 @@ def count_line(table: pd.DataFrame) -> str:
     )
 
 
-def _cell(v) -> str:
+def cell_text(v) -> str:
+    """A table cell as the report shows it: booleans as yes/no, floats to 4 digits."""
     if isinstance(v, bool | np.bool_):
         return "yes" if v else "no"
-    if isinstance(v, float | np.floating):
-        return f"{v:.4g}"
-    return str(v).replace("|", "\\|").replace("\n", " ")
+    return f"{v:.4g}" if isinstance(v, float | np.floating) else str(v)
 
 
 def markdown(df: pd.DataFrame, columns: list[str] | None = None) -> str:
@@ -101,7 +78,9 @@ def markdown(df: pd.DataFrame, columns: list[str] | None = None) -> str:
         return "(no rows)"
     cols = list(df.columns) if columns is None else columns
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in df[cols].itertuples(index=False)]
+    escape = {ord("|"): "\\|", ord("\n"): " "}  # a cell's text stays in its cell
+    rows = df[cols].itertuples(index=False)
+    lines += ["| " + " | ".join(cell_text(v).translate(escape) for v in row) + " |" for row in rows]
     return "\n".join(lines)
 
 

@@ -11,7 +11,7 @@ Figure (only called when matplotlib, the ``plot`` extra, is installed).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pandas as pd
 
@@ -33,7 +33,6 @@ class Section:
     table: pd.DataFrame
     draw: Callable[[], object] | None = None
     note: str = ""
-    extra_tables: dict[str, pd.DataFrame] = field(default_factory=dict)
 
 
 def ordered_studies(studies: dict[str, Study] | None = None) -> list[Study]:

@@ -17,17 +17,16 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
 from kvfast._version import __version__
 from kvfast.report import claims as claims_mod
 from kvfast.report.facts import facts
 from kvfast.report.figures import Section, matplotlib_available, sections
-from kvfast.report.findings import findings_html, scan_findings
 from kvfast.report.results import load_results
+from kvfast.report.scan_findings import findings_html, scan_findings
 from kvfast.studies import STUDIES
-from kvfast.sweep.store import MANIFEST, StorageError
+from kvfast.sweep.store import MANIFEST, STORAGE_ERRNOS, StorageError
 from kvfast.validation import printable
 
 REPORT = "report.html"
@@ -50,14 +49,6 @@ img { max-width: 100%; border: 1px solid #eee; }
 """
 
 
-def _text(v) -> str:
-    if isinstance(v, bool | np.bool_):
-        return "yes" if v else "no"
-    if isinstance(v, float | np.floating):
-        return f"{v:.4g}"
-    return str(v)
-
-
 def _html_table(df: pd.DataFrame, holds_col: str | None = None, max_rows: int = 400) -> str:
     if df is None or not len(df):
         return "<p>(no rows)</p>"
@@ -66,7 +57,7 @@ def _html_table(df: pd.DataFrame, holds_col: str | None = None, max_rows: int = 
     for row in df.head(max_rows).itertuples(index=False):
         cells = []
         for c, v in zip(cols, row, strict=True):
-            text = _text(v)
+            text = claims_mod.cell_text(v)
             cls = f' class="{text}"' if c == holds_col else ""
             cells.append(f"<td{cls}>{html.escape(text)}</td>")
         out.append("<tr>" + "".join(cells) + "</tr>")
@@ -120,7 +111,7 @@ def render(
     unread: list[str] = (),
 ) -> str:
     """The report page for ``results`` (study name -> stored runs) as one HTML string; ``findings`` (a scan's
-    listing, :func:`kvfast.report.findings.scan_findings`) first where given, its links relative to
+    listing, :func:`kvfast.report.scan_findings.scan_findings`) first where given, its links relative to
     ``page_dir``; ``unread``: why a listing was left out (a damaged ``findings.csv``), a note each."""
     plots = matplotlib_available() if plots is None else plots
     table = claims_mod.claims_table(results)
@@ -191,16 +182,7 @@ def write_tables(results: dict[str, pd.DataFrame], out: str | os.PathLike) -> li
 
 # what the place a report goes to can refuse mid-way: a full disk or quota, a file too big, an I/O error, a
 # read-only file system or folder, a name longer than the file system's limit
-_WRITE_ERRNOS = {
-    errno.ENOSPC,
-    errno.EDQUOT,
-    errno.EFBIG,
-    errno.EIO,
-    errno.EROFS,
-    errno.EACCES,
-    errno.EPERM,
-    errno.ENAMETOOLONG,
-}
+_WRITE_ERRNOS = STORAGE_ERRNOS | {errno.EACCES, errno.EPERM, errno.ENAMETOOLONG}
 
 
 @contextlib.contextmanager
@@ -259,7 +241,7 @@ def report_dir(results_dir: str | os.PathLike, out: str | os.PathLike | None = N
 def write_report(results_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
     """Read every study's runs under ``results_dir`` and write ``OUT/report.html`` plus its tables
     (:func:`write_tables`); ``out``: see :func:`report_dir` (default ``RESULTS_DIR.report``). A scan's findings
-    (``kvfast scan --repro``: :func:`~kvfast.report.findings.scan_findings`) head the page; a listing that cannot
+    (``kvfast scan --repro``: :func:`~kvfast.report.scan_findings.scan_findings`) head the page; a listing that cannot
     be read is a note there, and the rest of the page is written.
     Returns the page's path."""
     results = load_results(results_dir)

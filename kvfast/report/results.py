@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -14,18 +13,15 @@ from kvfast.sweep.store import MANIFEST, ResultsDir, load
 
 def study_dirs(root: str | os.PathLike) -> dict[str, Path]:
     """Study name -> results directory, for ``root`` itself (one study) or every folder under it that has a
-    manifest, in study-name order. ``ValueError`` naming ``RESULTS_DIR`` when there is none."""
+    manifest, in study-name order. ``ValueError`` naming ``RESULTS_DIR`` when there is none, and naming the
+    manifest and the remedy when one is broken (:meth:`~kvfast.sweep.store.ResultsDir.manifest`)."""
     base = Path(root)
     if not base.is_dir():
         raise ValueError(f"RESULTS_DIR: {str(root)!r} is not allowed; allowed: a directory of kvfast results")
     candidates = [base] if (base / MANIFEST).is_file() else sorted(p for p in base.iterdir() if p.is_dir())
     found: dict[str, Path] = {}
     for path in candidates:
-        manifest = path / MANIFEST
-        if not manifest.is_file():
-            continue
-        name = _study_of(path)
-        if name in STUDIES:
+        if (path / MANIFEST).is_file() and (name := ResultsDir(path).manifest()["study"]) in STUDIES:
             found[name] = path
     if not found:
         raise ValueError(
@@ -33,20 +29,6 @@ def study_dirs(root: str | os.PathLike) -> dict[str, Path]:
             f"(each with {MANIFEST}, as `kvfast reproduce --out DIR` writes), of the studies {', '.join(STUDIES)}"
         )
     return dict(sorted(found.items()))
-
-
-def _study_of(path: Path) -> str:
-    """The study ``path``'s manifest names (``""`` for none); ``ValueError`` naming the file and the remedy when
-    it is not a JSON object (truncated, a list)."""
-    manifest = path / MANIFEST
-    try:
-        data = json.loads(manifest.read_bytes())
-    except (OSError, ValueError) as exc:
-        data = exc
-    if not isinstance(data, dict):
-        why = str(data).splitlines()[0] if isinstance(data, Exception) else f"a JSON {type(data).__name__}"
-        raise ValueError(f"{manifest}: not a kvfast manifest ({why}); {ResultsDir(path).remedy()}")
-    return str(data.get("study", ""))
 
 
 def load_results(root: str | os.PathLike) -> dict[str, pd.DataFrame]:

@@ -1,4 +1,4 @@
-"""One finding as data: :class:`Case` (the tiny model, the scenario, the tokens, how the model is called, the
+"""One finding as data: :class:`ReproCase` (the tiny model, the scenario, the tokens, how the model is called, the
 injected bug if any, and what kvfast measured), made from a Hugging Face model by :func:`find_case` and
 checked again by :func:`check_case`.
 
@@ -35,7 +35,7 @@ DROPPED_KEYS = ("transformers_version", "dtype", "torch_dtype")
 
 
 @dataclass(frozen=True)
-class Case:
+class ReproCase:
     """A finding of kvfast on a Hugging Face causal LM, as data (see the module doc).
 
     - ``model_class``, ``config`` (``to_dict()`` of the model's config, JSON-able), ``seed`` (``None``: the
@@ -109,24 +109,28 @@ class Case:
         return json.dumps(data, indent=1, sort_keys=True)
 
     @staticmethod
-    def from_json(text: str) -> Case:
+    def from_json(text: str) -> ReproCase:
         data = json.loads(text)
         data["drafts"] = {int(k): list(v) for k, v in data["drafts"].items()}
         for key in ("prompt", "tokens", "deviation", "threshold", "branch_prompt", "branch_tokens"):
             data[key] = tuple(data.get(key, ()))
         data["bug"] = None if data["bug"] is None else tuple(data["bug"])
-        return Case(**data)
-
-
-def _branches() -> dict[str, str]:
-    from kvfast.check.scenarios import branches
-
-    return branches()
+        return ReproCase(**data)
 
 
 def base_scenario(report: str) -> str:
     """The scenario whose run gives ``report`` (a second branch's report name -> its scenario's)."""
-    return _branches().get(report, report)
+    from kvfast.check.scenarios import branches
+
+    return branches().get(report, report)
+
+
+def torch_threads() -> int:
+    """torch's intra-op thread count in this process (1 without torch): a script and a shrinking child use it."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    return int(torch.get_num_threads()) if torch is not None else 1
 
 
 def versions() -> dict[str, str]:
@@ -145,7 +149,7 @@ def config_dict(config) -> dict:
     return json.loads(json.dumps(d, default=str))
 
 
-def build_model(case: Case):
+def build_model(case: ReproCase):
     """The case's model, built as its script builds it: ``torch.manual_seed(seed)``, the class's
     ``_from_config(AutoConfig.for_model(**config))`` (or the case's weights loaded), eval mode, cast to the dtype."""
     import torch
@@ -171,13 +175,6 @@ def _same_weights(a, b) -> bool:
 
     sa, sb = a.state_dict(), b.state_dict()
     return sa.keys() == sb.keys() and all(torch.equal(sa[k].cpu(), sb[k].cpu()) for k in sa)
-
-
-def _injected(adapter) -> tuple[str, str] | None:
-    """``(catalogue, name)`` of the catalogue bug injected into ``adapter`` (read from its mixins)."""
-    from kvfast.repro.patches import bug_of_adapter
-
-    return bug_of_adapter(adapter)
 
 
 def _calls(adapter) -> dict:
@@ -232,13 +229,13 @@ def adapter_for(model, *, own_cache: bool | None = None, calls: dict | None = No
     return HFModel(model, new_cache=(lambda: None) if own_cache else None)
 
 
-def case_adapter(case: Case):
+def case_adapter(case: ReproCase):
     """The adapter of ``case``: its model rebuilt (:func:`build_model`), its cache as the case names it, its
     injected bug injected again."""
     return inject(adapter_for(build_model(case), own_cache=case.calls.get("own_cache"), calls=case.calls), case.bug)
 
 
-def check_case(case: Case, adapter=None, promote: str | None = None):
+def check_case(case: ReproCase, adapter=None, promote: str | None = None):
     """kvfast's control-mode check of ``case`` (its model rebuilt, its bug injected again): the report."""
     from kvfast.check.checker import check_cache
 
@@ -277,14 +274,17 @@ def find_case(
     command: str = "",
     report=None,
     promote: str | None = None,
-) -> Case:
-    """The :class:`Case` of ``model`` (a transformers causal LM, or an :class:`~kvfast.check.hf.HFModel` over one,
+) -> ReproCase:
+    """The :class:`ReproCase` of ``model`` (a transformers causal LM, or an :class:`~kvfast.check.hf.HFModel` over one,
     with an injected catalogue bug or none) on ``prompt`` in ``scenario``: kvfast's control check is run (or
     ``report``, a check already run on this adapter, is read), and the case keeps its tokens, its per-step
     deviations and thresholds. ``seed``: the weight seed to try first; where ``torch.manual_seed(seed)`` and
     ``_from_config`` do not give the model's weights, the case carries them (``weights``). ``promote``
     (``"float64"``): the case of kvfast's logic check (the model promoted, :meth:`~kvfast.check.hf.HFModel.promote`,
     and checked), for a finding the model's own dtype cannot resolve."""
+    from kvfast.check.scenarios import branches
+    from kvfast.repro.patches import bug_of_adapter
+
     require_choice(scenario, "scenario", SCRIPT_SCENARIOS)
     adapter = adapter_for(model, own_cache=own_cache)
     made = None if adapter.new_cache is None else adapter.new_cache()
@@ -305,10 +305,10 @@ def find_case(
     if scenario not in report.scenarios:
         raise not_allowed("scenario", scenario, f"a scenario the report holds ({', '.join(report.scenarios)})")
     s, main = report.scenarios[scenario], report.scenarios[base]
-    branch = next((report.scenarios[b] for b, op in _branches().items() if op == base and b in report.scenarios), None)
+    branch = next((report.scenarios[b] for b, op in branches().items() if op == base and b in report.scenarios), None)
     hf = adapter.model
     threshold, origin = s.detail.threshold(s.steps)
-    case = Case(
+    case = ReproCase(
         model_class=type(hf).__name__,
         config=config_dict(hf.config),
         seed=seed,
@@ -320,7 +320,7 @@ def find_case(
         calls=_calls(adapter),
         split=main.split if base == "resume" else None,
         drafts=_drafts(base, main.tokens, adapter.vocab_size),
-        bug=_injected(adapter),
+        bug=bug_of_adapter(adapter),
         verdict=s.verdict,
         first_bug_step=s.first_bug_step,  # (a report judged bit for bit has none: its verdict is exact)
         deviation=tuple(float(d) for d in s.deviation),

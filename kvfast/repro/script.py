@@ -10,7 +10,7 @@ import json
 import re
 from pathlib import Path
 
-from kvfast.repro.case import Case
+from kvfast.repro.case import ReproCase, torch_threads
 from kvfast.repro.known import label
 from kvfast.repro.patches import cached_path_source, patch_for
 from kvfast.repro.template import DOCSTRING, TEMPLATE
@@ -42,7 +42,7 @@ BRANCH_TEXT = {
 }
 
 
-def scenario_text(case: Case) -> str:
+def scenario_text(case: ReproCase) -> str:
     """The scenario in words, with the sequence judged where it is a second one."""
     text = SCENARIO_TEXT[case.run_scenario]
     if case.judged == "branch":
@@ -50,12 +50,12 @@ def scenario_text(case: Case) -> str:
     return text
 
 
-def _versions_text(case: Case) -> str:
+def _versions_text(case: ReproCase) -> str:
     v = case.versions
     return f"python {v.get('python')}, torch {v.get('torch')}, transformers {v.get('transformers')}"
 
 
-def _promote_text(case: Case) -> str:
+def _promote_text(case: ReproCase) -> str:
     dtype, promote = md_text(case.dtype), md_text(case.promote)
     return (
         f"- precision: a finding of kvfast's logic check. In {dtype} the two paths differ by no more than "
@@ -66,7 +66,7 @@ def _promote_text(case: Case) -> str:
     )
 
 
-def _cache_text(case: Case) -> str:
+def _cache_text(case: ReproCase) -> str:
     calls = case.calls
     if calls.get("cache_class"):
         return md_code(f"transformers.{calls['cache_class']}(config=..., max_cache_len={calls.get('max_cache_len')})")
@@ -75,7 +75,7 @@ def _cache_text(case: Case) -> str:
     return "a fresh `transformers.DynamicCache(config=...)`"
 
 
-def title(case: Case) -> str:
+def title(case: ReproCase) -> str:
     """The summary's first line."""
     what = "the cached path disagrees with the full recompute" if case.verdict == "bug" else "cache vs recompute"
     bug = f" (injected bug {case.bug[0]}:{case.bug[1]})" if case.bug else ""
@@ -99,7 +99,7 @@ def _fill(template: str, fields: dict[str, str]) -> str:
     return pattern.sub(lambda m: fields[m.group(1)], template)
 
 
-def render(case: Case) -> str:
+def render(case: ReproCase) -> str:
     """The standalone script of ``case`` (see :mod:`kvfast.repro.template`)."""
     weights = (
         f"seed {case.seed}: torch.manual_seed then _from_config"
@@ -135,7 +135,7 @@ def render(case: Case) -> str:
         "FOUND_ON": repr(str(case.versions.get("transformers"))),
         "CALLS": repr(case.calls),
         "THRESHOLD": repr([float(t) for t in case.threshold]),
-        "THREADS": repr(_torch_threads()),
+        "THREADS": repr(torch_threads()),
         "FOUND_VERSIONS": repr(_versions_text(case)),
         "CACHED_PATH": cached_path_source(),
         "PATCH": patch_for(case.bug),
@@ -143,15 +143,7 @@ def render(case: Case) -> str:
     return _fill(TEMPLATE, fields)
 
 
-def _torch_threads() -> int:
-    """torch's intra-op thread count in this process (where the case was checked), 1 without torch."""
-    import sys
-
-    torch = sys.modules.get("torch")
-    return int(torch.get_num_threads()) if torch is not None else 1
-
-
-def _reorder_points(case: Case) -> list[int]:
+def _reorder_points(case: ReproCase) -> list[int]:
     if case.run_scenario != "reorder":
         return []
     from kvfast.check.scenarios.reorder import reorder_points
@@ -159,7 +151,7 @@ def _reorder_points(case: Case) -> list[int]:
     return reorder_points(case.steps)
 
 
-def finding_label(case: Case) -> tuple[str, str | None]:
+def finding_label(case: ReproCase) -> tuple[str, str | None]:
     """``(label, reference)`` of ``case`` (:func:`kvfast.repro.known.label`)."""
     version = str(case.versions.get(case.library, ""))
     return label(case.library, version, case.architecture, case.scenario, injected=case.bug is not None)
@@ -197,7 +189,7 @@ def md_block(text: str, info: str = "") -> list[str]:
     return [fence + info, *text.split("\n"), fence]
 
 
-def issue_text(case: Case) -> str:
+def issue_text(case: ReproCase) -> str:
     """ISSUE.md: the three lines a maintainer reads first, then the details. What the case holds is shown as text
     (:func:`md_text`) or code (:func:`md_code`, :func:`md_block`), never as Markdown of its own."""
     tag, reference = finding_label(case)
@@ -250,7 +242,7 @@ def issue_text(case: Case) -> str:
     return "\n".join(lines)
 
 
-def write_reproducer(case: Case, directory) -> Path:
+def write_reproducer(case: ReproCase, directory) -> Path:
     """``reproduce.py``, ``ISSUE.md`` and ``case.json`` (and ``weights.pt`` where the case carries its weights)
     written into ``directory``, a folder of their own (made if missing); the script's path. A reproducer is never
     overwritten: ``ValueError`` naming ``directory`` where it is a file or a folder that holds anything. A write

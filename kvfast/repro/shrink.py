@@ -27,8 +27,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from kvfast.repro.case import Case, case_adapter, check_case, find_case
-from kvfast.validation import require_int
+from kvfast.repro.case import ReproCase, case_adapter, check_case, find_case, torch_threads
 
 DEFAULT_SECONDS = 60.0
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
@@ -51,7 +50,7 @@ class Shrunk:
     the seconds spent and whether the budget ran out first; ``stopped``: why the search's process ended before
     its result (:func:`shrink_apart`: a candidate hung or crashed it), the case then the one it was given."""
 
-    case: Case
+    case: ReproCase
     shrank: tuple[str, ...]
     not_shrunk: tuple[str, ...]
     tried: int
@@ -119,7 +118,7 @@ def _with_heads(config: dict, keys: tuple[str, ...], n: int) -> dict | None:
     return out
 
 
-def _with_vocab(case: Case, vocab: int) -> Case | None:
+def _with_vocab(case: ReproCase, vocab: int) -> ReproCase | None:
     old = case.config.get("vocab_size")
     if not isinstance(old, int) or old <= vocab:
         return None
@@ -135,7 +134,7 @@ def _with_vocab(case: Case, vocab: int) -> Case | None:
     )
 
 
-def _candidates(case: Case, dim: str) -> Case | None:
+def _candidates(case: ReproCase, dim: str) -> ReproCase | None:
     """The next smaller case along ``dim`` (``None``: none smaller)."""
     c = case.config
     if dim == "steps":
@@ -166,7 +165,7 @@ def _candidates(case: Case, dim: str) -> Case | None:
 DIMENSIONS = ("steps", "prompt start", "prompt end", "layers", "hidden size", "heads", "key/value heads", "vocabulary")
 
 
-def _size(case: Case, dim: str) -> str:
+def _size(case: ReproCase, dim: str) -> str:
     c = case.config
     keys = {"layers": LAYER_KEYS, "hidden size": HIDDEN_KEYS, "heads": HEAD_KEYS, "key/value heads": KV_KEYS}
     if dim == "steps":
@@ -179,7 +178,7 @@ def _size(case: Case, dim: str) -> str:
     return str(c.get(key)) if key else "-"
 
 
-def _verdict(case: Case):
+def _verdict(case: ReproCase):
     """``(adapter, report)`` when kvfast calls ``case`` a ``bug``, else ``(None, why not)``."""
     try:
         adapter = case_adapter(case)
@@ -192,7 +191,7 @@ def _verdict(case: Case):
     return (adapter, report), None
 
 
-def shrink_case(case: Case, seconds: float = DEFAULT_SECONDS, trying=None) -> Shrunk:
+def shrink_case(case: ReproCase, seconds: float = DEFAULT_SECONDS, trying=None) -> Shrunk:
     """The smallest case kvfast still calls ``bug`` that the greedy search finds within ``seconds`` (see the
     module doc); ``ValueError`` for a case that is not a ``bug`` to begin with. ``trying``: called with each
     candidate, in words (``"layers 2 -> 1"``), before it is checked."""
@@ -251,11 +250,6 @@ def shrink_case(case: Case, seconds: float = DEFAULT_SECONDS, trying=None) -> Sh
     return Shrunk(kept, tuple(shrank), tuple(not_shrunk), tried, time.monotonic() - start, out_of_time)
 
 
-def shrink_seconds(value) -> float:
-    """``--repro-seconds``'s value checked (``ValueError`` naming it)."""
-    return float(require_int(value, "--repro-seconds", 1))
-
-
 BOOT = (
     "import json, sys\n"
     "boot = json.loads(sys.argv[1])\n"
@@ -265,7 +259,7 @@ BOOT = (
 )
 
 
-def shrink_apart(case: Case, seconds: float = DEFAULT_SECONDS) -> Shrunk:
+def shrink_apart(case: ReproCase, seconds: float = DEFAULT_SECONDS) -> Shrunk:
     """:func:`shrink_case` of ``case`` in a child process of its own (see the module doc), killed ``GRACE_S``
     after ``seconds`` (its imports not counted). Where that process hangs, crashes or fails, the result is
     ``case`` itself, its :attr:`Shrunk.stopped` saying why and which candidate it was checking."""
@@ -285,12 +279,12 @@ def shrink_apart(case: Case, seconds: float = DEFAULT_SECONDS) -> Shrunk:
             torch.save(case.weights, weights)
         progress = os.path.join(tmp, "trying.txt")
         request = {"case": case.to_json(), "weights": weights, "seconds": seconds, "progress": progress,
-                   "threads": _threads()}  # fmt: skip
+                   "threads": torch_threads()}  # fmt: skip
         outcome = run_in_child(BOOT, request, seconds + GRACE_S, grace=0.0)
         tried = Path(progress).read_text().splitlines() if os.path.exists(progress) else []
     result = outcome.result or {}
     if result.get("kind") == "shrunk":
-        kept = Case.from_json(result["case"])
+        kept = ReproCase.from_json(result["case"])
         kept = replace(kept, weights=case.weights) if kept.seed is None else kept
         return Shrunk(kept, tuple(result["shrank"]), tuple(result["not_shrunk"]), result["tried"],
                       result["seconds"], result["out_of_time"])  # fmt: skip
@@ -302,14 +296,6 @@ def shrink_apart(case: Case, seconds: float = DEFAULT_SECONDS) -> Shrunk:
     else:
         why = f"its process ended without a result ({outcome.ended()}){at}"
     return Shrunk(case, (), (), len(tried), time.monotonic() - start, outcome.timed_out, f"the search stopped: {why}")
-
-
-def _threads() -> int:
-    """torch's intra-op thread count in this process (1 without torch): the child checks candidates with it."""
-    import sys
-
-    torch = sys.modules.get("torch")
-    return int(torch.get_num_threads()) if torch is not None else 1
 
 
 def shrink_child(boot: dict) -> None:
@@ -327,7 +313,7 @@ def shrink_child(boot: dict) -> None:
     request = read_request(boot)
     if request is None:
         os._exit(0)
-    case = Case.from_json(request["case"])
+    case = ReproCase.from_json(request["case"])
     try:
         getattr(transformers, case.model_class)  # its module's import, before the clock starts too
     except Exception:  # noqa: BLE001, S110 - the first candidate then says why

@@ -42,19 +42,4 @@ _EXPORTS = {
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, submodules=True)
 
 
-__all__ = [
-    "INTERRUPTED",
-    "CheckTimeout",
-    "ProcessEnded",
-    "UserCodeError",
-    "call_user",
-    "check_timeout",
-    "ctrl_c_noted",
-    "describe",
-    "load_object",
-    "on_sigint",
-    "probing_imports",
-    "split_ref",
-    "watched",
-    "working_dir_on_path",
-]
+__all__ = sorted(_EXPORTS)

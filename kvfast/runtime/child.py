@@ -29,6 +29,7 @@ FILE (the warm check's timeline: ``benchmarks/compile_profile.py --warm-check``)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -57,22 +58,25 @@ class ChildOutcome(NamedTuple):
     report: dict | None = None  # what the child sent before its end (child_report), if it sent anything
 
     def ended(self) -> str:
-        """How the process ended, in words (``exit status 0``, ``killed by signal SIGSEGV``)."""
-        code = self.returncode
-        if code < 0:
-            try:
-                return f"killed by signal {signal.Signals(-code).name}"
-            except ValueError:
-                return f"killed by signal {-code}"
-        return f"exit status {code}"
+        """How the process ended, in words (:func:`ended_text`)."""
+        return ended_text(self.returncode)
+
+
+def ended_text(returncode: int) -> str:
+    """How a process of this ``returncode`` (``Popen``'s: a signal's negated) ended, in words (``exit status 0``,
+    ``killed by signal SIGSEGV``)."""
+    if returncode >= 0:
+        return f"exit status {returncode}"
+    with contextlib.suppress(ValueError):
+        return f"killed by signal {signal.Signals(-returncode).name}"
+    return f"killed by signal {-returncode}"
 
 
 def kill_group(pid: int) -> None:
-    """SIGKILL the process group ``pid`` leads (gone already: nothing)."""
-    try:
+    """SIGKILL the process group ``pid`` leads (gone already: nothing), also once ``pid`` itself has ended and been
+    reaped: what it started is still in the group."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _wait_until_ready(proc: subprocess.Popen, ready_fd: int) -> None:
@@ -236,7 +240,7 @@ def run_in_child(
         child = start_child(boot)
     try:
         child.send(request)
-        return child.wait(timeout, grace) if on_report is None else child.wait(timeout, grace, on_report)
+        return child.wait(timeout, grace, on_report)
     finally:
         child.discard()
 

@@ -16,9 +16,9 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 
-from kvfast.runtime.interrupt import ctrl_c_noted, note_ctrl_c, unnote_ctrl_c
+from kvfast.runtime.interrupt import ctrl_c_noted
 from kvfast.validation import not_allowed
 
 
@@ -73,7 +73,8 @@ def check_timeout(timeout: object) -> float | None:
     return float(timeout)
 
 
-def watched(timeout: float | None, started: float | None = None) -> AbstractContextManager[None]:
+@contextmanager
+def watched(timeout: float | None, started: float | None = None) -> Iterator[None]:
     """Run the body as one watched call of the user's code (see the module doc).
 
     The deadline is a ``SIGALRM`` interval timer (it re-fires every 0.25 s until a guarded call sees it, so
@@ -82,56 +83,19 @@ def watched(timeout: float | None, started: float | None = None) -> AbstractCont
     pending timer (e.g. pytest-timeout's) are restored afterwards. ``started``: a ``time.time()`` the
     deadline counts from (default now; ``kvfast check``'s child process counts from the end of kvfast's
     own start-up). ``ValueError`` for a bad ``timeout``, or one outside the main thread (on entering).
-
-    Without a ``timeout`` (the common case: a sweep's runs, ``check_cache`` without one) the watch is a small
-    object (:class:`_Unlimited`) doing the same without a generator.
+    Without a ``timeout`` (a sweep's runs, ``check_cache`` without one) the watch sets no timer: outermost in the
+    main thread it notes the user's Ctrl-C (:func:`~kvfast.runtime.interrupt.ctrl_c_noted`) and sets the watch
+    for guarded calls; nested, or in another thread, it does nothing.
     """
-    if timeout is None:
-        return _Unlimited()
-    return _watched(timeout, started)
-
-
-class _Unlimited:
-    """``watched(None)``: the watch without a deadline, as :func:`_watched` runs it for ``None`` (outermost in
-    the main thread: the user's Ctrl-C noted as :func:`~kvfast.runtime.interrupt.ctrl_c_noted` does, and the
-    watch set for guarded calls; nested, or in another thread: nothing)."""
-
-    __slots__ = ("noted", "watch")
-
-    def __enter__(self) -> None:
-        global _watch
-        self.watch = None
-        if _watch is not None or threading.current_thread() is not threading.main_thread():
-            return
-        self.noted = note_ctrl_c()
-        self.watch = _watch = _Watch(None)
-
-    def __exit__(self, kind, error, tb) -> bool:
-        global _watch
-        watch = self.watch
-        if watch is None:
-            return False
-        watch.done = True
-        _watch = None
-        if self.noted:
-            unnote_ctrl_c()
-        if kind is Deadline:  # (no timer of this watch raises it)
-            raise CheckTimeout(0.0, "kvfast's comparison between model calls") from None
-        return False
-
-
-@contextmanager
-def _watched(timeout: float, started: float | None = None) -> Iterator[None]:
-    """:func:`watched` with a deadline (``timeout`` not ``None``: :class:`_Unlimited` runs the watch without one)."""
     global _watch
     timeout = check_timeout(timeout)
     main = threading.current_thread() is threading.main_thread()
-    if _watch is not None and main:
+    if (_watch is not None and main) or (timeout is None and not main):
         yield
         return
     if not main:
         raise not_allowed("timeout", timeout, "None outside the main thread (the deadline is a SIGALRM timer)")
-    if not hasattr(signal, "setitimer"):
+    if timeout is not None and not hasattr(signal, "setitimer"):
         raise not_allowed("timeout", timeout, "None on this platform (it has no signal.setitimer)")
     watch = _Watch(timeout)
     with ctrl_c_noted():
@@ -140,21 +104,23 @@ def _watched(timeout: float, started: float | None = None) -> Iterator[None]:
             if not watch.done:
                 raise Deadline
 
-        old_alarm = signal.signal(signal.SIGALRM, on_alarm)
-        first = timeout if started is None else max(timeout - (time.time() - started), 1e-3)
-        old_timer = signal.setitimer(signal.ITIMER_REAL, first, 0.25)
-        started = time.monotonic()
+        if timeout is not None:
+            old_alarm = signal.signal(signal.SIGALRM, on_alarm)
+            first = timeout if started is None else max(timeout - (time.time() - started), 1e-3)
+            old_timer = signal.setitimer(signal.ITIMER_REAL, first, 0.25)
+            started = time.monotonic()
         _watch = watch
         try:
             yield
         except Deadline:
             watch.done = True
-            raise CheckTimeout(timeout, "kvfast's comparison between model calls") from None
+            raise CheckTimeout(timeout or 0.0, "kvfast's comparison between model calls") from None
         finally:
             watch.done = True
             _watch = None
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, old_alarm)
-            if old_timer[0] > 0:  # someone else's pending timer: give back what is left of it
-                left = max(old_timer[0] - (time.monotonic() - started), 1e-3)
-                signal.setitimer(signal.ITIMER_REAL, left, old_timer[1])
+            if timeout is not None:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, old_alarm)
+                if old_timer[0] > 0:  # someone else's pending timer: give back what is left of it
+                    left = max(old_timer[0] - (time.monotonic() - started), 1e-3)
+                    signal.setitimer(signal.ITIMER_REAL, left, old_timer[1])

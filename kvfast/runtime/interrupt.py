@@ -7,10 +7,6 @@ check (:func:`ctrl_c_noted`) and a sweep install; :func:`kvfast.runtime.user.cal
 
 from __future__ import annotations
 
-# _signal: the C functions under signal.signal / signal.getsignal, the same calls without the wrappers' enum
-# conversions (each wrapper call tries Handlers(value), which raises and catches a ValueError for a Python
-# handler: about 5 us, three times per watched check)
-import _signal
 import signal
 import threading
 from collections.abc import Iterator
@@ -30,29 +26,13 @@ def ctrl_c_noted() -> Iterator[None]:
     """Run the body with :func:`on_sigint` as the SIGINT handler when Python's default one is installed
     (main thread only; restored afterwards; :data:`INTERRUPTED` cleared first). Any other handler
     (a sweep's, a test runner's) is left alone."""
-    noted = threading.current_thread() is threading.main_thread() and note_ctrl_c()
+    noted = threading.current_thread() is threading.main_thread()
+    noted = noted and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    if noted:
+        INTERRUPTED.clear()
+        signal.signal(signal.SIGINT, on_sigint)
     try:
         yield
     finally:
         if noted:
-            unnote_ctrl_c()
-
-
-def note_ctrl_c() -> bool:
-    """:func:`ctrl_c_noted`'s start, called in the main thread: install :func:`on_sigint` (clearing
-    :data:`INTERRUPTED`) and return ``True`` when Python's default SIGINT handler is installed, else ``False``
-    (nothing changed). After ``True``, :func:`unnote_ctrl_c` puts the default handler back."""
-    if _signal.getsignal(_SIGINT) is not _DEFAULT:
-        return False
-    INTERRUPTED.clear()
-    _signal.signal(_SIGINT, on_sigint)
-    return True
-
-
-def unnote_ctrl_c() -> None:
-    """:func:`ctrl_c_noted`'s end after :func:`note_ctrl_c` returned ``True``: Python's default handler back."""
-    _signal.signal(_SIGINT, _DEFAULT)
-
-
-_SIGINT = int(signal.SIGINT)
-_DEFAULT = signal.default_int_handler
+            signal.signal(signal.SIGINT, signal.default_int_handler)

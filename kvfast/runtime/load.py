@@ -43,6 +43,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from kvfast.runtime.child import ended_text
 from kvfast.runtime.user import ProcessEnded, UserCodeError, call_user, describe
 from kvfast.validation import shown
 
@@ -88,7 +89,8 @@ def working_dir_on_path() -> None:
 def import_user_module(module: str, field: str, ref: str, error: type[UserCodeError] = UserCodeError):
     """``module`` imported by the rules of the module doc (``ValueError`` or ``error``)."""
     working_dir_on_path()
-    if _PROBE[0] and module not in sys.modules and not is_kvfast_module(module):
+    # kvfast's own modules are not user code, never probed (the studies' import, 1.4 s, would otherwise run twice)
+    if _PROBE[0] and module not in sys.modules and module != "kvfast" and not module.startswith("kvfast."):
         ended = probe_import(module)
         if ended is not None:
             raise error(f"importing {module}", ended)
@@ -99,12 +101,6 @@ def import_user_module(module: str, field: str, ref: str, error: type[UserCodeEr
         raise ValueError(
             f"{field}: {shown(ref)} cannot be imported: its module {module!r} cannot be imported ({describe(exc)})"
         ) from None
-
-
-def is_kvfast_module(module: str) -> bool:
-    """Whether ``module`` is kvfast's own (``kvfast`` or below it): not user code, so never probed (its import,
-    the studies' about 1.4 s, would otherwise run twice: ``kvfast check kvfast.studies.check:kvfast_model``)."""
-    return module == "kvfast" or module.startswith("kvfast.")
 
 
 def probe_import(module: str) -> ProcessEnded | None:
@@ -143,7 +139,7 @@ def probe_import(module: str) -> ProcessEnded | None:
         os.close(read)
     if answer == b"ok":
         return None
-    return ProcessEnded(f"{_status_text(status)}: os._exit, a crash or a signal at import")
+    return ProcessEnded(f"{ended_text(os.waitstatus_to_exitcode(status))}: os._exit, a crash or a signal at import")
 
 
 def _end(pid: int) -> None:
@@ -152,12 +148,6 @@ def _end(pid: int) -> None:
         os.waitpid(pid, 0)
     except (ProcessLookupError, ChildProcessError):
         pass
-
-
-def _status_text(status: int) -> str:
-    if os.WIFSIGNALED(status):
-        return f"killed by signal {os.WTERMSIG(status)}"
-    return f"exit status {os.WEXITSTATUS(status) if os.WIFEXITED(status) else status}"
 
 
 def load_object(

@@ -4,7 +4,7 @@ the Parquet dataset (``DIR.repro/``), one per architecture, dtype, scenario and 
 Which rows: ``findings`` (the clean runs kvfast called ``bug``: findings about transformers) or ``all`` (the
 injected catalogue bugs' rows too). A run called ``bug`` only by the float64 logic check (a bfloat16 run whose
 own verdict is ``rounding`` or ``inconclusive``: the difference hides in bfloat16's rounding) is a finding too; its
-reproducer is the logic check's (the bfloat16 model run in float64, :attr:`kvfast.repro.case.Case.promote`), and
+reproducer is the logic check's (the bfloat16 model run in float64, :attr:`kvfast.repro.case.ReproCase.promote`), and
 its listing's note says so. The listing (:func:`kvfast.repro.findings.findings_table`, new findings
 first) is written as ``findings.md`` and ``findings.csv`` in the same folder.
 """

@@ -1,14 +1,11 @@
 """The sweep engine: grids (TOML), parallel runs (joblib, Dask), Parquet results, resume; in-process runs.
 
 See ``docs/sweep.md`` for the grid format and the results schema. A study's contract is imported from here:
-``from kvfast.sweep import Study, Claim`` (and ``Fact``, ``Figure`` for the report). The in-process
-runner (:mod:`kvfast.sweep.inline`: ``run_inline``) is imported on first use, so that importing the
-engine (``kvfast.load``) does not load the checker and its Numba kernels.
+``from kvfast.sweep import Study, Claim`` (and ``Fact``, ``Figure`` for the report). ``run_inline`` runs a
+grid in this process and stores nothing (library users, tests).
 """
 
-import importlib
-
-from kvfast.sweep.engine import BACKENDS, SweepReport, run_sweep
+from kvfast.sweep.engine import BACKENDS, SweepReport, run_inline, run_sweep
 from kvfast.sweep.grid import (
     DEFAULT_MAX_RUNS,
     Grid,
@@ -50,13 +47,3 @@ __all__ = [
     "run_sweep",
     "schema_for",
 ]
-
-_INLINE = ("run_inline",)
-
-
-def __getattr__(name: str):
-    if name not in _INLINE:
-        raise AttributeError(f"module 'kvfast.sweep' has no attribute {name!r}")
-    value = getattr(importlib.import_module("kvfast.sweep.inline"), name)
-    globals()[name] = value
-    return value

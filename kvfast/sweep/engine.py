@@ -36,19 +36,20 @@ Contract of :func:`run_sweep`:
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pandas as pd
+
 from kvfast.runtime import INTERRUPTED, on_sigint
 from kvfast.sweep.backends import Job, execute
-from kvfast.sweep.grid import Grid, GridRun
+from kvfast.sweep.grid import Grid, GridRun, as_grid
 from kvfast.sweep.limits import check_disk, check_memory
 from kvfast.sweep.options import BACKENDS, SweepOptions
 from kvfast.sweep.plan import Pending, find_pending, pending_runs, split_warmup
@@ -58,6 +59,7 @@ from kvfast.sweep.rows import RunLimits, run_one
 from kvfast.sweep.store import (
     FORMAT,
     STATUSES,
+    STORAGE_ERRNOS,
     TIMEOUTS,
     WARMUP,
     ResultsDir,
@@ -65,6 +67,7 @@ from kvfast.sweep.store import (
     StoredIndex,
     new_manifest,
     schema_for,
+    utc_now,
     versions,
 )
 from kvfast.sweep.writer import Writer
@@ -73,6 +76,7 @@ __all__ = [
     "BACKENDS",
     "SweepOptions",
     "SweepReport",
+    "run_inline",
     "run_sweep",
 ]
 
@@ -167,16 +171,13 @@ def run_sweep(grid: Grid, out: str | os.PathLike, options: SweepOptions | None =
                 cluster.close(timeout=5)
 
 
-_STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO}
-
-
 @contextlib.contextmanager
 def _storage_errors(store: ResultsDir) -> Iterator[None]:
     """Turn a failed write (disk full, quota, read-only file system) into one :class:`StorageError` line."""
     try:
         yield
     except OSError as exc:
-        if exc.errno not in _STORAGE_ERRNOS:
+        if exc.errno not in STORAGE_ERRNOS:
             raise
         try:
             stored = f"{len(store.stored_index()):,} runs are stored"
@@ -287,7 +288,7 @@ def _counts(pending: Pending, writer: Writer, stored: StoredIndex) -> dict[str, 
 def _history(grid: Grid, report: SweepReport, options: SweepOptions, versions_now: dict, provenance_now: dict) -> dict:
     """The manifest's history entry of this sweep."""
     return {
-        "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "finished": utc_now(),
         "grid_name": grid.name,
         "grid_hash": grid.spec_hash,
         "grid_runs": len(grid),
@@ -357,3 +358,16 @@ def _warm_up(job: Job, runs: Iterator[GridRun], total: int, writer: Writer, cras
     marker.unlink(missing_ok=True)
     writer.recent.clear()
     return rest, total - len(local)
+
+
+def run_inline(grid: Grid | str | os.PathLike | dict | Iterable[dict], study: str | None = None) -> pd.DataFrame:
+    """Run every run of ``grid`` (see :func:`~kvfast.sweep.grid.as_grid`) in this process, in grid order, storing
+    nothing (the same parsing, validation and run ids as ``kvfast run``); one row per run.
+
+    Columns: the study's config fields, its result fields, ``run_id`` and
+    ``status`` (``"ok"``), as :func:`kvfast.load` gives them for a sweep. A run
+    that raises stops the call with its exception.
+    """
+    g = as_grid(grid, study)
+    rows = [{**run.config, **g.study.run(dict(run.config)), "run_id": run.run_id, "status": "ok"} for run in g.runs]
+    return pd.DataFrame(rows, columns=[*g.study.config_fields, *g.study.result_fields, "run_id", "status"])

@@ -43,6 +43,7 @@ import hashlib
 import itertools
 import json
 import math
+import os
 import re
 import tomllib
 from collections.abc import Iterable, Iterator, Mapping
@@ -169,13 +170,10 @@ class Grid:
         """Every run id, in expansion order, each once."""
         seen: set[str] = set()
         for i, entry in enumerate(self.entries):
-            if i not in self.overlapping:
-                yield from entry.ids()
-                continue
-            for rid in entry.ids():
-                if rid not in seen:
-                    seen.add(rid)
-                    yield rid
+            ids = entry.ids()
+            if i in self.overlapping:  # each id once: the first time it is seen (set.add returns None)
+                ids = (rid for rid in ids if rid not in seen and not seen.add(rid))
+            yield from ids
 
     def iter_runs(self, select: Iterable[bool] | None = None) -> Iterator[GridRun]:
         """Every run (id and a fresh config dict), in expansion order, each once.
@@ -295,19 +293,14 @@ def _level(
         seen[key] = section
 
     factors: list[tuple[tuple, list[tuple]]] = []
-    fixed = table.get("fixed", {})
-    if not isinstance(fixed, dict):
-        raise ValueError(f"{where}fixed: {fixed!r} is not a table")
-    for key, value in fixed.items():
-        claim(key, "[fixed]")
-        factors.append(((key,), [(canonical(value, f"fixed.{key}"),)]))
-    axes = table.get("axes", {})
-    if not isinstance(axes, dict):
-        raise ValueError(f"{where}axes: {axes!r} is not a table")
-    for key, values in axes.items():
-        claim(key, "[axes]")
-        values = _array(values, f"{where}axes.{key}", limit)
-        factors.append(((key,), [(canonical(v, f"axes.{key}"),) for v in _distinct(values)]))
+    for section in ("fixed", "axes"):
+        part = table.get(section, {})
+        if not isinstance(part, dict):
+            raise ValueError(f"{where}{section}: {part!r} is not a table")
+        for key, value in part.items():
+            claim(key, f"[{section}]")
+            values = [value] if section == "fixed" else _distinct(_array(value, f"{where}axes.{key}", limit))
+            factors.append(((key,), [(canonical(v, f"{section}.{key}"),) for v in values]))
     tied = table.get("tied", [])
     if not isinstance(tied, list):
         raise ValueError(f"{where}tied: {tied!r} is not an array of tables; write [[tied]]")
@@ -403,11 +396,6 @@ def _coerce(value: Any, typ: pa.DataType, key: str = "value") -> Any:
     return value
 
 
-def _piece(key: str, value: Any) -> str:
-    """The canonical JSON text of one config entry, as :func:`kvfast.sweep.ids.canonical_json` writes it."""
-    return json.dumps(key) + ":" + json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=True)
-
-
 def _factor(keys: tuple, rows: list[tuple], fields: dict[str, pa.DataType], cache: dict) -> _Factor:
     """Coerce, type-check and de-duplicate one factor's rows (each distinct value once per field)."""
     out_rows: list[tuple] = []
@@ -420,7 +408,11 @@ def _factor(keys: tuple, rows: list[tuple], fields: dict[str, pa.DataType], cach
             hit = cache.get(token)
             if hit is None:
                 coerced = _coerce(value, fields[key], key)
-                hit = cache[token] = (coerced, _piece(key, coerced))
+                # the canonical JSON text of the entry, as kvfast.sweep.ids.canonical_json writes it
+                piece = (
+                    json.dumps(key) + ":" + json.dumps(coerced, sort_keys=True, separators=(",", ":"), allow_nan=True)
+                )
+                hit = cache[token] = (coerced, piece)
             values.append(hit[0])
             pieces.append(hit[1])
         pieces_t = tuple(pieces)
@@ -540,8 +532,7 @@ def grid_from_spec(
         study_ref=study_ref,
     )
     size = sum(e.size for i, e in enumerate(entries) if i not in overlapping)
-    if overlapping:
-        size += sum(1 for _ in _overlap_ids(grid))
+    size += len(set(itertools.chain.from_iterable(entries[i].ids() for i in overlapping)))
     object.__setattr__(grid, "size", size)
     return grid
 
@@ -660,15 +651,6 @@ def _overlapping(entries: list[_Entry]) -> set[int]:
     return overlapping
 
 
-def _overlap_ids(grid: Grid) -> Iterator[str]:
-    seen: set[str] = set()
-    for i in sorted(grid.overlapping):
-        for rid in grid.entries[i].ids():
-            if rid not in seen:
-                seen.add(rid)
-                yield rid
-
-
 def _validation_groups(study: Study) -> list[tuple[str, ...]]:
     """The study's validation groups: its declared groups plus every other field alone; or all fields at once."""
     declared = getattr(study, "validate_groups", None)
@@ -677,6 +659,19 @@ def _validation_groups(study: Study) -> list[tuple[str, ...]]:
         return [tuple(fields)]
     named = {key for group in declared for key in group}
     return [tuple(g) for g in declared] + [(key,) for key in fields if key not in named]
+
+
+def as_grid(grid: Grid | str | os.PathLike | dict | Iterable[dict], study: str | None = None) -> Grid:
+    """A :class:`Grid` from a grid, a built-in grid name or TOML path, a parsed spec (dict), or configs of ``study``."""
+    if isinstance(grid, Grid):
+        return grid
+    if isinstance(grid, str | os.PathLike):
+        return load_grid(str(grid))
+    if isinstance(grid, dict):
+        return grid_from_spec(grid)
+    if study is None:
+        raise ValueError("study: None is not allowed with a list of configs; allowed: a study name")
+    return grid_from_configs(study, grid)
 
 
 def grid_from_configs(study: str, configs: Iterable[dict], name: str = "<configs>") -> Grid:
@@ -695,16 +690,20 @@ def grid_from_configs(study: str, configs: Iterable[dict], name: str = "<configs
     return grid_from_spec({"study": study, "union": union}, name=name, source=name)
 
 
-def _validate_column(name: str, field: str, typ: pa.DataType, values: list) -> None:
-    """``ValueError`` unless every value of a config column fits its Arrow type."""
+def fits(values: list, typ: pa.DataType) -> bool:
+    """Whether ``values`` make an Arrow array of type ``typ`` (a column of results)."""
     try:
         pa.array(values, type=typ)
-        return
     except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError, ValueError):
-        pass
+        return False
+    return True
+
+
+def _validate_column(name: str, field: str, typ: pa.DataType, values: list) -> None:
+    """``ValueError`` unless every value of a config column fits its Arrow type (naming the first that does not)."""
+    if fits(values, typ):
+        return
     for v in values:
-        try:
-            pa.array([v], type=typ)
-        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError, ValueError):
-            raise ValueError(f"{name}: {field}: {v!r} is not allowed; allowed: values of type {typ}") from None
+        if not fits([v], typ):
+            raise ValueError(f"{name}: {field}: {v!r} is not allowed; allowed: values of type {typ}")
     raise ValueError(f"{name}: {field}: values do not fit type {typ}")

@@ -43,14 +43,6 @@ def run_memory_bytes(config: dict) -> int | None:
     return COPIES * _BYTES * (weights + cache + activations)
 
 
-def machine_memory_bytes() -> int | None:
-    """Physical memory of this machine, or ``None`` where it cannot be read."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def _largest_config(entry) -> dict:
     config = dict(entry.base)
     for factor in entry.factors:
@@ -65,8 +57,9 @@ def _largest_config(entry) -> dict:
 def check_memory(grid, limit: int | None = None) -> None:
     """``ValueError`` (one line, with the estimate) if a run of ``grid`` needs more than ``limit`` bytes
     (default: the machine's memory)."""
-    limit = limit or machine_memory_bytes()
-    if not limit:
+    try:  # default: this machine's physical memory, where it can be read
+        limit = limit or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
         return
     for entry in getattr(grid, "entries", ()):
         config = _largest_config(entry)

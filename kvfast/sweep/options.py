@@ -15,6 +15,7 @@ A :class:`SweepOptions` made directly is checked and capped too, but ``jobs`` mu
 
 from __future__ import annotations
 
+import multiprocessing
 import sys
 from dataclasses import dataclass
 
@@ -50,7 +51,8 @@ class SweepOptions:
     max_memory: int | None = None
 
     def __post_init__(self) -> None:
-        _check_backend(self.backend)
+        if self.backend not in BACKENDS:
+            raise ValueError(f"--backend: {self.backend!r} is not allowed; allowed: {', '.join(BACKENDS)}")
         check_jobs(self.jobs)
         cores = _cores()
         if self.jobs > cores and not (self.backend == "dask" and self.scheduler):
@@ -71,7 +73,8 @@ class SweepOptions:
     @classmethod
     def build(cls, *, jobs: int | None = None, backend: str = "fork", **options) -> SweepOptions:
         """Resolve the defaults (see the module docstring) and make the options; ``ValueError`` if one is bad."""
-        if backend == "fork" and not _fork_available():
+        fork = sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods()
+        if backend == "fork" and not fork:  # Windows has no fork, and macOS system libraries are not fork-safe
             backend = "loky"
         return cls(jobs=_cores() if jobs is None else jobs, backend=backend, **options)
 
@@ -79,11 +82,6 @@ class SweepOptions:
     def redo(self) -> tuple[str, ...]:
         """The stored statuses this sweep runs again."""
         return ("error", "crashed", "timeout") if self.retry_errors else ()
-
-
-def _check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"--backend: {backend!r} is not allowed; allowed: {', '.join(BACKENDS)}")
 
 
 def check_jobs(jobs) -> None:
@@ -97,10 +95,3 @@ def _cores() -> int:
     import joblib
 
     return joblib.cpu_count()
-
-
-def _fork_available() -> bool:
-    """Linux only: Windows has no fork, and macOS system libraries are not fork-safe."""
-    import multiprocessing
-
-    return sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods()

@@ -69,11 +69,13 @@ def run_one(study: Study, run: GridRun, limits: Limits = None) -> dict:
     reap = in_worker() or bool(limits and len(limits) > 2 and limits[2])
     pid, tree = os.getpid(), RunTree(reap)
     try:
-        if seconds:
-            with deadline(seconds, run.run_id, marker_dir):
-                result = _run(study, run, pid, tree)
-        else:  # (no deadline: the same without entering one)
-            result = _run(study, run, pid, tree)
+        with deadline(seconds, run.run_id, marker_dir):
+            try:
+                result = study.run(dict(run.config))  # a copy: the run may change it
+            finally:
+                if os.getpid() != pid:  # a child the run forked returned (or raised) into kvfast's loop
+                    os._exit(0)
+                tree.end()  # the processes the run left
         if type(result) is not dict or result.keys() != study.result_fields.keys():
             _wrong_result(study, result)
         row = dict(result)
@@ -90,17 +92,6 @@ def run_one(study: Study, run: GridRun, limits: Limits = None) -> dict:
         row = _empty_row(study, run, "error", f"{type(exc).__name__}: {exc}{where}")
     row["wall_s"] = clock() - t0
     return row
-
-
-def _run(study: Study, run: GridRun, pid: int, tree: RunTree):
-    """The run itself (in :func:`run_one`'s deadline): ``study.run`` of a copy of its config, then the processes it
-    left ended; a process it forked that returns here exits at once."""
-    try:
-        return study.run(dict(run.config))
-    finally:
-        if os.getpid() != pid:  # a child the run forked returned (or raised) into kvfast's loop
-            os._exit(0)
-        tree.end()
 
 
 def run_chunk(study: Study, chunk: tuple[int, list[GridRun]], limits: Limits = None) -> tuple[int, list[dict]]:
@@ -120,7 +111,9 @@ def run_chunk_in_worker(
 def lost_worker_row(study: Study, run: GridRun, limits: Limits) -> dict:
     """The row of a run whose worker died when it ran alone: ``timeout`` if the worker killed itself at
     the run's time limit (its marker is removed), else ``crashed`` (one line on stderr)."""
-    if timed_out(limits, run):
+    marker = Path(limits[1]) / run.run_id if limits and limits[1] is not None else None
+    if marker is not None and marker.exists():  # the worker killed itself at the run's time limit
+        marker.unlink(missing_ok=True)
         return timeout_row(study, run, limits)
     print(f"kvfast: run {run.run_id} killed its worker, twice; stored as crashed", file=sys.stderr)
     return _empty_row(study, run, "crashed", CRASH_MESSAGE, wall_s=None)
@@ -129,18 +122,6 @@ def lost_worker_row(study: Study, run: GridRun, limits: Limits) -> dict:
 def timeout_row(study: Study, run: GridRun, limits: Limits) -> dict:
     """The row of a run whose worker killed itself at the run's time limit."""
     return _empty_row(study, run, "timeout", _timeout_message(limits[0] if limits else None), wall_s=None)
-
-
-def timed_out(limits: Limits, run: GridRun) -> bool:
-    """True when a worker killed itself at ``run``'s time limit (and left a marker; it is removed)."""
-    markers = limits[1] if limits else None
-    if markers is None:
-        return False
-    marker = Path(markers) / run.run_id
-    if marker.exists():
-        marker.unlink(missing_ok=True)
-        return True
-    return False
 
 
 def _empty_row(study: Study, run: GridRun, status: str, error: str, **extra) -> dict:

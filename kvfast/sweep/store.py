@@ -32,6 +32,7 @@ part is sorted by ``run_id``, so a lookup by id reads one group).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import platform
@@ -92,9 +93,8 @@ def schema_for(study: Study) -> pa.Schema:
     if dupes:
         raise ValueError(f"study {study.name!r}: column {dupes[0]!r} appears twice in its schema")
     fields = [pa.field("run_id", pa.string(), nullable=False)]
-    fields += [pa.field(n, t) for n, t in study.config_fields.items()]
-    fields += [pa.field(n, t) for n, t in study.result_fields.items()]
-    fields += [pa.field(n, t) for n, t in BOOKKEEPING.items()]
+    columns = (study.config_fields, study.result_fields, BOOKKEEPING)
+    fields += [pa.field(n, t) for part in columns for n, t in part.items()]
     meta = {"kvfast.study": study.name, "kvfast.study_version": study.version}
     return pa.schema(fields, metadata=meta)
 
@@ -106,24 +106,13 @@ def schema_text(schema: pa.Schema) -> list[list[str]]:
 
 def versions() -> dict[str, str]:
     """Versions of kvfast and the libraries that make its numbers."""
-    import joblib
-    import numba
-    import numpy
+    import importlib
 
     from kvfast._version import __version__
 
-    out = {
-        "kvfast": __version__,
-        "python": platform.python_version(),
-        "numpy": numpy.__version__,
-        "numba": numba.__version__,
-        "pyarrow": pa.__version__,
-        "pandas": pd.__version__,
-        "joblib": joblib.__version__,
-    }
-    for mod in ("dask", "distributed"):
-        if mod in sys.modules:
-            out[mod] = sys.modules[mod].__version__
+    out = {"kvfast": __version__, "python": platform.python_version()}
+    out.update({m: importlib.import_module(m).__version__ for m in ("numpy", "numba", "pyarrow", "pandas", "joblib")})
+    out.update({m: sys.modules[m].__version__ for m in ("dask", "distributed") if m in sys.modules})  # if in use
     return out
 
 
@@ -138,21 +127,10 @@ def machine() -> dict:
     }
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def list_parts(path: str | os.PathLike) -> list[Path]:
     """The complete parts of a results directory, in write order (oldest first)."""
-    folder = Path(path)
-    found = []
-    for p in folder.iterdir():
-        m = PART_RE.match(p.name)
-        if m:
-            found.append((int(m.group(1)), p.name, p))
-    return [p for _, _, p in sorted(found)]
+    found = sorted((int(m.group(1)), p.name, p) for p in Path(path).iterdir() if (m := PART_RE.match(p.name)))
+    return [p for *_, p in found]
 
 
 class ResultsDir:
@@ -289,12 +267,6 @@ class ResultsDir:
         """Complete parts, oldest first."""
         return list_parts(self.path) if self.path.is_dir() else []
 
-    def stored_status(self) -> dict[str, str]:
-        """run_id -> status of its latest stored row."""
-        index = self.stored_index()
-        ids = [f"{h:016x}{v:016x}" for h, v in zip(index.hi.tolist(), index.lo.tolist(), strict=True)]
-        return dict(zip(ids, [STATUSES[c] for c in index.codes], strict=True))
-
     def stored_index(self) -> StoredIndex:
         """The latest stored status of every run, as sorted NumPy arrays (read from the Parquet columns)."""
         parts = self.parts()
@@ -344,8 +316,6 @@ class ResultsDir:
             if PART_RE.match(p.name) or (p.name.startswith(".part-") and p.name.endswith(".tmp")):
                 p.unlink()
         if self.manifest_path.is_dir() and not self.manifest_path.is_symlink():
-            import shutil
-
             shutil.rmtree(self.manifest_path)
         self.manifest_path.unlink(missing_ok=True)
 
@@ -427,83 +397,64 @@ class ResultsDir:
             p.unlink()
 
     def write_manifest(self, manifest: dict) -> None:
-        _atomic_write_text(self.manifest_path, json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+        tmp = self.path / f".{MANIFEST}.{secrets.token_hex(4)}.tmp"  # written whole, then renamed into place
+        tmp.write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+        os.replace(tmp, self.manifest_path)
+
+
+STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO}  # a refused write: disk full...
+
+
+def utc_now() -> str:
+    """Now, as the manifest writes times (``2026-12-07T12:00:00Z``)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _manifest(study: str, version: str | None, schema: pa.Schema, made_by: dict, **fields) -> dict:
+    """A manifest of ``study``'s results in this ``schema`` (``made_by``: the library versions), written now on this
+    machine; ``fields`` override."""
+    now = utc_now()
+    base = {"format": FORMAT, "study": study, "study_version": version, "schema": schema_text(schema), "created": now,
+            "updated": now, "versions": made_by, "machine": machine(), "grid": None, "grid_name": None,
+            "grid_hash": None, "grid_runs": None, "history": []}  # fmt: skip
+    return {**base, **fields}
 
 
 def new_manifest(study: Study, old: dict | None) -> dict:
-    """A manifest for ``study`` keeping ``old``'s history."""
-    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    return {
-        "format": FORMAT,
-        "study": study.name,
-        "study_version": study.version,
-        "schema": schema_text(schema_for(study)),
-        "created": (old or {}).get("created", now),
-        "updated": now,
-        "versions": versions(),
-        "machine": machine(),
-        "grid": None,
-        "grid_name": None,
-        "grid_hash": None,
-        "grid_runs": None,
-        "history": list((old or {}).get("history", [])),  # one entry per sweep, with the versions it ran under
-    }
-
-
-_HEX = np.zeros(256, np.uint64)
-_HEX[np.frombuffer(b"0123456789abcdef", np.uint8)] = np.arange(16, dtype=np.uint64)
-_HEX[np.frombuffer(b"ABCDEF", np.uint8)] = np.arange(10, 16, dtype=np.uint64)
-
-
-def id_keys(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``S32`` run ids (32 hex digits, 128 bits) as two ``uint64`` arrays: the first and last 16 digits."""
-    if not len(ids):
-        return np.empty(0, np.uint64), np.empty(0, np.uint64)
-    digits = _HEX[ids.view(np.uint8).reshape(len(ids), 32)]
-    shifts = np.arange(60, -1, -4, dtype=np.uint64)
-    return (
-        np.bitwise_or.reduce(digits[:, :16] << shifts, axis=1),
-        np.bitwise_or.reduce(digits[:, 16:] << shifts, axis=1),
-    )
+    """A manifest for ``study`` keeping ``old``'s creation time and history (one entry per sweep, with the
+    versions it ran under)."""
+    old = old or {}
+    fields = {"created": old["created"]} if "created" in old else {}
+    history = list(old.get("history", []))
+    return _manifest(study.name, study.version, schema_for(study), versions(), history=history, **fields)
 
 
 class StoredIndex(NamedTuple):
-    """Stored runs: each run id as two ``uint64`` halves (``hi``, ``lo``: 16 bytes, the whole id),
-    sorted, and its status ``codes`` (index into :data:`STATUSES`)."""
+    """Stored runs: each run id (``S32``: its 32 hex digits, the whole id), sorted, and its status ``codes``
+    (index into :data:`STATUSES`)."""
 
-    hi: np.ndarray
-    lo: np.ndarray
+    ids: np.ndarray
     codes: np.ndarray
 
     @classmethod
     def build(cls, ids: np.ndarray, codes: np.ndarray) -> StoredIndex:
-        hi, lo = id_keys(ids)
-        order = np.lexsort((lo, hi))
-        return cls(hi[order], lo[order], codes[order])
+        order = np.argsort(ids, kind="stable")  # (stored ids come sorted already: a cheap pass)
+        return cls(ids[order], codes[order])
 
     def __len__(self) -> int:
-        return len(self.hi)
+        return len(self.ids)
 
     def lookup(self, run_ids: list[str]) -> np.ndarray:
-        """The status code of each of ``run_ids``, -1 where none is stored (exact: all 128 bits compared)."""
-        if not len(self.hi):
+        """The status code of each of ``run_ids``, -1 where none is stored (exact: the whole id compared)."""
+        if not len(self.ids):
             return np.full(len(run_ids), -1, np.int8)
-        hi, lo = id_keys(np.array(run_ids, dtype="S32"))
-        order = np.lexsort((lo, hi))
-        at = np.empty(len(hi), np.int64)
-        # sorted needles: a narrowing search; then the first stored id >= (hi, lo) among equal highs
-        at[order] = np.searchsorted(self.hi, hi[order])
-        out = np.full(len(hi), -1, np.int8)
-        for step in range(4):  # ids sharing their first 64 bits: look at the next few (2^-64 per pair)
-            i = (at + step).clip(max=len(self.hi) - 1)
-            hit = (self.hi[i] == hi) & (self.lo[i] == lo) & (out < 0)
-            out[hit] = self.codes[i[hit]]
-        return out
+        needles = np.array(run_ids, dtype="S32")
+        at = np.searchsorted(self.ids, needles).clip(max=len(self.ids) - 1)
+        return np.where(self.ids[at] == needles, self.codes[at], -1).astype(np.int8)
 
     def ids_with(self, code: int) -> set[str]:
         """The run ids (hex) stored with status ``code``."""
-        mask = self.codes == code
-        return {f"{h:016x}{v:016x}" for h, v in zip(self.hi[mask].tolist(), self.lo[mask].tolist(), strict=True)}
+        return {i.decode() for i in self.ids[self.codes == code].tolist()}
 
 
 def _why(exc: BaseException) -> str:
@@ -512,20 +463,16 @@ def _why(exc: BaseException) -> str:
 
 
 def _fixed_ids(column: pa.ChunkedArray) -> np.ndarray:
-    """A column of 32-character run ids as a NumPy ``S32`` array (from the Arrow buffers, no Python strings)."""
-    out = []
-    for chunk in column.chunks:
-        binary = pc.cast(chunk, pa.binary())
-        offsets = np.frombuffer(binary.buffers()[1], np.int32)[binary.offset : binary.offset + len(binary) + 1]
-        if len(binary) and (binary.null_count or not (np.diff(offsets) == 32).all()):
-            out.append(np.array(chunk.to_pylist(), dtype="S32"))  # not kvfast's ids: the slow way
-            continue
-        data = binary.buffers()[2]
-        start = int(offsets[0]) if len(offsets) else 0
-        out.append(
-            np.frombuffer(data, dtype="S32", count=len(binary), offset=start) if len(binary) else np.empty(0, "S32")
-        )
-    return np.concatenate(out) if out else np.empty(0, "S32")
+    """A column of 32-character run ids as a NumPy ``S32`` array (Arrow's fixed-width buffer, no Python strings)."""
+    if not len(column):
+        return np.empty(0, "S32")
+    try:
+        fixed = pc.cast(column, pa.binary(32)).combine_chunks()
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):  # ids of other lengths (not kvfast's)
+        fixed = None
+    if fixed is None or fixed.null_count:  # not kvfast's ids: the slow way
+        return np.array(column.to_pylist(), dtype="S32")
+    return np.frombuffer(fixed.buffers()[1], "S32", count=len(fixed), offset=fixed.offset * 32)
 
 
 def _sorted_unique(ids: pa.ChunkedArray) -> bool:
@@ -650,16 +597,19 @@ def repair(path: str | os.PathLike) -> str:
     if not store.path.is_dir():
         raise ValueError(f"DIR: {str(store.path)!r} is not a directory")
     done: list[str] = []
+
+    def quarantine(path: Path, name: str) -> None:
+        (store.path / QUARANTINE).mkdir(exist_ok=True)
+        os.replace(path, store.path / QUARANTINE / name)
+
     with store.locked():
         store.remove_temporaries()
-        quarantine = store.path / QUARANTINE
         good: list[tuple[Path, pa.Schema]] = []
         for part in store.parts():
             try:
                 good.append((part, pq.read_table(part, page_checksum_verification=True).schema))
             except (OSError, pa.ArrowException) as exc:  # unreadable, or damaged (a page checksum that differs)
-                quarantine.mkdir(exist_ok=True)
-                os.replace(part, quarantine / part.name)
+                quarantine(part, part.name)
                 done.append(f"moved unreadable {part.name} into {QUARANTINE}/ ({_why(exc)})")
         try:
             manifest = store.manifest()
@@ -674,15 +624,13 @@ def repair(path: str | os.PathLike) -> str:
                 )
         elif good:
             if store.manifest_path.exists():
-                quarantine.mkdir(exist_ok=True)
-                os.replace(store.manifest_path, quarantine / f"{MANIFEST}.broken-{secrets.token_hex(4)}")
+                quarantine(store.manifest_path, f"{MANIFEST}.broken-{secrets.token_hex(4)}")
             store.write_manifest(_manifest_from_parts(store, good))
             done.append(
                 f"rebuilt {MANIFEST} from {len(good):,} parts" + (f" ({broken.split(';')[0]})" if broken else "")
             )
         elif store.manifest_path.exists():
-            quarantine.mkdir(exist_ok=True)
-            os.replace(store.manifest_path, quarantine / f"{MANIFEST}.broken-{secrets.token_hex(4)}")
+            quarantine(store.manifest_path, f"{MANIFEST}.broken-{secrets.token_hex(4)}")
             done.append(
                 f"moved the broken {MANIFEST} into {QUARANTINE}/ (no readable part: the directory starts afresh)"
             )
@@ -700,26 +648,14 @@ def _manifest_from_parts(store: ResultsDir, parts: list[tuple[Path, pa.Schema]])
             f"{store.path}: its parts name studies {sorted(map(str, studies))}; cannot rebuild {MANIFEST}: move the "
             "parts of the other study away, or use another --out"
         )
-    schema = parts[-1][1]
-    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     grid, old_versions = None, {}
     with contextlib.suppress(ValueError):
         grid = json.loads(newest.get("kvfast.grid", "null"))
     with contextlib.suppress(ValueError):
         old_versions = json.loads(newest.get("kvfast.versions", "{}"))
-    return {
-        "format": FORMAT,
-        "study": newest["kvfast.study"],
-        "study_version": newest.get("kvfast.study_version"),
-        "schema": schema_text(schema.remove_metadata()),
-        "created": now,
-        "updated": now,
-        "versions": old_versions if isinstance(old_versions, dict) else {},
-        "machine": machine(),
-        "grid": grid,
-        "grid_name": newest.get("kvfast.grid_name"),
-        "grid_hash": None,
-        "grid_runs": None,
-        "study_ref": newest.get("kvfast.study_ref", newest["kvfast.study"]),
-        "history": [{"repaired": now, "from_parts": len(parts)}],
-    }
+    return _manifest(
+        newest["kvfast.study"], newest.get("kvfast.study_version"), parts[-1][1].remove_metadata(),
+        old_versions if isinstance(old_versions, dict) else {}, grid=grid,
+        grid_name=newest.get("kvfast.grid_name"), study_ref=newest.get("kvfast.study_ref", newest["kvfast.study"]),
+        history=[{"repaired": utc_now(), "from_parts": len(parts)}],
+    )  # fmt: skip

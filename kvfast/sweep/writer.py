@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
-from kvfast.sweep.grid import GridRun
+from kvfast.sweep.grid import GridRun, fits
 from kvfast.sweep.store import PART_ROWS, ResultsDir, schema_for
 
 if TYPE_CHECKING:
@@ -54,10 +54,8 @@ class Writer:
     def __call__(self, runs: Sequence[GridRun], rows: list[dict]) -> None:
         if not rows:
             return
-        configs = {r.run_id: r.config for r in runs} if len(runs) != len(rows) else None
-        if configs is None and any(r.run_id != row["run_id"] for r, row in zip(runs, rows, strict=True)):
-            configs = {r.run_id: r.config for r in runs}
-        ordered = [configs[row["run_id"]] for row in rows] if configs is not None else [r.config for r in runs]
+        configs = {r.run_id: r.config for r in runs}  # rows come in any order
+        ordered = [configs[row["run_id"]] for row in rows]
         columns = {"run_id": [row["run_id"] for row in rows]}
         for name in self.config_names:
             columns[name] = [c[name] for c in ordered]
@@ -100,13 +98,8 @@ class Writer:
             return pa.Table.from_pylist([row], schema=self.schema)
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError, ValueError):
             pass
-        bad = "?"
-        for name, typ in self.study.result_fields.items():
-            try:
-                pa.array([row[name]], type=typ)
-            except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError, ValueError):
-                bad = f"{name}: {row[name]!r} does not fit type {typ}"
-                break
+        fields = self.study.result_fields.items()
+        bad = next((f"{n}: {row[n]!r} does not fit type {t}" for n, t in fields if not fits([row[n]], t)), "?")
         fixed = dict(row, status="error", error=f"ResultTypeError: {bad}")
         fixed.update({f: None for f in self.study.result_fields})
         return pa.Table.from_pylist([fixed], schema=self.schema)

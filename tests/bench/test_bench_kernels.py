@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvfast.bench.kernels import growth_exponent, main, numpy_bf16_matmul
+from kvfast.kernel_bench import growth_exponent, main, numpy_bf16_matmul
 from kvfast.kernels.matmul import matmul
 from kvfast.kernels.precision import BF16, round_array
 from kvfast.kernels.reduce import PAIRWISE, SEQUENTIAL

@@ -465,7 +465,7 @@ def test_the_measured_matrix():
     """The matrix of docs/check.md (the hf_matrix study's grid: 3 seeds x 3 prompts x 24 steps, every family,
     dtype and attention): no clean run is a bug; every logic bug is "bug" natively in float32 and float64, and
     every bug in the float64 logic check, at the step where it first acts."""
-    from kvfast.sweep.inline import run_inline
+    from kvfast.sweep import run_inline
 
     df = run_inline("hf_matrix")
     clean, bugs = df[df["bug"] == "none"], df[df["bug"] != "none"]

@@ -22,7 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from shared import ROOT
 
-from kvfast.repro.case import Case
+from kvfast.repro.case import ReproCase
 from kvfast.repro.script import issue_text, md_block, md_code, md_text, py_text, render, write_reproducer
 
 #: A legal folder name that closes a docstring and runs code (``--repro`` or a ``--factory-arg`` value).
@@ -37,7 +37,7 @@ ATTACKS = (INJECTION, BAD_ESCAPE, BACKTICK, ESCAPE, 'model"""class', "a\nb\r\u20
 
 
 def _case(command: str = "kvfast check m:f", model_class: str = "LlamaForCausalLM", model_type: str = "llama"):
-    return Case(
+    return ReproCase(
         model_class=model_class, config={"model_type": model_type, "hidden_size": 8, "note": model_type},
         seed=0, dtype="float32", attention="eager", scenario="decode", prompt=(1, 2), tokens=(3,),
         calls={"cache_arg": "past_key_values", "own_cache": False, "mask": {}}, verdict="bug", first_bug_step=1,
@@ -217,7 +217,7 @@ def test_the_report_links_only_relative_files_and_shows_any_other_path_as_text(t
     is made where one is due)."""
     from urllib.parse import urlsplit
 
-    from kvfast.report.findings import findings_html, scan_findings
+    from kvfast.report.scan_findings import findings_html, scan_findings
 
     real = str(tmp_path / "scan.repro" / "llama-float32-decode-none" / "reproduce.py")
     results = _listing(tmp_path, [*LINK_ATTACKS, real])
@@ -270,7 +270,7 @@ def test_a_browser_click_on_a_tampered_reproducer_link_runs_nothing(tmp_path, mo
     ``javascript:`` URL before ``/reproduce.py`` (read from the page's folder: the relative path lands beside the
     page). kvfast's link is a relative file path: the click runs nothing. The control: the same page with that
     link's href written as the page wrote it before (the path, its tags escaped) runs the script."""
-    from kvfast.report.findings import findings_html, scan_findings
+    from kvfast.report.scan_findings import findings_html, scan_findings
 
     chromium = _chromium()
     results = _listing(tmp_path, [f"{LINK_ATTACKS[0]}//reproduce.py", LINK_ATTACKS[0]])
@@ -292,7 +292,7 @@ def test_listing_cells_reach_the_terminal_as_text(tmp_path):
     """A tampered listing on the terminal: ``kvfast report --markdown findings`` (a real process) and the plain
     listing show its escape sequence as ``\\x1b``, never send it; the control is the raw cell, which holds the
     escape character itself."""
-    from kvfast.report.findings import findings_text, scan_findings
+    from kvfast.report.scan_findings import findings_text, scan_findings
 
     results = _listing(tmp_path, [f"{tmp_path}/x{ESCAPE}/reproduce.py"])
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -383,7 +383,7 @@ def test_the_checker_and_a_reproducer_run_one_cached_path_source(tmp_path, capsy
 
     import kvfast
     from kvfast.check import check_cache
-    from kvfast.repro.case import Case
+    from kvfast.repro.case import ReproCase
     from kvfast.repro.script import render
 
     copy = tmp_path / "copy"
@@ -401,7 +401,7 @@ def test_the_checker_and_a_reproducer_run_one_cached_path_source(tmp_path, capsy
     assert control.verdict == "rounding", control.format()
     edited = tmp_path / "edited" / "reproduce.py"
     unedited = tmp_path / "unedited.py"
-    unedited.write_text(render(Case.from_json((tmp_path / "edited" / "case.json").read_text())))
+    unedited.write_text(render(ReproCase.from_json((tmp_path / "edited" / "case.json").read_text())))
     assert EDIT[1] in edited.read_text() and EDIT[1] not in unedited.read_text()
     runs = []
     for script in (edited, unedited):

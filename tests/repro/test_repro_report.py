@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 from shared import ROOT
 
-from kvfast.report.findings import findings_html, findings_text, scan_findings
+from kvfast.report.scan_findings import findings_html, findings_text, scan_findings
 from kvfast.repro.findings import COLUMNS, FINDINGS_CSV, read_findings
 from kvfast.sweep.store import MANIFEST
 

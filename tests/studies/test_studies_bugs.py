@@ -9,8 +9,8 @@ import pytest
 
 from kvfast.model.bugs import BUGS, EVICT_WINDOW, VISIBLE_AT_STEP_1
 from kvfast.studies import STUDIES, bugs
+from kvfast.sweep import run_inline
 from kvfast.sweep.grid import load_grid
-from kvfast.sweep.inline import run_inline
 
 BASE = {"vocab": 32, "d_model": 16, "d_ff": 32, "steps": 16, "preset": "f64"}
 

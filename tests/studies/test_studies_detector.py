@@ -13,8 +13,8 @@ from sklearn.metrics import roc_auc_score
 from kvfast.bugs.score import confusion, detector_metrics, median_detection_step, roc_auc
 from kvfast.model.bugs import BUGS, EVICT_WINDOW, VISIBLE_AT_STEP_1
 from kvfast.studies import STUDIES, detector
+from kvfast.sweep import run_inline
 from kvfast.sweep.grid import load_grid
-from kvfast.sweep.inline import run_inline
 
 
 def brute_auc(scores, labels) -> Fraction:

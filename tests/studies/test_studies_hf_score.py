@@ -22,7 +22,7 @@ else:
 from kvfast.bugs.hf import HF_BUGS, HF_LOGIC_BUGS, first_acting_step  # noqa: E402
 from kvfast.bugs.score import markdown, score_detector  # noqa: E402
 from kvfast.studies.hf_score import DETECTORS, HFCase, kvfast_control, score_table  # noqa: E402
-from kvfast.sweep.inline import run_inline  # noqa: E402
+from kvfast.sweep import run_inline  # noqa: E402
 
 STEPS = 8
 GRID = {

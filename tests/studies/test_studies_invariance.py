@@ -6,8 +6,8 @@ import pandas as pd
 import pytest
 
 from kvfast.studies import STUDIES, invariance
+from kvfast.sweep import run_inline
 from kvfast.sweep.grid import load_grid
-from kvfast.sweep.inline import run_inline
 
 
 def small_cases() -> list[dict]:

@@ -11,7 +11,7 @@ import pytest
 from kvfast.kernels.precision import to_bfloat16
 from kvfast.numerics import PRESETS
 from kvfast.studies import neartied, precision
-from kvfast.sweep.inline import run_inline
+from kvfast.sweep import run_inline
 
 SMALL = {"n_layer": 2, "n_head": 2, "d_model": 16, "d_ff": 32, "vocab": 32, "prompt_len": 8, "steps": 8}
 WIDE = {"n_layer": 2, "n_head": 4, "d_model": 64, "d_ff": 256, "vocab": 32, "prompt_len": 16, "steps": 16}

@@ -264,7 +264,7 @@ def test_configs_go_through_the_same_pipeline_as_a_toml_grid():
 
 
 def test_run_inline_takes_a_spec_and_refuses_configs_without_a_study():
-    from kvfast.sweep.inline import run_inline
+    from kvfast.sweep import run_inline
 
     spec = {"study": "invariance", "fixed": dict(load_grid("invariance").configs[0])}
     df = run_inline(spec)

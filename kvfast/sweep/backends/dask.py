@@ -58,28 +58,17 @@ def dask_client(jobs: int, scheduler: str | None):
     # the cluster's processes inherit an ignored SIGINT: Ctrl-C is this process's to handle (it closes them)
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if on_main else None
     try:
-        cluster = _local_cluster(jobs)
+        import dask
+        from distributed import LocalCluster
+
+        with dask.config.set({"distributed.scheduler.allowed-failures": 0}):
+            cluster = LocalCluster(
+                n_workers=jobs, threads_per_worker=1, dashboard_address=None, silence_logs=logging.CRITICAL
+            )
     finally:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
     return Client(cluster), cluster
-
-
-def _local_cluster(jobs: int):
-    import logging
-
-    import dask
-    from distributed import LocalCluster
-
-    with dask.config.set({"distributed.scheduler.allowed-failures": 0}):
-        cluster = LocalCluster(
-            n_workers=jobs,
-            threads_per_worker=1,
-            processes=True,
-            dashboard_address=None,
-            silence_logs=logging.CRITICAL,
-        )
-    return cluster
 
 
 def run_chunk_packed(study: Study, packed: bytes) -> bytes:
@@ -241,18 +230,12 @@ class _Driver:
         return lost, f"no run finished for {stall_s:g} s (--stall-timeout)" if lost else ""
 
 
-def workers(client, asked: int) -> int:
-    """The cluster's worker count (``asked`` when it cannot tell)."""
-    return max(1, len(client.scheduler_info().get("workers", {})) or asked)
-
-
 def execute(job: Job, runs: Iterator[GridRun], total: int) -> Outcome:
     """Drive Dask futures directly (see the module docstring); returns the runs lost and why."""
     good, versions = check_workers(job)
     refused = any(v["refused"] for v in versions.values())
-    driver = _Driver(
-        job, runs, total, len(good) if refused else workers(job.client, job.jobs), good if refused else None
-    )
+    count = len(good) if refused else max(1, len(job.client.scheduler_info().get("workers", {})) or job.jobs)
+    driver = _Driver(job, runs, total, count, good if refused else None)
     try:
         lost = driver.run_chunks()
     except KeyboardInterrupt:

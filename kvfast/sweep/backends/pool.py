@@ -28,7 +28,6 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, wait
 from concurrent.futures.process import BrokenProcessPool, ProcessPoolExecutor
-from typing import TYPE_CHECKING
 
 from kvfast.runtime.worker import grace
 from kvfast.sweep.backends import Job, Outcome
@@ -37,20 +36,12 @@ from kvfast.sweep.plan import Planner
 from kvfast.sweep.procs import OVERDUE, Monitor, kill_worker, worker_setup
 from kvfast.sweep.rows import lost_worker_row, run_chunk, run_chunk_in_worker, timeout_row
 
-if TYPE_CHECKING:
-    pass
-
 # Libraries whose native thread pools do not survive a fork: once the warm-up run has imported one
 # (a study that builds torch models), a forked worker blocks forever on a lock held by a thread that
 # was not copied. Such sweeps use loky (fresh interpreters) instead.
 FORK_UNSAFE = ("torch", "tensorflow", "jax")
 
 _FORKED: list = []  # (study, limits), as forked workers inherit them (nothing to pickle but the chunks)
-
-
-def fork_unsafe_modules() -> list[str]:
-    """The :data:`FORK_UNSAFE` libraries this process has imported."""
-    return [name for name in FORK_UNSAFE if name in sys.modules]
 
 
 def run_chunk_forked(chunk: tuple[int, list[GridRun]]) -> tuple[int, list[dict]]:
@@ -132,7 +123,7 @@ at once; without, ``shutdown(wait=True)`` joined it already)."""
 def execute(job: Job, runs: Iterator[GridRun], total: int) -> Outcome:
     """Fan chunks out to ``job.jobs`` processes, watched by a :class:`~kvfast.sweep.procs.Monitor` (see the module
     docstring)."""
-    kind = "loky" if job.backend == "fork" and fork_unsafe_modules() else job.backend
+    kind = "loky" if job.backend == "fork" and any(name in sys.modules for name in FORK_UNSAFE) else job.backend
     seconds = job.limits[0] if job.limits else None
     suspects: list[GridRun] = []
     largest = 0

@@ -58,7 +58,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -103,14 +102,6 @@ print(json.dumps({"wall": time.perf_counter() - t0, "cpu": time.process_time() -
 """
 
 
-@dataclass(frozen=True)
-class Timing:
-    """Median seconds per call: CPU time of this process and wall time."""
-
-    cpu: float
-    wall: float
-
-
 def _calls_per_sample(fn: Callable[[], object]) -> int:
     """How many calls of ``fn`` make one sample of about ``SAMPLE_CPU_S`` CPU seconds."""
     calls = 1
@@ -124,8 +115,8 @@ def _calls_per_sample(fn: Callable[[], object]) -> int:
         calls = max(calls * 2, int(calls * SAMPLE_CPU_S / max(spent, 1e-6)) + 1)
 
 
-def time_interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, Timing]:
-    """Median CPU and wall seconds per call of each function, timed in ``repeats`` interleaved rounds.
+def time_interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median CPU seconds (of this process) per call of each function, timed in ``repeats`` interleaved rounds.
 
     Each function is called once first (to compile or load its kernels), then
     sized so one sample takes about ``SAMPLE_CPU_S`` of CPU time; every round
@@ -135,16 +126,14 @@ def time_interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict
         fn()
     calls = {name: _calls_per_sample(fn) for name, fn in fns.items()}
     cpu: dict[str, list[float]] = {name: [] for name in fns}
-    wall: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
             n = calls[name]
-            c0, w0 = time.process_time(), time.perf_counter()
+            c0 = time.process_time()
             for _ in range(n):
                 fn()
             cpu[name].append((time.process_time() - c0) / n)
-            wall[name].append((time.perf_counter() - w0) / n)
-    return {name: Timing(statistics.median(cpu[name]), statistics.median(wall[name])) for name in fns}
+    return {name: statistics.median(cpu[name]) for name in fns}
 
 
 def _blas_single_thread():
@@ -210,7 +199,7 @@ def bench_matmul(repeats: int) -> list[dict]:
                     fns[label] = lambda x=x, w=w, y=y, c=code, o=o: matmul_into(x, w, c, c, o, y)
                 times = time_interleaved(fns, repeats)
                 flops = 2.0 * T * d * d
-                gf = {name: flops / t.cpu / 1e9 for name, t in times.items()}
+                gf = {name: flops / t / 1e9 for name, t in times.items()}
                 row = {"T": T, "d": d, "blas": gf["blas"]}
                 cells = []
                 for lb in labels:
@@ -264,7 +253,7 @@ def bench_bf16_loop(repeats: int) -> list[dict]:
         )
         equal = bool(np.array_equal(numpy_bf16_matmul(x, w).view(np.uint64), y.view(np.uint64)))
         flops = 2.0 * T * d * d
-        loop, kern = flops / times["loop"].cpu / 1e9, flops / times["kernel"].cpu / 1e9
+        loop, kern = flops / times["loop"] / 1e9, flops / times["kernel"] / 1e9
         rows.append({"T": T, "d": d, "loop": loop, "kernel": kern, "equal": equal})
         print(f"| {T} | {d} | {loop:.2f} | {kern:.2f} | {kern / loop:.1f} | {'yes' if equal else 'NO'} |", flush=True)
     return rows
@@ -312,12 +301,12 @@ def bench_attention(repeats: int) -> list[dict]:
                 args = (qr, kr, vr, 0, T, True, 1, scale, c, c, SEQUENTIAL, out, no_probs, ATTENTION_CODES[mode], param)
                 fns[label] = lambda args=args: attention_into(*args)
             times = time_interleaved(fns, repeats)
-            base = times["numpy"].cpu
+            base = times["numpy"]
             row = {"T": T, "numpy_s": base}
             cells = []
             for lb in labels:
-                row[lb] = times[lb].cpu
-                cells.append(f"{times[lb].cpu * 1e3:.2f} ({base / times[lb].cpu:.2f})")
+                row[lb] = times[lb]
+                cells.append(f"{times[lb] * 1e3:.2f} ({base / times[lb]:.2f})")
             rows.append(row)
             print(f"| {T} | {base * 1e3:.2f} | " + " | ".join(cells) + " |", flush=True)
     return rows
@@ -355,8 +344,8 @@ def bench_growth(repeats: int) -> dict:
         fns[f"decode {L}"] = decode
         fns[f"forward {L}"] = lambda t=tokens[:L]: forward_prepared(config, w, t, nx)
     times = time_interleaved(fns, repeats)
-    dec = [times[f"decode {L}"].cpu for L in GROWTH_LENGTHS]
-    fwd = [times[f"forward {L}"].cpu for L in GROWTH_LENGTHS]
+    dec = [times[f"decode {L}"] for L in GROWTH_LENGTHS]
+    fwd = [times[f"forward {L}"] for L in GROWTH_LENGTHS]
     print("| L (cache length / forward T) | decode ms | forward ms |")
     print("|---|---|---|")
     for L, a, b in zip(GROWTH_LENGTHS, dec, fwd, strict=True):
@@ -420,7 +409,7 @@ def bench_decode(repeats: int) -> list[dict]:
                 "forward public": lambda t=tokens, nx=nx: forward(config, params, t, nx),
                 "forward layers": lambda w=w, t=tokens, nx=nx: forward_layers(config, w, t, nx),
             }
-            times = {name: t.cpu for name, t in time_interleaved(fns, repeats).items()}
+            times = time_interleaved(fns, repeats)
             row = {"preset": preset, "L": L, **{name.replace(" ", "_") + "_s": t for name, t in times.items()}}
             rows.append(row)
             dc, dp = times["decode compiled"], times["decode public"]
