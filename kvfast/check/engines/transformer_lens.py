@@ -39,7 +39,7 @@ own manual KV-cache entry point: ``prefill`` is ``bridge(tokens, return_type="lo
 ``decode`` hand the returned transformers cache back (``past_key_values=cache``), the recompute is ``bridge(tokens)``;
 the same ``"rows"`` variant, internal formats and promotion.
 
-Bugs for kvfast's tests are injected by subclassing these adapters (:data:`kvfast.bugs.engines.TL_BUGS`, over
+Bugs for kvfast's tests are injected by subclassing these adapters (:data:`kvfast.bugs.engine_bugs.TL_BUGS`, over
 ``decode``, ``extend`` and the cache itself: :attr:`TLModel.cache`).
 """
 
