@@ -37,11 +37,11 @@ from dataclasses import replace
 import numpy as np
 
 from kvfast.check.adapters import KvfastModel
+from kvfast.check.check_report import ControlDetail, ScenarioReport
 from kvfast.check.formats import ulp
 from kvfast.check.judge import Judge, Part
 from kvfast.check.lossy_formats import LOSSY_FORMATS, ROW_FORMATS, round_trip  # noqa: F401 - re-exported
 from kvfast.check.protocol import ModelCalls, read_attribute
-from kvfast.check.report import ControlDetail, ScenarioReport
 from kvfast.check.scenarios import REGISTRY, branches
 from kvfast.check.subject import CheckSubject, as_model_under_test
 from kvfast.validation import not_allowed

@@ -325,9 +325,9 @@ def run_check(args, started: float | None = None) -> dict:
     """The check itself (in the child): ``{"kind": ..., ...}`` for the parent (see :func:`child`)."""
     from dataclasses import replace
 
+    from kvfast.check.check_report import UNCHECKED
     from kvfast.check.checker import check_cache_with
     from kvfast.check.protocol import CheckTimeout, ModelUnderTestError, watched
-    from kvfast.check.report import UNCHECKED
 
     try:
         options = replace(check_options(args), timeout=None)  # --timeout is this process's watch (below)
