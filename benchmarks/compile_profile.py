@@ -34,20 +34,14 @@ compiles, no more, no less (exit 1 if not, with the difference).
 
 ``--warm-check``: a warm start instead (kvfast's own Numba cache, filled by a first run): the whole
 command ``kvfast check kvfast.studies.check:kvfast_model ...`` (a 1-layer model, a 4-token prompt, 8
-decode steps, the decode scenario) in a fresh process, ``--repeats`` times. Its timeline: the command's
-processes append time marks to a file (``KVFAST_TIMELINE``, :func:`kvfast.runtime.child.mark`), printed
-as seconds from the command's start (just before this script starts its process; the exit: when it has
-been reaped), medians over the repeats: the parent's start, the child spawned, the parent's arguments
-checked, the child's kvfast imported (NumPy, Numba, the checker), its request read, the model built
-(parameters drawn, weights prepared: Numba's CPU target set up and the first cached kernels loaded), the
-first model call and its return (the forward's cached kernels loaded), the verdict, the report printed,
-the exit. "To its first run" is the first model call's start (the figure of the "at most 0.5 s"
-target), and its return is printed next to it. Then CPU (user + system, the process and its children)
-and wall of the whole command, and, for scale, fresh processes that only start Python, import NumPy,
-import Numba, import ``kvfast.cli``, or import the child's modules (``kvfast.check.checker``), interleaved
-with the command's rounds, and the child's work step by step in one fresh process (Python's start,
-NumPy, Numba, the rest of the checker's imports, Numba's CPU target set up, the model built, its first
-call): the floor of the first run, which no arrangement of the command's two processes goes below.
+decode steps, the decode scenario) in a fresh process, ``--repeats`` times: its time to the report's first
+line (wall, from just before this script starts its process), then CPU (user + system, the process and its
+children) and wall of the whole command, medians over the repeats, and, for scale, fresh processes that only
+start Python, import NumPy, import Numba, import ``kvfast.cli``, or import the child's modules
+(``kvfast.check.checker``), interleaved with the command's rounds, and the child's work step by step in one
+fresh process (Python's start, NumPy, Numba, the rest of the checker's imports, Numba's CPU target set up,
+the model built, its first call): the floor of the first run, which no arrangement of the command's two
+processes goes below.
 ``--baseline DIR``: the same command on another kvfast source tree (a
 ``git archive`` of an earlier commit; ``PYTHONPATH=DIR``), interleaved, and the ratio of the medians.
 """
@@ -79,38 +73,27 @@ def _env(pythonpath: str | None = None) -> dict:
     here = os.environ.get("PYTHONPATH") or str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": pythonpath or here}
     env.pop("NUMBA_CACHE_DIR", None)  # kvfast's own cache directory
-    env.pop("KVFAST_TIMELINE", None)
     return env
 
 
-def _timed(
-    args: list[str], timeline: str | None = None, pythonpath: str | None = None
-) -> tuple[float, float, dict[str, float]]:
-    """CPU seconds (user + system of the child and its children) and wall seconds of ``python ARGS``, and
-    with ``timeline`` (a file path) its marks as seconds from the start (a label seen twice: its first);
-    ``pythonpath``: another kvfast source tree (``--baseline``)."""
+def _timed(args: list[str], pythonpath: str | None = None) -> tuple[float, float, float]:
+    """CPU seconds (user + system of the child and its children), wall seconds of ``python ARGS`` and wall
+    seconds to its first line of output; ``pythonpath``: another kvfast source tree (``--baseline``)."""
     env = _env(pythonpath)
-    if timeline is not None:
-        env["KVFAST_TIMELINE"] = timeline
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t0 = time.time()
     w0 = time.perf_counter()
     # from the tree's root: ``python -m`` puts the working directory first on sys.path
-    subprocess.run([sys.executable, *args], env=env, check=True, capture_output=True, cwd=env["PYTHONPATH"])
+    with subprocess.Popen(
+        [sys.executable, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=env["PYTHONPATH"]
+    ) as proc:
+        proc.stdout.readline()
+        first = time.perf_counter() - w0
+        proc.stdout.read()
     wall = time.perf_counter() - w0
-    t_exit = time.time()
+    if proc.returncode:
+        raise subprocess.CalledProcessError(proc.returncode, args)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    marks: dict[str, float] = {}
-    if timeline is not None:
-        with open(timeline) as f:
-            for line in f:
-                stamp, _pid, label = line.rstrip("\n").split(" ", 2)
-                if label.startswith(FIRST_RUN + " ("):  # "... (recompute)": the method called first
-                    label = FIRST_RUN
-                marks.setdefault(label, float(stamp) - t0)
-        os.unlink(timeline)
-        marks["exit (reaped)"] = t_exit - t0
-    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), wall, marks
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), wall, first
 
 
 SCALE = {
@@ -120,7 +103,6 @@ SCALE = {
     "python -c 'import kvfast.cli'": ["-c", "import kvfast.cli"],
     "python -c 'import kvfast.check.checker' (the child's imports)": ["-c", "import kvfast.check.checker"],
 }
-FIRST_RUN = "child: first model call"
 #: the child's work in one fresh process, step by step: where its time to the first run goes
 STEPS = r"""
 import json, sys, time
@@ -157,53 +139,31 @@ def _steps() -> list[tuple[str, float]]:
     return [tuple(m) for m in json.loads(out.stdout.splitlines()[-1])]
 
 
-def _timeline(title: str, rounds: list[tuple[float, float, dict[str, float]]]) -> None:
-    """Print the rounds' timeline (medians) and the median first model call's start and return."""
-    repeats = len(rounds)
-    labels = list(dict.fromkeys(label for _, _, marks in rounds for label in marks))
-    labels = ["command start", *sorted(labels, key=lambda k: statistics.median(m[k] for _, _, m in rounds if k in m))]
-    print(f"{title}, timeline (s from the command's start; median, min, max of {repeats}):")
-    width = max(36, *map(len, labels))
-    previous = 0.0
-    for label in labels:
-        values = [0.0] if label == "command start" else [marks[label] for _, _, marks in rounds if label in marks]
-        med = statistics.median(values)
-        note = "" if label == "command start" or len(values) == repeats else f"  (in {len(values)} of {repeats})"
-        print(f"  {label:<{width}} {med:6.3f}  (+{med - previous:5.3f})  [{min(values):.3f}, {max(values):.3f}]{note}")
-        previous = med
-    first = statistics.median(marks[FIRST_RUN] for _, _, marks in rounds)
-    returned = statistics.median(marks[FIRST_RUN + " returned"] for _, _, marks in rounds)
-    print(f"to its first run (first model call starts): {first:.3f} s; returned: {returned:.3f} s (target 0.5 s)")
-
-
 def warm_check(repeats: int, baseline: str | None = None) -> None:
     """Print the warm ``kvfast check`` figures (see the module doc)."""
     _timed(CHECK)  # fills the cache if it is cold
-    base: list[tuple[float, float, dict[str, float]]] = []
+    base: list[tuple[float, float, float]] = []
     if baseline:
         _timed(CHECK, pythonpath=baseline)
-    timeline = os.path.join(tempfile.mkdtemp(prefix="kvfast-timeline-"), "marks")
-    rounds: list[tuple[float, float, dict[str, float]]] = []
+    rounds: list[tuple[float, float, float]] = []
     scale: dict[str, list[float]] = {name: [] for name in SCALE}
     loads = []
     steps: list[list[tuple[str, float]]] = []
     for _ in range(repeats):  # interleaved: the command, then each process for scale
-        rounds.append(_timed(CHECK, timeline))
+        rounds.append(_timed(CHECK))
         steps.append(_steps())
         if baseline:
             base.append(_timed(CHECK, pythonpath=baseline))
         for name, args in SCALE.items():
             scale[name].append(_timed(args)[1])
         loads.append(os.getloadavg()[0])
-    _timeline("warm kvfast check of kvfast's model", rounds)
-    cpu = statistics.median(r[0] for r in rounds)
-    wall = statistics.median(r[1] for r in rounds)
-    print(f"kvfast check of kvfast's model (whole command): {cpu:.3f} s CPU, {wall:.3f} s wall "
-          f"(median of {repeats}, warm Numba cache)")  # fmt: skip
+    cpu, wall, first = (statistics.median(r[i] for r in rounds) for i in range(3))
+    print(f"kvfast check of kvfast's model (whole command): {cpu:.3f} s CPU, {wall:.3f} s wall, {first:.3f} s to "
+          f"the report's first line (median of {repeats}, warm Numba cache)")  # fmt: skip
     if baseline:
-        b_cpu = statistics.median(r[0] for r in base)
-        b_wall = statistics.median(r[1] for r in base)
-        print(f"the same command on the baseline tree {baseline}: {b_cpu:.3f} s CPU, {b_wall:.3f} s wall")
+        b_cpu, b_wall, b_first = (statistics.median(r[i] for r in base) for i in range(3))
+        print(f"the same command on the baseline tree {baseline}: {b_cpu:.3f} s CPU, {b_wall:.3f} s wall, "
+              f"{b_first:.3f} s to the first line")  # fmt: skip
         print(f"baseline / this tree: {b_cpu / cpu:.2f}x CPU, {b_wall / wall:.2f}x wall (medians, interleaved)")
     print("the child's work in one fresh process, step by step (s, median):")
     for i, (label, _) in enumerate(steps[0]):

@@ -62,7 +62,7 @@ def largest_relative_deviation(model, report) -> float:
 
 
 def ort_verdicts(builds: dict[str, list[tuple[Path, Path]]], steps: int) -> None:
-    from kvfast.bugs.engines import ORT_BUGS, inject_ort_bug
+    from kvfast.bugs.engine_bugs import ORT_BUGS, inject_ort_bug
     from kvfast.check import check_cache
     from kvfast.check.engines.ort import DEFAULT_VARIANTS, ORTModel
 
@@ -119,7 +119,7 @@ def ort_verdicts(builds: dict[str, list[tuple[Path, Path]]], steps: int) -> None
 
 
 def ort_own_sweep(root: Path, seeds: int, prompts: int, steps: int) -> None:
-    from kvfast.bugs.engines import ORT_BUGS, inject_ort_bug
+    from kvfast.bugs.engine_bugs import ORT_BUGS, inject_ort_bug
     from kvfast.check import check_cache
     from kvfast.check.engines.ort import ORTModel
     from kvfast.testing import tiny_ort_model

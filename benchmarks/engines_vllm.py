@@ -12,7 +12,7 @@ the check needs), then, in this run (``--only``: some; ``long`` only when asked)
   cache an earlier one left; ``steps`` greedy tokens, no logprobs), and the ratios; where exact mode runs the GEMMs
   as vLLM does (the row-count probe finds nothing on this CPU), also an exact check with them pinned to one row
   (``gemm_rows=1``: what exact mode runs by default on a CPU whose GEMMs change with the row count);
-- **bugs**: each bug of :data:`kvfast.bugs.engines.VLLM_BUGS` in exact mode (its first divergent step per
+- **bugs**: each bug of :data:`kvfast.bugs.engine_bugs.VLLM_BUGS` in exact mode (its first divergent step per
   scenario against the step where it first acts) and in control mode (the verdict);
 - **batch invariance**: the prompt's ``steps`` decoded rows when it decodes together with other requests (1 to 7
   others, same length) against the same rows when it decodes alone (vLLM's greedy decode, full-vocabulary rows);
@@ -116,7 +116,7 @@ def _pinned(engine, prompt: list[int]) -> str:
 
 def bugs(engine, prompt: list[int], args) -> None:
     """Print the bug table (see the module doc)."""
-    from kvfast.bugs.engines import VLLM_BUGS, first_acting_step, inject_vllm_bug
+    from kvfast.bugs.engine_bugs import VLLM_BUGS, first_acting_step, inject_vllm_bug
     from kvfast.check import check_cache
     from kvfast.check.engines.vllm import VLLMModel
 
@@ -136,7 +136,7 @@ def variants(engine, prompt: list[int], args) -> None:
     """Print the variants table (see the module doc)."""
     import numpy as np
 
-    from kvfast.bugs.engines import VLLM_BUGS, inject_vllm_bug
+    from kvfast.bugs.engine_bugs import VLLM_BUGS, inject_vllm_bug
     from kvfast.check import check_cache
     from kvfast.check.engines.vllm import VARIANTS, VLLMModel
 

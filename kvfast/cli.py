@@ -14,9 +14,7 @@ included (the subcommands' imports: pandas, NumPy), is one line and exit code
 handler before it imports anything else.
 
 Start-up: the command modules import nothing heavy at their top (their parsers are built without NumPy,
-pandas, Numba or the sweep engine), and a command listed in :data:`EARLY` starts its work before the
-arguments are parsed: ``kvfast check`` starts its child process first
-(:func:`kvfast.commands.check.start_early`), which :func:`main` ends if the command does not take it.
+pandas, Numba or the sweep engine).
 """
 
 from __future__ import annotations
@@ -44,10 +42,6 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str):  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message}\n")
 
-
-#: command -> its module, for the commands that start work before the arguments are parsed (``start_early(argv)``
-#: and ``discard_early()``)
-EARLY = {"check": "kvfast.commands.check"}
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a command killed by a closed pipe
@@ -78,7 +72,6 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGINT, _on_ctrl_c) if on_main else None
     _CTRL_C.clear()
     try:
-        _start_early(sys.argv[1:] if argv is None else argv)
         return _main(argv)
     except BaseException as exc:  # a Ctrl-C during an import can surface as that import's ImportError
         interrupt = sys.modules.get("kvfast.runtime.interrupt")  # a sweep's own SIGINT handler records it there
@@ -88,31 +81,11 @@ def main(argv: list[str] | None = None) -> int:
         print("kvfast: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     finally:
-        _discard_early()
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
         pool = sys.modules.get("kvfast.sweep.backends.pool")
         if pool is not None:  # a sweep ran: its loky workers are killed, not joined at exit
             pool.release_workers()
-
-
-def _start_early(argv: list[str]) -> None:
-    """The early start of the command ``argv`` names (:data:`EARLY`), if it has one."""
-    if argv and argv[0] in EARLY:
-        import importlib
-
-        try:
-            importlib.import_module(EARLY[argv[0]]).start_early(list(argv[1:]))
-        except Exception:  # noqa: BLE001, S110 - only a head start: the command then starts its work as it would have
-            pass
-
-
-def _discard_early() -> None:
-    """End whatever an early start began and its command did not take (bad input, ``--help``, Ctrl-C)."""
-    for name in EARLY.values():
-        module = sys.modules.get(name)
-        if module is not None:
-            module.discard_early()
 
 
 def _main(argv: list[str] | None) -> int:

@@ -14,7 +14,7 @@ follow it, each below the next:
    below which noise is rounding, the model's internal formats).
 2. :mod:`~kvfast.check.scenarios`: one unit per scenario (``decode``, ``resume``, ``rollback``, ``fork``,
    ``reorder``, ``padded``) and their registry; :mod:`~kvfast.check.control`: control mode's method and limits;
-   :mod:`~kvfast.check.report`: the report and its rendering.
+   :mod:`~kvfast.check.check_report`: the report and its rendering.
 3. :mod:`~kvfast.check.options`: every option, validated once (the command line's flags come from its fields).
 4. :mod:`~kvfast.check.subject`: the options met with a model and a prompt; :mod:`~kvfast.check.judge`: how a
    scenario is judged (exact or control), chosen once.

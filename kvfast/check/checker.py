@@ -46,7 +46,7 @@ logits (:class:`kvfast.check.protocol.ModelCalls`); each scenario is a unit in
 path; the reference and the order noise are found in
 :mod:`kvfast.check.reference`; the judge, chosen once from the options
 (:mod:`kvfast.check.judge`), judges every scenario the same way (a lossy cache
-is then re-judged as one, :mod:`kvfast.check.lossy`); :mod:`kvfast.check.report`
+is then re-judged as one, :mod:`kvfast.check.lossy`); :mod:`kvfast.check.check_report`
 holds the report and its rendering. The float64 logic check (``promote``) is a
 second run of this same pipeline on the promoted model.
 
@@ -55,7 +55,7 @@ hook, a hook that raises ``NotImplementedError``, a one-token prompt for
 ``resume``) is reported ``skipped`` with the reason; the check then passes
 only on the scenarios that ran, and its report says which were skipped in its
 first lines. A check in which no requested scenario ran is ``unchecked``
-(:data:`~kvfast.check.report.UNCHECKED`), which never passes; with
+(:data:`~kvfast.check.check_report.UNCHECKED`), which never passes; with
 ``strict=True`` any skipped scenario makes it ``unchecked``.
 """
 
@@ -67,13 +67,13 @@ from dataclasses import replace
 import numpy as np
 
 from kvfast.check import control as C
+from kvfast.check.check_report import LENGTH_DEPENDENT, UNCHECKED, CheckReport, ScenarioReport, deciding, skipped
 from kvfast.check.formats import formats_of
 from kvfast.check.judge import Judge, Part, judge_for
 from kvfast.check.lossy import lossy_format, rejudge
 from kvfast.check.options import MODES, SCENARIOS, CheckOptions
 from kvfast.check.protocol import CheckPlan, ModelUnderTestError, watched
 from kvfast.check.reference import OwnReference, Reference, SharedReference
-from kvfast.check.report import LENGTH_DEPENDENT, UNCHECKED, CheckReport, ScenarioReport, deciding, skipped
 from kvfast.check.scenarios import REGISTRY, Run, Scenario, Unsupported
 from kvfast.check.subject import CheckSubject, as_model_under_test, resolve
 
@@ -185,7 +185,7 @@ def _judged(subject: CheckSubject, judge: Judge) -> tuple[CheckReport, list[str]
 
 def _joined(report: CheckReport, promoted: CheckReport | None, notes: list[str], options: CheckOptions) -> CheckReport:
     """``report`` with its logic check's report ``promoted`` (``None``: none ran) and ``notes`` joined: the deciding
-    verdict (:func:`~kvfast.check.report.deciding`), the native one beside it, a length dependence either found;
+    verdict (:func:`~kvfast.check.check_report.deciding`), the native one beside it, a length dependence either found;
     with ``strict``, a pass on part of what was asked is none."""
     length = report.length_dependence
     if promoted is not None and length is None and promoted.length_dependence is not None:

@@ -13,7 +13,7 @@ A lossy cache (:mod:`kvfast.check.lossy`) is judged by the same judge first, the
 cache's. The judge is the one place that knows the mode, and carries it to the end: the reference asks it
 whether it may need the order noise (:attr:`Judge.measures_noise`), the pipeline asks it for the noise
 (:meth:`Judge.noise`), the scenarios' overall verdict and the notes only its mode makes, and each report holds
-its judge's detail (:class:`~kvfast.check.report.ExactDetail`, :class:`~kvfast.check.report.ControlDetail`),
+its judge's detail (:class:`~kvfast.check.check_report.ExactDetail`, :class:`~kvfast.check.check_report.ControlDetail`),
 which renders what only that judge measured.
 """
 
@@ -26,7 +26,7 @@ import numpy as np
 
 from kvfast.check import control as C
 from kvfast.check import formats as F
-from kvfast.check.report import ControlDetail, Detail, ExactDetail, LossyExactDetail, ScenarioReport
+from kvfast.check.check_report import ControlDetail, Detail, ExactDetail, LossyExactDetail, ScenarioReport
 from kvfast.check.scenarios import CachePath
 
 if TYPE_CHECKING:  # the options are read, never built or validated here

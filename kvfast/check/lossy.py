@@ -37,11 +37,11 @@ from dataclasses import replace
 import numpy as np
 
 from kvfast.check.adapters import KvfastModel
+from kvfast.check.check_report import ControlDetail, ScenarioReport
 from kvfast.check.formats import ulp
 from kvfast.check.judge import Judge, Part
 from kvfast.check.lossy_formats import LOSSY_FORMATS, ROW_FORMATS, round_trip  # noqa: F401 - re-exported
 from kvfast.check.protocol import ModelCalls, read_attribute
-from kvfast.check.report import ControlDetail, ScenarioReport
 from kvfast.check.scenarios import REGISTRY, branches
 from kvfast.check.subject import CheckSubject, as_model_under_test
 from kvfast.validation import not_allowed
@@ -73,32 +73,29 @@ class LossyKvfastModel(KvfastModel):
         for arr in (cache.k, cache.v):
             arr[:, start : cache.length] = round_trip(fmt, arr[:, start : cache.length])
 
-    def prefill(self, tokens) -> np.ndarray:
-        out = super().prefill(tokens)
-        self._stored(0)
+    def _storing(self, call, tokens, start: int | None = None) -> np.ndarray:
+        """``call(tokens)``, then the rows it stored (from ``start``, else the cache's length before it) round-
+        tripped."""
+        start = self._cache().length if start is None else start
+        out = call(tokens)
+        self._stored(start)
         return out
+
+    def prefill(self, tokens) -> np.ndarray:
+        return self._storing(super().prefill, tokens, 0)
 
     def extend(self, tokens) -> np.ndarray:
-        start = self._cache().length
-        out = super().extend(tokens)
-        self._stored(start)
-        return out
+        return self._storing(super().extend, tokens)
 
     def decode(self, token) -> np.ndarray:
-        start = self._cache().length
-        out = super().decode(token)
-        self._stored(start)
-        return out
+        return self._storing(super().decode, token)
 
     def lossless(self) -> KvfastModel:
         """The same model (bug included) with an exact cache."""
         return KvfastModel(self.config, self.params, self.numerics, self.bug, self.decode_numerics)
 
     def promote(self, dtype: str = "float64") -> LossyKvfastModel:
-        plain = super().promote(dtype)
-        return LossyKvfastModel(
-            self.config, self.params, plain.numerics, self.bug, plain.decode_numerics, fmt=self.lossy_cache
-        )
+        return with_lossy_cache(super().promote(dtype), self.lossy_cache)
 
 
 def with_lossy_cache(model: KvfastModel, fmt: str) -> LossyKvfastModel:

@@ -40,10 +40,9 @@ def round_trip(fmt: str, x: np.ndarray, scale: float | None = None) -> np.ndarra
         if scale is None:
             raise ValueError("scale: None is not allowed for fmt 'fp8-tensor'; allowed: the tensor's frozen scale")
         return _fp8_round_trip(x, scale)
-    if fmt == "int8":
-        return _int_round_trip(x, 127)
     if fmt == "fp8":
         return _fp8_round_trip(x)
-    if fmt.startswith("int") and fmt[3:].isdigit() and 2 <= int(fmt[3:]) <= 8:  # int4: kvfast.bugs.lossy, quanto/HQQ
+    # int8 (127 levels); int4 (kvfast.bugs.lossy) and the other widths of quanto and HQQ
+    if fmt.startswith("int") and fmt[3:].isdigit() and 2 <= int(fmt[3:]) <= 8:
         return _int_round_trip(x, 2 ** (int(fmt[3:]) - 1) - 1)
     raise ValueError(f"fmt: {fmt!r} is not allowed; allowed: {', '.join(LOSSY_FORMATS)}")

@@ -26,8 +26,8 @@ import numpy as np
 
 from kvfast.check import control as C
 from kvfast.check import formats as F
+from kvfast.check.check_report import LengthDependence
 from kvfast.check.protocol import ModelCalls
-from kvfast.check.report import LengthDependence
 from kvfast.check.scenarios import REGISTRY, Run, Scenario, Unsupported
 from kvfast.check.scenarios.base import mark_greedy
 from kvfast.check.scenarios.decode import Decode
@@ -174,7 +174,7 @@ class Reference:
     ``subject``; ``judge``: the check's (:mod:`kvfast.check.judge`), asked whether it may need the model's order
     noise (:attr:`~kvfast.check.judge.Judge.measures_noise`); ``prompt_rows``: ``recompute(prompt)``; ``fmt``: the
     format of the model's logits; ``formats``: the model's internal formats (:mod:`kvfast.check.formats`), assumed
-    from ``fmt`` when ``None``; ``length`` (a :class:`~kvfast.check.report.LengthDependence` when the recompute
+    from ``fmt`` when ``None``; ``length`` (a :class:`~kvfast.check.check_report.LengthDependence` when the recompute
     changes with the length by more than rounding, else ``None``); ``notes`` (how the reference was found). A kind adds
     ``path``, ``noise``, ``tokens`` and ``skipped_tokens``, and says how a scenario runs
     (:meth:`cache_run`) and what it is compared with (:meth:`rows_for`).

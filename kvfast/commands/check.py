@@ -7,8 +7,7 @@ as strings) to build a model under test (:mod:`kvfast.check.protocol`) or a
 Hugging Face causal LM, and runs :func:`kvfast.check_cache` on it. Prints the
 report. The check's flags are the fields of :class:`kvfast.check.CheckOptions`
 (each declares its flag: :func:`add_option_flags`), validated by it in this
-process before the child is handed any work (the child process itself starts
-first: see Start-up).
+process before the child process starts.
 
 Exit codes (:data:`EXIT_CODES`): 0 only when a report was printed and says
 pass; 1 when it finds a bug (or the float64 logic check of ``--promote``
@@ -44,14 +43,9 @@ their lines, or one line on stderr where they did not finish within their bound
 (:func:`kvfast.repro.findings.bound_seconds`) or their process died; a reproducer that cannot be written is a
 line too. DIR is checked before the check (exit 2): it must not exist yet or be empty.
 
-Start-up. :func:`kvfast.cli.main` calls :func:`start_early` before it parses anything: the child starts
-at once and imports kvfast's checker while this process parses and validates the arguments (it imports
-neither Numba nor the checker), then waits for its request; bad input kills it before it runs any code
-of the user's. kvfast's own factory ``kvfast.studies.check:kvfast_model`` is loaded from the module that
-defines it (:data:`OWN_FACTORIES`), not through the studies (the sweep engine, pandas). With
-``KVFAST_TIMELINE=FILE`` both processes append time marks to FILE (:func:`kvfast.runtime.child.mark`:
-the child spawned, kvfast imported, the request read, the model built, its first call and return, the
-verdict): ``benchmarks/compile_profile.py --warm-check`` prints them.
+Start-up. This process parses and validates the arguments without importing Numba or the checker; bad input
+is refused before the child starts. kvfast's own factory ``kvfast.studies.check:kvfast_model`` is loaded from
+the module that defines it (:data:`OWN_FACTORIES`), not through the studies (the sweep engine, pandas).
 
 Built in: ``kvfast.bugs.kvfast_model:tiny_model`` (kvfast's own small model; ``--factory-arg bug=posfrozen``) and
 ``kvfast.testing:tiny_model`` (a tiny random Hugging Face model; ``--factory-arg family=gpt2 --factory-arg
@@ -61,7 +55,6 @@ dtype=bfloat16``).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from kvfast.commands import EXIT_KVFAST_BUG, bug_line
@@ -332,10 +325,9 @@ def run_check(args, started: float | None = None) -> dict:
     """The check itself (in the child): ``{"kind": ..., ...}`` for the parent (see :func:`child`)."""
     from dataclasses import replace
 
+    from kvfast.check.check_report import UNCHECKED
     from kvfast.check.checker import check_cache_with
     from kvfast.check.protocol import CheckTimeout, ModelUnderTestError, watched
-    from kvfast.check.report import UNCHECKED
-    from kvfast.runtime.child import TIMELINE, mark
 
     try:
         options = replace(check_options(args), timeout=None)  # --timeout is this process's watch (below)
@@ -345,11 +337,7 @@ def run_check(args, started: float | None = None) -> dict:
                 if getattr(args, "engine", None)
                 else build_model(args.factory, parse_factory_args(args.factory_arg))
             )
-            if os.environ.get(TIMELINE):
-                mark("child: model built")
-                _mark_first_call(model)
             report = check_cache_with(model, parse_prompt(args.prompt), options)
-            mark("child: verdict")
     except ValueError as exc:
         return {"kind": "bad input", "line": str(exc)}
     except ModelUnderTestError as exc:
@@ -368,40 +356,6 @@ def run_check(args, started: float | None = None) -> dict:
     if code == EXIT_FAIL and getattr(args, "repro", None):
         return _reproducers(args, model, report, result)
     return result
-
-
-def _mark_first_call(model) -> None:
-    """``KVFAST_TIMELINE`` only: the first call of any of ``model``'s methods the checker runs is marked when it
-    starts and when it returns (a wrapper set on the instance, removed at that first call)."""
-    from kvfast.runtime.child import mark
-
-    names = [
-        n for n in ("recompute", "prefill", "extend", "decode", "decode_greedy") if callable(getattr(model, n, None))
-    ]
-    originals = {n: getattr(model, n) for n in names}
-    called: list[bool] = []
-
-    def first(name):
-        def call(*a, **k):
-            if called:  # a wrapper the checker kept: the plain call
-                return originals[name](*a, **k)
-            called.append(True)
-            for n in names:
-                vars(model).pop(n, None)
-            mark(f"child: first model call ({name})")
-            try:
-                return originals[name](*a, **k)
-            finally:
-                mark("child: first model call returned")
-
-        return call
-
-    try:
-        for n in names:
-            setattr(model, n, first(n))
-    except (AttributeError, TypeError):  # an instance without a __dict__: no marks
-        for n in names:
-            getattr(model, "__dict__", {}).pop(n, None)
 
 
 def _reproducers(args, model, report, result: dict) -> dict:
@@ -469,8 +423,8 @@ BOOT = (
 
 
 def child(boot: dict) -> None:
-    """The child process (:func:`kvfast.runtime.child.start_child`): import kvfast's checker, read the request,
-    run the check, write ``{"kind": ...}`` for the parent, exit 0 (no request: exit 0 at once).
+    """The child process (:func:`kvfast.runtime.child.run_in_child`): import kvfast's checker, read the request,
+    run the check, write ``{"kind": ...}`` for the parent, exit 0.
 
     Kinds: ``report`` (``text``, ``code``), ``bad input``, ``model``, ``timeout`` (``line``), ``bug``
     (``traceback``). The request is ``{"args": ...}``, the parent's parsed and checked arguments (:func:`run`).
@@ -479,18 +433,12 @@ def child(boot: dict) -> None:
     deadline is for the user's code, so a slow start of the interpreter and of kvfast on a loaded machine
     can never be blamed on the model or its module.
     """
-    import os
-
-    from kvfast.runtime.child import child_done, child_ready, child_started, mark, read_request
+    from kvfast.runtime.child import child_done, child_ready, child_started, read_request
 
     child_started(boot)
     import kvfast.check.checker  # noqa: F401 - kvfast's own start-up, before the deadline starts
 
-    mark("child: kvfast imported")
     request = read_request(boot)
-    if request is None:  # discarded (bad input, --help) before any work
-        os._exit(0)
-    mark("child: request read")
     started = child_ready(boot)
     try:
         result = run_check(argparse.Namespace(**request["args"]), started)
@@ -503,40 +451,15 @@ def child(boot: dict) -> None:
     child_done(boot, result)
 
 
-_EARLY: list = []  # the child start_early started, until discard_early (run uses it meanwhile)
-
-
-def start_early(argv: list[str]) -> None:
-    """``kvfast check ARGV``, before any parsing (:func:`kvfast.cli.main`): start the check's child now, so
-    that its interpreter and kvfast's imports overlap this process's parsing and validation (not for
-    ``--help``). :func:`run` uses it; :func:`discard_early` ends it (a no-op after :func:`run`)."""
-    from kvfast.runtime.child import mark, start_child
-
-    mark("parent: kvfast check started")
-    discard_early()
-    if not any(a in ("-h", "--help") for a in argv):
-        _EARLY.append(start_child(BOOT))
-
-
-def discard_early() -> None:
-    """End the child :func:`start_early` started, if it still runs (bad input, a parse error, a Ctrl-C)."""
-    while _EARLY:
-        _EARLY.pop().discard()
-
-
 def run(args) -> int:
-    from kvfast.runtime.child import mark, run_in_child
+    from kvfast.runtime.child import run_in_child
     from kvfast.validation import one_line
 
     check_args(args)
     request = {"args": {k: v for k, v in vars(args).items() if k != "func"}}
     request["args"]["command_line"] = " ".join(["kvfast", *sys.argv[1:]])
-    early = _EARLY[-1] if _EARLY else None  # left there: discard_early ends it too, even on a Ctrl-C right here
-    mark("parent: arguments checked")
     try:
-        outcome = run_in_child(
-            BOOT, request, args.timeout, GRACE_S, child=early, on_report=_print_report if args.repro else None
-        )
+        outcome = run_in_child(BOOT, request, args.timeout, GRACE_S, on_report=_print_report if args.repro else None)
     except KeyboardInterrupt:
         print("kvfast: interrupted; the check's processes were killed", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -560,7 +483,6 @@ def run(args) -> int:
     kind = result["kind"]
     if kind == "report":
         print(result["text"])
-        mark("parent: report printed")
         return int(result["code"])
     if kind == "bug":
         print(result["traceback"], end="", file=sys.stderr)

@@ -1,11 +1,7 @@
 """The user's code in a child process that this one survives: ``kvfast check``'s isolation.
 
 :func:`run_in_child` starts ``python -c BOOT`` (the same interpreter and ``sys.path``, its own session and
-process group), hands it a request and waits for it; the child reports back through a file. Starting it
-and sending the request are two steps (:func:`start_child`, :meth:`Child.send`), so that a caller can
-start the child before it has its request: the child's interpreter and kvfast's imports then run while
-the caller parses and validates its arguments (``kvfast check``). A child never sent a request runs
-nothing but kvfast's imports and ends (:meth:`Child.discard`, or its caller's death). A child that ends
+process group) with its request and waits for it; the child reports back through a file. A child that ends
 without a report (``os._exit``, a crash, a signal) can never read as a success; a child past its
 ``timeout`` (plus ``grace``, the time its own in-process timer has to report) is killed with its whole
 process group, as it is on Ctrl-C and at the end in any case, so nothing the user's code started
@@ -13,18 +9,15 @@ outlives it. The child, for its part (:func:`child_started`, :func:`read_request
 :func:`child_done`):
 
 - kills its own process group when the parent dies (a watchdog thread reads a pipe the parent holds);
-- reads its request once kvfast itself is imported (it waits until the parent sends it), then writes a
-  byte on the ready pipe: the parent's ``timeout`` counts from then, so a slow start of the interpreter
-  and of kvfast on a loaded machine, or the parent's own checks of its arguments, are never blamed on
-  the user's code (the child's own timer counts from the same moment: :func:`child_ready`'s time);
+- reads its request once kvfast itself is imported, then writes a byte on the ready pipe: the parent's
+  ``timeout`` counts from then, so a slow start of the interpreter and of kvfast on a loaded machine are
+  never blamed on the user's code (the child's own timer counts from the same moment: :func:`child_ready`'s
+  time);
 - writes its result (a JSON object) atomically and ends with ``os._exit(0)``, so no ``atexit`` hook or
   finalizer of the user's code runs after the report;
 - may send a report before its end (:func:`child_report`: ``kvfast check --repro`` sends the check's report, then
   writes the reproducers): the parent hands it to its ``on_report`` at once, and from then on gives the child
   only the seconds ``on_report`` returns (:meth:`Child.wait`).
-
-:func:`mark`: with ``KVFAST_TIMELINE=FILE`` in the environment, each process appends its time marks to
-FILE (the warm check's timeline: ``benchmarks/compile_profile.py --warm-check``); without it, nothing.
 """
 
 from __future__ import annotations
@@ -88,71 +81,43 @@ def _wait_until_ready(proc: subprocess.Popen, ready_fd: int) -> None:
             return
 
 
-TIMELINE = "KVFAST_TIMELINE"  # the environment variable naming the file :func:`mark` appends to
-
-
-def mark(label: str) -> None:
-    """Append ``TIME PID LABEL`` (``time.time()``, this process's id) to the file ``$KVFAST_TIMELINE`` names;
-    nothing when it is not set. One ``write`` per line on a file opened to append, so the lines of the
-    processes of one command never mix."""
-    path = os.environ.get(TIMELINE)
-    if not path:
-        return
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, f"{time.time():.6f} {os.getpid()} {label}\n".encode())
-    finally:
-        os.close(fd)
-
-
 class Child:
-    """A child process started by :func:`start_child`, waiting for its request: :meth:`send` it, then
-    :meth:`wait`; :meth:`discard` ends it (always call it: after :meth:`wait` it kills whatever the user's
-    code left running in the child's session and removes the child's files)."""
+    """A child process of ``boot`` with its ``request``, started at once: :meth:`wait` for it, then
+    :meth:`discard` it (always: it kills whatever the user's code left running in the child's session and
+    removes the child's files)."""
 
-    def __init__(self, boot: str) -> None:
+    def __init__(self, boot: str, request: dict) -> None:
         self._tmp = tempfile.mkdtemp(prefix="kvfast-child-")
-        watch_read, self._watch_write = os.pipe()
-        request_read, self._request_write = os.pipe()
-        self._ready_read, ready_write = os.pipe()
         self.result_path = os.path.join(self._tmp, "result.json")
         self.report_path = os.path.join(self._tmp, "report.json")
-        self._request_path = os.path.join(self._tmp, "request.json")
+        request_path = os.path.join(self._tmp, "request.json")
+        with open(request_path, "w") as f:
+            json.dump(request, f)
+        watch_read, self._watch_write = os.pipe()
+        self._ready_read, ready_write = os.pipe()
         boot_info = {
             "path": [str(p) for p in sys.path],
             "result": self.result_path,
             "report": self.report_path,
-            "request": self._request_path,
-            "request_fd": request_read,
+            "request": request_path,
             "watch_fd": watch_read,
             "ready_fd": ready_write,
         }
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", boot, json.dumps(boot_info)],
-                pass_fds=(watch_read, request_read, ready_write),
+                pass_fds=(watch_read, ready_write),
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
         except BaseException:
-            for fd in (self._watch_write, self._request_write, self._ready_read):
-                os.close(fd)
-            os.rmdir(self._tmp)
+            os.close(self._watch_write)
+            os.close(self._ready_read)
+            shutil.rmtree(self._tmp, ignore_errors=True)
             raise
         finally:
-            for fd in (watch_read, request_read, ready_write):
-                os.close(fd)
-        self._sent = False
-        self._closed = False
-        mark("parent: child spawned")
-
-    def send(self, request: dict) -> None:
-        """Hand the child its request (JSON): written to a file, then the request pipe closed (never blocks)."""
-        with open(self._request_path + ".part", "w") as f:
-            json.dump(request, f)
-        os.replace(self._request_path + ".part", self._request_path)
-        os.close(self._request_write)
-        self._sent = True
+            os.close(watch_read)
+            os.close(ready_write)
 
     def wait(self, timeout: float | None = None, grace: float = 1.5, on_report=None) -> ChildOutcome:
         """Wait for the child (see :func:`run_in_child`); its :class:`ChildOutcome`. A ``KeyboardInterrupt``
@@ -201,45 +166,27 @@ class Child:
             time.sleep(0.1)
 
     def discard(self) -> None:
-        """End the child's process group (if it still runs), close this side's pipes, remove the child's files.
-        Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+        """End the child's process group (if it still runs), close this side's pipes, remove the child's files."""
         kill_group(self.proc.pid)
         self.proc.wait()
         os.close(self._watch_write)
         os.close(self._ready_read)
-        if not self._sent:
-            os.close(self._request_write)
         shutil.rmtree(self._tmp, ignore_errors=True)
 
 
-def start_child(boot: str) -> Child:
-    """Start ``python -c boot BOOT_INFO`` (see the module doc); it waits for :meth:`Child.send`.
+def run_in_child(
+    boot: str, request: dict, timeout: float | None = None, grace: float = 1.5, on_report=None
+) -> ChildOutcome:
+    """Run ``request`` in a child ``python -c boot BOOT_INFO`` (see the module doc) and wait for it; its
+    :class:`ChildOutcome`. ``timeout``: seconds from the child's ready byte after which (plus ``grace``) it is
+    killed; ``on_report``: see :meth:`Child.wait`. A ``KeyboardInterrupt`` here kills the child's group and is
+    raised again.
 
     ``BOOT_INFO`` (JSON, the child's ``sys.argv[1]``): ``path`` (this ``sys.path``), ``result`` (the file to
-    write), ``request`` (the file :func:`read_request` reads), ``request_fd``, ``watch_fd`` and ``ready_fd``.
-    """
-    return Child(boot)
-
-
-def run_in_child(
-    boot: str,
-    request: dict,
-    timeout: float | None = None,
-    grace: float = 1.5,
-    child: Child | None = None,
-    on_report=None,
-) -> ChildOutcome:
-    """Run ``request`` in a child (``child``, started by :func:`start_child`, or a new one of ``boot``) and wait
-    for it; its :class:`ChildOutcome`. ``timeout``: seconds from the child's ready byte after which (plus
-    ``grace``) it is killed; ``on_report``: see :meth:`Child.wait`. A ``KeyboardInterrupt`` here kills the
-    child's group and is raised again."""
-    if child is None:
-        child = start_child(boot)
+    write), ``report`` (:func:`child_report`'s), ``request`` (the file :func:`read_request` reads), ``watch_fd``
+    and ``ready_fd``."""
+    child = Child(boot, request)
     try:
-        child.send(request)
         return child.wait(timeout, grace, on_report)
     finally:
         child.discard()
@@ -260,18 +207,10 @@ def child_started(request: dict) -> None:
     threading.Thread(target=watchdog, args=(request["watch_fd"],), daemon=True).start()
 
 
-def read_request(boot: dict) -> dict | None:
-    """In the child, once kvfast is imported: its request, when the parent sends it (:meth:`Child.send`);
-    ``None`` if the parent closed the pipe without one (it discarded this child, or it died)."""
-    fd = boot["request_fd"]
-    while os.read(fd, 4096):  # the parent only closes it: EOF
-        pass
-    os.close(fd)
-    try:
-        with open(boot["request"]) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return None
+def read_request(boot: dict) -> dict:
+    """In the child, once kvfast is imported: its request (written before it started)."""
+    with open(boot["request"]) as f:
+        return json.load(f)
 
 
 def child_ready(request: dict) -> float:
@@ -293,7 +232,6 @@ def child_report(report: dict) -> bool:
     with open(path + ".part", "w") as f:
         json.dump(report, f)
     os.replace(path + ".part", path)
-    mark("child: report sent")
     return True
 
 
@@ -303,7 +241,6 @@ def child_done(request: dict, result: dict) -> NoReturn:
     with open(part, "w") as f:
         json.dump(result, f)
     os.replace(part, request["result"])
-    mark("child: result written")
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # no atexit hook or finalizer of the user's code runs after the report

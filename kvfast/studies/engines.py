@@ -141,14 +141,14 @@ def _model(engine: str, weights: str, cache: str, seed: int, bug: str):
     built = _built(seed, engine, weights)
     hf_dir = built / "hf"
     if engine == "ort":
-        from kvfast.bugs.engines import inject_ort_bug
+        from kvfast.bugs.engine_bugs import inject_ort_bug
         from kvfast.check.engines.ort import ORTModel
 
         variants = ("batch", "no-opt", "transformers")
         model = ORTModel(built / "onnx", variants=variants, hf_model=hf_dir)
         return inject_ort_bug(model, None if bug == "none" else bug)
     if engine == "llamacpp":
-        from kvfast.bugs.engines import inject_llamacpp_bug
+        from kvfast.bugs.engine_bugs import inject_llamacpp_bug
         from kvfast.check.engines.llamacpp import LlamaCppModel
 
         gguf = built / f"model-{weights}.gguf"

@@ -10,7 +10,7 @@ Cases (:class:`VLLMCase`): the tiny random Llama (:func:`~kvfast.testing.tiny_vl
 in vLLM, per dtype (``float32``, ``bfloat16``), per prompt (:data:`PROMPT_LENGTHS`: 40 tokens, where ``evict``
 first acts at step 25 and ``hitpos`` never acts on a resume; 70 tokens, where each first acts at step 0 or 1),
 per scenario (:data:`SCENARIOS`, how the cached path runs) and per bug of
-:data:`kvfast.bugs.engines.VLLM_BUGS` or none (a clean control):
+:data:`kvfast.bugs.engine_bugs.VLLM_BUGS` or none (a clean control):
 
 - ``decode``: one request: vLLM's prefill of the prompt, then its decode;
 - ``resume``: the prompt's first half, then a new request over the whole prompt that reads the first half's full
@@ -22,8 +22,9 @@ per scenario (:data:`SCENARIOS`, how the cached path runs) and per bug of
 
 **First acting step**, measured (:func:`acting_step`): the first step at which the case's cached rows differ from
 the clean engine's in the same scenario (greedy: up to that step both fed the same tokens). For ``decode`` and
-``resume`` it equals :func:`kvfast.bugs.engines.first_acting_step` (``tests/studies/test_vllm_score.py``). A bugged case
-whose bug does not act within its steps is left out of the scores (it is a clean run) and shown as not acting.
+``resume`` it equals :func:`kvfast.bugs.engine_bugs.first_acting_step` (``tests/studies/test_vllm_score.py``). A
+bugged case whose bug does not act within its steps is left out of the scores (it is a clean run) and shown as not
+acting.
 
 Detectors (:data:`DETECTORS`), each given the case's cached path:
 
@@ -59,7 +60,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from kvfast.bugs.engines import VLLM_BUGS, inject_vllm_bug
+from kvfast.bugs.engine_bugs import VLLM_BUGS, inject_vllm_bug
 from kvfast.bugs.score import ONE_STEP_ATOL, ONE_STEP_RTOL, Detection, markdown, run_detector, score_rows, side_by_side
 from kvfast.check.checker import check_cache
 from kvfast.check.engines.vllm import BLOCK, DTYPES, VLLMModel

@@ -18,7 +18,7 @@ from shared import ROOT
 
 from kvfast import ModelConfig, init_params
 from kvfast.check import KvfastModel, assert_cache_exact, check_cache
-from kvfast.check.report import UNCHECKED
+from kvfast.check.check_report import UNCHECKED
 from kvfast.check.scenarios import REGISTRY, Run, Scenario
 from kvfast.check.scenarios.base import decode_steps
 from kvfast.cli import main

@@ -17,8 +17,8 @@ pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip 
 pytest.importorskip("gguf", reason="gguf is not installed (pip install 'kvfast[llamacpp]')")
 torch = pytest.importorskip("torch")
 
-from kvfast.bugs.engines import ENGINE_WINDOW as LLAMACPP_WINDOW  # noqa: E402
-from kvfast.bugs.engines import inject_llamacpp_bug  # noqa: E402
+from kvfast.bugs.engine_bugs import ENGINE_WINDOW as LLAMACPP_WINDOW  # noqa: E402
+from kvfast.bugs.engine_bugs import inject_llamacpp_bug  # noqa: E402
 from kvfast.check import check_cache  # noqa: E402
 from kvfast.check.engines.llamacpp import LlamaCppModel  # noqa: E402
 from kvfast.testing import tiny_gguf_model  # noqa: E402

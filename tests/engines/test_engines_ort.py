@@ -24,8 +24,8 @@ else:
     pytest.importorskip("onnxruntime_genai")
     torch = pytest.importorskip("torch")
 
-from kvfast.bugs.engines import ENGINE_WINDOW as ORT_WINDOW  # noqa: E402
-from kvfast.bugs.engines import ORT_BUGS, inject_ort_bug  # noqa: E402
+from kvfast.bugs.engine_bugs import ENGINE_WINDOW as ORT_WINDOW  # noqa: E402
+from kvfast.bugs.engine_bugs import ORT_BUGS, inject_ort_bug  # noqa: E402
 from kvfast.check import check_cache  # noqa: E402
 from kvfast.check.engines.ort import DEFAULT_VARIANTS, ORTModel  # noqa: E402
 from kvfast.testing import tiny_ort_model  # noqa: E402

@@ -1,6 +1,6 @@
 """TransformerLens built in (kvfast.check.engines.transformer_lens): tiny random HookedTransformers (learned, rotary and
 ALiBi positions, built from configs: no download) checked through TransformerLens's own KV cache against its uncached
-forward; its catalogue bugs (kvfast.bugs.engines.TL_BUGS) found where they first act.
+forward; its catalogue bugs (kvfast.bugs.engine_bugs.TL_BUGS) found where they first act.
 
 Marked ``transformer_lens``: TransformerLens lives in its own venv (``python3 dev.py test-tl``, which CI runs with
 ``KVFAST_REQUIRE_TL=1``, so these cannot skip there); elsewhere they skip.
@@ -23,7 +23,7 @@ else:
     pytest.importorskip("transformer_lens")
 torch = pytest.importorskip("torch")
 
-from kvfast.bugs.engines import TL_BUGS, TL_WINDOW, inject_tl_bug  # noqa: E402
+from kvfast.bugs.engine_bugs import TL_BUGS, TL_WINDOW, inject_tl_bug  # noqa: E402
 from kvfast.check import check_cache  # noqa: E402
 from kvfast.check.engines.transformer_lens import NO_PADS, TLBridgeModel, TLModel, cache_class, engine_model  # noqa: E402
 from kvfast.testing import POSITIONALS, tiny_llama, tiny_tl_config, tiny_tl_model  # noqa: E402

@@ -1,7 +1,7 @@
 """vLLM built in (kvfast.check.engines.vllm): a tiny random Llama (hidden 128, 4 heads of 32 over 2 key-value heads:
 vLLM's CPU attention takes no smaller head) and a tiny hybrid model (Gemma-3 style: a sliding-window layer and a
 full-attention one) checked through vLLM's own cached path against vLLM's own prefill; the catalogue bugs
-(kvfast.bugs.engines), injected through the CPU attention metadata, found where they first act; vLLM 0.27's own
+(kvfast.bugs.engine_bugs), injected through the CPU attention metadata, found where they first act; vLLM 0.27's own
 decode bug on the hybrid model found at its first step where that release is installed.
 
 Marked ``vllm``: vLLM's CPU build needs its own venv (``python3 dev.py test-vllm``); elsewhere these skip. One
@@ -25,7 +25,7 @@ if os.environ.get("KVFAST_REQUIRE_VLLM") == "1":  # the vLLM CI job: run these, 
 else:
     pytest.importorskip("vllm")
 
-from kvfast.bugs.engines import VLLM_BUGS, first_acting_step, inject_vllm_bug  # noqa: E402
+from kvfast.bugs.engine_bugs import VLLM_BUGS, first_acting_step, inject_vllm_bug  # noqa: E402
 from kvfast.check import check_cache  # noqa: E402
 from kvfast.check.engines import vllm as adapter  # noqa: E402
 from kvfast.check.engines import vllm_patches  # noqa: E402
@@ -177,7 +177,7 @@ def test_the_supported_releases_are_checked_at_run_time():
 
 
 def test_every_hook_into_vllm_finds_its_place_in_this_release_and_a_moved_one_fails_loudly():
-    from kvfast.bugs.engines import VLLM_METADATA_HOOK
+    from kvfast.bugs.engine_bugs import VLLM_METADATA_HOOK
 
     for module, name, attr, written_for in [*vllm_patches.HOOKS.values(), VLLM_METADATA_HOOK]:
         assert written_for in adapter.RELEASES

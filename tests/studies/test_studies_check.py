@@ -6,7 +6,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
-from kvfast.check.report import PASSING
+from kvfast.check.check_report import PASSING
 from kvfast.cli import main
 from kvfast.studies.check import STUDY, check_study, kvfast_model
 from kvfast.sweep import grid_from_spec, load, load_grid, run_sweep

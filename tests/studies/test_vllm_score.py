@@ -68,7 +68,7 @@ def case(engines, bug, scenario="decode", prompt_len=40, steps=vs.STEPS):
     "bug, scenario, prompt_len", [("evict", "decode", 40), ("short", "resume", 70), ("hitpos", "resume", 70)]
 )
 def test_the_measured_first_acting_step_is_the_catalogues(engines, bug, scenario, prompt_len):
-    from kvfast.bugs.engines import first_acting_step
+    from kvfast.bugs.engine_bugs import first_acting_step
 
     acts, _ = vs.acting_step(case(engines, bug, scenario, prompt_len))
     assert acts == first_acting_step(bug, scenario, prompt_len) is not None

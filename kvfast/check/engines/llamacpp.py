@@ -27,7 +27,7 @@ What the adapter does:
   in float32 and says so.
 
 Cache bugs for kvfast's tests and scoring are injected into the cached path by subclassing this adapter
-(:data:`kvfast.bugs.engines.LLAMACPP_BUGS`, over the hooks :meth:`LlamaCppModel._crop_keep` and ``decode``).
+(:data:`kvfast.bugs.engine_bugs.LLAMACPP_BUGS`, over the hooks :meth:`LlamaCppModel._crop_keep` and ``decode``).
 """
 
 from __future__ import annotations

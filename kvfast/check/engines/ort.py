@@ -46,7 +46,7 @@ What the adapter does:
   build's own format, and the report says so.
 
 Cache bugs for kvfast's tests and scoring are injected into the cached path by subclassing this adapter
-(:data:`kvfast.bugs.engines.ORT_BUGS`, over the hooks :meth:`ORTModel._crop_keep` and ``decode``).
+(:data:`kvfast.bugs.engine_bugs.ORT_BUGS`, over the hooks :meth:`ORTModel._crop_keep` and ``decode``).
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ own manual KV-cache entry point: ``prefill`` is ``bridge(tokens, return_type="lo
 ``decode`` hand the returned transformers cache back (``past_key_values=cache``), the recompute is ``bridge(tokens)``;
 the same ``"rows"`` variant, internal formats and promotion.
 
-Bugs for kvfast's tests are injected by subclassing these adapters (:data:`kvfast.bugs.engines.TL_BUGS`, over
+Bugs for kvfast's tests are injected by subclassing these adapters (:data:`kvfast.bugs.engine_bugs.TL_BUGS`, over
 ``decode``, ``extend`` and the cache itself: :attr:`TLModel.cache`).
 """
 
@@ -184,9 +184,79 @@ def _one_row_products():
     return OneRowProducts()
 
 
-class TLModel:
+class _TLAdapter:
+    """What both TransformerLens adapters share: the protocol's calls over the class's own cache (``_cached``:
+    one cached forward of tokens on :attr:`cache`, ``_new_cache``: a fresh one), the ``"rows"`` variant, the
+    internal formats and the promotion."""
+
+    def __init__(self, model, variants, vocab_size: int, max_positions: int) -> None:
+        for name in variants:
+            require_choice(name, "variants", VARIANTS)
+        self.model = model.eval()
+        self.variants = tuple(variants)
+        self.vocab_size = int(vocab_size)
+        self.max_positions = int(max_positions)
+        self.cache = None
+        self.tokens: list[int] = []
+
+    def recompute(self, tokens):
+        """Logits ``(T, V)`` of ``tokens`` with no cache."""
+        return self._forward(tokens)
+
+    def prefill(self, tokens):
+        """A fresh cache, then ``tokens`` over it: logits ``(T, V)``."""
+        self.cache = self._new_cache()
+        self.tokens = [int(t) for t in np.asarray(tokens).reshape(-1)]
+        return self._cached(tokens)
+
+    def extend(self, tokens):
+        """``tokens`` on top of the cache: logits ``(n, V)``."""
+        self._require()
+        self.tokens += [int(t) for t in np.asarray(tokens).reshape(-1)]
+        return self._cached(tokens)
+
+    def decode(self, token):
+        """One token on top of the cache: logits ``(V,)``."""
+        self._require()
+        token = require_int(token, "token", 0, self.vocab_size - 1)
+        self.tokens.append(token)
+        return self._cached([token])[0]
+
+    def _require(self) -> None:
+        if not self.tokens:
+            raise ValueError("cache: empty; allowed: call prefill(tokens) first")
+
+    #: where :attr:`internal_formats` comes from (the protocol's optional attribute)
+    internal_formats_source = "measured"
+
+    @functools.cached_property
+    def internal_formats(self) -> dict[str, str]:
+        """``{what: format}`` of the order-sensitive ops of a recompute of 4 tokens (measured once)."""
+        from kvfast.check.hf import measure_internal_formats
+
+        return measure_internal_formats(self.model, np.arange(4) % self.vocab_size, run=self._forward)
+
+    def recompute_variants(self, tokens) -> dict:
+        """The recompute of ``tokens`` in another order of additions (:data:`VARIANTS`; the module doc)."""
+        out = {}
+        if "rows" in self.variants:
+            with _one_row_products():
+                out["rows"] = self._forward(tokens)
+        return out
+
+    def promote(self, dtype: str = "float64"):
+        """The same adapter (an injected bug included: the same class) over a deep copy of the model in ``dtype``
+        (the model under test is not changed)."""
+        require_choice(dtype, "dtype", ("float64",))
+        promoted = copy.deepcopy(self.model)
+        promoted.to(getattr(_torch(), dtype), print_details=False)
+        return type(self)(promoted, variants=self.variants)
+
+
+class TLModel(_TLAdapter):
     """A TransformerLens ``HookedTransformer`` behind the check protocol, through its own KV cache (see the module
-    doc).
+    doc): ``prefill``, ``extend`` and ``decode`` are ``model(tokens, past_kv_cache=cache)`` over a fresh
+    TransformerLens cache, ``recompute`` is ``model(tokens)``.
 
     - ``path``: a ``HookedTransformer`` (checked as it is: its tokenizer and ALiBi buffers are set aside only
       during kvfast's calls), or a JSON file of ``HookedTransformerConfig`` fields (:func:`model_from_config`,
@@ -202,21 +272,11 @@ class TLModel:
             model = model_from_config(path, seed, weights)
         if not is_hooked_transformer(model):
             raise not_allowed("path", type(model).__name__, MODEL)
-        for name in variants:
-            require_choice(name, "variants", VARIANTS)
-        self.model = model.eval()
-        self.variants = tuple(variants)
-        cfg = model.cfg
-        self.vocab_size = int(cfg.d_vocab_out)
-        self.max_positions = int(cfg.n_ctx)
-        self.cache = None
-        self.tokens: list[int] = []
+        super().__init__(model, variants, model.cfg.d_vocab_out, model.cfg.n_ctx)
 
     def __repr__(self) -> str:
         cfg = self.model.cfg
         return f"TLModel({cfg.positional_embedding_type}, {str(cfg.dtype).removeprefix('torch.')})"
-
-    # --- one forward, as every call of kvfast's runs it -------------------------------------------------------
 
     def _forward(self, tokens, cache=None):
         """``model(tokens, past_kv_cache=cache)``'s logits ``(n, V)``: under ``no_grad``, with :data:`NO_PADS` as
@@ -233,6 +293,9 @@ class TLModel:
             model.tokenizer = saved
         return logits[0]
 
+    def _cached(self, tokens):
+        return self._forward(tokens, self.cache)
+
     def _reset_alibi(self) -> None:
         """Every attention layer's ALiBi bias matrix dropped: the call rebuilds it for its own length (the module
         doc)."""
@@ -243,70 +306,16 @@ class TLModel:
     def _new_cache(self):
         return cache_class().init_cache(self.model.cfg, self.model.cfg.device, 1)
 
-    # --- the protocol ----------------------------------------------------------------------------------------
-
-    def recompute(self, tokens):
-        """``model(tokens)``: logits ``(T, V)`` with no cache."""
-        return self._forward(tokens)
-
-    def prefill(self, tokens):
-        """A fresh TransformerLens cache, then ``model(tokens, past_kv_cache=cache)``: logits ``(T, V)``."""
-        self.cache = self._new_cache()
-        self.tokens = [int(t) for t in np.asarray(tokens).reshape(-1)]
-        return self._forward(tokens, self.cache)
-
-    def extend(self, tokens):
-        """``model(tokens, past_kv_cache=cache)`` on top of the cache: logits ``(n, V)``."""
-        self._require()
-        self.tokens += [int(t) for t in np.asarray(tokens).reshape(-1)]
-        return self._forward(tokens, self.cache)
-
-    def decode(self, token):
-        """``model([token], past_kv_cache=cache)``: logits ``(V,)``."""
-        self._require()
-        token = require_int(token, "token", 0, self.vocab_size - 1)
-        self.tokens.append(token)
-        return self._forward([token], self.cache)[0]
-
     @property
     def length(self) -> int:
         """The positions the cache under test holds."""
         return 0 if self.cache is None else int(self.cache.entries[0].past_keys.shape[1])
 
-    #: where :attr:`internal_formats` comes from (the protocol's optional attribute)
-    internal_formats_source = "measured"
 
-    @functools.cached_property
-    def internal_formats(self) -> dict[str, str]:
-        """``{what: format}`` of the order-sensitive ops of a recompute of 4 tokens (measured once)."""
-        from kvfast.check.hf import measure_internal_formats
-
-        return measure_internal_formats(self.model, np.arange(4) % self.vocab_size, run=self._forward)
-
-    def _require(self) -> None:
-        if self.cache is None:
-            raise ValueError("cache: empty; allowed: call prefill(tokens) first")
-
-    def recompute_variants(self, tokens) -> dict:
-        """The recompute of ``tokens`` in another order of additions (:data:`VARIANTS`; the module doc)."""
-        out = {}
-        if "rows" in self.variants:
-            with _one_row_products():
-                out["rows"] = self._forward(tokens)
-        return out
-
-    def promote(self, dtype: str = "float64") -> TLModel:
-        """The same adapter (an injected bug included: the same class) over a deep copy of the model in ``dtype``
-        (the model under test is not changed)."""
-        require_choice(dtype, "dtype", ("float64",))
-        promoted = copy.deepcopy(self.model)
-        promoted.to(getattr(_torch(), dtype), print_details=False)
-        return type(self)(promoted, variants=self.variants)
-
-
-class TLBridgeModel:
+class TLBridgeModel(_TLAdapter):
     """A TransformerLens ``TransformerBridge`` behind the check protocol, through the transformers cache it hands
-    back (see the module doc).
+    back (see the module doc): ``prefill`` is ``bridge(tokens, return_type="logits_and_cache")``, ``extend`` and
+    ``decode`` pass the cache back (``past_key_values=cache``), ``recompute`` is ``bridge(tokens)``.
 
     - ``path``: a ``TransformerBridge``, or a transformers model directory with its tokenizer
       (``TransformerBridge.boot_transformers(path)``).
@@ -323,78 +332,35 @@ class TLBridgeModel:
             bridge = TransformerBridge.boot_transformers(str(path))
         if not is_transformer_bridge(bridge):
             raise not_allowed("path", type(bridge).__name__, BRIDGE)
-        for name in variants:
-            require_choice(name, "variants", VARIANTS)
-        self.model = bridge.eval()
-        self.variants = tuple(variants)
-        self.vocab_size = int(bridge.cfg.d_vocab)
-        self.max_positions = int(bridge.cfg.n_ctx)
-        self.cache = None
-        self.tokens: list[int] = []
+        super().__init__(bridge, variants, bridge.cfg.d_vocab, bridge.cfg.n_ctx)
 
     def __repr__(self) -> str:
         dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
         return f"TLBridgeModel({type(self.model.original_model).__name__}, {dtype})"
 
-    def _forward(self, tokens, cache=None, cached: bool = False):
-        """``bridge(tokens)``'s logits ``(n, V)``; ``cached``: ``(logits, cache)`` of ``return_type="logits_and_cache"``
-        over ``cache`` (``None``: a fresh one)."""
-        torch, bridge = _torch(), self.model
-        ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64).reshape(1, -1), device=bridge.cfg.device)
-        with torch.no_grad():
-            if not cached:
-                return bridge(ids)[0]
-            past = {} if cache is None else {"past_key_values": cache}
-            logits, cache = bridge(ids, return_type="logits_and_cache", **past)
-        return logits[0], cache
+    def _ids(self, tokens):
+        return _torch().as_tensor(np.asarray(tokens, dtype=np.int64).reshape(1, -1), device=self.model.cfg.device)
+
+    def _forward(self, tokens):
+        """``bridge(tokens)``'s logits ``(n, V)``."""
+        with _torch().no_grad():
+            return self.model(self._ids(tokens))[0]
+
+    def _cached(self, tokens):
+        """``bridge(tokens, return_type="logits_and_cache")`` over :attr:`cache` (``None``: a fresh one); the cache
+        it returns kept."""
+        past = {} if self.cache is None else {"past_key_values": self.cache}
+        with _torch().no_grad():
+            logits, self.cache = self.model(self._ids(tokens), return_type="logits_and_cache", **past)
+        return logits[0]
 
     def _new_cache(self):
         return None  # the bridge's transformers model makes a fresh cache
-
-    def recompute(self, tokens):
-        """``bridge(tokens)``: logits ``(T, V)`` with no cache."""
-        return self._forward(tokens)
-
-    def prefill(self, tokens):
-        """``bridge(tokens, return_type="logits_and_cache")``: logits ``(T, V)``; the cache it returns kept."""
-        self.tokens = [int(t) for t in np.asarray(tokens).reshape(-1)]
-        logits, self.cache = self._forward(tokens, self._new_cache(), cached=True)
-        return logits
-
-    def extend(self, tokens):
-        """``bridge(tokens, past_key_values=cache, return_type="logits_and_cache")``: logits ``(n, V)``."""
-        self._require()
-        self.tokens += [int(t) for t in np.asarray(tokens).reshape(-1)]
-        logits, self.cache = self._forward(tokens, self.cache, cached=True)
-        return logits
-
-    def decode(self, token):
-        """``bridge([token], past_key_values=cache, return_type="logits_and_cache")``: logits ``(V,)``."""
-        self._require()
-        token = require_int(token, "token", 0, self.vocab_size - 1)
-        self.tokens.append(token)
-        logits, self.cache = self._forward([token], self.cache, cached=True)
-        return logits[0]
 
     @property
     def length(self) -> int:
         """The positions the cache under test holds (what the transformers cache says it holds)."""
         return 0 if self.cache is None else int(self.cache.get_seq_length())
-
-    def _require(self) -> None:
-        if not self.tokens:
-            raise ValueError("cache: empty; allowed: call prefill(tokens) first")
-
-    recompute_variants = TLModel.recompute_variants
-    internal_formats = TLModel.internal_formats
-    internal_formats_source = TLModel.internal_formats_source
-
-    def promote(self, dtype: str = "float64") -> TLBridgeModel:
-        """The same adapter (an injected bug included) over a deep copy of the bridge in ``dtype``."""
-        require_choice(dtype, "dtype", ("float64",))
-        promoted = copy.deepcopy(self.model)
-        promoted.to(getattr(_torch(), dtype), print_details=False)
-        return type(self)(promoted, variants=self.variants)
 
 
 def _hooked_transformer(cfg):
