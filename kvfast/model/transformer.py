@@ -263,7 +263,7 @@ def _forward_compiled(
     logits = np.empty((T, config.vocab))
     forward_kernel(
         kernels(fmt.acc, attn, model_size_class(config, fmt.acc)), tuple(w.stacked), config.n_head, config.eps,
-        tuple(fmt), attn, attn_block, tokens, pos0, kc, vc, causal, logits, resid,
+        tuple(fmt), attn, attn_block, tokens, np.array([T]), pos0, kc, vc, causal, logits, resid,
     )  # fmt: skip
     if trace is not None:
         trace["resid"] = list(resid)
@@ -272,6 +272,27 @@ def _forward_compiled(
     if cache is not None:
         cache.advance(T, prefill=True)
     return logits
+
+
+def recompute_prefixes_prepared(
+    config: ModelConfig, w: Weights, tokens: np.ndarray, lengths: list[int], numerics: Numerics
+) -> list[np.ndarray]:
+    """The forwards of ``tokens[:n]`` from position 0, no cache, for each ``n`` of ``lengths`` (each at most
+    ``len(tokens)``), in one compiled call: element ``i`` is ``forward_prepared(config, w, tokens[:lengths[i]],
+    numerics)``, bit for bit (:func:`kvfast.model.compiled.forward_kernel`). Prepared weights and checked
+    arguments, as :func:`forward_prepared`."""
+    fmt = numerics.codes
+    attn, attn_block = numerics.attention_codes
+    n_max, d, n_layer = max(lengths), config.d_model, config.n_layer
+    kc, vc = np.empty((n_layer, n_max, d)), np.empty((n_layer, n_max, d))  # each prefix stores its own rows
+    logits = np.empty((sum(lengths), config.vocab))
+    forward_kernel(
+        kernels(fmt.acc, attn, model_size_class(config, fmt.acc)), tuple(w.stacked), config.n_head, config.eps,
+        tuple(fmt), attn, attn_block, tokens, np.array(lengths, dtype=np.int64), 0, kc, vc, True, logits,
+        np.empty((0, 0, 0)),
+    )  # fmt: skip
+    ends = np.cumsum(lengths)
+    return [logits[end - n : end] for n, end in zip(lengths, ends.tolist(), strict=True)]
 
 
 def forward(
