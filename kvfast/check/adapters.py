@@ -10,7 +10,7 @@ import numpy as np
 from kvfast.model import bugs as B
 from kvfast.model.cache import KVCache
 from kvfast.model.config import ModelConfig
-from kvfast.model.decode import decode_greedy_prepared, decode_prepared
+from kvfast.model.generation import decode_greedy_prepared, decode_prepared
 from kvfast.model.transformer import Weights, forward_prepared, recompute_prefixes_prepared
 from kvfast.model.validate import require_config, require_numerics, require_token, require_tokens
 from kvfast.numerics import Numerics

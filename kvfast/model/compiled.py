@@ -7,7 +7,7 @@ forward's K/V store and attention between its halves, so every bit is the
 same; it saves one trip through Python per kernel per layer.
 
 **One entry for every format.** The storage and accumulator formats reach the
-forward and the decode (:func:`kvfast.model.decode.decode_kernel`) as run-time
+forward and the decode (:func:`kvfast.model.generation.decode_kernel`) as run-time
 integers (:class:`~kvfast.kernels.precision.Formats`), as they reach the layer
 functions called from Python, so one compiled forward and one decode serve every
 format a process runs, and the kernels below them (the product bodies, attention,

@@ -11,7 +11,7 @@ The block around attention and the head are written once, in
 :mod:`kvfast.model.block`, for both forwards here and the decode.
 
 Each public function (:func:`forward`, :func:`loss_and_grads`, and in
-:mod:`kvfast.model.decode` ``decode_step`` and ``generate``) validates its
+:mod:`kvfast.model.generation` ``decode_step`` and ``generate``) validates its
 arguments, rounds the weights once (:class:`Weights`) and calls its
 ``*_prepared`` twin (:func:`forward_prepared`, :func:`loss_and_grads_prepared`,
 ``decode_prepared``, ``generate_prepared``). A twin takes prepared weights and
