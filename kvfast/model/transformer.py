@@ -283,16 +283,18 @@ def recompute_prefixes_prepared(
     arguments, as :func:`forward_prepared`."""
     fmt = numerics.codes
     attn, attn_block = numerics.attention_codes
-    n_max, d, n_layer = max(lengths), config.d_model, config.n_layer
-    kc, vc = np.empty((n_layer, n_max, d)), np.empty((n_layer, n_max, d))  # each prefix stores its own rows
+    shape = (config.n_layer, max(lengths), config.d_model)
+    kc, vc = np.empty(shape), np.empty(shape)  # each prefix stores its own rows, from row 0
     logits = np.empty((sum(lengths), config.vocab))
     forward_kernel(
         kernels(fmt.acc, attn, model_size_class(config, fmt.acc)), tuple(w.stacked), config.n_head, config.eps,
-        tuple(fmt), attn, attn_block, tokens, np.array(lengths, dtype=np.int64), 0, kc, vc, True, logits,
-        np.empty((0, 0, 0)),
+        tuple(fmt), attn, attn_block, tokens, np.array(lengths), 0, kc, vc, True, logits, np.empty((0, 0, 0)),
     )  # fmt: skip
-    ends = np.cumsum(lengths)
-    return [logits[end - n : end] for n, end in zip(lengths, ends.tolist(), strict=True)]
+    rows, first = [], 0
+    for n in lengths:
+        rows.append(logits[first : first + n])
+        first += n
+    return rows
 
 
 def forward(
