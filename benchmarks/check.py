@@ -45,7 +45,7 @@ import numpy as np
 
 from kvfast import ModelConfig, Numerics, init_params
 from kvfast.check import KvfastModel, check_cache
-from kvfast.model.decode import generate_prepared
+from kvfast.model.generation import generate_prepared
 from kvfast.model.transformer import Weights
 
 PROMPT_LEN = 16

@@ -286,8 +286,9 @@ def fresh_state() -> None:
 
 def model_calls(config: dict) -> None:
     """The calls one run's check makes to kvfast's model, without the checker: the recompute of the prompt,
-    the prefill, the greedy decode steps (``decode_greedy``), the recompute of the final sequence and of the
-    prefix the append-invariance check takes (the study's model, prompt and numerics; nothing compared)."""
+    the prefill, the greedy decode steps (``decode_greedy``), the recomputes of the final sequence and of the
+    prefix the append-invariance check takes (one ``recompute_prefixes``; the study's model, prompt and
+    numerics; nothing compared)."""
     from kvfast.check import KvfastModel
     from kvfast.check.control import prefix_length
     from kvfast.numerics import Numerics
@@ -301,10 +302,8 @@ def model_calls(config: dict) -> None:
     first = int(model.prefill(prompt)[-1].argmax())
     rows = model.decode_greedy(first, steps)
     final = np.concatenate([prompt, [first], rows[:-1].argmax(axis=1)])
-    model.recompute(final)
     q = prefix_length(T + max(1, steps // 4))
-    if q < final.shape[0]:
-        model.recompute(final[:q])
+    model.recompute_prefixes(final, [final.shape[0], q] if q < final.shape[0] else [final.shape[0]])
 
 
 def time_study_models(configs: list[dict]) -> tuple[Clock, Clock]:

@@ -323,7 +323,7 @@ def bench_growth(repeats: int) -> dict:
     internal entry points); prints the times and the fitted exponents."""
     from kvfast import ModelConfig, Numerics, init_params
     from kvfast.model.cache import KVCache
-    from kvfast.model.decode import decode_prepared
+    from kvfast.model.generation import decode_prepared
     from kvfast.model.transformer import Weights, forward_prepared
 
     config = ModelConfig(**dict(DECODE_CONFIG, max_pos=max(GROWTH_LENGTHS) + 1))
@@ -367,7 +367,7 @@ def bench_decode(repeats: int) -> list[dict]:
     and through the public function, and the forward layer by layer from Python; prints a table."""
     from kvfast import ModelConfig, Numerics, decode_step, forward, init_params
     from kvfast.model.cache import KVCache
-    from kvfast.model.decode import decode_prepared
+    from kvfast.model.generation import decode_prepared
     from kvfast.model.transformer import Weights, forward_layers, forward_prepared
 
     config = ModelConfig(**DECODE_CONFIG)

@@ -80,3 +80,25 @@ steps = 6
 bug = ["none", "posoff", "freeze"]
 """,
 }
+
+
+def same_report(a, b) -> bool:
+    """Whether two check reports say the same, bit for bit: the same text, and per scenario the same deviations,
+    tokens, logits kept, bounds and step verdicts."""
+    import numpy as np
+
+    if a.format() != b.format() or a.scenarios.keys() != b.scenarios.keys():
+        return False
+    for name, s in a.scenarios.items():
+        t = b.scenarios[name]
+        if (s.bounds is None) != (t.bounds is None):
+            return False
+        pairs = [(getattr(s, f), getattr(t, f)) for f in ("deviation", "tokens", "cache_logits", "reference")]
+        if s.bounds is not None:
+            pairs += [(s.bounds.ratio, t.bounds.ratio), (s.bounds.bound, t.bounds.bound)]
+        for x, y in pairs:
+            if (x is None) != (y is None) or (x is not None and np.asarray(x).tobytes() != np.asarray(y).tobytes()):
+                return False
+        if s.step_verdicts != t.step_verdicts:
+            return False
+    return True

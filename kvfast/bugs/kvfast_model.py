@@ -1,6 +1,6 @@
 """kvfast's own model's eight bugs (:data:`kvfast.model.bugs.BUGS`) as catalogue entries.
 
-Each is one changed line of the model's decode kernel (:mod:`kvfast.model.decode`), selected by name
+Each is one changed line of the model's decode kernel (:mod:`kvfast.model.generation`), selected by name
 (``KvfastModel(..., bug=NAME)``); this module gives them the catalogue's shape (:class:`~kvfast.bugs.bug.Bug`):
 where each first acts in the ``decode`` scenario (a prompt then greedy decode steps) and how it is injected.
 The model's own tables (:data:`BUGS`: descriptions, :data:`VISIBLE_AT_STEP_1`, :data:`EVICT_WINDOW`) are

@@ -10,8 +10,8 @@ import numpy as np
 from kvfast.model import bugs as B
 from kvfast.model.cache import KVCache
 from kvfast.model.config import ModelConfig
-from kvfast.model.decode import decode_greedy_prepared, decode_prepared
-from kvfast.model.transformer import Weights, forward_prepared
+from kvfast.model.generation import decode_greedy_prepared, decode_prepared
+from kvfast.model.transformer import Weights, forward_prepared, recompute_prefixes_prepared
 from kvfast.model.validate import require_config, require_numerics, require_token, require_tokens
 from kvfast.numerics import Numerics
 from kvfast.validation import require_int
@@ -20,7 +20,8 @@ from kvfast.validation import require_int
 class KvfastModel:
     """kvfast's tiny transformer behind the check protocol (:mod:`kvfast.check.protocol`).
 
-    - ``recompute``: :func:`kvfast.forward` without a cache, in ``numerics``.
+    - ``recompute``: :func:`kvfast.forward` without a cache, in ``numerics``; ``recompute_prefixes``: several
+      prefixes of one sequence recomputed in one compiled call.
     - ``prefill``: a fresh :class:`~kvfast.KVCache`, filled by the batched forward.
     - ``extend``: the batched forward continuing the cache (positions from its length).
     - ``decode``: the compiled decode kernel, in ``decode_numerics`` (default:
@@ -72,6 +73,18 @@ class KvfastModel:
         """Logits (T, V) of a full forward of ``tokens`` from position 0, no cache."""
         tokens = require_tokens(self.config, tokens)
         return forward_prepared(self.config, self.weights, tokens, self.numerics)
+
+    def recompute_prefixes(self, tokens, lengths) -> list[np.ndarray]:
+        """:meth:`recompute` of ``tokens[:n]`` for each ``n`` of ``lengths``, in one compiled call, bit for bit what
+        :meth:`recompute` returns for each (:mod:`kvfast.check.protocol`). Declines with ``NotImplementedError``
+        where :meth:`recompute` is not this class's own (a model that overrides it is recomputed through it)."""
+        if type(self).recompute is not KvfastModel.recompute or "recompute" in vars(self):
+            raise NotImplementedError("recompute() is overridden: each prefix goes through it")
+        tokens = require_tokens(self.config, tokens)
+        lengths = [require_int(n, "lengths", 1, tokens.shape[0]) for n in lengths]
+        if not lengths:
+            raise ValueError("lengths: [] is not allowed; allowed: one length or more")
+        return recompute_prefixes_prepared(self.config, self.weights, tokens, lengths, self.numerics)
 
     def recompute_variants(self, tokens) -> dict[str, np.ndarray]:
         """The recompute in the decode numerics, when they differ from the prefill's (see the class)."""

@@ -194,10 +194,17 @@ def _joined(report: CheckReport, promoted: CheckReport | None, notes: list[str],
     verdict = deciding(native, promoted)
     if length is not None and report.ran:
         native = verdict = LENGTH_DEPENDENT
+    if promoted is None and not notes and length is None and verdict == report.verdict and report.native is None:
+        return _strict(report, options)  # nothing to join (a check without a logic check, as the sweeps' are)
     report = replace(
         report, verdict=verdict, notes=report.notes + tuple(notes), promoted=promoted, length_dependence=length,
         native=None if native == verdict else native,
     )  # fmt: skip
+    return _strict(report, options)
+
+
+def _strict(report: CheckReport, options: CheckOptions) -> CheckReport:
+    """``report``, ``unchecked`` with ``strict`` where it passes on part of what was asked."""
     if options.strict and report.skipped and report.passed:  # strict: a pass on part of what was asked is none
         report = replace(report, verdict=UNCHECKED)  # (a failure stays the failure it found)
     return report
@@ -235,7 +242,7 @@ def judge_parts(
             reports[name] = parts
             continue
         main, *branches = parts
-        reports[main.name] = judge.judge(replace(main, noise=noise), fmt)
+        reports[main.name] = judge.judge(main if main.noise is noise else replace(main, noise=noise), fmt)
         for part in branches:
             branch_noise = _pooled_noise_for(noise, main.rows, part.rows)
             if branch_noise is not None:

@@ -21,6 +21,12 @@ A model under test is any object with these methods (tokens are passed as a
     the rows it gets, so a hook that feeds others shows as a divergence). It may
     decline with ``NotImplementedError`` before it decodes anything (the cache
     as it was): the checker then calls ``decode`` step by step.
+``recompute_prefixes(tokens, lengths) -> [logits (n, V) for n in lengths]`` (optional, a shortcut)
+    The recomputes of several prefixes of ``tokens`` in one call: element ``i`` is
+    what ``recompute(tokens[:lengths[i]])`` returns (each length at most
+    ``len(tokens)``). The checker asks for it where it recomputes a sequence and a
+    prefix of it (the append-invariance check). It may decline with
+    ``NotImplementedError``: the checker then calls ``recompute`` once per prefix.
 ``recompute_variants(tokens) -> {name: logits (T, V)}`` (optional, control mode)
     Full recomputes of ``tokens`` that differ from ``recompute`` ONLY in how they
     add up (another batching, another kernel's summation order); never through
@@ -101,8 +107,8 @@ from kvfast.validation import require_int
 
 REQUIRED = ("recompute", "prefill", "decode")
 OPTIONAL = (
-    "extend", "decode_greedy", "recompute_variants", "promote", "crop", "snapshot", "restore", "lossless",
-    "prefill_beams", "decode_beams", "reorder", "prefill_padded", "decode_padded", "prepare_check",
+    "extend", "decode_greedy", "recompute_prefixes", "recompute_variants", "promote", "crop", "snapshot", "restore",
+    "lossless", "prefill_beams", "decode_beams", "reorder", "prefill_padded", "decode_padded", "prepare_check",
 )  # fmt: skip
 PROTOCOL_METHODS = frozenset(REQUIRED + OPTIONAL)
 PROTOCOL = "an object with recompute(tokens), prefill(tokens), decode(token) and optionally extend(tokens)"
@@ -425,6 +431,27 @@ class ModelCalls:
         n = tokens.shape[0]
         raw = self.model.recompute(tokens.copy())
         return check_logits(raw, "recompute", n, self.vocab, f"of the first {n} tokens" if where is None else where)
+
+    def recompute_prefixes(self, tokens: np.ndarray, lengths: tuple[int, ...], wheres: tuple[str, ...]) -> list:
+        """``recompute(tokens[:n])`` for each ``n`` of ``lengths`` (``wheres``: each one's ``where``), in one call
+        where the model has ``recompute_prefixes`` and takes it, else one :meth:`recompute` each."""
+        if self.has("recompute_prefixes"):
+            try:
+                raw = self.model.recompute_prefixes(tokens.copy(), list(lengths))
+            except ModelUnderTestError as exc:
+                if not isinstance(exc.error, NotImplementedError):
+                    raise
+            else:
+                if not isinstance(raw, list | tuple) or len(raw) != len(lengths):
+                    raise ValueError(
+                        f"model.recompute_prefixes: returned {type(raw).__name__}; allowed: a list of "
+                        f"{len(lengths)} logits arrays, one per length"
+                    )
+                return [
+                    check_logits(r, "recompute_prefixes", n, self.vocab, where)
+                    for r, n, where in zip(raw, lengths, wheres, strict=True)
+                ]
+        return [self.recompute(tokens[:n], where) for n, where in zip(lengths, wheres, strict=True)]
 
     def recompute_with_format(self, tokens: np.ndarray, where: str | None = None) -> tuple[np.ndarray, str]:
         """``recompute(tokens)`` and the format its logits came in (:func:`kvfast.check.protocol.logits_format`)."""

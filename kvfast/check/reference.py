@@ -51,23 +51,34 @@ def per_step_rows(
             tokens[p - T + 1] = int(np.argmax(rows[p]))
 
 
+def recompute_whole(calls: ModelCalls, final: np.ndarray, T: int, steps: int) -> tuple[np.ndarray, dict]:  # noqa: N803
+    """``recompute(final)`` and the prefix recompute :func:`invariance` checks (``{q: rows}``, ``q`` the prompt's
+    ``T`` and a quarter of the ``steps``, odd: :func:`kvfast.check.control.prefix_length`; none where ``q`` reaches
+    the end), in one call where the model has ``recompute_prefixes``."""
+    n = final.shape[0]
+    q = C.prefix_length(T + max(1, steps // 4))
+    if q >= n:
+        return calls.recompute(final, "of the whole sequence"), {}
+    full, part = calls.recompute_prefixes(final, (n, q), ("of the whole sequence", f"of the first {q} tokens"))
+    return full, {q: part}
+
+
 def invariance(
-    calls: ModelCalls, final: np.ndarray, full: np.ndarray, ref0: np.ndarray, steps: int
+    full: np.ndarray, ref0: np.ndarray, prefixes: dict[int, np.ndarray]
 ) -> tuple[str | None, dict[int, np.ndarray]]:
-    """``(None, parts)`` if the recompute is append-invariant at the checked prefixes, else ``(why, parts)``;
-    ``parts`` maps each prefix length checked to its recompute's rows. ``None`` means every part equals
-    (``==``) the same rows of ``full``: no length dependence there either (:func:`length_dependence` of such
-    parts is ``None``, so the callers skip it)."""
+    """``(None, parts)`` if the recompute is append-invariant at the checked prefixes, else ``(why, parts)``:
+    ``ref0`` (the prompt's recompute) and ``prefixes`` (:func:`recompute_whole`'s) against the same rows of
+    ``full``, the whole sequence's; ``parts`` maps each prefix length checked to its recompute's rows. ``None``
+    means every part equals (``==``) the same rows of ``full``: no length dependence there either
+    (:func:`length_dependence` of such parts is ``None``, so the callers skip it)."""
     T = ref0.shape[0]
-    parts = {T: ref0}
+    parts = {T: ref0, **prefixes}
     why = None
     if not _equal(ref0, full[:T]):
         why = f"recompute(prompt) differs from the first {T} rows of recompute(whole sequence) by {_where(ref0, full)}"
-    q = C.prefix_length(T + max(1, steps // 4))  # odd: see kvfast.check.control.prefix_length
-    if q < final.shape[0]:
-        parts[q] = calls.recompute(final[:q])
-        if why is None and not _equal(parts[q], full[:q]):
-            where = _where(parts[q], full)
+    for q, part in prefixes.items():
+        if why is None and not _equal(part, full[:q]):
+            where = _where(part, full)
             why = f"recompute(first {q} tokens) differs from the same rows of recompute(whole sequence) by {where}"
     return why, parts
 
@@ -322,8 +333,8 @@ class SharedReference(Reference):
             own = False
             spec = Decode().run(s.calls, s.prompt, s.split, steps, choose)
         final = np.concatenate([s.prompt, spec.fed])
-        full = s.calls.recompute(final, "of the whole sequence")
-        why, parts = invariance(s.calls, final, full, self.rows[:T], steps)
+        full, prefixes = recompute_whole(s.calls, final, T, steps)
+        why, parts = invariance(full, self.rows[:T], prefixes)
         self.length = None if why is None else length_dependence(parts, full, self.formats)
         if why is not None and not self.noisy:
             self.notes.append(f"recompute is not append-invariant ({why}); used one recompute per step")
@@ -426,8 +437,8 @@ class OwnReference(Reference):
         final = np.concatenate([s.prompt, run.fed])
         why = "fast=False"
         if s.options.fast:
-            rows = s.calls.recompute(final, "of the whole sequence")
-            why, parts = invariance(s.calls, final, rows, self.prompt_rows, steps)
+            rows, prefixes = recompute_whole(s.calls, final, T, steps)
+            why, parts = invariance(rows, self.prompt_rows, prefixes)
             if why is not None:
                 self.length = self.length or length_dependence(parts, rows, self.formats)
             if why is not None:

@@ -10,7 +10,7 @@ The compiled forward (:func:`kvfast.model.compiled.forward_kernel`), the
 layer-by-layer forward that keeps the tape
 (:func:`kvfast.model.transformer.forward_layers`, through
 :mod:`kvfast.model.layers`) and the fused decode
-(:func:`kvfast.model.decode.decode_kernel`) all call these three functions, so
+(:func:`kvfast.model.generation.decode_kernel`) all call these three functions, so
 a decode step runs the very code of a forward row, on (1, d) arrays. What
 stays with each caller is the store of K/V and the attention call between the
 two halves: the forward stores rows ``pos0 ..`` and attends every row

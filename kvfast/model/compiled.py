@@ -7,7 +7,7 @@ forward's K/V store and attention between its halves, so every bit is the
 same; it saves one trip through Python per kernel per layer.
 
 **One entry for every format.** The storage and accumulator formats reach the
-forward and the decode (:func:`kvfast.model.decode.decode_kernel`) as run-time
+forward and the decode (:func:`kvfast.model.generation.decode_kernel`) as run-time
 integers (:class:`~kvfast.kernels.precision.Formats`), as they reach the layer
 functions called from Python, so one compiled forward and one decode serve every
 format a process runs, and the kernels below them (the product bodies, attention,
@@ -215,12 +215,30 @@ def _store_rows(buf, start, rows):
 
 @one_compile_at_a_time
 @nb.njit(**JIT_OPTIONS)
-def forward_kernel(kern, w, n_head, eps, fmt, attn, attn_block, tokens, pos0, kc, vc, causal, logits, resid):
+def forward_kernel(kern, w, n_head, eps, fmt, attn, attn_block, tokens, lengths, pos0, kc, vc, causal, logits, resid):
+    """The forward of ``tokens[:n]`` for each ``n`` of ``lengths``, in turn; writes their logits one after the
+    other into ``logits`` (``sum(lengths)``, vocab).
+
+    One length ``T`` (the tokens' own) is the forward of ``tokens``; several are the recomputes of prefixes of
+    one sequence in one call (causal, no cache: ``pos0`` = 0), each computed exactly as it would be alone
+    (:func:`forward_rows`: a prefix's rows attend only keys it stored itself). ``kern``, ``w``, ``fmt``, ``kc``,
+    ``vc`` and ``resid``: :func:`forward_rows`' (``kc``, ``vc`` hold the longest prefix).
+    """
+    kern, w, fmt = named(kern, w, fmt)
+    first = 0
+    for n in lengths:
+        forward_rows(kern, w, n_head, eps, fmt, attn, attn_block, tokens[:n], pos0, kc, vc, causal,
+                     logits[first : first + n], resid)  # fmt: skip
+        first += n
+
+
+@nb.njit(**JIT_OPTIONS, inline="always")
+def forward_rows(kern, w, n_head, eps, fmt, attn, attn_block, tokens, pos0, kc, vc, causal, logits, resid):
     """The forward of ``tokens`` at positions ``pos0 ..`` over all layers; writes ``logits`` (T, vocab).
 
     ``kern``: :func:`kernels` (the kernels it calls by address); ``w``: the
     :class:`~kvfast.model.block.StackedWeights` and ``fmt``, its
-    :class:`~kvfast.kernels.precision.Formats` (:func:`plain`); ``attn``/``attn_block``:
+    :class:`~kvfast.kernels.precision.Formats` (named: :func:`named`); ``attn``/``attn_block``:
     ``Numerics.attention_codes``; ``kc``, ``vc`` (n_layer, S, d): the key/value
     buffers, rows ``pos0 .. pos0+T-1`` of each layer are written here and attention
     reads rows ``0 ..`` (a cache's buffers, or fresh (n_layer, T, d) ones without a
@@ -228,7 +246,6 @@ def forward_kernel(kern, w, n_head, eps, fmt, attn, attn_block, tokens, pos0, kc
     the embedding and after each layer, or has no rows. Every step is the one of
     ``forward_prepared``.
     """
-    kern, w, fmt = named(kern, w, fmt)
     T = tokens.shape[0]
     d = w.wte.shape[1]
     positions = np.empty(T, dtype=np.int64)  # (T,) pos0, pos0 + 1, ... (a loop: np.arange compiles more)

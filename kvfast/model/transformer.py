@@ -11,7 +11,7 @@ The block around attention and the head are written once, in
 :mod:`kvfast.model.block`, for both forwards here and the decode.
 
 Each public function (:func:`forward`, :func:`loss_and_grads`, and in
-:mod:`kvfast.model.decode` ``decode_step`` and ``generate``) validates its
+:mod:`kvfast.model.generation` ``decode_step`` and ``generate``) validates its
 arguments, rounds the weights once (:class:`Weights`) and calls its
 ``*_prepared`` twin (:func:`forward_prepared`, :func:`loss_and_grads_prepared`,
 ``decode_prepared``, ``generate_prepared``). A twin takes prepared weights and
@@ -263,7 +263,7 @@ def _forward_compiled(
     logits = np.empty((T, config.vocab))
     forward_kernel(
         kernels(fmt.acc, attn, model_size_class(config, fmt.acc)), tuple(w.stacked), config.n_head, config.eps,
-        tuple(fmt), attn, attn_block, tokens, pos0, kc, vc, causal, logits, resid,
+        tuple(fmt), attn, attn_block, tokens, np.array([T]), pos0, kc, vc, causal, logits, resid,
     )  # fmt: skip
     if trace is not None:
         trace["resid"] = list(resid)
@@ -272,6 +272,29 @@ def _forward_compiled(
     if cache is not None:
         cache.advance(T, prefill=True)
     return logits
+
+
+def recompute_prefixes_prepared(
+    config: ModelConfig, w: Weights, tokens: np.ndarray, lengths: list[int], numerics: Numerics
+) -> list[np.ndarray]:
+    """The forwards of ``tokens[:n]`` from position 0, no cache, for each ``n`` of ``lengths`` (each at most
+    ``len(tokens)``), in one compiled call: element ``i`` is ``forward_prepared(config, w, tokens[:lengths[i]],
+    numerics)``, bit for bit (:func:`kvfast.model.compiled.forward_kernel`). Prepared weights and checked
+    arguments, as :func:`forward_prepared`."""
+    fmt = numerics.codes
+    attn, attn_block = numerics.attention_codes
+    shape = (config.n_layer, max(lengths), config.d_model)
+    kc, vc = np.empty(shape), np.empty(shape)  # each prefix stores its own rows, from row 0
+    logits = np.empty((sum(lengths), config.vocab))
+    forward_kernel(
+        kernels(fmt.acc, attn, model_size_class(config, fmt.acc)), tuple(w.stacked), config.n_head, config.eps,
+        tuple(fmt), attn, attn_block, tokens, np.array(lengths), 0, kc, vc, True, logits, np.empty((0, 0, 0)),
+    )  # fmt: skip
+    rows, first = [], 0
+    for n in lengths:
+        rows.append(logits[first : first + n])
+        first += n
+    return rows
 
 
 def forward(

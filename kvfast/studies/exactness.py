@@ -22,6 +22,7 @@ had a model of its own.
 from __future__ import annotations
 
 import functools
+import threading
 
 import numpy as np
 import pandas as pd
@@ -137,20 +138,43 @@ def _options(steps: int) -> CheckOptions:
     return CheckOptions(max(1, steps - 1), "exact", scenarios="decode", follow="cache", keep_logits=True)
 
 
+def model_under_test(config: dict) -> KvfastModel:
+    """The :class:`~kvfast.check.KvfastModel` a run checks: :func:`model_for`'s model in the run's numerics.
+
+    One per model, numerics and thread, kept for the process: the check's prefill gives it a fresh cache, its
+    only state, so the runs of one model and numerics reuse it (its prepared weights included) and compute the
+    same bits as with a model of their own; one per thread, since a check fills the model's cache while it runs
+    (a sweep's threads run side by side).
+    """
+    shape = tuple(config[k] for k in MODEL_SHAPE_FIELDS)
+    max_pos = positions(config["prompt_len"] + config["steps"])
+    key = (config["seed"], shape, max_pos, config["preset"], config["order"])
+    return _model_under_test(*key, threading.get_ident())
+
+
+@functools.lru_cache(maxsize=64)
+def _model_under_test(
+    seed: int, shape: tuple[int, ...], max_pos: int, preset: str, order: str, thread: int
+) -> KvfastModel:
+    cfg, params = _model(seed, shape, max_pos)
+    return KvfastModel(cfg, params, _numerics(preset, order))
+
+
 def clear_caches() -> None:
-    """Forget what the study keeps between runs in this process (models and their parameter sets, prompts,
-    numerics, check options): a fresh process's state (the benchmarks time runs from it)."""
-    for cached in (_model, _params, _prompt, _numerics, _options):
+    """Forget what the study keeps between runs in this process (models, the models under test and their
+    parameter sets, prompts, numerics, check options): a fresh process's state (the benchmarks time runs from
+    it)."""
+    for cached in (_model, _params, _prompt, _numerics, _options, _model_under_test):
         cached.cache_clear()
 
 
 def run(config: dict) -> dict:
     """One run (see the module doc). Columns: :data:`RESULT_FIELDS`."""
-    cfg, params = model_for(config)
-    numerics = _numerics(config["preset"], config["order"])
+    model = model_under_test(config)
+    numerics = model.numerics
     prompt = prompt_for(config)
     steps, T = config["steps"], config["prompt_len"]
-    report = check_cache_with(KvfastModel(cfg, params, numerics), prompt, _options(steps)).scenarios["decode"]
+    report = check_cache_with(model, prompt, _options(steps)).scenarios["decode"]
     dev = report.deviation[:steps]
     t_cached = report.cache_logits[T - 1 : T - 1 + steps].argmax(axis=1).tolist()  # Python ints
     t_full = report.reference[T - 1 : T - 1 + steps].argmax(axis=1).tolist()

@@ -42,7 +42,7 @@ import pyarrow as pa
 from kvfast.kernels.precision import FORMAT_CODES
 from kvfast.kernels.reduce import ORDER_CODES
 from kvfast.model.config import ModelConfig, init_params
-from kvfast.model.decode import generate_prepared
+from kvfast.model.generation import generate_prepared
 from kvfast.model.transformer import Weights
 from kvfast.numerics import PRESETS, Numerics
 from kvfast.studies import bugs as bugstudy

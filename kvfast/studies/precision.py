@@ -42,7 +42,7 @@ from kvfast.kernels.precision import FORMAT_CODES
 from kvfast.kernels.reduce import ORDER_CODES
 from kvfast.model.cache import KVCache
 from kvfast.model.config import ModelConfig, init_params
-from kvfast.model.decode import decode_prepared
+from kvfast.model.generation import decode_prepared
 from kvfast.model.transformer import Weights, forward_prepared
 from kvfast.numerics import PRESETS, Numerics
 from kvfast.studies.common import (

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from shared import same_report
 
 from kvfast.check import KvfastModel, ModelUnderTestError, check_cache
 from kvfast.check.lossy import LossyKvfastModel
@@ -66,24 +67,6 @@ class NonFinite(KvfastModel):
         return out
 
 
-def _same_report(a, b) -> bool:
-    if a.format() != b.format() or a.scenarios.keys() != b.scenarios.keys():
-        return False
-    for name, s in a.scenarios.items():
-        t = b.scenarios[name]
-        if (s.bounds is None) != (t.bounds is None):
-            return False
-        pairs = [(getattr(s, f), getattr(t, f)) for f in ("deviation", "tokens", "cache_logits", "reference")]
-        if s.bounds is not None:
-            pairs += [(s.bounds.ratio, t.bounds.ratio), (s.bounds.bound, t.bounds.bound)]
-        for x, y in pairs:
-            if (x is None) != (y is None) or (x is not None and np.asarray(x).tobytes() != np.asarray(y).tobytes()):
-                return False
-        if s.step_verdicts != t.step_verdicts:
-            return False
-    return True
-
-
 def assert_rows_of_greedy_decodes(rows: np.ndarray, model, token: int) -> None:
     """``rows`` are, bit for bit, what ``model.decode`` returns step by step, fed ``token`` and then each argmax."""
     for i in range(len(rows)):
@@ -142,10 +125,10 @@ def test_a_check_with_the_shortcut_reports_what_one_call_per_step_reports(option
     numerics = "bf16" if options.get("mode") == "control" else "f64"
     fast = check_cache(Counting(CFG, PARAMS, numerics, bug), PROMPT, 12, keep_logits=True, **options)
     slow = check_cache(StepByStep(CFG, PARAMS, numerics, bug), PROMPT, 12, keep_logits=True, **options)
-    assert _same_report(fast, slow)
+    assert same_report(fast, slow)
     # control: the comparison sees a report of another bug
     other = check_cache(StepByStep(CFG, PARAMS, numerics, "noscale"), PROMPT, 12, keep_logits=True, **options)
-    assert not _same_report(fast, other)
+    assert not same_report(fast, other)
 
 
 def test_the_shortcut_replaces_the_greedy_steps_only():
@@ -175,7 +158,7 @@ def test_a_shortcut_that_feeds_other_tokens_cannot_pass_for_its_decode():
 def test_a_declining_shortcut_is_decoded_step_by_step():
     declined = check_cache(Declines(CFG, PARAMS, "f64", "stale"), PROMPT, 12, keep_logits=True, follow="cache")
     slow = check_cache(StepByStep(CFG, PARAMS, "f64", "stale"), PROMPT, 12, keep_logits=True, follow="cache")
-    assert _same_report(declined, slow)
+    assert same_report(declined, slow)
     assert not declined.passed  # control: the bug is still found
 
 

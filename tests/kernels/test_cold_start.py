@@ -56,7 +56,7 @@ def test_import_kvfast_loads_no_numba(tmp_path):
 
 def test_importing_the_model_and_the_studies_compiles_no_kernel(tmp_path):
     statement = (
-        "import kvfast.model.transformer, kvfast.model.decode, kvfast.model.layers, kvfast.numerics\n"
+        "import kvfast.model.transformer, kvfast.model.generation, kvfast.model.layers, kvfast.numerics\n"
         "import kvfast.studies.exactness, kvfast.studies.precision, kvfast.studies.training\n"
         "import kvfast.kernels.matmul, kvfast.kernels.attention, kvfast.kernels.rowops"
     )
@@ -85,7 +85,7 @@ def test_the_first_call_compiles_or_loads_only_what_it_uses():
     """Laziness, with kvfast's own cache (a cache load is counted too: a dispatcher with a signature):
     after importing nothing is loaded; one f64 forward loads its entry, not the decode's."""
     imports = (
-        "import kvfast.model.config as c, kvfast.model.transformer as t, kvfast.model.decode, kvfast.numerics as n"
+        "import kvfast.model.config as c, kvfast.model.transformer as t, kvfast.model.generation, kvfast.numerics as n"
     )
     assert json.loads(_run(["-c", LOADED, imports], None).strip().splitlines()[-1]) == []
     call = (
@@ -95,7 +95,7 @@ def test_the_first_call_compiles_or_loads_only_what_it_uses():
         "assert forward_kernel.signatures"
     )
     loaded = json.loads(_run(["-c", LOADED, imports + call], None).strip().splitlines()[-1])
-    # by the kernel's name: the block's functions, compiled for the forward, are names in kvfast.model.decode too
+    # by the kernel's name: the block's functions, compiled for the forward, are names in kvfast.model.generation too
     assert not any(name.rsplit(".", 1)[1].startswith("decode") for name in loaded), loaded
 
 

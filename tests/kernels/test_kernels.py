@@ -521,7 +521,7 @@ ORDER_SENSITIVE = (
     "attend_row", "attend_row_blocked", "attention_with", "rmsnorm_row", "rmsnorm_into", "silu_into", "rnd",
     "_round_flat", "forward_kernel", "decode_kernel",
 )  # fmt: skip
-# forward_kernel / decode_kernel: the model's compiled entries (kvfast/model/compiled.py, decode.py), into
+# forward_kernel / decode_kernel: the model's compiled entries (kvfast/model/compiled.py, generation.py), into
 # which the block is inlined; matmul_with / _product_*: the format dispatch and the product bodies it calls by
 # address (one per format and data type, written out from one template: kvfast.kernels.bodies)
 
@@ -671,7 +671,7 @@ def machine_code(tmp_path_factory):
 
 def test_no_kernel_is_compiled_with_fastmath():
     from kvfast.model.compiled import forward_kernel
-    from kvfast.model.decode import decode_kernel
+    from kvfast.model.generation import decode_kernel
 
     kernels = [getattr(mod, name) for mod in (reduce, matmul, attention, rowops, precision) for name in dir(mod)]
     kernels = [k for k in kernels if isinstance(k, nb.core.registry.CPUDispatcher)] + [decode_kernel, _all_products]

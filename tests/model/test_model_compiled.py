@@ -100,7 +100,7 @@ import sys
 import numpy as np
 import kvfast
 from kvfast.model.compiled import forward_kernel
-from kvfast.model.decode import decode_kernel
+from kvfast.model.generation import decode_kernel
 cfg = kvfast.ModelConfig(vocab=11, d_model=8, n_head=2, n_layer=2, d_ff=8, max_pos=8)
 params = kvfast.init_params(cfg, 0)
 for storage, accum in [p.split(",") for p in sys.argv[1:]]:
@@ -223,7 +223,7 @@ def test_the_product_size_class_never_changes_the_model(preset, order, monkeypat
     """The compiled forward and decode with the small class's product bodies (plain) and with the large
     class's (unrolled; ``kvfast.model.compiled.model_size_class`` forced either way): the same logits, K/V
     and cache, bit for bit; the class only picks which bodies a process compiles."""
-    from kvfast.model import decode, transformer
+    from kvfast.model import generation, transformer
 
     cfg = ModelConfig(vocab=37, d_model=16, n_head=2, n_layer=2, d_ff=40, max_pos=24)
     nx = Numerics.preset(preset, order=order)
@@ -232,11 +232,11 @@ def test_the_product_size_class_never_changes_the_model(preset, order, monkeypat
     results = []
     for large in (False, True):
         monkeypatch.setattr(transformer, "model_size_class", lambda config, acc, large=large: large)
-        monkeypatch.setattr(decode, "model_size_class", lambda config, acc, large=large: large)
+        monkeypatch.setattr(generation, "model_size_class", lambda config, acc, large=large: large)
         cache = KVCache.empty(cfg, nx, 20)
         logits = [forward_prepared(cfg, w, tokens[:5], nx, cache)]
         for t in tokens[5:]:
-            logits.append(decode.decode_prepared(cfg, w, cache, int(t), nx)[None])
+            logits.append(generation.decode_prepared(cfg, w, cache, int(t), nx)[None])
         results.append((np.concatenate(logits), cache.k.copy(), cache.v.copy()))
     for got, want in zip(results[0], results[1], strict=True):
         assert same_bits(got, want)
@@ -244,7 +244,7 @@ def test_the_product_size_class_never_changes_the_model(preset, order, monkeypat
 
 def test_first_max_is_numpys_argmax():
     """The token the compiled greedy decode feeds: the first maximum, or the first NaN (NumPy's argmax)."""
-    from kvfast.model.decode import first_max
+    from kvfast.model.generation import first_max
 
     rng = np.random.default_rng(5)
     rows = [

@@ -1,4 +1,4 @@
-"""Cached decoding: one position over the stored K/V buffer, in one compiled call; greedy generation.
+"""Generation: cached decoding, one position over the stored K/V buffer in one compiled call, and greedy generation.
 
 The decode kernel runs the forward's block (:mod:`kvfast.model.block`) on one row
 and the same attention row kernel, so with the same numerics a decode step equals
