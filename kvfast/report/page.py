@@ -21,7 +21,6 @@ import pandas as pd
 
 from kvfast._version import __version__
 from kvfast.report import claims as claims_mod
-from kvfast.report.facts import facts
 from kvfast.report.figures import Section, matplotlib_available, sections
 from kvfast.report.results import load_results
 from kvfast.report.scan_findings import findings_html, scan_findings
@@ -130,7 +129,7 @@ def render(
         "verdict is reached; its first word is its kind (exact, vs seed, direction only, test, bound).</p>",
         _html_table(table[claims_mod.COLUMNS], holds_col="holds"),
         '<h2 id="facts">Other figures quoted in docs/claims.md</h2>',
-        _html_table(facts(results)),
+        _html_table(claims_mod.facts(results)),
     ]
     if not plots:
         body.append(f'<p class="note">{html.escape(NO_MATPLOTLIB)}</p>')
@@ -172,7 +171,7 @@ def write_tables(results: dict[str, pd.DataFrame], out: str | os.PathLike) -> li
     table.to_csv(written[0], index=False, lineterminator="\n")
     payload = {"counts": claims_mod.counts(table), "claims": table.to_dict(orient="records")}
     written[1].write_text(json.dumps(payload, indent=1, ensure_ascii=False) + "\n")
-    facts(results).to_csv(written[2], index=False, lineterminator="\n")
+    claims_mod.facts(results).to_csv(written[2], index=False, lineterminator="\n")
     for name, summary in summaries(results).items():
         path = root / "summaries" / f"{name}.csv"
         summary.to_csv(path, index=False, lineterminator="\n")

@@ -57,7 +57,7 @@ import pyarrow as pa
 from kvfast.runtime import UserCodeError, call_user, load_object
 from kvfast.runtime.load import entry_points_of
 from kvfast.sweep.ids import MAX_DEPTH, canonical, spec_hash
-from kvfast.validation import prefixed, shown
+from kvfast.validation import prefixed, require_int, shown
 
 if TYPE_CHECKING:
     from kvfast.sweep.study import Study
@@ -508,8 +508,7 @@ def grid_from_spec(
     """
     if not isinstance(spec, dict):
         raise ValueError(f"{name}: the grid is not a table")
-    if isinstance(max_runs, bool) or not isinstance(max_runs, int) or max_runs < 1:
-        raise ValueError(f"--max-runs: {max_runs!r} is not allowed; allowed: an integer >= 1")
+    require_int(max_runs, "--max-runs", 1)
     study_ref = spec.get("study")
     study = _grid_study(study_ref, name, studies)
     raw_entries = _raw_entries(spec, study, name, max_runs)
