@@ -465,11 +465,8 @@ def _validate_entry(study: Study, name: str, entry: _Entry, groups: list[tuple[s
     check(reference)
     owner = {key: f for f in entry.varying for key in f.keys}
     for group in groups:
-        involved = []
-        for key in group:
-            f = owner.get(key)
-            if f is not None and all(f is not g for g in involved):
-                involved.append(f)
+        # the varying factors that set the group's fields, each once, in the group's order
+        involved = list({id(f): f for key in group if (f := owner.get(key)) is not None}.values())
         if not involved:
             continue
         for combo in itertools.product(*(f.rows for f in involved)):
@@ -482,12 +479,8 @@ def _validate_entry(study: Study, name: str, entry: _Entry, groups: list[tuple[s
 def _may_overlap(a: _Entry, b: _Entry) -> bool:
     """False when no run of ``a`` can equal a run of ``b`` (some field's value sets are disjoint)."""
 
-    def values(entry: _Entry) -> dict[str, set[str]]:
-        out: dict[str, set[str]] = {}
-        for f in entry.factors:
-            for k, key in enumerate(f.keys):
-                out[key] = {p[k] for p in f.pieces}
-        return out
+    def values(entry: _Entry) -> dict[str, set[str]]:  # field -> the canonical texts of its values
+        return {key: {p[k] for p in f.pieces} for f in entry.factors for k, key in enumerate(f.keys)}
 
     va, vb = values(a), values(b)
     return all(va[key] & vb[key] for key in va)
