@@ -1,4 +1,5 @@
-"""The claims table, computed end to end from stored results, and the verifier count.
+"""The claims table, computed end to end from stored results, the verifier count, and the figures the docs quote
+beside the claims (:func:`facts`).
 
 Every row is a :class:`kvfast.studies.Claim` returned by a study's ``claims``
 on its stored runs: the claim, the seed's figure, kvfast's figure, whether it
@@ -13,6 +14,7 @@ import numpy as np
 import pandas as pd
 
 from kvfast.studies import STUDIES
+from kvfast.studies.common import ok_rows
 from kvfast.sweep.study import Study
 
 COLUMNS = ["study", "claim", "seed", "kvfast", "holds", "criterion"]
@@ -87,3 +89,22 @@ def markdown(df: pd.DataFrame, columns: list[str] | None = None) -> str:
 def claims_markdown(table: pd.DataFrame) -> str:
     """The claims table as Markdown, then its count line (what docs/claims.md pastes)."""
     return markdown(table, COLUMNS) + "\n\n" + count_line(table)
+
+
+FACT_COLUMNS = ["key", "figure", "value", "study"]
+
+
+def facts(results: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """Every figure the docs quote beside the claims that the stored ``results`` (study name -> runs) allow, as
+    rows of :data:`FACT_COLUMNS`: each study with ok runs and declared ``facts`` (``Study.facts``, next to its run
+    function), in study-name order, then the count of stored runs."""
+    rows = []
+    total = 0
+    for name, df in sorted(results.items()):
+        total += len(df)
+        study = STUDIES.get(name)
+        if study is not None and study.facts is not None and len(ok_rows(df)):
+            rows += [{"key": k, "figure": f, "value": v, "study": name} for k, f, v in study.facts(df)]
+    rows.append({"key": "runs", "figure": "runs stored over every study", "value": f"{total:,}", "study": "all"})
+    out = pd.DataFrame(rows, columns=FACT_COLUMNS)
+    return out.astype({"value": str}).replace({np.nan: ""})

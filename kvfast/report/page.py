@@ -1,8 +1,15 @@
-"""Write the report: one self-contained HTML page (images inline as base64 PNG) and its tables as CSV/JSON.
+"""Write the report: one self-contained HTML page (images inline as base64 PNG) and its tables as CSV/JSON, from
+the stored results of every study under a root (:func:`load_results`).
 
 The page needs no server and no network: every style is inline and every image
 a ``data:`` URL. With matplotlib absent each figure is replaced by the table of
 its numbers and a note saying how to get the plots.
+
+The report knows no study by name: it walks the registry (:data:`kvfast.studies.STUDIES`) in each study's
+declared ``rank`` (ties in registry order) and turns each :class:`~kvfast.sweep.study.Figure` a study declares
+into a :class:`Section`: the table of the numbers plotted (always computed; the page shows it when matplotlib is
+absent) and a ``draw`` that returns a matplotlib Figure (only called when matplotlib, the ``plot`` extra, is
+installed).
 """
 
 from __future__ import annotations
@@ -14,19 +21,20 @@ import html
 import io
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
 from kvfast._version import __version__
 from kvfast.report import claims as claims_mod
-from kvfast.report.facts import facts
-from kvfast.report.figures import Section, matplotlib_available, sections
-from kvfast.report.results import load_results
 from kvfast.report.scan_findings import findings_html, scan_findings
 from kvfast.studies import STUDIES
-from kvfast.sweep.store import MANIFEST, STORAGE_ERRNOS, StorageError
+from kvfast.studies.common import ok_rows
+from kvfast.studies.plotting import matplotlib_available
+from kvfast.sweep.store import MANIFEST, STORAGE_ERRNOS, ResultsDir, StorageError, load
+from kvfast.sweep.study import Figure, Study
 from kvfast.validation import printable
 
 REPORT = "report.html"
@@ -47,6 +55,44 @@ img { max-width: 100%; border: 1px solid #eee; }
 .note { background: #fff7dd; border-left: 4px solid #e0b000; padding: .4em .8em; }
 .caption { color: #444; } details { margin: .4em 0 1em 0; } summary { cursor: pointer; color: #245; }
 """
+
+
+@dataclass
+class Section:
+    """One figure of the report: ``table`` holds what ``draw()`` plots; ``note`` says what is not stored."""
+
+    key: str
+    title: str
+    caption: str
+    table: pd.DataFrame
+    draw: Callable[[], object] | None = None
+    note: str = ""
+
+
+def ordered_studies(studies: dict[str, Study] | None = None) -> list[Study]:
+    """The registered studies (default :data:`kvfast.studies.STUDIES`) in page order: by ``rank``, ties in
+    registry order."""
+    registry = enumerate((STUDIES if studies is None else studies).values())
+    return [study for _, study in sorted(registry, key=lambda pair: (pair[1].rank, pair[0]))]
+
+
+def section(figure: Figure, df: pd.DataFrame) -> Section:
+    """``figure`` of a study computed on its stored runs ``df``: its table now, its plot when drawn."""
+    table = figure.table(df)
+    draw = None if figure.draw is None else (lambda: figure.draw(df, table))
+    return Section(figure.key, figure.title, figure.caption, table, draw, figure.note)
+
+
+def sections(results: dict[str, pd.DataFrame]) -> list[Section]:
+    """Every section the stored ``results`` (study name -> runs) allow, in page order: each registered study
+    with ok runs, its declared figures in order."""
+    out = []
+    for study in ordered_studies():
+        df = results.get(study.name)
+        if df is None or not len(ok_rows(df)):
+            continue
+        out += [section(figure, df) for figure in study.figures]
+    return out
 
 
 def _html_table(df: pd.DataFrame, holds_col: str | None = None, max_rows: int = 400) -> str:
@@ -130,7 +176,7 @@ def render(
         "verdict is reached; its first word is its kind (exact, vs seed, direction only, test, bound).</p>",
         _html_table(table[claims_mod.COLUMNS], holds_col="holds"),
         '<h2 id="facts">Other figures quoted in docs/claims.md</h2>',
-        _html_table(facts(results)),
+        _html_table(claims_mod.facts(results)),
     ]
     if not plots:
         body.append(f'<p class="note">{html.escape(NO_MATPLOTLIB)}</p>')
@@ -144,6 +190,44 @@ def render(
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
         f"<title>kvfast report</title><style>{CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n"
     )
+
+
+def study_dirs(root: str | os.PathLike) -> dict[str, Path]:
+    """Study name -> results directory, for ``root`` itself (one study) or every folder under it that has a
+    manifest, in study-name order. ``ValueError`` naming ``RESULTS_DIR`` when there is none."""
+    base = Path(root)
+    if not base.is_dir():
+        raise ValueError(f"RESULTS_DIR: {str(root)!r} is not allowed; allowed: a directory of kvfast results")
+    candidates = [base] if (base / MANIFEST).is_file() else sorted(p for p in base.iterdir() if p.is_dir())
+    found: dict[str, Path] = {}
+    for path in candidates:
+        if (path / MANIFEST).is_file() and (name := _study_of(path)) in STUDIES:
+            found[name] = path
+    if not found:
+        raise ValueError(
+            f"RESULTS_DIR: {str(root)!r} is not allowed; allowed: a results directory or a folder of them "
+            f"(each with {MANIFEST}, as `kvfast reproduce --out DIR` writes), of the studies {', '.join(STUDIES)}"
+        )
+    return dict(sorted(found.items()))
+
+
+def _study_of(path: Path) -> str:
+    """The study ``path``'s manifest names (``""`` for none); ``ValueError`` naming the file and the remedy when
+    it is not a JSON object (truncated, a list)."""
+    manifest = path / MANIFEST
+    try:
+        data = json.loads(manifest.read_bytes())
+    except (OSError, ValueError) as exc:
+        data = exc
+    if not isinstance(data, dict):
+        why = str(data).splitlines()[0] if isinstance(data, Exception) else f"a JSON {type(data).__name__}"
+        raise ValueError(f"{manifest}: not a kvfast manifest ({why}); {ResultsDir(path).remedy()}")
+    return str(data.get("study", ""))
+
+
+def load_results(root: str | os.PathLike) -> dict[str, pd.DataFrame]:
+    """Study name -> its stored runs (:func:`kvfast.load`), for every study under ``root``."""
+    return {name: load(path) for name, path in study_dirs(root).items()}
 
 
 def _writable(root: Path) -> None:
@@ -172,7 +256,7 @@ def write_tables(results: dict[str, pd.DataFrame], out: str | os.PathLike) -> li
     table.to_csv(written[0], index=False, lineterminator="\n")
     payload = {"counts": claims_mod.counts(table), "claims": table.to_dict(orient="records")}
     written[1].write_text(json.dumps(payload, indent=1, ensure_ascii=False) + "\n")
-    facts(results).to_csv(written[2], index=False, lineterminator="\n")
+    claims_mod.facts(results).to_csv(written[2], index=False, lineterminator="\n")
     for name, summary in summaries(results).items():
         path = root / "summaries" / f"{name}.csv"
         summary.to_csv(path, index=False, lineterminator="\n")

@@ -60,15 +60,15 @@ MAX_TIMEOUT = 1e9
 nanoseconds must fit in 64 bits; above, ``signal.setitimer`` raises ``OverflowError``)."""
 
 
-def check_timeout(timeout: object) -> float | None:
+def check_timeout(timeout: object, field: str = "timeout") -> float | None:
     """``timeout`` validated: ``None`` or a number of seconds in ``(0, MAX_TIMEOUT]`` (``ValueError`` naming the
-    field and the range)."""
+    ``field`` and the range)."""
     if timeout is None:
         return None
     ok = isinstance(timeout, int | float) and not isinstance(timeout, bool) and 0 < timeout <= MAX_TIMEOUT
     if not ok:
         raise ValueError(
-            f"timeout: {timeout!r} is not allowed; allowed: None or a number of seconds > 0 and <= {MAX_TIMEOUT:.0e}"
+            f"{field}: {timeout!r} is not allowed; allowed: None or a number of seconds > 0 and <= {MAX_TIMEOUT:.0e}"
         )
     return float(timeout)
 

@@ -7,6 +7,10 @@ check (:func:`ctrl_c_noted`) and a sweep install; :func:`kvfast.runtime.user.cal
 
 from __future__ import annotations
 
+# _signal: the C functions under signal.signal / signal.getsignal, the same calls without the wrappers' enum
+# conversions (each wrapper call tries Handlers(value), which raises and catches a ValueError for a Python
+# handler: about 5 us, three times per watched check)
+import _signal
 import signal
 import threading
 from collections.abc import Iterator
@@ -27,12 +31,12 @@ def ctrl_c_noted() -> Iterator[None]:
     (main thread only; restored afterwards; :data:`INTERRUPTED` cleared first). Any other handler
     (a sweep's, a test runner's) is left alone."""
     noted = threading.current_thread() is threading.main_thread()
-    noted = noted and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    noted = noted and _signal.getsignal(signal.SIGINT) is signal.default_int_handler
     if noted:
         INTERRUPTED.clear()
-        signal.signal(signal.SIGINT, on_sigint)
+        _signal.signal(signal.SIGINT, on_sigint)
     try:
         yield
     finally:
         if noted:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            _signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -57,7 +57,7 @@ import pyarrow as pa
 from kvfast.runtime import UserCodeError, call_user, load_object
 from kvfast.runtime.load import entry_points_of
 from kvfast.sweep.ids import MAX_DEPTH, canonical, spec_hash
-from kvfast.validation import prefixed, shown
+from kvfast.validation import prefixed, require_int, shown
 
 if TYPE_CHECKING:
     from kvfast.sweep.study import Study
@@ -465,11 +465,8 @@ def _validate_entry(study: Study, name: str, entry: _Entry, groups: list[tuple[s
     check(reference)
     owner = {key: f for f in entry.varying for key in f.keys}
     for group in groups:
-        involved = []
-        for key in group:
-            f = owner.get(key)
-            if f is not None and all(f is not g for g in involved):
-                involved.append(f)
+        # the varying factors that set the group's fields, each once, in the group's order
+        involved = list({id(f): f for key in group if (f := owner.get(key)) is not None}.values())
         if not involved:
             continue
         for combo in itertools.product(*(f.rows for f in involved)):
@@ -482,12 +479,8 @@ def _validate_entry(study: Study, name: str, entry: _Entry, groups: list[tuple[s
 def _may_overlap(a: _Entry, b: _Entry) -> bool:
     """False when no run of ``a`` can equal a run of ``b`` (some field's value sets are disjoint)."""
 
-    def values(entry: _Entry) -> dict[str, set[str]]:
-        out: dict[str, set[str]] = {}
-        for f in entry.factors:
-            for k, key in enumerate(f.keys):
-                out[key] = {p[k] for p in f.pieces}
-        return out
+    def values(entry: _Entry) -> dict[str, set[str]]:  # field -> the canonical texts of its values
+        return {key: {p[k] for p in f.pieces} for f in entry.factors for k, key in enumerate(f.keys)}
 
     va, vb = values(a), values(b)
     return all(va[key] & vb[key] for key in va)
@@ -508,8 +501,7 @@ def grid_from_spec(
     """
     if not isinstance(spec, dict):
         raise ValueError(f"{name}: the grid is not a table")
-    if isinstance(max_runs, bool) or not isinstance(max_runs, int) or max_runs < 1:
-        raise ValueError(f"--max-runs: {max_runs!r} is not allowed; allowed: an integer >= 1")
+    require_int(max_runs, "--max-runs", 1)
     study_ref = spec.get("study")
     study = _grid_study(study_ref, name, studies)
     raw_entries = _raw_entries(spec, study, name, max_runs)

@@ -19,7 +19,8 @@ import multiprocessing
 import sys
 from dataclasses import dataclass
 
-from kvfast.runtime.deadline import MAX_TIMEOUT
+from kvfast.runtime.deadline import check_timeout
+from kvfast.validation import require_int
 
 BACKENDS = ("fork", "loky", "threading", "dask")
 
@@ -58,17 +59,11 @@ class SweepOptions:
         if self.jobs > cores and not (self.backend == "dask" and self.scheduler):
             print(f"warning: --jobs {self.jobs} is more than the {cores} cores here; using {cores}", file=sys.stderr)
             object.__setattr__(self, "jobs", cores)  # (frozen: set once, here)
-        if self.run_timeout is not None and (
-            isinstance(self.run_timeout, bool) or not 0 < self.run_timeout <= MAX_TIMEOUT
-        ):  # above MAX_TIMEOUT the runs' interval timer overflows: every run an error row
-            raise ValueError(
-                f"--run-timeout: {self.run_timeout!r} is not allowed; allowed: a number of seconds > 0 and <= "
-                f"{MAX_TIMEOUT:.0e}"
-            )
+        check_timeout(self.run_timeout, "--run-timeout")  # above its bound the runs' interval timer overflows
         if self.scheduler and self.backend != "dask":
             raise ValueError(f"--scheduler: {self.scheduler!r} needs --backend dask (backend is {self.backend!r})")
-        if self.chunk_size is not None and (not isinstance(self.chunk_size, int) or self.chunk_size < 1):
-            raise ValueError(f"chunk_size: {self.chunk_size!r} is not allowed; allowed: an integer >= 1")
+        if self.chunk_size is not None:
+            require_int(self.chunk_size, "chunk_size", 1)
 
     @classmethod
     def build(cls, *, jobs: int | None = None, backend: str = "fork", **options) -> SweepOptions:
@@ -86,8 +81,7 @@ class SweepOptions:
 
 def check_jobs(jobs) -> None:
     """The one check of ``--jobs``: an integer >= 1 (``ValueError`` naming it)."""
-    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
-        raise ValueError(f"--jobs: {jobs!r} is not allowed; allowed: an integer >= 1")
+    require_int(jobs, "--jobs", 1)
 
 
 def _cores() -> int:

@@ -58,14 +58,11 @@ def find_pending(grid: Grid, stored: StoredIndex, redo: tuple[str, ...]) -> Pend
             retried.update(b for b, m in zip(batch, redo_mask, strict=True) if m)
             retried_counts += np.bincount(codes[redo_mask], minlength=len(STATUSES))[: len(STATUSES)]
     mask = np.concatenate(masks) if masks else np.zeros(0, bool)
-    names = dict(enumerate(STATUSES))
-    return Pending(
-        int(mask.sum()),
-        mask,
-        {names[i]: int(n) for i, n in enumerate(skipped) if n},
-        retried,
-        {names[i]: int(n) for i, n in enumerate(retried_counts) if n},
-    )
+
+    def by_status(counts: np.ndarray) -> dict[str, int]:
+        return {STATUSES[i]: int(n) for i, n in enumerate(counts) if n}
+
+    return Pending(int(mask.sum()), mask, by_status(skipped), retried, by_status(retried_counts))
 
 
 def _flags(mask: np.ndarray) -> Iterator[bool]:

@@ -539,28 +539,22 @@ def load(path: str | os.PathLike) -> pd.DataFrame:
         return read_parts([p]).to_pandas()
     if not p.is_dir():
         raise ValueError(f"{str(p)!r}: no such results directory")
-    parts = list_parts(p)
-    if not parts:
+    if not list_parts(p):  # no runs stored yet: the study's columns, no rows
         from kvfast.sweep.grid import resolve_study
         from kvfast.sweep.study import REGISTERED
 
         manifest = ResultsDir(p).manifest() or {}
         study = REGISTERED.get(manifest.get("study", ""))
-        if study is None and manifest.get("study_ref"):
-            with contextlib.suppress(ValueError):
-                study = resolve_study(manifest["study_ref"])
-        if study is None:
+        with contextlib.suppress(ValueError):  # else the grid's own reference (a name, package.module:STUDY)
+            study = study or (manifest.get("study_ref") and resolve_study(manifest["study_ref"]))
+        if not study:
             raise ValueError(f"{str(p)!r}: no results (no part-*.parquet files)")
         return schema_for(study).empty_table().to_pandas()
-    for attempt in range(50):  # a sweep compacting meanwhile deletes parts it merged: list them again
-        try:
-            return read_parts(parts).to_pandas()
-        except FileNotFoundError:
-            if attempt == 49:
-                raise
-            time.sleep(0.01 * (attempt + 1))
-            parts = list_parts(p)
-    raise AssertionError("unreachable")
+    for attempt in range(49):  # a sweep compacting meanwhile deletes parts it merged: list them again
+        with contextlib.suppress(FileNotFoundError):
+            return read_parts(list_parts(p)).to_pandas()
+        time.sleep(0.01 * (attempt + 1))
+    return read_parts(list_parts(p)).to_pandas()
 
 
 if sys.platform == "win32":  # pragma: no cover - not tested here

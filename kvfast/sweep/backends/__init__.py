@@ -9,13 +9,16 @@ kills its worker again is a ``crashed`` row (``timeout`` if the worker was kille
 says how many workers ran the chunks and the largest chunk, and names the runs that ended with no row (Dask:
 a stall, a lost scheduler; the other backends lose none).
 
-The modules: :mod:`.serial` (``--jobs 1``: this process, no pool), :mod:`.pool` (``fork`` and ``loky``
-process pools), :mod:`.threads` (joblib's threading backend), :mod:`.dask` (Dask futures, driven directly).
+Here: :func:`execute_serial` (``--jobs 1``: this process, no pool) and :func:`execute_threads` (joblib's
+threading backend); modules: :mod:`.pool` (``fork`` and ``loky`` process pools), :mod:`.dask` (Dask futures,
+driven directly).
 """
 
 from __future__ import annotations
 
 import importlib
+import itertools
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -23,7 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvfast.sweep.grid import GridRun
 from kvfast.sweep.plan import Planner
-from kvfast.sweep.rows import Limits
+from kvfast.sweep.rows import Limits, run_chunk
 
 if TYPE_CHECKING:
     from kvfast.sweep.study import Study
@@ -66,10 +69,45 @@ class Job:
         return Planner(runs, total, workers or self.jobs, self.chunk_s, self.chunk_size, self.recent)
 
 
-_MODULES = {"serial": "serial", "fork": "pool", "loky": "pool", "threading": "threads", "dask": "dask"}
+SERIAL_CHUNK = 64
+
+
+def execute_serial(job: Job, runs: Iterator[GridRun], total: int) -> Outcome:
+    """``--jobs 1``: every run in the sweep's own process, in chunks of ``job.chunk_size`` (default
+    :data:`SERIAL_CHUNK`), each chunk's rows written; no pool. A run that kills the process ends the sweep (a rerun
+    resumes it); a time limit interrupts Python code and sleeps (``SIGALRM``) but not a run stuck in C code."""
+    size = job.chunk_size or SERIAL_CHUNK
+    while chunk := list(itertools.islice(runs, size)):
+        job.write(chunk, run_chunk(job.study, (0, chunk), job.limits)[1])
+    return Outcome(workers=1, chunk_size=size)
+
+
+def execute_threads(job: Job, runs: Iterator[GridRun], total: int) -> Outcome:
+    """``--backend threading``: chunks fanned out to ``job.jobs`` threads of the sweep's process (joblib's
+    threading backend), two chunks per thread dispatched ahead. A time limit interrupts a run's Python code only:
+    a thread cannot be killed, so a run blocked in C code (a sleep, a Numba kernel) runs until it returns. There
+    is no worker process to lose: a run that kills the process ends the sweep."""
+    from joblib import Parallel, delayed
+
+    planner = job.planner(runs, total)
+
+    def tasks() -> Iterator:
+        while (chunk := planner.take()) is not None:
+            yield delayed(run_chunk)(job.study, chunk, job.limits)
+
+    parallel = Parallel(n_jobs=job.jobs, backend="threading", batch_size=1, return_as="generator_unordered")
+    with warnings.catch_warnings():  # joblib's note about tasks cancelled by an interrupt
+        warnings.filterwarnings("ignore", message=".*tasks have been successfully executed")
+        for index, rows in parallel(tasks()):
+            job.write(planner.returned(index), rows)
+    return Outcome(workers=job.jobs, chunk_size=planner.largest)
 
 
 def execute(job: Job, runs: Iterator[GridRun], total: int) -> Outcome:
-    """Run ``runs`` with ``job.backend``'s module (see the module docstring for the contract); the module is
-    imported on first use (Dask only when asked for)."""
-    return importlib.import_module(f"{__name__}.{_MODULES[job.backend]}").execute(job, runs, total)
+    """Run ``runs`` with ``job.backend`` (see the module docstring for the contract); the process pools' and Dask's
+    modules are imported on first use (Dask only when asked for)."""
+    here = {"serial": execute_serial, "threading": execute_threads}
+    if job.backend in here:
+        return here[job.backend](job, runs, total)
+    module = importlib.import_module(f"{__name__}.{'dask' if job.backend == 'dask' else 'pool'}")  # fork, loky: pool
+    return module.execute(job, runs, total)
