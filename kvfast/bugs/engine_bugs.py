@@ -27,14 +27,18 @@ from kvfast.check.engines.vllm import BLOCK, VLLMModel
 VLLM_WINDOW_BLOCKS = 2
 
 
-class _VLLMBug:
-    """What every vLLM bug mixin shares: its name (``bug``), shown in the adapter's repr, and the metadata
-    copy it changes (:meth:`_change`, given clones of ``seq_lens`` and ``block_table_tensor``)."""
+class _EngineBug:
+    """What every engine's bug mixin shares: its name (``bug``), shown in the adapter's repr."""
 
     bug: str
 
     def __repr__(self) -> str:
         return f"{super().__repr__()[:-1]}, bug={self.bug!r})"
+
+
+class _VLLMBug(_EngineBug):
+    """A vLLM bug mixin: the metadata copy it changes (:meth:`_change`, given clones of ``seq_lens`` and
+    ``block_table_tensor``)."""
 
     def _attention_metadata(self, metadata, block_size: int):
         seq_lens, table = metadata.seq_lens.clone(), metadata.block_table_tensor.clone()
@@ -165,16 +169,6 @@ def inject_vllm_bug(adapter: VLLMModel, bug: str | None) -> VLLMModel:
 
 #: The ``evict`` bug's window: decode drops the oldest token once the cache holds this many positions.
 ENGINE_WINDOW = 8
-
-
-class _EngineBug:
-    """What every onnxruntime-genai and llama.cpp bug mixin shares: its name (``bug``), shown in the adapter's
-    repr."""
-
-    bug: str
-
-    def __repr__(self) -> str:
-        return f"{super().__repr__()[:-1]}, bug={self.bug!r})"
 
 
 class _Rewind(_EngineBug):
