@@ -44,22 +44,15 @@ def tiny_model(family: str = "llama", dtype: str = "float32", attention: str = "
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=TINY_POSITIONS, **common,
     )  # fmt: skip
-    if family == "gpt2":
-        config = transformers.GPT2Config(
-            n_embd=32, n_layer=2, n_head=4, n_positions=TINY_POSITIONS, bos_token_id=0, eos_token_id=0, **common
-        )
-        cls = transformers.GPT2LMHeadModel
-    elif family == "mistral":
-        config = transformers.MistralConfig(sliding_window=MISTRAL_WINDOW, **llama_like)
-        cls = transformers.MistralForCausalLM
-    elif family == "qwen2":
-        config = transformers.Qwen2Config(**llama_like)
-        cls = transformers.Qwen2ForCausalLM
-    else:
-        config = transformers.LlamaConfig(**llama_like)
-        cls = transformers.LlamaForCausalLM
+    gpt2 = dict(n_embd=32, n_layer=2, n_head=4, n_positions=TINY_POSITIONS, bos_token_id=0, eos_token_id=0, **common)
+    config_class, model_class, fields = {
+        "gpt2": ("GPT2Config", "GPT2LMHeadModel", gpt2),
+        "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=MISTRAL_WINDOW, **llama_like)),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", llama_like),
+        "llama": ("LlamaConfig", "LlamaForCausalLM", llama_like),
+    }[family]
     torch.manual_seed(seed)
-    model = cls(config).eval()
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**fields)).eval()
     return model.to(getattr(torch, dtype))
 
 

@@ -27,14 +27,18 @@ from kvfast.check.engines.vllm import BLOCK, VLLMModel
 VLLM_WINDOW_BLOCKS = 2
 
 
-class _VLLMBug:
-    """What every vLLM bug mixin shares: its name (``bug``), shown in the adapter's repr, and the metadata
-    copy it changes (:meth:`_change`, given clones of ``seq_lens`` and ``block_table_tensor``)."""
+class _EngineBug:
+    """What every engine's bug mixin shares: its name (``bug``), shown in the adapter's repr."""
 
     bug: str
 
     def __repr__(self) -> str:
         return f"{super().__repr__()[:-1]}, bug={self.bug!r})"
+
+
+class _VLLMBug(_EngineBug):
+    """A vLLM bug mixin: the metadata copy it changes (:meth:`_change`, given clones of ``seq_lens`` and
+    ``block_table_tensor``)."""
 
     def _attention_metadata(self, metadata, block_size: int):
         seq_lens, table = metadata.seq_lens.clone(), metadata.block_table_tensor.clone()
@@ -116,14 +120,6 @@ def _injector(bug: type):
     return hooked
 
 
-def _evict_acts(scenario, prompt_len, steps, window):
-    return max(1, VLLM_WINDOW_BLOCKS * BLOCK - prompt_len + 1)
-
-
-def _short_acts(scenario, prompt_len, steps, window):
-    return max(1, BLOCK - prompt_len + 1)
-
-
 def _hit_acts(scenario, prompt_len, steps, window):
     # the resume scenario's second chunk reads the first chunk's full blocks (its default split: half the prompt)
     return 0 if scenario == "resume" and prompt_len // 2 >= BLOCK else None
@@ -133,11 +129,11 @@ def _hit_acts(scenario, prompt_len, steps, window):
 VLLM_BUGS: dict[str, Bug] = catalogue(
     Bug(
         "evict", f"decode drops the sequence's first block once it holds more than {VLLM_WINDOW_BLOCKS} blocks",
-        _evict_acts, _injector(_Evict),
+        lambda s, t, n, w: max(1, VLLM_WINDOW_BLOCKS * BLOCK - t + 1), _injector(_Evict),
     ),
     Bug(
         "short", "decode is handed a block table one block short: it attends only the full blocks before the last",
-        _short_acts, _injector(_BlockShort),
+        lambda s, t, n, w: max(1, BLOCK - t + 1), _injector(_BlockShort),
     ),
     Bug(
         "hitpos", "a chunk computed over prefix-cache blocks is placed one position early (each query misses its "
@@ -165,16 +161,6 @@ def inject_vllm_bug(adapter: VLLMModel, bug: str | None) -> VLLMModel:
 
 #: The ``evict`` bug's window: decode drops the oldest token once the cache holds this many positions.
 ENGINE_WINDOW = 8
-
-
-class _EngineBug:
-    """What every onnxruntime-genai and llama.cpp bug mixin shares: its name (``bug``), shown in the adapter's
-    repr."""
-
-    bug: str
-
-    def __repr__(self) -> str:
-        return f"{super().__repr__()[:-1]}, bug={self.bug!r})"
 
 
 class _Rewind(_EngineBug):
@@ -287,16 +273,8 @@ class _TLRestart(_EngineBug):
         return super().extend(tokens)
 
 
-def _tl_evict_acts(scenario, prompt_len, steps, window):
-    return max(1, TL_WINDOW - prompt_len + 1) if scenario in ("decode", "resume") else None
-
-
 def _tl_after_first_decode(scenario, prompt_len, steps, window):
     return 2 if scenario in ("decode", "resume") else None  # the first decode's own row is right; the next is not
-
-
-def _tl_restart_acts(scenario, prompt_len, steps, window):
-    return 0 if scenario == "resume" else None
 
 
 _tl_injector = mixin_injector(
@@ -307,13 +285,14 @@ _tl_injector = mixin_injector(
 #: :class:`~kvfast.check.engines.transformer_lens.TLBridgeModel`).
 TL_BUGS: dict[str, Bug] = catalogue(
     Bug("evict", f"decode drops the oldest position once the cache holds {TL_WINDOW} (every layer's keys and "
-        "values)", _tl_evict_acts, _tl_injector(_TLEvict)),
+        "values)", lambda s, t, n, w: max(1, TL_WINDOW - t + 1) if s in ("decode", "resume") else None,
+        _tl_injector(_TLEvict)),
     Bug("freeze", "decode does not keep the decoded token's keys and values (as over TransformerLens's frozen "
         "cache)", _tl_after_first_decode, _tl_injector(_TLFreeze)),
     Bug("replay", "decode stores the decoded token's keys and values twice", _tl_after_first_decode,
         _tl_injector(_TLReplay)),
-    Bug("restart", "a resumed chunk is computed over a new cache (the session's start forgotten)", _tl_restart_acts,
-        _tl_injector(_TLRestart)),
+    Bug("restart", "a resumed chunk is computed over a new cache (the session's start forgotten)",
+        lambda s, t, n, w: 0 if s == "resume" else None, _tl_injector(_TLRestart)),
 )  # fmt: skip
 
 

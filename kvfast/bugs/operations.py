@@ -13,11 +13,11 @@ from __future__ import annotations
 import numpy as np
 
 from kvfast.bugs import hf_mixins as mix
-from kvfast.bugs.bug import Bug, catalogue, subclass_with
+from kvfast.bugs.bug import Bug, catalogue, inject_from, subclass_with
 from kvfast.check.adapters import KvfastModel
 from kvfast.check.hf import HFModel
 from kvfast.check.scenarios import BRANCH, branches, padded_prompt
-from kvfast.validation import require_choice, require_int
+from kvfast.validation import require_int
 
 _BRANCH_OF = {op: b for b, op in branches().items()}  # each operation's second branch's report name
 
@@ -124,10 +124,7 @@ OP_BUGS: dict[str, Bug] = catalogue(
 def inject_op_bug(model, bug: str | None):
     """``model`` (a :class:`~kvfast.check.KvfastModel` or :class:`~kvfast.check.hf.HFModel`) with operation bug
     ``bug`` from :data:`OP_BUGS` (``None``: clean), in place and returned."""
-    if bug is not None:
-        require_choice(bug, "bug", OP_BUGS)
-    _adapter(model)
-    return model if bug is None else OP_BUGS[bug].inject(model)
+    return inject_from(OP_BUGS, _adapter(model), bug)
 
 
 def sliding_window(model) -> int | None:

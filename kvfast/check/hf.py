@@ -183,29 +183,38 @@ def _order_op(func, args, out) -> tuple[str, str] | None:
     return (what, lowest(fmts)) if fmts else None
 
 
+def _forward_watching(model, tokens, on_op, run=None):
+    """A forward of ``tokens`` (no cache) under a ``TorchDispatchMode`` that hands every aten call's ``(func,
+    args, out)`` to ``on_op``, whose return is the call's result from then on; the forward's output. ``run(ids)``
+    (``ids``: ``(1, T)`` int64) runs a model that is called otherwise (TransformerLens's)."""
+    torch = _torch()
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return on_op(func, args, func(*args, **(kwargs or {})))
+
+    ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64))[None, :]
+    with torch.no_grad(), Watch():
+        return model(input_ids=ids, use_cache=False) if run is None else run(ids)
+
+
 def measure_internal_formats(model, tokens, run=None) -> dict[str, str]:
     """The formats a transformers ``model`` computes its order-sensitive ops in (``{what: format}``, ``what``:
     ``matrix products``, ``softmax``, ``attention``), from one forward of ``tokens`` (no cache) under a
     ``TorchDispatchMode`` that records every aten call (:data:`ORDER_OPS`; the lowest format per kind).
     Llama float64 sdpa: every op float64; Llama and Bloom float64 eager: a float32 softmax. ``run(ids)`` (``ids``:
     ``(1, T)`` int64) runs a model that is called otherwise (TransformerLens's)."""
-    torch = _torch()
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     seen: dict[str, str] = {}
 
-    class Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            found = _order_op(func, args, out)
-            if found is not None:
-                what, fmt = found
-                seen[what] = lowest([fmt, seen.get(what, fmt)])
-            return out
+    def record(func, args, out):
+        found = _order_op(func, args, out)
+        if found is not None:
+            what, fmt = found
+            seen[what] = lowest([fmt, seen.get(what, fmt)])
+        return out
 
-    ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64))[None, :]
-    with torch.no_grad(), Record():
-        model(input_ids=ids, use_cache=False) if run is None else run(ids)
+    _forward_watching(model, tokens, record, run)
     return seen
 
 
@@ -216,23 +225,17 @@ def probe_recompute(model, tokens, fmt: str, seed: int = 0):
     Real order noise moves a few of those values by one unit (where two paths' inputs straddle a rounding
     boundary); the probe moves every one, so it is an upper estimate of the same effect."""
     torch = _torch()
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     step = 2.0 ** -(FORMATS[fmt][0] - 1)
     gen = torch.Generator().manual_seed(seed)
 
-    class Perturb(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            found = _order_op(func, args, out)
-            if found is None or found[1] != fmt or not isinstance(out, torch.Tensor) or not out.is_floating_point():
-                return out
-            sign = torch.randint(0, 2, out.shape, generator=gen, dtype=torch.float64) * 2 - 1
-            return (out.double() * (1 + sign * step)).to(out.dtype)
+    def perturb(func, args, out):
+        found = _order_op(func, args, out)
+        if found is None or found[1] != fmt or not isinstance(out, torch.Tensor) or not out.is_floating_point():
+            return out
+        sign = torch.randint(0, 2, out.shape, generator=gen, dtype=torch.float64) * 2 - 1
+        return (out.double() * (1 + sign * step)).to(out.dtype)
 
-    ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64))[None, :]
-    with torch.no_grad(), Perturb():
-        return model(input_ids=ids, use_cache=False).logits
+    return _forward_watching(model, tokens, perturb).logits
 
 
 def _rowwise(forward):

@@ -257,11 +257,6 @@ def build_model(spec: str, factory_args: dict[str, object]):
     return model
 
 
-def build_engine(args):
-    """``--engine NAME PATH``: NAME's adapter (:data:`ENGINES`) over ``PATH``, with the ``--factory-arg``s."""
-    return build_model(ENGINES[args.engine], {"path": args.factory, **parse_factory_args(args.factory_arg)})
-
-
 def require_model_under_test(model: object, call: str) -> None:
     """``ValueError`` (bad input: ``the factory CALL returns no model under test: ...``) unless ``model`` is a
     model under test, a Hugging Face model or an engine's object kvfast wraps by itself
@@ -313,12 +308,8 @@ def check_options(args):
     try:
         return CheckOptions.defaulting_steps(**given)
     except ValueError as exc:
-        message = str(exc)
-        for name, flag in named.items():
-            if message.startswith(f"{name}: "):
-                message = f"{flag.name}: {message.removeprefix(f'{name}: ')}"
-                break
-        raise ValueError(message) from None
+        name, sep, rest = str(exc).partition(": ")
+        raise ValueError(f"{named[name].name}: {rest}" if sep and name in named else str(exc)) from None
 
 
 def run_check(args, started: float | None = None) -> dict:
@@ -332,11 +323,11 @@ def run_check(args, started: float | None = None) -> dict:
     try:
         options = replace(check_options(args), timeout=None)  # --timeout is this process's watch (below)
         with watched(args.timeout, started):
-            model = (
-                build_engine(args)
-                if getattr(args, "engine", None)
-                else build_model(args.factory, parse_factory_args(args.factory_arg))
-            )
+            factory_args = parse_factory_args(args.factory_arg)
+            if getattr(args, "engine", None):  # --engine NAME PATH: NAME's adapter (ENGINES) over PATH
+                model = build_model(ENGINES[args.engine], {"path": args.factory, **factory_args})
+            else:
+                model = build_model(args.factory, factory_args)
             report = check_cache_with(model, parse_prompt(args.prompt), options)
     except ValueError as exc:
         return {"kind": "bad input", "line": str(exc)}

@@ -162,18 +162,14 @@ def cmd_scan(args) -> int:
             hf_scan.scoreboard(df).to_csv(where / "scoreboard.csv", index=False, lineterminator="\n")
             hf_scan.skipped_table(df).to_csv(where / "skipped.csv", index=False, lineterminator="\n")
             (where / "scoreboard.md").write_text(scoreboard_text(df, True) + "\n")
-    except StorageError as exc:
-        print(f"kvfast: error: {one_line(exc)}", file=sys.stderr)
-        return EXIT_STORAGE
-    print(f"scoreboard: {where / 'scoreboard.md'} (kvfast report {args.out}: the heatmap)")
-    if args.repro:
-        try:
+        print(f"scoreboard: {where / 'scoreboard.md'} (kvfast report {args.out}: the heatmap)")
+        if args.repro:
             with writing_report(where, stored, what="the reproducers"):
                 findings = _write_reproducers(df, out, args)
                 (where / "scoreboard.md").write_text(scoreboard_text(df, True, findings) + "\n")
-        except StorageError as exc:
-            print(f"kvfast: error: {one_line(exc)}", file=sys.stderr)
-            return EXIT_STORAGE
+    except StorageError as exc:
+        print(f"kvfast: error: {one_line(exc)}", file=sys.stderr)
+        return EXIT_STORAGE
     return _exit(report)
 
 

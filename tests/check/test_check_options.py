@@ -103,7 +103,7 @@ def test_the_check_study_builds_its_options_from_the_config():
 # --- layout -----------------------------------------------------------------------------------
 
 CHECKER = (
-    "checker.py", "subject.py", "reference.py", "judge.py", "report.py", "options.py", "scenarios/base.py",
+    "checker.py", "subject.py", "reference.py", "judge.py", "check_report.py", "options.py", "scenarios/base.py",
     "scenarios/decode.py", "scenarios/resume.py", "scenarios/rollback.py", "scenarios/fork.py",
 )  # fmt: skip
 

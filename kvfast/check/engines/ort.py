@@ -260,35 +260,29 @@ class ORTModel:
     # --- the cached path: the engine's own generator ---------------------------------------------------
 
     def _append(self, tokens) -> np.ndarray:
+        """``tokens`` appended to the generator (and to :attr:`tokens`); their logits ``(n, V)``."""
         tokens = np.asarray(tokens, dtype=np.int32).reshape(1, -1)
         if self.length + tokens.shape[1] > self.max_positions:
             raise not_allowed("positions", self.length + tokens.shape[1], f"at most {self.max_positions}")
         self.generator.append_tokens(tokens)
         self.length += tokens.shape[1]
+        self.tokens += [int(t) for t in tokens[0]]
         return np.array(self.generator.get_output("logits"))[0]
 
     def prefill(self, tokens):
         """A fresh generator fed ``tokens``; their logits ``(T, V)``."""
-        self.generator, self.length = self._generator(), 0
-        self.tokens: list[int] = []
-        out = self._append(tokens)
-        self.tokens += [int(t) for t in np.asarray(tokens).reshape(-1)]
-        return out
+        self.generator, self.length, self.tokens = self._generator(), 0, []
+        return self._append(tokens)
 
     def extend(self, tokens):
         """``tokens`` appended to the generator; their logits ``(n, V)``."""
         self._require()
-        out = self._append(tokens)
-        self.tokens += [int(t) for t in np.asarray(tokens).reshape(-1)]
-        return out
+        return self._append(tokens)
 
     def decode(self, token):
         """One token appended; logits ``(V,)``."""
         self._require()
-        token = require_int(token, "token", 0, self.vocab_size - 1)
-        out = self._append([token])[0]
-        self.tokens.append(token)
-        return out
+        return self._append([require_int(token, "token", 0, self.vocab_size - 1)])[0]
 
     def crop(self, n: int) -> None:
         """Roll the cache back to its first ``n`` positions (``rewind_to``)."""

@@ -65,20 +65,19 @@ BRIDGE = "a transformer_lens TransformerBridge or a transformers model directory
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 
+def _is_tl(model: object, name: str) -> bool:
+    """Whether ``model`` is an instance of TransformerLens's class ``name`` (a subclass included; imports nothing)."""
+    return any(cls.__name__ == name and cls.__module__.startswith("transformer_lens") for cls in type(model).__mro__)
+
+
 def is_hooked_transformer(model: object) -> bool:
     """Whether ``model`` is a ``transformer_lens.HookedTransformer`` (a subclass included; imports nothing)."""
-    return any(
-        cls.__name__ == "HookedTransformer" and cls.__module__.startswith("transformer_lens")
-        for cls in type(model).__mro__
-    )
+    return _is_tl(model, "HookedTransformer")
 
 
 def is_transformer_bridge(model: object) -> bool:
     """Whether ``model`` is a TransformerLens ``TransformerBridge`` (a subclass included; imports nothing)."""
-    return any(
-        cls.__name__ == "TransformerBridge" and cls.__module__.startswith("transformer_lens")
-        for cls in type(model).__mro__
-    )
+    return _is_tl(model, "TransformerBridge")
 
 
 def engine_model(path, **kwargs):

@@ -435,10 +435,9 @@ class VLLMModel:
         params.logprobs = None  # each decoded row is the sampler's, handed over by _patch_sampling's hook
         self._live = str(next(_REQUEST_IDS))
         self.requests += 1
-        for k in range(
-            self.companions
-        ):  # other requests in the same steps (their rows are not read), sent first: under a
-            # block budget the scheduler preempts the latest request, the cached path's
+        # other requests in the same steps (their rows are not read), sent first: under a block budget the
+        # scheduler preempts the latest request, the cached path's
+        for k in range(self.companions):
             other = [(t * (k + 2) + k + 1) % self.vocab_size for t in tokens]
             self._others.append(str(next(_REQUEST_IDS)))
             quiet = self._params(params.max_tokens, False, False)
@@ -687,13 +686,11 @@ class VLLMModel:
 
     def _chunked(self, tokens: list[int]) -> np.ndarray:
         with self._token_budget(-(-len(tokens) // CHUNKS)):
-            out = self._generate([tokens], [self._params(1, True, False)], cached_path=False)[0]
-        return self._rows_of(out, 0)
+            return self.recompute(tokens)
 
     def _rows(self, tokens: list[int]) -> np.ndarray:
         with self._gemm_rows(ROWS):
-            out = self._generate([tokens], [self._params(1, True, False)], cached_path=False)[0]
-        return self._rows_of(out, 0)
+            return self.recompute(tokens)
 
     def _model(self):
         """The engine's model (a torch module) in this process, else ``NotImplementedError``."""

@@ -30,13 +30,24 @@ def linear_layers(model) -> list:
 
 
 @contextlib.contextmanager
+def _each_linear(layers: list, wrap):
+    """Every one of ``layers``' ``cpu_linear`` replaced by ``wrap(k, its own)`` for the duration (``k``: the
+    layer's index); yields the layers' own."""
+    saved = [layer.cpu_linear for layer in layers]
+    for k, (layer, linear) in enumerate(zip(layers, saved, strict=True)):
+        layer.cpu_linear = wrap(k, linear)
+    try:
+        yield saved
+    finally:
+        for layer, linear in zip(layers, saved, strict=True):
+            layer.cpu_linear = linear
+
+
 def gemm_rows(layers: list, n: int):
-    """Every one of ``layers`` runs its GEMM on ``n`` rows at a time for the duration."""
+    """Every one of ``layers`` runs its GEMM on ``n`` rows at a time for the duration (a context manager)."""
     import torch
 
-    saved = [layer.cpu_linear for layer in layers]
-
-    def blocked(linear):
+    def blocked(k, linear):
         def run(x, weight, bias):
             flat = x.reshape(-1, x.shape[-1])
             if flat.shape[0] <= n:
@@ -46,13 +57,7 @@ def gemm_rows(layers: list, n: int):
 
         return run
 
-    for layer, linear in zip(layers, saved, strict=True):
-        layer.cpu_linear = blocked(linear)
-    try:
-        yield
-    finally:
-        for layer, linear in zip(layers, saved, strict=True):
-            layer.cpu_linear = linear
+    return _each_linear(layers, blocked)
 
 
 def row_count_effect(layers: list, prefill: Callable[[list[int]], object], vocab_size: int) -> float:
@@ -65,7 +70,6 @@ def row_count_effect(layers: list, prefill: Callable[[list[int]], object], vocab
 
     from kvfast.check.formats import ulp
 
-    saved = [layer.cpu_linear for layer in layers]
     seen: dict[int, tuple] = {}
 
     def capture(k, linear):
@@ -75,13 +79,8 @@ def row_count_effect(layers: list, prefill: Callable[[list[int]], object], vocab
 
         return run
 
-    for k, (layer, linear) in enumerate(zip(layers, saved, strict=True)):
-        layer.cpu_linear = capture(k, linear)
-    try:
+    with _each_linear(layers, capture) as saved:
         prefill([(3 + 7 * i) % vocab_size for i in range(PROBE_TOKENS)])
-    finally:
-        for layer, linear in zip(layers, saved, strict=True):
-            layer.cpu_linear = linear
     worst = 0.0
     with torch.no_grad():
         for k, (x, weight, bias) in seen.items():
