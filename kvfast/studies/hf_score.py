@@ -264,9 +264,7 @@ def _draw_recall(df: pd.DataFrame, table: pd.DataFrame):
             x = np.arange(len(bugs)) + (i - (len(DETECTORS) - 1) / 2) * width
             ax.bar(x, part[f"{name}.recall"], width, label=name)
         ax.set_xticks(range(len(bugs)), bugs)
-        ax.set_ylim(0, 1.15)
-        ax.set_ylabel("recall")
-        ax.set_title(f"{dtype}, {attention}")
+        ax.set(ylim=(0, 1.15), ylabel="recall", title=f"{dtype}, {attention}")
         ax.grid(axis="y", alpha=0.3)
     axes[0][0].legend(fontsize=8, loc="upper left", ncol=2)
     fig.tight_layout()

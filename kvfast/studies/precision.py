@@ -434,8 +434,7 @@ def _draw_agreement(df: pd.DataFrame, table: pd.DataFrame):
                     ax.text(j, i, text, ha="center", va="center", color="white" if v < 0.6 else "black")
             ax.set_xticks(range(3), FORMATS)
             ax.set_yticks(range(3), FORMATS)
-            ax.set_xlabel("accumulator")
-            ax.set_ylabel(f"d_model {d}: storage" if c == 0 else "storage")
+            ax.set(xlabel="accumulator", ylabel=f"d_model {d}: storage" if c == 0 else "storage")
             if r == 0:
                 ax.set_title(comp.replace(": ", ":\n"), fontsize=10)
     fig.colorbar(im, ax=axes, shrink=0.8, label="% of positions agreeing bit for bit")
