@@ -438,19 +438,16 @@ def _draw_roc(df: pd.DataFrame, table: pd.DataFrame):
     for row, model in enumerate(models):
         m = s[s["model"] == model]
         for ax, label in zip(axes[row], LABELS, strict=True):
-            pop = m[m["bug_present"]] if label == "output changed" else m
+            pop = _population(m, label)
             pos = int(pop[label.replace(" ", "_")].sum())
             for name in DETECTORS:
                 g = table[(table["model"] == model) & (table["label"] == label) & (table["detector"] == name)]
                 auc = g["auc"].iloc[0]
                 ax.plot(g["fpr"], g["tpr"], "-o", ms=3, color=COLORS[name], label=f"{name} (AUC {auc:.4g})")
             ax.plot([0, 1], [0, 1], ":", color="grey", label="chance (AUC 0.500)")
-            ax.set_xlabel("false-positive rate")
-            ax.set_ylabel("true-positive rate (recall)")
+            ax.set(xlabel="false-positive rate", ylabel="true-positive rate (recall)", aspect="equal")
+            ax.set(xlim=(-0.02, 1.02), ylim=(-0.02, 1.02))
             ax.set_title(f'{model} models, label "{label}":\n{pos} positives of {len(pop)} runs')
-            ax.set_xlim(-0.02, 1.02)
-            ax.set_ylim(-0.02, 1.02)
-            ax.set_aspect("equal")
             ax.grid(alpha=0.3)
             ax.legend(loc="lower right")
     fig.tight_layout()
@@ -483,8 +480,7 @@ def _draw_steps_to_detection(df: pd.DataFrame, table: pd.DataFrame):
         ax.text(16.3, i, "one-step: " + " | ".join(flagged), va="center", fontsize=9, color=COLORS["one-step"])
     ax.axvline(1, color="grey", lw=1, ls=":")
     ax.set_yticks(range(len(bugs)), bugs)
-    ax.set_ylim(len(bugs) - 0.5, -0.5)
-    ax.set_xlim(-0.5, 21.5)
+    ax.set(ylim=(len(bugs) - 0.5, -0.5), xlim=(-0.5, 21.5))
     ax.set_xticks(range(0, 16))
     ax.set_xlabel("first decode step at which the every-step check fires (marker area: runs)")
     ax.set_title("Steps to detection per bug (every-step check); one-step flags at right (" + " | ".join(models) + ")")

@@ -51,6 +51,11 @@ def validate_model_and_case(config: dict, study: str) -> None:
     require_config_choice(config, "family", FAMILIES)
     require_config_choice(config, "dtype", DTYPES)
     require_config_choice(config, "attention", ATTENTION)
+    validate_case(config)
+
+
+def validate_case(config: dict) -> None:
+    """``ValueError`` naming the field unless ``seed`` and the :data:`CASE_FIELDS` are allowed values."""
     require_int(config.get("seed"), "seed", 0)
     require_int(config.get("prompt"), "prompt", 0, 1000)
     require_int(config.get("steps"), "steps", 1, 256)

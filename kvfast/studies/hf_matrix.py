@@ -253,20 +253,17 @@ def facts(df: pd.DataFrame) -> list[Fact]:
     if not len(table):
         return []
     total = table.iloc[-1]
-    rows = [
-        Fact(
-            "hf_matrix_clean",
-            "hf_matrix study: clean runs, bug verdicts (false positives), inconclusive, largest ratio",
-            f"{int(total['runs'])} runs, {int(total['bug'])} bug, {int(total['inconclusive'])} inconclusive, "
-            f"largest ratio {total['largest_ratio']:.3g}",
-        )
+    clean = Fact(
+        "hf_matrix_clean",
+        "hf_matrix study: clean runs, bug verdicts (false positives), inconclusive, largest ratio",
+        f"{int(total['runs'])} runs, {int(total['bug'])} bug, {int(total['inconclusive'])} inconclusive, "
+        f"largest ratio {total['largest_ratio']:.3g}",
+    )
+    rates = {name: (miss / runs if runs else np.nan, miss, runs) for name, (miss, runs) in miss_rates(df).items()}
+    return [clean] + [
+        Fact(f"hf_matrix_miss_{i}", f"hf_matrix study: miss rate, {name}", f"{rate:.3f} ({miss} of {runs})")
+        for i, (name, (rate, miss, runs)) in enumerate(rates.items())
     ]
-    for i, (name, (miss, runs)) in enumerate(miss_rates(df).items()):
-        rate = miss / runs if runs else float("nan")
-        rows.append(
-            Fact(f"hf_matrix_miss_{i}", f"hf_matrix study: miss rate, {name}", f"{rate:.3f} ({miss} of {runs})")
-        )
-    return rows
 
 
 def ratio_table(df: pd.DataFrame) -> pd.DataFrame:

@@ -41,7 +41,6 @@ from kvfast.studies import hf_common as hf
 from kvfast.studies.common import declared_order, first_bug_step, ok_rows, require_config_choice, study_of
 from kvfast.studies.plotting import pyplot
 from kvfast.sweep.study import Fact, Figure
-from kvfast.validation import require_int
 
 VERSION = "2"  # 2: the mode field, auto by default
 PROMPT_STREAM = 3000
@@ -100,7 +99,6 @@ def architectures() -> tuple[str, ...]:
 
 def validate_config(config: dict) -> None:
     """``ValueError`` naming the field (or the missing torch) before any run."""
-    from kvfast.bugs.hf import HF_BUGS
     from kvfast.check.options import MODES, PROMOTE
 
     hf.require_torch("hf_scan")
@@ -108,10 +106,7 @@ def validate_config(config: dict) -> None:
     require_config_choice(config, "dtype", DTYPES)
     require_config_choice(config, "attention", ATTENTION)
     require_config_choice(config, "scenario", scenarios())
-    require_int(config.get("seed"), "seed", 0)
-    require_int(config.get("prompt"), "prompt", 0, 1000)
-    require_int(config.get("steps"), "steps", 1, 256)
-    require_config_choice(config, "bug", (hf.NO_BUG, *HF_BUGS))
+    hf.validate_case(config)
     require_config_choice(config, "promote", ("none", *PROMOTE))  # "none": promote=None
     require_config_choice(config, "mode", MODES)
 

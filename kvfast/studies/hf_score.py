@@ -241,18 +241,15 @@ def claims(df: pd.DataFrame) -> list[Claim]:
 def facts(df: pd.DataFrame) -> list[Fact]:
     """Per dtype and attention: each detector's recall over all bugs and its FPR."""
     table = score_table(df)
-    rows = []
-    for _, row in table[table["bug"] == "all"].iterrows() if len(table) else ():
-        value = "; ".join(f"{name} {row[f'{name}.recall']:.3f} (FPR {row[f'{name}.fpr']:.3f})" for name in DETECTORS)
-        rows.append(
-            Fact(
-                f"hf_score_{row['dtype']}_{row['attention']}",
-                f"hf_score study, {row['dtype']} {row['attention']}: recall over all {int(row['cases'])} bugged "
-                "cases (FPR on the clean controls)",
-                value,
-            )
+    return [
+        Fact(
+            f"hf_score_{row['dtype']}_{row['attention']}",
+            f"hf_score study, {row['dtype']} {row['attention']}: recall over all {int(row['cases'])} bugged "
+            "cases (FPR on the clean controls)",
+            "; ".join(f"{name} {row[f'{name}.recall']:.3f} (FPR {row[f'{name}.fpr']:.3f})" for name in DETECTORS),
         )
-    return rows
+        for _, row in (table[table["bug"] == "all"] if len(table) else table).iterrows()
+    ]
 
 
 def _draw_recall(df: pd.DataFrame, table: pd.DataFrame):
@@ -267,9 +264,7 @@ def _draw_recall(df: pd.DataFrame, table: pd.DataFrame):
             x = np.arange(len(bugs)) + (i - (len(DETECTORS) - 1) / 2) * width
             ax.bar(x, part[f"{name}.recall"], width, label=name)
         ax.set_xticks(range(len(bugs)), bugs)
-        ax.set_ylim(0, 1.15)
-        ax.set_ylabel("recall")
-        ax.set_title(f"{dtype}, {attention}")
+        ax.set(ylim=(0, 1.15), ylabel="recall", title=f"{dtype}, {attention}")
         ax.grid(axis="y", alpha=0.3)
     axes[0][0].legend(fontsize=8, loc="upper left", ncol=2)
     fig.tight_layout()

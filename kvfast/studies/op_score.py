@@ -35,6 +35,7 @@ import pandas as pd
 from kvfast.bugs.operations import OP_BUGS, WINDOW_BUG, inject_op_bug
 from kvfast.bugs.score import Detection, markdown, run_detector, score_rows, side_by_side
 from kvfast.check.checker import check_cache
+from kvfast.studies.common import declared_order
 from kvfast.studies.hf_score import PromptOfConfig
 
 FAMILIES = ("llama", "gpt2", "qwen2", "mistral")
@@ -118,8 +119,7 @@ def grouped_scores(detections: pd.DataFrame) -> pd.DataFrame:
     windowed = detections["family"].isin(WINDOWED)
     parts = [score_rows(detections[group], bugs) for group in (~windowed, windowed) if group.any()]
     rows = pd.concat([p[p["bug"] != "all"] for p in parts] + [score_rows(detections, bugs).tail(1)])
-    order = {b: i for i, b in enumerate((*bugs, "all"))}
-    return rows.sort_values("bug", key=lambda c: c.map(order), kind="stable").reset_index(drop=True)
+    return rows.sort_values("bug", key=declared_order({"bug": (*bugs, "all")}), kind="stable").reset_index(drop=True)
 
 
 def main(argv: list[str] | None = None) -> int:

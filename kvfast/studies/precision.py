@@ -48,6 +48,7 @@ from kvfast.numerics import PRESETS, Numerics
 from kvfast.studies.common import (
     MODEL_SHAPE_FIELDS,
     bits_equal,
+    first_index,
     model_config,
     ok_rows,
     require_config_choice,
@@ -170,22 +171,22 @@ def _max_diff(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def _first_diff(ta: dict, tb: dict) -> str:
-    """The first differing value, in forward order (position, then layer), or ''."""
+    """The first differing value, in forward order (position, then layer: its K, V and the residual stream leaving
+    it; the logits last), or ''."""
     n_layer = ta["k"].shape[0]
+    order = [
+        (kind, layer)
+        for layer in range(n_layer + 1)
+        for kind in ("k", "v", "resid")
+        if kind == "resid" or layer < n_layer
+    ]
     for t in range(ta["logits"].shape[0]):
-        for layer in range(n_layer + 1):
-            for kind in ("k", "v", "resid"):
-                if kind != "resid" and layer == n_layer:
-                    continue
-                a, b = ta[kind][layer, t], tb[kind][layer, t]
-                bad = np.nonzero(~bits_equal(a, b))[0]
-                if bad.size:
-                    j = int(bad[0])
-                    return f"{kind}[layer={layer}, pos={t}, col={j}]: {float(a[j])!r} vs {float(b[j])!r}"
-        bad = np.nonzero(~bits_equal(ta["logits"][t], tb["logits"][t]))[0]
-        if bad.size:
-            j = int(bad[0])
-            return f"logits[pos={t}, col={j}]: {float(ta['logits'][t, j])!r} vs {float(tb['logits'][t, j])!r}"
+        for kind, layer in [*order, ("logits", None)]:
+            a, b = (ta[kind][t], tb[kind][t]) if layer is None else (ta[kind][layer, t], tb[kind][layer, t])
+            j = first_index(~bits_equal(a, b))
+            if j >= 0:
+                where = f"layer={layer}, pos={t}" if layer is not None else f"pos={t}"
+                return f"{kind}[{where}, col={j}]: {float(a[j])!r} vs {float(b[j])!r}"
     return ""
 
 
@@ -433,8 +434,7 @@ def _draw_agreement(df: pd.DataFrame, table: pd.DataFrame):
                     ax.text(j, i, text, ha="center", va="center", color="white" if v < 0.6 else "black")
             ax.set_xticks(range(3), FORMATS)
             ax.set_yticks(range(3), FORMATS)
-            ax.set_xlabel("accumulator")
-            ax.set_ylabel(f"d_model {d}: storage" if c == 0 else "storage")
+            ax.set(xlabel="accumulator", ylabel=f"d_model {d}: storage" if c == 0 else "storage")
             if r == 0:
                 ax.set_title(comp.replace(": ", ":\n"), fontsize=10)
     fig.colorbar(im, ax=axes, shrink=0.8, label="% of positions agreeing bit for bit")

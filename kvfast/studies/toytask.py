@@ -158,11 +158,9 @@ def _train_cached(
         inputs, targets = make_batch(task, rng, batch)
         _, grads = batch_loss_and_grads(config, params, inputs, targets, task.loss_from, numerics)
         adam_step(params, grads, state, lr)
-    out = []
-    for name, arr in params.items():
+    for arr in params.values():
         arr.setflags(write=False)
-        out.append((name, arr))
-    return tuple(out)
+    return tuple(params.items())
 
 
 def train(

@@ -467,11 +467,8 @@ def _budget_panels(runs: pd.DataFrame) -> tuple[object, object, list[tuple[objec
     ``(axis, budget, the budget's runs)``."""
     budgets = _budgets(runs)
     fig, axes = pyplot().subplots(1, len(budgets), figsize=(6.2 * len(budgets), 4.6), sharey=True, squeeze=False)
-    return (
-        fig,
-        axes,
-        [(ax, steps, runs[runs["train_steps"] == steps]) for ax, steps in zip(axes[0], budgets, strict=True)],
-    )
+    panels = [(ax, steps, runs[runs["train_steps"] == steps]) for ax, steps in zip(axes[0], budgets, strict=True)]
+    return fig, axes, panels
 
 
 def _draw_cosine_curve(df: pd.DataFrame, table: pd.DataFrame):
@@ -537,9 +534,7 @@ def _draw_loss_curve(df: pd.DataFrame, table: pd.DataFrame):
     for ax, steps, g in panels:
         for variant, color in (("full", "#2ca02c"), ("cached", "#d62728")):
             batch = np.array([np.asarray(v, dtype=np.float64) for v in g[f"train_loss_{variant}"]]).mean(axis=0)
-            ax.plot(
-                np.arange(batch.size), batch, "-", color=color, alpha=0.35, lw=1, label=f"{variant}: training batch"
-            )
+            ax.plot(batch, "-", color=color, alpha=0.35, lw=1, label=f"{variant}: training batch")
             at, mean = mean_curve(g, f"curve_suffix_loss_{variant}")
             ax.plot(at, mean, "-o", ms=4, color=color, label=f"{variant}: held-out suffix")
         ax.plot([steps], [1.346], "*", ms=13, color="#d62728", mec="black", label="seed cached: 1.346")
