@@ -160,12 +160,12 @@ def _judged(subject: CheckSubject, judge: Judge) -> tuple[CheckReport, list[str]
     plan = CheckPlan(subject.prompt.copy(), subject.split, subject.steps, options.scenarios, judge.measures_noise)
     prepared = subject.calls.prepare(plan)  # the model's own set-up for this check (its notes head the report's)
     lossy = lossy_format(subject.calls)  # a quantized cache (kvfast.check.lossy), its declaration read before any work
-    prompt_rows, fmt = subject.calls.recompute_with_format(subject.prompt, "of the prompt")
+    prompt_rows, fmt = subject.calls.recompute(subject.prompt, "of the prompt", with_format=True)
     formats = formats_of(subject.calls.model, fmt)  # the noise model's formats: declared, measured or assumed
     if options.follow == "cache":
-        reference = OwnReference(subject, judge, prompt_rows, fmt, formats)
+        reference = OwnReference(subject, judge, prompt_rows, formats)
     else:
-        reference = SharedReference.build(subject, judge, prompt_rows, fmt, formats)
+        reference = SharedReference(subject, judge, prompt_rows, formats)
     parts = run_scenarios(subject, reference)
     judge = judge.settled([p for found in parts.values() if isinstance(found, list) for p in found])
     noise = judge.noise(reference)  # measured now, where the judge needs it (auto: only if not bit-exact)
