@@ -20,7 +20,7 @@ which renders what only that judge measured.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -29,14 +29,9 @@ from kvfast.check import formats as F
 from kvfast.check.check_report import ControlDetail, Detail, ExactDetail, LossyExactDetail, ScenarioReport
 from kvfast.check.scenarios import CachePath
 
-if TYPE_CHECKING:  # the options are read, never built or validated here
+if TYPE_CHECKING:  # the options are read, never built or validated here; the reference is asked for its noise
     from kvfast.check.options import CheckOptions
-
-
-class NoiseSource(Protocol):
-    """What a judge asks for the order noise: the reference (:class:`kvfast.check.reference.SharedReference`)."""
-
-    def order_noise(self) -> dict[str, np.ndarray]: ...
+    from kvfast.check.reference import SharedReference
 
 
 @dataclass(frozen=True)
@@ -100,7 +95,7 @@ class Judge:
         :class:`AutoJudge`'s."""
         return self
 
-    def noise(self, reference: NoiseSource) -> dict[str, np.ndarray] | None:
+    def noise(self, reference: SharedReference) -> dict[str, np.ndarray] | None:
         """The order noise this judge judges against (``reference``'s, measured now; ``None``: it needs none)."""
         return None
 
@@ -140,7 +135,12 @@ class ExactJudge(Judge):
         differs = (dev > 0).tolist()
         first = differs.index(True) if True in differs else None
         verdicts = tuple("divergent" if d else "exact" for d in differs)
-        detail = ExactDetail(None if first is None else _in_ulps(dev, part, fmt))
+        ulps = None  # each step's deviation in units in the last place of fmt at its magnitude (a divergence only)
+        if first is not None:
+            T, start = part.prompt.shape[0], part.split or 0
+            magnitude = np.abs(part.rows).max(axis=1)
+            ulps = dev / F.ulp(fmt, np.concatenate([[magnitude[start:T].max()], magnitude[T:]]))
+        detail = ExactDetail(ulps)
         return ScenarioReport(
             part.name, part.prompt, part.path.fed, dev, verdicts, "divergent" if first is not None else "exact",
             first, bad_row, detail, part.split, part.notes, **part.kept(),
@@ -156,14 +156,6 @@ class ExactJudge(Judge):
 
     def lossy_detail(self, bounds: ControlDetail, judged: Detail) -> Detail:
         return LossyExactDetail(judged.ulps, bounds=bounds)
-
-
-def _in_ulps(dev: np.ndarray, part: Part, fmt: str) -> np.ndarray:
-    """Each step's deviation in units in the last place of ``fmt`` at the step's magnitude (a divergence only: a
-    bit-exact run, as the sweeps' are, pays nothing)."""
-    T, start = part.prompt.shape[0], part.split or 0
-    magnitude = np.abs(part.rows).max(axis=1)
-    return dev / F.ulp(fmt, np.concatenate([[magnitude[start:T].max()], magnitude[T:]]))
 
 
 @dataclass(frozen=True)
@@ -183,9 +175,7 @@ class ControlJudge(Judge):
         T = part.prompt.shape[0]
         start = part.split or 0
         scale_pos = np.abs(rows).max(axis=1)
-        noise_pos = np.zeros(rows.shape[0])
-        for v in noise.values():
-            noise_pos = np.maximum(noise_pos, v)
+        noise_pos = np.max([np.zeros(rows.shape[0]), *noise.values()], axis=0)
         scale = np.concatenate([[scale_pos[start:T].max()], scale_pos[T:]])
         floor = np.concatenate([[noise_pos[start:T].max()], noise_pos[T:]])
         rel, where = C.pooled_noise(noise, scale_pos)
@@ -199,7 +189,7 @@ class ControlJudge(Judge):
             part.split, part.notes, **part.kept(),
         )  # fmt: skip
 
-    def noise(self, reference: NoiseSource) -> dict[str, np.ndarray] | None:
+    def noise(self, reference: SharedReference) -> dict[str, np.ndarray] | None:
         return reference.order_noise()
 
     def noise_notes(self, formats: F.NoiseFormats) -> list[str]:
