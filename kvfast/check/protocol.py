@@ -245,18 +245,11 @@ def check_range(prompt: np.ndarray, vocab: int, field: str = "prompt") -> None:
 def logits_format(value: object) -> str:
     """The floating-point format a model's logits come in (before any widening): ``bfloat16``, ``float16``,
     ``float32`` or ``float64`` (integers and anything else: ``float64``)."""
-    dtype = getattr(value, "dtype", "")
-    known = _NUMPY_FORMATS.get(dtype) if isinstance(dtype, np.dtype) else None  # numpy's own: no text
-    if known is not None:
-        return known
-    name = str(dtype).removeprefix("torch.")
-    if name in LOGITS_FORMATS:
-        return name
-    return "float64"
+    name = str(getattr(value, "dtype", "")).removeprefix("torch.")  # numpy's, ml_dtypes' and torch's dtypes
+    return name if name in LOGITS_FORMATS else "float64"
 
 
 LOGITS_FORMATS = ("bfloat16", "float16", "float32", "float64")
-_NUMPY_FORMATS = {np.dtype(name): name for name in LOGITS_FORMATS[1:]}
 
 
 def vocab_of(model: object) -> int:

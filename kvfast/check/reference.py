@@ -207,7 +207,8 @@ class SharedReference(Reference):
         T, steps = subject.T, subject.steps
         self.full: np.ndarray | None = None  # the per-step path's whole-sequence recompute, once measured
         self.rows = np.empty((T + steps, subject.vocab))
-        self.tokens = np.empty(steps, dtype=np.int64)
+        self.tokens = np.empty(steps, dtype=np.int64)  # filled in place: a skipped scenario's report holds them
+        self.skipped_tokens = self.tokens
         self.rows[:T] = self.prompt_rows
         if subject.given is not None:
             self.tokens[:] = subject.given
@@ -232,11 +233,6 @@ class SharedReference(Reference):
             if self.length is None:
                 lengths = per_step_lengths(T, T + steps)
                 self.length = length_dependence({T + steps: self.rows}, self.full, self.formats, lengths)
-
-    @property
-    def skipped_tokens(self) -> np.ndarray:
-        """The tokens a skipped scenario's report holds: the shared ones."""
-        return self.tokens
 
     def choose(self, t: int, out: np.ndarray) -> int:
         """The shared token of step ``t + 1``."""
