@@ -109,6 +109,18 @@ class Judge:
 
     def judge(self, part: Part, fmt: str) -> ScenarioReport:
         """``part``'s report; ``fmt``: the format whose 1 ulp is the least bound of a step (control)."""
+        dev, bad_row = deviations(part.path, part.rows, part.split or 0)
+        differs = np.nonzero(dev > 0)[0]
+        first = int(differs[0]) if differs.size else None
+        verdicts, verdict, detail = self.steps(part, dev, first, fmt)
+        return ScenarioReport(
+            part.name, part.prompt, part.path.fed, dev, verdicts, verdict, first, bad_row, detail, part.split,
+            part.notes, **part.kept(),
+        )  # fmt: skip
+
+    def steps(self, part: Part, dev: np.ndarray, first: int | None, fmt: str) -> tuple[tuple[str, ...], str, Detail]:
+        """``(step verdicts, the scenario's verdict, the report's detail)`` of ``part`` from its steps' deviations
+        ``dev`` (``first``: the first step that differs, or ``None``) and ``fmt`` (see :meth:`judge`)."""
         raise NotImplementedError
 
     def overall(self, reports: list[ScenarioReport]) -> str:
@@ -130,21 +142,14 @@ class ExactJudge(Judge):
     how: str = "bit for bit"
     mode = "exact"
 
-    def judge(self, part: Part, fmt: str) -> ScenarioReport:
-        dev, bad_row = deviations(part.path, part.rows, part.split or 0)
-        differs = (dev > 0).tolist()
-        first = differs.index(True) if True in differs else None
-        verdicts = tuple("divergent" if d else "exact" for d in differs)
-        ulps = None  # each step's deviation in units in the last place of fmt at its magnitude (a divergence only)
-        if first is not None:
-            T, start = part.prompt.shape[0], part.split or 0
-            magnitude = np.abs(part.rows).max(axis=1)
-            ulps = dev / F.ulp(fmt, np.concatenate([[magnitude[start:T].max()], magnitude[T:]]))
-        detail = ExactDetail(ulps)
-        return ScenarioReport(
-            part.name, part.prompt, part.path.fed, dev, verdicts, "divergent" if first is not None else "exact",
-            first, bad_row, detail, part.split, part.notes, **part.kept(),
-        )  # fmt: skip
+    def steps(self, part: Part, dev: np.ndarray, first: int | None, fmt: str) -> tuple[tuple[str, ...], str, Detail]:
+        verdicts = tuple("divergent" if d else "exact" for d in (dev > 0).tolist())
+        if first is None:  # bit-exact, as the sweeps' runs are: nothing more to pay for
+            return verdicts, "exact", ExactDetail(None)
+        T, start = part.prompt.shape[0], part.split or 0  # each step's deviation in ulps of fmt at its magnitude
+        magnitude = np.abs(part.rows).max(axis=1)
+        ulps = dev / F.ulp(fmt, np.concatenate([[magnitude[start:T].max()], magnitude[T:]]))
+        return verdicts, "divergent", ExactDetail(ulps)
 
     def overall(self, reports: list[ScenarioReport]) -> str:
         if all(r.verdict == "exact" for r in reports):
@@ -167,11 +172,8 @@ class ControlJudge(Judge):
     measures_noise = True
     logic_check_mode = "control"
 
-    def judge(self, part: Part, fmt: str) -> ScenarioReport:
+    def steps(self, part: Part, dev: np.ndarray, first: int | None, fmt: str) -> tuple[tuple[str, ...], str, Detail]:
         rows, noise = part.rows, part.noise
-        dev, bad_row = deviations(part.path, rows, part.split or 0)
-        differs = np.nonzero(dev > 0)[0]
-        first = int(differs[0]) if differs.size else None
         T = part.prompt.shape[0]
         start = part.split or 0
         scale_pos = np.abs(rows).max(axis=1)
@@ -184,10 +186,7 @@ class ControlJudge(Judge):
             dev, scale, rel, where, fmt, self.margin, self.decisive, compared, C.noise_draws(noise)
         )
         detail = ControlDetail(floor, bound, ratio, floor_source, self.margin, self.decisive)
-        return ScenarioReport(
-            part.name, part.prompt, part.path.fed, dev, verdicts, C.worst(verdicts), first, bad_row, detail,
-            part.split, part.notes, **part.kept(),
-        )  # fmt: skip
+        return verdicts, C.worst(verdicts), detail
 
     def noise(self, reference: SharedReference) -> dict[str, np.ndarray] | None:
         return reference.order_noise()
