@@ -110,17 +110,17 @@ class Judge:
     def judge(self, part: Part, fmt: str) -> ScenarioReport:
         """``part``'s report; ``fmt``: the format whose 1 ulp is the least bound of a step (control)."""
         dev, bad_row = deviations(part.path, part.rows, part.split or 0)
-        differs = np.nonzero(dev > 0)[0]
-        first = int(differs[0]) if differs.size else None
-        verdicts, verdict, detail = self.steps(part, dev, first, fmt)
+        differs = (dev > 0).tolist()  # (one list, cheaper than an array's search: the exact judge's verdicts read it)
+        first = differs.index(True) if True in differs else None
+        verdicts, verdict, detail = self.steps(part, dev, differs, fmt)
         return ScenarioReport(
             part.name, part.prompt, part.path.fed, dev, verdicts, verdict, first, bad_row, detail, part.split,
             part.notes, **part.kept(),
         )  # fmt: skip
 
-    def steps(self, part: Part, dev: np.ndarray, first: int | None, fmt: str) -> tuple[tuple[str, ...], str, Detail]:
+    def steps(self, part: Part, dev: np.ndarray, differs: list, fmt: str) -> tuple[tuple[str, ...], str, Detail]:
         """``(step verdicts, the scenario's verdict, the report's detail)`` of ``part`` from its steps' deviations
-        ``dev`` (``first``: the first step that differs, or ``None``) and ``fmt`` (see :meth:`judge`)."""
+        ``dev`` (``differs``: whether each is not 0) and ``fmt`` (see :meth:`judge`)."""
         raise NotImplementedError
 
     def overall(self, reports: list[ScenarioReport]) -> str:
@@ -142,9 +142,9 @@ class ExactJudge(Judge):
     how: str = "bit for bit"
     mode = "exact"
 
-    def steps(self, part: Part, dev: np.ndarray, first: int | None, fmt: str) -> tuple[tuple[str, ...], str, Detail]:
-        verdicts = tuple("divergent" if d else "exact" for d in (dev > 0).tolist())
-        if first is None:  # bit-exact, as the sweeps' runs are: nothing more to pay for
+    def steps(self, part: Part, dev: np.ndarray, differs: list, fmt: str) -> tuple[tuple[str, ...], str, Detail]:
+        verdicts = tuple("divergent" if d else "exact" for d in differs)
+        if True not in differs:  # bit-exact, as the sweeps' runs are: nothing more to pay for
             return verdicts, "exact", ExactDetail(None)
         T, start = part.prompt.shape[0], part.split or 0  # each step's deviation in ulps of fmt at its magnitude
         magnitude = np.abs(part.rows).max(axis=1)
@@ -172,7 +172,7 @@ class ControlJudge(Judge):
     measures_noise = True
     logic_check_mode = "control"
 
-    def steps(self, part: Part, dev: np.ndarray, first: int | None, fmt: str) -> tuple[tuple[str, ...], str, Detail]:
+    def steps(self, part: Part, dev: np.ndarray, differs: list, fmt: str) -> tuple[tuple[str, ...], str, Detail]:
         rows, noise = part.rows, part.noise
         T = part.prompt.shape[0]
         start = part.split or 0

@@ -94,6 +94,7 @@ both exact). A leading batch axis of size 1 is dropped. Logits must be finite.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import NoReturn
@@ -139,9 +140,15 @@ def read_attribute(model: object, name: str, default: object = None) -> object:
     raw = model.wrapped if guarded else model
     try:
         value = getattr(raw, name, default)
+        if type(value) in _NO_MAPPING:  # a method, None, a number, a string: no Mapping to read (no ABC check)
+            return value
         return dict(value.items()) if isinstance(value, Mapping) else value
     except BaseException as exc:  # noqa: BLE001 - classified by call_model, as if it had made the read
         model_failed(f"model.{name}", exc, model.passthrough if guarded else ())
+
+
+#: Types whose instances are never a ``Mapping`` (exactly these types, not subclasses).
+_NO_MAPPING = frozenset((types.MethodType, types.FunctionType, type(None), bool, int, float, str))
 
 
 def has(model: object, name: str) -> bool:

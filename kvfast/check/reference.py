@@ -103,14 +103,14 @@ def _where(part: np.ndarray, full: np.ndarray) -> str:
 
 
 def length_dependence(
-    parts: dict[int, np.ndarray], full: np.ndarray, fmt: str | F.NoiseFormats, shorts: np.ndarray | None = None
+    parts: dict[int, np.ndarray], full: np.ndarray, fmt: str | F.NoiseFormats, per_step: int | None = None
 ) -> LengthDependence | None:
     """The worst row where a shorter recompute differs from the same row of ``full`` (the recompute of
     ``len(full)`` tokens) by more than rounding can explain, or ``None``: the admission ceiling of the
     model's :class:`~kvfast.check.formats.NoiseFormats` (:func:`kvfast.check.formats.ceiling`), or, given
     only the logits' format ``fmt``, :func:`kvfast.check.formats.length_ceiling`. ``parts`` maps a prefix
-    length to its recompute's rows (the per-step path: a length to rows holding row ``p`` of
-    ``recompute(first shorts[p] tokens)``)."""
+    length to its recompute's rows (the per-step path, ``per_step`` the prompt's length ``T``: a length to rows
+    holding row ``p`` of ``recompute(first max(T, p + 1) tokens)``)."""
     scale = np.abs(full).max(axis=1)
     ceiling = F.length_ceiling(fmt, scale) if isinstance(fmt, str) else F.ceiling(fmt.ceiling, scale)
     worst: LengthDependence | None = None
@@ -118,14 +118,9 @@ def length_dependence(
         dev = np.abs(part - full[:q]).max(axis=1)
         p = int(np.argmax(dev / ceiling[:q]))
         if dev[p] > ceiling[p] and (worst is None or dev[p] / ceiling[p] > worst.ratio):
-            short = q if shorts is None else int(shorts[p])
+            short = q if per_step is None else max(per_step, p + 1)
             worst = LengthDependence(p, short, full.shape[0], float(dev[p]), float(ceiling[p]))
     return worst
-
-
-def per_step_lengths(T: int, n: int) -> np.ndarray:  # noqa: N803
-    """Per-step references' lengths: row ``p`` of ``n`` came from a recompute of ``max(T, p + 1)`` tokens."""
-    return np.maximum(np.arange(n) + 1, T)
 
 
 def batch_shape_noise(
@@ -231,8 +226,7 @@ class SharedReference(Reference):
             final = np.concatenate([subject.prompt, self.tokens])
             self.full = subject.calls.recompute(final, "of the whole sequence")
             if self.length is None:
-                lengths = per_step_lengths(T, T + steps)
-                self.length = length_dependence({T + steps: self.rows}, self.full, self.formats, lengths)
+                self.length = length_dependence({T + steps: self.rows}, self.full, self.formats, T)
 
     def choose(self, t: int, out: np.ndarray) -> int:
         """The shared token of step ``t + 1``."""
@@ -402,8 +396,7 @@ class OwnReference(Reference):
             per_step_rows(s.calls, s.prompt, rows, run.fed, T, greedy=False)
             if not s.options.fast:
                 full = s.calls.recompute(final, "of the whole sequence")
-                found = length_dependence({T + steps: rows}, full, self.formats, per_step_lengths(T, T + steps))
-                self.length = self.length or found
+                self.length = self.length or length_dependence({T + steps: rows}, full, self.formats, T)
         self.paths.append("fast" if why is None else "per-step")
         if self.tokens is None:
             self.tokens = run.fed
