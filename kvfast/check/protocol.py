@@ -245,11 +245,16 @@ def check_range(prompt: np.ndarray, vocab: int, field: str = "prompt") -> None:
 def logits_format(value: object) -> str:
     """The floating-point format a model's logits come in (before any widening): ``bfloat16``, ``float16``,
     ``float32`` or ``float64`` (integers and anything else: ``float64``)."""
-    name = str(getattr(value, "dtype", "")).removeprefix("torch.")  # numpy's, ml_dtypes' and torch's dtypes
+    dtype = getattr(value, "dtype", "")
+    known = _NUMPY_FORMATS.get(dtype) if isinstance(dtype, np.dtype) else None  # numpy's own: no text (issue 46)
+    if known is not None:
+        return known
+    name = str(dtype).removeprefix("torch.")  # ml_dtypes' and torch's dtypes by name
     return name if name in LOGITS_FORMATS else "float64"
 
 
 LOGITS_FORMATS = ("bfloat16", "float16", "float32", "float64")
+_NUMPY_FORMATS = {np.dtype(name): name for name in LOGITS_FORMATS[1:]}
 
 
 def vocab_of(model: object) -> int:
