@@ -20,7 +20,7 @@ which renders what only that judge measured.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -29,9 +29,14 @@ from kvfast.check import formats as F
 from kvfast.check.check_report import ControlDetail, Detail, ExactDetail, LossyExactDetail, ScenarioReport
 from kvfast.check.scenarios import CachePath
 
-if TYPE_CHECKING:  # the options are read, never built or validated here; the reference is asked for its noise
+if TYPE_CHECKING:  # the options are read, never built or validated here
     from kvfast.check.options import CheckOptions
-    from kvfast.check.reference import SharedReference
+
+
+class NoiseSource(Protocol):
+    """What a judge asks for the order noise: the reference (:class:`kvfast.check.reference.SharedReference`)."""
+
+    def order_noise(self) -> dict[str, np.ndarray]: ...
 
 
 @dataclass(frozen=True)
@@ -95,7 +100,7 @@ class Judge:
         :class:`AutoJudge`'s."""
         return self
 
-    def noise(self, reference: SharedReference) -> dict[str, np.ndarray] | None:
+    def noise(self, reference: NoiseSource) -> dict[str, np.ndarray] | None:
         """The order noise this judge judges against (``reference``'s, measured now; ``None``: it needs none)."""
         return None
 
@@ -188,7 +193,7 @@ class ControlJudge(Judge):
         detail = ControlDetail(floor, bound, ratio, floor_source, self.margin, self.decisive)
         return verdicts, C.worst(verdicts), detail
 
-    def noise(self, reference: SharedReference) -> dict[str, np.ndarray] | None:
+    def noise(self, reference: NoiseSource) -> dict[str, np.ndarray] | None:
         return reference.order_noise()
 
     def noise_notes(self, formats: F.NoiseFormats) -> list[str]:
