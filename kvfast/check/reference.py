@@ -249,13 +249,11 @@ class SharedReference(Reference):
         T, steps, given = s.T, s.steps, s.given
         first_tok = int(self.tokens[0])
 
-        def choose(t: int, out: np.ndarray) -> int:
-            if given is not None:
-                return int(given[t])
+        @mark_greedy
+        def greedy(t: int, out: np.ndarray) -> int:
             return first_tok if t == 0 else int(out.argmax())
 
-        if given is None:
-            mark_greedy(choose)
+        choose = greedy if given is None else self.choose  # a continuation: its tokens, the shared ones
 
         own = True  # the run is the scenario's own (not the decode run standing in for a declined operation)
         try:
