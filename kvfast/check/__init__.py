@@ -53,18 +53,4 @@ _EXPORTS = {
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, submodules=True)
 
 
-__all__ = [
-    "HFModel",
-    "MODES",
-    "SCENARIOS",
-    "CheckOptions",
-    "CheckReport",
-    "CheckTimeout",
-    "KvfastModel",
-    "ModelUnderTestError",
-    "NumpyModel",
-    "ScenarioReport",
-    "assert_cache_exact",
-    "check_cache",
-    "check_cache_with",
-]
+__all__ = sorted(_EXPORTS)  # every public name, from the one list of them

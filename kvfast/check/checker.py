@@ -160,12 +160,12 @@ def _judged(subject: CheckSubject, judge: Judge) -> tuple[CheckReport, list[str]
     plan = CheckPlan(subject.prompt.copy(), subject.split, subject.steps, options.scenarios, judge.measures_noise)
     prepared = subject.calls.prepare(plan)  # the model's own set-up for this check (its notes head the report's)
     lossy = lossy_format(subject.calls)  # a quantized cache (kvfast.check.lossy), its declaration read before any work
-    prompt_rows, fmt = subject.calls.recompute_with_format(subject.prompt, "of the prompt")
+    prompt_rows, fmt = subject.calls.recompute(subject.prompt, "of the prompt", with_format=True)
     formats = formats_of(subject.calls.model, fmt)  # the noise model's formats: declared, measured or assumed
     if options.follow == "cache":
-        reference = OwnReference(subject, judge, prompt_rows, fmt, formats)
+        reference = OwnReference(subject, judge, prompt_rows, formats)
     else:
-        reference = SharedReference.build(subject, judge, prompt_rows, fmt, formats)
+        reference = SharedReference(subject, judge, prompt_rows, formats)
     parts = run_scenarios(subject, reference)
     judge = judge.settled([p for found in parts.values() if isinstance(found, list) for p in found])
     noise = judge.noise(reference)  # measured now, where the judge needs it (auto: only if not bit-exact)
@@ -194,17 +194,12 @@ def _joined(report: CheckReport, promoted: CheckReport | None, notes: list[str],
     verdict = deciding(native, promoted)
     if length is not None and report.ran:
         native = verdict = LENGTH_DEPENDENT
-    if promoted is None and not notes and length is None and verdict == report.verdict and report.native is None:
-        return _strict(report, options)  # nothing to join (a check without a logic check, as the sweeps' are)
-    report = replace(
-        report, verdict=verdict, notes=report.notes + tuple(notes), promoted=promoted, length_dependence=length,
-        native=None if native == verdict else native,
-    )  # fmt: skip
-    return _strict(report, options)
-
-
-def _strict(report: CheckReport, options: CheckOptions) -> CheckReport:
-    """``report``, ``unchecked`` with ``strict`` where it passes on part of what was asked."""
+    # nothing to join in a check without a logic check, as the sweeps' are
+    if promoted is not None or notes or length is not None or verdict != report.verdict or report.native is not None:
+        report = replace(
+            report, verdict=verdict, notes=report.notes + tuple(notes), promoted=promoted, length_dependence=length,
+            native=None if native == verdict else native,
+        )  # fmt: skip
     if options.strict and report.skipped and report.passed:  # strict: a pass on part of what was asked is none
         report = replace(report, verdict=UNCHECKED)  # (a failure stays the failure it found)
     return report
@@ -244,8 +239,11 @@ def judge_parts(
         main, *branches = parts
         reports[main.name] = judge.judge(main if main.noise is noise else replace(main, noise=noise), fmt)
         for part in branches:
-            branch_noise = _pooled_noise_for(noise, main.rows, part.rows)
-            if branch_noise is not None:
+            branch_noise = None
+            if noise is not None:  # control mode: each source's largest relative draw over the run, at its magnitudes
+                scale = np.abs(main.rows).max(axis=1)
+                safe = np.where(scale > 0, scale, np.inf)
+                branch_noise = {k: float((v / safe).max()) * np.abs(part.rows).max(axis=1) for k, v in noise.items()}
                 note = (
                     part.notes[0] + "; its order noise is the run's pooled relative noise at this branch's magnitudes"
                 )
@@ -269,18 +267,6 @@ def _parts(subject: CheckSubject, reference: Reference, scenario: Scenario, run:
         note = scenario.branch_note(run)
         parts.append(Part(scenario.branch, prompt, run.branch, rows_b, None, None, (note,), keep))
     return parts
-
-
-def _pooled_noise_for(
-    noise: dict[str, np.ndarray] | None, rows: np.ndarray, rows_b: np.ndarray
-) -> dict[str, np.ndarray] | None:
-    """Control mode: each noise source's largest relative draw over the run, at the branch's magnitudes."""
-    if noise is None:
-        return None
-    scale = np.abs(rows).max(axis=1)
-    safe = np.where(scale > 0, scale, np.inf)
-    scale_b = np.abs(rows_b).max(axis=1)
-    return {k: float((v / safe).max()) * scale_b for k, v in noise.items()}
 
 
 def _logic_check(subject, inner: CheckOptions) -> tuple[CheckReport | None, str]:

@@ -87,7 +87,7 @@ at the format's resolution), it grows like ``sqrt(log S)``, and where noise was
 measured at every position it is 1: the catalogue margins are unchanged
 (``benchmarks/control_margin.py``, figures in docs/check.md).
 
-The noise is measured in :mod:`kvfast.check.reference` (:func:`~kvfast.check.reference.order_noise`);
+The noise is measured in :mod:`kvfast.check.reference` (:meth:`~kvfast.check.reference.SharedReference.order_noise`);
 this module judges against it.
 
 Measured (the ``hf_matrix`` study, ``kvfast study hf_matrix``, gives the matrix and its rates): see

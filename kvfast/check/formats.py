@@ -59,8 +59,6 @@ SCALED = ("int8", "float8_e4m3", "float8_e5m2")
 #: How many units in the last place of the ceiling format order noise may reach (see the module doc).
 CEILING_ULPS = 64.0
 
-SOURCES = ("declared", "measured", "assumed")
-
 
 def ulp(fmt: str, magnitude: np.ndarray | float) -> np.ndarray:
     """The spacing of format ``fmt`` (:data:`FORMATS`) at ``magnitude``."""
@@ -123,19 +121,6 @@ def quantized_cache(internal: Mapping[str, str]) -> dict[str, str]:
         for what, fmt in internal.items()
         if fmt in SCALED and ("cache" in what.lower() or "kv" in re.split(r"[^a-z0-9]+", what.lower()))
     }
-
-
-def check_lossy_declaration(model: object, internal: Mapping[str, str]) -> None:
-    """``ValueError`` when ``model`` declares its cache quantized both ways: lossy (``lossy_cache``) and a
-    scaled internal format (:func:`quantized_cache` of ``internal``); a quantized cache is ``lossy_cache``."""
-    cache = read_attribute(model, "lossy_cache")
-    both = quantized_cache(internal)
-    if isinstance(cache, str) and cache and both:
-        raise ValueError(
-            f"model.internal_formats: {both!r} declares the cache quantized, and model.lossy_cache declares it "
-            f"lossy ({cache!r}); allowed: a quantized cache as lossy_cache alone (its rounding is not order "
-            "noise), internal_formats for the formats the model computes in"
-        )
 
 
 @dataclass(frozen=True)
@@ -213,17 +198,11 @@ class NoiseFormats:
         )
 
 
-def assumed_ceiling(logits: str) -> str:
-    """The ceiling format when nothing is known: ``float32`` for ``float64`` logits (eager attentions run their
-    softmax in float32 inside a float64 model: Llama, Bloom), else the logits' own."""
-    return "float32" if logits == "float64" else logits
-
-
 def noise_formats(logits: str, internal: Mapping[str, str] | None, source: str = "declared") -> NoiseFormats:
     """The :class:`NoiseFormats` of a model whose logits come in ``logits`` and whose ``internal`` formats
     (``None``: unknown) come from ``source`` (``declared`` or ``measured``)."""
     if internal is None:
-        return NoiseFormats(logits, {}, "assumed", logits, assumed_ceiling(logits))
+        return NoiseFormats(logits, {}, "assumed", logits, lowest_format(logits))  # the ceiling: what may be inside
     internal = check_internal_formats(internal)
     low = lowest([logits, *internal.values()])
     return NoiseFormats(logits, dict(internal), source, low, low)
@@ -233,15 +212,23 @@ def formats_of(model: object, logits: str) -> NoiseFormats:
     """``model``'s :class:`NoiseFormats`: its ``internal_formats`` attribute (``{what: format}``; source
     ``declared``, or what its optional ``internal_formats_source`` attribute says, e.g. ``measured``; ``None``
     or absent: ``assumed``). Each attribute is read as the model's code
-    (:func:`~kvfast.check.protocol.read_attribute`: what it raises is the model's failure)."""
+    (:func:`~kvfast.check.protocol.read_attribute`: what it raises is the model's failure). ``ValueError`` when
+    the model declares its cache quantized both ways: lossy (``lossy_cache``) and a scaled internal format
+    (:func:`quantized_cache`); a quantized cache is ``lossy_cache``."""
     internal = read_attribute(model, "internal_formats")
     if internal is None:
         return noise_formats(logits, None)
     source = read_attribute(model, "internal_formats_source")
-    source = source if isinstance(source, str) and source in SOURCES[:2] else "declared"
+    source = source if isinstance(source, str) and source in ("declared", "measured") else "declared"
     probe = read_attribute(model, "rounding_probe")
     internal = check_internal_formats(internal)
-    check_lossy_declaration(model, internal)
+    cache, both = read_attribute(model, "lossy_cache"), quantized_cache(internal)
+    if isinstance(cache, str) and cache and both:
+        raise ValueError(
+            f"model.internal_formats: {both!r} declares the cache quantized, and model.lossy_cache declares it "
+            f"lossy ({cache!r}); allowed: a quantized cache as lossy_cache alone (its rounding is not order "
+            "noise), internal_formats for the formats the model computes in"
+        )
     found = noise_formats(logits, internal, source)
     return replace(found, probe=probe) if isinstance(probe, str) else found
 

@@ -114,6 +114,18 @@ class Judge:
 
     def judge(self, part: Part, fmt: str) -> ScenarioReport:
         """``part``'s report; ``fmt``: the format whose 1 ulp is the least bound of a step (control)."""
+        dev, bad_row = deviations(part.path, part.rows, part.split or 0)
+        differs = (dev > 0).tolist()  # (one list, cheaper than an array's search: the exact judge's verdicts read it)
+        first = differs.index(True) if True in differs else None
+        verdicts, verdict, detail = self.steps(part, dev, differs, fmt)
+        return ScenarioReport(
+            part.name, part.prompt, part.path.fed, dev, verdicts, verdict, first, bad_row, detail, part.split,
+            part.notes, **part.kept(),
+        )  # fmt: skip
+
+    def steps(self, part: Part, dev: np.ndarray, differs: list, fmt: str) -> tuple[tuple[str, ...], str, Detail]:
+        """``(step verdicts, the scenario's verdict, the report's detail)`` of ``part`` from its steps' deviations
+        ``dev`` (``differs``: whether each is not 0) and ``fmt`` (see :meth:`judge`)."""
         raise NotImplementedError
 
     def overall(self, reports: list[ScenarioReport]) -> str:
@@ -135,16 +147,14 @@ class ExactJudge(Judge):
     how: str = "bit for bit"
     mode = "exact"
 
-    def judge(self, part: Part, fmt: str) -> ScenarioReport:
-        dev, bad_row = deviations(part.path, part.rows, part.split or 0)
-        differs = (dev > 0).tolist()
-        first = differs.index(True) if True in differs else None
+    def steps(self, part: Part, dev: np.ndarray, differs: list, fmt: str) -> tuple[tuple[str, ...], str, Detail]:
         verdicts = tuple("divergent" if d else "exact" for d in differs)
-        detail = ExactDetail(None if first is None else _in_ulps(dev, part, fmt))
-        return ScenarioReport(
-            part.name, part.prompt, part.path.fed, dev, verdicts, "divergent" if first is not None else "exact",
-            first, bad_row, detail, part.split, part.notes, **part.kept(),
-        )  # fmt: skip
+        if True not in differs:  # bit-exact, as the sweeps' runs are: nothing more to pay for
+            return verdicts, "exact", ExactDetail(None)
+        T, start = part.prompt.shape[0], part.split or 0  # each step's deviation in ulps of fmt at its magnitude
+        magnitude = np.abs(part.rows).max(axis=1)
+        ulps = dev / F.ulp(fmt, np.concatenate([[magnitude[start:T].max()], magnitude[T:]]))
+        return verdicts, "divergent", ExactDetail(ulps)
 
     def overall(self, reports: list[ScenarioReport]) -> str:
         if all(r.verdict == "exact" for r in reports):
@@ -158,14 +168,6 @@ class ExactJudge(Judge):
         return LossyExactDetail(judged.ulps, bounds=bounds)
 
 
-def _in_ulps(dev: np.ndarray, part: Part, fmt: str) -> np.ndarray:
-    """Each step's deviation in units in the last place of ``fmt`` at the step's magnitude (a divergence only: a
-    bit-exact run, as the sweeps' are, pays nothing)."""
-    T, start = part.prompt.shape[0], part.split or 0
-    magnitude = np.abs(part.rows).max(axis=1)
-    return dev / F.ulp(fmt, np.concatenate([[magnitude[start:T].max()], magnitude[T:]]))
-
-
 @dataclass(frozen=True)
 class ControlJudge(Judge):
     """Control mode with rounding up to ``margin`` times a step's bound and a bug beyond ``decisive`` times."""
@@ -175,17 +177,12 @@ class ControlJudge(Judge):
     measures_noise = True
     logic_check_mode = "control"
 
-    def judge(self, part: Part, fmt: str) -> ScenarioReport:
+    def steps(self, part: Part, dev: np.ndarray, differs: list, fmt: str) -> tuple[tuple[str, ...], str, Detail]:
         rows, noise = part.rows, part.noise
-        dev, bad_row = deviations(part.path, rows, part.split or 0)
-        differs = np.nonzero(dev > 0)[0]
-        first = int(differs[0]) if differs.size else None
         T = part.prompt.shape[0]
         start = part.split or 0
         scale_pos = np.abs(rows).max(axis=1)
-        noise_pos = np.zeros(rows.shape[0])
-        for v in noise.values():
-            noise_pos = np.maximum(noise_pos, v)
+        noise_pos = np.max([np.zeros(rows.shape[0]), *noise.values()], axis=0)
         scale = np.concatenate([[scale_pos[start:T].max()], scale_pos[T:]])
         floor = np.concatenate([[noise_pos[start:T].max()], noise_pos[T:]])
         rel, where = C.pooled_noise(noise, scale_pos)
@@ -194,10 +191,7 @@ class ControlJudge(Judge):
             dev, scale, rel, where, fmt, self.margin, self.decisive, compared, C.noise_draws(noise)
         )
         detail = ControlDetail(floor, bound, ratio, floor_source, self.margin, self.decisive)
-        return ScenarioReport(
-            part.name, part.prompt, part.path.fed, dev, verdicts, C.worst(verdicts), first, bad_row, detail,
-            part.split, part.notes, **part.kept(),
-        )  # fmt: skip
+        return verdicts, C.worst(verdicts), detail
 
     def noise(self, reference: NoiseSource) -> dict[str, np.ndarray] | None:
         return reference.order_noise()

@@ -65,7 +65,6 @@ class NumpyModel:
         if missing:
             raise ValueError(f"config: missing {missing}; allowed: a mapping with {', '.join(CONFIG_KEYS)}")
         self.vocab_size = int(get("vocab"))
-        self.d = int(get("d_model"))
         self.n_head = int(get("n_head"))
         self.n_layer = int(get("n_layer"))
         self.max_pos = int(get("max_pos"))

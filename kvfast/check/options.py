@@ -21,16 +21,16 @@ import numpy as np
 
 from kvfast.check.control import DEFAULT_DECISIVE, DEFAULT_MARGIN, check_margin
 from kvfast.check.protocol import check_prompt, check_timeout
-from kvfast.check.scenarios import all_scenarios, default_scenarios
+from kvfast.check.scenarios import REGISTRY
 from kvfast.validation import not_allowed, require_choice, require_int
 
 #: ``auto`` (the default): ``exact`` when every compared row is bit-equal, else judged as ``control`` judges, the
 #: order noise measured only then; ``exact``: ``==`` at every step; ``control``: always against the order noise.
 MODES = ("auto", "exact", "control")
-SCENARIOS = default_scenarios()  # the default scenarios (decode, resume)
+SCENARIOS = tuple(name for name, s in REGISTRY.items() if s.default)  # the default scenarios (decode, resume)
 #: Every registered scenario (:data:`kvfast.check.scenarios.REGISTRY`); those not in :data:`SCENARIOS`, the cache
 #: operations, are asked for by name.
-ALL_SCENARIOS = all_scenarios()
+ALL_SCENARIOS = tuple(REGISTRY)
 FOLLOW = ("recompute", "cache")
 PROMOTE = ("float64",)
 DEFAULT_STEPS = 64  # the kv_check fixture's and `kvfast check`'s steps when neither steps nor a continuation is given
@@ -292,9 +292,9 @@ def _check_continuation(continuation: object, steps: object) -> tuple[np.ndarray
 
 
 def _check_scenarios(scenarios: object) -> tuple[str, ...]:
-    """``scenarios`` as a tuple of distinct registered names (:func:`kvfast.check.scenarios.all_scenarios`; one
+    """``scenarios`` as a tuple of distinct registered names (:data:`kvfast.check.scenarios.REGISTRY`; one
     name alone is accepted)."""
-    known = all_scenarios()  # read now: a scenario registered after import is a scenario like the others
+    known = tuple(REGISTRY)  # read now: a scenario registered after import is a scenario like the others
     if isinstance(scenarios, str):
         scenarios = (scenarios,)
     if not isinstance(scenarios, Sequence) or not scenarios:

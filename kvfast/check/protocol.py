@@ -246,13 +246,11 @@ def logits_format(value: object) -> str:
     """The floating-point format a model's logits come in (before any widening): ``bfloat16``, ``float16``,
     ``float32`` or ``float64`` (integers and anything else: ``float64``)."""
     dtype = getattr(value, "dtype", "")
-    known = _NUMPY_FORMATS.get(dtype) if isinstance(dtype, np.dtype) else None  # numpy's own: no text
+    known = _NUMPY_FORMATS.get(dtype) if isinstance(dtype, np.dtype) else None  # numpy's own: no text (issue 46)
     if known is not None:
         return known
-    name = str(dtype).removeprefix("torch.")
-    if name in LOGITS_FORMATS:
-        return name
-    return "float64"
+    name = str(dtype).removeprefix("torch.")  # ml_dtypes' and torch's dtypes by name
+    return name if name in LOGITS_FORMATS else "float64"
 
 
 LOGITS_FORMATS = ("bfloat16", "float16", "float32", "float64")
@@ -266,24 +264,6 @@ def vocab_of(model: object) -> int:
         return require_int(declared, "model.vocab_size", 1)
     probe = check_logits(model.recompute(np.zeros(1, dtype=np.int64)), "recompute", 1, None, "of [0]")
     return int(probe.shape[1])
-
-
-def variants_of(model: object, tokens: np.ndarray, vocab: int) -> dict[str, np.ndarray]:
-    """``model.recompute_variants(tokens)`` validated, as ``{name: (T, V) float64}`` (empty without the hook)."""
-    if not has(model, "recompute_variants"):
-        return {}
-    raw = model.recompute_variants(tokens)
-    if isinstance(raw, dict):
-        items = list(raw.items())
-    elif isinstance(raw, list | tuple):
-        items = [(f"variant{i}", v) for i, v in enumerate(raw)]
-    else:
-        raise ValueError(
-            f"model.recompute_variants: returned {type(raw).__name__}; allowed: a dict or list of logits arrays"
-        )
-    return {
-        str(name): check_logits(v, "recompute_variants", tokens.shape[0], vocab, f"[{name!r}]") for name, v in items
-    }
 
 
 # --- the model's own failures and the check's deadline (the machinery: kvfast.runtime) ------------
@@ -426,11 +406,13 @@ class ModelCalls:
             )
         return list(notes)
 
-    def recompute(self, tokens: np.ndarray, where: str | None = None) -> np.ndarray:
-        """``recompute(tokens)``: ``(len(tokens), V)``; ``where`` defaults to ``of the first N tokens``."""
+    def recompute(self, tokens: np.ndarray, where: str | None = None, with_format: bool = False):
+        """``recompute(tokens)``: ``(len(tokens), V)``; ``where`` defaults to ``of the first N tokens``. With
+        ``with_format``: ``(logits, the format they came in)`` (:func:`kvfast.check.protocol.logits_format`)."""
         n = tokens.shape[0]
         raw = self.model.recompute(tokens.copy())
-        return check_logits(raw, "recompute", n, self.vocab, f"of the first {n} tokens" if where is None else where)
+        rows = check_logits(raw, "recompute", n, self.vocab, f"of the first {n} tokens" if where is None else where)
+        return (rows, logits_format(raw)) if with_format else rows
 
     def recompute_prefixes(self, tokens: np.ndarray, lengths: tuple[int, ...], wheres: tuple[str, ...]) -> list:
         """``recompute(tokens[:n])`` for each ``n`` of ``lengths`` (``wheres``: each one's ``where``), in one call
@@ -452,13 +434,6 @@ class ModelCalls:
                     for r, n, where in zip(raw, lengths, wheres, strict=True)
                 ]
         return [self.recompute(tokens[:n], where) for n, where in zip(lengths, wheres, strict=True)]
-
-    def recompute_with_format(self, tokens: np.ndarray, where: str | None = None) -> tuple[np.ndarray, str]:
-        """``recompute(tokens)`` and the format its logits came in (:func:`kvfast.check.protocol.logits_format`)."""
-        n = tokens.shape[0]
-        raw = self.model.recompute(tokens.copy())
-        where = f"of the first {n} tokens" if where is None else where
-        return check_logits(raw, "recompute", n, self.vocab, where), logits_format(raw)
 
     def prefill(self, tokens: np.ndarray, where: str) -> np.ndarray:
         """``prefill(tokens)``: ``(len(tokens), V)``."""
@@ -484,8 +459,21 @@ class ModelCalls:
         return check_logits(raw, "decode_greedy", steps, self.vocab, where)
 
     def variants(self, tokens: np.ndarray) -> dict[str, np.ndarray]:
-        """``recompute_variants(tokens)`` as ``{name: (len(tokens), V)}`` (empty without the hook)."""
-        return variants_of(self.model, tokens.copy(), self.vocab)
+        """``recompute_variants(tokens)`` validated, as ``{name: (len(tokens), V) float64}`` (empty without the
+        hook); a list is named ``variant0``, ``variant1``, ..."""
+        if not self.has("recompute_variants"):
+            return {}
+        raw = self.model.recompute_variants(tokens.copy())
+        if isinstance(raw, dict):
+            items = list(raw.items())
+        elif isinstance(raw, list | tuple):
+            items = [(f"variant{i}", v) for i, v in enumerate(raw)]
+        else:
+            raise ValueError(
+                f"model.recompute_variants: returned {type(raw).__name__}; allowed: a dict or list of logits arrays"
+            )
+        n = tokens.shape[0]
+        return {str(k): check_logits(v, "recompute_variants", n, self.vocab, f"[{k!r}]") for k, v in items}
 
     def variants_or_skipped(self, tokens: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, str]]:
         """:meth:`variants`, and the variants skipped with the reason: those the model itself reports it could

@@ -9,8 +9,8 @@ how to run a scenario's cache path and which recompute rows to compare it with:
   sequence after verifying append-invariance, falling back to one recompute per step from the first
   step where the cache's greedy token differs; a judge that measures noise (control and auto modes) keeps
   the fast path on a recompute that is not append-invariant and measures its batch-shape noise. Per-step
-  path: one recompute per step. The order noise (:func:`order_noise`) is measured when the judge asks for
-  it (:meth:`SharedReference.order_noise`).
+  path: one recompute per step. The order noise is measured when the judge asks for it
+  (:meth:`SharedReference.order_noise`).
 - :class:`OwnReference` (``follow="cache"``, exact mode): each scenario decodes its own greedy
   tokens and is compared with the recompute of its own sequence (fast path after the same
   verification, else one recompute per step).
@@ -103,14 +103,14 @@ def _where(part: np.ndarray, full: np.ndarray) -> str:
 
 
 def length_dependence(
-    parts: dict[int, np.ndarray], full: np.ndarray, fmt: str | F.NoiseFormats, shorts: np.ndarray | None = None
+    parts: dict[int, np.ndarray], full: np.ndarray, fmt: str | F.NoiseFormats, per_step: int | None = None
 ) -> LengthDependence | None:
     """The worst row where a shorter recompute differs from the same row of ``full`` (the recompute of
     ``len(full)`` tokens) by more than rounding can explain, or ``None``: the admission ceiling of the
     model's :class:`~kvfast.check.formats.NoiseFormats` (:func:`kvfast.check.formats.ceiling`), or, given
     only the logits' format ``fmt``, :func:`kvfast.check.formats.length_ceiling`. ``parts`` maps a prefix
-    length to its recompute's rows (the per-step path: a length to rows holding row ``p`` of
-    ``recompute(first shorts[p] tokens)``)."""
+    length to its recompute's rows (the per-step path, ``per_step`` the prompt's length ``T``: a length to rows
+    holding row ``p`` of ``recompute(first max(T, p + 1) tokens)``)."""
     scale = np.abs(full).max(axis=1)
     ceiling = F.length_ceiling(fmt, scale) if isinstance(fmt, str) else F.ceiling(fmt.ceiling, scale)
     worst: LengthDependence | None = None
@@ -118,14 +118,9 @@ def length_dependence(
         dev = np.abs(part - full[:q]).max(axis=1)
         p = int(np.argmax(dev / ceiling[:q]))
         if dev[p] > ceiling[p] and (worst is None or dev[p] / ceiling[p] > worst.ratio):
-            short = q if shorts is None else int(shorts[p])
+            short = q if per_step is None else max(per_step, p + 1)
             worst = LengthDependence(p, short, full.shape[0], float(dev[p]), float(ceiling[p]))
     return worst
-
-
-def per_step_lengths(T: int, n: int) -> np.ndarray:  # noqa: N803
-    """Per-step references' lengths: row ``p`` of ``n`` came from a recompute of ``max(T, p + 1)`` tokens."""
-    return np.maximum(np.arange(n) + 1, T)
 
 
 def batch_shape_noise(
@@ -144,66 +139,23 @@ def batch_shape_noise(
     return {f"batch shape ({len(parts)} prefix recomputes)": noise}
 
 
-def order_noise(
-    calls: ModelCalls, final: np.ndarray, rows: np.ndarray, batch_shape: dict[str, np.ndarray] | None = None
-) -> tuple[dict[str, np.ndarray], list[str]]:
-    """Per-position order noise ``{source: (len(final),)}`` against the reference ``rows``, and notes.
-
-    ``batch_shape``: already measured batch-shape noise (``{source: per-position deviation}``); the
-    model's ``recompute_variants`` of ``final`` are the other sources.
-    """
-    n = final.shape[0]
-    sources: dict[str, np.ndarray] = dict(batch_shape or {})
-    notes: list[str] = []
-    if calls.has("recompute_variants"):
-        variants, skipped = calls.variants_or_skipped(final)
-        for k, v in variants.items():
-            sources[f"variant {k!r}"] = np.abs(v - rows[:n]).max(axis=1)
-        notes += [f"order-noise variant {k!r} skipped: {why}" for k, why in skipped.items()]
-    if not sources:
-        notes.append(
-            "control mode found no order-noise source (no batch-shape noise was measured or admitted and the model "
-            "has no recompute_variants()); its bound is the logits' format resolution alone"
-        )
-    return sources, notes
-
-
-def refusal_reason(name: str, formats: F.NoiseFormats) -> str:
-    """Why an order-noise source above the admission ceiling is no rounding (rule 1 of issue 18)."""
-    if name.startswith("batch shape"):
-        return "the recompute's rows change with the batch's length by more than rounding (the recompute depends on it)"
-    inside = "" if formats.source == "assumed" else f" than the model's lowest ({formats.ceiling}, {formats.source})"
-    return (
-        f"it computes in a lower format inside{inside}, or differs from the recompute in logic: it cannot raise "
-        "the bound"
-    )
-
-
 class Reference:
     """What the scenario loop reads of a reference, in either ``follow`` mode.
 
     ``subject``; ``judge``: the check's (:mod:`kvfast.check.judge`), asked whether it may need the model's order
-    noise (:attr:`~kvfast.check.judge.Judge.measures_noise`); ``prompt_rows``: ``recompute(prompt)``; ``fmt``: the
-    format of the model's logits; ``formats``: the model's internal formats (:mod:`kvfast.check.formats`), assumed
-    from ``fmt`` when ``None``; ``length`` (a :class:`~kvfast.check.check_report.LengthDependence` when the recompute
-    changes with the length by more than rounding, else ``None``); ``notes`` (how the reference was found). A kind adds
-    ``path``, ``noise``, ``tokens`` and ``skipped_tokens``, and says how a scenario runs
-    (:meth:`cache_run`) and what it is compared with (:meth:`rows_for`).
+    noise (:attr:`~kvfast.check.judge.Judge.measures_noise`); ``prompt_rows``: ``recompute(prompt)``; ``formats``:
+    the model's formats (:func:`kvfast.check.formats.formats_of`); ``length`` (a
+    :class:`~kvfast.check.check_report.LengthDependence` when the recompute changes with the length by more than
+    rounding, else ``None``); ``notes`` (how the reference was found). A kind adds ``path``, ``noise``, ``tokens``
+    and ``skipped_tokens``, and says how a scenario runs (:meth:`cache_run`) and what it is compared with
+    (:meth:`rows_for`).
     """
 
-    def __init__(
-        self,
-        subject: CheckSubject,
-        judge: Judge,
-        prompt_rows: np.ndarray,
-        fmt: str = "float64",
-        formats: F.NoiseFormats | None = None,
-    ):
+    def __init__(self, subject: CheckSubject, judge: Judge, prompt_rows: np.ndarray, formats: F.NoiseFormats):
         self.subject = subject
         self.noisy = judge.measures_noise  # the judge may need the order noise
         self.prompt_rows = prompt_rows
-        self.fmt = fmt
-        self.formats = formats or F.noise_formats(fmt, None)  # the noise model's formats (assumed when not given)
+        self.formats = formats
         self.length: LengthDependence | None = None
         self.notes: list[str] = []
 
@@ -240,7 +192,8 @@ class SharedReference(Reference):
     """``follow="recompute"``: the reference rows ``(T + steps, V)`` and the ``tokens`` every scenario is fed.
 
     ``path`` (``fast`` or ``per-step``), ``noise`` (control mode: the order noise per source and position,
-    else ``None``). Built by :meth:`build` (the arguments are :class:`Reference`'s).
+    else ``None``). The arguments are :class:`Reference`'s; built as the module doc says, the order noise
+    measured only when the judge asks for it (:meth:`order_noise`).
     """
 
     def __init__(self, *args, **kwargs):
@@ -249,7 +202,8 @@ class SharedReference(Reference):
         T, steps = subject.T, subject.steps
         self.full: np.ndarray | None = None  # the per-step path's whole-sequence recompute, once measured
         self.rows = np.empty((T + steps, subject.vocab))
-        self.tokens = np.empty(steps, dtype=np.int64)
+        self.tokens = np.empty(steps, dtype=np.int64)  # filled in place: a skipped scenario's report holds them
+        self.skipped_tokens = self.tokens
         self.rows[:T] = self.prompt_rows
         if subject.given is not None:
             self.tokens[:] = subject.given
@@ -264,38 +218,15 @@ class SharedReference(Reference):
         asked = subject.options.scenarios
         self.reuse_scenario = next((n for n in asked if REGISTRY[n].default), asked[0])
         self.batch_shape: dict[str, np.ndarray] | None = None
-
-    @classmethod
-    def build(
-        cls,
-        subject: CheckSubject,
-        judge: Judge,
-        prompt_rows: np.ndarray,
-        fmt: str = "float64",
-        formats: F.NoiseFormats | None = None,
-    ) -> SharedReference:
-        """The reference for ``subject`` whose ``recompute(prompt)`` is ``prompt_rows`` (``fmt``: the format
-        of the model's logits; ``formats``: the model's internal formats, :mod:`kvfast.check.formats`, assumed
-        from ``fmt`` when ``None``; ``judge``: the check's, asked what noise it may need; see the module doc).
-        The order noise is measured only when the judge asks for it (:meth:`order_noise`)."""
-        ref = cls(subject, judge, prompt_rows, fmt, formats)
-        T, steps = subject.T, subject.steps
         if subject.options.fast:
-            ref._take_fast_path()
-        if ref.known < T + steps:
-            per_step_rows(subject.calls, subject.prompt, ref.rows, ref.tokens, ref.known, subject.given is None)
-        if ref.path == "per-step" and (ref.noisy or not subject.options.fast):
-            final = np.concatenate([subject.prompt, ref.tokens])
-            ref.full = subject.calls.recompute(final, "of the whole sequence")
-            if ref.length is None:
-                lengths = per_step_lengths(T, T + steps)
-                ref.length = length_dependence({T + steps: ref.rows}, ref.full, ref.formats, lengths)
-        return ref
-
-    @property
-    def skipped_tokens(self) -> np.ndarray:
-        """The tokens a skipped scenario's report holds: the shared ones."""
-        return self.tokens
+            self._take_fast_path()
+        if self.known < T + steps:
+            per_step_rows(subject.calls, subject.prompt, self.rows, self.tokens, self.known, subject.given is None)
+        if self.path == "per-step" and (self.noisy or not subject.options.fast):
+            final = np.concatenate([subject.prompt, self.tokens])
+            self.full = subject.calls.recompute(final, "of the whole sequence")
+            if self.length is None:
+                self.length = length_dependence({T + steps: self.rows}, self.full, self.formats, T)
 
     def choose(self, t: int, out: np.ndarray) -> int:
         """The shared token of step ``t + 1``."""
@@ -318,13 +249,11 @@ class SharedReference(Reference):
         T, steps, given = s.T, s.steps, s.given
         first_tok = int(self.tokens[0])
 
-        def choose(t: int, out: np.ndarray) -> int:
-            if given is not None:
-                return int(given[t])
+        @mark_greedy
+        def greedy(t: int, out: np.ndarray) -> int:
             return first_tok if t == 0 else int(out.argmax())
 
-        if given is None:
-            mark_greedy(choose)
+        choose = greedy if given is None else self.choose  # a continuation: its tokens, the shared ones
 
         own = True  # the run is the scenario's own (not the decode run standing in for a declined operation)
         try:
@@ -370,40 +299,55 @@ class SharedReference(Reference):
             )
 
     def order_noise(self) -> dict[str, np.ndarray]:
-        """The order noise around the reference rows, per source and position (batch shape on the per-step
-        path: the whole-sequence recompute against them), measured on the first call (notes name its sources):
-        :attr:`noise`, what the control judge asks for."""
-        if self.noise is None:
-            self._measure_noise()
-        return self.noise
-
-    def _measure_noise(self) -> None:
-        s = self.subject
-        final = np.concatenate([s.prompt, self.tokens])
-        batch_shape = self.batch_shape
-        if batch_shape is None and self.path == "per-step":
-            batch_shape = {"batch shape (whole-sequence recompute)": np.abs(self.full - self.rows).max(axis=1)}
-        if self.length is not None and batch_shape:
+        """The order noise around the reference rows, per source and position, measured on the first call (notes
+        name its sources): :attr:`noise`, what the control judge asks for. The sources: batch shape (the fast
+        path's prefix recomputes; on the per-step path the whole-sequence recompute against the rows), unless
+        the recompute depends on the length, and the model's ``recompute_variants`` of the final sequence."""
+        if self.noise is not None:
+            return self.noise
+        s, rows, formats = self.subject, self.rows, self.formats
+        sources = dict(self.batch_shape or {})
+        if self.batch_shape is None and self.path == "per-step":
+            sources = {"batch shape (whole-sequence recompute)": np.abs(self.full - rows).max(axis=1)}
+        if self.length is not None and sources:
             self.notes.append(
-                f"{', '.join(batch_shape)} not admitted as order noise: it exceeds what rounding can explain "
+                f"{', '.join(sources)} not admitted as order noise: it exceeds what rounding can explain "
                 "(the recompute depends on the length)"
             )
-            batch_shape = {}
-        measured, floor_notes = order_noise(s.calls, final, self.rows, batch_shape)
-        self.notes += floor_notes
-        rows = self.rows
-        sources, refused = F.admission(measured, np.abs(rows).max(axis=1), self.formats)
-        self.notes += [r.line(self.formats, refusal_reason(r.name, self.formats)) for r in refused]
-        if measured and not sources:
+            sources = {}
+        if s.calls.has("recompute_variants"):
+            variants, skipped = s.calls.variants_or_skipped(np.concatenate([s.prompt, self.tokens]))
+            for k, v in variants.items():
+                sources[f"variant {k!r}"] = np.abs(v - rows).max(axis=1)
+            self.notes += [f"order-noise variant {k!r} skipped: {why}" for k, why in skipped.items()]
+        if not sources:
+            self.notes.append(
+                "control mode found no order-noise source (no batch-shape noise was measured or admitted and the model "
+                "has no recompute_variants()); its bound is the logits' format resolution alone"
+            )
+        scale = np.abs(rows).max(axis=1)
+        admitted, refused = F.admission(sources, scale, formats)
+        lower = "" if formats.source == "assumed" else f" than the model's lowest ({formats.ceiling}, {formats.source})"
+        for r in refused:  # why a source above the admission ceiling is no rounding (rule 1 of issue 18)
+            why = (
+                "the recompute's rows change with the batch's length by more than rounding (the recompute depends "
+                "on it)"
+                if r.name.startswith("batch shape")
+                else f"it computes in a lower format inside{lower}, or differs from the recompute in logic: it cannot "
+                "raise the bound"
+            )
+            self.notes.append(r.line(formats, why))
+        if sources and not admitted:
             self.notes.append(
                 "control mode admitted no order-noise source (every one measured was above what rounding can produce); "
-                f"its bound is the {self.formats.floor} resolution alone"
+                f"its bound is the {formats.floor} resolution alone"
             )
-        scale = np.where(np.abs(rows).max(axis=1) > 0, np.abs(rows).max(axis=1), np.inf)
-        if sources:
-            listed = ", ".join(f"{k} (up to {float((v / scale).max()):.3g} relative)" for k, v in sources.items())
+        if admitted:
+            safe = np.where(scale > 0, scale, np.inf)
+            listed = ", ".join(f"{k} (up to {float((v / safe).max()):.3g} relative)" for k, v in admitted.items())
             self.notes.append(f"order noise measured from: {listed}; pooled over the run")
-        self.noise = sources
+        self.noise = admitted
+        return admitted
 
 
 class OwnReference(Reference):
@@ -441,7 +385,6 @@ class OwnReference(Reference):
             why, parts = invariance(rows, self.prompt_rows, prefixes)
             if why is not None:
                 self.length = self.length or length_dependence(parts, rows, self.formats)
-            if why is not None:
                 self.notes.append(
                     f"scenario {scenario!r}: recompute is not append-invariant ({why}); used one recompute per step"
                 )
@@ -451,8 +394,7 @@ class OwnReference(Reference):
             per_step_rows(s.calls, s.prompt, rows, run.fed, T, greedy=False)
             if not s.options.fast:
                 full = s.calls.recompute(final, "of the whole sequence")
-                found = length_dependence({T + steps: rows}, full, self.formats, per_step_lengths(T, T + steps))
-                self.length = self.length or found
+                self.length = self.length or length_dependence({T + steps: rows}, full, self.formats, T)
         self.paths.append("fast" if why is None else "per-step")
         if self.tokens is None:
             self.tokens = run.fed

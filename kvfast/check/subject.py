@@ -95,8 +95,18 @@ def resolve(model: object, prompt: object, options: CheckOptions) -> CheckSubjec
     if options.promote is not None and not has(model, "promote"):
         raise not_allowed("promote", options.promote, f"None for {model_name(model)} (it has no promote(dtype) method)")
     T = prompt.shape[0]
-    _refuse_prompt(options, prompt)
-    split = _resolve_split(options, T)
+    # bad input when no requested scenario can run on the prompt whatever the model (a one-token prompt asked only
+    # to be resumed): known before any work, so never a check
+    why = [REGISTRY[name].prompt_reason(prompt) for name in options.scenarios]
+    if all(w is not None for w in why):
+        can = ", ".join(n for n, s in REGISTRY.items() if s.prompt_reason(prompt) is None)
+        raise ValueError(
+            f"scenarios: {options.scenarios!r} cannot run on this prompt ({'; '.join(why)}); allowed: a longer "
+            f"prompt, or a scenario that can ({can})"
+        )
+    if options.split is not None and T == 1:  # the resume scenario's split (default T // 2)
+        raise not_allowed("split", options.split, "None (a one-token prompt cannot be split)")
+    split = T // 2 if options.split is None else require_int(options.split, "split", 1, T - 1)
     vocab = vocab_of(model)
     check_range(prompt, vocab)
     limit = read_attribute(model, "max_positions")
@@ -108,24 +118,3 @@ def resolve(model: object, prompt: object, options: CheckOptions) -> CheckSubjec
     if given is not None:
         check_range(given, vocab, "continuation")
     return CheckSubject(ModelCalls(model, vocab), prompt, options, split, given)
-
-
-def _refuse_prompt(options: CheckOptions, prompt: np.ndarray) -> None:
-    """Bad input when no requested scenario can run on ``prompt`` whatever the model (a one-token prompt asked
-    only to be resumed): known before any work, so never a check."""
-    why = [REGISTRY[name].prompt_reason(prompt) for name in options.scenarios]
-    if all(w is not None for w in why):
-        can = ", ".join(n for n, s in REGISTRY.items() if s.prompt_reason(prompt) is None)
-        raise ValueError(
-            f"scenarios: {options.scenarios!r} cannot run on this prompt ({'; '.join(why)}); allowed: a longer "
-            f"prompt, or a scenario that can ({can})"
-        )
-
-
-def _resolve_split(options: CheckOptions, T: int) -> int:  # noqa: N803
-    """The resume scenario's split for a prompt of ``T`` tokens (default ``T // 2``)."""
-    if options.split is None:
-        return T // 2
-    if T == 1:
-        raise not_allowed("split", options.split, "None (a one-token prompt cannot be split)")
-    return require_int(options.split, "split", 1, T - 1)

@@ -39,16 +39,6 @@ REGISTRY: dict[str, Scenario] = {
 }
 
 
-def default_scenarios() -> tuple[str, ...]:
-    """The scenarios a check runs when none are named (``decode``, ``resume``)."""
-    return tuple(name for name, s in REGISTRY.items() if s.default)
-
-
-def all_scenarios() -> tuple[str, ...]:
-    """Every registered scenario's name."""
-    return tuple(REGISTRY)
-
-
 def branches() -> dict[str, str]:
     """``{branch report name: its scenario's name}`` (``fork-branch``: ``fork``, ...)."""
     return {s.branch: name for name, s in REGISTRY.items() if s.branch is not None}
@@ -63,9 +53,7 @@ __all__ = [
     "Run",
     "Scenario",
     "Unsupported",
-    "all_scenarios",
     "branches",
-    "default_scenarios",
     "draft_tokens",
     "padded_prompt",
     "reorder_points",

@@ -63,9 +63,6 @@ class Run:
     def fed(self) -> np.ndarray:
         return self.path.fed
 
-    def logits(self) -> np.ndarray:
-        return self.path.logits()
-
 
 class Scenario:
     """One scenario. A unit sets :attr:`name`, :attr:`hooks`, :attr:`default` (run when no scenarios are
@@ -129,15 +126,19 @@ def mark_greedy(choose: Choose) -> Choose:
     return choose
 
 
-def decode_steps(calls: ModelCalls, first: np.ndarray, steps: int, choose: Choose) -> CachePath:
+def decode_steps(
+    calls: ModelCalls, first: np.ndarray, steps: int, choose: Choose, before: dict[int, Callable] | None = None
+) -> CachePath:
     """``steps`` decode steps on a cache that holds the prompt (``first``: the prompt's rows as it was filled).
 
-    With a ``choose`` marked greedy (:func:`mark_greedy`) and a model that has ``decode_greedy``
-    (:mod:`kvfast.check.protocol`), one call decodes every step: the token of step 1 is ``choose``'s, those of
-    later steps the argmax of the rows returned (what ``choose`` would have fed); the rows are what ``decode``
-    step by step returns, compared the same way. A model that declines is decoded step by step."""
+    ``before``: ``{step t: operation(t, token)}``, what a scenario does to the cache before decode step ``t``
+    (fed ``token``): the rollback's drafts and crop, the fork's second branch. Without it, a ``choose``
+    marked greedy (:func:`mark_greedy`) and a model that has ``decode_greedy`` (:mod:`kvfast.check.protocol`),
+    one call decodes every step: the token of step 1 is ``choose``'s, those of later steps the argmax of the
+    rows returned (what ``choose`` would have fed); the rows are what ``decode`` step by step returns, compared
+    the same way. A model that declines is decoded step by step."""
     T = first.shape[0]
-    if getattr(choose, "greedy", False) is True and calls.has("decode_greedy"):
+    if before is None and getattr(choose, "greedy", False) is True and calls.has("decode_greedy"):
         tok = int(choose(0, first[-1]))
         decoded = calls.decode_greedy(tok, steps, f"of steps 1-{steps} (positions {T}-{T + steps - 1})")
         if decoded is not None:
@@ -151,9 +152,28 @@ def decode_steps(calls: ModelCalls, first: np.ndarray, steps: int, choose: Choos
     for t in range(1, steps + 1):
         tok = int(choose(t - 1, last))
         fed[t - 1] = tok
+        if before is not None and t in before:
+            before[t](t, tok)
         last = calls.decode(tok, f"at step {t} (position {T + t - 1})")
         decoded[t - 1] = last
     return CachePath(first, decoded, fed)
+
+
+def decode_pair(
+    calls: ModelCalls, first: list[np.ndarray], steps: int, choose: Choose, decode_rows: Callable, note: str
+) -> Run:
+    """Two rows of a batch decoded together (beams, a padded batch): row 0 (the judged path, ``first[0]`` its
+    prompt's rows) fed ``choose``'s tokens, row 1 (the second path) other ones (:func:`draft_tokens`);
+    ``decode_rows(t, tokens)`` decodes step ``t`` and returns its logits ``(2, V)``, row by row."""
+    rows = np.empty((2, steps, calls.vocab))
+    fed = np.empty((2, steps), dtype=np.int64)
+    last = first[0][-1]
+    for t in range(1, steps + 1):
+        fed[0, t - 1] = int(choose(t - 1, last))
+        fed[1, t - 1] = int(draft_tokens(int(fed[0, t - 1]), 1, calls.vocab)[0])
+        rows[:, t - 1] = decode_rows(t, fed[:, t - 1].copy())
+        last = rows[0, t - 1]
+    return Run(CachePath(first[0], rows[0], fed[0]), (note,), CachePath(first[1], rows[1], fed[1]))
 
 
 def draft_tokens(next_token: int, k: int, vocab: int) -> np.ndarray:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvfast.check.protocol import ModelCalls
-from kvfast.check.scenarios.base import CachePath, Choose, Run, Scenario, draft_tokens, hook
+from kvfast.check.scenarios.base import CachePath, Choose, Run, Scenario, decode_steps, draft_tokens, hook
 
 BRANCH = "fork-branch"  # the name of the fork scenario's second branch's report
 
@@ -28,30 +28,24 @@ class Fork(Scenario):
         h, m = steps // 2, max(1, min(steps, steps // 2))
         first = calls.prefill(prompt, "of the prompt")
         at_prompt = hook(calls, "snapshot")
-        decoded = np.empty((steps, calls.vocab))
-        fed = np.empty(steps, dtype=np.int64)
-        last = first[-1]
+        branches = []
 
-        def run(t0: int, t1: int) -> None:
-            nonlocal last
-            for t in range(t0, t1 + 1):
-                fed[t - 1] = tok = int(choose(t - 1, last))
-                last = decoded[t - 1] = calls.decode(tok, f"at step {t} (position {T + t - 1})")
+        def second_branch(t: int, token: int) -> None:  # before step h + 1, from the prompt's snapshot
+            at_h = hook(calls, "snapshot")
+            hook(calls, "restore", at_prompt)
+            other = draft_tokens(int(choose(0, first[-1])), m, calls.vocab)
+            where = [f"at step {i + 1} of the second branch (position {T + i})" for i in range(m)]
+            branch = np.stack([calls.decode(int(tok), at) for tok, at in zip(other, where, strict=True)])
+            branches.append(CachePath(first, branch, other))
+            hook(calls, "restore", at_h)
 
-        run(1, h)
-        at_h = hook(calls, "snapshot")
-        hook(calls, "restore", at_prompt)
-        other = draft_tokens(int(choose(0, first[-1])), m, calls.vocab)
-        where = [f"at step {i + 1} of the second branch (position {T + i})" for i in range(m)]
-        branch = np.stack([calls.decode(int(tok), at) for tok, at in zip(other, where, strict=True)])
-        hook(calls, "restore", at_h)
-        run(h + 1, steps)
+        path = decode_steps(calls, first, steps, choose, {h + 1: second_branch})
         note = (
             f"snapshot after the prompt and after step {h}; a second branch of {m} tokens ran from the prompt's "
             f"snapshot, then restore() went back to step {h}: steps {h + 1}-{steps} show whether it changed this "
             "branch"
         )
-        return Run(CachePath(first, decoded, fed), (note,), CachePath(first, branch, other))
+        return Run(path, (note,), branches[0])
 
     def branch_note(self, run: Run) -> str:
         return (

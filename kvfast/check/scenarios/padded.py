@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvfast.check.protocol import ModelCalls, check_logits
-from kvfast.check.scenarios.base import CachePath, Choose, Run, Scenario, draft_tokens, hook
+from kvfast.check.scenarios.base import Choose, Run, Scenario, decode_pair, hook
 
 
 def padded_prompt(prompt: np.ndarray, vocab: int) -> np.ndarray:
@@ -31,23 +31,17 @@ class Padded(Scenario):
         first = [
             check_logits(raw[i], "prefill_padded", p.shape[0], V, f"row {i}") for i, p in enumerate((prompt, other))
         ]
-        rows = np.empty((2, steps, V))
-        fed = np.empty((2, steps), dtype=np.int64)
-        last = first[0][-1]
-        for t in range(1, steps + 1):
-            fed[0, t - 1] = int(choose(t - 1, last))
-            fed[1, t - 1] = int(draft_tokens(int(fed[0, t - 1]), 1, V)[0])
-            tokens = fed[:, t - 1].copy()
-            out = check_logits(hook(calls, "decode_padded", tokens), "decode_padded", 2, V, f"at step {t}")
-            rows[:, t - 1] = out
-            last = rows[0, t - 1]
         pad = abs(prompt.shape[0] - other.shape[0])
         row = "second" if other.shape[0] < prompt.shape[0] else "first"
         note = (
             f"a left-padded batch of two prompts ({prompt.shape[0]} and {other.shape[0]} tokens; the {row} row has "
             f"{pad} pads), mask and positions as generate builds them"
         )
-        return Run(CachePath(first[0], rows[0], fed[0]), (note,), CachePath(first[1], rows[1], fed[1]))
+
+        def decode_rows(t: int, tokens: np.ndarray) -> np.ndarray:
+            return check_logits(hook(calls, "decode_padded", tokens), "decode_padded", 2, V, f"at step {t}")
+
+        return decode_pair(calls, first, steps, choose, decode_rows, note)
 
     def branch_prompt(self, prompt: np.ndarray, vocab: int) -> np.ndarray:
         return padded_prompt(prompt, vocab)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvfast.check.protocol import ModelCalls, check_logits
-from kvfast.check.scenarios.base import CachePath, Choose, Run, Scenario, draft_tokens, hook, shown
+from kvfast.check.scenarios.base import Choose, Run, Scenario, decode_pair, hook, shown
 
 #: Decode steps before which the reorder scenario swaps its two beams (beam index ``[1, 0]``).
 REORDER_EVERY = 4
@@ -29,24 +29,17 @@ class Reorder(Scenario):
         T, V = prompt.shape[0], calls.vocab
         raw = hook(calls, "prefill_beams", prompt.copy(), 2)
         first = [check_logits(raw[b], "prefill_beams", T, V, f"beam {b} of the prompt") for b in range(2)]
-        rows = np.empty((2, steps, V))
-        fed = np.empty((2, steps), dtype=np.int64)
         slot = [0, 1]  # slot[beam]: the batch row holding the beam's cache
-        last = first[0][-1]
         points = reorder_points(steps)
-        for t in range(1, steps + 1):
-            fed[0, t - 1] = int(choose(t - 1, last))
-            fed[1, t - 1] = int(draft_tokens(int(fed[0, t - 1]), 1, V)[0])
+
+        def decode_rows(t: int, tokens: np.ndarray) -> np.ndarray:
             if t in points:
                 hook(calls, "reorder", np.array([1, 0], dtype=np.int64))
-                slot = [1 - s for s in slot]
-            batch = np.empty(2, dtype=np.int64)
-            batch[slot[0]], batch[slot[1]] = fed[0, t - 1], fed[1, t - 1]
-            out = check_logits(hook(calls, "decode_beams", batch), "decode_beams", 2, V, f"at step {t}")
-            rows[0, t - 1], rows[1, t - 1] = out[slot[0]], out[slot[1]]
-            last = rows[0, t - 1]
+                slot.reverse()  # (the beams swap slots)
+            return check_logits(hook(calls, "decode_beams", tokens[slot]), "decode_beams", 2, V, f"at step {t}")[slot]
+
         note = f"two beams; the cache reordered by [1, 0] (the beams swap slots) before steps {shown(points)}"
-        return Run(CachePath(first[0], rows[0], fed[0]), (note,), CachePath(first[1], rows[1], fed[1]))
+        return decode_pair(calls, first, steps, choose, decode_rows, note)
 
     def branch_note(self, run: Run) -> str:
         return "the second beam: its own tokens, against the recompute of the prompt plus them"

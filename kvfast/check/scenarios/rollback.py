@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvfast.check.protocol import ModelCalls
-from kvfast.check.scenarios.base import CachePath, Choose, Run, Scenario, draft_tokens, hook, shown
+from kvfast.check.scenarios.base import Choose, Run, Scenario, decode_steps, draft_tokens, hook, shown
 
 #: Decode steps between two rollbacks (the first rollback comes before step 1).
 ROLLBACK_EVERY = 4
@@ -37,23 +37,18 @@ class Rollback(Scenario):
         T = prompt.shape[0]
         first = calls.prefill(prompt, "of the prompt")
         hook(calls, "crop", T)  # a rollback of nothing: where a model may prepare for rollbacks (HF: generate's way)
-        decoded = np.empty((steps, calls.vocab))
-        fed = np.empty(steps, dtype=np.int64)
         points = rollback_points(steps)
-        last = first[-1]
-        for t in range(1, steps + 1):
-            tok = int(choose(t - 1, last))
-            fed[t - 1] = tok
-            if t in points:
-                k = DRAFTS[points.index(t) % len(DRAFTS)]
-                for i, d in enumerate(draft_tokens(tok, k, calls.vocab)):
-                    calls.decode(int(d), f"of draft token {i + 1} of {k} before step {t} (rollback)")
-                hook(calls, "crop", T + t - 1)
-            last = calls.decode(tok, f"at step {t} (position {T + t - 1})")
-            decoded[t - 1] = last
+
+        def draft_and_crop(t: int, token: int) -> None:
+            k = DRAFTS[points.index(t) % len(DRAFTS)]
+            for i, d in enumerate(draft_tokens(token, k, calls.vocab)):
+                calls.decode(int(d), f"of draft token {i + 1} of {k} before step {t} (rollback)")
+            hook(calls, "crop", T + t - 1)
+
+        path = decode_steps(calls, first, steps, choose, dict.fromkeys(points, draft_and_crop))
         note = (
             f"{len(points)} rollbacks: before steps {shown(points)} the cache took {min(DRAFTS)}-{max(DRAFTS)} draft "
             "tokens and crop(n) kept the first n positions again; each step equals the recompute of the kept prefix "
             "and the tokens after it"
         )
-        return Run(CachePath(first, decoded, fed), (note,))
+        return Run(path, (note,))
