@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
-from shared import ROOT
+from shared import ROOT, environment
+from shared import kvfast as run_kvfast
 
 from kvfast.sweep import MANIFEST
 
@@ -40,11 +39,8 @@ def git(folder: Path, *args: str) -> str:
 def kvfast(folder: Path, *argv: str, path: str | None = None) -> subprocess.CompletedProcess:
     """``kvfast ARGV`` with ``folder`` as the working directory (where ``study = "mystudy:STUDY"`` is imported from);
     ``path``: another ``PATH``. Exit code 0 asserted."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "GIT_CEILING_DIRECTORIES": str(folder.parent)}
-    if path is not None:
-        env["PATH"] = path
-    proc = subprocess.run([sys.executable, "-m", "kvfast.cli", *argv], cwd=folder, env=env, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    env = environment(GIT_CEILING_DIRECTORIES=str(folder.parent), **({} if path is None else {"PATH": path}))
+    proc = run_kvfast(*argv, cwd=folder, env=env, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
 
