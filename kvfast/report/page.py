@@ -1,5 +1,5 @@
 """Write the report: one self-contained HTML page (images inline as base64 PNG) and its tables as CSV/JSON, from
-the stored results of every study under a root (:func:`load_results`).
+the stored results of every study under a root (:func:`kvfast.report.claims.load_results`).
 
 The page needs no server and no network: every style is inline and every image
 a ``data:`` URL. With matplotlib absent each figure is replaced by the table of
@@ -33,7 +33,7 @@ from kvfast.report.scan_findings import findings_html, scan_findings
 from kvfast.studies import STUDIES
 from kvfast.studies.common import ok_rows
 from kvfast.studies.plotting import matplotlib_available
-from kvfast.sweep.store import MANIFEST, STORAGE_ERRNOS, ResultsDir, StorageError, load
+from kvfast.sweep.store import MANIFEST, STORAGE_ERRNOS, StorageError
 from kvfast.sweep.study import Figure, Study
 from kvfast.validation import printable
 
@@ -192,44 +192,6 @@ def render(
     )
 
 
-def study_dirs(root: str | os.PathLike) -> dict[str, Path]:
-    """Study name -> results directory, for ``root`` itself (one study) or every folder under it that has a
-    manifest, in study-name order. ``ValueError`` naming ``RESULTS_DIR`` when there is none."""
-    base = Path(root)
-    if not base.is_dir():
-        raise ValueError(f"RESULTS_DIR: {str(root)!r} is not allowed; allowed: a directory of kvfast results")
-    candidates = [base] if (base / MANIFEST).is_file() else sorted(p for p in base.iterdir() if p.is_dir())
-    found: dict[str, Path] = {}
-    for path in candidates:
-        if (path / MANIFEST).is_file() and (name := _study_of(path)) in STUDIES:
-            found[name] = path
-    if not found:
-        raise ValueError(
-            f"RESULTS_DIR: {str(root)!r} is not allowed; allowed: a results directory or a folder of them "
-            f"(each with {MANIFEST}, as `kvfast reproduce --out DIR` writes), of the studies {', '.join(STUDIES)}"
-        )
-    return dict(sorted(found.items()))
-
-
-def _study_of(path: Path) -> str:
-    """The study ``path``'s manifest names (``""`` for none); ``ValueError`` naming the file and the remedy when
-    it is not a JSON object (truncated, a list)."""
-    manifest = path / MANIFEST
-    try:
-        data = json.loads(manifest.read_bytes())
-    except (OSError, ValueError) as exc:
-        data = exc
-    if not isinstance(data, dict):
-        why = str(data).splitlines()[0] if isinstance(data, Exception) else f"a JSON {type(data).__name__}"
-        raise ValueError(f"{manifest}: not a kvfast manifest ({why}); {ResultsDir(path).remedy()}")
-    return str(data.get("study", ""))
-
-
-def load_results(root: str | os.PathLike) -> dict[str, pd.DataFrame]:
-    """Study name -> its stored runs (:func:`kvfast.load`), for every study under ``root``."""
-    return {name: load(path) for name, path in study_dirs(root).items()}
-
-
 def _writable(root: Path) -> None:
     """Create ``root``; ``ValueError`` naming ``--out`` when it cannot be created or written."""
     try:
@@ -328,7 +290,7 @@ def write_report(results_dir: str | os.PathLike, out: str | os.PathLike | None =
     (``kvfast scan --repro``: :func:`~kvfast.report.scan_findings.scan_findings`) head the page; a listing that cannot
     be read is a note there, and the rest of the page is written.
     Returns the page's path."""
-    results = load_results(results_dir)
+    results = claims_mod.load_results(results_dir)
     root = report_dir(results_dir, out)
     _writable(root)
     write_tables(results, root)
