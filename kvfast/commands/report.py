@@ -59,10 +59,7 @@ def markdown_text(results: dict, what: str) -> str:
         return claims_markdown(claims_table(results))
     if what == "facts":
         return markdown(facts(results), ["figure", "value", "study"])
-    parts = []
-    for name, table in summaries(results).items():
-        parts.append(f"#### {name}\n\n{markdown(table)}")
-    return "\n\n".join(parts)
+    return "\n\n".join(f"#### {name}\n\n{markdown(table)}" for name, table in summaries(results).items())
 
 
 def cmd_report(args) -> int:

@@ -7,9 +7,17 @@ reproduce``) calls :func:`write_report`.
 
 from __future__ import annotations
 
-from kvfast.report.claims import claims_markdown, claims_table, count_line, counts, facts, markdown
+from kvfast.report.claims import (
+    claims_markdown,
+    claims_table,
+    count_line,
+    counts,
+    facts,
+    load_results,
+    markdown,
+    study_dirs,
+)
 from kvfast.report.page import render, report_dir, summaries, write_report, write_tables
-from kvfast.report.results import load_results, study_dirs
 
 __all__ = [
     "claims_markdown",

@@ -1,5 +1,6 @@
-"""The claims table, computed end to end from stored results, the verifier count, and the figures the docs quote
-beside the claims (:func:`facts`).
+"""Stored results read back (:func:`load_results`: one results directory per study under a root), the claims
+table computed end to end from them, the verifier count, and the figures the docs quote beside the claims
+(:func:`facts`).
 
 Every row is a :class:`kvfast.studies.Claim` returned by a study's ``claims``
 on its stored runs: the claim, the seed's figure, kvfast's figure, whether it
@@ -10,11 +11,16 @@ how many hold (the seed's counterpart: "133 verifier assertions").
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 
 from kvfast.studies import STUDIES
 from kvfast.studies.common import ok_rows
+from kvfast.sweep.store import MANIFEST, ResultsDir, load
 from kvfast.sweep.study import Study
 
 COLUMNS = ["study", "claim", "seed", "kvfast", "holds", "criterion"]
@@ -108,3 +114,41 @@ def facts(results: dict[str, pd.DataFrame]) -> pd.DataFrame:
     rows.append({"key": "runs", "figure": "runs stored over every study", "value": f"{total:,}", "study": "all"})
     out = pd.DataFrame(rows, columns=FACT_COLUMNS)
     return out.astype({"value": str}).replace({np.nan: ""})
+
+
+def study_dirs(root: str | os.PathLike) -> dict[str, Path]:
+    """Study name -> results directory, for ``root`` itself (one study) or every folder under it that has a
+    manifest, in study-name order. ``ValueError`` naming ``RESULTS_DIR`` when there is none."""
+    base = Path(root)
+    if not base.is_dir():
+        raise ValueError(f"RESULTS_DIR: {str(root)!r} is not allowed; allowed: a directory of kvfast results")
+    candidates = [base] if (base / MANIFEST).is_file() else sorted(p for p in base.iterdir() if p.is_dir())
+    found: dict[str, Path] = {}
+    for path in candidates:
+        if (path / MANIFEST).is_file() and (name := _study_of(path)) in STUDIES:
+            found[name] = path
+    if not found:
+        raise ValueError(
+            f"RESULTS_DIR: {str(root)!r} is not allowed; allowed: a results directory or a folder of them "
+            f"(each with {MANIFEST}, as `kvfast reproduce --out DIR` writes), of the studies {', '.join(STUDIES)}"
+        )
+    return dict(sorted(found.items()))
+
+
+def _study_of(path: Path) -> str:
+    """The study ``path``'s manifest names (``""`` for none); ``ValueError`` naming the file and the remedy when
+    it is not a JSON object (truncated, a list)."""
+    manifest = path / MANIFEST
+    try:
+        data = json.loads(manifest.read_bytes())
+    except (OSError, ValueError) as exc:
+        data = exc
+    if not isinstance(data, dict):
+        why = str(data).splitlines()[0] if isinstance(data, Exception) else f"a JSON {type(data).__name__}"
+        raise ValueError(f"{manifest}: not a kvfast manifest ({why}); {ResultsDir(path).remedy()}")
+    return str(data.get("study", ""))
+
+
+def load_results(root: str | os.PathLike) -> dict[str, pd.DataFrame]:
+    """Study name -> its stored runs (:func:`kvfast.load`), for every study under ``root``."""
+    return {name: load(path) for name, path in study_dirs(root).items()}

@@ -1,5 +1,5 @@
 """Write the report: one self-contained HTML page (images inline as base64 PNG) and its tables as CSV/JSON, from
-the stored results of every study under a root (:func:`kvfast.report.results.load_results`).
+the stored results of every study under a root (:func:`kvfast.report.claims.load_results`).
 
 The page needs no server and no network: every style is inline and every image
 a ``data:`` URL. With matplotlib absent each figure is replaced by the table of
@@ -29,7 +29,6 @@ import pandas as pd
 
 from kvfast._version import __version__
 from kvfast.report import claims as claims_mod
-from kvfast.report.results import load_results
 from kvfast.report.scan_findings import findings_html, scan_findings
 from kvfast.studies import STUDIES
 from kvfast.studies.common import ok_rows
@@ -291,7 +290,7 @@ def write_report(results_dir: str | os.PathLike, out: str | os.PathLike | None =
     (``kvfast scan --repro``: :func:`~kvfast.report.scan_findings.scan_findings`) head the page; a listing that cannot
     be read is a note there, and the rest of the page is written.
     Returns the page's path."""
-    results = load_results(results_dir)
+    results = claims_mod.load_results(results_dir)
     root = report_dir(results_dir, out)
     _writable(root)
     write_tables(results, root)

@@ -14,7 +14,7 @@ from urllib.parse import quote
 
 import pandas as pd
 
-from kvfast.report.claims import markdown
+from kvfast.report.claims import markdown, study_dirs
 from kvfast.validation import printable
 
 #: The columns the listing shows, in order (``note`` only in the files: why a row has no reproducer).
@@ -28,7 +28,6 @@ def scan_findings(results_root: str | os.PathLike, unread: list[str] | None = No
     that has them (a scan's, ``kvfast scan --repro``), new first; ``None`` where none has. The report names no
     study: whichever wrote a listing is read. A listing that cannot be read (a damaged ``findings.csv``) is left
     out, its one-line reason (naming the file) appended to ``unread`` where given, else raised (``ValueError``)."""
-    from kvfast.report.results import study_dirs
     from kvfast.repro.findings import ordered, read_findings
     from kvfast.studies.scan_repro import repro_dir
 

@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass
 
 from kvfast.runtime.deadline import check_timeout
-from kvfast.validation import require_int
+from kvfast.validation import require_choice, require_int
 
 BACKENDS = ("fork", "loky", "threading", "dask")
 
@@ -52,8 +52,7 @@ class SweepOptions:
     max_memory: int | None = None
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(f"--backend: {self.backend!r} is not allowed; allowed: {', '.join(BACKENDS)}")
+        require_choice(self.backend, "--backend", BACKENDS)
         check_jobs(self.jobs)
         cores = _cores()
         if self.jobs > cores and not (self.backend == "dask" and self.scheduler):
