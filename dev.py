@@ -45,11 +45,13 @@ TL = "transformer-lens==3.9.0"  # the newest release with HookedTransformer (4.x
 TL_TRANSFORMERS = "transformers==5.23.0"
 #: the test files `test-tl` runs
 TL_TESTS = ("tests/engines/test_engines_transformer_lens.py",)
-#: what `test` and `test-lowest` give pytest before ARGS: the 25 slowest tests, timed, and the tests shared among two
-#: worker processes (pytest-xdist; CI has 2 cores), each worker taking the next test as it finishes one and stealing
-#: from the other's queue at the end (``worksteal``: no worker idles while a long test is left in the other's queue);
-#: ``-n 0`` in ARGS runs them in this one process (the last ``-n`` given wins)
-PYTEST_ARGS = ("--durations=25", "-n", "2", "--dist", "worksteal")
+#: what `test` and `test-lowest` give pytest before ARGS: the 25 slowest tests, timed, and the tests shared among three
+#: worker processes (pytest-xdist) on CI's 2 cores: many tests wait on a child process or a timeout (one hangs 31 s by
+#: design), and a third worker fills that time (a clean clone, 2 quiet cores: 5 min 21 s against 6 min 15 s on two
+#: workers). Each worker takes the next test as it finishes one and steals from another's queue at the end
+#: (``worksteal``: no worker idles while a long test is left queued); ``-n 0`` in ARGS runs them in this one process
+#: (the last ``-n`` given wins)
+PYTEST_ARGS = ("--durations=25", "-n", "3", "--dist", "worksteal")
 LOWEST = ROOT / ".ci" / "lowest.txt"  # every dependency pinned to its lower bound (test-lowest)
 TORCH_CPU = "torch==2.13.0+cpu"  # the CPU build; a plain `pip install torch` pulls ~20 GPU packages
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
