@@ -82,6 +82,17 @@ bug = ["none", "posoff", "freeze"]
 }
 
 
+#: the check options under which a model's shortcut hook (decode_greedy, recompute_prefixes) must report what one
+#: call per step or recompute reports (tests/check/test_check_decode_greedy.py, test_check_recompute_prefixes.py)
+SHORTCUT_CHECKS = [
+    {"scenarios": "decode", "follow": "cache"},
+    {"scenarios": ("decode", "resume"), "follow": "cache"},
+    {"scenarios": ("decode", "resume", "rollback", "fork")},
+    {"scenarios": ("decode", "resume", "rollback", "fork"), "mode": "control"},
+    {"scenarios": "decode", "fast": False},
+]
+
+
 def same_report(a, b) -> bool:
     """Whether two check reports say the same, bit for bit: the same text, and per scenario the same deviations,
     tokens, logits kept, bounds and step verdicts."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from shared import same_report
+from shared import SHORTCUT_CHECKS, same_report
 
 from kvfast.check import KvfastModel, ModelUnderTestError, check_cache
 from kvfast.check.lossy import LossyKvfastModel
@@ -105,16 +105,7 @@ def test_a_model_that_overrides_recompute_declines_the_shortcut():
             lossy.recompute_prefixes(TOKENS, [19, 7])
 
 
-CHECKS = [
-    {"scenarios": "decode", "follow": "cache"},
-    {"scenarios": ("decode", "resume"), "follow": "cache"},
-    {"scenarios": ("decode", "resume", "rollback", "fork")},
-    {"scenarios": ("decode", "resume", "rollback", "fork"), "mode": "control"},
-    {"scenarios": "decode", "fast": False},
-]
-
-
-@pytest.mark.parametrize("options", CHECKS)
+@pytest.mark.parametrize("options", SHORTCUT_CHECKS)
 @pytest.mark.parametrize("bug", [None, "stale", "posfrozen", "maskfrozen"])
 def test_a_check_with_the_shortcut_reports_what_one_call_per_recompute_reports(options, bug):
     numerics = "bf16" if options.get("mode") == "control" else "f64"
