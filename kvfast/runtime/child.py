@@ -17,7 +17,7 @@ outlives it. The child, for its part (:func:`child_started`, :func:`read_request
   finalizer of the user's code runs after the report;
 - may send a report before its end (:func:`child_report`: ``kvfast check --repro`` sends the check's report, then
   writes the reproducers): the parent hands it to its ``on_report`` at once, and from then on gives the child
-  only the seconds ``on_report`` returns (:meth:`Child.wait`).
+  only the seconds ``on_report`` returns (:func:`run_in_child`).
 """
 
 from __future__ import annotations
@@ -72,124 +72,74 @@ def kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
-def _wait_until_ready(proc: subprocess.Popen, ready_fd: int) -> None:
-    """Until the child has started kvfast (it writes a byte on ``ready_fd``) or has ended."""
-    while proc.poll() is None:
-        readable, _, _ = select.select([ready_fd], [], [], 0.2)
-        if readable:
-            os.read(ready_fd, 1)  # b"r", or b"" when the child ended first: either way, stop waiting
-            return
+def run_in_child(
+    boot: str, request: dict, timeout: float | None = None, grace: float = 1.5, on_report=None
+) -> ChildOutcome:
+    """Run ``request`` in a child ``python -c boot BOOT_INFO`` (see the module doc) and wait for it; its
+    :class:`ChildOutcome`. ``timeout``: seconds from the child's ready byte after which (plus ``grace``, the
+    time the child's own timer has to report) it is killed. ``on_report``: called with the report the child
+    sends before its end (:func:`child_report`) as soon as it is there (looked for every 0.1 s); it returns the
+    seconds the child may run after it (``None``: no bound), and the child is killed at them instead of at
+    ``timeout``. A ``KeyboardInterrupt`` here kills the child's group and is raised again; at the end the
+    child's group is killed in any case (whatever the user's code left running) and its files removed.
 
-
-class Child:
-    """A child process of ``boot`` with its ``request``, started at once: :meth:`wait` for it, then
-    :meth:`discard` it (always: it kills whatever the user's code left running in the child's session and
-    removes the child's files)."""
-
-    def __init__(self, boot: str, request: dict) -> None:
-        self._tmp = tempfile.mkdtemp(prefix="kvfast-child-")
-        self.result_path = os.path.join(self._tmp, "result.json")
-        self.report_path = os.path.join(self._tmp, "report.json")
-        request_path = os.path.join(self._tmp, "request.json")
-        with open(request_path, "w") as f:
+    ``BOOT_INFO`` (JSON, the child's ``sys.argv[1]``): ``path`` (this ``sys.path``), ``result`` (the file to
+    write), ``report`` (:func:`child_report`'s), ``request`` (the file :func:`read_request` reads), ``watch_fd``
+    and ``ready_fd``."""
+    tmp = tempfile.mkdtemp(prefix="kvfast-child-")
+    files = {name: os.path.join(tmp, f"{name}.json") for name in ("result", "report", "request")}
+    watch_read, watch_write = os.pipe()
+    ready_read, ready_write = os.pipe()
+    proc = None
+    try:
+        with open(files["request"], "w") as f:
             json.dump(request, f)
-        watch_read, self._watch_write = os.pipe()
-        self._ready_read, ready_write = os.pipe()
-        boot_info = {
-            "path": [str(p) for p in sys.path],
-            "result": self.result_path,
-            "report": self.report_path,
-            "request": request_path,
-            "watch_fd": watch_read,
-            "ready_fd": ready_write,
-        }
+        boot_info = {"path": [str(p) for p in sys.path], **files, "watch_fd": watch_read, "ready_fd": ready_write}
         try:
-            self.proc = subprocess.Popen(
+            proc = subprocess.Popen(
                 [sys.executable, "-c", boot, json.dumps(boot_info)],
                 pass_fds=(watch_read, ready_write),
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
-        except BaseException:
-            os.close(self._watch_write)
-            os.close(self._ready_read)
-            shutil.rmtree(self._tmp, ignore_errors=True)
-            raise
         finally:
             os.close(watch_read)
             os.close(ready_write)
-
-    def wait(self, timeout: float | None = None, grace: float = 1.5, on_report=None) -> ChildOutcome:
-        """Wait for the child (see :func:`run_in_child`); its :class:`ChildOutcome`. A ``KeyboardInterrupt``
-        here kills the child's group and is raised again. ``on_report``: called with the report the child sends
-        before its end (:func:`child_report`) as soon as it is there; it returns the seconds the child may run
-        after it (``None``: no bound), and the child is killed at them instead of at ``timeout``."""
-        proc = self.proc
+        while proc.poll() is None:  # until the child has started kvfast (a byte on the ready pipe) or has ended
+            if select.select([ready_read], [], [], 0.2)[0]:
+                os.read(ready_read, 1)  # b"r", or b"" when the child ended first: either way, stop waiting
+                break
+        # the child's own timer fires at timeout from here; this one only ends code it cannot interrupt
+        limit = None if timeout is None else timeout + grace
         report = None
         try:
-            _wait_until_ready(proc, self._ready_read)
-            # the child's own timer fires at timeout from here; this one only ends code it cannot interrupt
-            limit = None if timeout is None else timeout + grace
             if on_report is not None:
-                report, limit = self._wait_for_report(limit, on_report)
+                end = None if limit is None else time.monotonic() + limit
+                while not os.path.exists(files["report"]) and proc.poll() is None:
+                    if end is not None and time.monotonic() >= end:
+                        raise subprocess.TimeoutExpired(proc.args, limit)
+                    time.sleep(0.1)
+                if os.path.exists(files["report"]):
+                    with open(files["report"]) as f:
+                        report = json.load(f)
+                    limit = on_report(report)
             proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:
             kill_group(proc.pid)
             proc.wait()
             return ChildOutcome(None, proc.returncode, timed_out=True, report=report)
-        except KeyboardInterrupt:
-            kill_group(proc.pid)
-            proc.wait()
-            raise
-        finally:
-            kill_group(proc.pid)  # whatever the user's code left running in the child's session
         try:
-            with open(self.result_path) as f:
+            with open(files["result"]) as f:
                 return ChildOutcome(json.load(f), proc.returncode, report=report)
         except FileNotFoundError:
             return ChildOutcome(None, proc.returncode, report=report)
-
-    def _wait_for_report(self, limit: float | None, on_report) -> tuple[dict | None, float | None]:
-        """Until the child sends its report (``on_report`` is called with it) or ends; the report (or ``None``)
-        and the seconds left to wait for the child's end. Looks every 0.1 s (only where a report is awaited)."""
-        end = None if limit is None else time.monotonic() + limit
-        while True:
-            ended = self.proc.poll() is not None
-            if os.path.exists(self.report_path):
-                with open(self.report_path) as f:
-                    report = json.load(f)
-                return report, on_report(report)
-            if ended:
-                return None, None
-            if end is not None and time.monotonic() >= end:
-                raise subprocess.TimeoutExpired(self.proc.args, limit)
-            time.sleep(0.1)
-
-    def discard(self) -> None:
-        """End the child's process group (if it still runs), close this side's pipes, remove the child's files."""
-        kill_group(self.proc.pid)
-        self.proc.wait()
-        os.close(self._watch_write)
-        os.close(self._ready_read)
-        shutil.rmtree(self._tmp, ignore_errors=True)
-
-
-def run_in_child(
-    boot: str, request: dict, timeout: float | None = None, grace: float = 1.5, on_report=None
-) -> ChildOutcome:
-    """Run ``request`` in a child ``python -c boot BOOT_INFO`` (see the module doc) and wait for it; its
-    :class:`ChildOutcome`. ``timeout``: seconds from the child's ready byte after which (plus ``grace``) it is
-    killed; ``on_report``: see :meth:`Child.wait`. A ``KeyboardInterrupt`` here kills the child's group and is
-    raised again.
-
-    ``BOOT_INFO`` (JSON, the child's ``sys.argv[1]``): ``path`` (this ``sys.path``), ``result`` (the file to
-    write), ``report`` (:func:`child_report`'s), ``request`` (the file :func:`read_request` reads), ``watch_fd``
-    and ``ready_fd``."""
-    child = Child(boot, request)
-    try:
-        return child.wait(timeout, grace, on_report)
     finally:
-        child.discard()
+        if proc is not None:
+            kill_group(proc.pid)  # whatever the user's code left running in the child's session
+            proc.wait()
+        os.close(watch_write)
+        os.close(ready_read)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 _STARTED: dict = {}  # in a child, the boot information child_started was given (child_report reads it)
@@ -224,7 +174,7 @@ def child_ready(request: dict) -> float:
 
 def child_report(report: dict) -> bool:
     """In the child, before its end: send ``report`` (JSON) to the parent now, written atomically (the parent's
-    ``on_report`` gets it, :meth:`Child.wait`); ``False`` where this process has no place for one (not a child
+    ``on_report`` gets it, :func:`run_in_child`); ``False`` where this process has no place for one (not a child
     :func:`child_started` started): the caller then puts it in its result."""
     path = _STARTED.get("report")
     if not path:
