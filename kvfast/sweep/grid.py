@@ -120,17 +120,15 @@ class _Entry:
         base = self.base
         pairs = [tuple(zip(f.rows, f.pieces, strict=True)) for f in self.varying]
         for combo in itertools.product(*pairs):
-            if seen is None:
-                if select is not None and not next(select):
-                    continue
-                rid = blake(fmt(*(pieces for _, pieces in combo)).encode(), digest_size=16).hexdigest()
-            else:
+            rid = None
+            if seen is not None:  # (a run seen before consumes no flag)
                 rid = blake(fmt(*(pieces for _, pieces in combo)).encode(), digest_size=16).hexdigest()
                 if rid in seen:
                     continue
                 seen.add(rid)
-                if select is not None and not next(select):
-                    continue
+            if select is not None and not next(select):
+                continue
+            rid = rid or blake(fmt(*(pieces for _, pieces in combo)).encode(), digest_size=16).hexdigest()
             config = base.copy()
             for k, (row, _) in zip(keys, combo, strict=True):
                 config.update(zip(k, row, strict=True))
@@ -476,16 +474,6 @@ def _validate_entry(study: Study, name: str, entry: _Entry, groups: list[tuple[s
             check(config)
 
 
-def _may_overlap(a: _Entry, b: _Entry) -> bool:
-    """False when no run of ``a`` can equal a run of ``b`` (some field's value sets are disjoint)."""
-
-    def values(entry: _Entry) -> dict[str, set[str]]:  # field -> the canonical texts of its values
-        return {key: {p[k] for p in f.pieces} for f in entry.factors for k, key in enumerate(f.keys)}
-
-    va, vb = values(a), values(b)
-    return all(va[key] & vb[key] for key in va)
-
-
 def grid_from_spec(
     spec: dict,
     name: str = "<grid>",
@@ -503,7 +491,15 @@ def grid_from_spec(
         raise ValueError(f"{name}: the grid is not a table")
     require_int(max_runs, "--max-runs", 1)
     study_ref = spec.get("study")
-    study = _grid_study(study_ref, name, studies)
+    if study_ref is None:
+        from kvfast.sweep.study import REGISTERED
+
+        names = _registered_names(REGISTERED if studies is None else studies)
+        raise ValueError(f"{name}: study: missing; allowed: {names}, or 'package.module:STUDY'")
+    try:
+        study = resolve_study(study_ref, studies)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
     raw_entries = _raw_entries(spec, study, name, max_runs)
     raw = sum(math.prod(len(rows) for _, rows in factors) for _, factors in raw_entries)
     if raw > max_runs:
@@ -511,7 +507,15 @@ def grid_from_spec(
             f"{name}: {raw:,} runs is not allowed; allowed: at most {max_runs:,} runs "
             "(raise the limit with --max-runs N, or max_runs=N)"
         )
-    entries = _planned_entries(raw_entries, study)
+    fields, cache, entries = study.config_fields, {}, []
+    for where, raw_factors in raw_entries:  # factors coerced and de-duplicated, the fixed values, the id template
+        factors = [_factor(keys, rows, fields, cache) for keys, rows in raw_factors]
+        varying = [f for f in factors if len(f.rows) > 1]
+        base = dict.fromkeys(fields)
+        for f in factors:
+            if len(f.rows) == 1:
+                base.update(zip(f.keys, f.rows[0], strict=True))
+        entries.append(_Entry(where, tuple(factors), base, tuple(varying), _template(study, fields, factors, varying)))
     _validate_entries(entries, study, name)
     overlapping = _overlapping(entries)
     grid = Grid(
@@ -541,19 +545,6 @@ def _registered_names(studies: Mapping[str, Study]) -> str:
     )
 
 
-def _grid_study(study_ref: Any, name: str, studies: Mapping[str, Study] | None) -> Study:
-    """The study a grid names (``ValueError`` prefixed with the grid's name)."""
-    if study_ref is None:
-        from kvfast.sweep.study import REGISTERED
-
-        names = _registered_names(REGISTERED if studies is None else studies)
-        raise ValueError(f"{name}: study: missing; allowed: {names}, or 'package.module:STUDY'")
-    try:
-        return resolve_study(study_ref, studies)
-    except ValueError as exc:
-        raise ValueError(f"{name}: {exc}") from None
-
-
 def _raw_entries(spec: dict, study: Study, name: str, limit: int) -> list[tuple[str, list]]:
     """Per sub-grid (``[[union]]`` entry, or the grid itself): ``(where, factors)`` before coercion, the
     sub-grid's keys replacing top-level keys of the same name; every config field set, none unknown. ``limit``:
@@ -577,47 +568,31 @@ def _raw_entries(spec: dict, study: Study, name: str, limit: int) -> list[tuple[
         kept = [f for f in top_factors if not (set(f[0]) & set(sub_keys))]
         key_sets.append((where or "grid", set(top_keys) | set(sub_keys)))
         raw_entries.append((where or "grid", kept + sub_factors))
-    for where, keys in key_sets:
-        _require_fields(keys, study, where, name)
+    fields = study.config_fields
+    for where, keys in key_sets:  # exactly the study's config fields
+        unknown = sorted(keys - set(fields))
+        if unknown:
+            raise ValueError(
+                f"{name}: axis {unknown[0]!r} is not a config field of study {study.name!r}; "
+                f"allowed: {', '.join(fields)}"
+            )
+        missing = [f for f in fields if f not in keys]
+        if missing:
+            raise ValueError(
+                f"{name}: {missing[0]}: missing from the grid ({where}); set it in [fixed] or [axes]; "
+                f"study {study.name!r} needs: {', '.join(fields)}"
+            )
     return raw_entries
-
-
-def _require_fields(keys: set[str], study: Study, where: str, name: str) -> None:
-    """``ValueError`` unless ``keys`` are exactly the study's config fields."""
-    fields = study.config_fields
-    unknown = sorted(keys - set(fields))
-    if unknown:
-        raise ValueError(
-            f"{name}: axis {unknown[0]!r} is not a config field of study {study.name!r}; allowed: {', '.join(fields)}"
-        )
-    missing = [f for f in fields if f not in keys]
-    if missing:
-        raise ValueError(
-            f"{name}: {missing[0]}: missing from the grid ({where}); set it in [fixed] or [axes]; "
-            f"study {study.name!r} needs: {', '.join(fields)}"
-        )
-
-
-def _planned_entries(raw_entries: list[tuple[str, list]], study: Study) -> list[_Entry]:
-    """Each sub-grid's factors coerced and de-duplicated, its fixed values and its id template."""
-    fields = study.config_fields
-    cache: dict = {}
-    entries = []
-    for where, raw_factors in raw_entries:
-        factors = [_factor(keys, rows, fields, cache) for keys, rows in raw_factors]
-        varying = [f for f in factors if len(f.rows) > 1]
-        base = dict.fromkeys(fields)
-        for f in factors:
-            if len(f.rows) == 1:
-                base.update(zip(f.keys, f.rows[0], strict=True))
-        entries.append(_Entry(where, tuple(factors), base, tuple(varying), _template(study, fields, factors, varying)))
-    return entries
 
 
 def _validate_entries(entries: list[_Entry], study: Study, name: str) -> None:
     """The study's ``validate_config`` on each validation group's values, then each column's type, each
     distinct value once."""
-    groups = _validation_groups(study)
+    # the declared validation groups plus every other field alone; or all fields at once
+    declared, fields = study.validate_groups, list(study.config_fields)
+    groups = [tuple(fields)] if declared is None else [tuple(g) for g in declared]
+    named = {key for group in groups for key in group}
+    groups += [(key,) for key in fields if key not in named]
     done: set = set()
     for entry in entries:
         _validate_entry(study, name, entry, groups, done)
@@ -629,28 +604,26 @@ def _validate_entries(entries: list[_Entry], study: Study, name: str) -> None:
                     k = f.keys.index(f_name)
                     for row, pieces in zip(f.rows, f.pieces, strict=True):
                         distinct.setdefault(pieces[k], row[k])
-        _validate_column(name, f_name, typ, list(distinct.values()))
+        values = list(distinct.values())
+        if not fits(values, typ):  # name the first value that does not fit
+            for v in values:
+                if not fits([v], typ):
+                    raise ValueError(f"{name}: {f_name}: {v!r} is not allowed; allowed: values of type {typ}")
+            raise ValueError(f"{name}: {f_name}: values do not fit type {typ}")
 
 
 def _overlapping(entries: list[_Entry]) -> set[int]:
     """The sub-grids that may share a run with another (their ids are de-duplicated when listed)."""
     if len(entries) > _OVERLAP_CHECK_MAX:
         return set(range(len(entries)))
+    # field -> the canonical texts of its values, per entry: two entries whose value sets for some field are
+    # disjoint share no run
+    values = [{key: {p[k] for p in f.pieces} for f in e.factors for k, key in enumerate(f.keys)} for e in entries]
     overlapping: set[int] = set()
     for i, j in itertools.combinations(range(len(entries)), 2):
-        if _may_overlap(entries[i], entries[j]):
+        if all(values[i][key] & values[j][key] for key in values[i]):
             overlapping |= {i, j}
     return overlapping
-
-
-def _validation_groups(study: Study) -> list[tuple[str, ...]]:
-    """The study's validation groups: its declared groups plus every other field alone; or all fields at once."""
-    declared = getattr(study, "validate_groups", None)
-    fields = list(study.config_fields)
-    if declared is None:
-        return [tuple(fields)]
-    named = {key for group in declared for key in group}
-    return [tuple(g) for g in declared] + [(key,) for key in fields if key not in named]
 
 
 def as_grid(grid: Grid | str | os.PathLike | dict | Iterable[dict], study: str | None = None) -> Grid:
@@ -689,13 +662,3 @@ def fits(values: list, typ: pa.DataType) -> bool:
     except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError, ValueError):
         return False
     return True
-
-
-def _validate_column(name: str, field: str, typ: pa.DataType, values: list) -> None:
-    """``ValueError`` unless every value of a config column fits its Arrow type (naming the first that does not)."""
-    if fits(values, typ):
-        return
-    for v in values:
-        if not fits([v], typ):
-            raise ValueError(f"{name}: {field}: {v!r} is not allowed; allowed: values of type {typ}")
-    raise ValueError(f"{name}: {field}: values do not fit type {typ}")
