@@ -41,7 +41,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 from kvfast.runtime.child import ended_text
 from kvfast.runtime.user import ProcessEnded, UserCodeError, call_user, describe
@@ -131,21 +131,15 @@ def probe_import(module: str) -> ProcessEnded | None:
             answer += chunk
         _, status = os.waitpid(pid, 0)
     except BaseException:
-        _end(pid)
+        with suppress(ProcessLookupError, ChildProcessError):
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
         raise
     finally:
         os.close(read)
     if answer == b"ok":
         return None
     return ProcessEnded(f"{ended_text(os.waitstatus_to_exitcode(status))}: os._exit, a crash or a signal at import")
-
-
-def _end(pid: int) -> None:
-    try:
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
-    except (ProcessLookupError, ChildProcessError):
-        pass
 
 
 def load_object(
@@ -167,7 +161,16 @@ def load_object(
     :class:`~kvfast.runtime.user.UserCodeError`) when the user's module raises or exits at import.
     """
     if isinstance(ref, str) and ref and ":" not in ref and entry_points is not None:
-        obj = _entry_point(ref, field, entry_points(), form, error)
+        ep = entry_points().get(ref)
+        if ep is None:
+            raise ValueError(f"{field}: {shown(ref)} is not allowed; allowed: {form}")
+        working_dir_on_path()
+        try:
+            obj = call_user(f"loading entry point {ep.value}", ep.load, passthrough=(ImportError,), error=error)
+        except ImportError as exc:
+            raise ValueError(
+                f"{field}: {shown(ref)} (entry point {ep.value}) cannot be loaded ({describe(exc)})"
+            ) from None
     else:
         module_name, attr = split_ref(ref, field, form)
         obj = import_user_module(module_name, field, ref, error)
@@ -190,17 +193,3 @@ def entry_points_of(group: str) -> dict:
     from importlib.metadata import entry_points
 
     return {ep.name: ep for ep in entry_points(group=group)}
-
-
-def _entry_point(name: str, field: str, found: dict, form: str, error: type[UserCodeError]):
-    """The object the entry point ``name`` names (``ValueError`` if there is none)."""
-    ep = found.get(name)
-    if ep is None:
-        raise ValueError(f"{field}: {shown(name)} is not allowed; allowed: {form}")
-    working_dir_on_path()
-    try:
-        return call_user(f"loading entry point {ep.value}", ep.load, passthrough=(ImportError,), error=error)
-    except ImportError as exc:
-        raise ValueError(
-            f"{field}: {shown(name)} (entry point {ep.value}) cannot be loaded ({describe(exc)})"
-        ) from None

@@ -43,17 +43,6 @@ def run_memory_bytes(config: dict) -> int | None:
     return COPIES * _BYTES * (weights + cache + activations)
 
 
-def _largest_config(entry) -> dict:
-    config = dict(entry.base)
-    for factor in entry.factors:
-        for i, key in enumerate(factor.keys):
-            values = [row[i] for row in factor.rows]
-            numbers = [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
-            if numbers:
-                config[key] = max(numbers)
-    return config
-
-
 def check_memory(grid, limit: int | None = None) -> None:
     """``ValueError`` (one line, with the estimate) if a run of ``grid`` needs more than ``limit`` bytes
     (default: the machine's memory)."""
@@ -62,7 +51,12 @@ def check_memory(grid, limit: int | None = None) -> None:
     except (ValueError, OSError, AttributeError):
         return
     for entry in getattr(grid, "entries", ()):
-        config = _largest_config(entry)
+        config = dict(entry.base)  # each numeric field at its largest value in the entry
+        for factor in entry.factors:
+            for i, key in enumerate(factor.keys):
+                numbers = [row[i] for row in factor.rows if isinstance(row[i], int) and not isinstance(row[i], bool)]
+                if numbers:
+                    config[key] = max(numbers)
         need = run_memory_bytes(config)
         if need is not None and need > limit:
             shape = ", ".join(
@@ -94,22 +88,15 @@ def row_bytes(study) -> int:
     return total
 
 
-def free_bytes(path) -> int | None:
-    """Free space of the file system that holds ``path`` (or its nearest existing parent)."""
-    try:  # OSError: a name over the file system's limit, no permission (the store reports those in one line)
-        here = Path(path).absolute()
-        while not here.exists() and here != here.parent:
-            here = here.parent
-        return shutil.disk_usage(here).free
-    except OSError:
-        return None
-
-
 def check_disk(grid, out) -> None:
     """``ValueError`` (one line, with the estimate) if ``grid``'s results would not fit in the free space
     under ``out`` (by :func:`row_bytes`, before any run)."""
-    free = free_bytes(out)
-    if free is None:
+    try:  # the free space of the file system that holds ``out`` (or its nearest existing parent)
+        here = Path(out).absolute()
+        while not here.exists() and here != here.parent:
+            here = here.parent
+        free = shutil.disk_usage(here).free
+    except OSError:  # a name over the file system's limit, no permission (the store reports those in one line)
         return
     per_row = row_bytes(grid.study)
     need = per_row * len(grid)

@@ -124,21 +124,16 @@ class RunTree:
         thread the run left running is not, but it is in the worker's process group, which
         the worker's keeper kills when the worker ends.
         """
-        if not self.reap:
-            return
-        if _run_children() <= self.before:  # (the common case: no child left; psutil not needed)
-            if self.was is not None:
-                prctl(PR_SET_CHILD_SUBREAPER, self.was)
-            return
-        import psutil
+        if self.reap and not _run_children() <= self.before:  # (the common case: no child left; no psutil)
+            import psutil
 
-        for _ in range(8):
-            new = [p for pid in _run_children() - self.before if (p := _suppressed(psutil.Process, pid))]
-            if not new:
-                break
-            for proc in [*new, *(d for p in new for d in _suppressed(p.children, True) or ())]:
-                _suppressed(proc.kill)
-            psutil.wait_procs(new)
+            for _ in range(8):
+                new = [p for pid in _run_children() - self.before if (p := _suppressed(psutil.Process, pid))]
+                if not new:
+                    break
+                for proc in [*new, *(d for p in new for d in _suppressed(p.children, True) or ())]:
+                    _suppressed(proc.kill)
+                psutil.wait_procs(new)
         if self.was is not None:
             prctl(PR_SET_CHILD_SUBREAPER, self.was)
 

@@ -118,13 +118,8 @@ def versions() -> dict[str, str]:
 
 def machine() -> dict:
     """The machine, in a few words (no host name)."""
-    return {
-        "system": platform.system(),
-        "release": platform.release(),
-        "machine": platform.machine(),
-        "processor": platform.processor(),
-        "cpu_count": os.cpu_count(),
-    }
+    return {**{key: getattr(platform, key)() for key in ("system", "release", "machine", "processor")},
+            "cpu_count": os.cpu_count()}  # fmt: skip
 
 
 def list_parts(path: str | os.PathLike) -> list[Path]:
@@ -331,10 +326,6 @@ class ResultsDir:
                 p.unlink(missing_ok=True)
         shutil.rmtree(self.path / WORKERS, ignore_errors=True)
 
-    def _next_seq(self) -> int:
-        seqs = [int(m.group(1)) for p in self.path.iterdir() if (m := PART_RE.match(p.name))]
-        return max(seqs, default=0) + 1
-
     def write_part(self, table: pa.Table | list[pa.Table]) -> Path:
         """Write one part (a table, or tables of one schema): a hidden temporary name, then an atomic rename."""
         tables = table if isinstance(table, list) else [table]
@@ -344,7 +335,7 @@ class ResultsDir:
                 **{k.encode(): v.encode() for k, v in self.part_metadata.items()},
             }
             tables = [t.replace_schema_metadata(meta) for t in tables]
-        seq = self._next_seq()
+        seq = max((int(m.group(1)) for p in self.path.iterdir() if (m := PART_RE.match(p.name))), default=0) + 1
         name = f"part-{seq:08d}-{secrets.token_hex(4)}.parquet"
         tmp = self.path / f".{name}.tmp"
         # one table (zero-copy): row groups of ROW_GROUP_ROWS rows, not one per buffered chunk (each group and
@@ -491,14 +482,17 @@ def _latest(table: pa.Table) -> pa.Table:
     return table.take(last.column("_i_max"))
 
 
-def _require_same_columns(tables: list[pa.Table], parts: list[Path], store: ResultsDir) -> None:
-    """``ValueError`` naming the first part whose columns are not the results' own (the manifest's, or
-    else the first part's): a foreign Parquet file named like a part, found by ``kvfast.load``."""
+def read_parts(parts: list[Path], schema: pa.Schema | None = None, store: ResultsDir | None = None) -> pa.Table:
+    """The latest row per run over ``parts`` (oldest first), sorted by run id."""
+    store = store or ResultsDir(parts[0].parent)
+    tables = [store.read_part(p, schema=schema) if schema is not None else store.read_part(p) for p in parts]
+    # every part's columns the results' own (the manifest's, or else the first part's): a foreign Parquet file
+    # named like a part, found by ``kvfast.load``, is named
     try:
-        schema = (store.manifest() or {}).get("schema")
+        columns = (store.manifest() or {}).get("schema")
     except ValueError:  # no manifest (one Parquet file loaded on its own): the first part decides
-        schema = None
-    expected = [name for name, _ in schema] if isinstance(schema, list) else tables[0].schema.names
+        columns = None
+    expected = [name for name, _ in columns] if isinstance(columns, list) else tables[0].schema.names
     if "run_id" not in expected:
         raise ValueError(f"{parts[0]}: not kvfast results (no run_id column); allowed: a kvfast results directory")
     for table, part in zip(tables, parts, strict=True):
@@ -508,13 +502,6 @@ def _require_same_columns(tables: list[pa.Table], parts: list[Path], store: Resu
                 f"{part}: not a part of these results (its columns {shorten(', '.join(table.schema.names), 120)}; "
                 f"missing {shorten(', '.join(missing), 120) or 'none'}); move it out of {store.path}"
             )
-
-
-def read_parts(parts: list[Path], schema: pa.Schema | None = None, store: ResultsDir | None = None) -> pa.Table:
-    """The latest row per run over ``parts`` (oldest first), sorted by run id."""
-    store = store or ResultsDir(parts[0].parent)
-    tables = [store.read_part(p, schema=schema) if schema is not None else store.read_part(p) for p in parts]
-    _require_same_columns(tables, parts, store)
     try:
         table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
     except pa.ArrowInvalid as exc:

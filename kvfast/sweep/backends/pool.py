@@ -128,32 +128,23 @@ def execute(job: Job, runs: Iterator[GridRun], total: int) -> Outcome:
     suspects: list[GridRun] = []
     largest = 0
     remaining: Iterator[GridRun] | None = runs
-    with Monitor(min(job.stall_s, seconds) if seconds else job.stall_s, seconds), _inherited(kind, job):
-        while remaining is not None:
-            planner = job.planner(remaining, total)
-            try:
-                _fan_out(kind, planner, job)
-                remaining = None
-            except BrokenProcessPool:
-                suspects += [r for chunk in planner.handed.values() for r in chunk]
-                remaining, total = planner.rest()
-            largest = max(largest, planner.largest)
-        for run in suspects:
-            job.write([run], [_alone(kind, job, run)])
-    return Outcome(workers=job.jobs, chunk_size=largest)
-
-
-@contextlib.contextmanager
-def _inherited(kind: str, job: Job) -> Iterator[None]:
-    """``fork``: the study and limits that the pools forked within inherit (:func:`run_chunk_forked`)."""
-    if kind != "fork":
-        yield
-        return
-    _FORKED.append((job.study, job.limits))
+    _FORKED.append((job.study, job.limits))  # what the pools forked within inherit (run_chunk_forked)
     try:
-        yield
+        with Monitor(min(job.stall_s, seconds) if seconds else job.stall_s, seconds):
+            while remaining is not None:
+                planner = job.planner(remaining, total)
+                try:
+                    _fan_out(kind, planner, job)
+                    remaining = None
+                except BrokenProcessPool:
+                    suspects += [r for chunk in planner.handed.values() for r in chunk]
+                    remaining, total = planner.rest()
+                largest = max(largest, planner.largest)
+            for run in suspects:
+                job.write([run], [_alone(kind, job, run)])
     finally:
         _FORKED.pop()
+    return Outcome(workers=job.jobs, chunk_size=largest)
 
 
 def _task(kind: str, job: Job, chunk: tuple[int, list[GridRun]]) -> tuple:
