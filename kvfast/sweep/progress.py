@@ -70,7 +70,8 @@ class Lines:
         self.mark = (now, self.n)
         rate = (self.n - n_then) / (now - then)
         errors = f", {self.errors:,} errors" if self.errors else ""
-        left = _duration((self.total - self.n) / rate)  # rate > 0: runs finished since the mark
+        left = (self.total - self.n) / rate  # rate > 0: runs finished since the mark
+        left = f"{left:.0f} s" if left < 120 else f"{left / 60:.0f} min" if left < 7200 else f"{left / 3600:.1f} h"
         print(
             f"kvfast: {self.n:,} of {self.total:,} runs ({self.before:,} stored before){errors}, "
             f"{runs_per_second(self.n - n_then, now - then)} runs/s, about {left} left",
@@ -80,12 +81,3 @@ class Lines:
 
     def close(self) -> None:
         pass
-
-
-def _duration(seconds: float) -> str:
-    """``27 s``, ``14 min``, ``3.5 h``."""
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"

@@ -47,59 +47,38 @@ def provenance(grid: Grid) -> dict:
 
 def git_states(paths: list[Path]) -> list[dict]:
     """``{"commit": HEAD's hash, "dirty": bool}`` of the git repository tracking each file of ``paths`` (``None``
-    values where none does, or git cannot say), its git processes run side by side (a sweep's start waits for
-    the slowest, not for their sum), one ``status`` per repository."""
+    values where none does, or git cannot say); one ``status`` per repository, every git process within
+    :data:`GIT_TIMEOUT_S` of the first."""
     deadline = time.monotonic() + GIT_TIMEOUT_S
-    asked = [(_git_start(p.parent, "ls-files", "--error-unmatch", "--", p.name),
-              _git_start(p.parent, "rev-parse", "--show-toplevel", "HEAD")) for p in paths]  # fmt: skip
-    found = [(_git_end(tracked, deadline), _git_end(head, deadline)) for tracked, head in asked]
-    statuses: dict[str, subprocess.Popen | None] = {}
-    for path, (tracked, head) in zip(paths, found, strict=True):
-        if tracked is not None:
-            top = head.split("\n")[0] if head else str(path.parent)
-            if top not in statuses:
-                statuses[top] = _git_start(Path(top), "status", "--porcelain", "--untracked-files=no")
-    dirty = {top: _git_end(proc, deadline) for top, proc in statuses.items()}
+    dirty: dict[str, str | None] = {}  # repository -> its `git status`
     states = []
-    for path, (tracked, head) in zip(paths, found, strict=True):
-        if tracked is None:
-            states.append({"commit": None, "dirty": None})
-            continue
-        lines = head.split("\n") if head else []
-        status = dirty[lines[0] if lines else str(path.parent)]
-        states.append({
-            "commit": lines[1].strip() if len(lines) > 1 and lines[1].strip() else None,
-            "dirty": None if status is None else bool(status.strip()),
-        })  # fmt: skip
+    for path in paths:
+        state = {"commit": None, "dirty": None}
+        if _git(path.parent, deadline, "ls-files", "--error-unmatch", "--", path.name) is not None:
+            top, _, head = (_git(path.parent, deadline, "rev-parse", "--show-toplevel", "HEAD") or "").partition("\n")
+            top = top or str(path.parent)
+            if top not in dirty:
+                dirty[top] = _git(Path(top), deadline, "status", "--porcelain", "--untracked-files=no")
+            state = {"commit": head.strip() or None, "dirty": None if dirty[top] is None else bool(dirty[top].strip())}
+        states.append(state)
     return states
 
 
-def _git_start(folder: Path, *args: str) -> subprocess.Popen | None:
-    """``git ARGS`` started in ``folder`` (``None`` if it cannot start)."""
+def _git(folder: Path, deadline: float, *args: str) -> str | None:
+    """The output of ``git ARGS`` run in ``folder``; ``None`` if it cannot start, fails or still runs at
+    ``deadline`` (then killed)."""
     try:
-        return subprocess.Popen(
+        proc = subprocess.run(
             ["git", "--no-optional-locks", "-C", str(folder), *args],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
+            timeout=max(0.0, deadline - time.monotonic()),
         )
-    except (OSError, subprocess.SubprocessError):
+    except (OSError, subprocess.SubprocessError):  # (TimeoutExpired is one)
         return None
-
-
-def _git_end(proc: subprocess.Popen | None, deadline: float) -> str | None:
-    """The output of a :func:`_git_start` process, or ``None`` if it failed or is still running at ``deadline``
-    (then killed)."""
-    if proc is None:
-        return None
-    try:
-        out, _ = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        return None
-    return out if proc.returncode == 0 else None
+    return proc.stdout if proc.returncode == 0 else None
 
 
 def changes(was: dict | None, now: dict) -> list[str]:

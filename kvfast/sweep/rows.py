@@ -76,8 +76,11 @@ def run_one(study: Study, run: GridRun, limits: Limits = None) -> dict:
                 if os.getpid() != pid:  # a child the run forked returned (or raised) into kvfast's loop
                     os._exit(0)
                 tree.end()  # the processes the run left
-        if type(result) is not dict or result.keys() != study.result_fields.keys():
-            _wrong_result(study, result)
+        if not isinstance(result, dict):
+            raise TypeError(f"run returned {type(result).__name__}, not a dict")
+        if result.keys() != study.result_fields.keys():
+            extra, missing = sorted(result.keys() - study.result_fields), sorted(study.result_fields.keys() - result)
+            raise TypeError(f"run returned wrong columns (missing {missing}, unexpected {extra})")
         row = dict(result)
         row["run_id"] = run.run_id
         row["status"] = "ok"
@@ -132,12 +135,3 @@ def _empty_row(study: Study, run: GridRun, status: str, error: str, **extra) -> 
 
 def _timeout_message(seconds: float | None) -> str:
     return f"RunTimeout: the run took longer than --run-timeout {seconds:g} s"
-
-
-def _wrong_result(study: Study, result) -> None:
-    if not isinstance(result, dict):
-        raise TypeError(f"run returned {type(result).__name__}, not a dict")
-    if set(result) != set(study.result_fields):
-        extra = sorted(set(result) - set(study.result_fields))
-        missing = sorted(set(study.result_fields) - set(result))
-        raise TypeError(f"run returned wrong columns (missing {missing}, unexpected {extra})")
