@@ -235,11 +235,7 @@ class ResultsDir:
                     f"--out: {str(p)!r} is not a kvfast results directory (it holds {foreign[0]!r} and no "
                     f"{MANIFEST}); allowed: a new or empty directory, or one a sweep wrote"
                 )
-            return
-        if fresh:
-            return
-        reason = self.mismatch(study, manifest)
-        if reason:
+        elif not fresh and (reason := self.mismatch(study, manifest)):
             raise ValueError(f"--out: {str(p)!r} {reason}; use another --out, or --fresh to replace them")
 
     def mismatch(self, study: Study, manifest: dict | None = None) -> str | None:
@@ -603,18 +599,18 @@ def repair(path: str | os.PathLike) -> str:
                 done.append(
                     f"parts of other studies ({', '.join(sorted(studies - {manifest['study']}))}) left as they are"
                 )
-        elif good:
+        elif good or store.manifest_path.exists():
             if store.manifest_path.exists():
                 quarantine(store.manifest_path, f"{MANIFEST}.broken-{secrets.token_hex(4)}")
-            store.write_manifest(_manifest_from_parts(store, good))
-            done.append(
-                f"rebuilt {MANIFEST} from {len(good):,} parts" + (f" ({broken.split(';')[0]})" if broken else "")
-            )
-        elif store.manifest_path.exists():
-            quarantine(store.manifest_path, f"{MANIFEST}.broken-{secrets.token_hex(4)}")
-            done.append(
-                f"moved the broken {MANIFEST} into {QUARANTINE}/ (no readable part: the directory starts afresh)"
-            )
+            if good:
+                store.write_manifest(_manifest_from_parts(store, good))
+                done.append(
+                    f"rebuilt {MANIFEST} from {len(good):,} parts" + (f" ({broken.split(';')[0]})" if broken else "")
+                )
+            else:
+                done.append(
+                    f"moved the broken {MANIFEST} into {QUARANTINE}/ (no readable part: the directory starts afresh)"
+                )
     if not done:
         return f"{store.path}: nothing to repair ({len(store.parts()):,} readable parts, manifest ok)"
     return f"{store.path}: " + "; ".join(done) + "; run the sweep again to run the missing runs"

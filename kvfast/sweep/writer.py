@@ -56,11 +56,8 @@ class Writer:
             return
         configs = {r.run_id: r.config for r in runs}  # rows come in any order
         ordered = [configs[row["run_id"]] for row in rows]
-        columns = {"run_id": [row["run_id"] for row in rows]}
-        for name in self.config_names:
-            columns[name] = [c[name] for c in ordered]
-        for name in self.schema.names[1 + len(self.config_names) :]:
-            columns[name] = [row[name] for row in rows]
+        columns = {name: [c[name] for c in ordered] for name in self.config_names}
+        columns.update((name, [row[name] for row in rows]) for name in self.schema.names if name not in columns)
         statuses = columns["status"]
         try:
             table = pa.Table.from_pydict(columns, schema=self.schema)

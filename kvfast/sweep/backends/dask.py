@@ -103,10 +103,10 @@ def worker_identity(study_module: str, study_name: str) -> dict:
     except BaseException as exc:  # noqa: BLE001 - the client names it
         found["study_version"] = f"its module cannot be imported ({type(exc).__name__})"
         return found
-    for value in vars(module).values():
-        if isinstance(value, Study) and value.name == study_name:
-            found["study_version"] = value.version
-            break
+    versions = (
+        value.version for value in vars(module).values() if isinstance(value, Study) and value.name == study_name
+    )
+    found["study_version"] = next(versions, None)
     return found
 
 
@@ -238,8 +238,6 @@ def execute(job: Job, runs: Iterator[GridRun], total: int) -> Outcome:
     driver = _Driver(job, runs, total, count, good if refused else None)
     try:
         lost = driver.run_chunks()
-    except KeyboardInterrupt:
-        raise
     except Exception as exc:  # noqa: BLE001 - a lost scheduler shows as many exception types
         if not _scheduler_gone(job.client, exc=exc):
             raise
