@@ -465,8 +465,6 @@ def _validate_entry(study: Study, name: str, entry: _Entry, groups: list[tuple[s
     for group in groups:
         # the varying factors that set the group's fields, each once, in the group's order
         involved = list({id(f): f for key in group if (f := owner.get(key)) is not None}.values())
-        if not involved:
-            continue
         for combo in itertools.product(*(f.rows for f in involved)):
             config = dict(reference)
             for f, row in zip(involved, combo, strict=True):

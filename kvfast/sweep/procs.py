@@ -175,10 +175,7 @@ def _run_children() -> set[int]:
 def kill_worker(pid: int) -> None:
     """SIGKILL a worker's process group (itself and its runs' processes) if it leads one, else the worker."""
     with contextlib.suppress(OSError):
-        if os.getpgid(pid) == pid:
-            os.killpg(pid, signal.SIGKILL)
-        else:
-            os.kill(pid, signal.SIGKILL)
+        (os.killpg if os.getpgid(pid) == pid else os.kill)(pid, signal.SIGKILL)
 
 
 OVERDUE: set[str] = set()  # run id prefixes of the runs whose workers the Monitor killed past the run's limit

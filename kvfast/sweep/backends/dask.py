@@ -131,8 +131,7 @@ def check_workers(job: Job) -> tuple[list[str], dict[str, dict]]:
             if theirs[key] != mine[key]
         ]
         refused.append(f"Dask worker {address} refused: it runs {'; '.join(differ)}")
-    for line in refused:
-        print(f"kvfast: {line}; no run goes to it", file=sys.stderr)
+        print(f"kvfast: {refused[-1]}; no run goes to it", file=sys.stderr)
     if refused and not good:  # (no worker at all is not a refusal: the stall limit covers a cluster without any)
         raise ValueError(f"--scheduler: every worker was refused ({refused[0]}); nothing ran on the cluster")
     return good, versions
