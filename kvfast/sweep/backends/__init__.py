@@ -90,15 +90,11 @@ def execute_threads(job: Job, runs: Iterator[GridRun], total: int) -> Outcome:
     from joblib import Parallel, delayed
 
     planner = job.planner(runs, total)
-
-    def tasks() -> Iterator:
-        while (chunk := planner.take()) is not None:
-            yield delayed(run_chunk)(job.study, chunk, job.limits)
-
+    tasks = (delayed(run_chunk)(job.study, chunk, job.limits) for chunk in iter(planner.take, None))
     parallel = Parallel(n_jobs=job.jobs, backend="threading", batch_size=1, return_as="generator_unordered")
     with warnings.catch_warnings():  # joblib's note about tasks cancelled by an interrupt
         warnings.filterwarnings("ignore", message=".*tasks have been successfully executed")
-        for index, rows in parallel(tasks()):
+        for index, rows in parallel(tasks):
             job.write(planner.returned(index), rows)
     return Outcome(workers=job.jobs, chunk_size=planner.largest)
 
