@@ -360,10 +360,7 @@ class ResultsDir:
             return
         rows = [pq.ParquetFile(p).metadata.num_rows for p in parts]
         if sum(rows) <= COMPACT_ROWS:
-            table = read_parts(parts, schema, self)
-            self.write_part(table)
-            for p in parts:
-                p.unlink()
+            self._merge(parts, schema, latest=True)
             return
         big = [i for i, n in enumerate(rows) if n >= PART_ROWS]
         start = big[-1] + 1 if big else 0  # only parts newer than every big one: merging never reorders rows
@@ -378,8 +375,11 @@ class ResultsDir:
         if len(group) > 1:
             self._merge(group, schema)
 
-    def _merge(self, group: list[Path], schema: pa.Schema) -> None:
-        self.write_part([self.read_part(p, schema=schema) for p in group])
+    def _merge(self, group: list[Path], schema: pa.Schema, latest: bool = False) -> None:
+        """One part of ``group``'s rows (``latest``: the latest row per run, sorted by run id), then ``group`` gone."""
+        self.write_part(
+            read_parts(group, schema, self) if latest else [self.read_part(p, schema=schema) for p in group]
+        )
         for p in group:
             p.unlink()
 
@@ -464,8 +464,6 @@ def _fixed_ids(column: pa.ChunkedArray) -> np.ndarray:
 
 def _sorted_unique(ids: pa.ChunkedArray) -> bool:
     """True when ``ids`` are strictly increasing (a compacted part)."""
-    if len(ids) < 2:
-        return True
     arr = _fixed_ids(ids)
     return bool((arr[1:] > arr[:-1]).all())
 
