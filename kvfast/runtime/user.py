@@ -71,11 +71,9 @@ def call_user(
         raise deadline.timed_out(where) from None
     except (UserCodeError, deadline.CheckTimeout):
         raise
-    except KeyboardInterrupt as exc:
-        if INTERRUPTED.is_set():
-            raise
-        raise error(where, exc) from exc
     except passthrough:
         raise
     except BaseException as exc:  # noqa: BLE001 - every failure of the user's own code is the user's
+        if isinstance(exc, KeyboardInterrupt) and INTERRUPTED.is_set():  # the user's Ctrl-C
+            raise
         raise error(where, exc) from exc
