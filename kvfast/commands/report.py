@@ -53,7 +53,8 @@ def add_parser(sub) -> None:
 
 def markdown_text(results: dict, what: str) -> str:
     """The Markdown ``--markdown WHAT`` prints for ``results`` (study name -> stored runs)."""
-    from kvfast.report import claims_markdown, claims_table, facts, markdown, summaries
+    from kvfast.report.claims import claims_markdown, claims_table, facts, markdown
+    from kvfast.report.page import summaries
 
     if what == "claims":
         return claims_markdown(claims_table(results))
@@ -64,8 +65,8 @@ def markdown_text(results: dict, what: str) -> str:
 
 def cmd_report(args) -> int:
     from kvfast.commands.sweep import EXIT_STORAGE
-    from kvfast.report import load_results, report_dir, write_report, write_tables
-    from kvfast.report.page import report_path, writing_report
+    from kvfast.report.claims import load_results
+    from kvfast.report.page import report_dir, report_path, write_report, write_tables, writing_report
     from kvfast.report.scan_findings import findings_text, scan_findings
     from kvfast.sweep.store import StorageError
 

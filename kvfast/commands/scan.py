@@ -114,7 +114,7 @@ def scoreboard_text(df, markdown: bool, findings=None) -> str:
     """The scoreboard, each injected bug over every architecture, then the skipped architectures, as text or
     Markdown; then ``findings`` (``--repro``'s listing, new first, each with its reproducer) where given."""
     from kvfast.commands.sweep import _table
-    from kvfast.report import markdown as md
+    from kvfast.report.claims import markdown as md
     from kvfast.studies import hf_scan
 
     board, skipped, bugs = hf_scan.scoreboard(df), hf_scan.skipped_table(df), hf_scan.bug_table(df)
@@ -131,8 +131,7 @@ def scoreboard_text(df, markdown: bool, findings=None) -> str:
 
 def cmd_scan(args) -> int:
     from kvfast.commands.sweep import EXIT_STORAGE, _exit, _sweep
-    from kvfast.report import report_dir
-    from kvfast.report.page import report_path, writing_report
+    from kvfast.report.page import report_dir, report_path, writing_report
     from kvfast.studies import hf_scan
     from kvfast.sweep.options import SweepOptions
     from kvfast.sweep.store import StorageError, load
@@ -176,8 +175,8 @@ def cmd_scan(args) -> int:
 def _write_reproducers(df, out: Path, args):
     """``--repro``: the bug rows' reproducers beside the results (:mod:`kvfast.studies.scan_repro`), listed new
     first (printed, and written as ``findings.md`` beside ``findings.csv``); the listing."""
-    from kvfast.report import markdown as md
-    from kvfast.report import report_dir
+    from kvfast.report.claims import markdown as md
+    from kvfast.report.page import report_dir
     from kvfast.report.scan_findings import findings_text
     from kvfast.repro.findings import FINDINGS_MD
     from kvfast.studies.scan_repro import repro_dir, write_scan_reproducers

@@ -434,7 +434,8 @@ def cmd_reproduce(args) -> int:
         if report.interrupted:
             break
     print(f"\n== claims ({len(plan)} studies, {time.perf_counter() - t0:.1f} s; results in {root})")
-    from kvfast.report import claims_markdown, claims_table, load_results, write_report
+    from kvfast.report.claims import claims_markdown, claims_table, load_results
+    from kvfast.report.page import write_report
 
     try:
         print(claims_markdown(claims_table(load_results(root))))
