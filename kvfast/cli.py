@@ -8,8 +8,9 @@ the user's modules are imported through :mod:`kvfast.runtime` (a forked probe
 first, so that ``os._exit`` at import is one line too); a Ctrl-C is exit 130,
 one line. An unexpected error (a bug in kvfast) prints its traceback, the kvfast version and
 a line saying it is a bug in kvfast, with exit code 70 (never 1, which
-``kvfast check`` uses for "divergence found"). Ctrl-C at any point, start-up
-included (the subcommands' imports: pandas, NumPy), is one line and exit code
+``kvfast check`` uses for "divergence found"); results, a report or a scoreboard that could not be written
+(``kvfast.sweep.store.StorageError``: a full disk, a read-only place) is one line and exit code 74. Ctrl-C
+at any point, start-up included (the subcommands' imports: pandas, NumPy), is one line and exit code
 130: this module imports nothing heavy, and :func:`main` installs its SIGINT
 handler before it imports anything else.
 
@@ -24,16 +25,9 @@ import signal
 import sys
 import threading
 
+import kvfast.commands
 from kvfast._version import __version__
-
-
-def command_modules() -> list[str]:
-    """Every module of :mod:`kvfast.commands`, in name order."""
-    import pkgutil
-
-    import kvfast.commands
-
-    return sorted(f"kvfast.commands.{m.name}" for m in pkgutil.iter_modules(kvfast.commands.__path__))
+from kvfast.commands import EXIT_INTERRUPTED
 
 
 class Parser(argparse.ArgumentParser):
@@ -43,18 +37,19 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-EXIT_INTERRUPTED = 130  # 128 + SIGINT
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a command killed by a closed pipe
 
 
 def build_parser() -> Parser:
+    """The ``kvfast`` parser: one subcommand per module of :mod:`kvfast.commands`, in name order."""
+    import importlib
+    import pkgutil
+
     parser = Parser(prog="kvfast", description="A KV cache is not an approximation: check it bit for bit.")
     parser.add_argument("--version", action="version", version=f"kvfast {__version__}")
-    import importlib
-
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
-    for name in command_modules():
-        importlib.import_module(name).add_parser(sub)
+    for module in sorted(m.name for m in pkgutil.iter_modules(kvfast.commands.__path__)):
+        importlib.import_module(f"kvfast.commands.{module}").add_parser(sub)
     return parser
 
 
@@ -92,7 +87,7 @@ def _main(argv: list[str] | None) -> int:
     import os
     import traceback
 
-    from kvfast.commands import EXIT_KVFAST_BUG, bug_line
+    from kvfast.commands import EXIT_KVFAST_BUG, EXIT_STORAGE, bug_line
     from kvfast.runtime import UserCodeError, ctrl_c_noted, probing_imports
     from kvfast.validation import one_line
 
@@ -113,8 +108,12 @@ def _main(argv: list[str] | None) -> int:
     except BrokenPipeError:  # the reader went away (`kvfast show DIR | head`): stop quietly, like other tools
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
         return EXIT_BROKEN_PIPE
-    except Exception:  # noqa: BLE001 - an expected failure never gets here: this one is kvfast's bug
-        traceback.print_exc()
+    except Exception as exc:  # noqa: BLE001 - an expected failure never gets here but a failed write
+        store = sys.modules.get("kvfast.sweep.store")  # its StorageError: imported by whatever writes results
+        if store is not None and isinstance(exc, store.StorageError):  # disk full, a read-only place: one line
+            print(f"kvfast: error: {one_line(exc)}", file=sys.stderr)
+            return EXIT_STORAGE
+        traceback.print_exc()  # kvfast's bug
         print(bug_line(), file=sys.stderr)
         return EXIT_KVFAST_BUG
 

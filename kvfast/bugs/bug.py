@@ -12,7 +12,7 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvfast.validation import not_allowed, require_choice
+from kvfast.validation import require_choice
 
 #: ``acts(scenario, prompt_len, steps, window)``: the first step at which a bug changes that scenario's cache
 #: path logits (step 0: the prompt's rows), ``None`` where it never does. A catalogue reads what it needs.
@@ -65,20 +65,18 @@ def first_acting_in(bugs: dict[str, Bug], bug: str, scenario: str, prompt_len: i
     return bugs[bug].first_acting_step(scenario, prompt_len)
 
 
+def require_adapter(model: object, adapter: type | tuple[type, ...], allowed: str) -> object:
+    """``model`` if it is an ``adapter``, else ``ValueError``: ``model: CLASS is not allowed; allowed: ALLOWED``."""
+    if not isinstance(model, adapter):
+        raise ValueError(f"model: {type(model).__name__} is not allowed; allowed: {allowed}")
+    return model
+
+
 def mixin_injector(adapter: type | tuple[type, ...], allowed: str) -> Callable[[type], Callable[[object], object]]:
     """``injector(mixin)`` for a catalogue of ``adapter``'s bugs (a class, or a tuple of classes that share the
     hooks): it gives ``inject(model)``, which turns an ``adapter`` into one with ``mixin`` in front
-    (:func:`subclass_with`) and refuses anything else (``ValueError`` naming ``model`` and ``allowed``)."""
-
-    def injector(mixin: type) -> Callable[[object], object]:
-        def inject(model: object) -> object:
-            if not isinstance(model, adapter):
-                raise not_allowed("model", type(model).__name__, allowed)
-            return subclass_with(model, mixin)
-
-        return inject
-
-    return injector
+    (:func:`subclass_with`) and refuses anything else (:func:`require_adapter`)."""
+    return lambda mixin: lambda model: subclass_with(require_adapter(model, adapter, allowed), mixin)
 
 
 def subclass_with(model: object, mixin: type) -> object:

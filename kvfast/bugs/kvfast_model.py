@@ -10,12 +10,12 @@ kvfast's model clean or with one of them: the built-in ``check`` study's factory
 
 from __future__ import annotations
 
-from kvfast.bugs.bug import Bug, catalogue
+from kvfast.bugs.bug import Bug, catalogue, require_adapter
 from kvfast.check.adapters import KvfastModel
 from kvfast.model.bugs import BUGS, EVICT_WINDOW, VISIBLE_AT_STEP_1, bug_code
 from kvfast.model.config import ModelConfig, init_params
 from kvfast.numerics import Numerics
-from kvfast.validation import not_allowed, require_int
+from kvfast.validation import not_allowed, require_choice, require_int
 
 __all__ = [
     "BUGS", "EVICT_WINDOW", "KVFAST_BUGS", "NO_BUG", "VISIBLE_AT_STEP_1", "first_acting_step", "kvfast_model",
@@ -30,8 +30,7 @@ def first_acting_step(bug: str, scenario: str, prompt_len: int) -> int:
     only scenario this is stated for): step 1 for the four visible at step 1; ``evict`` where the cache plus
     the new token first exceed its window (``EVICT_WINDOW + 1 - prompt_len``); step 2 for the other growth
     bugs (the first step at which the cache holds a decoded entry or the position passes the prompt)."""
-    if bug not in BUGS:
-        raise not_allowed("bug", bug, ", ".join(BUGS))
+    require_choice(bug, "bug", BUGS)
     if scenario != "decode":
         raise not_allowed("scenario", scenario, "decode (where kvfast's own bugs' first acting steps are stated)")
     if VISIBLE_AT_STEP_1[bug]:
@@ -44,8 +43,7 @@ def first_acting_step(bug: str, scenario: str, prompt_len: int) -> int:
 def _injector(name: str):
     def inject(model):
         """``model`` (a :class:`~kvfast.check.KvfastModel`) decoding with bug ``name``, in place."""
-        if not isinstance(model, KvfastModel):
-            raise ValueError(f"model: {type(model).__name__} is not allowed; allowed: a KvfastModel")
+        require_adapter(model, KvfastModel, "a KvfastModel")
         model.bug, model.bug_code = name, bug_code(name)
         return model
 

@@ -3,7 +3,7 @@ than it declares. ``inject_lossy_bug(LossyKvfastModel(config, params, fmt="int8"
 
 from __future__ import annotations
 
-from kvfast.bugs.bug import Bug, catalogue, inject_from, subclass_with
+from kvfast.bugs.bug import Bug, catalogue, inject_from, mixin_injector, subclass_with
 from kvfast.check.lossy import LossyKvfastModel
 
 
@@ -20,11 +20,7 @@ class _StoresInt4:
         return f"{super().__repr__()[:-1]}, lossy_bug={self.lossy_bug!r})"
 
 
-def _inject_int4(model):
-    if not isinstance(model, LossyKvfastModel):
-        raise ValueError(f"model: {type(model).__name__} is not allowed; allowed: a LossyKvfastModel")
-    return subclass_with(model, _StoresInt4)
-
+_inject_int4 = mixin_injector(LossyKvfastModel, "a LossyKvfastModel")(_StoresInt4)
 
 #: The lossy cache's bugs: each changes every stored row, so it first acts where a call first reads stored rows:
 #: decode step 1, or a resume's second chunk (step 0); a prefill attends its fresh rows.

@@ -17,7 +17,7 @@ from kvfast.bugs.bug import Bug, catalogue, inject_from, subclass_with
 from kvfast.check.adapters import KvfastModel
 from kvfast.check.hf import HFModel
 from kvfast.check.scenarios import BRANCH, branches, padded_prompt
-from kvfast.validation import require_int
+from kvfast.validation import require_choice, require_int
 
 _BRANCH_OF = {op: b for b, op in branches().items()}  # each operation's second branch's report name
 
@@ -140,6 +140,5 @@ def op_first_acting_step(
 ) -> int | None:
     """The first step at which operation bug ``bug`` changes ``scenario``'s logits (``None``: never).
     :data:`WINDOW_BUG` needs ``prompt_len`` and the model's ``window``."""
-    if bug not in OP_BUGS:
-        raise ValueError(f"bug: {bug!r} is not allowed; allowed: {', '.join(OP_BUGS)}")
+    require_choice(bug, "bug", OP_BUGS)
     return OP_BUGS[bug].first_acting_step(scenario, prompt_len, steps, window)

@@ -396,14 +396,8 @@ def side_by_side(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
     table = None
     for name, scored in tables.items():
         s = scored.set_index("bug")
-        part = s[["recall", "steps_to_detection", "auc", "fpr"]].rename(
-            columns={
-                "recall": f"{name}.recall",
-                "steps_to_detection": f"{name}.steps",
-                "auc": f"{name}.auc",
-                "fpr": f"{name}.fpr",
-            }  # fmt: skip
-        )
+        columns = {"recall": "recall", "steps_to_detection": "steps", "auc": "auc", "fpr": "fpr"}
+        part = s[list(columns)].rename(columns={c: f"{name}.{short}" for c, short in columns.items()})
         table = part if table is None else table.join(part)
         if "cases" not in table.columns:
             table.insert(0, "cases", s["cases"])

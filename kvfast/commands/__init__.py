@@ -5,6 +5,8 @@ from __future__ import annotations
 from kvfast._version import __version__
 
 EXIT_KVFAST_BUG = 70  # sysexits' EX_SOFTWARE: never 1, which kvfast check uses for "divergence found"
+EXIT_STORAGE = 74  # sysexits' EX_IOERR: results, a report or a scoreboard could not be written
+EXIT_INTERRUPTED = 130  # 128 + SIGINT
 
 
 def bug_line() -> str:

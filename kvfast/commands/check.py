@@ -57,12 +57,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvfast.commands import EXIT_KVFAST_BUG, bug_line
+from kvfast.commands import EXIT_INTERRUPTED, EXIT_KVFAST_BUG, bug_line
 
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT, EXIT_INCONCLUSIVE, EXIT_MODEL, EXIT_TIMEOUT = 0, 1, 2, 3, 4, 5
 EXIT_LENGTH_DEPENDENT = 6
 EXIT_UNCHECKED = 7
-EXIT_INTERRUPTED = 130
 EXIT_CODES = {
     EXIT_PASS: "pass: a report was printed and its verdict passes (`exact`, `rounding`)",
     EXIT_FAIL: "a `bug` (the float64 logic check of `--promote` included), or a divergence in `--mode exact`",

@@ -53,7 +53,8 @@ def add_parser(sub) -> None:
 
 def markdown_text(results: dict, what: str) -> str:
     """The Markdown ``--markdown WHAT`` prints for ``results`` (study name -> stored runs)."""
-    from kvfast.report import claims_markdown, claims_table, facts, markdown, summaries
+    from kvfast.report.claims import claims_markdown, claims_table, facts, markdown
+    from kvfast.report.page import summaries
 
     if what == "claims":
         return claims_markdown(claims_table(results))
@@ -63,11 +64,9 @@ def markdown_text(results: dict, what: str) -> str:
 
 
 def cmd_report(args) -> int:
-    from kvfast.commands.sweep import EXIT_STORAGE
-    from kvfast.report import load_results, report_dir, write_report, write_tables
-    from kvfast.report.page import report_path, writing_report
+    from kvfast.report.claims import load_results
+    from kvfast.report.page import report_dir, report_path, write_report, write_tables, writing_report
     from kvfast.report.scan_findings import findings_text, scan_findings
-    from kvfast.sweep.store import StorageError
 
     unread: list[str] = []
     if args.markdown == "findings":
@@ -80,17 +79,13 @@ def cmd_report(args) -> int:
         print(markdown_text(load_results(args.results), args.markdown))
         return 0
     stored = f"the results in {args.results} are stored, unchanged"
-    try:
-        with writing_report(report_path(args.results, args.out), stored):
-            if args.no_html:
-                results = load_results(args.results)
-                for path in write_tables(results, report_dir(args.results, args.out)):
-                    print(path)
-                return 0
-            page = write_report(args.results, args.out)
-    except StorageError as exc:
-        print(f"kvfast: error: {one_line(exc)}", file=sys.stderr)
-        return EXIT_STORAGE
+    with writing_report(report_path(args.results, args.out), stored):  # a failed write: kvfast.cli's exit code 74
+        if args.no_html:
+            results = load_results(args.results)
+            for path in write_tables(results, report_dir(args.results, args.out)):
+                print(path)
+            return 0
+        page = write_report(args.results, args.out)
     print(f"report: {page}")
     found = scan_findings(args.results, unread)
     _warn(unread)

@@ -24,15 +24,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvfast.validation import one_line
+from kvfast.commands import EXIT_INTERRUPTED, EXIT_KVFAST_BUG, EXIT_STORAGE
 
 if TYPE_CHECKING:  # pandas is imported where a table is printed: building the parsers never loads it
     import pandas as pd
 
 EXIT_FAILED = 1
 EXIT_LOST = 3
-EXIT_STORAGE = 74  # sysexits' EX_IOERR
-EXIT_INTERRUPTED = 130
 EXIT_CODES = {
     0: "every run of the grid is stored with status `ok`",
     EXIT_FAILED: "runs stored as `error`, `crashed` or `timeout` (`--retry-errors` reruns them)",
@@ -40,7 +38,7 @@ EXIT_CODES = {
     "foreign, broken (`kvfast repair`), of another study or in use; a study's module or `validate_config` that "
     "raises or exits (any exception, `sys.exit`, `os._exit`, `KeyboardInterrupt`)",
     EXIT_LOST: "runs lost, not stored (a stall, a lost Dask scheduler): a plain rerun runs them",
-    70: "a bug in kvfast: a traceback, the version and a line saying so",
+    EXIT_KVFAST_BUG: "a bug in kvfast: a traceback, the version and a line saying so",
     EXIT_STORAGE: "results, a report or a scoreboard could not be written (disk full, a name too long, a read-only "
     "place): one line with what is stored and where it would have gone; free space (or shorten the name) and rerun",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C): rerun to resume",
@@ -253,16 +251,12 @@ def cmd_run(args) -> int:
 
 
 def _sweep(grid, out, options):
-    """``run_sweep`` with ``options`` (a ``SweepOptions``), with a failed write as one line and exit code 74
-    (an ``int`` instead of the report)."""
+    """``run_sweep`` with ``options`` (a ``SweepOptions``); a Ctrl-C before the first run is one line and exit code
+    130 (an ``int`` instead of the report; a failed write is :mod:`kvfast.cli`'s exit code 74)."""
     from kvfast.sweep.engine import run_sweep
-    from kvfast.sweep.store import StorageError
 
     try:
         return run_sweep(grid, out, options)
-    except StorageError as exc:
-        print(f"kvfast: error: {one_line(exc)}", file=sys.stderr)
-        return EXIT_STORAGE
     except KeyboardInterrupt:  # before the first run (starting a Dask cluster, say): nothing stored changed
         print("kvfast: interrupted before any run; nothing stored changed", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -434,7 +428,8 @@ def cmd_reproduce(args) -> int:
         if report.interrupted:
             break
     print(f"\n== claims ({len(plan)} studies, {time.perf_counter() - t0:.1f} s; results in {root})")
-    from kvfast.report import claims_markdown, claims_table, load_results, write_report
+    from kvfast.report.claims import claims_markdown, claims_table, load_results
+    from kvfast.report.page import write_report
 
     try:
         print(claims_markdown(claims_table(load_results(root))))

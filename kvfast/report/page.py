@@ -242,17 +242,13 @@ def writing_report(where: str | os.PathLike, stored: str, what: str = "the repor
         if exc.errno not in _WRITE_ERRNOS:
             raise
         name = os.fsdecode(exc.filename) if exc.filename else os.fspath(where)
-        why = exc.strerror or type(exc).__name__
+        why, fix = f"{exc.strerror or type(exc).__name__}: {name}", "free space and rerun"
         if exc.errno == errno.ENAMETOOLONG:
             longest = max(len(os.fsencode(part)) for part in Path(name).parts)
-            why += f": a name of {longest} bytes in {name!r}; the file system allows 255"
-            fix = "pass --out with a shorter folder" if what == "the report" else "use a shorter --out"
+            why = f"{exc.strerror}: a name of {longest} bytes in {name!r}; the file system allows 255"
+            fix = "pass --out with a shorter folder"
         elif exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-            why += f": {name}"
-            fix = "pass --out with a writable folder" if what == "the report" else "rerun with a writable --out"
-        else:
-            why += f": {name}"
-            fix = "free space and rerun"
+            fix = "pass --out with a writable folder"
         raise StorageError(f"{what} could not be written into {os.fspath(where)} ({why}); {stored}; {fix}") from None
 
 
@@ -292,8 +288,7 @@ def write_report(results_dir: str | os.PathLike, out: str | os.PathLike | None =
     Returns the page's path."""
     results = claims_mod.load_results(results_dir)
     root = report_dir(results_dir, out)
-    _writable(root)
-    write_tables(results, root)
+    write_tables(results, root)  # creates root, or refuses it (--out) before anything is written
     page = root / REPORT
     unread: list[str] = []
     findings = scan_findings(results_dir, unread)

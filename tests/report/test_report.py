@@ -12,8 +12,8 @@ from shared import HF, HF_SMALL_GRIDS
 
 from kvfast.bugs.score import roc_auc
 from kvfast.cli import main
-from kvfast.report import claims_markdown, claims_table, counts, facts, load_results, render, write_tables
-from kvfast.report.page import matplotlib_available, sections
+from kvfast.report.claims import claims_markdown, claims_table, counts, facts, load_results
+from kvfast.report.page import matplotlib_available, render, sections, write_tables
 from kvfast.studies import STUDIES
 from kvfast.studies.detector import roc_points
 

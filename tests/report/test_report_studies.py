@@ -17,8 +17,8 @@ import pytest
 
 import kvfast.report
 from kvfast.cli import main
-from kvfast.report import facts, load_results, render, summaries
-from kvfast.report.page import matplotlib_available, ordered_studies, sections
+from kvfast.report.claims import facts, load_results
+from kvfast.report.page import matplotlib_available, ordered_studies, render, sections, summaries
 from kvfast.studies import STUDIES
 from kvfast.studies.common import ok_rows
 from kvfast.studies.plotting import pyplot
