@@ -36,6 +36,8 @@ kinds see the same ones. Every model has ``max_pos = MAX_POS``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pandas as pd
 import pyarrow as pa
@@ -49,10 +51,12 @@ from kvfast.studies.common import (
     NO_BUG,
     declared_order,
     first_index,
+    listed,
     model_config,
     ok_rows,
     require_config_choice,
     require_model_shape,
+    stacked,
     step_range,
     study_of,
 )
@@ -210,56 +214,49 @@ def _pct(x: float) -> str:
     return f"{x:.0f}%"
 
 
-def claims(df: pd.DataFrame) -> list[Claim]:
+@listed
+def claims(df: pd.DataFrame) -> Iterator[Claim]:
     """The seed's bug-table claims, as measured on every model kind in ``df``."""
     ok = ok_rows(df)
-    out: list[Claim] = []
     if ok.empty:
-        return out
+        return
     growth = [b for b in BUGS if not VISIBLE_AT_STEP_1[b]]
     g = ok[ok["bug"].isin(growth)]
     if len(g):
         worst1 = float(g["dev_step1"].max())
         bitten = g.groupby("bug")["dev_all"].max()
-        out.append(
-            judged(
-                "growth bugs are exactly 0.0 at step 1 (" + ", ".join(growth) + ")",
-                "0.0 (freeze, evict, posfrozen)",
-                f"max {worst1!r} over {len(g)} runs; later max "
-                + ", ".join(f"{b} {bitten[b]:.3g}" for b in bitten.index),
-                EXACT,
-                [
-                    ("step-1 deviation of every growth-bug run == 0.0", worst1 == 0.0),
-                    ("each growth bug deviates at a later step in some run", bool((bitten > 0).all())),
-                ],
-            )
+        yield judged(
+            "growth bugs are exactly 0.0 at step 1 (" + ", ".join(growth) + ")",
+            "0.0 (freeze, evict, posfrozen)",
+            f"max {worst1!r} over {len(g)} runs; later max " + ", ".join(f"{b} {bitten[b]:.3g}" for b in bitten.index),
+            EXACT,
+            [
+                ("step-1 deviation of every growth-bug run == 0.0", worst1 == 0.0),
+                ("each growth bug deviates at a later step in some run", bool((bitten > 0).all())),
+            ],
         )
     v = ok[ok["bug"].isin([b for b in BUGS if VISIBLE_AT_STEP_1[b]])]
     if len(v):
-        out.append(
-            judged(
-                "step-1-visible bugs deviate at step 1 in every run",
-                "stale 0.146, posoff 24.9",
-                f"{int((v['dev_step1'] > 0).sum())} of {len(v)} runs, min {float(v['dev_step1'].min()):.3g}",
-                EXACT,
-                [
-                    (
-                        "step-1 deviation > 0.0 in every run of stale, posoff, kvswap, noscale",
-                        bool((v["dev_step1"] > 0).all()),
-                    )
-                ],
-            )
+        yield judged(
+            "step-1-visible bugs deviate at step 1 in every run",
+            "stale 0.146, posoff 24.9",
+            f"{int((v['dev_step1'] > 0).sum())} of {len(v)} runs, min {float(v['dev_step1'].min()):.3g}",
+            EXACT,
+            [
+                (
+                    "step-1 deviation > 0.0 in every run of stale, posoff, kvswap, noscale",
+                    bool((v["dev_step1"] > 0).all()),
+                )
+            ],
         )
     c = ok[ok["bug"] == CONTROL]
     clean = ok["clean_dev"]
-    out.append(
-        judged(
-            "clean cached path equals a full recompute (every run's control)",
-            "0.0",
-            f"max {float(clean.max())!r} over {len(ok)} runs" + (f" ({len(c)} clean-control rows)" if len(c) else ""),
-            EXACT,
-            [("clean run's deviation == 0.0 in every run", bool((clean == 0.0).all()))],
-        )
+    yield judged(
+        "clean cached path equals a full recompute (every run's control)",
+        "0.0",
+        f"max {float(clean.max())!r} over {len(ok)} runs" + (f" ({len(c)} clean-control rows)" if len(c) else ""),
+        EXACT,
+        [("clean run's deviation == 0.0 in every run", bool((clean == 0.0).all()))],
     )
     for bug, (_, _, seed_pct) in SEED_BUG_TABLE.items():
         b = ok[ok["bug"] == bug]
@@ -267,22 +264,16 @@ def claims(df: pd.DataFrame) -> list[Claim]:
             continue
         per_model = b.groupby("model")["tokens_changed"].mean() * 100.0
         figure = ", ".join(f"{m} {_pct(p)}" for m, p in per_model.items())
-        out.append(
-            judged(
-                f"{bug} changes the generated tokens",
-                f"{_pct(seed_pct)} of runs",
-                figure,
-                VS_SEED,
-                [
-                    (
-                        f"{m} models: {_pct(p)} == {_pct(seed_pct)} (whole percents)",
-                        round(p) == seed_pct,
-                    )
-                    for m, p in per_model.items()
-                ],
-            )
+        yield judged(
+            f"{bug} changes the generated tokens",
+            f"{_pct(seed_pct)} of runs",
+            figure,
+            VS_SEED,
+            [
+                (f"{m} models: {_pct(p)} == {_pct(seed_pct)} (whole percents)", round(p) == seed_pct)
+                for m, p in per_model.items()
+            ],
         )
-    return out
 
 
 # --- the report: its figures and quoted facts (kvfast.report shows them: see Figure and Fact) ----------
@@ -293,7 +284,7 @@ def bug_deviation_table(df: pd.DataFrame) -> pd.DataFrame:
     ok = ok_rows(df)
     parts = []
     for (model, bug), g in ok[ok["bug"] != "none"].groupby(["model", "bug"]):
-        dev = np.array([np.asarray(d, dtype=np.float64) for d in g["dev_per_step"]])
+        dev = stacked(g["dev_per_step"])
         steps = np.arange(dev.shape[1])
         stats = {"max_dev": dev.max(axis=0), "median_dev": np.median(dev, axis=0)}
         parts.append(pd.DataFrame({"model": model, "bug": bug, "step": steps, "runs": dev.shape[0], **stats}))
@@ -304,9 +295,8 @@ def bug_deviation_table(df: pd.DataFrame) -> pd.DataFrame:
 def _draw_deviation_per_step(df: pd.DataFrame, table: pd.DataFrame):
     """Per bug, a panel of the max and median deviation per step, for each model kind."""
     bugs = [b for b in BUGS if b in set(table["bug"])]
-    ncol = 4
-    nrow = (len(bugs) + ncol - 1) // ncol
-    fig, axes = pyplot().subplots(nrow, ncol, figsize=(13, 3.4 * nrow), sharex=True, sharey=True, squeeze=False)
+    nrow = -(-len(bugs) // 4)  # four panels a row
+    fig, axes = pyplot().subplots(nrow, 4, figsize=(13, 3.4 * nrow), sharex=True, sharey=True, squeeze=False)
     top = 2.0 * float(table["max_dev"].max()) if len(table) else 1.0
     for ax, bug in zip(axes.flat, bugs, strict=False):
         for model, g in table[table["bug"] == bug].groupby("model"):

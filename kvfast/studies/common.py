@@ -9,7 +9,8 @@ the form ``FIELD: VALUE is not allowed; allowed: WHAT``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import functools
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -82,6 +83,11 @@ def first_index(mask: np.ndarray) -> int:
     return int(idx[0]) if idx.size else -1
 
 
+def stacked(column: pd.Series) -> np.ndarray:
+    """A list column of runs as one float64 array, one row per run (a run's list of lists: its rows)."""
+    return np.array([np.asarray(list(v), dtype=np.float64) for v in column])
+
+
 def bits_equal(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Elementwise bit equality of two float64 arrays (their bit patterns: ``-0.0`` is not ``0.0``, NaN is NaN)."""
     return np.ascontiguousarray(a).view(np.uint64) == np.ascontiguousarray(b).view(np.uint64)
@@ -101,6 +107,16 @@ def step_range(steps: pd.Series, none: str = "never", median: bool = False) -> s
         return none
     lo, hi = int(s.min()), int(s.max())
     return str(lo) if lo == hi else f"{lo}-{hi}" + (f" (median {float(s.median()):g})" if median else "")
+
+
+def listed(items: Callable[..., Iterable]) -> Callable[..., list]:
+    """``items`` with what it yields collected in a list: a study's claims or facts written as a generator."""
+
+    @functools.wraps(items)
+    def collected(*args, **kwargs) -> list:
+        return list(items(*args, **kwargs))
+
+    return collected
 
 
 def declared_order(order: Mapping[str, Sequence]) -> Callable[[pd.Series], pd.Series]:

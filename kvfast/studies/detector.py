@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -47,7 +47,7 @@ from kvfast.bugs.score import confusion, detector_metrics
 from kvfast.check import KvfastModel
 from kvfast.numerics import Numerics
 from kvfast.studies import bugs as bugstudy
-from kvfast.studies.common import ok_rows, step_range, study_of
+from kvfast.studies.common import listed, ok_rows, step_range, study_of
 from kvfast.studies.criteria import EXACT, VS_SEED, judged, within
 from kvfast.studies.plotting import COLORS, pyplot
 from kvfast.sweep.study import Claim, Fact, Figure
@@ -276,75 +276,59 @@ def _row(summary: pd.DataFrame, det: str, label: str, model: str = CLAIMS_MODEL)
     return None if r.empty else r.iloc[0]
 
 
-def claims(df: pd.DataFrame) -> list[Claim]:
+@listed
+def claims(df: pd.DataFrame) -> Iterator[Claim]:
     """The seed's detector claims as measured on the :data:`CLAIMS_MODEL` runs (label "output changed" unless
     said otherwise), then the closer configuration's (:data:`CLOSER_MODEL`) every-step row.
 
     The one-step figures are compared with the seed's within :data:`SEED_TOLERANCE`; the every-step
     figures must equal 1.000 exactly (and FPR 0 on "bug present")."""
     summary = summarize(df)
-    out = _claims_model(df, summary)
+    yield from _claims_model(df, summary)
     closer = _row(summary, "every-step", "output changed", CLOSER_MODEL)
     if closer is not None:
         s = scored(df)
         margin = float(s.loc[s["model"] == CLOSER_MODEL, "clean_margin_min"].median())
-        out.append(
-            judged(
-                f'{CLOSER_MODEL} "cycle" model: every-step exact check: recall 1.000 and AUC 1.000',
-                "recall 1.000, AUC 1.000",
-                f"recall {closer['recall']:.3f}, AUC {closer['auc']:.4f} ({int(closer['positives'])} of "
-                f"{int(closer['cases'])} bugged runs changed the output; median top-2 margin {margin:.3g})",
-                EXACT,
-                _all_flagged(closer),
-            )
+        figure = (
+            f"recall {closer['recall']:.3f}, AUC {closer['auc']:.4f} ({int(closer['positives'])} of "
+            f"{int(closer['cases'])} bugged runs changed the output; median top-2 margin {margin:.3g})"
         )
-    return out
+        yield _every_step_claim(closer, f'{CLOSER_MODEL} "cycle" model: ', figure)
 
 
-def _claims_model(df: pd.DataFrame, summary: pd.DataFrame) -> list[Claim]:
+def _claims_model(df: pd.DataFrame, summary: pd.DataFrame) -> Iterator[Claim]:
     s = scored(df)
     s = s[s["model"] == CLAIMS_MODEL]
     if s.empty:
-        return []
-    out: list[Claim] = []
+        return
     bugged = s[s["bug_present"]]
     changed = int(bugged["output_changed"].sum())
-    out.append(
-        judged(
-            "bugged runs whose generated output changed",
-            f"{SEED_CHANGED} of {SEED_CASES}",
-            f"{changed} of {len(bugged)}",
-            VS_SEED,
-            [
-                (f"bugged runs == {SEED_CASES}", len(bugged) == SEED_CASES),
-                (f"changed == {SEED_CHANGED}", changed == SEED_CHANGED),
-            ],
-        )
+    yield judged(
+        "bugged runs whose generated output changed",
+        f"{SEED_CHANGED} of {SEED_CASES}",
+        f"{changed} of {len(bugged)}",
+        VS_SEED,
+        [
+            (f"bugged runs == {SEED_CASES}", len(bugged) == SEED_CASES),
+            (f"changed == {SEED_CHANGED}", changed == SEED_CHANGED),
+        ],
     )
     found = [
         (_row(summary, "one-step", "output changed"), _one_step_claim),
         (_row(summary, "every-step", "output changed"), _every_step_claim),
         (_row(summary, "every-step", "bug present"), _bug_present_claim),
     ]
-    out += [claim(row) for row, claim in found if row is not None]
+    yield from (claim(row) for row, claim in found if row is not None)
     growth = s[s["bug"].isin([b for b in BUGS if not VISIBLE_AT_STEP_1[b]])]
     if len(growth):
         caught = int(growth["one_step_flag"].sum())
-        out.append(
-            judged(
-                "the one-step check catches none of the growth bugs",
-                "0.0 at step 1 for freeze, evict, posfrozen",
-                f"{caught} of {len(growth)} growth-bug runs flagged",
-                EXACT,
-                [("no growth-bug run flagged", caught == 0)],
-            )
+        yield judged(
+            "the one-step check catches none of the growth bugs",
+            "0.0 at step 1 for freeze, evict, posfrozen",
+            f"{caught} of {len(growth)} growth-bug runs flagged",
+            EXACT,
+            [("no growth-bug run flagged", caught == 0)],
         )
-    return out
-
-
-def _all_flagged(row: pd.Series) -> list[tuple[str, bool]]:
-    """The every-step check's exact conditions on a summary row: recall and AUC both 1.000."""
-    return [("recall == 1.000", bool(row["recall"] == 1.0)), ("AUC == 1.000", bool(row["auc"] == 1.0))]
 
 
 def _one_step_claim(one: pd.Series) -> Claim:
@@ -363,14 +347,15 @@ def _one_step_claim(one: pd.Series) -> Claim:
     )
 
 
-def _every_step_claim(every: pd.Series) -> Claim:
-    """The every-step check on the label "output changed" (``every``: its summary row): recall and AUC 1.000."""
+def _every_step_claim(every: pd.Series, about: str = "", figure: str = "") -> Claim:
+    """The every-step check on the label "output changed" (``every``: its summary row; ``about``: which models,
+    ``figure``: kvfast's figure in words): recall and AUC 1.000."""
     return judged(
-        "every-step exact check: recall 1.000 and AUC 1.000",
+        f"{about}every-step exact check: recall 1.000 and AUC 1.000",
         "recall 1.000, AUC 1.000",
-        f"recall {every['recall']:.3f}, AUC {every['auc']:.3f}",
+        figure or f"recall {every['recall']:.3f}, AUC {every['auc']:.3f}",
         EXACT,
-        _all_flagged(every),
+        [("recall == 1.000", bool(every["recall"] == 1.0)), ("AUC == 1.000", bool(every["auc"] == 1.0))],
     )
 
 
@@ -490,11 +475,11 @@ def _draw_steps_to_detection(df: pd.DataFrame, table: pd.DataFrame):
     return fig
 
 
-def facts(df: pd.DataFrame) -> list[Fact]:
+@listed
+def facts(df: pd.DataFrame) -> Iterator[Fact]:
     """The quoted figures, per model kind: the deviation boundary between changed and unchanged outputs, the
     clean margin, and (closer configuration) how many outputs changed and the one-step check's recall and AUC."""
     s = scored(df)
-    rows = []
     summary = summarize(df)
     for model in model_kinds(s):
         m = s[s["model"] == model]
@@ -508,26 +493,20 @@ def facts(df: pd.DataFrame) -> list[Fact]:
             hi = same.loc[same["every_step_score"].idxmax()]
             lo = changed.loc[changed["every_step_score"].idxmin()]
             what = "all-steps deviation of a bugged run whose output"
-            rows.append(
-                Fact(
-                    f"largest_unchanged_dev{suffix}",
-                    f"largest {what} did not change{about}",
-                    f"{hi['every_step_score']:.2g} ({hi['bug']})",
-                )
+            yield Fact(
+                f"largest_unchanged_dev{suffix}",
+                f"largest {what} did not change{about}",
+                f"{hi['every_step_score']:.2g} ({hi['bug']})",
             )
-            rows.append(
-                Fact(
-                    f"smallest_changed_dev{suffix}",
-                    f"smallest {what} changed{about}",
-                    f"{lo['every_step_score']:.2g} ({lo['bug']})",
-                )
+            yield Fact(
+                f"smallest_changed_dev{suffix}",
+                f"smallest {what} changed{about}",
+                f"{lo['every_step_score']:.2g} ({lo['bug']})",
             )
-        rows.append(
-            Fact(
-                f"margin_median_detector{suffix}",
-                f"detector runs{about}: median of the clean generation's smallest top-1 minus top-2 margin",
-                f"{float(m['clean_margin_min'].median()):.3g} ({len(m)} runs)",
-            )
+        yield Fact(
+            f"margin_median_detector{suffix}",
+            f"detector runs{about}: median of the clean generation's smallest top-1 minus top-2 margin",
+            f"{float(m['clean_margin_min'].median()):.3g} ({len(m)} runs)",
         )
         if suffix:
             seed = SEED_FIGURES["one-step"]
@@ -537,22 +516,17 @@ def facts(df: pd.DataFrame) -> list[Fact]:
                 for bug in BUGS
                 if (bugged["bug"] == bug).any()
             )
-            rows.append(
-                Fact(
-                    f"detector_changed{suffix}",
-                    f"detector study, {words}: bugged runs whose output changed (of 30 per bug)",
-                    f"{len(changed)} of {len(bugged)} ({per_bug})",
-                )
+            yield Fact(
+                f"detector_changed{suffix}",
+                f"detector study, {words}: bugged runs whose output changed (of 30 per bug)",
+                f"{len(changed)} of {len(bugged)} ({per_bug})",
             )
-            rows.append(
-                Fact(
-                    f"detector_one_step{suffix}",
-                    f'detector study, {words}: one-step exact check on "output changed" (seed: recall '
-                    f"{seed['recall']:.3f}, AUC {seed['auc']:.3f})",
-                    f"recall {one['recall']:.3f}, AUC {one['auc']:.3f}",
-                )
+            yield Fact(
+                f"detector_one_step{suffix}",
+                f'detector study, {words}: one-step exact check on "output changed" (seed: recall '
+                f"{seed['recall']:.3f}, AUC {seed['auc']:.3f})",
+                f"recall {one['recall']:.3f}, AUC {one['auc']:.3f}",
             )
-    return rows
 
 
 FIGURES = (

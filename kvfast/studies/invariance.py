@@ -21,6 +21,8 @@ which feed layer 2's keys and values.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pandas as pd
 import pyarrow as pa
@@ -30,6 +32,7 @@ from kvfast.model.transformer import Weights, forward_prepared
 from kvfast.numerics import PRESETS, Numerics
 from kvfast.studies.common import (
     MODEL_SHAPE_FIELDS,
+    listed,
     model_config,
     ok_rows,
     require_config_choice,
@@ -150,24 +153,22 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def claims(df: pd.DataFrame) -> list[Claim]:
+@listed
+def claims(df: pd.DataFrame) -> Iterator[Claim]:
     """Mask on: 0.0 everywhere. Mask off: layer 1 exact, every layer from 2 moved in every run."""
     pl = per_layer(df)
     if pl.empty:
-        return []
-    out = []
+        return
     on = pl[pl["causal"]]
     if len(on):
         worst = float(on[["resid_in", "k", "v", "resid_out"]].to_numpy().max())
         presets = ", ".join(sorted(on["preset"].unique()))
-        out.append(
-            judged(
-                "with the causal mask, appending a token moves no earlier residual stream, K or V at any layer",
-                "exactly 0 at every layer",
-                f"max {worst!r} over {on['layer'].size} run-layers ({presets})",
-                EXACT,
-                [("max change of residual stream, K and V over every run-layer == 0.0", worst == 0.0)],
-            )
+        yield judged(
+            "with the causal mask, appending a token moves no earlier residual stream, K or V at any layer",
+            "exactly 0 at every layer",
+            f"max {worst!r} over {on['layer'].size} run-layers ({presets})",
+            EXACT,
+            [("max change of residual stream, K and V over every run-layer == 0.0", worst == 0.0)],
         )
     off = pl[~pl["causal"]]
     if len(off):
@@ -175,25 +176,20 @@ def claims(df: pd.DataFrame) -> list[Claim]:
         worst1 = float(first[["resid_in", "k", "v"]].to_numpy().max())
         later = off[off["layer"] >= 2]
         least = float(later[["resid_in", "k", "v"]].to_numpy().min()) if len(later) else float("nan")
-        out.append(
-            judged(
-                "without the mask, layer 1's K and V are still exact",
-                "exact at layer 1",
-                f"max {worst1!r} over {len(first)} runs",
-                EXACT,
-                [("max change of layer 1's input, K and V == 0.0", worst1 == 0.0)],
-            )
+        yield judged(
+            "without the mask, layer 1's K and V are still exact",
+            "exact at layer 1",
+            f"max {worst1!r} over {len(first)} runs",
+            EXACT,
+            [("max change of layer 1's input, K and V == 0.0", worst1 == 0.0)],
         )
-        out.append(
-            judged(
-                "without the mask, every layer from 2 moves (residual stream in, K and V)",
-                "wrong from layer 2",
-                f"min {least:.3g} over {len(later)} run-layers",
-                EXACT,
-                [("min change over every layer >= 2 of every run > 0.0", bool(len(later) and least > 0.0))],
-            )
+        yield judged(
+            "without the mask, every layer from 2 moves (residual stream in, K and V)",
+            "wrong from layer 2",
+            f"min {least:.3g} over {len(later)} run-layers",
+            EXACT,
+            [("min change over every layer >= 2 of every run > 0.0", bool(len(later) and least > 0.0))],
         )
-    return out
 
 
 # --- the report: its figure (kvfast.report shows it: see Figure) ---------------------------------------------

@@ -35,6 +35,8 @@ other one. Greedy generation of ``steps`` tokens after a ``prompt_len``-token pr
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pandas as pd
 import pyarrow as pa
@@ -50,6 +52,7 @@ from kvfast.studies.common import (
     MODEL_SHAPE_FIELDS,
     bits_equal,
     first_index,
+    listed,
     model_config,
     ok_rows,
     require_config_choice,
@@ -182,12 +185,11 @@ def run(config: dict) -> dict:
 def summarize(df: pd.DataFrame) -> pd.DataFrame:
     """Per (model, twin_exp, storage, accum): flips of the cached run and of the control (of N runs), margins,
     exact cache."""
-    ok = ok_rows(df).copy()
+    ok = ok_rows(df)
     if not len(ok):
         return pd.DataFrame()
-    ok["model"] = pd.Categorical(ok["model"], categories=list(MODEL_KINDS), ordered=True)
-    for col in ("storage", "accum"):
-        ok[col] = pd.Categorical(ok[col], categories=list(FORMATS), ordered=True)
+    formats = pd.CategoricalDtype(FORMATS, ordered=True)
+    ok = ok.astype({"model": pd.CategoricalDtype(MODEL_KINDS, ordered=True), "storage": formats, "accum": formats})
     return (
         ok.groupby(["model", "twin_exp", "storage", "accum"], observed=True)
         .agg(
@@ -210,8 +212,7 @@ def flips_per_gap(df: pd.DataFrame) -> list[tuple[int, int, int, int, float]]:
     ok = ok_rows(df)
     b16 = ok[(ok["storage"] == "bf16") & (ok["accum"] == "bf16")]
     out = []
-    for exp in sorted(set(b16["twin_exp"])):
-        s = b16[b16["twin_exp"] == exp]
+    for exp, s in b16.groupby("twin_exp"):
         only_c = int((s["flip_cached"] & ~s["flip_control"]).sum())
         only_n = int((~s["flip_cached"] & s["flip_control"]).sum())
         p = mcnemar_exact_p(only_c, only_n)
@@ -224,7 +225,8 @@ def flips_text(per_gap: list[tuple[int, int, int, int, float]]) -> str:
     return "; ".join(f"2^-{e}: {fc}/{n} vs {fn}/{n} (McNemar p {p:.2f})" for e, n, fc, fn, p in per_gap)
 
 
-def claims(df: pd.DataFrame) -> list[Claim]:
+@listed
+def claims(df: pd.DataFrame) -> Iterator[Claim]:
     """The seed's near-tied claims (bf16 storage, every twin gap) and the same-order cache in the presets, on the
     :data:`CLAIMS_MODEL` runs (the trained twin-head runs are in the summary, not closer to the seed's figures).
 
@@ -232,50 +234,42 @@ def claims(df: pd.DataFrame) -> list[Claim]:
     the same seed and gap), two-sided at level :data:`SAME_SIZE_LEVEL`, at every gap."""
     ok = ok_rows(df)
     ok = ok[ok["model"] == CLAIMS_MODEL]
-    out = []
     b16 = ok[ok["storage"] == "bf16"]
     rows = flips_per_gap(ok)
     per_gap = flips_text(rows)
     conditions = [(f"gap 2^-{e}: McNemar p >= {SAME_SIZE_LEVEL}", p >= SAME_SIZE_LEVEL) for e, _, _, _, p in rows]
     if per_gap:
-        out.append(
-            judged(
-                "near-tied model, bf16 storage + bf16 accumulator: tokens flip as often in cached runs "
-                "(prefill/decode in different orders) as in the no-cache control (two recomputes)",
-                "3 of 24 cached vs 2 of 24 control",
-                "twin gap: cached vs control flips: " + per_gap,
-                TEST,
-                conditions,
-            )
+        yield judged(
+            "near-tied model, bf16 storage + bf16 accumulator: tokens flip as often in cached runs "
+            "(prefill/decode in different orders) as in the no-cache control (two recomputes)",
+            "3 of 24 cached vs 2 of 24 control",
+            "twin gap: cached vs control flips: " + per_gap,
+            TEST,
+            conditions,
         )
     wide = b16[b16["accum"] != "bf16"]
     if len(wide):
         flips = int(wide["flip_cached"].sum() + wide["flip_control"].sum())
-        out.append(
-            judged(
-                "near-tied model, bf16 storage with an f32 or f64 accumulator: no token flips from order",
-                "order matters only with a bf16 accumulator",
-                f"{flips} flips in {2 * len(wide)} cached and control runs",
-                EXACT,
-                [("no flip in any cached or control run", flips == 0)],
-            )
+        yield judged(
+            "near-tied model, bf16 storage with an f32 or f64 accumulator: no token flips from order",
+            "order matters only with a bf16 accumulator",
+            f"{flips} flips in {2 * len(wide)} cached and control runs",
+            EXACT,
+            [("no flip in any cached or control run", flips == 0)],
         )
     presets = ok[[(s, a) in PRESETS.values() for s, a in zip(ok["storage"], ok["accum"], strict=True)]]
     if len(presets):
-        out.append(
-            judged(
-                "near-tied model, same order in prefill and decode: the cache is bit-exact in all three presets",
-                "bit-exact in all three formats",
-                f"{int(presets['same_exact'].sum())} of {len(presets)} preset runs bit-exact "
-                f"({int(ok['same_exact'].sum())} of {len(ok)} over all format pairs)",
-                EXACT,
-                [
-                    ("every preset run bit-exact", bool(presets["same_exact"].all())),
-                    ("every run of every format pair bit-exact", bool(ok["same_exact"].all())),
-                ],
-            )
+        yield judged(
+            "near-tied model, same order in prefill and decode: the cache is bit-exact in all three presets",
+            "bit-exact in all three formats",
+            f"{int(presets['same_exact'].sum())} of {len(presets)} preset runs bit-exact "
+            f"({int(ok['same_exact'].sum())} of {len(ok)} over all format pairs)",
+            EXACT,
+            [
+                ("every preset run bit-exact", bool(presets["same_exact"].all())),
+                ("every run of every format pair bit-exact", bool(ok["same_exact"].all())),
+            ],
         )
-    return out
 
 
 # --- the report: its figures and quoted facts (kvfast.report shows them: see Figure and Fact) ----------
@@ -326,11 +320,11 @@ def _draw_flips(df: pd.DataFrame, table: pd.DataFrame):
     return fig
 
 
-def facts(df: pd.DataFrame) -> list[Fact]:
+@listed
+def facts(df: pd.DataFrame) -> Iterator[Fact]:
     """The quoted figures per model kind: the bf16 accumulator's largest logit move and (twin head on the trained
     model) the flips and the median margin per twin gap."""
     ok = ok_rows(df)
-    rows = []
     for model in [m for m in MODEL_KINDS if m in set(ok["model"])]:
         runs = ok[ok["model"] == model]
         b = runs[runs["accum"] == "bf16"]
@@ -338,31 +332,24 @@ def facts(df: pd.DataFrame) -> list[Fact]:
             continue
         suffix = "" if model == CLAIMS_MODEL else f"_{model}"
         about = f"near-tied model{f' (twin head on the {model} model)' if suffix else ''}"
-        rows.append(
-            Fact(
-                f"neartied_bf16_logit_move{suffix}",
-                f"{about}, bf16 accumulator: largest logit move of the mixed-order cached run (to its first flip)",
-                f"{float(b['cached_max_diff'].max()):.3g}",
-            )
+        yield Fact(
+            f"neartied_bf16_logit_move{suffix}",
+            f"{about}, bf16 accumulator: largest logit move of the mixed-order cached run (to its first flip)",
+            f"{float(b['cached_max_diff'].max()):.3g}",
         )
         if suffix:
             margins = runs[runs["storage"] == "f64"].groupby("twin_exp")["margin_median"].median()
-            rows.append(
-                Fact(
-                    f"neartied_flips{suffix}",
-                    f"{about}, bf16 storage + bf16 accumulator, per twin gap: cached vs control flips (paired "
-                    "exact McNemar p)",
-                    flips_text(flips_per_gap(runs)),
-                )
+            yield Fact(
+                f"neartied_flips{suffix}",
+                f"{about}, bf16 storage + bf16 accumulator, per twin gap: cached vs control flips (paired "
+                "exact McNemar p)",
+                flips_text(flips_per_gap(runs)),
             )
-            rows.append(
-                Fact(
-                    f"neartied_margin{suffix}",
-                    f"{about}: median top-2 margin per twin gap (f64 preset)",
-                    "; ".join(f"2^-{int(e)}: {float(m):.3g}" for e, m in margins.items()),
-                )
+            yield Fact(
+                f"neartied_margin{suffix}",
+                f"{about}: median top-2 margin per twin gap (f64 preset)",
+                "; ".join(f"2^-{int(e)}: {float(m):.3g}" for e, m in margins.items()),
             )
-    return rows
 
 
 FIGURES = (

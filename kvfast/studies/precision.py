@@ -33,6 +33,8 @@ Sequences are ``prompt_len + steps`` tokens drawn from ``seed``; parameters are
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pandas as pd
 import pyarrow as pa
@@ -49,6 +51,7 @@ from kvfast.studies.common import (
     MODEL_SHAPE_FIELDS,
     bits_equal,
     first_index,
+    listed,
     model_config,
     ok_rows,
     require_config_choice,
@@ -251,13 +254,12 @@ def run(config: dict) -> dict:
 
 def summarize(df: pd.DataFrame) -> pd.DataFrame:
     """Per (d_model, storage, accum, attention, decode_attention): mean agreement, worst differences, exact share."""
-    ok = ok_rows(df).copy()
+    ok = ok_rows(df)
     if not len(ok):
         return pd.DataFrame()
-    for col in ("storage", "accum"):
-        ok[col] = pd.Categorical(ok[col], categories=list(FORMATS), ordered=True)
+    formats = pd.CategoricalDtype(FORMATS, ordered=True)
     kinds = [k for k in ("standard", *sorted(set(ok["attention"]) - {"standard"})) if k in set(ok["attention"])]
-    ok["attention"] = pd.Categorical(ok["attention"], categories=kinds, ordered=True)
+    ok = ok.astype({"storage": formats, "accum": formats, "attention": pd.CategoricalDtype(kinds, ordered=True)})
     return (
         ok.groupby(["d_model", "storage", "accum", "attention", "decode_attention"], observed=True)
         .agg(
@@ -279,106 +281,86 @@ def _pct(x: float) -> str:
     return f"{100 * x:.2f}%"
 
 
-def claims(df: pd.DataFrame) -> list[Claim]:
+@listed
+def claims(df: pd.DataFrame) -> Iterator[Claim]:
     """The seed's order/precision claims as this grid measured them: the formats', then the kernels'."""
     ok = ok_rows(df)
-    return _format_claims(ok) + _kernel_claims(ok)
+    yield from _format_claims(ok)
+    yield from _kernel_claims(ok)
 
 
-def _format_claims(ok: pd.DataFrame) -> list[Claim]:
+def _format_claims(ok: pd.DataFrame) -> Iterator[Claim]:
     """Standard attention, same kernel: which accumulator makes the summation order matter."""
     std = ok[(ok["attention"] == "standard") & (ok["decode_attention"] == "same")]
-    out = []
-
-    def sel(storage: str, accum: str) -> pd.DataFrame:
-        return std[(std["storage"] == storage) & (std["accum"] == accum)]
-
-    b64, b32, b16 = sel("bf16", "f64"), sel("bf16", "f32"), sel("bf16", "bf16")
+    b64, b32, b16 = (std[(std["storage"] == "bf16") & (std["accum"] == accum)] for accum in ("f64", "f32", "bf16"))
     if len(b64):
         pos = float(b64["fwd_pos_agree"].mean())
         cpos = float(b64["cache_pos_agree"].mean())
-        out.append(
-            judged(
-                "bf16 storage + f64 accumulator: the two summation orders agree bit for bit at every position",
-                "100% of positions",
-                f"{_pct(pos)} of positions (forward A vs B), {_pct(cpos)} (cached mixed vs recompute), {len(b64)} runs",
-                EXACT,
-                [
-                    ("every position agrees, forward in order A vs B", pos == 1.0),
-                    ("every decoded position agrees, mixed-order cache vs recompute", cpos == 1.0),
-                ],
-            )
+        yield judged(
+            "bf16 storage + f64 accumulator: the two summation orders agree bit for bit at every position",
+            "100% of positions",
+            f"{_pct(pos)} of positions (forward A vs B), {_pct(cpos)} (cached mixed vs recompute), {len(b64)} runs",
+            EXACT,
+            [
+                ("every position agrees, forward in order A vs B", pos == 1.0),
+                ("every decoded position agrees, mixed-order cache vs recompute", cpos == 1.0),
+            ],
         )
     if len(b16) and len(b64):
         pos64 = float(b64["fwd_pos_agree"].mean())
         pos32 = float(b32["fwd_pos_agree"].mean()) if len(b32) else float("nan")
         pos16 = float(b16["fwd_pos_agree"].mean())
         split32 = int((b32["fwd_pos_agree"] < 1.0).sum()) if len(b32) else 0
-        out.append(
-            judged(
-                "only a bf16 accumulator makes order matter (bf16 storage)",
-                "only a bfloat16 accumulator makes order matter",
-                f"positions agreeing: f64 acc {_pct(pos64)}, f32 acc {_pct(pos32)} ({split32} of {len(b32)} runs "
-                f"split), bf16 acc {_pct(pos16)}",
-                EXACT,
-                [
-                    ("f64 accumulator: 100% of positions agree", pos64 == 1.0),
-                    ("f32 accumulator: 100% of positions agree", pos32 == 1.0),
-                    ("bf16 accumulator: below 100%", bool(pos16 < 1.0)),
-                ],
-            )
+        yield judged(
+            "only a bf16 accumulator makes order matter (bf16 storage)",
+            "only a bfloat16 accumulator makes order matter",
+            f"positions agreeing: f64 acc {_pct(pos64)}, f32 acc {_pct(pos32)} ({split32} of {len(b32)} runs "
+            f"split), bf16 acc {_pct(pos16)}",
+            EXACT,
+            [
+                ("f64 accumulator: 100% of positions agree", pos64 == 1.0),
+                ("f32 accumulator: 100% of positions agree", pos32 == 1.0),
+                ("bf16 accumulator: below 100%", bool(pos16 < 1.0)),
+            ],
         )
-    return out
 
 
-def _kernel_claims(ok: pd.DataFrame) -> list[Claim]:
+def _kernel_claims(ok: pd.DataFrame) -> Iterator[Claim]:
     """Same order in both paths: aligned kernels keep the cache exact; count splits and mixed kernels break it."""
-    out = []
     same_kernel = ok[ok["decode_attention"] == "same"]
     aligned = same_kernel[same_kernel["attention"].str.split(":").str[0].isin(["standard", "online", "splitkv"])]
     counted = same_kernel[same_kernel["attention"].str.startswith("splitcount")]
     if len(aligned):
         formats = zip(aligned["storage"], aligned["accum"], strict=True)
         presets = aligned[[pair in PRESETS.values() for pair in formats]]
-        out.append(
-            judged(
-                "same order in prefill and decode: the cache is bit-exact (three presets; standard and "
-                "aligned-block kernels)",
-                "bit-exact in all three formats",
-                f"{int(presets['same_exact'].sum())} of {len(presets)} preset runs exact; "
-                f"{int(aligned['same_exact'].sum())} of {len(aligned)} runs over all 9 format pairs",
-                EXACT,
-                [
-                    ("every run of the three presets bit-exact", bool(len(presets) and presets["same_exact"].all())),
-                    ("every run of all 9 format pairs bit-exact", bool(aligned["same_exact"].all())),
-                ],
-            )
+        yield judged(
+            "same order in prefill and decode: the cache is bit-exact (three presets; standard and "
+            "aligned-block kernels)",
+            "bit-exact in all three formats",
+            f"{int(presets['same_exact'].sum())} of {len(presets)} preset runs exact; "
+            f"{int(aligned['same_exact'].sum())} of {len(aligned)} runs over all 9 format pairs",
+            EXACT,
+            [
+                ("every run of the three presets bit-exact", bool(len(presets) and presets["same_exact"].all())),
+                ("every run of all 9 format pairs bit-exact", bool(aligned["same_exact"].all())),
+            ],
         )
-    if len(counted):
-        out.append(
-            judged(
-                "split-KV by count (boundaries move as the cache grows) breaks the cache, same order in both paths",
-                "(not in the seed; flash-decoding practice)",
-                f"{int((~counted['same_exact']).sum())} of {len(counted)} runs not bit-exact, "
-                f"worst deviation {float(counted['same_max_diff'].max()):.3g}",
-                EXACT,
-                [("no run bit-exact", bool((~counted["same_exact"]).all()))],
-            )
-        )
-    mix = ok[ok["decode_attention"] != "same"]
-    if len(mix):
-        out.append(
-            judged(
-                "a prefill kernel and a decode kernel that round in different places (flash-attention prefill, "
-                "flash-decoding decode) break the cache, same order, every format",
-                "(not in the seed)",
-                f"{int((~mix['same_exact']).sum())} of {len(mix)} runs not bit-exact, worst deviation "
-                f"{float(mix['same_max_diff'].max()):.3g}",
-                EXACT,
-                [("no run bit-exact", bool((~mix["same_exact"]).all()))],
-            )
-        )
-    return out
+    broken = {  # claim -> (the seed's figure, the runs whose cache it says is broken)
+        "split-KV by count (boundaries move as the cache grows) breaks the cache, same order in both paths": (
+            "(not in the seed; flash-decoding practice)",
+            counted,
+        ),
+        "a prefill kernel and a decode kernel that round in different places (flash-attention prefill, "
+        "flash-decoding decode) break the cache, same order, every format": (
+            "(not in the seed)",
+            ok[ok["decode_attention"] != "same"],
+        ),
+    }
+    for claim, (seed, runs) in broken.items():
+        if len(runs):
+            figure = f"{int((~runs['same_exact']).sum())} of {len(runs)} runs not bit-exact, worst deviation "
+            figure += f"{float(runs['same_max_diff'].max()):.3g}"
+            yield judged(claim, seed, figure, EXACT, [("no run bit-exact", bool((~runs["same_exact"]).all()))])
 
 
 # --- the report: its figures and quoted facts (kvfast.report shows them: see Figure and Fact) ----------

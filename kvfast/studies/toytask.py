@@ -164,12 +164,7 @@ def _train_cached(
 
 
 def train(
-    config: ModelConfig,
-    task: CycleTask,
-    seed: int,
-    steps: int,
-    lr: float,
-    batch: int = 8,
+    config: ModelConfig, task: CycleTask, seed: int, steps: int, lr: float, batch: int = 8
 ) -> dict[str, np.ndarray]:
     """Parameters of ``config`` trained on ``task`` for ``steps`` Adam steps of ``batch`` sequences.
 

@@ -48,6 +48,7 @@ the optimiser is the hand-written Adam of :mod:`kvfast.studies.toytask`.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import numpy as np
 import pandas as pd
@@ -58,7 +59,15 @@ from kvfast.model.cache import KVCache
 from kvfast.model.config import ModelConfig, init_params
 from kvfast.model.transformer import Weights, forward_prepared
 from kvfast.numerics import Numerics
-from kvfast.studies.common import MODEL_SHAPE_FIELDS, model_config, ok_rows, require_model_shape, study_of
+from kvfast.studies.common import (
+    MODEL_SHAPE_FIELDS,
+    listed,
+    model_config,
+    ok_rows,
+    require_model_shape,
+    stacked,
+    study_of,
+)
 from kvfast.studies.criteria import DIRECTION, VS_SEED, judged, within
 from kvfast.studies.plotting import pyplot
 from kvfast.studies.toytask import AdamState, adam_step, batch_loss_and_grads
@@ -83,25 +92,21 @@ CONFIG_FIELDS = {
     "grad_batch": pa.int64(),
     "eval_size": pa.int64(),
 }
+VARIANTS = ("full", "cached")  # trained on full recomputes / on the cached prefix
+#: The curves along training, each stored per variant as ``NAME_full`` and ``NAME_cached``.
+CURVE_FIELDS = {
+    "curve_cosine": pa.list_(pa.float64()),
+    "curve_tensor_cosine": pa.list_(pa.list_(pa.float64())),
+    "curve_suffix_loss": pa.list_(pa.float64()),
+    "train_loss": pa.list_(pa.float64()),
+}
 RESULT_FIELDS = {
     "grad_cosine": pa.float64(),
     "init_loss": pa.float64(),
-    "loss_full": pa.float64(),
-    "loss_cached": pa.float64(),
-    "suffix_loss_full": pa.float64(),
-    "suffix_loss_cached": pa.float64(),
-    "suffix_acc_full": pa.float64(),
-    "suffix_acc_cached": pa.float64(),
+    **{f"{metric}_{v}": pa.float64() for metric in ("loss", "suffix_loss", "suffix_acc") for v in VARIANTS},
     "tensor_names": pa.list_(pa.string()),
     "curve_steps": pa.list_(pa.int64()),
-    "curve_cosine_full": pa.list_(pa.float64()),
-    "curve_cosine_cached": pa.list_(pa.float64()),
-    "curve_tensor_cosine_full": pa.list_(pa.list_(pa.float64())),
-    "curve_tensor_cosine_cached": pa.list_(pa.list_(pa.float64())),
-    "curve_suffix_loss_full": pa.list_(pa.float64()),
-    "curve_suffix_loss_cached": pa.list_(pa.float64()),
-    "train_loss_full": pa.list_(pa.float64()),
-    "train_loss_cached": pa.list_(pa.float64()),
+    **{f"{curve}_{v}": kind for curve, kind in CURVE_FIELDS.items() for v in VARIANTS},
 }
 
 
@@ -241,14 +246,11 @@ def run(config: dict) -> dict:
     out["tensor_names"] = sorted(params0)
     out["curve_steps"] = curve_steps(config["train_steps"])
     for name, (_, losses, points) in (("full", full), ("cached", cached)):
-        out[f"curve_cosine_{name}"] = [c for c, _, _ in points]
-        out[f"curve_tensor_cosine_{name}"] = [t for _, t, _ in points]
-        out[f"curve_suffix_loss_{name}"] = [h for _, _, h in points]
-        out[f"train_loss_{name}"] = losses
+        curves = [*map(list, zip(*points, strict=True)), losses]  # the probe's three curves, then the losses
+        out.update({f"{curve}_{name}": values for curve, values in zip(CURVE_FIELDS, curves, strict=True)})
     return out
 
 
-VARIANTS = ("full", "cached")  # trained on full recomputes / on the cached prefix
 #: The summary's statistics of a cosine curve along training, each averaged over a group's runs.
 CURVE_POINTS = {"min": min, "end": lambda curve: curve[-1]}
 
@@ -287,15 +289,14 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
 
 def mean_curve(runs: pd.DataFrame, column: str) -> tuple[np.ndarray, np.ndarray]:
     """``(steps, mean over runs)`` of a curve column for runs of one training budget (same ``curve_steps``)."""
-    steps = np.asarray(runs["curve_steps"].iloc[0], dtype=np.int64)
-    values = np.array([np.asarray(v, dtype=np.float64) for v in runs[column]])
-    return steps, values.mean(axis=0)
+    return np.asarray(runs["curve_steps"].iloc[0], dtype=np.int64), stacked(runs[column]).mean(axis=0)
 
 
 SEED_COSINE = 0.857
 
 
-def claims(df: pd.DataFrame) -> list[Claim]:
+@listed
+def claims(df: pd.DataFrame) -> Iterator[Claim]:
     """The seed's training claims at a prefix of 6 of 12 (means over seeds, per training budget).
 
     The first two check a direction only (cosine below 1; cached loss above full), and are labelled so. The
@@ -305,8 +306,8 @@ def claims(df: pd.DataFrame) -> list[Claim]:
     ok = ok_rows(df)
     ok = ok[ok["prefix_len"] == TASK_PREFIX]
     if not len(ok):
-        return []
-    out = _direction_claims(ok)
+        return
+    yield from _direction_claims(ok)
     if "curve_cosine_full" in ok.columns:
         cos = ok["grad_cosine"]
         spread = float(cos.max() - cos.min())
@@ -322,17 +323,14 @@ def claims(df: pd.DataFrame) -> list[Claim]:
                     within(float(curve[i]), SEED_COSINE, spread),
                 )
             )
-        out.append(
-            judged(
-                "cached-prefix training: during full training at prefix 6 of 12 the gradient cosine falls to the "
-                "seed's (lowest point of the mean curve over training steps)",
-                f"{SEED_COSINE}",
-                "; ".join(figures) + f"; at initialisation {float(cos.mean()):.3f}",
-                VS_SEED,
-                conditions,
-            )
+        yield judged(
+            "cached-prefix training: during full training at prefix 6 of 12 the gradient cosine falls to the "
+            "seed's (lowest point of the mean curve over training steps)",
+            f"{SEED_COSINE}",
+            "; ".join(figures) + f"; at initialisation {float(cos.mean()):.3f}",
+            VS_SEED,
+            conditions,
         )
-    return out
 
 
 def _direction_claims(ok: pd.DataFrame) -> list[Claim]:
@@ -418,19 +416,22 @@ def _budgets(runs: pd.DataFrame) -> list[int]:
     return sorted(int(s) for s in set(runs["train_steps"]))
 
 
+def _main_runs(df: pd.DataFrame) -> pd.DataFrame:
+    """The runs with curves at prefix 6 of the main (shortest) training budget."""
+    runs = _curve_runs(df)
+    return runs[runs["train_steps"] == runs["train_steps"].min()]
+
+
 def training_tensor_table(df: pd.DataFrame) -> pd.DataFrame:
     """At prefix 6 and the main (shortest) budget, per parameter tensor: the gradient cosine (mean over seeds) at
     initialisation and at the last curve point along each variant's"""
-    runs = _curve_runs(df)
-    if not len(runs):
+    g = _main_runs(df)
+    if not len(g):
         return pd.DataFrame(columns=["tensor", "seeds", "at_init", "end_full_training", "end_cached_training"])
-    g = runs[runs["train_steps"] == min(_budgets(runs))]
-    names = list(g["tensor_names"].iloc[0])
-    full = np.array([np.asarray(list(c), dtype=np.float64) for c in g["curve_tensor_cosine_full"]])
-    cached = np.array([np.asarray(list(c), dtype=np.float64) for c in g["curve_tensor_cosine_cached"]])
+    full, cached = (stacked(g[f"curve_tensor_cosine_{v}"]) for v in VARIANTS)
     return pd.DataFrame(
         {
-            "tensor": names,
+            "tensor": list(g["tensor_names"].iloc[0]),
             "seeds": len(g),
             "at_init": full[:, 0, :].mean(axis=0),
             "end_full_training": full[:, -1, :].mean(axis=0),
@@ -492,14 +493,12 @@ def _draw_cosine_curve(df: pd.DataFrame, table: pd.DataFrame):
 
 def _draw_tensor_cosine(df: pd.DataFrame, table: pd.DataFrame):
     """Per variant, a heatmap of the cosine per parameter tensor against the training step."""
-    runs = _curve_runs(df)
-    g = runs[runs["train_steps"] == min(_budgets(runs))]
+    g = _main_runs(df)
     names = list(g["tensor_names"].iloc[0])
     at = list(g["curve_steps"].iloc[0])
     fig, axes = pyplot().subplots(1, 2, figsize=(12, 6.4), sharey=True, layout="constrained")
     for ax, variant in zip(axes, ("full", "cached"), strict=True):
-        cube = np.array([np.asarray(list(c), dtype=np.float64) for c in g[f"curve_tensor_cosine_{variant}"]])
-        grid = cube.mean(axis=0).T  # tensors x curve points
+        grid = stacked(g[f"curve_tensor_cosine_{variant}"]).mean(axis=0).T  # tensors x curve points
         im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
         ax.set_xticks(range(len(at)), [str(a) for a in at], fontsize=8)
         ax.set_yticks(range(len(names)), names, fontsize=8)
@@ -533,7 +532,7 @@ def _draw_loss_curve(df: pd.DataFrame, table: pd.DataFrame):
     fig, axes, panels = _budget_panels(_curve_runs(df))
     for ax, steps, g in panels:
         for variant, color in (("full", "#2ca02c"), ("cached", "#d62728")):
-            batch = np.array([np.asarray(v, dtype=np.float64) for v in g[f"train_loss_{variant}"]]).mean(axis=0)
+            batch = stacked(g[f"train_loss_{variant}"]).mean(axis=0)
             ax.plot(batch, "-", color=color, alpha=0.35, lw=1, label=f"{variant}: training batch")
             at, mean = mean_curve(g, f"curve_suffix_loss_{variant}")
             ax.plot(at, mean, "-o", ms=4, color=color, label=f"{variant}: held-out suffix")
@@ -587,9 +586,9 @@ def _curve_facts(df: pd.DataFrame) -> list[Fact]:
         for key, column, what, unit, fmt in CURVE_FACTS
         for variant in VARIANTS
     ]
-    main = at6[at6["train_steps"] == at6["train_steps"].min()]
+    main = _main_runs(df)
     names = list(main["tensor_names"].iloc[0])
-    init = np.array([np.asarray(list(c)[0], dtype=np.float64) for c in main["curve_tensor_cosine_full"]]).mean(axis=0)
+    init = stacked(main["curve_tensor_cosine_full"])[:, 0, :].mean(axis=0)
     order = np.argsort(init, kind="stable")
     tensors = ", ".join(f"{names[i]} {init[i]:.3f}" for i in order)
     what = "gradient cosine per parameter tensor at initialisation (mean over seeds), lowest first"
