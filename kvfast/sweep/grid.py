@@ -516,19 +516,10 @@ def grid_from_spec(
         entries.append(_Entry(where, tuple(factors), base, tuple(varying), _template(study, fields, factors, varying)))
     _validate_entries(entries, study, name)
     overlapping = _overlapping(entries)
-    grid = Grid(
-        name=name,
-        source=source,
-        spec=canonical(spec),
-        study=study,
-        entries=tuple(entries),
-        overlapping=frozenset(overlapping),
-        study_ref=study_ref,
-    )
+    spec = canonical(spec)
     size = sum(e.size for i, e in enumerate(entries) if i not in overlapping)
     size += len(set(itertools.chain.from_iterable(entries[i].ids() for i in overlapping)))
-    object.__setattr__(grid, "size", size)
-    return grid
+    return Grid(name, source, spec, study, tuple(entries), frozenset(overlapping), size, study_ref)
 
 
 def _registered_names(studies: Mapping[str, Study]) -> str:

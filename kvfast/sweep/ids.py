@@ -37,10 +37,8 @@ def canonical(value: Any, where: str = "config", depth: int = 0) -> Any:
         value = value.item()
     if value is None or isinstance(value, (bool, str)):
         return value
-    if isinstance(value, int):
-        return int(value)
-    if isinstance(value, float):
-        return float(value)
+    if isinstance(value, int | float):  # (subclasses, an IntEnum say, as the plain type)
+        return int(value) if isinstance(value, int) else float(value)
     if isinstance(value, (list, tuple)):
         if all(type(v) in _PLAIN for v in value):  # the common case, without a call per element
             return list(value)

@@ -63,17 +63,10 @@ def worker_setup(parent: int | None = None) -> None:
     with contextlib.suppress(OSError, ValueError):
         signal.signal(signal.SIGTTOU, signal.SIG_IGN)  # a background group may still write to the terminal
     prctl(PR_SET_CHILD_SUBREAPER, 1)
-    _start_keeper()
-
-
-def _start_keeper() -> None:
-    """Fork the worker's keeper: a process of its group that kills the group when the worker dies.
-
-    However the worker dies (killed by the sweep, a crash, or by the kernel because
-    the sweep was killed with ``kill -9``), the kernel sends the keeper SIGTERM
-    (``PR_SET_PDEATHSIG``) and it kills the whole group: what the worker's runs left
-    running dies with the worker. The keeper runs no kvfast code after the fork.
-    """
+    # the worker's keeper: a process of its group that kills the group when the worker dies. However the worker
+    # dies (killed by the sweep, a crash, or by the kernel because the sweep was killed with ``kill -9``), the
+    # kernel sends the keeper SIGTERM (PR_SET_PDEATHSIG) and it kills the whole group: what the worker's runs
+    # left running dies with the worker. The keeper runs no kvfast code after the fork.
     worker = os.getpid()
     if os.getpgid(0) != worker:  # not the leader of its own group: the group is not the worker's to kill
         return

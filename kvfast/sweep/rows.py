@@ -81,10 +81,7 @@ def run_one(study: Study, run: GridRun, limits: Limits = None) -> dict:
         if result.keys() != study.result_fields.keys():
             extra, missing = sorted(result.keys() - study.result_fields), sorted(study.result_fields.keys() - result)
             raise TypeError(f"run returned wrong columns (missing {missing}, unexpected {extra})")
-        row = dict(result)
-        row["run_id"] = run.run_id
-        row["status"] = "ok"
-        row["error"] = None
+        row = {**result, "run_id": run.run_id, "status": "ok", "error": None}
     except RunTimeout:
         row = _empty_row(study, run, "timeout", _timeout_message(seconds))
     except (Exception, SystemExit, KeyboardInterrupt) as exc:  # noqa: BLE001 - every run's failure becomes a row
@@ -128,9 +125,7 @@ def timeout_row(study: Study, run: GridRun, limits: Limits) -> dict:
 
 
 def _empty_row(study: Study, run: GridRun, status: str, error: str, **extra) -> dict:
-    row = {f: None for f in study.result_fields}
-    row.update(run_id=run.run_id, status=status, error=error, **extra)
-    return row
+    return {**dict.fromkeys(study.result_fields), "run_id": run.run_id, "status": status, "error": error, **extra}
 
 
 def _timeout_message(seconds: float | None) -> str:

@@ -44,7 +44,6 @@ class Writer:
         self.buffered = 0
         self.last_flush = time.monotonic()
         self.ran = 0
-        self.errors = 0
         self.counts: dict[str, int] = {}
         self.written: set[str] = set()  # ids of runs written that had a stored row before (see ``watch``)
         self.watch: set[str] = set()
@@ -72,15 +71,13 @@ class Writer:
             self.compute_s += r["wall_s"] or 0.0
             if status == "ok":
                 self.recent.append(r["wall_s"])
-            else:
-                self.errors += 1
             if self.watch and r["run_id"] in self.watch:
                 self.written.add(r["run_id"])
         self.ran += len(rows)
         if self.buffered >= PART_ROWS or time.monotonic() - self.last_flush >= self.flush_s:
             self.flush()
         if self.progress is not None:
-            self.progress.set_postfix(errors=self.errors, refresh=False)
+            self.progress.set_postfix(errors=self.ran - self.counts.get("ok", 0), refresh=False)
             self.progress.update(len(rows))
 
     def flush(self) -> None:
