@@ -57,11 +57,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import timeit
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvfast.validation import not_allowed, require_int
+from kvfast.validation import require_choice, require_int
 
 MATMUL_DS = (16, 64, 256)
 MATMUL_TS = (1, 16, 256)
@@ -102,17 +103,12 @@ print(json.dumps({"wall": time.perf_counter() - t0, "cpu": time.process_time() -
 """
 
 
-def _calls_per_sample(fn: Callable[[], object]) -> int:
-    """How many calls of ``fn`` make one sample of about ``SAMPLE_CPU_S`` CPU seconds."""
+def _calls_per_sample(timer: timeit.Timer) -> int:
+    """How many calls of ``timer``'s function make one sample of about ``SAMPLE_CPU_S`` CPU seconds."""
     calls = 1
-    while True:
-        c0 = time.process_time()
-        for _ in range(calls):
-            fn()
-        spent = time.process_time() - c0
-        if spent >= SAMPLE_CPU_S or calls >= 1 << 20:
-            return calls
+    while (spent := timer.timeit(calls)) < SAMPLE_CPU_S and calls < 1 << 20:
         calls = max(calls * 2, int(calls * SAMPLE_CPU_S / max(spent, 1e-6)) + 1)
+    return calls
 
 
 def time_interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
@@ -120,19 +116,17 @@ def time_interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict
 
     Each function is called once first (to compile or load its kernels), then
     sized so one sample takes about ``SAMPLE_CPU_S`` of CPU time; every round
-    takes one sample of each function in turn.
+    takes one sample of each function in turn (a :class:`timeit.Timer` on
+    ``time.process_time``, so the garbage collector is off during a sample).
     """
     for fn in fns.values():
         fn()
-    calls = {name: _calls_per_sample(fn) for name, fn in fns.items()}
+    timers = {name: timeit.Timer(fn, timer=time.process_time) for name, fn in fns.items()}
+    calls = {name: _calls_per_sample(timer) for name, timer in timers.items()}
     cpu: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        for name, fn in fns.items():
-            n = calls[name]
-            c0 = time.process_time()
-            for _ in range(n):
-                fn()
-            cpu[name].append((time.process_time() - c0) / n)
+        for name, timer in timers.items():
+            cpu[name].append(timer.timeit(calls[name]) / calls[name])
     return {name: statistics.median(cpu[name]) for name in fns}
 
 
@@ -160,6 +154,12 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _header(*columns: str) -> None:
+    """A Markdown table's header row and its separator."""
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+
+
 def print_machine() -> None:
     """One paragraph on the machine and the software versions."""
     import numba
@@ -171,7 +171,7 @@ def print_machine() -> None:
             print(f"Note: {var}={os.environ[var]} is set (it changes what the BLAS or Numba compiles for)")
 
 
-def bench_matmul(repeats: int) -> list[dict]:
+def bench_matmul(repeats: int) -> None:
     """GFLOP/s of each explicit-order variant and of ``np.matmul`` per (T, d); prints a table."""
     from kvfast.kernels.matmul import matmul_into
     from kvfast.kernels.precision import FORMAT_CODES, round_array
@@ -181,9 +181,7 @@ def bench_matmul(repeats: int) -> list[dict]:
     print(blas_line)
     print()
     labels = [v[0] for v in MATMUL_VARIANTS]
-    print("| T | d | BLAS GFLOP/s | " + " | ".join(f"{lb} GFLOP/s (x BLAS)" for lb in labels) + " |")
-    print("|---|---|---|" + "---|" * len(labels))
-    rows = []
+    _header("T", "d", "BLAS GFLOP/s", *(f"{lb} GFLOP/s (x BLAS)" for lb in labels))
     rng = np.random.default_rng(0)
     with limit:
         for d in MATMUL_DS:
@@ -200,14 +198,8 @@ def bench_matmul(repeats: int) -> list[dict]:
                 times = time_interleaved(fns, repeats)
                 flops = 2.0 * T * d * d
                 gf = {name: flops / t / 1e9 for name, t in times.items()}
-                row = {"T": T, "d": d, "blas": gf["blas"]}
-                cells = []
-                for lb in labels:
-                    row[lb] = gf[lb]
-                    cells.append(f"{gf[lb]:.2f} ({gf[lb] / gf['blas']:.2f})")
-                rows.append(row)
+                cells = [f"{gf[lb]:.2f} ({gf[lb] / gf['blas']:.2f})" for lb in labels]
                 print(f"| {T} | {d} | {gf['blas']:.2f} | " + " | ".join(cells) + " |", flush=True)
-    return rows
 
 
 def numpy_bf16_matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -230,15 +222,13 @@ def numpy_bf16_matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return y.astype(np.float64)
 
 
-def bench_bf16_loop(repeats: int) -> list[dict]:
+def bench_bf16_loop(repeats: int) -> None:
     """The bf16 matmul kernel against :func:`numpy_bf16_matmul` (same semantics); prints a table."""
     from kvfast.kernels.matmul import matmul_into
     from kvfast.kernels.precision import BF16, round_array
     from kvfast.kernels.reduce import SEQUENTIAL
 
-    print("| T | d | NumPy + ml_dtypes loop GFLOP/s | bf16 kernel GFLOP/s | kernel / loop | bits equal |")
-    print("|---|---|---|---|---|---|")
-    rows = []
+    _header("T", "d", "NumPy + ml_dtypes loop GFLOP/s", "bf16 kernel GFLOP/s", "kernel / loop", "bits equal")
     rng = np.random.default_rng(2)
     for T, d in BF16_LOOP_SHAPES:
         x = round_array(rng.standard_normal((T, d)), BF16)
@@ -254,9 +244,7 @@ def bench_bf16_loop(repeats: int) -> list[dict]:
         equal = bool(np.array_equal(numpy_bf16_matmul(x, w).view(np.uint64), y.view(np.uint64)))
         flops = 2.0 * T * d * d
         loop, kern = flops / times["loop"] / 1e9, flops / times["kernel"] / 1e9
-        rows.append({"T": T, "d": d, "loop": loop, "kernel": kern, "equal": equal})
         print(f"| {T} | {d} | {loop:.2f} | {kern:.2f} | {kern / loop:.1f} | {'yes' if equal else 'NO'} |", flush=True)
-    return rows
 
 
 def numpy_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
@@ -268,7 +256,7 @@ def numpy_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -
     return (e / e.sum(axis=1, keepdims=True)) @ v
 
 
-def bench_attention(repeats: int) -> list[dict]:
+def bench_attention(repeats: int) -> None:
     """Causal attention (one head of ``ATTENTION_HEAD_DIM``) of T rows over T keys: the kernel in
     each format and order against :func:`numpy_attention`; prints a table."""
     from kvfast.kernels.attention import ATTENTION_CODES, attention_into
@@ -282,9 +270,7 @@ def bench_attention(repeats: int) -> list[dict]:
         f" {ATTENTION_BLOCK} keys. Cells: ms per call (NumPy time / kernel time)."
     )
     print()
-    print("| T | NumPy f64 (BLAS) ms | " + " | ".join(labels) + " |")
-    print("|---|---|" + "---|" * len(labels))
-    rows = []
+    _header("T", "NumPy f64 (BLAS) ms", *labels)
     rng = np.random.default_rng(3)
     hd = ATTENTION_HEAD_DIM
     scale = 1.0 / np.sqrt(hd)
@@ -302,14 +288,8 @@ def bench_attention(repeats: int) -> list[dict]:
                 fns[label] = lambda args=args: attention_into(*args)
             times = time_interleaved(fns, repeats)
             base = times["numpy"]
-            row = {"T": T, "numpy_s": base}
-            cells = []
-            for lb in labels:
-                row[lb] = times[lb]
-                cells.append(f"{times[lb] * 1e3:.2f} ({base / times[lb]:.2f})")
-            rows.append(row)
+            cells = [f"{times[lb] * 1e3:.2f} ({base / times[lb]:.2f})" for lb in labels]
             print(f"| {T} | {base * 1e3:.2f} | " + " | ".join(cells) + " |", flush=True)
-    return rows
 
 
 def growth_exponent(sizes: Sequence[float], seconds: Sequence[float]) -> float:
@@ -318,7 +298,7 @@ def growth_exponent(sizes: Sequence[float], seconds: Sequence[float]) -> float:
     return float(slope)
 
 
-def bench_growth(repeats: int) -> dict:
+def bench_growth(repeats: int) -> None:
     """How a decode step's time grows with the cache length and a forward's with T (f64 preset,
     internal entry points); prints the times and the fitted exponents."""
     from kvfast import ModelConfig, Numerics, init_params
@@ -346,23 +326,18 @@ def bench_growth(repeats: int) -> dict:
     times = time_interleaved(fns, repeats)
     dec = [times[f"decode {L}"] for L in GROWTH_LENGTHS]
     fwd = [times[f"forward {L}"] for L in GROWTH_LENGTHS]
-    print("| L (cache length / forward T) | decode ms | forward ms |")
-    print("|---|---|---|")
+    _header("L (cache length / forward T)", "decode ms", "forward ms")
     for L, a, b in zip(GROWTH_LENGTHS, dec, fwd, strict=True):
         print(f"| {L} | {a * 1e3:.3f} | {b * 1e3:.3f} |")
-    result = {
-        "decode_exponent": growth_exponent(GROWTH_LENGTHS, dec),
-        "forward_exponent": growth_exponent(GROWTH_LENGTHS, fwd),
-    }
     print(
         f"\nFitted exponent (time ~ L^p, least squares on log-log, {len(GROWTH_LENGTHS)} sizes):"
-        f" decode step p = {result['decode_exponent']:.2f}, forward p = {result['forward_exponent']:.2f}",
+        f" decode step p = {growth_exponent(GROWTH_LENGTHS, dec):.2f},"
+        f" forward p = {growth_exponent(GROWTH_LENGTHS, fwd):.2f}",
         flush=True,
     )
-    return result
 
 
-def bench_decode(repeats: int) -> list[dict]:
+def bench_decode(repeats: int) -> None:
     """One decode step against a full forward of the same length, each through its compiled entry
     and through the public function, and the forward layer by layer from Python; prints a table."""
     from kvfast import ModelConfig, Numerics, decode_step, forward, init_params
@@ -379,12 +354,10 @@ def bench_decode(repeats: int) -> list[dict]:
     print("public: decode_step / forward (validation, the cached prepared weights); layers: forward_layers")
     print("(the layer-by-layer forward from Python, one call per kernel per layer, as before issue 13).")
     print()
-    print(
-        "| preset | L | decode compiled ms | decode public ms | public / compiled | forward compiled ms"
-        " | forward public ms | forward layers ms | layers / compiled | forward / decode (compiled) |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    rows = []
+    _header(
+        "preset", "L", "decode compiled ms", "decode public ms", "public / compiled", "forward compiled ms",
+        "forward public ms", "forward layers ms", "layers / compiled", "forward / decode (compiled)",
+    )  # fmt: skip
     for preset in DECODE_PRESETS:
         nx = Numerics.preset(preset)
         w = Weights.prepare(config, params, nx)
@@ -410,8 +383,6 @@ def bench_decode(repeats: int) -> list[dict]:
                 "forward layers": lambda w=w, t=tokens, nx=nx: forward_layers(config, w, t, nx),
             }
             times = time_interleaved(fns, repeats)
-            row = {"preset": preset, "L": L, **{name.replace(" ", "_") + "_s": t for name, t in times.items()}}
-            rows.append(row)
             dc, dp = times["decode compiled"], times["decode public"]
             fc, fp, fl = times["forward compiled"], times["forward public"], times["forward layers"]
             print(
@@ -419,7 +390,6 @@ def bench_decode(repeats: int) -> list[dict]:
                 f" | {fl * 1e3:.3f} | {fl / fc:.2f} | {fc / dc:.1f} |",
                 flush=True,
             )
-    return rows
 
 
 def _run_child(cache_dir: str) -> dict:
@@ -433,7 +403,7 @@ def _run_child(cache_dir: str) -> dict:
     return result
 
 
-def bench_compile(repeats: int) -> dict:
+def bench_compile(repeats: int) -> None:
     """Cold compile (empty Numba cache) and warm start (filled cache) of import + one generate."""
     print("Fresh interpreter: import kvfast, one generate (2 layers, 3-token prompt, 4 steps, f64).")
     print()
@@ -441,8 +411,7 @@ def bench_compile(repeats: int) -> dict:
         cold = _run_child(cache_dir)
         warm = [_run_child(cache_dir) for _ in range(repeats)]
     med = {k: statistics.median(r[k] for r in warm) for k in ("cpu", "wall", "process_wall")}
-    print("| start | runs | CPU s | wall s | wall s incl. interpreter start |")
-    print("|---|---|---|---|---|")
+    _header("start", "runs", "CPU s", "wall s", "wall s incl. interpreter start")
     print(f"| cold (empty cache) | 1 | {cold['cpu']:.2f} | {cold['wall']:.2f} | {cold['process_wall']:.2f} |")
     print(f"| warm (cached) | {repeats} | {med['cpu']:.2f} | {med['wall']:.2f} | {med['process_wall']:.2f} |")
     print(f"\ncold / warm (CPU): {cold['cpu'] / med['cpu']:.0f}x", flush=True)
@@ -453,7 +422,6 @@ def bench_compile(repeats: int) -> dict:
         f" saved per warm start (median of {repeats} fresh interpreters).",
         flush=True,
     )
-    return {"cold": cold, "warm": med, "blas_probe_cpu": probe}
 
 
 def _blas_probe_cpu() -> float:
@@ -472,8 +440,7 @@ def main(repeats: int = 5, sections: Sequence[str] = SECTIONS) -> int:
     """
     require_int(repeats, "repeats", minimum=1)
     for section in sections:
-        if section not in SECTIONS:
-            raise not_allowed("sections", section, ", ".join(SECTIONS))
+        require_choice(section, "sections", SECTIONS)
     print("# kvfast bench kernels")
     print()
     print_machine()

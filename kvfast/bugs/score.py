@@ -210,24 +210,19 @@ CASE_FIELDS = ("config", "bug", "steps", "prompt", "model")
 # --- the built-in detectors ------------------------------------------------------------------
 
 
-def _greedy_cached(model, prompt: np.ndarray, n: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:
-    """``n`` greedy tokens with the cache; returns (tokens, logits (n, V)); logits[i] chose token i."""
-    rows = np.empty((n, vocab))
-    toks = np.empty(n, dtype=np.int64)
-    rows[0] = check_logits(model.prefill(prompt), "prefill", prompt.shape[0], vocab)[-1]
-    for i in range(n):
-        toks[i] = int(np.argmax(rows[i]))
-        if i + 1 < n:
-            rows[i + 1] = check_logits(model.decode(int(toks[i])), "decode", None, vocab)
-    return toks, rows
-
-
-def _greedy_recompute(model, prompt: np.ndarray, n: int, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+def _greedy(model, prompt: np.ndarray, n: int, vocab: int, cached: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` greedy tokens, with the cache (a prefill, then a decode of each token but the last) or by recomputing
+    the sequence for each; returns (tokens, logits (n, V)); logits[i] chose token i."""
     rows = np.empty((n, vocab))
     toks = np.empty(n, dtype=np.int64)
     seq = prompt
     for i in range(n):
-        rows[i] = check_logits(model.recompute(seq), "recompute", seq.shape[0], vocab)[-1]
+        if not cached:
+            rows[i] = check_logits(model.recompute(seq), "recompute", seq.shape[0], vocab)[-1]
+        elif i == 0:
+            rows[i] = check_logits(model.prefill(prompt), "prefill", prompt.shape[0], vocab)[-1]
+        else:
+            rows[i] = check_logits(model.decode(int(toks[i - 1])), "decode", None, vocab)
         toks[i] = int(np.argmax(rows[i]))
         seq = np.append(seq, toks[i])
     return toks, rows
@@ -239,7 +234,7 @@ def one_step_allclose(model, case) -> Detection:
     The recompute is of the same sequence the cached run fed (its own tokens).
     """
     vocab = vocab_of(model)
-    toks, rows = _greedy_cached(model, case.prompt, 3, vocab)
+    toks, rows = _greedy(model, case.prompt, 3, vocab)
     seq = np.append(case.prompt, toks[0])
     ref = check_logits(model.recompute(seq), "recompute", seq.shape[0], vocab)[-1]
     dev = float(np.abs(rows[1] - ref).max())
@@ -254,8 +249,8 @@ def token_strings(model, case) -> Detection:
     """
     vocab = vocab_of(model)
     n = case.steps + 1
-    cached, _ = _greedy_cached(model, case.prompt, n, vocab)
-    plain, _ = _greedy_recompute(model, case.prompt, n, vocab)
+    cached, _ = _greedy(model, case.prompt, n, vocab)
+    plain, _ = _greedy(model, case.prompt, n, vocab, cached=False)
     differ = np.nonzero(cached != plain)[0]
     return Detection(bool(differ.size), float(differ.size), int(differ[0]) if differ.size else None)
 

@@ -277,7 +277,7 @@ def check_args(args) -> None:
     """Every check of the arguments before the child gets its request (bad input before any work): the prompt, the
     factory's spec and arguments, and the options (:func:`check_options`)."""
     from kvfast.runtime import split_ref
-    from kvfast.validation import not_allowed
+    from kvfast.validation import not_allowed, require_int
 
     parse_prompt(args.prompt)
     parse_factory_args(args.factory_arg)
@@ -285,8 +285,7 @@ def check_args(args) -> None:
     if getattr(args, "repro", None) is not None:
         from kvfast.repro.findings import require_repro_dir
 
-        if getattr(args, "repro_seconds", 60) < 1:
-            raise not_allowed("--repro-seconds", args.repro_seconds, "an integer >= 1")
+        require_int(getattr(args, "repro_seconds", 60), "--repro-seconds", 1)
         require_repro_dir(args.repro, "--repro")
     if getattr(args, "engine", None) is not None:
         if "path" in parse_factory_args(args.factory_arg):
@@ -455,21 +454,13 @@ def run(args) -> int:
         return EXIT_INTERRUPTED
     if outcome.report is not None:  # --repro: the report is printed, its exit code final
         return _after_report(outcome, one_line)
-    if outcome.timed_out:
-        print(
-            f"kvfast: error: the check did not finish within {args.timeout:g} s and could not be interrupted "
-            "(the model under test is stuck outside Python); its processes were killed",
-            file=sys.stderr,
-        )
-        return EXIT_TIMEOUT
     result = outcome.result
-    if result is None:
-        print(
-            f"kvfast: error: the model under test ended the check's process without a report "
-            f"({outcome.ended()}: os._exit, a crash or a signal); nothing was checked to the end",
-            file=sys.stderr,
-        )
-        return EXIT_MODEL
+    if outcome.timed_out:
+        why = "could not be interrupted (the model under test is stuck outside Python); its processes were killed"
+        result = {"kind": "timeout", "line": f"the check did not finish within {args.timeout:g} s and {why}"}
+    elif result is None:
+        ended = f"ended the check's process without a report ({outcome.ended()}: os._exit, a crash or a signal)"
+        result = {"kind": "model", "line": f"the model under test {ended}; nothing was checked to the end"}
     kind = result["kind"]
     if kind == "report":
         print(result["text"])

@@ -146,7 +146,6 @@ def cmd_scan(args) -> int:
     report = _sweep(grid, out, options)
     if isinstance(report, int):
         return report
-    print(report.line())
     df = load(out)
     df = df[df["run_id"].isin(set(grid.iter_ids()))]  # this grid's runs (DIR may hold an earlier, larger scan)
     print(scoreboard_text(df, args.markdown))

@@ -208,17 +208,13 @@ def cmd_grids(args) -> int:
     for name, path in builtin_grids().items():
         try:
             g = load_grid(str(path), studies=STUDIES)
-            rows.append(
-                {"grid": name, "study": g.study.name, "runs": len(g), "description": g.spec.get("description", "")}
-            )
+            study, runs, description = g.study.name, len(g), g.spec.get("description", "")
         except MissingExtra as exc:  # a valid grid whose study needs what is not installed: say what
             spec = tomllib.loads(path.read_text())
-            study, description = spec.get("study", "?"), spec.get("description", "")
-            rows.append(
-                {"grid": name, "study": study, "runs": f"needs kvfast[{exc.extra}]", "description": description}
-            )
+            study, runs, description = spec.get("study", "?"), f"needs kvfast[{exc.extra}]", spec.get("description", "")
         except ValueError as exc:
-            rows.append({"grid": name, "study": "?", "runs": "invalid", "description": str(exc)})
+            study, runs, description = "?", "invalid", str(exc)
+        rows.append({"grid": name, "study": study, "runs": runs, "description": description})
     import pandas as pd
 
     print(_table(pd.DataFrame(rows)))
@@ -246,22 +242,24 @@ def cmd_run(args) -> int:
     report = _sweep(grid, out, options)
     if isinstance(report, int):
         return report
-    print(report.line())
     return _exit(report)
 
 
 def _sweep(grid, out, options):
-    """``run_sweep`` with ``options`` (a ``SweepOptions``); a Ctrl-C before the first run is one line and exit code
-    130 (an ``int`` instead of the report; a failed write is :mod:`kvfast.cli`'s exit code 74)."""
+    """``run_sweep`` with ``options`` (a ``SweepOptions``), its report's line printed; a Ctrl-C before the first run
+    is one line and exit code 130 (an ``int`` instead of the report; a failed write is :mod:`kvfast.cli`'s exit
+    code 74)."""
     from kvfast.sweep.engine import run_sweep
 
     try:
-        return run_sweep(grid, out, options)
+        report = run_sweep(grid, out, options)
     except KeyboardInterrupt:  # before the first run (starting a Dask cluster, say): nothing stored changed
         print("kvfast: interrupted before any run; nothing stored changed", file=sys.stderr)
         return EXIT_INTERRUPTED
     except SystemExit as exc:  # never let a stray exit end a sweep with its code (0 would be a false pass)
         raise RuntimeError(f"SystemExit({exc.code!r}) escaped the sweep engine") from None
+    print(report.line())
+    return report
 
 
 def _exit(report) -> int:
@@ -366,9 +364,9 @@ def cmd_show(args) -> int:
 def _study_grid(name: str):
     from kvfast.studies import STUDIES
     from kvfast.sweep.grid import builtin_grids, load_grid
+    from kvfast.validation import require_choice
 
-    if name not in STUDIES:
-        raise ValueError(f"study: {name!r} is not allowed; allowed: {', '.join(sorted(STUDIES))}")
+    require_choice(name, "study", STUDIES)
     grids = builtin_grids()
     if name not in grids:
         raise ValueError(f"study: {name!r} has no built-in grid (kvfast/data/grids/{name}.toml)")
@@ -385,7 +383,6 @@ def _run_study(grid, out: Path, jobs, quiet: bool, fresh: bool = False):
     report = _sweep(grid, out, SweepOptions.build(jobs=jobs, quiet=quiet, fresh=fresh))
     if isinstance(report, int):
         return report, None
-    print(report.line())
     return report, load(out)
 
 
