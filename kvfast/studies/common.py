@@ -119,6 +119,20 @@ def listed(items: Callable[..., Iterable]) -> Callable[..., list]:
     return collected
 
 
+def tabled(columns: Sequence[str] | None = None) -> Callable:
+    """A function that yields a table's rows (dicts) made one that returns the table (``columns``: its columns, in
+    this order, even when it has no row)."""
+
+    def decorate(rows: Callable[..., Iterable[dict]]) -> Callable[..., pd.DataFrame]:
+        @functools.wraps(rows)
+        def table(*args, **kwargs) -> pd.DataFrame:
+            return pd.DataFrame(list(rows(*args, **kwargs)), columns=columns)
+
+        return table
+
+    return decorate
+
+
 def declared_order(order: Mapping[str, Sequence]) -> Callable[[pd.Series], pd.Series]:
     """A ``sort_values`` key: a column that ``order`` names ranks by its values' places there (values not
     listed last); any other column sorts as it is."""

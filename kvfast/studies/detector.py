@@ -47,7 +47,7 @@ from kvfast.bugs.score import confusion, detector_metrics
 from kvfast.check import KvfastModel
 from kvfast.numerics import Numerics
 from kvfast.studies import bugs as bugstudy
-from kvfast.studies.common import listed, ok_rows, step_range, study_of
+from kvfast.studies.common import listed, ok_rows, step_range, study_of, tabled
 from kvfast.studies.criteria import EXACT, VS_SEED, judged, within
 from kvfast.studies.plotting import COLORS, pyplot
 from kvfast.sweep.study import Claim, Fact, Figure
@@ -129,20 +129,12 @@ def default_cases() -> list[DetectorCase]:
     length) pairs on random float64 models (d_model 16, d_ff 32, vocab 32),
     16 generated tokens (15 decode steps).
     """
-    out = []
-    for bug, n_layer, n_head, (seed, prompt_len) in itertools.product(
-        (*BUGS, bugstudy.CONTROL), CASE_SHAPES["n_layer"], CASE_SHAPES["n_head"], CASE_PROMPTS
-    ):
-        values = {
-            **CASE_FIXED,
-            "bug": bug,
-            "seed": seed,
-            "n_layer": n_layer,
-            "n_head": n_head,
-            "prompt_len": prompt_len,
-        }
-        out.append(DetectorCase({k: values[k] for k in bugstudy.CONFIG_FIELDS}))
-    return out
+    grid = itertools.product((*BUGS, bugstudy.CONTROL), CASE_SHAPES["n_layer"], CASE_SHAPES["n_head"], CASE_PROMPTS)
+    configs = [
+        {**CASE_FIXED, "bug": bug, "seed": seed, "n_layer": n_layer, "n_head": n_head, "prompt_len": prompt_len}
+        for bug, n_layer, n_head, (seed, prompt_len) in grid
+    ]
+    return [DetectorCase({k: c[k] for k in bugstudy.CONFIG_FIELDS}) for c in configs]
 
 
 def _cases(cases: Iterable | None) -> list:
@@ -238,29 +230,26 @@ def _summarize_model(s: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows).rename(columns={"n": "cases"})
 
 
-def steps_to_detection(df: pd.DataFrame) -> pd.DataFrame:
+@tabled()
+def steps_to_detection(df: pd.DataFrame) -> Iterator[dict]:
     """Per model kind and bug: runs, how many changed the output, the every-step check's first firing step (min,
     median, max over the runs where it fires) and the share of runs the one-step check flags."""
     s = scored(df)
-    rows = []
     for model, bug in itertools.product(model_kinds(s), [*BUGS, bugstudy.CONTROL]):
         g = s[(s["model"] == model) & (s["bug"] == bug)]
         if g.empty:
             continue
         f = g.loc[g["every_step_flag"], "steps_to_detection"]
-        rows.append(
-            {
-                **bugstudy.bug_key(model, bug),
-                "runs": len(g),
-                "output_changed": int(g["output_changed"].sum()),
-                "one_step_flagged": int(g["one_step_flag"].sum()),
-                "every_step_flagged": int(g["every_step_flag"].sum()),
-                "steps_min": int(f.min()) if len(f) else -1,
-                "steps_median": float(f.median()) if len(f) else np.nan,
-                "steps_max": int(f.max()) if len(f) else -1,
-            }
-        )
-    return pd.DataFrame(rows)
+        yield {
+            **bugstudy.bug_key(model, bug),
+            "runs": len(g),
+            "output_changed": int(g["output_changed"].sum()),
+            "one_step_flagged": int(g["one_step_flag"].sum()),
+            "every_step_flagged": int(g["every_step_flag"].sum()),
+            "steps_min": int(f.min()) if len(f) else -1,
+            "steps_median": float(f.median()) if len(f) else np.nan,
+            "steps_max": int(f.max()) if len(f) else -1,
+        }
 
 
 def _row(summary: pd.DataFrame, det: str, label: str, model: str = CLAIMS_MODEL) -> pd.Series | None:

@@ -57,6 +57,7 @@ from kvfast.studies.common import (
     require_config_choice,
     require_model_shape,
     study_of,
+    tabled,
 )
 from kvfast.studies.criteria import EXACT, judged
 from kvfast.studies.plotting import pyplot
@@ -366,12 +367,12 @@ def _kernel_claims(ok: pd.DataFrame) -> Iterator[Claim]:
 # --- the report: its figures and quoted facts (kvfast.report shows them: see Figure and Fact) ----------
 
 
-def precision_table(df: pd.DataFrame) -> pd.DataFrame:
+@tabled(["d_model", "storage", "accum", "comparison", "runs", "positions_agree"])
+def precision_table(df: pd.DataFrame) -> Iterator[dict]:
     """Standard attention, same decode kernel: per d_model, storage, accumulator and comparison, the share of
     positions whose every value agrees bit for bit (mean over runs)."""
     ok = ok_rows(df)
     ok = ok[(ok["attention"] == "standard") & (ok["decode_attention"] == "same")]
-    rows = []
     for (d, storage, accum), g in ok.groupby(["d_model", "storage", "accum"]):
         seq = g[g["prefill_order"] == "sequential"]
         pair = g[g["prefill_order"] == "pairwise"]
@@ -380,17 +381,14 @@ def precision_table(df: pd.DataFrame) -> pd.DataFrame:
             ("cache: prefill sequential, decode pairwise", seq["cache_pos_agree"]),
             ("cache: prefill pairwise, decode sequential", pair["cache_pos_agree"]),
         ):
-            rows.append(
-                {
-                    "d_model": int(d),
-                    "storage": storage,
-                    "accum": accum,
-                    "comparison": comparison,
-                    "runs": len(values),
-                    "positions_agree": float(values.mean()) if len(values) else np.nan,
-                }
-            )
-    return pd.DataFrame(rows, columns=["d_model", "storage", "accum", "comparison", "runs", "positions_agree"])
+            yield {
+                "d_model": int(d),
+                "storage": storage,
+                "accum": accum,
+                "comparison": comparison,
+                "runs": len(values),
+                "positions_agree": float(values.mean()) if len(values) else np.nan,
+            }
 
 
 def _draw_agreement(df: pd.DataFrame, table: pd.DataFrame):
