@@ -120,13 +120,16 @@ def listed(items: Callable[..., Iterable]) -> Callable[..., list]:
 
 
 def tabled(columns: Sequence[str] | None = None) -> Callable:
-    """A function that yields a table's rows (dicts) made one that returns the table (``columns``: its columns, in
-    this order, even when it has no row)."""
+    """A function that yields a table's rows (dicts), or its parts (DataFrames, stacked in order), made one that
+    returns the table (``columns``: its columns, in this order, when it has no row)."""
 
-    def decorate(rows: Callable[..., Iterable[dict]]) -> Callable[..., pd.DataFrame]:
+    def decorate(rows: Callable[..., Iterable[dict | pd.DataFrame]]) -> Callable[..., pd.DataFrame]:
         @functools.wraps(rows)
         def table(*args, **kwargs) -> pd.DataFrame:
-            return pd.DataFrame(list(rows(*args, **kwargs)), columns=columns)
+            items = list(rows(*args, **kwargs))
+            if items and isinstance(items[0], pd.DataFrame):
+                return pd.concat(items, ignore_index=True)
+            return pd.DataFrame(items, columns=columns)
 
         return table
 

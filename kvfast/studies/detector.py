@@ -385,23 +385,19 @@ def roc_points(scores, labels) -> tuple[np.ndarray, np.ndarray]:
     return fpr, tpr
 
 
-def roc_table(df: pd.DataFrame) -> pd.DataFrame:
+@tabled(["model", "label", "detector", "point", "fpr", "tpr", "auc"])
+def roc_table(df: pd.DataFrame) -> Iterator[pd.DataFrame]:
     """Per model kind, label and detector: the ROC curve's points (``fpr``, ``tpr``) and the AUC."""
     s = scored(df)
     summary = summarize(df)
-    parts = []
     for model, label, name in itertools.product(model_kinds(s), LABELS, DETECTORS):
         pop = _population(s[s["model"] == model], label)
         fpr, tpr = roc_points(pop[f"{name.replace('-', '_')}_score"].to_numpy(), pop[label.replace(" ", "_")])
         auc = float(_row(summary, name, label, model)["auc"])
         point = np.arange(fpr.size)
-        parts.append(
-            pd.DataFrame(
-                {"model": model, "label": label, "detector": name, "point": point, "fpr": fpr, "tpr": tpr, "auc": auc}
-            )
+        yield pd.DataFrame(
+            {"model": model, "label": label, "detector": name, "point": point, "fpr": fpr, "tpr": tpr, "auc": auc}
         )
-    columns = ["model", "label", "detector", "point", "fpr", "tpr", "auc"]
-    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=columns)
 
 
 def _draw_roc(df: pd.DataFrame, table: pd.DataFrame):

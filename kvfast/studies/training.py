@@ -67,6 +67,7 @@ from kvfast.studies.common import (
     require_model_shape,
     stacked,
     study_of,
+    tabled,
 )
 from kvfast.studies.criteria import DIRECTION, VS_SEED, judged, within
 from kvfast.studies.plotting import pyplot
@@ -394,11 +395,12 @@ CURVE_TABLE_COLUMNS = {
 }
 
 
-def training_curve_table(df: pd.DataFrame) -> pd.DataFrame:
+@tabled(["train_steps", "step", "seeds", *CURVE_TABLE_COLUMNS])
+def training_curve_table(df: pd.DataFrame) -> Iterator[pd.DataFrame]:
     """At prefix 6, per training budget and curve point: the step and the means over seeds of the gradient cosine
     along full and along cached training, and of the held-out suffix loss of each variant."""
-    parts = [
-        pd.DataFrame(
+    for steps, g in _curve_runs(df).groupby("train_steps"):
+        yield pd.DataFrame(
             {
                 "train_steps": int(steps),
                 "step": np.asarray(g["curve_steps"].iloc[0], dtype=np.int64),
@@ -406,10 +408,6 @@ def training_curve_table(df: pd.DataFrame) -> pd.DataFrame:
                 **{name: mean_curve(g, column)[1] for name, column in CURVE_TABLE_COLUMNS.items()},
             }
         )
-        for steps, g in _curve_runs(df).groupby("train_steps")
-    ]
-    columns = ["train_steps", "step", "seeds", *CURVE_TABLE_COLUMNS]
-    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=columns)
 
 
 def _budgets(runs: pd.DataFrame) -> list[int]:
