@@ -182,25 +182,25 @@ def _population(s: pd.DataFrame, label: str) -> pd.DataFrame:
     return s[s["bug_present"]] if label == "output changed" else s
 
 
-def summarize(df: pd.DataFrame) -> pd.DataFrame:
+@tabled()
+def summarize(df: pd.DataFrame) -> Iterator[pd.DataFrame]:
     """Per model kind (``model``): headline rows (``scope = "all"``: each detector under each label) then per-bug
     rows (``scope`` = the bug, label "bug present": the share of its runs each detector flags and the steps it
     needs)."""
     s = scored(df)
-    parts = [_summarize_model(s[s["model"] == model]).assign(model=model) for model in model_kinds(s)]
-    if not parts:
-        return pd.DataFrame()
-    out = pd.concat(parts, ignore_index=True)
-    return out[["model", *[c for c in out.columns if c != "model"]]]
+    for model in model_kinds(s):
+        yield _summarize_model(s[s["model"] == model], model)
 
 
-def _metrics_row(det: str, scope: str, label: str, metrics: dict, steps: str, seed: dict) -> dict:
-    """A summary row: a detector's metrics (``auc`` NaN where not measured) over one scope and label."""
-    counts = {k: metrics[k] for k in ("n", "positives", "flagged", "recall", "precision", "fpr")}
+def _metrics_row(model: str, det: str, scope: str, label: str, metrics: dict, steps: str, seed: dict) -> dict:
+    """A summary row: a detector's metrics (``auc`` NaN where not measured) over one model kind, scope and label."""
+    counts = {k: metrics[k] for k in ("positives", "flagged", "recall", "precision", "fpr")}
     return {
+        "model": model,
         "detector": det,
         "scope": scope,
         "label": label,
+        "cases": metrics["n"],
         **counts,
         "auc": metrics.get("auc", np.nan),
         "steps_to_detection": steps,
@@ -209,8 +209,8 @@ def _metrics_row(det: str, scope: str, label: str, metrics: dict, steps: str, se
     }
 
 
-def _summarize_model(s: pd.DataFrame) -> pd.DataFrame:
-    rows = []
+@tabled()
+def _summarize_model(s: pd.DataFrame, model: str) -> Iterator[dict]:
     for det, label in itertools.product(DETECTORS, LABELS):
         pop, key = _population(s, label), det.replace("-", "_")
         if pop.empty:
@@ -219,15 +219,14 @@ def _summarize_model(s: pd.DataFrame) -> pd.DataFrame:
         m = detector_metrics(pop[f"{key}_flag"].to_numpy(bool), pop[f"{key}_score"].to_numpy(), y)
         flagged = pop.loc[pop[f"{key}_flag"], "steps_to_detection"]
         steps = step_range(flagged, median=True) if det == "every-step" else "1"
-        rows.append(_metrics_row(det, "all", label, m, steps, SEED_FIGURES[det] if label == "output changed" else {}))
+        yield _metrics_row(model, det, "all", label, m, steps, SEED_FIGURES[det] if label == "output changed" else {})
     for bug, det in itertools.product([*BUGS, bugstudy.CONTROL], DETECTORS):
         g, key = s[s["bug"] == bug], det.replace("-", "_")
         if g.empty:
             continue
         c = confusion(g[f"{key}_flag"].to_numpy(bool), g["bug_present"].to_numpy(bool)).as_dict()
         flagged = g.loc[g[f"{key}_flag"], "steps_to_detection"]
-        rows.append(_metrics_row(det, bug, "bug present", c, step_range(flagged, median=True), {}))
-    return pd.DataFrame(rows).rename(columns={"n": "cases"})
+        yield _metrics_row(model, det, bug, "bug present", c, step_range(flagged, median=True), {})
 
 
 @tabled()
