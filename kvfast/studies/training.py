@@ -308,9 +308,27 @@ def claims(df: pd.DataFrame) -> Iterator[Claim]:
     ok = ok[ok["prefix_len"] == TASK_PREFIX]
     if not len(ok):
         return
-    yield from _direction_claims(ok)
+    cos = ok["grad_cosine"]
+    budgets, worse = [], []
+    for (d, steps), g in ok.groupby(["d_model", "train_steps"]):
+        lf, lc = float(g["suffix_loss_full"].mean()), float(g["suffix_loss_cached"].mean())
+        budgets.append(f"d_model {d}, {steps} steps: {lc:.3f} vs {lf:.3f} ({len(g)} seeds)")
+        worse.append((f"{steps} steps: mean cached suffix loss > mean full", lc > lf))
+    yield judged(
+        "cached-prefix training: gradient cosine with the full gradient at prefix 6 of 12 is below 1",
+        f"{SEED_COSINE}",
+        f"{float(cos.mean()):.3f} (mean of {len(ok)} runs; range {cos.min():.3f}..{cos.max():.3f})",
+        DIRECTION,
+        [("cosine < 1 in every run", bool((cos < 1.0).all()))],
+    )
+    yield judged(
+        "cached-prefix training: held-out suffix loss after the same budget is worse than full training",
+        "1.346 vs 0.059",
+        "cached vs full: " + "; ".join(budgets),
+        DIRECTION,
+        worse,
+    )
     if "curve_cosine_full" in ok.columns:
-        cos = ok["grad_cosine"]
         spread = float(cos.max() - cos.min())
         figures, conditions = [], []
         for steps, g in ok.groupby("train_steps"):
@@ -332,31 +350,6 @@ def claims(df: pd.DataFrame) -> Iterator[Claim]:
             VS_SEED,
             conditions,
         )
-
-
-def _direction_claims(ok: pd.DataFrame) -> list[Claim]:
-    cos = ok["grad_cosine"]
-    budgets, worse = [], []
-    for (d, steps), g in ok.groupby(["d_model", "train_steps"]):
-        lf, lc = float(g["suffix_loss_full"].mean()), float(g["suffix_loss_cached"].mean())
-        budgets.append(f"d_model {d}, {steps} steps: {lc:.3f} vs {lf:.3f} ({len(g)} seeds)")
-        worse.append((f"{steps} steps: mean cached suffix loss > mean full", lc > lf))
-    return [
-        judged(
-            "cached-prefix training: gradient cosine with the full gradient at prefix 6 of 12 is below 1",
-            f"{SEED_COSINE}",
-            f"{float(cos.mean()):.3f} (mean of {len(ok)} runs; range {cos.min():.3f}..{cos.max():.3f})",
-            DIRECTION,
-            [("cosine < 1 in every run", bool((cos < 1.0).all()))],
-        ),
-        judged(
-            "cached-prefix training: held-out suffix loss after the same budget is worse than full training",
-            "1.346 vs 0.059",
-            "cached vs full: " + "; ".join(budgets),
-            DIRECTION,
-            worse,
-        ),
-    ]
 
 
 # --- the report: its figures and quoted facts (kvfast.report shows them: see Figure and Fact) ----------
@@ -410,10 +403,6 @@ def training_curve_table(df: pd.DataFrame) -> Iterator[pd.DataFrame]:
         )
 
 
-def _budgets(runs: pd.DataFrame) -> list[int]:
-    return sorted(int(s) for s in set(runs["train_steps"]))
-
-
 def _main_runs(df: pd.DataFrame) -> pd.DataFrame:
     """The runs with curves at prefix 6 of the main (shortest) training budget."""
     runs = _curve_runs(df)
@@ -464,7 +453,7 @@ def _draw_cosine(df: pd.DataFrame, table: pd.DataFrame):
 def _budget_panels(runs: pd.DataFrame) -> tuple[object, object, list[tuple[object, int, pd.DataFrame]]]:
     """One panel per training budget, side by side, sharing the y axis: the figure, its axes, and per panel
     ``(axis, budget, the budget's runs)``."""
-    budgets = _budgets(runs)
+    budgets = sorted(int(s) for s in set(runs["train_steps"]))
     fig, axes = pyplot().subplots(1, len(budgets), figsize=(6.2 * len(budgets), 4.6), sharey=True, squeeze=False)
     panels = [(ax, steps, runs[runs["train_steps"] == steps]) for ax, steps in zip(axes[0], budgets, strict=True)]
     return fig, axes, panels
