@@ -284,12 +284,7 @@ def _pct(x: float) -> str:
 def claims(df: pd.DataFrame) -> Iterator[Claim]:
     """The seed's order/precision claims as this grid measured them: the formats', then the kernels'."""
     ok = ok_rows(df)
-    yield from _format_claims(ok)
-    yield from _kernel_claims(ok)
-
-
-def _format_claims(ok: pd.DataFrame) -> Iterator[Claim]:
-    """Standard attention, same kernel: which accumulator makes the summation order matter."""
+    # the formats': standard attention, same kernel: which accumulator makes the summation order matter
     std = ok[(ok["attention"] == "standard") & (ok["decode_attention"] == "same")]
     b64, b32, b16 = (std[(std["storage"] == "bf16") & (std["accum"] == accum)] for accum in ("f64", "f32", "bf16"))
     if len(b64):
@@ -323,9 +318,8 @@ def _format_claims(ok: pd.DataFrame) -> Iterator[Claim]:
             ],
         )
 
-
-def _kernel_claims(ok: pd.DataFrame) -> Iterator[Claim]:
-    """Same order in both paths: aligned kernels keep the cache exact; count splits and mixed kernels break it."""
+    # the kernels': same order in both paths: aligned kernels keep the cache exact; count splits and mixed kernels
+    # break it
     same_kernel = ok[ok["decode_attention"] == "same"]
     aligned = same_kernel[same_kernel["attention"].str.split(":").str[0].isin(["standard", "online", "splitkv"])]
     counted = same_kernel[same_kernel["attention"].str.startswith("splitcount")]

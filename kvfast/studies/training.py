@@ -536,10 +536,19 @@ def _draw_loss_curve(df: pd.DataFrame, table: pd.DataFrame):
     return fig
 
 
-def _per_seed_facts(df: pd.DataFrame) -> list[Fact]:
+# The curve facts: key, column, what is measured, unit, number format.
+CURVE_FACTS = (
+    ("cosine", "curve_cosine", "gradient cosine along {} training", "cosine", ".3f"),
+    ("loss", "curve_suffix_loss", "held-out suffix loss of {} training", "loss", ".3g"),
+)
+
+
+@listed
+def facts(df: pd.DataFrame) -> Iterator[Fact]:
+    """The quoted figures: per seed at prefix 6, then the mean curves and the per-tensor cosine at initialisation."""
     ok = ok_rows(df)
-    return [
-        Fact(
+    for steps, g in ok[ok["prefix_len"] == 6].groupby("train_steps"):
+        yield Fact(
             f"training_per_seed_{int(steps)}",
             f"training at prefix 6 of 12, {int(steps)} steps, per seed: gradient cosine; suffix loss full / cached",
             "; ".join(
@@ -548,22 +557,10 @@ def _per_seed_facts(df: pd.DataFrame) -> list[Fact]:
                 for _, r in g.sort_values("seed").iterrows()
             ),
         )
-        for steps, g in ok[ok["prefix_len"] == 6].groupby("train_steps")
-    ]
-
-
-# The curve facts: key, column, what is measured, unit, number format.
-CURVE_FACTS = (
-    ("cosine", "curve_cosine", "gradient cosine along {} training", "cosine", ".3f"),
-    ("loss", "curve_suffix_loss", "held-out suffix loss of {} training", "loss", ".3g"),
-)
-
-
-def _curve_facts(df: pd.DataFrame) -> list[Fact]:
     at6 = _curve_runs(df)
     if not len(at6):
-        return []
-    rows = [
+        return
+    yield from (
         Fact(
             f"training_{key}_curve_{variant}_{int(steps)}",
             f"training at prefix 6 of 12, {int(steps)} steps: {what.format(variant)} (mean over seeds), step: {unit}",
@@ -572,19 +569,13 @@ def _curve_facts(df: pd.DataFrame) -> list[Fact]:
         for steps, g in at6.groupby("train_steps")
         for key, column, what, unit, fmt in CURVE_FACTS
         for variant in VARIANTS
-    ]
+    )
     main = _main_runs(df)
     names = list(main["tensor_names"].iloc[0])
     init = stacked(main["curve_tensor_cosine_full"])[:, 0, :].mean(axis=0)
-    order = np.argsort(init, kind="stable")
-    tensors = ", ".join(f"{names[i]} {init[i]:.3f}" for i in order)
+    tensors = ", ".join(f"{names[i]} {init[i]:.3f}" for i in np.argsort(init, kind="stable"))
     what = "gradient cosine per parameter tensor at initialisation (mean over seeds), lowest first"
-    return [*rows, Fact("training_tensor_cosine_init", f"training at prefix 6 of 12: {what}", tensors)]
-
-
-def facts(df: pd.DataFrame) -> list[Fact]:
-    """The quoted figures: per seed at prefix 6, then the mean curves and the per-tensor cosine at initialisation."""
-    return _per_seed_facts(df) + _curve_facts(df)
+    yield Fact("training_tensor_cosine_init", f"training at prefix 6 of 12: {what}", tensors)
 
 
 FIGURES = (
