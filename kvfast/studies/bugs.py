@@ -59,6 +59,7 @@ from kvfast.studies.common import (
     stacked,
     step_range,
     study_of,
+    tabled,
 )
 from kvfast.studies.criteria import EXACT, VS_SEED, judged
 from kvfast.studies.plotting import COLORS, SYMLOG_FLOOR, pyplot
@@ -279,17 +280,15 @@ def claims(df: pd.DataFrame) -> Iterator[Claim]:
 # --- the report: its figures and quoted facts (kvfast.report shows them: see Figure and Fact) ----------
 
 
-def bug_deviation_table(df: pd.DataFrame) -> pd.DataFrame:
+@tabled(["model", "bug", "step", "runs", "max_dev", "median_dev"])
+def bug_deviation_table(df: pd.DataFrame) -> Iterator[pd.DataFrame]:
     """Per model kind, bug and step: max and median over runs of the deviation at that step."""
     ok = ok_rows(df)
-    parts = []
     for (model, bug), g in ok[ok["bug"] != "none"].groupby(["model", "bug"]):
         dev = stacked(g["dev_per_step"])
         steps = np.arange(dev.shape[1])
         stats = {"max_dev": dev.max(axis=0), "median_dev": np.median(dev, axis=0)}
-        parts.append(pd.DataFrame({"model": model, "bug": bug, "step": steps, "runs": dev.shape[0], **stats}))
-    columns = ["model", "bug", "step", "runs", "max_dev", "median_dev"]
-    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=columns)
+        yield pd.DataFrame({"model": model, "bug": bug, "step": steps, "runs": dev.shape[0], **stats})
 
 
 def _draw_deviation_per_step(df: pd.DataFrame, table: pd.DataFrame):

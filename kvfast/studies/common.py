@@ -119,6 +119,23 @@ def listed(items: Callable[..., Iterable]) -> Callable[..., list]:
     return collected
 
 
+def tabled(columns: Sequence[str] | None = None) -> Callable:
+    """A function that yields a table's rows (dicts), or its parts (DataFrames, stacked in order), made one that
+    returns the table (``columns``: its columns, in this order, when it has no row)."""
+
+    def decorate(rows: Callable[..., Iterable[dict | pd.DataFrame]]) -> Callable[..., pd.DataFrame]:
+        @functools.wraps(rows)
+        def table(*args, **kwargs) -> pd.DataFrame:
+            items = list(rows(*args, **kwargs))
+            if items and isinstance(items[0], pd.DataFrame):
+                return pd.concat(items, ignore_index=True)
+            return pd.DataFrame(items, columns=columns)
+
+        return table
+
+    return decorate
+
+
 def declared_order(order: Mapping[str, Sequence]) -> Callable[[pd.Series], pd.Series]:
     """A ``sort_values`` key: a column that ``order`` names ranks by its values' places there (values not
     listed last); any other column sorts as it is."""

@@ -47,7 +47,7 @@ from kvfast.bugs.score import confusion, detector_metrics
 from kvfast.check import KvfastModel
 from kvfast.numerics import Numerics
 from kvfast.studies import bugs as bugstudy
-from kvfast.studies.common import listed, ok_rows, step_range, study_of
+from kvfast.studies.common import listed, ok_rows, step_range, study_of, tabled
 from kvfast.studies.criteria import EXACT, VS_SEED, judged, within
 from kvfast.studies.plotting import COLORS, pyplot
 from kvfast.sweep.study import Claim, Fact, Figure
@@ -129,20 +129,12 @@ def default_cases() -> list[DetectorCase]:
     length) pairs on random float64 models (d_model 16, d_ff 32, vocab 32),
     16 generated tokens (15 decode steps).
     """
-    out = []
-    for bug, n_layer, n_head, (seed, prompt_len) in itertools.product(
-        (*BUGS, bugstudy.CONTROL), CASE_SHAPES["n_layer"], CASE_SHAPES["n_head"], CASE_PROMPTS
-    ):
-        values = {
-            **CASE_FIXED,
-            "bug": bug,
-            "seed": seed,
-            "n_layer": n_layer,
-            "n_head": n_head,
-            "prompt_len": prompt_len,
-        }
-        out.append(DetectorCase({k: values[k] for k in bugstudy.CONFIG_FIELDS}))
-    return out
+    grid = itertools.product((*BUGS, bugstudy.CONTROL), CASE_SHAPES["n_layer"], CASE_SHAPES["n_head"], CASE_PROMPTS)
+    configs = [
+        {**CASE_FIXED, "bug": bug, "seed": seed, "n_layer": n_layer, "n_head": n_head, "prompt_len": prompt_len}
+        for bug, n_layer, n_head, (seed, prompt_len) in grid
+    ]
+    return [DetectorCase({k: c[k] for k in bugstudy.CONFIG_FIELDS}) for c in configs]
 
 
 def _cases(cases: Iterable | None) -> list:
@@ -190,25 +182,25 @@ def _population(s: pd.DataFrame, label: str) -> pd.DataFrame:
     return s[s["bug_present"]] if label == "output changed" else s
 
 
-def summarize(df: pd.DataFrame) -> pd.DataFrame:
+@tabled()
+def summarize(df: pd.DataFrame) -> Iterator[pd.DataFrame]:
     """Per model kind (``model``): headline rows (``scope = "all"``: each detector under each label) then per-bug
     rows (``scope`` = the bug, label "bug present": the share of its runs each detector flags and the steps it
     needs)."""
     s = scored(df)
-    parts = [_summarize_model(s[s["model"] == model]).assign(model=model) for model in model_kinds(s)]
-    if not parts:
-        return pd.DataFrame()
-    out = pd.concat(parts, ignore_index=True)
-    return out[["model", *[c for c in out.columns if c != "model"]]]
+    for model in model_kinds(s):
+        yield _summarize_model(s[s["model"] == model], model)
 
 
-def _metrics_row(det: str, scope: str, label: str, metrics: dict, steps: str, seed: dict) -> dict:
-    """A summary row: a detector's metrics (``auc`` NaN where not measured) over one scope and label."""
-    counts = {k: metrics[k] for k in ("n", "positives", "flagged", "recall", "precision", "fpr")}
+def _metrics_row(model: str, det: str, scope: str, label: str, metrics: dict, steps: str, seed: dict) -> dict:
+    """A summary row: a detector's metrics (``auc`` NaN where not measured) over one model kind, scope and label."""
+    counts = {k: metrics[k] for k in ("positives", "flagged", "recall", "precision", "fpr")}
     return {
+        "model": model,
         "detector": det,
         "scope": scope,
         "label": label,
+        "cases": metrics["n"],
         **counts,
         "auc": metrics.get("auc", np.nan),
         "steps_to_detection": steps,
@@ -217,8 +209,8 @@ def _metrics_row(det: str, scope: str, label: str, metrics: dict, steps: str, se
     }
 
 
-def _summarize_model(s: pd.DataFrame) -> pd.DataFrame:
-    rows = []
+@tabled()
+def _summarize_model(s: pd.DataFrame, model: str) -> Iterator[dict]:
     for det, label in itertools.product(DETECTORS, LABELS):
         pop, key = _population(s, label), det.replace("-", "_")
         if pop.empty:
@@ -227,40 +219,36 @@ def _summarize_model(s: pd.DataFrame) -> pd.DataFrame:
         m = detector_metrics(pop[f"{key}_flag"].to_numpy(bool), pop[f"{key}_score"].to_numpy(), y)
         flagged = pop.loc[pop[f"{key}_flag"], "steps_to_detection"]
         steps = step_range(flagged, median=True) if det == "every-step" else "1"
-        rows.append(_metrics_row(det, "all", label, m, steps, SEED_FIGURES[det] if label == "output changed" else {}))
+        yield _metrics_row(model, det, "all", label, m, steps, SEED_FIGURES[det] if label == "output changed" else {})
     for bug, det in itertools.product([*BUGS, bugstudy.CONTROL], DETECTORS):
         g, key = s[s["bug"] == bug], det.replace("-", "_")
         if g.empty:
             continue
         c = confusion(g[f"{key}_flag"].to_numpy(bool), g["bug_present"].to_numpy(bool)).as_dict()
         flagged = g.loc[g[f"{key}_flag"], "steps_to_detection"]
-        rows.append(_metrics_row(det, bug, "bug present", c, step_range(flagged, median=True), {}))
-    return pd.DataFrame(rows).rename(columns={"n": "cases"})
+        yield _metrics_row(model, det, bug, "bug present", c, step_range(flagged, median=True), {})
 
 
-def steps_to_detection(df: pd.DataFrame) -> pd.DataFrame:
+@tabled()
+def steps_to_detection(df: pd.DataFrame) -> Iterator[dict]:
     """Per model kind and bug: runs, how many changed the output, the every-step check's first firing step (min,
     median, max over the runs where it fires) and the share of runs the one-step check flags."""
     s = scored(df)
-    rows = []
     for model, bug in itertools.product(model_kinds(s), [*BUGS, bugstudy.CONTROL]):
         g = s[(s["model"] == model) & (s["bug"] == bug)]
         if g.empty:
             continue
         f = g.loc[g["every_step_flag"], "steps_to_detection"]
-        rows.append(
-            {
-                **bugstudy.bug_key(model, bug),
-                "runs": len(g),
-                "output_changed": int(g["output_changed"].sum()),
-                "one_step_flagged": int(g["one_step_flag"].sum()),
-                "every_step_flagged": int(g["every_step_flag"].sum()),
-                "steps_min": int(f.min()) if len(f) else -1,
-                "steps_median": float(f.median()) if len(f) else np.nan,
-                "steps_max": int(f.max()) if len(f) else -1,
-            }
-        )
-    return pd.DataFrame(rows)
+        yield {
+            **bugstudy.bug_key(model, bug),
+            "runs": len(g),
+            "output_changed": int(g["output_changed"].sum()),
+            "one_step_flagged": int(g["one_step_flag"].sum()),
+            "every_step_flagged": int(g["every_step_flag"].sum()),
+            "steps_min": int(f.min()) if len(f) else -1,
+            "steps_median": float(f.median()) if len(f) else np.nan,
+            "steps_max": int(f.max()) if len(f) else -1,
+        }
 
 
 def _row(summary: pd.DataFrame, det: str, label: str, model: str = CLAIMS_MODEL) -> pd.Series | None:
@@ -396,23 +384,19 @@ def roc_points(scores, labels) -> tuple[np.ndarray, np.ndarray]:
     return fpr, tpr
 
 
-def roc_table(df: pd.DataFrame) -> pd.DataFrame:
+@tabled(["model", "label", "detector", "point", "fpr", "tpr", "auc"])
+def roc_table(df: pd.DataFrame) -> Iterator[pd.DataFrame]:
     """Per model kind, label and detector: the ROC curve's points (``fpr``, ``tpr``) and the AUC."""
     s = scored(df)
     summary = summarize(df)
-    parts = []
     for model, label, name in itertools.product(model_kinds(s), LABELS, DETECTORS):
         pop = _population(s[s["model"] == model], label)
         fpr, tpr = roc_points(pop[f"{name.replace('-', '_')}_score"].to_numpy(), pop[label.replace(" ", "_")])
         auc = float(_row(summary, name, label, model)["auc"])
         point = np.arange(fpr.size)
-        parts.append(
-            pd.DataFrame(
-                {"model": model, "label": label, "detector": name, "point": point, "fpr": fpr, "tpr": tpr, "auc": auc}
-            )
+        yield pd.DataFrame(
+            {"model": model, "label": label, "detector": name, "point": point, "fpr": fpr, "tpr": tpr, "auc": auc}
         )
-    columns = ["model", "label", "detector", "point", "fpr", "tpr", "auc"]
-    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=columns)
 
 
 def _draw_roc(df: pd.DataFrame, table: pd.DataFrame):

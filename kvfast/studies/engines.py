@@ -25,13 +25,14 @@ import importlib.util
 import os
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from kvfast.studies.common import first_bug_step, ok_rows, require_config_choice, study_of
+from kvfast.studies.common import first_bug_step, ok_rows, require_config_choice, study_of, tabled
 from kvfast.studies.plotting import ratio_bars
 from kvfast.sweep.study import Figure
 from kvfast.validation import MissingExtra, require_int
@@ -191,11 +192,11 @@ def run(config: dict) -> dict:
     }
 
 
-def summarize(df: pd.DataFrame) -> pd.DataFrame:
+@tabled()
+def summarize(df: pd.DataFrame) -> Iterator[dict]:
     """Per engine, weights and KV cache: clean runs by verdict and their largest ratio; bugged runs found at the
     step where the bug first acts and their smallest ratio at that step's scenario maximum."""
     ok = ok_rows(df)
-    rows = []
     for (engine, weights, cache), g in ok.groupby(["engine", "weights", "cache"], sort=True) if len(ok) else ():
         clean, bugged = g[g["bug"] == "none"], g[g["bug"] != "none"]
         row = {"engine": engine, "weights": weights, "cache": cache, "clean_runs": len(clean)}
@@ -204,8 +205,7 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
         row["bugged_runs"] = len(bugged)
         row["bug_at_first_acting_step"] = int((bugged["first_bug_step"] == bugged["acts_at"]).sum())
         row["smallest_bug_ratio"] = float(bugged["ratio"].min()) if len(bugged) else np.nan
-        rows.append(row)
-    return pd.DataFrame(rows)
+        yield row
 
 
 def _draw_engines(df: pd.DataFrame, table: pd.DataFrame):

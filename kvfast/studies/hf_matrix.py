@@ -32,6 +32,7 @@ fields: the scan (issue 20) builds on them.
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 
 import numpy as np
 import pandas as pd
@@ -43,7 +44,7 @@ from kvfast.check.hf import HFModel
 from kvfast.check.options import PROMOTE as CHECK_PROMOTE
 from kvfast.studies import hf_common as hf
 from kvfast.studies.check import MODES, SCENARIO_CHOICES
-from kvfast.studies.common import first_bug_step, require_config_choice, study_of
+from kvfast.studies.common import first_bug_step, require_config_choice, study_of, tabled
 from kvfast.studies.criteria import EXACT, judged
 from kvfast.studies.plotting import ratio_bars
 from kvfast.sweep.study import Claim, Fact, Figure
@@ -161,50 +162,44 @@ def run(config: dict) -> dict:
     }
 
 
-def clean_table(df: pd.DataFrame) -> pd.DataFrame:
+@tabled(["dtype", "runs", "bug", "inconclusive", "largest_ratio"])
+def clean_table(df: pd.DataFrame) -> Iterator[dict]:
     """The clean runs per dtype, then ``all``: runs, ``bug`` verdicts (false positives), ``inconclusive``, the
     largest ratio (the summary)."""
     ok = hf.ordered_ok_rows(df)
     clean = ok[ok["bug"] == hf.NO_BUG] if len(ok) else ok
-    rows = []
     for dtype, g in [*clean.groupby("dtype", sort=False), ("all", clean)] if len(clean) else ():
-        rows.append(
-            {
-                "dtype": dtype,
-                "runs": len(g),
-                "bug": int((g["verdict"] == "bug").sum()),
-                "inconclusive": int((g["verdict"] == "inconclusive").sum()),
-                "largest_ratio": float(g["ratio"].max()),
-            }
-        )
-    return pd.DataFrame(rows, columns=["dtype", "runs", "bug", "inconclusive", "largest_ratio"])
+        yield {
+            "dtype": dtype,
+            "runs": len(g),
+            "bug": int((g["verdict"] == "bug").sum()),
+            "inconclusive": int((g["verdict"] == "inconclusive").sum()),
+            "largest_ratio": float(g["ratio"].max()),
+        }
 
 
-def bug_table(df: pd.DataFrame) -> pd.DataFrame:
+@tabled()
+def bug_table(df: pd.DataFrame) -> Iterator[dict]:
     """The bugged runs per bug and dtype: native verdict counts, catches at the right step, the logic check's
     catches (at the right step) and its smallest ratio."""
     ok = hf.ordered_ok_rows(df)
     bugs = ok[ok["bug"] != hf.NO_BUG] if len(ok) else ok
-    rows = []
     for (bug, dtype), g in bugs.groupby(["bug", "dtype"], sort=False) if len(bugs) else ():
         v = g["verdict"]
         caught = g[v == "bug"]
         logic = g[g["logic_verdict"] == "bug"]
-        rows.append(
-            {
-                "bug": bug,
-                "dtype": dtype,
-                "runs": len(g),
-                "native_bug": int((v == "bug").sum()),
-                "native_inconclusive": int((v == "inconclusive").sum()),
-                "native_rounding": int((v == "rounding").sum()),
-                "native_right_step": int(caught["right_step"].astype(bool).sum()),
-                "logic_bug": len(logic),
-                "logic_right_step": int(logic["logic_right_step"].astype(bool).sum()),
-                "smallest_logic_ratio": float(g["logic_ratio"].min()),
-            }
-        )
-    return pd.DataFrame(rows)
+        yield {
+            "bug": bug,
+            "dtype": dtype,
+            "runs": len(g),
+            "native_bug": int((v == "bug").sum()),
+            "native_inconclusive": int((v == "inconclusive").sum()),
+            "native_rounding": int((v == "rounding").sum()),
+            "native_right_step": int(caught["right_step"].astype(bool).sum()),
+            "logic_bug": len(logic),
+            "logic_right_step": int(logic["logic_right_step"].astype(bool).sum()),
+            "smallest_logic_ratio": float(g["logic_ratio"].min()),
+        }
 
 
 def miss_rates(df: pd.DataFrame) -> dict[str, tuple[int, int]]:
@@ -266,25 +261,22 @@ def facts(df: pd.DataFrame) -> list[Fact]:
     ]
 
 
-def ratio_table(df: pd.DataFrame) -> pd.DataFrame:
+@tabled()
+def ratio_table(df: pd.DataFrame) -> Iterator[dict]:
     """Per family and dtype: the largest clean ratio and the smallest bugged ratio, natively and in the logic
     check (what separates rounding from a bug)."""
     ok = hf.ordered_ok_rows(df)
-    rows = []
     for (family, dtype), g in ok.groupby(["family", "dtype"], sort=False) if len(ok) else ():
         clean, bugged = g[g["bug"] == hf.NO_BUG], g[g["bug"] != hf.NO_BUG]
-        rows.append(
-            {
-                "family": family,
-                "dtype": dtype,
-                "clean_runs": len(clean),
-                "largest_clean_ratio": float(clean["ratio"].max()) if len(clean) else np.nan,
-                "bugged_runs": len(bugged),
-                "bugged_native_bug": int((bugged["verdict"] == "bug").sum()),
-                "smallest_bugged_logic_ratio": float(bugged["logic_ratio"].min()) if len(bugged) else np.nan,
-            }
-        )
-    return pd.DataFrame(rows)
+        yield {
+            "family": family,
+            "dtype": dtype,
+            "clean_runs": len(clean),
+            "largest_clean_ratio": float(clean["ratio"].max()) if len(clean) else np.nan,
+            "bugged_runs": len(bugged),
+            "bugged_native_bug": int((bugged["verdict"] == "bug").sum()),
+            "smallest_bugged_logic_ratio": float(bugged["logic_ratio"].min()) if len(bugged) else np.nan,
+        }
 
 
 def _draw_ratios(df: pd.DataFrame, table: pd.DataFrame):

@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 
 from kvfast.studies import hf_common as hf
-from kvfast.studies.common import declared_order, first_bug_step, ok_rows, require_config_choice, study_of
+from kvfast.studies.common import declared_order, first_bug_step, ok_rows, require_config_choice, study_of, tabled
 from kvfast.studies.plotting import pyplot
 from kvfast.sweep.study import Fact, Figure
 
@@ -299,12 +300,12 @@ def _found(g: pd.DataFrame) -> pd.Series:
     return (g["verdict"] == "bug") | (g["logic_verdict"] == "bug")
 
 
-def scoreboard(df: pd.DataFrame) -> pd.DataFrame:
+@tabled()
+def scoreboard(df: pd.DataFrame) -> Iterator[dict]:
     """Per architecture (skipped ones apart: :func:`skipped_table`): each ``dtype/scenario`` cell the clean runs'
     verdicts; ``bugs_found`` (found of the bugged runs where the bug acts), ``at_right_step``, the median steps
     from acting to detection, and ``fpr`` (clean runs called ``bug`` over clean runs)."""
     ok = _ordered(df)
-    rows = []
     for arch, g in ok.groupby("architecture", sort=False) if len(ok) else ():
         if (g["verdict"] == SKIPPED).all():
             continue
@@ -324,8 +325,7 @@ def scoreboard(df: pd.DataFrame) -> pd.DataFrame:
                 "fpr": float((judged_clean["verdict"] == "bug").mean()) if len(judged_clean) else None,
             }
         )
-        rows.append(row)
-    return pd.DataFrame(rows)
+        yield row
 
 
 #: The form of kvfast's own refusals (:func:`kvfast.validation.not_allowed`): a model-call error with it is the
@@ -341,54 +341,48 @@ def kind_of(kind: str | None, reason: str | None) -> str | None:
     return kind
 
 
-def skipped_table(df: pd.DataFrame) -> pd.DataFrame:
+@tabled(["architecture", "skipped", "kind", "reason"])
+def skipped_table(df: pd.DataFrame) -> Iterator[dict]:
     """Per architecture whose clean runs were skipped (every one, or some: ``skipped`` counts them): the kind and
     the first reason. A bug that cannot be injected into a model that runs is in :func:`bug_table`."""
     ok = _ordered(df)
     clean = ok[ok["bug"] == hf.NO_BUG] if len(ok) else ok
     skipped = clean[clean["verdict"] == SKIPPED] if len(clean) else clean
-    rows = []
     for arch, g in skipped.groupby("architecture", sort=False) if len(skipped) else ():
         total = int((clean["architecture"] == arch).sum())
         first = g.iloc[0]
-        rows.append(
-            {
-                "architecture": arch,
-                "skipped": f"{len(g)}/{total}",
-                "kind": kind_of(first["skip_kind"], first["reason"]),
-                "reason": first["reason"],
-            }
-        )
-    return pd.DataFrame(rows, columns=["architecture", "skipped", "kind", "reason"])
+        yield {
+            "architecture": arch,
+            "skipped": f"{len(g)}/{total}",
+            "kind": kind_of(first["skip_kind"], first["reason"]),
+            "reason": first["reason"],
+        }
 
 
 BUG_COLUMNS = ("bug", "dtype", "runs", "found", "at_right_step", "missed_on", "not_injectable_on")
 
 
-def bug_table(df: pd.DataFrame) -> pd.DataFrame:
+@tabled(BUG_COLUMNS)
+def bug_table(df: pd.DataFrame) -> Iterator[dict]:
     """Per injected bug and dtype, over every architecture: runs where it acts, found, at the right step, the
     architectures where it was missed, and those (checked clean) where it could not be injected (the adapter
     refuses it, e.g. a position bug on a model whose ``forward`` takes no ``position_ids``)."""
     ok = _ordered(df)
     bugged = ok[ok["bug"] != hf.NO_BUG] if len(ok) else ok
     ran = set(ok.loc[(ok["bug"] == hf.NO_BUG) & (ok["verdict"] != SKIPPED), "architecture"]) if len(ok) else set()
-    rows = []
     for (bug, dtype), all_runs in bugged.groupby(["bug", "dtype"], sort=False) if len(bugged) else ():
         g = all_runs[(all_runs["verdict"] != SKIPPED) & (all_runs["acting_step"] >= 0)]
         refused = all_runs[(all_runs["verdict"] == SKIPPED) & all_runs["architecture"].isin(ran)]
         found = _found(g)
-        rows.append(
-            {
-                "bug": bug,
-                "dtype": dtype,
-                "runs": len(g),
-                "found": int(found.sum()),
-                "at_right_step": int(g.loc[found, "right_step"].astype(bool).sum()),
-                "missed_on": ", ".join(sorted(set(g.loc[~found, "architecture"]))),
-                "not_injectable_on": ", ".join(sorted(set(refused["architecture"]))),
-            }
-        )
-    return pd.DataFrame(rows, columns=[*BUG_COLUMNS])
+        yield {
+            "bug": bug,
+            "dtype": dtype,
+            "runs": len(g),
+            "found": int(found.sum()),
+            "at_right_step": int(g.loc[found, "right_step"].astype(bool).sum()),
+            "missed_on": ", ".join(sorted(set(g.loc[~found, "architecture"]))),
+            "not_injectable_on": ", ".join(sorted(set(refused["architecture"]))),
+        }
 
 
 def coverage(df: pd.DataFrame) -> tuple[int, int]:

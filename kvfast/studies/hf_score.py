@@ -37,6 +37,7 @@ float32 and bfloat16, 2 seeds x 2 prompts, 16 steps, every bug and clean: 224 ru
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,7 +49,7 @@ from kvfast.bugs.score import Detection, as_detection, score_rows, side_by_side
 from kvfast.check.checker import check_cache
 from kvfast.check.hf import HFModel
 from kvfast.studies import hf_common as hf
-from kvfast.studies.common import ok_rows, study_of
+from kvfast.studies.common import ok_rows, study_of, tabled
 from kvfast.studies.criteria import EXACT, judged
 from kvfast.studies.plotting import pyplot
 from kvfast.sweep.study import Claim, Fact, Figure
@@ -199,20 +200,19 @@ def detections(runs: pd.DataFrame, name: str) -> pd.DataFrame:
     )
 
 
-def score_table(df: pd.DataFrame) -> pd.DataFrame:
+@tabled()
+def score_table(df: pd.DataFrame) -> Iterator[pd.DataFrame]:
     """Per dtype and attention implementation (in the runs' order), :func:`kvfast.bugs.score.side_by_side` of
     every detector's :func:`~kvfast.bugs.score.score_rows` over its ok runs (its bugs against its clean
     controls): ``bug``, ``dtype``, ``attention``, ``cases``, then ``<detector>.recall/steps/auc/fpr``."""
     ok = hf.ordered_ok_rows(df)
-    parts = []
     for key, runs in ok.groupby(list(GROUPS), sort=False) if len(ok) else ():
         if (runs["bug"] == hf.NO_BUG).all() or (runs["bug"] != hf.NO_BUG).all():
             continue  # a group needs clean controls and bugged cases to be scored
         part = side_by_side({name: score_rows(detections(runs, name), HF_BUGS) for name in DETECTORS})
         for i, (col, value) in enumerate(zip(GROUPS, key, strict=True)):
             part.insert(1 + i, col, value)
-        parts.append(part)
-    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
+        yield part
 
 
 def claims(df: pd.DataFrame) -> list[Claim]:

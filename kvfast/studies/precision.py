@@ -57,6 +57,7 @@ from kvfast.studies.common import (
     require_config_choice,
     require_model_shape,
     study_of,
+    tabled,
 )
 from kvfast.studies.criteria import EXACT, judged
 from kvfast.studies.plotting import pyplot
@@ -106,11 +107,9 @@ def parse_attention(spec: object, field: str = "attention") -> tuple[str, int]:
     Raises ``ValueError`` naming ``field``, the value and what is allowed.
     """
     allowed = "'standard', or 'online:N', 'splitkv:N', 'splitcount:N' with an integer N >= 1"
-    if not isinstance(spec, str):
-        raise ValueError(f"{field}: {spec!r} is not allowed; allowed: {allowed}")
     if spec == "standard":
         return "standard", 0
-    kind, _, n = spec.partition(":")
+    kind, _, n = spec.partition(":") if isinstance(spec, str) else ("", "", "")
     if kind not in ATTENTION_KINDS[1:] or not n.isdigit() or int(n) < 1:
         raise ValueError(f"{field}: {spec!r} is not allowed; allowed: {allowed}")
     return kind, int(n)
@@ -285,12 +284,7 @@ def _pct(x: float) -> str:
 def claims(df: pd.DataFrame) -> Iterator[Claim]:
     """The seed's order/precision claims as this grid measured them: the formats', then the kernels'."""
     ok = ok_rows(df)
-    yield from _format_claims(ok)
-    yield from _kernel_claims(ok)
-
-
-def _format_claims(ok: pd.DataFrame) -> Iterator[Claim]:
-    """Standard attention, same kernel: which accumulator makes the summation order matter."""
+    # the formats': standard attention, same kernel: which accumulator makes the summation order matter
     std = ok[(ok["attention"] == "standard") & (ok["decode_attention"] == "same")]
     b64, b32, b16 = (std[(std["storage"] == "bf16") & (std["accum"] == accum)] for accum in ("f64", "f32", "bf16"))
     if len(b64):
@@ -324,9 +318,8 @@ def _format_claims(ok: pd.DataFrame) -> Iterator[Claim]:
             ],
         )
 
-
-def _kernel_claims(ok: pd.DataFrame) -> Iterator[Claim]:
-    """Same order in both paths: aligned kernels keep the cache exact; count splits and mixed kernels break it."""
+    # the kernels': same order in both paths: aligned kernels keep the cache exact; count splits and mixed kernels
+    # break it
     same_kernel = ok[ok["decode_attention"] == "same"]
     aligned = same_kernel[same_kernel["attention"].str.split(":").str[0].isin(["standard", "online", "splitkv"])]
     counted = same_kernel[same_kernel["attention"].str.startswith("splitcount")]
@@ -366,12 +359,12 @@ def _kernel_claims(ok: pd.DataFrame) -> Iterator[Claim]:
 # --- the report: its figures and quoted facts (kvfast.report shows them: see Figure and Fact) ----------
 
 
-def precision_table(df: pd.DataFrame) -> pd.DataFrame:
+@tabled(["d_model", "storage", "accum", "comparison", "runs", "positions_agree"])
+def precision_table(df: pd.DataFrame) -> Iterator[dict]:
     """Standard attention, same decode kernel: per d_model, storage, accumulator and comparison, the share of
     positions whose every value agrees bit for bit (mean over runs)."""
     ok = ok_rows(df)
     ok = ok[(ok["attention"] == "standard") & (ok["decode_attention"] == "same")]
-    rows = []
     for (d, storage, accum), g in ok.groupby(["d_model", "storage", "accum"]):
         seq = g[g["prefill_order"] == "sequential"]
         pair = g[g["prefill_order"] == "pairwise"]
@@ -380,17 +373,14 @@ def precision_table(df: pd.DataFrame) -> pd.DataFrame:
             ("cache: prefill sequential, decode pairwise", seq["cache_pos_agree"]),
             ("cache: prefill pairwise, decode sequential", pair["cache_pos_agree"]),
         ):
-            rows.append(
-                {
-                    "d_model": int(d),
-                    "storage": storage,
-                    "accum": accum,
-                    "comparison": comparison,
-                    "runs": len(values),
-                    "positions_agree": float(values.mean()) if len(values) else np.nan,
-                }
-            )
-    return pd.DataFrame(rows, columns=["d_model", "storage", "accum", "comparison", "runs", "positions_agree"])
+            yield {
+                "d_model": int(d),
+                "storage": storage,
+                "accum": accum,
+                "comparison": comparison,
+                "runs": len(values),
+                "positions_agree": float(values.mean()) if len(values) else np.nan,
+            }
 
 
 def _draw_agreement(df: pd.DataFrame, table: pd.DataFrame):

@@ -67,6 +67,7 @@ from kvfast.studies.common import (
     require_model_shape,
     stacked,
     study_of,
+    tabled,
 )
 from kvfast.studies.criteria import DIRECTION, VS_SEED, judged, within
 from kvfast.studies.plotting import pyplot
@@ -307,9 +308,27 @@ def claims(df: pd.DataFrame) -> Iterator[Claim]:
     ok = ok[ok["prefix_len"] == TASK_PREFIX]
     if not len(ok):
         return
-    yield from _direction_claims(ok)
+    cos = ok["grad_cosine"]
+    budgets, worse = [], []
+    for (d, steps), g in ok.groupby(["d_model", "train_steps"]):
+        lf, lc = float(g["suffix_loss_full"].mean()), float(g["suffix_loss_cached"].mean())
+        budgets.append(f"d_model {d}, {steps} steps: {lc:.3f} vs {lf:.3f} ({len(g)} seeds)")
+        worse.append((f"{steps} steps: mean cached suffix loss > mean full", lc > lf))
+    yield judged(
+        "cached-prefix training: gradient cosine with the full gradient at prefix 6 of 12 is below 1",
+        f"{SEED_COSINE}",
+        f"{float(cos.mean()):.3f} (mean of {len(ok)} runs; range {cos.min():.3f}..{cos.max():.3f})",
+        DIRECTION,
+        [("cosine < 1 in every run", bool((cos < 1.0).all()))],
+    )
+    yield judged(
+        "cached-prefix training: held-out suffix loss after the same budget is worse than full training",
+        "1.346 vs 0.059",
+        "cached vs full: " + "; ".join(budgets),
+        DIRECTION,
+        worse,
+    )
     if "curve_cosine_full" in ok.columns:
-        cos = ok["grad_cosine"]
         spread = float(cos.max() - cos.min())
         figures, conditions = [], []
         for steps, g in ok.groupby("train_steps"):
@@ -331,31 +350,6 @@ def claims(df: pd.DataFrame) -> Iterator[Claim]:
             VS_SEED,
             conditions,
         )
-
-
-def _direction_claims(ok: pd.DataFrame) -> list[Claim]:
-    cos = ok["grad_cosine"]
-    budgets, worse = [], []
-    for (d, steps), g in ok.groupby(["d_model", "train_steps"]):
-        lf, lc = float(g["suffix_loss_full"].mean()), float(g["suffix_loss_cached"].mean())
-        budgets.append(f"d_model {d}, {steps} steps: {lc:.3f} vs {lf:.3f} ({len(g)} seeds)")
-        worse.append((f"{steps} steps: mean cached suffix loss > mean full", lc > lf))
-    return [
-        judged(
-            "cached-prefix training: gradient cosine with the full gradient at prefix 6 of 12 is below 1",
-            f"{SEED_COSINE}",
-            f"{float(cos.mean()):.3f} (mean of {len(ok)} runs; range {cos.min():.3f}..{cos.max():.3f})",
-            DIRECTION,
-            [("cosine < 1 in every run", bool((cos < 1.0).all()))],
-        ),
-        judged(
-            "cached-prefix training: held-out suffix loss after the same budget is worse than full training",
-            "1.346 vs 0.059",
-            "cached vs full: " + "; ".join(budgets),
-            DIRECTION,
-            worse,
-        ),
-    ]
 
 
 # --- the report: its figures and quoted facts (kvfast.report shows them: see Figure and Fact) ----------
@@ -394,11 +388,12 @@ CURVE_TABLE_COLUMNS = {
 }
 
 
-def training_curve_table(df: pd.DataFrame) -> pd.DataFrame:
+@tabled(["train_steps", "step", "seeds", *CURVE_TABLE_COLUMNS])
+def training_curve_table(df: pd.DataFrame) -> Iterator[pd.DataFrame]:
     """At prefix 6, per training budget and curve point: the step and the means over seeds of the gradient cosine
     along full and along cached training, and of the held-out suffix loss of each variant."""
-    parts = [
-        pd.DataFrame(
+    for steps, g in _curve_runs(df).groupby("train_steps"):
+        yield pd.DataFrame(
             {
                 "train_steps": int(steps),
                 "step": np.asarray(g["curve_steps"].iloc[0], dtype=np.int64),
@@ -406,14 +401,6 @@ def training_curve_table(df: pd.DataFrame) -> pd.DataFrame:
                 **{name: mean_curve(g, column)[1] for name, column in CURVE_TABLE_COLUMNS.items()},
             }
         )
-        for steps, g in _curve_runs(df).groupby("train_steps")
-    ]
-    columns = ["train_steps", "step", "seeds", *CURVE_TABLE_COLUMNS]
-    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=columns)
-
-
-def _budgets(runs: pd.DataFrame) -> list[int]:
-    return sorted(int(s) for s in set(runs["train_steps"]))
 
 
 def _main_runs(df: pd.DataFrame) -> pd.DataFrame:
@@ -466,7 +453,7 @@ def _draw_cosine(df: pd.DataFrame, table: pd.DataFrame):
 def _budget_panels(runs: pd.DataFrame) -> tuple[object, object, list[tuple[object, int, pd.DataFrame]]]:
     """One panel per training budget, side by side, sharing the y axis: the figure, its axes, and per panel
     ``(axis, budget, the budget's runs)``."""
-    budgets = _budgets(runs)
+    budgets = sorted(int(s) for s in set(runs["train_steps"]))
     fig, axes = pyplot().subplots(1, len(budgets), figsize=(6.2 * len(budgets), 4.6), sharey=True, squeeze=False)
     panels = [(ax, steps, runs[runs["train_steps"] == steps]) for ax, steps in zip(axes[0], budgets, strict=True)]
     return fig, axes, panels
@@ -549,10 +536,19 @@ def _draw_loss_curve(df: pd.DataFrame, table: pd.DataFrame):
     return fig
 
 
-def _per_seed_facts(df: pd.DataFrame) -> list[Fact]:
+# The curve facts: key, column, what is measured, unit, number format.
+CURVE_FACTS = (
+    ("cosine", "curve_cosine", "gradient cosine along {} training", "cosine", ".3f"),
+    ("loss", "curve_suffix_loss", "held-out suffix loss of {} training", "loss", ".3g"),
+)
+
+
+@listed
+def facts(df: pd.DataFrame) -> Iterator[Fact]:
+    """The quoted figures: per seed at prefix 6, then the mean curves and the per-tensor cosine at initialisation."""
     ok = ok_rows(df)
-    return [
-        Fact(
+    for steps, g in ok[ok["prefix_len"] == 6].groupby("train_steps"):
+        yield Fact(
             f"training_per_seed_{int(steps)}",
             f"training at prefix 6 of 12, {int(steps)} steps, per seed: gradient cosine; suffix loss full / cached",
             "; ".join(
@@ -561,22 +557,10 @@ def _per_seed_facts(df: pd.DataFrame) -> list[Fact]:
                 for _, r in g.sort_values("seed").iterrows()
             ),
         )
-        for steps, g in ok[ok["prefix_len"] == 6].groupby("train_steps")
-    ]
-
-
-# The curve facts: key, column, what is measured, unit, number format.
-CURVE_FACTS = (
-    ("cosine", "curve_cosine", "gradient cosine along {} training", "cosine", ".3f"),
-    ("loss", "curve_suffix_loss", "held-out suffix loss of {} training", "loss", ".3g"),
-)
-
-
-def _curve_facts(df: pd.DataFrame) -> list[Fact]:
     at6 = _curve_runs(df)
     if not len(at6):
-        return []
-    rows = [
+        return
+    yield from (
         Fact(
             f"training_{key}_curve_{variant}_{int(steps)}",
             f"training at prefix 6 of 12, {int(steps)} steps: {what.format(variant)} (mean over seeds), step: {unit}",
@@ -585,19 +569,13 @@ def _curve_facts(df: pd.DataFrame) -> list[Fact]:
         for steps, g in at6.groupby("train_steps")
         for key, column, what, unit, fmt in CURVE_FACTS
         for variant in VARIANTS
-    ]
+    )
     main = _main_runs(df)
     names = list(main["tensor_names"].iloc[0])
     init = stacked(main["curve_tensor_cosine_full"])[:, 0, :].mean(axis=0)
-    order = np.argsort(init, kind="stable")
-    tensors = ", ".join(f"{names[i]} {init[i]:.3f}" for i in order)
+    tensors = ", ".join(f"{names[i]} {init[i]:.3f}" for i in np.argsort(init, kind="stable"))
     what = "gradient cosine per parameter tensor at initialisation (mean over seeds), lowest first"
-    return [*rows, Fact("training_tensor_cosine_init", f"training at prefix 6 of 12: {what}", tensors)]
-
-
-def facts(df: pd.DataFrame) -> list[Fact]:
-    """The quoted figures: per seed at prefix 6, then the mean curves and the per-tensor cosine at initialisation."""
-    return _per_seed_facts(df) + _curve_facts(df)
+    yield Fact("training_tensor_cosine_init", f"training at prefix 6 of 12: {what}", tensors)
 
 
 FIGURES = (

@@ -54,7 +54,7 @@ import argparse
 import functools
 import itertools
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -64,6 +64,7 @@ from kvfast.bugs.engine_bugs import VLLM_BUGS, inject_vllm_bug
 from kvfast.bugs.score import ONE_STEP_ATOL, ONE_STEP_RTOL, Detection, markdown, run_detector, score_rows, side_by_side
 from kvfast.check.checker import check_cache
 from kvfast.check.engines.vllm import BLOCK, DTYPES, VLLMModel
+from kvfast.studies.common import tabled
 from kvfast.validation import require_choice, require_int
 
 SCENARIOS = ("decode", "resume", "chunked", "preemption")
@@ -302,33 +303,32 @@ def _names(table: pd.DataFrame) -> list[str]:
     return [c[: -len(".flag")] for c in table.columns if c.endswith(".flag")]
 
 
-def scores(table: pd.DataFrame) -> pd.DataFrame:
+def _detections(runs: pd.DataFrame, name: str) -> pd.DataFrame:
+    """Detector ``name``'s columns of ``runs`` as :func:`~kvfast.bugs.score.score_rows` takes them."""
+    return runs.rename(columns={f"{name}.{c}": c for c in ("flag", "score", "step")})[["bug", "flag", "score", "step"]]
+
+
+@tabled()
+def scores(table: pd.DataFrame) -> Iterator[pd.DataFrame]:
     """Per dtype, :func:`~kvfast.bugs.score.score_rows` of each detector over the cases whose bug acts and the
     clean controls, side by side (:func:`~kvfast.bugs.score.side_by_side`), with a ``dtype`` column first."""
-    parts = []
     for dtype, group in table.groupby("dtype", sort=False):
         scored = group[(group["bug"] == "none") | group["acts"].notna()]
-        tables = {}
-        for name in _names(table):
-            rows = scored.rename(columns={f"{name}.{c}": c for c in ("flag", "score", "step")})
-            tables[name] = score_rows(rows[["bug", "flag", "score", "step"]], tuple(VLLM_BUGS))
-        joined = side_by_side(tables)
+        joined = side_by_side({name: score_rows(_detections(scored, name), tuple(VLLM_BUGS)) for name in _names(table)})
         joined.insert(1, "dtype", dtype)
-        parts.append(joined)
-    return pd.concat(parts, ignore_index=True)
+        yield joined
 
 
-def on_time(table: pd.DataFrame) -> pd.DataFrame:
+@tabled()
+def on_time(table: pd.DataFrame) -> Iterator[dict]:
     """Per dtype and detector: the acting cases, those found, and those found at their first acting step."""
-    out = []
     for dtype, group in table.groupby("dtype", sort=False):
         acting = group[(group["bug"] != "none") & group["acts"].notna()]
         for name in _names(table):
             found = acting[acting[f"{name}.flag"].astype(bool)]
             timely = found[found[f"{name}.step"].astype(float) == found["acts"].astype(float)]
-            out.append({"dtype": dtype, "detector": name, "acting cases": len(acting), "found": len(found),
-                        "at the first acting step": len(timely)})  # fmt: skip
-    return pd.DataFrame(out)
+            yield {"dtype": dtype, "detector": name, "acting cases": len(acting), "found": len(found),
+                   "at the first acting step": len(timely)}  # fmt: skip
 
 
 def _step(flag, step) -> str:
@@ -364,11 +364,8 @@ def case_markdown(table: pd.DataFrame) -> str:
 
 
 def on_time_markdown(table: pd.DataFrame) -> str:
-    rows = on_time(table)
     lines = ["| dtype | detector | acting cases | found | found at the first acting step |", "|---|---|---|---|---|"]
-    for _, r in rows.iterrows():
-        lines.append(f"| {r['dtype']} | {r['detector']} | {r['acting cases']} | {r['found']} | "
-                     f"{r['at the first acting step']} |")  # fmt: skip
+    lines += ["| " + " | ".join(map(str, row)) + " |" for row in on_time(table).itertuples(index=False)]
     return "\n".join(lines)
 
 
