@@ -51,11 +51,13 @@ class LengthDependence:
 class ExactDetail:
     """Exact mode's detail of a scenario (the judge's, :mod:`kvfast.check.judge`): ``ulps[t]``, where a step
     diverged, the deviation in units in the last place of the logits' format at the step's magnitude (a
-    divergence of a few is the size of order noise, not of a logic bug); ``None``: every step equal."""
+    divergence of a few is the size of order noise, not of a logic bug); ``None``: every step equal.
+    ``bounds``: a lossy cache's (:class:`LossyExactDetail`), else ``None`` (exact mode judges no step against a
+    bound)."""
 
     ulps: np.ndarray | None = None
+    bounds: ControlDetail | None = field(default=None, kw_only=True)
     mode = "exact"
-    bounds = None  # (exact mode judges no step against a bound)
 
     def passes(self, verdict: str) -> bool:
         """Exact mode promises ``==``, which no lossy cache can keep."""
@@ -65,17 +67,17 @@ class ExactDetail:
         return s.first_divergent_step
 
     def first_bug(self, verdicts: tuple[str, ...]) -> int | None:
-        return None
+        return None if self.bounds is None else self.bounds.first_bug(verdicts)
 
     def first_row(self, s: ScenarioReport) -> int | None:
         """The first differing prompt row, the position a message about step 0 names."""
         return s.first_divergent_position
 
     def columns(self) -> str:
-        return ""
+        return "" if self.bounds is None else self.bounds.columns()
 
     def cells(self, t: int) -> str:
-        return ""
+        return "" if self.bounds is None else self.bounds.cells(t)
 
     def passing(self, s: ScenarioReport, head: str) -> str:
         return f"{head}; all {s.deviation.shape[0]} steps bit-identical to the recompute"
@@ -84,6 +86,8 @@ class ExactDetail:
         return f"{head}; first divergent step {s.where(focus)}: max |cached - recompute| = {s.deviation[focus]:.6g}"
 
     def size(self, step: int, fmt: str) -> str:
+        if self.bounds is not None:
+            return self.bounds.size(step, fmt)
         return "" if self.ulps is None else f", {self.ulps[step]:.4g} units in the last place of the {fmt} logits"
 
     def pass_size(self, deviation: float, ratio: float | None) -> str:
@@ -109,8 +113,9 @@ class ExactDetail:
         return None
 
     def noise_bound(self) -> np.ndarray | float:
-        """The least bound the order noise sets on each step (a lossy cache's bound is at least it): none."""
-        return 0.0
+        """The least bound the order noise sets on each step (a lossy cache's bound is at least it): none (a lossy
+        cache's: its bounds)."""
+        return 0.0 if self.bounds is None else self.bounds.bound
 
     def threshold(self, steps: int) -> tuple[tuple[float, ...], str]:
         """Per step (``steps`` + 1 of them), the deviation beyond which the step fails, and where it comes from
@@ -209,30 +214,10 @@ class ControlDetail:
         )
 
 
-@dataclass(frozen=True)
-class LossyExactDetail(ExactDetail):
-    """Exact mode's detail of a lossy cache's scenario: judged as exact mode judges (a lossy cache never passes,
-    the first nonzero error is the first failure), shown with its ``bounds``, the format's expected error
-    (:mod:`kvfast.check.lossy`)."""
-
-    bounds: ControlDetail = field(kw_only=True)
-
-    def columns(self) -> str:
-        return self.bounds.columns()
-
-    def cells(self, t: int) -> str:
-        return self.bounds.cells(t)
-
-    def size(self, step: int, fmt: str) -> str:
-        return self.bounds.size(step, fmt)
-
-    def first_bug(self, verdicts: tuple[str, ...]) -> int | None:
-        return self.bounds.first_bug(verdicts)
-
-    def noise_bound(self) -> np.ndarray | float:
-        return self.bounds.bound
-
-
+#: Exact mode's detail of a lossy cache's scenario: judged as exact mode judges (a lossy cache never passes, the
+#: first nonzero error is the first failure), shown with its ``bounds``, the format's expected error
+#: (:mod:`kvfast.check.lossy`).
+LossyExactDetail = ExactDetail
 Detail = ExactDetail | ControlDetail
 
 
@@ -375,11 +360,8 @@ class ScenarioReport:
     def context(self, step: int) -> np.ndarray:
         """The tokens the model had seen when step ``step``'s logits were computed."""
         if step == 0:
-            return (
-                self.prompt
-                if self.first_divergent_position is None
-                else self.prompt[: self.first_divergent_position + 1]
-            )
+            end = self.first_divergent_position
+            return self.prompt if end is None else self.prompt[: end + 1]
         return np.concatenate([self.prompt, self.tokens[:step]])
 
 
@@ -458,14 +440,13 @@ class CheckReport:
     @property
     def first_divergent_step(self) -> int | None:
         """The earliest first divergent step over the scenarios (``None``: every step equal)."""
-        found = [s.first_divergent_step for s in self.scenarios.values() if s.first_divergent_step is not None]
-        return min(found) if found else None
+        found = (s.first_divergent_step for s in self.scenarios.values() if s.first_divergent_step is not None)
+        return min(found, default=None)
 
     @property
     def first_bug_step(self) -> int | None:
         """Control mode: the earliest step judged a bug over the scenarios."""
-        found = [s.first_bug_step for s in self.scenarios.values() if s.first_bug_step is not None]
-        return min(found) if found else None
+        return min((s.first_bug_step for s in self.scenarios.values() if s.first_bug_step is not None), default=None)
 
     @property
     def worst(self) -> ScenarioReport | None:
@@ -493,8 +474,8 @@ class CheckReport:
     def max_ratio(self) -> float | None:
         """Control mode: the largest ratio over every step of every scenario that ran (``None``: no scenario has
         ratios, as in exact mode)."""
-        ratios = [float(s.bounds.ratio.max()) for s in self.ran if s.bounds is not None and s.bounds.ratio.size]
-        return max(ratios) if ratios else None
+        ratios = (float(s.bounds.ratio.max()) for s in self.ran if s.bounds is not None and s.bounds.ratio.size)
+        return max(ratios, default=None)
 
     def skipped_line(self) -> str | None:
         """One line naming each skipped scenario and why (``None``: none was skipped)."""

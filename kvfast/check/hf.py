@@ -68,6 +68,7 @@ import inspect
 
 import numpy as np
 
+from kvfast.check.engines import choose_variants, run_variants
 from kvfast.check.formats import FORMATS, lowest
 from kvfast.check.hf_path import CACHE_ARGS, MODEL, CachedPath, cache_layers, new_dynamic_cache
 from kvfast.validation import import_extra, not_allowed, require_choice, require_int
@@ -266,9 +267,7 @@ class HFModel(CachedPath):
         torch = _torch()
         if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
             raise not_allowed("model", type(model).__name__, MODEL)
-        if isinstance(variants, str):
-            variants = (variants,)
-        self.variants = tuple(require_choice(v, "variants", VARIANTS) for v in variants)
+        self.variants = choose_variants(variants, VARIANTS)
         if new_cache is not None and not callable(new_cache):
             raise not_allowed("new_cache", new_cache, "None or a callable returning a fresh cache")
         super().__init__(model.eval())
@@ -475,10 +474,7 @@ class HFModel(CachedPath):
             clone = copy.deepcopy(self.model)
             if name == "attention":
                 other = "eager" if self.attention != "eager" else "sdpa"
-                if hasattr(clone, "set_attn_implementation"):
-                    clone.set_attn_implementation(other)  # eager-only models raise (Gemma2, gpt-oss)
-                else:  # pragma: no cover - older releases
-                    clone.config._attn_implementation = other
+                clone.set_attn_implementation(other)  # eager-only models raise (Gemma2, gpt-oss)
                 got = str(getattr(clone.config, "_attn_implementation", None) or "eager")
                 if got != other:  # Bloom only warns and stays eager: the variant would measure nothing
                     raise ValueError(f"asked for {other!r} attention, the model stayed {got!r}")
@@ -494,26 +490,18 @@ class HFModel(CachedPath):
         """Recomputes of ``tokens`` that differ from :meth:`recompute` only in how they add up (no cache).
         A variant the model cannot build or run is left out and named in :attr:`skipped_variants` with the
         reason (an eager-only model has no other attention; a router that returns a tuple has no rows)."""
-        out = {}
         probe = (self.PROBE_VARIANT,) if self._probe_format() is not None and self.variants else ()
-        for name in self.variants + probe:
-            if name in self.skipped_variants:
-                continue
-            try:
-                if name == self.PROBE_VARIANT:
-                    out[name] = probe_recompute(self.model, self._ids(tokens, 0)[0].numpy(), self._probe_format())[0]
-                    continue
-                if name == "batch":
-                    ids = self._ids(tokens, 0)
-                    logits, _ = self._call(self.model, input_ids=ids.repeat(2, 1), use_cache=False)
-                else:
-                    logits, _ = self._call(self._copy(name), input_ids=self._ids(tokens, 0), use_cache=False)
-            except Exception as exc:  # noqa: BLE001 - a variant is order noise: losing one must not lose the check
-                self.skipped_variants[name] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
-                self._copies.pop(name, None)
-                continue
-            out[name] = logits[0]
+        out = run_variants(self, self.variants + probe, lambda name: self._variant(name, tokens))
+        for name in self.skipped_variants:  # a copy that could not run is not kept
+            self._copies.pop(name, None)
         return out
+
+    def _variant(self, name: str, tokens):
+        ids = self._ids(tokens, 0)
+        if name == self.PROBE_VARIANT:
+            return probe_recompute(self.model, ids[0].numpy(), self._probe_format())[0]
+        model, ids = (self.model, ids.repeat(2, 1)) if name == "batch" else (self._copy(name), ids)
+        return self._call(model, input_ids=ids, use_cache=False)[0][0]
 
     def promote(self, dtype: str = "float64") -> HFModel:
         """The same adapter (bug and variants included) over a deep copy of the model in ``dtype``."""

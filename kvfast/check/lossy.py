@@ -67,18 +67,14 @@ class LossyKvfastModel(KvfastModel):
         """Hook: the format every stored row is round-tripped through (the declared one, ``lossy_cache``)."""
         return self.lossy_cache
 
-    def _stored(self, start: int) -> None:
-        cache = self.cache
-        fmt = self._stored_format()
-        for arr in (cache.k, cache.v):
-            arr[:, start : cache.length] = round_trip(fmt, arr[:, start : cache.length])
-
     def _storing(self, call, tokens, start: int | None = None) -> np.ndarray:
         """``call(tokens)``, then the rows it stored (from ``start``, else the cache's length before it) round-
         tripped."""
         start = self._cache().length if start is None else start
         out = call(tokens)
-        self._stored(start)
+        cache, fmt = self.cache, self._stored_format()
+        for arr in (cache.k, cache.v):
+            arr[:, start : cache.length] = round_trip(fmt, arr[:, start : cache.length])
         return out
 
     def prefill(self, tokens) -> np.ndarray:

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvfast.validation import require_choice
+
 RESUME_BUGS: dict[str, str] = {
     "extend_from_zero": "extend() numbers the new chunk's positions from 0 instead of the cache length",
     "decode_pos_from_prefill": "decode() takes its position as prefill length + tokens decoded, so a chunk "
@@ -54,12 +56,9 @@ class NumpyModel:
     """
 
     def __init__(self, config, params: dict, dtype: str = "float64", batching: str = "rows", bug: str | None = None):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype: {dtype!r} is not allowed; allowed: {', '.join(DTYPES)}")
-        if batching not in BATCHING:
-            raise ValueError(f"batching: {batching!r} is not allowed; allowed: {', '.join(BATCHING)}")
-        if bug is not None and bug not in RESUME_BUGS:
-            raise ValueError(f"bug: {bug!r} is not allowed; allowed: None, {', '.join(RESUME_BUGS)}")
+        require_choice(dtype, "dtype", DTYPES)
+        self.batching = require_choice(batching, "batching", BATCHING)
+        self.bug = None if bug is None else require_choice(bug, "bug", RESUME_BUGS)
         get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)
         missing = [k for k in CONFIG_KEYS if get(k) is None]
         if missing:
@@ -70,8 +69,6 @@ class NumpyModel:
         self.max_pos = int(get("max_pos"))
         self.dt = DTYPES[dtype]
         self.eps = self.dt(get("eps"))
-        self.batching = batching
-        self.bug = bug
         self.p = {}
         for name in ["wte", "wpe", "gf", "w_out"] + [
             f"h{i}.{n}" for i in range(self.n_layer) for n in ("g1", "wq", "wk", "wv", "wo", "g2", "w1", "w2")
@@ -156,9 +153,7 @@ class NumpyModel:
         for i in range(self.n_layer):
             pre = f"h{i}."
             h = self._rmsnorm(x) * p[pre + "g1"]
-            q = self._mm(h, p[pre + "wq"], rows)
-            k = self._mm(h, p[pre + "wk"], rows)
-            v = self._mm(h, p[pre + "wv"], rows)
+            q, k, v = (self._mm(h, p[pre + w], rows) for w in ("wq", "wk", "wv"))
             K = k if kc is None else np.concatenate([kc[i], k])
             V = v if vc is None else np.concatenate([vc[i], v])
             new_k.append(K)

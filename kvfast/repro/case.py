@@ -235,21 +235,15 @@ def case_adapter(case: ReproCase):
     return inject(adapter_for(build_model(case), own_cache=case.calls.get("own_cache"), calls=case.calls), case.bug)
 
 
-def check_case(case: ReproCase, adapter=None, promote: str | None = None):
-    """kvfast's control-mode check of ``case`` (its model rebuilt, its bug injected again): the report."""
+def check_case(case: ReproCase, adapter=None):
+    """kvfast's control-mode check of ``case`` (its model rebuilt, its bug injected again, unless ``adapter`` is that
+    already): the report."""
     from kvfast.check.checker import check_cache
 
-    if adapter is None:
-        adapter = case_adapter(case)
-    return check_cache(
-        adapter,
-        np.asarray(case.prompt, dtype=np.int64),
-        mode="control",
-        scenarios=(case.run_scenario,),
-        continuation=np.asarray(case.tokens, dtype=np.int64),
-        split=case.split,
-        promote=promote,
-    )
+    prompt, tokens = (np.asarray(t, dtype=np.int64) for t in (case.prompt, case.tokens))
+    adapter = case_adapter(case) if adapter is None else adapter
+    scenarios = (case.run_scenario,)
+    return check_cache(adapter, prompt, mode="control", scenarios=scenarios, continuation=tokens, split=case.split)
 
 
 def inject(adapter, bug: tuple[str, str] | None):

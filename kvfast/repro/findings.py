@@ -109,37 +109,33 @@ def require_repro_dir(path, field: str = "--repro") -> Path:
     ``field`` unless it is a folder that does not exist yet or is empty (kvfast never overwrites a reproducer),
     named in UTF-8, that this user can make and write into."""
     text = os.fspath(path)
-    allowed = "a folder that does not exist yet or is empty, which this user can write"
+
+    def refused(why: str, more: str = "") -> ValueError:
+        allowed = "a folder that does not exist yet or is empty, which this user can write"
+        return ValueError(f"{field}: {shown(text)} ({why}) is not allowed; allowed: {allowed}{more}")
+
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        raise ValueError(f"{field}: {shown(text)} (a name that is not UTF-8) is not allowed; allowed: {allowed}, "
-                         "named in UTF-8") from None  # fmt: skip
+        raise refused("a name that is not UTF-8", ", named in UTF-8") from None
     folder = Path(text)
     try:
         if folder.exists() or folder.is_symlink():
             if not folder.is_dir():
-                raise ValueError(f"{field}: {shown(text)} (a file) is not allowed; allowed: {allowed}")
+                raise refused("a file")
             if any(folder.iterdir()):
-                raise ValueError(
-                    f"{field}: {shown(text)} (a folder that holds files: kvfast never overwrites a reproducer) is "
-                    f"not allowed; allowed: {allowed} (move or delete it, or name another)"
-                )
+                why = "a folder that holds files: kvfast never overwrites a reproducer"
+                raise refused(why, " (move or delete it, or name another)")
             probe = folder
         else:
             probe = next(p for p in folder.absolute().parents if p.exists())
             if not probe.is_dir():
-                raise ValueError(
-                    f"{field}: {shown(text)} ({str(probe)!r} is a file) is not allowed; allowed: {allowed}"
-                )
+                raise refused(f"{str(probe)!r} is a file")
         import tempfile
 
         os.rmdir(tempfile.mkdtemp(prefix=".kvfast-probe-", dir=probe))
     except OSError as exc:
-        where = exc.filename or text
-        raise ValueError(
-            f"{field}: {shown(text)} ({exc.strerror or type(exc).__name__}: {where}) is not allowed; allowed: {allowed}"
-        ) from None
+        raise refused(f"{exc.strerror or type(exc).__name__}: {exc.filename or text}") from None
     return folder
 
 
@@ -192,11 +188,9 @@ def reproduce_report(
                 case = find_case(model, prompt, name, continuation=list(main.tokens), seed=seed, command=command)
             except ValueError as exc:  # a cache a script does not build (a quantized cache, a class of its own)
                 case, why = None, f"no reproducer: {exc}"
-            if case is None:
-                pass
-            elif case.verdict != "bug":
+            if case is not None and case.verdict != "bug":
                 why = f"no reproducer: kvfast's control check of {name!r} alone says {case.verdict!r}"
-            else:
+            elif case is not None:
                 try:
                     out.append(write_case(case, Path(directory) / name, seconds))
                     continue

@@ -101,6 +101,8 @@ def _fill(template: str, fields: dict[str, str]) -> str:
 
 def render(case: ReproCase) -> str:
     """The standalone script of ``case`` (see :mod:`kvfast.repro.template`)."""
+    from kvfast.check.scenarios.reorder import reorder_points
+
     weights = (
         f"seed {case.seed}: torch.manual_seed then _from_config"
         if case.seed is not None
@@ -127,7 +129,7 @@ def render(case: ReproCase) -> str:
         "JUDGED": repr(case.judged),
         "BRANCH_PROMPT": repr(list(case.branch_prompt)),
         "BRANCH_TOKENS": repr(list(case.branch_tokens)),
-        "REORDER_AT": repr(_reorder_points(case)),
+        "REORDER_AT": repr(reorder_points(case.steps) if case.run_scenario == "reorder" else []),
         "PROMPT": repr(list(case.prompt)),
         "TOKENS": repr(list(case.tokens)),
         "SPLIT": repr(case.split),
@@ -141,14 +143,6 @@ def render(case: ReproCase) -> str:
         "PATCH": patch_for(case.bug),
     }
     return _fill(TEMPLATE, fields)
-
-
-def _reorder_points(case: ReproCase) -> list[int]:
-    if case.run_scenario != "reorder":
-        return []
-    from kvfast.check.scenarios.reorder import reorder_points
-
-    return reorder_points(case.steps)
 
 
 def finding_label(case: ReproCase) -> tuple[str, str | None]:

@@ -200,33 +200,26 @@ def shrink_case(case: ReproCase, seconds: float = DEFAULT_SECONDS, trying=None) 
     if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds > 0:
         raise ValueError(f"seconds: {seconds!r} is not allowed; allowed: a number > 0")
     start = time.monotonic()
-    kept, found = case, None
-    shrank: list[str] = []
-    why: dict[str, str] = {}
-    tried = 0
-    progress = True
-    out_of_time = False
+    kept, found, shrank, why, tried = case, None, [], {}, 0
+    progress, out_of_time = True, False
     while progress and not out_of_time:
         progress = False
         for dim in DIMENSIONS:
-            while True:
-                if time.monotonic() - start > seconds:
-                    out_of_time = True
-                    break
+            while not (out_of_time := time.monotonic() - start > seconds):
                 candidate = _candidates(kept, dim)
                 if candidate is None:
                     break
                 tried += 1
+                step = f"{dim} {_size(kept, dim)} -> {_size(candidate, dim)}"
                 if trying is not None:
-                    trying(f"{dim} {_size(kept, dim)} -> {_size(candidate, dim)}")
+                    trying(step)
                 result, reason = _verdict(candidate)
                 if result is None:
-                    why[dim] = f"{dim} {_size(kept, dim)} -> {_size(candidate, dim)}: {reason}"
+                    why[dim] = f"{step}: {reason}"
                     break
-                adapter, report = result
-                step = report.scenarios[kept.scenario].first_bug_step
-                shrank.append(f"{dim} {_size(kept, dim)} -> {_size(candidate, dim)}")
-                kept, found = replace(candidate, first_bug_step=step, split=candidate.split), (adapter, report)
+                shrank.append(step)
+                found = result
+                kept = replace(candidate, first_bug_step=result[1].scenarios[kept.scenario].first_bug_step)
                 why.pop(dim, None)
                 progress = True
             if out_of_time:

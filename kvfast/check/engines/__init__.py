@@ -5,7 +5,8 @@ llama-cpp-python, ``kvfast[llamacpp]``), :mod:`kvfast.check.engines.vllm` (vLLM,
 ``kvfast[transformer_lens]``).
 
 :func:`engine_adapter` is where an engine's own object (or an onnxruntime-genai model directory) given to
-``check_cache`` finds its adapter: the one table of what kvfast wraps by itself.
+``check_cache`` finds its adapter: the one table of what kvfast wraps by itself. :func:`choose_variants` and
+:func:`run_variants` are every adapter's order-noise variants chosen and run (the Hugging Face adapter's too).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import importlib
 import sys
 from collections.abc import Callable
+
+from kvfast.validation import require_choice
 
 #: What ``check_cache`` wraps by itself: ``(module, detector, adapter)``; the detector (imports no engine) says
 #: whether an object is that engine's, the adapter (the module's class) takes it as its first argument.
@@ -34,3 +37,25 @@ def engine_adapter(model: object) -> tuple[str, Callable[[object], object]] | No
         if getattr(found, detector)(model):
             return f"{module}.{adapter}", getattr(found, adapter)
     return None
+
+
+def choose_variants(variants, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    """``variants`` (one name or several) as a tuple, each one of ``allowed`` (``ValueError`` naming ``variants``)."""
+    return tuple(
+        require_choice(v, "variants", allowed) for v in ((variants,) if isinstance(variants, str) else variants)
+    )
+
+
+def run_variants(adapter, names, compute: Callable[[str], object]) -> dict:
+    """``{name: compute(name)}`` for each of ``names`` that ``adapter.skipped_variants`` does not hold. A variant that
+    raises is left out and named there with the reason: a variant is order noise, and losing one must not lose the
+    check."""
+    out = {}
+    for name in names:
+        if name in adapter.skipped_variants:
+            continue
+        try:
+            out[name] = compute(name)
+        except Exception as exc:  # noqa: BLE001 - any failure of a variant skips it, with why
+            adapter.skipped_variants[name] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+    return out

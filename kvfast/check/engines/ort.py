@@ -59,6 +59,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvfast.check.engines import choose_variants, run_variants
 from kvfast.validation import import_extra, not_allowed, require_choice, require_int
 
 VARIANTS = ("batch", "no-opt", "chunk", "threads", "transformers")
@@ -128,9 +129,7 @@ class ORTModel:
         own = DEFAULT_VARIANTS if not loaded else MODEL_VARIANTS
         if variants is None:  # the engine's own variants, and the cross-implementation one with hf_model
             variants = own if hf_model is None else (*own, "transformers")
-        if isinstance(variants, str):
-            variants = (variants,)
-        self.variants = tuple(require_choice(v, "variants", VARIANTS) for v in variants)
+        self.variants = choose_variants(variants, VARIANTS)
         if "transformers" in self.variants and hf_model is None:
             raise not_allowed("variants", "transformers", "a variant of VARIANTS; 'transformers' needs hf_model")
         needs_file = [v for v in self.variants if v not in (*MODEL_VARIANTS, "transformers")]
@@ -235,22 +234,18 @@ class ORTModel:
     def _empty_past(self, batch: int) -> dict[str, np.ndarray]:
         return {name: np.zeros((batch, self.kv_heads, 0, self.head_size), self.past_dtype) for name in self.presents}
 
-    def _run(self, session, tokens, batch: int = 1) -> np.ndarray:
-        """Logits ``(batch, T, V)`` of ``session`` over ``batch`` copies of ``tokens``, an empty past."""
+    def _run(self, session, tokens, batch: int = 1, chunk: int | None = None) -> np.ndarray:
+        """Logits ``(batch, T, V)`` of ``session`` over ``batch`` copies of ``tokens`` after an empty past, all at once
+        or, with ``chunk``, ``chunk`` tokens a run, each run's ``present`` keys and values handed back as the next
+        run's past by kvfast (plain arrays: never the generator's buffers)."""
         ids = np.repeat(np.asarray(tokens, dtype=np.int64).reshape(1, -1), batch, 0)
-        return session.run(["logits"], self._feeds(ids, self._empty_past(batch)))[0]
-
-    def _run_in_chunks(self, session, tokens, chunk: int = 1) -> np.ndarray:
-        """Logits ``(T, V)`` of ``session`` fed ``tokens`` ``chunk`` at a time, each run's ``present`` keys and
-        values handed back as the next run's past by kvfast (plain arrays: never the generator's buffers)."""
-        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        past, rows = self._empty_past(1), []
+        past, rows = self._empty_past(batch), []
         names = ["logits", *self.presents.values()]
-        for start in range(0, tokens.shape[0], chunk):
-            out = session.run(names, self._feeds(tokens[None, start : start + chunk], past))
-            rows.append(out[0][0])
+        for start in range(0, ids.shape[1], chunk or ids.shape[1]):
+            out = session.run(names, self._feeds(ids[:, start : start + (chunk or ids.shape[1])], past))
+            rows.append(out[0])
             past = dict(zip(self.presents, out[1:], strict=True))
-        return np.concatenate(rows)
+        return np.concatenate(rows, axis=1)
 
     def recompute(self, tokens):
         """Logits ``(T, V)`` of the graph over ``tokens`` with an empty past (a plain session; for an
@@ -313,28 +308,20 @@ class ORTModel:
     def recompute_variants(self, tokens) -> dict:
         """Recomputes of ``tokens`` that differ from :meth:`recompute` only in how they add up (no cache); a
         variant that cannot run is left out and named in :attr:`skipped_variants`."""
-        ort, _ = _modules()
-        out = {}
-        for name in self.variants:
-            if name in self.skipped_variants:
-                continue
-            try:
-                if name == "batch":
-                    out[name] = (self._run(self.session, tokens, batch=2) if self.session is not None
-                                 else self._generate(tokens, batch=2))[1]  # fmt: skip
-                elif name == "chunk":
-                    out[name] = (self._run_in_chunks(self.session, tokens, chunk=1) if self.session is not None
-                                 else self._generate(tokens, chunk=1)[0])  # fmt: skip
-                elif name in ("no-opt", "threads"):
-                    if name not in self._sessions:
-                        threads = VARIANT_THREADS if name == "threads" else 1
-                        self._sessions[name] = self._session(ort, optimize=name != "no-opt", threads=threads)
-                    out[name] = self._run(self._sessions[name], tokens)[0]
-                else:
-                    out[name] = self._transformers(tokens)
-            except Exception as exc:  # noqa: BLE001 - a variant is order noise: losing one must not lose the check
-                self.skipped_variants[name] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
-        return out
+        return run_variants(self, self.variants, lambda name: self._variant(name, tokens))
+
+    def _variant(self, name: str, tokens) -> np.ndarray:
+        if name in ("batch", "chunk"):  # the plain session, else (an onnxruntime_genai.Model) a fresh generator
+            batch, chunk = (2, None) if name == "batch" else (1, 1)
+            if self.session is None:
+                return self._generate(tokens, batch, chunk)[-1]
+            return self._run(self.session, tokens, batch, chunk)[-1]
+        if name == "transformers":
+            return self._transformers(tokens)
+        if name not in self._sessions:  # no-opt, threads
+            threads = VARIANT_THREADS if name == "threads" else 1
+            self._sessions[name] = self._session(_modules()[0], optimize=name != "no-opt", threads=threads)
+        return self._run(self._sessions[name], tokens)[0]
 
     def _transformers(self, tokens) -> np.ndarray:
         import torch
@@ -500,8 +487,7 @@ def _hf_parameters(matmul: QuantizedMatMul, config) -> dict[str, np.ndarray]:
     if not module.endswith(".qkv_proj"):
         return {f"{module}.weight": matmul.weight}
     head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    sizes = [config.num_attention_heads * head, config.num_key_value_heads * head]
-    q, kv = sizes
+    q, kv = config.num_attention_heads * head, config.num_key_value_heads * head
     base = module[: -len("qkv_proj")]
     w = matmul.weight
     if w.shape[0] != q + 2 * kv:

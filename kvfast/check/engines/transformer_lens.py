@@ -55,6 +55,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvfast.check.engines import choose_variants
 from kvfast.validation import import_extra, not_allowed, require_choice, require_int
 
 #: The order-noise variants built by default.
@@ -158,7 +159,10 @@ def model_from_fields(fields: dict, seed: int = 0, dtype_field: str = "dtype"):
     fields = dict(fields)
     if "dtype" in fields:
         fields["dtype"] = getattr(_torch(), require_choice(fields["dtype"], dtype_field, DTYPES))
-    return _hooked_transformer(_hooked("HookedTransformerConfig")(**{**fields, "seed": require_int(seed, "seed")}))
+    cfg = _hooked("HookedTransformerConfig")(**{**fields, "seed": require_int(seed, "seed")})
+    with warnings.catch_warnings():  # without 3.x's warning that the class goes in 4.0: kvfast, not the user, built it
+        warnings.filterwarnings("ignore", "HookedTransformer is deprecated", DeprecationWarning)
+        return _hooked("HookedTransformer")(cfg)
 
 
 def _one_row_products():
@@ -189,10 +193,8 @@ class _TLAdapter:
     internal formats and the promotion."""
 
     def __init__(self, model, variants, vocab_size: int, max_positions: int) -> None:
-        for name in variants:
-            require_choice(name, "variants", VARIANTS)
         self.model = model.eval()
-        self.variants = tuple(variants)
+        self.variants = choose_variants(variants, VARIANTS)
         self.vocab_size = int(vocab_size)
         self.max_positions = int(max_positions)
         self.cache = None
@@ -201,6 +203,9 @@ class _TLAdapter:
     def recompute(self, tokens):
         """Logits ``(T, V)`` of ``tokens`` with no cache."""
         return self._forward(tokens)
+
+    def _ids(self, tokens):
+        return _torch().as_tensor(np.asarray(tokens, dtype=np.int64).reshape(1, -1), device=self.model.cfg.device)
 
     def prefill(self, tokens):
         """A fresh cache, then ``tokens`` over it: logits ``(T, V)``."""
@@ -280,13 +285,12 @@ class TLModel(_TLAdapter):
     def _forward(self, tokens, cache=None):
         """``model(tokens, past_kv_cache=cache)``'s logits ``(n, V)``: under ``no_grad``, with :data:`NO_PADS` as
         the tokenizer and every ALiBi buffer reset (the module doc), the model's tokenizer put back after."""
-        torch, model = _torch(), self.model
-        ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64).reshape(1, -1), device=model.cfg.device)
+        model, ids = self.model, self._ids(tokens)
         saved = model.tokenizer
         model.tokenizer = NO_PADS
         self._reset_alibi()
         try:
-            with torch.no_grad():
+            with _torch().no_grad():
                 logits = model(ids) if cache is None else model(ids, past_kv_cache=cache)
         finally:
             model.tokenizer = saved
@@ -337,9 +341,6 @@ class TLBridgeModel(_TLAdapter):
         dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
         return f"TLBridgeModel({type(self.model.original_model).__name__}, {dtype})"
 
-    def _ids(self, tokens):
-        return _torch().as_tensor(np.asarray(tokens, dtype=np.int64).reshape(1, -1), device=self.model.cfg.device)
-
     def _forward(self, tokens):
         """``bridge(tokens)``'s logits ``(n, V)``."""
         with _torch().no_grad():
@@ -360,10 +361,3 @@ class TLBridgeModel(_TLAdapter):
     def length(self) -> int:
         """The positions the cache under test holds (what the transformers cache says it holds)."""
         return 0 if self.cache is None else int(self.cache.get_seq_length())
-
-
-def _hooked_transformer(cfg):
-    """``HookedTransformer(cfg)``, without 3.x's warning that the class goes in 4.0 (kvfast, not the user, built it)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "HookedTransformer is deprecated", DeprecationWarning)
-        return _hooked("HookedTransformer")(cfg)
