@@ -236,7 +236,7 @@ class Monitor:
                     continue
             elif not final and now - self.stopped_since.setdefault(proc.pid, now) <= self.stop_s:
                 continue
-            elif not self.seconds or now - self.stopped_since[proc.pid] < self.seconds:
+            elif not self.seconds or now - self.stopped_since.get(proc.pid, now) < self.seconds:
                 run = None  # stopped, but not for as long as a run's limit
             if run is not None:
                 OVERDUE.add(run[0])

@@ -73,9 +73,13 @@ def cluster(folder: Path, env: dict, *workers: tuple[str, ...]) -> Iterator[tupl
     ]  # fmt: skip
     try:
         deadline = time.monotonic() + 60
-        while not file.exists() and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError, ValueError):  # not there yet, or still being written (a loaded machine)
+                address = json.loads(file.read_text())["address"]
+                break
             time.sleep(0.1)
-        address = json.loads(file.read_text())["address"]
+        else:
+            address = json.loads(file.read_text())["address"]
         for extra in workers:
             procs.append(start("distributed.cli.dask_worker", address, "--nthreads", "1", "--no-dashboard", *extra,
                                env=env))  # fmt: skip
