@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvfast.bugs.bug import Bug, catalogue, first_acting_in, inject_from, mixin_injector
+from kvfast.bugs.bug import Bug, catalogue, first_acting_in, inject_from, mixin_injector, require_adapter, subclass_with
 from kvfast.check.engines import vllm_patches
 from kvfast.check.engines.llamacpp import LlamaCppModel
 from kvfast.check.engines.ort import ORTModel
@@ -106,23 +106,13 @@ def _hook_attention_metadata() -> None:
     builder.build = hooked
 
 
-_mixin = mixin_injector(VLLMModel, "a VLLMModel (kvfast.check.engines.vllm)")
-
-
 def _injector(bug: type):
-    inject = _mixin(bug)
-
-    def hooked(model):
-        model = inject(model)  # a model that is no VLLMModel refused first
-        _hook_attention_metadata()
+    def inject(model):
+        subclass_with(require_adapter(model, VLLMModel, "a VLLMModel (kvfast.check.engines.vllm)"), bug)
+        _hook_attention_metadata()  # after the refusal of a model that is no VLLMModel
         return model
 
-    return hooked
-
-
-def _hit_acts(scenario, prompt_len, steps, window):
-    # the resume scenario's second chunk reads the first chunk's full blocks (its default split: half the prompt)
-    return 0 if scenario == "resume" and prompt_len // 2 >= BLOCK else None
+    return inject
 
 
 #: vLLM's cache bugs (block size :data:`~kvfast.check.engines.vllm.BLOCK`), each acting on the cached path only.
@@ -137,7 +127,9 @@ VLLM_BUGS: dict[str, Bug] = catalogue(
     ),
     Bug(
         "hitpos", "a chunk computed over prefix-cache blocks is placed one position early (each query misses its "
-        "own key)", _hit_acts, _injector(_HitOffByOne),
+        "own key)",
+        # the resume scenario's second chunk reads the first chunk's full blocks (its default split: half the prompt)
+        lambda s, t, n, w: 0 if s == "resume" and t // 2 >= BLOCK else None, _injector(_HitOffByOne),
     ),
 )  # fmt: skip
 
@@ -179,23 +171,16 @@ class _EngineEvict(_EngineBug):
         return super().decode(token)
 
 
-def _engine_evict_acts(scenario, prompt_len, steps, window):
-    # decode step t runs at length prompt_len + t - 1 before its token (the resumed prompt too); other scenarios
-    # are not catalogued
-    return max(1, ENGINE_WINDOW - prompt_len + 1) if scenario in ("decode", "resume") else None
-
-
-def _rewind_acts(scenario, prompt_len, steps, window):
-    return 1 if scenario == "rollback" else None  # the first rollback is before step 1
-
-
 def _engine_catalogue(adapter: type, allowed: str) -> dict[str, Bug]:
     injector = mixin_injector(adapter, allowed)
     return catalogue(
-        Bug("rewind", "crop(n) keeps one position too many: the cache keeps a token it should drop", _rewind_acts,
-            injector(_Rewind)),
+        Bug("rewind", "crop(n) keeps one position too many: the cache keeps a token it should drop",
+            lambda s, t, n, w: 1 if s == "rollback" else None, injector(_Rewind)),  # the first rollback: before step 1
+        # decode step k runs at length prompt_len + k - 1 before its token (the resumed prompt too); other scenarios
+        # are not catalogued
         Bug("evict", f"decode drops the oldest token once the cache holds {ENGINE_WINDOW} positions (rebuilt over "
-            "the last ones)", _engine_evict_acts, injector(_EngineEvict)),
+            "the last ones)", lambda s, t, n, w: max(1, ENGINE_WINDOW - t + 1) if s in ("decode", "resume") else None,
+            injector(_EngineEvict)),
     )  # fmt: skip
 
 

@@ -18,15 +18,11 @@ HF_WINDOW = mix.Window.window
 _injector = mixin_injector(HFModel, "an HFModel (kvfast.check.hf)")
 
 
-def _window_acts(scenario, prompt_len, steps, window):
-    return max(1, HF_WINDOW - prompt_len + 1)
-
-
 #: The Hugging Face cache bugs (the ``bug`` axis of the ``hf_matrix``, ``hf_score`` and ``hf_scan`` studies).
 HF_BUGS: dict[str, Bug] = catalogue(
     Bug(
         "window", "an unasked-for sliding window: decode attends only the last HF_WINDOW positions",
-        _window_acts, _injector(mix.Window),
+        lambda s, t, n, w: max(1, HF_WINDOW - t + 1), _injector(mix.Window),
     ),
     Bug(
         "posoff", "decode position off by one (position_ids one behind)",

@@ -214,14 +214,18 @@ def parse_factory_args(items: list[str]) -> dict[str, object]:
     return out
 
 
-def load_factory(spec: str):
-    """The callable named by ``PACKAGE.MODULE:FACTORY`` (:func:`kvfast.runtime.load_object`'s rules and
-    messages): ``ValueError`` if it cannot be found, :class:`~kvfast.check.protocol.ModelUnderTestError`
-    if its module raises or exits at import."""
-    from kvfast.check.protocol import ModelUnderTestError
-    from kvfast.runtime import load_object
+def build_model(spec: str, factory_args: dict[str, object]):
+    """``FACTORY(**factory_args)`` for ``spec`` (the callable ``PACKAGE.MODULE:FACTORY`` names, by
+    :func:`kvfast.runtime.load_object`'s rules and messages); ``ValueError`` (bad input) if it cannot be found,
+    the arguments do not fit its signature or the factory raises ``ValueError`` (its verdict on them), else
+    :class:`~kvfast.check.protocol.ModelUnderTestError` if the factory (or its module) raises or exits."""
+    import inspect
 
-    return load_object(
+    from kvfast.check.protocol import ModelUnderTestError, call_model
+    from kvfast.runtime import load_object
+    from kvfast.validation import not_allowed
+
+    factory = load_object(
         OWN_FACTORIES.get(spec, spec),
         "factory",
         accept=callable,
@@ -229,18 +233,6 @@ def load_factory(spec: str):
         form="PACKAGE.MODULE:FACTORY",
         error=ModelUnderTestError,
     )
-
-
-def build_model(spec: str, factory_args: dict[str, object]):
-    """``FACTORY(**factory_args)`` for ``spec``; ``ValueError`` (bad input) if the arguments do not fit its
-    signature or the factory raises ``ValueError`` (its verdict on them), else
-    :class:`~kvfast.check.protocol.ModelUnderTestError` if the factory (or its module) raises or exits."""
-    import inspect
-
-    from kvfast.check.protocol import call_model
-    from kvfast.validation import not_allowed
-
-    factory = load_factory(spec)
     try:
         inspect.signature(factory).bind(**factory_args)
     except TypeError as exc:

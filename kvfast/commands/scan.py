@@ -129,10 +129,9 @@ def scoreboard_text(df, markdown: bool, findings=None) -> str:
 
 
 def cmd_scan(args) -> int:
-    from kvfast.commands.sweep import _exit, _sweep
+    from kvfast.commands.sweep import _exit, _sweep, sweep_options
     from kvfast.report.page import report_dir, report_path, writing_report
     from kvfast.studies import hf_scan
-    from kvfast.sweep.options import SweepOptions
     from kvfast.sweep.store import load
 
     out = Path(args.out).absolute()
@@ -142,8 +141,7 @@ def cmd_scan(args) -> int:
         from kvfast.studies.scan_repro import repro_dir
 
         require_repro_dir(repro_dir(out), "--repro")
-    options = SweepOptions.build(jobs=args.jobs, quiet=args.quiet, fresh=args.fresh, retry_errors=args.retry_errors)
-    report = _sweep(grid, out, options)
+    report = _sweep(grid, out, sweep_options(args))
     if isinstance(report, int):
         return report
     df = load(out)

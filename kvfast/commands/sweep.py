@@ -64,6 +64,11 @@ def _positive(text: str) -> float:
     return value
 
 
+def _gib(text: str) -> int:
+    """``--max-memory GIB`` in bytes."""
+    return int(_positive(text) * 2**30)
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "grids",
@@ -158,13 +163,14 @@ def add_run_parser(sub) -> None:
     )
     p.add_argument(
         "--max-memory",
-        type=_positive,
+        type=_gib,
         default=None,
         metavar="GIB",
         help="refuse a grid whose largest run needs more than GIB GiB by kvfast's estimate (default: this machine's)",
     )
     p.add_argument(
         "--stall-timeout",
+        dest="stall_s",
         type=_positive,
         default=300.0,
         metavar="S",
@@ -221,23 +227,23 @@ def cmd_grids(args) -> int:
     return 0
 
 
+def sweep_options(args, **given):
+    """The ``SweepOptions`` of a command's parsed flags: each flag whose ``dest`` names an option (``--jobs``,
+    ``--stall-timeout`` as ``stall_s``, ...), then ``given`` over them; checked by ``SweepOptions``."""
+    from dataclasses import fields
+
+    from kvfast.sweep.options import SweepOptions
+
+    flags = {f.name: getattr(args, f.name) for f in fields(SweepOptions) if hasattr(args, f.name)}
+    return SweepOptions.build(**{**flags, **given})
+
+
 def cmd_run(args) -> int:
     from kvfast.studies import STUDIES
     from kvfast.sweep.grid import DEFAULT_MAX_RUNS, load_grid
-    from kvfast.sweep.options import SweepOptions
 
     out = Path(args.out).absolute()  # before the study's module is imported: user code cannot move it
-    options = SweepOptions.build(
-        jobs=args.jobs,
-        backend=args.backend,
-        scheduler=args.scheduler,
-        retry_errors=args.retry_errors,
-        fresh=args.fresh,
-        quiet=args.quiet,
-        stall_s=args.stall_timeout,
-        run_timeout=args.run_timeout,
-        max_memory=int(args.max_memory * 2**30) if args.max_memory else None,
-    )
+    options = sweep_options(args)
     grid = load_grid(args.grid, max_runs=args.max_runs or DEFAULT_MAX_RUNS, studies=STUDIES)
     report = _sweep(grid, out, options)
     if isinstance(report, int):
@@ -376,11 +382,10 @@ def _study_grid(name: str):
     return grid
 
 
-def _run_study(grid, out: Path, jobs, quiet: bool, fresh: bool = False):
-    from kvfast.sweep.options import SweepOptions
+def _run_study(grid, out: Path, args, fresh: bool):
     from kvfast.sweep.store import load
 
-    report = _sweep(grid, out, SweepOptions.build(jobs=jobs, quiet=quiet, fresh=fresh))
+    report = _sweep(grid, out, sweep_options(args, fresh=fresh))
     if isinstance(report, int):
         return report, None
     return report, load(out)
@@ -389,7 +394,7 @@ def _run_study(grid, out: Path, jobs, quiet: bool, fresh: bool = False):
 def cmd_study(args) -> int:
     out = Path(args.out or f"results/{args.name}").absolute()  # before any user code (see cmd_run)
     grid = _study_grid(args.name)
-    report, df = _run_study(grid, out, args.jobs, args.quiet, fresh=args.fresh)
+    report, df = _run_study(grid, out, args, fresh=args.fresh)
     if isinstance(report, int):
         return report
     _print_summary(grid.study, df)
@@ -417,7 +422,7 @@ def cmd_reproduce(args) -> int:
     status = 0
     for grid in plan:
         print(f"\n== {grid.study.name}: {grid.study.description}")
-        report, df = _run_study(grid, root / grid.study.name, args.jobs, args.quiet, fresh=_other_study(root, grid))
+        report, df = _run_study(grid, root / grid.study.name, args, fresh=_other_study(root, grid))
         if isinstance(report, int):
             return report
         _print_summary(grid.study, df, claims=False)

@@ -21,6 +21,7 @@ import html
 import io
 import json
 import os
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -196,9 +197,7 @@ def _writable(root: Path) -> None:
     """Create ``root``; ``ValueError`` naming ``--out`` when it cannot be created or written."""
     try:
         root.mkdir(parents=True, exist_ok=True)
-        probe = root / ".kvfast-write-test"
-        probe.write_text("")
-        probe.unlink()
+        tempfile.TemporaryFile(dir=root).close()  # a file can be written there
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO):  # the place is fine; it is full
             raise
