@@ -435,15 +435,8 @@ def _draw_steps_to_detection(df: pd.DataFrame, table: pd.DataFrame):
         for off, model in zip(offsets, models, strict=True):
             g = s[(s["model"] == model) & (s["bug"] == bug) & s["every_step_flag"]]
             steps, n = np.unique(g["steps_to_detection"].to_numpy(), return_counts=True)
-            ax.scatter(
-                steps,
-                np.full(steps.size, i + off),
-                s=12 + 8 * n,
-                color=COLORS[model],
-                alpha=0.7,
-                zorder=3,
-                label=f"{model} models" if i == 0 else None,
-            )
+            style = {"color": COLORS[model], "alpha": 0.7, "zorder": 3, "label": f"{model} models" if i == 0 else None}
+            ax.scatter(steps, np.full(steps.size, i + off), s=12 + 8 * n, **style)
             row = table[(table["model"] == model) & (table["bug"] == bug)].iloc[0]
             flagged.append(f"{row['one_step_flagged']}/{row['runs']}")
         ax.text(16.3, i, "one-step: " + " | ".join(flagged), va="center", fontsize=9, color=COLORS["one-step"])
