@@ -61,15 +61,8 @@ def require_model_shape(config: dict, max_layers: int = 4096, max_width: int = 4
 
 
 def model_config(config: dict, max_pos: int) -> ModelConfig:
-    """The transformer a run's config names (``vocab``, ``d_model``, ``n_head``, ``n_layer``, ``d_ff``)."""
-    return ModelConfig(
-        vocab=config["vocab"],
-        d_model=config["d_model"],
-        n_head=config["n_head"],
-        n_layer=config["n_layer"],
-        d_ff=config["d_ff"],
-        max_pos=max_pos,
-    )
+    """The transformer a run's config names (its :data:`MODEL_SHAPE_FIELDS`)."""
+    return ModelConfig(**{name: config[name] for name in MODEL_SHAPE_FIELDS}, max_pos=max_pos)
 
 
 def ok_rows(df: pd.DataFrame) -> pd.DataFrame:

@@ -435,15 +435,8 @@ def _draw_steps_to_detection(df: pd.DataFrame, table: pd.DataFrame):
         for off, model in zip(offsets, models, strict=True):
             g = s[(s["model"] == model) & (s["bug"] == bug) & s["every_step_flag"]]
             steps, n = np.unique(g["steps_to_detection"].to_numpy(), return_counts=True)
-            ax.scatter(
-                steps,
-                np.full(steps.size, i + off),
-                s=12 + 8 * n,
-                color=COLORS[model],
-                alpha=0.7,
-                zorder=3,
-                label=f"{model} models" if i == 0 else None,
-            )
+            style = {"color": COLORS[model], "alpha": 0.7, "zorder": 3, "label": f"{model} models" if i == 0 else None}
+            ax.scatter(steps, np.full(steps.size, i + off), s=12 + 8 * n, **style)
             row = table[(table["model"] == model) & (table["bug"] == bug)].iloc[0]
             flagged.append(f"{row['one_step_flagged']}/{row['runs']}")
         ax.text(16.3, i, "one-step: " + " | ".join(flagged), va="center", fontsize=9, color=COLORS["one-step"])
@@ -476,17 +469,9 @@ def facts(df: pd.DataFrame) -> Iterator[Fact]:
         if len(same) and len(changed):
             hi = same.loc[same["every_step_score"].idxmax()]
             lo = changed.loc[changed["every_step_score"].idxmin()]
-            what = "all-steps deviation of a bugged run whose output"
-            yield Fact(
-                f"largest_unchanged_dev{suffix}",
-                f"largest {what} did not change{about}",
-                f"{hi['every_step_score']:.2g} ({hi['bug']})",
-            )
-            yield Fact(
-                f"smallest_changed_dev{suffix}",
-                f"smallest {what} changed{about}",
-                f"{lo['every_step_score']:.2g} ({lo['bug']})",
-            )
+            for key, run, change in (("largest_unchanged", hi, "did not change"), ("smallest_changed", lo, "changed")):
+                what = f"{key.split('_')[0]} all-steps deviation of a bugged run whose output {change}{about}"
+                yield Fact(f"{key}_dev{suffix}", what, f"{run['every_step_score']:.2g} ({run['bug']})")
         yield Fact(
             f"margin_median_detector{suffix}",
             f"detector runs{about}: median of the clean generation's smallest top-1 minus top-2 margin",

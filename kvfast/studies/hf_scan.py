@@ -255,13 +255,10 @@ def scan_spec(
             "tied": [{"dtype": list(dtypes), "promote": [logic_check_for(d) for d in dtypes]}],
         }
     ]
+    fixed = {"dtype": dtypes[0], "promote": logic_check_for(dtypes[0]), "seed": 0, "prompt": 0}
+    injected = HF_BUGS if bugs is None else bugs
     for scenario in names:
-        acting = [
-            b
-            for b in (HF_BUGS if bugs is None else bugs)
-            if first_acting_step(b, scenario, min(PROMPT_LENGTHS)) is not None
-        ]
-        fixed = {"dtype": dtypes[0], "promote": logic_check_for(dtypes[0]), "seed": 0, "prompt": 0}
+        acting = [b for b in injected if first_acting_step(b, scenario, min(PROMPT_LENGTHS)) is not None]
         if acting:
             union.append(
                 {"description": f"injected bugs, {scenario}", "fixed": {**fixed, "scenario": scenario},

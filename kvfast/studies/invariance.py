@@ -222,15 +222,9 @@ def _draw_layers(df: pd.DataFrame, table: pd.DataFrame):
         ax.plot(off["layer"], off["kv_min"], ":^", color="#9467bd", label="mask off: smaller of K, V, least run")
         ax.plot(on["layer"], on[["k_max", "v_max"]].max(axis=1), "-D", color="#2ca02c", label="mask on: K, V")
         for _, row in pd.concat([off, on]).iterrows():
-            ax.text(
-                row["layer"],
-                0.93 if row["mask"] == "off" else 0.05,
-                f"{row['exact_runs']}/{row['runs']}",
-                transform=ax.get_xaxis_transform(),
-                ha="center",
-                fontsize=8,
-                color="#d62728" if row["mask"] == "off" else "#2ca02c",
-            )
+            y, color = (0.93, "#d62728") if row["mask"] == "off" else (0.05, "#2ca02c")  # counts: off on top
+            text = f"{row['exact_runs']}/{row['runs']}"
+            ax.text(row["layer"], y, text, transform=ax.get_xaxis_transform(), ha="center", fontsize=8, color=color)
         ax.set_yscale("symlog", linthresh=SYMLOG_FLOOR)
         ax.set_ylim(0, top)
         ax.set_xticks(sorted(set(table["layer"])))
@@ -238,13 +232,8 @@ def _draw_layers(df: pd.DataFrame, table: pd.DataFrame):
         ax.grid(alpha=0.3)
     axes[0, 0].set_ylabel("max |change| at earlier positions\n(symlog, 0 at bottom)")
     axes[0, -1].legend(loc="center right", fontsize=8)
-    axes[0, 0].text(
-        0.4,
-        0.4,
-        "numbers: runs whose K and V are exact\n(top: mask off; bottom: mask on)",
-        fontsize=8,
-        transform=axes[0, 0].transAxes,
-    )
+    note = "numbers: runs whose K and V are exact\n(top: mask off; bottom: mask on)"
+    axes[0, 0].text(0.4, 0.4, note, fontsize=8, transform=axes[0, 0].transAxes)
     fig.suptitle("Appending a token: how far each layer's K and V at earlier positions move")
     fig.tight_layout()
     return fig

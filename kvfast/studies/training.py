@@ -335,13 +335,8 @@ def claims(df: pd.DataFrame) -> Iterator[Claim]:
             at, curve = mean_curve(g, "curve_cosine_full")
             i = int(np.argmin(curve))
             figures.append(f"{curve[i]:.3f} at step {int(at[i])} of {int(steps)} ({len(g)} seeds)")
-            conditions.append(
-                (
-                    f"{int(steps)} steps: |lowest mean cosine - {SEED_COSINE}| <= {spread:.3f} (the seeds' spread at "
-                    "initialisation)",
-                    within(float(curve[i]), SEED_COSINE, spread),
-                )
-            )
+            words = f"{int(steps)} steps: |lowest mean cosine - {SEED_COSINE}| <= {spread:.3f} (the seeds' spread at "
+            conditions.append((words + "initialisation)", within(float(curve[i]), SEED_COSINE, spread)))
         yield judged(
             "cached-prefix training: during full training at prefix 6 of 12 the gradient cosine falls to the "
             "seed's (lowest point of the mean curve over training steps)",
