@@ -120,10 +120,6 @@ def crop_argument(cache, remove: int) -> int | None:
     return 0
 
 
-def _is_linear_attention(layer) -> bool:
-    return any(k.__name__ == "LinearAttentionCacheLayerMixin" for k in type(layer).__mro__)
-
-
 def _past_window(layer) -> bool:
     """A sliding-window layer that has seen its window and keeps no past: its release's ``crop`` raises
     (before 5.15 always; from 5.15 on unless it records its past)."""
@@ -145,7 +141,8 @@ def cannot_crop(cache, remove: int) -> str | None:
             return f"its {name} layers have no crop()"
         if getattr(layer, "is_croppable", True) is False:
             return f"transformers marks the cache's {name} layers not croppable"
-        if _is_linear_attention(layer) and not callable(getattr(layer, "activate_past_recording", None)):
+        linear = any(k.__name__ == "LinearAttentionCacheLayerMixin" for k in type(layer).__mro__)
+        if linear and not callable(getattr(layer, "activate_past_recording", None)):
             return f"its {name} layers' crop() leaves their states as they are (no past recording before 5.14)"
         if remove > 0 and _past_window(layer):
             return (
@@ -168,14 +165,6 @@ def refused(cache, operation: str, call, *args) -> None:
         raise NotImplementedError(
             f"{release()} refuses {type(cache).__name__}.{operation}: {type(exc).__name__}: {reason}"
         ) from exc
-
-
-def generate_positions(mask, n: int):
-    """The positions of the last ``n`` columns of a left-padded batch's ``mask``, as ``generate`` builds them
-    (``mask.cumsum(-1) - 1``, pads at 1)."""
-    positions = mask.cumsum(-1) - 1
-    positions.masked_fill_(mask == 0, 1)
-    return positions[:, -n:]
 
 
 class CachedPath:
@@ -252,9 +241,11 @@ class CachedPath:
         cache.reorder_cache(index)
 
     def _padded_positions(self, mask, n: int):
-        """Hook: the positions of the last ``n`` columns of a left-padded batch's ``mask``
-        (:func:`generate_positions`)."""
-        return generate_positions(mask, n)
+        """Hook: the positions of the last ``n`` columns of a left-padded batch's ``mask``, as ``generate`` builds
+        them (``mask.cumsum(-1) - 1``, pads at 1)."""
+        positions = mask.cumsum(-1) - 1
+        positions.masked_fill_(mask == 0, 1)
+        return positions[:, -n:]
 
     # --- one sequence -----------------------------------------------------------------------------------------
 

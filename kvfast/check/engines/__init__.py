@@ -6,7 +6,8 @@ llama-cpp-python, ``kvfast[llamacpp]``), :mod:`kvfast.check.engines.vllm` (vLLM,
 
 :func:`engine_adapter` is where an engine's own object (or an onnxruntime-genai model directory) given to
 ``check_cache`` finds its adapter: the one table of what kvfast wraps by itself. :func:`choose_variants` and
-:func:`run_variants` are every adapter's order-noise variants chosen and run (the Hugging Face adapter's too).
+:func:`run_variants` are every adapter's order-noise variants chosen and run (the Hugging Face adapter's too),
+:class:`FedCache` the cached calls of an engine whose cache is fed tokens.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import importlib
 import sys
 from collections.abc import Callable
 
-from kvfast.validation import require_choice
+import numpy as np
+
+from kvfast.validation import require_choice, require_int
 
 #: What ``check_cache`` wraps by itself: ``(module, detector, adapter)``; the detector (imports no engine) says
 #: whether an object is that engine's, the adapter (the module's class) takes it as its first argument.
@@ -59,3 +62,38 @@ def run_variants(adapter, names, compute: Callable[[str], object]) -> dict:
         except Exception as exc:  # noqa: BLE001 - any failure of a variant skips it, with why
             adapter.skipped_variants[name] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
     return out
+
+
+class FedCache:
+    """The protocol's cached calls of an engine whose cache is fed tokens: ``prefill`` (a fresh cache, then the
+    tokens), ``extend`` and ``decode`` (the tokens on top of it). An engine fills in ``_fresh()`` (a fresh cache)
+    and ``_feed(tokens)`` (``tokens``, a list of ints, fed to the cache: their logits ``(n, V)``); :attr:`tokens`
+    is what the cache holds (``None`` before the first prefill)."""
+
+    tokens: list[int] | None = None
+
+    def prefill(self, tokens):
+        """A fresh cache, then ``tokens`` over it: logits ``(T, V)``."""
+        self._fresh()
+        self.tokens = []
+        return self._fed(tokens)
+
+    def extend(self, tokens):
+        """``tokens`` on top of the cache: logits ``(n, V)``."""
+        self._require()
+        return self._fed(tokens)
+
+    def decode(self, token):
+        """One token on top of the cache: logits ``(V,)``."""
+        self._require()
+        return self._fed([require_int(token, "token", 0, self.vocab_size - 1)])[0]
+
+    def _fed(self, tokens):
+        tokens = [int(t) for t in np.asarray(tokens).reshape(-1)]
+        out = self._feed(tokens)
+        self.tokens += tokens
+        return out
+
+    def _require(self) -> None:
+        if self.tokens is None:
+            raise ValueError("cache: empty; allowed: call prefill(tokens) first")

@@ -59,7 +59,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvfast.check.engines import choose_variants, run_variants
+from kvfast.check.engines import FedCache, choose_variants, run_variants
 from kvfast.validation import import_extra, not_allowed, require_choice, require_int
 
 VARIANTS = ("batch", "no-opt", "chunk", "threads", "transformers")
@@ -106,7 +106,7 @@ def is_ort_model(model: object) -> bool:
     return isinstance(model, str | os.PathLike) and (Path(model) / "genai_config.json").is_file()
 
 
-class ORTModel:
+class ORTModel(FedCache):
     """An onnxruntime-genai model behind the check protocol (see the module doc).
 
     - ``path``: the model directory, or an ``onnxruntime_genai.Model`` as a user has it (it does not say where
@@ -254,30 +254,16 @@ class ORTModel:
 
     # --- the cached path: the engine's own generator ---------------------------------------------------
 
-    def _append(self, tokens) -> np.ndarray:
-        """``tokens`` appended to the generator (and to :attr:`tokens`); their logits ``(n, V)``."""
-        tokens = np.asarray(tokens, dtype=np.int32).reshape(1, -1)
-        if self.length + tokens.shape[1] > self.max_positions:
-            raise not_allowed("positions", self.length + tokens.shape[1], f"at most {self.max_positions}")
-        self.generator.append_tokens(tokens)
-        self.length += tokens.shape[1]
-        self.tokens += [int(t) for t in tokens[0]]
-        return np.array(self.generator.get_output("logits"))[0]
+    def _fresh(self) -> None:
+        self.generator, self.length = self._generator(), 0
 
-    def prefill(self, tokens):
-        """A fresh generator fed ``tokens``; their logits ``(T, V)``."""
-        self.generator, self.length, self.tokens = self._generator(), 0, []
-        return self._append(tokens)
-
-    def extend(self, tokens):
+    def _feed(self, tokens: list[int]) -> np.ndarray:
         """``tokens`` appended to the generator; their logits ``(n, V)``."""
-        self._require()
-        return self._append(tokens)
-
-    def decode(self, token):
-        """One token appended; logits ``(V,)``."""
-        self._require()
-        return self._append([require_int(token, "token", 0, self.vocab_size - 1)])[0]
+        if self.length + len(tokens) > self.max_positions:
+            raise not_allowed("positions", self.length + len(tokens), f"at most {self.max_positions}")
+        self.generator.append_tokens(np.asarray(tokens, dtype=np.int32).reshape(1, -1))
+        self.length += len(tokens)
+        return np.array(self.generator.get_output("logits"))[0]
 
     def crop(self, n: int) -> None:
         """Roll the cache back to its first ``n`` positions (``rewind_to``)."""
@@ -291,10 +277,6 @@ class ORTModel:
     def _crop_keep(self, n: int) -> int:
         """Hook: the positions a crop to ``n`` keeps (``n``)."""
         return n
-
-    def _require(self) -> None:
-        if self.generator is None:
-            raise ValueError("cache: empty; allowed: call prefill(tokens) first")
 
     def promote(self, dtype: str = "float64") -> ORTModel:
         """This same model: onnxruntime-genai has no float64 decoder, so the logic check

@@ -55,7 +55,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvfast.check.engines import choose_variants
+from kvfast.check.engines import FedCache, choose_variants
 from kvfast.validation import import_extra, not_allowed, require_choice, require_int
 
 #: The order-noise variants built by default.
@@ -187,10 +187,10 @@ def _one_row_products():
     return OneRowProducts()
 
 
-class _TLAdapter:
-    """What both TransformerLens adapters share: the protocol's calls over the class's own cache (``_cached``:
-    one cached forward of tokens on :attr:`cache`, ``_new_cache``: a fresh one), the ``"rows"`` variant, the
-    internal formats and the promotion."""
+class _TLAdapter(FedCache):
+    """What both TransformerLens adapters share: the protocol's calls over the class's own cache
+    (:class:`~kvfast.check.engines.FedCache`; ``_feed``: one cached forward of tokens on :attr:`cache`, ``_new_cache``:
+    a fresh one), the ``"rows"`` variant, the internal formats and the promotion."""
 
     def __init__(self, model, variants, vocab_size: int, max_positions: int) -> None:
         self.model = model.eval()
@@ -198,7 +198,6 @@ class _TLAdapter:
         self.vocab_size = int(vocab_size)
         self.max_positions = int(max_positions)
         self.cache = None
-        self.tokens: list[int] = []
 
     def recompute(self, tokens):
         """Logits ``(T, V)`` of ``tokens`` with no cache."""
@@ -207,28 +206,8 @@ class _TLAdapter:
     def _ids(self, tokens):
         return _torch().as_tensor(np.asarray(tokens, dtype=np.int64).reshape(1, -1), device=self.model.cfg.device)
 
-    def prefill(self, tokens):
-        """A fresh cache, then ``tokens`` over it: logits ``(T, V)``."""
+    def _fresh(self) -> None:
         self.cache = self._new_cache()
-        self.tokens = [int(t) for t in np.asarray(tokens).reshape(-1)]
-        return self._cached(tokens)
-
-    def extend(self, tokens):
-        """``tokens`` on top of the cache: logits ``(n, V)``."""
-        self._require()
-        self.tokens += [int(t) for t in np.asarray(tokens).reshape(-1)]
-        return self._cached(tokens)
-
-    def decode(self, token):
-        """One token on top of the cache: logits ``(V,)``."""
-        self._require()
-        token = require_int(token, "token", 0, self.vocab_size - 1)
-        self.tokens.append(token)
-        return self._cached([token])[0]
-
-    def _require(self) -> None:
-        if not self.tokens:
-            raise ValueError("cache: empty; allowed: call prefill(tokens) first")
 
     #: where :attr:`internal_formats` comes from (the protocol's optional attribute)
     internal_formats_source = "measured"
@@ -296,7 +275,7 @@ class TLModel(_TLAdapter):
             model.tokenizer = saved
         return logits[0]
 
-    def _cached(self, tokens):
+    def _feed(self, tokens):
         return self._forward(tokens, self.cache)
 
     def _reset_alibi(self) -> None:
@@ -346,7 +325,7 @@ class TLBridgeModel(_TLAdapter):
         with _torch().no_grad():
             return self.model(self._ids(tokens))[0]
 
-    def _cached(self, tokens):
+    def _feed(self, tokens):
         """``bridge(tokens, return_type="logits_and_cache")`` over :attr:`cache` (``None``: a fresh one); the cache
         it returns kept."""
         past = {} if self.cache is None else {"past_key_values": self.cache}
