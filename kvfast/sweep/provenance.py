@@ -13,6 +13,7 @@ import hashlib
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -47,20 +48,24 @@ def provenance(grid: Grid) -> dict:
 
 def git_states(paths: list[Path]) -> list[dict]:
     """``{"commit": HEAD's hash, "dirty": bool}`` of the git repository tracking each file of ``paths`` (``None``
-    values where none does, or git cannot say); one ``status`` per repository, every git process within
-    :data:`GIT_TIMEOUT_S` of the first."""
+    values where none does, or git cannot say), its git processes run side by side (a sweep's start waits for
+    the slowest, not for their sum), one ``status`` per repository, all within :data:`GIT_TIMEOUT_S`."""
     deadline = time.monotonic() + GIT_TIMEOUT_S
-    dirty: dict[str, str | None] = {}  # repository -> its `git status`
+    with ThreadPoolExecutor(2 * len(paths)) as pool:
+        tracked = [pool.submit(_git, p.parent, deadline, "ls-files", "--error-unmatch", "--", p.name) for p in paths]
+        heads = [pool.submit(_git, p.parent, deadline, "rev-parse", "--show-toplevel", "HEAD") for p in paths]
+        found = {}  # a tracked file -> (its repository: the file's folder where git cannot say, HEAD)
+        for path, is_tracked, head in zip(paths, tracked, heads, strict=True):
+            if is_tracked.result() is not None:
+                top, _, commit = (head.result() or "").partition("\n")
+                found[path] = (top or str(path.parent), commit.strip() or None)
+        args = ("status", "--porcelain", "--untracked-files=no")
+        status = {top: pool.submit(_git, Path(top), deadline, *args) for top, _ in found.values()}
+        dirty = {top: future.result() for top, future in status.items()}
     states = []
     for path in paths:
-        state = {"commit": None, "dirty": None}
-        if _git(path.parent, deadline, "ls-files", "--error-unmatch", "--", path.name) is not None:
-            top, _, head = (_git(path.parent, deadline, "rev-parse", "--show-toplevel", "HEAD") or "").partition("\n")
-            top = top or str(path.parent)
-            if top not in dirty:
-                dirty[top] = _git(Path(top), deadline, "status", "--porcelain", "--untracked-files=no")
-            state = {"commit": head.strip() or None, "dirty": None if dirty[top] is None else bool(dirty[top].strip())}
-        states.append(state)
+        top, commit = found.get(path, (None, None))
+        states.append({"commit": commit, "dirty": None if dirty.get(top) is None else bool(dirty[top].strip())})
     return states
 
 
