@@ -49,9 +49,11 @@ runs once (compiling is a one-off and takes half a minute or more), the warm sta
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -59,6 +61,7 @@ import tempfile
 import time
 import timeit
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -135,8 +138,6 @@ def _blas_single_thread():
     try:
         from threadpoolctl import threadpool_info, threadpool_limits
     except ImportError:
-        import contextlib
-
         return contextlib.nullcontext(), "BLAS: threadpoolctl is not installed, thread count not limited"
     info = [i for i in threadpool_info() if i.get("user_api") == "blas"]
     desc = ", ".join(f"{i.get('internal_api')} {i.get('version')} ({i.get('architecture')} kernels)" for i in info)
@@ -144,13 +145,9 @@ def _blas_single_thread():
 
 
 def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    with contextlib.suppress(OSError):
+        if found := re.search(r"^model name\s*:(.*)$", Path("/proc/cpuinfo").read_text(), re.MULTILINE):
+            return found.group(1).strip()
     return platform.processor() or platform.machine()
 
 

@@ -11,6 +11,7 @@ how many hold (the seed's counterpart: "133 verifier assertions").
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -124,8 +125,7 @@ def study_dirs(root: str | os.PathLike) -> dict[str, Path]:
     candidates = [base] if (base / MANIFEST).is_file() else sorted(p for p in base.iterdir() if p.is_dir())
     found: dict[str, Path] = {}
     for path in candidates:
-        # a manifest that cannot be read is one line naming it and the remedy (ResultsDir.manifest)
-        if (path / MANIFEST).is_file() and (name := ResultsDir(path).manifest()["study"]) in STUDIES:
+        if (path / MANIFEST).is_file() and (name := _study_of(path)) in STUDIES:
             found[name] = path
     if not found:
         raise ValueError(
@@ -133,6 +133,20 @@ def study_dirs(root: str | os.PathLike) -> dict[str, Path]:
             f"(each with {MANIFEST}, as `kvfast reproduce --out DIR` writes), of the studies {', '.join(STUDIES)}"
         )
     return dict(sorted(found.items()))
+
+
+def _study_of(path: Path) -> str:
+    """The study ``path``'s manifest names (``""`` for none); ``ValueError`` naming the file and the remedy when
+    it is not a JSON object (truncated, a list)."""
+    manifest = path / MANIFEST
+    try:
+        data = json.loads(manifest.read_bytes())
+    except (OSError, ValueError) as exc:
+        data = exc
+    if not isinstance(data, dict):
+        why = str(data).splitlines()[0] if isinstance(data, Exception) else f"a JSON {type(data).__name__}"
+        raise ValueError(f"{manifest}: not a kvfast manifest ({why}); {ResultsDir(path).remedy()}")
+    return str(data.get("study", ""))
 
 
 def load_results(root: str | os.PathLike) -> dict[str, pd.DataFrame]:

@@ -73,8 +73,7 @@ class Section:
 def ordered_studies(studies: dict[str, Study] | None = None) -> list[Study]:
     """The registered studies (default :data:`kvfast.studies.STUDIES`) in page order: by ``rank``, ties in
     registry order."""
-    registry = enumerate((STUDIES if studies is None else studies).values())
-    return [study for _, study in sorted(registry, key=lambda pair: (pair[1].rank, pair[0]))]
+    return sorted((STUDIES if studies is None else studies).values(), key=lambda study: study.rank)  # stable
 
 
 def section(figure: Figure, df: pd.DataFrame) -> Section:

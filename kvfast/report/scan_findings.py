@@ -106,10 +106,10 @@ def findings_html(table: pd.DataFrame, page_dir: str | os.PathLike) -> str:
         if row["bug"] and row["bug"] != "none":
             what += f" (injected {row['bug']})"
         script = str(row["reproducer"] or "")
-        issue = str(Path(script).with_name("ISSUE.md")) if script else ""
         shown = f"<small>{html.escape(printable(script))}</small>"
         if linked(script):
-            links = f"{_link(script, where, 'reproduce.py')} · {_link(issue, where, 'ISSUE.md')}<br>{shown}"
+            issue = _link(str(Path(script).with_name("ISSUE.md")), where, "ISSUE.md")
+            links = f"{_link(script, where, 'reproduce.py')} · {issue}<br>{shown}"
         else:
             links = shown if script else "none"
         step = "" if pd.isna(row["step"]) else str(int(row["step"]))
