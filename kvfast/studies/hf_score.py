@@ -157,12 +157,8 @@ def kvfast_promoted(model: HFModel, case: HFCase) -> Detection:
     return Detection(bool(steps), max(r.max_ratio for r in both), min(steps) if steps else None)
 
 
-DETECTORS = {
-    "three_token_allclose": three_token_allclose,
-    "hf_logits_and_ids": hf_logits_and_ids,
-    "kvfast_exact": kvfast_exact,
-    "kvfast_control": kvfast_control,
-    "kvfast_promoted": kvfast_promoted,
+DETECTORS = {  # each under its function's name
+    fn.__name__: fn for fn in (three_token_allclose, hf_logits_and_ids, kvfast_exact, kvfast_control, kvfast_promoted)
 }
 
 CONFIG_FIELDS: dict[str, pa.DataType] = {**hf.MODEL_FIELDS, **hf.CASE_FIELDS}

@@ -276,19 +276,14 @@ def claims(df: pd.DataFrame) -> Iterator[Claim]:
 
 
 def neartied_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Per model kind, storage/accumulator pair and twin gap: runs, flips of the mixed-order cached run and of the
-    control, and the median top-2 margin."""
-    return (
-        ok_rows(df)
-        .groupby(["model", "storage", "accum", "twin_exp"])
-        .agg(
-            runs=("flip_cached", "size"),
-            flips_cached=("flip_cached", "sum"),
-            flips_control=("flip_control", "sum"),
-            margin_median=("margin_median", "median"),
-        )
-        .reset_index()
-    )
+    """Per model kind, storage/accumulator pair and twin gap (in name order): the summary's runs, flips of the
+    mixed-order cached run and of the control, and the median top-2 margin."""
+    keys = ["model", "storage", "accum", "twin_exp"]
+    columns = [*keys, "runs", "flips_cached", "flips_control", "margin_median"]
+    summary = summarize(df)
+    if summary.empty:
+        return pd.DataFrame(columns=columns)
+    return summary.astype(dict.fromkeys(keys[:3], str)).sort_values(keys, ignore_index=True)[columns]
 
 
 def _draw_flips(df: pd.DataFrame, table: pd.DataFrame):

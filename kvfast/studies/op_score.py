@@ -101,11 +101,7 @@ def score_table(steps: int = 16) -> str:
     """The Markdown table: each detector's scores per operation bug, side by side."""
     from kvfast.studies.hf_score import hf_logits_and_ids, three_token_allclose
 
-    detectors = {
-        "three_token_allclose": three_token_allclose,
-        "hf_logits_and_ids": hf_logits_and_ids,
-        "kvfast_operations": kvfast_operations,
-    }
+    detectors = {fn.__name__: fn for fn in (three_token_allclose, hf_logits_and_ids, kvfast_operations)}
     all_cases = cases(steps)
     tables = {name: grouped_scores(run_detector(fn, all_cases, tuple(OP_BUGS))) for name, fn in detectors.items()}
     return markdown(side_by_side(tables))

@@ -269,11 +269,8 @@ def kvfast_control(model: VLLMModel, case: VLLMCase) -> Detection:
     return Detection(report.verdict == "bug", float(report.max_ratio or 0.0), report.first_bug_step)
 
 
-DETECTORS: dict[str, Callable] = {
-    "three_token_allclose": three_token_allclose,
-    "vllm_logprobs": vllm_logprobs,
-    "kvfast_exact": kvfast_exact,
-    "kvfast_control": kvfast_control,
+DETECTORS: dict[str, Callable] = {  # each under its function's name
+    fn.__name__: fn for fn in (three_token_allclose, vllm_logprobs, kvfast_exact, kvfast_control)
 }
 
 
