@@ -321,10 +321,11 @@ class ScenarioReport:
 
     def where(self, step: int) -> str:
         """``S (position P)``; the resume scenario's step 0 says it is the resumed chunk, not a prefill."""
+        row = self.detail.first_row(self) if step == 0 else None
+        at = self.position(step) if row is None else str(row)
         if step == 0 and self.split is not None:  # the resume scenario
-            at = self._focus_position(0)
             return f"0 (the resumed chunk, prompt position {at}, after a prefill of 0-{self.first_row - 1})"
-        return f"{step} (position {self._focus_position(step)})"
+        return f"{step} (position {at})"
 
     def summary(self) -> str:
         """One paragraph: the verdict, the first divergent step, its deviation and the context tokens."""
@@ -352,10 +353,6 @@ class ScenarioReport:
         more = f"... ({ctx.shape[0] - 24} earlier) " if ctx.shape[0] > 24 else ""
         msg += f"\ncontext tokens up to position {ctx.shape[0] - 1}: [{more}{shown}]"
         return msg
-
-    def _focus_position(self, step: int) -> str:
-        row = self.detail.first_row(self) if step == 0 else None
-        return self.position(step) if row is None else str(row)
 
     def context(self, step: int) -> np.ndarray:
         """The tokens the model had seen when step ``step``'s logits were computed."""
@@ -557,9 +554,7 @@ class CheckReport:
     def format(self) -> str:
         """The full readable report: the verdict line, two lines of what it means, each scenario's summary, the
         notes, the worst scenario's table and the logic check's report."""
-        lines = [self.verdict_line()]
-        if self.skipped_line() is not None:
-            lines.append(self.skipped_line())
+        lines = [self.verdict_line(), *([self.skipped_line()] if self.skipped else [])]
         if not self.ran:  # nothing was checked: the verdict line and the line naming the scenarios and why
             return "\n".join(lines)
         lines += self.detail_lines()

@@ -509,10 +509,7 @@ class HFModel(CachedPath):
         require_choice(dtype, "promote", ("float64", "float32"))
         new = copy.copy(self)
         new.model = copy.deepcopy(self.model).to(getattr(torch, dtype)).eval()
-        new._copies = {}
-        new._mask_as_generate = {}
-        new._formats = None
-        new.skipped_variants = {}
+        new._copies, new._mask_as_generate, new.skipped_variants, new._formats = {}, {}, {}, None  # the copy's own
         new.cache, new.length = None, 0
         return new
 
@@ -566,15 +563,8 @@ class HFModel(CachedPath):
     def with_lossy_cache(self, fmt: str) -> HFModel:
         """The unquantized adapter with kvfast's own round trip of ``fmt`` on a ``DynamicCache`` (the format's
         expected error)."""
-        twin = self.lossless()
-        config = self.model.config
-
-        def make():
-            cache = new_dynamic_cache(config)
-            wrap_round_trip(cache, fmt)
-            return cache
-
-        twin.new_cache, twin.lossy_emulation = make, fmt
+        twin, config = self.lossless(), self.model.config
+        twin.new_cache, twin.lossy_emulation = (lambda: wrap_round_trip(new_dynamic_cache(config), fmt)), fmt
         return twin
 
 
@@ -586,10 +576,10 @@ def _round_trip_tensor(fmt: str, tensor, scale: float | None = None):
     return torch.from_numpy(out).to(tensor.dtype)
 
 
-def wrap_round_trip(cache, fmt: str) -> None:
+def wrap_round_trip(cache, fmt: str):
     """Round-trip every key and value ``cache`` stores through ``fmt`` (kvfast's own emulation); a prefill
     attends its fresh rows, every later call the stored ones (as transformers' quantized layers do).
-    ``fp8-tensor``: each layer's key and value scales are frozen at its first store."""
+    ``fp8-tensor``: each layer's key and value scales are frozen at its first store. Returns ``cache``."""
     from kvfast.check.lossy_formats import FP8_MAX
 
     update = cache.update
@@ -608,3 +598,4 @@ def wrap_round_trip(cache, fmt: str) -> None:
 
     cache.update = lossy_update
     cache.lossy_scales = scales  # a restored copy keeps the frozen scales (restore wraps the copy again)
+    return cache

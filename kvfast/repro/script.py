@@ -55,17 +55,6 @@ def _versions_text(case: ReproCase) -> str:
     return f"python {v.get('python')}, torch {v.get('torch')}, transformers {v.get('transformers')}"
 
 
-def _promote_text(case: ReproCase) -> str:
-    dtype, promote = md_text(case.dtype), md_text(case.promote)
-    return (
-        f"- precision: a finding of kvfast's logic check. In {dtype} the two paths differ by no more than "
-        f"{dtype}'s rounding lets kvfast tell apart (its {dtype} verdict is not `bug`), so the script "
-        f"builds the model in {dtype} (its weights rounded to {dtype}) and runs both paths in "
-        f"{promote}, where the cache's difference stands far above the {promote} rounding. A maintainer "
-        f"who runs the model in {dtype} sees the same cause as a drift within {dtype}'s rounding."
-    )
-
-
 def _cache_text(case: ReproCase) -> str:
     calls = case.calls
     if calls.get("cache_class"):
@@ -197,7 +186,7 @@ def issue_text(case: ReproCase) -> str:
         where = "the prompt's rows" if step == 0 else f"decode step {step} (position {len(judged) + step - 1})"
     size = "" if dev is None else f" by {dev:.4g} (threshold {thr:.3g}, {dev / thr:.3g}x)" if thr else f" by {dev:.4g}"
     versions = md_text(_versions_text(case))
-    dtype = md_text(case.dtype)
+    dtype, promote = md_text(case.dtype), md_text(case.promote)
     lines = [
         f"# {md_text(title(case))}",
         "",
@@ -221,8 +210,13 @@ def issue_text(case: ReproCase) -> str:
            if case.branch_prompt else ""),
         f"- cache: {_cache_text(case)}",
         f"- first step over the threshold: {step}; kvfast's verdict: {md_code(case.verdict)}"
-        + (f" (of its logic check: the {dtype} model promoted to {md_text(case.promote)})" if case.promote else ""),
-        *([_promote_text(case)] if case.promote else []),
+        + (f" (of its logic check: the {dtype} model promoted to {promote})" if case.promote else ""),
+        *([f"- precision: a finding of kvfast's logic check. In {dtype} the two paths differ by no more than "
+           f"{dtype}'s rounding lets kvfast tell apart (its {dtype} verdict is not `bug`), so the script "
+           f"builds the model in {dtype} (its weights rounded to {dtype}) and runs both paths in "
+           f"{promote}, where the cache's difference stands far above the {promote} rounding. A maintainer "
+           f"who runs the model in {dtype} sees the same cause as a drift within {dtype}'s rounding."]
+          if case.promote else []),
         f"- threshold: {md_text(case.threshold_origin)}",
         f"- how it was found: {md_code(case.command or 'kvfast.repro (Python)')}",
         f"- injected bug: {md_code(f'{case.bug[0]}:{case.bug[1]}')} (carried by the script itself)" if case.bug else

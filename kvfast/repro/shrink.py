@@ -83,14 +83,9 @@ def _with_layers(config: dict, n: int) -> dict | None:
     return out
 
 
-def _heads(config: dict) -> int | None:
-    key = _first(config, HEAD_KEYS)
-    return config[key] if key else None
-
-
 def _with_hidden(config: dict, hidden: int) -> dict | None:
     key = _first(config, HIDDEN_KEYS)
-    heads = _heads(config)
+    heads = config.get(_first(config, HEAD_KEYS))  # (None: no key holds them)
     if key is None or config[key] <= hidden or (heads and hidden % heads):
         return None
     old = config[key]

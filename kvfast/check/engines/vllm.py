@@ -58,7 +58,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvfast.check.engines import vllm_patches, vllm_rows
+from kvfast.check.engines import choose_variants, run_variants, vllm_patches, vllm_rows
 from kvfast.validation import import_extra, not_allowed, require_choice, require_int
 
 #: How vLLM is run: the engine core in this process (the adapter reads its rows and hooks its attention) and a
@@ -296,9 +296,7 @@ class VLLMModel:
         self.rows_pinned: int | None = gemm_rows if isinstance(gemm_rows, int) else None
         self.prefill_chunk = None if prefill_chunk is None else require_int(prefill_chunk, "prefill_chunk", 1)
         self.companions = require_int(companions, "companions", 0)
-        if isinstance(variants, str):
-            variants = (variants,)
-        self.variants = tuple(require_choice(v, "variants", VARIANTS) for v in variants)
+        self.variants = choose_variants(variants, VARIANTS)
         self.speculate = require_int(speculate, "speculate", 1)
         self.threads = None if threads is None else require_int(threads, "threads", 1)
         if self.threads is not None and _SET_THREADS is None:
@@ -367,7 +365,8 @@ class VLLMModel:
     def _engine(self, cached_path: bool):
         """What every engine call of the adapter runs under: the bug hook live on the cached path only, the
         GEMMs split into rows (``gemm_rows``), ``threads``, vLLM's flat logprobs appended fast."""
-        rows = self._gemm_rows(self.rows_pinned) if self.rows_pinned else contextlib.nullcontext()
+        pinned = self.rows_pinned
+        rows = vllm_rows.gemm_rows(self._linear_layers(), pinned) if pinned else contextlib.nullcontext()
         with vllm_patches.cached_path(self if cached_path else None), rows, _threads(self.threads):
             with vllm_patches.flat_appends():
                 yield
@@ -465,18 +464,14 @@ class VLLMModel:
                     if out.request_id == self._live and out.outputs and out.outputs[0].token_ids:
                         found = out
                 if found is not None:
-                    self._row, self._sampled = self._row_captured(self._live), int(found.outputs[0].token_ids[-1])
+                    self._row, self._sampled = self._captured.pop(self._live, None), int(found.outputs[0].token_ids[-1])
+                    if self._row is None:
+                        raise RuntimeError("vLLM sampled a token of the cached path without handing its logits")
                     if found.finished:
                         self._live = None
                         self._end_others()
                     return found
         raise RuntimeError("vLLM finished the request without a token")
-
-    def _row_captured(self, request: str) -> np.ndarray:
-        row = self._captured.pop(request, None)
-        if row is None:
-            raise RuntimeError("vLLM sampled a token of the cached path without handing its logits")
-        return row
 
     def _run_to_end(self) -> None:
         """Step the live request to its end, keeping each (token fed, its row) for :meth:`decode`."""
@@ -516,8 +511,7 @@ class VLLMModel:
         exact = not plan.measures_noise  # bit for bit; else vLLM's own arithmetic, the variants its noise
         notes = self._split_note() if exact else []
         if isinstance(self.gemm_rows, int):
-            self.rows_pinned = self.gemm_rows
-            n = self.gemm_rows
+            self.rows_pinned = n = self.gemm_rows
             return [f"every GEMM of vLLM ran {n} row{'s' if n > 1 else ''} at a time on both paths (gemm_rows={n})"]
         self.rows_pinned = None
         if not exact:
@@ -614,31 +608,23 @@ class VLLMModel:
         that cannot run is left out and named in :attr:`skipped_variants`, and so is ``rows`` where the row count
         changes no GEMM (:meth:`row_count_effect` is 0: it would measure nothing, at half a plain generation)."""
         tokens = [int(t) for t in np.asarray(tokens).reshape(-1)]
-        out = {}
-        for name in self.variants:
-            if name == "rows" and "rows" not in self.skipped_variants and self.row_count_effect() == 0:
-                self.skipped_variants["rows"] = (
-                    "vLLM's GEMMs on this CPU do not change with the row count (the same rows through every linear "
-                    f"layer alone and among {vllm_rows.PROBE_ROWS} agree bit for bit): the variant would equal the "
-                    "recompute"
-                )
-            if name == "stepwise" and "stepwise" not in self.skipped_variants and not split_kv():
-                self.skipped_variants["stepwise"] = (
-                    "vLLM's split-KV attention is off (VLLM_CPU_ATTN_SPLIT_KV=0): a decode step's attention adds up "
-                    "as the prefill's, and the variant would equal the recompute"
-                )
-            if name in self.skipped_variants:
-                continue
-            try:
-                rows = {"stepwise": self._stepwise, "chunk": self._chunked, "rows": self._rows}[name](tokens)
-            except Exception as exc:  # noqa: BLE001 - a variant is order noise: losing one must not lose the check
-                self.skipped_variants[name] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
-                continue
-            refused = self._split_beyond_rounding(tokens, rows) if name == "stepwise" else None
-            if refused:
-                self.skipped_variants[name] = refused
-            else:
-                out[name] = rows
+        if "rows" in self.variants and "rows" not in self.skipped_variants and self.row_count_effect() == 0:
+            self.skipped_variants["rows"] = (
+                "vLLM's GEMMs on this CPU do not change with the row count (the same rows through every linear "
+                f"layer alone and among {vllm_rows.PROBE_ROWS} agree bit for bit): the variant would equal the "
+                "recompute"
+            )
+        if "stepwise" in self.variants and "stepwise" not in self.skipped_variants and not split_kv():
+            self.skipped_variants["stepwise"] = (
+                "vLLM's split-KV attention is off (VLLM_CPU_ATTN_SPLIT_KV=0): a decode step's attention adds up "
+                "as the prefill's, and the variant would equal the recompute"
+            )
+        compute = {"stepwise": self._stepwise, "chunk": self._chunked, "rows": self._rows}
+        out = run_variants(self, self.variants, lambda name: compute[name](tokens))
+        refused = self._split_beyond_rounding(tokens, out["stepwise"]) if "stepwise" in out else None
+        if refused:
+            self.skipped_variants["stepwise"] = refused
+            del out["stepwise"]
         return out
 
     def _split_beyond_rounding(self, tokens: list[int], stepwise: np.ndarray) -> str | None:
@@ -689,7 +675,7 @@ class VLLMModel:
             return self.recompute(tokens)
 
     def _rows(self, tokens: list[int]) -> np.ndarray:
-        with self._gemm_rows(ROWS):
+        with vllm_rows.gemm_rows(self._linear_layers(), ROWS):
             return self.recompute(tokens)
 
     def _model(self):
@@ -708,10 +694,6 @@ class VLLMModel:
         if self.llm not in _LAYERS:
             _LAYERS[self.llm] = vllm_rows.linear_layers(self._model())
         return _LAYERS[self.llm]
-
-    def _gemm_rows(self, n: int):
-        """Every linear layer's GEMM run on ``n`` rows at a time for the duration (:func:`.vllm_rows.gemm_rows`)."""
-        return vllm_rows.gemm_rows(self._linear_layers(), n)
 
     def _scheduler(self):
         core = getattr(self.llm.llm_engine.engine_core, "engine_core", None)
