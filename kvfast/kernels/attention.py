@@ -282,7 +282,7 @@ def attend_row(q, out, probs, row, keys, heads, fmt, work, kern):
     head, in the standard order (the module doc's formulas); ``probs`` (H, T, S) receives p_j at
     ``[h, row, j]`` when it has rows (the tape's). ``heads``: :class:`Heads`; ``fmt``:
     :class:`~kvfast.kernels.precision.Formats`; ``work``: :class:`Scratch`; ``kern``: :func:`attention_kernels`.
-    The sequential sums are linked (small); the pairwise ones, and the score dots of either order, are called by
+    The sequential sums are inlined (small); the pairwise ones, and the score dots of either order, are called by
     address."""
     storage, acc, order = fmt
     kbuf, vbuf, lo, hi = keys

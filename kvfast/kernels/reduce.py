@@ -72,10 +72,11 @@ def _stack_total(stack: np.ndarray, sp: int, acc: int) -> float:
     return s
 
 
-@nb.njit(**_JIT)
+@nb.njit(**_JIT, inline="always")
 def sequential_sum(t: np.ndarray, lo: int, n: int, acc: int) -> float:
     """:func:`ordered_sum` in the sequential order (``n >= 1``): ``((t0 + t1) + t2) + ...``, each term rounded to
-    ``acc`` as it enters, each add rounded to ``acc``. Small: callers link it (no call by address)."""
+    ``acc`` as it enters, each add rounded to ``acc``. Small: inlined in its callers' Numba IR (linked, it was
+    compiled on its own and optimised again inside each caller)."""
     s = rnd(t[lo], acc)
     for i in range(1, n):
         s = rnd(s + rnd(t[lo + i], acc), acc)
@@ -118,10 +119,11 @@ def ordered_dot(
     return _stack_total(stack, sp, acc)
 
 
-@nb.njit(**_JIT)
+@nb.njit(**_JIT, inline="always")
 def sequential_rows_sum(coef, c0, rows, r0, n, col0, m, acc, out, o0) -> None:
     """:func:`weighted_rows_sum` in the sequential order (``n >= 1``), into ``out[o0 : o0 + m]``: each column's
-    terms left to right, the loop across columns. Small: callers link it (no call by address)."""
+    terms left to right, the loop across columns. Small: inlined in its callers' Numba IR, as
+    :func:`sequential_sum`."""
     c = coef[c0]
     for j in range(m):
         out[o0 + j] = rnd(c * rows[r0, col0 + j], acc)
