@@ -49,6 +49,7 @@ from kvfast.numerics import PRESETS, Numerics
 from kvfast.studies.common import (
     MODEL_SHAPE_FIELDS,
     NO_BUG,
+    aggregated,
     declared_order,
     first_index,
     listed,
@@ -191,20 +192,17 @@ def bug_key(model: str, bug: str) -> dict[str, object]:
 def summarize(df: pd.DataFrame) -> pd.DataFrame:
     """The seed's table per model kind and bug: max deviation at step 1 and over all steps, % of runs
     whose tokens changed, the first deviating step's range; the seed's figures beside them."""
-    ok = ok_rows(df)
-    if ok.empty:
-        return pd.DataFrame()
-    out = (
-        ok.groupby(["model", "bug"], sort=False)
-        .agg(
-            cases=("dev_step1", "size"),
-            step_1=("dev_step1", "max"),
-            all_steps=("dev_all", "max"),
-            output_changed_pct=("tokens_changed", lambda changed: 100.0 * float(changed.mean())),
-            first_bad_step=("first_bad_step", step_range),
-        )
-        .reset_index()
+    out = aggregated(
+        ok_rows(df),
+        ["model", "bug"],
+        cases=("dev_step1", "size"),
+        step_1=("dev_step1", "max"),
+        all_steps=("dev_all", "max"),
+        output_changed_pct=("tokens_changed", lambda changed: 100.0 * float(changed.mean())),
+        first_bad_step=("first_bad_step", step_range),
     )
+    if out.empty:
+        return out
     out.insert(2, "visible_at_step_1", [VISIBLE_AT_STEP_1.get(bug, False) for bug in out["bug"]])
     seed = [SEED_BUG_TABLE.get(bug, (np.nan, np.nan, np.nan)) for bug in out["bug"]]
     out[["seed_step_1", "seed_all_steps", "seed_output_changed_pct"]] = np.array(seed, dtype=np.float64)

@@ -65,6 +65,13 @@ def model_config(config: dict, max_pos: int) -> ModelConfig:
     return ModelConfig(**{name: config[name] for name in MODEL_SHAPE_FIELDS}, max_pos=max_pos)
 
 
+def aggregated(runs: pd.DataFrame, keys: str | list[str], /, **named) -> pd.DataFrame:
+    """``runs`` per group of ``keys`` (a categorical key in its categories' order, those present only): the keys,
+    then one column per named aggregation (any name: ``runs`` and ``keys`` too); no column at all when there is no
+    run (a summary of nothing)."""
+    return runs.groupby(keys, observed=True).agg(**named).reset_index() if len(runs) else pd.DataFrame()
+
+
 def ok_rows(df: pd.DataFrame) -> pd.DataFrame:
     """The runs of ``df`` stored with ``status == "ok"`` (all rows when there is no ``status`` column)."""
     return df[df["status"] == "ok"] if "status" in df.columns else df

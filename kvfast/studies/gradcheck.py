@@ -32,7 +32,7 @@ from kvfast.kernels.rowops import exp_array, log_array
 from kvfast.model.config import ModelConfig, init_params, param_shapes
 from kvfast.model.transformer import Weights, forward_prepared, loss_and_grads
 from kvfast.numerics import Numerics
-from kvfast.studies.common import MODEL_SHAPE_FIELDS, model_config, ok_rows, require_model_shape, study_of
+from kvfast.studies.common import MODEL_SHAPE_FIELDS, aggregated, model_config, ok_rows, require_model_shape, study_of
 from kvfast.studies.criteria import BOUND, judged
 from kvfast.studies.plotting import pyplot
 from kvfast.sweep.study import Claim, Fact, Figure
@@ -136,18 +136,14 @@ def run(config: dict) -> dict:
 def summarize(df: pd.DataFrame) -> pd.DataFrame:
     """Per depth: runs, tensors per model, worst relative error and the tensor that has it."""
     ok = ok_rows(df)
-    if not len(ok):
-        return pd.DataFrame()
-    return (
-        ok.groupby("n_layer")
-        .agg(
-            runs=("tensors", "size"),
-            tensors=("tensors", "max"),
-            worst_rel_err=("worst_rel_err", "max"),
-            worst_tensor=("worst_rel_err", lambda errors: ok.loc[errors.idxmax(), "worst_tensor"]),
-            median_rel_err=("worst_rel_err", "median"),
-        )
-        .reset_index()
+    return aggregated(
+        ok,
+        "n_layer",
+        runs=("tensors", "size"),
+        tensors=("tensors", "max"),
+        worst_rel_err=("worst_rel_err", "max"),
+        worst_tensor=("worst_rel_err", lambda errors: ok.loc[errors.idxmax(), "worst_tensor"]),
+        median_rel_err=("worst_rel_err", "median"),
     )
 
 

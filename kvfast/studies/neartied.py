@@ -50,6 +50,7 @@ from kvfast.numerics import PRESETS, Numerics
 from kvfast.studies import bugs as bugstudy
 from kvfast.studies.common import (
     MODEL_SHAPE_FIELDS,
+    aggregated,
     bits_equal,
     first_index,
     listed,
@@ -185,24 +186,19 @@ def run(config: dict) -> dict:
 def summarize(df: pd.DataFrame) -> pd.DataFrame:
     """Per (model, twin_exp, storage, accum): flips of the cached run and of the control (of N runs), margins,
     exact cache."""
-    ok = ok_rows(df)
-    if not len(ok):
-        return pd.DataFrame()
     formats = pd.CategoricalDtype(FORMATS, ordered=True)
-    ok = ok.astype({"model": pd.CategoricalDtype(MODEL_KINDS, ordered=True), "storage": formats, "accum": formats})
-    return (
-        ok.groupby(["model", "twin_exp", "storage", "accum"], observed=True)
-        .agg(
-            runs=("run_id", "size"),
-            flips_cached=("flip_cached", "sum"),
-            flips_control=("flip_control", "sum"),
-            margin_median=("margin_median", "median"),
-            rel_margin_median=("rel_margin_median", "median"),
-            margin_min=("margin_min", "min"),
-            twin_top2=("twin_top2_frac", "mean"),
-            same_exact=("same_exact", "sum"),
-        )
-        .reset_index()
+    categories = {"model": pd.CategoricalDtype(MODEL_KINDS, ordered=True), "storage": formats, "accum": formats}
+    return aggregated(
+        ok_rows(df).astype(categories),
+        ["model", "twin_exp", "storage", "accum"],
+        runs=("run_id", "size"),
+        flips_cached=("flip_cached", "sum"),
+        flips_control=("flip_control", "sum"),
+        margin_median=("margin_median", "median"),
+        rel_margin_median=("rel_margin_median", "median"),
+        margin_min=("margin_min", "min"),
+        twin_top2=("twin_top2_frac", "mean"),
+        same_exact=("same_exact", "sum"),
     )
 
 

@@ -49,6 +49,7 @@ from kvfast.model.transformer import Weights, forward_prepared
 from kvfast.numerics import PRESETS, Numerics
 from kvfast.studies.common import (
     MODEL_SHAPE_FIELDS,
+    aggregated,
     bits_equal,
     first_index,
     listed,
@@ -254,25 +255,21 @@ def run(config: dict) -> dict:
 def summarize(df: pd.DataFrame) -> pd.DataFrame:
     """Per (d_model, storage, accum, attention, decode_attention): mean agreement, worst differences, exact share."""
     ok = ok_rows(df)
-    if not len(ok):
-        return pd.DataFrame()
     formats = pd.CategoricalDtype(FORMATS, ordered=True)
     kinds = [k for k in ("standard", *sorted(set(ok["attention"]) - {"standard"})) if k in set(ok["attention"])]
     ok = ok.astype({"storage": formats, "accum": formats, "attention": pd.CategoricalDtype(kinds, ordered=True)})
-    return (
-        ok.groupby(["d_model", "storage", "accum", "attention", "decode_attention"], observed=True)
-        .agg(
-            runs=("run_id", "size"),
-            fwd_pos_agree=("fwd_pos_agree", "mean"),
-            fwd_pos_agree_min=("fwd_pos_agree", "min"),
-            fwd_values_agree=("fwd_values_agree", "mean"),
-            fwd_logits_agree=("fwd_logits_agree", "mean"),
-            fwd_max_diff=("fwd_max_diff", "max"),
-            cache_pos_agree=("cache_pos_agree", "mean"),
-            cache_max_diff=("cache_max_diff", "max"),
-            same_exact=("same_exact", "mean"),
-        )
-        .reset_index()
+    return aggregated(
+        ok,
+        ["d_model", "storage", "accum", "attention", "decode_attention"],
+        runs=("run_id", "size"),
+        fwd_pos_agree=("fwd_pos_agree", "mean"),
+        fwd_pos_agree_min=("fwd_pos_agree", "min"),
+        fwd_values_agree=("fwd_values_agree", "mean"),
+        fwd_logits_agree=("fwd_logits_agree", "mean"),
+        fwd_max_diff=("fwd_max_diff", "max"),
+        cache_pos_agree=("cache_pos_agree", "mean"),
+        cache_max_diff=("cache_max_diff", "max"),
+        same_exact=("same_exact", "mean"),
     )
 
 

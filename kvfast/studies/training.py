@@ -61,6 +61,7 @@ from kvfast.model.transformer import Weights, forward_prepared
 from kvfast.numerics import Numerics
 from kvfast.studies.common import (
     MODEL_SHAPE_FIELDS,
+    aggregated,
     listed,
     model_config,
     ok_rows,
@@ -264,9 +265,6 @@ def _mean_over_runs(point):
 def summarize(df: pd.DataFrame) -> pd.DataFrame:
     """Per training budget and prefix length: means over seeds of the gradient cosine and held-out losses, and of
     the lowest and the last point of the cosine curve along each variant's training."""
-    ok = ok_rows(df)
-    if not len(ok):
-        return pd.DataFrame()
     heldout_means = {
         f"{metric}_{v}": (f"{metric}_{v}", "mean") for metric in ("loss", "suffix_loss", "suffix_acc") for v in VARIANTS
     }
@@ -275,16 +273,14 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
         for v in VARIANTS
         for point, pick in CURVE_POINTS.items()
     }
-    return (
-        ok.groupby(["d_model", "train_steps", "prefix_len"])
-        .agg(
-            seeds=("seed", "nunique"),
-            grad_cosine=("grad_cosine", "mean"),
-            grad_cosine_min=("grad_cosine", "min"),
-            **heldout_means,
-            **curve_points,
-        )
-        .reset_index()
+    return aggregated(
+        ok_rows(df),
+        ["d_model", "train_steps", "prefix_len"],
+        seeds=("seed", "nunique"),
+        grad_cosine=("grad_cosine", "mean"),
+        grad_cosine_min=("grad_cosine", "min"),
+        **heldout_means,
+        **curve_points,
     )
 
 
