@@ -363,8 +363,7 @@ class HFModel(CachedPath):
 
     def recompute(self, tokens):
         """Logits ``(T, V)`` of a full forward of ``tokens`` from position 0, no cache."""
-        logits, _ = self._call(self.model, input_ids=self._ids(tokens, 0), use_cache=False)
-        return logits[0]
+        return self._call(self.model, input_ids=self._ids(tokens, 0), use_cache=False)[0][0]
 
     def _fresh_cache(self):
         if self.new_cache is not None:

@@ -63,10 +63,9 @@ class NumpyModel:
         missing = [k for k in CONFIG_KEYS if get(k) is None]
         if missing:
             raise ValueError(f"config: missing {missing}; allowed: a mapping with {', '.join(CONFIG_KEYS)}")
-        self.vocab_size = int(get("vocab"))
-        self.n_head = int(get("n_head"))
-        self.n_layer = int(get("n_layer"))
-        self.max_pos = int(get("max_pos"))
+        self.vocab_size, self.n_head, self.n_layer, self.max_pos = (
+            int(get(k)) for k in ("vocab", "n_head", "n_layer", "max_pos")
+        )
         self.dt = DTYPES[dtype]
         self.eps = self.dt(get("eps"))
         self.p = {}
@@ -78,9 +77,7 @@ class NumpyModel:
             self.p[name] = np.ascontiguousarray(params[name], dtype=self.dt)
         self.k: np.ndarray | None = None
         self.v: np.ndarray | None = None
-        self.length = 0
-        self.prefill_len = 0
-        self.decoded = 0
+        self.length = self.prefill_len = self.decoded = 0
         self.last_token = np.zeros(0, dtype=np.int64)
 
     @classmethod
