@@ -51,6 +51,7 @@ ATTENTION = ("auto", "sdpa", "eager")
 SKIPPED = "skipped"
 #: Verdicts from best to worst (a cell shows the worst of its runs first).
 VERDICTS = ("exact", "rounding", "inconclusive", "length-dependent", "bug", SKIPPED)
+VERDICT_RANK = {v: i for i, v in enumerate(VERDICTS)}  # a verdict's place in VERDICTS
 
 CONFIG_FIELDS: dict[str, pa.DataType] = {
     "architecture": pa.string(),
@@ -287,8 +288,7 @@ def _ordered(df: pd.DataFrame) -> pd.DataFrame:
 def verdict_cell(verdicts: pd.Series) -> str:
     """The verdicts of a cell's runs, worst first: ``"rounding 4"``, ``"bug 1, rounding 3"``."""
     counts = verdicts.value_counts()
-    rank = {v: i for i, v in enumerate(VERDICTS)}
-    names = sorted(counts.index, key=lambda v: -rank.get(v, len(VERDICTS)))
+    names = sorted(counts.index, key=lambda v: -VERDICT_RANK.get(v, len(VERDICTS)))
     return ", ".join(f"{v} {int(counts[v])}" for v in names)
 
 
@@ -422,12 +422,8 @@ def heatmap_table(df: pd.DataFrame) -> pd.DataFrame:
     clean = ok[ok["bug"] == hf.NO_BUG] if len(ok) else ok
     if not len(clean):
         return pd.DataFrame()
-    rank = {v: i for i, v in enumerate(VERDICTS)}
     checked = clean[clean["verdict"] != SKIPPED]
-
-    def worst(v: pd.Series) -> str:
-        return max(v, key=lambda x: rank.get(x, len(VERDICTS)))
-
+    worst = functools.partial(max, key=lambda v: VERDICT_RANK.get(v, len(VERDICTS)))
     cells = checked.assign(cell=checked["dtype"] + "/" + checked["scenario"])
     table = cells.pivot_table(index="architecture", columns="cell", values="verdict", aggfunc=worst, sort=False)
     table = table.reindex(clean["architecture"].unique()).fillna(SKIPPED)
@@ -450,7 +446,7 @@ def _draw_heatmap(df: pd.DataFrame, table: pd.DataFrame):
     from matplotlib.patches import Patch
 
     cells = table.set_index("architecture")
-    codes = cells.apply(lambda col: col.map({v: i for i, v in enumerate(VERDICTS)})).to_numpy(dtype=float)
+    codes = cells.apply(lambda col: col.map(VERDICT_RANK)).to_numpy(dtype=float)
     fig, ax = pyplot().subplots(figsize=(2.0 + 1.3 * cells.shape[1], 1.0 + 0.14 * cells.shape[0]))
     ax.imshow(codes, aspect="auto", cmap=ListedColormap([COLOURS[v] for v in VERDICTS]), vmin=0, vmax=len(VERDICTS) - 1)
     ax.set_yticks(range(len(cells)), cells.index, fontsize=6)

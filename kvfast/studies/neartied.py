@@ -202,18 +202,16 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
     )
 
 
-def flips_per_gap(df: pd.DataFrame) -> list[tuple[int, int, int, int, float]]:
+@listed
+def flips_per_gap(df: pd.DataFrame) -> Iterator[tuple[int, int, int, int, float]]:
     """bf16 storage + bf16 accumulator runs of ``df``, per twin gap: ``(twin_exp, runs, cached flips, control
     flips, exact McNemar p)`` (the cached run and the control of the same model paired)."""
     ok = ok_rows(df)
-    b16 = ok[(ok["storage"] == "bf16") & (ok["accum"] == "bf16")]
-    out = []
-    for exp, s in b16.groupby("twin_exp"):
+    for exp, s in ok[(ok["storage"] == "bf16") & (ok["accum"] == "bf16")].groupby("twin_exp"):
         only_c = int((s["flip_cached"] & ~s["flip_control"]).sum())
         only_n = int((~s["flip_cached"] & s["flip_control"]).sum())
         p = mcnemar_exact_p(only_c, only_n)
-        out.append((int(exp), len(s), int(s["flip_cached"].sum()), int(s["flip_control"].sum()), p))
-    return out
+        yield int(exp), len(s), int(s["flip_cached"].sum()), int(s["flip_control"].sum()), p
 
 
 def flips_text(per_gap: list[tuple[int, int, int, int, float]]) -> str:
