@@ -55,26 +55,30 @@ class Part:
     notes: tuple[str, ...] = ()
     keep_logits: bool = False
 
-    def kept(self) -> dict[str, np.ndarray]:
-        """The report's ``cache_logits`` (the path's) and ``reference`` (a copy of the rows) with ``keep_logits``;
-        else nothing (the report's ``None``): passed to the report as it is built, not copied into it after."""
-        return {"cache_logits": self.path.logits(), "reference": self.rows.copy()} if self.keep_logits else {}
+    def kept(self, logits: np.ndarray) -> dict[str, np.ndarray]:
+        """The report's ``cache_logits`` (``logits``, the path's: :meth:`~kvfast.check.scenarios.CachePath.logits`)
+        and ``reference`` (a copy of the rows) with ``keep_logits``; else nothing (the report's ``None``): passed to
+        the report as it is built, not copied into it after."""
+        return {"cache_logits": logits, "reference": self.rows.copy()} if self.keep_logits else {}
 
 
-def deviations(run: CachePath, rows: np.ndarray, start: int = 0) -> tuple[np.ndarray, int | None]:
+def deviations(
+    run: CachePath, rows: np.ndarray, start: int = 0, logits: np.ndarray | None = None
+) -> tuple[np.ndarray, int | None]:
     """Per-step max |cache - reference| (step 0 over prompt rows ``start..T-1``) and the first differing
-    prompt row (or ``None``)."""
-    first, outs = run.prompt_rows, run.decoded
-    T = first.shape[0]
-    dev = np.empty(outs.shape[0] + 1)
-    diff = first[start:] - rows[start:T]
-    diff0 = _MAX(np.abs(diff, out=diff), axis=1)
-    dev[0] = _MAX(diff0, axis=None)
-    diff = outs - rows[T:]
-    _MAX(np.abs(diff, out=diff), axis=1, out=dev[1:])
-    if not dev[0] > 0:  # (dev[0] is 0 or more: no prompt row differs)
-        return dev, None
-    return dev, start + int(np.nonzero(diff0 > 0)[0][0])
+    prompt row (or ``None``); ``logits``: the run's every row (:meth:`~kvfast.check.scenarios.CachePath.logits`),
+    where the caller has them."""
+    T = run.prompt_rows.shape[0]
+    diff = (run.logits() if logits is None else logits)[start:] - rows[start:]
+    if not np.count_nonzero(diff):  # every row equal (as in the sweeps' runs): no reduction to pay for
+        return np.zeros(diff.shape[0] - (T - start) + 1), None
+    per_row = _MAX(np.abs(diff, out=diff), axis=1)  # (one reduction for every row: prompt rows start..T-1, steps)
+    prompt = per_row[: T - start]
+    worst = prompt[prompt.argmax()]  # (the largest by its index: no reduction's set-up for a few rows)
+    bad_row = start + int(np.nonzero(prompt > 0)[0][0]) if worst > 0 else None  # (0 or more: > 0 differs)
+    dev = per_row[T - start - 1 :]  # step 0 in the last prompt row's place, then one per decode step
+    dev[0] = worst
+    return dev, bad_row
 
 
 _MAX = np.maximum.reduce
@@ -114,13 +118,14 @@ class Judge:
 
     def judge(self, part: Part, fmt: str) -> ScenarioReport:
         """``part``'s report; ``fmt``: the format whose 1 ulp is the least bound of a step (control)."""
-        dev, bad_row = deviations(part.path, part.rows, part.split or 0)
+        logits = part.path.logits()
+        dev, bad_row = deviations(part.path, part.rows, part.split or 0, logits)
         differs = (dev > 0).tolist()  # (one list, cheaper than an array's search: the exact judge's verdicts read it)
         first = differs.index(True) if True in differs else None
         verdicts, verdict, detail = self.steps(part, dev, differs, fmt)
         return ScenarioReport(
             part.name, part.prompt, part.path.fed, dev, verdicts, verdict, first, bad_row, detail, part.split,
-            part.notes, **part.kept(),
+            part.notes, **part.kept(logits),
         )  # fmt: skip
 
     def steps(self, part: Part, dev: np.ndarray, differs: list, fmt: str) -> tuple[tuple[str, ...], str, Detail]:

@@ -85,10 +85,7 @@ def invariance(
 
 def _equal(a: np.ndarray, b: np.ndarray) -> bool:
     """``numpy.array_equal(a, b)`` of two float64 arrays (NaN never equal), without its conversions."""
-    return a.shape == b.shape and bool(_ALL(a == b, axis=None))
-
-
-_ALL = np.logical_and.reduce
+    return a.shape == b.shape and not np.count_nonzero(a != b)  # (a count: cheaper than a reduction)
 
 
 def _where(part: np.ndarray, full: np.ndarray) -> str:

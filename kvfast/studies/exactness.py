@@ -175,15 +175,14 @@ def run(config: dict) -> dict:
     prompt = prompt_for(config)
     steps, T = config["steps"], config["prompt_len"]
     report = check_cache_with(model, prompt, _options(steps)).scenarios["decode"]
-    dev = report.deviation[:steps]
     t_cached = report.cache_logits[T - 1 : T - 1 + steps].argmax(axis=1).tolist()  # Python ints
     t_full = report.reference[T - 1 : T - 1 + steps].argmax(axis=1).tolist()
-    worst = float(dev.max())
+    first_bad = report.first_divergent_step  # the first step whose deviation is not 0 (None: none)
     return {
         "storage": numerics.storage,
         "accum": numerics.accum,
-        "max_abs_dev": worst,
-        "first_bad_step": int(np.nonzero(dev > 0)[0][0]) if worst > 0 else -1,  # (deviations are 0 or more)
+        "max_abs_dev": max(report.deviation[:steps].tolist()),  # (a Python max: no reduction's set-up)
+        "first_bad_step": first_bad if first_bad is not None and first_bad < steps else -1,
         "tokens_equal": t_cached == t_full,
         "tokens": ",".join(map(str, t_cached)),  # Python ints: the same text, without NumPy's str per token
     }
