@@ -402,12 +402,11 @@ class VLLMModel:
         values = np.asarray(flat.logprobs, np.float32)  # float32 logits read back as Python floats: exact
         rows = np.empty((len(indices), self.vocab_size), np.float32)
         for k, i in enumerate(indices):
-            start, end = flat.start_indices[i], flat.end_indices[i]
-            covered = np.zeros(self.vocab_size, bool)
-            covered[ids[start:end]] = True
-            if not covered.all():
-                raise RuntimeError(f"vLLM returned {int(covered.sum())} of {self.vocab_size} logits for a row")
-            rows[k, ids[start:end]] = values[start:end]
+            span = slice(flat.start_indices[i], flat.end_indices[i])
+            given = np.count_nonzero(np.bincount(ids[span], minlength=self.vocab_size))  # distinct token ids
+            if given < self.vocab_size:
+                raise RuntimeError(f"vLLM returned {given} of {self.vocab_size} logits for a row")
+            rows[k, ids[span]] = values[span]
         return rows
 
     def _rows_of(self, output, first: int, last: np.ndarray | None = None) -> np.ndarray:
@@ -623,12 +622,15 @@ class VLLMModel:
         """Why the ``stepwise`` variant's rows are not order noise, else ``None``. The variant runs vLLM's split
         decode attention itself, so whatever that path computes wrong it shares with the cached path; it is
         admitted only within :data:`SPLIT_MARGIN` times what one unit in the last place of every attention output
-        does to the same rows (:meth:`_attention_ulp`, a recompute that never runs the decode attention): split-KV
-        adds the same terms in float32 in another order, so it can move an attention output by about one unit."""
+        does to the same rows (:meth:`recompute` with every attention layer's output moved one unit in its last
+        place, up and down in turn: :func:`.vllm_patches.attention_outputs_moved`; vLLM's prefill attention, never a
+        decode step's): split-KV adds the same terms in float32 in another order, so it can move an attention output
+        by about one unit."""
         n = min(DECODE_ROWS, len(tokens) - 1)
         reference = self.recompute(tokens)[-n:]
         split = float(np.abs(stepwise[-n:] - reference).max())
-        unit = float(np.abs(self._attention_ulp(tokens)[-n:] - reference).max())
+        with vllm_patches.attention_outputs_moved(self._model()):
+            unit = float(np.abs(self.recompute(tokens)[-n:] - reference).max())
         if split <= SPLIT_MARGIN * unit:
             return None
         ratio = split / unit if unit else float("inf")
@@ -638,13 +640,6 @@ class VLLMModel:
             f"more than the {SPLIT_MARGIN}x that adding the same terms in another order can explain: its decode "
             "attention differs from its prefill's in logic, not order, and the variant measures no order noise"
         )
-
-    def _attention_ulp(self, tokens: list[int]) -> np.ndarray:
-        """:meth:`recompute` with every attention layer's output moved one unit in its last place (up and down in
-        turn, :func:`.vllm_patches.attention_outputs_moved`), the size of a rounding of each: vLLM's prefill
-        attention, never a decode step's."""
-        with vllm_patches.attention_outputs_moved(self._model()):
-            return self.recompute(tokens)
 
     def _stepwise(self, tokens: list[int]) -> np.ndarray:
         self._new_requests([tokens])

@@ -93,11 +93,10 @@ def _patch_kernel_scan() -> None:
         return
 
     def instance_dict(value):
-        try:
+        with contextlib.suppress(AttributeError):
             found = object.__getattribute__(value, "__dict__")
-        except AttributeError:
-            return {}
-        return found if isinstance(found, dict) else {}
+            return found if isinstance(found, dict) else {}
+        return {}
 
     dispatcher.vars = instance_dict
 
