@@ -37,51 +37,53 @@ class _EngineBug:
 
 
 class _VLLMBug(_EngineBug):
-    """A vLLM bug mixin: the metadata copy it changes (:meth:`_change`, given clones of ``seq_lens`` and
-    ``block_table_tensor``)."""
+    """A vLLM bug mixin: the requests it acts on (:meth:`_acts`, a mask over the batch's rows) and what it changes
+    in each (:meth:`_change`, given clones of ``seq_lens`` and ``block_table_tensor``)."""
 
     def _attention_metadata(self, metadata, block_size: int):
         seq_lens, table = metadata.seq_lens.clone(), metadata.block_table_tensor.clone()
         query_lens = metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]
-        if not self._change(seq_lens, table, query_lens, block_size):
+        rows = self._acts(seq_lens, query_lens, block_size).nonzero().flatten().tolist()
+        if not rows:
             return metadata
+        for r in rows:
+            self._change(r, seq_lens, table, block_size)
         return dataclasses.replace(
             metadata, seq_lens=seq_lens, block_table_tensor=table, max_seq_len=int(seq_lens.max())
         )
-
-    def _change(self, seq_lens, table, query_lens, block_size: int) -> bool:
-        raise NotImplementedError
 
 
 class _Evict(_VLLMBug):
     bug = "evict"
 
-    def _change(self, seq_lens, table, query_lens, block_size):
-        rows = ((query_lens == 1) & (seq_lens > VLLM_WINDOW_BLOCKS * block_size)).nonzero().flatten().tolist()
-        for r in rows:  # the kernel reads the keys from the second block on: the first block is evicted
-            table[r, :-1] = table[r, 1:].clone()
-            seq_lens[r] -= block_size
-        return bool(rows)
+    def _acts(self, seq_lens, query_lens, block_size):
+        return (query_lens == 1) & (seq_lens > VLLM_WINDOW_BLOCKS * block_size)
+
+    def _change(self, r, seq_lens, table, block_size):
+        # the kernel reads the keys from the second block on: the first block is evicted
+        table[r, :-1] = table[r, 1:].clone()
+        seq_lens[r] -= block_size
 
 
 class _BlockShort(_VLLMBug):
     bug = "short"
 
-    def _change(self, seq_lens, table, query_lens, block_size):
-        rows = ((query_lens == 1) & (seq_lens > block_size)).nonzero().flatten().tolist()
-        for r in rows:  # the table lacks the sequence's last block: decode attends the full blocks before it
-            seq_lens[r] = (int(seq_lens[r]) - 1) // block_size * block_size
-        return bool(rows)
+    def _acts(self, seq_lens, query_lens, block_size):
+        return (query_lens == 1) & (seq_lens > block_size)
+
+    def _change(self, r, seq_lens, table, block_size):
+        # the table lacks the sequence's last block: decode attends the full blocks before it
+        seq_lens[r] = (int(seq_lens[r]) - 1) // block_size * block_size
 
 
 class _HitOffByOne(_VLLMBug):
     bug = "hitpos"
 
-    def _change(self, seq_lens, table, query_lens, block_size):
-        rows = ((query_lens > 1) & (seq_lens > query_lens)).nonzero().flatten().tolist()
-        for r in rows:  # a chunk over cached blocks is placed one position early: each query misses its own key
-            seq_lens[r] -= 1
-        return bool(rows)
+    def _acts(self, seq_lens, query_lens, block_size):
+        return (query_lens > 1) & (seq_lens > query_lens)
+
+    def _change(self, r, seq_lens, table, block_size):
+        seq_lens[r] -= 1  # a chunk over cached blocks is placed one position early: each query misses its own key
 
 
 #: The CPU attention metadata builder's ``build``, which the bug hook wraps: (module, class, attribute, the
@@ -92,18 +94,13 @@ VLLM_METADATA_HOOK = ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionMetada
 def _hook_attention_metadata() -> None:
     """Route every CPU attention metadata build of a bug-injected adapter's cached path through its
     ``_attention_metadata`` (installed once; a no-op for any other step)."""
-    builder = vllm_patches.hook_target(*VLLM_METADATA_HOOK)
-    if getattr(builder.build, "_kvfast", False):
-        return
-    build = builder.build
 
-    def hooked(self, common_prefix_len, common_attn_metadata, fast_build=False):
+    def hooked(build, builder, common_prefix_len, common_attn_metadata, fast_build=False):
         if isinstance(vllm_patches.ACTIVE, _VLLMBug):
-            common_attn_metadata = vllm_patches.ACTIVE._attention_metadata(common_attn_metadata, self.block_size)
-        return build(self, common_prefix_len, common_attn_metadata, fast_build)
+            common_attn_metadata = vllm_patches.ACTIVE._attention_metadata(common_attn_metadata, builder.block_size)
+        return build(builder, common_prefix_len, common_attn_metadata, fast_build)
 
-    hooked._kvfast = True
-    builder.build = hooked
+    vllm_patches.wrap_once(vllm_patches.hook_target(*VLLM_METADATA_HOOK), "build", hooked)
 
 
 def _injector(bug: type):

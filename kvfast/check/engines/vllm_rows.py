@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from unittest import mock
 
 import numpy as np
 
@@ -34,13 +35,10 @@ def _each_linear(layers: list, wrap):
     """Every one of ``layers``' ``cpu_linear`` replaced by ``wrap(k, its own)`` for the duration (``k``: the
     layer's index); yields the layers' own."""
     saved = [layer.cpu_linear for layer in layers]
-    for k, (layer, linear) in enumerate(zip(layers, saved, strict=True)):
-        layer.cpu_linear = wrap(k, linear)
-    try:
+    with contextlib.ExitStack() as stack:
+        for k, (layer, linear) in enumerate(zip(layers, saved, strict=True)):
+            stack.enter_context(mock.patch.object(layer, "cpu_linear", wrap(k, linear)))
         yield saved
-    finally:
-        for layer, linear in zip(layers, saved, strict=True):
-            layer.cpu_linear = linear
 
 
 def gemm_rows(layers: list, n: int):
