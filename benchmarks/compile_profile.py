@@ -1,6 +1,6 @@
 """Where a cold start's compile time goes: CPU seconds per compiled kernel specialisation.
 
-    PYTHONPATH=$PWD python benchmarks/compile_profile.py [--preset f64] [--all]
+    PYTHONPATH=$PWD python benchmarks/compile_profile.py [--preset f64] [--all] [--fresh N]
         [--reproduce [--repeats N] [--baseline DIR]] [--warm-check [--repeats N] [--baseline DIR]]
 
 Points Numba's cache at an empty temporary directory, then imports kvfast and runs the same
@@ -31,6 +31,11 @@ beside a baseline measured in the same minutes.
 function's name and signature, from Numba's index files) with those in ``DIR``, the ``NUMBA_CACHE_DIR`` of a real
 ``kvfast reproduce`` started with an empty one: the same set means the profile compiles what ``kvfast reproduce``
 compiles, no more, no less (exit 1 if not, with the difference).
+
+``--fresh N``: after the profile, each kvfast kernel compiled again ``N`` times, for every signature the run
+compiled, in fresh copies (a new dispatcher of the same function; no cache): the least CPU seconds of each, its
+own compile alone (what it calls is compiled already), largest first, and their sum; a figure of one kernel
+steadier than the profile's nested times on a shared machine (the least of ``N``, interleaved with nothing).
 
 ``--warm-check``: a warm start instead (kvfast's own Numba cache, filled by a first run): the whole
 command ``kvfast check kvfast.studies.check:kvfast_model ...`` (a 1-layer model, a 4-token prompt, 8
@@ -241,12 +246,46 @@ def same_entries(profiled: str, reproduced: str) -> int:
     return 0 if ours == theirs else 1
 
 
+def fresh_compiles(repeats: int) -> None:
+    """``--fresh``: every kvfast kernel this process compiled, compiled ``repeats`` times more in fresh copies, for
+    each of its signatures; print the least CPU seconds of each, largest first, and the sum."""
+    import gc
+    import types as pytypes
+
+    import numba as nb
+    from numba.core.registry import CPUDispatcher
+
+    rows = []
+    for kernel in [d for d in gc.get_objects() if isinstance(d, CPUDispatcher)]:
+        f = kernel.py_func
+        if not f.__module__.startswith("kvfast"):
+            continue
+        options = {k: v for k, v in kernel.targetoptions.items() if k != "nopython"}
+        for signature in list(kernel.overloads):
+            seconds = []
+            for i in range(repeats):
+                copy = pytypes.FunctionType(f.__code__, f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+                copy.__qualname__, copy.__module__ = f"{f.__qualname__}_fresh{i}", f.__module__
+                c = time.process_time()
+                nb.njit(**options, cache=False)(copy).compile(signature)
+                seconds.append(time.process_time() - c)
+            rows.append((min(seconds), f.__qualname__, str(signature)[:100]))
+    print(f"each kernel's own compile, least of {repeats} fresh copies (CPU s):")
+    for seconds, name, signature in sorted(rows, reverse=True):
+        print(f"{seconds:7.3f}  {name} {signature}")
+    print(f"{sum(r[0] for r in rows):7.3f}  sum")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="f64", choices=["f64", "f32", "bf16"])
     parser.add_argument("--all", action="store_true", help="also list nested compilations")
     parser.add_argument("--reproduce", action="store_true", help="every format kvfast reproduce runs, timed by step")
     parser.add_argument("--warm-check", action="store_true", help="a warm kvfast check of kvfast's model, whole")
+    parser.add_argument(
+        "--fresh", type=int, default=None, metavar="N",
+        help="after the profile, each kernel compiled again N times in fresh copies: its own compile, the least",
+    )  # fmt: skip
     parser.add_argument(
         "--repeats", type=int, default=None,
         help="--warm-check (default 5), --reproduce (default: one run in this process; 5 with --baseline): fresh "
@@ -268,6 +307,8 @@ def main() -> int:
         parser.error("--same-entries-as: one profile in this process; not allowed with --repeats or --baseline")
     if (args.repeats is not None or args.baseline is not None) and not (args.reproduce or args.warm_check):
         parser.error("--repeats and --baseline need --reproduce or --warm-check")
+    if args.fresh is not None and (args.fresh < 1 or args.warm_check or args.repeats or args.baseline):
+        parser.error("--fresh N (N >= 1): one profile in this process; not with --warm-check, --repeats, --baseline")
     if args.same_entries_as is not None and not Path(args.same_entries_as).is_dir():
         parser.error(f"--same-entries-as: {args.same_entries_as} is not a directory")
     if args.repeats is not None and args.repeats < 1:
@@ -338,6 +379,8 @@ def main() -> int:
     for seconds, depth, name, types in records:
         if depth == 0 or args.all:
             print(f"{seconds:7.2f}  {'  ' * depth}{name} {types[:150]}")
+    if args.fresh:
+        fresh_compiles(args.fresh)
     status = 0 if args.same_entries_as is None else same_entries(cache_dir, args.same_entries_as)
     shutil.rmtree(cache_dir, ignore_errors=True)
     return status

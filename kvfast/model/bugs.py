@@ -2,8 +2,7 @@
 
 Each bug is selected by name on the real decode kernel (``decode_step(...,
 bug=NAME)``); the clean path is ``bug=None``. The line each one changes is in
-:func:`kvfast.model.generation.decode_kernel` (kvswap's in the store it calls,
-:func:`kvfast.model.generation._decode_attention`), marked with the bug's name.
+:func:`kvfast.model.generation.decode_kernel`, marked with the bug's name.
 
 Four are visible at the first decode step (the cache is still just the
 prefill, but the new token's own computation is wrong) and four are

@@ -44,12 +44,14 @@ from typing import NamedTuple
 import numba as nb
 import numpy as np
 from numba import types
+from numba.core.imputils import impl_ret_borrowed
+from numba.extending import intrinsic
 
 from kvfast.kernels.attention import ATTENTION, AttentionKernels, Blocks, Heads, attention_kernels, attention_with
 from kvfast.kernels.indirect import Kernel, one_compile_at_a_time, table, through_address
 from kvfast.kernels.jit import JIT_OPTIONS
 from kvfast.kernels.matmul import LARGE_MIN_ROWS, MATMUL, PRODUCTS, Products, matmul_with, product_bodies, size_class
-from kvfast.kernels.precision import FORMATS, Formats
+from kvfast.kernels.precision import FORMATS
 from kvfast.kernels.rowops import RMSNORM, embed_into, rmsnorm_into
 from kvfast.model.block import (
     Activations,
@@ -188,12 +190,32 @@ def plain(record: tuple) -> tuple:
     return tuple(plain(v) if isinstance(v, tuple) else v for v in record)
 
 
-@nb.njit(**JIT_OPTIONS, inline="always")
-def named(kern, w, fmt) -> tuple[Kernels, StackedWeights, Formats]:
+def _plain_type(t):
+    """The Numba type of a record of Numba type ``t`` in the plain tuples :func:`plain` makes (literals as their
+    types)."""
+    if isinstance(t, types.BaseTuple):
+        return types.Tuple(tuple(_plain_type(m) for m in t.types))  # a UniTuple where the members' types agree
+    return types.unliteral(t)
+
+
+_RECORDS = types.Tuple((KERNELS, WEIGHTS, FORMATS))
+
+
+@intrinsic
+def named(typingctx, kern, w, fmt):
     """The table of kernels, the weights and the formats as a compiled entry receives them from Python (plain
     tuples: :func:`plain`), named again: :class:`Kernels`, :class:`StackedWeights`,
-    :class:`~kvfast.kernels.precision.Formats`."""
-    return Kernels(Products(*kern[0]), AttentionKernels(*kern[1]), *kern[2:]), StackedWeights(*w), Formats(*fmt)
+    :class:`~kvfast.kernels.precision.Formats`. The same values (a named tuple's data is laid out as the plain
+    tuple's): no copy member by member, which Numba compiles as one copy of every array (a reference count)
+    per member and level."""
+    if _plain_type(types.Tuple((kern, w, fmt))) != _plain_type(_RECORDS):
+        return None
+
+    def codegen(context, builder, sig, args):
+        out = context.make_tuple(builder, sig.return_type, args)
+        return impl_ret_borrowed(context, builder, sig.return_type, out)
+
+    return _RECORDS(kern, w, fmt), codegen
 
 
 block_input_at = through_address(BLOCK_INPUT)
@@ -216,60 +238,51 @@ def _store_rows(buf, start, rows):
 @one_compile_at_a_time
 @nb.njit(**JIT_OPTIONS)
 def forward_kernel(kern, w, n_head, eps, fmt, attn, attn_block, tokens, lengths, pos0, kc, vc, causal, logits, resid):
-    """The forward of ``tokens[:n]`` for each ``n`` of ``lengths``, in turn; writes their logits one after the
-    other into ``logits`` (``sum(lengths)``, vocab).
+    """The forward of ``tokens[:T]`` at positions ``pos0 ..`` over all layers for each ``T`` of ``lengths``, in
+    turn; writes their logits one after the other into ``logits`` (``sum(lengths)``, vocab).
 
-    One length ``T`` (the tokens' own) is the forward of ``tokens``; several are the recomputes of prefixes of
-    one sequence in one call (causal, no cache: ``pos0`` = 0), each computed exactly as it would be alone
-    (:func:`forward_rows`: a prefix's rows attend only keys it stored itself). ``kern``, ``w``, ``fmt``, ``kc``,
-    ``vc`` and ``resid``: :func:`forward_rows`' (``kc``, ``vc`` hold the longest prefix).
-    """
-    kern, w, fmt = named(kern, w, fmt)
-    first = 0
-    for n in lengths:
-        forward_rows(kern, w, n_head, eps, fmt, attn, attn_block, tokens[:n], pos0, kc, vc, causal,
-                     logits[first : first + n], resid)  # fmt: skip
-        first += n
-
-
-@nb.njit(**JIT_OPTIONS, inline="always")
-def forward_rows(kern, w, n_head, eps, fmt, attn, attn_block, tokens, pos0, kc, vc, causal, logits, resid):
-    """The forward of ``tokens`` at positions ``pos0 ..`` over all layers; writes ``logits`` (T, vocab).
+    One length (the tokens' own) is the forward of ``tokens``; several are the recomputes of prefixes of one
+    sequence in one call (causal, no cache: ``pos0`` = 0), each computed exactly as it would be alone (a
+    prefix's rows attend only keys it stored itself).
 
     ``kern``: :func:`kernels` (the kernels it calls by address); ``w``: the
     :class:`~kvfast.model.block.StackedWeights` and ``fmt``, its
-    :class:`~kvfast.kernels.precision.Formats` (named: :func:`named`); ``attn``/``attn_block``:
+    :class:`~kvfast.kernels.precision.Formats` (as plain tuples: :func:`named`); ``attn``/``attn_block``:
     ``Numerics.attention_codes``; ``kc``, ``vc`` (n_layer, S, d): the key/value
     buffers, rows ``pos0 .. pos0+T-1`` of each layer are written here and attention
     reads rows ``0 ..`` (a cache's buffers, or fresh (n_layer, T, d) ones without a
-    cache, pos0 = 0). ``resid``: (n_layer+1, T, d) receives the residual stream after
+    cache, pos0 = 0; the longest prefix's). ``resid``: (n_layer+1, T, d) receives the residual stream after
     the embedding and after each layer, or has no rows. Every step is the one of
     ``forward_prepared``.
     """
-    T = tokens.shape[0]
+    kern, w, fmt = named(kern, w, fmt)
     d = w.wte.shape[1]
-    positions = np.empty(T, dtype=np.int64)  # (T,) pos0, pos0 + 1, ... (a loop: np.arange compiles more)
-    for t in range(T):
-        positions[t] = pos0 + t
-    n_keys = pos0 + T if causal else kc.shape[1]
     heads = Heads(n_head, 1.0 / math.sqrt(d // n_head))
-    blocks = Blocks(attn, attn_block, np.int64(0), n_keys)  # a real kernel's split count cuts keys 0 .. n_keys - 1
     no_att = np.empty((0, 0, 0))
     keep = resid.shape[0] > 0
-    acts = activations(T, d, w.w1.shape[2])  # acts.x: the residual stream, updated in place by each layer
-    embed_into(w.wte, w.wpe, tokens, positions, fmt.storage, acts.x)  # x = wte[tokens] + wpe[positions]
     first = np.int64(0)  # not the literal 0: _store_rows is compiled once, for int64 rows
-    if keep:
-        _store_rows(resid[0], first, acts.x)
-    for layer in range(w.g1.shape[0]):
-        block_input_at(kern.block_input, kern, w, layer, eps, fmt, acts)  # h = rmsnorm(x) * g1; q, k, v
-        _store_rows(kc[layer], pos0, acts.k)
-        _store_rows(vc[layer], pos0, acts.v)
-        # y = attention(q, k, v): row t over keys 0 .. pos0 + t (or every key of the buffer, not causal)
-        attention_at(kern.attention_rows, acts.q, kc[layer], vc[layer], acts.y, no_att, pos0, causal, heads, fmt,
-                     blocks, kern.attention)  # fmt: skip
-        block_output_at(kern.block_output, kern, w, layer, eps, fmt, acts)  # x = x_mid + silu(h2 @ w1) @ w2
+    done = 0  # the logits' rows written so far
+    for T in lengths:
+        positions = np.empty(T, dtype=np.int64)  # (T,) pos0, pos0 + 1, ... (a loop: np.arange compiles more)
+        for t in range(T):
+            positions[t] = pos0 + t
+        n_keys = pos0 + T if causal else kc.shape[1]
+        blocks = Blocks(attn, attn_block, first, n_keys)  # a real kernel's split count cuts keys 0 .. n_keys - 1
+        acts = activations(T, d, w.w1.shape[2])  # acts.x: the residual stream, updated in place by each layer
+        embed_into(w.wte, w.wpe, tokens[:T], positions, fmt.storage, acts.x)  # x = wte[tokens] + wpe[positions]
         if keep:
-            _store_rows(resid[layer + 1], first, acts.x)
-    hf = np.empty((T, d))
-    head_at(kern.head, kern, w, eps, fmt, acts.x, hf, acts.inv1, logits)  # logits = (rmsnorm(x) * gf) @ w_out
+            _store_rows(resid[0], first, acts.x)
+        for layer in range(w.g1.shape[0]):
+            block_input_at(kern.block_input, kern, w, layer, eps, fmt, acts)  # h = rmsnorm(x) * g1; q, k, v
+            _store_rows(kc[layer], pos0, acts.k)
+            _store_rows(vc[layer], pos0, acts.v)
+            # y = attention(q, k, v): row t over keys 0 .. pos0 + t (or every key of the buffer, not causal)
+            attention_at(kern.attention_rows, acts.q, kc[layer], vc[layer], acts.y, no_att, pos0, causal, heads,
+                         fmt, blocks, kern.attention)  # fmt: skip
+            block_output_at(kern.block_output, kern, w, layer, eps, fmt, acts)  # x = x_mid + silu(h2 @ w1) @ w2
+            if keep:
+                _store_rows(resid[layer + 1], first, acts.x)
+        hf = np.empty((T, d))
+        # logits = (rmsnorm(x) * gf) @ w_out
+        head_at(kern.head, kern, w, eps, fmt, acts.x, hf, acts.inv1, logits[done : done + T])
+        done += T

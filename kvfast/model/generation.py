@@ -49,9 +49,10 @@ def decode_kernel(kern, w, n_head, eps, fmt, attn, attn_block, kc, vc, length, p
     ``argmax``) at the cache's next position; one step is ``n = 1``. ``kern``, ``w``, ``fmt``: the table of
     kernels, the stacked weights and the formats as :func:`kvfast.model.compiled.forward_kernel` takes them;
     ``kc``, ``vc``: the cache's (n_layer, capacity, d) buffers, written in place at row ``slot``. The block is
-    the forward's (:mod:`kvfast.model.block`) on one row; every line a catalogue bug changes is marked (here and
-    in :func:`_decode_attention`). ``attn``/``attn_block``: ``Numerics.attention_codes`` (a real kernel's
-    attention order; for splitcount the call's key range is the row's own ``lo..hi-1``).
+    the forward's (:mod:`kvfast.model.block`) on one row; every line a catalogue bug changes is marked.
+    ``attn``/``attn_block``: ``Numerics.attention_codes`` (a real kernel's attention order; for splitcount the
+    call's key range is the row's own ``lo..hi-1``). Its helpers are inlined in Numba IR or written out here
+    (called, each was compiled on its own; inlined, each argument was a copy).
     """
     kern, w, fmt = named(kern, w, fmt)
     d = w.wte.shape[1]
@@ -59,6 +60,8 @@ def decode_kernel(kern, w, n_head, eps, fmt, attn, attn_block, kc, vc, length, p
     tokens = np.empty(1, dtype=np.int64)  # (not np.full: one more function to compile)
     positions = np.empty(1, dtype=np.int64)
     hf = np.empty((1, d))
+    no_att = np.empty((0, 0, 0))  # no probabilities kept
+    row = np.int64(0)  # not the literal 0: the row kernels are compiled once, for the forward's int64 rows too
     work = new_scratch(kc.shape[1], d // n_head)  # attention's work arrays, for every layer and step
     for i in range(logits.shape[0]):
         if i > 0:
@@ -90,18 +93,29 @@ def decode_kernel(kern, w, n_head, eps, fmt, attn, attn_block, kc, vc, length, p
         embed_into(w.wte, w.wpe, tokens, positions, fmt.storage, acts.x)  # x = wte[token] + wpe[p]
         for layer in range(w.g1.shape[0]):
             block_input_at(kern.block_input, kern, w, layer, eps, fmt, acts)  # h = rmsnorm(x) * g1; q, k, v
-            keys = Keys(kc[layer], vc[layer], lo, hi)
-            _decode_attention(kern.attention, acts, slot, keys, heads, fmt, bug, attn, attn_block, work)
+            if bug == B.KVSWAP:  # store the row's k, v at row slot of the layer's buffers
+                _store_rows(kc[layer], slot, acts.v)  # kvswap
+                _store_rows(vc[layer], slot, acts.k)
+            else:
+                _store_rows(kc[layer], slot, acts.k)
+                _store_rows(vc[layer], slot, acts.v)
+            keys = Keys(kc[layer], vc[layer], lo, hi)  # y = attention(q, k, v) over keys lo .. hi - 1
+            if attn == STANDARD:
+                row_at(kern.attention.row, acts.q, acts.y, no_att, row, keys, heads, fmt, work, kern.attention)
+            else:
+                blocks = Blocks(attn, attn_block, lo, hi)  # splitcount cuts the row's own keys
+                blocked_at(kern.attention.blocked, acts.q, acts.y, row, keys, heads, fmt, blocks, work, kern.attention)
             block_output_at(kern.block_output, kern, w, layer, eps, fmt, acts)  # x = x_mid + silu(h2 @ w1) @ w2
         head_at(kern.head, kern, w, eps, fmt, acts.x, hf, acts.inv1, logits[i : i + 1])  # (rmsnorm(x) * gf) @ w_out
         length = new_length
     return length
 
 
-@nb.njit(**JIT_OPTIONS)
+@nb.njit(**JIT_OPTIONS, inline="always")
 def first_max(row) -> int:
     """The index of ``row``'s first maximum, or of its first NaN: ``numpy.argmax``, the token a greedy step
-    feeds (NumPy's own loop: a value not ``<=`` the best so far replaces it, and a NaN ends the scan)."""
+    feeds (NumPy's own loop: a value not ``<=`` the best so far replaces it, and a NaN ends the scan). Inlined in
+    :func:`decode_kernel`'s Numba IR (called, it was compiled on its own and optimised again there)."""
     best = row[0]
     at = 0
     if best != best:
@@ -114,26 +128,6 @@ def first_max(row) -> int:
             if value != value:
                 break
     return at
-
-
-@nb.njit(**JIT_OPTIONS, inline="always")
-def _decode_attention(kern, acts, slot, keys, heads, fmt, bug, attn, attn_block, work):
-    """Store the new row's ``k``, ``v`` (of ``acts``, :class:`~kvfast.model.block.Activations`) at row ``slot`` of
-    the layer's buffers ``keys.k``, ``keys.v``, then attend its ``q`` over ``keys`` into ``y``; the kvswap line is
-    marked. ``kern``: :func:`kvfast.kernels.attention.attention_kernels`; ``work``: its
-    :class:`~kvfast.kernels.attention.Scratch`."""
-    if bug == B.KVSWAP:
-        _store_rows(keys.k, slot, acts.v)  # kvswap
-        _store_rows(keys.v, slot, acts.k)
-    else:
-        _store_rows(keys.k, slot, acts.k)
-        _store_rows(keys.v, slot, acts.v)
-    row = np.int64(0)  # not the literal 0: the row kernels are compiled once, for the forward's int64 rows too
-    if attn == STANDARD:
-        row_at(kern.row, acts.q, acts.y, np.empty((0, 0, 0)), row, keys, heads, fmt, work, kern)
-    else:
-        blocks = Blocks(attn, attn_block, keys.lo, keys.hi)  # splitcount cuts the row's own keys
-        blocked_at(kern.blocked, acts.q, acts.y, row, keys, heads, fmt, blocks, work, kern)
 
 
 def decode_prepared(

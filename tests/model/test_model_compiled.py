@@ -211,7 +211,13 @@ def test_prepared_weights_have_the_type_the_block_is_compiled_for_by_address():
     kern = compiled.kernels(0, 0)
     logits = np.empty((1, cfg.vocab))
     head(kern, tuple(w), x, logits)  # the layout it is compiled for: a call
-    assert compiled.named.py_func(kern, w, (0, 0, 0))[2] == Formats(0, 0, 0)
+
+    @nb.njit
+    def formats(kern, w):
+        return compiled.named(kern, w, (0, 0, 0))[2]
+
+    got = formats(kern, tuple(w))  # named in compiled code: the record itself
+    assert got == Formats(0, 0, 0) and type(got) is Formats
     other = w._replace(wte=np.asfortranarray(w.wte))  # the same values in another layout
     with pytest.raises(nb.core.errors.TypingError):
         head(kern, tuple(other), x, logits)
