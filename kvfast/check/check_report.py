@@ -52,8 +52,9 @@ class ExactDetail:
     """Exact mode's detail of a scenario (the judge's, :mod:`kvfast.check.judge`): ``ulps[t]``, where a step
     diverged, the deviation in units in the last place of the logits' format at the step's magnitude (a
     divergence of a few is the size of order noise, not of a logic bug); ``None``: every step equal.
-    ``bounds``: a lossy cache's (:class:`LossyExactDetail`), else ``None`` (exact mode judges no step against a
-    bound)."""
+    ``bounds``: a lossy cache's, the format's expected error (:mod:`kvfast.check.lossy`: judged as exact mode
+    judges, a lossy cache never passes, the first nonzero error is the first failure), else ``None`` (exact mode
+    judges no step against a bound)."""
 
     ulps: np.ndarray | None = None
     bounds: ControlDetail | None = field(default=None, kw_only=True)
@@ -214,10 +215,6 @@ class ControlDetail:
         )
 
 
-#: Exact mode's detail of a lossy cache's scenario: judged as exact mode judges (a lossy cache never passes, the
-#: first nonzero error is the first failure), shown with its ``bounds``, the format's expected error
-#: (:mod:`kvfast.check.lossy`).
-LossyExactDetail = ExactDetail
 Detail = ExactDetail | ControlDetail
 
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from kvfast.check import control as C
 from kvfast.check import formats as F
-from kvfast.check.check_report import ControlDetail, Detail, ExactDetail, LossyExactDetail, ScenarioReport
+from kvfast.check.check_report import ControlDetail, Detail, ExactDetail, ScenarioReport
 from kvfast.check.scenarios import CachePath
 
 if TYPE_CHECKING:  # the options are read, never built or validated here
@@ -170,7 +170,7 @@ class ExactJudge(Judge):
         return ["lossy" if r <= self.margin else "divergent" for r in ratio]
 
     def lossy_detail(self, bounds: ControlDetail, judged: Detail) -> Detail:
-        return LossyExactDetail(judged.ulps, bounds=bounds)
+        return ExactDetail(judged.ulps, bounds=bounds)
 
 
 @dataclass(frozen=True)
