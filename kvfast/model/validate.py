@@ -37,7 +37,7 @@ def require_tokens(config: ModelConfig, tokens: object, field: str = "tokens", s
         raise ValueError(f"{field}: shape {arr.shape} is not allowed; allowed: a non-empty 1-D sequence")
     if arr.dtype.kind not in "iu":
         raise ValueError(f"{field}: dtype {arr.dtype} is not allowed; allowed: integer token ids")
-    if _MIN(arr) < 0 or _MAX(arr) >= config.vocab:  # (two reductions: no boolean arrays unless one is out)
+    if arr[arr.argmin()] < 0 or arr[arr.argmax()] >= config.vocab:  # (no reduction's set-up, no boolean arrays)
         bad = (arr < 0) | (arr >= config.vocab)
         raise ValueError(f"{field}: token {int(arr[bad][0])} is out of range; allowed: integers in [0, {config.vocab})")
     if start + arr.size > config.max_pos:
@@ -46,9 +46,6 @@ def require_tokens(config: ModelConfig, tokens: object, field: str = "tokens", s
             f"allowed: at most {config.max_pos - start}"
         )
     return arr.astype(np.int64)
-
-
-_MIN, _MAX = np.minimum.reduce, np.maximum.reduce
 
 
 def require_token(config: ModelConfig, token: object) -> int:
