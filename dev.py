@@ -225,7 +225,8 @@ def main(argv: list[str]) -> int:
         bin_dir = ensure_env(extras, LOWEST_VENV, LOWEST)
     elif command == "test-lowest-hf":
         bin_dir = ensure_env(extras, LOWEST_VENV, LOWEST)
-        files_given = any(not arg.startswith("-") for arg in rest)  # test files named: those instead of HF_TESTS
+        # test files or folders named: those instead of HF_TESTS (not an option's value, as the 2 of "-n 2")
+        files_given = any(not arg.startswith("-") and (ROOT / arg.split("::")[0]).exists() for arg in rest)
         command, rest = "test", rest if files_given else [*HF_TESTS, *rest]
     else:
         bin_dir = ensure_env(extras)
