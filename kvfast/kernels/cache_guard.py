@@ -105,16 +105,18 @@ def key_entries(package: Path, key: str) -> bool:
             "in every process, not cached (unset it to cache them)"
         )
         return False
-    try:
-        from numba.core.caching import CacheImpl, UserProvidedCacheLocator
-    except ImportError:  # pragma: no cover - another Numba's internals
+    from numba.core import caching
+
+    # public from Numba 0.61; 0.60 (the lowest kvfast declares) names the same class with an underscore
+    provided = getattr(caching, "UserProvidedCacheLocator", None) or getattr(caching, "_UserProvidedCacheLocator", None)
+    if provided is None:  # pragma: no cover - another Numba's internals
         _note("this Numba has no cache locators kvfast can key: its kernels are compiled afresh, not cached")
         return False
-    if any(getattr(cls, "_kvfast_keyed", False) for cls in CacheImpl._locator_classes):
+    if any(getattr(cls, "_kvfast_keyed", False) for cls in caching.CacheImpl._locator_classes):
         return True
     root = str(package.resolve()) + os.sep
 
-    class KeyedLocator(UserProvidedCacheLocator):
+    class KeyedLocator(provided):
         """Numba's locator for a user-provided cache directory (kvfast always sets one), for kvfast's own
         files only, with ``key`` in the freshness stamp."""
 
@@ -129,7 +131,7 @@ def key_entries(package: Path, key: str) -> bool:
         def get_source_stamp(self):
             return (super().get_source_stamp(), key)
 
-    CacheImpl._locator_classes = [KeyedLocator, *CacheImpl._locator_classes]
+    caching.CacheImpl._locator_classes = [KeyedLocator, *caching.CacheImpl._locator_classes]
     return True
 
 
