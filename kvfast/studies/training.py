@@ -72,7 +72,7 @@ from kvfast.studies.common import (
 )
 from kvfast.studies.criteria import DIRECTION, VS_SEED, judged, within
 from kvfast.studies.plotting import pyplot
-from kvfast.studies.toytask import AdamState, adam_step, batch_loss_and_grads
+from kvfast.studies.toytask import AdamState, adam_step, batch_loss_and_grads, heldout
 from kvfast.sweep.study import Claim, Fact, Figure
 from kvfast.validation import not_allowed, require_int
 
@@ -174,18 +174,6 @@ def cached_prefix_loss(
     logits = forward_prepared(cfg, Weights.prepare(cfg, params, F64), tokens[prefix_len:], F64, cache)
     loss, _ = L.cross_entropy_forward(logits, targets[prefix_len:])
     return loss
-
-
-def heldout(cfg: ModelConfig, params: dict, inputs: np.ndarray, targets: np.ndarray, first: int) -> tuple[float, float]:
-    """Mean cross-entropy and accuracy (argmax == target) over positions ``first..11`` of every sequence."""
-    w = Weights.prepare(cfg, params, F64)
-    losses, hits = [], 0
-    for x, y in zip(inputs, targets, strict=True):
-        logits = forward_prepared(cfg, w, x, F64)[first:]
-        loss, _ = L.cross_entropy_forward(logits, y[first:])
-        losses.append(loss)
-        hits += int((logits.argmax(axis=1) == y[first:]).sum())
-    return float(np.mean(losses)), hits / (inputs.shape[0] * (SEQ_LEN - first))
 
 
 def train(config: dict, cached: bool, probe=None) -> tuple[dict[str, np.ndarray], list[float], list]:
