@@ -50,6 +50,7 @@ from kvfast.studies import bugs as bugstudy
 from kvfast.studies.common import listed, ok_rows, step_range, study_of, tabled
 from kvfast.studies.criteria import EXACT, VS_SEED, judged, within
 from kvfast.studies.plotting import COLORS, pyplot
+from kvfast.sweep.grid import load_grid
 from kvfast.sweep.study import Claim, Fact, Figure
 
 VERSION = f"1.{bugstudy.VERSION}"  # its runs are bug-study runs
@@ -114,27 +115,15 @@ def _model(key: tuple) -> tuple:
     return bugstudy.model_for(dict(key))
 
 
-# The detector grid's random-model cases (``detector.toml``, ``model = "random"``), in its order;
-# tests/bugs/test_bugs_score.py asserts they are the grid's configs.
-CASE_SHAPES = {"n_layer": (1, 2, 3), "n_head": (1, 2)}
-CASE_PROMPTS = ((10, 3), (11, 5), (12, 8), (13, 11), (14, 14))  # (seed, prompt_len), tied
-CASE_FIXED = {"model": "random", "d_model": 16, "d_ff": 32, "vocab": 32, "steps": 16, "preset": "f64"}
-
-
 def default_cases() -> list[DetectorCase]:
-    """The detector study's cases (the random-model configs of grid ``detector.toml``): 240 bugged, then 30
-    clean controls.
+    """The detector study's cases: the random-model configs of its grid ``detector.toml``, in the grid's order
+    (240 bugged, then 30 clean controls).
 
     8 bugs and a clean control x 3 depths x 2 head counts x 5 (seed, prompt
     length) pairs on random float64 models (d_model 16, d_ff 32, vocab 32),
     16 generated tokens (15 decode steps).
     """
-    grid = itertools.product((*BUGS, bugstudy.CONTROL), CASE_SHAPES["n_layer"], CASE_SHAPES["n_head"], CASE_PROMPTS)
-    configs = [
-        {**CASE_FIXED, "bug": bug, "seed": seed, "n_layer": n_layer, "n_head": n_head, "prompt_len": prompt_len}
-        for bug, n_layer, n_head, (seed, prompt_len) in grid
-    ]
-    return [DetectorCase({k: c[k] for k in bugstudy.CONFIG_FIELDS}) for c in configs]
+    return [DetectorCase(c) for c in load_grid("detector").configs if c["model"] == "random"]
 
 
 def _cases(cases: Iterable | None) -> list:

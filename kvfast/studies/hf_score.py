@@ -17,8 +17,8 @@ attention implementation (each group's bugs against its own clean controls).
 Detectors (the score ranks cases for the AUC):
 
 - ``three_token_allclose``: three greedy tokens with the cache; decode step 1's logits against the
-  recompute, ``allclose(atol=1e-5, rtol=1e-5)`` (what popular generation test suites do); score: the
-  largest deviation at step 1;
+  recompute, ``allclose(atol=1e-5, rtol=1e-5)`` (what popular generation test suites do; the detector
+  :func:`kvfast.bugs.score.one_step_allclose`); score: the largest deviation at step 1;
 - ``hf_logits_and_ids``: Hugging Face's own generation tests: greedy generation of ``steps`` tokens with
   and without the cache; per-step logits compared with ``allclose(atol=1e-5, rtol=1e-5)``
   (``atol=rtol=1e-3`` for bfloat16, as its tests loosen for half precision) and token ids compared, both
@@ -45,7 +45,7 @@ import pandas as pd
 import pyarrow as pa
 
 from kvfast.bugs.hf import HF_BUGS, inject_hf_bug
-from kvfast.bugs.score import Detection, as_detection, score_rows, side_by_side
+from kvfast.bugs.score import Detection, as_detection, one_step_allclose, score_rows, side_by_side
 from kvfast.check.checker import check_cache
 from kvfast.check.hf import HFModel
 from kvfast.studies import hf_common as hf
@@ -106,17 +106,6 @@ def _np(logits) -> np.ndarray:
     return logits.detach().double().numpy() if hasattr(logits, "detach") else np.asarray(logits, dtype=np.float64)
 
 
-def three_token_allclose(model: HFModel, case: HFCase) -> Detection:
-    """Three greedy tokens with the cache; decode step 1's logits against the recompute, allclose(1e-5)."""
-    first = _np(model.prefill(case.prompt))[-1]
-    token = int(np.argmax(first))
-    step1 = _np(model.decode(token))
-    model.decode(int(np.argmax(step1)))
-    reference = _np(model.recompute(np.append(case.prompt, token)))[-1]
-    close = np.allclose(step1, reference, atol=1e-5, rtol=1e-5)
-    return Detection(not close, float(np.abs(step1 - reference).max()), None if close else 1)
-
-
 def hf_logits_and_ids(model: HFModel, case: HFCase) -> Detection:
     """Greedy with and without the cache; per-step allclose logits and equal ids, up to the first near-tie."""
     atol = ATOL.get(model.dtype, 1e-5)
@@ -157,8 +146,9 @@ def kvfast_promoted(model: HFModel, case: HFCase) -> Detection:
     return Detection(bool(steps), max(r.max_ratio for r in both), min(steps) if steps else None)
 
 
-DETECTORS = {  # each under its function's name
-    fn.__name__: fn for fn in (three_token_allclose, hf_logits_and_ids, kvfast_exact, kvfast_control, kvfast_promoted)
+DETECTORS = {  # each under its function's name; the three-token check is kvfast.bugs.score's
+    "three_token_allclose": one_step_allclose,
+    **{fn.__name__: fn for fn in (hf_logits_and_ids, kvfast_exact, kvfast_control, kvfast_promoted)},
 }
 
 CONFIG_FIELDS: dict[str, pa.DataType] = {**hf.MODEL_FIELDS, **hf.CASE_FIELDS}

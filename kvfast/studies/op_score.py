@@ -99,9 +99,10 @@ def bugs_of(family: str) -> tuple[str, ...]:
 
 def score_table(steps: int = 16) -> str:
     """The Markdown table: each detector's scores per operation bug, side by side."""
-    from kvfast.studies.hf_score import hf_logits_and_ids, three_token_allclose
+    from kvfast.studies.hf_score import DETECTORS
 
-    detectors = {fn.__name__: fn for fn in (three_token_allclose, hf_logits_and_ids, kvfast_operations)}
+    people = ("three_token_allclose", "hf_logits_and_ids")
+    detectors = {**{name: DETECTORS[name] for name in people}, "kvfast_operations": kvfast_operations}
     all_cases = cases(steps)
     tables = {name: grouped_scores(run_detector(fn, all_cases, tuple(OP_BUGS))) for name, fn in detectors.items()}
     return markdown(side_by_side(tables))

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvfast.kernels.rowops import exp_array, log_array
+from kvfast.model import layers as L
 from kvfast.model.config import ModelConfig, init_params
 from kvfast.model.transformer import Weights, forward_prepared, loss_and_grads_prepared
 from kvfast.numerics import Numerics
@@ -177,24 +177,31 @@ def train(
     return dict(_train_cached(config, task, int(seed), int(steps), float(lr), int(batch)))
 
 
+def heldout(
+    config: ModelConfig, params: dict[str, np.ndarray], inputs: np.ndarray, targets: np.ndarray, first: int
+) -> tuple[float, float]:
+    """Teacher-forced mean cross-entropy and accuracy (argmax == target) over positions ``first..`` of every
+    sequence of ``inputs`` (float64)."""
+    numerics = Numerics()
+    w = Weights.prepare(config, params, numerics)
+    losses, hits = [], 0
+    for x, y in zip(inputs, targets, strict=True):
+        logits = forward_prepared(config, w, x, numerics)[first:]
+        loss, _ = L.cross_entropy_forward(logits, y[first:])
+        losses.append(loss)
+        hits += int((logits.argmax(axis=1) == y[first:]).sum())
+    return float(np.mean(losses)), hits / (inputs.shape[0] * (inputs.shape[1] - first))
+
+
 def evaluate(
     config: ModelConfig, params: dict[str, np.ndarray], task: CycleTask, seed: int, n: int = 64
 ) -> dict[str, float]:
-    """Teacher-forced held-out ``loss`` and ``accuracy`` (argmax == target) over the determined positions.
+    """Teacher-forced held-out ``loss`` and ``accuracy`` (argmax == target) over the determined positions
+    (:func:`heldout`).
 
     ``n`` fresh sequences are drawn from a generator seeded by ``seed`` (use a
     seed other than the training one for held-out data).
     """
-    numerics = Numerics()
-    w = Weights.prepare(config, params, numerics)
     inputs, targets = make_batch(task, np.random.default_rng([seed, 0xE7A1]), n)
-    losses, hits, count = [], 0, 0
-    for x, y in zip(inputs, targets, strict=True):
-        logits = forward_prepared(config, w, x, numerics)[task.loss_from :]
-        yy = y[task.loss_from :]
-        shifted = logits - logits.max(axis=1, keepdims=True)
-        logp = shifted - log_array(exp_array(shifted).sum(axis=1, keepdims=True))
-        losses.append(-logp[np.arange(yy.shape[0]), yy].mean())
-        hits += int((logits.argmax(axis=1) == yy).sum())
-        count += yy.shape[0]
-    return {"loss": float(np.mean(losses)), "accuracy": hits / count}
+    loss, accuracy = heldout(config, params, inputs, targets, task.loss_from)
+    return {"loss": loss, "accuracy": accuracy}

@@ -16,9 +16,9 @@ budget (same initialisation, same batches, same Adam steps and learning rate):
 - ``cached``: the same loss, but the keys and values of positions ``< P`` are
   constants (a cached prefix reused in fine-tuning; implemented with
   ``loss_and_grads_prepared(..., detach_kv_before=P)``). Its loss as a function of
-  the parameters is :func:`cached_prefix_loss` (the prefix's K/V come from a
-  frozen copy of the parameters through a real :class:`~kvfast.KVCache`), and
-  its gradient is checked against central differences of that loss in the tests.
+  the parameters takes the prefix's K/V from a frozen copy of the parameters through
+  a real :class:`~kvfast.KVCache`; tests/studies/test_studies_training.py checks the
+  gradient against central differences of that loss.
 
 Reported per run: the cosine between the two gradients at initialisation on a
 fixed batch (``grad_cosine``), and after training each variant the held-out
@@ -54,10 +54,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from kvfast.model import layers as L
-from kvfast.model.cache import KVCache
 from kvfast.model.config import ModelConfig, init_params
-from kvfast.model.transformer import Weights, forward_prepared
 from kvfast.numerics import Numerics
 from kvfast.studies.common import (
     MODEL_SHAPE_FIELDS,
@@ -72,7 +69,7 @@ from kvfast.studies.common import (
 )
 from kvfast.studies.criteria import DIRECTION, VS_SEED, judged, within
 from kvfast.studies.plotting import pyplot
-from kvfast.studies.toytask import AdamState, adam_step, batch_loss_and_grads
+from kvfast.studies.toytask import AdamState, adam_step, batch_loss_and_grads, heldout
 from kvfast.sweep.study import Claim, Fact, Figure
 from kvfast.validation import not_allowed, require_int
 
@@ -157,35 +154,6 @@ def gradients(
     """Mean loss over positions ``prefix_len..11`` and its gradient, full or with the prefix's K/V detached."""
     detach = prefix_len if cached else 0
     return batch_loss_and_grads(cfg, params, inputs, targets, prefix_len, F64, detach_kv_before=detach)
-
-
-def cached_prefix_loss(
-    cfg: ModelConfig, params: dict, frozen: dict, tokens: np.ndarray, targets: np.ndarray, prefix_len: int
-) -> float:
-    """The cached-prefix loss of one sequence: prefix K/V from ``frozen`` (via a KVCache), the rest from ``params``.
-
-    Mean cross-entropy over positions ``prefix_len..11``. At ``params == frozen``
-    it equals the ordinary loss bit for bit (the cache is exact); its gradient
-    in ``params`` at that point is the cached-prefix gradient.
-    """
-    cache = KVCache.empty(cfg, F64, tokens.shape[0])
-    if prefix_len > 0:
-        forward_prepared(cfg, Weights.prepare(cfg, frozen, F64), tokens[:prefix_len], F64, cache)
-    logits = forward_prepared(cfg, Weights.prepare(cfg, params, F64), tokens[prefix_len:], F64, cache)
-    loss, _ = L.cross_entropy_forward(logits, targets[prefix_len:])
-    return loss
-
-
-def heldout(cfg: ModelConfig, params: dict, inputs: np.ndarray, targets: np.ndarray, first: int) -> tuple[float, float]:
-    """Mean cross-entropy and accuracy (argmax == target) over positions ``first..11`` of every sequence."""
-    w = Weights.prepare(cfg, params, F64)
-    losses, hits = [], 0
-    for x, y in zip(inputs, targets, strict=True):
-        logits = forward_prepared(cfg, w, x, F64)[first:]
-        loss, _ = L.cross_entropy_forward(logits, y[first:])
-        losses.append(loss)
-        hits += int((logits.argmax(axis=1) == y[first:]).sum())
-    return float(np.mean(losses)), hits / (inputs.shape[0] * (SEQ_LEN - first))
 
 
 def train(config: dict, cached: bool, probe=None) -> tuple[dict[str, np.ndarray], list[float], list]:
