@@ -536,21 +536,16 @@ class HFModel(CachedPath):
     def lossy_cache(self) -> str | None:
         """The format of a lossy cache: kvfast's emulation's, else read from a fresh cache's layers (a
         ``QuantizedCache``: ``fp8-tensor`` for its fp8 backend, ``int<nbits>`` for quanto and HQQ), else ``None``."""
-        if self.lossy_emulation is not None:
+        if self.lossy_emulation is not None or self.new_cache is None:
             return self.lossy_emulation
-        if self.new_cache is None:
-            return None
-        key = id(self.new_cache)
-        if getattr(self, "_lossy_probe", (None,))[0] != key:
-            found = None
-            for layer in cache_layers(self.new_cache()):
-                name = type(layer).__name__
-                if name == "Fp8QuantizedLayer":
-                    found = "fp8-tensor"
-                elif "Quantized" in name:
-                    found = f"int{int(getattr(layer, 'nbits', 4))}"
-            self._lossy_probe = (key, found)
-        return self._lossy_probe[1]
+        found = None
+        for layer in cache_layers(self.new_cache()):
+            name = type(layer).__name__
+            if name == "Fp8QuantizedLayer":
+                found = "fp8-tensor"
+            elif "Quantized" in name:
+                found = f"int{int(getattr(layer, 'nbits', 4))}"
+        return found
 
     def lossless(self) -> HFModel:
         """The same adapter (bugs included) over a fresh ``DynamicCache``: the cache unquantized."""

@@ -1,5 +1,6 @@
 """A transformers causal LM's cached path, called as the model's own ``generate`` calls it, and the cache
-operations of :mod:`kvfast.check.scenarios` on it: :class:`CachedPath`, written once.
+operations of :mod:`kvfast.check.scenarios` on it: :class:`CachedPath`, written once; and the tiny model a
+reproducer names, built from its config (:func:`model_from_config`).
 
 :class:`~kvfast.check.hf.HFModel` is a ``CachedPath`` that measures how ``generate`` calls the model; every
 standalone reproducer (:mod:`kvfast.repro.script`) carries this module's source verbatim and answers the same
@@ -64,6 +65,28 @@ class CacheState:
 def cache_layers(cache) -> list:
     """``cache.layers`` (``[]`` for a cache without layers)."""
     return list(getattr(cache, "layers", None) or [])
+
+
+def model_from_config(model_class: str, config: dict, seed, attention: str, dtype: str, promote=None, weights=None):
+    """The tiny model a reproducer names, built as kvfast and the standalone script both build it:
+    ``torch.manual_seed(seed)`` (``None``: no seed, the weights are ``weights``, a state dict), the transformers class
+    ``model_class``'s ``_from_config(AutoConfig.for_model(**config))`` with ``attention``, eval mode, cast to
+    ``dtype``, then to ``promote`` (the logic check: the weights rounded to ``dtype``, run in ``promote``)."""
+    import torch
+    import transformers
+
+    built = transformers.AutoConfig.for_model(**copy.deepcopy(config))
+    if seed is not None:
+        torch.manual_seed(seed)
+    model = getattr(transformers, model_class)._from_config(built, attn_implementation=attention)
+    if not isinstance(getattr(model.config, "vocab_size", None), int):  # a composite config (as the scan does)
+        model.config.vocab_size = model.config.get_text_config().vocab_size
+    model = model.eval().to(getattr(torch, dtype))
+    if promote is not None:
+        model = model.to(getattr(torch, promote))
+    if weights is not None:
+        model.load_state_dict(weights)
+    return model
 
 
 def new_dynamic_cache(config):

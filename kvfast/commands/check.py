@@ -275,7 +275,7 @@ def check_args(args) -> None:
     parse_factory_args(args.factory_arg)
     check_options(args)
     if getattr(args, "repro", None) is not None:
-        from kvfast.repro.findings import require_repro_dir
+        from kvfast.repro.script import require_repro_dir
 
         require_int(getattr(args, "repro_seconds", 60), "--repro-seconds", 1)
         require_repro_dir(args.repro, "--repro")

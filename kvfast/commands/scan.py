@@ -137,7 +137,7 @@ def cmd_scan(args) -> int:
     out = Path(args.out).absolute()
     grid = build_grid(args)
     if args.repro:  # before any run: where the reproducers go (never over earlier ones)
-        from kvfast.repro.findings import require_repro_dir
+        from kvfast.repro.script import require_repro_dir
         from kvfast.studies.scan_repro import repro_dir
 
         require_repro_dir(repro_dir(out), "--repro")

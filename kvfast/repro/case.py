@@ -15,7 +15,6 @@ exact equality in exact mode) come with it, so the script and its issue text sta
 
 from __future__ import annotations
 
-import copy
 import json
 from dataclasses import asdict, dataclass, field, replace
 
@@ -150,24 +149,14 @@ def config_dict(config) -> dict:
 
 
 def build_model(case: ReproCase):
-    """The case's model, built as its script builds it: ``torch.manual_seed(seed)``, the class's
-    ``_from_config(AutoConfig.for_model(**config))`` (or the case's weights loaded), eval mode, cast to the dtype."""
-    import torch
-    import transformers
+    """The case's model, built as its script builds it (:func:`kvfast.check.hf_path.model_from_config`, the source the
+    script carries): ``torch.manual_seed(seed)``, the class's ``_from_config(AutoConfig.for_model(**config))`` (or
+    the case's weights loaded), eval mode, cast to the dtype."""
+    from kvfast.check.hf_path import model_from_config
 
-    cls = getattr(transformers, case.model_class)
-    config = transformers.AutoConfig.for_model(**copy.deepcopy(case.config))
-    if case.seed is not None:
-        torch.manual_seed(case.seed)
-    model = cls._from_config(config, attn_implementation=case.attention)
-    if not isinstance(getattr(model.config, "vocab_size", None), int):  # a composite config (as the scan does)
-        model.config.vocab_size = model.config.get_text_config().vocab_size
-    model = model.eval().to(getattr(torch, case.dtype))
-    if case.promote is not None:  # the logic check: the model in its dtype, then promoted (HFModel.promote)
-        model = model.to(getattr(torch, case.promote))
-    if case.weights is not None:
-        model.load_state_dict(case.weights)
-    return model
+    return model_from_config(
+        case.model_class, case.config, case.seed, case.attention, case.dtype, case.promote, case.weights
+    )
 
 
 def _same_weights(a, b) -> bool:

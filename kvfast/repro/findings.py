@@ -7,7 +7,6 @@ scan's scoreboard list them).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +14,6 @@ from kvfast.repro.case import SCRIPT_SCENARIOS, base_scenario, find_case
 from kvfast.repro.known import LABELS
 from kvfast.repro.script import finding_label, write_reproducer
 from kvfast.repro.shrink import DEFAULT_SECONDS, GRACE_S, shrink_apart
-from kvfast.validation import shown
 
 #: What one reproducer may take beyond its shrinking's budget and :data:`~kvfast.repro.shrink.GRACE_S`: its case
 #: found on the model (kvfast's control check of one scenario), the shrinking process's start, the files written.
@@ -102,41 +100,6 @@ def bound_seconds(count: int, seconds: float = DEFAULT_SECONDS) -> float:
     """The most ``count`` reproducers may take, each shrunk within ``seconds``: what ``kvfast check --repro``
     gives them after its report before it ends them."""
     return count * (seconds + GRACE_S + SLACK_S)
-
-
-def require_repro_dir(path, field: str = "--repro") -> Path:
-    """``path`` as the folder reproducers are written into, checked before any work: ``ValueError`` naming
-    ``field`` unless it is a folder that does not exist yet or is empty (kvfast never overwrites a reproducer),
-    named in UTF-8, that this user can make and write into."""
-    text = os.fspath(path)
-
-    def refused(why: str, more: str = "") -> ValueError:
-        allowed = "a folder that does not exist yet or is empty, which this user can write"
-        return ValueError(f"{field}: {shown(text)} ({why}) is not allowed; allowed: {allowed}{more}")
-
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise refused("a name that is not UTF-8", ", named in UTF-8") from None
-    folder = Path(text)
-    try:
-        if folder.exists() or folder.is_symlink():
-            if not folder.is_dir():
-                raise refused("a file")
-            if any(folder.iterdir()):
-                why = "a folder that holds files: kvfast never overwrites a reproducer"
-                raise refused(why, " (move or delete it, or name another)")
-            probe = folder
-        else:
-            probe = next(p for p in folder.absolute().parents if p.exists())
-            if not probe.is_dir():
-                raise refused(f"{str(probe)!r} is a file")
-        import tempfile
-
-        os.rmdir(tempfile.mkdtemp(prefix=".kvfast-probe-", dir=probe))
-    except OSError as exc:
-        raise refused(f"{exc.strerror or type(exc).__name__}: {exc.filename or text}") from None
-    return folder
 
 
 def write_case(case, directory, seconds: float = DEFAULT_SECONDS) -> Finding:

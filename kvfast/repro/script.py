@@ -1,12 +1,13 @@
 """A case as files a maintainer can run and read: :func:`render` (the standalone script,
 :mod:`kvfast.repro.template`), :func:`issue_text` (ISSUE.md: the three-line summary first, then versions,
 config, scenario, step, size and how it was found) and :func:`write_reproducer` (both, the case as JSON, and the
-weights where the case carries them, into one folder).
+weights where the case carries them, into one folder that :func:`require_repro_dir` allows).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from kvfast.repro.case import ReproCase, torch_threads
 from kvfast.repro.known import label
 from kvfast.repro.patches import cached_path_source, patch_for
 from kvfast.repro.template import DOCSTRING, TEMPLATE
-from kvfast.validation import printable
+from kvfast.validation import printable, shown
 
 SCRIPT = "reproduce.py"
 ISSUE = "ISSUE.md"
@@ -105,29 +106,24 @@ def render(case: ReproCase) -> str:
         "THRESHOLD_ORIGIN": case.threshold_origin,
         "COMMAND": case.command or "kvfast.repro (Python)",
     }
+    values = {  # each field written as its repr: data, never code
+        **{name.upper(): getattr(case, name) for name in ("seed", "dtype", "promote", "attention", "split", "calls")},
+        **{name.upper(): list(getattr(case, name)) for name in ("prompt", "tokens", "branch_prompt", "branch_tokens")},
+        "MODEL_CLASS_REPR": case.model_class,
+        "WEIGHTS": None if case.seed is not None else WEIGHTS,
+        "SCENARIO": case.run_scenario,
+        "JUDGED": case.judged,
+        "REORDER_AT": reorder_points(case.steps) if case.run_scenario == "reorder" else [],
+        "DRAFTS": {int(k): list(v) for k, v in case.drafts.items()},
+        "FOUND_ON": str(case.versions.get("transformers")),
+        "THRESHOLD": [float(t) for t in case.threshold],
+        "THREADS": torch_threads(),
+        "FOUND_VERSIONS": _versions_text(case),
+    }
     fields = {
+        **{name: repr(value) for name, value in values.items()},
         "DOCSTRING": py_text(_fill(DOCSTRING, doc)),
-        "MODEL_CLASS_REPR": repr(case.model_class),
         "CONFIG_JSON": py_text(json.dumps(case.config, indent=1, sort_keys=True)),
-        "SEED": repr(case.seed),
-        "WEIGHTS": repr(None if case.seed is not None else WEIGHTS),
-        "DTYPE": repr(case.dtype),
-        "PROMOTE": repr(case.promote),
-        "ATTENTION": repr(case.attention),
-        "SCENARIO": repr(case.run_scenario),
-        "JUDGED": repr(case.judged),
-        "BRANCH_PROMPT": repr(list(case.branch_prompt)),
-        "BRANCH_TOKENS": repr(list(case.branch_tokens)),
-        "REORDER_AT": repr(reorder_points(case.steps) if case.run_scenario == "reorder" else []),
-        "PROMPT": repr(list(case.prompt)),
-        "TOKENS": repr(list(case.tokens)),
-        "SPLIT": repr(case.split),
-        "DRAFTS": repr({int(k): list(v) for k, v in case.drafts.items()}),
-        "FOUND_ON": repr(str(case.versions.get("transformers"))),
-        "CALLS": repr(case.calls),
-        "THRESHOLD": repr([float(t) for t in case.threshold]),
-        "THREADS": repr(torch_threads()),
-        "FOUND_VERSIONS": repr(_versions_text(case)),
         "CACHED_PATH": cached_path_source(),
         "PATCH": patch_for(case.bug),
     }
@@ -230,18 +226,48 @@ def issue_text(case: ReproCase) -> str:
     return "\n".join(lines)
 
 
+def require_repro_dir(path, field: str = "--repro") -> Path:
+    """``path`` as the folder reproducers are written into, checked before any work: ``ValueError`` naming
+    ``field`` unless it is a folder that does not exist yet or is empty (kvfast never overwrites a reproducer),
+    named in UTF-8, that this user can make and write into."""
+    text = os.fspath(path)
+
+    def refused(why: str, more: str = "") -> ValueError:
+        allowed = "a folder that does not exist yet or is empty, which this user can write"
+        return ValueError(f"{field}: {shown(text)} ({why}) is not allowed; allowed: {allowed}{more}")
+
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise refused("a name that is not UTF-8", ", named in UTF-8") from None
+    folder = Path(text)
+    try:
+        if folder.exists() or folder.is_symlink():
+            if not folder.is_dir():
+                raise refused("a file")
+            if any(folder.iterdir()):
+                why = "a folder that holds files: kvfast never overwrites a reproducer"
+                raise refused(why, " (move or delete it, or name another)")
+            probe = folder
+        else:
+            probe = next(p for p in folder.absolute().parents if p.exists())
+            if not probe.is_dir():
+                raise refused(f"{str(probe)!r} is a file")
+        import tempfile
+
+        os.rmdir(tempfile.mkdtemp(prefix=".kvfast-probe-", dir=probe))
+    except OSError as exc:
+        raise refused(f"{exc.strerror or type(exc).__name__}: {exc.filename or text}") from None
+    return folder
+
+
 def write_reproducer(case: ReproCase, directory) -> Path:
     """``reproduce.py``, ``ISSUE.md`` and ``case.json`` (and ``weights.pt`` where the case carries its weights)
     written into ``directory``, a folder of their own (made if missing); the script's path. A reproducer is never
-    overwritten: ``ValueError`` naming ``directory`` where it is a file or a folder that holds anything. A write
-    that fails (a full disk, a read-only folder) removes what it wrote and raises its ``OSError``."""
-    out = Path(directory)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        what = "a file" if not out.is_dir() else "a folder that holds files"
-        raise ValueError(
-            f"directory: {str(out)!r} ({what}) is not allowed; allowed: a folder that does not exist or is empty "
-            "(kvfast never overwrites a reproducer)"
-        )
+    overwritten: ``ValueError`` naming ``directory`` where it is a file, a folder that holds anything or one this
+    user cannot write (:func:`require_repro_dir`). A write that fails (a full disk) removes
+    what it wrote and raises its ``OSError``."""
+    out = require_repro_dir(directory, "directory")
     texts = {SCRIPT: render(case), ISSUE: issue_text(case), CASE: case.to_json() + "\n"}
     made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)

@@ -71,22 +71,21 @@ def _first(config: dict, keys: tuple[str, ...]) -> str | None:
     return next((k for k in keys if isinstance(config.get(k), int) and not isinstance(config.get(k), bool)), None)
 
 
-def _with_layers(config: dict, n: int) -> dict | None:
+def _with_layers(config: dict) -> dict | None:
+    """One layer (per-layer lists, ``layer_types`` and the like, keep their first entry)."""
     key = _first(config, LAYER_KEYS)
-    old = config.get(key) if key else None
-    if old is None or old <= n:
+    if key is None or config[key] <= 1:
         return None
-    out = {**config, key: n}
-    for k, v in config.items():  # per-layer lists (layer_types, ...) keep their first n entries
-        if isinstance(v, list) and len(v) == old:
-            out[k] = v[:n]
-    return out
+    lists = {k: v[:1] for k, v in config.items() if isinstance(v, list) and len(v) == config[key]}
+    return {**config, key: 1, **lists}
 
 
-def _with_hidden(config: dict, hidden: int) -> dict | None:
+def _with_hidden(config: dict) -> dict | None:
+    """The hidden size halved, the feed-forward width and the head size with it."""
     key = _first(config, HIDDEN_KEYS)
     heads = config.get(_first(config, HEAD_KEYS))  # (None: no key holds them)
-    if key is None or config[key] <= hidden or (heads and hidden % heads):
+    hidden = config[key] // 2 if key else 0
+    if hidden < SMALLEST_HIDDEN or (heads and hidden % heads):
         return None
     old = config[key]
     out = {**config, key: hidden}
@@ -98,25 +97,26 @@ def _with_hidden(config: dict, hidden: int) -> dict | None:
     return out
 
 
-def _with_heads(config: dict, keys: tuple[str, ...], n: int) -> dict | None:
+def _with_one(config: dict, keys: tuple[str, ...]) -> dict | None:
+    """One attention head (the head size then the hidden size, at most one key/value head) or one key/value head."""
     key = _first(config, keys)
-    if key is None or config[key] <= n:
+    if key is None or config[key] <= 1:
         return None
-    out = {**config, key: n}
-    hidden = _first(config, HIDDEN_KEYS)
+    out = {**config, key: 1}
+    hidden, kv = _first(config, HIDDEN_KEYS), _first(config, KV_KEYS)
     if keys == HEAD_KEYS and hidden and config.get("head_dim") == config[hidden] // config[key]:
-        out["head_dim"] = config[hidden] // n
-    if keys == HEAD_KEYS:
-        kv = _first(config, KV_KEYS)
-        if kv and config[kv] > n:
-            out[kv] = n
+        out["head_dim"] = config[hidden]
+    if keys == HEAD_KEYS and kv and config[kv] > 1:
+        out[kv] = 1
     return out
 
 
-def _with_vocab(case: ReproCase, vocab: int) -> ReproCase | None:
+def _with_vocab(case: ReproCase) -> ReproCase | None:
+    """The vocabulary halved, the tokens taken modulo it (token ids past it set to 0)."""
     old = case.config.get("vocab_size")
-    if not isinstance(old, int) or old <= vocab:
+    if not isinstance(old, int) or old // 2 < SMALLEST_VOCAB:
         return None
+    vocab = old // 2
     config = {**case.config, "vocab_size": vocab}
     for key in TOKEN_ID_KEYS:
         if isinstance(config.get(key), int) and config[key] >= vocab:
@@ -129,48 +129,40 @@ def _with_vocab(case: ReproCase, vocab: int) -> ReproCase | None:
     )
 
 
+#: The model's dimensions: the config keys that hold each, and its next smaller config (``None``: none smaller).
+MODEL_DIMENSIONS = {
+    "layers": (LAYER_KEYS, _with_layers),
+    "hidden size": (HIDDEN_KEYS, _with_hidden),
+    "heads": (HEAD_KEYS, lambda config: _with_one(config, HEAD_KEYS)),
+    "key/value heads": (KV_KEYS, lambda config: _with_one(config, KV_KEYS)),
+}
+DIMENSIONS = ("steps", "prompt start", "prompt end", *MODEL_DIMENSIONS, "vocabulary")
+
+
 def _candidates(case: ReproCase, dim: str) -> ReproCase | None:
     """The next smaller case along ``dim`` (``None``: none smaller)."""
-    c = case.config
     if dim == "steps":
         keep = max(1, case.first_bug_step or 0)
         return replace(case, tokens=case.tokens[:keep]) if keep < case.steps else None
-    least = 2 if case.scenario == "resume" else 1
-    if dim in ("prompt start", "prompt end") and len(case.prompt) > least:
-        prompt = case.prompt[1:] if dim == "prompt start" else case.prompt[:-1]
-        return replace(case, prompt=prompt, split=None)
+    if dim.startswith("prompt"):
+        if len(case.prompt) <= (2 if case.scenario == "resume" else 1):
+            return None
+        return replace(case, prompt=case.prompt[1:] if dim == "prompt start" else case.prompt[:-1], split=None)
     if case.weights is not None:
         return None
-    config = None
-    if dim == "layers":
-        config = _with_layers(c, 1)
-    elif dim == "hidden size":
-        key = _first(c, HIDDEN_KEYS)
-        config = _with_hidden(c, c[key] // 2) if key and c[key] // 2 >= SMALLEST_HIDDEN else None
-    elif dim == "heads":
-        config = _with_heads(c, HEAD_KEYS, 1)
-    elif dim == "key/value heads":
-        config = _with_heads(c, KV_KEYS, 1)
-    elif dim == "vocabulary":
-        vocab = c.get("vocab_size")
-        return _with_vocab(case, vocab // 2) if isinstance(vocab, int) and vocab // 2 >= SMALLEST_VOCAB else None
+    if dim == "vocabulary":
+        return _with_vocab(case)
+    config = MODEL_DIMENSIONS[dim][1](case.config)
     return None if config is None else replace(case, config=config)
 
 
-DIMENSIONS = ("steps", "prompt start", "prompt end", "layers", "hidden size", "heads", "key/value heads", "vocabulary")
-
-
 def _size(case: ReproCase, dim: str) -> str:
-    c = case.config
-    keys = {"layers": LAYER_KEYS, "hidden size": HIDDEN_KEYS, "heads": HEAD_KEYS, "key/value heads": KV_KEYS}
     if dim == "steps":
         return str(case.steps)
     if dim.startswith("prompt"):
         return f"{len(case.prompt)} tokens"
-    if dim == "vocabulary":
-        return str(c.get("vocab_size"))
-    key = _first(c, keys[dim])
-    return str(c.get(key)) if key else "-"
+    key = _first(case.config, MODEL_DIMENSIONS[dim][0] if dim in MODEL_DIMENSIONS else ("vocab_size",))
+    return str(case.config[key]) if key else "-"
 
 
 def _verdict(case: ReproCase):
@@ -219,16 +211,12 @@ def shrink_case(case: ReproCase, seconds: float = DEFAULT_SECONDS, trying=None) 
                 progress = True
             if out_of_time:
                 break
-    if found is not None and kept.promote is not None:  # the logic check's case: checked again from its dtype
-        kept = find_case(
-            case_adapter(replace(kept, promote=None)), kept.prompt, kept.scenario, continuation=list(kept.tokens),
-            seed=kept.seed, command=case.command, promote=kept.promote,
-        )  # fmt: skip
-    elif found is not None:  # the kept case measured again, as a case of its own (thresholds, deviations, drafts)
-        adapter, report = found
+    if found is not None:  # the kept case measured again, as a case of its own (thresholds, deviations, drafts)
+        # (the logic check's case: checked again from its dtype, so not from the report found in the promoted one)
+        adapter, report = (case_adapter(replace(kept, promote=None)), None) if kept.promote is not None else found
         kept = find_case(
             adapter, kept.prompt, kept.scenario, continuation=list(kept.tokens), seed=kept.seed,
-            command=case.command, report=report,
+            command=case.command, report=report, promote=kept.promote,
         )  # fmt: skip
     not_shrunk = [why[d] for d in DIMENSIONS if d in why]
     if case.weights is not None:
@@ -274,8 +262,8 @@ def shrink_apart(case: ReproCase, seconds: float = DEFAULT_SECONDS) -> Shrunk:
     if result.get("kind") == "shrunk":
         kept = ReproCase.from_json(result["case"])
         kept = replace(kept, weights=case.weights) if kept.seed is None else kept
-        return Shrunk(kept, tuple(result["shrank"]), tuple(result["not_shrunk"]), result["tried"],
-                      result["seconds"], result["out_of_time"])  # fmt: skip
+        found = {k: tuple(v) if isinstance(v, list) else v for k, v in result.items() if k != "kind"}
+        return Shrunk(**{**found, "case": kept})
     at = f" while checking the candidate {tried[-1]}" if tried else ""
     if outcome.timed_out:
         why = f"its process was still running {seconds + GRACE_S:g} s after it started{at}, and was killed"
@@ -316,9 +304,7 @@ def shrink_child(boot: dict) -> None:
                 log.flush()
 
             shrunk = shrink_case(case, request["seconds"], trying)
-        result = {"kind": "shrunk", "case": shrunk.case.to_json(), "shrank": list(shrunk.shrank),
-                  "not_shrunk": list(shrunk.not_shrunk), "tried": shrunk.tried, "seconds": shrunk.seconds,
-                  "out_of_time": shrunk.out_of_time}  # fmt: skip
+        result = {"kind": "shrunk", **vars(shrunk), "case": shrunk.case.to_json()}
     except Exception as exc:  # noqa: BLE001 - one line for the parent, which keeps the case unshrunk
         result = {"kind": "error", "line": " ".join(f"{type(exc).__name__}: {exc}".split())[:300]}
     child_done(boot, result)

@@ -71,25 +71,17 @@ THRESHOLD = @THRESHOLD@
 
 def build_model():
     """The tiny model: the config's class, random weights from SEED (or WEIGHTS), eval mode, in DTYPE (then
-    PROMOTE)."""
-    config = transformers.AutoConfig.for_model(**CONFIG)
-    if SEED is not None:
-        torch.manual_seed(SEED)
-    model = getattr(transformers, MODEL_CLASS)._from_config(config, attn_implementation=ATTENTION)
-    if not isinstance(getattr(model.config, "vocab_size", None), int):
-        model.config.vocab_size = model.config.get_text_config().vocab_size
-    model = model.eval().to(getattr(torch, DTYPE))
-    if PROMOTE is not None:
-        model = model.to(getattr(torch, PROMOTE))
+    PROMOTE), built by kvfast's own model_from_config (below)."""
+    weights = None
     if WEIGHTS is not None:
         import os
 
         here = os.path.dirname(os.path.abspath(__file__))
-        model.load_state_dict(torch.load(os.path.join(here, WEIGHTS), weights_only=True))
-    return model
+        weights = torch.load(os.path.join(here, WEIGHTS), weights_only=True)
+    return model_from_config(MODEL_CLASS, CONFIG, SEED, ATTENTION, DTYPE, PROMOTE, weights)
 
 
-# --- kvfast's cached path and cache operations (kvfast/check/hf_path.py), carried verbatim --------------------
+# --- kvfast's model builder, cached path and cache operations (kvfast/check/hf_path.py), carried verbatim -----
 @CACHED_PATH@
 
 # --- how `generate` called this model where kvfast found it (CALLS) ------------------------------------------

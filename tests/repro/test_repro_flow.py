@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from shared import ROOT, kvfast
 
-from kvfast.repro.findings import require_repro_dir
+from kvfast.repro.script import require_repro_dir
 
 HF = all(__import__("importlib").util.find_spec(m) for m in ("torch", "transformers"))
 needs_hf = pytest.mark.skipif(not HF, reason="needs kvfast[hf]")
