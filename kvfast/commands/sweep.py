@@ -149,14 +149,12 @@ def add_run_parser(sub) -> None:
     p.add_argument(
         "--max-runs",
         type=_jobs,
-        default=None,
         metavar="N",
         help="refuse a grid of more than N runs, counted from its axes before anything runs (default 10,000,000)",
     )
     p.add_argument(
         "--run-timeout",
         type=_positive,
-        default=None,
         metavar="S",
         help="a run taking longer than S seconds is stored as `timeout` and its worker replaced "
         "(threading: Python code only)",
@@ -164,7 +162,6 @@ def add_run_parser(sub) -> None:
     p.add_argument(
         "--max-memory",
         type=_gib,
-        default=None,
         metavar="GIB",
         help="refuse a grid whose largest run needs more than GIB GiB by kvfast's estimate (default: this machine's)",
     )
@@ -190,7 +187,7 @@ def add_resume_options(p: argparse.ArgumentParser) -> None:
 def add_exec_options(p: argparse.ArgumentParser) -> None:
     """``--jobs N`` and ``--quiet``: how a grid runs (``kvfast run``, ``reproduce``,
     ``scan``)."""
-    p.add_argument("--jobs", type=_jobs, default=None, metavar="N", help="worker processes (default: all cores)")
+    p.add_argument("--jobs", type=_jobs, metavar="N", help="worker processes (default: all cores)")
     p.add_argument("--quiet", action="store_true", help="no progress (a bar, or a line every few seconds)")
 
 

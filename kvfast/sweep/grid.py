@@ -195,15 +195,10 @@ class Grid:
         return [run.config for run in self.iter_runs()]
 
 
-def grids_dir() -> Path:
-    """The folder of built-in grid TOMLs (``kvfast/data/grids``)."""
-    return Path(str(resources.files("kvfast").joinpath("data", "grids")))
-
-
 def builtin_grids() -> dict[str, Path]:
-    """Built-in grid name -> TOML path, in name order."""
-    folder = grids_dir()
-    return {p.stem: p for p in sorted(folder.glob("*.toml"))} if folder.is_dir() else {}
+    """Built-in grid name -> TOML path (``kvfast/data/grids/NAME.toml``), in name order."""
+    folder = Path(str(resources.files("kvfast").joinpath("data", "grids")))
+    return {p.stem: p for p in sorted(folder.glob("*.toml"))}
 
 
 def resolve(name_or_path: str) -> Path:
@@ -240,10 +235,6 @@ def load_grid(name_or_path: str, max_runs: int = DEFAULT_MAX_RUNS, studies: Mapp
     return grid_from_spec(spec, name=path.stem, source=str(path), max_runs=max_runs, studies=studies)
 
 
-def _entry_point_studies() -> dict:
-    return entry_points_of(ENTRY_POINT_GROUP)
-
-
 def resolve_study(ref: Any, studies: Mapping[str, Study] | None = None) -> Study:
     """The study a grid's ``study`` names: a name in ``studies`` (a registry: the command line passes
     ``kvfast.studies.STUDIES``; default :data:`~kvfast.sweep.study.REGISTERED`, which importing
@@ -267,7 +258,7 @@ def resolve_study(ref: Any, studies: Mapping[str, Study] | None = None) -> Study
             accept=lambda obj: isinstance(obj, Study),
             allowed="a kvfast Study object",
             form=allowed,
-            entry_points=lambda: _entry_point_studies(),
+            entry_points=lambda: entry_points_of(ENTRY_POINT_GROUP),
         )
     except UserCodeError as exc:
         raise ValueError(f"study: {shown(ref)}: {exc}") from None
@@ -525,7 +516,7 @@ def grid_from_spec(
 def _registered_names(studies: Mapping[str, Study]) -> str:
     """The study names a grid may use, for a refusal: the registry's and the installed entry points' (the built-in
     studies are entry points of kvfast itself), or what to do when there are none."""
-    names = set(studies) | set(_entry_point_studies())
+    names = set(studies) | set(entry_points_of(ENTRY_POINT_GROUP))
     if names:
         return ", ".join(sorted(names))
     return (
@@ -594,11 +585,9 @@ def _validate_entries(entries: list[_Entry], study: Study, name: str) -> None:
                     for row, pieces in zip(f.rows, f.pieces, strict=True):
                         distinct.setdefault(pieces[k], row[k])
         values = list(distinct.values())
-        if not fits(values, typ):  # name the first value that does not fit
-            for v in values:
-                if not fits([v], typ):
-                    raise ValueError(f"{name}: {f_name}: {v!r} is not allowed; allowed: values of type {typ}")
-            raise ValueError(f"{name}: {f_name}: values do not fit type {typ}")
+        if not fits(values, typ):  # name the first value that does not fit (or all, where each fits alone)
+            bad = next((v for v in values if not fits([v], typ)), values)
+            raise ValueError(f"{name}: {f_name}: {shown(bad)} is not allowed; allowed: values of type {typ}")
 
 
 def _overlapping(entries: list[_Entry]) -> set[int]:
