@@ -487,9 +487,9 @@ def grid_from_spec(
         raise ValueError(f"{name}: study: missing; allowed: {names}, or 'package.module:STUDY'")
     try:
         study = resolve_study(study_ref, studies)
+        raw_entries = _raw_entries(spec, study, max_runs)
     except ValueError as exc:
         raise ValueError(f"{name}: {exc}") from None
-    raw_entries = _raw_entries(spec, study, name, max_runs)
     raw = sum(math.prod(len(rows) for _, rows in factors) for _, factors in raw_entries)
     if raw > max_runs:
         raise ValueError(
@@ -525,43 +525,34 @@ def _registered_names(studies: Mapping[str, Study]) -> str:
     )
 
 
-def _raw_entries(spec: dict, study: Study, name: str, limit: int) -> list[tuple[str, list]]:
+def _raw_entries(spec: dict, study: Study, limit: int) -> list[tuple[str, list]]:
     """Per sub-grid (``[[union]]`` entry, or the grid itself): ``(where, factors)`` before coercion, the
     sub-grid's keys replacing top-level keys of the same name; every config field set, none unknown. ``limit``:
-    the most runs allowed (see :func:`_array`)."""
-    try:
-        top_keys, top_factors = _level(spec, "", TOP_KEYS, limit)
-    except ValueError as exc:
-        raise ValueError(f"{name}: {exc}") from None
+    the most runs allowed (see :func:`_array`). A ``ValueError`` does not name the grid (the caller does)."""
+    top_keys, top_factors = _level(spec, "", TOP_KEYS, limit)
     top_keys = [k for k in top_keys if k not in ("study", "description")]
     union = spec.get("union", [{}]) or [{}]
     if not isinstance(union, list):
-        raise ValueError(f"{name}: union: {shown(union)} is not an array of tables; write [[union]]")
+        raise ValueError(f"union: {shown(union)} is not an array of tables; write [[union]]")
+    fields = study.config_fields
     raw_entries: list[tuple[str, list]] = []
-    key_sets: list[tuple[str, set[str]]] = []
     for i, sub in enumerate(union):
         where = f"union[{i}]." if "union" in spec else ""
-        try:
-            sub_keys, sub_factors = _level(sub, where, SUB_KEYS, limit)
-        except ValueError as exc:
-            raise ValueError(f"{name}: {exc}") from None
-        kept = [f for f in top_factors if not (set(f[0]) & set(sub_keys))]
-        key_sets.append((where or "grid", set(top_keys) | set(sub_keys)))
-        raw_entries.append((where or "grid", kept + sub_factors))
-    fields = study.config_fields
-    for where, keys in key_sets:  # exactly the study's config fields
+        sub_keys, sub_factors = _level(sub, where, SUB_KEYS, limit)
+        keys = set(top_keys) | set(sub_keys)  # exactly the study's config fields
         unknown = sorted(keys - set(fields))
         if unknown:
             raise ValueError(
-                f"{name}: axis {unknown[0]!r} is not a config field of study {study.name!r}; "
-                f"allowed: {', '.join(fields)}"
+                f"axis {unknown[0]!r} is not a config field of study {study.name!r}; allowed: {', '.join(fields)}"
             )
         missing = [f for f in fields if f not in keys]
         if missing:
             raise ValueError(
-                f"{name}: {missing[0]}: missing from the grid ({where}); set it in [fixed] or [axes]; "
+                f"{missing[0]}: missing from the grid ({where or 'grid'}); set it in [fixed] or [axes]; "
                 f"study {study.name!r} needs: {', '.join(fields)}"
             )
+        kept = [f for f in top_factors if not (set(f[0]) & set(sub_keys))]
+        raw_entries.append((where or "grid", kept + sub_factors))
     return raw_entries
 
 
