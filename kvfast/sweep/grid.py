@@ -274,41 +274,38 @@ def _level(
     for key in table:
         if key not in allowed:
             raise ValueError(f"{where}: key {key!r} is not allowed; allowed: {', '.join(allowed)}")
-    seen: dict[str, str] = {}
-
-    def claim(key: str, section: str) -> None:
-        if key in seen:
-            raise ValueError(f"{where}: key {key!r} is set twice, in {seen[key]} and in {section}")
-        seen[key] = section
-
+    seen: dict[str, str] = {}  # key -> the section that sets it
     factors: list[tuple[tuple, list[tuple]]] = []
+
+    def add(section: str, prefix: str, arrays: dict) -> None:
+        """One factor: ``arrays``' keys (each set once in the level) and their rows of canonical values."""
+        for key in arrays:
+            if key in seen:
+                raise ValueError(f"{where}: key {key!r} is set twice, in {seen[key]} and in {section}")
+            seen[key] = section
+        wheres = [f"{prefix}.{key}" for key in arrays]  # how a refusal of a value names it
+        factors.append(
+            (tuple(arrays), [tuple(map(canonical, row, wheres)) for row in zip(*arrays.values(), strict=True)])
+        )
+
     for section in ("fixed", "axes"):
         part = table.get(section, {})
         if not isinstance(part, dict):
             raise ValueError(f"{where}{section}: {part!r} is not a table")
         for key, value in part.items():
-            claim(key, f"[{section}]")
             values = [value] if section == "fixed" else _distinct(_array(value, f"{where}axes.{key}", limit))
-            factors.append(((key,), [(canonical(v, f"{section}.{key}"),) for v in values]))
+            add(f"[{section}]", section, {key: values})
     tied = table.get("tied", [])
     if not isinstance(tied, list):
         raise ValueError(f"{where}tied: {tied!r} is not an array of tables; write [[tied]]")
     for i, group in enumerate(tied):
         if not isinstance(group, dict) or not group:
             raise ValueError(f"tied[{i}]: {group!r} is not allowed; allowed: a non-empty table of equal-length arrays")
-        arrays = {}
-        for key, values in group.items():
-            claim(key, f"[[tied]] #{i + 1}")
-            arrays[key] = _array(values, f"{where}tied[{i}].{key}", limit)
-        lengths = {key: len(values) for key, values in arrays.items()}
-        if len(set(lengths.values())) > 1:
-            sizes = ", ".join(f"{k}={n}" for k, n in lengths.items())
+        arrays = {key: _array(values, f"{where}tied[{i}].{key}", limit) for key, values in group.items()}
+        if len({len(values) for values in arrays.values()}) > 1:
+            sizes = ", ".join(f"{k}={len(values)}" for k, values in arrays.items())
             raise ValueError(f"tied[{i}]: arrays have different lengths ({sizes}); allowed: equal lengths")
-        keys = tuple(group)
-        rows = zip(*(arrays[k] for k in keys), strict=True)
-        factors.append(
-            (keys, [tuple(canonical(v, f"tied.{k}") for k, v in zip(keys, row, strict=True)) for row in rows])
-        )
+        add(f"[[tied]] #{i + 1}", "tied", arrays)
     return list(seen), factors
 
 
