@@ -513,14 +513,12 @@ def load(path: str | os.PathLike) -> pd.DataFrame:
         raise ValueError(f"{str(p)!r}: no such results directory")
     if not list_parts(p):  # no runs stored yet: the study's columns, no rows
         from kvfast.sweep.grid import resolve_study
-        from kvfast.sweep.study import REGISTERED
 
         manifest = ResultsDir(p).manifest() or {}
-        study = REGISTERED.get(manifest.get("study", ""))
-        with contextlib.suppress(ValueError):  # else the grid's own reference (a name, package.module:STUDY)
-            study = study or (manifest.get("study_ref") and resolve_study(manifest["study_ref"]))
-        if not study:
-            raise ValueError(f"{str(p)!r}: no results (no part-*.parquet files)")
+        try:  # the grid's own reference to its study (a name, package.module:STUDY), else the study's name
+            study = resolve_study(manifest.get("study_ref") or manifest.get("study"))
+        except ValueError:
+            raise ValueError(f"{str(p)!r}: no results (no part-*.parquet files)") from None
         return schema_for(study).empty_table().to_pandas()
     for attempt in range(49):  # a sweep compacting meanwhile deletes parts it merged: list them again
         with contextlib.suppress(FileNotFoundError):
