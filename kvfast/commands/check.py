@@ -293,8 +293,7 @@ def check_options(args):
     from kvfast.check.options import CheckOptions, flags
 
     named = flags()
-    given = {name: getattr(args, name, None) for name in named}
-    given = {name: value for name, value in given.items() if value is not None}
+    given = {name: value for name in named if (value := getattr(args, name, None)) is not None}
     try:
         return CheckOptions.defaulting_steps(**given)
     except ValueError as exc:

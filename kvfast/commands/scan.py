@@ -142,8 +142,6 @@ def cmd_scan(args) -> int:
 
         require_repro_dir(repro_dir(out), "--repro")
     report = _sweep(grid, out, sweep_options(args))
-    if isinstance(report, int):
-        return report
     df = load(out)
     df = df[df["run_id"].isin(set(grid.iter_ids()))]  # this grid's runs (DIR may hold an earlier, larger scan)
     print(scoreboard_text(df, args.markdown))

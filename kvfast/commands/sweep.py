@@ -149,14 +149,12 @@ def add_run_parser(sub) -> None:
     p.add_argument(
         "--max-runs",
         type=_jobs,
-        default=None,
         metavar="N",
         help="refuse a grid of more than N runs, counted from its axes before anything runs (default 10,000,000)",
     )
     p.add_argument(
         "--run-timeout",
         type=_positive,
-        default=None,
         metavar="S",
         help="a run taking longer than S seconds is stored as `timeout` and its worker replaced "
         "(threading: Python code only)",
@@ -164,7 +162,6 @@ def add_run_parser(sub) -> None:
     p.add_argument(
         "--max-memory",
         type=_gib,
-        default=None,
         metavar="GIB",
         help="refuse a grid whose largest run needs more than GIB GiB by kvfast's estimate (default: this machine's)",
     )
@@ -190,7 +187,7 @@ def add_resume_options(p: argparse.ArgumentParser) -> None:
 def add_exec_options(p: argparse.ArgumentParser) -> None:
     """``--jobs N`` and ``--quiet``: how a grid runs (``kvfast run``, ``reproduce``,
     ``scan``)."""
-    p.add_argument("--jobs", type=_jobs, default=None, metavar="N", help="worker processes (default: all cores)")
+    p.add_argument("--jobs", type=_jobs, metavar="N", help="worker processes (default: all cores)")
     p.add_argument("--quiet", action="store_true", help="no progress (a bar, or a line every few seconds)")
 
 
@@ -245,23 +242,16 @@ def cmd_run(args) -> int:
     out = Path(args.out).absolute()  # before the study's module is imported: user code cannot move it
     options = sweep_options(args)
     grid = load_grid(args.grid, max_runs=args.max_runs or DEFAULT_MAX_RUNS, studies=STUDIES)
-    report = _sweep(grid, out, options)
-    if isinstance(report, int):
-        return report
-    return _exit(report)
+    return _exit(_sweep(grid, out, options))
 
 
 def _sweep(grid, out, options):
-    """``run_sweep`` with ``options`` (a ``SweepOptions``), its report's line printed; a Ctrl-C before the first run
-    is one line and exit code 130 (an ``int`` instead of the report; a failed write is :mod:`kvfast.cli`'s exit
-    code 74)."""
+    """``run_sweep`` with ``options`` (a ``SweepOptions``), its report's line printed (a Ctrl-C before the first run,
+    starting a Dask cluster say, is :mod:`kvfast.cli`'s one line and exit code 130; a failed write its 74)."""
     from kvfast.sweep.engine import run_sweep
 
     try:
         report = run_sweep(grid, out, options)
-    except KeyboardInterrupt:  # before the first run (starting a Dask cluster, say): nothing stored changed
-        print("kvfast: interrupted before any run; nothing stored changed", file=sys.stderr)
-        return EXIT_INTERRUPTED
     except SystemExit as exc:  # never let a stray exit end a sweep with its code (0 would be a false pass)
         raise RuntimeError(f"SystemExit({exc.code!r}) escaped the sweep engine") from None
     print(report.line())
@@ -385,18 +375,13 @@ def _study_grid(name: str):
 def _run_study(grid, out: Path, args, fresh: bool):
     from kvfast.sweep.store import load
 
-    report = _sweep(grid, out, sweep_options(args, fresh=fresh))
-    if isinstance(report, int):
-        return report, None
-    return report, load(out)
+    return _sweep(grid, out, sweep_options(args, fresh=fresh)), load(out)  # the sweep first: it writes out
 
 
 def cmd_study(args) -> int:
     out = Path(args.out or f"results/{args.name}").absolute()  # before any user code (see cmd_run)
     grid = _study_grid(args.name)
     report, df = _run_study(grid, out, args, fresh=args.fresh)
-    if isinstance(report, int):
-        return report
     _print_summary(grid.study, df)
     return _exit(report)
 
@@ -423,8 +408,6 @@ def cmd_reproduce(args) -> int:
     for grid in plan:
         print(f"\n== {grid.study.name}: {grid.study.description}")
         report, df = _run_study(grid, root / grid.study.name, args, fresh=_other_study(root, grid))
-        if isinstance(report, int):
-            return report
         _print_summary(grid.study, df, claims=False)
         status = status or _exit(report)
         if report.interrupted:

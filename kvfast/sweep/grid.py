@@ -195,15 +195,10 @@ class Grid:
         return [run.config for run in self.iter_runs()]
 
 
-def grids_dir() -> Path:
-    """The folder of built-in grid TOMLs (``kvfast/data/grids``)."""
-    return Path(str(resources.files("kvfast").joinpath("data", "grids")))
-
-
 def builtin_grids() -> dict[str, Path]:
-    """Built-in grid name -> TOML path, in name order."""
-    folder = grids_dir()
-    return {p.stem: p for p in sorted(folder.glob("*.toml"))} if folder.is_dir() else {}
+    """Built-in grid name -> TOML path (``kvfast/data/grids/NAME.toml``), in name order."""
+    folder = Path(str(resources.files("kvfast").joinpath("data", "grids")))
+    return {p.stem: p for p in sorted(folder.glob("*.toml"))}
 
 
 def resolve(name_or_path: str) -> Path:
@@ -240,10 +235,6 @@ def load_grid(name_or_path: str, max_runs: int = DEFAULT_MAX_RUNS, studies: Mapp
     return grid_from_spec(spec, name=path.stem, source=str(path), max_runs=max_runs, studies=studies)
 
 
-def _entry_point_studies() -> dict:
-    return entry_points_of(ENTRY_POINT_GROUP)
-
-
 def resolve_study(ref: Any, studies: Mapping[str, Study] | None = None) -> Study:
     """The study a grid's ``study`` names: a name in ``studies`` (a registry: the command line passes
     ``kvfast.studies.STUDIES``; default :data:`~kvfast.sweep.study.REGISTERED`, which importing
@@ -267,7 +258,7 @@ def resolve_study(ref: Any, studies: Mapping[str, Study] | None = None) -> Study
             accept=lambda obj: isinstance(obj, Study),
             allowed="a kvfast Study object",
             form=allowed,
-            entry_points=lambda: _entry_point_studies(),
+            entry_points=lambda: entry_points_of(ENTRY_POINT_GROUP),
         )
     except UserCodeError as exc:
         raise ValueError(f"study: {shown(ref)}: {exc}") from None
@@ -283,41 +274,38 @@ def _level(
     for key in table:
         if key not in allowed:
             raise ValueError(f"{where}: key {key!r} is not allowed; allowed: {', '.join(allowed)}")
-    seen: dict[str, str] = {}
-
-    def claim(key: str, section: str) -> None:
-        if key in seen:
-            raise ValueError(f"{where}: key {key!r} is set twice, in {seen[key]} and in {section}")
-        seen[key] = section
-
+    seen: dict[str, str] = {}  # key -> the section that sets it
     factors: list[tuple[tuple, list[tuple]]] = []
+
+    def add(section: str, prefix: str, arrays: dict) -> None:
+        """One factor: ``arrays``' keys (each set once in the level) and their rows of canonical values."""
+        for key in arrays:
+            if key in seen:
+                raise ValueError(f"{where}: key {key!r} is set twice, in {seen[key]} and in {section}")
+            seen[key] = section
+        wheres = [f"{prefix}.{key}" for key in arrays]  # how a refusal of a value names it
+        factors.append(
+            (tuple(arrays), [tuple(map(canonical, row, wheres)) for row in zip(*arrays.values(), strict=True)])
+        )
+
     for section in ("fixed", "axes"):
         part = table.get(section, {})
         if not isinstance(part, dict):
             raise ValueError(f"{where}{section}: {part!r} is not a table")
         for key, value in part.items():
-            claim(key, f"[{section}]")
             values = [value] if section == "fixed" else _distinct(_array(value, f"{where}axes.{key}", limit))
-            factors.append(((key,), [(canonical(v, f"{section}.{key}"),) for v in values]))
+            add(f"[{section}]", section, {key: values})
     tied = table.get("tied", [])
     if not isinstance(tied, list):
         raise ValueError(f"{where}tied: {tied!r} is not an array of tables; write [[tied]]")
     for i, group in enumerate(tied):
         if not isinstance(group, dict) or not group:
             raise ValueError(f"tied[{i}]: {group!r} is not allowed; allowed: a non-empty table of equal-length arrays")
-        arrays = {}
-        for key, values in group.items():
-            claim(key, f"[[tied]] #{i + 1}")
-            arrays[key] = _array(values, f"{where}tied[{i}].{key}", limit)
-        lengths = {key: len(values) for key, values in arrays.items()}
-        if len(set(lengths.values())) > 1:
-            sizes = ", ".join(f"{k}={n}" for k, n in lengths.items())
+        arrays = {key: _array(values, f"{where}tied[{i}].{key}", limit) for key, values in group.items()}
+        if len({len(values) for values in arrays.values()}) > 1:
+            sizes = ", ".join(f"{k}={len(values)}" for k, values in arrays.items())
             raise ValueError(f"tied[{i}]: arrays have different lengths ({sizes}); allowed: equal lengths")
-        keys = tuple(group)
-        rows = zip(*(arrays[k] for k in keys), strict=True)
-        factors.append(
-            (keys, [tuple(canonical(v, f"tied.{k}") for k, v in zip(keys, row, strict=True)) for row in rows])
-        )
+        add(f"[[tied]] #{i + 1}", "tied", arrays)
     return list(seen), factors
 
 
@@ -496,9 +484,9 @@ def grid_from_spec(
         raise ValueError(f"{name}: study: missing; allowed: {names}, or 'package.module:STUDY'")
     try:
         study = resolve_study(study_ref, studies)
+        raw_entries = _raw_entries(spec, study, max_runs)
     except ValueError as exc:
         raise ValueError(f"{name}: {exc}") from None
-    raw_entries = _raw_entries(spec, study, name, max_runs)
     raw = sum(math.prod(len(rows) for _, rows in factors) for _, factors in raw_entries)
     if raw > max_runs:
         raise ValueError(
@@ -525,7 +513,7 @@ def grid_from_spec(
 def _registered_names(studies: Mapping[str, Study]) -> str:
     """The study names a grid may use, for a refusal: the registry's and the installed entry points' (the built-in
     studies are entry points of kvfast itself), or what to do when there are none."""
-    names = set(studies) | set(_entry_point_studies())
+    names = set(studies) | set(entry_points_of(ENTRY_POINT_GROUP))
     if names:
         return ", ".join(sorted(names))
     return (
@@ -534,43 +522,34 @@ def _registered_names(studies: Mapping[str, Study]) -> str:
     )
 
 
-def _raw_entries(spec: dict, study: Study, name: str, limit: int) -> list[tuple[str, list]]:
+def _raw_entries(spec: dict, study: Study, limit: int) -> list[tuple[str, list]]:
     """Per sub-grid (``[[union]]`` entry, or the grid itself): ``(where, factors)`` before coercion, the
     sub-grid's keys replacing top-level keys of the same name; every config field set, none unknown. ``limit``:
-    the most runs allowed (see :func:`_array`)."""
-    try:
-        top_keys, top_factors = _level(spec, "", TOP_KEYS, limit)
-    except ValueError as exc:
-        raise ValueError(f"{name}: {exc}") from None
+    the most runs allowed (see :func:`_array`). A ``ValueError`` does not name the grid (the caller does)."""
+    top_keys, top_factors = _level(spec, "", TOP_KEYS, limit)
     top_keys = [k for k in top_keys if k not in ("study", "description")]
     union = spec.get("union", [{}]) or [{}]
     if not isinstance(union, list):
-        raise ValueError(f"{name}: union: {shown(union)} is not an array of tables; write [[union]]")
+        raise ValueError(f"union: {shown(union)} is not an array of tables; write [[union]]")
+    fields = study.config_fields
     raw_entries: list[tuple[str, list]] = []
-    key_sets: list[tuple[str, set[str]]] = []
     for i, sub in enumerate(union):
         where = f"union[{i}]." if "union" in spec else ""
-        try:
-            sub_keys, sub_factors = _level(sub, where, SUB_KEYS, limit)
-        except ValueError as exc:
-            raise ValueError(f"{name}: {exc}") from None
-        kept = [f for f in top_factors if not (set(f[0]) & set(sub_keys))]
-        key_sets.append((where or "grid", set(top_keys) | set(sub_keys)))
-        raw_entries.append((where or "grid", kept + sub_factors))
-    fields = study.config_fields
-    for where, keys in key_sets:  # exactly the study's config fields
+        sub_keys, sub_factors = _level(sub, where, SUB_KEYS, limit)
+        keys = set(top_keys) | set(sub_keys)  # exactly the study's config fields
         unknown = sorted(keys - set(fields))
         if unknown:
             raise ValueError(
-                f"{name}: axis {unknown[0]!r} is not a config field of study {study.name!r}; "
-                f"allowed: {', '.join(fields)}"
+                f"axis {unknown[0]!r} is not a config field of study {study.name!r}; allowed: {', '.join(fields)}"
             )
         missing = [f for f in fields if f not in keys]
         if missing:
             raise ValueError(
-                f"{name}: {missing[0]}: missing from the grid ({where}); set it in [fixed] or [axes]; "
+                f"{missing[0]}: missing from the grid ({where or 'grid'}); set it in [fixed] or [axes]; "
                 f"study {study.name!r} needs: {', '.join(fields)}"
             )
+        kept = [f for f in top_factors if not (set(f[0]) & set(sub_keys))]
+        raw_entries.append((where or "grid", kept + sub_factors))
     return raw_entries
 
 
@@ -594,11 +573,9 @@ def _validate_entries(entries: list[_Entry], study: Study, name: str) -> None:
                     for row, pieces in zip(f.rows, f.pieces, strict=True):
                         distinct.setdefault(pieces[k], row[k])
         values = list(distinct.values())
-        if not fits(values, typ):  # name the first value that does not fit
-            for v in values:
-                if not fits([v], typ):
-                    raise ValueError(f"{name}: {f_name}: {v!r} is not allowed; allowed: values of type {typ}")
-            raise ValueError(f"{name}: {f_name}: values do not fit type {typ}")
+        if not fits(values, typ):  # name the first value that does not fit (or all, where each fits alone)
+            bad = next((v for v in values if not fits([v], typ)), values)
+            raise ValueError(f"{name}: {f_name}: {shown(bad)} is not allowed; allowed: values of type {typ}")
 
 
 def _overlapping(entries: list[_Entry]) -> set[int]:

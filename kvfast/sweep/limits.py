@@ -77,15 +77,10 @@ _ROW_OVERHEAD = 64  # run_id, status, wall_s, error
 
 def row_bytes(study) -> int:
     """An upper-bound estimate of one stored row of ``study`` (its config and result columns)."""
-    total = _ROW_OVERHEAD
-    for dtype in (*study.config_fields.values(), *study.result_fields.values()):
-        if pa.types.is_list(dtype) or pa.types.is_large_list(dtype):
-            total += _LIST_BYTES
-        elif pa.types.is_string(dtype) or pa.types.is_large_string(dtype):
-            total += _STRING_BYTES
-        else:
-            total += 8
-    return total
+    types = (*study.config_fields.values(), *study.result_fields.values())
+    lists = sum(pa.types.is_list(t) or pa.types.is_large_list(t) for t in types)
+    strings = sum(pa.types.is_string(t) or pa.types.is_large_string(t) for t in types)
+    return _ROW_OVERHEAD + lists * _LIST_BYTES + strings * _STRING_BYTES + (len(types) - lists - strings) * _BYTES
 
 
 def check_disk(grid, out) -> None:

@@ -48,10 +48,10 @@ class RunLimits(NamedTuple):
     reap: bool = False
 
 
-Limits = RunLimits | tuple | None  # None: no time limit
+NO_LIMITS = RunLimits(None, None)
 
 
-def run_one(study: Study, run: GridRun, limits: Limits = None) -> dict:
+def run_one(study: Study, run: GridRun, limits: RunLimits = NO_LIMITS) -> dict:
     """One run as a row of result + bookkeeping columns (never raises for the run's own errors).
 
     ``SystemExit`` and ``KeyboardInterrupt`` raised by the run's code are ``error``
@@ -65,9 +65,8 @@ def run_one(study: Study, run: GridRun, limits: Limits = None) -> dict:
     """
     clock = time.perf_counter
     t0 = clock()
-    seconds, marker_dir = limits[:2] if limits else (None, None)
-    reap = in_worker() or bool(limits and len(limits) > 2 and limits[2])
-    pid, tree = os.getpid(), RunTree(reap)
+    seconds, marker_dir, reap = limits
+    pid, tree = os.getpid(), RunTree(reap or in_worker())
     try:
         with deadline(seconds, run.run_id, marker_dir):
             try:
@@ -94,34 +93,34 @@ def run_one(study: Study, run: GridRun, limits: Limits = None) -> dict:
     return row
 
 
-def run_chunk(study: Study, chunk: tuple[int, list[GridRun]], limits: Limits = None) -> tuple[int, list[dict]]:
+def run_chunk(study: Study, chunk: tuple[int, list[GridRun]], limits: RunLimits = NO_LIMITS) -> tuple[int, list[dict]]:
     """A task: run every run of one chunk, in order; returns ``(chunk index, rows)``."""
     index, runs = chunk
     return index, [run_one(study, r, limits) for r in runs]
 
 
 def run_chunk_in_worker(
-    study: Study, chunk: tuple[int, list[GridRun]], limits: Limits = None
+    study: Study, chunk: tuple[int, list[GridRun]], limits: RunLimits = NO_LIMITS
 ) -> tuple[int, list[dict]]:
     """:func:`run_chunk` in a pool worker: set the worker up first (see :func:`kvfast.sweep.procs.worker_setup`)."""
     worker_setup()
     return run_chunk(study, chunk, limits)
 
 
-def lost_worker_row(study: Study, run: GridRun, limits: Limits) -> dict:
+def lost_worker_row(study: Study, run: GridRun, limits: RunLimits) -> dict:
     """The row of a run whose worker died when it ran alone: ``timeout`` if the worker killed itself at
     the run's time limit (its marker is removed), else ``crashed`` (one line on stderr)."""
-    marker = Path(limits[1]) / run.run_id if limits and limits[1] is not None else None
-    if marker is not None and marker.exists():  # the worker killed itself at the run's time limit
+    marker = limits.markers / run.run_id if limits.markers else None
+    if marker and marker.exists():  # the worker killed itself at the run's time limit
         marker.unlink(missing_ok=True)
         return timeout_row(study, run, limits)
     print(f"kvfast: run {run.run_id} killed its worker, twice; stored as crashed", file=sys.stderr)
     return _empty_row(study, run, "crashed", CRASH_MESSAGE, wall_s=None)
 
 
-def timeout_row(study: Study, run: GridRun, limits: Limits) -> dict:
+def timeout_row(study: Study, run: GridRun, limits: RunLimits) -> dict:
     """The row of a run whose worker killed itself at the run's time limit."""
-    return _empty_row(study, run, "timeout", _timeout_message(limits[0] if limits else None), wall_s=None)
+    return _empty_row(study, run, "timeout", _timeout_message(limits.seconds), wall_s=None)
 
 
 def _empty_row(study: Study, run: GridRun, status: str, error: str, **extra) -> dict:

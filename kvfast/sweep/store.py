@@ -61,7 +61,6 @@ MANIFEST = "_sweep.json"
 LOCK = ".lock"
 WARMUP = ".warmup"
 TIMEOUTS = ".timeouts"  # ids of runs whose worker killed itself at the time limit
-WORKERS = ".workers"  # heartbeat files an older kvfast's pool workers wrote: removed when found
 FORMAT = "kvfast-results-1"
 PART_RE = re.compile(r"^part-(\d{8})-([0-9a-f]{8})\.parquet$")
 STATUSES = ("ok", "error", "crashed", "timeout")
@@ -229,7 +228,7 @@ class ResultsDir:
                 return
             raise
         if manifest is None:
-            foreign = [c.name for c in p.iterdir() if c.name not in (LOCK, WARMUP, TIMEOUTS, WORKERS, QUARANTINE)]
+            foreign = [c.name for c in p.iterdir() if c.name not in (LOCK, WARMUP, TIMEOUTS, QUARANTINE)]
             if foreign:
                 raise ValueError(
                     f"--out: {str(p)!r} is not a kvfast results directory (it holds {foreign[0]!r} and no "
@@ -264,10 +263,7 @@ class ResultsDir:
         if not parts:
             return StoredIndex.build(np.empty(0, "S32"), np.empty(0, np.int8))
         # every column is read, to verify its pages: a damaged result is found here, before a run is skipped
-        tables = [self.read_part(p).select(["run_id", "status"]) for p in parts]
-        table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
-        if len(tables) > 1 or not _sorted_unique(table.column("run_id")):
-            table = _latest(table)
+        table = _latest(pa.concat_tables([self.read_part(p).select(["run_id", "status"]) for p in parts]))
         ids = _fixed_ids(table.column("run_id"))
         codes = pc.index_in(table.column("status"), value_set=pa.array(STATUSES)).fill_null(STATUSES.index("crashed"))
         return StoredIndex.build(ids, codes.to_numpy().astype(np.int8))
@@ -320,7 +316,6 @@ class ResultsDir:
         if markers.is_dir():
             for p in markers.iterdir():
                 p.unlink(missing_ok=True)
-        shutil.rmtree(self.path / WORKERS, ignore_errors=True)
 
     def write_part(self, table: pa.Table | list[pa.Table]) -> Path:
         """Write one part (a table, or tables of one schema): a hidden temporary name, then an atomic rename."""
@@ -462,14 +457,12 @@ def _fixed_ids(column: pa.ChunkedArray) -> np.ndarray:
     return np.frombuffer(fixed.buffers()[1], "S32", count=len(fixed), offset=fixed.offset * 32)
 
 
-def _sorted_unique(ids: pa.ChunkedArray) -> bool:
-    """True when ``ids`` are strictly increasing (a compacted part)."""
-    arr = _fixed_ids(ids)
-    return bool((arr[1:] > arr[:-1]).all())
-
-
 def _latest(table: pa.Table) -> pa.Table:
-    """The latest row per run of ``table`` (rows in write order), sorted by run id."""
+    """The latest row per run of ``table`` (rows in write order), sorted by run id: ``table`` itself when its ids
+    are strictly increasing already (a compacted part)."""
+    ids = _fixed_ids(table.column("run_id"))
+    if (ids[1:] > ids[:-1]).all():
+        return table
     n = table.num_rows
     order = pa.table({"run_id": table.column("run_id"), "_i": pa.array(np.arange(n, dtype=np.int64))})
     last = order.group_by("run_id", use_threads=False).aggregate([("_i", "max")]).sort_by("run_id")
@@ -503,8 +496,6 @@ def read_parts(parts: list[Path], schema: pa.Schema | None = None, store: Result
             f"{store.path}: its parts do not fit together ({one_line(exc)[:160]}); a file that is not a part of "
             "these results lies among them: move it out of the directory"
         ) from None
-    if len(tables) == 1 and _sorted_unique(table.column("run_id")):
-        return table  # a compacted part: already one row per run, sorted
     return _latest(table)
 
 
@@ -522,14 +513,12 @@ def load(path: str | os.PathLike) -> pd.DataFrame:
         raise ValueError(f"{str(p)!r}: no such results directory")
     if not list_parts(p):  # no runs stored yet: the study's columns, no rows
         from kvfast.sweep.grid import resolve_study
-        from kvfast.sweep.study import REGISTERED
 
         manifest = ResultsDir(p).manifest() or {}
-        study = REGISTERED.get(manifest.get("study", ""))
-        with contextlib.suppress(ValueError):  # else the grid's own reference (a name, package.module:STUDY)
-            study = study or (manifest.get("study_ref") and resolve_study(manifest["study_ref"]))
-        if not study:
-            raise ValueError(f"{str(p)!r}: no results (no part-*.parquet files)")
+        try:  # the grid's own reference to its study (a name, package.module:STUDY), else the study's name
+            study = resolve_study(manifest.get("study_ref") or manifest.get("study"))
+        except ValueError:
+            raise ValueError(f"{str(p)!r}: no results (no part-*.parquet files)") from None
         return schema_for(study).empty_table().to_pandas()
     for attempt in range(49):  # a sweep compacting meanwhile deletes parts it merged: list them again
         with contextlib.suppress(FileNotFoundError):

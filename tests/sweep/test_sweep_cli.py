@@ -16,8 +16,7 @@ import pytest
 
 from kvfast.cli import main
 from kvfast.studies import STUDIES
-from kvfast.sweep import ResultsDir, list_parts, load, load_grid, run_sweep
-from kvfast.sweep.grid import grids_dir
+from kvfast.sweep import ResultsDir, builtin_grids, list_parts, load, load_grid, run_sweep
 
 KVFAST = str(Path(sys.executable).with_name("kvfast"))
 
@@ -192,7 +191,7 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(tmp_path):
     # the exactness grid with 24 seeds (10,368 runs, about 5 s on 2 workers): long enough to be killed
     # mid-way once the first part (parts are written about once a second) is on disk
     toml = tmp_path / "exact24.toml"
-    text = (grids_dir() / "exactness.toml").read_text()
+    text = builtin_grids()["exactness"].read_text()
     toml.write_text(text.replace("seed = [0, 1, 2]", f"seed = {list(range(24))}"))
     grid = load_grid(str(toml))
     assert len(grid) == 10368

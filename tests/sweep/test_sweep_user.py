@@ -65,7 +65,9 @@ def test_a_study_registered_through_the_entry_point_group(monkeypatch):
 
             return STUDY
 
-    monkeypatch.setattr(grid, "_entry_point_studies", lambda: {"sum-order": EntryPoint()})
+    monkeypatch.setattr(
+        grid, "entry_points_of", lambda group: {"sum-order": EntryPoint()} if group == grid.ENTRY_POINT_GROUP else {}
+    )
     spec = {"study": "sum-order", "fixed": {"n": 10, "scale": 1.0, "order": "pairwise"}, "axes": {"seed": [0, 1]}}
     g = grid_from_spec(spec)
     assert g.study.name == "sum_order" and len(g) == 2 and g.study_ref == "sum-order"

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvfast.sweep.grid import GridRun
 from kvfast.sweep.plan import Planner
-from kvfast.sweep.rows import Limits, run_chunk
+from kvfast.sweep.rows import NO_LIMITS, RunLimits, run_chunk
 
 if TYPE_CHECKING:
     from kvfast.sweep.study import Study
@@ -58,7 +58,7 @@ class Job:
     jobs: int
     write: Callable[[Sequence[GridRun], list[dict]], None]
     recent: deque
-    limits: Limits = None
+    limits: RunLimits = NO_LIMITS
     chunk_s: float = 0.5
     chunk_size: int | None = None
     stall_s: float = 300.0

@@ -124,7 +124,7 @@ def execute(job: Job, runs: Iterator[GridRun], total: int) -> Outcome:
     """Fan chunks out to ``job.jobs`` processes, watched by a :class:`~kvfast.sweep.procs.Monitor` (see the module
     docstring)."""
     kind = "loky" if job.backend == "fork" and any(name in sys.modules for name in FORK_UNSAFE) else job.backend
-    seconds = job.limits[0] if job.limits else None
+    seconds = job.limits.seconds
     suspects: list[GridRun] = []
     largest = 0
     remaining: Iterator[GridRun] | None = runs
@@ -188,11 +188,10 @@ def _alone(kind: str, job: Job, run: GridRun) -> dict:
     not returned its time limit plus the worker's grace and one second after the worker was ready, or when the
     worker died after the limit (or was killed stopped past it: :data:`~kvfast.sweep.procs.OVERDUE`, at once);
     ``crashed`` when it died sooner (:func:`~kvfast.sweep.rows.lost_worker_row`)."""
-    study, limits = job.study, job.limits
+    study, limits, seconds = job.study, job.limits, job.limits.seconds
     if run.run_id[:15] in OVERDUE:
         OVERDUE.discard(run.run_id[:15])
         return timeout_row(study, run, limits)
-    seconds = limits[0] if limits else None
     pool, started = new_pool(kind, 1), None
     try:
         pool.submit(os.getpid).result()  # a worker is up: the time counts from here
