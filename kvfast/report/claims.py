@@ -64,15 +64,6 @@ def counts(table: pd.DataFrame) -> dict[str, int]:
     }
 
 
-def count_line(table: pd.DataFrame) -> str:
-    """``"N of M claims hold; verifier: K of J assertions hold"``."""
-    c = counts(table)
-    return (
-        f"{c['claims_hold']} of {c['claims']} claims hold; verifier: {c['conditions_hold']} of {c['conditions']} "
-        "assertions (the claims' conditions) hold"
-    )
-
-
 def cell_text(v) -> str:
     """A table cell as the report shows it: booleans as yes/no, floats to 4 digits."""
     if isinstance(v, bool | np.bool_):
@@ -93,8 +84,13 @@ def markdown(df: pd.DataFrame, columns: list[str] | None = None) -> str:
 
 
 def claims_markdown(table: pd.DataFrame) -> str:
-    """The claims table as Markdown, then its count line (what docs/claims.md pastes)."""
-    return markdown(table, COLUMNS) + "\n\n" + count_line(table)
+    """The claims table as Markdown, then its count line, ``"N of M claims hold; verifier: K of J assertions (the
+    claims' conditions) hold"`` (what docs/claims.md pastes)."""
+    c = counts(table)
+    return (
+        f"{markdown(table, COLUMNS)}\n\n{c['claims_hold']} of {c['claims']} claims hold; verifier: "
+        f"{c['conditions_hold']} of {c['conditions']} assertions (the claims' conditions) hold"
+    )
 
 
 FACT_COLUMNS = ["key", "figure", "value", "study"]

@@ -210,18 +210,16 @@ def write_tables(results: dict[str, pd.DataFrame], out: str | os.PathLike) -> li
     ``summaries/STUDY.csv``. Floats are written in full (shortest round-trip repr): equal files, equal numbers."""
     root = Path(out)
     _writable(root)
-    (root / "summaries").mkdir(parents=True, exist_ok=True)
+    (root / "summaries").mkdir(exist_ok=True)
     table = claims_mod.claims_table(results)
-    written = [root / "claims.csv", root / "claims.json", root / "facts.csv"]
-    table.to_csv(written[0], index=False, lineterminator="\n")
     payload = {"counts": claims_mod.counts(table), "claims": table.to_dict(orient="records")}
-    written[1].write_text(json.dumps(payload, indent=1, ensure_ascii=False) + "\n")
-    claims_mod.facts(results).to_csv(written[2], index=False, lineterminator="\n")
-    for name, summary in summaries(results).items():
-        path = root / "summaries" / f"{name}.csv"
-        summary.to_csv(path, index=False, lineterminator="\n")
-        written.append(path)
-    return written
+    (root / "claims.json").write_text(json.dumps(payload, indent=1, ensure_ascii=False) + "\n")
+    csvs = {"claims": table, "facts": claims_mod.facts(results)}
+    csvs |= {f"summaries/{name}": summary for name, summary in summaries(results).items()}
+    for name, frame in csvs.items():
+        frame.to_csv(root / f"{name}.csv", index=False, lineterminator="\n")
+    claims_csv, *others = (root / f"{name}.csv" for name in csvs)
+    return [claims_csv, root / "claims.json", *others]
 
 
 # what the place a report goes to can refuse mid-way: a full disk or quota, a file too big, an I/O error, a
