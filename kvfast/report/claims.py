@@ -11,8 +11,10 @@ how many hold (the seed's counterpart: "133 verifier assertions").
 
 from __future__ import annotations
 
+import html
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -81,6 +83,14 @@ def markdown(df: pd.DataFrame, columns: list[str] | None = None) -> str:
     rows = df[cols].itertuples(index=False)
     lines += ["| " + " | ".join(cell_text(v).translate(escape) for v in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def html_table(columns: Iterable[object], rows: Iterable[Iterable[str]]) -> str:
+    """An HTML table: a header of ``columns`` (text, escaped here) over ``rows``, each a row's cells already HTML
+    (``<td>...</td>``, their text escaped by the caller)."""
+    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(cells) + "</tr>" for cells in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
 def claims_markdown(table: pd.DataFrame) -> str:

@@ -98,19 +98,16 @@ def sections(results: dict[str, pd.DataFrame]) -> list[Section]:
 def _html_table(df: pd.DataFrame, holds_col: str | None = None, max_rows: int = 400) -> str:
     if df is None or not len(df):
         return "<p>(no rows)</p>"
-    cols = list(df.columns)
-    out = ["<table><thead><tr>" + "".join(f"<th>{html.escape(str(c))}</th>" for c in cols) + "</tr></thead><tbody>"]
-    for row in df.head(max_rows).itertuples(index=False):
-        cells = []
-        for c, v in zip(cols, row, strict=True):
-            text = claims_mod.cell_text(v)
-            cls = f' class="{text}"' if c == holds_col else ""
-            cells.append(f"<td{cls}>{html.escape(text)}</td>")
-        out.append("<tr>" + "".join(cells) + "</tr>")
-    out.append("</tbody></table>")
-    if len(df) > max_rows:
-        out.append(f"<p>({len(df) - max_rows} more rows in the CSV beside this page)</p>")
-    return "".join(out)
+
+    def cell(column, value) -> str:
+        text = claims_mod.cell_text(value)
+        attribute = f' class="{text}"' if column == holds_col else ""
+        return f"<td{attribute}>{html.escape(text)}</td>"
+
+    rows = df.head(max_rows).itertuples(index=False)
+    out = claims_mod.html_table(df.columns, ([cell(*c) for c in zip(df.columns, row, strict=True)] for row in rows))
+    more = len(df) - max_rows
+    return out + (f"<p>({more} more rows in the CSV beside this page)</p>" if more > 0 else "")
 
 
 def _png(fig) -> str:
