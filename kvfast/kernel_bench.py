@@ -69,13 +69,9 @@ from kvfast.validation import require_choice, require_int
 
 MATMUL_DS = (16, 64, 256)
 MATMUL_TS = (1, 16, 256)
+FORMATS = ("f64", "f32", "bf16")
 # (label, accumulator/storage format, order) of the explicit-order kernels timed per shape
-MATMUL_VARIANTS = (
-    ("f64 seq", "f64", "sequential"),
-    ("f32 seq", "f32", "sequential"),
-    ("bf16 seq", "bf16", "sequential"),
-    ("f64 pair", "f64", "pairwise"),
-)
+MATMUL_VARIANTS = (*((f"{fmt} seq", fmt, "sequential") for fmt in FORMATS), ("f64 pair", "f64", "pairwise"))
 SAMPLE_CPU_S = 0.02  # each timed sample repeats its call for about this much CPU time
 DECODE_CONFIG = {"vocab": 256, "d_model": 64, "n_head": 4, "n_layer": 2, "d_ff": 256, "max_pos": 256}
 DECODE_LENGTHS = (16, 128)
@@ -85,14 +81,8 @@ BF16_LOOP_SHAPES = ((16, 64), (256, 256))  # (T, d) where the NumPy + ml_dtypes 
 ATTENTION_TS = (128, 512)
 ATTENTION_HEAD_DIM = 64
 ATTENTION_BLOCK = 64  # keys per block of the online order
-ATTENTION_VARIANTS = (  # (label, storage = accumulator format, attention order)
-    ("f64 standard", "f64", "standard"),
-    ("f64 online", "f64", "online"),
-    ("f32 standard", "f32", "standard"),
-    ("f32 online", "f32", "online"),
-    ("bf16 standard", "bf16", "standard"),
-    ("bf16 online", "bf16", "online"),
-)
+# (label, storage = accumulator format, attention order)
+ATTENTION_VARIANTS = tuple((f"{fmt} {mode}", fmt, mode) for fmt in FORMATS for mode in ("standard", "online"))
 GROWTH_LENGTHS = (128, 256, 512, 1024)  # cache lengths (decode) and T (forward) for the growth fits
 
 COMPILE_CHILD = r"""
