@@ -22,9 +22,9 @@ import io
 import json
 import os
 import tempfile
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import pandas as pd
 
@@ -58,29 +58,19 @@ img { max-width: 100%; border: 1px solid #eee; }
 """
 
 
-@dataclass
-class Section:
-    """One figure of the report: ``table`` holds what ``draw()`` plots; ``note`` says what is not stored."""
+class Section(NamedTuple):
+    """One figure of the report computed on its study's stored ``runs``: ``table`` holds the numbers
+    ``figure.draw(runs, table)`` plots (drawn only when the page shows plots)."""
 
-    key: str
-    title: str
-    caption: str
+    figure: Figure
+    runs: pd.DataFrame
     table: pd.DataFrame
-    draw: Callable[[], object] | None = None
-    note: str = ""
 
 
 def ordered_studies(studies: dict[str, Study] | None = None) -> list[Study]:
     """The registered studies (default :data:`kvfast.studies.STUDIES`) in page order: by ``rank``, ties in
     registry order."""
     return sorted((STUDIES if studies is None else studies).values(), key=lambda study: study.rank)  # stable
-
-
-def section(figure: Figure, df: pd.DataFrame) -> Section:
-    """``figure`` of a study computed on its stored runs ``df``: its table now, its plot when drawn."""
-    table = figure.table(df)
-    draw = None if figure.draw is None else (lambda: figure.draw(df, table))
-    return Section(figure.key, figure.title, figure.caption, table, draw, figure.note)
 
 
 def sections(results: dict[str, pd.DataFrame]) -> list[Section]:
@@ -91,7 +81,7 @@ def sections(results: dict[str, pd.DataFrame]) -> list[Section]:
         df = results.get(study.name)
         if df is None or not len(ok_rows(df)):
             continue
-        out += [section(figure, df) for figure in study.figures]
+        out += [Section(figure, df, figure.table(df)) for figure in study.figures]
     return out
 
 
@@ -120,12 +110,14 @@ def _png(fig) -> str:
 
 
 def _section_html(sec: Section, plots: bool) -> str:
-    parts = [f'<h2 id="{sec.key}">{html.escape(sec.title)}</h2>', f'<p class="caption">{html.escape(sec.caption)}</p>']
-    if sec.note:
-        parts.append(f'<p class="note">{html.escape(sec.note)}</p>')
-    if plots and sec.draw is not None:
-        data = _png(sec.draw())
-        parts.append(f'<img alt="{html.escape(sec.title)}" src="data:image/png;base64,{data}">')
+    figure = sec.figure
+    parts = [f'<h2 id="{figure.key}">{html.escape(figure.title)}</h2>']
+    parts.append(f'<p class="caption">{html.escape(figure.caption)}</p>')
+    if figure.note:
+        parts.append(f'<p class="note">{html.escape(figure.note)}</p>')
+    if plots and figure.draw is not None:
+        data = _png(figure.draw(sec.runs, sec.table))
+        parts.append(f'<img alt="{html.escape(figure.title)}" src="data:image/png;base64,{data}">')
         parts.append(
             f"<details><summary>the numbers plotted ({len(sec.table)} rows)</summary>{_html_table(sec.table)}</details>"
         )
