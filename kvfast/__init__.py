@@ -10,34 +10,24 @@ from __future__ import annotations
 from kvfast._lazy import lazy_exports
 from kvfast._version import __version__
 
-# public name -> module that defines it
-_EXPORTS = {
-    "BUGS": "kvfast.model.bugs",
-    "KVCache": "kvfast.model.cache",
-    "ModelConfig": "kvfast.model.config",
-    "init_params": "kvfast.model.config",
-    "load_params": "kvfast.model.config",
-    "save_params": "kvfast.model.config",
-    "decode_step": "kvfast.model.generation",
-    "generate": "kvfast.model.generation",
-    "forward": "kvfast.model.transformer",
-    "forward_trace": "kvfast.model.transformer",
-    "loss_and_grads": "kvfast.model.transformer",
-    "Numerics": "kvfast.numerics",
-    "to_bfloat16": "kvfast.kernels.precision",
-    "load": "kvfast.sweep.store",
-    "run_inline": "kvfast.sweep.engine",
-    "compare_detectors": "kvfast.studies.detector",
-    "score_detector": "kvfast.studies.detector",
-    "CheckReport": "kvfast.check",
-    "CheckTimeout": "kvfast.check",
-    "ModelUnderTestError": "kvfast.check",
-    "HFModel": "kvfast.check",
-    "KvfastModel": "kvfast.check",
-    "NumpyModel": "kvfast.check",
-    "assert_cache_exact": "kvfast.check",
-    "check_cache": "kvfast.check",
-}
+# module -> the public names it defines
+_MODULES = {
+    "kvfast.model.bugs": ("BUGS",),
+    "kvfast.model.cache": ("KVCache",),
+    "kvfast.model.config": ("ModelConfig", "init_params", "load_params", "save_params"),
+    "kvfast.model.generation": ("decode_step", "generate"),
+    "kvfast.model.transformer": ("forward", "forward_trace", "loss_and_grads"),
+    "kvfast.numerics": ("Numerics",),
+    "kvfast.kernels.precision": ("to_bfloat16",),
+    "kvfast.sweep.store": ("load",),
+    "kvfast.sweep.engine": ("run_inline",),
+    "kvfast.studies.detector": ("compare_detectors", "score_detector"),
+    "kvfast.check": (
+        "CheckReport", "CheckTimeout", "ModelUnderTestError", "HFModel", "KvfastModel", "NumpyModel",
+        "assert_cache_exact", "check_cache",
+    ),
+}  # fmt: skip
+_EXPORTS = {name: module for module, names in _MODULES.items() for name in names}
 
 __all__ = ["__version__", *sorted(_EXPORTS)]
 

@@ -69,13 +69,9 @@ from kvfast.validation import require_choice, require_int
 
 MATMUL_DS = (16, 64, 256)
 MATMUL_TS = (1, 16, 256)
+FORMATS = ("f64", "f32", "bf16")
 # (label, accumulator/storage format, order) of the explicit-order kernels timed per shape
-MATMUL_VARIANTS = (
-    ("f64 seq", "f64", "sequential"),
-    ("f32 seq", "f32", "sequential"),
-    ("bf16 seq", "bf16", "sequential"),
-    ("f64 pair", "f64", "pairwise"),
-)
+MATMUL_VARIANTS = (*((f"{fmt} seq", fmt, "sequential") for fmt in FORMATS), ("f64 pair", "f64", "pairwise"))
 SAMPLE_CPU_S = 0.02  # each timed sample repeats its call for about this much CPU time
 DECODE_CONFIG = {"vocab": 256, "d_model": 64, "n_head": 4, "n_layer": 2, "d_ff": 256, "max_pos": 256}
 DECODE_LENGTHS = (16, 128)
@@ -85,14 +81,8 @@ BF16_LOOP_SHAPES = ((16, 64), (256, 256))  # (T, d) where the NumPy + ml_dtypes 
 ATTENTION_TS = (128, 512)
 ATTENTION_HEAD_DIM = 64
 ATTENTION_BLOCK = 64  # keys per block of the online order
-ATTENTION_VARIANTS = (  # (label, storage = accumulator format, attention order)
-    ("f64 standard", "f64", "standard"),
-    ("f64 online", "f64", "online"),
-    ("f32 standard", "f32", "standard"),
-    ("f32 online", "f32", "online"),
-    ("bf16 standard", "bf16", "standard"),
-    ("bf16 online", "bf16", "online"),
-)
+# (label, storage = accumulator format, attention order)
+ATTENTION_VARIANTS = tuple((f"{fmt} {mode}", fmt, mode) for fmt in FORMATS for mode in ("standard", "online"))
 GROWTH_LENGTHS = (128, 256, 512, 1024)  # cache lengths (decode) and T (forward) for the growth fits
 
 COMPILE_CHILD = r"""
@@ -104,6 +94,10 @@ params = kvfast.init_params(cfg, 0)
 tokens, _ = kvfast.generate(cfg, params, [1, 2, 3], 4, kvfast.Numerics.preset("f64"))
 print(json.dumps({"wall": time.perf_counter() - t0, "cpu": time.process_time() - c0}))
 """
+#: The CPU seconds a fresh interpreter spends importing ``scipy.linalg.cython_blas`` after numpy.
+BLAS_PROBE_CHILD = (
+    "import time, numpy\nc = time.process_time()\nimport scipy.linalg.cython_blas\nprint(time.process_time() - c)"
+)
 
 
 def _calls_per_sample(timer: timeit.Timer) -> int:
@@ -151,9 +145,14 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _row(*cells: object) -> None:
+    """One row of a Markdown table, printed at once (a long section shows its progress)."""
+    print("| " + " | ".join(map(str, cells)) + " |", flush=True)
+
+
 def _header(*columns: str) -> None:
     """A Markdown table's header row and its separator."""
-    print("| " + " | ".join(columns) + " |")
+    _row(*columns)
     print("|" + "---|" * len(columns))
 
 
@@ -196,7 +195,7 @@ def bench_matmul(repeats: int) -> None:
                 flops = 2.0 * T * d * d
                 gf = {name: flops / t / 1e9 for name, t in times.items()}
                 cells = [f"{gf[lb]:.2f} ({gf[lb] / gf['blas']:.2f})" for lb in labels]
-                print(f"| {T} | {d} | {gf['blas']:.2f} | " + " | ".join(cells) + " |", flush=True)
+                _row(T, d, f"{gf['blas']:.2f}", *cells)
 
 
 def numpy_bf16_matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -241,7 +240,7 @@ def bench_bf16_loop(repeats: int) -> None:
         equal = bool(np.array_equal(numpy_bf16_matmul(x, w).view(np.uint64), y.view(np.uint64)))
         flops = 2.0 * T * d * d
         loop, kern = flops / times["loop"] / 1e9, flops / times["kernel"] / 1e9
-        print(f"| {T} | {d} | {loop:.2f} | {kern:.2f} | {kern / loop:.1f} | {'yes' if equal else 'NO'} |", flush=True)
+        _row(T, d, f"{loop:.2f}", f"{kern:.2f}", f"{kern / loop:.1f}", "yes" if equal else "NO")
 
 
 def numpy_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
@@ -286,7 +285,7 @@ def bench_attention(repeats: int) -> None:
             times = time_interleaved(fns, repeats)
             base = times["numpy"]
             cells = [f"{times[lb] * 1e3:.2f} ({base / times[lb]:.2f})" for lb in labels]
-            print(f"| {T} | {base * 1e3:.2f} | " + " | ".join(cells) + " |", flush=True)
+            _row(T, f"{base * 1e3:.2f}", *cells)
 
 
 def growth_exponent(sizes: Sequence[float], seconds: Sequence[float]) -> float:
@@ -325,7 +324,7 @@ def bench_growth(repeats: int) -> None:
     fwd = [times[f"forward {L}"] for L in GROWTH_LENGTHS]
     _header("L (cache length / forward T)", "decode ms", "forward ms")
     for L, a, b in zip(GROWTH_LENGTHS, dec, fwd, strict=True):
-        print(f"| {L} | {a * 1e3:.3f} | {b * 1e3:.3f} |")
+        _row(L, f"{a * 1e3:.3f}", f"{b * 1e3:.3f}")
     print(
         f"\nFitted exponent (time ~ L^p, least squares on log-log, {len(GROWTH_LENGTHS)} sizes):"
         f" decode step p = {growth_exponent(GROWTH_LENGTHS, dec):.2f},"
@@ -382,22 +381,17 @@ def bench_decode(repeats: int) -> None:
             times = time_interleaved(fns, repeats)
             dc, dp = times["decode compiled"], times["decode public"]
             fc, fp, fl = times["forward compiled"], times["forward public"], times["forward layers"]
-            print(
-                f"| {preset} | {L} | {dc * 1e3:.3f} | {dp * 1e3:.3f} | {dp / dc:.2f} | {fc * 1e3:.3f} | {fp * 1e3:.3f}"
-                f" | {fl * 1e3:.3f} | {fl / fc:.2f} | {fc / dc:.1f} |",
-                flush=True,
-            )
+            ms = [f"{t * 1e3:.3f}" for t in (dc, dp, fc, fp, fl)]
+            _row(preset, L, *ms[:2], f"{dp / dc:.2f}", *ms[2:], f"{fl / fc:.2f}", f"{fc / dc:.1f}")
 
 
-def _run_child(cache_dir: str) -> dict:
-    env = dict(os.environ, NUMBA_CACHE_DIR=cache_dir)
+def _child(code: str, **env: str) -> tuple[object, float]:
+    """What a fresh interpreter running ``code`` (``env`` added to the environment) prints last, read as JSON, and
+    the wall seconds of the whole process."""
     w0 = time.perf_counter()
-    out = subprocess.run(
-        [sys.executable, "-c", COMPILE_CHILD], env=env, capture_output=True, text=True, check=True, timeout=1800
-    )
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    result["process_wall"] = time.perf_counter() - w0
-    return result
+    command = [sys.executable, "-c", code]
+    out = subprocess.run(command, env={**os.environ, **env}, capture_output=True, text=True, check=True, timeout=1800)
+    return json.loads(out.stdout.strip().splitlines()[-1]), time.perf_counter() - w0
 
 
 def bench_compile(repeats: int) -> None:
@@ -405,28 +399,21 @@ def bench_compile(repeats: int) -> None:
     print("Fresh interpreter: import kvfast, one generate (2 layers, 3-token prompt, 4 steps, f64).")
     print()
     with tempfile.TemporaryDirectory(prefix="kvfast-numba-") as cache_dir:
-        cold = _run_child(cache_dir)
-        warm = [_run_child(cache_dir) for _ in range(repeats)]
+        # the first start compiles into the empty cache; the others read it
+        runs = [_child(COMPILE_CHILD, NUMBA_CACHE_DIR=cache_dir) for _ in range(repeats + 1)]
+    cold, *warm = ({**result, "process_wall": wall} for result, wall in runs)
     med = {k: statistics.median(r[k] for r in warm) for k in ("cpu", "wall", "process_wall")}
     _header("start", "runs", "CPU s", "wall s", "wall s incl. interpreter start")
-    print(f"| cold (empty cache) | 1 | {cold['cpu']:.2f} | {cold['wall']:.2f} | {cold['process_wall']:.2f} |")
-    print(f"| warm (cached) | {repeats} | {med['cpu']:.2f} | {med['wall']:.2f} | {med['process_wall']:.2f} |")
+    for start, count, figures in (("cold (empty cache)", 1, cold), ("warm (cached)", repeats, med)):
+        _row(start, count, *(f"{figures[k]:.2f}" for k in ("cpu", "wall", "process_wall")))
     print(f"\ncold / warm (CPU): {cold['cpu'] / med['cpu']:.0f}x", flush=True)
-    probe = statistics.median(_blas_probe_cpu() for _ in range(repeats))
+    probe = statistics.median(_child(BLAS_PROBE_CHILD)[0] for _ in range(repeats))
     print(
         f"Numba's BLAS probe as Numba runs it (importing scipy.linalg.cython_blas when its CPU target starts,"
         f" numpy already imported), which kvfast.model.compiled answers without that import: {probe:.2f} s CPU"
         f" saved per warm start (median of {repeats} fresh interpreters).",
         flush=True,
     )
-
-
-def _blas_probe_cpu() -> float:
-    """CPU seconds a fresh interpreter spends importing ``scipy.linalg.cython_blas`` after numpy."""
-    code = "import time, numpy\nc = time.process_time()\nimport scipy.linalg.cython_blas\n"
-    code += "print(time.process_time() - c)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=600)
-    return float(out.stdout.strip().splitlines()[-1])
 
 
 def main(repeats: int = 5, sections: Sequence[str] = SECTIONS) -> int:

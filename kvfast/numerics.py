@@ -86,6 +86,4 @@ class Numerics:
     def name(self) -> str:
         """A short label such as ``bf16/f32/pairwise`` (``.../online4`` with a real kernel's attention)."""
         base = f"{self.storage}/{self.accum}/{self.order}"
-        if self.attention == "standard":
-            return base
-        return f"{base}/{self.attention}{self.attn_block}"
+        return base if self.attention == "standard" else f"{base}/{self.attention}{self.attn_block}"

@@ -50,10 +50,8 @@ def not_allowed(field: str, value: object, allowed: str) -> ValueError:
 
 def require_int(value: object, field: str, minimum: int = 0, maximum: int | None = None) -> int:
     """``value`` as an ``int`` if it is an integer (not a bool) in ``[minimum, maximum]``, else ``ValueError``."""
-    ok = not isinstance(value, bool) and isinstance(value, int | np.integer)
-    if ok:
-        ok = value >= minimum and (maximum is None or value <= maximum)
-    if not ok:
+    is_int = not isinstance(value, bool) and isinstance(value, int | np.integer)
+    if not (is_int and value >= minimum and (maximum is None or value <= maximum)):
         upper = "" if maximum is None else f", <= {maximum}"
         raise not_allowed(field, value, f"an integer >= {minimum}{upper}")
     return int(value)

@@ -58,11 +58,12 @@ def inject_from(bugs: dict[str, Bug], model: object, bug: str | None, field: str
     return bugs[bug].inject(model)
 
 
-def first_acting_in(bugs: dict[str, Bug], bug: str, scenario: str, prompt_len: int) -> int | None:
+def first_acting_in(bugs: dict[str, Bug], bug: str, scenario: str, *where: int | None) -> int | None:
     """The first step at which ``bug`` of catalogue ``bugs`` changes ``scenario``'s cache path logits (``None``:
-    never); an unknown name is a ``ValueError``."""
+    never); ``where``: ``prompt_len, steps, window`` as :meth:`Bug.first_acting_step` takes them. An unknown name
+    is a ``ValueError``."""
     require_choice(bug, "bug", bugs)
-    return bugs[bug].first_acting_step(scenario, prompt_len)
+    return bugs[bug].first_acting_step(scenario, *where)
 
 
 def require_adapter(model: object, adapter: type | tuple[type, ...], allowed: str) -> object:

@@ -44,7 +44,8 @@ class Window(HFBug):
 
 
 class Positions(HFBug):
-    """A bug in the decoded token's ``position_ids``: a model whose forward takes none cannot take it."""
+    """A bug in the decoded token's ``position_ids`` (a subclass's ``_position()``): a model whose forward takes
+    none cannot take it."""
 
     def _decode_positions(self) -> list[int]:
         if not self.takes_position_ids:
@@ -53,9 +54,6 @@ class Positions(HFBug):
                 "position_ids)"
             )
         return [self._position()]
-
-    def _position(self) -> int:
-        raise NotImplementedError
 
 
 class PositionOff(Positions):

@@ -13,11 +13,11 @@ from __future__ import annotations
 import numpy as np
 
 from kvfast.bugs import hf_mixins as mix
-from kvfast.bugs.bug import Bug, catalogue, inject_from, subclass_with
+from kvfast.bugs.bug import Bug, catalogue, first_acting_in, inject_from, subclass_with
 from kvfast.check.adapters import KvfastModel
 from kvfast.check.hf import HFModel
 from kvfast.check.scenarios import BRANCH, branches, padded_prompt
-from kvfast.validation import require_choice, require_int
+from kvfast.validation import require_int
 
 _BRANCH_OF = {op: b for b, op in branches().items()}  # each operation's second branch's report name
 
@@ -140,5 +140,4 @@ def op_first_acting_step(
 ) -> int | None:
     """The first step at which operation bug ``bug`` changes ``scenario``'s logits (``None``: never).
     :data:`WINDOW_BUG` needs ``prompt_len`` and the model's ``window``."""
-    require_choice(bug, "bug", OP_BUGS)
-    return OP_BUGS[bug].first_acting_step(scenario, prompt_len, steps, window)
+    return first_acting_in(OP_BUGS, bug, scenario, prompt_len, steps, window)

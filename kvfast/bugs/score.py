@@ -261,11 +261,8 @@ def every_step_exact(model, case) -> Detection:
     return Detection(not report.passed, report.max_deviation, report.first_divergent_step)
 
 
-DETECTORS: dict[str, Callable] = {
-    "one_step_allclose": one_step_allclose,
-    "token_strings": token_strings,
-    "every_step_exact": every_step_exact,
-}
+#: The built-in detectors by name (each function's own).
+DETECTORS: dict[str, Callable] = {d.__name__: d for d in (one_step_allclose, token_strings, every_step_exact)}
 
 
 # --- scoring ----------------------------------------------------------------------------------

@@ -11,8 +11,10 @@ how many hold (the seed's counterpart: "133 verifier assertions").
 
 from __future__ import annotations
 
+import html
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -64,15 +66,6 @@ def counts(table: pd.DataFrame) -> dict[str, int]:
     }
 
 
-def count_line(table: pd.DataFrame) -> str:
-    """``"N of M claims hold; verifier: K of J assertions hold"``."""
-    c = counts(table)
-    return (
-        f"{c['claims_hold']} of {c['claims']} claims hold; verifier: {c['conditions_hold']} of {c['conditions']} "
-        "assertions (the claims' conditions) hold"
-    )
-
-
 def cell_text(v) -> str:
     """A table cell as the report shows it: booleans as yes/no, floats to 4 digits."""
     if isinstance(v, bool | np.bool_):
@@ -92,9 +85,22 @@ def markdown(df: pd.DataFrame, columns: list[str] | None = None) -> str:
     return "\n".join(lines)
 
 
+def html_table(columns: Iterable[object], rows: Iterable[Iterable[str]]) -> str:
+    """An HTML table: a header of ``columns`` (text, escaped here) over ``rows``, each a row's cells already HTML
+    (``<td>...</td>``, their text escaped by the caller)."""
+    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(cells) + "</tr>" for cells in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
 def claims_markdown(table: pd.DataFrame) -> str:
-    """The claims table as Markdown, then its count line (what docs/claims.md pastes)."""
-    return markdown(table, COLUMNS) + "\n\n" + count_line(table)
+    """The claims table as Markdown, then its count line, ``"N of M claims hold; verifier: K of J assertions (the
+    claims' conditions) hold"`` (what docs/claims.md pastes)."""
+    c = counts(table)
+    return (
+        f"{markdown(table, COLUMNS)}\n\n{c['claims_hold']} of {c['claims']} claims hold; verifier: "
+        f"{c['conditions_hold']} of {c['conditions']} assertions (the claims' conditions) hold"
+    )
 
 
 FACT_COLUMNS = ["key", "figure", "value", "study"]

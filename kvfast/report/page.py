@@ -22,9 +22,9 @@ import io
 import json
 import os
 import tempfile
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import pandas as pd
 
@@ -58,29 +58,19 @@ img { max-width: 100%; border: 1px solid #eee; }
 """
 
 
-@dataclass
-class Section:
-    """One figure of the report: ``table`` holds what ``draw()`` plots; ``note`` says what is not stored."""
+class Section(NamedTuple):
+    """One figure of the report computed on its study's stored ``runs``: ``table`` holds the numbers
+    ``figure.draw(runs, table)`` plots (drawn only when the page shows plots)."""
 
-    key: str
-    title: str
-    caption: str
+    figure: Figure
+    runs: pd.DataFrame
     table: pd.DataFrame
-    draw: Callable[[], object] | None = None
-    note: str = ""
 
 
 def ordered_studies(studies: dict[str, Study] | None = None) -> list[Study]:
     """The registered studies (default :data:`kvfast.studies.STUDIES`) in page order: by ``rank``, ties in
     registry order."""
     return sorted((STUDIES if studies is None else studies).values(), key=lambda study: study.rank)  # stable
-
-
-def section(figure: Figure, df: pd.DataFrame) -> Section:
-    """``figure`` of a study computed on its stored runs ``df``: its table now, its plot when drawn."""
-    table = figure.table(df)
-    draw = None if figure.draw is None else (lambda: figure.draw(df, table))
-    return Section(figure.key, figure.title, figure.caption, table, draw, figure.note)
 
 
 def sections(results: dict[str, pd.DataFrame]) -> list[Section]:
@@ -91,26 +81,23 @@ def sections(results: dict[str, pd.DataFrame]) -> list[Section]:
         df = results.get(study.name)
         if df is None or not len(ok_rows(df)):
             continue
-        out += [section(figure, df) for figure in study.figures]
+        out += [Section(figure, df, figure.table(df)) for figure in study.figures]
     return out
 
 
 def _html_table(df: pd.DataFrame, holds_col: str | None = None, max_rows: int = 400) -> str:
     if df is None or not len(df):
         return "<p>(no rows)</p>"
-    cols = list(df.columns)
-    out = ["<table><thead><tr>" + "".join(f"<th>{html.escape(str(c))}</th>" for c in cols) + "</tr></thead><tbody>"]
-    for row in df.head(max_rows).itertuples(index=False):
-        cells = []
-        for c, v in zip(cols, row, strict=True):
-            text = claims_mod.cell_text(v)
-            cls = f' class="{text}"' if c == holds_col else ""
-            cells.append(f"<td{cls}>{html.escape(text)}</td>")
-        out.append("<tr>" + "".join(cells) + "</tr>")
-    out.append("</tbody></table>")
-    if len(df) > max_rows:
-        out.append(f"<p>({len(df) - max_rows} more rows in the CSV beside this page)</p>")
-    return "".join(out)
+
+    def cell(column, value) -> str:
+        text = claims_mod.cell_text(value)
+        attribute = f' class="{text}"' if column == holds_col else ""
+        return f"<td{attribute}>{html.escape(text)}</td>"
+
+    rows = df.head(max_rows).itertuples(index=False)
+    out = claims_mod.html_table(df.columns, ([cell(*c) for c in zip(df.columns, row, strict=True)] for row in rows))
+    more = len(df) - max_rows
+    return out + (f"<p>({more} more rows in the CSV beside this page)</p>" if more > 0 else "")
 
 
 def _png(fig) -> str:
@@ -123,12 +110,14 @@ def _png(fig) -> str:
 
 
 def _section_html(sec: Section, plots: bool) -> str:
-    parts = [f'<h2 id="{sec.key}">{html.escape(sec.title)}</h2>', f'<p class="caption">{html.escape(sec.caption)}</p>']
-    if sec.note:
-        parts.append(f'<p class="note">{html.escape(sec.note)}</p>')
-    if plots and sec.draw is not None:
-        data = _png(sec.draw())
-        parts.append(f'<img alt="{html.escape(sec.title)}" src="data:image/png;base64,{data}">')
+    figure = sec.figure
+    parts = [f'<h2 id="{figure.key}">{html.escape(figure.title)}</h2>']
+    parts.append(f'<p class="caption">{html.escape(figure.caption)}</p>')
+    if figure.note:
+        parts.append(f'<p class="note">{html.escape(figure.note)}</p>')
+    if plots and figure.draw is not None:
+        data = _png(figure.draw(sec.runs, sec.table))
+        parts.append(f'<img alt="{html.escape(figure.title)}" src="data:image/png;base64,{data}">')
         parts.append(
             f"<details><summary>the numbers plotted ({len(sec.table)} rows)</summary>{_html_table(sec.table)}</details>"
         )
@@ -210,18 +199,16 @@ def write_tables(results: dict[str, pd.DataFrame], out: str | os.PathLike) -> li
     ``summaries/STUDY.csv``. Floats are written in full (shortest round-trip repr): equal files, equal numbers."""
     root = Path(out)
     _writable(root)
-    (root / "summaries").mkdir(parents=True, exist_ok=True)
+    (root / "summaries").mkdir(exist_ok=True)
     table = claims_mod.claims_table(results)
-    written = [root / "claims.csv", root / "claims.json", root / "facts.csv"]
-    table.to_csv(written[0], index=False, lineterminator="\n")
     payload = {"counts": claims_mod.counts(table), "claims": table.to_dict(orient="records")}
-    written[1].write_text(json.dumps(payload, indent=1, ensure_ascii=False) + "\n")
-    claims_mod.facts(results).to_csv(written[2], index=False, lineterminator="\n")
-    for name, summary in summaries(results).items():
-        path = root / "summaries" / f"{name}.csv"
-        summary.to_csv(path, index=False, lineterminator="\n")
-        written.append(path)
-    return written
+    (root / "claims.json").write_text(json.dumps(payload, indent=1, ensure_ascii=False) + "\n")
+    csvs = {"claims": table, "facts": claims_mod.facts(results)}
+    csvs |= {f"summaries/{name}": summary for name, summary in summaries(results).items()}
+    for name, frame in csvs.items():
+        frame.to_csv(root / f"{name}.csv", index=False, lineterminator="\n")
+    claims_csv, *others = (root / f"{name}.csv" for name in csvs)
+    return [claims_csv, root / "claims.json", *others]
 
 
 # what the place a report goes to can refuse mid-way: a full disk or quota, a file too big, an I/O error, a

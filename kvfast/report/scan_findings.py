@@ -14,7 +14,7 @@ from urllib.parse import quote
 
 import pandas as pd
 
-from kvfast.report.claims import markdown, study_dirs
+from kvfast.report.claims import html_table, markdown, study_dirs
 from kvfast.validation import printable
 
 #: The columns the listing shows, in order (``note`` only in the files: why a row has no reproducer).
@@ -94,10 +94,8 @@ def findings_html(table: pd.DataFrame, page_dir: str | os.PathLike) -> str:
         "and its <code>ISSUE.md</code>. <i>new</i>: in no registry of known cache bugs kvfast keeps; "
         "<i>known</i>: with its reference; <i>injected</i>: a bug of kvfast's own catalogue, put there on "
         "purpose.</p>",
-        "<table><thead><tr>"
-        + "".join(f"<th>{c}</th>" for c in ("label", "what", "first step", "reproducer", "reference or note"))
-        + "</tr></thead><tbody>",
     ]
+    rows = []
     for row in table.to_dict("records"):
         label = str(row["label"] or "")
         colour = LABEL_COLOURS.get(label)
@@ -116,9 +114,7 @@ def findings_html(table: pd.DataFrame, page_dir: str | os.PathLike) -> str:
         ref = html.escape(str(row["reference"] or ""))
         if row["note"]:
             ref += ("<br>" if ref else "") + f"<small>{html.escape(str(row['note']))}</small>"
-        parts.append(
-            f"<tr><td{style}>{html.escape(label or '-')}</td><td>{html.escape(what)}</td><td>{step}</td>"
-            f"<td>{links}</td><td>{ref}</td></tr>"
-        )
-    parts.append("</tbody></table>")
-    return "\n".join(parts)
+        cells = (html.escape(what), step, links, ref)
+        rows.append([f"<td{style}>{html.escape(label or '-')}</td>", *(f"<td>{c}</td>" for c in cells)])
+    columns = ("label", "what", "first step", "reproducer", "reference or note")
+    return "\n".join([*parts, html_table(columns, rows)])

@@ -223,11 +223,11 @@ def test_report_command_writes_a_self_contained_page_and_its_tables(stored, tmp_
         assert html.escape(claim) in page
     assert "http://" not in page and "https://" not in page  # nothing to fetch
     assert not re.search(r'src="(?!data:)', page)  # every image inline
-    titles = [s.title for s in sections(results)]
+    titles = [s.figure.title for s in sections(results)]
     # training: cosine vs prefix, during training, per tensor, final losses, loss curves; every other study one,
     # the detector two (ROC, steps to detection); the Hugging Face studies (and the engines study) one each
     assert len(titles) == 14 + len(HF_GRIDS) * HF
-    assert not [s.key for s in sections(results) if s.note]  # every figure's numbers are stored now
+    assert not [s.figure.key for s in sections(results) if s.figure.note]  # every figure's numbers are stored now
     for title in titles:
         assert html.escape(title) in page
     if matplotlib_available():
@@ -246,7 +246,7 @@ def test_without_matplotlib_every_figure_is_a_table_with_a_note(stored):
     assert "<img" not in page
     assert "matplotlib is not installed" in page
     for sec in sections(results):
-        assert html.escape(sec.title) in page
+        assert html.escape(sec.figure.title) in page
 
 
 def test_markdown_prints_the_claims_table_and_its_count(stored, capsys):

@@ -95,7 +95,7 @@ def test_a_registered_toy_study_is_reported_with_its_figure_fact_and_table(toy_r
     assert list(row["value"]) == ["9"] and list(row["study"]) == ["toy"]
     assert list(pd.read_csv(out / "summaries" / "toy_even.csv")["x"]) == [2, 4]
     results = load_results(toy_results)
-    assert [s.key for s in sections(results)] == ["toy_line"]
+    assert [s.figure.key for s in sections(results)] == ["toy_line"]
     assert list(sections(results)[0].table["y"]) == [3.0, 5.0, 7.0, 9.0]
     assert list(summaries(results)) == ["toy", "toy_even"]
     assert "toy_largest_y" in set(facts(results)["key"])
