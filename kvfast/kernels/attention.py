@@ -77,6 +77,7 @@ from numba import types
 
 from kvfast.kernels.bodies import MAC, MUL, body_name, specialise
 from kvfast.kernels.indirect import Kernel, table, through_address
+from kvfast.kernels.jit import BORROWING
 from kvfast.kernels.jit import JIT_OPTIONS as _JIT
 from kvfast.kernels.precision import BF16, F32, F64, FORMATS, Formats, rnd
 from kvfast.kernels.reduce import (
@@ -253,7 +254,7 @@ def attention_kernels(acc: int, mode: int = STANDARD) -> AttentionKernels:
     return found
 
 
-@nb.njit(**_JIT)
+@nb.njit(**BORROWING)
 def score_dots(qrow, c0, kbuf, lo, nk, hd, acc, order, sstack, out, kern):
     """``out[j] = ordered_dot(qrow, c0, kbuf[lo + j], c0, hd, acc, order, sstack)`` for j < nk.
 
@@ -266,7 +267,7 @@ def score_dots(qrow, c0, kbuf, lo, nk, hd, acc, order, sstack, out, kern):
             out[j] = ordered_dot(qrow, c0, kbuf[lo + j], c0, hd, acc, order, sstack)
 
 
-@nb.njit(**_JIT)
+@nb.njit(**BORROWING)
 def _max_of(x, a0, n):
     """``max(x[a0:a0+n])`` by a left-to-right scan from ``-inf`` (``-inf`` when ``n == 0``)."""
     m = -np.inf
@@ -276,7 +277,7 @@ def _max_of(x, a0, n):
     return m
 
 
-@nb.njit(**_JIT)
+@nb.njit(**BORROWING)
 def attend_row(q, out, probs, row, keys, heads, fmt, work, kern):
     """Row ``row`` of ``out`` (T, d): the attention of the same row of ``q`` over ``keys`` (:class:`Keys`), head by
     head, in the standard order (the module doc's formulas); ``probs`` (H, T, S) receives p_j at

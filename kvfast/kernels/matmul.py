@@ -67,6 +67,7 @@ from numba import types
 
 from kvfast.kernels.bodies import ADD, EMPTY, MAC, MUL, specialise
 from kvfast.kernels.indirect import Kernel, table, through_address
+from kvfast.kernels.jit import BORROWING
 from kvfast.kernels.jit import JIT_OPTIONS as _JIT
 from kvfast.kernels.precision import BF16, F32, F64, f32_as_u32, rnd
 from kvfast.kernels.reduce import SEQUENTIAL
@@ -433,7 +434,7 @@ MATMUL = (_F64_2D, _F64_2D, types.int64, types.int64, types.int64, _F64_2D, PROD
 """``matmul_with(x, w, storage, acc, order, y, bodies)`` as jitted code calls it by address."""
 
 
-@nb.njit(**_JIT)
+@nb.njit(**BORROWING)
 def matmul_with(x, w, storage, acc, order, y, bodies) -> None:
     """:func:`matmul_into` given the product bodies ``bodies`` (a :class:`Products` table, :func:`product_bodies` of
     ``acc``): the form jitted code calls, by address (:data:`MATMUL`)."""

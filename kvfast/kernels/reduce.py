@@ -30,6 +30,7 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
+from kvfast.kernels.jit import BORROWING
 from kvfast.kernels.jit import JIT_OPTIONS as _JIT
 from kvfast.kernels.precision import rnd
 
@@ -49,7 +50,7 @@ def new_stack(width: int) -> np.ndarray:
     return np.empty((STACK_DEPTH, max(width, 1)))
 
 
-@nb.njit(**_JIT)
+@nb.njit(**BORROWING)
 def _push_pairwise(stack: np.ndarray, sp: int, v: float, i: int, acc: int) -> int:
     """Push term ``i`` (0-based, already in format ``acc``) of a pairwise sum onto ``stack`` (``sp`` entries):
     merge it with the equal blocks on top, as a binary counter carries (each add rounded to ``acc``); the new
@@ -63,7 +64,7 @@ def _push_pairwise(stack: np.ndarray, sp: int, v: float, i: int, acc: int) -> in
     return sp + 1
 
 
-@nb.njit(**_JIT)
+@nb.njit(**BORROWING)
 def _stack_total(stack: np.ndarray, sp: int, acc: int) -> float:
     """The pairwise sum's blocks on ``stack`` (``sp >= 1`` entries), added left to right in format ``acc``."""
     s = stack[0]
@@ -83,7 +84,7 @@ def sequential_sum(t: np.ndarray, lo: int, n: int, acc: int) -> float:
     return s
 
 
-@nb.njit(**_JIT)
+@nb.njit(**BORROWING)
 def ordered_sum(t: np.ndarray, lo: int, n: int, acc: int, order: int, stack: np.ndarray) -> float:
     """Sum ``t[lo:lo+n]`` in ``order``, in format ``acc``.
 
@@ -101,7 +102,7 @@ def ordered_sum(t: np.ndarray, lo: int, n: int, acc: int, order: int, stack: np.
     return _stack_total(stack, sp, acc)
 
 
-@nb.njit(**_JIT)
+@nb.njit(**BORROWING)
 def ordered_dot(
     a: np.ndarray, a0: int, b: np.ndarray, b0: int, n: int, acc: int, order: int, stack: np.ndarray
 ) -> float:
@@ -133,7 +134,7 @@ def sequential_rows_sum(coef, c0, rows, r0, n, col0, m, acc, out, o0) -> None:
             out[o0 + j] = rnd(out[o0 + j] + rnd(c * rows[r0 + i, col0 + j], acc), acc)
 
 
-@nb.njit(**_JIT)
+@nb.njit(**BORROWING)
 def weighted_rows_sum(
     coef: np.ndarray,
     c0: int,

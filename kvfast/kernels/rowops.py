@@ -12,6 +12,7 @@ import numba as nb
 import numpy as np
 from numba import types
 
+from kvfast.kernels.jit import BORROWING
 from kvfast.kernels.jit import JIT_OPTIONS as _JIT
 from kvfast.kernels.precision import rnd
 from kvfast.kernels.reduce import ordered_dot
@@ -56,7 +57,7 @@ def silu(u: float) -> float:
     return u / (1.0 + math.exp(-u))
 
 
-@nb.njit(**_JIT)
+@nb.njit(**BORROWING)
 def silu_into(u, storage, out):
     """``out = round_s(silu(u))`` elementwise (2-D arrays)."""
     for t in range(u.shape[0]):
@@ -64,15 +65,16 @@ def silu_into(u, storage, out):
             out[t, j] = rnd(silu(u[t, j]), storage)
 
 
-@nb.njit(**_JIT)
+@nb.njit(**BORROWING)
 def add_into(x, y, storage, out):
-    """``out = round_s(x + y)`` elementwise (2-D arrays); the residual add."""
+    """``out = round_s(x + y)`` elementwise (2-D arrays); the residual add. ``out`` may be ``x`` or ``y`` (each
+    element is read before it is written)."""
     for t in range(x.shape[0]):
         for j in range(x.shape[1]):
             out[t, j] = rnd(x[t, j] + y[t, j], storage)
 
 
-@nb.njit(**_JIT)
+@nb.njit(**BORROWING)
 def embed_into(wte, wpe, tokens, positions, storage, out):
     """``out[t] = round_s(wte[tokens[t]] + wpe[positions[t]])``."""
     for t in range(tokens.shape[0]):

@@ -37,7 +37,7 @@ import numpy as np
 from numba.extending import overload
 
 from kvfast.kernels.indirect import through_address
-from kvfast.kernels.jit import JIT_OPTIONS
+from kvfast.kernels.jit import BORROWING, JIT_OPTIONS
 from kvfast.kernels.matmul import MATMUL, matmul_into
 from kvfast.kernels.rowops import RMSNORM, add_into, rmsnorm_into, silu_into
 
@@ -92,7 +92,7 @@ def activations(T, d, f) -> Activations:
     return Activations(x, h, inv, q, k, v, y, x_mid, h2, inv, u, a, x)
 
 
-@nb.njit(**JIT_OPTIONS)
+@nb.njit(**BORROWING)
 def attention_input_into(kern, w, layer, eps, fmt, acts) -> None:
     """``h = rmsnorm(x) * g1`` (``inv1``: each row's 1/rms) and ``q, k, v = h @ wq, h @ wk, h @ wv``.
 
@@ -105,7 +105,7 @@ def attention_input_into(kern, w, layer, eps, fmt, acts) -> None:
     call_matmul(kern, acts.h, w.wv[layer], fmt, acts.v)
 
 
-@nb.njit(**JIT_OPTIONS)
+@nb.njit(**BORROWING)
 def block_output_into(kern, w, layer, eps, fmt, acts) -> None:
     """The rest of the block after attention: ``x_mid = x + y @ wo``, ``h2 = rmsnorm(x_mid) * g2``
     (``inv2``: 1/rms), ``u = h2 @ w1``, ``a = silu(u)``, ``x_out = x_mid + a @ w2``.
@@ -113,19 +113,16 @@ def block_output_into(kern, w, layer, eps, fmt, acts) -> None:
     ``w``: the stacked weights, read at ``layer``; ``acts``: :class:`Activations` (reads ``x``, ``y``). ``x_out``
     may be ``x`` itself (``x`` is read only before ``x_out`` is written); no other output may overlap an input.
     """
-    T, d = acts.x.shape
-    o = np.empty((T, d))  # (T, d) y @ wo
-    call_matmul(kern, acts.y, w.wo[layer], fmt, o)
-    add_into(acts.x, o, fmt.storage, acts.x_mid)
+    call_matmul(kern, acts.y, w.wo[layer], fmt, acts.x_mid)  # y @ wo, then x + (y @ wo) in place
+    add_into(acts.x, acts.x_mid, fmt.storage, acts.x_mid)
     call_rmsnorm(kern, acts.x_mid, w.g2[layer], eps, fmt, acts.h2, acts.inv2)
     call_matmul(kern, acts.h2, w.w1[layer], fmt, acts.u)
     silu_into(acts.u, fmt.storage, acts.a)
-    m = np.empty((T, d))  # (T, d) a @ w2
-    call_matmul(kern, acts.a, w.w2[layer], fmt, m)
-    add_into(acts.x_mid, m, fmt.storage, acts.x_out)
+    call_matmul(kern, acts.a, w.w2[layer], fmt, acts.x_out)  # a @ w2 (x is read above: x_out may be x)
+    add_into(acts.x_mid, acts.x_out, fmt.storage, acts.x_out)
 
 
-@nb.njit(**JIT_OPTIONS)
+@nb.njit(**BORROWING)
 def head_into(kern, w, eps, fmt, x, hf, invf, logits) -> None:
     """``hf = rmsnorm(x) * gf`` (``invf``: 1/rms) and ``logits = hf @ w_out`` (``w``: the stacked weights)."""
     # x, hf: (T, d); invf: (T,); logits: (T, vocab)
@@ -145,7 +142,7 @@ def call_matmul(kern, x, w, fmt, y) -> None:
     matmul_into(x, w, fmt.storage, fmt.acc, fmt.order, y)
 
 
-@overload(call_matmul, jit_options=JIT_OPTIONS)
+@overload(call_matmul, jit_options=BORROWING)
 def _call_matmul_jitted(kern, x, w, fmt, y):
     def impl(kern, x, w, fmt, y):
         _matmul_at(kern.matmul, x, w, fmt.storage, fmt.acc, fmt.order, y, kern.products)
@@ -159,7 +156,7 @@ def call_rmsnorm(kern, x, g, eps, fmt, out, inv) -> None:
     rmsnorm_into(x, g, eps, fmt.storage, fmt.acc, fmt.order, out, inv)
 
 
-@overload(call_rmsnorm, jit_options=JIT_OPTIONS)
+@overload(call_rmsnorm, jit_options=BORROWING)
 def _call_rmsnorm_jitted(kern, x, g, eps, fmt, out, inv):
     def impl(kern, x, g, eps, fmt, out, inv):
         _rmsnorm_at(kern.rmsnorm, x, g, eps, fmt.storage, fmt.acc, fmt.order, out, inv)

@@ -49,7 +49,7 @@ from numba.extending import intrinsic
 
 from kvfast.kernels.attention import ATTENTION, AttentionKernels, Blocks, Heads, attention_kernels, attention_with
 from kvfast.kernels.indirect import Kernel, one_compile_at_a_time, table, through_address
-from kvfast.kernels.jit import JIT_OPTIONS
+from kvfast.kernels.jit import BORROWING, JIT_OPTIONS
 from kvfast.kernels.matmul import LARGE_MIN_ROWS, MATMUL, PRODUCTS, Products, matmul_with, product_bodies, size_class
 from kvfast.kernels.precision import FORMATS
 from kvfast.kernels.rowops import RMSNORM, embed_into, rmsnorm_into
@@ -226,7 +226,7 @@ attention_at = through_address(ATTENTION)
 (their arguments' types exactly those of the signature each is compiled for: a typing error names them otherwise)."""
 
 
-@nb.njit(**JIT_OPTIONS)
+@nb.njit(**BORROWING)
 def _store_rows(buf, start, rows):
     """``buf[start : start + T] = rows`` (T, d), element by element (an array assignment would compile
     a shape-mismatch error path with string formatting, about 1.5 s of a cold start)."""
