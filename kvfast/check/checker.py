@@ -157,8 +157,10 @@ def _judged(subject: CheckSubject, judge: Judge) -> tuple[CheckReport, list[str]
     """The check of ``subject`` as ``judge`` judges (the reference, the scenarios, their reports), and the advice
     its verdict gives where no logic check follows (:meth:`~kvfast.check.judge.Judge.advice`)."""
     options = subject.options
-    plan = CheckPlan(subject.prompt.copy(), subject.split, subject.steps, options.scenarios, judge.measures_noise)
-    prepared = subject.calls.prepare(plan)  # the model's own set-up for this check (its notes head the report's)
+    prepared = []  # the model's own set-up for this check (its notes head the report's); its plan, only if it asks
+    if subject.calls.has("prepare_check"):
+        plan = CheckPlan(subject.prompt.copy(), subject.split, subject.steps, options.scenarios, judge.measures_noise)
+        prepared = subject.calls.prepare(plan)
     lossy = lossy_format(subject.calls)  # a quantized cache (kvfast.check.lossy), its declaration read before any work
     prompt_rows, fmt = subject.calls.recompute(subject.prompt, "of the prompt", with_format=True)
     formats = formats_of(subject.calls.model, fmt)  # the noise model's formats: declared, measured or assumed

@@ -29,6 +29,7 @@ above it is not order noise: the report notes it with its size, the ceiling and 
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -202,10 +203,17 @@ def noise_formats(logits: str, internal: Mapping[str, str] | None, source: str =
     """The :class:`NoiseFormats` of a model whose logits come in ``logits`` and whose ``internal`` formats
     (``None``: unknown) come from ``source`` (``declared`` or ``measured``)."""
     if internal is None:
-        return NoiseFormats(logits, {}, "assumed", logits, lowest_format(logits))  # the ceiling: what may be inside
+        return _assumed(logits)
     internal = check_internal_formats(internal)
     low = lowest([logits, *internal.values()])
     return NoiseFormats(logits, dict(internal), source, low, low)
+
+
+@functools.lru_cache(maxsize=16)
+def _assumed(logits: str) -> NoiseFormats:
+    """The formats of a model that declares none, whose logits come in ``logits`` (one object per format: a
+    :class:`NoiseFormats` is never changed, only replaced)."""
+    return NoiseFormats(logits, {}, "assumed", logits, lowest_format(logits))  # the ceiling: what may be inside
 
 
 def formats_of(model: object, logits: str) -> NoiseFormats:

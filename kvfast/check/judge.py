@@ -68,17 +68,24 @@ def deviations(
     """Per-step max |cache - reference| (step 0 over prompt rows ``start..T-1``) and the first differing
     prompt row (or ``None``); ``logits``: the run's every row (:meth:`~kvfast.check.scenarios.CachePath.logits`),
     where the caller has them."""
+    return _deviations(run, rows, start, logits)[:2]
+
+
+def _deviations(
+    run: CachePath, rows: np.ndarray, start: int, logits: np.ndarray | None
+) -> tuple[np.ndarray, int | None, bool]:
+    """:func:`deviations`, and whether every row is equal (then nothing about the steps needs searching)."""
     T = run.prompt_rows.shape[0]
     diff = (run.logits() if logits is None else logits)[start:] - rows[start:]
     if not np.count_nonzero(diff):  # every row equal (as in the sweeps' runs): no reduction to pay for
-        return np.zeros(diff.shape[0] - (T - start) + 1), None
+        return np.zeros(diff.shape[0] - (T - start) + 1), None, True
     per_row = _MAX(np.abs(diff, out=diff), axis=1)  # (one reduction for every row: prompt rows start..T-1, steps)
     prompt = per_row[: T - start]
     worst = prompt[prompt.argmax()]  # (the largest by its index: no reduction's set-up for a few rows)
     bad_row = start + int(np.nonzero(prompt > 0)[0][0]) if worst > 0 else None  # (0 or more: > 0 differs)
     dev = per_row[T - start - 1 :]  # step 0 in the last prompt row's place, then one per decode step
     dev[0] = worst
-    return dev, bad_row
+    return dev, bad_row, False
 
 
 _MAX = np.maximum.reduce
@@ -119,9 +126,12 @@ class Judge:
     def judge(self, part: Part, fmt: str) -> ScenarioReport:
         """``part``'s report; ``fmt``: the format whose 1 ulp is the least bound of a step (control)."""
         logits = part.path.logits()
-        dev, bad_row = deviations(part.path, part.rows, part.split or 0, logits)
-        differs = (dev > 0).tolist()  # (one list, cheaper than an array's search: the exact judge's verdicts read it)
-        first = differs.index(True) if True in differs else None
+        dev, bad_row, equal = _deviations(part.path, part.rows, part.split or 0, logits)
+        if equal:  # every step equal: nothing to search
+            differs, first = [False] * dev.shape[0], None
+        else:  # (one list, cheaper than an array's search: the exact judge's verdicts read it)
+            differs = (dev > 0).tolist()
+            first = differs.index(True) if True in differs else None
         verdicts, verdict, detail = self.steps(part, dev, differs, fmt)
         return ScenarioReport(
             part.name, part.prompt, part.path.fed, dev, verdicts, verdict, first, bad_row, detail, part.split,
@@ -153,9 +163,9 @@ class ExactJudge(Judge):
     mode = "exact"
 
     def steps(self, part: Part, dev: np.ndarray, differs: list, fmt: str) -> tuple[tuple[str, ...], str, Detail]:
-        verdicts = tuple("divergent" if d else "exact" for d in differs)
         if True not in differs:  # bit-exact, as the sweeps' runs are: nothing more to pay for
-            return verdicts, "exact", ExactDetail(None)
+            return ("exact",) * len(differs), "exact", ExactDetail(None)
+        verdicts = tuple("divergent" if d else "exact" for d in differs)
         T, start = part.prompt.shape[0], part.split or 0  # each step's deviation in ulps of fmt at its magnitude
         magnitude = np.abs(part.rows).max(axis=1)
         ulps = dev / F.ulp(fmt, np.concatenate([[magnitude[start:T].max()], magnitude[T:]]))

@@ -385,6 +385,19 @@ class ModelCalls:
         self.model = model
         self.vocab = vocab
 
+    def _call(self, name: str, *args):
+        """``model.<name>(*args)`` guarded as :class:`GuardedModel` guards it (the same errors, naming the same
+        call), without the guard's wrapper per call: the logits calls are most of a check's calls (issue 46)."""
+        model = self.model
+        try:
+            method = getattr(model.wrapped, name)
+        except BaseException as exc:  # noqa: BLE001 - classified by call_model (AttributeError: absent)
+            model_failed(f"model.{name}", exc, (AttributeError,))
+        try:
+            return method(*args)
+        except BaseException as exc:  # noqa: BLE001 - classified by call_model, naming the call
+            model_failed(f"model.{name}({', '.join(map(_arg_text, args))})", exc, model.passthrough)
+
     def has(self, name: str) -> bool:
         """Whether the model has the optional method ``name``."""
         return has(self.model, name)
@@ -407,7 +420,7 @@ class ModelCalls:
         """``recompute(tokens)``: ``(len(tokens), V)``; ``where`` defaults to ``of the first N tokens``. With
         ``with_format``: ``(logits, the format they came in)`` (:func:`kvfast.check.protocol.logits_format`)."""
         n = tokens.shape[0]
-        raw = self.model.recompute(tokens.copy())
+        raw = self._call("recompute", tokens.copy())
         rows = check_logits(raw, "recompute", n, self.vocab, f"of the first {n} tokens" if where is None else where)
         return (rows, logits_format(raw)) if with_format else rows
 
@@ -416,7 +429,7 @@ class ModelCalls:
         where the model has ``recompute_prefixes`` and takes it, else one :meth:`recompute` each."""
         if self.has("recompute_prefixes"):
             try:
-                raw = self.model.recompute_prefixes(tokens.copy(), list(lengths))
+                raw = self._call("recompute_prefixes", tokens.copy(), list(lengths))
             except ModelUnderTestError as exc:
                 if not isinstance(exc.error, NotImplementedError):
                     raise
@@ -434,21 +447,21 @@ class ModelCalls:
 
     def prefill(self, tokens: np.ndarray, where: str) -> np.ndarray:
         """``prefill(tokens)``: ``(len(tokens), V)``."""
-        return check_logits(self.model.prefill(tokens.copy()), "prefill", tokens.shape[0], self.vocab, where)
+        return check_logits(self._call("prefill", tokens.copy()), "prefill", tokens.shape[0], self.vocab, where)
 
     def extend(self, tokens: np.ndarray, where: str) -> np.ndarray:
         """``extend(tokens)``: ``(len(tokens), V)``."""
-        return check_logits(self.model.extend(tokens.copy()), "extend", tokens.shape[0], self.vocab, where)
+        return check_logits(self._call("extend", tokens.copy()), "extend", tokens.shape[0], self.vocab, where)
 
     def decode(self, token: int, where: str) -> np.ndarray:
         """``decode(token)``: ``(V,)``."""
-        return check_logits(self.model.decode(int(token)), "decode", None, self.vocab, where)
+        return check_logits(self._call("decode", int(token)), "decode", None, self.vocab, where)
 
     def decode_greedy(self, token: int, steps: int, where: str) -> np.ndarray | None:
         """``decode_greedy(token, steps)``: ``(steps, V)``; ``None`` when the model declines it
         (``NotImplementedError``)."""
         try:
-            raw = self.model.decode_greedy(int(token), int(steps))
+            raw = self._call("decode_greedy", int(token), int(steps))
         except ModelUnderTestError as exc:
             if isinstance(exc.error, NotImplementedError):
                 return None

@@ -98,7 +98,7 @@ def resolve(model: object, prompt: object, options: CheckOptions) -> CheckSubjec
     # bad input when no requested scenario can run on the prompt whatever the model (a one-token prompt asked only
     # to be resumed): known before any work, so never a check
     why = [REGISTRY[name].prompt_reason(prompt) for name in options.scenarios]
-    if all(w is not None for w in why):
+    if None not in why:
         can = ", ".join(n for n, s in REGISTRY.items() if s.prompt_reason(prompt) is None)
         raise ValueError(
             f"scenarios: {options.scenarios!r} cannot run on this prompt ({'; '.join(why)}); allowed: a longer "

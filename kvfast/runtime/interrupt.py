@@ -13,8 +13,6 @@ from __future__ import annotations
 import _signal
 import signal
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 INTERRUPTED = threading.Event()
 
@@ -25,18 +23,23 @@ def on_sigint(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-@contextmanager
-def ctrl_c_noted() -> Iterator[None]:
+class ctrl_c_noted:  # noqa: N801 - a context manager used as a function: ``with ctrl_c_noted():``
     """Run the body with :func:`on_sigint` as the SIGINT handler when Python's default one is installed
     (main thread only; restored afterwards; :data:`INTERRUPTED` cleared first). Any other handler
-    (a sweep's, a test runner's) is left alone."""
-    noted = threading.current_thread() is threading.main_thread()
-    noted = noted and _signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    if noted:
-        INTERRUPTED.clear()
-        _signal.signal(signal.SIGINT, on_sigint)
-    try:
-        yield
-    finally:
+    (a sweep's, a test runner's) is left alone. (A class: every check enters one, issue 46.)"""
+
+    __slots__ = ("noted",)
+
+    def __enter__(self) -> None:
+        noted = self.noted = (
+            threading.current_thread() is threading.main_thread()
+            and _signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        )
         if noted:
+            if INTERRUPTED.is_set():  # (a read: clearing takes the event's lock)
+                INTERRUPTED.clear()
+            _signal.signal(signal.SIGINT, on_sigint)
+
+    def __exit__(self, kind, error, tb) -> None:
+        if self.noted:
             _signal.signal(signal.SIGINT, signal.default_int_handler)
