@@ -244,12 +244,7 @@ def _row(summary: pd.DataFrame, det: str, label: str, model: str = CLAIMS_MODEL)
     """The summary row of detector ``det`` over every run of ``model`` under ``label`` (``None`` if absent)."""
     if summary.empty:
         return None
-    r = summary[
-        (summary["model"] == model)
-        & (summary["detector"] == det)
-        & (summary["scope"] == "all")
-        & (summary["label"] == label)
-    ]
+    r = summary[(summary[["model", "detector", "scope", "label"]] == [model, det, "all", label]).all(axis=1)]
     return None if r.empty else r.iloc[0]
 
 

@@ -152,11 +152,8 @@ DETECTORS = {  # each under its function's name; the three-token check is kvfast
 }
 
 CONFIG_FIELDS: dict[str, pa.DataType] = {**hf.MODEL_FIELDS, **hf.CASE_FIELDS}
-RESULT_FIELDS: dict[str, pa.DataType] = {
-    f"{name}_{col}": kind
-    for name in DETECTORS
-    for col, kind in (("flag", pa.bool_()), ("score", pa.float64()), ("step", pa.int64()))
-}
+DETECTION = {"flag": pa.bool_(), "score": pa.float64(), "step": pa.int64()}  # a detector's columns, each
+RESULT_FIELDS: dict[str, pa.DataType] = {f"{name}_{col}": kind for name in DETECTORS for col, kind in DETECTION.items()}
 
 
 def validate_config(config: dict) -> None:
@@ -175,15 +172,9 @@ def run(config: dict) -> dict:
 
 
 def detections(runs: pd.DataFrame, name: str) -> pd.DataFrame:
-    """One detector's stored detections as :func:`kvfast.bugs.score.score_rows` takes them."""
-    return pd.DataFrame(
-        {
-            "bug": runs["bug"].to_numpy(),
-            "flag": runs[f"{name}_flag"].astype(bool).to_numpy(),
-            "score": runs[f"{name}_score"].astype(np.float64).to_numpy(),
-            "step": [None if pd.isna(s) else int(s) for s in runs[f"{name}_step"]],
-        }
-    )
+    """One detector's stored detections as :func:`kvfast.bugs.score.score_rows` takes them (``bug``, ``flag``,
+    ``score``, ``step``)."""
+    return runs.rename(columns={f"{name}_{col}": col for col in DETECTION})[["bug", *DETECTION]]
 
 
 @tabled()

@@ -70,6 +70,7 @@ VERSION = "2"
 FORMATS = tuple(FORMAT_CODES)  # f64, f32, bf16
 ORDERS = tuple(ORDER_CODES)  # sequential (A), pairwise (B)
 ATTENTION_KINDS = tuple(ATTENTION_CODES)  # standard, online, splitkv, splitcount
+TRACED = ("resid", "k", "v", "logits")  # what a forward's trace compares, in this order
 
 CONFIG_FIELDS = {
     "seed": pa.int64(),
@@ -86,10 +87,7 @@ RESULT_FIELDS = {
     "positions": pa.int64(),
     "fwd_pos_agree": pa.float64(),
     "fwd_values_agree": pa.float64(),
-    "fwd_resid_agree": pa.float64(),
-    "fwd_k_agree": pa.float64(),
-    "fwd_v_agree": pa.float64(),
-    "fwd_logits_agree": pa.float64(),
+    **{f"fwd_{kind}_agree": pa.float64() for kind in TRACED},
     "fwd_max_diff": pa.float64(),
     "fwd_logits_max_diff": pa.float64(),
     "fwd_first_diff": pa.string(),
@@ -218,9 +216,9 @@ def run(config: dict) -> dict:
 
     ta = full_trace(cfg, w, tokens, nx_a)
     tb = full_trace(cfg, w, tokens, nx_b)
-    eq = {kind: bits_equal(ta[kind], tb[kind]) for kind in ("resid", "k", "v", "logits")}
-    fwd_pos = _positions_agree([eq["resid"], eq["k"], eq["v"], eq["logits"]], [1, 1, 1, 0], n)
-    fwd_max = max(_max_diff(ta[kind], tb[kind]) for kind in ("resid", "k", "v", "logits"))
+    eq = {kind: bits_equal(ta[kind], tb[kind]) for kind in TRACED}
+    fwd_pos = _positions_agree(list(eq.values()), [1, 1, 1, 0], n)
+    fwd_max = max(_max_diff(ta[kind], tb[kind]) for kind in TRACED)
 
     mixed = cached_trace(cfg, w, tokens, p, nx_a, dec_b)
     ckv = [bits_equal(mixed["k"], ta["k"]), bits_equal(mixed["v"], ta["v"])]
@@ -236,10 +234,7 @@ def run(config: dict) -> dict:
         "positions": int(n),
         "fwd_pos_agree": float(fwd_pos.mean()),
         "fwd_values_agree": float(np.concatenate([e.ravel() for e in eq.values()]).mean()),
-        "fwd_resid_agree": float(eq["resid"].mean()),
-        "fwd_k_agree": float(eq["k"].mean()),
-        "fwd_v_agree": float(eq["v"].mean()),
-        "fwd_logits_agree": float(eq["logits"].mean()),
+        **{f"fwd_{kind}_agree": float(agree.mean()) for kind, agree in eq.items()},
         "fwd_max_diff": fwd_max,
         "fwd_logits_max_diff": _max_diff(ta["logits"], tb["logits"]),
         "fwd_first_diff": _first_diff(ta, tb),

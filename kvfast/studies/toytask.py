@@ -129,23 +129,6 @@ def batch_loss_and_grads(
     return total / n, {k: g / n for k, g in acc.items()}
 
 
-def _validate_train_args(config: ModelConfig, task: CycleTask, seed: int, steps: int, lr: float, batch: int) -> None:
-    if not isinstance(config, ModelConfig):
-        raise ValueError(f"config: {type(config).__name__} is not allowed; allowed: a ModelConfig")
-    if not isinstance(task, CycleTask):
-        raise ValueError(f"task: {type(task).__name__} is not allowed; allowed: a CycleTask")
-    if task.vocab != config.vocab:
-        raise ValueError(f"task.vocab: {task.vocab} is not allowed; allowed: config.vocab = {config.vocab}")
-    if task.length - 1 > config.max_pos:
-        raise ValueError(
-            f"task.length: {task.length} is not allowed; allowed: at most max_pos + 1 = {config.max_pos + 1}"
-        )
-    for name, value, minimum in (("seed", seed, 0), ("steps", steps, 0), ("batch", batch, 1)):
-        require_int(value, name, minimum)
-    if isinstance(lr, bool) or not isinstance(lr, float | int) or not lr > 0:
-        raise ValueError(f"lr: {lr!r} is not allowed; allowed: a positive float")
-
-
 @functools.lru_cache(maxsize=64)
 def _train_cached(
     config: ModelConfig, task: CycleTask, seed: int, steps: int, lr: float, batch: int
@@ -173,7 +156,20 @@ def train(
     backward is the model's hand-written one. Memoised per argument tuple: the returned arrays are read-only
     and shared, the dict is fresh (copy an array before changing it).
     """
-    _validate_train_args(config, task, seed, steps, lr, batch)
+    if not isinstance(config, ModelConfig):
+        raise ValueError(f"config: {type(config).__name__} is not allowed; allowed: a ModelConfig")
+    if not isinstance(task, CycleTask):
+        raise ValueError(f"task: {type(task).__name__} is not allowed; allowed: a CycleTask")
+    if task.vocab != config.vocab:
+        raise ValueError(f"task.vocab: {task.vocab} is not allowed; allowed: config.vocab = {config.vocab}")
+    if task.length - 1 > config.max_pos:
+        raise ValueError(
+            f"task.length: {task.length} is not allowed; allowed: at most max_pos + 1 = {config.max_pos + 1}"
+        )
+    for name, value, minimum in (("seed", seed, 0), ("steps", steps, 0), ("batch", batch, 1)):
+        require_int(value, name, minimum)
+    if isinstance(lr, bool) or not isinstance(lr, float | int) or not lr > 0:
+        raise ValueError(f"lr: {lr!r} is not allowed; allowed: a positive float")
     return dict(_train_cached(config, task, int(seed), int(steps), float(lr), int(batch)))
 
 

@@ -317,17 +317,14 @@ def claims(df: pd.DataFrame) -> Iterator[Claim]:
 def training_table(df: pd.DataFrame) -> pd.DataFrame:
     """Per training budget and prefix length: mean, min and max gradient cosine and mean held-out suffix losses."""
     suffix_losses = {f"suffix_loss_{v}": (f"suffix_loss_{v}", "mean") for v in VARIANTS}
-    return (
-        ok_rows(df)
-        .groupby(["train_steps", "prefix_len"])
-        .agg(
-            seeds=("seed", "nunique"),
-            cosine=("grad_cosine", "mean"),
-            cosine_min=("grad_cosine", "min"),
-            cosine_max=("grad_cosine", "max"),
-            **suffix_losses,
-        )
-        .reset_index()
+    return aggregated(
+        ok_rows(df),
+        ["train_steps", "prefix_len"],
+        seeds=("seed", "nunique"),
+        cosine=("grad_cosine", "mean"),
+        cosine_min=("grad_cosine", "min"),
+        cosine_max=("grad_cosine", "max"),
+        **suffix_losses,
     )
 
 
