@@ -117,10 +117,8 @@ def cached_rows(model):
     path = GeneratePath(model)
     if SCENARIO == "fork":
         return fork_rows(path)
-    if SCENARIO == "reorder":
-        return reorder_rows(path)
-    if SCENARIO == "padded":
-        return padded_rows(path)
+    if SCENARIO in ("reorder", "padded"):
+        return batch_rows(path)
     if SCENARIO == "resume":
         prompt = torch.cat([path.prefill(PROMPT[:SPLIT]), path.extend(PROMPT[SPLIT:])])
     else:
@@ -152,10 +150,14 @@ def fork_rows(path):
     return torch.cat([first, *(branch if JUDGED == "branch" else main)])
 
 
-def reorder_rows(path):
-    """Two beams (PROMPT twice); beam 0 is fed TOKENS, beam 1 BRANCH_TOKENS; before each step of REORDER_AT the
-    cache is reordered by [1, 0] (the beams swap slots); each beam's rows taken from the slot that holds it."""
-    first = path.prefill_beams(PROMPT, 2)
+def batch_rows(path):
+    """Two sequences in one batch, fed TOKENS and BRANCH_TOKENS one per step; each one's rows taken from the slot
+    that holds it. reorder: two beams (PROMPT twice), reordered by [1, 0] (the beams swap slots) before each step
+    of REORDER_AT; padded: PROMPT and BRANCH_PROMPT as one left-padded batch."""
+    if SCENARIO == "reorder":
+        first, decode = path.prefill_beams(PROMPT, 2), path.decode_beams
+    else:
+        first, decode = path.prefill_padded([PROMPT, BRANCH_PROMPT]), path.decode_padded
     slot = [0, 1]
     rows = [[first[0]], [first[1]]]
     for t, tokens in enumerate(zip(TOKENS, BRANCH_TOKENS), start=1):
@@ -164,20 +166,9 @@ def reorder_rows(path):
             slot = [1 - s for s in slot]
         batch = [0, 0]
         batch[slot[0]], batch[slot[1]] = tokens
-        out = path.decode_beams(batch)
+        out = decode(batch)
         rows[0].append(out[slot[0]][None])
         rows[1].append(out[slot[1]][None])
-    return torch.cat(rows[1 if JUDGED == "branch" else 0])
-
-
-def padded_rows(path):
-    """PROMPT and BRANCH_PROMPT as one left-padded batch, then TOKENS and BRANCH_TOKENS one per row per step."""
-    first = path.prefill_padded([PROMPT, BRANCH_PROMPT])
-    rows = [[first[0]], [first[1]]]
-    for tokens in zip(TOKENS, BRANCH_TOKENS):
-        out = path.decode_padded(list(tokens))
-        rows[0].append(out[0][None])
-        rows[1].append(out[1][None])
     return torch.cat(rows[1 if JUDGED == "branch" else 0])
 
 
