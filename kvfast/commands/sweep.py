@@ -318,6 +318,7 @@ def cmd_repair(args) -> int:
 
 def cmd_show(args) -> int:
     from kvfast.studies import STUDIES
+    from kvfast.sweep.grid import resolve_study
     from kvfast.sweep.provenance import lines
     from kvfast.sweep.store import ResultsDir, load
 
@@ -341,17 +342,10 @@ def cmd_show(args) -> int:
     if len(bad):
         print("failed runs (first 10):")
         print(_table(bad[["run_id", "status", "error"]].head(10)))
-    study = STUDIES.get(name)
-    if study is None and manifest.get("study_ref"):
-        from kvfast.sweep.grid import resolve_study
-
-        try:
-            study = resolve_study(manifest["study_ref"], STUDIES)
-        except ValueError as exc:
-            print(f"(study {name!r}: {exc}; no summary)")
-            return 0
-    if study is None:
-        print(f"(study {name!r} is not registered in this kvfast; no summary)")
+    try:  # the grid's own reference to its study (a name, package.module:STUDY), else the study's name
+        study = resolve_study(manifest.get("study_ref") or name, STUDIES)
+    except ValueError as exc:  # not in this kvfast, or its module fails
+        print(f"(study {name!r}: {exc}; no summary)")
         return 0
     _print_summary(study, df)
     return 0

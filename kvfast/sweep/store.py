@@ -472,7 +472,7 @@ def _latest(table: pa.Table) -> pa.Table:
 def read_parts(parts: list[Path], schema: pa.Schema | None = None, store: ResultsDir | None = None) -> pa.Table:
     """The latest row per run over ``parts`` (oldest first), sorted by run id."""
     store = store or ResultsDir(parts[0].parent)
-    tables = [store.read_part(p, schema=schema) if schema is not None else store.read_part(p) for p in parts]
+    tables = [store.read_part(p, schema=schema) for p in parts]
     # every part's columns the results' own (the manifest's, or else the first part's): a foreign Parquet file
     # named like a part, found by ``kvfast.load``, is named
     try:
