@@ -21,10 +21,7 @@ DEFAULT_DTYPES = ("float32", "bfloat16")
 
 def _names(values: list[str] | None) -> list[str]:
     """Values given as several arguments, comma-separated, or both; in order, once each."""
-    out: list[str] = []
-    for value in values or ():
-        out += [v for v in value.split(",") if v and v not in out]
-    return out
+    return list(dict.fromkeys(v for value in values or () for v in value.split(",") if v))
 
 
 def add_parser(sub) -> None:

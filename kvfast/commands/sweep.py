@@ -210,14 +210,15 @@ def cmd_grids(args) -> int:
     rows = []
     for name, path in builtin_grids().items():
         try:
-            g = load_grid(str(path), studies=STUDIES)
-            study, runs, description = g.study.name, len(g), g.spec.get("description", "")
-        except MissingExtra as exc:  # a valid grid whose study needs what is not installed: say what
             spec = tomllib.loads(path.read_text())
-            study, runs, description = spec.get("study", "?"), f"needs kvfast[{exc.extra}]", spec.get("description", "")
+            runs = len(load_grid(str(path), studies=STUDIES))
+        except MissingExtra as exc:  # a valid grid whose study needs what is not installed: say what
+            runs = f"needs kvfast[{exc.extra}]"
         except ValueError as exc:
-            study, runs, description = "?", "invalid", str(exc)
-        rows.append({"grid": name, "study": study, "runs": runs, "description": description})
+            spec, runs = {"study": "?", "description": str(exc)}, "invalid"
+        rows.append(
+            {"grid": name, "study": spec.get("study", "?"), "runs": runs, "description": spec.get("description", "")}
+        )
     import pandas as pd
 
     print(_table(pd.DataFrame(rows)))
@@ -318,6 +319,7 @@ def cmd_repair(args) -> int:
 
 def cmd_show(args) -> int:
     from kvfast.studies import STUDIES
+    from kvfast.sweep.grid import resolve_study
     from kvfast.sweep.provenance import lines
     from kvfast.sweep.store import ResultsDir, load
 
@@ -341,17 +343,10 @@ def cmd_show(args) -> int:
     if len(bad):
         print("failed runs (first 10):")
         print(_table(bad[["run_id", "status", "error"]].head(10)))
-    study = STUDIES.get(name)
-    if study is None and manifest.get("study_ref"):
-        from kvfast.sweep.grid import resolve_study
-
-        try:
-            study = resolve_study(manifest["study_ref"], STUDIES)
-        except ValueError as exc:
-            print(f"(study {name!r}: {exc}; no summary)")
-            return 0
-    if study is None:
-        print(f"(study {name!r} is not registered in this kvfast; no summary)")
+    try:  # the grid's own reference to its study (a name, package.module:STUDY), else the study's name
+        study = resolve_study(manifest.get("study_ref") or name, STUDIES)
+    except ValueError as exc:  # not in this kvfast, or its module fails
+        print(f"(study {name!r}: {exc}; no summary)")
         return 0
     _print_summary(study, df)
     return 0

@@ -425,41 +425,6 @@ def _template(study: Study, fields: dict, factors: list[_Factor], varying: list[
     return "{{" + escape('"config":{') + config + "}}" + tail
 
 
-def _validate_entry(study: Study, name: str, entry: _Entry, groups: list[tuple[str, ...]], done: set) -> None:
-    """Run ``validate_config`` once per distinct value of each validation group (see ``Study.validate_groups``).
-
-    The group's values are set into the entry's first config (itself validated
-    first), so a failure names the group's field and value.
-    """
-
-    def check(config: dict) -> None:
-        token = tuple(map(repr, config.values()))
-        if token in done:
-            return
-        try:
-            where = f"study {study.name!r}: validate_config"
-            call_user(where, study.validate_config, dict(config), passthrough=(ValueError,))
-        except ValueError as exc:  # a missing extra stays one (kvfast grids says which)
-            raise prefixed(exc, name) from None
-        except UserCodeError as exc:  # not the ValueError of its contract: one line naming the config
-            raise ValueError(f"{name}: {exc} (config {shown(config)})") from None
-        done.add(token)
-
-    reference = dict(entry.base)
-    for f in entry.varying:
-        reference.update(zip(f.keys, f.rows[0], strict=True))
-    check(reference)
-    owner = {key: f for f in entry.varying for key in f.keys}
-    for group in groups:
-        # the varying factors that set the group's fields, each once, in the group's order
-        involved = list({id(f): f for key in group if (f := owner.get(key)) is not None}.values())
-        for combo in itertools.product(*(f.rows for f in involved)):
-            config = dict(reference)
-            for f, row in zip(involved, combo, strict=True):
-                config.update((k, v) for k, v in zip(f.keys, row, strict=True) if k in group)
-            check(config)
-
-
 def grid_from_spec(
     spec: dict,
     name: str = "<grid>",
@@ -554,16 +519,44 @@ def _raw_entries(spec: dict, study: Study, limit: int) -> list[tuple[str, list]]
 
 
 def _validate_entries(entries: list[_Entry], study: Study, name: str) -> None:
-    """The study's ``validate_config`` on each validation group's values, then each column's type, each
-    distinct value once."""
+    """The study's ``validate_config`` once per distinct value of each validation group (see
+    ``Study.validate_groups``), then each column's type, each distinct value once.
+
+    A group's values are set into its entry's first config (itself validated first), so a failure names the
+    group's field and value.
+    """
     # the declared validation groups plus every other field alone; or all fields at once
     declared, fields = study.validate_groups, list(study.config_fields)
     groups = [tuple(fields)] if declared is None else [tuple(g) for g in declared]
     named = {key for group in groups for key in group}
     groups += [(key,) for key in fields if key not in named]
     done: set = set()
+
+    def check(config: dict) -> None:
+        token = tuple(map(repr, config.values()))
+        if token in done:
+            return
+        try:
+            where = f"study {study.name!r}: validate_config"
+            call_user(where, study.validate_config, dict(config), passthrough=(ValueError,))
+        except ValueError as exc:  # a missing extra stays one (kvfast grids says which)
+            raise prefixed(exc, name) from None
+        except UserCodeError as exc:  # not the ValueError of its contract: one line naming the config
+            raise ValueError(f"{name}: {exc} (config {shown(config)})") from None
+        done.add(token)
+
     for entry in entries:
-        _validate_entry(study, name, entry, groups, done)
+        reference = next(entry.runs()).config
+        check(reference)
+        owner = {key: f for f in entry.varying for key in f.keys}
+        for group in groups:
+            # the varying factors that set the group's fields, each once, in the group's order
+            involved = list({id(f): f for key in group if (f := owner.get(key)) is not None}.values())
+            for combo in itertools.product(*(f.rows for f in involved)):
+                config = dict(reference)
+                for f, row in zip(involved, combo, strict=True):
+                    config.update((k, v) for k, v in zip(f.keys, row, strict=True) if k in group)
+                check(config)
     for f_name, typ in study.config_fields.items():
         distinct: dict[str, Any] = {}
         for entry in entries:

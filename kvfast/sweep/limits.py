@@ -18,7 +18,6 @@ fit in the free space of the results directory's file system.
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
@@ -46,11 +45,10 @@ def run_memory_bytes(config: dict) -> int | None:
 def check_memory(grid, limit: int | None = None) -> None:
     """``ValueError`` (one line, with the estimate) if a run of ``grid`` needs more than ``limit`` bytes
     (default: the machine's memory)."""
-    try:  # default: this machine's physical memory, where it can be read
-        limit = limit or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return
-    for entry in getattr(grid, "entries", ()):
+    import psutil
+
+    limit = limit or psutil.virtual_memory().total  # default: this machine's physical memory
+    for entry in grid.entries:
         config = dict(entry.base)  # each numeric field at its largest value in the entry
         for factor in entry.factors:
             for i, key in enumerate(factor.keys):
@@ -88,9 +86,7 @@ def check_disk(grid, out) -> None:
     under ``out`` (by :func:`row_bytes`, before any run)."""
     try:  # the free space of the file system that holds ``out`` (or its nearest existing parent)
         here = Path(out).absolute()
-        while not here.exists() and here != here.parent:
-            here = here.parent
-        free = shutil.disk_usage(here).free
+        free = shutil.disk_usage(next(p for p in (here, *here.parents) if p.exists())).free
     except OSError:  # a name over the file system's limit, no permission (the store reports those in one line)
         return
     per_row = row_bytes(grid.study)

@@ -48,14 +48,13 @@ def _columns(stream: TextIO) -> int:
 
 
 class Lines:
-    """Progress as a line of text on ``stream`` at most every ``every`` seconds, as runs finish (``None``: none).
+    """Progress as a line of text on ``stream`` at most every :data:`EVERY` seconds, as runs finish (``None``: none).
 
     The rate is that since the previous line (since the start for the first), the time left the runs not yet
     stored at that rate."""
 
-    def __init__(self, total: int, done: int, stream: TextIO | None, every: float = EVERY) -> None:
-        self.total, self.before, self.n, self.errors = total, done, done, 0
-        self.stream, self.every = stream, every
+    def __init__(self, total: int, done: int, stream: TextIO | None) -> None:
+        self.total, self.before, self.n, self.errors, self.stream = total, done, done, 0, stream
         self.mark = (time.monotonic(), done)
 
     def set_postfix(self, errors: int = 0, refresh: bool = False) -> None:
@@ -65,7 +64,7 @@ class Lines:
         self.n += n
         now = time.monotonic()
         then, n_then = self.mark
-        if self.stream is None or now - then < self.every or self.n >= self.total:  # the end: the closing line
+        if self.stream is None or now - then < EVERY or self.n >= self.total:  # the end: the closing line
             return
         self.mark = (now, self.n)
         rate = (self.n - n_then) / (now - then)

@@ -319,22 +319,17 @@ class ResultsDir:
 
     def write_part(self, table: pa.Table | list[pa.Table]) -> Path:
         """Write one part (a table, or tables of one schema): a hidden temporary name, then an atomic rename."""
-        tables = table if isinstance(table, list) else [table]
+        # one table (zero-copy): row groups of ROW_GROUP_ROWS rows, not one per buffered chunk (each group and
+        # each write_table call has a fixed cost: a 216-run sweep's 4 chunks took twice the time of one table)
+        table = pa.concat_tables(table if isinstance(table, list) else [table])
         if self.part_metadata:
-            meta = {
-                **(tables[0].schema.metadata or {}),
-                **{k.encode(): v.encode() for k, v in self.part_metadata.items()},
-            }
-            tables = [t.replace_schema_metadata(meta) for t in tables]
+            extra = {k.encode(): v.encode() for k, v in self.part_metadata.items()}
+            table = table.replace_schema_metadata({**(table.schema.metadata or {}), **extra})
         seq = max((int(m.group(1)) for p in self.path.iterdir() if (m := PART_RE.match(p.name))), default=0) + 1
         name = f"part-{seq:08d}-{secrets.token_hex(4)}.parquet"
         tmp = self.path / f".{name}.tmp"
-        # one table (zero-copy): row groups of ROW_GROUP_ROWS rows, not one per buffered chunk (each group and
-        # each write_table call has a fixed cost: a 216-run sweep's 4 chunks took twice the time of one table)
-        table = tables[0] if len(tables) == 1 else pa.concat_tables(tables)
         try:
-            with pq.ParquetWriter(tmp, table.schema, write_page_checksum=True) as writer:
-                writer.write_table(table, row_group_size=ROW_GROUP_ROWS)
+            pq.write_table(table, tmp, row_group_size=ROW_GROUP_ROWS, write_page_checksum=True)
         except BaseException:  # an interrupt mid-write leaves no temporary behind
             tmp.unlink(missing_ok=True)
             raise
@@ -472,7 +467,7 @@ def _latest(table: pa.Table) -> pa.Table:
 def read_parts(parts: list[Path], schema: pa.Schema | None = None, store: ResultsDir | None = None) -> pa.Table:
     """The latest row per run over ``parts`` (oldest first), sorted by run id."""
     store = store or ResultsDir(parts[0].parent)
-    tables = [store.read_part(p, schema=schema) if schema is not None else store.read_part(p) for p in parts]
+    tables = [store.read_part(p, schema=schema) for p in parts]
     # every part's columns the results' own (the manifest's, or else the first part's): a foreign Parquet file
     # named like a part, found by ``kvfast.load``, is named
     try:

@@ -12,7 +12,7 @@ planner sizes chunks from).
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -24,27 +24,28 @@ from kvfast.sweep.store import PART_ROWS, ResultsDir, schema_for
 if TYPE_CHECKING:
     from kvfast.sweep.study import Study
 
+FLUSH_S = 1.0  # seconds between two parts written while rows come in (an interrupted sweep loses no more)
+
 
 class Writer:
     """Turns result rows into Arrow tables of the study's schema and writes parts.
 
-    Tables are buffered and written as one part when ``flush_s`` seconds have
+    Tables are buffered and written as one part when :data:`FLUSH_S` seconds have
     passed since the last write or :data:`PART_ROWS` rows are buffered (and by
     :meth:`flush`). ``counts``: status -> runs written by this sweep.
     """
 
-    def __init__(self, store: ResultsDir, study: Study, progress, flush_s: float = 1.0) -> None:
+    def __init__(self, store: ResultsDir, study: Study, progress) -> None:
         self.store = store
         self.study = study
         self.schema = schema_for(study)
         self.config_names = list(study.config_fields)
         self.progress = progress
-        self.flush_s = flush_s
         self.buffer: list[pa.Table] = []
         self.buffered = 0
         self.last_flush = time.monotonic()
         self.ran = 0
-        self.counts: dict[str, int] = {}
+        self.counts: Counter[str] = Counter()
         self.written: set[str] = set()  # ids of runs written that had a stored row before (see ``watch``)
         self.watch: set[str] = set()
         self.compute_s = 0.0
@@ -66,15 +67,13 @@ class Writer:
             statuses = table.column("status").to_pylist()
         self.buffer.append(table)
         self.buffered += len(rows)
-        for r, status in zip(rows, statuses, strict=True):
-            self.counts[status] = self.counts.get(status, 0) + 1
-            self.compute_s += r["wall_s"] or 0.0
-            if status == "ok":
-                self.recent.append(r["wall_s"])
-            if self.watch and r["run_id"] in self.watch:
-                self.written.add(r["run_id"])
+        self.counts.update(statuses)
+        self.compute_s += sum(r["wall_s"] or 0.0 for r in rows)
+        self.recent.extend(r["wall_s"] for r, status in zip(rows, statuses, strict=True) if status == "ok")
+        if self.watch:
+            self.written.update(r["run_id"] for r in rows if r["run_id"] in self.watch)
         self.ran += len(rows)
-        if self.buffered >= PART_ROWS or time.monotonic() - self.last_flush >= self.flush_s:
+        if self.buffered >= PART_ROWS or time.monotonic() - self.last_flush >= FLUSH_S:
             self.flush()
         if self.progress is not None:
             self.progress.set_postfix(errors=self.ran - self.counts.get("ok", 0), refresh=False)
