@@ -3,7 +3,7 @@ not the product: :mod:`kvfast.check` never imports it; it imports :mod:`kvfast.c
 checker's adapters), and the studies import both.
 
 Every bug has one shape, :class:`~kvfast.bugs.bug.Bug` (name, description, where it first acts, how it is
-injected); the catalogues (:data:`CATALOGUES`), each ``{name: Bug}``:
+injected); the catalogues (:data:`CATALOGUES`), each a :class:`~kvfast.bugs.bug.Catalogue` (``{name: Bug}``):
 
 - :data:`~kvfast.bugs.kvfast_model.KVFAST_BUGS`: kvfast's own model's eight bugs (one changed line each in
   the model's decode kernel; :data:`kvfast.BUGS` their descriptions);
@@ -20,18 +20,18 @@ Importing this package imports neither torch nor pandas.
 
 from __future__ import annotations
 
-from kvfast.bugs.bug import Bug
+from kvfast.bugs.bug import Bug, Catalogue
 from kvfast.bugs.hf import HF_BUGS
 from kvfast.bugs.kvfast_model import KVFAST_BUGS
 from kvfast.bugs.lossy import LOSSY_BUGS
 from kvfast.bugs.operations import OP_BUGS
 
 #: Every catalogue by the adapter it injects into.
-CATALOGUES: dict[str, dict[str, Bug]] = {
+CATALOGUES: dict[str, Catalogue] = {
     "kvfast": KVFAST_BUGS,
     "hf": HF_BUGS,
     "operations": OP_BUGS,
     "lossy": LOSSY_BUGS,
 }
 
-__all__ = ["CATALOGUES", "HF_BUGS", "KVFAST_BUGS", "LOSSY_BUGS", "OP_BUGS", "Bug"]
+__all__ = ["CATALOGUES", "HF_BUGS", "KVFAST_BUGS", "LOSSY_BUGS", "OP_BUGS", "Bug", "Catalogue"]

@@ -1,4 +1,6 @@
-"""One bug of a catalogue, in one shape: :class:`Bug` (name, description, where it first acts, how it is injected).
+"""One bug of a catalogue, in one shape: :class:`Bug` (name, description, where it first acts, how it is injected),
+and a catalogue of them, :class:`Catalogue` (its bugs by name: each catalogue's ``inject_*_bug`` is its
+:meth:`Catalogue.inject`).
 
 A bug is injected into a model under test by subclassing its adapter (:func:`subclass_with`): a small mixin
 overrides the adapter's hooks (``HFModel._decode_positions``, ``KvfastModel._crop_keep``, ...), so the product
@@ -44,26 +46,28 @@ class Bug:
         return self.acts(scenario, prompt_len, steps, window)
 
 
-def catalogue(*bugs: Bug) -> dict[str, Bug]:
-    """``{bug.name: bug}`` in the given order."""
-    return {bug.name: bug for bug in bugs}
+class Catalogue(dict[str, Bug]):
+    """A catalogue: its bugs by name, in the order given (``Catalogue(bug, ...)``), each injected into the kind of
+    adapter the catalogue names. ``field``: what :meth:`inject` names an unknown bug as (``"bug"``)."""
 
+    def __init__(self, *bugs: Bug, field: str = "bug"):
+        super().__init__((bug.name, bug) for bug in bugs)
+        self.field = field
 
-def inject_from(bugs: dict[str, Bug], model: object, bug: str | None, field: str = "bug") -> object:
-    """``model`` with bug ``bug`` of catalogue ``bugs`` (``None``: clean, unchanged), in place and returned; an
-    unknown name is a ``ValueError`` naming ``field`` and the catalogue's names."""
-    if bug is None:
-        return model
-    require_choice(bug, field, bugs)
-    return bugs[bug].inject(model)
+    def inject(self, model: object, bug: str | None) -> object:
+        """``model`` with this catalogue's bug ``bug`` (``None``: clean, unchanged), in place and returned; an
+        unknown name is a ``ValueError`` naming :attr:`field` and the catalogue's names."""
+        if bug is None:
+            return model
+        require_choice(bug, self.field, self)
+        return self[bug].inject(model)
 
-
-def first_acting_in(bugs: dict[str, Bug], bug: str, scenario: str, *where: int | None) -> int | None:
-    """The first step at which ``bug`` of catalogue ``bugs`` changes ``scenario``'s cache path logits (``None``:
-    never); ``where``: ``prompt_len, steps, window`` as :meth:`Bug.first_acting_step` takes them. An unknown name
-    is a ``ValueError``."""
-    require_choice(bug, "bug", bugs)
-    return bugs[bug].first_acting_step(scenario, *where)
+    def first_acting_step(self, bug: str, scenario: str, *where: int | None) -> int | None:
+        """The first step at which this catalogue's bug ``bug`` changes ``scenario``'s cache path logits (``None``:
+        never); ``where``: ``prompt_len, steps, window`` as :meth:`Bug.first_acting_step` takes them. An unknown
+        name is a ``ValueError``."""
+        require_choice(bug, "bug", self)
+        return self[bug].first_acting_step(scenario, *where)
 
 
 def require_adapter(model: object, adapter: type | tuple[type, ...], allowed: str) -> object:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvfast.bugs.bug import Bug, catalogue, first_acting_in, inject_from, mixin_injector, require_adapter, subclass_with
+from kvfast.bugs.bug import Bug, Catalogue, mixin_injector, require_adapter, subclass_with
 from kvfast.check.engines import vllm_patches
 from kvfast.check.engines.llamacpp import LlamaCppModel
 from kvfast.check.engines.ort import ORTModel
@@ -113,7 +113,7 @@ def _injector(bug: type):
 
 
 #: vLLM's cache bugs (block size :data:`~kvfast.check.engines.vllm.BLOCK`), each acting on the cached path only.
-VLLM_BUGS: dict[str, Bug] = catalogue(
+VLLM_BUGS = Catalogue(
     Bug(
         "evict", f"decode drops the sequence's first block once it holds more than {VLLM_WINDOW_BLOCKS} blocks",
         lambda s, t, n, w: max(1, VLLM_WINDOW_BLOCKS * BLOCK - t + 1), _injector(_Evict),
@@ -131,16 +131,14 @@ VLLM_BUGS: dict[str, Bug] = catalogue(
 )  # fmt: skip
 
 
-def first_acting_step(bug: str, scenario: str, prompt_len: int) -> int | None:
-    """The first step at which ``bug`` changes the cache path's logits in ``scenario`` (``None``: never), on an
-    engine as :class:`VLLMModel` builds it by default; under chunked prefill or preemption
-    :func:`kvfast.studies.vllm_score.acting_step` measures it (a preempted request's re-prefill is no decode)."""
-    return first_acting_in(VLLM_BUGS, bug, scenario, prompt_len)
-
-
-def inject_vllm_bug(adapter: VLLMModel, bug: str | None) -> VLLMModel:
-    """``adapter`` with cache bug ``bug`` of :data:`VLLM_BUGS` (``None``: clean, unchanged), in place and returned."""
-    return inject_from(VLLM_BUGS, adapter, bug)
+#: ``first_acting_step(bug, scenario, prompt_len)``: the first step at which ``bug`` changes the cache path's logits
+#: in ``scenario`` (``None``: never), on an engine as :class:`VLLMModel` builds it by default; under chunked prefill
+#: or preemption :func:`kvfast.studies.vllm_score.acting_step` measures it (a preempted request's re-prefill is no
+#: decode).
+first_acting_step = VLLM_BUGS.first_acting_step
+#: ``inject_vllm_bug(adapter, bug)``: the :class:`VLLMModel` ``adapter`` with cache bug ``bug`` of :data:`VLLM_BUGS`
+#: (``None``: clean, unchanged), in place and returned.
+inject_vllm_bug = VLLM_BUGS.inject
 
 
 # --- onnxruntime-genai and llama.cpp ---------------------------------------------------------------------------
@@ -168,9 +166,9 @@ class _EngineEvict(_EngineBug):
         return super().decode(token)
 
 
-def _engine_catalogue(adapter: type, allowed: str) -> dict[str, Bug]:
+def _engine_catalogue(adapter: type, allowed: str) -> Catalogue:
     injector = mixin_injector(adapter, allowed)
-    return catalogue(
+    return Catalogue(
         Bug("rewind", "crop(n) keeps one position too many: the cache keeps a token it should drop",
             lambda s, t, n, w: 1 if s == "rollback" else None, injector(_Rewind)),  # the first rollback: before step 1
         # decode step k runs at length prompt_len + k - 1 before its token (the resumed prompt too); other scenarios
@@ -182,20 +180,17 @@ def _engine_catalogue(adapter: type, allowed: str) -> dict[str, Bug]:
 
 
 #: onnxruntime-genai's cache bugs, in the engine's own generator (``rewind_to``, ``append_tokens``).
-ORT_BUGS: dict[str, Bug] = _engine_catalogue(ORTModel, "an ORTModel (kvfast.check.engines.ort)")
+ORT_BUGS = _engine_catalogue(ORTModel, "an ORTModel (kvfast.check.engines.ort)")
 #: llama.cpp's cache bugs, in the context under test (``n_tokens``, ``eval``).
-LLAMACPP_BUGS: dict[str, Bug] = _engine_catalogue(LlamaCppModel, "a LlamaCppModel (kvfast.check.engines.llamacpp)")
+LLAMACPP_BUGS = _engine_catalogue(LlamaCppModel, "a LlamaCppModel (kvfast.check.engines.llamacpp)")
 
 
-def inject_ort_bug(adapter: ORTModel, bug: str | None) -> ORTModel:
-    """``adapter`` with cache bug ``bug`` of :data:`ORT_BUGS` (``None``: clean, unchanged), in place and returned."""
-    return inject_from(ORT_BUGS, adapter, bug)
-
-
-def inject_llamacpp_bug(adapter: LlamaCppModel, bug: str | None) -> LlamaCppModel:
-    """``adapter`` with cache bug ``bug`` of :data:`LLAMACPP_BUGS` (``None``: clean, unchanged), in place and
-    returned."""
-    return inject_from(LLAMACPP_BUGS, adapter, bug)
+#: ``inject_ort_bug(adapter, bug)``: the :class:`~kvfast.check.engines.ort.ORTModel` ``adapter`` with cache bug
+#: ``bug`` of :data:`ORT_BUGS` (``None``: clean, unchanged), in place and returned.
+inject_ort_bug = ORT_BUGS.inject
+#: ``inject_llamacpp_bug(adapter, bug)``: the :class:`~kvfast.check.engines.llamacpp.LlamaCppModel` ``adapter``
+#: with cache bug ``bug`` of :data:`LLAMACPP_BUGS` (``None``: clean, unchanged), in place and returned.
+inject_llamacpp_bug = LLAMACPP_BUGS.inject
 
 
 # --- TransformerLens ---------------------------------------------------------------------------------------------
@@ -265,7 +260,7 @@ _tl_injector = mixin_injector(
 
 #: TransformerLens's cache bugs, in the cache under test (:class:`~kvfast.check.engines.transformer_lens.TLModel`,
 #: :class:`~kvfast.check.engines.transformer_lens.TLBridgeModel`).
-TL_BUGS: dict[str, Bug] = catalogue(
+TL_BUGS = Catalogue(
     Bug("evict", f"decode drops the oldest position once the cache holds {TL_WINDOW} (every layer's keys and "
         "values)", lambda s, t, n, w: max(1, TL_WINDOW - t + 1) if s in ("decode", "resume") else None,
         _tl_injector(_TLEvict)),
@@ -278,8 +273,7 @@ TL_BUGS: dict[str, Bug] = catalogue(
 )  # fmt: skip
 
 
-def inject_tl_bug(adapter, bug: str | None):
-    """``adapter`` (a :class:`~kvfast.check.engines.transformer_lens.TLModel` or
-    :class:`~kvfast.check.engines.transformer_lens.TLBridgeModel`) with cache bug ``bug`` of :data:`TL_BUGS`
-    (``None``: clean, unchanged), in place and returned."""
-    return inject_from(TL_BUGS, adapter, bug)
+#: ``inject_tl_bug(adapter, bug)``: ``adapter`` (a :class:`~kvfast.check.engines.transformer_lens.TLModel` or
+#: :class:`~kvfast.check.engines.transformer_lens.TLBridgeModel`) with cache bug ``bug`` of :data:`TL_BUGS`
+#: (``None``: clean, unchanged), in place and returned.
+inject_tl_bug = TL_BUGS.inject

@@ -9,7 +9,7 @@ the source a reproducer carries; :func:`inject_hf_bug`).
 from __future__ import annotations
 
 from kvfast.bugs import hf_mixins as mix
-from kvfast.bugs.bug import Bug, catalogue, first_acting_in, inject_from, mixin_injector
+from kvfast.bugs.bug import Bug, Catalogue, mixin_injector
 from kvfast.check.hf import HFModel
 
 #: The window of the ``window`` bug (positions decode attends).
@@ -19,7 +19,7 @@ _injector = mixin_injector(HFModel, "an HFModel (kvfast.check.hf)")
 
 
 #: The Hugging Face cache bugs (the ``bug`` axis of the ``hf_matrix``, ``hf_score`` and ``hf_scan`` studies).
-HF_BUGS: dict[str, Bug] = catalogue(
+HF_BUGS = Catalogue(
     Bug(
         "window", "an unasked-for sliding window: decode attends only the last HF_WINDOW positions",
         lambda s, t, n, w: max(1, HF_WINDOW - t + 1), _injector(mix.Window),
@@ -51,11 +51,9 @@ HF_BUGS: dict[str, Bug] = catalogue(
 HF_LOGIC_BUGS = tuple(name for name, bug in HF_BUGS.items() if bug.logic)
 
 
-def first_acting_step(bug: str, scenario: str, prompt_len: int) -> int | None:
-    """The first step at which ``bug`` changes the cache path's logits in ``scenario`` (``None``: never)."""
-    return first_acting_in(HF_BUGS, bug, scenario, prompt_len)
-
-
-def inject_hf_bug(adapter: HFModel, bug: str | None) -> HFModel:
-    """``adapter`` with cache bug ``bug`` of :data:`HF_BUGS` (``None``: clean, unchanged), in place and returned."""
-    return inject_from(HF_BUGS, adapter, bug)
+#: ``first_acting_step(bug, scenario, prompt_len)``: the first step at which ``bug`` changes the cache path's logits
+#: in ``scenario`` (``None``: never).
+first_acting_step = HF_BUGS.first_acting_step
+#: ``inject_hf_bug(adapter, bug)``: the :class:`~kvfast.check.hf.HFModel` ``adapter`` with cache bug ``bug`` of
+#: :data:`HF_BUGS` (``None``: clean, unchanged), in place and returned.
+inject_hf_bug = HF_BUGS.inject

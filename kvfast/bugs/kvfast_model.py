@@ -10,7 +10,7 @@ kvfast's model clean or with one of them: the built-in ``check`` study's factory
 
 from __future__ import annotations
 
-from kvfast.bugs.bug import Bug, catalogue, require_adapter
+from kvfast.bugs.bug import Bug, Catalogue, require_adapter
 from kvfast.check.adapters import KvfastModel
 from kvfast.model.bugs import BUGS, EVICT_WINDOW, VISIBLE_AT_STEP_1, bug_code
 from kvfast.model.config import ModelConfig, init_params
@@ -55,7 +55,7 @@ def _entry(name: str) -> Bug:
 
 
 #: kvfast's own model's bugs, in :data:`kvfast.model.bugs.BUGS`' order.
-KVFAST_BUGS: dict[str, Bug] = catalogue(*(_entry(name) for name in BUGS))
+KVFAST_BUGS = Catalogue(*(_entry(name) for name in BUGS))
 
 
 def kvfast_model(

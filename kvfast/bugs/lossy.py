@@ -3,7 +3,7 @@ than it declares. ``inject_lossy_bug(LossyKvfastModel(config, params, fmt="int8"
 
 from __future__ import annotations
 
-from kvfast.bugs.bug import Bug, catalogue, inject_from, mixin_injector, subclass_with
+from kvfast.bugs.bug import Bug, Catalogue, mixin_injector, subclass_with
 from kvfast.check.lossy import LossyKvfastModel
 
 
@@ -24,14 +24,15 @@ _inject_int4 = mixin_injector(LossyKvfastModel, "a LossyKvfastModel")(_StoresInt
 
 #: The lossy cache's bugs: each changes every stored row, so it first acts where a call first reads stored rows:
 #: decode step 1, or a resume's second chunk (step 0); a prefill attends its fresh rows.
-LOSSY_BUGS: dict[str, Bug] = catalogue(
+LOSSY_BUGS = Catalogue(
     Bug(
         "int4", "declares int8 but stores 4 bits (scale absmax / 7)",
         lambda s, t, n, w: 0 if s == "resume" else 1, _inject_int4, logic=False,
     ),
+    field="lossy_bug",
 )  # fmt: skip
 
 
-def inject_lossy_bug(model: LossyKvfastModel, bug: str | None) -> LossyKvfastModel:
-    """``model`` with lossy-cache bug ``bug`` of :data:`LOSSY_BUGS` (``None``: clean), in place and returned."""
-    return inject_from(LOSSY_BUGS, model, bug, "lossy_bug")
+#: ``inject_lossy_bug(model, bug)``: the :class:`~kvfast.check.lossy.LossyKvfastModel` ``model`` with lossy-cache
+#: bug ``bug`` of :data:`LOSSY_BUGS` (``None``: clean), in place and returned.
+inject_lossy_bug = LOSSY_BUGS.inject

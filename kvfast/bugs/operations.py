@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvfast.bugs import hf_mixins as mix
-from kvfast.bugs.bug import Bug, catalogue, first_acting_in, inject_from, subclass_with
+from kvfast.bugs.bug import Bug, Catalogue, subclass_with
 from kvfast.check.adapters import KvfastModel
 from kvfast.check.hf import HFModel
 from kvfast.check.scenarios import BRANCH, branches, padded_prompt
@@ -84,7 +84,7 @@ def _reorder_acts(scenario, prompt_len, steps, window):
 
 
 #: The operation bugs (the ``op_score`` study's cases).
-OP_BUGS: dict[str, Bug] = catalogue(
+OP_BUGS = Catalogue(
     Bug(
         "crop_short", "a rollback that crops one token too few: crop(n) keeps n + 1 positions",
         lambda s, t, n, w: 1 if s == "rollback" else None, _injector(mix.CropShort),
@@ -124,7 +124,7 @@ OP_BUGS: dict[str, Bug] = catalogue(
 def inject_op_bug(model, bug: str | None):
     """``model`` (a :class:`~kvfast.check.KvfastModel` or :class:`~kvfast.check.hf.HFModel`) with operation bug
     ``bug`` from :data:`OP_BUGS` (``None``: clean), in place and returned."""
-    return inject_from(OP_BUGS, _adapter(model), bug)
+    return OP_BUGS.inject(_adapter(model), bug)
 
 
 def sliding_window(model) -> int | None:
@@ -140,4 +140,4 @@ def op_first_acting_step(
 ) -> int | None:
     """The first step at which operation bug ``bug`` changes ``scenario``'s logits (``None``: never).
     :data:`WINDOW_BUG` needs ``prompt_len`` and the model's ``window``."""
-    return first_acting_in(OP_BUGS, bug, scenario, prompt_len, steps, window)
+    return OP_BUGS.first_acting_step(bug, scenario, prompt_len, steps, window)
