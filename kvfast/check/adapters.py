@@ -189,18 +189,17 @@ def prepared_weights(config: ModelConfig, params: dict, numerics: Numerics) -> W
     of the caller's arrays is changed: writable parameters are prepared on every call, as before.
     Prepared weights depend on the parameters' shapes and the storage format only, so models that
     differ in ``n_head``, ``eps`` or their accumulator and order share them (the studies' grids do).
-    A hit costs one id and two flag reads per array.
+    A hit costs one id and one flag read per array (an entry's arrays are the very objects it was made of: only
+    their flag can have changed since).
     """
     arrays = tuple(params.values()) if isinstance(params, dict) else ()
-    frozen = bool(arrays) and all(
-        isinstance(a, np.ndarray) and not a.flags.writeable and a.base is None for a in arrays
-    )
-    if not frozen:
-        return Weights.prepare(config, params, numerics)
     shape = (config.vocab, config.d_model, config.n_layer, config.d_ff, config.max_pos)
     key = (shape, numerics.storage, tuple(params), tuple(map(id, arrays)))
     with _PREPARED_LOCK:
-        entry = _PREPARED.pop(key, None)
+        entry = _PREPARED.pop(key, None)  # (put back below while still frozen)
+    owners = entry is not None or all(isinstance(a, np.ndarray) and a.base is None for a in arrays)
+    if not (arrays and owners) or any(a.flags.writeable for a in arrays):
+        return Weights.prepare(config, params, numerics)
     if entry is None:
         entry = (arrays, Weights.prepare(config, params, numerics))
     with _PREPARED_LOCK:  # (a sweep's threads share it)

@@ -83,7 +83,6 @@ from kvfast.kernels.precision import BF16, F32, F64, FORMATS, Formats, rnd
 from kvfast.kernels.reduce import (
     SEQUENTIAL,
     STACK_DEPTH,
-    new_stack,
     ordered_dot,
     ordered_sum,
     sequential_rows_sum,
@@ -197,8 +196,12 @@ class Scratch(NamedTuple):
 
 @nb.njit(**_JIT, inline="always")
 def new_scratch(n_keys: int, head_dim: int) -> Scratch:
-    """The :class:`Scratch` of a call whose rows attend at most ``n_keys`` keys, heads of ``head_dim``."""
-    return Scratch(np.empty(2 * max(n_keys, 1)), np.empty(STACK_DEPTH), new_stack(head_dim))
+    """The :class:`Scratch` of a call whose rows attend at most ``n_keys`` keys, heads of ``head_dim``: one
+    allocation, cut in three (one per layer of a forward)."""
+    scores, width = 2 * max(n_keys, 1), max(head_dim, 1)
+    block = np.empty(scores + STACK_DEPTH * (1 + width))
+    rows = block[scores + STACK_DEPTH :].reshape((STACK_DEPTH, width))  # as new_stack(head_dim)
+    return Scratch(block[:scores], block[scores : scores + STACK_DEPTH], rows)
 
 
 _AK = types.NamedUniTuple(_I, len(AttentionKernels._fields), AttentionKernels)

@@ -15,7 +15,7 @@ from numba import types
 from kvfast.kernels.jit import BORROWING
 from kvfast.kernels.jit import JIT_OPTIONS as _JIT
 from kvfast.kernels.precision import rnd
-from kvfast.kernels.reduce import ordered_dot
+from kvfast.kernels.reduce import SEQUENTIAL, STACK_DEPTH, ordered_dot
 
 
 @nb.njit(**_JIT, inline="always")
@@ -41,7 +41,9 @@ def rmsnorm_row(x, xr, g, eps, storage, acc, order, out, outr, stack):
 @nb.njit(**_JIT)
 def rmsnorm_into(x, g, eps, storage, acc, order, out, inv):
     """RMSNorm of every row of ``x`` (T, d) into ``out``; ``inv`` (T,) gets each row's scale."""
-    stack = np.empty(64)
+    # the pairwise mean's scratch; the sequential order reads none, so it gets an array at hand (no allocation:
+    # this runs five times a decode step)
+    stack = inv if order == SEQUENTIAL else np.empty(STACK_DEPTH)
     for t in range(x.shape[0]):
         inv[t] = rmsnorm_row(x, t, g, eps, storage, acc, order, out, t, stack)
 

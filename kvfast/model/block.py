@@ -84,12 +84,14 @@ class Activations(NamedTuple):
 
 @nb.njit(**JIT_OPTIONS, inline="always")
 def activations(T, d, f) -> Activations:
-    """The record the compiled forward and decode pass to every layer: fresh buffers of ``T`` rows, ``x_out`` the
-    same array as ``x`` and ``inv2`` as ``inv1`` (none of them is kept)."""
-    x, inv = np.empty((T, d)), np.empty(T)
-    h, q, k, v, y = np.empty((T, d)), np.empty((T, d)), np.empty((T, d)), np.empty((T, d)), np.empty((T, d))
-    x_mid, h2, u, a = np.empty((T, d)), np.empty((T, d)), np.empty((T, f)), np.empty((T, f))
-    return Activations(x, h, inv, q, k, v, y, x_mid, h2, inv, u, a, x)
+    """The record the compiled forward and decode pass to every layer: fresh buffers of ``T`` rows, cut from one
+    allocation, ``x_out`` the same array as ``x`` and ``inv2`` as ``inv1`` (none of them is kept)."""
+    block = np.empty(T * (8 * d + 2 * f + 1))
+    rows = block[: T * 8 * d].reshape((8, T, d))  # x, h, q, k, v, y, x_mid, h2
+    wide = block[T * 8 * d : T * (8 * d + 2 * f)].reshape((2, T, f))  # u, a
+    inv = block[T * (8 * d + 2 * f) :]
+    x = rows[0]
+    return Activations(x, rows[1], inv, rows[2], rows[3], rows[4], rows[5], rows[6], rows[7], inv, wide[0], wide[1], x)
 
 
 @nb.njit(**BORROWING)

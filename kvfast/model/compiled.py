@@ -183,6 +183,17 @@ def kernels(acc: int, attn: int, large: bool = False) -> tuple:
     return found
 
 
+def leading_args(config, stacked, numerics) -> tuple:
+    """``(kern, w, n_head, eps, fmt, attn, attn_block)``: the arguments :func:`forward_kernel` and the decode kernel
+    (:func:`kvfast.model.generation.decode_kernel`) start with, for the model ``config`` on the weights ``stacked``
+    (:class:`~kvfast.model.block.StackedWeights`) in ``numerics``: the table of kernels (:func:`kernels`), the
+    records as plain tuples (:func:`plain`) and the attention codes."""
+    fmt = numerics.codes
+    attn, attn_block = numerics.attention_codes
+    kern = kernels(fmt.acc, attn, model_size_class(config, fmt.acc))
+    return kern, plain(stacked), config.n_head, config.eps, plain(fmt), attn, attn_block
+
+
 def plain(record: tuple) -> tuple:
     """A record (:class:`Kernels`, :class:`StackedWeights`, :class:`~kvfast.kernels.precision.Formats`) as Python
     passes it to a compiled entry: the same values in plain tuples (Numba types them in its fast path), named

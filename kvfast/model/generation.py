@@ -25,8 +25,6 @@ from kvfast.model.compiled import (
     block_input_at,
     block_output_at,
     head_at,
-    kernels,
-    model_size_class,
     named,
 )
 from kvfast.model.config import ModelConfig
@@ -143,13 +141,11 @@ def decode_greedy_prepared(
     """``n`` greedy decode steps on prepared weights (no validation here; the cache has room for ``n``), in one
     compiled call: the first fed ``token``, each next the argmax (first maximum) of the step before's logits.
     Returns their logits ``(n, vocab)``, the rows :func:`decode_prepared` returns step by step."""
-    fmt = numerics.codes
-    attn, attn_block = numerics.attention_codes
     logits = np.empty((n, config.vocab))
     length = cache.length
     new_length = decode_kernel(
-        kernels(fmt.acc, attn, model_size_class(config, fmt.acc)), tuple(w.stacked), config.n_head, config.eps,
-        tuple(fmt), attn, attn_block, cache.k, cache.v, length, cache.prefill_len, token, bug, B.EVICT_WINDOW, logits,
+        *w.leading_args(config, numerics), cache.k, cache.v, length, cache.prefill_len, token, bug, B.EVICT_WINDOW,
+        logits,
     )  # fmt: skip
     cache.advance(new_length - length)
     return logits

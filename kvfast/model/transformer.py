@@ -32,7 +32,7 @@ from kvfast.kernels.precision import F64, round_array
 from kvfast.model import layers as L
 from kvfast.model.block import StackedWeights
 from kvfast.model.cache import KVCache
-from kvfast.model.compiled import forward_kernel, kernels, model_size_class
+from kvfast.model.compiled import forward_kernel, leading_args
 from kvfast.model.config import ModelConfig, require_params
 from kvfast.model.validate import require_config, require_numerics, require_tokens
 from kvfast.numerics import Numerics
@@ -44,6 +44,20 @@ class Weights:
 
     named: dict[str, np.ndarray]
     stacked: StackedWeights
+    calls: dict = field(default_factory=dict, compare=False, repr=False)  # leading_args' entries
+
+    def leading_args(self, config: ModelConfig, numerics: Numerics) -> tuple:
+        """:func:`kvfast.model.compiled.leading_args` of the model ``config`` on these weights in ``numerics``, built
+        once per model and numerics, not on every call (a decode step's Python was a third of its time): found
+        again by the identities of ``config`` and ``numerics`` (both immutable; an entry keeps them alive, so no
+        other object takes their ids), the last 16."""
+        key = (id(config), id(numerics))
+        found = self.calls.get(key)
+        if found is None:
+            if len(self.calls) >= 16:
+                self.calls.clear()
+            found = self.calls[key] = (config, numerics, leading_args(config, self.stacked, numerics))
+        return found[2]
 
     @classmethod
     def prepare(cls, config: ModelConfig, params: dict, numerics: Numerics) -> Weights:
@@ -252,8 +266,6 @@ def _forward_compiled(
 ) -> np.ndarray:
     """:func:`forward_prepared` without a tape, in one compiled call
     (:func:`kvfast.model.compiled.forward_kernel`: the same kernels in the same order)."""
-    fmt = numerics.codes
-    attn, attn_block = numerics.attention_codes
     T, d, n_layer = tokens.shape[0], config.d_model, config.n_layer
     if cache is not None:
         pos0, kc, vc = cache.length, cache.k, cache.v  # the kernel stores rows pos0 .. pos0+T-1
@@ -261,10 +273,7 @@ def _forward_compiled(
         pos0, kc, vc = 0, np.empty((n_layer, T, d)), np.empty((n_layer, T, d))
     resid = np.empty((n_layer + 1, T, d)) if trace is not None else np.empty((0, 0, 0))
     logits = np.empty((T, config.vocab))
-    forward_kernel(
-        kernels(fmt.acc, attn, model_size_class(config, fmt.acc)), tuple(w.stacked), config.n_head, config.eps,
-        tuple(fmt), attn, attn_block, tokens, np.array([T]), pos0, kc, vc, causal, logits, resid,
-    )  # fmt: skip
+    forward_kernel(*w.leading_args(config, numerics), tokens, np.array([T]), pos0, kc, vc, causal, logits, resid)
     if trace is not None:
         trace["resid"] = list(resid)
         trace["k"] = [kc[layer, pos0 : pos0 + T] for layer in range(n_layer)]
@@ -281,15 +290,12 @@ def recompute_prefixes_prepared(
     ``len(tokens)``), in one compiled call: element ``i`` is ``forward_prepared(config, w, tokens[:lengths[i]],
     numerics)``, bit for bit (:func:`kvfast.model.compiled.forward_kernel`). Prepared weights and checked
     arguments, as :func:`forward_prepared`."""
-    fmt = numerics.codes
-    attn, attn_block = numerics.attention_codes
     shape = (config.n_layer, max(lengths), config.d_model)
     kc, vc = np.empty(shape), np.empty(shape)  # each prefix stores its own rows, from row 0
     logits = np.empty((sum(lengths), config.vocab))
     forward_kernel(
-        kernels(fmt.acc, attn, model_size_class(config, fmt.acc)), tuple(w.stacked), config.n_head, config.eps,
-        tuple(fmt), attn, attn_block, tokens, np.array(lengths), 0, kc, vc, True, logits, np.empty((0, 0, 0)),
-    )  # fmt: skip
+        *w.leading_args(config, numerics), tokens, np.array(lengths), 0, kc, vc, True, logits, np.empty((0, 0, 0))
+    )
     rows, first = [], 0
     for n in lengths:
         rows.append(logits[first : first + n])

@@ -229,16 +229,16 @@ def test_the_product_size_class_never_changes_the_model(preset, order, monkeypat
     """The compiled forward and decode with the small class's product bodies (plain) and with the large
     class's (unrolled; ``kvfast.model.compiled.model_size_class`` forced either way): the same logits, K/V
     and cache, bit for bit; the class only picks which bodies a process compiles."""
-    from kvfast.model import generation, transformer
+    from kvfast.model import compiled, generation
 
     cfg = ModelConfig(vocab=37, d_model=16, n_head=2, n_layer=2, d_ff=40, max_pos=24)
     nx = Numerics.preset(preset, order=order)
-    w = Weights.prepare(cfg, init_params(cfg, 3), nx)
+    params = init_params(cfg, 3)
     tokens = np.random.default_rng(8).integers(0, cfg.vocab, size=9).astype(np.int64)
     results = []
     for large in (False, True):
-        monkeypatch.setattr(transformer, "model_size_class", lambda config, acc, large=large: large)
-        monkeypatch.setattr(generation, "model_size_class", lambda config, acc, large=large: large)
+        monkeypatch.setattr(compiled, "model_size_class", lambda config, acc, large=large: large)
+        w = Weights.prepare(cfg, params, nx)  # fresh: its leading_args (the table of kernels) made in this class
         cache = KVCache.empty(cfg, nx, 20)
         logits = [forward_prepared(cfg, w, tokens[:5], nx, cache)]
         for t in tokens[5:]:
