@@ -136,12 +136,16 @@ def _end_worker(marker_dir: Path | None, run_id: str) -> None:
     os._exit(3)
 
 
-@contextmanager
-def deadline(seconds: float | None, run_id: str, marker_dir: Path | None) -> Iterator[None]:
+def deadline(seconds: float | None, run_id: str, marker_dir: Path | None) -> contextlib.AbstractContextManager:
     """Interrupt the block with :class:`RunTimeout` after ``seconds`` (``None``: no limit); see the module doc."""
-    if not seconds:
-        yield
-        return
+    return _deadline(seconds, run_id, marker_dir) if seconds else _NO_DEADLINE
+
+
+_NO_DEADLINE = contextlib.nullcontext()  # a run without a time limit (every run of most sweeps): nothing to set up
+
+
+@contextmanager
+def _deadline(seconds: float, run_id: str, marker_dir: Path | None) -> Iterator[None]:
     ident, main = threading.get_ident(), threading.current_thread() is threading.main_thread()
     hard = bool(_STARTED) and _STARTED[0] == os.getpid()  # only a pool worker may be ended
     _ARMED[ident] = True

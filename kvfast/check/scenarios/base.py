@@ -144,7 +144,7 @@ def decode_steps(
         if decoded is not None:
             fed = np.empty(steps, dtype=np.int64)
             fed[0] = tok
-            fed[1:] = np.argmax(decoded[:-1], axis=1)
+            fed[1:] = decoded[:-1].argmax(axis=1)
             return CachePath(first, decoded, fed)
     decoded = np.empty((steps, calls.vocab))
     fed = np.empty(steps, dtype=np.int64)
