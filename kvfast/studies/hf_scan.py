@@ -301,15 +301,13 @@ def scoreboard(df: pd.DataFrame) -> Iterator[dict]:
         found = judged[_found(judged)]
         steps = found[["first_bug_step", "logic_step"]].where(lambda x: x >= 0).min(axis=1) - found["acting_step"]
         judged_clean = clean[clean["verdict"] != SKIPPED]
-        row.update(
-            {
-                "bugs_found": f"{len(found)}/{len(judged)}" if len(judged) else "",
-                "at_right_step": int(found["right_step"].astype(bool).sum()) if len(judged) else None,
-                "steps_to_detect": float(steps.median()) if len(found) else None,
-                "fpr": float((judged_clean["verdict"] == "bug").mean()) if len(judged_clean) else None,
-            }
-        )
-        yield row
+        yield {
+            **row,
+            "bugs_found": f"{len(found)}/{len(judged)}" if len(judged) else "",
+            "at_right_step": int(found["right_step"].astype(bool).sum()) if len(judged) else None,
+            "steps_to_detect": float(steps.median()) if len(found) else None,
+            "fpr": float((judged_clean["verdict"] == "bug").mean()) if len(judged_clean) else None,
+        }
 
 
 #: The form of kvfast's own refusals (:func:`kvfast.validation.not_allowed`): a model-call error with it is the
@@ -320,9 +318,7 @@ REFUSAL = " is not allowed; allowed: "
 def kind_of(kind: str | None, reason: str | None) -> str | None:
     """A skipped run's kind, with a ``run`` failure that is kvfast's refusal (:data:`REFUSAL`, raised inside a
     model call and so reported as that call's) counted as ``adapter``."""
-    if kind == "run" and reason and REFUSAL in reason:
-        return "adapter"
-    return kind
+    return "adapter" if kind == "run" and reason and REFUSAL in reason else kind
 
 
 @tabled(["architecture", "skipped", "kind", "reason"])
