@@ -152,12 +152,9 @@ def _per_layer(table: dict, kept: list[int]) -> dict:
     return out
 
 
-def _heads(d: dict) -> int | None:
-    return next((d[k] for k in HEAD_KEYS if isinstance(d.get(k), int)), None)
-
-
-def _layer_count(d: dict) -> int | None:
-    return next((d[k] for k in LAYER_KEYS if isinstance(d.get(k), int) and not isinstance(d.get(k), bool)), None)
+def _first_int(d: dict, keys: tuple[str, ...]) -> int | None:
+    """The value of the first of ``keys`` that ``d`` holds as an integer (not a bool), ``None`` if none."""
+    return next((d[k] for k in keys if isinstance(d.get(k), int) and not isinstance(d.get(k), bool)), None)
 
 
 def _plan(d: dict) -> tuple[int | None, list[int], int]:
@@ -168,7 +165,7 @@ def _plan(d: dict) -> tuple[int | None, list[int], int]:
     that share another layer's keys and values (``num_kv_shared_layers``) get the kept layers twice over, so that
     the second half can share the first's.
     """
-    n = _layer_count(d)
+    n = _first_int(d, LAYER_KEYS)
     if not n:
         return n, [], 0
     types = next((d[k] for k in TYPE_KEYS if isinstance(d.get(k), list | str) and len(d[k]) == n), None)
@@ -202,7 +199,7 @@ def _derived(d: dict, out: dict) -> dict:
     fallback (HunYuan's and Ministral's ``head_dim``, Nemotron's ``num_key_value_heads``): given the value the
     config's own docs derive for ``None`` (the hidden size over the heads; as many key/value heads as heads)."""
     merged = {**d, **out}
-    heads = _heads(merged)
+    heads = _first_int(merged, HEAD_KEYS)
     extra: dict = {}
     if "head_dim" in d and d["head_dim"] is None and heads:
         extra["head_dim"] = merged.get("hidden_size", HIDDEN) // heads
@@ -280,7 +277,7 @@ def shrink(d: dict) -> dict:
             out[key] = "".join(picked) if isinstance(value, str) else picked
         elif n and isinstance(value, list) and len(value) == n and n > 2:
             out[key] = [value[i] for i in kept]
-        elif key in KV_KEYS and isinstance(value, int) and value == _heads(d):
+        elif key in KV_KEYS and isinstance(value, int) and value == _first_int(d, HEAD_KEYS):
             out[key] = HEADS  # as many key/value heads as query heads (multi-head latent attention needs it)
         elif key in SMALL and isinstance(value, int) and value > SMALL[key]:
             out[key] = SMALL[key]

@@ -320,31 +320,26 @@ def _draw_deviation_per_step(df: pd.DataFrame, table: pd.DataFrame):
     return fig
 
 
-def facts(df: pd.DataFrame) -> list[Fact]:
-    """The quoted figures: each model kind's median clean top-2 margin, and how often evict changes the output."""
+@listed
+def facts(df: pd.DataFrame) -> Iterator[Fact]:
+    """The quoted figures: each model kind's median clean top-2 margin, then how often evict changes the output
+    per model kind and depth, and at which prompt lengths."""
     ok = ok_rows(df)
-    margins = [
-        Fact(
+    for model, g in ok.groupby("model"):
+        yield Fact(
             f"margin_median_{model}",
             f"{model} models: median over runs of the smallest top-1 minus top-2 logit margin of the clean generation",
             f"{float(g['clean_margin_min'].median()):.3g} ({len(g)} runs)",
         )
-        for model, g in ok.groupby("model")
-    ]
-    evict = ok[ok["bug"] == "evict"].groupby(["model", "n_layer"])
-    return margins + [_evict_fact(model, int(n_layer), g) for (model, n_layer), g in evict]
-
-
-def _evict_fact(model: str, n_layer: int, runs: pd.DataFrame) -> Fact:
-    """How often evict changes the output of ``runs`` (one model kind and depth), and at which prompt lengths."""
-    changed = runs[runs["tokens_changed"]]
-    prompts = ", ".join(str(p) for p in sorted(set(changed["prompt_len"].astype(int))))
-    return Fact(
-        f"evict_changed_{model}_{n_layer}layer",
-        f"evict changes the output: {model} models with {n_layer} layer(s)",
-        f"{100 * float(runs['tokens_changed'].mean()):.0f}% of {len(runs)} runs"
-        + (f" (prompt lengths {prompts})" if len(changed) else ""),
-    )
+    for (model, n_layer), runs in ok[ok["bug"] == "evict"].groupby(["model", "n_layer"]):
+        changed = runs[runs["tokens_changed"]]
+        prompts = ", ".join(str(p) for p in sorted(set(changed["prompt_len"].astype(int))))
+        yield Fact(
+            f"evict_changed_{model}_{int(n_layer)}layer",
+            f"evict changes the output: {model} models with {int(n_layer)} layer(s)",
+            f"{100 * float(runs['tokens_changed'].mean()):.0f}% of {len(runs)} runs"
+            + (f" (prompt lengths {prompts})" if len(changed) else ""),
+        )
 
 
 FIGURES = (

@@ -127,9 +127,7 @@ def default_cases() -> list[DetectorCase]:
 
 
 def _cases(cases: Iterable | None) -> list:
-    if cases is None:
-        return default_cases()
-    return [DetectorCase(c) if isinstance(c, dict) else c for c in cases]
+    return default_cases() if cases is None else [DetectorCase(c) if isinstance(c, dict) else c for c in cases]
 
 
 def score_detector(detector: Callable, cases: Sequence | None = None) -> pd.DataFrame:

@@ -32,9 +32,17 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from kvfast._version import __version__
+from kvfast.bugs.engine_bugs import inject_llamacpp_bug, inject_ort_bug
+from kvfast.bugs.hf import inject_hf_bug
+from kvfast.check.checker import check_cache
+from kvfast.check.engines.llamacpp import LlamaCppModel
+from kvfast.check.engines.ort import ORTModel
+from kvfast.check.hf import HFModel
 from kvfast.studies.common import first_bug_step, ok_rows, require_config_choice, study_of, tabled
 from kvfast.studies.plotting import ratio_bars
 from kvfast.sweep.study import Figure
+from kvfast.testing import tiny_gguf_model, tiny_llama, tiny_ort_model
 from kvfast.validation import MissingExtra, require_int
 
 VERSION = "1"
@@ -104,16 +112,12 @@ def model_dir(seed: int) -> Path:
     """The tiny Llama of ``seed`` in transformers (``hf/``), and the engines' files built from it on first use,
     in a folder shared by every run of this machine (built in a temporary folder, then renamed: concurrent
     workers never see half a model)."""
-    from kvfast._version import __version__
-
     root = Path(os.environ.get("KVFAST_ENGINE_MODELS", Path(tempfile.gettempdir()) / "kvfast-engine-models"))
     return root / f"{__version__}-seed{seed}"
 
 
 def _built(seed: int, engine: str, weights: str) -> Path:
     """The model file or folder of ``engine`` for ``seed`` (built once)."""
-    from kvfast.testing import tiny_gguf_model, tiny_ort_model
-
     final = model_dir(seed) / (f"{engine}-{weights}")
     if not final.exists():
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -123,8 +127,6 @@ def _built(seed: int, engine: str, weights: str) -> Path:
         elif engine == "llamacpp":
             tiny_gguf_model(work, seed, weights)
         else:
-            from kvfast.testing import tiny_llama
-
             tiny_llama(work / "hf", seed)
         try:
             work.rename(final)
@@ -142,23 +144,14 @@ def _model(engine: str, weights: str, cache: str, seed: int, bug: str):
     built = _built(seed, engine, weights)
     hf_dir = built / "hf"
     if engine == "ort":
-        from kvfast.bugs.engine_bugs import inject_ort_bug
-        from kvfast.check.engines.ort import ORTModel
-
         variants = ("batch", "no-opt", "transformers")
         model = ORTModel(built / "onnx", variants=variants, hf_model=hf_dir)
         return inject_ort_bug(model, None if bug == "none" else bug)
     if engine == "llamacpp":
-        from kvfast.bugs.engine_bugs import inject_llamacpp_bug
-        from kvfast.check.engines.llamacpp import LlamaCppModel
-
         gguf = built / f"model-{weights}.gguf"
         model = LlamaCppModel(gguf, cache=cache, hf_model=hf_dir)
         return inject_llamacpp_bug(model, None if bug == "none" else bug)
     from transformers import AutoModelForCausalLM
-
-    from kvfast.bugs.hf import inject_hf_bug
-    from kvfast.check.hf import HFModel
 
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
     return inject_hf_bug(HFModel(model), None if bug == "none" else "window")
@@ -173,8 +166,6 @@ def prompt_of(config: dict) -> np.ndarray:
 
 def run(config: dict) -> dict:
     """One control-mode check of the config's engine, both scenarios."""
-    from kvfast.check.checker import check_cache
-
     model = _model(config["engine"], config["weights"], config["cache"], config["seed"], config["bug"])
     prompt = prompt_of(config)
     start = time.perf_counter()

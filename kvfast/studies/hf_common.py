@@ -21,7 +21,7 @@ import pyarrow as pa
 
 from kvfast.bugs.hf import HF_BUGS
 from kvfast.studies.common import NO_BUG, declared_order, ok_rows, require_config_choice
-from kvfast.testing import ATTENTION, DTYPES, FAMILIES, TINY_VOCAB
+from kvfast.testing import ATTENTION, DTYPES, FAMILIES, TINY_VOCAB, tiny_model
 from kvfast.validation import MissingExtra, require_int
 
 #: The model a run checks: a tiny random causal LM (:func:`kvfast.testing.tiny_model`) and its weight seed.
@@ -80,8 +80,6 @@ def base_model(family: str, dtype: str, attention: str, seed: int):
     """One tiny model per (family, dtype, attention, seed) per process, shared by its runs (adapters never change
     it); torch on one thread."""
     import torch
-
-    from kvfast.testing import tiny_model
 
     torch.set_num_threads(1)
     return tiny_model(family, dtype, attention, seed)

@@ -172,8 +172,7 @@ def clean_table(df: pd.DataFrame) -> Iterator[dict]:
         yield {
             "dtype": dtype,
             "runs": len(g),
-            "bug": int((g["verdict"] == "bug").sum()),
-            "inconclusive": int((g["verdict"] == "inconclusive").sum()),
+            **{verdict: int((g["verdict"] == verdict).sum()) for verdict in ("bug", "inconclusive")},
             "largest_ratio": float(g["ratio"].max()),
         }
 
@@ -192,9 +191,7 @@ def bug_table(df: pd.DataFrame) -> Iterator[dict]:
             "bug": bug,
             "dtype": dtype,
             "runs": len(g),
-            "native_bug": int((v == "bug").sum()),
-            "native_inconclusive": int((v == "inconclusive").sum()),
-            "native_rounding": int((v == "rounding").sum()),
+            **{f"native_{verdict}": int((v == verdict).sum()) for verdict in ("bug", "inconclusive", "rounding")},
             "native_right_step": int(caught["right_step"].astype(bool).sum()),
             "logic_bug": len(logic),
             "logic_right_step": int(logic["logic_right_step"].astype(bool).sum()),

@@ -38,7 +38,12 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from kvfast.bugs.hf import HF_BUGS, first_acting_step, inject_hf_bug
+from kvfast.check.checker import check_cache
+from kvfast.check.options import MODES, PROMOTE, SCENARIOS
+from kvfast.check.protocol import ModelUnderTestError
 from kvfast.studies import hf_common as hf
+from kvfast.studies.architectures import Unbuildable, adapter_of, causal_lm_types, pad_token, tiny_architecture
 from kvfast.studies.common import declared_order, first_bug_step, ok_rows, require_config_choice, study_of, tabled
 from kvfast.studies.plotting import pyplot
 from kvfast.sweep.study import Fact, Figure
@@ -87,22 +92,16 @@ RESULT_FIELDS: dict[str, pa.DataType] = {
 
 def scenarios() -> tuple[str, ...]:
     """The check's scenarios (:data:`kvfast.check.options.SCENARIOS`: new cache operations join as they land)."""
-    from kvfast.check.options import SCENARIOS
-
     return tuple(SCENARIOS)
 
 
 def architectures() -> tuple[str, ...]:
     """Every causal-LM model type of the installed transformers (imports it)."""
-    from kvfast.studies.architectures import causal_lm_types
-
     return tuple(causal_lm_types())
 
 
 def validate_config(config: dict) -> None:
     """``ValueError`` naming the field (or the missing torch) before any run."""
-    from kvfast.check.options import MODES, PROMOTE
-
     hf.require_torch("hf_scan")
     require_config_choice(config, "architecture", architectures())
     require_config_choice(config, "dtype", DTYPES)
@@ -118,8 +117,6 @@ def _model(architecture: str, dtype: str, attention: str, seed: int):
     """One tiny model per (architecture, dtype, attention, seed) per worker, shared by its runs (adapters never
     change it), or the :class:`~kvfast.studies.architectures.Unbuildable` that says why there is none."""
     import torch
-
-    from kvfast.studies.architectures import Unbuildable, tiny_architecture
 
     torch.set_num_threads(1)
     try:
@@ -159,10 +156,6 @@ def tokens(config: dict, pad: int | None) -> tuple[np.ndarray, np.ndarray]:
 
 def _check(config: dict, model):
     """The config's check of ``model`` (an adapter is made here, with the bug)."""
-    from kvfast.bugs.hf import inject_hf_bug
-    from kvfast.check.checker import check_cache
-    from kvfast.studies.architectures import adapter_of, pad_token
-
     c = config
     adapter = inject_hf_bug(adapter_of(model), hf.bug_of(c))
     prompt, continuation = tokens(c, pad_token(model))
@@ -176,10 +169,6 @@ def _check(config: dict, model):
 def run(config: dict) -> dict:
     """One check as the config names it (see the module doc); a model transformers cannot build or run, or that
     kvfast refuses, is a ``skipped`` row with the reason."""
-    from kvfast.bugs.hf import first_acting_step
-    from kvfast.check.protocol import ModelUnderTestError
-    from kvfast.studies.architectures import Unbuildable
-
     c = config
     version = _version()
     t0 = time.perf_counter()
@@ -245,8 +234,6 @@ def scan_spec(
     :func:`logic_check_for`) x ``seeds`` x ``prompts``; each of ``bugs`` (default: every injected bug; ``[]``:
     none) in the first dtype, seed 0, prompt 0, in the scenarios where it acts
     (:func:`kvfast.bugs.hf.first_acting_step`)."""
-    from kvfast.bugs.hf import HF_BUGS, first_acting_step
-
     names = list(scenario_names or scenarios())
     union = [
         {
@@ -314,15 +301,13 @@ def scoreboard(df: pd.DataFrame) -> Iterator[dict]:
         found = judged[_found(judged)]
         steps = found[["first_bug_step", "logic_step"]].where(lambda x: x >= 0).min(axis=1) - found["acting_step"]
         judged_clean = clean[clean["verdict"] != SKIPPED]
-        row.update(
-            {
-                "bugs_found": f"{len(found)}/{len(judged)}" if len(judged) else "",
-                "at_right_step": int(found["right_step"].astype(bool).sum()) if len(judged) else None,
-                "steps_to_detect": float(steps.median()) if len(found) else None,
-                "fpr": float((judged_clean["verdict"] == "bug").mean()) if len(judged_clean) else None,
-            }
-        )
-        yield row
+        yield {
+            **row,
+            "bugs_found": f"{len(found)}/{len(judged)}" if len(judged) else "",
+            "at_right_step": int(found["right_step"].astype(bool).sum()) if len(judged) else None,
+            "steps_to_detect": float(steps.median()) if len(found) else None,
+            "fpr": float((judged_clean["verdict"] == "bug").mean()) if len(judged_clean) else None,
+        }
 
 
 #: The form of kvfast's own refusals (:func:`kvfast.validation.not_allowed`): a model-call error with it is the
@@ -333,9 +318,7 @@ REFUSAL = " is not allowed; allowed: "
 def kind_of(kind: str | None, reason: str | None) -> str | None:
     """A skipped run's kind, with a ``run`` failure that is kvfast's refusal (:data:`REFUSAL`, raised inside a
     model call and so reported as that call's) counted as ``adapter``."""
-    if kind == "run" and reason and REFUSAL in reason:
-        return "adapter"
-    return kind
+    return "adapter" if kind == "run" and reason and REFUSAL in reason else kind
 
 
 @tabled(["architecture", "skipped", "kind", "reason"])

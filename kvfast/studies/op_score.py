@@ -36,7 +36,7 @@ from kvfast.bugs.operations import OP_BUGS, WINDOW_BUG, inject_op_bug
 from kvfast.bugs.score import Detection, markdown, run_detector, score_rows, side_by_side
 from kvfast.check.checker import check_cache
 from kvfast.studies.common import declared_order
-from kvfast.studies.hf_score import PromptOfConfig
+from kvfast.studies.hf_score import DETECTORS, PromptOfConfig
 
 FAMILIES = ("llama", "gpt2", "qwen2", "mistral")
 WINDOWED = ("mistral",)  # the families with a sliding window
@@ -99,8 +99,6 @@ def bugs_of(family: str) -> tuple[str, ...]:
 
 def score_table(steps: int = 16) -> str:
     """The Markdown table: each detector's scores per operation bug, side by side."""
-    from kvfast.studies.hf_score import DETECTORS
-
     people = ("three_token_allclose", "hf_logits_and_ids")
     detectors = {**{name: DETECTORS[name] for name in people}, "kvfast_operations": kvfast_operations}
     all_cases = cases(steps)
