@@ -296,25 +296,12 @@ class CachedPath:
 
         ids = self._ids(tokens, self.length)
         n = ids.shape[1]
-        kwargs = {"input_ids": ids, "use_cache": True, self.cache_arg: self.cache}
-        if self.takes_mask:
-            mask = self._attention_mask(n)
-            if self._generate_passes_mask(ids, mask):
-                kwargs["attention_mask"] = mask
-        if self.takes_cache_position:
-            kwargs["cache_position"] = self.cache_positions(n)
         if positions is None and self._generate_positions():
             positions = list(range(self.length, self.length + n))
         if positions is not None:
-            kwargs["position_ids"] = torch.as_tensor(positions, dtype=torch.long)[None, :]
-        logits, cache = self._cached_forward(**kwargs)
-        if cache is None:
-            name = type(self.model).__name__
-            raise ValueError(
-                f"model: {name!r} is not allowed; allowed: {MODEL}; it returned no cache with use_cache=True"
-            )
-        self.cache = cache
-        self.length += n
+            positions = torch.as_tensor(positions, dtype=torch.long)[None, :]
+        mask = self._attention_mask(n) if self.takes_mask else None
+        logits = self._batch_call(ids, mask, positions, ask_at_prefill=True)
         self.last_token = int(ids[0, -1])
         return logits[0]
 
@@ -381,20 +368,28 @@ class CachedPath:
 
     # --- a batch: beams (the reorder scenario) and a left-padded batch (the padded scenario) --------------------
 
-    def _batch_call(self, ids, mask, positions=None):
-        """The model called on the batch ``ids`` after the cache: ``mask`` where ``generate`` passes one (asked
-        as for one sequence: state-space models drop it after the prefill, and their mixers multiply the new
-        rows by it), ``positions`` as ``position_ids``, ``cache_position`` where the model takes it; the cache
-        and length advanced; the logits ``(b, n, V)``."""
+    def _batch_call(self, ids, mask, positions=None, ask_at_prefill: bool = False):
+        """The model called on the batch ``ids`` after the cache, as ``generate`` calls it: ``mask`` where it passes
+        one (asked of the first row; a batch's prefill keeps its mask unless ``ask_at_prefill``: state-space models
+        drop it after the prefill, and their mixers multiply the new rows by it), ``positions`` as
+        ``position_ids``, ``cache_position`` where the model takes it; the cache and length advanced; the logits
+        ``(b, n, V)``."""
         n = ids.shape[1]
         kwargs = {"input_ids": ids, "use_cache": True, self.cache_arg: self.cache}
-        if mask is not None and (self.length == 0 or self._generate_passes_mask(ids[:1], mask[:1])):
+        prefill_keeps = self.length == 0 and not ask_at_prefill
+        if mask is not None and (prefill_keeps or self._generate_passes_mask(ids[:1], mask[:1])):
             kwargs["attention_mask"] = mask
         if positions is not None:
             kwargs["position_ids"] = positions
         if self.takes_cache_position:
             kwargs["cache_position"] = self.cache_positions(n)
-        logits, self.cache = self._cached_forward(**kwargs)
+        logits, cache = self._cached_forward(**kwargs)
+        if cache is None:
+            name = type(self.model).__name__
+            raise ValueError(
+                f"model: {name!r} is not allowed; allowed: {MODEL}; it returned no cache with use_cache=True"
+            )
+        self.cache = cache
         self.length += n
         return logits
 

@@ -59,11 +59,12 @@ def ordered(table):
     """``table`` (rows of :data:`COLUMNS`) sorted new first, then known, then injected, then unlabelled; by
     architecture, dtype and scenario within a label; the index renumbered."""
     rank = {label: i for i, label in enumerate(LABELS)}
-    if not len(table):
-        return table.reset_index(drop=True)
-    key = table["label"].map(lambda v: rank.get(v, len(rank)) if isinstance(v, str) else len(rank))
-    order = table.assign(_rank=key).sort_values(["_rank", "architecture", "dtype", "scenario"], kind="stable")
-    return order.drop(columns="_rank").reset_index(drop=True)
+
+    def key(column):  # a label by its rank (any other, or none, last); the other columns as they are
+        return column.map(rank).fillna(len(rank)) if column.name == "label" else column
+
+    order = table.sort_values(["label", "architecture", "dtype", "scenario"], key=key, kind="stable")
+    return order.reset_index(drop=True)
 
 
 def write_findings(table, directory) -> Path:

@@ -2,12 +2,13 @@
 
 The script never imports kvfast: it builds the model, runs the scenario's cached calls as the model's own
 ``generate`` makes them (the ``CALLS`` it was measured to need) and one full recompute of the judged sequence,
-and compares them step by step against ``THRESHOLD``. Its cached path is kvfast's own
-(:class:`kvfast.check.hf_path.CachedPath`, the source :class:`~kvfast.check.hf.HFModel` runs, carried verbatim:
-``@CACHED_PATH@``), answering how ``generate`` calls the model from ``CALLS``; an injected catalogue bug is
-kvfast's own mixin, carried verbatim and put in front of it (``@PATCH@``, :mod:`kvfast.repro.patches`). The
-sequence judged is the scenario's main one (``PROMPT`` then ``TOKENS``) or, for ``fork-branch``, ``reorder-beam``
-and ``padded-row``, its second one (``BRANCH_PROMPT`` then ``BRANCH_TOKENS``).
+and compares them step by step against ``THRESHOLD``. Its model builder and cached path are kvfast's own
+(:func:`kvfast.check.hf_path.model_from_config` and :class:`kvfast.check.hf_path.CachedPath`, the source
+:class:`~kvfast.check.hf.HFModel` runs, carried verbatim: ``@CACHED_PATH@``), answering how ``generate`` calls
+the model from ``CALLS``; an injected catalogue bug is kvfast's own mixin, carried verbatim and put in front of
+it (``@PATCH@``, :mod:`kvfast.repro.patches`). The sequence judged is the scenario's main one (``PROMPT`` then
+``TOKENS``) or, for ``fork-branch``, ``reorder-beam`` and ``padded-row``, its second one (``BRANCH_PROMPT`` then
+``BRANCH_TOKENS``).
 
 What a case holds is data in the script, never code: the docstring (with the case's title and the command that
 found it) is written as one Python string literal that evaluates to exactly its text
