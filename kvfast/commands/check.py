@@ -179,7 +179,6 @@ def _flag_text(parse):
             why = f"{text!r} is not allowed; allowed: {NUMBERS[parse]}" if parse in NUMBERS else str(exc)
             raise argparse.ArgumentTypeError(why) from None
 
-    read.__name__ = getattr(parse, "__name__", "value")
     return read
 
 
