@@ -350,8 +350,8 @@ class ResultsDir:
         if sum(rows) <= COMPACT_ROWS:
             self._merge(parts, schema, latest=True)
             return
-        big = [i for i, n in enumerate(rows) if n >= PART_ROWS]
-        start = big[-1] + 1 if big else 0  # only parts newer than every big one: merging never reorders rows
+        # only parts newer than every big one: merging never reorders rows
+        start = max((i + 1 for i, n in enumerate(rows) if n >= PART_ROWS), default=0)
         group: list[Path] = []
         count = 0
         for part, n in zip(parts[start:], rows[start:], strict=True):
