@@ -56,7 +56,7 @@ import pyarrow as pa
 
 from kvfast.runtime import UserCodeError, call_user, load_object
 from kvfast.runtime.load import entry_points_of
-from kvfast.sweep.ids import MAX_DEPTH, canonical, spec_hash
+from kvfast.sweep.ids import MAX_DEPTH, canonical, canonical_hash
 from kvfast.validation import prefixed, require_int, shown
 
 if TYPE_CHECKING:
@@ -159,7 +159,7 @@ class Grid:
     @property
     def spec_hash(self) -> str:
         """Hash of the canonical spec (stored in the manifest)."""
-        return spec_hash(self.spec)
+        return canonical_hash(self.spec)
 
     def __len__(self) -> int:
         return self.size
