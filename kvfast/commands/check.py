@@ -271,18 +271,17 @@ def check_args(args) -> None:
     from kvfast.validation import not_allowed, require_int
 
     parse_prompt(args.prompt)
-    parse_factory_args(args.factory_arg)
+    factory_args = parse_factory_args(args.factory_arg)
     check_options(args)
     if getattr(args, "repro", None) is not None:
         from kvfast.repro.findings import require_repro_dir
 
         require_int(getattr(args, "repro_seconds", 60), "--repro-seconds", 1)
         require_repro_dir(args.repro, "--repro")
-    if getattr(args, "engine", None) is not None:
-        if "path" in parse_factory_args(args.factory_arg):
-            raise not_allowed("--factory-arg", "path=...", "no path: with --engine the path is the positional argument")
-        return
-    split_ref(args.factory, "factory", "PACKAGE.MODULE:FACTORY")
+    if getattr(args, "engine", None) is None:
+        split_ref(args.factory, "factory", "PACKAGE.MODULE:FACTORY")
+    elif "path" in factory_args:
+        raise not_allowed("--factory-arg", "path=...", "no path: with --engine the path is the positional argument")
 
 
 def check_options(args):
