@@ -310,11 +310,10 @@ def run_check(args, started: float | None = None) -> dict:
     try:
         options = replace(check_options(args), timeout=None)  # --timeout is this process's watch (below)
         with watched(args.timeout, started):
-            factory_args = parse_factory_args(args.factory_arg)
+            spec, factory_args = args.factory, parse_factory_args(args.factory_arg)
             if getattr(args, "engine", None):  # --engine NAME PATH: NAME's adapter (ENGINES) over PATH
-                model = build_model(ENGINES[args.engine], {"path": args.factory, **factory_args})
-            else:
-                model = build_model(args.factory, factory_args)
+                spec, factory_args = ENGINES[args.engine], {"path": args.factory, **factory_args}
+            model = build_model(spec, factory_args)
             report = check_cache_with(model, parse_prompt(args.prompt), options)
     except ValueError as exc:
         return {"kind": "bad input", "line": str(exc)}
