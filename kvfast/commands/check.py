@@ -179,7 +179,6 @@ def _flag_text(parse):
             why = f"{text!r} is not allowed; allowed: {NUMBERS[parse]}" if parse in NUMBERS else str(exc)
             raise argparse.ArgumentTypeError(why) from None
 
-    read.__name__ = getattr(parse, "__name__", "value")
     return read
 
 
@@ -272,18 +271,17 @@ def check_args(args) -> None:
     from kvfast.validation import not_allowed, require_int
 
     parse_prompt(args.prompt)
-    parse_factory_args(args.factory_arg)
+    factory_args = parse_factory_args(args.factory_arg)
     check_options(args)
     if getattr(args, "repro", None) is not None:
         from kvfast.repro.script import require_repro_dir
 
         require_int(getattr(args, "repro_seconds", 60), "--repro-seconds", 1)
         require_repro_dir(args.repro, "--repro")
-    if getattr(args, "engine", None) is not None:
-        if "path" in parse_factory_args(args.factory_arg):
-            raise not_allowed("--factory-arg", "path=...", "no path: with --engine the path is the positional argument")
-        return
-    split_ref(args.factory, "factory", "PACKAGE.MODULE:FACTORY")
+    if getattr(args, "engine", None) is None:
+        split_ref(args.factory, "factory", "PACKAGE.MODULE:FACTORY")
+    elif "path" in factory_args:
+        raise not_allowed("--factory-arg", "path=...", "no path: with --engine the path is the positional argument")
 
 
 def check_options(args):
@@ -312,11 +310,10 @@ def run_check(args, started: float | None = None) -> dict:
     try:
         options = replace(check_options(args), timeout=None)  # --timeout is this process's watch (below)
         with watched(args.timeout, started):
-            factory_args = parse_factory_args(args.factory_arg)
+            spec, factory_args = args.factory, parse_factory_args(args.factory_arg)
             if getattr(args, "engine", None):  # --engine NAME PATH: NAME's adapter (ENGINES) over PATH
-                model = build_model(ENGINES[args.engine], {"path": args.factory, **factory_args})
-            else:
-                model = build_model(args.factory, factory_args)
+                spec, factory_args = ENGINES[args.engine], {"path": args.factory, **factory_args}
+            model = build_model(spec, factory_args)
             report = check_cache_with(model, parse_prompt(args.prompt), options)
     except ValueError as exc:
         return {"kind": "bad input", "line": str(exc)}

@@ -81,8 +81,7 @@ def cmd_report(args) -> int:
     stored = f"the results in {args.results} are stored, unchanged"
     with writing_report(report_path(args.results, args.out), stored):  # a failed write: kvfast.cli's exit code 74
         if args.no_html:
-            results = load_results(args.results)
-            for path in write_tables(results, report_dir(args.results, args.out)):
+            for path in write_tables(load_results(args.results), report_dir(args.results, args.out)):
                 print(path)
             return 0
         page = write_report(args.results, args.out)

@@ -56,7 +56,7 @@ import pyarrow as pa
 
 from kvfast.runtime import UserCodeError, call_user, load_object
 from kvfast.runtime.load import entry_points_of
-from kvfast.sweep.ids import MAX_DEPTH, canonical, spec_hash
+from kvfast.sweep.ids import MAX_DEPTH, canonical, canonical_hash
 from kvfast.validation import prefixed, require_int, shown
 
 if TYPE_CHECKING:
@@ -159,7 +159,7 @@ class Grid:
     @property
     def spec_hash(self) -> str:
         """Hash of the canonical spec (stored in the manifest)."""
-        return spec_hash(self.spec)
+        return canonical_hash(self.spec)
 
     def __len__(self) -> int:
         return self.size
@@ -384,9 +384,7 @@ def _coerce(value: Any, typ: pa.DataType, key: str = "value") -> Any:
 
 def _factor(keys: tuple, rows: list[tuple], fields: dict[str, pa.DataType], cache: dict) -> _Factor:
     """Coerce, type-check and de-duplicate one factor's rows (each distinct value once per field)."""
-    out_rows: list[tuple] = []
-    out_pieces: list[tuple] = []
-    seen: set[tuple] = set()
+    kept: dict[tuple, tuple] = {}  # a row's pieces -> its values, each distinct row once, first position kept
     for row in rows:
         values, pieces = [], []
         for key, value in zip(keys, row, strict=True):
@@ -401,12 +399,8 @@ def _factor(keys: tuple, rows: list[tuple], fields: dict[str, pa.DataType], cach
                 hit = cache[token] = (coerced, piece)
             values.append(hit[0])
             pieces.append(hit[1])
-        pieces_t = tuple(pieces)
-        if pieces_t not in seen:
-            seen.add(pieces_t)
-            out_rows.append(tuple(values))
-            out_pieces.append(pieces_t)
-    return _Factor(tuple(keys), tuple(out_rows), tuple(out_pieces))
+        kept.setdefault(tuple(pieces), tuple(values))
+    return _Factor(tuple(keys), tuple(kept.values()), tuple(kept))
 
 
 def _template(study: Study, fields: dict, factors: list[_Factor], varying: list[_Factor]) -> str:

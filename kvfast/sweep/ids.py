@@ -62,11 +62,10 @@ def canonical_json(value: Any) -> str:
 
 
 def run_id(study: str, version: str, config: dict) -> str:
-    """The run's id: 32 hex digits of blake2b over the canonical JSON of study name, version and config."""
-    text = canonical_json({"study": study, "version": version, "config": config})
-    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+    """The run's id: the :func:`canonical_hash` of study name, version and config."""
+    return canonical_hash({"study": study, "version": version, "config": config})
 
 
-def spec_hash(spec: dict) -> str:
-    """A grid spec's hash (same canonical form as run ids)."""
-    return hashlib.blake2b(canonical_json(spec).encode(), digest_size=16).hexdigest()
+def canonical_hash(value: Any) -> str:
+    """32 hex digits of blake2b over ``value``'s canonical JSON: a run's id (:func:`run_id`), a grid spec's hash."""
+    return hashlib.blake2b(canonical_json(value).encode(), digest_size=16).hexdigest()

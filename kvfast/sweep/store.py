@@ -298,10 +298,10 @@ class ResultsDir:
             os.close(fd)
 
     def clear(self) -> None:
-        """Delete stored parts, temporaries and the manifest (``--fresh``); other files are kept."""
-        for p in self.path.iterdir():
-            if PART_RE.match(p.name) or (p.name.startswith(".part-") and p.name.endswith(".tmp")):
-                p.unlink()
+        """Delete stored parts and the manifest (``--fresh``; temporaries are :meth:`remove_temporaries`' to delete);
+        other files are kept."""
+        for part in self.parts():
+            part.unlink()
         if self.manifest_path.is_dir() and not self.manifest_path.is_symlink():
             shutil.rmtree(self.manifest_path)
         self.manifest_path.unlink(missing_ok=True)
@@ -312,10 +312,8 @@ class ResultsDir:
         for p in self.path.iterdir():
             if p.name.startswith((".part-", f".{MANIFEST}.")) and p.name.endswith(".tmp"):
                 p.unlink(missing_ok=True)
-        markers = self.path / TIMEOUTS
-        if markers.is_dir():
-            for p in markers.iterdir():
-                p.unlink(missing_ok=True)
+        for p in (self.path / TIMEOUTS).glob("*"):
+            p.unlink(missing_ok=True)
 
     def write_part(self, table: pa.Table | list[pa.Table]) -> Path:
         """Write one part (a table, or tables of one schema): a hidden temporary name, then an atomic rename."""
@@ -352,8 +350,8 @@ class ResultsDir:
         if sum(rows) <= COMPACT_ROWS:
             self._merge(parts, schema, latest=True)
             return
-        big = [i for i, n in enumerate(rows) if n >= PART_ROWS]
-        start = big[-1] + 1 if big else 0  # only parts newer than every big one: merging never reorders rows
+        # only parts newer than every big one: merging never reorders rows
+        start = max((i + 1 for i, n in enumerate(rows) if n >= PART_ROWS), default=0)
         group: list[Path] = []
         count = 0
         for part, n in zip(parts[start:], rows[start:], strict=True):

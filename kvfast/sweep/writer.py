@@ -91,8 +91,7 @@ class Writer:
             return pa.Table.from_pylist([row], schema=self.schema)
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError, ValueError):
             pass
-        fields = self.study.result_fields.items()
-        bad = next((f"{n}: {row[n]!r} does not fit type {t}" for n, t in fields if not fits([row[n]], t)), "?")
-        fixed = dict(row, status="error", error=f"ResultTypeError: {bad}")
-        fixed.update({f: None for f in self.study.result_fields})
+        fields = self.study.result_fields
+        bad = next((f"{n}: {row[n]!r} does not fit type {t}" for n, t in fields.items() if not fits([row[n]], t)), "?")
+        fixed = {**row, **dict.fromkeys(fields), "status": "error", "error": f"ResultTypeError: {bad}"}
         return pa.Table.from_pylist([fixed], schema=self.schema)

@@ -110,9 +110,10 @@ def worker_identity(study_module: str, study_name: str) -> dict:
     return found
 
 
-def check_workers(job: Job) -> tuple[list[str], dict[str, dict]]:
+def check_workers(job: Job) -> tuple[list[str] | None, dict[str, dict]]:
     """Ask every worker for its versions (:func:`worker_identity`); print one line per worker that differs from
-    this process; ``(the addresses of the workers that match, address -> versions and refused)``.
+    this process; ``(the addresses of the workers that match, or None when none was refused: any worker, address
+    -> versions and refused)``.
     ``ValueError`` (one line, before any chunk runs) when every worker was refused."""
     import kvfast._version
 
@@ -134,7 +135,7 @@ def check_workers(job: Job) -> tuple[list[str], dict[str, dict]]:
         print(f"kvfast: {refused[-1]}; no run goes to it", file=sys.stderr)
     if refused and not good:  # (no worker at all is not a refusal: the stall limit covers a cluster without any)
         raise ValueError(f"--scheduler: every worker was refused ({refused[0]}); nothing ran on the cluster")
-    return good, versions
+    return good if refused else None, versions
 
 
 def _scheduler_gone(client, fut=None, exc: BaseException | None = None) -> bool:
@@ -231,10 +232,9 @@ class _Driver:
 
 def execute(job: Job, runs: Iterator[GridRun], total: int) -> Outcome:
     """Drive Dask futures directly (see the module docstring); returns the runs lost and why."""
-    good, versions = check_workers(job)
-    refused = any(v["refused"] for v in versions.values())
-    count = len(good) if refused else max(1, len(job.client.scheduler_info().get("workers", {})) or job.jobs)
-    driver = _Driver(job, runs, total, count, good if refused else None)
+    only, versions = check_workers(job)
+    count = len(only) if only is not None else max(1, len(job.client.scheduler_info().get("workers", {})) or job.jobs)
+    driver = _Driver(job, runs, total, count, only)
     try:
         lost = driver.run_chunks()
     except Exception as exc:  # noqa: BLE001 - a lost scheduler shows as many exception types
