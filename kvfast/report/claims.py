@@ -111,12 +111,11 @@ def facts(results: dict[str, pd.DataFrame]) -> pd.DataFrame:
     rows of :data:`FACT_COLUMNS`: each study with ok runs and declared ``facts`` (``Study.facts``, next to its run
     function), in study-name order, then the count of stored runs."""
     rows = []
-    total = 0
     for name, df in sorted(results.items()):
-        total += len(df)
         study = STUDIES.get(name)
         if study is not None and study.facts is not None and len(ok_rows(df)):
             rows += [{"key": k, "figure": f, "value": v, "study": name} for k, f, v in study.facts(df)]
+    total = sum(len(df) for df in results.values())
     rows.append({"key": "runs", "figure": "runs stored over every study", "value": f"{total:,}", "study": "all"})
     out = pd.DataFrame(rows, columns=FACT_COLUMNS)
     return out.astype({"value": str}).replace({np.nan: ""})
