@@ -50,6 +50,7 @@ runs once (compiling is a one-off and takes half a minute or more), the warm sta
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import platform
@@ -180,22 +181,20 @@ def bench_matmul(repeats: int) -> None:
     _header("T", "d", "BLAS GFLOP/s", *(f"{lb} GFLOP/s (x BLAS)" for lb in labels))
     rng = np.random.default_rng(0)
     with limit:
-        for d in MATMUL_DS:
-            for T in MATMUL_TS:
-                x64 = rng.standard_normal((T, d))
-                w64 = rng.standard_normal((d, d))
-                yb = np.empty((T, d))
-                fns: dict[str, Callable[[], object]] = {"blas": lambda x=x64, w=w64, y=yb: np.matmul(x, w, out=y)}
-                for label, fmt, order in MATMUL_VARIANTS:
-                    code = FORMAT_CODES[fmt]
-                    x, w, y = round_array(x64, code), round_array(w64, code), np.empty((T, d))
-                    o = ORDER_CODES[order]
-                    fns[label] = lambda x=x, w=w, y=y, c=code, o=o: matmul_into(x, w, c, c, o, y)
-                times = time_interleaved(fns, repeats)
-                flops = 2.0 * T * d * d
-                gf = {name: flops / t / 1e9 for name, t in times.items()}
-                cells = [f"{gf[lb]:.2f} ({gf[lb] / gf['blas']:.2f})" for lb in labels]
-                _row(T, d, f"{gf['blas']:.2f}", *cells)
+        for d, T in itertools.product(MATMUL_DS, MATMUL_TS):
+            x64 = rng.standard_normal((T, d))
+            w64 = rng.standard_normal((d, d))
+            yb = np.empty((T, d))
+            fns: dict[str, Callable[[], object]] = {"blas": lambda x=x64, w=w64, y=yb: np.matmul(x, w, out=y)}
+            for label, fmt, order in MATMUL_VARIANTS:
+                code = FORMAT_CODES[fmt]
+                x, w, y = round_array(x64, code), round_array(w64, code), np.empty((T, d))
+                fns[label] = lambda x=x, w=w, y=y, c=code, o=ORDER_CODES[order]: matmul_into(x, w, c, c, o, y)
+            times = time_interleaved(fns, repeats)
+            flops = 2.0 * T * d * d
+            gf = {name: flops / t / 1e9 for name, t in times.items()}
+            cells = [f"{gf[lb]:.2f} ({gf[lb] / gf['blas']:.2f})" for lb in labels]
+            _row(T, d, f"{gf['blas']:.2f}", *cells)
 
 
 def numpy_bf16_matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:

@@ -95,11 +95,10 @@ class Freeze(CacheUpdate):
     def _update(self, update):
         last_layer = int(self.model.config.num_hidden_layers) - 1
         frozen: dict[str, object] = {}
-        path = self
 
         def frozen_update(key_states, value_states, layer_idx, *args, **kwargs):
             if layer_idx == last_layer and key_states.shape[-2] == 1:
-                step = path.decoded  # decode step being computed (1-based; incremented before the call)
+                step = self.decoded  # decode step being computed (1-based; incremented before the call)
                 if step == 1:
                     frozen["key"] = key_states.clone()
                 elif step > 1 and "key" in frozen:

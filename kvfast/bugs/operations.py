@@ -10,6 +10,8 @@ Each is a mixin over the adapters' hooks (:mod:`kvfast.bugs.hf_mixins`, the sour
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from kvfast.bugs import hf_mixins as mix
@@ -46,9 +48,7 @@ def _never_cleared(model):
         raise ValueError(
             "bug: 'static_never_cleared' is not allowed here; allowed: an HFModel with new_cache (a StaticCache)"
         )
-    made = []
-    fresh = model.new_cache
-    model.new_cache = lambda: made[0] if made else made.append(fresh()) or made[0]
+    model.new_cache = functools.cache(model.new_cache)  # the first cache object, every call after the first
     return model
 
 

@@ -333,7 +333,6 @@ def score_detector(detector: Callable, cases: Sequence[Case], bugs: Sequence[str
     (``bug=None``) and at least one bugged case. ``bugs``: the cases' catalogue
     (default :data:`kvfast.BUGS`), which also orders the rows.
     """
-    bugs = _catalogue(bugs)
     return score_rows(run_detector(detector, cases, bugs), bugs)
 
 

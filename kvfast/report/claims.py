@@ -38,11 +38,9 @@ def study_claims(study: str | Study, df: pd.DataFrame) -> pd.DataFrame:
     if isinstance(study, str):
         study = STUDIES[study]
     name = study.name
-    if study.claims is None:
-        return pd.DataFrame(columns=COLUMNS + COUNT_COLUMNS)
     try:  # one tuple per claim, in the order of COLUMNS + COUNT_COLUMNS
         rows = [(name, c.claim, c.seed_figure, c.kvfast_figure, bool(c.holds), c.criterion, len(c.conditions),
-                 sum(ok for _, ok in c.conditions)) for c in study.claims(df)]  # fmt: skip
+                 sum(ok for _, ok in c.conditions)) for c in (study.claims(df) if study.claims else ())]  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - one study's failure must not hide the others
         rows = [(name, f"(claims failed: {type(exc).__name__}: {exc})", "", "", False, "", 1, 0)]
     return pd.DataFrame(rows, columns=COLUMNS + COUNT_COLUMNS)
@@ -111,12 +109,11 @@ def facts(results: dict[str, pd.DataFrame]) -> pd.DataFrame:
     rows of :data:`FACT_COLUMNS`: each study with ok runs and declared ``facts`` (``Study.facts``, next to its run
     function), in study-name order, then the count of stored runs."""
     rows = []
-    total = 0
     for name, df in sorted(results.items()):
-        total += len(df)
         study = STUDIES.get(name)
         if study is not None and study.facts is not None and len(ok_rows(df)):
             rows += [{"key": k, "figure": f, "value": v, "study": name} for k, f, v in study.facts(df)]
+    total = sum(len(df) for df in results.values())
     rows.append({"key": "runs", "figure": "runs stored over every study", "value": f"{total:,}", "study": "all"})
     out = pd.DataFrame(rows, columns=FACT_COLUMNS)
     return out.astype({"value": str}).replace({np.nan: ""})
@@ -129,10 +126,7 @@ def study_dirs(root: str | os.PathLike) -> dict[str, Path]:
     if not base.is_dir():
         raise ValueError(f"RESULTS_DIR: {str(root)!r} is not allowed; allowed: a directory of kvfast results")
     candidates = [base] if (base / MANIFEST).is_file() else sorted(p for p in base.iterdir() if p.is_dir())
-    found: dict[str, Path] = {}
-    for path in candidates:
-        if (path / MANIFEST).is_file() and (name := _study_of(path)) in STUDIES:
-            found[name] = path
+    found = {name: path for path in candidates if (path / MANIFEST).is_file() and (name := _study_of(path)) in STUDIES}
     if not found:
         raise ValueError(
             f"RESULTS_DIR: {str(root)!r} is not allowed; allowed: a results directory or a folder of them "
