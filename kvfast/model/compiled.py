@@ -75,7 +75,9 @@ def _numba_blas_probe_without_importing_scipy() -> None:
     is installed (``importlib.util.find_spec``, no import); the real probe is
     put back at once, so any later use of a BLAS in jitted code (``np.dot``)
     still imports scipy and checks it when that code is compiled. Nothing
-    happens if the target started already or Numba's layout differs.
+    happens if the target started already or Numba's layout differs. Written
+    for Numba 0.60-0.68 (``numba.np.linalg.ensure_blas``); where a release moves
+    it, tests/kernels/test_cold_start.py fails.
     """
     if "numba.np.arraymath" in sys.modules:
         return

@@ -8,6 +8,7 @@ control shows the counter sees an eager compile: a module-level ``njit`` with an
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -52,6 +53,22 @@ def _compiled_by(statement: str, cache: Path | None) -> list[str]:
 def test_import_kvfast_loads_no_numba(tmp_path):
     out = _run(["-c", "import sys, kvfast; print('numba' in sys.modules, 'llvmlite' in sys.modules)"], tmp_path)
     assert out.split() == ["False", "False"]
+
+
+SCIPY_AFTER = "import sys\n{}\nprint('scipy.linalg' in sys.modules)"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("scipy") is None, reason="scipy is not installed: Numba probes nothing")
+def test_numbas_blas_probe_imports_no_scipy_once_kvfast_starts_the_target():
+    """kvfast.model.compiled answers Numba's BLAS probe without importing scipy.linalg (about 0.3 s of a warm
+    start); that patch of Numba's ``numba.np.linalg.ensure_blas`` steps aside silently where Numba moves it, and
+    this test is what then fails. Control: Numba's own start of its target imports scipy.linalg."""
+    generate = (
+        "import kvfast\ncfg = kvfast.ModelConfig(vocab=8, d_model=8, n_head=2, n_layer=1, d_ff=8, max_pos=8)\n"
+        "kvfast.generate(cfg, kvfast.init_params(cfg, 0), [1], 2, kvfast.Numerics.preset('f64'))"
+    )
+    assert _run(["-c", SCIPY_AFTER.format(generate)], None).split() == ["False"]
+    assert _run(["-c", SCIPY_AFTER.format("import numba.np.arraymath")], None).split() == ["True"]
 
 
 def test_importing_the_model_and_the_studies_compiles_no_kernel(tmp_path):
