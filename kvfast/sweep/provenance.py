@@ -13,6 +13,7 @@ import hashlib
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -47,20 +48,24 @@ def provenance(grid: Grid) -> dict:
 
 def git_states(paths: list[Path]) -> list[dict]:
     """``{"commit": HEAD's hash, "dirty": bool}`` of the git repository tracking each file of ``paths`` (``None``
-    values where none does, or git cannot say): one ``status`` per repository, every git call within
-    :data:`GIT_TIMEOUT_S` in all (one after the other: a few milliseconds each)."""
+    values where none does, or git cannot say), its git processes run side by side (a sweep's start waits for
+    the slowest, not for their sum), one ``status`` per repository, all within :data:`GIT_TIMEOUT_S`."""
     deadline = time.monotonic() + GIT_TIMEOUT_S
-    states, dirty = [], {}  # dirty: a repository's top folder -> its ``git status`` (None: git could not say)
+    with ThreadPoolExecutor(2 * len(paths)) as pool:
+        tracked = [pool.submit(_git, p.parent, deadline, "ls-files", "--error-unmatch", "--", p.name) for p in paths]
+        heads = [pool.submit(_git, p.parent, deadline, "rev-parse", "--show-toplevel", "HEAD") for p in paths]
+        found = {}  # a tracked file -> (its repository: the file's folder where git cannot say, HEAD)
+        for path, is_tracked, head in zip(paths, tracked, heads, strict=True):
+            if is_tracked.result() is not None:
+                top, _, commit = (head.result() or "").partition("\n")
+                found[path] = (top or str(path.parent), commit.strip() or None)
+        args = ("status", "--porcelain", "--untracked-files=no")
+        status = {top: pool.submit(_git, Path(top), deadline, *args) for top, _ in found.values()}
+        dirty = {top: future.result() for top, future in status.items()}
+    states = []
     for path in paths:
-        if _git(path.parent, deadline, "ls-files", "--error-unmatch", "--", path.name) is None:
-            states.append({"commit": None, "dirty": None})
-            continue
-        top, _, commit = (_git(path.parent, deadline, "rev-parse", "--show-toplevel", "HEAD") or "").partition("\n")
-        top = top or str(path.parent)  # the file's folder where git cannot say
-        if top not in dirty:
-            dirty[top] = _git(Path(top), deadline, "status", "--porcelain", "--untracked-files=no")
-        status = dirty[top]
-        states.append({"commit": commit.strip() or None, "dirty": None if status is None else bool(status.strip())})
+        top, commit = found.get(path, (None, None))
+        states.append({"commit": commit, "dirty": None if dirty.get(top) is None else bool(dirty[top].strip())})
     return states
 
 
