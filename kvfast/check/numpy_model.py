@@ -1,7 +1,7 @@
 """A NumPy reference model of kvfast's architecture, written from the architecture, with a KV cache.
 
-It shares no arithmetic with :mod:`kvfast.model` (only the validation of its sizes and of the tokens it is given):
-it reads kvfast's ``.npz`` files itself and computes with NumPy (BLAS) products, in float64 or float32::
+It shares no arithmetic with :mod:`kvfast.model` (only the validation of the tokens it is given): it reads
+kvfast's ``.npz`` files itself and computes with NumPy (BLAS) products, in float64 or float32::
 
     x = wte[token] + wpe[pos]
     per layer l:  h = rmsnorm(x) * g1;  q, k, v = h @ wq, h @ wk, h @ wv
@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
-from kvfast.model.config import ModelConfig
 from kvfast.model.validate import require_tokens
 from kvfast.validation import require_choice
 
@@ -52,8 +52,7 @@ class NumpyModel:
     """The reference model behind the check protocol (see the module docstring).
 
     ``config``: a mapping (or object) with ``vocab, d_model, n_head, n_layer,
-    d_ff, max_pos, eps`` (read as a :class:`~kvfast.model.config.ModelConfig`: ``ValueError`` naming a
-    missing or bad one); ``params``: arrays named like kvfast's (``wte``,
+    d_ff, max_pos, eps``; ``params``: arrays named like kvfast's (``wte``,
     ``wpe``, ``h{l}.g1``, ``h{l}.wq`` .. ``h{l}.w2``, ``gf``, ``w_out``), cast to
     ``dtype`` (``"float64"`` or ``"float32"``).
     """
@@ -63,10 +62,14 @@ class NumpyModel:
         self.batching = require_choice(batching, "batching", BATCHING)
         self.bug = None if bug is None else require_choice(bug, "bug", RESUME_BUGS)
         get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)
-        self.sizes = ModelConfig(**{k: get(k) for k in CONFIG_KEYS})  # each validated as kvfast's own model's
-        self.vocab_size, self.n_head, self.n_layer = self.sizes.vocab, self.sizes.n_head, self.sizes.n_layer
+        missing = [k for k in CONFIG_KEYS if get(k) is None]
+        if missing:
+            raise ValueError(f"config: missing {missing}; allowed: a mapping with {', '.join(CONFIG_KEYS)}")
+        self.vocab_size, self.n_head, self.n_layer, self.max_pos = (
+            int(get(k)) for k in ("vocab", "n_head", "n_layer", "max_pos")
+        )
         self.dt = DTYPES[dtype]
-        self.eps = self.dt(self.sizes.eps)
+        self.eps = self.dt(get("eps"))
         self.p = {}
         for name in ["wte", "wpe", "gf", "w_out"] + [
             f"h{i}.{n}" for i in range(self.n_layer) for n in ("g1", "wq", "wk", "wv", "wo", "g2", "w1", "w2")
@@ -195,7 +198,7 @@ class NumpyModel:
 
     def _tokens(self, tokens, start: int) -> np.ndarray:
         """``tokens`` validated as kvfast's own model validates them (input checks, not the arithmetic checked)."""
-        return require_tokens(self.sizes, tokens, start=start)
+        return require_tokens(SimpleNamespace(vocab=self.vocab_size, max_pos=self.max_pos), tokens, start=start)
 
     def _need_cache(self) -> None:
         if self.k is None:
