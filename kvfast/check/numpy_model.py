@@ -1,7 +1,7 @@
 """A NumPy reference model of kvfast's architecture, written from the architecture, with a KV cache.
 
-It shares no arithmetic with :mod:`kvfast.model` (only the validation of the tokens it is given): it reads
-kvfast's ``.npz`` files itself and computes with NumPy (BLAS) products, in float64 or float32::
+It shares no code with :mod:`kvfast.model`: it reads kvfast's ``.npz`` files
+itself and computes with NumPy (BLAS) products, in float64 or float32::
 
     x = wte[token] + wpe[pos]
     per layer l:  h = rmsnorm(x) * g1;  q, k, v = h @ wq, h @ wk, h @ wv
@@ -29,11 +29,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 
-from kvfast.model.validate import require_tokens
 from kvfast.validation import require_choice
 
 RESUME_BUGS: dict[str, str] = {
@@ -197,8 +195,14 @@ class NumpyModel:
         return y
 
     def _tokens(self, tokens, start: int) -> np.ndarray:
-        """``tokens`` validated as kvfast's own model validates them (input checks, not the arithmetic checked)."""
-        return require_tokens(SimpleNamespace(vocab=self.vocab_size, max_pos=self.max_pos), tokens, start=start)
+        arr = np.asarray(tokens)
+        if arr.ndim != 1 or arr.size == 0 or arr.dtype.kind not in "iu":
+            raise ValueError(f"tokens: {tokens!r} is not allowed; allowed: a non-empty 1-D sequence of token ids")
+        if ((arr < 0) | (arr >= self.vocab_size)).any():
+            raise ValueError(f"tokens: {arr.tolist()} hold an id out of range; allowed: [0, {self.vocab_size})")
+        if start + arr.size > self.max_pos:
+            raise ValueError(f"tokens: {arr.size} from position {start} pass max_pos={self.max_pos}")
+        return arr.astype(np.int64)
 
     def _need_cache(self) -> None:
         if self.k is None:
