@@ -55,6 +55,14 @@ def test_import_kvfast_loads_no_numba(tmp_path):
     assert out.split() == ["False", "False"]
 
 
+def test_the_numpy_reference_model_loads_no_numba(tmp_path):
+    """kvfast.NumpyModel is written apart from kvfast's model: importing it loads none of kvfast's kernels.
+    Control: kvfast's own model does."""
+    loaded = "import sys, kvfast\nkvfast.{}\nprint('numba' in sys.modules)"
+    assert _run(["-c", loaded.format("NumpyModel")], tmp_path).split() == ["False"]
+    assert _run(["-c", loaded.format("KvfastModel")], tmp_path).split() == ["True"]
+
+
 SCIPY_AFTER = "import sys\n{}\nprint('scipy.linalg' in sys.modules)"
 
 
