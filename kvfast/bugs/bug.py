@@ -62,12 +62,18 @@ class Catalogue(dict[str, Bug]):
         require_choice(bug, self.field, self)
         return self[bug].inject(model)
 
-    def first_acting_step(self, bug: str, scenario: str, *where: int | None) -> int | None:
+    def first_acting_step(
+        self,
+        bug: str,
+        scenario: str,
+        prompt_len: int | None = None,
+        steps: int | None = None,
+        window: int | None = None,
+    ) -> int | None:
         """The first step at which this catalogue's bug ``bug`` changes ``scenario``'s cache path logits (``None``:
-        never); ``where``: ``prompt_len, steps, window`` as :meth:`Bug.first_acting_step` takes them. An unknown
-        name is a ``ValueError``."""
+        never), as :meth:`Bug.first_acting_step` says it. An unknown name is a ``ValueError``."""
         require_choice(bug, "bug", self)
-        return self[bug].first_acting_step(scenario, *where)
+        return self[bug].first_acting_step(scenario, prompt_len, steps, window)
 
 
 def require_adapter(model: object, adapter: type | tuple[type, ...], allowed: str) -> object:
