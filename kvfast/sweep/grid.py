@@ -220,8 +220,7 @@ def load_grid(name_or_path: str, max_runs: int = DEFAULT_MAX_RUNS, studies: Mapp
     registry its study name is looked up in (default :data:`~kvfast.sweep.study.REGISTERED`)."""
     path = resolve(name_or_path)
     try:
-        with open(path, "rb") as fh:
-            spec = tomllib.load(fh)
+        spec = tomllib.loads(path.read_bytes().decode())  # what tomllib.load does with a binary file
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"{path}: TOML syntax error: {exc}") from None
     except UnicodeDecodeError as exc:
