@@ -247,12 +247,15 @@ def cmd_run(args) -> int:
 
 
 def _sweep(grid, out, options):
-    """``run_sweep`` with ``options`` (a ``SweepOptions``), its report's line printed (a Ctrl-C before the first run,
-    starting a Dask cluster say, is :mod:`kvfast.cli`'s one line and exit code 130; a failed write its 74)."""
+    """``run_sweep`` with ``options`` (a ``SweepOptions``), its report's line printed; a Ctrl-C before the first run
+    is one line and exit code 130 (``SystemExit``; a failed write is :mod:`kvfast.cli`'s exit code 74)."""
     from kvfast.sweep.engine import run_sweep
 
     try:
         report = run_sweep(grid, out, options)
+    except KeyboardInterrupt:  # before the first run (starting a Dask cluster, say): nothing stored changed
+        print("kvfast: interrupted before any run; nothing stored changed", file=sys.stderr)
+        raise SystemExit(EXIT_INTERRUPTED) from None
     except SystemExit as exc:  # never let a stray exit end a sweep with its code (0 would be a false pass)
         raise RuntimeError(f"SystemExit({exc.code!r}) escaped the sweep engine") from None
     print(report.line())
@@ -345,8 +348,9 @@ def cmd_show(args) -> int:
         print(_table(bad[["run_id", "status", "error"]].head(10)))
     try:  # the grid's own reference to its study (a name, package.module:STUDY), else the study's name
         study = resolve_study(manifest.get("study_ref") or name, STUDIES)
-    except ValueError as exc:  # not in this kvfast, or its module fails
-        print(f"(study {name!r}: {exc}; no summary)")
+    except ValueError as exc:  # its module fails, or a name not in this kvfast
+        why = f": {exc}" if manifest.get("study_ref") else " is not registered in this kvfast"
+        print(f"(study {name!r}{why}; no summary)")
         return 0
     _print_summary(study, df)
     return 0

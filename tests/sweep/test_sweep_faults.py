@@ -771,3 +771,35 @@ def test_a_killed_dask_scheduler_is_lost_runs_in_one_line_and_a_rerun_completes(
                 os.killpg(p.pid, signal.SIGKILL)
         with __import__("contextlib").suppress(Exception):
             os.killpg(worker.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("ref", [None, "nosuchmodule:STUDY"])
+def test_show_of_a_study_this_kvfast_cannot_find_says_why_and_shows_the_rest(tmp_path, capsys, ref):
+    """Control: the same folder with its study found prints its summary, not the line."""
+    toml = grid_toml(tmp_path / "g.toml", ([0, 1], "ok"))
+    out = tmp_path / "o"
+    assert cli(capsys, "run", toml, "--out", out, "--jobs", "1", "--quiet").returncode == 0
+    assert "no summary" not in cli(capsys, "show", out).stdout
+    manifest = json.loads((out / MANIFEST).read_text())
+    manifest.update(study="nosuch", study_ref=ref)
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    shown = cli(capsys, "show", out)
+    assert shown.returncode == 0 and "2 runs stored: ok 2" in shown.stdout, shown.stdout + shown.stderr
+    why = ": " if ref else " is not registered in this kvfast; no summary"
+    assert f"(study 'nosuch'{why}" in shown.stdout
+
+
+def test_a_ctrl_c_before_the_first_run_says_nothing_stored_changed(tmp_path, capsys, monkeypatch):
+    """Starting a Dask cluster, say: the engine raises before any run. Control: a finished sweep exits 0."""
+    toml = grid_toml(tmp_path / "g.toml", ([0, 1], "ok"))
+    assert cli(capsys, "run", toml, "--out", tmp_path / "done", "--jobs", "1", "--quiet").returncode == 0
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("kvfast.sweep.engine.run_sweep", interrupted)
+    with pytest.raises(SystemExit) as exited:
+        main(["run", str(toml), "--out", str(tmp_path / "o"), "--jobs", "1", "--quiet"])
+    assert exited.value.code == 130
+    assert capsys.readouterr().err == "kvfast: interrupted before any run; nothing stored changed\n"
+    assert not (tmp_path / "o").exists()
