@@ -15,6 +15,8 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from kvfast.runtime.interrupt import ctrl_c_noted
 from kvfast.validation import not_allowed
@@ -71,7 +73,8 @@ def check_timeout(timeout: object, field: str = "timeout") -> float | None:
     return float(timeout)
 
 
-class watched:  # noqa: N801 - a context manager used as a function: ``with watched(timeout):``
+@contextmanager
+def watched(timeout: float | None, started: float | None = None) -> Iterator[None]:
     """Run the body as one watched call of the user's code (see the module doc).
 
     The deadline is a ``SIGALRM`` interval timer (it re-fires every 0.25 s until a guarded call sees it, so
@@ -83,65 +86,41 @@ class watched:  # noqa: N801 - a context manager used as a function: ``with watc
     Without a ``timeout`` (a sweep's runs, ``check_cache`` without one) the watch sets no timer: outermost in the
     main thread it notes the user's Ctrl-C (:func:`~kvfast.runtime.interrupt.ctrl_c_noted`) and sets the watch
     for guarded calls; nested, or in another thread, it does nothing.
-
-    A class, not a generator (:func:`contextlib.contextmanager`): every check enters one, and a generator's
-    machinery costs more than the watch itself (issue 46).
     """
+    global _watch
+    timeout = check_timeout(timeout)
+    main = threading.current_thread() is threading.main_thread()
+    if (_watch is not None and main) or (timeout is None and not main):
+        yield
+        return
+    if not main:
+        raise not_allowed("timeout", timeout, "None outside the main thread (the deadline is a SIGALRM timer)")
+    if timeout is not None and not hasattr(signal, "setitimer"):
+        raise not_allowed("timeout", timeout, "None on this platform (it has no signal.setitimer)")
+    watch = _Watch(timeout)
+    with ctrl_c_noted():
 
-    __slots__ = ("timeout", "started", "watch", "noted", "old_alarm", "old_timer")
+        def on_alarm(signum, frame):
+            if not watch.done:
+                raise Deadline
 
-    def __init__(self, timeout: float | None, started: float | None = None):
-        self.timeout = timeout
-        self.started = started
-        self.watch: _Watch | None = None  # this watch's, when it is the outermost one (else it does nothing)
-
-    def __enter__(self) -> None:
-        global _watch
-        timeout = self.timeout = check_timeout(self.timeout)
-        main = threading.current_thread() is threading.main_thread()
-        if (_watch is not None and main) or (timeout is None and not main):
-            return
-        if not main:
-            raise not_allowed("timeout", timeout, "None outside the main thread (the deadline is a SIGALRM timer)")
-        if timeout is not None and not hasattr(signal, "setitimer"):
-            raise not_allowed("timeout", timeout, "None on this platform (it has no signal.setitimer)")
-        watch = _Watch(timeout)
-        self.noted = ctrl_c_noted()
-        self.noted.__enter__()
         if timeout is not None:
-
-            def on_alarm(signum, frame):
-                if not watch.done:
-                    raise Deadline
-
-            try:
-                self.old_alarm = signal.signal(signal.SIGALRM, on_alarm)
-                started = self.started
-                first = timeout if started is None else max(timeout - (time.time() - started), 1e-3)
-                self.old_timer = signal.setitimer(signal.ITIMER_REAL, first, 0.25)
-            except BaseException:
-                self.noted.__exit__(None, None, None)
-                raise
-            self.started = time.monotonic()
-        self.watch = _watch = watch
-
-    def __exit__(self, kind, error, tb) -> None:
-        global _watch
-        watch = self.watch
-        if watch is None:  # nested, or no timeout outside the main thread: nothing was set
-            return
-        timeout = self.timeout
-        watch.done = True
-        _watch = None
+            old_alarm = signal.signal(signal.SIGALRM, on_alarm)
+            first = timeout if started is None else max(timeout - (time.time() - started), 1e-3)
+            old_timer = signal.setitimer(signal.ITIMER_REAL, first, 0.25)
+            started = time.monotonic()
+        _watch = watch
         try:
+            yield
+        except Deadline:
+            watch.done = True
+            raise CheckTimeout(timeout or 0.0, "kvfast's comparison between model calls") from None
+        finally:
+            watch.done = True
+            _watch = None
             if timeout is not None:
                 signal.setitimer(signal.ITIMER_REAL, 0)
-                signal.signal(signal.SIGALRM, self.old_alarm)
-                old_timer = self.old_timer
+                signal.signal(signal.SIGALRM, old_alarm)
                 if old_timer[0] > 0:  # someone else's pending timer: give back what is left of it
-                    left = max(old_timer[0] - (time.monotonic() - self.started), 1e-3)
+                    left = max(old_timer[0] - (time.monotonic() - started), 1e-3)
                     signal.setitimer(signal.ITIMER_REAL, left, old_timer[1])
-        finally:
-            self.noted.__exit__(kind, error, tb)
-        if kind is Deadline:
-            raise CheckTimeout(timeout or 0.0, "kvfast's comparison between model calls") from None

@@ -13,6 +13,8 @@ from __future__ import annotations
 import _signal
 import signal
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 INTERRUPTED = threading.Event()
 
@@ -23,23 +25,18 @@ def on_sigint(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-class ctrl_c_noted:  # noqa: N801 - a context manager used as a function: ``with ctrl_c_noted():``
+@contextmanager
+def ctrl_c_noted() -> Iterator[None]:
     """Run the body with :func:`on_sigint` as the SIGINT handler when Python's default one is installed
     (main thread only; restored afterwards; :data:`INTERRUPTED` cleared first). Any other handler
-    (a sweep's, a test runner's) is left alone. (A class: every check enters one, issue 46.)"""
-
-    __slots__ = ("noted",)
-
-    def __enter__(self) -> None:
-        noted = self.noted = (
-            threading.current_thread() is threading.main_thread()
-            and _signal.getsignal(signal.SIGINT) is signal.default_int_handler
-        )
+    (a sweep's, a test runner's) is left alone."""
+    noted = threading.current_thread() is threading.main_thread()
+    noted = noted and _signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    if noted:
+        INTERRUPTED.clear()
+        _signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
         if noted:
-            if INTERRUPTED.is_set():  # (a read: clearing takes the event's lock)
-                INTERRUPTED.clear()
-            _signal.signal(signal.SIGINT, on_sigint)
-
-    def __exit__(self, kind, error, tb) -> None:
-        if self.noted:
             _signal.signal(signal.SIGINT, signal.default_int_handler)
