@@ -16,4 +16,6 @@ BORROWING = {**JIT_OPTIONS, "_nrt": False}
 returns none, so it takes no reference count (Numba's runtime off). Compiled with the runtime, every array
 argument, record member and view costs an atomic increment and decrement, each a call: a fifth of a one-row
 forward's time (the block's functions take records of 12 and 13 arrays). Numba refuses to compile an
-allocation (``np.empty``) in such a kernel; the arithmetic is the same, so are the bits."""
+allocation (``np.empty``) in such a kernel; the arithmetic is the same, so are the bits. ``_nrt`` is Numba's own
+option (private; read by Numba 0.60 to 0.68): a release that drops it refuses every kernel compiled with it, so the
+whole test suite fails at once."""
