@@ -44,7 +44,10 @@ class Weights:
 
     named: dict[str, np.ndarray]
     stacked: StackedWeights
-    calls: dict = field(default_factory=dict, compare=False, repr=False)  # leading_args' entries
+    calls: dict = field(default_factory=dict, init=False, compare=False, repr=False)  # leading_args' entries
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "calls": {}}  # a copy or a pickle: the entries hold this process's code addresses
 
     def leading_args(self, config: ModelConfig, numerics: Numerics) -> tuple:
         """:func:`kvfast.model.compiled.leading_args` of the model ``config`` on these weights in ``numerics``, built

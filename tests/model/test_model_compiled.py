@@ -263,3 +263,20 @@ def test_first_max_is_numpys_argmax():
     # control: the rows tell the first maximum from the last, and a NaN from the largest number
     assert any(len(row) - 1 - int(np.argmax(row[::-1])) != int(np.argmax(row)) for row in rows)
     assert any(int(np.nanargmax(row)) != int(np.argmax(row)) for row in rows)
+
+
+def test_a_copy_or_pickle_of_weights_carries_no_code_addresses():
+    """``Weights.calls`` holds this process's machine-code addresses: a pickle (another process) or a copy starts
+    without them. Control: the weights themselves keep theirs."""
+    import copy
+    import dataclasses
+    import pickle
+
+    cfg = ModelConfig(vocab=8, d_model=8, n_head=2, n_layer=1, d_ff=8, max_pos=8)
+    numerics = Numerics.preset("f64")
+    weights = Weights.prepare(cfg, init_params(cfg, 0), numerics)
+    weights.leading_args(cfg, numerics)
+    assert len(weights.calls) == 1
+    for twin in (pickle.loads(pickle.dumps(weights)), copy.copy(weights), dataclasses.replace(weights)):
+        assert twin.calls == {}
+        assert all((twin.named[k] == weights.named[k]).all() for k in weights.named)
