@@ -148,9 +148,8 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
     stats = layer_stats(df)
     if stats.empty:
         return stats
-    out = stats[["preset", "causal", "layer", "runs", "resid_in", "k", "v", "k_min", "resid_out"]].copy()
-    out["seed"] = np.where(out["causal"], "0 (exact)", np.where(out["layer"] == 1, "exact", "wrong"))
-    return out
+    seed = np.where(stats["causal"], "0 (exact)", np.where(stats["layer"] == 1, "exact", "wrong"))
+    return stats[["preset", "causal", "layer", "runs", "resid_in", "k", "v", "k_min", "resid_out"]].assign(seed=seed)
 
 
 @listed

@@ -406,29 +406,25 @@ def _draw_agreement(df: pd.DataFrame, table: pd.DataFrame):
     return fig
 
 
-def facts(df: pd.DataFrame) -> list[Fact]:
+@listed
+def facts(df: pd.DataFrame) -> Iterator[Fact]:
     """The quoted figures: each bf16-storage + f32-accumulator split, and the bf16 accumulator's logit difference."""
     ok = ok_rows(df)
     std = ok[(ok["attention"] == "standard") & (ok["decode_attention"] == "same")]
     split = std[(std["storage"] == "bf16") & (std["accum"] == "f32") & (std["fwd_pos_agree"] < 1.0)]
-    splits = [
-        Fact(
+    for _, r in split.sort_values(["d_model", "seed", "prefill_order"]).iterrows():
+        yield Fact(
             f"f32_accum_split_d{int(r['d_model'])}_seed{int(r['seed'])}_{r['prefill_order']}",
             f"bf16 storage + f32 accumulator, d_model {int(r['d_model'])}, seed {int(r['seed'])}, prefill "
             f"{r['prefill_order']}: positions / values agreeing, first split",
             f"{100 * r['fwd_pos_agree']:.1f}% / {100 * r['fwd_values_agree']:.2f}%, {r['fwd_first_diff']}",
         )
-        for _, r in split.sort_values(["d_model", "seed", "prefill_order"]).iterrows()
-    ]
-    bf16_accum = std[std["accum"] == "bf16"]
-    return splits + [
-        Fact(
+    for d, g in std[std["accum"] == "bf16"].groupby("d_model"):
+        yield Fact(
             f"bf16_accum_logit_diff_d{int(d)}",
             f"bf16 accumulator, d_model {int(d)}: largest logit difference between the two orders (forward)",
             f"{float(g['fwd_logits_max_diff'].max()):.3g}",
         )
-        for d, g in bf16_accum.groupby("d_model")
-    ]
 
 
 FIGURES = (
