@@ -99,8 +99,8 @@ def bugs_of(family: str) -> tuple[str, ...]:
 
 def score_table(steps: int = 16) -> str:
     """The Markdown table: each detector's scores per operation bug, side by side."""
-    people = ("three_token_allclose", "hf_logits_and_ids")
-    detectors = {**{name: DETECTORS[name] for name in people}, "kvfast_operations": kvfast_operations}
+    baselines = ("three_token_allclose", "hf_logits_and_ids")
+    detectors = {**{name: DETECTORS[name] for name in baselines}, "kvfast_operations": kvfast_operations}
     all_cases = cases(steps)
     tables = {name: grouped_scores(run_detector(fn, all_cases, tuple(OP_BUGS))) for name, fn in detectors.items()}
     return markdown(side_by_side(tables))
