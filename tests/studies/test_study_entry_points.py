@@ -106,7 +106,7 @@ def test_without_the_entry_points_the_name_is_refused(tmp_path, env):
     """The control: the same lookup with no entry point found refuses ``exactness`` in one line."""
     code = (
         "import kvfast.sweep.grid as g\n"
-        "g._entry_point_studies = lambda: {}\n"
+        "g.entry_points_of = lambda group: {}\n"
         "try:\n"
         "    g.load_grid('exactness')\n"
         "except ValueError as exc:\n"
