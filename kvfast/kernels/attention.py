@@ -96,7 +96,6 @@ SPLITKV = 2
 SPLITCOUNT = 3
 
 ATTENTION_CODES = {"standard": STANDARD, "online": ONLINE, "splitkv": SPLITKV, "splitcount": SPLITCOUNT}
-ATTENTION_NAMES = {code: name for name, code in ATTENTION_CODES.items()}
 
 _I, _F = types.int64, types.float64
 _A1, _A2, _A3 = (types.Array(types.float64, n, "C") for n in (1, 2, 3))

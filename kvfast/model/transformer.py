@@ -299,11 +299,7 @@ def recompute_prefixes_prepared(
     forward_kernel(
         *w.leading_args(config, numerics), tokens, np.array(lengths), 0, kc, vc, True, logits, np.empty((0, 0, 0))
     )
-    rows, first = [], 0
-    for n in lengths:
-        rows.append(logits[first : first + n])
-        first += n
-    return rows
+    return np.split(logits, np.cumsum(lengths)[:-1])
 
 
 def forward(
@@ -347,12 +343,7 @@ def forward_trace(config: ModelConfig, params: dict, tokens, numerics: Numerics,
     w = Weights.cached(config, params, numerics)
     trace: dict = {}
     logits = forward_prepared(config, w, tokens, numerics, None, bool(causal), trace=trace)
-    return {
-        "logits": logits,
-        "resid": np.stack(trace["resid"]),
-        "k": np.stack(trace["k"]),
-        "v": np.stack(trace["v"]),
-    }
+    return {"logits": logits} | {key: np.stack(trace[key]) for key in ("resid", "k", "v")}
 
 
 def loss_and_grads_prepared(
