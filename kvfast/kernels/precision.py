@@ -245,18 +245,24 @@ def _round_flat(flat: np.ndarray, fmt: int, out: np.ndarray) -> None:
         out[i] = rnd(flat[i], fmt)
 
 
-def round_array(x: np.ndarray, fmt: int) -> np.ndarray:
-    """A float64 copy of ``x`` (an array of any shape, converted to float64) rounded onto format ``fmt``.
-
-    One compiled kernel for every shape (:func:`_round_flat`, 1-D; a jitted ``round_array`` compiled a
-    specialisation per number of dimensions, about 1 s each, and another per read-only input)."""
+def elementwise(kernel, x: np.ndarray, arg) -> np.ndarray:
+    """``kernel(flat, arg, out)`` over ``x`` (an array of any shape, converted to float64): a new float64 array of
+    ``x``'s shape. ``kernel`` is jitted for 1-D writable C-contiguous float64 arrays only, one compile for every
+    shape (a jitted function of ``x`` compiled a specialisation per number of dimensions, about 1 s each, and
+    another per read-only input)."""
     arr = np.asarray(x, dtype=np.float64)
     flat = np.ascontiguousarray(arr).reshape(-1)
     if not flat.flags.writeable:  # the same array type as a writable one: one compile
         flat = flat.copy()
     out = np.empty(flat.size)
-    _round_flat(flat, int(fmt), out)
+    kernel(flat, arg, out)
     return out.reshape(arr.shape)
+
+
+def round_array(x: np.ndarray, fmt: int) -> np.ndarray:
+    """A float64 copy of ``x`` (an array of any shape, converted to float64) rounded onto format ``fmt``
+    (:func:`_round_flat`, through :func:`elementwise`)."""
+    return elementwise(_round_flat, x, int(fmt))
 
 
 @nb.njit(**_JIT)
