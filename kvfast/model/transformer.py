@@ -230,9 +230,7 @@ def forward_layers(
     positions = np.arange(pos0, pos0 + T, dtype=np.int64)
     x = L.embedding_forward(w.stacked.wte, w.stacked.wpe, tokens, positions, nx)
     if trace is not None:
-        trace["resid"] = [x]
-        trace["k"] = []
-        trace["v"] = []
+        trace.update(resid=[x], k=[], v=[])
     for layer in range(config.n_layer):
         h, inv1, q, k, v = L.attention_input_forward(w.stacked, layer, x, eps, nx)
         if cache is not None:
@@ -278,9 +276,7 @@ def _forward_compiled(
     logits = np.empty((T, config.vocab))
     forward_kernel(*w.leading_args(config, numerics), tokens, np.array([T]), pos0, kc, vc, causal, logits, resid)
     if trace is not None:
-        trace["resid"] = list(resid)
-        trace["k"] = [kc[layer, pos0 : pos0 + T] for layer in range(n_layer)]
-        trace["v"] = [vc[layer, pos0 : pos0 + T] for layer in range(n_layer)]
+        trace.update(resid=list(resid), k=list(kc[:, pos0 : pos0 + T]), v=list(vc[:, pos0 : pos0 + T]))
     if cache is not None:
         cache.advance(T, prefill=True)
     return logits
