@@ -202,9 +202,21 @@ def forward_prepared(
     :func:`forward_layers`. Both run the same kernels in the same order, so the
     logits are the same bits.
     """
-    if tape is None:
-        return _forward_compiled(config, w, tokens, numerics, cache, causal, trace)
-    return forward_layers(config, w, tokens, numerics, cache, causal, tape, trace)
+    if tape is not None:
+        return forward_layers(config, w, tokens, numerics, cache, causal, tape, trace)
+    T, d, n_layer = tokens.shape[0], config.d_model, config.n_layer
+    if cache is not None:
+        pos0, kc, vc = cache.length, cache.k, cache.v  # the kernel stores rows pos0 .. pos0+T-1
+    else:
+        pos0, kc, vc = 0, np.empty((n_layer, T, d)), np.empty((n_layer, T, d))
+    resid = np.empty((n_layer + 1, T, d)) if trace is not None else np.empty((0, 0, 0))
+    logits = np.empty((T, config.vocab))
+    forward_kernel(*w.leading_args(config, numerics), tokens, np.array([T]), pos0, kc, vc, causal, logits, resid)
+    if trace is not None:
+        trace.update(resid=list(resid), k=list(kc[:, pos0 : pos0 + T]), v=list(vc[:, pos0 : pos0 + T]))
+    if cache is not None:
+        cache.advance(T, prefill=True)
+    return logits
 
 
 def forward_layers(
@@ -251,32 +263,6 @@ def forward_layers(
     hf, invf, logits = L.head_forward(w.stacked, x, eps, nx)
     if tape is not None:
         tape.head = HeadTape(x, hf, invf, positions)
-    if cache is not None:
-        cache.advance(T, prefill=True)
-    return logits
-
-
-def _forward_compiled(
-    config: ModelConfig,
-    w: Weights,
-    tokens: np.ndarray,
-    numerics: Numerics,
-    cache: KVCache | None,
-    causal: bool,
-    trace: dict | None,
-) -> np.ndarray:
-    """:func:`forward_prepared` without a tape, in one compiled call
-    (:func:`kvfast.model.compiled.forward_kernel`: the same kernels in the same order)."""
-    T, d, n_layer = tokens.shape[0], config.d_model, config.n_layer
-    if cache is not None:
-        pos0, kc, vc = cache.length, cache.k, cache.v  # the kernel stores rows pos0 .. pos0+T-1
-    else:
-        pos0, kc, vc = 0, np.empty((n_layer, T, d)), np.empty((n_layer, T, d))
-    resid = np.empty((n_layer + 1, T, d)) if trace is not None else np.empty((0, 0, 0))
-    logits = np.empty((T, config.vocab))
-    forward_kernel(*w.leading_args(config, numerics), tokens, np.array([T]), pos0, kc, vc, causal, logits, resid)
-    if trace is not None:
-        trace.update(resid=list(resid), k=list(kc[:, pos0 : pos0 + T]), v=list(vc[:, pos0 : pos0 + T]))
     if cache is not None:
         cache.advance(T, prefill=True)
     return logits
