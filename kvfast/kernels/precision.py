@@ -266,16 +266,10 @@ def round_array(x: np.ndarray, fmt: int) -> np.ndarray:
 
 
 @nb.njit(**_JIT)
-def round_bf16_f64_array(x: np.ndarray, through_f32: bool) -> np.ndarray:
-    """Round a float64 array to bfloat16 (float64 out), directly or via float32."""
-    flat = x.ravel()
-    out = np.empty(flat.size)
+def _round_bf16_f64_flat(flat: np.ndarray, through_f32: bool, out: np.ndarray) -> None:
+    """``out[i]`` = ``flat[i]`` rounded to bfloat16, directly or via float32 (1-D float64 arrays)."""
     for i in range(flat.size):
-        if through_f32:
-            out[i] = round_bf16_f64_via_f32(flat[i])
-        else:
-            out[i] = round_bf16_f64(flat[i])
-    return out.reshape(x.shape)
+        out[i] = round_bf16_f64_via_f32(flat[i]) if through_f32 else round_bf16_f64(flat[i])
 
 
 def to_bfloat16(x: np.ndarray, *, through_f32: bool = False) -> np.ndarray:
@@ -291,5 +285,5 @@ def to_bfloat16(x: np.ndarray, *, through_f32: bool = False) -> np.ndarray:
     if arr.dtype == np.float32:
         return round_bf16_f32_array(np.ascontiguousarray(arr)).reshape(arr.shape)
     if arr.dtype == np.float64:
-        return round_bf16_f64_array(np.ascontiguousarray(arr), bool(through_f32)).reshape(arr.shape)
+        return elementwise(_round_bf16_f64_flat, arr, bool(through_f32))
     raise ValueError(f"x: dtype {arr.dtype} is not supported; allowed: float32, float64")
