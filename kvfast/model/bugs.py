@@ -45,16 +45,7 @@ BUGS: dict[str, str] = {
 BUG_CODES: dict[str, int] = {name: globals()[name.upper()] for name in BUGS}
 
 # Whether the bug moves the logits at decode step 1 (the signature the tests assert).
-VISIBLE_AT_STEP_1: dict[str, bool] = {
-    "stale": True,
-    "posoff": True,
-    "freeze": False,
-    "evict": False,
-    "posfrozen": False,
-    "kvswap": True,
-    "noscale": True,
-    "maskfrozen": False,
-}
+VISIBLE_AT_STEP_1: dict[str, bool] = {name: name in ("stale", "posoff", "kvswap", "noscale") for name in BUGS}
 
 
 def bug_code(bug: str | None) -> int:
