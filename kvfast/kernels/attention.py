@@ -96,7 +96,6 @@ SPLITKV = 2
 SPLITCOUNT = 3
 
 ATTENTION_CODES = {"standard": STANDARD, "online": ONLINE, "splitkv": SPLITKV, "splitcount": SPLITCOUNT}
-ATTENTION_NAMES = {code: name for name, code in ATTENTION_CODES.items()}
 
 _I, _F = types.int64, types.float64
 _A1, _A2, _A3 = (types.Array(types.float64, n, "C") for n in (1, 2, 3))
@@ -384,43 +383,38 @@ def attend_row_blocked(q, out, row, keys, heads, fmt, blocks, work, kern):
         _score_at(kern.score_dots, qrow, c0, kbuf, lo, nk, hd, acc, order, sstack, scores, kern)
         for j in range(nk):
             scores[j] = rnd(scores[j] * heads.scale, storage)
-        if mode == ONLINE:
-            m = -np.inf
-            lsum = 0.0
-            for c in range(hd):
-                acc_o[c] = 0.0
-            for b in range(nb_):
-                a0 = edges[b] - lo
-                n = edges[b + 1] - edges[b]
-                mb = _max_of(scores, a0, n)
-                mnew = m if m > mb else mb
-                alpha = rnd(math.exp(m - mnew), acc)
-                for j in range(a0, a0 + n):
-                    expd[j] = rnd(math.exp(scores[j] - mnew), storage)
-                bsum = _sum_at(kern.ordered_sum, expd, a0, n, acc, order, sstack)
+        m = -np.inf  # ONLINE: the running max, sum and output
+        lsum = 0.0
+        for c in range(hd):
+            acc_o[c] = 0.0
+        big = -np.inf  # SPLITKV, SPLITCOUNT: the largest chunk log-sum-exp
+        for b in range(nb_):
+            a0 = edges[b] - lo
+            n = edges[b + 1] - edges[b]
+            mb = _max_of(scores, a0, n)
+            if mode == ONLINE:
+                mb = m if m > mb else mb  # the running max m'
+            for j in range(a0, a0 + n):
+                expd[j] = rnd(math.exp(scores[j] - mb), storage)
+            bsum = _sum_at(kern.ordered_sum, expd, a0, n, acc, order, sstack)
+            _rows_sum_at(kern.rows_sum, expd, a0, vbuf, lo + a0, n, c0, hd, acc, order, tmp, vstack)
+            if mode == ONLINE:
+                alpha = rnd(math.exp(m - mb), acc)
                 lsum = rnd(rnd(alpha * lsum, acc) + bsum, acc)
-                _rows_sum_at(kern.rows_sum, expd, a0, vbuf, lo + a0, n, c0, hd, acc, order, tmp, vstack)
                 for c in range(hd):
                     acc_o[c] = rnd(rnd(alpha * acc_o[c], acc) + tmp[c], acc)
-                m = mnew
-            for c in range(hd):
-                orow[c0 + c] = rnd(acc_o[c] / lsum, storage)
-        else:
-            big = -np.inf
-            for b in range(nb_):
-                a0 = edges[b] - lo
-                n = edges[b + 1] - edges[b]
-                mb = _max_of(scores, a0, n)
-                for j in range(a0, a0 + n):
-                    expd[j] = rnd(math.exp(scores[j] - mb), storage)
-                lb = _sum_at(kern.ordered_sum, expd, a0, n, acc, order, sstack)
-                _rows_sum_at(kern.rows_sum, expd, a0, vbuf, lo + a0, n, c0, hd, acc, order, tmp, vstack)
+                m = mb
+            else:
                 for c in range(hd):
-                    part_o[b, c] = rnd(tmp[c] / lb, acc)
-                lse = rnd(mb + rnd(math.log(lb), acc), acc)
+                    part_o[b, c] = rnd(tmp[c] / bsum, acc)
+                lse = rnd(mb + rnd(math.log(bsum), acc), acc)
                 part_lse[b] = lse
                 if lse > big:
                     big = lse
+        if mode == ONLINE:
+            for c in range(hd):
+                orow[c0 + c] = rnd(acc_o[c] / lsum, storage)
+        else:
             wsum = 0.0
             for b in range(nb_):
                 wb = rnd(math.exp(part_lse[b] - big), acc)

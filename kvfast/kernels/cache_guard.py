@@ -39,11 +39,9 @@ def _report_damage(path: str, exc: BaseException) -> None:
         return
     _reported.add(path)
     directory = os.path.dirname(os.path.dirname(path)) or os.path.dirname(path)
-    print(
-        f"kvfast: the Numba cache file {path} is damaged ({type(exc).__name__}); compiling that kernel "
-        f"again and rewriting it (to clear the whole cache, delete {directory})",
-        file=sys.stderr,
-        flush=True,
+    _note(
+        f"the Numba cache file {path} is damaged ({type(exc).__name__}); compiling that kernel "
+        f"again and rewriting it (to clear the whole cache, delete {directory})"
     )
 
 

@@ -245,31 +245,31 @@ def _round_flat(flat: np.ndarray, fmt: int, out: np.ndarray) -> None:
         out[i] = rnd(flat[i], fmt)
 
 
-def round_array(x: np.ndarray, fmt: int) -> np.ndarray:
-    """A float64 copy of ``x`` (an array of any shape, converted to float64) rounded onto format ``fmt``.
-
-    One compiled kernel for every shape (:func:`_round_flat`, 1-D; a jitted ``round_array`` compiled a
-    specialisation per number of dimensions, about 1 s each, and another per read-only input)."""
+def elementwise(kernel, x: np.ndarray, arg) -> np.ndarray:
+    """``kernel(flat, arg, out)`` over ``x`` (an array of any shape, converted to float64): a new float64 array of
+    ``x``'s shape. ``kernel`` is jitted for 1-D writable C-contiguous float64 arrays only, one compile for every
+    shape (a jitted function of ``x`` compiled a specialisation per number of dimensions, about 1 s each, and
+    another per read-only input)."""
     arr = np.asarray(x, dtype=np.float64)
     flat = np.ascontiguousarray(arr).reshape(-1)
     if not flat.flags.writeable:  # the same array type as a writable one: one compile
         flat = flat.copy()
     out = np.empty(flat.size)
-    _round_flat(flat, int(fmt), out)
+    kernel(flat, arg, out)
     return out.reshape(arr.shape)
 
 
+def round_array(x: np.ndarray, fmt: int) -> np.ndarray:
+    """A float64 copy of ``x`` (an array of any shape, converted to float64) rounded onto format ``fmt``
+    (:func:`_round_flat`, through :func:`elementwise`)."""
+    return elementwise(_round_flat, x, int(fmt))
+
+
 @nb.njit(**_JIT)
-def round_bf16_f64_array(x: np.ndarray, through_f32: bool) -> np.ndarray:
-    """Round a float64 array to bfloat16 (float64 out), directly or via float32."""
-    flat = x.ravel()
-    out = np.empty(flat.size)
+def _round_bf16_f64_flat(flat: np.ndarray, through_f32: bool, out: np.ndarray) -> None:
+    """``out[i]`` = ``flat[i]`` rounded to bfloat16, directly or via float32 (1-D float64 arrays)."""
     for i in range(flat.size):
-        if through_f32:
-            out[i] = round_bf16_f64_via_f32(flat[i])
-        else:
-            out[i] = round_bf16_f64(flat[i])
-    return out.reshape(x.shape)
+        out[i] = round_bf16_f64_via_f32(flat[i]) if through_f32 else round_bf16_f64(flat[i])
 
 
 def to_bfloat16(x: np.ndarray, *, through_f32: bool = False) -> np.ndarray:
@@ -285,5 +285,5 @@ def to_bfloat16(x: np.ndarray, *, through_f32: bool = False) -> np.ndarray:
     if arr.dtype == np.float32:
         return round_bf16_f32_array(np.ascontiguousarray(arr)).reshape(arr.shape)
     if arr.dtype == np.float64:
-        return round_bf16_f64_array(np.ascontiguousarray(arr), bool(through_f32)).reshape(arr.shape)
+        return elementwise(_round_bf16_f64_flat, arr, bool(through_f32))
     raise ValueError(f"x: dtype {arr.dtype} is not supported; allowed: float32, float64")

@@ -38,7 +38,6 @@ SEQUENTIAL = 0
 PAIRWISE = 1
 
 ORDER_CODES = {"sequential": SEQUENTIAL, "pairwise": PAIRWISE}
-ORDER_NAMES = {code: name for name, code in ORDER_CODES.items()}
 
 # Depth of the pairwise stack: enough for 2**62 terms.
 STACK_DEPTH = 64

@@ -14,7 +14,7 @@ from numba import types
 
 from kvfast.kernels.jit import BORROWING
 from kvfast.kernels.jit import JIT_OPTIONS as _JIT
-from kvfast.kernels.precision import rnd
+from kvfast.kernels.precision import elementwise, rnd
 from kvfast.kernels.reduce import SEQUENTIAL, STACK_DEPTH, ordered_dot
 
 
@@ -96,24 +96,14 @@ def _exp_or_log_flat(flat: np.ndarray, log: bool, out: np.ndarray) -> None:
             out[i] = math.exp(flat[i])
 
 
-def _exp_or_log(x: np.ndarray, log: bool) -> np.ndarray:
-    arr = np.asarray(x, dtype=np.float64)
-    flat = np.ascontiguousarray(arr).reshape(-1)
-    if not flat.flags.writeable:  # the same array type as a writable one: one compile
-        flat = flat.copy()
-    out = np.empty(flat.size)
-    _exp_or_log_flat(flat, log, out)
-    return out.reshape(arr.shape)
-
-
 def exp_array(x: np.ndarray) -> np.ndarray:
     """The kernels' own ``exp`` (the C library's) elementwise, for references (``np.exp`` depends on the CPU's
     SIMD features, like ``np.log``: see :func:`log_array`); float64 out, the shape of ``x``."""
-    return _exp_or_log(x, False)
+    return elementwise(_exp_or_log_flat, x, False)
 
 
 def log_array(x: np.ndarray) -> np.ndarray:
     """The kernels' own ``log`` (the C library's) elementwise, for references: NumPy's ``np.log`` picks its
     code by the CPU's SIMD features (AVX-512 or not), so its last bits depend on the machine; float64 out,
     the shape of ``x``."""
-    return _exp_or_log(x, True)
+    return elementwise(_exp_or_log_flat, x, True)

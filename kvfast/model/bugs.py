@@ -26,17 +26,6 @@ MASKFROZEN = 8
 # prompt in the built-in studies, so that it first bites after a few steps.
 EVICT_WINDOW = 16
 
-BUG_CODES: dict[str, int] = {
-    "stale": STALE,
-    "posoff": POSOFF,
-    "freeze": FREEZE,
-    "evict": EVICT,
-    "posfrozen": POSFROZEN,
-    "kvswap": KVSWAP,
-    "noscale": NOSCALE,
-    "maskfrozen": MASKFROZEN,
-}
-
 BUGS: dict[str, str] = {
     "stale": "attend before appending: attention reads keys 0..len-1, the new token's own K/V are "
     "stored after it (hi = slot instead of slot + 1)",
@@ -52,18 +41,11 @@ BUGS: dict[str, str] = {
     "maskfrozen": "attention length computed once at prefill and reused: keys 0..prefill_len instead "
     "of 0..length (hi = prefill_len + 1)",
 }
+#: each bug's kernel code: its constant above (its upper-case name)
+BUG_CODES: dict[str, int] = {name: globals()[name.upper()] for name in BUGS}
 
 # Whether the bug moves the logits at decode step 1 (the signature the tests assert).
-VISIBLE_AT_STEP_1: dict[str, bool] = {
-    "stale": True,
-    "posoff": True,
-    "freeze": False,
-    "evict": False,
-    "posfrozen": False,
-    "kvswap": True,
-    "noscale": True,
-    "maskfrozen": False,
-}
+VISIBLE_AT_STEP_1: dict[str, bool] = {name: name in ("stale", "posoff", "kvswap", "noscale") for name in BUGS}
 
 
 def bug_code(bug: str | None) -> int:

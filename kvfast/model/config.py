@@ -80,12 +80,9 @@ def init_params(config: ModelConfig, seed: int, positions_last: bool = False) ->
     rng = np.random.default_rng(require_int(seed, "seed", 0))
     shapes = param_shapes(config)
     drawn = ({n: s for n, s in shapes.items() if n != "wpe"} | {"wpe": shapes["wpe"]}) if positions_last else shapes
-    params = _cut(drawn, rng.standard_normal(_count(shapes)))
+    n_drawn = sum(math.prod(shape) for name, shape in shapes.items() if _short(name) not in GAINS)
+    params = _cut(drawn, rng.standard_normal(n_drawn))
     return {name: params[name] for name in shapes}
-
-
-def _count(shapes: dict[str, tuple[int, ...]]) -> int:
-    return sum(math.prod(shape) for name, shape in shapes.items() if _short(name) not in GAINS)
 
 
 def _cut(shapes: dict[str, tuple[int, ...]], draws: np.ndarray) -> dict[str, np.ndarray]:

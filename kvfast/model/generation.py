@@ -235,24 +235,19 @@ def generate_prepared(
     decode_numerics: Numerics | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """:func:`generate` on prepared weights and checked arguments."""
-    decode_nx = numerics if decode_numerics is None else decode_numerics
-    tokens = np.empty(steps, dtype=np.int64)
     logits = np.empty((steps, config.vocab))
     if use_cache:
         # the last token is chosen, never decoded: positions 0 .. P + steps - 2 are stored
         cache = KVCache.empty(config, numerics, prompt.shape[0] + steps - 1)
-        row = forward_prepared(config, w, prompt, numerics, cache)[-1]
+        logits[0] = forward_prepared(config, w, prompt, numerics, cache)[-1]
+        if steps > 1:  # one compiled call: each step feeds the argmax of the one before (first_max: np.argmax)
+            decode_nx = numerics if decode_numerics is None else decode_numerics
+            token = int(np.argmax(logits[0]))
+            logits[1:] = decode_greedy_prepared(config, w, cache, token, steps - 1, decode_nx, bug)
     else:
-        row = forward_prepared(config, w, prompt, numerics)[-1]
-    seq = list(prompt)
-    for i in range(steps):
-        logits[i] = row
-        tokens[i] = int(np.argmax(row))
-        seq.append(tokens[i])
-        if i + 1 == steps:
-            break
-        if use_cache:
-            row = decode_prepared(config, w, cache, int(tokens[i]), decode_nx, bug)
-        else:
-            row = forward_prepared(config, w, np.asarray(seq, dtype=np.int64), numerics)[-1]
+        seq = prompt
+        for i in range(steps):
+            logits[i] = forward_prepared(config, w, seq, numerics)[-1]
+            seq = np.append(seq, np.argmax(logits[i]))
+    tokens = np.argmax(logits, axis=1)
     return tokens, logits

@@ -202,9 +202,21 @@ def forward_prepared(
     :func:`forward_layers`. Both run the same kernels in the same order, so the
     logits are the same bits.
     """
-    if tape is None:
-        return _forward_compiled(config, w, tokens, numerics, cache, causal, trace)
-    return forward_layers(config, w, tokens, numerics, cache, causal, tape, trace)
+    if tape is not None:
+        return forward_layers(config, w, tokens, numerics, cache, causal, tape, trace)
+    T, d, n_layer = tokens.shape[0], config.d_model, config.n_layer
+    if cache is not None:
+        pos0, kc, vc = cache.length, cache.k, cache.v  # the kernel stores rows pos0 .. pos0+T-1
+    else:
+        pos0, kc, vc = 0, np.empty((n_layer, T, d)), np.empty((n_layer, T, d))
+    resid = np.empty((n_layer + 1, T, d)) if trace is not None else np.empty((0, 0, 0))
+    logits = np.empty((T, config.vocab))
+    forward_kernel(*w.leading_args(config, numerics), tokens, np.array([T]), pos0, kc, vc, causal, logits, resid)
+    if trace is not None:
+        trace.update(resid=list(resid), k=list(kc[:, pos0 : pos0 + T]), v=list(vc[:, pos0 : pos0 + T]))
+    if cache is not None:
+        cache.advance(T, prefill=True)
+    return logits
 
 
 def forward_layers(
@@ -230,9 +242,7 @@ def forward_layers(
     positions = np.arange(pos0, pos0 + T, dtype=np.int64)
     x = L.embedding_forward(w.stacked.wte, w.stacked.wpe, tokens, positions, nx)
     if trace is not None:
-        trace["resid"] = [x]
-        trace["k"] = []
-        trace["v"] = []
+        trace.update(resid=[x], k=[], v=[])
     for layer in range(config.n_layer):
         h, inv1, q, k, v = L.attention_input_forward(w.stacked, layer, x, eps, nx)
         if cache is not None:
@@ -258,34 +268,6 @@ def forward_layers(
     return logits
 
 
-def _forward_compiled(
-    config: ModelConfig,
-    w: Weights,
-    tokens: np.ndarray,
-    numerics: Numerics,
-    cache: KVCache | None,
-    causal: bool,
-    trace: dict | None,
-) -> np.ndarray:
-    """:func:`forward_prepared` without a tape, in one compiled call
-    (:func:`kvfast.model.compiled.forward_kernel`: the same kernels in the same order)."""
-    T, d, n_layer = tokens.shape[0], config.d_model, config.n_layer
-    if cache is not None:
-        pos0, kc, vc = cache.length, cache.k, cache.v  # the kernel stores rows pos0 .. pos0+T-1
-    else:
-        pos0, kc, vc = 0, np.empty((n_layer, T, d)), np.empty((n_layer, T, d))
-    resid = np.empty((n_layer + 1, T, d)) if trace is not None else np.empty((0, 0, 0))
-    logits = np.empty((T, config.vocab))
-    forward_kernel(*w.leading_args(config, numerics), tokens, np.array([T]), pos0, kc, vc, causal, logits, resid)
-    if trace is not None:
-        trace["resid"] = list(resid)
-        trace["k"] = [kc[layer, pos0 : pos0 + T] for layer in range(n_layer)]
-        trace["v"] = [vc[layer, pos0 : pos0 + T] for layer in range(n_layer)]
-    if cache is not None:
-        cache.advance(T, prefill=True)
-    return logits
-
-
 def recompute_prefixes_prepared(
     config: ModelConfig, w: Weights, tokens: np.ndarray, lengths: list[int], numerics: Numerics
 ) -> list[np.ndarray]:
@@ -299,11 +281,7 @@ def recompute_prefixes_prepared(
     forward_kernel(
         *w.leading_args(config, numerics), tokens, np.array(lengths), 0, kc, vc, True, logits, np.empty((0, 0, 0))
     )
-    rows, first = [], 0
-    for n in lengths:
-        rows.append(logits[first : first + n])
-        first += n
-    return rows
+    return np.split(logits, np.cumsum(lengths)[:-1])
 
 
 def forward(
@@ -347,12 +325,7 @@ def forward_trace(config: ModelConfig, params: dict, tokens, numerics: Numerics,
     w = Weights.cached(config, params, numerics)
     trace: dict = {}
     logits = forward_prepared(config, w, tokens, numerics, None, bool(causal), trace=trace)
-    return {
-        "logits": logits,
-        "resid": np.stack(trace["resid"]),
-        "k": np.stack(trace["k"]),
-        "v": np.stack(trace["v"]),
-    }
+    return {"logits": logits} | {key: np.stack(trace[key]) for key in ("resid", "k", "v")}
 
 
 def loss_and_grads_prepared(
