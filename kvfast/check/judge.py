@@ -27,7 +27,7 @@ import numpy as np
 from kvfast.check import control as C
 from kvfast.check import formats as F
 from kvfast.check.check_report import ControlDetail, Detail, ExactDetail, ScenarioReport
-from kvfast.check.scenarios import CachePath
+from kvfast.check.scenarios.base import CachePath
 
 if TYPE_CHECKING:  # the options are read, never built or validated here
     from kvfast.check.options import CheckOptions
