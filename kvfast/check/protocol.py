@@ -346,22 +346,35 @@ class GuardedModel:
         object.__setattr__(self, "passthrough", passthrough)
 
     def __getattr__(self, name: str):
-        try:
-            value = getattr(self.wrapped, name)
-        except BaseException as exc:  # noqa: BLE001 - classified by call_model (AttributeError: absent)
-            model_failed(f"model.{name}", exc, (AttributeError,))
+        value = _read_method(self.wrapped, name)
         if name not in PROTOCOL_METHODS or not callable(value):
             return value
-        passthrough = self.passthrough
 
         def method(*args):
-            try:
-                out = value(*args)
-            except BaseException as exc:  # noqa: BLE001 - classified by call_model, naming the call
-                model_failed(f"model.{name}({', '.join(map(_arg_text, args))})", exc, passthrough)
-            return guard(out, passthrough) if name == "promote" else out
+            out = call_method(self, name, *args)
+            return guard(out, self.passthrough) if name == "promote" else out
 
         return method
+
+
+def call_method(model: GuardedModel, name: str, *args):
+    """``model.<name>(*args)`` guarded: the model's own exceptions and exits become :class:`ModelUnderTestError`
+    naming the call (``model.decode(5)``; ``model.passthrough`` types stay as they are). What a
+    :class:`GuardedModel`'s methods run, and :class:`ModelCalls` without their wrapper per call: the logits calls
+    are most of a check's calls (issue 46)."""
+    method = _read_method(model.wrapped, name)
+    try:
+        return method(*args)
+    except BaseException as exc:  # noqa: BLE001 - classified by call_model, naming the call
+        model_failed(f"model.{name}({', '.join(map(_arg_text, args))})", exc, model.passthrough)
+
+
+def _read_method(model: object, name: str) -> object:
+    """``model.<name>``, what reading it raises classified as :func:`call_model` does (``AttributeError``: absent)."""
+    try:
+        return getattr(model, name)
+    except BaseException as exc:  # noqa: BLE001 - classified by call_model (AttributeError: absent)
+        model_failed(f"model.{name}", exc, (AttributeError,))
 
 
 def guard(model: object, passthrough: tuple[type[BaseException], ...] = ()) -> object:
@@ -402,17 +415,7 @@ class ModelCalls:
         self.vocab = vocab
 
     def _call(self, name: str, *args):
-        """``model.<name>(*args)`` guarded as :class:`GuardedModel` guards it (the same errors, naming the same
-        call), without the guard's wrapper per call: the logits calls are most of a check's calls (issue 46)."""
-        model = self.model
-        try:
-            method = getattr(model.wrapped, name)
-        except BaseException as exc:  # noqa: BLE001 - classified by call_model (AttributeError: absent)
-            model_failed(f"model.{name}", exc, (AttributeError,))
-        try:
-            return method(*args)
-        except BaseException as exc:  # noqa: BLE001 - classified by call_model, naming the call
-            model_failed(f"model.{name}({', '.join(map(_arg_text, args))})", exc, model.passthrough)
+        return call_method(self.model, name, *args)
 
     def has(self, name: str) -> bool:
         """Whether the model has the optional method ``name``."""
