@@ -64,17 +64,10 @@ class Part:
 
 def deviations(
     run: CachePath, rows: np.ndarray, start: int = 0, logits: np.ndarray | None = None
-) -> tuple[np.ndarray, int | None]:
-    """Per-step max |cache - reference| (step 0 over prompt rows ``start..T-1``) and the first differing
-    prompt row (or ``None``); ``logits``: the run's every row (:meth:`~kvfast.check.scenarios.CachePath.logits`),
-    where the caller has them."""
-    return _deviations(run, rows, start, logits)[:2]
-
-
-def _deviations(
-    run: CachePath, rows: np.ndarray, start: int, logits: np.ndarray | None
 ) -> tuple[np.ndarray, int | None, bool]:
-    """:func:`deviations`, and whether every row is equal (then nothing about the steps needs searching)."""
+    """Per-step max |cache - reference| (step 0 over prompt rows ``start..T-1``), the first differing prompt row
+    (or ``None``) and whether every row is equal (then nothing about the steps needs searching); ``logits``: the
+    run's every row (:meth:`~kvfast.check.scenarios.CachePath.logits`), where the caller has them."""
     T = run.prompt_rows.shape[0]
     diff = (run.logits() if logits is None else logits)[start:] - rows[start:]
     if not np.count_nonzero(diff):  # every row equal (as in the sweeps' runs): no reduction to pay for
@@ -126,7 +119,7 @@ class Judge:
     def judge(self, part: Part, fmt: str) -> ScenarioReport:
         """``part``'s report; ``fmt``: the format whose 1 ulp is the least bound of a step (control)."""
         logits = part.path.logits()
-        dev, bad_row, equal = _deviations(part.path, part.rows, part.split or 0, logits)
+        dev, bad_row, equal = deviations(part.path, part.rows, part.split or 0, logits)
         if equal:  # every step equal: nothing to search
             differs, first = [False] * dev.shape[0], None
         else:  # (one list, cheaper than an array's search: the exact judge's verdicts read it)
@@ -248,7 +241,7 @@ class AutoJudge(Judge):
     measures_noise = True
 
     def settled(self, parts: list[Part]) -> Judge:
-        equal = all(not deviations(p.path, p.rows, p.split or 0)[0].any() for p in parts)
+        equal = all(deviations(p.path, p.rows, p.split or 0)[2] for p in parts)
         settled = (ExactJudge if equal else ControlJudge)(self.margin, self.decisive)
         return replace(settled, how=f"{settled.how} (auto: {'every step' if equal else 'not'} bit-identical)")
 
