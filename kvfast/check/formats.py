@@ -229,15 +229,14 @@ def formats_of(model: object, logits: str) -> NoiseFormats:
     source = read_attribute(model, "internal_formats_source")
     source = source if isinstance(source, str) and source in ("declared", "measured") else "declared"
     probe = read_attribute(model, "rounding_probe")
-    internal = check_internal_formats(internal)
-    cache, both = read_attribute(model, "lossy_cache"), quantized_cache(internal)
+    found = noise_formats(logits, internal, source)
+    cache, both = read_attribute(model, "lossy_cache"), quantized_cache(found.internal)
     if isinstance(cache, str) and cache and both:
         raise ValueError(
             f"model.internal_formats: {both!r} declares the cache quantized, and model.lossy_cache declares it "
             f"lossy ({cache!r}); allowed: a quantized cache as lossy_cache alone (its rounding is not order "
             "noise), internal_formats for the formats the model computes in"
         )
-    found = noise_formats(logits, internal, source)
     return replace(found, probe=probe) if isinstance(probe, str) else found
 
 
