@@ -50,12 +50,6 @@ def parse_tokens(text: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-def parse_names(text: str) -> tuple[str, ...]:
-    """``"decode, resume"`` -> ``("decode", "resume")`` (the text of a comma-separated flag; the names are
-    validated by :class:`CheckOptions`)."""
-    return tuple(name.strip() for name in text.split(","))
-
-
 @dataclass(frozen=True)
 class Flag:
     """A :class:`CheckOptions` field's flag on the command line.
@@ -150,7 +144,7 @@ class CheckOptions:
             "--scenarios",
             f"comma-separated: {', '.join(SCENARIOS)} (the default: both), "
             f"{', '.join(s for s in ALL_SCENARIOS if s not in SCENARIOS)} (cache operations)",
-            parse_names,
+            lambda text: tuple(name.strip() for name in text.split(",")),  # (the names: validated as in Python)
             metavar="A,B",
         ),
     )
