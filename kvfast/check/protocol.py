@@ -487,12 +487,16 @@ class ModelCalls:
             raise
         return check_logits(raw, "decode_greedy", steps, self.vocab, where)
 
-    def variants(self, tokens: np.ndarray) -> dict[str, np.ndarray]:
-        """``recompute_variants(tokens)`` validated, as ``{name: (len(tokens), V) float64}`` (empty without the
-        hook); a list is named ``variant0``, ``variant1``, ..."""
-        if not self.has("recompute_variants"):
-            return {}
-        raw = self.model.recompute_variants(tokens.copy())
+    def variants_or_skipped(self, tokens: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+        """``recompute_variants(tokens)`` validated, as ``{name: (len(tokens), V) float64}`` (a list is named
+        ``variant0``, ``variant1``, ...), and the variants skipped with the reason: those the model itself reports
+        it could not build or run (its optional ``skipped_variants`` attribute, ``{name: reason}``), or every
+        variant when ``recompute_variants`` raises (one line naming the call). A variant is order noise, never the
+        check: losing one must not lose the verdict. Bad logits from it stay bad input (``ValueError``)."""
+        try:
+            raw = self.model.recompute_variants(tokens.copy())
+        except ModelUnderTestError as exc:
+            return {}, {"all": " ".join(str(exc).split())}
         if isinstance(raw, dict):
             items = list(raw.items())
         elif isinstance(raw, list | tuple):
@@ -502,17 +506,7 @@ class ModelCalls:
                 f"model.recompute_variants: returned {type(raw).__name__}; allowed: a dict or list of logits arrays"
             )
         n = tokens.shape[0]
-        return {str(k): check_logits(v, "recompute_variants", n, self.vocab, f"[{k!r}]") for k, v in items}
-
-    def variants_or_skipped(self, tokens: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-        """:meth:`variants`, and the variants skipped with the reason: those the model itself reports it could
-        not build or run (its optional ``skipped_variants`` attribute, ``{name: reason}``), or every variant
-        when ``recompute_variants`` raises (one line naming the call). A variant is order noise, never the
-        check: losing one must not lose the verdict. Bad logits from it stay bad input (``ValueError``)."""
-        try:
-            found = self.variants(tokens)
-        except ModelUnderTestError as exc:
-            return {}, {"all": " ".join(str(exc).split())}
+        found = {str(k): check_logits(v, "recompute_variants", n, self.vocab, f"[{k!r}]") for k, v in items}
         skipped = read_attribute(self.model, "skipped_variants")
         skipped = {str(k): str(v) for k, v in skipped.items()} if isinstance(skipped, dict) else {}
         return found, {k: v for k, v in skipped.items() if k not in found}
