@@ -152,12 +152,6 @@ class NoiseFormats:
         rest = [self.logits, *(f for f in self.internal.values() if f != low)]
         return replace(self, floor=lowest(rest), probed=True)
 
-    @property
-    def lowest_what(self) -> str:
-        """What computes in the floor format: ``"logits"`` (when the logits are in it) and the internal ops in it."""
-        inside = [w for w, f in sorted(self.internal.items()) if f == self.floor]
-        return ", ".join((["logits"] if self.floor == self.logits else []) + inside)
-
     def line(self) -> str:
         """One phrase: the lowest internal format, what computes in it and where that came from."""
         if self.source == "assumed":
@@ -168,7 +162,8 @@ class NoiseFormats:
                 f"{self.ceiling} ({self.source}: {', '.join(inside)}; its rounding measured by the variant "
                 f"{self.probe!r}, the floor in {self.floor})"
             )
-        return f"{self.floor} ({self.source}: {self.lowest_what})"
+        inside = [w for w, f in sorted(self.internal.items()) if f == self.floor]  # what computes in the floor format
+        return f"{self.floor} ({self.source}: {', '.join((['logits'] if self.floor == self.logits else []) + inside)})"
 
     def cache_note(self) -> str | None:
         """The note a report carries when the internal formats hold a quantized cache (:func:`quantized_cache`),
