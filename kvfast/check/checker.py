@@ -143,10 +143,8 @@ def _judged(subject: CheckSubject, judge: Judge) -> tuple[CheckReport, list[str]
     lossy = lossy_format(subject.calls)  # a quantized cache (kvfast.check.lossy), its declaration read before any work
     prompt_rows, fmt = subject.calls.recompute(subject.prompt, "of the prompt", with_format=True)
     formats = formats_of(subject.calls.model, fmt)  # the noise model's formats: declared, measured or assumed
-    if options.follow == "cache":
-        reference = OwnReference(subject, judge, prompt_rows, formats)
-    else:
-        reference = SharedReference(subject, judge, prompt_rows, formats)
+    kind = OwnReference if options.follow == "cache" else SharedReference  # whose tokens each scenario is fed
+    reference = kind(subject, judge, prompt_rows, formats)
     parts = run_scenarios(subject, reference)
     judge = judge.settled([p for found in parts.values() if isinstance(found, list) for p in found])
     noise = judge.noise(reference)  # measured now, where the judge needs it (auto: only if not bit-exact)
