@@ -279,9 +279,8 @@ def _check_continuation(continuation: object, steps: object) -> tuple[np.ndarray
         tokens = check_prompt(continuation)
     except ValueError as exc:
         raise ValueError(str(exc).replace("prompt:", "continuation:", 1)) from None
-    if steps is None:
-        return tokens, int(tokens.shape[0])
-    steps = require_int(steps, "steps", 1, int(tokens.shape[0]))
+    n = int(tokens.shape[0])
+    steps = n if steps is None else require_int(steps, "steps", 1, n)
     return tokens[:steps], steps
 
 
