@@ -44,7 +44,8 @@ class Part:
     """One judged comparison, a report's worth: ``name`` (the report's), ``prompt`` (the prompt the path ran on),
     ``path`` (the cache path), ``rows`` (the reference rows, ``(T + steps, V)``), ``noise`` (the order noise per
     source and position, control mode), ``split`` (the resume scenario's: step 0 judges rows ``split..T-1``;
-    else ``None``), ``notes`` and ``keep_logits`` (the report keeps the compared logits: :meth:`kept`)."""
+    else ``None``), ``notes`` and ``keep_logits`` (the report keeps the compared logits, ``cache_logits``, and a
+    copy of the rows, ``reference``: passed to the report as it is built, not copied into it after)."""
 
     name: str
     prompt: np.ndarray
@@ -54,12 +55,6 @@ class Part:
     split: int | None = None
     notes: tuple[str, ...] = ()
     keep_logits: bool = False
-
-    def kept(self, logits: np.ndarray) -> dict[str, np.ndarray]:
-        """The report's ``cache_logits`` (``logits``, the path's: :meth:`~kvfast.check.scenarios.CachePath.logits`)
-        and ``reference`` (a copy of the rows) with ``keep_logits``; else nothing (the report's ``None``): passed to
-        the report as it is built, not copied into it after."""
-        return {"cache_logits": logits, "reference": self.rows.copy()} if self.keep_logits else {}
 
 
 def deviations(
@@ -128,7 +123,7 @@ class Judge:
         verdicts, verdict, detail = self.steps(part, dev, differs, fmt)
         return ScenarioReport(
             part.name, part.prompt, part.path.fed, dev, verdicts, verdict, first, bad_row, detail, part.split,
-            part.notes, **part.kept(logits),
+            part.notes, **({"cache_logits": logits, "reference": part.rows.copy()} if part.keep_logits else {}),
         )  # fmt: skip
 
     def steps(self, part: Part, dev: np.ndarray, differs: list, fmt: str) -> tuple[tuple[str, ...], str, Detail]:
