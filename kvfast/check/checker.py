@@ -66,35 +66,19 @@ from dataclasses import replace
 
 import numpy as np
 
-from kvfast.check import control as C
 from kvfast.check.check_report import LENGTH_DEPENDENT, UNCHECKED, CheckReport, ScenarioReport, deciding, skipped
 from kvfast.check.formats import formats_of
 from kvfast.check.judge import Judge, Part, judge_for
 from kvfast.check.lossy import lossy_format, rejudge
-from kvfast.check.options import MODES, SCENARIOS, CheckOptions
+from kvfast.check.options import SCENARIOS, CheckOptions
 from kvfast.check.protocol import CheckPlan, ModelUnderTestError, watched
 from kvfast.check.reference import OwnReference, Reference, SharedReference
 from kvfast.check.scenarios import REGISTRY, Run, Scenario, Unsupported
-from kvfast.check.subject import CheckSubject, as_model_under_test, resolve
+from kvfast.check.subject import CheckSubject, as_model_under_test, resolve  # noqa: F401 - the check study's name
 
 
 def check_cache(
-    model,
-    prompt,
-    steps: int | None = None,
-    mode: str = "auto",
-    scenarios: Sequence[str] | str = SCENARIOS,
-    *,
-    fast: bool = True,
-    split: int | None = None,
-    margin: float = C.DEFAULT_MARGIN,
-    decisive: float = C.DEFAULT_DECISIVE,
-    continuation=None,
-    promote: str | None = None,
-    follow: str = "recompute",
-    keep_logits: bool = False,
-    timeout: float | None = None,
-    strict: bool = False,
+    model, prompt, steps: int | None = None, mode: str = "auto", scenarios: Sequence[str] | str = SCENARIOS, **options
 ) -> CheckReport:
     """Compare a model's cache path with its full recompute at every step; return a :class:`CheckReport`.
 
@@ -104,7 +88,7 @@ def check_cache(
     - every other argument is a field of :class:`~kvfast.check.options.CheckOptions`
       (documented there): ``steps`` (decode steps, optional with a
       ``continuation``), ``mode`` (``exact`` or ``control``), ``scenarios``
-      (``decode``, ``resume``), ``fast``, ``split``, ``margin``, ``decisive``,
+      (``decode``, ``resume``) and, by keyword only, ``fast``, ``split``, ``margin``, ``decisive``,
       ``continuation``, ``promote`` (the float64 logic check), ``follow``
       (``recompute`` or ``cache``), ``keep_logits``, ``strict`` and ``timeout`` (seconds;
       a model call still running then ends with :class:`CheckTimeout` naming
@@ -115,12 +99,7 @@ def check_cache(
     Anything the model's own code raises, ``SystemExit`` and ``KeyboardInterrupt``
     included, raises :class:`ModelUnderTestError` chained from it.
     """
-    options = CheckOptions(
-        steps, mode, scenarios, fast=fast, split=split, margin=margin, decisive=decisive,
-        continuation=continuation, promote=promote, follow=follow, keep_logits=keep_logits, timeout=timeout,
-        strict=strict,
-    )  # fmt: skip
-    return check_cache_with(model, prompt, options)
+    return check_cache_with(model, prompt, CheckOptions(steps, mode, scenarios, **options))
 
 
 def check_cache_with(model, prompt, options: CheckOptions) -> CheckReport:
@@ -164,10 +143,8 @@ def _judged(subject: CheckSubject, judge: Judge) -> tuple[CheckReport, list[str]
     lossy = lossy_format(subject.calls)  # a quantized cache (kvfast.check.lossy), its declaration read before any work
     prompt_rows, fmt = subject.calls.recompute(subject.prompt, "of the prompt", with_format=True)
     formats = formats_of(subject.calls.model, fmt)  # the noise model's formats: declared, measured or assumed
-    if options.follow == "cache":
-        reference = OwnReference(subject, judge, prompt_rows, formats)
-    else:
-        reference = SharedReference(subject, judge, prompt_rows, formats)
+    kind = OwnReference if options.follow == "cache" else SharedReference  # whose tokens each scenario is fed
+    reference = kind(subject, judge, prompt_rows, formats)
     parts = run_scenarios(subject, reference)
     judge = judge.settled([p for found in parts.values() if isinstance(found, list) for p in found])
     noise = judge.noise(reference)  # measured now, where the judge needs it (auto: only if not bit-exact)
@@ -302,16 +279,3 @@ def assert_cache_exact(model, prompt, steps: int, **kwargs) -> CheckReport:
     if not report.passed:
         raise AssertionError(report.format())
     return report
-
-
-__all__ = [
-    "MODES",
-    "SCENARIOS",
-    "CheckOptions",
-    "CheckReport",
-    "ScenarioReport",
-    "as_model_under_test",
-    "assert_cache_exact",
-    "check_cache",
-    "check_cache_with",
-]

@@ -152,12 +152,6 @@ class NoiseFormats:
         rest = [self.logits, *(f for f in self.internal.values() if f != low)]
         return replace(self, floor=lowest(rest), probed=True)
 
-    @property
-    def lowest_what(self) -> str:
-        """What computes in the floor format: ``"logits"`` (when the logits are in it) and the internal ops in it."""
-        inside = [w for w, f in sorted(self.internal.items()) if f == self.floor]
-        return ", ".join((["logits"] if self.floor == self.logits else []) + inside)
-
     def line(self) -> str:
         """One phrase: the lowest internal format, what computes in it and where that came from."""
         if self.source == "assumed":
@@ -168,7 +162,8 @@ class NoiseFormats:
                 f"{self.ceiling} ({self.source}: {', '.join(inside)}; its rounding measured by the variant "
                 f"{self.probe!r}, the floor in {self.floor})"
             )
-        return f"{self.floor} ({self.source}: {self.lowest_what})"
+        inside = [w for w, f in sorted(self.internal.items()) if f == self.floor]  # what computes in the floor format
+        return f"{self.floor} ({self.source}: {', '.join((['logits'] if self.floor == self.logits else []) + inside)})"
 
     def cache_note(self) -> str | None:
         """The note a report carries when the internal formats hold a quantized cache (:func:`quantized_cache`),
@@ -229,15 +224,14 @@ def formats_of(model: object, logits: str) -> NoiseFormats:
     source = read_attribute(model, "internal_formats_source")
     source = source if isinstance(source, str) and source in ("declared", "measured") else "declared"
     probe = read_attribute(model, "rounding_probe")
-    internal = check_internal_formats(internal)
-    cache, both = read_attribute(model, "lossy_cache"), quantized_cache(internal)
+    found = noise_formats(logits, internal, source)
+    cache, both = read_attribute(model, "lossy_cache"), quantized_cache(found.internal)
     if isinstance(cache, str) and cache and both:
         raise ValueError(
             f"model.internal_formats: {both!r} declares the cache quantized, and model.lossy_cache declares it "
             f"lossy ({cache!r}); allowed: a quantized cache as lossy_cache alone (its rounding is not order "
             "noise), internal_formats for the formats the model computes in"
         )
-    found = noise_formats(logits, internal, source)
     return replace(found, probe=probe) if isinstance(probe, str) else found
 
 

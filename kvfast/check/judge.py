@@ -27,7 +27,7 @@ import numpy as np
 from kvfast.check import control as C
 from kvfast.check import formats as F
 from kvfast.check.check_report import ControlDetail, Detail, ExactDetail, ScenarioReport
-from kvfast.check.scenarios import CachePath
+from kvfast.check.scenarios.base import CachePath
 
 if TYPE_CHECKING:  # the options are read, never built or validated here
     from kvfast.check.options import CheckOptions
@@ -44,7 +44,8 @@ class Part:
     """One judged comparison, a report's worth: ``name`` (the report's), ``prompt`` (the prompt the path ran on),
     ``path`` (the cache path), ``rows`` (the reference rows, ``(T + steps, V)``), ``noise`` (the order noise per
     source and position, control mode), ``split`` (the resume scenario's: step 0 judges rows ``split..T-1``;
-    else ``None``), ``notes`` and ``keep_logits`` (the report keeps the compared logits: :meth:`kept`)."""
+    else ``None``), ``notes`` and ``keep_logits`` (the report keeps the compared logits, ``cache_logits``, and a
+    copy of the rows, ``reference``: passed to the report as it is built, not copied into it after)."""
 
     name: str
     prompt: np.ndarray
@@ -55,26 +56,13 @@ class Part:
     notes: tuple[str, ...] = ()
     keep_logits: bool = False
 
-    def kept(self, logits: np.ndarray) -> dict[str, np.ndarray]:
-        """The report's ``cache_logits`` (``logits``, the path's: :meth:`~kvfast.check.scenarios.CachePath.logits`)
-        and ``reference`` (a copy of the rows) with ``keep_logits``; else nothing (the report's ``None``): passed to
-        the report as it is built, not copied into it after."""
-        return {"cache_logits": logits, "reference": self.rows.copy()} if self.keep_logits else {}
-
 
 def deviations(
     run: CachePath, rows: np.ndarray, start: int = 0, logits: np.ndarray | None = None
-) -> tuple[np.ndarray, int | None]:
-    """Per-step max |cache - reference| (step 0 over prompt rows ``start..T-1``) and the first differing
-    prompt row (or ``None``); ``logits``: the run's every row (:meth:`~kvfast.check.scenarios.CachePath.logits`),
-    where the caller has them."""
-    return _deviations(run, rows, start, logits)[:2]
-
-
-def _deviations(
-    run: CachePath, rows: np.ndarray, start: int, logits: np.ndarray | None
 ) -> tuple[np.ndarray, int | None, bool]:
-    """:func:`deviations`, and whether every row is equal (then nothing about the steps needs searching)."""
+    """Per-step max |cache - reference| (step 0 over prompt rows ``start..T-1``), the first differing prompt row
+    (or ``None``) and whether every row is equal (then nothing about the steps needs searching); ``logits``: the
+    run's every row (:meth:`~kvfast.check.scenarios.CachePath.logits`), where the caller has them."""
     T = run.prompt_rows.shape[0]
     diff = (run.logits() if logits is None else logits)[start:] - rows[start:]
     if not np.count_nonzero(diff):  # every row equal (as in the sweeps' runs): no reduction to pay for
@@ -126,7 +114,7 @@ class Judge:
     def judge(self, part: Part, fmt: str) -> ScenarioReport:
         """``part``'s report; ``fmt``: the format whose 1 ulp is the least bound of a step (control)."""
         logits = part.path.logits()
-        dev, bad_row, equal = _deviations(part.path, part.rows, part.split or 0, logits)
+        dev, bad_row, equal = deviations(part.path, part.rows, part.split or 0, logits)
         if equal:  # every step equal: nothing to search
             differs, first = [False] * dev.shape[0], None
         else:  # (one list, cheaper than an array's search: the exact judge's verdicts read it)
@@ -135,7 +123,7 @@ class Judge:
         verdicts, verdict, detail = self.steps(part, dev, differs, fmt)
         return ScenarioReport(
             part.name, part.prompt, part.path.fed, dev, verdicts, verdict, first, bad_row, detail, part.split,
-            part.notes, **part.kept(logits),
+            part.notes, **({"cache_logits": logits, "reference": part.rows.copy()} if part.keep_logits else {}),
         )  # fmt: skip
 
     def steps(self, part: Part, dev: np.ndarray, differs: list, fmt: str) -> tuple[tuple[str, ...], str, Detail]:
@@ -248,7 +236,7 @@ class AutoJudge(Judge):
     measures_noise = True
 
     def settled(self, parts: list[Part]) -> Judge:
-        equal = all(not deviations(p.path, p.rows, p.split or 0)[0].any() for p in parts)
+        equal = all(deviations(p.path, p.rows, p.split or 0)[2] for p in parts)
         settled = (ExactJudge if equal else ControlJudge)(self.margin, self.decisive)
         return replace(settled, how=f"{settled.how} (auto: {'every step' if equal else 'not'} bit-identical)")
 

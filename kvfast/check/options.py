@@ -50,12 +50,6 @@ def parse_tokens(text: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-def parse_names(text: str) -> tuple[str, ...]:
-    """``"decode, resume"`` -> ``("decode", "resume")`` (the text of a comma-separated flag; the names are
-    validated by :class:`CheckOptions`)."""
-    return tuple(name.strip() for name in text.split(","))
-
-
 @dataclass(frozen=True)
 class Flag:
     """A :class:`CheckOptions` field's flag on the command line.
@@ -150,7 +144,7 @@ class CheckOptions:
             "--scenarios",
             f"comma-separated: {', '.join(SCENARIOS)} (the default: both), "
             f"{', '.join(s for s in ALL_SCENARIOS if s not in SCENARIOS)} (cache operations)",
-            parse_names,
+            lambda text: tuple(name.strip() for name in text.split(",")),  # (the names: validated as in Python)
             metavar="A,B",
         ),
     )
@@ -285,9 +279,8 @@ def _check_continuation(continuation: object, steps: object) -> tuple[np.ndarray
         tokens = check_prompt(continuation)
     except ValueError as exc:
         raise ValueError(str(exc).replace("prompt:", "continuation:", 1)) from None
-    if steps is None:
-        return tokens, int(tokens.shape[0])
-    steps = require_int(steps, "steps", 1, int(tokens.shape[0]))
+    n = int(tokens.shape[0])
+    steps = n if steps is None else require_int(steps, "steps", 1, n)
     return tokens[:steps], steps
 
 

@@ -346,22 +346,35 @@ class GuardedModel:
         object.__setattr__(self, "passthrough", passthrough)
 
     def __getattr__(self, name: str):
-        try:
-            value = getattr(self.wrapped, name)
-        except BaseException as exc:  # noqa: BLE001 - classified by call_model (AttributeError: absent)
-            model_failed(f"model.{name}", exc, (AttributeError,))
+        value = _read_method(self.wrapped, name)
         if name not in PROTOCOL_METHODS or not callable(value):
             return value
-        passthrough = self.passthrough
 
         def method(*args):
-            try:
-                out = value(*args)
-            except BaseException as exc:  # noqa: BLE001 - classified by call_model, naming the call
-                model_failed(f"model.{name}({', '.join(map(_arg_text, args))})", exc, passthrough)
-            return guard(out, passthrough) if name == "promote" else out
+            out = call_method(self, name, *args)
+            return guard(out, self.passthrough) if name == "promote" else out
 
         return method
+
+
+def call_method(model: GuardedModel, name: str, *args):
+    """``model.<name>(*args)`` guarded: the model's own exceptions and exits become :class:`ModelUnderTestError`
+    naming the call (``model.decode(5)``; ``model.passthrough`` types stay as they are). What a
+    :class:`GuardedModel`'s methods run, and :class:`ModelCalls` without their wrapper per call: the logits calls
+    are most of a check's calls (issue 46)."""
+    method = _read_method(model.wrapped, name)
+    try:
+        return method(*args)
+    except BaseException as exc:  # noqa: BLE001 - classified by call_model, naming the call
+        model_failed(f"model.{name}({', '.join(map(_arg_text, args))})", exc, model.passthrough)
+
+
+def _read_method(model: object, name: str) -> object:
+    """``model.<name>``, what reading it raises classified as :func:`call_model` does (``AttributeError``: absent)."""
+    try:
+        return getattr(model, name)
+    except BaseException as exc:  # noqa: BLE001 - classified by call_model (AttributeError: absent)
+        model_failed(f"model.{name}", exc, (AttributeError,))
 
 
 def guard(model: object, passthrough: tuple[type[BaseException], ...] = ()) -> object:
@@ -402,17 +415,7 @@ class ModelCalls:
         self.vocab = vocab
 
     def _call(self, name: str, *args):
-        """``model.<name>(*args)`` guarded as :class:`GuardedModel` guards it (the same errors, naming the same
-        call), without the guard's wrapper per call: the logits calls are most of a check's calls (issue 46)."""
-        model = self.model
-        try:
-            method = getattr(model.wrapped, name)
-        except BaseException as exc:  # noqa: BLE001 - classified by call_model (AttributeError: absent)
-            model_failed(f"model.{name}", exc, (AttributeError,))
-        try:
-            return method(*args)
-        except BaseException as exc:  # noqa: BLE001 - classified by call_model, naming the call
-            model_failed(f"model.{name}({', '.join(map(_arg_text, args))})", exc, model.passthrough)
+        return call_method(self.model, name, *args)
 
     def has(self, name: str) -> bool:
         """Whether the model has the optional method ``name``."""
@@ -484,12 +487,16 @@ class ModelCalls:
             raise
         return check_logits(raw, "decode_greedy", steps, self.vocab, where)
 
-    def variants(self, tokens: np.ndarray) -> dict[str, np.ndarray]:
-        """``recompute_variants(tokens)`` validated, as ``{name: (len(tokens), V) float64}`` (empty without the
-        hook); a list is named ``variant0``, ``variant1``, ..."""
-        if not self.has("recompute_variants"):
-            return {}
-        raw = self.model.recompute_variants(tokens.copy())
+    def variants_or_skipped(self, tokens: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+        """``recompute_variants(tokens)`` validated, as ``{name: (len(tokens), V) float64}`` (a list is named
+        ``variant0``, ``variant1``, ...), and the variants skipped with the reason: those the model itself reports
+        it could not build or run (its optional ``skipped_variants`` attribute, ``{name: reason}``), or every
+        variant when ``recompute_variants`` raises (one line naming the call). A variant is order noise, never the
+        check: losing one must not lose the verdict. Bad logits from it stay bad input (``ValueError``)."""
+        try:
+            raw = self.model.recompute_variants(tokens.copy())
+        except ModelUnderTestError as exc:
+            return {}, {"all": " ".join(str(exc).split())}
         if isinstance(raw, dict):
             items = list(raw.items())
         elif isinstance(raw, list | tuple):
@@ -499,17 +506,7 @@ class ModelCalls:
                 f"model.recompute_variants: returned {type(raw).__name__}; allowed: a dict or list of logits arrays"
             )
         n = tokens.shape[0]
-        return {str(k): check_logits(v, "recompute_variants", n, self.vocab, f"[{k!r}]") for k, v in items}
-
-    def variants_or_skipped(self, tokens: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-        """:meth:`variants`, and the variants skipped with the reason: those the model itself reports it could
-        not build or run (its optional ``skipped_variants`` attribute, ``{name: reason}``), or every variant
-        when ``recompute_variants`` raises (one line naming the call). A variant is order noise, never the
-        check: losing one must not lose the verdict. Bad logits from it stay bad input (``ValueError``)."""
-        try:
-            found = self.variants(tokens)
-        except ModelUnderTestError as exc:
-            return {}, {"all": " ".join(str(exc).split())}
+        found = {str(k): check_logits(v, "recompute_variants", n, self.vocab, f"[{k!r}]") for k, v in items}
         skipped = read_attribute(self.model, "skipped_variants")
         skipped = {str(k): str(v) for k, v in skipped.items()} if isinstance(skipped, dict) else {}
         return found, {k: v for k, v in skipped.items() if k not in found}

@@ -38,26 +38,17 @@ if TYPE_CHECKING:  # the options are read, never built or validated here
 @dataclass(frozen=True)
 class CheckSubject:
     """One check's inputs, validated: ``calls`` (the model), ``prompt`` (``int64``, ``T`` tokens),
-    ``options``, ``split`` (the resume scenario's, resolved) and ``given`` (the continuation's
-    tokens as ``int64``, or ``None`` for greedy ones)."""
+    ``options``, ``split`` (the resume scenario's, resolved), ``given`` (the continuation's
+    tokens as ``int64``, or ``None`` for greedy ones), ``steps`` (the options') and ``vocab`` (the model's)."""
 
     calls: ModelCalls
     prompt: np.ndarray
     options: CheckOptions
     split: int
     given: np.ndarray | None
-
-    @property
-    def T(self) -> int:  # noqa: N802 - the prompt length's name throughout the checker's docs
-        return int(self.prompt.shape[0])
-
-    @property
-    def steps(self) -> int:
-        return int(self.options.steps)
-
-    @property
-    def vocab(self) -> int:
-        return self.calls.vocab
+    T: int  # the prompt's length (its name throughout the checker's docs)
+    steps: int
+    vocab: int
 
 
 def as_model_under_test(model: object) -> GuardedModel:
@@ -75,17 +66,16 @@ def as_model_under_test(model: object) -> GuardedModel:
     from kvfast.check.hf import is_hf_model
 
     engine = engine_adapter(model)  # an engine's own object, or an onnxruntime-genai model directory
-    if engine is not None:
-        name, adapter_class = engine
-        adapter = call_model(f"{name}(model)", adapter_class, model, passthrough=(ValueError,))
-        return guard(adapter, passthrough=(ValueError,))
-    if is_hf_model(model):
+    if engine is None and is_hf_model(model):
         from kvfast.check.hf import HFModel
 
-        adapter = call_model("kvfast.check.hf.HFModel(model)", HFModel, model, passthrough=(ValueError,))
-        return guard(adapter, passthrough=(ValueError,))  # the adapter's ValueErrors are bad input
-    require_model(model)
-    return guard(model)
+        engine = "kvfast.check.hf.HFModel", HFModel
+    if engine is None:
+        require_model(model)
+        return guard(model)
+    name, adapter_class = engine
+    adapter = call_model(f"{name}(model)", adapter_class, model, passthrough=(ValueError,))
+    return guard(adapter, passthrough=(ValueError,))  # the adapter's ValueErrors are bad input
 
 
 def resolve(model: object, prompt: object, options: CheckOptions) -> CheckSubject:
@@ -117,4 +107,4 @@ def resolve(model: object, prompt: object, options: CheckOptions) -> CheckSubjec
     given = options.given_tokens()
     if given is not None:
         check_range(given, vocab, "continuation")
-    return CheckSubject(ModelCalls(model, vocab), prompt, options, split, given)
+    return CheckSubject(ModelCalls(model, vocab), prompt, options, split, given, T, options.steps, vocab)

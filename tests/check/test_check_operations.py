@@ -16,7 +16,8 @@ from kvfast import ModelConfig, init_params
 from kvfast.bugs.operations import OP_BUGS, inject_op_bug, op_first_acting_step
 from kvfast.check import CheckOptions, KvfastModel, ModelUnderTestError, check_cache
 from kvfast.check.options import ALL_SCENARIOS, SCENARIOS
-from kvfast.check.scenarios import BRANCH, rollback_points
+from kvfast.check.scenarios import BRANCH
+from kvfast.check.scenarios.rollback import rollback_points
 from tests.toymodels import Toy, ToyOps
 
 pytest_plugins = ["pytester"]

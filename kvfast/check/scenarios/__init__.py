@@ -17,13 +17,13 @@ back), gets the scenario reported as ``skipped`` with a note; any other exceptio
 
 from __future__ import annotations
 
-from kvfast.check.scenarios.base import CachePath, Run, Scenario, Unsupported, draft_tokens
+from kvfast.check.scenarios.base import Run, Scenario, Unsupported
 from kvfast.check.scenarios.decode import Decode
 from kvfast.check.scenarios.fork import BRANCH, Fork
 from kvfast.check.scenarios.padded import Padded, padded_prompt
-from kvfast.check.scenarios.reorder import Reorder, reorder_points
+from kvfast.check.scenarios.reorder import Reorder
 from kvfast.check.scenarios.resume import Resume
-from kvfast.check.scenarios.rollback import DRAFTS, ROLLBACK_EVERY, Rollback, rollback_points
+from kvfast.check.scenarios.rollback import Rollback
 
 #: Every scenario by name, in the order a check runs them. One line per scenario.
 REGISTRY: dict[str, Scenario] = {
@@ -46,16 +46,10 @@ def branches() -> dict[str, str]:
 
 __all__ = [
     "BRANCH",
-    "DRAFTS",
     "REGISTRY",
-    "ROLLBACK_EVERY",
-    "CachePath",
     "Run",
     "Scenario",
     "Unsupported",
     "branches",
-    "draft_tokens",
     "padded_prompt",
-    "reorder_points",
-    "rollback_points",
 ]

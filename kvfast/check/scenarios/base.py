@@ -51,17 +51,10 @@ class Run:
     notes: tuple[str, ...] = ()
     branch: CachePath | None = None
 
-    @property
-    def prompt_rows(self) -> np.ndarray:
-        return self.path.prompt_rows
-
-    @property
-    def decoded(self) -> np.ndarray:
-        return self.path.decoded
-
-    @property
-    def fed(self) -> np.ndarray:
-        return self.path.fed
+    def __getattr__(self, name: str) -> np.ndarray:  # (only names the instance lacks: never path, notes, branch)
+        if name in CachePath._fields:  # prompt_rows, decoded, fed: the judged path's
+            return getattr(self.path, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
 class Scenario:
