@@ -31,7 +31,6 @@ _EXPORTS = {
     "load_object": "kvfast.runtime.load",
     "probing_imports": "kvfast.runtime.load",
     "split_ref": "kvfast.runtime.load",
-    "working_dir_on_path": "kvfast.runtime.load",
     "ProcessEnded": "kvfast.runtime.user",
     "UserCodeError": "kvfast.runtime.user",
     "call_user": "kvfast.runtime.user",

@@ -126,9 +126,7 @@ def probe_import(module: str) -> ProcessEnded | None:
             os._exit(0)
     os.close(write)
     try:
-        answer = b""
-        while chunk := os.read(read, 16):
-            answer += chunk
+        answer = os.read(read, 2)  # b"ok" (one write, under PIPE_BUF: read whole), or b"" once the probe ended
         _, status = os.waitpid(pid, 0)
     except BaseException:
         with suppress(ProcessLookupError, ChildProcessError):
