@@ -59,15 +59,13 @@ def kv_check() -> Callable:
         from kvfast.check.protocol import CheckTimeout, ModelUnderTestError
         from kvfast.validation import one_line
 
+        # what each failure's line says before the exception's own message
+        said = {ValueError: "bad input: ", ModelUnderTestError: "the model under test failed: ", CheckTimeout: ""}
         failure = None
         try:
             report = check_cache_with(model, prompt, CheckOptions.defaulting_steps(steps, mode=mode, **options))
-        except ValueError as exc:
-            failure = f"kv_check: bad input: {exc}"
-        except ModelUnderTestError as exc:
-            failure = f"kv_check: the model under test failed: {exc}"
-        except CheckTimeout as exc:
-            failure = f"kv_check: {exc}"
+        except tuple(said) as exc:
+            failure = "kv_check: " + next(text for kind, text in said.items() if isinstance(exc, kind)) + str(exc)
         if failure is not None:  # failed here, outside the except block: no exception chain
             pytest.fail(one_line(failure), pytrace=False)
         if not report.passed:

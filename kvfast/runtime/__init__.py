@@ -17,29 +17,9 @@ the commands alike.
   (:func:`run_in_child`; ``kvfast check``'s isolation).
 """
 
-from kvfast._lazy import lazy_exports
-
-# public name -> the module that defines it, imported on first use: the command line imports
-# :mod:`kvfast.runtime.child` before anything heavy (``kvfast.validation`` loads NumPy)
-_EXPORTS = {
-    "CheckTimeout": "kvfast.runtime.deadline",
-    "check_timeout": "kvfast.runtime.deadline",
-    "watched": "kvfast.runtime.deadline",
-    "INTERRUPTED": "kvfast.runtime.interrupt",
-    "ctrl_c_noted": "kvfast.runtime.interrupt",
-    "on_sigint": "kvfast.runtime.interrupt",
-    "load_object": "kvfast.runtime.load",
-    "probing_imports": "kvfast.runtime.load",
-    "split_ref": "kvfast.runtime.load",
-    "working_dir_on_path": "kvfast.runtime.load",
-    "ProcessEnded": "kvfast.runtime.user",
-    "UserCodeError": "kvfast.runtime.user",
-    "call_user": "kvfast.runtime.user",
-    "describe": "kvfast.runtime.user",
-}
-
-
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, submodules=True)
-
-
-__all__ = sorted(_EXPORTS)
+# the public names, from the modules that define them (they import NumPy through kvfast.validation, as every
+# command does; kvfast.runtime.child and kvfast.runtime.interrupt themselves import only the standard library)
+from kvfast.runtime.deadline import CheckTimeout, check_timeout, watched  # noqa: F401
+from kvfast.runtime.interrupt import INTERRUPTED, ctrl_c_noted, on_sigint  # noqa: F401
+from kvfast.runtime.load import load_object, probing_imports, split_ref  # noqa: F401
+from kvfast.runtime.user import ProcessEnded, UserCodeError, call_user, describe  # noqa: F401

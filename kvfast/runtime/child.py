@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import select
 import shutil
 import signal
 import subprocess
@@ -105,18 +104,17 @@ def run_in_child(
         finally:
             os.close(watch_read)
             os.close(ready_write)
-        while proc.poll() is None:  # until the child has started kvfast (a byte on the ready pipe) or has ended
-            if select.select([ready_read], [], [], 0.2)[0]:
-                os.read(ready_read, 1)  # b"r", or b"" when the child ended first: either way, stop waiting
-                break
+        # until the child has started kvfast: b"r" on the ready pipe, or b"" when it ended first (the child held
+        # the pipe's only write end; what the user's code starts never gets it: child_ready closes it first)
+        os.read(ready_read, 1)
         # the child's own timer fires at timeout from here; this one only ends code it cannot interrupt
         limit = None if timeout is None else timeout + grace
         report = None
         try:
             if on_report is not None:
-                end = None if limit is None else time.monotonic() + limit
+                end = time.monotonic() + (float("inf") if limit is None else limit)
                 while not os.path.exists(files["report"]) and proc.poll() is None:
-                    if end is not None and time.monotonic() >= end:
+                    if time.monotonic() >= end:
                         raise subprocess.TimeoutExpired(proc.args, limit)
                     time.sleep(0.1)
                 if os.path.exists(files["report"]):
@@ -177,20 +175,21 @@ def child_report(report: dict) -> bool:
     ``on_report`` gets it, :func:`run_in_child`); ``False`` where this process has no place for one (not a child
     :func:`child_started` started): the caller then puts it in its result."""
     path = _STARTED.get("report")
-    if not path:
-        return False
+    if path:
+        write_json(path, report)
+    return bool(path)
+
+
+def write_json(path: str, value: object) -> None:
+    """Write ``value`` (JSON) to ``path`` atomically: the parent sees all of it or no file."""
     with open(path + ".part", "w") as f:
-        json.dump(report, f)
+        json.dump(value, f)
     os.replace(path + ".part", path)
-    return True
 
 
 def child_done(request: dict, result: dict) -> NoReturn:
     """In the child, last: write ``result`` atomically for the parent and end the process (exit 0)."""
-    part = request["result"] + ".part"
-    with open(part, "w") as f:
-        json.dump(result, f)
-    os.replace(part, request["result"])
+    write_json(request["result"], result)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # no atexit hook or finalizer of the user's code runs after the report

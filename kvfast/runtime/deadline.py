@@ -65,11 +65,8 @@ def check_timeout(timeout: object, field: str = "timeout") -> float | None:
     ``field`` and the range)."""
     if timeout is None:
         return None
-    ok = isinstance(timeout, int | float) and not isinstance(timeout, bool) and 0 < timeout <= MAX_TIMEOUT
-    if not ok:
-        raise ValueError(
-            f"{field}: {timeout!r} is not allowed; allowed: None or a number of seconds > 0 and <= {MAX_TIMEOUT:.0e}"
-        )
+    if not (isinstance(timeout, int | float) and not isinstance(timeout, bool) and 0 < timeout <= MAX_TIMEOUT):
+        raise not_allowed(field, timeout, f"None or a number of seconds > 0 and <= {MAX_TIMEOUT:.0e}")
     return float(timeout)
 
 

@@ -53,7 +53,7 @@ __all__ = ["INTERRUPTED", "RunTimeout", "deadline", "grace", "name_worker", "on_
 
 _STARTED: list[int] = []
 WORKER_NAME = b"kvfast-worker"  # a pool worker's watch thread's name between runs (in one: the run's id, 15 digits)
-_LIBC: list = []
+_LIBC = ctypes.CDLL(None, use_errno=True)  # this process's C library (dlopen of the program itself)
 _NAME: list[int] = []  # [fd] of the comm file of a pool worker's watch thread (Linux), written as each run starts/ends
 
 
@@ -64,10 +64,8 @@ class RunTimeout(BaseException):  # noqa: N818 - a BaseException, so that a run'
 def prctl(option: int, value) -> int:
     """Linux ``prctl(option, value)`` through libc; -1 where there is none."""
     try:
-        if not _LIBC:
-            _LIBC.append(ctypes.CDLL(None, use_errno=True))
-        return _LIBC[0].prctl(option, value, 0, 0, 0)
-    except (OSError, AttributeError):
+        return _LIBC.prctl(option, value, 0, 0, 0)
+    except AttributeError:  # no prctl (not Linux)
         return -1
 
 

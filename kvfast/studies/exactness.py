@@ -130,11 +130,6 @@ def _prompt(seed: int, prompt_len: int, vocab: int) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=64)
-def _numerics(preset: str, order: str) -> Numerics:
-    return Numerics.preset(preset, order)
-
-
-@functools.lru_cache(maxsize=64)
 def _options(steps: int) -> CheckOptions:
     """The check a run of ``steps`` tokens makes (options are immutable: one object per step count)."""
     return CheckOptions(max(1, steps - 1), "exact", scenarios="decode", follow="cache", keep_logits=True)
@@ -159,14 +154,14 @@ def _model_under_test(
     seed: int, shape: tuple[int, ...], max_pos: int, preset: str, order: str, thread: int
 ) -> KvfastModel:
     cfg, params = _model(seed, shape, max_pos)
-    return KvfastModel(cfg, params, _numerics(preset, order))
+    return KvfastModel(cfg, params, Numerics.preset(preset, order))
 
 
 def clear_caches() -> None:
     """Forget what the study keeps between runs in this process (models, the models under test and their
-    parameter sets, prompts, numerics, check options): a fresh process's state (the benchmarks time runs from
+    parameter sets, prompts, check options): a fresh process's state (the benchmarks time runs from
     it)."""
-    for cached in (_model, _params, _prompt, _numerics, _options, _model_under_test):
+    for cached in (_model, _params, _prompt, _options, _model_under_test):
         cached.cache_clear()
 
 
@@ -228,7 +223,7 @@ def claims(df: pd.DataFrame) -> list[Claim]:
 def exactness_table(df: pd.DataFrame) -> pd.DataFrame:
     """Per preset and order: runs, worst deviation, runs bit-exact at every step, runs with equal tokens."""
     ok = ok_rows(df)
-    out = (
+    return (
         ok.groupby(["preset", "order"])
         .agg(
             runs=("max_abs_dev", "size"),
@@ -238,7 +233,6 @@ def exactness_table(df: pd.DataFrame) -> pd.DataFrame:
         )
         .reset_index()
     )
-    return out
 
 
 def _draw_exact_runs(df: pd.DataFrame, table: pd.DataFrame):

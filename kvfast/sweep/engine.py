@@ -41,6 +41,7 @@ import signal
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,7 +52,7 @@ from kvfast.runtime import INTERRUPTED, on_sigint
 from kvfast.sweep.backends import Job, execute
 from kvfast.sweep.grid import Grid, GridRun, as_grid
 from kvfast.sweep.limits import check_disk, check_memory
-from kvfast.sweep.options import BACKENDS, SweepOptions
+from kvfast.sweep.options import BACKENDS, SweepOptions  # noqa: F401 - BACKENDS: kvfast.sweep's, from here
 from kvfast.sweep.plan import Pending, find_pending, pending_runs, split_warmup
 from kvfast.sweep.progress import meter, runs_per_second
 from kvfast.sweep.provenance import changes, provenance
@@ -71,14 +72,6 @@ from kvfast.sweep.store import (
     versions,
 )
 from kvfast.sweep.writer import Writer
-
-__all__ = [
-    "BACKENDS",
-    "SweepOptions",
-    "SweepReport",
-    "run_inline",
-    "run_sweep",
-]
 
 
 @dataclass
@@ -144,11 +137,10 @@ def run_sweep(grid: Grid, out: str | os.PathLike, options: SweepOptions | None =
     elif kwargs:
         raise TypeError(f"run_sweep: pass options or keywords, not both (got {', '.join(sorted(kwargs))})")
     out = Path(os.path.abspath(out))  # once, before any run: a run that changes directory cannot move it
-    study = grid.study
     check_memory(grid, options.max_memory)
     check_disk(grid, out)
     store = ResultsDir(out, option="--out")
-    store.require_writable(study, fresh=options.fresh)
+    store.require_writable(grid.study, fresh=options.fresh)
     t_start = time.perf_counter()
     client = cluster = None
     if options.backend == "dask" and (options.jobs > 1 or options.scheduler):
@@ -269,40 +261,34 @@ def _sweep_locked(grid: Grid, store: ResultsDir, options: SweepOptions, client, 
     report.ran = writer.ran
     report.compute_s = writer.compute_s
     report.wall_s = time.perf_counter() - t_start
-    manifest["history"].append(_history(grid, report, options, manifest["versions"], manifest["provenance"]))
+    manifest["history"].append(
+        {
+            "finished": utc_now(),
+            "grid_name": grid.name,
+            "grid_hash": grid.spec_hash,
+            "grid_runs": len(grid),
+            "ran": report.ran,
+            "backend": options.backend,
+            "workers": report.workers,
+            "wall_s": round(report.wall_s, 3),
+            "counts": report.counts,
+            "lost": len(report.lost),
+            "versions": manifest["versions"],
+            "provenance": manifest["provenance"],
+            "interrupted": report.interrupted,
+            **({"worker_versions": report.worker_versions} if report.worker_versions else {}),
+        }
+    )
     store.write_manifest(manifest)
     return report
 
 
 def _counts(pending: Pending, writer: Writer, stored: StoredIndex) -> dict[str, int]:
-    """Status -> runs of the grid stored now: those skipped, those written, those retried and not written."""
-    counts = {s: pending.skipped_counts.get(s, 0) + writer.counts.get(s, 0) for s in STATUSES}
-    # pending runs with a stored row that were not written now (lost, interrupted) keep their stored status
-    for s, n in pending.retried_counts.items():
-        counts[s] += n
-    for rid in writer.written:
-        counts[STATUSES[int(stored.lookup([rid])[0])]] -= 1
-    return counts
-
-
-def _history(grid: Grid, report: SweepReport, options: SweepOptions, versions_now: dict, provenance_now: dict) -> dict:
-    """The manifest's history entry of this sweep."""
-    return {
-        "finished": utc_now(),
-        "grid_name": grid.name,
-        "grid_hash": grid.spec_hash,
-        "grid_runs": len(grid),
-        "ran": report.ran,
-        "backend": options.backend,
-        "workers": report.workers,
-        "wall_s": round(report.wall_s, 3),
-        "counts": report.counts,
-        "lost": len(report.lost),
-        "versions": versions_now,
-        "provenance": provenance_now,
-        "interrupted": report.interrupted,
-        **({"worker_versions": report.worker_versions} if report.worker_versions else {}),
-    }
+    """Status -> runs of the grid stored now: those skipped, those written, and those retried, less the retried
+    runs written now (the retried runs not written, lost or interrupted, keep their stored status)."""
+    rewritten = Counter(STATUSES[code] for code in stored.lookup(list(writer.written)))
+    tallies = (pending.skipped_counts, writer.counts, pending.retried_counts)
+    return {s: sum(t.get(s, 0) for t in tallies) - rewritten[s] for s in STATUSES}
 
 
 def _execute(
