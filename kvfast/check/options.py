@@ -73,6 +73,11 @@ def option(default: object, flag: Flag | None = None):
     return field(default=default, metadata={} if flag is None else {"flag": flag})
 
 
+def ratio_flag(name: str, what: str, default: float) -> Flag:
+    """The flag of a ratio to the order noise (``margin``, ``decisive``): one form for both."""
+    return Flag(name, f"{what} X times the order noise (auto, control; default {default:g})", float, metavar="X")
+
+
 @dataclass(frozen=True)
 class CheckOptions:
     """How to check a model's cache; every field validated on construction (``ValueError`` naming it).
@@ -152,24 +157,8 @@ class CheckOptions:
     split: int | None = option(
         None, Flag("--split", "the resume scenario's split (default half the prompt)", int, metavar="N")
     )
-    margin: float = option(
-        DEFAULT_MARGIN,
-        Flag(
-            "--margin",
-            f"rounding up to X times the order noise (auto, control; default {DEFAULT_MARGIN:g})",
-            float,
-            metavar="X",
-        ),
-    )
-    decisive: float = option(
-        DEFAULT_DECISIVE,
-        Flag(
-            "--decisive",
-            f"bug beyond X times the order noise (auto, control; default {DEFAULT_DECISIVE:g})",
-            float,
-            metavar="X",
-        ),
-    )
+    margin: float = option(DEFAULT_MARGIN, ratio_flag("--margin", "rounding up to", DEFAULT_MARGIN))
+    decisive: float = option(DEFAULT_DECISIVE, ratio_flag("--decisive", "bug beyond", DEFAULT_DECISIVE))
     continuation: Sequence[int] | None = option(
         None,
         Flag(
