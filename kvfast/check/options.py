@@ -68,9 +68,14 @@ class Flag:
     bare: object = None
 
 
-def option(default: object, flag: Flag | None = None):
-    """A :class:`CheckOptions` field: its default and its :class:`Flag` (``None``: Python only)."""
-    return field(default=default, metadata={} if flag is None else {"flag": flag})
+def option(default: object, *flag: object, **keywords: object):
+    """A :class:`CheckOptions` field: its default and its :class:`Flag`'s arguments (none: Python only)."""
+    return field(default=default, metadata={"flag": Flag(*flag, **keywords)} if flag else {})
+
+
+def ratio_help(what: str, default: float) -> str:
+    """The help of a ratio to the order noise's flag (``--margin``, ``--decisive``): one form for both."""
+    return f"{what} X times the order noise (auto, control; default {default:g})"
 
 
 @dataclass(frozen=True)
@@ -126,90 +131,63 @@ class CheckOptions:
     """
 
     steps: int | None = option(
-        None, Flag("--steps", "decode steps to check (default 64, or the continuation's length)", int, metavar="N")
+        None, "--steps", "decode steps to check (default 64, or the continuation's length)", int, metavar="N"
     )
     mode: str = option(
         "auto",
-        Flag(
-            "--mode",
-            "auto (the default: exact where every step equals the recompute bit for bit, else rounding, "
-            "inconclusive or bug against the model's order noise), exact (== at every step) or control (always "
-            "against the order noise)",
-            choices=MODES,
-        ),
+        "--mode",
+        "auto (the default: exact where every step equals the recompute bit for bit, else rounding, "
+        "inconclusive or bug against the model's order noise), exact (== at every step) or control (always "
+        "against the order noise)",
+        choices=MODES,
     )
     scenarios: Sequence[str] | str = option(
         SCENARIOS,
-        Flag(
-            "--scenarios",
-            f"comma-separated: {', '.join(SCENARIOS)} (the default: both), "
-            f"{', '.join(s for s in ALL_SCENARIOS if s not in SCENARIOS)} (cache operations)",
-            lambda text: tuple(name.strip() for name in text.split(",")),  # (the names: validated as in Python)
-            metavar="A,B",
-        ),
+        "--scenarios",
+        f"comma-separated: {', '.join(SCENARIOS)} (the default: both), "
+        f"{', '.join(s for s in ALL_SCENARIOS if s not in SCENARIOS)} (cache operations)",
+        lambda text: tuple(name.strip() for name in text.split(",")),  # (the names: validated as in Python)
+        metavar="A,B",
     )
-    fast: bool = option(True, Flag("--per-step", "one recompute per step instead of the fast path", bare=False))
+    fast: bool = option(True, "--per-step", "one recompute per step instead of the fast path", bare=False)
     split: int | None = option(
-        None, Flag("--split", "the resume scenario's split (default half the prompt)", int, metavar="N")
+        None, "--split", "the resume scenario's split (default half the prompt)", int, metavar="N"
     )
-    margin: float = option(
-        DEFAULT_MARGIN,
-        Flag(
-            "--margin",
-            f"rounding up to X times the order noise (auto, control; default {DEFAULT_MARGIN:g})",
-            float,
-            metavar="X",
-        ),
-    )
+    margin: float = option(DEFAULT_MARGIN, "--margin", ratio_help("rounding up to", DEFAULT_MARGIN), float, metavar="X")
     decisive: float = option(
-        DEFAULT_DECISIVE,
-        Flag(
-            "--decisive",
-            f"bug beyond X times the order noise (auto, control; default {DEFAULT_DECISIVE:g})",
-            float,
-            metavar="X",
-        ),
+        DEFAULT_DECISIVE, "--decisive", ratio_help("bug beyond", DEFAULT_DECISIVE), float, metavar="X"
     )
     continuation: Sequence[int] | None = option(
         None,
-        Flag(
-            "--continuation",
-            "comma-separated token ids to feed instead of greedy ones",
-            parse_tokens,
-            metavar="T1,T2,...",
-        ),
+        "--continuation",
+        "comma-separated token ids to feed instead of greedy ones",
+        parse_tokens,
+        metavar="T1,T2,...",
     )
     promote: str | None = option(
         None,
-        Flag(
-            "--promote",
-            f"add the logic check: the same model in {PROMOTE[0]}, on the same tokens; --promote alone is "
-            f"--promote {PROMOTE[0]}",
-            choices=PROMOTE,
-            bare=PROMOTE[0],
-        ),
+        "--promote",
+        f"add the logic check: the same model in {PROMOTE[0]}, on the same tokens; --promote alone is "
+        f"--promote {PROMOTE[0]}",
+        choices=PROMOTE,
+        bare=PROMOTE[0],
     )
     follow: str = option(
         "recompute",
-        Flag(
-            "--follow",
-            "whose greedy tokens are fed: the recompute's (the default) or each scenario's own cache path's "
-            "(exact mode)",
-            choices=FOLLOW,
-        ),
+        "--follow",
+        "whose greedy tokens are fed: the recompute's (the default) or each scenario's own cache path's (exact mode)",
+        choices=FOLLOW,
     )
     keep_logits: bool = option(False)
     timeout: float | None = option(
         None,
-        Flag(
-            "--timeout",
-            "give up after S seconds of the user's code: importing its module, the factory and the check "
-            "(kvfast's own start-up is not counted)",
-            float,
-            metavar="S",
-        ),
+        "--timeout",
+        "give up after S seconds of the user's code: importing its module, the factory and the check "
+        "(kvfast's own start-up is not counted)",
+        float,
+        metavar="S",
     )
-    strict: bool = option(False, Flag("--strict", "any requested scenario that was skipped fails the check", bare=True))
+    strict: bool = option(False, "--strict", "any requested scenario that was skipped fails the check", bare=True)
 
     def __post_init__(self) -> None:
         given, steps = _check_continuation(self.continuation, self.steps)
