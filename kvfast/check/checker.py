@@ -66,6 +66,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from kvfast.check import control as C
 from kvfast.check.check_report import LENGTH_DEPENDENT, UNCHECKED, CheckReport, ScenarioReport, deciding, skipped
 from kvfast.check.formats import formats_of
 from kvfast.check.judge import Judge, Part, judge_for
@@ -78,7 +79,22 @@ from kvfast.check.subject import CheckSubject, as_model_under_test, resolve  # n
 
 
 def check_cache(
-    model, prompt, steps: int | None = None, mode: str = "auto", scenarios: Sequence[str] | str = SCENARIOS, **options
+    model,
+    prompt,
+    steps: int | None = None,
+    mode: str = "auto",
+    scenarios: Sequence[str] | str = SCENARIOS,
+    *,
+    fast: bool = True,
+    split: int | None = None,
+    margin: float = C.DEFAULT_MARGIN,
+    decisive: float = C.DEFAULT_DECISIVE,
+    continuation=None,
+    promote: str | None = None,
+    follow: str = "recompute",
+    keep_logits: bool = False,
+    timeout: float | None = None,
+    strict: bool = False,
 ) -> CheckReport:
     """Compare a model's cache path with its full recompute at every step; return a :class:`CheckReport`.
 
@@ -88,7 +104,7 @@ def check_cache(
     - every other argument is a field of :class:`~kvfast.check.options.CheckOptions`
       (documented there): ``steps`` (decode steps, optional with a
       ``continuation``), ``mode`` (``exact`` or ``control``), ``scenarios``
-      (``decode``, ``resume``) and, by keyword only, ``fast``, ``split``, ``margin``, ``decisive``,
+      (``decode``, ``resume``), ``fast``, ``split``, ``margin``, ``decisive``,
       ``continuation``, ``promote`` (the float64 logic check), ``follow``
       (``recompute`` or ``cache``), ``keep_logits``, ``strict`` and ``timeout`` (seconds;
       a model call still running then ends with :class:`CheckTimeout` naming
@@ -99,7 +115,13 @@ def check_cache(
     Anything the model's own code raises, ``SystemExit`` and ``KeyboardInterrupt``
     included, raises :class:`ModelUnderTestError` chained from it.
     """
-    return check_cache_with(model, prompt, CheckOptions(steps, mode, scenarios, **options))
+    # the signature above is the front door (every option visible to help() and an editor), hence one more list
+    options = CheckOptions(
+        steps, mode, scenarios, fast=fast, split=split, margin=margin, decisive=decisive,
+        continuation=continuation, promote=promote, follow=follow, keep_logits=keep_logits, timeout=timeout,
+        strict=strict,
+    )  # fmt: skip
+    return check_cache_with(model, prompt, options)
 
 
 def check_cache_with(model, prompt, options: CheckOptions) -> CheckReport:
