@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 from kvfast.runtime.interrupt import ctrl_c_noted
 from kvfast.validation import not_allowed
@@ -37,15 +38,7 @@ class Deadline(BaseException):
     into :class:`CheckTimeout`)."""
 
 
-class _Watch:
-    """The state of one watched call (main thread): its deadline and whether it has ended."""
-
-    def __init__(self, seconds: float | None):
-        self.seconds = seconds
-        self.done = False
-
-
-_watch: _Watch | None = None
+_watch: SimpleNamespace | None = None  # the watched call (main thread): its deadline ``seconds``, whether ``done``
 
 
 def timed_out(where: str) -> CheckTimeout:
@@ -94,7 +87,7 @@ def watched(timeout: float | None, started: float | None = None) -> Iterator[Non
         raise not_allowed("timeout", timeout, "None outside the main thread (the deadline is a SIGALRM timer)")
     if timeout is not None and not hasattr(signal, "setitimer"):
         raise not_allowed("timeout", timeout, "None on this platform (it has no signal.setitimer)")
-    watch = _Watch(timeout)
+    watch = SimpleNamespace(seconds=timeout, done=False)
     with ctrl_c_noted():
 
         def on_alarm(signum, frame):

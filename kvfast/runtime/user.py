@@ -45,11 +45,8 @@ class ProcessEnded(Exception):  # noqa: N818 - what the user's code did, not an 
 def describe(error: BaseException, limit: int = 400) -> str:
     """``Type: message`` on one line (whitespace squeezed, at most about ``limit`` characters of message)."""
     name = type(error).__name__
-    text = " ".join(str(error).split())
-    if isinstance(error, SystemExit):
-        text = repr(error.code) if error.code is not None else "None"
-    if len(text) > limit:
-        text = text[:limit] + "..."
+    text = repr(error.code) if isinstance(error, SystemExit) else " ".join(str(error).split())  # code None: "None"
+    text = text if len(text) <= limit else text[:limit] + "..."
     return f"{name}: {text}" if text else name
 
 
