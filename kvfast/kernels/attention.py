@@ -196,7 +196,7 @@ class Scratch(NamedTuple):
 @nb.njit(**_JIT, inline="always")
 def new_scratch(n_keys: int, head_dim: int) -> Scratch:
     """The :class:`Scratch` of a call whose rows attend at most ``n_keys`` keys, heads of ``head_dim``: one
-    allocation, cut in three (one per layer of a forward)."""
+    allocation (one per layer of a forward), cut into the scores, the partial sums and the partial rows."""
     scores, width = 2 * max(n_keys, 1), max(head_dim, 1)
     block = np.empty(scores + STACK_DEPTH * (1 + width))
     rows = block[scores + STACK_DEPTH :].reshape((STACK_DEPTH, width))  # as new_stack(head_dim)

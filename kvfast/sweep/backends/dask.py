@@ -112,8 +112,8 @@ def worker_identity(study_module: str, study_name: str) -> dict:
 
 def check_workers(job: Job) -> tuple[list[str] | None, dict[str, dict]]:
     """Ask every worker for its versions (:func:`worker_identity`); print one line per worker that differs from
-    this process; ``(the addresses of the workers that match, or None when none was refused: any worker, address
-    -> versions and refused)``.
+    this process; ``(only, versions)``: ``only`` the addresses of the workers that match (``None`` when none was
+    refused: any worker may take chunks), ``versions`` each worker's address -> its versions and whether it was refused.
     ``ValueError`` (one line, before any chunk runs) when every worker was refused."""
     import kvfast._version
 
