@@ -185,31 +185,6 @@ def check_logits(value: object, method: str, rows: int | None, vocab: int | None
     wrong shape or a non-finite value. The result is always a fresh array, never
     the model's own buffer (a model may return the same buffer on every call).
     """
-    if (
-        type(value) is np.ndarray
-        and value.dtype == _FLOAT64
-        and value.shape == ((vocab,) if rows is None else (rows, vocab))
-    ):
-        arr = value.copy(order="K")  # the common case (float64 logits of the shape asked for): nothing to convert
-    else:
-        arr = _checked_shape(value, method, rows, vocab, where)
-    finite = np.isfinite(arr)
-    if np.count_nonzero(finite) != finite.size:  # (a count: a third of a reduction's cost on a small array)
-        idx = np.argwhere(~finite)[0]
-        bad = arr[tuple(idx)]
-        raise ValueError(
-            f"model.{method}{_at(where)}: logits hold {bad} at index {tuple(int(i) for i in idx)}; "
-            "allowed: finite numbers"
-        )
-    return arr
-
-
-_FLOAT64 = np.dtype(np.float64)
-
-
-def _checked_shape(value: object, method: str, rows: int | None, vocab: int | None, where: str) -> np.ndarray:
-    """:func:`check_logits`' ``value`` as a fresh float64 array of the shape asked for (``ValueError`` for a
-    non-numeric dtype or a wrong shape), its values not yet checked."""
     arr = to_numpy(value)
     want_ndim = 1 if rows is None else 2
     if arr.ndim == want_ndim + 1 and arr.shape[0] == 1:
@@ -229,7 +204,16 @@ def _checked_shape(value: object, method: str, rows: int | None, vocab: int | No
         v = "V" if vocab is None else str(vocab)
         expected = f"({v},)" if rows is None else f"({rows}, {v})"
         raise ValueError(f"model.{method}{_at(where)}: logits of shape {shape} are not allowed; allowed: {expected}")
-    return np.array(arr, dtype=np.float64)  # the checker's own copy: a model may reuse its output buffer
+    arr = np.array(arr, dtype=np.float64)  # the checker's own copy: a model may reuse its output buffer
+    finite = np.isfinite(arr)
+    if np.count_nonzero(finite) != finite.size:  # (a count: a third of a reduction's cost on a small array)
+        idx = np.argwhere(~finite)[0]
+        bad = arr[tuple(idx)]
+        raise ValueError(
+            f"model.{method}{_at(where)}: logits hold {bad} at index {tuple(int(i) for i in idx)}; "
+            "allowed: finite numbers"
+        )
+    return arr
 
 
 def _at(where: str) -> str:
