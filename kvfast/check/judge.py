@@ -114,12 +114,9 @@ class Judge:
     def judge(self, part: Part, fmt: str) -> ScenarioReport:
         """``part``'s report; ``fmt``: the format whose 1 ulp is the least bound of a step (control)."""
         logits = part.path.logits()
-        dev, bad_row, equal = deviations(part.path, part.rows, part.split or 0, logits)
-        if equal:  # every step equal: nothing to search
-            differs, first = [False] * dev.shape[0], None
-        else:  # (one list, cheaper than an array's search: the exact judge's verdicts read it)
-            differs = (dev > 0).tolist()
-            first = differs.index(True) if True in differs else None
+        dev, bad_row, _ = deviations(part.path, part.rows, part.split or 0, logits)
+        differs = (dev > 0).tolist()  # (one list, cheaper than an array's search: the exact judge's verdicts read it)
+        first = differs.index(True) if True in differs else None
         verdicts, verdict, detail = self.steps(part, dev, differs, fmt)
         return ScenarioReport(
             part.name, part.prompt, part.path.fed, dev, verdicts, verdict, first, bad_row, detail, part.split,
