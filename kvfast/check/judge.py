@@ -20,6 +20,7 @@ which renders what only that judge measured.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -56,15 +57,17 @@ class Part:
     notes: tuple[str, ...] = ()
     keep_logits: bool = False
 
+    @cached_property
+    def compared(self) -> tuple[np.ndarray, int | None, bool]:
+        """:func:`deviations` of this part, computed once (the auto judge settles on it, the judge then reports it)."""
+        return deviations(self.path, self.rows, self.split or 0)
 
-def deviations(
-    run: CachePath, rows: np.ndarray, start: int = 0, logits: np.ndarray | None = None
-) -> tuple[np.ndarray, int | None, bool]:
+
+def deviations(run: CachePath, rows: np.ndarray, start: int = 0) -> tuple[np.ndarray, int | None, bool]:
     """Per-step max |cache - reference| (step 0 over prompt rows ``start..T-1``), the first differing prompt row
-    (or ``None``) and whether every row is equal (then nothing about the steps needs searching); ``logits``: the
-    run's every row (:meth:`~kvfast.check.scenarios.CachePath.logits`), where the caller has them."""
+    (or ``None``) and whether every row is equal (then nothing about the steps needs searching)."""
     T = run.prompt_rows.shape[0]
-    diff = (run.logits() if logits is None else logits)[start:] - rows[start:]
+    diff = run.logits()[start:] - rows[start:]
     if not np.count_nonzero(diff):  # every row equal (as in the sweeps' runs): no reduction to pay for
         return np.zeros(diff.shape[0] - (T - start) + 1), None, True
     per_row = _MAX(np.abs(diff, out=diff), axis=1)  # (one reduction for every row: prompt rows start..T-1, steps)
@@ -113,14 +116,14 @@ class Judge:
 
     def judge(self, part: Part, fmt: str) -> ScenarioReport:
         """``part``'s report; ``fmt``: the format whose 1 ulp is the least bound of a step (control)."""
-        logits = part.path.logits()
-        dev, bad_row, _ = deviations(part.path, part.rows, part.split or 0, logits)
+        dev, bad_row, _ = part.compared
         differs = (dev > 0).tolist()  # (one list, cheaper than an array's search: the exact judge's verdicts read it)
         first = differs.index(True) if True in differs else None
         verdicts, verdict, detail = self.steps(part, dev, differs, fmt)
+        kept = {"cache_logits": part.path.logits(), "reference": part.rows.copy()} if part.keep_logits else {}
         return ScenarioReport(
             part.name, part.prompt, part.path.fed, dev, verdicts, verdict, first, bad_row, detail, part.split,
-            part.notes, **({"cache_logits": logits, "reference": part.rows.copy()} if part.keep_logits else {}),
+            part.notes, **kept,
         )  # fmt: skip
 
     def steps(self, part: Part, dev: np.ndarray, differs: list, fmt: str) -> tuple[tuple[str, ...], str, Detail]:
@@ -233,7 +236,7 @@ class AutoJudge(Judge):
     measures_noise = True
 
     def settled(self, parts: list[Part]) -> Judge:
-        equal = all(deviations(p.path, p.rows, p.split or 0)[2] for p in parts)
+        equal = all(p.compared[2] for p in parts)
         settled = (ExactJudge if equal else ControlJudge)(self.margin, self.decisive)
         return replace(settled, how=f"{settled.how} (auto: {'every step' if equal else 'not'} bit-identical)")
 
