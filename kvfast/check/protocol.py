@@ -406,10 +406,9 @@ class ModelCalls:
         return has(self.model, name)
 
     def prepare(self, plan: CheckPlan) -> list[str]:
-        """``prepare_check(plan)`` (optional; absent: nothing to do): the model set up for this check, and
-        its notes for the report. ``ValueError`` unless it returns ``None`` or a list or tuple of strings."""
-        if not self.has("prepare_check"):
-            return []
+        """``prepare_check(plan)`` (for a model that has it: the caller asks :meth:`has` first, before building the
+        plan): the model set up for this check, and its notes for the report. ``ValueError`` unless it returns
+        ``None`` or a list or tuple of strings."""
         notes = self.model.prepare_check(plan)
         if notes is None:
             return []
