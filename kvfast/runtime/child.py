@@ -41,8 +41,7 @@ if TYPE_CHECKING:
 class ChildOutcome(NamedTuple):
     """How a child ended: ``result`` (its report, ``None`` if it wrote none), its ``returncode``, and
     whether it was killed at its ``timeout`` (``timed_out``: with a ``report`` sent before, at the bound that
-    followed it); ``report``: what it sent before its end (:func:`child_report`). (A named tuple, not a
-    dataclass: this module is imported before the child starts, and ``dataclasses`` imports ``inspect``.)"""
+    followed it); ``report``: what it sent before its end (:func:`child_report`)."""
 
     result: dict | None
     returncode: int

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import faulthandler
+import functools
 import os
 import signal
 import sys
@@ -53,7 +54,6 @@ __all__ = ["INTERRUPTED", "RunTimeout", "deadline", "grace", "name_worker", "on_
 
 _STARTED: list[int] = []
 WORKER_NAME = b"kvfast-worker"  # a pool worker's watch thread's name between runs (in one: the run's id, 15 digits)
-_LIBC = ctypes.CDLL(None, use_errno=True)  # this process's C library (dlopen of the program itself)
 _NAME: list[int] = []  # [fd] of the comm file of a pool worker's watch thread (Linux), written as each run starts/ends
 
 
@@ -64,9 +64,16 @@ class RunTimeout(BaseException):  # noqa: N818 - a BaseException, so that a run'
 def prctl(option: int, value) -> int:
     """Linux ``prctl(option, value)`` through libc; -1 where there is none."""
     try:
-        return _LIBC.prctl(option, value, 0, 0, 0)
-    except AttributeError:  # no prctl (not Linux)
+        return _libc().prctl(option, value, 0, 0, 0)
+    except (OSError, TypeError, AttributeError):  # no C library by the program's name (Windows), no prctl (not Linux)
         return -1
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """This process's C library (dlopen of the program itself), opened on first use: importing a sweep never
+    fails where there is none."""
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def grace(seconds: float) -> float:
